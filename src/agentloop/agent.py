@@ -1,0 +1,307 @@
+"""The library's front door: ``Agent`` runs the loop in memory, ``Run`` is one run of it.
+
+    agent = Agent(model="openai:gpt-4o-mini", tools=[read_file], system_prompt="Be brief.")
+    result = await agent.run("What is in notes.txt?")
+    async for event in agent.stream("And in todo.txt?"): ...
+
+An agent holds configuration, not conversation: each run starts from the history it is given, so
+one agent serves any number of concurrent runs. ``result.messages`` continues a conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+from agentloop.events import AgentEnd, LoopEvent
+from agentloop.loop.guards import Guards
+from agentloop.loop.hooks import Hooks
+from agentloop.loop.runner import finish_event, run_loop
+from agentloop.loop.state import LoopConfig, RunState, ToolExecution
+from agentloop.messages import (
+    AssistantMessage,
+    Message,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+    user,
+)
+from agentloop.models.base import Model
+from agentloop.models.registry import resolve_model
+from agentloop.models.retry import RetryPolicy
+from agentloop.tools.base import Tool, ToolLike, as_tool
+
+Input = str | Message | Sequence[Message]
+
+
+class AgentBusy(RuntimeError):
+    """``steer`` / ``follow_up`` / ``abort`` on the agent is ambiguous: use the ``Run`` object."""
+
+
+@dataclass
+class RunResult:
+    """The outcome of a run: the whole history, what this run added, and why it stopped.
+
+    ``stop_reason`` is ``stop``, ``length``, ``error``, ``aborted``, or the name of the guard
+    that ended the run (``max_rounds``, ``max_tool_calls``, ``max_wall_clock``, ``max_tokens``,
+    ``max_cost``).
+    """
+
+    run_id: str
+    messages: list[Message]
+    new_messages: list[Message]
+    stop_reason: str
+    usage: Usage
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The final answer: the text of the last assistant message."""
+        for msg in reversed(self.messages):
+            if isinstance(msg, AssistantMessage):
+                return msg.text
+        return ""
+
+    @property
+    def ok(self) -> bool:
+        return self.stop_reason not in ("error", "aborted")
+
+
+def _as_message(m: str | Message) -> Message:
+    return user(m) if isinstance(m, str) else m
+
+
+class Run:
+    """One run of an agent. Steer it, queue follow-ups, abort it, iterate its events."""
+
+    def __init__(self, cfg: LoopConfig, history: list[Message], prompts: list[Message], stream: bool) -> None:
+        self.id = os.urandom(8).hex()
+        self._cfg = cfg
+        self._prompts = prompts
+        self.state = RunState(run_id=self.id, messages=history, first_new=len(history))
+        self._queue: asyncio.Queue[LoopEvent | None] | None = asyncio.Queue() if stream else None
+        self._task: asyncio.Task[Any] | None = None
+        self._result: RunResult | None = None
+        self._done: asyncio.Event | None = None  # made on demand: only a second waiter needs it
+
+    # -- input while running ----------------------------------------------------------------
+
+    def steer(self, message: str | Message) -> None:
+        """Deliver at the next boundary (after the running tools), before the next model call;
+        tool calls not yet started are skipped."""
+        self.state.steering.append(_as_message(message))
+
+    def follow_up(self, message: str | Message) -> None:
+        """Deliver when the agent would otherwise finish; the run goes on with it."""
+        self.state.follow_up.append(_as_message(message))
+
+    def abort(self) -> None:
+        """Stop now: cancel the model stream and the tools. A no-op once the run is finished."""
+        if self._result is not None or self.state.aborted:
+            return
+        self.state.aborted = True
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def _execute(self) -> RunResult:
+        self._task = asyncio.current_task()
+        emit = self._queue.put_nowait if self._queue is not None else None
+        state = self.state
+        try:
+            reason = await run_loop(self._cfg, state, emit, self._prompts)
+        finally:
+            self._task = None
+        end = finish_event(state, reason)
+        if emit is not None:
+            emit(end)
+        self._result = RunResult(
+            run_id=self.id,
+            messages=state.messages,
+            new_messages=state.new_messages,
+            stop_reason=reason,
+            usage=state.usage,
+            error=end.error,
+        )
+        if self._done is not None:
+            self._done.set()
+        return self._result
+
+    async def result(self) -> RunResult:
+        """Wait for the run to finish (start it here if nobody else did)."""
+        if self._result is not None:
+            return self._result
+        if self._task is None and self._queue is None:
+            return await self._execute()
+        if self._done is None:
+            self._done = asyncio.Event()
+        await self._done.wait()
+        assert self._result is not None
+        return self._result
+
+    async def events(self) -> AsyncIterator[LoopEvent]:
+        """Start the run in a task and yield its events until ``agent_end``.
+
+        Leaving the iteration early aborts the run.
+        """
+        assert self._queue is not None, "this run was not started for streaming"
+        queue = self._queue
+        task = asyncio.create_task(self._execute())
+        self._task = task
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    break
+                yield event
+                if isinstance(event, AgentEnd):
+                    break
+            await task
+        finally:
+            if not task.done():
+                self.abort()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+class Agent:
+    """A model, tools, a system prompt and the rules of the loop.
+
+    ``tool_timeout`` applies to every tool without its own; ``max_rounds`` is a shortcut for
+    ``guards=Guards(max_rounds=...)``; ``fallbacks`` are tried in order when the model keeps
+    failing; ``workspace`` is where the built-in file and shell tools are rooted.
+    """
+
+    def __init__(
+        self,
+        model: str | Model | None = None,
+        tools: Iterable[ToolLike] = (),
+        system_prompt: str = "",
+        *,
+        tool_timeout: float | None = 60.0,
+        max_rounds: int | None = None,
+        tool_execution: ToolExecution = "parallel",
+        max_concurrency: int = 16,
+        guards: Guards | None = None,
+        hooks: Hooks | None = None,
+        fallbacks: Iterable[str | Model] = (),
+        retry: RetryPolicy | None = None,
+        workspace: str | Path | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        if tool_execution not in ("parallel", "sequential"):
+            raise ValueError(f"tool_execution must be 'parallel' or 'sequential', got {tool_execution!r}")
+        guards = guards or Guards()
+        if max_rounds is not None:
+            guards = replace(guards, max_rounds=max_rounds)
+        tool_map: dict[str, Tool] = {}
+        for t in tools:
+            tool_obj = as_tool(t)
+            if tool_obj.name in tool_map:
+                raise ValueError(f"two tools are named {tool_obj.name!r}")
+            tool_map[tool_obj.name] = tool_obj
+        self.hooks = hooks or Hooks()
+        self.config = LoopConfig(
+            model=resolve_model(model),
+            tools=tool_map,
+            system_prompt=system_prompt,
+            fallbacks=[resolve_model(f) for f in fallbacks],
+            tool_timeout=tool_timeout,
+            tool_execution=tool_execution,
+            max_concurrency=max_concurrency,
+            guards=guards,
+            hooks=self.hooks,
+            retry=retry or RetryPolicy(),
+            workspace=Path(workspace).resolve() if workspace is not None else None,
+            max_tokens=max_tokens,
+            temperature=temperature,
+        )
+        self._active: set[Run] = set()
+
+    @property
+    def model(self) -> Model:
+        return self.config.model
+
+    @property
+    def tools(self) -> dict[str, Tool]:
+        return self.config.tools
+
+    # -- starting runs --------------------------------------------------------------------------
+
+    def start(self, input: Input, *, history: Sequence[Message] = (), stream: bool = False) -> Run:
+        """Prepare a run. A string or message is a new prompt after ``history``; a list of
+        messages is a history to continue (its last message must be user input or tool results).
+        """
+        messages = list(history)
+        if isinstance(input, str):
+            prompts: list[Message] = [user(input)]
+        elif not isinstance(input, Sequence):
+            prompts = [input]
+        else:
+            messages.extend(cast("Sequence[Message]", input))
+            prompts = []
+            if not messages:
+                raise ValueError("Cannot continue: no messages in context")
+            last = messages[-1]
+            if isinstance(last, AssistantMessage):
+                raise ValueError("Cannot continue from message role: assistant")
+            if not isinstance(last, UserMessage | ToolResultMessage) and last.role != "system":
+                raise ValueError(f"Cannot continue from message role: {last.role}")
+        return Run(self.config, messages, prompts, stream)
+
+    async def run(self, input: Input, *, history: Sequence[Message] = ()) -> RunResult:
+        """Run to the end and return the result."""
+        run = self.start(input, history=history)
+        self._active.add(run)
+        try:
+            return await run.result()
+        finally:
+            self._active.discard(run)
+
+    async def stream(self, input: Input, *, history: Sequence[Message] = ()) -> AsyncIterator[LoopEvent]:
+        """Run and yield every loop event; the last one is ``agent_end``."""
+        run = self.start(input, history=history, stream=True)
+        self._active.add(run)
+        try:
+            async for event in run.events():
+                yield event
+        finally:
+            self._active.discard(run)
+
+    def run_sync(self, input: Input, *, history: Sequence[Message] = ()) -> RunResult:
+        """``run`` for scripts without an event loop."""
+        return asyncio.run(self.run(input, history=history))
+
+    # -- talking to the active run ----------------------------------------------------------------
+
+    def _only_run(self) -> Run | None:
+        if len(self._active) > 1:
+            raise AgentBusy("several runs are active: call steer/follow_up/abort on the Run")
+        return next(iter(self._active), None)
+
+    def steer(self, message: str | Message) -> None:
+        run = self._only_run()
+        if run is None:
+            raise AgentBusy("no run is active to steer")
+        run.steer(message)
+
+    def follow_up(self, message: str | Message) -> None:
+        run = self._only_run()
+        if run is None:
+            raise AgentBusy("no run is active to follow up")
+        run.follow_up(message)
+
+    def abort(self) -> None:
+        """Abort the active run; does nothing when no run is active."""
+        for run in list(self._active):
+            run.abort()

@@ -1,0 +1,166 @@
+"""Running the tool calls of one model turn.
+
+Per call, in the model's order: look the tool up, validate its arguments, ask the
+before-tool-call hooks. Calls that pass run concurrently (up to ``max_concurrency``), each under
+its own timeout; a ``sequential`` tool is a barrier that runs alone. After-tool-call hooks see
+each result as it finishes. Results are returned in the model's order, whatever order the tools
+finished in. Every failure (unknown tool, bad arguments, exception, timeout, block) becomes an
+error result for the model; nothing here raises except cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agentloop.events import (
+    LoopEvent,
+    ToolExecutionEnd,
+    ToolExecutionStart,
+    ToolExecutionUpdate,
+)
+from agentloop.loop.hooks import ToolCallInfo
+from agentloop.loop.state import LoopConfig, RunState
+from agentloop.messages import AssistantMessage, ToolCall, ToolResultMessage, tool_error_result
+from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
+
+log = logging.getLogger("agentloop.tools")
+
+Emit = Callable[[LoopEvent], None] | None
+
+SKIPPED = "Skipped due to queued user message."
+
+
+@dataclass
+class _Prepared:
+    call: ToolCall
+    tool: Tool
+    info: ToolCallInfo
+
+
+async def _prepare(
+    cfg: LoopConfig, state: RunState, message: AssistantMessage, call: ToolCall
+) -> _Prepared | ToolResultMessage:
+    tool = cfg.tools.get(call.name)
+    if tool is None:
+        return tool_error_result(call, f"Tool {call.name} not found")
+    try:
+        args = tool.validate(call.arguments)
+    except ToolError as exc:
+        return tool_error_result(call, str(exc))
+    info = ToolCallInfo(call, args, message, state.messages, state.run_id)
+    if cfg.hooks.before:
+        try:
+            block = await cfg.hooks.run_before(info)
+        except Exception as exc:
+            return tool_error_result(call, f"before-tool-call hook failed: {exc}")
+        if block is not None:
+            return tool_error_result(call, block.reason)
+    return _Prepared(call, tool, info)
+
+
+async def _execute(cfg: LoopConfig, state: RunState, p: _Prepared, emit: Emit) -> ToolResultMessage:
+    call, tool = p.call, p.tool
+    timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
+
+    def update(partial: Any) -> None:
+        if emit is not None:
+            emit(ToolExecutionUpdate(tool_call_id=call.id, tool_name=call.name, partial_result=partial))
+
+    ctx = ToolContext(tool_call_id=call.id, tool_name=call.name, workspace=cfg.workspace, update=update)
+    try:
+        if timeout is None:
+            result = await tool.run(p.info.args, ctx)
+        else:
+            async with asyncio.timeout(timeout):
+                result = await tool.run(p.info.args, ctx)
+    except TimeoutError:
+        result = ToolResult.error(f"Tool {call.name} timed out after {timeout:g} s")
+    except ToolError as exc:
+        result = ToolResult.error(str(exc))
+    except Exception as exc:
+        log.debug("tool %s raised", call.name, exc_info=True)
+        result = ToolResult.error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    if cfg.hooks.after:
+        try:
+            result = await cfg.hooks.run_after(p.info, result)
+        except Exception as exc:
+            result = ToolResult.error(f"after-tool-call hook failed: {exc}")
+    return result.to_message(call.id, call.name)
+
+
+def _finish(state: RunState, msg: ToolResultMessage, emit: Emit) -> ToolResultMessage:
+    state.results[msg.tool_call_id] = msg
+    if emit is not None:
+        emit(
+            ToolExecutionEnd(tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, result=msg, is_error=msg.is_error)
+        )
+    return msg
+
+
+async def run_tool_calls(
+    cfg: LoopConfig,
+    state: RunState,
+    message: AssistantMessage,
+    calls: list[ToolCall],
+    emit: Emit,
+    budget: int | None = None,
+) -> list[ToolResultMessage]:
+    """Run ``calls`` and return one result per call, in the model's order.
+
+    ``budget`` caps how many calls may run (the rest get an error result). Finished results are
+    also recorded in ``state.results`` as they come, so an abort can keep them.
+    """
+    state.results = {}
+    prepared: list[_Prepared] = []
+    sequential_mode = cfg.tool_execution == "sequential"
+    steered = False
+    for i, call in enumerate(calls):
+        if emit is not None:
+            emit(ToolExecutionStart(tool_call_id=call.id, tool_name=call.name, args=call.arguments))
+        if steered:
+            _finish(state, tool_error_result(call, SKIPPED), emit)
+            continue
+        if budget is not None and i >= budget:
+            _finish(state, tool_error_result(call, "Not run: the run's tool call budget is used up."), emit)
+            continue
+        p = await _prepare(cfg, state, message, call)
+        if isinstance(p, ToolResultMessage):
+            _finish(state, p, emit)
+        elif sequential_mode:
+            _finish(state, await _execute(cfg, state, p, emit), emit)
+            steered = bool(state.steering)
+        else:
+            prepared.append(p)
+    if prepared and state.steering:
+        for p in prepared:  # the user spoke while we prepared: do not run what is now stale
+            _finish(state, tool_error_result(p.call, SKIPPED), emit)
+        prepared = []
+    if len(prepared) == 1:
+        _finish(state, await _execute(cfg, state, prepared[0], emit), emit)
+    elif prepared:
+        await _run_concurrently(cfg, state, prepared, emit)
+    return [state.results[c.id] for c in calls]
+
+
+async def _run_concurrently(cfg: LoopConfig, state: RunState, prepared: list[_Prepared], emit: Emit) -> None:
+    limit = asyncio.Semaphore(max(1, cfg.max_concurrency))
+
+    async def one(p: _Prepared) -> None:
+        async with limit:
+            _finish(state, await _execute(cfg, state, p, emit), emit)
+
+    group: list[_Prepared] = []
+    for p in prepared:
+        if p.tool.sequential:
+            if group:
+                await asyncio.gather(*(one(q) for q in group))
+                group = []
+            await one(p)
+        else:
+            group.append(p)
+    if group:
+        await asyncio.gather(*(one(q) for q in group))

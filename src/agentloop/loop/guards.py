@@ -1,0 +1,42 @@
+"""Optional run budgets. None of them is on by default: a run goes until the model is done.
+
+When one trips, the run is not cut off: the model gets one last round with tools disabled and an
+instruction to answer from what it has, then the run finishes with the guard's name as its stop
+reason. Nothing in the history is discarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentloop.messages import Usage
+
+
+@dataclass(frozen=True)
+class Guards:
+    max_rounds: int | None = None  # model calls that may use tools
+    max_tool_calls: int | None = None
+    max_wall_clock: float | None = None  # seconds since the run started
+    max_tokens: int | None = None  # total tokens over the run
+    max_cost: float | None = None  # dollars over the run
+
+    def tripped(self, rounds: int, tool_calls: int, elapsed: float, usage: Usage) -> str | None:
+        """The name of the first budget used up, or None."""
+        if self.max_rounds is not None and rounds >= self.max_rounds:
+            return "max_rounds"
+        if self.max_tool_calls is not None and tool_calls >= self.max_tool_calls:
+            return "max_tool_calls"
+        if self.max_wall_clock is not None and elapsed >= self.max_wall_clock:
+            return "max_wall_clock"
+        if self.max_tokens is not None and usage.total_tokens >= self.max_tokens:
+            return "max_tokens"
+        if self.max_cost is not None and usage.cost.total >= self.max_cost:
+            return "max_cost"
+        return None
+
+    def final_instruction(self, reason: str) -> str:
+        limit = getattr(self, reason)
+        return (
+            f"The run's budget is used up ({reason}={limit}). Tools are disabled now: answer the "
+            "user from what you know so far, and say briefly what is left undone."
+        )

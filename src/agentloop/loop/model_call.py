@@ -1,0 +1,89 @@
+"""One model turn: build the request, stream the answer, retry what is transient, fall back.
+
+Transient failures (rate limit, 5xx, broken connection) are retried with backoff, honouring the
+provider's ``retry-after``; when a model keeps failing, the configured fallbacks are tried in
+order. A failed attempt is shown (``message_end`` with the error, then ``model_retry``) but does
+not enter the history. The returned message is final: ``done``, or the last error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from agentloop.events import (
+    LoopEvent,
+    MessageEnd,
+    MessageStart,
+    MessageUpdate,
+    ModelRetry,
+    StreamDone,
+    StreamError,
+    StreamStart,
+)
+from agentloop.loop.state import LoopConfig, RunState
+from agentloop.messages import AssistantMessage, Message
+from agentloop.models.base import Model, ModelRequest
+
+Emit = Callable[[LoopEvent], None] | None
+
+
+async def build_request(cfg: LoopConfig, state: RunState, tools_enabled: bool) -> ModelRequest:
+    messages: list[Message] = state.messages
+    if cfg.hooks.transform:
+        messages = await cfg.hooks.run_transform(list(messages))
+    return ModelRequest(
+        system_prompt=cfg.system_prompt,
+        messages=messages,
+        tools=[t.spec for t in cfg.tools.values()] if tools_enabled else [],
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+    )
+
+
+async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: Emit) -> StreamDone | StreamError:
+    if emit is None:  # nobody watches: no deltas needed
+        return await model.respond(request)
+    terminal: StreamDone | StreamError | None = None
+    async for event in model.stream(request):
+        if isinstance(event, StreamStart):
+            state.partial = event.partial
+            if event.partial is not None:
+                emit(MessageStart(message=event.partial))
+        elif isinstance(event, StreamDone | StreamError):
+            terminal = event
+        elif state.partial is not None:
+            emit(MessageUpdate(message=state.partial, event=event))
+    assert terminal is not None  # Model.stream always ends with done or error
+    emit(MessageEnd(message=terminal.message))
+    return terminal
+
+
+async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit) -> AssistantMessage:
+    request = await build_request(cfg, state, tools_enabled)
+    outcome: StreamDone | StreamError | None = None
+    for model in (cfg.model, *cfg.fallbacks):
+        attempt = 0
+        while True:
+            outcome = await _attempt(model, request, state, emit)
+            state.partial = None
+            if isinstance(outcome, StreamDone):
+                return outcome.message
+            if outcome.kind == "aborted" or outcome.kind == "overflow":
+                return outcome.message
+            attempt += 1
+            delay = cfg.retry.delay(attempt, outcome.retry_after) if outcome.retryable else None
+            if delay is None:
+                break
+            if emit is not None:
+                emit(
+                    ModelRetry(
+                        attempt=attempt,
+                        delay=delay,
+                        error=outcome.message.error_message or outcome.kind,
+                        model=model.name,
+                    )
+                )
+            await asyncio.sleep(delay)
+    assert outcome is not None
+    return outcome.message

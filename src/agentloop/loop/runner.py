@@ -1,0 +1,160 @@
+"""The in-memory runner: execute ``decide``'s decisions until the run finishes.
+
+Abort is task cancellation: the caller sets ``state.aborted`` and cancels the task running
+``run_loop``. The runner then closes the books so the history stays valid for every provider:
+the message being streamed is kept (stop reason ``aborted``) and every tool call without a
+result gets a terminal "cancelled" result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
+from agentloop.loop.execute import run_tool_calls
+from agentloop.loop.model_call import call_model
+from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide, unresolved_calls
+from agentloop.messages import (
+    AssistantMessage,
+    Message,
+    ToolCall,
+    ToolResultMessage,
+    system,
+    tool_error_result,
+)
+
+Emit = Callable[[LoopEvent], None] | None
+
+CANCELLED = "Tool call cancelled: the run was aborted."
+
+
+def _inject(state: RunState, message: Message, emit: Emit) -> None:
+    state.append(message)
+    if emit is not None:
+        emit(MessageStart(message=message))
+        emit(MessageEnd(message=message))
+
+
+def _strip_tool_calls(message: AssistantMessage) -> None:
+    """A model that calls tools in its tools-disabled final round: keep its words, drop the calls."""
+    message.content = [b for b in message.content if not isinstance(b, ToolCall)]
+    message.stop_reason = "stop"
+
+
+async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[Message]) -> str:
+    """Run until finished; return the stop reason. ``prompts`` are appended first."""
+    if emit is not None:
+        emit(AgentStart(run_id=state.run_id))
+        emit(TurnStart(turn=state.turn))
+    for p in prompts:
+        _inject(state, p, emit)
+    new_turn = False  # a turn ended; the next model call opens another
+    try:
+        while True:
+            if state.aborted:  # aborted from inside the run's own task (a hook, an inline tool)
+                _close_after_abort(state, emit)
+                return "aborted"
+            steering, follow_up = state.steering, state.follow_up
+            decision = decide(state.messages, has_input=bool(steering or follow_up), guard=state.guard)
+
+            if isinstance(decision, Finish):
+                if state.aborted:
+                    return "aborted"
+                if decision.reason == "error":
+                    last = state.messages[-1]
+                    state.error = (last.error_message if isinstance(last, AssistantMessage) else None) or (
+                        "unknown error"
+                    )
+                    _inject(state, system(f"The model call failed: {state.error}", "error"), emit)
+                return decision.reason
+
+            if isinstance(decision, RunTools):
+                calls = decision.calls
+                limit = cfg.guards.max_tool_calls
+                budget = None if limit is None else max(0, limit - state.tool_calls)
+                state.phase = "tools"
+                results = await run_tool_calls(cfg, state, decision.message, calls, emit, budget)
+                state.phase = "idle"
+                state.tool_calls += len(calls) if budget is None else min(len(calls), budget)
+                for r in results:
+                    _inject(state, r, emit)
+                state.results = {}
+                if emit is not None:
+                    emit(TurnEnd(turn=state.turn, message=decision.message, tool_results=results))
+                new_turn = True
+                continue
+
+            assert isinstance(decision, CallModel)
+            if new_turn:
+                state.turn += 1
+                if emit is not None:
+                    emit(TurnStart(turn=state.turn))
+                new_turn = False
+            if steering:  # queued input goes first: steering at any boundary, follow-up at the end
+                _inject(state, steering.popleft(), emit)
+            elif follow_up and isinstance(state.messages[-1], AssistantMessage):
+                _inject(state, follow_up.popleft(), emit)
+            tools_enabled = decision.tools_enabled and bool(cfg.tools)
+            if tools_enabled:
+                tripped = cfg.guards.tripped(
+                    state.rounds, state.tool_calls, time.monotonic() - state.started, state.usage
+                )
+                if tripped is not None:
+                    state.guard, tools_enabled = tripped, False
+                    _inject(state, system(cfg.guards.final_instruction(tripped), "guard"), emit)
+                else:
+                    state.rounds += 1
+            state.phase = "model"
+            reply = await call_model(cfg, state, tools_enabled, emit)
+            state.phase = "idle"
+            state.usage.add(reply.usage)
+            if not tools_enabled and reply.tool_calls:
+                _strip_tool_calls(reply)
+            state.append(reply)
+            if not reply.tool_calls:
+                if emit is not None:
+                    emit(TurnEnd(turn=state.turn, message=reply, tool_results=[]))
+                new_turn = True
+    except asyncio.CancelledError:
+        if not state.aborted:
+            raise
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()
+        _close_after_abort(state, emit)
+        return "aborted"
+
+
+def _close_after_abort(state: RunState, emit: Emit) -> None:
+    phase, state.phase = state.phase, "idle"
+    partial = state.partial
+    if phase == "model":  # aborted while the model was streaming (or before it started)
+        if partial is None:
+            partial = AssistantMessage()
+        partial.content = [b for b in partial.content if not isinstance(b, ToolCall)]
+        partial.stop_reason = "aborted"
+        partial.error_message = "aborted"
+        state.partial = None
+        state.append(partial)
+        if emit is not None:
+            emit(MessageEnd(message=partial))
+        return
+    assistant, pending = unresolved_calls(state.messages)
+    if assistant is None or not pending:
+        return
+    for call in pending:  # keep what finished, cancel the rest, in the model's order
+        done: ToolResultMessage | None = state.results.get(call.id)
+        _inject(state, done or tool_error_result(call, CANCELLED), emit)
+    state.results = {}
+
+
+def finish_event(state: RunState, reason: str) -> AgentEnd:
+    return AgentEnd(
+        run_id=state.run_id,
+        messages=state.new_messages,
+        stop_reason=reason,
+        error=state.error if reason == "error" else ("aborted" if reason == "aborted" else None),
+        usage=state.usage,
+    )

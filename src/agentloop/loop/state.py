@@ -1,0 +1,141 @@
+"""Loop configuration, the state of one run, and the decision over that state.
+
+``decide`` is the whole control flow of an agent loop: given the history, what happens next is
+exactly one of *call the model*, *run tools*, or *finish*. The in-memory runner executes its
+decisions directly; a durable runner executes the same decisions, committing each outcome.
+It only looks at the tail of the history, so a decision costs the same at message 4 and 400.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeAlias
+
+from agentloop.loop.guards import Guards
+from agentloop.loop.hooks import Hooks
+from agentloop.messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    ToolCall,
+    ToolResultMessage,
+    Usage,
+)
+from agentloop.models.base import Model
+from agentloop.models.retry import RetryPolicy
+from agentloop.tools.base import Tool
+
+ToolExecution: TypeAlias = Literal["parallel", "sequential"]
+
+
+@dataclass
+class LoopConfig:
+    """Everything a run needs that does not change while it runs."""
+
+    model: Model
+    tools: dict[str, Tool] = field(default_factory=dict)
+    system_prompt: str = ""
+    fallbacks: list[Model] = field(default_factory=list)
+    tool_timeout: float | None = 60.0
+    tool_execution: ToolExecution = "parallel"
+    max_concurrency: int = 16
+    guards: Guards = field(default_factory=Guards)
+    hooks: Hooks = field(default_factory=Hooks)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    workspace: Path | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+
+@dataclass
+class RunState:
+    """One run in progress: the history it extends, its counters and its input queues."""
+
+    run_id: str
+    messages: list[Message]
+    first_new: int  # index of this run's first message in ``messages``
+    steering: deque[Message] = field(default_factory=deque)
+    follow_up: deque[Message] = field(default_factory=deque)
+    turn: int = 0
+    rounds: int = 0  # model calls with tools enabled
+    tool_calls: int = 0
+    usage: Usage = field(default_factory=Usage)
+    started: float = field(default_factory=time.monotonic)
+    guard: str | None = None  # the guard that tripped; set when the final round is armed
+    partial: AssistantMessage | None = None  # the assistant message being streamed
+    results: dict[str, ToolResultMessage] = field(default_factory=dict)  # finished calls of a batch
+    aborted: bool = False
+    phase: Literal["idle", "model", "tools"] = "idle"
+    error: str | None = None  # why the run failed, when it did
+
+    @property
+    def new_messages(self) -> list[Message]:
+        return self.messages[self.first_new :]
+
+    def append(self, message: Message) -> None:
+        self.messages.append(message)
+
+
+# ------------------------------------------------------------------ decisions
+
+
+@dataclass(frozen=True)
+class CallModel:
+    tools_enabled: bool
+
+
+@dataclass(frozen=True)
+class RunTools:
+    message: AssistantMessage
+    calls: list[ToolCall]  # the calls of ``message`` that have no result yet
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # stop | length | error | aborted | <guard name>
+
+
+Decision: TypeAlias = CallModel | RunTools | Finish
+
+
+def unresolved_calls(messages: list[Message]) -> tuple[AssistantMessage | None, list[ToolCall]]:
+    """The newest assistant message and those of its tool calls that have no result after it."""
+    done: set[str] = set()
+    for msg in reversed(messages):
+        if isinstance(msg, ToolResultMessage):
+            done.add(msg.tool_call_id)
+        elif isinstance(msg, AssistantMessage):
+            return msg, [c for c in msg.tool_calls if c.id not in done]
+        elif isinstance(msg, SystemMessage):
+            continue
+        else:
+            return None, []
+    return None, []
+
+
+def decide(messages: list[Message], *, has_input: bool, guard: str | None) -> Decision:
+    """The next action for a history. ``has_input``: queued input is waiting to be injected;
+    ``guard``: the guard that tripped, if any (its final tools-disabled round is armed or done).
+    """
+    if not messages:
+        return Finish("stop")
+    last = messages[-1]
+    if isinstance(last, AssistantMessage):
+        if last.stop_reason in ("error", "aborted"):
+            return Finish(last.stop_reason)
+        calls = last.tool_calls
+        if calls:
+            return RunTools(last, calls)
+        if guard is not None:
+            return Finish(guard)
+        if has_input:
+            return CallModel(tools_enabled=True)
+        return Finish("length" if last.stop_reason == "length" else "stop")
+    if isinstance(last, ToolResultMessage):
+        assistant, pending = unresolved_calls(messages)
+        if assistant is not None and pending:
+            return RunTools(assistant, pending)
+    return CallModel(tools_enabled=guard is None)

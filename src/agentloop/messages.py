@@ -1,0 +1,271 @@
+"""The one message format everything round-trips through.
+
+Providers translate to and from it, the loop reasons over it, stores persist it as JSON. Field
+names follow pi's vocabulary on the wire (camelCase: ``toolCallId``, ``stopReason``,
+``cacheRead``); Python code uses snake_case attributes.
+
+Messages are slotted dataclasses validated and serialised by pydantic (``TypeAdapter``): the loop
+creates a dozen of them per turn, and a dataclass costs a fraction of a ``BaseModel`` to build,
+while anything that comes from outside still goes through full validation
+(``message_from_dict`` / ``message_from_json``). ``message_to_json`` followed by
+``message_from_json`` gives back an equal object.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
+
+from pydantic import ConfigDict, Field, TypeAdapter
+from pydantic.alias_generators import to_camel
+
+StopReason: TypeAlias = Literal["stop", "length", "toolUse", "error", "aborted"]
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds, the timestamp unit of every message."""
+    return int(time.time() * 1000)
+
+
+_WIRE = ConfigDict(
+    alias_generator=to_camel,
+    populate_by_name=True,
+    serialize_by_alias=True,
+    extra="forbid",
+)
+
+
+_T = TypeVar("_T")
+
+
+@dataclass_transform(kw_only_default=True, field_specifiers=(field,))
+def _wire(cls: type[_T]) -> type[_T]:
+    """camelCase on the wire, snake_case in Python, unknown fields rejected."""
+    cls.__pydantic_config__ = _WIRE  # type: ignore[attr-defined]
+    return dataclass(slots=True, kw_only=True)(cls)
+
+
+# ------------------------------------------------------------------ content blocks
+
+
+@_wire
+class TextContent:
+    type: Literal["text"] = "text"
+    text: str
+
+
+@_wire
+class ThinkingContent:
+    """Model reasoning. ``signature`` lets providers verify it when it is replayed."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str | None = None
+    redacted: bool = False
+
+
+@_wire
+class ImageContent:
+    """An image as base64 data (``data``) with its MIME type."""
+
+    type: Literal["image"] = "image"
+    data: str
+    mime_type: str
+
+
+@_wire
+class ToolCall:
+    """A request by the model to run a tool; ``arguments`` are already parsed JSON."""
+
+    type: Literal["toolCall"] = "toolCall"
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+UserBlock: TypeAlias = Annotated[TextContent | ImageContent, Field(discriminator="type")]
+AssistantBlock: TypeAlias = Annotated[TextContent | ThinkingContent | ToolCall, Field(discriminator="type")]
+
+
+# ------------------------------------------------------------------ usage
+
+
+@_wire
+class Cost:
+    """Dollars spent, per component; ``total`` is their sum."""
+
+    input: float = 0.0
+    output: float = 0.0
+    cache_read: float = 0.0
+    cache_write: float = 0.0
+    total: float = 0.0
+
+
+@_wire
+class Usage:
+    """Tokens of one model call (or a sum of calls). ``total_tokens`` is the sum of the four."""
+
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+    total_tokens: int = 0
+    cost: Cost = field(default_factory=Cost)
+
+    def add(self, other: Usage) -> None:
+        """Accumulate ``other`` into this usage, in place."""
+        self.input += other.input
+        self.output += other.output
+        self.cache_read += other.cache_read
+        self.cache_write += other.cache_write
+        self.total_tokens += other.total_tokens
+        c, o = self.cost, other.cost
+        c.input += o.input
+        c.output += o.output
+        c.cache_read += o.cache_read
+        c.cache_write += o.cache_write
+        c.total += o.total
+
+    def __add__(self, other: Usage) -> Usage:
+        c, o = self.cost, other.cost
+        return Usage(
+            input=self.input + other.input,
+            output=self.output + other.output,
+            cache_read=self.cache_read + other.cache_read,
+            cache_write=self.cache_write + other.cache_write,
+            total_tokens=self.total_tokens + other.total_tokens,
+            cost=Cost(
+                input=c.input + o.input,
+                output=c.output + o.output,
+                cache_read=c.cache_read + o.cache_read,
+                cache_write=c.cache_write + o.cache_write,
+                total=c.total + o.total,
+            ),
+        )
+
+
+# ------------------------------------------------------------------ messages
+
+
+@_wire
+class UserMessage:
+    role: Literal["user"] = "user"
+    content: list[UserBlock]
+    timestamp: int = field(default_factory=now_ms)
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.content if isinstance(b, TextContent))
+
+
+@_wire
+class SystemMessage:
+    """A message from the runtime rather than a person: guard notices, events, provider errors.
+
+    Providers render it as a system (or developer) message; ``kind`` says why it exists.
+    """
+
+    role: Literal["system"] = "system"
+    content: list[TextContent]
+    kind: str = "notice"
+    timestamp: int = field(default_factory=now_ms)
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.content)
+
+
+@_wire
+class AssistantMessage:
+    role: Literal["assistant"] = "assistant"
+    content: list[AssistantBlock] = field(default_factory=list)
+    provider: str = ""
+    model: str = ""
+    usage: Usage = field(default_factory=Usage)
+    stop_reason: StopReason = "stop"
+    error_message: str | None = None
+    timestamp: int = field(default_factory=now_ms)
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.content if isinstance(b, TextContent))
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [b for b in self.content if isinstance(b, ToolCall)]
+
+
+@_wire
+class ToolResultMessage:
+    role: Literal["toolResult"] = "toolResult"
+    tool_call_id: str
+    tool_name: str
+    content: list[UserBlock]
+    details: Any = None
+    is_error: bool = False
+    timestamp: int = field(default_factory=now_ms)
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.content if isinstance(b, TextContent))
+
+
+Message: TypeAlias = Annotated[
+    UserMessage | AssistantMessage | ToolResultMessage | SystemMessage,
+    Field(discriminator="role"),
+]
+
+_MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
+_MESSAGES: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
+
+
+def message_from_dict(data: Any) -> Message:
+    """Parse and validate one message from plain data (as ``message_to_dict`` produces)."""
+    return _MESSAGE.validate_python(data)
+
+
+def message_from_json(data: str | bytes) -> Message:
+    return _MESSAGE.validate_json(data)
+
+
+def messages_from_dicts(data: Any) -> list[Message]:
+    return _MESSAGES.validate_python(data)
+
+
+def message_to_dict(message: Message) -> dict[str, Any]:
+    data: dict[str, Any] = _MESSAGE.dump_python(message, mode="json")
+    return data
+
+
+def message_to_json(message: Message) -> str:
+    return _MESSAGE.dump_json(message).decode()
+
+
+def messages_to_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    data: list[dict[str, Any]] = _MESSAGES.dump_python(messages, mode="json")
+    return data
+
+
+# ------------------------------------------------------------------ constructors
+
+
+def user(text: str, *images: ImageContent) -> UserMessage:
+    """A user message with text and optional images."""
+    blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
+    blocks.extend(images)
+    return UserMessage(content=blocks)
+
+
+def system(text: str, kind: str = "notice") -> SystemMessage:
+    return SystemMessage(content=[TextContent(text=text)], kind=kind)
+
+
+def tool_error_result(call: ToolCall, text: str) -> ToolResultMessage:
+    """An error result for ``call``: the shape every failure takes on its way to the model."""
+    return ToolResultMessage(
+        tool_call_id=call.id,
+        tool_name=call.name,
+        content=[TextContent(text=text)],
+        is_error=True,
+    )

@@ -1,0 +1,314 @@
+"""What every provider adapter is: a ``Model`` that turns a request into a stream of events.
+
+Adapters implement ``_stream`` and describe what they receive through an ``AssistantBuilder``,
+which keeps the partial message, emits the protocol's events in the right order and computes
+cost. ``Model.stream`` wraps ``_stream`` so that an adapter bug, a network error or garbage from
+the provider becomes a terminal ``error`` event instead of an exception in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentloop.events import (
+    ErrorKind,
+    StreamDone,
+    StreamError,
+    StreamEvent,
+    StreamStart,
+    TextDelta,
+    TextEnd,
+    TextStart,
+    ThinkingDelta,
+    ThinkingEnd,
+    ThinkingStart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from agentloop.messages import (
+    AssistantMessage,
+    Cost,
+    Message,
+    StopReason,
+    TextContent,
+    ThinkingContent,
+    ToolCall,
+    Usage,
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about one model. Costs are dollars per million tokens."""
+
+    provider: str
+    id: str
+    context_window: int = 128_000
+    max_output: int = 4_096
+    input_cost: float = 0.0
+    output_cost: float = 0.0
+    cache_read_cost: float = 0.0
+    cache_write_cost: float = 0.0
+    vision: bool = False
+    reasoning: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.provider}:{self.id}"
+
+    def cost(self, usage: Usage) -> Cost:
+        m = 1_000_000
+        i = self.input_cost * usage.input / m
+        o = self.output_cost * usage.output / m
+        r = self.cache_read_cost * usage.cache_read / m
+        w = self.cache_write_cost * usage.cache_write / m
+        return Cost(input=i, output=o, cache_read=r, cache_write=w, total=i + o + r + w)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the model sees it: a name, a description and a JSON schema for its arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass
+class ModelRequest:
+    """One model call. ``tools`` empty means the model must answer in text."""
+
+    system_prompt: str
+    messages: list[Message]
+    tools: list[ToolSpec] = field(default_factory=list)
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+
+def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int = 0, cache_write: int = 0) -> Usage:
+    usage = Usage(
+        input=input,
+        output=output,
+        cache_read=cache_read,
+        cache_write=cache_write,
+        total_tokens=input + output + cache_read + cache_write,
+    )
+    usage.cost = info.cost(usage)
+    return usage
+
+
+class ProviderError(Exception):
+    """Raised inside adapters; ``Model.stream`` turns it into a terminal ``error`` event."""
+
+    def __init__(
+        self,
+        message: str,
+        kind: ErrorKind = "unknown",
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+        self.status = status
+        self.retry_after = retry_after
+
+
+class AssistantBuilder:
+    """Accumulates one assistant message from provider deltas and yields protocol events.
+
+    Blocks are opened implicitly: a text delta after a tool call opens a new text block, and so
+    on. Tool calls are keyed by the provider's own index so interleaved deltas land correctly.
+    """
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.message = AssistantMessage(provider=info.provider, model=info.id)
+        self._open: int | None = None  # index of the open text/thinking block
+        self._tool_args: dict[int, list[str]] = {}  # content index -> raw JSON fragments
+        self._tool_index: dict[Any, int] = {}  # provider key -> content index
+        self.started = False
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def start(self) -> StreamStart:
+        self.started = True
+        return StreamStart(partial=self.message)
+
+    def _close_open(self) -> list[StreamEvent]:
+        if self._open is None:
+            return []
+        i, self._open = self._open, None
+        block = self.message.content[i]
+        if isinstance(block, TextContent):
+            return [TextEnd(index=i, content=block.text)]
+        if isinstance(block, ThinkingContent):
+            return [ThinkingEnd(index=i, content=block.thinking)]
+        return []
+
+    def text(self, delta: str) -> list[StreamEvent]:
+        if not delta:
+            return []
+        events: list[StreamEvent] = []
+        content = self.message.content
+        if self._open is None or not isinstance(content[self._open], TextContent):
+            events.extend(self._close_open())
+            content.append(TextContent(text=""))
+            self._open = len(content) - 1
+            events.append(TextStart(index=self._open))
+        block = content[self._open]
+        assert isinstance(block, TextContent)
+        block.text += delta
+        events.append(TextDelta(index=self._open, delta=delta))
+        return events
+
+    def thinking(self, delta: str, signature: str | None = None) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        content = self.message.content
+        if self._open is None or not isinstance(content[self._open], ThinkingContent):
+            events.extend(self._close_open())
+            content.append(ThinkingContent(thinking=""))
+            self._open = len(content) - 1
+            events.append(ThinkingStart(index=self._open))
+        block = content[self._open]
+        assert isinstance(block, ThinkingContent)
+        if delta:
+            block.thinking += delta
+            events.append(ThinkingDelta(index=self._open, delta=delta))
+        if signature:
+            block.signature = (block.signature or "") + signature
+        return events
+
+    def tool_call(self, key: Any, id: str, name: str) -> list[StreamEvent]:
+        events = self._close_open()
+        content = self.message.content
+        content.append(ToolCall(id=id, name=name))
+        i = len(content) - 1
+        self._tool_index[key] = i
+        self._tool_args[i] = []
+        events.append(ToolCallStart(index=i, id=id, name=name))
+        return events
+
+    def has_tool_call(self, key: Any) -> bool:
+        return key in self._tool_index
+
+    def tool_args(self, key: Any, fragment: str) -> list[StreamEvent]:
+        if not fragment:
+            return []
+        i = self._tool_index[key]
+        self._tool_args[i].append(fragment)
+        return [ToolCallDelta(index=i, delta=fragment)]
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def _close_tools(self) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        for i, parts in self._tool_args.items():
+            call = self.message.content[i]
+            assert isinstance(call, ToolCall)
+            raw = "".join(parts).strip()
+            if raw:
+                try:
+                    parsed = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise ProviderError(
+                        f"tool call {call.name!r} has arguments that are not JSON: {raw[:200]!r}",
+                        kind="invalid_response",
+                    ) from exc
+                if not isinstance(parsed, dict):
+                    raise ProviderError(
+                        f"tool call {call.name!r} has arguments that are not a JSON object",
+                        kind="invalid_response",
+                    )
+                call.arguments = parsed
+            events.append(ToolCallEnd(index=i, tool_call=call))
+        self._tool_args.clear()
+        return events
+
+    def finish(self, stop_reason: StopReason | None = None, usage: Usage | None = None) -> list[StreamEvent]:
+        """Close every open block and end with ``done``. ``stop_reason`` defaults from content."""
+        events = self._close_open()
+        events.extend(self._close_tools())
+        msg = self.message
+        if usage is not None:
+            msg.usage = usage
+        if stop_reason is None or (stop_reason == "stop" and msg.tool_calls):
+            stop_reason = "toolUse" if msg.tool_calls else "stop"
+        msg.stop_reason = stop_reason
+        events.append(StreamDone(message=msg))
+        return events
+
+    def fail(
+        self,
+        text: str,
+        kind: ErrorKind = "unknown",
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> StreamError:
+        """End with ``error``. Tool calls whose arguments never completed are dropped."""
+        msg = self.message
+        self._open = None
+        if self._tool_args:
+            incomplete = set(self._tool_args)
+            msg.content = [b for i, b in enumerate(msg.content) if i not in incomplete]
+            self._tool_args.clear()
+        msg.stop_reason = "aborted" if kind == "aborted" else "error"
+        msg.error_message = text
+        return StreamError(message=msg, kind=kind, status=status, retry_after=retry_after)
+
+
+class Model(ABC):
+    """A provider model. ``stream`` never raises; cancellation propagates to the caller."""
+
+    info: ModelInfo
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @abstractmethod
+    def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
+        """Yield the events of one call, using ``out`` to build them. May raise."""
+
+    def classify(self, exc: BaseException) -> ProviderError:
+        """Map an adapter's exception to an error kind. Adapters refine this for their SDK."""
+        if isinstance(exc, ProviderError):
+            return exc
+        return ProviderError(f"{type(exc).__name__}: {exc}", kind="unknown")
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamEvent]:
+        out = AssistantBuilder(self.info)
+        events = self._stream(request, out)
+        try:
+            async for event in events:
+                yield event
+                if isinstance(event, StreamDone | StreamError):
+                    break
+            else:
+                raise ProviderError("the provider stream ended without a result", kind="connection")
+        except Exception as exc:  # a provider never raises into the loop
+            err = self.classify(exc)
+            if not out.started:
+                yield out.start()
+            yield out.fail(str(err), err.kind, err.status, err.retry_after)
+        finally:
+            await events.aclose()  # close the adapter now, not in a GC finalizer
+
+    async def respond(self, request: ModelRequest) -> StreamDone | StreamError:
+        """One call, no deltas: the terminal event only. Used when nobody watches the stream.
+
+        Adapters that can answer more cheaply without streaming override this; the default
+        drains ``stream``. Like ``stream``, it never raises.
+        """
+        async for event in self.stream(request):
+            if isinstance(event, StreamDone | StreamError):
+                return event
+        return AssistantBuilder(self.info).fail("the provider stream ended without a result", "connection")
+
+    async def complete(self, request: ModelRequest) -> AssistantMessage:
+        """Run one call to the end and return the final message (done or error)."""
+        return (await self.respond(request)).message

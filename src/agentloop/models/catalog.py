@@ -1,0 +1,71 @@
+"""Facts about known models, in one place: context window, output cap, price, capabilities.
+
+Prices are dollars per million tokens (input, output, cache read, cache write). A model that is
+not listed still works: it gets its provider's defaults, with no price.
+"""
+
+from __future__ import annotations
+
+from agentloop.models.base import ModelInfo
+
+
+def _m(
+    provider: str,
+    id: str,
+    window: int,
+    out: int,
+    price: tuple[float, float, float, float],
+    vision: bool = False,
+    reasoning: bool = False,
+) -> ModelInfo:
+    return ModelInfo(
+        provider=provider,
+        id=id,
+        context_window=window,
+        max_output=out,
+        input_cost=price[0],
+        output_cost=price[1],
+        cache_read_cost=price[2],
+        cache_write_cost=price[3],
+        vision=vision,
+        reasoning=reasoning,
+    )
+
+
+CATALOG: dict[str, ModelInfo] = {
+    m.name: m
+    for m in [
+        _m("openai", "gpt-4o", 128_000, 16_384, (2.5, 10.0, 1.25, 0.0), vision=True),
+        _m("openai", "gpt-4o-mini", 128_000, 16_384, (0.15, 0.6, 0.075, 0.0), vision=True),
+        _m("openai", "gpt-4.1", 1_047_576, 32_768, (2.0, 8.0, 0.5, 0.0), vision=True),
+        _m("openai", "gpt-4.1-mini", 1_047_576, 32_768, (0.4, 1.6, 0.1, 0.0), vision=True),
+        _m("openai", "o4-mini", 200_000, 100_000, (1.1, 4.4, 0.275, 0.0), vision=True, reasoning=True),
+        _m("anthropic", "claude-sonnet-4-5", 200_000, 64_000, (3.0, 15.0, 0.3, 3.75), vision=True, reasoning=True),
+        _m("anthropic", "claude-opus-4-1", 200_000, 32_000, (15.0, 75.0, 1.5, 18.75), vision=True, reasoning=True),
+        _m("anthropic", "claude-haiku-4-5", 200_000, 64_000, (1.0, 5.0, 0.1, 1.25), vision=True, reasoning=True),
+        _m("local", "qwen2.5-coder-1.5b", 32_768, 2_048, (0.0, 0.0, 0.0, 0.0)),
+        _m("local", "qwen2.5-coder-0.5b", 32_768, 2_048, (0.0, 0.0, 0.0, 0.0)),
+    ]
+}
+
+PROVIDER_DEFAULTS: dict[str, ModelInfo] = {
+    "openai": ModelInfo(provider="openai", id="", context_window=128_000, max_output=4_096),
+    "anthropic": ModelInfo(provider="anthropic", id="", context_window=200_000, max_output=8_192, vision=True),
+    "local": ModelInfo(provider="local", id="", context_window=32_768, max_output=2_048),
+}
+
+
+def model_info(provider: str, id: str) -> ModelInfo:
+    """The catalog entry for ``provider:id``, or the provider's defaults under that id."""
+    known = CATALOG.get(f"{provider}:{id}")
+    if known is not None:
+        return known
+    base = PROVIDER_DEFAULTS.get(provider, ModelInfo(provider=provider, id=id))
+    return ModelInfo(
+        provider=provider,
+        id=id,
+        context_window=base.context_window,
+        max_output=base.max_output,
+        vision=base.vision,
+        reasoning=base.reasoning,
+    )

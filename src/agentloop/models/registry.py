@@ -1,0 +1,73 @@
+"""``"provider:model"`` strings to ``Model`` objects.
+
+Providers are registered by import path so that an optional SDK (anthropic, llama.cpp) is only
+imported when its provider is used. Third parties add their own with ``register_provider``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import TypeAlias
+
+from agentloop.models.base import Model
+
+ModelFactory: TypeAlias = Callable[[str], Model]
+
+DEFAULT_MODEL = "local:qwen2.5-coder-1.5b"
+
+_PROVIDERS: dict[str, str | ModelFactory] = {
+    "openai": "agentloop.models.openai_chat:OpenAIChatModel",
+    "anthropic": "agentloop.models.anthropic:AnthropicModel",
+    "local": "agentloop.models.local:LocalModel",
+}
+
+
+class ModelNotFound(ValueError):
+    """The model string names no known provider, or the provider cannot be loaded."""
+
+
+def register_provider(name: str, factory: ModelFactory | str) -> None:
+    """Make ``name:<model id>`` resolve through ``factory(model_id)``."""
+    _PROVIDERS[name] = factory
+
+
+def providers() -> list[str]:
+    return sorted(_PROVIDERS)
+
+
+def _factory(provider: str) -> ModelFactory:
+    target = _PROVIDERS.get(provider)
+    if target is None:
+        known = ", ".join(providers())
+        raise ModelNotFound(f"unknown provider {provider!r} (known: {known})")
+    if isinstance(target, str):
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ModelNotFound(
+                f"provider {provider!r} needs an optional dependency: pip install 'agentloop[{provider}]' ({exc})"
+            ) from exc
+        factory: ModelFactory = getattr(module, attr)
+        _PROVIDERS[provider] = factory
+        return factory
+    return target
+
+
+def parse_model_string(spec: str) -> tuple[str, str]:
+    provider, sep, model_id = spec.partition(":")
+    if not sep or not provider or not model_id:
+        raise ModelNotFound(f"model must look like 'provider:model', got {spec!r}")
+    return provider, model_id
+
+
+def resolve_model(spec: str | Model | None) -> Model:
+    """A ``Model`` from a model object, a ``provider:model`` string, or None (the default)."""
+    if isinstance(spec, Model):
+        return spec
+    if spec is None:
+        spec = os.environ.get("AGENTLOOP_MODEL") or DEFAULT_MODEL
+    provider, model_id = parse_model_string(spec)
+    return _factory(provider)(model_id)

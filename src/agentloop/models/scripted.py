@@ -1,0 +1,178 @@
+"""A deterministic provider for tests, demos and benchmarks.
+
+It answers from a list of replies (one per call) or from a function of the request, and streams
+them through the same builder a real adapter uses, so the loop cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from agentloop.events import StreamDone, StreamError, StreamEvent
+from agentloop.messages import (
+    AssistantMessage,
+    TextContent,
+    ThinkingContent,
+    ToolCall,
+)
+from agentloop.models.base import (
+    AssistantBuilder,
+    Model,
+    ModelInfo,
+    ModelRequest,
+    ProviderError,
+    make_usage,
+)
+
+
+@dataclass
+class Reply:
+    """One scripted answer: optional thinking, text, and tool calls ``(name, args)`` or ``ToolCall``."""
+
+    text: str = ""
+    tool_calls: Sequence[ToolCall | tuple[str, dict[str, Any]]] = field(default_factory=list)
+    thinking: str = ""
+    input_tokens: int = 10
+    output_tokens: int = 5
+
+
+Scripted: TypeAlias = str | Reply | AssistantMessage | BaseException
+ScriptFn: TypeAlias = Callable[[ModelRequest], Scripted | Awaitable[Scripted]]
+
+_ids = itertools.count(1)
+
+
+def call(name: str, **arguments: Any) -> tuple[str, dict[str, Any]]:
+    """Shorthand for a scripted tool call: ``Reply(tool_calls=[call("echo", text="hi")])``."""
+    return (name, arguments)
+
+
+class ScriptedModel(Model):
+    """Replays ``script`` (a list, consumed one reply per call) or calls it (a function).
+
+    ``latency`` seconds are awaited per call; ``chunk`` splits text into deltas of that many
+    characters (0 = one delta). Every request is kept in ``requests``.
+    """
+
+    def __init__(
+        self,
+        script: Iterable[Scripted] | ScriptFn,
+        *,
+        latency: float = 0.0,
+        chunk: int = 0,
+        info: ModelInfo | None = None,
+        keep_requests: bool = True,
+    ) -> None:
+        self.info = info or ModelInfo(provider="scripted", id="scripted", context_window=1_000_000)
+        self._fn: ScriptFn | None = script if callable(script) else None
+        self._queue: list[Scripted] = [] if callable(script) else list(script)
+        self.latency = latency
+        self.chunk = chunk
+        self.keep_requests = keep_requests
+        self.requests: list[ModelRequest] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
+
+    async def _next(self, request: ModelRequest) -> Scripted:
+        if self._fn is not None:
+            result = self._fn(request)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        if not self._queue:
+            raise ProviderError("scripted model has no reply left", kind="bad_request")
+        return self._queue.pop(0)
+
+    async def respond(self, request: ModelRequest) -> StreamDone | StreamError:
+        """Build the answer directly, without events: the cheap path when nobody streams."""
+        if self.keep_requests:
+            self.requests.append(request)
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        out = AssistantBuilder(self.info)
+        try:
+            reply = await self._next(request)
+            if isinstance(reply, BaseException):
+                raise reply
+        except Exception as exc:
+            err = self.classify(exc)
+            return out.fail(str(err), err.kind, err.status, err.retry_after)
+        if isinstance(reply, str):
+            reply = Reply(text=reply)
+        if isinstance(reply, AssistantMessage):
+            return StreamDone(message=reply)
+        msg = out.message
+        if reply.thinking:
+            msg.content.append(ThinkingContent(thinking=reply.thinking))
+        if reply.text:
+            msg.content.append(TextContent(text=reply.text))
+        for tc in reply.tool_calls:
+            if isinstance(tc, tuple):
+                tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=tc[1])
+            msg.content.append(tc)
+        msg.usage = make_usage(self.info, input=reply.input_tokens, output=reply.output_tokens)
+        msg.stop_reason = "toolUse" if reply.tool_calls else "stop"
+        return StreamDone(message=msg)
+
+    async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
+        if self.keep_requests:
+            self.requests.append(request)
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        reply = await self._next(request)
+        yield out.start()
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(reply, str):
+            reply = Reply(text=reply)
+        if isinstance(reply, AssistantMessage):
+            for event in self._replay(reply, out):
+                yield event
+            for event in out.finish(reply.stop_reason, reply.usage):
+                yield event
+            return
+        if reply.thinking:
+            for event in out.thinking(reply.thinking):
+                yield event
+        for event in self._text(reply.text, out):
+            yield event
+        for tc in reply.tool_calls:
+            if isinstance(tc, tuple):
+                tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=tc[1])
+            for event in out.tool_call(tc.id, tc.id, tc.name):
+                yield event
+            for event in out.tool_args(tc.id, json.dumps(tc.arguments)):
+                yield event
+        usage = make_usage(self.info, input=reply.input_tokens, output=reply.output_tokens)
+        for event in out.finish(usage=usage):
+            yield event
+
+    def _text(self, text: str, out: AssistantBuilder) -> list[StreamEvent]:
+        if not text:
+            return []
+        if self.chunk <= 0:
+            return out.text(text)
+        events: list[StreamEvent] = []
+        for i in range(0, len(text), self.chunk):
+            events.extend(out.text(text[i : i + self.chunk]))
+        return events
+
+    def _replay(self, message: AssistantMessage, out: AssistantBuilder) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        for block in message.content:
+            if isinstance(block, TextContent):
+                events.extend(self._text(block.text, out))
+            elif isinstance(block, ThinkingContent):
+                events.extend(out.thinking(block.thinking, block.signature))
+            else:
+                events.extend(out.tool_call(block.id, block.id, block.name))
+                events.extend(out.tool_args(block.id, json.dumps(block.arguments)))
+        return events

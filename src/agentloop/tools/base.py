@@ -1,0 +1,393 @@
+"""Tools: what the model may call, how its arguments are checked, and what a tool returns.
+
+``@tool`` turns a typed Python function into a ``Tool``: the JSON schema comes from the signature
+(pydantic) and the descriptions from the docstring. ``Tool.from_schema`` takes a hand-written
+JSON schema and an async callable instead. Either way, arguments are validated (with coercion:
+``"3"`` is accepted for an ``int``) before the tool runs, and a failure becomes a readable message
+for the model rather than an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeAlias, get_type_hints, overload
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from agentloop.messages import ImageContent, TextContent, ToolResultMessage
+from agentloop.models.base import ToolSpec
+
+ResultBlock: TypeAlias = TextContent | ImageContent
+
+
+@dataclass
+class ToolResult:
+    """What a tool hands back: content blocks for the model, ``details`` for programs."""
+
+    content: list[ResultBlock]
+    details: Any = None
+    is_error: bool = False
+
+    @classmethod
+    def text(cls, text: str, *, is_error: bool = False, details: Any = None) -> ToolResult:
+        return cls([TextContent(text=text)], details=details, is_error=is_error)
+
+    @classmethod
+    def error(cls, text: str) -> ToolResult:
+        return cls([TextContent(text=text)], is_error=True)
+
+    def to_message(self, tool_call_id: str, tool_name: str) -> ToolResultMessage:
+        return ToolResultMessage(
+            tool_call_id=tool_call_id,
+            tool_name=tool_name,
+            content=self.content,
+            details=self.details,
+            is_error=self.is_error,
+        )
+
+
+class ToolError(Exception):
+    """Raise from a tool to report a failure to the model; the text is what the model reads."""
+
+
+class ToolArgumentsError(ToolError):
+    """The model's arguments do not fit the tool's schema."""
+
+
+@dataclass
+class ToolContext:
+    """Handed to tools that ask for it (a parameter annotated ``ToolContext``).
+
+    ``update`` reports progress (a ``tool_execution_update`` event); ``workspace`` is the
+    directory the built-in tools are rooted in.
+    """
+
+    tool_call_id: str
+    tool_name: str
+    workspace: Path | None = None
+    update: Callable[[Any], None] = field(default=lambda partial: None)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def to_result(value: Any) -> ToolResult:
+    """Normalise whatever a tool returned into a ``ToolResult`` (JSON for structured values)."""
+    if isinstance(value, ToolResult):
+        return value
+    if isinstance(value, str):
+        return ToolResult([TextContent(text=value)])
+    if value is None:
+        return ToolResult([TextContent(text="")])
+    if isinstance(value, TextContent | ImageContent):
+        return ToolResult([value])
+    if isinstance(value, list) and value and all(isinstance(v, TextContent | ImageContent) for v in value):
+        return ToolResult(list(value))
+    if isinstance(value, BaseModel):  # a pydantic model returned by a tool
+        return ToolResult([TextContent(text=value.model_dump_json())], details=value)
+    try:
+        return ToolResult([TextContent(text=json.dumps(value, default=str))], details=value)
+    except (TypeError, ValueError):
+        return ToolResult([TextContent(text=str(value))])
+
+
+def format_validation_error(tool: str, errors: list[tuple[str, str]], args: Any) -> str:
+    lines = [f'Validation failed for tool "{tool}":']
+    lines += [f"  - {path or 'root'}: {msg}" for path, msg in errors]
+    try:
+        received = json.dumps(args, indent=2, default=str)
+    except (TypeError, ValueError):
+        received = repr(args)
+    return "\n".join(lines) + f"\n\nReceived arguments:\n{received}"
+
+
+class Tool:
+    """A callable the model can use. Subclasses implement ``validate`` and ``run``.
+
+    ``timeout`` (seconds) overrides the agent's default; ``sequential`` makes the call a barrier
+    (it runs alone, after the calls before it); ``idempotent`` allows a durable runner to re-run
+    it after a crash.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        parameters: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        sequential: bool = False,
+        idempotent: bool = False,
+    ) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise ValueError(f"tool name must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+        self.name = name
+        self.description = description
+        self.parameters = parameters
+        self.timeout = timeout
+        self.sequential = sequential
+        self.idempotent = idempotent
+        self.spec = ToolSpec(name=name, description=description, parameters=parameters)
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Checked (and coerced) arguments, or ``ToolArgumentsError`` with a readable message."""
+        return arguments
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Tool {self.name}>"
+
+    @staticmethod
+    def from_schema(
+        name: str,
+        description: str,
+        parameters: dict[str, Any],
+        fn: Callable[..., Awaitable[Any]],
+        **options: Any,
+    ) -> Tool:
+        """A tool from a JSON schema and an async callable taking the arguments as keywords."""
+        return SchemaTool(name, description, parameters, fn, **options)
+
+
+# ------------------------------------------------------------------ function tools
+
+
+_ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters|Params)\s*:\s*$")
+_SECTION = re.compile(r"^\s*(Returns?|Raises|Yields|Examples?|Notes?)\s*:\s*$")
+_GOOGLE_PARAM = re.compile(r"^\s*(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
+_SPHINX_PARAM = re.compile(r"^\s*:param\s+(?:[^:]*\s)?(\w+)\s*:\s*(.*)$")
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """Split a docstring into (description, {param: description}); Google or Sphinx style."""
+    if not doc:
+        return "", {}
+    lines = inspect.cleandoc(doc).splitlines()
+    desc: list[str] = []
+    params: dict[str, str] = {}
+    section = "desc"
+    current: str | None = None
+    for line in lines:
+        if _ARGS_HEADER.match(line):
+            section, current = "args", None
+            continue
+        if _SECTION.match(line):
+            section, current = "other", None
+            continue
+        sphinx = _SPHINX_PARAM.match(line)
+        if sphinx:
+            current = sphinx.group(1)
+            params[current] = sphinx.group(2).strip()
+            section = "args"
+            continue
+        if line.strip().startswith(":"):
+            section, current = "other", None
+            continue
+        if section == "desc":
+            desc.append(line)
+        elif section == "args":
+            m = _GOOGLE_PARAM.match(line)
+            if m and (len(line) - len(line.lstrip())) <= 4:
+                current = m.group(1).lstrip("*")
+                params[current] = m.group(3).strip()
+            elif current and line.strip():
+                params[current] = (params[current] + " " + line.strip()).strip()
+    return "\n".join(desc).strip(), params
+
+
+def _strip_titles(schema: Any) -> Any:
+    """Remove pydantic's generated ``title`` keys (noise for the model), keeping property names."""
+    if isinstance(schema, dict):
+        out: dict[str, Any] = {}
+        for key, value in schema.items():
+            if key == "title" and isinstance(value, str):
+                continue
+            if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+                out[key] = {k: _strip_titles(v) for k, v in value.items()}
+            else:
+                out[key] = _strip_titles(value)
+        return out
+    if isinstance(schema, list):
+        return [_strip_titles(v) for v in schema]
+    return schema
+
+
+class FunctionTool(Tool):
+    """A tool backed by a Python function; built by ``@tool``."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        thread: bool = False,
+        **options: Any,
+    ) -> None:
+        sig = inspect.signature(fn)
+        hints = get_type_hints(fn, include_extras=True)
+        doc_desc, doc_params = parse_docstring(fn.__doc__)
+        fields: dict[str, Any] = {}
+        self._ctx_param: str | None = None
+        for pname, param in sig.parameters.items():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {fn.__name__}: *args / **kwargs cannot be described to a model")
+            annotation = hints.get(pname, Any)
+            if annotation is ToolContext:
+                self._ctx_param = pname
+                continue
+            default = ... if param.default is param.empty else param.default
+            fields[pname] = (annotation, Field(default, description=doc_params.get(pname)))
+        self._args_model: type[BaseModel] = create_model(
+            f"{fn.__name__}_arguments",
+            __config__=ConfigDict(extra="ignore", arbitrary_types_allowed=True),
+            **fields,
+        )
+        schema = _strip_titles(self._args_model.model_json_schema())
+        schema.setdefault("properties", {})
+        super().__init__(
+            name or fn.__name__,
+            description if description is not None else doc_desc,
+            schema,
+            **options,
+        )
+        self.fn = fn
+        self._is_async = inspect.iscoroutinefunction(fn)
+        self._thread = thread and not self._is_async
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        try:
+            model = self._args_model.model_validate(arguments)
+        except ValidationError as exc:
+            errors = [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+            raise ToolArgumentsError(format_validation_error(self.name, errors, arguments)) from None
+        return dict(model.__dict__)
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        if self._ctx_param is not None:
+            arguments = {**arguments, self._ctx_param: ctx}
+        if self._is_async:
+            value = await self.fn(**arguments)
+        elif self._thread:
+            value = await asyncio.to_thread(self.fn, **arguments)
+        else:
+            value = self.fn(**arguments)
+        return to_result(value)
+
+
+class SchemaTool(Tool):
+    """A tool described by a JSON schema, validated with ``jsonschema`` after light coercion."""
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        parameters: dict[str, Any],
+        fn: Callable[..., Awaitable[Any]],
+        **options: Any,
+    ) -> None:
+        from jsonschema import Draft202012Validator
+
+        Draft202012Validator.check_schema(parameters)
+        super().__init__(name, description, parameters, **options)
+        self.fn = fn
+        self._validator = Draft202012Validator(parameters)
+
+    def _coerce(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        props = self.parameters.get("properties") or {}
+        out = dict(arguments)
+        for key, value in arguments.items():
+            kind = (props.get(key) or {}).get("type")
+            if not isinstance(value, str) or kind not in ("integer", "number", "boolean"):
+                continue
+            text = value.strip()
+            try:
+                if kind == "integer" and re.fullmatch(r"[-+]?\d+", text):
+                    out[key] = int(text)
+                elif kind == "number":
+                    out[key] = float(text)
+                elif kind == "boolean" and text.lower() in ("true", "false"):
+                    out[key] = text.lower() == "true"
+            except ValueError:
+                pass
+        return out
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        coerced = self._coerce(arguments)
+        errors = sorted(self._validator.iter_errors(coerced), key=lambda e: list(e.path))
+        if errors:
+            pairs = [(".".join(str(p) for p in e.path), e.message) for e in errors]
+            raise ToolArgumentsError(format_validation_error(self.name, pairs, arguments))
+        return coerced
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        return to_result(await self.fn(**arguments))
+
+
+# ------------------------------------------------------------------ @tool
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+    sequential: bool = False,
+    idempotent: bool = False,
+    thread: bool = False,
+) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+    sequential: bool = False,
+    idempotent: bool = False,
+    thread: bool = False,
+) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
+    """Make a tool of a function: ``@tool`` or ``@tool(timeout=5, sequential=True)``.
+
+    A plain ``def`` runs inline on the event loop (fast, fine for quick work); pass
+    ``thread=True`` for blocking work so it runs in a worker thread instead. ``async def`` tools
+    are cancelled on timeout and abort.
+    """
+
+    def wrap(f: Callable[..., Any]) -> FunctionTool:
+        return FunctionTool(
+            f,
+            name=name,
+            description=description,
+            thread=thread,
+            timeout=timeout,
+            sequential=sequential,
+            idempotent=idempotent,
+        )
+
+    return wrap(fn) if fn is not None else wrap
+
+
+ToolLike: TypeAlias = Tool | Callable[..., Any]
+
+
+def as_tool(obj: ToolLike) -> Tool:
+    """A ``Tool`` from a tool or a plain function."""
+    if isinstance(obj, Tool):
+        return obj
+    if callable(obj):
+        return FunctionTool(obj)
+    raise TypeError(f"not a tool: {obj!r}")
