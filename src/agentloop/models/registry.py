@@ -21,6 +21,7 @@ _PROVIDERS: dict[str, str | ModelFactory] = {
     "openai": "agentloop.models.openai_chat:OpenAIChatModel",
     "anthropic": "agentloop.models.anthropic:AnthropicModel",
     "local": "agentloop.models.local:LocalModel",
+    "scripted": "agentloop.models.scripted:ScriptedModel.from_file",
 }
 
 
@@ -50,7 +51,10 @@ def _factory(provider: str) -> ModelFactory:
             raise ModelNotFound(
                 f"provider {provider!r} needs an optional dependency: pip install 'agentloop[{provider}]' ({exc})"
             ) from exc
-        factory: ModelFactory = getattr(module, attr)
+        obj: object = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        factory: ModelFactory = obj  # type: ignore[assignment]
         _PROVIDERS[provider] = factory
         return factory
     return target

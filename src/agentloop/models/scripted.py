@@ -77,6 +77,38 @@ class ScriptedModel(Model):
         self.keep_requests = keep_requests
         self.requests: list[ModelRequest] = []
 
+    @classmethod
+    def from_file(cls, path: str) -> ScriptedModel:
+        """A script from a JSON file: a list of replies, each a string or
+        ``{"text": ..., "thinking": ..., "tool_calls": [{"name": ..., "arguments": {...}}], "error": ...}``;
+        optional top-level form ``{"latency": s, "chunk": n, "replies": [...]}``. Lets the CLI and
+        subprocess tests run deterministic conversations (``--model scripted:/path/to/script.json``).
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read scripted model file {path!r}: {exc}") from exc
+        options: dict[str, Any] = {}
+        if isinstance(data, dict):
+            options = {k: data[k] for k in ("latency", "chunk") if k in data}
+            data = data.get("replies", [])
+        if not isinstance(data, list):
+            raise ValueError(f"scripted model file {path!r} must hold a list of replies")
+        replies: list[Scripted] = []
+        for i, item in enumerate(data):
+            if isinstance(item, str):
+                replies.append(item)
+            elif isinstance(item, dict):
+                if "error" in item:
+                    replies.append(ProviderError(str(item["error"]), kind=item.get("kind", "server")))
+                    continue
+                calls = [(c["name"], dict(c.get("arguments") or {})) for c in item.get("tool_calls", [])]
+                replies.append(Reply(text=item.get("text", ""), thinking=item.get("thinking", ""), tool_calls=calls))
+            else:
+                raise ValueError(f"scripted model file {path!r}: reply {i} must be a string or an object")
+        return cls(replies, **options)
+
     @property
     def calls(self) -> int:
         return len(self.requests)
