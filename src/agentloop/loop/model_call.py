@@ -29,9 +29,9 @@ Emit = Callable[[LoopEvent], None] | None
 
 
 async def build_request(cfg: LoopConfig, state: RunState, tools_enabled: bool) -> ModelRequest:
-    messages: list[Message] = state.messages
+    messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
     if cfg.hooks.transform:
-        messages = await cfg.hooks.run_transform(list(messages))
+        messages = await cfg.hooks.run_transform(messages)
     return ModelRequest(
         system_prompt=cfg.system_prompt,
         messages=messages,

@@ -48,9 +48,9 @@ ScriptFn: TypeAlias = Callable[[ModelRequest], Scripted | Awaitable[Scripted]]
 _ids = itertools.count(1)
 
 
-def call(name: str, **arguments: Any) -> tuple[str, dict[str, Any]]:
+def call(tool_name: str, /, **arguments: Any) -> tuple[str, dict[str, Any]]:
     """Shorthand for a scripted tool call: ``Reply(tool_calls=[call("echo", text="hi")])``."""
-    return (name, arguments)
+    return (tool_name, arguments)
 
 
 class ScriptedModel(Model):
@@ -174,8 +174,12 @@ class ScriptedModel(Model):
         if reply.thinking:
             for event in out.thinking(reply.thinking):
                 yield event
-        for event in self._text(reply.text, out):
-            yield event
+        step = self.chunk if self.chunk > 0 else max(1, len(reply.text))
+        for i in range(0, len(reply.text), step):
+            for event in out.text(reply.text[i : i + step]):
+                yield event
+            if self.chunk:  # like a network stream, let others run between chunks
+                await asyncio.sleep(0)
         for tc in reply.tool_calls:
             if isinstance(tc, tuple):
                 tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=tc[1])
