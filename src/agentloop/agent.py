@@ -122,16 +122,16 @@ class Run:
             reason = await run_loop(self._cfg, state, emit, self._prompts)
         finally:
             self._task = None
-        end = finish_event(state, reason)
+        error = state.error if reason == "error" else ("aborted" if reason == "aborted" else None)
         if emit is not None:
-            emit(end)
+            emit(finish_event(state, reason, error))
         self._result = RunResult(
             run_id=self.id,
             messages=state.messages,
             new_messages=state.new_messages,
             stop_reason=reason,
             usage=state.usage,
-            error=end.error,
+            error=error,
         )
         if self._done is not None:
             self._done.set()

@@ -72,7 +72,7 @@ async def _execute(cfg: LoopConfig, state: RunState, p: _Prepared, emit: Emit) -
 
     ctx = ToolContext(tool_call_id=call.id, tool_name=call.name, workspace=cfg.workspace, update=update)
     try:
-        if timeout is None:
+        if timeout is None or not tool.interruptible:  # an inline sync tool cannot be interrupted anyway
             result = await tool.run(p.info.args, ctx)
         else:
             async with asyncio.timeout(timeout):

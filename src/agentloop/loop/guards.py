@@ -20,6 +20,13 @@ class Guards:
     max_tokens: int | None = None  # total tokens over the run
     max_cost: float | None = None  # dollars over the run
 
+    @property
+    def active(self) -> bool:
+        return any(
+            v is not None
+            for v in (self.max_rounds, self.max_tool_calls, self.max_wall_clock, self.max_tokens, self.max_cost)
+        )
+
     def tripped(self, rounds: int, tool_calls: int, elapsed: float, usage: Usage) -> str | None:
         """The name of the first budget used up, or None."""
         if self.max_rounds is not None and rounds >= self.max_rounds:

@@ -35,7 +35,7 @@ async def build_request(cfg: LoopConfig, state: RunState, tools_enabled: bool) -
     return ModelRequest(
         system_prompt=cfg.system_prompt,
         messages=messages,
-        tools=[t.spec for t in cfg.tools.values()] if tools_enabled else [],
+        tools=cfg.tool_specs if tools_enabled else [],
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
     )

@@ -51,6 +51,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
     for p in prompts:
         _inject(state, p, emit)
     new_turn = False  # a turn ended; the next model call opens another
+    guards_active = cfg.guards.active
     try:
         while True:
             if state.aborted:  # aborted from inside the run's own task (a hook, an inline tool)
@@ -98,10 +99,10 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 _inject(state, follow_up.popleft(), emit)
             tools_enabled = decision.tools_enabled and bool(cfg.tools)
             if tools_enabled:
-                tripped = cfg.guards.tripped(
+                tripped = guards_active and cfg.guards.tripped(
                     state.rounds, state.tool_calls, time.monotonic() - state.started, state.usage
                 )
-                if tripped is not None:
+                if tripped:
                     state.guard, tools_enabled = tripped, False
                     _inject(state, system(cfg.guards.final_instruction(tripped), "guard"), emit)
                 else:
@@ -110,10 +111,12 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
             reply = await call_model(cfg, state, tools_enabled, emit)
             state.phase = "idle"
             state.usage.add(reply.usage)
-            if not tools_enabled and reply.tool_calls:
+            has_calls = reply.stop_reason == "toolUse" or bool(reply.tool_calls)
+            if has_calls and not tools_enabled:
                 _strip_tool_calls(reply)
+                has_calls = False
             state.append(reply)
-            if not reply.tool_calls:
+            if not has_calls:
                 if emit is not None:
                     emit(TurnEnd(turn=state.turn, message=reply, tool_results=[]))
                 new_turn = True
@@ -150,11 +153,11 @@ def _close_after_abort(state: RunState, emit: Emit) -> None:
     state.results = {}
 
 
-def finish_event(state: RunState, reason: str) -> AgentEnd:
+def finish_event(state: RunState, reason: str, error: str | None) -> AgentEnd:
     return AgentEnd(
         run_id=state.run_id,
         messages=state.new_messages,
         stop_reason=reason,
-        error=state.error if reason == "error" else ("aborted" if reason == "aborted" else None),
+        error=error,
         usage=state.usage,
     )

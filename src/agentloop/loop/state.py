@@ -24,7 +24,7 @@ from agentloop.messages import (
     ToolResultMessage,
     Usage,
 )
-from agentloop.models.base import Model
+from agentloop.models.base import Model, ToolSpec
 from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool
 
@@ -48,6 +48,10 @@ class LoopConfig:
     workspace: Path | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return [t.spec for t in self.tools.values()]
 
 
 @dataclass

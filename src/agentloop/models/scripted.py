@@ -129,30 +129,35 @@ class ScriptedModel(Model):
             self.requests.append(request)
         if self.latency:
             await asyncio.sleep(self.latency)
-        out = AssistantBuilder(self.info)
         try:
             reply = await self._next(request)
             if isinstance(reply, BaseException):
                 raise reply
         except Exception as exc:
             err = self.classify(exc)
-            return out.fail(str(err), err.kind, err.status, err.retry_after)
+            return AssistantBuilder(self.info).fail(str(err), err.kind, err.status, err.retry_after)
         if isinstance(reply, str):
             reply = Reply(text=reply)
         if isinstance(reply, AssistantMessage):
             return StreamDone(message=reply)
-        msg = out.message
+        content: list[TextContent | ThinkingContent | ToolCall] = []
         if reply.thinking:
-            msg.content.append(ThinkingContent(thinking=reply.thinking))
+            content.append(ThinkingContent(thinking=reply.thinking))
         if reply.text:
-            msg.content.append(TextContent(text=reply.text))
+            content.append(TextContent(text=reply.text))
         for tc in reply.tool_calls:
             if isinstance(tc, tuple):
                 tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=tc[1])
-            msg.content.append(tc)
-        msg.usage = make_usage(self.info, input=reply.input_tokens, output=reply.output_tokens)
-        msg.stop_reason = "toolUse" if reply.tool_calls else "stop"
-        return StreamDone(message=msg)
+            content.append(tc)
+        return StreamDone(
+            message=AssistantMessage(
+                content=content,
+                provider=self.info.provider,
+                model=self.info.id,
+                usage=make_usage(self.info, input=reply.input_tokens, output=reply.output_tokens),
+                stop_reason="toolUse" if reply.tool_calls else "stop",
+            )
+        )
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
         if self.keep_requests:

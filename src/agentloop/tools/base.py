@@ -132,6 +132,7 @@ class Tool:
         self.sequential = sequential
         self.idempotent = idempotent
         self.spec = ToolSpec(name=name, description=description, parameters=parameters)
+        self.interruptible = True  # False for work that runs inline on the event loop
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """Checked (and coerced) arguments, or ``ToolArgumentsError`` with a readable message."""
@@ -260,6 +261,7 @@ class FunctionTool(Tool):
         self.fn = fn
         self._is_async = inspect.iscoroutinefunction(fn)
         self._thread = thread and not self._is_async
+        self.interruptible = self._is_async or self._thread
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         try:

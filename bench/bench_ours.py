@@ -2,7 +2,7 @@
 
 Run through the harness so the figures land beside its ``baseline`` row, measured in the same run:
 
-    OURS=$PWD/bench/bench_peers_workloads.py PY_OURS=$PWD/.venv/bin/python \\
+    OURS=$PWD/bench/bench_ours.py PY_OURS=$PWD/.venv/bin/python \\
         ../shared/bench/peers/run_all.sh baseline ours
 
 or on its own (``bench/run.sh`` does both and prints the ratios). The fake model is agentloop's
