@@ -8,6 +8,7 @@ Compares the median gap of the first 20 calls with that of the last 20, over sev
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 
@@ -38,7 +39,7 @@ async def one_run() -> list[float]:
     agent = Agent(model=ScriptedModel(brain, keep_requests=False), tools=[echo])
     result = await agent.run("hi")
     assert result.text == "done"
-    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 async def main() -> None:
