@@ -1,0 +1,116 @@
+"""Provider-independent model machinery: registry, catalog and cost, retry policy, overflow detection."""
+
+from __future__ import annotations
+
+import email.utils
+import time
+
+import pytest
+
+from agentloop.messages import AssistantMessage, Usage
+from agentloop.models.base import AssistantBuilder, ModelInfo, ProviderError, make_usage
+from agentloop.models.catalog import model_info
+from agentloop.models.overflow import is_context_overflow, is_overflow_text
+from agentloop.models.registry import ModelNotFound, register_provider, resolve_model
+from agentloop.models.retry import RetryPolicy, parse_retry_after, retry_after_from_headers
+from agentloop.models.scripted import ScriptedModel
+
+
+def test_registry_resolves_and_explains():
+    with pytest.raises(ModelNotFound, match="unknown provider 'nope'"):
+        resolve_model("nope:x")
+    with pytest.raises(ModelNotFound, match="provider:model"):
+        resolve_model("gpt-4o")
+    model = ScriptedModel(["x"])
+    assert resolve_model(model) is model
+    register_provider("mine", lambda model_id: ScriptedModel([model_id]))
+    assert resolve_model("mine:hello").complete  # resolved through the factory
+    register_provider("broken", "agentloop.models.does_not_exist:Nope")
+    with pytest.raises(ModelNotFound, match=r"pip install 'agentloop\[broken\]'"):
+        resolve_model("broken:x")
+
+
+def test_env_selects_the_default(monkeypatch, tmp_path):
+    script = tmp_path / "s.json"
+    script.write_text('["from env"]')
+    monkeypatch.setenv("AGENTLOOP_MODEL", f"scripted:{script}")
+    assert isinstance(resolve_model(None), ScriptedModel)
+
+
+def test_scripted_file_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="cannot read scripted model file"):
+        ScriptedModel.from_file(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"replies": 3}')
+    with pytest.raises(ValueError, match="must hold a list"):
+        ScriptedModel.from_file(str(bad))
+
+
+def test_catalog_facts_and_cost():
+    info = model_info("openai", "gpt-4o-mini")
+    assert info.context_window == 128_000 and info.vision
+    usage = make_usage(info, input=1_000_000, output=2_000_000, cache_read=1_000_000)
+    assert usage.total_tokens == 4_000_000
+    assert usage.cost.input == pytest.approx(0.15) and usage.cost.output == pytest.approx(1.2)
+    assert usage.cost.total == pytest.approx(0.15 + 1.2 + 0.075)
+    unknown = model_info("openai", "brand-new")
+    assert unknown.id == "brand-new" and unknown.input_cost == 0
+
+
+def test_retry_policy_backoff_and_retry_after():
+    p = RetryPolicy(max_retries=3, base_delay=1.0, max_delay=10.0, jitter=0.0)
+    assert [p.delay(i) for i in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert p.delay(4) is None
+    assert p.delay(1, retry_after=7.0) == 7.0
+    assert p.delay(1, retry_after=30.0) is None  # longer than we are willing to wait: fail over instead
+
+
+def test_retry_after_parsing():
+    assert parse_retry_after("2") == 2.0
+    future = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 < (parse_retry_after(future) or 0) <= 30
+    assert parse_retry_after("soon") is None
+    assert retry_after_from_headers({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
+    assert retry_after_from_headers({"retry-after": "3"}) == 3.0
+    assert retry_after_from_headers(object()) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "prompt is too long: 210000 tokens > 200000 maximum",
+        "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens",
+        "Your input exceeds the context window of this model",
+        "the request exceeds the available context size, try increasing it",
+        "Requested tokens (9000) exceed context window of 8192",
+        "400 status code (no body)",
+    ],
+)
+def test_overflow_texts(text):
+    assert is_overflow_text(text)
+
+
+def test_not_overflow():
+    assert not is_overflow_text("429 Too Many Requests: rate limit reached")
+    assert not is_overflow_text("invalid api key")
+
+
+def test_silent_overflow_from_usage():
+    ok = AssistantMessage(usage=Usage(input=100))
+    over = AssistantMessage(usage=Usage(input=900, cache_read=200))
+    assert not is_context_overflow(ok, context_window=1000)
+    assert is_context_overflow(over, context_window=1000)
+    err = AssistantMessage(stop_reason="error", error_message="prompt is too long")
+    assert is_context_overflow(err)
+
+
+def test_builder_rejects_garbage_tool_arguments():
+    b = AssistantBuilder(ModelInfo(provider="p", id="m"))
+    b.start()
+    b.tool_call(0, "c1", "read")
+    b.tool_args(0, '{"path": ')
+    with pytest.raises(ProviderError) as err:
+        b.finish()
+    assert err.value.kind == "invalid_response" and "not JSON" in str(err.value)
+    failed = b.fail("broken", "connection")
+    assert failed.message.tool_calls == [] and failed.message.stop_reason == "error" and failed.retryable
