@@ -581,3 +581,16 @@ async def test_concurrent_runs_share_one_agent():
     agent = Agent(model=ScriptedModel(lambda r: r.messages[0].text.upper(), latency=0.01), tools=[echo])
     results = await asyncio.gather(*(agent.run(f"r{i}") for i in range(50)))
     assert [r.text for r in results] == [f"R{i}" for i in range(50)]
+
+
+async def test_switching_to_a_fallback_is_announced():
+    from agentloop import RetryPolicy
+    from agentloop.models.base import ModelInfo
+
+    primary = ScriptedModel([ProviderError("down", kind="server")] * 2)
+    backup = ScriptedModel(["ok"], info=ModelInfo(provider="scripted", id="backup"))
+    agent = Agent(model=primary, fallbacks=[backup], retry=RetryPolicy(max_retries=1, base_delay=0.001))
+    events = await collect(agent, "hi")
+    retries = [(e.attempt, e.model) for e in events if e.type == "model_retry"]
+    assert retries == [(1, "scripted:scripted"), (0, "scripted:backup")]
+    assert events[-1].stop_reason == "stop"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -149,7 +150,7 @@ class Run:
         assert self._result is not None
         return self._result
 
-    async def events(self) -> AsyncIterator[LoopEvent]:
+    async def events(self) -> AsyncGenerator[LoopEvent, None]:
         """Start the run in a task and yield its events until ``agent_end``.
 
         Leaving the iteration early aborts the run.
@@ -273,8 +274,9 @@ class Agent:
         run = self.start(input, history=history, stream=True)
         self._active.add(run)
         try:
-            async for event in run.events():
-                yield event
+            async with aclosing(run.events()) as events:
+                async for event in events:
+                    yield event
         finally:
             self._active.discard(run)
 

@@ -234,7 +234,7 @@ class TurnEnd:
 
 @_event
 class ModelRetry:
-    """A transient provider failure; the call is retried after ``delay`` seconds (or on a fallback)."""
+    """A provider failure being retried: after ``delay`` s on ``model``; ``attempt`` 0 means a switch to a fallback."""
 
     type: Literal["model_retry"] = "model_retry"
     attempt: int

@@ -61,14 +61,18 @@ async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: E
 
 async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit) -> AssistantMessage:
     request = await build_request(cfg, state, tools_enabled)
-    outcome: StreamDone | StreamError | None = None
+    outcome: StreamError | None = None
     for model in (cfg.model, *cfg.fallbacks):
+        if outcome is not None and emit is not None:  # say that we move on to the next model
+            reason = outcome.message.error_message or outcome.kind
+            emit(ModelRetry(attempt=0, delay=0.0, error=reason, model=model.name))
         attempt = 0
         while True:
-            outcome = await _attempt(model, request, state, emit)
+            result = await _attempt(model, request, state, emit)
             state.partial = None
-            if isinstance(outcome, StreamDone):
-                return outcome.message
+            if isinstance(result, StreamDone):
+                return result.message
+            outcome = result
             if outcome.kind == "aborted" or outcome.kind == "overflow":
                 return outcome.message
             attempt += 1
