@@ -265,7 +265,7 @@ class Agent:
         run = self.start(input, history=history)
         self._active.add(run)
         try:
-            return await run.result()
+            return await run._execute()
         finally:
             self._active.discard(run)
 

@@ -41,9 +41,10 @@ class _Prepared:
     info: ToolCallInfo
 
 
-async def _prepare(
+def _check(
     cfg: LoopConfig, state: RunState, message: AssistantMessage, call: ToolCall
 ) -> _Prepared | ToolResultMessage:
+    """Look the tool up and validate the arguments: a prepared call, or its error result."""
     tool = cfg.tools.get(call.name)
     if tool is None:
         return tool_error_result(call, f"Tool {call.name} not found")
@@ -51,26 +52,27 @@ async def _prepare(
         args = tool.validate(call.arguments)
     except ToolError as exc:
         return tool_error_result(call, str(exc))
-    info = ToolCallInfo(call, args, message, state.messages, state.run_id)
-    if cfg.hooks.before:
-        try:
-            block = await cfg.hooks.run_before(info)
-        except Exception as exc:
-            return tool_error_result(call, f"before-tool-call hook failed: {exc}")
-        if block is not None:
-            return tool_error_result(call, block.reason)
-    return _Prepared(call, tool, info)
+    return _Prepared(call, tool, ToolCallInfo(call, args, message, state.messages, state.run_id))
+
+
+async def _ask_hooks(cfg: LoopConfig, p: _Prepared) -> _Prepared | ToolResultMessage:
+    try:
+        block = await cfg.hooks.run_before(p.info)
+    except Exception as exc:
+        return tool_error_result(p.call, f"before-tool-call hook failed: {exc}")
+    return p if block is None else tool_error_result(p.call, block.reason)
 
 
 async def _execute(cfg: LoopConfig, state: RunState, p: _Prepared, emit: Emit) -> ToolResultMessage:
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
+    ctx = ToolContext(call.id, call.name, cfg.workspace)
+    if emit is not None:
 
-    def update(partial: Any) -> None:
-        if emit is not None:
+        def update(partial: Any) -> None:
             emit(ToolExecutionUpdate(tool_call_id=call.id, tool_name=call.name, partial_result=partial))
 
-    ctx = ToolContext(tool_call_id=call.id, tool_name=call.name, workspace=cfg.workspace, update=update)
+        ctx.update = update
     try:
         if timeout is None or not tool.interruptible:  # an inline sync tool cannot be interrupted anyway
             result = await tool.run(p.info.args, ctx)
@@ -127,7 +129,9 @@ async def run_tool_calls(
         if budget is not None and i >= budget:
             _finish(state, tool_error_result(call, "Not run: the run's tool call budget is used up."), emit)
             continue
-        p = await _prepare(cfg, state, message, call)
+        p = _check(cfg, state, message, call)
+        if cfg.hooks.before and isinstance(p, _Prepared):
+            p = await _ask_hooks(cfg, p)
         if isinstance(p, ToolResultMessage):
             _finish(state, p, emit)
         elif sequential_mode:

@@ -28,10 +28,7 @@ from agentloop.models.base import Model, ModelRequest
 Emit = Callable[[LoopEvent], None] | None
 
 
-async def build_request(cfg: LoopConfig, state: RunState, tools_enabled: bool) -> ModelRequest:
-    messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
-    if cfg.hooks.transform:
-        messages = await cfg.hooks.run_transform(messages)
+def build_request(cfg: LoopConfig, messages: list[Message], tools_enabled: bool) -> ModelRequest:
     return ModelRequest(
         system_prompt=cfg.system_prompt,
         messages=messages,
@@ -60,7 +57,10 @@ async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: E
 
 
 async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit) -> AssistantMessage:
-    request = await build_request(cfg, state, tools_enabled)
+    messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
+    if cfg.hooks.transform:
+        messages = await cfg.hooks.run_transform(messages)
+    request = build_request(cfg, messages, tools_enabled)
     outcome: StreamError | None = None
     for model in (cfg.model, *cfg.fallbacks):
         if outcome is not None and emit is not None:  # say that we move on to the next model

@@ -14,7 +14,7 @@ import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, get_type_hints, overload
 
@@ -60,7 +60,11 @@ class ToolArgumentsError(ToolError):
     """The model's arguments do not fit the tool's schema."""
 
 
-@dataclass
+def _ignore(partial: Any) -> None:
+    """Progress reports go nowhere when nobody watches the run."""
+
+
+@dataclass(slots=True)
 class ToolContext:
     """Handed to tools that ask for it (a parameter annotated ``ToolContext``).
 
@@ -71,8 +75,7 @@ class ToolContext:
     tool_call_id: str
     tool_name: str
     workspace: Path | None = None
-    update: Callable[[Any], None] = field(default=lambda partial: None)
-    state: dict[str, Any] = field(default_factory=dict)
+    update: Callable[[Any], None] = _ignore
 
 
 def to_result(value: Any) -> ToolResult:
