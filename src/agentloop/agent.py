@@ -22,7 +22,7 @@ from agentloop.events import AgentEnd, LoopEvent
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
 from agentloop.loop.runner import finish_event, run_loop
-from agentloop.loop.state import LoopConfig, RunState, ToolExecution
+from agentloop.loop.state import LoopConfig, Mode, RunState, ToolExecution
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -79,11 +79,13 @@ def _as_message(m: str | Message) -> Message:
 class Run:
     """One run of an agent. Steer it, queue follow-ups, abort it, iterate its events."""
 
-    def __init__(self, cfg: LoopConfig, history: list[Message], prompts: list[Message], stream: bool) -> None:
+    def __init__(
+        self, cfg: LoopConfig, history: list[Message], prompts: list[Message], stream: bool, mode: Mode = "agent"
+    ) -> None:
         self.id = os.urandom(8).hex()
         self._cfg = cfg
         self._prompts = prompts
-        self.state = RunState(run_id=self.id, messages=history, first_new=len(history))
+        self.state = RunState(run_id=self.id, messages=history, first_new=len(history), mode=mode)
         self._queue: asyncio.Queue[LoopEvent | None] | None = asyncio.Queue() if stream else None
         self._task: asyncio.Task[Any] | None = None
         self._result: RunResult | None = None
@@ -239,10 +241,15 @@ class Agent:
 
     # -- starting runs --------------------------------------------------------------------------
 
-    def start(self, input: Input, *, history: Sequence[Message] = (), stream: bool = False) -> Run:
+    def start(
+        self, input: Input, *, history: Sequence[Message] = (), stream: bool = False, mode: Mode = "agent"
+    ) -> Run:
         """Prepare a run. A string or message is a new prompt after ``history``; a list of
         messages is a history to continue (its last message must be user input or tool results).
+        ``mode="chat"`` runs without tools on the same history.
         """
+        if mode not in ("agent", "chat"):
+            raise ValueError(f"mode must be 'agent' or 'chat', got {mode!r}")
         messages = list(history)
         if isinstance(input, str):
             prompts: list[Message] = [user(input)]
@@ -258,20 +265,22 @@ class Agent:
                 raise ValueError("Cannot continue from message role: assistant")
             if not isinstance(last, UserMessage | ToolResultMessage) and last.role != "system":
                 raise ValueError(f"Cannot continue from message role: {last.role}")
-        return Run(self.config, messages, prompts, stream)
+        return Run(self.config, messages, prompts, stream, mode)
 
-    async def run(self, input: Input, *, history: Sequence[Message] = ()) -> RunResult:
+    async def run(self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent") -> RunResult:
         """Run to the end and return the result."""
-        run = self.start(input, history=history)
+        run = self.start(input, history=history, mode=mode)
         self._active.add(run)
         try:
             return await run._execute()
         finally:
             self._active.discard(run)
 
-    async def stream(self, input: Input, *, history: Sequence[Message] = ()) -> AsyncIterator[LoopEvent]:
+    async def stream(
+        self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent"
+    ) -> AsyncIterator[LoopEvent]:
         """Run and yield every loop event; the last one is ``agent_end``."""
-        run = self.start(input, history=history, stream=True)
+        run = self.start(input, history=history, stream=True, mode=mode)
         self._active.add(run)
         try:
             async with aclosing(run.events()) as events:
@@ -280,9 +289,9 @@ class Agent:
         finally:
             self._active.discard(run)
 
-    def run_sync(self, input: Input, *, history: Sequence[Message] = ()) -> RunResult:
+    def run_sync(self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent") -> RunResult:
         """``run`` for scripts without an event loop."""
-        return asyncio.run(self.run(input, history=history))
+        return asyncio.run(self.run(input, history=history, mode=mode))
 
     # -- talking to the active run ----------------------------------------------------------------
 

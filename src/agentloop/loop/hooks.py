@@ -1,19 +1,54 @@
-"""Hooks: user code that can veto a tool call, rewrite a result, or reshape the context.
+"""Hooks: user code that can veto a tool call, rewrite a result, reshape the context, or take
+part in each turn.
 
 Each hook may be a plain or an ``async`` function. Several hooks of one kind run in the order they
 were added; the first ``before_tool_call`` that blocks wins, and each ``after_tool_call`` sees the
 result the previous one returned.
+
+Turn phases (``hooks.on(phase)``) run before every model call, in this order:
+``pre_policy`` (may ``Block`` the turn), ``pre_prompt_context`` (returns extra context text),
+``pre_tool_materialization`` (returns the tool list to show), ``pre_prompt_compile`` (returns the
+system prompt to send); and ``post_turn`` after each turn. A hook that fails in a policy phase
+(``pre_policy``, ``pre_tool_materialization``, ``pre_prompt_compile``) fails the run; one that
+fails in a context phase (``pre_prompt_context``, ``post_turn``) is logged and its contribution
+left out.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
 from agentloop.messages import AssistantMessage, Message, ToolCall
+from agentloop.models.base import ToolSpec
 from agentloop.tools.base import ToolResult
+
+log = logging.getLogger("agentloop.hooks")
+
+Phase: TypeAlias = Literal[
+    "pre_policy", "pre_prompt_context", "pre_tool_materialization", "pre_prompt_compile", "post_turn"
+]
+PHASES: tuple[str, ...] = get_args(Phase)
+POLICY_PHASES = frozenset({"pre_policy", "pre_tool_materialization", "pre_prompt_compile"})
+
+
+@dataclass
+class TurnInfo:
+    """What a turn-phase hook sees, and (through its return value) may change for this turn."""
+
+    run_id: str
+    turn: int
+    messages: list[Message]
+    system_prompt: str
+    tools: list[ToolSpec]
+    context: list[str] = field(default_factory=list)
+
+
+class TurnFailed(Exception):
+    """A policy-phase hook blocked or failed the turn."""
 
 
 @dataclass
@@ -55,6 +90,39 @@ class Hooks:
     before: list[BeforeToolCall] = field(default_factory=list)
     after: list[AfterToolCall] = field(default_factory=list)
     transform: list[TransformContext] = field(default_factory=list)
+    phases: dict[str, list[Callable[[TurnInfo], Any]]] = field(default_factory=dict)
+
+    def on(self, phase: Phase) -> Callable[[T], T]:
+        """Register a turn-phase hook: ``@hooks.on("post_turn")``."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown hook phase {phase!r} (phases: {', '.join(PHASES)})")
+
+        def register(fn: T) -> T:
+            self.phases.setdefault(phase, []).append(fn)  # type: ignore[arg-type]
+            return fn
+
+        return register
+
+    async def run_phase(self, phase: Phase, info: TurnInfo) -> None:
+        """Run one phase's hooks, applying what they return to ``info``; raises ``TurnFailed``."""
+        for fn in self.phases.get(phase, ()):
+            try:
+                out = await _call(fn, info)
+            except Exception as exc:
+                if phase in POLICY_PHASES:
+                    raise TurnFailed(f"{phase} hook failed: {exc}") from exc
+                log.warning("%s hook %s failed; going on without it: %s", phase, getattr(fn, "__name__", fn), exc)
+                continue
+            if isinstance(out, Block) and phase == "pre_policy":
+                raise TurnFailed(f"turn blocked by policy: {out.reason}")
+            if out is None:
+                continue
+            if phase == "pre_prompt_context" and isinstance(out, str):
+                info.context.append(out)
+            elif phase == "pre_tool_materialization" and isinstance(out, list):
+                info.tools = out
+            elif phase == "pre_prompt_compile" and isinstance(out, str):
+                info.system_prompt = out
 
     def before_tool_call(self, fn: T) -> T:
         self.before.append(fn)  # type: ignore[arg-type]

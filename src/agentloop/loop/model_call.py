@@ -21,6 +21,7 @@ from agentloop.events import (
     StreamError,
     StreamStart,
 )
+from agentloop.loop.hooks import TurnFailed, TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import AssistantMessage, Message
 from agentloop.models.base import Model, ModelRequest
@@ -36,6 +37,21 @@ def build_request(cfg: LoopConfig, messages: list[Message], tools_enabled: bool)
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
     )
+
+
+async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest) -> None:
+    """Let the turn-phase hooks shape this call's system prompt and tool list."""
+    info = TurnInfo(state.run_id, state.turn, request.messages, request.system_prompt, request.tools)
+    hooks = cfg.hooks
+    await hooks.run_phase("pre_policy", info)
+    await hooks.run_phase("pre_prompt_context", info)
+    if request.tools:
+        await hooks.run_phase("pre_tool_materialization", info)
+    if info.context:
+        info.system_prompt = "\n\n".join(p for p in (info.system_prompt, *info.context) if p)
+    await hooks.run_phase("pre_prompt_compile", info)
+    request.system_prompt = info.system_prompt
+    request.tools = info.tools if request.tools else []
 
 
 async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: Emit) -> StreamDone | StreamError:
@@ -61,6 +77,13 @@ async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
     request = build_request(cfg, messages, tools_enabled)
+    if cfg.hooks.phases:
+        try:
+            await _turn_phases(cfg, state, request)
+        except TurnFailed as exc:
+            return AssistantMessage(
+                provider=cfg.model.info.provider, model=cfg.model.info.id, stop_reason="error", error_message=str(exc)
+            )
     outcome: StreamError | None = None
     for model in (cfg.model, *cfg.fallbacks):
         if outcome is not None and emit is not None:  # say that we move on to the next model

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
 from agentloop.loop.execute import run_tool_calls
+from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide, unresolved_calls
 from agentloop.messages import (
@@ -68,7 +69,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                     state.error = (last.error_message if isinstance(last, AssistantMessage) else None) or (
                         "unknown error"
                     )
-                    _inject(state, system(f"The model call failed: {state.error}", "error"), emit)
+                    _inject(state, system(f"The run failed: {state.error}", "error"), emit)
                 return decision.reason
 
             if isinstance(decision, RunTools):
@@ -82,8 +83,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 for r in results:
                     _inject(state, r, emit)
                 state.results = {}
-                if emit is not None:
-                    emit(TurnEnd(turn=state.turn, message=decision.message, tool_results=results))
+                await _end_turn(cfg, state, decision.message, results, emit)
                 new_turn = True
                 continue
 
@@ -97,7 +97,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 _inject(state, steering.popleft(), emit)
             elif follow_up and isinstance(state.messages[-1], AssistantMessage):
                 _inject(state, follow_up.popleft(), emit)
-            tools_enabled = decision.tools_enabled and bool(cfg.tools)
+            tools_enabled = decision.tools_enabled and state.mode == "agent" and bool(cfg.tools)
             if tools_enabled:
                 tripped = guards_active and cfg.guards.tripped(
                     state.rounds, state.tool_calls, time.monotonic() - state.started, state.usage
@@ -117,8 +117,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 has_calls = False
             state.append(reply)
             if not has_calls:
-                if emit is not None:
-                    emit(TurnEnd(turn=state.turn, message=reply, tool_results=[]))
+                await _end_turn(cfg, state, reply, [], emit)
                 new_turn = True
     except asyncio.CancelledError:
         if not state.aborted:
@@ -128,6 +127,16 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
             current.uncancel()
         _close_after_abort(state, emit)
         return "aborted"
+
+
+async def _end_turn(
+    cfg: LoopConfig, state: RunState, message: AssistantMessage, results: list[ToolResultMessage], emit: Emit
+) -> None:
+    if emit is not None:
+        emit(TurnEnd(turn=state.turn, message=message, tool_results=results))
+    if "post_turn" in cfg.hooks.phases:
+        info = TurnInfo(state.run_id, state.turn, state.messages, cfg.system_prompt, cfg.tool_specs)
+        await cfg.hooks.run_phase("post_turn", info)
 
 
 def _close_after_abort(state: RunState, emit: Emit) -> None:

@@ -29,6 +29,7 @@ from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool
 
 ToolExecution: TypeAlias = Literal["parallel", "sequential"]
+Mode: TypeAlias = Literal["agent", "chat"]  # chat: the same history, no tools
 
 
 @dataclass
@@ -72,6 +73,7 @@ class RunState:
     partial: AssistantMessage | None = None  # the assistant message being streamed
     results: dict[str, ToolResultMessage] = field(default_factory=dict)  # finished calls of a batch
     aborted: bool = False
+    mode: Mode = "agent"
     phase: Literal["idle", "model", "tools"] = "idle"
     error: str | None = None  # why the run failed, when it did
 
