@@ -1,0 +1,285 @@
+"""OpenAI Chat Completions, and every server that speaks it (vLLM, llama.cpp, Ollama, LM Studio).
+
+The official SDK does the HTTP and SSE work; this module translates our history into the wire
+format and the streamed chunks back into protocol events. The SDK's own retries are disabled:
+the loop retries with backoff and ``retry-after``, and falls back to other models, which the SDK
+cannot know about.
+
+Compatibility choices are aimed at the strictest local servers: an assistant message always has
+string ``content`` (llama.cpp's server rejects ``null``), user text without images is sent as a
+plain string, and reasoning arrives under either ``reasoning_content`` or ``reasoning``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncGenerator
+from typing import Any, cast
+
+import openai
+import pydantic
+from openai import AsyncOpenAI
+
+from agentloop.events import ErrorKind, StreamEvent
+from agentloop.messages import (
+    AssistantMessage,
+    ImageContent,
+    StopReason,
+    SystemMessage,
+    TextContent,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+)
+from agentloop.models.base import (
+    AssistantBuilder,
+    Model,
+    ModelInfo,
+    ModelRequest,
+    ProviderError,
+    make_usage,
+)
+from agentloop.models.catalog import model_info
+from agentloop.models.overflow import is_overflow_text
+from agentloop.models.replay import clean_history, safe_tool_id
+from agentloop.models.retry import retry_after_from_headers
+
+# A local server needs some key for the SDK to build its client; it never checks it.
+PLACEHOLDER_KEY = "sk-local-no-key"
+TOOL_ID_MAX = 40
+
+_FINISH: dict[str, StopReason] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "toolUse",
+    "function_call": "toolUse",
+}
+_CLIENT_OPTIONS = ("timeout", "default_headers", "organization", "project")
+
+
+class OpenAIChatModel(Model):
+    """A chat model behind ``/v1/chat/completions``.
+
+    ``options`` are ``timeout``, ``default_headers``, ``organization`` and ``project`` for the
+    client; anything else (``top_p``, ``reasoning_effort``, ``seed``, ...) goes into every
+    request body as is.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        client: AsyncOpenAI | None = None,
+        info: ModelInfo | None = None,
+        **options: Any,
+    ) -> None:
+        self.model_id = model_id
+        self.info = info or model_info("openai", model_id)
+        self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
+        key = api_key or os.environ.get("OPENAI_API_KEY") or None
+        if key is None and self.base_url is not None:
+            key = PLACEHOLDER_KEY
+        self._api_key = key
+        self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
+        self.options = options
+        self._client = client
+
+    @property
+    def client(self) -> AsyncOpenAI:
+        """Built on first use, so that an agent can be configured before a key exists."""
+        if self._client is None:
+            if self._api_key is None:
+                raise ProviderError(
+                    "no OpenAI API key: set OPENAI_API_KEY (or OPENAI_BASE_URL for a local server)", kind="auth"
+                )
+            self._client = AsyncOpenAI(
+                api_key=self._api_key, base_url=self.base_url, max_retries=0, **self._client_options
+            )
+        return self._client
+
+    # ------------------------------------------------------------------ request
+
+    def build_params(self, request: ModelRequest) -> dict[str, Any]:
+        """The request body (minus transport details), public so it can be inspected in tests."""
+        params: dict[str, Any] = {
+            "model": self.model_id,
+            "messages": to_openai_messages(request),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.tools:
+            params["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+                }
+                for t in request.tools
+            ]
+        if request.max_tokens is not None:
+            params["max_tokens"] = request.max_tokens
+        if request.temperature is not None:
+            params["temperature"] = request.temperature
+        params.update(self.options)
+        return params
+
+    # ------------------------------------------------------------------ response
+
+    async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
+        params = self.build_params(request)
+        create = cast(Any, self.client.chat.completions.create)  # overloads cannot see `stream` in a dict
+        response: openai.AsyncStream[Any] = await create(**params)
+        yield out.start()
+        finish: str | None = None
+        usage: Usage | None = None
+        async with response:
+            try:
+                async for chunk in response:
+                    if getattr(chunk, "usage", None) is not None:
+                        usage = self._usage(chunk.usage)
+                    for choice in chunk.choices or ():
+                        for event in self._delta(choice.delta, out):
+                            yield event
+                        if choice.finish_reason:
+                            finish = choice.finish_reason
+            except openai.APIConnectionError as exc:  # the stream broke: say how far it got
+                kind: ErrorKind = "timeout" if isinstance(exc, openai.APITimeoutError) else "connection"
+                raise ProviderError(_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+        if finish is None:
+            raise ProviderError(_broken("the stream ended before the answer was finished", out), kind="connection")
+        if finish not in _FINISH:
+            raise ProviderError(f"the provider stopped the answer: finish_reason={finish!r}", kind="bad_request")
+        for event in out.finish(_FINISH[finish], usage):
+            yield event
+
+    def _delta(self, delta: Any, out: AssistantBuilder) -> list[StreamEvent]:
+        if delta is None:
+            return []
+        events: list[StreamEvent] = []
+        reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+        if isinstance(reasoning, str) and reasoning:
+            events.extend(out.thinking(reasoning))
+        if delta.content:
+            events.extend(out.text(delta.content))
+        for call in delta.tool_calls or ():
+            key = call.index if call.index is not None else 0
+            fn = call.function
+            if not out.has_tool_call(key):
+                call_id = call.id or f"call_{key}_{len(out.message.content)}"
+                events.extend(out.tool_call(key, call_id, (fn.name if fn else None) or ""))
+            if fn is not None and fn.arguments:
+                events.extend(out.tool_args(key, fn.arguments))
+        return events
+
+    def _usage(self, raw: Any) -> Usage:
+        details = getattr(raw, "prompt_tokens_details", None)
+        cached = int(getattr(details, "cached_tokens", 0) or 0)
+        prompt = int(raw.prompt_tokens or 0)
+        return make_usage(
+            self.info, input=max(0, prompt - cached), output=int(raw.completion_tokens or 0), cache_read=cached
+        )
+
+    # ------------------------------------------------------------------ errors
+
+    def classify(self, exc: BaseException) -> ProviderError:
+        if isinstance(exc, ProviderError):
+            return exc
+        if isinstance(exc, openai.APITimeoutError):
+            return ProviderError(f"the request to {self.name} timed out", kind="timeout")
+        if isinstance(exc, openai.APIConnectionError):
+            return ProviderError(f"cannot reach {self.base_url or 'the OpenAI API'}: {_cause(exc)}", kind="connection")
+        if isinstance(exc, openai.APIStatusError):
+            return classify_status(exc.status_code, exc.message, exc.response.headers)
+        if isinstance(exc, openai.APIResponseValidationError):
+            return ProviderError(f"unreadable response: {exc}", kind="invalid_response")
+        if isinstance(exc, openai.APIError):  # an error event inside a 200 stream
+            text = f"stream error: {exc.message}"
+            return ProviderError(text, kind="overflow" if is_overflow_text(text) else "server")
+        if isinstance(exc, ValueError | TypeError | AttributeError | KeyError | pydantic.ValidationError):
+            return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
+        return super().classify(exc)
+
+
+def classify_status(status: int, text: str, headers: object) -> ProviderError:
+    """The error kind of an HTTP error answer, shared by every OpenAI-compatible server."""
+    message = f"HTTP {status}: {text}"
+    if status == 429:
+        return ProviderError(message, kind="rate_limit", status=status, retry_after=retry_after_from_headers(headers))
+    if status >= 500:
+        return ProviderError(message, kind="server", status=status, retry_after=retry_after_from_headers(headers))
+    if status in (401, 403):
+        return ProviderError(message, kind="auth", status=status)
+    if status in (400, 413) and is_overflow_text(text):
+        return ProviderError(message, kind="overflow", status=status)
+    if status == 408:
+        return ProviderError(message, kind="timeout", status=status)
+    return ProviderError(message, kind="bad_request", status=status)
+
+
+def _cause(exc: BaseException) -> str:
+    """The transport's own words (``peer closed connection ...``), not the SDK's generic ones."""
+    cause = exc.__cause__ or exc
+    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+
+
+def _broken(what: str, out: AssistantBuilder) -> str:
+    got = len(out.message.text)
+    return f"{what} ({got} characters of text received)" if got else what
+
+
+# ------------------------------------------------------------------ history conversion
+
+
+def _image_part(image: ImageContent) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:{image.mime_type};base64,{image.data}"}}
+
+
+def _user_content(blocks: list[TextContent | ImageContent]) -> str | list[dict[str, Any]]:
+    if all(isinstance(b, TextContent) for b in blocks):
+        return "".join(b.text for b in blocks if isinstance(b, TextContent))
+    return [{"type": "text", "text": b.text} if isinstance(b, TextContent) else _image_part(b) for b in blocks]
+
+
+def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
+    """Our history as Chat Completions messages, after replay hygiene.
+
+    Tool results can only carry text, so their images follow in one user message after the run
+    of tool messages (a user message inside the run would separate results from their calls).
+    """
+    out: list[dict[str, Any]] = []
+    if request.system_prompt:
+        out.append({"role": "system", "content": request.system_prompt})
+    pending_images: list[dict[str, Any]] = []
+
+    def flush_images() -> None:
+        if pending_images:
+            parts = [{"type": "text", "text": "Images returned by the tools above:"}, *pending_images]
+            out.append({"role": "user", "content": parts})
+            pending_images.clear()
+
+    for msg in clean_history(request.messages, lambda i: safe_tool_id(i, TOOL_ID_MAX)):
+        if isinstance(msg, ToolResultMessage):
+            out.append({"role": "tool", "tool_call_id": msg.tool_call_id, "content": msg.text})
+            pending_images.extend(_image_part(b) for b in msg.content if isinstance(b, ImageContent))
+            continue
+        flush_images()
+        if isinstance(msg, UserMessage):
+            out.append({"role": "user", "content": _user_content(msg.content)})
+        elif isinstance(msg, SystemMessage):
+            out.append({"role": "system", "content": msg.text})
+        elif isinstance(msg, AssistantMessage):
+            entry: dict[str, Any] = {"role": "assistant", "content": msg.text}
+            if msg.tool_calls:
+                entry["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+                    }
+                    for c in msg.tool_calls
+                ]
+            out.append(entry)
+    flush_images()
+    return out

@@ -1,0 +1,381 @@
+"""The OpenAI Chat Completions adapter against a local server that speaks the wire format."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from agentloop import Agent, tool, user
+from agentloop.events import ModelRetry, StreamDone, StreamError, StreamEvent
+from agentloop.messages import (
+    AssistantMessage,
+    ImageContent,
+    SystemMessage,
+    TextContent,
+    ThinkingContent,
+    ToolCall,
+    ToolResultMessage,
+)
+from agentloop.models.base import ModelRequest, ToolSpec
+from agentloop.models.openai_chat import OpenAIChatModel
+from agentloop.models.registry import resolve_model
+from agentloop.models.retry import RetryPolicy
+from tests.fakes.http_server import SSEReply
+from tests.fakes.openai_server import (
+    OpenAIFake,
+    chunk,
+    error,
+    stream,
+    text_reply,
+    tool_delta,
+    tool_reply,
+    usage_chunk,
+)
+
+FAST = RetryPolicy(base_delay=0.01, max_delay=1.0)
+ECHO_SPEC = ToolSpec(name="echo", description="Echo text.", parameters={"type": "object", "properties": {}})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[OpenAIFake]:
+    with OpenAIFake() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: OpenAIFake) -> Iterator[OpenAIFake]:
+    server.reset()
+    yield server
+    server.reset()
+
+
+def model(fake: OpenAIFake, model_id: str = "gpt-4o-mini") -> OpenAIChatModel:
+    return OpenAIChatModel(model_id, base_url=fake.base_url, api_key="sk-test")
+
+
+async def events_of(m: OpenAIChatModel, request: ModelRequest) -> list[StreamEvent]:
+    return [e async for e in m.stream(request)]
+
+
+def req(*messages: Any, tools: list[ToolSpec] | None = None, system: str = "") -> ModelRequest:
+    return ModelRequest(system_prompt=system, messages=list(messages), tools=tools or [])
+
+
+@tool
+def echo(text: str) -> str:
+    """Echo the text."""
+    return f"echo: {text}"
+
+
+# ------------------------------------------------------------------ streaming
+
+
+async def test_text_streaming_events_usage_and_cost(fake: OpenAIFake) -> None:
+    fake.push(text_reply("Hello there, world", pieces=3, prompt=1000, completion=200, cached=400))
+    events = await events_of(model(fake), req(user("hi"), system="Be brief."))
+    assert [e.type for e in events] == ["start", "text_start", *["text_delta"] * 3, "text_end", "done"]
+    done = events[-1]
+    assert isinstance(done, StreamDone)
+    msg = done.message
+    assert msg.text == "Hello there, world"
+    assert msg.stop_reason == "stop"
+    assert (msg.usage.input, msg.usage.output, msg.usage.cache_read) == (600, 200, 400)
+    assert msg.usage.total_tokens == 1200
+    # gpt-4o-mini: $0.15 in, $0.60 out, $0.075 cache read per million
+    assert msg.usage.cost.total == pytest.approx((600 * 0.15 + 200 * 0.6 + 400 * 0.075) / 1e6)
+    body = fake.last
+    assert body["model"] == "gpt-4o-mini"
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert "tools" not in body and "max_tokens" not in body and "temperature" not in body
+    assert fake.headers[-1]["authorization"] == "Bearer sk-test"
+
+
+async def test_length_and_options(fake: OpenAIFake) -> None:
+    fake.push(text_reply("cut", finish="length"))
+    request = ModelRequest(system_prompt="", messages=[user("hi")], max_tokens=7, temperature=0.0)
+    m = OpenAIChatModel("gpt-4o-mini", base_url=fake.base_url, seed=3)
+    done = (await events_of(m, request))[-1]
+    assert done.message.stop_reason == "length"
+    assert (fake.last["max_tokens"], fake.last["temperature"], fake.last["seed"]) == (7, 0.0, 3)
+
+
+async def test_tool_call_arguments_split_across_chunks(fake: OpenAIFake) -> None:
+    fake.push(tool_reply("echo", '{"text": "hello world"}', id="call_abc", text="Let me echo.", split=4))
+    events = await events_of(model(fake), req(user("echo it"), tools=[ECHO_SPEC]))
+    types = [e.type for e in events]
+    assert types[:5] == ["start", "text_start", "text_delta", "text_end", "toolcall_start"]
+    assert types.count("toolcall_delta") == 4
+    assert types[-2:] == ["toolcall_end", "done"]
+    msg = events[-1].message
+    assert msg.stop_reason == "toolUse"
+    assert msg.text == "Let me echo."
+    assert msg.tool_calls == [ToolCall(id="call_abc", name="echo", arguments={"text": "hello world"})]
+    assert fake.last["tools"] == [
+        {
+            "type": "function",
+            "function": {"name": "echo", "description": "Echo text.", "parameters": ECHO_SPEC.parameters},
+        }
+    ]
+
+
+async def test_two_parallel_tool_calls_interleaved(fake: OpenAIFake) -> None:
+    fake.push(
+        stream(
+            chunk({"role": "assistant", "content": None}),
+            chunk(tool_delta(0, id="call_a", name="echo", args='{"te')),
+            chunk(tool_delta(1, id="call_b", name="echo", args='{"text"')),
+            chunk(tool_delta(0, args='xt": "one"}')),
+            chunk(tool_delta(1, args=': "two"}')),
+            chunk(finish_reason="tool_calls"),
+            usage_chunk(10, 10),
+        )
+    )
+    done = (await events_of(model(fake), req(user("two"), tools=[ECHO_SPEC])))[-1]
+    assert isinstance(done, StreamDone)
+    assert done.message.tool_calls == [
+        ToolCall(id="call_a", name="echo", arguments={"text": "one"}),
+        ToolCall(id="call_b", name="echo", arguments={"text": "two"}),
+    ]
+
+
+async def test_reasoning_content_becomes_thinking(fake: OpenAIFake) -> None:
+    fake.push(
+        stream(
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"reasoning_content": "Let me think. "}),
+            chunk({"reasoning": "Done thinking."}),  # vLLM's newer field name
+            chunk({"content": "42"}),
+            chunk(finish_reason="stop"),
+            usage_chunk(5, 5),
+        )
+    )
+    events = await events_of(model(fake), req(user("?")))
+    types = [e.type for e in events]
+    assert types == [
+        "start",
+        "thinking_start",
+        "thinking_delta",
+        "thinking_delta",
+        "thinking_end",
+        "text_start",
+        "text_delta",
+        "text_end",
+        "done",
+    ]
+    msg = events[-1].message
+    assert msg.content == [ThinkingContent(thinking="Let me think. Done thinking."), TextContent(text="42")]
+
+
+# ------------------------------------------------------------------ request conversion
+
+
+async def test_history_round_trip_tool_calls_results_and_content_never_null(fake: OpenAIFake) -> None:
+    long_id = "toolu_" + "x" * 60 + ".weird|id"
+    history = [
+        user("first"),
+        AssistantMessage(
+            content=[
+                ThinkingContent(thinking="private", signature="sig"),
+                ToolCall(id=long_id, name="echo", arguments={"text": "é"}),
+            ],
+            provider="anthropic",
+            model="claude-sonnet-4-5",
+            stop_reason="toolUse",
+        ),
+        ToolResultMessage(
+            tool_call_id=long_id,
+            tool_name="echo",
+            content=[TextContent(text="echo: é"), ImageContent(data="AAAA", mime_type="image/png")],
+        ),
+        SystemMessage(content=[TextContent(text="guard notice")]),
+        AssistantMessage(content=[TextContent(text="failed")], stop_reason="error", error_message="boom"),
+        user("again"),
+    ]
+    fake.push(text_reply("ok"))
+    await events_of(model(fake), req(*history))
+    sent = fake.last["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool", "user", "system", "user"]
+    assistant = sent[1]
+    assert assistant["content"] == ""  # never null: llama.cpp's server rejects it
+    (tc,) = assistant["tool_calls"]
+    assert len(tc["id"]) <= 40 and tc["id"].replace("_", "").replace("-", "").isalnum()
+    assert tc["function"] == {"name": "echo", "arguments": '{"text": "é"}'}
+    assert sent[2] == {"role": "tool", "tool_call_id": tc["id"], "content": "echo: é"}
+    assert sent[3]["content"][1] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert sent[4] == {"role": "system", "content": "guard notice"}
+    assert "private" not in json.dumps(sent)  # thinking is not sent back
+
+
+async def test_image_input_as_data_url(fake: OpenAIFake) -> None:
+    fake.push(text_reply("a cat"))
+    await events_of(model(fake), req(user("what is this?", ImageContent(data="iVBOR", mime_type="image/png"))))
+    assert fake.last["messages"][0]["content"] == [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
+    ]
+
+
+# ------------------------------------------------------------------ failures
+
+
+async def test_unauthorized_is_auth_error_without_retry(fake: OpenAIFake) -> None:
+    fake.push(error(401, "Incorrect API key provided", type="invalid_request_error", code="invalid_api_key"))
+    fake.push(text_reply("never"))
+    events = [e async for e in Agent(model=model(fake), retry=FAST).stream("hi")]
+    assert not [e for e in events if isinstance(e, ModelRetry)]
+    result = events[-1]
+    assert result.type == "agent_end" and result.stop_reason == "error"
+    assert len(fake.requests) == 1
+
+
+async def test_overflow_400_is_overflow(fake: OpenAIFake) -> None:
+    fake.push(
+        error(
+            400,
+            "This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens.",
+            code="context_length_exceeded",
+        )
+    )
+    err = (await events_of(model(fake), req(user("big"))))[-1]
+    assert isinstance(err, StreamError)
+    assert (err.kind, err.status, err.retryable) == ("overflow", 400, False)
+    assert err.message.stop_reason == "error"
+    assert "maximum context length" in (err.message.error_message or "")
+
+
+async def test_other_400_is_bad_request(fake: OpenAIFake) -> None:
+    fake.push(error(400, "Invalid value for 'tools'"))
+    err = (await events_of(model(fake), req(user("x"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "bad_request"
+
+
+async def test_rate_limit_honours_retry_after_then_succeeds(fake: OpenAIFake) -> None:
+    fake.push(error(429, "Rate limit reached", type="requests", code="rate_limit_exceeded", retry_after="0.2"))
+    fake.push(text_reply("finally"))
+    started = time.monotonic()
+    events = [e async for e in Agent(model=model(fake), retry=FAST).stream("hi")]
+    elapsed = time.monotonic() - started
+    retries = [e for e in events if isinstance(e, ModelRetry)]
+    assert len(retries) == 1 and retries[0].delay == pytest.approx(0.2)
+    assert elapsed >= 0.2
+    assert events[-1].stop_reason == "stop"
+    assert len(fake.requests) == 2
+
+
+async def test_server_error_is_retried(fake: OpenAIFake) -> None:
+    fake.push(error(500, "The server had an error", type="server_error"), text_reply("recovered"))
+    result = await Agent(model=model(fake), retry=FAST).run("hi")
+    assert result.stop_reason == "stop" and result.text == "recovered"
+    assert len(fake.requests) == 2
+
+
+async def test_stream_cut_midway_keeps_partial_text(fake: OpenAIFake) -> None:
+    reply = text_reply("Hello there, this answer gets cut", pieces=6)
+    fake.push(SSEReply(frames=reply.frames, cut_after=3))  # role chunk + two content chunks
+    events = await events_of(model(fake), req(user("hi")))
+    err = events[-1]
+    assert isinstance(err, StreamError)
+    assert err.kind == "connection" and err.retryable
+    assert err.message.text == "Hello there,"  # the two content chunks before the cut
+    assert "12 characters" in (err.message.error_message or "")
+
+
+async def test_stream_ending_without_finish_is_connection_error(fake: OpenAIFake) -> None:
+    fake.push(stream(chunk({"role": "assistant", "content": ""}), chunk({"content": "partial"}), done=False))
+    err = (await events_of(model(fake), req(user("hi"))))[-1]
+    assert isinstance(err, StreamError)
+    assert err.kind == "connection" and err.message.text == "partial"
+
+
+async def test_garbage_in_stream_is_an_error_event(fake: OpenAIFake) -> None:
+    fake.push(stream(chunk({"content": "ok"}), "{this is not json", done=True))
+    events = await events_of(model(fake), req(user("hi")))
+    err = events[-1]
+    assert isinstance(err, StreamError)
+    assert err.kind == "invalid_response" and not err.retryable
+
+
+async def test_broken_tool_arguments_are_invalid_response(fake: OpenAIFake) -> None:
+    fake.push(tool_reply("echo", '{"text": "unterminated'))
+    err = (await events_of(model(fake), req(user("hi"), tools=[ECHO_SPEC])))[-1]
+    assert isinstance(err, StreamError) and err.kind == "invalid_response"
+
+
+async def test_error_event_inside_stream_is_server_error(fake: OpenAIFake) -> None:
+    fake.push(stream(chunk({"content": "so"}), {"error": {"message": "upstream failed", "type": "server_error"}}))
+    err = (await events_of(model(fake), req(user("hi"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "server"
+
+
+async def test_connection_refused_is_connection_error() -> None:
+    m = OpenAIChatModel("gpt-4o-mini", base_url="http://127.0.0.1:9/v1")
+    err = (await events_of(m, req(user("hi"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "connection"
+
+
+async def test_missing_key_is_auth_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    err = (await events_of(OpenAIChatModel("gpt-4o-mini"), req(user("hi"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "auth"
+
+
+# ------------------------------------------------------------------ end to end
+
+
+async def test_base_url_env_and_registry_string(fake: OpenAIFake, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    m = resolve_model("openai:gpt-4o-mini")
+    assert isinstance(m, OpenAIChatModel)
+    fake.push(tool_reply("echo", '{"text": "ping"}'), text_reply("The tool said: echo: ping"))
+    result = await Agent(model="openai:gpt-4o-mini", tools=[echo]).run("echo ping")
+    assert result.stop_reason == "stop"
+    assert result.text == "The tool said: echo: ping"
+    assert fake.headers[0]["authorization"].startswith("Bearer ")  # a placeholder key for local servers
+
+
+async def test_agent_run_with_real_tool_call(fake: OpenAIFake) -> None:
+    fake.push(tool_reply("echo", '{"text": "hi"}', id="call_7", text="Calling echo."), text_reply("Done: echo: hi"))
+    result = await Agent(model=model(fake), tools=[echo], system_prompt="Use tools.").run("say hi")
+    assert result.ok and result.text == "Done: echo: hi"
+    second = fake.requests[1]["messages"]
+    assert second[0] == {"role": "system", "content": "Use tools."}
+    assert second[2]["role"] == "assistant" and second[2]["content"] == "Calling echo."
+    assert second[2]["tool_calls"][0]["id"] == "call_7"
+    assert second[3] == {"role": "tool", "tool_call_id": "call_7", "content": "echo: hi"}
+    assert result.usage.input > 0 and result.usage.cost.total > 0
+
+
+async def test_fallback_after_primary_keeps_failing(fake: OpenAIFake) -> None:
+    fake.forever = error(500, "down", type="server_error")
+    with OpenAIFake() as good:
+        good.push(text_reply("from the fallback"))
+        agent = Agent(
+            model=model(fake, "gpt-4o"),
+            fallbacks=[OpenAIChatModel("gpt-4o-mini", base_url=good.base_url)],
+            retry=RetryPolicy(max_retries=2, base_delay=0.01),
+        )
+        result = await agent.run("hi")
+    assert result.stop_reason == "stop" and result.text == "from the fallback"
+    assert len(fake.requests) == 3  # one call and two retries
+
+
+async def test_abort_closes_the_stream(fake: OpenAIFake) -> None:
+    reply = text_reply("slow answer " * 20, pieces=40)
+    fake.push(SSEReply(frames=reply.frames, delay=0.05))
+    m = model(fake)
+    seen: list[str] = []
+    gen: AsyncIterator[StreamEvent] = m.stream(req(user("hi")))
+    async for event in gen:
+        seen.append(event.type)
+        if event.type == "text_delta":
+            break
+    await gen.aclose()  # type: ignore[attr-defined]
+    assert seen[-1] == "text_delta"
