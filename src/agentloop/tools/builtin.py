@@ -1,0 +1,39 @@
+"""The built-in tools as one set, bound to a workspace root.
+
+The names are what the model sees; each maps to a syscall (DESIGN §4) whose implementation is the
+plain coroutine named beside it, so the same behaviour can be served by a device later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agentloop.tools.base import Tool
+from agentloop.tools.fs import delete_tool, edit_tool, read_tool, write_tool
+from agentloop.tools.search import search_tool
+from agentloop.tools.shell import shell_tool
+
+__all__ = ["SYSCALLS", "builtin_tools"]
+
+#: model-visible tool name → syscall
+SYSCALLS: dict[str, str] = {
+    "Read": "fs.read",  # fs.read_file
+    "Write": "fs.write",  # fs.write_file
+    "Edit": "fs.edit",  # fs.edit_file
+    "Delete": "fs.delete",  # fs.delete_file
+    "Search": "fs.search",  # search.search_files
+    "Shell": "shell.exec",  # shell.run_shell
+}
+
+
+def builtin_tools(workspace: str | Path, *, shell: bool = True) -> list[Tool]:
+    """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``.
+
+    The root is resolved again on every call, so it may be created or moved after this returns;
+    a call made while it is missing is an error result, not an exception.
+    """
+    root = Path(workspace).expanduser().absolute()
+    tools: list[Tool] = [read_tool(root), write_tool(root), edit_tool(root), delete_tool(root), search_tool(root)]
+    if shell:
+        tools.append(shell_tool(root))
+    return tools

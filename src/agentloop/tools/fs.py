@@ -1,0 +1,325 @@
+"""The file tools: Read, Write, Edit, Delete (syscalls ``fs.read``, ``fs.write``, ``fs.edit``,
+``fs.delete``).
+
+Each syscall is a plain coroutine taking the workspace root first (``read_file(root, path, …)``),
+so a device can serve it without the model layer; ``*_tool(root)`` wraps one as a model-facing
+``Tool``. Blocking file work runs in a worker thread so a large file does not stall the loop.
+Every path goes through ``resolve_path``: nothing here touches a file outside the root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from agentloop.messages import ImageContent, TextContent
+from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
+from agentloop.tools.paths import display, real_root, resolve_path
+
+__all__ = [
+    "delete_file",
+    "delete_tool",
+    "edit_file",
+    "edit_tool",
+    "read_file",
+    "read_tool",
+    "sniff_image",
+    "write_file",
+    "write_tool",
+]
+
+MAX_LINE_CHARS = 2000
+DEFAULT_LIMIT = 2000
+MAX_IMAGE_BYTES = 10 * 1024 * 1024
+_BINARY_PROBE = 8192
+
+_IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".gif", ".webp"})
+
+
+def sniff_image(head: bytes) -> str | None:
+    """The MIME type of an image format models accept, judged by its magic bytes."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if head.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+def _not_found(path: str) -> ToolError:
+    return ToolError(f"File not found: {path}")
+
+
+def _is_dir_error(path: str) -> ToolError:
+    return ToolError(f"{path} is a directory; use Search to find files in it or Shell (ls) to list it")
+
+
+# ------------------------------------------------------------------ Read
+
+
+def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResult:
+    base = real_root(root)
+    real = resolve_path(root, path)
+    if not real.exists():
+        raise _not_found(path)
+    if real.is_dir():
+        raise _is_dir_error(path)
+    rel = display(base, real)
+    with open(real, "rb") as f:
+        head = f.read(_BINARY_PROBE)
+        mime = sniff_image(head)
+        if mime is not None:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_IMAGE_BYTES:
+                raise ToolError(f"{path} is an image of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
+            data = head + f.read()
+            note = f"Image {rel} ({mime}, {len(data)} bytes)"
+            return ToolResult(
+                [TextContent(text=note), ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=mime)],
+                details={"path": rel, "mime_type": mime, "bytes": len(data)},
+            )
+    if b"\x00" in head:
+        hint = (
+            " (its extension says image, but its content is not one)"
+            if real.suffix.lower() in _IMAGE_EXTENSIONS
+            else ""
+        )
+        raise ToolError(f"{path} is a binary file{hint}; it cannot be read as text (try Shell with file or xxd)")
+    return _read_text(real, rel, offset, limit)
+
+
+def _read_text(real: Path, rel: str, offset: int, limit: int) -> ToolResult:
+    lines: list[str] = []
+    total = 0
+    with open(real, encoding="utf-8", errors="replace", newline=None) as f:
+        for total, line in enumerate(f, start=1):
+            if offset <= total < offset + limit:
+                text = line.rstrip("\n")
+                if len(text) > MAX_LINE_CHARS:
+                    text = text[:MAX_LINE_CHARS] + f"… [line truncated, {len(text)} chars]"
+                lines.append(f"{total:>6}\t{text}")
+    details = {"path": rel, "offset": offset, "lines": len(lines), "total_lines": total}
+    if total == 0:
+        return ToolResult.text(f"({rel} is empty)", details=details)
+    if offset > total:
+        raise ToolError(f"offset {offset} is past the end of {rel}, which has {total} lines")
+    out = "\n".join(lines)
+    remaining = total - (offset + len(lines) - 1)
+    if remaining > 0:
+        out += f"\n… {remaining} more lines; use offset={offset + len(lines)} to read on"
+    return ToolResult.text(out, details=details)
+
+
+async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = DEFAULT_LIMIT) -> ToolResult:
+    """``fs.read``: numbered text lines, an image block, or a ``ToolError``."""
+    if offset < 1 or limit < 1:
+        raise ToolError("offset and limit must be at least 1")
+    return await asyncio.to_thread(_read_sync, root, path, offset, limit)
+
+
+# ------------------------------------------------------------------ Write
+
+
+def _write_bytes(real: Path, path: str, data: bytes) -> None:
+    """Write without following a symlink that may have appeared since resolution."""
+    if real.is_dir():
+        raise _is_dir_error(path)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(real, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ToolError(f"Refusing to write {path}: it is a symlink") from None
+        raise ToolError(f"Cannot write {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _write_sync(root: str | Path, path: str, content: str) -> ToolResult:
+    base = real_root(root)
+    real = resolve_path(root, path)
+    existed = real.exists()
+    data = content.encode("utf-8")
+    _write_bytes(real, path, data)
+    rel = display(base, real)
+    verb = "Overwrote" if existed else "Created"
+    return ToolResult.text(f"{verb} {rel} ({len(data)} bytes)", details={"path": rel, "bytes": len(data)})
+
+
+async def write_file(root: str | Path, path: str, content: str) -> ToolResult:
+    """``fs.write``: create or overwrite a UTF-8 text file, making parent directories."""
+    return await asyncio.to_thread(_write_sync, root, path, content)
+
+
+# ------------------------------------------------------------------ Edit
+
+
+def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, replace_all: bool) -> ToolResult:
+    if old_string == "":
+        raise ToolError("old_string is empty; to create or overwrite a file use Write")
+    if old_string == new_string:
+        raise ToolError("old_string and new_string are identical; nothing to change")
+    base = real_root(root)
+    real = resolve_path(root, path)
+    if not real.exists():
+        raise _not_found(path)
+    if real.is_dir():
+        raise _is_dir_error(path)
+    raw = real.read_bytes()
+    if b"\x00" in raw[:_BINARY_PROBE]:
+        raise ToolError(f"{path} is a binary file; Edit works on text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ToolError(f"{path} is not UTF-8 text; Edit cannot change it safely") from None
+    count = text.count(old_string)
+    if count == 0 and "\r\n" in text and "\n" in old_string:
+        # The model writes "\n"; a Windows file has "\r\n". Match in the file's own convention.
+        old_string = old_string.replace("\r\n", "\n").replace("\n", "\r\n")
+        new_string = new_string.replace("\r\n", "\n").replace("\n", "\r\n")
+        count = text.count(old_string)
+    if count == 0:
+        raise ToolError(f"old_string was not found in {path}; Read the file and copy the text exactly")
+    if count > 1 and not replace_all:
+        raise ToolError(
+            f"old_string occurs {count} times in {path}; add surrounding context to make it unique,"
+            " or set replace_all=true to replace every occurrence"
+        )
+    updated = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
+    _write_bytes(real, path, updated.encode("utf-8"))
+    done = count if replace_all else 1
+    rel = display(base, real)
+    noun = "replacement" if done == 1 else "replacements"
+    return ToolResult.text(f"Edited {rel}: {done} {noun}", details={"path": rel, "replacements": done})
+
+
+async def edit_file(
+    root: str | Path, path: str, old_string: str, new_string: str, replace_all: bool = False
+) -> ToolResult:
+    """``fs.edit``: exact string replacement, unique unless ``replace_all``."""
+    return await asyncio.to_thread(_edit_sync, root, path, old_string, new_string, replace_all)
+
+
+# ------------------------------------------------------------------ Delete
+
+
+def _delete_sync(root: str | Path, path: str) -> ToolResult:
+    base = real_root(root)
+    real = resolve_path(root, path, follow_final=False)
+    if real == base:
+        raise ToolError("Refusing to delete the workspace root")
+    rel = display(base, real)
+    if real.is_symlink() or real.is_file():
+        real.unlink()
+        return ToolResult.text(f"Deleted {rel}", details={"path": rel, "kind": "file"})
+    if real.is_dir():
+        try:
+            real.rmdir()
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise ToolError(f"{path} is a directory that is not empty; delete its files first") from None
+            raise ToolError(f"Cannot delete {path}: {exc.strerror}") from None
+        return ToolResult.text(f"Deleted empty directory {rel}", details={"path": rel, "kind": "directory"})
+    if not real.exists():
+        raise _not_found(path)
+    real.unlink()
+    return ToolResult.text(f"Deleted {rel}", details={"path": rel, "kind": "other"})
+
+
+async def delete_file(root: str | Path, path: str) -> ToolResult:
+    """``fs.delete``: a file, a symlink (not its target) or an empty directory; never the root."""
+    return await asyncio.to_thread(_delete_sync, root, path)
+
+
+# ------------------------------------------------------------------ model-facing tools
+
+
+def read_tool(root: str | Path) -> FunctionTool:
+    @tool(
+        name="Read",
+        description=(
+            "Read a text file with line numbers (like cat -n), or view an image (png, jpeg, gif, webp). "
+            f"Returns up to `limit` lines from line `offset`; lines over {MAX_LINE_CHARS} chars are truncated. "
+            "Read a file before you Edit it."
+        ),
+        idempotent=True,
+    )
+    async def read(
+        path: str,
+        offset: Annotated[int, Field(ge=1)] = 1,
+        limit: Annotated[int, Field(ge=1)] = DEFAULT_LIMIT,
+    ) -> ToolResult:
+        """
+        Args:
+            path: File path relative to the workspace root.
+            offset: First line to return (1-based).
+            limit: Maximum number of lines to return.
+        """
+        return await read_file(root, path, offset, limit)
+
+    return read
+
+
+def write_tool(root: str | Path) -> FunctionTool:
+    @tool(
+        name="Write",
+        description=(
+            "Create or overwrite a text file with `content` (UTF-8), creating parent directories. "
+            "Prefer Edit for changing part of an existing file."
+        ),
+    )
+    async def write(path: str, content: str) -> ToolResult:
+        """
+        Args:
+            path: File path relative to the workspace root.
+            content: The complete new file content.
+        """
+        return await write_file(root, path, content)
+
+    return write
+
+
+def edit_tool(root: str | Path) -> FunctionTool:
+    @tool(
+        name="Edit",
+        description=(
+            "Replace an exact string in a file. `old_string` must match the file exactly (whitespace included) "
+            "and occur once, unless replace_all is true. Read the file first."
+        ),
+    )
+    async def edit(path: str, old_string: str, new_string: str, replace_all: bool = False) -> ToolResult:
+        """
+        Args:
+            path: File path relative to the workspace root.
+            old_string: The exact text to replace.
+            new_string: The text to put in its place.
+            replace_all: Replace every occurrence instead of requiring exactly one.
+        """
+        return await edit_file(root, path, old_string, new_string, replace_all)
+
+    return edit
+
+
+def delete_tool(root: str | Path) -> FunctionTool:
+    @tool(
+        name="Delete",
+        description="Delete a file or an empty directory.",
+    )
+    async def delete(path: str) -> ToolResult:
+        """
+        Args:
+            path: Path relative to the workspace root.
+        """
+        return await delete_file(root, path)
+
+    return delete
