@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentloop.models.registry import DEFAULT_MODEL
+from agentloop.models.base import Model
+from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, resolve_model
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
@@ -143,3 +144,17 @@ def load_settings(
         config_path=path,
         warnings=warnings,
     )
+
+
+def open_model(spec: str, progress: Callable[[str], None] | None = None) -> Model:
+    """Resolve ``spec``; the embedded model also reports its (slow) preparation to ``progress``."""
+    provider, model_id = parse_model_string(spec)
+    if provider == "local" and progress is not None:
+        try:
+            from agentloop.models.local import LocalModel
+        except ImportError as exc:
+            raise ModelNotFound(
+                f"the embedded model needs an optional dependency: pip install 'agentloop[local]' ({exc})"
+            ) from exc
+        return LocalModel(model_id, progress=progress)
+    return resolve_model(spec)

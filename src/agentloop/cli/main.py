@@ -1,0 +1,311 @@
+"""``agentloop``: run the loop from a shell.
+
+Every failure a user can cause (unknown provider, missing package, bad workspace, provider
+error) ends in one ``error: …`` line on stderr and exit code 1, never a traceback; set
+``AGENTLOOP_DEBUG=1`` to get the traceback back. Ctrl-C aborts the run properly (tools are
+cancelled, shell children killed) and exits 130.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from agentloop.agent import Agent, RunResult
+from agentloop.cli.config import Settings, load_settings, open_model
+from agentloop.cli.render import (
+    EventSink,
+    Interrupts,
+    JsonRenderer,
+    Progress,
+    TextRenderer,
+    one_line,
+    play,
+    stderr_console,
+)
+from agentloop.models.catalog import CATALOG
+from agentloop.models.registry import parse_model_string
+
+app = typer.Typer(
+    name="agentloop",
+    help="A durable agent-loop runtime: a model, tools, and a loop that streams what it does.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class CliError(Exception):
+    """A failure to report as one line, with exit code 1."""
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("agentloop")
+    except Exception:
+        return "unknown"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"agentloop {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Show the version and exit."),
+    ] = False,
+) -> None:
+    """A durable agent-loop runtime: a model, tools, and a loop that streams what it does."""
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    sys.stderr.write(f"error: {one_line(message, 1000)}\n")
+    sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _guarded() -> Iterator[None]:
+    """The one place where exceptions become ``error:`` lines and exit codes."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:  # outside a run (e.g. while the model loads): nothing to abort
+        sys.stderr.write("\naborted\n")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if os.environ.get("AGENTLOOP_DEBUG"):
+            raise
+        message = str(exc) or type(exc).__name__
+        _fail(message if isinstance(exc, CliError | ValueError | ImportError) else f"{type(exc).__name__}: {message}")
+
+
+def _settings(
+    model: str | None,
+    workspace: Path | None,
+    system: str | None,
+    tool_timeout: float | None = None,
+    max_rounds: int | None = None,
+) -> Settings:
+    settings = load_settings(
+        model=model, system_prompt=system, tool_timeout=tool_timeout, max_rounds=max_rounds, workspace=workspace
+    )
+    for warning in settings.warnings:
+        sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
+    return settings
+
+
+def _workspace(settings: Settings) -> Path:
+    path = (settings.workspace or Path.cwd()).expanduser()
+    if not path.exists():
+        raise CliError(f"workspace {path} does not exist")
+    if not path.is_dir():
+        raise CliError(f"workspace {path} is not a directory")
+    return path.resolve()
+
+
+def _build_agent(settings: Settings, workspace: Path, progress: Progress) -> Agent:
+    from agentloop.tools.builtin import builtin_tools
+
+    provider, _ = parse_model_string(settings.model)
+    if provider == "local":  # the embedded model may take minutes: say so before the silence
+        progress(f"preparing the embedded model {settings.model}…")
+    model = open_model(settings.model, progress)
+    return Agent(
+        model=model,
+        tools=builtin_tools(workspace),
+        system_prompt=settings.system_prompt,
+        tool_timeout=settings.tool_timeout,
+        max_rounds=settings.max_rounds,
+        workspace=workspace,
+    )
+
+
+def _run_once(agent: Agent, prompt: str, sink: EventSink, before_first: Callable[[], None]) -> tuple[RunResult, int]:
+    interrupts = Interrupts()
+
+    async def go() -> RunResult:
+        run = agent.start(prompt, stream=True)
+        with interrupts.abort_on_signal(run):
+            return await play(run, sink, before_first)
+
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(go())
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+    return result, interrupts.exit_code
+
+
+# ---------------------------------------------------------------------------------- commands
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="provider:model (default: $AGENTLOOP_MODEL, the config file, the embedded model)"
+    ),
+]
+WorkspaceOpt = Annotated[
+    Path | None,
+    typer.Option("--workspace", "-w", help="Directory the file and shell tools work in (default: current directory)"),
+]
+SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
+
+
+@app.command()
+def run(
+    prompt: Annotated[str, typer.Argument(help="What to ask; '-' reads it from stdin.", show_default=False)] = "",
+    model: ModelOpt = None,
+    workspace: WorkspaceOpt = None,
+    system: SystemOpt = None,
+    tool_timeout: Annotated[
+        float | None, typer.Option("--tool-timeout", min=0.001, help="Seconds a tool may run (default 60).")
+    ] = None,
+    max_rounds: Annotated[
+        int | None, typer.Option("--max-rounds", min=1, help="Model rounds with tools before a final answer.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print every loop event as a JSON line.")] = False,
+) -> None:
+    """Run one prompt to the end: the answer on stdout, tool activity on stderr."""
+    with _guarded():
+        settings = _settings(model, workspace, system, tool_timeout, max_rounds)
+        if prompt == "-":
+            prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise CliError("empty prompt")
+        ws = _workspace(settings)
+        progress = Progress()
+        agent = _build_agent(settings, ws, progress)
+        sink: EventSink = JsonRenderer() if json_output else TextRenderer()
+        result, interrupted_code = _run_once(agent, prompt, sink, progress.done)
+        progress.done()
+        if result.stop_reason == "aborted":
+            sys.stderr.write("aborted\n")
+            raise typer.Exit(interrupted_code)
+        if result.stop_reason == "error":
+            raise CliError(result.error or "the model call failed")
+        if result.stop_reason not in ("stop", "length") and not json_output:
+            sys.stderr.write(f"(stopped: {result.stop_reason})\n")
+
+
+@app.command()
+def chat(model: ModelOpt = None, workspace: WorkspaceOpt = None, system: SystemOpt = None) -> None:
+    """Talk with the agent; the conversation carries over from turn to turn."""
+    from agentloop.cli.chat import HELP, ChatRepl
+
+    with _guarded():
+        settings = _settings(model, workspace, system)
+        ws = _workspace(settings)
+        progress = Progress()
+        agent = _build_agent(settings, ws, progress)
+        err = stderr_console()
+        err.print(Text(f"agentloop chat · {settings.model} ({settings.model_source}) · {ws}", style="bold"))
+        err.print(Text(HELP, style="dim"))
+        code = ChatRepl(agent, err=err, before_first_event=progress.done).loop()
+        raise typer.Exit(code)
+
+
+def _provider_status(provider: str) -> tuple[bool, str]:
+    env = os.environ
+    if provider == "openai":
+        if env.get("OPENAI_API_KEY"):
+            return True, "OPENAI_API_KEY is set"
+        if env.get("OPENAI_BASE_URL"):
+            return True, "OPENAI_BASE_URL is set"
+        return False, "set OPENAI_API_KEY (or OPENAI_BASE_URL for a compatible server)"
+    if provider == "anthropic":
+        if importlib.util.find_spec("anthropic") is None:
+            return False, "pip install 'agentloop[anthropic]'"
+        if env.get("ANTHROPIC_API_KEY"):
+            return True, "ANTHROPIC_API_KEY is set"
+        if env.get("ANTHROPIC_BASE_URL"):
+            return True, "ANTHROPIC_BASE_URL is set"
+        return False, "set ANTHROPIC_API_KEY (or ANTHROPIC_BASE_URL)"
+    return False, ""
+
+
+def _local_status() -> list[tuple[str, bool, str]]:
+    try:
+        from agentloop.models.local import local_model_status
+
+        return list(local_model_status())
+    except Exception as exc:  # the module or its dependency is missing: say how to get it
+        ids = [info.id for info in CATALOG.values() if info.provider == "local"]
+        return [(i, False, f"pip install 'agentloop[local]' ({one_line(str(exc), 80)})") for i in ids]
+
+
+def _price(provider: str, model_id: str) -> str:
+    info = CATALOG.get(f"{provider}:{model_id}")
+    if info is None:
+        return ""
+    if provider == "local":
+        return "free"
+    return f"${info.input_cost:g} / ${info.output_cost:g}"
+
+
+def _window(provider: str, model_id: str) -> str:
+    info = CATALOG.get(f"{provider}:{model_id}")
+    return f"{info.context_window // 1000}k" if info is not None else ""
+
+
+@app.command()
+def models() -> None:
+    """List providers and models, whether each is usable here, and which one is the default."""
+    with _guarded():
+        settings = _settings(None, None, None)
+        rows: list[tuple[str, str, bool, str]] = []
+        for info in CATALOG.values():
+            if info.provider in ("openai", "anthropic"):
+                usable, why = _provider_status(info.provider)
+                rows.append((info.provider, info.id, usable, why))
+        rows.extend(("local", model_id, usable, why) for model_id, usable, why in _local_status())
+        rows.append(("scripted", "<file.json>", True, "replies from a JSON file, for tests and demos"))
+
+        table = Table(title="models", title_justify="left")
+        table.add_column("model")
+        table.add_column("context", justify="right")
+        table.add_column("$ per Mtok in/out")
+        table.add_column("usable")
+        table.add_column("notes")
+        for provider, model_id, usable, why in rows:
+            name = f"{provider}:{model_id}"
+            default = name == settings.model
+            table.add_row(
+                Text(name + (" *" if default else ""), style="bold" if default else ""),
+                _window(provider, model_id),
+                _price(provider, model_id),
+                Text("yes", style="green") if usable else Text("no", style="red"),
+                why,
+            )
+        console = Console(soft_wrap=False)
+        console.print(table)
+        listed = any(f"{p}:{m}" == settings.model for p, m, _, _ in rows)
+        console.print(
+            f"default: {settings.model} (from {settings.model_source})" + ("" if listed else " — not in the catalog")
+        )
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,283 @@
+"""Loop events as a terminal shows them.
+
+The answer goes to stdout and nothing else does, so ``agentloop run … > answer.txt`` captures
+only the answer; tool activity, retries and progress go to stderr, one compact line each. The
+JSON form prints one event per line and leaves out the live partial message of
+``message_update`` (the delta is enough, and repeating the growing message would make the output
+quadratic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, TextIO
+
+from rich.console import Console
+from rich.text import Text
+
+from agentloop.agent import Run, RunResult
+from agentloop.events import (
+    AgentEnd,
+    AgentStart,
+    LoopEvent,
+    MessageStart,
+    MessageUpdate,
+    ModelRetry,
+    TextDelta,
+    ThinkingDelta,
+    ToolExecutionEnd,
+    ToolExecutionStart,
+    TurnEnd,
+    event_to_dict,
+)
+from agentloop.messages import AssistantMessage
+
+# The argument most worth showing for a call, by name, in order of preference.
+_MAIN_ARGS = ("path", "file", "file_path", "command", "cmd", "pattern", "query", "url", "name")
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """Collapse whitespace so a message never breaks the one-line-per-event layout."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def describe_call(name: str, args: dict[str, Any]) -> str:
+    for key in _MAIN_ARGS:
+        value = args.get(key)
+        if isinstance(value, str) and value:
+            return f"{name} {one_line(value, 100)}"
+    if not args:
+        return name
+    return f"{name} {one_line(json.dumps(args, ensure_ascii=False, default=str), 100)}"
+
+
+class EventSink(Protocol):
+    def handle(self, event: LoopEvent) -> None: ...
+
+
+def stderr_console(err: TextIO | None = None) -> Console:
+    """Rich on stderr, never wrapping: a wrapped tool line would read as two events."""
+    return Console(file=err if err is not None else sys.stderr, soft_wrap=True, highlight=False)
+
+
+class TextRenderer:
+    """Streams the answer text to ``out`` and tool activity to ``err``.
+
+    ``on_wait(True)`` is called whenever the user would otherwise stare at nothing (the run
+    started, or tools finished and the model is thinking again) and ``on_wait(False)`` before the
+    next visible output, so an interactive caller can show a spinner in between.
+    """
+
+    def __init__(
+        self,
+        out: TextIO | None = None,
+        err: Console | None = None,
+        *,
+        on_wait: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else stderr_console()
+        self.on_wait = on_wait
+        self._calls: dict[str, str] = {}
+        self._at_line_start = True
+        self._wrote_text = False
+        self._waiting = False
+        self._out_is_tty = _isatty(self.out)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _wait(self, waiting: bool) -> None:
+        if waiting != self._waiting:
+            self._waiting = waiting
+            if self.on_wait is not None:
+                self.on_wait(waiting)
+
+    def _write(self, text: str) -> None:
+        self._wait(False)
+        self.out.write(text)
+        self.out.flush()
+        self._at_line_start = text.endswith("\n")
+        self._wrote_text = True
+
+    def end_line(self) -> None:
+        """Finish a half-written answer line, so what follows starts on its own line."""
+        if not self._at_line_start:
+            self.out.write("\n")
+            self.out.flush()
+            self._at_line_start = True
+
+    def note(self, text: Text | str) -> None:
+        """A line on stderr. On a terminal stdout and stderr share the screen: break the answer first."""
+        self._wait(False)
+        if self._out_is_tty:
+            self.end_line()
+        self.err.print(text)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def handle(self, event: LoopEvent) -> None:
+        if isinstance(event, AgentStart):
+            self._wait(True)
+        elif isinstance(event, MessageStart):
+            if isinstance(event.message, AssistantMessage) and self._wrote_text:
+                self.end_line()  # text of separate assistant messages is not glued together
+        elif isinstance(event, MessageUpdate):
+            if isinstance(event.event, TextDelta) and event.event.delta:
+                self._write(event.event.delta)
+            elif isinstance(event.event, ThinkingDelta):
+                self._wait(True)
+        elif isinstance(event, ToolExecutionStart):
+            label = describe_call(event.tool_name, event.args)
+            self._calls[event.tool_call_id] = label
+            self.note(Text.assemble(("▸ ", "cyan"), label))
+        elif isinstance(event, ToolExecutionEnd):
+            label = self._calls.pop(event.tool_call_id, event.tool_name)
+            if event.is_error:
+                self.note(Text.assemble(("✗ ", "red"), label, (": " + one_line(event.result.text), "red")))
+            else:
+                self.note(Text.assemble(("✓ ", "green"), (label, "dim")))
+        elif isinstance(event, TurnEnd):
+            if event.tool_results:
+                self._wait(True)  # the model reads the results next
+        elif isinstance(event, ModelRetry):
+            self.note(
+                Text(
+                    f"↻ {event.model}: {one_line(event.error)} — retry {event.attempt} in {event.delay:.1f}s",
+                    style="yellow",
+                )
+            )
+            self._wait(True)
+        elif isinstance(event, AgentEnd):
+            self._wait(False)
+            self.end_line()
+
+
+class JsonRenderer:
+    """One JSON object per line on ``out``, flushed per event so a pipe sees it at once."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out if out is not None else sys.stdout
+
+    @staticmethod
+    def to_dict(event: LoopEvent) -> dict[str, Any]:
+        if isinstance(event, MessageUpdate):
+            return {"type": event.type, "event": event_to_dict(event.event)}
+        data = event_to_dict(event)
+        if isinstance(event, MessageStart) and isinstance(event.message, AssistantMessage):
+            # The streamed message is live: by now it may hold text its deltas are about to repeat.
+            data["message"]["content"] = []
+        return data
+
+    def handle(self, event: LoopEvent) -> None:
+        self.out.write(json.dumps(self.to_dict(event), ensure_ascii=False) + "\n")
+        self.out.flush()
+
+
+class Progress:
+    """Status lines while a model is prepared (the embedded model's first start takes minutes).
+
+    On a terminal each line replaces the previous one; elsewhere lines are printed, but a stream
+    of percentage updates is thinned to one line every few seconds so logs stay readable.
+    """
+
+    def __init__(self, err: TextIO | None = None, *, min_interval: float = 2.0) -> None:
+        self.err = err if err is not None else sys.stderr
+        self.tty = _isatty(self.err)
+        self.min_interval = min_interval
+        self._lock = threading.Lock()
+        self._open = False  # a line on the terminal waits to be replaced or cleared
+        self._last_shape = ""
+        self._last_time = 0.0
+
+    def __call__(self, line: str) -> None:
+        text = one_line(str(line), 200)
+        if not text:
+            return
+        with self._lock:
+            if self.tty:
+                self.err.write(f"\r\x1b[K⋯ {text}")
+                self._open = True
+            else:
+                shape = re.sub(r"[\d.,]+", "#", text)
+                now = time.monotonic()
+                if shape == self._last_shape and now - self._last_time < self.min_interval:
+                    return
+                self._last_shape, self._last_time = shape, now
+                self.err.write(f"⋯ {text}\n")
+            self.err.flush()
+
+    def done(self) -> None:
+        with self._lock:
+            if self._open:
+                self.err.write("\r\x1b[K")
+                self.err.flush()
+                self._open = False
+
+
+async def play(run: Run, sink: EventSink, before_first: Callable[[], None] | None = None) -> RunResult:
+    """Drive a streaming run, handing each event to ``sink``; return its result."""
+    first = True
+    async for event in run.events():
+        if first and before_first is not None:
+            before_first()
+        first = False
+        sink.handle(event)
+    return await run.result()
+
+
+class Interrupts:
+    """Turns SIGINT (and SIGTERM) into ``Run.abort()`` while a run is active.
+
+    Aborting, not raising, is what lets the loop cancel the tools (the Shell tool kills its
+    process group) and close the history properly. A second signal while the abort is still
+    under way means the user has given up waiting: exit at once.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGINT)
+
+    @contextmanager
+    def abort_on_signal(self, run: Run, on_abort: Callable[[], None] | None = None) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+
+        def handler(signum: int) -> None:
+            if self.received is not None:
+                os._exit(128 + signum)
+            self.received = signum
+            if on_abort is not None:
+                on_abort()
+            run.abort()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, handler, int(sig))
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+                pass
+        try:
+            yield
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
