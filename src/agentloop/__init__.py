@@ -2,7 +2,8 @@
 
 from agentloop.agent import Agent, AgentBusy, Run, RunResult
 from agentloop.loop.guards import Guards
-from agentloop.loop.hooks import Block, Hooks, ToolCallInfo
+from agentloop.loop.hooks import Block, Hooks, ToolCallInfo, TurnInfo
+from agentloop.loop.reveal import ToolReveal
 from agentloop.messages import (
     AssistantMessage,
     ImageContent,
@@ -50,6 +51,8 @@ __all__ = [
     "ToolError",
     "ToolResult",
     "ToolResultMessage",
+    "ToolReveal",
+    "TurnInfo",
     "Usage",
     "UserMessage",
     "call",

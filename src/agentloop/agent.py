@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from agentloop.events import AgentEnd, LoopEvent
 from agentloop.loop.guards import Guards
@@ -37,6 +37,12 @@ from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool, ToolLike, as_tool
 
 Input = str | Message | Sequence[Message]
+
+
+class Piece(Protocol):
+    """A composable piece of behaviour: it installs its tools and hooks into an agent's config."""
+
+    def install(self, config: LoopConfig) -> None: ...
 
 
 class AgentBusy(RuntimeError):
@@ -230,6 +236,12 @@ class Agent:
             temperature=temperature,
         )
         self._active: set[Run] = set()
+
+    def use(self, *pieces: Piece) -> Agent:
+        """Add behaviour made of tools and hooks, e.g. ``agent.use(ToolReveal(hidden=[...]))``."""
+        for piece in pieces:
+            piece.install(self.config)
+        return self
 
     @property
     def model(self) -> Model:

@@ -1,0 +1,138 @@
+"""Hidden tools, revealed on demand: keep the model's tool list short until it needs more.
+
+``ToolReveal`` is a piece you add to an agent (``agent.use(ToolReveal(hidden=[...]))``). The hidden
+tools are registered but not shown; the model sees a ``request_tools`` tool whose description lists
+them by name and summary, and calling it reveals the named tools from the next round on. A visible
+tool is never taken away in the middle of a run.
+
+The revealed set is read back from the history (the ``request_tools`` results), not kept aside, so
+a run that is resumed from its stored history sees the same tools. An optional *preflight* asks a
+(cheap) model once per run which hidden tools the request will need; if it fails or answers
+nonsense, the run simply starts without extra tools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from agentloop.loop.hooks import TurnInfo
+from agentloop.loop.state import LoopConfig
+from agentloop.messages import Message, ToolResultMessage, UserMessage, user
+from agentloop.models.base import Model, ModelRequest
+from agentloop.models.registry import resolve_model
+from agentloop.tools.base import Tool, ToolLike, ToolResult, as_tool
+
+log = logging.getLogger("agentloop.reveal")
+
+REQUEST_TOOLS = "request_tools"
+
+_PREFLIGHT_PROMPT = (
+    "You choose tools for an assistant. Given the user's request and a list of optional tools, answer with "
+    'JSON only: {"visibleTools": [names of the optional tools the request will need]}. '
+    "Choose none when none is clearly needed."
+)
+
+
+def _summary(tool: Tool) -> str:
+    first = tool.description.strip().splitlines()[0] if tool.description.strip() else ""
+    return f"- {tool.name}: {first}" if first else f"- {tool.name}"
+
+
+class ToolReveal:
+    """Hidden tools plus the ``request_tools`` tool that reveals them; see the module docstring."""
+
+    def __init__(self, hidden: Iterable[ToolLike], *, preflight: str | Model | None = None) -> None:
+        self.hidden: dict[str, Tool] = {t.name: t for t in map(as_tool, hidden)}
+        if not self.hidden:
+            raise ValueError("ToolReveal needs at least one hidden tool")
+        self.preflight_model = resolve_model(preflight) if preflight is not None else None
+        self._preflight: OrderedDict[str, list[str]] = OrderedDict()  # run id -> names chosen up front
+        catalogue = "\n".join(_summary(t) for t in self.hidden.values())
+
+        async def request_tools(names: list[str], reason: str = "") -> ToolResult:
+            wanted = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+            added = [n for n in wanted if n in self.hidden]
+            unknown = [n for n in wanted if n not in self.hidden]
+            text = f"Available from your next step: {', '.join(added)}." if added else "No tool was added."
+            if unknown:
+                text += f" Not available: {', '.join(unknown)} (choose from: {', '.join(sorted(self.hidden))})."
+            return ToolResult.text(text, details={"added": added, "unknown": unknown})
+
+        self.request_tool = Tool.from_schema(
+            REQUEST_TOOLS,
+            "Ask for more tools. They become callable from your next step. Optional tools:\n" + catalogue,
+            {
+                "type": "object",
+                "properties": {
+                    "names": {"type": "array", "items": {"type": "string"}, "description": "Tool names to add."},
+                    "reason": {"type": "string", "description": "Why they are needed."},
+                },
+                "required": ["names"],
+            },
+            request_tools,
+        )
+
+    def install(self, config: LoopConfig) -> None:
+        """Register the hidden tools and ``request_tools``, and filter each round's tool list."""
+        for name in (*self.hidden, REQUEST_TOOLS):
+            if name in config.tools:
+                raise ValueError(f"tool {name!r} is registered twice")
+        config.tools.update(self.hidden)
+        config.tools[REQUEST_TOOLS] = self.request_tool
+        config.hooks.on("pre_tool_materialization")(self._materialize)
+
+    def revealed(self, messages: list[Message]) -> set[str]:
+        """Hidden tools revealed so far in this history."""
+        found: set[str] = set()
+        for msg in messages:
+            if isinstance(msg, ToolResultMessage) and msg.tool_name == REQUEST_TOOLS and isinstance(msg.details, dict):
+                found.update(n for n in msg.details.get("added", []) if n in self.hidden)
+        return found
+
+    async def _materialize(self, info: TurnInfo) -> list[Any]:
+        visible = self.revealed(info.messages)
+        if self.preflight_model is not None:
+            visible.update(await self._preflight_choice(info))
+        if visible >= set(self.hidden):
+            return [t for t in info.tools if t.name != REQUEST_TOOLS]
+        return [t for t in info.tools if t.name not in self.hidden or t.name in visible]
+
+    async def _preflight_choice(self, info: TurnInfo) -> list[str]:
+        cached = self._preflight.get(info.run_id)
+        if cached is not None:
+            return cached
+        chosen: list[str] = []
+        assert self.preflight_model is not None
+        request_text = next((m.text for m in reversed(info.messages) if isinstance(m, UserMessage)), "")
+        candidates = [{"name": t.name, "summary": t.description.strip()[:200]} for t in self.hidden.values()]
+        prompt = json.dumps({"request": request_text[:2000], "optionalTools": candidates})
+        try:
+            answer = await self.preflight_model.complete(
+                ModelRequest(system_prompt=_PREFLIGHT_PROMPT, messages=[user(prompt)], max_tokens=200)
+            )
+            chosen = _parse_choice(answer.text, set(self.hidden))
+        except Exception as exc:  # a preflight never fails the turn
+            log.warning("tool preflight failed, starting without extra tools: %s", exc)
+        self._preflight[info.run_id] = chosen
+        while len(self._preflight) > 256:
+            self._preflight.popitem(last=False)
+        return chosen
+
+
+def _parse_choice(text: str, allowed: set[str]) -> list[str]:
+    match = re.search(r"\{.*\}", text, re.DOTALL)
+    if not match:
+        return []
+    try:
+        data = json.loads(match.group(0))
+    except json.JSONDecodeError:
+        return []
+    names = data.get("visibleTools") if isinstance(data, dict) else None
+    if not isinstance(names, list):
+        return []
+    return sorted({n.strip() for n in names if isinstance(n, str) and n.strip() in allowed})

@@ -1,0 +1,83 @@
+"""Hidden tools revealed by ``request_tools`` or by a preflight call."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.loop.reveal import ToolReveal
+from agentloop.models.base import ProviderError
+
+
+@tool
+def echo(text: str) -> str:
+    """Echo the text."""
+    return text
+
+
+@tool
+def weather(city: str) -> str:
+    """Tell the weather in a city."""
+    return f"sunny in {city}"
+
+
+@tool
+def stock(symbol: str) -> str:
+    """Quote a stock price."""
+    return f"{symbol}: 42"
+
+
+def names(request) -> list[str]:
+    return sorted(t.name for t in request.tools)
+
+
+async def test_request_tools_reveals_for_the_next_round():
+    model = ScriptedModel(
+        [
+            Reply(tool_calls=[call("request_tools", names=["weather", "teleport"], reason="user asks")]),
+            Reply(tool_calls=[call("weather", city="Oslo")]),
+            "It is sunny.",
+        ]
+    )
+    agent = Agent(model=model, tools=[echo]).use(ToolReveal(hidden=[weather, stock]))
+    result = await agent.run("weather in Oslo?")
+    assert names(model.requests[0]) == ["echo", "request_tools"]
+    assert "weather: Tell the weather in a city." in model.requests[0].tools[1].description
+    assert names(model.requests[1]) == ["echo", "request_tools", "weather"]
+    first = next(m for m in result.messages if isinstance(m, ToolResultMessage))
+    assert "weather" in first.text and "Not available: teleport" in first.text
+    assert result.text == "It is sunny."
+    # a later run on the same history keeps the revealed tool: the set is read from the history
+    again = ScriptedModel(["ok"])
+    follow = Agent(model=again, tools=[echo]).use(ToolReveal(hidden=[weather, stock]))
+    await follow.run("and tomorrow?", history=result.messages)
+    assert "weather" in names(again.requests[0])
+
+
+async def test_hidden_tools_cannot_be_called_before_reveal_is_shown_but_run_goes_on():
+    model = ScriptedModel([Reply(tool_calls=[call("request_tools", names=["weather", "stock"])]), "done"])
+    agent = Agent(model=model).use(ToolReveal(hidden=[weather, stock]))
+    await agent.run("go")
+    assert names(model.requests[1]) == ["stock", "weather"]  # all revealed: request_tools is no longer shown
+
+
+async def test_preflight_reveals_up_front_and_failures_are_harmless():
+    chooser = ScriptedModel(['Sure: {"visibleTools": ["stock", "nonsense"]}'])
+    model = ScriptedModel(["fine", "fine again"])
+    agent = Agent(model=model).use(ToolReveal(hidden=[weather, stock], preflight=chooser))
+    await agent.run("price of ACME?")
+    assert names(model.requests[0]) == ["request_tools", "stock"]
+    assert "price of ACME?" in chooser.requests[0].messages[0].text
+
+    broken = ScriptedModel([ProviderError("down", kind="auth")])
+    model2 = ScriptedModel(["fine"])
+    agent2 = Agent(model=model2).use(ToolReveal(hidden=[weather], preflight=broken))
+    result = await agent2.run("hi")
+    assert result.text == "fine" and names(model2.requests[0]) == ["request_tools"]
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="at least one hidden tool"):
+        ToolReveal(hidden=[])
+    with pytest.raises(ValueError, match="registered twice"):
+        Agent(model=ScriptedModel([]), tools=[weather]).use(ToolReveal(hidden=[weather]))
