@@ -12,6 +12,7 @@ plain string, and reasoning arrives under either ``reasoning_content`` or ``reas
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import AsyncGenerator
@@ -130,7 +131,7 @@ class OpenAIChatModel(Model):
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
         params = self.build_params(request)
         create = cast(Any, self.client.chat.completions.create)  # overloads cannot see `stream` in a dict
-        response: openai.AsyncStream[Any] = await create(**params)
+        response: openai.AsyncStream[Any] = await create(**sdk_kwargs(create, params))
         yield out.start()
         finish: str | None = None
         usage: Usage | None = None
@@ -200,6 +201,17 @@ class OpenAIChatModel(Model):
         if isinstance(exc, ValueError | TypeError | AttributeError | KeyError | pydantic.ValidationError):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)
+
+
+def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """Body fields the SDK method does not name (server extras like vLLM's ``top_k``) travel in
+    ``extra_body`` instead of failing as unexpected arguments."""
+    known = inspect.signature(create).parameters
+    kwargs = {k: v for k, v in params.items() if k in known}
+    extra = {k: v for k, v in params.items() if k not in known}
+    if extra:
+        kwargs["extra_body"] = {**kwargs.get("extra_body", {}), **extra}
+    return kwargs
 
 
 def classify_status(status: int, text: str, headers: object) -> ProviderError:

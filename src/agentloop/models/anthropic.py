@@ -1,0 +1,409 @@
+"""Anthropic's Messages API through the official ``anthropic`` SDK (an optional extra).
+
+The SDK does HTTP and SSE; this module maps our history onto Anthropic's stricter shape (one
+system prompt, alternating roles, tool results as blocks of a user message, signed thinking) and
+the streamed events back onto the protocol. SDK retries are off: the loop owns retrying.
+
+Two facts shape the conversion. Thinking blocks carry a signature that only the model that wrote
+them can verify, so they are replayed as thinking only to that model and as plain text to any
+other. And runtime notices (``SystemMessage``) in mid-history cannot be system prompts here, so
+they travel as marked user text, in their place.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import AsyncGenerator
+from typing import Any, cast
+
+import anthropic
+import pydantic
+from anthropic import AsyncAnthropic
+
+try:  # the transport under the SDK: httpx2 in anthropic 2.x, httpx before
+    from httpx2 import TimeoutException, TransportError
+except ImportError:  # pragma: no cover
+    from httpx import TimeoutException, TransportError  # type: ignore[assignment]
+
+from agentloop.events import ErrorKind, StreamEvent
+from agentloop.messages import (
+    AssistantMessage,
+    ImageContent,
+    StopReason,
+    SystemMessage,
+    TextContent,
+    ThinkingContent,
+    ToolCall,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+)
+from agentloop.models.base import (
+    AssistantBuilder,
+    Model,
+    ModelInfo,
+    ModelRequest,
+    ProviderError,
+    make_usage,
+)
+from agentloop.models.catalog import model_info
+from agentloop.models.overflow import is_overflow_text
+from agentloop.models.replay import clean_history, safe_tool_id
+from agentloop.models.retry import retry_after_from_headers
+
+PLACEHOLDER_KEY = "sk-ant-local-no-key"
+TOOL_ID_MAX = 64
+NOTICE_PREFIX = "[system notice] "
+EPHEMERAL = {"type": "ephemeral"}
+
+_STOP: dict[str, StopReason] = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "refusal": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "toolUse",
+}
+# ``error.type`` of an error event inside a 200 stream -> our kind
+_STREAM_ERRORS: dict[str, ErrorKind] = {
+    "overloaded_error": "rate_limit",
+    "rate_limit_error": "rate_limit",
+    "api_error": "server",
+    "timeout_error": "timeout",
+    "authentication_error": "auth",
+    "permission_error": "auth",
+    "invalid_request_error": "bad_request",
+    "request_too_large": "bad_request",
+}
+_CLIENT_OPTIONS = ("timeout", "default_headers")
+
+
+class AnthropicModel(Model):
+    """A Claude model. ``thinking_budget`` (tokens) turns on extended thinking.
+
+    ``prompt_cache`` marks the system prompt and the newest message as cache breakpoints, so a
+    long conversation pays full price for its prefix once. Other ``options`` (``top_k``,
+    ``metadata``, ...) go into every request body; ``timeout`` and ``default_headers`` configure
+    the client.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        client: AsyncAnthropic | None = None,
+        info: ModelInfo | None = None,
+        thinking_budget: int | None = None,
+        prompt_cache: bool = True,
+        **options: Any,
+    ) -> None:
+        self.model_id = model_id
+        self.info = info or model_info("anthropic", model_id)
+        self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or None
+        key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
+        if key is None and self.base_url is not None:
+            key = PLACEHOLDER_KEY
+        self._api_key = key
+        self.thinking_budget = thinking_budget
+        self.prompt_cache = prompt_cache
+        self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
+        self.options = options
+        self._client = client
+
+    @property
+    def client(self) -> AsyncAnthropic:
+        """Built on first use, so that an agent can be configured before a key exists."""
+        if self._client is None:
+            if self._api_key is None:
+                raise ProviderError(
+                    "no Anthropic API key: set ANTHROPIC_API_KEY (or ANTHROPIC_BASE_URL for a proxy)", kind="auth"
+                )
+            self._client = AsyncAnthropic(
+                api_key=self._api_key, base_url=self.base_url, max_retries=0, **self._client_options
+            )
+        return self._client
+
+    # ------------------------------------------------------------------ request
+
+    def build_params(self, request: ModelRequest) -> dict[str, Any]:
+        """The request body (minus transport details)."""
+        messages = to_anthropic_messages(request.messages, self.info)
+        max_tokens = request.max_tokens or self.info.max_output
+        params: dict[str, Any] = {"model": self.model_id, "messages": messages, "stream": True}
+        if request.system_prompt:
+            block: dict[str, Any] = {"type": "text", "text": request.system_prompt}
+            if self.prompt_cache:
+                block["cache_control"] = EPHEMERAL
+            params["system"] = [block]
+        if self.prompt_cache and messages:
+            last = messages[-1]["content"][-1]
+            if last.get("type") not in ("thinking", "redacted_thinking"):
+                last["cache_control"] = EPHEMERAL
+        if request.tools:
+            params["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.parameters} for t in request.tools
+            ]
+        if self.thinking_budget:
+            params["thinking"] = {"type": "enabled", "budget_tokens": self.thinking_budget}
+            max_tokens = max(max_tokens, self.thinking_budget + 1024)  # the budget must fit in max_tokens
+        elif request.temperature is not None:  # thinking requires the default temperature
+            params["temperature"] = request.temperature
+        params["max_tokens"] = max_tokens
+        params.update(self.options)
+        return params
+
+    # ------------------------------------------------------------------ response
+
+    async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
+        create = cast(Any, self.client.messages.create)  # overloads cannot see `stream` in a dict
+        response: anthropic.AsyncStream[Any] = await create(**sdk_kwargs(create, self.build_params(request)))
+        yield out.start()
+        reader = _EventReader(self.info, out)
+        async with response:
+            try:
+                async for event in response:
+                    for ev in reader.read(event):
+                        yield ev
+                    if reader.stop is not None:
+                        break
+            except (anthropic.APIConnectionError, TransportError) as exc:  # the SDK lets transport errors through
+                timed_out = isinstance(exc, anthropic.APITimeoutError | TimeoutException)
+                kind: ErrorKind = "timeout" if timed_out else "connection"
+                raise ProviderError(_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+        if reader.stop is None:
+            raise ProviderError(_broken("the stream ended before the answer was finished", out), kind="connection")
+        for ev in out.finish(reader.stop, reader.usage()):
+            yield ev
+
+    # ------------------------------------------------------------------ errors
+
+    def classify(self, exc: BaseException) -> ProviderError:
+        if isinstance(exc, ProviderError):
+            return exc
+        if isinstance(exc, anthropic.APITimeoutError | TimeoutException):
+            return ProviderError(f"the request to {self.name} timed out", kind="timeout")
+        if isinstance(exc, anthropic.APIConnectionError | TransportError):
+            where = self.base_url or "the Anthropic API"
+            return ProviderError(f"cannot reach {where}: {_cause(exc)}", kind="connection")
+        if isinstance(exc, anthropic.APIStatusError):
+            return _classify_status(exc)
+        if isinstance(exc, anthropic.APIResponseValidationError):
+            return ProviderError(f"unreadable response: {exc}", kind="invalid_response")
+        if isinstance(exc, ValueError | TypeError | AttributeError | KeyError | pydantic.ValidationError):
+            return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
+        return super().classify(exc)
+
+
+def _classify_status(exc: anthropic.APIStatusError) -> ProviderError:
+    status = exc.status_code
+    etype = _error_field(exc.body, "type")
+    detail = _error_field(exc.body, "message") or exc.message
+    text = f"HTTP {status} {etype}: {detail}" if etype else f"HTTP {status}: {detail}"
+    if status < 400:  # an ``error`` event inside a 200 stream: only the body says what it was
+        kind = _STREAM_ERRORS.get(etype or "", "server")
+        if kind == "bad_request" and is_overflow_text(detail):
+            kind = "overflow"
+        return ProviderError(f"stream error: {text}", kind=kind)
+    if status in (429, 529) or etype == "overloaded_error":
+        retry_after = retry_after_from_headers(exc.response.headers)
+        return ProviderError(text, kind="rate_limit", status=status, retry_after=retry_after)
+    if status >= 500:
+        return ProviderError(
+            text, kind="server", status=status, retry_after=retry_after_from_headers(exc.response.headers)
+        )
+    if status in (401, 403):
+        return ProviderError(text, kind="auth", status=status)
+    if status in (400, 413) and is_overflow_text(f"{detail} {exc.message}"):
+        return ProviderError(text, kind="overflow", status=status)
+    if status == 408:
+        return ProviderError(text, kind="timeout", status=status)
+    return ProviderError(text, kind="bad_request", status=status)
+
+
+def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """Body fields the SDK method does not name (it drops some across versions, and gateways
+    accept extra ones) travel in ``extra_body`` instead of failing as unexpected arguments."""
+    known = inspect.signature(create).parameters
+    kwargs = {k: v for k, v in params.items() if k in known}
+    extra = {k: v for k, v in params.items() if k not in known}
+    if extra:
+        kwargs["extra_body"] = {**kwargs.get("extra_body", {}), **extra}
+    return kwargs
+
+
+def _error_field(body: object, name: str) -> str | None:
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get(name), str):
+            return cast(str, inner[name])
+    return None
+
+
+def _cause(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+
+
+def _broken(what: str, out: AssistantBuilder) -> str:
+    got = len(out.message.text)
+    return f"{what} ({got} characters of text received)" if got else what
+
+
+class _EventReader:
+    """Turns raw Messages stream events into builder calls; keeps usage and the stop reason.
+
+    The builder merges consecutive deltas of one kind into one block, but Anthropic's block
+    boundaries matter (each thinking block has its own signature), so a ``content_block_stop``
+    closes the builder's open block.
+    """
+
+    def __init__(self, info: ModelInfo, out: AssistantBuilder) -> None:
+        self.info = info
+        self.out = out
+        self.kinds: dict[int, str] = {}
+        self.tokens = {"input": 0, "output": 0, "cache_read": 0, "cache_write": 0}
+        self.stop: StopReason | None = None
+        self._stop_reason: str | None = None
+
+    def usage(self) -> Usage:
+        return make_usage(self.info, **self.tokens)
+
+    def _take_usage(self, raw: Any) -> None:
+        if raw is None:
+            return
+        for ours, theirs in (
+            ("input", "input_tokens"),
+            ("output", "output_tokens"),
+            ("cache_read", "cache_read_input_tokens"),
+            ("cache_write", "cache_creation_input_tokens"),
+        ):
+            value = getattr(raw, theirs, None)
+            if value is not None:  # message_delta counts are cumulative: the latest wins
+                self.tokens[ours] = int(value)
+
+    def read(self, event: Any) -> list[StreamEvent]:
+        out = self.out
+        kind = event.type
+        if kind == "message_start":
+            self._take_usage(event.message.usage)
+        elif kind == "content_block_start":
+            return self._block_start(event.index, event.content_block)
+        elif kind == "content_block_delta":
+            return self._block_delta(event.index, event.delta)
+        elif kind == "content_block_stop":
+            if self.kinds.get(event.index) in ("text", "thinking"):
+                return out._close_open()  # see the class docstring
+        elif kind == "message_delta":
+            self._take_usage(event.usage)
+            if event.delta.stop_reason:
+                self._stop_reason = event.delta.stop_reason
+        elif kind == "message_stop":
+            reason = self._stop_reason or "end_turn"
+            self.stop = _STOP.get(reason, "stop")
+        return []
+
+    def _block_start(self, index: int, block: Any) -> list[StreamEvent]:
+        out = self.out
+        self.kinds[index] = block.type
+        if block.type == "text":
+            return out.text(block.text or "")
+        if block.type == "thinking":
+            return out.thinking(block.thinking or "", getattr(block, "signature", None) or None)
+        if block.type == "redacted_thinking":  # opaque: kept only to be replayed to the same model
+            events = out._close_open() + out.thinking("", block.data)
+            thinking = out.message.content[-1]
+            assert isinstance(thinking, ThinkingContent)
+            thinking.redacted = True
+            return events + out._close_open()
+        if block.type in ("tool_use", "server_tool_use"):
+            return out.tool_call(index, block.id, block.name)
+        return []
+
+    def _block_delta(self, index: int, delta: Any) -> list[StreamEvent]:
+        out = self.out
+        if delta.type == "text_delta":
+            return out.text(delta.text)
+        if delta.type == "thinking_delta":
+            return out.thinking(delta.thinking)
+        if delta.type == "signature_delta":
+            return out.thinking("", delta.signature)
+        if delta.type == "input_json_delta" and out.has_tool_call(index):
+            return out.tool_args(index, delta.partial_json)
+        return []
+
+
+# ------------------------------------------------------------------ history conversion
+
+
+def _image(image: ImageContent) -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": image.mime_type, "data": image.data}}
+
+
+def _user_blocks(blocks: list[TextContent | ImageContent]) -> list[dict[str, Any]]:
+    """Text and images; empty text blocks are rejected by the API, so they are left out."""
+    return [
+        _image(b) if isinstance(b, ImageContent) else {"type": "text", "text": b.text}
+        for b in blocks
+        if isinstance(b, ImageContent) or b.text
+    ]
+
+
+def _assistant_blocks(msg: AssistantMessage, info: ModelInfo) -> list[dict[str, Any]]:
+    same_model = msg.provider == info.provider and msg.model == info.id
+    blocks: list[dict[str, Any]] = []
+    for b in msg.content:
+        if isinstance(b, ThinkingContent):
+            if same_model and b.redacted and b.signature:
+                blocks.append({"type": "redacted_thinking", "data": b.signature})
+            elif same_model and b.signature:
+                blocks.append({"type": "thinking", "thinking": b.thinking, "signature": b.signature})
+            elif b.thinking.strip() and not b.redacted:
+                blocks.append({"type": "text", "text": b.thinking})
+        elif isinstance(b, TextContent):
+            if b.text.strip():
+                blocks.append({"type": "text", "text": b.text})
+        elif isinstance(b, ToolCall):
+            blocks.append({"type": "tool_use", "id": b.id, "name": b.name, "input": b.arguments})
+    return blocks
+
+
+def _tool_result(msg: ToolResultMessage) -> dict[str, Any]:
+    block: dict[str, Any] = {"type": "tool_result", "tool_use_id": msg.tool_call_id}
+    content = _user_blocks(msg.content)
+    if content:
+        block["content"] = content
+    if msg.is_error:
+        block["is_error"] = True
+    return block
+
+
+def to_anthropic_messages(messages: list[Any], info: ModelInfo) -> list[dict[str, Any]]:
+    """Our history as alternating user/assistant messages, after replay hygiene.
+
+    Consecutive tool results become one user message of ``tool_result`` blocks; anything else
+    that lands next to a message of the same role is merged into it.
+    """
+    out: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if not blocks:
+            return
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+
+    for msg in clean_history(messages, lambda i: safe_tool_id(i, TOOL_ID_MAX)):
+        if isinstance(msg, UserMessage):
+            add("user", _user_blocks(msg.content))
+        elif isinstance(msg, SystemMessage):
+            add("user", [{"type": "text", "text": NOTICE_PREFIX + msg.text}])
+        elif isinstance(msg, ToolResultMessage):
+            add("user", [_tool_result(msg)])
+        elif isinstance(msg, AssistantMessage):
+            add("assistant", _assistant_blocks(msg, info))
+    return out
