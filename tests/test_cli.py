@@ -104,6 +104,8 @@ def test_run_json_prints_loop_events_in_order(tmp_path: Path, ws: Path) -> None:
     deltas = "".join(e["event"]["delta"] for e in updates if e["event"]["type"] == "text_delta")
     assert deltas == "done"
     assert events[-1]["stop_reason"] == "stop"
+    streamed_starts = [e for e in events if e["type"] == "message_start" and e["message"]["role"] == "assistant"]
+    assert streamed_starts and all(e["message"]["content"] == [] for e in streamed_starts)  # deltas follow
     assert not result.stderr.strip()
 
 
@@ -250,6 +252,32 @@ def test_chat_carries_history_across_turns(ws: Path) -> None:
     assert "(new conversation)" in result.stderr
 
 
+def test_chat_survives_a_failed_turn(ws: Path) -> None:
+    from agentloop.models.base import ProviderError
+
+    capture = ScriptedModel([ProviderError("bad gateway", kind="bad_request"), "recovered"])
+    register_provider("capture", lambda _id: capture)
+    result = runner.invoke(app, ["chat", "-m", "capture:x", "-w", str(ws)], input="one\ntwo\n")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "recovered\n"
+    assert "error: bad gateway" in result.stderr and "Traceback" not in result.stderr
+    assert capture.requests[1].messages[0].text == "one"  # the failed turn's prompt stays in history
+
+
+def test_progress_lines_are_thinned_off_a_terminal() -> None:
+    import io
+
+    from agentloop.cli.render import Progress
+
+    err = io.StringIO()
+    progress = Progress(err, min_interval=60)
+    for mb in range(0, 1000, 10):
+        progress(f"assembling model: {mb}/1000 MB")
+    progress("loading model.gguf")
+    progress.done()
+    assert err.getvalue().splitlines() == ["⋯ assembling model: 0/1000 MB", "⋯ loading model.gguf"]
+
+
 def test_chat_subprocess_with_piped_stdin(tmp_path: Path, ws: Path) -> None:
     model = script(tmp_path / "s.json", [{"tool_calls": [tool_call("Read", path="a.txt")]}, "one", "two"])
     proc = subprocess.run(
@@ -278,8 +306,8 @@ def test_models_lists_providers_and_default(monkeypatch: pytest.MonkeyPatch) -> 
     out = result.stdout
     for name in ("openai:gpt-4o-mini", "anthropic:claude-sonnet-4-5", "local:qwen2.5-coder-1.5b", "scripted:"):
         assert name in out
-    openai_row = next(line for line in out.splitlines() if "openai:gpt-4o-mini" in line)
-    assert "yes" in openai_row and "OPENAI_API_KEY" in openai_row
+    openai_row = next(line for line in out.splitlines() if "openai:gpt-4o " in line)
+    assert "yes" in openai_row and "OPENAI_API_KEY is set" in openai_row
     anthropic_row = next(line for line in out.splitlines() if "claude-sonnet-4-5" in line)
     assert " no " in anthropic_row
     assert f"default: {DEFAULT_MODEL} (from built-in default)" in out

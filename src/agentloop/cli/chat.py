@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -20,7 +19,7 @@ from rich.status import Status
 from rich.text import Text
 
 from agentloop.agent import Agent, RunResult
-from agentloop.cli.render import Interrupts, TextRenderer, one_line, play, stderr_console
+from agentloop.cli.render import Interrupts, Progress, TextRenderer, one_line, play, stderr_console
 from agentloop.messages import Message
 
 HELP = "/new starts a new conversation · /exit or Ctrl-D quits · Ctrl-C aborts a running answer"
@@ -109,11 +108,16 @@ class Spinner:
         self._status: Status | None = Status("thinking…", console=console, spinner="dots") if self.enabled else None
         self._running = False
 
+    def update(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(Text(text))
+
     def __call__(self, on: bool) -> None:
         if self._status is None or on == self._running:
             return
         self._running = on
         if on:
+            self._status.update("thinking…")
             self._status.start()
         else:
             self._status.stop()
@@ -130,16 +134,17 @@ class ChatRepl:
         reader: LineReader | None = None,
         out: TextIO | None = None,
         err: Console | None = None,
-        before_first_event: Callable[[], None] | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.agent = agent
         self.transcript = transcript if transcript is not None else MemoryTranscript()
         self.reader = reader if reader is not None else default_reader()
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else stderr_console()
-        self.before_first_event = before_first_event
+        self.progress = progress
         self.prompt = "› "
         self.last_result: RunResult | None = None
+        self.aborted = False  # a turn was aborted: work that ignores cancellation may still run
 
     def loop(self, event_loop: asyncio.AbstractEventLoop | None = None) -> int:
         """Run until the user quits; the exit code is 0. One event loop serves every turn, so
@@ -189,16 +194,29 @@ class ChatRepl:
         """Run one turn and show it. An aborted or failed turn still joins the conversation
         (its history is valid: open tool calls got cancelled results), so the user can go on."""
         spinner = Spinner(self.err)
-        renderer = TextRenderer(self.out, self.err, on_wait=spinner)
+        progress = self.progress
+        if progress is not None and spinner.enabled:
+            progress.route = spinner.update  # model loading shows in the spinner, not over it
+
+        def waiting(on: bool) -> None:
+            if not on and progress is not None:
+                progress.done()
+            spinner(on)
+
+        renderer = TextRenderer(self.out, self.err, on_wait=waiting)
         run = self.agent.start(text, history=self.transcript.history(), stream=True)
         interrupts = Interrupts()
         try:
             with interrupts.abort_on_signal(run, on_abort=lambda: spinner(False)):
-                result = await play(run, renderer, self.before_first_event)
+                result = await play(run, renderer)
         finally:
             spinner(False)
+            if progress is not None:
+                progress.route = None
+                progress.done()
         self.transcript.record(result.messages)
         if result.stop_reason == "aborted":
+            self.aborted = True
             self.err.print(Text("(aborted)", style="yellow"))
         elif result.stop_reason == "error":
             self.err.print(Text(f"error: {one_line(result.error or 'the model call failed', 400)}", style="red"))

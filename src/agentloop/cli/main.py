@@ -12,7 +12,8 @@ import asyncio
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -91,9 +92,9 @@ def _guarded() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except KeyboardInterrupt:  # outside a run (e.g. while the model loads): nothing to abort
+    except KeyboardInterrupt:  # outside a run: nothing to abort
         sys.stderr.write("\naborted\n")
-        raise typer.Exit(130) from None
+        _exit(130)
     except Exception as exc:
         if os.environ.get("AGENTLOOP_DEBUG"):
             raise
@@ -125,12 +126,13 @@ def _workspace(settings: Settings) -> Path:
     return path.resolve()
 
 
+def _is_embedded(settings: Settings) -> bool:
+    return parse_model_string(settings.model)[0] == "local"
+
+
 def _build_agent(settings: Settings, workspace: Path, progress: Progress) -> Agent:
     from agentloop.tools.builtin import builtin_tools
 
-    provider, _ = parse_model_string(settings.model)
-    if provider == "local":  # the embedded model may take minutes: say so before the silence
-        progress(f"preparing the embedded model {settings.model}…")
     model = open_model(settings.model, progress)
     return Agent(
         model=model,
@@ -142,13 +144,23 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress) -> Age
     )
 
 
-def _run_once(agent: Agent, prompt: str, sink: EventSink, before_first: Callable[[], None]) -> tuple[RunResult, int]:
+def _exit(code: int) -> NoReturn:
+    """Exit after an abort. A worker thread that cannot be cancelled (the embedded model copying
+    a gigabyte, say) would keep the interpreter alive at exit; the user asked to stop, so stop."""
+    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)
+
+
+def _run_once(agent: Agent, prompt: str, sink: EventSink) -> tuple[RunResult, int]:
     interrupts = Interrupts()
 
     async def go() -> RunResult:
         run = agent.start(prompt, stream=True)
         with interrupts.abort_on_signal(run):
-            return await play(run, sink, before_first)
+            return await play(run, sink)
 
     loop = asyncio.new_event_loop()
     try:
@@ -198,12 +210,18 @@ def run(
         ws = _workspace(settings)
         progress = Progress()
         agent = _build_agent(settings, ws, progress)
-        sink: EventSink = JsonRenderer() if json_output else TextRenderer()
-        result, interrupted_code = _run_once(agent, prompt, sink, progress.done)
+        if _is_embedded(settings):  # the first start takes minutes: never leave the user in silence
+            progress(f"starting the embedded model {settings.model}…")
+        sink: EventSink
+        if json_output:
+            sink = JsonRenderer(before_output=progress.done)
+        else:
+            sink = TextRenderer(on_wait=lambda waiting: None if waiting else progress.done())
+        result, interrupted_code = _run_once(agent, prompt, sink)
         progress.done()
         if result.stop_reason == "aborted":
             sys.stderr.write("aborted\n")
-            raise typer.Exit(interrupted_code)
+            _exit(interrupted_code)
         if result.stop_reason == "error":
             raise CliError(result.error or "the model call failed")
         if result.stop_reason not in ("stop", "length") and not json_output:
@@ -222,8 +240,15 @@ def chat(model: ModelOpt = None, workspace: WorkspaceOpt = None, system: SystemO
         agent = _build_agent(settings, ws, progress)
         err = stderr_console()
         err.print(Text(f"agentloop chat · {settings.model} ({settings.model_source}) · {ws}", style="bold"))
+        if _is_embedded(settings):
+            err.print(
+                Text("the embedded model loads with your first message (a first start takes minutes)", style="dim")
+            )
         err.print(Text(HELP, style="dim"))
-        code = ChatRepl(agent, err=err, before_first_event=progress.done).loop()
+        repl = ChatRepl(agent, err=err, progress=progress)
+        code = repl.loop()
+        if repl.aborted:
+            _exit(code)
         raise typer.Exit(code)
 
 
@@ -234,7 +259,7 @@ def _provider_status(provider: str) -> tuple[bool, str]:
             return True, "OPENAI_API_KEY is set"
         if env.get("OPENAI_BASE_URL"):
             return True, "OPENAI_BASE_URL is set"
-        return False, "set OPENAI_API_KEY (or OPENAI_BASE_URL for a compatible server)"
+        return False, "needs OPENAI_API_KEY or OPENAI_BASE_URL"
     if provider == "anthropic":
         if importlib.util.find_spec("anthropic") is None:
             return False, "pip install 'agentloop[anthropic]'"
@@ -242,32 +267,29 @@ def _provider_status(provider: str) -> tuple[bool, str]:
             return True, "ANTHROPIC_API_KEY is set"
         if env.get("ANTHROPIC_BASE_URL"):
             return True, "ANTHROPIC_BASE_URL is set"
-        return False, "set ANTHROPIC_API_KEY (or ANTHROPIC_BASE_URL)"
+        return False, "needs ANTHROPIC_API_KEY or ANTHROPIC_BASE_URL"
     return False, ""
 
 
 def _local_status() -> list[tuple[str, bool, str]]:
+    """Embedded models as ``(bare id, usable, why)``; a missing module becomes an install hint."""
     try:
         from agentloop.models.local import local_model_status
 
-        return list(local_model_status())
-    except Exception as exc:  # the module or its dependency is missing: say how to get it
+        rows = list(local_model_status())
+    except Exception as exc:
         ids = [info.id for info in CATALOG.values() if info.provider == "local"]
         return [(i, False, f"pip install 'agentloop[local]' ({one_line(str(exc), 80)})") for i in ids]
+    return [(i.removeprefix("local:"), usable, why) for i, usable, why in rows]
 
 
-def _price(provider: str, model_id: str) -> str:
+def _facts(provider: str, model_id: str) -> tuple[str, str]:
+    """Context window and price in/out per million tokens, when the catalog knows the model."""
     info = CATALOG.get(f"{provider}:{model_id}")
     if info is None:
-        return ""
-    if provider == "local":
-        return "free"
-    return f"${info.input_cost:g} / ${info.output_cost:g}"
-
-
-def _window(provider: str, model_id: str) -> str:
-    info = CATALOG.get(f"{provider}:{model_id}")
-    return f"{info.context_window // 1000}k" if info is not None else ""
+        return "", ""
+    price = "free" if provider == "local" else f"${info.input_cost:g} / ${info.output_cost:g}"
+    return f"{info.context_window // 1000}k", price
 
 
 @app.command()
@@ -275,35 +297,39 @@ def models() -> None:
     """List providers and models, whether each is usable here, and which one is the default."""
     with _guarded():
         settings = _settings(None, None, None)
+        # (provider, model id, usable, why) — a provider's reason is given once, on its first row
         rows: list[tuple[str, str, bool, str]] = []
-        for info in CATALOG.values():
-            if info.provider in ("openai", "anthropic"):
-                usable, why = _provider_status(info.provider)
-                rows.append((info.provider, info.id, usable, why))
+        for provider in ("openai", "anthropic"):
+            usable, why = _provider_status(provider)
+            ids = [info.id for info in CATALOG.values() if info.provider == provider]
+            rows.extend((provider, model_id, usable, why if n == 0 else "") for n, model_id in enumerate(ids))
         rows.extend(("local", model_id, usable, why) for model_id, usable, why in _local_status())
-        rows.append(("scripted", "<file.json>", True, "replies from a JSON file, for tests and demos"))
+        rows.append(("scripted", "<file.json>", True, "replies from a JSON file (tests, demos)"))
 
-        table = Table(title="models", title_justify="left")
-        table.add_column("model")
-        table.add_column("context", justify="right")
-        table.add_column("$ per Mtok in/out")
-        table.add_column("usable")
-        table.add_column("notes")
+        table = Table(title="models (* = default)", title_justify="left")
+        table.add_column("model", no_wrap=True)
+        table.add_column("context", justify="right", no_wrap=True)
+        table.add_column("$/Mtok in/out", no_wrap=True)
+        table.add_column("usable", no_wrap=True)
+        table.add_column("why", overflow="fold")
+        previous = ""
         for provider, model_id, usable, why in rows:
+            if previous and provider != previous:
+                table.add_section()
+            previous = provider
             name = f"{provider}:{model_id}"
             default = name == settings.model
             table.add_row(
                 Text(name + (" *" if default else ""), style="bold" if default else ""),
-                _window(provider, model_id),
-                _price(provider, model_id),
+                *_facts(provider, model_id),
                 Text("yes", style="green") if usable else Text("no", style="red"),
-                why,
+                Text(why),  # plain text: "agentloop[local]" is not rich markup
             )
         console = Console(soft_wrap=False)
         console.print(table)
         listed = any(f"{p}:{m}" == settings.model for p, m, _, _ in rows)
         console.print(
-            f"default: {settings.model} (from {settings.model_source})" + ("" if listed else " — not in the catalog")
+            Text(f"default: {settings.model} (from {settings.model_source})" + ("" if listed else " — not listed"))
         )
 
 

@@ -116,7 +116,7 @@ class TextRenderer:
             self.out.flush()
             self._at_line_start = True
 
-    def note(self, text: Text | str) -> None:
+    def note(self, text: Text) -> None:
         """A line on stderr. On a terminal stdout and stderr share the screen: break the answer first."""
         self._wait(False)
         if self._out_is_tty:
@@ -165,8 +165,9 @@ class TextRenderer:
 class JsonRenderer:
     """One JSON object per line on ``out``, flushed per event so a pipe sees it at once."""
 
-    def __init__(self, out: TextIO | None = None) -> None:
+    def __init__(self, out: TextIO | None = None, *, before_output: Callable[[], None] | None = None) -> None:
         self.out = out if out is not None else sys.stdout
+        self.before_output = before_output
 
     @staticmethod
     def to_dict(event: LoopEvent) -> dict[str, Any]:
@@ -179,6 +180,8 @@ class JsonRenderer:
         return data
 
     def handle(self, event: LoopEvent) -> None:
+        if self.before_output is not None:
+            self.before_output()
         self.out.write(json.dumps(self.to_dict(event), ensure_ascii=False) + "\n")
         self.out.flush()
 
@@ -198,12 +201,16 @@ class Progress:
         self._open = False  # a line on the terminal waits to be replaced or cleared
         self._last_shape = ""
         self._last_time = 0.0
+        self.route: Callable[[str], None] | None = None  # e.g. a spinner that shows the line instead
 
     def __call__(self, line: str) -> None:
         text = one_line(str(line), 200)
         if not text:
             return
         with self._lock:
+            if self.route is not None:
+                self.route(text)
+                return
             if self.tty:
                 self.err.write(f"\r\x1b[K⋯ {text}")
                 self._open = True
@@ -224,13 +231,9 @@ class Progress:
                 self._open = False
 
 
-async def play(run: Run, sink: EventSink, before_first: Callable[[], None] | None = None) -> RunResult:
+async def play(run: Run, sink: EventSink) -> RunResult:
     """Drive a streaming run, handing each event to ``sink``; return its result."""
-    first = True
     async for event in run.events():
-        if first and before_first is not None:
-            before_first()
-        first = False
         sink.handle(event)
     return await run.result()
 
