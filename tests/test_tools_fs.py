@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,16 @@ async def test_read_binary_missing_and_directory_errors(root: Path) -> None:
         await read_file(root, "nope/missing.txt")
     with pytest.raises(ToolError, match=r"directory.*Search.*Shell"):
         await read_file(root, "sub")
+
+
+async def test_special_files_are_refused_not_blocked_on(root: Path) -> None:
+    os.mkfifo(root / "fifo")
+    with pytest.raises(ToolError, match="not a regular file"):
+        await read_file(root, "fifo")
+    with pytest.raises(ToolError, match="not a regular file"):
+        await write_file(root, "fifo", "x")
+    with pytest.raises(ToolError, match="not a regular file"):
+        await edit_file(root, "fifo", "a", "b")
 
 
 async def test_read_invalid_utf8_is_replaced_not_fatal(root: Path) -> None:

@@ -73,6 +73,8 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
         raise _not_found(path)
     if real.is_dir():
         raise _is_dir_error(path)
+    if not real.is_file():  # a FIFO or device would block the reader forever
+        raise ToolError(f"{path} is not a regular file")
     rel = display(base, real)
     with open(real, "rb") as f:
         head = f.read(_BINARY_PROBE)
@@ -133,6 +135,8 @@ def _write_bytes(real: Path, path: str, data: bytes) -> None:
     """Write without following a symlink that may have appeared since resolution."""
     if real.is_dir():
         raise _is_dir_error(path)
+    if real.exists() and not real.is_file():
+        raise ToolError(f"{path} is not a regular file")
     real.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
@@ -175,6 +179,8 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
         raise _not_found(path)
     if real.is_dir():
         raise _is_dir_error(path)
+    if not real.is_file():
+        raise ToolError(f"{path} is not a regular file")
     raw = real.read_bytes()
     if b"\x00" in raw[:_BINARY_PROBE]:
         raise ToolError(f"{path} is a binary file; Edit works on text")
