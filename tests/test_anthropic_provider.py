@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from agentloop import Agent, tool, user
-from agentloop.events import ModelRetry, StreamDone, StreamError, StreamEvent
+from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
     ImageContent,
@@ -73,6 +73,18 @@ def req(*messages: Any, tools: list[ToolSpec] | None = None, system: str = "") -
     return ModelRequest(system_prompt=system, messages=list(messages), tools=tools or [])
 
 
+def finished(events: list[StreamEvent]) -> StreamDone:
+    last = events[-1]
+    assert isinstance(last, StreamDone), last
+    return last
+
+
+def run_end(events: list[LoopEvent]) -> AgentEnd:
+    last = events[-1]
+    assert isinstance(last, AgentEnd), last
+    return last
+
+
 @tool
 def echo(text: str) -> str:
     """Echo the text."""
@@ -109,7 +121,7 @@ async def test_text_streaming_events_usage_and_cost(fake: AnthropicFake) -> None
 async def test_max_tokens_stop_and_temperature(fake: AnthropicFake) -> None:
     fake.push(stream(message_start(), *text_block(0, "cut"), *message_end("max_tokens")))
     request = ModelRequest(system_prompt="", messages=[user("hi")], max_tokens=9, temperature=0.2)
-    done = (await events_of(model(fake, prompt_cache=False), request))[-1]
+    done = finished(await events_of(model(fake, prompt_cache=False), request))
     assert done.message.stop_reason == "length"
     assert (fake.last["max_tokens"], fake.last["temperature"]) == (9, 0.2)
     assert fake.last["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
@@ -122,7 +134,7 @@ async def test_tool_call_arguments_split_across_chunks(fake: AnthropicFake) -> N
     assert types[:5] == ["start", "text_start", "text_delta", "text_end", "toolcall_start"]
     assert types.count("toolcall_delta") == 4
     assert types[-2:] == ["toolcall_end", "done"]
-    msg = events[-1].message
+    msg = finished(events).message
     assert msg.stop_reason == "toolUse" and msg.text == "Let me echo."
     assert msg.tool_calls == [ToolCall(id="toolu_abc", name="echo", arguments={"text": "hello world"})]
     assert fake.last["tools"] == [{"name": "echo", "description": "Echo text.", "input_schema": ECHO_SPEC.parameters}]
@@ -168,7 +180,7 @@ async def test_thinking_with_signature_and_budget(fake: AnthropicFake) -> None:
     types = [e.type for e in events]
     assert types[:5] == ["start", "thinking_start", "thinking_delta", "thinking_delta", "thinking_end"]
     assert types[5:] == ["thinking_start", "thinking_end", "text_start", "text_delta", "text_end", "done"]
-    msg = events[-1].message
+    msg = finished(events).message
     assert msg.content == [
         ThinkingContent(thinking="Let me think about it.", signature="sig-123"),
         ThinkingContent(thinking="", signature="opaque==", redacted=True),
@@ -297,7 +309,7 @@ async def test_rate_limit_honours_retry_after_then_succeeds(fake: AnthropicFake)
     retries = [e for e in events if isinstance(e, ModelRetry)]
     assert len(retries) == 1 and retries[0].delay == pytest.approx(0.2)
     assert elapsed >= 0.2
-    assert events[-1].stop_reason == "stop" and len(fake.requests) == 2
+    assert run_end(events).stop_reason == "stop" and len(fake.requests) == 2
 
 
 async def test_overloaded_529_is_rate_limit(fake: AnthropicFake) -> None:

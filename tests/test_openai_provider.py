@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from agentloop import Agent, tool, user
-from agentloop.events import ModelRetry, StreamDone, StreamError, StreamEvent
+from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
     ImageContent,
@@ -65,6 +65,18 @@ def req(*messages: Any, tools: list[ToolSpec] | None = None, system: str = "") -
     return ModelRequest(system_prompt=system, messages=list(messages), tools=tools or [])
 
 
+def finished(events: list[StreamEvent]) -> StreamDone:
+    last = events[-1]
+    assert isinstance(last, StreamDone), last
+    return last
+
+
+def run_end(events: list[LoopEvent]) -> AgentEnd:
+    last = events[-1]
+    assert isinstance(last, AgentEnd), last
+    return last
+
+
 @tool
 def echo(text: str) -> str:
     """Echo the text."""
@@ -100,7 +112,7 @@ async def test_length_and_options(fake: OpenAIFake) -> None:
     fake.push(text_reply("cut", finish="length"))
     request = ModelRequest(system_prompt="", messages=[user("hi")], max_tokens=7, temperature=0.0)
     m = OpenAIChatModel("gpt-4o-mini", base_url=fake.base_url, seed=3)
-    done = (await events_of(m, request))[-1]
+    done = finished(await events_of(m, request))
     assert done.message.stop_reason == "length"
     assert (fake.last["max_tokens"], fake.last["temperature"], fake.last["seed"]) == (7, 0.0, 3)
 
@@ -112,7 +124,7 @@ async def test_tool_call_arguments_split_across_chunks(fake: OpenAIFake) -> None
     assert types[:5] == ["start", "text_start", "text_delta", "text_end", "toolcall_start"]
     assert types.count("toolcall_delta") == 4
     assert types[-2:] == ["toolcall_end", "done"]
-    msg = events[-1].message
+    msg = finished(events).message
     assert msg.stop_reason == "toolUse"
     assert msg.text == "Let me echo."
     assert msg.tool_calls == [ToolCall(id="call_abc", name="echo", arguments={"text": "hello world"})]
@@ -168,7 +180,7 @@ async def test_reasoning_content_becomes_thinking(fake: OpenAIFake) -> None:
         "text_end",
         "done",
     ]
-    msg = events[-1].message
+    msg = finished(events).message
     assert msg.content == [ThinkingContent(thinking="Let me think. Done thinking."), TextContent(text="42")]
 
 
@@ -264,7 +276,7 @@ async def test_rate_limit_honours_retry_after_then_succeeds(fake: OpenAIFake) ->
     retries = [e for e in events if isinstance(e, ModelRetry)]
     assert len(retries) == 1 and retries[0].delay == pytest.approx(0.2)
     assert elapsed >= 0.2
-    assert events[-1].stop_reason == "stop"
+    assert run_end(events).stop_reason == "stop"
     assert len(fake.requests) == 2
 
 

@@ -31,7 +31,7 @@ def message_start(input: int = 20, cache_read: int = 0, cache_write: int = 0, ou
         "cache_read_input_tokens": cache_read,
         "cache_creation_input_tokens": cache_write,
     }
-    message = {
+    message: dict[str, Any] = {
         "id": "msg_fake",
         "type": "message",
         "role": "assistant",
