@@ -156,6 +156,27 @@ async def test_two_parallel_tool_calls_interleaved(fake: OpenAIFake) -> None:
     ]
 
 
+async def test_tool_calls_without_index_are_keyed_by_id(fake: OpenAIFake) -> None:
+    whole = [
+        {"id": "call_x", "type": "function", "function": {"name": "echo", "arguments": '{"text": "x"}'}},
+        {"id": "call_y", "type": "function", "function": {"name": "echo", "arguments": '{"text": "y"}'}},
+    ]
+    fake.push(stream(chunk({"role": "assistant", "content": "", "tool_calls": whole}), chunk(finish_reason="stop")))
+    done = finished(await events_of(model(fake), req(user("two"), tools=[ECHO_SPEC])))
+    assert done.message.stop_reason == "toolUse"  # Ollama says "stop" even when it calls tools
+    assert [(c.id, c.arguments) for c in done.message.tool_calls] == [
+        ("call_x", {"text": "x"}),
+        ("call_y", {"text": "y"}),
+    ]
+
+
+async def test_reasoning_model_gets_max_completion_tokens(fake: OpenAIFake) -> None:
+    fake.push(text_reply("ok"))
+    request = ModelRequest(system_prompt="", messages=[user("hi")], max_tokens=50)
+    await events_of(OpenAIChatModel("o4-mini", base_url=fake.base_url), request)
+    assert fake.last["max_completion_tokens"] == 50 and "max_tokens" not in fake.last
+
+
 async def test_reasoning_content_becomes_thinking(fake: OpenAIFake) -> None:
     fake.push(
         stream(

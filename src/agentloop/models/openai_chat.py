@@ -119,8 +119,8 @@ class OpenAIChatModel(Model):
                 }
                 for t in request.tools
             ]
-        if request.max_tokens is not None:
-            params["max_tokens"] = request.max_tokens
+        if request.max_tokens is not None:  # OpenAI's reasoning models accept only the newer name
+            params["max_completion_tokens" if self.info.reasoning else "max_tokens"] = request.max_tokens
         if request.temperature is not None:
             params["temperature"] = request.temperature
         params.update(self.options)
@@ -135,13 +135,14 @@ class OpenAIChatModel(Model):
         yield out.start()
         finish: str | None = None
         usage: Usage | None = None
+        calls = _DeltaReader(out)
         async with response:
             try:
                 async for chunk in response:
                     if getattr(chunk, "usage", None) is not None:
                         usage = self._usage(chunk.usage)
                     for choice in chunk.choices or ():
-                        for event in self._delta(choice.delta, out):
+                        for event in calls.delta(choice.delta):
                             yield event
                         if choice.finish_reason:
                             finish = choice.finish_reason
@@ -154,25 +155,6 @@ class OpenAIChatModel(Model):
             raise ProviderError(f"the provider stopped the answer: finish_reason={finish!r}", kind="bad_request")
         for event in out.finish(_FINISH[finish], usage):
             yield event
-
-    def _delta(self, delta: Any, out: AssistantBuilder) -> list[StreamEvent]:
-        if delta is None:
-            return []
-        events: list[StreamEvent] = []
-        reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
-        if isinstance(reasoning, str) and reasoning:
-            events.extend(out.thinking(reasoning))
-        if delta.content:
-            events.extend(out.text(delta.content))
-        for call in delta.tool_calls or ():
-            key = call.index if call.index is not None else 0
-            fn = call.function
-            if not out.has_tool_call(key):
-                call_id = call.id or f"call_{key}_{len(out.message.content)}"
-                events.extend(out.tool_call(key, call_id, (fn.name if fn else None) or ""))
-            if fn is not None and fn.arguments:
-                events.extend(out.tool_args(key, fn.arguments))
-        return events
 
     def _usage(self, raw: Any) -> Usage:
         details = getattr(raw, "prompt_tokens_details", None)
@@ -228,6 +210,39 @@ def classify_status(status: int, text: str, headers: object) -> ProviderError:
     if status == 408:
         return ProviderError(message, kind="timeout", status=status)
     return ProviderError(message, kind="bad_request", status=status)
+
+
+class _DeltaReader:
+    """Applies ``choices[].delta`` to the builder.
+
+    Tool call fragments are keyed by ``index``; servers that omit it (some Ollama versions send
+    each call whole) are keyed by ``id``, and a fragment with neither continues the latest call.
+    """
+
+    def __init__(self, out: AssistantBuilder) -> None:
+        self.out = out
+        self.last_key: Any = None
+
+    def delta(self, delta: Any) -> list[StreamEvent]:
+        if delta is None:
+            return []
+        out = self.out
+        events: list[StreamEvent] = []
+        reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+        if isinstance(reasoning, str) and reasoning:
+            events.extend(out.thinking(reasoning))
+        if delta.content:
+            events.extend(out.text(delta.content))
+        for call in delta.tool_calls or ():
+            key = call.index if call.index is not None else (call.id or self.last_key or 0)
+            fn = call.function
+            if not out.has_tool_call(key):
+                call_id = call.id or f"call_{key}_{len(out.message.content)}"
+                events.extend(out.tool_call(key, call_id, (fn.name if fn else None) or ""))
+            self.last_key = key
+            if fn is not None and fn.arguments:
+                events.extend(out.tool_args(key, fn.arguments))
+        return events
 
 
 def _cause(exc: BaseException) -> str:
