@@ -63,6 +63,8 @@ async def test_absolute_path_outside_is_refused(root: Path) -> None:
             await read_file(root, path)
     with pytest.raises(ToolError, match="outside the workspace"):
         await write_file(root, str(root.parent / "new.txt"), "x")
+    with pytest.raises(ToolError, match="escapes"):
+        await write_file(root, f"{root}/../new.txt", "x")
     assert not (root.parent / "new.txt").exists()
 
 

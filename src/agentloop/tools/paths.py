@@ -43,10 +43,9 @@ def _relative_parts(root: Path, given: Path, path: str) -> list[str]:
     p = Path(path)
     if not p.is_absolute():
         return [part for part in p.parts if part not in ("", ".")]
-    normal = Path(os.path.normpath(p))
-    for base in (root, given):
-        if _inside(normal, base):
-            return list(normal.relative_to(base).parts)
+    for base in (root, given):  # ".." is kept: the walk gives it the kernel's meaning
+        if _inside(p, base):
+            return list(p.relative_to(base).parts)
     raise ToolError(f"Path {path!r} is outside the workspace ({root}); use a path relative to it")
 
 
