@@ -181,20 +181,17 @@ def tool_schema(tools: list[ToolSpec]) -> dict[str, Any]:
 
 
 def _protocol_prompt(tools: list[ToolSpec]) -> str:
-    lines = [
-        "You can call tools. Reply with exactly one JSON object and nothing else:",
-        '- to call a tool: {"tool": "<tool name>", "arguments": {<arguments>}}',
-        '- to answer the user: {"final_answer": "<your answer>"}',
-        "Call a tool only when you need information you do not have. When a tool result arrives, "
-        "use it: answer with final_answer, or call a different tool if you still need more. "
-        "Never repeat a call you have already made.",
-        "",
-        "Tools:",
-    ]
+    """Tools listed as one JSON object per line, the form Qwen's own template uses: measured on
+    the 0.5B model, this made it call a tool where prose descriptions left it guessing."""
+    lines = ["You have access to these tools:"]
     for spec in tools:
-        args = json.dumps(spec.parameters or {"type": "object", "properties": {}}, separators=(",", ":"))
-        lines.append(f"- {spec.name}: {spec.description.strip() or '(no description)'}")
-        lines.append(f"  arguments (JSON schema): {args}")
+        params = spec.parameters or {"type": "object", "properties": {}}
+        entry = {"name": spec.name, "description": spec.description.strip(), "parameters": params}
+        lines.append(json.dumps(entry, ensure_ascii=False))
+    lines.append(
+        'Reply with one JSON object: {"tool": <tool name>, "arguments": <arguments>} to call a tool, '
+        'or {"final_answer": <answer>} to answer. If no tool is needed, answer directly.'
+    )
     return "\n".join(lines)
 
 
