@@ -296,7 +296,7 @@ class _EventReader:
             return self._block_delta(event.index, event.delta)
         elif kind == "content_block_stop":
             if self.kinds.get(event.index) in ("text", "thinking"):
-                return out._close_open()  # see the class docstring
+                return out.end_block()
         elif kind == "message_delta":
             self._take_usage(event.usage)
             if event.delta.stop_reason:
@@ -314,11 +314,11 @@ class _EventReader:
         if block.type == "thinking":
             return out.thinking(block.thinking or "", getattr(block, "signature", None) or None)
         if block.type == "redacted_thinking":  # opaque: kept only to be replayed to the same model
-            events = out._close_open() + out.thinking("", block.data)
+            events = out.end_block() + out.thinking("", block.data)
             thinking = out.message.content[-1]
             assert isinstance(thinking, ThinkingContent)
             thinking.redacted = True
-            return events + out._close_open()
+            return events + out.end_block()
         if block.type in ("tool_use", "server_tool_use"):
             return out.tool_call(index, block.id, block.name)
         return []

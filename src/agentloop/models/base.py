@@ -139,7 +139,9 @@ class AssistantBuilder:
         self.started = True
         return StreamStart(partial=self.message)
 
-    def _close_open(self) -> list[StreamEvent]:
+    def end_block(self) -> list[StreamEvent]:
+        """Close the open text or thinking block, so that the next delta starts a new one
+        (providers that delimit blocks, like Anthropic, call it at each block end)."""
         if self._open is None:
             return []
         i, self._open = self._open, None
@@ -156,7 +158,7 @@ class AssistantBuilder:
         events: list[StreamEvent] = []
         content = self.message.content
         if self._open is None or not isinstance(content[self._open], TextContent):
-            events.extend(self._close_open())
+            events.extend(self.end_block())
             content.append(TextContent(text=""))
             self._open = len(content) - 1
             events.append(TextStart(index=self._open))
@@ -170,7 +172,7 @@ class AssistantBuilder:
         events: list[StreamEvent] = []
         content = self.message.content
         if self._open is None or not isinstance(content[self._open], ThinkingContent):
-            events.extend(self._close_open())
+            events.extend(self.end_block())
             content.append(ThinkingContent(thinking=""))
             self._open = len(content) - 1
             events.append(ThinkingStart(index=self._open))
@@ -184,7 +186,7 @@ class AssistantBuilder:
         return events
 
     def tool_call(self, key: Any, id: str, name: str) -> list[StreamEvent]:
-        events = self._close_open()
+        events = self.end_block()
         content = self.message.content
         content.append(ToolCall(id=id, name=name))
         i = len(content) - 1
@@ -231,7 +233,7 @@ class AssistantBuilder:
 
     def finish(self, stop_reason: StopReason | None = None, usage: Usage | None = None) -> list[StreamEvent]:
         """Close every open block and end with ``done``. ``stop_reason`` defaults from content."""
-        events = self._close_open()
+        events = self.end_block()
         events.extend(self._close_tools())
         msg = self.message
         if usage is not None:
