@@ -30,6 +30,7 @@ from agentloop.models.local import (
     LocalModel,
     answer_only_schema,
     chat_messages,
+    degenerate,
     parse_json_reply,
     partial_answer,
     tool_schema,
@@ -423,3 +424,19 @@ def test_context_window_is_the_allocated_one() -> None:
     m = LocalModel("local:qwen2.5-coder-1.5b", n_ctx=4096, llama=FakeLlama())
     assert m.name == "local:qwen2.5-coder-1.5b"
     assert m.info.context_window == 4096
+
+
+def test_degenerate_loops_are_detected() -> None:
+    assert degenerate("answer: " + "```\n" * 80)
+    assert degenerate("x" * 300)
+    assert not degenerate("short")
+    assert not degenerate(" ".join(f"word{i}" for i in range(100)))
+
+
+async def test_a_looping_answer_is_cut_short() -> None:
+    fake = EndlessLlama("")
+    _, last = await run(model(fake), request(user("talk")))
+    assert isinstance(last, StreamDone)
+    assert last.message.stop_reason == "length"
+    assert fake.closed.wait(2.0)
+    assert fake.produced < 200

@@ -68,7 +68,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             parts=22,
             version="0.2.0",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            size=None,
+            size=1_117_320_768,
             approx_mb=1117,
             extra="local",
         ),

@@ -403,6 +403,22 @@ class _Generation:
 _Item = tuple[Literal["text"], str] | tuple[Literal["done"], str | None, int] | tuple[Literal["error"], BaseException]
 
 
+_LOOP_TAIL = 240
+_LOOP_PERIOD = 40
+
+
+def degenerate(text: str) -> bool:
+    """True when the output ends in one short unit repeated many times (```` ``` ```` lines, say).
+
+    Small models at temperature 0 fall into such loops, and the JSON string grammar cannot stop
+    them; at a few tokens per second a loop to ``max_tokens`` costs minutes, so we cut it.
+    """
+    if len(text) < _LOOP_TAIL:
+        return False
+    tail = text[-_LOOP_TAIL:]
+    return any(tail[p:] == tail[:-p] for p in range(1, _LOOP_PERIOD + 1))
+
+
 def _chunk_text(chunk: Any) -> tuple[str, str | None]:
     try:
         choice = chunk["choices"][0]
@@ -553,6 +569,9 @@ class LocalModel(Model):
                         streamed += delta
                         for event in out.text(delta):
                             yield event
+                    if degenerate(gen.text):
+                        gen.finish_reason = "length"  # cut short, like max_tokens
+                        return
                 elif item[0] == "done":
                     gen.finish_reason = item[1]
                     gen.prompt_tokens = max(0, item[2] - gen.completion_tokens)
