@@ -15,6 +15,8 @@ which is how an abort or a timeout stops the CPU work promptly.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import json
 import os
 import re
@@ -78,6 +80,18 @@ class _Engine:
 
 _ENGINES: dict[tuple[str, int, int], _Engine] = {}
 _ENGINES_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_engines() -> None:
+    """Free loaded models while the interpreter is still whole (llama-cpp-python's own finaliser
+    fails noisily when it runs during interpreter shutdown)."""
+    for engine in list(_ENGINES.values()):
+        close = getattr(engine.llm, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):  # shutting down: nothing useful to do with it
+                close()
+    _ENGINES.clear()
 
 
 def _default_threads() -> int:
