@@ -1,0 +1,46 @@
+"""Durable storage for processes: one schema, a SQLite store now, PostgreSQL later."""
+
+from agentloop.process.store.base import (
+    TERMINAL_STATUSES,
+    CallStatus,
+    EventRow,
+    HilRow,
+    NoSuchProcess,
+    ProcessRecord,
+    QueueItem,
+    SegmentRow,
+    Store,
+    StoredMessage,
+    StoreError,
+    ToolCallRow,
+)
+from agentloop.process.store.sqlite import SQLiteStore
+
+
+def open_store(url: str) -> Store:
+    """A store from a URL, read as SQLAlchemy does: ``sqlite:///relative/path.db``,
+    ``sqlite:////absolute/path.db``, ``sqlite:///:memory:``."""
+    if url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///")
+        if not path:
+            raise StoreError(f"store URL {url!r} names no file")
+        return SQLiteStore(path)
+    raise StoreError(f"unsupported store URL {url!r} (supported: sqlite:///path)")
+
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "CallStatus",
+    "EventRow",
+    "HilRow",
+    "NoSuchProcess",
+    "ProcessRecord",
+    "QueueItem",
+    "SQLiteStore",
+    "SegmentRow",
+    "Store",
+    "StoreError",
+    "StoredMessage",
+    "ToolCallRow",
+    "open_store",
+]

@@ -1,0 +1,261 @@
+"""What a durable store keeps, and the interface every dialect implements.
+
+A process's state is a registry row plus its own rows in the other tables (messages, pending tool
+calls, input queue, pending approvals, key-value pairs, the signal log, history segments). The
+durable runner changes that state only inside ``store.transaction()``, one transaction per step
+of a run, so a crash leaves either the state before the step or the state after it.
+
+Ids that need an order (message ids, signal sequence numbers, queue positions) come from
+per-process counters kept in the registry row and bumped inside the same transaction, so they are
+gap-free per process and identical across dialects.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from agentloop.messages import Message
+
+ProcessState: TypeAlias = Literal["idle", "running", "killed"]
+CallStatus: TypeAlias = Literal["registered", "dispatched", "completed", "failed", "cancelled", "denied"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "denied"})
+QueueKind: TypeAlias = Literal["steer", "queue", "system"]
+
+
+class StoreError(Exception):
+    """The store cannot do what was asked (unknown process, newer schema, misuse)."""
+
+
+class NoSuchProcess(StoreError):
+    def __init__(self, pid: str) -> None:
+        super().__init__(f"no such process: {pid}")
+        self.pid = pid
+
+
+@dataclass
+class ProcessRecord:
+    pid: str
+    owner: str
+    run_as: str
+    cwd: str
+    parent_pid: str | None = None
+    interactive: bool = True
+    context: str = ""
+    state: ProcessState = "idle"
+    current_run: dict[str, Any] | None = None  # the active run: id, tick generation, per-run caches
+    history_generation: int = 1
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass
+class StoredMessage:
+    id: int
+    generation: int
+    run_id: str | None
+    message: Message
+
+
+@dataclass
+class ToolCallRow:
+    dispatch_id: str
+    pid: str
+    run_id: str
+    position: int  # order within the assistant message: results go back in this order
+    tool_call_id: str
+    tool_name: str
+    syscall: str
+    args: dict[str, Any]
+    status: CallStatus = "registered"
+    deadline: float | None = None
+    result: dict[str, Any] | None = None  # a ToolResultMessage as a dict, once terminal
+    created_at: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+@dataclass
+class QueueItem:
+    id: int
+    kind: QueueKind
+    run_id: str | None
+    message: Message
+    created_at: float = 0.0
+
+
+@dataclass
+class HilRow:
+    request_id: str
+    pid: str
+    run_id: str
+    dispatch_id: str
+    tool_call_id: str
+    tool_name: str
+    syscall: str
+    args: dict[str, Any]
+    fingerprint: str
+    tags: list[str] = field(default_factory=list)
+    reason: str = ""
+    created_at: float = 0.0
+
+
+@dataclass
+class EventRow:
+    seq: int
+    signal: str
+    payload: dict[str, Any]
+    created_at: float = 0.0
+
+
+@dataclass
+class SegmentRow:
+    id: str
+    pid: str
+    generation: int
+    kind: str
+    from_message_id: int
+    to_message_id: int
+    archive_path: str | None = None
+    summary_message_id: int | None = None
+    created_at: float = 0.0
+
+
+class Store(ABC):
+    """A durable store. Writes happen inside ``transaction()``; reads may happen anywhere."""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect and bring the schema up to date."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def transaction(self) -> AbstractAsyncContextManager[None]:
+        """One atomic unit of change: everything inside commits together or not at all."""
+
+    @abstractmethod
+    async def schema_version(self) -> int: ...
+
+    # -- registry -------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def create_process(self, record: ProcessRecord) -> None: ...
+
+    @abstractmethod
+    async def get_process(self, pid: str) -> ProcessRecord | None: ...
+
+    @abstractmethod
+    async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]: ...
+
+    @abstractmethod
+    async def update_process(self, pid: str, **fields: Any) -> None:
+        """Set ``state``, ``current_run``, ``history_generation``, ``cwd``, ``context`` or ``interactive``."""
+
+    @abstractmethod
+    async def delete_process(self, pid: str) -> None:
+        """Remove the process and every row it owns."""
+
+    # -- history --------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def append_messages(self, pid: str, run_id: str | None, messages: list[Message]) -> list[int]:
+        """Append to the current history generation; returns the new ids, in order."""
+
+    @abstractmethod
+    async def history(
+        self, pid: str, *, generation: int | None = None, limit: int | None = None, before: int | None = None
+    ) -> list[StoredMessage]:
+        """Messages of a generation (default: current) in id order; with ``limit``, the newest
+        ``limit`` before id ``before``."""
+
+    @abstractmethod
+    async def replace_messages(self, pid: str, from_id: int, to_id: int, replacement: Message) -> int:
+        """Replace the messages with ids in [from_id, to_id] by one message (compaction); returns its id."""
+
+    @abstractmethod
+    async def new_generation(self, pid: str) -> int:
+        """Start an empty history (reset); old generations' messages are deleted."""
+
+    # -- tool calls -----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def register_calls(self, rows: list[ToolCallRow]) -> None: ...
+
+    @abstractmethod
+    async def calls(self, pid: str, run_id: str | None = None) -> list[ToolCallRow]:
+        """Pending tool calls of a process (or one run), by run then position."""
+
+    @abstractmethod
+    async def set_call_status(
+        self,
+        dispatch_id: str,
+        status: CallStatus,
+        *,
+        expect: tuple[CallStatus, ...],
+        result: dict[str, Any] | None = None,
+        deadline: float | None = None,
+    ) -> bool:
+        """Move a call to ``status`` only if it is in one of ``expect`` (a claim): False otherwise,
+        which is how late or duplicate results are ignored."""
+
+    @abstractmethod
+    async def delete_calls(self, pid: str, run_id: str | None = None) -> None: ...
+
+    # -- input queue ----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
+        """Add to the queue; returns the item id (FIFO order)."""
+
+    @abstractmethod
+    async def queue(self, pid: str) -> list[QueueItem]: ...
+
+    @abstractmethod
+    async def dequeue(self, pid: str, item_id: int) -> bool: ...
+
+    # -- approvals ------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def put_hil(self, row: HilRow) -> None: ...
+
+    @abstractmethod
+    async def hils(self, pid: str) -> list[HilRow]: ...
+
+    @abstractmethod
+    async def delete_hil(self, request_id: str) -> bool: ...
+
+    # -- key-value ------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def kv_get(self, pid: str, key: str) -> Any | None: ...
+
+    @abstractmethod
+    async def kv_set(self, pid: str, key: str, value: Any) -> None: ...
+
+    @abstractmethod
+    async def kv_delete(self, pid: str, key: str) -> None: ...
+
+    # -- signal log -----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def append_event(self, pid: str, signal: str, payload: dict[str, Any]) -> int:
+        """Append a signal; returns its sequence number (1, 2, 3 … per process)."""
+
+    @abstractmethod
+    async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]: ...
+
+    # -- history segments -----------------------------------------------------------------------
+
+    @abstractmethod
+    async def add_segment(self, row: SegmentRow) -> None: ...
+
+    @abstractmethod
+    async def segments(self, pid: str) -> list[SegmentRow]: ...

@@ -1,0 +1,483 @@
+"""The SQLite store: the embedded default, one file, WAL, one writer.
+
+Statements run on the event loop thread with the standard ``sqlite3`` module. A commit in WAL
+mode with ``synchronous=NORMAL`` costs tens of microseconds, less than handing each statement to
+a worker thread would (which is all ``aiosqlite`` adds), and a transaction never awaits anything
+but the store's own lock, so ticks of different processes cannot interleave inside one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from agentloop.messages import Message, message_from_json, message_to_json
+from agentloop.process.store.base import (
+    CallStatus,
+    EventRow,
+    HilRow,
+    NoSuchProcess,
+    ProcessRecord,
+    QueueItem,
+    QueueKind,
+    SegmentRow,
+    Store,
+    StoredMessage,
+    StoreError,
+    ToolCallRow,
+)
+from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
+
+_PROCESS_FIELDS = {"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"}
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+class SQLiteStore(Store):
+    """``SQLiteStore(path)``; ``":memory:"`` for a throwaway database."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._db: sqlite3.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._in_tx = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError("the store is not open")
+        return self._db
+
+    async def open(self) -> None:
+        if self._db is not None:
+            return
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=5000")
+        self._db = db
+        self._migrate()
+
+    def _migrate(self) -> None:
+        db = self.db
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        current = row[0] or 0
+        if current > LATEST_VERSION:
+            raise StoreError(
+                f"the database schema is version {current}, newer than this agentloop ({LATEST_VERSION}): upgrade"
+            )
+        for version, sql in MIGRATIONS:
+            if version <= current:
+                continue
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for stmt in statements(sql):
+                    db.execute(stmt)
+                db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    async def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    async def schema_version(self) -> int:
+        row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        return int(row[0] or 0)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        if self._in_tx:
+            raise StoreError("transactions do not nest")
+        async with self._lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            self._in_tx = True
+            try:
+                yield
+            except BaseException:
+                self._in_tx = False
+                db.execute("ROLLBACK")
+                raise
+            self._in_tx = False
+            db.execute("COMMIT")
+
+    def _write(self) -> sqlite3.Connection:
+        if not self._in_tx:
+            raise StoreError("writes must happen inside store.transaction()")
+        return self.db
+
+    def _counter(self, pid: str, column: str) -> int:
+        """Take the next value of a per-process counter (inside the current transaction)."""
+        db = self._write()
+        row = db.execute(f"SELECT {column} FROM processes WHERE pid = ?", (pid,)).fetchone()
+        if row is None:
+            raise NoSuchProcess(pid)
+        db.execute(f"UPDATE processes SET {column} = {column} + 1 WHERE pid = ?", (pid,))
+        return int(row[0])
+
+    # -- registry -------------------------------------------------------------------------------
+
+    async def create_process(self, record: ProcessRecord) -> None:
+        now = time.time()
+        try:
+            self._write().execute(
+                "INSERT INTO processes (pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run,"
+                " history_generation, next_message_id, next_event_seq, next_queue_id, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, 1, ?, ?)",
+                (
+                    record.pid,
+                    record.owner,
+                    record.run_as,
+                    record.cwd,
+                    record.parent_pid,
+                    int(record.interactive),
+                    record.context,
+                    record.state,
+                    _dumps(record.current_run) if record.current_run is not None else None,
+                    record.history_generation,
+                    record.created_at or now,
+                    now,
+                ),
+            )
+        except sqlite3.IntegrityError as exc:
+            raise StoreError(f"process {record.pid} exists already") from exc
+
+    @staticmethod
+    def _process(row: sqlite3.Row | tuple[Any, ...]) -> ProcessRecord:
+        (pid, owner, run_as, cwd, parent, interactive, context, state, current, generation, created, updated) = row
+        return ProcessRecord(
+            pid=pid,
+            owner=owner,
+            run_as=run_as,
+            cwd=cwd,
+            parent_pid=parent,
+            interactive=bool(interactive),
+            context=context,
+            state=state,
+            current_run=json.loads(current) if current else None,
+            history_generation=generation,
+            created_at=created,
+            updated_at=updated,
+        )
+
+    _PROCESS_COLUMNS = (
+        "pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run, history_generation,"
+        " created_at, updated_at"
+    )
+
+    async def get_process(self, pid: str) -> ProcessRecord | None:
+        row = self.db.execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE pid = ?", (pid,)).fetchone()
+        return self._process(row) if row else None
+
+    async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]:
+        if owner is None:
+            rows = self.db.execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
+        else:
+            rows = self.db.execute(
+                f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE owner = ? ORDER BY created_at, pid", (owner,)
+            )
+        return [self._process(r) for r in rows.fetchall()]
+
+    async def update_process(self, pid: str, **fields: Any) -> None:
+        unknown = set(fields) - _PROCESS_FIELDS
+        if unknown:
+            raise StoreError(f"cannot update process fields {sorted(unknown)}")
+        values: list[Any] = []
+        sets: list[str] = []
+        for key, value in fields.items():
+            if key == "current_run":
+                value = _dumps(value) if value is not None else None
+            elif key == "interactive":
+                value = int(value)
+            sets.append(f"{key} = ?")
+            values.append(value)
+        sets.append("updated_at = ?")
+        values.append(time.time())
+        cur = self._write().execute(f"UPDATE processes SET {', '.join(sets)} WHERE pid = ?", (*values, pid))
+        if cur.rowcount == 0:
+            raise NoSuchProcess(pid)
+
+    async def delete_process(self, pid: str) -> None:
+        db = self._write()
+        for table in (
+            "messages",
+            "pending_tool_calls",
+            "message_queue",
+            "pending_hil",
+            "process_kv",
+            "events",
+            "history_segments",
+        ):
+            db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
+        db.execute("DELETE FROM processes WHERE pid = ?", (pid,))
+
+    # -- history --------------------------------------------------------------------------------
+
+    def _generation(self, pid: str) -> int:
+        row = self.db.execute("SELECT history_generation FROM processes WHERE pid = ?", (pid,)).fetchone()
+        if row is None:
+            raise NoSuchProcess(pid)
+        return int(row[0])
+
+    async def append_messages(self, pid: str, run_id: str | None, messages: list[Message]) -> list[int]:
+        if not messages:
+            return []
+        db = self._write()
+        row = db.execute("SELECT next_message_id, history_generation FROM processes WHERE pid = ?", (pid,)).fetchone()
+        if row is None:
+            raise NoSuchProcess(pid)
+        first, generation = int(row[0]), int(row[1])
+        ids = list(range(first, first + len(messages)))
+        now = time.time()
+        db.executemany(
+            "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(pid, i, generation, run_id, m.role, message_to_json(m), now) for i, m in zip(ids, messages, strict=True)],
+        )
+        db.execute("UPDATE processes SET next_message_id = ? WHERE pid = ?", (first + len(messages), pid))
+        return ids
+
+    async def history(
+        self, pid: str, *, generation: int | None = None, limit: int | None = None, before: int | None = None
+    ) -> list[StoredMessage]:
+        gen = generation if generation is not None else self._generation(pid)
+        sql = "SELECT id, generation, run_id, body FROM messages WHERE pid = ? AND generation = ?"
+        args: list[Any] = [pid, gen]
+        if before is not None:
+            sql += " AND id < ?"
+            args.append(before)
+        if limit is not None:
+            sql += " ORDER BY id DESC LIMIT ?"
+            args.append(limit)
+            rows = list(reversed(self.db.execute(sql, args).fetchall()))
+        else:
+            rows = self.db.execute(sql + " ORDER BY id", args).fetchall()
+        return [StoredMessage(r[0], r[1], r[2], message_from_json(r[3])) for r in rows]
+
+    async def replace_messages(self, pid: str, from_id: int, to_id: int, replacement: Message) -> int:
+        db = self._write()
+        gen = self._generation(pid)
+        db.execute("DELETE FROM messages WHERE pid = ? AND id BETWEEN ? AND ?", (pid, from_id, to_id))
+        db.execute(
+            "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (pid, to_id, gen, None, replacement.role, message_to_json(replacement), time.time()),
+        )
+        return to_id
+
+    async def new_generation(self, pid: str) -> int:
+        db = self._write()
+        gen = self._generation(pid) + 1
+        db.execute("DELETE FROM messages WHERE pid = ?", (pid,))
+        db.execute("UPDATE processes SET history_generation = ? WHERE pid = ?", (gen, pid))
+        return gen
+
+    # -- tool calls -----------------------------------------------------------------------------
+
+    async def register_calls(self, rows: list[ToolCallRow]) -> None:
+        now = time.time()
+        self._write().executemany(
+            "INSERT INTO pending_tool_calls (dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall,"
+            " args, status, deadline, result, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    r.dispatch_id,
+                    r.pid,
+                    r.run_id,
+                    r.position,
+                    r.tool_call_id,
+                    r.tool_name,
+                    r.syscall,
+                    _dumps(r.args),
+                    r.status,
+                    r.deadline,
+                    _dumps(r.result) if r.result is not None else None,
+                    r.created_at or now,
+                )
+                for r in rows
+            ],
+        )
+
+    async def calls(self, pid: str, run_id: str | None = None) -> list[ToolCallRow]:
+        sql = (
+            "SELECT dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall, args, status, deadline,"
+            " result, created_at FROM pending_tool_calls WHERE pid = ?"
+        )
+        args: list[Any] = [pid]
+        if run_id is not None:
+            sql += " AND run_id = ?"
+            args.append(run_id)
+        rows = self.db.execute(sql + " ORDER BY run_id, position", args).fetchall()
+        return [
+            ToolCallRow(
+                dispatch_id=r[0],
+                pid=r[1],
+                run_id=r[2],
+                position=r[3],
+                tool_call_id=r[4],
+                tool_name=r[5],
+                syscall=r[6],
+                args=json.loads(r[7]),
+                status=r[8],
+                deadline=r[9],
+                result=json.loads(r[10]) if r[10] else None,
+                created_at=r[11],
+            )
+            for r in rows
+        ]
+
+    async def set_call_status(
+        self,
+        dispatch_id: str,
+        status: CallStatus,
+        *,
+        expect: tuple[CallStatus, ...],
+        result: dict[str, Any] | None = None,
+        deadline: float | None = None,
+    ) -> bool:
+        marks = ", ".join("?" for _ in expect)
+        cur = self._write().execute(
+            f"UPDATE pending_tool_calls SET status = ?, result = COALESCE(?, result), deadline = COALESCE(?, deadline)"
+            f" WHERE dispatch_id = ? AND status IN ({marks})",
+            (status, _dumps(result) if result is not None else None, deadline, dispatch_id, *expect),
+        )
+        return cur.rowcount == 1
+
+    async def delete_calls(self, pid: str, run_id: str | None = None) -> None:
+        if run_id is None:
+            self._write().execute("DELETE FROM pending_tool_calls WHERE pid = ?", (pid,))
+        else:
+            self._write().execute("DELETE FROM pending_tool_calls WHERE pid = ? AND run_id = ?", (pid, run_id))
+
+    # -- input queue ----------------------------------------------------------------------------
+
+    async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
+        item_id = self._counter(pid, "next_queue_id")
+        self._write().execute(
+            "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (pid, item_id, kind, run_id, message_to_json(message), time.time()),
+        )
+        return item_id
+
+    async def queue(self, pid: str) -> list[QueueItem]:
+        rows = self.db.execute(
+            "SELECT id, kind, run_id, body, created_at FROM message_queue WHERE pid = ? ORDER BY id", (pid,)
+        ).fetchall()
+        return [QueueItem(r[0], r[1], r[2], message_from_json(r[3]), r[4]) for r in rows]
+
+    async def dequeue(self, pid: str, item_id: int) -> bool:
+        cur = self._write().execute("DELETE FROM message_queue WHERE pid = ? AND id = ?", (pid, item_id))
+        return cur.rowcount == 1
+
+    # -- approvals ------------------------------------------------------------------------------
+
+    async def put_hil(self, row: HilRow) -> None:
+        self._write().execute(
+            "INSERT INTO pending_hil (request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args,"
+            " fingerprint, tags, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.request_id,
+                row.pid,
+                row.run_id,
+                row.dispatch_id,
+                row.tool_call_id,
+                row.tool_name,
+                row.syscall,
+                _dumps(row.args),
+                row.fingerprint,
+                _dumps(row.tags),
+                row.reason,
+                row.created_at or time.time(),
+            ),
+        )
+
+    async def hils(self, pid: str) -> list[HilRow]:
+        rows = self.db.execute(
+            "SELECT request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags,"
+            " reason, created_at FROM pending_hil WHERE pid = ? ORDER BY created_at, request_id",
+            (pid,),
+        ).fetchall()
+        return [
+            HilRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], json.loads(r[9]), r[10], r[11])
+            for r in rows
+        ]
+
+    async def delete_hil(self, request_id: str) -> bool:
+        cur = self._write().execute("DELETE FROM pending_hil WHERE request_id = ?", (request_id,))
+        return cur.rowcount == 1
+
+    # -- key-value ------------------------------------------------------------------------------
+
+    async def kv_get(self, pid: str, key: str) -> Any | None:
+        row = self.db.execute("SELECT value FROM process_kv WHERE pid = ? AND key = ?", (pid, key)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    async def kv_set(self, pid: str, key: str, value: Any) -> None:
+        self._write().execute(
+            "INSERT INTO process_kv (pid, key, value) VALUES (?, ?, ?)"
+            " ON CONFLICT (pid, key) DO UPDATE SET value = excluded.value",
+            (pid, key, _dumps(value)),
+        )
+
+    async def kv_delete(self, pid: str, key: str) -> None:
+        self._write().execute("DELETE FROM process_kv WHERE pid = ? AND key = ?", (pid, key))
+
+    # -- signal log -----------------------------------------------------------------------------
+
+    async def append_event(self, pid: str, signal: str, payload: dict[str, Any]) -> int:
+        seq = self._counter(pid, "next_event_seq")
+        self._write().execute(
+            "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)",
+            (pid, seq, signal, _dumps(payload), time.time()),
+        )
+        return seq
+
+    async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
+        rows = self.db.execute(
+            "SELECT seq, signal, payload, created_at FROM events WHERE pid = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (pid, after_seq, limit),
+        ).fetchall()
+        return [EventRow(r[0], r[1], json.loads(r[2]), r[3]) for r in rows]
+
+    # -- history segments -----------------------------------------------------------------------
+
+    async def add_segment(self, row: SegmentRow) -> None:
+        self._write().execute(
+            "INSERT INTO history_segments (id, pid, generation, kind, from_message_id, to_message_id, archive_path,"
+            " summary_message_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.id,
+                row.pid,
+                row.generation,
+                row.kind,
+                row.from_message_id,
+                row.to_message_id,
+                row.archive_path,
+                row.summary_message_id,
+                row.created_at or time.time(),
+            ),
+        )
+
+    async def segments(self, pid: str) -> list[SegmentRow]:
+        rows = self.db.execute(
+            "SELECT id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id,"
+            " created_at FROM history_segments WHERE pid = ? ORDER BY created_at, id",
+            (pid,),
+        ).fetchall()
+        return [SegmentRow(*r) for r in rows]

@@ -1,0 +1,253 @@
+"""The store contract, run against every store implementation (SQLite now; PostgreSQL joins later).
+
+A new dialect passes when it is added to ``STORES`` and this file is green.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from agentloop.messages import AssistantMessage, TextContent, ToolCall, ToolResultMessage, system, user
+from agentloop.process.store import (
+    HilRow,
+    NoSuchProcess,
+    ProcessRecord,
+    SegmentRow,
+    SQLiteStore,
+    Store,
+    StoreError,
+    ToolCallRow,
+    open_store,
+)
+from agentloop.process.store.schema import LATEST_VERSION
+
+STORES: dict[str, Callable[[Path], Store]] = {
+    "sqlite": lambda d: SQLiteStore(d / "agentloop.db"),
+}
+
+
+@pytest.fixture(params=sorted(STORES))
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    factory = STORES[request.param]
+    return lambda: factory(tmp_path)
+
+
+@pytest.fixture
+async def store(make_store: Callable[[], Store]) -> AsyncIterator[Store]:
+    s = make_store()
+    await s.open()
+    yield s
+    await s.close()
+
+
+async def spawn(store: Store, pid: str = "p1", owner: str = "alice") -> ProcessRecord:
+    rec = ProcessRecord(pid=pid, owner=owner, run_as=owner, cwd="/home/" + owner)
+    async with store.transaction():
+        await store.create_process(rec)
+    got = await store.get_process(pid)
+    assert got is not None
+    return got
+
+
+async def test_schema_is_current_and_migration_is_idempotent(make_store):
+    s = make_store()
+    await s.open()
+    assert await s.schema_version() == LATEST_VERSION
+    await s.close()
+    again = make_store()
+    await again.open()  # a second open applies nothing and fails nothing
+    assert await again.schema_version() == LATEST_VERSION
+    await again.close()
+
+
+async def test_a_newer_schema_is_refused(tmp_path):
+    db = sqlite3.connect(tmp_path / "future.db")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (?)", (LATEST_VERSION + 1,))
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer than this agentloop"):
+        await SQLiteStore(tmp_path / "future.db").open()
+
+
+def test_store_urls(tmp_path):
+    assert isinstance(open_store(f"sqlite:///{tmp_path}/x.db"), SQLiteStore)
+    with pytest.raises(StoreError, match="unsupported store URL"):
+        open_store("mysql://nope")
+
+
+async def test_writes_need_a_transaction_and_roll_back_whole(store):
+    with pytest.raises(StoreError, match=r"inside store\.transaction"):
+        await store.create_process(ProcessRecord(pid="x", owner="a", run_as="a", cwd="/"))
+    await spawn(store)
+    with pytest.raises(RuntimeError):
+        async with store.transaction():
+            await store.append_messages("p1", "r1", [user("lost")])
+            await store.append_event("p1", "proc.changed", {})
+            raise RuntimeError("crash in the middle")
+    assert await store.history("p1") == [] and await store.events("p1") == []
+    async with store.transaction():  # the counters were rolled back too: no gaps
+        assert await store.append_messages("p1", "r1", [user("kept")]) == [1]
+
+
+async def test_registry(store):
+    await spawn(store, "p1", "alice")
+    await spawn(store, "p2", "bob")
+    await spawn(store, "p3", "alice")
+    assert [p.pid for p in await store.list_processes("alice")] == ["p1", "p3"]
+    assert len(await store.list_processes()) == 3
+    with pytest.raises(StoreError, match="exists already"):
+        await spawn(store, "p1")
+    async with store.transaction():
+        await store.update_process("p1", state="running", current_run={"run_id": "r1", "generation": 2})
+    p1 = await store.get_process("p1")
+    assert p1 is not None and p1.state == "running" and p1.current_run == {"run_id": "r1", "generation": 2}
+    with pytest.raises(NoSuchProcess):
+        async with store.transaction():
+            await store.update_process("nope", state="idle")
+    with pytest.raises(StoreError, match="cannot update"):
+        async with store.transaction():
+            await store.update_process("p1", owner="mallory")
+    assert await store.get_process("nope") is None
+
+
+async def test_history_ids_paging_and_replacement(store):
+    await spawn(store)
+    msgs = [user(f"m{i}") for i in range(10)]
+    async with store.transaction():
+        assert await store.append_messages("p1", "r1", msgs[:4]) == [1, 2, 3, 4]
+        assert await store.append_messages("p1", "r2", msgs[4:]) == [5, 6, 7, 8, 9, 10]
+    hist = await store.history("p1")
+    assert [h.id for h in hist] == list(range(1, 11))
+    assert [h.message for h in hist] == msgs and hist[0].run_id == "r1" and hist[-1].run_id == "r2"
+    page = await store.history("p1", limit=3)
+    assert [h.id for h in page] == [8, 9, 10]
+    older = await store.history("p1", limit=3, before=8)
+    assert [h.id for h in older] == [5, 6, 7]
+    summary = system("summary of m0-m5", "summary")
+    async with store.transaction():
+        new_id = await store.replace_messages("p1", 1, 6, summary)
+    hist = await store.history("p1")
+    assert new_id == 6 and [h.id for h in hist] == [6, 7, 8, 9, 10] and hist[0].message == summary
+    async with store.transaction():
+        gen = await store.new_generation("p1")
+        await store.append_messages("p1", None, [user("fresh")])
+    assert gen == 2 and [h.message.text for h in await store.history("p1")] == ["fresh"]
+    assert await store.history("p1", generation=1) == []
+
+
+async def test_every_message_kind_round_trips(store):
+    await spawn(store)
+    msgs = [
+        user("hi"),
+        AssistantMessage(content=[TextContent(text="t"), ToolCall(id="c", name="Read", arguments={"path": "x"})]),
+        ToolResultMessage(tool_call_id="c", tool_name="Read", content=[TextContent(text="r")], is_error=True),
+        system("note", "event"),
+    ]
+    async with store.transaction():
+        await store.append_messages("p1", "r", msgs)
+    assert [h.message for h in await store.history("p1")] == msgs
+
+
+async def test_tool_call_claims_ignore_late_results(store):
+    await spawn(store)
+    rows = [
+        ToolCallRow(f"d{i}", "p1", "r1", i, f"c{i}", "Shell", "shell.exec", {"command": f"echo {i}"}) for i in (1, 0, 2)
+    ]
+    async with store.transaction():
+        await store.register_calls(rows)
+    assert [r.position for r in await store.calls("p1", "r1")] == [0, 1, 2]
+    async with store.transaction():
+        assert await store.set_call_status("d0", "dispatched", expect=("registered",), deadline=123.0)
+        assert not await store.set_call_status("d0", "dispatched", expect=("registered",))  # claimed once only
+        assert await store.set_call_status("d0", "completed", expect=("dispatched",), result={"ok": 1})
+        assert not await store.set_call_status("d0", "failed", expect=("registered", "dispatched"))  # late
+    d0 = next(r for r in await store.calls("p1") if r.dispatch_id == "d0")
+    assert d0.status == "completed" and d0.result == {"ok": 1} and d0.deadline == 123.0 and d0.terminal
+    async with store.transaction():
+        await store.delete_calls("p1", "r1")
+    assert await store.calls("p1") == []
+
+
+async def test_queue_is_fifo(store):
+    await spawn(store)
+    async with store.transaction():
+        a = await store.enqueue("p1", "queue", user("a"))
+        b = await store.enqueue("p1", "steer", user("b"), run_id="r9")
+        c = await store.enqueue("p1", "system", system("c", "event"))
+    assert (a, b, c) == (1, 2, 3)
+    items = await store.queue("p1")
+    assert [(i.kind, i.message.text, i.run_id) for i in items] == [
+        ("queue", "a", None),
+        ("steer", "b", "r9"),
+        ("system", "c", None),
+    ]
+    async with store.transaction():
+        assert await store.dequeue("p1", b)
+        assert not await store.dequeue("p1", b)
+    assert [i.id for i in await store.queue("p1")] == [1, 3]
+
+
+async def test_pending_approvals(store):
+    await spawn(store)
+    row = HilRow(
+        "h1", "p1", "r1", "d1", "c1", "Shell", "shell.exec", {"command": "rm -rf x"}, "fp", ["destructive"], "why"
+    )
+    async with store.transaction():
+        await store.put_hil(row)
+    assert (await store.hils("p1"))[0].args == {"command": "rm -rf x"}
+    async with store.transaction():
+        assert await store.delete_hil("h1")
+        assert not await store.delete_hil("h1")
+    assert await store.hils("p1") == []
+
+
+async def test_kv_and_segments(store):
+    await spawn(store)
+    async with store.transaction():
+        await store.kv_set("p1", "overrides", [{"match": "shell.exec"}])
+        await store.kv_set("p1", "overrides", [{"match": "fs.*"}])
+        await store.add_segment(SegmentRow("s1", "p1", 1, "compaction", 1, 9, "var/x.jsonl.gz", 9))
+    assert await store.kv_get("p1", "overrides") == [{"match": "fs.*"}]
+    assert await store.kv_get("p1", "missing") is None
+    assert (await store.segments("p1"))[0].archive_path == "var/x.jsonl.gz"
+    async with store.transaction():
+        await store.kv_delete("p1", "overrides")
+    assert await store.kv_get("p1", "overrides") is None
+
+
+async def test_signal_log_is_gap_free_and_resumable(store):
+    await spawn(store)
+    await spawn(store, "p2")
+    async with store.transaction():
+        for i in range(5):
+            assert await store.append_event("p1", "proc.run.stream", {"i": i}) == i + 1
+        assert await store.append_event("p2", "proc.changed", {}) == 1  # per-process sequence
+    assert [e.seq for e in await store.events("p1", after_seq=2)] == [3, 4, 5]
+    assert [e.payload["i"] for e in await store.events("p1", after_seq=0, limit=2)] == [0, 1]
+
+
+async def test_delete_removes_everything_and_state_survives_reopen(make_store):
+    s = make_store()
+    await s.open()
+    await spawn(s, "keep")
+    await spawn(s, "gone")
+    async with s.transaction():
+        for pid in ("keep", "gone"):
+            await s.append_messages(pid, "r", [user("x")])
+            await s.append_event(pid, "proc.changed", {})
+            await s.enqueue(pid, "queue", user("q"))
+            await s.kv_set(pid, "k", 1)
+        await s.delete_process("gone")
+    await s.close()
+    s2 = make_store()
+    await s2.open()
+    assert await s2.get_process("gone") is None
+    assert await s2.history("keep") != [] and await s2.events("gone") == [] and await s2.queue("gone") == []
+    async with s2.transaction():  # counters continue where they were
+        assert await s2.append_messages("keep", "r", [user("y")]) == [2]
+    await s2.close()
