@@ -1,0 +1,403 @@
+"""Context compaction: measure how full the context is, and fold old history into a summary.
+
+Everything here is pure computation plus one model call, so the durable runner decides *when*
+and *where* to install the result. ``compact`` never touches storage: it returns the removed
+prefix, the kept tail and the summary, the caller archives ``removed`` first and only then swaps
+the history, so a crash between the two leaves an extra archive, never lost messages.
+
+Token counts are estimates (about four characters per token, images at a flat cost) because a
+tokenizer per provider would be a download and a dependency for a number that only has to be
+good enough to trigger compaction a little early rather than too late.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from agentloop.messages import (
+    AssistantMessage,
+    ImageContent,
+    Message,
+    SystemMessage,
+    TextContent,
+    ThinkingContent,
+    ToolCall,
+    ToolResultMessage,
+    UserMessage,
+    now_ms,
+    user,
+)
+from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
+
+CompactionReason: TypeAlias = Literal["threshold", "overflow", "manual"]
+
+CHARS_PER_TOKEN = 4
+# Providers bill an image by its pixels (roughly 1–2k tokens for a screenshot); the base64 length
+# would overstate it tenfold, so every image counts the same.
+IMAGE_TOKENS = 1_200
+# Role markers and separators a provider adds around each message.
+MESSAGE_OVERHEAD = 4
+
+SUMMARY_KIND = "summary"
+TOOL_RESULT_CLIP = 2_000
+TOOL_ARGS_CLIP = 500
+THINKING_CLIP = 1_000
+SUMMARY_MAX_TOKENS = 2_048
+
+
+class CompactionError(Exception):
+    """The summary could not be produced; the history must stay as it was."""
+
+
+# ------------------------------------------------------------------ estimates
+
+
+def _text_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _block_tokens(block: Any) -> int:
+    if isinstance(block, TextContent):
+        return _text_tokens(block.text)
+    if isinstance(block, ImageContent):
+        return IMAGE_TOKENS
+    if isinstance(block, ThinkingContent):
+        return _text_tokens(block.thinking) + _text_tokens(block.signature or "")
+    if isinstance(block, ToolCall):
+        return _text_tokens(block.id) + _text_tokens(block.name) + _text_tokens(_json(block.arguments))
+    return _text_tokens(_json(block))
+
+
+def _message_tokens(message: Message) -> int:
+    # Only what a provider sends counts: timestamps, usage and cost never reach the model.
+    n = MESSAGE_OVERHEAD + sum(_block_tokens(b) for b in message.content)
+    if isinstance(message, ToolResultMessage):
+        n += _text_tokens(message.tool_call_id) + _text_tokens(message.tool_name)
+    return n
+
+
+def estimate_tokens(obj: Any) -> int:
+    """Estimated tokens of text, a message, a tool spec, or any list of those.
+
+    Deterministic and additive over lists, so appending to a history never lowers the estimate.
+    """
+    if obj is None:
+        return 0
+    if isinstance(obj, str):
+        return _text_tokens(obj)
+    if isinstance(obj, UserMessage | AssistantMessage | ToolResultMessage | SystemMessage):
+        return _message_tokens(obj)
+    if isinstance(obj, ToolSpec):
+        return (
+            MESSAGE_OVERHEAD
+            + _text_tokens(obj.name)
+            + _text_tokens(obj.description)
+            + _text_tokens(_json(obj.parameters))
+        )
+    if isinstance(obj, TextContent | ImageContent | ThinkingContent | ToolCall):
+        return _block_tokens(obj)
+    if isinstance(obj, list | tuple):
+        return sum(estimate_tokens(item) for item in obj)
+    return _text_tokens(_json(obj))
+
+
+def _usage_tokens(message: AssistantMessage) -> int:
+    u = message.usage
+    if u.input + u.cache_read <= 0 or message.stop_reason in ("error", "aborted"):
+        return 0
+    return u.input + u.cache_read + u.cache_write + u.output
+
+
+def context_tokens(system_prompt: str, tools: Sequence[ToolSpec], messages: Sequence[Message]) -> int:
+    """Tokens the next model call would send: real usage where the provider reported it.
+
+    The newest assistant message with real usage already counts the prompt, the tools and the
+    history before it (plus its own output); only later messages are estimated. Usage from before
+    the latest summary is stale (it measured the history that was compacted away), and all-zero
+    usage means the provider did not report any, so both fall back to the estimate.
+    """
+    start = 0
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND:
+            start = i
+            break
+    for i in range(len(messages) - 1, start - 1, -1):
+        m = messages[i]
+        if isinstance(m, AssistantMessage):
+            covered = _usage_tokens(m)
+            if covered:
+                return covered + estimate_tokens(list(messages[i + 1 :]))
+    return estimate_tokens(system_prompt) + estimate_tokens(list(tools)) + estimate_tokens(list(messages))
+
+
+def pressure(
+    system_prompt: str,
+    tools: list[ToolSpec],
+    messages: list[Message],
+    info: ModelInfo,
+    reserved_output: int | None = None,
+) -> float:
+    """Share of the usable window the next call fills (1.0 = full); the output budget is not usable."""
+    reserved = info.max_output if reserved_output is None else reserved_output
+    available = max(1, info.context_window - reserved)
+    return context_tokens(system_prompt, tools, messages) / available
+
+
+def should_compact(pressure: float, threshold: float = 0.9) -> bool:
+    if not threshold > 0:
+        raise ValueError(f"compaction threshold must be positive, got {threshold}")
+    return pressure >= threshold
+
+
+# ------------------------------------------------------------------ the cut
+
+
+def plan_cut(messages: Sequence[Message], keep_recent_tokens: int) -> int | None:
+    """Index where the kept tail starts, or None when compacting would gain nothing.
+
+    The tail holds at least ``keep_recent_tokens`` (the newest message always stays). The cut
+    only ever moves towards older messages, so the tail grows rather than lose a tool call's
+    results or start on a result whose call was summarised away: providers reject both.
+    """
+    if keep_recent_tokens < 0:
+        raise ValueError("keep_recent_tokens must not be negative")
+    n = len(messages)
+    if n < 3:
+        return None
+    total = 0
+    cut: int | None = None
+    for i in range(n - 1, -1, -1):
+        total += estimate_tokens(messages[i])
+        if total >= keep_recent_tokens:
+            cut = i
+            break
+    if cut is None:
+        return None
+    owner: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        if isinstance(m, AssistantMessage):
+            for tc in m.tool_calls:
+                owner[tc.id] = i
+    while cut > 0:
+        moved = cut
+        if isinstance(messages[cut], ToolResultMessage):
+            moved = cut - 1
+        for j in range(cut, n):
+            m = messages[j]
+            if isinstance(m, ToolResultMessage):
+                k = owner.get(m.tool_call_id)
+                if k is not None and k < moved:
+                    moved = k
+        if moved == cut:
+            break
+        cut = moved
+    if cut < 2:
+        return None
+    return cut
+
+
+# ------------------------------------------------------------------ the summary
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [{len(text) - limit} more characters clipped]"
+
+
+def _render_blocks(blocks: Iterable[Any], clip: int | None) -> str:
+    parts: list[str] = []
+    for b in blocks:
+        if isinstance(b, TextContent):
+            parts.append(b.text if clip is None else _clip(b.text, clip))
+        elif isinstance(b, ImageContent):
+            parts.append(f"[image {b.mime_type}]")
+        elif isinstance(b, ThinkingContent):
+            if b.thinking and not b.redacted:
+                parts.append(f"(thinking: {_clip(b.thinking, THINKING_CLIP)})")
+        elif isinstance(b, ToolCall):
+            parts.append(f"[tool call {b.name} id={b.id} args={_clip(_json(b.arguments), TOOL_ARGS_CLIP)}]")
+    return "\n".join(parts)
+
+
+def render_transcript(messages: Sequence[Message]) -> str:
+    """The removed messages as plain text: readable to any model, tool output clipped."""
+    out: list[str] = []
+    for m in messages:
+        if isinstance(m, UserMessage):
+            out.append(f"## user\n{_render_blocks(m.content, None)}")
+        elif isinstance(m, AssistantMessage):
+            note = f" (stopped: {m.stop_reason}{': ' + m.error_message if m.error_message else ''})"
+            tail = note if m.stop_reason in ("error", "aborted", "length") else ""
+            out.append(f"## assistant{tail}\n{_render_blocks(m.content, None)}")
+        elif isinstance(m, ToolResultMessage):
+            flag = " ERROR" if m.is_error else ""
+            body = _render_blocks(m.content, TOOL_RESULT_CLIP)
+            out.append(f"## tool result{flag} {m.tool_name} id={m.tool_call_id}\n{body}")
+        else:
+            out.append(f"## system ({m.kind})\n{m.text}")
+    return "\n\n".join(out)
+
+
+def _fit(text: str, budget: int) -> str:
+    """Head and tail of an oversized transcript: the goal is stated early, the state late."""
+    if len(text) <= budget:
+        return text
+    head = int(budget * 0.35)
+    tail = budget - head
+    omitted = len(text) - head - tail
+    return f"{text[:head]}\n\n[… {omitted} characters omitted …]\n\n{text[-tail:]}"
+
+
+SUMMARY_SYSTEM_PROMPT = """\
+You write the memory of an agent whose older conversation is being removed to free context.
+The agent will continue with only your summary and the most recent messages, so keep every
+fact it needs to carry on without asking again. Answer in concise markdown with these sections:
+
+## Goal
+## Decisions and constraints
+## Files and resources touched
+## Open tasks and next steps
+## Key facts (ids, paths, commands, values, errors)
+
+Do not invent anything. Do not call tools. Write the summary only."""
+
+
+def _summary_prompt(transcript: str, previous_summary: str | None, instructions: str | None) -> str:
+    parts: list[str] = []
+    if previous_summary:
+        parts.append(
+            "An earlier summary covers what came before this part; merge it into yours:\n"
+            f"<previous-summary>\n{previous_summary}\n</previous-summary>"
+        )
+    parts.append(f"<conversation>\n{transcript}\n</conversation>")
+    if instructions:
+        parts.append(f"Additional instructions for this summary:\n{instructions}")
+    parts.append("Summarise the conversation above.")
+    return "\n\n".join(parts)
+
+
+async def summarize(
+    model: Model,
+    messages: list[Message],
+    *,
+    previous_summary: str | None = None,
+    instructions: str | None = None,
+) -> str:
+    """A structured summary of ``messages`` written by ``model``, or ``CompactionError``.
+
+    An empty summary would silently erase history, so anything short of non-empty text fails.
+    """
+    info = model.info
+    budget = max(8_000, int((info.context_window - info.max_output) * CHARS_PER_TOKEN * 0.6))
+    transcript = _fit(render_transcript(messages), budget)
+    request = ModelRequest(
+        system_prompt=SUMMARY_SYSTEM_PROMPT,
+        messages=[user(_summary_prompt(transcript, previous_summary, instructions))],
+        tools=[],
+        max_tokens=min(info.max_output, SUMMARY_MAX_TOKENS),
+    )
+    try:
+        reply = await model.complete(request)
+    except Exception as exc:  # Model.complete should not raise; a broken adapter still must not
+        raise CompactionError(f"summary model {model.name} failed: {type(exc).__name__}: {exc}") from exc
+    if reply.stop_reason in ("error", "aborted"):
+        raise CompactionError(f"summary model {model.name} failed ({reply.stop_reason}): {reply.error_message or ''}")
+    text = reply.text.strip()
+    if not text:
+        raise CompactionError(f"summary model {model.name} returned an empty summary")
+    return text
+
+
+# ------------------------------------------------------------------ compaction
+
+
+@dataclass
+class CompactionResult:
+    """A computed compaction, not yet installed: archive ``removed``, then install ``history``."""
+
+    removed: list[Message]
+    kept: list[Message]
+    summary: SystemMessage
+    reason: CompactionReason
+    tokens_before: int
+    tokens_after: int
+    created_ms: int = field(default_factory=now_ms)
+
+    @property
+    def history(self) -> list[Message]:
+        """The history that replaces the original: the summary, then the kept tail."""
+        return [self.summary, *self.kept]
+
+    def still_applies(self, current: Sequence[Message]) -> bool:
+        """Whether ``current`` still starts with the removed prefix unchanged.
+
+        The summary is computed outside any lock; if the history changed meanwhile (a reset, an
+        edit, a concurrent compaction), installing it would drop or duplicate messages.
+        """
+        n = len(self.removed)
+        return len(current) >= n and list(current[:n]) == self.removed
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-ready facts for the archive header and the compaction event."""
+        return {
+            "kind": "compaction",
+            "reason": self.reason,
+            "removed": len(self.removed),
+            "kept": len(self.kept),
+            "tokens_before": self.tokens_before,
+            "tokens_after": self.tokens_after,
+            "summary": self.summary.text,
+            "created_ms": self.created_ms,
+        }
+
+
+def summary_message(text: str, replaced: int) -> SystemMessage:
+    plural = "message" if replaced == 1 else "messages"
+    body = f"Summary of the earlier conversation; it replaces {replaced} earlier {plural}.\n\n{text}"
+    return SystemMessage(content=[TextContent(text=body)], kind=SUMMARY_KIND)
+
+
+async def compact(
+    messages: list[Message],
+    model: Model,
+    *,
+    keep_recent_tokens: int = 20_000,
+    reason: CompactionReason,
+    instructions: str | None = None,
+) -> CompactionResult | None:
+    """Summarise the prefix before ``plan_cut``; None when there is nothing worth compacting.
+
+    Earlier summaries in the prefix are handed to the model as the previous summary so that
+    repeated compactions roll them forward instead of summarising a summary as chatter.
+    """
+    cut = plan_cut(messages, keep_recent_tokens)
+    if cut is None:
+        return None
+    removed, kept = list(messages[:cut]), list(messages[cut:])
+    previous = [m.text for m in removed if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND]
+    rest = [m for m in removed if not (isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND)]
+    text = await summarize(
+        model,
+        rest,
+        previous_summary="\n\n".join(previous) or None,
+        instructions=instructions,
+    )
+    summary = summary_message(text, len(removed))
+    return CompactionResult(
+        removed=removed,
+        kept=kept,
+        summary=summary,
+        reason=reason,
+        tokens_before=estimate_tokens(messages),
+        tokens_after=estimate_tokens([summary, *kept]),
+    )
