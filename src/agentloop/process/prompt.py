@@ -1,0 +1,299 @@
+"""The system prompt of a durable process, built from files once per run.
+
+Six providers contribute, in a fixed order, each as one ``[name]`` block: the server's system
+context (templated), the run-as account's ``context.d``, the owning human's ``context.d``, the
+skills index, the workspace files, and the context given at spawn. The order runs from the most
+general and stable to the most specific, so providers' prompt caches keep the longest prefix.
+
+The function is pure apart from reading files: the same files, variables and ``today`` give the
+same bytes, which is what lets a durable run store the prompt and a resumed run trust it. Nothing
+a user can put on disk makes assembly fail: a missing file is skipped, and a binary, undecodable
+or unreadable one becomes a warning.
+
+Files the agent can write (its home, the owner's home, the workspace) are opened through
+``resolve_path`` rooted at their directory, so a symlink cannot pull an arbitrary file of the
+server into the prompt. The system ``context.d`` belongs to the operator and may link anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentloop.tools.base import ToolError
+from agentloop.tools.paths import resolve_path
+from agentloop.tools.skills import UnreadableFile, read_text_file, scan_skills
+
+__all__ = [
+    "DEFAULT_MAX_CONTEXT_BYTES",
+    "WORKSPACE_FILES",
+    "AssembledPrompt",
+    "PromptSources",
+    "Section",
+    "assemble_prompt",
+    "render_template",
+]
+
+DEFAULT_MAX_CONTEXT_BYTES = 32 * 1024
+WORKSPACE_FILES = ("SOUL.md", "IDENTITY.md", "USER.md", "AGENTS.md", "MEMORY.md", "TOOLS.md", "HEARTBEAT.md")
+BOOTSTRAP_FILE = "BOOTSTRAP.md"
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\}\}")
+
+
+@dataclass
+class PromptSources:
+    """Where a run's prompt comes from; any location may be None or missing on disk."""
+
+    system_dir: Path | None = None
+    agent_home: Path | None = None
+    owner_home: Path | None = None
+    skills_dirs: list[Path] = field(default_factory=list)
+    workspace: Path | None = None
+    process_context: str | None = None
+    main_process: bool = False
+    variables: dict[str, str] = field(default_factory=dict)
+    max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES
+
+
+@dataclass
+class Section:
+    """One ``[name]`` block, with enough bookkeeping to explain the prompt's size."""
+
+    name: str
+    sources: list[Path]
+    bytes: int
+    truncated: bool = False
+    omitted: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class AssembledPrompt:
+    text: str
+    sections: list[Section]
+    bootstrap: bool
+    warnings: list[str]
+
+    @property
+    def digest(self) -> str:
+        """A stable fingerprint, so a run can record which prompt it was given."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    def section(self, name: str) -> Section | None:
+        return next((s for s in self.sections if s.name == name), None)
+
+
+@dataclass
+class _Part:
+    """One file's contribution to a section."""
+
+    path: Path | None
+    label: str | None
+    text: str
+
+
+@dataclass
+class _Block:
+    name: str
+    parts: list[_Part] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    preamble: str = ""
+    sources: list[Path] = field(default_factory=list)
+    truncated: bool = False
+    omitted: list[Path] = field(default_factory=list)
+
+    def render(self) -> str:
+        chunks = [self.preamble] if self.preamble else []
+        for part in self.parts:
+            chunks.append(f"--- {part.label} ---\n{part.text}" if part.label else part.text)
+        chunks += self.notes
+        return f"[{self.name}]\n" + "\n\n".join(chunks)
+
+    def section(self, rendered: str) -> Section:
+        size = len(rendered.encode("utf-8"))
+        sources = self.sources or [p.path for p in self.parts if p.path is not None]
+        return Section(self.name, sources, size, self.truncated, list(self.omitted))
+
+
+def render_template(text: str, variables: dict[str, str]) -> tuple[str, list[str]]:
+    """``{{name}}`` replaced by its value in one pass (values are never re-expanded); unknown
+    names stay visible so a typo shows in the prompt instead of silently vanishing."""
+    unknown: list[str] = []
+
+    def sub(match: re.Match[str]) -> str:
+        key = match.group(1)
+        if key in variables:
+            return variables[key]
+        if key not in unknown:
+            unknown.append(key)
+        return match.group(0)
+
+    return _PLACEHOLDER.sub(sub, text), unknown
+
+
+def _read(path: Path, root: Path | None, warnings: list[str]) -> str | None:
+    """Text of a file, or None (with a warning when it exists but cannot be used). With ``root``,
+    the file must lie inside it after symlinks are followed."""
+    try:
+        real = resolve_path(root, path.relative_to(root).as_posix()) if root is not None else path
+    except ToolError as exc:
+        warnings.append(f"{path}: refused ({exc})")
+        return None
+    if not real.exists():
+        return None
+    if not real.is_file():
+        return None
+    try:
+        text = read_text_file(real).strip()
+    except UnreadableFile as exc:
+        warnings.append(str(exc))
+        return None
+    return text or None
+
+
+def _context_files(directory: Path | None) -> list[Path]:
+    if directory is None or not directory.is_dir():
+        return []
+    return sorted(
+        (p for p in directory.iterdir() if p.suffix == ".md" and not p.name.startswith(".")),
+        key=lambda p: p.name,
+    )
+
+
+def _cut(text: str, limit: int) -> str:
+    """At most ``limit`` UTF-8 bytes, ending on a line break when one is reasonably close."""
+    kept = text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+    newline = kept.rfind("\n")
+    return kept[:newline] if newline >= len(kept) // 2 else kept
+
+
+def _system_block(sources: PromptSources, variables: dict[str, str], warnings: list[str]) -> _Block:
+    block = _Block("system context")
+    for path in _context_files(sources.system_dir):
+        text = _read(path, None, warnings)
+        if text is None:
+            continue
+        rendered, unknown = render_template(text, variables)
+        warnings += [f"{path}: unknown template variable {{{{{key}}}}} left as is" for key in unknown]
+        block.parts.append(_Part(path, path.name, rendered))
+    return block
+
+
+def _home_block(name: str, home: Path, budget: int, warnings: list[str]) -> _Block:
+    """A home's ``context.d`` in name order until ``budget`` bytes of file text are used: the
+    file that crosses the line is cut with a marker, later ones are named but not included."""
+    block = _Block(name)
+    directory = home / "context.d"
+    used = 0
+    for path in _context_files(directory):
+        if used >= budget:
+            if _read(path, home, warnings) is not None:
+                block.omitted.append(path)
+            continue
+        text = _read(path, home, warnings)
+        if text is None:
+            continue
+        size = len(text.encode("utf-8"))
+        if used + size > budget:
+            kept = _cut(text, budget - used)
+            text = kept + f"\n[… {path.name} truncated: {len(kept.encode('utf-8'))} of {size} bytes shown]"
+            block.truncated = True
+            warnings.append(f"{path}: truncated to fit max_context_bytes={budget}")
+            size = budget - used
+        used += size
+        block.parts.append(_Part(path, path.name, text))
+    if block.omitted:
+        names = ", ".join(p.name for p in block.omitted)
+        block.notes.append(f"[omitted, over the {budget}-byte context budget: {names}]")
+        warnings.append(f"{directory}: omitted over max_context_bytes={budget}: {names}")
+    return block
+
+
+def _skills_block(dirs: list[Path], warnings: list[str]) -> _Block:
+    skills, problems = scan_skills(dirs)
+    warnings += problems
+    block = _Block("skills")
+    if skills:
+        block.preamble = (
+            "Skills are instructions for particular tasks. Before such a task, read the matching "
+            "skill with the skills tool (action='show', name=...)."
+        )
+        index = "\n".join(f"- {s.name}: {s.description}" if s.description else f"- {s.name}" for s in skills.values())
+        block.parts.append(_Part(None, None, index))
+        block.sources = [s.path for s in skills.values()]
+    return block
+
+
+def _workspace_names(sources: PromptSources, today: datetime.date) -> list[str]:
+    yesterday = today - datetime.timedelta(days=1)
+    names: list[str] = []
+    for name in WORKSPACE_FILES:
+        if name == "MEMORY.md":
+            if sources.main_process:
+                names.append(name)
+            names += [f"memory/{yesterday.isoformat()}.md", f"memory/{today.isoformat()}.md"]
+        else:
+            names.append(name)
+    return names
+
+
+def _workspace_blocks(sources: PromptSources, today: datetime.date, warnings: list[str]) -> tuple[_Block, _Block]:
+    files, commissioning = _Block("workspace"), _Block("commissioning")
+    root = sources.workspace
+    if root is None or not root.is_dir():
+        return files, commissioning
+    for name in _workspace_names(sources, today):
+        text = _read(root / name, root, warnings)
+        if text is not None:
+            files.parts.append(_Part(root / name, name, text))
+    bootstrap = root / BOOTSTRAP_FILE
+    text = _read(bootstrap, root, warnings)
+    if text is not None:
+        commissioning.preamble = (
+            f"{BOOTSTRAP_FILE} is in the workspace, so this run is the commissioning conversation: "
+            f"follow it with the user. When commissioning is complete, delete {BOOTSTRAP_FILE} from "
+            "the workspace so later runs start normally."
+        )
+        commissioning.parts.append(_Part(bootstrap, BOOTSTRAP_FILE, text))
+    return files, commissioning
+
+
+def assemble_prompt(sources: PromptSources, *, today: datetime.date | None = None) -> AssembledPrompt:
+    """The run's system prompt. ``today`` picks the daily memory files and fills ``{{date}}``
+    when the caller gives no ``date`` variable; pass it to make assembly reproducible."""
+    today = today or datetime.date.today()
+    warnings: list[str] = []
+    variables = {"date": today.isoformat(), **sources.variables}
+    budget = max(0, sources.max_context_bytes)
+    blocks = [_system_block(sources, variables, warnings)]
+    homes: list[Path] = []
+    for name, home in (("agent context", sources.agent_home), ("owner context", sources.owner_home)):
+        if home is None or not home.is_dir() or home.resolve() in homes:
+            continue  # the owner's own process: the same context.d, included once
+        homes.append(home.resolve())
+        blocks.append(_home_block(name, home, budget, warnings))
+    blocks.append(_skills_block(sources.skills_dirs, warnings))
+    files, commissioning = _workspace_blocks(sources, today, warnings)
+    blocks += [files, commissioning]
+    process = _Block("process context")
+    if sources.process_context and sources.process_context.strip():
+        process.parts.append(_Part(None, None, sources.process_context.strip()))
+    blocks.append(process)
+
+    rendered: list[str] = []
+    sections: list[Section] = []
+    for block in blocks:
+        if not block.parts and not block.omitted:
+            continue
+        text = block.render()
+        rendered.append(text)
+        sections.append(block.section(text))
+    body = "\n\n".join(rendered)
+    return AssembledPrompt(
+        text=body + "\n" if body else "",
+        sections=sections,
+        bootstrap=bool(commissioning.parts),
+        warnings=warnings,
+    )
