@@ -1,0 +1,158 @@
+"""Images of a process, stored as files and referenced from message rows.
+
+Base64 images inside message rows would make every history read carry megabytes, so a message
+keeps a small ``MediaRef`` and the bytes live under ``var/media/<uid>/<pid>/``, named by their
+SHA-256 (the same image sent twice is stored once). The declared MIME type is checked against
+the bytes, because providers reject a mislabelled image only at the next model call, far from
+the client that sent it. The files belong to one process, so reset and kill drop the folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from agentloop.messages import ImageContent
+from agentloop.process.archive import check_name
+
+DEFAULT_MAX_BYTES = 10 * 1024 * 1024
+
+_EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp"}
+_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class MediaError(ValueError):
+    """An image that cannot be stored or found."""
+
+
+class MediaTooLarge(MediaError):
+    pass
+
+
+class MediaNotFound(MediaError):
+    pass
+
+
+def sniff_mime(data: bytes) -> str | None:
+    """The image type the bytes say they are, from their magic numbers."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """Where a stored image is: ``path`` is relative to the data dir, ``size`` in bytes."""
+
+    path: str
+    mime_type: str
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "mimeType": self.mime_type, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MediaRef:
+        if not isinstance(data, dict):
+            raise MediaError(f"media ref must be an object, got {type(data).__name__}")
+        path, mime, size, sha = data.get("path"), data.get("mimeType"), data.get("size"), data.get("sha256")
+        if not isinstance(path, str) or not isinstance(mime, str) or not isinstance(sha, str):
+            raise MediaError(f"media ref needs string path, mimeType and sha256: {data!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise MediaError(f"media ref needs a non-negative integer size: {data!r}")
+        if not _SHA256.fullmatch(sha):
+            raise MediaError(f"media ref has an invalid sha256: {sha!r}")
+        return cls(path=path, mime_type=mime, size=size, sha256=sha)
+
+
+class MediaStore:
+    """Image files under ``<data_dir>/var/media``; every path it hands out is relative to ``data_dir``."""
+
+    def __init__(self, data_dir: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.data_dir = Path(data_dir)
+        self.root = self.data_dir / "var" / "media"
+        self.max_bytes = max_bytes
+
+    def process_dir(self, uid: str, pid: str) -> Path:
+        return self.root / check_name(uid, "uid") / check_name(pid, "pid")
+
+    def save(self, uid: str, pid: str, image: ImageContent) -> MediaRef:
+        """Store ``image`` (once per content) and return its reference."""
+        directory = self.process_dir(uid, pid)
+        declared = image.mime_type.strip().lower()
+        mime = _ALIASES.get(declared, declared)
+        ext = _EXTENSIONS.get(mime)
+        if ext is None:
+            raise MediaError(f"unsupported image type {image.mime_type!r}; supported: {', '.join(_EXTENSIONS)}")
+        # base64 is 4 characters per 3 bytes: refuse a huge payload before decoding it.
+        if len(image.data) * 3 // 4 > self.max_bytes + 3:
+            raise MediaTooLarge(f"image is larger than the {self.max_bytes}-byte limit")
+        try:
+            data = base64.b64decode(image.data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise MediaError(f"image data is not valid base64: {exc}") from exc
+        if len(data) > self.max_bytes:
+            raise MediaTooLarge(f"image is {len(data)} bytes, over the {self.max_bytes}-byte limit")
+        actual = sniff_mime(data)
+        if actual is None:
+            raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {image.mime_type!r})")
+        if actual != mime:
+            raise MediaError(f"image declared as {image.mime_type!r} but its bytes are {actual}")
+        sha = hashlib.sha256(data).hexdigest()
+        path = directory / f"{sha}.{ext}"
+        if not (path.is_file() and path.stat().st_size == len(data)):
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{sha[:16]}.", suffix=".tmp", dir=directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp_name, path)
+            except BaseException:
+                Path(tmp_name).unlink(missing_ok=True)
+                raise
+        rel = path.relative_to(self.data_dir).as_posix()
+        return MediaRef(path=rel, mime_type=mime, size=len(data), sha256=sha)
+
+    def _resolve(self, ref: MediaRef) -> Path:
+        rel = PurePosixPath(ref.path)
+        if rel.is_absolute() or ".." in rel.parts or rel.parts[:2] != ("var", "media"):
+            raise MediaError(f"media ref {ref.path!r} is outside the media store")
+        return self.data_dir.joinpath(*rel.parts)
+
+    def load(self, ref: MediaRef) -> ImageContent:
+        """The image block back, verified against the ref's hash."""
+        path = self._resolve(ref)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise MediaNotFound(f"media {ref.path} ({ref.mime_type}, sha256 {ref.sha256}) is missing") from None
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise MediaError(f"media {ref.path} does not match its sha256 {ref.sha256}: the file is corrupt")
+        return ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=ref.mime_type)
+
+    def delete_process(self, uid: str, pid: str) -> int:
+        """Remove every file of one process; returns how many were removed."""
+        directory = self.process_dir(uid, pid)
+        if not directory.is_dir():
+            return 0
+        count = sum(1 for p in directory.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
+        shutil.rmtree(directory)
+        return count
