@@ -1,0 +1,249 @@
+"""Prompt assembly for durable processes (DESIGN §3): provider order, templating, the byte budget,
+workspace files, commissioning, the skills index, determinism, and warnings instead of failures."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+
+from agentloop.process.prompt import AssembledPrompt, PromptSources, assemble_prompt, render_template
+
+TODAY = datetime.date(2024, 3, 1)  # yesterday crosses a month (and leap day) boundary
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def full_tree(root: Path) -> PromptSources:
+    write(root / "config/ai/context.d/20-tools.md", "Devices:\n{{devices}}")
+    write(root / "config/ai/context.d/10-base.md", "You are {{identity}} in {{ cwd }} on {{date}}.")
+    write(root / "home/agent/context.d/a.md", "AGENT NOTE")
+    write(root / "home/alice/context.d/a.md", "OWNER NOTE")
+    write(root / "skills.d/deploy/SKILL.md", "---\ndescription: Ship a release\n---\nSECRET DEPLOY BODY\n")
+    write(root / "skills.d/review.md", "Review a change\nREVIEW BODY LINE\n")
+    ws = root / "ws"
+    for name in ("HEARTBEAT.md", "TOOLS.md", "AGENTS.md", "USER.md", "IDENTITY.md", "SOUL.md", "MEMORY.md"):
+        write(ws / name, f"content of {name}")
+    write(ws / "memory/2024-03-01.md", "TODAY NOTES")
+    write(ws / "memory/2024-02-29.md", "YESTERDAY NOTES")
+    write(ws / "memory/2024-02-28.md", "OLDER NOTES")
+    return PromptSources(
+        system_dir=root / "config/ai/context.d",
+        agent_home=root / "home/agent",
+        owner_home=root / "home/alice",
+        skills_dirs=[root / "skills.d"],
+        workspace=ws,
+        process_context="Watch the build.",
+        main_process=True,
+        variables={"identity": "agent7", "cwd": "/work", "devices": "- laptop"},
+    )
+
+
+def positions(prompt: AssembledPrompt, *needles: str) -> list[int]:
+    found = [prompt.text.find(n) for n in needles]
+    assert -1 not in found, [n for n, f in zip(needles, found, strict=True) if f == -1]
+    return found
+
+
+def test_full_order_of_sections_and_files(tmp_path: Path) -> None:
+    prompt = assemble_prompt(full_tree(tmp_path), today=TODAY)
+    assert [s.name for s in prompt.sections] == [
+        "system context",
+        "agent context",
+        "owner context",
+        "skills",
+        "workspace",
+        "process context",
+    ]
+    headers = [f"[{s.name}]" for s in prompt.sections]
+    assert positions(prompt, *headers) == sorted(positions(prompt, *headers))
+    assert prompt.text.startswith("[system context]\n--- 10-base.md ---\nYou are agent7 in /work on 2024-03-01.")
+    order = positions(
+        prompt,
+        "You are agent7",
+        "Devices:\n- laptop",
+        "AGENT NOTE",
+        "OWNER NOTE",
+        "- deploy: Ship a release",
+        "content of SOUL.md",
+        "content of IDENTITY.md",
+        "content of USER.md",
+        "content of AGENTS.md",
+        "content of MEMORY.md",
+        "YESTERDAY NOTES",
+        "TODAY NOTES",
+        "content of TOOLS.md",
+        "content of HEARTBEAT.md",
+        "Watch the build.",
+    )
+    assert order == sorted(order)
+    assert "OLDER NOTES" not in prompt.text
+    assert prompt.text.endswith("[process context]\nWatch the build.\n")
+    assert prompt.warnings == [] and prompt.bootstrap is False
+    workspace = prompt.section("workspace")
+    assert workspace is not None
+    assert [p.name for p in workspace.sources][-4:] == ["2024-02-29.md", "2024-03-01.md", "TOOLS.md", "HEARTBEAT.md"]
+    assert sum(s.bytes for s in prompt.sections) + 2 * (len(prompt.sections) - 1) + 1 == len(prompt.text.encode())
+
+
+def test_missing_everything_gives_an_empty_prompt(tmp_path: Path) -> None:
+    empty = assemble_prompt(PromptSources(), today=TODAY)
+    assert (empty.text, empty.sections, empty.warnings, empty.bootstrap) == ("", [], [], False)
+    absent = tmp_path / "nope"
+    sources = PromptSources(absent, absent, absent, [absent], absent, "   ")
+    assert assemble_prompt(sources, today=TODAY).text == ""
+
+
+def test_templating_and_unknown_variables(tmp_path: Path) -> None:
+    write(tmp_path / "ctx/a.md", "Hi {{identity}}; {{ mcp_servers }}; {{typo}} {{typo}}; {{date}}; {not} {{ }}")
+    prompt = assemble_prompt(
+        PromptSources(system_dir=tmp_path / "ctx", variables={"identity": "{{typo}}", "mcp_servers": "none"}),
+        today=TODAY,
+    )
+    # values are inserted once, never expanded again; unknown names stay visible
+    assert "Hi {{typo}}; none; {{typo}} {{typo}}; 2024-03-01; {not} {{ }}" in prompt.text
+    assert prompt.warnings == [f"{tmp_path / 'ctx/a.md'}: unknown template variable {{{{typo}}}} left as is"]
+    assert render_template("{{date}}", {"date": "given"}) == ("given", [])
+
+
+def test_only_the_system_context_is_templated(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    write(tmp_path / "home/agent/context.d/b.md", "literal {{identity}}")
+    write(tmp_path / "ws/SOUL.md", "soul {{identity}}")
+    prompt = assemble_prompt(sources, today=TODAY)
+    assert "literal {{identity}}" in prompt.text and "soul {{identity}}" in prompt.text
+
+
+def test_byte_budget_truncates_one_file_and_lists_the_rest(tmp_path: Path) -> None:
+    home = tmp_path / "agent"
+    write(home / "context.d/1.md", "a" * 40)
+    write(home / "context.d/2.md", "line one\nline two\nline three\n" + "b" * 30)
+    write(home / "context.d/3.md", "never shown")
+    write(home / "context.d/4.md", "also never shown")
+    write(home / "context.d/notes.txt", "not markdown")
+    prompt = assemble_prompt(PromptSources(agent_home=home, max_context_bytes=70), today=TODAY)
+    section = prompt.section("agent context")
+    assert section is not None and section.truncated
+    assert [p.name for p in section.sources] == ["1.md", "2.md"]
+    assert [p.name for p in section.omitted] == ["3.md", "4.md"]
+    assert "a" * 40 in prompt.text
+    # 30 bytes were left: the cut ends at the last line break within them
+    assert "line one\nline two\nline three\n[… 2.md truncated: 28 of 59 bytes shown]" in prompt.text
+    assert "lineb" not in prompt.text and "\nb" not in prompt.text
+    assert "[omitted, over the 70-byte context budget: 3.md, 4.md]" in prompt.text
+    assert "never shown" not in prompt.text and "not markdown" not in prompt.text
+    assert any("truncated" in w for w in prompt.warnings) and any("3.md, 4.md" in w for w in prompt.warnings)
+
+
+def test_each_home_has_its_own_budget_and_an_exact_fit_is_not_truncated(tmp_path: Path) -> None:
+    write(tmp_path / "agent/context.d/a.md", "x" * 50)
+    write(tmp_path / "agent/context.d/b.md", "y")
+    write(tmp_path / "owner/context.d/a.md", "é" * 30)  # 60 bytes, cut on a character boundary
+    sources = PromptSources(agent_home=tmp_path / "agent", owner_home=tmp_path / "owner", max_context_bytes=50)
+    prompt = assemble_prompt(sources, today=TODAY)
+    agent, owner = prompt.section("agent context"), prompt.section("owner context")
+    assert agent is not None and not agent.truncated and [p.name for p in agent.omitted] == ["b.md"]
+    assert owner is not None and owner.truncated
+    assert "é" * 25 + "\n[… a.md truncated: 50 of 60 bytes shown]" in prompt.text
+
+
+def test_the_owner_running_their_own_process_gets_their_context_once(tmp_path: Path) -> None:
+    write(tmp_path / "alice/context.d/a.md", "ALICE")
+    prompt = assemble_prompt(PromptSources(agent_home=tmp_path / "alice", owner_home=tmp_path / "alice/."))
+    assert prompt.text.count("ALICE") == 1 and [s.name for s in prompt.sections] == ["agent context"]
+
+
+def test_memory_md_only_in_the_main_process(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    assert "content of MEMORY.md" in assemble_prompt(sources, today=TODAY).text
+    sources.main_process = False
+    other = assemble_prompt(sources, today=TODAY)
+    assert "MEMORY.md" not in other.text
+    assert "TODAY NOTES" in other.text and "YESTERDAY NOTES" in other.text  # daily notes are for everyone
+
+
+def test_daily_memory_follows_today(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    later = assemble_prompt(sources, today=datetime.date(2024, 3, 2))
+    assert "TODAY NOTES" in later.text and "YESTERDAY NOTES" not in later.text
+    earlier = assemble_prompt(sources, today=datetime.date(2024, 2, 29))
+    assert positions(earlier, "OLDER NOTES", "YESTERDAY NOTES") == sorted(
+        positions(earlier, "OLDER NOTES", "YESTERDAY NOTES")
+    )
+    assert "TODAY NOTES" not in earlier.text
+    assert "on 2024-02-29." in earlier.text  # {{date}} follows today unless the caller sets it
+
+
+def test_bootstrap_starts_the_commissioning_conversation(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    write(tmp_path / "ws/BOOTSTRAP.md", "Ask the human for a name.")
+    prompt = assemble_prompt(sources, today=TODAY)
+    assert prompt.bootstrap
+    assert [s.name for s in prompt.sections][-3:] == ["workspace", "commissioning", "process context"]
+    section = prompt.text.split("[commissioning]\n", 1)[1].split("\n\n[process context]")[0]
+    assert "delete BOOTSTRAP.md" in section and "Ask the human for a name." in section
+    (tmp_path / "ws/BOOTSTRAP.md").unlink()
+    assert not assemble_prompt(sources, today=TODAY).bootstrap
+
+
+def test_skills_index_layers_and_shows_no_bodies(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    write(tmp_path / "account-skills.d/review.md", "---\ndescription: Review our way\n---\nOUR REVIEW BODY\n")
+    sources.skills_dirs.append(tmp_path / "account-skills.d")
+    prompt = assemble_prompt(sources, today=TODAY)
+    block = prompt.text.split("[skills]\n", 1)[1].split("\n\n[workspace]")[0]
+    assert block.endswith("- deploy: Ship a release\n- review: Review our way")
+    assert "skills tool" in block
+    for body in ("SECRET DEPLOY BODY", "REVIEW BODY LINE", "OUR REVIEW BODY"):
+        assert body not in prompt.text
+    section = prompt.section("skills")
+    assert section is not None and [p.name for p in section.sources] == ["SKILL.md", "review.md"]
+
+
+def test_deterministic_bytes(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    first = assemble_prompt(sources, today=TODAY)
+    second = assemble_prompt(sources, today=TODAY)
+    assert first.text.encode() == second.text.encode() and first.digest == second.digest
+    assert first.sections == second.sections
+    write(tmp_path / "ws/TOOLS.md", "changed")
+    assert assemble_prompt(sources, today=TODAY).digest != first.digest
+
+
+def test_binary_undecodable_and_unreadable_files_warn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sources = full_tree(tmp_path)
+    (tmp_path / "config/ai/context.d/30-blob.md").write_bytes(b"\x00\x01\x02")
+    (tmp_path / "home/agent/context.d/b.md").write_bytes(b"caf\xe9")
+    locked = tmp_path / "ws/USER.md"
+    real_read = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self.name == locked.name:
+            raise PermissionError(13, "Permission denied")
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    prompt = assemble_prompt(sources, today=TODAY)
+    assert "content of SOUL.md" in prompt.text and "content of USER.md" not in prompt.text
+    assert len(prompt.warnings) == 3
+    assert "30-blob.md: binary file" in prompt.warnings[0]
+    assert "b.md: not UTF-8" in prompt.warnings[1]
+    assert "USER.md: cannot be read (Permission denied)" in prompt.warnings[2]
+
+
+def test_symlinks_out_of_agent_writable_places_are_refused(tmp_path: Path) -> None:
+    sources = full_tree(tmp_path)
+    secret = write(tmp_path / "etc/secret", "TOP SECRET")
+    (tmp_path / "ws/SOUL.md").unlink()
+    (tmp_path / "ws/SOUL.md").symlink_to(secret)
+    (tmp_path / "home/agent/context.d/z.md").symlink_to(secret)
+    (tmp_path / "config/ai/context.d/30-linked.md").symlink_to(secret)  # the operator's choice
+    prompt = assemble_prompt(sources, today=TODAY)
+    assert prompt.text.count("TOP SECRET") == 1
+    assert "--- 30-linked.md ---\nTOP SECRET" in prompt.text
+    assert len([w for w in prompt.warnings if "refused" in w]) == 2
