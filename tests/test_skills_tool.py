@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
-from agentloop.tools.base import ToolContext, ToolError, ToolResult
+from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 from agentloop.tools.skills import discover_skills, parse_front_matter, scan_skills, skills_tool
 
 
@@ -32,14 +32,17 @@ def layers(tmp_path: Path) -> list[Path]:
     return [system, account]
 
 
-async def run(tool: object, **args: object) -> ToolResult:
-    from agentloop.tools.base import Tool
-
-    assert isinstance(tool, Tool)
+async def run(tool: Tool, **args: object) -> ToolResult:
     return await tool.run(tool.validate(dict(args)), ToolContext("c1", tool.name))
 
 
-def text(result: ToolResult) -> str:
+async def _error(tool: Tool, **args: object) -> ToolError:
+    with pytest.raises(ToolError) as info:
+        await run(tool, **args)
+    return info.value
+
+
+def text(result: ToolResult | ToolResultMessage) -> str:
     return "\n".join(getattr(b, "text", "") for b in result.content)
 
 
@@ -134,12 +137,6 @@ async def test_unknown_skill_lists_close_names(layers: list[Path]) -> None:
     assert "Unknown skill" in str(await _error(skills_tool([]), action="show", name="x"))
 
 
-async def _error(tool: object, **args: object) -> ToolError:
-    with pytest.raises(ToolError) as info:
-        await run(tool, **args)
-    return info.value
-
-
 async def test_read_a_file_of_the_skill(layers: list[Path]) -> None:
     tool = skills_tool(layers)
     got = await run(tool, action="read", name="deploy", path="notes/hosts.txt")
@@ -207,7 +204,22 @@ async def test_through_an_agent(layers: list[Path]) -> None:
     result = await agent.run("deploy please")
     results = [m for m in result.messages if isinstance(m, ToolResultMessage)]
     assert [r.is_error for r in results] == [False, True]
-    assert "ACCOUNT BODY" in results[0].content[0].text  # type: ignore[union-attr]
-    assert "escapes" in results[1].content[0].text  # type: ignore[union-attr]
+    assert "ACCOUNT BODY" in text(results[0])
+    assert "escapes" in text(results[1])
     assert result.text == "Deployed via staging."
     assert "ACCOUNT BODY" in str(model.requests[1].messages)
+
+
+def test_a_directory_and_a_file_of_the_same_name_in_one_layer(tmp_path: Path) -> None:
+    layer = tmp_path / "skills.d"
+    write(layer / "x" / "SKILL.md", "From the directory")
+    write(layer / "x.md", "From the file")
+    skills, warnings = scan_skills([layer])
+    assert skills["x"].description == "From the directory"
+    assert warnings == [f"skill 'x': both x/ and x.md in {layer}; using the directory"]
+
+
+async def test_a_name_is_looked_up_never_used_as_a_path(layers: list[Path]) -> None:
+    tool = skills_tool(layers)
+    for name in ("../account/skills.d/deploy", "deploy/../pdf", "/etc"):
+        assert "Unknown skill" in str(await _error(tool, action="show", name=name))
