@@ -245,7 +245,8 @@ def _read(skill: Skill, path: str) -> ToolResult:
     try:
         real = resolve_path(skill.root, path)
     except ToolError as exc:
-        raise ToolError(f"Cannot read {path!r} in skill {skill.name!r}: {exc}".replace("workspace", "skill")) from None
+        reason = str(exc).replace("the workspace", "the skill's directory")  # resolve_path speaks of workspaces
+        raise ToolError(f"Cannot read {path!r} in skill {skill.name!r}: {reason}") from None
     if not real.is_file():
         files = _files(skill)
         listing = ", ".join(files[:MAX_LISTED_FILES]) if files else "none besides SKILL.md"
