@@ -142,7 +142,7 @@ INFO = ModelInfo(provider="t", id="m", context_window=10_000, max_output=2_000)
 
 
 def test_pressure_from_estimate_when_no_usage() -> None:
-    msgs = [user("a" * 4_000), assistant("b" * 400)]  # zero usage: estimate everything
+    msgs: list[Message] = [user("a" * 4_000), assistant("b" * 400)]  # zero usage: estimate everything
     tools = [ToolSpec(name="read", description="d", parameters={})]
     expected = (estimate_tokens("sys") + estimate_tokens(tools) + estimate_tokens(msgs)) / 8_000
     assert pressure("sys", tools, msgs, INFO) == pytest.approx(expected)
@@ -191,7 +191,8 @@ def test_plan_cut_moves_back_to_keep_the_tool_exchange_whole() -> None:
     keep = estimate_tokens(msgs[-3:])
     cut = plan_cut(msgs, keep)
     assert cut is not None
-    assert isinstance(msgs[cut], AssistantMessage) and msgs[cut].tool_calls
+    first = msgs[cut]
+    assert isinstance(first, AssistantMessage) and first.tool_calls
     check_cut(msgs, cut, keep)
 
 
