@@ -1,0 +1,261 @@
+"""The kernel: opens a store, owns the durable processes in it, and hands out ``Process`` handles.
+
+    async with Kernel.open("sqlite:///agentloop.db", model="local:qwen2.5-coder-0.5b", workspace=".") as kernel:
+        proc = await kernel.spawn(owner="alice")
+        receipt = await proc.send("hello")
+        async for signal in proc.signals(follow=True): ...
+
+Opening resumes every run that was unfinished when the store was last closed (or the machine
+crashed). Images sent with a message are stored as files under the data directory; reset and
+kill archive the history there (``var/sessions/<user>/<pid>/``) before they clear it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agentloop.agent import Agent
+from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
+from agentloop.models.base import Model
+from agentloop.process import signals as sig
+from agentloop.process.archive import write_archive
+from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, approve_everything, new_id
+from agentloop.process.media import MediaError, MediaRef, MediaStore
+from agentloop.process.signals import Signal
+from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
+from agentloop.tools.base import ToolLike
+
+MEDIA_PREFIX = "media:"
+
+
+def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
+    """Turn stored media references back into image blocks for a model call (history unchanged)."""
+
+    def load(block: Any) -> Any:
+        if isinstance(block, ImageContent) and block.data.startswith(MEDIA_PREFIX):
+            try:
+                return media.load(MediaRef.from_dict(json.loads(block.data[len(MEDIA_PREFIX) :])))
+            except (MediaError, ValueError) as exc:
+                return TextContent(text=f"[image unavailable: {exc}]")
+        return block
+
+    def hydrate(messages: list[Message]) -> list[Message]:
+        out: list[Message] = []
+        for msg in messages:
+            if isinstance(msg, UserMessage | ToolResultMessage) and any(
+                isinstance(b, ImageContent) and b.data.startswith(MEDIA_PREFIX) for b in msg.content
+            ):
+                msg = replace(msg, content=[load(b) for b in msg.content])
+            out.append(msg)
+        return out
+
+    return hydrate
+
+
+class Process:
+    """A handle on one durable process; every call goes through the kernel's engine and store."""
+
+    def __init__(self, kernel: Kernel, pid: str) -> None:
+        self.kernel = kernel
+        self.pid = pid
+
+    def __repr__(self) -> str:
+        return f"<Process {self.pid}>"
+
+    async def info(self) -> ProcessRecord:
+        record = await self.kernel.store.get_process(self.pid)
+        if record is None:
+            raise NoSuchProcess(self.pid)
+        return record
+
+    async def send(
+        self,
+        text: str,
+        mode: SendMode = "steer",
+        media: Sequence[ImageContent] = (),
+        run_id: str | None = None,
+    ) -> Receipt:
+        """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active)."""
+        record = await self.info()
+        blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
+        for image in media:  # stored as files; the message keeps a reference, the model gets the image
+            ref = self.kernel.media.save(record.owner, self.pid, image)
+            blocks.append(ImageContent(data=MEDIA_PREFIX + json.dumps(ref.to_dict()), mime_type=ref.mime_type))
+        return await self.kernel.engine.send(self.pid, UserMessage(content=blocks), mode=mode, run_id=run_id)
+
+    async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
+        """The process's signals after ``after_seq``; with ``follow``, then live ones as they come."""
+        engine = self.kernel.engine
+        await engine.live(self.pid)
+        queue = engine.hub.watch(self.pid) if follow else None
+        try:
+            last = after_seq
+            while True:
+                page = await self.kernel.store.events(self.pid, after_seq=last, limit=500)
+                for row in page:
+                    last = row.seq
+                    yield Signal(row.signal, row.payload, row.seq)
+                if len(page) < 500:
+                    break
+            if queue is None:
+                return
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if item.seq is not None and item.seq <= last:
+                    continue  # already delivered from the log
+                if item.seq is not None:
+                    last = item.seq
+                yield item
+        finally:
+            if queue is not None:
+                engine.hub.unwatch(self.pid, queue)
+
+    async def wait_idle(self) -> None:
+        await self.kernel.engine.wait_idle(self.pid)
+
+    async def history(self, limit: int | None = None, before: int | None = None) -> list[StoredMessage]:
+        await self.info()
+        return await self.kernel.store.history(self.pid, limit=limit, before=before)
+
+    async def messages(self) -> list[Message]:
+        return [m.message for m in await self.history()]
+
+    async def abort(self, run_id: str | None = None) -> bool:
+        return await self.kernel.engine.abort(self.pid, run_id)
+
+    async def hil(self, request_id: str, decision: str, remember: bool = False) -> bool:
+        return await self.kernel.engine.hil(self.pid, request_id, decision, remember=remember)
+
+    async def pending_approvals(self) -> list[Any]:
+        return await self.kernel.store.hils(self.pid)
+
+    async def reset(self) -> Path | None:
+        """Abort, archive the whole history, start an empty one, delete the process's media."""
+        return await self.kernel._clear(self.pid, kill=False, archive=True)
+
+    async def kill(self, archive: bool = True) -> Path | None:
+        """Abort, optionally archive, delete the process and its media. Later calls fail."""
+        return await self.kernel._clear(self.pid, kill=True, archive=archive)
+
+
+class Kernel:
+    """Owns a store and the durable processes in it."""
+
+    def __init__(self, store: Store, engine: ProcessEngine, data_dir: Path) -> None:
+        self.store = store
+        self.engine = engine
+        self.data_dir = data_dir
+        self.media = MediaStore(data_dir)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        url: str,
+        *,
+        model: str | Model | None = None,
+        workspace: str | Path | None = None,
+        tools: Iterable[ToolLike] | None = None,
+        system_prompt: str = "",
+        data_dir: str | Path | None = None,
+        approval: ApprovalFn = approve_everything,
+        **agent_options: Any,
+    ) -> AsyncIterator[Kernel]:
+        """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
+
+        ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
+        directory); ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        """
+        root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
+        if tools is None:
+            from agentloop.tools.builtin import builtin_tools
+
+            tools = builtin_tools(root)
+        agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
+        store = open_store(url)
+        await store.open()
+        if data_dir is None:
+            path = getattr(store, "path", ":memory:")
+            data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
+        media = MediaStore(Path(data_dir))
+        engine = ProcessEngine(store, agent.config, approval=approval, hydrate=_hydrate(media))
+        kernel = cls(store, engine, Path(data_dir))
+        try:
+            await engine.recover()
+            yield kernel
+        finally:
+            await engine.close()
+            await store.close()
+
+    async def spawn(
+        self,
+        owner: str,
+        *,
+        cwd: str | Path | None = None,
+        interactive: bool = True,
+        context: str = "",
+        run_as: str | None = None,
+        parent_pid: str | None = None,
+        pid: str | None = None,
+    ) -> Process:
+        record = ProcessRecord(
+            pid=pid or new_id(),
+            owner=owner,
+            run_as=run_as or owner,
+            cwd=str(cwd or self.engine.config.workspace or "."),
+            parent_pid=parent_pid,
+            interactive=interactive,
+            context=context,
+            created_at=time.time(),
+        )
+        async with self.store.transaction():
+            await self.store.create_process(record)
+        return Process(self, record.pid)
+
+    async def process(self, pid: str) -> Process:
+        if await self.store.get_process(pid) is None:
+            raise NoSuchProcess(pid)
+        return Process(self, pid)
+
+    async def processes(self, owner: str | None = None) -> list[ProcessRecord]:
+        return await self.store.list_processes(owner)
+
+    async def signal(self, pid: str, text: str) -> Receipt:
+        """Inject a system event into a process (ahead of queued user input)."""
+        return await self.engine.signal_event(pid, text)
+
+    async def _clear(self, pid: str, *, kill: bool, archive: bool) -> Path | None:
+        record = await self.store.get_process(pid)
+        if record is None:
+            raise NoSuchProcess(pid)
+        await self.engine.abort(pid, reason="process.kill" if kill else "process.reset")
+        history = [m.message for m in await self.store.history(pid)]
+        path = None
+        if archive and history:
+            name = f"{'kill' if kill else 'reset'}-{record.history_generation}-{new_id()}"
+            path = write_archive(
+                self.data_dir, record.owner, pid, name, history, {"reason": "kill" if kill else "reset"}
+            )
+        self.media.delete_process(record.owner, pid)
+        live = await self.engine.live(pid)
+        if kill:
+            async with self.store.transaction():
+                await self.store.delete_process(pid)
+            await self.engine.forget(pid)
+            return path
+        async with self.engine._tx(live) as tx:
+            generation = await self.store.new_generation(pid)
+            tx.after.append(lambda: setattr(live.record, "history_generation", generation))
+            for item in await self.store.queue(pid):
+                await self.store.dequeue(pid, item.id)
+            tx.after.append(live.history.clear)
+            await tx.signal(sig.CHANGED, changes=["messages", "reset"])
+        return path

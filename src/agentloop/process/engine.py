@@ -1,0 +1,712 @@
+"""The durable runner: the loop of ``agentloop.loop``, with every step committed to a store.
+
+Each process with an active run has one driver task that repeats a *step*: look at the stored
+state, take ``decide``'s decision (the same function the in-memory runner uses), do it, and commit
+its outcome in one transaction. A crash anywhere loses at most the step in progress; on restart
+the driver decides again from what was committed.
+
+- The assistant message and its tool calls are committed together; calls then move
+  ``registered → dispatched → completed | failed | cancelled | denied`` through claims
+  (conditional updates), so a late or duplicate result changes nothing. The run goes on only when
+  every call of the batch is terminal; results enter the history in the model's order.
+- Each step's commit is fenced by the run id and a generation number: an abort or an interrupt
+  that happened while a model call was in flight makes that call's answer land nowhere.
+- Input that arrives during a run waits in the queue: ``steer`` items (and system events, first)
+  are injected before the next model call; what is left when the run ends starts the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from agentloop.events import LoopEvent, MessageUpdate
+from agentloop.loop.execute import _check, _execute, _Prepared
+from agentloop.loop.model_call import call_model
+from agentloop.loop.runner import CANCELLED
+from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
+from agentloop.messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    ToolCall,
+    ToolResultMessage,
+    Usage,
+    message_from_dict,
+    message_to_dict,
+    system,
+    tool_error_result,
+)
+from agentloop.process import signals as sig
+from agentloop.process.signals import Signal, SignalHub
+from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, Store, ToolCallRow
+from agentloop.process.store.base import ProcessState
+
+log = logging.getLogger("agentloop.process")
+
+SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
+INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
+GUARD_NAMES = frozenset({"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost"})
+
+
+@dataclass(frozen=True)
+class Approval:
+    """What the approval policy says about one call."""
+
+    action: Literal["auto", "ask", "deny"]
+    tags: tuple[str, ...] = ()
+    reason: str = ""
+    fingerprint: str = ""
+
+
+ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
+
+
+async def approve_everything(process: ProcessRecord, row: ToolCallRow) -> Approval:
+    return Approval("auto")
+
+
+def new_id() -> str:
+    return os.urandom(8).hex()
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The answer to ``send``: which run the input belongs to, and whether it waits in the queue."""
+
+    run_id: str
+    queued: bool
+    position: int = 0
+
+
+@dataclass
+class _Live:
+    """What the engine keeps in memory for one process: a cache of its committed history, and the
+    tasks working for it. The store is the truth; this is rebuilt from it after a restart."""
+
+    record: ProcessRecord
+    history: list[Message]
+    driver: asyncio.Task[None] | None = None
+    dirty: bool = False
+    tools: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # dispatch id -> task
+    partial: RunState | None = None  # the model call in flight, if any
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Tx:
+    """Collects the signals and cache updates of one transaction, to apply after it commits."""
+
+    def __init__(self, engine: ProcessEngine, live: _Live) -> None:
+        self.engine = engine
+        self.live = live
+        self.signals: list[Signal] = []
+        self.after: list[Callable[[], None]] = []
+
+    async def signal(self, signal_name: str, /, **payload: Any) -> None:
+        payload = {"pid": self.live.record.pid, **payload}
+        seq = await self.engine.store.append_event(self.live.record.pid, signal_name, payload)
+        self.signals.append(Signal(signal_name, payload, seq))
+
+    async def append(self, run_id: str | None, messages: list[Message]) -> None:
+        await self.engine.store.append_messages(self.live.record.pid, run_id, messages)
+        self.after.append(lambda: self.live.history.extend(messages))
+
+    async def set_run(self, run: dict[str, Any] | None) -> None:
+        state: ProcessState = "running" if run is not None else "idle"
+        await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
+
+        def apply() -> None:
+            self.live.record.current_run = run
+            self.live.record.state = state
+
+        self.after.append(apply)
+
+
+def _new_run(run_id: str | None = None) -> dict[str, Any]:
+    return {
+        "run_id": run_id or new_id(),
+        "generation": 0,
+        "turn": 0,
+        "rounds": 0,
+        "tool_calls": 0,
+        "started": time.time(),
+        "usage": {"input": 0, "output": 0, "total_tokens": 0, "cost": 0.0},
+        "guard": None,
+    }
+
+
+class ProcessEngine:
+    """Runs the durable processes of one store with one loop configuration."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: LoopConfig,
+        *,
+        hub: SignalHub | None = None,
+        approval: ApprovalFn = approve_everything,
+        hydrate: Callable[[list[Message]], list[Message]] | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.hub = hub or SignalHub()
+        self.approval = approval
+        self.hydrate = hydrate  # stored media references -> image blocks, before a model call
+        self._live: dict[str, _Live] = {}
+
+    # -- state ------------------------------------------------------------------------------------
+
+    async def live(self, pid: str) -> _Live:
+        live = self._live.get(pid)
+        if live is not None:
+            return live
+        record = await self.store.get_process(pid)
+        if record is None or record.state == "killed":
+            raise NoSuchProcess(pid)
+        history = [m.message for m in await self.store.history(pid)]
+        live = self._live[pid] = _Live(record, history)
+        if record.current_run is None:
+            live.idle.set()
+        return live
+
+    @asynccontextmanager
+    async def _tx(self, live: _Live) -> AsyncIterator[_Tx]:
+        tx = _Tx(self, live)
+        async with self.store.transaction():
+            yield tx
+        for apply in tx.after:  # committed: now the cache and the watchers may know
+            apply()
+        for s in tx.signals:
+            self.hub.publish(live.record.pid, s)
+        if live.record.current_run is None:
+            live.idle.set()
+        else:
+            live.idle.clear()
+
+    # -- recovery ---------------------------------------------------------------------------------
+
+    async def recover(self) -> list[str]:
+        """After a (re)start: settle the calls that were in flight and resume every unfinished run."""
+        resumed = []
+        for record in await self.store.list_processes():
+            if record.current_run is None or record.state == "killed":
+                continue
+            live = await self.live(record.pid)
+            run_id = record.current_run["run_id"]
+            async with self._tx(live) as tx:
+                for row in await self.store.calls(record.pid, run_id):
+                    if row.status != "dispatched":
+                        continue
+                    tool = self.config.tools.get(row.tool_name)
+                    if tool is not None and tool.idempotent:
+                        await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",))
+                    else:
+                        msg = tool_error_result(_call_of(row), INTERRUPTED_BY_RESTART)
+                        await self.store.set_call_status(
+                            row.dispatch_id, "failed", expect=("dispatched",), result=message_to_dict(msg)
+                        )
+                        await tx.signal(
+                            sig.TOOL_FINISHED,
+                            runId=run_id,
+                            callId=row.tool_call_id,
+                            ok=False,
+                            name=row.tool_name,
+                            error=INTERRUPTED_BY_RESTART,
+                        )
+            self.wake(record.pid)
+            resumed.append(record.pid)
+        return resumed
+
+    # -- input ------------------------------------------------------------------------------------
+
+    async def send(self, pid: str, message: Message, *, mode: SendMode = "steer", run_id: str | None = None) -> Receipt:
+        """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
+        if mode not in ("steer", "queue", "interrupt"):
+            raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+        live = await self.live(pid)
+        if run_id is not None:  # a caller-supplied run id makes the delivery idempotent
+            seen = await self.store.kv_get(pid, f"admitted:{run_id}")
+            if seen is not None:
+                return Receipt(run_id, bool(seen.get("queued")), int(seen.get("position", 0)))
+        active = live.record.current_run
+        if active is not None and mode == "interrupt":
+            await self.abort(pid, reason="user.interrupt")
+            active = live.record.current_run
+        if active is None:
+            run = _new_run(run_id)
+            async with self._tx(live) as tx:
+                await tx.append(run["run_id"], [message])
+                await tx.set_run(run)
+                await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="proc.send")
+                await self._remember_admission(pid, run["run_id"], run_id, queued=False, position=0)
+            self.wake(pid)
+            return Receipt(run["run_id"], False, 0)
+        queued_run = run_id or new_id()
+        async with self._tx(live) as tx:
+            await self.store.enqueue(pid, "steer" if mode == "steer" else "queue", message, run_id=queued_run)
+            position = len(await self.store.queue(pid))
+            await tx.signal(sig.CHANGED, changes=["queue"])
+            await self._remember_admission(pid, queued_run, run_id, queued=True, position=position)
+        return Receipt(active["run_id"] if mode == "steer" else queued_run, True, position)
+
+    async def _remember_admission(
+        self, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
+    ) -> None:
+        if supplied is not None:
+            await self.store.kv_set(
+                pid, f"admitted:{supplied}", {"run": run_id, "queued": queued, "position": position}
+            )
+
+    async def signal_event(self, pid: str, text: str) -> Receipt:
+        """A system event (a watch, a schedule, finished background work): shown to the model as a
+        system message, ahead of queued user input; starts a run when none is active."""
+        live = await self.live(pid)
+        message = system(text, "event")
+        if live.record.current_run is None:
+            run = _new_run()
+            async with self._tx(live) as tx:
+                await tx.append(run["run_id"], [message])
+                await tx.set_run(run)
+                await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="system.event")
+            self.wake(pid)
+            return Receipt(run["run_id"], False)
+        async with self._tx(live) as tx:
+            await self.store.enqueue(pid, "system", message)
+            await tx.signal(sig.CHANGED, changes=["queue"])
+        return Receipt(live.record.current_run["run_id"], True, 0)
+
+    # -- driving ----------------------------------------------------------------------------------
+
+    def wake(self, pid: str) -> None:
+        """Ask for another step; overlapping wake-ups coalesce into one driver."""
+        live = self._live.get(pid)
+        if live is None:
+            return
+        live.dirty = True
+        if live.driver is None or live.driver.done():
+            live.driver = asyncio.create_task(self._drive(live), name=f"agentloop-process-{pid}")
+
+    async def _drive(self, live: _Live) -> None:
+        try:
+            while live.dirty:
+                live.dirty = False
+                while live.record.current_run is not None and await self._step(live):
+                    pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not leave the run hanging: end it visibly
+            log.exception("process %s: step failed", live.record.pid)
+            run = live.record.current_run
+            if run is not None:
+                await self._finish(live, run, "error", error="internal error in the runtime (see the server log)")
+
+    async def _step(self, live: _Live) -> bool:
+        """One decision and its committed outcome. False: nothing to do until something arrives."""
+        run = live.record.current_run
+        assert run is not None
+        pid, run_id = live.record.pid, run["run_id"]
+        rows = await self.store.calls(pid, run_id)
+        if rows:
+            await self._dispatch(live, run, rows)
+            rows = await self.store.calls(pid, run_id)
+            if not rows or any(not r.terminal for r in rows):
+                return False
+            results = [message_from_dict(r.result) for r in rows if r.result is not None]
+            async with self._tx(live) as tx:
+                await tx.append(run_id, results)
+                await self.store.delete_calls(pid, run_id)
+                await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
+                await tx.signal(sig.CHANGED, changes=["messages"])
+            return True
+
+        decision = decide(live.history, has_input=False, guard=run.get("guard"))
+        if isinstance(decision, Finish):
+            await self._finish(live, run, decision.reason)
+            return False
+        if isinstance(decision, RunTools):  # calls without rows: history from elsewhere; register them
+            async with self._tx(live):
+                await self.store.register_calls(self._rows(pid, run_id, decision.calls))
+            return True
+        assert isinstance(decision, CallModel)
+        return await self._model_turn(live, run, decision.tools_enabled)
+
+    async def _model_turn(self, live: _Live, run: dict[str, Any], tools_enabled: bool) -> bool:
+        pid, run_id = live.record.pid, run["run_id"]
+        cfg = self.config
+        queue = await self.store.queue(pid)
+        inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
+        guard = run.get("guard")
+        tools_enabled = tools_enabled and bool(cfg.tools)
+        tripped = None
+        if tools_enabled and cfg.guards.active:
+            usage = Usage(total_tokens=run["usage"]["total_tokens"])
+            usage.cost.total = run["usage"]["cost"]
+            tripped = cfg.guards.tripped(run["rounds"], run["tool_calls"], time.time() - run["started"], usage)
+        if inject or tripped:
+            added = [q.message for q in inject]
+            if tripped:
+                guard, tools_enabled = tripped, False
+                added.append(system(cfg.guards.final_instruction(tripped), "guard"))
+            run = {**run, "guard": guard, "generation": run["generation"] + 1}
+            async with self._tx(live) as tx:
+                for q in inject:
+                    await self.store.dequeue(pid, q.id)
+                await tx.append(run_id, added)
+                await tx.set_run(run)
+                await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
+        generation = run["generation"]
+
+        messages = self.hydrate(live.history) if self.hydrate is not None else live.history
+        state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
+        live.partial = state
+
+        def stream(event: LoopEvent) -> None:
+            if isinstance(event, MessageUpdate) and self.hub.watching(pid):
+                self.hub.publish(
+                    pid,
+                    Signal(
+                        sig.RUN_STREAM,
+                        {
+                            "pid": pid,
+                            "runId": run_id,
+                            "event": event.event.type,
+                            "delta": getattr(event.event, "delta", None),
+                        },
+                    ),
+                )
+
+        try:
+            reply = await call_model(cfg, state, tools_enabled, stream)
+        finally:
+            live.partial = None
+        if not tools_enabled and reply.tool_calls:
+            reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
+            reply.stop_reason = "stop"
+        usage = run["usage"]
+        new_run = {
+            **run,
+            "generation": generation + 1,
+            "rounds": run["rounds"] + (1 if tools_enabled else 0),
+            "tool_calls": run["tool_calls"] + len(reply.tool_calls),
+            "usage": {
+                "input": usage["input"] + reply.usage.input,
+                "output": usage["output"] + reply.usage.output,
+                "total_tokens": usage["total_tokens"] + reply.usage.total_tokens,
+                "cost": usage["cost"] + reply.usage.cost.total,
+            },
+        }
+        async with self._tx(live) as tx:
+            current = await self.store.get_process(pid)
+            if (
+                current is None
+                or current.current_run is None
+                or current.current_run.get("run_id") != run_id
+                or current.current_run.get("generation") != generation
+            ):
+                return False  # aborted or superseded while the model was answering: drop the answer
+            await tx.append(run_id, [reply])
+            if reply.tool_calls:
+                await self.store.register_calls(self._rows(pid, run_id, reply.tool_calls))
+            await tx.set_run(new_run)
+            if reply.text or any(b.type == "thinking" for b in reply.content):
+                thinking = "".join(getattr(b, "thinking", "") for b in reply.content)
+                await tx.signal(sig.RUN_OUTPUT, runId=run_id, text=reply.text, thinking=thinking)
+            await tx.signal(sig.CHANGED, changes=["messages"])
+        return True
+
+    def _rows(self, pid: str, run_id: str, calls: list[ToolCall]) -> list[ToolCallRow]:
+        return [
+            ToolCallRow(new_id(), pid, run_id, i, c.id, c.name, self.syscall(c.name), dict(c.arguments))
+            for i, c in enumerate(calls)
+        ]
+
+    def syscall(self, tool_name: str) -> str:
+        from agentloop.tools.builtin import SYSCALLS
+
+        return SYSCALLS.get(tool_name, f"tool.{tool_name}")
+
+    # -- tools ------------------------------------------------------------------------------------
+
+    async def _dispatch(self, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
+        """Start every registered call the policy allows, in the model's order; stop at an ask."""
+        pid, run_id = live.record.pid, run["run_id"]
+        if await self.store.hils(pid):
+            return
+        assistant = _last_assistant(live.history)
+        approved = await self.store.kv_get(pid, f"approved:{run_id}") or {}
+        for row in rows:
+            if row.status != "registered":
+                continue
+            call = _call_of(row)
+            verdict = await self.approval(live.record, row)
+            if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
+                verdict = Approval("auto")
+            if verdict.action == "ask" and not live.record.interactive:
+                verdict = Approval(
+                    "deny", verdict.tags, "requires interactive approval, which is unavailable for this process"
+                )
+            if verdict.action == "deny":
+                text = (
+                    f"Tool execution denied by policy: {verdict.reason}"
+                    if verdict.reason
+                    else "Tool execution denied by policy"
+                )
+                await self._resolve(live, row, tool_error_result(call, text), status="denied", expect=("registered",))
+                continue
+            if verdict.action == "ask":
+                request_id = new_id()
+                async with self._tx(live) as tx:
+                    await self.store.put_hil(
+                        HilRow(
+                            request_id,
+                            pid,
+                            run_id,
+                            row.dispatch_id,
+                            row.tool_call_id,
+                            row.tool_name,
+                            row.syscall,
+                            row.args,
+                            verdict.fingerprint or "-",
+                            list(verdict.tags),
+                            verdict.reason,
+                        )
+                    )
+                    await tx.signal(
+                        sig.HIL_REQUESTED,
+                        runId=run_id,
+                        requestId=request_id,
+                        callId=row.tool_call_id,
+                        name=row.tool_name,
+                        syscall=row.syscall,
+                        args=row.args,
+                        tags=list(verdict.tags),
+                        reason=verdict.reason,
+                    )
+                return
+            prepared = _check(self.config, _state_for(live, run_id), assistant or AssistantMessage(), call)
+            if isinstance(prepared, ToolResultMessage):
+                await self._resolve(live, row, prepared, status="failed", expect=("registered",))
+                continue
+            timeout = prepared.tool.timeout if prepared.tool.timeout is not None else self.config.tool_timeout
+            async with self._tx(live) as tx:
+                claimed = await self.store.set_call_status(
+                    row.dispatch_id,
+                    "dispatched",
+                    expect=("registered",),
+                    deadline=time.time() + timeout if timeout else None,
+                )
+                if claimed:
+                    await tx.signal(
+                        sig.TOOL_STARTED,
+                        runId=run_id,
+                        callId=row.tool_call_id,
+                        name=row.tool_name,
+                        syscall=row.syscall,
+                        args=row.args,
+                    )
+            if claimed:
+                live.tools[row.dispatch_id] = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
+
+    async def _run_tool(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> None:
+        try:
+            result = await _execute(self.config, _state_for(live, run_id), prepared, None)
+            await self._resolve(
+                live, row, result, status="failed" if result.is_error else "completed", expect=("dispatched",)
+            )
+        finally:
+            live.tools.pop(row.dispatch_id, None)
+        self.wake(live.record.pid)
+
+    async def _resolve(
+        self, live: _Live, row: ToolCallRow, result: ToolResultMessage, *, status: Any, expect: tuple[Any, ...]
+    ) -> bool:
+        async with self._tx(live) as tx:
+            ok = await self.store.set_call_status(
+                row.dispatch_id, status, expect=expect, result=message_to_dict(result)
+            )
+            if ok:
+                payload: dict[str, Any] = {
+                    "runId": row.run_id,
+                    "callId": row.tool_call_id,
+                    "name": row.tool_name,
+                    "syscall": row.syscall,
+                    "ok": not result.is_error,
+                }
+                payload["error" if result.is_error else "output"] = result.text
+                await tx.signal(sig.TOOL_FINISHED, **payload)
+        return ok
+
+    # -- approvals --------------------------------------------------------------------------------
+
+    async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> bool:
+        """Answer a pending approval. The decision applies to the exact call (and arguments) shown."""
+        if decision not in ("approve", "deny"):
+            raise ValueError(f"decision must be approve or deny, got {decision!r}")
+        live = await self.live(pid)
+        row = next((h for h in await self.store.hils(pid) if h.request_id == request_id), None)
+        if row is None:
+            raise KeyError(f"no pending approval {request_id!r} for process {pid}")
+        async with self._tx(live) as tx:
+            await self.store.delete_hil(request_id)
+            if decision == "approve":
+                approved = await self.store.kv_get(pid, f"approved:{row.run_id}") or {}
+                approved[row.dispatch_id] = row.fingerprint
+                await self.store.kv_set(pid, f"approved:{row.run_id}", approved)
+                if remember:
+                    rules = await self.store.kv_get(pid, "approval_overrides") or []
+                    rules.insert(0, {"match": row.syscall, "action": "auto"})
+                    await self.store.kv_set(pid, "approval_overrides", rules)
+            else:
+                msg = tool_error_result(_call_of_hil(row), "Tool execution denied by user")
+                await self.store.set_call_status(
+                    row.dispatch_id, "denied", expect=("registered",), result=message_to_dict(msg)
+                )
+                await tx.signal(
+                    sig.TOOL_FINISHED,
+                    runId=row.run_id,
+                    callId=row.tool_call_id,
+                    name=row.tool_name,
+                    syscall=row.syscall,
+                    ok=False,
+                    error="Tool execution denied by user",
+                )
+            await tx.signal(sig.CHANGED, changes=["hil"])
+        self.wake(pid)
+        return True
+
+    # -- ending runs ------------------------------------------------------------------------------
+
+    async def _finish(self, live: _Live, run: dict[str, Any], reason: str, *, error: str | None = None) -> None:
+        pid, run_id = live.record.pid, run["run_id"]
+        status = "aborted" if reason == "aborted" else "error" if reason == "error" else "ok"
+        if status == "error" and error is None:
+            last = live.history[-1] if live.history else None
+            error = (last.error_message if isinstance(last, AssistantMessage) else None) or "unknown error"
+        async with self._tx(live) as tx:
+            if status == "error":
+                await tx.append(run_id, [system(f"The run failed: {error}", "error")])
+            await self.store.kv_delete(pid, f"approved:{run_id}")
+            await tx.set_run(None)
+            payload: dict[str, Any] = {"runId": run_id, "status": status, "reason": _reason_code(reason)}
+            if error:
+                payload["error"] = error
+            await tx.signal(sig.RUN_FINISHED, **payload)
+        await self._promote(live)
+
+    async def _promote(self, live: _Live) -> None:
+        """Queued input becomes the next run: system events first, then FIFO."""
+        pid = live.record.pid
+        if live.record.current_run is not None:
+            return
+        queue = await self.store.queue(pid)
+        if not queue:
+            return
+        first = next((q for q in queue if q.kind == "system"), queue[0])
+        run = _new_run(first.run_id)
+        async with self._tx(live) as tx:
+            await self.store.dequeue(pid, first.id)
+            await tx.append(run["run_id"], [first.message])
+            await tx.set_run(run)
+            await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="queue.promote")
+        self.wake(pid)
+
+    async def abort(self, pid: str, run_id: str | None = None, *, reason: str = "user") -> bool:
+        """Stop the active run now. A stale ``run_id`` (not the active run) does nothing."""
+        live = await self.live(pid)
+        run = live.record.current_run
+        if run is None or (run_id is not None and run["run_id"] != run_id):
+            return False
+        active = run["run_id"]
+        partial = live.partial
+        me = asyncio.current_task()
+        stopping = [t for t in [live.driver, *live.tools.values()] if t is not None and not t.done() and t is not me]
+        for task in stopping:
+            task.cancel()
+        if stopping:  # let them unwind (a shell tool kills its process group on the way out)
+            await asyncio.wait(stopping)
+        run = live.record.current_run
+        if run is None or run["run_id"] != active:
+            return False  # it finished on its own meanwhile
+        rows = await self.store.calls(pid, active)
+        async with self._tx(live) as tx:
+            added: list[Message] = []
+            if partial is not None and partial.partial is not None:
+                msg = partial.partial
+                msg.content = [b for b in msg.content if not isinstance(b, ToolCall)]
+                msg.stop_reason, msg.error_message = "aborted", "aborted"
+                added.append(msg)
+            for row in rows:
+                if row.terminal and row.result is not None:
+                    added.append(message_from_dict(row.result))
+                else:
+                    added.append(tool_error_result(_call_of(row), CANCELLED))
+            for h in await self.store.hils(pid):
+                await self.store.delete_hil(h.request_id)
+            await self.store.delete_calls(pid, active)
+            await tx.append(active, added)
+            await self.store.kv_delete(pid, f"approved:{active}")
+            await tx.set_run(None)
+            await tx.signal(sig.RUN_FINISHED, runId=active, status="aborted", reason=reason)
+        if reason != "user.interrupt":
+            await self._promote(live)
+        return True
+
+    async def forget(self, pid: str) -> None:
+        """Drop the in-memory state of a process (after kill); its watchers' streams end."""
+        live = self._live.pop(pid, None)
+        if live is not None:
+            for task in [*live.tools.values(), *([live.driver] if live.driver else [])]:
+                if task is not asyncio.current_task():
+                    task.cancel()
+        self.hub.close(pid)
+
+    async def wait_idle(self, pid: str) -> None:
+        """Return when no run is active and nothing is working for the process."""
+        live = await self.live(pid)
+        while True:
+            if live.record.current_run is not None:
+                await live.idle.wait()
+            elif live.driver is not None and not live.driver.done():
+                await asyncio.wait([live.driver])
+            else:
+                return
+
+    async def close(self) -> None:
+        tasks = [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._live.clear()
+
+
+def _reason_code(reason: str) -> str:
+    if reason in ("stop", "length") or reason in GUARD_NAMES:
+        return "turn.complete" if reason == "stop" else reason
+    return {"error": "generation.error", "aborted": "user"}.get(reason, reason)
+
+
+def _call_of(row: ToolCallRow) -> ToolCall:
+    return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)
+
+
+def _call_of_hil(row: HilRow) -> ToolCall:
+    return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)
+
+
+def _last_assistant(history: list[Message]) -> AssistantMessage | None:
+    for msg in reversed(history):
+        if isinstance(msg, AssistantMessage):
+            return msg
+        if not isinstance(msg, ToolResultMessage | SystemMessage):
+            return None
+    return None
+
+
+def _state_for(live: _Live, run_id: str) -> RunState:
+    return RunState(run_id=run_id, messages=live.history, first_new=len(live.history))

@@ -1,0 +1,66 @@
+"""Process signals: what a durable process tells its watchers, and how watchers follow it.
+
+Durable signals are written to the process's ``events`` log inside the transaction that caused
+them, each with the next per-process sequence number, so a watcher that drops its connection
+resumes with ``after_seq`` and misses nothing. Stream deltas (``proc.run.stream``) are the one
+exception: they are live-only progress (a resumed watcher gets the whole text in
+``proc.run.output``), because logging every token would make the log the bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+RUN_STARTED = "proc.run.started"
+RUN_STREAM = "proc.run.stream"
+RUN_OUTPUT = "proc.run.output"
+TOOL_STARTED = "proc.run.tool.started"
+TOOL_FINISHED = "proc.run.tool.finished"
+HIL_REQUESTED = "proc.run.hil.requested"
+RUN_FINISHED = "proc.run.finished"
+CHANGED = "proc.changed"
+COMPACTED = "proc.compacted"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One signal. ``seq`` is None for live-only progress signals."""
+
+    signal: str
+    payload: dict[str, Any]
+    seq: int | None = None
+
+
+@dataclass
+class SignalHub:
+    """Fan-out of signals to live watchers, per process. Committed signals are announced after
+    their transaction commits, so a watcher never sees a signal the log does not have."""
+
+    _watchers: dict[str, set[asyncio.Queue[Signal | None]]] = field(default_factory=lambda: defaultdict(set))
+
+    def watch(self, pid: str) -> asyncio.Queue[Signal | None]:
+        queue: asyncio.Queue[Signal | None] = asyncio.Queue()
+        self._watchers[pid].add(queue)
+        return queue
+
+    def unwatch(self, pid: str, queue: asyncio.Queue[Signal | None]) -> None:
+        watchers = self._watchers.get(pid)
+        if watchers is not None:
+            watchers.discard(queue)
+            if not watchers:
+                del self._watchers[pid]
+
+    def watching(self, pid: str) -> bool:
+        return bool(self._watchers.get(pid))
+
+    def publish(self, pid: str, signal: Signal) -> None:
+        for queue in self._watchers.get(pid, ()):
+            queue.put_nowait(signal)
+
+    def close(self, pid: str) -> None:
+        """The process is gone: end every watcher's stream."""
+        for queue in self._watchers.pop(pid, set()):
+            queue.put_nowait(None)

@@ -1,0 +1,374 @@
+"""Durable processes on SQLite: runs, ticks, tool batches, input modes, abort, approvals, reset/kill, media."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.kernel import Approval, Kernel, NoSuchProcess
+from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
+from agentloop.models.base import ModelRequest
+
+PNG = base64.b64encode(
+    bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+        "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
+    )
+).decode()
+
+ran: list[str] = []
+
+
+@tool
+def echo(text: str) -> str:
+    """Echo."""
+    ran.append(text)
+    return text
+
+
+@tool
+async def slow(seconds: float) -> str:
+    """Sleep."""
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def by_tool_results(req: ModelRequest) -> Reply | str:
+    """Call echo once per user message, then answer with what the tools said."""
+    last = req.messages[-1]
+    if isinstance(last, UserMessage):
+        return Reply(tool_calls=[call("echo", text=last.text)])
+    results = [m.text for m in req.messages if isinstance(m, ToolResultMessage)]
+    return "answer: " + results[-1]
+
+
+def kernel(tmp_path: Path, model, **kw):
+    kw.setdefault("tools", [echo, slow])
+    return Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=model, workspace=tmp_path, **kw)
+
+
+async def drain(proc, after: int = 0):
+    return [s async for s in proc.signals(after_seq=after, follow=False)]
+
+
+async def test_a_run_with_a_tool_completes_and_is_logged(tmp_path):
+    ran.clear()
+    async with kernel(tmp_path, ScriptedModel(by_tool_results)) as k:
+        proc = await k.spawn(owner="alice")
+        receipt = await proc.send("hello")
+        assert not receipt.queued and receipt.run_id
+        await proc.wait_idle()
+        msgs = await proc.messages()
+        assert [m.role for m in msgs] == ["user", "assistant", "toolResult", "assistant"]
+        assert msgs[-1].text == "answer: hello" and ran == ["hello"]
+        names = [s.signal for s in await drain(proc)]
+        assert names[0] == "proc.run.started" and names[-1] == "proc.run.finished"
+        assert "proc.run.tool.started" in names and "proc.run.tool.finished" in names
+        finished = (await drain(proc))[-1]
+        assert finished.payload["status"] == "ok" and finished.payload["runId"] == receipt.run_id
+        seqs = [s.seq for s in await drain(proc)]
+        assert seqs == list(range(1, len(seqs) + 1))  # gap-free log
+        assert await k.store.calls(proc.pid) == []  # the batch was ingested and cleared
+        assert [p.pid for p in await k.processes("alice")] == [proc.pid] and await k.processes("bob") == []
+
+
+async def test_parallel_batch_results_in_model_order(tmp_path):
+    model = ScriptedModel([Reply(tool_calls=[call("slow", seconds=0.1), call("slow", seconds=0.01)]), "done"])
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        t0 = asyncio.get_running_loop().time()
+        await proc.send("go")
+        await proc.wait_idle()
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        results = [m.text for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+        assert results == ["slept 0.1", "slept 0.01"]
+
+
+async def test_steer_is_injected_before_the_next_model_call(tmp_path):
+    model = ScriptedModel([Reply(tool_calls=[call("slow", seconds=0.2)]), "after steer"])
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("start")
+        await asyncio.sleep(0.05)
+        steer = await proc.send("also consider this", mode="steer")
+        assert steer.queued and steer.run_id == first.run_id and steer.position == 1
+        await proc.wait_idle()
+        second_request = model.requests[1].messages
+        assert second_request[-1].text == "also consider this"
+        assert [m.role for m in await proc.messages()] == ["user", "assistant", "toolResult", "user", "assistant"]
+
+
+async def test_queue_becomes_its_own_run_fifo(tmp_path):
+    model = ScriptedModel(
+        lambda r: (
+            Reply(tool_calls=[call("slow", seconds=0.1)])
+            if isinstance(r.messages[-1], UserMessage) and r.messages[-1].text == "first"
+            else f"re: {r.messages[-1].text}"
+        )
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("first")
+        q1 = await proc.send("second", mode="queue")
+        q2 = await proc.send("third", mode="queue")
+        assert q1.queued and (q1.position, q2.position) == (1, 2) and q1.run_id != q2.run_id
+        await proc.wait_idle()
+        finished = [s.payload["runId"] for s in await drain(proc) if s.signal == "proc.run.finished"]
+        started = [s for s in await drain(proc) if s.signal == "proc.run.started"]
+        assert len(finished) == 3 and finished[1:] == [q1.run_id, q2.run_id]
+        assert [s.payload["reason"] for s in started] == ["proc.send", "queue.promote", "queue.promote"]
+        texts = [m.text for m in await proc.messages() if isinstance(m, AssistantMessage)]
+        assert texts[-2:] == ["re: second", "re: third"]
+
+
+async def test_interrupt_aborts_and_starts_over(tmp_path):
+    model = ScriptedModel(
+        lambda r: Reply(tool_calls=[call("slow", seconds=30)]) if r.messages[-1].text == "long job" else "short answer"
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("long job")
+        await asyncio.sleep(0.1)
+        second = await proc.send("never mind", mode="interrupt")
+        assert not second.queued and second.run_id != first.run_id
+        await proc.wait_idle()
+        msgs = await proc.messages()
+        cancelled = [m for m in msgs if isinstance(m, ToolResultMessage)]
+        assert len(cancelled) == 1 and cancelled[0].is_error and "cancelled" in cancelled[0].text
+        assert msgs[-1].text == "short answer"
+        statuses = [
+            (s.payload["runId"], s.payload["status"]) for s in await drain(proc) if s.signal == "proc.run.finished"
+        ]
+        assert statuses == [(first.run_id, "aborted"), (second.run_id, "ok")]
+
+
+async def test_abort_is_terminal_stale_abort_is_a_noop_and_queue_goes_on(tmp_path):
+    model = ScriptedModel(
+        lambda r: (
+            Reply(tool_calls=[call("slow", seconds=30), call("echo", text="quick")])
+            if r.messages[-1].text == "work"
+            else "queued one done"
+        )
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        run = await proc.send("work")
+        await proc.send("next", mode="queue")
+        await asyncio.sleep(0.1)
+        assert not await proc.abort(run_id="not-the-active-run")
+        assert await proc.abort(run_id=run.run_id)
+        assert not await proc.abort(run_id=run.run_id)  # already over: stale
+        await proc.wait_idle()
+        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+        assert [r.text for r in results] == ["Tool call cancelled: the run was aborted.", "quick"]
+        assert (await proc.messages())[-1].text == "queued one done"
+
+
+async def test_model_answer_arriving_after_abort_is_dropped(tmp_path):
+    model = ScriptedModel(["too late", "fresh"], latency=0.3)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("slow question")
+        await asyncio.sleep(0.05)
+        await proc.abort()
+        await proc.wait_idle()
+        msgs = await proc.messages()
+        assert all(getattr(m, "text", "") != "too late" for m in msgs)
+        assert msgs[-1].role == "user" or (isinstance(msgs[-1], AssistantMessage) and msgs[-1].stop_reason == "aborted")
+
+
+async def test_signals_resume_and_follow(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(["one", "two"])) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("a")
+        await proc.wait_idle()
+        first = await drain(proc)
+        got: list[str] = []
+
+        async def follow() -> None:
+            async for s in proc.signals(after_seq=first[-1].seq):
+                got.append(s.signal)
+                if s.signal == "proc.run.finished":
+                    return
+
+        watcher = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        await proc.send("b")
+        await asyncio.wait_for(watcher, 5)
+        assert got[0] == "proc.run.started" and got[-1] == "proc.run.finished"
+        assert [s.seq for s in await drain(proc, after=first[-1].seq)] == list(
+            range(first[-1].seq + 1, first[-1].seq + 1 + len([g for g in got if g != "proc.run.stream"]))
+        )
+
+
+async def test_system_events_start_runs_and_take_priority(tmp_path):
+    model = ScriptedModel(
+        lambda r: Reply(tool_calls=[call("slow", seconds=0.2)]) if r.messages[-1].text == "user asks" else "ok"
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("user asks")
+        await asyncio.sleep(0.05)
+        await proc.send("later question", mode="queue")
+        await k.signal(proc.pid, "file changed: notes.txt")
+        await proc.wait_idle()
+        second_call = model.requests[1].messages
+        assert isinstance(second_call[-1], SystemMessage) and "notes.txt" in second_call[-1].text
+        idle = await k.spawn(owner="a")
+        receipt = await k.signal(idle.pid, "timer fired")
+        assert not receipt.queued
+        await idle.wait_idle()
+        assert [m.role for m in await idle.messages()] == ["system", "assistant"]
+
+
+async def test_send_with_a_run_id_is_idempotent(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(["once"])) as k:
+        proc = await k.spawn(owner="a")
+        a = await proc.send("hello", run_id="delivery-1")
+        b = await proc.send("hello", run_id="delivery-1")
+        assert a == b and a.run_id == "delivery-1"
+        await proc.wait_idle()
+        assert [m.role for m in await proc.messages()] == ["user", "assistant"]
+
+
+async def asking_policy(process, row) -> Approval:
+    if row.tool_name == "echo" and row.args.get("text") == "risky":
+        return Approval("ask", ("destructive",), "echo of something risky", fingerprint=json.dumps(row.args))
+    return Approval("auto")
+
+
+async def test_approval_approve_deny_and_bad_requests(tmp_path):
+    ran.clear()
+    model = ScriptedModel(
+        [
+            Reply(tool_calls=[call("echo", text="safe"), call("echo", text="risky")]),
+            "after approve",
+            Reply(tool_calls=[call("echo", text="risky")]),
+            "after deny",
+        ]
+    )
+    async with kernel(tmp_path, model, approval=asking_policy) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("do it")
+        for _ in range(100):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.01)
+        [pending] = await proc.pending_approvals()
+        asked = [s for s in await drain(proc) if s.signal == "proc.run.hil.requested"]
+        assert asked[0].payload["requestId"] == pending.request_id and asked[0].payload["tags"] == ["destructive"]
+        assert ran == ["safe"]  # the sibling ran; the risky call waits
+        with pytest.raises(ValueError):
+            await proc.hil(pending.request_id, "maybe")
+        with pytest.raises(KeyError):
+            await proc.hil("no-such-request", "approve")
+        await proc.hil(pending.request_id, "approve")
+        with pytest.raises(KeyError):  # a second decision finds nothing to decide
+            await proc.hil(pending.request_id, "approve")
+        await proc.wait_idle()
+        assert ran == ["safe", "risky"]  # approved call ran once, the approved sibling did not re-run
+        await proc.send("again")
+        for _ in range(100):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.01)
+        [second] = await proc.pending_approvals()
+        await proc.hil(second.request_id, "deny")
+        await proc.wait_idle()
+        denied = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)][-1]
+        assert denied.is_error and denied.text == "Tool execution denied by user" and ran == ["safe", "risky"]
+
+
+async def test_non_interactive_processes_turn_ask_into_an_error(tmp_path):
+    ran.clear()
+    model = ScriptedModel([Reply(tool_calls=[call("echo", text="risky")]), "ok"])
+    async with kernel(tmp_path, model, approval=asking_policy) as k:
+        proc = await k.spawn(owner="a", interactive=False)
+        await proc.send("go")
+        await proc.wait_idle()
+        result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
+        assert result.is_error and "requires interactive approval" in result.text and ran == []
+
+
+async def test_reset_archives_and_kill_removes(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(lambda r: "seen")) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("look", media=[ImageContent(data=PNG, mime_type="image/png")])
+        await proc.wait_idle()
+        media_dir = tmp_path / "var" / "media" / "alice" / proc.pid
+        assert len(list(media_dir.iterdir())) == 1
+        archive = await proc.reset()
+        assert archive is not None and archive.is_relative_to(tmp_path / "var" / "sessions" / "alice" / proc.pid)
+        lines = gzip.decompress(archive.read_bytes()).decode().splitlines()
+        assert len(lines) == 3  # header + user + assistant
+        assert await proc.messages() == [] and not media_dir.exists()
+        await proc.send("fresh start")
+        await proc.wait_idle()
+        await proc.kill()
+        with pytest.raises(NoSuchProcess):
+            await proc.send("anyone?")
+        with pytest.raises(NoSuchProcess):
+            await k.process(proc.pid)
+        assert await k.processes() == []
+
+
+async def test_images_reach_the_model_as_images(tmp_path):
+    model = ScriptedModel(["a red pixel"])
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("what is this?", media=[ImageContent(data=PNG, mime_type="image/png")])
+        await proc.wait_idle()
+        sent = model.requests[0].messages[0]
+        assert isinstance(sent, UserMessage) and sent.content[1] == ImageContent(data=PNG, mime_type="image/png")
+        stored = (await proc.messages())[0]
+        assert stored.content[1].data.startswith("media:")  # the store keeps a reference, not the bytes
+
+
+async def test_bad_input_gets_clear_errors(tmp_path):
+    async with kernel(tmp_path, ScriptedModel([])) as k:
+        with pytest.raises(NoSuchProcess, match="no such process: nope"):
+            await k.process("nope")
+        proc = await k.spawn(owner="a")
+        with pytest.raises(ValueError, match="mode must be"):
+            await proc.send("x", mode="shout")  # type: ignore[arg-type]
+
+
+async def test_crash_resume_reruns_idempotent_and_fails_the_others(tmp_path):
+    calls: list[str] = []
+
+    @tool(idempotent=True)
+    async def lookup(key: str) -> str:
+        """Read-only lookup."""
+        calls.append(f"lookup {key}")
+        await asyncio.sleep(0.5 if len(calls) == 1 else 0)
+        return f"value of {key}"
+
+    @tool
+    async def charge(amount: int) -> str:
+        """Charge a card (not idempotent)."""
+        calls.append(f"charge {amount}")
+        await asyncio.sleep(5)
+        return "charged"
+
+    def brain(r: ModelRequest):
+        if isinstance(r.messages[-1], UserMessage):
+            return Reply(tool_calls=[call("lookup", key="k"), call("charge", amount=5)])
+        return "done: " + " | ".join(m.text for m in r.messages if isinstance(m, ToolResultMessage))
+
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[lookup, charge]) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("pay")
+        await asyncio.sleep(0.2)  # both calls are dispatched; the "crash" comes now
+        pid = proc.pid
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[lookup, charge]) as k2:
+        proc = await k2.process(pid)
+        await proc.wait_idle()
+        final = (await proc.messages())[-1].text
+        assert final.startswith("done: value of k | Tool call interrupted by a restart")
+        assert calls.count("charge 5") == 1 and calls.count("lookup k") == 2
