@@ -96,12 +96,7 @@ def estimate_tokens(obj: Any) -> int:
     if isinstance(obj, UserMessage | AssistantMessage | ToolResultMessage | SystemMessage):
         return _message_tokens(obj)
     if isinstance(obj, ToolSpec):
-        return (
-            MESSAGE_OVERHEAD
-            + _text_tokens(obj.name)
-            + _text_tokens(obj.description)
-            + _text_tokens(_json(obj.parameters))
-        )
+        return MESSAGE_OVERHEAD + _text_tokens(obj.name + obj.description + _json(obj.parameters))
     if isinstance(obj, TextContent | ImageContent | ThinkingContent | ToolCall):
         return _block_tokens(obj)
     if isinstance(obj, list | tuple):
@@ -236,9 +231,9 @@ def render_transcript(messages: Sequence[Message]) -> str:
         if isinstance(m, UserMessage):
             out.append(f"## user\n{_render_blocks(m.content, None)}")
         elif isinstance(m, AssistantMessage):
-            note = f" (stopped: {m.stop_reason}{': ' + m.error_message if m.error_message else ''})"
-            tail = note if m.stop_reason in ("error", "aborted", "length") else ""
-            out.append(f"## assistant{tail}\n{_render_blocks(m.content, None)}")
+            ended = m.stop_reason in ("error", "aborted", "length")
+            note = f" (stopped: {m.stop_reason} {m.error_message or ''})" if ended else ""
+            out.append(f"## assistant{note}\n{_render_blocks(m.content, None)}")
         elif isinstance(m, ToolResultMessage):
             flag = " ERROR" if m.is_error else ""
             body = _render_blocks(m.content, TOOL_RESULT_CLIP)
