@@ -1,0 +1,176 @@
+"""Deciding one call: which rule applies, and words a person can act on.
+
+The engine is pure so that the durable runner can re-decide a call after a crash and get the
+same answer, and so that a stored decision can be checked against the exact arguments shown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from agentloop.process.approval.policy import Action, Policy, Rule, When
+from agentloop.process.approval.tags import CallFacts, call_facts, is_local
+
+__all__ = [
+    "NON_INTERACTIVE",
+    "ApprovalDecision",
+    "args_fingerprint",
+    "decide",
+    "describe_rule",
+    "find_rule",
+    "remember_rule",
+]
+
+NON_INTERACTIVE = "requires interactive approval, which is unavailable for this process"
+_RISK_ORDER = ("destructive", "privileged", "network", "unclassified", "mutating")
+_MAX_SHOWN = 120
+
+
+class ApprovalDecision(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    action: Action
+    tags: list[str]
+    rule: str
+    reason: str
+
+
+def _target_rank(rule: Rule, target: str) -> int | None:
+    """How specifically ``rule`` names ``target``; None when it does not apply to it."""
+    scope = rule.target
+    if scope is None:
+        return 0
+    if scope == "*":
+        return 1
+    if scope == "devices/*":
+        return 1 if target != "local" else None
+    return 2 if scope == target else None
+
+
+def _match_rank(rule: Rule, syscall: str) -> int | None:
+    if rule.match == "*":
+        return 0
+    if rule.match.endswith(".*"):
+        domain = rule.match[:-2]
+        return 1 if syscall == domain or syscall.startswith(domain + ".") else None
+    return 2 if rule.match == syscall else None
+
+
+def _same_value(actual: Any, wanted: Any) -> bool:
+    # JSON's true is not 1: compare kinds as well as values.
+    if isinstance(actual, bool) or isinstance(wanted, bool):
+        return isinstance(actual, bool) and isinstance(wanted, bool) and actual == wanted
+    return bool(actual == wanted)
+
+
+def _holds(when: When | None, tags: frozenset[str], args: Mapping[str, Any]) -> bool:
+    if when is None:
+        return True
+    if when.any_tags is not None and not tags.intersection(when.any_tags):
+        return False
+    if when.all_tags is not None and not tags.issuperset(when.all_tags):
+        return False
+    for key, prefix in (when.arg_prefix or {}).items():
+        value = args.get(key)
+        if not isinstance(value, str) or not value.startswith(prefix):
+            return False
+    return all(key in args and _same_value(args[key], v) for key, v in (when.arg_equals or {}).items())
+
+
+def find_rule(
+    policy: Policy, syscall: str, args: Mapping[str, Any], tags: frozenset[str], target: str = "local"
+) -> tuple[int, Rule] | None:
+    """The winning rule and its index: most specific target, then match, then first written."""
+    target = "local" if is_local(target) else target
+    candidates: list[tuple[int, int, int, Rule]] = []
+    for index, rule in enumerate(policy.rules):
+        t_rank, m_rank = _target_rank(rule, target), _match_rank(rule, syscall)
+        if t_rank is None or m_rank is None or not _holds(rule.when, tags, args):
+            continue
+        candidates.append((-t_rank, -m_rank, index, rule))
+    if not candidates:
+        return None
+    _, _, index, rule = min(candidates, key=lambda c: c[:3])
+    return index, rule
+
+
+def describe_rule(rule: Rule, index: int | None = None) -> str:
+    parts = [f"rules[{index}]" if index is not None else "rule", rule.match]
+    if rule.target is not None:
+        parts.append(f"on {rule.target}")
+    if rule.when is not None:
+        when = rule.when.model_dump(by_alias=True, exclude_none=True)
+        parts.append("when " + json.dumps(when, sort_keys=True, separators=(",", ":")))
+    return " ".join(parts) + f" -> {rule.action}"
+
+
+def _shorten(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 1] + "…"
+
+
+def _describe_call(syscall: str, args: Mapping[str, Any], facts: CallFacts, target: str) -> str:
+    risks = [t for t in _RISK_ORDER if t in facts.tags]
+    others = sorted(facts.tags - set(risks))
+    where = "" if is_local(target) else f" on {target}"
+    if syscall == "shell.exec" and facts.shell is not None:
+        what = f"shell command{where}"
+        shown = str(args.get("command", ""))
+    else:
+        what = f"{syscall}{where}"
+        shown = ", ".join(facts.paths) or _shorten(json.dumps(dict(args), sort_keys=True, default=str))
+    label = ", ".join(risks + others)
+    head = f"{what} is {label}" if label else what
+    return f"{head}: {_shorten(shown)}" if shown else head
+
+
+def decide(
+    policy: Policy,
+    syscall: str,
+    args: Mapping[str, Any],
+    *,
+    target: str = "local",
+    cwd: str | os.PathLike[str],
+    home: str | os.PathLike[str],
+    root: str | os.PathLike[str] | None = None,
+    interactive: bool = True,
+) -> ApprovalDecision:
+    """What to do with one call under ``policy``, and why, in words fit for the user."""
+    facts = call_facts(syscall, args, target=target, cwd=cwd, home=home, root=root)
+    found = find_rule(policy, syscall, args, facts.tags, target)
+    if found is None:
+        action, rule_text = policy.default, "default"
+    else:
+        action, rule_text = found[1].action, describe_rule(found[1], found[0])
+    described = _describe_call(syscall, args, facts, target)
+    if action == "ask" and not interactive:
+        action, reason = "deny", f"{NON_INTERACTIVE} ({described})"
+    elif action == "deny":
+        reason = f"denied by {'the default policy' if found is None else rule_text}: {described}"
+    else:
+        reason = described
+    return ApprovalDecision(action=action, tags=sorted(facts.tags), rule=rule_text, reason=reason)
+
+
+def remember_rule(syscall: str, target: str = "local") -> Rule:
+    """The process-local allow rule a "yes, and remember" answer adds.
+
+    It is bound to the syscall and target only, not to the arguments: remembering one shell
+    command auto-approves later shell commands on that target unless a more specific rule
+    (another target-specific exact rule written earlier) says otherwise.
+    """
+    return Rule(match=syscall, target="local" if is_local(target) else target, action="auto")
+
+
+def args_fingerprint(syscall: str, args: Mapping[str, Any]) -> str:
+    """A stable digest of the call, so an approval given for these arguments fits no others."""
+    canonical = json.dumps(
+        {"syscall": syscall, "args": args}, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

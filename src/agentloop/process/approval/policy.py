@@ -1,0 +1,165 @@
+"""The approval policy language: what an account writes down, and how a bad file is survived.
+
+A policy is read from a file a person edits by hand, so parsing never raises: anything wrong
+(bad JSON, a misspelt field, an unknown action) yields the built-in default policy plus
+warnings that say what was wrong. Falling back to the whole default, rather than dropping the
+one bad rule, is deliberate: a dropped ``deny`` rule would silently widen what runs unasked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "KNOWN_TAGS",
+    "Action",
+    "Policy",
+    "Rule",
+    "When",
+    "default_policy",
+    "merge",
+    "parse_policy",
+]
+
+Action = Literal["auto", "ask", "deny"]
+
+#: The facts a ``when`` clause can test; computed per call by :mod:`.tags`.
+KNOWN_TAGS: frozenset[str] = frozenset(
+    {
+        "mutating",
+        "destructive",
+        "privileged",
+        "network",
+        "hidden-path",
+        "outside-cwd",
+        "outside-home",
+        "remote",
+        "unclassified",
+    }
+)
+
+# "*", an exact syscall ("fs.read", "mcp.github.create_issue") or a domain wildcard ("fs.*").
+_MATCH = re.compile(r"^(\*|[^\s*]+(\.\*)?)$")
+# "local", "devices/*", "*" or one device id.
+_TARGET = re.compile(r"^(\*|devices/\*|[^\s*]+)$")
+
+Scalar = str | int | float | bool | None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class When(_Strict):
+    """Extra conditions on a rule; all given ones must hold (an empty clause always holds)."""
+
+    any_tags: tuple[str, ...] | None = Field(default=None, alias="anyTag", min_length=1)
+    all_tags: tuple[str, ...] | None = Field(default=None, alias="allTags", min_length=1)
+    arg_prefix: dict[str, str] | None = Field(default=None, alias="argPrefix")
+    arg_equals: dict[str, Scalar] | None = Field(default=None, alias="argEquals")
+
+    @field_validator("any_tags", "all_tags")
+    @classmethod
+    def _known_tags(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        # A misspelt tag would make the rule silently never (or always) apply.
+        unknown = sorted(set(value or ()) - KNOWN_TAGS)
+        if unknown:
+            raise ValueError(f"unknown tag(s) {unknown}; known: {sorted(KNOWN_TAGS)}")
+        return value
+
+
+class Rule(_Strict):
+    match: str
+    target: str | None = None
+    when: When | None = None
+    action: Action
+
+    @field_validator("match")
+    @classmethod
+    def _valid_match(cls, value: str) -> str:
+        if not _MATCH.match(value):
+            raise ValueError(f"match {value!r} must be '*', a syscall name, or '<domain>.*'")
+        return value
+
+    @field_validator("target")
+    @classmethod
+    def _valid_target(cls, value: str | None) -> str | None:
+        if value is not None and not _TARGET.match(value):
+            raise ValueError(f"target {value!r} must be 'local', 'devices/*', '*' or a device id")
+        return value
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class Policy(_Strict):
+    default: Action = "auto"
+    rules: tuple[Rule, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+_RISKY_SHELL = ("destructive", "privileged", "network", "unclassified")
+
+
+def default_policy() -> Policy:
+    """Run freely, but stop for what is hard to undo or leaves the machine."""
+    return Policy(
+        default="auto",
+        rules=(
+            Rule(match="shell.exec", when=When(any_tags=_RISKY_SHELL), action="ask"),
+            Rule(match="fs.delete", action="ask"),
+            Rule(match="mcp.*", action="ask"),
+        ),
+    )
+
+
+def _describe_errors(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "policy"
+        out.append(f"{where}: {err['msg']}")
+    return out
+
+
+def parse_policy(data: str | bytes | dict[str, Any] | None) -> tuple[Policy, list[str]]:
+    """The policy ``data`` describes, or the default policy and the reasons it was rejected.
+
+    Nothing (``None`` or blank text) means "no policy written", which is the default without a
+    warning.
+    """
+    if data is None:
+        return default_policy(), []
+    if isinstance(data, bytes | str):
+        text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+        if not text.strip():
+            return default_policy(), []
+        try:
+            loaded: Any = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            return default_policy(), [f"approval policy is not valid JSON ({exc}); using the default policy"]
+    else:
+        loaded = data
+    if not isinstance(loaded, dict):
+        kind = type(loaded).__name__
+        return default_policy(), [f"approval policy must be a JSON object, not {kind}; using the default policy"]
+    try:
+        return Policy.model_validate(loaded), []
+    except ValidationError as exc:
+        problems = _describe_errors(exc)
+        return default_policy(), [f"approval policy rejected, using the default policy: {p}" for p in problems]
+
+
+def merge(account: Policy | None, server: Policy | None, process_overrides: list[Rule]) -> Policy:
+    """The policy a run uses: the process's own rules, then its account's (or the server's).
+
+    The server policy is the fallback for accounts without one, not a further layer: mixing its
+    rules into an account's would let a more specific server rule beat the account's wishes.
+    """
+    base = account if account is not None else server if server is not None else default_policy()
+    return Policy(default=base.default, rules=(*process_overrides, *base.rules))

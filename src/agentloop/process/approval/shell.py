@@ -1,0 +1,512 @@
+"""Judging a shell command line by its syntax tree, never by substrings.
+
+Substring matching both over-fires (``echo "rm -rf /"``) and under-fires (``r\\m``, ``sudo -u
+bob rm``); so the line is parsed with bashlex and every simple command in it — inside lists,
+pipelines, loops, substitutions and ``bash -c`` strings — is classified by its real name and
+arguments. Anything we cannot judge (an unknown program, a computed command name, an
+interpreter, a parse failure) is ``unclassified``: the classifier errs towards asking.
+
+Everything here is pure: no file system, no environment; the same line always gets the same tags.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import bashlex
+
+__all__ = ["ShellAnalysis", "classify_shell"]
+
+MAX_LENGTH = 20_000  # longer lines are not parsed (bashlex is pure Python and may be slow)
+MAX_DEPTH = 4  # nesting of bash -c / su -c / find -exec / xargs / substitutions
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+READ_ONLY = _words(
+    "ls cat grep egrep fgrep rg head tail wc echo printf pwd date which whoami id uname hostname stat file "
+    "tree du df jq yq sort uniq cut tr diff cmp comm basename dirname realpath readlink true false test [ [[ "
+    "type printenv less more nl column md5sum sha1sum sha256sum sha512sum cksum ps free uptime seq sleep cd "
+    "pushd popd export set unset shopt : exit return wait read fd bat locale tput clear history hash "
+    "column fold fmt expand od hexdump xxd strings lsblk lscpu nproc getconf dmesg tac rev paste join "
+    "look cal bc expr man help info whereis groups tty last w who"
+)
+NETWORK = _words(
+    "curl wget ssh scp sftp rsync nc ncat netcat telnet ftp ping dig nslookup host http https aria2c "
+    "socat whois traceroute mosh"
+)
+PRIVILEGED = _words(
+    "mount umount systemctl service useradd userdel usermod groupadd groupdel passwd chroot insmod modprobe "
+    "rmmod sysctl iptables nft ip6tables visudo launchctl"
+)
+DESTRUCTIVE = _words("rm rmdir unlink shred dd mkfs wipefs fdisk sfdisk parted truncate kill pkill killall")
+POWER = _words("reboot shutdown halt poweroff")
+MUTATING = _words(
+    "touch mkdir cp mv ln install patch tee chmod chown chgrp unzip gunzip gzip bunzip2 bzip2 xz unxz zip "
+    "crontab setfacl"
+)
+SHELLS = _words("bash sh zsh dash ksh fish csh tcsh busybox")
+INTERPRETERS = _words(
+    "python python2 python3 node nodejs ruby perl php deno bun lua Rscript osascript pwsh powershell irb"
+)
+DYNAMIC = _words("eval source . trap alias")
+# Wrappers that run their last part as a command: name → options that take a value.
+WRAPPERS: dict[str, frozenset[str]] = {
+    "sudo": _words("-u -g -C -D -h -p -r -t -U -T"),
+    "doas": _words("-u -C"),
+    "pkexec": _words("--user"),
+    "env": _words("-u -C -S --unset --chdir"),
+    "nice": _words("-n --adjustment"),
+    "ionice": _words("-c -n -p -t"),
+    "nohup": frozenset(),
+    "time": _words("-f -o"),
+    "stdbuf": _words("-i -o -e"),
+    "command": frozenset(),
+    "builtin": frozenset(),
+    "exec": _words("-a"),
+    "chronic": frozenset(),
+    "unbuffer": frozenset(),
+    "timeout": _words("-s -k --signal --kill-after"),
+    "xargs": _words("-I -i -n -P -L -l -d -E -e -s -a --max-args --max-procs --delimiter --arg-file"),
+}
+ELEVATING = frozenset({"sudo", "doas", "pkexec"})
+# Assignments that change what a later command name means.
+HIJACKING_VARS = _words("PATH LD_PRELOAD LD_LIBRARY_PATH BASH_ENV ENV IFS PROMPT_COMMAND DYLD_INSERT_LIBRARIES")
+HARMLESS_SINKS = frozenset({"/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty"})
+BLOCK_DEVICE = re.compile(r"^/dev/(sd|hd|vd|xvd|nvme|mmcblk|disk|md|dm-|loop|mapper/)")
+PATTERN_FIRST = _words("grep egrep fgrep rg sed awk gawk mawk jq yq")
+WRITE_REDIRECTS = frozenset({">", ">>", ">|", "&>", "&>>", "<>", ">&"})
+
+
+@dataclass(frozen=True)
+class ShellAnalysis:
+    """What a command line would do, as far as its syntax shows.
+
+    ``paths`` are the literal path-like operands (for path tags); ``writes`` the subset it would
+    create, change or remove; ``reasons`` say, per finding, why a tag was given.
+    """
+
+    tags: frozenset[str]
+    commands: tuple[str, ...]
+    paths: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+
+class _Arg(NamedTuple):
+    text: str
+    dynamic: bool  # contains an expansion whose value we cannot know
+
+
+class _Verdict(NamedTuple):
+    tags: frozenset[str]
+    interpreter: bool = False  # runs code it is given at run time
+    reads_stdin: bool = False  # ... and that code may come from standard input
+
+
+_NONE = _Verdict(frozenset())
+
+
+def _is_option(text: str) -> bool:
+    return text.startswith("-") and text != "-"
+
+
+def _operands(args: Sequence[_Arg]) -> list[_Arg]:
+    out: list[_Arg] = []
+    ended = False
+    for arg in args:
+        if not ended and arg.text == "--":
+            ended = True
+        elif ended or not _is_option(arg.text):
+            out.append(arg)
+    return out
+
+
+def _looks_like_path(text: str) -> bool:
+    if "://" in text or re.match(r"^[^/]*@[^/]*:", text):
+        return False
+    return "/" in text or text.startswith((".", "~"))
+
+
+class _Walker:
+    def __init__(self) -> None:
+        self.tags: set[str] = set()
+        self.commands: list[str] = []
+        self.paths: list[str] = []
+        self.writes: list[str] = []
+        self.reasons: list[str] = []
+
+    # -- recording ---------------------------------------------------------------------------
+    def tag(self, why: str, *tags: str) -> frozenset[str]:
+        self.tags.update(tags)
+        if why not in self.reasons:
+            self.reasons.append(why)
+        return frozenset(tags)
+
+    def written(self, args: Iterable[_Arg]) -> None:
+        for arg in args:
+            if not arg.dynamic and arg.text not in HARMLESS_SINKS and arg.text != "{}":
+                self.writes.append(arg.text)
+
+    def analysis(self) -> ShellAnalysis:
+        return ShellAnalysis(
+            tags=frozenset(self.tags),
+            commands=tuple(dict.fromkeys(self.commands)),
+            paths=tuple(dict.fromkeys(self.paths + self.writes)),
+            writes=tuple(dict.fromkeys(self.writes)),
+            reasons=tuple(self.reasons),
+        )
+
+    # -- parsing ------------------------------------------------------------------------------
+    def line(self, text: str, depth: int) -> frozenset[str]:
+        if depth > MAX_DEPTH:
+            return self.tag("nested too deeply to judge", "unclassified")
+        if len(text) > MAX_LENGTH:
+            return self.tag("command line too long to judge", "unclassified")
+        try:
+            trees = bashlex.parse(text)
+        except Exception as exc:  # bashlex raises many kinds (ParsingError, NotImplementedError, ...)
+            return self.tag(f"cannot parse: {type(exc).__name__}", "unclassified")
+        found: set[str] = set()
+        for tree in trees:
+            found |= self.node(tree, depth)
+        return frozenset(found)
+
+    def node(self, node: Any, depth: int) -> frozenset[str]:
+        kind = getattr(node, "kind", None)
+        if kind in ("operator", "pipe", "reservedword", "tilde", "heredoc"):
+            return frozenset()
+        if kind == "pipeline":
+            return self.pipeline(node, depth)
+        if kind == "command":
+            return self.command(node, depth).tags
+        if kind in ("list", "if", "for", "while", "until"):
+            return self.children(node.parts, depth)
+        if kind == "compound":
+            return self.children([*node.list, *getattr(node, "redirects", [])], depth)
+        if kind == "function":
+            body = self.children(node.parts, depth)
+            return body | self.tag("defines a shell function", "unclassified")
+        if kind == "word" or kind == "assignment":
+            return self.children(getattr(node, "parts", []), depth)
+        if kind in ("commandsubstitution", "processsubstitution"):
+            return self.node(node.command, depth + 1)
+        if kind == "parameter":
+            if "$(" in node.value or "`" in node.value:
+                return self.tag("command substitution inside ${...}", "unclassified")
+            return frozenset()
+        if kind == "redirect":
+            return self.redirect(node, depth)
+        return self.tag(f"shell construct {kind!r}", "unclassified")
+
+    def children(self, nodes: Iterable[Any], depth: int) -> frozenset[str]:
+        found: set[str] = set()
+        for child in nodes:
+            found |= self.node(child, depth)
+        return frozenset(found)
+
+    def pipeline(self, node: Any, depth: int) -> frozenset[str]:
+        found: set[str] = set()
+        for part in node.parts:
+            if getattr(part, "kind", None) == "command":
+                verdict = self.command(part, depth)
+                if verdict.reads_stdin and "network" in found:
+                    verdict = verdict._replace(
+                        tags=verdict.tags
+                        | self.tag("pipes a download into an interpreter", "destructive", "unclassified")
+                    )
+                found |= verdict.tags
+            else:
+                found |= self.node(part, depth)
+        return frozenset(found)
+
+    def redirect(self, node: Any, depth: int) -> frozenset[str]:
+        target = node.output
+        if getattr(target, "kind", None) != "word":
+            return frozenset()  # 2>&1 and the like
+        found = self.node(target, depth)
+        if node.type not in WRITE_REDIRECTS:
+            return found
+        arg = self.arg(target)
+        if arg.text in HARMLESS_SINKS or arg.text.startswith("/dev/fd/"):
+            return found
+        if not arg.dynamic and BLOCK_DEVICE.match(arg.text):
+            return found | self.tag(f"writes to the device {arg.text}", "destructive", "privileged", "mutating")
+        self.written([arg])
+        return found | self.tag(f"redirects output to {arg.text}", "mutating")
+
+    @staticmethod
+    def arg(word: Any) -> _Arg:
+        parts = getattr(word, "parts", []) or []
+        dynamic = any(getattr(p, "kind", None) != "tilde" for p in parts)
+        return _Arg(word.word, dynamic)
+
+    def command(self, node: Any, depth: int) -> _Verdict:
+        found: set[str] = set()
+        args: list[_Arg] = []
+        hijack = False
+        for part in node.parts:
+            kind = getattr(part, "kind", None)
+            found |= self.node(part, depth)
+            if kind == "word":
+                args.append(self.arg(part))
+            elif kind == "assignment" and not args:
+                hijack = hijack or part.word.split("=", 1)[0] in HIJACKING_VARS
+        verdict = self.argv(args, depth)
+        if hijack and args:
+            found |= self.tag("changes PATH or the loader before running a command", "unclassified")
+        if verdict.interpreter and "network" in found:
+            found |= self.tag("feeds downloaded code to an interpreter", "destructive", "unclassified")
+        return verdict._replace(tags=verdict.tags | found)
+
+    # -- classifying one argv ---------------------------------------------------------------------
+    def argv(self, args: Sequence[_Arg], depth: int) -> _Verdict:
+        if not args:
+            return _NONE
+        head, rest = args[0], list(args[1:])
+        if head.dynamic:
+            return _Verdict(self.tag(f"computed command name {head.text}", "unclassified"))
+        name = posixpath.basename(head.text) or head.text
+        self.commands.append(name)
+        self.note_paths(name, rest)
+        if name in WRAPPERS:
+            return self.wrapper(name, rest, depth)
+        if name in SHELLS or name in INTERPRETERS or name in DYNAMIC:
+            return self.interpreter(name, rest, depth)
+        if re.match(r"^python\d+(\.\d+)?$", name):
+            return self.interpreter("python", rest, depth)
+        special = _SPECIAL.get(name)
+        if special is not None:
+            return _Verdict(special(self, name, rest, depth))
+        if name.startswith("mkfs"):
+            name = "mkfs"
+        return _Verdict(self.simple(name, rest))
+
+    def note_paths(self, name: str, rest: Sequence[_Arg]) -> None:
+        if name in ("echo", "printf") or name in WRAPPERS or name in SHELLS or name in INTERPRETERS:
+            return  # their operands are text, a command, or code, not paths
+        operands = _operands(rest)
+        if name in PATTERN_FIRST and not any(a.text in ("-e", "-f", "--regexp") for a in rest):
+            operands = operands[1:]
+        self.paths.extend(a.text for a in operands if not a.dynamic and _looks_like_path(a.text))
+
+    def simple(self, name: str, rest: Sequence[_Arg]) -> frozenset[str]:
+        if name in READ_ONLY:
+            return frozenset()
+        if name in NETWORK:
+            return self.tag(f"{name} uses the network", "network")
+        if name in PRIVILEGED:
+            return self.tag(f"{name} needs elevated rights", "privileged", "mutating")
+        if name in POWER:
+            return self.tag(f"{name} stops the machine", "privileged", "destructive", "mutating")
+        if name in DESTRUCTIVE:
+            if name == "dd":
+                targets = [_Arg(a.text[3:], a.dynamic) for a in rest if a.text.startswith("of=")]
+                self.written(targets)
+                if any(BLOCK_DEVICE.match(t.text) for t in targets):
+                    self.tag("dd writes to a device", "privileged")
+            elif name not in ("kill", "pkill", "killall"):
+                self.written(_operands(rest))
+            return self.tag(f"{name} destroys data", "destructive", "mutating")
+        if name in MUTATING:
+            operands = _operands(rest)
+            if name in ("chmod", "chown", "chgrp", "setfacl"):
+                operands = operands[1:]
+                if any(a.text in ("-R", "--recursive") or re.match(r"^-[a-zA-Z]*R", a.text) for a in rest):
+                    self.written(operands)
+                    return self.tag(f"{name} -R changes a whole tree", "destructive", "mutating")
+            elif name == "cp" or name == "mv" or name == "ln" or name == "install":
+                operands = operands[-1:]
+            self.written(operands)
+            return self.tag(f"{name} changes files", "mutating")
+        return self.tag(f"{name} is not a command we can judge", "unclassified")
+
+    def wrapper(self, name: str, rest: list[_Arg], depth: int) -> _Verdict:
+        takes_value = WRAPPERS[name]
+        found: set[str] = set()
+        if name in ELEVATING:
+            found |= self.tag(f"{name} runs a command as another user", "privileged")
+        i = 0
+        while i < len(rest):
+            text = rest[i].text
+            if text == "--":
+                i += 1
+                break
+            if name == "env" and "=" in text and not text.startswith("-"):
+                if text.split("=", 1)[0] in HIJACKING_VARS:
+                    found |= self.tag("env changes PATH or the loader", "unclassified")
+                i += 1
+                continue
+            if not _is_option(text):
+                break
+            i += 2 if text in takes_value else 1
+        wrapped = rest[i:]
+        if name == "timeout" and wrapped:
+            wrapped = wrapped[1:]  # the duration
+        if name == "xargs" and not wrapped:
+            wrapped = [_Arg("echo", False)]
+        if name in ("exec", "command", "builtin", "env", "time", "nice", "nohup") and not wrapped:
+            return _Verdict(frozenset(found))
+        if not wrapped:
+            return _Verdict(frozenset(found | self.tag(f"{name} without a command", "unclassified")))
+        verdict = self.argv(wrapped, depth + 1)
+        return verdict._replace(tags=verdict.tags | found)
+
+    def interpreter(self, name: str, rest: list[_Arg], depth: int) -> _Verdict:
+        if name in DYNAMIC:
+            return _Verdict(self.tag(f"{name} runs code built at run time", "unclassified"), interpreter=True)
+        if name == "python" or name in INTERPRETERS:
+            module = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a.text == "-m"), None)
+            if module is not None and module.text == "pip":
+                return _Verdict(_package(self, "pip", rest[rest.index(module) + 1 :], depth))
+        if name in SHELLS:
+            for i, arg in enumerate(rest):
+                if arg.text == "-c" or (re.match(r"^-[a-z]*c$", arg.text) and i + 1 < len(rest)):
+                    inner = rest[i + 1] if i + 1 < len(rest) else None
+                    if inner is None or inner.dynamic:
+                        return _Verdict(self.tag(f"{name} -c with a computed script", "unclassified"), True)
+                    return _Verdict(self.line(inner.text, depth + 1))
+        operands = _operands(rest)
+        reads_stdin = not operands or operands[0].text == "-" or any(a.text in ("-s", "-") for a in rest)
+        kind = "runs a script" if operands else "reads a program"
+        return _Verdict(self.tag(f"{name} {kind}", "unclassified"), interpreter=True, reads_stdin=reads_stdin)
+
+
+# -- commands whose meaning depends on their arguments --------------------------------------------
+
+
+def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    i = 0
+    while i < len(rest) and _is_option(rest[i].text):
+        i += 2 if rest[i].text in ("-C", "-c", "--git-dir", "--work-tree") else 1
+    if i >= len(rest):
+        return frozenset()
+    sub, args = rest[i].text, [a.text for a in rest[i + 1 :]]
+    w.commands[-1] = f"git {sub}"
+    if sub in ("status", "log", "diff", "show", "rev-parse", "ls-files", "blame", "grep", "describe", "shortlog"):
+        return frozenset()
+    if sub in ("push", "pull", "clone", "fetch", "ls-remote", "submodule", "remote") and (
+        sub != "remote" or {"update", "prune"} & set(args)
+    ):
+        found = w.tag(f"git {sub} uses the network", "network")
+        if sub == "push" and {"-f", "--force", "--force-with-lease", "--delete", "-d"} & set(args):
+            found |= w.tag("git push --force rewrites a remote", "destructive", "mutating")
+        elif sub != "ls-remote":
+            found |= w.tag(f"git {sub} changes the repository", "mutating")
+        return found
+    if _git_reads(sub, args):
+        return frozenset()
+    if (
+        (sub == "reset" and "--hard" in args)
+        or (sub == "clean" and any(re.match(r"^-[a-zA-Z]*f", a) or a == "--force" for a in args))
+        or (sub == "checkout" and ("--" in args or "-f" in args or "." in args))
+        or (sub == "branch" and {"-D", "--delete", "-d"} & set(args))
+        or sub == "restore"
+        or (sub == "stash" and args[:1] in (["drop"], ["clear"]))
+    ):
+        return w.tag(f"git {sub} discards work", "destructive", "mutating")
+    return w.tag(f"git {sub} changes the repository", "mutating")
+
+
+_GIT_LISTING = _words("-a -v -vv -r -l --list --all --show-current --verbose --merged --contains")
+
+
+def _git_reads(sub: str, args: list[str]) -> bool:
+    if sub == "remote":
+        return not args or args[0] in ("-v", "show", "get-url")
+    if sub in ("branch", "tag"):
+        return all(a in _GIT_LISTING for a in args)
+    if sub == "config":
+        return bool({"--get", "--list", "-l", "--get-all"} & set(args))
+    return args[:1] == ["list"] or args[:1] == ["show"]
+
+
+def _find(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    found: set[str] = set()
+    i = 0
+    while i < len(rest):
+        text = rest[i].text
+        if text == "-delete":
+            found |= w.tag("find -delete removes files", "destructive", "mutating")
+        elif text in ("-fprint", "-fprint0", "-fprintf", "-fls"):
+            found |= w.tag(f"find {text} writes a file", "mutating")
+        elif text in ("-exec", "-execdir", "-ok", "-okdir"):
+            end = next((j for j in range(i + 1, len(rest)) if rest[j].text in (";", "+")), len(rest))
+            found |= w.argv(rest[i + 1 : end], depth + 1).tags
+            i = end
+        i += 1
+    return frozenset(found)
+
+
+def _sed(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    if any(a.text.startswith(("-i", "--in-place")) or re.match(r"^-[a-zA-Z]*i", a.text) for a in rest):
+        w.written(_operands(rest)[1:])
+        return w.tag("sed -i edits files in place", "mutating")
+    return frozenset()
+
+
+def _awk(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    operands = _operands(rest)
+    if any(a.text == "-f" for a in rest) or not operands or operands[0].dynamic:
+        return w.tag(f"{name} runs a program we cannot see", "unclassified")
+    if re.search(r"system|getline|[|>]", operands[0].text):
+        return w.tag(f"{name} program runs commands or writes files", "unclassified")
+    return frozenset()
+
+
+def _tar(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    first = rest[0].text if rest else ""
+    listing = ("t" in first.lstrip("-") and not re.search(r"[xcru]", first.lstrip("-"))) or "--list" in first
+    return frozenset() if listing else w.tag("tar writes files", "mutating")
+
+
+_INSTALL_VERBS = _words("install i add ci update upgrade uninstall remove rm sync download get publish fetch pull")
+
+
+def _package(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    verbs = [a.text for a in rest if not _is_option(a.text)]
+    if name == "uv" and verbs[:1] == ["pip"]:
+        verbs = verbs[1:]
+    if name in ("go", "cargo") and verbs[:1] in (["build"], ["run"], ["test"]):
+        return w.tag(f"{name} {verbs[0]} builds and runs code", "unclassified", "network")
+    if verbs and verbs[0] in _INSTALL_VERBS:
+        return w.tag(f"{name} {verbs[0]} downloads packages", "network", "mutating")
+    if name in ("npx", "pipx", "uvx", "bunx") or (verbs and verbs[0] in ("run", "exec", "x", "dlx", "start", "test")):
+        return w.tag(f"{name} runs package code", "unclassified", "network")
+    if not verbs or verbs[0] in ("list", "ls", "show", "freeze", "view", "info", "search", "outdated", "why", "check"):
+        return frozenset()
+    return w.tag(f"{name} {verbs[0]} is not something we can judge", "unclassified")
+
+
+_Handler = Callable[[_Walker, str, list[_Arg], int], frozenset[str]]
+_SPECIAL: dict[str, _Handler] = {
+    "git": _git,
+    "find": _find,
+    "sed": _sed,
+    "awk": _awk,
+    "gawk": _awk,
+    "mawk": _awk,
+    "tar": _tar,
+    **{
+        pm: _package
+        for pm in _words("pip pip3 npm yarn pnpm uv npx pipx uvx bun bunx gem cargo go apt apt-get brew conda poetry")
+    },
+}
+
+
+def classify_shell(command: str) -> ShellAnalysis:
+    """The tags, command names and paths of ``command``; never raises."""
+    if not command.strip():
+        return ShellAnalysis(frozenset(), ())
+    walker = _Walker()
+    try:
+        walker.line(command, 0)
+    except Exception as exc:  # a bug here must not let a command through unjudged
+        walker.tag(f"analysis failed: {type(exc).__name__}", "unclassified")
+    return walker.analysis()

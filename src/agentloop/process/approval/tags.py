@@ -1,0 +1,143 @@
+"""The facts about one tool call that a policy's ``when`` clause can test.
+
+Paths are judged lexically (``..`` folded, ``~`` expanded), never by touching the file system:
+the call may be bound for another device, and a decision must not depend on the moment it is
+taken. Symlinks therefore are not followed here; the tools themselves confine what they reach.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentloop.process.approval.shell import ShellAnalysis, classify_shell
+
+__all__ = ["CallFacts", "call_facts", "call_tags", "is_local", "path_tags"]
+
+StrPath = str | os.PathLike[str]
+
+#: Writing here needs root on any sane machine (or changes the machine itself).
+SYSTEM_DIRS = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/sys", "/proc", "/dev", "/root")
+_WRITES = frozenset({"fs.write", "fs.edit", "fs.delete"})
+
+
+@dataclass(frozen=True)
+class CallFacts:
+    """Tags plus what they were read from, so a prompt can show the user why."""
+
+    tags: frozenset[str]
+    paths: tuple[str, ...] = ()
+    shell: ShellAnalysis | None = None
+    notes: tuple[str, ...] = field(default=())
+
+
+def is_local(target: str | None) -> bool:
+    return target in (None, "", "local")
+
+
+def _inside(path: str, base: str) -> bool:
+    return path == base or path.startswith(base.rstrip("/") + "/")
+
+
+def _resolve(path: str, base: str, home: str) -> str | None:
+    """The absolute, normalised form of ``path``, or None if it depends on the environment."""
+    if not path or "$" in path or "`" in path or "\x00" in path:
+        return None
+    if path == "~" or path.startswith("~/"):
+        path = home + path[1:]
+    elif path.startswith("~"):
+        return None  # another user's home: unknown here
+    return posixpath.normpath(posixpath.join(base, path))
+
+
+def path_tags(path: str, *, base: StrPath, cwd: StrPath, home: StrPath, writing: bool = False) -> set[str]:
+    """Tags for one path named relative to ``base``; ``writing`` also flags system directories."""
+    cwd_s, home_s = posixpath.normpath(os.fspath(cwd)), posixpath.normpath(os.fspath(home))
+    resolved = _resolve(path, posixpath.normpath(os.fspath(base)), home_s)
+    if resolved is None:
+        return set()
+    tags: set[str] = set()
+    inside_cwd = _inside(resolved, cwd_s)
+    if not inside_cwd:
+        tags.add("outside-cwd")
+    if not _inside(resolved, home_s):
+        tags.add("outside-home")
+    # Judge hiddenness below cwd only: a workspace under ~/.cache must not make every path hidden.
+    shown = posixpath.relpath(resolved, cwd_s) if inside_cwd else resolved
+    if any(part.startswith(".") and part not in (".", "..") for part in shown.split("/")):
+        tags.add("hidden-path")
+    if writing and any(_inside(resolved, d) for d in SYSTEM_DIRS) and resolved not in ("/dev/null",):
+        tags.add("privileged")
+    return tags
+
+
+def _paths_tags(paths: Iterable[str], writes: Iterable[str], *, base: StrPath, cwd: StrPath, home: StrPath) -> set[str]:
+    written = set(writes)
+    tags: set[str] = set()
+    for p in paths:
+        tags |= path_tags(p, base=base, cwd=cwd, home=home, writing=p in written)
+    return tags
+
+
+def call_facts(
+    syscall: str,
+    args: Mapping[str, Any],
+    *,
+    target: str | None = "local",
+    cwd: StrPath,
+    home: StrPath,
+    root: StrPath | None = None,
+) -> CallFacts:
+    """Everything :func:`call_tags` knows about a call.
+
+    ``root`` is the directory the tools resolve their relative paths against (the workspace),
+    ``cwd`` the one ``outside-cwd`` is measured from; they are the same unless told otherwise.
+    """
+    base = root if root is not None else cwd
+    tags: set[str] = set()
+    if not is_local(target):
+        tags.add("remote")
+    if syscall == "shell.exec":
+        command = args.get("command")
+        analysis = classify_shell(command) if isinstance(command, str) else None
+        workdir = args.get("cwd", ".")
+        workdir = workdir if isinstance(workdir, str) and workdir else "."
+        resolved_workdir = _resolve(workdir, posixpath.normpath(os.fspath(base)), os.fspath(home))
+        if analysis is None:
+            tags.add("unclassified")
+            return CallFacts(frozenset(tags), (), None, ("no command given",))
+        tags |= analysis.tags
+        tags |= path_tags(workdir, base=base, cwd=cwd, home=home)
+        if resolved_workdir is not None:
+            tags |= _paths_tags(analysis.paths, analysis.writes, base=resolved_workdir, cwd=cwd, home=home)
+        return CallFacts(frozenset(tags), analysis.paths, analysis, analysis.reasons)
+    path = args.get("path")
+    paths = (path,) if isinstance(path, str) and path else ()
+    if syscall in _WRITES:
+        tags.add("mutating")
+    if syscall == "fs.delete":
+        tags.add("destructive")
+    if syscall == "codemode.exec":
+        tags.add("unclassified")  # its nested calls are judged one by one as they happen
+    if syscall == "net.fetch":
+        tags.add("network")
+        if str(args.get("method", "GET")).upper() not in ("GET", "HEAD"):
+            tags.add("mutating")
+    tags |= _paths_tags(paths, paths if syscall in _WRITES else (), base=base, cwd=cwd, home=home)
+    return CallFacts(frozenset(tags), paths)
+
+
+def call_tags(
+    syscall: str,
+    args: Mapping[str, Any],
+    *,
+    target: str | None = "local",
+    cwd: StrPath,
+    home: StrPath,
+    root: StrPath | None = None,
+) -> set[str]:
+    """The tags of one call: the facts that approval rules are written against."""
+    return set(call_facts(syscall, args, target=target, cwd=cwd, home=home, root=root).tags)
