@@ -397,7 +397,7 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         found = w.tag(f"git {sub} uses the network", "network")
         if sub == "push" and {"-f", "--force", "--force-with-lease", "--delete", "-d"} & set(args):
             found |= w.tag("git push --force rewrites a remote", "destructive", "mutating")
-        elif sub != "ls-remote":
+        elif sub not in ("ls-remote", "fetch"):
             found |= w.tag(f"git {sub} changes the repository", "mutating")
         return found
     if _git_reads(sub, args):
@@ -425,6 +425,17 @@ def _git_reads(sub: str, args: list[str]) -> bool:
     if sub == "config":
         return bool({"--get", "--list", "-l", "--get-all"} & set(args))
     return args[:1] == ["list"] or args[:1] == ["show"]
+
+
+def _su(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    found = w.tag("su runs a shell as another user", "privileged")
+    for i, arg in enumerate(rest):
+        if arg.text in ("-c", "--command") and i + 1 < len(rest):
+            inner = rest[i + 1]
+            if inner.dynamic:
+                return found | w.tag("su -c with a computed command", "unclassified")
+            return found | w.line(inner.text, depth + 1)
+    return found
 
 
 def _find(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
@@ -487,6 +498,7 @@ def _package(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[s
 _Handler = Callable[[_Walker, str, list[_Arg], int], frozenset[str]]
 _SPECIAL: dict[str, _Handler] = {
     "git": _git,
+    "su": _su,
     "find": _find,
     "sed": _sed,
     "awk": _awk,
