@@ -145,6 +145,7 @@ class _Walker:
     # -- recording ---------------------------------------------------------------------------
     def tag(self, why: str, *tags: str) -> frozenset[str]:
         self.tags.update(tags)
+        why = why if len(why) <= 160 else why[:159] + "…"
         if why not in self.reasons:
             self.reasons.append(why)
         return frozenset(tags)
