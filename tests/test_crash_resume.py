@@ -1,0 +1,84 @@
+"""Kill -9 a kernel at many points of a run; a new process must finish it, losing and repeating nothing.
+
+Points covered by the spread of delays: before the first model call, during model streams, between
+commits, while tools run, while an approval is pending (the worker approves after restarting).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentloop.messages import AssistantMessage, ToolResultMessage, UserMessage
+from agentloop.process.store import SQLiteStore
+
+WORKER = Path(__file__).with_name("crash_worker.py")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _start(db: Path, effects: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(db), str(effects)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _kill_after_ready(proc: subprocess.Popen[str], delay: float) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "READY", line + (proc.stderr.read() if proc.stderr else "")
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+async def _check(db: Path, effects: Path) -> None:
+    store = SQLiteStore(db)
+    await store.open()
+    try:
+        [record] = await store.list_processes()
+        assert record.current_run is None and await store.calls(record.pid) == [] and await store.hils(record.pid) == []
+        msgs = [m.message for m in await store.history(record.pid)]
+    finally:
+        await store.close()
+    assert isinstance(msgs[0], UserMessage) and msgs[0].text == "start"
+    assert sum(isinstance(m, UserMessage) for m in msgs) == 1  # admitted once
+    rounds = [m for m in msgs if isinstance(m, AssistantMessage) and m.tool_calls]
+    assert [m.text for m in rounds] == ["round 0", "round 1", "round 2"]  # no round lost or repeated
+    for i, msg in enumerate(msgs):
+        if isinstance(msg, AssistantMessage) and msg.tool_calls:
+            results = msgs[i + 1 : i + 1 + len(msg.tool_calls)]
+            assert [r.tool_call_id for r in results if isinstance(r, ToolResultMessage)] == [
+                c.id for c in msg.tool_calls
+            ]
+    assert isinstance(msgs[-1], AssistantMessage) and msgs[-1].text == "finished after all rounds"
+    lines = effects.read_text().split() if effects.exists() else []
+    assert len(lines) == len(set(lines)), f"a non-idempotent tool ran twice: {lines}"
+    interrupted = [m for m in msgs if isinstance(m, ToolResultMessage) and m.tool_name == "append_line" and m.is_error]
+    for r in interrupted:  # a call cut short by the crash is reported, not silently redone
+        assert "interrupted by a restart" in r.text
+
+
+DELAYS = [round(0.025 * i, 3) for i in range(16)]  # 0 to 0.375 s: the whole run, phase by phase
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("delay", DELAYS)
+async def test_kill_at_any_point_then_resume(tmp_path: Path, delay: float) -> None:
+    db, effects = tmp_path / "crash.db", tmp_path / "effects.txt"
+    _kill_after_ready(_start(db, effects), delay)
+    _kill_after_ready(_start(db, effects), delay / 2)  # and once more, during the recovery itself
+    final = _start(db, effects)
+    out, err = final.communicate(timeout=60)
+    assert final.returncode == 0 and "DONE" in out, err[-2000:]
+    await _check(db, effects)
