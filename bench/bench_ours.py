@@ -1,24 +1,29 @@
-"""agentloop on the peer harness's workloads (W1-W4), in memory.
+"""agentloop on the peer harness's workloads (W1-W4): in memory, and durable on SQLite (``--durable``).
 
-Run through the harness so the figures land beside its ``baseline`` row, measured in the same run:
-
-    OURS=$PWD/bench/bench_ours.py PY_OURS=$PWD/.venv/bin/python \\
-        ../shared/bench/peers/run_all.sh baseline ours
-
-or on its own (``bench/run.sh`` does both and prints the ratios). The fake model is agentloop's
-own ``ScriptedModel`` driven by the harness's ``common.next_action``; the tool is the harness's
-function wrapped with ``@tool``, so it goes through schema validation like any tool.
+Run through the harness so the figures land beside its ``baseline`` / ``baseline-sqlite`` rows,
+measured in the same run (``bench/run.sh`` does that and prints the ratios). The fake model is
+agentloop's own ``ScriptedModel`` driven by the harness's ``common.next_action``; the tool is the
+harness's function wrapped with ``@tool``, so it goes through schema validation like any tool.
+Durable: one kernel on a fresh SQLite file; each run is a new process (spawn, send, wait until
+idle), every step committed.
 """
 
 from __future__ import annotations
 
+import shutil
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+
 import common  # type: ignore[import-not-found]  # the harness folder, put on PYTHONPATH by run_all.sh
 
-from agentloop import Agent, Reply, ScriptedModel, ToolCall, ToolResultMessage, tool
+from agentloop import Agent, AssistantMessage, Reply, ScriptedModel, ToolCall, ToolResultMessage, tool
+from agentloop.kernel import Kernel
 from agentloop.models.base import ModelRequest
 
 
-def make_runner(wl: common.Workload):  # type: ignore[no-untyped-def]
+def _model(wl: common.Workload) -> ScriptedModel:
     def brain(request: ModelRequest) -> Reply | str:
         last = request.messages[-1]
         last_id = last.tool_call_id if isinstance(last, ToolResultMessage) else None
@@ -27,8 +32,11 @@ def make_runner(wl: common.Workload):  # type: ignore[no-untyped-def]
             return common.FINAL_TEXT
         return Reply(tool_calls=[ToolCall(id=cid, name=name, arguments=args) for cid, name, args in action])
 
-    model = ScriptedModel(brain, latency=wl.latency, keep_requests=False)
-    agent = Agent(model=model, tools=[tool(wl.tool_fn, name=wl.tool)], system_prompt=common.SYSTEM_PROMPT)
+    return ScriptedModel(brain, latency=wl.latency, keep_requests=False)
+
+
+def make_runner(wl: common.Workload) -> Callable[[], Awaitable[str]]:
+    agent = Agent(model=_model(wl), tools=[tool(wl.tool_fn, name=wl.tool)], system_prompt=common.SYSTEM_PROMPT)
 
     async def run() -> str:
         result = await agent.run(common.USER_PROMPT)
@@ -37,5 +45,41 @@ def make_runner(wl: common.Workload):  # type: ignore[no-untyped-def]
     return run
 
 
+def make_durable_runner(wl: common.Workload) -> Callable[[], Awaitable[str]]:
+    folder = tempfile.mkdtemp(prefix="bench-agentloop-")
+    stack = AsyncExitStack()
+    kernels: list[Kernel] = []
+
+    async def run() -> str:
+        if not kernels:
+            kernels.append(
+                await stack.enter_async_context(
+                    Kernel.open(
+                        f"sqlite:///{folder}/agentloop.db",
+                        model=_model(wl),
+                        tools=[tool(wl.tool_fn, name=wl.tool)],
+                        system_prompt=common.SYSTEM_PROMPT,
+                        workspace=folder,
+                    )
+                )
+            )
+        kernel = kernels[0]
+        proc = await kernel.spawn(owner="bench")
+        await proc.send(common.USER_PROMPT)
+        await proc.wait_idle()
+        last = (await proc.history(limit=1))[-1].message
+        return last.text if isinstance(last, AssistantMessage) else ""
+
+    import atexit
+
+    atexit.register(shutil.rmtree, folder, True)
+    return run
+
+
 if __name__ == "__main__":
-    common.main("ours", make_runner, caps="no iteration cap (none by default)")
+    if "--durable" in sys.argv:
+        sys.argv.remove("--durable")
+        common.main("ours-sqlite", make_durable_runner, caps="no iteration cap; SQLite WAL, synchronous=NORMAL, "
+                    "one transaction per step")
+    else:
+        common.main("ours", make_runner, caps="no iteration cap (none by default)")

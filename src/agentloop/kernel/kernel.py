@@ -82,7 +82,7 @@ class Process:
         run_id: str | None = None,
     ) -> Receipt:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active)."""
-        record = await self.info()
+        record = (await self.kernel.engine.live(self.pid)).record
         blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
         for image in media:  # stored as files; the message keeps a reference, the model gets the image
             ref = self.kernel.media.save(record.owner, self.pid, image)
@@ -122,7 +122,7 @@ class Process:
         await self.kernel.engine.wait_idle(self.pid)
 
     async def history(self, limit: int | None = None, before: int | None = None) -> list[StoredMessage]:
-        await self.info()
+        await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
         return await self.kernel.store.history(self.pid, limit=limit, before=before)
 
     async def messages(self) -> list[Message]:
@@ -256,6 +256,7 @@ class Kernel:
             tx.after.append(lambda: setattr(live.record, "history_generation", generation))
             for item in await self.store.queue(pid):
                 await self.store.dequeue(pid, item.id)
+            tx.after.append(lambda: setattr(live, "queued", 0))
             tx.after.append(live.history.clear)
             await tx.signal(sig.CHANGED, changes=["messages", "reset"])
         return path

@@ -97,6 +97,8 @@ class _Live:
     tools: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # dispatch id -> task
     partial: RunState | None = None  # the model call in flight, if any
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
+    approvals: bool = False  # a run of this process may have stored approval decisions
 
 
 class _Tx:
@@ -107,11 +109,17 @@ class _Tx:
         self.live = live
         self.signals: list[Signal] = []
         self.after: list[Callable[[], None]] = []
+        self._pending: list[tuple[str, dict[str, Any]]] = []
 
     async def signal(self, signal_name: str, /, **payload: Any) -> None:
-        payload = {"pid": self.live.record.pid, **payload}
-        seq = await self.engine.store.append_event(self.live.record.pid, signal_name, payload)
-        self.signals.append(Signal(signal_name, payload, seq))
+        """Log a signal; the log rows are written together when the transaction body ends."""
+        self._pending.append((signal_name, {"pid": self.live.record.pid, **payload}))
+
+    async def flush(self) -> None:
+        if self._pending:
+            seqs = await self.engine.store.append_events(self.live.record.pid, self._pending)
+            self.signals.extend(Signal(n, p, q) for (n, p), q in zip(self._pending, seqs, strict=True))
+            self._pending = []
 
     async def append(self, run_id: str | None, messages: list[Message]) -> None:
         await self.engine.store.append_messages(self.live.record.pid, run_id, messages)
@@ -171,6 +179,8 @@ class ProcessEngine:
             raise NoSuchProcess(pid)
         history = [m.message for m in await self.store.history(pid)]
         live = self._live[pid] = _Live(record, history)
+        live.queued = len(await self.store.queue(pid))
+        live.approvals = record.current_run is not None  # decisions made before a restart may be stored
         if record.current_run is None:
             live.idle.set()
         return live
@@ -180,6 +190,7 @@ class ProcessEngine:
         tx = _Tx(self, live)
         async with self.store.transaction():
             yield tx
+            await tx.flush()
         for apply in tx.after:  # committed: now the cache and the watchers may know
             apply()
         for s in tx.signals:
@@ -250,7 +261,8 @@ class ProcessEngine:
         queued_run = run_id or new_id()
         async with self._tx(live) as tx:
             await self.store.enqueue(pid, "steer" if mode == "steer" else "queue", message, run_id=queued_run)
-            position = len(await self.store.queue(pid))
+            position = live.queued + 1
+            tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
             await tx.signal(sig.CHANGED, changes=["queue"])
             await self._remember_admission(pid, queued_run, run_id, queued=True, position=position)
         return Receipt(active["run_id"] if mode == "steer" else queued_run, True, position)
@@ -278,6 +290,7 @@ class ProcessEngine:
             return Receipt(run["run_id"], False)
         async with self._tx(live) as tx:
             await self.store.enqueue(pid, "system", message)
+            tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
             await tx.signal(sig.CHANGED, changes=["queue"])
         return Receipt(live.record.current_run["run_id"], True, 0)
 
@@ -304,7 +317,11 @@ class ProcessEngine:
             log.exception("process %s: step failed", live.record.pid)
             run = live.record.current_run
             if run is not None:
-                await self._finish(live, run, "error", error="internal error in the runtime (see the server log)")
+                async with self._tx(live) as tx:
+                    await self._finish(
+                        tx, live, run, "error", error="internal error in the runtime (see the server log)"
+                    )
+                await self._promote(live)
 
     async def _step(self, live: _Live) -> bool:
         """One decision and its committed outcome. False: nothing to do until something arrives."""
@@ -313,21 +330,21 @@ class ProcessEngine:
         pid, run_id = live.record.pid, run["run_id"]
         rows = await self.store.calls(pid, run_id)
         if rows:
-            await self._dispatch(live, run, rows)
-            rows = await self.store.calls(pid, run_id)
+            if any(r.status == "registered" for r in rows) and not await self.store.hils(pid):
+                async with self._tx(live) as tx:
+                    await self._dispatch(tx, live, run, rows)
+                rows = await self.store.calls(pid, run_id)
             if not rows or any(not r.terminal for r in rows):
                 return False
-            results = [message_from_dict(r.result) for r in rows if r.result is not None]
             async with self._tx(live) as tx:
-                await tx.append(run_id, results)
-                await self.store.delete_calls(pid, run_id)
-                await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
-                await tx.signal(sig.CHANGED, changes=["messages"])
+                await self._ingest(tx, live, run, rows)
             return True
 
         decision = decide(live.history, has_input=False, guard=run.get("guard"))
         if isinstance(decision, Finish):
-            await self._finish(live, run, decision.reason)
+            async with self._tx(live) as tx:
+                await self._finish(tx, live, run, decision.reason)
+            await self._promote(live)
             return False
         if isinstance(decision, RunTools):  # calls without rows: history from elsewhere; register them
             async with self._tx(live):
@@ -336,10 +353,18 @@ class ProcessEngine:
         assert isinstance(decision, CallModel)
         return await self._model_turn(live, run, decision.tools_enabled)
 
+    async def _ingest(self, tx: _Tx, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
+        """Every call of the batch is terminal: its results enter the history, in the model's order."""
+        results = [message_from_dict(r.result) for r in rows if r.result is not None]
+        await tx.append(run["run_id"], results)
+        await self.store.delete_calls(live.record.pid, run["run_id"])
+        await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
+        await tx.signal(sig.CHANGED, changes=["messages"])
+
     async def _model_turn(self, live: _Live, run: dict[str, Any], tools_enabled: bool) -> bool:
         pid, run_id = live.record.pid, run["run_id"]
         cfg = self.config
-        queue = await self.store.queue(pid)
+        queue = await self.store.queue(pid) if live.queued else []
         inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
         guard = run.get("guard")
         tools_enabled = tools_enabled and bool(cfg.tools)
@@ -357,6 +382,7 @@ class ProcessEngine:
             async with self._tx(live) as tx:
                 for q in inject:
                     await self.store.dequeue(pid, q.id)
+                tx.after.append(lambda: setattr(live, "queued", live.queued - len(inject)))
                 await tx.append(run_id, added)
                 await tx.set_run(run)
                 await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
@@ -382,7 +408,7 @@ class ProcessEngine:
                 )
 
         try:
-            reply = await call_model(cfg, state, tools_enabled, stream)
+            reply = await call_model(cfg, state, tools_enabled, stream if self.hub.watching(pid) else None)
         finally:
             live.partial = None
         if not tools_enabled and reply.tool_calls:
@@ -401,23 +427,31 @@ class ProcessEngine:
                 "cost": usage["cost"] + reply.usage.cost.total,
             },
         }
+        finished = False
         async with self._tx(live) as tx:
-            current = await self.store.get_process(pid)
-            if (
-                current is None
-                or current.current_run is None
-                or current.current_run.get("run_id") != run_id
-                or current.current_run.get("generation") != generation
-            ):
+            # This engine is the process's only writer, so its record is the committed state; the
+            # check runs inside the transaction, after any abort or interrupt that committed first.
+            current = live.record.current_run
+            if current is None or current.get("run_id") != run_id or current.get("generation") != generation:
                 return False  # aborted or superseded while the model was answering: drop the answer
             await tx.append(run_id, [reply])
-            if reply.tool_calls:
-                await self.store.register_calls(self._rows(pid, run_id, reply.tool_calls))
             await tx.set_run(new_run)
             if reply.text or any(b.type == "thinking" for b in reply.content):
                 thinking = "".join(getattr(b, "thinking", "") for b in reply.content)
                 await tx.signal(sig.RUN_OUTPUT, runId=run_id, text=reply.text, thinking=thinking)
             await tx.signal(sig.CHANGED, changes=["messages"])
+            # the same transaction takes the next decision's first step: start the tools, or finish
+            after = decide([*live.history, reply], has_input=False, guard=new_run.get("guard"))
+            if reply.tool_calls:
+                rows = self._rows(pid, run_id, reply.tool_calls)
+                await self.store.register_calls(rows)
+                await self._dispatch(tx, live, new_run, rows, reply)
+            elif isinstance(after, Finish):
+                await self._finish(tx, live, new_run, after.reason, last=reply)
+                finished = True
+        if finished:
+            await self._promote(live)
+            return False
         return True
 
     def _rows(self, pid: str, run_id: str, calls: list[ToolCall]) -> list[ToolCallRow]:
@@ -433,13 +467,19 @@ class ProcessEngine:
 
     # -- tools ------------------------------------------------------------------------------------
 
-    async def _dispatch(self, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
-        """Start every registered call the policy allows, in the model's order; stop at an ask."""
+    async def _dispatch(
+        self,
+        tx: _Tx,
+        live: _Live,
+        run: dict[str, Any],
+        rows: list[ToolCallRow],
+        assistant: AssistantMessage | None = None,
+    ) -> None:
+        """Start every registered call the policy allows, in the model's order, inside ``tx``; stop
+        at the first that needs a person's approval. Tools start once the transaction commits."""
         pid, run_id = live.record.pid, run["run_id"]
-        if await self.store.hils(pid):
-            return
-        assistant = _last_assistant(live.history)
-        approved = await self.store.kv_get(pid, f"approved:{run_id}") or {}
+        assistant = assistant or _last_assistant(live.history) or AssistantMessage()
+        approved = (await self.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
         for row in rows:
             if row.status != "registered":
                 continue
@@ -448,98 +488,98 @@ class ProcessEngine:
             if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
                 verdict = Approval("auto")
             if verdict.action == "ask" and not live.record.interactive:
-                verdict = Approval(
-                    "deny", verdict.tags, "requires interactive approval, which is unavailable for this process"
-                )
+                reason = "requires interactive approval, which is unavailable for this process"
+                verdict = Approval("deny", verdict.tags, reason)
             if verdict.action == "deny":
-                text = (
-                    f"Tool execution denied by policy: {verdict.reason}"
-                    if verdict.reason
-                    else "Tool execution denied by policy"
-                )
-                await self._resolve(live, row, tool_error_result(call, text), status="denied", expect=("registered",))
+                text = "Tool execution denied by policy" + (f": {verdict.reason}" if verdict.reason else "")
+                await self._settle(tx, row, tool_error_result(call, text), "denied", ("registered",))
                 continue
             if verdict.action == "ask":
                 request_id = new_id()
-                async with self._tx(live) as tx:
-                    await self.store.put_hil(
-                        HilRow(
-                            request_id,
-                            pid,
-                            run_id,
-                            row.dispatch_id,
-                            row.tool_call_id,
-                            row.tool_name,
-                            row.syscall,
-                            row.args,
-                            verdict.fingerprint or "-",
-                            list(verdict.tags),
-                            verdict.reason,
-                        )
+                tags = list(verdict.tags)
+                await self.store.put_hil(
+                    HilRow(
+                        request_id,
+                        pid,
+                        run_id,
+                        row.dispatch_id,
+                        row.tool_call_id,
+                        row.tool_name,
+                        row.syscall,
+                        row.args,
+                        verdict.fingerprint or "-",
+                        tags,
+                        verdict.reason,
                     )
-                    await tx.signal(
-                        sig.HIL_REQUESTED,
-                        runId=run_id,
-                        requestId=request_id,
-                        callId=row.tool_call_id,
-                        name=row.tool_name,
-                        syscall=row.syscall,
-                        args=row.args,
-                        tags=list(verdict.tags),
-                        reason=verdict.reason,
-                    )
+                )
+                await tx.signal(
+                    sig.HIL_REQUESTED,
+                    runId=run_id,
+                    requestId=request_id,
+                    callId=row.tool_call_id,
+                    name=row.tool_name,
+                    syscall=row.syscall,
+                    args=row.args,
+                    tags=tags,
+                    reason=verdict.reason,
+                )
                 return
-            prepared = _check(self.config, _state_for(live, run_id), assistant or AssistantMessage(), call)
+            prepared = _check(self.config, _state_for(live, run_id), assistant, call)
             if isinstance(prepared, ToolResultMessage):
-                await self._resolve(live, row, prepared, status="failed", expect=("registered",))
+                await self._settle(tx, row, prepared, "failed", ("registered",))
                 continue
             timeout = prepared.tool.timeout if prepared.tool.timeout is not None else self.config.tool_timeout
-            async with self._tx(live) as tx:
-                claimed = await self.store.set_call_status(
-                    row.dispatch_id,
-                    "dispatched",
-                    expect=("registered",),
-                    deadline=time.time() + timeout if timeout else None,
+            deadline = time.time() + timeout if timeout else None
+            if await self.store.set_call_status(
+                row.dispatch_id, "dispatched", expect=("registered",), deadline=deadline
+            ):
+                await tx.signal(
+                    sig.TOOL_STARTED,
+                    runId=run_id,
+                    callId=row.tool_call_id,
+                    name=row.tool_name,
+                    syscall=row.syscall,
+                    args=row.args,
                 )
-                if claimed:
-                    await tx.signal(
-                        sig.TOOL_STARTED,
-                        runId=run_id,
-                        callId=row.tool_call_id,
-                        name=row.tool_name,
-                        syscall=row.syscall,
-                        args=row.args,
-                    )
-            if claimed:
-                live.tools[row.dispatch_id] = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
+                tx.after.append(self._launcher(live, run_id, row, prepared))
+
+    def _launcher(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> Callable[[], None]:
+        def launch() -> None:
+            live.tools[row.dispatch_id] = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
+
+        return launch
 
     async def _run_tool(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> None:
         try:
             result = await _execute(self.config, _state_for(live, run_id), prepared, None)
-            await self._resolve(
-                live, row, result, status="failed" if result.is_error else "completed", expect=("dispatched",)
-            )
+            async with self._tx(live) as tx:
+                settled = await self._settle(
+                    tx, row, result, "failed" if result.is_error else "completed", ("dispatched",)
+                )
+                run = live.record.current_run
+                if settled and run is not None and run["run_id"] == run_id:
+                    rows = await self.store.calls(live.record.pid, run_id)
+                    if rows and all(r.terminal for r in rows):  # the batch is complete: ingest it now
+                        await self._ingest(tx, live, run, rows)
         finally:
             live.tools.pop(row.dispatch_id, None)
         self.wake(live.record.pid)
 
-    async def _resolve(
-        self, live: _Live, row: ToolCallRow, result: ToolResultMessage, *, status: Any, expect: tuple[Any, ...]
+    async def _settle(
+        self, tx: _Tx, row: ToolCallRow, result: ToolResultMessage, status: Any, expect: tuple[Any, ...]
     ) -> bool:
-        async with self._tx(live) as tx:
-            ok = await self.store.set_call_status(
-                row.dispatch_id, status, expect=expect, result=message_to_dict(result)
-            )
-            if ok:
-                payload: dict[str, Any] = {
-                    "runId": row.run_id,
-                    "callId": row.tool_call_id,
-                    "name": row.tool_name,
-                    "syscall": row.syscall,
-                    "ok": not result.is_error,
-                }
-                payload["error" if result.is_error else "output"] = result.text
-                await tx.signal(sig.TOOL_FINISHED, **payload)
+        """Record a call's terminal result, unless it was settled already (a late result)."""
+        ok = await self.store.set_call_status(row.dispatch_id, status, expect=expect, result=message_to_dict(result))
+        if ok:
+            payload: dict[str, Any] = {
+                "runId": row.run_id,
+                "callId": row.tool_call_id,
+                "name": row.tool_name,
+                "syscall": row.syscall,
+                "ok": not result.is_error,
+            }
+            payload["error" if result.is_error else "output"] = result.text
+            await tx.signal(sig.TOOL_FINISHED, **payload)
         return ok
 
     # -- approvals --------------------------------------------------------------------------------
@@ -555,6 +595,7 @@ class ProcessEngine:
         async with self._tx(live) as tx:
             await self.store.delete_hil(request_id)
             if decision == "approve":
+                live.approvals = True
                 approved = await self.store.kv_get(pid, f"approved:{row.run_id}") or {}
                 approved[row.dispatch_id] = row.fingerprint
                 await self.store.kv_set(pid, f"approved:{row.run_id}", approved)
@@ -582,35 +623,45 @@ class ProcessEngine:
 
     # -- ending runs ------------------------------------------------------------------------------
 
-    async def _finish(self, live: _Live, run: dict[str, Any], reason: str, *, error: str | None = None) -> None:
+    async def _finish(
+        self,
+        tx: _Tx,
+        live: _Live,
+        run: dict[str, Any],
+        reason: str,
+        *,
+        error: str | None = None,
+        last: Message | None = None,
+    ) -> None:
+        """End the run inside ``tx``; the caller promotes queued input once it has committed."""
         pid, run_id = live.record.pid, run["run_id"]
         status = "aborted" if reason == "aborted" else "error" if reason == "error" else "ok"
         if status == "error" and error is None:
-            last = live.history[-1] if live.history else None
+            last = last or (live.history[-1] if live.history else None)
             error = (last.error_message if isinstance(last, AssistantMessage) else None) or "unknown error"
-        async with self._tx(live) as tx:
-            if status == "error":
-                await tx.append(run_id, [system(f"The run failed: {error}", "error")])
+        if status == "error":
+            await tx.append(run_id, [system(f"The run failed: {error}", "error")])
+        if live.approvals:
             await self.store.kv_delete(pid, f"approved:{run_id}")
-            await tx.set_run(None)
-            payload: dict[str, Any] = {"runId": run_id, "status": status, "reason": _reason_code(reason)}
-            if error:
-                payload["error"] = error
-            await tx.signal(sig.RUN_FINISHED, **payload)
-        await self._promote(live)
+        await tx.set_run(None)
+        payload: dict[str, Any] = {"runId": run_id, "status": status, "reason": _reason_code(reason)}
+        if error:
+            payload["error"] = error
+        await tx.signal(sig.RUN_FINISHED, **payload)
 
     async def _promote(self, live: _Live) -> None:
         """Queued input becomes the next run: system events first, then FIFO."""
         pid = live.record.pid
         if live.record.current_run is not None:
             return
-        queue = await self.store.queue(pid)
+        queue = await self.store.queue(pid) if live.queued else []
         if not queue:
             return
         first = next((q for q in queue if q.kind == "system"), queue[0])
         run = _new_run(first.run_id)
         async with self._tx(live) as tx:
             await self.store.dequeue(pid, first.id)
+            tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
             await tx.append(run["run_id"], [first.message])
             await tx.set_run(run)
             await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="queue.promote")

@@ -250,6 +250,10 @@ class Store(ABC):
         """Append a signal; returns its sequence number (1, 2, 3 … per process)."""
 
     @abstractmethod
+    async def append_events(self, pid: str, events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+        """Append several signals at once; returns their sequence numbers."""
+
+    @abstractmethod
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]: ...
 
     # -- history segments -----------------------------------------------------------------------

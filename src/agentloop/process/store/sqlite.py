@@ -126,11 +126,13 @@ class SQLiteStore(Store):
 
     def _counter(self, pid: str, column: str) -> int:
         """Take the next value of a per-process counter (inside the current transaction)."""
-        db = self._write()
-        row = db.execute(f"SELECT {column} FROM processes WHERE pid = ?", (pid,)).fetchone()
+        row = (
+            self._write()
+            .execute(f"UPDATE processes SET {column} = {column} + 1 WHERE pid = ? RETURNING {column} - 1", (pid,))
+            .fetchone()
+        )
         if row is None:
             raise NoSuchProcess(pid)
-        db.execute(f"UPDATE processes SET {column} = {column} + 1 WHERE pid = ?", (pid,))
         return int(row[0])
 
     # -- registry -------------------------------------------------------------------------------
@@ -241,17 +243,21 @@ class SQLiteStore(Store):
         if not messages:
             return []
         db = self._write()
-        row = db.execute("SELECT next_message_id, history_generation FROM processes WHERE pid = ?", (pid,)).fetchone()
+        n = len(messages)
+        row = db.execute(
+            "UPDATE processes SET next_message_id = next_message_id + ? WHERE pid = ?"
+            " RETURNING next_message_id - ?, history_generation",
+            (n, pid, n),
+        ).fetchone()
         if row is None:
             raise NoSuchProcess(pid)
         first, generation = int(row[0]), int(row[1])
-        ids = list(range(first, first + len(messages)))
+        ids = list(range(first, first + n))
         now = time.time()
         db.executemany(
             "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(pid, i, generation, run_id, m.role, message_to_json(m), now) for i, m in zip(ids, messages, strict=True)],
         )
-        db.execute("UPDATE processes SET next_message_id = ? WHERE pid = ?", (first + len(messages), pid))
         return ids
 
     async def history(
@@ -441,12 +447,26 @@ class SQLiteStore(Store):
     # -- signal log -----------------------------------------------------------------------------
 
     async def append_event(self, pid: str, signal: str, payload: dict[str, Any]) -> int:
-        seq = self._counter(pid, "next_event_seq")
-        self._write().execute(
+        return (await self.append_events(pid, [(signal, payload)]))[0]
+
+    async def append_events(self, pid: str, events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+        if not events:
+            return []
+        db = self._write()
+        n = len(events)
+        row = db.execute(
+            "UPDATE processes SET next_event_seq = next_event_seq + ? WHERE pid = ? RETURNING next_event_seq - ?",
+            (n, pid, n),
+        ).fetchone()
+        if row is None:
+            raise NoSuchProcess(pid)
+        first = int(row[0])
+        now = time.time()
+        db.executemany(
             "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)",
-            (pid, seq, signal, _dumps(payload), time.time()),
+            [(pid, first + i, name, _dumps(payload), now) for i, (name, payload) in enumerate(events)],
         )
-        return seq
+        return list(range(first, first + n))
 
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = self.db.execute(
