@@ -24,8 +24,9 @@ from agentloop.agent import Agent
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
+from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import write_archive
-from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, approve_everything, new_id
+from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, new_id
 from agentloop.process.media import MediaError, MediaRef, MediaStore
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
@@ -166,13 +167,17 @@ class Kernel:
         tools: Iterable[ToolLike] | None = None,
         system_prompt: str = "",
         data_dir: str | Path | None = None,
-        approval: ApprovalFn = approve_everything,
+        approval: ApprovalFn | None = None,
+        policy: str | bytes | dict[str, Any] | None = None,
+        account_policies: dict[str, Any] | None = None,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
 
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
         directory); ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        Tool calls are checked against the approval policy (``policy`` server-wide, per account in
+        ``account_policies``; DESIGN §3's default otherwise) unless ``approval`` replaces the check.
         """
         root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
         if tools is None:
@@ -186,6 +191,8 @@ class Kernel:
             path = getattr(store, "path", ":memory:")
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
         media = MediaStore(Path(data_dir))
+        if approval is None:
+            approval = policy_approval(store, server=policy, accounts=account_policies)
         engine = ProcessEngine(store, agent.config, approval=approval, hydrate=_hydrate(media))
         kernel = cls(store, engine, Path(data_dir))
         try:

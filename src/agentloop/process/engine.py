@@ -599,9 +599,11 @@ class ProcessEngine:
                 approved = await self.store.kv_get(pid, f"approved:{row.run_id}") or {}
                 approved[row.dispatch_id] = row.fingerprint
                 await self.store.kv_set(pid, f"approved:{row.run_id}", approved)
-                if remember:
+                if remember:  # a process-local allow rule, which the policy checker reads first
+                    from agentloop.process.approval.engine import remember_rule
+
                     rules = await self.store.kv_get(pid, "approval_overrides") or []
-                    rules.insert(0, {"match": row.syscall, "action": "auto"})
+                    rules.insert(0, remember_rule(row.syscall).to_json())
                     await self.store.kv_set(pid, "approval_overrides", rules)
             else:
                 msg = tool_error_result(_call_of_hil(row), "Tool execution denied by user")

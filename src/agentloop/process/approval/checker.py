@@ -1,0 +1,53 @@
+"""The approval policy as the durable runner asks it: one verdict per registered tool call.
+
+Policies come from three places, most specific first: rules a person remembered for this process
+(stored with the process), the owning account's policy, and the server-wide default. A policy
+that cannot be read is replaced by the default policy, with a warning in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agentloop.process.approval.engine import args_fingerprint, decide
+from agentloop.process.approval.policy import Policy, Rule, merge, parse_policy
+from agentloop.process.engine import Approval, ApprovalFn
+from agentloop.process.store import ProcessRecord, Store, ToolCallRow
+
+log = logging.getLogger("agentloop.approval")
+
+OVERRIDES_KEY = "approval_overrides"
+
+
+def load_policy(data: str | bytes | dict[str, Any] | Policy | None, source: str) -> Policy | None:
+    """A policy from JSON text or data; ``None`` stays ``None``; problems are logged, never raised."""
+    if data is None or isinstance(data, Policy):
+        return data
+    policy, warnings = parse_policy(data)
+    for warning in warnings:
+        log.warning("approval policy %s: %s; using the default policy", source, warning)
+    return policy
+
+
+def policy_approval(
+    store: Store,
+    *,
+    server: str | bytes | dict[str, Any] | Policy | None = None,
+    accounts: Mapping[str, str | bytes | dict[str, Any] | Policy] | None = None,
+    home_of: Callable[[str], str] | None = None,
+) -> ApprovalFn:
+    """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call."""
+    server_policy = load_policy(server, "server")
+    account_policies = {name: load_policy(p, f"of account {name!r}") for name, p in (accounts or {}).items()}
+    home = home_of or (lambda user: os.path.expanduser("~"))
+
+    async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
+        overrides = [Rule.model_validate(r) for r in (await store.kv_get(process.pid, OVERRIDES_KEY) or [])]
+        policy = merge(account_policies.get(process.owner), server_policy, overrides)
+        verdict = decide(policy, row.syscall, row.args, cwd=process.cwd, home=home(process.run_as), interactive=True)
+        return Approval(verdict.action, tuple(verdict.tags), verdict.reason, args_fingerprint(row.syscall, row.args))
+
+    return approve
