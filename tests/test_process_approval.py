@@ -11,8 +11,8 @@ from agentloop.kernel import Kernel
 from agentloop.tools.builtin import builtin_tools
 
 
-async def wait_for_ask(proc, timeout: float = 5.0):
-    for _ in range(int(timeout / 0.01)):
+async def wait_for_ask(proc, seconds: float = 5.0):
+    for _ in range(int(seconds / 0.01)):
         pending = await proc.pending_approvals()
         if pending:
             return pending
