@@ -12,9 +12,10 @@ kill archive the history there (``var/sessions/<user>/<pid>/``) before they clea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import write_archive
 from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, new_id
 from agentloop.process.media import MediaError, MediaRef, MediaStore
+from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
 from agentloop.tools.base import ToolLike
@@ -57,6 +59,35 @@ def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
         return out
 
     return hydrate
+
+
+def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awaitable[str]]:
+    """Assemble each run's system prompt from the data directory's context, skills and homes
+    (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
+    directory and its spawn context; ``base`` (the kernel's own system prompt) comes first."""
+
+    async def build(record: ProcessRecord) -> str:
+        sources = PromptSources(
+            system_dir=data_dir / "config" / "ai" / "context.d",
+            agent_home=data_dir / "home" / record.run_as,
+            owner_home=data_dir / "home" / record.owner,
+            skills_dirs=[data_dir / "config" / "ai" / "skills.d"],
+            workspace=Path(record.cwd),
+            process_context=record.context or None,
+            main_process=record.parent_pid is None,
+            variables={
+                "identity": record.run_as,
+                "owner": record.owner,
+                "cwd": record.cwd,
+                "pid": record.pid,
+                "devices": "local",
+                "mcp_servers": "none",
+            },
+        )
+        assembled = await asyncio.to_thread(assemble_prompt, sources)
+        return "\n\n".join(part for part in (base, assembled.text) if part)
+
+    return build
 
 
 class Process:
@@ -170,6 +201,7 @@ class Kernel:
         approval: ApprovalFn | None = None,
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
+        compaction_threshold: float = 0.9,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -190,10 +222,24 @@ class Kernel:
         if data_dir is None:
             path = getattr(store, "path", ":memory:")
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
-        media = MediaStore(Path(data_dir))
+        data = Path(data_dir)
+        media = MediaStore(data)
         if approval is None:
             approval = policy_approval(store, server=policy, accounts=account_policies)
-        engine = ProcessEngine(store, agent.config, approval=approval, hydrate=_hydrate(media))
+
+        async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
+            path = await asyncio.to_thread(write_archive, data, record.owner, record.pid, name, messages, meta)
+            return str(path.relative_to(data))
+
+        engine = ProcessEngine(
+            store,
+            agent.config,
+            approval=approval,
+            hydrate=_hydrate(media),
+            prompt=_prompt_builder(data, agent.config.system_prompt),
+            archive=archive,
+            compaction_threshold=compaction_threshold,
+        )
         kernel = cls(store, engine, Path(data_dir))
         try:
             await engine.recover()

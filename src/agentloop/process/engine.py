@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 from agentloop.events import LoopEvent, MessageUpdate
@@ -43,9 +43,11 @@ from agentloop.messages import (
     system,
     tool_error_result,
 )
+from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
+from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
 from agentloop.process.signals import Signal, SignalHub
-from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, Store, ToolCallRow
+from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, SegmentRow, Store, ToolCallRow
 from agentloop.process.store.base import ProcessState
 
 log = logging.getLogger("agentloop.process")
@@ -66,6 +68,8 @@ class Approval:
 
 
 ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
+PromptFn: TypeAlias = Callable[[ProcessRecord], Awaitable[str]]
+ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
 
 
 async def approve_everything(process: ProcessRecord, row: ToolCallRow) -> Approval:
@@ -98,6 +102,7 @@ class _Live:
     partial: RunState | None = None  # the model call in flight, if any
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
+    prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
     approvals: bool = False  # a run of this process may have stored approval decisions
 
 
@@ -160,12 +165,18 @@ class ProcessEngine:
         hub: SignalHub | None = None,
         approval: ApprovalFn = approve_everything,
         hydrate: Callable[[list[Message]], list[Message]] | None = None,
+        prompt: PromptFn | None = None,
+        archive: ArchiveFn | None = None,
+        compaction_threshold: float = 0.9,
     ) -> None:
         self.store = store
         self.config = config
         self.hub = hub or SignalHub()
         self.approval = approval
         self.hydrate = hydrate  # stored media references -> image blocks, before a model call
+        self.prompt = prompt  # the run's system prompt, built once per run
+        self.archive = archive  # writes compacted-away messages somewhere safe, returns where
+        self.compaction_threshold = compaction_threshold
         self._live: dict[str, _Live] = {}
 
     # -- state ------------------------------------------------------------------------------------
@@ -388,6 +399,8 @@ class ProcessEngine:
                 await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
         generation = run["generation"]
 
+        cfg = await self._run_config(live, run_id)
+        await self._compact_if_needed(live, run, cfg, tools_enabled)
         messages = self.hydrate(live.history) if self.hydrate is not None else live.history
         state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
         live.partial = state
@@ -409,6 +422,12 @@ class ProcessEngine:
 
         try:
             reply = await call_model(cfg, state, tools_enabled, stream if self.hub.watching(pid) else None)
+            overflow = reply.stop_reason == "error" and is_context_overflow(reply, cfg.model.info.context_window)
+            if overflow and await self._compact(live, run, cfg, "overflow"):  # one compact-and-retry
+                messages = self.hydrate(live.history) if self.hydrate is not None else live.history
+                state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
+                live.partial = state
+                reply = await call_model(cfg, state, tools_enabled, None)
         finally:
             live.partial = None
         if not tools_enabled and reply.tool_calls:
@@ -452,6 +471,70 @@ class ProcessEngine:
         if finished:
             await self._promote(live)
             return False
+        return True
+
+    async def _run_config(self, live: _Live, run_id: str) -> LoopConfig:
+        """The loop configuration of this run: the shared one, with the run's own system prompt."""
+        if self.prompt is None:
+            return self.config
+        if live.prompt is None or live.prompt[0] != run_id:
+            live.prompt = (run_id, await self.prompt(live.record))
+        return replace(self.config, system_prompt=live.prompt[1])
+
+    async def _compact_if_needed(self, live: _Live, run: dict[str, Any], cfg: LoopConfig, tools: bool) -> None:
+        """Threshold compaction, between the turns of a run as well as between runs."""
+        if self.archive is None or len(live.history) < 4:
+            return
+        specs = cfg.tool_specs if tools else []
+        level = pressure(cfg.system_prompt, specs, live.history, cfg.model.info)
+        if should_compact(level, self.compaction_threshold):
+            await self._compact(live, run, cfg, "threshold")
+
+    async def _compact(self, live: _Live, run: dict[str, Any], cfg: LoopConfig, reason: Any) -> bool:
+        """Summarise the older part of the history, archive it, then replace it by the summary.
+        Returns whether anything was compacted. A failure leaves the history as it was."""
+        if self.archive is None:
+            return False
+        pid = live.record.pid
+        keep = cfg.model.info.context_window // 4
+        if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
+            keep = min(keep, estimate_tokens(live.history) // 2)
+        keep = max(256, keep)
+        try:
+            result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason)
+        except CompactionError as exc:
+            log.warning("process %s: compaction failed, history unchanged: %s", pid, exc)
+            return False
+        if result is None or not result.still_applies(live.history):
+            return False
+        stored = await self.store.history(pid)
+        removed_ids = [m.id for m in stored[: len(result.removed)]]
+        where = await self.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
+        async with self._tx(live) as tx:
+            summary_id = await self.store.replace_messages(pid, removed_ids[0], removed_ids[-1], result.summary)
+            await self.store.add_segment(
+                SegmentRow(
+                    new_id(),
+                    pid,
+                    live.record.history_generation,
+                    "compaction",
+                    removed_ids[0],
+                    removed_ids[-1],
+                    where,
+                    summary_id,
+                )
+            )
+            await tx.signal(
+                sig.COMPACTED,
+                runId=run["run_id"],
+                reason=reason,
+                removed=len(result.removed),
+                tokensBefore=result.tokens_before,
+                tokensAfter=result.tokens_after,
+                archive=where,
+            )
+            history = result.history
+            tx.after.append(lambda: live.history.__setitem__(slice(None), history))
         return True
 
     def _rows(self, pid: str, run_id: str, calls: list[ToolCall]) -> list[ToolCallRow]:

@@ -1,0 +1,122 @@
+"""Durable runs and their context: the assembled prompt, threshold compaction inside a run,
+and one compact-and-retry after a provider overflow."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, call, tool
+from agentloop.kernel import Kernel
+from agentloop.messages import AssistantMessage, UserMessage
+from agentloop.models.base import ModelInfo, ModelRequest, ProviderError
+from agentloop.process.compaction import SUMMARY_SYSTEM_PROMPT, estimate_tokens
+
+
+@tool
+def dump(n: int) -> str:
+    """Return a long text."""
+    return f"chunk {n}: " + "lorem ipsum dolor sit amet " * 60
+
+
+def kernel(tmp_path: Path, model, **kw):
+    return Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[dump], **kw)
+
+
+async def test_each_run_gets_an_assembled_prompt_built_once(tmp_path):
+    context = tmp_path / "config" / "ai" / "context.d"
+    context.mkdir(parents=True)
+    (context / "00-identity.md").write_text("You are {{identity}}, working in {{cwd}}.")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "AGENTS.md").write_text("Always answer in French.")
+    seen: list[str] = []
+
+    def brain(r: ModelRequest):
+        seen.append(r.system_prompt)
+        if isinstance(r.messages[-1], UserMessage):
+            (work / "AGENTS.md").write_text("Now answer in German.")  # changes only the next run
+            return Reply(tool_calls=[call("dump", n=1)])
+        return "fini"
+
+    async with kernel(tmp_path, ScriptedModel(brain), system_prompt="Base rules.") as k:
+        proc = await k.spawn(owner="alice", cwd=work, context="Project: inventory.")
+        await proc.send("hi")
+        await proc.wait_idle()
+        assert seen[0] == seen[1]  # built once per run
+        assert seen[0].startswith("Base rules.") and "You are alice, working in " + str(work) in seen[0]
+        assert "Always answer in French." in seen[0] and "Project: inventory." in seen[0]
+        await proc.send("again")
+        await proc.wait_idle()
+        assert "Now answer in German." in seen[2]
+
+
+def compacting_brain(rounds: int):
+    def brain(r: ModelRequest):
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "Summary: the user wanted chunks; chunks 0.. were produced."
+        done = sum(isinstance(m, ToolResultMessage) for m in r.messages)
+        summaries = [m for m in r.messages if isinstance(m, SystemMessage) and m.kind == "summary"]
+        used = estimate_tokens(r.messages)  # report usage like a real provider would
+        if done + 10 * len(summaries) >= rounds:
+            return Reply(text="all chunks done", input_tokens=used)
+        return Reply(tool_calls=[call("dump", n=done)], input_tokens=used)
+
+    return brain
+
+
+async def test_threshold_compaction_happens_between_turns_of_one_run(tmp_path):
+    model = ScriptedModel(
+        compacting_brain(12), info=ModelInfo(provider="scripted", id="small", context_window=3000, max_output=200)
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="alice")
+        receipt = await proc.send("produce chunks")
+        await proc.wait_idle()
+        signals = [s async for s in proc.signals(follow=False)]
+        compacted = [s for s in signals if s.signal == "proc.compacted"]
+        finished = [s for s in signals if s.signal == "proc.run.finished"]
+        assert compacted and len(finished) == 1  # compacted inside the single run, which still finished
+        event = compacted[0].payload
+        assert event["reason"] == "threshold" and event["runId"] == receipt.run_id and event["removed"] >= 2
+        assert event["tokensAfter"] < event["tokensBefore"]
+        msgs = await proc.messages()
+        assert isinstance(msgs[0], SystemMessage) and msgs[0].kind == "summary"
+        assert msgs[-1].text == "all chunks done"
+        for i, m in enumerate(msgs):  # never a tool call without its result, nor a result without its call
+            if isinstance(m, ToolResultMessage):
+                assert isinstance(msgs[i - 1], AssistantMessage | ToolResultMessage)
+        archive = tmp_path / event["archive"]
+        lines = gzip.decompress(archive.read_bytes()).decode().splitlines()
+        assert json.loads(lines[0])["count"] == event["removed"]  # archived before it was replaced
+        assert json.loads(lines[1])["role"] == "user"
+        segments = await k.store.segments(proc.pid)
+        assert segments and segments[0].archive_path == event["archive"]
+
+
+async def test_provider_overflow_triggers_one_compact_and_retry(tmp_path):
+    calls = {"n": 0}
+
+    def brain(r: ModelRequest):
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "Summary of the earlier talk."
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise ProviderError("prompt is too long: 9000 tokens > 8192 maximum", kind="overflow")
+        if isinstance(r.messages[-1], UserMessage) and calls["n"] < 4:
+            return Reply(tool_calls=[call("dump", n=calls["n"])])
+        return "answer " + str(calls["n"])
+
+    async with kernel(tmp_path, ScriptedModel(brain)) as k:
+        proc = await k.spawn(owner="alice")
+        for text in ("one", "two"):
+            await proc.send(text)
+            await proc.wait_idle()
+        await proc.send("three: this call overflows")
+        await proc.wait_idle()
+        signals = [s async for s in proc.signals(follow=False)]
+        reasons = [s.payload["reason"] for s in signals if s.signal == "proc.compacted"]
+        assert reasons == ["overflow"]
+        assert signals[-1].payload["status"] == "ok"
+        assert (await proc.messages())[-1].text.startswith("answer ")  # the retried call answered
