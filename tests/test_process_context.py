@@ -120,3 +120,19 @@ async def test_provider_overflow_triggers_one_compact_and_retry(tmp_path):
         assert reasons == ["overflow"]
         assert signals[-1].payload["status"] == "ok"
         assert (await proc.messages())[-1].text.startswith("answer ")  # the retried call answered
+
+
+async def test_skills_are_indexed_in_the_prompt_and_read_with_the_skills_tool(tmp_path):
+    skill = tmp_path / "config" / "ai" / "skills.d" / "deploy"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").write_text("---\nname: deploy\ndescription: How to ship a release.\n---\nRun make ship.")
+    model = ScriptedModel([Reply(tool_calls=[call("skills", action="show", name="deploy")]), "ok"])
+    async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[]) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("how do we deploy?")
+        await proc.wait_idle()
+        first = model.requests[0]
+        assert "deploy" in first.system_prompt and "How to ship a release." in first.system_prompt
+        assert "Run make ship." not in first.system_prompt  # bodies are read on demand
+        result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
+        assert "Run make ship." in result.text

@@ -33,6 +33,7 @@ from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
 from agentloop.tools.base import ToolLike
+from agentloop.tools.skills import skills_tool
 
 MEDIA_PREFIX = "media:"
 
@@ -212,17 +213,21 @@ class Kernel:
         ``account_policies``; DESIGN §3's default otherwise) unless ``approval`` replaces the check.
         """
         root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
-        if tools is None:
-            from agentloop.tools.builtin import builtin_tools
-
-            tools = builtin_tools(root)
-        agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         store = open_store(url)
-        await store.open()
         if data_dir is None:
             path = getattr(store, "path", ":memory:")
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
         data = Path(data_dir)
+        if tools is None:
+            from agentloop.tools.builtin import builtin_tools
+
+            tools = builtin_tools(root)
+        tools = list(tools)
+        skills_dir = data / "config" / "ai" / "skills.d"
+        if skills_dir.is_dir():
+            tools.append(skills_tool([skills_dir]))
+        agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
+        await store.open()
         media = MediaStore(data)
         if approval is None:
             approval = policy_approval(store, server=policy, accounts=account_policies)
