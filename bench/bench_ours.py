@@ -1,4 +1,4 @@
-"""agentloop on the peer harness's workloads (W1-W4): in memory, and durable on SQLite (``--durable``).
+"""agentloop on the peer harness's workloads (W1-W4), in memory (``bench_ours_sqlite.py``: durable).
 
 Run through the harness so the figures land beside its ``baseline`` / ``baseline-sqlite`` rows,
 measured in the same run (``bench/run.sh`` does that and prints the ratios). The fake model is
@@ -10,8 +10,8 @@ idle), every step committed.
 
 from __future__ import annotations
 
+import atexit
 import shutil
-import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -70,16 +70,9 @@ def make_durable_runner(wl: common.Workload) -> Callable[[], Awaitable[str]]:
         last = (await proc.history(limit=1))[-1].message
         return last.text if isinstance(last, AssistantMessage) else ""
 
-    import atexit
-
     atexit.register(shutil.rmtree, folder, True)
     return run
 
 
 if __name__ == "__main__":
-    if "--durable" in sys.argv:
-        sys.argv.remove("--durable")
-        common.main("ours-sqlite", make_durable_runner, caps="no iteration cap; SQLite WAL, synchronous=NORMAL, "
-                    "one transaction per step")
-    else:
-        common.main("ours", make_runner, caps="no iteration cap (none by default)")
+    common.main("ours", make_runner, caps="no iteration cap (none by default)")

@@ -80,6 +80,42 @@ def main() -> None:
             f"| W4 wall ms, 1000 sessions | {w4['wall_ms']:.0f} | {b4} | - | ≤ 500 ms | "
             f"{'yes' if w4['wall_ms'] <= 500 else 'no'} |"
         )
+    durable(rows, peer_w1, source)
+
+
+def durable(rows: dict[tuple[str, str], dict[str, float]], peer_w1: dict[str, float], source: str) -> None:
+    ours, base = "ours-sqlite", "baseline-sqlite"
+    w1, b1 = rows.get((ours, "W1")), rows.get((base, "W1"))
+    if not w1:
+        return
+    print("\n## agentloop durable (SQLite) vs targets (issue: durable processes)\n")
+    print("| figure | agentloop durable | baseline-sqlite (same run) | ratio | target | met |")
+    print("|---|---:|---:|---:|---|:-:|")
+    if b1:
+        for key, label in (("p50_us", "W1 p50 µs/run"), ("cpu_us_per_run", "W1 CPU µs/run")):
+            r = w1[key] / b1[key]
+            met = "yes" if r <= 1.5 else "no"
+            print(f"| {label} | {w1[key]:.0f} | {b1[key]:.0f} | {r:.1f}× | ≤ 1.5× baseline-sqlite | {met} |")
+    if peer_w1:
+        fastest = min(peer_w1, key=peer_w1.__getitem__)
+        r = peer_w1[fastest] / w1["us_per_run"]
+        print(
+            f"| W1 vs fastest peer in memory ({fastest}, {source}) | {w1['us_per_run']:.0f} µs | "
+            f"{peer_w1[fastest]:,.0f} µs | {r:.1f}× faster | ≥ 10× faster | {'yes' if r >= 10 else 'no'} |"
+        )
+    w3 = rows.get((ours, "W3"))
+    if w3:
+        print(
+            f"| W3 µs/model call (201 calls) | {w3['us_per_model_call']:.0f} | "
+            f"{rows.get((base, 'W3'), {}).get('us_per_model_call', '-')} | - | flat | - |"
+        )
+    w4 = rows.get((ours, "W4"))
+    if w4:
+        print(
+            f"| W4 wall ms, 1000 durable sessions | {w4['wall_ms']:.0f} | "
+            f"{rows.get((base, 'W4'), {}).get('wall_ms', '-')} | - | ≤ 1500 ms | "
+            f"{'yes' if w4['wall_ms'] <= 1500 else 'no'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,15 @@ if [ "${1:-}" = "--peers" ]; then
     filter=()
 fi
 
-export OUT="$here/results.jsonl" ERR="$here/results.stderr"
-PY="$peers_py" PY_OURS="$py" OURS="$here/bench_ours.py" \
-    bash "$harness/run_all.sh" "${filter[@]}" > "$here/results.md"
-cat "$here/results.md"
+export ERR="$here/results.stderr"
+PY="$peers_py" PY_OURS="$py" OURS="$here/bench_ours.py" OUT="$here/results-memory.jsonl" \
+    bash "$harness/run_all.sh" "${filter[@]}" > /dev/null
+# the durable runner: a second pass of the harness with the SQLite script as "ours"
+PY="$peers_py" PY_OURS="$py" OURS="$here/bench_ours_sqlite.py" OUT="$here/results-sqlite.jsonl" \
+    PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" bash "$harness/run_all.sh" ours > /dev/null
+cat "$here/results-memory.jsonl" "$here/results-sqlite.jsonl" > "$here/results.jsonl"
+"$py" "$harness/report.py" "$here/results.jsonl" | tee "$here/results.md"
 echo
-"$py" "$here/report.py" "$OUT" "$harness/RESULTS.md"
+"$py" "$here/report.py" "$here/results.jsonl" "$harness/RESULTS.md"
 echo
 "$py" "$here/bench_flatness.py"
