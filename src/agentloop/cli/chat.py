@@ -1,26 +1,37 @@
 """The interactive REPL behind ``agentloop chat``.
 
-Three seams keep it testable and ready for durable chat: a ``LineReader`` (prompt_toolkit on a
-terminal, plain lines from a pipe), a ``Transcript`` (where the conversation lives between turns;
-in memory here, a durable process later) and the ``Agent`` that runs each turn. The REPL itself
-only decides what a line means and how a turn is shown.
+Two seams keep it testable: a ``LineReader`` (prompt_toolkit on a terminal, plain lines from a
+pipe) and a ``Session`` (where turns run and the conversation lives: a durable process by
+default, so quitting and coming back continues the conversation, or an in-memory ``Agent`` with a
+``Transcript``). The REPL itself only decides what a line means and how a turn is shown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import getpass
+import json
 import os
 import sys
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Literal, Protocol, TextIO, cast
 
 from rich.console import Console
 from rich.status import Status
 from rich.text import Text
 
-from agentloop.agent import Agent, RunResult
-from agentloop.cli.render import Interrupts, Progress, TextRenderer, one_line, play, stderr_console
+from agentloop.agent import Agent, Run, RunResult
+from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ask_user
+from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
+from agentloop.kernel import Kernel, Process
 from agentloop.messages import Message
+from agentloop.process import signals as sig
+from agentloop.process.signals import Signal
 
 HELP = "/new starts a new conversation · /exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 
@@ -51,25 +62,64 @@ class MemoryTranscript:
 
 
 class LineReader(Protocol):
+    shows_prompt: bool  # False for a pipe: whoever asks must print the question elsewhere
+
     def read(self, prompt: str) -> str:
         """One line of input; ``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C."""
 
+    async def read_async(self, prompt: str) -> str:
+        """The same, while a turn is running (an approval answer): the event loop keeps going."""
+
 
 class PlainReader:
-    """For a pipe or a file: no prompt on stdout (it would mix with the answers), no history."""
+    """For a pipe or a file: no prompt on stdout (it would mix with the answers), no history.
+
+    An answer read during a turn comes from a daemon thread, so running tools keep running and
+    a stuck read never holds up exit. If the turn is aborted before the line arrives, the read
+    stays pending and the next ``read`` takes its line, so no input is lost or read twice.
+    """
+
+    shows_prompt = False
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stdin
+        self._pending: concurrent.futures.Future[str] | None = None
 
-    def read(self, prompt: str) -> str:
+    def _readline(self) -> str:
         line = self.stream.readline()
         if not line:
             raise EOFError
         return line.rstrip("\r\n")
 
+    def read(self, prompt: str) -> str:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            return pending.result()
+        return self._readline()
+
+    async def read_async(self, prompt: str) -> str:
+        if self._pending is None:
+            future: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+            def work() -> None:
+                try:
+                    future.set_result(self._readline())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+            self._pending = future
+            threading.Thread(target=work, name="agentloop-stdin", daemon=True).start()
+        pending = self._pending
+        line = await asyncio.shield(asyncio.wrap_future(pending))
+        if self._pending is pending:
+            self._pending = None
+        return line
+
 
 class TerminalReader:
     """prompt_toolkit with a persistent history, so earlier prompts are one arrow key away."""
+
+    shows_prompt = True
 
     def __init__(self, history_file: Path | None) -> None:
         from prompt_toolkit import PromptSession
@@ -83,9 +133,13 @@ class TerminalReader:
             except OSError:
                 pass
         self.session: PromptSession[str] = PromptSession(history=history)
+        self.answers: PromptSession[str] = PromptSession()  # y/n/a do not belong in the history
 
     def read(self, prompt: str) -> str:
         return self.session.prompt(prompt)
+
+    async def read_async(self, prompt: str) -> str:
+        return await self.answers.prompt_async(prompt)
 
 
 def history_file(env: dict[str, str] | None = None) -> Path:
@@ -123,28 +177,98 @@ class Spinner:
             self._status.stop()
 
 
+@dataclass(frozen=True)
+class TurnOutcome:
+    """How a turn ended, whichever runner ran it. ``reason`` is the stop reason, for the
+    ``(stopped: …)`` line when a guard rather than the model ended the turn."""
+
+    status: Literal["ok", "error", "aborted"]
+    reason: str = "stop"
+    error: str | None = None
+
+
+class Session(Protocol):
+    """Where turns run and where the conversation lives between them: in memory
+    (``AgentSession``) or in a durable process (``DurableSession`` in ``cli.durable``)."""
+
+    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        """Run one turn to its end, showing it on ``view``; ``ask`` puts approvals to the user."""
+
+    async def resume(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        """Show a turn left unfinished by an earlier chat to its end (nothing in memory)."""
+
+    async def new(self) -> None:
+        """Start a fresh conversation."""
+
+    def abort(self) -> None:
+        """Ctrl-C during a turn: stop it (the conversation stays valid); called from a signal handler."""
+
+
+class AgentSession:
+    """Turns on an in-memory ``Agent``; the history lives in a ``Transcript``. Approvals, when the
+    agent has a ``PolicyHook``, are asked through the turn's ``ask``."""
+
+    def __init__(self, agent: Agent, transcript: Transcript | None = None, hook: PolicyHook | None = None) -> None:
+        self.agent = agent
+        self.transcript = transcript if transcript is not None else MemoryTranscript()
+        self.hook = hook
+        self.last_result: RunResult | None = None
+        self._run: Run | None = None
+
+    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        run = self._run = self.agent.start(text, history=self.transcript.history(), stream=True)
+        if self.hook is not None:
+            self.hook.ask = ask
+            self.hook.on_abort = run.abort
+        try:
+            result = await play(run, view)
+        finally:
+            self._run = None
+        self.last_result = result
+        # An aborted or failed turn still joins the conversation (its history is valid: open
+        # tool calls got cancelled results), so the user can go on.
+        self.transcript.record(result.messages)
+        if result.stop_reason == "aborted":
+            return TurnOutcome("aborted", "aborted")
+        if result.stop_reason == "error":
+            return TurnOutcome("error", "error", result.error or "the model call failed")
+        return TurnOutcome("ok", result.stop_reason)
+
+    async def resume(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        return TurnOutcome("ok")
+
+    async def new(self) -> None:
+        self.transcript.clear()
+        if self.hook is not None:
+            self.hook.remembered.clear()  # "always" was said for that conversation
+
+    def abort(self) -> None:
+        if self._run is not None:
+            self._run.abort()
+
+
 class ChatRepl:
-    """Reads lines, runs turns, keeps the conversation going until Ctrl-D or ``/exit``."""
+    """Reads lines, runs turns, keeps the conversation going until Ctrl-D or ``/exit``. It only
+    decides what a line means and how a turn is shown; the ``Session`` decides where it runs."""
 
     def __init__(
         self,
-        agent: Agent,
+        session: Session | Agent,
         *,
-        transcript: Transcript | None = None,
         reader: LineReader | None = None,
         out: TextIO | None = None,
         err: Console | None = None,
         progress: Progress | None = None,
     ) -> None:
-        self.agent = agent
-        self.transcript = transcript if transcript is not None else MemoryTranscript()
+        self.session: Session = AgentSession(session) if isinstance(session, Agent) else session
         self.reader = reader if reader is not None else default_reader()
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else stderr_console()
         self.progress = progress
         self.prompt = "› "
-        self.last_result: RunResult | None = None
+        self.last_outcome: TurnOutcome | None = None
         self.aborted = False  # a turn was aborted: work that ignores cancellation may still run
+        self._cancelled: asyncio.Event | None = None
 
     def loop(self, event_loop: asyncio.AbstractEventLoop | None = None) -> int:
         """Run until the user quits; the exit code is 0. One event loop serves every turn, so
@@ -177,7 +301,7 @@ class ChatRepl:
             if word in ("/exit", "/quit"):
                 return False
             if word in ("/new", "/reset", "/clear"):
-                self.transcript.clear()
+                ev.run_until_complete(self.session.new())
                 self.err.print(Text("(new conversation)", style="dim"))
                 return True
             if word in ("/help", "/?"):
@@ -187,12 +311,23 @@ class ChatRepl:
                 self.err.print(Text(f"unknown command {word}; {HELP}", style="yellow"))
                 return True
             text = text[1:]
-        self.last_result = ev.run_until_complete(self.turn(text))
+        self.last_outcome = ev.run_until_complete(self.turn(text))
         return True
 
-    async def turn(self, text: str) -> RunResult:
-        """Run one turn and show it. An aborted or failed turn still joins the conversation
-        (its history is valid: open tool calls got cancelled results), so the user can go on."""
+    async def ask(self, question: Question) -> Answer:
+        """An approval, asked in the middle of a turn (the spinner steps aside meanwhile)."""
+        return await ask_user(
+            question, self.reader.read_async, self.err, shows_prompt=self.reader.shows_prompt, cancelled=self._cancelled
+        )
+
+    async def turn(self, text: str) -> TurnOutcome:
+        """Run one turn and show how it ended."""
+        return await self._play(lambda view: self.session.turn(text, view, self.ask))
+
+    async def resume(self) -> TurnOutcome:
+        return await self._play(lambda view: self.session.resume(view, self.ask))
+
+    async def _play(self, start: Callable[[TextRenderer], Awaitable[TurnOutcome]]) -> TurnOutcome:
         spinner = Spinner(self.err)
         progress = self.progress
         if progress is not None and spinner.enabled:
@@ -204,22 +339,251 @@ class ChatRepl:
             spinner(on)
 
         renderer = TextRenderer(self.out, self.err, on_wait=waiting)
-        run = self.agent.start(text, history=self.transcript.history(), stream=True)
+        cancelled = self._cancelled = asyncio.Event()
+
+        def on_abort() -> None:
+            spinner(False)
+            cancelled.set()
+
         interrupts = Interrupts()
         try:
-            with interrupts.abort_on_signal(run, on_abort=lambda: spinner(False)):
-                result = await play(run, renderer)
+            with interrupts.abort_on_signal(self.session, on_abort=on_abort):
+                outcome = await start(renderer)
         finally:
+            self._cancelled = None
             spinner(False)
             if progress is not None:
                 progress.route = None
                 progress.done()
-        self.transcript.record(result.messages)
-        if result.stop_reason == "aborted":
+        if outcome.status == "aborted":
             self.aborted = True
             self.err.print(Text("(aborted)", style="yellow"))
-        elif result.stop_reason == "error":
-            self.err.print(Text(f"error: {one_line(result.error or 'the model call failed', 400)}", style="red"))
-        elif result.stop_reason not in ("stop", "length"):
-            self.err.print(Text(f"(stopped: {result.stop_reason})", style="dim"))
-        return result
+        elif outcome.status == "error":
+            self.err.print(Text(f"error: {one_line(outcome.error or 'the model call failed', 400)}", style="red"))
+        elif outcome.reason not in ("stop", "length", "turn.complete"):
+            self.err.print(Text(f"(stopped: {outcome.reason})", style="dim"))
+        return outcome
+
+
+# ---------------------------------------------------------------------------------- durable chat
+
+STATE_FILE = "chat.json"
+
+
+def data_dir(explicit: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """``--data``, else ``$AGENTLOOP_DATA``, else ``$XDG_DATA_HOME/agentloop``, else ``~/.local/share/agentloop``."""
+    env = os.environ if env is None else env
+    if explicit is not None:
+        return explicit.expanduser()
+    if env.get("AGENTLOOP_DATA"):
+        return Path(env["AGENTLOOP_DATA"]).expanduser()
+    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "agentloop"
+
+
+def local_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (a container without a passwd entry)
+        return str(os.getuid()) if hasattr(os, "getuid") else "user"
+
+
+class ChatState:
+    """Which process each workspace's chat is talking to, and the last signal it showed.
+
+    A small JSON file beside the store: losing it only means the next chat falls back to the
+    user's newest process in that workspace, so it is written plainly (atomically, never locked).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> tuple[str, int] | None:
+        entry = self._load().get("chats", {}).get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("pid"), str):
+            return None
+        seq = entry.get("seq")
+        return entry["pid"], seq if isinstance(seq, int) and seq >= 0 else 0
+
+    def put(self, key: str, pid: str, seq: int) -> None:
+        data = self._load()
+        chats = data.get("chats")
+        if not isinstance(chats, dict):
+            chats = data["chats"] = {}
+        chats[key] = {"pid": pid, "seq": seq}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+            tmp.replace(self.path)
+        except OSError:
+            pass  # the chat still works; the next one starts (or finds) a conversation on its own
+
+
+class DurableSession:
+    """Turns on a durable process: ``send`` the line, then show the process's signals until that
+    run finishes, answering approvals as they come. The history lives in the store, so the REPL
+    can quit at any time and a later ``agentloop chat`` continues where this one stopped."""
+
+    def __init__(self, kernel: Kernel, *, owner: str, cwd: Path, state: ChatState) -> None:
+        self.kernel = kernel
+        self.owner = owner
+        self.cwd = cwd
+        self.state = state
+        self.key = str(cwd)
+        self.proc: Process | None = None
+        self.seq = 0  # the last signal shown: the next turn follows from here
+        self._abort: asyncio.Task[bool] | None = None
+
+    @property
+    def pid(self) -> str:
+        return self.process.pid
+
+    @property
+    def process(self) -> Process:
+        if self.proc is None:
+            raise RuntimeError("the chat has no process yet: call open() first")
+        return self.proc
+
+    async def open(self, new: bool = False) -> int | None:
+        """Attach to this workspace's conversation (or start one); returns how many messages it
+        has when it continues one, None when it is new."""
+        if not new:
+            proc = await self._find()
+            if proc is not None:
+                self.proc = proc
+                self.seq = await self._last_seq(proc, self.seq)
+                self._save()
+                return len(await proc.messages())
+        await self.new()
+        return None
+
+    async def _find(self) -> Process | None:
+        saved = self.state.get(self.key)
+        if saved is not None:
+            pid, self.seq = saved
+            record = await self.kernel.store.get_process(pid)
+            if record is not None and record.state != "killed":
+                return Process(self.kernel, pid)
+        self.seq = 0
+        mine = [r for r in await self.kernel.processes(self.owner) if r.cwd == self.key and r.parent_pid is None]
+        mine = [r for r in mine if r.state != "killed"]
+        if not mine:
+            return None
+        newest = max(mine, key=lambda r: (r.updated_at, r.created_at))
+        return Process(self.kernel, newest.pid)
+
+    @staticmethod
+    async def _last_seq(proc: Process, after: int) -> int:
+        """Skip what earlier sessions already showed: follow from the end of the log."""
+        last = after
+        while True:
+            page = await proc.kernel.store.events(proc.pid, after_seq=last, limit=1000)
+            if not page:
+                return last
+            last = page[-1].seq
+
+    def _save(self) -> None:
+        if self.proc is not None:
+            self.state.put(self.key, self.proc.pid, self.seq)
+
+    async def new(self) -> None:
+        self.proc = await self.kernel.spawn(owner=self.owner, cwd=self.cwd, interactive=True)
+        self.seq = 0
+        self._save()
+
+    def abort(self) -> None:
+        if self.proc is not None and (self._abort is None or self._abort.done()):
+            self._abort = asyncio.get_running_loop().create_task(self.proc.abort())
+
+    async def unfinished(self) -> bool:
+        """A run left over from before (the chat quit or crashed mid-turn; the kernel resumed it)."""
+        record = await self.process.info()
+        return record.current_run is not None
+
+    async def resume(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        """Follow the unfinished run to its end, as if its turn had just been sent."""
+        record = await self.process.info()
+        run = record.current_run
+        if run is None:
+            return TurnOutcome("ok")
+        return await self._follow(str(run["run_id"]), view, ask)
+
+    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        proc = self.process
+        if await self.unfinished():  # never start a turn behind one the user cannot see
+            await self.resume(view, ask)
+        hub = self.kernel.engine.hub
+        # The engine streams deltas only while someone watches: watch from before the run starts.
+        early = hub.watch(proc.pid)
+        try:
+            receipt = await proc.send(text)
+            return await self._follow(receipt.run_id, view, ask, early=lambda: hub.unwatch(proc.pid, early))
+        finally:
+            hub.unwatch(proc.pid, early)
+
+    async def _follow(
+        self, run_id: str, view: TextRenderer, ask: Asker, early: Callable[[], None] | None = None
+    ) -> TurnOutcome:
+        proc = self.process
+        render = SignalRenderer(view)
+        answered: set[str] = set()
+        outcome = TurnOutcome("ok")
+        try:
+            for row in await proc.pending_approvals():  # asked before this client was watching
+                if row.run_id == run_id:
+                    await self._answer(Question.from_row(row), view, ask, answered)
+            stream = cast("AsyncGenerator[Signal, None]", proc.signals(after_seq=self.seq, follow=True))
+            async with aclosing(stream) as signals:
+                async for signal in signals:
+                    if early is not None:
+                        early()
+                        early = None
+                    if signal.seq is not None:
+                        self.seq = signal.seq
+                    payload = signal.payload
+                    if signal.signal == sig.HIL_REQUESTED:
+                        if payload.get("runId") == run_id:
+                            await self._answer(Question.from_payload(payload), view, ask, answered)
+                        continue
+                    render.handle(signal)
+                    if signal.signal == sig.RUN_FINISHED and payload.get("runId") == run_id:
+                        outcome = _outcome(payload)
+                        break
+        finally:
+            self._save()
+        await proc.wait_idle()
+        return outcome
+
+    async def _answer(self, question: Question, view: TextRenderer, ask: Asker, answered: set[str]) -> None:
+        if question.request_id in answered:
+            return
+        answered.add(question.request_id)
+        view.note(Text(""))  # the question starts on its own line, with the spinner out of the way
+        answer = await ask(question)
+        if answer == "abort":
+            self.abort()
+            return
+        decision = "approve" if answer in ("approve", "always") else "deny"
+        try:
+            await self.process.hil(question.request_id, decision, remember=answer == "always")
+        except KeyError:  # answered elsewhere, or the run ended meanwhile
+            return
+        view.waiting()
+
+
+def _outcome(payload: Mapping[str, Any]) -> TurnOutcome:
+    status = payload.get("status")
+    reason = str(payload.get("reason") or "stop")
+    if status == "aborted":
+        return TurnOutcome("aborted", reason)
+    if status == "error":
+        return TurnOutcome("error", reason, str(payload.get("error") or "the model call failed"))
+    return TurnOutcome("ok", reason)

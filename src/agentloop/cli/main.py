@@ -14,9 +14,9 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agentloop.agent import Agent, RunResult
+from agentloop.cli.approvals import Answer, ApprovalSetting, PolicyHook, Question, ask_user, parse_approval
 from agentloop.cli.config import Settings, load_settings, open_model
 from agentloop.cli.render import (
     EventSink,
@@ -37,6 +38,9 @@ from agentloop.cli.render import (
 )
 from agentloop.models.catalog import CATALOG
 from agentloop.models.registry import parse_model_string
+
+if TYPE_CHECKING:
+    from agentloop.cli.chat import ChatRepl
 
 app = typer.Typer(
     name="agentloop",
@@ -130,11 +134,11 @@ def _is_embedded(settings: Settings) -> bool:
     return parse_model_string(settings.model)[0] == "local"
 
 
-def _build_agent(settings: Settings, workspace: Path, progress: Progress) -> Agent:
+def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: PolicyHook | None = None) -> Agent:
     from agentloop.tools.builtin import builtin_tools
 
     model = open_model(settings.model, progress)
-    return Agent(
+    agent = Agent(
         model=model,
         tools=builtin_tools(workspace),
         system_prompt=settings.system_prompt,
@@ -142,6 +146,35 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress) -> Age
         max_rounds=settings.max_rounds,
         workspace=workspace,
     )
+    if hook is not None:
+        agent.hooks.before_tool_call(hook)
+    return agent
+
+
+def _approval(spec: str) -> ApprovalSetting:
+    setting = parse_approval(spec)
+    for warning in setting.warnings:
+        sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
+    return setting
+
+
+def _run_hook(setting: ApprovalSetting, workspace: Path) -> PolicyHook | None:
+    """``run``'s approval check: on a terminal an ask is a question on stderr answered on stdin;
+    without one it is a tool error, because a script must not hang on a question nobody sees."""
+    if setting.mode == "auto":
+        return None
+    ask = None
+    if sys.stdin.isatty():
+        from agentloop.cli.chat import PlainReader
+
+        reader = PlainReader()
+        err = stderr_console()
+
+        async def ask_terminal(question: Question) -> Answer:
+            return await ask_user(question, reader.read_async, err, shows_prompt=False)
+
+        ask = ask_terminal
+    return PolicyHook(setting.policy, cwd=workspace, ask=ask)
 
 
 def _exit(code: int) -> NoReturn:
@@ -184,6 +217,13 @@ WorkspaceOpt = Annotated[
     typer.Option("--workspace", "-w", help="Directory the file and shell tools work in (default: current directory)"),
 ]
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
+ApprovalOpt = Annotated[
+    str,
+    typer.Option(
+        "--approval",
+        help="Tool calls: ask (default policy, asks before risky calls), auto (allow all), deny, or a JSON policy.",
+    ),
+]
 
 
 @app.command()
@@ -199,17 +239,20 @@ def run(
         int | None, typer.Option("--max-rounds", min=1, help="Model rounds with tools before a final answer.")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print every loop event as a JSON line.")] = False,
+    approval: ApprovalOpt = "ask",
 ) -> None:
     """Run one prompt to the end: the answer on stdout, tool activity on stderr."""
     with _guarded():
         settings = _settings(model, workspace, system, tool_timeout, max_rounds)
+        setting = _approval(approval)
         if prompt == "-":
             prompt = sys.stdin.read()
         if not prompt.strip():
             raise CliError("empty prompt")
         ws = _workspace(settings)
         progress = Progress()
-        agent = _build_agent(settings, ws, progress)
+        hook = _run_hook(setting, ws)
+        agent = _build_agent(settings, ws, progress, hook)
         if _is_embedded(settings):  # the first start takes minutes: never leave the user in silence
             progress(f"starting the embedded model {settings.model}…")
         sink: EventSink
@@ -219,6 +262,8 @@ def run(
             sink = TextRenderer(on_wait=lambda waiting: None if waiting else progress.done())
         result, interrupted_code = _run_once(agent, prompt, sink)
         progress.done()
+        if hook is not None and hook.refused_without_terminal and not json_output:
+            sys.stderr.write("note: some tool calls need approval; without a terminal, pass --approval auto\n")
         if result.stop_reason == "aborted":
             sys.stderr.write("aborted\n")
             _exit(interrupted_code)
@@ -229,27 +274,117 @@ def run(
 
 
 @app.command()
-def chat(model: ModelOpt = None, workspace: WorkspaceOpt = None, system: SystemOpt = None) -> None:
-    """Talk with the agent; the conversation carries over from turn to turn."""
-    from agentloop.cli.chat import HELP, ChatRepl
+def chat(
+    model: ModelOpt = None,
+    workspace: WorkspaceOpt = None,
+    system: SystemOpt = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Where conversations are kept (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
+            "~/.local/share/agentloop).",
+        ),
+    ] = None,
+    new: Annotated[bool, typer.Option("--new", help="Start a new conversation instead of continuing.")] = False,
+    memory: Annotated[
+        bool, typer.Option("--memory", help="Keep the conversation in memory only (gone when the chat ends).")
+    ] = False,
+    approval: ApprovalOpt = "ask",
+) -> None:
+    """Talk with the agent. The conversation is kept: quit and come back to continue it."""
+    from agentloop.cli.chat import AgentSession, ChatRepl
 
     with _guarded():
         settings = _settings(model, workspace, system)
+        setting = _approval(approval)
         ws = _workspace(settings)
         progress = Progress()
-        agent = _build_agent(settings, ws, progress)
         err = stderr_console()
-        err.print(Text(f"agentloop chat · {settings.model} ({settings.model_source}) · {ws}", style="bold"))
-        if _is_embedded(settings):
-            err.print(
-                Text("the embedded model loads with your first message (a first start takes minutes)", style="dim")
-            )
-        err.print(Text(HELP, style="dim"))
-        repl = ChatRepl(agent, err=err, progress=progress)
-        code = repl.loop()
+        if memory:
+            hook = None if setting.mode == "auto" else PolicyHook(setting.policy, cwd=ws, ask=None)
+            agent = _build_agent(settings, ws, progress, hook)
+            _chat_banner(err, settings, ws)
+            repl = ChatRepl(AgentSession(agent, hook=hook), err=err, progress=progress)
+            code = repl.loop()
+        else:
+            repl, code = _durable_chat(settings, setting, ws, data, new, progress, err)
         if repl.aborted:
             _exit(code)
         raise typer.Exit(code)
+
+
+def _chat_banner(err: Console, settings: Settings, ws: Path) -> None:
+    from agentloop.cli.chat import HELP
+
+    err.print(Text(f"agentloop chat · {settings.model} ({settings.model_source}) · {ws}", style="bold"))
+    if _is_embedded(settings):
+        err.print(Text("the embedded model loads with your first message (a first start takes minutes)", style="dim"))
+    err.print(Text(HELP, style="dim"))
+
+
+def _durable_chat(
+    settings: Settings,
+    setting: ApprovalSetting,
+    ws: Path,
+    data: Path | None,
+    new: bool,
+    progress: Progress,
+    err: Console,
+) -> tuple[ChatRepl, int]:
+    """The chat on a durable process. The kernel stays open for the whole REPL, entered and left
+    on the REPL's one event loop, so runs it resumes keep going between turns' reads."""
+    from agentloop.cli.chat import ChatRepl, ChatState, DurableSession, data_dir, local_user
+    from agentloop.kernel import Kernel
+
+    directory = data_dir(data)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot create the data directory {directory}: {exc.strerror or exc}") from exc
+    if not directory.is_dir():
+        raise CliError(f"data directory {directory} is not a directory")
+    model = open_model(settings.model, progress)
+    options: dict[str, Any] = {"tool_timeout": settings.tool_timeout}
+    if settings.max_rounds is not None:
+        options["max_rounds"] = settings.max_rounds
+    ev = asyncio.new_event_loop()
+    stack = AsyncExitStack()
+    try:
+        kernel = ev.run_until_complete(
+            stack.enter_async_context(
+                Kernel.open(
+                    f"sqlite:///{directory.resolve()}/agentloop.db",
+                    model=model,
+                    workspace=ws,
+                    system_prompt=settings.system_prompt,
+                    data_dir=directory,
+                    **setting.kernel_options(),
+                    **options,
+                )
+            )
+        )
+        session = DurableSession(kernel, owner=local_user(), cwd=ws, state=ChatState(directory / "chat.json"))
+        count = ev.run_until_complete(session.open(new=new))
+        _chat_banner(err, settings, ws)
+        if count is None:
+            err.print(Text(f"new conversation {session.pid}", style="dim"))
+        else:
+            err.print(
+                Text(f"continuing conversation {session.pid} ({count} messages) · --new starts afresh", style="dim")
+            )
+        repl = ChatRepl(session, err=err, progress=progress)
+        if ev.run_until_complete(session.unfinished()):
+            err.print(Text("(the last answer was unfinished; it goes on)", style="dim"))
+            ev.run_until_complete(repl.resume())
+        code = repl.loop(ev)
+    finally:
+        try:
+            ev.run_until_complete(stack.aclose())
+            ev.run_until_complete(ev.shutdown_asyncgens())
+        finally:
+            ev.close()
+    return repl, code
 
 
 def _provider_status(provider: str) -> tuple[bool, str]:

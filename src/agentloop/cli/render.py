@@ -40,6 +40,8 @@ from agentloop.events import (
     event_to_dict,
 )
 from agentloop.messages import AssistantMessage
+from agentloop.process import signals as psig
+from agentloop.process.signals import Signal
 
 # The argument most worth showing for a call, by name, in order of preference.
 _MAIN_ARGS = ("path", "file", "file_path", "command", "cmd", "pattern", "query", "url", "name")
@@ -91,6 +93,7 @@ class TextRenderer:
         self._calls: dict[str, str] = {}
         self._at_line_start = True
         self._wrote_text = False
+        self._new_message = False
         self._waiting = False
         self._out_is_tty = _isatty(self.out)
 
@@ -123,43 +126,135 @@ class TextRenderer:
             self.end_line()
         self.err.print(text)
 
+    # -- what a run shows (fed by loop events here, by process signals in SignalRenderer) ----
+
+    def waiting(self) -> None:
+        """Nothing visible is happening: the model is thinking or about to answer."""
+        self._wait(True)
+
+    def message_start(self) -> None:
+        """A new assistant message: its text is not glued to the previous message's."""
+        self._new_message = True
+
+    def text(self, delta: str) -> None:
+        if not delta:
+            return
+        if self._new_message and self._wrote_text:
+            self.end_line()
+        self._new_message = False
+        self._write(delta)
+
+    def tool_start(self, call_id: str, name: str, args: dict[str, Any]) -> None:
+        label = describe_call(name, args)
+        self._calls[call_id] = label
+        self.note(Text.assemble(("▸ ", "cyan"), label))
+
+    def tool_end(self, call_id: str, name: str, is_error: bool, text: str) -> None:
+        label = self._calls.pop(call_id, name)
+        if is_error:
+            self.note(Text.assemble(("✗ ", "red"), label, (": " + one_line(text), "red")))
+        else:
+            self.note(Text.assemble(("✓ ", "green"), (label, "dim")))
+
+    def retry(self, model: str, error: str, attempt: int, delay: float) -> None:
+        self.note(Text(f"↻ {model}: {one_line(error)} — retry {attempt} in {delay:.1f}s", style="yellow"))
+        self._wait(True)
+
+    def finish(self) -> None:
+        self._wait(False)
+        self.end_line()
+
     # -- events --------------------------------------------------------------------------------
 
     def handle(self, event: LoopEvent) -> None:
         if isinstance(event, AgentStart):
-            self._wait(True)
+            self.waiting()
         elif isinstance(event, MessageStart):
-            if isinstance(event.message, AssistantMessage) and self._wrote_text:
-                self.end_line()  # text of separate assistant messages is not glued together
+            if isinstance(event.message, AssistantMessage):
+                self.message_start()
         elif isinstance(event, MessageUpdate):
-            if isinstance(event.event, TextDelta) and event.event.delta:
-                self._write(event.event.delta)
+            if isinstance(event.event, TextDelta):
+                self.text(event.event.delta)
             elif isinstance(event.event, ThinkingDelta):
-                self._wait(True)
+                self.waiting()
         elif isinstance(event, ToolExecutionStart):
-            label = describe_call(event.tool_name, event.args)
-            self._calls[event.tool_call_id] = label
-            self.note(Text.assemble(("▸ ", "cyan"), label))
+            self.tool_start(event.tool_call_id, event.tool_name, event.args)
         elif isinstance(event, ToolExecutionEnd):
-            label = self._calls.pop(event.tool_call_id, event.tool_name)
-            if event.is_error:
-                self.note(Text.assemble(("✗ ", "red"), label, (": " + one_line(event.result.text), "red")))
-            else:
-                self.note(Text.assemble(("✓ ", "green"), (label, "dim")))
+            self.tool_end(event.tool_call_id, event.tool_name, event.is_error, event.result.text)
         elif isinstance(event, TurnEnd):
             if event.tool_results:
-                self._wait(True)  # the model reads the results next
+                self.waiting()  # the model reads the results next
         elif isinstance(event, ModelRetry):
-            self.note(
-                Text(
-                    f"↻ {event.model}: {one_line(event.error)} — retry {event.attempt} in {event.delay:.1f}s",
-                    style="yellow",
-                )
-            )
-            self._wait(True)
+            self.retry(event.model, event.error, event.attempt, event.delay)
         elif isinstance(event, AgentEnd):
-            self._wait(False)
-            self.end_line()
+            self.finish()
+
+
+class SignalRenderer:
+    """Shows a durable process's signals the way ``TextRenderer`` shows loop events.
+
+    Stream deltas are live-only (a watcher that joined late, or resumed after a restart, never
+    sees them), while ``proc.run.output`` carries each finished message whole; so the output
+    signal prints whatever part of the text the deltas did not.
+    """
+
+    def __init__(self, view: TextRenderer) -> None:
+        self.view = view
+        self._streamed = ""  # text deltas of the model message in flight
+        self._running: set[str] = set()
+
+    def handle(self, signal: Signal) -> None:
+        name, p = signal.signal, signal.payload
+        view = self.view
+        if name == psig.RUN_STARTED:
+            view.waiting()
+        elif name == psig.RUN_STREAM:
+            event = p.get("event")
+            delta = p.get("delta")
+            if event == "start":
+                view.message_start()
+            elif event == "text_delta" and isinstance(delta, str):
+                self._streamed += delta
+                view.text(delta)
+            elif event in ("thinking_start", "thinking_delta"):
+                view.waiting()
+            elif event == "model_retry":
+                self._retry(p)
+        elif name == "proc.run.retry":
+            self._retry(p)
+        elif name == psig.RUN_OUTPUT:
+            text = str(p.get("text") or "")
+            if text.startswith(self._streamed):
+                view.text(text[len(self._streamed) :])
+            self._streamed = ""
+            view.message_start()
+        elif name == psig.TOOL_STARTED:
+            call_id = str(p.get("callId", ""))
+            self._running.add(call_id)
+            args = p.get("args")
+            view.tool_start(call_id, str(p.get("name", "")), args if isinstance(args, dict) else {})
+        elif name == psig.TOOL_FINISHED:
+            call_id = str(p.get("callId", ""))
+            self._running.discard(call_id)
+            ok = bool(p.get("ok"))
+            view.tool_end(call_id, str(p.get("name", "")), not ok, str(p.get("output" if ok else "error") or ""))
+            if not self._running:
+                view.waiting()  # the model reads the results next
+        elif name == psig.COMPACTED:
+            count = next((p[k] for k in ("messages", "removed", "count") if isinstance(p.get(k), int)), None)
+            reason = p.get("reason")
+            what = f"compacted {count} messages" if count is not None else "compacted the conversation"
+            view.note(Text(what + (f" ({reason})" if reason else ""), style="dim"))
+        elif name == psig.RUN_FINISHED:
+            view.finish()
+
+    def _retry(self, p: dict[str, Any]) -> None:
+        self.view.retry(
+            str(p.get("model") or "model"),
+            str(p.get("error") or ""),
+            int(p.get("attempt") or 0),
+            float(p.get("delay") or 0.0),
+        )
 
 
 class JsonRenderer:
@@ -238,8 +333,12 @@ async def play(run: Run, sink: EventSink) -> RunResult:
     return await run.result()
 
 
+class Abortable(Protocol):
+    def abort(self) -> Any: ...
+
+
 class Interrupts:
-    """Turns SIGINT (and SIGTERM) into ``Run.abort()`` while a run is active.
+    """Turns SIGINT (and SIGTERM) into ``abort()`` of a run (or a durable chat's turn) while it is active.
 
     Aborting, not raising, is what lets the loop cancel the tools (the Shell tool kills its
     process group) and close the history properly. A second signal while the abort is still
@@ -254,7 +353,7 @@ class Interrupts:
         return 128 + (self.received or signal.SIGINT)
 
     @contextmanager
-    def abort_on_signal(self, run: Run, on_abort: Callable[[], None] | None = None) -> Iterator[None]:
+    def abort_on_signal(self, run: Abortable, on_abort: Callable[[], None] | None = None) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         installed: list[signal.Signals] = []
 

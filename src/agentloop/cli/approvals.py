@@ -1,0 +1,229 @@
+"""``--approval ask|auto|deny|<policy.json>``: one flag, two runners.
+
+A durable chat hands the policy to the kernel, which stores the question and waits for
+``proc.hil``; the in-memory ``run`` (and ``chat --memory``) has no such machinery, so the same
+policy is evaluated in a ``before_tool_call`` hook with the same ``decide``. Both ask through
+:func:`ask_user`, so a question looks and is answered the same way everywhere: the tool, its
+main argument, the tags that made the policy ask, the reason, and ``y`` / ``n`` / ``a``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.text import Text
+
+from agentloop.cli.render import describe_call, one_line
+from agentloop.loop.hooks import Block, ToolCallInfo
+from agentloop.process.approval import Policy, Rule, decide, default_policy, merge, parse_policy, remember_rule
+from agentloop.process.engine import approve_everything
+from agentloop.tools.builtin import SYSCALLS
+
+Mode = Literal["ask", "auto", "deny", "file"]
+Answer = Literal["approve", "deny", "always", "abort"]
+
+ASK_LINE = "Allow? [y]es / [n]o / [a]lways"
+DENIED_BY_USER = "Tool execution denied by user"
+NO_TERMINAL = "requires interactive approval, but there is no terminal to ask at (use --approval auto to allow it)"
+
+
+@dataclass(frozen=True)
+class ApprovalSetting:
+    """What ``--approval`` resolved to. ``warnings`` are for stderr: a bad policy file must
+    not stop the CLI, but the user has to learn that the default policy is in force instead."""
+
+    mode: Mode
+    policy: Policy
+    source: str
+    warnings: list[str] = field(default_factory=list)
+
+    def kernel_options(self) -> dict[str, Any]:
+        """``Kernel.open`` keywords: ``auto`` skips the check, everything else is a policy."""
+        if self.mode == "auto":
+            return {"approval": approve_everything}
+        return {"policy": self.policy}
+
+
+def parse_approval(spec: str) -> ApprovalSetting:
+    """``ask`` / ``auto`` / ``deny`` or a JSON policy file; never raises on a bad file."""
+    word = spec.strip().lower()
+    if word == "ask":
+        return ApprovalSetting("ask", default_policy(), "default policy")
+    if word == "auto":
+        return ApprovalSetting("auto", Policy(default="auto"), "--approval auto")
+    if word == "deny":
+        return ApprovalSetting("deny", Policy(default="deny"), "--approval deny")
+    path = Path(spec).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return ApprovalSetting(
+            "file",
+            default_policy(),
+            "default policy",
+            [f"cannot read approval policy {path} ({reason}); using the default policy"],
+        )
+    policy, problems = parse_policy(text)
+    if problems:
+        return ApprovalSetting("file", policy, "default policy", [f"approval policy {path}: {p}" for p in problems])
+    return ApprovalSetting("file", policy, str(path))
+
+
+# ---------------------------------------------------------------------------------- asking
+
+
+@dataclass(frozen=True)
+class Question:
+    """One call waiting for a person, with what the policy saw in it."""
+
+    tool: str
+    args: Mapping[str, Any]
+    tags: tuple[str, ...]
+    reason: str
+    request_id: str = ""
+
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any]) -> Question:
+        """From a ``proc.run.hil.requested`` signal."""
+        args = payload.get("args")
+        return cls(
+            tool=str(payload.get("name") or payload.get("syscall") or "tool"),
+            args=args if isinstance(args, dict) else {},
+            tags=tuple(str(t) for t in payload.get("tags") or ()),
+            reason=str(payload.get("reason") or ""),
+            request_id=str(payload.get("requestId") or ""),
+        )
+
+    @classmethod
+    def from_row(cls, row: Any) -> Question:
+        """From a ``pending_hil`` row (a question asked before this client was watching)."""
+        return cls(
+            tool=str(row.tool_name),
+            args=dict(row.args or {}),
+            tags=tuple(row.tags or ()),
+            reason=str(row.reason or ""),
+            request_id=str(row.request_id),
+        )
+
+
+def question_lines(question: Question) -> list[Text]:
+    tags = ", ".join(question.tags) or "none"
+    lines = [
+        Text.assemble(("? ", "bold yellow"), ("approve ", "bold"), describe_call(question.tool, dict(question.args))),
+        Text.assemble(("  tags: ", "dim"), (tags, "yellow")),
+    ]
+    if question.reason:
+        lines.append(Text.assemble(("  why: ", "dim"), one_line(question.reason, 300)))
+    return lines
+
+
+def parse_answer(line: str) -> Answer | None:
+    word = line.strip().lower()
+    if word in ("y", "yes"):
+        return "approve"
+    if word in ("n", "no"):
+        return "deny"
+    if word in ("a", "always"):
+        return "always"
+    return None
+
+
+Read = Callable[[str], Awaitable[str]]
+
+
+async def ask_user(
+    question: Question,
+    read: Read,
+    err: Console,
+    *,
+    shows_prompt: bool,
+    cancelled: asyncio.Event | None = None,
+) -> Answer:
+    """Ask until the answer is y, n or a. End of input denies (nobody is there to say yes); Ctrl-C
+    in the answer, or ``cancelled`` (the turn was aborted meanwhile), gives ``abort``."""
+    for text in question_lines(question):
+        err.print(text)
+    prompt = f"{ASK_LINE} › "
+    while True:
+        if not shows_prompt:  # a pipe shows no prompt: say what is asked where the user looks
+            err.print(Text(ASK_LINE, style="bold"))
+        try:
+            line = await _read_or_cancel(read(prompt), cancelled)
+        except EOFError:
+            err.print(Text("(no answer: denied)", style="yellow"))
+            return "deny"
+        except KeyboardInterrupt:
+            return "abort"
+        if line is None:
+            return "abort"
+        answer = parse_answer(line)
+        if answer is not None:
+            return answer
+        err.print(Text("answer y (yes, this once), n (no) or a (always, for the rest of this conversation)"))
+
+
+async def _read_or_cancel(reading: Awaitable[str], cancelled: asyncio.Event | None) -> str | None:
+    if cancelled is None:
+        return await reading
+    read_task = asyncio.ensure_future(reading)
+    stop_task = asyncio.ensure_future(cancelled.wait())
+    try:
+        await asyncio.wait({read_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_task.cancel()
+    if read_task.done():
+        return read_task.result()
+    read_task.cancel()
+    return None
+
+
+# ---------------------------------------------------------------------------------- in-memory runs
+
+Asker = Callable[[Question], Awaitable[Answer]]
+
+
+class PolicyHook:
+    """A ``before_tool_call`` hook that applies a policy the way the kernel does: ``auto`` runs,
+    ``deny`` becomes a tool error, ``ask`` asks through ``ask`` (or, without one, is refused
+    with a reason the model and the user can act on). "Always" adds the same process-local rule
+    the kernel would add, so both runners remember alike."""
+
+    def __init__(self, policy: Policy, *, cwd: str | os.PathLike[str], ask: Asker | None) -> None:
+        self.policy = policy
+        self.cwd = os.fspath(cwd)
+        self.home = os.path.expanduser("~")
+        self.ask = ask
+        self.remembered: list[Rule] = []
+        self.refused_without_terminal = 0
+        self._lock = asyncio.Lock()  # one question at a time, and a remembered answer counts for the next
+        self.on_abort: Callable[[], None] | None = None
+
+    async def __call__(self, info: ToolCallInfo) -> Block | None:
+        name = info.call.name
+        syscall = SYSCALLS.get(name, f"tool.{name}")
+        async with self._lock:
+            policy = merge(None, self.policy, self.remembered)
+            verdict = decide(policy, syscall, info.args, cwd=self.cwd, home=self.home)
+            if verdict.action == "auto":
+                return None
+            if verdict.action == "deny":
+                return Block(f"Tool execution {verdict.reason}")
+            if self.ask is None:
+                self.refused_without_terminal += 1
+                return Block(f"Tool execution denied: {NO_TERMINAL}: {verdict.reason}")
+            answer = await self.ask(Question(name, info.args, tuple(verdict.tags), verdict.reason))
+            if answer == "always":
+                self.remembered.insert(0, remember_rule(syscall))
+                return None
+            if answer == "approve":
+                return None
+            if answer == "abort" and self.on_abort is not None:
+                self.on_abort()
+            return Block(DENIED_BY_USER)
