@@ -13,7 +13,9 @@ kill archive the history there (``var/sessions/<user>/<pid>/``) before they clea
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -62,10 +64,27 @@ def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
     return hydrate
 
 
+def _stamp(paths: Iterable[Path]) -> tuple[tuple[int, int] | None, ...]:
+    """What changes when any of these files or directories changes (a directory's entry list, a
+    file's content): cheap to compute, so a prompt is only reassembled when its inputs moved."""
+    out: list[tuple[int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
 def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awaitable[str]]:
     """Assemble each run's system prompt from the data directory's context, skills and homes
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
-    directory and its spawn context; ``base`` (the kernel's own system prompt) comes first."""
+    directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
+
+    Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
+    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[Path], str]] = {}
 
     async def build(record: ProcessRecord) -> str:
         sources = PromptSources(
@@ -85,8 +104,33 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
                 "mcp_servers": "none",
             },
         )
-        assembled = await asyncio.to_thread(assemble_prompt, sources)
-        return "\n\n".join(part for part in (base, assembled.text) if part)
+        key = (
+            record.run_as,
+            record.owner,
+            record.cwd,
+            record.context,
+            record.parent_pid is None,
+            datetime.date.today(),
+        )
+        work = Path(record.cwd)
+        homes = [data_dir / "home" / record.run_as / "context.d", data_dir / "home" / record.owner / "context.d"]
+        watched: list[Path] = [
+            data_dir / "config" / "ai" / "context.d",
+            *homes,
+            *sources.skills_dirs,
+            work,
+            work / "memory",
+        ]
+        hit = cache.get(key)
+        if hit is not None and hit[0] == _stamp([*watched, *hit[1]]):
+            return hit[2]
+        assembled = assemble_prompt(sources)
+        files = [p for section in assembled.sections for p in section.sources]
+        text = "\n\n".join(part for part in (base, assembled.text) if part)
+        if len(cache) > 1024:
+            cache.clear()
+        cache[key] = (_stamp([*watched, *files]), files, text)
+        return text
 
     return build
 
