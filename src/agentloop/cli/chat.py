@@ -29,7 +29,7 @@ from agentloop.agent import Agent, Run, RunResult
 from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ask_user
 from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
 from agentloop.kernel import Kernel, Process
-from agentloop.messages import Message
+from agentloop.messages import AssistantMessage, Message
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
 
@@ -549,11 +549,11 @@ class DurableSession:
                     if signal.seq is not None:
                         self.seq = signal.seq
                     payload = signal.payload
-                    if signal.signal == sig.HIL_REQUESTED:
-                        if payload.get("runId") == run_id:
-                            await self._answer(Question.from_payload(payload), view, ask, answered)
-                        continue
+                    if signal.signal == sig.TOOL_FINISHED and not view.knows(str(payload.get("callId"))):
+                        await self._learn_call(str(payload.get("callId")), view)
                     render.handle(signal)
+                    if signal.signal == sig.HIL_REQUESTED and payload.get("runId") == run_id:
+                        await self._answer(Question.from_payload(payload), view, ask, answered)
                     if signal.signal == sig.RUN_FINISHED and payload.get("runId") == run_id:
                         outcome = _outcome(payload)
                         break
@@ -562,11 +562,22 @@ class DurableSession:
         await proc.wait_idle()
         return outcome
 
+    async def _learn_call(self, call_id: str, view: TextRenderer) -> None:
+        """A call the policy refused never started, so no signal showed its arguments; the
+        assistant message that made it has them (it was committed with the refusal)."""
+        for stored in reversed(await self.process.history(limit=20)):
+            message = stored.message
+            if isinstance(message, AssistantMessage):
+                for block in message.tool_calls:
+                    if block.id == call_id:
+                        view.tool_start(call_id, block.name, dict(block.arguments), show=False)
+                        return
+
     async def _answer(self, question: Question, view: TextRenderer, ask: Asker, answered: set[str]) -> None:
         if question.request_id in answered:
             return
         answered.add(question.request_id)
-        view.note(Text(""))  # the question starts on its own line, with the spinner out of the way
+        view.pause()
         answer = await ask(question)
         if answer == "abort":
             self.abort()

@@ -158,13 +158,20 @@ def _approval(spec: str) -> ApprovalSetting:
     return setting
 
 
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def _run_hook(setting: ApprovalSetting, workspace: Path) -> PolicyHook | None:
     """``run``'s approval check: on a terminal an ask is a question on stderr answered on stdin;
     without one it is a tool error, because a script must not hang on a question nobody sees."""
     if setting.mode == "auto":
         return None
     ask = None
-    if sys.stdin.isatty():
+    if _stdin_is_terminal():
         from agentloop.cli.chat import PlainReader
 
         reader = PlainReader()

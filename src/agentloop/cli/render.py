@@ -126,6 +126,11 @@ class TextRenderer:
             self.end_line()
         self.err.print(text)
 
+    def pause(self) -> None:
+        """Make way for a question: no spinner, and the answer so far ends its line."""
+        self._wait(False)
+        self.end_line()
+
     # -- what a run shows (fed by loop events here, by process signals in SignalRenderer) ----
 
     def waiting(self) -> None:
@@ -144,10 +149,16 @@ class TextRenderer:
         self._new_message = False
         self._write(delta)
 
-    def tool_start(self, call_id: str, name: str, args: dict[str, Any]) -> None:
+    def tool_start(self, call_id: str, name: str, args: dict[str, Any], *, show: bool = True) -> None:
+        """``show=False`` only learns the call, for a result line that comes without a start (a
+        durable call the user refused never starts)."""
         label = describe_call(name, args)
         self._calls[call_id] = label
-        self.note(Text.assemble(("▸ ", "cyan"), label))
+        if show:
+            self.note(Text.assemble(("▸ ", "cyan"), label))
+
+    def knows(self, call_id: str) -> bool:
+        return call_id in self._calls
 
     def tool_end(self, call_id: str, name: str, is_error: bool, text: str) -> None:
         label = self._calls.pop(call_id, name)
@@ -233,6 +244,11 @@ class SignalRenderer:
             self._running.add(call_id)
             args = p.get("args")
             view.tool_start(call_id, str(p.get("name", "")), args if isinstance(args, dict) else {})
+        elif name == psig.HIL_REQUESTED:
+            args = p.get("args")
+            view.tool_start(
+                str(p.get("callId", "")), str(p.get("name", "")), args if isinstance(args, dict) else {}, show=False
+            )
         elif name == psig.TOOL_FINISHED:
             call_id = str(p.get("callId", ""))
             self._running.discard(call_id)

@@ -1,0 +1,378 @@
+"""``agentloop chat`` on a durable process: the conversation outlives the command, and tool
+calls the policy asks about are put to the user at the prompt.
+
+In-process tests (typer's ``CliRunner``) register a capturing scripted provider, so they can see
+exactly what the model was sent; subprocess tests use ``scripted:<file>`` models and real pipes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from agentloop.cli.main import app
+from agentloop.messages import AssistantMessage, ToolResultMessage, UserMessage
+from agentloop.models.registry import register_provider
+from agentloop.models.scripted import Reply, ScriptedModel, call
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No user config, no model or data directory from the environment."""
+    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "no-config.toml"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    for name in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG", "AGENTLOOP_DATA"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "build").mkdir()
+    return workspace
+
+
+def model(name: str, replies: list[Any]) -> ScriptedModel:
+    scripted = ScriptedModel(replies)
+    register_provider(name, lambda _id: scripted)
+    return scripted
+
+
+def chat(ws: Path, data: Path, model_name: str, stdin: str, *extra: str) -> Any:
+    result = runner.invoke(
+        app, ["chat", "-m", f"{model_name}:x", "-w", str(ws), "--data", str(data), *extra], input=stdin
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def texts(messages: list[Any]) -> list[str]:
+    return [m.text for m in messages if isinstance(m, UserMessage | AssistantMessage | ToolResultMessage)]
+
+
+def pid_of(stderr: str) -> str:
+    found = re.search(r"(?:new|continuing) conversation ([0-9a-f]+)", stderr)
+    assert found, stderr
+    return found.group(1)
+
+
+# ---------------------------------------------------------------------------------- continuing
+
+
+def test_a_second_chat_continues_the_conversation_and_new_starts_afresh(tmp_path: Path, ws: Path) -> None:
+    data = tmp_path / "data"
+    first_model = model("first", ["first answer"])
+    first = chat(ws, data, "first", "first question\n")
+    assert first.stdout == "first answer\n"
+    assert [m.text for m in first_model.requests[0].messages] == ["first question"]
+    pid = pid_of(first.stderr)
+    assert f"new conversation {pid}" in first.stderr
+    assert (data / "agentloop.db").exists()
+    assert json.loads((data / "chat.json").read_text())["chats"][str(ws.resolve())]["pid"] == pid
+
+    second_model = model("second", ["second answer"])
+    second = chat(ws, data, "second", "second question\n")
+    assert f"continuing conversation {pid} (2 messages)" in second.stderr
+    assert second.stdout == "second answer\n"
+    sent = second_model.requests[0].messages
+    assert [type(m) for m in sent] == [UserMessage, AssistantMessage, UserMessage]
+    assert texts(sent) == ["first question", "first answer", "second question"]
+
+    fresh_model = model("fresh", ["fresh answer", "after slash-new"])
+    fresh = chat(ws, data, "fresh", "third question\n/new\nfourth question\n", "--new")
+    assert "continuing" not in fresh.stderr
+    assert pid_of(fresh.stderr) != pid
+    assert texts(fresh_model.requests[0].messages) == ["third question"]
+    assert texts(fresh_model.requests[1].messages) == ["fourth question"]  # /new inside the REPL
+    assert "(new conversation)" in fresh.stderr
+
+    # the newest conversation (the one /new started) is what the next chat continues
+    last_model = model("last", ["last answer"])
+    last = chat(ws, data, "last", "fifth question\n")
+    assert "(2 messages)" in last.stderr
+    assert texts(last_model.requests[0].messages) == ["fourth question", "after slash-new", "fifth question"]
+
+
+def test_without_the_state_file_the_users_newest_process_in_the_workspace_is_continued(
+    tmp_path: Path, ws: Path
+) -> None:
+    data = tmp_path / "data"
+    model("one", ["remembered"])
+    pid = pid_of(chat(ws, data, "one", "remember this\n").stderr)
+    (data / "chat.json").unlink()
+    again = model("two", ["still here"])
+    assert f"continuing conversation {pid}" in chat(ws, data, "two", "what did I say?\n").stderr
+    assert texts(again.requests[0].messages)[:2] == ["remember this", "remembered"]
+
+    other = tmp_path / "other"
+    other.mkdir()
+    elsewhere = model("three", ["hello"])
+    assert "new conversation" in chat(other, data, "three", "hi\n").stderr  # another workspace, another chat
+    assert texts(elsewhere.requests[0].messages) == ["hi"]
+
+
+def test_data_directory_from_the_environment(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTLOOP_DATA", str(tmp_path / "env-data"))
+    model("envdata", ["ok"])
+    result = runner.invoke(app, ["chat", "-m", "envdata:x", "-w", str(ws)], input="hi\n")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "env-data" / "agentloop.db").exists()
+    monkeypatch.delenv("AGENTLOOP_DATA")
+    model("xdgdata", ["ok"])
+    result = runner.invoke(app, ["chat", "-m", "xdgdata:x", "-w", str(ws)], input="hi\n")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "xdg" / "agentloop" / "agentloop.db").exists()
+
+
+def test_tools_and_errors_render_from_signals(tmp_path: Path, ws: Path) -> None:
+    from agentloop.models.base import ProviderError
+
+    (ws / "a.txt").write_text("hello from a\n")
+    scripted = model(
+        "render",
+        [
+            Reply(text="Reading.", tool_calls=[call("Read", path="a.txt")]),
+            Reply(tool_calls=[call("Read", path="missing.txt")]),
+            "It says hello.",
+            ProviderError("bad gateway", kind="bad_request"),
+            "recovered",
+        ],
+    )
+    scripted.chunk = 3
+    result = chat(ws, tmp_path / "data", "render", "read a.txt\nfail now\nagain\n")
+    assert result.stdout == "Reading.\nIt says hello.\nrecovered\n"
+    err = result.stderr
+    assert "▸ Read a.txt" in err and "✓ Read a.txt" in err
+    assert re.search(r"✗ Read missing.txt: .*not found", err, re.IGNORECASE)
+    assert "error: bad gateway" in err
+    assert texts(scripted.requests[4].messages)[-1] == "again"
+
+
+# ---------------------------------------------------------------------------------- approvals
+
+
+def test_an_asked_call_runs_when_the_user_says_yes(tmp_path: Path, ws: Path) -> None:
+    scripted = model("yes", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "cleaned"])
+    result = chat(ws, tmp_path / "data", "yes", "clean up\ny\n")
+    assert not (ws / "build").exists()
+    assert result.stdout == "cleaned\n"
+    err = result.stderr
+    assert "approve Shell rm -rf build" in err
+    assert "tags: " in err and "destructive" in err and "mutating" in err  # what made the policy ask
+    assert "why: shell command is destructive" in err
+    assert "Allow? [y]es / [n]o / [a]lways" in err
+    assert "✓ Shell rm -rf build" in err
+    [result_msg] = [m for m in scripted.requests[1].messages if isinstance(m, ToolResultMessage)]
+    assert not result_msg.is_error
+
+
+def test_an_asked_call_is_refused_when_the_user_says_no(tmp_path: Path, ws: Path) -> None:
+    scripted = model("no", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "I left it"])
+    result = chat(ws, tmp_path / "data", "no", "clean up\nmaybe\nn\n")
+    assert (ws / "build").exists()
+    assert result.stdout == "I left it\n"
+    assert "answer y (yes, this once), n (no) or a (always" in result.stderr  # "maybe" is asked again
+    assert "✗ Shell rm -rf build: Tool execution denied by user" in result.stderr
+    [result_msg] = [m for m in scripted.requests[1].messages if isinstance(m, ToolResultMessage)]
+    assert result_msg.is_error and result_msg.text == "Tool execution denied by user"
+
+
+def test_always_remembers_for_the_conversation_and_survives_a_restart(tmp_path: Path, ws: Path) -> None:
+    data = tmp_path / "data"
+    (ws / "build2").mkdir()
+    (ws / "build3").mkdir()
+    model(
+        "always",
+        [
+            Reply(tool_calls=[call("Shell", command="rm -rf build")]),
+            "one",
+            Reply(tool_calls=[call("Shell", command="rm -rf build2")]),
+            "two",
+        ],
+    )
+    result = chat(ws, data, "always", "clean\na\nand build2\n")
+    assert result.stdout == "one\ntwo\n"
+    assert result.stderr.count("Allow?") == 1  # the second rm -rf was not asked about
+    assert not (ws / "build").exists() and not (ws / "build2").exists()
+
+    model("always2", [Reply(tool_calls=[call("Shell", command="rm -rf build3")]), "three"])
+    again = chat(ws, data, "always2", "and build3\n")  # remembered rules live with the process
+    assert "Allow?" not in again.stderr and not (ws / "build3").exists()
+
+    model("always3", [Reply(tool_calls=[call("Shell", command="rm -rf build4")]), "four"])
+    fresh = chat(ws, data, "always3", "new one\nn\n", "--new")  # a new conversation asks again
+    assert fresh.stderr.count("Allow?") == 1
+
+
+def test_end_of_input_at_the_question_denies(tmp_path: Path, ws: Path) -> None:
+    model("eof", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "ok then"])
+    result = chat(ws, tmp_path / "data", "eof", "clean up\n")
+    assert (ws / "build").exists()
+    assert "(no answer: denied)" in result.stderr
+    assert result.stdout == "ok then\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "asked", "runs"),
+    [("auto", False, True), ("deny", False, False), ("ask", True, True)],
+)
+def test_approval_flag_in_chat(tmp_path: Path, ws: Path, flag: str, asked: bool, runs: bool) -> None:
+    model(f"flag{flag}", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "done"])
+    result = chat(ws, tmp_path / "data", f"flag{flag}", "clean up\n" + ("y\n" if asked else ""), "--approval", flag)
+    assert ("Allow?" in result.stderr) is asked
+    assert (not (ws / "build").exists()) is runs
+    if flag == "deny":
+        assert "✗ Shell rm -rf build: Tool execution denied by policy: denied by the default policy" in result.stderr
+    assert result.stdout == "done\n"
+
+
+def test_a_policy_file_and_a_malformed_one(tmp_path: Path, ws: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"default": "auto", "rules": [{"match": "shell.exec", "action": "deny"}]}))
+    model("pfile", [Reply(tool_calls=[call("Shell", command="ls")]), "no shell"])
+    result = chat(ws, tmp_path / "data", "pfile", "list\n", "--approval", str(policy))
+    assert "✗ Shell ls: Tool execution denied by policy" in result.stderr
+
+    policy.write_text('{"default": "sometimes", "rules": [')
+    model("pbad", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "asked"])
+    bad = chat(ws, tmp_path / "data", "pbad", "clean\ny\n", "--approval", str(policy), "--new")
+    assert bad.stderr.startswith("warning: approval policy") and "default policy" in bad.stderr.splitlines()[0]
+    assert "Allow?" in bad.stderr and not (ws / "build").exists()  # the default policy asked
+
+
+def test_memory_chat_asks_too(tmp_path: Path, ws: Path) -> None:
+    scripted = model("mem", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "gone", "second"])
+    result = chat(ws, tmp_path / "data", "mem", "clean\ny\nnext\n", "--memory")
+    assert result.stdout == "gone\nsecond\n"
+    assert "tags: " in result.stderr and "destructive" in result.stderr and not (ws / "build").exists()
+    assert texts(scripted.requests[2].messages)[0] == "clean"
+    assert not (tmp_path / "data").exists()  # nothing stored
+
+
+# ---------------------------------------------------------------------------------- real pipes
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG", "AGENTLOOP_DATA")}
+    env["AGENTLOOP_CONFIG"] = str(tmp_path / "no-config.toml")
+    env["XDG_DATA_HOME"] = str(tmp_path / "xdg")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def script(path: Path, replies: list[Any], **options: Any) -> str:
+    path.write_text(json.dumps({"replies": replies, **options}))
+    return f"scripted:{path}"
+
+
+def cli(tmp_path: Path, args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentloop.cli.main", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_env(tmp_path),
+    )
+
+
+def test_subprocess_chat_asks_then_a_second_chat_continues(tmp_path: Path, ws: Path) -> None:
+    data = str(tmp_path / "data")
+    rm = {"tool_calls": [{"name": "Shell", "arguments": {"command": "rm -rf build"}}]}
+    first = cli(
+        tmp_path,
+        ["chat", "-m", script(tmp_path / "s1.json", [rm, "cleaned"], chunk=2), "-w", str(ws), "--data", data],
+        "clean up\ny\n",
+    )
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "cleaned\n" and not (ws / "build").exists()
+    assert "destructive" in first.stderr and "Allow? [y]es / [n]o / [a]lways" in first.stderr
+
+    second = cli(
+        tmp_path,
+        ["chat", "-m", script(tmp_path / "s2.json", ["welcome back"]), "-w", str(ws), "--data", data],
+        "hello again\n",
+    )
+    assert second.returncode == 0, second.stderr
+    assert f"continuing conversation {pid_of(first.stderr)} (4 messages)" in second.stderr
+    assert second.stdout == "welcome back\n"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture
+def sleeper_pid(tmp_path: Path) -> Iterator[Path]:
+    pid_file = tmp_path / "sleeper.pid"
+    yield pid_file
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_ctrl_c_aborts_the_turn_and_the_chat_goes_on(tmp_path: Path, ws: Path, sleeper_pid: Path) -> None:
+    command = f"echo $$ > {sleeper_pid}.tmp && mv {sleeper_pid}.tmp {sleeper_pid} && exec sleep 1000"
+    shell = {"tool_calls": [{"name": "Shell", "arguments": {"command": command}}]}
+    model_spec = script(tmp_path / "s.json", [shell, "after the abort"])
+    data = str(tmp_path / "data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentloop.cli.main", "chat", "-m", model_spec, "-w", str(ws), "--data", data],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write("sleep please\nnext\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 20
+        while not sleeper_pid.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the Shell tool never started the sleeper"
+            time.sleep(0.05)
+        pid = int(sleeper_pid.read_text())
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "(aborted)" in err and "Traceback" not in err
+    assert out == "after the abort\n"  # the REPL went on with the next line
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "the sleeper outlived the aborted turn"
+
+    later = cli(
+        tmp_path,
+        ["chat", "-m", script(tmp_path / "s2.json", ["fine"]), "-w", str(ws), "--data", data],
+        "still there?\n",
+    )
+    assert later.returncode == 0, later.stderr
+    # sleep please, the aborted call and its cancelled result, next, its answer
+    assert "(5 messages)" in later.stderr
