@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 
 from agentloop.cli.config import load_settings, read_config_file
 from agentloop.cli.main import app
-from agentloop.messages import AssistantMessage, UserMessage
+from agentloop.messages import AssistantMessage, ToolResultMessage, UserMessage
 from agentloop.models.registry import DEFAULT_MODEL, register_provider
-from agentloop.models.scripted import ScriptedModel
+from agentloop.models.scripted import Reply, ScriptedModel, call
 
 runner = CliRunner()
 
@@ -381,3 +381,79 @@ def test_sigint_aborts_run_kills_shell_children_and_exits_130(tmp_path: Path, ws
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid), "the sleeper outlived the aborted run"
+
+
+# ---------------------------------------------------------------------------------------- approval
+
+
+@pytest.mark.parametrize(
+    ("flag", "runs", "error"),
+    [
+        ("ask", False, "requires interactive approval, but there is no terminal"),
+        ("auto", True, None),
+        ("deny", False, "Tool execution denied by the default policy"),
+    ],
+)
+def test_run_approval_without_a_terminal(tmp_path: Path, ws: Path, flag: str, runs: bool, error: str | None) -> None:
+    (ws / "build").mkdir()
+    capture = ScriptedModel([Reply(tool_calls=[call("Shell", command="rm -rf build")]), "done"])
+    register_provider("capture", lambda _id: capture)
+    result = runner.invoke(app, ["run", "-m", "capture:x", "-w", str(ws), "--approval", flag, "clean"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "done\n"
+    assert (not (ws / "build").exists()) is runs
+    [tool_result] = [m for m in capture.requests[1].messages if isinstance(m, ToolResultMessage)]
+    assert tool_result.is_error is (error is not None)
+    if error is not None:
+        assert error in tool_result.text and "rm -rf build" in tool_result.text
+        line = next(x for x in result.stderr.splitlines() if x.startswith("✗ Shell rm -rf build: "))
+        assert error[:40] in line
+    assert ("--approval auto" in result.stderr) is (flag == "ask")  # the way out is named
+
+
+def test_run_default_policy_lets_harmless_calls_through(tmp_path: Path, ws: Path) -> None:
+    model = script(tmp_path / "s.json", [{"tool_calls": [tool_call("Shell", command="cat a.txt")]}, "read it"])
+    result = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "show a.txt"])
+    assert result.exit_code == 0, result.stderr
+    assert "✓ Shell cat a.txt" in result.stderr and "approval" not in result.stderr
+
+
+def test_run_on_a_terminal_asks(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentloop.cli.main as cli_main
+
+    monkeypatch.setattr(cli_main, "_stdin_is_terminal", lambda: True)
+    for name in ("b1", "b2", "b3"):
+        (ws / name).mkdir()
+    calls = [call("Shell", command=f"rm -rf {n}") for n in ("b1", "b2", "b3")]
+    capture = ScriptedModel([Reply(tool_calls=calls[:1]), Reply(tool_calls=calls[1:]), "done"])
+    register_provider("capture", lambda _id: capture)
+    result = runner.invoke(app, ["run", "-m", "capture:x", "-w", str(ws), "clean"], input="n\na\n")
+    assert result.exit_code == 0, result.stderr
+    assert (ws / "b1").exists() and not (ws / "b2").exists() and not (ws / "b3").exists()
+    assert result.stderr.count("Allow? [y]es / [n]o / [a]lways") == 2  # "a" covered b3
+    assert "tags: " in result.stderr and "destructive" in result.stderr
+    assert "✗ Shell rm -rf b1: Tool execution denied by user" in result.stderr
+
+
+def test_run_policy_file_and_a_malformed_one(tmp_path: Path, ws: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"default": "auto", "rules": [{"match": "fs.read", "action": "deny"}]}))
+    model = script(tmp_path / "s.json", [{"tool_calls": [tool_call("Read", path="a.txt")]}, "no"])
+    result = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "--approval", str(policy), "read"])
+    assert result.exit_code == 0, result.stderr
+    assert "✗ Read a.txt: Tool execution denied by rules[0] fs.read -> deny" in result.stderr
+
+    policy.write_text('{"default": "sometimes", "rules": [')
+    (ws / "build").mkdir()
+    model = script(
+        tmp_path / "s2.json",
+        [{"tool_calls": [tool_call("Read", path="a.txt"), tool_call("Shell", command="rm -rf build")]}, "ok"],
+    )
+    bad = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "--approval", str(policy), "go"])
+    assert bad.exit_code == 0, bad.stderr
+    first = bad.stderr.splitlines()[0]
+    assert first.startswith("warning: approval policy") and "not valid JSON" in first and "default policy" in first
+    assert "✓ Read a.txt" in bad.stderr  # the default policy: reads run,
+    assert "requires interactive approval" in bad.stderr and (ws / "build").exists()  # rm -rf asks
+    missing = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "--approval", str(tmp_path / "nope.json"), "go"])
+    assert missing.stderr.startswith("warning: cannot read approval policy")

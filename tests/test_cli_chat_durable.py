@@ -376,3 +376,44 @@ def test_ctrl_c_aborts_the_turn_and_the_chat_goes_on(tmp_path: Path, ws: Path, s
     assert later.returncode == 0, later.stderr
     # sleep please, the aborted call and its cancelled result, next, its answer
     assert "(5 messages)" in later.stderr
+
+
+def test_a_question_left_open_by_a_killed_chat_is_asked_by_the_next(tmp_path: Path, ws: Path) -> None:
+    rm = {"tool_calls": [{"name": "Shell", "arguments": {"command": "rm -rf build"}}]}
+    data = str(tmp_path / "data")
+    args = ["chat", "-m", script(tmp_path / "s1.json", [rm, "unreachable"]), "-w", str(ws), "--data", data]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentloop.cli.main", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+    try:
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write("clean up\n")
+        proc.stdin.flush()
+        seen = ""
+        while "Allow?" not in seen:  # the question is waiting for an answer that never comes
+            line = proc.stderr.readline()
+            assert line, "the chat ended without asking"
+            seen += line
+        proc.kill()
+        proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert (ws / "build").exists()
+
+    later = cli(
+        tmp_path,
+        ["chat", "-m", script(tmp_path / "s2.json", ["cleaned after all"]), "-w", str(ws), "--data", data],
+        "y\n",
+    )
+    assert later.returncode == 0, later.stderr
+    assert "the last answer was unfinished" in later.stderr
+    assert "approve Shell rm -rf build" in later.stderr and "destructive" in later.stderr
+    assert not (ws / "build").exists()
+    assert later.stdout == "cleaned after all\n"

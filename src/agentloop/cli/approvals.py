@@ -30,7 +30,7 @@ Answer = Literal["approve", "deny", "always", "abort"]
 
 ASK_LINE = "Allow? [y]es / [n]o / [a]lways"
 DENIED_BY_USER = "Tool execution denied by user"
-NO_TERMINAL = "requires interactive approval, but there is no terminal to ask at (use --approval auto to allow it)"
+NO_TERMINAL = "requires interactive approval, but there is no terminal to ask at"
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class PolicyHook:
                 return Block(f"Tool execution {verdict.reason}")
             if self.ask is None:
                 self.refused_without_terminal += 1
-                return Block(f"Tool execution denied: {NO_TERMINAL}: {verdict.reason}")
+                return Block(f"Tool execution denied: {NO_TERMINAL} ({verdict.reason})")
             answer = await self.ask(Question(name, info.args, tuple(verdict.tags), verdict.reason))
             if answer == "always":
                 self.remembered.insert(0, remember_rule(syscall))
