@@ -8,6 +8,7 @@ exactly what the model was sent; subprocess tests use ``scripted:<file>`` models
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -23,9 +24,13 @@ import pytest
 from typer.testing import CliRunner
 
 from agentloop.cli.main import app
+from agentloop.cli.render import SignalRenderer, TextRenderer, stderr_console
 from agentloop.messages import AssistantMessage, ToolResultMessage, UserMessage
+from agentloop.models.base import ProviderError
 from agentloop.models.registry import register_provider
 from agentloop.models.scripted import Reply, ScriptedModel, call
+from agentloop.process import signals as psig
+from agentloop.process.signals import Signal
 
 runner = CliRunner()
 
@@ -141,8 +146,6 @@ def test_data_directory_from_the_environment(tmp_path: Path, ws: Path, monkeypat
 
 
 def test_tools_and_errors_render_from_signals(tmp_path: Path, ws: Path) -> None:
-    from agentloop.models.base import ProviderError
-
     (ws / "a.txt").write_text("hello from a\n")
     scripted = model(
         "render",
@@ -162,6 +165,34 @@ def test_tools_and_errors_render_from_signals(tmp_path: Path, ws: Path) -> None:
     assert re.search(r"✗ Read missing.txt: .*not found", err, re.IGNORECASE)
     assert "error: bad gateway" in err
     assert texts(scripted.requests[4].messages)[-1] == "again"
+
+
+def test_model_retries_show_in_the_durable_chat(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentloop.models.retry as retry
+
+    monkeypatch.setattr(
+        retry.RetryPolicy, "delay", lambda self, attempt, retry_after=None: 0.0 if attempt < 2 else None
+    )
+    model("retrying", [ProviderError("overloaded", kind="rate_limit"), "ok"])
+    result = chat(ws, tmp_path / "data", "retrying", "hi\n")
+    assert result.stdout == "ok\n"
+    assert "↻" in result.stderr and "overloaded" in result.stderr and "retry 1" in result.stderr
+
+
+def test_signal_renderer_fills_in_unstreamed_text_and_shows_compaction() -> None:
+    """A watcher that missed the deltas (joined late, or after a restart) still gets the whole
+    answer from ``proc.run.output``, and never twice."""
+    out = io.StringIO()
+    err_text = io.StringIO()
+    view = SignalRenderer(TextRenderer(out, stderr_console(err_text)))
+    view.handle(Signal(psig.RUN_STARTED, {"runId": "r"}, 1))
+    view.handle(Signal(psig.RUN_STREAM, {"event": "text_delta", "delta": "Hel"}))
+    view.handle(Signal(psig.RUN_OUTPUT, {"text": "Hello."}, 2))  # the rest of it, once
+    view.handle(Signal(psig.COMPACTED, {"runId": "r", "reason": "threshold", "removed": 12}, 3))
+    view.handle(Signal(psig.RUN_OUTPUT, {"text": "Second message."}, 4))  # nothing streamed at all
+    view.handle(Signal(psig.RUN_FINISHED, {"runId": "r", "status": "ok"}, 5))
+    assert out.getvalue() == "Hello.\nSecond message.\n"
+    assert err_text.getvalue() == "compacted 12 messages (threshold)\n"
 
 
 # ---------------------------------------------------------------------------------- approvals

@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
-from agentloop.events import LoopEvent, MessageUpdate
+from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
 from agentloop.loop.execute import _check, _execute, _Prepared
 from agentloop.loop.model_call import call_model
 from agentloop.loop.runner import CANCELLED
@@ -418,6 +418,11 @@ class ProcessEngine:
                             "delta": getattr(event.event, "delta", None),
                         },
                     ),
+                )
+            elif isinstance(event, ModelRetry) and self.hub.watching(pid):  # live progress, like deltas
+                retry = {"model": event.model, "error": event.error, "attempt": event.attempt, "delay": event.delay}
+                self.hub.publish(
+                    pid, Signal(sig.RUN_STREAM, {"pid": pid, "runId": run_id, "event": event.type, **retry})
                 )
 
         try:
