@@ -138,6 +138,11 @@ def parse_answer(line: str) -> Answer | None:
 Read = Callable[[str], Awaitable[str]]
 
 
+class ReadInterrupted(Exception):
+    """Ctrl-C while an answer was being typed. Not ``KeyboardInterrupt``: raised inside an
+    asyncio task, that one escapes the event loop instead of reaching the code that asked."""
+
+
 async def ask_user(
     question: Question,
     read: Read,
@@ -159,7 +164,7 @@ async def ask_user(
         except EOFError:
             err.print(Text("(no answer: denied)", style="yellow"))
             return "deny"
-        except KeyboardInterrupt:
+        except (ReadInterrupted, KeyboardInterrupt):
             return "abort"
         if line is None:
             return "abort"

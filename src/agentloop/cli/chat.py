@@ -26,7 +26,7 @@ from rich.status import Status
 from rich.text import Text
 
 from agentloop.agent import Agent, Run, RunResult
-from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ask_user
+from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ReadInterrupted, ask_user
 from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
 from agentloop.kernel import Kernel, Process
 from agentloop.messages import AssistantMessage, Message
@@ -68,7 +68,8 @@ class LineReader(Protocol):
         """One line of input; ``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C."""
 
     async def read_async(self, prompt: str) -> str:
-        """The same, while a turn is running (an approval answer): the event loop keeps going."""
+        """The same, while a turn is running (an approval answer): the event loop keeps going.
+        Ctrl-C is ``ReadInterrupted`` here, never ``KeyboardInterrupt``."""
 
 
 class PlainReader:
@@ -139,7 +140,12 @@ class TerminalReader:
         return self.session.prompt(prompt)
 
     async def read_async(self, prompt: str) -> str:
-        return await self.answers.prompt_async(prompt)
+        # Ctrl-C is a key here (raw mode), so prompt_toolkit need not take SIGINT; if it did, it
+        # would remove the turn's own handler on the way out and a later Ctrl-C would do nothing.
+        try:
+            return await self.answers.prompt_async(prompt, handle_sigint=False, set_exception_handler=False)
+        except KeyboardInterrupt:  # out of a task, asyncio would re-raise it past the whole event loop
+            raise ReadInterrupted from None
 
 
 def history_file(env: dict[str, str] | None = None) -> Path:
