@@ -64,7 +64,7 @@ def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
     return hydrate
 
 
-def _stamp(paths: Iterable[Path]) -> tuple[tuple[int, int] | None, ...]:
+def _stamp(paths: Iterable[str]) -> tuple[tuple[int, int] | None, ...]:
     """What changes when any of these files or directories changes (a directory's entry list, a
     file's content): cheap to compute, so a prompt is only reassembled when its inputs moved."""
     out: list[tuple[int, int] | None] = []
@@ -84,14 +84,17 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
     directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
 
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
-    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[Path], str]] = {}
+    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
+    system_dir = data_dir / "config" / "ai" / "context.d"
+    skills_dir = data_dir / "config" / "ai" / "skills.d"
+    homes = data_dir / "home"
 
-    async def build(record: ProcessRecord) -> str:
+    def assemble(record: ProcessRecord) -> tuple[str, list[str]]:
         sources = PromptSources(
-            system_dir=data_dir / "config" / "ai" / "context.d",
-            agent_home=data_dir / "home" / record.run_as,
-            owner_home=data_dir / "home" / record.owner,
-            skills_dirs=[data_dir / "config" / "ai" / "skills.d"],
+            system_dir=system_dir,
+            agent_home=homes / record.run_as,
+            owner_home=homes / record.owner,
+            skills_dirs=[skills_dir],
             workspace=Path(record.cwd),
             process_context=record.context or None,
             main_process=record.parent_pid is None,
@@ -99,11 +102,15 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
                 "identity": record.run_as,
                 "owner": record.owner,
                 "cwd": record.cwd,
-                "pid": record.pid,
                 "devices": "local",
                 "mcp_servers": "none",
             },
         )
+        assembled = assemble_prompt(sources)
+        files = [str(p) for section in assembled.sections for p in section.sources]
+        return "\n\n".join(part for part in (base, assembled.text) if part), files
+
+    async def build(record: ProcessRecord) -> str:
         key = (
             record.run_as,
             record.owner,
@@ -112,21 +119,18 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
             record.parent_pid is None,
             datetime.date.today(),
         )
-        work = Path(record.cwd)
-        homes = [data_dir / "home" / record.run_as / "context.d", data_dir / "home" / record.owner / "context.d"]
-        watched: list[Path] = [
-            data_dir / "config" / "ai" / "context.d",
-            *homes,
-            *sources.skills_dirs,
-            work,
-            work / "memory",
+        watched = [
+            f"{system_dir}",
+            f"{homes}/{record.run_as}/context.d",
+            f"{homes}/{record.owner}/context.d",
+            f"{skills_dir}",
+            record.cwd,
+            f"{record.cwd}/memory",
         ]
         hit = cache.get(key)
         if hit is not None and hit[0] == _stamp([*watched, *hit[1]]):
             return hit[2]
-        assembled = assemble_prompt(sources)
-        files = [p for section in assembled.sections for p in section.sources]
-        text = "\n\n".join(part for part in (base, assembled.text) if part)
+        text, files = assemble(record)
         if len(cache) > 1024:
             cache.clear()
         cache[key] = (_stamp([*watched, *files]), files, text)

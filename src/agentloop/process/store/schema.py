@@ -40,7 +40,6 @@ MIGRATIONS: list[tuple[int, str]] = [
             created_at DOUBLE PRECISION NOT NULL,
             PRIMARY KEY (pid, id)
         );
-        CREATE INDEX messages_generation ON messages (pid, generation, id);
         CREATE TABLE pending_tool_calls (
             dispatch_id TEXT PRIMARY KEY,
             pid TEXT NOT NULL,
