@@ -54,6 +54,7 @@ log = logging.getLogger("agentloop.process")
 
 SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
+RUN_FAILED = "Tool call not completed: the run ended with an internal error."
 GUARD_NAMES = frozenset({"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost"})
 
 
@@ -317,22 +318,42 @@ class ProcessEngine:
             live.driver = asyncio.create_task(self._drive(live), name=f"agentloop-process-{pid}")
 
     async def _drive(self, live: _Live) -> None:
-        try:
-            while live.dirty:
-                live.dirty = False
+        while live.dirty:
+            live.dirty = False
+            try:
                 while live.record.current_run is not None and await self._step(live):
                     pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug must not leave the run hanging: end it visibly
-            log.exception("process %s: step failed", live.record.pid)
-            run = live.record.current_run
-            if run is not None:
-                async with self._tx(live) as tx:
-                    await self._finish(
-                        tx, live, run, "error", error="internal error in the runtime (see the server log)"
-                    )
-                await self._promote(live)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not leave the run hanging: end it visibly
+                log.exception("process %s: step failed", live.record.pid)
+                # inside the loop: the promotion's wake-up only marks this driver dirty
+                await self._fail(live)
+
+    async def _fail(self, live: _Live) -> None:
+        """End the active run after an internal error: stop its tools, give every open call an
+        error result (so the history stays valid), then let queued input run."""
+        run = live.record.current_run
+        if run is None:
+            return
+        pid, run_id = live.record.pid, run["run_id"]
+        me = asyncio.current_task()
+        tools = [t for t in live.tools.values() if not t.done() and t is not me]
+        for task in tools:
+            task.cancel()
+        if tools:
+            await asyncio.wait(tools)
+        run = live.record.current_run
+        if run is None or run["run_id"] != run_id:
+            return  # ended meanwhile (an abort)
+        rows = await self.store.calls(pid, run_id)
+        async with self._tx(live) as tx:
+            await tx.append(run_id, _results_of(rows, RUN_FAILED))
+            for h in await self.store.hils(pid):
+                await self.store.delete_hil(h.request_id)
+            await self.store.delete_calls(pid, run_id)
+            await self._finish(tx, live, run, "error", error="internal error in the runtime (see the server log)")
+        await self._promote(live)
 
     async def _step(self, live: _Live) -> bool:
         """One decision and its committed outcome. False: nothing to do until something arrives."""
@@ -782,11 +803,7 @@ class ProcessEngine:
                 msg.content = [b for b in msg.content if not isinstance(b, ToolCall)]
                 msg.stop_reason, msg.error_message = "aborted", "aborted"
                 added.append(msg)
-            for row in rows:
-                if row.terminal and row.result is not None:
-                    added.append(message_from_dict(row.result))
-                else:
-                    added.append(tool_error_result(_call_of(row), CANCELLED))
+            added.extend(_results_of(rows, CANCELLED))
             for h in await self.store.hils(pid):
                 await self.store.delete_hil(h.request_id)
             await self.store.delete_calls(pid, active)
@@ -830,6 +847,16 @@ def _reason_code(reason: str) -> str:
     if reason in ("stop", "length") or reason in GUARD_NAMES:
         return "turn.complete" if reason == "stop" else reason
     return {"error": "generation.error", "aborted": "user"}.get(reason, reason)
+
+
+def _results_of(rows: list[ToolCallRow], open_text: str) -> list[Message]:
+    """One result per call of a batch, in the model's order: the stored one, or an error for an open call."""
+    return [
+        message_from_dict(r.result)
+        if r.terminal and r.result is not None
+        else tool_error_result(_call_of(r), open_text)
+        for r in rows
+    ]
 
 
 def _call_of(row: ToolCallRow) -> ToolCall:

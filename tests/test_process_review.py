@@ -1,0 +1,110 @@
+"""Regression tests from a review of the durable runner: failure paths, reset/kill, recovery, races."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.kernel import Approval, Kernel
+from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage
+from agentloop.models.base import ModelRequest
+
+ran: list[str] = []
+
+
+@tool
+def echo(text: str) -> str:
+    """Echo."""
+    ran.append(text)
+    return text
+
+
+@tool
+async def slow(seconds: float) -> str:
+    """Sleep."""
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def kernel(tmp_path: Path, model, **kw):
+    kw.setdefault("tools", [echo, slow])
+    return Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=model, workspace=tmp_path, **kw)
+
+
+def echo_then_answer(r: ModelRequest) -> Reply | str:
+    last = r.messages[-1]
+    if isinstance(last, UserMessage):
+        return Reply(tool_calls=[call("echo", text=last.text)])
+    return "done: " + last.text
+
+
+def assert_valid(msgs: list[Message]) -> None:
+    """Every tool call is followed by exactly one result each, in order; no orphan results."""
+    i = 0
+    while i < len(msgs):
+        msg = msgs[i]
+        if isinstance(msg, ToolResultMessage):
+            raise AssertionError(f"orphan tool result at {i}: {msg}")
+        if isinstance(msg, AssistantMessage) and msg.tool_calls:
+            ids = [c.id for c in msg.tool_calls]
+            results = msgs[i + 1 : i + 1 + len(ids)]
+            assert [getattr(r, "tool_call_id", None) for r in results] == ids, msgs
+            i += 1 + len(ids)
+            continue
+        i += 1
+
+
+async def test_an_internal_error_ends_the_run_and_queued_input_still_runs(tmp_path):
+    ran.clear()
+    failures = 0
+
+    async def flaky(process, row) -> Approval:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise RuntimeError("policy store unavailable")
+        return Approval("auto")
+
+    model = ScriptedModel(echo_then_answer, latency=0.1)
+    async with kernel(tmp_path, model, approval=flaky) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("first")
+        await proc.send("second", mode="queue")
+        await asyncio.wait_for(proc.wait_idle(), 5)  # the promoted run is driven, not left hanging
+        msgs = await proc.messages()
+        assert any(isinstance(m, SystemMessage) and "internal error" in m.text for m in msgs)
+        assert msgs[-1].text == "done: second" and ran == ["second"]
+        assert_valid(msgs)
+
+
+async def test_an_internal_error_with_open_calls_leaves_a_valid_history(tmp_path):
+    ran.clear()
+
+    async def policy(process, row) -> Approval:
+        text = row.args.get("text")
+        if text == "risky":
+            return Approval("ask", ("destructive",), "risky", fingerprint="fp")
+        if text == "boom":
+            raise RuntimeError("policy cannot judge this call")
+        return Approval("auto")
+
+    model = ScriptedModel(
+        [Reply(tool_calls=[call("echo", text="safe"), call("echo", text="risky"), call("echo", text="boom")]), "ok"]
+    )
+    async with kernel(tmp_path, model, approval=policy) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        for _ in range(200):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.01)
+        [ask] = await proc.pending_approvals()
+        await proc.hil(ask.request_id, "approve")  # the next dispatch meets "boom": the policy raises
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        msgs = await proc.messages()
+        assert_valid(msgs)
+        assert isinstance(msgs[-1], SystemMessage) and "internal error" in msgs[-1].text
+        assert await k.store.calls(proc.pid) == [] and await k.store.hils(proc.pid) == []
+        results = [m for m in msgs if isinstance(m, ToolResultMessage)]
+        assert [r.is_error for r in results] == [False, True, True] and ran == ["safe"]
