@@ -108,3 +108,19 @@ async def test_an_internal_error_with_open_calls_leaves_a_valid_history(tmp_path
         assert await k.store.calls(proc.pid) == [] and await k.store.hils(proc.pid) == []
         results = [m for m in msgs if isinstance(m, ToolResultMessage)]
         assert [r.is_error for r in results] == [False, True, True] and ran == ["safe"]
+
+
+async def test_a_slow_approval_policy_does_not_break_concurrent_input(tmp_path):
+    async def thoughtful(process, row) -> Approval:
+        await asyncio.sleep(0.1)  # asks a remote policy service, say
+        return Approval("auto")
+
+    model = ScriptedModel(echo_then_answer)
+    async with kernel(tmp_path, model, approval=thoughtful) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("first")
+        await asyncio.sleep(0.05)  # the driver is inside its commit, waiting for the policy
+        receipt = await proc.send("second", mode="queue")
+        assert receipt.queued
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert (await proc.messages())[-1].text == "done: second"

@@ -5,6 +5,7 @@ A new dialect passes when it is added to ``STORES`` and this file is green.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -92,6 +93,34 @@ async def test_writes_need_a_transaction_and_roll_back_whole(store):
     assert await store.history("p1") == [] and await store.events("p1") == []
     async with store.transaction():  # the counters were rolled back too: no gaps
         assert await store.append_messages("p1", "r1", [user("kept")]) == [1]
+
+
+async def test_transactions_of_other_tasks_wait_and_do_not_mix(store):
+    await spawn(store)
+    inside = asyncio.Event()
+    order: list[str] = []
+
+    async def first() -> None:
+        async with store.transaction():
+            await store.append_messages("p1", "r", [user("a")])
+            inside.set()
+            await asyncio.sleep(0.05)  # a transaction body that awaits something (a policy, a device)
+            order.append("first")
+
+    async def second() -> None:
+        await inside.wait()
+        with pytest.raises(StoreError, match=r"inside store\.transaction"):  # not part of the other task's
+            await store.append_messages("p1", "r", [user("stray")])
+        async with store.transaction():  # waits for the first to commit, instead of failing
+            order.append("second")
+            await store.append_messages("p1", "r", [user("b")])
+
+    await asyncio.gather(first(), second())
+    assert order == ["first", "second"]
+    assert [h.message.text for h in await store.history("p1")] == ["a", "b"]
+    with pytest.raises(StoreError, match="do not nest"):
+        async with store.transaction(), store.transaction():
+            pass
 
 
 async def test_registry(store):

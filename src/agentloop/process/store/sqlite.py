@@ -48,7 +48,7 @@ class SQLiteStore(Store):
         self.path = str(path)
         self._db: sqlite3.Connection | None = None
         self._lock = asyncio.Lock()
-        self._in_tx = False
+        self._tx_task: asyncio.Task[Any] | None = None  # the task whose transaction is open
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -104,23 +104,24 @@ class SQLiteStore(Store):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
-        if self._in_tx:
+        me = asyncio.current_task()
+        if self._tx_task is not None and self._tx_task is me:
             raise StoreError("transactions do not nest")
-        async with self._lock:
+        async with self._lock:  # another task's transaction: wait for it to end
             db = self.db
             db.execute("BEGIN IMMEDIATE")
-            self._in_tx = True
+            self._tx_task = me
             try:
                 yield
             except BaseException:
-                self._in_tx = False
+                self._tx_task = None
                 db.execute("ROLLBACK")
                 raise
-            self._in_tx = False
+            self._tx_task = None
             db.execute("COMMIT")
 
     def _write(self) -> sqlite3.Connection:
-        if not self._in_tx:
+        if self._tx_task is None or self._tx_task is not asyncio.current_task():
             raise StoreError("writes must happen inside store.transaction()")
         return self.db
 
