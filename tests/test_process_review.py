@@ -124,3 +124,44 @@ async def test_a_slow_approval_policy_does_not_break_concurrent_input(tmp_path):
         assert receipt.queued
         await asyncio.wait_for(proc.wait_idle(), 5)
         assert (await proc.messages())[-1].text == "done: second"
+
+
+async def test_reset_with_queued_input_leaves_an_idle_empty_process(tmp_path):
+    model = ScriptedModel(
+        lambda r: Reply(tool_calls=[call("slow", seconds=30)]) if r.messages[-1].text == "long" else "answered"
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("long")
+        await proc.send("later", mode="queue")
+        await asyncio.sleep(0.1)
+        await proc.reset()
+        info = await proc.info()
+        assert info.current_run is None and info.state == "idle"
+        assert await proc.messages() == [] and await k.store.queue(proc.pid) == []
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert await proc.messages() == [] and model.calls == 1
+
+
+async def test_kill_with_queued_input_starts_no_run(tmp_path):
+    model = ScriptedModel(
+        lambda r: Reply(tool_calls=[call("slow", seconds=30)]) if r.messages[-1].text == "long" else "answered"
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("long")
+        await proc.send("later", mode="queue")
+        await asyncio.sleep(0.1)
+        got: list[str] = []
+
+        async def watch() -> None:
+            async for s in proc.signals(follow=True):
+                got.append(s.signal)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.05)
+        await proc.kill()
+        await asyncio.wait_for(watcher, 5)
+        assert got.count("proc.run.started") == 1 and got[-1] == "proc.run.finished"
+        await asyncio.sleep(0.05)
+        assert model.calls == 1 and proc.pid not in k.engine._live

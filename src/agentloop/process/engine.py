@@ -811,7 +811,7 @@ class ProcessEngine:
             await self.store.kv_delete(pid, f"approved:{active}")
             await tx.set_run(None)
             await tx.signal(sig.RUN_FINISHED, runId=active, status="aborted", reason=reason)
-        if reason != "user.interrupt":
+        if reason not in ("user.interrupt", "process.reset", "process.kill"):  # those decide what runs next
             await self._promote(live)
         return True
 
