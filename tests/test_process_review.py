@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
-from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage
+from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage, user
 from agentloop.models.base import ModelRequest
 
 ran: list[str] = []
@@ -165,3 +165,19 @@ async def test_kill_with_queued_input_starts_no_run(tmp_path):
         assert got.count("proc.run.started") == 1 and got[-1] == "proc.run.finished"
         await asyncio.sleep(0.05)
         assert model.calls == 1 and proc.pid not in k.engine._live
+
+
+async def test_queued_input_left_by_a_crash_between_finish_and_promote_runs_on_restart(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(["first answer"])) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("first")
+        await proc.wait_idle()
+        pid = proc.pid
+        # the state a crash leaves after a run's last commit and before its queue was promoted
+        async with k.store.transaction():
+            await k.store.enqueue(pid, "queue", user("waiting"), run_id="queued-run")
+    async with kernel(tmp_path, ScriptedModel(["second answer"])) as k2:
+        proc = await k2.process(pid)
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert [m.text for m in await proc.messages()] == ["first", "first answer", "waiting", "second answer"]
+        assert await k2.store.queue(pid) == []

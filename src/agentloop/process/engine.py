@@ -218,7 +218,12 @@ class ProcessEngine:
         """After a (re)start: settle the calls that were in flight and resume every unfinished run."""
         resumed = []
         for record in await self.store.list_processes():
-            if record.current_run is None or record.state == "killed":
+            if record.state == "killed":
+                continue
+            if record.current_run is None:
+                if await self.store.queue(record.pid):  # a crash between a run's end and its queue's promotion
+                    await self._promote(await self.live(record.pid))
+                    resumed.append(record.pid)
                 continue
             live = await self.live(record.pid)
             run_id = record.current_run["run_id"]
