@@ -181,3 +181,46 @@ async def test_queued_input_left_by_a_crash_between_finish_and_promote_runs_on_r
         await asyncio.wait_for(proc.wait_idle(), 5)
         assert [m.text for m in await proc.messages()] == ["first", "first answer", "waiting", "second answer"]
         assert await k2.store.queue(pid) == []
+
+
+async def test_an_approval_arriving_during_an_abort_starts_nothing(tmp_path):
+    ran.clear()
+
+    @tool
+    async def tidy() -> str:
+        """Takes a moment to clean up when cancelled."""
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)
+            raise
+        return "tidied"
+
+    async def policy(process, row) -> Approval:
+        if row.args.get("text") == "risky":
+            return Approval("ask", ("destructive",), "risky", fingerprint="fp")
+        return Approval("auto")
+
+    model = ScriptedModel([Reply(tool_calls=[call("tidy"), call("echo", text="risky")]), "unexpected"])
+    async with kernel(tmp_path, model, tools=[echo, tidy], approval=policy) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        for _ in range(200):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.01)
+        [ask] = await proc.pending_approvals()
+        aborting = asyncio.create_task(proc.abort())
+        await asyncio.sleep(0.05)  # the abort waits for tidy to unwind
+        await proc.hil(ask.request_id, "approve")
+        assert await aborting
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        await asyncio.sleep(0.05)
+        assert ran == [] and model.calls == 1  # the approved call never ran; no model call after the abort
+        msgs = await proc.messages()
+        assert_valid(msgs)
+        assert [m.text for m in msgs if isinstance(m, ToolResultMessage)] == [
+            "Tool call cancelled: the run was aborted.",
+            "Tool call cancelled: the run was aborted.",
+        ]
+        assert not k.engine._live[proc.pid].tools

@@ -105,6 +105,7 @@ class _Live:
     queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
     prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
     approvals: bool = False  # a run of this process may have stored approval decisions
+    stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
 
 
 class _Tx:
@@ -319,6 +320,8 @@ class ProcessEngine:
         if live is None:
             return
         live.dirty = True
+        if live.stopping:
+            return  # the abort that is stopping the run wakes the driver when it is done
         if live.driver is None or live.driver.done():
             live.driver = asyncio.create_task(self._drive(live), name=f"agentloop-process-{pid}")
 
@@ -789,7 +792,20 @@ class ProcessEngine:
         run = live.record.current_run
         if run is None or (run_id is not None and run["run_id"] != run_id):
             return False
-        active = run["run_id"]
+        live.stopping += 1  # nothing new may start for the run while it is being stopped (an approval)
+        try:
+            stopped = await self._stop(live, run["run_id"], reason)
+        finally:
+            live.stopping -= 1
+        if stopped and reason not in ("user.interrupt", "process.reset", "process.kill"):  # those decide what runs next
+            await self._promote(live)
+        if live.dirty:
+            self.wake(pid)  # a wake-up that came while the run was being stopped
+        return stopped
+
+    async def _stop(self, live: _Live, active: str, reason: str) -> bool:
+        """Cancel the run's model call and tools, then end it with a terminal result for every open call."""
+        pid = live.record.pid
         partial = live.partial
         me = asyncio.current_task()
         stopping = [t for t in [live.driver, *live.tools.values()] if t is not None and not t.done() and t is not me]
@@ -816,8 +832,6 @@ class ProcessEngine:
             await self.store.kv_delete(pid, f"approved:{active}")
             await tx.set_run(None)
             await tx.signal(sig.RUN_FINISHED, runId=active, status="aborted", reason=reason)
-        if reason not in ("user.interrupt", "process.reset", "process.kill"):  # those decide what runs next
-            await self._promote(live)
         return True
 
     async def forget(self, pid: str) -> None:
