@@ -224,3 +224,35 @@ async def test_an_approval_arriving_during_an_abort_starts_nothing(tmp_path):
             "Tool call cancelled: the run was aborted.",
         ]
         assert not k.engine._live[proc.pid].tools
+
+
+async def test_two_decisions_on_one_approval_only_the_first_counts(tmp_path):
+    ran.clear()
+
+    async def policy(process, row) -> Approval:
+        if process.owner == "busy":
+            await asyncio.sleep(0.2)  # this process's policy is slow: its commit holds the store meanwhile
+            return Approval("auto")
+        if row.args.get("text") == "risky":
+            return Approval("ask", ("destructive",), "risky", fingerprint="fp")
+        return Approval("auto")
+
+    async with kernel(tmp_path, ScriptedModel(echo_then_answer), approval=policy) as k:
+        proc = await k.spawn(owner="a")
+        busy = await k.spawn(owner="busy")
+        await proc.send("risky")
+        for _ in range(200):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.01)
+        [ask] = await proc.pending_approvals()
+        await busy.send("hello")
+        await asyncio.sleep(0.05)
+        approve, deny = await asyncio.gather(
+            proc.hil(ask.request_id, "approve"), proc.hil(ask.request_id, "deny"), return_exceptions=True
+        )
+        assert approve is True and isinstance(deny, KeyError)
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        await asyncio.wait_for(busy.wait_idle(), 5)
+        result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
+        assert not result.is_error and "risky" in ran

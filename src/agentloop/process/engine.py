@@ -710,7 +710,8 @@ class ProcessEngine:
         if row is None:
             raise KeyError(f"no pending approval {request_id!r} for process {pid}")
         async with self._tx(live) as tx:
-            await self.store.delete_hil(request_id)
+            if not await self.store.delete_hil(request_id):  # decided meanwhile (by another client)
+                raise KeyError(f"no pending approval {request_id!r} for process {pid}")
             if decision == "approve":
                 live.approvals = True
                 approved = await self.store.kv_get(pid, f"approved:{row.run_id}") or {}
