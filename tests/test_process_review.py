@@ -9,6 +9,7 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
 from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage, user
 from agentloop.models.base import ModelRequest
+from agentloop.tools.base import ToolResult
 
 ran: list[str] = []
 
@@ -256,3 +257,23 @@ async def test_two_decisions_on_one_approval_only_the_first_counts(tmp_path):
         await asyncio.wait_for(busy.wait_idle(), 5)
         result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
         assert not result.is_error and "risky" in ran
+
+
+async def test_a_tool_result_that_cannot_be_stored_becomes_an_error_result(tmp_path):
+    class Handle:  # a live object a tool hands to programs in ``details``: not JSON
+        pass
+
+    @tool
+    async def opener() -> ToolResult:
+        """Open something."""
+        return ToolResult.text("opened", details={"handle": Handle()})
+
+    model = ScriptedModel([Reply(tool_calls=[call("opener")]), "went on"])
+    async with kernel(tmp_path, model, tools=[opener]) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("open it")
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        msgs = await proc.messages()
+        assert_valid(msgs)
+        result = next(m for m in msgs if isinstance(m, ToolResultMessage))
+        assert result.is_error and "could not be recorded" in result.text and msgs[-1].text == "went on"

@@ -669,18 +669,25 @@ class ProcessEngine:
     async def _run_tool(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> None:
         try:
             result = await _execute(self.config, _state_for(live, run_id), prepared, None)
-            async with self._tx(live) as tx:
-                settled = await self._settle(
-                    tx, row, result, "failed" if result.is_error else "completed", ("dispatched",)
-                )
-                run = live.record.current_run
-                if settled and run is not None and run["run_id"] == run_id:
-                    rows = await self.store.calls(live.record.pid, run_id)
-                    if rows and all(r.terminal for r in rows):  # the batch is complete: ingest it now
-                        await self._ingest(tx, live, run, rows)
+            try:
+                await self._record(live, run_id, row, result)
+            except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
+                log.exception("process %s: the result of %s could not be recorded", live.record.pid, row.tool_name)
+                text = f"The tool's result could not be recorded: {type(exc).__name__}: {exc}"
+                await self._record(live, run_id, row, tool_error_result(prepared.call, text))
         finally:
             live.tools.pop(row.dispatch_id, None)
         self.wake(live.record.pid)
+
+    async def _record(self, live: _Live, run_id: str, row: ToolCallRow, result: ToolResultMessage) -> None:
+        """Settle a finished call; the call that completes its batch also ingests the batch."""
+        async with self._tx(live) as tx:
+            settled = await self._settle(tx, row, result, "failed" if result.is_error else "completed", ("dispatched",))
+            run = live.record.current_run
+            if settled and run is not None and run["run_id"] == run_id:
+                rows = await self.store.calls(live.record.pid, run_id)
+                if rows and all(r.terminal for r in rows):  # the batch is complete: ingest it now
+                    await self._ingest(tx, live, run, rows)
 
     async def _settle(
         self, tx: _Tx, row: ToolCallRow, result: ToolResultMessage, status: Any, expect: tuple[Any, ...]
