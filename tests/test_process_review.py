@@ -277,3 +277,16 @@ async def test_a_tool_result_that_cannot_be_stored_becomes_an_error_result(tmp_p
         assert_valid(msgs)
         result = next(m for m in msgs if isinstance(m, ToolResultMessage))
         assert result.is_error and "could not be recorded" in result.text and msgs[-1].text == "went on"
+
+
+async def test_a_retried_steer_with_a_run_id_gets_the_same_receipt(tmp_path):
+    model = ScriptedModel([Reply(tool_calls=[call("slow", seconds=0.2)]), "done"])
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("start")
+        await asyncio.sleep(0.05)
+        steer = await proc.send("also this", run_id="delivery-7")
+        again = await proc.send("also this", run_id="delivery-7")  # the client retries the same delivery
+        assert steer == again and steer.run_id == first.run_id and steer.queued
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["start", "also this"]

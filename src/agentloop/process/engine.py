@@ -262,7 +262,7 @@ class ProcessEngine:
         if run_id is not None:  # a caller-supplied run id makes the delivery idempotent
             seen = await self.store.kv_get(pid, f"admitted:{run_id}")
             if seen is not None:
-                return Receipt(run_id, bool(seen.get("queued")), int(seen.get("position", 0)))
+                return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
         active = live.record.current_run
         if active is not None and mode == "interrupt":
             await self.abort(pid, reason="user.interrupt")
@@ -277,13 +277,14 @@ class ProcessEngine:
             self.wake(pid)
             return Receipt(run["run_id"], False, 0)
         queued_run = run_id or new_id()
+        receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
         async with self._tx(live) as tx:
             await self.store.enqueue(pid, "steer" if mode == "steer" else "queue", message, run_id=queued_run)
             position = live.queued + 1
             tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
             await tx.signal(sig.CHANGED, changes=["queue"])
-            await self._remember_admission(pid, queued_run, run_id, queued=True, position=position)
-        return Receipt(active["run_id"] if mode == "steer" else queued_run, True, position)
+            await self._remember_admission(pid, receipt_run, run_id, queued=True, position=position)
+        return Receipt(receipt_run, True, position)
 
     async def _remember_admission(
         self, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
