@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, Kernel
+from agentloop.kernel import Approval, Kernel, NoSuchProcess
 from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage, user
 from agentloop.models.base import ModelRequest
 from agentloop.tools.base import ToolResult
@@ -290,3 +292,25 @@ async def test_a_retried_steer_with_a_run_id_gets_the_same_receipt(tmp_path):
         assert steer == again and steer.run_id == first.run_id and steer.queued
         await asyncio.wait_for(proc.wait_idle(), 5)
         assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["start", "also this"]
+
+
+async def test_a_killed_process_refuses_every_call_with_no_such_process(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(["hi"])) as k:
+        proc = await k.spawn(owner="a")
+        await proc.kill()
+        for attempt in (
+            proc.pending_approvals,
+            proc.history,
+            proc.info,
+            proc.abort,
+            proc.wait_idle,
+            lambda: proc.hil("x", "approve"),
+            proc.reset,
+            lambda: drain(proc),
+        ):
+            with pytest.raises(NoSuchProcess):
+                await attempt()
+
+
+async def drain(proc):
+    return [s async for s in proc.signals(follow=False)]

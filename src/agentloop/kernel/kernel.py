@@ -216,6 +216,7 @@ class Process:
         return await self.kernel.engine.hil(self.pid, request_id, decision, remember=remember)
 
     async def pending_approvals(self) -> list[Any]:
+        await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
         return await self.kernel.store.hils(self.pid)
 
     async def reset(self) -> Path | None:
