@@ -26,6 +26,7 @@ from agentloop.loop.state import LoopConfig, Mode, RunState, ToolExecution
 from agentloop.messages import (
     AssistantMessage,
     Message,
+    SystemMessage,
     ToolResultMessage,
     Usage,
     UserMessage,
@@ -37,6 +38,9 @@ from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool, ToolLike, as_tool
 
 Input = str | Message | Sequence[Message]
+
+
+_MESSAGE_TYPES = (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
 
 
 class Piece(Protocol):
@@ -263,11 +267,9 @@ class Agent:
         if mode not in ("agent", "chat"):
             raise ValueError(f"mode must be 'agent' or 'chat', got {mode!r}")
         messages = list(history)
-        if isinstance(input, str):
+        if isinstance(input, str):  # the common case first: a plain prompt
             prompts: list[Message] = [user(input)]
-        elif not isinstance(input, Sequence):
-            prompts = [input]
-        else:
+        elif isinstance(input, list | tuple) or (not isinstance(input, _MESSAGE_TYPES) and isinstance(input, Sequence)):
             messages.extend(cast("Sequence[Message]", input))
             prompts = []
             if not messages:
@@ -277,6 +279,8 @@ class Agent:
                 raise ValueError("Cannot continue from message role: assistant")
             if not isinstance(last, UserMessage | ToolResultMessage) and last.role != "system":
                 raise ValueError(f"Cannot continue from message role: {last.role}")
+        else:
+            prompts = [input]
         return Run(self.config, messages, prompts, stream, mode)
 
     async def run(self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent") -> RunResult:

@@ -25,7 +25,7 @@ StopReason: TypeAlias = Literal["stop", "length", "toolUse", "error", "aborted"]
 
 def now_ms() -> int:
     """Wall-clock milliseconds, the timestamp unit of every message."""
-    return int(time.time() * 1000)
+    return time.time_ns() // 1_000_000
 
 
 _WIRE = ConfigDict(

@@ -34,7 +34,7 @@ Emit = Callable[[LoopEvent], None] | None
 SKIPPED = "Skipped due to queued user message."
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prepared:
     call: ToolCall
     tool: Tool

@@ -8,6 +8,7 @@ reason. Nothing in the history is discarded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from agentloop.messages import Usage
 
@@ -20,8 +21,9 @@ class Guards:
     max_tokens: int | None = None  # total tokens over the run
     max_cost: float | None = None  # dollars over the run
 
-    @property
+    @cached_property
     def active(self) -> bool:
+        """Whether any budget is set (asked once per run, so computed once)."""
         return any(
             v is not None
             for v in (self.max_rounds, self.max_tool_calls, self.max_wall_clock, self.max_tokens, self.max_cost)

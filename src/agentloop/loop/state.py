@@ -55,7 +55,7 @@ class LoopConfig:
         return [t.spec for t in self.tools.values()]
 
 
-@dataclass
+@dataclass(slots=True)
 class RunState:
     """One run in progress: the history it extends, its counters and its input queues."""
 
@@ -88,18 +88,18 @@ class RunState:
 # ------------------------------------------------------------------ decisions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CallModel:
     tools_enabled: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunTools:
     message: AssistantMessage
     calls: list[ToolCall]  # the calls of ``message`` that have no result yet
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Finish:
     reason: str  # stop | length | error | aborted | <guard name>
 

@@ -98,7 +98,8 @@ def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int
         cache_write=cache_write,
         total_tokens=input + output + cache_read + cache_write,
     )
-    usage.cost = info.cost(usage)
+    if info.input_cost or info.output_cost or info.cache_read_cost or info.cache_write_cost:
+        usage.cost = info.cost(usage)
     return usage
 
 
