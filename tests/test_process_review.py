@@ -195,7 +195,7 @@ async def test_an_approval_arriving_during_an_abort_starts_nothing(tmp_path):
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
             raise
         return "tidied"
 
