@@ -163,6 +163,8 @@ class Process:
         run_id: str | None = None,
     ) -> Receipt:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active)."""
+        if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
+            raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         record = (await self.kernel.engine.live(self.pid)).record
         blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
         for image in media:  # stored as files; the message keeps a reference, the model gets the image
@@ -348,8 +350,8 @@ class Kernel:
         path = None
         if archive and history:
             name = f"{'kill' if kill else 'reset'}-{record.history_generation}-{new_id()}"
-            path = write_archive(
-                self.data_dir, record.owner, pid, name, history, {"reason": "kill" if kill else "reset"}
+            path = await asyncio.to_thread(
+                write_archive, self.data_dir, record.owner, pid, name, history, {"reason": "kill" if kill else "reset"}
             )
         self.media.delete_process(record.owner, pid)
         live = await self.engine.live(pid)

@@ -868,6 +868,8 @@ class ProcessEngine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for pid in list(self._live):
+            self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
 
 

@@ -118,7 +118,12 @@ class SQLiteStore(Store):
                 db.execute("ROLLBACK")
                 raise
             self._tx_task = None
-            db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except BaseException:  # a failed commit must not leave the transaction open
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
 
     def _write(self) -> sqlite3.Connection:
         if self._tx_task is None or self._tx_task is not asyncio.current_task():
