@@ -136,3 +136,25 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return os.path.exists(f"/proc/{pid}")
+
+
+async def test_a_dispatch_past_its_durable_deadline_fails_when_nobody_works_on_it(tmp_path):
+    @tool(timeout=0.3)
+    async def remote() -> str:
+        """Stands for a call answered elsewhere (a device)."""
+        await asyncio.sleep(30)
+        return "never"
+
+    model = ScriptedModel([Reply(tool_calls=[call("remote")]), "gave up on it"])
+    async with kernel(tmp_path, model, [remote]) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        await asyncio.sleep(0.05)
+        live = await k.engine.live(proc.pid)
+        for task in list(live.tools.values()):  # the worker disappears (the device went away)
+            live.tools.clear()
+            task.cancel()
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
+        assert result.is_error and "no result before its deadline" in result.text
+        assert (await proc.messages())[-1].text == "gave up on it"

@@ -375,6 +375,8 @@ class ProcessEngine:
                 async with self._tx(live) as tx:
                     await self._dispatch(tx, live, run, rows)
                 rows = await self.store.calls(pid, run_id)
+            if rows and await self._expire(live, rows):
+                rows = await self.store.calls(pid, run_id)
             if not rows or any(not r.terminal for r in rows):
                 return False
             async with self._tx(live) as tx:
@@ -660,6 +662,29 @@ class ProcessEngine:
                     args=row.args,
                 )
                 tx.after.append(self._launcher(live, run_id, row, prepared))
+
+    async def _expire(self, live: _Live, rows: list[ToolCallRow]) -> bool:
+        """Enforce each dispatch's durable deadline for calls nobody here is working on (a remote
+        call, or one whose worker is gone); wake again at the next deadline still ahead."""
+        now = time.time()
+        expired = [
+            r
+            for r in rows
+            if r.status == "dispatched"
+            and r.deadline is not None
+            and r.deadline <= now
+            and r.dispatch_id not in live.tools
+        ]
+        if expired:
+            async with self._tx(live) as tx:
+                for row in expired:
+                    text = f"Tool {row.tool_name} timed out: no result before its deadline"
+                    await self._settle(tx, row, tool_error_result(_call_of(row), text), "failed", ("dispatched",))
+        ahead = [r.deadline for r in rows if r.status == "dispatched" and r.deadline is not None and r.deadline > now]
+        if ahead:
+            loop = asyncio.get_running_loop()
+            loop.call_later(min(ahead) - now + 0.01, self.wake, live.record.pid)
+        return bool(expired)
 
     def _launcher(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> Callable[[], None]:
         def launch() -> None:
