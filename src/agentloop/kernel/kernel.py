@@ -30,14 +30,12 @@ from agentloop.process import signals as sig
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import write_archive
 from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, new_id
-from agentloop.process.media import MediaError, MediaRef, MediaStore
+from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
 from agentloop.tools.base import ToolLike
 from agentloop.tools.skills import skills_tool
-
-MEDIA_PREFIX = "media:"
 
 
 def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:

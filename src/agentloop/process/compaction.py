@@ -119,18 +119,14 @@ def context_tokens(system_prompt: str, tools: Sequence[ToolSpec], messages: Sequ
     the latest summary is stale (it measured the history that was compacted away), and all-zero
     usage means the provider did not report any, so both fall back to the estimate.
     """
-    start = 0
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND:
-            start = i
-            break
-    for i in range(len(messages) - 1, start - 1, -1):
+    for i in range(len(messages) - 1, -1, -1):  # newest first: only the tail is looked at
         m = messages[i]
         if isinstance(m, AssistantMessage):
             covered = _usage_tokens(m)
             if covered:
                 return covered + estimate_tokens(list(messages[i + 1 :]))
+        elif isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND:
+            break  # usage from before the latest summary measured what was compacted away
     return estimate_tokens(system_prompt) + estimate_tokens(list(tools)) + estimate_tokens(list(messages))
 
 

@@ -33,11 +33,13 @@ from agentloop.loop.runner import CANCELLED
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
 from agentloop.messages import (
     AssistantMessage,
+    ImageContent,
     Message,
     SystemMessage,
     ToolCall,
     ToolResultMessage,
     Usage,
+    UserMessage,
     message_from_dict,
     message_to_dict,
     system,
@@ -46,6 +48,7 @@ from agentloop.messages import (
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
 from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
+from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
 from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, SegmentRow, Store, ToolCallRow
 from agentloop.process.store.base import ProcessState
@@ -104,6 +107,7 @@ class _Live:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
     prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
+    media: bool = False  # the history holds stored media references (to hydrate before model calls)
     approvals: bool = False  # a run of this process may have stored approval decisions
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
 
@@ -131,6 +135,8 @@ class _Tx:
     async def append(self, run_id: str | None, messages: list[Message]) -> None:
         await self.engine.store.append_messages(self.live.record.pid, run_id, messages)
         self.after.append(lambda: self.live.history.extend(messages))
+        if not self.live.media and any(_has_media(m) for m in messages):
+            self.after.append(lambda: setattr(self.live, "media", True))
 
     async def set_run(self, run: dict[str, Any] | None) -> None:
         state: ProcessState = "running" if run is not None else "idle"
@@ -193,6 +199,7 @@ class ProcessEngine:
         history = [m.message for m in await self.store.history(pid)]
         live = self._live[pid] = _Live(record, history)
         live.queued = len(await self.store.queue(pid))
+        live.media = any(_has_media(m) for m in history)
         live.approvals = record.current_run is not None  # decisions made before a restart may be stored
         if record.current_run is None:
             live.idle.set()
@@ -433,7 +440,7 @@ class ProcessEngine:
 
         cfg = await self._run_config(live, run_id)
         await self._compact_if_needed(live, run, cfg, tools_enabled)
-        messages = self.hydrate(live.history) if self.hydrate is not None else live.history
+        messages = self.hydrate(live.history) if self.hydrate is not None and live.media else live.history
         state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
         live.partial = state
 
@@ -461,7 +468,7 @@ class ProcessEngine:
             reply = await call_model(cfg, state, tools_enabled, stream if self.hub.watching(pid) else None)
             overflow = reply.stop_reason == "error" and is_context_overflow(reply, cfg.model.info.context_window)
             if overflow and await self._compact(live, run, cfg, "overflow"):  # one compact-and-retry
-                messages = self.hydrate(live.history) if self.hydrate is not None else live.history
+                messages = self.hydrate(live.history) if self.hydrate is not None and live.media else live.history
                 state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
                 live.partial = state
                 reply = await call_model(cfg, state, tools_enabled, None)
@@ -896,6 +903,13 @@ class ProcessEngine:
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
+
+
+def _has_media(message: Message) -> bool:
+    """Whether a message carries stored-media references (images kept as files, not inline)."""
+    if not isinstance(message, UserMessage | ToolResultMessage) or len(message.content) < 2:
+        return False
+    return any(isinstance(b, ImageContent) and b.data.startswith(MEDIA_PREFIX) for b in message.content)
 
 
 def _reason_code(reason: str) -> str:

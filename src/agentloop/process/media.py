@@ -30,6 +30,9 @@ _ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+MEDIA_PREFIX = "media:"  # an image block whose data is this prefix + a MediaRef as JSON: stored as a file
+
+
 class MediaError(ValueError):
     """An image that cannot be stored or found."""
 
