@@ -11,6 +11,7 @@ one agent serves any number of concurrent runs. ``result.messages`` continues a 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
@@ -82,6 +83,15 @@ class RunResult:
         return self.stop_reason not in ("error", "aborted")
 
 
+_RUN_PREFIX = os.urandom(5).hex()
+_run_numbers = itertools.count(1)
+
+
+def _next_run_id() -> str:
+    """Unique within this process and, by its random prefix, across processes."""
+    return f"{_RUN_PREFIX}{next(_run_numbers):06x}"
+
+
 def _as_message(m: str | Message) -> Message:
     return user(m) if isinstance(m, str) else m
 
@@ -92,7 +102,7 @@ class Run:
     def __init__(
         self, cfg: LoopConfig, history: list[Message], prompts: list[Message], stream: bool, mode: Mode = "agent"
     ) -> None:
-        self.id = os.urandom(8).hex()
+        self.id = _next_run_id()
         self._cfg = cfg
         self._prompts = prompts
         self.state = RunState(run_id=self.id, messages=history, first_new=len(history), mode=mode)

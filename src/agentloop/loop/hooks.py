@@ -16,7 +16,6 @@ left out.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -78,7 +77,7 @@ T = TypeVar("T")
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     result = fn(*args)
-    if inspect.isawaitable(result):
+    if hasattr(result, "__await__"):  # cheaper than inspect.isawaitable's ABC check
         result = await result
     return result
 

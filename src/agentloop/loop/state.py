@@ -106,6 +106,12 @@ class Finish:
 
 Decision: TypeAlias = CallModel | RunTools | Finish
 
+# decisions are immutable: the common ones are made once
+_CALL_WITH_TOOLS = CallModel(tools_enabled=True)
+_CALL_WITHOUT_TOOLS = CallModel(tools_enabled=False)
+_FINISH_STOP = Finish("stop")
+_FINISH_LENGTH = Finish("length")
+
 
 def unresolved_calls(messages: list[Message]) -> tuple[AssistantMessage | None, list[ToolCall]]:
     """The newest assistant message and those of its tool calls that have no result after it."""
@@ -127,7 +133,7 @@ def decide(messages: list[Message], *, has_input: bool, guard: str | None) -> De
     ``guard``: the guard that tripped, if any (its final tools-disabled round is armed or done).
     """
     if not messages:
-        return Finish("stop")
+        return _FINISH_STOP
     last = messages[-1]
     if isinstance(last, AssistantMessage):
         if last.stop_reason in ("error", "aborted"):
@@ -138,10 +144,10 @@ def decide(messages: list[Message], *, has_input: bool, guard: str | None) -> De
         if guard is not None:
             return Finish(guard)
         if has_input:
-            return CallModel(tools_enabled=True)
-        return Finish("length" if last.stop_reason == "length" else "stop")
+            return _CALL_WITH_TOOLS
+        return _FINISH_LENGTH if last.stop_reason == "length" else _FINISH_STOP
     if isinstance(last, ToolResultMessage):
         assistant, pending = unresolved_calls(messages)
         if assistant is not None and pending:
             return RunTools(assistant, pending)
-    return CallModel(tools_enabled=guard is None)
+    return _CALL_WITH_TOOLS if guard is None else _CALL_WITHOUT_TOOLS
