@@ -47,11 +47,13 @@ from agentloop.messages import (
 )
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
+from agentloop.process.approval.engine import remember_rule
 from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
 from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
 from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, SegmentRow, Store, ToolCallRow
 from agentloop.process.store.base import ProcessState
+from agentloop.tools.builtin import SYSCALLS
 
 log = logging.getLogger("agentloop.process")
 
@@ -588,8 +590,6 @@ class ProcessEngine:
         ]
 
     def syscall(self, tool_name: str) -> str:
-        from agentloop.tools.builtin import SYSCALLS
-
         return SYSCALLS.get(tool_name, f"tool.{tool_name}")
 
     # -- tools ------------------------------------------------------------------------------------
@@ -758,8 +758,6 @@ class ProcessEngine:
                 approved[row.dispatch_id] = row.fingerprint
                 await self.store.kv_set(pid, f"approved:{row.run_id}", approved)
                 if remember:  # a process-local allow rule, which the policy checker reads first
-                    from agentloop.process.approval.engine import remember_rule
-
                     rules = await self.store.kv_get(pid, "approval_overrides") or []
                     rules.insert(0, remember_rule(row.syscall).to_json())
                     await self.store.kv_set(pid, "approval_overrides", rules)
