@@ -1,0 +1,60 @@
+"""Errors the server shows to clients, and the one place that makes their text safe to show.
+
+Clients display these messages to people, so nothing that reaches them may carry a stack trace,
+a path on the server or a credential. Provider error texts are the risky ones (they can quote a
+request URL, a key prefix or a local file), so they pass through ``safe_message`` first.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """A failure answered before any stream opens: an HTTP status with ``{code, message}``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.code, self.message)
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"code": code, "message": message}, status_code=status, headers=headers)
+
+
+_SECRETS = re.compile(
+    r"(?i)\bbearer\s+\S+"  # an Authorization header value
+    r"|\b(?:sk|pk|rk|key|api|tok)[-_][A-Za-z0-9_\-]{6,}"  # vendor key prefixes (sk-..., sk-ant-...)
+    r"|\b(?:api[_-]?key|token|secret|password|authorization)\s*[=:]\s*\S+"
+    r"|[A-Za-z0-9_\-+/]{32,}={0,2}"  # long opaque strings: keys, signed URLs, base64 blobs
+)
+_PATHS = re.compile(r"(?:[A-Za-z]:\\|~?/)(?:[\w.\-]+[/\\])+[\w.\-]*")
+_URLS = re.compile(r"\bhttps?://\S+")
+_MAX_LEN = 200
+
+
+def safe_message(text: str | None, fallback: str) -> str:
+    """The first line of ``text`` with credentials, URLs and file paths removed, or ``fallback``.
+
+    Only the first line is kept because stack traces and provider dumps follow it; the length is
+    capped because a client shows the message as a status line, not a report.
+    """
+    if not text:
+        return fallback
+    line = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if line.lower().startswith("traceback"):
+        return fallback
+    line = _URLS.sub("[url]", line)
+    line = _SECRETS.sub("[redacted]", line)
+    line = _PATHS.sub("[path]", line)
+    if len(line) > _MAX_LEN:
+        line = line[: _MAX_LEN - 1].rstrip() + "…"
+    return line or fallback
