@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -346,7 +347,8 @@ def _free_port() -> int:
         return port
 
 
-async def test_real_server_streams_and_a_disconnect_aborts_the_run():
+async def test_real_server_streams_and_a_disconnect_aborts_the_run(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO, logger="agentloop.server")
     tool_started = asyncio.Event()
     tool_cancelled = asyncio.Event()
 
@@ -390,6 +392,11 @@ async def test_real_server_streams_and_a_disconnect_aborts_the_run():
         assert received[0] == "text-delta" and received[-1] == "tool-call"
         await asyncio.wait_for(tool_started.wait(), 5)
         await asyncio.wait_for(tool_cancelled.wait(), 5)
+        for _ in range(100):
+            if "client_disconnected" in caplog.text:
+                break
+            await asyncio.sleep(0.02)
+        assert '"outcome": "client_disconnected"' in caplog.text
     finally:
         server.should_exit = True
         await asyncio.wait_for(serve, 10)
@@ -433,8 +440,37 @@ _metadata = st.fixed_dictionaries(
         "conversation_id": _json,
     },
 )
+# Mostly valid conversations (so the stream path is exercised too), some of them broken by a mutation.
+_tool_round = st.builds(
+    lambda cid, args: [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": cid, "function": {"name": "add", "arguments": args}}],
+        },
+        {"role": "tool", "tool_call_id": cid, "content": "3"},
+    ],
+    st.sampled_from(["c1", "c2"]),
+    st.sampled_from(['{"a":1,"b":2}', "{}", "", "[1]", "nope"]) | _json,
+)
+_turn = st.one_of(
+    st.builds(lambda t: [{"role": "user", "content": t}], st.text(max_size=10)),
+    st.builds(lambda t: [{"role": "system", "content": t}], st.text(max_size=10)),
+    st.builds(lambda t: [{"role": "assistant", "content": t}], st.text(max_size=10)),
+    _tool_round,
+)
+_conversation = st.builds(
+    lambda turns, last, cid: {
+        "messages": [m for turn in turns for m in turn] + last,
+        "metadata": {"correlation_id": cid},
+    },
+    st.lists(_turn, max_size=4),
+    st.sampled_from([[{"role": "user", "content": "go"}], []]),
+    st.sampled_from(["c", "corr-1"]) | st.text(max_size=3),
+)
 _bodies = (
-    _json.map(lambda v: json.dumps(v).encode())
+    _conversation.map(lambda v: json.dumps(v).encode())
+    | _json.map(lambda v: json.dumps(v).encode())
     | st.fixed_dictionaries(
         {}, optional={"messages": st.lists(_message, max_size=4) | _json, "metadata": _metadata}
     ).map(lambda v: json.dumps(v).encode())
@@ -444,6 +480,7 @@ _bodies = (
 
 def test_random_bodies_never_give_a_500():
     app = make_app(lambda request: Reply(text="ok"))
+    statuses: Counter[int] = Counter()
     with TestClient(app) as client:
 
         @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -451,6 +488,7 @@ def test_random_bodies_never_give_a_500():
         def check(raw: bytes) -> None:
             resp = client.post(URL, content=raw, headers={"content-type": "application/json", **AUTH})
             assert resp.status_code in (200, 400), resp.text
+            statuses[resp.status_code] += 1
             if resp.status_code == 400:
                 assert resp.json()["code"] == "invalid_request"
             else:
@@ -458,3 +496,4 @@ def test_random_bodies_never_give_a_500():
                 assert events[-1][0] in ("done", "error")
 
         check()
+    assert statuses[200] > 0 and statuses[400] > 0, statuses
