@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
@@ -255,7 +256,10 @@ class EventTranslator:
 
 
 def _log(level: int, message: str, correlation_id: str | None, *, exc_info: bool = False, **fields: Any) -> None:
-    """One JSON line per record; ``correlation_id`` also rides on the record for log routers."""
+    """One JSON line per record; ``correlation_id`` also rides on the record for log routers.
+
+    Headers are never logged, so a bearer token cannot end up in a log line.
+    """
     if not logger.isEnabledFor(level):
         return
     payload = {
@@ -266,7 +270,9 @@ def _log(level: int, message: str, correlation_id: str | None, *, exc_info: bool
         "correlation_id": correlation_id,
         **fields,
     }
-    logger.log(level, json.dumps(payload, default=str), exc_info=exc_info, extra={"correlation_id": correlation_id})
+    if exc_info:  # inside the JSON, so the record stays one line for log shippers
+        payload["exception"] = traceback.format_exc()
+    logger.log(level, json.dumps(payload, default=str), extra={"correlation_id": correlation_id})
 
 
 def _correlation_hint(body: bytes) -> str | None:
