@@ -13,7 +13,6 @@ they travel as marked user text, in their place.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -45,6 +44,7 @@ from agentloop.models.base import (
     ModelInfo,
     ModelRequest,
     ProviderError,
+    endpoint,
     make_usage,
 )
 from agentloop.models.catalog import model_info
@@ -103,11 +103,9 @@ class AnthropicModel(Model):
     ) -> None:
         self.model_id = model_id
         self.info = info or model_info("anthropic", model_id)
-        self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or None
-        key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
-        if key is None and self.base_url is not None:
-            key = PLACEHOLDER_KEY
-        self._api_key = key
+        self._api_key, self.base_url = endpoint(
+            api_key, base_url, key_env="ANTHROPIC_API_KEY", url_env="ANTHROPIC_BASE_URL", placeholder=PLACEHOLDER_KEY
+        )
         self.thinking_budget = thinking_budget
         self.prompt_cache = prompt_cache
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}

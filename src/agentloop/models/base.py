@@ -9,6 +9,7 @@ the provider becomes a terminal ``error`` event instead of an exception in the l
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -101,6 +102,18 @@ def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int
     if info.input_cost or info.output_cost or info.cache_read_cost or info.cache_write_cost:
         usage.cost = info.cost(usage)
     return usage
+
+
+def endpoint(
+    api_key: str | None, base_url: str | None, *, key_env: str, url_env: str, placeholder: str
+) -> tuple[str | None, str | None]:
+    """The API key and base URL of a provider, from the arguments or the environment. A server at
+    a custom base URL (vLLM, llama.cpp, a proxy) often needs no key: it gets a placeholder."""
+    url = base_url or os.environ.get(url_env) or None
+    key = api_key or os.environ.get(key_env) or None
+    if key is None and url is not None:
+        key = placeholder
+    return key, url
 
 
 class ProviderError(Exception):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -39,6 +38,7 @@ from agentloop.models.base import (
     ModelInfo,
     ModelRequest,
     ProviderError,
+    endpoint,
     make_usage,
 )
 from agentloop.models.catalog import model_info
@@ -79,11 +79,9 @@ class OpenAIChatModel(Model):
     ) -> None:
         self.model_id = model_id
         self.info = info or model_info("openai", model_id)
-        self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
-        key = api_key or os.environ.get("OPENAI_API_KEY") or None
-        if key is None and self.base_url is not None:
-            key = PLACEHOLDER_KEY
-        self._api_key = key
+        self._api_key, self.base_url = endpoint(
+            api_key, base_url, key_env="OPENAI_API_KEY", url_env="OPENAI_BASE_URL", placeholder=PLACEHOLDER_KEY
+        )
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
         self.options = options
         self._client = client
