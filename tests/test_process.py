@@ -372,3 +372,35 @@ async def test_crash_resume_reruns_idempotent_and_fails_the_others(tmp_path):
         final = (await proc.messages())[-1].text
         assert final.startswith("done: value of k | Tool call interrupted by a restart")
         assert calls.count("charge 5") == 1 and calls.count("lookup k") == 2
+
+
+async def test_a_toolset_gives_each_process_run_its_own_tools(tmp_path):
+    """The engine asks the toolset for a run's tools once per run and keys them by the process:
+    the model sees them, and calling one runs the per-process tool, not a shared one."""
+    seen: list[list[str]] = []
+    built: list[str] = []
+
+    def model(req: ModelRequest) -> Reply | str:
+        seen.append([t.name for t in req.tools])
+        if isinstance(req.messages[-1], UserMessage):
+            return Reply(tool_calls=[call("whoami")])
+        return "done: " + [m.text for m in req.messages if isinstance(m, ToolResultMessage)][-1]
+
+    def toolset(record, shared):
+        built.append(record.owner)
+
+        @tool
+        def whoami() -> str:
+            """Who owns this process."""
+            return record.owner
+
+        return {**shared, "whoami": whoami}
+
+    async with kernel(tmp_path, ScriptedModel(model), toolset=toolset) as k:
+        for owner in ("alice", "bob"):
+            proc = await k.spawn(owner)
+            await proc.send("hi")
+            await proc.wait_idle()
+            assert (await proc.messages())[-1].text == f"done: {owner}"
+    assert built == ["alice", "bob"]  # once per run, not per model call
+    assert all("whoami" in names and "echo" in names for names in seen)

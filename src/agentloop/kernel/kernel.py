@@ -29,7 +29,7 @@ from agentloop.models.base import Model
 from agentloop.process import signals as sig
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import write_archive
-from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, new_id
+from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
@@ -252,12 +252,13 @@ class Kernel:
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
+        toolset: ToolsetFn | None = None,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
 
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
-        directory); ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        directory); ``toolset`` adapts them per process run (devices); ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies``; DESIGN §3's default otherwise) unless ``approval`` replaces the check.
         """
@@ -293,6 +294,7 @@ class Kernel:
             prompt=_prompt_builder(data, agent.config.system_prompt),
             archive=archive,
             compaction_threshold=compaction_threshold,
+            toolset=toolset,
         )
         kernel = cls(store, engine, Path(data_dir))
         try:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
@@ -53,6 +53,7 @@ from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
 from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, SegmentRow, Store, ToolCallRow
 from agentloop.process.store.base import ProcessState
+from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS
 
 log = logging.getLogger("agentloop.process")
@@ -75,6 +76,9 @@ class Approval:
 
 ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
 PromptFn: TypeAlias = Callable[[ProcessRecord], Awaitable[str]]
+# The tools one process's run sees, given the process and the shared tools (e.g. the shared ones
+# with a ``target`` argument routing to the owner's devices, plus the devices' own tools).
+ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool]]
 ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
 
 
@@ -109,6 +113,7 @@ class _Live:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
     prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
+    config: tuple[str, LoopConfig] | None = None  # (run id, the run's loop configuration)
     media: bool = False  # the history holds stored media references (to hydrate before model calls)
     approvals: bool = False  # a run of this process may have stored approval decisions
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
@@ -178,6 +183,7 @@ class ProcessEngine:
         prompt: PromptFn | None = None,
         archive: ArchiveFn | None = None,
         compaction_threshold: float = 0.9,
+        toolset: ToolsetFn | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -187,6 +193,7 @@ class ProcessEngine:
         self.prompt = prompt  # the run's system prompt, built once per run
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.compaction_threshold = compaction_threshold
+        self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self._live: dict[str, _Live] = {}
 
     # -- state ------------------------------------------------------------------------------------
@@ -520,12 +527,19 @@ class ProcessEngine:
         return True
 
     async def _run_config(self, live: _Live, run_id: str) -> LoopConfig:
-        """The loop configuration of this run: the shared one, with the run's own system prompt."""
-        if self.prompt is None:
-            return self.config
-        if live.prompt is None or live.prompt[0] != run_id:
-            live.prompt = (run_id, await self.prompt(live.record))
-        return replace(self.config, system_prompt=live.prompt[1])
+        """The loop configuration of this run: the shared one with the run's own system prompt and
+        tools, built when the run first needs it and kept until the run ends."""
+        if live.config is not None and live.config[0] == run_id:
+            return live.config[1]
+        cfg = self.config
+        if self.prompt is not None:
+            if live.prompt is None or live.prompt[0] != run_id:
+                live.prompt = (run_id, await self.prompt(live.record))
+            cfg = replace(cfg, system_prompt=live.prompt[1])
+        if self.toolset is not None:
+            cfg = replace(cfg, tools=dict(self.toolset(live.record, self.config.tools)))
+        live.config = (run_id, cfg)
+        return cfg
 
     async def _compact_if_needed(self, live: _Live, run: dict[str, Any], cfg: LoopConfig, tools: bool) -> None:
         """Threshold compaction, between the turns of a run as well as between runs."""
@@ -651,11 +665,12 @@ class ProcessEngine:
                     reason=verdict.reason,
                 )
                 return
-            prepared = _check(self.config, _state_for(live, run_id), assistant, call)
+            cfg = await self._run_config(live, run_id)
+            prepared = _check(cfg, _state_for(live, run_id), assistant, call)
             if isinstance(prepared, ToolResultMessage):
                 await self._settle(tx, row, prepared, "failed", ("registered",))
                 continue
-            timeout = prepared.tool.timeout if prepared.tool.timeout is not None else self.config.tool_timeout
+            timeout = prepared.tool.timeout if prepared.tool.timeout is not None else cfg.tool_timeout
             deadline = time.time() + timeout if timeout else None
             if await self.store.set_call_status(
                 row.dispatch_id, "dispatched", expect=("registered",), deadline=deadline
@@ -701,7 +716,7 @@ class ProcessEngine:
 
     async def _run_tool(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> None:
         try:
-            result = await _execute(self.config, _state_for(live, run_id), prepared, None)
+            result = await _execute(await self._run_config(live, run_id), _state_for(live, run_id), prepared, None)
             try:
                 await self._record(live, run_id, row, result)
             except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
