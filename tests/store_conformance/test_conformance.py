@@ -14,6 +14,7 @@ import pytest
 
 from agentloop.messages import AssistantMessage, TextContent, ToolCall, ToolResultMessage, system, user
 from agentloop.process.store import (
+    AccountRecord,
     HilRow,
     NoSuchProcess,
     ProcessRecord,
@@ -21,6 +22,7 @@ from agentloop.process.store import (
     SQLiteStore,
     Store,
     StoreError,
+    TokenRecord,
     ToolCallRow,
     open_store,
 )
@@ -280,3 +282,38 @@ async def test_delete_removes_everything_and_state_survives_reopen(make_store):
     async with s2.transaction():  # counters continue where they were
         assert await s2.append_messages("keep", "r", [user("y")]) == [2]
     await s2.close()
+
+
+async def test_accounts_are_unique_and_listed(store: Store) -> None:
+    async with store.transaction():
+        await store.create_account(AccountRecord("admin", admin=True))
+        await store.create_account(AccountRecord("alice"))
+    with pytest.raises(StoreError, match="already exists"):
+        async with store.transaction():
+            await store.create_account(AccountRecord("alice"))
+    assert [(a.name, a.admin) for a in await store.list_accounts()] == [("admin", True), ("alice", False)]
+    assert await store.get_account("nobody") is None
+    assert (await store.get_account("alice")) is not None
+
+
+async def test_tokens_are_found_by_hash_and_revoked_once(store: Store) -> None:
+    async with store.transaction():
+        await store.create_account(AccountRecord("alice"))
+        await store.add_token(TokenRecord("t1", "alice", "h1", "laptop"))
+        await store.add_token(TokenRecord("t2", "alice", "h2"))
+    found = await store.token_by_hash("h1")
+    assert found is not None and (found.id, found.account, found.label, found.revoked_at) == (
+        "t1",
+        "alice",
+        "laptop",
+        None,
+    )
+    assert await store.token_by_hash("nope") is None
+    async with store.transaction():
+        assert await store.revoke_token("t1", 123.0)
+        assert not await store.revoke_token("t1", 124.0)
+        assert not await store.revoke_token("missing", 124.0)
+    revoked = await store.token_by_hash("h1")
+    assert revoked is not None and revoked.revoked_at == 123.0
+    assert [t.id for t in await store.list_tokens("alice")] == ["t1", "t2"]
+    assert await store.list_tokens("bob") == []

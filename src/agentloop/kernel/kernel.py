@@ -258,7 +258,8 @@ class Kernel:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
 
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
-        directory); ``toolset`` adapts them per process run (devices); ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        directory); ``toolset`` adapts them per process run (devices); ``agent_options`` are
+        ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies``; DESIGN §3's default otherwise) unless ``approval`` replaces the check.
         """

@@ -2,6 +2,7 @@
 
 from agentloop.process.store.base import (
     TERMINAL_STATUSES,
+    AccountRecord,
     CallStatus,
     EventRow,
     HilRow,
@@ -12,6 +13,7 @@ from agentloop.process.store.base import (
     Store,
     StoredMessage,
     StoreError,
+    TokenRecord,
     ToolCallRow,
 )
 from agentloop.process.store.sqlite import SQLiteStore
@@ -30,6 +32,7 @@ def open_store(url: str) -> Store:
 
 __all__ = [
     "TERMINAL_STATUSES",
+    "AccountRecord",
     "CallStatus",
     "EventRow",
     "HilRow",
@@ -41,6 +44,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredMessage",
+    "TokenRecord",
     "ToolCallRow",
     "open_store",
 ]

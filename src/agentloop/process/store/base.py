@@ -125,6 +125,25 @@ class SegmentRow:
     created_at: float = 0.0
 
 
+@dataclass(slots=True)
+class AccountRecord:
+    name: str
+    admin: bool = False
+    created_at: float = 0.0
+
+
+@dataclass(slots=True)
+class TokenRecord:
+    """A bearer token as stored: only its hash, never the token itself."""
+
+    id: str
+    account: str
+    hash: str
+    label: str = ""
+    created_at: float = 0.0
+    revoked_at: float | None = None
+
+
 class Store(ABC):
     """A durable store. Writes happen inside ``transaction()``; reads may happen anywhere."""
 
@@ -263,3 +282,28 @@ class Store(ABC):
 
     @abstractmethod
     async def segments(self, pid: str) -> list[SegmentRow]: ...
+
+    # -- accounts and tokens --------------------------------------------------------------------
+
+    @abstractmethod
+    async def create_account(self, record: AccountRecord) -> None:
+        """Add an account; ``StoreError`` if the name is taken."""
+
+    @abstractmethod
+    async def get_account(self, name: str) -> AccountRecord | None: ...
+
+    @abstractmethod
+    async def list_accounts(self) -> list[AccountRecord]: ...
+
+    @abstractmethod
+    async def add_token(self, record: TokenRecord) -> None: ...
+
+    @abstractmethod
+    async def token_by_hash(self, token_hash: str) -> TokenRecord | None: ...
+
+    @abstractmethod
+    async def list_tokens(self, account: str | None = None) -> list[TokenRecord]: ...
+
+    @abstractmethod
+    async def revoke_token(self, token_id: str, at: float) -> bool:
+        """Mark a token revoked; False if there is no such token or it was already revoked."""

@@ -107,6 +107,25 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX history_segments_pid ON history_segments (pid, generation);
         """,
     ),
+    (
+        2,
+        """
+        CREATE TABLE accounts (
+            name TEXT PRIMARY KEY,
+            admin INTEGER NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE tokens (
+            id TEXT PRIMARY KEY,
+            account TEXT NOT NULL,
+            hash TEXT NOT NULL UNIQUE,
+            label TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            revoked_at DOUBLE PRECISION
+        );
+        CREATE INDEX tokens_account ON tokens (account);
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -19,6 +19,7 @@ from typing import Any
 
 from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
+    AccountRecord,
     CallStatus,
     EventRow,
     HilRow,
@@ -30,6 +31,7 @@ from agentloop.process.store.base import (
     Store,
     StoredMessage,
     StoreError,
+    TokenRecord,
     ToolCallRow,
 )
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
@@ -507,3 +509,47 @@ class SQLiteStore(Store):
             (pid,),
         ).fetchall()
         return [SegmentRow(*r) for r in rows]
+
+    # -- accounts and tokens --------------------------------------------------------------------
+
+    async def create_account(self, record: AccountRecord) -> None:
+        try:
+            self._write().execute(
+                "INSERT INTO accounts (name, admin, created_at) VALUES (?, ?, ?)",
+                (record.name, int(record.admin), record.created_at or time.time()),
+            )
+        except sqlite3.IntegrityError:
+            raise StoreError(f"account {record.name!r} already exists") from None
+
+    async def get_account(self, name: str) -> AccountRecord | None:
+        row = self.db.execute("SELECT name, admin, created_at FROM accounts WHERE name = ?", (name,)).fetchone()
+        return AccountRecord(row[0], bool(row[1]), row[2]) if row else None
+
+    async def list_accounts(self) -> list[AccountRecord]:
+        rows = self.db.execute("SELECT name, admin, created_at FROM accounts ORDER BY name").fetchall()
+        return [AccountRecord(r[0], bool(r[1]), r[2]) for r in rows]
+
+    async def add_token(self, record: TokenRecord) -> None:
+        self._write().execute(
+            "INSERT INTO tokens (id, account, hash, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (record.id, record.account, record.hash, record.label, record.created_at or time.time(), record.revoked_at),
+        )
+
+    async def token_by_hash(self, token_hash: str) -> TokenRecord | None:
+        row = self.db.execute(
+            "SELECT id, account, hash, label, created_at, revoked_at FROM tokens WHERE hash = ?", (token_hash,)
+        ).fetchone()
+        return TokenRecord(*row) if row else None
+
+    async def list_tokens(self, account: str | None = None) -> list[TokenRecord]:
+        sql = "SELECT id, account, hash, label, created_at, revoked_at FROM tokens"
+        args: tuple[Any, ...] = ()
+        if account is not None:
+            sql, args = sql + " WHERE account = ?", (account,)
+        return [TokenRecord(*r) for r in self.db.execute(sql + " ORDER BY created_at, id", args).fetchall()]
+
+    async def revoke_token(self, token_id: str, at: float) -> bool:
+        cur = self._write().execute(
+            "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, token_id)
+        )
+        return cur.rowcount == 1
