@@ -1,8 +1,8 @@
-"""The HTTP server: a Starlette app around the library's ``Agent``.
+"""The HTTP server: Starlette apps around the library's ``Agent`` and the durable kernel.
 
-Only ``POST /engine/chat`` exists so far; the ``/v1`` process API mounts here later. The app
-holds an agent factory rather than an agent so every request can get fresh configuration (or
-one shared agent: runs never share conversation state either way).
+``create_app`` is the stateless ``POST /engine/chat`` alone (a gateway's engine, tokens given as a
+list). ``create_server`` is what ``agentloop serve`` runs: ``/engine/chat`` plus the ``/v1``
+process API and WebSocket over a kernel, with accounts and tokens in the kernel's store.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Callable, Collection
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from agentloop.server import api, ws
+from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import DEFAULT_MAX_BODY, AgentFactory, Authorize, EngineChat
 
 Tokens = Collection[str] | Callable[[str], bool]
@@ -46,7 +48,19 @@ def create_app(
     tokens: Tokens,
     max_body: int = DEFAULT_MAX_BODY,
 ) -> Starlette:
-    """The server app. ``agent_factory()`` gives the agent a request runs (its model, tools and
+    """The stateless app. ``agent_factory()`` gives the agent a request runs (its model, tools and
     rules); ``tokens`` are the accepted bearer tokens, or a function that decides."""
     endpoint = EngineChat(agent_factory, token_checker(tokens), max_body=max_body)
     return Starlette(routes=[Route("/engine/chat", endpoint.handle, methods=["POST"])])
+
+
+def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
+    """The full server over ``ctx.kernel``; ``/engine/chat`` runs ``agent_factory()``'s agent and
+    accepts any valid account token."""
+
+    async def authorize(token: str) -> bool:
+        return await ctx.accounts.authenticate(token) is not None
+
+    chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body)
+    routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx)]
+    return Starlette(routes=routes)

@@ -11,11 +11,12 @@ SSE events, ending with exactly one ``done`` or ``error``.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, Literal
@@ -45,7 +46,8 @@ logger = logging.getLogger("agentloop.server")
 
 DEFAULT_MAX_BODY = 1024 * 1024
 AgentFactory = Callable[[], Agent]
-Authorize = Callable[[str], bool]
+# Says whether a bearer token may call the endpoint; may be async (a store lookup).
+Authorize = Callable[[str], bool | Awaitable[bool]]
 
 # ------------------------------------------------------------------ request shape
 
@@ -296,7 +298,7 @@ class EngineChat:
     async def handle(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            self._check_auth(request)
+            await self._check_auth(request)
             body = await self._read_body(request)
         except ApiError as exc:
             _log(logging.WARNING, "request rejected", None, status=exc.status, code=exc.code)
@@ -324,14 +326,15 @@ class EngineChat:
         )
         return EventSourceResponse(self._stream(run, cid, started), ping=15)
 
-    def _check_auth(self, request: Request) -> None:
+    async def _check_auth(self, request: Request) -> None:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         token = token.strip()
         ok = False
         if scheme.lower() == "bearer" and token:
             try:
-                ok = self.authorize(token)
+                verdict = self.authorize(token)
+                ok = await verdict if inspect.isawaitable(verdict) else verdict
             except Exception:
                 _log(logging.ERROR, "token check failed", None, exc_info=True)
                 raise ApiError(503, "engine_unavailable", "The engine cannot check credentials right now.") from None

@@ -1,0 +1,44 @@
+"""What every route of the server shares: the kernel, the accounts, the devices, the settings.
+
+One object instead of module globals, so tests can run several servers in one process and the
+routes stay plain functions of (context, request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import HTTPConnection
+
+from agentloop.kernel import Kernel
+from agentloop.server.auth import Accounts, Principal, bearer
+from agentloop.server.errors import ApiError
+from agentloop.server.service import ProcessService
+
+DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_HEARTBEAT = 15.0
+
+
+@dataclass
+class ServerContext:
+    kernel: Kernel
+    accounts: Accounts
+    devices: Any = None  # the device hub (``agentloop.server.devices``), when devices are enabled
+    max_body: int = DEFAULT_MAX_BODY
+    heartbeat: float = DEFAULT_HEARTBEAT  # seconds between SSE heartbeat comments
+    # Set when the server begins shutting down: streams end cleanly instead of being cut.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def processes(self) -> ProcessService:
+        return ProcessService(self.kernel)
+
+    async def principal(self, conn: HTTPConnection) -> Principal:
+        """The caller of an HTTP request or WebSocket handshake, from its bearer token; 401 if none."""
+        token = bearer(conn.headers.get("authorization"))
+        who = await self.accounts.authenticate(token) if token else None
+        if who is None:
+            raise ApiError(401, "unauthorized", "a valid bearer token is required")
+        return who

@@ -1,0 +1,194 @@
+"""The process operations every transport offers (HTTP ``/v1``, WebSocket ``/v1/ws``), checked
+against the caller, with the JSON shapes they answer.
+
+HTTP and WebSocket are two spellings of the same calls, so the rules live here once: who may see
+a process (its owner and admins; to anyone else it does not exist, so a stranger cannot probe
+pids), what a valid argument is, and which ``ApiError`` a failure becomes. Transports only parse
+their framing and serialise what comes back.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, get_args
+
+from agentloop.kernel import Kernel, NoSuchProcess, Process
+from agentloop.messages import ImageContent, message_to_dict
+from agentloop.process.engine import Receipt, SendMode
+from agentloop.process.signals import Signal
+from agentloop.process.store import HilRow, ProcessRecord, StoredMessage
+from agentloop.server.auth import Principal
+from agentloop.server.errors import ApiError
+
+MODES: tuple[str, ...] = get_args(SendMode)
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+MAX_TEXT = 200_000
+MAX_HISTORY_PAGE = 500
+
+
+def process_json(record: ProcessRecord) -> dict[str, Any]:
+    run = record.current_run
+    return {
+        "pid": record.pid,
+        "owner": record.owner,
+        "state": record.state,
+        "cwd": record.cwd,
+        "interactive": record.interactive,
+        "context": record.context,
+        "parent_pid": record.parent_pid,
+        "run_id": run["run_id"] if run else None,
+        "created_at": record.created_at,
+        "updated_at": record.updated_at,
+    }
+
+
+def message_json(stored: StoredMessage) -> dict[str, Any]:
+    return {"id": stored.id, "run_id": stored.run_id, "message": message_to_dict(stored.message)}
+
+
+def receipt_json(receipt: Receipt) -> dict[str, Any]:
+    return {"run_id": receipt.run_id, "queued": receipt.queued, "position": receipt.position}
+
+
+def signal_json(signal: Signal) -> dict[str, Any]:
+    return {"signal": signal.signal, "payload": signal.payload, "seq": signal.seq}
+
+
+def hil_json(row: HilRow) -> dict[str, Any]:
+    data = asdict(row)
+    return {
+        k: data[k] for k in ("request_id", "run_id", "tool_call_id", "tool_name", "syscall", "args", "tags", "reason")
+    }
+
+
+def _not_found(pid: str) -> ApiError:
+    return ApiError(404, "not_found", f"no such process {pid!r}")
+
+
+def decode_media(items: list[Any]) -> list[ImageContent]:
+    """``[{data: base64, mime_type}]`` → image blocks, refusing anything that is not an image."""
+    images = []
+    for i, item in enumerate(items):
+        where = f"media[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, "invalid_request", f"{where} must be an object with data and mime_type")
+        mime, data = item.get("mime_type"), item.get("data")
+        if mime not in IMAGE_TYPES:
+            raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {', '.join(IMAGE_TYPES)}")
+        if not isinstance(data, str) or not data:
+            raise ApiError(400, "invalid_request", f"{where}.data must be a base64 string")
+        try:
+            base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, "invalid_request", f"{where}.data is not valid base64") from None
+        images.append(ImageContent(data=data, mime_type=mime))
+    return images
+
+
+class ProcessService:
+    """What a principal may do with processes on one kernel."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+
+    async def _process(self, who: Principal, pid: str) -> tuple[Process, ProcessRecord]:
+        record = await self.kernel.store.get_process(pid)
+        if record is None or record.state == "killed" or not who.may_see(record.owner):
+            raise _not_found(pid)
+        return Process(self.kernel, pid), record
+
+    async def spawn(
+        self, who: Principal, *, context: str = "", interactive: bool = True, cwd: str | None = None
+    ) -> dict[str, Any]:
+        """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
+        stay inside it."""
+        root = Path(self.kernel.engine.config.workspace or ".").resolve()  # noqa: ASYNC240 - no I/O wait
+        where = root
+        if cwd:
+            where = (root / cwd).resolve()
+            if not where.is_relative_to(root) or not where.is_dir():
+                raise ApiError(400, "invalid_request", "cwd must name a directory inside the server's workspace")
+        proc = await self.kernel.spawn(who.account, cwd=where, interactive=interactive, context=context)
+        return process_json(await proc.info())
+
+    async def list_processes(self, who: Principal) -> list[dict[str, Any]]:
+        return [process_json(r) for r in await self.kernel.processes(owner=who.account) if r.state != "killed"]
+
+    async def get(self, who: Principal, pid: str) -> dict[str, Any]:
+        return process_json((await self._process(who, pid))[1])
+
+    async def send(
+        self,
+        who: Principal,
+        pid: str,
+        text: str,
+        *,
+        mode: str = "steer",
+        media: list[Any] | None = None,
+        run_id: str | None = None,
+    ) -> dict[str, Any]:
+        if mode not in MODES:
+            raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(MODES)}")
+        if not text.strip() and not media:
+            raise ApiError(400, "invalid_request", "text must not be empty")
+        if len(text) > MAX_TEXT:
+            raise ApiError(413, "too_large", f"text is longer than {MAX_TEXT} characters")
+        images = decode_media(media or [])
+        proc, _ = await self._process(who, pid)
+        try:
+            receipt = await proc.send(text, mode, images, run_id=run_id)  # type: ignore[arg-type]
+        except NoSuchProcess:
+            raise _not_found(pid) from None
+        return receipt_json(receipt)
+
+    async def history(self, who: Principal, pid: str, *, limit: int = 100, before: int | None = None) -> dict[str, Any]:
+        """A page of messages, oldest first, ending before message id ``before`` (the newest page by
+        default); ``next_before`` pages further back, None at the start."""
+        if not 1 <= limit <= MAX_HISTORY_PAGE:
+            raise ApiError(400, "invalid_request", f"limit must be between 1 and {MAX_HISTORY_PAGE}")
+        proc, _ = await self._process(who, pid)
+        page = await proc.history(limit=limit + 1, before=before)
+        more = len(page) > limit
+        page = page[-limit:]
+        return {"messages": [message_json(m) for m in page], "next_before": page[0].id if more and page else None}
+
+    async def signals(
+        self, who: Principal, pid: str, *, after_seq: int = 0, follow: bool = True
+    ) -> AsyncIterator[Signal]:
+        """The process's signals after ``after_seq`` (checked now, before the first one is read)."""
+        proc, _ = await self._process(who, pid)
+        return proc.signals(after_seq=after_seq, follow=follow)
+
+    async def abort(self, who: Principal, pid: str, *, run_id: str | None = None) -> dict[str, Any]:
+        proc, _ = await self._process(who, pid)
+        return {"aborted": await proc.abort(run_id)}
+
+    async def approvals(self, who: Principal, pid: str) -> list[dict[str, Any]]:
+        proc, _ = await self._process(who, pid)
+        return [hil_json(r) for r in await proc.pending_approvals()]
+
+    async def hil(
+        self, who: Principal, pid: str, request_id: str, *, decision: str, remember: bool = False
+    ) -> dict[str, Any]:
+        if decision not in ("approve", "deny"):
+            raise ApiError(400, "invalid_request", "decision must be approve or deny")
+        proc, _ = await self._process(who, pid)
+        try:
+            await proc.hil(request_id, decision, remember=remember)
+        except KeyError:
+            raise ApiError(404, "not_found", f"no pending approval {request_id!r} for process {pid!r}") from None
+        return {"request_id": request_id, "decision": decision, "remember": remember}
+
+    async def reset(self, who: Principal, pid: str) -> dict[str, Any]:
+        proc, _ = await self._process(who, pid)
+        archived = await proc.reset()
+        return {"pid": pid, "archived": archived is not None}
+
+    async def kill(self, who: Principal, pid: str) -> dict[str, Any]:
+        proc, _ = await self._process(who, pid)
+        archived = await proc.kill()
+        return {"pid": pid, "killed": True, "archived": archived is not None}
