@@ -16,6 +16,7 @@ from starlette.routing import Route
 from agentloop.server import api, ws
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import DEFAULT_MAX_BODY, AgentFactory, Authorize, EngineChat
+from agentloop.server.http_errors import exception_handlers
 
 Tokens = Collection[str] | Callable[[str], bool]
 
@@ -63,4 +64,5 @@ def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
 
     chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body)
     routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx)]
-    return Starlette(routes=routes)
+    # Unknown routes, wrong methods and unexpected failures answer JSON {code, message} too.
+    return Starlette(routes=routes, exception_handlers=exception_handlers())

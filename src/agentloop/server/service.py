@@ -109,9 +109,13 @@ class ProcessService:
         root = Path(self.kernel.engine.config.workspace or ".").resolve()  # noqa: ASYNC240 - no I/O wait
         where = root
         if cwd:
-            where = (root / cwd).resolve()
+            bad_cwd = ApiError(400, "invalid_request", "cwd must name a directory inside the server's workspace")
+            try:
+                where = (root / cwd).resolve()
+            except (OSError, ValueError):  # a NUL byte, a name too long for the file system
+                raise bad_cwd from None
             if not where.is_relative_to(root) or not where.is_dir():
-                raise ApiError(400, "invalid_request", "cwd must name a directory inside the server's workspace")
+                raise bad_cwd
         proc = await self.kernel.spawn(who.account, cwd=where, interactive=interactive, context=context)
         return process_json(await proc.info())
 
