@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.agent import Agent
+from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
@@ -76,10 +77,13 @@ def _stamp(paths: Iterable[str]) -> tuple[tuple[int, int] | None, ...]:
     return tuple(out)
 
 
-def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awaitable[str]]:
+def _prompt_builder(
+    data_dir: Path, base: str, devices: DeviceDirectory | None = None
+) -> Callable[[ProcessRecord], Awaitable[str]]:
     """Assemble each run's system prompt from the data directory's context, skills and homes
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
     directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
+    ``{{devices}}`` lists the owner's online devices when ``devices`` is given.
 
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
     cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
@@ -87,7 +91,10 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
     skills_dir = data_dir / "config" / "ai" / "skills.d"
     homes = data_dir / "home"
 
-    def assemble(record: ProcessRecord) -> tuple[str, list[str]]:
+    def online(record: ProcessRecord) -> str:
+        return describe_devices(devices.online(record.owner)) if devices is not None else "local"
+
+    def assemble(record: ProcessRecord, devices_text: str) -> tuple[str, list[str]]:
         sources = PromptSources(
             system_dir=system_dir,
             agent_home=homes / record.run_as,
@@ -100,7 +107,7 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
                 "identity": record.run_as,
                 "owner": record.owner,
                 "cwd": record.cwd,
-                "devices": "local",
+                "devices": devices_text,
                 "mcp_servers": "none",
             },
         )
@@ -109,7 +116,9 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
         return "\n\n".join(part for part in (base, assembled.text) if part), files
 
     async def build(record: ProcessRecord) -> str:
+        devices_text = online(record)
         key = (
+            devices_text,
             record.run_as,
             record.owner,
             record.cwd,
@@ -128,7 +137,7 @@ def _prompt_builder(data_dir: Path, base: str) -> Callable[[ProcessRecord], Awai
         hit = cache.get(key)
         if hit is not None and hit[0] == _stamp([*watched, *hit[1]]):
             return hit[2]
-        text, files = assemble(record)
+        text, files = assemble(record, devices_text)
         if len(cache) > 1024:
             cache.clear()
         cache[key] = (_stamp([*watched, *files]), files, text)
@@ -253,13 +262,16 @@ class Kernel:
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
         toolset: ToolsetFn | None = None,
+        devices: DeviceDirectory | None = None,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
 
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
-        directory); ``toolset`` adapts them per process run (devices); ``agent_options`` are
-        ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        directory); ``toolset`` adapts them per process run; ``devices`` (the server's device hub)
+        makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
+        is given) and fills the prompt's ``{{devices}}``; ``agent_options`` are ``Agent``'s
+        (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies``; DESIGN §3's default otherwise) unless ``approval`` replaces the check.
         """
@@ -280,6 +292,8 @@ class Kernel:
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         await store.open()
         media = MediaStore(data)
+        if toolset is None and devices is not None:
+            toolset = device_toolset(devices)
         if approval is None:
             approval = policy_approval(store, server=policy, accounts=account_policies)
 
@@ -292,7 +306,7 @@ class Kernel:
             agent.config,
             approval=approval,
             hydrate=_hydrate(media),
-            prompt=_prompt_builder(data, agent.config.system_prompt),
+            prompt=_prompt_builder(data, agent.config.system_prompt, devices),
             archive=archive,
             compaction_threshold=compaction_threshold,
             toolset=toolset,

@@ -23,7 +23,7 @@ from agentloop.process.approval.policy import (
     parse_policy,
 )
 from agentloop.process.approval.shell import ShellAnalysis, classify_shell
-from agentloop.process.approval.tags import CallFacts, call_facts, call_tags, path_tags
+from agentloop.process.approval.tags import CallFacts, call_facts, call_tags, call_target, path_tags
 
 __all__ = [
     "KNOWN_TAGS",
@@ -38,6 +38,7 @@ __all__ = [
     "args_fingerprint",
     "call_facts",
     "call_tags",
+    "call_target",
     "classify_shell",
     "decide",
     "default_policy",

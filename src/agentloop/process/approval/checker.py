@@ -14,6 +14,7 @@ from typing import Any
 
 from agentloop.process.approval.engine import args_fingerprint, decide
 from agentloop.process.approval.policy import Policy, Rule, merge, parse_policy
+from agentloop.process.approval.tags import call_target
 from agentloop.process.engine import Approval, ApprovalFn
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
 
@@ -47,7 +48,10 @@ def policy_approval(
     async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
         overrides = [Rule.model_validate(r) for r in (await store.kv_get(process.pid, OVERRIDES_KEY) or [])]
         policy = merge(account_policies.get(process.owner), server_policy, overrides)
-        verdict = decide(policy, row.syscall, row.args, cwd=process.cwd, home=home(process.run_as), interactive=True)
+        target = call_target(row.syscall, row.tool_name, row.args)  # a device call is tagged ``remote``
+        verdict = decide(
+            policy, row.syscall, row.args, target=target, cwd=process.cwd, home=home(process.run_as), interactive=True
+        )
         return Approval(verdict.action, tuple(verdict.tags), verdict.reason, args_fingerprint(row.syscall, row.args))
 
     return approve

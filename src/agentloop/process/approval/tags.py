@@ -15,7 +15,7 @@ from typing import Any
 
 from agentloop.process.approval.shell import ShellAnalysis, classify_shell
 
-__all__ = ["CallFacts", "call_facts", "call_tags", "is_local", "path_tags"]
+__all__ = ["CallFacts", "call_facts", "call_tags", "call_target", "is_local", "path_tags"]
 
 StrPath = str | os.PathLike[str]
 
@@ -36,6 +36,23 @@ class CallFacts:
 
 def is_local(target: str | None) -> bool:
     return target in (None, "", "local")
+
+
+_ROUTABLE = frozenset({"fs.read", "fs.write", "fs.edit", "fs.delete", "fs.search", "shell.exec"})
+
+
+def call_target(syscall: str, tool_name: str, args: Mapping[str, Any]) -> str:
+    """Where a call runs: ``local`` or a device id.
+
+    A routable syscall names its device in ``args["target"]``; a device's own tool is named
+    ``<device>__<tool>`` (DESIGN §4). Reading the name is deliberately generous: a local tool
+    whose name holds ``__`` is judged as remote, which only makes the policy stricter.
+    """
+    if syscall in _ROUTABLE:
+        target = args.get("target")
+        return target if isinstance(target, str) and not is_local(target) else "local"
+    device, sep, rest = tool_name.partition("__")
+    return device if sep and device and rest else "local"
 
 
 def _inside(path: str, base: str) -> bool:

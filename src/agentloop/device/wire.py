@@ -1,0 +1,35 @@
+"""The JSON a device and the server exchange for one call's result: ``{"content": [blocks],
+"is_error": bool}``, blocks in agentloop's message format (``text``; ``image`` with ``mimeType``).
+
+Both ends use these two functions, so what a device sends is exactly what the hub reads back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from agentloop.messages import TextContent, UserBlock
+from agentloop.tools.base import ResultBlock, ToolResult
+
+__all__ = ["result_from_wire", "result_to_wire"]
+
+_BLOCKS: TypeAdapter[list[UserBlock]] = TypeAdapter(list[UserBlock])
+
+
+def result_to_wire(result: ToolResult) -> dict[str, Any]:
+    """A tool result as a device answers it (``details`` stay on the device: they need not be JSON)."""
+    content: list[dict[str, Any]] = _BLOCKS.dump_python(list(result.content), mode="json")
+    return {"content": content, "is_error": result.is_error}
+
+
+def result_from_wire(data: Any) -> ToolResult | None:
+    """The tool result in a device's answer, or None if the answer is malformed."""
+    if not isinstance(data, dict) or not isinstance(data.get("is_error", False), bool):
+        return None
+    try:
+        blocks: list[ResultBlock] = list(_BLOCKS.validate_python(data.get("content", [])))
+    except ValidationError:
+        return None
+    return ToolResult(blocks or [TextContent(text="")], is_error=bool(data.get("is_error", False)))

@@ -1,0 +1,255 @@
+"""Routing tool calls to devices: the kernel's side of DESIGN §4.
+
+A device is another machine that lends its tools. The kernel does not talk to devices itself: it
+sees them through a ``DeviceDirectory`` (who is online for an owner, and a way to call one), which
+the server's ``DeviceHub`` implements. Keeping only this small protocol here lets the kernel route
+calls without importing the server package.
+
+``device_toolset(directory)`` is a ``ToolsetFn`` for ``Kernel.open(toolset=...)``: each run of a
+process owned by X gets
+
+* every built-in routable tool (Read, Write, Edit, Delete, Search, Shell) wrapped so that it takes
+  a ``target``: ``local`` (the original tool, the server's workspace) or one of X's online devices
+  that implements the tool's syscall;
+* each of X's online devices' extra tools as ``<device>__<tool>``.
+
+Devices of other accounts never appear, and naming one as a target is an error result. The wrapper
+is installed even when no device is online (the ``target`` parameter is then simply not shown), so
+a stored call that names a device which has since gone away fails instead of silently running on
+the server.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agentloop.process.engine import ToolsetFn
+from agentloop.process.store import ProcessRecord
+from agentloop.tools.base import Tool, ToolArgumentsError, ToolContext, ToolResult, format_validation_error
+from agentloop.tools.builtin import SYSCALLS
+from agentloop.tools.shell import DEFAULT_TIMEOUT as SHELL_DEFAULT_TIMEOUT
+from agentloop.tools.shell import MAX_TIMEOUT as SHELL_MAX_TIMEOUT
+
+__all__ = [
+    "DEVICE_SYSCALLS",
+    "LOCAL",
+    "DeviceDirectory",
+    "DeviceInfo",
+    "DeviceTool",
+    "describe_devices",
+    "device_tool_name",
+    "device_toolset",
+    "split_device_tool",
+]
+
+LOCAL = "local"
+#: the syscalls a device may implement (the routable built-ins)
+DEVICE_SYSCALLS: frozenset[str] = frozenset(SYSCALLS.values())
+#: seconds a routed non-shell call may take before it is cancelled on the device
+DEFAULT_CALL_TIMEOUT = 60.0
+#: extra seconds a routed shell call gets beyond its own timeout, for the device to report it
+SHELL_GRACE = 10.0
+_SEPARATOR = "__"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTool:
+    """An extra tool a device advertises: shown to the model as ``<device>__<name>``."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """One online device, as routing and listings see it."""
+
+    id: str
+    owner: str
+    implements: tuple[str, ...]
+    tools: tuple[DeviceTool, ...] = ()
+    connected_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "owner": self.owner,
+            "implements": list(self.implements),
+            "tools": [t.to_json() for t in self.tools],
+            "connected_at": self.connected_at,
+        }
+
+
+class DeviceDirectory(Protocol):
+    """What the kernel needs of a device hub."""
+
+    def online(self, owner: str) -> Sequence[DeviceInfo]:
+        """The devices of ``owner`` connected right now (never another account's)."""
+        ...
+
+    async def call(
+        self,
+        owner: str,
+        device_id: str,
+        call: str,
+        args: dict[str, Any],
+        timeout: float | None,  # noqa: ASYNC109 - the per-call deadline is part of the contract
+    ) -> ToolResult:
+        """Run ``call`` on ``owner``'s device; failures (offline, timeout, disconnect) are error
+        results, never exceptions. Cancelling the caller cancels the call on the device."""
+        ...
+
+
+def device_tool_name(device_id: str, tool: str) -> str:
+    return f"{device_id}{_SEPARATOR}{tool}"
+
+
+def split_device_tool(name: str) -> tuple[str, str] | None:
+    """``("laptop", "screenshot")`` for ``laptop__screenshot``; None for a name without ``__``.
+
+    Device ids cannot contain ``__`` nor end in ``_``, so the first ``__`` is the split point."""
+    device, sep, tool = name.partition(_SEPARATOR)
+    return (device, tool) if sep and device and tool else None
+
+
+def describe_devices(devices: Sequence[DeviceInfo]) -> str:
+    """The ``{{devices}}`` prompt variable: ``local`` first, then one line per online device."""
+    lines = [f"- {LOCAL}: the server's own workspace"]
+    for d in sorted(devices, key=lambda d: d.id):
+        what = ", ".join(d.implements) or "no syscalls"
+        extra = ", ".join(device_tool_name(d.id, t.name) for t in d.tools)
+        lines.append(f"- {d.id}: {what}" + (f"; tools: {extra}" if extra else ""))
+    return "\n".join(lines)
+
+
+def _call_timeout(syscall: str, args: Mapping[str, Any]) -> float:
+    """How long the hub waits for a device's answer: a shell command's own limit plus a grace for
+    the device to kill it and report, otherwise a fixed limit."""
+    if syscall != "shell.exec":
+        return DEFAULT_CALL_TIMEOUT
+    given = args.get("timeout")
+    limit = float(given) if isinstance(given, int | float) and given > 0 else SHELL_DEFAULT_TIMEOUT
+    return min(limit, SHELL_MAX_TIMEOUT) + SHELL_GRACE
+
+
+def _target_schema(base: dict[str, Any], targets: Sequence[DeviceInfo]) -> dict[str, Any]:
+    schema = copy.deepcopy(base)
+    names = [LOCAL, *(d.id for d in targets)]
+    listed = "; ".join(f"{d.id} (device)" for d in targets)
+    schema.setdefault("properties", {})["target"] = {
+        "type": "string",
+        "enum": names,
+        "default": LOCAL,
+        "description": (
+            f"Where to run it: '{LOCAL}' (the server's workspace, the default) or an online device: {listed}."
+        ),
+    }
+    return schema
+
+
+class RoutedTool(Tool):
+    """A built-in tool that runs locally or, given ``target=<device>``, on one of the owner's devices."""
+
+    def __init__(
+        self, base: Tool, syscall: str, owner: str, targets: Sequence[DeviceInfo], directory: DeviceDirectory
+    ) -> None:
+        params = _target_schema(base.parameters, targets) if targets else base.parameters
+        description = base.description
+        if targets:
+            description += " Set target to run it on one of your devices instead of the server."
+        super().__init__(
+            base.name,
+            description,
+            params,
+            timeout=base.timeout,
+            sequential=base.sequential,
+            idempotent=base.idempotent,
+        )
+        self.base = base
+        self.syscall = syscall
+        self.owner = owner
+        self.directory = directory
+        self.interruptible = base.interruptible
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        rest = dict(arguments)
+        target = rest.pop("target", LOCAL)
+        if target is None or target == "":
+            target = LOCAL
+        if not isinstance(target, str):
+            raise ToolArgumentsError(format_validation_error(self.name, [("target", "must be a string")], arguments))
+        checked = self.base.validate(rest)
+        return checked if target == LOCAL else {**checked, "target": target}
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        target = arguments.get("target", LOCAL)
+        if target == LOCAL:
+            return await self.base.run(arguments, ctx)
+        # Checked now rather than at validation: the list the run started with may be stale.
+        online = [d.id for d in self.directory.online(self.owner) if self.syscall in d.implements]
+        if target not in online:
+            listed = ", ".join(sorted(online)) or "none"
+            return ToolResult.error(
+                f"Target {target!r} is not one of your online devices that implement {self.syscall} "
+                f"(online: {listed}); use target '{LOCAL}' or an online device."
+            )
+        args = {k: v for k, v in arguments.items() if k != "target"}
+        return await self.directory.call(self.owner, target, self.syscall, args, _call_timeout(self.syscall, args))
+
+
+class DeviceExtraTool(Tool):
+    """A device's own tool, ``<device>__<name>``, forwarded as the call ``tool.<name>``."""
+
+    def __init__(self, device: DeviceInfo, spec: DeviceTool, directory: DeviceDirectory) -> None:
+        from jsonschema import Draft202012Validator
+
+        super().__init__(device_tool_name(device.id, spec.name), spec.description, spec.parameters)
+        self.device = device.id
+        self.owner = device.owner
+        self.remote_name = spec.name
+        self.directory = directory
+        self._validator = Draft202012Validator(spec.parameters)
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.path))
+        if errors:
+            pairs = [(".".join(str(p) for p in e.path), e.message) for e in errors]
+            raise ToolArgumentsError(format_validation_error(self.name, pairs, arguments))
+        return arguments
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        return await self.directory.call(
+            self.owner, self.device, f"tool.{self.remote_name}", dict(arguments), DEFAULT_CALL_TIMEOUT
+        )
+
+
+def device_toolset(directory: DeviceDirectory) -> ToolsetFn:
+    """A ``ToolsetFn`` that gives each run its owner's devices (see the module docstring)."""
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        devices = list(directory.online(record.owner))
+        devices = [d for d in devices if d.owner == record.owner]  # the directory's promise, enforced
+        out: dict[str, Tool] = {}
+        for name, tool in shared.items():
+            syscall = SYSCALLS.get(name)
+            if syscall is None:
+                out[name] = tool
+                continue
+            targets = [d for d in devices if syscall in d.implements]
+            out[name] = RoutedTool(tool, syscall, record.owner, targets, directory)
+        for device in devices:
+            for spec in device.tools:
+                name = device_tool_name(device.id, spec.name)
+                if name not in out and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+                    out[name] = DeviceExtraTool(device, spec, directory)
+        return out
+
+    return toolset

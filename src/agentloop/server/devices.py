@@ -1,0 +1,363 @@
+"""The device hub: the server's end of driver (device) connections (docs/server-api.md, "Drivers").
+
+The WebSocket endpoint authenticates a ``sys.connect`` with ``role: "driver"`` and hands the socket
+to ``DeviceHub.serve_driver``, which validates the device's declaration, answers the connect and
+then owns the socket: it sends ``req`` frames for tool calls, matches the ``res`` frames by id and
+returns when the socket closes. The kernel reaches devices through ``online`` and ``call`` (the
+``DeviceDirectory`` protocol in ``agentloop.kernel.devices``).
+
+Failures never raise into a run: an offline device, a timeout and a disconnect are error results.
+A timed-out or cancelled call is also cancelled on the device (``request.cancel {id}``), so a shell
+command there does not outlive the call that wanted it.
+
+Names: a device id is unique per account. When a second connection claims a name that is already
+connected, the hub probes the existing connection (a ``sys.ping`` request); if it answers within
+``probe_timeout`` the newcomer is refused with ``conflict``, otherwise the old connection is taken
+to be a dead one the server has not noticed yet (a laptop that slept, a NAT that forgot) and the
+newcomer replaces it. A device that reconnects after a drop thus gets its name back at once,
+while two live machines cannot steal each other's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentloop.device.wire import result_from_wire
+from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool
+from agentloop.server.auth import Principal
+from agentloop.tools.base import ToolResult
+
+__all__ = ["DeviceHub", "DriverSocket", "HubError"]
+
+log = logging.getLogger("agentloop.devices")
+
+#: a device id: letters, digits, ``-`` and ``_``, starting and ending with a letter or digit, no ``__``
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,30}[A-Za-z0-9])?")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 64
+MAX_DESCRIPTION = 4096
+
+
+class DriverSocket(Protocol):
+    """What the hub needs of a WebSocket (Starlette's ``WebSocket`` fits); a disconnect raises."""
+
+    async def send_text(self, data: str) -> None: ...
+
+    async def receive_text(self) -> str: ...
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
+
+
+class HubError(Exception):
+    """A rejected ``sys.connect``: ``code`` is the wire error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _Connection:
+    """One live driver socket and the calls waiting on it."""
+
+    info: DeviceInfo
+    socket: DriverSocket
+    pending: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    closed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        async with self.lock:  # one frame at a time on the socket
+            await self.socket.send_text(json.dumps(frame, separators=(",", ":")))
+
+    def fail_all(self, reason: dict[str, Any]) -> None:
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_result(reason)
+        self.pending.clear()
+
+
+def _error_res(req_id: Any, code: str, message: str) -> dict[str, Any]:
+    return {"type": "res", "id": req_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool, ...]]:
+    """The device id, syscalls and extra tools a ``sys.connect`` declares; ``HubError`` if invalid."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if not isinstance(args, dict):
+        raise HubError("invalid_request", "args must be an object")
+    name = args.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or "__" in name or name == LOCAL:
+        raise HubError(
+            "invalid_request",
+            "name: a device needs a name of 1-32 letters, digits, '-' or '_', starting and ending with a "
+            f"letter or digit, without '__', and not '{LOCAL}'",
+        )
+    implements = args.get("implements", [])
+    if not isinstance(implements, list) or not all(isinstance(s, str) for s in implements):
+        raise HubError("invalid_request", "implements: must be a list of syscall names")
+    unknown = sorted(set(implements) - DEVICE_SYSCALLS)
+    if unknown:
+        raise HubError("invalid_request", f"implements: unknown syscall(s) {unknown}; known: {sorted(DEVICE_SYSCALLS)}")
+    raw_tools = args.get("tools", [])
+    if not isinstance(raw_tools, list) or len(raw_tools) > MAX_TOOLS:
+        raise HubError("invalid_request", f"tools: must be a list of at most {MAX_TOOLS} tools")
+    tools: list[DeviceTool] = []
+    for i, t in enumerate(raw_tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise HubError("invalid_request", f"{where}: must be an object with name, description, parameters")
+        tname, desc, params = t.get("name"), t.get("description", ""), t.get("parameters", {"type": "object"})
+        full = f"{name}__{tname}"
+        if not isinstance(tname, str) or not _TOOL_NAME.fullmatch(tname) or not _TOOL_NAME.fullmatch(full):
+            raise HubError(
+                "invalid_request", f"{where}.name: letters, digits, '-' and '_', and '{name}__<name>' at most 64"
+            )
+        if any(x.name == tname for x in tools):
+            raise HubError("invalid_request", f"{where}.name: {tname!r} is declared twice")
+        if not isinstance(desc, str) or len(desc) > MAX_DESCRIPTION:
+            raise HubError("invalid_request", f"{where}.description: a string of at most {MAX_DESCRIPTION} chars")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise HubError("invalid_request", f"{where}.parameters: must be a JSON schema of type object")
+        try:
+            Draft202012Validator.check_schema(params)
+        except SchemaError as exc:
+            raise HubError("invalid_request", f"{where}.parameters: not a valid JSON schema: {exc.message}") from None
+        tools.append(DeviceTool(tname, desc, {"type": "object", **params}))
+    return name, tuple(dict.fromkeys(implements)), tuple(tools)
+
+
+def _result_of(device: str, res: dict[str, Any]) -> ToolResult:
+    """A device's ``res`` frame (or a hub-made failure) as a tool result."""
+    if res.get("ok") is not True:
+        error = res.get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+        code = error.get("code") if isinstance(error, dict) else None
+        text = str(message or "the device reported an error")
+        return ToolResult.error(f"Device {device}: {text}" + (f" ({code})" if code else ""))
+    result = result_from_wire(res.get("data"))
+    if result is None:
+        return ToolResult.error(f"Device {device} answered with a malformed result")
+    return result
+
+
+class DeviceHub:
+    """The online devices of every account, and calls to them. One per server; one event loop."""
+
+    def __init__(self, *, probe_timeout: float = 3.0) -> None:
+        self.probe_timeout = probe_timeout
+        self._devices: dict[tuple[str, str], _Connection] = {}
+        self._ids = itertools.count(1)
+        self._listeners: list[Callable[[str, DeviceInfo], None]] = []
+        self._changed = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- presence ---------------------------------------------------------------------------------
+
+    def online(self, owner: str) -> list[DeviceInfo]:
+        """``owner``'s connected devices (``DeviceDirectory``)."""
+        return [c.info for (o, _), c in sorted(self._devices.items()) if o == owner]
+
+    def list(self, who: Principal) -> list[dict[str, Any]]:
+        """``GET /v1/devices``: the caller's devices; an admin sees every account's."""
+        return [c.info.to_json() for (o, _), c in sorted(self._devices.items()) if who.admin or o == who.account]
+
+    def subscribe(self, listener: Callable[[str, DeviceInfo], None]) -> Callable[[], None]:
+        """Call ``listener("online" | "offline", device)`` on every presence change; returns an
+        unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Wait until ``predicate()`` holds, re-checked at each presence change (tests, tooling)."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                event = self._changed
+                await event.wait()
+
+    def _notify(self, what: str, info: DeviceInfo) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+        for listener in list(self._listeners):
+            try:
+                listener(what, info)
+            except Exception:
+                log.exception("device presence listener failed")
+
+    # -- connections ------------------------------------------------------------------------------
+
+    async def serve_driver(
+        self, websocket: DriverSocket, who: Principal, args: dict[str, Any], connect_id: str
+    ) -> None:
+        """Serve one driver connection until it closes.
+
+        Validates the ``sys.connect`` args, answers the connect request ``connect_id`` (ok with
+        ``{device_id, account, admin, role}``, or an error with code ``invalid_request`` /
+        ``conflict``) and, if accepted, reads the socket until it closes. A rejected connect
+        returns right after the error response and leaves the socket open for the caller.
+        """
+        try:
+            name, implements, tools = parse_declaration(args)
+            conn = _Connection(DeviceInfo(name, who.account, implements, tools, time.time()), websocket)
+            await self._claim(conn)
+        except HubError as exc:
+            await websocket.send_text(json.dumps(_error_res(connect_id, exc.code, exc.message)))
+            return
+        try:
+            data = {"device_id": name, "account": who.account, "admin": who.admin, "role": "driver"}
+            await conn.send({"type": "res", "id": connect_id, "ok": True, "data": data})
+            log.info("device %s of %s connected (%s)", name, who.account, ", ".join(implements) or "no syscalls")
+            await self._read(conn)
+        finally:
+            self._drop(conn, f"Device {name} disconnected before answering")
+
+    async def _claim(self, conn: _Connection) -> None:
+        key = (conn.info.owner, conn.info.id)
+        old = self._devices.get(key)
+        if old is not None:
+            if await self._answers(old):
+                raise HubError("conflict", f"a device named {conn.info.id!r} is already connected to this account")
+            log.info("device %s of %s: replacing an unresponsive connection", conn.info.id, conn.info.owner)
+            self._drop(old, f"Device {conn.info.id} disconnected (replaced by a new connection)")
+            with contextlib.suppress(Exception):
+                await old.socket.close(1001, "replaced by a new connection")
+            if key in self._devices:  # another newcomer won the race while we probed
+                raise HubError("conflict", f"a device named {conn.info.id!r} is already connected to this account")
+        self._devices[key] = conn
+        self._notify("online", conn.info)
+
+    async def _answers(self, conn: _Connection) -> bool:
+        """Whether a connection still answers a request (any answer counts)."""
+        if conn.closed:
+            return False
+        req_id = f"ping-{next(self._ids)}"
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        conn.pending[req_id] = fut
+        try:
+            await asyncio.wait_for(conn.send({"type": "req", "id": req_id, "call": "sys.ping", "args": {}}), 1.0)
+            res = await asyncio.wait_for(fut, self.probe_timeout)
+        except Exception:
+            return False
+        finally:
+            conn.pending.pop(req_id, None)
+        return res.get("hub") != "dropped"
+
+    async def _read(self, conn: _Connection) -> None:
+        while True:
+            try:
+                text = await conn.socket.receive_text()
+            except Exception:  # a disconnect (Starlette raises WebSocketDisconnect) or a binary frame
+                return
+            try:
+                frame = json.loads(text)
+            except ValueError:
+                frame = None
+            if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+                await self._reply(conn, _error_res(None, "bad_frame", "a frame must be a JSON object with a type"))
+                continue
+            kind, req_id = frame["type"], frame.get("id")
+            if kind == "res":
+                fut = conn.pending.pop(req_id, None) if isinstance(req_id, str) else None
+                if fut is not None and not fut.done():
+                    fut.set_result(frame)
+            elif kind == "req":
+                call = frame.get("call")
+                if not isinstance(req_id, str) or not isinstance(call, str):
+                    await self._reply(conn, _error_res(req_id, "bad_frame", "a req needs a string id and call"))
+                elif call == "sys.ping":
+                    await self._reply(conn, {"type": "res", "id": req_id, "ok": True, "data": {}})
+                else:
+                    await self._reply(conn, _error_res(req_id, "unknown_call", f"drivers cannot call {call!r}"))
+            # signals from a device are ignored: none are defined yet
+
+    async def _reply(self, conn: _Connection, frame: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):
+            await conn.send(frame)
+
+    def _drop(self, conn: _Connection, reason: str) -> None:
+        """Forget a connection (idempotent): its in-flight calls get an error result."""
+        if conn.closed:
+            return
+        conn.closed = True
+        conn.fail_all(_error_res(None, "unavailable", reason) | {"hub": "dropped"})
+        key = (conn.info.owner, conn.info.id)
+        if self._devices.get(key) is conn:
+            del self._devices[key]
+            log.info("device %s of %s disconnected", conn.info.id, conn.info.owner)
+            self._notify("offline", conn.info)
+
+    async def close(self) -> None:
+        """Server shutdown: close every driver socket (their in-flight calls fail)."""
+        for conn in list(self._devices.values()):
+            self._drop(conn, f"Device {conn.info.id} disconnected (server shutting down)")
+            with contextlib.suppress(Exception):
+                await conn.socket.close(1001, "server shutting down")
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    async def call(
+        self,
+        owner: str,
+        device_id: str,
+        call: str,
+        args: dict[str, Any],
+        timeout: float | None,  # noqa: ASYNC109 - the per-call deadline is part of the contract
+    ) -> ToolResult:
+        """Run ``call`` on ``owner``'s device ``device_id`` (``DeviceDirectory``).
+
+        Offline, not implemented, timed out and disconnected all become error results; on a
+        timeout, or if the caller is cancelled, the device is sent ``request.cancel``.
+        """
+        conn = self._devices.get((owner, device_id))
+        if conn is None or conn.closed:
+            return ToolResult.error(f"Device {device_id} is not connected")
+        if call.startswith("tool."):
+            if not any(t.name == call[5:] for t in conn.info.tools):
+                return ToolResult.error(f"Device {device_id} has no tool {call[5:]!r}")
+        elif call not in conn.info.implements:
+            return ToolResult.error(f"Device {device_id} does not implement {call}")
+        req_id = f"call-{next(self._ids)}"
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        conn.pending[req_id] = fut
+        try:
+            await conn.send({"type": "req", "id": req_id, "call": call, "args": args})
+        except Exception:
+            conn.pending.pop(req_id, None)
+            self._drop(conn, f"Device {device_id} disconnected")
+            return ToolResult.error(f"Device {device_id} disconnected")
+        try:
+            res = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            self._cancel_on_device(conn, req_id)
+            shown = f"{timeout:g} s" if timeout is not None else "its deadline"
+            return ToolResult.error(f"Device {device_id}: {call} timed out after {shown}; it was cancelled there")
+        except asyncio.CancelledError:
+            self._cancel_on_device(conn, req_id)
+            raise
+        if res.get("hub") == "dropped":
+            return ToolResult.error(f"Device {device_id} disconnected during {call}; the call's outcome is unknown")
+        return _result_of(device_id, res)
+
+    def _cancel_on_device(self, conn: _Connection, req_id: str) -> None:
+        """Tell the device to stop ``req_id``, without waiting (the caller may be cancelled)."""
+        fut = conn.pending.pop(req_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        if conn.closed:
+            return
+        frame = {"type": "req", "id": f"cancel-{next(self._ids)}", "call": "request.cancel", "args": {"id": req_id}}
+        task = asyncio.get_running_loop().create_task(self._reply(conn, frame))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
