@@ -1,11 +1,497 @@
-"""The ``/v1`` HTTP routes over ``ProcessService`` (to be filled in)."""
+"""The ``/v1`` HTTP routes: parse and check the request, call ``ProcessService``, answer JSON.
+
+Authorization and the process rules live in ``ProcessService`` (shared with the WebSocket); this
+module only does HTTP: bearer token → principal, size / content type / JSON shape of the body
+(pydantic, so a 400 names the field), query strings, status codes. ``ENDPOINTS`` is the route
+table; ``routes`` serves it and ``/v1/openapi.json`` documents it, from the same models.
+
+Request bodies refuse unknown fields: a misspelt ``run_id`` would otherwise silently turn an
+idempotent retry into a second message.
+"""
 
 from __future__ import annotations
 
-from starlette.routing import BaseRoute
+import inspect
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
+from agentloop.server.engine_chat import ChatRequest
+from agentloop.server.errors import ApiError
+from agentloop.server.events import open_stream
+from agentloop.server.http_errors import internal_error, invalid, validation_error
+from agentloop.server.openapi import Endpoint, document
+from agentloop.server.service import IMAGE_TYPES, MAX_HISTORY_PAGE, MODES
+
+MAX_SEQ = 2**63 - 1  # SQLite's INTEGER; a larger number is a bad request, not a storage error
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# ------------------------------------------------------------------ request models
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Query(BaseModel):
+    # Query strings are text: "20" must become 20, "false" False. Unknown parameters are ignored
+    # (proxies and browsers add cache busters).
+    model_config = ConfigDict(extra="ignore")
+
+
+class SpawnBody(Body):
+    context: str = Field("", description="Process context, the last section of every run's system prompt.")
+    interactive: bool = Field(True, description="Whether the process may ask for approval.")
+    cwd: str | None = Field(None, description="Working directory, relative to the server's workspace.")
+
+
+class MediaItem(Body):
+    data: str = Field(description="The image, base64.")
+    mime_type: Literal[IMAGE_TYPES]  # type: ignore[valid-type]
+
+
+class SendBody(Body):
+    text: str
+    mode: Literal[MODES] = "steer"  # type: ignore[valid-type]
+    media: list[MediaItem] | None = None
+    run_id: str | None = Field(
+        None, min_length=1, max_length=128, description="Retrying with the same run_id delivers once."
+    )
+
+
+class AbortBody(Body):
+    run_id: str | None = Field(None, min_length=1, max_length=128, description="Only abort this run.")
+
+
+class HilBody(Body):
+    decision: Literal["approve", "deny"]
+    remember: bool = Field(False, description="Allow this syscall on this process from now on.")
+
+
+class EmptyBody(Body):
+    pass
+
+
+class HistoryQuery(Query):
+    limit: int = Field(100, ge=1, le=MAX_HISTORY_PAGE)
+    before: int | None = Field(None, ge=0, le=MAX_SEQ, description="A message id: the page ends before it.")
+
+
+class EventsQuery(Query):
+    after_seq: int = Field(0, ge=0, le=MAX_SEQ, description="Send logged signals after this seq.")
+    follow: bool = Field(True, description="Keep the stream open for live signals after the backlog.")
+
+
+# ------------------------------------------------------------------ answer models (documentation and tests)
+
+
+class Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HealthOut(Answer):
+    ok: bool
+
+
+class MeOut(Answer):
+    account: str
+    admin: bool
+
+
+class ProcessOut(Answer):
+    pid: str
+    owner: str
+    state: Literal["idle", "running", "killed"]
+    cwd: str
+    interactive: bool
+    context: str
+    parent_pid: str | None
+    run_id: str | None
+    created_at: float
+    updated_at: float
+
+
+class ProcessList(Answer):
+    processes: list[ProcessOut]
+
+
+class KillOut(Answer):
+    pid: str
+    killed: Literal[True]
+    archived: bool
+
+
+class ReceiptOut(Answer):
+    run_id: str
+    queued: bool
+    position: int
+
+
+class MessageOut(Answer):
+    id: int
+    run_id: str | None
+    message: dict[str, Any] = Field(description="agentloop's message format (message_to_dict).")
+
+
+class HistoryOut(Answer):
+    messages: list[MessageOut]
+    next_before: int | None
+
+
+class AbortOut(Answer):
+    aborted: bool
+
+
+class ApprovalRequest(Answer):
+    request_id: str
+    run_id: str
+    tool_call_id: str
+    tool_name: str
+    syscall: str
+    args: dict[str, Any]
+    tags: list[str]
+    reason: str
+
+
+class ApprovalList(Answer):
+    requests: list[ApprovalRequest]
+
+
+class DecisionOut(Answer):
+    request_id: str
+    decision: Literal["approve", "deny"]
+    remember: bool
+
+
+class ResetOut(Answer):
+    pid: str
+    archived: bool
+
+
+class DeviceOut(Answer):
+    id: str
+    owner: str
+    implements: list[str]
+    tools: list[dict[str, Any]]
+    connected_at: float
+
+
+class DeviceList(Answer):
+    devices: list[DeviceOut]
+
+
+class EventOut(Answer):
+    signal: str
+    payload: dict[str, Any]
+    seq: int | None = Field(description="The log sequence number (also the SSE id); null for live-only progress.")
+    pid: str
+
+
+class ChatEvent(BaseModel):
+    """One ``/engine/chat`` event's data: ``text-delta``, ``tool-call``, ``tool-result``, ``done`` or ``error``."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class OpenApiOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    openapi: str
+
+
+# ------------------------------------------------------------------ request plumbing
+
+
+@dataclass
+class Call:
+    """One parsed request, as a handler sees it."""
+
+    ctx: ServerContext
+    request: Request
+    who: Principal | None
+    query: BaseModel | None
+    body: BaseModel | None
+
+    @property
+    def principal(self) -> Principal:
+        assert self.who is not None, "the route is declared auth=False"
+        return self.who
+
+    def param(self, name: str) -> str:
+        value: str = self.request.path_params[name]
+        return value
+
+    def parsed(self, model: type[ModelT], part: BaseModel | None) -> ModelT:
+        assert isinstance(part, model)
+        return part
+
+
+def _json_type(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes whether or not Content-Length said so."""
+    too_large = ApiError(413, "too_large", f"the request body exceeds {limit} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """The body as ``model``; an empty body counts as ``{}`` (every field of abort is optional)."""
+    raw = await read_body(request, limit)
+    if not raw.strip():
+        data: Any = {}
+    else:
+        if not _json_type(request.headers.get("content-type", "")):
+            raise ApiError(415, "unsupported_media_type", "the body must be application/json")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise invalid("body", "not valid JSON") from None
+        if not isinstance(data, dict):
+            raise invalid("body", "must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def parse_query(params: Mapping[str, str], model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate(dict(params))
+    except ValidationError as exc:
+        raise validation_error(exc, root="query") from None
+
+
+def _endpoint(ctx: ServerContext, spec: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    handler = spec.handler
+    assert handler is not None
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            who = await ctx.principal(request) if spec.auth else None
+            query = parse_query(request.query_params, spec.query) if spec.query else None
+            body = await parse_body(request, spec.body, ctx.max_body) if spec.body else None
+            result = await handler(Call(ctx, request, who, query, body))
+        except ApiError as exc:
+            return exc.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:
+            return internal_error(request, exc)
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(result, status_code=spec.status)
+
+    endpoint.__name__ = spec.operation_id
+    return endpoint
+
+
+# ------------------------------------------------------------------ handlers
+
+
+async def health(call: Call) -> dict[str, Any]:
+    return {"ok": True}
+
+
+async def me(call: Call) -> dict[str, Any]:
+    return {"account": call.principal.account, "admin": call.principal.admin}
+
+
+async def spawn(call: Call) -> dict[str, Any]:
+    body = call.parsed(SpawnBody, call.body)
+    return await call.ctx.processes.spawn(
+        call.principal, context=body.context, interactive=body.interactive, cwd=body.cwd
+    )
+
+
+async def list_processes(call: Call) -> dict[str, Any]:
+    return {"processes": await call.ctx.processes.list_processes(call.principal)}
+
+
+async def get_process(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.get(call.principal, call.param("pid"))
+
+
+async def kill(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.kill(call.principal, call.param("pid"))
+
+
+async def send(call: Call) -> dict[str, Any]:
+    body = call.parsed(SendBody, call.body)
+    media = [m.model_dump() for m in body.media] if body.media is not None else None
+    return await call.ctx.processes.send(
+        call.principal, call.param("pid"), body.text, mode=body.mode, media=media, run_id=body.run_id
+    )
+
+
+async def history(call: Call) -> dict[str, Any]:
+    query = call.parsed(HistoryQuery, call.query)
+    return await call.ctx.processes.history(call.principal, call.param("pid"), limit=query.limit, before=query.before)
+
+
+def _last_event_id(request: Request) -> int | None:
+    raw = request.headers.get("last-event-id")
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip()
+    if not value.isdigit() or not value.isascii() or int(value) > MAX_SEQ:
+        raise invalid("Last-Event-ID", "must be a seq (a non-negative integer) from an earlier event")
+    return int(value)
+
+
+async def events(call: Call) -> Response:
+    query = call.parsed(EventsQuery, call.query)
+    resume = _last_event_id(call.request)
+    after = resume if resume is not None else query.after_seq  # the header wins: it is the reconnect
+    return await open_stream(call.ctx, call.principal, call.param("pid"), after_seq=after, follow=query.follow)
+
+
+async def abort(call: Call) -> dict[str, Any]:
+    body = call.parsed(AbortBody, call.body)
+    return await call.ctx.processes.abort(call.principal, call.param("pid"), run_id=body.run_id)
+
+
+async def approvals(call: Call) -> dict[str, Any]:
+    return {"requests": await call.ctx.processes.approvals(call.principal, call.param("pid"))}
+
+
+async def decide(call: Call) -> dict[str, Any]:
+    body = call.parsed(HilBody, call.body)
+    return await call.ctx.processes.hil(
+        call.principal, call.param("pid"), call.param("request_id"), decision=body.decision, remember=body.remember
+    )
+
+
+async def reset(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.reset(call.principal, call.param("pid"))
+
+
+async def devices(call: Call) -> dict[str, Any]:
+    hub = call.ctx.devices
+    if hub is None:  # devices not enabled: nobody has any
+        return {"devices": []}
+    listed = hub.list(call.principal)
+    return {"devices": list(await listed if inspect.isawaitable(listed) else listed)}
+
+
+async def openapi(call: Call) -> Response:
+    return JSONResponse(openapi_document())
+
+
+# ------------------------------------------------------------------ the table
+
+_P = "/v1/processes/{pid}"
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/v1/health", "Liveness; needs no token.", health, answer=HealthOut, auth=False),
+    Endpoint("GET", "/v1/me", "The caller's account.", me, answer=MeOut),
+    Endpoint(
+        "POST",
+        "/v1/processes",
+        "Spawn a process owned by the caller.",
+        spawn,
+        body=SpawnBody,
+        answer=ProcessOut,
+        status=201,
+    ),
+    Endpoint("GET", "/v1/processes", "The caller's processes.", list_processes, answer=ProcessList),
+    Endpoint("GET", _P, "One process.", get_process, answer=ProcessOut),
+    Endpoint("DELETE", _P, "Kill the process (its history is archived).", kill, answer=KillOut),
+    Endpoint(
+        "POST",
+        f"{_P}/messages",
+        "Send user input (steer, queue or interrupt).",
+        send,
+        body=SendBody,
+        answer=ReceiptOut,
+        status=202,
+    ),
+    Endpoint(
+        "GET",
+        f"{_P}/messages",
+        "A page of history, oldest first; next_before pages back.",
+        history,
+        query=HistoryQuery,
+        answer=HistoryOut,
+    ),
+    Endpoint(
+        "GET",
+        f"{_P}/events",
+        "The process's signals: the logged backlog, then live ones.",
+        events,
+        query=EventsQuery,
+        stream=EventOut,
+        errors=(503,),
+        headers=(("Last-Event-ID", "Resume after this seq; wins over after_seq."),),
+    ),
+    Endpoint("POST", f"{_P}/abort", "Abort the active run.", abort, body=AbortBody, answer=AbortOut),
+    Endpoint("GET", f"{_P}/hil", "Pending approval requests.", approvals, answer=ApprovalList),
+    Endpoint(
+        "POST",
+        f"{_P}/hil/{{request_id}}",
+        "Approve or deny a pending tool call.",
+        decide,
+        body=HilBody,
+        answer=DecisionOut,
+    ),
+    Endpoint(
+        "POST", f"{_P}/reset", "Archive the history and start an empty one.", reset, body=EmptyBody, answer=ResetOut
+    ),
+    Endpoint("GET", "/v1/devices", "Connected devices: the caller's (all for admins).", devices, answer=DeviceList),
+    Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),
+)
+
+# Served by ``EngineChat`` in app.py, documented here so the document covers every HTTP route.
+ENGINE_CHAT = Endpoint(
+    "POST",
+    "/engine/chat",
+    "One stateless run over a history the caller sends.",
+    body=ChatRequest,
+    stream=ChatEvent,
+    errors=(503,),
+)
+
+_document: dict[str, Any] | None = None
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document of every HTTP route (built once: the table does not change)."""
+    global _document
+    if _document is None:
+        _document = document([*ENDPOINTS, ENGINE_CHAT])
+    return _document
 
 
 def routes(ctx: ServerContext) -> list[BaseRoute]:
-    return []
+    """``ENDPOINTS`` as Starlette routes bound to ``ctx``: one route per path, so a wrong method
+    answers 405 with every allowed method in ``Allow`` (HEAD is answered by the GET handler)."""
+    by_path: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {}
+    for spec in ENDPOINTS:
+        by_path.setdefault(spec.path, {})[spec.method] = _endpoint(ctx, spec)
+    return [_route(path, handlers) for path, handlers in by_path.items()]
+
+
+def _route(path: str, handlers: dict[str, Callable[[Request], Awaitable[Response]]]) -> Route:
+    async def dispatch(request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        return await handlers[method](request)
+
+    return Route(path, dispatch, methods=list(handlers))

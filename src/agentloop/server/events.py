@@ -1,0 +1,96 @@
+"""``GET /v1/processes/{pid}/events``: a process's signals as Server-Sent Events.
+
+The stream is a view on ``Process.signals``: logged signals carry ``id: <seq>`` so a client that
+reconnects with ``Last-Event-ID`` continues exactly where it stopped; live-only progress has no
+id. Three things end it besides the process itself: the client hanging up, ``follow=false`` after
+the backlog, and ``ctx.stopping`` (server shutdown) — each without leaving a watcher behind.
+
+The signals are read by a small pump task rather than by the response generator itself: the
+generator has to wait "for the next signal, or a heartbeat's worth of silence, or shutdown", and
+cancelling a wait on a generator's ``__anext__`` would end that generator. Cancelling a
+``Queue.get`` loses nothing, and cancelling the pump closes ``Process.signals`` (whose
+``finally`` unwatches) in the pump's own task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from agentloop.kernel import NoSuchProcess
+from agentloop.process.signals import Signal
+from agentloop.server.auth import Principal
+from agentloop.server.context import ServerContext
+from agentloop.server.errors import ApiError
+from agentloop.server.http_errors import log_json
+from agentloop.server.service import signal_json
+
+_END = object()  # the pump's last item: the backlog ran out (follow=false), the process is gone, or shutdown
+
+
+def event_data(pid: str, signal: Signal) -> dict[str, Any]:
+    return {**signal_json(signal), "pid": pid}
+
+
+def frame(pid: str, signal: Signal) -> ServerSentEvent:
+    seq = signal.seq
+    return ServerSentEvent(
+        data=json.dumps(event_data(pid, signal)),
+        event=signal.signal,
+        id=str(seq) if seq is not None else None,
+    )
+
+
+async def _pump(pid: str, signals: AsyncIterator[Signal], out: asyncio.Queue[Any]) -> None:
+    try:
+        async with aclosing(signals):  # type: ignore[type-var]  # an async generator at runtime
+            async for signal in signals:
+                out.put_nowait(signal)
+    except NoSuchProcess:
+        pass  # killed meanwhile: the stream just ends
+    except Exception as exc:
+        log_json(logging.ERROR, "event stream failed", exc=exc, pid=pid, error_type=type(exc).__name__)
+    out.put_nowait(_END)
+
+
+async def _on_stop(stopping: asyncio.Event, out: asyncio.Queue[Any]) -> None:
+    await stopping.wait()
+    out.put_nowait(_END)
+
+
+async def frames(ctx: ServerContext, pid: str, signals: AsyncIterator[Signal]) -> AsyncIterator[ServerSentEvent]:
+    """SSE frames for ``signals``, with a ``: ping`` comment after every ``ctx.heartbeat`` seconds of
+    silence, until the signals end or ``ctx.stopping`` is set."""
+    items: asyncio.Queue[Any] = asyncio.Queue()
+    pump = asyncio.create_task(_pump(pid, signals, items))
+    stop = asyncio.create_task(_on_stop(ctx.stopping, items))
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(items.get(), ctx.heartbeat)
+            except TimeoutError:
+                yield ServerSentEvent(comment="ping")
+                continue
+            if item is _END:
+                return
+            yield frame(pid, item)
+    finally:  # also on a client disconnect (CancelledError) or the response closing us
+        pump.cancel()
+        stop.cancel()
+
+
+async def open_stream(
+    ctx: ServerContext, who: Principal, pid: str, *, after_seq: int, follow: bool
+) -> EventSourceResponse:
+    """Check the caller and the process now, so a refusal is a JSON error and not an SSE one."""
+    if ctx.stopping.is_set():
+        raise ApiError(503, "unavailable", "the server is shutting down")
+    signals = await ctx.processes.signals(who, pid, after_seq=after_seq, follow=follow)
+    # ping=0: heartbeats come from ``frames``, and only after silence, not on a fixed clock.
+    return EventSourceResponse(frames(ctx, pid, signals), ping=0, headers={"Cache-Control": "no-store"})

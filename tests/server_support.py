@@ -1,0 +1,222 @@
+"""A real ``agentloop serve``-like server for tests: kernel, accounts and uvicorn in one thread.
+
+The kernel's engine, signal hub and store belong to one event loop, so the whole server (kernel
+included) runs in its own thread with its own loop, exactly as in production; tests talk to it
+over a real socket with ``httpx.AsyncClient`` and reach into its loop only through ``run``.
+
+Accounts: ``alice``, ``bob`` and ``admin`` (an admin), each with a token, plus a revoked token
+of alice's. The model is scripted and stateless, so one server can serve many tests:
+- ``echo <text>`` calls the ``echo`` tool, then answers ``done: <text>``;
+- ``risky`` calls ``echo`` with an argument the approval policy asks about;
+- ``sleep <seconds>`` calls the ``slow`` tool (for abort);
+- anything else answers ``answer: <text>`` (streamed in small chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import uvicorn
+
+from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.kernel import Approval, Kernel
+from agentloop.messages import UserMessage
+from agentloop.models.base import ModelRequest
+from agentloop.server import ServerContext, create_server
+from agentloop.server.auth import Accounts
+
+T = TypeVar("T")
+
+
+@tool
+def echo(text: str) -> str:
+    """Echo the text back."""
+    return text
+
+
+@tool
+async def slow(seconds: float) -> str:
+    """Sleep a while."""
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def script(req: ModelRequest) -> Reply | str:
+    last = req.messages[-1]
+    if isinstance(last, ToolResultMessage):
+        return f"done: {last.text}"
+    text = last.text if isinstance(last, UserMessage) else ""
+    if text == "risky":
+        return Reply(tool_calls=[call("echo", text="risky")])
+    if text.startswith("echo "):
+        return Reply(tool_calls=[call("echo", text=text[5:])])
+    if text.startswith("sleep "):
+        return Reply(tool_calls=[call("slow", seconds=float(text[6:]))])
+    return f"answer: {text}"
+
+
+async def asking_policy(process: Any, row: Any) -> Approval:
+    if row.tool_name == "echo" and row.args.get("text") == "risky":
+        return Approval("ask", ("destructive",), "echo of something risky", fingerprint=json.dumps(row.args))
+    return Approval("auto")
+
+
+@dataclass
+class Tokens:
+    alice: str = ""
+    bob: str = ""
+    admin: str = ""
+    revoked: str = ""  # alice's, revoked
+
+
+@dataclass
+class LiveServer:
+    """The server thread. ``url``, ``tokens`` and ``ctx`` are set once ``start`` returns."""
+
+    data: Path
+    heartbeat: float = 15.0
+    max_body: int = 1024 * 1024
+    devices: Any = None
+    url: str = ""
+    tokens: Tokens = field(default_factory=Tokens)
+    ctx: ServerContext | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    _server: uvicorn.Server | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _error: BaseException | None = None
+
+    def start(self) -> LiveServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10) or self._error is not None:
+            raise RuntimeError(f"the test server did not start: {self._error!r}")
+        return self
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            asyncio.run(self._main(sock))
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+        finally:
+            sock.close()
+
+    async def _main(self, sock: socket.socket) -> None:
+        model = ScriptedModel(script, chunk=4, keep_requests=False)
+        url = f"sqlite:///{self.data}/agentloop.db"
+        async with Kernel.open(
+            url, model=model, workspace=self.data, tools=[echo, slow], approval=asking_policy
+        ) as kernel:
+            accounts = Accounts(kernel.store)
+            await accounts.create_account("alice")
+            await accounts.create_account("bob")
+            await accounts.create_account("admin", admin=True)
+            self.tokens.alice, _ = await accounts.create_token("alice")
+            self.tokens.bob, _ = await accounts.create_token("bob")
+            self.tokens.admin, _ = await accounts.create_token("admin")
+            self.tokens.revoked, record = await accounts.create_token("alice", label="old")
+            await accounts.revoke(record.id)
+            self.ctx = ServerContext(
+                kernel, accounts, devices=self.devices, max_body=self.max_body, heartbeat=self.heartbeat
+            )
+            app = create_server(self.ctx, lambda: Agent(model=ScriptedModel(["hello from the engine"])))
+            config = uvicorn.Config(
+                app, log_level="critical", lifespan="off", access_log=False, timeout_graceful_shutdown=1
+            )
+            self._server = uvicorn.Server(config)
+            self.loop = asyncio.get_running_loop()
+            serving = asyncio.create_task(self._server.serve(sockets=[sock]))
+            while not self._server.started and not serving.done():
+                await asyncio.sleep(0.005)
+            self._ready.set()
+            await serving
+
+    async def run(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` on the server's loop (e.g. to set ``ctx.stopping`` or count watchers)."""
+        assert self.loop is not None
+
+        async def wrapped() -> T:
+            return await fn()
+
+        future: Future[T] = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
+        return await asyncio.wrap_future(future)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def client(self, token: str | None, **kw: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, **kw)
+
+    def watchers(self) -> int:
+        """How many signal watchers the kernel's hub holds, over all processes (read across threads:
+        a snapshot, good enough to see a leak settle to zero)."""
+        assert self.ctx is not None
+        hub = self.ctx.kernel.engine.hub
+        return sum(len(q) for q in list(hub._watchers.values()))
+
+
+@contextmanager
+def live_server(data: Path, **kw: Any) -> Iterator[LiveServer]:
+    server = LiveServer(data, **kw).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    """Frames of an SSE body: each a dict with the fields it had (``event``, ``id``, ``data``,
+    ``comment``); ``data`` is decoded JSON."""
+    frames = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        frame: dict[str, Any] = {}
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                frame["comment"] = line[1:].strip()
+            elif ":" in line:
+                name, _, value = line.partition(":")
+                frame[name] = value[1:] if value.startswith(" ") else value
+        if "data" in frame:
+            frame["data"] = json.loads(frame["data"])
+        if frame:
+            frames.append(frame)
+    return frames
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if await check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+async def wait_idle(client: httpx.AsyncClient, pid: str, seconds: float = 5.0) -> dict[str, Any]:
+    """Poll the process until no run is active; its final state."""
+    out: dict[str, Any] = {}
+
+    async def idle() -> bool:
+        nonlocal out
+        resp = await client.get(f"/v1/processes/{pid}")
+        out = resp.json()
+        return resp.status_code == 200 and out["run_id"] is None and out["state"] == "idle"
+
+    await wait_until(idle, seconds)
+    return out
