@@ -26,6 +26,7 @@ from rich.text import Text
 from agentloop.agent import Agent, RunResult
 from agentloop.cli.approvals import Answer, ApprovalSetting, PolicyHook, Question, ask_user, parse_approval
 from agentloop.cli.config import Settings, load_settings, open_model
+from agentloop.cli.device import device_app
 from agentloop.cli.render import (
     EventSink,
     Interrupts,
@@ -49,6 +50,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(device_app, name="device")
 
 
 class CliError(Exception):

@@ -1,0 +1,98 @@
+"""``agentloop device connect URL --token T``: lend this machine's files and shell to a server.
+
+Kept apart from ``cli/main.py`` so the device needs neither the model stack nor the server; the
+``websockets`` library (the ``server`` extra) is imported only when connecting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from agentloop.device.client import DeviceClient, DeviceError, DeviceOptions, default_name, parse_allow, websocket_url
+
+device_app = typer.Typer(
+    name="device",
+    help="Connect this machine to an agentloop server as a device.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _say(text: str) -> None:
+    print(f"agentloop device: {text}", file=sys.stderr, flush=True)
+
+
+async def _serve(client: DeviceClient) -> None:
+    """Run the client until it fails fatally or SIGINT / SIGTERM asks it to stop (cleanly: running
+    work is cancelled, shell process groups killed, the socket closed)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = asyncio.create_task(client.run())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not runner.done():
+        runner.cancel()
+        try:
+            await runner
+        except asyncio.CancelledError:
+            pass
+        _say("stopped")
+        return
+    runner.result()  # DeviceError, or anything unexpected
+
+
+@device_app.command("connect")
+def connect(
+    url: Annotated[str, typer.Argument(help="The server, e.g. http://host:8765 (or ws://host:8765/v1/ws).")],
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="AGENTLOOP_TOKEN", help="An account token (or AGENTLOOP_TOKEN).")
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The device id (default: the host name).")] = None,
+    root: Annotated[Path | None, typer.Option("--root", help="The directory it serves (default: here).")] = None,
+    allow: Annotated[str, typer.Option("--allow", help="What it lends: fs, shell, or syscall names.")] = "fs,shell",
+    backoff: Annotated[float, typer.Option("--backoff", help="First reconnect delay, seconds.", hidden=True)] = 1.0,
+    backoff_max: Annotated[float, typer.Option("--backoff-max", help="Longest reconnect delay.", hidden=True)] = 60.0,
+) -> None:
+    """Connect as a device and serve file and shell requests inside --root until stopped."""
+    try:
+        if not token:
+            raise ValueError("a token is needed: --token T or AGENTLOOP_TOKEN")
+        target = websocket_url(url)
+        implements = parse_allow(allow)
+        base = (root or Path.cwd()).expanduser().resolve()
+        if not base.is_dir():
+            raise ValueError(f"--root {str(base)!r} is not a directory")
+    except ValueError as exc:
+        _say(f"error: {exc}")
+        raise typer.Exit(2) from None
+    options = DeviceOptions(
+        url=target,
+        token=token,
+        name=name or default_name(),
+        root=base,
+        implements=implements,
+        backoff_initial=max(0.01, backoff),
+        backoff_max=max(backoff, backoff_max),
+    )
+    _say(f"serving {base} ({', '.join(implements)}) as {options.name}; connecting to {target}")
+    try:
+        asyncio.run(_serve(DeviceClient(options, say=_say)))
+    except DeviceError as exc:
+        _say(f"error: {exc}")
+        raise typer.Exit(1) from None
+    except ModuleNotFoundError as exc:
+        if os.environ.get("AGENTLOOP_DEBUG"):
+            raise
+        _say(f"error: {exc.name} is missing: pip install 'agentloop[server]'")
+        raise typer.Exit(1) from None
