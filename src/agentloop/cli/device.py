@@ -7,6 +7,7 @@ Kept apart from ``cli/main.py`` so the device needs neither the model stack nor 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -43,10 +44,8 @@ async def _serve(client: DeviceClient) -> None:
     stopper.cancel()
     if not runner.done():
         runner.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await runner
-        except asyncio.CancelledError:
-            pass
         _say("stopped")
         return
     runner.result()  # DeviceError, or anything unexpected
