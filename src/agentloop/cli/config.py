@@ -21,6 +21,10 @@ from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
 DEFAULT_TOOL_TIMEOUT = 60.0
+SERVER_ENV = "AGENTLOOP_SERVER"
+TOKEN_ENV = "AGENTLOOP_TOKEN"
+DEFAULT_SERVER = "http://127.0.0.1:8765"
+_KEYS = ("model", "system_prompt", "tool_timeout", "max_rounds", "workspace", "server", "token")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class FileConfig:
     tool_timeout: float | None = None
     max_rounds: int | None = None
     workspace: Path | None = None
+    server: str | None = None
+    token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,15 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     if workspace is not None and not (isinstance(workspace, str) and workspace):
         bad("workspace", "a directory path")
         workspace = None
-    unknown = sorted(set(data) - {"model", "system_prompt", "tool_timeout", "max_rounds", "workspace"})
+    server = data.get("server")
+    if server is not None and not (isinstance(server, str) and server.startswith(("http://", "https://"))):
+        bad("server", "an http:// or https:// URL")
+        server = None
+    token = data.get("token")
+    if token is not None and not (isinstance(token, str) and token.strip()):
+        bad("token", "a token string")
+        token = None
+    unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
     return (
@@ -106,6 +120,8 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             tool_timeout=float(tool_timeout) if tool_timeout is not None else None,
             max_rounds=max_rounds,
             workspace=Path(workspace).expanduser() if isinstance(workspace, str) else None,
+            server=server.rstrip("/") if isinstance(server, str) else None,
+            token=token.strip() if isinstance(token, str) else None,
         ),
         warnings,
     )
@@ -158,3 +174,34 @@ def open_model(spec: str, progress: Callable[[str], None] | None = None) -> Mode
             ) from exc
         return LocalModel(model_id, progress=progress)
     return resolve_model(spec)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where a client command talks to and with which token; ``token_source`` says where the token
+    came from (never the token itself), for error messages."""
+
+    server: str
+    token: str | None
+    token_source: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_connection(
+    *, server: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
+) -> Connection:
+    """``--server``/``--token`` win over ``$AGENTLOOP_SERVER``/``$AGENTLOOP_TOKEN``, which win
+    over the config file's ``server``/``token`` keys; the server defaults to the local one."""
+    env = os.environ if env is None else env
+    path = config_path(env)
+    file, warnings = read_config_file(path)
+    chosen_server = server or env.get(SERVER_ENV) or file.server or DEFAULT_SERVER
+    if token:
+        chosen_token, source = token, "--token"
+    elif env.get(TOKEN_ENV):
+        chosen_token, source = env[TOKEN_ENV], TOKEN_ENV
+    elif file.token:
+        chosen_token, source = file.token, f"config file {path}"
+    else:
+        chosen_token, source = None, "none"
+    return Connection(chosen_server.rstrip("/"), chosen_token, source, warnings)

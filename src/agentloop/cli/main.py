@@ -300,11 +300,25 @@ def chat(
         bool, typer.Option("--memory", help="Keep the conversation in memory only (gone when the chat ends).")
     ] = False,
     approval: ApprovalOpt = "ask",
+    server: Annotated[
+        str | None, typer.Option("--server", help="Chat with a running server (agentloop serve) at this URL.")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", help="With --server: bearer token (default: $AGENTLOOP_TOKEN, config).")
+    ] = None,
+    pid: Annotated[str | None, typer.Option("--pid", help="With --server: talk to this process.")] = None,
 ) -> None:
     """Talk with the agent. The conversation is kept: quit and come back to continue it."""
     from agentloop.cli.chat import AgentSession, ChatRepl
 
     with _guarded():
+        if server is not None or pid is not None:
+            from agentloop.cli.client import chat_command
+
+            remote_aborted, remote_code = chat_command(server, token, new=new, pid=pid)
+            if remote_aborted:
+                _exit(remote_code)
+            raise typer.Exit(remote_code)
         settings = _settings(model, workspace, system)
         setting = _approval(approval)
         ws = _workspace(settings)
@@ -475,6 +489,18 @@ def models() -> None:
         console.print(
             Text(f"default: {settings.model} (from {settings.model_source})" + ("" if listed else " — not listed"))
         )
+
+
+def _register_commands() -> None:
+    """Commands kept in their own modules (imported here, after every helper they use exists)."""
+    from agentloop.cli import admin, client, serve
+
+    serve.register(app)
+    admin.register(app)
+    client.register(app)
+
+
+_register_commands()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""``agentloop account …`` and ``agentloop token …``: accounts and bearer tokens, administered on
+the database itself.
+
+They open ``<data>/agentloop.db`` directly rather than asking the server, so an administrator can
+make the first extra account or revoke a leaked token even while no server (or a stuck one) runs.
+SQLite in WAL mode lets them do so while the server has the database open. A token is printed
+once, when created; listings show ids and labels, never the stored hashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+
+from agentloop.process.store import Store, open_store
+
+if TYPE_CHECKING:
+    from agentloop.server.auth import Accounts
+
+T = TypeVar("T")
+ADMIN = "admin"  # the account the first server start creates (agentloop.server.auth.ADMIN)
+
+account_app = typer.Typer(help="Accounts that own processes and tokens.", no_args_is_help=True)
+token_app = typer.Typer(help="Bearer tokens for the server (shown once when created).", no_args_is_help=True)
+
+DataOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--data",
+        help="The server's data directory (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
+        "~/.local/share/agentloop).",
+    ),
+]
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(account_app, name="account")
+    app.add_typer(token_app, name="token")
+
+
+def _database(data: Path | None) -> Path:
+    from agentloop.cli.chat import data_dir
+    from agentloop.cli.main import CliError
+
+    directory = data_dir(data)
+    if not directory.is_dir():
+        raise CliError(f"no data directory {directory}: start 'agentloop serve' once, or pass --data")
+    return directory.resolve() / "agentloop.db"
+
+
+def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]]) -> T:
+    """Open the store (creating or migrating its schema like the server would), run ``work``, close."""
+    from agentloop.cli.main import CliError
+
+    try:  # the server package needs the server extra; a plain install still gets a clear error
+        from agentloop.server.auth import AccountError, Accounts
+    except ImportError as exc:
+        raise CliError(f"accounts need the server extra: pip install 'agentloop[server]' ({exc})") from None
+    path = _database(data)
+
+    async def go() -> T:
+        store: Store = open_store(f"sqlite:///{path}")
+        await store.open()
+        try:
+            return await work(Accounts(store))
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except AccountError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _when(stamp: float | None) -> str:
+    if stamp is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M")
+
+
+@account_app.command("create")
+def account_create(
+    name: Annotated[str, typer.Argument(help="Lowercase letters, digits, '-' or '_', starting with a letter.")],
+    admin: Annotated[bool, typer.Option("--admin", help="May see and manage every account's processes.")] = False,
+    token: Annotated[bool, typer.Option("--token/--no-token", help="Also create a first token and print it.")] = True,
+    data: DataOpt = None,
+) -> None:
+    """Create an account (and, by default, its first token)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+
+        async def work(accounts: Accounts) -> str | None:
+            await accounts.create_account(name, admin=admin)
+            if not token:
+                return None
+            secret, _ = await accounts.create_token(name, label="first token")
+            return secret
+
+        secret = _with_accounts(data, work)
+        typer.echo(f"created account {name}" + (" (admin)" if admin else ""))
+        if secret is not None:
+            typer.echo(f"token: {secret}")
+            typer.echo("store it now: it is shown only this once", err=True)
+
+
+@account_app.command("list")
+def account_list(data: DataOpt = None) -> None:
+    """List the accounts."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+
+        async def work(accounts: Accounts) -> list[tuple[str, bool, float]]:
+            return [(a.name, a.admin, a.created_at) for a in await accounts.store.list_accounts()]
+
+        for name, is_admin, created in _with_accounts(data, work):
+            typer.echo(f"{name}\t{'admin' if is_admin else 'user'}\t{_when(created)}")
+
+
+@token_app.command("create")
+def token_create(
+    account: Annotated[str, typer.Option("--account", "-a", help="Whose token it is.")] = ADMIN,
+    label: Annotated[str, typer.Option("--label", "-l", help="A note to recognise it by in 'token list'.")] = "",
+    data: DataOpt = None,
+) -> None:
+    """Create a token and print it (once: only its hash is kept)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+
+        async def work(accounts: Accounts) -> tuple[str, str]:
+            secret, record = await accounts.create_token(account, label=label)
+            return secret, record.id
+
+        secret, token_id = _with_accounts(data, work)
+        typer.echo(secret)
+        typer.echo(f"token {token_id} for {account}: store it now, it is shown only this once", err=True)
+
+
+@token_app.command("list")
+def token_list(
+    account: Annotated[str | None, typer.Option("--account", "-a", help="Only this account's tokens.")] = None,
+    data: DataOpt = None,
+) -> None:
+    """List tokens: id, account, label, created, revoked (never the tokens or their hashes)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+
+        async def work(accounts: Accounts) -> list[tuple[str, str, str, float, float | None]]:
+            return [(t.id, t.account, t.label, t.created_at, t.revoked_at) for t in await accounts.tokens(account)]
+
+        rows = _with_accounts(data, work)
+        typer.echo("id\taccount\tlabel\tcreated\trevoked")
+        for token_id, owner, note, created, revoked in rows:
+            typer.echo(f"{token_id}\t{owner}\t{note or '-'}\t{_when(created)}\t{_when(revoked)}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(metavar="ID", help="The id 'token list' shows.")],
+    data: DataOpt = None,
+) -> None:
+    """Revoke a token: the next request that carries it is refused."""
+    from agentloop.cli.main import CliError, _guarded
+
+    with _guarded():
+
+        async def work(accounts: Accounts) -> bool:
+            return await accounts.revoke(token_id)
+
+        if not _with_accounts(data, work):
+            raise CliError(f"no such token {token_id!r} (or it was already revoked)")
+        typer.echo(f"revoked {token_id}")

@@ -1,0 +1,556 @@
+"""The CLI as a client of a running server: ``ps``, ``send``, ``history``, ``watch``, ``approve``,
+``deny``, ``abort``, ``reset``, ``kill``, and ``chat --server``.
+
+Each command finds the server and the token the same way (``--server``/``--token``, then
+``$AGENTLOOP_SERVER``/``$AGENTLOOP_TOKEN``, then the config file) and turns every failure the
+server reports into one ``error:`` line with exit code 1. The remote chat is the local chat's
+REPL with a different ``Session``: turns go over HTTP and are shown from the event stream, with
+the same renderer and the same approval prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.text import Text
+
+from agentloop.cli.approvals import Asker, Question
+from agentloop.cli.chat import TurnOutcome
+from agentloop.cli.config import Connection, load_connection
+from agentloop.cli.render import SignalRenderer, TextRenderer, describe_call, one_line, stderr_console
+from agentloop.client import AgentloopClient, ClientError, StreamEvent
+from agentloop.messages import AssistantMessage, ToolResultMessage, message_from_dict
+from agentloop.process import signals as sig
+from agentloop.process.signals import Signal
+
+T = TypeVar("T")
+
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help="Bearer token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
+    ),
+]
+PidArg = Annotated[str, typer.Argument(metavar="PID", help="The process id ('agentloop ps' lists them).")]
+
+
+def register(app: typer.Typer) -> None:
+    for command in (ps, send, history, watch, approve, deny, abort, reset, kill):
+        app.command()(command)
+
+
+# ---------------------------------------------------------------------------------- plumbing
+
+
+def connection(server: str | None, token: str | None) -> Connection:
+    from agentloop.cli.main import CliError
+
+    conn = load_connection(server=server, token=token)
+    for warning in conn.warnings:
+        sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
+    if not conn.token:
+        raise CliError(
+            'no token: pass --token, set AGENTLOOP_TOKEN, or put token = "…" in the config file '
+            "('agentloop token create' makes one)"
+        )
+    return conn
+
+
+def call(server: str | None, token: str | None, work: Callable[[AgentloopClient], Awaitable[T]]) -> T:
+    """Run ``work`` with a client; a ``ClientError`` becomes a one-line ``CliError``."""
+    from agentloop.cli.main import CliError
+
+    conn = connection(server, token)
+
+    async def go() -> T:
+        async with AgentloopClient(conn.server, conn.token) as client:
+            return await work(client)
+
+    try:
+        return asyncio.run(go())
+    except ClientError as exc:
+        if exc.code == "unauthorized":
+            raise CliError(f"the server refused the token (from {conn.token_source}): {exc.message}") from None
+        raise CliError(exc.message) from None
+
+
+def _when(stamp: Any) -> str:
+    if not isinstance(stamp, int | float):
+        return "-"
+    return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _echo_json(data: Any) -> None:
+    typer.echo(json.dumps(data, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+def ps(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per process.")] = False,
+) -> None:
+    """List your processes (all of them, for an admin's own)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        rows = call(server, token, lambda c: c.processes())
+        if json_output:
+            for row in rows:
+                _echo_json(row)
+            return
+        typer.echo("pid\tstate\towner\trun\tupdated\tcwd")
+        for row in sorted(rows, key=lambda r: r.get("updated_at") or 0):
+            typer.echo(
+                f"{row.get('pid')}\t{row.get('state')}\t{row.get('owner')}\t{row.get('run_id') or '-'}\t"
+                f"{_when(row.get('updated_at'))}\t{row.get('cwd')}"
+            )
+
+
+def send(
+    pid: PidArg,
+    text: Annotated[str, typer.Argument(help="The message; '-' reads it from stdin.")],
+    mode: Annotated[
+        str,
+        typer.Option(
+            "--mode", help="steer (join the running turn), queue (after it), interrupt (abort it, then this)."
+        ),
+    ] = "steer",
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Send a message to a process; prints the run id it went to."""
+    from agentloop.cli.main import CliError, _guarded
+
+    with _guarded():
+        if mode not in ("steer", "queue", "interrupt"):
+            raise CliError("--mode must be steer, queue or interrupt")
+        if text == "-":
+            text = sys.stdin.read()
+        if not text.strip():
+            raise CliError("empty message")
+        receipt = call(server, token, lambda c: c.send(pid, text, mode=mode))
+        where = f" (queued, position {receipt.get('position')})" if receipt.get("queued") else ""
+        typer.echo(f"{receipt.get('run_id')}{where}")
+
+
+def history(
+    pid: PidArg,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=500, help="How many of the newest messages.")] = 20,
+    json_output: Annotated[bool, typer.Option("--json", help="Each message as JSON, one per line.")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Show a process's latest messages, oldest first."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        page = call(server, token, lambda c: c.history(pid, limit=limit))
+        for item in page.get("messages", []):
+            if json_output:
+                _echo_json(item)
+            else:
+                for line in message_lines(item.get("message")):
+                    typer.echo(line)
+
+
+def message_lines(data: Any) -> list[str]:
+    """A stored message as plain lines: ``role: text``, one line per tool call or result."""
+    try:
+        message = message_from_dict(data)
+    except Exception:
+        return [f"?: {one_line(json.dumps(data, default=str), 300)}"]
+    texts = [getattr(b, "text", "") for b in message.content if getattr(b, "type", "") == "text"]
+    text = "\n".join(t for t in texts if t)
+    lines = [f"{message.role}: {text}"] if text else []
+    if isinstance(message, AssistantMessage):
+        lines.extend(f"  → {describe_call(c.name, dict(c.arguments))}" for c in message.tool_calls)
+        if not lines:
+            lines.append("assistant:")
+    elif isinstance(message, ToolResultMessage):
+        mark = "✗" if message.is_error else "←"
+        lines = [f"  {mark} {message.tool_name}: {one_line(text, 300)}"]
+    return lines or [f"{message.role}:"]
+
+
+def watch(
+    pid: PidArg,
+    after: Annotated[
+        int, typer.Option("--after", min=0, help="Start after this signal number (0: the whole log).")
+    ] = 0,
+    follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Keep following live signals.")] = True,
+    until_done: Annotated[
+        bool, typer.Option("--until-done", help="Stop after the next finished run (proc.run.finished).")
+    ] = False,
+    deltas: Annotated[bool, typer.Option("--deltas", help="Also show live text deltas (proc.run.stream).")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Each signal as JSON, one per line.")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Print a process's signals as they come (the log first); reconnects after a dropped connection
+    without missing or repeating one."""
+    from agentloop.cli.main import _guarded
+
+    def retrying(problem: ClientError, attempt: int) -> None:
+        sys.stderr.write(f"(connection lost: {one_line(problem.message, 200)}; reconnecting, attempt {attempt})\n")
+        sys.stderr.flush()
+
+    async def work(client: AgentloopClient) -> None:
+        stream = client.events(pid, after_seq=after, follow=follow, on_retry=retrying)
+        async with aclosing(stream) as events:
+            async for event in events:
+                if event.signal == sig.RUN_STREAM and not deltas:
+                    continue
+                if json_output:
+                    _echo_json({"seq": event.seq, "signal": event.signal, "payload": event.payload})
+                else:
+                    seq = "-" if event.seq is None else str(event.seq)
+                    typer.echo(f"{seq}\t{event.signal}\t{json.dumps(event.payload, ensure_ascii=False)}")
+                sys.stdout.flush()
+                if until_done and event.signal == sig.RUN_FINISHED and event.seq is not None and event.seq > after:
+                    return
+
+    with _guarded():
+        call(server, token, work)
+
+
+def _decide(
+    pid: str, request: str | None, decision: str, remember: bool, server: str | None, token: str | None
+) -> None:
+    from agentloop.cli.main import CliError
+
+    if request is None:
+        pending = call(server, token, lambda c: c.approvals(pid))
+        if not pending:
+            raise CliError(f"no approval is pending for {pid}")
+        request = str(pending[0]["request_id"]) if len(pending) == 1 else _choose(pending)
+    chosen = request
+    result = call(server, token, lambda c: c.hil(pid, chosen, decision, remember=remember))
+    past = "approved" if decision == "approve" else "denied"
+    typer.echo(f"{past} {result.get('request_id', chosen)}" + (" (remembered)" if result.get("remember") else ""))
+
+
+def _choose(pending: list[dict[str, Any]]) -> str:
+    """Several approvals wait: list them; on a terminal ask which one, elsewhere refuse to guess."""
+    from agentloop.cli.main import CliError
+
+    err = stderr_console()
+    for n, row in enumerate(pending, 1):
+        args = row.get("args")
+        args = args if isinstance(args, dict) else {}
+        err.print(Text(f"{n}. {row.get('request_id')}  {describe_call(str(row.get('tool_name')), args)}"))
+    if not sys.stdin.isatty():
+        raise CliError("several approvals are pending: name one (approve PID REQ)")
+    while True:
+        try:
+            answer = input(f"which one? [1-{len(pending)}] ").strip()
+        except EOFError:
+            raise CliError("no approval chosen") from None
+        if answer.isdigit() and 1 <= int(answer) <= len(pending):
+            return str(pending[int(answer) - 1]["request_id"])
+        ids = [str(r.get("request_id")) for r in pending]
+        if answer in ids:
+            return answer
+
+
+ReqArg = Annotated[str | None, typer.Argument(metavar="[REQ]", help="The request id (default: the only pending one).")]
+
+
+def approve(
+    pid: PidArg,
+    request: ReqArg = None,
+    remember: Annotated[
+        bool, typer.Option("--remember", help="Also allow such calls for the rest of this process.")
+    ] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Approve a tool call that waits for a person."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        _decide(pid, request, "approve", remember, server, token)
+
+
+def deny(pid: PidArg, request: ReqArg = None, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Deny a tool call that waits for a person (the model is told the user refused)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        _decide(pid, request, "deny", False, server, token)
+
+
+def abort(pid: PidArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Stop a process's running turn (the conversation stays valid)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        aborted = call(server, token, lambda c: c.abort(pid))
+        typer.echo("aborted" if aborted else "nothing was running")
+
+
+def reset(pid: PidArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Archive a process's conversation and start it afresh."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        result = call(server, token, lambda c: c.reset(pid))
+        typer.echo(f"reset {pid}" + (" (history archived)" if result.get("archived") else ""))
+
+
+def kill(pid: PidArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """End a process for good (its history is archived)."""
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        result = call(server, token, lambda c: c.kill(pid))
+        typer.echo(f"killed {pid}" + (" (history archived)" if result.get("archived") else ""))
+
+
+# ---------------------------------------------------------------------------------- remote chat
+
+
+def _signal(event: StreamEvent) -> Signal:
+    return Signal(event.signal, event.payload, event.seq)
+
+
+def _outcome(payload: dict[str, Any]) -> TurnOutcome:
+    status = payload.get("status")
+    reason = str(payload.get("reason") or "stop")
+    if status == "aborted":
+        return TurnOutcome("aborted", reason)
+    if status == "error":
+        return TurnOutcome("error", reason, str(payload.get("error") or "the model call failed"))
+    return TurnOutcome("ok", reason)
+
+
+def _question(row: dict[str, Any]) -> Question:
+    args = row.get("args")
+    return Question(
+        tool=str(row.get("tool_name") or row.get("syscall") or "tool"),
+        args=args if isinstance(args, dict) else {},
+        tags=tuple(str(t) for t in row.get("tags") or ()),
+        reason=str(row.get("reason") or ""),
+        request_id=str(row.get("request_id") or ""),
+    )
+
+
+class RemoteSession:
+    """Chat turns on a server's process: open the event stream, send the line, show the signals
+    until that run finishes, answering approvals as they come. Like ``DurableSession``, but every
+    step is an HTTP call, so the process lives (and keeps running) in the server."""
+
+    def __init__(self, client: AgentloopClient, *, cwd: str | None = None) -> None:
+        self.client = client
+        self.cwd = cwd
+        self.pid = ""
+        self.seq = 0  # the last logged signal shown: the next turn follows from here
+        self._abort: asyncio.Task[bool] | None = None
+
+    async def open(self, *, new: bool = False, pid: str | None = None) -> int | None:
+        """Attach to ``pid``, else to the newest conversation (unless ``new``), else start one;
+        returns how many messages a continued conversation has, None for a new one."""
+        if pid is None and not new:
+            mine = [p for p in await self.client.processes() if p.get("parent_pid") is None]
+            if mine:
+                pid = str(max(mine, key=lambda p: (p.get("updated_at") or 0, p.get("created_at") or 0))["pid"])
+        if pid is None:
+            await self.new()
+            return None
+        await self.client.process(pid)  # 404 for an unknown pid, before anything else
+        self.pid = pid
+        self.seq = await self._last_seq()
+        return len((await self.client.history(pid, limit=500)).get("messages", []))
+
+    async def _last_seq(self) -> int:
+        last = self.seq
+        stream = self.client.events(self.pid, after_seq=last, follow=False, max_retries=3)
+        async with aclosing(stream) as events:
+            async for event in events:
+                if event.seq is not None:
+                    last = event.seq
+        return last
+
+    async def new(self) -> None:
+        proc = await self.client.spawn(interactive=True, cwd=self.cwd)
+        self.pid = str(proc["pid"])
+        self.seq = 0
+
+    def abort(self) -> None:
+        if self.pid and (self._abort is None or self._abort.done()):
+            self._abort = asyncio.get_running_loop().create_task(self.client.abort(self.pid))
+
+    async def unfinished(self) -> bool:
+        return (await self.client.process(self.pid)).get("run_id") is not None
+
+    async def resume(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        try:
+            run = (await self.client.process(self.pid)).get("run_id")
+            if run is None:
+                return TurnOutcome("ok")
+            return await self._follow(view, ask, run_id=str(run))
+        except ClientError as exc:
+            return TurnOutcome("error", "error", exc.message)
+
+    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        try:
+            if await self.unfinished():  # never start a turn behind one the user cannot see
+                await self.resume(view, ask)
+            return await self._follow(view, ask, text=text)
+        except ClientError as exc:
+            return TurnOutcome("error", "error", exc.message)
+
+    async def _follow(
+        self, view: TextRenderer, ask: Asker, *, text: str | None = None, run_id: str | None = None
+    ) -> TurnOutcome:
+        """Watch first, then send: text deltas are live-only, so a stream opened after the send
+        could miss the start of the answer."""
+        queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
+        connected = asyncio.Event()
+
+        async def pump() -> None:
+            stream = self.client.events(self.pid, after_seq=self.seq, connected=connected, max_retries=20)
+            try:
+                async with aclosing(stream) as events:
+                    async for event in events:
+                        queue.put_nowait(event)
+                queue.put_nowait(None)
+            except ClientError as exc:
+                queue.put_nowait(exc)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        try:
+            waiter = asyncio.ensure_future(connected.wait())
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if text is not None:
+                receipt = await self.client.send(self.pid, text)
+                run_id = str(receipt["run_id"])
+            return await self._show(queue, view, ask, str(run_id))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _show(
+        self,
+        queue: asyncio.Queue[StreamEvent | BaseException | None],
+        view: TextRenderer,
+        ask: Asker,
+        run_id: str,
+    ) -> TurnOutcome:
+        render = SignalRenderer(view)
+        answered: set[str] = set()
+        for row in await self.client.approvals(self.pid):  # asked before this client was watching
+            if row.get("run_id") == run_id:
+                await self._answer(_question(row), view, ask, answered)
+        while True:
+            item = await queue.get()
+            if item is None:
+                return TurnOutcome("error", "error", "the server ended the event stream")
+            if isinstance(item, BaseException):
+                raise item
+            if item.seq is not None:
+                self.seq = item.seq
+            payload = item.payload
+            if item.signal == sig.TOOL_FINISHED and not view.knows(str(payload.get("callId"))):
+                await self._learn_call(str(payload.get("callId")), view)
+            render.handle(_signal(item))
+            if item.signal == sig.HIL_REQUESTED and payload.get("runId") == run_id:
+                await self._answer(Question.from_payload(payload), view, ask, answered)
+            if item.signal == sig.RUN_FINISHED and payload.get("runId") == run_id:
+                return _outcome(payload)
+
+    async def _learn_call(self, call_id: str, view: TextRenderer) -> None:
+        """A refused call never started, so no signal showed its arguments: the message that made
+        the call has them."""
+        page = await self.client.history(self.pid, limit=20)
+        for item in reversed(page.get("messages", [])):
+            try:
+                message = message_from_dict(item.get("message"))
+            except Exception:
+                continue
+            if isinstance(message, AssistantMessage):
+                for block in message.tool_calls:
+                    if block.id == call_id:
+                        view.tool_start(call_id, block.name, dict(block.arguments), show=False)
+                        return
+
+    async def _answer(self, question: Question, view: TextRenderer, ask: Asker, answered: set[str]) -> None:
+        if question.request_id in answered:
+            return
+        answered.add(question.request_id)
+        view.pause()
+        answer = await ask(question)
+        if answer == "abort":
+            self.abort()
+            return
+        decision = "approve" if answer in ("approve", "always") else "deny"
+        try:
+            await self.client.hil(self.pid, question.request_id, decision, remember=answer == "always")
+        except ClientError as exc:
+            if exc.code != "not_found":  # not_found: answered elsewhere, or the run ended meanwhile
+                raise
+            return
+        view.waiting()
+
+
+def remote_chat(
+    url: str, token: str, *, new: bool = False, pid: str | None = None, cwd: str | None = None
+) -> tuple[bool, int]:
+    """The chat REPL against a server; returns (a turn was aborted, exit code)."""
+    from agentloop.cli.chat import HELP, ChatRepl
+
+    err = stderr_console()
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(url, token)
+    try:
+        session = RemoteSession(client, cwd=cwd)
+        count = ev.run_until_complete(session.open(new=new, pid=pid))
+        me = ev.run_until_complete(client.me())
+        err.print(Text(f"agentloop chat · {url} · {me.get('account')}", style="bold"))
+        err.print(Text(HELP, style="dim"))
+        if count is None:
+            err.print(Text(f"new conversation {session.pid}", style="dim"))
+        else:
+            err.print(
+                Text(f"continuing conversation {session.pid} ({count} messages) · --new starts afresh", style="dim")
+            )
+        repl = ChatRepl(session, err=err)
+        if ev.run_until_complete(session.unfinished()):
+            err.print(Text("(the last answer was unfinished; it goes on)", style="dim"))
+            ev.run_until_complete(repl.resume())
+        code = repl.loop(ev)
+        return repl.aborted, code
+    finally:
+        try:
+            ev.run_until_complete(client.aclose())
+            ev.run_until_complete(ev.shutdown_asyncgens())
+        finally:
+            ev.close()
+
+
+def chat_command(server: str | None, token: str | None, *, new: bool, pid: str | None) -> tuple[bool, int]:
+    """``agentloop chat --server URL``: resolve the connection, then ``remote_chat``."""
+    from agentloop.cli.main import CliError
+
+    conn = connection(server, token)
+    try:
+        return remote_chat(conn.server, str(conn.token), new=new, pid=pid)
+    except ClientError as exc:
+        raise CliError(exc.message) from None
+
+
+__all__ = ["RemoteSession", "chat_command", "register", "remote_chat"]

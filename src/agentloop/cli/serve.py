@@ -1,0 +1,385 @@
+"""``agentloop serve``: the durable kernel behind HTTP, SSE and WebSocket on one port.
+
+The server owns one kernel on ``<data>/agentloop.db``; opening it resumes whatever runs were
+unfinished when the last server stopped or crashed. On a fresh database the first start creates
+the ``admin`` account and prints its token once (the store keeps only its hash).
+
+Shutdown is graceful on SIGINT/SIGTERM: stop accepting, end event streams cleanly (``ctx.stopping``),
+give open connections a bounded time to finish, then close the kernel, so every tick that got
+going commits and the next start resumes the rest. uvicorn's own signal capture is switched off:
+it re-raises the signal after shutdown, which would kill the process before the kernel closes.
+
+``--chat`` runs the server in a background thread of the same process and opens the chat client
+against it over HTTP with a token minted for the session (revoked at exit): the one command that
+starts everything and talks to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, TextIO, TypeVar
+
+import typer
+
+from agentloop.agent import Agent
+from agentloop.cli.approvals import ApprovalSetting
+from agentloop.cli.config import Settings, open_model
+from agentloop.cli.render import Progress
+
+T = TypeVar("T")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+SHUTDOWN_TIMEOUT = 5  # seconds open connections get to finish once shutdown begins
+TOKEN_NOTE = "store it now: it is shown only this once (agentloop token create makes more)"
+
+
+@dataclass
+class ServeOptions:
+    """Everything ``serve`` decided before the server starts."""
+
+    host: str
+    port: int
+    data: Path
+    workspace: Path
+    settings: Settings
+    approval: ApprovalSetting
+    shutdown_timeout: int = SHUTDOWN_TIMEOUT
+    out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
+
+
+@dataclass
+class Running:
+    """A started server: what a caller needs to talk to it and to stop it."""
+
+    url: str
+    ctx: Any  # ServerContext (imported lazily: the server extra may be missing)
+    server: Any  # _Server
+    loop: asyncio.AbstractEventLoop
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown; safe to call from any thread, more than once."""
+        self.loop.call_soon_threadsafe(self._stop)
+
+    def _stop(self) -> None:
+        self.ctx.stopping.set()
+        self.server.should_exit = True
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def url_of(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{shown}:{port}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the server starts so a busy port is a clear error (and
+    ``--port 0`` picks a free one). SO_REUSEADDR lets a restart take the port straight back."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, IndexError) as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.setblocking(False)
+    return sock
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn without its signal capture: ``serve_async`` handles the signals itself."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return _Server
+
+
+async def serve_async(
+    opts: ServeOptions,
+    *,
+    signals: bool = True,
+    on_ready: Callable[[Running], Awaitable[None] | None] | None = None,
+) -> None:
+    """Open the kernel, start the server, and run until stopped (a signal when ``signals``, or
+    ``Running.stop``). ``on_ready`` is called once the port accepts connections."""
+    try:
+        import uvicorn
+
+        from agentloop.server.app import create_server
+        from agentloop.server.auth import Accounts
+        from agentloop.server.context import ServerContext
+        from agentloop.server.devices import DeviceHub
+    except ImportError as exc:
+        raise ImportError(f"the server needs an optional dependency: pip install 'agentloop[server]' ({exc})") from exc
+    from agentloop.kernel import Kernel
+    from agentloop.tools.builtin import builtin_tools
+
+    settings = opts.settings
+    sock = bind(opts.host, opts.port)
+    try:
+        model = open_model(settings.model, Progress())
+        hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
+        kernel_options: dict[str, Any] = {"tool_timeout": settings.tool_timeout, **opts.approval.kernel_options()}
+        if settings.max_rounds is not None:
+            kernel_options["max_rounds"] = settings.max_rounds
+        async with Kernel.open(
+            f"sqlite:///{opts.data.resolve()}/agentloop.db",
+            model=model,
+            workspace=opts.workspace,
+            system_prompt=settings.system_prompt,
+            data_dir=opts.data,
+            devices=hub,
+            **kernel_options,
+        ) as kernel:
+            accounts = Accounts(kernel.store)
+            first = await accounts.bootstrap()
+            if first is not None:
+                _say(opts.out, f"created the admin account; its token: {first}")
+                _say(opts.out, TOKEN_NOTE)
+            ctx = ServerContext(kernel, accounts, devices=hub)
+            tools = builtin_tools(opts.workspace)
+
+            def agent_factory() -> Agent:
+                """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request."""
+                return Agent(
+                    model=model,
+                    tools=tools,
+                    system_prompt=settings.system_prompt,
+                    tool_timeout=settings.tool_timeout,
+                    max_rounds=settings.max_rounds,
+                    workspace=opts.workspace,
+                )
+
+            config = uvicorn.Config(
+                create_server(ctx, agent_factory),
+                host=opts.host,
+                port=sock.getsockname()[1],
+                log_level="warning",
+                access_log=False,  # an access log is one misconfiguration away from logging credentials
+                lifespan="off",
+                timeout_graceful_shutdown=max(1, round(opts.shutdown_timeout)),
+            )
+            server = _server_class()(config)
+            running = Running(url_of(opts.host, sock.getsockname()[1]), ctx, server, asyncio.get_running_loop())
+            with _signals(running, signals):
+                task = asyncio.ensure_future(server.serve(sockets=[sock]))
+                try:
+                    while not server.started and not task.done():
+                        await asyncio.wait({task}, timeout=0.05)
+                    if server.started:
+                        _say(opts.out, f"agentloop serving on {running.url}")
+                        if on_ready is not None:
+                            result = on_ready(running)
+                            if result is not None:
+                                await result
+                    await task
+                finally:
+                    ctx.stopping.set()
+                    if not task.done():
+                        server.should_exit = True
+                        await asyncio.gather(task, return_exceptions=True)
+                    await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
+    finally:
+        sock.close()
+
+
+@contextlib.contextmanager
+def _signals(running: Running, install: bool) -> Generator[None, None, None]:
+    """SIGINT/SIGTERM begin a graceful shutdown; a second one while it is under way forces it."""
+    loop = running.loop
+    installed: list[signal.Signals] = []
+
+    def handler(signum: int) -> None:
+        if running.server.should_exit:
+            running.server.force_exit = True
+        running.server.handle_exit(signum, None)  # also tells sse-starlette, which patches it
+        running.ctx.stopping.set()
+
+    if install and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, handler, int(sig))
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def _say(out: TextIO, line: str) -> None:
+    out.write(line + "\n")
+    out.flush()
+
+
+# ---------------------------------------------------------------------------------- --chat
+
+
+class BackgroundServer:
+    """``serve_async`` on its own thread and event loop, so the chat can run on the main thread
+    (terminal input and Ctrl-C belong there)."""
+
+    def __init__(self, opts: ServeOptions, *, start_timeout: float = 600.0) -> None:
+        self.opts = opts
+        self.start_timeout = start_timeout
+        self.running: Running | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="agentloop-server", daemon=True)
+
+    def _main(self) -> None:
+        async def ready(running: Running) -> None:
+            self.running = running
+            self._ready.set()
+
+        try:
+            asyncio.run(serve_async(self.opts, signals=False, on_ready=ready))
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._ready.set()
+
+    def start(self) -> Running:
+        self._thread.start()
+        self._ready.wait(self.start_timeout)
+        if self.running is None:
+            if self.error is not None:
+                raise self.error
+            raise RuntimeError("the server did not start")
+        return self.running
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run ``coro`` on the server's loop (where its kernel and store live) and wait for it."""
+        if self.running is None:
+            coro.close()
+            raise RuntimeError("the server is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self.running.loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.running is not None and self._thread.is_alive():
+            self.running.stop()
+        self._thread.join(timeout)
+
+
+def serve_and_chat(opts: ServeOptions, *, new: bool, pid: str | None) -> tuple[bool, int]:
+    """Start the server in the background and chat with it over HTTP; returns (aborted, exit code)."""
+    from agentloop.cli.client import remote_chat
+    from agentloop.server.auth import ADMIN
+
+    background = BackgroundServer(opts)
+    running = background.start()
+    try:
+        accounts = running.ctx.accounts
+        token, record = background.call(accounts.create_token(ADMIN, label="serve --chat session"))
+        try:
+            return remote_chat(running.url, token, new=new, pid=pid, cwd=None)
+        finally:
+            with contextlib.suppress(Exception):
+                background.call(accounts.revoke(record.id))
+    finally:
+        background.stop(opts.shutdown_timeout + 30.0)
+
+
+# ---------------------------------------------------------------------------------- the command
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+
+
+def serve(
+    host: Annotated[
+        str, typer.Option("--host", help="Address to listen on (loopback unless you mean otherwise).")
+    ] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0 picks a free one).")] = DEFAULT_PORT,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Where the database and files live (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
+            "~/.local/share/agentloop).",
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="provider:model (default: $AGENTLOOP_MODEL, the config file, the embedded model)"
+        ),
+    ] = None,
+    workspace: Annotated[
+        Path | None,
+        typer.Option("--workspace", "-w", help="Directory processes work in (default: current directory)."),
+    ] = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    approval: Annotated[
+        str,
+        typer.Option(
+            "--approval",
+            help="Tool calls: ask (default policy: risky calls wait for approval), auto, deny, or a JSON policy.",
+        ),
+    ] = "ask",
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Also chat with the server from this terminal (or from stdin).")
+    ] = False,
+    new: Annotated[bool, typer.Option("--new", help="With --chat: start a new conversation.")] = False,
+    pid: Annotated[str | None, typer.Option("--pid", help="With --chat: talk to this process.")] = None,
+) -> None:
+    """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
+    prints the admin token once)."""
+    from agentloop.cli.chat import data_dir
+    from agentloop.cli.main import CliError, _approval, _exit, _guarded, _settings, _workspace
+
+    with _guarded():
+        settings = _settings(model, workspace, system)
+        setting = _approval(approval)
+        ws = _workspace(settings)
+        directory = data_dir(data)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CliError(f"cannot create the data directory {directory}: {exc.strerror or exc}") from exc
+        if not is_loopback(host):
+            sys.stderr.write(
+                f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
+                "put TLS in front of it\n"
+            )
+        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting)
+        if chat:
+            opts.out = sys.stderr  # stdout carries the answers
+            aborted, code = serve_and_chat(opts, new=new, pid=pid)
+            if aborted:
+                _exit(code)
+            raise typer.Exit(code)
+        try:
+            asyncio.run(serve_async(opts))
+        except OSError as exc:
+            raise CliError(str(exc)) from exc

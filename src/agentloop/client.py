@@ -1,0 +1,316 @@
+"""An async client for the server's ``/v1`` HTTP API (docs/server-api.md).
+
+    async with AgentloopClient("http://127.0.0.1:8765", token) as client:
+        proc = await client.spawn()
+        await client.send(proc["pid"], "hello")
+        async for event in client.events(proc["pid"]):
+            print(event.seq, event.signal, event.payload)
+
+Every failure the server reports becomes a ``ClientError(status, code, message)``, and so does a
+server nobody can reach (status 0, code ``unreachable``), so a caller handles one exception type.
+The event stream reconnects by itself after a dropped connection, sending ``Last-Event-ID`` so the
+server replays exactly the logged signals the client has not seen: nothing lost, nothing repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8765"
+# The server sends a comment every 15 s of silence: three missed ones mean the connection is dead.
+STREAM_READ_TIMEOUT = 45.0
+
+
+class ClientError(Exception):
+    """A failed call: the HTTP status (0 when the server could not be reached), the error code of
+    the wire contract (``not_found``, ``unauthorized`` …) and a message fit to show a person."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{message} ({code})" if code else message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class StreamEvent(NamedTuple):
+    """One signal from the event stream. ``seq`` is None for live-only progress (text deltas)."""
+
+    seq: int | None
+    signal: str
+    payload: dict[str, Any]
+
+
+def _error(response: httpx.Response, body: bytes) -> ClientError:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("code"), str):
+        return ClientError(response.status_code, data["code"], str(data.get("message") or data["code"]))
+    text = body.decode("utf-8", "replace").strip()[:200]
+    return ClientError(response.status_code, "http_error", text or response.reason_phrase or "request failed")
+
+
+def _transient(exc: ClientError) -> bool:
+    """Worth retrying a stream: the server is unreachable, restarting or overloaded."""
+    return exc.status == 0 or exc.status >= 500 or exc.status == 429
+
+
+class SSEParser:
+    """The ``text/event-stream`` framing: fields accumulate until a blank line dispatches them.
+
+    Kept apart from the HTTP code so it can be fed line by line from any source."""
+
+    def __init__(self) -> None:
+        self._event = ""
+        self._data: list[str] = []
+        self._id: str | None = None
+
+    def feed(self, line: str) -> tuple[str, str, str | None] | None:
+        """One line (without its newline); returns ``(event, data, id)`` when a frame completes."""
+        if not line:
+            if not self._data:
+                self._event, self._id = "", None
+                return None
+            frame = (self._event or "message", "\n".join(self._data), self._id)
+            self._event, self._data, self._id = "", [], None
+            return frame
+        if line.startswith(":"):
+            return None  # a comment: the server's heartbeat
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id":
+            self._id = value
+        return None
+
+
+class AgentloopClient:
+    """The ``/v1`` API over one pooled HTTP connection set. Use it as an async context manager
+    (or call ``aclose``); ``transport`` lets tests talk to an app in process."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    async def __aenter__(self) -> AgentloopClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _unreachable(self, exc: httpx.HTTPError) -> ClientError:
+        return ClientError(0, "unreachable", f"cannot reach the server at {self.url}: {type(exc).__name__} {exc}")
+
+    async def _call(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        try:
+            response = await self._http.request(method, path, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        if response.status_code >= 400:
+            raise _error(response, response.content)
+        try:
+            return response.json()
+        except ValueError:
+            raise ClientError(
+                response.status_code, "bad_response", "the server answered something that is not JSON"
+            ) from None
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        try:
+            data = await self._call("GET", "/v1/health")
+        except ClientError:
+            return False
+        return isinstance(data, dict) and data.get("ok") is True
+
+    async def me(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", "/v1/me")
+        return result
+
+    async def spawn(
+        self, *, context: str | None = None, interactive: bool | None = None, cwd: str | None = None
+    ) -> dict[str, Any]:
+        body = {k: v for k, v in (("context", context), ("interactive", interactive), ("cwd", cwd)) if v is not None}
+        result: dict[str, Any] = await self._call("POST", "/v1/processes", body=body)
+        return result
+
+    async def processes(self) -> list[dict[str, Any]]:
+        data = await self._call("GET", "/v1/processes")
+        return list(data.get("processes", []))
+
+    async def process(self, pid: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{pid}")
+        return result
+
+    async def send(
+        self,
+        pid: str,
+        text: str,
+        *,
+        mode: str = "steer",
+        media: list[dict[str, str]] | None = None,
+        run_id: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"text": text, "mode": mode}
+        if media:
+            body["media"] = media
+        if run_id is not None:
+            body["run_id"] = run_id
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{pid}/messages", body=body)
+        return result
+
+    async def history(self, pid: str, *, limit: int = 100, before: int | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit}
+        if before is not None:
+            params["before"] = before
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{pid}/messages", params=params)
+        return result
+
+    async def abort(self, pid: str, run_id: str | None = None) -> bool:
+        body = {"run_id": run_id} if run_id else {}
+        data = await self._call("POST", f"/v1/processes/{pid}/abort", body=body)
+        return bool(data.get("aborted"))
+
+    async def approvals(self, pid: str) -> list[dict[str, Any]]:
+        data = await self._call("GET", f"/v1/processes/{pid}/hil")
+        return list(data.get("requests", []))
+
+    async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> dict[str, Any]:
+        body = {"decision": decision, "remember": remember}
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{pid}/hil/{request_id}", body=body)
+        return result
+
+    async def reset(self, pid: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{pid}/reset", body={})
+        return result
+
+    async def kill(self, pid: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("DELETE", f"/v1/processes/{pid}")
+        return result
+
+    async def devices(self) -> list[dict[str, Any]]:
+        data = await self._call("GET", "/v1/devices")
+        return list(data.get("devices", []))
+
+    # -- the event stream -------------------------------------------------------------------------
+
+    async def events(
+        self,
+        pid: str,
+        *,
+        after_seq: int = 0,
+        follow: bool = True,
+        reconnect: bool = True,
+        max_retries: int | None = None,
+        connected: asyncio.Event | None = None,
+        on_retry: Callable[[ClientError, int], None] | None = None,
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """The process's signals after ``after_seq``, then (with ``follow``) live ones.
+
+        A dropped connection, or a stream the server ended because it was shutting down, is
+        reopened with ``Last-Event-ID`` after a growing, jittered pause (reset by every event that
+        arrives), at most ``max_retries`` times in a row (None: until the server answers an error
+        that retrying cannot fix, such as 404 for a killed process). ``connected`` is set each time
+        the server has accepted the stream, so a caller can start a run only once it is watching
+        (text deltas are live-only: sent before that, they are missed). ``on_retry(problem,
+        attempt)`` is told before each reconnection, so a person watching knows why it paused."""
+        last = after_seq
+        failures = 0
+        while True:
+            ended_cleanly = False
+            try:
+                async for event in self._stream(pid, last, follow, connected):
+                    failures = 0
+                    if event.seq is not None:
+                        last = event.seq
+                    yield event
+                ended_cleanly = True
+            except ClientError as exc:
+                if not (reconnect and _transient(exc)):
+                    raise
+                problem: ClientError = exc
+            if ended_cleanly:
+                if not follow or not reconnect:
+                    return
+                problem = ClientError(0, "stream_ended", "the server ended the event stream")
+            if connected is not None:
+                connected.clear()
+            failures += 1
+            if max_retries is not None and failures > max_retries:
+                raise problem
+            if on_retry is not None:
+                on_retry(problem, failures)
+            await asyncio.sleep(min(5.0, 0.2 * 2 ** (failures - 1)) * (0.5 + random.random() / 2))
+
+    async def _stream(
+        self, pid: str, after_seq: int, follow: bool, connected: asyncio.Event | None
+    ) -> AsyncIterator[StreamEvent]:
+        """One connection of the event stream; errors (HTTP or network) become ``ClientError``."""
+        headers = {"Accept": "text/event-stream"}
+        if after_seq:
+            headers["Last-Event-ID"] = str(after_seq)
+        params = {"after_seq": after_seq, "follow": "true" if follow else "false"}
+        timeout = httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT)
+        parser = SSEParser()
+        try:
+            async with self._http.stream(
+                "GET", f"/v1/processes/{pid}/events", params=params, headers=headers, timeout=timeout
+            ) as response:
+                if response.status_code >= 400:
+                    raise _error(response, await response.aread())
+                if connected is not None:
+                    connected.set()
+                async for line in response.aiter_lines():
+                    frame = parser.feed(line.rstrip("\r"))
+                    if frame is None:
+                        continue
+                    event = _event(*frame)
+                    if event is not None:
+                        yield event
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+
+
+def _event(name: str, data: str, event_id: str | None) -> StreamEvent | None:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    seq = body.get("seq")
+    if not isinstance(seq, int) and event_id is not None and event_id.isdigit():
+        seq = int(event_id)
+    payload = body.get("payload")
+    return StreamEvent(
+        seq if isinstance(seq, int) else None,
+        str(body.get("signal") or name),
+        payload if isinstance(payload, dict) else {},
+    )
