@@ -1,0 +1,200 @@
+"""``agentloop.client.AgentloopClient`` and the remote chat session against a real server in a
+thread (``tests/server_support.py``): calls, errors as ``ClientError``, the event stream and its
+resumption after a dropped connection (a transport that cuts the first stream mid-way)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from rich.console import Console
+
+from agentloop.cli.chat import ChatRepl, PlainReader
+from agentloop.cli.client import RemoteSession, message_lines
+from agentloop.client import AgentloopClient, ClientError, SSEParser, StreamEvent
+from agentloop.process import signals as sig
+from tests.server_support import LiveServer, live_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_server(tmp_path_factory.mktemp("client")) as live:
+        yield live
+
+
+def client_for(server: LiveServer, token: str | None = None, **kw: Any) -> AgentloopClient:
+    return AgentloopClient(server.url, token if token is not None else server.tokens.alice, **kw)
+
+
+async def until_finished(client: AgentloopClient, pid: str, run_id: str, after: int = 0) -> list[StreamEvent]:
+    seen: list[StreamEvent] = []
+    async with asyncio.timeout(30):
+        async for event in client.events(pid, after_seq=after):
+            seen.append(event)
+            if event.signal == sig.RUN_FINISHED and event.payload.get("runId") == run_id:
+                return seen
+    raise AssertionError("the stream ended before the run finished")
+
+
+def test_sse_parser_frames() -> None:
+    parser = SSEParser()
+    lines = [": ping", "event: a", "id: 7", 'data: {"x":', "data: 1}", "", "", "data: plain", ""]
+    frames = [f for f in (parser.feed(line) for line in lines) if f is not None]
+    assert frames == [("a", '{"x":\n1}', "7"), ("message", "plain", None)]
+
+
+async def test_spawn_send_events_history(server: LiveServer) -> None:
+    async with client_for(server) as client:
+        assert await client.health()
+        assert await client.me() == {"account": "alice", "admin": False}
+        proc = await client.spawn(context="tests")
+        pid = proc["pid"]
+        assert proc["owner"] == "alice"
+        assert pid in [p["pid"] for p in await client.processes()]
+        receipt = await client.send(pid, "hello there")
+        events = await until_finished(client, pid, receipt["run_id"])
+        finished = events[-1]
+        assert finished.payload.get("status") == "ok"
+        outputs = [e.payload["text"] for e in events if e.signal == sig.RUN_OUTPUT]
+        assert outputs == ["answer: hello there"]
+        seqs = [e.seq for e in events if e.seq is not None]
+        assert seqs == sorted(set(seqs))  # logged signals in order, none twice
+        page = await client.history(pid)
+        lines = [line for item in page["messages"] for line in message_lines(item["message"])]
+        assert lines == ["user: hello there", "assistant: answer: hello there"]
+        assert (await client.process(pid))["run_id"] is None
+
+
+async def test_approval_over_http(server: LiveServer) -> None:
+    async with client_for(server) as client:
+        pid = (await client.spawn())["pid"]
+        receipt = await client.send(pid, "risky")
+        async with asyncio.timeout(30):
+            async for event in client.events(pid):
+                if event.signal == sig.HIL_REQUESTED:
+                    break
+        (pending,) = await client.approvals(pid)
+        assert pending["tool_name"] == "echo" and pending["run_id"] == receipt["run_id"]
+        answer = await client.hil(pid, pending["request_id"], "approve")
+        assert answer["decision"] == "approve"
+        events = await until_finished(client, pid, receipt["run_id"], after=event.seq or 0)
+        assert [e.payload["text"] for e in events if e.signal == sig.RUN_OUTPUT][-1] == "done: risky"
+        with pytest.raises(ClientError) as caught:
+            await client.hil(pid, pending["request_id"], "approve")
+        assert caught.value.status == 404 and caught.value.code == "not_found"
+
+
+async def test_errors_are_client_errors(server: LiveServer) -> None:
+    async with client_for(server, server.tokens.revoked) as revoked:
+        with pytest.raises(ClientError) as caught:
+            await revoked.processes()
+        assert (caught.value.status, caught.value.code) == (401, "unauthorized")
+    async with client_for(server) as alice, client_for(server, server.tokens.bob) as bob:
+        pid = (await alice.spawn())["pid"]
+        with pytest.raises(ClientError) as caught:
+            await bob.process(pid)  # someone else's process does not exist
+        assert caught.value.code == "not_found"
+        with pytest.raises(ClientError) as caught:
+            await alice.send(pid, "x", mode="sideways")
+        assert (caught.value.status, caught.value.code) == (400, "invalid_request")
+        with pytest.raises(ClientError) as caught:
+            async for _ in bob.events(pid):
+                pass
+        assert caught.value.code == "not_found"  # not retried: retrying cannot fix it
+        assert (await alice.kill(pid))["killed"] is True
+        with pytest.raises(ClientError):
+            await alice.process(pid)
+
+
+async def test_unreachable_server() -> None:
+    async with AgentloopClient("http://127.0.0.1:9", "t", timeout=2) as client:
+        assert not await client.health()
+        with pytest.raises(ClientError) as caught:
+            await client.processes()
+        assert (caught.value.status, caught.value.code) == (0, "unreachable")
+
+
+class CuttingTransport(httpx.AsyncBaseTransport):
+    """The first event stream is cut after ``lines`` lines (a dropped connection); later ones pass.
+    Records each stream request's ``Last-Event-ID``."""
+
+    def __init__(self, lines: int) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.lines = lines
+        self.streams: list[str | None] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/events"):
+            return response
+        self.streams.append(request.headers.get("last-event-id"))
+        if len(self.streams) > 1:
+            return response
+        limit = self.lines
+        upstream = response.stream
+        assert isinstance(upstream, httpx.AsyncByteStream)
+
+        class Cut(httpx.AsyncByteStream):
+            async def __aiter__(self) -> AsyncIterator[bytes]:
+                seen = 0
+                async for piece in upstream:
+                    for line in piece.split(b"\n"):
+                        yield line + b"\n"
+                        seen += 1
+                        if seen >= limit:
+                            raise httpx.ReadError("cut by the test")
+
+            async def aclose(self) -> None:
+                await upstream.aclose()
+
+        return httpx.Response(response.status_code, headers=response.headers, stream=Cut(), request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_events_resume_after_a_drop_without_loss_or_repeat(server: LiveServer) -> None:
+    async with client_for(server) as client:
+        pid = (await client.spawn())["pid"]
+        for n in range(3):
+            receipt = await client.send(pid, f"message {n}")
+            await until_finished(client, pid, receipt["run_id"])
+        everything = [e async for e in client.events(pid, follow=False)]
+    assert len(everything) >= 9
+    transport = CuttingTransport(lines=14)  # a few frames in, mid-log
+    retries: list[int] = []
+    async with client_for(server, transport=transport) as cut:
+        stream = cut.events(pid, follow=False, on_retry=lambda problem, n: retries.append(n))
+        resumed = [e async for e in stream]
+    assert retries == [1]
+    assert transport.streams[0] is None and transport.streams[1] is not None
+    assert [e.seq for e in resumed] == [e.seq for e in everything]
+    assert resumed == everything
+
+
+def test_remote_chat_session(server: LiveServer) -> None:
+    """The chat REPL over HTTP: streamed answers, an approval answered at the prompt."""
+    out, err = io.StringIO(), io.StringIO()
+    reader = PlainReader(io.StringIO("hi\nrisky\ny\n/exit\n"))
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(server.url, server.tokens.bob)
+    try:
+        session = RemoteSession(client)
+        assert ev.run_until_complete(session.open(new=True)) is None
+        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=200))
+        assert repl.loop(ev) == 0
+        assert repl.last_outcome is not None and repl.last_outcome.status == "ok"
+        # a second session continues the same conversation
+        again = RemoteSession(client)
+        count = ev.run_until_complete(again.open())
+        assert again.pid == session.pid and count == 6
+        assert again.seq == session.seq
+    finally:
+        ev.run_until_complete(client.aclose())
+        ev.close()
+    assert out.getvalue() == "answer: hi\ndone: risky\n"
+    assert 'approve echo {"text": "risky"}' in err.getvalue()
