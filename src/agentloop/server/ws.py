@@ -1,11 +1,595 @@
-"""The ``/v1/ws`` WebSocket endpoint (to be filled in)."""
+"""The ``/v1/ws`` WebSocket endpoint: the process API as JSON frames, plus live signals.
+
+One socket carries many requests at once, so each request runs as its own task and answers with
+its own ``res`` frame; a slow call never holds up the others. The same ``ProcessService`` as HTTP
+does the work, so both transports share one set of access rules and JSON shapes; this module only
+parses frames, schedules calls and serialises what comes back.
+
+A connection must survive anything a client sends: a bad frame is answered and forgotten, a
+failing call answers ``internal`` and is logged, and only the socket's own end (or the server
+stopping) ends it. Everything a connection starts (requests, subscriptions) ends with it.
+"""
 
 from __future__ import annotations
 
-from starlette.routing import BaseRoute
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.types import Message
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from agentloop.kernel import NoSuchProcess
+from agentloop.process.signals import Signal
+from agentloop.server.auth import Principal, bearer
 from agentloop.server.context import ServerContext
+from agentloop.server.errors import ApiError
+
+logger = logging.getLogger("agentloop.server")
+
+MAX_IN_FLIGHT = 32  # requests one connection may have running at once
+MAX_SUBSCRIPTIONS = 64  # processes one connection may follow at once
+MAX_ID = 128  # longest request id (and pid, run id, approval id) accepted
+CONNECT_TIMEOUT = 10.0  # seconds a socket may stay open without a successful sys.connect
+SEND_TIMEOUT = 30.0  # seconds one frame may take to leave; a client that stops reading is dropped
+CLOSE_GOING_AWAY = 1001  # the server is stopping
+CLOSE_POLICY = 1008  # no sys.connect in time, or a client that does not read its frames
+CLOSE_UNAUTHORIZED = 4401  # sys.connect with a bad token
+
+Handler = Callable[["Connection", dict[str, Any]], Awaitable[Any]]
+Outcome = tuple[dict[str, Any], Callable[[], None] | None]  # a res frame, and what to start once it is sent
+
+
+def _log(level: int, message: str, *, exc_info: bool = False, **fields: Any) -> None:
+    """One JSON line per record, like the rest of the server. Frames and tokens are never logged:
+    they carry user text and credentials."""
+    if not logger.isEnabledFor(level):
+        return
+    payload = {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "level": logging.getLevelName(level).lower(),
+        "component": "ws",
+        "message": message,
+        **fields,
+    }
+    if exc_info:
+        payload["exception"] = traceback.format_exc()
+    logger.log(level, json.dumps(payload, default=str))
+
+
+# ------------------------------------------------------------------ frames
+
+
+class FrameError(Exception):
+    """A frame that is not a well-formed request; ``id`` is its id when one could be read."""
+
+    def __init__(self, message: str, id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.id = id
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    id: str
+    call: str
+    args: dict[str, Any]
+
+
+def _readable_id(frame: dict[str, Any]) -> str | None:
+    """The frame's id if it is one we may echo back (a short string), else None."""
+    rid = frame.get("id")
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID else None
+
+
+def parse_frame(message: Message, limit: int) -> Request:
+    """A request from one ASGI receive message, or ``FrameError`` saying what is wrong with it.
+
+    The size is checked before parsing so that a huge frame costs no JSON work, and no field is
+    trusted before its type is checked.
+    """
+    text = message.get("text")
+    if text is None:
+        raise FrameError("binary frames are not supported: send JSON text frames")
+    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise FrameError(f"frame larger than {limit} bytes")
+    try:
+        frame = json.loads(text)
+    except (ValueError, RecursionError):
+        raise FrameError("frame is not valid JSON") from None
+    if not isinstance(frame, dict):
+        raise FrameError("frame must be a JSON object")
+    rid = _readable_id(frame)
+    if rid is None:
+        raise FrameError(f"id must be a non-empty string of at most {MAX_ID} characters")
+    if frame.get("type") != "req":
+        raise FrameError('type must be "req"', rid)
+    call = frame.get("call")
+    if not isinstance(call, str) or not call:
+        raise FrameError("call must be a non-empty string", rid)
+    args = frame.get("args", {})
+    if not isinstance(args, dict):
+        raise FrameError("args must be an object", rid)
+    return Request(rid, call, args)
+
+
+def res_ok(rid: str, data: Any) -> dict[str, Any]:
+    return {"type": "res", "id": rid, "ok": True, "data": data}
+
+
+def res_error(rid: str | None, code: str, message: str) -> dict[str, Any]:
+    return {"type": "res", "id": rid, "ok": False, "error": {"code": code, "message": message}}
+
+
+def sig_frame(pid: str, signal: Signal) -> dict[str, Any]:
+    return {"type": "sig", "signal": signal.signal, "payload": signal.payload, "seq": signal.seq, "pid": pid}
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def _invalid(message: str) -> ApiError:
+    return ApiError(400, "invalid_request", message)
+
+
+def _want(args: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str, default: Any) -> Any:
+    """``args[name]`` checked against ``kind`` (bools are not ints), or ``default`` when absent."""
+    value = args.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+        raise _invalid(f"{name} must be {what}")
+    return value
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _id(args: dict[str, Any], name: str, *, required: bool = True) -> Any:
+    """An identifier argument (pid, run id, approval id): a short non-empty string."""
+    value = _want(args, name, str, "a string", None)
+    if value is None:
+        if required:
+            raise _invalid(f"{name} is required")
+        return None
+    if not value or len(value) > MAX_ID:
+        raise _invalid(f"{name} must be a non-empty string of at most {MAX_ID} characters")
+    return value
+
+
+def _int(args: dict[str, Any], name: str, default: int | None, *, minimum: int = 0) -> Any:
+    value = _want(args, name, int, "an integer", default)
+    if value is not None and value < minimum:
+        raise _invalid(f"{name} must be at least {minimum}")
+    return value
+
+
+# ------------------------------------------------------------------ calls
+
+
+@dataclass(frozen=True, slots=True)
+class Then:
+    """A result plus what to start once it has been sent (a subscription's stream), so the client
+    always reads the ``res`` before the first ``sig`` it caused."""
+
+    data: Any
+    start: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A user call. ``mutates``: it changes state, so once started it runs to its end even if the
+    request is cancelled or the socket closes (half a kill or a send is worse than a late one)."""
+
+    handler: Handler
+    mutates: bool = False
+
+
+async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.spawn(
+        conn.user,
+        context=_want(args, "context", str, "a string", ""),
+        interactive=_want(args, "interactive", bool, "a boolean", True),
+        cwd=_want(args, "cwd", str, "a string", None),
+    )
+
+
+async def _list(conn: Connection, args: dict[str, Any]) -> Any:
+    return {"processes": await conn.service.list_processes(conn.user)}
+
+
+async def _get(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.get(conn.user, _id(args, "pid"))
+
+
+async def _send(conn: Connection, args: dict[str, Any]) -> Any:
+    pid = _id(args, "pid")
+    text = _want(args, "text", str, "a string", None)
+    if text is None:
+        raise _invalid("text is required")
+    return await conn.service.send(
+        conn.user,
+        pid,
+        text,
+        mode=_want(args, "mode", str, "a string", "steer"),
+        media=_want(args, "media", list, "a list", None),
+        run_id=_id(args, "run_id", required=False),
+    )
+
+
+async def _history(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.history(
+        conn.user, _id(args, "pid"), limit=_int(args, "limit", 100, minimum=1), before=_int(args, "before", None)
+    )
+
+
+async def _abort(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.abort(conn.user, _id(args, "pid"), run_id=_id(args, "run_id", required=False))
+
+
+async def _hil(conn: Connection, args: dict[str, Any]) -> Any:
+    pid, request_id = _id(args, "pid"), _id(args, "request_id")
+    decision = _want(args, "decision", str, "a string", None)
+    if decision is None:
+        raise _invalid("decision is required")
+    remember = _want(args, "remember", bool, "a boolean", False)
+    return await conn.service.hil(conn.user, pid, request_id, decision=decision, remember=remember)
+
+
+async def _approvals(conn: Connection, args: dict[str, Any]) -> Any:
+    return {"requests": await conn.service.approvals(conn.user, _id(args, "pid"))}
+
+
+async def _reset(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.reset(conn.user, _id(args, "pid"))
+
+
+async def _kill(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.kill(conn.user, _id(args, "pid"))
+
+
+async def _subscribe(conn: Connection, args: dict[str, Any]) -> Any:
+    pid, after_seq = _id(args, "pid"), _int(args, "after_seq", 0)
+    if pid not in conn.subscriptions and len(conn.subscriptions) >= MAX_SUBSCRIPTIONS:
+        raise ApiError(409, "conflict", f"a connection may follow at most {MAX_SUBSCRIPTIONS} processes")
+    stream = await conn.service.signals(conn.user, pid, after_seq=after_seq)  # not_found before anything streams
+    return Then({"pid": pid, "after_seq": after_seq}, lambda: conn.follow(pid, stream))
+
+
+CALLS: dict[str, Call] = {
+    "proc.spawn": Call(_spawn, mutates=True),
+    "proc.list": Call(_list),
+    "proc.get": Call(_get),
+    "proc.send": Call(_send, mutates=True),
+    "proc.history": Call(_history),
+    "proc.abort": Call(_abort, mutates=True),
+    "proc.hil": Call(_hil, mutates=True),
+    "proc.approvals": Call(_approvals),
+    "proc.reset": Call(_reset, mutates=True),
+    "proc.kill": Call(_kill, mutates=True),
+    "proc.subscribe": Call(_subscribe),
+}
+
+# Calls that change state keep running after their socket closes: referenced here until done.
+_detached: set[asyncio.Future[Outcome]] = set()
+
+
+# ------------------------------------------------------------------ the connection
+
+
+class Connection:
+    """One socket: its caller, its running requests and its subscriptions."""
+
+    def __init__(self, ctx: ServerContext, websocket: WebSocket) -> None:
+        self.ctx = ctx
+        self.ws = websocket
+        self.service = ctx.processes
+        self.who: Principal | None = None
+        self.subscriptions: dict[str, asyncio.Task[None]] = {}
+        self._requests: dict[str, tuple[asyncio.Task[None], Call]] = {}  # running, still cancellable
+        self._tasks: set[asyncio.Task[None]] = set()  # every request and stream task, until it ends
+        self._cancel_asked: set[str] = set()
+        self._send_lock = asyncio.Lock()
+        self._closed = False
+        self._reader: asyncio.Task[Any] | None = None
+        self._dropped = False  # the reader was cancelled because the client stopped reading
+
+    @property
+    def user(self) -> Principal:
+        assert self.who is not None, "user calls run only after sys.connect"
+        return self.who
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Accept, read frames until the socket ends, then stop everything the socket started."""
+        await self.ws.accept()
+        self._reader = asyncio.current_task()
+        watcher = asyncio.create_task(self._close_when_stopping())
+        driver: tuple[Principal, dict[str, Any], str] | None = None
+        try:
+            driver = await self._read()
+        except asyncio.CancelledError:
+            if not self._dropped:
+                raise
+            self._uncancel()
+            await self._close(CLOSE_POLICY, "the client does not read its frames")
+        finally:
+            watcher.cancel()
+            await self._teardown(watcher)
+        if driver is not None:  # the device hub owns the socket from here until it closes
+            who, args, connect_id = driver
+            await self.ctx.devices.serve_driver(self.ws, who, args, connect_id)
+
+    async def _close_when_stopping(self) -> None:
+        await self.ctx.stopping.wait()
+        await self._close(CLOSE_GOING_AWAY, "server shutting down")
+
+    async def _teardown(self, *extra: asyncio.Task[Any]) -> None:
+        """Cancel and await every task this connection started, so none outlives it."""
+        tasks = [*self._tasks, *extra]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._requests.clear()
+        self.subscriptions.clear()
+
+    def _uncancel(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def _receive(self) -> Message | None:
+        """The next message, or None once the socket is gone (or never connected in time)."""
+        if self._closed:
+            with contextlib.suppress(Exception):  # drain until the client's close arrives
+                while (await self.ws.receive())["type"] != "websocket.disconnect":
+                    pass
+            return None
+        try:
+            if self.who is None:
+                async with asyncio.timeout(CONNECT_TIMEOUT):
+                    message = await self.ws.receive()
+            else:
+                message = await self.ws.receive()
+        except TimeoutError:
+            await self._close(CLOSE_POLICY, "sys.connect expected")
+            return await self._receive()
+        except (WebSocketDisconnect, RuntimeError):
+            return None
+        return None if message["type"] == "websocket.disconnect" else message
+
+    async def _read(self) -> tuple[Principal, dict[str, Any], str] | None:
+        """Read and dispatch frames; returns a driver's hand-over details when one connects."""
+        while (message := await self._receive()) is not None:
+            try:
+                req = parse_frame(message, self.ctx.max_body)
+            except FrameError as exc:
+                await self.send(res_error(exc.id, "bad_frame", exc.message))
+                continue
+            if req.call == "sys.connect":
+                driver = await self._connect(req)
+                if driver is not None:
+                    return driver
+            elif self.who is None:
+                await self.send(res_error(req.id, "not_connected", "the first request must be sys.connect"))
+            else:
+                await self._dispatch(req)
+        return None
+
+    # -- sys.connect -------------------------------------------------------------------------
+
+    async def _connect(self, req: Request) -> tuple[Principal, dict[str, Any], str] | None:
+        if self.who is not None:
+            await self.send(res_error(req.id, "conflict", "already connected"))
+            return None
+        role = req.args.get("role", "user")
+        if role not in ("user", "driver"):
+            await self.send(res_error(req.id, "invalid_request", 'role must be "user" or "driver"'))
+            return None
+        token = req.args.get("token")
+        if token is not None and not isinstance(token, str):
+            await self.send(res_error(req.id, "invalid_request", "token must be a string"))
+            return None
+        token = token or bearer(self.ws.headers.get("authorization"))
+        who = await self.ctx.accounts.authenticate(token) if token else None
+        if who is None:
+            await self.send(res_error(req.id, "unauthorized", "a valid token is required"))
+            await self._close(CLOSE_UNAUTHORIZED, "unauthorized")
+            return None
+        if role == "driver":
+            if self.ctx.devices is None:
+                await self.send(res_error(req.id, "unavailable", "devices are not enabled on this server"))
+                return None
+            return who, req.args, req.id
+        self.who = who
+        await self.send(res_ok(req.id, {"account": who.account, "admin": who.admin, "role": "user"}))
+        return None
+
+    # -- user calls --------------------------------------------------------------------------
+
+    async def _dispatch(self, req: Request) -> None:
+        inline = _INLINE.get(req.call)
+        if inline is not None:
+            await self.send((await self._settle(req, Call(inline)))[0])
+            return
+        call = CALLS.get(req.call)
+        if call is None:
+            await self.send(res_error(req.id, "unknown_call", f"no call named {req.call[:64]!r}"))
+        elif req.id in self._requests:
+            await self.send(res_error(req.id, "bad_frame", "a request with this id is still running"))
+        elif len(self._requests) >= MAX_IN_FLIGHT:
+            await self.send(res_error(req.id, "too_many_requests", f"at most {MAX_IN_FLIGHT} requests may run at once"))
+        else:
+            self._requests[req.id] = (self._start(self._run(req, call)), call)
+
+    async def _run(self, req: Request, call: Call) -> None:
+        """One request task: run the call, then answer (``cancelled`` if ``request.cancel`` hit it)."""
+        then: Callable[[], None] | None = None
+        try:
+            try:
+                frame, then = await self._outcome(req, call)
+            except asyncio.CancelledError:
+                if req.id not in self._cancel_asked:
+                    raise  # the connection is ending: nobody to answer
+                self._cancel_asked.discard(req.id)
+                self._uncancel()
+                frame = res_error(req.id, "cancelled", "the request was cancelled")
+        finally:
+            self._requests.pop(req.id, None)  # from here on it cannot be cancelled, only answered
+        if await self.send(frame) and then is not None:
+            then()
+
+    async def _outcome(self, req: Request, call: Call) -> Outcome:
+        """Run a call. One that changes state runs shielded in its own task, so neither a cancel
+        nor a closing socket stops it halfway (its answer is dropped if nobody is left to read it)."""
+        if not call.mutates:
+            return await self._settle(req, call)
+        op = asyncio.ensure_future(self._settle(req, call))
+        _detached.add(op)
+        op.add_done_callback(_detached.discard)
+        return await asyncio.shield(op)
+
+    async def _settle(self, req: Request, call: Call) -> Outcome:
+        """The ``res`` frame for a call: its data, or the error it raised as a safe code and message
+        (an unexpected exception is logged and answered ``internal``, with none of its text)."""
+        try:
+            data = await call.handler(self, req.args)
+        except ApiError as exc:
+            return res_error(req.id, exc.code, exc.message), None
+        except NoSuchProcess:
+            return res_error(req.id, "not_found", "no such process"), None
+        except Exception:
+            account = self.who.account if self.who else None
+            _log(logging.ERROR, "call failed", exc_info=True, call=req.call, account=account)
+            return res_error(req.id, "internal", "internal error"), None
+        if isinstance(data, Then):
+            return res_ok(req.id, data.data), data.start
+        return res_ok(req.id, data), None
+
+    async def cancel(self, args: dict[str, Any]) -> Any:
+        """``request.cancel {id}``: stop a running read, which then answers ``cancelled``. A call
+        that changes state is not interrupted (it answers normally): this says ``cancelled: false``."""
+        rid = _id(args, "id")
+        running = self._requests.get(rid)
+        if running is None or running[0].done() or running[1].mutates:
+            return {"id": rid, "cancelled": False}
+        self._cancel_asked.add(rid)
+        running[0].cancel()
+        return {"id": rid, "cancelled": True}
+
+    # -- subscriptions -----------------------------------------------------------------------
+
+    def follow(self, pid: str, stream: AsyncIterator[Signal]) -> None:
+        """Start streaming ``stream`` as ``sig`` frames, replacing an earlier subscription to ``pid``."""
+        old = self.subscriptions.pop(pid, None)
+        if old is not None:
+            old.cancel()
+        if self._closed:
+            return
+        self.subscriptions[pid] = self._start(self._pump(pid, stream))
+
+    def _start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task that the connection's end cancels and awaits."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _pump(self, pid: str, stream: AsyncIterator[Signal]) -> None:
+        try:
+            async for signal in stream:
+                if not await self.send(sig_frame(pid, signal)):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log(logging.ERROR, "signal stream failed", exc_info=True, pid=pid)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()  # stop watching the process now, not when collected
+            if self.subscriptions.get(pid) is asyncio.current_task():
+                del self.subscriptions[pid]
+
+    async def unsubscribe(self, args: dict[str, Any]) -> Any:
+        """``proc.unsubscribe {pid}``: answered after the stream has stopped, so no ``sig`` for the
+        process follows the answer."""
+        pid = _id(args, "pid")
+        task = self.subscriptions.pop(pid, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        return {"pid": pid, "unsubscribed": task is not None}
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def send(self, frame: dict[str, Any]) -> bool:
+        """Send one frame (one writer at a time); False if the socket is gone. A frame that cannot
+        be serialised becomes an ``internal`` error for its request instead."""
+        try:
+            text = json.dumps(frame)
+        except (TypeError, ValueError):
+            _log(logging.ERROR, "frame not serialisable", exc_info=True, type=frame.get("type"))
+            if frame.get("type") != "res":
+                return True
+            text = json.dumps(res_error(frame.get("id"), "internal", "internal error"))
+        async with self._send_lock:
+            if self._closed:
+                return False
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    await self.ws.send_text(text)
+            except TimeoutError:
+                self._drop()
+                return False
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                self._closed = True
+                return False
+        return True
+
+    def _drop(self) -> None:
+        """A client that stops reading would make every writer wait forever: end its connection."""
+        _log(logging.WARNING, "dropping a client that does not read", account=self.who and self.who.account)
+        if self._reader is not None and not self._reader.done():
+            self._dropped = True
+            self._reader.cancel()
+
+    async def _close(self, code: int, reason: str) -> None:
+        async with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    await self.ws.close(code, reason)
+
+
+async def _cancel(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.cancel(args)
+
+
+async def _unsubscribe(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.unsubscribe(args)
+
+
+# Instant calls, answered in the order they arrive and never counted against the request limit.
+_INLINE: dict[str, Handler] = {"request.cancel": _cancel, "proc.unsubscribe": _unsubscribe}
 
 
 def routes(ctx: ServerContext) -> list[BaseRoute]:
-    return []
+    async def endpoint(websocket: WebSocket) -> None:
+        await Connection(ctx, websocket).serve()
+
+    return [WebSocketRoute("/v1/ws", endpoint)]
