@@ -27,6 +27,11 @@ device_app = typer.Typer(
 )
 
 
+@device_app.callback()
+def _device() -> None:
+    """Connect this machine to an agentloop server as a device."""
+
+
 def _say(text: str) -> None:
     print(f"agentloop device: {text}", file=sys.stderr, flush=True)
 
@@ -95,3 +100,7 @@ def connect(
             raise
         _say(f"error: {exc.name} is missing: pip install 'agentloop[server]'")
         raise typer.Exit(1) from None
+
+
+if __name__ == "__main__":  # ``python -m agentloop.cli.device connect …``: the device alone, quick to start
+    device_app()

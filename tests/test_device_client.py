@@ -1,0 +1,329 @@
+"""Devices end to end: a real server (uvicorn in this event loop, a kernel on SQLite, a scripted
+model) and a device, in-process or as a subprocess of ``agentloop device connect``, serving its own
+root. Covers routed Read/Shell, the path rules on the device, extra tools, request.cancel killing a
+shell group, a device killed mid-call, reconnecting after a server restart, SIGTERM, a bad token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+
+from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.device.client import DeviceClient, DeviceOptions, parse_allow, websocket_url
+from agentloop.kernel import Kernel
+from agentloop.models.base import ModelRequest
+from agentloop.server.auth import Accounts, Principal, bearer
+from agentloop.server.devices import DeviceHub
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+
+
+# ------------------------------------------------------------------ a small server
+
+
+def driver_app(accounts: Accounts, hub: DeviceHub) -> Starlette:
+    """``/v1/ws`` reduced to what a driver needs: ``sys.connect``, the token, the hand-over."""
+
+    async def endpoint(ws: WebSocket) -> None:
+        await ws.accept()
+        try:
+            frame = json.loads(await ws.receive_text())
+        except Exception:
+            return
+        args = frame.get("args") or {}
+        token = args.get("token") or bearer(ws.headers.get("authorization"))
+        who = await accounts.authenticate(token) if token else None
+        if who is None or frame.get("call") != "sys.connect" or args.get("role") != "driver":
+            error = {"code": "unauthorized", "message": "a valid token is required"}
+            await ws.send_text(json.dumps({"type": "res", "id": frame.get("id"), "ok": False, "error": error}))
+            await ws.close(4401)
+            return
+        await hub.serve_driver(ws, who, args, frame["id"])
+
+    return Starlette(routes=[WebSocketRoute("/v1/ws", endpoint)])
+
+
+class Server:
+    """uvicorn on a fixed port in the running loop; ``stop`` and ``start`` again to restart it."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", self.port))
+        config = uvicorn.Config(
+            self.app, log_level="critical", lifespan="off", access_log=False, timeout_graceful_shutdown=1
+        )
+        self.server = uvicorn.Server(config)
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            assert not self.task.done(), "the server did not start"
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.server.should_exit = True
+            await asyncio.wait_for(self.task, 10)
+            self.task = None
+            self.sock.close()
+
+
+class World:
+    def __init__(self, kernel: Kernel, hub: DeviceHub, server: Server, token: str, tmp: Path) -> None:
+        self.kernel, self.hub, self.server, self.token, self.tmp = kernel, hub, server, token, tmp
+        self.device_root = tmp / "device"
+        self.device_root.mkdir()
+        (self.device_root / "hello.txt").write_text("greetings from the device\n")
+        (tmp / "outside.txt").write_text("secret next to the device root\n")
+
+    async def online(self, name: str, present: bool = True, timeout: float = 20) -> None:  # noqa: ASYNC109
+        await self.hub.wait_until(lambda: any(d.id == name for d in self.hub.online("alice")) == present, timeout)
+
+    async def spawn_device(self, name: str, *extra: str, module: str = "agentloop.cli.device") -> Any:
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - a file the child writes to
+        args = [sys.executable, "-m", module, "device"] if module.endswith("main") else [sys.executable, "-m", module]
+        args += ["connect", self.server.url, "--name", name, "--root", str(self.device_root)]
+        args += ["--backoff", "0.1", "--backoff-max", "0.5", *extra]
+        env = {**os.environ, "AGENTLOOP_TOKEN": self.token}
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=log, env=env
+        )
+        log.close()
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+
+def script(req: ModelRequest) -> Reply | str:
+    """Tool calls chosen by the last user message; then the tool results, joined."""
+    results = [m for m in req.messages if isinstance(m, ToolResultMessage)]
+    last_user = max(i for i, m in enumerate(req.messages) if m.role == "user")
+    if not any(i > last_user for i, m in enumerate(req.messages) if isinstance(m, ToolResultMessage)):
+        text = req.messages[last_user].text  # type: ignore[union-attr]
+        if text == "read":
+            return Reply(
+                tool_calls=[
+                    call("Read", path="hello.txt", target="box"),
+                    call("Shell", command="pwd && cat hello.txt", target="box"),
+                    call("Read", path="../outside.txt", target="box"),
+                    call("Read", path="hello.txt"),  # local: the server's workspace has no such file
+                ]
+            )
+        if text == "sleep":
+            return Reply(tool_calls=[call("Shell", command="echo $$ > shell.pid; exec sleep 30", target="box")])
+        if text.startswith("call "):
+            name, args = text[5:].split(" ", 1)
+            return Reply(tool_calls=[call(name, **json.loads(args))])
+    return "\n---\n".join(("ERROR " if m.is_error else "OK ") + m.text for m in results[-4:])
+
+
+@contextlib.asynccontextmanager
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    hub = DeviceHub(probe_timeout=0.5)
+    workspace = tmp_path / "server"
+    workspace.mkdir()
+    url = f"sqlite:///{tmp_path}/agentloop.db"
+    async with Kernel.open(url, model=ScriptedModel(script), workspace=workspace, devices=hub) as kernel:
+        accounts = Accounts(kernel.store)
+        await accounts.create_account("alice")
+        token, _ = await accounts.create_token("alice")
+        server = Server(driver_app(accounts, hub))
+        await server.start()
+        try:
+            yield World(kernel, hub, server, token, tmp_path)
+        finally:
+            await hub.close()
+            await server.stop()
+
+
+async def ask(w: World, text: str, timeout: float = 20) -> str:  # noqa: ASYNC109
+    proc = await w.kernel.spawn("alice", interactive=False)
+    await proc.send(text)
+    await asyncio.wait_for(proc.wait_idle(), timeout)
+    return (await proc.messages())[-1].text
+
+
+def alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process is left in the process group ``pgid``."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+async def read_pid(path: Path, timeout: float = 10) -> int:  # noqa: ASYNC109
+    async with asyncio.timeout(timeout):
+        while not (path.exists() and path.read_text().strip()):
+            await asyncio.sleep(0.02)
+    return int(path.read_text())
+
+
+async def gone(pgid: int, timeout: float = 5) -> bool:  # noqa: ASYNC109
+    """Whether the whole group dies within ``timeout`` (the shell and what it started)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while alive(pgid) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    return not alive(pgid)
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_addresses_and_allow_lists():
+    assert websocket_url("http://h:8765") == "ws://h:8765/v1/ws"
+    assert websocket_url("https://h/base/") == "wss://h/base/v1/ws"
+    assert websocket_url("ws://h:1/v1/ws") == "ws://h:1/v1/ws"
+    assert websocket_url("h:8765") == "ws://h:8765/v1/ws"
+    with pytest.raises(ValueError):
+        websocket_url("ftp://h")
+    assert parse_allow("fs") == ("fs.read", "fs.write", "fs.edit", "fs.delete", "fs.search")
+    assert parse_allow("shell, fs.read") == ("shell.exec", "fs.read")
+    with pytest.raises(ValueError, match="unknown 'net'"):
+        parse_allow("net")
+
+
+async def test_a_device_subprocess_serves_read_and_shell_then_dies_mid_call(tmp_path):
+    async with world(tmp_path) as w:
+        device = await w.spawn_device("box")
+        try:
+            await w.online("box")
+            answer = await ask(w, "read")
+            first, shell, escape, local = answer.split("\n---\n")
+            assert first.startswith("OK ") and "greetings from the device" in first
+            assert shell.startswith("OK ") and str(w.device_root.resolve()) in shell and "greetings" in shell
+            assert escape.startswith("ERROR ") and "escapes the workspace" in escape and "secret" not in escape
+            assert local.startswith("ERROR ") and "File not found" in local  # target local: the server's files
+            # a long command on the device; the device dies in the middle of it
+            proc = await w.kernel.spawn("alice", interactive=False)
+            await proc.send("sleep")
+            pid = await read_pid(w.device_root / "shell.pid")
+            device.kill()
+            await device.wait()
+            await asyncio.wait_for(proc.wait_idle(), 20)
+            result = (await proc.messages())[-1].text
+            assert result.startswith("ERROR ") and "Device box disconnected" in result, result
+            await w.online("box", present=False, timeout=5)
+            kill_group(pid)  # SIGKILL gave the device no chance to stop its shell: clean up after it
+        finally:
+            if device.returncode is None:
+                device.kill()
+                await device.wait()
+
+
+async def test_the_device_reconnects_after_a_server_restart_and_stops_cleanly_on_sigterm(tmp_path):
+    async with world(tmp_path) as w:
+        device = await w.spawn_device("box", "--allow", "shell")
+        try:
+            await w.online("box")
+            assert [d["implements"] for d in w.hub.list(_alice())] == [["shell.exec"]]
+            await w.server.stop()
+            await w.online("box", present=False, timeout=10)
+            await w.server.start()
+            await w.online("box")  # back, with backoff
+            assert "reconnecting in" in w.log("box")
+            result = await w.hub.call("alice", "box", "shell.exec", {"command": "cat hello.txt"}, 10)
+            assert not result.is_error and "greetings" in result.content[0].text
+            refused = await w.hub.call("alice", "box", "fs.read", {"path": "hello.txt"}, 10)
+            assert refused.is_error and "does not implement fs.read" in refused.content[0].text
+            # SIGTERM while a command runs: the device kills it, closes, exits 0
+            pending = asyncio.create_task(
+                w.hub.call("alice", "box", "shell.exec", {"command": "echo $$ > shell.pid; exec sleep 30"}, 60)
+            )
+            pid = await read_pid(w.device_root / "shell.pid")
+            device.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(device.wait(), 10) == 0, w.log("box")
+            outcome = await asyncio.wait_for(pending, 5)
+            assert outcome.is_error and "disconnected" in outcome.content[0].text
+            assert await gone(pid), "the device left its shell command running"
+            assert "stopped" in w.log("box")
+        finally:
+            if device.returncode is None:
+                device.kill()
+                await device.wait()
+
+
+async def test_a_cancelled_call_kills_the_shell_group_and_extra_tools_are_served(tmp_path):
+    @tool
+    def greet(name: str) -> str:
+        """Say hello."""
+        return f"hello {name} from the device"
+
+    async with world(tmp_path) as w:
+        options = DeviceOptions(
+            url=w.server.url, token=w.token, name="box", root=w.device_root, tools=[greet], backoff_initial=0.05
+        )
+        client = DeviceClient(options, say=lambda text: None)
+        running = asyncio.create_task(client.run())
+        try:
+            await w.online("box")
+            answer = await ask(w, 'call box__greet {"name": "ann"}')
+            assert answer == "OK hello ann from the device"
+            bad = await ask(w, 'call box__greet {"name": 3}')
+            assert bad.startswith("ERROR ") and "Validation failed" in bad
+            command = "echo $$ > shell.pid; sleep 30 & sleep 30"  # a group of two
+            timed_out = asyncio.create_task(w.hub.call("alice", "box", "shell.exec", {"command": command}, 1.5))
+            pid = await read_pid(w.device_root / "shell.pid")
+            result = await timed_out
+            assert result.is_error and "timed out after 1.5 s" in result.content[0].text
+            assert await gone(pid), "request.cancel left the shell running"
+            assert client.connections == 1
+        finally:
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+
+
+async def test_a_refused_token_is_fatal_with_a_clear_message(tmp_path):
+    async with world(tmp_path) as w:
+        w.token = "al_not-a-token"
+        device = await w.spawn_device("box", module="agentloop.cli.main")
+        try:
+            assert await asyncio.wait_for(device.wait(), 20) == 1
+        finally:
+            if device.returncode is None:
+                device.kill()
+                await device.wait()
+        log = w.log("box")
+        assert "error: the server refused the connection" in log and "unauthorized" in log
+        assert "reconnecting" not in log
+
+
+def _alice() -> Principal:
+    return Principal("alice", False, "t")
