@@ -1,7 +1,8 @@
-"""Devices end to end: a real server (uvicorn in this event loop, a kernel on SQLite, a scripted
-model) and a device, in-process or as a subprocess of ``agentloop device connect``, serving its own
-root. Covers routed Read/Shell, the path rules on the device, extra tools, request.cancel killing a
-shell group, a device killed mid-call, reconnecting after a server restart, SIGTERM, a bad token."""
+"""Devices end to end: the real server (``create_server`` under uvicorn in this event loop, a
+kernel on SQLite, a scripted model) and a device, in-process or as a subprocess of ``agentloop
+device connect``, serving its own root. Covers routed Read/Shell, the path rules on the device,
+extra tools, request.cancel killing a shell group, a device killed mid-call, reconnecting after a
+server restart, SIGTERM, a bad token, and ``GET /v1/devices``."""
 
 from __future__ import annotations
 
@@ -16,45 +17,24 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
-from starlette.routing import WebSocketRoute
-from starlette.websockets import WebSocket
 
-from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.device.client import DeviceClient, DeviceOptions, parse_allow, websocket_url
 from agentloop.kernel import Kernel
 from agentloop.models.base import ModelRequest
-from agentloop.server.auth import Accounts, Principal, bearer
+from agentloop.server.app import create_server
+from agentloop.server.auth import Accounts, Principal
+from agentloop.server.context import ServerContext
 from agentloop.server.devices import DeviceHub
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
 
 
-# ------------------------------------------------------------------ a small server
-
-
-def driver_app(accounts: Accounts, hub: DeviceHub) -> Starlette:
-    """``/v1/ws`` reduced to what a driver needs: ``sys.connect``, the token, the hand-over."""
-
-    async def endpoint(ws: WebSocket) -> None:
-        await ws.accept()
-        try:
-            frame = json.loads(await ws.receive_text())
-        except Exception:
-            return
-        args = frame.get("args") or {}
-        token = args.get("token") or bearer(ws.headers.get("authorization"))
-        who = await accounts.authenticate(token) if token else None
-        if who is None or frame.get("call") != "sys.connect" or args.get("role") != "driver":
-            error = {"code": "unauthorized", "message": "a valid token is required"}
-            await ws.send_text(json.dumps({"type": "res", "id": frame.get("id"), "ok": False, "error": error}))
-            await ws.close(4401)
-            return
-        await hub.serve_driver(ws, who, args, frame["id"])
-
-    return Starlette(routes=[WebSocketRoute("/v1/ws", endpoint)])
+# ------------------------------------------------------------------ the server
 
 
 class Server:
@@ -150,7 +130,8 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         accounts = Accounts(kernel.store)
         await accounts.create_account("alice")
         token, _ = await accounts.create_token("alice")
-        server = Server(driver_app(accounts, hub))
+        ctx = ServerContext(kernel, accounts, devices=hub)
+        server = Server(create_server(ctx, lambda: Agent(ScriptedModel(["unused"]))))
         await server.start()
         try:
             yield World(kernel, hub, server, token, tmp_path)
@@ -224,6 +205,11 @@ async def test_a_device_subprocess_serves_read_and_shell_then_dies_mid_call(tmp_
         device = await w.spawn_device("box")
         try:
             await w.online("box")
+            async with httpx.AsyncClient(base_url=w.server.url) as http:
+                listed = await http.get("/v1/devices", headers={"Authorization": f"Bearer {w.token}"})
+            assert listed.status_code == 200, listed.text
+            [box] = listed.json()["devices"]
+            assert box["id"] == "box" and box["owner"] == "alice" and "shell.exec" in box["implements"]
             answer = await ask(w, "read")
             first, shell, escape, local = answer.split("\n---\n")
             assert first.startswith("OK ") and "greetings from the device" in first
