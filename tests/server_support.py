@@ -15,6 +15,7 @@ of alice's. The model is scripted and stateless, so one server can serve many te
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import socket
 import threading
@@ -71,6 +72,11 @@ async def asking_policy(process: Any, row: Any) -> Approval:
     return Approval("auto")
 
 
+def engine_agent() -> Agent:
+    """The agent ``POST /engine/chat`` runs."""
+    return Agent(model=ScriptedModel(["hello from the engine"]))
+
+
 @dataclass
 class Tokens:
     alice: str = ""
@@ -90,13 +96,16 @@ class LiveServer:
     url: str = ""
     tokens: Tokens = field(default_factory=Tokens)
     ctx: ServerContext | None = None
+    app: Any = None
     loop: asyncio.AbstractEventLoop | None = None
     _server: uvicorn.Server | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
     _error: BaseException | None = None
 
     def start(self) -> LiveServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP, not 0: asyncio only sets TCP_NODELAY on sockets that say they are TCP,
+        # and without it every response written in two parts waits ~40 ms for a delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -133,9 +142,9 @@ class LiveServer:
             self.ctx = ServerContext(
                 kernel, accounts, devices=self.devices, max_body=self.max_body, heartbeat=self.heartbeat
             )
-            app = create_server(self.ctx, lambda: Agent(model=ScriptedModel(["hello from the engine"])))
+            self.app = create_server(self.ctx, engine_agent)
             config = uvicorn.Config(
-                app, log_level="critical", lifespan="off", access_log=False, timeout_graceful_shutdown=1
+                self.app, log_level="critical", lifespan="off", access_log=False, timeout_graceful_shutdown=1
             )
             self._server = uvicorn.Server(config)
             self.loop = asyncio.get_running_loop()
@@ -164,12 +173,11 @@ class LiveServer:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, **kw)
 
-    def watchers(self) -> int:
-        """How many signal watchers the kernel's hub holds, over all processes (read across threads:
-        a snapshot, good enough to see a leak settle to zero)."""
+    def watchers(self, pid: str) -> int:
+        """How many signal watchers the kernel's hub holds for ``pid`` (read across threads: a
+        snapshot, good enough to see a leak settle to zero)."""
         assert self.ctx is not None
-        hub = self.ctx.kernel.engine.hub
-        return sum(len(q) for q in list(hub._watchers.values()))
+        return len(self.ctx.kernel.engine.hub._watchers.get(pid, ()))
 
 
 @contextmanager
@@ -200,9 +208,11 @@ def parse_sse(text: str) -> list[dict[str, Any]]:
     return frames
 
 
-async def wait_until(check: Callable[[], Awaitable[bool]], seconds: float = 5.0) -> None:
+async def wait_until(check: Callable[[], Awaitable[bool] | bool], seconds: float = 5.0) -> None:
+    """Poll ``check`` (sync or async) until it holds."""
     for _ in range(int(seconds / 0.01)):
-        if await check():
+        result = check()
+        if await result if inspect.isawaitable(result) else result:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition not reached in time")
