@@ -573,3 +573,29 @@ def test_random_frames_never_break_a_connection(
             if not frame["ok"]:
                 assert isinstance(frame["error"]["code"], str) and frame["error"]["code"] != "internal"
         assert other.ok("proc.list") == {"processes": []}
+
+
+def test_a_request_cancelled_right_after_it_was_sent_still_answers(
+    server: KernelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(server)
+    gate.patch(monkeypatch, "get")
+    with server.client("alice") as c:
+        for i in range(20):  # back to back: the cancel may be read before the request's task first runs
+            rid = c.request("proc.get", {"pid": "p"}, rid=f"slow{i}")
+            cancel = c.request("request.cancel", {"id": rid})
+            assert c.answer(cancel)["data"]["cancelled"] is True
+            assert c.answer(rid)["error"]["code"] == "cancelled"
+
+
+class BrokenHub:
+    async def serve_driver(self, websocket: WebSocket, who: Principal, args: dict[str, Any], connect_id: str) -> None:
+        raise RuntimeError("hub bug")
+
+
+def test_a_failing_device_hub_ends_only_that_socket(tmp_path: Path) -> None:
+    with make_server(tmp_path, devices=BrokenHub()) as server, server.client("alice") as user:
+        with server.client() as driver:
+            driver.request("sys.connect", {"role": "driver", "token": server.tokens["bob"], "name": "x"})
+            assert closed_code(driver) == 1011
+        assert user.ok("proc.list") == {"processes": []}

@@ -301,6 +301,8 @@ class Connection:
         self._closed = False
         self._reader: asyncio.Task[Any] | None = None
         self._dropped = False  # the reader was cancelled because the client stopped reading
+        self._ending = False  # teardown has begun: start nothing new
+        self._connect_by = 0.0  # loop time by which sys.connect must have succeeded
 
     @property
     def user(self) -> Principal:
@@ -313,6 +315,7 @@ class Connection:
         """Accept, read frames until the socket ends, then stop everything the socket started."""
         await self.ws.accept()
         self._reader = asyncio.current_task()
+        self._connect_by = asyncio.get_running_loop().time() + CONNECT_TIMEOUT
         watcher = asyncio.create_task(self._close_when_stopping())
         driver: tuple[Principal, dict[str, Any], str] | None = None
         try:
@@ -326,8 +329,17 @@ class Connection:
             watcher.cancel()
             await self._teardown(watcher)
         if driver is not None:  # the device hub owns the socket from here until it closes
-            who, args, connect_id = driver
+            await self._hand_over(*driver)
+
+    async def _hand_over(self, who: Principal, args: dict[str, Any], connect_id: str) -> None:
+        """Give a driver's socket to the device hub, which answers its sys.connect itself. A hub
+        failure ends this socket only, like any other failure."""
+        try:
             await self.ctx.devices.serve_driver(self.ws, who, args, connect_id)
+        except Exception:
+            _log(logging.ERROR, "device hub failed", exc_info=True, account=who.account)
+            with contextlib.suppress(Exception):
+                await self.ws.close(1011)
 
     async def _close_when_stopping(self) -> None:
         await self.ctx.stopping.wait()
@@ -335,6 +347,7 @@ class Connection:
 
     async def _teardown(self, *extra: asyncio.Task[Any]) -> None:
         """Cancel and await every task this connection started, so none outlives it."""
+        self._ending = True
         tasks = [*self._tasks, *extra]
         for task in tasks:
             task.cancel()
@@ -357,15 +370,15 @@ class Connection:
                     pass
             return None
         try:
-            if self.who is None:
-                async with asyncio.timeout(CONNECT_TIMEOUT):
+            if self.who is None:  # one deadline for the whole handshake, not one per frame
+                async with asyncio.timeout_at(self._connect_by):
                     message = await self.ws.receive()
             else:
                 message = await self.ws.receive()
         except TimeoutError:
             await self._close(CLOSE_POLICY, "sys.connect expected")
             return await self._receive()
-        except (WebSocketDisconnect, RuntimeError):
+        except (WebSocketDisconnect, RuntimeError, OSError):
             return None
         return None if message["type"] == "websocket.disconnect" else message
 
@@ -377,14 +390,23 @@ class Connection:
             except FrameError as exc:
                 await self.send(res_error(exc.id, "bad_frame", exc.message))
                 continue
-            if req.call == "sys.connect":
-                driver = await self._connect(req)
-                if driver is not None:
-                    return driver
-            elif self.who is None:
-                await self.send(res_error(req.id, "not_connected", "the first request must be sys.connect"))
-            else:
-                await self._dispatch(req)
+            try:
+                driver = await self._handle(req)
+            except Exception:  # a bug here must not end the connection, let alone the server
+                _log(logging.ERROR, "frame handling failed", exc_info=True, call=req.call)
+                await self.send(res_error(req.id, "internal", "internal error"))
+                continue
+            if driver is not None:
+                return driver
+        return None
+
+    async def _handle(self, req: Request) -> tuple[Principal, dict[str, Any], str] | None:
+        if req.call == "sys.connect":
+            return await self._connect(req)
+        if self.who is None:
+            await self.send(res_error(req.id, "not_connected", "the first request must be sys.connect"))
+        else:
+            await self._dispatch(req)
         return None
 
     # -- sys.connect -------------------------------------------------------------------------
@@ -431,7 +453,24 @@ class Connection:
         elif len(self._requests) >= MAX_IN_FLIGHT:
             await self.send(res_error(req.id, "too_many_requests", f"at most {MAX_IN_FLIGHT} requests may run at once"))
         else:
-            self._requests[req.id] = (self._start(self._run(req, call)), call)
+            task = self._start(self._run(req, call))
+            task.add_done_callback(lambda _: self._answer_if_cancelled_early(req.id, task))
+            self._requests[req.id] = (task, call)
+
+    def _answer_if_cancelled_early(self, rid: str, task: asyncio.Task[None]) -> None:
+        """A request cancelled before its task first ran never entered ``_run``, so nothing in it
+        answered: answer ``cancelled`` here. (Once ``_run`` runs it answers and the task ends
+        normally, so ``task.cancelled()`` is then false.)"""
+        if not task.cancelled() or rid not in self._cancel_asked:
+            return
+        self._cancel_asked.discard(rid)
+        if self._requests.get(rid, (None,))[0] is task:
+            del self._requests[rid]
+        if not self._ending:
+            self._start(self._send_quietly(res_error(rid, "cancelled", "the request was cancelled")))
+
+    async def _send_quietly(self, frame: dict[str, Any]) -> None:
+        await self.send(frame)
 
     async def _run(self, req: Request, call: Call) -> None:
         """One request task: run the call, then answer (``cancelled`` if ``request.cancel`` hit it)."""
@@ -495,7 +534,7 @@ class Connection:
         old = self.subscriptions.pop(pid, None)
         if old is not None:
             old.cancel()
-        if self._closed:
+        if self._closed or self._ending:
             return
         self.subscriptions[pid] = self._start(self._pump(pid, stream))
 
