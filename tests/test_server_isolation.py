@@ -1,0 +1,160 @@
+"""Who may call what: every ``/v1`` route × {owner, another account, admin, no token, revoked token}.
+
+The routes are read from the app itself, and each needs a recipe below (how to make a valid
+request of it), so a route added later fails here until someone decides who may call it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import httpx
+import pytest
+from starlette.routing import Route
+
+from agentloop.server import ServerContext, create_server
+from tests.server_support import LiveServer, engine_agent, live_server
+
+
+def v1_routes() -> list[tuple[str, str]]:
+    """(method, path) of every ``/v1`` HTTP route, from an app built the way the server builds it."""
+    app = create_server(ServerContext(kernel=cast(Any, None), accounts=cast(Any, None)), engine_agent)
+    found = set()
+    for route in app.routes:
+        if isinstance(route, Route) and route.path.startswith("/v1/"):
+            found |= {(m, route.path) for m in route.methods or () if m != "HEAD"}
+    return sorted(found)
+
+
+ROUTES = v1_routes()
+ROLES = ["owner", "other", "admin", "no_token", "revoked"]
+PUBLIC = {("GET", "/v1/health")}
+
+# How to call each route validly for the process's owner: request keyword arguments for httpx.
+RECIPES: dict[tuple[str, str], dict[str, Any]] = {
+    ("GET", "/v1/health"): {},
+    ("GET", "/v1/me"): {},
+    ("GET", "/v1/devices"): {},
+    ("GET", "/v1/openapi.json"): {},
+    ("GET", "/v1/processes"): {},
+    ("POST", "/v1/processes"): {"json": {"context": "matrix"}},
+    ("GET", "/v1/processes/{pid}"): {},
+    ("DELETE", "/v1/processes/{pid}"): {},
+    ("POST", "/v1/processes/{pid}/messages"): {"json": {"text": "hello"}},
+    ("GET", "/v1/processes/{pid}/messages"): {"params": {"limit": 10}},
+    ("GET", "/v1/processes/{pid}/events"): {"params": {"follow": "false"}},
+    ("POST", "/v1/processes/{pid}/abort"): {"json": {}},
+    ("GET", "/v1/processes/{pid}/hil"): {},
+    ("POST", "/v1/processes/{pid}/hil/{request_id}"): {"json": {"decision": "deny"}},
+    ("POST", "/v1/processes/{pid}/reset"): {},
+}
+
+
+class Devices:
+    """A device hub with one device per account; it answers what the principal may see."""
+
+    def list(self, who: Any) -> list[dict[str, Any]]:
+        mine = [
+            {"id": f"{name}-laptop", "owner": name, "implements": [], "tools": [], "connected_at": 0.0}
+            for name in ("alice", "bob")
+        ]
+        return [d for d in mine if who.admin or d["owner"] == who.account]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_server(tmp_path_factory.mktemp("isolation"), devices=Devices()) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def clients(server: LiveServer) -> Iterator[dict[str, httpx.Client]]:
+    """One client per role, shared by the whole matrix (sync: nothing here needs concurrency)."""
+    tokens = {
+        "owner": server.tokens.alice,
+        "other": server.tokens.bob,
+        "admin": server.tokens.admin,
+        "no_token": None,
+        "revoked": server.tokens.revoked,
+    }
+    out = {
+        role: httpx.Client(base_url=server.url, timeout=10, headers={"Authorization": f"Bearer {t}"} if t else {})
+        for role, t in tokens.items()
+    }
+    yield out
+    for client in out.values():
+        client.close()
+
+
+def owned_process(alice: httpx.Client, *, asking: bool) -> tuple[str, str]:
+    """A process of alice's, and a pending approval request on it when ``asking``."""
+    pid: str = alice.post("/v1/processes", json={}).json()["pid"]
+    if not asking:
+        return pid, "no-such-request"
+    alice.post(f"/v1/processes/{pid}/messages", json={"text": "risky"})
+    for _ in range(500):
+        requests = alice.get(f"/v1/processes/{pid}/hil").json()["requests"]
+        if requests:
+            return pid, requests[0]["request_id"]
+        time.sleep(0.01)
+    raise AssertionError("no approval was requested")
+
+
+def test_every_route_has_a_recipe() -> None:
+    assert set(ROUTES) == set(RECIPES), "add a recipe (and decide who may call it) for each new /v1 route"
+
+
+def expected(route: tuple[str, str], role: str) -> Callable[[int], bool]:
+    if route in PUBLIC:
+        return lambda status: status == 200
+    if role in ("no_token", "revoked"):
+        return lambda status: status == 401
+    if role == "other" and "{pid}" in route[1]:
+        return lambda status: status == 404  # someone else's process does not exist
+    return lambda status: 200 <= status < 300
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("route", ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])
+def test_isolation(clients: dict[str, httpx.Client], route: tuple[str, str], role: str) -> None:
+    method, path = route
+    alice, caller = clients["owner"], clients[role]
+    pid, request_id = owned_process(alice, asking="{request_id}" in path)
+    before = alice.get(f"/v1/processes/{pid}").json()
+    url = path.format(pid=pid, request_id=request_id)
+    resp = caller.request(method, url, **RECIPES.get(route, {}))
+    assert expected(route, role)(resp.status_code), (role, method, url, resp.status_code, resp.text)
+    if resp.status_code >= 400:
+        assert resp.json()["code"] in ("unauthorized", "not_found")
+        after = alice.get(f"/v1/processes/{pid}")
+        assert after.status_code == 200 and after.json()["updated_at"] == before["updated_at"]  # untouched
+    check_lists(route, role, resp, pid)
+
+
+def check_lists(route: tuple[str, str], role: str, resp: httpx.Response, pid: str) -> None:
+    """A list shows the caller's own items only (admins see every device)."""
+    if resp.status_code != 200 or role not in ("owner", "other", "admin"):
+        return
+    account = {"owner": "alice", "other": "bob", "admin": "admin"}[role]
+    if route == ("GET", "/v1/processes"):
+        owners = {p["owner"] for p in resp.json()["processes"]}
+        assert owners <= {account}
+        assert (pid in [p["pid"] for p in resp.json()["processes"]]) == (role == "owner")
+    elif route == ("POST", "/v1/processes"):
+        assert resp.json()["owner"] == account
+    elif route == ("GET", "/v1/devices"):
+        owners = {d["owner"] for d in resp.json()["devices"]}
+        assert owners == ({"alice", "bob"} if role == "admin" else {account} if account != "admin" else set())
+    elif route == ("GET", "/v1/me"):
+        assert resp.json()["account"] == account
+
+
+def test_an_admin_sees_and_acts_on_another_accounts_process(clients: dict[str, httpx.Client]) -> None:
+    alice, admin, bob = clients["owner"], clients["admin"], clients["other"]
+    pid, request_id = owned_process(alice, asking=True)
+    assert admin.get(f"/v1/processes/{pid}").json()["owner"] == "alice"
+    assert [r["request_id"] for r in admin.get(f"/v1/processes/{pid}/hil").json()["requests"]] == [request_id]
+    assert admin.post(f"/v1/processes/{pid}/hil/{request_id}", json={"decision": "approve"}).status_code == 200
+    assert bob.get(f"/v1/processes/{pid}/events?follow=false").status_code == 404
