@@ -599,3 +599,17 @@ def test_a_failing_device_hub_ends_only_that_socket(tmp_path: Path) -> None:
             driver.request("sys.connect", {"role": "driver", "token": server.tokens["bob"], "name": "x"})
             assert closed_code(driver) == 1011
         assert user.ok("proc.list") == {"processes": []}
+
+
+class RefusingHub:
+    """Answers the connect with an error and returns, leaving the socket open (as the hub does)."""
+
+    async def serve_driver(self, websocket: WebSocket, who: Principal, args: dict[str, Any], connect_id: str) -> None:
+        error = {"code": "conflict", "message": "a device named 'x' is already connected"}
+        await websocket.send_json({"type": "res", "id": connect_id, "ok": False, "error": error})
+
+
+def test_a_refused_driver_gets_its_answer_and_a_clean_close(tmp_path: Path) -> None:
+    with make_server(tmp_path, devices=RefusingHub()) as server, server.client() as driver:
+        assert driver.error("sys.connect", {"role": "driver", "token": server.tokens["bob"], "name": "x"}) == "conflict"
+        assert closed_code(driver) == 1000

@@ -24,7 +24,7 @@ from typing import Any
 
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.types import Message
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from agentloop.kernel import NoSuchProcess
 from agentloop.process.signals import Signal
@@ -332,14 +332,19 @@ class Connection:
             await self._hand_over(*driver)
 
     async def _hand_over(self, who: Principal, args: dict[str, Any], connect_id: str) -> None:
-        """Give a driver's socket to the device hub, which answers its sys.connect itself. A hub
-        failure ends this socket only, like any other failure."""
+        """Give a driver's socket to the device hub, which answers its sys.connect itself. When the
+        hub returns with the socket still open (it refused the device) the socket is closed here,
+        cleanly, instead of being cut; a hub failure ends this socket only (1011)."""
+        code = 1000
         try:
             await self.ctx.devices.serve_driver(self.ws, who, args, connect_id)
         except Exception:
             _log(logging.ERROR, "device hub failed", exc_info=True, account=who.account)
+            code = 1011
+        if self.ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
-                await self.ws.close(1011)
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    await self.ws.close(code)
 
     async def _close_when_stopping(self) -> None:
         await self.ctx.stopping.wait()
