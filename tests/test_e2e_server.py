@@ -319,7 +319,12 @@ def test_cli_client_commands(served: Served, replies: OpenAIFake) -> None:
     assert pid not in cli(served, "ps")
 
 
-def test_sigkill_mid_run_then_restart_completes_the_run(tmp_path: Path, fake: OpenAIFake, replies: OpenAIFake) -> None:
+def test_sigkill_mid_run_restart_completes_it_then_sigterm_exits_cleanly(
+    tmp_path: Path, fake: OpenAIFake, replies: OpenAIFake
+) -> None:
+    """The server's life: SIGKILLed while the model is mid-answer, restarted on the same data
+    directory, the run completes; then SIGTERM with an event stream open ends that stream cleanly
+    and the server exits 0 without logging the token. (One test, so one server start serves both.)"""
     server = start_server(tmp_path, fake)
     try:
         token = server.token
@@ -342,38 +347,63 @@ def test_sigkill_mid_run_then_restart_completes_the_run(tmp_path: Path, fake: Op
         outputs = [f["data"]["payload"]["text"] for f in frames if f["data"]["signal"] == sig.RUN_OUTPUT]
         assert outputs == ["The answer after the restart."]
         assert len(replies.requests) == 2
+        assert_sigterm_is_clean(server, token, pid)
     finally:
         server.stop()
 
 
-def test_sigterm_closes_streams_and_exits_cleanly(tmp_path: Path, fake: OpenAIFake) -> None:
-    server = start_server(tmp_path, fake)
-    try:
-        token = server.token
-        with http(server) as client:
-            pid = client.post("/v1/processes", json={}).json()["pid"]
-        outcome: dict[str, Any] = {}
-        opened = threading.Event()
+def assert_sigterm_is_clean(server: Served, token: str, pid: str) -> None:
+    outcome: dict[str, Any] = {}
+    opened = threading.Event()
 
-        def watch() -> None:
-            try:
-                with http(server, token) as client, client.stream("GET", f"/v1/processes/{pid}/events") as response:
-                    opened.set()
-                    outcome["frames"] = list(sse(response.iter_lines()))
-                    outcome["clean"] = True
-            except httpx.HTTPError as exc:
-                outcome["error"] = repr(exc)
+    def watch() -> None:
+        try:
+            with http(server, token) as client, client.stream("GET", f"/v1/processes/{pid}/events") as response:
+                opened.set()
+                outcome["frames"] = list(sse(response.iter_lines()))
+                outcome["clean"] = True
+        except httpx.HTTPError as exc:
+            outcome["error"] = repr(exc)
 
-        reader = threading.Thread(target=watch, daemon=True)
-        reader.start()
-        assert opened.wait(WAIT)
-        time.sleep(0.2)  # the server has the stream registered
-        began = time.monotonic()
-        assert server.kill(signal.SIGTERM) == 0, server.stderr()
-        reader.join(WAIT)
-        assert outcome.get("clean") is True, outcome
-        assert time.monotonic() - began < 20
-        log = server.stderr()
-        assert token not in log and "Traceback" not in log
-    finally:
-        server.stop()
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    assert opened.wait(WAIT)
+    time.sleep(0.2)  # the server has the stream registered
+    began = time.monotonic()
+    assert server.kill(signal.SIGTERM) == 0, server.stderr()
+    reader.join(WAIT)
+    assert outcome.get("clean") is True, outcome
+    assert outcome["frames"]  # the backlog came before the end
+    assert time.monotonic() - began < 20
+    log = server.stderr()
+    assert token not in log and "Traceback" not in log
+
+
+def test_serve_chat_from_stdin(tmp_path: Path, fake: OpenAIFake, replies: OpenAIFake) -> None:
+    """The README's command, scripted: ``serve --chat`` reads lines from stdin, prints each answer on
+    stdout, asks approvals on stderr (answered by the next line) and exits 0 at EOF, revoking the
+    token it minted for the session."""
+    workspace = tmp_path / "ws"
+    (workspace / "junk").mkdir(parents=True)
+    replies.push(text_reply("Hi from serve --chat.", pieces=3))
+    replies.push(tool_reply("Shell", json.dumps({"command": "rm -rf junk"})), text_reply("Deleted junk."))
+    env = {k: v for k, v in os.environ.items() if k not in ("AGENTLOOP_MODEL", "AGENTLOOP_DATA", "AGENTLOOP_TOKEN")}
+    env.update(OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="sk-e2e", AGENTLOOP_CONFIG=str(tmp_path / "none.toml"))
+    args = [str(AGENTLOOP), "serve", "--chat", "--port", "0", "--data", str(tmp_path / "data")]
+    args += ["--model", "openai:gpt-4o-mini", "--workspace", str(workspace)]
+    done = subprocess.run(args, input="hello\ndelete junk\ny\n", capture_output=True, text=True, env=env, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "Hi from serve --chat.\nDeleted junk.\n"
+    assert "agentloop serving on http://127.0.0.1:" in done.stderr and "approve Shell rm -rf junk" in done.stderr
+    assert not (workspace / "junk").exists()
+    result = runner.invoke(app, ["token", "list", "--data", str(tmp_path / "data")])
+    rows = [line.split("\t") for line in result.stdout.strip().splitlines()[1:]]
+    assert [(r[2], r[4] != "-") for r in rows] == [("first start", False), ("serve --chat session", True)]
+
+
+def test_loopback_detection() -> None:
+    from agentloop.cli.serve import is_loopback, url_of
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "192.168.1.4", "example.com", "::"))
+    assert url_of("::1", 80) == "http://[::1]:80" and url_of("127.0.0.1", 8765) == "http://127.0.0.1:8765"
