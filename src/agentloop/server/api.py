@@ -12,7 +12,6 @@ idempotent retry into a second message.
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -254,21 +253,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """The body as ``model``; an empty body counts as ``{}`` (every field of abort is optional)."""
+    """The body as ``model``; an empty body counts as ``{}`` (every field of abort is optional).
+
+    pydantic parses the JSON itself: unlike ``json.loads`` it refuses lone surrogates
+    (``"\\ud800"``), which no store could encode later.
+    """
     raw = await read_body(request, limit)
-    if not raw.strip():
-        data: Any = {}
-    else:
+    try:
+        if not raw.strip():
+            return model.model_validate({})
         if not _json_type(request.headers.get("content-type", "")):
             raise ApiError(415, "unsupported_media_type", "the body must be application/json")
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise invalid("body", "not valid JSON") from None
-        if not isinstance(data, dict):
-            raise invalid("body", "must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
