@@ -613,3 +613,36 @@ def test_a_refused_driver_gets_its_answer_and_a_clean_close(tmp_path: Path) -> N
     with make_server(tmp_path, devices=RefusingHub()) as server, server.client() as driver:
         assert driver.error("sys.connect", {"role": "driver", "token": server.tokens["bob"], "name": "x"}) == "conflict"
         assert closed_code(driver) == 1000
+
+
+def test_a_client_that_stops_reading_is_dropped(server: KernelServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that cannot finish (the client's buffers are full) ends the connection, so writers
+    waiting on the send lock are not stuck behind it forever."""
+    monkeypatch.setattr(ws, "SEND_TIMEOUT", 0.2)
+    original = WebSocket.send_text
+
+    async def stuck(self: WebSocket, data: str) -> None:
+        if "stuck-here" in data:
+            await asyncio.sleep(30)
+        await original(self, data)
+
+    monkeypatch.setattr(WebSocket, "send_text", stuck)
+    with server.client("alice") as c:
+        baseline = server.task_count()
+        c.request("proc.get", {"pid": "stuck-here"})  # its not_found answer quotes the pid
+        assert closed_code(c) == ws.CLOSE_POLICY
+    eventually(lambda: server.task_count() < baseline)
+    with server.client("alice") as again:
+        assert again.ok("proc.list") == {"processes": []}
+
+
+def test_killing_a_followed_process_ends_its_subscription(server: KernelServer) -> None:
+    with server.client("alice") as c, server.client("alice") as killer:
+        pid = c.ok("proc.spawn")["pid"]
+        baseline = server.task_count()
+        c.ok("proc.subscribe", {"pid": pid})
+        eventually(lambda: server.task_count() == baseline + 1)  # the subscription's stream
+        killer.ok("proc.kill", {"pid": pid})
+        eventually(lambda: server.task_count() == baseline)
+        assert c.ok("proc.unsubscribe", {"pid": pid})["unsubscribed"] is False
+        assert c.error("proc.subscribe", {"pid": pid}) == "not_found"
