@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from agentloop.cli.chat import ChatRepl, PlainReader
 from agentloop.cli.client import RemoteSession, message_lines
+from agentloop.cli.config import load_connection
 from agentloop.client import AgentloopClient, ClientError, SSEParser, StreamEvent
 from agentloop.process import signals as sig
 from tests.server_support import LiveServer, live_server
@@ -198,3 +200,21 @@ def test_remote_chat_session(server: LiveServer) -> None:
         ev.close()
     assert out.getvalue() == "answer: hi\ndone: risky\n"
     assert 'approve echo {"text": "risky"}' in err.getvalue()
+
+
+def test_connection_precedence(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('server = "http://files:1/"\ntoken = "from-file"\n')
+    env = {"AGENTLOOP_CONFIG": str(config)}
+    conn = load_connection(env=env)
+    assert (conn.server, conn.token, conn.token_source) == ("http://files:1", "from-file", f"config file {config}")
+    env |= {"AGENTLOOP_SERVER": "http://env:2", "AGENTLOOP_TOKEN": "from-env"}
+    conn = load_connection(env=env)
+    assert (conn.server, conn.token, conn.token_source) == ("http://env:2", "from-env", "AGENTLOOP_TOKEN")
+    conn = load_connection(server="http://flag:3", token="from-flag", env=env)
+    assert (conn.server, conn.token, conn.token_source) == ("http://flag:3", "from-flag", "--token")
+    empty = load_connection(env={"AGENTLOOP_CONFIG": str(tmp_path / "none.toml")})
+    assert (empty.server, empty.token) == ("http://127.0.0.1:8765", None)
+    config.write_text('server = "ftp://nope"\ntoken = 5\n')
+    bad = load_connection(env={"AGENTLOOP_CONFIG": str(config)})
+    assert bad.server == "http://127.0.0.1:8765" and bad.token is None and len(bad.warnings) == 2

@@ -407,3 +407,15 @@ def test_loopback_detection() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "192.168.1.4", "example.com", "::"))
     assert url_of("::1", 80) == "http://[::1]:80" and url_of("127.0.0.1", 8765) == "http://127.0.0.1:8765"
+
+
+def test_chat_with_server_flag(served: Served, replies: OpenAIFake) -> None:
+    replies.push(text_reply("Remote hello."))
+    result = runner.invoke(
+        app, ["chat", "--server", served.url, "--token", served.token, "--new"], input="hi over http\n"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "Remote hello.\n"
+    assert f"agentloop chat · {served.url} · admin" in result.stderr
+    result = runner.invoke(app, ["chat", "--server", served.url, "--token", "al_wrong-token-wrong-token-wrong"])
+    assert result.exit_code == 1 and "refused the token (from --token)" in result.stderr

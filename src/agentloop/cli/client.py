@@ -69,7 +69,6 @@ def connection(server: str | None, token: str | None) -> Connection:
 
 def call(server: str | None, token: str | None, work: Callable[[AgentloopClient], Awaitable[T]]) -> T:
     """Run ``work`` with a client; a ``ClientError`` becomes a one-line ``CliError``."""
-    from agentloop.cli.main import CliError
 
     conn = connection(server, token)
 
@@ -80,9 +79,16 @@ def call(server: str | None, token: str | None, work: Callable[[AgentloopClient]
     try:
         return asyncio.run(go())
     except ClientError as exc:
-        if exc.code == "unauthorized":
-            raise CliError(f"the server refused the token (from {conn.token_source}): {exc.message}") from None
-        raise CliError(exc.message) from None
+        raise failure(exc, conn) from None
+
+
+def failure(exc: ClientError, conn: Connection) -> Exception:
+    """The one line a client error becomes; a refused token says where the token came from."""
+    from agentloop.cli.main import CliError
+
+    if exc.code == "unauthorized":
+        return CliError(f"the server refused the token (from {conn.token_source}): {exc.message}")
+    return CliError(exc.message)
 
 
 def _when(stamp: Any) -> str:
@@ -103,7 +109,7 @@ def ps(
     token: TokenOpt = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per process.")] = False,
 ) -> None:
-    """List your processes (all of them, for an admin's own)."""
+    """List your processes."""
     from agentloop.cli.main import _guarded
 
     with _guarded():
@@ -544,13 +550,11 @@ def remote_chat(
 
 def chat_command(server: str | None, token: str | None, *, new: bool, pid: str | None) -> tuple[bool, int]:
     """``agentloop chat --server URL``: resolve the connection, then ``remote_chat``."""
-    from agentloop.cli.main import CliError
-
     conn = connection(server, token)
     try:
         return remote_chat(conn.server, str(conn.token), new=new, pid=pid)
     except ClientError as exc:
-        raise CliError(exc.message) from None
+        raise failure(exc, conn) from None
 
 
 __all__ = ["RemoteSession", "chat_command", "register", "remote_chat"]

@@ -188,6 +188,14 @@ async def serve_async(
             )
             server = _server_class()(config)
             running = Running(url_of(opts.host, sock.getsockname()[1]), ctx, server, asyncio.get_running_loop())
+
+            async def close_devices_when_stopping() -> None:
+                # Driver sockets belong to the hub, not to a request: close them as soon as the
+                # shutdown begins, so uvicorn's graceful wait is not spent waiting for them.
+                await ctx.stopping.wait()
+                await hub.close()
+
+            devices_closer = asyncio.ensure_future(close_devices_when_stopping())
             with _signals(running, signals):
                 task = asyncio.ensure_future(server.serve(sockets=[sock]))
                 try:
@@ -205,6 +213,7 @@ async def serve_async(
                     if not task.done():
                         server.should_exit = True
                         await asyncio.gather(task, return_exceptions=True)
+                    devices_closer.cancel()
                     await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
     finally:
         sock.close()
@@ -219,6 +228,9 @@ def _signals(running: Running, install: bool) -> Generator[None, None, None]:
     def handler(signum: int) -> None:
         if running.server.should_exit:
             running.server.force_exit = True
+        else:
+            sys.stderr.write("agentloop: stopping (again to force)\n")
+            sys.stderr.flush()
         running.server.handle_exit(signum, None)  # also tells sse-starlette, which patches it
         running.ctx.stopping.set()
 
