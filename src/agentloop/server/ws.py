@@ -153,23 +153,31 @@ def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
-def _id(args: dict[str, Any], name: str, *, required: bool = True) -> Any:
-    """An identifier argument (pid, run id, approval id): a short non-empty string."""
-    value = _want(args, name, str, "a string", None)
-    if value is None:
-        if required:
-            raise _invalid(f"{name} is required")
-        return None
-    if not value or len(value) > MAX_ID:
+def _opt_id(args: dict[str, Any], name: str) -> str | None:
+    """An optional identifier argument (pid, run id, approval id): a short non-empty string."""
+    value: str | None = _want(args, name, str, "a string", None)
+    if value is not None and (not value or len(value) > MAX_ID):
         raise _invalid(f"{name} must be a non-empty string of at most {MAX_ID} characters")
     return value
 
 
-def _int(args: dict[str, Any], name: str, default: int | None, *, minimum: int = 0) -> Any:
-    value = _want(args, name, int, "an integer", default)
+def _id(args: dict[str, Any], name: str) -> str:
+    value = _opt_id(args, name)
+    if value is None:
+        raise _invalid(f"{name} is required")
+    return value
+
+
+def _opt_int(args: dict[str, Any], name: str, *, minimum: int = 0) -> int | None:
+    value: int | None = _want(args, name, int, "an integer", None)
     if value is not None and value < minimum:
         raise _invalid(f"{name} must be at least {minimum}")
     return value
+
+
+def _int(args: dict[str, Any], name: str, default: int, *, minimum: int = 0) -> int:
+    value = _opt_int(args, name, minimum=minimum)
+    return default if value is None else value
 
 
 # ------------------------------------------------------------------ calls
@@ -221,18 +229,18 @@ async def _send(conn: Connection, args: dict[str, Any]) -> Any:
         text,
         mode=_want(args, "mode", str, "a string", "steer"),
         media=_want(args, "media", list, "a list", None),
-        run_id=_id(args, "run_id", required=False),
+        run_id=_opt_id(args, "run_id"),
     )
 
 
 async def _history(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.history(
-        conn.user, _id(args, "pid"), limit=_int(args, "limit", 100, minimum=1), before=_int(args, "before", None)
+        conn.user, _id(args, "pid"), limit=_int(args, "limit", 100, minimum=1), before=_opt_int(args, "before")
     )
 
 
 async def _abort(conn: Connection, args: dict[str, Any]) -> Any:
-    return await conn.service.abort(conn.user, _id(args, "pid"), run_id=_id(args, "run_id", required=False))
+    return await conn.service.abort(conn.user, _id(args, "pid"), run_id=_opt_id(args, "run_id"))
 
 
 async def _hil(conn: Connection, args: dict[str, Any]) -> Any:
