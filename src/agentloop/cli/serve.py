@@ -385,13 +385,13 @@ def serve(
                 "put TLS in front of it\n"
             )
         opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting)
-        if chat:
-            opts.out = sys.stderr  # stdout carries the answers
-            aborted, code = serve_and_chat(opts, new=new, pid=pid)
-            if aborted:
-                _exit(code)
-            raise typer.Exit(code)
         try:
+            if chat:
+                opts.out = sys.stderr  # stdout carries the answers
+                aborted, code = serve_and_chat(opts, new=new, pid=pid)
+                if aborted:
+                    _exit(code)
+                raise typer.Exit(code)
             asyncio.run(serve_async(opts))
-        except OSError as exc:
+        except OSError as exc:  # the port is taken, the address does not exist …
             raise CliError(str(exc)) from exc
