@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -89,6 +90,29 @@ def _readable_id(frame: dict[str, Any]) -> str | None:
     return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID else None
 
 
+# A frame's text arrives as valid UTF-8, so a lone surrogate can only come from a JSON escape.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value holds a string (or key) that is not valid Unicode: such text
+    cannot be stored or sent on, so it is refused at the door instead of failing deep inside a call."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def parse_frame(message: Message, limit: int) -> Request:
     """A request from one ASGI receive message, or ``FrameError`` saying what is wrong with it.
 
@@ -106,6 +130,8 @@ def parse_frame(message: Message, limit: int) -> Request:
         raise FrameError("frame is not valid JSON") from None
     if not isinstance(frame, dict):
         raise FrameError("frame must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(frame):
+        raise FrameError("frame contains invalid Unicode (a lone surrogate escape)", _readable_id(frame))
     rid = _readable_id(frame)
     if rid is None:
         raise FrameError(f"id must be a non-empty string of at most {MAX_ID} characters")
