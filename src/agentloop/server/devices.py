@@ -213,11 +213,15 @@ class DeviceHub:
             conn = _Connection(DeviceInfo(name, who.account, implements, tools, time.time()), websocket)
             await self._claim(conn)
         except HubError as exc:
-            await websocket.send_text(json.dumps(_error_res(connect_id, exc.code, exc.message)))
+            with contextlib.suppress(Exception):
+                await websocket.send_text(json.dumps(_error_res(connect_id, exc.code, exc.message)))
             return
         try:
             data = {"device_id": name, "account": who.account, "admin": who.admin, "role": "driver"}
-            await conn.send({"type": "res", "id": connect_id, "ok": True, "data": data})
+            try:
+                await conn.send({"type": "res", "id": connect_id, "ok": True, "data": data})
+            except Exception:  # gone before it heard back
+                return
             log.info("device %s of %s connected (%s)", name, who.account, ", ".join(implements) or "no syscalls")
             await self._read(conn)
         finally:
