@@ -2,7 +2,7 @@
 kernel on SQLite, a scripted model) and a device, in-process or as a subprocess of ``agentloop
 device connect``, serving its own root. Covers routed Read/Shell, the path rules on the device,
 extra tools, request.cancel killing a shell group, a device killed mid-call, reconnecting after a
-server restart, SIGTERM, a bad token, and ``GET /v1/devices``."""
+server restart, SIGTERM, a bad token, a name conflict, and ``GET /v1/devices``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +290,19 @@ async def test_a_cancelled_call_kills_the_shell_group_and_extra_tools_are_served
             result = await timed_out
             assert result.is_error and "timed out after 1.5 s" in result.content[0].text
             assert await gone(pid), "request.cancel left the shell running"
-            assert client.connections == 1
+            # a second live device under the same name is refused, and keeps retrying quietly
+            said: list[str] = []
+            twin = DeviceClient(replace(options, backoff_initial=0.05, backoff_max=0.1), say=said.append)
+            retrying = asyncio.create_task(twin.run())
+            try:
+                async with asyncio.timeout(10):
+                    while sum("(conflict)" in line for line in said) < 2:
+                        await asyncio.sleep(0.02)
+            finally:
+                retrying.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retrying
+            assert twin.connections == 0 and client.connections == 1 and client.connected.is_set()
         finally:
             running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
