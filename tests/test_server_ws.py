@@ -379,7 +379,6 @@ def test_in_flight_requests_are_limited_per_connection(server: KernelServer, mon
 def test_closing_the_socket_stops_everything_it_started(server: KernelServer, monkeypatch: pytest.MonkeyPatch) -> None:
     with server.client("alice") as c:
         pids = [c.ok("proc.spawn")["pid"] for _ in range(3)]
-    baseline = server.task_count()
     gate = Gate(server)
     gate.patch(monkeypatch, "history")
     with server.client("alice") as c:
@@ -387,8 +386,8 @@ def test_closing_the_socket_stops_everything_it_started(server: KernelServer, mo
             c.ok("proc.subscribe", {"pid": pid})
             c.request("proc.history", {"pid": pid})
         eventually(lambda: gate.entered == 3)
-        assert server.task_count() > baseline
-    eventually(lambda: server.task_count() == baseline)
+        assert server.ws_tasks("_pump") == 3 and server.ws_tasks("_run") == 3
+    eventually(lambda: server.ws_tasks() == 0)  # no stream, request or watcher outlives its socket
     assert server.run(_watchers(server, pids)) == 0
 
 
@@ -635,10 +634,9 @@ def test_a_client_that_stops_reading_is_dropped(server: KernelServer, monkeypatc
 
     monkeypatch.setattr(WebSocket, "send_text", stuck)
     with server.client("alice") as c:
-        baseline = server.task_count()
         c.request("proc.get", {"pid": "stuck-here"})  # its not_found answer quotes the pid
         assert closed_code(c) == ws.CLOSE_POLICY
-    eventually(lambda: server.task_count() < baseline)
+    eventually(lambda: server.ws_tasks() == 0)
     with server.client("alice") as again:
         assert again.ok("proc.list") == {"processes": []}
 
@@ -646,10 +644,9 @@ def test_a_client_that_stops_reading_is_dropped(server: KernelServer, monkeypatc
 def test_killing_a_followed_process_ends_its_subscription(server: KernelServer) -> None:
     with server.client("alice") as c, server.client("alice") as killer:
         pid = c.ok("proc.spawn")["pid"]
-        baseline = server.task_count()
         c.ok("proc.subscribe", {"pid": pid})
-        eventually(lambda: server.task_count() == baseline + 1)  # the subscription's stream
+        eventually(lambda: server.ws_tasks("_pump") == 1)  # the subscription's stream
         killer.ok("proc.kill", {"pid": pid})
-        eventually(lambda: server.task_count() == baseline)
+        eventually(lambda: server.ws_tasks("_pump") == 0)
         assert c.ok("proc.unsubscribe", {"pid": pid})["unsubscribed"] is False
         assert c.error("proc.subscribe", {"pid": pid}) == "not_found"

@@ -105,11 +105,15 @@ class KernelServer:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(fn)
 
-    def task_count(self) -> int:
-        """Tasks alive in the server's loop, besides the one counting."""
+    def ws_tasks(self, name: str = "") -> int:
+        """Tasks alive in the server's loop that run a ``ws.Connection`` method (``name``: only that
+        one). Counting by coroutine, not all tasks, keeps the number exact while unrelated tasks
+        (uvicorn's, a just-answered request's) come and go."""
+        prefix = f"Connection.{name}"
 
         async def count() -> int:
-            return len(asyncio.all_tasks()) - 1
+            names = [getattr(t.get_coro(), "__qualname__", "") for t in asyncio.all_tasks()]
+            return sum(n.startswith(prefix) for n in names)
 
         return int(self.run(count))
 
