@@ -23,7 +23,7 @@ from openapi_spec_validator import validate
 from pydantic import BaseModel
 from starlette.routing import Route, WebSocketRoute
 
-from agentloop.server import api
+from agentloop.server import api, events
 from tests.server_support import LiveServer, live_server, parse_sse, wait_idle, wait_until
 
 PNG = base64.b64encode(
@@ -272,8 +272,9 @@ async def read_frames(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 
 
 async def test_events_resume_with_last_event_id_without_gaps_or_repeats(
-    server: LiveServer, alice: httpx.AsyncClient
+    server: LiveServer, alice: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(events, "BUFFER", 2)  # the read-ahead fills up: backpressure on the backlog
     pid = await spawn(alice)
     await alice.post(f"/v1/processes/{pid}/messages", json={"text": "echo first"})
     await wait_idle(alice, pid)
@@ -310,6 +311,8 @@ async def test_events_resume_with_last_event_id_without_gaps_or_repeats(
     assert seen == logged  # every logged seq exactly once, in order
     after = parse_sse((await alice.get(f"/v1/processes/{pid}/events?follow=false&after_seq={logged[-2]}")).text)
     assert [int(f["id"]) for f in after] == [logged[-1]]
+    head = await alice.head(f"/v1/processes/{pid}/events")  # headers only, no stream left open
+    assert head.status_code == 200 and head.content == b"" and server.watchers(pid) == 0
 
 
 async def test_a_live_stream_sees_a_run_and_its_watcher_goes_with_the_client(
@@ -457,8 +460,8 @@ async def test_the_openapi_document_is_valid_and_matches_the_served_routes(
     schema = doc["components"]["schemas"]["SendBody"]
     assert schema["properties"]["mode"]["enum"] == ["steer", "queue", "interrupt"] and schema["required"] == ["text"]
     assert doc["paths"]["/v1/health"]["get"]["security"] == []
-    events = doc["paths"]["/v1/processes/{pid}/events"]["get"]
-    assert {p["name"] for p in events["parameters"]} == {"pid", "after_seq", "follow", "Last-Event-ID"}
+    stream_op = doc["paths"]["/v1/processes/{pid}/events"]["get"]
+    assert {p["name"] for p in stream_op["parameters"]} == {"pid", "after_seq", "follow", "Last-Event-ID"}
 
 
 # ------------------------------------------------------------------ fuzzing

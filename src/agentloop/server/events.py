@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from typing import Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -47,36 +47,45 @@ def frame(pid: str, signal: Signal) -> ServerSentEvent:
     )
 
 
+BUFFER = 256  # signals read ahead of a slow client; beyond it, reading the backlog waits for the client
+
+
 async def _pump(pid: str, signals: AsyncIterator[Signal], out: asyncio.Queue[Any]) -> None:
     try:
         async with aclosing(signals):  # type: ignore[type-var]  # an async generator at runtime
             async for signal in signals:
-                out.put_nowait(signal)
+                await out.put(signal)
     except NoSuchProcess:
         pass  # killed meanwhile: the stream just ends
     except Exception as exc:
         log_json(logging.ERROR, "event stream failed", exc=exc, pid=pid, error_type=type(exc).__name__)
-    out.put_nowait(_END)
+    await out.put(_END)
 
 
 async def _on_stop(stopping: asyncio.Event, out: asyncio.Queue[Any]) -> None:
     await stopping.wait()
-    out.put_nowait(_END)
+    # Wakes a reader waiting on an empty queue; a full queue means the reader is busy and sees
+    # ``stopping`` before its next item.
+    with suppress(asyncio.QueueFull):
+        out.put_nowait(_END)
 
 
 async def frames(ctx: ServerContext, pid: str, signals: AsyncIterator[Signal]) -> AsyncIterator[ServerSentEvent]:
     """SSE frames for ``signals``, with a ``: ping`` comment after every ``ctx.heartbeat`` seconds of
     silence, until the signals end or ``ctx.stopping`` is set."""
-    items: asyncio.Queue[Any] = asyncio.Queue()
+    items: asyncio.Queue[Any] = asyncio.Queue(BUFFER)
     pump = asyncio.create_task(_pump(pid, signals, items))
     stop = asyncio.create_task(_on_stop(ctx.stopping, items))
     try:
-        while True:
-            try:
-                item = await asyncio.wait_for(items.get(), ctx.heartbeat)
-            except TimeoutError:
-                yield ServerSentEvent(comment="ping")
-                continue
+        while not ctx.stopping.is_set():
+            if items.empty():
+                try:
+                    item = await asyncio.wait_for(items.get(), ctx.heartbeat)
+                except TimeoutError:
+                    yield ServerSentEvent(comment="ping")
+                    continue
+            else:  # no waiting, no timer: the common case while a run streams
+                item = items.get_nowait()
             if item is _END:
                 return
             yield frame(pid, item)
