@@ -252,7 +252,8 @@ async def test_a_failing_part_answers_a_bare_500_and_logs_json(
         server.ctx.devices = None
     message = error(resp, 500, "internal")
     assert "secret" not in message and "al_" not in message
-    [record] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "agentloop.server"]
+    logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "agentloop.server"]
+    [record] = [r for r in logged if r.get("path") == "/v1/devices"]
     assert record["level"] == "error" and record["error_type"] == "RuntimeError" and record["path"] == "/v1/devices"
     assert "Traceback" in record["exception"]
 
