@@ -227,6 +227,21 @@ def test_engine_chat_contract(served: Served, replies: OpenAIFake) -> None:
     assert replies.requests[0]["model"] == "gpt-4o-mini"
 
 
+def test_engine_chat_refuses_what_the_policy_would_ask_about(served: Served, replies: OpenAIFake) -> None:
+    """A stateless request has nobody to ask: a risky call is a tool error, and nothing runs."""
+    victim = served.workspace / "keep"
+    victim.mkdir()
+    replies.push(tool_reply("Shell", json.dumps({"command": "rm -rf keep"}), id="call_rm"))
+    replies.push(text_reply("I was not allowed to."))
+    body = {"messages": [{"role": "user", "content": "delete keep"}], "metadata": {"correlation_id": "c3"}}
+    with http(served) as client, client.stream("POST", "/engine/chat", json=body) as response:
+        events = [(f["event"], f["data"]) for f in sse(response.iter_lines())]
+    result = next(data for name, data in events if name == "tool-result")
+    assert result["id"] == "call_rm" and "error" in result and "output" not in result
+    assert events[-1][0] == "done"
+    assert victim.is_dir()
+
+
 def test_engine_chat_errors(served: Served, replies: OpenAIFake) -> None:
     ok = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"correlation_id": "c2"}}
     response = httpx.post(f"{served.url}/engine/chat", json=ok, timeout=WAIT)

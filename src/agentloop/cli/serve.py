@@ -31,7 +31,7 @@ from typing import Annotated, Any, TextIO, TypeVar
 import typer
 
 from agentloop.agent import Agent
-from agentloop.cli.approvals import ApprovalSetting
+from agentloop.cli.approvals import ApprovalSetting, PolicyHook
 from agentloop.cli.config import Settings, open_model
 from agentloop.cli.render import Progress
 
@@ -167,8 +167,10 @@ async def serve_async(
             tools = builtin_tools(opts.workspace)
 
             def agent_factory() -> Agent:
-                """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request."""
-                return Agent(
+                """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request,
+                under the same approval policy as processes. Nobody can answer a question in a
+                stateless request, so a call the policy would ask about is refused as a tool error."""
+                agent = Agent(
                     model=model,
                     tools=tools,
                     system_prompt=settings.system_prompt,
@@ -176,6 +178,9 @@ async def serve_async(
                     max_rounds=settings.max_rounds,
                     workspace=opts.workspace,
                 )
+                if opts.approval.mode != "auto":
+                    agent.hooks.before_tool_call(PolicyHook(opts.approval.policy, cwd=opts.workspace, ask=None))
+                return agent
 
             config = uvicorn.Config(
                 create_server(ctx, agent_factory),
