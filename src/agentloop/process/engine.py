@@ -21,8 +21,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
@@ -86,8 +85,16 @@ async def approve_everything(process: ProcessRecord, row: ToolCallRow) -> Approv
     return Approval("auto")
 
 
+_last_us = 0
+
+
 def new_id() -> str:
-    return os.urandom(8).hex()
+    """A fresh id: 13 hex digits of the time in microseconds (strictly increasing in this runtime),
+    then 6 random ones. Ids sort by creation, so the rows keyed by them (processes, runs, calls)
+    are appended at the end of their index instead of anywhere in it: fewer pages per commit."""
+    global _last_us
+    _last_us = max(time.time_ns() // 1000, _last_us + 1)
+    return f"{_last_us:013x}{os.urandom(3).hex()}"
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,46 @@ class _Tx:
         self.after.append(apply)
 
 
+class _TxScope:
+    """The context manager of ``ProcessEngine._tx`` (a class: cheaper than a generator)."""
+
+    __slots__ = ("engine", "live", "scope", "tx")
+
+    def __init__(self, engine: ProcessEngine, live: _Live) -> None:
+        self.engine = engine
+        self.live = live
+        self.scope = engine.store.transaction()
+        self.tx = _Tx(engine, live)
+
+    async def __aenter__(self) -> _Tx:
+        await self.scope.__aenter__()
+        return self.tx
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
+        tx = self.tx
+        if kind is None:
+            try:
+                await tx.flush()
+            except BaseException as error:
+                await self.scope.__aexit__(type(error), error, error.__traceback__)
+                raise
+        await self.scope.__aexit__(kind, exc, tb)
+        if kind is not None:
+            return None
+        live = self.live
+        for apply in tx.after:  # committed: now the cache and the watchers may know
+            apply()
+        if tx.signals:
+            publish, pid = self.engine.hub.publish, live.record.pid
+            for s in tx.signals:
+                publish(pid, s)
+        if live.record.current_run is None:
+            live.idle.set()
+        else:
+            live.idle.clear()
+        return None
+
+
 def _new_run(run_id: str | None = None) -> dict[str, Any]:
     return {
         "run_id": run_id or new_id(),
@@ -214,20 +261,10 @@ class ProcessEngine:
             live.idle.set()
         return live
 
-    @asynccontextmanager
-    async def _tx(self, live: _Live) -> AsyncIterator[_Tx]:
-        tx = _Tx(self, live)
-        async with self.store.transaction():
-            yield tx
-            await tx.flush()
-        for apply in tx.after:  # committed: now the cache and the watchers may know
-            apply()
-        for s in tx.signals:
-            self.hub.publish(live.record.pid, s)
-        if live.record.current_run is None:
-            live.idle.set()
-        else:
-            live.idle.clear()
+    def _tx(self, live: _Live) -> _TxScope:
+        """One step's transaction: ``async with self._tx(live) as tx``. Once it commits, the cache
+        and the watchers learn what changed; a rollback leaves both untouched."""
+        return _TxScope(self, live)
 
     # -- recovery ---------------------------------------------------------------------------------
 

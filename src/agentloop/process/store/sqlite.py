@@ -9,11 +9,10 @@ but the store's own lock, so ticks of different processes cannot interleave insi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +33,33 @@ from agentloop.process.store.base import (
     TokenRecord,
     ToolCallRow,
 )
+from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
 
 _PROCESS_FIELDS = {"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"}
+_COUNTER_COLUMNS = ("next_message_id", "next_event_seq", "next_queue_id")
+_INSERT_MESSAGE = (
+    "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)"
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps(..., separators=) builds one per call
+
+
+class _Transaction:
+    """``store.transaction()``: a plain class, cheaper than a generator-based context manager."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self.store = store
+
+    async def __aenter__(self) -> None:
+        await self.store._begin()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.store._end(commit=kind is None)
 
 
 class SQLiteStore(Store):
@@ -51,6 +70,18 @@ class SQLiteStore(Store):
         self._db: sqlite3.Connection | None = None
         self._lock = asyncio.Lock()
         self._tx_task: asyncio.Task[Any] | None = None  # the task whose transaction is open
+        # Per-process counters as last committed by this connection: pid -> [next message id,
+        # next event seq, next queue id, history generation]. Valid while no other connection has
+        # committed (``PRAGMA data_version``, checked when each transaction begins).
+        self._known: dict[str, list[int]] = {}
+        self._data_version = -1
+        # The open transaction's view: counters taken so far, and registry columns to write. Both
+        # go to the process row in one UPDATE at commit (or before a read of the registry).
+        self._tx_counters: dict[str, list[int]] = {}
+        self._tx_base: dict[str, list[int]] = {}  # the counters as the process row holds them now
+        self._tx_fields: dict[str, dict[str, Any]] = {}
+        self._tx_deleted: set[str] = set()
+        self._checkpointer: Checkpointer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -72,6 +103,10 @@ class SQLiteStore(Store):
         db.execute("PRAGMA busy_timeout=5000")
         self._db = db
         self._migrate()
+        if self.path != ":memory:":
+            db.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
+            self._checkpointer = Checkpointer(self.path)
+            self._checkpointer.start()
 
     def _migrate(self) -> None:
         db = self.db
@@ -96,7 +131,12 @@ class SQLiteStore(Store):
                 raise
 
     async def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
+            self._checkpointer = None
         if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):  # leave a short log behind; busy is fine too
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
             self._db = None
 
@@ -104,44 +144,106 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
         return int(row[0] or 0)
 
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[None]:
+    def transaction(self) -> _Transaction:
+        return _Transaction(self)
+
+    async def _begin(self) -> None:
         me = asyncio.current_task()
         if self._tx_task is not None and self._tx_task is me:
             raise StoreError("transactions do not nest")
-        async with self._lock:  # another task's transaction: wait for it to end
+        await self._lock.acquire()  # another task's transaction: wait for it to end
+        try:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
-            self._tx_task = me
-            try:
-                yield
-            except BaseException:
-                self._tx_task = None
+            version = db.execute("PRAGMA data_version").fetchone()[0]
+        except BaseException:
+            self._lock.release()
+            raise
+        if version != self._data_version:  # another connection committed: what we knew may be stale
+            self._known.clear()
+            self._data_version = version
+        self._tx_task = me
+
+    def _end(self, commit: bool) -> None:
+        db = self.db
+        self._tx_task = None
+        try:
+            if commit:
+                try:
+                    self._flush()
+                    db.execute("COMMIT")
+                    if self._checkpointer is not None:
+                        self._checkpointer.committed()
+                except BaseException:  # a failed commit must not leave the transaction open
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+                known = self._known
+                known.update(self._tx_counters)
+                for pid in self._tx_deleted:
+                    known.pop(pid, None)
+            else:
                 db.execute("ROLLBACK")
-                raise
-            self._tx_task = None
-            try:
-                db.execute("COMMIT")
-            except BaseException:  # a failed commit must not leave the transaction open
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
+        finally:
+            self._tx_counters.clear()
+            self._tx_base.clear()
+            self._tx_fields.clear()
+            self._tx_deleted.clear()
+            self._lock.release()
 
     def _write(self) -> sqlite3.Connection:
         if self._tx_task is None or self._tx_task is not asyncio.current_task():
             raise StoreError("writes must happen inside store.transaction()")
         return self.db
 
-    def _counter(self, pid: str, column: str) -> int:
-        """Take the next value of a per-process counter (inside the current transaction)."""
-        row = (
-            self._write()
-            .execute(f"UPDATE processes SET {column} = {column} + 1 WHERE pid = ? RETURNING {column} - 1", (pid,))
-            .fetchone()
-        )
-        if row is None:
-            raise NoSuchProcess(pid)
-        return int(row[0])
+    def _counters(self, pid: str) -> list[int]:
+        """The open transaction's counters of a process (loaded once, then kept in memory): this
+        connection is the only writer while its transaction is open."""
+        counters = self._tx_counters.get(pid)
+        if counters is None:
+            if pid in self._tx_deleted:
+                raise NoSuchProcess(pid)
+            known = self._known.get(pid)
+            if known is None:
+                row = self.db.execute(
+                    "SELECT next_message_id, next_event_seq, next_queue_id, history_generation FROM processes"
+                    " WHERE pid = ?",
+                    (pid,),
+                ).fetchone()
+                if row is None:
+                    raise NoSuchProcess(pid)
+                known = list(row)
+            counters = self._tx_counters[pid] = list(known)
+            self._tx_base[pid] = list(known)
+        return counters
+
+    def _flush(self) -> None:
+        """Write the open transaction's registry changes: one UPDATE per process touched."""
+        db = self.db
+        fields = self._tx_fields
+        base = self._tx_base
+        for pid, counters in self._tx_counters.items():
+            written = base[pid]
+            sets = fields.pop(pid, None)
+            if sets is None and written == counters:
+                continue
+            cols = [*(sets or ()), *_COUNTER_COLUMNS]
+            values = [*(sets.values() if sets else ()), *counters[:3]]
+            if sets is not None:
+                cols.append("updated_at")
+                values.append(time.time())
+            db.execute(f"UPDATE processes SET {' = ?, '.join(cols)} = ? WHERE pid = ?", (*values, pid))
+            written[:] = counters
+        for pid, sets in fields.items():  # fields of a process whose counters were not loaded
+            cols, values = [*sets, "updated_at"], [*sets.values(), time.time()]
+            db.execute(f"UPDATE processes SET {' = ?, '.join(cols)} = ? WHERE pid = ?", (*values, pid))
+        fields.clear()
+
+    def _read_registry(self) -> sqlite3.Connection:
+        """The connection, with the open transaction's registry changes written (read your writes)."""
+        if self._tx_fields or self._tx_counters:
+            self._flush()  # (cheap when nothing changed since the last flush)
+        return self.db
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -169,6 +271,9 @@ class SQLiteStore(Store):
             )
         except sqlite3.IntegrityError as exc:
             raise StoreError(f"process {record.pid} exists already") from exc
+        self._tx_deleted.discard(record.pid)
+        self._tx_counters[record.pid] = [1, 1, 1, record.history_generation]
+        self._tx_base[record.pid] = [1, 1, 1, record.history_generation]
 
     @staticmethod
     def _process(row: sqlite3.Row | tuple[Any, ...]) -> ProcessRecord:
@@ -194,14 +299,19 @@ class SQLiteStore(Store):
     )
 
     async def get_process(self, pid: str) -> ProcessRecord | None:
-        row = self.db.execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE pid = ?", (pid,)).fetchone()
+        row = (
+            self._read_registry()
+            .execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE pid = ?", (pid,))
+            .fetchone()
+        )
         return self._process(row) if row else None
 
     async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]:
+        db = self._read_registry()
         if owner is None:
-            rows = self.db.execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
+            rows = db.execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
         else:
-            rows = self.db.execute(
+            rows = db.execute(
                 f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE owner = ? ORDER BY created_at, pid", (owner,)
             )
         return [self._process(r) for r in rows.fetchall()]
@@ -210,20 +320,17 @@ class SQLiteStore(Store):
         unknown = set(fields) - _PROCESS_FIELDS
         if unknown:
             raise StoreError(f"cannot update process fields {sorted(unknown)}")
-        values: list[Any] = []
-        sets: list[str] = []
+        self._write()
+        counters = self._counters(pid)  # NoSuchProcess now, not at commit
+        pending = self._tx_fields.setdefault(pid, {})
         for key, value in fields.items():
             if key == "current_run":
                 value = _dumps(value) if value is not None else None
             elif key == "interactive":
                 value = int(value)
-            sets.append(f"{key} = ?")
-            values.append(value)
-        sets.append("updated_at = ?")
-        values.append(time.time())
-        cur = self._write().execute(f"UPDATE processes SET {', '.join(sets)} WHERE pid = ?", (*values, pid))
-        if cur.rowcount == 0:
-            raise NoSuchProcess(pid)
+            elif key == "history_generation":
+                counters[3] = value
+            pending[key] = value
 
     async def delete_process(self, pid: str) -> None:
         db = self._write()
@@ -238,11 +345,17 @@ class SQLiteStore(Store):
         ):
             db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
         db.execute("DELETE FROM processes WHERE pid = ?", (pid,))
+        self._tx_counters.pop(pid, None)
+        self._tx_base.pop(pid, None)
+        self._tx_fields.pop(pid, None)
+        self._tx_deleted.add(pid)
 
     # -- history --------------------------------------------------------------------------------
 
     def _generation(self, pid: str) -> int:
-        row = self.db.execute("SELECT history_generation FROM processes WHERE pid = ?", (pid,)).fetchone()
+        if self._tx_task is not None and self._tx_task is asyncio.current_task():
+            return self._counters(pid)[3]
+        row = self._read_registry().execute("SELECT history_generation FROM processes WHERE pid = ?", (pid,)).fetchone()
         if row is None:
             raise NoSuchProcess(pid)
         return int(row[0])
@@ -251,38 +364,49 @@ class SQLiteStore(Store):
         if not messages:
             return []
         db = self._write()
-        n = len(messages)
-        row = db.execute(
-            "UPDATE processes SET next_message_id = next_message_id + ? WHERE pid = ?"
-            " RETURNING next_message_id - ?, history_generation",
-            (n, pid, n),
-        ).fetchone()
-        if row is None:
-            raise NoSuchProcess(pid)
-        first, generation = int(row[0]), int(row[1])
-        ids = list(range(first, first + n))
+        counters = self._counters(pid)
+        first, generation = counters[0], counters[3]
+        counters[0] = first + len(messages)
         now = time.time()
+        if len(messages) == 1:
+            m = messages[0]
+            db.execute(
+                _INSERT_MESSAGE,
+                (pid, first, generation, run_id, m.role, message_to_json(m), now),
+            )
+            return [first]
         db.executemany(
-            "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(pid, i, generation, run_id, m.role, message_to_json(m), now) for i, m in zip(ids, messages, strict=True)],
+            _INSERT_MESSAGE,
+            [(pid, first + i, generation, run_id, m.role, message_to_json(m), now) for i, m in enumerate(messages)],
         )
-        return ids
+        return list(range(first, counters[0]))
 
     async def history(
         self, pid: str, *, generation: int | None = None, limit: int | None = None, before: int | None = None
     ) -> list[StoredMessage]:
-        gen = generation if generation is not None else self._generation(pid)
-        sql = "SELECT id, generation, run_id, body FROM messages WHERE pid = ? AND generation = ?"
-        args: list[Any] = [pid, gen]
+        if generation is None:  # the current one, looked up by the same statement
+            sql = (
+                "SELECT id, generation, run_id, body FROM messages WHERE pid = ?"
+                " AND generation = (SELECT history_generation FROM processes WHERE pid = ?)"
+            )
+            args: list[Any] = [pid, pid]
+            db = self._read_registry()
+        else:
+            sql = "SELECT id, generation, run_id, body FROM messages WHERE pid = ? AND generation = ?"
+            args = [pid, generation]
+            db = self.db
         if before is not None:
             sql += " AND id < ?"
             args.append(before)
         if limit is not None:
             sql += " ORDER BY id DESC LIMIT ?"
             args.append(limit)
-            rows = list(reversed(self.db.execute(sql, args).fetchall()))
+            rows = db.execute(sql, args).fetchall()
+            rows.reverse()
         else:
-            rows = self.db.execute(sql + " ORDER BY id", args).fetchall()
+            rows = db.execute(sql + " ORDER BY id", args).fetchall()
+        if not rows and generation is None:
+            self._generation(pid)  # NoSuchProcess for an unknown process
         return [StoredMessage(r[0], r[1], r[2], message_from_json(r[3])) for r in rows]
 
     async def replace_messages(self, pid: str, from_id: int, to_id: int, replacement: Message) -> int:
@@ -290,16 +414,18 @@ class SQLiteStore(Store):
         gen = self._generation(pid)
         db.execute("DELETE FROM messages WHERE pid = ? AND id BETWEEN ? AND ?", (pid, from_id, to_id))
         db.execute(
-            "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            _INSERT_MESSAGE,
             (pid, to_id, gen, None, replacement.role, message_to_json(replacement), time.time()),
         )
         return to_id
 
     async def new_generation(self, pid: str) -> int:
         db = self._write()
-        gen = self._generation(pid) + 1
+        counters = self._counters(pid)
+        gen = counters[3] + 1
         db.execute("DELETE FROM messages WHERE pid = ?", (pid,))
         db.execute("UPDATE processes SET history_generation = ? WHERE pid = ?", (gen, pid))
+        counters[3] = self._tx_base[pid][3] = gen
         return gen
 
     # -- tool calls -----------------------------------------------------------------------------
@@ -382,8 +508,11 @@ class SQLiteStore(Store):
     # -- input queue ----------------------------------------------------------------------------
 
     async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
-        item_id = self._counter(pid, "next_queue_id")
-        self._write().execute(
+        db = self._write()
+        counters = self._counters(pid)
+        item_id = counters[2]
+        counters[2] = item_id + 1
+        db.execute(
             "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at) VALUES (?, ?, ?, ?, ?, ?)",
             (pid, item_id, kind, run_id, message_to_json(message), time.time()),
         )
@@ -461,20 +590,22 @@ class SQLiteStore(Store):
         if not events:
             return []
         db = self._write()
-        n = len(events)
-        row = db.execute(
-            "UPDATE processes SET next_event_seq = next_event_seq + ? WHERE pid = ? RETURNING next_event_seq - ?",
-            (n, pid, n),
-        ).fetchone()
-        if row is None:
-            raise NoSuchProcess(pid)
-        first = int(row[0])
+        counters = self._counters(pid)
+        first = counters[1]
+        counters[1] = first + len(events)
         now = time.time()
+        if len(events) == 1:
+            name, payload = events[0]
+            db.execute(
+                _INSERT_EVENT,
+                (pid, first, name, _dumps(payload), now),
+            )
+            return [first]
         db.executemany(
-            "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)",
+            _INSERT_EVENT,
             [(pid, first + i, name, _dumps(payload), now) for i, (name, payload) in enumerate(events)],
         )
-        return list(range(first, first + n))
+        return list(range(first, counters[1]))
 
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = self.db.execute(
