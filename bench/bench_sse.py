@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -124,7 +125,15 @@ async def _follow(client: httpx.AsyncClient, pid: str, out: list[int], ready: as
                 return
 
 
-async def measure_fanout(url: str, token: str, clients: int, tokens: int, interval: float) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_fanout(
+    url: str, token: str, clients: int, tokens: int, interval: float, server_pid: int
+) -> dict[str, float]:
     headers = {"authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers, limits=limits) as client:
@@ -135,14 +144,23 @@ async def measure_fanout(url: str, token: str, clients: int, tokens: int, interv
         readies = [asyncio.Event() for _ in range(clients)]
         tasks = [asyncio.create_task(_follow(client, pid, results[n], readies[n])) for n in range(clients)]
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 120)
-        started = time.perf_counter()
+        started, cpu_server, cpu_client = time.perf_counter(), cpu_seconds(server_pid), time.process_time()
         resp = await client.post(f"/v1/processes/{pid}/messages", json={"text": f"{tokens} {interval}"})
         resp.raise_for_status()
         await asyncio.wait_for(asyncio.gather(*tasks), 600)
         wall = time.perf_counter() - started
+        cpu_server = cpu_seconds(server_pid) - cpu_server
+        cpu_client = time.process_time() - cpu_client
     added = [v for got in results for v in got]
     complete = sum(1 for got in results if len(got) == tokens)
-    return {**_percentiles(added), "clients": clients, "complete_clients": complete, "wall_s": wall}
+    return {
+        **_percentiles(added),
+        "clients": clients,
+        "complete_clients": complete,
+        "wall_s": wall,
+        "server_cpu_s": cpu_server,
+        "client_cpu_s": cpu_client,
+    }
 
 
 async def raw_stream(request: Request) -> EventSourceResponse:
@@ -209,7 +227,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if not args.skip_fanout:
                 try:
                     report["fanout"] = await measure_fanout(
-                        url, token, args.clients, args.fanout_tokens, args.fanout_interval
+                        url, token, args.clients, args.fanout_tokens, args.fanout_interval, child.pid
                     )
                 except httpx.HTTPStatusError as exc:
                     report["fanout"] = {"error": f"{exc.response.status_code} {exc.request.url.path}"}
@@ -252,7 +270,11 @@ def main() -> None:
         print(f"/v1 events, {fan['clients']} SSE clients on one process, {args.fanout_tokens} tokens:")
         print(
             f"  delivery p50 {fan['p50_ms']:.3f} ms, p99 {fan['p99_ms']:.3f} ms, max {fan['max_ms']:.1f} ms;"
-            f" {fan['complete_clients']}/{fan['clients']} clients got every token; run wall {fan['wall_s']:.2f} s"
+            f" {fan['complete_clients']}/{fan['clients']} clients got every token"
+        )
+        print(
+            f"  run wall {fan['wall_s']:.2f} s (paced: {args.fanout_tokens * args.fanout_interval:.2f} s);"
+            f" CPU: server {fan['server_cpu_s']:.2f} s, clients {fan['client_cpu_s']:.2f} s"
         )
     elif fan:
         print(f"/v1 events fan-out not measured: {fan['error']}", file=sys.stderr)
