@@ -340,8 +340,7 @@ class Kernel:
             context=context,
             created_at=time.time(),
         )
-        async with self.store.transaction():
-            await self.store.create_process(record)
+        await self.engine.create(record)
         return Process(self, record.pid)
 
     async def process(self, pid: str) -> Process:

@@ -261,6 +261,13 @@ class ProcessEngine:
             live.idle.set()
         return live
 
+    async def create(self, record: ProcessRecord) -> None:
+        """Store a new process and start its cache: a fresh process has nothing to load."""
+        async with self.store.transaction():
+            await self.store.create_process(record)
+        live = self._live[record.pid] = _Live(record, [])
+        live.idle.set()
+
     def _tx(self, live: _Live) -> _TxScope:
         """One step's transaction: ``async with self._tx(live) as tx``. Once it commits, the cache
         and the watchers learn what changed; a rollback leaves both untouched."""

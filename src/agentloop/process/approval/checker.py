@@ -7,13 +7,14 @@ that cannot be read is replaced by the default policy, with a warning in the log
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentloop.process.approval.engine import args_fingerprint, decide
-from agentloop.process.approval.policy import Policy, Rule, merge, parse_policy
+from agentloop.process.approval.policy import Policy, Rule, default_policy, merge, parse_policy
 from agentloop.process.approval.tags import call_target
 from agentloop.process.engine import Approval, ApprovalFn
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
@@ -45,9 +46,24 @@ def policy_approval(
     account_policies = {name: load_policy(p, f"of account {name!r}") for name, p in (accounts or {}).items()}
     home = home_of or (lambda user: os.path.expanduser("~"))
 
+    fallback = server_policy if server_policy is not None else default_policy()
+    merged: dict[tuple[str, str], Policy] = {}  # (owner, remembered rules as JSON) -> policy
+
+    def policy_of(owner: str, remembered: list[dict[str, Any]] | None) -> Policy:
+        base = account_policies.get(owner)
+        base = fallback if base is None else base
+        if not remembered:
+            return base
+        key = (owner, json.dumps(remembered, sort_keys=True))
+        policy = merged.get(key)
+        if policy is None:
+            if len(merged) > 4096:
+                merged.clear()
+            policy = merged[key] = merge(base, None, [Rule.model_validate(r) for r in remembered])
+        return policy
+
     async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
-        overrides = [Rule.model_validate(r) for r in (await store.kv_get(process.pid, OVERRIDES_KEY) or [])]
-        policy = merge(account_policies.get(process.owner), server_policy, overrides)
+        policy = policy_of(process.owner, await store.kv_get(process.pid, OVERRIDES_KEY))
         target = call_target(row.syscall, row.tool_name, row.args)  # a device call is tagged ``remote``
         verdict = decide(
             policy, row.syscall, row.args, target=target, cwd=process.cwd, home=home(process.run_as), interactive=True
