@@ -557,14 +557,15 @@ class ProcessEngine:
                 await tx.signal(sig.RUN_OUTPUT, runId=run_id, text=reply.text, thinking=thinking)
             await tx.signal(sig.CHANGED, changes=["messages"])
             # the same transaction takes the next decision's first step: start the tools, or finish
-            after = decide([*live.history, reply], has_input=False, guard=new_run.get("guard"))
             if reply.tool_calls:
                 rows = self._rows(pid, run_id, reply.tool_calls)
                 await self.store.register_calls(rows)
                 await self._dispatch(tx, live, new_run, rows, reply)
-            elif isinstance(after, Finish):
-                await self._finish(tx, live, new_run, after.reason, last=reply)
-                finished = True
+            else:  # after an assistant message, the decision depends on that message alone
+                after = decide([reply], has_input=False, guard=new_run.get("guard"))
+                if isinstance(after, Finish):
+                    await self._finish(tx, live, new_run, after.reason, last=reply)
+                    finished = True
         if finished:
             await self._promote(live)
             return False

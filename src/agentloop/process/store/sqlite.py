@@ -122,7 +122,7 @@ class SQLiteStore(Store):
                 continue
             db.execute("BEGIN IMMEDIATE")
             try:
-                for stmt in statements(sql):
+                for stmt in statements(sql, clustered="WITHOUT ROWID"):
                     db.execute(stmt)
                 db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
                 db.execute("COMMIT")

@@ -1,4 +1,4 @@
-"""The SQLite store checkpoints its write-ahead log in a background thread, not on a commit."""
+"""SQLite-only behaviour of the store: background WAL checkpoints and the clustered-table migration."""
 
 from __future__ import annotations
 
@@ -81,5 +81,45 @@ async def test_memory_store_has_no_checkpointer() -> None:
     try:
         assert store._checkpointer is None
         await _commit_many(store, 3)
+    finally:
+        await store.close()
+
+
+async def test_version_2_database_migrates_to_clustered_tables_keeping_its_rows(tmp_path: Path) -> None:
+    """A database written by schema version 2 opens under the current code with every row intact."""
+    from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
+
+    path = tmp_path / "agentloop.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for version, sql in MIGRATIONS:
+        if version > 2:
+            break
+        for stmt in statements(sql):
+            db.execute(stmt)
+        db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+    db.execute(
+        "INSERT INTO processes VALUES ('p', 'alice', 'alice', '/w', NULL, 1, 'ctx', 'idle', NULL, 1, 3, 2, 1, 1.0, 2.0)"
+    )
+    body = '{"role":"user","content":[{"type":"text","text":"hello"}],"timestamp":0}'
+    db.execute("INSERT INTO messages VALUES ('p', 1, 1, NULL, 'user', ?, 1.0)", (body,))
+    db.execute("INSERT INTO events VALUES ('p', 1, 'proc.changed', '{}', 1.0)")
+    db.execute("INSERT INTO process_kv VALUES ('p', 'k', '[1]')")
+    db.close()
+
+    store = SQLiteStore(path)
+    await store.open()
+    try:
+        assert await store.schema_version() == LATEST_VERSION
+        record = await store.get_process("p")
+        assert record is not None and record.owner == "alice" and record.context == "ctx"
+        assert [m.message.text for m in await store.history("p")] == ["hello"]
+        assert [e.seq for e in await store.events("p")] == [1]
+        assert await store.kv_get("p", "k") == [1]
+        async with store.transaction():  # counters carried over: the next message is number 3
+            assert await store.append_messages("p", None, [user("again")]) == [3]
+        tables = dict(store.db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
+        for name in ("processes", "messages", "events", "message_queue", "process_kv", "pending_tool_calls"):
+            assert tables[name].rstrip().endswith("WITHOUT ROWID"), name
     finally:
         await store.close()
