@@ -124,6 +124,7 @@ class _Live:
     media: bool = False  # the history holds stored media references (to hydrate before model calls)
     approvals: bool = False  # a run of this process may have stored approval decisions
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
+    calls: bool = True  # the active run may have tool call rows (False only when known to have none)
 
 
 class _Tx:
@@ -265,7 +266,7 @@ class ProcessEngine:
         """Store a new process and start its cache: a fresh process has nothing to load."""
         async with self.store.transaction():
             await self.store.create_process(record)
-        live = self._live[record.pid] = _Live(record, [])
+        live = self._live[record.pid] = _Live(record, [], calls=False)
         live.idle.set()
 
     def _tx(self, live: _Live) -> _TxScope:
@@ -429,7 +430,7 @@ class ProcessEngine:
         run = live.record.current_run
         assert run is not None
         pid, run_id = live.record.pid, run["run_id"]
-        rows = await self.store.calls(pid, run_id)
+        rows = await self.store.calls(pid, run_id) if live.calls else []
         if rows:
             if any(r.status == "registered" for r in rows) and not await self.store.hils(pid):
                 async with self._tx(live) as tx:
@@ -451,6 +452,7 @@ class ProcessEngine:
             return False
         if isinstance(decision, RunTools):  # calls without rows: history from elsewhere; register them
             async with self._tx(live):
+                live.calls = True
                 await self.store.register_calls(self._rows(pid, run_id, decision.calls))
             return True
         assert isinstance(decision, CallModel)
@@ -461,6 +463,7 @@ class ProcessEngine:
         results = [message_from_dict(r.result) for r in rows if r.result is not None]
         await tx.append(run["run_id"], results)
         await self.store.delete_calls(live.record.pid, run["run_id"])
+        tx.after.append(lambda: setattr(live, "calls", False))
         await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
         await tx.signal(sig.CHANGED, changes=["messages"])
 
@@ -559,6 +562,7 @@ class ProcessEngine:
             # the same transaction takes the next decision's first step: start the tools, or finish
             if reply.tool_calls:
                 rows = self._rows(pid, run_id, reply.tool_calls)
+                live.calls = True
                 await self.store.register_calls(rows)
                 await self._dispatch(tx, live, new_run, rows, reply)
             else:  # after an assistant message, the decision depends on that message alone
