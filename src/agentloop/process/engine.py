@@ -50,7 +50,15 @@ from agentloop.process.approval.engine import remember_rule
 from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
 from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
-from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord, SegmentRow, Store, ToolCallRow
+from agentloop.process.store import (
+    CallStatus,
+    HilRow,
+    NoSuchProcess,
+    ProcessRecord,
+    SegmentRow,
+    Store,
+    ToolCallRow,
+)
 from agentloop.process.store.base import ProcessState
 from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS
@@ -561,10 +569,8 @@ class ProcessEngine:
             await tx.signal(sig.CHANGED, changes=["messages"])
             # the same transaction takes the next decision's first step: start the tools, or finish
             if reply.tool_calls:
-                rows = self._rows(pid, run_id, reply.tool_calls)
                 live.calls = True
-                await self.store.register_calls(rows)
-                await self._dispatch(tx, live, new_run, rows, reply)
+                await self._dispatch(tx, live, new_run, self._rows(pid, run_id, reply.tool_calls), reply, fresh=True)
             else:  # after an assistant message, the decision depends on that message alone
                 after = decide([reply], has_input=False, guard=new_run.get("guard"))
                 if isinstance(after, Finish):
@@ -664,9 +670,14 @@ class ProcessEngine:
         run: dict[str, Any],
         rows: list[ToolCallRow],
         assistant: AssistantMessage | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
         """Start every registered call the policy allows, in the model's order, inside ``tx``; stop
-        at the first that needs a person's approval. Tools start once the transaction commits."""
+        at the first that needs a person's approval. Tools start once the transaction commits.
+
+        ``fresh`` rows are not stored yet: they are inserted at the end with the status decided
+        here (one statement per batch instead of an insert and an update per call)."""
         pid, run_id = live.record.pid, run["run_id"]
         assistant = assistant or _last_assistant(live.history) or AssistantMessage()
         approved = (await self.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
@@ -682,7 +693,7 @@ class ProcessEngine:
                 verdict = Approval("deny", verdict.tags, reason)
             if verdict.action == "deny":
                 text = "Tool execution denied by policy" + (f": {verdict.reason}" if verdict.reason else "")
-                await self._settle(tx, row, tool_error_result(call, text), "denied", ("registered",))
+                await self._settle(tx, row, tool_error_result(call, text), "denied", ("registered",), fresh=fresh)
                 continue
             if verdict.action == "ask":
                 request_id = new_id()
@@ -713,15 +724,17 @@ class ProcessEngine:
                     tags=tags,
                     reason=verdict.reason,
                 )
-                return
+                break
             cfg = await self._run_config(live, run_id)
             prepared = _check(cfg, _state_for(live, run_id), assistant, call)
             if isinstance(prepared, ToolResultMessage):
-                await self._settle(tx, row, prepared, "failed", ("registered",))
+                await self._settle(tx, row, prepared, "failed", ("registered",), fresh=fresh)
                 continue
             timeout = prepared.tool.timeout if prepared.tool.timeout is not None else cfg.tool_timeout
             deadline = time.time() + timeout if timeout else None
-            if await self.store.set_call_status(
+            if fresh:
+                row.status, row.deadline = "dispatched", deadline
+            if fresh or await self.store.set_call_status(
                 row.dispatch_id, "dispatched", expect=("registered",), deadline=deadline
             ):
                 await tx.signal(
@@ -733,6 +746,8 @@ class ProcessEngine:
                     args=row.args,
                 )
                 tx.after.append(self._launcher(live, run_id, row, prepared))
+        if fresh:
+            await self.store.register_calls(rows)
 
     async def _expire(self, live: _Live, rows: list[ToolCallRow]) -> bool:
         """Enforce each dispatch's durable deadline for calls nobody here is working on (a remote
@@ -778,19 +793,42 @@ class ProcessEngine:
 
     async def _record(self, live: _Live, run_id: str, row: ToolCallRow, result: ToolResultMessage) -> None:
         """Settle a finished call; the call that completes its batch also ingests the batch."""
+        status: CallStatus = "failed" if result.is_error else "completed"
         async with self._tx(live) as tx:
-            settled = await self._settle(tx, row, result, "failed" if result.is_error else "completed", ("dispatched",))
             run = live.record.current_run
-            if settled and run is not None and run["run_id"] == run_id:
-                rows = await self.store.calls(live.record.pid, run_id)
-                if rows and all(r.terminal for r in rows):  # the batch is complete: ingest it now
-                    await self._ingest(tx, live, run, rows)
+            if run is None or run["run_id"] != run_id:  # a late result of an ended run
+                await self._settle(tx, row, result, status, ("dispatched",))
+                return
+            rows = await self.store.calls(live.record.pid, run_id)
+            mine = next((r for r in rows if r.dispatch_id == row.dispatch_id), None)
+            if mine is None or mine.status != "dispatched":
+                return  # settled already (a deadline, an abort): this result is late
+            if all(r.terminal for r in rows if r is not mine):
+                # the last result of the batch: the batch is ingested now and its rows deleted,
+                # so the status is settled in memory only
+                await self._settle(tx, mine, result, status, ("dispatched",), fresh=True)
+                await self._ingest(tx, live, run, rows)
+            else:
+                await self._settle(tx, row, result, status, ("dispatched",))
 
     async def _settle(
-        self, tx: _Tx, row: ToolCallRow, result: ToolResultMessage, status: Any, expect: tuple[Any, ...]
+        self,
+        tx: _Tx,
+        row: ToolCallRow,
+        result: ToolResultMessage,
+        status: CallStatus,
+        expect: tuple[CallStatus, ...],
+        *,
+        fresh: bool = False,
     ) -> bool:
-        """Record a call's terminal result, unless it was settled already (a late result)."""
-        ok = await self.store.set_call_status(row.dispatch_id, status, expect=expect, result=message_to_dict(result))
+        """Record a call's terminal result, unless it was settled already (a late result). A
+        ``fresh`` row is one this transaction is about to insert, or to delete: only its copy in
+        memory changes."""
+        if fresh:
+            row.status, row.result, ok = status, message_to_dict(result), True
+        else:
+            stored = message_to_dict(result)
+            ok = await self.store.set_call_status(row.dispatch_id, status, expect=expect, result=stored)
         if ok:
             payload: dict[str, Any] = {
                 "runId": row.run_id,
