@@ -114,6 +114,36 @@ async def test_tool_failure_is_reported_and_the_stream_goes_on():
     assert [n for n, _ in events].count("text-delta") >= 1
 
 
+async def test_a_tool_the_model_cannot_get_past_ends_the_stream_with_tool_error():
+    # the model repeats the same failing call; the third identical failure ends the stream, and
+    # the run is stopped (the fourth scripted call is never made)
+    asked: list[int] = []
+
+    async def script(request: Any) -> Any:
+        asked.append(1)
+        await asyncio.sleep(0.001)  # a provider waits on its network; this gives the stream a turn
+        if len(asked) > 10:  # a bound, so a broken stop fails the test instead of looping forever
+            return "still going"
+        return Reply(tool_calls=[call("explode", reason="disk at /srv/data full")])
+
+    app = make_app(script)
+    events = await chat(app, body(u("try hard")))
+    names = [n for n, _ in events]
+    assert names.count("tool-result") == 3 and names.count("error") == 1 and "done" not in names
+    assert names[-1] == "error"
+    code, message = events[-1][1]["code"], events[-1][1]["message"]
+    assert code == "tool_error" and "explode" in message and "/srv/data" not in message
+    assert len(asked) <= 4  # the run was stopped: at most the next model call had started
+
+
+async def test_different_failures_are_left_to_the_model():
+    # failures that differ in arguments are the model trying things: they never end the stream
+    script = [Reply(tool_calls=[call("explode", reason=str(i))]) for i in range(4)] + ["giving up"]
+    events = await chat(make_app(script), body(u("try")))
+    assert [n for n, _ in events].count("tool-result") == 4
+    assert events[-1][0] == "done"
+
+
 async def test_unknown_tool_still_gets_a_tool_call_before_its_result():
     app = make_app([Reply(tool_calls=[call("nope", q=1)]), "ok"])
     events = await chat(app, body(u("go")))

@@ -6,6 +6,11 @@ factory, never from the request. So the endpoint only has to (1) refuse bad requ
 stream opens, with a status and a message naming the field, (2) turn the OpenAI-style wire
 messages into agentloop messages, and (3) translate the loop's events into the contract's five
 SSE events, ending with exactly one ``done`` or ``error``.
+
+A failed tool call is reported to the model, which usually corrects itself. When it cannot (the
+same call, with the same arguments, fails the same way ``max_same_tool_failures`` times in one
+request) the run is stopped and the stream ends with ``error{code: "tool_error"}``, instead of
+burning the caller's budget on a loop that will not get anywhere.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from agentloop.server.errors import ApiError, safe_message
 logger = logging.getLogger("agentloop.server")
 
 DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_MAX_SAME_TOOL_FAILURES = 3
 AgentFactory = Callable[[], Agent]
 # Says whether a bearer token may call the endpoint; may be async (a store lookup).
 Authorize = Callable[[str], bool | Awaitable[bool]]
@@ -205,11 +211,14 @@ class EventTranslator:
     ever starting (unknown tool, blocked by a hook) still gets its ``tool-call`` before its result.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_same_failures: int = DEFAULT_MAX_SAME_TOOL_FAILURES) -> None:
         self._calls: dict[str, ToolCall] = {}
         self._announced: set[str] = set()
         self._last_assistant: AssistantMessage | None = None
+        self._failures: dict[tuple[str, str, str], int] = {}
+        self._max_same_failures = max_same_failures
         self.outcome = "incomplete"  # what the log line at the end says
+        self.finished = False  # an ``error`` or ``done`` was produced: the stream ends here
 
     def feed(self, event: LoopEvent) -> list[tuple[str, dict[str, Any]]]:
         if isinstance(event, MessageUpdate):
@@ -234,10 +243,30 @@ class EventTranslator:
                 out.append(("tool-call", {"id": event.tool_call_id, "name": event.tool_name, "arguments": args}))
             key = "error" if event.is_error else "output"
             out.append(("tool-result", {"id": event.tool_call_id, key: event.result.text}))
+            if event.is_error and self._repeated_failure(event):
+                out.append(self._give_up(event))
             return out
         if isinstance(event, AgentEnd):
+            self.finished = True
             return [self._end(event)]
         return []
+
+    def _repeated_failure(self, event: ToolExecutionEnd) -> bool:
+        """Count this failure by its signature (tool, arguments, error); True once it is one too many."""
+        known = self._calls.get(event.tool_call_id)
+        args = json.dumps(known.arguments if known is not None else {}, sort_keys=True, default=str)
+        signature = (event.tool_name, args, event.result.text)
+        count = self._failures.get(signature, 0) + 1
+        self._failures[signature] = count
+        return count >= self._max_same_failures
+
+    def _give_up(self, event: ToolExecutionEnd) -> tuple[str, dict[str, Any]]:
+        self.outcome, self.finished = "tool_error", True
+        message = (
+            f"The tool {event.tool_name} failed {self._max_same_failures} times with the same arguments "
+            f"and the same error; the model could not recover: {safe_message(event.result.text, 'tool failed')}"
+        )
+        return ("error", {"code": "tool_error", "message": message})
 
     def _end(self, event: AgentEnd) -> tuple[str, dict[str, Any]]:
         if event.stop_reason != "error":
@@ -290,10 +319,18 @@ def _correlation_hint(body: bytes) -> str | None:
 class EngineChat:
     """The endpoint (``handle`` is the route). One instance per app; it holds configuration, never conversation."""
 
-    def __init__(self, agent_factory: AgentFactory, authorize: Authorize, *, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(
+        self,
+        agent_factory: AgentFactory,
+        authorize: Authorize,
+        *,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_same_tool_failures: int = DEFAULT_MAX_SAME_TOOL_FAILURES,
+    ) -> None:
         self.agent_factory = agent_factory
         self.authorize = authorize
         self.max_body = max_body
+        self.max_same_tool_failures = max_same_tool_failures
 
     async def handle(self, request: Request) -> Response:
         started = time.monotonic()
@@ -371,12 +408,14 @@ class EngineChat:
         return Run(cfg, history, [], stream=True)
 
     async def _stream(self, run: Run, cid: str, started: float) -> AsyncIterator[ServerSentEvent]:
-        translator = EventTranslator()
+        translator = EventTranslator(self.max_same_tool_failures)
         try:
             async with aclosing(run.events()) as events:
                 async for event in events:
                     for name, data in translator.feed(event):
                         yield ServerSentEvent(data=json.dumps(data), event=name)
+                    if translator.finished:
+                        break  # leaving run.events() early aborts the run (a tool_error)
         except asyncio.CancelledError:
             # The client went away: leaving run.events() has aborted the run and its tools.
             translator.outcome = "client_disconnected"
