@@ -404,3 +404,27 @@ async def test_a_toolset_gives_each_process_run_its_own_tools(tmp_path):
             assert (await proc.messages())[-1].text == f"done: {owner}"
     assert built == ["alice", "bob"]  # once per run, not per model call
     assert all("whoami" in names and "echo" in names for names in seen)
+
+
+async def test_a_dispatch_without_a_worker_fails_at_its_durable_deadline(tmp_path, monkeypatch):
+    # The worker of a dispatched call can be lost (a remote side that never answers, a bug): the
+    # deadline stored with the dispatch still ends the call, so the run does not hang.
+    @tool(timeout=0.3)
+    def lost(x: int) -> str:
+        """Never gets to run here."""
+        return "ran"
+
+    def brain(r: ModelRequest):
+        if isinstance(r.messages[-1], UserMessage):
+            return Reply(tool_calls=[call("lost", x=1)])
+        return "after: " + r.messages[-1].text
+
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[lost]) as k:
+        monkeypatch.setattr(k.engine, "_launcher", lambda *args: lambda: None)  # no worker starts
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        msgs = await proc.messages()
+        assert [m.role for m in msgs] == ["user", "assistant", "toolResult", "assistant"]
+        assert msgs[2].is_error and "no result before its deadline" in msgs[2].text
+        assert msgs[-1].text.startswith("after: Tool lost timed out")

@@ -555,6 +555,7 @@ class ProcessEngine:
             },
         }
         finished = False
+        batch: list[ToolCallRow] = []
         async with self._tx(live) as tx:
             # This engine is the process's only writer, so its record is the committed state; the
             # check runs inside the transaction, after any abort or interrupt that committed first.
@@ -570,7 +571,8 @@ class ProcessEngine:
             # the same transaction takes the next decision's first step: start the tools, or finish
             if reply.tool_calls:
                 live.calls = True
-                await self._dispatch(tx, live, new_run, self._rows(pid, run_id, reply.tool_calls), reply, fresh=True)
+                batch = self._rows(pid, run_id, reply.tool_calls)
+                await self._dispatch(tx, live, new_run, batch, reply, fresh=True)
             else:  # after an assistant message, the decision depends on that message alone
                 after = decide([reply], has_input=False, guard=new_run.get("guard"))
                 if isinstance(after, Finish):
@@ -578,6 +580,11 @@ class ProcessEngine:
                     finished = True
         if finished:
             await self._promote(live)
+            return False
+        if batch and not all(r.terminal for r in batch):
+            # calls are out (or waiting for approval): their results wake the driver; the rows
+            # just written are known, so they need no reading back to arm the deadline timer
+            self._arm_deadline(live, batch, time.time())
             return False
         return True
 
@@ -766,11 +773,14 @@ class ProcessEngine:
                 for row in expired:
                     text = f"Tool {row.tool_name} timed out: no result before its deadline"
                     await self._settle(tx, row, tool_error_result(_call_of(row), text), "failed", ("dispatched",))
+        self._arm_deadline(live, rows, now)
+        return bool(expired)
+
+    def _arm_deadline(self, live: _Live, rows: list[ToolCallRow], now: float) -> None:
+        """Wake the driver just after the nearest deadline still ahead, to enforce it."""
         ahead = [r.deadline for r in rows if r.status == "dispatched" and r.deadline is not None and r.deadline > now]
         if ahead:
-            loop = asyncio.get_running_loop()
-            loop.call_later(min(ahead) - now + 0.01, self.wake, live.record.pid)
-        return bool(expired)
+            asyncio.get_running_loop().call_later(min(ahead) - now + 0.01, self.wake, live.record.pid)
 
     def _launcher(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> Callable[[], None]:
         def launch() -> None:
