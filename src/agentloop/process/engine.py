@@ -741,18 +741,19 @@ class ProcessEngine:
             deadline = time.time() + timeout if timeout else None
             if fresh:
                 row.status, row.deadline = "dispatched", deadline
-            if fresh or await self.store.set_call_status(
+            elif not await self.store.set_call_status(
                 row.dispatch_id, "dispatched", expect=("registered",), deadline=deadline
             ):
-                await tx.signal(
-                    sig.TOOL_STARTED,
-                    runId=run_id,
-                    callId=row.tool_call_id,
-                    name=row.tool_name,
-                    syscall=row.syscall,
-                    args=row.args,
-                )
-                tx.after.append(self._launcher(live, run_id, row, prepared))
+                continue  # claimed already (a concurrent step): it is not ours to start
+            await tx.signal(
+                sig.TOOL_STARTED,
+                runId=run_id,
+                callId=row.tool_call_id,
+                name=row.tool_name,
+                syscall=row.syscall,
+                args=row.args,
+            )
+            tx.after.append(self._launcher(live, run_id, row, prepared))
         if fresh:
             await self.store.register_calls(rows)
 
@@ -834,10 +835,10 @@ class ProcessEngine:
         """Record a call's terminal result, unless it was settled already (a late result). A
         ``fresh`` row is one this transaction is about to insert, or to delete: only its copy in
         memory changes."""
+        stored = message_to_dict(result)
         if fresh:
-            row.status, row.result, ok = status, message_to_dict(result), True
+            row.status, row.result, ok = status, stored, True
         else:
-            stored = message_to_dict(result)
             ok = await self.store.set_call_status(row.dispatch_id, status, expect=expect, result=stored)
         if ok:
             payload: dict[str, Any] = {

@@ -8,9 +8,9 @@ messages into agentloop messages, and (3) translate the loop's events into the c
 SSE events, ending with exactly one ``done`` or ``error``.
 
 A failed tool call is reported to the model, which usually corrects itself. When it cannot (the
-same call, with the same arguments, fails the same way ``max_same_tool_failures`` times in one
-request) the run is stopped and the stream ends with ``error{code: "tool_error"}``, instead of
-burning the caller's budget on a loop that will not get anywhere.
+same call, with the same arguments, fails the same way three times in one request) the run is
+stopped and the stream ends with ``error{code: "tool_error"}``, instead of burning the caller's
+budget on a loop that will not get anywhere.
 """
 
 from __future__ import annotations
@@ -218,7 +218,6 @@ class EventTranslator:
         self._failures: dict[tuple[str, str, str], int] = {}
         self._max_same_failures = max_same_failures
         self.outcome = "incomplete"  # what the log line at the end says
-        self.finished = False  # an ``error`` or ``done`` was produced: the stream ends here
 
     def feed(self, event: LoopEvent) -> list[tuple[str, dict[str, Any]]]:
         if isinstance(event, MessageUpdate):
@@ -247,9 +246,13 @@ class EventTranslator:
                 out.append(self._give_up(event))
             return out
         if isinstance(event, AgentEnd):
-            self.finished = True
             return [self._end(event)]
         return []
+
+    @property
+    def finished(self) -> bool:
+        """A ``done`` or ``error`` was produced: the stream ends here."""
+        return self.outcome != "incomplete"
 
     def _repeated_failure(self, event: ToolExecutionEnd) -> bool:
         """Count this failure by its signature (tool, arguments, error); True once it is one too many."""
@@ -261,7 +264,7 @@ class EventTranslator:
         return count >= self._max_same_failures
 
     def _give_up(self, event: ToolExecutionEnd) -> tuple[str, dict[str, Any]]:
-        self.outcome, self.finished = "tool_error", True
+        self.outcome = "tool_error"
         message = (
             f"The tool {event.tool_name} failed {self._max_same_failures} times with the same arguments "
             f"and the same error; the model could not recover: {safe_message(event.result.text, 'tool failed')}"
@@ -319,18 +322,10 @@ def _correlation_hint(body: bytes) -> str | None:
 class EngineChat:
     """The endpoint (``handle`` is the route). One instance per app; it holds configuration, never conversation."""
 
-    def __init__(
-        self,
-        agent_factory: AgentFactory,
-        authorize: Authorize,
-        *,
-        max_body: int = DEFAULT_MAX_BODY,
-        max_same_tool_failures: int = DEFAULT_MAX_SAME_TOOL_FAILURES,
-    ) -> None:
+    def __init__(self, agent_factory: AgentFactory, authorize: Authorize, *, max_body: int = DEFAULT_MAX_BODY) -> None:
         self.agent_factory = agent_factory
         self.authorize = authorize
         self.max_body = max_body
-        self.max_same_tool_failures = max_same_tool_failures
 
     async def handle(self, request: Request) -> Response:
         started = time.monotonic()
@@ -408,7 +403,7 @@ class EngineChat:
         return Run(cfg, history, [], stream=True)
 
     async def _stream(self, run: Run, cid: str, started: float) -> AsyncIterator[ServerSentEvent]:
-        translator = EventTranslator(self.max_same_tool_failures)
+        translator = EventTranslator()
         try:
             async with aclosing(run.events()) as events:
                 async for event in events:
