@@ -133,16 +133,19 @@ class _Live:
     approvals: bool = False  # a run of this process may have stored approval decisions
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
     calls: bool = True  # the active run may have tool call rows (False only when known to have none)
+    lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
 
 
 class _Tx:
-    """Collects the signals and cache updates of one transaction, to apply after it commits."""
+    """Collects what one transaction changes in memory (applied as soon as its body is kept) and
+    what it shows the world (signals, tool starts: once it is durable)."""
 
     def __init__(self, engine: ProcessEngine, live: _Live) -> None:
         self.engine = engine
         self.live = live
         self.signals: list[Signal] = []
-        self.after: list[Callable[[], None]] = []
+        self.after: list[Callable[[], None]] = []  # cache updates
+        self.durable: list[Callable[[], None]] = []  # effects, once committed
         self._pending: list[tuple[str, dict[str, Any]]] = []
 
     async def signal(self, signal_name: str, /, **payload: Any) -> None:
@@ -171,20 +174,35 @@ class _Tx:
 
         self.after.append(apply)
 
+    def settled(self, error: BaseException | None) -> None:
+        """The transaction is durable (``error`` is None) or, in a failed group commit, lost."""
+        live = self.live
+        if error is not None:
+            self.engine._lost(live)
+            return
+        for effect in self.durable:
+            effect()
+        if self.signals:
+            publish, pid = self.engine.hub.publish, live.record.pid
+            for s in self.signals:
+                publish(pid, s)
+        if live.record.current_run is None:
+            live.idle.set()
+        else:
+            live.idle.clear()
+
 
 class _TxScope:
     """The context manager of ``ProcessEngine._tx`` (a class: cheaper than a generator)."""
 
-    __slots__ = ("engine", "live", "scope", "tx")
+    __slots__ = ("scope", "tx")
 
     def __init__(self, engine: ProcessEngine, live: _Live) -> None:
-        self.engine = engine
-        self.live = live
         self.scope = engine.store.transaction()
         self.tx = _Tx(engine, live)
 
     async def __aenter__(self) -> _Tx:
-        await self.scope.__aenter__()
+        await self.scope.begin()
         return self.tx
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
@@ -192,23 +210,19 @@ class _TxScope:
         if kind is None:
             try:
                 await tx.flush()
-            except BaseException as error:
-                await self.scope.__aexit__(type(error), error, error.__traceback__)
+            except BaseException:
+                self.scope.end(commit=False)
                 raise
-        await self.scope.__aexit__(kind, exc, tb)
-        if kind is not None:
-            return None
-        live = self.live
-        for apply in tx.after:  # committed: now the cache and the watchers may know
-            apply()
-        if tx.signals:
-            publish, pid = self.engine.hub.publish, live.record.pid
-            for s in tx.signals:
-                publish(pid, s)
-        if live.record.current_run is None:
-            live.idle.set()
         else:
-            live.idle.clear()
+            self.scope.end(commit=False)
+            return None
+        pending = self.scope.end(commit=True, settled=tx.settled)
+        for apply in tx.after:  # kept: the cache follows the store at once (the next step reads it)
+            apply()
+        if pending is None:
+            tx.settled(None)
+        else:  # in a group commit: ``settled`` runs when the group is durable
+            await pending
         return None
 
 
@@ -251,6 +265,7 @@ class ProcessEngine:
         self.compaction_threshold = compaction_threshold
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self._live: dict[str, _Live] = {}
+        self._reloading: set[asyncio.Task[None]] = set()
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -286,40 +301,66 @@ class ProcessEngine:
 
     async def recover(self) -> list[str]:
         """After a (re)start: settle the calls that were in flight and resume every unfinished run."""
-        resumed = []
-        for record in await self.store.list_processes():
-            if record.state == "killed":
-                continue
-            if record.current_run is None:
-                if await self.store.queue(record.pid):  # a crash between a run's end and its queue's promotion
-                    await self._promote(await self.live(record.pid))
-                    resumed.append(record.pid)
-                continue
-            live = await self.live(record.pid)
-            run_id = record.current_run["run_id"]
-            async with self._tx(live) as tx:
-                for row in await self.store.calls(record.pid, run_id):
-                    if row.status != "dispatched":
-                        continue
-                    tool = self.config.tools.get(row.tool_name)
-                    if tool is not None and tool.idempotent:
-                        await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",))
-                    else:
-                        msg = tool_error_result(_call_of(row), INTERRUPTED_BY_RESTART)
-                        await self.store.set_call_status(
-                            row.dispatch_id, "failed", expect=("dispatched",), result=message_to_dict(msg)
-                        )
-                        await tx.signal(
-                            sig.TOOL_FINISHED,
-                            runId=run_id,
-                            callId=row.tool_call_id,
-                            ok=False,
-                            name=row.tool_name,
-                            error=INTERRUPTED_BY_RESTART,
-                        )
-            self.wake(record.pid)
-            resumed.append(record.pid)
-        return resumed
+        return [record.pid for record in await self.store.list_processes() if await self._resume(record)]
+
+    async def _resume(self, record: ProcessRecord) -> bool:
+        """Bring one process back to work from what the store holds. Returns whether it resumed."""
+        if record.state == "killed":
+            return False
+        if record.current_run is None:
+            if await self.store.queue(record.pid):  # a crash between a run's end and its queue's promotion
+                await self._promote(await self.live(record.pid))
+                return True
+            return False
+        live = await self.live(record.pid)
+        run_id = record.current_run["run_id"]
+        async with self._tx(live) as tx:
+            for row in await self.store.calls(record.pid, run_id):
+                if row.status != "dispatched":
+                    continue
+                tool = self.config.tools.get(row.tool_name)
+                if tool is not None and tool.idempotent:
+                    await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",))
+                else:
+                    msg = tool_error_result(_call_of(row), INTERRUPTED_BY_RESTART)
+                    await self.store.set_call_status(
+                        row.dispatch_id, "failed", expect=("dispatched",), result=message_to_dict(msg)
+                    )
+                    await tx.signal(
+                        sig.TOOL_FINISHED,
+                        runId=run_id,
+                        callId=row.tool_call_id,
+                        ok=False,
+                        name=row.tool_name,
+                        error=INTERRUPTED_BY_RESTART,
+                    )
+        self.wake(record.pid)
+        return True
+
+    def _lost(self, live: _Live) -> None:
+        """A group commit failed, so the store lacks a step this cache already holds. Treat it as
+        a crash of this one process: drop the cache, stop its tasks, resume from the store."""
+        pid = live.record.pid
+        if self._live.get(pid) is not live:
+            return  # dropped already (another step of the same group)
+        del self._live[pid]
+        me = asyncio.current_task()
+        for task in [*live.tools.values(), live.driver]:
+            if task is not None and not task.done() and task is not me:
+                task.cancel()
+        live.lost = True
+        live.idle.set()  # waiters look again, and find the reloaded process
+        task = asyncio.get_running_loop().create_task(self._reload(pid))
+        self._reloading.add(task)
+        task.add_done_callback(self._reloading.discard)
+
+    async def _reload(self, pid: str) -> None:
+        try:
+            record = await self.store.get_process(pid)
+            if record is not None:
+                await self._resume(record)
+        except Exception:
+            log.exception("process %s: could not resume after a failed commit", pid)
 
     # -- input ------------------------------------------------------------------------------------
 
@@ -405,6 +446,8 @@ class ProcessEngine:
                 raise
             except Exception:  # a bug must not leave the run hanging: end it visibly
                 log.exception("process %s: step failed", live.record.pid)
+                if live.lost:
+                    return  # the cache was dropped (a failed commit): the reloaded process carries on
                 # inside the loop: the promotion's wake-up only marks this driver dirty
                 await self._fail(live)
 
@@ -753,7 +796,7 @@ class ProcessEngine:
                 syscall=row.syscall,
                 args=row.args,
             )
-            tx.after.append(self._launcher(live, run_id, row, prepared))
+            tx.durable.append(self._launcher(live, run_id, row, prepared))
         if fresh:
             await self.store.register_calls(rows)
 
@@ -999,7 +1042,9 @@ class ProcessEngine:
         """Return when no run is active and nothing is working for the process."""
         live = await self.live(pid)
         while True:
-            if live.record.current_run is not None:
+            if live.lost:  # dropped after a failed commit: follow the reloaded process
+                live = await self.live(pid)
+            elif live.record.current_run is not None:
                 await live.idle.wait()
             elif live.driver is not None and not live.driver.done():
                 await asyncio.wait([live.driver])

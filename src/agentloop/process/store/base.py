@@ -13,7 +13,7 @@ gap-free per process and identical across dialects.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -144,6 +144,38 @@ class TokenRecord:
     revoked_at: float | None = None
 
 
+Settled: TypeAlias = Callable[[BaseException | None], None]
+
+
+class Transaction(ABC):
+    """What ``Store.transaction()`` returns. ``async with store.transaction():`` suits most
+    callers. The durable runner uses the two halves itself (``begin``, then ``end``), because it
+    keeps caches that must follow the store's state the moment a step's body ends, while what
+    the world may see of the step (signals, started tools) must wait until the step is durable.
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    async def begin(self) -> None: ...
+
+    @abstractmethod
+    def end(self, commit: bool, settled: Settled | None = None) -> Awaitable[None] | None:
+        """Close the body: roll it back, or keep it. Kept changes are visible to this store at
+        once. ``None`` means they are committed already. An awaitable means they ride in a group
+        commit with the transactions of other tasks: it completes once the group is durable and
+        raises if the group failed, and ``settled`` is called at that moment, with the error or
+        ``None``, whether or not anyone is still awaiting (a cancelled task's step stays valid)."""
+
+    async def __aenter__(self) -> None:
+        await self.begin()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        pending = self.end(commit=kind is None)
+        if pending is not None:
+            await pending
+
+
 class Store(ABC):
     """A durable store. Writes happen inside ``transaction()``; reads may happen anywhere."""
 
@@ -157,7 +189,7 @@ class Store(ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
-    def transaction(self) -> AbstractAsyncContextManager[None]:
+    def transaction(self) -> Transaction:
         """One atomic unit of change: everything inside commits together or not at all."""
 
     @abstractmethod

@@ -3,7 +3,8 @@
 Statements run on the event loop thread with the standard ``sqlite3`` module. A commit in WAL
 mode with ``synchronous=NORMAL`` costs tens of microseconds, less than handing each statement to
 a worker thread would (which is all ``aiosqlite`` adds), and a transaction never awaits anything
-but the store's own lock, so ticks of different processes cannot interleave inside one.
+but the store's own lock, so ticks of different processes cannot interleave inside one. Tasks
+that commit in the same turn of the event loop share one commit (see ``SQLiteStore._begin``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sqlite3
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +30,18 @@ from agentloop.process.store.base import (
     QueueItem,
     QueueKind,
     SegmentRow,
+    Settled,
     Store,
     StoredMessage,
     StoreError,
     TokenRecord,
     ToolCallRow,
+    Transaction,
 )
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
+
+log = logging.getLogger("agentloop.store")
 
 _PROCESS_FIELDS = {"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"}
 _COUNTER_COLUMNS = ("next_message_id", "next_event_seq", "next_queue_id")
@@ -47,7 +54,7 @@ _INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALU
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps(..., separators=) builds one per call
 
 
-class _Transaction:
+class _Transaction(Transaction):
     """``store.transaction()``: a plain class, cheaper than a generator-based context manager."""
 
     __slots__ = ("store",)
@@ -55,11 +62,22 @@ class _Transaction:
     def __init__(self, store: SQLiteStore) -> None:
         self.store = store
 
-    async def __aenter__(self) -> None:
+    async def begin(self) -> None:
         await self.store._begin()
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self.store._end(commit=kind is None)
+    def end(self, commit: bool, settled: Settled | None = None) -> Awaitable[None] | None:
+        return self.store._end(commit, settled)
+
+
+class _Group:
+    """Transactions of several tasks sharing one SQLite transaction, committed together. Each
+    member waits on a future of its own: a member cancelled while waiting cancels only that."""
+
+    __slots__ = ("due", "members")
+
+    def __init__(self) -> None:
+        self.members: list[tuple[asyncio.Future[None], Settled | None]] = []
+        self.due = False  # the commit came while a member's body held the store: it commits on release
 
 
 class SQLiteStore(Store):
@@ -82,6 +100,11 @@ class SQLiteStore(Store):
         self._tx_fields: dict[str, dict[str, Any]] = {}
         self._tx_deleted: set[str] = set()
         self._checkpointer: Checkpointer | None = None
+        # Group commit (see ``_begin``): the task whose commit opened this turn of the event loop,
+        # and the group the other tasks' transactions of the same turn join.
+        self._committer: asyncio.Task[Any] | None = None
+        self._group: _Group | None = None
+        self._member = False  # the open transaction is a savepoint inside ``_group``
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -101,6 +124,7 @@ class SQLiteStore(Store):
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
         db.execute("PRAGMA busy_timeout=5000")
+        db.execute("PRAGMA temp_store=MEMORY")  # a group member's savepoint journal stays in memory
         self._db = db
         self._migrate()
         if self.path != ":memory:":
@@ -131,6 +155,8 @@ class SQLiteStore(Store):
                 raise
 
     async def close(self) -> None:
+        if self._group is not None:
+            self._commit_group()
         if self._checkpointer is not None:
             self._checkpointer.stop()
             self._checkpointer = None
@@ -148,48 +174,129 @@ class SQLiteStore(Store):
         return _Transaction(self)
 
     async def _begin(self) -> None:
+        """Open a transaction, alone or as a member of this loop turn's group.
+
+        A commit costs more than most transaction bodies (a WAL frame per page, the write lock
+        taken and given back). When several tasks commit in the same turn of the event loop (many
+        processes whose model answers arrive together), the first commits on its own and the
+        others become savepoints of one transaction that commits when the loop comes round again:
+        one commit and fewer pages for the lot. A task alone on the loop (or committing twice in a
+        row) never waits for a group. The group holds SQLite's write lock until that next turn, so
+        one event loop should not open two stores on the same file (the second would wait on the
+        lock the first can only release once the loop runs)."""
         me = asyncio.current_task()
         if self._tx_task is not None and self._tx_task is me:
             raise StoreError("transactions do not nest")
         await self._lock.acquire()  # another task's transaction: wait for it to end
         try:
             db = self.db
-            db.execute("BEGIN IMMEDIATE")
-            version = db.execute("PRAGMA data_version").fetchone()[0]
+            if self._group is None:
+                db.execute("BEGIN IMMEDIATE")
+                version = db.execute("PRAGMA data_version").fetchone()[0]
+                if version != self._data_version:  # another connection committed: what we knew may be stale
+                    self._known.clear()
+                    self._data_version = version
+                if self._committer is not None and self._committer is not me:
+                    loop = asyncio.get_running_loop()
+                    self._group = _Group()
+                    loop.call_soon(self._commit_group)
+            if self._group is not None:
+                db.execute("SAVEPOINT member")
+                self._member = True
         except BaseException:
             self._lock.release()
             raise
-        if version != self._data_version:  # another connection committed: what we knew may be stale
-            self._known.clear()
-            self._data_version = version
         self._tx_task = me
 
-    def _end(self, commit: bool) -> None:
+    def _end(self, commit: bool, settled: Settled | None) -> Awaitable[None] | None:
         db = self.db
+        member, self._member = self._member, False
         self._tx_task = None
         try:
-            if commit:
-                try:
-                    self._flush()
-                    db.execute("COMMIT")
-                    if self._checkpointer is not None:
-                        self._checkpointer.committed()
-                except BaseException:  # a failed commit must not leave the transaction open
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    raise
-                known = self._known
-                known.update(self._tx_counters)
-                for pid in self._tx_deleted:
-                    known.pop(pid, None)
-            else:
-                db.execute("ROLLBACK")
+            if not commit:
+                db.execute("ROLLBACK TO member" if member else "ROLLBACK")
+                if member:
+                    db.execute("RELEASE member")
+                return None
+            try:
+                self._flush()
+                db.execute("RELEASE member" if member else "COMMIT")
+            except BaseException:  # a failed commit must not leave the transaction open
+                if member:
+                    db.execute("ROLLBACK TO member")
+                    db.execute("RELEASE member")
+                elif db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            known = self._known
+            known.update(self._tx_counters)
+            for pid in self._tx_deleted:
+                known.pop(pid, None)
+            if not member:
+                self._committed()
+                return None
+            group = self._group
+            assert group is not None
+            done = asyncio.get_running_loop().create_future()
+            group.members.append((done, settled))
+            return done
         finally:
             self._tx_counters.clear()
             self._tx_base.clear()
             self._tx_fields.clear()
             self._tx_deleted.clear()
             self._lock.release()
+            if member and self._group is not None and self._group.due:
+                self._commit_group()
+
+    def _committed(self) -> None:
+        """After each real commit: mark this loop turn as having one, tell the checkpointer."""
+        if self._committer is None:
+            asyncio.get_running_loop().call_soon(self._next_turn)
+        self._committer = asyncio.current_task()
+        if self._checkpointer is not None:
+            self._checkpointer.committed()
+
+    def _next_turn(self) -> None:
+        self._committer = None
+
+    def _commit_group(self) -> None:
+        group = self._group
+        if group is None:
+            return  # committed already (by ``close``)
+        if self._lock.locked():  # a member's body is open (awaiting something): commit when it ends
+            group.due = True
+            return
+        self._group = None
+        error: BaseException | None = None
+        try:
+            self._commit()
+        except BaseException as exc:  # nothing of the group is stored: forget what we knew
+            error = exc
+            with contextlib.suppress(sqlite3.Error):
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+            self._known.clear()
+        else:
+            if self._checkpointer is not None:
+                self._checkpointer.committed()
+        for _, settled in group.members:  # first every member's follow-up, then the waiters
+            if settled is not None:
+                try:
+                    settled(error)
+                except Exception:  # one member's follow-up must not keep the others from theirs
+                    log.exception("after a group commit")
+        failure = None if error is None else StoreError(f"the commit failed: {error}")
+        for done, _ in group.members:
+            if done.done():
+                continue  # its task was cancelled while waiting
+            if failure is None:
+                done.set_result(None)
+            else:
+                done.set_exception(failure)
+
+    def _commit(self) -> None:
+        self.db.execute("COMMIT")
 
     def _write(self) -> sqlite3.Connection:
         if self._tx_task is None or self._tx_task is not asyncio.current_task():
