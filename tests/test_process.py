@@ -428,3 +428,36 @@ async def test_a_dispatch_without_a_worker_fails_at_its_durable_deadline(tmp_pat
         assert [m.role for m in msgs] == ["user", "assistant", "toolResult", "assistant"]
         assert msgs[2].is_error and "no result before its deadline" in msgs[2].text
         assert msgs[-1].text.startswith("after: Tool lost timed out")
+
+
+async def test_a_finished_batch_leaves_no_deadline_timer_behind(tmp_path, monkeypatch):
+    # Each dispatch arms a timer for its deadline (60 s by default). Once the batch is over, or
+    # the run aborted, the timer goes too: it would keep a wake-up for nothing in the loop.
+    loop = asyncio.get_running_loop()
+    armed: list[asyncio.TimerHandle] = []
+    real_call_later = loop.call_later
+
+    def spy(delay, callback, *args, **kwargs):
+        handle = real_call_later(delay, callback, *args, **kwargs)
+        if getattr(callback, "__name__", "") == "wake":
+            armed.append(handle)
+        return handle
+
+    monkeypatch.setattr(loop, "call_later", spy)
+
+    def brain(r: ModelRequest):
+        last = r.messages[-1]
+        if isinstance(last, UserMessage):
+            return Reply(tool_calls=[call("slow", seconds=30 if last.text == "stuck" else 0)])
+        return "done"
+
+    async with kernel(tmp_path, ScriptedModel(brain)) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("quick")
+        await proc.wait_idle()
+        assert len(armed) == 1 and armed[0].cancelled()
+        await proc.send("stuck")
+        while len(armed) < 2:
+            await asyncio.sleep(0.01)
+        assert await proc.abort()
+        assert armed[1].cancelled()

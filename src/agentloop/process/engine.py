@@ -134,6 +134,7 @@ class _Live:
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
     calls: bool = True  # the active run may have tool call rows (False only when known to have none)
     lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
+    deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
 
 
 class _Tx:
@@ -473,6 +474,7 @@ class ProcessEngine:
             for h in await self.store.hils(pid):
                 await self.store.delete_hil(h.request_id)
             await self.store.delete_calls(pid, run_id)
+            tx.after.append(lambda: self._disarm(live))
             await self._finish(tx, live, run, "error", error="internal error in the runtime (see the server log)")
         await self._promote(live)
 
@@ -514,7 +516,7 @@ class ProcessEngine:
         results = [message_from_dict(r.result) for r in rows if r.result is not None]
         await tx.append(run["run_id"], results)
         await self.store.delete_calls(live.record.pid, run["run_id"])
-        tx.after.append(lambda: setattr(live, "calls", False))
+        tx.after.append(lambda: self._disarm(live))
         await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
         await tx.signal(sig.CHANGED, changes=["messages"])
 
@@ -823,8 +825,19 @@ class ProcessEngine:
     def _arm_deadline(self, live: _Live, rows: list[ToolCallRow], now: float) -> None:
         """Wake the driver just after the nearest deadline still ahead, to enforce it."""
         ahead = [r.deadline for r in rows if r.status == "dispatched" and r.deadline is not None and r.deadline > now]
+        if live.deadline is not None:
+            live.deadline.cancel()
+            live.deadline = None
         if ahead:
-            asyncio.get_running_loop().call_later(min(ahead) - now + 0.01, self.wake, live.record.pid)
+            live.deadline = asyncio.get_running_loop().call_later(min(ahead) - now + 0.01, self.wake, live.record.pid)
+
+    def _disarm(self, live: _Live) -> None:
+        """The batch is over: its deadline timer has nothing left to enforce (and would hold the
+        process's wake-up in the loop for the whole tool timeout)."""
+        live.calls = False
+        if live.deadline is not None:
+            live.deadline.cancel()
+            live.deadline = None
 
     def _launcher(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> Callable[[], None]:
         def launch() -> None:
@@ -1023,6 +1036,7 @@ class ProcessEngine:
             for h in await self.store.hils(pid):
                 await self.store.delete_hil(h.request_id)
             await self.store.delete_calls(pid, active)
+            tx.after.append(lambda: self._disarm(live))
             await tx.append(active, added)
             await self.store.kv_delete(pid, f"approved:{active}")
             await tx.set_run(None)
@@ -1033,6 +1047,7 @@ class ProcessEngine:
         """Drop the in-memory state of a process (after kill); its watchers' streams end."""
         live = self._live.pop(pid, None)
         if live is not None:
+            self._disarm(live)
             for task in [*live.tools.values(), *([live.driver] if live.driver else [])]:
                 if task is not asyncio.current_task():
                     task.cancel()
