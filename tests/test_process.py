@@ -461,3 +461,21 @@ async def test_a_finished_batch_leaves_no_deadline_timer_behind(tmp_path, monkey
             await asyncio.sleep(0.01)
         assert await proc.abort()
         assert armed[1].cancelled()
+
+
+async def test_an_idle_process_keeps_no_finished_driver_task(tmp_path):
+    # A server holds thousands of idle processes: each must not pin its last driver task (and the
+    # coroutine and context with it) in memory.
+    import gc
+
+    async with kernel(tmp_path, ScriptedModel(by_tool_results)) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("hello")
+        await proc.wait_idle()
+        await asyncio.sleep(0)
+        gc.collect()
+        name = f"agentloop-process-{proc.pid}"
+        assert [t for t in gc.get_objects() if isinstance(t, asyncio.Task) and t.get_name() == name] == []
+        await proc.send("again")  # a new run gets a new driver
+        await proc.wait_idle()
+        assert (await proc.messages())[-1].text == "answer: again"

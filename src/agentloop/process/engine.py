@@ -451,6 +451,8 @@ class ProcessEngine:
                     return  # the cache was dropped (a failed commit): the reloaded process carries on
                 # inside the loop: the promotion's wake-up only marks this driver dirty
                 await self._fail(live)
+        if live.driver is asyncio.current_task():  # an idle process keeps no finished task around
+            live.driver = None
 
     async def _fail(self, live: _Live) -> None:
         """End the active run after an internal error: stop its tools, give every open call an

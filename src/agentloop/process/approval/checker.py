@@ -68,6 +68,8 @@ def policy_approval(
         verdict = decide(
             policy, row.syscall, row.args, target=target, cwd=process.cwd, home=home(process.run_as), interactive=True
         )
+        if verdict.action == "auto":  # nothing to bind a person's answer to
+            return Approval("auto", tuple(verdict.tags), verdict.reason)
         return Approval(verdict.action, tuple(verdict.tags), verdict.reason, args_fingerprint(row.syscall, row.args))
 
     return approve
