@@ -125,6 +125,27 @@ async def test_a_failed_group_commit_fails_every_member_and_keeps_nothing(store:
     assert _rows(store.path, "SELECT id FROM messages ORDER BY id") == [(1,), (2,)]
 
 
+async def test_a_member_whose_error_rolled_back_everything_fails_its_group_at_once(store: SQLiteStore) -> None:
+    # Disk full or an I/O error makes SQLite roll back the whole transaction by itself: the
+    # members that went before lose their changes too, so they must hear about it.
+    await _spawn(store, "p")
+
+    async def write(i: int) -> None:
+        async with store.transaction():
+            await store.append_messages("p", None, [user(f"m{i}")])
+            if i == 2:
+                store.db.execute("ROLLBACK")  # what SQLite does on SQLITE_FULL
+                raise sqlite3.OperationalError("database or disk is full")
+
+    results = await asyncio.gather(*(write(i) for i in range(4)), return_exceptions=True)
+    assert results[0] is None  # committed alone, before the group
+    assert isinstance(results[1], StoreError)  # its savepoint went with the whole transaction
+    assert isinstance(results[2], sqlite3.OperationalError)
+    assert results[3] is None  # began after the group was gone: a group of its own
+    assert [m.message.text for m in await store.history("p")] == ["m0", "m3"]
+    assert [m.id for m in await store.history("p")] == [1, 2]
+
+
 async def test_a_member_cancelled_while_waiting_does_not_cancel_the_group(store: SQLiteStore) -> None:
     await _spawn(store, "p")
 

@@ -219,19 +219,13 @@ class SQLiteStore(Store):
         self._tx_task = None
         try:
             if not commit:
-                db.execute("ROLLBACK TO member" if member else "ROLLBACK")
-                if member:
-                    db.execute("RELEASE member")
+                self._rollback(member)
                 return None
             try:
                 self._flush()
                 db.execute("RELEASE member" if member else "COMMIT")
             except BaseException:  # a failed commit must not leave the transaction open
-                if member:
-                    db.execute("ROLLBACK TO member")
-                    db.execute("RELEASE member")
-                elif db.in_transaction:
-                    db.execute("ROLLBACK")
+                self._rollback(member)
                 raise
             known = self._known
             known.update(self._tx_counters)
@@ -253,6 +247,26 @@ class SQLiteStore(Store):
             self._lock.release()
             if member and self._group is not None and self._group.due:
                 self._commit_group()
+
+    def _rollback(self, member: bool) -> None:
+        """Undo the open body: the whole transaction, or a member's savepoint only. Some errors
+        (disk full, I/O) make SQLite roll back the whole transaction by itself: then the group
+        the member belonged to is lost as well, and fails at once."""
+        db = self.db
+        if not member:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            return
+        if db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK TO member")
+                db.execute("RELEASE member")
+                return
+        group, self._group = self._group, None
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        if group is not None:
+            self._settle_group(group, StoreError("the transaction was rolled back by SQLite"))
 
     def _committed(self) -> None:
         """After each real commit: mark this loop turn as having one, tell the checkpointer."""
@@ -276,16 +290,21 @@ class SQLiteStore(Store):
         error: BaseException | None = None
         try:
             self._commit()
-        except BaseException as exc:  # nothing of the group is stored: forget what we knew
+        except BaseException as exc:
             error = exc
             with contextlib.suppress(sqlite3.Error):
                 if self.db.in_transaction:
                     self.db.execute("ROLLBACK")
-            self._known.clear()
         else:
             if self._checkpointer is not None:
                 self._checkpointer.committed()
-        for _, settled in group.members:  # first every member's follow-up, then the waiters
+        self._settle_group(group, error)
+
+    def _settle_group(self, group: _Group, error: BaseException | None) -> None:
+        """Tell every member how its group ended: first each one's follow-up, then its waiter."""
+        if error is not None:
+            self._known.clear()  # nothing of the group is stored: forget what we knew
+        for _, settled in group.members:
             if settled is not None:
                 try:
                     settled(error)
