@@ -125,6 +125,46 @@ async def test_transactions_of_other_tasks_wait_and_do_not_mix(store):
             pass
 
 
+async def test_end_keeps_or_drops_a_body_and_says_when_it_is_durable(make_store):
+    # The two halves of a transaction, as the durable runner uses them: a kept body is visible to
+    # the store at once; ``end`` returns None when it is committed already, or an awaitable that
+    # completes once it is, calling ``settled`` (with None) at that moment. A store may group the
+    # steps of concurrent tasks; either way each is on disk when its caller is told so.
+    store = make_store()
+    await store.open()
+    try:
+        await spawn(store)
+        settled: dict[str, list[BaseException | None]] = {}
+
+        async def step(text: str) -> str:
+            scope = store.transaction()
+            await scope.begin()
+            await store.append_messages("p1", "r", [user(text)])
+            pending = scope.end(commit=True, settled=settled.setdefault(text, []).append)
+            assert (await store.history("p1"))[-1].message.text == text  # this store sees it at once
+            if pending is None:
+                assert settled[text] == []  # committed already: the caller follows up itself
+                return "now"
+            await pending
+            assert settled[text] == [None]
+            return "later"
+
+        ways = await asyncio.gather(*(step(f"m{i}") for i in range(6)))
+        assert set(ways) <= {"now", "later"}
+        scope = store.transaction()
+        await scope.begin()
+        await store.append_messages("p1", "r", [user("dropped")])
+        assert scope.end(commit=False) is None
+    finally:
+        await store.close()
+    reopened = make_store()
+    await reopened.open()
+    try:
+        assert sorted(h.message.text for h in await reopened.history("p1")) == [f"m{i}" for i in range(6)]
+    finally:
+        await reopened.close()
+
+
 async def test_registry(store):
     await spawn(store, "p1", "alice")
     await spawn(store, "p2", "bob")
