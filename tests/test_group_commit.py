@@ -291,3 +291,132 @@ async def test_a_failed_group_commit_resumes_each_process_from_the_store(tmp_pat
         interrupted = "done: " + INTERRUPTED_BY_RESTART
         assert all(text in (f"done: job {i}", interrupted) for i, text in enumerate(outcomes))
         assert outcomes[1:] == [f"done: job {i}" for i in range(1, 4)]
+
+
+async def test_waiting_for_idle_while_a_run_starts_in_a_group_does_not_spin(tmp_path: Path) -> None:
+    # A run started by a group member is "running" for the cache at once; a waiter that looks in
+    # that very turn must wait for the run's end, not busy-loop on a stale idle flag (which
+    # would also keep the group from ever committing).
+    async def script(req: ModelRequest) -> str:
+        await asyncio.sleep(0.05)
+        return "done"
+
+    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+        p, q = await k.spawn(owner="alice"), await k.spawn(owner="alice")
+        await asyncio.sleep(0.01)
+
+        async def wait_for_p() -> str:
+            await p.wait_idle()
+            return (await p.messages())[-1].text
+
+        results = await asyncio.wait_for(asyncio.gather(q.send("hello q"), p.send("hello p"), wait_for_p()), 5)
+        assert results[2] == "done"
+
+
+async def test_an_abort_before_the_group_commits_keeps_the_tool_from_starting(tmp_path: Path) -> None:
+    ran.clear()
+    gate = asyncio.Event()
+
+    async def script(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        if isinstance(last, UserMessage) and last.text.startswith("go"):
+            await gate.wait()
+            return Reply(tool_calls=[call("note", text=last.text)])
+        return "done"
+
+    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+        procs = [await k.spawn(owner="alice") for _ in range(4)]
+        for i, proc in enumerate(procs):
+            await proc.send(f"go {i}")
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.sleep(0)  # the answers are kept; procs 1-3 wait for their group
+        assert k.store._group is not None
+        assert await procs[1].abort()  # its dispatch becomes durable only after the abort began
+        for proc in procs:
+            await proc.wait_idle()
+        await asyncio.sleep(0.05)
+        assert sorted(ran) == ["go 0", "go 2", "go 3"]  # the aborted run's call never started
+        stored = await _cache_matches_store(k, procs[1].pid)
+        assert [m.role for m in stored] == ["user", "assistant", "toolResult"]
+        assert "cancelled" in stored[-1].text
+        assert all(not k.engine._live[p.pid].tools for p in procs)
+
+
+async def test_a_group_waiting_on_an_open_body_commits_on_the_next_turn(store: SQLiteStore) -> None:
+    # A body that awaits (a custom approval hook, say) holds the store when the group's commit
+    # comes due; the group then commits on the next turn, never inside that body's end(), so a
+    # caller applies its cache updates before the group's follow-ups run.
+    await _spawn(store, "p")
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def member(text: str, slow: bool) -> None:
+        scope = store.transaction()
+        await scope.begin()
+        await store.append_messages("p", None, [user(text)])
+        if slow:
+            await release.wait()
+        pending = scope.end(commit=True, settled=lambda error: order.append(f"settled {text}"))
+        order.append(f"ended {text}")
+        if pending is not None:
+            await pending
+
+    async def opener() -> None:  # commits alone, so the others form a group
+        async with store.transaction():
+            await store.append_messages("p", None, [user("first")])
+
+    task = asyncio.gather(opener(), member("fast", False), member("slow", True))
+    await asyncio.sleep(0.01)  # the group's commit came while "slow" held the store
+    release.set()
+    await task
+    assert order.index("ended slow") < order.index("settled slow")
+    assert len(_rows(store.path, "SELECT id FROM messages")) == 3
+
+
+async def test_closing_with_a_member_body_open_fails_the_group_and_releases_the_store(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "agentloop.db")
+    await store.open()
+    await _spawn(store, "p")
+    release = asyncio.Event()
+
+    async def member(text: str, slow: bool) -> None:
+        async with store.transaction():
+            await store.append_messages("p", None, [user(text)])
+            if slow:
+                await release.wait()
+
+    async def opener() -> None:
+        async with store.transaction():
+            await store.append_messages("p", None, [user("first")])
+
+    task = asyncio.gather(opener(), member("kept?", False), member("open", True), return_exceptions=True)
+    await asyncio.sleep(0.01)
+    await store.close()
+    release.set()
+    results = await asyncio.wait_for(task, 5)
+    assert results[0] is None
+    assert isinstance(results[1], StoreError) and "closed" in str(results[1])
+    assert isinstance(results[2], StoreError)  # its body could not end on a closed store
+    assert not store._lock.locked()
+    assert [r[0] for r in _rows(store.path, "SELECT id FROM messages")] == [1]
+
+
+async def test_a_group_whose_transaction_vanished_fails_before_anyone_joins_it(store: SQLiteStore) -> None:
+    # An error outside any body (a read on the shared connection hitting an I/O error) can make
+    # SQLite roll back the group's transaction by itself; the next member must not open a fresh
+    # transaction under the old group's name, which would tell the earlier members "committed".
+    await _spawn(store, "p")
+
+    async def write(text: str) -> None:
+        async with store.transaction():
+            await store.append_messages("p", None, [user(text)])
+
+    async def vanish_then_write() -> None:
+        store.db.execute("ROLLBACK")  # what SQLite does to the open group on such an error
+        await write("after")
+
+    results = await asyncio.gather(write("first"), write("in the group"), vanish_then_write(), return_exceptions=True)
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], StoreError)
+    assert [m.message.text for m in await store.history("p")] == ["first", "after"]

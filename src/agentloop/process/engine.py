@@ -57,6 +57,7 @@ from agentloop.process.store import (
     ProcessRecord,
     SegmentRow,
     Store,
+    StoreError,
     ToolCallRow,
 )
 from agentloop.process.store.base import ProcessState
@@ -204,6 +205,9 @@ class _TxScope:
 
     async def __aenter__(self) -> _Tx:
         await self.scope.begin()
+        if self.tx.live.lost:  # dropped after a failed commit: only the reloaded process may write
+            self.scope.end(commit=False)
+            raise StoreError(f"process {self.tx.live.record.pid} was reloaded after a failed commit")
         return self.tx
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
@@ -218,8 +222,11 @@ class _TxScope:
             self.scope.end(commit=False)
             return None
         pending = self.scope.end(commit=True, settled=tx.settled)
+        live = tx.live
         for apply in tx.after:  # kept: the cache follows the store at once (the next step reads it)
             apply()
+        if live.record.current_run is not None:
+            live.idle.clear()  # busy at once; idle again only once the step that ends the run is durable
         if pending is None:
             tx.settled(None)
         else:  # in a group commit: ``settled`` runs when the group is durable
@@ -843,7 +850,16 @@ class ProcessEngine:
 
     def _launcher(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> Callable[[], None]:
         def launch() -> None:
-            live.tools[row.dispatch_id] = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
+            # The dispatch is durable now; in a group commit that can be a loop turn after the step.
+            # If meanwhile the run was aborted or the process dropped, the call stays unstarted.
+            run = live.record.current_run
+            if live.stopping or run is None or run["run_id"] != run_id or self._live.get(live.record.pid) is not live:
+                return
+            task = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
+            live.tools[row.dispatch_id] = task
+            task.add_done_callback(
+                lambda t: live.tools.pop(row.dispatch_id, None) if live.tools.get(row.dispatch_id) is t else None
+            )
 
         return launch
 
@@ -1061,8 +1077,10 @@ class ProcessEngine:
         while True:
             if live.lost:  # dropped after a failed commit: follow the reloaded process
                 live = await self.live(pid)
-            elif live.record.current_run is not None:
+            elif not live.idle.is_set():  # a run is active, or the step that ended it is not durable yet
                 await live.idle.wait()
+            elif live.record.current_run is not None:
+                await asyncio.sleep(0)  # a run starting in this very step: its flag is cleared as it returns
             elif live.driver is not None and not live.driver.done():
                 await asyncio.wait([live.driver])
             else:
@@ -1070,12 +1088,19 @@ class ProcessEngine:
 
     async def close(self) -> None:
         tasks = [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
+        tasks.extend(self._reloading)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
+
+
+def _drop_task(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[None]) -> None:
+    """Forget a finished tool task (one cancelled before it started never reaches its own cleanup)."""
+    if tasks.get(key) is task:
+        del tasks[key]
 
 
 def _has_media(message: Message) -> bool:

@@ -160,7 +160,13 @@ class SQLiteStore(Store):
                 raise
 
     async def close(self) -> None:
-        if self._group is not None:
+        group = self._group
+        if group is not None and self._lock.locked():  # a member's body is still open: it cannot be kept
+            self._group = None
+            with contextlib.suppress(sqlite3.Error):
+                self.db.execute("ROLLBACK")
+            self._settle_group(group, StoreError("the store was closed before the group could commit"))
+        elif group is not None:
             self._commit_group()
         if self._checkpointer is not None:
             self._checkpointer.stop()
@@ -195,6 +201,9 @@ class SQLiteStore(Store):
         await self._lock.acquire()  # another task's transaction: wait for it to end
         try:
             db = self.db
+            if self._group is not None and not db.in_transaction:  # SQLite rolled the group back by itself
+                group, self._group = self._group, None
+                self._settle_group(group, StoreError("the transaction was rolled back by SQLite"))
             if self._group is None:
                 db.execute("BEGIN IMMEDIATE")
                 version = db.execute("PRAGMA data_version").fetchone()[0]
@@ -214,10 +223,10 @@ class SQLiteStore(Store):
         self._tx_task = me
 
     def _end(self, commit: bool, settled: Settled | None) -> Awaitable[None] | None:
-        db = self.db
         member, self._member = self._member, False
         self._tx_task = None
         try:
+            db = self.db
             if not commit:
                 self._rollback(member)
                 return None
@@ -246,7 +255,10 @@ class SQLiteStore(Store):
             self._tx_deleted.clear()
             self._lock.release()
             if member and self._group is not None and self._group.due:
-                self._commit_group()
+                # not from here: the member's caller applies its cache updates when end() returns,
+                # and the group's follow-ups (signals, tool starts) must see them
+                self._group.due = False
+                asyncio.get_running_loop().call_soon(self._commit_group)
 
     def _rollback(self, member: bool) -> None:
         """Undo the open body: the whole transaction, or a member's savepoint only. Some errors
