@@ -420,3 +420,44 @@ async def test_a_group_whose_transaction_vanished_fails_before_anyone_joins_it(s
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], StoreError)
     assert [m.message.text for m in await store.history("p")] == ["first", "after"]
+
+
+async def test_a_dropped_process_cache_refuses_to_write_and_the_reloaded_one_works(tmp_path: Path) -> None:
+    async with _kernel(tmp_path, ScriptedModel(lambda req: "done")) as k:
+        proc = await k.spawn(owner="alice")
+        old = k.engine._live[proc.pid]
+        k.engine._lost(old)  # as after a failed group commit
+        with pytest.raises(StoreError, match="reloaded"):
+            async with k.engine._tx(old):
+                pass
+        await proc.send("hello")
+        await proc.wait_idle()
+        assert k.engine._live[proc.pid] is not old
+        assert [m.role for m in await _cache_matches_store(k, proc.pid)] == ["user", "assistant"]
+
+
+async def test_a_tool_task_cancelled_before_it_starts_is_forgotten(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+
+    async def script(req: ModelRequest) -> Reply | str:
+        if isinstance(req.messages[-1], UserMessage):
+            await gate.wait()
+            return Reply(tool_calls=[call("slow", seconds=30)])
+        return "done"
+
+    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.sleep(0)  # the answer is committed and the tool task created, not yet started
+        live = k.engine._live[proc.pid]
+        assert len(live.tools) == 1
+        (task,) = live.tools.values()
+        task.cancel()  # before its first step: its own cleanup never runs
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (done callbacks run a turn later)
+        assert task.cancelled() and live.tools == {}
+        assert await proc.abort()
+        await proc.wait_idle()
+        assert [m.role for m in await _cache_matches_store(k, proc.pid)] == ["user", "assistant", "toolResult"]

@@ -855,11 +855,8 @@ class ProcessEngine:
             run = live.record.current_run
             if live.stopping or run is None or run["run_id"] != run_id or self._live.get(live.record.pid) is not live:
                 return
-            task = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
-            live.tools[row.dispatch_id] = task
-            task.add_done_callback(
-                lambda t: live.tools.pop(row.dispatch_id, None) if live.tools.get(row.dispatch_id) is t else None
-            )
+            task = live.tools[row.dispatch_id] = asyncio.create_task(self._run_tool(live, run_id, row, prepared))
+            task.add_done_callback(lambda done: _drop_task(live.tools, row.dispatch_id, done))
 
         return launch
 
