@@ -463,7 +463,7 @@ async def test_a_finished_batch_leaves_no_deadline_timer_behind(tmp_path, monkey
         assert armed[1].cancelled()
 
 
-async def test_an_idle_process_keeps_no_finished_driver_task(tmp_path):
+async def test_an_idle_process_keeps_no_finished_driver_task_or_run_configuration(tmp_path):
     # A server holds thousands of idle processes: each must not pin its last driver task (and the
     # coroutine and context with it) in memory.
     import gc
@@ -476,6 +476,8 @@ async def test_an_idle_process_keeps_no_finished_driver_task(tmp_path):
         gc.collect()
         name = f"agentloop-process-{proc.pid}"
         assert [t for t in gc.get_objects() if isinstance(t, asyncio.Task) and t.get_name() == name] == []
+        live = k.engine._live[proc.pid]
+        assert live.config is None and live.prompt is None  # nor the ended run's configuration and prompt
         await proc.send("again")  # a new run gets a new driver
         await proc.wait_idle()
         assert (await proc.messages())[-1].text == "answer: again"

@@ -171,8 +171,11 @@ class _Tx:
         await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
 
         def apply() -> None:
-            self.live.record.current_run = run
-            self.live.record.state = state
+            live = self.live
+            live.record.current_run = run
+            live.record.state = state
+            if run is None:  # the run's own configuration and prompt end with it (idle processes keep none)
+                live.config = live.prompt = None
 
         self.after.append(apply)
 
