@@ -193,8 +193,6 @@ class _Tx:
                 publish(pid, s)
         if live.record.current_run is None:
             live.idle.set()
-        else:
-            live.idle.clear()
 
 
 class _TxScope:
@@ -354,11 +352,7 @@ class ProcessEngine:
         pid = live.record.pid
         if self._live.get(pid) is not live:
             return  # dropped already (another step of the same group)
-        del self._live[pid]
-        me = asyncio.current_task()
-        for task in [*live.tools.values(), live.driver]:
-            if task is not None and not task.done() and task is not me:
-                task.cancel()
+        self._drop(live)
         live.lost = True
         live.idle.set()  # waiters look again, and find the reloaded process
         task = asyncio.get_running_loop().create_task(self._reload(pid))
@@ -485,8 +479,7 @@ class ProcessEngine:
             await tx.append(run_id, _results_of(rows, RUN_FAILED))
             for h in await self.store.hils(pid):
                 await self.store.delete_hil(h.request_id)
-            await self.store.delete_calls(pid, run_id)
-            tx.after.append(lambda: self._disarm(live))
+            await self._end_batch(tx, live, run_id)
             await self._finish(tx, live, run, "error", error="internal error in the runtime (see the server log)")
         await self._promote(live)
 
@@ -527,8 +520,7 @@ class ProcessEngine:
         """Every call of the batch is terminal: its results enter the history, in the model's order."""
         results = [message_from_dict(r.result) for r in rows if r.result is not None]
         await tx.append(run["run_id"], results)
-        await self.store.delete_calls(live.record.pid, run["run_id"])
-        tx.after.append(lambda: self._disarm(live))
+        await self._end_batch(tx, live, run["run_id"])
         await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
         await tx.signal(sig.CHANGED, changes=["messages"])
 
@@ -843,8 +835,13 @@ class ProcessEngine:
         if ahead:
             live.deadline = asyncio.get_running_loop().call_later(min(ahead) - now + 0.01, self.wake, live.record.pid)
 
+    async def _end_batch(self, tx: _Tx, live: _Live, run_id: str) -> None:
+        """The run's tool calls are over (ingested, aborted or failed): delete their rows in ``tx``."""
+        await self.store.delete_calls(live.record.pid, run_id)
+        tx.after.append(lambda: self._disarm(live))
+
     def _disarm(self, live: _Live) -> None:
-        """The batch is over: its deadline timer has nothing left to enforce (and would hold the
+        """No batch is open: its deadline timer has nothing left to enforce (and would hold the
         process's wake-up in the loop for the whole tool timeout)."""
         live.calls = False
         if live.deadline is not None:
@@ -1053,8 +1050,7 @@ class ProcessEngine:
             added.extend(_results_of(rows, CANCELLED))
             for h in await self.store.hils(pid):
                 await self.store.delete_hil(h.request_id)
-            await self.store.delete_calls(pid, active)
-            tx.after.append(lambda: self._disarm(live))
+            await self._end_batch(tx, live, active)
             await tx.append(active, added)
             await self.store.kv_delete(pid, f"approved:{active}")
             await tx.set_run(None)
@@ -1063,13 +1059,19 @@ class ProcessEngine:
 
     async def forget(self, pid: str) -> None:
         """Drop the in-memory state of a process (after kill); its watchers' streams end."""
-        live = self._live.pop(pid, None)
+        live = self._live.get(pid)
         if live is not None:
-            self._disarm(live)
-            for task in [*live.tools.values(), *([live.driver] if live.driver else [])]:
-                if task is not asyncio.current_task():
-                    task.cancel()
+            self._drop(live)
         self.hub.close(pid)
+
+    def _drop(self, live: _Live) -> None:
+        """Forget a process's cache and stop everything working for it (but the calling task)."""
+        del self._live[live.record.pid]
+        self._disarm(live)
+        me = asyncio.current_task()
+        for task in [*live.tools.values(), live.driver]:
+            if task is not None and not task.done() and task is not me:
+                task.cancel()
 
     async def wait_idle(self, pid: str) -> None:
         """Return when no run is active and nothing is working for the process."""

@@ -160,13 +160,9 @@ class SQLiteStore(Store):
                 raise
 
     async def close(self) -> None:
-        group = self._group
-        if group is not None and self._lock.locked():  # a member's body is still open: it cannot be kept
-            self._group = None
-            with contextlib.suppress(sqlite3.Error):
-                self.db.execute("ROLLBACK")
-            self._settle_group(group, StoreError("the store was closed before the group could commit"))
-        elif group is not None:
+        if self._group is not None and self._lock.locked():  # a member's body is still open: it cannot be kept
+            self._abandon_group(StoreError("the store was closed before the group could commit"))
+        elif self._group is not None:
             self._commit_group()
         if self._checkpointer is not None:
             self._checkpointer.stop()
@@ -202,8 +198,7 @@ class SQLiteStore(Store):
         try:
             db = self.db
             if self._group is not None and not db.in_transaction:  # SQLite rolled the group back by itself
-                group, self._group = self._group, None
-                self._settle_group(group, StoreError("the transaction was rolled back by SQLite"))
+                self._abandon_group(StoreError("the transaction was rolled back by SQLite"))
             if self._group is None:
                 db.execute("BEGIN IMMEDIATE")
                 version = db.execute("PRAGMA data_version").fetchone()[0]
@@ -274,11 +269,7 @@ class SQLiteStore(Store):
                 db.execute("ROLLBACK TO member")
                 db.execute("RELEASE member")
                 return
-        group, self._group = self._group, None
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        if group is not None:
-            self._settle_group(group, StoreError("the transaction was rolled back by SQLite"))
+        self._abandon_group(StoreError("the transaction was rolled back by SQLite"))
 
     def _committed(self) -> None:
         """After each real commit: mark this loop turn as having one, tell the checkpointer."""
@@ -298,19 +289,25 @@ class SQLiteStore(Store):
         if self._lock.locked():  # a member's body is open (awaiting something): commit when it ends
             group.due = True
             return
-        self._group = None
-        error: BaseException | None = None
         try:
             self._commit()
         except BaseException as exc:
-            error = exc
-            with contextlib.suppress(sqlite3.Error):
-                if self.db.in_transaction:
-                    self.db.execute("ROLLBACK")
-        else:
-            if self._checkpointer is not None:
-                self._checkpointer.committed()
-        self._settle_group(group, error)
+            self._abandon_group(exc)
+            return
+        self._group = None
+        if self._checkpointer is not None:
+            self._checkpointer.committed()
+        self._settle_group(group, None)
+
+    def _abandon_group(self, error: BaseException) -> None:
+        """The group's transaction is gone or cannot be kept: roll back what is left of it and
+        fail every member."""
+        group, self._group = self._group, None
+        with contextlib.suppress(sqlite3.Error):
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        if group is not None:
+            self._settle_group(group, error)
 
     def _settle_group(self, group: _Group, error: BaseException | None) -> None:
         """Tell every member how its group ended: first each one's follow-up, then its waiter."""
