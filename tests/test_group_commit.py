@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
-from agentloop import Reply, ScriptedModel, call, tool
+from agentloop import Reply, ScriptedModel, call
 from agentloop.kernel import Kernel
 from agentloop.messages import Message, UserMessage, message_to_dict, user
 from agentloop.models.base import ModelRequest
 from agentloop.process.engine import INTERRUPTED_BY_RESTART
 from agentloop.process.store import ProcessRecord, SQLiteStore, StoreError
+from tests.process_support import kernel, ran
 
 
 @pytest.fixture
@@ -36,6 +37,22 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
         yield store
     finally:
         await store.close()
+
+
+def _fail_next_commit(store: SQLiteStore) -> Callable[[], bool]:
+    """Make the store's next commit fail as a failing disk would; returns "has it failed yet"."""
+    real_commit = store._commit
+    failed = False
+
+    def failing_once() -> None:
+        nonlocal failed
+        if not failed:
+            failed = True
+            raise sqlite3.OperationalError("disk I/O error")
+        real_commit()
+
+    store._commit = failing_once  # type: ignore[method-assign]
+    return lambda: failed
 
 
 def _rows(path: str, sql: str) -> list[tuple[object, ...]]:
@@ -90,16 +107,7 @@ async def test_a_member_that_fails_rolls_back_alone(store: SQLiteStore) -> None:
 
 async def test_a_failed_group_commit_fails_every_member_and_keeps_nothing(store: SQLiteStore) -> None:
     await _spawn(store, "p")
-    real_commit = store._commit
-    failures = iter([sqlite3.OperationalError("disk I/O error")])
-
-    def failing() -> None:
-        error = next(failures, None)
-        if error is not None:
-            raise error
-        real_commit()
-
-    store._commit = failing  # type: ignore[method-assign]
+    _fail_next_commit(store)
     settled: list[BaseException | None] = []
 
     async def write(i: int) -> None:
@@ -187,26 +195,6 @@ async def test_close_commits_an_open_group(tmp_path: Path) -> None:
 
 # -- the durable runner over group commits ------------------------------------------------------
 
-ran: list[str] = []
-
-
-@tool
-def note(text: str) -> str:
-    """Record the text (not idempotent: it must never run twice for one call)."""
-    ran.append(text)
-    return text
-
-
-@tool
-async def slow(seconds: float) -> str:
-    """Sleep."""
-    await asyncio.sleep(seconds)
-    return "slept"
-
-
-def _kernel(tmp_path: Path, model: ScriptedModel) -> Kernel:
-    return Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=model, workspace=tmp_path, tools=[note, slow])
-
 
 async def _cache_matches_store(k: Kernel, pid: str) -> list[Message]:
     stored = [m.message for m in await k.store.history(pid)]
@@ -225,7 +213,7 @@ async def test_an_abort_while_steps_wait_for_their_group_leaves_cache_and_store_
             return Reply(tool_calls=[call("slow", seconds=30)])
         return "done"
 
-    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+    async with kernel(tmp_path, ScriptedModel(script)) as k:
         procs = [await k.spawn(owner="alice") for _ in range(4)]
         for proc in procs:
             await proc.send("go")
@@ -255,30 +243,21 @@ async def test_a_failed_group_commit_resumes_each_process_from_the_store(tmp_pat
         last = req.messages[-1]
         if isinstance(last, UserMessage):
             await gate.wait()
-            return Reply(tool_calls=[call("note", text=last.text)])
+            return Reply(tool_calls=[call("echo", text=last.text)])
         return "done: " + last.text
 
-    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+    async with kernel(tmp_path, ScriptedModel(script)) as k:
         procs = [await k.spawn(owner="alice") for _ in range(4)]
         for i, proc in enumerate(procs):
             await proc.send(f"job {i}")
         await asyncio.sleep(0.05)
         store = k.store
         assert isinstance(store, SQLiteStore)
-        real_commit = store._commit
-        failures = iter([sqlite3.OperationalError("disk I/O error")])
-
-        def failing_once() -> None:
-            error = next(failures, None)
-            if error is not None:
-                raise error
-            real_commit()
-
-        store._commit = failing_once  # type: ignore[method-assign]
+        failed = _fail_next_commit(store)
         gate.set()  # four answers in one loop turn: three of them ride in the group that fails
         for proc in procs:
             await asyncio.wait_for(proc.wait_idle(), 10)
-        assert next(failures, None) is None, "the group commit was attempted"
+        assert failed(), "the group commit was attempted"
         outcomes = []
         for proc in procs:
             stored = await _cache_matches_store(k, proc.pid)
@@ -301,7 +280,7 @@ async def test_waiting_for_idle_while_a_run_starts_in_a_group_does_not_spin(tmp_
         await asyncio.sleep(0.05)
         return "done"
 
-    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+    async with kernel(tmp_path, ScriptedModel(script)) as k:
         p, q = await k.spawn(owner="alice"), await k.spawn(owner="alice")
         await asyncio.sleep(0.01)
 
@@ -321,10 +300,10 @@ async def test_an_abort_before_the_group_commits_keeps_the_tool_from_starting(tm
         last = req.messages[-1]
         if isinstance(last, UserMessage) and last.text.startswith("go"):
             await gate.wait()
-            return Reply(tool_calls=[call("note", text=last.text)])
+            return Reply(tool_calls=[call("echo", text=last.text)])
         return "done"
 
-    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+    async with kernel(tmp_path, ScriptedModel(script)) as k:
         procs = [await k.spawn(owner="alice") for _ in range(4)]
         for i, proc in enumerate(procs):
             await proc.send(f"go {i}")
@@ -423,7 +402,7 @@ async def test_a_group_whose_transaction_vanished_fails_before_anyone_joins_it(s
 
 
 async def test_a_dropped_process_cache_refuses_to_write_and_the_reloaded_one_works(tmp_path: Path) -> None:
-    async with _kernel(tmp_path, ScriptedModel(lambda req: "done")) as k:
+    async with kernel(tmp_path, ScriptedModel(lambda req: "done")) as k:
         proc = await k.spawn(owner="alice")
         old = k.engine._live[proc.pid]
         k.engine._lost(old)  # as after a failed group commit
@@ -445,7 +424,7 @@ async def test_a_tool_task_cancelled_before_it_starts_is_forgotten(tmp_path: Pat
             return Reply(tool_calls=[call("slow", seconds=30)])
         return "done"
 
-    async with _kernel(tmp_path, ScriptedModel(script)) as k:
+    async with kernel(tmp_path, ScriptedModel(script)) as k:
         proc = await k.spawn(owner="alice")
         await proc.send("go")
         await asyncio.sleep(0.05)

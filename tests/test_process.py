@@ -6,14 +6,14 @@ import asyncio
 import base64
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, Kernel, NoSuchProcess
+from agentloop.kernel import Approval, NoSuchProcess
 from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
 from agentloop.models.base import ModelRequest
+from tests.process_support import kernel, ran
 
 PNG = base64.b64encode(
     bytes.fromhex(
@@ -21,22 +21,6 @@ PNG = base64.b64encode(
         "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
     )
 ).decode()
-
-ran: list[str] = []
-
-
-@tool
-def echo(text: str) -> str:
-    """Echo."""
-    ran.append(text)
-    return text
-
-
-@tool
-async def slow(seconds: float) -> str:
-    """Sleep."""
-    await asyncio.sleep(seconds)
-    return f"slept {seconds}"
 
 
 def by_tool_results(req: ModelRequest) -> Reply | str:
@@ -46,11 +30,6 @@ def by_tool_results(req: ModelRequest) -> Reply | str:
         return Reply(tool_calls=[call("echo", text=last.text)])
     results = [m.text for m in req.messages if isinstance(m, ToolResultMessage)]
     return "answer: " + results[-1]
-
-
-def kernel(tmp_path: Path, model, **kw):
-    kw.setdefault("tools", [echo, slow])
-    return Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=model, workspace=tmp_path, **kw)
 
 
 async def drain(proc, after: int = 0):

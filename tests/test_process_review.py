@@ -3,36 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, Kernel, NoSuchProcess
+from agentloop.kernel import Approval, NoSuchProcess
 from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage, user
 from agentloop.models.base import ModelRequest
 from agentloop.tools.base import ToolResult
-
-ran: list[str] = []
-
-
-@tool
-def echo(text: str) -> str:
-    """Echo."""
-    ran.append(text)
-    return text
-
-
-@tool
-async def slow(seconds: float) -> str:
-    """Sleep."""
-    await asyncio.sleep(seconds)
-    return f"slept {seconds}"
-
-
-def kernel(tmp_path: Path, model, **kw):
-    kw.setdefault("tools", [echo, slow])
-    return Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=model, workspace=tmp_path, **kw)
+from tests.process_support import echo, kernel, ran
 
 
 def echo_then_answer(r: ModelRequest) -> Reply | str:
