@@ -108,6 +108,30 @@ def test_default_policy_shape() -> None:
     assert decide(p, "codemode.exec", {"code": "print(1)"}, cwd=CWD, home=HOME).action == "auto"
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        "echo x >> ~/.bashrc",
+        "tee ~/.bashrc",
+        "cp x ~/.bashrc",
+        "sed -i s/a/b/ ~/.profile",
+        "mv ~/.bashrc /tmp",
+        "chmod 000 ~",
+        "tar xf a.tar -C /",
+        "git config --global core.editor vim",
+        "cat ~/.ssh/id_rsa",
+        "cp ../other/secret.txt .",
+    ],
+)
+def test_default_policy_asks_before_shell_reaches_outside_the_working_directory(command: str) -> None:
+    assert decide(default_policy(), "shell.exec", {"command": command}, cwd=CWD, home=HOME).action == "ask"
+
+
+@pytest.mark.parametrize("command", ["cat /etc/hosts", "ls ~/Downloads", "touch notes/today.md", "cat .env"])
+def test_default_policy_lets_shell_read_outside_and_change_inside(command: str) -> None:
+    assert decide(default_policy(), "shell.exec", {"command": command}, cwd=CWD, home=HOME).action == "auto"
+
+
 # -- resolution order ----------------------------------------------------------------------------
 
 

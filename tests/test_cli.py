@@ -354,7 +354,20 @@ def test_sigint_aborts_run_kills_shell_children_and_exits_130(tmp_path: Path, ws
     command = f"echo $$ > {sleeper_pid}.tmp && mv {sleeper_pid}.tmp {sleeper_pid} && exec sleep 1000"
     model = script(tmp_path / "s.json", [{"tool_calls": [tool_call("Shell", command=command)]}, "unreachable"])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentloop.cli.main", "run", "-m", model, "-w", str(ws), "sleep please"],
+        # the pid file lies outside the workspace, which the default policy would ask about
+        [
+            sys.executable,
+            "-m",
+            "agentloop.cli.main",
+            "run",
+            "-m",
+            model,
+            "-w",
+            str(ws),
+            "--approval",
+            "auto",
+            "sleep please",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -113,6 +113,10 @@ def default_policy() -> Policy:
         default="auto",
         rules=(
             Rule(match="shell.exec", when=When(any_tags=_RISKY_SHELL), action="ask"),
+            # the workspace is the agent's to change; the rest of the machine, and dotfiles
+            # (keys, shell start-up files) outside it, are not
+            Rule(match="shell.exec", when=When(all_tags=("mutating", "outside-cwd")), action="ask"),
+            Rule(match="shell.exec", when=When(all_tags=("hidden-path", "outside-cwd")), action="ask"),
             Rule(match="fs.delete", action="ask"),
             Rule(match="mcp.*", action="ask"),
         ),

@@ -33,7 +33,7 @@ READ_ONLY = _words(
     "ls cat grep egrep fgrep rg head tail wc echo printf pwd date which whoami id uname hostname stat file "
     "tree du df jq yq sort uniq cut tr diff cmp comm basename dirname realpath readlink true false test [ [[ "
     "type printenv less more nl column md5sum sha1sum sha256sum sha512sum cksum ps free uptime seq sleep cd "
-    "pushd popd export set unset shopt : exit return wait read fd bat locale tput clear history hash "
+    "pushd popd set unset shopt : exit return wait read bat locale tput clear history "
     "column fold fmt expand od hexdump xxd strings lsblk lscpu nproc getconf dmesg tac rev paste join "
     "look cal bc expr man help info whereis groups tty last w who"
 )
@@ -48,8 +48,7 @@ PRIVILEGED = _words(
 DESTRUCTIVE = _words("rm rmdir unlink shred dd mkfs wipefs fdisk sfdisk parted truncate kill pkill killall")
 POWER = _words("reboot shutdown halt poweroff")
 MUTATING = _words(
-    "touch mkdir cp mv ln install patch tee chmod chown chgrp unzip gunzip gzip bunzip2 bzip2 xz unxz zip "
-    "crontab setfacl"
+    "touch mkdir cp mv ln install patch tee chmod chown chgrp unzip gunzip gzip bunzip2 bzip2 xz unxz zip setfacl"
 )
 SHELLS = _words("bash sh zsh dash ksh fish csh tcsh busybox")
 INTERPRETERS = _words(
@@ -76,8 +75,16 @@ WRAPPERS: dict[str, frozenset[str]] = {
     "xargs": _words("-I -i -n -P -L -l -d -E -e -s -a --max-args --max-procs --delimiter --arg-file"),
 }
 ELEVATING = frozenset({"sudo", "doas", "pkexec"})
-# Assignments that change what a later command name means.
-HIJACKING_VARS = _words("PATH LD_PRELOAD LD_LIBRARY_PATH BASH_ENV ENV IFS PROMPT_COMMAND DYLD_INSERT_LIBRARIES")
+# Assignments that change what a later command runs: its name's meaning, the loader, or a helper
+# program it starts (a pager, an editor, git's ssh or diff command, an interpreter's startup code).
+HIJACKING_VARS = _words(
+    "PATH LD_PRELOAD LD_LIBRARY_PATH LD_AUDIT BASH_ENV ENV IFS PROMPT_COMMAND PS4 SHELLOPTS BASHOPTS "
+    "DYLD_INSERT_LIBRARIES PAGER MANPAGER LESSOPEN LESSCLOSE EDITOR VISUAL GIT_EDITOR GIT_PAGER GIT_SSH "
+    "GIT_SSH_COMMAND GIT_EXTERNAL_DIFF GIT_ASKPASS SSH_ASKPASS GIT_EXEC_PATH GIT_PROXY_COMMAND "
+    "PERL5OPT PERL5LIB PYTHONSTARTUP PYTHONPATH NODE_OPTIONS RUBYOPT RUBYLIB TAR_OPTIONS RIPGREP_CONFIG_PATH"
+)
+HIJACKING_PREFIXES = ("GIT_CONFIG",)  # GIT_CONFIG_PARAMETERS, GIT_CONFIG_KEY_<n>, GIT_CONFIG_GLOBAL, ...
+SETTING_BUILTINS = _words("export declare typeset readonly local")
 HARMLESS_SINKS = frozenset({"/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty"})
 BLOCK_DEVICE = re.compile(r"^/dev/(sd|hd|vd|xvd|nvme|mmcblk|disk|md|dm-|loop|mapper/)")
 PATTERN_FIRST = _words("grep egrep fgrep rg sed awk gawk mawk jq yq")
@@ -111,6 +118,11 @@ class _Verdict(NamedTuple):
 
 
 _NONE = _Verdict(frozenset())
+
+
+def _hijacks(assignment: str) -> bool:
+    name = assignment.split("=", 1)[0]
+    return name in HIJACKING_VARS or name.startswith(HIJACKING_PREFIXES)
 
 
 def _is_option(text: str) -> bool:
@@ -258,7 +270,7 @@ class _Walker:
             if kind == "word":
                 args.append(self.arg(part))
             elif kind == "assignment" and not args:
-                hijack = hijack or part.word.split("=", 1)[0] in HIJACKING_VARS
+                hijack = hijack or _hijacks(part.word)
         verdict = self.argv(args, depth)
         if hijack and args:
             found |= self.tag("changes PATH or the loader before running a command", "unclassified")
@@ -340,7 +352,7 @@ class _Walker:
                 i += 1
                 break
             if name == "env" and "=" in text and not text.startswith("-"):
-                if text.split("=", 1)[0] in HIJACKING_VARS:
+                if _hijacks(text):
                     found |= self.tag("env changes PATH or the loader", "unclassified")
                 i += 1
                 continue
@@ -382,27 +394,65 @@ class _Walker:
 # -- commands whose meaning depends on their arguments --------------------------------------------
 
 
+_GIT_READS = _words(
+    "status log diff show rev-parse ls-files blame grep describe shortlog ls-tree cat-file rev-list reflog "
+    "whatchanged name-rev merge-base show-ref for-each-ref count-objects fsck check-ignore check-attr version "
+    "help var verify-commit verify-tag cherry range-diff"
+)
+_GIT_NETWORK = _words("push pull clone fetch ls-remote submodule remote")
+_GIT_CHANGES = _words(
+    "add commit checkout switch restore reset clean branch tag stash merge rebase cherry-pick revert mv rm init "
+    "config worktree am apply notes gc prune repack sparse-checkout format-patch archive bundle replace "
+    "update-index update-ref symbolic-ref commit-tree write-tree read-tree hash-object mktree mktag lfs maintenance"
+)
+# Subcommands and options that run a program named on the command line.
+_GIT_RUNNERS = _words("bisect filter-branch difftool mergetool send-email instaweb")
+_GIT_EXEC_OPTIONS = ("--upload-pack", "--receive-pack", "--exec", "--extcmd", "--open-files-in-pager", "--tool")
+# Configuration that names a program git (or ssh, a pager, a diff driver) will run later.
+_GIT_EXEC_CONFIG = re.compile(
+    r"^(alias\.|core\.(fsmonitor|sshcommand|pager|editor|hookspath|askpass|gitproxy)|diff\.|merge\..*\.driver|"
+    r"filter\.|credential|gpg\.|sequence\.editor|pager\.|web\.|browser\.|uploadpack\.|receive\.|"
+    r"remote\..*\.(uploadpack|receivepack|proxy)|include|protocol\.|difftool\.|mergetool\.|man\.|"
+    r"instaweb\.|sendemail\.|ssh\.|.*\.textconv$)"
+)
+
+
 def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    found: set[str] = set()
     i = 0
     while i < len(rest) and _is_option(rest[i].text):
-        i += 2 if rest[i].text in ("-C", "-c", "--git-dir", "--work-tree") else 1
+        option = rest[i].text
+        if option.startswith(("-c", "--config-env")) or option.startswith("--exec-path="):
+            found |= w.tag(f"git {option.split('=')[0]} changes what git runs", "unclassified")
+        i += 2 if option in ("-C", "-c", "--git-dir", "--work-tree", "--namespace", "--config-env") else 1
     if i >= len(rest):
-        return frozenset()
+        return frozenset(found)
     sub, args = rest[i].text, [a.text for a in rest[i + 1 :]]
     w.commands[-1] = f"git {sub}"
+    if rest[i].dynamic or not (sub in _GIT_READS or sub in _GIT_NETWORK or sub in _GIT_CHANGES):
+        return frozenset(found | w.tag(f"git {sub} is not a git command we know (an alias?)", "unclassified"))
+    runs_program = (
+        sub in _GIT_RUNNERS
+        or any(a.startswith(_GIT_EXEC_OPTIONS) for a in args)
+        or (sub == "rebase" and "-x" in args)
+        or (sub in ("clone", "ls-remote") and "-u" in args)
+        or (sub == "grep" and any(re.match(r"^-[a-zA-Z]*O", a) for a in args))
+    )
+    if runs_program:
+        found |= w.tag(f"git {sub} runs a program named on its command line", "unclassified")
+    if sub == "config":
+        return frozenset(found | _git_config(w, rest[i + 1 :]))
     if sub in ("status", "log", "diff", "show", "rev-parse", "ls-files", "blame", "grep", "describe", "shortlog"):
-        return frozenset()
-    if sub in ("push", "pull", "clone", "fetch", "ls-remote", "submodule", "remote") and (
-        sub != "remote" or {"update", "prune"} & set(args)
-    ):
-        found = w.tag(f"git {sub} uses the network", "network")
+        return frozenset(found)
+    if sub in _GIT_NETWORK and (sub != "remote" or {"update", "prune"} & set(args)):
+        found |= w.tag(f"git {sub} uses the network", "network")
         if sub == "push" and {"-f", "--force", "--force-with-lease", "--delete", "-d"} & set(args):
             found |= w.tag("git push --force rewrites a remote", "destructive", "mutating")
         elif sub not in ("ls-remote", "fetch"):
             found |= w.tag(f"git {sub} changes the repository", "mutating")
-        return found
+        return frozenset(found)
     if _git_reads(sub, args):
-        return frozenset()
+        return frozenset(found)
     if (
         (sub == "reset" and "--hard" in args)
         or (sub == "clean" and any(re.match(r"^-[a-zA-Z]*f", a) or a == "--force" for a in args))
@@ -411,8 +461,23 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         or sub == "restore"
         or (sub == "stash" and args[:1] in (["drop"], ["clear"]))
     ):
-        return w.tag(f"git {sub} discards work", "destructive", "mutating")
-    return w.tag(f"git {sub} changes the repository", "mutating")
+        return frozenset(found | w.tag(f"git {sub} discards work", "destructive", "mutating"))
+    return frozenset(found | w.tag(f"git {sub} changes the repository", "mutating"))
+
+
+def _git_config(w: _Walker, rest: list[_Arg]) -> frozenset[str]:
+    args = [a.text for a in rest]
+    if {"--get", "--list", "-l", "--get-all", "--get-regexp"} & set(args):
+        return frozenset()
+    found: set[str] = set()
+    if "--global" in args:
+        w.written([_Arg("~/.gitconfig", False)])
+    elif "--system" in args:
+        w.written([_Arg("/etc/gitconfig", False)])
+    key = next((a for a in _operands(rest) if not a.text.startswith("-")), None)
+    if key is None or key.dynamic or _GIT_EXEC_CONFIG.match(key.text.lower()):
+        found |= w.tag(f"git config {key.text if key else ''} can make git run a program", "unclassified")
+    return frozenset(found | w.tag("git config changes the configuration", "mutating"))
 
 
 _GIT_LISTING = _words("-a -v -vv -r -l --list --all --show-current --verbose --merged --contains")
@@ -423,8 +488,6 @@ def _git_reads(sub: str, args: list[str]) -> bool:
         return not args or args[0] in ("-v", "show", "get-url")
     if sub in ("branch", "tag"):
         return all(a in _GIT_LISTING for a in args)
-    if sub == "config":
-        return bool({"--get", "--list", "-l", "--get-all"} & set(args))
     return args[:1] == ["list"] or args[:1] == ["show"]
 
 
@@ -457,10 +520,131 @@ def _find(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]
 
 
 def _sed(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    found: set[str] = set()
+    scripts: list[_Arg] = []
+    operands = _operands(rest)
+    i = 0
+    while i < len(rest):
+        text = rest[i].text
+        if text in ("-f", "--file") or text.startswith("--file="):
+            return w.tag("sed runs a script file we cannot see", "unclassified")
+        if text in ("-e", "--expression") or re.match(r"^-[nrEsuz]+e$", text):
+            if i + 1 < len(rest):
+                scripts.append(rest[i + 1])
+                operands = [a for a in operands if a is not rest[i + 1]]
+            i += 2
+            continue
+        if text.startswith("--expression="):
+            scripts.append(_Arg(text.split("=", 1)[1], rest[i].dynamic))
+        i += 1
+    if not scripts and operands:
+        scripts, operands = operands[:1], operands[1:]
+    for script in scripts:
+        if script.dynamic:
+            found |= w.tag("sed script built at run time", "unclassified")
+            continue
+        runs, writes = _sed_script(script.text)
+        if runs is None:
+            found |= w.tag("sed script we cannot read", "unclassified")
+        elif runs:
+            found |= w.tag("sed script runs a command", "unclassified")
+        if writes:
+            w.written([_Arg(f, False) for f in writes])
+            found |= w.tag("sed script writes a file", "mutating")
     if any(a.text.startswith(("-i", "--in-place")) or re.match(r"^-[a-zA-Z]*i", a.text) for a in rest):
-        w.written(_operands(rest)[1:])
-        return w.tag("sed -i edits files in place", "mutating")
-    return frozenset()
+        w.written(operands)
+        found |= w.tag("sed -i edits files in place", "mutating")
+    return frozenset(found)
+
+
+_SED_ADDRESS = re.compile(r"\s*(\d+(~\d+)?|\$|/(\\.|[^/\\])*/[IM]*|\\(.)(.*?)\5[IM]*)?")
+_SED_PLAIN = frozenset("=dDgGhHnNpPxzFlLqQ")
+
+
+def _sed_script(script: str) -> tuple[bool | None, list[str]]:
+    """Whether a sed script runs commands (its ``e`` command or ``s///e``), and the files it writes
+    (``w``, ``W``, ``s///w``); ``None`` when it is beyond this reader."""
+    writes: list[str] = []
+    runs = False
+    i, n = 0, len(script)
+
+    def to_line_end(j: int) -> tuple[str, int]:
+        end = script.find("\n", j)
+        end = n if end < 0 else end
+        return script[j:end].strip(), end
+
+    def delimited(j: int, parts: int) -> int | None:
+        """Skip ``parts`` delimited fields starting at the delimiter ``script[j]``."""
+        if j >= n or script[j] in "\\\n":
+            return None
+        delim = script[j]
+        j += 1
+        for _ in range(parts):
+            while j < n and script[j] != delim:
+                j += 2 if script[j] == "\\" else 1
+            if j >= n:
+                return None
+            j += 1
+        return j
+
+    while i < n:
+        c = script[i]
+        if c in " \t\n;{}!":
+            i += 1
+            continue
+        if c == "#":
+            i = to_line_end(i)[1]
+            continue
+        for _ in range(2):  # an address, or two separated by a comma
+            m = _SED_ADDRESS.match(script, i)
+            i = m.end() if m else i
+            if i < n and script[i] == ",":
+                i += 1
+                if i < n and script[i] in "+~":
+                    m = re.compile(r"[+~]\d+").match(script, i)
+                    i = m.end() if m else i
+                    break
+                continue
+            break
+        while i < n and script[i] in " \t!":
+            i += 1
+        if i >= n:
+            break
+        c = script[i]
+        if c in "{};\n":
+            continue
+        if c in _SED_PLAIN:
+            i += 1
+            while i < n and script[i].isdigit():
+                i += 1
+        elif c in "aic":
+            i = to_line_end(i + 1)[1]
+        elif c in "btTv:":
+            i += 1
+            while i < n and script[i] not in ";\n}":
+                i += 1
+        elif c in "rR":
+            i = to_line_end(i + 1)[1]
+        elif c in "wW":
+            target, i = to_line_end(i + 1)
+            writes.append(target)
+        elif c == "e":
+            runs, i = True, to_line_end(i + 1)[1]
+        elif c in "sy":
+            end = delimited(i + 1, 2)
+            if end is None:
+                return None, writes
+            i = end
+            if c == "s":
+                while i < n and (script[i] in "gpiImMe" or script[i].isdigit()):
+                    runs = runs or script[i] == "e"
+                    i += 1
+                if i < n and script[i] == "w":
+                    target, i = to_line_end(i + 1)
+                    writes.append(target)
+        else:
+            return None, writes
+    return runs, writes
 
 
 def _awk(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
@@ -472,10 +656,102 @@ def _awk(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     return frozenset()
 
 
+_TAR_EXEC = (
+    "--to-command",
+    "--checkpoint-action",
+    "--use-compress-program",
+    "--rsh-command",
+    "--info-script",
+    "--new-volume-script",
+)
+
+
 def _tar(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     first = rest[0].text if rest else ""
-    listing = ("t" in first.lstrip("-") and not re.search(r"[xcru]", first.lstrip("-"))) or "--list" in first
-    return frozenset() if listing else w.tag("tar writes files", "mutating")
+    letters = first.lstrip("-") if not first.startswith("--") else ""
+    found: set[str] = set()
+    if (
+        any(a.text.startswith(_TAR_EXEC) for a in rest)
+        or any(re.match(r"^-[a-zA-Z]*[IF]", a.text) for a in rest)
+        or (not first.startswith("-") and re.search(r"[IF]", first))
+    ):
+        found |= w.tag("tar runs a program named on its command line", "unclassified")
+    listing = ("t" in letters and not re.search(r"[xcru]", letters)) or "--list" in first
+    if listing:
+        return frozenset(found)
+    for i, arg in enumerate(rest):  # where extracted files go
+        if arg.text in ("-C", "--directory") and i + 1 < len(rest):
+            w.written([rest[i + 1]])
+        elif arg.text.startswith("--directory="):
+            w.written([_Arg(arg.text.split("=", 1)[1], arg.dynamic)])
+    return frozenset(found | w.tag("tar writes files", "mutating"))
+
+
+# Programs we otherwise count as read-only, and the options that make them run another program.
+_RUNS_WITH: dict[str, tuple[str, ...]] = {
+    "rg": ("--pre",),
+    "sort": ("--compress-program",),
+    "man": ("-P", "--pager", "-H", "--html"),
+    "bat": ("--pager",),
+    "less": ("--lesskey-src",),
+    "zip": ("-TT", "--unzip-command"),
+}
+# ... and the options (or operand positions) that make them write a file.
+_WRITES_WITH: dict[str, tuple[str, ...]] = {"sort": ("-o", "--output"), "tree": ("-o",)}
+
+
+def _reader(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    """A program that only reads, unless an option makes it run something or write a file."""
+    found: set[str] = set()
+    runners = _RUNS_WITH.get(name, ())
+    if any(a.text.startswith(runners) for a in rest):
+        found |= w.tag(f"{name} runs a program named on its command line", "unclassified")
+    writers = _WRITES_WITH.get(name, ())
+    for i, arg in enumerate(rest):
+        if arg.text in writers and i + 1 < len(rest):
+            w.written([rest[i + 1]])
+            found |= w.tag(f"{name} {arg.text} writes a file", "mutating")
+        elif arg.text.startswith(tuple(f"{o}=" for o in writers if o.startswith("--"))):
+            w.written([_Arg(arg.text.split("=", 1)[1], arg.dynamic)])
+            found |= w.tag(f"{name} writes a file", "mutating")
+    operands = _operands(rest)
+    if name in ("uniq", "xxd") and len(operands) >= 2:  # uniq IN OUT, xxd [-r] IN OUT
+        w.written(operands[1:2])
+        found |= w.tag(f"{name} writes its second file", "mutating")
+    if name == "zip":
+        w.written(operands[:1])
+        found |= w.tag("zip changes files", "mutating")
+    return frozenset(found)
+
+
+def _fd(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    for i, arg in enumerate(rest):
+        if arg.text in ("-x", "--exec", "-X", "--exec-batch"):
+            end = next((j for j in range(i + 1, len(rest)) if rest[j].text == ";"), len(rest))
+            return w.argv(rest[i + 1 : end], depth + 1).tags
+    return frozenset()
+
+
+def _setting(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    """``export``, ``declare`` and the like: harmless unless they repoint what later commands run."""
+    if any("=" in a.text and _hijacks(a.text) for a in rest if not _is_option(a.text)):
+        return w.tag(f"{name} changes PATH, the loader or a helper program", "unclassified")
+    return frozenset()
+
+
+def _hash(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    if any(a.text.startswith("-p") for a in rest):
+        return w.tag("hash -p points a command name at another program", "unclassified")
+    return frozenset()
+
+
+def _crontab(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    args = {a.text for a in rest}
+    if "-l" in args:
+        return frozenset()
+    if "-r" in args:
+        return w.tag("crontab -r removes every scheduled job", "destructive", "mutating")
+    return w.tag("crontab installs jobs that run later, outside this session", "unclassified", "mutating")
 
 
 _INSTALL_VERBS = _words("install i add ci update upgrade uninstall remove rm sync download get publish fetch pull")
@@ -506,6 +782,12 @@ _SPECIAL: dict[str, _Handler] = {
     "gawk": _awk,
     "mawk": _awk,
     "tar": _tar,
+    "fd": _fd,
+    "fdfind": _fd,
+    "hash": _hash,
+    "crontab": _crontab,
+    **{reader: _reader for reader in (*_RUNS_WITH, *_WRITES_WITH, "uniq", "xxd")},
+    **{builtin: _setting for builtin in SETTING_BUILTINS},
     **{
         pm: _package
         for pm in _words("pip pip3 npm yarn pnpm uv npx pipx uvx bun bunx gem cargo go apt apt-get brew conda poetry")
