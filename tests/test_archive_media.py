@@ -262,3 +262,16 @@ def test_media_writes_leave_no_temp_files(tmp_path: Path) -> None:
     store.save("u", "p", ImageContent(data=b64(PNG), mime_type="image/png"))
     names = os.listdir(tmp_path / "var/media/u/p")
     assert len(names) == 1 and not names[0].startswith(".")
+
+
+async def test_a_send_with_one_bad_image_stores_no_image_and_no_message(tmp_path: Path) -> None:
+    from agentloop import Kernel, ScriptedModel
+
+    good = ImageContent(data=base64.b64encode(PNG).decode(), mime_type="image/png")
+    bad = ImageContent(data=base64.b64encode(b"hello").decode(), mime_type="image/png")
+    async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(["x"]), workspace=tmp_path) as k:
+        proc = await k.spawn(owner="ann")
+        with pytest.raises(MediaError, match="not a PNG"):
+            await proc.send("look", media=[good, bad])
+        assert not (tmp_path / "var" / "media").exists() or not any((tmp_path / "var" / "media").rglob("*.png"))
+        assert await proc.messages() == []

@@ -383,6 +383,10 @@ async def test_bad_requests_answer_json_errors(server: LiveServer, alice: httpx.
     assert "media[0].mime_type" in error(await alice.post(url, json=bad_media), 400, "invalid_request")
     bad_base64 = {"text": "x", "media": [{"data": "%%%", "mime_type": "image/png"}]}
     assert "media[0].data" in error(await alice.post(url, json=bad_base64), 400, "invalid_request")
+    not_an_image = {"text": "x", "media": [{"data": "aGVsbG8=", "mime_type": "image/png"}]}
+    assert "media[0].data is not a PNG" in error(await alice.post(url, json=not_an_image), 400, "invalid_request")
+    wrong_type = {"text": "x", "media": [{"data": PNG, "mime_type": "image/jpeg"}]}
+    assert "media[0].data is a image/png image" in error(await alice.post(url, json=wrong_type), 400, "invalid_request")
     assert "runid" in error(await alice.post(url, json={"text": "x", "runid": "r"}), 400, "invalid_request")
     assert "body" in error(await alice.post(url, content=b"{nope", headers=_json()), 400, "invalid_request")
     assert "body" in error(await alice.post(url, content=b"[1, 2]", headers=_json()), 400, "invalid_request")

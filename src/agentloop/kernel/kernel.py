@@ -17,7 +17,7 @@ import datetime
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -29,13 +29,14 @@ from agentloop.messages import ImageContent, Message, TextContent, ToolResultMes
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
 from agentloop.process.approval.checker import policy_approval
-from agentloop.process.archive import write_archive
+from agentloop.process.archive import check_name, write_archive
 from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
-from agentloop.tools.base import ToolLike
+from agentloop.tools.base import Tool, ToolLike
+from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.skills import skills_tool
 
 
@@ -75,6 +76,31 @@ def _stamp(paths: Iterable[str]) -> tuple[tuple[int, int] | None, ...]:
         else:
             out.append((st.st_mtime_ns, st.st_size))
     return tuple(out)
+
+
+def _cwd_toolset(root: Path) -> ToolsetFn:
+    """Each process works in its own directory: a process spawned with a ``cwd`` other than the
+    workspace gets built-in tools rooted there (its prompt already reads that directory's files,
+    and its approvals judge paths against it). Other tools are shared unchanged."""
+    rooted: dict[str, dict[str, Tool]] = {}
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        if record.cwd == str(root):
+            return shared
+        own = rooted.get(record.cwd)
+        if own is None:
+            if len(rooted) >= 1024:
+                rooted.clear()
+            own = rooted[record.cwd] = {t.name: t for t in builtin_tools(record.cwd)}
+        return {name: own.get(name, tool) if name in SYSCALLS else tool for name, tool in shared.items()}
+
+    return toolset
+
+
+def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
+    if then is None:
+        return first
+    return lambda record, shared: then(record, first(record, shared))
 
 
 def _prompt_builder(
@@ -173,6 +199,8 @@ class Process:
         if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         record = (await self.kernel.engine.live(self.pid)).record
+        for image in media:  # every image is checked before any is stored: a bad one stores nothing
+            self.kernel.media.check(image)
         blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
         for image in media:  # stored as files; the message keeps a reference, the model gets the image
             ref = self.kernel.media.save(record.owner, self.pid, image)
@@ -281,11 +309,8 @@ class Kernel:
             path = getattr(store, "path", ":memory:")
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
         data = Path(data_dir)
-        if tools is None:
-            from agentloop.tools.builtin import builtin_tools
-
-            tools = builtin_tools(root)
-        tools = list(tools)
+        builtin = tools is None
+        tools = builtin_tools(root) if tools is None else list(tools)
         skills_dir = data / "config" / "ai" / "skills.d"
         if skills_dir.is_dir():
             tools.append(skills_tool([skills_dir]))
@@ -294,6 +319,8 @@ class Kernel:
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
+        if builtin:
+            toolset = _chain(_cwd_toolset(root), toolset)
         if approval is None:
             approval = policy_approval(store, server=policy, accounts=account_policies)
 
@@ -330,11 +357,22 @@ class Kernel:
         parent_pid: str | None = None,
         pid: str | None = None,
     ) -> Process:
+        """A new durable process. ``cwd`` (default: the kernel's workspace; a relative one is taken
+        from there) is the directory its built-in tools work in; it must exist. ``owner`` and
+        ``run_as`` name accounts, so they must be plain names (they become directory names)."""
+        check_name(owner, "owner")
+        check_name(run_as or owner, "run_as")
+        if pid is not None:
+            check_name(pid, "pid")
+        workspace = Path(self.engine.config.workspace or ".")
+        where = (workspace / cwd if cwd is not None else workspace).resolve()
+        if not where.is_dir():
+            raise ValueError(f"cwd {str(cwd)!r} is not a directory")
         record = ProcessRecord(
             pid=pid or new_id(),
             owner=owner,
             run_as=run_as or owner,
-            cwd=str(cwd or self.engine.config.workspace or "."),
+            cwd=str(where),
             parent_pid=parent_pid,
             interactive=interactive,
             context=context,

@@ -95,9 +95,8 @@ class MediaStore:
     def process_dir(self, uid: str, pid: str) -> Path:
         return self.root / check_name(uid, "uid") / check_name(pid, "pid")
 
-    def save(self, uid: str, pid: str, image: ImageContent) -> MediaRef:
-        """Store ``image`` (once per content) and return its reference."""
-        directory = self.process_dir(uid, pid)
+    def check(self, image: ImageContent) -> tuple[bytes, str, str]:
+        """The image's bytes, type and file extension; ``MediaError`` says why it cannot be stored."""
         declared = image.mime_type.strip().lower()
         mime = _ALIASES.get(declared, declared)
         ext = _EXTENSIONS.get(mime)
@@ -117,6 +116,12 @@ class MediaStore:
             raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {image.mime_type!r})")
         if actual != mime:
             raise MediaError(f"image declared as {image.mime_type!r} but its bytes are {actual}")
+        return data, mime, ext
+
+    def save(self, uid: str, pid: str, image: ImageContent) -> MediaRef:
+        """Store ``image`` (once per content) and return its reference."""
+        directory = self.process_dir(uid, pid)
+        data, mime, ext = self.check(image)
         sha = hashlib.sha256(data).hexdigest()
         path = directory / f"{sha}.{ext}"
         if not (path.is_file() and path.stat().st_size == len(data)):

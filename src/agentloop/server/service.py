@@ -19,6 +19,7 @@ from typing import Any, get_args
 from agentloop.kernel import Kernel, NoSuchProcess, Process
 from agentloop.messages import ImageContent, message_to_dict
 from agentloop.process.engine import Receipt, SendMode
+from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
 from agentloop.process.store import HilRow, ProcessRecord, StoredMessage
 from agentloop.server.auth import Principal
@@ -82,9 +83,13 @@ def decode_media(items: list[Any]) -> list[ImageContent]:
         if not isinstance(data, str) or not data:
             raise ApiError(400, "invalid_request", f"{where}.data must be a base64 string")
         try:
-            base64.b64decode(data, validate=True)
+            raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, "invalid_request", f"{where}.data is not valid base64") from None
+        actual = sniff_mime(raw)
+        if actual != mime:
+            what = "not a PNG, JPEG, GIF or WebP image" if actual is None else f"a {actual} image, not {mime}"
+            raise ApiError(400, "invalid_request", f"{where}.data is {what}")
         images.append(ImageContent(data=data, mime_type=mime))
     return images
 
@@ -147,6 +152,10 @@ class ProcessService:
             receipt = await proc.send(text, mode, images, run_id=run_id)  # type: ignore[arg-type]
         except NoSuchProcess:
             raise _not_found(pid) from None
+        except MediaTooLarge as exc:
+            raise ApiError(413, "too_large", f"media: {exc}") from None
+        except MediaError as exc:
+            raise ApiError(400, "invalid_request", f"media: {exc}") from None
         return receipt_json(receipt)
 
     async def history(self, who: Principal, pid: str, *, limit: int = 100, before: int | None = None) -> dict[str, Any]:
