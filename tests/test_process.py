@@ -83,6 +83,34 @@ async def test_steer_is_injected_before_the_next_model_call(tmp_path):
         assert [m.role for m in await proc.messages()] == ["user", "assistant", "toolResult", "user", "assistant"]
 
 
+async def test_steer_during_the_final_answer_is_answered_by_the_run_its_receipt_names(tmp_path):
+    model = ScriptedModel(lambda r: f"re: {r.messages[-1].text}", latency=0.2)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("first")
+        await asyncio.sleep(0.05)  # the model is writing what would be the run's last answer
+        steer = await proc.send("and this", mode="steer")
+        assert steer.queued and steer.run_id == first.run_id
+        await proc.wait_idle()
+        assert [m.text for m in await proc.messages()] == ["first", "re: first", "and this", "re: and this"]
+        signals = await drain(proc)
+        assert [s.payload["runId"] for s in signals if s.signal == "proc.run.started"] == [first.run_id]
+        assert [s.payload["runId"] for s in signals if s.signal == "proc.run.finished"] == [first.run_id]
+
+
+async def test_a_system_event_during_the_final_answer_joins_the_run(tmp_path):
+    model = ScriptedModel(lambda r: f"re: {r.messages[-1].text}", latency=0.2)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("first")
+        await asyncio.sleep(0.05)
+        event = await k.signal(proc.pid, "the build finished")
+        assert event.queued and event.run_id == first.run_id
+        await proc.wait_idle()
+        assert [m.text for m in await proc.messages()][-1] == "re: the build finished"
+        assert len([s for s in await drain(proc) if s.signal == "proc.run.finished"]) == 1
+
+
 async def test_queue_becomes_its_own_run_fifo(tmp_path):
     model = ScriptedModel(
         lambda r: (

@@ -42,6 +42,7 @@ def __getattr__(name: str) -> Any:
         return getattr(kernel, name)
     raise AttributeError(f"module 'agentloop' has no attribute {name!r}")
 
+
 __all__ = [
     "Agent",
     "AgentBusy",

@@ -378,28 +378,30 @@ class ProcessEngine:
             seen = await self.store.kv_get(pid, f"admitted:{run_id}")
             if seen is not None:
                 return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
-        active = live.record.current_run
-        if active is not None and mode == "interrupt":
+        if live.record.current_run is not None and mode == "interrupt":
             await self.abort(pid, reason="user.interrupt")
+        async with self._tx(live) as tx:
+            # decided inside the transaction: the run seen here cannot end before this commits
             active = live.record.current_run
-        if active is None:
-            run = _new_run(run_id)
-            async with self._tx(live) as tx:
+            if active is None:
+                run = _new_run(run_id)
                 await tx.append(run["run_id"], [message])
                 await tx.set_run(run)
                 await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="proc.send")
-                await self._remember_admission(pid, run["run_id"], run_id, queued=False, position=0)
+                receipt = Receipt(run["run_id"], False, 0)
+            else:
+                queued_run = run_id or new_id()
+                receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
+                await self.store.enqueue(pid, "steer" if mode == "steer" else "queue", message, run_id=queued_run)
+                receipt = Receipt(receipt_run, True, live.queued + 1)
+                tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
+                await tx.signal(sig.CHANGED, changes=["queue"])
+            await self._remember_admission(
+                pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position
+            )
+        if not receipt.queued:
             self.wake(pid)
-            return Receipt(run["run_id"], False, 0)
-        queued_run = run_id or new_id()
-        receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
-        async with self._tx(live) as tx:
-            await self.store.enqueue(pid, "steer" if mode == "steer" else "queue", message, run_id=queued_run)
-            position = live.queued + 1
-            tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
-            await tx.signal(sig.CHANGED, changes=["queue"])
-            await self._remember_admission(pid, receipt_run, run_id, queued=True, position=position)
-        return Receipt(receipt_run, True, position)
+        return receipt
 
     async def _remember_admission(
         self, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
@@ -414,19 +416,22 @@ class ProcessEngine:
         system message, ahead of queued user input; starts a run when none is active."""
         live = await self.live(pid)
         message = system(text, "event")
-        if live.record.current_run is None:
-            run = _new_run()
-            async with self._tx(live) as tx:
+        async with self._tx(live) as tx:
+            active = live.record.current_run
+            if active is None:
+                run = _new_run()
                 await tx.append(run["run_id"], [message])
                 await tx.set_run(run)
                 await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="system.event")
+                receipt = Receipt(run["run_id"], False)
+            else:
+                await self.store.enqueue(pid, "system", message)
+                tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
+                await tx.signal(sig.CHANGED, changes=["queue"])
+                receipt = Receipt(active["run_id"], True, 0)
+        if not receipt.queued:
             self.wake(pid)
-            return Receipt(run["run_id"], False)
-        async with self._tx(live) as tx:
-            await self.store.enqueue(pid, "system", message)
-            tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
-            await tx.signal(sig.CHANGED, changes=["queue"])
-        return Receipt(live.record.current_run["run_id"], True, 0)
+        return receipt
 
     # -- driving ----------------------------------------------------------------------------------
 
@@ -502,7 +507,7 @@ class ProcessEngine:
                 await self._ingest(tx, live, run, rows)
             return True
 
-        decision = decide(live.history, has_input=False, guard=run.get("guard"))
+        decision = decide(live.history, has_input=await self._joining(live), guard=run.get("guard"))
         if isinstance(decision, Finish):
             async with self._tx(live) as tx:
                 await self._finish(tx, live, run, decision.reason)
@@ -515,6 +520,13 @@ class ProcessEngine:
             return True
         assert isinstance(decision, CallModel)
         return await self._model_turn(live, run, decision.tools_enabled)
+
+    async def _joining(self, live: _Live) -> bool:
+        """Whether input waits that joins the active run (steer items, system events): a run that
+        would end takes it in another model call instead, so the receipt's run is the one that
+        answers. (A run that ends anyway - aborted, failed, stopped by a guard - leaves it to start
+        the next run.)"""
+        return bool(live.queued) and any(q.kind != "queue" for q in await self.store.queue(live.record.pid))
 
     async def _ingest(self, tx: _Tx, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
         """Every call of the batch is terminal: its results enter the history, in the model's order."""
@@ -622,8 +634,8 @@ class ProcessEngine:
                 live.calls = True
                 batch = self._rows(pid, run_id, reply.tool_calls)
                 await self._dispatch(tx, live, new_run, batch, reply, fresh=True)
-            else:  # after an assistant message, the decision depends on that message alone
-                after = decide([reply], has_input=False, guard=new_run.get("guard"))
+            else:  # after an assistant message, the decision depends on that message (and input) alone
+                after = decide([reply], has_input=await self._joining(live), guard=new_run.get("guard"))
                 if isinstance(after, Finish):
                     await self._finish(tx, live, new_run, after.reason, last=reply)
                     finished = True
