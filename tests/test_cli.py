@@ -469,4 +469,6 @@ def test_run_policy_file_and_a_malformed_one(tmp_path: Path, ws: Path) -> None:
     assert "✓ Read a.txt" in bad.stderr  # the default policy: reads run,
     assert "requires interactive approval" in bad.stderr and (ws / "build").exists()  # rm -rf asks
     missing = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "--approval", str(tmp_path / "nope.json"), "go"])
-    assert missing.stderr.startswith("warning: cannot read approval policy")
+    assert missing.exit_code == 2 and missing.stderr.startswith("error: --approval must be ask, auto, deny or")
+    typo = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "--approval", "dney", "go"])
+    assert typo.exit_code == 2 and "cannot read 'dney'" in typo.stderr and "Traceback" not in typo.stderr

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -89,6 +90,8 @@ def test_a_second_chat_continues_the_conversation_and_new_starts_afresh(tmp_path
     pid = pid_of(first.stderr)
     assert f"new conversation {pid}" in first.stderr
     assert (data / "agentloop.db").exists()
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700  # every conversation is in there: the owner's only
+    assert stat.S_IMODE((data / "agentloop.db").stat().st_mode) == 0o600
     assert json.loads((data / "chat.json").read_text())["chats"][str(ws.resolve())]["pid"] == pid
 
     second_model = model("second", ["second answer"])
@@ -130,6 +133,16 @@ def test_without_the_state_file_the_users_newest_process_in_the_workspace_is_con
     elsewhere = model("three", ["hello"])
     assert "new conversation" in chat(other, data, "three", "hi\n").stderr  # another workspace, another chat
     assert texts(elsewhere.requests[0].messages) == ["hi"]
+
+
+def test_a_data_path_that_is_a_file_is_one_clear_error(tmp_path: Path, ws: Path) -> None:
+    (tmp_path / "data").write_text("not a directory")
+    model("file-data", ["never"])
+    result = runner.invoke(
+        app, ["chat", "-m", "file-data:x", "-w", str(ws), "--data", str(tmp_path / "data")], input="hi\n"
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "cannot use the data directory" in result.stderr and "not a directory" in result.stderr
 
 
 def test_data_directory_from_the_environment(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,9 @@ class ApprovalSetting:
 
 
 def parse_approval(spec: str) -> ApprovalSetting:
-    """``ask`` / ``auto`` / ``deny`` or a JSON policy file; never raises on a bad file."""
+    """``ask`` / ``auto`` / ``deny`` or a JSON policy file. A file that cannot be read raises
+    ``ValueError`` (most likely a misspelt word: falling back to another policy would surprise);
+    a file that is not a valid policy gives the default policy and a warning."""
     word = spec.strip().lower()
     if word == "ask":
         return ApprovalSetting("ask", default_policy(), "default policy")
@@ -64,12 +66,9 @@ def parse_approval(spec: str) -> ApprovalSetting:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return ApprovalSetting(
-            "file",
-            default_policy(),
-            "default policy",
-            [f"cannot read approval policy {path} ({reason}); using the default policy"],
-        )
+        raise ValueError(
+            f"--approval must be ask, auto, deny or a JSON policy file; cannot read {str(path)!r} ({reason})"
+        ) from None
     policy, problems = parse_policy(text)
     if problems:
         return ApprovalSetting("file", policy, "default policy", [f"approval policy {path}: {p}" for p in problems])

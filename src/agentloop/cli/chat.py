@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import getpass
 import json
 import os
@@ -385,6 +386,15 @@ def data_dir(explicit: Path | None = None, env: Mapping[str, str] | None = None)
         return Path(env["AGENTLOOP_DATA"]).expanduser()
     base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "agentloop"
+
+
+def make_data_dir(directory: Path) -> Path:
+    """Create the data directory for its owner only: it holds every conversation, the archives
+    and the token hashes. (An existing directory keeps the permissions it has.)"""
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a directory", str(directory))
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return directory
 
 
 def local_user() -> str:

@@ -154,7 +154,10 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: 
 
 
 def _approval(spec: str) -> ApprovalSetting:
-    setting = parse_approval(spec)
+    try:
+        setting = parse_approval(spec)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     for warning in setting.warnings:
         sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
     return setting
@@ -357,16 +360,14 @@ def _durable_chat(
 ) -> tuple[ChatRepl, int]:
     """The chat on a durable process. The kernel stays open for the whole REPL, entered and left
     on the REPL's one event loop, so runs it resumes keep going between turns' reads."""
-    from agentloop.cli.chat import ChatRepl, ChatState, DurableSession, data_dir, local_user
+    from agentloop.cli.chat import ChatRepl, ChatState, DurableSession, data_dir, local_user, make_data_dir
     from agentloop.kernel import Kernel
 
     directory = data_dir(data)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_data_dir(directory)
     except OSError as exc:
-        raise CliError(f"cannot create the data directory {directory}: {exc.strerror or exc}") from exc
-    if not directory.is_dir():
-        raise CliError(f"data directory {directory} is not a directory")
+        raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
     model = open_model(settings.model, progress)
     options: dict[str, Any] = {"tool_timeout": settings.tool_timeout}
     if settings.max_rounds is not None:

@@ -372,7 +372,7 @@ def serve(
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once)."""
-    from agentloop.cli.chat import data_dir
+    from agentloop.cli.chat import data_dir, make_data_dir
     from agentloop.cli.main import CliError, _approval, _exit, _guarded, _settings, _workspace
 
     with _guarded():
@@ -381,9 +381,9 @@ def serve(
         ws = _workspace(settings)
         directory = data_dir(data)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            make_data_dir(directory)
         except OSError as exc:
-            raise CliError(f"cannot create the data directory {directory}: {exc.strerror or exc}") from exc
+            raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
         if not is_loopback(host):
             sys.stderr.write(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Awaitable
@@ -124,6 +125,9 @@ class SQLiteStore(Store):
             return
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            # every conversation is in here: readable by its owner only (SQLite gives its WAL and
+            # shared-memory files the same permissions)
+            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
