@@ -594,3 +594,22 @@ async def test_switching_to_a_fallback_is_announced():
     retries = [(e.attempt, e.model) for e in events if e.type == "model_retry"]
     assert retries == [(1, "scripted:scripted"), (0, "scripted:backup")]
     assert events[-1].stop_reason == "stop"
+
+
+async def test_input_that_is_not_text_or_messages_is_refused_up_front():
+    agent = Agent(model=ScriptedModel(["never"]))
+    for bad in (None, 123, [None], ["hi"]):
+        with pytest.raises(TypeError):
+            await agent.run(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await agent.run("hi", history=[{"role": "user", "content": "x"}])  # type: ignore[list-item]
+
+
+async def test_steering_a_finished_run_is_an_error_not_a_lost_message():
+    agent = Agent(model=ScriptedModel(["done"]))
+    run = agent.start("hi")
+    await run.result()
+    with pytest.raises(AgentBusy, match="the run has ended"):
+        run.steer("late")
+    with pytest.raises(AgentBusy, match="the run has ended"):
+        run.follow_up("later")

@@ -41,9 +41,23 @@ def test_scripted_file_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="cannot read scripted model file"):
         ScriptedModel.from_file(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
-    bad.write_text('{"replies": 3}')
-    with pytest.raises(ValueError, match="must hold a list"):
+    for text, named in [
+        ('{"replies": 3}', "replies: Input should be a valid list"),
+        ('[{"tool_calls": [{"nom": "x"}]}]', "replies.0.tool_calls.0.name: Field required"),
+        ('[{"tool_calls": "abc"}]', "replies.0.tool_calls: Input should be a valid list"),
+        ('{"latency": "x", "replies": ["a"]}', "latency: Input should be a valid number"),
+        ("[5]", "replies.0: Input should be a valid dictionary"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="is not a valid script") as caught:
+            ScriptedModel.from_file(str(bad))
+        assert named in str(caught.value), text
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="cannot read scripted model file"):
         ScriptedModel.from_file(str(bad))
+    bad.write_text('{"latency": 0.5, "chunk": 2, "replies": ["a", {"error": "boom", "kind": "rate_limit"}]}')
+    model = ScriptedModel.from_file(str(bad))
+    assert (model.latency, model.chunk) == (0.5, 2)
 
 
 def test_catalog_facts_and_cost():

@@ -344,6 +344,10 @@ async def test_bad_input_gets_clear_errors(tmp_path):
         proc = await k.spawn(owner="a")
         with pytest.raises(ValueError, match="mode must be"):
             await proc.send("x", mode="shout")  # type: ignore[arg-type]
+        for empty in ("", "  \n"):
+            with pytest.raises(ValueError, match="non-empty"):
+                await proc.send(empty)
+        assert await proc.messages() == []
 
 
 async def test_crash_resume_reruns_idempotent_and_fails_the_others(tmp_path):

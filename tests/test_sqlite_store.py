@@ -6,8 +6,10 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
 from agentloop.messages import user
-from agentloop.process.store import ProcessRecord, SQLiteStore
+from agentloop.process.store import ProcessRecord, SQLiteStore, StoreError
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 
 
@@ -123,3 +125,20 @@ async def test_version_2_database_migrates_to_clustered_tables_keeping_its_rows(
             assert tables[name].rstrip().endswith("WITHOUT ROWID"), name
     finally:
         await store.close()
+
+
+async def test_a_file_that_is_not_a_database_is_one_clear_error_naming_it(tmp_path):
+    path = tmp_path / "agentloop.db"
+    path.write_bytes(b"this is not a database file" * 200)
+    store = SQLiteStore(path)
+    with pytest.raises(StoreError, match=f"cannot open the database {path}: file is not a database"):
+        await store.open()
+    await store.close()
+    assert path.read_bytes().startswith(b"this is not a database file")  # left as it was
+
+
+async def test_a_new_database_file_is_readable_by_its_owner_only(tmp_path):
+    store = SQLiteStore(tmp_path / "new" / "agentloop.db")
+    await store.open()
+    await store.close()
+    assert (tmp_path / "new" / "agentloop.db").stat().st_mode & 0o777 == 0o600

@@ -93,7 +93,11 @@ def _next_run_id() -> str:
 
 
 def _as_message(m: str | Message) -> Message:
-    return user(m) if isinstance(m, str) else m
+    if isinstance(m, str):
+        return user(m)
+    if not isinstance(m, _MESSAGE_TYPES):
+        raise TypeError(f"a message must be a string or a Message, got {type(m).__name__}")
+    return m
 
 
 class Run:
@@ -116,11 +120,17 @@ class Run:
     def steer(self, message: str | Message) -> None:
         """Deliver at the next boundary (after the running tools), before the next model call;
         tool calls not yet started are skipped."""
+        self._still_running("steer")
         self.state.steering.append(_as_message(message))
 
     def follow_up(self, message: str | Message) -> None:
         """Deliver when the agent would otherwise finish; the run goes on with it."""
+        self._still_running("follow up")
         self.state.follow_up.append(_as_message(message))
+
+    def _still_running(self, what: str) -> None:
+        if self._result is not None or self.state.aborted:  # the message would never be read
+            raise AgentBusy(f"cannot {what}: the run has ended; start a new run with the message")
 
     def abort(self) -> None:
         """Stop now: cancel the model stream and the tools. A no-op once the run is finished."""
@@ -277,9 +287,13 @@ class Agent:
         if mode not in ("agent", "chat"):
             raise ValueError(f"mode must be 'agent' or 'chat', got {mode!r}")
         messages = list(history)
+        if messages and not all(isinstance(m, _MESSAGE_TYPES) for m in messages):
+            raise TypeError("history must be a list of Message objects")
         if isinstance(input, str):  # the common case first: a plain prompt
             prompts: list[Message] = [user(input)]
         elif isinstance(input, list | tuple) or (not isinstance(input, _MESSAGE_TYPES) and isinstance(input, Sequence)):
+            if not all(isinstance(m, _MESSAGE_TYPES) for m in input):
+                raise TypeError("input must be a string, a Message or a list of Message objects")
             messages.extend(cast("Sequence[Message]", input))
             prompts = []
             if not messages:
@@ -290,7 +304,7 @@ class Agent:
             if not isinstance(last, UserMessage | ToolResultMessage) and last.role != "system":
                 raise ValueError(f"Cannot continue from message role: {last.role}")
         else:
-            prompts = [input]
+            prompts = [_as_message(input)]
         return Run(self.config, messages, prompts, stream, mode)
 
     async def run(self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent") -> RunResult:

@@ -170,7 +170,8 @@ async def ask_user(
         answer = parse_answer(line)
         if answer is not None:
             return answer
-        err.print(Text("answer y (yes, this once), n (no) or a (always, for the rest of this conversation)"))
+        always = f"allow every {question.tool} call for the rest of this conversation"
+        err.print(Text(f"answer y (yes, this once), n (no) or a ({always})"))
 
 
 async def _read_or_cancel(reading: Awaitable[str], cancelled: asyncio.Event | None) -> str | None:

@@ -198,6 +198,8 @@ class Process:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active)."""
         if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+        if not isinstance(text, str) or (not text.strip() and not media):
+            raise ValueError("text must be a non-empty string (or come with an image)")
         record = (await self.kernel.engine.live(self.pid)).record
         for image in media:  # every image is checked before any is stored: a bad one stores nothing
             self.kernel.media.check(image)

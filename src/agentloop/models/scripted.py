@@ -13,7 +13,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Seque
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from agentloop.events import StreamDone, StreamError, StreamEvent
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentloop.events import ErrorKind, StreamDone, StreamError, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
     TextContent,
@@ -52,6 +54,30 @@ def call(tool_name: str, /, **arguments: Any) -> tuple[str, dict[str, Any]]:
     return (tool_name, arguments)
 
 
+class _ScriptCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: dict[str, Any] | None = None
+
+
+class _ScriptReply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str = ""
+    thinking: str = ""
+    tool_calls: list[_ScriptCall] = Field(default_factory=list)
+    error: str | None = None
+    kind: ErrorKind = "server"
+
+
+class _ScriptFile(BaseModel):
+    """The JSON a ``scripted:`` model file holds (see ``ScriptedModel.from_file``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    latency: float = Field(0.0, ge=0)
+    chunk: int = Field(0, ge=0)
+    replies: list[str | _ScriptReply]
+
+
 class ScriptedModel(Model):
     """Replays ``script`` (a list, consumed one reply per call) or calls it (a function).
 
@@ -86,27 +112,29 @@ class ScriptedModel(Model):
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read scripted model file {path!r}: {exc}") from exc
-        options: dict[str, Any] = {}
-        if isinstance(data, dict):
-            options = {k: data[k] for k in ("latency", "chunk") if k in data}
-            data = data.get("replies", [])
-        if not isinstance(data, list):
-            raise ValueError(f"scripted model file {path!r} must hold a list of replies")
+        try:
+            script = _ScriptFile.model_validate({"replies": data} if isinstance(data, list) else data)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+            if len(errors) > 1:  # a reply that is an object: "it is not a string either" is noise
+                errors = [e for e in errors if e["loc"][-1:] != ("str",)]
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'] if not str(p).startswith('_Script')) or 'file'}: {e['msg']}"
+                for e in errors[:5]
+            )
+            raise ValueError(f"scripted model file {path!r} is not a valid script: {problems}") from None
         replies: list[Scripted] = []
-        for i, item in enumerate(data):
+        for item in script.replies:
             if isinstance(item, str):
                 replies.append(item)
-            elif isinstance(item, dict):
-                if "error" in item:
-                    replies.append(ProviderError(str(item["error"]), kind=item.get("kind", "server")))
-                    continue
-                calls = [(c["name"], dict(c.get("arguments") or {})) for c in item.get("tool_calls", [])]
-                replies.append(Reply(text=item.get("text", ""), thinking=item.get("thinking", ""), tool_calls=calls))
+            elif item.error is not None:
+                replies.append(ProviderError(item.error, kind=item.kind))
             else:
-                raise ValueError(f"scripted model file {path!r}: reply {i} must be a string or an object")
-        return cls(replies, **options)
+                calls = [(c.name, dict(c.arguments or {})) for c in item.tool_calls]
+                replies.append(Reply(text=item.text, thinking=item.thinking, tool_calls=calls))
+        return cls(replies, latency=script.latency, chunk=script.chunk)
 
     @property
     def calls(self) -> int:

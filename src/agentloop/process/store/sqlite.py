@@ -123,18 +123,29 @@ class SQLiteStore(Store):
     async def open(self) -> None:
         if self._db is not None:
             return
+        try:
+            self._open()
+        except (sqlite3.Error, OSError) as exc:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise StoreError(f"cannot open the database {self.path}: {reason}") from exc
+
+    def _open(self) -> None:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             # every conversation is in here: readable by its owner only (SQLite gives its WAL and
             # shared-memory files the same permissions)
-            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db = db
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
         db.execute("PRAGMA busy_timeout=5000")
         db.execute("PRAGMA temp_store=MEMORY")  # a group member's savepoint journal stays in memory
-        self._db = db
         self._migrate()
         if self.path != ":memory:":
             db.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
