@@ -231,7 +231,7 @@ def test_an_asked_call_is_refused_when_the_user_says_no(tmp_path: Path, ws: Path
     result = chat(ws, tmp_path / "data", "no", "clean up\nmaybe\nn\n")
     assert (ws / "build").exists()
     assert result.stdout == "I left it\n"
-    assert "answer y (yes, this once), n (no) or a (always" in result.stderr  # "maybe" is asked again
+    assert "answer y (yes, this once), n (no) or a (allow every Shell call" in result.stderr  # "maybe" is asked again
     assert "✗ Shell rm -rf build: Tool execution denied by user" in result.stderr
     [result_msg] = [m for m in scripted.requests[1].messages if isinstance(m, ToolResultMessage)]
     assert result_msg.is_error and result_msg.text == "Tool execution denied by user"
