@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
-from agentloop.loop.execute import _check, _execute, _Prepared
+from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared
+from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.runner import CANCELLED
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
@@ -47,6 +48,7 @@ from agentloop.messages import (
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
 from agentloop.process.approval.engine import remember_rule
+from agentloop.process.approval.tags import call_target
 from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
 from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
@@ -323,11 +325,12 @@ class ProcessEngine:
             return False
         live = await self.live(record.pid)
         run_id = record.current_run["run_id"]
+        tools = (await self._run_config(live, run_id)).tools  # the process's own (a device's tools too)
         async with self._tx(live) as tx:
             for row in await self.store.calls(record.pid, run_id):
                 if row.status != "dispatched":
                     continue
-                tool = self.config.tools.get(row.tool_name)
+                tool = tools.get(row.tool_name)
                 if tool is not None and tool.idempotent:
                     await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",))
                 else:
@@ -505,6 +508,7 @@ class ProcessEngine:
                 return False
             async with self._tx(live) as tx:
                 await self._ingest(tx, live, run, rows)
+            await self._post_turn(live, run_id, run["turn"])
             return True
 
         decision = decide(live.history, has_input=await self._joining(live), guard=run.get("guard"))
@@ -591,7 +595,7 @@ class ProcessEngine:
 
         try:
             reply = await call_model(cfg, state, tools_enabled, stream if self.hub.watching(pid) else None)
-            overflow = reply.stop_reason == "error" and is_context_overflow(reply, cfg.model.info.context_window)
+            overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
             if overflow and await self._compact(live, run, cfg, "overflow"):  # one compact-and-retry
                 messages = self.hydrate(live.history) if self.hydrate is not None and live.media else live.history
                 state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
@@ -603,11 +607,14 @@ class ProcessEngine:
             reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
             reply.stop_reason = "stop"
         usage = run["usage"]
+        limit = cfg.guards.max_tool_calls
+        budget = None if limit is None else max(0, limit - run["tool_calls"])  # calls past it are not run
+        ran = len(reply.tool_calls) if budget is None else min(len(reply.tool_calls), budget)
         new_run = {
             **run,
             "generation": generation + 1,
             "rounds": run["rounds"] + (1 if tools_enabled else 0),
-            "tool_calls": run["tool_calls"] + len(reply.tool_calls),
+            "tool_calls": run["tool_calls"] + ran,
             "usage": {
                 "input": usage["input"] + reply.usage.input,
                 "output": usage["output"] + reply.usage.output,
@@ -633,12 +640,16 @@ class ProcessEngine:
             if reply.tool_calls:
                 live.calls = True
                 batch = self._rows(pid, run_id, reply.tool_calls)
-                await self._dispatch(tx, live, new_run, batch, reply, fresh=True)
+                await self._dispatch(tx, live, new_run, batch, reply, fresh=True, budget=budget)
             else:  # after an assistant message, the decision depends on that message (and input) alone
                 after = decide([reply], has_input=await self._joining(live), guard=new_run.get("guard"))
                 if isinstance(after, Finish):
                     await self._finish(tx, live, new_run, after.reason, last=reply)
                     finished = True
+                else:  # input joined the run: the next model call opens another turn
+                    await tx.set_run({**new_run, "turn": new_run["turn"] + 1})
+        if not batch:
+            await self._post_turn(live, run_id, run["turn"])
         if finished:
             await self._promote(live)
             return False
@@ -740,19 +751,32 @@ class ProcessEngine:
         assistant: AssistantMessage | None = None,
         *,
         fresh: bool = False,
+        budget: int | None = None,
     ) -> None:
-        """Start every registered call the policy allows, in the model's order, inside ``tx``; stop
-        at the first that needs a person's approval. Tools start once the transaction commits.
+        """Start the registered calls the policy allows, in the model's order, inside ``tx``; stop
+        at the first that needs a person's approval, or that must wait for calls in flight (the
+        loop's ``sequential`` mode, a ``sequential`` tool, ``max_concurrency``): each result wakes
+        the driver, which starts the next. Tools start once the transaction commits.
 
         ``fresh`` rows are not stored yet: they are inserted at the end with the status decided
-        here (one statement per batch instead of an insert and an update per call)."""
+        here (one statement per batch instead of an insert and an update per call). Calls past
+        ``budget`` (what is left of the ``max_tool_calls`` guard) are not run."""
         pid, run_id = live.record.pid, run["run_id"]
         assistant = assistant or _last_assistant(live.history) or AssistantMessage()
         approved = (await self.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
+        cfg = await self._run_config(live, run_id)
+        in_flight = sum(1 for r in rows if r.status == "dispatched")
+        alone = in_flight > 0 and any(_runs_alone(cfg, r) for r in rows if r.status == "dispatched")
         for row in rows:
             if row.status != "registered":
                 continue
             call = _call_of(row)
+            if budget is not None and row.position >= budget:
+                text = "Not run: the run's tool call budget is used up."
+                await self._settle(tx, row, tool_error_result(call, text), "failed", ("registered",), fresh=fresh)
+                continue
+            if alone or in_flight >= max(1, cfg.max_concurrency) or (in_flight and _runs_alone(cfg, row)):
+                break  # its turn comes when a call in flight finishes
             verdict = await self.approval(live.record, row)
             if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
                 verdict = Approval("auto")
@@ -793,7 +817,6 @@ class ProcessEngine:
                     reason=verdict.reason,
                 )
                 break
-            cfg = await self._run_config(live, run_id)
             prepared = _check(cfg, _state_for(live, run_id), assistant, call)
             if isinstance(prepared, ToolResultMessage):
                 await self._settle(tx, row, prepared, "failed", ("registered",), fresh=fresh)
@@ -815,6 +838,8 @@ class ProcessEngine:
                 args=row.args,
             )
             tx.durable.append(self._launcher(live, run_id, row, prepared))
+            in_flight += 1
+            alone = _runs_alone(cfg, row)
         if fresh:
             await self.store.register_calls(rows)
 
@@ -874,7 +899,12 @@ class ProcessEngine:
 
     async def _run_tool(self, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> None:
         try:
-            result = await _execute(await self._run_config(live, run_id), _state_for(live, run_id), prepared, None)
+            cfg = await self._run_config(live, run_id)
+            checked = await _ask_hooks(cfg, prepared) if cfg.hooks.before else prepared  # a hook may block it
+            if isinstance(checked, ToolResultMessage):
+                result = checked
+            else:
+                result = await _execute(cfg, _state_for(live, run_id), checked, None)
             try:
                 await self._record(live, run_id, row, result)
             except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
@@ -897,13 +927,23 @@ class ProcessEngine:
             mine = next((r for r in rows if r.dispatch_id == row.dispatch_id), None)
             if mine is None or mine.status != "dispatched":
                 return  # settled already (a deadline, an abort): this result is late
-            if all(r.terminal for r in rows if r is not mine):
-                # the last result of the batch: the batch is ingested now and its rows deleted,
-                # so the status is settled in memory only
-                await self._settle(tx, mine, result, status, ("dispatched",), fresh=True)
-                await self._ingest(tx, live, run, rows)
-            else:
+            if not all(r.terminal for r in rows if r is not mine):
                 await self._settle(tx, row, result, status, ("dispatched",))
+                return
+            # the last result of the batch: the batch is ingested now and its rows deleted, so the
+            # status is settled in memory only
+            await self._settle(tx, mine, result, status, ("dispatched",), fresh=True)
+            await self._ingest(tx, live, run, rows)
+        await self._post_turn(live, run_id, run["turn"])
+
+    async def _post_turn(self, live: _Live, run_id: str, turn: int) -> None:
+        """The ``post_turn`` hooks, as the in-memory runner calls them after each turn (a failing
+        one is logged). The hooks are the shared configuration's; the prompt and tools the run's."""
+        hooks = self.config.hooks
+        if "post_turn" not in hooks.phases:
+            return
+        cfg = live.config[1] if live.config is not None and live.config[0] == run_id else self.config
+        await hooks.run_phase("post_turn", TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs))
 
     async def _settle(
         self,
@@ -955,7 +995,8 @@ class ProcessEngine:
                 await self.store.kv_set(pid, f"approved:{row.run_id}", approved)
                 if remember:  # a process-local allow rule, which the policy checker reads first
                     rules = await self.store.kv_get(pid, "approval_overrides") or []
-                    rules.insert(0, remember_rule(row.syscall).to_json())
+                    target = call_target(row.syscall, row.tool_name, row.args)  # a device's, or local
+                    rules.insert(0, remember_rule(row.syscall, target).to_json())
                     await self.store.kv_set(pid, "approval_overrides", rules)
             else:
                 msg = tool_error_result(_call_of_hil(row), "Tool execution denied by user")
@@ -1109,6 +1150,14 @@ class ProcessEngine:
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
+
+
+def _runs_alone(cfg: LoopConfig, row: ToolCallRow) -> bool:
+    """Whether a call runs with no other call of its batch in flight."""
+    if cfg.tool_execution == "sequential":
+        return True
+    tool = cfg.tools.get(row.tool_name)
+    return tool is not None and tool.sequential
 
 
 def _drop_task(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[None]) -> None:
