@@ -7,7 +7,9 @@ import gzip
 import json
 from pathlib import Path
 
-from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, call, tool
+import pytest
+
+from agentloop import Block, Hooks, Reply, ScriptedModel, SystemMessage, ToolResultMessage, TurnInfo, call, tool
 from agentloop.kernel import Kernel
 from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.models.base import ModelInfo, ModelRequest, ProviderError
@@ -95,6 +97,28 @@ async def test_threshold_compaction_happens_between_turns_of_one_run(tmp_path):
         assert segments and segments[0].archive_path == event["archive"]
 
 
+@pytest.mark.parametrize("block", [False, True])
+async def test_pre_compaction_hooks_see_the_history_first_and_may_skip_it(tmp_path, block):
+    hooks = Hooks()
+    seen: list[int] = []
+
+    @hooks.on("pre_compaction")
+    def before(info: TurnInfo) -> Block | None:
+        seen.append(len(info.messages))
+        return Block("not now") if block else None
+
+    model = ScriptedModel(
+        compacting_brain(12), info=ModelInfo(provider="scripted", id="small", context_window=3000, max_output=200)
+    )
+    async with kernel(tmp_path, model, hooks=hooks) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("produce chunks")
+        await proc.wait_idle()
+        compacted = [s async for s in proc.signals(follow=False) if s.signal == "proc.compacted"]
+    assert seen and seen[0] >= 4
+    assert (compacted == []) is block
+
+
 async def test_provider_overflow_triggers_one_compact_and_retry(tmp_path):
     calls = {"n": 0}
 
@@ -136,3 +160,21 @@ async def test_skills_are_indexed_in_the_prompt_and_read_with_the_skills_tool(tm
         assert "Run make ship." not in first.system_prompt  # bodies are read on demand
         result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
         assert "Run make ship." in result.text
+
+
+async def test_a_skills_directory_made_after_start_brings_the_skills_tool_with_its_index(tmp_path):
+    model = ScriptedModel(["no skills yet", Reply(tool_calls=[call("skills", action="list")]), "ok"])
+    async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[]) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("anything to know?")
+        await proc.wait_idle()
+        assert [t.name for t in model.requests[0].tools] == []
+        skill = tmp_path / "config" / "ai" / "skills.d" / "deploy"
+        skill.mkdir(parents=True)
+        (skill / "SKILL.md").write_text("---\nname: deploy\ndescription: How to ship a release.\n---\nRun make ship.")
+        await proc.send("and now?")
+        await proc.wait_idle()
+        second = model.requests[1]
+        assert [t.name for t in second.tools] == ["skills"] and "How to ship a release." in second.system_prompt
+        result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
+        assert "deploy" in result.text and not result.is_error

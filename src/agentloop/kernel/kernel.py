@@ -97,6 +97,19 @@ def _cwd_toolset(root: Path) -> ToolsetFn:
     return toolset
 
 
+def _skills_toolset(skills_dir: Path) -> ToolsetFn:
+    """The ``skills`` tool, for runs that start while the skills directory exists: the prompt's
+    skills index is read at the same moment, so the model never sees one without the other."""
+    skills = skills_tool([skills_dir])
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        if "skills" in shared or not skills_dir.is_dir():
+            return shared
+        return {**shared, "skills": skills}
+
+    return toolset
+
+
 def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
     if then is None:
         return first
@@ -313,14 +326,12 @@ class Kernel:
         data = Path(data_dir)
         builtin = tools is None
         tools = builtin_tools(root) if tools is None else list(tools)
-        skills_dir = data / "config" / "ai" / "skills.d"
-        if skills_dir.is_dir():
-            tools.append(skills_tool([skills_dir]))
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         await store.open()
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
+        toolset = _chain(_skills_toolset(data / "config" / "ai" / "skills.d"), toolset)
         if builtin:
             toolset = _chain(_cwd_toolset(root), toolset)
         if approval is None:

@@ -8,9 +8,11 @@ result the previous one returned.
 Turn phases (``hooks.on(phase)``) run before every model call, in this order:
 ``pre_policy`` (may ``Block`` the turn), ``pre_prompt_context`` (returns extra context text),
 ``pre_tool_materialization`` (returns the tool list to show), ``pre_prompt_compile`` (returns the
-system prompt to send); and ``post_turn`` after each turn. A hook that fails in a policy phase
-(``pre_policy``, ``pre_tool_materialization``, ``pre_prompt_compile``) fails the run; one that
-fails in a context phase (``pre_prompt_context``, ``post_turn``) is logged and its contribution
+system prompt to send); and ``post_turn`` after each turn. ``pre_compaction`` runs before a
+durable process summarises older history (a last chance to save something from it; returning
+``Block`` skips this compaction). A hook that fails in a policy phase (``pre_policy``,
+``pre_tool_materialization``, ``pre_prompt_compile``) fails the run; one that fails in a context
+phase (``pre_prompt_context``, ``post_turn``, ``pre_compaction``) is logged and its contribution
 left out.
 """
 
@@ -28,7 +30,7 @@ from agentloop.tools.base import ToolResult
 log = logging.getLogger("agentloop.hooks")
 
 Phase: TypeAlias = Literal[
-    "pre_policy", "pre_prompt_context", "pre_tool_materialization", "pre_prompt_compile", "post_turn"
+    "pre_policy", "pre_prompt_context", "pre_tool_materialization", "pre_prompt_compile", "post_turn", "pre_compaction"
 ]
 PHASES: tuple[str, ...] = get_args(Phase)
 POLICY_PHASES = frozenset({"pre_policy", "pre_tool_materialization", "pre_prompt_compile"})
@@ -102,8 +104,9 @@ class Hooks:
 
         return register
 
-    async def run_phase(self, phase: Phase, info: TurnInfo) -> None:
-        """Run one phase's hooks, applying what they return to ``info``; raises ``TurnFailed``."""
+    async def run_phase(self, phase: Phase, info: TurnInfo) -> Block | None:
+        """Run one phase's hooks, applying what they return to ``info``; raises ``TurnFailed``.
+        Returns the ``Block`` a ``pre_compaction`` hook gave, if any."""
         for fn in self.phases.get(phase, ()):
             try:
                 out = await _call(fn, info)
@@ -114,6 +117,8 @@ class Hooks:
                 continue
             if isinstance(out, Block) and phase == "pre_policy":
                 raise TurnFailed(f"turn blocked by policy: {out.reason}")
+            if isinstance(out, Block) and phase == "pre_compaction":
+                return out
             if out is None:
                 continue
             if phase == "pre_prompt_context" and isinstance(out, str):
@@ -122,6 +127,7 @@ class Hooks:
                 info.tools = out
             elif phase == "pre_prompt_compile" and isinstance(out, str):
                 info.system_prompt = out
+        return None
 
     def before_tool_call(self, fn: T) -> T:
         self.before.append(fn)  # type: ignore[arg-type]

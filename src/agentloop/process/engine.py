@@ -542,7 +542,7 @@ class ProcessEngine:
 
     async def _model_turn(self, live: _Live, run: dict[str, Any], tools_enabled: bool) -> bool:
         pid, run_id = live.record.pid, run["run_id"]
-        cfg = self.config
+        cfg = await self._run_config(live, run_id)  # the run's own prompt and tools
         queue = await self.store.queue(pid) if live.queued else []
         inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
         guard = run.get("guard")
@@ -567,7 +567,6 @@ class ProcessEngine:
                 await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
         generation = run["generation"]
 
-        cfg = await self._run_config(live, run_id)
         await self._compact_if_needed(live, run, cfg, tools_enabled)
         messages = self.hydrate(live.history) if self.hydrate is not None and live.media else live.history
         state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
@@ -690,6 +689,12 @@ class ProcessEngine:
         if self.archive is None:
             return False
         pid = live.record.pid
+        if "pre_compaction" in cfg.hooks.phases:
+            info = TurnInfo(run["run_id"], run["turn"], live.history, cfg.system_prompt, cfg.tool_specs)
+            blocked = await cfg.hooks.run_phase("pre_compaction", info)
+            if blocked is not None:
+                log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
+                return False
         keep = cfg.model.info.context_window // 4
         if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
             keep = min(keep, estimate_tokens(live.history) // 2)
