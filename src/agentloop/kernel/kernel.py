@@ -377,10 +377,12 @@ class Kernel:
         check_name(run_as or owner, "run_as")
         if pid is not None:
             check_name(pid, "pid")
-        workspace = Path(self.engine.config.workspace or ".")
-        where = (workspace / cwd if cwd is not None else workspace).resolve()
-        if not where.is_dir():
-            raise ValueError(f"cwd {str(cwd)!r} is not a directory")
+        workspace = self.engine.config.workspace or Path(".").resolve()  # (resolved when the kernel opened)
+        where = workspace
+        if cwd is not None:
+            where = (workspace / cwd).resolve()
+            if not where.is_dir():
+                raise ValueError(f"cwd {str(cwd)!r} is not a directory")
         record = ProcessRecord(
             pid=pid or new_id(),
             owner=owner,
