@@ -370,6 +370,21 @@ async def test_heartbeats_after_silence_and_shutdown_ends_streams(tmp_path: Path
             error(await alice.get(f"/v1/processes/{pid}/events"), 503, "unavailable")
 
 
+async def test_revoking_the_token_ends_an_event_stream_opened_with_it(tmp_path: Path) -> None:
+    with live_server(tmp_path, heartbeat=0.05) as server:
+        assert server.ctx is not None
+        accounts = server.ctx.accounts
+        token, record = await server.run(lambda: accounts.create_token("alice", label="phone"))
+        async with server.client(token) as phone:
+            pid = await spawn(phone)
+            async with phone.stream("GET", f"/v1/processes/{pid}/events") as resp:
+                await wait_until(lambda: server.watchers(pid) > 0)
+                await server.run(lambda: accounts.revoke(record.id))
+                await asyncio.wait_for(resp.aread(), 5)  # the stream ends
+            await wait_until(lambda: server.watchers(pid) == 0)
+            error(await phone.get(f"/v1/processes/{pid}"), 401, "unauthorized")
+
+
 # ------------------------------------------------------------------ bad requests
 
 

@@ -650,3 +650,15 @@ def test_killing_a_followed_process_ends_its_subscription(server: KernelServer) 
         eventually(lambda: server.ws_tasks("_pump") == 0)
         assert c.ok("proc.unsubscribe", {"pid": pid})["unsubscribed"] is False
         assert c.error("proc.subscribe", {"pid": pid}) == "not_found"
+
+
+def test_revoking_the_token_closes_a_socket_opened_with_it(server: KernelServer) -> None:
+    assert server.ctx is not None
+    ctx = server.ctx
+    ctx.heartbeat = 0.05
+    token, record = server.run(lambda: ctx.accounts.create_token("alice", label="laptop"))
+    with server.client() as c:
+        assert c.ok("sys.connect", {"role": "user", "token": token})["account"] == "alice"
+        assert c.ok("proc.list") == {"processes": []}
+        server.run(lambda: ctx.accounts.revoke(record.id))
+        assert closed_code(c) == ws.CLOSE_UNAUTHORIZED

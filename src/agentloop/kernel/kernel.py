@@ -377,7 +377,7 @@ class Kernel:
         check_name(run_as or owner, "run_as")
         if pid is not None:
             check_name(pid, "pid")
-        workspace = self.engine.config.workspace or Path(".").resolve()  # (resolved when the kernel opened)
+        workspace = self.engine.config.workspace or Path(".").resolve()  # noqa: ASYNC240 - (set at open)
         where = workspace
         if cwd is not None:
             where = (workspace / cwd).resolve()

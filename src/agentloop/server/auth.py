@@ -90,6 +90,13 @@ class Accounts:
         async with self.store.transaction():
             return await self.store.revoke_token(token_id, time.time())
 
+    async def still_valid(self, who: Principal) -> bool:
+        """Whether the token ``who`` connected with is still good (not revoked, account still there):
+        a long-lived stream or socket asks this now and then, so a revocation ends it too."""
+        if await self.store.get_account(who.account) is None:
+            return False
+        return any(t.id == who.token_id and t.revoked_at is None for t in await self.store.list_tokens(who.account))
+
     async def authenticate(self, token: str) -> Principal | None:
         """The principal behind ``token``, or None if it is unknown, revoked or its account is gone."""
         if not token or len(token) > 512:

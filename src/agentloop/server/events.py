@@ -70,14 +70,23 @@ async def _on_stop(stopping: asyncio.Event, out: asyncio.Queue[Any]) -> None:
         out.put_nowait(_END)
 
 
-async def frames(ctx: ServerContext, pid: str, signals: AsyncIterator[Signal]) -> AsyncIterator[ServerSentEvent]:
+async def frames(
+    ctx: ServerContext, pid: str, signals: AsyncIterator[Signal], who: Principal | None = None
+) -> AsyncIterator[ServerSentEvent]:
     """SSE frames for ``signals``, with a ``: ping`` comment after every ``ctx.heartbeat`` seconds of
-    silence, until the signals end or ``ctx.stopping`` is set."""
+    silence, until the signals end or ``ctx.stopping`` is set; and, every heartbeat, a check that
+    ``who``'s token is still valid (a revoked token ends the stream)."""
     items: asyncio.Queue[Any] = asyncio.Queue(BUFFER)
     pump = asyncio.create_task(_pump(pid, signals, items))
     stop = asyncio.create_task(_on_stop(ctx.stopping, items))
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + ctx.heartbeat
     try:
         while not ctx.stopping.is_set():
+            if who is not None and loop.time() >= check_at:
+                if not await ctx.accounts.still_valid(who):
+                    return
+                check_at = loop.time() + ctx.heartbeat
             if items.empty():
                 try:
                     item = await asyncio.wait_for(items.get(), ctx.heartbeat)
@@ -102,4 +111,4 @@ async def open_stream(
         raise ApiError(503, "unavailable", "the server is shutting down")
     signals = await ctx.processes.signals(who, pid, after_seq=after_seq, follow=follow)
     # ping=0: heartbeats come from ``frames``, and only after silence, not on a fixed clock.
-    return EventSourceResponse(frames(ctx, pid, signals), ping=0, headers={"Cache-Control": "no-store"})
+    return EventSourceResponse(frames(ctx, pid, signals, who), ping=0, headers={"Cache-Control": "no-store"})

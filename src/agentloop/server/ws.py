@@ -351,6 +351,7 @@ class Connection:
         self._reader = asyncio.current_task()
         self._connect_by = asyncio.get_running_loop().time() + CONNECT_TIMEOUT
         watcher = asyncio.create_task(self._close_when_stopping())
+        revoked = asyncio.create_task(self._close_when_revoked())
         driver: tuple[Principal, dict[str, Any], str] | None = None
         try:
             driver = await self._read()
@@ -361,7 +362,8 @@ class Connection:
             await self._close(CLOSE_POLICY, "the client does not read its frames")
         finally:
             watcher.cancel()
-            await self._teardown(watcher)
+            revoked.cancel()
+            await self._teardown(watcher, revoked)
         if driver is not None:  # the device hub owns the socket from here until it closes
             await self._hand_over(*driver)
 
@@ -379,6 +381,14 @@ class Connection:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(SEND_TIMEOUT):
                     await self.ws.close(code)
+
+    async def _close_when_revoked(self) -> None:
+        """Every heartbeat, check the connected user's token: a revoked one closes the socket."""
+        while True:
+            await asyncio.sleep(self.ctx.heartbeat)
+            if self.who is not None and not await self.ctx.accounts.still_valid(self.who):
+                await self._close(CLOSE_UNAUTHORIZED, "the token was revoked")
+                return
 
     async def _close_when_stopping(self) -> None:
         await self.ctx.stopping.wait()
