@@ -97,3 +97,37 @@ async def test_a_malformed_policy_falls_back_to_the_default_with_a_warning(tmp_p
             assert "destructive" in ask.tags
             await proc.abort()
     assert "approval policy server" in caplog.text and "default policy" in caplog.text
+
+
+async def test_an_accounts_policy_file_applies_to_its_processes_and_is_reread_when_it_changes(tmp_path, caplog):
+    from agentloop import Reply, ScriptedModel, ToolResultMessage, call
+    from tests.process_support import kernel
+
+    policy_file = tmp_path / "home" / "alice" / "approval.json"
+    policy_file.parent.mkdir(parents=True)
+    policy_file.write_text('{"default": "auto", "rules": [{"match": "tool.echo", "action": "deny"}]}')
+
+    def results(messages):
+        return [m.text for m in messages if isinstance(m, ToolResultMessage)]
+
+    model = ScriptedModel(
+        lambda r: "ok" if isinstance(r.messages[-1], ToolResultMessage) else Reply(tool_calls=[call("echo", text="hi")])
+    )
+    async with kernel(tmp_path, model) as k:
+        alice, bob = await k.spawn(owner="alice"), await k.spawn(owner="bob")
+        for proc in (alice, bob):
+            await proc.send("go")
+            await proc.wait_idle()
+        assert results(await alice.messages())[0].startswith("Tool execution denied by policy")
+        assert results(await bob.messages()) == ["hi"]  # other accounts keep the server-wide policy
+
+        policy_file.write_text('{"default": "auto", "rules": []}   ')  # changed (size too): read again
+        await alice.send("again")
+        await alice.wait_idle()
+        assert results(await alice.messages())[-1] == "hi"
+
+        policy_file.write_text('{"default": "sometimes"')  # malformed: the default policy, and a warning
+        await alice.send("once more")
+        await alice.wait_idle()
+        assert results(await alice.messages())[-1] == "hi"
+        assert any("approval policy of account 'alice'" in r.message for r in caplog.records)

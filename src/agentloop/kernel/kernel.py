@@ -316,7 +316,8 @@ class Kernel:
         is given) and fills the prompt's ``{{devices}}``; ``agent_options`` are ``Agent``'s
         (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
-        ``account_policies``; DESIGN §3's default otherwise) unless ``approval`` replaces the check.
+        ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
+        default otherwise) unless ``approval`` replaces the check.
         """
         root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
         store = open_store(url)
@@ -335,7 +336,12 @@ class Kernel:
         if builtin:
             toolset = _chain(_cwd_toolset(root), toolset)
         if approval is None:
-            approval = policy_approval(store, server=policy, accounts=account_policies)
+            approval = policy_approval(
+                store,
+                server=policy,
+                accounts=account_policies,
+                account_file=lambda owner: data / "home" / owner / "approval.json",
+            )
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
             path = await asyncio.to_thread(write_archive, data, record.owner, record.pid, name, messages, meta)

@@ -1,8 +1,9 @@
 """The approval policy as the durable runner asks it: one verdict per registered tool call.
 
 Policies come from three places, most specific first: rules a person remembered for this process
-(stored with the process), the owning account's policy, and the server-wide default. A policy
-that cannot be read is replaced by the default policy, with a warning in the log.
+(stored with the process), the owning account's policy (given in code, or its policy file, read
+again whenever it changes), and the server-wide default. A policy that cannot be read is replaced
+by the default policy, with a warning in the log.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from agentloop.process.approval.engine import args_fingerprint, decide
@@ -40,17 +42,44 @@ def policy_approval(
     server: str | bytes | dict[str, Any] | Policy | None = None,
     accounts: Mapping[str, str | bytes | dict[str, Any] | Policy] | None = None,
     home_of: Callable[[str], str] | None = None,
+    account_file: Callable[[str], Path] | None = None,
 ) -> ApprovalFn:
-    """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call."""
+    """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call. ``account_file``
+    names an account's policy file, used when ``accounts`` has no policy for it."""
     server_policy = load_policy(server, "server")
     account_policies = {name: load_policy(p, f"of account {name!r}") for name, p in (accounts or {}).items()}
     home = home_of or (lambda user: os.path.expanduser("~"))
 
     fallback = server_policy if server_policy is not None else default_policy()
     merged: dict[tuple[str, str], Policy] = {}  # (owner, remembered rules as JSON) -> policy
+    from_files: dict[str, tuple[tuple[int, int], Policy | None]] = {}  # owner -> (file stamp, its policy)
+
+    def from_file(owner: str) -> Policy | None:
+        assert account_file is not None
+        path = account_file(owner)
+        try:
+            st = os.stat(path)
+        except OSError:  # no file: the server-wide policy applies
+            from_files.pop(owner, None)
+            return None
+        stamp = (st.st_mtime_ns, st.st_size)
+        hit = from_files.get(owner)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        source = f"of account {owner!r} ({path})"
+        try:
+            policy = load_policy(path.read_text(encoding="utf-8"), source)
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
+            policy = default_policy()
+        from_files[owner] = (stamp, policy)
+        merged.clear()  # remembered rules were merged onto the old policy
+        return policy
 
     def policy_of(owner: str, remembered: list[dict[str, Any]] | None) -> Policy:
         base = account_policies.get(owner)
+        if base is None and account_file is not None:
+            base = from_file(owner)
         base = fallback if base is None else base
         if not remembered:
             return base
