@@ -238,6 +238,7 @@ def test_engine_chat_refuses_what_the_policy_would_ask_about(served: Served, rep
         events = [(f["event"], f["data"]) for f in sse(response.iter_lines())]
     result = next(data for name, data in events if name == "tool-result")
     assert result["id"] == "call_rm" and "error" in result and "output" not in result
+    assert "stateless /engine/chat request" in result["error"] and "terminal" not in result["error"]
     assert events[-1][0] == "done"
     assert victim.is_dir()
 

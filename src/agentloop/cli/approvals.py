@@ -200,8 +200,11 @@ class PolicyHook:
     with a reason the model and the user can act on). "Always" adds the same process-local rule
     the kernel would add, so both runners remember alike."""
 
-    def __init__(self, policy: Policy, *, cwd: str | os.PathLike[str], ask: Asker | None) -> None:
+    def __init__(
+        self, policy: Policy, *, cwd: str | os.PathLike[str], ask: Asker | None, unanswerable: str = NO_TERMINAL
+    ) -> None:
         self.policy = policy
+        self.unanswerable = unanswerable  # why an ask is refused when there is nobody to ask
         self.cwd = os.fspath(cwd)
         self.home = os.path.expanduser("~")
         self.ask = ask
@@ -222,7 +225,7 @@ class PolicyHook:
                 return Block(f"Tool execution {verdict.reason}")
             if self.ask is None:
                 self.refused_without_terminal += 1
-                return Block(f"Tool execution denied: {NO_TERMINAL} ({verdict.reason})")
+                return Block(f"Tool execution denied: {self.unanswerable} ({verdict.reason})")
             answer = await self.ask(Question(name, info.args, tuple(verdict.tags), verdict.reason))
             if answer == "always":
                 self.remembered.insert(0, remember_rule(syscall))

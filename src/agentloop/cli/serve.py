@@ -35,6 +35,7 @@ from agentloop.cli.approvals import ApprovalSetting, PolicyHook
 from agentloop.cli.config import Settings, open_model
 from agentloop.cli.render import Progress
 
+STATELESS_ASK = "requires approval, which a stateless /engine/chat request cannot give (use a /v1 process)"
 T = TypeVar("T")
 
 DEFAULT_HOST = "127.0.0.1"
@@ -179,7 +180,9 @@ async def serve_async(
                     workspace=opts.workspace,
                 )
                 if opts.approval.mode != "auto":
-                    agent.hooks.before_tool_call(PolicyHook(opts.approval.policy, cwd=opts.workspace, ask=None))
+                    agent.hooks.before_tool_call(
+                        PolicyHook(opts.approval.policy, cwd=opts.workspace, ask=None, unanswerable=STATELESS_ASK)
+                    )
                 return agent
 
             config = uvicorn.Config(
