@@ -228,13 +228,21 @@ def test_an_asked_call_runs_when_the_user_says_yes(tmp_path: Path, ws: Path) -> 
 
 def test_an_asked_call_is_refused_when_the_user_says_no(tmp_path: Path, ws: Path) -> None:
     scripted = model("no", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "I left it"])
-    result = chat(ws, tmp_path / "data", "no", "clean up\nmaybe\nn\n")
+    result = chat(ws, tmp_path / "data", "no", "clean up\nn\n")
     assert (ws / "build").exists()
     assert result.stdout == "I left it\n"
-    assert "answer y (yes, this once), n (no) or a (allow every Shell call" in result.stderr  # "maybe" is asked again
     assert "✗ Shell rm -rf build: Tool execution denied by user" in result.stderr
     [result_msg] = [m for m in scripted.requests[1].messages if isinstance(m, ToolResultMessage)]
     assert result_msg.is_error and result_msg.text == "Tool execution denied by user"
+
+
+def test_a_piped_line_that_is_no_answer_denies_and_becomes_the_next_message(tmp_path: Path, ws: Path) -> None:
+    scripted = model("piped", [Reply(tool_calls=[call("Shell", command="rm -rf build")]), "I left it", "re: what else"])
+    result = chat(ws, tmp_path / "data", "piped", "clean up\nyeah, and what else?\n")
+    assert (ws / "build").exists()
+    assert "not an answer: denied" in result.stderr
+    assert result.stdout == "I left it\nre: what else\n"
+    assert scripted.requests[2].messages[-1].text == "yeah, and what else?"
 
 
 def test_always_remembers_for_the_conversation_and_survives_a_restart(tmp_path: Path, ws: Path) -> None:
@@ -461,3 +469,19 @@ def test_a_question_left_open_by_a_killed_chat_is_asked_by_the_next(tmp_path: Pa
     assert "approve Shell rm -rf build" in later.stderr and "destructive" in later.stderr
     assert not (ws / "build").exists()
     assert later.stdout == "cleaned after all\n"
+
+
+async def test_on_a_terminal_a_line_that_is_no_answer_is_asked_again() -> None:
+    from rich.console import Console
+
+    from agentloop.cli.approvals import Question, ask_user
+
+    lines = iter(["maybe", "a"])
+
+    async def read(prompt: str) -> str:
+        return next(lines)
+
+    err = Console(file=io.StringIO(), width=200)
+    answer = await ask_user(Question("Shell", {"command": "ls"}, ("network",), "why"), read, err, shows_prompt=True)
+    assert answer == "always"
+    assert "a (allow every Shell call for the rest of this conversation)" in err.file.getvalue()

@@ -149,9 +149,12 @@ async def ask_user(
     *,
     shows_prompt: bool,
     cancelled: asyncio.Event | None = None,
+    unread: Callable[[str], None] | None = None,
 ) -> Answer:
     """Ask until the answer is y, n or a. End of input denies (nobody is there to say yes); Ctrl-C
-    in the answer, or ``cancelled`` (the turn was aborted meanwhile), gives ``abort``."""
+    in the answer, or ``cancelled`` (the turn was aborted meanwhile), gives ``abort``. With
+    ``unread`` (input from a pipe, written before the question was asked), a line that is no
+    answer denies the call and is given back, to be read as the next message: nothing is lost."""
     for text in question_lines(question):
         err.print(text)
     prompt = f"{ASK_LINE} › "
@@ -170,6 +173,10 @@ async def ask_user(
         answer = parse_answer(line)
         if answer is not None:
             return answer
+        if unread is not None:
+            unread(line)
+            err.print(Text("(not an answer: denied; the line is kept as the next message)", style="yellow"))
+            return "deny"
         always = f"allow every {question.tool} call for the rest of this conversation"
         err.print(Text(f"answer y (yes, this once), n (no) or a ({always})"))
 

@@ -99,6 +99,12 @@ class PlainReader:
             return pending.result()
         return self._readline()
 
+    def unread(self, line: str) -> None:
+        """Give a line back: the next read returns it."""
+        future: concurrent.futures.Future[str] = concurrent.futures.Future()
+        future.set_result(line)
+        self._pending = future
+
     async def read_async(self, prompt: str) -> str:
         if self._pending is None:
             future: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -324,7 +330,12 @@ class ChatRepl:
     async def ask(self, question: Question) -> Answer:
         """An approval, asked in the middle of a turn (the spinner steps aside meanwhile)."""
         return await ask_user(
-            question, self.reader.read_async, self.err, shows_prompt=self.reader.shows_prompt, cancelled=self._cancelled
+            question,
+            self.reader.read_async,
+            self.err,
+            shows_prompt=self.reader.shows_prompt,
+            cancelled=self._cancelled,
+            unread=getattr(self.reader, "unread", None),
         )
 
     async def turn(self, text: str) -> TurnOutcome:
