@@ -451,6 +451,9 @@ async def test_bodies_over_the_limit_are_refused(alice: httpx.AsyncClient, serve
 
     error(await alice.post(url, content=chunked(), headers=_json()), 413, "too_large")
     assert (await history(alice, pid))["messages"] == []
+    too_much_context = {"context": "c" * 64_001}
+    assert "context" in error(await alice.post("/v1/processes", json=too_much_context), 413, "too_large")
+    assert all(len(p["context"]) < 64_000 for p in (await alice.get("/v1/processes")).json()["processes"])
 
 
 # ------------------------------------------------------------------ the OpenAPI document

@@ -28,6 +28,7 @@ from agentloop.server.errors import ApiError
 MODES: tuple[str, ...] = get_args(SendMode)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 MAX_TEXT = 200_000
+MAX_CONTEXT = 64_000
 MAX_HISTORY_PAGE = 500
 
 
@@ -111,6 +112,8 @@ class ProcessService:
     ) -> dict[str, Any]:
         """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
         stay inside it."""
+        if len(context) > MAX_CONTEXT:  # it is sent with every model call, and listed with every process
+            raise ApiError(413, "too_large", f"context is longer than {MAX_CONTEXT} characters")
         root = Path(self.kernel.engine.config.workspace or ".").resolve()  # noqa: ASYNC240 - no I/O wait
         where = root
         if cwd:
