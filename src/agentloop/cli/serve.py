@@ -35,7 +35,6 @@ from agentloop.cli.approvals import ApprovalSetting, PolicyHook
 from agentloop.cli.config import Settings, open_model
 from agentloop.cli.render import Progress
 
-STATELESS_ASK = "requires approval, which a stateless /engine/chat request cannot give (use a /v1 process)"
 T = TypeVar("T")
 
 DEFAULT_HOST = "127.0.0.1"
@@ -137,6 +136,7 @@ async def serve_async(
         from agentloop.server.auth import Accounts
         from agentloop.server.context import ServerContext
         from agentloop.server.devices import DeviceHub
+        from agentloop.server.engine_chat import STATELESS_ASK
     except ImportError as exc:
         raise ImportError(f"the server needs an optional dependency: pip install 'agentloop[server]' ({exc})") from exc
     from agentloop.kernel import Kernel

@@ -62,7 +62,7 @@ from agentloop.process.store import (
     StoreError,
     ToolCallRow,
 )
-from agentloop.process.store.base import ProcessState
+from agentloop.process.store.base import ProcessState, QueueKind
 from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS
 
@@ -180,6 +180,21 @@ class _Tx:
                 live.config = live.prompt = None
 
         self.after.append(apply)
+
+    async def start_run(self, message: Message, reason: str, run_id: str | None = None) -> str:
+        """Start a run with ``message`` as its first input; returns the run's id."""
+        run = _new_run(run_id)
+        await self.append(run["run_id"], [message])
+        await self.set_run(run)
+        await self.signal(sig.RUN_STARTED, runId=run["run_id"], reason=reason)
+        return str(run["run_id"])
+
+    async def enqueue(self, kind: QueueKind, message: Message, run_id: str | None = None) -> None:
+        """Queue input for the active run (steer, system events) or for after it."""
+        live = self.live
+        await self.engine.store.enqueue(live.record.pid, kind, message, run_id=run_id)
+        self.after.append(lambda: setattr(live, "queued", live.queued + 1))
+        await self.signal(sig.CHANGED, changes=["queue"])
 
     def settled(self, error: BaseException | None) -> None:
         """The transaction is durable (``error`` is None) or, in a failed group commit, lost."""
@@ -387,18 +402,12 @@ class ProcessEngine:
             # decided inside the transaction: the run seen here cannot end before this commits
             active = live.record.current_run
             if active is None:
-                run = _new_run(run_id)
-                await tx.append(run["run_id"], [message])
-                await tx.set_run(run)
-                await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="proc.send")
-                receipt = Receipt(run["run_id"], False, 0)
+                receipt = Receipt(await tx.start_run(message, "proc.send", run_id), False, 0)
             else:
                 queued_run = run_id or new_id()
                 receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
-                await self.store.enqueue(pid, "steer" if mode == "steer" else "queue", message, run_id=queued_run)
                 receipt = Receipt(receipt_run, True, live.queued + 1)
-                tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
-                await tx.signal(sig.CHANGED, changes=["queue"])
+                await tx.enqueue("steer" if mode == "steer" else "queue", message, queued_run)
             await self._remember_admission(
                 pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position
             )
@@ -422,15 +431,9 @@ class ProcessEngine:
         async with self._tx(live) as tx:
             active = live.record.current_run
             if active is None:
-                run = _new_run()
-                await tx.append(run["run_id"], [message])
-                await tx.set_run(run)
-                await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="system.event")
-                receipt = Receipt(run["run_id"], False)
+                receipt = Receipt(await tx.start_run(message, "system.event"), False)
             else:
-                await self.store.enqueue(pid, "system", message)
-                tx.after.append(lambda: setattr(live, "queued", live.queued + 1))
-                await tx.signal(sig.CHANGED, changes=["queue"])
+                await tx.enqueue("system", message)
                 receipt = Receipt(active["run_id"], True, 0)
         if not receipt.queued:
             self.wake(pid)
@@ -1058,13 +1061,10 @@ class ProcessEngine:
         if not queue:
             return
         first = next((q for q in queue if q.kind == "system"), queue[0])
-        run = _new_run(first.run_id)
         async with self._tx(live) as tx:
             await self.store.dequeue(pid, first.id)
             tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
-            await tx.append(run["run_id"], [first.message])
-            await tx.set_run(run)
-            await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="queue.promote")
+            await tx.start_run(first.message, "queue.promote", first.run_id)
         self.wake(pid)
 
     async def abort(self, pid: str, run_id: str | None = None, *, reason: str = "user") -> bool:

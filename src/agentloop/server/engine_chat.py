@@ -51,6 +51,8 @@ logger = logging.getLogger("agentloop.server")
 
 DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_MAX_SAME_TOOL_FAILURES = 3
+# Why a call the approval policy would ask about is refused here: a request has nobody to ask.
+STATELESS_ASK = "requires approval, which a stateless /engine/chat request cannot give (use a /v1 process)"
 AgentFactory = Callable[[], Agent]
 # Says whether a bearer token may call the endpoint; may be async (a store lookup).
 Authorize = Callable[[str], bool | Awaitable[bool]]

@@ -54,9 +54,7 @@ def policy_approval(
     merged: dict[tuple[str, str], Policy] = {}  # (owner, remembered rules as JSON) -> policy
     from_files: dict[str, tuple[tuple[int, int], Policy | None]] = {}  # owner -> (file stamp, its policy)
 
-    def from_file(owner: str) -> Policy | None:
-        assert account_file is not None
-        path = account_file(owner)
+    def from_file(owner: str, path: Path) -> Policy | None:
         try:
             st = os.stat(path)
         except OSError:  # no file: the server-wide policy applies
@@ -79,7 +77,7 @@ def policy_approval(
     def policy_of(owner: str, remembered: list[dict[str, Any]] | None) -> Policy:
         base = account_policies.get(owner)
         if base is None and account_file is not None:
-            base = from_file(owner)
+            base = from_file(owner, account_file(owner))
         base = fallback if base is None else base
         if not remembered:
             return base
