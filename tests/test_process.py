@@ -385,6 +385,38 @@ async def test_crash_resume_reruns_idempotent_and_fails_the_others(tmp_path):
         assert calls.count("charge 5") == 1 and calls.count("lookup k") == 2
 
 
+async def test_crash_resume_judges_a_call_by_the_processs_own_tools(tmp_path):
+    """A tool only the process's tool set has (a device's, say) is re-run after a restart when it is
+    idempotent, like a shared one; it is not taken for unknown and failed."""
+    calls: list[str] = []
+
+    @tool(name="dev__lookup", idempotent=True)
+    async def lookup(key: str) -> str:
+        """Read-only lookup on a device."""
+        calls.append(key)
+        await asyncio.sleep(0.5 if len(calls) == 1 else 0)
+        return f"value of {key}"
+
+    def own_tools(record, shared):
+        return {**shared, "dev__lookup": lookup}
+
+    def brain(r: ModelRequest):
+        if isinstance(r.messages[-1], UserMessage):
+            return Reply(tool_calls=[call("dev__lookup", key="k")])
+        return "done: " + " | ".join(m.text for m in r.messages if isinstance(m, ToolResultMessage))
+
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[], toolset=own_tools) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("look")
+        await asyncio.sleep(0.2)  # the call is dispatched; the "crash" comes now
+        pid = proc.pid
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[], toolset=own_tools) as k2:
+        proc = await k2.process(pid)
+        await proc.wait_idle()
+        assert (await proc.messages())[-1].text == "done: value of k"
+        assert calls == ["k", "k"]
+
+
 async def test_a_toolset_gives_each_process_run_its_own_tools(tmp_path):
     """The engine asks the toolset for a run's tools once per run and keys them by the process:
     the model sees them, and calling one runs the per-process tool, not a shared one."""
