@@ -233,3 +233,33 @@ async def test_system_events_are_injected_before_steer_input_that_came_first(tmp
         await proc.wait_idle()
         sent = [m.text for m in model.requests[1].messages]
     assert sent[-2:] == ["event second", "steer first"]
+
+
+async def test_steer_skips_the_calls_still_waiting_their_turn_in_a_durable_process(tmp_path):
+    """As in the in-memory runner: what the user says while a sequential batch runs makes the
+    calls not yet started stale; the call in flight finishes, the rest get a 'skipped' result and
+    the steer message reaches the model right after them."""
+    overlap = Overlap()
+    requests: list[ModelRequest] = []
+
+    def brain(request: ModelRequest) -> Reply | str:
+        requests.append(request)
+        if len(requests) == 1:
+            return Reply(tool_calls=[call("work", label=x) for x in "abc"])
+        return "changed course"
+
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[overlap.tool()], tool_execution="sequential") as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("go")
+        while "start a" not in overlap.order:
+            await asyncio.sleep(0.005)
+        steer = await proc.send("stop, do something else", mode="steer")
+        await proc.wait_idle()
+        messages = await proc.messages()
+    assert steer.queued and steer.run_id == first.run_id
+    assert overlap.order == ["start a", "end a"]
+    results = [m for m in messages if isinstance(m, ToolResultMessage)]
+    assert len(results) == 3 and results[0].text == "a"
+    assert all(r.is_error and "Skipped" in r.text for r in results[1:])
+    assert requests[-1].messages[-1].text == "stop, do something else"
+    assert messages[-1].text == "changed course"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
-from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared
+from agentloop.loop.execute import SKIPPED, _ask_hooks, _check, _execute, _Prepared
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.runner import CANCELLED
@@ -501,6 +501,9 @@ class ProcessEngine:
         pid, run_id = live.record.pid, run["run_id"]
         rows = await self.store.calls(pid, run_id) if live.calls else []
         if rows:
+            waiting = any(r.status == "registered" for r in rows)
+            if waiting and await self._joining(live) and await self._skip_waiting(live, rows):
+                rows = await self.store.calls(pid, run_id)
             if any(r.status == "registered" for r in rows) and not await self.store.hils(pid):
                 async with self._tx(live) as tx:
                     await self._dispatch(tx, live, run, rows)
@@ -534,6 +537,19 @@ class ProcessEngine:
         answers. (A run that ends anyway - aborted, failed, stopped by a guard - leaves it to start
         the next run.)"""
         return bool(live.queued) and any(q.kind != "queue" for q in await self.store.queue(live.record.pid))
+
+    async def _skip_waiting(self, live: _Live, rows: list[ToolCallRow]) -> bool:
+        """The user (or a system event) spoke while calls of the batch still wait their turn: like
+        the in-memory runner, do not start what is now stale. A call whose approval is pending
+        stays: the person answers the question they were shown."""
+        asked = {h.dispatch_id for h in await self.store.hils(live.record.pid)}
+        waiting = [r for r in rows if r.status == "registered" and r.dispatch_id not in asked]
+        if not waiting:
+            return False
+        async with self._tx(live) as tx:
+            for row in waiting:
+                await self._settle(tx, row, tool_error_result(_call_of(row), SKIPPED), "cancelled", ("registered",))
+        return True
 
     async def _ingest(self, tx: _Tx, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
         """Every call of the batch is terminal: its results enter the history, in the model's order."""
