@@ -30,6 +30,7 @@ def test_the_kernel_is_importable_from_the_package_without_loading_it_on_import(
         "from agentloop import Kernel, NoSuchProcess, Process, Receipt, Signal\n"
         "from agentloop.kernel import Kernel as K\n"
         "assert Kernel is K and 'Kernel' in agentloop.__all__\n"
+        "assert 'bashlex' not in sys.modules, 'the shell parser (0.2 s to build) loaded before a shell command'\n"
         "try:\n    agentloop.Nope\nexcept AttributeError as e:\n    assert 'Nope' in str(e)\n"
         "else:\n    raise SystemExit('no AttributeError')\n"
     )

@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import bashlex
-
 __all__ = ["ShellAnalysis", "classify_shell"]
 
 MAX_LENGTH = 20_000  # longer lines are not parsed (bashlex is pure Python and may be slow)
@@ -182,6 +180,8 @@ class _Walker:
             return self.tag("nested too deeply to judge", "unclassified")
         if len(text) > MAX_LENGTH:
             return self.tag("command line too long to judge", "unclassified")
+        import bashlex  # here, not at the top: it builds its parser tables on import (~0.2 s)
+
         try:
             trees = bashlex.parse(text)
         except Exception as exc:  # bashlex raises many kinds (ParsingError, NotImplementedError, ...)
