@@ -174,7 +174,7 @@ class RoutedTool(Tool):
             idempotent=base.idempotent,
         )
         self.base = base
-        self.syscall = syscall
+        self.syscall = self.device_syscall = syscall
         self.owner = owner
         self.directory = directory
         self.interruptible = base.interruptible
@@ -194,15 +194,17 @@ class RoutedTool(Tool):
         if target == LOCAL:
             return await self.base.run(arguments, ctx)
         # Checked now rather than at validation: the list the run started with may be stale.
-        online = [d.id for d in self.directory.online(self.owner) if self.syscall in d.implements]
+        online = [d.id for d in self.directory.online(self.owner) if self.device_syscall in d.implements]
         if target not in online:
             listed = ", ".join(sorted(online)) or "none"
             return ToolResult.error(
-                f"Target {target!r} is not one of your online devices that implement {self.syscall} "
+                f"Target {target!r} is not one of your online devices that implement {self.device_syscall} "
                 f"(online: {listed}); use target '{LOCAL}' or an online device."
             )
         args = {k: v for k, v in arguments.items() if k != "target"}
-        return await self.directory.call(self.owner, target, self.syscall, args, _call_timeout(self.syscall, args))
+        return await self.directory.call(
+            self.owner, target, self.device_syscall, args, _call_timeout(self.device_syscall, args)
+        )
 
 
 class DeviceExtraTool(Tool):

@@ -524,9 +524,10 @@ class ProcessEngine:
             await self._promote(live)
             return False
         if isinstance(decision, RunTools):  # calls without rows: history from elsewhere; register them
+            tools = (await self._run_config(live, run_id)).tools
             async with self._tx(live):
                 live.calls = True
-                await self.store.register_calls(self._rows(pid, run_id, decision.calls))
+                await self.store.register_calls(self._rows(pid, run_id, decision.calls, tools))
             return True
         assert isinstance(decision, CallModel)
         return await self._model_turn(live, run, decision.tools_enabled)
@@ -657,7 +658,7 @@ class ProcessEngine:
             # the same transaction takes the next decision's first step: start the tools, or finish
             if reply.tool_calls:
                 live.calls = True
-                batch = self._rows(pid, run_id, reply.tool_calls)
+                batch = self._rows(pid, run_id, reply.tool_calls, cfg.tools)
                 await self._dispatch(tx, live, new_run, batch, reply, fresh=True, budget=budget)
             else:  # after an assistant message, the decision depends on that message (and input) alone
                 after = decide([reply], has_input=await self._joining(live), guard=new_run.get("guard"))
@@ -755,14 +756,11 @@ class ProcessEngine:
             tx.after.append(lambda: live.history.__setitem__(slice(None), history))
         return True
 
-    def _rows(self, pid: str, run_id: str, calls: list[ToolCall]) -> list[ToolCallRow]:
+    def _rows(self, pid: str, run_id: str, calls: list[ToolCall], tools: Mapping[str, Tool]) -> list[ToolCallRow]:
         return [
-            ToolCallRow(new_id(), pid, run_id, i, c.id, c.name, self.syscall(c.name), dict(c.arguments))
+            ToolCallRow(new_id(), pid, run_id, i, c.id, c.name, syscall_of(c.name, tools), dict(c.arguments))
             for i, c in enumerate(calls)
         ]
-
-    def syscall(self, tool_name: str) -> str:
-        return SYSCALLS.get(tool_name, f"tool.{tool_name}")
 
     # -- tools ------------------------------------------------------------------------------------
 
@@ -1171,6 +1169,14 @@ class ProcessEngine:
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
+
+
+def syscall_of(tool_name: str, tools: Mapping[str, Tool]) -> str:
+    """What the approval policy matches a call against: the tool's own syscall (an MCP tool's
+    ``mcp.<server>.<tool>``), a built-in's (``Read`` is ``fs.read``), else ``tool.<name>``."""
+    tool = tools.get(tool_name)
+    own = tool.syscall if tool is not None else None
+    return own or SYSCALLS.get(tool_name, f"tool.{tool_name}")
 
 
 def _runs_alone(cfg: LoopConfig, row: ToolCallRow) -> bool:

@@ -135,6 +135,7 @@ class Tool:
         self.sequential = sequential
         self.idempotent = idempotent
         self.spec = ToolSpec(name=name, description=description, parameters=parameters)
+        self.syscall: str | None = None  # what approval policies match; None: derived from the name
         self.interruptible = True  # False for work that runs inline on the event loop
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,359 @@
+"""Tools from MCP servers (the official ``mcp`` SDK, extra ``agentloop[mcp]``).
+
+An MCP server is a separate program (started over stdio) or a URL (Streamable HTTP). Each one is
+held open by :class:`MCPConnection` for as long as the agent or kernel lives; its tools become
+agentloop tools named ``<server>__<tool>``, so two servers may both have a ``search``. A server
+configured with ``expose=False`` keeps its tools out of the model's tool list: they are reached
+through the single ``mcp`` tool instead, which lists and calls them on request, and keeps a server
+with dozens of tools from filling the context window.
+
+Failures stay tool results: a server that cannot start is an error when the toolset opens (with
+the tail of the server's stderr, which is otherwise kept out of the terminal), and a server that
+dies later turns its calls into error results; the next call starts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentloop.messages import ImageContent, TextContent
+from agentloop.tools.base import ResultBlock, Tool, ToolContext, ToolError, ToolResult, format_validation_error
+
+log = logging.getLogger("agentloop.mcp")
+
+__all__ = ["MCPConnection", "MCPServerConfig", "mcp_tools"]
+
+_NAME = r"[A-Za-z0-9_-]{1,40}"
+_CONNECTION_CLOSED = -32000  # JSON-RPC code the SDK gives a request whose connection ended
+
+
+class MCPServerConfig(BaseModel):
+    """One MCP server: a ``command`` to start (stdio) or a ``url`` (Streamable HTTP)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=f"^{_NAME}$", description="Prefix of its tools' names: <name>__<tool>.")
+    command: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict, description="HTTP headers (e.g. Authorization).")
+    expose: bool = Field(True, description="List its tools to the model; otherwise reach them through `mcp`.")
+    tools: list[str] | None = Field(None, description="Only these of its tools (all when absent).")
+    timeout: float = Field(60.0, gt=0, description="Seconds one call may take.")
+    startup_timeout: float = Field(30.0, gt=0, description="Seconds the server may take to start.")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> MCPServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give exactly one of `command` (a program to start) or `url`")
+        if self.url is not None and not re.match(r"^https?://", self.url):
+            raise ValueError("`url` must start with http:// or https://")
+        return self
+
+
+class MCPError(Exception):
+    """An MCP server could not be reached; the message says which one and why."""
+
+
+class MCPConnection:
+    """One MCP server, held open by a task of its own: the SDK's client must be entered and left
+    in the same task, while tool calls come from whichever task runs the tool."""
+
+    def __init__(self, config: MCPServerConfig) -> None:
+        self.config = config
+        self._client: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        self._listing: list[Any] = []
+        self._start_lock = asyncio.Lock()
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+
+    @property
+    def alive(self) -> bool:
+        return self._client is not None and self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Start the server (or reconnect) and read its tool list; ``MCPError`` if it fails."""
+        async with self._start_lock:
+            if self.alive:
+                return
+            await self._stop_task()
+            self._closing = asyncio.Event()
+            ready: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            self._task = asyncio.create_task(self._hold(ready), name=f"mcp:{self.config.name}")
+            try:
+                self._listing = await asyncio.wait_for(asyncio.shield(ready), self.config.startup_timeout)
+            except TimeoutError:
+                await self._stop_task()
+                raise MCPError(self._why(f"did not start within {self.config.startup_timeout:g} s")) from None
+            except MCPError:
+                await self._stop_task()
+                raise
+
+    async def _hold(self, ready: asyncio.Future[list[Any]]) -> None:
+        try:
+            from mcp import Client  # the SDK is an extra: imported only when a server is configured
+
+            async with Client(self._transport(), read_timeout_seconds=self.config.timeout) as client:
+                listing = await _list_all(client)
+                self._client = client
+                if not ready.done():
+                    ready.set_result(listing)
+                await self._closing.wait()
+        except ImportError:
+            if not ready.done():
+                ready.set_exception(MCPError("MCP servers need the `mcp` package: pip install 'agentloop[mcp]'"))
+        except Exception as exc:  # the SDK raises many kinds (OSError, MCPError, ExceptionGroup, ...)
+            if not ready.done():
+                ready.set_exception(MCPError(self._why(_describe(exc))))
+            else:
+                log.warning("MCP server %s stopped: %s", self.config.name, _describe(exc))
+        finally:
+            self._client = None
+
+    def _transport(self) -> Any:
+        if self.config.url is not None:
+            import httpx2  # the HTTP client the mcp SDK is built on
+            from mcp.client.streamable_http import streamable_http_client
+
+            http = httpx2.AsyncClient(headers=self.config.headers) if self.config.headers else None
+            return streamable_http_client(self.config.url, http_client=http)
+        from mcp import StdioServerParameters
+        from mcp.client.stdio import stdio_client
+
+        assert self.config.command is not None
+        params = StdioServerParameters(
+            command=self.config.command, args=self.config.args, env=self.config.env, cwd=self.config.cwd
+        )
+        return stdio_client(params, errlog=self._stderr)
+
+    def _why(self, reason: str) -> str:
+        what = self.config.url or " ".join([self.config.command or "", *self.config.args]).strip()
+        text = f"MCP server {self.config.name!r} ({what}) {reason}"
+        tail = self._stderr_tail()
+        return f"{text}\nits stderr ends with:\n{tail}" if tail else text
+
+    def _stderr_tail(self, lines: int = 8) -> str:
+        try:
+            self._stderr.flush()
+            self._stderr.seek(0)
+            text = self._stderr.read()
+            self._stderr.seek(0, 2)
+        except (OSError, ValueError):
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def tools(self) -> list[Any]:
+        """The server's tools (the SDK's ``Tool`` objects), filtered by ``config.tools``."""
+        wanted = self.config.tools
+        return [t for t in self._listing if wanted is None or t.name in wanted]
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Call one of the server's tools; a failure of the server is a ``ToolError``."""
+        if not self.alive:
+            try:
+                await self.start()
+            except MCPError as exc:
+                raise ToolError(str(exc)) from None
+        try:
+            result = await self._client.call_tool(tool, arguments)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if _connection_lost(exc):  # the server is gone: the next call starts it again
+                await self._stop_task()
+            raise ToolError(f"MCP server {self.config.name!r} failed on {tool}: {_describe(exc)}") from None
+        return _to_result(result)
+
+    async def _stop_task(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._closing.set()  # a connected client leaves its context and stops the server
+        if self._client is None:  # still starting: nothing to leave politely
+            task.cancel()
+        try:
+            await asyncio.wait_for(task, 5)
+        except (TimeoutError, asyncio.CancelledError):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        except Exception:  # already reported by ``_hold``
+            pass
+
+    async def close(self) -> None:
+        await self._stop_task()
+        self._stderr.close()
+
+
+async def _list_all(client: Any) -> list[Any]:
+    tools: list[Any] = []
+    cursor: str | None = None
+    while True:
+        page = await client.list_tools(cursor=cursor)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether a failed call means the connection is over (anything but an error the server sent)."""
+    code = getattr(getattr(exc, "error", None), "code", None)
+    return not isinstance(code, int) or code == _CONNECTION_CLOSED
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an error, looking inside the exception groups anyio raises."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _to_result(result: Any) -> ToolResult:
+    """An MCP ``CallToolResult`` as a tool result: text and images kept, other blocks described."""
+    blocks: list[ResultBlock] = []
+    for block in result.content:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            blocks.append(TextContent(text=block.text))
+        elif kind == "image":
+            blocks.append(ImageContent(data=block.data, mime_type=block.mime_type))
+        elif kind == "resource_link":
+            blocks.append(TextContent(text=f"[resource {block.uri}]"))
+        elif kind == "resource":
+            inner = block.resource
+            text = getattr(inner, "text", None)
+            blocks.append(TextContent(text=text if text is not None else f"[binary resource {inner.uri}]"))
+        else:
+            blocks.append(TextContent(text=f"[{kind or 'unknown'} content]"))
+    if not blocks and result.structured_content is not None:
+        import json
+
+        blocks.append(TextContent(text=json.dumps(result.structured_content, ensure_ascii=False)))
+    return ToolResult(blocks, details=result.structured_content, is_error=bool(result.is_error))
+
+
+def _tool_name(server: str, tool: str) -> str:
+    """``<server>__<tool>`` within the 64 characters and alphabet every provider accepts."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{server}__{tool}")[:64]
+
+
+class MCPTool(Tool):
+    """One tool of an MCP server, shown to the model under ``<server>__<tool>``. The server
+    validates the arguments (it owns the schema); its refusal comes back as an error result."""
+
+    def __init__(self, connection: MCPConnection, remote: Any) -> None:
+        config = connection.config
+        schema = remote.input_schema if isinstance(remote.input_schema, dict) else {"type": "object"}
+        description = (remote.description or remote.title or remote.name).strip()
+        super().__init__(
+            _tool_name(config.name, remote.name), description, schema, timeout=config.timeout, idempotent=False
+        )
+        self.syscall = f"mcp.{config.name}.{remote.name}"
+        self.connection = connection
+        self.remote_name = remote.name
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        return await self.connection.call(self.remote_name, arguments)
+
+
+_MCP_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "server": {"type": "string", "description": "The MCP server's name."},
+        "tool": {"type": "string", "description": "The tool to call; leave out to list the server's tools."},
+        "arguments": {"type": "object", "description": "The tool's arguments, as its schema says."},
+    },
+    "required": ["server"],
+    "additionalProperties": False,
+}
+
+
+class MCPGateway(Tool):
+    """The ``mcp`` tool: lists and calls the tools of servers not exposed to the model directly."""
+
+    def __init__(self, connections: Sequence[MCPConnection]) -> None:
+        self.connections = {c.config.name: c for c in connections}
+        names = ", ".join(sorted(self.connections))
+        super().__init__(
+            "mcp",
+            f"Use the tools of these MCP servers: {names}. Call with only `server` to list its tools "
+            "and their arguments, then with `tool` and `arguments` to call one.",
+            _MCP_SCHEMA,
+        )
+        self.syscall = "mcp.call"
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        problems: list[tuple[str, str]] = []
+        server = arguments.get("server")
+        if server not in self.connections:
+            problems.append(("server", f"must be one of {sorted(self.connections)}"))
+        if "tool" in arguments and not isinstance(arguments["tool"], str):
+            problems.append(("tool", "must be a string"))
+        if not isinstance(arguments.get("arguments", {}), dict):
+            problems.append(("arguments", "must be an object"))
+        if problems:
+            from agentloop.tools.base import ToolArgumentsError
+
+            raise ToolArgumentsError(format_validation_error(self.name, problems, arguments))
+        return arguments
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        connection = self.connections[arguments["server"]]
+        tool = arguments.get("tool")
+        allowed = {t.name: t for t in connection.tools()}
+        if tool is None:
+            lines = [
+                f"- {t.name}: {(t.description or '').strip()}\n  arguments: {t.input_schema}" for t in allowed.values()
+            ]
+            return ToolResult.text("\n".join(lines) or f"{connection.config.name} has no tools")
+        if tool not in allowed:
+            raise ToolError(f"{connection.config.name} has no tool {tool!r}; tools: {', '.join(sorted(allowed))}")
+        return await connection.call(tool, dict(arguments.get("arguments") or {}))
+
+
+@contextlib.asynccontextmanager
+async def mcp_tools(servers: Sequence[MCPServerConfig | dict[str, Any]]) -> AsyncIterator[list[Tool]]:
+    """Start every server, yield their tools (plus ``mcp`` for servers with ``expose=False``),
+    and stop the servers on exit. A server that fails to start raises ``MCPError``."""
+    configs = [s if isinstance(s, MCPServerConfig) else MCPServerConfig.model_validate(s) for s in servers]
+    seen: set[str] = set()
+    for config in configs:
+        if config.name in seen:
+            raise ValueError(f"two MCP servers are named {config.name!r}")
+        seen.add(config.name)
+    connections = [MCPConnection(c) for c in configs]
+    try:
+        await asyncio.gather(*(c.start() for c in connections))
+        tools: list[Tool] = []
+        names: dict[str, str] = {}
+        for connection in connections:
+            if not connection.config.expose:
+                continue
+            for remote in connection.tools():
+                made = MCPTool(connection, remote)
+                if made.name in names:
+                    raise MCPError(
+                        f"MCP tools {names[made.name]} and {connection.config.name}.{remote.name} "
+                        f"share the name {made.name}"
+                    )
+                names[made.name] = f"{connection.config.name}.{remote.name}"
+                tools.append(made)
+        hidden = [c for c in connections if not c.config.expose]
+        if hidden:
+            tools.append(MCPGateway(hidden))
+        yield tools
+    finally:
+        await asyncio.gather(*(c.close() for c in connections), return_exceptions=True)

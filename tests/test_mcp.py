@@ -1,0 +1,179 @@
+"""MCP servers as tool sources (DESIGN §4): real servers on the official SDK, over stdio and
+Streamable HTTP; their tools run in the loop, in a durable process, and under the approval policy."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
+from tests.process_support import kernel
+
+pytest.importorskip("mcp")
+
+SERVER = str(Path(__file__).parent / "fakes" / "mcp_server.py")
+
+
+def fake(name: str = "fake", **kw: object) -> dict[str, object]:
+    return {"name": name, "command": sys.executable, "args": [SERVER], **kw}
+
+
+def _results(messages: list[object]) -> list[ToolResultMessage]:
+    return [m for m in messages if isinstance(m, ToolResultMessage)]
+
+
+async def test_a_servers_tools_run_in_the_loop_under_prefixed_names():
+    async with mcp_tools([fake()]) as tools:
+        by_name = {t.name: t for t in tools}
+        assert {"fake__add", "fake__fail", "fake__nap"} <= set(by_name)
+        assert by_name["fake__add"].syscall == "mcp.fake.add"
+        assert by_name["fake__add"].parameters["required"] == ["a", "b"]
+        model = ScriptedModel(
+            [Reply(tool_calls=[call("fake__add", a=2, b=40), call("fake__fail", why="no disk")]), "done"]
+        )
+        result = await Agent(model=model, tools=tools).run("add")
+    ok, failed = _results(result.messages)
+    assert (ok.text, ok.is_error) == ("42", False)
+    assert failed.is_error and "fail" in failed.text
+    assert result.text == "done"
+
+
+async def test_bad_arguments_and_timeouts_are_error_results_and_the_run_goes_on():
+    async with mcp_tools([fake(timeout=0.5)]) as tools:
+        model = ScriptedModel(
+            [Reply(tool_calls=[call("fake__add", a="two", b=1), call("fake__nap", seconds=5)]), "carried on"]
+        )
+        started = time.monotonic()
+        result = await Agent(model=model, tools=tools).run("go")
+        elapsed = time.monotonic() - started
+        after = await Agent(
+            model=ScriptedModel([Reply(tool_calls=[call("fake__add", a=1, b=1)]), "ok"]), tools=tools
+        ).run("again")
+    bad, slow = _results(result.messages)
+    assert bad.is_error and slow.is_error and "timed out" in slow.text.lower()
+    assert elapsed < 4 and result.text == "carried on"
+    assert _results(after.messages)[0].text == "2"  # the server still answers after a cancelled call
+
+
+async def test_a_server_that_dies_gives_an_error_result_and_is_started_again_on_the_next_call():
+    async with mcp_tools([fake()]) as tools:
+        model = ScriptedModel(
+            [
+                Reply(tool_calls=[call("fake__whoami")]),
+                Reply(tool_calls=[call("fake__crash")]),
+                Reply(tool_calls=[call("fake__whoami")]),
+                "done",
+            ]
+        )
+        result = await Agent(model=model, tools=tools).run("go")
+    before, crashed, after = _results(result.messages)
+    assert crashed.is_error and "fake" in crashed.text
+    assert not after.is_error and after.text.isdigit() and after.text != before.text
+
+
+async def test_a_server_that_cannot_start_is_a_clear_error_with_its_stderr():
+    broken = {"name": "broken", "command": sys.executable, "args": ["-c", "import sys; sys.exit('no config file')"]}
+    with pytest.raises(MCPError) as info:
+        async with mcp_tools([broken]):
+            pass
+    assert "'broken'" in str(info.value) and "no config file" in str(info.value)
+    with pytest.raises(MCPError, match="did not start within"):
+        async with mcp_tools(
+            [
+                {
+                    "name": "mute",
+                    "command": sys.executable,
+                    "args": ["-c", "import time; time.sleep(30)"],
+                    "startup_timeout": 1,
+                }
+            ]
+        ):
+            pass
+
+
+def test_a_server_config_names_exactly_one_transport():
+    with pytest.raises(ValidationError, match="exactly one"):
+        MCPServerConfig.model_validate({"name": "x", "command": "srv", "url": "http://127.0.0.1:1/mcp"})
+    with pytest.raises(ValidationError, match="exactly one"):
+        MCPServerConfig.model_validate({"name": "x"})
+    with pytest.raises(ValidationError, match="name"):
+        MCPServerConfig.model_validate({"name": "a b", "command": "srv"})
+    with pytest.raises(ValidationError, match="timeout"):
+        MCPServerConfig.model_validate({"name": "x", "command": "srv", "timeout": 0})
+
+
+async def test_a_hidden_server_is_reached_through_the_mcp_tool():
+    async with mcp_tools([fake(expose=False, tools=["add", "nap"])]) as tools:
+        assert [t.name for t in tools] == ["mcp"]
+        model = ScriptedModel(
+            [
+                Reply(tool_calls=[call("mcp", server="fake")]),
+                Reply(tool_calls=[call("mcp", server="fake", tool="add", arguments={"a": 3, "b": 4})]),
+                Reply(tool_calls=[call("mcp", server="fake", tool="crash")]),
+                Reply(tool_calls=[call("mcp", server="nope")]),
+                "done",
+            ]
+        )
+        result = await Agent(model=model, tools=tools).run("go")
+    listing, added, refused, unknown = _results(result.messages)
+    assert "add" in listing.text and "nap" in listing.text and "crash" not in listing.text
+    assert added.text == "7"
+    assert refused.is_error and "no tool 'crash'" in refused.text
+    assert unknown.is_error and "server" in unknown.text
+
+
+async def test_an_mcp_call_in_a_durable_process_is_judged_by_its_mcp_syscall(tmp_path):
+    policy = {"default": "auto", "rules": [{"match": "mcp.fake.*", "action": "ask"}]}
+    async with mcp_tools([fake()]) as tools:
+        model = ScriptedModel([Reply(tool_calls=[call("fake__add", a=1, b=2)]), "three"])
+        async with kernel(tmp_path, model, tools=tools, policy=policy) as k:
+            proc = await k.spawn(owner="a", interactive=True)
+            await proc.send("add")
+            asked = None
+            async for s in proc.signals(follow=True):
+                if s.signal == "proc.run.hil.requested":
+                    asked = s.payload
+                    break
+            assert asked is not None and asked["syscall"] == "mcp.fake.add"
+            await proc.hil(asked["requestId"], "approve")
+            await proc.wait_idle()
+            messages = await proc.messages()
+    assert _results(messages)[0].text == "3" and messages[-1].text == "three"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_server_over_streamable_http():
+    port = _free_port()
+    server = await asyncio.create_subprocess_exec(sys.executable, SERVER, "http", str(port), stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/mcp"
+        deadline = time.monotonic() + 20
+        async with httpx.AsyncClient() as http:
+            while True:
+                try:
+                    await http.get(url)
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, "the HTTP MCP server did not come up"
+                    await asyncio.sleep(0.1)
+        async with mcp_tools([{"name": "web", "url": url, "headers": {"X-Test": "1"}}]) as tools:
+            model = ScriptedModel([Reply(tool_calls=[call("web__add", a=20, b=22)]), "done"])
+            result = await Agent(model=model, tools=tools).run("add")
+        assert _results(result.messages)[0].text == "42"
+    finally:
+        server.terminate()
+        await server.wait()
