@@ -17,20 +17,33 @@ from agentloop.cli.config import LoopFlags
 _LIMITS = "Run limits"
 MaxRoundsOpt = Annotated[
     int | None,
-    typer.Option("--max-rounds", help="Model rounds with tools per run (config: max_rounds).", rich_help_panel=_LIMITS),
+    typer.Option(
+        "--max-rounds",
+        metavar="N",
+        help="Model rounds with tools per run (config: max_rounds).",
+        rich_help_panel=_LIMITS,
+    ),
 ]
 MaxToolCallsOpt = Annotated[
     int | None,
-    typer.Option("--max-tool-calls", help="Tool calls per run (config: max_tool_calls).", rich_help_panel=_LIMITS),
+    typer.Option(
+        "--max-tool-calls", metavar="N", help="Tool calls per run (config: max_tool_calls).", rich_help_panel=_LIMITS
+    ),
 ]
 MaxWallClockOpt = Annotated[
     float | None,
-    typer.Option("--max-wall-clock", help="Seconds a run may take (config: max_wall_clock).", rich_help_panel=_LIMITS),
+    typer.Option(
+        "--max-wall-clock",
+        metavar="SECONDS",
+        help="Seconds a run may take (config: max_wall_clock).",
+        rich_help_panel=_LIMITS,
+    ),
 ]
 MaxTokensOpt = Annotated[
     int | None,
     typer.Option(
         "--max-tokens",
+        metavar="N",
         help="Input and output tokens a run may use, over all its model calls (config: max_tokens).",
         rich_help_panel=_LIMITS,
     ),
@@ -38,13 +51,17 @@ MaxTokensOpt = Annotated[
 MaxCostOpt = Annotated[
     float | None,
     typer.Option(
-        "--max-cost", help="Dollars a run may cost, at catalog prices (config: max_cost).", rich_help_panel=_LIMITS
+        "--max-cost",
+        metavar="DOLLARS",
+        help="Dollars a run may cost, at catalog prices (config: max_cost).",
+        rich_help_panel=_LIMITS,
     ),
 ]
 FallbackOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--fallback",
+        metavar="MODEL",
         help="provider:model to switch to when the model keeps failing; repeat for more, tried in order "
         "(config: fallbacks = [...]).",
         rich_help_panel=_LIMITS,
@@ -54,6 +71,7 @@ CompactionOpt = Annotated[
     float | None,
     typer.Option(
         "--compaction-threshold",
+        metavar="SHARE",
         help="Summarise older history once the context window is this full, 0-1 (default 0.9; "
         "config: compaction_threshold).",
         rich_help_panel=_LIMITS,
