@@ -106,5 +106,47 @@ def test_taken_name_and_missing_directory(data: Path, tmp_path: Path) -> None:
     assert cli(data, "account", "create", "bob")[0] == 0
     code, _, err = cli(data, "account", "create", "bob")
     assert code == 1 and err.startswith("error: ") and "Traceback" not in err
-    code, _, err = cli(tmp_path / "nowhere", "token", "list")
-    assert code == 1 and "no data directory" in err
+    code, _, err = cli(tmp_path / "nowhere", "account", "create", "carol")
+    assert code == 1 and "no data directory" in err and not (tmp_path / "nowhere").exists()
+
+
+def tree(root: Path) -> list[Path]:
+    return sorted(root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["empty", "missing"])
+@pytest.mark.parametrize("command", [("account", "list"), ("token", "list"), ("token", "list", "--account", "bob")])
+def test_listing_without_a_database_creates_nothing(
+    data: Path, tmp_path: Path, where: str, command: tuple[str, ...]
+) -> None:
+    """A look is read-only: on a data directory without a database (empty, or not there at all)
+    the listings say there is none and exit 0, leaving no database or directory behind."""
+    target = data if where == "empty" else tmp_path / "nowhere"
+    before = tree(tmp_path)
+    code, out, err = cli(target, *command)
+    assert code == 0, err
+    assert out == "" and f"no database at {target / 'agentloop.db'}" in err and "Traceback" not in err
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (("token", "revoke", "deadbeef"), "no such token"),
+        (("token", "create", "--account", "alice"), "no such account 'alice' (no database at"),
+    ],
+)
+def test_token_commands_without_a_database_create_nothing(
+    data: Path, tmp_path: Path, command: tuple[str, ...], message: str
+) -> None:
+    before = tree(tmp_path)
+    code, _, err = cli(data, *command)
+    assert code == 1 and message in err and "Traceback" not in err
+    assert tree(tmp_path) == before
+
+
+def test_account_create_makes_the_database_and_listing_then_reads_it(data: Path) -> None:
+    assert not (data / "agentloop.db").exists()
+    assert cli(data, "account", "create", "dana", "--no-token")[0] == 0
+    code, out, _ = cli(data, "account", "list")
+    assert code == 0 and out.split("\t")[0] == "dana"

@@ -196,6 +196,7 @@ def test_addresses_and_allow_lists():
     with pytest.raises(ValueError):
         websocket_url("ftp://h")
     assert parse_allow("fs") == ("fs.read", "fs.write", "fs.edit", "fs.delete", "fs.search")
+    assert parse_allow("read") == ("fs.read", "fs.search")
     assert parse_allow("shell, fs.read") == ("shell.exec", "fs.read")
     with pytest.raises(ValueError, match="unknown 'net'"):
         parse_allow("net")
@@ -203,7 +204,7 @@ def test_addresses_and_allow_lists():
 
 async def test_a_device_subprocess_serves_read_and_shell_then_dies_mid_call(tmp_path):
     async with world(tmp_path) as w:
-        device = await w.spawn_device("box")
+        device = await w.spawn_device("box", "--allow", "fs,shell")
         try:
             await w.online("box")
             async with httpx.AsyncClient(base_url=w.server.url) as http:
@@ -274,7 +275,13 @@ async def test_a_cancelled_call_kills_the_shell_group_and_extra_tools_are_served
 
     async with world(tmp_path) as w:
         options = DeviceOptions(
-            url=w.server.url, token=w.token, name="box", root=w.device_root, tools=[greet], backoff_initial=0.05
+            url=w.server.url,
+            token=w.token,
+            name="box",
+            root=w.device_root,
+            implements=parse_allow("fs,shell"),
+            tools=[greet],
+            backoff_initial=0.05,
         )
         client = DeviceClient(options, say=lambda text: None)
         running = asyncio.create_task(client.run())
@@ -307,6 +314,33 @@ async def test_a_cancelled_call_kills_the_shell_group_and_extra_tools_are_served
             running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await running
+
+
+async def test_by_default_a_device_lends_reading_files_and_not_the_shell(tmp_path):
+    """Security by default: without --allow the device reads and searches files under its root;
+    a shell command or a file change routed to it is refused, and nothing runs on the machine."""
+    assert DeviceOptions(url="ws://h/v1/ws", token="t", name="d", root=tmp_path).implements == (
+        "fs.read",
+        "fs.search",
+    )
+    async with world(tmp_path) as w:
+        device = await w.spawn_device("box")
+        try:
+            await w.online("box")
+            assert [d["implements"] for d in w.hub.list(_alice())] == [["fs.read", "fs.search"]]
+            read = await w.hub.call("alice", "box", "fs.read", {"path": "hello.txt"}, 10)
+            assert not read.is_error and "greetings" in read.content[0].text
+            command = {"command": "touch ran.txt"}
+            shell = await w.hub.call("alice", "box", "shell.exec", command, 10)
+            assert shell.is_error and "does not implement shell.exec" in shell.content[0].text
+            write = await w.hub.call("alice", "box", "fs.write", {"path": "new.txt", "content": "x"}, 10)
+            assert write.is_error and "does not implement fs.write" in write.content[0].text
+            assert not (w.device_root / "ran.txt").exists() and not (w.device_root / "new.txt").exists()
+            assert "read-only; --allow fs,shell" in w.log("box")
+        finally:
+            if device.returncode is None:
+                device.kill()
+                await device.wait()
 
 
 async def test_a_refused_token_is_fatal_with_a_clear_message(tmp_path):

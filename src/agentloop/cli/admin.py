@@ -5,6 +5,11 @@ They open ``<data>/agentloop.db`` directly rather than asking the server, so an 
 make the first extra account or revoke a leaked token even while no server (or a stuck one) runs.
 SQLite in WAL mode lets them do so while the server has the database open. A token is printed
 once, when created; listings show ids and labels, never the stored hashes.
+
+Only ``account create`` may create the database (the first account can be made before any server
+ran). The other commands need one to exist: ``account list`` and ``token list`` on a directory
+without a database say so and exit 0, and nothing is written: a look must not leave a database
+(or a directory) behind where none was.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _database(data: Path | None) -> Path:
+    """Where the database is (or would be); the directory must exist."""
     from agentloop.cli.chat import data_dir
     from agentloop.cli.main import CliError
 
@@ -53,15 +59,32 @@ def _database(data: Path | None) -> Path:
     return directory.resolve() / "agentloop.db"
 
 
-def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]]) -> T:
-    """Open the store (creating or migrating its schema like the server would), run ``work``, close."""
+def _existing_database(data: Path | None) -> Path | None:
+    """The database when there is one, else None; never creates anything."""
+    from agentloop.cli.chat import data_dir
+
+    path = data_dir(data).expanduser() / "agentloop.db"
+    return path.resolve() if path.is_file() else None
+
+
+def _no_database(data: Path | None) -> str:
+    from agentloop.cli.chat import data_dir
+
+    return f"no database at {data_dir(data) / 'agentloop.db'}: no accounts or tokens yet (agentloop serve creates it)"
+
+
+def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]], *, create: bool = False) -> T:
+    """Open the store (migrating its schema like the server would), run ``work``, close. Only with
+    ``create`` is a missing database created; otherwise the caller has checked that it exists."""
     from agentloop.cli.main import CliError
 
     try:  # the server package needs the server extra; a plain install still gets a clear error
         from agentloop.server.auth import AccountError, Accounts
     except ImportError as exc:
         raise CliError(f"accounts need the server extra: pip install 'agentloop[server]' ({exc})") from None
-    path = _database(data)
+    path = _database(data) if create else _existing_database(data)
+    if path is None:
+        raise CliError(_no_database(data))
 
     async def go() -> T:
         store: Store = open_store(f"sqlite:///{path}")
@@ -75,6 +98,14 @@ def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]]) 
         return asyncio.run(go())
     except AccountError as exc:
         raise CliError(str(exc)) from None
+
+
+def _nothing_to_list(data: Path | None) -> bool:
+    """For a listing: True (having said so on stderr) when there is no database to list from."""
+    if _existing_database(data) is not None:
+        return False
+    typer.echo(_no_database(data), err=True)
+    return True
 
 
 def _when(stamp: float | None) -> str:
@@ -102,7 +133,7 @@ def account_create(
             secret, _ = await accounts.create_token(name, label="first token")
             return secret
 
-        secret = _with_accounts(data, work)
+        secret = _with_accounts(data, work, create=True)
         typer.echo(f"created account {name}" + (" (admin)" if admin else ""))
         if secret is not None:
             typer.echo(f"token: {secret}")
@@ -115,6 +146,8 @@ def account_list(data: DataOpt = None) -> None:
     from agentloop.cli.main import _guarded
 
     with _guarded():
+        if _nothing_to_list(data):
+            return
 
         async def work(accounts: Accounts) -> list[tuple[str, bool, float]]:
             return [(a.name, a.admin, a.created_at) for a in await accounts.store.list_accounts()]
@@ -130,9 +163,11 @@ def token_create(
     data: DataOpt = None,
 ) -> None:
     """Create a token and print it (once: only its hash is kept)."""
-    from agentloop.cli.main import _guarded
+    from agentloop.cli.main import CliError, _guarded
 
     with _guarded():
+        if _existing_database(data) is None:  # no accounts at all; and no database made for nothing
+            raise CliError(f"no such account {account!r} ({_no_database(data)})")
 
         async def work(accounts: Accounts) -> tuple[str, str]:
             secret, record = await accounts.create_token(account, label=label)
@@ -152,6 +187,8 @@ def token_list(
     from agentloop.cli.main import _guarded
 
     with _guarded():
+        if _nothing_to_list(data):
+            return
 
         async def work(accounts: Accounts) -> list[tuple[str, str, str, float, float | None]]:
             return [(t.id, t.account, t.label, t.created_at, t.revoked_at) for t in await accounts.tokens(account)]
@@ -175,6 +212,6 @@ def token_revoke(
         async def work(accounts: Accounts) -> bool:
             return await accounts.revoke(token_id)
 
-        if not _with_accounts(data, work):
+        if _existing_database(data) is None or not _with_accounts(data, work):
             raise CliError(f"no such token {token_id!r} (or it was already revoked)")
         typer.echo(f"revoked {token_id}")

@@ -4,6 +4,12 @@ Precedence is fixed so a user can always tell why a model was picked: the ``--mo
 ``AGENTLOOP_MODEL``, then the config file (``$AGENTLOOP_CONFIG`` or
 ``~/.config/agentloop/config.toml``), then the embedded default. A broken config file must never
 stop the CLI: it becomes a warning and the defaults apply.
+
+The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
+``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks`` and the
+``compaction_threshold``. A budget written down and then silently ignored would let a run go on
+without the limit its owner relied on, so a bad value there is an error (exit 2) for the commands
+that run the loop, naming the key or flag and what it must be.
 """
 
 from __future__ import annotations
@@ -11,12 +17,13 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from agentloop.loop.guards import Guards
 from agentloop.models.base import Model
-from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, resolve_model
+from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
@@ -24,7 +31,10 @@ DEFAULT_TOOL_TIMEOUT = 60.0
 SERVER_ENV = "AGENTLOOP_SERVER"
 TOKEN_ENV = "AGENTLOOP_TOKEN"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
-_KEYS = ("model", "system_prompt", "tool_timeout", "max_rounds", "workspace", "server", "token")
+_LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
+GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
+_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold")
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,32 @@ class FileConfig:
     workspace: Path | None = None
     server: str | None = None
     token: str | None = None
+    max_tool_calls: int | None = None
+    max_wall_clock: float | None = None
+    max_tokens: int | None = None
+    max_cost: float | None = None
+    fallbacks: tuple[str, ...] | None = None
+    compaction_threshold: float | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
+
+
+@dataclass(frozen=True)
+class LoopFlags:
+    """A command's flags for the run limits, fallbacks and compaction; None means not given, so
+    the config file's value (or no limit) applies."""
+
+    max_rounds: int | None = None
+    max_tool_calls: int | None = None
+    max_wall_clock: float | None = None
+    max_tokens: int | None = None
+    max_cost: float | None = None
+    fallbacks: tuple[str, ...] | None = None
+    compaction_threshold: float | None = None
+
+    def given(self) -> list[str]:
+        """The flags that were set, spelled as on the command line (to refuse them where they
+        cannot apply, rather than ignore them)."""
+        return [flag_name(name) for name, value in vars(self).items() if value is not None]
 
 
 @dataclass(frozen=True)
@@ -52,6 +88,24 @@ class Settings:
     workspace: Path | None = None
     config_path: Path | None = None
     warnings: list[str] = field(default_factory=list)
+    max_tool_calls: int | None = None
+    max_wall_clock: float | None = None
+    max_tokens: int | None = None
+    max_cost: float | None = None
+    fallbacks: tuple[str, ...] = ()
+    compaction_threshold: float | None = None  # None: the kernel's default
+    errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
+
+    @property
+    def guards(self) -> Guards:
+        """The run budgets as the loop takes them (none set means no limit at all)."""
+        return Guards(
+            max_rounds=self.max_rounds,
+            max_tool_calls=self.max_tool_calls,
+            max_wall_clock=self.max_wall_clock,
+            max_tokens=self.max_tokens,
+            max_cost=self.max_cost,
+        )
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:
@@ -65,6 +119,77 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
 
 def _positive_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _positive_int(value: Any) -> bool:
+    return _positive_number(value) and isinstance(value, int)
+
+
+def _share(value: Any) -> bool:
+    """A share of the context window: above 0 (0 would compact on every turn) and at most 1
+    (beyond the window the provider's overflow error comes first)."""
+    return _positive_number(value) and value <= 1
+
+
+def model_problem(spec: Any) -> str | None:
+    """Why ``spec`` cannot name a model (its form or an unknown provider), or None. Checked before
+    anything is loaded, so a typo in a fallback is reported at start, not when the model fails."""
+    if not isinstance(spec, str) or not spec.strip():
+        return f"{spec!r} is not a 'provider:model' string"
+    try:
+        provider, _ = parse_model_string(spec.strip())
+    except ModelNotFound as exc:
+        return str(exc)
+    if provider not in providers():
+        return f"unknown provider {provider!r} in {spec!r} (known: {', '.join(providers())})"
+    return None
+
+
+#: the run-limit keys: a check, and what the value must be (for the error message)
+_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_rounds": (_positive_int, "a positive integer (model rounds with tools per run)"),
+    "max_tool_calls": (_positive_int, "a positive integer (tool calls per run)"),
+    "max_wall_clock": (_positive_number, "a positive number of seconds per run"),
+    "max_tokens": (_positive_int, "a positive integer (input and output tokens per run)"),
+    "max_cost": (_positive_number, "a positive number of dollars per run"),
+    "compaction_threshold": (_share, "a number above 0 and at most 1 (the share of the context window)"),
+}
+
+
+def limit_problem(key: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for the run-limit ``key`` (a phrase to follow the key's or the
+    flag's name), or None when it is usable."""
+    if key == "fallbacks":
+        if not isinstance(value, list | tuple) or not value:
+            return f"must be a non-empty list of 'provider:model' strings, got {value!r}"
+        problems = [p for p in (model_problem(v) for v in value) if p]
+        return f"has a bad model: {problems[0]}" if problems else None
+    check, expected = _LIMITS[key]
+    return None if check(value) else f"must be {expected}, got {value!r}"
+
+
+def flag_name(key: str) -> str:
+    """The flag that sets the run-limit ``key`` (``fallbacks`` is given one ``--fallback`` at a time)."""
+    return "--fallback" if key == "fallbacks" else f"--{key.replace('_', '-')}"
+
+
+def _read_limits(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The run-limit keys of the file, and an error per unusable one (naming file, key, value)."""
+    values: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for key in _STRICT_KEYS:
+        if key not in data:
+            continue
+        problem = limit_problem(key, data[key])
+        if problem:
+            errors[key] = f"config file {path}: {key} {problem}"
+        elif key == "fallbacks":
+            values[key] = tuple(v.strip() for v in data[key])
+        else:
+            values[key] = (
+                float(data[key]) if key in ("max_wall_clock", "max_cost", "compaction_threshold") else data[key]
+            )
+    return values, errors
 
 
 def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
@@ -94,10 +219,6 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     if tool_timeout is not None and not _positive_number(tool_timeout):
         bad("tool_timeout", "a positive number of seconds")
         tool_timeout = None
-    max_rounds = data.get("max_rounds")
-    if max_rounds is not None and not (_positive_number(max_rounds) and isinstance(max_rounds, int)):
-        bad("max_rounds", "a positive integer")
-        max_rounds = None
     workspace = data.get("workspace")
     if workspace is not None and not (isinstance(workspace, str) and workspace):
         bad("workspace", "a directory path")
@@ -110,6 +231,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     if token is not None and not (isinstance(token, str) and token.strip()):
         bad("token", "a token string")
         token = None
+    limits, errors = _read_limits(data, path)
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -118,10 +240,11 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             model=model.strip() if isinstance(model, str) else None,
             system_prompt=system_prompt,
             tool_timeout=float(tool_timeout) if tool_timeout is not None else None,
-            max_rounds=max_rounds,
             workspace=Path(workspace).expanduser() if isinstance(workspace, str) else None,
             server=server.rstrip("/") if isinstance(server, str) else None,
             token=token.strip() if isinstance(token, str) else None,
+            errors=errors,
+            **limits,
         ),
         warnings,
     )
@@ -134,12 +257,19 @@ def load_settings(
     tool_timeout: float | None = None,
     max_rounds: int | None = None,
     workspace: Path | None = None,
+    flags: LoopFlags | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Settings:
-    """Flags win over the environment, which wins over the file, which wins over defaults."""
+    """Flags win over the environment, which wins over the file, which wins over defaults.
+    Unusable run limits, from a flag or the file, are listed in ``errors``."""
     env = os.environ if env is None else env
     path = config_path(env)
     file, warnings = read_config_file(path)
+    flags = flags or LoopFlags()
+    if max_rounds is not None and flags.max_rounds is None:
+        flags = replace(flags, max_rounds=max_rounds)
+    # a flag replaces the file's key, so a bad key a flag overrides does not matter
+    errors = [*_flag_errors(flags), *(e for key, e in file.errors.items() if getattr(flags, key) is None)]
 
     if model:
         chosen, source = model, "--model"
@@ -155,11 +285,68 @@ def load_settings(
         model_source=source,
         system_prompt=system_prompt if system_prompt is not None else (file.system_prompt or ""),
         tool_timeout=tool_timeout if tool_timeout is not None else (file.tool_timeout or DEFAULT_TOOL_TIMEOUT),
-        max_rounds=max_rounds if max_rounds is not None else file.max_rounds,
+        max_rounds=_first(flags.max_rounds, file.max_rounds),
         workspace=workspace if workspace is not None else file.workspace,
         config_path=path,
         warnings=warnings,
+        max_tool_calls=_first(flags.max_tool_calls, file.max_tool_calls),
+        max_wall_clock=_first(flags.max_wall_clock, file.max_wall_clock),
+        max_tokens=_first(flags.max_tokens, file.max_tokens),
+        max_cost=_first(flags.max_cost, file.max_cost),
+        fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
+        compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
+        errors=errors,
     )
+
+
+T = TypeVar("T")
+
+
+def _first(flag: T | None, file: T | None) -> T | None:
+    """The flag's value when given, else the file's (a flag always wins, even over a bad key)."""
+    return flag if flag is not None else file
+
+
+def _flag_errors(flags: LoopFlags) -> list[str]:
+    """One message per unusable flag value, naming the flag (typer already checked the types)."""
+    errors: list[str] = []
+    for key, value in vars(flags).items():
+        if value is not None:
+            problem = limit_problem(key, value)
+            if problem:
+                errors.append(f"{flag_name(key)} {problem}")
+    return errors
+
+
+def open_fallbacks(settings: Settings, progress: Callable[[str], None] | None = None) -> list[Model]:
+    """The fallback models, opened now so that a fallback that cannot load is reported at start
+    (naming it as a fallback) rather than at the moment the primary model fails."""
+    models: list[Model] = []
+    for spec in settings.fallbacks:
+        try:
+            models.append(open_model(spec, progress))
+        except ValueError as exc:
+            raise ModelNotFound(f"fallback model {spec}: {exc}") from exc
+    return models
+
+
+def loop_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The ``Agent`` (and so ``Kernel.open``) keyword arguments the settings decide: the tool
+    timeout, the guards and the fallback models. One place, so every command builds the same loop."""
+    return {
+        "tool_timeout": settings.tool_timeout,
+        "guards": settings.guards,
+        "fallbacks": open_fallbacks(settings, progress),
+    }
+
+
+def kernel_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """``loop_options`` plus what only a durable kernel has: the compaction threshold (left to the
+    kernel's default unless set)."""
+    options = loop_options(settings, progress)
+    if settings.compaction_threshold is not None:
+        options["compaction_threshold"] = settings.compaction_threshold
+    return options
 
 
 def open_model(spec: str, progress: Callable[[str], None] | None = None) -> Model:

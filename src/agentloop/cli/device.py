@@ -1,4 +1,9 @@
-"""``agentloop device connect URL --token T``: lend this machine's files and shell to a server.
+"""``agentloop device connect URL --token T``: lend this machine's files (and, when asked, its
+shell) to a server.
+
+By default a device lends only reading and searching files under ``--root``. Writing, editing and
+deleting files (``--allow fs``) and running commands (``--allow shell``: remote command execution on
+this machine, by whatever the account's agents decide) must be asked for explicitly.
 
 Kept apart from ``cli/main.py`` so the device needs neither the model stack nor the server; the
 ``websockets`` library (the ``server`` extra) is imported only when connecting.
@@ -16,7 +21,15 @@ from typing import Annotated
 
 import typer
 
-from agentloop.device.client import DeviceClient, DeviceError, DeviceOptions, default_name, parse_allow, websocket_url
+from agentloop.device.client import (
+    DEFAULT_ALLOW,
+    DeviceClient,
+    DeviceError,
+    DeviceOptions,
+    default_name,
+    parse_allow,
+    websocket_url,
+)
 
 device_app = typer.Typer(
     name="device",
@@ -64,11 +77,21 @@ def connect(
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="The device id (default: the host name).")] = None,
     root: Annotated[Path | None, typer.Option("--root", help="The directory it serves (default: here).")] = None,
-    allow: Annotated[str, typer.Option("--allow", help="What it lends: fs, shell, or syscall names.")] = "fs,shell",
+    allow: Annotated[
+        str,
+        typer.Option(
+            "--allow",
+            help="What it lends, comma-separated: read (read and search files: the default), fs (also write, "
+            "edit and delete them), shell (run commands on this machine: only if you mean it), or syscall "
+            "names such as fs.read.",
+        ),
+    ] = "read",
     backoff: Annotated[float, typer.Option("--backoff", help="First reconnect delay, seconds.", hidden=True)] = 1.0,
     backoff_max: Annotated[float, typer.Option("--backoff-max", help="Longest reconnect delay.", hidden=True)] = 60.0,
 ) -> None:
-    """Connect as a device and serve file and shell requests inside --root until stopped."""
+    """Connect as a device and serve requests inside --root until stopped. It lends only reading
+    and searching files unless --allow says more: --allow fs,shell also lets the server's agents
+    change files and run commands here."""
     try:
         if not token:
             raise ValueError("a token is needed: --token T or AGENTLOOP_TOKEN")
@@ -90,6 +113,10 @@ def connect(
         backoff_max=max(backoff, backoff_max),
     )
     _say(f"serving {base} ({', '.join(implements)}) as {options.name}; connecting to {target}")
+    if "shell.exec" in implements:
+        _say("shell lent: the account's agents can run commands on this machine as you")
+    elif implements == DEFAULT_ALLOW:
+        _say("read-only; --allow fs,shell to let agents change files and run commands")
     try:
         asyncio.run(_serve(DeviceClient(options, say=_say)))
     except DeviceError as exc:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -25,8 +25,18 @@ from rich.text import Text
 
 from agentloop.agent import Agent, RunResult
 from agentloop.cli.approvals import Answer, ApprovalSetting, PolicyHook, Question, ask_user, parse_approval
-from agentloop.cli.config import Settings, load_settings, open_model
+from agentloop.cli.config import LoopFlags, Settings, kernel_options, load_settings, loop_options, open_model
 from agentloop.cli.device import device_app
+from agentloop.cli.options import (
+    CompactionOpt,
+    FallbackOpt,
+    MaxCostOpt,
+    MaxRoundsOpt,
+    MaxTokensOpt,
+    MaxToolCallsOpt,
+    MaxWallClockOpt,
+    loop_flags,
+)
 from agentloop.cli.render import (
     EventSink,
     Interrupts,
@@ -113,13 +123,17 @@ def _settings(
     workspace: Path | None,
     system: str | None,
     tool_timeout: float | None = None,
-    max_rounds: int | None = None,
+    flags: LoopFlags | None = None,
 ) -> Settings:
+    """The command's settings, its config warnings shown. A bad run limit (flag or config key)
+    is a usage error, exit 2: running without a budget the user set is worse than not running."""
     settings = load_settings(
-        model=model, system_prompt=system, tool_timeout=tool_timeout, max_rounds=max_rounds, workspace=workspace
+        model=model, system_prompt=system, tool_timeout=tool_timeout, workspace=workspace, flags=flags
     )
     for warning in settings.warnings:
         sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
+    if settings.errors:
+        _fail("; ".join(settings.errors), 2)
     return settings
 
 
@@ -144,9 +158,8 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: 
         model=model,
         tools=builtin_tools(workspace),
         system_prompt=settings.system_prompt,
-        tool_timeout=settings.tool_timeout,
-        max_rounds=settings.max_rounds,
         workspace=workspace,
+        **loop_options(settings, progress),
     )
     if hook is not None:
         agent.hooks.before_tool_call(hook)
@@ -247,15 +260,19 @@ def run(
     tool_timeout: Annotated[
         float | None, typer.Option("--tool-timeout", min=0.001, help="Seconds a tool may run (default 60).")
     ] = None,
-    max_rounds: Annotated[
-        int | None, typer.Option("--max-rounds", min=1, help="Model rounds with tools before a final answer.")
-    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print every loop event as a JSON line.")] = False,
     approval: ApprovalOpt = "ask",
+    max_rounds: MaxRoundsOpt = None,
+    max_tool_calls: MaxToolCallsOpt = None,
+    max_wall_clock: MaxWallClockOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    max_cost: MaxCostOpt = None,
+    fallback: FallbackOpt = None,
 ) -> None:
     """Run one prompt to the end: the answer on stdout, tool activity on stderr."""
     with _guarded():
-        settings = _settings(model, workspace, system, tool_timeout, max_rounds)
+        flags = loop_flags(max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback)
+        settings = _settings(model, workspace, system, tool_timeout, flags)
         setting = _approval(approval)
         if prompt == "-":
             prompt = sys.stdin.read()
@@ -310,24 +327,38 @@ def chat(
         str | None, typer.Option("--token", help="With --server: bearer token (default: $AGENTLOOP_TOKEN, config).")
     ] = None,
     pid: Annotated[str | None, typer.Option("--pid", help="With --server: talk to this process.")] = None,
+    max_rounds: MaxRoundsOpt = None,
+    max_tool_calls: MaxToolCallsOpt = None,
+    max_wall_clock: MaxWallClockOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    max_cost: MaxCostOpt = None,
+    fallback: FallbackOpt = None,
+    compaction_threshold: CompactionOpt = None,
 ) -> None:
     """Talk with the agent. The conversation is kept: quit and come back to continue it."""
     from agentloop.cli.chat import AgentSession, ChatRepl
 
     with _guarded():
+        flags = loop_flags(
+            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
+        )
         if server is not None or pid is not None:
+            if flags.given():  # the server's own settings decide; silently ignoring them would mislead
+                _fail(f"{', '.join(flags.given())}: set run limits where the server runs (agentloop serve)", 2)
             from agentloop.cli.client import chat_command
 
             remote_aborted, remote_code = chat_command(server, token, new=new, pid=pid)
             if remote_aborted:
                 _exit(remote_code)
             raise typer.Exit(remote_code)
-        settings = _settings(model, workspace, system)
+        settings = _settings(model, workspace, system, flags=flags)
         setting = _approval(approval)
         ws = _workspace(settings)
         progress = Progress()
         err = stderr_console()
         if memory:
+            if compaction_threshold is not None:
+                _fail("--compaction-threshold: a --memory chat is never compacted (it needs the durable chat)", 2)
             hook = None if setting.mode == "auto" else PolicyHook(setting.policy, cwd=ws, ask=None)
             agent = _build_agent(settings, ws, progress, hook)
             _chat_banner(err, settings, ws)
@@ -369,9 +400,7 @@ def _durable_chat(
     except OSError as exc:
         raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
     model = open_model(settings.model, progress)
-    options: dict[str, Any] = {"tool_timeout": settings.tool_timeout}
-    if settings.max_rounds is not None:
-        options["max_rounds"] = settings.max_rounds
+    options = kernel_options(settings, progress)
     ev = asyncio.new_event_loop()
     stack = AsyncExitStack()
     try:
@@ -455,7 +484,9 @@ def _facts(provider: str, model_id: str) -> tuple[str, str]:
 def models() -> None:
     """List providers and models, whether each is usable here, and which one is the default."""
     with _guarded():
-        settings = _settings(None, None, None)
+        settings = load_settings()  # run limits do not matter to a listing: no exit over a bad one
+        for warning in [*settings.warnings, *settings.errors]:
+            sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
         # (provider, model id, usable, why) — a provider's reason is given once, on its first row
         rows: list[tuple[str, str, bool, str]] = []
         for provider in ("openai", "anthropic"):

@@ -32,7 +32,17 @@ import typer
 
 from agentloop.agent import Agent
 from agentloop.cli.approvals import ApprovalSetting, PolicyHook
-from agentloop.cli.config import Settings, open_model
+from agentloop.cli.config import Settings, kernel_options, open_model
+from agentloop.cli.options import (
+    CompactionOpt,
+    FallbackOpt,
+    MaxCostOpt,
+    MaxRoundsOpt,
+    MaxTokensOpt,
+    MaxToolCallsOpt,
+    MaxWallClockOpt,
+    loop_flags,
+)
 from agentloop.cli.render import Progress
 
 T = TypeVar("T")
@@ -145,11 +155,11 @@ async def serve_async(
     settings = opts.settings
     sock = bind(opts.host, opts.port)
     try:
-        model = open_model(settings.model, Progress())
+        progress = Progress()
+        model = open_model(settings.model, progress)
         hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
-        kernel_options: dict[str, Any] = {"tool_timeout": settings.tool_timeout, **opts.approval.kernel_options()}
-        if settings.max_rounds is not None:
-            kernel_options["max_rounds"] = settings.max_rounds
+        options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
+        loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks")}  # what Agent takes
         async with Kernel.open(
             f"sqlite:///{opts.data.resolve()}/agentloop.db",
             model=model,
@@ -157,7 +167,8 @@ async def serve_async(
             system_prompt=settings.system_prompt,
             data_dir=opts.data,
             devices=hub,
-            **kernel_options,
+            **opts.approval.kernel_options(),
+            **options,
         ) as kernel:
             accounts = Accounts(kernel.store)
             first = await accounts.bootstrap()
@@ -172,12 +183,7 @@ async def serve_async(
                 under the same approval policy as processes. Nobody can answer a question in a
                 stateless request, so a call the policy would ask about is refused as a tool error."""
                 agent = Agent(
-                    model=model,
-                    tools=tools,
-                    system_prompt=settings.system_prompt,
-                    tool_timeout=settings.tool_timeout,
-                    max_rounds=settings.max_rounds,
-                    workspace=opts.workspace,
+                    model=model, tools=tools, system_prompt=settings.system_prompt, workspace=opts.workspace, **loop
                 )
                 if opts.approval.mode != "auto":
                     agent.hooks.before_tool_call(
@@ -372,14 +378,24 @@ def serve(
     ] = False,
     new: Annotated[bool, typer.Option("--new", help="With --chat: start a new conversation.")] = False,
     pid: Annotated[str | None, typer.Option("--pid", help="With --chat: talk to this process.")] = None,
+    max_rounds: MaxRoundsOpt = None,
+    max_tool_calls: MaxToolCallsOpt = None,
+    max_wall_clock: MaxWallClockOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    max_cost: MaxCostOpt = None,
+    fallback: FallbackOpt = None,
+    compaction_threshold: CompactionOpt = None,
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
-    prints the admin token once)."""
+    prints the admin token once). The run limits apply to every process it runs."""
     from agentloop.cli.chat import data_dir, make_data_dir
     from agentloop.cli.main import CliError, _approval, _exit, _guarded, _settings, _workspace
 
     with _guarded():
-        settings = _settings(model, workspace, system)
+        flags = loop_flags(
+            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
+        )
+        settings = _settings(model, workspace, system, flags=flags)
         setting = _approval(approval)
         ws = _workspace(settings)
         directory = data_dir(data)

@@ -35,6 +35,7 @@ from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 
 __all__ = [
+    "DEFAULT_ALLOW",
     "DeviceClient",
     "DeviceError",
     "DeviceOptions",
@@ -47,9 +48,14 @@ log = logging.getLogger("agentloop.device")
 
 #: ``--allow`` groups → the syscalls they enable
 ALLOW_GROUPS: dict[str, tuple[str, ...]] = {
+    "read": ("fs.read", "fs.search"),
     "fs": tuple(s for s in SYSCALLS.values() if s.startswith("fs.")),
     "shell": ("shell.exec",),
 }
+#: What a device lends when nobody says otherwise: reading and searching files under its root.
+#: Changing files and running commands on someone's machine are opt-ins (``--allow fs,shell``):
+#: a device lends only what its owner asked for.
+DEFAULT_ALLOW: tuple[str, ...] = ALLOW_GROUPS["read"]
 _FATAL_CODES = frozenset({"unauthorized", "forbidden", "invalid_request"})
 _STABLE_AFTER = 30.0  # a connection that lived this long resets the backoff
 
@@ -59,7 +65,8 @@ class DeviceError(Exception):
 
 
 def parse_allow(text: str | Iterable[str]) -> tuple[str, ...]:
-    """The syscalls ``--allow`` enables: groups (``fs``, ``shell``) or syscall names, comma-separated."""
+    """The syscalls ``--allow`` enables: groups (``read``, ``fs``, ``shell``) or syscall names,
+    comma-separated."""
     items = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
     known = set(SYSCALLS.values())
     out: list[str] = []
@@ -72,7 +79,7 @@ def parse_allow(text: str | Iterable[str]) -> tuple[str, ...]:
             choices = ", ".join([*ALLOW_GROUPS, *sorted(known)])
             raise ValueError(f"--allow: unknown {item!r}; use any of {choices}")
     if not out:
-        raise ValueError("--allow: nothing allowed; use fs, shell or both")
+        raise ValueError("--allow: nothing allowed; use read, fs, shell or syscall names")
     return tuple(dict.fromkeys(out))
 
 
@@ -104,7 +111,7 @@ class DeviceOptions:
     token: str
     name: str
     root: Path
-    implements: tuple[str, ...] = tuple(SYSCALLS.values())
+    implements: tuple[str, ...] = DEFAULT_ALLOW  # shell and file changes only when asked for
     tools: Sequence[Tool] = ()  # extra tools, shown to the model as ``<name>__<tool>``
     backoff_initial: float = 1.0
     backoff_max: float = 60.0

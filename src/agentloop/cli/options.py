@@ -1,0 +1,100 @@
+"""The run-limit options ``run``, ``chat`` and ``serve`` share, and the one value they make.
+
+When a limit is used up the model answers once more without tools and the run ends with the
+limit's name as its stop reason (``Guards``). Each flag wins over the config file's key of the same
+name; the values are checked in ``cli.config`` with the keys', so a flag and a key fail alike.
+Kept in a module of their own because ``cli.serve`` needs them and cannot import ``cli.main``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from agentloop.cli.config import LoopFlags
+
+_LIMITS = "Run limits"
+MaxRoundsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-rounds",
+        metavar="N",
+        help="Model rounds with tools per run (config: max_rounds).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+MaxToolCallsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tool-calls", metavar="N", help="Tool calls per run (config: max_tool_calls).", rich_help_panel=_LIMITS
+    ),
+]
+MaxWallClockOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-wall-clock",
+        metavar="SECONDS",
+        help="Seconds a run may take (config: max_wall_clock).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+MaxTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens",
+        metavar="N",
+        help="Input and output tokens a run may use, over all its model calls (config: max_tokens).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+MaxCostOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-cost",
+        metavar="DOLLARS",
+        help="Dollars a run may cost, at catalog prices (config: max_cost).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+FallbackOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fallback",
+        metavar="MODEL",
+        help="provider:model to switch to when the model keeps failing; repeat for more, tried in order "
+        "(config: fallbacks = [...]).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+CompactionOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--compaction-threshold",
+        metavar="SHARE",
+        help="Summarise older history once the context window is this full, 0-1 (default 0.9; "
+        "config: compaction_threshold).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+
+
+def loop_flags(
+    max_rounds: int | None = None,
+    max_tool_calls: int | None = None,
+    max_wall_clock: float | None = None,
+    max_tokens: int | None = None,
+    max_cost: float | None = None,
+    fallback: list[str] | None = None,
+    compaction_threshold: float | None = None,
+) -> LoopFlags:
+    """The run-limit flags as one value (an empty ``--fallback`` list means the flag was not given)."""
+    return LoopFlags(
+        max_rounds=max_rounds,
+        max_tool_calls=max_tool_calls,
+        max_wall_clock=max_wall_clock,
+        max_tokens=max_tokens,
+        max_cost=max_cost,
+        fallbacks=tuple(fallback) if fallback else None,
+        compaction_threshold=compaction_threshold,
+    )
