@@ -41,8 +41,9 @@ class SignalHub:
     their transaction commits, so a watcher never sees a signal the log does not have."""
 
     _watchers: dict[str, set[asyncio.Queue[Signal | None]]] = field(default_factory=lambda: defaultdict(set))
-    # Called with every published signal of every process (the kernel's signal watches): cheap,
-    # synchronous, and never raising, since they run inside the commit of the signal's step.
+    # Called with every published signal of every process, once it is durable (the kernel's
+    # signal watches): they must be cheap, synchronous and never raise, since they run in the
+    # callback that settles a step's commit, for stream deltas too.
     _taps: list[Callable[[str, Signal], None]] = field(default_factory=list)
 
     def tap(self, listener: Callable[[str, Signal], None]) -> None:
