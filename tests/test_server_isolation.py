@@ -49,7 +49,35 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/processes/{pid}/hil"): {},
     ("POST", "/v1/processes/{pid}/hil/{request_id}"): {"json": {"decision": "deny"}},
     ("POST", "/v1/processes/{pid}/reset"): {},
+    ("POST", "/v1/processes/{pid}/events"): {"json": {"text": "an event"}},
+    ("GET", "/v1/processes/{pid}/schedules"): {},
+    ("POST", "/v1/processes/{pid}/schedules"): {"json": {"text": "later", "at": 4102444800}},
+    ("DELETE", "/v1/processes/{pid}/schedules/{schedule_id}"): {},
+    ("GET", "/v1/processes/{pid}/watches"): {},
+    ("POST", "/v1/processes/{pid}/watches"): {"json": {"source_pid": "{source_pid}"}},
+    ("DELETE", "/v1/processes/{pid}/watches/{watch_id}"): {},
 }
+
+
+def path_ids(alice: httpx.Client, path: str, pid: str) -> dict[str, str]:
+    """Ids a route's path or body names besides the pid: a schedule and a watch of alice's
+    process, and another of her processes to watch."""
+    source: str = alice.post("/v1/processes", json={}).json()["pid"]
+    out = {"source_pid": source, "schedule_id": "no-such-schedule", "watch_id": "no-such-watch"}
+    if "{schedule_id}" in path:
+        out["schedule_id"] = alice.post(
+            f"/v1/processes/{pid}/schedules", json={"text": "later", "at": 4102444800}
+        ).json()["id"]
+    if "{watch_id}" in path:
+        out["watch_id"] = alice.post(f"/v1/processes/{pid}/watches", json={"source_pid": source}).json()["id"]
+    return out
+
+
+def recipe(route: tuple[str, str], ids: dict[str, str]) -> dict[str, Any]:
+    kw = dict(RECIPES.get(route, {}))
+    if "json" in kw:
+        kw["json"] = {k: v.format(**ids) if isinstance(v, str) else v for k, v in kw["json"].items()}
+    return kw
 
 
 class Devices:
@@ -122,9 +150,10 @@ def test_isolation(clients: dict[str, httpx.Client], route: tuple[str, str], rol
     method, path = route
     alice, caller = clients["owner"], clients[role]
     pid, request_id = owned_process(alice, asking="{request_id}" in path)
+    ids = path_ids(alice, path, pid) if "{pid}" in path else {}
     before = alice.get(f"/v1/processes/{pid}").json()
-    url = path.format(pid=pid, request_id=request_id)
-    resp = caller.request(method, url, **RECIPES.get(route, {}))
+    url = path.format(pid=pid, request_id=request_id, **ids)
+    resp = caller.request(method, url, **recipe(route, ids))
     assert expected(route, role)(resp.status_code), (role, method, url, resp.status_code, resp.text)
     if resp.status_code >= 400:
         assert resp.json()["code"] in ("unauthorized", "not_found")

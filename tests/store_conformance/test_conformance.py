@@ -18,12 +18,14 @@ from agentloop.process.store import (
     HilRow,
     NoSuchProcess,
     ProcessRecord,
+    ScheduleRow,
     SegmentRow,
     SQLiteStore,
     Store,
     StoreError,
     TokenRecord,
     ToolCallRow,
+    WatchRow,
     open_store,
 )
 from agentloop.process.store.schema import LATEST_VERSION
@@ -357,3 +359,65 @@ async def test_tokens_are_found_by_hash_and_revoked_once(store: Store) -> None:
     assert revoked is not None and revoked.revoked_at == 123.0
     assert [t.id for t in await store.list_tokens("alice")] == ["t1", "t2"]
     assert await store.list_tokens("bob") == []
+
+
+async def test_schedules_are_listed_soonest_first_and_claimed_once(store: Store) -> None:
+    await spawn(store, "p1")
+    await spawn(store, "p2")
+    async with store.transaction():
+        await store.add_schedule(ScheduleRow("s-late", "p1", "later", 300.0, every=60.0, name="hourly"))
+        await store.add_schedule(ScheduleRow("s-soon", "p1", "soon", 100.0))
+        await store.add_schedule(ScheduleRow("s-other", "p2", "other", 200.0))
+    assert [s.id for s in await store.schedules("p1")] == ["s-soon", "s-late"]
+    late = (await store.schedules("p1"))[1]
+    assert (late.text, late.every, late.name, late.next_due) == ("later", 60.0, "hourly", 300.0)
+    assert [s.id for s in await store.due_schedules(200.0)] == ["s-soon", "s-other"]  # every process, inclusive
+    assert [s.id for s in await store.due_schedules(None, limit=1)] == ["s-soon"]
+    async with store.transaction():
+        assert await store.set_schedule_due("s-late", 360.0, expect=300.0)
+        assert not await store.set_schedule_due("s-late", 420.0, expect=300.0)  # moved already: a stale claim
+        assert await store.delete_schedule("s-soon")
+        assert not await store.delete_schedule("s-soon")
+    assert [(s.id, s.next_due) for s in await store.schedules("p1")] == [("s-late", 360.0)]
+
+
+async def test_watches_are_found_by_either_end_and_remember_how_far_they_read(store: Store) -> None:
+    for pid in ("w", "src", "x"):
+        await spawn(store, pid)
+    async with store.transaction():
+        await store.add_watch(WatchRow("w1", "w", "src", "proc.run.finished", once=True, seen_seq=3))
+        await store.add_watch(WatchRow("w2", "x", "src", "proc.run.started", once=False))
+        await store.add_watch(WatchRow("w3", "w", "x", "proc.run.finished"))
+    assert [w.id for w in await store.watches(pid="w")] == ["w1", "w3"]
+    assert [w.id for w in await store.watches(source_pid="src")] == ["w1", "w2"]
+    assert [w.id for w in await store.watches(pid="w", source_pid="src")] == ["w1"]
+    assert len(await store.watches()) == 3
+    w2 = (await store.watches(pid="x"))[0]
+    assert (w2.source_pid, w2.signal, w2.once, w2.seen_seq) == ("src", "proc.run.started", False, 0)
+    async with store.transaction():
+        assert await store.set_watch_seen("w1", 9)
+        assert await store.delete_watch("w3") and not await store.delete_watch("w3")
+        assert not await store.set_watch_seen("w3", 1)
+    assert [(w.id, w.seen_seq) for w in await store.watches(pid="w")] == [("w1", 9)]
+
+
+async def test_last_event_seq(store: Store) -> None:
+    await spawn(store, "p1")
+    assert await store.last_event_seq("p1") == 0
+    async with store.transaction():
+        await store.append_events("p1", [("proc.changed", {}), ("proc.changed", {})])
+    assert await store.last_event_seq("p1") == 2
+
+
+async def test_deleting_a_process_drops_its_schedules_and_every_watch_touching_it(store: Store) -> None:
+    for pid in ("a", "b", "c"):
+        await spawn(store, pid)
+    async with store.transaction():
+        await store.add_schedule(ScheduleRow("sa", "a", "tick", 1.0))
+        await store.add_schedule(ScheduleRow("sb", "b", "tick", 1.0))
+        await store.add_watch(WatchRow("a-on-b", "a", "b", "proc.run.finished"))
+        await store.add_watch(WatchRow("b-on-a", "b", "a", "proc.run.finished"))
+        await store.add_watch(WatchRow("b-on-c", "b", "c", "proc.run.finished"))
+        await store.delete_process("a")
+    assert [s.id for s in await store.due_schedules(None)] == ["sb"]
+    assert [w.id for w in await store.watches()] == ["b-on-c"]

@@ -25,6 +25,8 @@ from typing import Any
 
 from agentloop.agent import Agent
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
+from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
+from agentloop.kernel.watches import WatchRouter
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
@@ -34,7 +36,15 @@ from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMod
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
-from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoredMessage, open_store
+from agentloop.process.store import (
+    NoSuchProcess,
+    ProcessRecord,
+    ScheduleRow,
+    Store,
+    StoredMessage,
+    WatchRow,
+    open_store,
+)
 from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.skills import skills_tool
@@ -283,11 +293,15 @@ class Process:
 class Kernel:
     """Owns a store and the durable processes in it."""
 
-    def __init__(self, store: Store, engine: ProcessEngine, data_dir: Path) -> None:
+    def __init__(
+        self, store: Store, engine: ProcessEngine, data_dir: Path, *, schedule_min_every: float = DEFAULT_MIN_EVERY
+    ) -> None:
         self.store = store
         self.engine = engine
         self.data_dir = data_dir
         self.media = MediaStore(data_dir)
+        self.scheduler = Scheduler(store, engine, min_every=schedule_min_every)
+        self.watchers = WatchRouter(store, engine)
 
     @classmethod
     @asynccontextmanager
@@ -306,6 +320,7 @@ class Kernel:
         compaction_threshold: float = 0.9,
         toolset: ToolsetFn | None = None,
         devices: DeviceDirectory | None = None,
+        schedule_min_every: float = DEFAULT_MIN_EVERY,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -313,7 +328,8 @@ class Kernel:
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
         directory); ``toolset`` adapts them per process run; ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
-        is given) and fills the prompt's ``{{devices}}``; ``agent_options`` are ``Agent``'s
+        is given) and fills the prompt's ``{{devices}}``; ``schedule_min_every`` is the shortest
+        interval a repeating schedule may have; ``agent_options`` are ``Agent``'s
         (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
@@ -357,11 +373,15 @@ class Kernel:
             compaction_threshold=compaction_threshold,
             toolset=toolset,
         )
-        kernel = cls(store, engine, Path(data_dir))
+        kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
         try:
             await engine.recover()
+            await kernel.watchers.start()  # delivers what watched sources logged while it was down
+            kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
             yield kernel
         finally:
+            await kernel.scheduler.stop()
+            await kernel.watchers.stop()
             await engine.close()
             await store.close()
 
@@ -410,9 +430,52 @@ class Kernel:
     async def processes(self, owner: str | None = None) -> list[ProcessRecord]:
         return await self.store.list_processes(owner)
 
-    async def signal(self, pid: str, text: str) -> Receipt:
-        """Inject a system event into a process (ahead of queued user input)."""
-        return await self.engine.signal_event(pid, text)
+    async def signal(self, pid: str, text: str, *, run_id: str | None = None) -> Receipt:
+        """Inject a system event into a process (ahead of queued user input). Retrying with the
+        same ``run_id`` returns the first receipt and delivers once."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("text must be a non-empty string")
+        return await self.engine.signal_event(pid, text, run_id=run_id)
+
+    # -- schedules (see kernel/schedules.py) ------------------------------------------------------
+
+    async def schedule(
+        self,
+        pid: str,
+        text: str,
+        *,
+        at: float | None = None,
+        every: float | None = None,
+        name: str | None = None,
+    ) -> str:
+        """Deliver ``text`` to the process as a system event at ``at`` (epoch seconds) and/or every
+        ``every`` seconds; returns the schedule's id. ``ScheduleError`` for a bad time or interval,
+        ``NoSuchProcess`` for an unknown pid."""
+        return (await self.scheduler.add(pid, text, at=at, every=every, name=name)).id
+
+    async def schedules(self, pid: str) -> list[ScheduleRow]:
+        """The process's schedules, soonest first."""
+        return await self.scheduler.of(pid)
+
+    async def unschedule(self, pid: str, schedule_id: str) -> bool:
+        """Delete a schedule; False if the process has none by that id."""
+        return await self.scheduler.remove(pid, schedule_id)
+
+    # -- signal watches (see kernel/watches.py) ---------------------------------------------------
+
+    async def watch(self, pid: str, source_pid: str, signal: str = sig.RUN_FINISHED, *, once: bool = True) -> str:
+        """Tell ``pid`` (as a system event) when ``source_pid`` logs ``signal``; returns the watch's
+        id. Both must have the same owner (``PermissionError``); a process cannot watch itself, and
+        a repeating watch cannot close a loop (``WatchError``)."""
+        return (await self.watchers.add(pid, source_pid, signal, once=once)).id
+
+    async def watches(self, pid: str) -> list[WatchRow]:
+        """The watches the process holds."""
+        return await self.watchers.of(pid)
+
+    async def unwatch(self, pid: str, watch_id: str) -> bool:
+        """Delete a watch; False if the process holds none by that id."""
+        return await self.watchers.remove(pid, watch_id)
 
     async def _clear(self, pid: str, *, kill: bool, archive: bool) -> Path | None:
         record = await self.store.get_process(pid)
@@ -430,10 +493,17 @@ class Kernel:
         live = await self.engine.live(pid)
         if kill:
             async with self.store.transaction():
-                await self.store.delete_process(pid)
+                await self.store.delete_process(pid)  # with its schedules and every watch naming it
+            self.watchers.forget(killed=pid)
             await self.engine.forget(pid)
             return path
         async with self.engine._tx(live) as tx:
+            # Reset drops the schedules and watches the process set up: they belong to the
+            # conversation being archived, and an event about it would reach a process that no
+            # longer knows why it asked. Watches on it stay: its watchers still follow it.
+            await self.scheduler.drop(pid)
+            dropped = await self.watchers.drop(pid)
+            tx.after.append(lambda: self.watchers.forget(dropped))
             generation = await self.store.new_generation(pid)
             tx.after.append(lambda: setattr(live.record, "history_generation", generation))
             for item in await self.store.queue(pid):

@@ -423,18 +423,27 @@ class ProcessEngine:
                 pid, f"admitted:{supplied}", {"run": run_id, "queued": queued, "position": position}
             )
 
-    async def signal_event(self, pid: str, text: str) -> Receipt:
+    async def signal_event(
+        self, pid: str, text: str, *, run_id: str | None = None, reason: str = "system.event"
+    ) -> Receipt:
         """A system event (a watch, a schedule, finished background work): shown to the model as a
-        system message, ahead of queued user input; starts a run when none is active."""
+        system message, ahead of queued user input; starts a run when none is active, recorded in
+        ``proc.run.started`` with ``reason``. A caller-supplied ``run_id`` makes the delivery
+        idempotent, as with ``send``: a retry returns the first receipt and delivers nothing."""
         live = await self.live(pid)
         message = system(text, "event")
         async with self._tx(live) as tx:
+            # checked inside the transaction: two deliveries of one id cannot both pass
+            seen = await self.store.kv_get(pid, f"admitted:{run_id}") if run_id is not None else None
+            if seen is not None:
+                return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
             active = live.record.current_run
             if active is None:
-                receipt = Receipt(await tx.start_run(message, "system.event"), False)
+                receipt = Receipt(await tx.start_run(message, reason, run_id), False)
             else:
-                await tx.enqueue("system", message)
+                await tx.enqueue("system", message, run_id)
                 receipt = Receipt(active["run_id"], True, 0)
+            await self._remember_admission(pid, receipt.run_id, run_id, queued=receipt.queued, position=0)
         if not receipt.queued:
             self.wake(pid)
         return receipt

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,17 @@ class SignalHub:
     their transaction commits, so a watcher never sees a signal the log does not have."""
 
     _watchers: dict[str, set[asyncio.Queue[Signal | None]]] = field(default_factory=lambda: defaultdict(set))
+    # Called with every published signal of every process, once it is durable (the kernel's
+    # signal watches): they must be cheap, synchronous and never raise, since they run in the
+    # callback that settles a step's commit, for stream deltas too.
+    _taps: list[Callable[[str, Signal], None]] = field(default_factory=list)
+
+    def tap(self, listener: Callable[[str, Signal], None]) -> None:
+        self._taps.append(listener)
+
+    def untap(self, listener: Callable[[str, Signal], None]) -> None:
+        if listener in self._taps:
+            self._taps.remove(listener)
 
     def watch(self, pid: str) -> asyncio.Queue[Signal | None]:
         queue: asyncio.Queue[Signal | None] = asyncio.Queue()
@@ -59,6 +71,8 @@ class SignalHub:
     def publish(self, pid: str, signal: Signal) -> None:
         for queue in self._watchers.get(pid, ()):
             queue.put_nowait(signal)
+        for listener in self._taps:
+            listener(pid, signal)
 
     def close(self, pid: str) -> None:
         """The process is gone: end every watcher's stream."""

@@ -75,6 +75,26 @@ class HilBody(Body):
     remember: bool = Field(False, description="Allow this syscall on this process from now on.")
 
 
+class EventBody(Body):
+    text: str = Field(description="The event, shown to the model as a system message.")
+    run_id: str | None = Field(
+        None, min_length=1, max_length=128, description="Retrying with the same run_id delivers once."
+    )
+
+
+class ScheduleBody(Body):
+    text: str = Field(description="Delivered as a system event each time the schedule fires.")
+    at: float | None = Field(None, description="First (or only) time, epoch seconds; in the past fires at once.")
+    every: float | None = Field(None, description="Repeat every this many seconds (the server sets a minimum).")
+    name: str | None = Field(None, min_length=1, max_length=128)
+
+
+class WatchBody(Body):
+    source_pid: str = Field(min_length=1, max_length=128, description="The process to watch (same owner).")
+    signal: str = Field("proc.run.finished", description="A logged signal, e.g. proc.run.finished.")
+    once: bool = Field(True, description="End the watch after its first delivery.")
+
+
 class EmptyBody(Body):
     pass
 
@@ -173,6 +193,38 @@ class DecisionOut(Answer):
 class ResetOut(Answer):
     pid: str
     archived: bool
+
+
+class ScheduleOut(Answer):
+    id: str
+    pid: str
+    text: str
+    name: str | None
+    next_due: float = Field(description="Epoch seconds.")
+    every: float | None
+    created_at: float
+
+
+class ScheduleList(Answer):
+    schedules: list[ScheduleOut]
+
+
+class WatchOut(Answer):
+    id: str
+    pid: str
+    source_pid: str
+    signal: str
+    once: bool
+    created_at: float
+
+
+class WatchList(Answer):
+    watches: list[WatchOut]
+
+
+class RemovedOut(Answer):
+    id: str
+    removed: Literal[True]
 
 
 class DeviceOut(Answer):
@@ -380,6 +432,41 @@ async def reset(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.reset(call.principal, call.param("pid"))
 
 
+async def signal_event(call: Call) -> dict[str, Any]:
+    body = call.parsed(EventBody, call.body)
+    return await call.ctx.processes.signal(call.principal, call.param("pid"), body.text, run_id=body.run_id)
+
+
+async def add_schedule(call: Call) -> dict[str, Any]:
+    body = call.parsed(ScheduleBody, call.body)
+    return await call.ctx.processes.schedule(
+        call.principal, call.param("pid"), body.text, at=body.at, every=body.every, name=body.name
+    )
+
+
+async def schedules(call: Call) -> dict[str, Any]:
+    return {"schedules": await call.ctx.processes.schedules(call.principal, call.param("pid"))}
+
+
+async def remove_schedule(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.unschedule(call.principal, call.param("pid"), call.param("schedule_id"))
+
+
+async def add_watch(call: Call) -> dict[str, Any]:
+    body = call.parsed(WatchBody, call.body)
+    return await call.ctx.processes.watch(
+        call.principal, call.param("pid"), body.source_pid, signal=body.signal, once=body.once
+    )
+
+
+async def watches(call: Call) -> dict[str, Any]:
+    return {"watches": await call.ctx.processes.watches(call.principal, call.param("pid"))}
+
+
+async def remove_watch(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.unwatch(call.principal, call.param("pid"), call.param("watch_id"))
+
+
 async def devices(call: Call) -> dict[str, Any]:
     hub = call.ctx.devices
     if hub is None:  # devices not enabled: nobody has any
@@ -451,6 +538,39 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(
         "POST", f"{_P}/reset", "Archive the history and start an empty one.", reset, body=EmptyBody, answer=ResetOut
     ),
+    Endpoint(
+        "POST",
+        f"{_P}/events",
+        "Inject a system event (ahead of queued user input; starts a run when idle).",
+        signal_event,
+        body=EventBody,
+        answer=ReceiptOut,
+        status=202,
+    ),
+    Endpoint("GET", f"{_P}/schedules", "The process's schedules, soonest first.", schedules, answer=ScheduleList),
+    Endpoint(
+        "POST",
+        f"{_P}/schedules",
+        "Deliver a system event at a time and/or every so many seconds.",
+        add_schedule,
+        body=ScheduleBody,
+        answer=ScheduleOut,
+        status=201,
+        errors=(409,),
+    ),
+    Endpoint("DELETE", f"{_P}/schedules/{{schedule_id}}", "Delete a schedule.", remove_schedule, answer=RemovedOut),
+    Endpoint("GET", f"{_P}/watches", "The signal watches the process holds.", watches, answer=WatchList),
+    Endpoint(
+        "POST",
+        f"{_P}/watches",
+        "Tell the process (a system event) when another process of its owner logs a signal.",
+        add_watch,
+        body=WatchBody,
+        answer=WatchOut,
+        status=201,
+        errors=(403, 409),
+    ),
+    Endpoint("DELETE", f"{_P}/watches/{{watch_id}}", "Delete a signal watch.", remove_watch, answer=RemovedOut),
     Endpoint("GET", "/v1/devices", "Connected devices: the caller's (all for admins).", devices, answer=DeviceList),
     Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),
 )

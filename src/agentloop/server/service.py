@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any, get_args
 
 from agentloop.kernel import Kernel, NoSuchProcess, Process
+from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
+from agentloop.kernel.schedules import LimitReached, ScheduleError
+from agentloop.kernel.watches import WatchError
 from agentloop.messages import ImageContent, message_to_dict
 from agentloop.process.engine import Receipt, SendMode
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
-from agentloop.process.store import HilRow, ProcessRecord, StoredMessage
+from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, WatchRow
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
 
@@ -64,6 +67,29 @@ def hil_json(row: HilRow) -> dict[str, Any]:
     data = asdict(row)
     return {
         k: data[k] for k in ("request_id", "run_id", "tool_call_id", "tool_name", "syscall", "args", "tags", "reason")
+    }
+
+
+def schedule_json(row: ScheduleRow) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "pid": row.pid,
+        "text": row.text,
+        "name": row.name,
+        "next_due": row.next_due,
+        "every": row.every,
+        "created_at": row.created_at,
+    }
+
+
+def watch_json(row: WatchRow) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "pid": row.pid,
+        "source_pid": row.source_pid,
+        "signal": row.signal,
+        "once": row.once,
+        "created_at": row.created_at,
     }
 
 
@@ -208,3 +234,78 @@ class ProcessService:
         proc, _ = await self._process(who, pid)
         archived = await proc.kill()
         return {"pid": pid, "killed": True, "archived": archived is not None}
+
+    # -- runtime events ---------------------------------------------------------------------------
+
+    async def signal(self, who: Principal, pid: str, text: str, *, run_id: str | None = None) -> dict[str, Any]:
+        """Inject a system event (ahead of queued user input); a retried ``run_id`` delivers once."""
+        if not text.strip():
+            raise ApiError(400, "invalid_request", "text must not be empty")
+        if len(text) > MAX_TEXT:
+            raise ApiError(413, "too_large", f"text is longer than {MAX_TEXT} characters")
+        await self._process(who, pid)
+        try:
+            return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
+        except NoSuchProcess:
+            raise _not_found(pid) from None
+
+    async def schedule(
+        self,
+        who: Principal,
+        pid: str,
+        text: str,
+        *,
+        at: float | None = None,
+        every: float | None = None,
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        if len(text) > MAX_SCHEDULE_TEXT:
+            raise ApiError(413, "too_large", f"text is longer than {MAX_SCHEDULE_TEXT} characters")
+        await self._process(who, pid)
+        try:
+            row = await self.kernel.scheduler.add(pid, text, at=at, every=every, name=name)
+        except ScheduleError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        except LimitReached as exc:
+            raise ApiError(409, "conflict", str(exc)) from None
+        except NoSuchProcess:
+            raise _not_found(pid) from None
+        return schedule_json(row)
+
+    async def schedules(self, who: Principal, pid: str) -> list[dict[str, Any]]:
+        await self._process(who, pid)
+        return [schedule_json(r) for r in await self.kernel.schedules(pid)]
+
+    async def unschedule(self, who: Principal, pid: str, schedule_id: str) -> dict[str, Any]:
+        await self._process(who, pid)
+        if not await self.kernel.unschedule(pid, schedule_id):
+            raise ApiError(404, "not_found", f"no schedule {schedule_id!r} on process {pid!r}")
+        return {"id": schedule_id, "removed": True}
+
+    async def watch(
+        self, who: Principal, pid: str, source_pid: str, *, signal: str = "proc.run.finished", once: bool = True
+    ) -> dict[str, Any]:
+        """``pid`` is told when ``source_pid`` logs ``signal``; the caller must see both."""
+        await self._process(who, pid)
+        await self._process(who, source_pid)
+        try:
+            row = await self.kernel.watchers.add(pid, source_pid, signal, once=once)
+        except WatchError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        except PermissionError as exc:  # an admin pairing two owners' processes
+            raise ApiError(403, "forbidden", str(exc)) from None
+        except LimitReached as exc:
+            raise ApiError(409, "conflict", str(exc)) from None
+        except NoSuchProcess as exc:
+            raise _not_found(exc.pid) from None
+        return watch_json(row)
+
+    async def watches(self, who: Principal, pid: str) -> list[dict[str, Any]]:
+        await self._process(who, pid)
+        return [watch_json(r) for r in await self.kernel.watches(pid)]
+
+    async def unwatch(self, who: Principal, pid: str, watch_id: str) -> dict[str, Any]:
+        await self._process(who, pid)
+        if not await self.kernel.unwatch(pid, watch_id):
+            raise ApiError(404, "not_found", f"no watch {watch_id!r} on process {pid!r}")
+        return {"id": watch_id, "removed": True}

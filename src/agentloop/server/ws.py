@@ -298,6 +298,55 @@ async def _subscribe(conn: Connection, args: dict[str, Any]) -> Any:
     return Then({"pid": pid, "after_seq": after_seq}, lambda: conn.follow(pid, stream))
 
 
+async def _signal(conn: Connection, args: dict[str, Any]) -> Any:
+    pid = _id(args, "pid")
+    text = _want(args, "text", str, "a string", None)
+    if text is None:
+        raise _invalid("text is required")
+    return await conn.service.signal(conn.user, pid, text, run_id=_opt_id(args, "run_id"))
+
+
+async def _schedule_add(conn: Connection, args: dict[str, Any]) -> Any:
+    pid = _id(args, "pid")
+    text = _want(args, "text", str, "a string", None)
+    if text is None:
+        raise _invalid("text is required")
+    return await conn.service.schedule(
+        conn.user,
+        pid,
+        text,
+        at=_want(args, "at", (int, float), "a number of epoch seconds", None),
+        every=_want(args, "every", (int, float), "a number of seconds", None),
+        name=_want(args, "name", str, "a string", None),
+    )
+
+
+async def _schedule_list(conn: Connection, args: dict[str, Any]) -> Any:
+    return {"schedules": await conn.service.schedules(conn.user, _id(args, "pid"))}
+
+
+async def _schedule_remove(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.unschedule(conn.user, _id(args, "pid"), _id(args, "schedule_id"))
+
+
+async def _watch_add(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.watch(
+        conn.user,
+        _id(args, "pid"),
+        _id(args, "source_pid"),
+        signal=_want(args, "signal", str, "a string", "proc.run.finished"),
+        once=_want(args, "once", bool, "a boolean", True),
+    )
+
+
+async def _watch_list(conn: Connection, args: dict[str, Any]) -> Any:
+    return {"watches": await conn.service.watches(conn.user, _id(args, "pid"))}
+
+
+async def _watch_remove(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.unwatch(conn.user, _id(args, "pid"), _id(args, "watch_id"))
+
+
 CALLS: dict[str, Call] = {
     "proc.spawn": Call(_spawn, mutates=True),
     "proc.list": Call(_list),
@@ -310,6 +359,13 @@ CALLS: dict[str, Call] = {
     "proc.reset": Call(_reset, mutates=True),
     "proc.kill": Call(_kill, mutates=True),
     "proc.subscribe": Call(_subscribe),
+    "proc.signal": Call(_signal, mutates=True),
+    "proc.schedule.add": Call(_schedule_add, mutates=True),
+    "proc.schedule.list": Call(_schedule_list),
+    "proc.schedule.remove": Call(_schedule_remove, mutates=True),
+    "proc.watch.add": Call(_watch_add, mutates=True),
+    "proc.watch.list": Call(_watch_list),
+    "proc.watch.remove": Call(_watch_remove, mutates=True),
 }
 
 # Calls that change state keep running after their socket closes: referenced here until done.

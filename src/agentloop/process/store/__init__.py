@@ -9,12 +9,14 @@ from agentloop.process.store.base import (
     NoSuchProcess,
     ProcessRecord,
     QueueItem,
+    ScheduleRow,
     SegmentRow,
     Store,
     StoredMessage,
     StoreError,
     TokenRecord,
     ToolCallRow,
+    WatchRow,
 )
 from agentloop.process.store.sqlite import SQLiteStore
 
@@ -40,11 +42,13 @@ __all__ = [
     "ProcessRecord",
     "QueueItem",
     "SQLiteStore",
+    "ScheduleRow",
     "SegmentRow",
     "Store",
     "StoreError",
     "StoredMessage",
     "TokenRecord",
     "ToolCallRow",
+    "WatchRow",
     "open_store",
 ]

@@ -125,6 +125,34 @@ class SegmentRow:
     created_at: float = 0.0
 
 
+@dataclass
+class ScheduleRow:
+    """A system event to deliver to ``pid`` at ``next_due`` (epoch seconds), then every ``every``
+    seconds (None: once)."""
+
+    id: str
+    pid: str
+    text: str
+    next_due: float
+    every: float | None = None
+    name: str | None = None
+    created_at: float = 0.0
+
+
+@dataclass
+class WatchRow:
+    """Process ``pid`` is told when process ``source_pid`` logs ``signal``. ``seen_seq``: the
+    source's log has been read up to there; ``once``: the watch ends after its first delivery."""
+
+    id: str
+    pid: str
+    source_pid: str
+    signal: str
+    once: bool = True
+    seen_seq: int = 0
+    created_at: float = 0.0
+
+
 @dataclass(slots=True)
 class AccountRecord:
     name: str
@@ -212,7 +240,8 @@ class Store(ABC):
 
     @abstractmethod
     async def delete_process(self, pid: str) -> None:
-        """Remove the process and every row it owns."""
+        """Remove the process and every row it owns, its schedules and its signal watches (those
+        it holds and those on it)."""
 
     # -- history --------------------------------------------------------------------------------
 
@@ -307,6 +336,10 @@ class Store(ABC):
     @abstractmethod
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]: ...
 
+    @abstractmethod
+    async def last_event_seq(self, pid: str) -> int:
+        """The sequence number of the process's newest logged signal (0 when none)."""
+
     # -- history segments -----------------------------------------------------------------------
 
     @abstractmethod
@@ -314,6 +347,43 @@ class Store(ABC):
 
     @abstractmethod
     async def segments(self, pid: str) -> list[SegmentRow]: ...
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def add_schedule(self, row: ScheduleRow) -> None: ...
+
+    @abstractmethod
+    async def schedules(self, pid: str) -> list[ScheduleRow]:
+        """A process's schedules, soonest first."""
+
+    @abstractmethod
+    async def due_schedules(self, before: float | None, limit: int = 100) -> list[ScheduleRow]:
+        """Schedules of every process due at or before ``before`` (None: any time), soonest first."""
+
+    @abstractmethod
+    async def set_schedule_due(self, schedule_id: str, next_due: float, *, expect: float) -> bool:
+        """Move a schedule to ``next_due`` only if it is still due at ``expect`` (a claim): False
+        when it was moved or deleted meanwhile."""
+
+    @abstractmethod
+    async def delete_schedule(self, schedule_id: str) -> bool: ...
+
+    # -- signal watches -------------------------------------------------------------------------
+
+    @abstractmethod
+    async def add_watch(self, row: WatchRow) -> None: ...
+
+    @abstractmethod
+    async def watches(self, *, pid: str | None = None, source_pid: str | None = None) -> list[WatchRow]:
+        """Watches held by ``pid`` and/or on ``source_pid`` (every watch when both are None), oldest first."""
+
+    @abstractmethod
+    async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
+        """Record that the watch has read its source's log up to ``seq``; False if it is gone."""
+
+    @abstractmethod
+    async def delete_watch(self, watch_id: str) -> bool: ...
 
     # -- accounts and tokens --------------------------------------------------------------------
 

@@ -228,6 +228,36 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE events_v3 RENAME TO events;
         """,
     ),
+    (
+        4,
+        # Runtime events (DESIGN §3): schedules that deliver a system event when due, and watches
+        # that deliver one when another process logs a signal. ``seen_seq`` is how far the
+        # watcher has read the source's signal log, so a restart delivers what it missed.
+        """
+        CREATE TABLE schedules (
+            id TEXT PRIMARY KEY,
+            pid TEXT NOT NULL,
+            text TEXT NOT NULL,
+            name TEXT,
+            next_due DOUBLE PRECISION NOT NULL,
+            every DOUBLE PRECISION,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX schedules_due ON schedules (next_due);
+        CREATE INDEX schedules_pid ON schedules (pid);
+        CREATE TABLE signal_watches (
+            id TEXT PRIMARY KEY,
+            pid TEXT NOT NULL,
+            source_pid TEXT NOT NULL,
+            signal TEXT NOT NULL,
+            once INTEGER NOT NULL,
+            seen_seq INTEGER NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX signal_watches_pid ON signal_watches (pid);
+        CREATE INDEX signal_watches_source ON signal_watches (source_pid);
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -32,6 +32,7 @@ from agentloop.process.store.base import (
     ProcessRecord,
     QueueItem,
     QueueKind,
+    ScheduleRow,
     SegmentRow,
     Settled,
     Store,
@@ -40,6 +41,7 @@ from agentloop.process.store.base import (
     TokenRecord,
     ToolCallRow,
     Transaction,
+    WatchRow,
 )
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
@@ -497,8 +499,10 @@ class SQLiteStore(Store):
             "process_kv",
             "events",
             "history_segments",
+            "schedules",
         ):
             db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
+        db.execute("DELETE FROM signal_watches WHERE pid = ? OR source_pid = ?", (pid, pid))
         db.execute("DELETE FROM processes WHERE pid = ?", (pid,))
         self._tx_counters.pop(pid, None)
         self._tx_base.pop(pid, None)
@@ -769,6 +773,10 @@ class SQLiteStore(Store):
         ).fetchall()
         return [EventRow(r[0], r[1], json.loads(r[2]), r[3]) for r in rows]
 
+    async def last_event_seq(self, pid: str) -> int:
+        row = self.db.execute("SELECT MAX(seq) FROM events WHERE pid = ?", (pid,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
     # -- history segments -----------------------------------------------------------------------
 
     async def add_segment(self, row: SegmentRow) -> None:
@@ -795,6 +803,88 @@ class SQLiteStore(Store):
             (pid,),
         ).fetchall()
         return [SegmentRow(*r) for r in rows]
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    _SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
+
+    async def add_schedule(self, row: ScheduleRow) -> None:
+        try:
+            self._write().execute(
+                f"INSERT INTO schedules ({self._SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (row.id, row.pid, row.text, row.next_due, row.every, row.name, row.created_at or time.time()),
+            )
+        except sqlite3.IntegrityError:
+            raise StoreError(f"schedule {row.id} exists already") from None
+
+    async def schedules(self, pid: str) -> list[ScheduleRow]:
+        rows = self.db.execute(
+            f"SELECT {self._SCHEDULE_COLUMNS} FROM schedules WHERE pid = ? ORDER BY next_due, id", (pid,)
+        ).fetchall()
+        return [ScheduleRow(*r) for r in rows]
+
+    async def due_schedules(self, before: float | None, limit: int = 100) -> list[ScheduleRow]:
+        args: tuple[float, ...] = ()
+        if before is None:
+            sql = f"SELECT {self._SCHEDULE_COLUMNS} FROM schedules"
+        else:
+            sql, args = f"SELECT {self._SCHEDULE_COLUMNS} FROM schedules WHERE next_due <= ?", (before,)
+        rows = self.db.execute(sql + " ORDER BY next_due, id LIMIT ?", (*args, limit)).fetchall()
+        return [ScheduleRow(*r) for r in rows]
+
+    async def set_schedule_due(self, schedule_id: str, next_due: float, *, expect: float) -> bool:
+        cur = self._write().execute(
+            "UPDATE schedules SET next_due = ? WHERE id = ? AND next_due = ?", (next_due, schedule_id, expect)
+        )
+        return cur.rowcount == 1
+
+    async def delete_schedule(self, schedule_id: str) -> bool:
+        cur = self._write().execute("DELETE FROM schedules WHERE id = ?", (schedule_id,))
+        return cur.rowcount == 1
+
+    # -- signal watches -------------------------------------------------------------------------
+
+    _WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
+
+    async def add_watch(self, row: WatchRow) -> None:
+        try:
+            self._write().execute(
+                f"INSERT INTO signal_watches ({self._WATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.id,
+                    row.pid,
+                    row.source_pid,
+                    row.signal,
+                    int(row.once),
+                    row.seen_seq,
+                    row.created_at or time.time(),
+                ),
+            )
+        except sqlite3.IntegrityError:
+            raise StoreError(f"watch {row.id} exists already") from None
+
+    async def watches(self, *, pid: str | None = None, source_pid: str | None = None) -> list[WatchRow]:
+        where: list[str] = []
+        args: list[str] = []
+        if pid is not None:
+            where.append("pid = ?")
+            args.append(pid)
+        if source_pid is not None:
+            where.append("source_pid = ?")
+            args.append(source_pid)
+        sql = f"SELECT {self._WATCH_COLUMNS} FROM signal_watches"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self.db.execute(sql + " ORDER BY created_at, id", args).fetchall()
+        return [WatchRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+    async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
+        cur = self._write().execute("UPDATE signal_watches SET seen_seq = ? WHERE id = ?", (seq, watch_id))
+        return cur.rowcount == 1
+
+    async def delete_watch(self, watch_id: str) -> bool:
+        cur = self._write().execute("DELETE FROM signal_watches WHERE id = ?", (watch_id,))
+        return cur.rowcount == 1
 
     # -- accounts and tokens --------------------------------------------------------------------
 

@@ -1,0 +1,226 @@
+"""Schedules: system events a process receives at a time, once or every so many seconds.
+
+A schedule is a row (``schedules`` table), so it survives restarts. One timer task per kernel
+fires what is due: it delivers the schedule's text as a system event (``proc.run.started`` reason
+``schedule.event`` when it starts a run) and then deletes a one-shot schedule or moves a repeating
+one to its next due time after now. Fires that were missed while the kernel was down coalesce
+into one delivery that says how many were missed: a backlog of identical reminders helps no one.
+
+Delivery and advancing are two transactions. The delivery carries the idempotency key
+``schedule:<id>:<due time>``, so a crash between them (or a failed advance) makes the next pass
+deliver the same key again, which the engine answers from its record without a second message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from agentloop.process.engine import ProcessEngine, new_id
+from agentloop.process.store import NoSuchProcess, ScheduleRow, Store
+
+log = logging.getLogger("agentloop.kernel.schedules")
+
+DEFAULT_MIN_EVERY = 10.0  # each fire can start a model run: a tighter loop only burns tokens
+MAX_AHEAD = 100 * 365.25 * 86400.0  # further than this is a typo, not a plan
+MAX_SCHEDULES = 100  # per process
+MAX_NAME = 128
+MAX_TEXT = 64_000  # a schedule's text is delivered again at every fire
+POLL = 60.0  # re-read the table at least this often (another writer may have added a schedule)
+BATCH = 100  # schedules fired per pass
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be made as asked (bad time, bad interval, bad text)."""
+
+
+class LimitReached(ValueError):
+    """A process already has as many schedules (or watches) as it may."""
+
+
+def event_key(row: ScheduleRow) -> str:
+    """The idempotency key of a schedule's delivery for its current due time."""
+    return f"schedule:{row.id}:{row.next_due!r}"
+
+
+def next_due_after(due: float, every: float, now: float) -> float:
+    """The first time ``due + k * every`` (k ≥ 1) that is later than ``now``."""
+    steps = max(1, math.floor((now - due) / every) + 1)
+    nxt = due + steps * every
+    while nxt <= now:  # float rounding
+        nxt += every
+    return nxt
+
+
+def render(row: ScheduleRow, now: float) -> str:
+    """The system message the process sees: what the schedule says, which one it is, and how many
+    fires it stands for when the kernel was down past several due times."""
+    label = row.name or row.id
+    when = datetime.datetime.fromtimestamp(row.next_due, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    head = f"[schedule {label}, due {when}"
+    if row.every is not None:
+        head += f", repeats every {row.every:g} s"
+        missed = math.floor((now - row.next_due) / row.every)
+        if missed > 0:
+            head += f"; {missed} earlier fire{'s' if missed > 1 else ''} missed while the runtime was down"
+    return f"{head}]\n{row.text}"
+
+
+def _number(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ScheduleError(f"{name} must be a number of seconds")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ScheduleError(f"{name} must be a finite number")
+    return number
+
+
+class Scheduler:
+    """The schedules of one kernel: validation, the table, and the timer that fires them."""
+
+    def __init__(
+        self,
+        store: Store,
+        engine: ProcessEngine,
+        *,
+        min_every: float = DEFAULT_MIN_EVERY,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.min_every = min_every
+        self.clock = clock
+        self.retry = 5.0  # seconds before a schedule whose fire failed is tried again
+        self._held: dict[str, float] = {}  # schedule id -> not before (after a failed fire)
+        self._poke = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- the API ----------------------------------------------------------------------------------
+
+    async def add(
+        self,
+        pid: str,
+        text: str,
+        *,
+        at: float | None = None,
+        every: float | None = None,
+        name: str | None = None,
+    ) -> ScheduleRow:
+        """A new schedule: first due at ``at`` (epoch seconds; one in the past fires at once) or,
+        without it, ``every`` seconds from now; repeats every ``every`` seconds when given."""
+        if not isinstance(text, str) or not text.strip():
+            raise ScheduleError("text must be a non-empty string")
+        if len(text) > MAX_TEXT:
+            raise ScheduleError(f"text is longer than {MAX_TEXT} characters")
+        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
+            raise ScheduleError(f"name must be a non-empty string of at most {MAX_NAME} characters")
+        if at is None and every is None:
+            raise ScheduleError("give at (a time), every (an interval) or both")
+        now = self.clock()
+        if every is not None:
+            every = _number(every, "every")
+            if every <= 0:
+                raise ScheduleError("every must be a positive number of seconds")
+            if every < self.min_every:
+                raise ScheduleError(f"every must be at least {self.min_every:g} seconds")
+            if every > MAX_AHEAD:
+                raise ScheduleError("every is longer than a hundred years")
+        if at is not None:
+            at = _number(at, "at")
+            if at <= 0:
+                raise ScheduleError("at must be a time in epoch seconds")
+            if at > now + MAX_AHEAD:
+                raise ScheduleError("at is more than a hundred years away")
+        first = at if at is not None else now + (every or 0.0)
+        live = await self.engine.live(pid)  # NoSuchProcess for an unknown or killed pid
+        if len(await self.store.schedules(pid)) >= MAX_SCHEDULES:
+            raise LimitReached(f"process {pid} has {MAX_SCHEDULES} schedules already")
+        row = ScheduleRow(new_id(), live.record.pid, text, first, every, name, created_at=now)
+        async with self.store.transaction():
+            await self.store.add_schedule(row)
+        self._poke.set()
+        return row
+
+    async def of(self, pid: str) -> list[ScheduleRow]:
+        await self.engine.live(pid)
+        return await self.store.schedules(pid)
+
+    async def remove(self, pid: str, schedule_id: str) -> bool:
+        """Delete one of the process's schedules; False if it has none by that id."""
+        await self.engine.live(pid)
+        if not any(s.id == schedule_id for s in await self.store.schedules(pid)):
+            return False
+        async with self.store.transaction():
+            return await self.store.delete_schedule(schedule_id)
+
+    async def drop(self, pid: str) -> None:
+        """Delete every schedule of the process (inside the caller's transaction)."""
+        for row in await self.store.schedules(pid):
+            await self.store.delete_schedule(row.id)
+
+    # -- the timer --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="agentloop-scheduler")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            self._poke.clear()  # before reading: a schedule added meanwhile pokes again
+            try:
+                delay = await self.fire_due()
+            except Exception:
+                log.exception("schedules: a pass failed")
+                delay = self.retry
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._poke.wait(), delay)
+
+    async def fire_due(self) -> float:
+        """Fire every schedule that is due now; returns the seconds until the next one is."""
+        now = self.clock()
+        due = await self.store.due_schedules(now, limit=BATCH)
+        for row in due:
+            if self._held.get(row.id, 0.0) <= now:
+                await self._fire(row, now)
+        if len(due) == BATCH:
+            return 0.0
+        delay = POLL
+        if self._held:
+            now = self.clock()
+            self._held = {k: v for k, v in self._held.items() if v > now}
+            delay = min([delay, *(v - now for v in self._held.values())])
+        nxt = await self.store.due_schedules(None, limit=1)
+        if nxt and nxt[0].id not in self._held:
+            delay = min(delay, nxt[0].next_due - self.clock())
+        return max(delay, 0.0)
+
+    async def _fire(self, row: ScheduleRow, now: float) -> None:
+        try:
+            await self.engine.signal_event(row.pid, render(row, now), run_id=event_key(row), reason="schedule.event")
+            async with self.store.transaction():
+                if row.every is None:
+                    await self.store.delete_schedule(row.id)
+                else:
+                    await self.store.set_schedule_due(
+                        row.id, next_due_after(row.next_due, row.every, now), expect=row.next_due
+                    )
+        except NoSuchProcess:  # killed meanwhile: its schedule goes with it
+            async with self.store.transaction():
+                await self.store.delete_schedule(row.id)
+        except Exception:
+            log.exception("schedule %s of process %s: fire failed; retrying in %g s", row.id, row.pid, self.retry)
+            self._held[row.id] = self.clock() + self.retry
+        else:
+            self._held.pop(row.id, None)
