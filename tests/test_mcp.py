@@ -4,6 +4,7 @@ Streamable HTTP; their tools run in the loop, in a durable process, and under th
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 from pydantic import ValidationError
+from typer.testing import CliRunner
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop.cli.main import app
 from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
 from tests.process_support import kernel
 
@@ -177,3 +180,73 @@ async def test_a_server_over_streamable_http():
     finally:
         server.terminate()
         await server.wait()
+
+
+# ------------------------------------------------------------------------------ the command line
+
+
+def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_text: str) -> Path:
+    (tmp_path / "config.toml").write_text(config_text)
+    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    for name in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    return workspace
+
+
+def _server_table(name: str = "fake") -> str:
+    return f'[[mcp_servers]]\nname = "{name}"\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(SERVER)}]\n'
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_mcp_servers_from_the_config_file_give_their_tools_to_run_and_chat(tmp_path, monkeypatch, command):
+    ws = _cli_env(tmp_path, monkeypatch, _server_table())
+    script = tmp_path / "s.json"
+    script.write_text(
+        json.dumps({"replies": [{"tool_calls": [{"name": "fake__add", "arguments": {"a": 19, "b": 23}}]}, "It is 42."]})
+    )
+    args = [command, "-m", f"scripted:{script}", "-w", str(ws), "--approval", "auto"]  # the default asks for mcp.*
+    if command == "run":
+        result = CliRunner().invoke(app, [*args, "add them"])
+    else:
+        result = CliRunner().invoke(app, [*args, "--data", str(tmp_path / "data")], input="add them\n")
+    assert result.exit_code == 0, result.stderr
+    assert "It is 42." in result.stdout
+    assert '✓ fake__add {"a": 19, "b": 23}' in result.stderr  # it ran, and succeeded
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ('[[mcp_servers]]\nname = "x"\n', "exactly one of `command`"),
+        ('[[mcp_servers]]\nname = "a b"\ncommand = "srv"\n', "mcp_servers[0]"),
+        ('mcp_servers = "srv"\n', "list of tables"),
+        ('[[mcp_servers]]\nname = "x"\ncommand = "a"\n[[mcp_servers]]\nname = "x"\ncommand = "b"\n', "two mcp_servers"),
+    ],
+)
+def test_a_bad_mcp_server_table_is_exit_2_naming_it(tmp_path, monkeypatch, table, expected):
+    ws = _cli_env(tmp_path, monkeypatch, table)
+    result = CliRunner().invoke(app, ["run", "-m", "scripted:/nonexistent.json", "-w", str(ws), "go"])
+    assert result.exit_code == 2, result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_mcp_server_that_cannot_start_stops_the_command_with_its_reason(tmp_path, monkeypatch):
+    args = json.dumps(["-c", "raise SystemExit('missing token')"])
+    table = f'[[mcp_servers]]\nname = "broken"\ncommand = {json.dumps(sys.executable)}\nargs = {args}\n'
+    ws = _cli_env(tmp_path, monkeypatch, table)
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({"replies": ["never"]}))
+    result = CliRunner().invoke(app, ["run", "-m", f"scripted:{script}", "-w", str(ws), "go"])
+    assert result.exit_code == 1
+    assert "error: MCP server 'broken'" in result.stderr and "missing token" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_mcp_tool_is_not_mistaken_for_a_device_tool_by_the_policy():
+    from agentloop.process.approval.tags import call_target
+
+    assert call_target("mcp.fake.add", "fake__add", {}) == "local"
+    assert call_target("tool.laptop__add", "laptop__add", {}) == "laptop"  # a device's own tool stays remote

@@ -6,10 +6,11 @@ Precedence is fixed so a user can always tell why a model was picked: the ``--mo
 stop the CLI: it becomes a warning and the defaults apply.
 
 The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
-``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks`` and the
-``compaction_threshold``. A budget written down and then silently ignored would let a run go on
-without the limit its owner relied on, so a bad value there is an error (exit 2) for the commands
-that run the loop, naming the key or flag and what it must be.
+``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
+``compaction_threshold`` and the ``mcp_servers``. A budget written down and then silently ignored
+would let a run go on without the limit its owner relied on (and a server left out, without tools
+it was meant to have), so a bad value there is an error (exit 2) for the commands that run the
+loop, naming the key or flag and what it must be.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 from agentloop.loop.guards import Guards
 from agentloop.models.base import Model
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
+from agentloop.tools.mcp import MCPServerConfig
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
@@ -34,7 +36,7 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold")
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS)
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class FileConfig:
     max_cost: float | None = None
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
+    mcp_servers: tuple[MCPServerConfig, ...] = ()
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -94,6 +97,7 @@ class Settings:
     max_cost: float | None = None
     fallbacks: tuple[str, ...] = ()
     compaction_threshold: float | None = None  # None: the kernel's default
+    mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
 
     @property
@@ -192,6 +196,30 @@ def _read_limits(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict
     return values, errors
 
 
+def _read_mcp_servers(value: Any) -> tuple[tuple[MCPServerConfig, ...], str | None]:
+    """``[[mcp_servers]]`` tables as server configs, or the first problem, naming the table."""
+    if value is None:
+        return (), None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        return (), "mcp_servers must be a list of tables ([[mcp_servers]] with name and command or url)"
+    from pydantic import ValidationError
+
+    servers: list[MCPServerConfig] = []
+    for i, table in enumerate(value):
+        label = f"mcp_servers[{i}]" + (f" ({table['name']!r})" if isinstance(table.get("name"), str) else "")
+        try:
+            servers.append(MCPServerConfig.model_validate(table))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return (), f"{label}{'.' + where if where else ''}: {first['msg']}"
+    names = [s.name for s in servers]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:
+        return (), f"two mcp_servers are named {duplicate!r}"
+    return tuple(servers), None
+
+
 def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     """Parse the file leniently: every problem is a warning, never an exception."""
     if not path.exists():
@@ -232,6 +260,9 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
         bad("token", "a token string")
         token = None
     limits, errors = _read_limits(data, path)
+    servers, problem = _read_mcp_servers(data.get("mcp_servers"))
+    if problem:
+        errors["mcp_servers"] = f"config file {path}: {problem}"
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -244,6 +275,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             server=server.rstrip("/") if isinstance(server, str) else None,
             token=token.strip() if isinstance(token, str) else None,
             errors=errors,
+            mcp_servers=servers,
             **limits,
         ),
         warnings,
@@ -269,7 +301,7 @@ def load_settings(
     if max_rounds is not None and flags.max_rounds is None:
         flags = replace(flags, max_rounds=max_rounds)
     # a flag replaces the file's key, so a bad key a flag overrides does not matter
-    errors = [*_flag_errors(flags), *(e for key, e in file.errors.items() if getattr(flags, key) is None)]
+    errors = [*_flag_errors(flags), *(e for key, e in file.errors.items() if getattr(flags, key, None) is None)]
 
     if model:
         chosen, source = model, "--model"
@@ -295,6 +327,7 @@ def load_settings(
         max_cost=_first(flags.max_cost, file.max_cost),
         fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
+        mcp_servers=file.mcp_servers,
         errors=errors,
     )
 

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -49,6 +49,7 @@ from agentloop.cli.render import (
 )
 from agentloop.models.catalog import CATALOG
 from agentloop.models.registry import parse_model_string
+from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
 
 if TYPE_CHECKING:
     from agentloop.cli.chat import ChatRepl
@@ -115,7 +116,11 @@ def _guarded() -> Iterator[None]:
         if os.environ.get("AGENTLOOP_DEBUG"):
             raise
         message = str(exc) or type(exc).__name__
-        _fail(message if isinstance(exc, CliError | ValueError | ImportError) else f"{type(exc).__name__}: {message}")
+        _fail(
+            message
+            if isinstance(exc, CliError | ValueError | ImportError | MCPError)
+            else f"{type(exc).__name__}: {message}"
+        )
 
 
 def _settings(
@@ -212,13 +217,18 @@ def _exit(code: int) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _run_once(agent: Agent, prompt: str, sink: EventSink) -> tuple[RunResult, int]:
+def _run_once(
+    agent: Agent, prompt: str, sink: EventSink, servers: Sequence[MCPServerConfig] = ()
+) -> tuple[RunResult, int]:
     interrupts = Interrupts()
 
     async def go() -> RunResult:
-        run = agent.start(prompt, stream=True)
-        with interrupts.abort_on_signal(run):
-            return await play(run, sink)
+        async with mcp_tools(servers) as extra:  # started on the loop that uses them
+            for tool in extra:
+                agent.tools.setdefault(tool.name, tool)
+            run = agent.start(prompt, stream=True)
+            with interrupts.abort_on_signal(run):
+                return await play(run, sink)
 
     loop = asyncio.new_event_loop()
     try:
@@ -289,7 +299,7 @@ def run(
             sink = JsonRenderer(before_output=progress.done)
         else:
             sink = TextRenderer(on_wait=lambda waiting: None if waiting else progress.done())
-        result, interrupted_code = _run_once(agent, prompt, sink)
+        result, interrupted_code = _run_once(agent, prompt, sink, settings.mcp_servers)
         progress.done()
         if hook is not None and hook.refused_without_terminal and not json_output:
             sys.stderr.write("note: some tool calls need approval; without a terminal, pass --approval auto\n")
@@ -404,6 +414,7 @@ def _durable_chat(
     ev = asyncio.new_event_loop()
     stack = AsyncExitStack()
     try:
+        extra = ev.run_until_complete(stack.enter_async_context(mcp_tools(settings.mcp_servers)))
         kernel = ev.run_until_complete(
             stack.enter_async_context(
                 Kernel.open(
@@ -412,6 +423,7 @@ def _durable_chat(
                     workspace=ws,
                     system_prompt=settings.system_prompt,
                     data_dir=directory,
+                    extra_tools=extra,
                     **setting.kernel_options(),
                     **options,
                 )

@@ -151,6 +151,7 @@ async def serve_async(
         raise ImportError(f"the server needs an optional dependency: pip install 'agentloop[server]' ({exc})") from exc
     from agentloop.kernel import Kernel
     from agentloop.tools.builtin import builtin_tools
+    from agentloop.tools.mcp import mcp_tools
 
     settings = opts.settings
     sock = bind(opts.host, opts.port)
@@ -160,23 +161,27 @@ async def serve_async(
         hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
         options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
         loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks")}  # what Agent takes
-        async with Kernel.open(
-            f"sqlite:///{opts.data.resolve()}/agentloop.db",
-            model=model,
-            workspace=opts.workspace,
-            system_prompt=settings.system_prompt,
-            data_dir=opts.data,
-            devices=hub,
-            **opts.approval.kernel_options(),
-            **options,
-        ) as kernel:
+        async with (
+            mcp_tools(settings.mcp_servers) as extra,
+            Kernel.open(
+                f"sqlite:///{opts.data.resolve()}/agentloop.db",
+                model=model,
+                workspace=opts.workspace,
+                system_prompt=settings.system_prompt,
+                data_dir=opts.data,
+                devices=hub,
+                extra_tools=extra,
+                **opts.approval.kernel_options(),
+                **options,
+            ) as kernel,
+        ):
             accounts = Accounts(kernel.store)
             first = await accounts.bootstrap()
             if first is not None:
                 _say(opts.out, f"created the admin account; its token: {first}")
                 _say(opts.out, TOKEN_NOTE)
             ctx = ServerContext(kernel, accounts, devices=hub)
-            tools = builtin_tools(opts.workspace)
+            tools = [*builtin_tools(opts.workspace), *extra]
 
             def agent_factory() -> Agent:
                 """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request,

@@ -312,6 +312,7 @@ class Kernel:
         model: str | Model | None = None,
         workspace: str | Path | None = None,
         tools: Iterable[ToolLike] | None = None,
+        extra_tools: Iterable[ToolLike] = (),
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
@@ -326,7 +327,8 @@ class Kernel:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
 
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
-        directory); ``toolset`` adapts them per process run; ``devices`` (the server's device hub)
+        directory); ``extra_tools`` join them (an MCP server's, say) without giving up the
+        built-ins' per-process ``cwd``; ``toolset`` adapts them per process run; ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
         is given) and fills the prompt's ``{{devices}}``; ``schedule_min_every`` is the shortest
         interval a repeating schedule may have; ``agent_options`` are ``Agent``'s
@@ -342,7 +344,7 @@ class Kernel:
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
         data = Path(data_dir)
         builtin = tools is None
-        tools = builtin_tools(root) if tools is None else list(tools)
+        tools = [*(builtin_tools(root) if tools is None else tools), *extra_tools]
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         await store.open()
         media = MediaStore(data)

@@ -51,6 +51,8 @@ def call_target(syscall: str, tool_name: str, args: Mapping[str, Any]) -> str:
     if syscall in _ROUTABLE:
         target = args.get("target")
         return target if isinstance(target, str) and not is_local(target) else "local"
+    if syscall.startswith("mcp."):  # an MCP server's tool, <server>__<tool>: the server calls it itself
+        return "local"
     device, sep, rest = tool_name.partition("__")
     return device if sep and device and rest else "local"
 
