@@ -516,3 +516,9 @@ async def test_abort_closes_the_stream(fake: GeminiFake) -> None:
             break
     await gen.aclose()  # type: ignore[attr-defined]
     assert seen[-1] == "text_delta"
+
+
+async def test_function_call_arguments_that_are_not_an_object(fake: GeminiFake) -> None:
+    fake.push(stream(chunk({"functionCall": {"name": "echo", "args": ["a"]}}, finish="STOP")))
+    err = failed(await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))
+    assert err.kind == "invalid_response" and err.message.tool_calls == []

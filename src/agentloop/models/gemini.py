@@ -402,7 +402,9 @@ class _ChunkReader:
             call_id = call.get("id") or f"{GENERATED_ID_PREFIX}{uuid.uuid4().hex[:12]}"
             args = call.get("args") or {}
             if not isinstance(args, dict):
-                raise ProviderError(f"function call {call.get('name')!r} has arguments that are not an object")
+                raise ProviderError(
+                    f"function call {call.get('name')!r} has arguments that are not an object", kind="invalid_response"
+                )
             key = ("call", self._calls)
             events += out.tool_call(key, str(call_id), str(call.get("name") or ""))
             return events + out.tool_args(key, json.dumps(args, ensure_ascii=False))
