@@ -43,6 +43,11 @@ CATALOG: dict[str, ModelInfo] = {
         _m("anthropic", "claude-sonnet-4-5", 200_000, 64_000, (3.0, 15.0, 0.3, 3.75), vision=True, reasoning=True),
         _m("anthropic", "claude-opus-4-1", 200_000, 32_000, (15.0, 75.0, 1.5, 18.75), vision=True, reasoning=True),
         _m("anthropic", "claude-haiku-4-5", 200_000, 64_000, (1.0, 5.0, 0.1, 1.25), vision=True, reasoning=True),
+        # Gemini: prices for prompts up to 200k tokens; thinking is billed as output
+        _m("gemini", "gemini-2.5-pro", 1_048_576, 65_536, (1.25, 10.0, 0.125, 0.0), vision=True, reasoning=True),
+        _m("gemini", "gemini-2.5-flash", 1_048_576, 65_536, (0.3, 2.5, 0.03, 0.0), vision=True, reasoning=True),
+        _m("gemini", "gemini-2.5-flash-lite", 1_048_576, 65_536, (0.1, 0.4, 0.01, 0.0), vision=True, reasoning=True),
+        _m("gemini", "gemini-2.0-flash", 1_048_576, 8_192, (0.1, 0.4, 0.025, 0.0), vision=True),
         _m("local", "qwen2.5-coder-1.5b", 32_768, 2_048, (0.0, 0.0, 0.0, 0.0)),
         _m("local", "qwen2.5-coder-0.5b", 32_768, 2_048, (0.0, 0.0, 0.0, 0.0)),
     ]
@@ -51,6 +56,7 @@ CATALOG: dict[str, ModelInfo] = {
 PROVIDER_DEFAULTS: dict[str, ModelInfo] = {
     "openai": ModelInfo(provider="openai", id="", context_window=128_000, max_output=4_096),
     "anthropic": ModelInfo(provider="anthropic", id="", context_window=200_000, max_output=8_192, vision=True),
+    "gemini": ModelInfo(provider="gemini", id="", context_window=1_048_576, max_output=8_192, vision=True),
     "local": ModelInfo(provider="local", id="", context_window=32_768, max_output=2_048),
 }
 

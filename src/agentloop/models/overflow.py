@@ -27,6 +27,7 @@ _PATTERNS = re.compile(
             r"too many tokens",
             r"token limit exceeded",
             r"requested tokens \(\d+\) exceed context window",
+            r"model only supports up to \d+",  # Vertex AI's Gemini
         ]
     ),
     re.IGNORECASE,

@@ -20,6 +20,7 @@ DEFAULT_MODEL = "local:qwen2.5-coder-1.5b"
 _PROVIDERS: dict[str, str | ModelFactory] = {
     "openai": "agentloop.models.openai_chat:OpenAIChatModel",
     "anthropic": "agentloop.models.anthropic:AnthropicModel",
+    "gemini": "agentloop.models.gemini:GeminiModel",
     "local": "agentloop.models.local:LocalModel",
     "scripted": "agentloop.models.scripted:ScriptedModel.from_file",
 }
