@@ -1,6 +1,8 @@
-"""The store contract, run against every store implementation (SQLite now; PostgreSQL joins later).
+"""The store contract, run against every store implementation (SQLite and PostgreSQL).
 
-A new dialect passes when it is added to ``STORES`` and this file is green.
+A new dialect passes when it is added to ``STORES`` and this file is green. The PostgreSQL
+dialect runs on a server the tests start themselves (``tests/conftest.py``), one fresh database per
+test; without PostgreSQL binaries its cases are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -28,15 +30,26 @@ from agentloop.process.store import (
 )
 from agentloop.process.store.schema import LATEST_VERSION
 
-STORES: dict[str, Callable[[Path], Store]] = {
-    "sqlite": lambda d: SQLiteStore(d / "agentloop.db"),
+
+def _sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    return lambda: SQLiteStore(tmp_path / "agentloop.db")
+
+
+def _postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    url = request.getfixturevalue("pg_url")  # a fresh database (or a skip without PostgreSQL)
+    return lambda: open_store(url)
+
+
+# dialect -> (the test's request, a temporary directory) -> a factory of stores on one database
+STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Callable[[], Store]]] = {
+    "sqlite": _sqlite,
+    "postgres": _postgres,
 }
 
 
 @pytest.fixture(params=sorted(STORES))
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    factory = STORES[request.param]
-    return lambda: factory(tmp_path)
+    return STORES[request.param](request, tmp_path)
 
 
 @pytest.fixture
