@@ -243,7 +243,8 @@ class PostgresStore(Store):
             try:
                 tr = conn.transaction()
                 await tr.start()
-            except BaseException:
+            except BaseException:  # (cancelled, say) BEGIN may or may not have reached the server:
+                conn.terminate()  # a closed connection is replaced by the pool, never reused half-open
                 await pool.release(conn)
                 raise
         except BaseException:
