@@ -370,3 +370,18 @@ async def test_tokens_are_found_by_hash_and_revoked_once(store: Store) -> None:
     assert revoked is not None and revoked.revoked_at == 123.0
     assert [t.id for t in await store.list_tokens("alice")] == ["t1", "t2"]
     assert await store.list_tokens("bob") == []
+
+
+async def test_ids_past_any_stored_one_find_nothing_instead_of_failing(store: Store) -> None:
+    # A client's Last-Event-ID or paging cursor can be any 64-bit number (the server accepts up
+    # to 2**63 - 1); a dialect whose id columns are narrower must still answer, with nothing.
+    await spawn(store)
+    async with store.transaction():
+        await store.append_messages("p1", "r", [user("a")])
+        await store.append_event("p1", "proc.changed", {})
+        await store.enqueue("p1", "queue", user("q"))
+    huge = 2**63 - 1
+    assert await store.events("p1", after_seq=huge) == []
+    assert [h.message.text for h in await store.history("p1", before=huge, limit=5)] == ["a"]
+    async with store.transaction():
+        assert not await store.dequeue("p1", huge)
