@@ -31,11 +31,13 @@ BIN_ENV = "AGENTLOOP_PG_BIN"  # a directory with initdb and pg_ctl, if not a sta
 
 def find_binaries() -> tuple[Path | None, str]:
     """The directory holding ``initdb`` and ``pg_ctl``, or None and the reason there is none."""
-    candidates = [os.environ[BIN_ENV]] if os.environ.get(BIN_ENV) else []
-    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_major, reverse=True)
-    on_path = shutil.which("pg_ctl")
-    if on_path:
-        candidates.append(str(Path(on_path).parent))
+    if os.environ.get(BIN_ENV):  # an explicit choice: that directory or nothing
+        candidates = [os.environ[BIN_ENV]]
+    else:
+        candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_major, reverse=True)
+        on_path = shutil.which("pg_ctl")
+        if on_path:
+            candidates.append(str(Path(on_path).parent))
     for c in candidates:
         d = Path(c)
         if (d / "initdb").exists() and (d / "pg_ctl").exists():

@@ -10,6 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
+
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
 from agentloop.messages import UserMessage

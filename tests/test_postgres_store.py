@@ -10,8 +10,11 @@ import sqlite3
 import sys
 from pathlib import Path
 
-import asyncpg
 import pytest
+
+pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
+
+import asyncpg
 
 from agentloop.messages import user
 from agentloop.process.store import ProcessRecord, SQLiteStore, StoreError, ToolCallRow, open_store
