@@ -244,8 +244,9 @@ class PostgresStore(Store):
                 tr = conn.transaction()
                 await tr.start()
             except BaseException:  # (cancelled, say) BEGIN may or may not have reached the server:
-                conn.terminate()  # a closed connection is replaced by the pool, never reused half-open
-                await pool.release(conn)
+                with contextlib.suppress(Exception):
+                    conn.terminate()  # a closed connection is replaced by the pool, never reused half-open
+                    await pool.release(conn)
                 raise
         except BaseException:
             self._lock.release()
@@ -282,30 +283,43 @@ class PostgresStore(Store):
                 await (tx.tr.commit() if commit else tx.tr.rollback())
             except (Exception, asyncio.CancelledError) as exc:
                 error = exc
-                tx.conn.terminate()  # whatever state it is in, the server rolls back what is left
+                # whatever state the connection is in, closing it makes the server roll back what
+                # is left (asyncpg may have closed and detached it already: nothing to do then)
+                with contextlib.suppress(Exception):
+                    tx.conn.terminate()
             with contextlib.suppress(Exception):
                 await self.pool.release(tx.conn)
+        finally:
+            # never skipped: a waiter or a read left waiting here would wait for ever
             settling.durable.set()  # reads that waited may run now; later reads need not wait
-            if commit:
-                if settled is not None:
-                    try:
-                        settled(error)
-                    except Exception:  # the follow-up's failure is not the commit's
-                        log.exception("after a commit")
-                if waiter is not None and not waiter.done():  # not done: its task was cancelled meanwhile
-                    if error is None:
-                        waiter.set_result(None)
-                    else:
-                        waiter.set_exception(self._error("the commit failed on", error))
-            elif error is not None:
-                log.warning("rolling back a transaction on %s failed: %s", self.url, scrub(str(error), self._dsn))
+            self._tell(commit, settled, waiter, error)
+        try:
             await settling.readers_gone()
         finally:
-            settling.durable.set()
             if self._settling is settling:
                 self._settling = None
             self._lock.release()
             settling.done.set_result(None)
+
+    def _tell(
+        self, commit: bool, settled: Settled | None, waiter: asyncio.Future[None] | None, error: BaseException | None
+    ) -> None:
+        """Say how a commit ended: ``settled`` first, then the waiter (unless its task was
+        cancelled meanwhile); a failed rollback is only logged (nothing of it was to be kept)."""
+        if not commit:
+            if error is not None:
+                log.warning("rolling back a transaction on %s failed: %s", self.url, scrub(str(error), self._dsn))
+            return
+        if settled is not None:
+            try:
+                settled(error)
+            except Exception:  # the follow-up's failure is not the commit's
+                log.exception("after a commit")
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(self._error("the commit failed on", error))
 
     def _write(self) -> Connection:
         tx = self._tx
