@@ -1,6 +1,7 @@
 """A process that runs a durable agent on a store and may be SIGKILLed at any moment.
 
-Run by ``test_crash_resume.py``: ``python crash_worker.py DB_PATH SIDE_EFFECTS_FILE``. Each start
+Run by ``test_crash_resume.py``: ``python crash_worker.py DB SIDE_EFFECTS_FILE``, where DB is a
+SQLite file's path or a store URL (``postgresql://…``). Each start
 opens the kernel (which resumes any unfinished run), approves what waits for approval, starts the
 conversation if it has not started, waits until the process is idle and prints DONE.
 """
@@ -50,7 +51,8 @@ def main(db: str, side_effects: str) -> None:
 
     async def run() -> None:
         model = ScriptedModel(brain, latency=0.03, chunk=4)
-        async with Kernel.open(f"sqlite:///{db}", model=model, tools=[append_line, lookup], approval=policy) as k:
+        url = db if "://" in db else f"sqlite:///{db}"
+        async with Kernel.open(url, model=model, tools=[append_line, lookup], approval=policy) as k:
             print("READY", flush=True)
             procs = await k.processes()
             proc = await k.process(procs[0].pid) if procs else await k.spawn(owner="crash", pid="p1")

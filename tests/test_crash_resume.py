@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from agentloop.messages import AssistantMessage, ToolResultMessage, UserMessage
-from agentloop.process.store import SQLiteStore
+from agentloop.process.store import SQLiteStore, open_store
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _start(db: Path, effects: Path) -> subprocess.Popen[str]:
+def _start(db: Path | str, effects: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(db), str(effects)],
@@ -42,8 +42,8 @@ def _kill_after_ready(proc: subprocess.Popen[str], delay: float) -> None:
     proc.wait(10)
 
 
-async def _check(db: Path, effects: Path) -> None:
-    store = SQLiteStore(db)
+async def _check(db: Path | str, effects: Path) -> None:
+    store = open_store(db) if isinstance(db, str) else SQLiteStore(db)
     await store.open()
     try:
         [record] = await store.list_processes()
@@ -69,6 +69,18 @@ async def _check(db: Path, effects: Path) -> None:
         assert "interrupted by a restart" in r.text
 
 
+async def _finished(db: str) -> bool:
+    """Whether the conversation on ``db`` has come to its end."""
+    store = open_store(db)
+    await store.open()
+    try:
+        procs = await store.list_processes()
+        history = await store.history(procs[0].pid) if procs else []
+    finally:
+        await store.close()
+    return bool(history) and history[-1].message.text == "finished after all rounds"
+
+
 DELAYS = [round(0.025 * i, 3) for i in range(16)]  # 0 to 0.375 s: the whole run, phase by phase
 
 
@@ -82,3 +94,18 @@ async def test_kill_at_any_point_then_resume(tmp_path: Path, delay: float) -> No
     out, err = final.communicate(timeout=60)
     assert final.returncode == 0 and "DONE" in out, err[-2000:]
     await _check(db, effects)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.05, 0.15, 0.3])  # (all of DELAYS pass too; three keep it quick)
+async def test_kill_at_any_point_then_resume_on_postgres(pg_url: str, tmp_path: Path, delay: float) -> None:
+    # The same worker and checks on a PostgreSQL database: a client killed mid-transaction leaves
+    # its connection to the server, which rolls the open transaction back when the socket closes.
+    effects = tmp_path / "effects.txt"
+    _kill_after_ready(_start(pg_url, effects), delay)
+    assert not await _finished(pg_url), "the first worker was meant to die mid-run"
+    _kill_after_ready(_start(pg_url, effects), delay / 2)
+    final = _start(pg_url, effects)
+    out, err = final.communicate(timeout=60)
+    assert final.returncode == 0 and "DONE" in out, err[-2000:]
+    await _check(pg_url, effects)

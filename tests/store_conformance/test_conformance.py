@@ -1,6 +1,8 @@
-"""The store contract, run against every store implementation (SQLite now; PostgreSQL joins later).
+"""The store contract, run against every store implementation (SQLite and PostgreSQL).
 
-A new dialect passes when it is added to ``STORES`` and this file is green.
+A new dialect passes when it is added to ``STORES`` and this file is green. The PostgreSQL
+dialect runs on a server the tests start themselves (``tests/conftest.py``), one fresh database per
+test; without PostgreSQL binaries its cases are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -30,15 +32,26 @@ from agentloop.process.store import (
 )
 from agentloop.process.store.schema import LATEST_VERSION
 
-STORES: dict[str, Callable[[Path], Store]] = {
-    "sqlite": lambda d: SQLiteStore(d / "agentloop.db"),
+
+def _sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    return lambda: SQLiteStore(tmp_path / "agentloop.db")
+
+
+def _postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    url = request.getfixturevalue("pg_url")  # a fresh database (or a skip without PostgreSQL)
+    return lambda: open_store(url)
+
+
+# dialect -> (the test's request, a temporary directory) -> a factory of stores on one database
+STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Callable[[], Store]]] = {
+    "sqlite": _sqlite,
+    "postgres": _postgres,
 }
 
 
 @pytest.fixture(params=sorted(STORES))
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    factory = STORES[request.param]
-    return lambda: factory(tmp_path)
+    return STORES[request.param](request, tmp_path)
 
 
 @pytest.fixture
@@ -421,3 +434,18 @@ async def test_deleting_a_process_drops_its_schedules_and_every_watch_touching_i
         await store.delete_process("a")
     assert [s.id for s in await store.due_schedules(None)] == ["sb"]
     assert [w.id for w in await store.watches()] == ["b-on-c"]
+
+
+async def test_ids_past_any_stored_one_find_nothing_instead_of_failing(store: Store) -> None:
+    # A client's Last-Event-ID or paging cursor can be any 64-bit number (the server accepts up
+    # to 2**63 - 1); a dialect whose id columns are narrower must still answer, with nothing.
+    await spawn(store)
+    async with store.transaction():
+        await store.append_messages("p1", "r", [user("a")])
+        await store.append_event("p1", "proc.changed", {})
+        await store.enqueue("p1", "queue", user("q"))
+    huge = 2**63 - 1
+    assert await store.events("p1", after_seq=huge) == []
+    assert [h.message.text for h in await store.history("p1", before=huge, limit=5)] == ["a"]
+    async with store.transaction():
+        assert not await store.dequeue("p1", huge)

@@ -1,4 +1,4 @@
-"""Durable storage for processes: one schema, a SQLite store now, PostgreSQL later."""
+"""Durable storage for processes: one schema, a SQLite store and a PostgreSQL store."""
 
 from agentloop.process.store.base import (
     TERMINAL_STATUSES,
@@ -18,18 +18,31 @@ from agentloop.process.store.base import (
     ToolCallRow,
     WatchRow,
 )
+from agentloop.process.store.pgurl import redact
 from agentloop.process.store.sqlite import SQLiteStore
 
 
 def open_store(url: str) -> Store:
     """A store from a URL, read as SQLAlchemy does: ``sqlite:///relative/path.db``,
-    ``sqlite:////absolute/path.db``, ``sqlite:///:memory:``."""
+    ``sqlite:////absolute/path.db``, ``sqlite:///:memory:``; ``postgresql://user:password@host:port/db``
+    (or ``postgres://``) for PostgreSQL, which needs the ``postgres`` extra (asyncpg)."""
     if url.startswith("sqlite:///"):
         path = url.removeprefix("sqlite:///")
         if not path:
             raise StoreError(f"store URL {url!r} names no file")
         return SQLiteStore(path)
-    raise StoreError(f"unsupported store URL {url!r} (supported: sqlite:///path)")
+    if url.startswith(("postgresql://", "postgres://")):
+        try:  # asyncpg is optional: imported only when asked for
+            from agentloop.process.store.postgres import PostgresStore
+        except ImportError as exc:
+            if exc.name != "asyncpg":
+                raise
+            raise StoreError(
+                "a PostgreSQL store needs asyncpg: install agentloop[postgres] (pip install 'agentloop[postgres]')"
+            ) from None
+        return PostgresStore(url)
+    shown = redact(url) if "@" in url else url
+    raise StoreError(f"unsupported store URL {shown!r} (supported: sqlite:///path, postgresql://user@host/db)")
 
 
 __all__ = [

@@ -20,8 +20,6 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from pydantic_core import to_json
-
 from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
     AccountRecord,
@@ -44,22 +42,18 @@ from agentloop.process.store.base import (
     WatchRow,
 )
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
+from agentloop.process.store.common import UPDATABLE_FIELDS, dumps
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
 
 log = logging.getLogger("agentloop.store")
 
-_PROCESS_FIELDS = {"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"}
+_PROCESS_FIELDS = UPDATABLE_FIELDS
+_dumps = dumps
 _COUNTER_COLUMNS = ("next_message_id", "next_event_seq", "next_queue_id")
 _INSERT_MESSAGE = (
     "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)"
-
-
-def _dumps(value: Any) -> str:
-    """Compact JSON for a column. pydantic-core's encoder: about five times ``json``'s on the
-    small payloads the store writes many of per step (signals, run state, arguments)."""
-    return to_json(value).decode()
 
 
 class _Transaction(Transaction):

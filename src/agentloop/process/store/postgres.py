@@ -1,0 +1,851 @@
+"""The PostgreSQL store: the same tables and semantics as the SQLite store, on an asyncpg pool.
+
+Transactions. ``store.transaction()`` takes a connection of its own from the pool and runs a
+READ COMMITTED transaction on it. Transactions of one store run one at a time (a store-wide lock,
+as in the SQLite store): the durable runner expects one writer per process, and the conformance
+suite expects a second task's transaction to wait for the first instead of interleaving with it.
+Across stores (two kernels on one database, a CLI next to a server) the process row is the lock:
+every write that takes a per-process id (message id, signal seq, queue id) or changes the registry
+row does so with an ``UPDATE … RETURNING`` on that row, which holds its row lock until commit, so
+ids stay gap-free and unique per process and a second writer of the same process waits for the
+first. Tool-call claims (``set_call_status``) and deletes are single conditional statements:
+under READ COMMITTED PostgreSQL re-checks their ``WHERE`` against the committed row after a
+concurrent writer commits, so a claim succeeds once only. Nothing needs SERIALIZABLE.
+
+Commits. ``end(commit=True)`` cannot commit before it returns (asyncpg only talks asynchronously),
+so it starts the commit and returns an awaitable that completes once the commit is durable;
+``settled`` is called at that moment whether or not anyone awaits. Until then the store's lock is
+held, and every read of this store (from any task) waits for the commit first, so a kept body is
+visible to the store "at once", as the ``Transaction`` contract says; reads that waited on a commit
+also run before the next transaction may begin, so they see exactly that commit's state. A
+rollback (``end(commit=False)``) returns None the same way and finishes in the background; the
+next transaction and every read wait for it.
+
+Reads outside a transaction go to any pooled connection and see committed state only (the SQLite
+store's reads share its single connection, so they could see another task's open body); reads by
+the task whose transaction is open use that transaction's connection and see its own writes.
+
+Scale-out (DESIGN §6) fits on top: replacing the store-wide lock by a per-process lease row
+(claimed with ``FOR UPDATE SKIP LOCKED``, checked by epoch at commit) lets several transactions
+of different processes run at once on their own pooled connections, and the per-process row locks
+above already keep two writers of one process apart.
+
+Column types are the shared schema's: ids and counters are ``INTEGER`` (32-bit here), which is why
+comparisons with caller-given ids are cast to ``bigint`` (an id past 2**31 finds nothing instead of
+failing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import asyncpg
+
+from agentloop.messages import Message, message_from_json, message_to_json
+from agentloop.process.store.base import (
+    AccountRecord,
+    CallStatus,
+    EventRow,
+    HilRow,
+    NoSuchProcess,
+    ProcessRecord,
+    QueueItem,
+    QueueKind,
+    ScheduleRow,
+    SegmentRow,
+    Settled,
+    Store,
+    StoredMessage,
+    StoreError,
+    TokenRecord,
+    ToolCallRow,
+    WatchRow,
+)
+from agentloop.process.store.common import UPDATABLE_FIELDS as _PROCESS_FIELDS
+from agentloop.process.store.common import dumps as _dumps
+from agentloop.process.store.pgschema import migrate
+from agentloop.process.store.pgtx import Connection, PgTransaction, Settling, TxState
+from agentloop.process.store.pgurl import redact, scrub
+
+log = logging.getLogger("agentloop.store")
+
+_PROCESS_COLUMNS = (
+    "pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run, history_generation,"
+    " created_at, updated_at"
+)
+_CALL_COLUMNS = (
+    "dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall, args, status, deadline, result, created_at"
+)
+_HIL_COLUMNS = (
+    "request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags, reason,"
+    " created_at"
+)
+_SEGMENT_COLUMNS = (
+    "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
+)
+_TOKEN_COLUMNS = "id, account, hash, label, created_at, revoked_at"
+
+# Append rows that take ids from a per-process counter in one round trip: the UPDATE bumps the
+# counter (and holds the process row's lock until commit), the INSERT numbers the rows from it. No
+# row comes back when the process does not exist.
+_APPEND_MESSAGES = """
+WITH c AS (
+    UPDATE processes SET next_message_id = next_message_id + cardinality($3::text[])
+    WHERE pid = $1 RETURNING next_message_id - cardinality($3::text[]) AS first, history_generation AS gen
+)
+INSERT INTO messages (pid, id, generation, run_id, role, body, created_at)
+SELECT $1, c.first + t.n - 1, c.gen, $2, t.role, t.body, $5
+FROM c, unnest($3::text[], $4::text[]) WITH ORDINALITY AS t(role, body, n)
+RETURNING id
+"""
+_APPEND_EVENTS = """
+WITH c AS (
+    UPDATE processes SET next_event_seq = next_event_seq + cardinality($2::text[])
+    WHERE pid = $1 RETURNING next_event_seq - cardinality($2::text[]) AS first
+)
+INSERT INTO events (pid, seq, signal, payload, created_at)
+SELECT $1, c.first + t.n - 1, t.signal, t.payload, $4
+FROM c, unnest($2::text[], $3::text[]) WITH ORDINALITY AS t(signal, payload, n)
+RETURNING seq
+"""
+_ENQUEUE = """
+WITH c AS (
+    UPDATE processes SET next_queue_id = next_queue_id + 1 WHERE pid = $1 RETURNING next_queue_id - 1 AS id
+)
+INSERT INTO message_queue (pid, id, kind, run_id, body, created_at)
+SELECT $1, c.id, $2, $3, $4, $5 FROM c
+RETURNING id
+"""
+_DELETE_PROCESS = """
+WITH m AS (DELETE FROM messages WHERE pid = $1),
+     c AS (DELETE FROM pending_tool_calls WHERE pid = $1),
+     q AS (DELETE FROM message_queue WHERE pid = $1),
+     h AS (DELETE FROM pending_hil WHERE pid = $1),
+     k AS (DELETE FROM process_kv WHERE pid = $1),
+     e AS (DELETE FROM events WHERE pid = $1),
+     s AS (DELETE FROM history_segments WHERE pid = $1),
+     d AS (DELETE FROM schedules WHERE pid = $1),
+     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1)
+DELETE FROM processes WHERE pid = $1
+"""
+
+
+_SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
+_WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
+
+
+def _changed(status: str) -> int:
+    """The row count of a command status such as ``UPDATE 1`` or ``INSERT 0 1``."""
+    return int(status.rsplit(" ", 1)[-1])
+
+
+def _process(row: Any) -> ProcessRecord:
+    current = row["current_run"]
+    return ProcessRecord(
+        pid=row["pid"],
+        owner=row["owner"],
+        run_as=row["run_as"],
+        cwd=row["cwd"],
+        parent_pid=row["parent_pid"],
+        interactive=bool(row["interactive"]),
+        context=row["context"],
+        state=row["state"],
+        current_run=json.loads(current) if current else None,
+        history_generation=row["history_generation"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+class PostgresStore(Store):
+    """``PostgresStore("postgresql://user:password@host:5432/db")``. The URL is asyncpg's (libpq's
+    query parameters such as ``sslmode`` work); ``url`` shows it with the password masked."""
+
+    def __init__(self, dsn: str, *, min_connections: int = 1, max_connections: int = 10) -> None:
+        self._dsn = dsn
+        self.url = redact(dsn)
+        self._min = min_connections
+        self._max = max_connections
+        self._pool: Any = None  # an asyncpg.Pool once open
+        self._lock = asyncio.Lock()  # held by the open transaction until its commit or rollback is over
+        self._tx: TxState | None = None  # the open transaction's body
+        self._settling: Settling | None = None  # the commit or rollback in flight
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.url!r})"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> Any:
+        if self._pool is None:
+            raise StoreError("the store is not open")
+        return self._pool
+
+    async def open(self) -> None:
+        if self._pool is not None:
+            return
+        self._lock = asyncio.Lock()
+        try:
+            pool = await asyncpg.create_pool(self._dsn, min_size=self._min, max_size=self._max, timeout=15)
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+            raise self._error("cannot open the database", exc) from None
+        try:
+            async with pool.acquire() as conn:
+                await migrate(conn)
+        except StoreError:
+            await pool.close()
+            raise
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await pool.close()
+            raise self._error("cannot migrate the database", exc) from None
+        self._pool = pool
+
+    def _error(self, what: str, exc: BaseException) -> StoreError:
+        """A ``StoreError`` naming the database without its password (asyncpg's own messages may
+        quote the DSN, so they are scrubbed too). Raised ``from None``: the original exception's
+        arguments could carry the password in a traceback."""
+        reason = scrub(str(exc) or type(exc).__name__, self._dsn)
+        return StoreError(f"{what} {self.url}: {reason}")
+
+    async def close(self) -> None:
+        pool = self._pool
+        if pool is None:
+            return
+        settling = self._settling
+        if settling is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(settling.done)
+        tx, self._tx = self._tx, None
+        if tx is not None:  # a body still open: it cannot be kept; closing its connection rolls it back
+            tx.conn.terminate()
+            with contextlib.suppress(Exception):
+                await pool.release(tx.conn)
+        self._pool = None
+        try:
+            await asyncio.wait_for(pool.close(), 10)
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            pool.terminate()
+
+    async def schema_version(self) -> int:
+        async with self._reading() as db:
+            return int(await db.fetchval("SELECT MAX(version) FROM schema_version") or 0)
+
+    def transaction(self) -> PgTransaction:
+        return PgTransaction(self._begin, self._end)
+
+    async def _begin(self) -> None:
+        me = asyncio.current_task()
+        if self._tx is not None and self._tx.task is me:
+            raise StoreError("transactions do not nest")
+        pool = self.pool
+        await self._lock.acquire()  # another transaction's body, commit or rollback: wait for it
+        try:
+            conn = await pool.acquire()
+            try:
+                tr = conn.transaction()
+                await tr.start()
+            except BaseException:  # (cancelled, say) BEGIN may or may not have reached the server:
+                with contextlib.suppress(Exception):
+                    conn.terminate()  # a closed connection is replaced by the pool, never reused half-open
+                    await pool.release(conn)
+                raise
+        except BaseException:
+            self._lock.release()
+            raise
+        self._tx = TxState(conn, tr, me)
+
+    def _end(self, commit: bool, settled: Settled | None) -> Awaitable[None] | None:
+        tx = self._tx
+        if tx is None or tx.task is not asyncio.current_task():
+            if not commit:
+                return None  # nothing (left) to roll back: the store was closed under the body
+            raise StoreError("no transaction of this task is open (was the store closed?)")
+        self._tx = None
+        loop = asyncio.get_running_loop()
+        settling = self._settling = Settling(loop)
+        waiter: asyncio.Future[None] | None = loop.create_future() if commit else None
+        # the task is kept by ``settling.done``'s callbacks and by close(), which awaits it
+        settling.task = loop.create_task(self._settle(tx, commit, settled, settling, waiter))
+        return waiter
+
+    async def _settle(
+        self,
+        tx: TxState,
+        commit: bool,
+        settled: Settled | None,
+        settling: Settling,
+        waiter: asyncio.Future[None] | None,
+    ) -> None:
+        """Commit or roll back ``tx`` and tell everyone: its ``settled``, its waiter, the reads
+        that waited for it. Only then may the next transaction begin."""
+        error: BaseException | None = None
+        try:
+            try:
+                await (tx.tr.commit() if commit else tx.tr.rollback())
+            except (Exception, asyncio.CancelledError) as exc:
+                error = exc
+                # whatever state the connection is in, closing it makes the server roll back what
+                # is left (asyncpg may have closed and detached it already: nothing to do then)
+                with contextlib.suppress(Exception):
+                    tx.conn.terminate()
+            with contextlib.suppress(Exception):
+                await self.pool.release(tx.conn)
+        finally:
+            # never skipped: a waiter or a read left waiting here would wait for ever
+            settling.durable.set()  # reads that waited may run now; later reads need not wait
+            self._tell(commit, settled, waiter, error)
+        try:
+            await settling.readers_gone()
+        finally:
+            if self._settling is settling:
+                self._settling = None
+            self._lock.release()
+            settling.done.set_result(None)
+
+    def _tell(
+        self, commit: bool, settled: Settled | None, waiter: asyncio.Future[None] | None, error: BaseException | None
+    ) -> None:
+        """Say how a commit ended: ``settled`` first, then the waiter (unless its task was
+        cancelled meanwhile); a failed rollback is only logged (nothing of it was to be kept)."""
+        if not commit:
+            if error is not None:
+                log.warning("rolling back a transaction on %s failed: %s", self.url, scrub(str(error), self._dsn))
+            return
+        if settled is not None:
+            try:
+                settled(error)
+            except Exception:  # the follow-up's failure is not the commit's
+                log.exception("after a commit")
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(self._error("the commit failed on", error))
+
+    def _write(self) -> Connection:
+        tx = self._tx
+        if tx is None or tx.task is not asyncio.current_task():
+            raise StoreError("writes must happen inside store.transaction()")
+        return tx.conn
+
+    @contextlib.asynccontextmanager
+    async def _reading(self) -> AsyncIterator[Any]:
+        """Where a read runs: the open transaction's connection for its own task (read your
+        writes), the pool otherwise, after the commit or rollback in flight (if any) is over."""
+        tx = self._tx
+        if tx is not None and tx.task is asyncio.current_task():
+            yield tx.conn
+            return
+        settling = self._settling
+        if settling is None or settling.durable.is_set():
+            yield self.pool
+            return
+        settling.readers += 1
+        try:
+            await settling.durable.wait()
+            yield self.pool
+        finally:
+            settling.reader_done()
+
+    # -- registry -------------------------------------------------------------------------------
+
+    async def create_process(self, record: ProcessRecord) -> None:
+        now = time.time()
+        status = await self._write().execute(
+            "INSERT INTO processes (pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run,"
+            " history_generation, next_message_id, next_event_seq, next_queue_id, created_at, updated_at)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, 1, 1, $11, $12) ON CONFLICT DO NOTHING",
+            record.pid,
+            record.owner,
+            record.run_as,
+            record.cwd,
+            record.parent_pid,
+            int(record.interactive),
+            record.context,
+            record.state,
+            _dumps(record.current_run) if record.current_run is not None else None,
+            record.history_generation,
+            float(record.created_at or now),
+            now,
+        )
+        if _changed(status) != 1:  # (ON CONFLICT: a failed statement would abort the whole transaction)
+            raise StoreError(f"process {record.pid} exists already")
+
+    async def get_process(self, pid: str) -> ProcessRecord | None:
+        async with self._reading() as db:
+            row = await db.fetchrow(f"SELECT {_PROCESS_COLUMNS} FROM processes WHERE pid = $1", pid)
+        return _process(row) if row else None
+
+    async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]:
+        async with self._reading() as db:
+            if owner is None:
+                rows = await db.fetch(f"SELECT {_PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
+            else:
+                rows = await db.fetch(
+                    f"SELECT {_PROCESS_COLUMNS} FROM processes WHERE owner = $1 ORDER BY created_at, pid", owner
+                )
+        return [_process(r) for r in rows]
+
+    async def update_process(self, pid: str, **fields: Any) -> None:
+        unknown = set(fields) - _PROCESS_FIELDS
+        if unknown:
+            raise StoreError(f"cannot update process fields {sorted(unknown)}")
+        db = self._write()
+        if not fields:
+            if await db.fetchval("SELECT 1 FROM processes WHERE pid = $1 FOR UPDATE", pid) is None:
+                raise NoSuchProcess(pid)
+            return
+        values: list[Any] = []
+        for key, value in fields.items():
+            if key == "current_run":
+                value = _dumps(value) if value is not None else None
+            elif key == "interactive":
+                value = int(value)
+            values.append(value)
+        sets = ", ".join(f"{key} = ${i}" for i, key in enumerate(fields, start=1))
+        n = len(values)
+        status = await db.execute(
+            f"UPDATE processes SET {sets}, updated_at = ${n + 1} WHERE pid = ${n + 2}", *values, time.time(), pid
+        )
+        if _changed(status) != 1:
+            raise NoSuchProcess(pid)
+
+    async def delete_process(self, pid: str) -> None:
+        await self._write().execute(_DELETE_PROCESS, pid)
+
+    # -- history --------------------------------------------------------------------------------
+
+    async def append_messages(self, pid: str, run_id: str | None, messages: list[Message]) -> list[int]:
+        if not messages:
+            return []
+        rows = await self._write().fetch(
+            _APPEND_MESSAGES,
+            pid,
+            run_id,
+            [m.role for m in messages],
+            [message_to_json(m) for m in messages],
+            time.time(),
+        )
+        if not rows:
+            raise NoSuchProcess(pid)
+        return sorted(int(r[0]) for r in rows)
+
+    async def history(
+        self, pid: str, *, generation: int | None = None, limit: int | None = None, before: int | None = None
+    ) -> list[StoredMessage]:
+        args: list[Any] = [pid]
+        if generation is None:  # the current one, looked up by the same statement
+            sql = (
+                "SELECT id, generation, run_id, body FROM messages WHERE pid = $1"
+                " AND generation = (SELECT history_generation FROM processes WHERE pid = $1)"
+            )
+        else:
+            args.append(generation)
+            sql = "SELECT id, generation, run_id, body FROM messages WHERE pid = $1 AND generation = $2::bigint"
+        if before is not None:
+            args.append(before)
+            sql += f" AND id < ${len(args)}::bigint"
+        async with self._reading() as db:
+            if limit is not None:
+                args.append(limit)
+                rows = list(await db.fetch(sql + f" ORDER BY id DESC LIMIT ${len(args)}", *args))
+                rows.reverse()
+            else:
+                rows = await db.fetch(sql + " ORDER BY id", *args)
+            if (
+                not rows
+                and generation is None
+                and await db.fetchval("SELECT 1 FROM processes WHERE pid = $1", pid) is None
+            ):
+                raise NoSuchProcess(pid)
+        return [StoredMessage(r[0], r[1], r[2], message_from_json(r[3])) for r in rows]
+
+    async def replace_messages(self, pid: str, from_id: int, to_id: int, replacement: Message) -> int:
+        db = self._write()
+        gen = await db.fetchval("SELECT history_generation FROM processes WHERE pid = $1", pid)
+        if gen is None:
+            raise NoSuchProcess(pid)
+        await db.execute(
+            "DELETE FROM messages WHERE pid = $1 AND id BETWEEN $2::bigint AND $3::bigint", pid, from_id, to_id
+        )
+        await db.execute(
+            "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at)"
+            " VALUES ($1, $2, $3, NULL, $4, $5, $6)",
+            pid,
+            to_id,
+            gen,
+            replacement.role,
+            message_to_json(replacement),
+            time.time(),
+        )
+        return to_id
+
+    async def new_generation(self, pid: str) -> int:
+        db = self._write()
+        gen = await db.fetchval(
+            "UPDATE processes SET history_generation = history_generation + 1 WHERE pid = $1"
+            " RETURNING history_generation",
+            pid,
+        )
+        if gen is None:
+            raise NoSuchProcess(pid)
+        await db.execute("DELETE FROM messages WHERE pid = $1", pid)
+        return int(gen)
+
+    # -- tool calls -----------------------------------------------------------------------------
+
+    async def register_calls(self, rows: list[ToolCallRow]) -> None:
+        db = self._write()
+        if not rows:
+            return
+        now = time.time()
+        await db.executemany(
+            f"INSERT INTO pending_tool_calls ({_CALL_COLUMNS})"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            [
+                (
+                    r.dispatch_id,
+                    r.pid,
+                    r.run_id,
+                    r.position,
+                    r.tool_call_id,
+                    r.tool_name,
+                    r.syscall,
+                    _dumps(r.args),
+                    r.status,
+                    None if r.deadline is None else float(r.deadline),
+                    _dumps(r.result) if r.result is not None else None,
+                    float(r.created_at or now),
+                )
+                for r in rows
+            ],
+        )
+
+    async def calls(self, pid: str, run_id: str | None = None) -> list[ToolCallRow]:
+        sql = f"SELECT {_CALL_COLUMNS} FROM pending_tool_calls WHERE pid = $1"
+        args: list[Any] = [pid]
+        if run_id is not None:
+            sql += " AND run_id = $2"
+            args.append(run_id)
+        async with self._reading() as db:
+            rows = await db.fetch(sql + " ORDER BY run_id, position", *args)
+        return [
+            ToolCallRow(
+                dispatch_id=r[0],
+                pid=r[1],
+                run_id=r[2],
+                position=r[3],
+                tool_call_id=r[4],
+                tool_name=r[5],
+                syscall=r[6],
+                args=json.loads(r[7]),
+                status=r[8],
+                deadline=r[9],
+                result=json.loads(r[10]) if r[10] else None,
+                created_at=r[11],
+            )
+            for r in rows
+        ]
+
+    async def set_call_status(
+        self,
+        dispatch_id: str,
+        status: CallStatus,
+        *,
+        expect: tuple[CallStatus, ...],
+        result: dict[str, Any] | None = None,
+        deadline: float | None = None,
+    ) -> bool:
+        done = await self._write().execute(
+            "UPDATE pending_tool_calls SET status = $1, result = COALESCE($2, result),"
+            " deadline = COALESCE($3, deadline) WHERE dispatch_id = $4 AND status = ANY($5::text[])",
+            status,
+            _dumps(result) if result is not None else None,
+            None if deadline is None else float(deadline),
+            dispatch_id,
+            list(expect),
+        )
+        return _changed(done) == 1
+
+    async def delete_calls(self, pid: str, run_id: str | None = None) -> None:
+        if run_id is None:
+            await self._write().execute("DELETE FROM pending_tool_calls WHERE pid = $1", pid)
+        else:
+            await self._write().execute("DELETE FROM pending_tool_calls WHERE pid = $1 AND run_id = $2", pid, run_id)
+
+    # -- input queue ----------------------------------------------------------------------------
+
+    async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
+        item_id = await self._write().fetchval(_ENQUEUE, pid, kind, run_id, message_to_json(message), time.time())
+        if item_id is None:
+            raise NoSuchProcess(pid)
+        return int(item_id)
+
+    async def queue(self, pid: str) -> list[QueueItem]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                "SELECT id, kind, run_id, body, created_at FROM message_queue WHERE pid = $1 ORDER BY id", pid
+            )
+        return [QueueItem(r[0], r[1], r[2], message_from_json(r[3]), r[4]) for r in rows]
+
+    async def dequeue(self, pid: str, item_id: int) -> bool:
+        status = await self._write().execute(
+            "DELETE FROM message_queue WHERE pid = $1 AND id = $2::bigint", pid, item_id
+        )
+        return _changed(status) == 1
+
+    # -- approvals ------------------------------------------------------------------------------
+
+    async def put_hil(self, row: HilRow) -> None:
+        await self._write().execute(
+            f"INSERT INTO pending_hil ({_HIL_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            row.request_id,
+            row.pid,
+            row.run_id,
+            row.dispatch_id,
+            row.tool_call_id,
+            row.tool_name,
+            row.syscall,
+            _dumps(row.args),
+            row.fingerprint,
+            _dumps(row.tags),
+            row.reason,
+            float(row.created_at or time.time()),
+        )
+
+    async def hils(self, pid: str) -> list[HilRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                f"SELECT {_HIL_COLUMNS} FROM pending_hil WHERE pid = $1 ORDER BY created_at, request_id", pid
+            )
+        return [
+            HilRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], json.loads(r[9]), r[10], r[11])
+            for r in rows
+        ]
+
+    async def delete_hil(self, request_id: str) -> bool:
+        status = await self._write().execute("DELETE FROM pending_hil WHERE request_id = $1", request_id)
+        return _changed(status) == 1
+
+    # -- key-value ------------------------------------------------------------------------------
+
+    async def kv_get(self, pid: str, key: str) -> Any | None:
+        async with self._reading() as db:
+            value = await db.fetchval("SELECT value FROM process_kv WHERE pid = $1 AND key = $2", pid, key)
+        return json.loads(value) if value is not None else None
+
+    async def kv_set(self, pid: str, key: str, value: Any) -> None:
+        await self._write().execute(
+            "INSERT INTO process_kv (pid, key, value) VALUES ($1, $2, $3)"
+            " ON CONFLICT (pid, key) DO UPDATE SET value = excluded.value",
+            pid,
+            key,
+            _dumps(value),
+        )
+
+    async def kv_delete(self, pid: str, key: str) -> None:
+        await self._write().execute("DELETE FROM process_kv WHERE pid = $1 AND key = $2", pid, key)
+
+    # -- signal log -----------------------------------------------------------------------------
+
+    async def append_event(self, pid: str, signal: str, payload: dict[str, Any]) -> int:
+        return (await self.append_events(pid, [(signal, payload)]))[0]
+
+    async def append_events(self, pid: str, events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+        if not events:
+            return []
+        rows = await self._write().fetch(
+            _APPEND_EVENTS,
+            pid,
+            [name for name, _ in events],
+            [_dumps(payload) for _, payload in events],
+            time.time(),
+        )
+        if not rows:
+            raise NoSuchProcess(pid)
+        return sorted(int(r[0]) for r in rows)
+
+    async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                "SELECT seq, signal, payload, created_at FROM events WHERE pid = $1 AND seq > $2::bigint"
+                " ORDER BY seq LIMIT $3",
+                pid,
+                after_seq,
+                limit,
+            )
+        return [EventRow(r[0], r[1], json.loads(r[2]), r[3]) for r in rows]
+
+    async def last_event_seq(self, pid: str) -> int:
+        async with self._reading() as db:
+            found = await db.fetchval("SELECT MAX(seq) FROM events WHERE pid = $1", pid)
+        return int(found) if found is not None else 0
+
+    # -- history segments -----------------------------------------------------------------------
+
+    async def add_segment(self, row: SegmentRow) -> None:
+        await self._write().execute(
+            f"INSERT INTO history_segments ({_SEGMENT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            row.id,
+            row.pid,
+            row.generation,
+            row.kind,
+            row.from_message_id,
+            row.to_message_id,
+            row.archive_path,
+            row.summary_message_id,
+            float(row.created_at or time.time()),
+        )
+
+    async def segments(self, pid: str) -> list[SegmentRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                f"SELECT {_SEGMENT_COLUMNS} FROM history_segments WHERE pid = $1 ORDER BY created_at, id", pid
+            )
+        return [SegmentRow(*r) for r in rows]
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    async def add_schedule(self, row: ScheduleRow) -> None:
+        status = await self._write().execute(
+            f"INSERT INTO schedules ({_SCHEDULE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            row.id,
+            row.pid,
+            row.text,
+            float(row.next_due),
+            None if row.every is None else float(row.every),
+            row.name,
+            float(row.created_at or time.time()),
+        )
+        if _changed(status) == 0:
+            raise StoreError(f"schedule {row.id} exists already")
+
+    async def schedules(self, pid: str) -> list[ScheduleRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE pid = $1 ORDER BY next_due, id", pid
+            )
+        return [ScheduleRow(*r) for r in rows]
+
+    async def due_schedules(self, before: float | None, limit: int = 100) -> list[ScheduleRow]:
+        async with self._reading() as db:
+            if before is None:
+                rows = await db.fetch(
+                    f"SELECT {_SCHEDULE_COLUMNS} FROM schedules ORDER BY next_due, id LIMIT $1", limit
+                )
+            else:
+                rows = await db.fetch(
+                    f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE next_due <= $1 ORDER BY next_due, id LIMIT $2",
+                    float(before),
+                    limit,
+                )
+        return [ScheduleRow(*r) for r in rows]
+
+    async def set_schedule_due(self, schedule_id: str, next_due: float, *, expect: float) -> bool:
+        status = await self._write().execute(
+            "UPDATE schedules SET next_due = $1 WHERE id = $2 AND next_due = $3",
+            float(next_due),
+            schedule_id,
+            float(expect),
+        )
+        return _changed(status) == 1
+
+    async def delete_schedule(self, schedule_id: str) -> bool:
+        return _changed(await self._write().execute("DELETE FROM schedules WHERE id = $1", schedule_id)) == 1
+
+    # -- signal watches -------------------------------------------------------------------------
+
+    async def add_watch(self, row: WatchRow) -> None:
+        status = await self._write().execute(
+            f"INSERT INTO signal_watches ({_WATCH_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            row.id,
+            row.pid,
+            row.source_pid,
+            row.signal,
+            int(row.once),
+            row.seen_seq,
+            float(row.created_at or time.time()),
+        )
+        if _changed(status) == 0:
+            raise StoreError(f"watch {row.id} exists already")
+
+    async def watches(self, *, pid: str | None = None, source_pid: str | None = None) -> list[WatchRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                f"SELECT {_WATCH_COLUMNS} FROM signal_watches"
+                " WHERE ($1::text IS NULL OR pid = $1) AND ($2::text IS NULL OR source_pid = $2)"
+                " ORDER BY created_at, id",
+                pid,
+                source_pid,
+            )
+        return [WatchRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+    async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
+        status = await self._write().execute("UPDATE signal_watches SET seen_seq = $1 WHERE id = $2", seq, watch_id)
+        return _changed(status) == 1
+
+    async def delete_watch(self, watch_id: str) -> bool:
+        return _changed(await self._write().execute("DELETE FROM signal_watches WHERE id = $1", watch_id)) == 1
+
+    # -- accounts and tokens --------------------------------------------------------------------
+
+    async def create_account(self, record: AccountRecord) -> None:
+        status = await self._write().execute(
+            "INSERT INTO accounts (name, admin, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            record.name,
+            int(record.admin),
+            float(record.created_at or time.time()),
+        )
+        if _changed(status) != 1:
+            raise StoreError(f"account {record.name!r} already exists")
+
+    async def get_account(self, name: str) -> AccountRecord | None:
+        async with self._reading() as db:
+            row = await db.fetchrow("SELECT name, admin, created_at FROM accounts WHERE name = $1", name)
+        return AccountRecord(row[0], bool(row[1]), row[2]) if row else None
+
+    async def list_accounts(self) -> list[AccountRecord]:
+        async with self._reading() as db:
+            rows = await db.fetch("SELECT name, admin, created_at FROM accounts ORDER BY name")
+        return [AccountRecord(r[0], bool(r[1]), r[2]) for r in rows]
+
+    async def add_token(self, record: TokenRecord) -> None:
+        status = await self._write().execute(
+            f"INSERT INTO tokens ({_TOKEN_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            record.id,
+            record.account,
+            record.hash,
+            record.label,
+            float(record.created_at or time.time()),
+            None if record.revoked_at is None else float(record.revoked_at),
+        )
+        if _changed(status) != 1:
+            raise StoreError(f"token {record.id!r} (or one with the same hash) exists already")
+
+    async def token_by_hash(self, token_hash: str) -> TokenRecord | None:
+        async with self._reading() as db:
+            row = await db.fetchrow(f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE hash = $1", token_hash)
+        return TokenRecord(*row) if row else None
+
+    async def list_tokens(self, account: str | None = None) -> list[TokenRecord]:
+        async with self._reading() as db:
+            if account is None:
+                rows = await db.fetch(f"SELECT {_TOKEN_COLUMNS} FROM tokens ORDER BY created_at, id")
+            else:
+                rows = await db.fetch(
+                    f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE account = $1 ORDER BY created_at, id", account
+                )
+        return [TokenRecord(*r) for r in rows]
+
+    async def revoke_token(self, token_id: str, at: float) -> bool:
+        status = await self._write().execute(
+            "UPDATE tokens SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL", float(at), token_id
+        )
+        return _changed(status) == 1
