@@ -117,6 +117,13 @@ async def test_results_and_failures_of_nested_calls_reach_the_program(tmp_path: 
     assert text.endswith("[the program raised an exception]")
 
 
+async def test_nested_calls_can_run_concurrently(tmp_path: Path) -> None:
+    code = 'outs = await asyncio.gather(*(shell(f"sleep 1; echo {i}") for i in range(4)))\nprint(len(outs))\n'
+    started = time.monotonic()
+    result = await run_direct(codemode(tmp_path), code)
+    assert result.content[0].text == "4" and time.monotonic() - started < 3.5  # type: ignore[union-attr]
+
+
 async def test_a_syntax_error_is_a_readable_error_and_nothing_runs(tmp_path: Path) -> None:
     code = 'await write("ran.txt", "x")\nfor x in range(3) print(x)\n'
     result = await run_direct(codemode(tmp_path), code)

@@ -237,7 +237,11 @@ class CodeMode(Tool):
         self.cwd = Path(cwd) if cwd is not None else None
         self.max_output = max_output
         self.max_calls = max_calls
-        super().__init__(name, _description(functions.values(), max_output, max_calls), _SCHEMA, sequential=False)
+        # The program's own ``timeout`` argument (at most MAX_TIMEOUT) bounds a call and keeps the
+        # output printed so far; the runtime's per-tool limit (default 60 s) would cut a longer
+        # one and lose it. So the runtime waits a little longer than the longest allowed program.
+        runtime_limit = MAX_TIMEOUT + 2 * KILL_GRACE + 5
+        super().__init__(name, _description(functions.values(), max_output, max_calls), _SCHEMA, timeout=runtime_limit)
         self.syscall = SYSCALL
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
