@@ -345,6 +345,11 @@ async def test_mcp_tools_are_functions_of_the_program(tmp_path: Path) -> None:
         agent = Agent(model=model, tools=[cm], workspace=tmp_path, hooks=hooks)
         [res] = results((await agent.run("go")).messages)
         assert res.is_error and "ToolDenied: fake__add denied" in res.text and "mcp.fake.add" in res.text
+        # and a direct call meets the same rule: the hook sees the tool's syscall, not its name
+        model = ScriptedModel([Reply(tool_calls=[call("fake__add", a=1, b=1)]), "ok"])
+        agent = Agent(model=model, tools=[cm, *tools], workspace=tmp_path, hooks=hooks)
+        [res] = results((await agent.run("go")).messages)
+        assert res.is_error and "mcp.fake.add" in res.text and "requires interactive approval" in res.text
 
 
 # ---------------------------------------------------------------------------------- durable processes

@@ -10,6 +10,10 @@ that name, so a durable process's per-cwd tools and device routing apply) only a
 check a direct call gets: the runner's approval (``ToolContext.check``: the before-tool-call hooks
 in memory, the process's policy and the hooks in a durable run), judged on the nested call's own
 syscall and arguments. A refused call does not run and raises ``ToolDenied`` in the program.
+A call the policy would *ask* a person about is asked where the runner can ask from inside a
+running tool (the in-memory runner's terminal prompt is a hook); a durable run cannot pause for a
+``pending_hil`` row mid-program, so there it is refused with a message telling the model to make
+the call directly, where it is asked as usual.
 
 What this does **not** confine: the program itself is ordinary Python running as the server's
 user. It can open files, start processes and use the network without asking anyone; only what it
