@@ -105,7 +105,8 @@ def test_default_policy_shape() -> None:
     assert decide(p, "fs.delete", {"path": "x"}, cwd=CWD, home=HOME).action == "ask"
     assert decide(p, "fs.write", {"path": "x", "content": ""}, cwd=CWD, home=HOME).action == "auto"
     assert decide(p, "mcp.github.create_issue", {}, cwd=CWD, home=HOME).action == "ask"
-    assert decide(p, "codemode.exec", {"code": "print(1)"}, cwd=CWD, home=HOME).action == "auto"
+    # CodeMode's program is unconfined Python: a person reads it before it runs
+    assert decide(p, "codemode.exec", {"code": "print(1)"}, cwd=CWD, home=HOME).action == "ask"
 
 
 @pytest.mark.parametrize(

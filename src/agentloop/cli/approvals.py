@@ -222,7 +222,7 @@ class PolicyHook:
 
     async def __call__(self, info: ToolCallInfo) -> Block | None:
         name = info.call.name
-        syscall = SYSCALLS.get(name, f"tool.{name}")
+        syscall = info.syscall or SYSCALLS.get(name, f"tool.{name}")
         async with self._lock:
             policy = merge(None, self.policy, self.remembered)
             verdict = decide(policy, syscall, info.args, cwd=self.cwd, home=self.home)

@@ -25,7 +25,8 @@ from agentloop.events import (
 from agentloop.loop.hooks import ToolCallInfo
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import AssistantMessage, ToolCall, ToolResultMessage, tool_error_result
-from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
+from agentloop.tools.base import ALLOW, NestedCheck, NestedVerdict, Tool, ToolContext, ToolError, ToolResult
+from agentloop.tools.builtin import syscall_of
 
 log = logging.getLogger("agentloop.tools")
 
@@ -52,7 +53,8 @@ def _check(
         args = tool.validate(call.arguments)
     except ToolError as exc:
         return tool_error_result(call, str(exc))
-    return _Prepared(call, tool, ToolCallInfo(call, args, message, state.messages, state.run_id))
+    info = ToolCallInfo(call, args, message, state.messages, state.run_id, syscall=syscall_of(tool))
+    return _Prepared(call, tool, info)
 
 
 async def _ask_hooks(cfg: LoopConfig, p: _Prepared) -> _Prepared | ToolResultMessage:
@@ -63,10 +65,42 @@ async def _ask_hooks(cfg: LoopConfig, p: _Prepared) -> _Prepared | ToolResultMes
     return p if block is None else tool_error_result(p.call, block.reason)
 
 
-async def _execute(cfg: LoopConfig, state: RunState, p: _Prepared, emit: Emit) -> ToolResultMessage:
+def nested_check(cfg: LoopConfig, p: _Prepared, first: NestedCheck | None = None) -> NestedCheck:
+    """How calls that the tool of ``p`` makes itself (CodeMode's) are approved: ``first`` (the
+    durable runner's policy), then the before-tool-call hooks, given the nested call as if the
+    model had made it (with ``parent`` set), so an approval hook judges it like a direct call."""
+    count = 0
+
+    async def check(syscall: str, tool_name: str, args: dict[str, Any]) -> NestedVerdict:
+        nonlocal count
+        if first is not None:
+            verdict = await first(syscall, tool_name, args)
+            if verdict.action != "allow":
+                return verdict
+        if not cfg.hooks.before:
+            return ALLOW
+        count += 1
+        call = ToolCall(id=f"{p.call.id}.{count}", name=tool_name, arguments=args)
+        info = ToolCallInfo(
+            call, args, p.info.assistant_message, p.info.messages, p.info.run_id, syscall=syscall, parent=p.call
+        )
+        try:
+            block = await cfg.hooks.run_before(info)
+        except Exception as exc:
+            return NestedVerdict("deny", f"before-tool-call hook failed: {exc}")
+        return ALLOW if block is None else NestedVerdict("deny", block.reason)
+
+    return check
+
+
+async def _execute(
+    cfg: LoopConfig, state: RunState, p: _Prepared, emit: Emit, nested: NestedCheck | None = None
+) -> ToolResultMessage:
+    """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
+    calls the tool makes itself (the in-memory runner's policy is a hook)."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
-    ctx = ToolContext(call.id, call.name, cfg.workspace)
+    ctx = ToolContext(call.id, call.name, cfg.workspace, tools=cfg.tools, check=nested_check(cfg, p, nested))
     if emit is not None:
 
         def update(partial: Any) -> None:

@@ -54,13 +54,21 @@ class TurnFailed(Exception):
 
 @dataclass
 class ToolCallInfo:
-    """What a tool hook knows about the call: the call, its validated arguments, the history."""
+    """What a tool hook knows about the call: the call, its validated arguments, the history.
+
+    ``syscall`` is what approval policies match the call against (``fs.read``, ``mcp.gh.search``);
+    ``parent`` is set for a call a tool made on the model's behalf (a CodeMode program's
+    ``await shell(...)``): the model's call it was made from. A hook judges such a call like a
+    direct one; ``parent`` only says where it came from.
+    """
 
     call: ToolCall
     args: dict[str, Any]
     assistant_message: AssistantMessage
     messages: list[Message]
     run_id: str
+    syscall: str | None = None
+    parent: ToolCall | None = None
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from agentloop.process.store import (
     ToolCallRow,
 )
 from agentloop.process.store.base import ProcessState, QueueKind
-from agentloop.tools.base import Tool
+from agentloop.tools.base import NestedCheck, NestedVerdict, Tool
 from agentloop.tools.builtin import SYSCALLS
 
 log = logging.getLogger("agentloop.process")
@@ -935,7 +935,8 @@ class ProcessEngine:
             if isinstance(checked, ToolResultMessage):
                 result = checked
             else:
-                result = await _execute(cfg, _state_for(live, run_id), checked, None)
+                nested = self._nested_policy(live, run_id, row)
+                result = await _execute(cfg, _state_for(live, run_id), checked, None, nested)
             try:
                 await self._record(live, run_id, row, result)
             except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
@@ -945,6 +946,25 @@ class ProcessEngine:
         finally:
             live.tools.pop(row.dispatch_id, None)
         self.wake(live.record.pid)
+
+    def _nested_policy(self, live: _Live, run_id: str, row: ToolCallRow) -> NestedCheck:
+        """The policy for calls a running tool makes itself (a CodeMode program's): the verdict a
+        direct call with the same syscall and arguments would get. A verdict of ``ask`` cannot
+        pause the run from inside a running tool, so it comes back as ``ask`` and the tool
+        refuses the call, telling the model to make it directly (where it can be asked)."""
+
+        async def check(syscall: str, tool_name: str, args: dict[str, Any]) -> NestedVerdict:
+            nested = ToolCallRow(
+                new_id(), live.record.pid, run_id, row.position, row.tool_call_id, tool_name, syscall, dict(args)
+            )
+            verdict = await self.approval(live.record, nested)
+            if verdict.action == "deny":
+                return NestedVerdict("deny", "denied by policy" + (f": {verdict.reason}" if verdict.reason else ""))
+            if verdict.action == "ask":
+                return NestedVerdict("ask", verdict.reason)
+            return NestedVerdict("allow")
+
+        return check
 
     async def _record(self, live: _Live, run_id: str, row: ToolCallRow, result: ToolResultMessage) -> None:
         """Settle a finished call; the call that completes its batch also ingests the batch."""

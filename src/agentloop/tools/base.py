@@ -13,10 +13,10 @@ import asyncio
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias, get_type_hints, overload
+from typing import Any, Literal, TypeAlias, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -64,18 +64,39 @@ def _ignore(partial: Any) -> None:
     """Progress reports go nowhere when nobody watches the run."""
 
 
+@dataclass(frozen=True, slots=True)
+class NestedVerdict:
+    """What the runner says about a call one tool makes through another (CodeMode's nested
+    calls): ``allow`` runs it, ``deny`` refuses it, ``ask`` means a person would have to approve
+    it and the runner could not ask from where the call was made."""
+
+    action: Literal["allow", "deny", "ask"]
+    reason: str = ""
+
+
+ALLOW = NestedVerdict("allow")
+
+#: ``check(syscall, tool_name, validated_args)``: the approval of one nested call, made by the
+#: runner that runs the outer call, so nested calls meet the same policy and hooks as direct ones.
+NestedCheck: TypeAlias = Callable[[str, str, dict[str, Any]], Awaitable[NestedVerdict]]
+
+
 @dataclass(slots=True)
 class ToolContext:
     """Handed to tools that ask for it (a parameter annotated ``ToolContext``).
 
     ``update`` reports progress (a ``tool_execution_update`` event); ``workspace`` is the
-    directory the built-in tools are rooted in.
+    directory the built-in tools are rooted in. ``tools`` (the run's tools, by name) and
+    ``check`` (their approval) are for tools that call other tools, like CodeMode: the runner
+    fills them so a nested call uses the very tool objects and the policy a direct call would.
     """
 
     tool_call_id: str
     tool_name: str
     workspace: Path | None = None
     update: Callable[[Any], None] = _ignore
+    tools: Mapping[str, Tool] | None = None
+    check: NestedCheck | None = None
 
 
 def to_result(value: Any) -> ToolResult:

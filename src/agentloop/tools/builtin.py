@@ -13,7 +13,7 @@ from agentloop.tools.fs import delete_tool, edit_tool, read_tool, write_tool
 from agentloop.tools.search import search_tool
 from agentloop.tools.shell import shell_tool
 
-__all__ = ["SYSCALLS", "builtin_tools"]
+__all__ = ["SYSCALLS", "builtin_tools", "syscall_of"]
 
 #: model-visible tool name → syscall
 SYSCALLS: dict[str, str] = {
@@ -26,8 +26,16 @@ SYSCALLS: dict[str, str] = {
 }
 
 
-def builtin_tools(workspace: str | Path, *, shell: bool = True) -> list[Tool]:
-    """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``.
+def syscall_of(tool: Tool) -> str:
+    """What approval policies match a call of ``tool`` against: its own syscall (an MCP tool's
+    ``mcp.<server>.<tool>``, CodeMode's ``codemode.exec``), a built-in's, else ``tool.<name>``."""
+    return tool.syscall or SYSCALLS.get(tool.name) or f"tool.{tool.name}"
+
+
+def builtin_tools(workspace: str | Path, *, shell: bool = True, codemode: bool = False) -> list[Tool]:
+    """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``;
+    with ``codemode=True`` also CodeMode (syscall ``codemode.exec``) over them. CodeMode is
+    opt-in: its program is arbitrary Python running as this user (see ``tools/codemode.py``).
 
     The root is resolved again on every call, so it may be created or moved after this returns;
     a call made while it is missing is an error result, not an exception.
@@ -36,4 +44,8 @@ def builtin_tools(workspace: str | Path, *, shell: bool = True) -> list[Tool]:
     tools: list[Tool] = [read_tool(root), write_tool(root), edit_tool(root), delete_tool(root), search_tool(root)]
     if shell:
         tools.append(shell_tool(root))
+    if codemode:
+        from agentloop.tools.codemode import CodeMode  # it imports this module: import late
+
+        tools.append(CodeMode(tools, cwd=root))
     return tools

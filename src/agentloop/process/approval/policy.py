@@ -119,6 +119,10 @@ def default_policy() -> Policy:
             Rule(match="shell.exec", when=When(all_tags=("hidden-path", "outside-cwd")), action="ask"),
             Rule(match="fs.delete", action="ask"),
             Rule(match="mcp.*", action="ask"),
+            # a CodeMode program is Python running as this user: like an unclassified shell
+            # command it can do anything outside its tool functions, so a person reads it first
+            # (its tool calls are then judged one by one, like direct calls)
+            Rule(match="codemode.exec", action="ask"),
         ),
     )
 

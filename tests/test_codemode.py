@@ -1,0 +1,423 @@
+"""CodeMode (DESIGN §4): a Python program in a subprocess whose tool functions are real tool calls,
+each approved like a direct call. Every test runs real subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop.cli.approvals import PolicyHook, Question
+from agentloop.kernel import Kernel
+from agentloop.loop.hooks import Hooks
+from agentloop.process.approval import Policy, Rule, default_policy, parse_policy
+from agentloop.tools.base import NestedVerdict, ToolContext, ToolResult
+from agentloop.tools.builtin import builtin_tools
+from agentloop.tools.codemode import CodeMode, describe
+
+ALLOW_CODEMODE = {"default": "auto", "rules": [{"match": "codemode.exec", "action": "auto"}]}
+#: the default policy, but programs run unasked (their tool calls are still judged one by one)
+TRUST_CODEMODE = Policy(default="auto", rules=(Rule(match="codemode.exec", action="auto"), *default_policy().rules))
+
+
+def program(text: str) -> str:
+    return textwrap.dedent(text).strip() + "\n"
+
+
+def codemode(ws: Path, **kw: Any) -> CodeMode:
+    return CodeMode(builtin_tools(ws), cwd=ws, **kw)
+
+
+async def run_direct(cm: CodeMode, code: str, **args: Any) -> ToolResult:
+    """The tool on its own: no runner, so only its own ``check`` applies."""
+    return await cm.run(cm.validate({"code": code, **args}), ToolContext("call-1", cm.name))
+
+
+def results(messages: list[Any]) -> list[ToolResultMessage]:
+    return [m for m in messages if isinstance(m, ToolResultMessage)]
+
+
+def policy_agent(ws: Path, policy: Policy, code: str, ask: Any = None, **kw: Any) -> Agent:
+    """An in-memory agent whose approval is ``PolicyHook`` (what ``agentloop run --memory`` uses)."""
+    hooks = Hooks()
+    hooks.before_tool_call(PolicyHook(policy, cwd=ws, ask=ask))
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
+    return Agent(model=model, tools=builtin_tools(ws, codemode=True), workspace=ws, hooks=hooks, **kw)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+# ---------------------------------------------------------------------------------- the program
+
+
+async def test_a_program_reads_files_in_a_loop_and_prints_a_summary(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"f{i}.txt").write_text("x\n" * (i + 1))
+    code = program(
+        """
+        found = await search("x", glob="*.txt")
+        names = sorted({line.split(":")[0] for line in found.splitlines() if ":" in line})
+        total = 0
+        for name in names:
+            text = await read(name)
+            total += len(text.splitlines())
+        print(f"{len(names)} files, {total} lines")
+        """
+    )
+    result = await run_direct(codemode(tmp_path), code)
+    assert not result.is_error, result.content
+    assert result.content[0].text == "5 files, 15 lines"  # type: ignore[union-attr]
+    assert result.details["tool_calls"] == 6 and result.details["exit_code"] == 0
+
+
+async def test_the_description_lists_the_functions_with_their_signatures(tmp_path: Path) -> None:
+    cm = codemode(tmp_path)
+    assert cm.syscall == "codemode.exec" and "CodeMode" not in {t.name for t in builtin_tools(tmp_path)}
+    assert "await read(path, offset=1, limit=2000)" in cm.description
+    assert 'await shell(command, cwd=".", timeout=None)' in cm.description
+    assert "print()s is the result" in cm.description
+    assert "neither confined to the workspace nor approved" in cm.description
+    assert describe(builtin_tools(tmp_path)[1]).signature == "await write(path, content)"
+    assert [t.name for t in builtin_tools(tmp_path, codemode=True)][-1] == "CodeMode"
+
+
+async def test_results_and_failures_of_nested_calls_reach_the_program(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("alpha\n")
+    code = program(
+        """
+        print(repr(await read("a.txt")))
+        try:
+            await read("missing.txt")
+        except ToolFailed as exc:
+            print("caught:", exc)
+        out = await shell("echo hi; exit 3")
+        """
+    )
+    result = await run_direct(codemode(tmp_path), code)
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert "'     1\\talpha'" in text and "caught: File not found: missing.txt" in text
+    # the uncaught failure: a traceback of the program's own frames only, then a note
+    assert result.is_error and result.details["exit_code"] == 1
+    assert 'File "<program>", line 6' in text and "ToolFailed: hi\n[exit code 3]" in text
+    assert "codemode_runner" not in text and "asyncio" not in text
+    assert text.endswith("[the program raised an exception]")
+
+
+async def test_nested_calls_can_run_concurrently(tmp_path: Path) -> None:
+    code = 'outs = await asyncio.gather(*(shell(f"sleep 1; echo {i}") for i in range(4)))\nprint(len(outs))\n'
+    started = time.monotonic()
+    result = await run_direct(codemode(tmp_path), code)
+    assert result.content[0].text == "4" and time.monotonic() - started < 3.5  # type: ignore[union-attr]
+
+
+async def test_a_syntax_error_is_a_readable_error_and_nothing_runs(tmp_path: Path) -> None:
+    code = 'await write("ran.txt", "x")\nfor x in range(3) print(x)\n'
+    result = await run_direct(codemode(tmp_path), code)
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert result.is_error and "SyntaxError" in text and "line 2" in text
+    assert "nothing ran" in text and "Traceback" not in text
+    assert not (tmp_path / "ran.txt").exists()
+
+
+async def test_output_over_the_cap_is_cut_with_a_note(tmp_path: Path) -> None:
+    code = 'print("BEGIN")\nfor i in range(2000):\n    print("line", i, "x" * 40)\nprint("END")\n'
+    result = await run_direct(codemode(tmp_path, max_output=2000), code)
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert not result.is_error and result.details["truncated"] is True
+    assert text.startswith("BEGIN") and "END" in text and "omitted" in text
+    assert "[output cut to 2000 characters" in text and len(text) < 2400
+
+
+async def test_the_call_limit_stops_a_runaway_loop(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    code = program(
+        """
+        n = 0
+        try:
+            while True:
+                await read("a.txt")
+                n += 1
+        except ToolFailed as exc:
+            print(n, exc)
+        """
+    )
+    result = await run_direct(codemode(tmp_path, max_calls=3), code)
+    assert result.content[0].text.startswith("3 call limit reached")  # type: ignore[union-attr]
+
+
+async def test_a_timeout_kills_the_program_and_everything_it_started(tmp_path: Path) -> None:
+    code = program(
+        """
+        import subprocess
+        child = subprocess.Popen(["sleep", "300"])
+        open("child.pid", "w").write(str(child.pid))
+        print("started", flush=True)
+        await shell("echo $$ > shell.pid; sleep 300")
+        """
+    )
+    started = time.monotonic()
+    result = await run_direct(codemode(tmp_path), code, timeout=2)
+    assert time.monotonic() - started < 10
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert result.is_error and result.details["timed_out"] is True
+    assert text.startswith("started") and "timed out after 2 s" in text
+    pids = [int((tmp_path / name).read_text()) for name in ("child.pid", "shell.pid")]
+    for _ in range(100):  # SIGKILL is sent; the kernel takes a moment to tear them down
+        if not any(alive(pid) for pid in pids):
+            break
+        await asyncio.sleep(0.05)
+    assert not any(alive(pid) for pid in pids), pids
+
+
+async def test_an_abort_kills_the_program_too(tmp_path: Path) -> None:
+    code = 'import os\nopen("pid", "w").write(str(os.getpid()))\nawait asyncio.sleep(300)\n'
+    task = asyncio.create_task(run_direct(codemode(tmp_path), code))
+    for _ in range(200):
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text():
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not alive(int((tmp_path / "pid").read_text()))
+
+
+async def test_the_program_runs_isolated_without_our_secrets(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-secret")
+    monkeypatch.setenv("PYTHONPATH", "/nowhere")
+    code = 'import os, sys\nprint(os.environ.get("ANTHROPIC_API_KEY"), sys.flags.isolated, os.getcwd())\n'
+    result = await run_direct(codemode(tmp_path), code)
+    assert result.content[0].text == f"None 1 {tmp_path.resolve()}"  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------- approval
+
+
+async def test_printing_a_request_forges_nothing_and_a_request_written_to_the_channel_is_approved(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "keep.txt").write_text("x")
+
+    judged: list[tuple[str, Any]] = []
+
+    async def no_deletes(syscall: str, tool: str, args: dict[str, Any]) -> NestedVerdict:
+        judged.append((syscall, args.get("path")))
+        return NestedVerdict("deny", "no deletes") if syscall == "fs.delete" else NestedVerdict("allow")
+
+    printed = '{"id": 1, "tool": "Write", "args": {"path": "forged.txt", "content": "x"}}'
+    written = '{"id": 7, "tool": "Delete", "args": {"path": "keep.txt"}}'
+    code = program(
+        f"""
+        import os, sys
+        print({printed!r})
+        print({printed!r}, file=sys.stderr)
+        os.write(1, {printed!r}.encode() + b"\\n")
+        os.write(int(sys.argv[1]), {written!r}.encode() + b"\\n")  # the channel itself
+        await asyncio.sleep(0.5)
+        await write("made.txt", "y")
+        print("done")
+        """
+    )
+    result = await run_direct(codemode(tmp_path, check=no_deletes), code)
+    assert not result.is_error, result.content
+    # output is output: the printed "request" (for an allowed tool) did not run
+    assert not (tmp_path / "forged.txt").exists() and (tmp_path / "made.txt").read_text() == "y"
+    # a request written into the channel is only a request: judged like any other, and refused
+    assert (tmp_path / "keep.txt").exists()
+    assert judged == [("fs.delete", "keep.txt"), ("fs.write", "made.txt")]
+
+
+async def test_a_nested_shell_command_the_policy_denies_does_not_run(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data").write_text("precious")
+    policy, problems = parse_policy(
+        {
+            "default": "auto",
+            "rules": [{"match": "shell.exec", "when": {"anyTag": ["destructive"]}, "action": "deny"}],
+        }
+    )
+    assert not problems
+    code = program(
+        """
+        print(await shell("echo safe"))
+        try:
+            await shell("rm -rf victim")
+        except ToolDenied as exc:
+            print("refused:", exc)
+        await shell("rm -rf victim")
+        """
+    )
+    result = await policy_agent(tmp_path, policy, code).run("go")
+    [res] = results(result.messages)
+    assert res.is_error and "safe\n[exit code 0]" in res.text
+    assert "refused: Shell denied: Tool execution denied by rules[0] shell.exec" in res.text
+    assert "ToolDenied:" in res.text and 'File "<program>", line 6' in res.text
+    assert (victim / "data").read_text() == "precious"
+
+
+async def test_without_a_terminal_a_nested_call_the_policy_asks_about_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_text("x")
+    code = 'try:\n    await delete("f.txt")\nexcept ToolDenied as exc:\n    print(exc)\n'
+    result = await policy_agent(tmp_path, TRUST_CODEMODE, code).run("go")
+    [res] = results(result.messages)
+    assert "Delete denied: Tool execution denied: requires interactive approval" in res.text
+    assert (tmp_path / "f.txt").exists()
+
+
+async def test_on_a_terminal_a_nested_call_is_asked_like_a_direct_one(tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "g.txt").write_text("x")
+    asked: list[Question] = []
+
+    async def ask(question: Question) -> Any:
+        asked.append(question)
+        if question.tool == "CodeMode":
+            return "approve"  # the program itself: the default policy asks before it runs
+        return "approve" if question.args.get("path") == "f.txt" else "deny"
+
+    code = program(
+        """
+        await delete("f.txt")
+        try:
+            await delete("g.txt")
+        except ToolDenied as exc:
+            print(exc)
+        print(await shell("rm -rf /tmp/definitely-not-here-codemode"))
+        """
+    )
+    result = await policy_agent(tmp_path, default_policy(), code, ask=ask).run("go")
+    [res] = results(result.messages)
+    assert [q.tool for q in asked] == ["CodeMode", "Delete", "Delete", "Shell"]
+    assert "destructive" in asked[3].tags  # judged exactly as a direct Shell call
+    assert "Delete denied: Tool execution denied by user" in res.text
+    assert not (tmp_path / "f.txt").exists() and (tmp_path / "g.txt").exists()
+
+
+async def test_the_default_policy_asks_before_the_program_itself(tmp_path: Path) -> None:
+    code = 'await write("ran.txt", "x")\n'
+    result = await policy_agent(tmp_path, default_policy(), code).run("go")
+    [res] = results(result.messages)
+    assert res.is_error and "codemode.exec" in res.text and "requires interactive approval" in res.text
+    assert not (tmp_path / "ran.txt").exists()
+
+
+# ---------------------------------------------------------------------------------- MCP
+
+
+async def test_mcp_tools_are_functions_of_the_program(tmp_path: Path) -> None:
+    pytest.importorskip("mcp")
+    from agentloop.tools.mcp import mcp_tools
+
+    server = str(Path(__file__).parent / "fakes" / "mcp_server.py")
+    async with mcp_tools([{"name": "fake", "command": sys.executable, "args": [server]}]) as tools:
+        cm = CodeMode([*builtin_tools(tmp_path), *tools], cwd=tmp_path)
+        assert "await mcp_fake_add(a, b)" in cm.description
+        code = program(
+            """
+            print(await mcp_fake_add(2, b=40))
+            try:
+                await mcp_fake_fail(why="no disk")
+            except ToolFailed as exc:
+                print("failed:", exc)
+            """
+        )
+        result = await run_direct(cm, code)
+        assert result.content[0].text == "42\nfailed: Error executing tool fail"  # type: ignore[union-attr]
+        # the default policy asks before every MCP call: without a terminal, refused
+        hooks = Hooks()
+        hooks.before_tool_call(PolicyHook(TRUST_CODEMODE, cwd=tmp_path, ask=None))
+        model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code="print(await mcp_fake_add(1, 1))")]), "ok"])
+        agent = Agent(model=model, tools=[cm], workspace=tmp_path, hooks=hooks)
+        [res] = results((await agent.run("go")).messages)
+        assert res.is_error and "ToolDenied: fake__add denied" in res.text and "mcp.fake.add" in res.text
+        # and a direct call meets the same rule: the hook sees the tool's syscall, not its name
+        model = ScriptedModel([Reply(tool_calls=[call("fake__add", a=1, b=1)]), "ok"])
+        agent = Agent(model=model, tools=[cm, *tools], workspace=tmp_path, hooks=hooks)
+        [res] = results((await agent.run("go")).messages)
+        assert res.is_error and "mcp.fake.add" in res.text and "requires interactive approval" in res.text
+
+
+# ---------------------------------------------------------------------------------- durable processes
+
+
+def open_kernel(tmp_path: Path, model: Any, **kw: Any) -> Any:
+    root = tmp_path / "ws"
+    root.mkdir(exist_ok=True)
+    return Kernel.open(
+        f"sqlite:///{tmp_path}/a.db",
+        model=model,
+        workspace=root,
+        extra_tools=[CodeMode(builtin_tools(root))],
+        **kw,
+    )
+
+
+async def test_codemode_in_a_durable_process(tmp_path: Path) -> None:
+    sub = tmp_path / "ws" / "sub"
+    sub.mkdir(parents=True)
+    (sub / "note.txt").write_text("in sub\n")
+    (sub / "keep.txt").write_text("x")
+    code = program(
+        """
+        print(await read("note.txt"))
+        await write("out.txt", "written")
+        try:
+            await delete("keep.txt")
+        except ToolDenied as exc:
+            print(exc)
+        """
+    )
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
+    async with open_kernel(tmp_path, model, policy=TRUST_CODEMODE.to_json()) as k:
+        proc = await k.spawn(owner="alice", cwd="sub")
+        await proc.send("go")
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+    # the process's own cwd: the run's per-process tools served the nested calls
+    assert "in sub" in res.text and (sub / "out.txt").read_text() == "written"
+    assert "Delete needs a person's approval" in res.text and "call the tool directly" in res.text
+    assert (sub / "keep.txt").exists() and not res.is_error
+
+
+async def test_a_durable_policy_denial_reaches_the_program_and_the_program_itself_is_asked(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "keep.txt").write_text("x")
+    deny = {"default": "auto", "rules": [{"match": "fs.delete", "action": "deny"}]}
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code='await delete("keep.txt")\n')]), "done"])
+    async with open_kernel(tmp_path, model, policy=deny) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+    assert res.is_error and "ToolDenied: Delete denied: denied by policy" in res.text
+    assert (tmp_path / "ws" / "keep.txt").exists()
+
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code="print(1)")]), "done"])
+    async with open_kernel(tmp_path, model) as k:  # the default policy
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        for _ in range(500):
+            pending = await proc.pending_approvals()
+            if pending:
+                break
+            await asyncio.sleep(0.01)
+        assert [(p.tool_name, p.syscall) for p in pending] == [("CodeMode", "codemode.exec")]
+        await proc.hil(pending[0].request_id, "approve")
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+    assert res.text == "1" and not res.is_error
