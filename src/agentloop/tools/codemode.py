@@ -55,7 +55,7 @@ from agentloop.tools.base import (
     format_validation_error,
 )
 from agentloop.tools.builtin import syscall_of
-from agentloop.tools.shell import KILL_GRACE, _Capture, _close, _kill_group, _pump, _supervise
+from agentloop.tools.process_group import KILL_GRACE, OutputCapture, close_transport, kill_group, pump, supervise
 
 log = logging.getLogger("agentloop.codemode")
 
@@ -316,9 +316,9 @@ class _Execution:
             os.close(req_w)
             os.close(resp_r)
         loop = asyncio.get_running_loop()
-        capture = _Capture(self.mode.max_output)
+        capture = OutputCapture(self.mode.max_output)
         assert proc.stdout is not None and proc.stdin is not None
-        output = asyncio.create_task(_pump(proc.stdout, capture))
+        output = asyncio.create_task(pump(proc.stdout, capture))
         requests: asyncio.Task[None] | None = None
         transports: list[asyncio.BaseTransport] = []
         outcome = "exited"
@@ -336,12 +336,12 @@ class _Execution:
             with contextlib.suppress(ConnectionError):
                 await proc.stdin.drain()
             proc.stdin.close()
-            outcome = await _supervise(proc, output, limit)
+            outcome = await supervise(proc, output, limit)
             if outcome != "exited":
-                await _kill_group(proc, KILL_GRACE)
+                await kill_group(proc, KILL_GRACE)
                 await asyncio.wait({output}, timeout=0.3)
         except BaseException:
-            await _kill_group(proc, KILL_GRACE)
+            await kill_group(proc, KILL_GRACE)
             raise
         finally:
             output.cancel()
@@ -351,10 +351,10 @@ class _Execution:
             await asyncio.gather(*pending, return_exceptions=True)
             for transport in transports:
                 transport.close()
-            _close(proc)
+            close_transport(proc)
         return self._result(capture, proc.returncode, outcome, limit)
 
-    def _result(self, capture: _Capture, code: int | None, outcome: str, limit: float) -> ToolResult:
+    def _result(self, capture: OutputCapture, code: int | None, outcome: str, limit: float) -> ToolResult:
         text, truncated = capture.render()
         body = text.rstrip("\n") if text.strip() else "(no output)"
         details = {

@@ -1,0 +1,142 @@
+"""A child process in its own process group: bounded output capture, supervision, and
+stopping the whole group (SIGTERM, then SIGKILL after a grace) — shared by the Shell tool and
+CodeMode, which both run programs that may start children of their own.
+
+``asyncio``'s ``Process.wait()`` also waits for the output pipe to close, which a backgrounded
+child can hold open forever; so an exit is watched through ``returncode`` instead, and children
+still holding the output a moment after the main process exited count as "held".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+
+__all__ = ["DRAIN_GRACE", "KILL_GRACE", "OutputCapture", "close_transport", "kill_group", "pump", "supervise"]
+
+KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
+DRAIN_GRACE = 0.3  # how long output may stay open after the main process exited
+_POLL = 0.02
+
+
+class OutputCapture:
+    """Combined stdout+stderr, bounded: the head and the tail are kept, the middle only counted."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.keep = 2 * max_chars  # bytes per end: enough for max_chars/2 chars of multi-byte text
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.keep - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            if len(self.tail) > 2 * self.keep:
+                del self.tail[: len(self.tail) - self.keep]
+
+    def render(self) -> tuple[str, bool]:
+        """The text (cut in the middle if too long) and whether it was cut."""
+        half = self.max_chars // 2
+        if self.total == len(self.head) + len(self.tail):
+            text = (self.head + self.tail).decode("utf-8", errors="replace")
+            if len(text) <= self.max_chars:
+                return text, False
+            omitted = len(text) - 2 * half
+            return f"{text[:half]}\n… {omitted} chars omitted …\n{text[-half:]}", True
+        head = self.head.decode("utf-8", errors="replace")[:half]
+        tail = self.tail.decode("utf-8", errors="replace")[-half:]
+        omitted = self.total - len(head.encode()) - len(tail.encode())
+        return f"{head}\n… {omitted} bytes omitted …\n{tail}", True
+
+
+async def pump(stream: asyncio.StreamReader, capture: OutputCapture) -> None:
+    while chunk := await stream.read(1 << 16):
+        capture.feed(chunk)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process is left in the group.
+
+    ``killpg(pgid, 0)`` also succeeds for zombies, which an init that does not reap leaves
+    behind; on Linux /proc tells them apart.
+    """
+    if not sys.platform.startswith("linux"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+async def kill_group(proc: asyncio.subprocess.Process, grace: float) -> None:
+    """SIGTERM the group, SIGKILL what is left after ``grace``; SIGKILL is sent even if this
+    coroutine is cancelled while it waits."""
+    pgid = proc.pid
+    loop = asyncio.get_running_loop()
+    _signal_group(pgid, signal.SIGTERM)
+    try:
+        deadline = loop.time() + grace
+        # Neither a group's emptiness nor an exit whose pipe is held open can be awaited: poll.
+        while loop.time() < deadline and (proc.returncode is None or _group_alive(pgid)):  # noqa: ASYNC110
+            await asyncio.sleep(_POLL)
+    finally:
+        _signal_group(pgid, signal.SIGKILL)
+    deadline = loop.time() + 2.0
+    while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - the child watcher reaps it
+        await asyncio.sleep(_POLL)
+
+
+async def supervise(proc: asyncio.subprocess.Process, reader: asyncio.Task[None], limit: float) -> str:
+    """Wait for the command: ``"exited"``, ``"held"`` (exited, but children keep the output
+    open) or ``"timeout"``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    exited_at: float | None = None
+    while not reader.done():
+        now = loop.time()
+        if now >= deadline:
+            return "timeout"
+        if proc.returncode is not None:
+            exited_at = now if exited_at is None else exited_at
+            if now - exited_at >= DRAIN_GRACE:
+                return "held"
+        await asyncio.wait({reader}, timeout=min(0.05, deadline - now))
+    while proc.returncode is None:  # output closed; the shell is exiting or detached its output
+        if loop.time() >= deadline:
+            return "timeout"
+        await asyncio.sleep(_POLL)
+    return "exited"
+
+
+def close_transport(proc: asyncio.subprocess.Process) -> None:
+    """Release the pipe transport even if a detached process still holds the other end."""
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        transport.close()
