@@ -421,3 +421,33 @@ async def test_a_durable_policy_denial_reaches_the_program_and_the_program_itsel
         await proc.wait_idle()
         [res] = results(await proc.messages())
     assert res.text == "1" and not res.is_error
+
+
+def test_codemode_true_in_the_config_file_offers_it_to_run(tmp_path, monkeypatch):
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from agentloop.cli.main import app
+
+    (tmp_path / "config.toml").write_text("codemode = true\n")
+    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "config.toml"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("alpha\nbeta\n")
+    code = 'text = await read("a.txt")\nprint("has beta:", "beta" in text)'
+    script = tmp_path / "s.json"
+    script.write_text(
+        _json.dumps({"replies": [{"tool_calls": [{"name": "CodeMode", "arguments": {"code": code}}]}, "done"]})
+    )
+    ran = CliRunner().invoke(
+        app, ["run", "--json", "--approval", "auto", "-m", f"scripted:{script}", "-w", str(ws), "go"]
+    )
+    assert ran.exit_code == 0, ran.stderr
+    ends = [e for e in map(_json.loads, ran.stdout.splitlines()) if e.get("type") == "tool_execution_end"]
+    assert len(ends) == 1 and not ends[0]["is_error"], ends
+    assert "has beta: True" in ends[0]["result"]["content"][0]["text"]
+
+    (tmp_path / "config.toml").write_text('codemode = "yes"\n')
+    bad = CliRunner().invoke(app, ["run", "-m", f"scripted:{script}", "-w", str(ws), "go"])
+    assert bad.exit_code == 2 and "codemode must be true or false" in bad.stderr

@@ -36,7 +36,7 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold")
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers")
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", "codemode")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class FileConfig:
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
     mcp_servers: tuple[MCPServerConfig, ...] = ()
+    codemode: bool = False
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -98,6 +99,7 @@ class Settings:
     fallbacks: tuple[str, ...] = ()
     compaction_threshold: float | None = None  # None: the kernel's default
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
+    codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
 
     @property
@@ -263,6 +265,10 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     servers, problem = _read_mcp_servers(data.get("mcp_servers"))
     if problem:
         errors["mcp_servers"] = f"config file {path}: {problem}"
+    codemode = data.get("codemode", False)
+    if not isinstance(codemode, bool):
+        errors["codemode"] = f"config file {path}: codemode must be true or false, got {codemode!r}"
+        codemode = False
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -276,6 +282,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             token=token.strip() if isinstance(token, str) else None,
             errors=errors,
             mcp_servers=servers,
+            codemode=codemode,
             **limits,
         ),
         warnings,
@@ -328,6 +335,7 @@ def load_settings(
         fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
         mcp_servers=file.mcp_servers,
+        codemode=file.codemode,
         errors=errors,
     )
 

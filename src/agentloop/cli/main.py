@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -47,9 +47,10 @@ from agentloop.cli.render import (
     play,
     stderr_console,
 )
+from agentloop.cli.tooling import extra_tools
 from agentloop.models.catalog import CATALOG
 from agentloop.models.registry import parse_model_string
-from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
+from agentloop.tools.mcp import MCPError
 
 if TYPE_CHECKING:
     from agentloop.cli.chat import ChatRepl
@@ -217,13 +218,12 @@ def _exit(code: int) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _run_once(
-    agent: Agent, prompt: str, sink: EventSink, servers: Sequence[MCPServerConfig] = ()
-) -> tuple[RunResult, int]:
+def _run_once(agent: Agent, prompt: str, sink: EventSink, settings: Settings) -> tuple[RunResult, int]:
     interrupts = Interrupts()
 
     async def go() -> RunResult:
-        async with mcp_tools(servers) as extra:  # started on the loop that uses them
+        assert agent.config.workspace is not None
+        async with extra_tools(settings, agent.config.workspace) as extra:  # on the loop that uses them
             for tool in extra:
                 agent.tools.setdefault(tool.name, tool)
             run = agent.start(prompt, stream=True)
@@ -299,7 +299,7 @@ def run(
             sink = JsonRenderer(before_output=progress.done)
         else:
             sink = TextRenderer(on_wait=lambda waiting: None if waiting else progress.done())
-        result, interrupted_code = _run_once(agent, prompt, sink, settings.mcp_servers)
+        result, interrupted_code = _run_once(agent, prompt, sink, settings)
         progress.done()
         if hook is not None and hook.refused_without_terminal and not json_output:
             sys.stderr.write("note: some tool calls need approval; without a terminal, pass --approval auto\n")
@@ -414,7 +414,7 @@ def _durable_chat(
     ev = asyncio.new_event_loop()
     stack = AsyncExitStack()
     try:
-        extra = ev.run_until_complete(stack.enter_async_context(mcp_tools(settings.mcp_servers)))
+        extra = ev.run_until_complete(stack.enter_async_context(extra_tools(settings, ws)))
         kernel = ev.run_until_complete(
             stack.enter_async_context(
                 Kernel.open(

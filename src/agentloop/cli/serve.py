@@ -149,9 +149,9 @@ async def serve_async(
         from agentloop.server.engine_chat import STATELESS_ASK
     except ImportError as exc:
         raise ImportError(f"the server needs an optional dependency: pip install 'agentloop[server]' ({exc})") from exc
+    from agentloop.cli.tooling import extra_tools
     from agentloop.kernel import Kernel
     from agentloop.tools.builtin import builtin_tools
-    from agentloop.tools.mcp import mcp_tools
 
     settings = opts.settings
     sock = bind(opts.host, opts.port)
@@ -162,7 +162,7 @@ async def serve_async(
         options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
         loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks")}  # what Agent takes
         async with (
-            mcp_tools(settings.mcp_servers) as extra,
+            extra_tools(settings, opts.workspace) as extra,
             Kernel.open(
                 f"sqlite:///{opts.data.resolve()}/agentloop.db",
                 model=model,
