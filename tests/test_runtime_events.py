@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import time
 from typing import Any
 
@@ -103,7 +105,15 @@ async def test_a_repeating_schedule_fires_again_and_advances(tmp_path):
         assert row.id == sid and row.next_due > time.time() - 0.05  # moved on, not left behind
         assert row.next_due == pytest.approx(start + 0.15 * round((row.next_due - start) / 0.15), abs=0.05)
         assert await k.unschedule(proc.pid, sid) and await k.schedules(proc.pid) == []
+        await proc.wait_idle()
+        assert _admission_records(tmp_path) == []  # one per fire would pile up for ever
         assert not await k.unschedule(proc.pid, sid)
+
+
+def _admission_records(tmp_path: Any) -> list[str]:
+    """The idempotency records left in the database (a delivery's key, kept while it can be retried)."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "agentloop.db")) as db:
+        return [r[0] for r in db.execute("SELECT key FROM process_kv WHERE key LIKE 'admitted:%'")]
 
 
 async def _count(proc: Any, n: int) -> bool:
@@ -267,6 +277,7 @@ async def test_a_repeating_watch_delivers_every_match_and_survives_a_restart(tmp
         texts = await system_texts(watcher)
         assert "re: one" in texts[0] and "re: two" in texts[1] and len(texts) == 2
         assert len(await k.watches(watcher.pid)) == 1
+    assert _admission_records(tmp_path) == []
 
 
 async def test_watch_rules(tmp_path):

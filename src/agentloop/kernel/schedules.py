@@ -208,8 +208,10 @@ class Scheduler:
 
     async def _fire(self, row: ScheduleRow, now: float) -> None:
         try:
-            await self.engine.signal_event(row.pid, render(row, now), run_id=event_key(row), reason="schedule.event")
+            key = event_key(row)
+            await self.engine.signal_event(row.pid, render(row, now), run_id=key, reason="schedule.event")
             async with self.store.transaction():
+                await self.engine.forget_admission(row.pid, key)  # the next fire has a key of its own
                 if row.every is None:
                     await self.store.delete_schedule(row.id)
                 else:

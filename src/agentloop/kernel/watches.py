@@ -180,10 +180,10 @@ class WatchRouter:
                 if event.signal != row.signal:
                     continue
                 text = await self._render(row, event)
-                await self.engine.signal_event(
-                    row.pid, text, run_id=f"watch:{row.id}:{event.seq}", reason="signal.watch"
-                )
+                key = f"watch:{row.id}:{event.seq}"
+                await self.engine.signal_event(row.pid, text, run_id=key, reason="signal.watch")
                 async with self.store.transaction():
+                    await self.engine.forget_admission(row.pid, key)  # the watch moves past this signal
                     if row.once:
                         await self.store.delete_watch(row.id)
                     else:

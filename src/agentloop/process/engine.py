@@ -415,6 +415,13 @@ class ProcessEngine:
             self.wake(pid)
         return receipt
 
+    async def forget_admission(self, pid: str, run_id: str) -> None:
+        """Drop the record that makes a delivery with this caller-supplied ``run_id`` idempotent,
+        inside the caller's transaction, once the caller can no longer retry it (a schedule moved
+        past that due time, a watch past that signal): a repeating source would otherwise leave
+        one record per delivery behind for ever."""
+        await self.store.kv_delete(pid, f"admitted:{run_id}")
+
     async def _remember_admission(
         self, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
     ) -> None:
