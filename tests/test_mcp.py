@@ -16,8 +16,9 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, UserMessage, call
 from agentloop.cli.main import app
+from agentloop.models.base import ModelRequest
 from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
 from tests.process_support import kernel
 
@@ -250,3 +251,48 @@ def test_an_mcp_tool_is_not_mistaken_for_a_device_tool_by_the_policy():
 
     assert call_target("mcp.fake.add", "fake__add", {}) == "local"
     assert call_target("tool.laptop__add", "laptop__add", {}) == "laptop"  # a device's own tool stays remote
+
+
+# ------------------------------------------------------------------------------ per account
+
+
+async def test_an_accounts_mcp_file_gives_its_processes_the_servers_tools(tmp_path, caplog):
+    """``<data>/home/<account>/mcp.json`` (DESIGN §4: MCP servers per account): alice's runs get
+    the server's tools, bob's do not; a changed file restarts the servers; a bad file is logged
+    and the runs go on without them."""
+    seen: dict[str, list[str]] = {}
+
+    def brain(request: ModelRequest) -> Reply | str:
+        owner = request.messages[-1].text if isinstance(request.messages[-1], UserMessage) else ""
+        names = sorted(t.name for t in request.tools)
+        if isinstance(request.messages[-1], UserMessage):
+            seen[owner] = names
+            if "fake__whoami" in names:
+                return Reply(tool_calls=[call("fake__whoami")])
+        return "ok"
+
+    home = tmp_path / "home"
+    (home / "alice").mkdir(parents=True)
+    mcp_file = home / "alice" / "mcp.json"
+    mcp_file.write_text(json.dumps([fake()]))
+    policy = {"default": "auto", "rules": []}
+    async with kernel(tmp_path, ScriptedModel(brain), policy=policy, data_dir=tmp_path) as k:
+        alice, bob = await k.spawn(owner="alice"), await k.spawn(owner="bob")
+        for proc, who in ((alice, "alice"), (bob, "bob")):
+            await proc.send(who)
+            await proc.wait_idle()
+        first = _results(await alice.messages())[0].text
+        assert "fake__add" in seen["alice"] and not any(n.startswith("fake__") for n in seen["bob"])
+
+        mcp_file.write_text(json.dumps({"mcp_servers": [fake(), fake("again")]}))  # changed: restarted
+        await alice.send("alice")
+        await alice.wait_idle()
+        assert "again__add" in seen["alice"]
+        second = _results(await alice.messages())[-1].text
+        assert first.isdigit() and second.isdigit() and first != second  # a new server process
+
+        mcp_file.write_text("{not json")
+        await alice.send("alice")
+        await alice.wait_idle()
+        assert not any(n.startswith(("fake__", "again__")) for n in seen["alice"])
+    assert "MCP servers of account 'alice'" in caplog.text

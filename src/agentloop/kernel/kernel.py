@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import inspect
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.agent import Agent
+from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.watches import WatchRouter
@@ -123,7 +125,13 @@ def _skills_toolset(skills_dir: Path) -> ToolsetFn:
 def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
     if then is None:
         return first
-    return lambda record, shared: then(record, first(record, shared))
+
+    async def chained(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        tools = first(record, shared)
+        after = then(record, await tools if inspect.isawaitable(tools) else tools)
+        return await after if inspect.isawaitable(after) else after
+
+    return chained
 
 
 def _prompt_builder(
@@ -350,6 +358,8 @@ class Kernel:
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
+        account_mcp = AccountMCP(lambda owner: data / "home" / owner / "mcp.json")
+        toolset = _chain(account_mcp.toolset, toolset)
         toolset = _chain(_skills_toolset(data / "config" / "ai" / "skills.d"), toolset)
         if builtin:
             toolset = _chain(_cwd_toolset(root), toolset)
@@ -385,6 +395,7 @@ class Kernel:
             await kernel.scheduler.stop()
             await kernel.watchers.stop()
             await engine.close()
+            await account_mcp.close()
             await store.close()
 
     async def spawn(

@@ -18,6 +18,7 @@ the driver decides again from what was committed.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import time
@@ -88,7 +89,8 @@ ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approva
 PromptFn: TypeAlias = Callable[[ProcessRecord], Awaitable[str]]
 # The tools one process's run sees, given the process and the shared tools (e.g. the shared ones
 # with a ``target`` argument routing to the owner's devices, plus the devices' own tools).
-ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool]]
+# a run's tools from the shared ones; may be async (e.g. to start the owner's MCP servers)
+ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
 ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
 
 
@@ -706,7 +708,8 @@ class ProcessEngine:
                 live.prompt = (run_id, await self.prompt(live.record))
             cfg = replace(cfg, system_prompt=live.prompt[1])
         if self.toolset is not None:
-            cfg = replace(cfg, tools=dict(self.toolset(live.record, self.config.tools)))
+            tools = self.toolset(live.record, self.config.tools)
+            cfg = replace(cfg, tools=dict(await tools if inspect.isawaitable(tools) else tools))
         live.config = (run_id, cfg)
         return cfg
 

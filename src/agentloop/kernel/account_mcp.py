@@ -1,0 +1,138 @@
+"""MCP servers per account (DESIGN §4): ``<data>/home/<account>/mcp.json`` lists the servers whose
+tools that account's processes get, next to the account's ``approval.json``.
+
+The file is a JSON list of server objects, or ``{"mcp_servers": [...]}``, each as
+``MCPServerConfig`` takes it. The servers of an account start when its first run needs them and
+stay up for the kernel's life; a change to the file restarts them with the new list at the next
+run. A file that does not validate, or a server that does not start, is logged and that account's
+runs go on with the other tools; a failed start is tried again a minute later, not at every run.
+
+The servers run as the kernel's own user, so the file is as powerful as the kernel's config:
+only someone who can write the data directory can write it (the API has no way to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agentloop.process.store import ProcessRecord
+from agentloop.tools.base import Tool
+from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
+
+log = logging.getLogger("agentloop.kernel.mcp")
+
+RETRY_AFTER = 60.0  # seconds before a server that failed to start is tried again
+
+Stamp = tuple[int, int]
+
+
+@dataclass
+class _Account:
+    stamp: Stamp
+    tools: list[Tool] = field(default_factory=list)
+    stack: contextlib.AsyncExitStack | None = None
+    failed_at: float | None = None
+
+
+class AccountMCP:
+    """The per-account MCP servers of one kernel; ``toolset`` adds an owner's tools to a run."""
+
+    def __init__(self, file_of: Callable[[str], Path], clock: Callable[[], float] = time.monotonic) -> None:
+        self.file_of = file_of
+        self.clock = clock
+        self._accounts: dict[str, _Account] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def toolset(self, record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        tools = await self.tools_of(record.owner)
+        if not tools:
+            return shared
+        return {**{t.name: t for t in tools}, **shared}  # a built-in keeps its name
+
+    async def tools_of(self, owner: str) -> list[Tool]:
+        """The owner's MCP tools, starting (or restarting) its servers if the file changed."""
+        stamp = _stamp(self.file_of(owner))
+        current = self._accounts.get(owner)
+        if stamp is None and current is None:
+            return []
+        if current is not None and current.stamp == stamp and not self._retry_due(current):
+            return current.tools
+        async with self._locks.setdefault(owner, asyncio.Lock()):
+            current = self._accounts.get(owner)
+            if current is not None and current.stamp == stamp and not self._retry_due(current):
+                return current.tools  # another run of the same owner did it meanwhile
+            if current is not None:
+                await self._stop(owner)
+            if stamp is None:
+                return []
+            account = self._accounts[owner] = await self._start(owner, stamp)
+            return account.tools
+
+    def _retry_due(self, account: _Account) -> bool:
+        return account.failed_at is not None and self.clock() - account.failed_at >= RETRY_AFTER
+
+    async def _start(self, owner: str, stamp: Stamp) -> _Account:
+        path = self.file_of(owner)
+        try:
+            servers = _read(path)
+        except ValueError as exc:
+            log.warning("MCP servers of account %r (%s): %s; none started", owner, path, exc)
+            return _Account(stamp)  # not retried until the file changes
+        stack = contextlib.AsyncExitStack()
+        try:
+            tools = await stack.enter_async_context(mcp_tools(servers))
+        except (MCPError, ValueError) as exc:
+            await stack.aclose()
+            log.warning("MCP servers of account %r: %s; retrying in %g s", owner, exc, RETRY_AFTER)
+            return _Account(stamp, failed_at=self.clock())
+        return _Account(stamp, tools, stack)
+
+    async def _stop(self, owner: str) -> None:
+        account = self._accounts.pop(owner, None)
+        if account is not None and account.stack is not None:
+            await account.stack.aclose()
+
+    async def close(self) -> None:
+        for owner in list(self._accounts):
+            try:
+                await self._stop(owner)
+            except Exception:  # one account's servers must not keep the others running
+                log.exception("stopping the MCP servers of account %r", owner)
+
+
+def _stamp(path: Path) -> Stamp | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _read(path: Path) -> list[MCPServerConfig]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read it: {exc}") from None
+    if isinstance(data, dict) and set(data) == {"mcp_servers"}:
+        data = data["mcp_servers"]
+    if not isinstance(data, list):
+        raise ValueError('expected a list of servers, or {"mcp_servers": [...]}')
+    servers: list[MCPServerConfig] = []
+    for i, item in enumerate(data):
+        try:
+            servers.append(MCPServerConfig.model_validate(item))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"server {i}{'.' + where if where else ''}: {first['msg']}") from None
+    return servers
