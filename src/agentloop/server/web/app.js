@@ -62,7 +62,7 @@ async function api(method, path, body) {
 
 /** Server-sent events over fetch (EventSource cannot send an Authorization header). Yields
  * {event, id, data} until the server ends the stream; throws ApiError on a refusal. */
-async function* sse(path, lastEventId, signal) {
+async function* sse(path, lastEventId, signal, onOpen) {
   const headers = { Authorization: `Bearer ${tokenStore.get()}`, Accept: "text/event-stream" };
   if (lastEventId !== null) headers["Last-Event-ID"] = String(lastEventId);
   const resp = await fetch(path, { headers, signal, cache: "no-store" });
@@ -71,6 +71,7 @@ async function* sse(path, lastEventId, signal) {
     if (resp.status === 401) signOut("The token was refused; sign in again.");
     throw new ApiError(resp.status, data?.code, data?.message);
   }
+  if (onOpen) onOpen();
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   let frame = { data: [] };
@@ -153,6 +154,7 @@ class ProcessView {
         if (err instanceof ApiError && err.status === 401) return;
         status(`stream interrupted (${err.message}); reconnecting…`);
       }
+      this.streaming("reconnecting");
       if (this.closed) return;
       await sleep(1000); // the stream ended (restart, shutdown): reconnect with Last-Event-ID
     }
@@ -160,7 +162,8 @@ class ProcessView {
 
   async consume(follow) {
     const path = `/v1/processes/${encodeURIComponent(this.pid)}/events?follow=${follow}`;
-    for await (const frame of sse(path, this.lastSeq, this.stop.signal)) {
+    const opened = () => this.streaming(follow ? "live" : "replaying");
+    for await (const frame of sse(path, this.lastSeq, this.stop.signal, opened)) {
       if (this.closed) return;
       let item;
       try {
@@ -174,6 +177,11 @@ class ProcessView {
       }
       this.apply(item.signal, item.payload || {});
     }
+  }
+
+  /** The stream's state, on the transcript for styling and tests: replaying, live, reconnecting. */
+  streaming(state) {
+    if (!this.closed) $("transcript").dataset.stream = state;
   }
 
   async refreshProcess() {
