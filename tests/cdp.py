@@ -55,6 +55,7 @@ class Browser:
         self.ws.__enter__()  # websockets 17 asks for a context manager; close() below ends it
         self._next = 0
         self.dialogs: list[str] = []
+        self.accept_dialogs = False  # confirm() answers: no unless a test says yes
         self.console: list[str] = []
         self.call("Page.enable")
         self.call("Runtime.enable")
@@ -97,11 +98,10 @@ class Browser:
         params = msg.get("params", {})
         if method == "Page.javascriptDialogOpening":
             self.dialogs.append(f"{params.get('type')}: {params.get('message')}")
-            # Dismiss it, or the page would stay blocked; the answer comes back as an unmatched id.
+            # Answer it, or the page would stay blocked; the reply comes back as an unmatched id.
             self._next += 1
-            self.ws.send(
-                json.dumps({"id": self._next, "method": "Page.handleJavaScriptDialog", "params": {"accept": False}})
-            )
+            answer = {"accept": self.accept_dialogs}
+            self.ws.send(json.dumps({"id": self._next, "method": "Page.handleJavaScriptDialog", "params": answer}))
         elif method == "Runtime.consoleAPICalled":
             self.console.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params["args"]))
         elif method == "Runtime.exceptionThrown":

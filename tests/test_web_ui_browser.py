@@ -57,13 +57,19 @@ def chromium() -> str:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+def replies() -> list[object]:
+    """The model's script (a test may parametrize its own)."""
+    return REPLIES
+
+
+@pytest.fixture
+def served(tmp_path: Path, replies: list[object]) -> Iterator[tuple[str, str, Path]]:
     """``agentloop serve`` on a free port: (url, admin token, workspace)."""
     workspace = tmp_path / "ws"
     workspace.mkdir()
     (workspace / "junk.txt").write_text("junk\n")
     script = tmp_path / "script.json"
-    script.write_text(json.dumps({"chunk": 3, "replies": REPLIES}))
+    script.write_text(json.dumps({"chunk": 3, "replies": replies}))
     env = {k: v for k, v in os.environ.items() if k not in ("AGENTLOOP_MODEL", "AGENTLOOP_DATA", "AGENTLOOP_TOKEN")}
     env.update(
         AGENTLOOP_CONFIG=str(tmp_path / "no-config.toml"), XDG_DATA_HOME=str(tmp_path / "xdg"), PYTHONUNBUFFERED="1"
@@ -198,3 +204,76 @@ def test_chat_in_the_browser_streams_asks_resumes_and_never_renders_model_markup
     # Everything the page showed came through the API with the token: without it, nothing.
     assert httpx.get(f"{url}/v1/processes/{pid}/messages", timeout=5).status_code == 401
     assert time.monotonic() - started < 30
+
+
+# rm makes the default policy ask; the sleep keeps the call running until it is stopped.
+SLEEP = {"tool_calls": [{"name": "Shell", "arguments": {"command": "sleep 30 || rm -f never.txt"}}]}
+FOLLOWING = "document.getElementById('transcript').dataset.stream === 'live'"
+
+
+def sign_in_and_open_a_process(browser: Browser, url: str, token: str) -> str:
+    browser.navigate(url + "/")
+    browser.wait("!document.getElementById('signin').hidden")
+    browser.type_into("token", token)
+    browser.eval("document.getElementById('signin-form').requestSubmit()")
+    browser.wait("document.getElementById('who').textContent")
+    browser.click("#new-process")
+    pid: str = browser.wait(f"{FOLLOWING} && document.getElementById('proc-title').textContent")
+    return pid
+
+
+def send(browser: Browser, text: str, mode: str = "steer") -> None:
+    browser.eval(f"document.getElementById('mode').value = {json.dumps(mode)}")
+    browser.type_into("text", text)
+    browser.click("#send")
+
+
+def footers(browser: Browser) -> list[str]:
+    result: list[str] = browser.eval(
+        "[...document.querySelectorAll('#transcript .footer')].map((n) => n.dataset.status || '')"
+    )
+    return result
+
+
+@pytest.mark.parametrize("replies", [[SLEEP, "Stopped.", SLEEP]])
+def test_always_interrupt_abort_reset_and_kill_from_the_browser(
+    served: tuple[str, str, Path], browser: Browser
+) -> None:
+    url, token, _ = served
+    pid = sign_in_and_open_a_process(browser, url, token)
+
+    # "Always" approves this call and remembers it for the process.
+    send(browser, "nap")
+    browser.wait("document.querySelector('#approvals .hil-always')")
+    assert "sleep 30" in browser.eval("document.querySelector('#approvals .approval pre').textContent")
+    browser.click("#approvals .hil-always")
+    browser.wait("document.querySelector('#transcript .tool.running') && !document.querySelector('#approvals *')")
+    browser.wait("document.getElementById('abort').disabled === false")
+
+    # interrupt: the running call is cancelled, its run ends aborted, the message starts the next run.
+    send(browser, "stop that", mode="interrupt")
+    browser.wait("document.querySelectorAll('#transcript .footer[data-status=ok]').length === 1")
+    assert footers(browser) == ["aborted", "ok"]
+    assert browser.eval("[...document.querySelectorAll('#transcript .msg.assistant')].map((n) => n.textContent)") == [
+        "Stopped."
+    ]
+
+    # The same call again runs without asking (remembered); Abort ends it.
+    send(browser, "nap again")
+    browser.wait("document.querySelectorAll('#transcript .tool.running').length === 1")
+    assert browser.eval("document.querySelectorAll('#approvals .approval').length") == 0
+    browser.wait("document.getElementById('abort').disabled === false")
+    browser.click("#abort")
+    browser.wait("document.querySelectorAll('#transcript .footer[data-status=aborted]').length === 2")
+    assert footers(browser) == ["aborted", "ok", "aborted"]
+
+    # Reset clears the conversation (after a confirm); kill removes the process (after another).
+    browser.accept_dialogs = True
+    browser.click("#reset")
+    browser.wait(f"{FOLLOWING} && document.querySelectorAll('#transcript .msg, #transcript .tool').length === 0")
+    assert browser.eval("document.getElementById('proc-title').textContent") == pid
+    browser.click("#kill")
+    browser.wait("document.getElementById('proc-title').textContent === 'No process selected'")
+    assert browser.eval("document.querySelectorAll('#processes li').length") == 0
+    assert len(browser.dialogs) == 2 and all(d.startswith("confirm:") for d in browser.dialogs), browser.dialogs
+    assert httpx.get(f"{url}/v1/processes/{pid}", headers={"Authorization": f"Bearer {token}"}).status_code == 404
