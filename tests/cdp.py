@@ -59,6 +59,7 @@ class Browser:
         self.console: list[str] = []
         self.call("Page.enable")
         self.call("Runtime.enable")
+        self.call("Log.enable")  # CSP violations and failed loads are reported here
 
     def _devtools_port(self) -> int:
         marker = Path(self.profile) / "DevToolsActivePort"
@@ -104,6 +105,9 @@ class Browser:
             self.ws.send(json.dumps({"id": self._next, "method": "Page.handleJavaScriptDialog", "params": answer}))
         elif method == "Runtime.consoleAPICalled":
             self.console.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params["args"]))
+        elif method == "Log.entryAdded":
+            entry = params["entry"]
+            self.console.append(f"{entry.get('source')}/{entry.get('level')}: {entry.get('text')}")
         elif method == "Runtime.exceptionThrown":
             self.console.append(f"exception: {params['exceptionDetails']}")
 

@@ -57,7 +57,11 @@ async def test_the_page_is_served_without_a_token_with_strict_security_headers(a
 
 @pytest.mark.parametrize(
     ("name", "content_type"),
-    [("app.js", "text/javascript; charset=utf-8"), ("app.css", "text/css; charset=utf-8")],
+    [
+        ("app.js", "text/javascript; charset=utf-8"),
+        ("app.css", "text/css; charset=utf-8"),
+        ("icon.svg", "image/svg+xml"),
+    ],
 )
 async def test_assets_have_their_content_types(anonymous: httpx.AsyncClient, name: str, content_type: str) -> None:
     resp = await anonymous.get(f"/static/{name}")
@@ -130,4 +134,5 @@ def test_the_assets_ship_in_the_wheel() -> None:
     pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     assert 'packages = ["src/agentloop"]' in pyproject
     assert "exclude" not in pyproject.split("[tool.hatch.build.targets.wheel]")[1].split("\n[")[0]
-    assert set(web.load_assets()) == {"index.html", "app.js", "app.css"}
+    assert set(web.load_assets()) == {"index.html", "app.js", "app.css", "icon.svg"}
+    assert {p.name for p in WEB.iterdir()} == set(web.load_assets())  # no file left out of the table

@@ -199,7 +199,8 @@ def test_chat_in_the_browser_streams_asks_resumes_and_never_renders_model_markup
     browser.wait("document.querySelectorAll('#transcript .footer[data-status=ok]').length === 3")
     assert browser.eval(TRANSCRIPT) == final
     assert browser.dialogs == []
-    assert not [line for line in browser.console if "exception" in line], browser.console
+    assert not [line for line in browser.console if "exception" in line or "/error:" in line], browser.console
+    assert not [line for line in browser.console if "Content Security Policy" in line], browser.console
 
     # Everything the page showed came through the API with the token: without it, nothing.
     assert httpx.get(f"{url}/v1/processes/{pid}/messages", timeout=5).status_code == 401
