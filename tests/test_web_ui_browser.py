@@ -173,7 +173,7 @@ def test_chat_in_the_browser_streams_asks_resumes_and_never_renders_model_markup
     shown = browser.eval(TRANSCRIPT)
     assert shown[:3] == [["user", "hello"], ["assistant", HELLO], OK]
     assert shown[3] == ["user", "clean up"]
-    assert shown[4][0] == "tool" and shown[4][1].startswith("Delete running") and "junk.txt" in shown[4][1]
+    assert shown[4][0] == "tool" and shown[4][1].startswith("Delete waiting for approval") and "junk.txt" in shown[4][1]
     assert len(shown) == 5, shown
     assert browser.eval("document.querySelectorAll('#approvals .approval').length") == 1
     assert (workspace / "junk.txt").exists()

@@ -441,6 +441,8 @@ class ProcessView {
     card.append(buttons);
     this.approvals.set(p.requestId, card);
     $("approvals").append(card);
+    const tool = this.tools.get(p.callId);
+    if (tool && tool.classList.contains("running")) tool.querySelector(".state").textContent = " waiting for approval";
   }
 
   async answer(requestId, card, decision, remember) {
@@ -461,6 +463,8 @@ class ProcessView {
   dropApproval(requestId, card) {
     this.approvals.delete(requestId);
     card.remove();
+    const tool = this.tools.get(card.dataset.call);
+    if (tool && tool.classList.contains("running")) tool.querySelector(".state").textContent = " running…";
   }
 
   resolveCall(callId) {
