@@ -59,6 +59,9 @@ async def test_the_page_is_served_without_a_token_with_strict_security_headers(a
     ("name", "content_type"),
     [
         ("app.js", "text/javascript; charset=utf-8"),
+        ("api.js", "text/javascript; charset=utf-8"),
+        ("dom.js", "text/javascript; charset=utf-8"),
+        ("view.js", "text/javascript; charset=utf-8"),
         ("app.css", "text/css; charset=utf-8"),
         ("icon.svg", "image/svg+xml"),
     ],
@@ -71,8 +74,9 @@ async def test_assets_have_their_content_types(anonymous: httpx.AsyncClient, nam
     assert_secured(resp)
 
 
-async def test_the_script_never_renders_with_inner_html(anonymous: httpx.AsyncClient) -> None:
-    script = (await anonymous.get("/static/app.js")).text
+async def test_the_scripts_never_render_with_inner_html(anonymous: httpx.AsyncClient) -> None:
+    names = [name for name in web.ASSETS if name.endswith(".js")]
+    script = "\n".join([(await anonymous.get(f"/static/{name}")).text for name in names])
     code = re.sub(r"/\*.*?\*/", "", script, flags=re.DOTALL)  # comments may name the sinks
     code = re.sub(r"//.*$", "", code, flags=re.MULTILINE)
     assert "textContent" in code
@@ -134,5 +138,5 @@ def test_the_assets_ship_in_the_wheel() -> None:
     pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     assert 'packages = ["src/agentloop"]' in pyproject
     assert "exclude" not in pyproject.split("[tool.hatch.build.targets.wheel]")[1].split("\n[")[0]
-    assert set(web.load_assets()) == {"index.html", "app.js", "app.css", "icon.svg"}
+    assert set(web.load_assets()) == {"index.html", "app.js", "api.js", "dom.js", "view.js", "app.css", "icon.svg"}
     assert {p.name for p in WEB.iterdir()} == set(web.load_assets())  # no file left out of the table

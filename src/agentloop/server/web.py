@@ -23,7 +23,10 @@ from starlette.routing import BaseRoute, Route
 PATHS = ("/", "/static/{name}")  # the UI's routes: not part of the API, so not in the OpenAPI document
 PAGE = "index.html"
 ASSETS = {
-    "app.js": "text/javascript; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",  # the page; it imports the three modules below
+    "api.js": "text/javascript; charset=utf-8",
+    "dom.js": "text/javascript; charset=utf-8",
+    "view.js": "text/javascript; charset=utf-8",
     "app.css": "text/css; charset=utf-8",
     "icon.svg": "image/svg+xml",  # without an icon, every page load asks for /favicon.ico and gets a 404
 }
