@@ -23,7 +23,7 @@ from openapi_spec_validator import validate
 from pydantic import BaseModel
 from starlette.routing import Route, WebSocketRoute
 
-from agentloop.server import api, events
+from agentloop.server import api, events, web
 from tests.server_support import LiveServer, live_server, parse_sse, wait_idle, wait_until
 
 PNG = base64.b64encode(
@@ -460,10 +460,11 @@ async def test_bodies_over_the_limit_are_refused(alice: httpx.AsyncClient, serve
 
 
 def served_routes(app: Any) -> set[tuple[str, str]]:
-    """(method, path) of every HTTP route the app answers, HEAD aside (Starlette adds it to GET)."""
+    """(method, path) of every HTTP route the app answers, HEAD aside (Starlette adds it to GET),
+    the browser UI's static files aside (they are not API)."""
     out: set[tuple[str, str]] = set()
     for route in app.routes:
-        if isinstance(route, WebSocketRoute):
+        if isinstance(route, WebSocketRoute) or (isinstance(route, Route) and route.path in web.PATHS):
             continue
         assert isinstance(route, Route), f"an unexpected kind of route: {route!r}"
         out |= {(m, route.path) for m in route.methods or () if m != "HEAD"}

@@ -222,6 +222,7 @@ async def serve_async(
                         await asyncio.wait({task}, timeout=0.05)
                     if server.started:
                         _say(opts.out, f"agentloop serving on {running.url}")
+                        _say(opts.out, f"web UI: {running.url}/ (sign in with a token)")
                         if on_ready is not None:
                             result = on_ready(running)
                             if result is not None:

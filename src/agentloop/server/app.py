@@ -2,7 +2,8 @@
 
 ``create_app`` is the stateless ``POST /engine/chat`` alone (a gateway's engine, tokens given as a
 list). ``create_server`` is what ``agentloop serve`` runs: ``/engine/chat`` plus the ``/v1``
-process API and WebSocket over a kernel, with accounts and tokens in the kernel's store.
+process API and WebSocket over a kernel, with accounts and tokens in the kernel's store, and the
+browser UI at ``/`` (``web.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Collection
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from agentloop.server import api, ws
+from agentloop.server import api, web, ws
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import DEFAULT_MAX_BODY, AgentFactory, Authorize, EngineChat
 from agentloop.server.http_errors import exception_handlers
@@ -63,6 +64,6 @@ def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
         return await ctx.accounts.authenticate(token) is not None
 
     chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body)
-    routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx)]
+    routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx), *web.routes()]
     # Unknown routes, wrong methods and unexpected failures answer JSON {code, message} too.
     return Starlette(routes=routes, exception_handlers=exception_handlers())

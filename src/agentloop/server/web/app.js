@@ -1,0 +1,146 @@
+// agentloop web UI: a chat client for durable processes, over the authenticated /v1 API.
+// The page: sign-in, the process list, the composer and the process actions. No build step:
+// plain ES modules served by `agentloop serve` (server/web.py).
+
+import { api, onUnauthorized, tokenStore } from "./api.js";
+import { $, el, status } from "./dom.js";
+import { ProcessView } from "./view.js";
+
+let view = null;
+
+function signOut(message) {
+  tokenStore.clear();
+  if (view) view.close();
+  view = null;
+  $("main").hidden = true;
+  $("signin").hidden = false;
+  $("signin-error").textContent = message || "";
+}
+
+async function signIn(token) {
+  tokenStore.set(token);
+  const me = await api("GET", "/v1/me");
+  $("who").textContent = `${me.account}${me.admin ? " (admin)" : ""}`;
+  $("signin").hidden = true;
+  $("main").hidden = false;
+  await listProcesses();
+  const last = sessionStorage.getItem("agentloop.pid");
+  if (last) await openProcess(last).catch(() => sessionStorage.removeItem("agentloop.pid"));
+}
+
+async function listProcesses() {
+  const { processes } = await api("GET", "/v1/processes");
+  const list = $("processes");
+  list.replaceChildren();
+  for (const p of processes) {
+    const item = el("li", null, p.pid);
+    item.dataset.pid = p.pid;
+    item.append(el("span", "state", p.state));
+    if (view && view.pid === p.pid) item.classList.add("selected");
+    item.addEventListener("click", () => openProcess(p.pid).catch((err) => status(err.message)));
+    list.append(item);
+  }
+}
+
+function showProcess(process) {
+  const has = process !== null;
+  $("proc-title").textContent = has ? process.pid : "No process selected";
+  $("proc-state").textContent = has ? (process.run_id ? `running ${process.run_id}` : process.state) : "";
+  for (const id of ["abort", "reset", "kill", "send", "text"]) $(id).disabled = !has;
+  $("abort").disabled = !has || !process.run_id;
+  const item = has ? $("processes").querySelector(`li[data-pid="${CSS.escape(process.pid)}"] .state`) : null;
+  if (item) item.textContent = process.state;
+}
+
+async function openProcess(pid) {
+  if (view) view.close();
+  view = new ProcessView(pid, (process) => {
+    if (view && view.pid === pid) showProcess(process);
+  });
+  sessionStorage.setItem("agentloop.pid", pid); // a reload reopens it; it is not a secret
+  for (const li of $("processes").children) li.classList.toggle("selected", li.dataset.pid === pid);
+  await view.open();
+}
+
+async function send() {
+  const text = $("text").value;
+  if (!view || !text.trim()) return;
+  const mode = $("mode").value;
+  const current = view;
+  $("send").disabled = true;
+  try {
+    const receipt = await api("POST", `/v1/processes/${encodeURIComponent(current.pid)}/messages`, { text, mode });
+    $("text").value = "";
+    current.addPending(receipt.run_id, text);
+    status(receipt.queued ? `queued (position ${receipt.position})` : `sent (${mode})`);
+  } catch (err) {
+    status(`not sent: ${err.message}`);
+  } finally {
+    $("send").disabled = false;
+  }
+}
+
+async function act(what) {
+  if (!view) return;
+  const pid = encodeURIComponent(view.pid);
+  try {
+    if (what === "abort") {
+      const { aborted } = await api("POST", `/v1/processes/${pid}/abort`, {});
+      status(aborted ? "run aborted" : "no run to abort");
+    } else if (what === "reset") {
+      if (!confirm("Reset this process? Its history is archived and cleared.")) return;
+      await api("POST", `/v1/processes/${pid}/reset`, {});
+      await openProcess(view.pid);
+      status("process reset");
+    } else if (what === "kill") {
+      if (!confirm("Kill this process? It cannot be used again.")) return;
+      await api("DELETE", `/v1/processes/${pid}`);
+      view.close();
+      view = null;
+      sessionStorage.removeItem("agentloop.pid");
+      $("transcript").replaceChildren();
+      $("approvals").replaceChildren();
+      showProcess(null);
+      await listProcesses();
+      status("process killed");
+    }
+  } catch (err) {
+    status(`${what} failed: ${err.message}`);
+  }
+}
+
+function wire() {
+  $("signin-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const token = $("token").value.trim();
+    $("token").value = "";
+    signIn(token).catch((err) => signOut(`Sign-in failed: ${err.message}`));
+  });
+  $("signout").addEventListener("click", () => signOut());
+  $("new-process").addEventListener("click", async () => {
+    try {
+      const process = await api("POST", "/v1/processes", {});
+      await listProcesses();
+      await openProcess(process.pid);
+    } catch (err) {
+      status(`could not start a process: ${err.message}`);
+    }
+  });
+  $("compose").addEventListener("submit", (event) => {
+    event.preventDefault();
+    send();
+  });
+  $("text").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+      event.preventDefault();
+      send();
+    }
+  });
+  for (const what of ["abort", "reset", "kill"]) $(what).addEventListener("click", () => act(what));
+}
+
+onUnauthorized(() => signOut("The token was refused; sign in again."));
+wire();
+const saved = tokenStore.get();
+if (saved) signIn(saved).catch((err) => signOut(`Sign-in failed: ${err.message}`));
+else signOut();

@@ -1,0 +1,380 @@
+// One opened process: its transcript, its approvals, its event stream.
+//
+// How the transcript stays exact across reloads and reconnects:
+// - persisted messages (GET …/messages) are rendered once each, keyed by message id;
+// - logged signals carry a seq: a signal at or below the last seq seen is dropped, and every
+//   reconnect sends Last-Event-ID, so the server resumes right after it;
+// - opening a process (also after a reload) reads the history, then replays the signal log once
+//   (follow=false) to restore run outcomes and tool results, then follows live from its last seq;
+// - text deltas are live-only (never replayed); the streamed bubble is replaced by the persisted
+//   message, which the full text of proc.run.output is matched against, so it is never doubled.
+
+import { api, ApiError, sse } from "./api.js";
+import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
+
+export class ProcessView {
+  constructor(pid, onState) {
+    this.pid = pid;
+    this.onState = onState;
+    this.runs = new Map(); // runId -> {block, footer, live: [bubbles], current}
+    this.messages = new Set(); // ids of rendered messages
+    this.tools = new Map(); // tool call id -> card
+    this.approvals = new Map(); // request id -> card
+    this.lastSeq = 0;
+    this.live = false; // false while the logged backlog is replayed
+    this.process = null;
+    this.history = Promise.resolve();
+    this.stop = new AbortController();
+    $("transcript").replaceChildren();
+    $("approvals").replaceChildren();
+  }
+
+  close() {
+    this.stop.abort();
+  }
+
+  get closed() {
+    return this.stop.signal.aborted;
+  }
+
+  async open() {
+    await this.refreshProcess();
+    await this.loadHistory();
+    await this.consume(false); // the logged backlog, then live from its last seq
+    this.live = true;
+    await this.refreshApprovals();
+    this.follow();
+  }
+
+  async follow() {
+    while (!this.closed) {
+      try {
+        status(`following ${this.pid}`);
+        await this.consume(true);
+      } catch (err) {
+        if (this.closed) return;
+        if (err instanceof ApiError && err.status === 404) {
+          this.notice(null, "this process no longer exists");
+          this.onState(null);
+          return;
+        }
+        if (err instanceof ApiError && err.status === 401) return;
+        status(`stream interrupted (${err.message}); reconnecting…`);
+      }
+      this.streaming("reconnecting");
+      if (this.closed) return;
+      await sleep(1000); // the stream ended (restart, shutdown): reconnect with Last-Event-ID
+    }
+  }
+
+  async consume(follow) {
+    const path = `/v1/processes/${encodeURIComponent(this.pid)}/events?follow=${follow}`;
+    const opened = () => this.streaming(follow ? "live" : "replaying");
+    for await (const frame of sse(path, this.lastSeq, this.stop.signal, opened)) {
+      if (this.closed) return;
+      let item;
+      try {
+        item = JSON.parse(frame.data);
+      } catch {
+        continue;
+      }
+      if (item.seq !== null && item.seq !== undefined) {
+        if (item.seq <= this.lastSeq) continue; // seen already: never shown twice
+        this.lastSeq = item.seq;
+      }
+      this.apply(item.signal, item.payload || {});
+    }
+  }
+
+  /** The stream's state, on the transcript for styling and tests: replaying, live, reconnecting. */
+  streaming(state) {
+    if (!this.closed) $("transcript").dataset.stream = state;
+  }
+
+  async refreshProcess() {
+    this.process = await api("GET", `/v1/processes/${encodeURIComponent(this.pid)}`);
+    this.onState(this.process);
+  }
+
+  async refreshApprovals() {
+    const { requests } = await api("GET", `/v1/processes/${encodeURIComponent(this.pid)}/hil`);
+    const pending = new Set(requests.map((r) => r.request_id));
+    for (const [id, card] of this.approvals) if (!pending.has(id)) this.dropApproval(id, card);
+    for (const r of requests) {
+      this.addApproval({ requestId: r.request_id, runId: r.run_id, callId: r.tool_call_id, name: r.tool_name, ...r });
+    }
+  }
+
+  /** New persisted messages (by id), in order; calls are serialised so none is rendered twice. */
+  loadHistory() {
+    this.history = this.history.then(() => this.fetchNewMessages()).catch((err) => status(err.message));
+    return this.history;
+  }
+
+  async fetchNewMessages() {
+    const fresh = [];
+    let before = null;
+    for (let page = 0; page < 10; page++) {
+      const query = before === null ? "limit=200" : `limit=200&before=${before}`;
+      const data = await api("GET", `/v1/processes/${encodeURIComponent(this.pid)}/messages?${query}`);
+      const unseen = data.messages.filter((m) => !this.messages.has(m.id));
+      fresh.push(...unseen);
+      if (data.next_before === null || unseen.length < data.messages.length) break;
+      before = data.next_before;
+    }
+    fresh.sort((a, b) => a.id - b.id);
+    for (const m of fresh) {
+      if (this.messages.has(m.id)) continue;
+      this.messages.add(m.id);
+      this.renderMessage(m);
+    }
+    if (fresh.length) scrollDown();
+  }
+
+  run(runId, create = true) {
+    let run = this.runs.get(runId);
+    if (!run && create) {
+      const block = el("section", "run");
+      block.dataset.run = runId || "";
+      const footer = el("div", "notice footer");
+      block.append(footer);
+      $("transcript").append(block);
+      run = { block, footer, live: [], current: null };
+      this.runs.set(runId, run);
+    }
+    return run;
+  }
+
+  /** Append a node to a run, before its footer. */
+  put(run, node) {
+    run.block.insertBefore(node, run.footer);
+    for (const bubble of run.live) run.block.insertBefore(bubble, run.footer); // streaming stays last
+    return node;
+  }
+
+  renderMessage({ id, run_id: runId, message }) {
+    const run = this.run(runId);
+    const role = message.role;
+    if (role === "user") {
+      const text = textOf(message.content);
+      const bubble = el("div", "msg user", text);
+      bubble.dataset.id = id;
+      this.dropPending(text);
+      this.put(run, bubble);
+    } else if (role === "assistant") {
+      for (const block of message.content || []) {
+        if (block.type === "text" && block.text) {
+          const bubble = el("div", "msg assistant", block.text);
+          bubble.dataset.id = id;
+          // This text was streamed: the oldest finished stream bubble of the run is it.
+          const streamed = run.live.find((b) => b.dataset.sealed) || run.live[0];
+          if (streamed && streamed.dataset.sealed) bubble.dataset.claimed = "1";
+          if (streamed) this.dropLive(run, streamed);
+          this.put(run, bubble);
+        } else if (block.type === "thinking" && block.thinking) {
+          this.put(run, el("div", "msg assistant thinking", block.thinking));
+        } else if (block.type === "toolCall") {
+          this.put(run, this.toolCard(block.id, block.name, block.arguments));
+        }
+      }
+      if (message.stopReason === "error" || message.stopReason === "aborted") {
+        const why = message.errorMessage ? `: ${message.errorMessage}` : "";
+        this.put(run, el("div", "msg assistant error", `${message.stopReason}${why}`));
+      }
+    } else if (role === "toolResult") {
+      const card = this.toolCard(message.toolCallId, message.toolName, undefined);
+      this.finishTool(card, !message.isError, textOf(message.content));
+      if (!card.isConnected) this.put(run, card); // it stays where its call is
+    } else {
+      this.put(run, el("div", "msg system", textOf(message.content) || pretty(message)));
+    }
+  }
+
+  toolCard(callId, name, args) {
+    let card = this.tools.get(callId);
+    if (!card) {
+      card = el("div", "tool running");
+      card.dataset.call = callId;
+      const head = el("div");
+      head.append(el("span", "name", name), el("span", "state", " running…"));
+      card.append(head, el("pre", "args"), el("pre", "output"));
+      this.tools.set(callId, card);
+    }
+    if (args !== undefined) card.querySelector(".args").textContent = pretty(args);
+    return card;
+  }
+
+  finishTool(card, ok, output) {
+    card.className = `tool ${ok ? "ok" : "failed"}`;
+    card.querySelector(".state").textContent = ok ? " finished" : " failed";
+    card.querySelector(".output").textContent = output ?? "";
+  }
+
+  liveBubble(run) {
+    if (!run.current) {
+      run.current = el("div", "msg assistant live");
+      run.live.push(run.current);
+      this.put(run, run.current);
+    }
+    return run.current;
+  }
+
+  seal(run) {
+    if (run.current) run.current.dataset.sealed = "1";
+    run.current = null;
+  }
+
+  dropLive(run, bubble) {
+    run.live = run.live.filter((b) => b !== bubble);
+    if (run.current === bubble) run.current = null;
+    bubble.remove();
+  }
+
+  notice(run, text) {
+    const node = el("div", "notice", text);
+    if (run) this.put(run, node);
+    else $("transcript").append(node);
+    scrollDown();
+  }
+
+  addPending(runId, text) {
+    const run = this.run(runId);
+    const already = [...run.block.querySelectorAll(".msg.user:not(.pending)")].some((b) => b.textContent === text);
+    if (!already) this.put(run, el("div", "msg user pending", text));
+    scrollDown();
+  }
+
+  dropPending(text) {
+    const pending = [...$("transcript").querySelectorAll(".msg.user.pending")].find((b) => b.textContent === text);
+    if (pending) pending.remove();
+  }
+
+  /** One signal. During the backlog, runs whose messages are gone (reset, compacted) are skipped. */
+  apply(signal, p) {
+    const current = this.process && p.runId === this.process.run_id;
+    const run = p.runId === undefined ? null : this.run(p.runId, this.live || current);
+    switch (signal) {
+      case "proc.run.stream":
+        if (run && p.event === "text_delta" && typeof p.delta === "string") {
+          this.liveBubble(run).textContent += p.delta;
+          scrollDown();
+        } else if (p.event === "model_retry") {
+          status(`model retry ${p.attempt}: ${p.error}`);
+        }
+        break;
+      case "proc.run.output":
+        if (run && p.text) {
+          // The full text of what was streamed. If its message is already rendered, it is that one.
+          const persisted = [...run.block.querySelectorAll(".msg.assistant[data-id]:not([data-claimed])")].find(
+            (b) => b.textContent === p.text,
+          );
+          if (persisted) {
+            persisted.dataset.claimed = "1";
+            if (run.current) this.dropLive(run, run.current);
+          } else {
+            this.liveBubble(run).textContent = p.text;
+            this.seal(run);
+          }
+        }
+        break;
+      case "proc.run.tool.started":
+        if (run) {
+          this.seal(run);
+          const card = this.toolCard(p.callId, p.name, p.args);
+          if (!card.isConnected) this.put(run, card);
+          this.resolveCall(p.callId);
+        }
+        break;
+      case "proc.run.tool.finished":
+        if (run) {
+          const card = this.toolCard(p.callId, p.name, undefined);
+          if (!card.classList.contains("running") && !this.live) break; // the history had its result
+          this.finishTool(card, p.ok, p.ok ? p.output : p.error ?? p.output);
+          if (!card.isConnected) this.put(run, card);
+          this.resolveCall(p.callId);
+        }
+        break;
+      case "proc.run.hil.requested":
+        if (this.live) this.addApproval(p);
+        break;
+      case "proc.run.started":
+        if (this.live) this.refreshProcess().catch(() => {});
+        break;
+      case "proc.run.finished":
+        if (run) {
+          this.seal(run);
+          run.footer.textContent = `run finished: ${p.status}${p.reason ? ` (${p.reason})` : ""}`;
+          run.footer.dataset.status = p.status;
+          for (const [id, card] of this.approvals) if (card.dataset.run === p.runId) this.dropApproval(id, card);
+        }
+        if (this.live) this.refreshProcess().catch(() => {});
+        scrollDown();
+        break;
+      case "proc.compacted":
+        if (run) {
+          this.notice(run, `context compacted: ${p.removed} older messages summarised (${p.tokensBefore} → ${p.tokensAfter} tokens)`);
+        }
+        break;
+      case "proc.changed":
+        if ((p.changes || []).includes("messages")) this.loadHistory();
+        if (this.live && (p.changes || []).includes("hil")) this.refreshApprovals().catch(() => {});
+        break;
+      default:
+        break;
+    }
+  }
+
+  addApproval(p) {
+    if (this.approvals.has(p.requestId)) return;
+    const card = el("div", "approval");
+    card.dataset.request = p.requestId;
+    card.dataset.run = p.runId;
+    card.dataset.call = p.callId;
+    const tags = p.tags && p.tags.length ? ` [${p.tags.join(", ")}]` : "";
+    card.append(el("strong", null, `Approve ${p.name}?`), el("span", null, tags), el("div", "reason", p.reason));
+    card.append(el("pre", null, pretty(p.args)));
+    const buttons = el("div", "buttons");
+    const choices = [
+      ["approve", "Approve", false],
+      ["deny", "Deny", false],
+      ["approve", "Always", true],
+    ];
+    for (const [decision, label, remember] of choices) {
+      const button = el("button", `hil-${label.toLowerCase()}`, label);
+      button.type = "button";
+      button.addEventListener("click", () => this.answer(p.requestId, card, decision, remember));
+      buttons.append(button);
+    }
+    card.append(buttons);
+    this.approvals.set(p.requestId, card);
+    $("approvals").append(card);
+    const tool = this.tools.get(p.callId);
+    if (tool && tool.classList.contains("running")) tool.querySelector(".state").textContent = " waiting for approval";
+  }
+
+  async answer(requestId, card, decision, remember) {
+    for (const b of card.querySelectorAll("button")) b.disabled = true;
+    try {
+      const path = `/v1/processes/${encodeURIComponent(this.pid)}/hil/${encodeURIComponent(requestId)}`;
+      await api("POST", path, { decision, remember });
+      this.dropApproval(requestId, card);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 404) this.dropApproval(requestId, card); // answered elsewhere
+      else {
+        status(`could not answer: ${err.message}`);
+        for (const b of card.querySelectorAll("button")) b.disabled = false;
+      }
+    }
+  }
+
+  dropApproval(requestId, card) {
+    this.approvals.delete(requestId);
+    card.remove();
+    const tool = this.tools.get(card.dataset.call);
+    if (tool && tool.classList.contains("running")) tool.querySelector(".state").textContent = " running…";
+  }
+
+  resolveCall(callId) {
+    for (const [id, card] of this.approvals) if (card.dataset.call === callId) this.dropApproval(id, card);
+  }
+}
