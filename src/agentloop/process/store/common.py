@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic_core import to_json
+
+from agentloop.process.store.base import HilRow, ProcessRecord, ToolCallRow
 
 # the registry columns ``Store.update_process`` may set
 UPDATABLE_FIELDS = frozenset({"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"})
@@ -14,3 +17,60 @@ def dumps(value: Any) -> str:
     """Compact JSON for a column. pydantic-core's encoder: about five times ``json``'s on the
     small payloads the store writes many of per step (signals, run state, arguments)."""
     return to_json(value).decode()
+
+
+# Column lists in the order the row decoders below read them (a row is a tuple, a sqlite3.Row or
+# an asyncpg.Record: all index by position).
+PROCESS_COLUMNS = (
+    "pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run, history_generation,"
+    " created_at, updated_at"
+)
+CALL_COLUMNS = (
+    "dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall, args, status, deadline, result, created_at"
+)
+HIL_COLUMNS = (
+    "request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags, reason,"
+    " created_at"
+)
+
+
+def process_record(row: Any) -> ProcessRecord:
+    """A registry row (``PROCESS_COLUMNS``) as a ``ProcessRecord``."""
+    (pid, owner, run_as, cwd, parent, interactive, context, state, current, generation, created, updated) = row
+    return ProcessRecord(
+        pid=pid,
+        owner=owner,
+        run_as=run_as,
+        cwd=cwd,
+        parent_pid=parent,
+        interactive=bool(interactive),
+        context=context,
+        state=state,
+        current_run=json.loads(current) if current else None,
+        history_generation=generation,
+        created_at=created,
+        updated_at=updated,
+    )
+
+
+def call_row(r: Any) -> ToolCallRow:
+    """A ``pending_tool_calls`` row (``CALL_COLUMNS``) as a ``ToolCallRow``."""
+    return ToolCallRow(
+        dispatch_id=r[0],
+        pid=r[1],
+        run_id=r[2],
+        position=r[3],
+        tool_call_id=r[4],
+        tool_name=r[5],
+        syscall=r[6],
+        args=json.loads(r[7]),
+        status=r[8],
+        deadline=r[9],
+        result=json.loads(r[10]) if r[10] else None,
+        created_at=r[11],
+    )
+
+
+def hil_row(r: Any) -> HilRow:
+    """A ``pending_hil`` row (``HIL_COLUMNS``) as a ``HilRow``."""
+    return HilRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], json.loads(r[9]), r[10], r[11])

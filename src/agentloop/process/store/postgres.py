@@ -67,25 +67,19 @@ from agentloop.process.store.base import (
     ToolCallRow,
     WatchRow,
 )
+from agentloop.process.store.common import CALL_COLUMNS as _CALL_COLUMNS
+from agentloop.process.store.common import HIL_COLUMNS as _HIL_COLUMNS
+from agentloop.process.store.common import PROCESS_COLUMNS as _PROCESS_COLUMNS
 from agentloop.process.store.common import UPDATABLE_FIELDS as _PROCESS_FIELDS
+from agentloop.process.store.common import call_row, hil_row
 from agentloop.process.store.common import dumps as _dumps
+from agentloop.process.store.common import process_record as _process
 from agentloop.process.store.pgschema import migrate
 from agentloop.process.store.pgtx import Connection, PgTransaction, Settling, TxState
 from agentloop.process.store.pgurl import redact, scrub
 
 log = logging.getLogger("agentloop.store")
 
-_PROCESS_COLUMNS = (
-    "pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run, history_generation,"
-    " created_at, updated_at"
-)
-_CALL_COLUMNS = (
-    "dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall, args, status, deadline, result, created_at"
-)
-_HIL_COLUMNS = (
-    "request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags, reason,"
-    " created_at"
-)
 _SEGMENT_COLUMNS = (
     "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
 )
@@ -143,24 +137,6 @@ _WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
 def _changed(status: str) -> int:
     """The row count of a command status such as ``UPDATE 1`` or ``INSERT 0 1``."""
     return int(status.rsplit(" ", 1)[-1])
-
-
-def _process(row: Any) -> ProcessRecord:
-    current = row["current_run"]
-    return ProcessRecord(
-        pid=row["pid"],
-        owner=row["owner"],
-        run_as=row["run_as"],
-        cwd=row["cwd"],
-        parent_pid=row["parent_pid"],
-        interactive=bool(row["interactive"]),
-        context=row["context"],
-        state=row["state"],
-        current_run=json.loads(current) if current else None,
-        history_generation=row["history_generation"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-    )
 
 
 class PostgresStore(Store):
@@ -536,23 +512,7 @@ class PostgresStore(Store):
             args.append(run_id)
         async with self._reading() as db:
             rows = await db.fetch(sql + " ORDER BY run_id, position", *args)
-        return [
-            ToolCallRow(
-                dispatch_id=r[0],
-                pid=r[1],
-                run_id=r[2],
-                position=r[3],
-                tool_call_id=r[4],
-                tool_name=r[5],
-                syscall=r[6],
-                args=json.loads(r[7]),
-                status=r[8],
-                deadline=r[9],
-                result=json.loads(r[10]) if r[10] else None,
-                created_at=r[11],
-            )
-            for r in rows
-        ]
+        return [call_row(r) for r in rows]
 
     async def set_call_status(
         self,
@@ -625,10 +585,7 @@ class PostgresStore(Store):
             rows = await db.fetch(
                 f"SELECT {_HIL_COLUMNS} FROM pending_hil WHERE pid = $1 ORDER BY created_at, request_id", pid
             )
-        return [
-            HilRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], json.loads(r[9]), r[10], r[11])
-            for r in rows
-        ]
+        return [hil_row(r) for r in rows]
 
     async def delete_hil(self, request_id: str) -> bool:
         status = await self._write().execute("DELETE FROM pending_hil WHERE request_id = $1", request_id)

@@ -42,7 +42,16 @@ from agentloop.process.store.base import (
     WatchRow,
 )
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
-from agentloop.process.store.common import UPDATABLE_FIELDS, dumps
+from agentloop.process.store.common import (
+    CALL_COLUMNS,
+    HIL_COLUMNS,
+    PROCESS_COLUMNS,
+    UPDATABLE_FIELDS,
+    call_row,
+    dumps,
+    hil_row,
+    process_record,
+)
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
 
 log = logging.getLogger("agentloop.store")
@@ -426,28 +435,8 @@ class SQLiteStore(Store):
         self._tx_counters[record.pid] = [1, 1, 1, record.history_generation]
         self._tx_base[record.pid] = [1, 1, 1, record.history_generation]
 
-    @staticmethod
-    def _process(row: sqlite3.Row | tuple[Any, ...]) -> ProcessRecord:
-        (pid, owner, run_as, cwd, parent, interactive, context, state, current, generation, created, updated) = row
-        return ProcessRecord(
-            pid=pid,
-            owner=owner,
-            run_as=run_as,
-            cwd=cwd,
-            parent_pid=parent,
-            interactive=bool(interactive),
-            context=context,
-            state=state,
-            current_run=json.loads(current) if current else None,
-            history_generation=generation,
-            created_at=created,
-            updated_at=updated,
-        )
-
-    _PROCESS_COLUMNS = (
-        "pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run, history_generation,"
-        " created_at, updated_at"
-    )
+    _process = staticmethod(process_record)
+    _PROCESS_COLUMNS = PROCESS_COLUMNS
 
     async def get_process(self, pid: str) -> ProcessRecord | None:
         row = (
@@ -608,32 +597,13 @@ class SQLiteStore(Store):
         )
 
     async def calls(self, pid: str, run_id: str | None = None) -> list[ToolCallRow]:
-        sql = (
-            "SELECT dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall, args, status, deadline,"
-            " result, created_at FROM pending_tool_calls WHERE pid = ?"
-        )
+        sql = f"SELECT {CALL_COLUMNS} FROM pending_tool_calls WHERE pid = ?"
         args: list[Any] = [pid]
         if run_id is not None:
             sql += " AND run_id = ?"
             args.append(run_id)
         rows = self.db.execute(sql + " ORDER BY run_id, position", args).fetchall()
-        return [
-            ToolCallRow(
-                dispatch_id=r[0],
-                pid=r[1],
-                run_id=r[2],
-                position=r[3],
-                tool_call_id=r[4],
-                tool_name=r[5],
-                syscall=r[6],
-                args=json.loads(r[7]),
-                status=r[8],
-                deadline=r[9],
-                result=json.loads(r[10]) if r[10] else None,
-                created_at=r[11],
-            )
-            for r in rows
-        ]
+        return [call_row(r) for r in rows]
 
     async def set_call_status(
         self,
@@ -705,14 +675,9 @@ class SQLiteStore(Store):
 
     async def hils(self, pid: str) -> list[HilRow]:
         rows = self.db.execute(
-            "SELECT request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags,"
-            " reason, created_at FROM pending_hil WHERE pid = ? ORDER BY created_at, request_id",
-            (pid,),
+            f"SELECT {HIL_COLUMNS} FROM pending_hil WHERE pid = ? ORDER BY created_at, request_id", (pid,)
         ).fetchall()
-        return [
-            HilRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], json.loads(r[9]), r[10], r[11])
-            for r in rows
-        ]
+        return [hil_row(r) for r in rows]
 
     async def delete_hil(self, request_id: str) -> bool:
         cur = self._write().execute("DELETE FROM pending_hil WHERE request_id = ?", (request_id,))
