@@ -36,7 +36,8 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold")
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", "codemode")
+_SWITCHES = ("codemode", "subagents")  # true or false; anything else is an error
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class FileConfig:
     compaction_threshold: float | None = None
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
+    subagents: bool = False
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -100,6 +102,7 @@ class Settings:
     compaction_threshold: float | None = None  # None: the kernel's default
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
+    subagents: bool = False  # offer durable processes the Task tool (child processes)
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
 
     @property
@@ -265,10 +268,13 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     servers, problem = _read_mcp_servers(data.get("mcp_servers"))
     if problem:
         errors["mcp_servers"] = f"config file {path}: {problem}"
-    codemode = data.get("codemode", False)
-    if not isinstance(codemode, bool):
-        errors["codemode"] = f"config file {path}: codemode must be true or false, got {codemode!r}"
-        codemode = False
+    switches: dict[str, bool] = {}
+    for key in _SWITCHES:
+        value = data.get(key, False)
+        if isinstance(value, bool):
+            switches[key] = value
+        else:
+            errors[key] = f"config file {path}: {key} must be true or false, got {value!r}"
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -282,7 +288,8 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             token=token.strip() if isinstance(token, str) else None,
             errors=errors,
             mcp_servers=servers,
-            codemode=codemode,
+            codemode=switches.get("codemode", False),
+            subagents=switches.get("subagents", False),
             **limits,
         ),
         warnings,
@@ -336,6 +343,7 @@ def load_settings(
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
         mcp_servers=file.mcp_servers,
         codemode=file.codemode,
+        subagents=file.subagents,
         errors=errors,
     )
 
@@ -383,10 +391,12 @@ def loop_options(settings: Settings, progress: Callable[[str], None] | None = No
 
 def kernel_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """``loop_options`` plus what only a durable kernel has: the compaction threshold (left to the
-    kernel's default unless set)."""
+    kernel's default unless set) and the ``Task`` tool (``subagents``)."""
     options = loop_options(settings, progress)
     if settings.compaction_threshold is not None:
         options["compaction_threshold"] = settings.compaction_threshold
+    if settings.subagents:
+        options["subagents"] = True
     return options
 
 

@@ -28,6 +28,7 @@ from agentloop.agent import Agent
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
+from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
@@ -321,6 +322,7 @@ class Kernel:
         workspace: str | Path | None = None,
         tools: Iterable[ToolLike] | None = None,
         extra_tools: Iterable[ToolLike] = (),
+        subagents: bool = False,
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
@@ -336,7 +338,9 @@ class Kernel:
 
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
         directory); ``extra_tools`` join them (an MCP server's, say) without giving up the
-        built-ins' per-process ``cwd``; ``toolset`` adapts them per process run; ``devices`` (the server's device hub)
+        built-ins' per-process ``cwd``; ``subagents`` adds the ``Task`` tool (kernel/tasks.py), with
+        which a process hands work to a child process; ``toolset`` adapts them per process run;
+        ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
         is given) and fills the prompt's ``{{devices}}``; ``schedule_min_every`` is the shortest
         interval a repeating schedule may have; ``agent_options`` are ``Agent``'s
@@ -359,6 +363,9 @@ class Kernel:
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
         account_mcp = AccountMCP(lambda owner: data / "home" / owner / "mcp.json")
+        kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
+        if subagents:
+            toolset = _chain(task_toolset(kernel_ref), toolset)
         toolset = _chain(account_mcp.toolset, toolset)
         toolset = _chain(_skills_toolset(data / "config" / "ai" / "skills.d"), toolset)
         if builtin:
@@ -386,6 +393,7 @@ class Kernel:
             toolset=toolset,
         )
         kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
+        kernel_ref.append(kernel)
         try:
             await engine.recover()
             await kernel.watchers.start()  # delivers what watched sources logged while it was down

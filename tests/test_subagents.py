@@ -1,0 +1,149 @@
+"""Subagents (kernel/tasks.py): the ``Task`` tool hands work to a child process, waits for its
+answer or has it delivered later as a system event, survives a restart without starting a second
+child, and cannot nest without end."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, UserMessage, call
+from agentloop.kernel.tasks import MAX_DEPTH, child_pid
+from agentloop.models.base import ModelRequest
+from tests.process_support import kernel
+
+
+def _first_user(request: ModelRequest) -> str:
+    return next(m.text for m in request.messages if isinstance(m, UserMessage))
+
+
+def brain(request: ModelRequest) -> Reply | str:
+    """The parent delegates ('delegate: X' or 'background: X'); a child answers 'done: X'."""
+    task = _first_user(request)
+    last = request.messages[-1]
+    if isinstance(last, UserMessage) and task.startswith(("delegate: ", "background: ")):
+        kind, _, job = task.partition(": ")
+        return Reply(tool_calls=[call("Task", prompt=f"job {job}", wait=kind == "delegate")])
+    if task.startswith("job "):
+        return f"done: {task.removeprefix('job ')}"
+    if isinstance(last, SystemMessage):
+        return f"noted: {last.text}"
+    if isinstance(last, ToolResultMessage):
+        return f"parent got: {last.text}"
+    return "?"
+
+
+def _results(messages: list[Any]) -> list[ToolResultMessage]:
+    return [m for m in messages if isinstance(m, ToolResultMessage)]
+
+
+async def test_task_waits_for_a_child_process_and_returns_its_answer(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("delegate: count the files")
+        await parent.wait_idle()
+        messages = await parent.messages()
+        children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
+        parent_cwd = (await parent.info()).cwd
+    assert _results(messages)[0].text == "done: count the files"
+    assert messages[-1].text == "parent got: done: count the files"
+    assert len(children) == 1 and not children[0].interactive  # nobody would see its approval requests
+    assert children[0].cwd == parent_cwd and children[0].owner == "alice"
+
+
+async def test_a_background_task_reports_back_as_a_system_event(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("background: index the repo")
+        async with asyncio.timeout(5):
+            while not any(isinstance(m, SystemMessage) for m in await parent.messages()):
+                await asyncio.sleep(0.02)
+        await parent.wait_idle()
+        messages = await parent.messages()
+    assert "Started subagent" in _results(messages)[0].text
+    event = next(m for m in messages if isinstance(m, SystemMessage))
+    assert "done: index the repo" in event.text
+    assert messages[-1].text.startswith("noted: ")
+
+
+async def test_a_rerun_after_a_restart_finds_the_child_instead_of_starting_another(tmp_path):
+    """The tool is idempotent because the child's pid comes from the parent and the call id."""
+    async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("delegate: once")
+        await parent.wait_idle()
+        call_id = _results(await parent.messages())[0].tool_call_id
+        tool = (await k.engine._run_config(await k.engine.live(parent.pid), "again")).tools["Task"]
+        from agentloop.tools.base import ToolContext
+
+        again = await tool.run({"prompt": "job once", "wait": True}, ToolContext(call_id, "Task"))
+        children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
+    assert [c.pid for c in children] == [child_pid(parent.pid, call_id)]
+    assert again.content[0].text == "done: once"  # the same child's answer, not a second run
+
+
+async def test_subagents_cannot_nest_without_end(tmp_path):
+    def forking(request: ModelRequest) -> Reply | str:
+        last = request.messages[-1]
+        if isinstance(last, ToolResultMessage):
+            return f"result: {last.text}"
+        return Reply(tool_calls=[call("Task", prompt="go deeper")])
+
+    async with kernel(tmp_path, ScriptedModel(forking), subagents=True) as k:
+        top = await k.spawn(owner="alice")
+        await top.send("go deeper")
+        async with asyncio.timeout(20):
+            await top.wait_idle()
+        everyone = await k.processes("alice")
+        deepest = [r for r in everyone if not any(o.parent_pid == r.pid for o in everyone)]
+        refused = _results(await (await k.process(deepest[0].pid)).messages())
+    assert len(everyone) == MAX_DEPTH + 1  # top, then MAX_DEPTH generations of children
+    assert len(deepest) == 1
+    assert refused[0].is_error and f"nest {MAX_DEPTH} deep at most" in refused[0].text
+
+
+async def test_without_subagents_there_is_no_task_tool(tmp_path):
+    seen: list[list[str]] = []
+
+    def look(request: ModelRequest) -> str:
+        seen.append([t.name for t in request.tools])
+        return "ok"
+
+    async with kernel(tmp_path, ScriptedModel(look)) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("hi")
+        await proc.wait_idle()
+    assert "Task" not in seen[0]
+
+
+def test_subagents_true_in_the_config_file_gives_chat_the_task_tool(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from agentloop.cli.main import app
+
+    (tmp_path / "config.toml").write_text("subagents = true\n")
+    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "config.toml"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    script = tmp_path / "s.json"
+    script.write_text(
+        json.dumps(
+            {
+                "replies": [
+                    {"tool_calls": [{"name": "Task", "arguments": {"prompt": "say hi"}}]},
+                    "hi from the child",
+                    "the child said hi",
+                ]
+            }
+        )
+    )
+    args = ["chat", "-m", f"scripted:{script}", "-w", str(ws), "--data", str(tmp_path / "data")]
+    result = CliRunner().invoke(app, args, input="delegate it\n")
+    assert result.exit_code == 0, result.stderr
+    assert "✓ Task" in result.stderr and "the child said hi" in result.stdout
+
+    (tmp_path / "config.toml").write_text("subagents = 1\n")
+    bad = CliRunner().invoke(app, args, input="x\n")
+    assert bad.exit_code == 2 and "subagents must be true or false" in bad.stderr
