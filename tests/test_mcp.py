@@ -296,3 +296,19 @@ async def test_an_accounts_mcp_file_gives_its_processes_the_servers_tools(tmp_pa
         await alice.wait_idle()
         assert not any(n.startswith(("fake__", "again__")) for n in seen["alice"])
     assert "MCP servers of account 'alice'" in caplog.text
+
+
+async def test_a_call_through_the_mcp_tool_is_judged_as_the_server_tool_it_reaches(tmp_path):
+    """A rule on ``mcp.fake.*`` applies whether the server is exposed or hidden behind ``mcp``."""
+    policy = {"default": "auto", "rules": [{"match": "mcp.fake.*", "action": "deny"}]}
+    async with mcp_tools([fake(expose=False)]) as tools:
+        model = ScriptedModel([Reply(tool_calls=[call("mcp", server="fake", tool="whoami")]), "done"])
+        async with kernel(tmp_path, model, tools=tools, policy=policy) as k:
+            proc = await k.spawn(owner="a")
+            await proc.send("go")
+            await proc.wait_idle()
+            [result] = _results(await proc.messages())
+    assert result.is_error and "denied" in result.text and "mcp.fake" in result.text
+    gateway = tools[0]
+    assert gateway.syscall_for({"server": "fake", "tool": "add"}) == "mcp.fake.add"
+    assert gateway.syscall_for({"server": "fake"}) == "mcp.fake.list_tools"

@@ -53,7 +53,7 @@ def _check(
         args = tool.validate(call.arguments)
     except ToolError as exc:
         return tool_error_result(call, str(exc))
-    info = ToolCallInfo(call, args, message, state.messages, state.run_id, syscall=syscall_of(tool))
+    info = ToolCallInfo(call, args, message, state.messages, state.run_id, syscall=syscall_of(tool, args))
     return _Prepared(call, tool, info)
 
 

@@ -65,7 +65,7 @@ from agentloop.process.store import (
 )
 from agentloop.process.store.base import ProcessState, QueueKind
 from agentloop.tools.base import NestedCheck, NestedVerdict, Tool
-from agentloop.tools.builtin import SYSCALLS
+from agentloop.tools.builtin import SYSCALLS, syscall_of
 
 log = logging.getLogger("agentloop.process")
 
@@ -777,7 +777,7 @@ class ProcessEngine:
 
     def _rows(self, pid: str, run_id: str, calls: list[ToolCall], tools: Mapping[str, Tool]) -> list[ToolCallRow]:
         return [
-            ToolCallRow(new_id(), pid, run_id, i, c.id, c.name, syscall_of(c.name, tools), dict(c.arguments))
+            ToolCallRow(new_id(), pid, run_id, i, c.id, c.name, _syscall(c, tools), dict(c.arguments))
             for i, c in enumerate(calls)
         ]
 
@@ -1210,12 +1210,10 @@ class ProcessEngine:
         self._live.clear()
 
 
-def syscall_of(tool_name: str, tools: Mapping[str, Tool]) -> str:
-    """What the approval policy matches a call against: the tool's own syscall (an MCP tool's
-    ``mcp.<server>.<tool>``), a built-in's (``Read`` is ``fs.read``), else ``tool.<name>``."""
-    tool = tools.get(tool_name)
-    own = tool.syscall if tool is not None else None
-    return own or SYSCALLS.get(tool_name, f"tool.{tool_name}")
+def _syscall(call: ToolCall, tools: Mapping[str, Tool]) -> str:
+    """What the approval policy matches a call against (``syscall_of``; an unknown tool's name)."""
+    tool = tools.get(call.name)
+    return syscall_of(tool, call.arguments) if tool is not None else SYSCALLS.get(call.name, f"tool.{call.name}")
 
 
 def _runs_alone(cfg: LoopConfig, row: ToolCallRow) -> bool:

@@ -163,6 +163,12 @@ class Tool:
         """Checked (and coerced) arguments, or ``ToolArgumentsError`` with a readable message."""
         return arguments
 
+    def syscall_for(self, arguments: Mapping[str, Any]) -> str | None:
+        """The syscall of one call. A tool that reaches different things by its arguments (the
+        ``mcp`` tool: any server's tools) names the one this call reaches, so a policy rule on
+        that thing applies however it is called."""
+        return self.syscall
+
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         raise NotImplementedError
 

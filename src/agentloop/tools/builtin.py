@@ -6,7 +6,9 @@ plain coroutine named beside it, so the same behaviour can be served by a device
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from agentloop.tools.base import Tool
 from agentloop.tools.fs import delete_tool, edit_tool, read_tool, write_tool
@@ -26,10 +28,12 @@ SYSCALLS: dict[str, str] = {
 }
 
 
-def syscall_of(tool: Tool) -> str:
-    """What approval policies match a call of ``tool`` against: its own syscall (an MCP tool's
-    ``mcp.<server>.<tool>``, CodeMode's ``codemode.exec``), a built-in's, else ``tool.<name>``."""
-    return tool.syscall or SYSCALLS.get(tool.name) or f"tool.{tool.name}"
+def syscall_of(tool: Tool, arguments: Mapping[str, Any] | None = None) -> str:
+    """What approval policies match a call of ``tool`` (with ``arguments``) against: its own
+    syscall (an MCP tool's ``mcp.<server>.<tool>``, CodeMode's ``codemode.exec``), a built-in's,
+    else ``tool.<name>``."""
+    own = tool.syscall_for(arguments) if arguments is not None else tool.syscall
+    return own or SYSCALLS.get(tool.name) or f"tool.{tool.name}"
 
 
 def builtin_tools(workspace: str | Path, *, shell: bool = True, codemode: bool = False) -> list[Tool]:

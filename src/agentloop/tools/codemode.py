@@ -436,7 +436,7 @@ class _Execution:
             raise ToolError(f"call limit reached: a program may make at most {self.mode.max_calls} tool calls")
         tool = self._tool(name)
         args = tool.validate(args)  # ToolArgumentsError is a ToolError: a readable message
-        syscall = syscall_of(tool)
+        syscall = syscall_of(tool, args)
         verdict = await self._approve(syscall, tool.name, args)
         if verdict.action == "deny":
             raise _Refused(f"{tool.name} denied: {verdict.reason or 'refused by the approval policy'}")

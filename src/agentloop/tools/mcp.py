@@ -19,7 +19,7 @@ import contextlib
 import logging
 import re
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -294,6 +294,14 @@ class MCPGateway(Tool):
             _MCP_SCHEMA,
         )
         self.syscall = "mcp.call"
+
+    def syscall_for(self, arguments: Mapping[str, Any]) -> str | None:
+        """A call reaches one server's tool, and is judged as that tool called directly would be
+        (``mcp.<server>.<tool>``); listing a server's tools is ``mcp.<server>.list_tools``."""
+        server, tool = arguments.get("server"), arguments.get("tool")
+        if not isinstance(server, str):
+            return self.syscall
+        return f"mcp.{server}.{tool if isinstance(tool, str) else 'list_tools'}"
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         problems: list[tuple[str, str]] = []
