@@ -131,3 +131,40 @@ async def test_an_accounts_policy_file_applies_to_its_processes_and_is_reread_wh
         await alice.wait_idle()
         assert results(await alice.messages())[-1] == "hi"
         assert any("approval policy of account 'alice'" in r.message for r in caplog.records)
+
+
+async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_path):
+    """QA: with the data directory inside the workspace, an auto-approved Write of
+    ``data/home/<account>/mcp.json`` made the kernel start any program. The kernel's data (its
+    database, archives, policies) is off limits to tools, also through a symlink or a shell."""
+
+    data = tmp_path / "data"
+    (data / "home" / "alice").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(data)
+    attempts = [
+        call("Write", path="data/home/alice/mcp.json", content="[]"),
+        call("Write", path="link/home/alice/approval.json", content='{"default": "auto"}'),
+        call("Read", path="data/agentloop.db"),
+        call("Shell", command=f"cat {data}/agentloop.db"),
+        call("Shell", command="cp /etc/hostname data/home/alice/mcp.json"),
+        call("Write", path="notes.txt", content="fine"),
+    ]
+    model = ScriptedModel([Reply(tool_calls=attempts), "done"])
+    allow_all = {"default": "auto", "rules": []}
+    async with Kernel.open(
+        f"sqlite:///{data}/agentloop.db",
+        model=model,
+        workspace=tmp_path,
+        data_dir=data,
+        tools=builtin_tools(tmp_path),
+        policy=allow_all,
+    ) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await proc.wait_idle()
+        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+    assert [r.is_error for r in results] == [True, True, True, True, True, False]
+    assert all("agentloop's own data" in r.text for r in results[:5])
+    assert not (data / "home" / "alice" / "mcp.json").exists()
+    assert not (data / "home" / "alice" / "approval.json").exists()
+    assert (tmp_path / "notes.txt").read_text() == "fine"

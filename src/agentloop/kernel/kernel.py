@@ -123,6 +123,17 @@ def _skills_toolset(skills_dir: Path) -> ToolsetFn:
     return toolset
 
 
+def _kernel_files(store: Store, data: Path) -> list[Path]:
+    """What tools must not touch: the database (and its WAL), the accounts' homes (policies, MCP
+    servers, context), the archives and media, the system context and skills. Named one by one,
+    not as the whole data directory, because that may be the workspace itself."""
+    files = [data / "home", data / "var", data / "config"]
+    path = getattr(store, "path", None)
+    if isinstance(path, str | Path) and str(path) != ":memory:":
+        files += [Path(f"{path}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")]
+    return files
+
+
 def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
     if then is None:
         return first
@@ -376,6 +387,7 @@ class Kernel:
                 server=policy,
                 accounts=account_policies,
                 account_file=lambda owner: data / "home" / owner / "approval.json",
+                protected=_kernel_files(store, data),
             )
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ def policy_approval(
     accounts: Mapping[str, str | bytes | dict[str, Any] | Policy] | None = None,
     home_of: Callable[[str], str] | None = None,
     account_file: Callable[[str], Path] | None = None,
+    protected: Sequence[str | Path] = (),
 ) -> ApprovalFn:
     """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call. ``account_file``
     names an account's policy file, used when ``accounts`` has no policy for it."""
@@ -51,6 +52,7 @@ def policy_approval(
     home = home_of or (lambda user: os.path.expanduser("~"))
 
     fallback = server_policy if server_policy is not None else default_policy()
+    guarded = [os.path.realpath(p) for p in protected]
     merged: dict[tuple[str, str], Policy] = {}  # (owner, remembered rules as JSON) -> policy
     from_files: dict[str, tuple[tuple[int, int], Policy | None]] = {}  # owner -> (file stamp, its policy)
 
@@ -93,7 +95,14 @@ def policy_approval(
         policy = policy_of(process.owner, await store.kv_get(process.pid, OVERRIDES_KEY))
         target = call_target(row.syscall, row.tool_name, row.args)  # a device call is tagged ``remote``
         verdict = decide(
-            policy, row.syscall, row.args, target=target, cwd=process.cwd, home=home(process.run_as), interactive=True
+            policy,
+            row.syscall,
+            row.args,
+            target=target,
+            cwd=process.cwd,
+            home=home(process.run_as),
+            interactive=True,
+            protected=guarded,
         )
         if verdict.action == "auto":  # nothing to bind a person's answer to
             return Approval("auto", tuple(verdict.tags), verdict.reason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -140,9 +140,19 @@ def decide(
     home: str | os.PathLike[str],
     root: str | os.PathLike[str] | None = None,
     interactive: bool = True,
+    protected: Sequence[str] = (),
 ) -> ApprovalDecision:
-    """What to do with one call under ``policy``, and why, in words fit for the user."""
-    facts = call_facts(syscall, args, target=target, cwd=cwd, home=home, root=root)
+    """What to do with one call under ``policy``, and why, in words fit for the user.
+
+    A call that touches a ``protected`` directory (the kernel's data: its database with every
+    conversation and token hash, the archives, the policies themselves) is denied whatever the
+    policy says: an agent that could rewrite its own approval policy or read other accounts'
+    archives would make every other rule moot."""
+    facts = call_facts(syscall, args, target=target, cwd=cwd, home=home, root=root, protected=protected)
+    if "protected" in facts.tags:
+        described = _describe_call(syscall, args, facts, target)
+        reason = f"agentloop's own data is off limits to tools: {described}"
+        return ApprovalDecision(action="deny", tags=sorted(facts.tags), rule="protected", reason=reason)
     found = find_rule(policy, syscall, args, facts.tags, target)
     if found is None:
         action, rule_text = policy.default, "default"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +72,19 @@ def _resolve(path: str, base: str, home: str) -> str | None:
     return posixpath.normpath(posixpath.join(base, path))
 
 
-def path_tags(path: str, *, base: StrPath, cwd: StrPath, home: StrPath, writing: bool = False) -> set[str]:
-    """Tags for one path named relative to ``base``; ``writing`` also flags system directories."""
+def path_tags(
+    path: str, *, base: StrPath, cwd: StrPath, home: StrPath, writing: bool = False, protected: Sequence[str] = ()
+) -> set[str]:
+    """Tags for one path named relative to ``base``; ``writing`` also flags system directories.
+    A path inside one of the ``protected`` directories (agentloop's own data: its database,
+    archives, policies) is ``protected``, also when a symlink on the way leads there."""
     cwd_s, home_s = posixpath.normpath(os.fspath(cwd)), posixpath.normpath(os.fspath(home))
     resolved = _resolve(path, posixpath.normpath(os.fspath(base)), home_s)
     if resolved is None:
         return set()
     tags: set[str] = set()
+    if protected and any(_inside(p, d) for p in {resolved, os.path.realpath(resolved)} for d in protected):
+        tags.add("protected")
     inside_cwd = _inside(resolved, cwd_s)
     if not inside_cwd:
         tags.add("outside-cwd")
@@ -93,11 +99,19 @@ def path_tags(path: str, *, base: StrPath, cwd: StrPath, home: StrPath, writing:
     return tags
 
 
-def _paths_tags(paths: Iterable[str], writes: Iterable[str], *, base: StrPath, cwd: StrPath, home: StrPath) -> set[str]:
+def _paths_tags(
+    paths: Iterable[str],
+    writes: Iterable[str],
+    *,
+    base: StrPath,
+    cwd: StrPath,
+    home: StrPath,
+    protected: Sequence[str] = (),
+) -> set[str]:
     written = set(writes)
     tags: set[str] = set()
     for p in paths:
-        tags |= path_tags(p, base=base, cwd=cwd, home=home, writing=p in written)
+        tags |= path_tags(p, base=base, cwd=cwd, home=home, writing=p in written, protected=protected)
     return tags
 
 
@@ -109,11 +123,13 @@ def call_facts(
     cwd: StrPath,
     home: StrPath,
     root: StrPath | None = None,
+    protected: Sequence[str] = (),
 ) -> CallFacts:
     """Everything :func:`call_tags` knows about a call.
 
     ``root`` is the directory the tools resolve their relative paths against (the workspace),
     ``cwd`` the one ``outside-cwd`` is measured from; they are the same unless told otherwise.
+    ``protected`` directories make the paths inside them ``protected`` (see :func:`path_tags`).
     """
     base = root if root is not None else cwd
     tags: set[str] = set()
@@ -129,9 +145,11 @@ def call_facts(
             tags.add("unclassified")
             return CallFacts(frozenset(tags), (), None, ("no command given",))
         tags |= analysis.tags
-        tags |= path_tags(workdir, base=base, cwd=cwd, home=home)
+        tags |= path_tags(workdir, base=base, cwd=cwd, home=home, protected=protected)
         if resolved_workdir is not None:
-            tags |= _paths_tags(analysis.paths, analysis.writes, base=resolved_workdir, cwd=cwd, home=home)
+            tags |= _paths_tags(
+                analysis.paths, analysis.writes, base=resolved_workdir, cwd=cwd, home=home, protected=protected
+            )
         return CallFacts(frozenset(tags), analysis.paths, analysis, analysis.reasons)
     path = args.get("path")
     paths = (path,) if isinstance(path, str) and path else ()
@@ -145,7 +163,7 @@ def call_facts(
         tags.add("network")
         if str(args.get("method", "GET")).upper() not in ("GET", "HEAD"):
             tags.add("mutating")
-    tags |= _paths_tags(paths, paths if syscall in _WRITES else (), base=base, cwd=cwd, home=home)
+    tags |= _paths_tags(paths, paths if syscall in _WRITES else (), base=base, cwd=cwd, home=home, protected=protected)
     return CallFacts(frozenset(tags), paths)
 
 
