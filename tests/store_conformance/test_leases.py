@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from agentloop.messages import user
 from agentloop.process.store import Store
-from tests.store_conformance.test_conformance import make_store, spawn, store  # noqa: F401 (fixtures)
+from tests.store_conformance.test_conformance import spawn
 
 
 async def test_a_claim_excludes_other_owners_until_released(store: Store) -> None:
@@ -72,7 +72,7 @@ async def test_the_sweep_claims_processes_with_work_and_no_live_lease(store: Sto
     assert lease is not None and lease.owner == "w2"
 
 
-async def test_two_sweepers_never_claim_the_same_process(make_store: Callable[[], Store]) -> None:  # noqa: F811
+async def test_two_sweepers_never_claim_the_same_process(make_store: Callable[[], Store]) -> None:
     a, b = make_store(), make_store()
     await a.open()
     await b.open()

@@ -889,14 +889,18 @@ class SQLiteStore(Store):
     async def claim_lease(self, pid: str, owner: str, ttl: float) -> int | None:
         async with self.transaction():
             now = time.time()
-            row = self._write().execute(
-                "INSERT INTO process_leases (pid, owner, epoch, expires) VALUES (?, ?, 1, ?)"
-                " ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1,"
-                " expires = excluded.expires"
-                " WHERE process_leases.owner IS NULL OR process_leases.expires < ? OR process_leases.owner = ?"
-                " RETURNING epoch",
-                (pid, owner, now + ttl, now, owner),
-            ).fetchone()
+            row = (
+                self._write()
+                .execute(
+                    "INSERT INTO process_leases (pid, owner, epoch, expires) VALUES (?, ?, 1, ?)"
+                    " ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1,"
+                    " expires = excluded.expires"
+                    " WHERE process_leases.owner IS NULL OR process_leases.expires < ? OR process_leases.owner = ?"
+                    " RETURNING epoch",
+                    (pid, owner, now + ttl, now, owner),
+                )
+                .fetchone()
+            )
         return int(row[0]) if row else None
 
     async def claim_orphans(self, owner: str, ttl: float, limit: int = 100) -> list[tuple[str, int]]:
@@ -926,9 +930,14 @@ class SQLiteStore(Store):
 
     async def renew_leases(self, owner: str, ttl: float) -> dict[str, int]:
         async with self.transaction():
-            rows = self._write().execute(
-                "UPDATE process_leases SET expires = ? WHERE owner = ? RETURNING pid, epoch", (time.time() + ttl, owner)
-            ).fetchall()
+            rows = (
+                self._write()
+                .execute(
+                    "UPDATE process_leases SET expires = ? WHERE owner = ? RETURNING pid, epoch",
+                    (time.time() + ttl, owner),
+                )
+                .fetchall()
+            )
         return {r[0]: int(r[1]) for r in rows}
 
     async def release_lease(self, pid: str, owner: str, epoch: int) -> bool:
