@@ -68,6 +68,8 @@ async def test_the_sweep_claims_processes_with_work_and_no_live_lease(store: Sto
     claimed = dict(await store.claim_orphans("w2", 30))
     assert claimed == {"running": 1, "queued": 1, "dead": 2}
     assert await store.claim_orphans("w3", 30) == []  # all live now
+    assert dict(await store.claim_orphans("w1", 30)) == {}  # w1 holds "held": not an orphan …
+    assert dict(await store.claim_orphans("w1", 30, reclaim=True)) == {"held": 2}  # … unless w1 restarted
     lease = await store.lease("dead")
     assert lease is not None and lease.owner == "w2"
 

@@ -409,10 +409,14 @@ class Store(ABC):
         returns the claim's epoch (one more than the last), None when another owner holds it."""
 
     @abstractmethod
-    async def claim_orphans(self, owner: str, ttl: float, limit: int = 100) -> list[tuple[str, int]]:
+    async def claim_orphans(
+        self, owner: str, ttl: float, limit: int = 100, *, reclaim: bool = False
+    ) -> list[tuple[str, int]]:
         """The sweep: claim processes that have work (an active run, queued input) and no live
         lease (none, released, or expired: their worker died); returns (pid, epoch) pairs. Rows
-        another claimer is looking at are skipped, not waited for."""
+        another claimer is looking at are skipped, not waited for. ``reclaim``: ``owner``'s own
+        leases count as orphans too (a worker restarted under the same name, whose previous
+        life cannot commit any more once the epoch moved on)."""
 
     @abstractmethod
     async def renew_leases(self, owner: str, ttl: float) -> dict[str, int]:

@@ -156,13 +156,13 @@ WITH c AS (
     SELECT p.pid FROM processes p LEFT JOIN process_leases l ON l.pid = p.pid
     WHERE p.state <> 'killed'
       AND (p.current_run IS NOT NULL OR EXISTS (SELECT 1 FROM message_queue q WHERE q.pid = p.pid))
-      AND (l.pid IS NULL OR l.owner IS NULL OR l.expires < {_NOW})
+      AND (l.pid IS NULL OR l.owner IS NULL OR l.expires < {_NOW} OR l.owner = $4)
     ORDER BY p.pid LIMIT $3
     FOR UPDATE OF p SKIP LOCKED
 )
 INSERT INTO process_leases (pid, owner, epoch, expires) SELECT c.pid, $1, 1, {_NOW} + $2 FROM c
 ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1, expires = excluded.expires
-WHERE process_leases.owner IS NULL OR process_leases.expires < {_NOW}
+WHERE process_leases.owner IS NULL OR process_leases.expires < {_NOW} OR process_leases.owner = $4
 RETURNING pid, epoch
 """
 
@@ -832,8 +832,10 @@ class PostgresStore(Store):
         epoch = await self.pool.fetchval(_CLAIM, pid, owner, float(ttl))
         return None if epoch is None else int(epoch)
 
-    async def claim_orphans(self, owner: str, ttl: float, limit: int = 100) -> list[tuple[str, int]]:
-        rows = await self.pool.fetch(_CLAIM_ORPHANS, owner, float(ttl), limit)
+    async def claim_orphans(
+        self, owner: str, ttl: float, limit: int = 100, *, reclaim: bool = False
+    ) -> list[tuple[str, int]]:
+        rows = await self.pool.fetch(_CLAIM_ORPHANS, owner, float(ttl), limit, owner if reclaim else None)
         return [(r[0], int(r[1])) for r in rows]
 
     async def renew_leases(self, owner: str, ttl: float) -> dict[str, int]:

@@ -903,7 +903,9 @@ class SQLiteStore(Store):
             )
         return int(row[0]) if row else None
 
-    async def claim_orphans(self, owner: str, ttl: float, limit: int = 100) -> list[tuple[str, int]]:
+    async def claim_orphans(
+        self, owner: str, ttl: float, limit: int = 100, *, reclaim: bool = False
+    ) -> list[tuple[str, int]]:
         async with self.transaction():
             now = time.time()
             db = self._read_registry()
@@ -913,8 +915,8 @@ class SQLiteStore(Store):
                     "SELECT p.pid FROM processes p LEFT JOIN process_leases l ON l.pid = p.pid"
                     " WHERE p.state <> 'killed'"
                     " AND (p.current_run IS NOT NULL OR EXISTS (SELECT 1 FROM message_queue q WHERE q.pid = p.pid))"
-                    " AND (l.pid IS NULL OR l.owner IS NULL OR l.expires < ?) LIMIT ?",
-                    (now, limit),
+                    " AND (l.pid IS NULL OR l.owner IS NULL OR l.expires < ? OR l.owner = ?) LIMIT ?",
+                    (now, owner if reclaim else None, limit),
                 ).fetchall()
             ]
             claimed = []
