@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
 from agentloop.loop.execute import SKIPPED, _ask_hooks, _check, _execute, _Prepared
@@ -73,6 +73,7 @@ from agentloop.tools.builtin import SYSCALLS
 
 log = logging.getLogger("agentloop.process")
 
+T = TypeVar("T")
 SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
 RUN_FAILED = "Tool call not completed: the run ended with an internal error."
@@ -231,7 +232,10 @@ class _TxScope:
         await self.scope.begin()
         if self.tx.live.lost:  # dropped after a failed commit: only the reloaded process may write
             self.scope.end(commit=False)
-            raise StoreError(f"process {self.tx.live.record.pid} was reloaded after a failed commit")
+            pid = self.tx.live.record.pid
+            if self.tx.engine.leases is not None:  # let go of, or taken over: the caller may start over
+                raise LeaseLost(pid)
+            raise StoreError(f"process {pid} was reloaded after a failed commit")
         return self.tx
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
@@ -326,8 +330,13 @@ class ProcessEngine:
                 remote.idle.set()
             return remote
         history = [m.message for m in await self.store.history(pid)]
-        live = self._live[pid] = _Live(record, history)
-        live.queued = len(await self.store.queue(pid))
+        queued = len(await self.store.queue(pid))
+        raced = self._live.get(pid)
+        if raced is not None:  # loaded by another task meanwhile: one cache (and driver) per process
+            return raced
+        if self.leases is not None and pid not in self.leases.held:  # let go of meanwhile
+            return await self.live(pid)
+        live = self._live[pid] = _Live(record, history, queued=queued)
         live.media = any(_has_media(m) for m in history)
         live.approvals = record.current_run is not None  # decisions made before a restart may be stored
         if record.current_run is None:
@@ -449,6 +458,9 @@ class ProcessEngine:
 
     async def send(self, pid: str, message: Message, *, mode: SendMode = "steer", run_id: str | None = None) -> Receipt:
         """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
+        return await _retried(lambda: self._send(pid, message, mode=mode, run_id=run_id))
+
+    async def _send(self, pid: str, message: Message, *, mode: SendMode, run_id: str | None) -> Receipt:
         if mode not in ("steer", "queue", "interrupt"):
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         if self.leases is not None and not await self.leases.hold(pid) and mode == "interrupt":
@@ -496,6 +508,9 @@ class ProcessEngine:
         system message, ahead of queued user input; starts a run when none is active, recorded in
         ``proc.run.started`` with ``reason``. A caller-supplied ``run_id`` makes the delivery
         idempotent, as with ``send``: a retry returns the first receipt and delivers nothing."""
+        return await _retried(lambda: self._signal_event(pid, text, run_id=run_id, reason=reason))
+
+    async def _signal_event(self, pid: str, text: str, *, run_id: str | None, reason: str) -> Receipt:
         if self.leases is not None:
             await self.leases.hold(pid)  # or, held elsewhere, the event waits in the queue for its holder
         live = await self.live(pid)
@@ -540,6 +555,9 @@ class ProcessEngine:
                     pass
             except asyncio.CancelledError:
                 raise
+            except LeaseLost:  # another worker carries on from what was committed
+                log.warning("process %s: lease taken over; this worker's step was not committed", live.record.pid)
+                return
             except Exception:  # a bug must not leave the run hanging: end it visibly
                 log.exception("process %s: step failed", live.record.pid)
                 if live.lost:
@@ -1083,6 +1101,9 @@ class ProcessEngine:
 
     async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> bool:
         """Answer a pending approval. The decision applies to the exact call (and arguments) shown."""
+        return await _retried(lambda: self._hil(pid, request_id, decision, remember=remember))
+
+    async def _hil(self, pid: str, request_id: str, decision: str, *, remember: bool) -> bool:
         if decision not in ("approve", "deny"):
             raise ValueError(f"decision must be approve or deny, got {decision!r}")
         if self.leases is not None:
@@ -1160,7 +1181,10 @@ class ProcessEngine:
             return
         first = next((q for q in queue if q.kind == "system"), queue[0])
         async with self._tx(live) as tx:
-            await self.store.dequeue(pid, first.id)
+            # checked inside the transaction: two promotions that read the same queue (a worker's
+            # own and one on a notification from another) start one run
+            if live.record.current_run is not None or not await self.store.dequeue(pid, first.id):
+                return
             tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
             await tx.start_run(first.message, "queue.promote", first.run_id)
         self.wake(pid)
@@ -1263,6 +1287,18 @@ class ProcessEngine:
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
+
+
+async def _retried(attempt: Callable[[], Awaitable[T]], tries: int = 3) -> T:
+    """Input delivered on a shared store: when this worker lost the lease between deciding to
+    write as the holder and committing (it let the idle process go, or the lease expired),
+    nothing was written, so the delivery starts over (as a forward, or under a new claim)."""
+    for _ in range(tries - 1):
+        try:
+            return await attempt()
+        except LeaseLost:
+            continue
+    return await attempt()
 
 
 def syscall_of(tool_name: str, tools: Mapping[str, Tool]) -> str:

@@ -141,8 +141,8 @@ class Leases:
         resumed = []
         for pid, epoch in await self.store.claim_orphans(self.owner, self.ttl, reclaim=reclaim):
             async with self._claiming.setdefault(pid, asyncio.Lock()):
-                if self.held.get(pid) == epoch:
-                    continue
+                if self.held.get(pid, 0) >= epoch:
+                    continue  # this worker's own claim (a send's) came first
                 await self._took(pid, epoch)
                 resumed.append(pid)
         return resumed
@@ -175,7 +175,7 @@ class Leases:
         seen = await self.store.last_event_seq(pid) if engine.hub.watching(pid) else None
         live = engine.cached(pid)
         if queued:
-            if live is not None and live.record.current_run is None:
+            if live is not None and not live.lost and live.record.current_run is None:
                 live.queued = len(queued)
                 await engine.promote(live)
             return
@@ -309,7 +309,10 @@ class Leases:
             run = live.record.current_run
             if run is not None and run["run_id"] == request.get("run_id"):
                 self._spawn(engine.abort(pid, run["run_id"], reason=str(request.get("reason", "user"))))
-        live.queued = len(await self.store.queue(pid))
+        queued = len(await self.store.queue(pid))
+        if engine.cached(pid) is not live:
+            return  # let go of (or reloaded) meanwhile
+        live.queued = queued
         live.approvals = True  # a decision may have been stored elsewhere
         if live.record.current_run is None:
             if live.queued:
