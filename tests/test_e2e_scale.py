@@ -1,5 +1,6 @@
 """End to end on PostgreSQL: ``agentloop serve --store postgresql://…`` (and ``AGENTLOOP_STORE``)
-runs its processes on the shared database while the data directory keeps only files."""
+runs its processes on the shared database while the data directory keeps only files; two servers
+on one database serve each other's processes (DESIGN §6)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agent
 
 from agentloop.process.store import open_store
 from tests.fakes.openai_server import OpenAIFake, text_reply
-from tests.test_e2e_server import Served, follow_run, free_port, http
+from tests.test_e2e_server import Served, follow_run, free_port, http, until
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +66,31 @@ def test_a_bad_store_url_is_a_usage_error(tmp_path: Path, fake: OpenAIFake, monk
     served = Served(tmp_path / "data", tmp_path, fake, free_port())
     with pytest.raises(AssertionError, match=r"exited with 2.*AGENTLOOP_STORE: store must start with"):
         served.start()
+
+
+def test_two_servers_share_one_database(
+    pg_url: str, tmp_path: Path, fake: OpenAIFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process created on one server is talked to through the other, and both see its runs."""
+    fake.reset()
+    for i in range(4):
+        fake.push(text_reply(f"reply {i}"))
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = start(tmp_path / "one", fake, pg_url, monkeypatch)
+    token = one.token  # printed by the first server only: the accounts are the database's
+    two = start(tmp_path / "two", fake, pg_url, monkeypatch)
+    try:
+        with http(one) as a, http(two, token) as b:
+            pid = a.post("/v1/processes", json={}).json()["pid"]
+            first = b.post(f"/v1/processes/{pid}/messages", json={"text": "via two"}).json()["run_id"]
+            frames = follow_run(a, pid, first)  # followed on the other server
+            assert frames[-1]["data"]["payload"]["status"] == "ok"
+            second = a.post(f"/v1/processes/{pid}/messages", json={"text": "via one"}).json()["run_id"]
+            frames = follow_run(b, pid, second)
+            assert frames[-1]["data"]["payload"]["status"] == "ok"
+            until(lambda: len(b.get(f"/v1/processes/{pid}/messages").json()["messages"]) == 4, "four messages")
+    finally:
+        one.stop()
+        two.stop()
+    assert stored_history(pg_url, pid) == ["user", "assistant", "user", "assistant"]
