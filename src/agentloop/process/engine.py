@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
 from agentloop.loop.execute import SKIPPED, _ask_hooks, _check, _execute, _Prepared
@@ -55,6 +55,7 @@ from agentloop.process.approval.engine import remember_rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, LeaseLost, Leases
+from agentloop.process.lease import retried as _retried
 from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
 from agentloop.process.store import (
@@ -73,7 +74,6 @@ from agentloop.tools.builtin import SYSCALLS
 
 log = logging.getLogger("agentloop.process")
 
-T = TypeVar("T")
 SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
 RUN_FAILED = "Tool call not completed: the run ended with an internal error."
@@ -414,16 +414,6 @@ class ProcessEngine:
             self._drop(live)
             live.lost = True
             live.idle.set()
-
-    def idle_now(self, live: _Live) -> bool:
-        """No run, no tool, no abort, no driver at work for the process."""
-        driver = live.driver
-        return (
-            live.record.current_run is None
-            and not live.tools
-            and not live.stopping
-            and (driver is None or driver.done() or driver is asyncio.current_task())
-        )
 
     async def resume(self, record: ProcessRecord) -> bool:
         return await self._resume(record)
@@ -1287,18 +1277,6 @@ class ProcessEngine:
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()
-
-
-async def _retried(attempt: Callable[[], Awaitable[T]], tries: int = 3) -> T:
-    """Input delivered on a shared store: when this worker lost the lease between deciding to
-    write as the holder and committing (it let the idle process go, or the lease expired),
-    nothing was written, so the delivery starts over (as a forward, or under a new claim)."""
-    for _ in range(tries - 1):
-        try:
-            return await attempt()
-        except LeaseLost:
-            continue
-    return await attempt()
 
 
 def syscall_of(tool_name: str, tools: Mapping[str, Tool]) -> str:

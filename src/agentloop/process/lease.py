@@ -41,13 +41,16 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, StoreError
 
 if TYPE_CHECKING:
-    from agentloop.process.engine import ProcessEngine
+    from agentloop.process.engine import ProcessEngine, _Live
+
+T = TypeVar("T")
 
 log = logging.getLogger("agentloop.lease")
 
@@ -62,6 +65,29 @@ class LeaseLost(StoreError):
     def __init__(self, pid: str) -> None:
         super().__init__(f"process {pid}: this worker no longer holds its lease")
         self.pid = pid
+
+
+async def retried(attempt: Callable[[], Awaitable[T]], tries: int = 3) -> T:
+    """Input delivered on a shared store: when this worker lost the lease between deciding to
+    write as the holder and committing (it let the idle process go, or the lease expired),
+    nothing was written, so the delivery starts over (as a forward, or under a new claim)."""
+    for _ in range(tries - 1):
+        try:
+            return await attempt()
+        except LeaseLost:
+            continue
+    return await attempt()
+
+
+def idle_now(live: _Live) -> bool:
+    """No run, no tool, no abort, no driver at work for the process."""
+    driver = live.driver
+    return (
+        live.record.current_run is None
+        and not live.tools
+        and not live.stopping
+        and (driver is None or driver.done() or driver is asyncio.current_task())
+    )
 
 
 def worker_id() -> str:
@@ -180,7 +206,7 @@ class Leases:
                 await engine.promote(live)
             return
         epoch = self.held.get(pid)
-        if epoch is None or (live is not None and not engine.idle_now(live)):
+        if epoch is None or (live is not None and not idle_now(live)):
             return  # work arrived meanwhile
         # no await from the check to here: a send of this worker either came before (and is
         # seen above) or comes after and claims the lease anew (a new epoch this release leaves)
@@ -317,7 +343,7 @@ class Leases:
         if live.record.current_run is None:
             if live.queued:
                 await engine.promote(live)
-            elif engine.idle_now(live):
+            elif idle_now(live):
                 self.idle(pid)
         else:
             engine.wake(pid)
