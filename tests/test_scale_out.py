@@ -266,3 +266,41 @@ async def test_many_sends_from_both_workers_each_run_exactly_once(pg_url: str, t
             assert not await store.queue(pid)
     assert sorted(t for _, t in ran) == sorted(sent)  # each message's tool ran exactly once
     assert not overlaps
+
+
+async def test_a_fenced_commit_and_a_forwarded_write_notify_the_other_workers(pg_url: str) -> None:
+    from agentloop.process.store import ProcessRecord
+
+    a, b = open_store(pg_url), open_store(pg_url)
+    await a.open()
+    await b.open()
+    heard: list[tuple[str, str]] = []
+    got = asyncio.Event()
+
+    def notified(pid: str, sender: str) -> None:
+        heard.append((pid, sender))
+        got.set()
+
+    stop = await b.listen(notified)
+    assert stop is not None
+    try:
+        async with a.transaction():
+            await a.create_process(ProcessRecord(pid="p1", owner="o", run_as="o", cwd="/"))
+        epoch = await a.claim_lease("p1", "A", 30)
+        assert epoch is not None
+        async with a.transaction():
+            assert await a.fence("p1", "A", epoch, 30)
+            await asyncio.sleep(0.05)
+            assert heard == []  # not before the commit
+        await asyncio.wait_for(got.wait(), 5)
+        assert heard == [("p1", "A")]
+        got.clear()
+        async with a.transaction():
+            assert not await a.fence("p1", "A", epoch + 1, 30)  # a stale claim: no notification either
+            await a.notify("p1", "B")  # a forwarded write
+        await asyncio.wait_for(got.wait(), 5)
+        assert heard == [("p1", "A"), ("p1", "B")]
+    finally:
+        await stop()
+        await a.close()
+        await b.close()

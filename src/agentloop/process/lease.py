@@ -226,7 +226,6 @@ class Leases:
         epoch = self.held.get(pid)
         if epoch is None or not await self.store.fence(pid, self.owner, epoch, self.ttl):
             raise LeaseLost(pid)
-        await self.store.notify(pid, self.owner)
 
     async def told(self, pid: str) -> None:
         """Inside a transaction of a process held elsewhere: its holder hears of it at commit."""

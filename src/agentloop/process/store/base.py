@@ -435,7 +435,8 @@ class Store(ABC):
     async def fence(self, pid: str, owner: str, epoch: int, ttl: float) -> bool:
         """Inside a transaction: whether ``owner`` still holds claim ``epoch`` of the lease, which
         it extends by ``ttl``. The row stays locked until the transaction ends, so a claim waits
-        for the commit and then finds the lease alive: a step commits only under its lease."""
+        for the commit and then finds the lease alive: a step commits only under its lease. A
+        fence that holds also does what ``notify(pid, owner)`` does."""
 
     async def notify(self, pid: str, sender: str) -> None:
         """Inside a transaction: tell the other workers, once it commits, that ``pid`` changed.

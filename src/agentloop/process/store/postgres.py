@@ -859,15 +859,18 @@ class PostgresStore(Store):
         return Lease(row[0], row[1], int(row[2]), float(row[3])) if row else None
 
     async def fence(self, pid: str, owner: str, epoch: int, ttl: float) -> bool:
-        # the UPDATE's row lock holds until commit: a claimer waits, then finds the lease extended
-        status = await self._write().execute(
-            f"UPDATE process_leases SET expires = {_NOW} + $4 WHERE pid = $1 AND owner = $2 AND epoch = $3",
+        # the UPDATE's row lock holds until commit: a claimer waits, then finds the lease extended;
+        # the notification (the other workers' cue, as ``notify``) rides in the same round trip
+        told = await self._write().fetchval(
+            f"WITH u AS (UPDATE process_leases SET expires = {_NOW} + $4 WHERE pid = $1 AND owner = $2 AND epoch = $3"
+            " RETURNING pid) SELECT count(pg_notify($5, u.pid || ' ' || $2)) FROM u",
             pid,
             owner,
             epoch,
             float(ttl),
+            CHANNEL,
         )
-        return _changed(status) == 1
+        return int(told) == 1
 
     async def notify(self, pid: str, sender: str) -> None:
         await self._write().execute("SELECT pg_notify($1, $2)", CHANNEL, f"{pid} {sender}")
