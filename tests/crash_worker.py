@@ -52,7 +52,8 @@ def main(db: str, side_effects: str) -> None:
     async def run() -> None:
         model = ScriptedModel(brain, latency=0.03, chunk=4)
         url = db if "://" in db else f"sqlite:///{db}"
-        async with Kernel.open(url, model=model, tools=[append_line, lookup], approval=policy) as k:
+        # one worker name across restarts: a restarted worker takes its leases back at once
+        async with Kernel.open(url, model=model, tools=[append_line, lookup], approval=policy, worker="crash") as k:
             print("READY", flush=True)
             procs = await k.processes()
             proc = await k.process(procs[0].pid) if procs else await k.spawn(owner="crash", pid="p1")

@@ -11,6 +11,10 @@ The one exception is what limits or steers a run: the guards (``max_rounds``, ``
 would let a run go on without the limit its owner relied on (and a server left out, without tools
 it was meant to have), so a bad value there is an error (exit 2) for the commands that run the
 loop, naming the key or flag and what it must be.
+
+The store (``--store``, then ``AGENTLOOP_STORE``, then the file's ``store`` key; default the
+data directory's SQLite file) is strict too: a server pointed at a shared PostgreSQL that
+silently fell back to a private SQLite file would split the data of its workers.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ MODEL_ENV = "AGENTLOOP_MODEL"
 DEFAULT_TOOL_TIMEOUT = 60.0
 SERVER_ENV = "AGENTLOOP_SERVER"
 TOKEN_ENV = "AGENTLOOP_TOKEN"
+STORE_ENV = "AGENTLOOP_STORE"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold")
 _SWITCHES = ("codemode", "subagents")  # true or false; anything else is an error
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES)
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class FileConfig:
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
     subagents: bool = False
+    store: str | None = None
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -103,6 +109,8 @@ class Settings:
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
+    store: str | None = None  # a store URL; None: the data directory's SQLite file
+    store_source: str = "default"
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
 
     @property
@@ -275,6 +283,10 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             switches[key] = value
         else:
             errors[key] = f"config file {path}: {key} must be true or false, got {value!r}"
+    store = data.get("store")
+    if store is not None and store_problem(store):
+        errors["store"] = f"config file {path}: store {store_problem(store)}"
+        store = None
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -290,6 +302,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             mcp_servers=servers,
             codemode=switches.get("codemode", False),
             subagents=switches.get("subagents", False),
+            store=store,
             **limits,
         ),
         warnings,
@@ -305,6 +318,7 @@ def load_settings(
     workspace: Path | None = None,
     flags: LoopFlags | None = None,
     env: Mapping[str, str] | None = None,
+    store: str | None = None,
 ) -> Settings:
     """Flags win over the environment, which wins over the file, which wins over defaults.
     Unusable run limits, from a flag or the file, are listed in ``errors``."""
@@ -315,7 +329,11 @@ def load_settings(
     if max_rounds is not None and flags.max_rounds is None:
         flags = replace(flags, max_rounds=max_rounds)
     # a flag replaces the file's key, so a bad key a flag overrides does not matter
-    errors = [*_flag_errors(flags), *(e for key, e in file.errors.items() if getattr(flags, key, None) is None)]
+    overridden = {"store"} if store or env.get(STORE_ENV) else set()  # a flag or the environment wins
+    errors = [
+        *_flag_errors(flags),
+        *(e for key, e in file.errors.items() if getattr(flags, key, None) is None and key not in overridden),
+    ]
 
     if model:
         chosen, source = model, "--model"
@@ -325,6 +343,17 @@ def load_settings(
         chosen, source = file.model, f"config file {path}"
     else:
         chosen, source = DEFAULT_MODEL, "built-in default"
+
+    if store:
+        store_url, store_source = store, "--store"
+    elif env.get(STORE_ENV):
+        store_url, store_source = env[STORE_ENV], STORE_ENV
+    elif file.store:
+        store_url, store_source = file.store, f"config file {path}"
+    else:
+        store_url, store_source = None, "default"
+    if store_url is not None and store_source != f"config file {path}" and store_problem(store_url):
+        errors.append(f"{store_source}: store {store_problem(store_url)}")
 
     return Settings(
         model=chosen,
@@ -344,8 +373,20 @@ def load_settings(
         mcp_servers=file.mcp_servers,
         codemode=file.codemode,
         subagents=file.subagents,
+        store=store_url,
+        store_source=store_source,
         errors=errors,
     )
+
+
+def store_problem(url: Any) -> str | None:
+    """Why ``url`` cannot name a store, or None (the form only: whether the database answers is
+    learnt when it is opened). The URL is never quoted back: it may hold a password."""
+    if not isinstance(url, str) or not url.strip():
+        return "must be a store URL (sqlite:///path or postgresql://user@host/db)"
+    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
+        return "must start with sqlite:///, postgresql:// or postgres://"
+    return None
 
 
 T = TypeVar("T")

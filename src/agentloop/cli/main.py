@@ -130,11 +130,12 @@ def _settings(
     system: str | None,
     tool_timeout: float | None = None,
     flags: LoopFlags | None = None,
+    store: str | None = None,
 ) -> Settings:
     """The command's settings, its config warnings shown. A bad run limit (flag or config key)
     is a usage error, exit 2: running without a budget the user set is worse than not running."""
     settings = load_settings(
-        model=model, system_prompt=system, tool_timeout=tool_timeout, workspace=workspace, flags=flags
+        model=model, system_prompt=system, tool_timeout=tool_timeout, workspace=workspace, flags=flags, store=store
     )
     for warning in settings.warnings:
         sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")

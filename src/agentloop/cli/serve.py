@@ -1,8 +1,11 @@
 """``agentloop serve``: the durable kernel behind HTTP, SSE and WebSocket on one port.
 
-The server owns one kernel on ``<data>/agentloop.db``; opening it resumes whatever runs were
-unfinished when the last server stopped or crashed. On a fresh database the first start creates
-the ``admin`` account and prints its token once (the store keeps only its hash).
+The server owns one kernel on ``<data>/agentloop.db``, or on the store ``--store`` (or
+``AGENTLOOP_STORE``, or the config file's ``store``) names: several servers may share one
+PostgreSQL database, each advancing the processes whose lease it holds (``process/lease.py``); the
+data directory still holds their archives and media, so they should share it too. Opening it
+resumes whatever runs were unfinished when the last server stopped or crashed. On a fresh
+database the first start creates the ``admin`` account and prints its token once (the store keeps only its hash).
 
 Shutdown is graceful on SIGINT/SIGTERM: stop accepting, end event streams cleanly (``ctx.stopping``),
 give open connections a bounded time to finish, then close the kernel, so every tick that got
@@ -63,6 +66,7 @@ class ServeOptions:
     workspace: Path
     settings: Settings
     approval: ApprovalSetting
+    store: str | None = None  # a store URL; None: <data>/agentloop.db
     shutdown_timeout: int = SHUTDOWN_TIMEOUT
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
@@ -164,7 +168,7 @@ async def serve_async(
         async with (
             extra_tools(settings, opts.workspace) as extra,
             Kernel.open(
-                f"sqlite:///{opts.data.resolve()}/agentloop.db",
+                opts.store or f"sqlite:///{opts.data.resolve()}/agentloop.db",
                 model=model,
                 workspace=opts.workspace,
                 system_prompt=settings.system_prompt,
@@ -384,6 +388,14 @@ def serve(
     ] = False,
     new: Annotated[bool, typer.Option("--new", help="With --chat: start a new conversation.")] = False,
     pid: Annotated[str | None, typer.Option("--pid", help="With --chat: talk to this process.")] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Store URL: sqlite:///path or postgresql://user@host/db, which several servers may share "
+            "(default: $AGENTLOOP_STORE, the config file's store, <data>/agentloop.db).",
+        ),
+    ] = None,
     max_rounds: MaxRoundsOpt = None,
     max_tool_calls: MaxToolCallsOpt = None,
     max_wall_clock: MaxWallClockOpt = None,
@@ -401,7 +413,7 @@ def serve(
         flags = loop_flags(
             max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
         )
-        settings = _settings(model, workspace, system, flags=flags)
+        settings = _settings(model, workspace, system, flags=flags, store=store)
         setting = _approval(approval)
         ws = _workspace(settings)
         directory = data_dir(data)
@@ -414,7 +426,7 @@ def serve(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
                 "put TLS in front of it\n"
             )
-        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting)
+        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting, store=settings.store)
         try:
             if chat:
                 opts.out = sys.stderr  # stdout carries the answers

@@ -36,6 +36,7 @@ from agentloop.process import signals as sig
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, ToolsetFn, new_id
+from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
@@ -45,6 +46,7 @@ from agentloop.process.store import (
     ScheduleRow,
     Store,
     StoredMessage,
+    StoreError,
     WatchRow,
     open_store,
 )
@@ -268,6 +270,8 @@ class Process:
                     break
             if queue is None:
                 return
+            if engine.leases is not None:  # held by another worker: fed from the log from here
+                engine.leases.follow(self.pid, last)
             while True:
                 item = await queue.get()
                 if item is None:
@@ -343,6 +347,9 @@ class Kernel:
         toolset: ToolsetFn | None = None,
         devices: DeviceDirectory | None = None,
         schedule_min_every: float = DEFAULT_MIN_EVERY,
+        worker: str | None = None,
+        lease_ttl: float = DEFAULT_TTL,
+        poll_interval: float = DEFAULT_POLL,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -354,7 +361,10 @@ class Kernel:
         ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
         is given) and fills the prompt's ``{{devices}}``; ``schedule_min_every`` is the shortest
-        interval a repeating schedule may have; ``agent_options`` are ``Agent``'s
+        interval a repeating schedule may have; on a store several workers share (PostgreSQL),
+        ``worker`` names this one in its leases (default: host, pid and a random suffix), a lease
+        lasts ``lease_ttl`` seconds unless renewed, and ``poll_interval`` is how often it looks
+        for work whose notification it missed (see ``process/lease.py``); ``agent_options`` are ``Agent``'s
         (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
@@ -403,6 +413,9 @@ class Kernel:
             archive=archive,
             compaction_threshold=compaction_threshold,
             toolset=toolset,
+            worker=worker,
+            lease_ttl=lease_ttl,
+            poll_interval=poll_interval,
         )
         kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
         kernel_ref.append(kernel)
@@ -523,6 +536,8 @@ class Kernel:
                 write_archive, self.data_dir, record.owner, pid, name, history, {"reason": "kill" if kill else "reset"}
             )
         self.media.delete_process(record.owner, pid)
+        if not kill and self.engine.leases is not None and not await self.engine.leases.hold(pid):
+            raise StoreError(f"process {pid} is busy on another worker; retry the reset")
         live = await self.engine.live(pid)
         if kill:
             async with self.store.transaction():
@@ -544,4 +559,6 @@ class Kernel:
             tx.after.append(lambda: setattr(live, "queued", 0))
             tx.after.append(live.history.clear)
             await tx.signal(sig.CHANGED, changes=["messages", "reset"])
+        if self.engine.leases is not None:
+            self.engine.leases.idle(pid)
         return path

@@ -13,6 +13,10 @@ the driver decides again from what was committed.
   that happened while a model call was in flight makes that call's answer land nowhere.
 - Input that arrives during a run waits in the queue: ``steer`` items (and system events, first)
   are injected before the next model call; what is left when the run ends starts the next run.
+- On a store several workers share (PostgreSQL), a worker advances only the processes whose
+  lease it holds, and every step's commit checks that lease (``lease.py``); it reaches the
+  others' processes through rows they act on. Its cache of a process it does not hold is a
+  ``remote`` one: the registry row and queue length, read afresh, never driven.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from agentloop.process import signals as sig
 from agentloop.process.approval.engine import remember_rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
+from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, LeaseLost, Leases
+from agentloop.process.lease import retried as _retried
 from agentloop.process.media import MEDIA_PREFIX
 from agentloop.process.signals import Signal, SignalHub
 from agentloop.process.store import (
@@ -140,6 +146,7 @@ class _Live:
     calls: bool = True  # the active run may have tool call rows (False only when known to have none)
     lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
     deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
+    remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
 
 
 class _Tx:
@@ -227,16 +234,26 @@ class _TxScope:
         await self.scope.begin()
         if self.tx.live.lost:  # dropped after a failed commit: only the reloaded process may write
             self.scope.end(commit=False)
-            raise StoreError(f"process {self.tx.live.record.pid} was reloaded after a failed commit")
+            pid = self.tx.live.record.pid
+            if self.tx.engine.leases is not None:  # let go of, or taken over: the caller may start over
+                raise LeaseLost(pid)
+            raise StoreError(f"process {pid} was reloaded after a failed commit")
         return self.tx
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
         tx = self.tx
         if kind is None:
+            leases = tx.engine.leases
             try:
+                if leases is not None:  # a shared store: commit only under this worker's lease
+                    pid = tx.live.record.pid
+                    await (leases.told(pid) if tx.live.remote else leases.fence(pid))
                 await tx.flush()
-            except BaseException:
+            except BaseException as error:
                 self.scope.end(commit=False)
+                if isinstance(error, LeaseLost) and leases is not None:
+                    leases.lost(error.pid)
+                    tx.engine.uncache(error.pid)
                 raise
         else:
             self.scope.end(commit=False)
@@ -282,6 +299,9 @@ class ProcessEngine:
         archive: ArchiveFn | None = None,
         compaction_threshold: float = 0.9,
         toolset: ToolsetFn | None = None,
+        worker: str | None = None,
+        lease_ttl: float = DEFAULT_TTL,
+        poll_interval: float = DEFAULT_POLL,
     ) -> None:
         self.store = store
         self.config = config
@@ -294,6 +314,8 @@ class ProcessEngine:
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self._live: dict[str, _Live] = {}
         self._reloading: set[asyncio.Task[None]] = set()
+        # several workers may share the store: ``worker`` names this one in its leases
+        self.leases = Leases(self, owner=worker, ttl=lease_ttl, poll=poll_interval) if store.shared else None
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -304,9 +326,19 @@ class ProcessEngine:
         record = await self.store.get_process(pid)
         if record is None or record.state == "killed":
             raise NoSuchProcess(pid)
+        if self.leases is not None and pid not in self.leases.held:  # not this worker's to drive
+            remote = _Live(record, [], remote=True, queued=len(await self.store.queue(pid)))
+            if record.current_run is None:
+                remote.idle.set()
+            return remote
         history = [m.message for m in await self.store.history(pid)]
-        live = self._live[pid] = _Live(record, history)
-        live.queued = len(await self.store.queue(pid))
+        queued = len(await self.store.queue(pid))
+        raced = self._live.get(pid)
+        if raced is not None:  # loaded by another task meanwhile: one cache (and driver) per process
+            return raced
+        if self.leases is not None and pid not in self.leases.held:  # let go of meanwhile
+            return await self.live(pid)
+        live = self._live[pid] = _Live(record, history, queued=queued)
         live.media = any(_has_media(m) for m in history)
         live.approvals = record.current_run is not None  # decisions made before a restart may be stored
         if record.current_run is None:
@@ -317,6 +349,8 @@ class ProcessEngine:
         """Store a new process and start its cache: a fresh process has nothing to load."""
         async with self.store.transaction():
             await self.store.create_process(record)
+        if self.leases is not None:
+            return  # cached by whichever worker claims it first
         live = self._live[record.pid] = _Live(record, [], calls=False)
         live.idle.set()
 
@@ -328,7 +362,10 @@ class ProcessEngine:
     # -- recovery ---------------------------------------------------------------------------------
 
     async def recover(self) -> list[str]:
-        """After a (re)start: settle the calls that were in flight and resume every unfinished run."""
+        """After a (re)start: settle the calls that were in flight and resume every unfinished run
+        (on a shared store: those no live worker holds, and from now on the orphans of dead ones)."""
+        if self.leases is not None:
+            return await self.leases.start()
         return [record.pid for record in await self.store.list_processes() if await self._resume(record)]
 
     async def _resume(self, record: ProcessRecord) -> bool:
@@ -366,6 +403,26 @@ class ProcessEngine:
         self.wake(record.pid)
         return True
 
+    # -- leases (see lease.py) --------------------------------------------------------------------
+
+    def cached(self, pid: str) -> _Live | None:
+        return self._live.get(pid)
+
+    def uncache(self, pid: str) -> None:
+        """Forget what this worker knows of a process (it lost or let go of the lease, or just
+        claimed it): its tasks stop, waiters look again, the next use reloads it."""
+        live = self._live.get(pid)
+        if live is not None:
+            self._drop(live)
+            live.lost = True
+            live.idle.set()
+
+    async def resume(self, record: ProcessRecord) -> bool:
+        return await self._resume(record)
+
+    async def promote(self, live: _Live) -> None:
+        await self._promote(live)
+
     def _lost(self, live: _Live) -> None:
         """A group commit failed, so the store lacks a step this cache already holds. Treat it as
         a crash of this one process: drop the cache, stop its tasks, resume from the store."""
@@ -380,6 +437,8 @@ class ProcessEngine:
         task.add_done_callback(self._reloading.discard)
 
     async def _reload(self, pid: str) -> None:
+        if self.leases is not None and pid not in self.leases.held:
+            return  # another worker has it now
         try:
             record = await self.store.get_process(pid)
             if record is not None:
@@ -391,8 +450,14 @@ class ProcessEngine:
 
     async def send(self, pid: str, message: Message, *, mode: SendMode = "steer", run_id: str | None = None) -> Receipt:
         """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
+        return await _retried(lambda: self._send(pid, message, mode=mode, run_id=run_id))
+
+    async def _send(self, pid: str, message: Message, *, mode: SendMode, run_id: str | None) -> Receipt:
         if mode not in ("steer", "queue", "interrupt"):
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+        if self.leases is not None and not await self.leases.hold(pid) and mode == "interrupt":
+            await self.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
+            mode = "steer" if await self.leases.hold(pid) else "queue"  # … and runs this next
         live = await self.live(pid)
         if run_id is not None:  # a caller-supplied run id makes the delivery idempotent
             seen = await self.store.kv_get(pid, f"admitted:{run_id}")
@@ -403,8 +468,11 @@ class ProcessEngine:
         async with self._tx(live) as tx:
             # decided inside the transaction: the run seen here cannot end before this commits
             active = live.record.current_run
-            if active is None:
+            if active is None and not live.remote:
                 receipt = Receipt(await tx.start_run(message, "proc.send", run_id), False, 0)
+            elif active is None:  # the worker holding the process starts the run, with this id
+                receipt = Receipt(run_id or new_id(), False, 0)
+                await tx.enqueue("queue", message, receipt.run_id)
             else:
                 queued_run = run_id or new_id()
                 receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
@@ -439,6 +507,11 @@ class ProcessEngine:
         system message, ahead of queued user input; starts a run when none is active, recorded in
         ``proc.run.started`` with ``reason``. A caller-supplied ``run_id`` makes the delivery
         idempotent, as with ``send``: a retry returns the first receipt and delivers nothing."""
+        return await _retried(lambda: self._signal_event(pid, text, run_id=run_id, reason=reason))
+
+    async def _signal_event(self, pid: str, text: str, *, run_id: str | None, reason: str) -> Receipt:
+        if self.leases is not None:
+            await self.leases.hold(pid)  # or, held elsewhere, the event waits in the queue for its holder
         live = await self.live(pid)
         message = system(text, "event")
         async with self._tx(live) as tx:
@@ -447,8 +520,11 @@ class ProcessEngine:
             if seen is not None:
                 return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
             active = live.record.current_run
-            if active is None:
+            if active is None and not live.remote:
                 receipt = Receipt(await tx.start_run(message, reason, run_id), False)
+            elif active is None:
+                receipt = Receipt(run_id or new_id(), False)
+                await tx.enqueue("system", message, receipt.run_id)
             else:
                 await tx.enqueue("system", message, run_id)
                 receipt = Receipt(active["run_id"], True, 0)
@@ -478,6 +554,9 @@ class ProcessEngine:
                     pass
             except asyncio.CancelledError:
                 raise
+            except LeaseLost:  # another worker carries on from what was committed
+                log.warning("process %s: lease taken over; this worker's step was not committed", live.record.pid)
+                return
             except Exception:  # a bug must not leave the run hanging: end it visibly
                 log.exception("process %s: step failed", live.record.pid)
                 if live.lost:
@@ -486,6 +565,8 @@ class ProcessEngine:
                 await self._fail(live)
         if live.driver is asyncio.current_task():  # an idle process keeps no finished task around
             live.driver = None
+        if self.leases is not None and live.record.current_run is None:
+            self.leases.idle(live.record.pid)
 
     async def _fail(self, live: _Live) -> None:
         """End the active run after an internal error: stop its tools, give every open call an
@@ -1040,8 +1121,13 @@ class ProcessEngine:
 
     async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> bool:
         """Answer a pending approval. The decision applies to the exact call (and arguments) shown."""
+        return await _retried(lambda: self._hil(pid, request_id, decision, remember=remember))
+
+    async def _hil(self, pid: str, request_id: str, decision: str, *, remember: bool) -> bool:
         if decision not in ("approve", "deny"):
             raise ValueError(f"decision must be approve or deny, got {decision!r}")
+        if self.leases is not None:
+            await self.leases.hold(pid)  # or, held elsewhere, decided here and carried out there
         live = await self.live(pid)
         row = next((h for h in await self.store.hils(pid) if h.request_id == request_id), None)
         if row is None:
@@ -1115,13 +1201,18 @@ class ProcessEngine:
             return
         first = next((q for q in queue if q.kind == "system"), queue[0])
         async with self._tx(live) as tx:
-            await self.store.dequeue(pid, first.id)
+            # checked inside the transaction: two promotions that read the same queue (a worker's
+            # own and one on a notification from another) start one run
+            if live.record.current_run is not None or not await self.store.dequeue(pid, first.id):
+                return
             tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
             await tx.start_run(first.message, "queue.promote", first.run_id)
         self.wake(pid)
 
     async def abort(self, pid: str, run_id: str | None = None, *, reason: str = "user") -> bool:
         """Stop the active run now. A stale ``run_id`` (not the active run) does nothing."""
+        if self.leases is not None and not await self.leases.hold(pid):
+            return await self.leases.forward_abort(pid, run_id, reason)
         live = await self.live(pid)
         run = live.record.current_run
         if run is None or (run_id is not None and run["run_id"] != run_id):
@@ -1173,6 +1264,8 @@ class ProcessEngine:
         live = self._live.get(pid)
         if live is not None:
             self._drop(live)
+        if self.leases is not None:
+            self.leases.lost(pid)
         self.hub.close(pid)
 
     def _drop(self, live: _Live) -> None:
@@ -1188,6 +1281,10 @@ class ProcessEngine:
         """Return when no run is active and nothing is working for the process."""
         live = await self.live(pid)
         while True:
+            if live.remote:
+                assert self.leases is not None
+                await self.leases.wait_idle(pid)
+                return
             if live.lost:  # dropped after a failed commit: follow the reloaded process
                 live = await self.live(pid)
             elif not live.idle.is_set():  # a run is active, or the step that ended it is not durable yet
@@ -1205,6 +1302,8 @@ class ProcessEngine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.leases is not None:
+            await self.leases.stop()
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self._live.clear()

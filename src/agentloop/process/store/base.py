@@ -172,7 +172,19 @@ class TokenRecord:
     revoked_at: float | None = None
 
 
+@dataclass(slots=True)
+class Lease:
+    """Who may advance a process (DESIGN §6): ``owner`` (None: nobody) until ``expires`` (epoch
+    seconds on the store's clock), and the ``epoch`` of that claim, which fences its commits."""
+
+    pid: str
+    owner: str | None
+    epoch: int
+    expires: float
+
+
 Settled: TypeAlias = Callable[[BaseException | None], None]
+Notified: TypeAlias = Callable[[str, str], None]  # (pid, sender): a process changed on some worker
 
 
 class Transaction(ABC):
@@ -384,6 +396,57 @@ class Store(ABC):
 
     @abstractmethod
     async def delete_watch(self, watch_id: str) -> bool: ...
+
+    # -- leases (DESIGN §6; see process/lease.py) ------------------------------------------------
+    # Claims, renewals and releases commit on their own: call them outside ``transaction()``.
+    # ``fence`` and ``notify`` belong to the caller's open transaction.
+
+    shared: bool = False  # several workers may use this store's database at once (leases needed)
+
+    @abstractmethod
+    async def claim_lease(self, pid: str, owner: str, ttl: float) -> int | None:
+        """Take ``pid``'s lease for ``ttl`` seconds if it is free, expired, or ``owner``'s already;
+        returns the claim's epoch (one more than the last), None when another owner holds it."""
+
+    @abstractmethod
+    async def claim_orphans(
+        self, owner: str, ttl: float, limit: int = 100, *, reclaim: bool = False
+    ) -> list[tuple[str, int]]:
+        """The sweep: claim processes that have work (an active run, queued input) and no live
+        lease (none, released, or expired: their worker died); returns (pid, epoch) pairs. Rows
+        another claimer is looking at are skipped, not waited for. ``reclaim``: ``owner``'s own
+        leases count as orphans too (a worker restarted under the same name, whose previous
+        life cannot commit any more once the epoch moved on)."""
+
+    @abstractmethod
+    async def renew_leases(self, owner: str, ttl: float) -> dict[str, int]:
+        """Extend every lease ``owner`` holds to ``ttl`` seconds from now; returns pid -> epoch of
+        the leases it still holds (one missing was taken over after it expired)."""
+
+    @abstractmethod
+    async def release_lease(self, pid: str, owner: str, epoch: int) -> bool:
+        """Free the lease if it is still ``owner``'s claim ``epoch``; False otherwise."""
+
+    @abstractmethod
+    async def lease(self, pid: str) -> Lease | None:
+        """The process's lease row, or None if it was never claimed."""
+
+    @abstractmethod
+    async def fence(self, pid: str, owner: str, epoch: int, ttl: float) -> bool:
+        """Inside a transaction: whether ``owner`` still holds claim ``epoch`` of the lease, which
+        it extends by ``ttl``. The row stays locked until the transaction ends, so a claim waits
+        for the commit and then finds the lease alive: a step commits only under its lease. A
+        fence that holds also does what ``notify(pid, owner)`` does."""
+
+    async def notify(self, pid: str, sender: str) -> None:
+        """Inside a transaction: tell the other workers, once it commits, that ``pid`` changed.
+        A store one worker has to itself has nobody to tell."""
+        return None
+
+    async def listen(self, notified: Notified) -> Callable[[], Awaitable[None]] | None:
+        """Call ``notified`` for every ``notify`` of any worker (this one's too); returns how to
+        stop listening, or None when the store has no cross-worker channel."""
+        return None
 
     # -- accounts and tokens --------------------------------------------------------------------
 

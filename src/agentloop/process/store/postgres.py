@@ -42,7 +42,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -53,7 +53,9 @@ from agentloop.process.store.base import (
     CallStatus,
     EventRow,
     HilRow,
+    Lease,
     NoSuchProcess,
+    Notified,
     ProcessRecord,
     QueueItem,
     QueueKind,
@@ -125,10 +127,38 @@ WITH m AS (DELETE FROM messages WHERE pid = $1),
      e AS (DELETE FROM events WHERE pid = $1),
      s AS (DELETE FROM history_segments WHERE pid = $1),
      d AS (DELETE FROM schedules WHERE pid = $1),
-     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1)
+     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1),
+     l AS (DELETE FROM process_leases WHERE pid = $1)
 DELETE FROM processes WHERE pid = $1
 """
 
+
+# Leases (DESIGN §6) live on the database's clock, so workers on machines whose clocks disagree
+# still agree on when a lease has expired.
+_NOW = "extract(epoch from clock_timestamp())::double precision"
+CHANNEL = "agentloop"  # the LISTEN/NOTIFY channel; a payload is "<pid> <sender>"
+_CLAIM = f"""
+INSERT INTO process_leases (pid, owner, epoch, expires) VALUES ($1, $2, 1, {_NOW} + $3)
+ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1, expires = excluded.expires
+WHERE process_leases.owner IS NULL OR process_leases.expires < {_NOW} OR process_leases.owner = excluded.owner
+RETURNING epoch
+"""
+# The sweep: processes with work and no live lease. A process row a tick has locked is skipped
+# (its worker is alive); the claim itself re-checks the lease under the lease row's lock.
+_CLAIM_ORPHANS = f"""
+WITH c AS (
+    SELECT p.pid FROM processes p LEFT JOIN process_leases l ON l.pid = p.pid
+    WHERE p.state <> 'killed'
+      AND (p.current_run IS NOT NULL OR EXISTS (SELECT 1 FROM message_queue q WHERE q.pid = p.pid))
+      AND (l.pid IS NULL OR l.owner IS NULL OR l.expires < {_NOW} OR l.owner = $4)
+    ORDER BY p.pid LIMIT $3
+    FOR UPDATE OF p SKIP LOCKED
+)
+INSERT INTO process_leases (pid, owner, epoch, expires) SELECT c.pid, $1, 1, {_NOW} + $2 FROM c
+ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1, expires = excluded.expires
+WHERE process_leases.owner IS NULL OR process_leases.expires < {_NOW} OR process_leases.owner = $4
+RETURNING pid, epoch
+"""
 
 _SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
 _WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
@@ -142,6 +172,8 @@ def _changed(status: str) -> int:
 class PostgresStore(Store):
     """``PostgresStore("postgresql://user:password@host:5432/db")``. The URL is asyncpg's (libpq's
     query parameters such as ``sslmode`` work); ``url`` shows it with the password masked."""
+
+    shared = True  # other servers may work on the same database: the engine takes leases
 
     def __init__(self, dsn: str, *, min_connections: int = 1, max_connections: int = 10) -> None:
         self._dsn = dsn
@@ -750,6 +782,79 @@ class PostgresStore(Store):
 
     async def delete_watch(self, watch_id: str) -> bool:
         return _changed(await self._write().execute("DELETE FROM signal_watches WHERE id = $1", watch_id)) == 1
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    async def claim_lease(self, pid: str, owner: str, ttl: float) -> int | None:
+        epoch = await self.pool.fetchval(_CLAIM, pid, owner, float(ttl))
+        return None if epoch is None else int(epoch)
+
+    async def claim_orphans(
+        self, owner: str, ttl: float, limit: int = 100, *, reclaim: bool = False
+    ) -> list[tuple[str, int]]:
+        rows = await self.pool.fetch(_CLAIM_ORPHANS, owner, float(ttl), limit, owner if reclaim else None)
+        return [(r[0], int(r[1])) for r in rows]
+
+    async def renew_leases(self, owner: str, ttl: float) -> dict[str, int]:
+        rows = await self.pool.fetch(
+            f"UPDATE process_leases SET expires = {_NOW} + $2 WHERE owner = $1 RETURNING pid, epoch", owner, float(ttl)
+        )
+        return {r[0]: int(r[1]) for r in rows}
+
+    async def release_lease(self, pid: str, owner: str, epoch: int) -> bool:
+        status = await self.pool.execute(
+            "UPDATE process_leases SET owner = NULL, expires = 0 WHERE pid = $1 AND owner = $2 AND epoch = $3",
+            pid,
+            owner,
+            epoch,
+        )
+        return _changed(status) == 1
+
+    async def lease(self, pid: str) -> Lease | None:
+        async with self._reading() as db:
+            row = await db.fetchrow("SELECT pid, owner, epoch, expires FROM process_leases WHERE pid = $1", pid)
+        return Lease(row[0], row[1], int(row[2]), float(row[3])) if row else None
+
+    async def fence(self, pid: str, owner: str, epoch: int, ttl: float) -> bool:
+        # the UPDATE's row lock holds until commit: a claimer waits, then finds the lease extended;
+        # the notification (the other workers' cue, as ``notify``) rides in the same round trip
+        told = await self._write().fetchval(
+            f"WITH u AS (UPDATE process_leases SET expires = {_NOW} + $4 WHERE pid = $1 AND owner = $2 AND epoch = $3"
+            " RETURNING pid) SELECT count(pg_notify($5, u.pid || ' ' || $2)) FROM u",
+            pid,
+            owner,
+            epoch,
+            float(ttl),
+            CHANNEL,
+        )
+        return int(told) == 1
+
+    async def notify(self, pid: str, sender: str) -> None:
+        await self._write().execute("SELECT pg_notify($1, $2)", CHANNEL, f"{pid} {sender}")
+
+    async def listen(self, notified: Notified) -> Callable[[], Awaitable[None]] | None:
+        """LISTEN on a connection of its own (not the pool's: a pooled connection is shared). A
+        notification sent while the connection is down is lost, which the caller's polling covers."""
+        try:
+            conn = await asyncpg.connect(self._dsn, timeout=15)
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise self._error("cannot listen on", exc) from None
+
+        def deliver(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            pid, _, sender = payload.partition(" ")
+            notified(pid, sender)
+
+        await conn.add_listener(CHANNEL, deliver)
+
+        async def stop() -> None:
+            with contextlib.suppress(Exception):
+                await conn.remove_listener(CHANNEL, deliver)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5)
+            if not conn.is_closed():
+                conn.terminate()
+
+        return stop
 
     # -- accounts and tokens --------------------------------------------------------------------
 

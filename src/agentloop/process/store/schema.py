@@ -258,6 +258,22 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX signal_watches_source ON signal_watches (source_pid);
         """,
     ),
+    (
+        5,
+        # Scale-out (DESIGN §6): the worker that may advance a process. ``epoch`` grows with every
+        # claim and fences commits: a worker whose lease was taken over cannot commit a step.
+        # ``expires`` is epoch seconds on the database's clock (PostgreSQL) or the machine's
+        # (SQLite); a free lease has no owner. A process without a row has never been claimed.
+        """
+        CREATE TABLE process_leases (
+            pid TEXT PRIMARY KEY,
+            owner TEXT,
+            epoch INTEGER NOT NULL,
+            expires DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX process_leases_owner ON process_leases (owner);
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

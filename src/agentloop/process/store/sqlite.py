@@ -26,6 +26,7 @@ from agentloop.process.store.base import (
     CallStatus,
     EventRow,
     HilRow,
+    Lease,
     NoSuchProcess,
     ProcessRecord,
     QueueItem,
@@ -483,6 +484,7 @@ class SQLiteStore(Store):
             "events",
             "history_segments",
             "schedules",
+            "process_leases",
         ):
             db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
         db.execute("DELETE FROM signal_watches WHERE pid = ? OR source_pid = ?", (pid, pid))
@@ -843,6 +845,85 @@ class SQLiteStore(Store):
 
     async def delete_watch(self, watch_id: str) -> bool:
         cur = self._write().execute("DELETE FROM signal_watches WHERE id = ?", (watch_id,))
+        return cur.rowcount == 1
+
+    # -- leases ---------------------------------------------------------------------------------
+    # The engine takes no leases on SQLite (one process owns the file: ``shared`` is False), but
+    # the methods keep the contract, so the conformance suite holds both dialects to it.
+
+    async def claim_lease(self, pid: str, owner: str, ttl: float) -> int | None:
+        async with self.transaction():
+            now = time.time()
+            row = (
+                self._write()
+                .execute(
+                    "INSERT INTO process_leases (pid, owner, epoch, expires) VALUES (?, ?, 1, ?)"
+                    " ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1,"
+                    " expires = excluded.expires"
+                    " WHERE process_leases.owner IS NULL OR process_leases.expires < ? OR process_leases.owner = ?"
+                    " RETURNING epoch",
+                    (pid, owner, now + ttl, now, owner),
+                )
+                .fetchone()
+            )
+        return int(row[0]) if row else None
+
+    async def claim_orphans(
+        self, owner: str, ttl: float, limit: int = 100, *, reclaim: bool = False
+    ) -> list[tuple[str, int]]:
+        async with self.transaction():
+            now = time.time()
+            db = self._read_registry()
+            pids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT p.pid FROM processes p LEFT JOIN process_leases l ON l.pid = p.pid"
+                    " WHERE p.state <> 'killed'"
+                    " AND (p.current_run IS NOT NULL OR EXISTS (SELECT 1 FROM message_queue q WHERE q.pid = p.pid))"
+                    " AND (l.pid IS NULL OR l.owner IS NULL OR l.expires < ? OR l.owner = ?) LIMIT ?",
+                    (now, owner if reclaim else None, limit),
+                ).fetchall()
+            ]
+            claimed = []
+            for pid in pids:
+                row = db.execute(
+                    "INSERT INTO process_leases (pid, owner, epoch, expires) VALUES (?, ?, 1, ?)"
+                    " ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1,"
+                    " expires = excluded.expires RETURNING epoch",
+                    (pid, owner, now + ttl),
+                ).fetchone()
+                claimed.append((pid, int(row[0])))
+        return claimed
+
+    async def renew_leases(self, owner: str, ttl: float) -> dict[str, int]:
+        async with self.transaction():
+            rows = (
+                self._write()
+                .execute(
+                    "UPDATE process_leases SET expires = ? WHERE owner = ? RETURNING pid, epoch",
+                    (time.time() + ttl, owner),
+                )
+                .fetchall()
+            )
+        return {r[0]: int(r[1]) for r in rows}
+
+    async def release_lease(self, pid: str, owner: str, epoch: int) -> bool:
+        async with self.transaction():
+            cur = self._write().execute(
+                "UPDATE process_leases SET owner = NULL, expires = 0 WHERE pid = ? AND owner = ? AND epoch = ?",
+                (pid, owner, epoch),
+            )
+        return cur.rowcount == 1
+
+    async def lease(self, pid: str) -> Lease | None:
+        row = self.db.execute("SELECT pid, owner, epoch, expires FROM process_leases WHERE pid = ?", (pid,)).fetchone()
+        return Lease(row[0], row[1], int(row[2]), float(row[3])) if row else None
+
+    async def fence(self, pid: str, owner: str, epoch: int, ttl: float) -> bool:
+        cur = self._write().execute(
+            "UPDATE process_leases SET expires = ? WHERE pid = ? AND owner = ? AND epoch = ?",
+            (time.time() + ttl, pid, owner, epoch),
+        )
         return cur.rowcount == 1
 
     # -- accounts and tokens --------------------------------------------------------------------

@@ -1,0 +1,371 @@
+"""Several workers on one database (DESIGN §6): which worker advances a process, and how the
+others reach it.
+
+A worker advances a process only while it holds the process's lease (``process_leases``: owner,
+expiry, epoch). It claims the lease when it has work for an idle process (a ``send`` it received)
+or finds one orphaned (the sweep: an active run or queued input, and no live lease, because the
+process's worker died or never was); it keeps its leases alive with one renewal for all of them
+every ``ttl / 3`` seconds; it frees a lease once the process is idle and nothing waits in its
+queue. Every step's commit first runs ``store.fence``: an UPDATE of the lease row that matches
+only this worker's claim (epoch), so a worker whose lease expired and was taken over cannot
+commit, and drops the process instead (its cache and its tasks) the moment it learns.
+
+A worker that does not hold a process's lease does not write its state; it leaves rows the
+holder acts on, and tells it with ``store.notify`` (NOTIFY on PostgreSQL, delivered at commit):
+
+- ``send`` / system events: an item in the input queue. ``steer`` joins the active run at its
+  next tool-result boundary, as on one worker; input for an idle process goes in as ``queue``, to
+  be promoted by the holder (or whoever claims the process) with the receipt's run id.
+- ``hil``: the decision is a claim on the ``pending_hil`` row, safe from any worker; the holder
+  then dispatches (or not) the call.
+- ``abort``: a request in the process's key-value rows (``abort:request``); the holder stops the
+  run, and the caller waits until the store shows it ended.
+
+Notifications can be lost (a listener reconnecting, a pooler in between), so every ``poll``
+seconds each worker re-reads the queues of the processes it holds and sweeps for orphans: a lost
+notification delays work by at most ``poll``, it never strands it.
+
+Live signals: a worker publishes the signals of the processes it holds as on one worker. Its
+watchers of a process held elsewhere are fed from the process's signal log, read after each
+notification about it, in sequence order (``follow``). Forwarded signals (a queue change, an
+approval decided elsewhere) reach the holder's watchers through the log only, on reconnect.
+
+On SQLite (one process owns the file) there are no leases: the engine runs without this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from agentloop.process.signals import Signal
+from agentloop.process.store import NoSuchProcess, StoreError
+
+if TYPE_CHECKING:
+    from agentloop.process.engine import ProcessEngine, _Live
+
+T = TypeVar("T")
+
+log = logging.getLogger("agentloop.lease")
+
+ABORT_KEY = "abort:request"  # a process's kv row: {"run_id", "reason"} for its holder to act on
+DEFAULT_TTL = 30.0
+DEFAULT_POLL = 2.0
+
+
+class LeaseLost(StoreError):
+    """This worker's claim on the process was taken over (it expired) or the process was deleted."""
+
+    def __init__(self, pid: str) -> None:
+        super().__init__(f"process {pid}: this worker no longer holds its lease")
+        self.pid = pid
+
+
+async def retried(attempt: Callable[[], Awaitable[T]], tries: int = 3) -> T:
+    """Input delivered on a shared store: when this worker lost the lease between deciding to
+    write as the holder and committing (it let the idle process go, or the lease expired),
+    nothing was written, so the delivery starts over (as a forward, or under a new claim)."""
+    for _ in range(tries - 1):
+        try:
+            return await attempt()
+        except LeaseLost:
+            continue
+    return await attempt()
+
+
+def idle_now(live: _Live) -> bool:
+    """No run, no tool, no abort, no driver at work for the process."""
+    driver = live.driver
+    return (
+        live.record.current_run is None
+        and not live.tools
+        and not live.stopping
+        and (driver is None or driver.done() or driver is asyncio.current_task())
+    )
+
+
+def worker_id() -> str:
+    """A name for this worker that no other (live or dead) shares: host, OS pid, random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
+class Leases:
+    """The leases one engine holds on a shared store, and the loop that keeps them: renewals,
+    the sweep, notifications from the other workers."""
+
+    def __init__(
+        self, engine: ProcessEngine, *, owner: str | None = None, ttl: float = DEFAULT_TTL, poll: float = DEFAULT_POLL
+    ) -> None:
+        if ttl <= 0 or poll <= 0:
+            raise ValueError("lease ttl and poll interval must be positive")
+        self.engine = engine
+        self.store = engine.store
+        self.owner = owner or worker_id()
+        self.ttl = ttl
+        self.poll = poll
+        self.held: dict[str, int] = {}  # pid -> epoch of this worker's claim
+        self._claiming: dict[str, asyncio.Lock] = {}
+        self._changed: set[str] = set()  # pids other workers said changed, not yet looked at
+        self._wake = asyncio.Event()
+        self._tail: dict[str, int] = {}  # pid -> last seq published to this worker's watchers
+        self._loop: asyncio.Task[None] | None = None
+        self._unlisten: Any = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> list[str]:
+        """Listen, claim the orphans (a dead worker's runs, this one's from before a restart),
+        and start the loop; returns the pids resumed."""
+        self._unlisten = await self.store.listen(self._notified)
+        resumed = await self.sweep(reclaim=True)  # (this name's leases from before a restart too)
+        self._loop = asyncio.get_running_loop().create_task(self._run(), name="agentloop-leases")
+        return resumed
+
+    async def stop(self) -> None:
+        """Stop the loop and free every lease (the engine's tasks are stopped already), so another
+        worker resumes this one's runs at once instead of after their expiry."""
+        tasks = [t for t in [self._loop, *self._background] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._unlisten is not None:
+            await self._unlisten()
+            self._unlisten = None
+        held, self.held = self.held, {}
+        for pid, epoch in held.items():
+            try:
+                await self.store.release_lease(pid, self.owner, epoch)
+            except Exception:  # the database is gone: the leases expire by themselves
+                log.warning("could not release the lease of %s; it expires in %.0fs", pid, self.ttl)
+
+    # -- claiming ---------------------------------------------------------------------------------
+
+    async def hold(self, pid: str) -> bool:
+        """Make sure this worker holds ``pid``'s lease: True if it did or could claim it (the
+        process is then resumed from the store), False if another live worker holds it."""
+        if pid in self.held:
+            return True
+        lock = self._claiming.setdefault(pid, asyncio.Lock())
+        async with lock:
+            if pid in self.held:
+                return True
+            epoch = await self.store.claim_lease(pid, self.owner, self.ttl)
+            if epoch is None:
+                return False
+            await self._took(pid, epoch)
+            return True
+
+    async def sweep(self, *, reclaim: bool = False) -> list[str]:
+        """Claim processes with work and no live lease, and resume them."""
+        resumed = []
+        for pid, epoch in await self.store.claim_orphans(self.owner, self.ttl, reclaim=reclaim):
+            async with self._claiming.setdefault(pid, asyncio.Lock()):
+                if self.held.get(pid, 0) >= epoch:
+                    continue  # this worker's own claim (a send's) came first
+                await self._took(pid, epoch)
+                resumed.append(pid)
+        return resumed
+
+    async def _took(self, pid: str, epoch: int) -> None:
+        """A claim succeeded: whatever this worker cached of the process may be stale (another
+        worker may have advanced it), so it is reloaded; a run in flight under the previous
+        holder resumes as after a crash (its open calls re-dispatched or failed)."""
+        self.held[pid] = epoch
+        engine = self.engine
+        engine.uncache(pid)
+        if pid in self._tail:
+            await self._publish_log(pid)  # what the previous holder logged, before this one's steps
+            self._tail.pop(pid, None)
+        record = await self.store.get_process(pid)
+        if record is None:
+            self.held.pop(pid, None)
+            await self.store.release_lease(pid, self.owner, epoch)
+            raise NoSuchProcess(pid)
+        await engine.resume(record)
+
+    def idle(self, pid: str) -> None:
+        """The process has no active run: free its lease (in the background) unless input waits."""
+        if pid in self.held:
+            self._spawn(self._release_if_idle(pid))
+
+    async def _release_if_idle(self, pid: str) -> None:
+        engine = self.engine
+        queued = await self.store.queue(pid)
+        seen = await self.store.last_event_seq(pid) if engine.hub.watching(pid) else None
+        live = engine.cached(pid)
+        if queued:
+            if live is not None and not live.lost and live.record.current_run is None:
+                live.queued = len(queued)
+                await engine.promote(live)
+            return
+        epoch = self.held.get(pid)
+        if epoch is None or (live is not None and not idle_now(live)):
+            return  # work arrived meanwhile
+        # no await from the check to here: a send of this worker either came before (and is
+        # seen above) or comes after and claims the lease anew (a new epoch this release leaves)
+        del self.held[pid]
+        engine.uncache(pid)
+        if seen is not None:
+            self._tail[pid] = seen
+        await self.store.release_lease(pid, self.owner, epoch)
+        if await self.store.queue(pid):  # input that another worker queued while this one let go
+            await self.hold(pid)
+
+    # -- fencing ----------------------------------------------------------------------------------
+
+    async def fence(self, pid: str) -> None:
+        """Inside a step's transaction: ``LeaseLost`` unless this worker's claim still holds (and
+        extend it); the other workers hear of the step once it commits."""
+        epoch = self.held.get(pid)
+        if epoch is None or not await self.store.fence(pid, self.owner, epoch, self.ttl):
+            raise LeaseLost(pid)
+
+    async def told(self, pid: str) -> None:
+        """Inside a transaction of a process held elsewhere: its holder hears of it at commit."""
+        await self.store.notify(pid, self.owner)
+
+    def lost(self, pid: str) -> None:
+        self.held.pop(pid, None)
+
+    # -- forwarding -------------------------------------------------------------------------------
+
+    async def forward_abort(self, pid: str, run_id: str | None, reason: str, *, wait: float = 30.0) -> bool:
+        """Ask the holder to stop the active run (``run_id``: only that one) and wait until the
+        store shows it ended; False if no such run was active, or it did not end in ``wait``."""
+        record = await self.store.get_process(pid)
+        if record is None:
+            raise NoSuchProcess(pid)
+        run = record.current_run
+        if run is None or (run_id is not None and run["run_id"] != run_id):
+            return False
+        async with self.store.transaction():
+            await self.store.kv_set(pid, ABORT_KEY, {"run_id": run["run_id"], "reason": reason})
+            await self.told(pid)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if pid in self.held:  # claimed meanwhile (its holder died or let go): stop it here
+                return await self.engine.abort(pid, run["run_id"], reason=reason)
+            record = await self.store.get_process(pid)
+            if record is None or (record.current_run or {}).get("run_id") != run["run_id"]:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def wait_idle(self, pid: str) -> None:
+        """Return when the process, held by another worker, has no active run and no input waiting."""
+        while pid not in self.held:
+            record = await self.store.get_process(pid)
+            if record is None or record.state == "killed":
+                raise NoSuchProcess(pid)
+            if record.current_run is None and not await self.store.queue(pid):
+                return
+            await asyncio.sleep(0.02)
+        await self.engine.wait_idle(pid)
+
+    def follow(self, pid: str, after_seq: int) -> None:
+        """A watcher of ``pid`` has read its log up to ``after_seq``: signals after that reach it
+        from this worker's log reads while another worker holds the process."""
+        if pid not in self.held:
+            self._tail[pid] = min(self._tail.get(pid, after_seq), after_seq)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _notified(self, pid: str, sender: str) -> None:
+        if sender == self.owner:
+            return
+        self._changed.add(pid)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        renew_every = self.ttl / 3
+        next_renew = time.monotonic() + renew_every
+        next_poll = time.monotonic() + self.poll
+        while True:
+            timeout = max(0.0, min(next_renew, next_poll) - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            try:
+                changed, self._changed = self._changed, set()
+                for pid in changed:
+                    await self._look(pid)
+                now = time.monotonic()
+                if now >= next_renew:
+                    next_renew = now + renew_every
+                    await self._renew()
+                if now >= next_poll:
+                    next_poll = now + self.poll
+                    await self.sweep()
+                    for pid in [*self.held, *self._tail]:
+                        await self._look(pid)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # (the database is away) the next round tries again
+                log.exception("lease upkeep failed")
+
+    async def _renew(self) -> None:
+        before = dict(self.held)
+        alive = await self.store.renew_leases(self.owner, self.ttl)
+        for pid, epoch in before.items():
+            if self.held.get(pid) == epoch and alive.get(pid) != epoch:
+                log.warning("process %s: lease lost (taken over after it expired)", pid)
+                self.held.pop(pid, None)
+                self.engine.uncache(pid)
+
+    async def _look(self, pid: str) -> None:
+        """Another worker changed the process (or it is time to poll): act on what it left."""
+        engine = self.engine
+        live = engine.cached(pid) if pid in self.held else None
+        if live is None:
+            if pid in self._tail:
+                await self._publish_log(pid)
+            return
+        request = await self.store.kv_get(pid, ABORT_KEY)
+        if request is not None:
+            async with self.store.transaction():
+                await self.store.kv_delete(pid, ABORT_KEY)
+            run = live.record.current_run
+            if run is not None and run["run_id"] == request.get("run_id"):
+                self._spawn(engine.abort(pid, run["run_id"], reason=str(request.get("reason", "user"))))
+        queued = len(await self.store.queue(pid))
+        if engine.cached(pid) is not live:
+            return  # let go of (or reloaded) meanwhile
+        live.queued = queued
+        live.approvals = True  # a decision may have been stored elsewhere
+        if live.record.current_run is None:
+            if live.queued:
+                await engine.promote(live)
+            elif idle_now(live):
+                self.idle(pid)
+        else:
+            engine.wake(pid)
+
+    async def _publish_log(self, pid: str) -> None:
+        """Feed this worker's watchers of ``pid`` from its log, in order, from where they are."""
+        hub = self.engine.hub
+        if not hub.watching(pid):
+            self._tail.pop(pid, None)
+            return
+        after = self._tail.get(pid, 0)
+        for row in await self.store.events(pid, after_seq=after):
+            hub.publish(pid, Signal(row.signal, row.payload, row.seq))
+            after = row.seq
+        if pid in self._tail:
+            self._tail[pid] = after
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("lease work failed", exc_info=task.exception())

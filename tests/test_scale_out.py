@@ -1,0 +1,306 @@
+"""Several workers on one PostgreSQL database (DESIGN §6), as two kernels in one test process:
+input sent through either reaches the process whichever worker holds it, exactly one worker
+advances a process at a time, a worker whose lease was taken over cannot commit, and many sends
+from both workers to many processes each run exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
+
+from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.kernel import Approval, Kernel
+from agentloop.messages import UserMessage
+from agentloop.models.base import ModelRequest
+from agentloop.process import signals as sig
+from agentloop.process.store import open_store
+
+FAST = {"lease_ttl": 2.0, "poll_interval": 0.2}  # short, so a test sees expiry and polling quickly
+
+
+def worker(url: str, tmp_path: Path, name: str, model: Any, tools: list[Any], **kw: Any) -> Any:
+    options = {**FAST, **kw}
+    return Kernel.open(url, model=model, tools=tools, workspace=tmp_path, data_dir=tmp_path, worker=name, **options)
+
+
+@asynccontextmanager
+async def two(
+    url: str, tmp_path: Path, model: Any, tools: list[Any], **kw: Any
+) -> AsyncIterator[tuple[Kernel, Kernel]]:
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(worker(url, tmp_path, "A", model, tools, **kw))
+        b = await stack.enter_async_context(worker(url, tmp_path, "B", model, tools, **kw))
+        yield a, b
+
+
+def last_user(req: ModelRequest) -> str:
+    return [m.text for m in req.messages if isinstance(m, UserMessage)][-1]
+
+
+async def holder(url: str, pid: str) -> str | None:
+    store = open_store(url)
+    await store.open()
+    try:
+        lease = await store.lease(pid)
+        return None if lease is None else lease.owner
+    finally:
+        await store.close()
+
+
+async def test_a_send_through_either_worker_runs_once(pg_url: str, tmp_path: Path) -> None:
+    ran: list[str] = []
+
+    @tool
+    def note(text: str) -> str:
+        """Record."""
+        ran.append(text)
+        return text
+
+    def brain(req: ModelRequest) -> Reply | str:
+        if isinstance(req.messages[-1], UserMessage):
+            return Reply(tool_calls=[call("note", text=last_user(req))])
+        return "done: " + last_user(req)
+
+    async with two(pg_url, tmp_path, ScriptedModel(brain), [note]) as (a, b):
+        proc_a = await a.spawn(owner="alice")
+        proc_b = await b.process(proc_a.pid)
+        first = await proc_b.send("one")  # B claims the idle process and runs it
+        assert not first.queued
+        await proc_a.wait_idle()  # A waits on the store for B's run
+        assert ran == ["one"]
+        second = await proc_a.send("two")  # idle again (B let go): now A runs it
+        await proc_b.wait_idle()
+        assert ran == ["one", "two"]
+        texts = [m.text for m in await proc_a.messages() if isinstance(m, UserMessage)]
+        assert texts == ["one", "two"]
+        finished = [
+            s.payload["runId"] for s in [s async for s in proc_b.signals(follow=False)] if s.signal == sig.RUN_FINISHED
+        ]
+        assert finished == [first.run_id, second.run_id]
+        assert await holder(pg_url, proc_a.pid) is None  # idle: nobody holds it
+
+
+async def test_steer_abort_and_approval_from_the_worker_without_the_lease(pg_url: str, tmp_path: Path) -> None:
+    gate = asyncio.Event()
+
+    @tool
+    async def wait_gate() -> str:
+        """Wait until the test opens the gate."""
+        await gate.wait()
+        return "opened"
+
+    @tool
+    def rm(path: str) -> str:
+        """Pretend to delete."""
+        return f"removed {path}"
+
+    def brain(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        if isinstance(last, UserMessage) and last.text == "gate":
+            return Reply(tool_calls=[call("wait_gate")])
+        if isinstance(last, UserMessage) and last.text == "delete":
+            return Reply(tool_calls=[call("rm", path="x")])
+        return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
+
+    async def policy(process: Any, row: Any) -> Approval:
+        return Approval("ask", ("destructive",), "rm", fingerprint="rm") if row.tool_name == "rm" else Approval("auto")
+
+    async with two(pg_url, tmp_path, ScriptedModel(brain), [wait_gate, rm], approval=policy) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        run = await pa.send("gate")
+        assert await holder(pg_url, pa.pid) == "A"
+        steered = await pb.send("and this too")  # forwarded: joins A's active run
+        assert steered.queued and steered.run_id == run.run_id
+        gate.set()
+        await pb.wait_idle()
+        msgs = await pa.messages()
+        assert msgs[-1].text == "seen: gate, and this too"
+        assert [m.text for m in msgs if isinstance(m, UserMessage)] == ["gate", "and this too"]
+
+        gate.clear()
+        stuck = await pa.send("gate")
+        assert await pb.abort() is True  # forwarded to A, which stops the run
+        events = [s async for s in pa.signals(follow=False)]
+        end = [s.payload for s in events if s.signal == sig.RUN_FINISHED][-1]
+        assert end["runId"] == stuck.run_id and end["status"] == "aborted"
+
+        asked = await pa.send("delete")
+        for _ in range(200):
+            pending = await pb.pending_approvals()
+            if pending:
+                break
+            await asyncio.sleep(0.02)
+        assert pending and pending[0].tool_name == "rm"
+        assert await pb.hil(pending[0].request_id, "approve")  # decided on B, carried out by A
+        await pa.wait_idle()
+        results = [m for m in await pa.messages() if isinstance(m, ToolResultMessage)]
+        assert results[-1].text == "removed x" and not results[-1].is_error
+        events = [s async for s in pb.signals(follow=False)]
+        assert [s.payload for s in events if s.signal == sig.RUN_FINISHED][-1]["runId"] == asked.run_id
+
+
+async def test_a_follower_on_the_other_worker_sees_the_run(pg_url: str, tmp_path: Path) -> None:
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "hi " + last_user(req)), []) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        seen: list[str] = []
+
+        async def follow() -> None:
+            async for s in pb.signals(follow=True):
+                seen.append(s.signal)
+                if s.signal == sig.RUN_FINISHED:
+                    return
+
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.1)
+        await pa.send("there")  # runs on A; B's watcher is fed from the log
+        await asyncio.wait_for(follower, 10)
+        assert seen[0] == sig.RUN_STARTED and seen[-1] == sig.RUN_FINISHED and sig.RUN_OUTPUT in seen
+
+
+async def test_a_worker_whose_lease_was_taken_over_cannot_commit(pg_url: str, tmp_path: Path) -> None:
+    """A stalls in a model call past its lease (simulated by expiring the lease row); B claims the
+    run and finishes it; A's late answer is refused at commit, and A drops the process."""
+    calls: list[str] = []
+    stall = asyncio.Event()
+
+    async def brain(req: ModelRequest) -> str:
+        calls.append("call")
+        if len(calls) == 1:
+            await stall.wait()  # A's call: answers only after B took over
+            return "stale answer from A"
+        return "answer from B"
+
+    model = ScriptedModel(brain)
+    async with AsyncExitStack() as stack:
+        # A renews rarely, so only its commit can find out that it lost the lease
+        a = await stack.enter_async_context(worker(pg_url, tmp_path, "A", model, [], lease_ttl=60.0))
+        b = await stack.enter_async_context(worker(pg_url, tmp_path, "B", model, []))
+        pa = await a.spawn(owner="alice")
+        await pa.send("hello")
+        while not calls:
+            await asyncio.sleep(0.01)
+        await a.store.pool.execute("UPDATE process_leases SET expires = 0 WHERE pid = $1", pa.pid)  # type: ignore[attr-defined]
+        assert b.engine.leases is not None and await b.engine.leases.hold(pa.pid)  # B takes the run over
+        pb = await b.process(pa.pid)
+        await pb.wait_idle()
+        assert [m.text for m in await pb.messages()] == ["hello", "answer from B"]
+        stall.set()  # A's late answer: its commit is fenced off
+        for _ in range(100):
+            if a.engine.cached(pa.pid) is None:
+                break
+            await asyncio.sleep(0.02)
+        assert a.engine.cached(pa.pid) is None  # A let the process go
+        assert a.engine.leases is not None and pa.pid not in a.engine.leases.held
+        assert [m.text for m in await pb.messages()] == ["hello", "answer from B"]
+        finished = [s for s in [s async for s in pb.signals(follow=False)] if s.signal == sig.RUN_FINISHED]
+        assert len(finished) == 1
+
+
+@pytest.mark.timeout(180)
+async def test_many_sends_from_both_workers_each_run_exactly_once(pg_url: str, tmp_path: Path) -> None:
+    """Ten processes, twelve messages each, sent through both workers at once (queue and steer):
+    every message is in its history once, its tool ran once, and no process ran on two workers
+    at the same time."""
+    ran: list[tuple[str, str]] = []
+    busy: dict[str, dict[str, int]] = {}  # pid -> worker -> tools of it running there
+    overlaps: list[str] = []
+
+    def make_tool(worker_name: str) -> Any:
+        @tool(name="mark")
+        async def mark(pid: str, text: str) -> str:
+            """Record a message, noticing a process at work on two workers at once."""
+            here = busy.setdefault(pid, {})
+            if any(n for w, n in here.items() if w != worker_name):
+                overlaps.append(pid)
+            here[worker_name] = here.get(worker_name, 0) + 1
+            await asyncio.sleep(0.005)
+            ran.append((pid, text))
+            here[worker_name] -= 1
+            return f"{worker_name} marked {text}"
+
+        return mark
+
+    def brain(req: ModelRequest) -> Reply | str:
+        new: list[str] = []  # the user messages since the model last spoke (steers arrive together)
+        for m in reversed(req.messages):
+            if not isinstance(m, UserMessage):
+                break
+            new.insert(0, m.text)
+        if new:
+            return Reply(tool_calls=[call("mark", pid=t.split(":")[0], text=t) for t in new])
+        return "ok"
+
+    model = ScriptedModel(brain)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(worker(pg_url, tmp_path, "A", model, [make_tool("A")]))
+        b = await stack.enter_async_context(worker(pg_url, tmp_path, "B", model, [make_tool("B")]))
+        pids = [(await a.spawn(owner="alice")).pid for _ in range(10)]
+        sent: list[str] = []
+
+        async def sender(k: Kernel, parity: int) -> None:
+            for i in range(parity, 12, 2):
+                for pid in pids:
+                    text = f"{pid}:{i}"
+                    sent.append(text)
+                    await (await k.process(pid)).send(text, mode="queue" if i % 3 else "steer")
+
+        await asyncio.gather(sender(a, 0), sender(b, 1))
+        for pid in pids:
+            for _ in range(3):  # idle on the store, then settled on both workers
+                await (await a.process(pid)).wait_idle()
+                await (await b.process(pid)).wait_idle()
+        store = a.store
+        for pid in pids:
+            texts = [m.message.text for m in await store.history(pid) if isinstance(m.message, UserMessage)]
+            expected = sorted(t for t in sent if t.startswith(pid + ":"))
+            assert sorted(texts) == expected, pid  # none lost, none twice
+            assert not await store.queue(pid)
+    assert sorted(t for _, t in ran) == sorted(sent)  # each message's tool ran exactly once
+    assert not overlaps
+
+
+async def test_a_fenced_commit_and_a_forwarded_write_notify_the_other_workers(pg_url: str) -> None:
+    from agentloop.process.store import ProcessRecord
+
+    a, b = open_store(pg_url), open_store(pg_url)
+    await a.open()
+    await b.open()
+    heard: list[tuple[str, str]] = []
+    got = asyncio.Event()
+
+    def notified(pid: str, sender: str) -> None:
+        heard.append((pid, sender))
+        got.set()
+
+    stop = await b.listen(notified)
+    assert stop is not None
+    try:
+        async with a.transaction():
+            await a.create_process(ProcessRecord(pid="p1", owner="o", run_as="o", cwd="/"))
+        epoch = await a.claim_lease("p1", "A", 30)
+        assert epoch is not None
+        async with a.transaction():
+            assert await a.fence("p1", "A", epoch, 30)
+            await asyncio.sleep(0.05)
+            assert heard == []  # not before the commit
+        await asyncio.wait_for(got.wait(), 5)
+        assert heard == [("p1", "A")]
+        got.clear()
+        async with a.transaction():
+            assert not await a.fence("p1", "A", epoch + 1, 30)  # a stale claim: no notification either
+            await a.notify("p1", "B")  # a forwarded write
+        await asyncio.wait_for(got.wait(), 5)
+        assert heard == [("p1", "A"), ("p1", "B")]
+    finally:
+        await stop()
+        await a.close()
+        await b.close()
