@@ -201,11 +201,11 @@ def test_model_selection_order(tmp_path: Path) -> None:
     assert (s.model, s.model_source, s.warnings) == (DEFAULT_MODEL, "built-in default", [])
 
 
-def test_malformed_config_warns_and_uses_defaults(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_malformed_config_file_stops_the_loop_commands_and_bad_keys_only_warn(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text("model = [unclosed\n")
     file, warnings = read_config_file(cfg)
-    assert file.model is None and len(warnings) == 1
+    assert file.model is None and warnings == [] and "cannot be read" in file.errors["config"]
     cfg2 = tmp_path / "typed.toml"
     cfg2.write_text('model = 5\ntool_timeout = "soon"\ncolour = "blue"\n')
     file, warnings = read_config_file(cfg2)
@@ -214,9 +214,9 @@ def test_malformed_config_warns_and_uses_defaults(tmp_path: Path, ws: Path, monk
     monkeypatch.setenv("AGENTLOOP_CONFIG", str(cfg))
     model = script(tmp_path / "s.json", ["fine"])
     result = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "go"])
-    assert result.exit_code == 0
-    assert result.stdout == "fine\n"
-    assert result.stderr.startswith("warning: ignoring config file") and "Traceback" not in result.stderr
+    # a file that cannot be read would silently drop its budgets, fallbacks and MCP servers: stop
+    assert result.exit_code == 2 and result.stdout == ""
+    assert f"error: config file {cfg} cannot be read" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_config_file_model_is_used(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:

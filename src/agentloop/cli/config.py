@@ -234,14 +234,16 @@ def _read_mcp_servers(value: Any) -> tuple[tuple[MCPServerConfig, ...], str | No
 
 
 def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
-    """Parse the file leniently: every problem is a warning, never an exception."""
+    """Parse the file leniently: a problem with one key is a warning, never an exception. A file
+    that cannot be read at all is an error for the commands that run the loop, like a bad limit:
+    going on without it would silently drop every budget, fallback and MCP server it sets."""
     if not path.exists():
         return FileConfig(), []
     try:
         with path.open("rb") as f:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        return FileConfig(), [f"ignoring config file {path}: {exc}"]
+        return FileConfig(errors={"config": f"config file {path} cannot be read: {exc}"}), []
 
     warnings: list[str] = []
 
