@@ -201,7 +201,9 @@ def test_model_selection_order(tmp_path: Path) -> None:
     assert (s.model, s.model_source, s.warnings) == (DEFAULT_MODEL, "built-in default", [])
 
 
-def test_a_malformed_config_file_stops_the_loop_commands_and_bad_keys_only_warn(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_malformed_config_file_stops_the_loop_commands_and_bad_keys_only_warn(
+    tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text("model = [unclosed\n")
     file, warnings = read_config_file(cfg)

@@ -59,6 +59,7 @@ from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
 from agentloop.models.replay import clean_history
 from agentloop.models.retry import parse_retry_after, retry_after_from_headers
+from agentloop.urls import redact_url
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com"
 API_VERSIONS = ("v1beta", "v1alpha", "v1")
@@ -134,7 +135,7 @@ class GeminiModel(Model):
         self._own_client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
 
     def __repr__(self) -> str:  # never the key
-        return f"GeminiModel({self.model_id!r}, base_url={self.base_url!r})"
+        return f"GeminiModel({self.model_id!r}, base_url={redact_url(self.base_url)!r})"
 
     @property
     def url(self) -> str:
@@ -243,7 +244,7 @@ class GeminiModel(Model):
         if isinstance(exc, httpx.TimeoutException):
             return ProviderError(f"the request to {self.name} timed out", kind="timeout")
         if isinstance(exc, httpx.TransportError):
-            return ProviderError(f"cannot reach {self.base_url}: {_cause(exc)}", kind="connection")
+            return ProviderError(f"cannot reach {redact_url(self.base_url)}: {_cause(exc)}", kind="connection")
         if isinstance(exc, ValueError | TypeError | AttributeError | KeyError):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentloop.messages import ImageContent, TextContent
 from agentloop.tools.base import ResultBlock, Tool, ToolContext, ToolError, ToolResult, format_validation_error
+from agentloop.urls import redact_url
 
 log = logging.getLogger("agentloop.mcp")
 
@@ -138,10 +139,11 @@ class MCPConnection:
         return stdio_client(params, errlog=self._stderr)
 
     def _why(self, reason: str) -> str:
-        what = self.config.url or " ".join([self.config.command or "", *self.config.args]).strip()
+        url = self.config.url
+        what = redact_url(url) if url else " ".join([self.config.command or "", *self.config.args]).strip()
         text = f"MCP server {self.config.name!r} ({what}) {reason}"
         tail = self._stderr_tail()
-        return f"{text}\nits stderr ends with:\n{tail}" if tail else text
+        return f"{text}; its stderr ends with:\n{tail}" if tail else text
 
     def _stderr_tail(self, lines: int = 8) -> str:
         try:
