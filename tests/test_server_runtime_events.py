@@ -127,6 +127,7 @@ async def test_a_watch_over_http(server: LiveServer, alice: httpx.AsyncClient, b
     watch = shape(await alice.post(url, json={"source_pid": source}), api.WatchOut, 201)
     assert watch["once"] and watch["signal"] == "proc.run.finished"
     assert [w["id"] for w in shape(await alice.get(url), api.WatchList)["watches"]] == [watch["id"]]
+    assert watch["created_at"] == shape(await alice.get(url), api.WatchList)["watches"][0]["created_at"] > 0
     await alice.post(f"/v1/processes/{source}/messages", json={"text": "the numbers"})
 
     async def told() -> bool:

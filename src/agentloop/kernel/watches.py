@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from agentloop.kernel.schedules import LimitReached
@@ -85,7 +86,7 @@ class WatchRouter:
         # From the source's newest signal on: what it logs between this read and the index
         # update below is read by the catch-up that the poke at the end starts.
         seen = await self.store.last_event_seq(source_pid)
-        row = WatchRow(new_id(), pid, source_pid, signal, once=once, seen_seq=seen)
+        row = WatchRow(new_id(), pid, source_pid, signal, once=once, seen_seq=seen, created_at=time.time())
         async with self.store.transaction():
             await self.store.add_watch(row)
         self._index.setdefault(source_pid, {})[row.id] = row
