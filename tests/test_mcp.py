@@ -312,3 +312,17 @@ async def test_a_call_through_the_mcp_tool_is_judged_as_the_server_tool_it_reach
     gateway = tools[0]
     assert gateway.syscall_for({"server": "fake", "tool": "add"}) == "mcp.fake.add"
     assert gateway.syscall_for({"server": "fake"}) == "mcp.fake.list_tools"
+
+
+async def test_a_server_printing_garbage_on_stdout_is_logged_in_one_line_per_line(tmp_path, caplog):
+    """QA: the SDK logged a fifty-line traceback for each stray line a server printed."""
+    noisy = tmp_path / "noisy.py"
+    noisy.write_text("import time\nprint('hello, not json', flush=True)\ntime.sleep(30)\n")
+    with pytest.raises(MCPError, match="did not start within 1 s"):
+        async with mcp_tools(
+            [{"name": "noisy", "command": sys.executable, "args": [str(noisy)], "startup_timeout": 1}]
+        ):
+            pass
+    records = [r for r in caplog.records if r.name.startswith("mcp")]
+    assert records and all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+    assert "Failed to parse" in records[0].getMessage()

@@ -36,6 +36,22 @@ _NAME = r"[A-Za-z0-9_-]{1,40}"
 _CONNECTION_CLOSED = -32000  # JSON-RPC code the SDK gives a request whose connection ended
 
 
+class _OneLine(logging.Filter):
+    """The SDK logs a full traceback for every line a server writes to stdout that is not
+    JSON-RPC (a banner, a debug print): fifty lines on the user's terminal for one stray print.
+    Keep one line per record, naming what went wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            first = (_describe(record.exc_info[1]).splitlines() or [""])[0]
+            record.msg, record.args = f"{record.getMessage()}: {first}"[:300], None
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("mcp.client.stdio").addFilter(_OneLine())
+
+
 class MCPServerConfig(BaseModel):
     """One MCP server: a ``command`` to start (stdio) or a ``url`` (Streamable HTTP)."""
 
