@@ -24,7 +24,8 @@ environment (no API keys from this process's environment), which keeps secrets o
 reach but is no sandbox.
 
 The subprocess runs in its own process group; a timeout, the runtime's per-tool timeout and an
-abort kill the group, so whatever the program started dies with it (as for Shell).
+abort kill the group, so whatever the program started dies with it (as for Shell) - unless it
+left the group on purpose (``setsid``, a daemon): a process group is a leash, not a cage.
 """
 
 from __future__ import annotations
