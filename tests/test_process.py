@@ -13,6 +13,7 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, NoSuchProcess
 from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
 from agentloop.models.base import ModelRequest
+from agentloop.process import calls as process_calls
 from tests.process_support import kernel, ran
 
 PNG = base64.b64encode(
@@ -463,7 +464,7 @@ async def test_a_dispatch_without_a_worker_fails_at_its_durable_deadline(tmp_pat
         return "after: " + r.messages[-1].text
 
     async with kernel(tmp_path, ScriptedModel(brain), tools=[lost]) as k:
-        monkeypatch.setattr(k.engine, "_launcher", lambda *args: lambda: None)  # no worker starts
+        monkeypatch.setattr(process_calls, "launcher", lambda *args: lambda: None)  # no worker starts
         proc = await k.spawn(owner="a")
         await proc.send("go")
         await asyncio.wait_for(proc.wait_idle(), 5)

@@ -11,6 +11,7 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Kernel
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
+from agentloop.process.calls import settle
 from agentloop.process.engine import approve_everything
 from agentloop.tools.builtin import builtin_tools
 
@@ -70,7 +71,8 @@ async def test_the_run_waits_for_the_whole_batch_and_late_results_change_nothing
         # a duplicate result for a settled call (a device answering twice) is ignored
         row = rows[0]
         async with k.engine._tx(await k.engine.live(proc.pid)) as tx:
-            again = await k.engine._settle(
+            again = await settle(
+                k.engine,
                 tx,
                 row,
                 ToolResultMessage(tool_call_id=row.tool_call_id, tool_name=row.tool_name, content=[]),

@@ -48,7 +48,8 @@ from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, StoreError
 
 if TYPE_CHECKING:
-    from agentloop.process.engine import ProcessEngine, _Live
+    from agentloop.process.engine import ProcessEngine
+    from agentloop.process.tx import _Live
 
 T = TypeVar("T")
 

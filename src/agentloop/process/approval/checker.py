@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agentloop.process.api import Approval, ApprovalFn
 from agentloop.process.approval.engine import args_fingerprint, decide
 from agentloop.process.approval.policy import Policy, Rule, default_policy, merge, parse_policy
 from agentloop.process.approval.tags import call_target
-from agentloop.process.engine import Approval, ApprovalFn
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
 
 log = logging.getLogger("agentloop.approval")

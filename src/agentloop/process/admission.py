@@ -1,0 +1,106 @@
+"""Input admission: user input and system events reach a process here. Each delivery either starts
+a run or waits in the queue (``steer`` items and system events join the active run, ``queue``
+items wait for the next one; an ``interrupt`` stops the run first); a caller-supplied run id
+makes a delivery idempotent. When a run ends, queued input becomes the next run (``promote``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agentloop.messages import Message, system
+from agentloop.process.api import Receipt, SendMode, new_id
+from agentloop.process.tx import _Live
+
+if TYPE_CHECKING:
+    from agentloop.process.engine import ProcessEngine
+
+
+async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendMode, run_id: str | None) -> Receipt:
+    if mode not in ("steer", "queue", "interrupt"):
+        raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+    if engine.leases is not None and not await engine.leases.hold(pid) and mode == "interrupt":
+        await engine.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
+        mode = "steer" if await engine.leases.hold(pid) else "queue"  # … and runs this next
+    live = await engine.live(pid)
+    if run_id is not None:  # a caller-supplied run id makes the delivery idempotent
+        seen = await engine.store.kv_get(pid, f"admitted:{run_id}")
+        if seen is not None:
+            return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
+    if live.record.current_run is not None and mode == "interrupt":
+        await engine.abort(pid, reason="user.interrupt")
+    async with engine._tx(live) as tx:
+        # decided inside the transaction: the run seen here cannot end before this commits
+        active = live.record.current_run
+        if active is None and not live.remote:
+            receipt = Receipt(await tx.start_run(message, "proc.send", run_id), False, 0)
+        elif active is None:  # the worker holding the process starts the run, with this id
+            receipt = Receipt(run_id or new_id(), False, 0)
+            await tx.enqueue("queue", message, receipt.run_id)
+        else:
+            queued_run = run_id or new_id()
+            receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
+            receipt = Receipt(receipt_run, True, live.queued + 1)
+            await tx.enqueue("steer" if mode == "steer" else "queue", message, queued_run)
+        await _remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position)
+    if not receipt.queued:
+        engine.wake(pid)
+    return receipt
+
+
+async def forget_admission(engine: ProcessEngine, pid: str, run_id: str) -> None:
+    """Drop the record that makes a delivery with this caller-supplied ``run_id`` idempotent,
+    inside the caller's transaction, once the caller can no longer retry it (a schedule moved
+    past that due time, a watch past that signal): a repeating source would otherwise leave
+    one record per delivery behind for ever."""
+    await engine.store.kv_delete(pid, f"admitted:{run_id}")
+
+
+async def _remember_admission(
+    engine: ProcessEngine, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
+) -> None:
+    if supplied is not None:
+        await engine.store.kv_set(pid, f"admitted:{supplied}", {"run": run_id, "queued": queued, "position": position})
+
+
+async def signal_event(engine: ProcessEngine, pid: str, text: str, *, run_id: str | None, reason: str) -> Receipt:
+    if engine.leases is not None:
+        await engine.leases.hold(pid)  # or, held elsewhere, the event waits in the queue for its holder
+    live = await engine.live(pid)
+    message = system(text, "event")
+    async with engine._tx(live) as tx:
+        # checked inside the transaction: two deliveries of one id cannot both pass
+        seen = await engine.store.kv_get(pid, f"admitted:{run_id}") if run_id is not None else None
+        if seen is not None:
+            return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
+        active = live.record.current_run
+        if active is None and not live.remote:
+            receipt = Receipt(await tx.start_run(message, reason, run_id), False)
+        elif active is None:
+            receipt = Receipt(run_id or new_id(), False)
+            await tx.enqueue("system", message, receipt.run_id)
+        else:
+            await tx.enqueue("system", message, run_id)
+            receipt = Receipt(active["run_id"], True, 0)
+        await _remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=0)
+    if not receipt.queued:
+        engine.wake(pid)
+    return receipt
+
+
+async def promote(engine: ProcessEngine, live: _Live) -> None:
+    """Queued input becomes the next run: system events first, then FIFO."""
+    pid = live.record.pid
+    if live.record.current_run is not None:
+        return
+    queue = await engine.store.queue(pid) if live.queued else []
+    if not queue:
+        return
+    first = next((q for q in queue if q.kind == "system"), queue[0])
+    async with engine._tx(live) as tx:
+        # checked inside the transaction: two promotions that read the same queue (a worker's
+        # own and one on a notification from another) start one run
+        if live.record.current_run is not None or not await engine.store.dequeue(pid, first.id):
+            return
+        tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
+        await tx.start_run(first.message, "queue.promote", first.run_id)
+    engine.wake(pid)

@@ -1,0 +1,62 @@
+"""The durable runner's vocabulary, shared by its parts and by the layers above: the hooks a
+``ProcessEngine`` takes (approval policy, system prompt, toolset, archive), what input delivery
+returns, and the ids of processes, runs and calls. Separate from ``engine.py`` so that the parts of
+the runner (and the approval policy, the kernel) can name them without importing the runner."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from agentloop.messages import Message
+from agentloop.process.store import ProcessRecord, ToolCallRow
+from agentloop.tools.base import Tool
+
+SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
+
+
+@dataclass(frozen=True)
+class Approval:
+    """What the approval policy says about one call."""
+
+    action: Literal["auto", "ask", "deny"]
+    tags: tuple[str, ...] = ()
+    reason: str = ""
+    fingerprint: str = ""
+
+
+ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
+PromptFn: TypeAlias = Callable[[ProcessRecord], Awaitable[str]]
+# The tools one process's run sees, given the process and the shared tools (e.g. the shared ones
+# with a ``target`` argument routing to the owner's devices, plus the devices' own tools).
+# a run's tools from the shared ones; may be async (e.g. to start the owner's MCP servers)
+ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
+ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
+
+
+async def approve_everything(process: ProcessRecord, row: ToolCallRow) -> Approval:
+    return Approval("auto")
+
+
+_last_us = 0
+
+
+def new_id() -> str:
+    """A fresh id: 13 hex digits of the time in microseconds (strictly increasing in this runtime),
+    then 6 random ones. Ids sort by creation, so the rows keyed by them (processes, runs, calls)
+    are appended at the end of their index instead of anywhere in it: fewer pages per commit."""
+    global _last_us
+    _last_us = max(time.time_ns() // 1000, _last_us + 1)
+    return f"{_last_us:013x}{os.urandom(3).hex()}"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The answer to ``send``: which run the input belongs to, and whether it waits in the queue."""
+
+    run_id: str
+    queued: bool
+    position: int = 0

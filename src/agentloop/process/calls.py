@@ -1,0 +1,317 @@
+"""The tool calls of a durable run, from the model's calls to their results in the history: rows
+registered with the assistant message, dispatch under the approval policy and the concurrency
+rules, the tasks that run them, settling each call exactly once (a late or duplicate result changes
+nothing), the durable deadlines, and ingesting the batch once every call is terminal. Separate
+from the driver: this is the per-call state machine (``registered -> dispatched -> terminal``);
+the driver only decides when a batch is started and when it is over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared
+from agentloop.loop.hooks import TurnInfo
+from agentloop.loop.state import LoopConfig, RunState
+from agentloop.messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    ToolCall,
+    ToolResultMessage,
+    message_from_dict,
+    message_to_dict,
+    tool_error_result,
+)
+from agentloop.process import signals as sig
+from agentloop.process.api import Approval, new_id
+from agentloop.process.hil import ask, nested_policy
+from agentloop.process.store import CallStatus, ToolCallRow
+from agentloop.process.tx import _Live, _Tx
+from agentloop.tools.base import Tool
+from agentloop.tools.builtin import SYSCALLS, syscall_of
+
+if TYPE_CHECKING:
+    from agentloop.process.engine import ProcessEngine
+
+log = logging.getLogger("agentloop.process")
+
+
+def call_rows(pid: str, run_id: str, calls: list[ToolCall], tools: Mapping[str, Tool]) -> list[ToolCallRow]:
+    return [
+        ToolCallRow(new_id(), pid, run_id, i, c.id, c.name, _syscall(c, tools), dict(c.arguments))
+        for i, c in enumerate(calls)
+    ]
+
+
+async def dispatch(
+    engine: ProcessEngine,
+    tx: _Tx,
+    live: _Live,
+    run: dict[str, Any],
+    rows: list[ToolCallRow],
+    assistant: AssistantMessage | None = None,
+    *,
+    fresh: bool = False,
+    budget: int | None = None,
+) -> None:
+    """Start the registered calls the policy allows, in the model's order, inside ``tx``; stop
+    at the first that needs a person's approval, or that must wait for calls in flight (the
+    loop's ``sequential`` mode, a ``sequential`` tool, ``max_concurrency``): each result wakes
+    the driver, which starts the next. Tools start once the transaction commits.
+
+    ``fresh`` rows are not stored yet: they are inserted at the end with the status decided
+    here (one statement per batch instead of an insert and an update per call). Calls past
+    ``budget`` (what is left of the ``max_tool_calls`` guard) are not run."""
+    pid, run_id = live.record.pid, run["run_id"]
+    assistant = assistant or _last_assistant(live.history) or AssistantMessage()
+    approved = (await engine.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
+    cfg = await engine._run_config(live, run_id)
+    in_flight = sum(1 for r in rows if r.status == "dispatched")
+    alone = in_flight > 0 and any(_runs_alone(cfg, r) for r in rows if r.status == "dispatched")
+    for row in rows:
+        if row.status != "registered":
+            continue
+        call = call_of(row)
+        if budget is not None and row.position >= budget:
+            text = "Not run: the run's tool call budget is used up."
+            await settle(engine, tx, row, tool_error_result(call, text), "failed", ("registered",), fresh=fresh)
+            continue
+        if alone or in_flight >= max(1, cfg.max_concurrency) or (in_flight and _runs_alone(cfg, row)):
+            break  # its turn comes when a call in flight finishes
+        verdict = await engine.approval(live.record, row)
+        if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
+            verdict = Approval("auto")
+        if verdict.action == "ask" and not live.record.interactive:
+            reason = "requires interactive approval, which is unavailable for this process"
+            verdict = Approval("deny", verdict.tags, reason)
+        if verdict.action == "deny":
+            text = "Tool execution denied by policy" + (f": {verdict.reason}" if verdict.reason else "")
+            await settle(engine, tx, row, tool_error_result(call, text), "denied", ("registered",), fresh=fresh)
+            continue
+        if verdict.action == "ask":
+            await ask(engine, tx, pid, run_id, row, verdict)
+            break
+        prepared = _check(cfg, _state_for(live, run_id), assistant, call)
+        if isinstance(prepared, ToolResultMessage):
+            await settle(engine, tx, row, prepared, "failed", ("registered",), fresh=fresh)
+            continue
+        timeout = prepared.tool.timeout if prepared.tool.timeout is not None else cfg.tool_timeout
+        deadline = time.time() + timeout if timeout else None
+        if fresh:
+            row.status, row.deadline = "dispatched", deadline
+        elif not await engine.store.set_call_status(
+            row.dispatch_id, "dispatched", expect=("registered",), deadline=deadline
+        ):
+            continue  # claimed already (a concurrent step): it is not ours to start
+        await tx.signal(
+            sig.TOOL_STARTED,
+            runId=run_id,
+            callId=row.tool_call_id,
+            name=row.tool_name,
+            syscall=row.syscall,
+            args=row.args,
+        )
+        tx.durable.append(launcher(engine, live, run_id, row, prepared))
+        in_flight += 1
+        alone = _runs_alone(cfg, row)
+    if fresh:
+        await engine.store.register_calls(rows)
+
+
+async def expire(engine: ProcessEngine, live: _Live, rows: list[ToolCallRow]) -> bool:
+    """Enforce each dispatch's durable deadline for calls nobody here is working on (a remote
+    call, or one whose worker is gone); wake again at the next deadline still ahead."""
+    now = time.time()
+    expired = [
+        r
+        for r in rows
+        if r.status == "dispatched" and r.deadline is not None and r.deadline <= now and r.dispatch_id not in live.tools
+    ]
+    if expired:
+        async with engine._tx(live) as tx:
+            for row in expired:
+                text = f"Tool {row.tool_name} timed out: no result before its deadline"
+                await settle(engine, tx, row, tool_error_result(call_of(row), text), "failed", ("dispatched",))
+    arm_deadline(engine, live, rows, now)
+    return bool(expired)
+
+
+def arm_deadline(engine: ProcessEngine, live: _Live, rows: list[ToolCallRow], now: float) -> None:
+    """Wake the driver just after the nearest deadline still ahead, to enforce it."""
+    ahead = [r.deadline for r in rows if r.status == "dispatched" and r.deadline is not None and r.deadline > now]
+    if live.deadline is not None:
+        live.deadline.cancel()
+        live.deadline = None
+    if ahead:
+        live.deadline = asyncio.get_running_loop().call_later(min(ahead) - now + 0.01, engine.wake, live.record.pid)
+
+
+async def end_batch(engine: ProcessEngine, tx: _Tx, live: _Live, run_id: str) -> None:
+    """The run's tool calls are over (ingested, aborted or failed): delete their rows in ``tx``."""
+    await engine.store.delete_calls(live.record.pid, run_id)
+    tx.after.append(lambda: disarm(live))
+
+
+def disarm(live: _Live) -> None:
+    """No batch is open: its deadline timer has nothing left to enforce (and would hold the
+    process's wake-up in the loop for the whole tool timeout)."""
+    live.calls = False
+    if live.deadline is not None:
+        live.deadline.cancel()
+        live.deadline = None
+
+
+def launcher(
+    engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared
+) -> Callable[[], None]:
+    def launch() -> None:
+        # The dispatch is durable now; in a group commit that can be a loop turn after the step.
+        # If meanwhile the run was aborted or the process dropped, the call stays unstarted.
+        run = live.record.current_run
+        if live.stopping or run is None or run["run_id"] != run_id or engine._live.get(live.record.pid) is not live:
+            return
+        task = live.tools[row.dispatch_id] = asyncio.create_task(run_tool(engine, live, run_id, row, prepared))
+        task.add_done_callback(lambda done: _drop_task(live.tools, row.dispatch_id, done))
+
+    return launch
+
+
+async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow, prepared: _Prepared) -> None:
+    try:
+        cfg = await engine._run_config(live, run_id)
+        checked = await _ask_hooks(cfg, prepared) if cfg.hooks.before else prepared  # a hook may block it
+        if isinstance(checked, ToolResultMessage):
+            result = checked
+        else:
+            nested = nested_policy(engine, live, run_id, row)
+            result = await _execute(cfg, _state_for(live, run_id), checked, None, nested)
+        try:
+            await record(engine, live, run_id, row, result)
+        except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
+            log.exception("process %s: the result of %s could not be recorded", live.record.pid, row.tool_name)
+            text = f"The tool's result could not be recorded: {type(exc).__name__}: {exc}"
+            await record(engine, live, run_id, row, tool_error_result(prepared.call, text))
+    finally:
+        live.tools.pop(row.dispatch_id, None)
+    engine.wake(live.record.pid)
+
+
+async def record(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow, result: ToolResultMessage) -> None:
+    """Settle a finished call; the call that completes its batch also ingests the batch."""
+    status: CallStatus = "failed" if result.is_error else "completed"
+    async with engine._tx(live) as tx:
+        run = live.record.current_run
+        if run is None or run["run_id"] != run_id:  # a late result of an ended run
+            await settle(engine, tx, row, result, status, ("dispatched",))
+            return
+        rows = await engine.store.calls(live.record.pid, run_id)
+        mine = next((r for r in rows if r.dispatch_id == row.dispatch_id), None)
+        if mine is None or mine.status != "dispatched":
+            return  # settled already (a deadline, an abort): this result is late
+        if not all(r.terminal for r in rows if r is not mine):
+            await settle(engine, tx, row, result, status, ("dispatched",))
+            return
+        # the last result of the batch: the batch is ingested now and its rows deleted, so the
+        # status is settled in memory only
+        await settle(engine, tx, mine, result, status, ("dispatched",), fresh=True)
+        await ingest(engine, tx, live, run, rows)
+    await post_turn(engine, live, run_id, run["turn"])
+
+
+async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
+    """Every call of the batch is terminal: its results enter the history, in the model's order."""
+    results = [message_from_dict(r.result) for r in rows if r.result is not None]
+    await tx.append(run["run_id"], results)
+    await end_batch(engine, tx, live, run["run_id"])
+    await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
+    await tx.signal(sig.CHANGED, changes=["messages"])
+
+
+async def post_turn(engine: ProcessEngine, live: _Live, run_id: str, turn: int) -> None:
+    """The ``post_turn`` hooks, as the in-memory runner calls them after each turn (a failing
+    one is logged). The hooks are the shared configuration's; the prompt and tools the run's."""
+    hooks = engine.config.hooks
+    if "post_turn" not in hooks.phases:
+        return
+    cfg = live.config[1] if live.config is not None and live.config[0] == run_id else engine.config
+    await hooks.run_phase("post_turn", TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs))
+
+
+async def settle(
+    engine: ProcessEngine,
+    tx: _Tx,
+    row: ToolCallRow,
+    result: ToolResultMessage,
+    status: CallStatus,
+    expect: tuple[CallStatus, ...],
+    *,
+    fresh: bool = False,
+) -> bool:
+    """Record a call's terminal result, unless it was settled already (a late result). A
+    ``fresh`` row is one this transaction is about to insert, or to delete: only its copy in
+    memory changes."""
+    stored = message_to_dict(result)
+    if fresh:
+        row.status, row.result, ok = status, stored, True
+    else:
+        ok = await engine.store.set_call_status(row.dispatch_id, status, expect=expect, result=stored)
+    if ok:
+        payload: dict[str, Any] = {
+            "runId": row.run_id,
+            "callId": row.tool_call_id,
+            "name": row.tool_name,
+            "syscall": row.syscall,
+            "ok": not result.is_error,
+        }
+        payload["error" if result.is_error else "output"] = result.text
+        await tx.signal(sig.TOOL_FINISHED, **payload)
+    return ok
+
+
+def _syscall(call: ToolCall, tools: Mapping[str, Tool]) -> str:
+    """What the approval policy matches a call against (``syscall_of``; an unknown tool's name)."""
+    tool = tools.get(call.name)
+    return syscall_of(tool, call.arguments) if tool is not None else SYSCALLS.get(call.name, f"tool.{call.name}")
+
+
+def _runs_alone(cfg: LoopConfig, row: ToolCallRow) -> bool:
+    """Whether a call runs with no other call of its batch in flight."""
+    if cfg.tool_execution == "sequential":
+        return True
+    tool = cfg.tools.get(row.tool_name)
+    return tool is not None and tool.sequential
+
+
+def _drop_task(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[None]) -> None:
+    """Forget a finished tool task (one cancelled before it started never reaches its own cleanup)."""
+    if tasks.get(key) is task:
+        del tasks[key]
+
+
+def results_of(rows: list[ToolCallRow], open_text: str) -> list[Message]:
+    """One result per call of a batch, in the model's order: the stored one, or an error for an open call."""
+    return [
+        message_from_dict(r.result) if r.terminal and r.result is not None else tool_error_result(call_of(r), open_text)
+        for r in rows
+    ]
+
+
+def call_of(row: ToolCallRow) -> ToolCall:
+    return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)
+
+
+def _last_assistant(history: list[Message]) -> AssistantMessage | None:
+    for msg in reversed(history):
+        if isinstance(msg, AssistantMessage):
+            return msg
+        if not isinstance(msg, ToolResultMessage | SystemMessage):
+            return None
+    return None
+
+
+def _state_for(live: _Live, run_id: str) -> RunState:
+    return RunState(run_id=run_id, messages=live.history, first_new=len(live.history))

@@ -1,0 +1,376 @@
+"""The driver of a durable run: one task per process repeats a step - look at the committed state,
+take ``decide``'s decision (the in-memory runner's), do it, commit its outcome - until there is
+nothing to do until something arrives. Here are the steps that are not about single tool calls
+(``calls.py``): the model turn (queued input injected, guards, the model call, its answer
+committed with the next step's start), compaction before a model call, ending a run (done, or
+failed inside the runtime)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
+from agentloop.loop.execute import SKIPPED
+from agentloop.loop.hooks import TurnInfo
+from agentloop.loop.model_call import call_model
+from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
+from agentloop.messages import AssistantMessage, Message, ToolCall, Usage, system, tool_error_result
+from agentloop.models.overflow import is_context_overflow
+from agentloop.process import signals as sig
+from agentloop.process.admission import promote
+from agentloop.process.api import new_id
+from agentloop.process.calls import (
+    arm_deadline,
+    call_of,
+    call_rows,
+    dispatch,
+    end_batch,
+    expire,
+    ingest,
+    post_turn,
+    results_of,
+    settle,
+)
+from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
+from agentloop.process.lease import LeaseLost
+from agentloop.process.signals import Signal
+from agentloop.process.store import SegmentRow, ToolCallRow
+from agentloop.process.tx import _Live, _Tx
+
+if TYPE_CHECKING:
+    from agentloop.process.engine import ProcessEngine
+
+log = logging.getLogger("agentloop.process")
+
+RUN_FAILED = "Tool call not completed: the run ended with an internal error."
+GUARD_NAMES = frozenset({"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost"})
+
+
+async def drive(engine: ProcessEngine, live: _Live) -> None:
+    while live.dirty:
+        live.dirty = False
+        try:
+            while live.record.current_run is not None and await _step(engine, live):
+                pass
+        except asyncio.CancelledError:
+            raise
+        except LeaseLost:  # another worker carries on from what was committed
+            log.warning("process %s: lease taken over; this worker's step was not committed", live.record.pid)
+            return
+        except Exception:  # a bug must not leave the run hanging: end it visibly
+            log.exception("process %s: step failed", live.record.pid)
+            if live.lost:
+                return  # the cache was dropped (a failed commit): the reloaded process carries on
+            # inside the loop: the promotion's wake-up only marks this driver dirty
+            await _fail(engine, live)
+    if live.driver is asyncio.current_task():  # an idle process keeps no finished task around
+        live.driver = None
+    if engine.leases is not None and live.record.current_run is None:
+        engine.leases.idle(live.record.pid)
+
+
+async def _fail(engine: ProcessEngine, live: _Live) -> None:
+    """End the active run after an internal error: stop its tools, give every open call an
+    error result (so the history stays valid), then let queued input run."""
+    run = live.record.current_run
+    if run is None:
+        return
+    pid, run_id = live.record.pid, run["run_id"]
+    me = asyncio.current_task()
+    tools = [t for t in live.tools.values() if not t.done() and t is not me]
+    for task in tools:
+        task.cancel()
+    if tools:
+        await asyncio.wait(tools)
+    run = live.record.current_run
+    if run is None or run["run_id"] != run_id:
+        return  # ended meanwhile (an abort)
+    rows = await engine.store.calls(pid, run_id)
+    async with engine._tx(live) as tx:
+        await tx.append(run_id, results_of(rows, RUN_FAILED))
+        for h in await engine.store.hils(pid):
+            await engine.store.delete_hil(h.request_id)
+        await end_batch(engine, tx, live, run_id)
+        await _finish(engine, tx, live, run, "error", error="internal error in the runtime (see the server log)")
+    await promote(engine, live)
+
+
+async def _step(engine: ProcessEngine, live: _Live) -> bool:
+    """One decision and its committed outcome. False: nothing to do until something arrives."""
+    run = live.record.current_run
+    assert run is not None
+    pid, run_id = live.record.pid, run["run_id"]
+    rows = await engine.store.calls(pid, run_id) if live.calls else []
+    if rows:
+        waiting = any(r.status == "registered" for r in rows)
+        if waiting and await _joining(engine, live) and await _skip_waiting(engine, live, rows):
+            rows = await engine.store.calls(pid, run_id)
+        if any(r.status == "registered" for r in rows) and not await engine.store.hils(pid):
+            async with engine._tx(live) as tx:
+                await dispatch(engine, tx, live, run, rows)
+            rows = await engine.store.calls(pid, run_id)
+        if rows and await expire(engine, live, rows):
+            rows = await engine.store.calls(pid, run_id)
+        if not rows or any(not r.terminal for r in rows):
+            return False
+        async with engine._tx(live) as tx:
+            await ingest(engine, tx, live, run, rows)
+        await post_turn(engine, live, run_id, run["turn"])
+        return True
+
+    decision = decide(live.history, has_input=await _joining(engine, live), guard=run.get("guard"))
+    if isinstance(decision, Finish):
+        async with engine._tx(live) as tx:
+            await _finish(engine, tx, live, run, decision.reason)
+        await promote(engine, live)
+        return False
+    if isinstance(decision, RunTools):  # calls without rows: history from elsewhere; register them
+        tools = (await engine._run_config(live, run_id)).tools
+        async with engine._tx(live):
+            live.calls = True
+            await engine.store.register_calls(call_rows(pid, run_id, decision.calls, tools))
+        return True
+    assert isinstance(decision, CallModel)
+    return await _model_turn(engine, live, run, decision.tools_enabled)
+
+
+async def _joining(engine: ProcessEngine, live: _Live) -> bool:
+    """Whether input waits that joins the active run (steer items, system events): a run that
+    would end takes it in another model call instead, so the receipt's run is the one that
+    answers. (A run that ends anyway - aborted, failed, stopped by a guard - leaves it to start
+    the next run.)"""
+    return bool(live.queued) and any(q.kind != "queue" for q in await engine.store.queue(live.record.pid))
+
+
+async def _skip_waiting(engine: ProcessEngine, live: _Live, rows: list[ToolCallRow]) -> bool:
+    """The user (or a system event) spoke while calls of the batch still wait their turn: like
+    the in-memory runner, do not start what is now stale. A call whose approval is pending
+    stays: the person answers the question they were shown."""
+    asked = {h.dispatch_id for h in await engine.store.hils(live.record.pid)}
+    waiting = [r for r in rows if r.status == "registered" and r.dispatch_id not in asked]
+    if not waiting:
+        return False
+    async with engine._tx(live) as tx:
+        for row in waiting:
+            await settle(engine, tx, row, tool_error_result(call_of(row), SKIPPED), "cancelled", ("registered",))
+    return True
+
+
+async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], tools_enabled: bool) -> bool:
+    pid, run_id = live.record.pid, run["run_id"]
+    cfg = await engine._run_config(live, run_id)  # the run's own prompt and tools
+    queue = await engine.store.queue(pid) if live.queued else []
+    inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
+    guard = run.get("guard")
+    tools_enabled = tools_enabled and bool(cfg.tools)
+    tripped = None
+    if tools_enabled and cfg.guards.active:
+        usage = Usage(total_tokens=run["usage"]["total_tokens"])
+        usage.cost.total = run["usage"]["cost"]
+        tripped = cfg.guards.tripped(run["rounds"], run["tool_calls"], time.time() - run["started"], usage)
+    if inject or tripped:
+        added = [q.message for q in inject]
+        if tripped:
+            guard, tools_enabled = tripped, False
+            added.append(system(cfg.guards.final_instruction(tripped), "guard"))
+        run = {**run, "guard": guard, "generation": run["generation"] + 1}
+        async with engine._tx(live) as tx:
+            for q in inject:
+                await engine.store.dequeue(pid, q.id)
+            tx.after.append(lambda: setattr(live, "queued", live.queued - len(inject)))
+            await tx.append(run_id, added)
+            await tx.set_run(run)
+            await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
+    generation = run["generation"]
+
+    await _compact_if_needed(engine, live, run, cfg, tools_enabled)
+    messages = engine.hydrate(live.history) if engine.hydrate is not None and live.media else live.history
+    state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
+    live.partial = state
+
+    def stream(event: LoopEvent) -> None:
+        if isinstance(event, MessageUpdate) and engine.hub.watching(pid):
+            engine.hub.publish(
+                pid,
+                Signal(
+                    sig.RUN_STREAM,
+                    {
+                        "pid": pid,
+                        "runId": run_id,
+                        "event": event.event.type,
+                        "delta": getattr(event.event, "delta", None),
+                    },
+                ),
+            )
+        elif isinstance(event, ModelRetry) and engine.hub.watching(pid):  # live progress, like deltas
+            retry = {"model": event.model, "error": event.error, "attempt": event.attempt, "delay": event.delay}
+            engine.hub.publish(pid, Signal(sig.RUN_STREAM, {"pid": pid, "runId": run_id, "event": event.type, **retry}))
+
+    try:
+        reply = await call_model(cfg, state, tools_enabled, stream if engine.hub.watching(pid) else None)
+        overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
+        if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry
+            messages = engine.hydrate(live.history) if engine.hydrate is not None and live.media else live.history
+            state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
+            live.partial = state
+            reply = await call_model(cfg, state, tools_enabled, None)
+    finally:
+        live.partial = None
+    if not tools_enabled and reply.tool_calls:
+        reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
+        reply.stop_reason = "stop"
+    usage = run["usage"]
+    limit = cfg.guards.max_tool_calls
+    budget = None if limit is None else max(0, limit - run["tool_calls"])  # calls past it are not run
+    ran = len(reply.tool_calls) if budget is None else min(len(reply.tool_calls), budget)
+    new_run = {
+        **run,
+        "generation": generation + 1,
+        "rounds": run["rounds"] + (1 if tools_enabled else 0),
+        "tool_calls": run["tool_calls"] + ran,
+        "usage": {
+            "input": usage["input"] + reply.usage.input,
+            "output": usage["output"] + reply.usage.output,
+            "total_tokens": usage["total_tokens"] + reply.usage.total_tokens,
+            "cost": usage["cost"] + reply.usage.cost.total,
+        },
+    }
+    finished = False
+    batch: list[ToolCallRow] = []
+    async with engine._tx(live) as tx:
+        # This engine is the process's only writer, so its record is the committed state; the
+        # check runs inside the transaction, after any abort or interrupt that committed first.
+        current = live.record.current_run
+        if current is None or current.get("run_id") != run_id or current.get("generation") != generation:
+            return False  # aborted or superseded while the model was answering: drop the answer
+        await tx.append(run_id, [reply])
+        await tx.set_run(new_run)
+        if reply.text or any(b.type == "thinking" for b in reply.content):
+            thinking = "".join(getattr(b, "thinking", "") for b in reply.content)
+            await tx.signal(sig.RUN_OUTPUT, runId=run_id, text=reply.text, thinking=thinking)
+        await tx.signal(sig.CHANGED, changes=["messages"])
+        # the same transaction takes the next decision's first step: start the tools, or finish
+        if reply.tool_calls:
+            live.calls = True
+            batch = call_rows(pid, run_id, reply.tool_calls, cfg.tools)
+            await dispatch(engine, tx, live, new_run, batch, reply, fresh=True, budget=budget)
+        else:  # after an assistant message, the decision depends on that message (and input) alone
+            after = decide([reply], has_input=await _joining(engine, live), guard=new_run.get("guard"))
+            if isinstance(after, Finish):
+                await _finish(engine, tx, live, new_run, after.reason, last=reply)
+                finished = True
+            else:  # input joined the run: the next model call opens another turn
+                await tx.set_run({**new_run, "turn": new_run["turn"] + 1})
+    if not batch:
+        await post_turn(engine, live, run_id, run["turn"])
+    if finished:
+        await promote(engine, live)
+        return False
+    if batch and not all(r.terminal for r in batch):
+        # calls are out (or waiting for approval): their results wake the driver; the rows
+        # just written are known, so they need no reading back to arm the deadline timer
+        arm_deadline(engine, live, batch, time.time())
+        return False
+    return True
+
+
+async def _compact_if_needed(
+    engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, tools: bool
+) -> None:
+    """Threshold compaction, between the turns of a run as well as between runs."""
+    if engine.archive is None or len(live.history) < 4:
+        return
+    specs = cfg.tool_specs if tools else []
+    level = pressure(cfg.system_prompt, specs, live.history, cfg.model.info)
+    if should_compact(level, engine.compaction_threshold):
+        await _compact(engine, live, run, cfg, "threshold")
+
+
+async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, reason: Any) -> bool:
+    """Summarise the older part of the history, archive it, then replace it by the summary.
+    Returns whether anything was compacted. A failure leaves the history as it was."""
+    if engine.archive is None:
+        return False
+    pid = live.record.pid
+    if "pre_compaction" in cfg.hooks.phases:
+        info = TurnInfo(run["run_id"], run["turn"], live.history, cfg.system_prompt, cfg.tool_specs)
+        blocked = await cfg.hooks.run_phase("pre_compaction", info)
+        if blocked is not None:
+            log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
+            return False
+    keep = cfg.model.info.context_window // 4
+    if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
+        keep = min(keep, estimate_tokens(live.history) // 2)
+    keep = max(256, keep)
+    try:
+        result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason)
+    except CompactionError as exc:
+        log.warning("process %s: compaction failed, history unchanged: %s", pid, exc)
+        return False
+    if result is None or not result.still_applies(live.history):
+        return False
+    stored = await engine.store.history(pid)
+    removed_ids = [m.id for m in stored[: len(result.removed)]]
+    where = await engine.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
+    async with engine._tx(live) as tx:
+        summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], result.summary)
+        await engine.store.add_segment(
+            SegmentRow(
+                new_id(),
+                pid,
+                live.record.history_generation,
+                "compaction",
+                removed_ids[0],
+                removed_ids[-1],
+                where,
+                summary_id,
+            )
+        )
+        await tx.signal(
+            sig.COMPACTED,
+            runId=run["run_id"],
+            reason=reason,
+            removed=len(result.removed),
+            tokensBefore=result.tokens_before,
+            tokensAfter=result.tokens_after,
+            archive=where,
+        )
+        history = result.history
+        tx.after.append(lambda: live.history.__setitem__(slice(None), history))
+    return True
+
+
+async def _finish(
+    engine: ProcessEngine,
+    tx: _Tx,
+    live: _Live,
+    run: dict[str, Any],
+    reason: str,
+    *,
+    error: str | None = None,
+    last: Message | None = None,
+) -> None:
+    """End the run inside ``tx``; the caller promotes queued input once it has committed."""
+    pid, run_id = live.record.pid, run["run_id"]
+    status = "aborted" if reason == "aborted" else "error" if reason == "error" else "ok"
+    if status == "error" and error is None:
+        last = last or (live.history[-1] if live.history else None)
+        error = (last.error_message if isinstance(last, AssistantMessage) else None) or "unknown error"
+    if status == "error":
+        await tx.append(run_id, [system(f"The run failed: {error}", "error")])
+    if live.approvals:
+        await engine.store.kv_delete(pid, f"approved:{run_id}")
+    await tx.set_run(None)
+    payload: dict[str, Any] = {"runId": run_id, "status": status, "reason": _reason_code(reason)}
+    if error:
+        payload["error"] = error
+    await tx.signal(sig.RUN_FINISHED, **payload)
+
+
+def _reason_code(reason: str) -> str:
+    if reason in ("stop", "length") or reason in GUARD_NAMES:
+        return "turn.complete" if reason == "stop" else reason
+    return {"error": "generation.error", "aborted": "user"}.get(reason, reason)

@@ -1,0 +1,191 @@
+"""What the durable runner keeps in memory for a process (``_Live``: a cache of the committed state
+and the tasks working for it), and the transaction of one step (``_Tx``, ``_TxScope``) that keeps
+that cache and the watchers in step with the store: changes apply once the body is kept, effects
+and signals once it is durable, nothing on a rollback. Every part of the runner writes through it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentloop.loop.state import LoopConfig, RunState
+from agentloop.messages import ImageContent, Message, ToolResultMessage, UserMessage
+from agentloop.process import signals as sig
+from agentloop.process.api import new_id
+from agentloop.process.lease import LeaseLost
+from agentloop.process.media import MEDIA_PREFIX
+from agentloop.process.signals import Signal
+from agentloop.process.store import ProcessRecord, StoreError
+from agentloop.process.store.base import ProcessState, QueueKind
+
+if TYPE_CHECKING:
+    from agentloop.process.engine import ProcessEngine
+
+
+@dataclass
+class _Live:
+    """What the engine keeps in memory for one process: a cache of its committed history, and the
+    tasks working for it. The store is the truth; this is rebuilt from it after a restart."""
+
+    record: ProcessRecord
+    history: list[Message]
+    driver: asyncio.Task[None] | None = None
+    dirty: bool = False
+    tools: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # dispatch id -> task
+    partial: RunState | None = None  # the model call in flight, if any
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
+    prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
+    config: tuple[str, LoopConfig] | None = None  # (run id, the run's loop configuration)
+    media: bool = False  # the history holds stored media references (to hydrate before model calls)
+    approvals: bool = False  # a run of this process may have stored approval decisions
+    stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
+    calls: bool = True  # the active run may have tool call rows (False only when known to have none)
+    lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
+    deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
+    remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
+
+
+class _Tx:
+    """Collects what one transaction changes in memory (applied as soon as its body is kept) and
+    what it shows the world (signals, tool starts: once it is durable)."""
+
+    def __init__(self, engine: ProcessEngine, live: _Live) -> None:
+        self.engine = engine
+        self.live = live
+        self.signals: list[Signal] = []
+        self.after: list[Callable[[], None]] = []  # cache updates
+        self.durable: list[Callable[[], None]] = []  # effects, once committed
+        self._pending: list[tuple[str, dict[str, Any]]] = []
+
+    async def signal(self, signal_name: str, /, **payload: Any) -> None:
+        """Log a signal; the log rows are written together when the transaction body ends."""
+        self._pending.append((signal_name, {"pid": self.live.record.pid, **payload}))
+
+    async def flush(self) -> None:
+        if self._pending:
+            seqs = await self.engine.store.append_events(self.live.record.pid, self._pending)
+            self.signals.extend(Signal(n, p, q) for (n, p), q in zip(self._pending, seqs, strict=True))
+            self._pending = []
+
+    async def append(self, run_id: str | None, messages: list[Message]) -> None:
+        await self.engine.store.append_messages(self.live.record.pid, run_id, messages)
+        self.after.append(lambda: self.live.history.extend(messages))
+        if not self.live.media and any(_has_media(m) for m in messages):
+            self.after.append(lambda: setattr(self.live, "media", True))
+
+    async def set_run(self, run: dict[str, Any] | None) -> None:
+        state: ProcessState = "running" if run is not None else "idle"
+        await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
+
+        def apply() -> None:
+            live = self.live
+            live.record.current_run = run
+            live.record.state = state
+            if run is None:  # the run's own configuration and prompt end with it (idle processes keep none)
+                live.config = live.prompt = None
+
+        self.after.append(apply)
+
+    async def start_run(self, message: Message, reason: str, run_id: str | None = None) -> str:
+        """Start a run with ``message`` as its first input; returns the run's id."""
+        run = _new_run(run_id)
+        await self.append(run["run_id"], [message])
+        await self.set_run(run)
+        await self.signal(sig.RUN_STARTED, runId=run["run_id"], reason=reason)
+        return str(run["run_id"])
+
+    async def enqueue(self, kind: QueueKind, message: Message, run_id: str | None = None) -> None:
+        """Queue input for the active run (steer, system events) or for after it."""
+        live = self.live
+        await self.engine.store.enqueue(live.record.pid, kind, message, run_id=run_id)
+        self.after.append(lambda: setattr(live, "queued", live.queued + 1))
+        await self.signal(sig.CHANGED, changes=["queue"])
+
+    def settled(self, error: BaseException | None) -> None:
+        """The transaction is durable (``error`` is None) or, in a failed group commit, lost."""
+        live = self.live
+        if error is not None:
+            self.engine._lost(live)
+            return
+        for effect in self.durable:
+            effect()
+        if self.signals:
+            publish, pid = self.engine.hub.publish, live.record.pid
+            for s in self.signals:
+                publish(pid, s)
+        if live.record.current_run is None:
+            live.idle.set()
+
+
+class _TxScope:
+    """The context manager of ``ProcessEngine._tx`` (a class: cheaper than a generator)."""
+
+    __slots__ = ("scope", "tx")
+
+    def __init__(self, engine: ProcessEngine, live: _Live) -> None:
+        self.scope = engine.store.transaction()
+        self.tx = _Tx(engine, live)
+
+    async def __aenter__(self) -> _Tx:
+        await self.scope.begin()
+        if self.tx.live.lost:  # dropped after a failed commit: only the reloaded process may write
+            self.scope.end(commit=False)
+            pid = self.tx.live.record.pid
+            if self.tx.engine.leases is not None:  # let go of, or taken over: the caller may start over
+                raise LeaseLost(pid)
+            raise StoreError(f"process {pid} was reloaded after a failed commit")
+        return self.tx
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
+        tx = self.tx
+        if kind is None:
+            leases = tx.engine.leases
+            try:
+                if leases is not None:  # a shared store: commit only under this worker's lease
+                    pid = tx.live.record.pid
+                    await (leases.told(pid) if tx.live.remote else leases.fence(pid))
+                await tx.flush()
+            except BaseException as error:
+                self.scope.end(commit=False)
+                if isinstance(error, LeaseLost) and leases is not None:
+                    leases.lost(error.pid)
+                    tx.engine.uncache(error.pid)
+                raise
+        else:
+            self.scope.end(commit=False)
+            return None
+        pending = self.scope.end(commit=True, settled=tx.settled)
+        live = tx.live
+        for apply in tx.after:  # kept: the cache follows the store at once (the next step reads it)
+            apply()
+        if live.record.current_run is not None:
+            live.idle.clear()  # busy at once; idle again only once the step that ends the run is durable
+        if pending is None:
+            tx.settled(None)
+        else:  # in a group commit: ``settled`` runs when the group is durable
+            await pending
+        return None
+
+
+def _new_run(run_id: str | None = None) -> dict[str, Any]:
+    return {
+        "run_id": run_id or new_id(),
+        "generation": 0,
+        "turn": 0,
+        "rounds": 0,
+        "tool_calls": 0,
+        "started": time.time(),
+        "usage": {"input": 0, "output": 0, "total_tokens": 0, "cost": 0.0},
+        "guard": None,
+    }
+
+
+def _has_media(message: Message) -> bool:
+    """Whether a message carries stored-media references (images kept as files, not inline)."""
+    if not isinstance(message, UserMessage | ToolResultMessage) or len(message.content) < 2:
+        return False
+    return any(isinstance(b, ImageContent) and b.data.startswith(MEDIA_PREFIX) for b in message.content)
