@@ -118,7 +118,7 @@ class Browser:
             raise RuntimeError(f"{expression!r} threw: {out['exceptionDetails']}")
         return out["result"].get("value")
 
-    def wait(self, expression: str, timeout: float = 10.0) -> Any:
+    def wait(self, expression: str, timeout: float = 20.0) -> Any:
         """Poll ``expression`` until it is truthy; its value."""
         deadline = time.monotonic() + timeout
         value: Any = None
