@@ -80,7 +80,10 @@ class WatchRouter:
         if watcher.owner != source.owner:
             raise PermissionError("only processes of the same owner may watch each other")
         if not once and self._wakes(pid, source_pid):
-            raise WatchError(f"process {source_pid} is woken by {pid} already: a repeating watch back would loop")
+            raise WatchError(
+                f"process {source_pid} is woken by {pid} already (directly or through other watches):"
+                " a repeating watch back would loop"
+            )
         if len(await self.store.watches(pid=pid)) >= MAX_WATCHES:
             raise LimitReached(f"process {pid} has {MAX_WATCHES} watches already")
         # From the source's newest signal on: what it logs between this read and the index
