@@ -147,3 +147,26 @@ def test_subagents_true_in_the_config_file_gives_chat_the_task_tool(tmp_path, mo
     (tmp_path / "config.toml").write_text("subagents = 1\n")
     bad = CliRunner().invoke(app, args, input="x\n")
     assert bad.exit_code == 2 and "subagents must be true or false" in bad.stderr
+
+
+async def test_aborting_the_parent_aborts_the_child_it_waits_for(tmp_path):
+    def slow_child(request: ModelRequest) -> Reply | str:
+        task, last = _first_user(request), request.messages[-1]
+        if task == "parent" and isinstance(last, UserMessage):
+            return Reply(tool_calls=[call("Task", prompt="child")])
+        if task == "child" and isinstance(last, UserMessage):
+            return Reply(tool_calls=[call("slow", seconds=30)])
+        return "over"
+
+    async with kernel(tmp_path, ScriptedModel(slow_child), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("parent")
+        async with asyncio.timeout(5):
+            while not [r for r in await k.processes("alice") if r.parent_pid == parent.pid and r.current_run]:
+                await asyncio.sleep(0.02)
+        [child] = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
+        assert await parent.abort()
+        async with asyncio.timeout(5):
+            await (await k.process(child.pid)).wait_idle()  # not the 30 s its tool would take
+        finished = [s.payload async for s in (await k.process(child.pid)).signals(follow=False)]
+    assert any(p.get("status") == "aborted" for p in finished)

@@ -4,7 +4,8 @@ The child is an ordinary durable process (same owner and working directory, ``pa
 the task as its first message), so it survives a crash, shows up in ``ps`` and can be watched.
 Two ways to use it:
 
-- ``wait=true`` (the default): the call returns the child's final answer. The child's pid is
+- ``wait=true`` (the default): the call returns the child's final answer; aborting the parent's
+  run aborts the child's too. The child's pid is
   derived from the parent and the tool call id, so when a restart runs the call again (the tool
   is idempotent) it finds the same child and waits for it instead of starting a second one.
 - ``wait=false``: the call returns at once; a one-shot signal watch tells the parent, as a system
@@ -18,6 +19,7 @@ process may have running at once.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -99,7 +101,14 @@ class TaskTool(Tool):
             child = await kernel.process(pid)
         if not arguments["wait"]:
             return ToolResult.text(f"Started subagent {pid}; its answer will arrive as a system message.")
-        await child.wait_idle()
+        try:
+            await child.wait_idle()
+        except asyncio.CancelledError:
+            # The parent's run was aborted (or timed out): the work it waited for is not wanted any
+            # more. A shutdown is different: the call runs again after the restart and finds the child.
+            if not kernel.engine.closing:
+                await asyncio.shield(child.abort())
+            raise
         return await _answer(kernel, pid)
 
     async def _check_limits(self) -> None:

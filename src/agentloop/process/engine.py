@@ -81,6 +81,7 @@ class ProcessEngine:
         lease_ttl: float = DEFAULT_TTL,
         poll_interval: float = DEFAULT_POLL,
     ) -> None:
+        self.closing = False
         self.store = store
         self.config = config
         self.hub = hub or SignalHub()
@@ -369,6 +370,7 @@ class ProcessEngine:
                 return
 
     async def close(self) -> None:
+        self.closing = True  # the tools cancelled below are stopped by a shutdown, not an abort
         tasks = [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
         tasks.extend(self._reloading)
         for task in tasks:
