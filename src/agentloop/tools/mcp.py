@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import tempfile
@@ -25,7 +26,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentloop.messages import ImageContent, TextContent
-from agentloop.tools.base import ResultBlock, Tool, ToolContext, ToolError, ToolResult, format_validation_error
+from agentloop.tools.base import (
+    ResultBlock,
+    Tool,
+    ToolArgumentsError,
+    ToolContext,
+    ToolError,
+    ToolResult,
+    format_validation_error,
+)
 from agentloop.urls import redact_url
 
 log = logging.getLogger("agentloop.mcp")
@@ -257,8 +266,6 @@ def _to_result(result: Any) -> ToolResult:
         else:
             blocks.append(TextContent(text=f"[{kind or 'unknown'} content]"))
     if not blocks and result.structured_content is not None:
-        import json
-
         blocks.append(TextContent(text=json.dumps(result.structured_content, ensure_ascii=False)))
     return ToolResult(blocks, details=result.structured_content, is_error=bool(result.is_error))
 
@@ -331,8 +338,6 @@ class MCPGateway(Tool):
         if not isinstance(arguments.get("arguments", {}), dict):
             problems.append(("arguments", "must be an object"))
         if problems:
-            from agentloop.tools.base import ToolArgumentsError
-
             raise ToolArgumentsError(format_validation_error(self.name, problems, arguments))
         return arguments
 
