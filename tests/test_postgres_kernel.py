@@ -167,3 +167,15 @@ async def test_a_run_interrupted_by_closing_the_kernel_resumes_on_reopen(pg_url:
         final = (await proc.messages())[-1].text
         assert final.startswith("done: value of k | Tool call interrupted by a restart")
         assert calls.count("charge 5") == 1 and calls.count("lookup k") == 2
+
+
+async def test_two_concurrent_sends_with_one_run_id_deliver_once(pg_url: str, tmp_path: Path) -> None:
+    """The duplicate check runs inside the delivery's transaction: on PostgreSQL the early read
+    can yield, and two retries of one delivery both passed it (two user messages, two runs)."""
+    async with pg_kernel(pg_url, tmp_path, ScriptedModel(lambda r: "hi")) as k:
+        proc = await k.spawn(owner="alice")
+        first, second = await asyncio.gather(proc.send("hello", run_id="d1"), proc.send("hello", run_id="d1"))
+        await proc.wait_idle()
+        users = [m for m in await proc.messages() if isinstance(m, UserMessage)]
+    assert first == second and first.run_id == "d1"
+    assert len(users) == 1

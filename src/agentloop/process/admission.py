@@ -22,13 +22,16 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
         await engine.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
         mode = "steer" if await engine.leases.hold(pid) else "queue"  # … and runs this next
     live = await engine.live(pid)
-    if run_id is not None:  # a caller-supplied run id makes the delivery idempotent
-        seen = await engine.store.kv_get(pid, f"admitted:{run_id}")
-        if seen is not None:
-            return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
+    seen = await _admitted(engine, pid, run_id)  # early too: a retried interrupt must abort nothing
+    if seen is not None:
+        return seen
     if live.record.current_run is not None and mode == "interrupt":
         await engine.abort(pid, reason="user.interrupt")
     async with engine._tx(live) as tx:
+        # checked again inside the transaction: two deliveries of one id cannot both pass
+        seen = await _admitted(engine, pid, run_id)
+        if seen is not None:
+            return seen
         # decided inside the transaction: the run seen here cannot end before this commits
         active = live.record.current_run
         if active is None and not live.remote:
@@ -55,6 +58,14 @@ async def forget_admission(engine: ProcessEngine, pid: str, run_id: str) -> None
     await engine.store.kv_delete(pid, f"admitted:{run_id}")
 
 
+async def _admitted(engine: ProcessEngine, pid: str, run_id: str | None) -> Receipt | None:
+    """The receipt of an earlier delivery with this caller-supplied ``run_id``, if there was one."""
+    seen = await engine.store.kv_get(pid, f"admitted:{run_id}") if run_id is not None else None
+    if seen is None:
+        return None
+    return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
+
+
 async def _remember_admission(
     engine: ProcessEngine, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
 ) -> None:
@@ -69,9 +80,9 @@ async def signal_event(engine: ProcessEngine, pid: str, text: str, *, run_id: st
     message = system(text, "event")
     async with engine._tx(live) as tx:
         # checked inside the transaction: two deliveries of one id cannot both pass
-        seen = await engine.store.kv_get(pid, f"admitted:{run_id}") if run_id is not None else None
+        seen = await _admitted(engine, pid, run_id)
         if seen is not None:
-            return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
+            return seen
         active = live.record.current_run
         if active is None and not live.remote:
             receipt = Receipt(await tx.start_run(message, reason, run_id), False)
