@@ -8,6 +8,7 @@ background thread (``tests/ws_support.py``); the tests talk to it with the ``web
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -479,6 +480,28 @@ def test_a_driver_connection_is_handed_to_the_device_hub(tmp_path: Path) -> None
         c.send(reply)
         assert closed_code(c) == 1000
         assert hub.seen == [("bob", args, rid)] and hub.answer == reply
+
+
+class ParkedHub:
+    """A device hub that accepts the driver and waits until its socket ends."""
+
+    async def serve_driver(self, websocket: WebSocket, who: Principal, args: dict[str, Any], connect_id: str) -> None:
+        await websocket.send_json({"type": "res", "id": connect_id, "ok": True, "data": {"device_id": args["name"]}})
+        with contextlib.suppress(Exception):
+            while True:
+                await websocket.receive_json()
+
+
+def test_revoking_a_drivers_token_closes_the_device_socket(tmp_path: Path) -> None:
+    """A device lends its files and shell through the socket: it must go when its token does."""
+    with make_server(tmp_path, devices=ParkedHub()) as server, server.client() as c:
+        assert server.ctx is not None
+        ctx = server.ctx
+        ctx.heartbeat = 0.05
+        token, record = server.run(lambda: ctx.accounts.create_token("bob", label="laptop"))
+        assert c.ok("sys.connect", {"role": "driver", "token": token, "name": "laptop"}) == {"device_id": "laptop"}
+        server.run(lambda: ctx.accounts.revoke(record.id))
+        assert closed_code(c) == ws.CLOSE_UNAUTHORIZED
 
 
 def test_drivers_without_a_device_hub_are_unavailable(server: KernelServer) -> None:

@@ -428,21 +428,27 @@ class Connection:
         hub returns with the socket still open (it refused the device) the socket is closed here,
         cleanly, instead of being cut; a hub failure ends this socket only (1011)."""
         code = 1000
+        revoked = asyncio.create_task(self._close_when_revoked(who))  # a device lends tools: same rule
         try:
             await self.ctx.devices.serve_driver(self.ws, who, args, connect_id)
         except Exception:
             _log(logging.ERROR, "device hub failed", exc_info=True, account=who.account)
             code = 1011
+        finally:
+            revoked.cancel()
+            await asyncio.gather(revoked, return_exceptions=True)
         if self.ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(SEND_TIMEOUT):
                     await self.ws.close(code)
 
-    async def _close_when_revoked(self) -> None:
-        """Every heartbeat, check the connected user's token: a revoked one closes the socket."""
+    async def _close_when_revoked(self, driver: Principal | None = None) -> None:
+        """Every heartbeat, check the token the socket connected with (a user's, or a device
+        driver's once the hub has the socket): a revoked one closes the socket."""
         while True:
             await asyncio.sleep(self.ctx.heartbeat)
-            if self.who is not None and not await self.ctx.accounts.still_valid(self.who):
+            who = driver or self.who
+            if who is not None and not await self.ctx.accounts.still_valid(who):
                 await self._close(CLOSE_UNAUTHORIZED, "the token was revoked")
                 return
 
