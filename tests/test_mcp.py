@@ -124,15 +124,17 @@ async def test_a_hidden_server_is_reached_through_the_mcp_tool():
                 Reply(tool_calls=[call("mcp", server="fake", tool="add", arguments={"a": 3, "b": 4})]),
                 Reply(tool_calls=[call("mcp", server="fake", tool="crash")]),
                 Reply(tool_calls=[call("mcp", server="nope")]),
+                Reply(tool_calls=[call("mcp", server=["fake"])]),  # not a string: an argument error, no crash
                 "done",
             ]
         )
         result = await Agent(model=model, tools=tools).run("go")
-    listing, added, refused, unknown = _results(result.messages)
+    listing, added, refused, unknown, odd = _results(result.messages)
     assert "add" in listing.text and "nap" in listing.text and "crash" not in listing.text
     assert added.text == "7"
     assert refused.is_error and "no tool 'crash'" in refused.text
     assert unknown.is_error and "server" in unknown.text
+    assert odd.is_error and "must be one of" in odd.text
 
 
 async def test_an_mcp_call_in_a_durable_process_is_judged_by_its_mcp_syscall(tmp_path):

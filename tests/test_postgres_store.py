@@ -38,6 +38,9 @@ def test_urls_choose_the_store_and_never_show_the_password() -> None:
     with pytest.raises(StoreError, match="unsupported store URL") as info:
         open_store("mysql://bob:hunter2@db.example/agents")
     assert "hunter2" not in str(info.value)
+    with pytest.raises(StoreError, match="unsupported store URL") as info:
+        open_store("mysql://db.example/agents?api_key=SECRET")  # no userinfo: still masked
+    assert "SECRET" not in str(info.value)
 
 
 def test_without_asyncpg_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -364,6 +364,9 @@ async def test_tokens_are_found_by_hash_and_revoked_once(store: Store) -> None:
         None,
     )
     assert await store.token_by_hash("nope") is None
+    with pytest.raises(StoreError, match="exists already"):  # the same hash twice: one error on every store
+        async with store.transaction():
+            await store.add_token(TokenRecord("t3", "alice", "h1"))
     async with store.transaction():
         assert await store.revoke_token("t1", 123.0)
         assert not await store.revoke_token("t1", 124.0)

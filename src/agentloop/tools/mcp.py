@@ -331,7 +331,7 @@ class MCPGateway(Tool):
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         problems: list[tuple[str, str]] = []
         server = arguments.get("server")
-        if server not in self.connections:
+        if not isinstance(server, str) or server not in self.connections:
             problems.append(("server", f"must be one of {sorted(self.connections)}"))
         if "tool" in arguments and not isinstance(arguments["tool"], str):
             problems.append(("tool", "must be a string"))

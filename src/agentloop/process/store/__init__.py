@@ -42,8 +42,7 @@ def open_store(url: str) -> Store:
                 "a PostgreSQL store needs asyncpg: install agentloop[postgres] (pip install 'agentloop[postgres]')"
             ) from None
         return PostgresStore(url)
-    shown = redact(url) if "@" in url else url
-    raise StoreError(f"unsupported store URL {shown!r} (supported: sqlite:///path, postgresql://user@host/db)")
+    raise StoreError(f"unsupported store URL {redact(url)!r} (supported: sqlite:///path, postgresql://user@host/db)")
 
 
 __all__ = [

@@ -946,10 +946,20 @@ class SQLiteStore(Store):
         return [AccountRecord(r[0], bool(r[1]), r[2]) for r in rows]
 
     async def add_token(self, record: TokenRecord) -> None:
-        self._write().execute(
-            "INSERT INTO tokens (id, account, hash, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?)",
-            (record.id, record.account, record.hash, record.label, record.created_at or time.time(), record.revoked_at),
-        )
+        try:
+            self._write().execute(
+                "INSERT INTO tokens (id, account, hash, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.account,
+                    record.hash,
+                    record.label,
+                    record.created_at or time.time(),
+                    record.revoked_at,
+                ),
+            )
+        except sqlite3.IntegrityError:
+            raise StoreError(f"token {record.id!r} (or one with the same hash) exists already") from None
 
     async def token_by_hash(self, token_hash: str) -> TokenRecord | None:
         row = self.db.execute(
