@@ -203,14 +203,14 @@ def _server_table(name: str = "fake") -> str:
     return f'[[mcp_servers]]\nname = "{name}"\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(SERVER)}]\n'
 
 
-@pytest.mark.parametrize("command", ["run", "chat"])
+@pytest.mark.parametrize("command", ["run", "chat", "chat --memory"])
 def test_mcp_servers_from_the_config_file_give_their_tools_to_run_and_chat(tmp_path, monkeypatch, command):
     ws = _cli_env(tmp_path, monkeypatch, _server_table())
     script = tmp_path / "s.json"
     script.write_text(
         json.dumps({"replies": [{"tool_calls": [{"name": "fake__add", "arguments": {"a": 19, "b": 23}}]}, "It is 42."]})
     )
-    args = [command, "-m", f"scripted:{script}", "-w", str(ws), "--approval", "auto"]  # the default asks for mcp.*
+    args = [*command.split(), "-m", f"scripted:{script}", "-w", str(ws), "--approval", "auto"]  # the default asks for mcp.*
     if command == "run":
         result = CliRunner().invoke(app, [*args, "add them"])
     else:

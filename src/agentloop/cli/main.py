@@ -347,7 +347,6 @@ def chat(
     compaction_threshold: CompactionOpt = None,
 ) -> None:
     """Talk with the agent. The conversation is kept: quit and come back to continue it."""
-    from agentloop.cli.chat import AgentSession, ChatRepl
 
     with _guarded():
         flags = loop_flags(
@@ -370,16 +369,38 @@ def chat(
         if memory:
             if compaction_threshold is not None:
                 _fail("--compaction-threshold: a --memory chat is never compacted (it needs the durable chat)", 2)
-            hook = None if setting.mode == "auto" else PolicyHook(setting.policy, cwd=ws, ask=None)
-            agent = _build_agent(settings, ws, progress, hook)
-            _chat_banner(err, settings, ws)
-            repl = ChatRepl(AgentSession(agent, hook=hook), err=err, progress=progress)
-            code = repl.loop()
+            repl, code = _memory_chat(settings, setting, ws, progress, err)
         else:
             repl, code = _durable_chat(settings, setting, ws, data, new, progress, err)
         if repl.aborted:
             _exit(code)
         raise typer.Exit(code)
+
+
+def _memory_chat(
+    settings: Settings, setting: ApprovalSetting, ws: Path, progress: Progress, err: Console
+) -> tuple[ChatRepl, int]:
+    """The chat on an in-memory agent, with the same extra tools (MCP servers, CodeMode) as the
+    other commands, started on the REPL's one event loop and stopped when it ends."""
+    from agentloop.cli.chat import AgentSession, ChatRepl
+
+    hook = None if setting.mode == "auto" else PolicyHook(setting.policy, cwd=ws, ask=None)
+    agent = _build_agent(settings, ws, progress, hook)
+    ev = asyncio.new_event_loop()
+    stack = AsyncExitStack()
+    try:
+        for tool in ev.run_until_complete(stack.enter_async_context(extra_tools(settings, ws))):
+            agent.tools.setdefault(tool.name, tool)
+        _chat_banner(err, settings, ws)
+        repl = ChatRepl(AgentSession(agent, hook=hook), err=err, progress=progress)
+        code = repl.loop(ev)
+    finally:
+        try:
+            ev.run_until_complete(stack.aclose())
+            ev.run_until_complete(ev.shutdown_asyncgens())
+        finally:
+            ev.close()
+    return repl, code
 
 
 def _chat_banner(err: Console, settings: Settings, ws: Path) -> None:
