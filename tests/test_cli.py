@@ -302,6 +302,8 @@ def test_models_lists_providers_and_default(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("ANTHROPIC_BASE_URL", raising=False)
+    for name in ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GEMINI_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("COLUMNS", "200")
     result = runner.invoke(app, ["models"])
     assert result.exit_code == 0, result.stderr
@@ -312,6 +314,8 @@ def test_models_lists_providers_and_default(monkeypatch: pytest.MonkeyPatch) -> 
     assert "yes" in openai_row and "OPENAI_API_KEY is set" in openai_row
     anthropic_row = next(line for line in out.splitlines() if "claude-sonnet-4-5" in line)
     assert " no " in anthropic_row
+    gemini_row = next(line for line in out.splitlines() if "gemini:gemini-2.5-pro " in line)
+    assert " no " in gemini_row and "needs GEMINI_API_KEY" in gemini_row
     assert f"default: {DEFAULT_MODEL} (from built-in default)" in out
 
     monkeypatch.setenv("AGENTLOOP_MODEL", "openai:gpt-4o")

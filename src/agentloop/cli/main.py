@@ -9,7 +9,6 @@ cancelled, shell children killed) and exits 130.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import sys
 import threading
@@ -49,7 +48,7 @@ from agentloop.cli.render import (
 )
 from agentloop.cli.tooling import extra_tools
 from agentloop.models.catalog import CATALOG
-from agentloop.models.registry import parse_model_string
+from agentloop.models.registry import HOSTED, hosted_status, parse_model_string
 from agentloop.tools.mcp import MCPError
 
 if TYPE_CHECKING:
@@ -474,25 +473,6 @@ def _durable_chat(
     return repl, code
 
 
-def _provider_status(provider: str) -> tuple[bool, str]:
-    env = os.environ
-    if provider == "openai":
-        if env.get("OPENAI_API_KEY"):
-            return True, "OPENAI_API_KEY is set"
-        if env.get("OPENAI_BASE_URL"):
-            return True, "OPENAI_BASE_URL is set"
-        return False, "needs OPENAI_API_KEY or OPENAI_BASE_URL"
-    if provider == "anthropic":
-        if importlib.util.find_spec("anthropic") is None:
-            return False, "pip install 'agentloop[anthropic]'"
-        if env.get("ANTHROPIC_API_KEY"):
-            return True, "ANTHROPIC_API_KEY is set"
-        if env.get("ANTHROPIC_BASE_URL"):
-            return True, "ANTHROPIC_BASE_URL is set"
-        return False, "needs ANTHROPIC_API_KEY or ANTHROPIC_BASE_URL"
-    return False, ""
-
-
 def _local_status() -> list[tuple[str, bool, str]]:
     """Embedded models as ``(bare id, usable, why)``; a missing module becomes an install hint."""
     try:
@@ -523,8 +503,8 @@ def models() -> None:
             sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
         # (provider, model id, usable, why) — a provider's reason is given once, on its first row
         rows: list[tuple[str, str, bool, str]] = []
-        for provider in ("openai", "anthropic"):
-            usable, why = _provider_status(provider)
+        for provider in HOSTED:
+            usable, why = hosted_status(provider)
             ids = [info.id for info in CATALOG.values() if info.provider == provider]
             rows.extend((provider, model_id, usable, why if n == 0 else "") for n, model_id in enumerate(ids))
         rows.extend(("local", model_id, usable, why) for model_id, usable, why in _local_status())

@@ -7,6 +7,7 @@ imported when its provider is used. Third parties add their own with ``register_
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import TypeAlias
@@ -24,6 +25,26 @@ _PROVIDERS: dict[str, str | ModelFactory] = {
     "local": "agentloop.models.local:LocalModel",
     "scripted": "agentloop.models.scripted:ScriptedModel.from_file",
 }
+
+
+# hosted providers: the SDK they need (None: plain httpx), then the environment variables that make
+# them usable (a key, or a base URL for a compatible server that may need none)
+HOSTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "openai": (None, ("OPENAI_API_KEY", "OPENAI_BASE_URL")),
+    "anthropic": ("anthropic", ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")),
+    "gemini": (None, ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GEMINI_BASE_URL")),
+}
+
+
+def hosted_status(provider: str) -> tuple[bool, str]:
+    """Whether a hosted provider can be used here, and why (or what it needs)."""
+    package, names = HOSTED[provider]
+    if package is not None and importlib.util.find_spec(package) is None:
+        return False, f"pip install 'agentloop[{package}]'"
+    found = next((name for name in names if os.environ.get(name)), None)
+    if found is not None:
+        return True, f"{found} is set"
+    return False, f"needs {' or '.join(names)}"
 
 
 class ModelNotFound(ValueError):
