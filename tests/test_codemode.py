@@ -451,3 +451,10 @@ def test_codemode_true_in_the_config_file_offers_it_to_run(tmp_path, monkeypatch
     (tmp_path / "config.toml").write_text('codemode = "yes"\n')
     bad = CliRunner().invoke(app, ["run", "-m", f"scripted:{script}", "-w", str(ws), "go"])
     assert bad.exit_code == 2 and "codemode must be true or false" in bad.stderr
+
+
+async def test_a_program_exiting_with_code_2_is_not_reported_as_a_compile_error(tmp_path: Path) -> None:
+    result = await run_direct(codemode(tmp_path), 'import sys\nprint("hi")\nsys.exit(2)\n')
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert result.is_error and text.startswith("hi") and "[the program exited with code 2]" in text
+    assert "compiled" not in text

@@ -30,6 +30,7 @@ left the group on purpose (``setsid``, a daemon): a process group is a leash, no
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
@@ -38,6 +39,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,7 @@ from agentloop.tools.base import (
     format_validation_error,
 )
 from agentloop.tools.builtin import syscall_of
+from agentloop.tools.codemode_runner import PROGRAM
 from agentloop.tools.process_group import KILL_GRACE, OutputCapture, close_transport, kill_group, pump, supervise
 
 log = logging.getLogger("agentloop.codemode")
@@ -289,6 +292,9 @@ class _Execution:
         self.responses: asyncio.WriteTransport | None = None
 
     async def run(self, code: str, limit: float) -> ToolResult:
+        refusal = _compile_error(code)
+        if refusal is not None:  # here, not in the runner: its exit code is the program's own to choose
+            return ToolResult.text(f"{refusal}\n[the program could not be compiled; nothing ran]", is_error=True)
         setup = json.dumps({"code": code, "functions": [f.spec() for f in self.mode.functions.values()]})
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
@@ -371,8 +377,6 @@ class _Execution:
             notes.append(f"[timed out after {limit:g} s; the program and its child processes were killed]")
         elif code == 1:
             notes.append("[the program raised an exception]")
-        elif code == 2:
-            notes.append("[the program could not be compiled; nothing ran]")
         elif code != 0:
             notes.append(f"[the program exited with code {code}]")
         failed = outcome == "timeout" or code != 0
@@ -481,3 +485,12 @@ class _Execution:
 
 class _Refused(Exception):
     """A nested call the approval refused; it becomes ``ToolDenied`` in the program."""
+
+
+def _compile_error(code: str) -> str | None:
+    """Why the program does not compile (as the runner would compile it), or None."""
+    try:
+        compile(code, PROGRAM, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        return "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n")
+    return None
