@@ -210,7 +210,15 @@ def test_mcp_servers_from_the_config_file_give_their_tools_to_run_and_chat(tmp_p
     script.write_text(
         json.dumps({"replies": [{"tool_calls": [{"name": "fake__add", "arguments": {"a": 19, "b": 23}}]}, "It is 42."]})
     )
-    args = [*command.split(), "-m", f"scripted:{script}", "-w", str(ws), "--approval", "auto"]  # the default asks for mcp.*
+    args = [
+        *command.split(),
+        "-m",
+        f"scripted:{script}",
+        "-w",
+        str(ws),
+        "--approval",
+        "auto",
+    ]  # the default asks for mcp.*
     if command == "run":
         result = CliRunner().invoke(app, [*args, "add them"])
     else:

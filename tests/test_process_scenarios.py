@@ -11,8 +11,8 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Kernel
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
+from agentloop.process.api import approve_everything
 from agentloop.process.calls import settle
-from agentloop.process.engine import approve_everything
 from agentloop.tools.builtin import builtin_tools
 
 

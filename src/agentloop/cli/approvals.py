@@ -21,8 +21,8 @@ from rich.text import Text
 
 from agentloop.cli.render import describe_call, one_line
 from agentloop.loop.hooks import Block, ToolCallInfo
+from agentloop.process.api import approve_everything
 from agentloop.process.approval import Policy, Rule, decide, default_policy, merge, parse_policy, remember_rule
-from agentloop.process.engine import approve_everything
 from agentloop.tools.builtin import SYSCALLS
 
 Mode = Literal["ask", "auto", "deny", "file"]

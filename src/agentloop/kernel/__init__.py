@@ -1,7 +1,7 @@
 """The kernel: durable processes behind one object (accounts, devices and routing come next)."""
 
 from agentloop.kernel.kernel import Kernel, Process
-from agentloop.process.engine import Approval, Receipt
+from agentloop.process.api import Approval, Receipt
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentloop.process.engine import ToolsetFn
+from agentloop.process.api import ToolsetFn
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import Tool, ToolArgumentsError, ToolContext, ToolResult, format_validation_error
 from agentloop.tools.builtin import SYSCALLS

@@ -33,9 +33,10 @@ from agentloop.kernel.watches import WatchRouter
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
+from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
-from agentloop.process.engine import ApprovalFn, ProcessEngine, Receipt, SendMode, ToolsetFn, new_id
+from agentloop.process.engine import ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt

@@ -21,7 +21,8 @@ import math
 import time
 from collections.abc import Callable
 
-from agentloop.process.engine import ProcessEngine, new_id
+from agentloop.process.api import new_id
+from agentloop.process.engine import ProcessEngine
 from agentloop.process.store import NoSuchProcess, ScheduleRow, Store
 
 log = logging.getLogger("agentloop.kernel.schedules")

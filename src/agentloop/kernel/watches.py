@@ -24,7 +24,8 @@ from typing import Any
 from agentloop.kernel.schedules import LimitReached
 from agentloop.messages import AssistantMessage
 from agentloop.process import signals as sig
-from agentloop.process.engine import ProcessEngine, new_id
+from agentloop.process.api import new_id
+from agentloop.process.engine import ProcessEngine
 from agentloop.process.signals import Signal
 from agentloop.process.store import EventRow, NoSuchProcess, ProcessRecord, Store, WatchRow
 

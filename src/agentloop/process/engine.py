@@ -39,23 +39,22 @@ from agentloop.loop.state import LoopConfig
 from agentloop.messages import Message, ToolCall, message_to_dict, tool_error_result
 from agentloop.process import admission, hil
 from agentloop.process import signals as sig
-from agentloop.process.api import Approval as Approval
-from agentloop.process.api import ApprovalFn as ApprovalFn
-from agentloop.process.api import ArchiveFn as ArchiveFn
-from agentloop.process.api import PromptFn as PromptFn
-from agentloop.process.api import Receipt as Receipt
-from agentloop.process.api import SendMode as SendMode
-from agentloop.process.api import ToolsetFn as ToolsetFn
-from agentloop.process.api import approve_everything as approve_everything
-from agentloop.process.api import new_id as new_id
+from agentloop.process.api import (
+    ApprovalFn,
+    ArchiveFn,
+    PromptFn,
+    Receipt,
+    SendMode,
+    ToolsetFn,
+    approve_everything,
+)
 from agentloop.process.calls import call_of, disarm, end_batch, results_of
 from agentloop.process.driver import drive
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
-from agentloop.process.tx import _has_media, _TxScope
-from agentloop.process.tx import _Live as _Live
+from agentloop.process.tx import _has_media, _Live, _TxScope
 
 log = logging.getLogger("agentloop.process")
 

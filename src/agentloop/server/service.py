@@ -21,7 +21,7 @@ from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.watches import WatchError
 from agentloop.messages import ImageContent, message_to_dict
-from agentloop.process.engine import Receipt, SendMode
+from agentloop.process.api import Receipt, SendMode
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
 from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, WatchRow
