@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-from agentloop.messages import Message
-from agentloop.process.store import ProcessRecord, ToolCallRow
+from agentloop.messages import Message, ToolCall
+from agentloop.process.store import HilRow, ProcessRecord, ToolCallRow
 from agentloop.tools.base import Tool
 
 SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
@@ -60,3 +60,8 @@ class Receipt:
     run_id: str
     queued: bool
     position: int = 0
+
+
+def call_of(row: ToolCallRow | HilRow) -> ToolCall:
+    """The model's tool call a pending-call or approval row stands for."""
+    return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)

@@ -27,7 +27,7 @@ from agentloop.messages import (
     tool_error_result,
 )
 from agentloop.process import signals as sig
-from agentloop.process.api import Approval, new_id
+from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.hil import ask, nested_policy
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
@@ -298,10 +298,6 @@ def results_of(rows: list[ToolCallRow], open_text: str) -> list[Message]:
         message_from_dict(r.result) if r.terminal and r.result is not None else tool_error_result(call_of(r), open_text)
         for r in rows
     ]
-
-
-def call_of(row: ToolCallRow) -> ToolCall:
-    return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)
 
 
 def _last_assistant(history: list[Message]) -> AssistantMessage | None:

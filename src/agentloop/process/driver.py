@@ -21,10 +21,9 @@ from agentloop.messages import AssistantMessage, Message, ToolCall, Usage, syste
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
 from agentloop.process.admission import promote
-from agentloop.process.api import new_id
+from agentloop.process.api import call_of, new_id
 from agentloop.process.calls import (
     arm_deadline,
-    call_of,
     call_rows,
     dispatch,
     end_batch,

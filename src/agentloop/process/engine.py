@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from agentloop.loop.runner import CANCELLED
 from agentloop.loop.state import LoopConfig
-from agentloop.messages import Message, ToolCall, message_to_dict, tool_error_result
+from agentloop.messages import Message, ToolCall, tool_error_result
 from agentloop.process import admission, hil
 from agentloop.process import signals as sig
 from agentloop.process.api import (
@@ -47,8 +47,9 @@ from agentloop.process.api import (
     SendMode,
     ToolsetFn,
     approve_everything,
+    call_of,
 )
-from agentloop.process.calls import call_of, disarm, end_batch, results_of
+from agentloop.process.calls import disarm, end_batch, results_of, settle
 from agentloop.process.driver import drive
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
@@ -183,17 +184,7 @@ class ProcessEngine:
                     await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",))
                 else:
                     msg = tool_error_result(call_of(row), INTERRUPTED_BY_RESTART)
-                    await self.store.set_call_status(
-                        row.dispatch_id, "failed", expect=("dispatched",), result=message_to_dict(msg)
-                    )
-                    await tx.signal(
-                        sig.TOOL_FINISHED,
-                        runId=run_id,
-                        callId=row.tool_call_id,
-                        ok=False,
-                        name=row.tool_name,
-                        error=INTERRUPTED_BY_RESTART,
-                    )
+                    await settle(self, tx, row, msg, "failed", ("dispatched",))
         self.wake(record.pid)
         return True
 

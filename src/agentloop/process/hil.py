@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agentloop.messages import ToolCall, message_to_dict, tool_error_result
+from agentloop.messages import message_to_dict, tool_error_result
 from agentloop.process import signals as sig
-from agentloop.process.api import Approval, new_id
+from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.approval.engine import remember_rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import HilRow, ToolCallRow
@@ -76,7 +76,7 @@ async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str
                 rules.insert(0, remember_rule(row.syscall, target).to_json())
                 await engine.store.kv_set(pid, "approval_overrides", rules)
         else:
-            msg = tool_error_result(_call_of_hil(row), "Tool execution denied by user")
+            msg = tool_error_result(call_of(row), "Tool execution denied by user")
             await engine.store.set_call_status(
                 row.dispatch_id, "denied", expect=("registered",), result=message_to_dict(msg)
             )
@@ -112,7 +112,3 @@ def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCall
         return NestedVerdict("allow")
 
     return check
-
-
-def _call_of_hil(row: HilRow) -> ToolCall:
-    return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)
