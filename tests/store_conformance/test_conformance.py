@@ -328,12 +328,19 @@ async def test_delete_removes_everything_and_state_survives_reopen(make_store):
             await s.append_event(pid, "proc.changed", {})
             await s.enqueue(pid, "queue", user("q"))
             await s.kv_set(pid, "k", 1)
+            await s.register_calls([ToolCallRow(f"d-{pid}", pid, "r", 0, "c", "Shell", "shell.exec", {})])
+            await s.put_hil(HilRow(f"h-{pid}", pid, "r", f"d-{pid}", "c", "Shell", "shell.exec", {}, "-"))
+            await s.add_segment(SegmentRow(f"s-{pid}", pid, 1, "compaction", 1, 1, "var/x.jsonl.gz", 1))
         await s.delete_process("gone")
     await s.close()
     s2 = make_store()
     await s2.open()
     assert await s2.get_process("gone") is None
     assert await s2.history("keep") != [] and await s2.events("gone") == [] and await s2.queue("gone") == []
+    # every table of the process is emptied (common.PROCESS_TABLES); the other process keeps its rows
+    assert await s2.kv_get("gone", "k") is None and await s2.kv_get("keep", "k") == 1
+    assert await s2.calls("gone") == [] and await s2.hils("gone") == [] and await s2.segments("gone") == []
+    assert len(await s2.calls("keep")) == len(await s2.hils("keep")) == len(await s2.segments("keep")) == 1
     async with s2.transaction():  # counters continue where they were
         assert await s2.append_messages("keep", "r", [user("y")]) == [2]
     await s2.close()

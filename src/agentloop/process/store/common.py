@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic_core import to_json
 
-from agentloop.process.store.base import HilRow, ProcessRecord, ToolCallRow
+from agentloop.process.store.base import AccountRecord, HilRow, ProcessRecord, ToolCallRow, WatchRow
 
 # the registry columns ``Store.update_process`` may set
 UPDATABLE_FIELDS = frozenset({"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"})
@@ -31,6 +31,26 @@ CALL_COLUMNS = (
 HIL_COLUMNS = (
     "request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags, reason,"
     " created_at"
+)
+SEGMENT_COLUMNS = (
+    "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
+)
+SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
+WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
+TOKEN_COLUMNS = "id, account, hash, label, created_at, revoked_at"
+
+# every table with rows of one process (``pid``): deleting a process empties them all. Watches
+# are also removed where the process is the source, and the registry row goes last.
+PROCESS_TABLES = (
+    "messages",
+    "pending_tool_calls",
+    "message_queue",
+    "pending_hil",
+    "process_kv",
+    "events",
+    "history_segments",
+    "schedules",
+    "process_leases",
 )
 
 
@@ -74,3 +94,13 @@ def call_row(r: Any) -> ToolCallRow:
 def hil_row(r: Any) -> HilRow:
     """A ``pending_hil`` row (``HIL_COLUMNS``) as a ``HilRow``."""
     return HilRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], json.loads(r[9]), r[10], r[11])
+
+
+def watch_row(r: Any) -> WatchRow:
+    """A ``signal_watches`` row (``WATCH_COLUMNS``) as a ``WatchRow``."""
+    return WatchRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
+
+
+def account_row(r: Any) -> AccountRecord:
+    """An ``accounts`` row (name, admin, created_at) as an ``AccountRecord``."""
+    return AccountRecord(r[0], bool(r[1]), r[2])

@@ -69,23 +69,29 @@ from agentloop.process.store.base import (
     ToolCallRow,
     WatchRow,
 )
-from agentloop.process.store.common import CALL_COLUMNS as _CALL_COLUMNS
-from agentloop.process.store.common import HIL_COLUMNS as _HIL_COLUMNS
-from agentloop.process.store.common import PROCESS_COLUMNS as _PROCESS_COLUMNS
-from agentloop.process.store.common import UPDATABLE_FIELDS as _PROCESS_FIELDS
-from agentloop.process.store.common import call_row, hil_row
-from agentloop.process.store.common import dumps as _dumps
-from agentloop.process.store.common import process_record as _process
+from agentloop.process.store.common import (
+    CALL_COLUMNS,
+    HIL_COLUMNS,
+    PROCESS_COLUMNS,
+    PROCESS_TABLES,
+    SCHEDULE_COLUMNS,
+    SEGMENT_COLUMNS,
+    TOKEN_COLUMNS,
+    UPDATABLE_FIELDS,
+    WATCH_COLUMNS,
+    account_row,
+    call_row,
+    dumps,
+    hil_row,
+    process_record,
+    watch_row,
+)
 from agentloop.process.store.pgschema import migrate
 from agentloop.process.store.pgtx import Connection, PgTransaction, Settling, TxState
 from agentloop.process.store.pgurl import redact, scrub
 
 log = logging.getLogger("agentloop.store")
 
-_SEGMENT_COLUMNS = (
-    "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
-)
-_TOKEN_COLUMNS = "id, account, hash, label, created_at, revoked_at"
 
 # Append rows that take ids from a per-process counter in one round trip: the UPDATE bumps the
 # counter (and holds the process row's lock until commit), the INSERT numbers the rows from it. No
@@ -118,19 +124,13 @@ INSERT INTO message_queue (pid, id, kind, run_id, body, created_at)
 SELECT $1, c.id, $2, $3, $4, $5 FROM c
 RETURNING id
 """
-_DELETE_PROCESS = """
-WITH m AS (DELETE FROM messages WHERE pid = $1),
-     c AS (DELETE FROM pending_tool_calls WHERE pid = $1),
-     q AS (DELETE FROM message_queue WHERE pid = $1),
-     h AS (DELETE FROM pending_hil WHERE pid = $1),
-     k AS (DELETE FROM process_kv WHERE pid = $1),
-     e AS (DELETE FROM events WHERE pid = $1),
-     s AS (DELETE FROM history_segments WHERE pid = $1),
-     d AS (DELETE FROM schedules WHERE pid = $1),
-     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1),
-     l AS (DELETE FROM process_leases WHERE pid = $1)
-DELETE FROM processes WHERE pid = $1
-"""
+# one statement: a CTE per table of the process (common.PROCESS_TABLES), then the registry row
+_DELETE_PROCESS = (
+    "WITH "
+    + ",\n     ".join(f"d{i} AS (DELETE FROM {t} WHERE pid = $1)" for i, t in enumerate(PROCESS_TABLES))
+    + ",\n     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1)"
+    + "\nDELETE FROM processes WHERE pid = $1"
+)
 
 
 # Leases (DESIGN §6) live on the database's clock, so workers on machines whose clocks disagree
@@ -159,9 +159,6 @@ ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.e
 WHERE process_leases.owner IS NULL OR process_leases.expires < {_NOW} OR process_leases.owner = $4
 RETURNING pid, epoch
 """
-
-_SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
-_WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
 
 
 def _changed(status: str) -> int:
@@ -378,7 +375,7 @@ class PostgresStore(Store):
             int(record.interactive),
             record.context,
             record.state,
-            _dumps(record.current_run) if record.current_run is not None else None,
+            dumps(record.current_run) if record.current_run is not None else None,
             record.history_generation,
             float(record.created_at or now),
             now,
@@ -388,21 +385,21 @@ class PostgresStore(Store):
 
     async def get_process(self, pid: str) -> ProcessRecord | None:
         async with self._reading() as db:
-            row = await db.fetchrow(f"SELECT {_PROCESS_COLUMNS} FROM processes WHERE pid = $1", pid)
-        return _process(row) if row else None
+            row = await db.fetchrow(f"SELECT {PROCESS_COLUMNS} FROM processes WHERE pid = $1", pid)
+        return process_record(row) if row else None
 
     async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]:
         async with self._reading() as db:
             if owner is None:
-                rows = await db.fetch(f"SELECT {_PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
+                rows = await db.fetch(f"SELECT {PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
             else:
                 rows = await db.fetch(
-                    f"SELECT {_PROCESS_COLUMNS} FROM processes WHERE owner = $1 ORDER BY created_at, pid", owner
+                    f"SELECT {PROCESS_COLUMNS} FROM processes WHERE owner = $1 ORDER BY created_at, pid", owner
                 )
-        return [_process(r) for r in rows]
+        return [process_record(r) for r in rows]
 
     async def update_process(self, pid: str, **fields: Any) -> None:
-        unknown = set(fields) - _PROCESS_FIELDS
+        unknown = set(fields) - UPDATABLE_FIELDS
         if unknown:
             raise StoreError(f"cannot update process fields {sorted(unknown)}")
         db = self._write()
@@ -413,7 +410,7 @@ class PostgresStore(Store):
         values: list[Any] = []
         for key, value in fields.items():
             if key == "current_run":
-                value = _dumps(value) if value is not None else None
+                value = dumps(value) if value is not None else None
             elif key == "interactive":
                 value = int(value)
             values.append(value)
@@ -515,7 +512,7 @@ class PostgresStore(Store):
             return
         now = time.time()
         await db.executemany(
-            f"INSERT INTO pending_tool_calls ({_CALL_COLUMNS})"
+            f"INSERT INTO pending_tool_calls ({CALL_COLUMNS})"
             " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
             [
                 (
@@ -526,10 +523,10 @@ class PostgresStore(Store):
                     r.tool_call_id,
                     r.tool_name,
                     r.syscall,
-                    _dumps(r.args),
+                    dumps(r.args),
                     r.status,
                     None if r.deadline is None else float(r.deadline),
-                    _dumps(r.result) if r.result is not None else None,
+                    dumps(r.result) if r.result is not None else None,
                     float(r.created_at or now),
                 )
                 for r in rows
@@ -537,7 +534,7 @@ class PostgresStore(Store):
         )
 
     async def calls(self, pid: str, run_id: str | None = None) -> list[ToolCallRow]:
-        sql = f"SELECT {_CALL_COLUMNS} FROM pending_tool_calls WHERE pid = $1"
+        sql = f"SELECT {CALL_COLUMNS} FROM pending_tool_calls WHERE pid = $1"
         args: list[Any] = [pid]
         if run_id is not None:
             sql += " AND run_id = $2"
@@ -559,7 +556,7 @@ class PostgresStore(Store):
             "UPDATE pending_tool_calls SET status = $1, result = COALESCE($2, result),"
             " deadline = COALESCE($3, deadline) WHERE dispatch_id = $4 AND status = ANY($5::text[])",
             status,
-            _dumps(result) if result is not None else None,
+            dumps(result) if result is not None else None,
             None if deadline is None else float(deadline),
             dispatch_id,
             list(expect),
@@ -597,7 +594,7 @@ class PostgresStore(Store):
 
     async def put_hil(self, row: HilRow) -> None:
         await self._write().execute(
-            f"INSERT INTO pending_hil ({_HIL_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            f"INSERT INTO pending_hil ({HIL_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
             row.request_id,
             row.pid,
             row.run_id,
@@ -605,9 +602,9 @@ class PostgresStore(Store):
             row.tool_call_id,
             row.tool_name,
             row.syscall,
-            _dumps(row.args),
+            dumps(row.args),
             row.fingerprint,
-            _dumps(row.tags),
+            dumps(row.tags),
             row.reason,
             float(row.created_at or time.time()),
         )
@@ -615,7 +612,7 @@ class PostgresStore(Store):
     async def hils(self, pid: str) -> list[HilRow]:
         async with self._reading() as db:
             rows = await db.fetch(
-                f"SELECT {_HIL_COLUMNS} FROM pending_hil WHERE pid = $1 ORDER BY created_at, request_id", pid
+                f"SELECT {HIL_COLUMNS} FROM pending_hil WHERE pid = $1 ORDER BY created_at, request_id", pid
             )
         return [hil_row(r) for r in rows]
 
@@ -636,7 +633,7 @@ class PostgresStore(Store):
             " ON CONFLICT (pid, key) DO UPDATE SET value = excluded.value",
             pid,
             key,
-            _dumps(value),
+            dumps(value),
         )
 
     async def kv_delete(self, pid: str, key: str) -> None:
@@ -654,7 +651,7 @@ class PostgresStore(Store):
             _APPEND_EVENTS,
             pid,
             [name for name, _ in events],
-            [_dumps(payload) for _, payload in events],
+            [dumps(payload) for _, payload in events],
             time.time(),
         )
         if not rows:
@@ -681,7 +678,7 @@ class PostgresStore(Store):
 
     async def add_segment(self, row: SegmentRow) -> None:
         await self._write().execute(
-            f"INSERT INTO history_segments ({_SEGMENT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            f"INSERT INTO history_segments ({SEGMENT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
             row.id,
             row.pid,
             row.generation,
@@ -696,7 +693,7 @@ class PostgresStore(Store):
     async def segments(self, pid: str) -> list[SegmentRow]:
         async with self._reading() as db:
             rows = await db.fetch(
-                f"SELECT {_SEGMENT_COLUMNS} FROM history_segments WHERE pid = $1 ORDER BY created_at, id", pid
+                f"SELECT {SEGMENT_COLUMNS} FROM history_segments WHERE pid = $1 ORDER BY created_at, id", pid
             )
         return [SegmentRow(*r) for r in rows]
 
@@ -704,7 +701,7 @@ class PostgresStore(Store):
 
     async def add_schedule(self, row: ScheduleRow) -> None:
         status = await self._write().execute(
-            f"INSERT INTO schedules ({_SCHEDULE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
             row.id,
             row.pid,
             row.text,
@@ -718,20 +715,16 @@ class PostgresStore(Store):
 
     async def schedules(self, pid: str) -> list[ScheduleRow]:
         async with self._reading() as db:
-            rows = await db.fetch(
-                f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE pid = $1 ORDER BY next_due, id", pid
-            )
+            rows = await db.fetch(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE pid = $1 ORDER BY next_due, id", pid)
         return [ScheduleRow(*r) for r in rows]
 
     async def due_schedules(self, before: float | None, limit: int = 100) -> list[ScheduleRow]:
         async with self._reading() as db:
             if before is None:
-                rows = await db.fetch(
-                    f"SELECT {_SCHEDULE_COLUMNS} FROM schedules ORDER BY next_due, id LIMIT $1", limit
-                )
+                rows = await db.fetch(f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY next_due, id LIMIT $1", limit)
             else:
                 rows = await db.fetch(
-                    f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE next_due <= $1 ORDER BY next_due, id LIMIT $2",
+                    f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE next_due <= $1 ORDER BY next_due, id LIMIT $2",
                     float(before),
                     limit,
                 )
@@ -753,7 +746,7 @@ class PostgresStore(Store):
 
     async def add_watch(self, row: WatchRow) -> None:
         status = await self._write().execute(
-            f"INSERT INTO signal_watches ({_WATCH_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            f"INSERT INTO signal_watches ({WATCH_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
             row.id,
             row.pid,
             row.source_pid,
@@ -768,13 +761,13 @@ class PostgresStore(Store):
     async def watches(self, *, pid: str | None = None, source_pid: str | None = None) -> list[WatchRow]:
         async with self._reading() as db:
             rows = await db.fetch(
-                f"SELECT {_WATCH_COLUMNS} FROM signal_watches"
+                f"SELECT {WATCH_COLUMNS} FROM signal_watches"
                 " WHERE ($1::text IS NULL OR pid = $1) AND ($2::text IS NULL OR source_pid = $2)"
                 " ORDER BY created_at, id",
                 pid,
                 source_pid,
             )
-        return [WatchRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+        return [watch_row(r) for r in rows]
 
     async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
         status = await self._write().execute("UPDATE signal_watches SET seen_seq = $1 WHERE id = $2", seq, watch_id)
@@ -871,16 +864,16 @@ class PostgresStore(Store):
     async def get_account(self, name: str) -> AccountRecord | None:
         async with self._reading() as db:
             row = await db.fetchrow("SELECT name, admin, created_at FROM accounts WHERE name = $1", name)
-        return AccountRecord(row[0], bool(row[1]), row[2]) if row else None
+        return account_row(row) if row else None
 
     async def list_accounts(self) -> list[AccountRecord]:
         async with self._reading() as db:
             rows = await db.fetch("SELECT name, admin, created_at FROM accounts ORDER BY name")
-        return [AccountRecord(r[0], bool(r[1]), r[2]) for r in rows]
+        return [account_row(r) for r in rows]
 
     async def add_token(self, record: TokenRecord) -> None:
         status = await self._write().execute(
-            f"INSERT INTO tokens ({_TOKEN_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            f"INSERT INTO tokens ({TOKEN_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
             record.id,
             record.account,
             record.hash,
@@ -893,16 +886,16 @@ class PostgresStore(Store):
 
     async def token_by_hash(self, token_hash: str) -> TokenRecord | None:
         async with self._reading() as db:
-            row = await db.fetchrow(f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE hash = $1", token_hash)
+            row = await db.fetchrow(f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE hash = $1", token_hash)
         return TokenRecord(*row) if row else None
 
     async def list_tokens(self, account: str | None = None) -> list[TokenRecord]:
         async with self._reading() as db:
             if account is None:
-                rows = await db.fetch(f"SELECT {_TOKEN_COLUMNS} FROM tokens ORDER BY created_at, id")
+                rows = await db.fetch(f"SELECT {TOKEN_COLUMNS} FROM tokens ORDER BY created_at, id")
             else:
                 rows = await db.fetch(
-                    f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE account = $1 ORDER BY created_at, id", account
+                    f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE account = $1 ORDER BY created_at, id", account
                 )
         return [TokenRecord(*r) for r in rows]
 

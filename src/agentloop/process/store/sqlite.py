@@ -47,18 +47,23 @@ from agentloop.process.store.common import (
     CALL_COLUMNS,
     HIL_COLUMNS,
     PROCESS_COLUMNS,
+    PROCESS_TABLES,
+    SCHEDULE_COLUMNS,
+    SEGMENT_COLUMNS,
+    TOKEN_COLUMNS,
     UPDATABLE_FIELDS,
+    WATCH_COLUMNS,
+    account_row,
     call_row,
     dumps,
     hil_row,
     process_record,
+    watch_row,
 )
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
 
 log = logging.getLogger("agentloop.store")
 
-_PROCESS_FIELDS = UPDATABLE_FIELDS
-_dumps = dumps
 _COUNTER_COLUMNS = ("next_message_id", "next_event_seq", "next_queue_id")
 _INSERT_MESSAGE = (
     "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -424,7 +429,7 @@ class SQLiteStore(Store):
                     int(record.interactive),
                     record.context,
                     record.state,
-                    _dumps(record.current_run) if record.current_run is not None else None,
+                    dumps(record.current_run) if record.current_run is not None else None,
                     record.history_generation,
                     record.created_at or now,
                     now,
@@ -436,29 +441,22 @@ class SQLiteStore(Store):
         self._tx_counters[record.pid] = [1, 1, 1, record.history_generation]
         self._tx_base[record.pid] = [1, 1, 1, record.history_generation]
 
-    _process = staticmethod(process_record)
-    _PROCESS_COLUMNS = PROCESS_COLUMNS
-
     async def get_process(self, pid: str) -> ProcessRecord | None:
-        row = (
-            self._read_registry()
-            .execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE pid = ?", (pid,))
-            .fetchone()
-        )
-        return self._process(row) if row else None
+        row = self._read_registry().execute(f"SELECT {PROCESS_COLUMNS} FROM processes WHERE pid = ?", (pid,)).fetchone()
+        return process_record(row) if row else None
 
     async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]:
         db = self._read_registry()
         if owner is None:
-            rows = db.execute(f"SELECT {self._PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
+            rows = db.execute(f"SELECT {PROCESS_COLUMNS} FROM processes ORDER BY created_at, pid")
         else:
             rows = db.execute(
-                f"SELECT {self._PROCESS_COLUMNS} FROM processes WHERE owner = ? ORDER BY created_at, pid", (owner,)
+                f"SELECT {PROCESS_COLUMNS} FROM processes WHERE owner = ? ORDER BY created_at, pid", (owner,)
             )
-        return [self._process(r) for r in rows.fetchall()]
+        return [process_record(r) for r in rows.fetchall()]
 
     async def update_process(self, pid: str, **fields: Any) -> None:
-        unknown = set(fields) - _PROCESS_FIELDS
+        unknown = set(fields) - UPDATABLE_FIELDS
         if unknown:
             raise StoreError(f"cannot update process fields {sorted(unknown)}")
         self._write()
@@ -466,7 +464,7 @@ class SQLiteStore(Store):
         pending = self._tx_fields.setdefault(pid, {})
         for key, value in fields.items():
             if key == "current_run":
-                value = _dumps(value) if value is not None else None
+                value = dumps(value) if value is not None else None
             elif key == "interactive":
                 value = int(value)
             elif key == "history_generation":
@@ -475,17 +473,7 @@ class SQLiteStore(Store):
 
     async def delete_process(self, pid: str) -> None:
         db = self._write()
-        for table in (
-            "messages",
-            "pending_tool_calls",
-            "message_queue",
-            "pending_hil",
-            "process_kv",
-            "events",
-            "history_segments",
-            "schedules",
-            "process_leases",
-        ):
+        for table in PROCESS_TABLES:
             db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
         db.execute("DELETE FROM signal_watches WHERE pid = ? OR source_pid = ?", (pid, pid))
         db.execute("DELETE FROM processes WHERE pid = ?", (pid,))
@@ -588,10 +576,10 @@ class SQLiteStore(Store):
                     r.tool_call_id,
                     r.tool_name,
                     r.syscall,
-                    _dumps(r.args),
+                    dumps(r.args),
                     r.status,
                     r.deadline,
-                    _dumps(r.result) if r.result is not None else None,
+                    dumps(r.result) if r.result is not None else None,
                     r.created_at or now,
                 )
                 for r in rows
@@ -620,7 +608,7 @@ class SQLiteStore(Store):
         cur = self._write().execute(
             f"UPDATE pending_tool_calls SET status = ?, result = COALESCE(?, result), deadline = COALESCE(?, deadline)"
             f" WHERE dispatch_id = ? AND status IN ({marks})",
-            (status, _dumps(result) if result is not None else None, deadline, dispatch_id, *expect),
+            (status, dumps(result) if result is not None else None, deadline, dispatch_id, *expect),
         )
         return cur.rowcount == 1
 
@@ -667,9 +655,9 @@ class SQLiteStore(Store):
                 row.tool_call_id,
                 row.tool_name,
                 row.syscall,
-                _dumps(row.args),
+                dumps(row.args),
                 row.fingerprint,
-                _dumps(row.tags),
+                dumps(row.tags),
                 row.reason,
                 row.created_at or time.time(),
             ),
@@ -695,7 +683,7 @@ class SQLiteStore(Store):
         self._write().execute(
             "INSERT INTO process_kv (pid, key, value) VALUES (?, ?, ?)"
             " ON CONFLICT (pid, key) DO UPDATE SET value = excluded.value",
-            (pid, key, _dumps(value)),
+            (pid, key, dumps(value)),
         )
 
     async def kv_delete(self, pid: str, key: str) -> None:
@@ -718,12 +706,12 @@ class SQLiteStore(Store):
             name, payload = events[0]
             db.execute(
                 _INSERT_EVENT,
-                (pid, first, name, _dumps(payload), now),
+                (pid, first, name, dumps(payload), now),
             )
             return [first]
         db.executemany(
             _INSERT_EVENT,
-            [(pid, first + i, name, _dumps(payload), now) for i, (name, payload) in enumerate(events)],
+            [(pid, first + i, name, dumps(payload), now) for i, (name, payload) in enumerate(events)],
         )
         return list(range(first, counters[1]))
 
@@ -742,8 +730,7 @@ class SQLiteStore(Store):
 
     async def add_segment(self, row: SegmentRow) -> None:
         self._write().execute(
-            "INSERT INTO history_segments (id, pid, generation, kind, from_message_id, to_message_id, archive_path,"
-            " summary_message_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO history_segments ({SEGMENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.id,
                 row.pid,
@@ -759,20 +746,17 @@ class SQLiteStore(Store):
 
     async def segments(self, pid: str) -> list[SegmentRow]:
         rows = self.db.execute(
-            "SELECT id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id,"
-            " created_at FROM history_segments WHERE pid = ? ORDER BY created_at, id",
+            f"SELECT {SEGMENT_COLUMNS} FROM history_segments WHERE pid = ? ORDER BY created_at, id",
             (pid,),
         ).fetchall()
         return [SegmentRow(*r) for r in rows]
 
     # -- schedules ------------------------------------------------------------------------------
 
-    _SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
-
     async def add_schedule(self, row: ScheduleRow) -> None:
         try:
             self._write().execute(
-                f"INSERT INTO schedules ({self._SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (row.id, row.pid, row.text, row.next_due, row.every, row.name, row.created_at or time.time()),
             )
         except sqlite3.IntegrityError:
@@ -780,16 +764,16 @@ class SQLiteStore(Store):
 
     async def schedules(self, pid: str) -> list[ScheduleRow]:
         rows = self.db.execute(
-            f"SELECT {self._SCHEDULE_COLUMNS} FROM schedules WHERE pid = ? ORDER BY next_due, id", (pid,)
+            f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE pid = ? ORDER BY next_due, id", (pid,)
         ).fetchall()
         return [ScheduleRow(*r) for r in rows]
 
     async def due_schedules(self, before: float | None, limit: int = 100) -> list[ScheduleRow]:
         args: tuple[float, ...] = ()
         if before is None:
-            sql = f"SELECT {self._SCHEDULE_COLUMNS} FROM schedules"
+            sql = f"SELECT {SCHEDULE_COLUMNS} FROM schedules"
         else:
-            sql, args = f"SELECT {self._SCHEDULE_COLUMNS} FROM schedules WHERE next_due <= ?", (before,)
+            sql, args = f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE next_due <= ?", (before,)
         rows = self.db.execute(sql + " ORDER BY next_due, id LIMIT ?", (*args, limit)).fetchall()
         return [ScheduleRow(*r) for r in rows]
 
@@ -805,12 +789,10 @@ class SQLiteStore(Store):
 
     # -- signal watches -------------------------------------------------------------------------
 
-    _WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
-
     async def add_watch(self, row: WatchRow) -> None:
         try:
             self._write().execute(
-                f"INSERT INTO signal_watches ({self._WATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO signal_watches ({WATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     row.id,
                     row.pid,
@@ -833,11 +815,11 @@ class SQLiteStore(Store):
         if source_pid is not None:
             where.append("source_pid = ?")
             args.append(source_pid)
-        sql = f"SELECT {self._WATCH_COLUMNS} FROM signal_watches"
+        sql = f"SELECT {WATCH_COLUMNS} FROM signal_watches"
         if where:
             sql += " WHERE " + " AND ".join(where)
         rows = self.db.execute(sql + " ORDER BY created_at, id", args).fetchall()
-        return [WatchRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+        return [watch_row(r) for r in rows]
 
     async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
         cur = self._write().execute("UPDATE signal_watches SET seen_seq = ? WHERE id = ?", (seq, watch_id))
@@ -939,16 +921,16 @@ class SQLiteStore(Store):
 
     async def get_account(self, name: str) -> AccountRecord | None:
         row = self.db.execute("SELECT name, admin, created_at FROM accounts WHERE name = ?", (name,)).fetchone()
-        return AccountRecord(row[0], bool(row[1]), row[2]) if row else None
+        return account_row(row) if row else None
 
     async def list_accounts(self) -> list[AccountRecord]:
         rows = self.db.execute("SELECT name, admin, created_at FROM accounts ORDER BY name").fetchall()
-        return [AccountRecord(r[0], bool(r[1]), r[2]) for r in rows]
+        return [account_row(r) for r in rows]
 
     async def add_token(self, record: TokenRecord) -> None:
         try:
             self._write().execute(
-                "INSERT INTO tokens (id, account, hash, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO tokens ({TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                 (
                     record.id,
                     record.account,
@@ -962,13 +944,11 @@ class SQLiteStore(Store):
             raise StoreError(f"token {record.id!r} (or one with the same hash) exists already") from None
 
     async def token_by_hash(self, token_hash: str) -> TokenRecord | None:
-        row = self.db.execute(
-            "SELECT id, account, hash, label, created_at, revoked_at FROM tokens WHERE hash = ?", (token_hash,)
-        ).fetchone()
+        row = self.db.execute(f"SELECT {TOKEN_COLUMNS} FROM tokens WHERE hash = ?", (token_hash,)).fetchone()
         return TokenRecord(*row) if row else None
 
     async def list_tokens(self, account: str | None = None) -> list[TokenRecord]:
-        sql = "SELECT id, account, hash, label, created_at, revoked_at FROM tokens"
+        sql = f"SELECT {TOKEN_COLUMNS} FROM tokens"
         args: tuple[Any, ...] = ()
         if account is not None:
             sql, args = sql + " WHERE account = ?", (account,)
