@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
@@ -171,10 +172,7 @@ class ProcessService:
     ) -> dict[str, Any]:
         if mode not in MODES:
             raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(MODES)}")
-        if not text.strip() and not media:
-            raise ApiError(400, "invalid_request", "text must not be empty")
-        if len(text) > MAX_TEXT:
-            raise ApiError(413, "too_large", f"text is longer than {MAX_TEXT} characters")
+        _check_text(text, empty_ok=bool(media))
         images = decode_media(media or [])
         proc, _ = await self._process(who, pid)
         try:
@@ -239,10 +237,7 @@ class ProcessService:
 
     async def signal(self, who: Principal, pid: str, text: str, *, run_id: str | None = None) -> dict[str, Any]:
         """Inject a system event (ahead of queued user input); a retried ``run_id`` delivers once."""
-        if not text.strip():
-            raise ApiError(400, "invalid_request", "text must not be empty")
-        if len(text) > MAX_TEXT:
-            raise ApiError(413, "too_large", f"text is longer than {MAX_TEXT} characters")
+        _check_text(text)
         await self._process(who, pid)
         try:
             return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
@@ -262,23 +257,20 @@ class ProcessService:
         if len(text) > MAX_SCHEDULE_TEXT:
             raise ApiError(413, "too_large", f"text is longer than {MAX_SCHEDULE_TEXT} characters")
         await self._process(who, pid)
-        try:
+        with _refusals():
             row = await self.kernel.scheduler.add(pid, text, at=at, every=every, name=name)
-        except ScheduleError as exc:
-            raise ApiError(400, "invalid_request", str(exc)) from None
-        except LimitReached as exc:
-            raise ApiError(409, "conflict", str(exc)) from None
-        except NoSuchProcess:
-            raise _not_found(pid) from None
         return schedule_json(row)
 
     async def schedules(self, who: Principal, pid: str) -> list[dict[str, Any]]:
         await self._process(who, pid)
-        return [schedule_json(r) for r in await self.kernel.schedules(pid)]
+        with _refusals():
+            return [schedule_json(r) for r in await self.kernel.schedules(pid)]
 
     async def unschedule(self, who: Principal, pid: str, schedule_id: str) -> dict[str, Any]:
         await self._process(who, pid)
-        if not await self.kernel.unschedule(pid, schedule_id):
+        with _refusals():
+            removed = await self.kernel.unschedule(pid, schedule_id)
+        if not removed:
             raise ApiError(404, "not_found", f"no schedule {schedule_id!r} on process {pid!r}")
         return {"id": schedule_id, "removed": True}
 
@@ -288,24 +280,43 @@ class ProcessService:
         """``pid`` is told when ``source_pid`` logs ``signal``; the caller must see both."""
         await self._process(who, pid)
         await self._process(who, source_pid)
-        try:
+        with _refusals():
             row = await self.kernel.watchers.add(pid, source_pid, signal, once=once)
-        except WatchError as exc:
-            raise ApiError(400, "invalid_request", str(exc)) from None
-        except PermissionError as exc:  # an admin pairing two owners' processes
-            raise ApiError(403, "forbidden", str(exc)) from None
-        except LimitReached as exc:
-            raise ApiError(409, "conflict", str(exc)) from None
-        except NoSuchProcess as exc:
-            raise _not_found(exc.pid) from None
         return watch_json(row)
 
     async def watches(self, who: Principal, pid: str) -> list[dict[str, Any]]:
         await self._process(who, pid)
-        return [watch_json(r) for r in await self.kernel.watches(pid)]
+        with _refusals():
+            return [watch_json(r) for r in await self.kernel.watches(pid)]
 
     async def unwatch(self, who: Principal, pid: str, watch_id: str) -> dict[str, Any]:
         await self._process(who, pid)
-        if not await self.kernel.unwatch(pid, watch_id):
+        with _refusals():
+            removed = await self.kernel.unwatch(pid, watch_id)
+        if not removed:
             raise ApiError(404, "not_found", f"no watch {watch_id!r} on process {pid!r}")
         return {"id": watch_id, "removed": True}
+
+
+def _check_text(text: str, *, empty_ok: bool = False) -> None:
+    """A message or event text: not blank (unless images carry the message), not over the limit."""
+    if not text.strip() and not empty_ok:
+        raise ApiError(400, "invalid_request", "text must not be empty")
+    if len(text) > MAX_TEXT:
+        raise ApiError(413, "too_large", f"text is longer than {MAX_TEXT} characters")
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """What the kernel's schedules and watches refuse, as API errors. ``LimitReached`` first: it
+    is a ``ValueError`` like the others. A process killed meanwhile is a 404, not a 500."""
+    try:
+        yield
+    except LimitReached as exc:
+        raise ApiError(409, "conflict", str(exc)) from None
+    except (ScheduleError, WatchError) as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from None
+    except PermissionError as exc:  # an admin pairing two owners' processes
+        raise ApiError(403, "forbidden", str(exc)) from None
+    except NoSuchProcess as exc:
+        raise _not_found(exc.pid) from None

@@ -194,6 +194,14 @@ def _id(args: dict[str, Any], name: str) -> str:
     return value
 
 
+def _str(args: dict[str, Any], name: str) -> str:
+    """A required string argument (any length: the service judges its content)."""
+    value: str | None = _want(args, name, str, "a string", None)
+    if value is None:
+        raise _invalid(f"{name} is required")
+    return value
+
+
 def _opt_int(args: dict[str, Any], name: str, *, minimum: int = 0) -> int | None:
     value: int | None = _want(args, name, int, "an integer", None)
     if value is not None and value < minimum:
@@ -246,9 +254,7 @@ async def _get(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _send(conn: Connection, args: dict[str, Any]) -> Any:
     pid = _id(args, "pid")
-    text = _want(args, "text", str, "a string", None)
-    if text is None:
-        raise _invalid("text is required")
+    text = _str(args, "text")
     return await conn.service.send(
         conn.user,
         pid,
@@ -271,9 +277,7 @@ async def _abort(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _hil(conn: Connection, args: dict[str, Any]) -> Any:
     pid, request_id = _id(args, "pid"), _id(args, "request_id")
-    decision = _want(args, "decision", str, "a string", None)
-    if decision is None:
-        raise _invalid("decision is required")
+    decision = _str(args, "decision")
     remember = _want(args, "remember", bool, "a boolean", False)
     return await conn.service.hil(conn.user, pid, request_id, decision=decision, remember=remember)
 
@@ -300,17 +304,13 @@ async def _subscribe(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _signal(conn: Connection, args: dict[str, Any]) -> Any:
     pid = _id(args, "pid")
-    text = _want(args, "text", str, "a string", None)
-    if text is None:
-        raise _invalid("text is required")
+    text = _str(args, "text")
     return await conn.service.signal(conn.user, pid, text, run_id=_opt_id(args, "run_id"))
 
 
 async def _schedule_add(conn: Connection, args: dict[str, Any]) -> Any:
     pid = _id(args, "pid")
-    text = _want(args, "text", str, "a string", None)
-    if text is None:
-        raise _invalid("text is required")
+    text = _str(args, "text")
     return await conn.service.schedule(
         conn.user,
         pid,
