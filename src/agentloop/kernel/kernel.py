@@ -539,27 +539,21 @@ class Kernel:
         self.media.delete_process(record.owner, pid)
         if not kill and self.engine.leases is not None and not await self.engine.leases.hold(pid):
             raise StoreError(f"process {pid} is busy on another worker; retry the reset")
-        live = await self.engine.live(pid)
         if kill:
+            await self.engine.live(pid)
             async with self.store.transaction():
                 await self.store.delete_process(pid)  # with its schedules and every watch naming it
             self.watchers.forget(killed=pid)
             await self.engine.forget(pid)
             return path
-        async with self.engine._tx(live) as tx:
+
+        async def drop_own_subscriptions() -> Callable[[], None]:
             # Reset drops the schedules and watches the process set up: they belong to the
             # conversation being archived, and an event about it would reach a process that no
             # longer knows why it asked. Watches on it stay: its watchers still follow it.
             await self.scheduler.drop(pid)
             dropped = await self.watchers.drop(pid)
-            tx.after.append(lambda: self.watchers.forget(dropped))
-            generation = await self.store.new_generation(pid)
-            tx.after.append(lambda: setattr(live.record, "history_generation", generation))
-            for item in await self.store.queue(pid):
-                await self.store.dequeue(pid, item.id)
-            tx.after.append(lambda: setattr(live, "queued", 0))
-            tx.after.append(live.history.clear)
-            await tx.signal(sig.CHANGED, changes=["messages", "reset"])
-        if self.engine.leases is not None:
-            self.engine.leases.idle(pid)
+            return lambda: self.watchers.forget(dropped)  # once the reset is committed
+
+        await self.engine.reset(pid, also=drop_own_subscriptions)
         return path

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from agentloop.loop.runner import CANCELLED
@@ -187,6 +187,24 @@ class ProcessEngine:
                     await settle(self, tx, row, msg, "failed", ("dispatched",))
         self.wake(record.pid)
         return True
+
+    async def reset(self, pid: str, *, also: Callable[[], Awaitable[Callable[[], None]]] | None = None) -> None:
+        """Start an empty history (a new generation) and drop the queue, in one transaction that
+        ``also`` writes into too (it returns what to do once that commits); the run was stopped
+        before. The cached process follows on commit."""
+        live = await self.live(pid)
+        async with self._tx(live) as tx:
+            if also is not None:
+                tx.after.append(await also())
+            generation = await self.store.new_generation(pid)
+            tx.after.append(lambda: setattr(live.record, "history_generation", generation))
+            for item in await self.store.queue(pid):
+                await self.store.dequeue(pid, item.id)
+            tx.after.append(lambda: setattr(live, "queued", 0))
+            tx.after.append(live.history.clear)
+            await tx.signal(sig.CHANGED, changes=["messages", "reset"])
+        if self.leases is not None:
+            self.leases.idle(pid)
 
     # -- leases (see lease.py) --------------------------------------------------------------------
 
