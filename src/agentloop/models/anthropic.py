@@ -39,13 +39,17 @@ from agentloop.messages import (
     UserMessage,
 )
 from agentloop.models.base import (
+    NOTICE_PREFIX,
+    STREAM_CUT,
     AssistantBuilder,
     Model,
     ModelInfo,
     ModelRequest,
     ProviderError,
     endpoint,
+    http_error,
     make_usage,
+    stream_broken,
 )
 from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
@@ -54,7 +58,6 @@ from agentloop.models.retry import retry_after_from_headers
 
 PLACEHOLDER_KEY = "sk-ant-local-no-key"
 TOOL_ID_MAX = 64
-NOTICE_PREFIX = "[system notice] "
 EPHEMERAL = {"type": "ephemeral"}
 
 _STOP: dict[str, StopReason] = {
@@ -171,9 +174,9 @@ class AnthropicModel(Model):
             except (anthropic.APIConnectionError, TransportError) as exc:  # the SDK lets transport errors through
                 timed_out = isinstance(exc, anthropic.APITimeoutError | TimeoutException)
                 kind: ErrorKind = "timeout" if timed_out else "connection"
-                raise ProviderError(_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+                raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if reader.stop is None:
-            raise ProviderError(_broken("the stream ended before the answer was finished", out), kind="connection")
+            raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
         for ev in out.finish(reader.stop, reader.usage()):
             yield ev
 
@@ -206,20 +209,13 @@ def _classify_status(exc: anthropic.APIStatusError) -> ProviderError:
         if kind == "bad_request" and is_overflow_text(detail):
             kind = "overflow"
         return ProviderError(f"stream error: {text}", kind=kind)
-    if status in (429, 529) or etype == "overloaded_error":
-        retry_after = retry_after_from_headers(exc.response.headers)
-        return ProviderError(text, kind="rate_limit", status=status, retry_after=retry_after)
-    if status >= 500:
-        return ProviderError(
-            text, kind="server", status=status, retry_after=retry_after_from_headers(exc.response.headers)
-        )
-    if status in (401, 403):
-        return ProviderError(text, kind="auth", status=status)
-    if status in (400, 413) and is_overflow_text(f"{detail} {exc.message}"):
-        return ProviderError(text, kind="overflow", status=status)
-    if status == 408:
-        return ProviderError(text, kind="timeout", status=status)
-    return ProviderError(text, kind="bad_request", status=status)
+    return http_error(
+        status,
+        text,
+        retry_after=retry_after_from_headers(exc.response.headers),
+        rate_limited=status == 529 or etype == "overloaded_error",  # Anthropic's "overloaded"
+        overflow=is_overflow_text(f"{detail} {exc.message}"),
+    )
 
 
 def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -244,11 +240,6 @@ def _error_field(body: object, name: str) -> str | None:
 def _cause(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-
-
-def _broken(what: str, out: AssistantBuilder) -> str:
-    got = len(out.message.text)
-    return f"{what} ({got} characters of text received)" if got else what
 
 
 class _EventReader:

@@ -132,6 +132,45 @@ class ProviderError(Exception):
         self.retry_after = retry_after
 
 
+# how a system message is shown to a provider whose history has no place for one after the start
+NOTICE_PREFIX = "[system notice] "
+
+
+def http_error(
+    status: int,
+    text: str,
+    *,
+    retry_after: float | None = None,
+    rate_limited: bool = False,
+    auth: bool = False,
+    overflow: bool = False,
+) -> ProviderError:
+    """What an HTTP error answer means to the loop, the ladder every adapter shares: 429 (or a
+    provider's own ``rate_limited`` signal) and 5xx are transient (retried, after ``retry_after``
+    when the server said), 401/403 (or ``auth``) bad credentials, 400/413 with ``overflow`` text
+    a context overflow, 408 a timeout, anything else a bad request."""
+    if status == 429 or rate_limited:
+        return ProviderError(text, kind="rate_limit", status=status, retry_after=retry_after)
+    if status >= 500:
+        return ProviderError(text, kind="server", status=status, retry_after=retry_after)
+    if status in (401, 403) or auth:
+        return ProviderError(text, kind="auth", status=status)
+    if status in (400, 413) and overflow:
+        return ProviderError(text, kind="overflow", status=status)
+    if status == 408:
+        return ProviderError(text, kind="timeout", status=status)
+    return ProviderError(text, kind="bad_request", status=status)
+
+
+STREAM_CUT = "the stream ended before the answer was finished"
+
+
+def stream_broken(what: str, out: AssistantBuilder) -> str:
+    """Why a stream failed, with how much of the answer had arrived (a retry starts it again)."""
+    got = len(out.message.text)
+    return f"{what} ({got} characters of text received)" if got else what
+
+
 class AssistantBuilder:
     """Accumulates one assistant message from provider deltas and yields protocol events.
 

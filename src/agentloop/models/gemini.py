@@ -46,6 +46,8 @@ from agentloop.messages import (
     UserMessage,
 )
 from agentloop.models.base import (
+    NOTICE_PREFIX,
+    STREAM_CUT,
     AssistantBuilder,
     Model,
     ModelInfo,
@@ -53,7 +55,9 @@ from agentloop.models.base import (
     ProviderError,
     ToolSpec,
     endpoint,
+    http_error,
     make_usage,
+    stream_broken,
 )
 from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
@@ -63,7 +67,6 @@ from agentloop.urls import redact_url
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com"
 API_VERSIONS = ("v1beta", "v1alpha", "v1")
-NOTICE_PREFIX = "[system notice] "
 GENERATED_ID_PREFIX = "gemini_call_"
 # Documented stand-in for a function call that carries no signature because another model (or
 # an edited history) produced it; Gemini 3 rejects the first call of a step without one.
@@ -225,9 +228,9 @@ class GeminiModel(Model):
                         yield event
             except (httpx.TransportError, httpx.StreamError) as exc:
                 kind: ErrorKind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
-                raise ProviderError(_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+                raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if reader.finish is None:
-            raise ProviderError(_broken("the stream ended before the answer was finished", out), kind="connection")
+            raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
         stop = _FINISH.get(reader.finish)
         if stop is None:
             text = _FINISH_TEXT.get(reader.finish, "the answer was stopped")
@@ -290,29 +293,21 @@ def classify_status(status: int, raw: bytes, headers: httpx.Headers) -> Provider
     """The error kind of an HTTP error answer: 429/5xx transient, 401/403 auth, overflow by text."""
     message, code, details = _error_body(raw)
     text = f"HTTP {status} {code}: {message}" if code else f"HTTP {status}: {message}"
-    if status == 429 or code == "RESOURCE_EXHAUSTED":
-        retry_after = retry_after_from_headers(headers) or _retry_delay(details)
-        return ProviderError(text, kind="rate_limit", status=status, retry_after=retry_after)
-    if status >= 500:
-        retry_after = retry_after_from_headers(headers) or _retry_delay(details)
-        return ProviderError(text, kind="server", status=status, retry_after=retry_after)
-    if status in (401, 403) or _reason(details) == "API_KEY_INVALID":  # a bad key is a 400 at Google
-        hint = " (check GEMINI_API_KEY)" if "key" in message.lower() else ""
-        return ProviderError(text + hint, kind="auth", status=status)
-    if status in (400, 413) and is_overflow_text(message):
-        return ProviderError(text, kind="overflow", status=status)
-    if status == 408:
-        return ProviderError(text, kind="timeout", status=status)
-    return ProviderError(text, kind="bad_request", status=status)
+    error = http_error(
+        status,
+        text,
+        retry_after=retry_after_from_headers(headers) or _retry_delay(details),
+        rate_limited=code == "RESOURCE_EXHAUSTED",
+        auth=_reason(details) == "API_KEY_INVALID",  # a bad key is a 400 at Google
+        overflow=is_overflow_text(message),
+    )
+    if error.kind == "auth" and "key" in message.lower():  # Google names the key; say where it came from
+        return ProviderError(f"{text} (check GEMINI_API_KEY)", kind="auth", status=status)
+    return error
 
 
 def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _broken(what: str, out: AssistantBuilder) -> str:
-    got = len(out.message.text)
-    return f"{what} ({got} characters of text received)" if got else what
 
 
 async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:

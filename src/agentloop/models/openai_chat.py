@@ -33,13 +33,16 @@ from agentloop.messages import (
     UserMessage,
 )
 from agentloop.models.base import (
+    STREAM_CUT,
     AssistantBuilder,
     Model,
     ModelInfo,
     ModelRequest,
     ProviderError,
     endpoint,
+    http_error,
     make_usage,
+    stream_broken,
 )
 from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
@@ -146,9 +149,9 @@ class OpenAIChatModel(Model):
                             finish = choice.finish_reason
             except openai.APIConnectionError as exc:  # the stream broke: say how far it got
                 kind: ErrorKind = "timeout" if isinstance(exc, openai.APITimeoutError) else "connection"
-                raise ProviderError(_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+                raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if finish is None:
-            raise ProviderError(_broken("the stream ended before the answer was finished", out), kind="connection")
+            raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
         if finish not in _FINISH:
             raise ProviderError(f"the provider stopped the answer: finish_reason={finish!r}", kind="bad_request")
         for event in out.finish(_FINISH[finish], usage):
@@ -196,18 +199,12 @@ def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
 
 def classify_status(status: int, text: str, headers: object) -> ProviderError:
     """The error kind of an HTTP error answer, shared by every OpenAI-compatible server."""
-    message = f"HTTP {status}: {text}"
-    if status == 429:
-        return ProviderError(message, kind="rate_limit", status=status, retry_after=retry_after_from_headers(headers))
-    if status >= 500:
-        return ProviderError(message, kind="server", status=status, retry_after=retry_after_from_headers(headers))
-    if status in (401, 403):
-        return ProviderError(message, kind="auth", status=status)
-    if status in (400, 413) and is_overflow_text(text):
-        return ProviderError(message, kind="overflow", status=status)
-    if status == 408:
-        return ProviderError(message, kind="timeout", status=status)
-    return ProviderError(message, kind="bad_request", status=status)
+    return http_error(
+        status,
+        f"HTTP {status}: {text}",
+        retry_after=retry_after_from_headers(headers),
+        overflow=is_overflow_text(text),
+    )
 
 
 class _DeltaReader:
@@ -247,11 +244,6 @@ def _cause(exc: BaseException) -> str:
     """The transport's own words (``peer closed connection ...``), not the SDK's generic ones."""
     cause = exc.__cause__ or exc
     return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-
-
-def _broken(what: str, out: AssistantBuilder) -> str:
-    got = len(out.message.text)
-    return f"{what} ({got} characters of text received)" if got else what
 
 
 # ------------------------------------------------------------------ history conversion
