@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import inspect
 import json
 import os
 import time
@@ -30,6 +29,7 @@ from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_t
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
+from agentloop.loop.hooks import maybe_await
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
@@ -142,9 +142,7 @@ def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
         return first
 
     async def chained(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        tools = first(record, shared)
-        after = then(record, await tools if inspect.isawaitable(tools) else tools)
-        return await after if inspect.isawaitable(after) else after
+        return await maybe_await(then(record, await maybe_await(first(record, shared))))
 
     return chained
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, TypeVar, get_args
+from typing import Any, Literal, TypeAlias, TypeVar, cast, get_args
 
 from agentloop.messages import AssistantMessage, Message, ToolCall
 from agentloop.models.base import ToolSpec
@@ -85,9 +85,16 @@ TransformContext: TypeAlias = Callable[[list[Message]], "list[Message] | Awaitab
 T = TypeVar("T")
 
 
+async def maybe_await(value: T | Awaitable[T]) -> T:
+    """``value``, awaited if it is awaitable: for callbacks that may be plain or ``async``."""
+    if hasattr(value, "__await__"):  # cheaper than inspect.isawaitable's ABC check
+        return await cast(Awaitable[T], value)
+    return value
+
+
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
-    if hasattr(result, "__await__"):  # cheaper than inspect.isawaitable's ABC check
+    result = fn(*args)  # maybe_await inlined: hooks run on every turn and call
+    if hasattr(result, "__await__"):
         result = await result
     return result
 

@@ -29,11 +29,11 @@ recovery, the public API (which delegates to those parts), and stopping runs.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from agentloop.loop.hooks import maybe_await
 from agentloop.loop.runner import CANCELLED
 from agentloop.loop.state import LoopConfig
 from agentloop.messages import Message, ToolCall, tool_error_result
@@ -150,7 +150,7 @@ class ProcessEngine:
             cfg = replace(cfg, system_prompt=live.prompt[1])
         if self.toolset is not None:
             tools = self.toolset(live.record, self.config.tools)
-            cfg = replace(cfg, tools=dict(await tools if inspect.isawaitable(tools) else tools))
+            cfg = replace(cfg, tools=dict(await maybe_await(tools)))
         live.config = (run_id, cfg)
         return cfg
 

@@ -11,7 +11,6 @@ idempotent retry into a second message.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -21,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from agentloop.loop.hooks import maybe_await
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import ChatRequest
@@ -471,8 +471,7 @@ async def devices(call: Call) -> dict[str, Any]:
     hub = call.ctx.devices
     if hub is None:  # devices not enabled: nobody has any
         return {"devices": []}
-    listed = hub.list(call.principal)
-    return {"devices": list(await listed if inspect.isawaitable(listed) else listed)}
+    return {"devices": list(await maybe_await(hub.list(call.principal)))}
 
 
 async def openapi(call: Call) -> Response:

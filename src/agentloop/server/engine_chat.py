@@ -16,7 +16,6 @@ budget on a loop that will not get anywhere.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
@@ -34,6 +33,7 @@ from starlette.responses import Response
 from agentloop.agent import Agent, Run
 from agentloop.events import AgentEnd, LoopEvent, MessageEnd, MessageUpdate, TextDelta, ToolExecutionEnd
 from agentloop.events import ToolExecutionStart as _ToolStart
+from agentloop.loop.hooks import maybe_await
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -367,8 +367,7 @@ class EngineChat:
         ok = False
         if scheme.lower() == "bearer" and token:
             try:
-                verdict = self.authorize(token)
-                ok = await verdict if inspect.isawaitable(verdict) else verdict
+                ok = await maybe_await(self.authorize(token))
             except Exception:
                 _log(logging.ERROR, "token check failed", None, exc_info=True)
                 raise ApiError(503, "engine_unavailable", "The engine cannot check credentials right now.") from None
