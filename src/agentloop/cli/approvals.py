@@ -23,7 +23,6 @@ from agentloop.cli.render import describe_call, one_line
 from agentloop.loop.hooks import Block, ToolCallInfo
 from agentloop.process.api import approve_everything
 from agentloop.process.approval import Policy, Rule, decide, default_policy, merge, parse_policy, remember_rule
-from agentloop.tools.builtin import SYSCALLS
 
 Mode = Literal["ask", "auto", "deny", "file"]
 Answer = Literal["approve", "deny", "always", "abort"]
@@ -222,7 +221,7 @@ class PolicyHook:
 
     async def __call__(self, info: ToolCallInfo) -> Block | None:
         name = info.call.name
-        syscall = info.syscall or SYSCALLS.get(name, f"tool.{name}")
+        syscall = info.syscall or f"tool.{name}"  # the runner always names it; a bare hook call may not
         async with self._lock:
             policy = merge(None, self.policy, self.remembered)
             verdict = decide(policy, syscall, info.args, cwd=self.cwd, home=self.home)

@@ -66,7 +66,6 @@ class ServeOptions:
     workspace: Path
     settings: Settings
     approval: ApprovalSetting
-    store: str | None = None  # a store URL; None: <data>/agentloop.db
     shutdown_timeout: int = SHUTDOWN_TIMEOUT
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
@@ -168,7 +167,7 @@ async def serve_async(
         async with (
             extra_tools(settings, opts.workspace) as extra,
             Kernel.open(
-                opts.store or f"sqlite:///{opts.data.resolve()}/agentloop.db",
+                settings.store or f"sqlite:///{opts.data.resolve()}/agentloop.db",  # None: <data>/agentloop.db
                 model=model,
                 workspace=opts.workspace,
                 system_prompt=settings.system_prompt,
@@ -426,7 +425,7 @@ def serve(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
                 "put TLS in front of it\n"
             )
-        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting, store=settings.store)
+        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting)
         try:
             if chat:
                 opts.out = sys.stderr  # stdout carries the answers

@@ -59,7 +59,15 @@ from agentloop.tools.base import (
 )
 from agentloop.tools.builtin import syscall_of
 from agentloop.tools.codemode_runner import PROGRAM
-from agentloop.tools.process_group import KILL_GRACE, OutputCapture, close_transport, kill_group, pump, supervise
+from agentloop.tools.process_group import (
+    DRAIN_GRACE,
+    KILL_GRACE,
+    OutputCapture,
+    close_transport,
+    kill_group,
+    pump,
+    supervise,
+)
 
 log = logging.getLogger("agentloop.codemode")
 
@@ -84,7 +92,6 @@ RUNNER = Path(__file__).with_name("codemode_runner.py")
 _LINE_LIMIT = 1 << 27
 #: what the program's environment keeps of ours: enough to run programs, no credentials
 _ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
-_FRIENDLY = {"Read": "read", "Write": "write", "Edit": "edit", "Delete": "delete", "Search": "search", "Shell": "shell"}
 
 NEEDS_APPROVAL = "needs a person's approval, which cannot be asked from inside CodeMode; call the tool directly"
 
@@ -99,8 +106,6 @@ def _identifier(text: str) -> str:
 def function_name(tool: Tool) -> str:
     """The program's name for ``tool``: ``read`` for Read, ``mcp_<server>_<tool>`` for an MCP
     server's tool, otherwise the tool's name made a Python identifier."""
-    if tool.name in _FRIENDLY:
-        return _FRIENDLY[tool.name]
     syscall = tool.syscall or ""
     parts = syscall.split(".", 2)
     if len(parts) == 3 and parts[0] == "mcp":
@@ -346,7 +351,7 @@ class _Execution:
             outcome = await supervise(proc, output, limit)
             if outcome != "exited":
                 await kill_group(proc, KILL_GRACE)
-                await asyncio.wait({output}, timeout=0.3)
+                await asyncio.wait({output}, timeout=DRAIN_GRACE)
         except BaseException:
             await kill_group(proc, KILL_GRACE)
             raise

@@ -115,7 +115,6 @@ def _function(channel: _Channel, spec: dict[str, Any]) -> Callable[..., Awaitabl
         return await channel.call(name, tool, {k: v for k, v in given.items() if v is not None or k in required})
 
     call_tool.__name__ = call_tool.__qualname__ = name
-    call_tool.__doc__ = spec.get("doc") or None
     return call_tool
 
 
