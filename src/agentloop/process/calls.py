@@ -172,7 +172,7 @@ def launcher(
         # The dispatch is durable now; in a group commit that can be a loop turn after the step.
         # If meanwhile the run was aborted or the process dropped, the call stays unstarted.
         run = live.record.current_run
-        if live.stopping or run is None or run["run_id"] != run_id or engine._live.get(live.record.pid) is not live:
+        if live.stopping or run is None or run["run_id"] != run_id or engine.cached(live.record.pid) is not live:
             return
         task = live.tools[row.dispatch_id] = asyncio.create_task(run_tool(engine, live, run_id, row, prepared))
         task.add_done_callback(lambda done: _drop_task(live.tools, row.dispatch_id, done))

@@ -161,9 +161,9 @@ class ProcessEngine:
         (on a shared store: those no live worker holds, and from now on the orphans of dead ones)."""
         if self.leases is not None:
             return await self.leases.start()
-        return [record.pid for record in await self.store.list_processes() if await self._resume(record)]
+        return [record.pid for record in await self.store.list_processes() if await self.resume(record)]
 
-    async def _resume(self, record: ProcessRecord) -> bool:
+    async def resume(self, record: ProcessRecord) -> bool:
         """Bring one process back to work from what the store holds. Returns whether it resumed."""
         if record.state == "killed":
             return False
@@ -220,9 +220,6 @@ class ProcessEngine:
             live.lost = True
             live.idle.set()
 
-    async def resume(self, record: ProcessRecord) -> bool:
-        return await self._resume(record)
-
     async def promote(self, live: _Live) -> None:
         await admission.promote(self, live)
 
@@ -232,9 +229,7 @@ class ProcessEngine:
         pid = live.record.pid
         if self._live.get(pid) is not live:
             return  # dropped already (another step of the same group)
-        self._drop(live)
-        live.lost = True
-        live.idle.set()  # waiters look again, and find the reloaded process
+        self.uncache(pid)  # waiters look again, and find the reloaded process
         task = asyncio.get_running_loop().create_task(self._reload(pid))
         self._reloading.add(task)
         task.add_done_callback(self._reloading.discard)
@@ -245,7 +240,7 @@ class ProcessEngine:
         try:
             record = await self.store.get_process(pid)
             if record is not None:
-                await self._resume(record)
+                await self.resume(record)
         except Exception:
             log.exception("process %s: could not resume after a failed commit", pid)
 
