@@ -150,3 +150,29 @@ def test_account_create_makes_the_database_and_listing_then_reads_it(data: Path)
     assert cli(data, "account", "create", "dana", "--no-token")[0] == 0
     code, out, _ = cli(data, "account", "list")
     assert code == 0 and out.split("\t")[0] == "dana"
+
+
+def test_accounts_and_tokens_live_in_the_configured_store(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server on PostgreSQL (AGENTLOOP_STORE) is administered there, not in a SQLite file
+    nobody reads."""
+    pytest.importorskip("asyncpg")
+    monkeypatch.setenv("AGENTLOOP_STORE", pg_url)
+    empty = tmp_path / "data"
+    empty.mkdir()
+    made = runner.invoke(app, ["account", "create", "carol", "--data", str(empty)])
+    assert made.exit_code == 0, made.stderr
+    listed = runner.invoke(app, ["account", "list", "--data", str(empty)])
+    assert listed.exit_code == 0 and "carol" in listed.stdout
+    assert list(empty.iterdir()) == []  # no SQLite file beside it
+
+    async def accounts() -> list[str]:
+        store = open_store(pg_url)
+        await store.open()
+        try:
+            return [a.name for a in await store.list_accounts()]
+        finally:
+            await store.close()
+
+    assert "carol" in asyncio.run(accounts())

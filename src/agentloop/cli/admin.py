@@ -1,7 +1,9 @@
 """``agentloop account …`` and ``agentloop token …``: accounts and bearer tokens, administered on
 the database itself.
 
-They open ``<data>/agentloop.db`` directly rather than asking the server, so an administrator can
+They open the server's store directly (``<data>/agentloop.db``, or the PostgreSQL store that
+``AGENTLOOP_STORE`` or the config file's ``store`` names, as ``serve`` does) rather than asking
+the server, so an administrator can
 make the first extra account or revoke a leaked token even while no server (or a stuck one) runs.
 SQLite in WAL mode lets them do so while the server has the database open. A token is printed
 once, when created; listings show ids and labels, never the stored hashes.
@@ -73,6 +75,18 @@ def _no_database(data: Path | None) -> str:
     return f"no database at {data_dir(data) / 'agentloop.db'}: no accounts or tokens yet (agentloop serve creates it)"
 
 
+def _store_url(data: Path | None, *, create: bool = False) -> str | None:
+    """The store to open: the configured one, else the data directory's SQLite file when it
+    exists (or, with ``create``, may be made); None when there is nothing to open."""
+    from agentloop.cli.config import load_settings
+
+    configured = load_settings().store
+    if configured is not None:
+        return configured
+    path = _database(data) if create else _existing_database(data)
+    return f"sqlite:///{path}" if path is not None else None
+
+
 def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]], *, create: bool = False) -> T:
     """Open the store (migrating its schema like the server would), run ``work``, close. Only with
     ``create`` is a missing database created; otherwise the caller has checked that it exists."""
@@ -82,12 +96,12 @@ def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]], 
         from agentloop.server.auth import AccountError, Accounts
     except ImportError as exc:
         raise CliError(f"accounts need the server extra: pip install 'agentloop[server]' ({exc})") from None
-    path = _database(data) if create else _existing_database(data)
-    if path is None:
+    url = _store_url(data, create=create)
+    if url is None:
         raise CliError(_no_database(data))
 
     async def go() -> T:
-        store: Store = open_store(f"sqlite:///{path}")
+        store: Store = open_store(url)
         await store.open()
         try:
             return await work(Accounts(store))
@@ -102,7 +116,7 @@ def _with_accounts(data: Path | None, work: Callable[[Accounts], Awaitable[T]], 
 
 def _nothing_to_list(data: Path | None) -> bool:
     """For a listing: True (having said so on stderr) when there is no database to list from."""
-    if _existing_database(data) is not None:
+    if _store_url(data) is not None:
         return False
     typer.echo(_no_database(data), err=True)
     return True
@@ -166,7 +180,7 @@ def token_create(
     from agentloop.cli.main import CliError, _guarded
 
     with _guarded():
-        if _existing_database(data) is None:  # no accounts at all; and no database made for nothing
+        if _store_url(data) is None:  # no accounts at all; and no database made for nothing
             raise CliError(f"no such account {account!r} ({_no_database(data)})")
 
         async def work(accounts: Accounts) -> tuple[str, str]:
@@ -212,6 +226,6 @@ def token_revoke(
         async def work(accounts: Accounts) -> bool:
             return await accounts.revoke(token_id)
 
-        if _existing_database(data) is None or not _with_accounts(data, work):
+        if _store_url(data) is None or not _with_accounts(data, work):
             raise CliError(f"no such token {token_id!r} (or it was already revoked)")
         typer.echo(f"revoked {token_id}")
