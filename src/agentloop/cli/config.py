@@ -330,32 +330,19 @@ def load_settings(
     flags = flags or LoopFlags()
     if max_rounds is not None and flags.max_rounds is None:
         flags = replace(flags, max_rounds=max_rounds)
-    # a flag replaces the file's key, so a bad key a flag overrides does not matter
-    overridden = {"store"} if store or env.get(STORE_ENV) else set()  # a flag or the environment wins
+    in_file = f"config file {path}"
+    chosen, source = _pick(
+        ("--model", model), (MODEL_ENV, env.get(MODEL_ENV)), (in_file, file.model), default=DEFAULT_MODEL
+    )
+    store_url, store_source = _pick(("--store", store), (STORE_ENV, env.get(STORE_ENV)), (in_file, file.store))
+    # a flag (or the environment) replaces the file's key, so a bad key it overrides does not matter
+    overridden = {"store"} if store_source in ("--store", STORE_ENV) else set()
     errors = [
         *_flag_errors(flags),
         *(e for key, e in file.errors.items() if getattr(flags, key, None) is None and key not in overridden),
     ]
-
-    if model:
-        chosen, source = model, "--model"
-    elif env.get(MODEL_ENV):
-        chosen, source = env[MODEL_ENV], MODEL_ENV
-    elif file.model:
-        chosen, source = file.model, f"config file {path}"
-    else:
-        chosen, source = DEFAULT_MODEL, "built-in default"
-
-    if store:
-        store_url, store_source = store, "--store"
-    elif env.get(STORE_ENV):
-        store_url, store_source = env[STORE_ENV], STORE_ENV
-    elif file.store:
-        store_url, store_source = file.store, f"config file {path}"
-    else:
-        store_url, store_source = None, "default"
-    if store_url is not None and store_source != f"config file {path}" and store_problem(store_url):
-        errors.append(f"{store_source}: store {store_problem(store_url)}")
+    if store_url is not None and store_source != in_file and (problem := store_problem(store_url)):
+        errors.append(f"{store_source}: store {problem}")  # (the file's is among file.errors)
 
     return Settings(
         model=chosen,
@@ -392,6 +379,15 @@ def store_problem(url: Any) -> str | None:
 
 
 T = TypeVar("T")
+
+
+def _pick(*choices: tuple[str, str | None], default: str | None = None, unset: str = "default") -> tuple[Any, str]:
+    """The first value given, most specific first (a flag, the environment, the file), and where
+    it came from, so a command can say why it uses what it uses; else ``default``."""
+    for source, value in choices:
+        if value:
+            return value, source
+    return default, ("built-in default" if default is not None else unset)
 
 
 def _first(flag: T | None, file: T | None) -> T | None:
@@ -477,12 +473,7 @@ def load_connection(
     path = config_path(env)
     file, warnings = read_config_file(path)
     chosen_server = server or env.get(SERVER_ENV) or file.server or DEFAULT_SERVER
-    if token:
-        chosen_token, source = token, "--token"
-    elif env.get(TOKEN_ENV):
-        chosen_token, source = env[TOKEN_ENV], TOKEN_ENV
-    elif file.token:
-        chosen_token, source = file.token, f"config file {path}"
-    else:
-        chosen_token, source = None, "none"
+    chosen_token, source = _pick(
+        ("--token", token), (TOKEN_ENV, env.get(TOKEN_ENV)), (f"config file {path}", file.token), unset="none"
+    )
     return Connection(chosen_server.rstrip("/"), chosen_token, source, warnings)
