@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from agentloop.loop.guards import Guards
 from agentloop.models.base import Model
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
-from agentloop.tools.mcp import MCPServerConfig
+from agentloop.tools.mcp import MCPServerConfig, parse_servers
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
@@ -215,22 +215,14 @@ def _read_mcp_servers(value: Any) -> tuple[tuple[MCPServerConfig, ...], str | No
         return (), None
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         return (), "mcp_servers must be a list of tables ([[mcp_servers]] with name and command or url)"
-    from pydantic import ValidationError
 
-    servers: list[MCPServerConfig] = []
-    for i, table in enumerate(value):
-        label = f"mcp_servers[{i}]" + (f" ({table['name']!r})" if isinstance(table.get("name"), str) else "")
-        try:
-            servers.append(MCPServerConfig.model_validate(table))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return (), f"{label}{'.' + where if where else ''}: {first['msg']}"
-    names = [s.name for s in servers]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate:
-        return (), f"two mcp_servers are named {duplicate!r}"
-    return tuple(servers), None
+    def label(i: int, table: Any) -> str:
+        return f"mcp_servers[{i}]" + (f" ({table['name']!r})" if isinstance(table.get("name"), str) else "")
+
+    try:
+        return tuple(parse_servers(value, label, plural="mcp_servers")), None
+    except ValueError as exc:
+        return (), str(exc)
 
 
 def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:

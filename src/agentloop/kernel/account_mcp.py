@@ -23,11 +23,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import Tool
-from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
+from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools, parse_servers
 
 log = logging.getLogger("agentloop.kernel.mcp")
 
@@ -127,12 +125,4 @@ def _read(path: Path) -> list[MCPServerConfig]:
         data = data["mcp_servers"]
     if not isinstance(data, list):
         raise ValueError('expected a list of servers, or {"mcp_servers": [...]}')
-    servers: list[MCPServerConfig] = []
-    for i, item in enumerate(data):
-        try:
-            servers.append(MCPServerConfig.model_validate(item))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"server {i}{'.' + where if where else ''}: {first['msg']}") from None
-    return servers
+    return parse_servers(data)

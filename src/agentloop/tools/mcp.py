@@ -20,10 +20,10 @@ import json
 import logging
 import re
 import tempfile
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentloop.messages import ImageContent, TextContent
 from agentloop.tools.base import (
@@ -85,6 +85,32 @@ class MCPServerConfig(BaseModel):
         if self.url is not None and not re.match(r"^https?://", self.url):
             raise ValueError("`url` must start with http:// or https://")
         return self
+
+
+def parse_servers(
+    items: Sequence[Any],
+    label: Callable[[int, Any], str] = lambda i, item: f"server {i}",
+    plural: str = "MCP servers",
+) -> list[MCPServerConfig]:
+    """Server configs from plain data (a config file's tables, an account's JSON), or a
+    ``ValueError`` naming the first bad one (``label`` says how) and what is wrong with it; two
+    servers may not share a name, since it prefixes their tools (``plural`` names them)."""
+    servers: list[MCPServerConfig] = []
+    for i, item in enumerate(items):
+        if isinstance(item, MCPServerConfig):
+            servers.append(item)
+            continue
+        try:
+            servers.append(MCPServerConfig.model_validate(item))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"{label(i, item)}{'.' + where if where else ''}: {first['msg']}") from None
+    names = [s.name for s in servers]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"two {plural} are named {duplicate!r}")
+    return servers
 
 
 class MCPError(Exception):
@@ -359,12 +385,7 @@ class MCPGateway(Tool):
 async def mcp_tools(servers: Sequence[MCPServerConfig | dict[str, Any]]) -> AsyncIterator[list[Tool]]:
     """Start every server, yield their tools (plus ``mcp`` for servers with ``expose=False``),
     and stop the servers on exit. A server that fails to start raises ``MCPError``."""
-    configs = [s if isinstance(s, MCPServerConfig) else MCPServerConfig.model_validate(s) for s in servers]
-    seen: set[str] = set()
-    for config in configs:
-        if config.name in seen:
-            raise ValueError(f"two MCP servers are named {config.name!r}")
-        seen.add(config.name)
+    configs = parse_servers(servers)
     connections = [MCPConnection(c) for c in configs]
     try:
         await asyncio.gather(*(c.start() for c in connections))
