@@ -27,31 +27,41 @@ export class ApiError extends Error {
   }
 }
 
+/** The path of a process's resource: `/v1/processes/<pid><rest>`, the pid escaped. */
+export function procPath(pid, rest = "") {
+  return `/v1/processes/${encodeURIComponent(pid)}${rest}`;
+}
+
+function authHeaders() {
+  return { Authorization: `Bearer ${tokenStore.get()}` };
+}
+
+/** The ApiError of a refused request (a refused token signs the page out first). */
+async function refusal(resp) {
+  const data = await resp.json().catch(() => null);
+  if (resp.status === 401) unauthorized();
+  return new ApiError(resp.status, data?.code, data?.message);
+}
+
 export async function api(method, path, body) {
-  const headers = { Authorization: `Bearer ${tokenStore.get()}` };
+  const headers = authHeaders();
   const init = { method, headers, cache: "no-store" };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
   const resp = await fetch(path, init);
-  const data = await resp.json().catch(() => null);
-  if (resp.status === 401) unauthorized();
-  if (!resp.ok) throw new ApiError(resp.status, data?.code, data?.message);
-  return data;
+  if (!resp.ok) throw await refusal(resp);
+  return resp.json().catch(() => null);
 }
 
 /** Server-sent events over fetch (EventSource cannot send an Authorization header). Yields
  * {event, id, data} until the server ends the stream; throws ApiError on a refusal. */
 export async function* sse(path, lastEventId, signal, onOpen) {
-  const headers = { Authorization: `Bearer ${tokenStore.get()}`, Accept: "text/event-stream" };
+  const headers = { ...authHeaders(), Accept: "text/event-stream" };
   if (lastEventId !== null) headers["Last-Event-ID"] = String(lastEventId);
   const resp = await fetch(path, { headers, signal, cache: "no-store" });
-  if (!resp.ok) {
-    const data = await resp.json().catch(() => null);
-    if (resp.status === 401) unauthorized();
-    throw new ApiError(resp.status, data?.code, data?.message);
-  }
+  if (!resp.ok) throw await refusal(resp);
   if (onOpen) onOpen();
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";

@@ -2,9 +2,11 @@
 // The page: sign-in, the process list, the composer and the process actions. No build step:
 // plain ES modules served by `agentloop serve` (server/web.py).
 
-import { api, onUnauthorized, tokenStore } from "./api.js";
+import { api, onUnauthorized, procPath, tokenStore } from "./api.js";
 import { $, el, status } from "./dom.js";
 import { ProcessView } from "./view.js";
+
+const PID_KEY = "agentloop.pid"; // the open process, reopened after a reload (not a secret)
 
 let view = null;
 
@@ -24,8 +26,8 @@ async function signIn(token) {
   $("signin").hidden = true;
   $("main").hidden = false;
   await listProcesses();
-  const last = sessionStorage.getItem("agentloop.pid");
-  if (last) await openProcess(last).catch(() => sessionStorage.removeItem("agentloop.pid"));
+  const last = sessionStorage.getItem(PID_KEY);
+  if (last) await openProcess(last).catch(() => sessionStorage.removeItem(PID_KEY));
 }
 
 async function listProcesses() {
@@ -57,7 +59,7 @@ async function openProcess(pid) {
   view = new ProcessView(pid, (process) => {
     if (view && view.pid === pid) showProcess(process);
   });
-  sessionStorage.setItem("agentloop.pid", pid); // a reload reopens it; it is not a secret
+  sessionStorage.setItem(PID_KEY, pid); // a reload reopens it; it is not a secret
   for (const li of $("processes").children) li.classList.toggle("selected", li.dataset.pid === pid);
   await view.open();
 }
@@ -69,7 +71,7 @@ async function send() {
   const current = view;
   $("send").disabled = true;
   try {
-    const receipt = await api("POST", `/v1/processes/${encodeURIComponent(current.pid)}/messages`, { text, mode });
+    const receipt = await api("POST", procPath(current.pid, "/messages"), { text, mode });
     $("text").value = "";
     current.addPending(receipt.run_id, text);
     status(receipt.queued ? `queued (position ${receipt.position})` : `sent (${mode})`);
@@ -82,22 +84,22 @@ async function send() {
 
 async function act(what) {
   if (!view) return;
-  const pid = encodeURIComponent(view.pid);
+  const pid = view.pid;
   try {
     if (what === "abort") {
-      const { aborted } = await api("POST", `/v1/processes/${pid}/abort`, {});
+      const { aborted } = await api("POST", procPath(pid, "/abort"), {});
       status(aborted ? "run aborted" : "no run to abort");
     } else if (what === "reset") {
       if (!confirm("Reset this process? Its history is archived and cleared.")) return;
-      await api("POST", `/v1/processes/${pid}/reset`, {});
+      await api("POST", procPath(pid, "/reset"), {});
       await openProcess(view.pid);
       status("process reset");
     } else if (what === "kill") {
       if (!confirm("Kill this process? It cannot be used again.")) return;
-      await api("DELETE", `/v1/processes/${pid}`);
+      await api("DELETE", procPath(pid));
       view.close();
       view = null;
-      sessionStorage.removeItem("agentloop.pid");
+      sessionStorage.removeItem(PID_KEY);
       $("transcript").replaceChildren();
       $("approvals").replaceChildren();
       showProcess(null);

@@ -9,7 +9,7 @@
 // - text deltas are live-only (never replayed); the streamed bubble is replaced by the persisted
 //   message, which the full text of proc.run.output is matched against, so it is never doubled.
 
-import { api, ApiError, sse } from "./api.js";
+import { api, ApiError, procPath, sse } from "./api.js";
 import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
 
 export class ProcessView {
@@ -68,7 +68,7 @@ export class ProcessView {
   }
 
   async consume(follow) {
-    const path = `/v1/processes/${encodeURIComponent(this.pid)}/events?follow=${follow}`;
+    const path = procPath(this.pid, `/events?follow=${follow}`);
     const opened = () => this.streaming(follow ? "live" : "replaying");
     for await (const frame of sse(path, this.lastSeq, this.stop.signal, opened)) {
       if (this.closed) return;
@@ -92,12 +92,12 @@ export class ProcessView {
   }
 
   async refreshProcess() {
-    this.process = await api("GET", `/v1/processes/${encodeURIComponent(this.pid)}`);
+    this.process = await api("GET", procPath(this.pid));
     this.onState(this.process);
   }
 
   async refreshApprovals() {
-    const { requests } = await api("GET", `/v1/processes/${encodeURIComponent(this.pid)}/hil`);
+    const { requests } = await api("GET", procPath(this.pid, "/hil"));
     const pending = new Set(requests.map((r) => r.request_id));
     for (const [id, card] of this.approvals) if (!pending.has(id)) this.dropApproval(id, card);
     for (const r of requests) {
@@ -116,7 +116,7 @@ export class ProcessView {
     let before = null;
     for (let page = 0; page < 10; page++) {
       const query = before === null ? "limit=200" : `limit=200&before=${before}`;
-      const data = await api("GET", `/v1/processes/${encodeURIComponent(this.pid)}/messages?${query}`);
+      const data = await api("GET", procPath(this.pid, `/messages?${query}`));
       const unseen = data.messages.filter((m) => !this.messages.has(m.id));
       fresh.push(...unseen);
       if (data.next_before === null || unseen.length < data.messages.length) break;
@@ -355,7 +355,7 @@ export class ProcessView {
   async answer(requestId, card, decision, remember) {
     for (const b of card.querySelectorAll("button")) b.disabled = true;
     try {
-      const path = `/v1/processes/${encodeURIComponent(this.pid)}/hil/${encodeURIComponent(requestId)}`;
+      const path = procPath(this.pid, `/hil/${encodeURIComponent(requestId)}`);
       await api("POST", path, { decision, remember });
       this.dropApproval(requestId, card);
     } catch (err) {
