@@ -79,8 +79,12 @@ def _store_url(data: Path | None, *, create: bool = False) -> str | None:
     """The store to open: the configured one, else the data directory's SQLite file when it
     exists (or, with ``create``, may be made); None when there is nothing to open."""
     from agentloop.cli.config import load_settings
+    from agentloop.cli.main import CliError
 
-    configured = load_settings().store
+    settings = load_settings()
+    if settings.store_error is not None:  # a bad URL must not fall back to another database
+        raise CliError(settings.store_error)
+    configured = settings.store
     if configured is not None:
         return configured
     path = _database(data) if create else _existing_database(data)

@@ -112,6 +112,7 @@ class Settings:
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
+    store_error: str | None = None  # an unusable store URL: only commands that open the store stop
 
     @property
     def guards(self) -> Guards:
@@ -327,14 +328,14 @@ def load_settings(
         ("--model", model), (MODEL_ENV, env.get(MODEL_ENV)), (in_file, file.model), default=DEFAULT_MODEL
     )
     store_url, store_source = _pick(("--store", store), (STORE_ENV, env.get(STORE_ENV)), (in_file, file.store))
-    # a flag (or the environment) replaces the file's key, so a bad key it overrides does not matter
-    overridden = {"store"} if store_source in ("--store", STORE_ENV) else set()
     errors = [
         *_flag_errors(flags),
-        *(e for key, e in file.errors.items() if getattr(flags, key, None) is None and key not in overridden),
+        *(e for key, e in file.errors.items() if getattr(flags, key, None) is None and key != "store"),
     ]
+    # a flag (or the environment) replaces the file's key, so a bad key it overrides does not matter
+    store_error = file.errors.get("store") if store_url is None else None
     if store_url is not None and store_source != in_file and (problem := store_problem(store_url)):
-        errors.append(f"{store_source}: store {problem}")  # (the file's is among file.errors)
+        store_error = f"{store_source}: store {problem}"  # (a bad key in the file never becomes store_url)
 
     return Settings(
         model=chosen,
@@ -357,6 +358,7 @@ def load_settings(
         store=store_url,
         store_source=store_source,
         errors=errors,
+        store_error=store_error,
     )
 
 

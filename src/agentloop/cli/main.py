@@ -130,16 +130,20 @@ def _settings(
     tool_timeout: float | None = None,
     flags: LoopFlags | None = None,
     store: str | None = None,
+    *,
+    uses_store: bool = False,
 ) -> Settings:
     """The command's settings, its config warnings shown. A bad run limit (flag or config key)
-    is a usage error, exit 2: running without a budget the user set is worse than not running."""
+    is a usage error, exit 2: running without a budget the user set is worse than not running.
+    So is a bad store URL, for the commands that open the configured store (``uses_store``)."""
     settings = load_settings(
         model=model, system_prompt=system, tool_timeout=tool_timeout, workspace=workspace, flags=flags, store=store
     )
     for warning in settings.warnings:
         sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
-    if settings.errors:
-        _fail("; ".join(settings.errors), 2)
+    errors = [*settings.errors, *([settings.store_error] if uses_store and settings.store_error else [])]
+    if errors:
+        _fail("; ".join(errors), 2)
     return settings
 
 
@@ -499,7 +503,7 @@ def models() -> None:
     """List providers and models, whether each is usable here, and which one is the default."""
     with _guarded():
         settings = load_settings()  # run limits do not matter to a listing: no exit over a bad one
-        for warning in [*settings.warnings, *settings.errors]:
+        for warning in [*settings.warnings, *settings.errors, *filter(None, [settings.store_error])]:
             sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
         # (provider, model id, usable, why) — a provider's reason is given once, on its first row
         rows: list[tuple[str, str, bool, str]] = []

@@ -412,7 +412,7 @@ def serve(
         flags = loop_flags(
             max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
         )
-        settings = _settings(model, workspace, system, flags=flags, store=store)
+        settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
         setting = _approval(approval)
         ws = _workspace(settings)
         directory = data_dir(data)
