@@ -17,21 +17,19 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentloop.process.store import ProcessRecord
+from agentloop.stamps import Stamp, file_stamp
 from agentloop.tools.base import Tool
 from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools, parse_servers
 
 log = logging.getLogger("agentloop.kernel.mcp")
 
 RETRY_AFTER = 60.0  # seconds before a server that failed to start is tried again
-
-Stamp = tuple[int, int]
 
 
 @dataclass
@@ -59,7 +57,7 @@ class AccountMCP:
 
     async def tools_of(self, owner: str) -> list[Tool]:
         """The owner's MCP tools, starting (or restarting) its servers if the file changed."""
-        stamp = _stamp(self.file_of(owner))
+        stamp = file_stamp(self.file_of(owner))
         current = self._accounts.get(owner)
         if stamp is None and current is None:
             return []
@@ -106,14 +104,6 @@ class AccountMCP:
                 await self._stop(owner)
             except Exception:  # one account's servers must not keep the others running
                 log.exception("stopping the MCP servers of account %r", owner)
-
-
-def _stamp(path: Path) -> Stamp | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size)
 
 
 def _read(path: Path) -> list[MCPServerConfig]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -51,6 +50,7 @@ from agentloop.process.store import (
     WatchRow,
     open_store,
 )
+from agentloop.stamps import stamps
 from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.skills import skills_tool
@@ -78,20 +78,6 @@ def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
         return out
 
     return hydrate
-
-
-def _stamp(paths: Iterable[str]) -> tuple[tuple[int, int] | None, ...]:
-    """What changes when any of these files or directories changes (a directory's entry list, a
-    file's content): cheap to compute, so a prompt is only reassembled when its inputs moved."""
-    out: list[tuple[int, int] | None] = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            out.append(None)
-        else:
-            out.append((st.st_mtime_ns, st.st_size))
-    return tuple(out)
 
 
 def _cwd_toolset(root: Path) -> ToolsetFn:
@@ -205,12 +191,12 @@ def _prompt_builder(
             f"{record.cwd}/memory",
         ]
         hit = cache.get(key)
-        if hit is not None and hit[0] == _stamp([*watched, *hit[1]]):
+        if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
             return hit[2]
         text, files = assemble(record, devices_text)
         if len(cache) > 1024:
             cache.clear()
-        cache[key] = (_stamp([*watched, *files]), files, text)
+        cache[key] = (stamps([*watched, *files]), files, text)
         return text
 
     return build

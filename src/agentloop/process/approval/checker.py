@@ -20,6 +20,7 @@ from agentloop.process.approval.engine import args_fingerprint, decide
 from agentloop.process.approval.policy import Policy, Rule, default_policy, merge, parse_policy
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
+from agentloop.stamps import Stamp, file_stamp
 
 log = logging.getLogger("agentloop.approval")
 
@@ -54,15 +55,13 @@ def policy_approval(
     fallback = server_policy if server_policy is not None else default_policy()
     guarded = [os.path.realpath(p) for p in protected]
     merged: dict[tuple[str, str], Policy] = {}  # (owner, remembered rules as JSON) -> policy
-    from_files: dict[str, tuple[tuple[int, int], Policy | None]] = {}  # owner -> (file stamp, its policy)
+    from_files: dict[str, tuple[Stamp, Policy | None]] = {}  # owner -> (file stamp, its policy)
 
     def from_file(owner: str, path: Path) -> Policy | None:
-        try:
-            st = os.stat(path)
-        except OSError:  # no file: the server-wide policy applies
+        stamp = file_stamp(path)
+        if stamp is None:  # no file: the server-wide policy applies
             from_files.pop(owner, None)
             return None
-        stamp = (st.st_mtime_ns, st.st_size)
         hit = from_files.get(owner)
         if hit is not None and hit[0] == stamp:
             return hit[1]
