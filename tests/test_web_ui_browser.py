@@ -278,3 +278,36 @@ def test_always_interrupt_abort_reset_and_kill_from_the_browser(
     assert browser.eval("document.querySelectorAll('#processes li').length") == 0
     assert len(browser.dialogs) == 2 and all(d.startswith("confirm:") for d in browser.dialogs), browser.dialogs
     assert httpx.get(f"{url}/v1/processes/{pid}", headers={"Authorization": f"Bearer {token}"}).status_code == 404
+
+
+NAP = {"tool_calls": [{"name": "Shell", "arguments": {"command": "sleep 1 || rm -f never.txt"}}]}
+
+
+@pytest.mark.parametrize("replies", [[NAP, "First done.", "Second."]])
+def test_a_queued_message_waits_for_the_run_and_then_runs_on_its_own(
+    served: tuple[str, str, Path], browser: Browser
+) -> None:
+    """``queue`` mode from the page: the message is acknowledged with its place in the queue,
+    stays out of the active run (which finishes on its own answer), then becomes the next run."""
+    url, token, _ = served
+    sign_in_and_open_a_process(browser, url, token)
+    send(browser, "nap")
+    browser.wait("document.querySelector('#approvals .hil-approve')")
+    send(browser, "later", mode="queue")
+    assert browser.wait("document.getElementById('status').textContent.startsWith('queued')") is True
+    assert browser.eval("document.getElementById('status').textContent") == "queued (position 1)"
+    # The card says what the call waits for; the queued message shows as pending, after the run.
+    shown = browser.eval(TRANSCRIPT)
+    assert shown[0] == ["user", "nap"] and shown[1][1].startswith("Shell waiting for approval"), shown
+    assert shown[2:] == [["user", "later"]], shown
+    assert browser.eval("document.querySelector('#transcript .msg.user.pending').textContent") == "later"
+
+    browser.click("#approvals .hil-approve")
+    browser.wait("document.querySelectorAll('#transcript .footer[data-status=ok]').length === 2")
+    shown = browser.eval(TRANSCRIPT)
+    assert shown[0] == ["user", "nap"] and shown[1][0] == "tool" and shown[1][1].startswith("Shell finished")
+    assert shown[2:] == [["assistant", "First done."], OK, ["user", "later"], ["assistant", "Second."], OK]
+
+    browser.reload()  # the page rebuilt from the history and the log shows the same, once
+    browser.wait("document.querySelectorAll('#transcript .footer[data-status=ok]').length === 2")
+    assert browser.eval(TRANSCRIPT) == shown

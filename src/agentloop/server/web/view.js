@@ -196,7 +196,9 @@ export class ProcessView {
       card = el("div", "tool running");
       card.dataset.call = callId;
       const head = el("div");
-      head.append(el("span", "name", name), el("span", "state", " running…"));
+      // The approval request may have come before the history that shows the call.
+      const asked = [...this.approvals.values()].some((a) => a.dataset.call === callId);
+      head.append(el("span", "name", name), el("span", "state", asked ? " waiting for approval" : " running…"));
       card.append(head, el("pre", "args"), el("pre", "output"));
       this.tools.set(callId, card);
     }
