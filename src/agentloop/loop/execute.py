@@ -125,7 +125,7 @@ async def _execute(
             result = await cfg.hooks.run_after(p.info, result)
         except Exception as exc:
             result = ToolResult.error(f"after-tool-call hook failed: {exc}")
-    return result.to_message(call.id, call.name)
+    return result.capped(tool.max_result_chars).to_message(call.id, call.name)
 
 
 def _finish(state: RunState, msg: ToolResultMessage, emit: Emit) -> ToolResultMessage:

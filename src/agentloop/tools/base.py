@@ -25,6 +25,11 @@ from agentloop.models.base import ToolSpec
 
 ResultBlock: TypeAlias = TextContent | ImageContent
 
+#: Characters of text a tool result may hand the model (about 25k tokens). One runaway result
+#: (a whole log, a binary dumped as text) would otherwise fill the context and be sent again with
+#: every later model call; cut, the model still sees the start and the end and can ask for less.
+MAX_RESULT_CHARS = 100_000
+
 
 @dataclass
 class ToolResult:
@@ -41,6 +46,25 @@ class ToolResult:
     @classmethod
     def error(cls, text: str) -> ToolResult:
         return cls([TextContent(text=text)], is_error=True)
+
+    def capped(self, limit: int | None) -> ToolResult:
+        """This result with its text cut to ``limit`` characters (None: no limit): the text blocks
+        become one block that keeps the first two thirds and the last third of the allowance
+        around a note saying what was cut; images stay. ``details`` (for programs) is kept whole."""
+        texts = [b.text for b in self.content if isinstance(b, TextContent)]
+        total = sum(len(t) for t in texts) + max(0, len(texts) - 1)
+        if limit is None or total <= limit:
+            return self
+        text = "\n".join(texts)
+        head = limit * 2 // 3
+        tail = limit - head
+        note = (
+            f"\n[… {total - limit} characters cut: the result had {total}, more than the {limit} this tool may"
+            " return. Ask for a smaller part if the cut matters …]\n"
+        )
+        images = [b for b in self.content if not isinstance(b, TextContent)]
+        cut = TextContent(text=text[:head] + note + (text[-tail:] if tail else ""))
+        return ToolResult([cut, *images], details=self.details, is_error=self.is_error)
 
     def to_message(self, tool_call_id: str, tool_name: str) -> ToolResultMessage:
         return ToolResultMessage(
@@ -134,7 +158,8 @@ class Tool:
 
     ``timeout`` (seconds) overrides the agent's default; ``sequential`` makes the call a barrier
     (it runs alone, after the calls before it); ``idempotent`` allows a durable runner to re-run
-    it after a crash.
+    it after a crash; ``max_result_chars`` is how much text of a result the model gets (the rest
+    is cut, see ``ToolResult.capped``; None for no limit).
     """
 
     def __init__(
@@ -146,7 +171,10 @@ class Tool:
         timeout: float | None = None,
         sequential: bool = False,
         idempotent: bool = False,
+        max_result_chars: int | None = MAX_RESULT_CHARS,
     ) -> None:
+        if max_result_chars is not None and max_result_chars < 1:
+            raise ValueError(f"max_result_chars must be a positive number or None, got {max_result_chars!r}")
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
             raise ValueError(f"tool name must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
         self.name = name
@@ -155,6 +183,7 @@ class Tool:
         self.timeout = timeout
         self.sequential = sequential
         self.idempotent = idempotent
+        self.max_result_chars = max_result_chars  # None: results reach the model whole
         self.spec = ToolSpec(name=name, description=description, parameters=parameters)
         self.syscall: str | None = None  # what approval policies match; None: derived from the name
         self.interruptible = True  # False for work that runs inline on the event loop
@@ -379,6 +408,7 @@ def tool(
     sequential: bool = False,
     idempotent: bool = False,
     thread: bool = False,
+    max_result_chars: int | None = MAX_RESULT_CHARS,
 ) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 
 
@@ -392,6 +422,7 @@ def tool(
     sequential: bool = False,
     idempotent: bool = False,
     thread: bool = False,
+    max_result_chars: int | None = MAX_RESULT_CHARS,
 ) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
     """Make a tool of a function: ``@tool`` or ``@tool(timeout=5, sequential=True)``.
 
@@ -409,6 +440,7 @@ def tool(
             timeout=timeout,
             sequential=sequential,
             idempotent=idempotent,
+            max_result_chars=max_result_chars,
         )
 
     return wrap(fn) if fn is not None else wrap

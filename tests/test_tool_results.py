@@ -1,0 +1,90 @@
+"""Tool results reach the model within a size limit (``Tool.max_result_chars``): a runaway
+result is cut to its start and end around a note, in both runners, and stored cut."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentloop import Agent, Reply, ScriptedModel, ToolResult, ToolResultMessage, call, tool
+from agentloop.kernel import Kernel
+from agentloop.messages import ImageContent, TextContent
+from agentloop.models.base import ModelRequest
+from agentloop.tools.base import MAX_RESULT_CHARS
+
+BIG = "A" * 1000 + "m" * 300_000 + "Z" * 1000
+
+
+@tool
+def dump() -> str:
+    """Print a huge log."""
+    return BIG
+
+
+@tool(max_result_chars=None)
+def dump_all() -> str:
+    """Print a huge log, all of it."""
+    return BIG
+
+
+@tool(max_result_chars=2_000)
+def small() -> str:
+    """Print a log with a small limit."""
+    return BIG
+
+
+def results_seen(model: ScriptedModel) -> list[str]:
+    request: ModelRequest = model.requests[-1]
+    return [m.text for m in request.messages if isinstance(m, ToolResultMessage)]
+
+
+def assert_cut(text: str, limit: int) -> None:
+    head = limit * 2 // 3
+    assert text.startswith(BIG[:head]) and text.endswith(BIG[head - limit :])  # the start and the end are kept
+    assert f"{len(BIG) - limit} characters cut" in text and f"the result had {len(BIG)}" in text
+    assert limit < len(text) < limit + 300  # the allowance plus the note
+
+
+@pytest.mark.parametrize(("fn", "limit"), [(dump, MAX_RESULT_CHARS), (small, 2_000)])
+async def test_the_in_memory_runner_cuts_a_big_result(fn, limit: int) -> None:
+    model = ScriptedModel([Reply(tool_calls=[call(fn.name)]), "ok"])
+    await Agent(model=model, tools=[fn]).run("go")
+    [seen] = results_seen(model)
+    assert_cut(seen, limit)
+
+
+async def test_no_limit_means_the_whole_result() -> None:
+    model = ScriptedModel([Reply(tool_calls=[call("dump_all")]), "ok"])
+    await Agent(model=model, tools=[dump_all]).run("go")
+    assert results_seen(model) == [BIG]
+
+
+async def test_the_durable_runner_stores_and_sends_the_cut_result(tmp_path: Path) -> None:
+    model = ScriptedModel([Reply(tool_calls=[call("dump")]), "ok"])
+    async with Kernel.open(f"sqlite:///{tmp_path}/k.db", model=model, tools=[dump], workspace=tmp_path) as kernel:
+        proc = await kernel.spawn(owner="me")
+        await proc.send("go")
+        await proc.wait_idle()
+        stored = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+    assert len(stored) == 1
+    assert_cut(stored[0].text, MAX_RESULT_CHARS)
+    assert results_seen(model) == [stored[0].text]
+
+
+def test_capped_keeps_images_errors_and_details() -> None:
+    image = ImageContent(data="aGk=", mime_type="image/png")
+    result = ToolResult(
+        [TextContent(text="x" * 50), image, TextContent(text="y" * 50)], details={"n": 1}, is_error=True
+    )
+    cut = result.capped(30)
+    assert [type(b) for b in cut.content] == [TextContent, ImageContent]
+    text = cut.content[0].text
+    assert text.startswith("x" * 20) and text.endswith("y" * 10) and "71 characters cut" in text
+    assert cut.details == {"n": 1} and cut.is_error is True
+    assert result.capped(101) is result and result.capped(None) is result  # 50 + newline + 50 fits
+
+
+def test_a_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_result_chars"):
+        tool(max_result_chars=0)(lambda: "x")
