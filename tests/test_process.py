@@ -10,7 +10,7 @@ import json
 import pytest
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, NoSuchProcess
+from agentloop.kernel import Approval, Kernel, NoSuchProcess
 from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
@@ -349,6 +349,10 @@ async def test_bad_input_gets_clear_errors(tmp_path):
             with pytest.raises(ValueError, match="non-empty"):
                 await proc.send(empty)
         assert await proc.messages() == []
+    with pytest.raises(TypeError, match="approval must be a function, got str"):  # not at the first step
+        async with Kernel.open(f"sqlite:///{tmp_path}/other.db", approval="default"):  # type: ignore[arg-type]
+            pass
+    assert not (tmp_path / "other.db").exists()
 
 
 async def test_crash_resume_reruns_idempotent_and_fails_the_others(tmp_path):

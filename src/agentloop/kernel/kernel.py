@@ -355,6 +355,9 @@ class Kernel:
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
         default otherwise) unless ``approval`` replaces the check.
         """
+        for name, fn in (("approval", approval), ("toolset", toolset)):
+            if fn is not None and not callable(fn):  # else the first step of every run fails
+                raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
         root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
         store = open_store(url)
         if data_dir is None:
