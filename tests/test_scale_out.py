@@ -304,3 +304,50 @@ async def test_a_fenced_commit_and_a_forwarded_write_notify_the_other_workers(pg
         await stop()
         await a.close()
         await b.close()
+
+
+async def test_a_parent_aborted_or_killed_through_the_other_worker_takes_its_subagents_along(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The abort is forwarded to the parent's holder, whose abort stops the subagent its run
+    started; a kill from the worker without the lease reaches the children too."""
+
+    @tool
+    async def nap(seconds: float) -> str:
+        """Sleep."""
+        await asyncio.sleep(seconds)
+        return "rested"
+
+    def brain(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        if isinstance(last, UserMessage) and last.text == "parent":  # a background child, and stay busy
+            return Reply(tool_calls=[call("Task", prompt="child", wait=False), call("nap", seconds=30)])
+        if isinstance(last, UserMessage) and last.text == "child":
+            return Reply(tool_calls=[call("nap", seconds=30)])
+        return "over"
+
+    async def running_children(k: Kernel, pid: str) -> list[str]:
+        return [r.pid for r in await k.processes("alice") if r.parent_pid == pid and r.current_run]
+
+    async with two(pg_url, tmp_path, ScriptedModel(brain), [nap], subagents=True) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        await pa.send("parent")
+        async with asyncio.timeout(10):
+            while not await running_children(a, pa.pid):
+                await asyncio.sleep(0.02)
+        [child] = await running_children(a, pa.pid)
+        assert await pb.abort()  # forwarded to A
+        async with asyncio.timeout(10):
+            await (await b.process(child)).wait_idle()
+        ended = [
+            s.payload async for s in (await b.process(child)).signals(follow=False) if s.signal == sig.RUN_FINISHED
+        ]
+        assert ended[-1]["status"] == "aborted" and ended[-1]["reason"] == "parent.abort"
+
+        await pa.send("parent")  # a second run, with a second child
+        async with asyncio.timeout(10):
+            while not await running_children(a, pa.pid):
+                await asyncio.sleep(0.02)
+        await pb.kill()
+        assert await b.processes("alice") == []

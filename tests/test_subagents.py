@@ -10,7 +10,7 @@ from typing import Any
 from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, UserMessage, call
 from agentloop.kernel.tasks import MAX_DEPTH, child_pid
 from agentloop.models.base import ModelRequest
-from tests.process_support import kernel
+from tests.process_support import kernel, slow
 
 
 def _first_user(request: ModelRequest) -> str:
@@ -170,3 +170,174 @@ async def test_aborting_the_parent_aborts_the_child_it_waits_for(tmp_path):
             await (await k.process(child.pid)).wait_idle()  # not the 30 s its tool would take
         finished = [s.payload async for s in (await k.process(child.pid)).signals(follow=False)]
     assert any(p.get("status") == "aborted" for p in finished)
+
+
+# -- the process tree: kill, reset and abort reach the children ---------------------------------
+
+
+def tree_brain(request: ModelRequest) -> Reply | str:
+    """Commands in the last user message: ``spawn X`` starts a background child on X, ``spawn+stay X``
+    does that and sleeps in the same batch (the run stays active), ``wait-for X`` waits for a child
+    on X, ``stay`` sleeps, ``gate`` waits for the test. A sleep cut by a restart is started again."""
+    last = request.messages[-1]
+    if isinstance(last, UserMessage):
+        command, _, arg = last.text.partition(" ")
+        sleep = call("slow", seconds=30)
+        calls = {
+            "spawn": [call("Task", prompt=arg, wait=False)],
+            "spawn+stay": [call("Task", prompt=arg, wait=False), sleep],
+            "wait-for": [call("Task", prompt=arg, wait=True)],
+            "stay": [sleep],
+            "gate": [call("gate")],
+        }.get(command)
+        return Reply(tool_calls=calls) if calls else "ok"
+    if isinstance(last, ToolResultMessage):
+        return Reply(tool_calls=[call("slow", seconds=30)]) if "restart" in last.text else f"over: {last.text}"
+    return f"noted: {last.text}" if isinstance(last, SystemMessage) else "?"
+
+
+async def _children(k: Any, pid: str) -> list[Any]:
+    return [r for r in await k.processes("alice") if r.parent_pid == pid]
+
+
+async def _running_child(k: Any, pid: str) -> str:
+    """The pid of ``pid``'s child once its run has started."""
+    async with asyncio.timeout(5):
+        while not [r for r in await _children(k, pid) if r.current_run]:
+            await asyncio.sleep(0.02)
+    [child] = await _children(k, pid)
+    return str(child.pid)
+
+
+async def _finished(k: Any, pid: str) -> list[dict[str, Any]]:
+    return [s.payload async for s in (await k.process(pid)).signals(follow=False) if s.signal == "proc.run.finished"]
+
+
+async def test_killing_a_parent_kills_its_children_and_grandchildren(tmp_path, caplog):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn wait-for stay")  # a background child that waits for a grandchild
+        child = await _running_child(k, parent.pid)
+        grandchild = await _running_child(k, child)
+        await parent.wait_idle()
+        await parent.kill()
+        left = [r.pid for r in await k.processes("alice")]
+        await asyncio.sleep(0.1)  # a stray delivery to the dead parent would be logged by now
+    assert left == []
+    for pid in (parent.pid, child, grandchild):  # each archived, as kill does
+        assert list((tmp_path / "var" / "sessions" / "alice" / pid).glob("kill-*.jsonl.gz")), pid
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+async def test_killing_a_parent_does_not_fail_when_a_child_is_killed_meanwhile(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn wait-for stay")
+        grandchild = await k.process(await _running_child(k, await _running_child(k, parent.pid)))
+        outcome = await asyncio.gather(parent.kill(), grandchild.kill(), return_exceptions=True)
+        left = await k.processes("alice")
+    assert not isinstance(outcome[0], BaseException), outcome[0]
+    assert left == []
+
+
+async def test_resetting_a_parent_aborts_its_running_children_but_keeps_them(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn wait-for stay")
+        child = await _running_child(k, parent.pid)
+        grandchild = await _running_child(k, child)
+        await parent.wait_idle()  # its run is over; the child works on
+        await parent.reset()
+        async with asyncio.timeout(5):  # not the 30 s of the grandchild's sleep
+            await (await k.process(child)).wait_idle()
+            await (await k.process(grandchild)).wait_idle()
+        await asyncio.sleep(0.1)  # an event about the aborted child would have reached the parent
+        child_ended = await _finished(k, child)
+        grandchild_ended = await _finished(k, grandchild)
+        kept = await (await k.process(child)).messages()
+        parent_after = await parent.messages()
+        parent_running = (await parent.info()).current_run
+    assert child_ended[-1]["status"] == "aborted" and grandchild_ended[-1]["status"] == "aborted"
+    assert kept  # the child is not killed: what it did can still be read
+    assert parent_after == [] and parent_running is None  # nothing woke the reset parent
+
+
+async def test_aborting_the_parent_aborts_the_background_children_its_run_started(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn+stay stay")  # a background child, and the parent's run goes on
+        child = await _running_child(k, parent.pid)
+        assert await parent.abort()
+        async with asyncio.timeout(5):
+            await (await k.process(child)).wait_idle()
+        await asyncio.sleep(0.1)
+        ended = await _finished(k, child)
+        parent_messages = await parent.messages()
+        parent_running = (await parent.info()).current_run
+        watches = await k.watches(parent.pid)
+    assert ended[-1]["status"] == "aborted"
+    assert watches == [] and parent_running is None  # the aborted child's news does not restart the parent
+    assert not any(isinstance(m, SystemMessage) for m in parent_messages)
+
+
+async def test_an_interrupt_aborts_the_background_children_of_the_interrupted_run(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn+stay stay")
+        child = await _running_child(k, parent.pid)
+        await parent.send("never mind", mode="interrupt")
+        async with asyncio.timeout(5):
+            await (await k.process(child)).wait_idle()
+            await parent.wait_idle()
+        ended = await _finished(k, child)
+        last = (await parent.messages())[-1]
+    assert ended[-1]["status"] == "aborted"
+    assert last.text == "ok"  # the interrupting message was answered
+
+
+async def test_a_child_of_an_earlier_finished_run_keeps_running_when_a_later_run_is_aborted(tmp_path):
+    from agentloop import tool
+
+    gate = asyncio.Event()
+
+    @tool(name="gate")
+    async def gate_tool() -> str:
+        """Wait for the test."""
+        await gate.wait()
+        return "opened"
+
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True, tools=[gate_tool, slow]) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn gate")
+        child = await _running_child(k, parent.pid)
+        await parent.wait_idle()  # the first run is over; its child waits at the gate
+        await parent.send("stay")
+        async with asyncio.timeout(5):
+            while not (await parent.info()).current_run:
+                await asyncio.sleep(0.02)
+        assert await parent.abort()
+        still_running = (await k.store.get_process(child)).current_run
+        gate.set()
+        async with asyncio.timeout(5):
+            while not any(isinstance(m, SystemMessage) for m in await parent.messages()):
+                await asyncio.sleep(0.02)
+        ended = await _finished(k, child)
+    assert still_running is not None
+    assert ended[-1]["status"] == "ok"  # its answer was still expected, and it came
+
+
+async def test_which_run_started_a_child_survives_a_restart(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn+stay stay")
+        child = await _running_child(k, parent.pid)
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        proc = await k.process(parent.pid)
+        async with asyncio.timeout(5):  # both resumed: their sleeps, cut by the restart, start again
+            while not ((await proc.info()).current_run and (await k.store.get_process(child)).current_run):
+                await asyncio.sleep(0.02)
+        assert await proc.abort()
+        async with asyncio.timeout(5):
+            await (await k.process(child)).wait_idle()
+        ended = await _finished(k, child)
+    assert ended[-1]["status"] == "aborted"

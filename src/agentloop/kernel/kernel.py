@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.agent import Agent
+from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
@@ -281,6 +282,7 @@ class Process:
         return [m.message for m in await self.history()]
 
     async def abort(self, run_id: str | None = None) -> bool:
+        """Stop the active run (``run_id``: only that one), and the subagents it started."""
         return await self.kernel.engine.abort(self.pid, run_id)
 
     async def hil(self, request_id: str, decision: str, remember: bool = False) -> bool:
@@ -291,11 +293,13 @@ class Process:
         return await self.kernel.store.hils(self.pid)
 
     async def reset(self) -> Path | None:
-        """Abort, archive the whole history, start an empty one, delete the process's media."""
+        """Abort (with the runs of its descendants), archive the whole history, start an empty
+        one, delete the process's media."""
         return await self.kernel._clear(self.pid, kill=False, archive=True)
 
     async def kill(self, archive: bool = True) -> Path | None:
-        """Abort, optionally archive, delete the process and its media. Later calls fail."""
+        """Abort, optionally archive, delete the process and its media, and its descendants
+        likewise. Later calls fail."""
         return await self.kernel._clear(self.pid, kill=True, archive=archive)
 
 
@@ -311,6 +315,7 @@ class Kernel:
         self.media = MediaStore(data_dir)
         self.scheduler = Scheduler(store, engine, min_every=schedule_min_every)
         self.watchers = WatchRouter(store, engine)
+        engine.aborted = self._run_aborted
 
     @classmethod
     @asynccontextmanager
@@ -429,10 +434,12 @@ class Kernel:
         run_as: str | None = None,
         parent_pid: str | None = None,
         pid: str | None = None,
+        kv: Mapping[str, Any] | None = None,
     ) -> Process:
         """A new durable process. ``cwd`` (default: the kernel's workspace; a relative one is taken
         from there) is the directory its built-in tools work in; it must exist. ``owner`` and
-        ``run_as`` name accounts, so they must be plain names (they become directory names)."""
+        ``run_as`` name accounts, so they must be plain names (they become directory names).
+        ``kv`` rows are stored with the process, in the same transaction."""
         check_name(owner, "owner")
         check_name(run_as or owner, "run_as")
         if pid is not None:
@@ -453,7 +460,7 @@ class Kernel:
             context=context,
             created_at=time.time(),
         )
-        await self.engine.create(record)
+        await self.engine.create(record, kv)
         return Process(self, record.pid)
 
     async def process(self, pid: str) -> Process:
@@ -511,11 +518,35 @@ class Kernel:
         """Delete a watch; False if the process holds none by that id."""
         return await self.watchers.remove(pid, watch_id)
 
-    async def _clear(self, pid: str, *, kill: bool, archive: bool) -> Path | None:
+    async def _run_aborted(self, pid: str, run_id: str, reason: str) -> None:
+        """The engine's ``aborted`` hook: the subagents the run started stop with it (tree.py)."""
+        await tree.run_aborted(self, pid, run_id, reason)
+
+    async def _drop_subscriptions(self, pid: str) -> Callable[[], None]:
+        """Delete the schedules and watches the process set up (inside the caller's transaction);
+        returns what to do once that commits."""
+        await self.scheduler.drop(pid)
+        dropped = await self.watchers.drop(pid)
+        return lambda: self.watchers.forget(dropped)
+
+    async def _clear(self, pid: str, *, kill: bool, archive: bool, above: frozenset[str] = frozenset()) -> Path | None:
+        """Reset or kill (``above``: the pids a kill came down from, see tree.py)."""
         record = await self.store.get_process(pid)
         if record is None:
             raise NoSuchProcess(pid)
+        if kill:  # first, so that nothing a child logs while it is stopped reaches the process
+            async with self.store.transaction():
+                done = await self._drop_subscriptions(pid)
+            done()
         await self.engine.abort(pid, reason="process.kill" if kill else "process.reset")
+        if kill:
+
+            async def kill_one(child: str, lineage: frozenset[str]) -> Path | None:
+                return await self._clear(child, kill=True, archive=archive, above=lineage)
+
+            await tree.kill_children(self, record, kill_one, above)
+        else:
+            await tree.stop_descendants(self, record)
         history = [m.message for m in await self.store.history(pid)]
         path = None
         if archive and history:
@@ -534,13 +565,8 @@ class Kernel:
             await self.engine.forget(pid)
             return path
 
-        async def drop_own_subscriptions() -> Callable[[], None]:
-            # Reset drops the schedules and watches the process set up: they belong to the
-            # conversation being archived, and an event about it would reach a process that no
-            # longer knows why it asked. Watches on it stay: its watchers still follow it.
-            await self.scheduler.drop(pid)
-            dropped = await self.watchers.drop(pid)
-            return lambda: self.watchers.forget(dropped)  # once the reset is committed
-
-        await self.engine.reset(pid, also=drop_own_subscriptions)
+        # Reset drops the schedules and watches the process set up: they belong to the
+        # conversation being archived, and an event about it would reach a process that no
+        # longer knows why it asked. Watches on it stay: its watchers still follow it.
+        await self.engine.reset(pid, also=lambda: self._drop_subscriptions(pid))
         return path

@@ -4,12 +4,14 @@ The child is an ordinary durable process (same owner and working directory, ``pa
 the task as its first message), so it survives a crash, shows up in ``ps`` and can be watched.
 Two ways to use it:
 
-- ``wait=true`` (the default): the call returns the child's final answer; aborting the parent's
-  run aborts the child's too. The child's pid is
+- ``wait=true`` (the default): the call returns the child's final answer. The child's pid is
   derived from the parent and the tool call id, so when a restart runs the call again (the tool
   is idempotent) it finds the same child and waits for it instead of starting a second one.
 - ``wait=false``: the call returns at once; a one-shot signal watch tells the parent, as a system
   event, how the child's run ended and what it answered. The parent can go on meanwhile.
+
+Either way the child stops with the parent's run that started it (aborted, interrupted), and
+with the parent (reset, kill): see ``tree.py``. Which run that was is stored with the child.
 
 Children are not interactive: nobody watches a child to answer its approval requests, so a call
 its policy would ask about is refused and the child's model is told why. Nesting is capped
@@ -24,6 +26,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from agentloop.kernel.tree import ORIGIN_KEY, origin
 from agentloop.messages import AssistantMessage
 from agentloop.process import signals as sig
 from agentloop.process.store import ProcessRecord
@@ -92,6 +95,7 @@ class TaskTool(Tool):
                 interactive=False,
                 parent_pid=parent.pid,
                 pid=pid,
+                kv={ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"])},
                 context=f"You are a subagent working on a task for process {parent.pid}. Answer with the result.",
             )
             if not arguments["wait"]:

@@ -120,6 +120,18 @@ class WatchRouter:
             await self.store.delete_watch(row.id)
         return rows
 
+    async def give_up(self, pid: str, source_pid: str, signal: str = sig.RUN_FINISHED) -> None:
+        """Delete the one-shot watches ``pid`` holds for ``source_pid``'s ``signal``: the news they
+        wait for is not wanted any more (the subagent is being stopped with its parent), and
+        delivering it would start a run of the watcher that nobody asked for."""
+        rows = [w for w in await self.store.watches(pid=pid, source_pid=source_pid) if w.once and w.signal == signal]
+        if not rows:
+            return
+        async with self.store.transaction():
+            for row in rows:
+                await self.store.delete_watch(row.id)
+        self.forget(rows)
+
     def forget(self, rows: list[WatchRow] | None = None, *, killed: str | None = None) -> None:
         """Update the index after ``drop`` (``rows``) or after process ``killed`` was deleted
         (which removed the watches it held and those on it)."""

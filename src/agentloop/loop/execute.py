@@ -100,7 +100,9 @@ async def _execute(
     calls the tool makes itself (the in-memory runner's policy is a hook)."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
-    ctx = ToolContext(call.id, call.name, cfg.workspace, tools=cfg.tools, check=nested_check(cfg, p, nested))
+    ctx = ToolContext(
+        call.id, call.name, cfg.workspace, tools=cfg.tools, check=nested_check(cfg, p, nested), run_id=p.info.run_id
+    )
     if emit is not None:
 
         def update(partial: Any) -> None:

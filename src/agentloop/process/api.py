@@ -35,6 +35,9 @@ PromptFn: TypeAlias = Callable[[ProcessRecord], Awaitable[str]]
 # a run's tools from the shared ones; may be async (e.g. to start the owner's MCP servers)
 ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
 ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
+# Told (pid, run id, reason) once a run was aborted, so what the run started elsewhere can stop
+# with it (the kernel: the subagents it started).
+AbortedFn: TypeAlias = Callable[[str, str, str], Awaitable[None]]
 
 
 async def approve_everything(process: ProcessRecord, row: ToolCallRow) -> Approval:

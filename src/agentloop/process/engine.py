@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.runner import CANCELLED
@@ -40,6 +41,7 @@ from agentloop.messages import Message, ToolCall, tool_error_result
 from agentloop.process import admission, hil
 from agentloop.process import signals as sig
 from agentloop.process.api import (
+    AbortedFn,
     ApprovalFn,
     ArchiveFn,
     PromptFn,
@@ -60,6 +62,11 @@ from agentloop.process.tx import _has_media, _Live, _TxScope
 log = logging.getLogger("agentloop.process")
 
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
+
+# Abort reasons after which the caller decides what runs next, so queued input is not promoted:
+# an interrupt starts its own run, a reset or kill clears the queue, and a subagent stopped with
+# its parent (``parent.*``) must not go on with queued work nobody will read.
+NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill", "parent.abort", "parent.reset"})
 
 
 class ProcessEngine:
@@ -91,6 +98,7 @@ class ProcessEngine:
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.compaction_threshold = compaction_threshold
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
+        self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
         self._live: dict[str, _Live] = {}
         self._reloading: set[asyncio.Task[None]] = set()
         # several workers may share the store: ``worker`` names this one in its leases
@@ -124,10 +132,14 @@ class ProcessEngine:
             live.idle.set()
         return live
 
-    async def create(self, record: ProcessRecord) -> None:
-        """Store a new process and start its cache: a fresh process has nothing to load."""
+    async def create(self, record: ProcessRecord, kv: Mapping[str, Any] | None = None) -> None:
+        """Store a new process, with ``kv`` as its first key-value rows in the same transaction
+        (so what they say about it is never missing), and start its cache: a fresh process has
+        nothing to load."""
         async with self.store.transaction():
             await self.store.create_process(record)
+            for key, value in (kv or {}).items():
+                await self.store.kv_set(record.pid, key, value)
         if self.leases is not None:
             return  # cached by whichever worker claims it first
         live = self._live[record.pid] = _Live(record, [], calls=False)
@@ -298,11 +310,23 @@ class ProcessEngine:
             stopped = await self._stop(live, run["run_id"], reason)
         finally:
             live.stopping -= 1
-        if stopped and reason not in ("user.interrupt", "process.reset", "process.kill"):  # those decide what runs next
+        if stopped:
+            await self._tell_aborted(pid, run["run_id"], reason)
+        if stopped and reason not in NEXT_RUN_DECIDED:
             await admission.promote(self, live)
         if live.dirty:
             self.wake(pid)  # a wake-up that came while the run was being stopped
         return stopped
+
+    async def _tell_aborted(self, pid: str, run_id: str, reason: str) -> None:
+        """Run the ``aborted`` hook. The run is over whatever the hook does, so its failure is
+        logged, not raised: the abort itself succeeded and its caller must hear so."""
+        if self.aborted is None:
+            return
+        try:
+            await self.aborted(pid, run_id, reason)
+        except Exception:
+            log.exception("process %s: stopping what run %s started failed", pid, run_id)
 
     async def _stop(self, live: _Live, active: str, reason: str) -> bool:
         """Cancel the run's model call and tools, then end it with a terminal result for every open call."""

@@ -113,6 +113,8 @@ class ToolContext:
     directory the built-in tools are rooted in. ``tools`` (the run's tools, by name) and
     ``check`` (their approval) are for tools that call other tools, like CodeMode: the runner
     fills them so a nested call uses the very tool objects and the policy a direct call would.
+    ``run_id`` names the run that made the call, for tools whose effects belong to that run (a
+    subagent started by it stops when the run is aborted).
     """
 
     tool_call_id: str
@@ -121,6 +123,7 @@ class ToolContext:
     update: Callable[[Any], None] = _ignore
     tools: Mapping[str, Tool] | None = None
     check: NestedCheck | None = None
+    run_id: str | None = None
 
 
 def to_result(value: Any) -> ToolResult:

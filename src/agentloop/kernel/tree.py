@@ -1,0 +1,97 @@
+"""The process tree: what becomes of a process's children (``parent_pid``) when the process is
+killed or reset, or one of its runs is aborted. Without this, a child works on for a parent that
+is gone or no longer wants the answer, and spends model calls nobody reads.
+
+- **kill** kills the children too, each the way kill does it (aborted, archived, deleted), and
+  theirs in turn. The parent's run is aborted first (so a ``Task`` call waiting on a child ends
+  as cancelled instead of reading the child's abort as an answer), and its watches are dropped
+  before anything is stopped, so no child's last signal reaches it. The parent is deleted last: a
+  kill that fails half-way can be repeated and still finds every child through it.
+- **reset** aborts the runs of all descendants still running, and keeps them: their history
+  stays readable (what they found or changed), ``ps`` shows them, and a kill clears them. Killing
+  them would buy nothing for the reset conversation: the watches that would have brought their
+  answers to the parent are dropped with it.
+- **an aborted run** stops the subagents it started (``wait`` or not) and no others: a child of an
+  earlier, finished run still owes that run's conversation its answer. Which run started a child
+  is stored with the child when it is made (``ORIGIN_KEY``), so a restart in between keeps it.
+
+A stopped child's one-shot watch to its parent is dropped first, so the news "aborted" does not
+start a parent run that nobody asked for. Each child is stopped through ``engine.abort``, which
+on a shared store forwards to the worker that holds it; that worker's abort stops its subagents
+in turn. A child gone meanwhile (killed by someone else) is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from agentloop.process.store import NoSuchProcess, ProcessRecord
+
+if TYPE_CHECKING:
+    from agentloop.kernel.kernel import Kernel
+
+ORIGIN_KEY = "task:origin"  # a child's kv row: {"parent", "run_id", "wait"} of the Task call that made it
+PARENT_ABORT = "parent.abort"  # the abort reason of a subagent stopped with its parent's run
+PARENT_RESET = "parent.reset"  # ... and of a descendant stopped by a reset
+
+# kill(child pid, the pids above it): the kernel's kill of one process and its own subtree
+KillFn = Callable[[str, frozenset[str]], Awaitable[Any]]
+
+
+def origin(parent_pid: str, run_id: str | None, wait: bool) -> dict[str, Any]:
+    """The ``ORIGIN_KEY`` row of a subagent: who started it, in which run, waiting or not."""
+    return {"parent": parent_pid, "run_id": run_id, "wait": wait}
+
+
+async def children(kernel: Kernel, record: ProcessRecord) -> list[ProcessRecord]:
+    """The processes whose parent is ``record`` (a child has its parent's owner)."""
+    return [
+        r for r in await kernel.store.list_processes(record.owner) if r.parent_pid == record.pid and r.state != "killed"
+    ]
+
+
+async def call_off(kernel: Kernel, parent_pid: str, child_pid: str, reason: str) -> None:
+    """Stop the child's active run without telling the parent: its watch on the child goes first."""
+    await kernel.watchers.give_up(parent_pid, child_pid)
+    with contextlib.suppress(NoSuchProcess):
+        await kernel.engine.abort(child_pid, reason=reason)
+
+
+async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> None:
+    """The engine's ``aborted`` hook: stop the subagents the aborted run started. Their own aborts
+    reach their subagents the same way."""
+    record = await kernel.store.get_process(pid)
+    if record is None:
+        return
+    for child in await children(kernel, record):
+        started = await kernel.store.kv_get(child.pid, ORIGIN_KEY)
+        if isinstance(started, dict) and started.get("run_id") == run_id:
+            await call_off(kernel, pid, child.pid, PARENT_ABORT)
+
+
+async def stop_descendants(kernel: Kernel, record: ProcessRecord) -> None:
+    """Abort the active runs of every descendant, from the top down (a parent stops before its
+    children, so it never reads a child's abort as the answer it waited for)."""
+    seen, level = {record.pid}, [record]
+    while level:
+        below: list[ProcessRecord] = []
+        for parent in level:
+            for child in await children(kernel, parent):
+                if child.pid in seen:  # (a pid reused further up: never loop)
+                    continue
+                seen.add(child.pid)
+                await call_off(kernel, parent.pid, child.pid, PARENT_RESET)
+                below.append(child)
+        level = below
+
+
+async def kill_children(kernel: Kernel, record: ProcessRecord, kill: KillFn, above: frozenset[str]) -> None:
+    """Kill each child of ``record`` with its subtree (``kill``); one killed meanwhile is skipped."""
+    lineage = above | {record.pid}
+    for child in await children(kernel, record):
+        if child.pid in lineage:  # (a pid reused further up: never loop)
+            continue
+        with contextlib.suppress(NoSuchProcess):
+            await kill(child.pid, lineage)
