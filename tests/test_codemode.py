@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop import Agent, Guards, Reply, ScriptedModel, ToolResultMessage, call
 from agentloop.cli.approvals import PolicyHook, Question
 from agentloop.kernel import Kernel
 from agentloop.loop.hooks import Hooks
@@ -202,6 +202,63 @@ async def test_the_program_runs_isolated_without_our_secrets(tmp_path: Path, mon
     code = 'import os, sys\nprint(os.environ.get("ANTHROPIC_API_KEY"), sys.flags.isolated, os.getcwd())\n'
     result = await run_direct(codemode(tmp_path), code)
     assert result.content[0].text == f"None 1 {tmp_path.resolve()}"  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------- the run's budget
+
+#: reads until a call fails, then says how many ran and why the next did not
+READ_UNTIL_REFUSED = program(
+    """
+    n = 0
+    try:
+        while True:
+            await read("a.txt")
+            n += 1
+    except ToolFailed as exc:
+        print(n, exc)
+    """
+)
+#: ten reads at once: how many ran, and why the first refused one did not
+READ_TEN_AT_ONCE = program(
+    """
+    outs = await asyncio.gather(*(read("a.txt") for _ in range(10)), return_exceptions=True)
+    print(sum(isinstance(o, str) for o in outs), next(o for o in outs if isinstance(o, Exception)))
+    """
+)
+USED_UP = "Read not run: the run's tool call budget is used up (max_tool_calls=4)"
+
+
+def budget_model(code: str) -> ScriptedModel:
+    """Runs ``code`` for as long as tools are offered; answers once the guard takes them away."""
+    return ScriptedModel(lambda r: Reply(tool_calls=[call("CodeMode", code=code)]) if r.tools else "out of budget")
+
+
+async def test_nested_calls_count_toward_the_runs_tool_call_budget(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    model = budget_model(READ_UNTIL_REFUSED)
+    tools = builtin_tools(tmp_path, codemode=True)
+    result = await Agent(model=model, tools=tools, workspace=tmp_path, guards=Guards(max_tool_calls=4)).run("go")
+    [res] = results(result.messages)
+    # the CodeMode call is one of the four: three reads ran, the fourth was refused in the program
+    assert res.text.startswith(f"3 {USED_UP}"), res.text
+    assert result.stop_reason == "max_tool_calls" and result.text == "out of budget"
+    assert [bool(r.tools) for r in model.requests] == [True, False]  # ended through the guard
+
+
+async def test_a_durable_run_counts_nested_calls_toward_its_budget(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "a.txt").write_text("a")
+    model = budget_model(READ_TEN_AT_ONCE)  # in parallel: the count must not lose a call
+    async with open_kernel(tmp_path, model, policy=ALLOW_CODEMODE, guards=Guards(max_tool_calls=4)) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await proc.wait_idle()
+        messages = await proc.messages()
+        finished = [s async for s in proc.signals(follow=False) if s.signal == "proc.run.finished"]
+    [res] = results(messages)
+    assert res.text.startswith(f"3 {USED_UP}"), res.text
+    assert messages[-1].text == "out of budget" and [bool(r.tools) for r in model.requests] == [True, False]
+    assert finished[0].payload["reason"] == "max_tool_calls"
 
 
 # ---------------------------------------------------------------------------------- approval

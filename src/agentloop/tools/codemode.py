@@ -192,7 +192,8 @@ def _description(functions: Iterable[Function], max_output: int, max_calls: int)
         "",
         "Use the tool functions for files and commands. The program runs as the server's user: what it does "
         "directly in Python (open(), subprocess, sockets) is neither confined to the workspace nor approved, so "
-        f"do not go around the tools. Limits: the timeout, and {max_calls} tool calls per program.",
+        f"do not go around the tools. Limits: the timeout, and {max_calls} tool calls per program; every call "
+        "also counts toward the run's tool call budget, if it has one (past it a call raises ToolFailed).",
     ]
     return "\n".join(lines)
 
@@ -444,6 +445,7 @@ class _Execution:
         self.calls += 1
         if self.calls > self.mode.max_calls:
             raise ToolError(f"call limit reached: a program may make at most {self.mode.max_calls} tool calls")
+        await self._spend(name)
         tool = self._tool(name)
         args = tool.validate(args)  # ToolArgumentsError is a ToolError: a readable message
         syscall = syscall_of(tool, args)
@@ -461,6 +463,7 @@ class _Execution:
             self.ctx.workspace,
             tools=self.ctx.tools,
             check=self.ctx.check,
+            budget=self.ctx.budget,
         )
         if tool.timeout is not None and tool.interruptible:
             try:
@@ -473,6 +476,16 @@ class _Execution:
         if result.is_error:
             raise ToolError(_text_of(result) or f"{tool.name} failed")
         return _text_of(result)
+
+    async def _spend(self, name: str) -> None:
+        """Count the call against the run's tool-call budget, before anyone is asked about it: a
+        program's calls are the run's calls, so the ``max_tool_calls`` guard sees each of them,
+        and once the budget is used up the rest fail here (the run then ends through the guard)."""
+        if self.ctx.budget is None:
+            return
+        refusal = await self.ctx.budget()
+        if refusal is not None:
+            raise ToolError(f"{name} not run: {refusal}")
 
     async def _approve(self, syscall: str, tool_name: str, args: dict[str, Any]) -> NestedVerdict:
         for check in (self.ctx.check, self.mode.check):
