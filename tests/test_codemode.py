@@ -515,3 +515,20 @@ async def test_a_program_exiting_with_code_2_is_not_reported_as_a_compile_error(
     text = result.content[0].text  # type: ignore[union-attr]
     assert result.is_error and text.startswith("hi") and "[the program exited with code 2]" in text
     assert "compiled" not in text
+
+
+async def test_sys_exit_with_a_message_is_the_programs_exit_not_an_exception(tmp_path: Path) -> None:
+    in_a_task = 'import sys\nprint("hi")\nasync def f():\n    sys.exit("gave up")\nawait asyncio.gather(f())\n'
+    for code in ('import sys\nprint("hi")\nsys.exit("gave up")\n', in_a_task):
+        result = await run_direct(codemode(tmp_path), code)
+        assert result.content[0].text == "hi\n[the program exited with code 1: gave up]"  # type: ignore[union-attr]
+        assert result.is_error and result.details["exit_code"] == 1 and result.details["exit_message"] == "gave up"
+
+
+async def test_sys_exit_0_or_without_a_code_is_a_normal_end_even_in_a_task(tmp_path: Path) -> None:
+    for how in ("sys.exit(0)", "sys.exit()"):
+        in_a_task = f'import sys\nprint("hi")\nasync def f():\n    {how}\nawait asyncio.gather(f())\nprint("no")\n'
+        for code in (f'import sys\nprint("hi")\n{how}\nprint("no")\n', in_a_task):
+            result = await run_direct(codemode(tmp_path), code)
+            text = result.content[0].text  # type: ignore[union-attr]
+            assert text == "hi" and not result.is_error and result.details["exit_code"] == 0, (code, text)

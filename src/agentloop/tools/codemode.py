@@ -88,6 +88,7 @@ MAX_TIMEOUT = 600.0
 MAX_OUTPUT_CHARS = 30_000
 MAX_CALLS = 200
 MAX_PARALLEL = 8  # nested calls in flight at once
+MAX_EXIT_MESSAGE = 2_000  # characters of a sys.exit("message") shown with the exit
 RUNNER = Path(__file__).with_name("codemode_runner.py")
 _LINE_LIMIT = 1 << 27
 #: what the program's environment keeps of ours: enough to run programs, no credentials
@@ -296,6 +297,7 @@ class _Execution:
         self.handlers: set[asyncio.Task[None]] = set()
         self.parallel = asyncio.Semaphore(MAX_PARALLEL)
         self.responses: asyncio.WriteTransport | None = None
+        self.exit_message: str | None = None  # what the program passed to sys.exit, if a text
 
     async def run(self, code: str, limit: float) -> ToolResult:
         refusal = _compile_error(code)
@@ -353,6 +355,8 @@ class _Execution:
             if outcome != "exited":
                 await kill_group(proc, KILL_GRACE)
                 await asyncio.wait({output}, timeout=DRAIN_GRACE)
+            else:  # the runner's last line (a sys.exit message) may still be in the pipe
+                await asyncio.wait({requests}, timeout=DRAIN_GRACE)
         except BaseException:
             await kill_group(proc, KILL_GRACE)
             raise
@@ -370,7 +374,7 @@ class _Execution:
     def _result(self, capture: OutputCapture, code: int | None, outcome: str, limit: float) -> ToolResult:
         text, truncated = capture.render()
         body = text.rstrip("\n") if text.strip() else "(no output)"
-        details = {
+        details: dict[str, Any] = {
             "exit_code": code,
             "timed_out": outcome == "timeout",
             "truncated": truncated,
@@ -381,6 +385,9 @@ class _Execution:
             notes.append(f"[output cut to {self.mode.max_output} characters: print less, or summarise]")
         if outcome == "timeout":
             notes.append(f"[timed out after {limit:g} s; the program and its child processes were killed]")
+        elif code == 1 and self.exit_message is not None:  # sys.exit("message"): an exit, not a crash
+            details["exit_message"] = self.exit_message
+            notes.append(f"[the program exited with code 1: {_cut(self.exit_message, MAX_EXIT_MESSAGE)}]")
         elif code == 1:
             notes.append("[the program raised an exception]")
         elif code != 0:
@@ -396,6 +403,11 @@ class _Execution:
                 msg = json.loads(line)
             except ValueError:
                 log.debug("codemode: ignoring a malformed request line")
+                continue
+            if isinstance(msg, dict) and isinstance(msg.get("exit"), int) and "id" not in msg:
+                # the runner's word on how the program ended; the program could write it too,
+                # but only to dress its own exit, which the exit code still tells truthfully
+                self.exit_message = str(msg.get("message", ""))
                 continue
             if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
                 continue
@@ -503,6 +515,12 @@ class _Execution:
 
 class _Refused(Exception):
     """A nested call the approval refused; it becomes ``ToolDenied`` in the program."""
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` on one line, at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _compile_error(code: str) -> str | None:
