@@ -4,6 +4,7 @@ each approved like a direct call. Every test runs real subprocesses."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import sys
 import textwrap
 import time
@@ -412,8 +413,8 @@ async def test_mcp_tools_are_functions_of_the_program(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- durable processes
 
 
-def open_kernel(tmp_path: Path, model: Any, **kw: Any) -> Any:
-    root = tmp_path / "ws"
+def open_kernel(tmp_path: Path, model: Any, workspace: Path | None = None, **kw: Any) -> Any:
+    root = workspace or tmp_path / "ws"
     root.mkdir(exist_ok=True)
     return Kernel.open(
         f"sqlite:///{tmp_path}/a.db",
@@ -428,15 +429,10 @@ async def test_codemode_in_a_durable_process(tmp_path: Path) -> None:
     sub = tmp_path / "ws" / "sub"
     sub.mkdir(parents=True)
     (sub / "note.txt").write_text("in sub\n")
-    (sub / "keep.txt").write_text("x")
     code = program(
         """
         print(await read("note.txt"))
         await write("out.txt", "written")
-        try:
-            await delete("keep.txt")
-        except ToolDenied as exc:
-            print(exc)
         """
     )
     model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
@@ -446,9 +442,97 @@ async def test_codemode_in_a_durable_process(tmp_path: Path) -> None:
         await proc.wait_idle()
         [res] = results(await proc.messages())
     # the process's own cwd: the run's per-process tools served the nested calls
-    assert "in sub" in res.text and (sub / "out.txt").read_text() == "written"
-    assert "Delete needs a person's approval" in res.text and "call the tool directly" in res.text
-    assert (sub / "keep.txt").exists() and not res.is_error
+    assert "in sub" in res.text and (sub / "out.txt").read_text() == "written" and not res.is_error
+
+
+async def asked(proc: Any, *, besides: tuple[str, ...] = ()) -> Any:
+    """The one pending approval request of ``proc`` (other than ``besides``), once it is there."""
+    for _ in range(500):
+        pending = [p for p in await proc.pending_approvals() if p.request_id not in besides]
+        if pending:
+            [request] = pending
+            return request
+        await asyncio.sleep(0.01)
+    raise AssertionError("no approval request came")
+
+
+async def test_a_durable_nested_call_is_asked_and_the_program_waits_for_the_answer(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in ("f.txt", "g.txt"):
+        (ws / name).write_text("x")
+    code = program(
+        """
+        await delete("f.txt")
+        print("deleted f")
+        try:
+            await delete("g.txt")
+        except ToolDenied as exc:
+            print(exc)
+        print("went on")
+        """
+    )
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
+    async with open_kernel(tmp_path, model, policy=TRUST_CODEMODE.to_json()) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        first = await asked(proc)
+        assert (first.tool_name, first.syscall, first.args) == ("Delete", "fs.delete", {"path": "f.txt"})
+        await proc.hil(first.request_id, "approve")
+        second = await asked(proc, besides=(first.request_id,))
+        assert second.args == {"path": "g.txt"} and not (ws / "f.txt").exists()  # approved: it ran, then on
+        await proc.hil(second.request_id, "deny")
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+        signals = [s async for s in proc.signals(follow=False)]
+        assert await proc.pending_approvals() == []
+    assert res.text == "deleted f\nDelete denied: Tool execution denied by user\nwent on" and not res.is_error
+    assert (ws / "g.txt").exists()
+    requested = [s.payload for s in signals if s.signal == "proc.run.hil.requested"]
+    assert [(p["args"], p.get("nested")) for p in requested] == [({"path": "f.txt"}, True), ({"path": "g.txt"}, True)]
+    # the denial ended the nested call, not the program's: one tool result, the program's
+    finished = [s.payload for s in signals if s.signal == "proc.run.tool.finished"]
+    assert [(p["name"], p["ok"]) for p in finished] == [("CodeMode", True)]
+
+
+async def test_a_program_that_ends_while_asking_withdraws_its_question(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "f.txt").write_text("x")
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code='await delete("f.txt")\n', timeout=1)]), "ok"])
+    async with open_kernel(tmp_path, model, policy=TRUST_CODEMODE.to_json()) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await asked(proc)  # nobody answers
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+        assert await proc.pending_approvals() == []
+    assert res.is_error and res.details["timed_out"] and (tmp_path / "ws" / "f.txt").exists()
+
+
+async def test_a_restart_resolves_a_program_waiting_for_approval_and_withdraws_its_question(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f.txt").write_text("x")
+    policy = TRUST_CODEMODE.to_json()
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code='await delete("f.txt")\n')])])
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    async with open_kernel(tmp_path, model, policy=policy) as k:
+        proc = await k.spawn(owner="alice", pid="p1")
+        await proc.send("go")
+        await asked(proc)
+        # what a crash at this moment leaves behind: the store as committed (the program dies with us)
+        with sqlite3.connect(tmp_path / "a.db") as src, sqlite3.connect(crashed / "a.db") as dst:
+            src.backup(dst)
+    model = ScriptedModel(["it was interrupted"])
+    async with open_kernel(crashed, model, policy=policy, workspace=ws) as k:
+        proc = await k.process("p1")
+        await proc.wait_idle()
+        assert await proc.pending_approvals() == []  # no question left that nothing waits on
+        messages = await proc.messages()
+    [res] = results(messages)
+    assert res.is_error and "interrupted by a restart" in res.text
+    assert messages[-1].text == "it was interrupted" and (ws / "f.txt").exists()
 
 
 async def test_a_durable_policy_denial_reaches_the_program_and_the_program_itself_is_asked(tmp_path: Path) -> None:

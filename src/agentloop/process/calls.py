@@ -29,7 +29,7 @@ from agentloop.messages import (
 )
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
-from agentloop.process.hil import ask, nested_policy
+from agentloop.process.hil import NOT_INTERACTIVE, ask, nested_policy
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
 from agentloop.tools.base import CallBudget, Tool
@@ -87,8 +87,7 @@ async def dispatch(
         if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
             verdict = Approval("auto")
         if verdict.action == "ask" and not live.record.interactive:
-            reason = "requires interactive approval, which is unavailable for this process"
-            verdict = Approval("deny", verdict.tags, reason)
+            verdict = Approval("deny", verdict.tags, NOT_INTERACTIVE)
         if verdict.action == "deny":
             text = "Tool execution denied by policy" + (f": {verdict.reason}" if verdict.reason else "")
             await settle(engine, tx, row, tool_error_result(call, text), "denied", ("registered",), fresh=fresh)

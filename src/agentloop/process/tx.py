@@ -48,6 +48,7 @@ class _Live:
     deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
     remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
     spending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one nested call counted at a time
+    asking: set[asyncio.Event] = field(default_factory=set)  # nested calls awaiting a person: set on wake
 
 
 class _Tx:

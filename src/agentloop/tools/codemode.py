@@ -10,10 +10,15 @@ that name, so a durable process's per-cwd tools and device routing apply) only a
 check a direct call gets: the runner's approval (``ToolContext.check``: the before-tool-call hooks
 in memory, the process's policy and the hooks in a durable run), judged on the nested call's own
 syscall and arguments. A refused call does not run and raises ``ToolDenied`` in the program.
-A call the policy would *ask* a person about is asked where the runner can ask from inside a
-running tool (the in-memory runner's terminal prompt is a hook); a durable run cannot pause for a
-``pending_hil`` row mid-program, so there it is refused with a message telling the model to make
-the call directly, where it is asked as usual.
+A call the policy would *ask* a person about is asked while the program waits in that call: in
+memory by the terminal prompt (a hook), in a durable run by a ``pending_hil`` request answered
+like a direct call's (``process/hil.py``). The wait is bounded by the program's timeout, and a
+program does not survive a restart: its call is then resolved as interrupted and its question
+withdrawn. Only a check that cannot ask at all says ``ask``; such a call is refused with a
+message telling the model to make it directly.
+
+Every nested call also counts toward the run's tool-call budget (``ToolContext.budget``, the
+``max_tool_calls`` guard): a program is not a way around it.
 
 What this does **not** confine: the program itself is ordinary Python running as the server's
 user. It can open files, start processes and use the network without asking anyone; only what it
@@ -94,6 +99,7 @@ _LINE_LIMIT = 1 << 27
 #: what the program's environment keeps of ours: enough to run programs, no credentials
 _ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
 
+#: a nested call a check said ``ask`` about without asking (it could not, from where it runs)
 NEEDS_APPROVAL = "needs a person's approval, which cannot be asked from inside CodeMode; call the tool directly"
 
 
@@ -189,7 +195,8 @@ def _description(functions: Iterable[Function], max_output: int, max_calls: int)
         "Each returns the text the tool would show you (Read's lines are numbered). A failed call raises "
         "ToolFailed(message); one the approval policy refused raises ToolDenied (a ToolFailed) and did not run. "
         "Catch them to go on. Every call is approved exactly like a direct tool call; a call that needs a "
-        "person's approval may be refused here: then make it directly.",
+        "person's approval waits for their answer (within the program's timeout: give it time) or, where "
+        "nobody can be asked, is refused.",
         "",
         "Use the tool functions for files and commands. The program runs as the server's user: what it does "
         "directly in Python (open(), subprocess, sockets) is neither confined to the workspace nor approved, so "
