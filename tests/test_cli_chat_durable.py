@@ -208,6 +208,19 @@ def test_signal_renderer_fills_in_unstreamed_text_and_shows_compaction() -> None
     assert err_text.getvalue() == "compacted 12 messages (threshold)\n"
 
 
+def test_a_nested_approval_request_does_not_rename_the_program_asking() -> None:
+    """A CodeMode program's nested request carries the program's callId: its result line still
+    names the program, not the call it asked about."""
+    err_text = io.StringIO()
+    view = SignalRenderer(TextRenderer(io.StringIO(), stderr_console(err_text)))
+    view.handle(Signal(psig.TOOL_STARTED, {"callId": "c1", "name": "CodeMode", "args": {"code": "x"}}, 1))
+    asked = {"callId": "c1", "name": "Delete", "args": {"path": "f.txt"}, "nested": True}
+    view.handle(Signal(psig.HIL_REQUESTED, asked, 2))
+    view.handle(Signal(psig.TOOL_FINISHED, {"callId": "c1", "name": "CodeMode", "ok": True, "output": "done"}, 3))
+    *_, last = err_text.getvalue().splitlines()
+    assert "CodeMode" in last and "Delete" not in last
+
+
 # ---------------------------------------------------------------------------------- approvals
 
 

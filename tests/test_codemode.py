@@ -4,6 +4,7 @@ each approved like a direct call. Every test runs real subprocesses."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import sys
 import textwrap
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop import Agent, Guards, Reply, ScriptedModel, ToolResultMessage, call
 from agentloop.cli.approvals import PolicyHook, Question
 from agentloop.kernel import Kernel
 from agentloop.loop.hooks import Hooks
@@ -204,6 +205,63 @@ async def test_the_program_runs_isolated_without_our_secrets(tmp_path: Path, mon
     assert result.content[0].text == f"None 1 {tmp_path.resolve()}"  # type: ignore[union-attr]
 
 
+# ---------------------------------------------------------------------------------- the run's budget
+
+#: reads until a call fails, then says how many ran and why the next did not
+READ_UNTIL_REFUSED = program(
+    """
+    n = 0
+    try:
+        while True:
+            await read("a.txt")
+            n += 1
+    except ToolFailed as exc:
+        print(n, exc)
+    """
+)
+#: ten reads at once: how many ran, and why the first refused one did not
+READ_TEN_AT_ONCE = program(
+    """
+    outs = await asyncio.gather(*(read("a.txt") for _ in range(10)), return_exceptions=True)
+    print(sum(isinstance(o, str) for o in outs), next(o for o in outs if isinstance(o, Exception)))
+    """
+)
+USED_UP = "Read not run: the run's tool call budget is used up (max_tool_calls=4)"
+
+
+def budget_model(code: str) -> ScriptedModel:
+    """Runs ``code`` for as long as tools are offered; answers once the guard takes them away."""
+    return ScriptedModel(lambda r: Reply(tool_calls=[call("CodeMode", code=code)]) if r.tools else "out of budget")
+
+
+async def test_nested_calls_count_toward_the_runs_tool_call_budget(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    model = budget_model(READ_UNTIL_REFUSED)
+    tools = builtin_tools(tmp_path, codemode=True)
+    result = await Agent(model=model, tools=tools, workspace=tmp_path, guards=Guards(max_tool_calls=4)).run("go")
+    [res] = results(result.messages)
+    # the CodeMode call is one of the four: three reads ran, the fourth was refused in the program
+    assert res.text.startswith(f"3 {USED_UP}"), res.text
+    assert result.stop_reason == "max_tool_calls" and result.text == "out of budget"
+    assert [bool(r.tools) for r in model.requests] == [True, False]  # ended through the guard
+
+
+async def test_a_durable_run_counts_nested_calls_toward_its_budget(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "a.txt").write_text("a")
+    model = budget_model(READ_TEN_AT_ONCE)  # in parallel: the count must not lose a call
+    async with open_kernel(tmp_path, model, policy=ALLOW_CODEMODE, guards=Guards(max_tool_calls=4)) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await proc.wait_idle()
+        messages = await proc.messages()
+        finished = [s async for s in proc.signals(follow=False) if s.signal == "proc.run.finished"]
+    [res] = results(messages)
+    assert res.text.startswith(f"3 {USED_UP}"), res.text
+    assert messages[-1].text == "out of budget" and [bool(r.tools) for r in model.requests] == [True, False]
+    assert finished[0].payload["reason"] == "max_tool_calls"
+
+
 # ---------------------------------------------------------------------------------- approval
 
 
@@ -355,8 +413,8 @@ async def test_mcp_tools_are_functions_of_the_program(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- durable processes
 
 
-def open_kernel(tmp_path: Path, model: Any, **kw: Any) -> Any:
-    root = tmp_path / "ws"
+def open_kernel(tmp_path: Path, model: Any, workspace: Path | None = None, **kw: Any) -> Any:
+    root = workspace or tmp_path / "ws"
     root.mkdir(exist_ok=True)
     return Kernel.open(
         f"sqlite:///{tmp_path}/a.db",
@@ -371,15 +429,10 @@ async def test_codemode_in_a_durable_process(tmp_path: Path) -> None:
     sub = tmp_path / "ws" / "sub"
     sub.mkdir(parents=True)
     (sub / "note.txt").write_text("in sub\n")
-    (sub / "keep.txt").write_text("x")
     code = program(
         """
         print(await read("note.txt"))
         await write("out.txt", "written")
-        try:
-            await delete("keep.txt")
-        except ToolDenied as exc:
-            print(exc)
         """
     )
     model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
@@ -389,9 +442,97 @@ async def test_codemode_in_a_durable_process(tmp_path: Path) -> None:
         await proc.wait_idle()
         [res] = results(await proc.messages())
     # the process's own cwd: the run's per-process tools served the nested calls
-    assert "in sub" in res.text and (sub / "out.txt").read_text() == "written"
-    assert "Delete needs a person's approval" in res.text and "call the tool directly" in res.text
-    assert (sub / "keep.txt").exists() and not res.is_error
+    assert "in sub" in res.text and (sub / "out.txt").read_text() == "written" and not res.is_error
+
+
+async def asked(proc: Any, *, besides: tuple[str, ...] = ()) -> Any:
+    """The one pending approval request of ``proc`` (other than ``besides``), once it is there."""
+    for _ in range(500):
+        pending = [p for p in await proc.pending_approvals() if p.request_id not in besides]
+        if pending:
+            [request] = pending
+            return request
+        await asyncio.sleep(0.01)
+    raise AssertionError("no approval request came")
+
+
+async def test_a_durable_nested_call_is_asked_and_the_program_waits_for_the_answer(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in ("f.txt", "g.txt"):
+        (ws / name).write_text("x")
+    code = program(
+        """
+        await delete("f.txt")
+        print("deleted f")
+        try:
+            await delete("g.txt")
+        except ToolDenied as exc:
+            print(exc)
+        print("went on")
+        """
+    )
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
+    async with open_kernel(tmp_path, model, policy=TRUST_CODEMODE.to_json()) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        first = await asked(proc)
+        assert (first.tool_name, first.syscall, first.args) == ("Delete", "fs.delete", {"path": "f.txt"})
+        await proc.hil(first.request_id, "approve")
+        second = await asked(proc, besides=(first.request_id,))
+        assert second.args == {"path": "g.txt"} and not (ws / "f.txt").exists()  # approved: it ran, then on
+        await proc.hil(second.request_id, "deny")
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+        signals = [s async for s in proc.signals(follow=False)]
+        assert await proc.pending_approvals() == []
+    assert res.text == "deleted f\nDelete denied: Tool execution denied by user\nwent on" and not res.is_error
+    assert (ws / "g.txt").exists()
+    requested = [s.payload for s in signals if s.signal == "proc.run.hil.requested"]
+    assert [(p["args"], p.get("nested")) for p in requested] == [({"path": "f.txt"}, True), ({"path": "g.txt"}, True)]
+    # the denial ended the nested call, not the program's: one tool result, the program's
+    finished = [s.payload for s in signals if s.signal == "proc.run.tool.finished"]
+    assert [(p["name"], p["ok"]) for p in finished] == [("CodeMode", True)]
+
+
+async def test_a_program_that_ends_while_asking_withdraws_its_question(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "f.txt").write_text("x")
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code='await delete("f.txt")\n', timeout=1)]), "ok"])
+    async with open_kernel(tmp_path, model, policy=TRUST_CODEMODE.to_json()) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await asked(proc)  # nobody answers
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+        assert await proc.pending_approvals() == []
+    assert res.is_error and res.details["timed_out"] and (tmp_path / "ws" / "f.txt").exists()
+
+
+async def test_a_restart_resolves_a_program_waiting_for_approval_and_withdraws_its_question(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f.txt").write_text("x")
+    policy = TRUST_CODEMODE.to_json()
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code='await delete("f.txt")\n')])])
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    async with open_kernel(tmp_path, model, policy=policy) as k:
+        proc = await k.spawn(owner="alice", pid="p1")
+        await proc.send("go")
+        await asked(proc)
+        # what a crash at this moment leaves behind: the store as committed (the program dies with us)
+        with sqlite3.connect(tmp_path / "a.db") as src, sqlite3.connect(crashed / "a.db") as dst:
+            src.backup(dst)
+    model = ScriptedModel(["it was interrupted"])
+    async with open_kernel(crashed, model, policy=policy, workspace=ws) as k:
+        proc = await k.process("p1")
+        await proc.wait_idle()
+        assert await proc.pending_approvals() == []  # no question left that nothing waits on
+        messages = await proc.messages()
+    [res] = results(messages)
+    assert res.is_error and "interrupted by a restart" in res.text
+    assert messages[-1].text == "it was interrupted" and (ws / "f.txt").exists()
 
 
 async def test_a_durable_policy_denial_reaches_the_program_and_the_program_itself_is_asked(tmp_path: Path) -> None:
@@ -458,3 +599,20 @@ async def test_a_program_exiting_with_code_2_is_not_reported_as_a_compile_error(
     text = result.content[0].text  # type: ignore[union-attr]
     assert result.is_error and text.startswith("hi") and "[the program exited with code 2]" in text
     assert "compiled" not in text
+
+
+async def test_sys_exit_with_a_message_is_the_programs_exit_not_an_exception(tmp_path: Path) -> None:
+    in_a_task = 'import sys\nprint("hi")\nasync def f():\n    sys.exit("gave up")\nawait asyncio.gather(f())\n'
+    for code in ('import sys\nprint("hi")\nsys.exit("gave up")\n', in_a_task):
+        result = await run_direct(codemode(tmp_path), code)
+        assert result.content[0].text == "hi\n[the program exited with code 1: gave up]"  # type: ignore[union-attr]
+        assert result.is_error and result.details["exit_code"] == 1 and result.details["exit_message"] == "gave up"
+
+
+async def test_sys_exit_0_or_without_a_code_is_a_normal_end_even_in_a_task(tmp_path: Path) -> None:
+    for how in ("sys.exit(0)", "sys.exit()"):
+        in_a_task = f'import sys\nprint("hi")\nasync def f():\n    {how}\nawait asyncio.gather(f())\nprint("no")\n'
+        for code in (f'import sys\nprint("hi")\n{how}\nprint("no")\n', in_a_task):
+            result = await run_direct(codemode(tmp_path), code)
+            text = result.content[0].text  # type: ignore[union-attr]
+            assert text == "hi" and not result.is_error and result.details["exit_code"] == 0, (code, text)

@@ -244,7 +244,7 @@ class SignalRenderer:
             self._running.add(call_id)
             args = p.get("args")
             view.tool_start(call_id, str(p.get("name", "")), args if isinstance(args, dict) else {})
-        elif name == psig.HIL_REQUESTED:
+        elif name == psig.HIL_REQUESTED and not p.get("nested"):  # a nested call's callId is its program's
             args = p.get("args")
             view.tool_start(
                 str(p.get("callId", "")), str(p.get("name", "")), args if isinstance(args, dict) else {}, show=False

@@ -22,10 +22,20 @@ from agentloop.events import (
     ToolExecutionStart,
     ToolExecutionUpdate,
 )
+from agentloop.loop.guards import CALLS_USED_UP
 from agentloop.loop.hooks import ToolCallInfo
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import AssistantMessage, ToolCall, ToolResultMessage, tool_error_result
-from agentloop.tools.base import ALLOW, NestedCheck, NestedVerdict, Tool, ToolContext, ToolError, ToolResult
+from agentloop.tools.base import (
+    ALLOW,
+    CallBudget,
+    NestedCheck,
+    NestedVerdict,
+    Tool,
+    ToolContext,
+    ToolError,
+    ToolResult,
+)
 from agentloop.tools.builtin import syscall_of
 
 log = logging.getLogger("agentloop.tools")
@@ -93,15 +103,39 @@ def nested_check(cfg: LoopConfig, p: _Prepared, first: NestedCheck | None = None
     return check
 
 
+def memory_budget(cfg: LoopConfig, state: RunState) -> CallBudget | None:
+    """The in-memory runner's budget for calls a tool makes itself (CodeMode's): each one adds to
+    ``state.tool_calls``, the count the ``max_tool_calls`` guard reads before the next model call,
+    and none runs once it is used up. Without that guard nothing is counted (None)."""
+    limit = cfg.guards.max_tool_calls
+    if limit is None:
+        return None
+
+    async def spend() -> str | None:
+        if state.tool_calls >= limit:
+            return cfg.guards.calls_used_up()
+        state.tool_calls += 1
+        return None
+
+    return spend
+
+
 async def _execute(
-    cfg: LoopConfig, state: RunState, p: _Prepared, emit: Emit, nested: NestedCheck | None = None
+    cfg: LoopConfig,
+    state: RunState,
+    p: _Prepared,
+    emit: Emit,
+    nested: NestedCheck | None = None,
+    budget: CallBudget | None = None,
 ) -> ToolResultMessage:
     """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
-    calls the tool makes itself (the in-memory runner's policy is a hook)."""
+    calls the tool makes itself (the in-memory runner's policy is a hook); ``budget`` counts those
+    calls against the run's ``max_tool_calls`` (each runner keeps its own count)."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
+    check = nested_check(cfg, p, nested)
     ctx = ToolContext(
-        call.id, call.name, cfg.workspace, tools=cfg.tools, check=nested_check(cfg, p, nested), run_id=p.info.run_id
+        call.id, call.name, cfg.workspace, tools=cfg.tools, check=check, run_id=p.info.run_id, budget=budget
     )
     if emit is not None:
 
@@ -149,10 +183,13 @@ async def run_tool_calls(
 ) -> list[ToolResultMessage]:
     """Run ``calls`` and return one result per call, in the model's order.
 
-    ``budget`` caps how many calls may run (the rest get an error result). Finished results are
-    also recorded in ``state.results`` as they come, so an abort can keep them.
+    ``budget`` caps how many calls may run (the rest get an error result); the caller has counted
+    those in ``state.tool_calls`` already, and the calls the tools make themselves (CodeMode's) add
+    to it as they go. Finished results are also recorded in ``state.results`` as they come, so an
+    abort can keep them.
     """
     state.results = {}
+    spend = memory_budget(cfg, state)
     prepared: list[_Prepared] = []
     sequential_mode = cfg.tool_execution == "sequential"
     steered = False
@@ -163,7 +200,7 @@ async def run_tool_calls(
             _finish(state, tool_error_result(call, SKIPPED), emit)
             continue
         if budget is not None and i >= budget:
-            _finish(state, tool_error_result(call, "Not run: the run's tool call budget is used up."), emit)
+            _finish(state, tool_error_result(call, CALLS_USED_UP), emit)
             continue
         p = _check(cfg, state, message, call)
         if cfg.hooks.before and isinstance(p, _Prepared):
@@ -171,7 +208,7 @@ async def run_tool_calls(
         if isinstance(p, ToolResultMessage):
             _finish(state, p, emit)
         elif sequential_mode:
-            _finish(state, await _execute(cfg, state, p, emit), emit)
+            _finish(state, await _execute(cfg, state, p, emit, budget=spend), emit)
             steered = bool(state.steering)
         else:
             prepared.append(p)
@@ -180,18 +217,20 @@ async def run_tool_calls(
             _finish(state, tool_error_result(p.call, SKIPPED), emit)
         prepared = []
     if len(prepared) == 1:
-        _finish(state, await _execute(cfg, state, prepared[0], emit), emit)
+        _finish(state, await _execute(cfg, state, prepared[0], emit, budget=spend), emit)
     elif prepared:
-        await _run_concurrently(cfg, state, prepared, emit)
+        await _run_concurrently(cfg, state, prepared, emit, spend)
     return [state.results[c.id] for c in calls]
 
 
-async def _run_concurrently(cfg: LoopConfig, state: RunState, prepared: list[_Prepared], emit: Emit) -> None:
+async def _run_concurrently(
+    cfg: LoopConfig, state: RunState, prepared: list[_Prepared], emit: Emit, spend: CallBudget | None
+) -> None:
     limit = asyncio.Semaphore(max(1, cfg.max_concurrency))
 
     async def one(p: _Prepared) -> None:
         async with limit:
-            _finish(state, await _execute(cfg, state, p, emit), emit)
+            _finish(state, await _execute(cfg, state, p, emit, budget=spend), emit)
 
     group: list[_Prepared] = []
     for p in prepared:

@@ -12,6 +12,9 @@ from functools import cached_property
 
 from agentloop.messages import Usage
 
+#: the result of a direct call the model made past the ``max_tool_calls`` budget
+CALLS_USED_UP = "Not run: the run's tool call budget is used up."
+
 
 @dataclass(frozen=True)
 class Guards:
@@ -42,6 +45,14 @@ class Guards:
         if self.max_cost is not None and usage.cost.total >= self.max_cost:
             return "max_cost"
         return None
+
+    def calls_used_up(self) -> str:
+        """Why a nested call (one a tool makes itself, like CodeMode's) may not run: the same
+        budget as the model's direct calls, named with its limit so the program can say so."""
+        return (
+            f"the run's tool call budget is used up (max_tool_calls={self.max_tool_calls}); "
+            "no more tool calls can run in this run"
+        )
 
     def final_instruction(self, reason: str) -> str:
         limit = getattr(self, reason)

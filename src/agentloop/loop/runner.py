@@ -76,10 +76,11 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 calls = decision.calls
                 limit = cfg.guards.max_tool_calls
                 budget = None if limit is None else max(0, limit - state.tool_calls)
+                # the model's calls count before they run: what the tools call themselves counts on top
+                state.tool_calls += len(calls) if budget is None else min(len(calls), budget)
                 state.phase = "tools"
                 results = await run_tool_calls(cfg, state, decision.message, calls, emit, budget)
                 state.phase = "idle"
-                state.tool_calls += len(calls) if budget is None else min(len(calls), budget)
                 for r in results:
                     _inject(state, r, emit)
                 state.results = {}

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared
+from agentloop.loop.guards import CALLS_USED_UP
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import (
@@ -28,10 +29,10 @@ from agentloop.messages import (
 )
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
-from agentloop.process.hil import ask, nested_policy
+from agentloop.process.hil import NOT_INTERACTIVE, ask, nested_policy
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
-from agentloop.tools.base import Tool
+from agentloop.tools.base import CallBudget, Tool
 from agentloop.tools.builtin import SYSCALLS, syscall_of
 
 if TYPE_CHECKING:
@@ -77,8 +78,8 @@ async def dispatch(
             continue
         call = call_of(row)
         if budget is not None and row.position >= budget:
-            text = "Not run: the run's tool call budget is used up."
-            await settle(engine, tx, row, tool_error_result(call, text), "failed", ("registered",), fresh=fresh)
+            refused = tool_error_result(call, CALLS_USED_UP)
+            await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
             continue
         if alone or in_flight >= max(1, cfg.max_concurrency) or (in_flight and _runs_alone(cfg, row)):
             break  # its turn comes when a call in flight finishes
@@ -86,8 +87,7 @@ async def dispatch(
         if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
             verdict = Approval("auto")
         if verdict.action == "ask" and not live.record.interactive:
-            reason = "requires interactive approval, which is unavailable for this process"
-            verdict = Approval("deny", verdict.tags, reason)
+            verdict = Approval("deny", verdict.tags, NOT_INTERACTIVE)
         if verdict.action == "deny":
             text = "Tool execution denied by policy" + (f": {verdict.reason}" if verdict.reason else "")
             await settle(engine, tx, row, tool_error_result(call, text), "denied", ("registered",), fresh=fresh)
@@ -188,7 +188,8 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
             result = checked
         else:
             nested = nested_policy(engine, live, run_id, row)
-            result = await _execute(cfg, _state_for(live, run_id), checked, None, nested)
+            budget = nested_budget(engine, live, run_id, cfg)
+            result = await _execute(cfg, _state_for(live, run_id), checked, None, nested, budget)
         try:
             await record(engine, live, run_id, row, result)
         except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
@@ -198,6 +199,36 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
     finally:
         live.tools.pop(row.dispatch_id, None)
     engine.wake(live.record.pid)
+
+
+def nested_budget(engine: ProcessEngine, live: _Live, run_id: str, cfg: LoopConfig) -> CallBudget | None:
+    """The durable runner's budget for calls a running tool makes itself (CodeMode's): each one
+    is added to the run's committed ``tool_calls`` before it runs, the count the ``max_tool_calls``
+    guard reads before the next model call, so a restart keeps what was spent. Without that guard
+    nothing is counted (None), and no transaction is spent on it."""
+    limit = cfg.guards.max_tool_calls
+    if limit is None:
+        return None
+
+    def refusal() -> str | None:
+        run = live.record.current_run
+        if run is None or run["run_id"] != run_id:
+            return "the run has ended"
+        return cfg.guards.calls_used_up() if run["tool_calls"] >= limit else None
+
+    async def spend() -> str | None:
+        async with live.spending:  # read and increment as one: a program's calls run in parallel
+            if (why := refusal()) is not None:
+                return why
+            async with engine._tx(live) as tx:
+                if (why := refusal()) is not None:  # the run changed while the transaction began
+                    return why
+                run = live.record.current_run
+                assert run is not None
+                await tx.set_run({**run, "tool_calls": run["tool_calls"] + 1})
+        return None
+
+    return spend
 
 
 async def record(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow, result: ToolResultMessage) -> None:

@@ -116,7 +116,8 @@ async def _step(engine: ProcessEngine, live: _Live) -> bool:
         if not rows or any(not r.terminal for r in rows):
             return False
         async with engine._tx(live) as tx:
-            await ingest(engine, tx, live, run, rows)
+            # the record, not the step's first look: a running program's calls add to tool_calls
+            await ingest(engine, tx, live, live.record.current_run or run, rows)
         await post_turn(engine, live, run_id, run["turn"])
         return True
 

@@ -188,7 +188,9 @@ class ProcessEngine:
         run_id = record.current_run["run_id"]
         tools = (await self._run_config(live, run_id)).tools  # the process's own (a device's tools too)
         async with self._tx(live) as tx:
-            for row in await self.store.calls(record.pid, run_id):
+            rows = await self.store.calls(record.pid, run_id)
+            await hil.withdraw_orphans(self, tx, record.pid, rows)  # nested calls' questions died with their programs
+            for row in rows:
                 if row.status != "dispatched":
                     continue
                 tool = tools.get(row.tool_name)
@@ -289,6 +291,8 @@ class ProcessEngine:
         live = self._live.get(pid)
         if live is None:
             return
+        for waiter in live.asking:  # a program waiting for a person's answer looks whether it came
+            waiter.set()
         live.dirty = True
         if live.stopping:
             return  # the abort that is stopping the run wakes the driver when it is done

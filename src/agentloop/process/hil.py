@@ -1,10 +1,22 @@
 """Human in the loop: a call the approval policy asks about waits for a person (a stored request
 and a ``proc.hil.requested`` signal), and their answer (approve, optionally remembered as a
 process-local rule, or deny) lets the batch go on; plus the policy for the calls a running tool
-makes itself, which cannot wait for a person. The policy itself lives in ``approval/``."""
+makes itself (a CodeMode program's), which are asked about the same way while the tool waits.
+The policy itself lives in ``approval/``.
+
+A nested request differs from a direct one in what waits for the answer: not a call row of the
+batch (which the driver dispatches once approved) but the running program, in memory. Its
+request row names a dispatch id that no call row has; the answer is read from the store (the
+row gone, and the id among the run's approved ones, or not), so a person may answer from any
+client or worker. The program does not survive a restart, so neither may its question: on
+resume the outer call is resolved as interrupted (it is not idempotent) and every request no
+waiting call row owns is withdrawn (``withdraw_orphans``); a program that ends while asking (its
+timeout, an abort) withdraws its own."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 from agentloop.messages import message_to_dict, tool_error_result
@@ -14,15 +26,30 @@ from agentloop.process.approval.engine import remember_rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import HilRow, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
-from agentloop.tools.base import NestedCheck, NestedVerdict
+from agentloop.tools.base import ALLOW, NestedCheck, NestedVerdict
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
 
+log = logging.getLogger("agentloop.process")
 
-async def ask(engine: ProcessEngine, tx: _Tx, pid: str, run_id: str, row: ToolCallRow, verdict: Approval) -> None:
-    """Put the call before a person, inside ``tx``: store the request and tell the watchers.
-    The batch waits (nothing after this call starts) until the request is answered."""
+DENIED_BY_USER = "Tool execution denied by user"
+NOT_INTERACTIVE = "requires interactive approval, which is unavailable for this process"
+
+
+async def ask(
+    engine: ProcessEngine,
+    tx: _Tx,
+    pid: str,
+    run_id: str,
+    row: ToolCallRow,
+    verdict: Approval,
+    *,
+    nested: bool = False,
+) -> str:
+    """Put the call before a person, inside ``tx``: store the request and tell the watchers;
+    returns the request's id. A direct call's batch waits (nothing after this call starts) until
+    the request is answered; a ``nested`` one's program waits (``ask_nested``)."""
     request_id = new_id()
     tags = list(verdict.tags)
     await engine.store.put_hil(
@@ -50,7 +77,9 @@ async def ask(engine: ProcessEngine, tx: _Tx, pid: str, run_id: str, row: ToolCa
         args=row.args,
         tags=tags,
         reason=verdict.reason,
+        **({"nested": True} if nested else {}),
     )
+    return request_id
 
 
 async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str, *, remember: bool) -> bool:
@@ -75,20 +104,20 @@ async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str
                 target = call_target(row.syscall, row.tool_name, row.args)  # a device's, or local
                 rules.insert(0, remember_rule(row.syscall, target).to_json())
                 await engine.store.kv_set(pid, "approval_overrides", rules)
-        else:
-            msg = tool_error_result(call_of(row), "Tool execution denied by user")
-            await engine.store.set_call_status(
+        else:  # a nested call's request has no call row: its program reads the denial (``_decision``)
+            msg = tool_error_result(call_of(row), DENIED_BY_USER)
+            if await engine.store.set_call_status(
                 row.dispatch_id, "denied", expect=("registered",), result=message_to_dict(msg)
-            )
-            await tx.signal(
-                sig.TOOL_FINISHED,
-                runId=row.run_id,
-                callId=row.tool_call_id,
-                name=row.tool_name,
-                syscall=row.syscall,
-                ok=False,
-                error="Tool execution denied by user",
-            )
+            ):
+                await tx.signal(
+                    sig.TOOL_FINISHED,
+                    runId=row.run_id,
+                    callId=row.tool_call_id,
+                    name=row.tool_name,
+                    syscall=row.syscall,
+                    ok=False,
+                    error=DENIED_BY_USER,
+                )
         await tx.signal(sig.CHANGED, changes=["hil"])
     engine.wake(pid)
     return True
@@ -96,9 +125,9 @@ async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str
 
 def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow) -> NestedCheck:
     """The policy for calls a running tool makes itself (a CodeMode program's): the verdict a
-    direct call with the same syscall and arguments would get. A verdict of ``ask`` cannot
-    pause the run from inside a running tool, so it comes back as ``ask`` and the tool
-    refuses the call, telling the model to make it directly (where it can be asked)."""
+    direct call with the same syscall and arguments would get. ``ask`` puts the call before a
+    person as a direct call would, and the program waits for the answer (``ask_nested``); a
+    process that cannot ask refuses it, as it refuses a direct call."""
 
     async def check(syscall: str, tool_name: str, args: dict[str, Any]) -> NestedVerdict:
         nested = ToolCallRow(
@@ -107,8 +136,79 @@ def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCall
         verdict = await engine.approval(live.record, nested)
         if verdict.action == "deny":
             return NestedVerdict("deny", "denied by policy" + (f": {verdict.reason}" if verdict.reason else ""))
+        if verdict.action == "ask" and not live.record.interactive:
+            return NestedVerdict("deny", f"Tool execution denied: {NOT_INTERACTIVE}")
         if verdict.action == "ask":
-            return NestedVerdict("ask", verdict.reason)
-        return NestedVerdict("allow")
+            return await ask_nested(engine, live, run_id, nested, verdict)
+        return ALLOW
 
     return check
+
+
+async def ask_nested(
+    engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow, verdict: Approval
+) -> NestedVerdict:
+    """Ask a person about a nested call and wait for the answer, while the program waits in its
+    call. The wait has no limit of its own: the program's timeout (or an abort) ends it, and
+    then the request is withdrawn, so no question is left that nothing waits on."""
+    waiter = asyncio.Event()
+    live.asking.add(waiter)  # ``engine.wake`` sets it: an answer here, or one noticed from elsewhere
+    request_id: str | None = None
+    try:
+        async with engine._tx(live) as tx:
+            request_id = await ask(engine, tx, live.record.pid, run_id, row, verdict, nested=True)
+        decided = await _decision(engine, live, run_id, request_id, row.dispatch_id, verdict, waiter)
+        request_id = None  # answered: nothing to withdraw
+        return decided
+    finally:
+        live.asking.discard(waiter)
+        if request_id is not None:
+            await _withdraw(engine, live, request_id)
+
+
+async def _decision(
+    engine: ProcessEngine,
+    live: _Live,
+    run_id: str,
+    request_id: str,
+    dispatch_id: str,
+    verdict: Approval,
+    waiter: asyncio.Event,
+) -> NestedVerdict:
+    """Wait until the request is answered; then approved means stored among the run's approvals
+    (``answer`` does that in the transaction that deletes the request) for these arguments."""
+    pid = live.record.pid
+    while True:
+        waiter.clear()  # before looking: a wake-up that comes after the look is not missed
+        if not any(h.request_id == request_id for h in await engine.store.hils(pid)):
+            break
+        await waiter.wait()
+    approved = await engine.store.kv_get(pid, f"approved:{run_id}") or {}
+    if approved.get(dispatch_id) == (verdict.fingerprint or "-"):
+        return ALLOW
+    return NestedVerdict("deny", DENIED_BY_USER)
+
+
+async def _withdraw(engine: ProcessEngine, live: _Live, request_id: str) -> None:
+    """Delete a nested request nothing waits on any more (the program ended while asking). Runs
+    as the program's call is cancelled: a failure is logged, and a restart withdraws it then."""
+    try:
+        async with engine._tx(live) as tx:
+            if await engine.store.delete_hil(request_id):
+                await tx.signal(sig.CHANGED, changes=["hil"])
+    except Exception:
+        log.warning("process %s: could not withdraw approval request %s", live.record.pid, request_id, exc_info=True)
+
+
+async def withdraw_orphans(engine: ProcessEngine, tx: _Tx, pid: str, rows: list[ToolCallRow]) -> None:
+    """Inside ``tx``, on resume: delete the requests no waiting call row owns. Those are nested
+    calls' (a CodeMode program's), whose program died with the runtime; their outer call is
+    resolved as interrupted, so an answer would reach nothing, and a pending request would keep
+    the batch from dispatching its other calls."""
+    waiting = {r.dispatch_id for r in rows if r.status == "registered"}
+    dropped = False
+    for h in await engine.store.hils(pid):
+        if h.dispatch_id not in waiting and await engine.store.delete_hil(h.request_id):
+            dropped = True
+    if dropped:
+        await tx.signal(sig.CHANGED, changes=["hil"])

@@ -47,6 +47,8 @@ class _Live:
     lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
     deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
     remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
+    spending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one nested call counted at a time
+    asking: set[asyncio.Event] = field(default_factory=set)  # nested calls awaiting a person: set on wake
 
 
 class _Tx:

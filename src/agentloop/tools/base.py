@@ -104,6 +104,11 @@ ALLOW = NestedVerdict("allow")
 #: runner that runs the outer call, so nested calls meet the same policy and hooks as direct ones.
 NestedCheck: TypeAlias = Callable[[str, str, dict[str, Any]], Awaitable[NestedVerdict]]
 
+#: ``spend()``: counts one nested call against the run's tool-call budget (the ``max_tool_calls``
+#: guard) before it runs, so a program's hundred calls are a hundred calls to the guard and not
+#: one. None: the call may run (and is counted); otherwise why it may not (the budget is used up).
+CallBudget: TypeAlias = Callable[[], Awaitable[str | None]]
+
 
 @dataclass(slots=True)
 class ToolContext:
@@ -124,6 +129,7 @@ class ToolContext:
     tools: Mapping[str, Tool] | None = None
     check: NestedCheck | None = None
     run_id: str | None = None
+    budget: CallBudget | None = None
 
 
 def to_result(value: Any) -> ToolResult:

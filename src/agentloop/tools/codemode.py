@@ -10,10 +10,15 @@ that name, so a durable process's per-cwd tools and device routing apply) only a
 check a direct call gets: the runner's approval (``ToolContext.check``: the before-tool-call hooks
 in memory, the process's policy and the hooks in a durable run), judged on the nested call's own
 syscall and arguments. A refused call does not run and raises ``ToolDenied`` in the program.
-A call the policy would *ask* a person about is asked where the runner can ask from inside a
-running tool (the in-memory runner's terminal prompt is a hook); a durable run cannot pause for a
-``pending_hil`` row mid-program, so there it is refused with a message telling the model to make
-the call directly, where it is asked as usual.
+A call the policy would *ask* a person about is asked while the program waits in that call: in
+memory by the terminal prompt (a hook), in a durable run by a ``pending_hil`` request answered
+like a direct call's (``process/hil.py``). The wait is bounded by the program's timeout, and a
+program does not survive a restart: its call is then resolved as interrupted and its question
+withdrawn. Only a check that cannot ask at all says ``ask``; such a call is refused with a
+message telling the model to make it directly.
+
+Every nested call also counts toward the run's tool-call budget (``ToolContext.budget``, the
+``max_tool_calls`` guard): a program is not a way around it.
 
 What this does **not** confine: the program itself is ordinary Python running as the server's
 user. It can open files, start processes and use the network without asking anyone; only what it
@@ -88,11 +93,13 @@ MAX_TIMEOUT = 600.0
 MAX_OUTPUT_CHARS = 30_000
 MAX_CALLS = 200
 MAX_PARALLEL = 8  # nested calls in flight at once
+MAX_EXIT_MESSAGE = 2_000  # characters of a sys.exit("message") shown with the exit
 RUNNER = Path(__file__).with_name("codemode_runner.py")
 _LINE_LIMIT = 1 << 27
 #: what the program's environment keeps of ours: enough to run programs, no credentials
 _ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
 
+#: a nested call a check said ``ask`` about without asking (it could not, from where it runs)
 NEEDS_APPROVAL = "needs a person's approval, which cannot be asked from inside CodeMode; call the tool directly"
 
 
@@ -188,11 +195,13 @@ def _description(functions: Iterable[Function], max_output: int, max_calls: int)
         "Each returns the text the tool would show you (Read's lines are numbered). A failed call raises "
         "ToolFailed(message); one the approval policy refused raises ToolDenied (a ToolFailed) and did not run. "
         "Catch them to go on. Every call is approved exactly like a direct tool call; a call that needs a "
-        "person's approval may be refused here: then make it directly.",
+        "person's approval waits for their answer (within the program's timeout: give it time) or, where "
+        "nobody can be asked, is refused.",
         "",
         "Use the tool functions for files and commands. The program runs as the server's user: what it does "
         "directly in Python (open(), subprocess, sockets) is neither confined to the workspace nor approved, so "
-        f"do not go around the tools. Limits: the timeout, and {max_calls} tool calls per program.",
+        f"do not go around the tools. Limits: the timeout, and {max_calls} tool calls per program; every call "
+        "also counts toward the run's tool call budget, if it has one (past it a call raises ToolFailed).",
     ]
     return "\n".join(lines)
 
@@ -295,6 +304,7 @@ class _Execution:
         self.handlers: set[asyncio.Task[None]] = set()
         self.parallel = asyncio.Semaphore(MAX_PARALLEL)
         self.responses: asyncio.WriteTransport | None = None
+        self.exit_message: str | None = None  # what the program passed to sys.exit, if a text
 
     async def run(self, code: str, limit: float) -> ToolResult:
         refusal = _compile_error(code)
@@ -352,6 +362,8 @@ class _Execution:
             if outcome != "exited":
                 await kill_group(proc, KILL_GRACE)
                 await asyncio.wait({output}, timeout=DRAIN_GRACE)
+            else:  # the runner's last line (a sys.exit message) may still be in the pipe
+                await asyncio.wait({requests}, timeout=DRAIN_GRACE)
         except BaseException:
             await kill_group(proc, KILL_GRACE)
             raise
@@ -369,7 +381,7 @@ class _Execution:
     def _result(self, capture: OutputCapture, code: int | None, outcome: str, limit: float) -> ToolResult:
         text, truncated = capture.render()
         body = text.rstrip("\n") if text.strip() else "(no output)"
-        details = {
+        details: dict[str, Any] = {
             "exit_code": code,
             "timed_out": outcome == "timeout",
             "truncated": truncated,
@@ -380,6 +392,9 @@ class _Execution:
             notes.append(f"[output cut to {self.mode.max_output} characters: print less, or summarise]")
         if outcome == "timeout":
             notes.append(f"[timed out after {limit:g} s; the program and its child processes were killed]")
+        elif code == 1 and self.exit_message is not None:  # sys.exit("message"): an exit, not a crash
+            details["exit_message"] = self.exit_message
+            notes.append(f"[the program exited with code 1: {_cut(self.exit_message, MAX_EXIT_MESSAGE)}]")
         elif code == 1:
             notes.append("[the program raised an exception]")
         elif code != 0:
@@ -395,6 +410,11 @@ class _Execution:
                 msg = json.loads(line)
             except ValueError:
                 log.debug("codemode: ignoring a malformed request line")
+                continue
+            if isinstance(msg, dict) and isinstance(msg.get("exit"), int) and "id" not in msg:
+                # the runner's word on how the program ended; the program could write it too,
+                # but only to dress its own exit, which the exit code still tells truthfully
+                self.exit_message = str(msg.get("message", ""))
                 continue
             if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
                 continue
@@ -444,6 +464,7 @@ class _Execution:
         self.calls += 1
         if self.calls > self.mode.max_calls:
             raise ToolError(f"call limit reached: a program may make at most {self.mode.max_calls} tool calls")
+        await self._spend(name)
         tool = self._tool(name)
         args = tool.validate(args)  # ToolArgumentsError is a ToolError: a readable message
         syscall = syscall_of(tool, args)
@@ -461,6 +482,7 @@ class _Execution:
             self.ctx.workspace,
             tools=self.ctx.tools,
             check=self.ctx.check,
+            budget=self.ctx.budget,
         )
         if tool.timeout is not None and tool.interruptible:
             try:
@@ -473,6 +495,16 @@ class _Execution:
         if result.is_error:
             raise ToolError(_text_of(result) or f"{tool.name} failed")
         return _text_of(result)
+
+    async def _spend(self, name: str) -> None:
+        """Count the call against the run's tool-call budget, before anyone is asked about it: a
+        program's calls are the run's calls, so the ``max_tool_calls`` guard sees each of them,
+        and once the budget is used up the rest fail here (the run then ends through the guard)."""
+        if self.ctx.budget is None:
+            return
+        refusal = await self.ctx.budget()
+        if refusal is not None:
+            raise ToolError(f"{name} not run: {refusal}")
 
     async def _approve(self, syscall: str, tool_name: str, args: dict[str, Any]) -> NestedVerdict:
         for check in (self.ctx.check, self.mode.check):
@@ -490,6 +522,12 @@ class _Execution:
 
 class _Refused(Exception):
     """A nested call the approval refused; it becomes ``ToolDenied`` in the program."""
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` on one line, at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _compile_error(code: str) -> str | None:

@@ -10,7 +10,10 @@ read as a request; and even a request the program writes to ``REQ_FD`` itself is
 the parent approves every one exactly as it approves the functions' own.
 
 Exit status: 0 when the program finished, 1 when it raised (the traceback, cut to the program's
-own frames, is on stderr), 2 when it could not be compiled.
+own frames, is on stderr), 2 when it could not be compiled; a program that calls ``sys.exit`` ends
+with the status it asked for, wherever it called it (a task too), and no traceback: an exit is
+not a failure of the program. ``sys.exit("message")`` ends with status 1 and the message sent to
+the parent as the line ``{"exit": 1, "message": ...}``, so it is shown as the exit it was.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import builtins
+import contextlib
 import inspect
 import json
 import linecache
@@ -85,10 +89,7 @@ class _Channel:
         self.next_id += 1
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.pending[self.next_id] = future
-        data = (line + "\n").encode()
-        while data:  # small and rare: a blocking write is simpler than a transport
-            written = os.write(self.req_fd, data)
-            data = data[written:]
+        _write_all(self.req_fd, (line + "\n").encode())
         msg = await future
         if msg.get("ok"):
             return msg.get("result")
@@ -132,6 +133,33 @@ def _report(exc: BaseException) -> None:
     sys.stderr.write("".join(summary.format()))
 
 
+def _exit_status(exc: SystemExit, req_fd: int) -> int:
+    """The status the program asked for with ``sys.exit``. A message (``sys.exit("why")``) means
+    status 1, as in any Python program; it goes to the parent, which shows it with the exit."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    line = json.dumps({"exit": 1, "message": str(exc.code)}) + "\n"
+    with contextlib.suppress(OSError):  # the parent is gone: nobody is left to show it to
+        _write_all(req_fd, line.encode())
+    return 1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:  # small and rare: a blocking write is simpler than a transport
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _quiet_exits(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: a task that called ``sys.exit`` is the program's exit
+    (reported as such), not a "Task exception was never retrieved" with the event loop's frames."""
+    if isinstance(context.get("exception"), SystemExit):
+        return
+    loop.default_exception_handler(context)
+
+
 async def _run(setup: dict[str, Any], req_fd: int, resp_fd: int) -> int:
     source: str = setup["code"]
     linecache.cache[PROGRAM] = (len(source), None, source.splitlines(keepends=True), PROGRAM)
@@ -140,6 +168,7 @@ async def _run(setup: dict[str, Any], req_fd: int, resp_fd: int) -> int:
     except (SyntaxError, ValueError) as exc:
         sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
         return 2
+    asyncio.get_running_loop().set_exception_handler(_quiet_exits)
     channel = _Channel(req_fd, resp_fd)
     await channel.start()
     namespace: dict[str, Any] = {
@@ -157,11 +186,12 @@ async def _run(setup: dict[str, Any], req_fd: int, resp_fd: int) -> int:
         if inspect.isawaitable(result):
             await result
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            return 0
-        if not isinstance(exc.code, int):
-            sys.stderr.write(f"{exc.code}\n")
-        return exc.code if isinstance(exc.code, int) else 1
+        return _exit_status(exc, req_fd)
+    except asyncio.CancelledError:
+        # Raised here by the shutdown that follows a task's sys.exit (asyncio lets SystemExit out
+        # of the loop and then cancels the program): ``main`` tells that from a program that
+        # cancelled itself.
+        raise
     except BaseException as exc:  # KeyboardInterrupt and the like too: the program is what failed
         _report(exc)
         return 1
@@ -173,7 +203,13 @@ def main() -> int:
     for fd in (req_fd, resp_fd):  # whatever the program starts must not hold the channel open
         os.set_inheritable(fd, False)
     setup = json.loads(sys.stdin.buffer.read())  # stdin stays at end of file: input() raises EOFError
-    return asyncio.run(_run(setup, req_fd, resp_fd))
+    try:
+        return asyncio.run(_run(setup, req_fd, resp_fd))
+    except SystemExit as exc:  # a task of the program called sys.exit
+        return _exit_status(exc, req_fd)
+    except asyncio.CancelledError as exc:  # the program cancelled itself
+        _report(exc)
+        return 1
 
 
 if __name__ == "__main__":
