@@ -250,11 +250,6 @@ class ProcessEngine:
         """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
         return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id))
 
-    async def forget_admission(self, pid: str, run_id: str) -> None:
-        """Drop the record that makes a delivery with this caller-supplied ``run_id`` idempotent
-        (see ``admission.forget_admission``), inside the caller's transaction."""
-        await admission.forget_admission(self, pid, run_id)
-
     async def signal_event(
         self, pid: str, text: str, *, run_id: str | None = None, reason: str = "system.event"
     ) -> Receipt:
