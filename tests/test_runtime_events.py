@@ -137,8 +137,8 @@ async def test_fires_missed_while_the_kernel_was_down_coalesce_into_one(tmp_path
 
 
 async def test_a_failed_advance_does_not_deliver_twice(tmp_path, monkeypatch):
-    """The crash window: the event was delivered, the schedule was not moved on. The next pass
-    delivers the same key again, and the engine answers it from its record."""
+    """The crash window: the schedule cannot be moved on. Its advance is the delivery's claim, in
+    the delivery's transaction, so the event is rolled back with it and the next pass delivers once."""
     async with kernel(tmp_path, echo_model()) as k:
         proc = await k.spawn(owner="a")
         k.scheduler.retry = 0.05

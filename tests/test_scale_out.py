@@ -351,3 +351,19 @@ async def test_a_parent_aborted_or_killed_through_the_other_worker_takes_its_sub
                 await asyncio.sleep(0.02)
         await pb.kill()
         assert await b.processes("alice") == []
+
+
+async def test_a_worker_keeps_no_claim_lock_for_processes_it_is_not_claiming(pg_url: str, tmp_path: Path) -> None:
+    """One lock per process ever claimed, kept for ever, would grow without bound on a long-lived
+    worker: a lock lives only while a claim holds or waits for it."""
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok " + last_user(req)), []) as (a, b):
+        procs = [await a.spawn(owner="alice") for _ in range(5)]
+        for i, proc in enumerate(procs):
+            await (await b.process(proc.pid)).send(f"via b {i}")
+            await proc.send(f"via a {i}")
+        for proc in procs:
+            await proc.wait_idle()
+            await (await b.process(proc.pid)).wait_idle()
+        for k in (a, b):
+            assert k.engine.leases is not None
+            assert len(k.engine.leases._claiming) == 0

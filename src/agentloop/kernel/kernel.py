@@ -26,6 +26,7 @@ from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
+from agentloop.kernel.duty import SCHEDULES, Duty
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
@@ -313,7 +314,10 @@ class Kernel:
         self.engine = engine
         self.data_dir = data_dir
         self.media = MediaStore(data_dir)
-        self.scheduler = Scheduler(store, engine, min_every=schedule_min_every)
+        leases = engine.leases
+        # on a shared store one worker at a time fires the schedules (kernel/duty.py)
+        duty = None if leases is None else Duty(store, SCHEDULES, leases.owner, ttl=leases.ttl, every=leases.poll)
+        self.scheduler = Scheduler(store, engine, min_every=schedule_min_every, duty=duty)
         self.watchers = WatchRouter(store, engine)
         engine.aborted = self._run_aborted
 
@@ -354,8 +358,9 @@ class Kernel:
         interval a repeating schedule may have; on a store several workers share (PostgreSQL),
         ``worker`` names this one in its leases (default: host, pid and a random suffix), a lease
         lasts ``lease_ttl`` seconds unless renewed, and ``poll_interval`` is how often it looks
-        for work whose notification it missed (see ``process/lease.py``); ``agent_options`` are ``Agent``'s
-        (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        for work whose notification it missed (see ``process/lease.py``) and how often the
+        workers renew or try to take the duty of firing the schedules (``kernel/duty.py``);
+        ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
         default otherwise) unless ``approval`` replaces the check.

@@ -6,9 +6,17 @@ fires what is due: it delivers the schedule's text as a system event (``proc.run
 one to its next due time after now. Fires that were missed while the kernel was down coalesce
 into one delivery that says how many were missed: a backlog of identical reminders helps no one.
 
-Delivery and advancing are two transactions. The delivery carries the idempotency key
-``schedule:<id>:<due time>``, so a crash between them (or a failed advance) makes the next pass
-deliver the same key again, which the engine answers from its record without a second message.
+Delivery and advancing are one transaction: the advance (deleting a one-shot schedule, moving a
+repeating one on from the due time it was read at) is the delivery's claim
+(``ProcessEngine.claimed_event``), a compare-and-set that only one delivery of that due time can
+win. A crash before the commit leaves both undone, so the next pass fires again; after it, both
+are done. Two timers that read the same due row (on a shared store: a worker that stalled past
+its duty's expiry, and the one that took the duty over) deliver it once, and no idempotency
+record is left behind per fire. The run a fire starts is named ``schedule:<id>:<due time>``.
+
+On a shared store (several workers, DESIGN §6) only the worker holding the ``schedules`` duty
+(kernel/duty.py) fires; the others keep trying to take the duty, which they get when its holder
+closes or dies.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 
+from agentloop.kernel.duty import Duty
 from agentloop.process.api import new_id
 from agentloop.process.engine import ProcessEngine
 from agentloop.process.store import NoSuchProcess, ScheduleRow, Store
@@ -45,7 +55,7 @@ class LimitReached(ValueError):
 
 
 def event_key(row: ScheduleRow) -> str:
-    """The idempotency key of a schedule's delivery for its current due time."""
+    """The name of the run a schedule's delivery for its current due time starts."""
     return f"schedule:{row.id}:{row.next_due!r}"
 
 
@@ -91,11 +101,13 @@ class Scheduler:
         *,
         min_every: float = DEFAULT_MIN_EVERY,
         clock: Callable[[], float] = time.time,
+        duty: Duty | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
         self.min_every = min_every
         self.clock = clock
+        self.duty = duty  # on a shared store: the timer fires only while this worker holds it
         self.retry = 5.0  # seconds before a schedule whose fire failed is tried again
         self._held: dict[str, float] = {}  # schedule id -> not before (after a failed fire)
         self._poke = asyncio.Event()
@@ -175,18 +187,31 @@ class Scheduler:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self.duty is not None:
+            await self.duty.release()
 
     async def _run(self) -> None:
         while True:
             self._poke.clear()  # before reading: a schedule added meanwhile pokes again
             try:
-                delay = await self.fire_due()
+                delay = await self._pass()
             except Exception:
                 log.exception("schedules: a pass failed")
                 delay = self.retry
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._poke.wait(), delay)
+
+    async def _pass(self) -> float:
+        """Fire what is due if this worker is on duty; the seconds until the next pass. On duty,
+        that is at most the duty's renewal interval, which also bounds how late a schedule that
+        another worker added is seen."""
+        duty = self.duty
+        if duty is None:
+            return await self.fire_due()
+        if not await duty.hold():
+            return duty.every  # another worker fires them; try again, to take over if it died
+        return min(await self.fire_due(), duty.every)
 
     async def fire_due(self) -> float:
         """Fire every schedule that is due now; returns the seconds until the next one is."""
@@ -208,17 +233,18 @@ class Scheduler:
         return max(delay, 0.0)
 
     async def _fire(self, row: ScheduleRow, now: float) -> None:
+        """Deliver one due schedule, claimed by its advance from the due time ``row`` was read at:
+        if another timer fired it meanwhile, the claim fails and nothing is delivered."""
+        claim: Callable[[], Awaitable[bool]]
+        if row.every is None:
+            claim = partial(self.store.delete_schedule, row.id)
+        else:
+            nxt = next_due_after(row.next_due, row.every, now)
+            claim = partial(self.store.set_schedule_due, row.id, nxt, expect=row.next_due)
         try:
-            key = event_key(row)
-            await self.engine.signal_event(row.pid, render(row, now), run_id=key, reason="schedule.event")
-            async with self.store.transaction():
-                await self.engine.forget_admission(row.pid, key)  # the next fire has a key of its own
-                if row.every is None:
-                    await self.store.delete_schedule(row.id)
-                else:
-                    await self.store.set_schedule_due(
-                        row.id, next_due_after(row.next_due, row.every, now), expect=row.next_due
-                    )
+            await self.engine.claimed_event(
+                row.pid, render(row, now), claim=claim, run_id=event_key(row), reason="schedule.event"
+            )
         except NoSuchProcess:  # killed meanwhile: its schedule goes with it
             async with self.store.transaction():
                 await self.store.delete_schedule(row.id)

@@ -2,10 +2,19 @@
 
 The source's signal log is the truth. A watch row remembers how far its watcher has read that
 log (``seen_seq``); when the source logs a signal some watch wants, the watch reads the log from
-there and delivers each match with the idempotency key ``watch:<id>:<seq>`` (``proc.run.started``
-reason ``signal.watch`` when it starts a run). A crash anywhere is repaired at the next start,
-which reads every watch's source from its ``seen_seq`` again; a key delivered before the crash
-is not delivered twice.
+there and delivers each match (``proc.run.started`` reason ``signal.watch``, run ``watch:<id>:<seq>``,
+when it starts a run). Each delivery is claimed in its own transaction by moving the row's
+``seen_seq`` from the value it was read at to the signal's (or, for a one-shot watch, by deleting
+the row): the event and the move commit together or not at all. A crash anywhere is repaired at
+the next start, which reads every watch's source from its ``seen_seq`` again, and a signal is
+never delivered twice, even by two workers catching up at once.
+
+Several workers on one store (DESIGN §6): the worker publishing the source's signals (its lease
+holder) delivers them, so a watch made on another worker must still be seen there. On a shared
+store the index is therefore re-read from the store for every source that logged a watchable
+signal (and before a new watch is checked for cycles), instead of trusting what this worker
+loaded or added itself; a worker whose claim loses to another's reads the row again and goes on
+from where that one left it.
 
 Rules: both processes have the same owner (a watch shows the watcher what the source did); a
 process may not watch itself (its own run ending would start its next run, forever), and a
@@ -19,6 +28,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from agentloop.kernel.schedules import LimitReached
@@ -64,6 +75,7 @@ class WatchRouter:
     def __init__(self, store: Store, engine: ProcessEngine) -> None:
         self.store = store
         self.engine = engine
+        self.shared = store.shared  # other workers add, deliver and delete watches too
         self._index: dict[str, dict[str, WatchRow]] = {}  # source pid -> watch id -> row
         self._dirty: set[str] = set()  # sources that logged a watched signal since they were read
         self._poke = asyncio.Event()
@@ -80,6 +92,8 @@ class WatchRouter:
         source = await self._record(source_pid)
         if watcher.owner != source.owner:
             raise PermissionError("only processes of the same owner may watch each other")
+        if not once and self.shared:  # the cycle check needs the other workers' watches too
+            self._load(await self.store.watches())
         if not once and self._wakes(pid, source_pid):
             raise WatchError(
                 f"process {source_pid} is woken by {pid} already (directly or through other watches):"
@@ -147,9 +161,8 @@ class WatchRouter:
 
     async def start(self) -> None:
         """Load the watches, read every source from where its watches stopped, follow the hub."""
-        for row in await self.store.watches():
-            self._index.setdefault(row.source_pid, {})[row.id] = row
-            self._dirty.add(row.source_pid)
+        self._load(await self.store.watches())
+        self._dirty.update(self._index)
         self.engine.hub.tap(self._on_signal)
         self._task = asyncio.create_task(self._run(), name="agentloop-watches")
         self._poke.set()
@@ -162,8 +175,13 @@ class WatchRouter:
             await asyncio.gather(task, return_exceptions=True)
 
     def _on_signal(self, pid: str, signal: Signal) -> None:
-        """The hub's tap: runs for every published signal, so it only looks at the index."""
+        """The hub's tap: runs for every published signal, so it only looks at the index (on a
+        shared store, only at the signal: the index there may miss the other workers' watches)."""
         if signal.seq is None:
+            return
+        if self.shared:  # a watch on ``pid`` may have been made on another worker: the store says
+            if signal.signal in WATCHABLE:
+                self._mark(pid)
             return
         watches = self._index.get(pid)
         if watches and any(w.signal == signal.signal for w in watches.values()):
@@ -179,6 +197,13 @@ class WatchRouter:
             self._poke.clear()
             dirty, self._dirty = self._dirty, set()
             for source_pid in sorted(dirty):
+                if self.shared:
+                    try:
+                        self._load(await self.store.watches(source_pid=source_pid), source_pid)
+                    except Exception:  # (the database is away) tried again at the next poke
+                        log.exception("watches on process %s: could not read them", source_pid)
+                        self._dirty.add(source_pid)
+                        continue
                 for row in list(self._index.get(source_pid, {}).values()):
                     try:
                         await self._catch_up(row)
@@ -193,28 +218,47 @@ class WatchRouter:
         while True:
             page = await self.store.events(row.source_pid, after_seq=after, limit=PAGE)
             for event in page:
-                after = event.seq
                 if event.signal != row.signal:
+                    after = event.seq
                     continue
                 text = await self._render(row, event)
+                claim = self._claim(row, event.seq)
                 key = f"watch:{row.id}:{event.seq}"
-                await self.engine.signal_event(row.pid, text, run_id=key, reason="signal.watch")
-                async with self.store.transaction():
-                    await self.engine.forget_admission(row.pid, key)  # the watch moves past this signal
-                    if row.once:
-                        await self.store.delete_watch(row.id)
-                    else:
-                        await self.store.set_watch_seen(row.id, event.seq)
-                row.seen_seq = event.seq
+                delivered = await self.engine.claimed_event(
+                    row.pid, text, claim=claim, run_id=key, reason="signal.watch"
+                )
+                if delivered is None:
+                    fresh = await self._reread(row)  # another worker delivered it, or more
+                    if fresh is None:
+                        return
+                    row, after = fresh, fresh.seen_seq
+                    break  # read the log again from where that worker left the watch
+                row.seen_seq = after = event.seq
                 if row.once:
                     self._unindex(row)
                     return
-            if len(page) < PAGE:
-                break
-        if after > row.seen_seq:
+            else:
+                if len(page) < PAGE:
+                    break
+        if after > row.seen_seq:  # signals it does not want: read past them once, not at every pass
             async with self.store.transaction():
-                await self.store.set_watch_seen(row.id, after)
-            row.seen_seq = after
+                if await self.store.set_watch_seen(row.id, after, expect=row.seen_seq):
+                    row.seen_seq = after
+
+    def _claim(self, row: WatchRow, seq: int) -> Callable[[], Awaitable[bool]]:
+        """The delivery of signal ``seq``'s claim: the row moves from the ``seen_seq`` this worker
+        read to ``seq`` (a one-shot watch is deleted), which only one delivery can do."""
+        if row.once:
+            return partial(self.store.delete_watch, row.id)
+        return partial(self.store.set_watch_seen, row.id, seq, expect=row.seen_seq)
+
+    async def _reread(self, row: WatchRow) -> WatchRow | None:
+        """The watch's row as the store has it now (None, and out of the index, once it is gone)."""
+        fresh = next((w for w in await self.store.watches(source_pid=row.source_pid) if w.id == row.id), None)
+        self._unindex(row)
+        if fresh is not None:
+            self._index.setdefault(fresh.source_pid, {})[fresh.id] = fresh
+        return fresh
 
     async def _render(self, row: WatchRow, event: EventRow) -> str:
         """The event as the watcher's model reads it: who, what, and the gist of the payload
@@ -262,6 +306,16 @@ class WatchRouter:
                 seen.add(row.pid)
                 todo.append(row.pid)
         return False
+
+    def _load(self, rows: list[WatchRow], source_pid: str | None = None) -> None:
+        """Make the index what the store says: for ``source_pid`` (``rows`` are its watches), or
+        for every source (``rows`` are all the watches)."""
+        if source_pid is None:
+            self._index = {}
+        else:
+            self._index.pop(source_pid, None)
+        for row in rows:
+            self._index.setdefault(row.source_pid, {})[row.id] = row
 
     def _unindex(self, row: WatchRow) -> None:
         watches = self._index.get(row.source_pid)

@@ -5,6 +5,7 @@ makes a delivery idempotent. When a run ends, queued input becomes the next run 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from agentloop.messages import Message, system
@@ -52,9 +53,8 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
 
 async def forget_admission(engine: ProcessEngine, pid: str, run_id: str) -> None:
     """Drop the record that makes a delivery with this caller-supplied ``run_id`` idempotent,
-    inside the caller's transaction, once the caller can no longer retry it (a schedule moved
-    past that due time, a watch past that signal): a repeating source would otherwise leave
-    one record per delivery behind for ever."""
+    inside the caller's transaction, once no one can retry it: a claimed delivery (a schedule's,
+    a watch's) answers an old record for its id once and then retires it."""
     await engine.store.kv_delete(pid, f"admitted:{run_id}")
 
 
@@ -73,24 +73,46 @@ async def _remember_admission(
         await engine.store.kv_set(pid, f"admitted:{supplied}", {"run": run_id, "queued": queued, "position": position})
 
 
-async def signal_event(engine: ProcessEngine, pid: str, text: str, *, run_id: str | None, reason: str) -> Receipt:
+async def signal_event(
+    engine: ProcessEngine,
+    pid: str,
+    text: str,
+    *,
+    run_id: str | None,
+    reason: str,
+    claim: Callable[[], Awaitable[bool]] | None = None,
+) -> Receipt | None:
+    """Deliver a system event. With ``claim`` (see ``ProcessEngine.claimed_event``) the claim runs
+    first inside the delivery's transaction; None, and nothing delivered, when it fails."""
     if engine.leases is not None:
         await engine.leases.hold(pid)  # or, held elsewhere, the event waits in the queue for its holder
     live = await engine.live(pid)
     message = system(text, "event")
     async with engine._tx(live) as tx:
-        # checked inside the transaction: two deliveries of one id cannot both pass
-        seen = await _admitted(engine, pid, run_id)
-        if seen is not None:
-            return seen
+        if claim is not None:
+            if not await claim():
+                return None  # delivered by another worker (or its source moved on): nothing to do
+            # a record left by a delivery that was not claimed (made before claims existed, or
+            # by hand with the same id): that delivery stands, and the claim retires its record
+            seen = await _admitted(engine, pid, run_id)
+            if seen is not None and run_id is not None:
+                await forget_admission(engine, pid, run_id)
+                return seen
+            run_id_kept, run_id = run_id, None  # the claim is the idempotency: no record to keep
+        else:
+            # checked inside the transaction: two deliveries of one id cannot both pass
+            seen = await _admitted(engine, pid, run_id)
+            if seen is not None:
+                return seen
+            run_id_kept = run_id
         active = live.record.current_run
         if active is None and not live.remote:
-            receipt = Receipt(await tx.start_run(message, reason, run_id), False)
+            receipt = Receipt(await tx.start_run(message, reason, run_id_kept), False)
         elif active is None:
-            receipt = Receipt(run_id or new_id(), False)
+            receipt = Receipt(run_id_kept or new_id(), False)
             await tx.enqueue("system", message, receipt.run_id)
         else:
-            await tx.enqueue("system", message, run_id)
+            await tx.enqueue("system", message, run_id_kept)
             receipt = Receipt(active["run_id"], True, 0)
         await _remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=0)
     if not receipt.queued:

@@ -264,11 +264,6 @@ class ProcessEngine:
         """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
         return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id))
 
-    async def forget_admission(self, pid: str, run_id: str) -> None:
-        """Drop the record that makes a delivery with this caller-supplied ``run_id`` idempotent
-        (see ``admission.forget_admission``), inside the caller's transaction."""
-        await admission.forget_admission(self, pid, run_id)
-
     async def signal_event(
         self, pid: str, text: str, *, run_id: str | None = None, reason: str = "system.event"
     ) -> Receipt:
@@ -276,7 +271,22 @@ class ProcessEngine:
         system message, ahead of queued user input; starts a run when none is active, recorded in
         ``proc.run.started`` with ``reason``. A caller-supplied ``run_id`` makes the delivery
         idempotent, as with ``send``: a retry returns the first receipt and delivers nothing."""
-        return await _retried(lambda: admission.signal_event(self, pid, text, run_id=run_id, reason=reason))
+        receipt = await _retried(lambda: admission.signal_event(self, pid, text, run_id=run_id, reason=reason))
+        assert receipt is not None  # (only a claim can refuse a delivery)
+        return receipt
+
+    async def claimed_event(
+        self, pid: str, text: str, *, claim: Callable[[], Awaitable[bool]], run_id: str, reason: str
+    ) -> Receipt | None:
+        """A system event delivered only if ``claim`` (a compare-and-set on the caller's own row,
+        such as moving a schedule past its due time) succeeds inside the delivery's transaction;
+        None when it does not. The event and the claim commit together or not at all, so
+        several workers racing to deliver it deliver it once, and a crash between the two cannot
+        happen: the claim is the delivery's idempotency, and no admission record is kept (one
+        that exists for ``run_id`` is answered and dropped). ``run_id`` names the run it starts."""
+        return await _retried(
+            lambda: admission.signal_event(self, pid, text, run_id=run_id, reason=reason, claim=claim)
+        )
 
     # -- approvals (see hil.py) -------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from agentloop.process.keylock import KeyedLocks
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, StoreError
 
@@ -111,7 +112,7 @@ class Leases:
         self.ttl = ttl
         self.poll = poll
         self.held: dict[str, int] = {}  # pid -> epoch of this worker's claim
-        self._claiming: dict[str, asyncio.Lock] = {}
+        self._claiming = KeyedLocks()  # one claim of a process at a time (a send's, the sweep's)
         self._changed: set[str] = set()  # pids other workers said changed, not yet looked at
         self._wake = asyncio.Event()
         self._tail: dict[str, int] = {}  # pid -> last seq published to this worker's watchers
@@ -153,8 +154,7 @@ class Leases:
         process is then resumed from the store), False if another live worker holds it."""
         if pid in self.held:
             return True
-        lock = self._claiming.setdefault(pid, asyncio.Lock())
-        async with lock:
+        async with self._claiming.hold(pid):
             if pid in self.held:
                 return True
             epoch = await self.store.claim_lease(pid, self.owner, self.ttl)
@@ -167,7 +167,7 @@ class Leases:
         """Claim processes with work and no live lease, and resume them."""
         resumed = []
         for pid, epoch in await self.store.claim_orphans(self.owner, self.ttl, reclaim=reclaim):
-            async with self._claiming.setdefault(pid, asyncio.Lock()):
+            async with self._claiming.hold(pid):
                 if self.held.get(pid, 0) >= epoch:
                     continue  # this worker's own claim (a send's) came first
                 await self._took(pid, epoch)

@@ -183,6 +183,18 @@ class Lease:
     expires: float
 
 
+@dataclass(slots=True)
+class DutyLease:
+    """Kernel-wide work one worker does at a time (firing the schedules), as a lease by ``name``:
+    ``owner`` (None: nobody) until ``expires`` (epoch seconds on the store's clock); ``epoch``
+    counts the times it changed hands."""
+
+    name: str
+    owner: str | None
+    epoch: int
+    expires: float
+
+
 Settled: TypeAlias = Callable[[BaseException | None], None]
 Notified: TypeAlias = Callable[[str, str], None]  # (pid, sender): a process changed on some worker
 
@@ -391,8 +403,9 @@ class Store(ABC):
         """Watches held by ``pid`` and/or on ``source_pid`` (every watch when both are None), oldest first."""
 
     @abstractmethod
-    async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
-        """Record that the watch has read its source's log up to ``seq``; False if it is gone."""
+    async def set_watch_seen(self, watch_id: str, seq: int, *, expect: int | None = None) -> bool:
+        """Record that the watch has read its source's log up to ``seq``; False if it is gone or,
+        with ``expect``, no longer at ``expect`` (a claim: another worker moved it meanwhile)."""
 
     @abstractmethod
     async def delete_watch(self, watch_id: str) -> bool: ...
@@ -437,6 +450,20 @@ class Store(ABC):
         it extends by ``ttl``. The row stays locked until the transaction ends, so a claim waits
         for the commit and then finds the lease alive: a step commits only under its lease. A
         fence that holds also does what ``notify(pid, owner)`` does."""
+
+    @abstractmethod
+    async def claim_duty(self, name: str, owner: str, ttl: float) -> int | None:
+        """Take the duty ``name`` for ``ttl`` seconds if it is free, expired, or ``owner``'s
+        already (which renews it); returns its epoch (one more than the last when it changes
+        hands, the same while ``owner`` keeps it), None when another owner holds it."""
+
+    @abstractmethod
+    async def release_duty(self, name: str, owner: str) -> bool:
+        """Free the duty if ``owner`` holds it; False otherwise."""
+
+    @abstractmethod
+    async def duty(self, name: str) -> DutyLease | None:
+        """The duty's row, or None if it was never claimed."""
 
     async def notify(self, pid: str, sender: str) -> None:
         """Inside a transaction: tell the other workers, once it commits, that ``pid`` changed.

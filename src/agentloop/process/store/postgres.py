@@ -51,6 +51,7 @@ from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
     AccountRecord,
     CallStatus,
+    DutyLease,
     EventRow,
     HilRow,
     Lease,
@@ -158,6 +159,16 @@ INSERT INTO process_leases (pid, owner, epoch, expires) SELECT c.pid, $1, 1, {_N
 ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1, expires = excluded.expires
 WHERE process_leases.owner IS NULL OR process_leases.expires < {_NOW} OR process_leases.owner = $4
 RETURNING pid, epoch
+"""
+
+# A kernel-wide duty (the schedules' timer): the same rules as a process's lease, except that
+# its holder renews it by claiming again, which keeps the epoch (it moves only with the owner).
+_CLAIM_DUTY = f"""
+INSERT INTO duties (name, owner, epoch, expires) VALUES ($1, $2, 1, {_NOW} + $3)
+ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires = excluded.expires,
+    epoch = CASE WHEN duties.owner = excluded.owner THEN duties.epoch ELSE duties.epoch + 1 END
+WHERE duties.owner IS NULL OR duties.expires < {_NOW} OR duties.owner = excluded.owner
+RETURNING epoch
 """
 
 
@@ -769,8 +780,13 @@ class PostgresStore(Store):
             )
         return [watch_row(r) for r in rows]
 
-    async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
-        status = await self._write().execute("UPDATE signal_watches SET seen_seq = $1 WHERE id = $2", seq, watch_id)
+    async def set_watch_seen(self, watch_id: str, seq: int, *, expect: int | None = None) -> bool:
+        if expect is None:
+            status = await self._write().execute("UPDATE signal_watches SET seen_seq = $1 WHERE id = $2", seq, watch_id)
+        else:
+            status = await self._write().execute(
+                "UPDATE signal_watches SET seen_seq = $1 WHERE id = $2 AND seen_seq = $3", seq, watch_id, expect
+            )
         return _changed(status) == 1
 
     async def delete_watch(self, watch_id: str) -> bool:
@@ -821,6 +837,21 @@ class PostgresStore(Store):
             CHANNEL,
         )
         return int(told) == 1
+
+    async def claim_duty(self, name: str, owner: str, ttl: float) -> int | None:
+        epoch = await self.pool.fetchval(_CLAIM_DUTY, name, owner, float(ttl))
+        return None if epoch is None else int(epoch)
+
+    async def release_duty(self, name: str, owner: str) -> bool:
+        status = await self.pool.execute(
+            "UPDATE duties SET owner = NULL, expires = 0 WHERE name = $1 AND owner = $2", name, owner
+        )
+        return _changed(status) == 1
+
+    async def duty(self, name: str) -> DutyLease | None:
+        async with self._reading() as db:
+            row = await db.fetchrow("SELECT name, owner, epoch, expires FROM duties WHERE name = $1", name)
+        return DutyLease(row[0], row[1], int(row[2]), float(row[3])) if row else None
 
     async def notify(self, pid: str, sender: str) -> None:
         await self._write().execute("SELECT pg_notify($1, $2)", CHANNEL, f"{pid} {sender}")

@@ -274,6 +274,21 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX process_leases_owner ON process_leases (owner);
         """,
     ),
+    (
+        6,
+        # Scale-out (DESIGN §6): kernel-wide work that one worker at a time does (firing the
+        # schedules), by name. A duty is a lease like a process's, but not on a process: a table
+        # of its own, so the process lease code (renewals, the sweep) never sees it. ``epoch``
+        # grows when the duty changes hands, not when its holder renews it.
+        """
+        CREATE TABLE duties (
+            name TEXT PRIMARY KEY,
+            owner TEXT,
+            epoch INTEGER NOT NULL,
+            expires DOUBLE PRECISION NOT NULL
+        );
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

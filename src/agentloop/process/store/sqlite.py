@@ -24,6 +24,7 @@ from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
     AccountRecord,
     CallStatus,
+    DutyLease,
     EventRow,
     HilRow,
     Lease,
@@ -821,8 +822,13 @@ class SQLiteStore(Store):
         rows = self.db.execute(sql + " ORDER BY created_at, id", args).fetchall()
         return [watch_row(r) for r in rows]
 
-    async def set_watch_seen(self, watch_id: str, seq: int) -> bool:
-        cur = self._write().execute("UPDATE signal_watches SET seen_seq = ? WHERE id = ?", (seq, watch_id))
+    async def set_watch_seen(self, watch_id: str, seq: int, *, expect: int | None = None) -> bool:
+        if expect is None:
+            cur = self._write().execute("UPDATE signal_watches SET seen_seq = ? WHERE id = ?", (seq, watch_id))
+        else:
+            cur = self._write().execute(
+                "UPDATE signal_watches SET seen_seq = ? WHERE id = ? AND seen_seq = ?", (seq, watch_id, expect)
+            )
         return cur.rowcount == 1
 
     async def delete_watch(self, watch_id: str) -> bool:
@@ -907,6 +913,35 @@ class SQLiteStore(Store):
             (time.time() + ttl, pid, owner, epoch),
         )
         return cur.rowcount == 1
+
+    async def claim_duty(self, name: str, owner: str, ttl: float) -> int | None:
+        async with self.transaction():
+            now = time.time()
+            row = (
+                self._write()
+                .execute(
+                    "INSERT INTO duties (name, owner, epoch, expires) VALUES (?, ?, 1, ?)"
+                    " ON CONFLICT (name) DO UPDATE SET owner = excluded.owner,"
+                    " epoch = CASE WHEN duties.owner = excluded.owner THEN duties.epoch ELSE duties.epoch + 1 END,"
+                    " expires = excluded.expires"
+                    " WHERE duties.owner IS NULL OR duties.expires < ? OR duties.owner = excluded.owner"
+                    " RETURNING epoch",
+                    (name, owner, now + ttl, now),
+                )
+                .fetchone()
+            )
+        return int(row[0]) if row else None
+
+    async def release_duty(self, name: str, owner: str) -> bool:
+        async with self.transaction():
+            cur = self._write().execute(
+                "UPDATE duties SET owner = NULL, expires = 0 WHERE name = ? AND owner = ?", (name, owner)
+            )
+        return cur.rowcount == 1
+
+    async def duty(self, name: str) -> DutyLease | None:
+        row = self.db.execute("SELECT name, owner, epoch, expires FROM duties WHERE name = ?", (name,)).fetchone()
+        return DutyLease(row[0], row[1], int(row[2]), float(row[3])) if row else None
 
     # -- accounts and tokens --------------------------------------------------------------------
 

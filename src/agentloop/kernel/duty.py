@@ -1,0 +1,61 @@
+"""Kernel-wide work that one worker at a time does on a shared store (DESIGN §6).
+
+Each worker of a shared PostgreSQL database runs a kernel, and each kernel has a schedule
+timer. Were every timer to fire every due schedule, every worker would read the same rows at the
+same moment and race to deliver them. The timer is therefore a *duty*: a named row in the
+``duties`` table (owner, expiry, epoch; a table of its own, so the process leases' renewals and
+sweep never see it). The worker holding it fires the schedules and renews it by claiming it again
+at every pass; the others try to claim it as often, and one of them takes it over once its holder
+closed (it releases the duty) or died (the duty expires after ``ttl`` seconds).
+
+The duty only keeps the others idle; it does not make a fire safe by itself: a holder that
+stalls for longer than ``ttl`` (a long pause, a slow database) can still be firing when another
+worker has taken over. Each fire is claimed in its own delivery transaction (see
+``Scheduler._fire``), so that race delivers once as well.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from agentloop.process.store import Store
+
+log = logging.getLogger("agentloop.kernel.duty")
+
+SCHEDULES = "schedules"  # the duty of firing the schedules
+
+
+class Duty:
+    """This worker's side of one duty: ``hold`` claims or renews it, ``release`` lets it go."""
+
+    def __init__(self, store: Store, name: str, owner: str, *, ttl: float, every: float) -> None:
+        if ttl <= 0 or every <= 0:
+            raise ValueError("a duty's ttl and renewal interval must be positive")
+        self.store = store
+        self.name = name
+        self.owner = owner
+        self.ttl = ttl
+        self.every = min(every, ttl / 3)  # how often to renew it (or, without it, to try to take it)
+        self.epoch: int | None = None  # of this worker's hold, None when it does not hold the duty
+
+    async def hold(self) -> bool:
+        """Claim the duty, or renew it when this worker holds it already: whether it holds it now."""
+        epoch = await self.store.claim_duty(self.name, self.owner, self.ttl)
+        if epoch != self.epoch:
+            if epoch is None:
+                log.warning("duty %s: taken over by another worker (it had expired)", self.name)
+            else:
+                log.info("duty %s: this worker (%s) holds it now (epoch %d)", self.name, self.owner, epoch)
+        self.epoch = epoch
+        return epoch is not None
+
+    async def release(self) -> None:
+        """Let the duty go (on close), so another worker takes it at its next try instead of after
+        the expiry."""
+        if self.epoch is None:
+            return
+        self.epoch = None
+        try:
+            await self.store.release_duty(self.name, self.owner)
+        except Exception:  # the database is gone: the duty expires by itself
+            log.warning("could not release duty %s; it expires in %.0fs", self.name, self.ttl)
