@@ -226,6 +226,16 @@ async def test_kill_and_reset_drop_the_schedules(tmp_path):
         assert [r.pid for r in await k.store.due_schedules(None)] == [kept.pid]
 
 
+async def test_the_timer_stops_even_when_woken_in_the_same_instant(tmp_path):
+    """A wake-up and the stop's cancel landing together: Python 3.11's ``asyncio.wait_for`` would
+    return the wake-up and drop the cancel, and ``stop`` would wait forever."""
+    async with kernel(tmp_path, echo_model()) as k:
+        await asyncio.sleep(0.05)  # the timer waits for its next due time (none: a long wait)
+        k.scheduler._poke.set()
+        async with asyncio.timeout(3):
+            await k.scheduler.stop()
+
+
 def test_next_due_after_skips_to_the_first_time_after_now():
     assert next_due_after(100.0, 10.0, 100.0) == 110.0
     assert next_due_after(100.0, 10.0, 135.0) == 140.0

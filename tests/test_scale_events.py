@@ -231,6 +231,30 @@ async def test_two_workers_catching_up_one_watch_deliver_each_signal_once(pg_url
         assert await _admission_records(a, watcher.pid) == []
 
 
+async def test_a_signal_left_undelivered_by_a_dead_worker_is_delivered_by_the_watches_duty(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The source's worker logs the signal and dies before delivering it; the worker now on the
+    ``watches`` duty delivers it once the source's lease would have run out, and only once."""
+    async with two(pg_url, tmp_path) as (a, b):
+        source, watcher = await a.spawn(owner="alice"), await a.spawn(owner="alice")
+        await a.watch(watcher.pid, source.pid)
+        await a.watchers.stop()  # A's deliveries die with it (and its duty, if it held it, is let go)
+        await source.send("lost news")  # run on A, which logs the signals and delivers nothing
+        await source.wait_idle()
+        logged = time.monotonic()
+        await asyncio.sleep(1.0)
+        assert await events_of(b, watcher.pid) == []  # not while the publisher may still deliver it
+        await until(lambda: _at_least(events_of(b, watcher.pid), 1), within=8.0)
+        assert time.monotonic() - logged >= 1.5  # a lease lifetime (2 s) after it was logged, give or take
+        duty = await b.store.duty("watches")
+        assert duty is not None and duty.owner == "B"
+        await settle(a, b)
+        [text] = await events_of(b, watcher.pid)
+        assert "re: lost news" in text
+        assert await b.store.watches(pid=watcher.pid) == []  # a one-shot watch, used up
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 

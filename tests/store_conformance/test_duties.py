@@ -4,6 +4,7 @@ that make a schedule's or a watch's delivery happen once, on every store."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from agentloop.process.store import Store, WatchRow
@@ -70,3 +71,23 @@ async def test_a_watch_moves_on_only_from_where_it_was_read(store: Store) -> Non
     async with store.transaction():
         assert await store.delete_watch("w1")
         assert not await store.set_watch_seen("w1", 7, expect=5)
+
+
+async def test_lagging_watches_are_the_sources_owing_a_wanted_signal_logged_before_a_time(store: Store) -> None:
+    for pid in ("src", "other", "w"):
+        await spawn(store, pid)
+    async with store.transaction():
+        await store.append_events("src", [("proc.changed", {}), ("proc.run.finished", {}), ("proc.changed", {})])
+        await store.append_events("other", [("proc.changed", {})])
+        await store.add_watch(WatchRow("owed", "w", "src", "proc.run.finished", once=True, seen_seq=0))
+        await store.add_watch(WatchRow("read", "w", "other", "proc.run.finished", once=False, seen_seq=0))
+    later = time.time() + 60
+    assert await store.lagging_watches(later) == ["src"]  # "other" logged nothing its watch wants
+    assert await store.lagging_watches(time.time() - 60) == []  # too recent: its publisher delivers it
+    async with store.transaction():
+        assert await store.set_watch_seen("owed", 2)  # delivered
+    assert await store.lagging_watches(later) == []
+    async with store.transaction():
+        await store.append_events("other", [("proc.run.finished", {})])
+        await store.add_watch(WatchRow("also", "other", "src", "proc.run.finished", once=False, seen_seq=1))
+    assert await store.lagging_watches(later) == ["other", "src"]  # each source once, sorted

@@ -23,6 +23,7 @@ from agentloop.process.store import Store
 log = logging.getLogger("agentloop.kernel.duty")
 
 SCHEDULES = "schedules"  # the duty of firing the schedules
+WATCHES = "watches"  # the duty of delivering watched signals a dead worker left undelivered
 
 
 class Duty:

@@ -26,7 +26,7 @@ from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
-from agentloop.kernel.duty import SCHEDULES, Duty
+from agentloop.kernel.duty import SCHEDULES, WATCHES, Duty
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
@@ -315,10 +315,14 @@ class Kernel:
         self.data_dir = data_dir
         self.media = MediaStore(data_dir)
         leases = engine.leases
-        # on a shared store one worker at a time fires the schedules (kernel/duty.py)
-        duty = None if leases is None else Duty(store, SCHEDULES, leases.owner, ttl=leases.ttl, every=leases.poll)
-        self.scheduler = Scheduler(store, engine, min_every=schedule_min_every, duty=duty)
-        self.watchers = WatchRouter(store, engine)
+
+        # on a shared store one worker at a time fires the schedules, and one delivers the watched
+        # signals that a worker which died left undelivered (kernel/duty.py)
+        def duty(name: str) -> Duty | None:
+            return None if leases is None else Duty(store, name, leases.owner, ttl=leases.ttl, every=leases.poll)
+
+        self.scheduler = Scheduler(store, engine, min_every=schedule_min_every, duty=duty(SCHEDULES))
+        self.watchers = WatchRouter(store, engine, duty=duty(WATCHES))
         engine.aborted = self._run_aborted
 
     @classmethod
@@ -359,7 +363,8 @@ class Kernel:
         ``worker`` names this one in its leases (default: host, pid and a random suffix), a lease
         lasts ``lease_ttl`` seconds unless renewed, and ``poll_interval`` is how often it looks
         for work whose notification it missed (see ``process/lease.py``) and how often the
-        workers renew or try to take the duty of firing the schedules (``kernel/duty.py``);
+        workers renew or try to take their duties (``kernel/duty.py``: firing the schedules, and
+        delivering watched signals a dead worker left undelivered);
         ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's

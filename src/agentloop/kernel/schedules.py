@@ -199,8 +199,9 @@ class Scheduler:
                 log.exception("schedules: a pass failed")
                 delay = self.retry
             if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._poke.wait(), delay)
+                with contextlib.suppress(TimeoutError):  # (not ``wait_for``: on 3.11 it can swallow a cancel)
+                    async with asyncio.timeout(delay):
+                        await self._poke.wait()
 
     async def _pass(self) -> float:
         """Fire what is due if this worker is on duty; the seconds until the next pass. On duty,

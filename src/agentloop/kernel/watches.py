@@ -14,7 +14,10 @@ holder) delivers them, so a watch made on another worker must still be seen ther
 store the index is therefore re-read from the store for every source that logged a watchable
 signal (and before a new watch is checked for cycles), instead of trusting what this worker
 loaded or added itself; a worker whose claim loses to another's reads the row again and goes on
-from where that one left it.
+from where that one left it. A worker that dies between logging a signal and delivering it leaves
+the delivery owed with no one to notice; the worker holding the ``watches`` duty (kernel/duty.py)
+looks for such watches at every renewal and delivers what their sources logged more than a lease
+lifetime ago (sooner would race the publisher's own delivery for nothing).
 
 Rules: both processes have the same owner (a watch shows the watcher what the source did); a
 process may not watch itself (its own run ending would start its next run, forever), and a
@@ -25,6 +28,7 @@ process that is killed is removed with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -32,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+from agentloop.kernel.duty import Duty
 from agentloop.kernel.schedules import LimitReached
 from agentloop.messages import AssistantMessage
 from agentloop.process import signals as sig
@@ -72,9 +77,10 @@ def _clip(text: str, limit: int) -> str:
 class WatchRouter:
     """The signal watches of one kernel: validation, an index by source, and delivery."""
 
-    def __init__(self, store: Store, engine: ProcessEngine) -> None:
+    def __init__(self, store: Store, engine: ProcessEngine, *, duty: Duty | None = None) -> None:
         self.store = store
         self.engine = engine
+        self.duty = duty  # on a shared store: while this worker holds it, it delivers what others left
         self.shared = store.shared  # other workers add, deliver and delete watches too
         self._index: dict[str, dict[str, WatchRow]] = {}  # source pid -> watch id -> row
         self._dirty: set[str] = set()  # sources that logged a watched signal since they were read
@@ -173,6 +179,8 @@ class WatchRouter:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self.duty is not None:
+            await self.duty.release()
 
     def _on_signal(self, pid: str, signal: Signal) -> None:
         """The hub's tap: runs for every published signal, so it only looks at the index (on a
@@ -193,7 +201,13 @@ class WatchRouter:
 
     async def _run(self) -> None:
         while True:
-            await self._poke.wait()
+            if self.duty is None:
+                await self._poke.wait()
+            else:
+                with contextlib.suppress(TimeoutError):  # (not ``wait_for``: on 3.11 it can swallow a cancel)
+                    async with asyncio.timeout(self.duty.every):
+                        await self._poke.wait()
+                await self._sweep(self.duty)
             self._poke.clear()
             dirty, self._dirty = self._dirty, set()
             for source_pid in sorted(dirty):
@@ -211,6 +225,14 @@ class WatchRouter:
                         self._unindex(row)
                     except Exception:
                         log.exception("watch %s of process %s: delivery failed", row.id, row.pid)
+
+    async def _sweep(self, duty: Duty) -> None:
+        """On duty: mark the sources owing deliveries their publishers should have made by now."""
+        try:
+            if await duty.hold():
+                self._dirty.update(await self.store.lagging_watches(time.time() - duty.ttl))
+        except Exception:  # (the database is away) tried again at the next renewal
+            log.exception("watches: could not look for undelivered signals")
 
     async def _catch_up(self, row: WatchRow) -> None:
         """Deliver every signal the watch wants that its source logged after ``seen_seq``."""

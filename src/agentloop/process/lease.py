@@ -290,8 +290,9 @@ class Leases:
         next_poll = time.monotonic() + self.poll
         while True:
             timeout = max(0.0, min(next_renew, next_poll) - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            with contextlib.suppress(TimeoutError):  # (``asyncio.timeout``: 3.11's ``wait_for`` can swallow a cancel)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 changed, self._changed = self._changed, set()

@@ -410,6 +410,13 @@ class Store(ABC):
     @abstractmethod
     async def delete_watch(self, watch_id: str) -> bool: ...
 
+    @abstractmethod
+    async def lagging_watches(self, before: float) -> list[str]:
+        """The sources (pids, sorted) of watches whose source logged a signal they want after
+        their ``seen_seq`` and before the time ``before``: deliveries still owed. On a shared
+        store the worker that published the signal delivers it; this finds what a worker that
+        died in between left undelivered."""
+
     # -- leases (DESIGN §6; see process/lease.py) ------------------------------------------------
     # Claims, renewals and releases commit on their own: call them outside ``transaction()``.
     # ``fence`` and ``notify`` belong to the caller's open transaction.

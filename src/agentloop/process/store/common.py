@@ -39,6 +39,13 @@ SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
 WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
 TOKEN_COLUMNS = "id, account, hash, label, created_at, revoked_at"
 
+# the sources of watches owed a delivery: a wanted signal past ``seen_seq``, logged before $1
+LAGGING_WATCHES = (
+    "SELECT DISTINCT w.source_pid FROM signal_watches w WHERE EXISTS (SELECT 1 FROM events e"
+    " WHERE e.pid = w.source_pid AND e.seq > w.seen_seq AND e.signal = w.signal AND e.created_at < $1)"
+    " ORDER BY w.source_pid"
+)
+
 # every table with rows of one process (``pid``): deleting a process empties them all. Watches
 # are also removed where the process is the source, and the registry row goes last.
 PROCESS_TABLES = (

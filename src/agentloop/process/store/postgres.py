@@ -73,6 +73,7 @@ from agentloop.process.store.base import (
 from agentloop.process.store.common import (
     CALL_COLUMNS,
     HIL_COLUMNS,
+    LAGGING_WATCHES,
     PROCESS_COLUMNS,
     PROCESS_TABLES,
     SCHEDULE_COLUMNS,
@@ -791,6 +792,10 @@ class PostgresStore(Store):
 
     async def delete_watch(self, watch_id: str) -> bool:
         return _changed(await self._write().execute("DELETE FROM signal_watches WHERE id = $1", watch_id)) == 1
+
+    async def lagging_watches(self, before: float) -> list[str]:
+        async with self._reading() as db:
+            return [r[0] for r in await db.fetch(LAGGING_WATCHES, before)]
 
     # -- leases ---------------------------------------------------------------------------------
 

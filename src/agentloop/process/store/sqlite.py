@@ -47,6 +47,7 @@ from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 from agentloop.process.store.common import (
     CALL_COLUMNS,
     HIL_COLUMNS,
+    LAGGING_WATCHES,
     PROCESS_COLUMNS,
     PROCESS_TABLES,
     SCHEDULE_COLUMNS,
@@ -834,6 +835,10 @@ class SQLiteStore(Store):
     async def delete_watch(self, watch_id: str) -> bool:
         cur = self._write().execute("DELETE FROM signal_watches WHERE id = ?", (watch_id,))
         return cur.rowcount == 1
+
+    async def lagging_watches(self, before: float) -> list[str]:
+        rows = self.db.execute(LAGGING_WATCHES.replace("$1", "?"), (before,)).fetchall()
+        return [r[0] for r in rows]
 
     # -- leases ---------------------------------------------------------------------------------
     # The engine takes no leases on SQLite (one process owns the file: ``shared`` is False), but
