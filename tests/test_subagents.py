@@ -341,3 +341,46 @@ async def test_which_run_started_a_child_survives_a_restart(tmp_path):
             await (await k.process(child)).wait_idle()
         ended = await _finished(k, child)
     assert ended[-1]["status"] == "aborted"
+
+
+async def _dead_hook(pid: str, run_id: str, reason: str) -> None:
+    """The ``aborted`` hook of a runtime that crashes right after the abort committed."""
+
+
+async def test_children_an_abort_could_not_stop_before_a_crash_are_stopped_when_they_resume(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn+stay stay")
+        child = await _running_child(k, parent.pid)
+        k.engine.aborted = _dead_hook
+        assert await parent.abort()
+        still_running = (await k.store.get_process(child)).current_run
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        async with asyncio.timeout(5):  # not the 30 s of the resumed sleep
+            await (await k.process(child)).wait_idle()
+        ended = await _finished(k, child)
+        parent_running = (await k.store.get_process(parent.pid)).current_run
+    assert still_running is not None  # the crash left it running
+    assert ended[-1]["status"] == "aborted" and ended[-1]["reason"] == "parent.abort"
+    assert parent_running is None  # and its news did not start the parent again
+
+
+async def test_a_child_talked_to_after_its_parent_aborted_keeps_its_new_run_over_a_restart(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn+stay stay")
+        child = await k.process(await _running_child(k, parent.pid))
+        k.engine.aborted = _dead_hook
+        assert await parent.abort()
+        await child.abort()  # the user stops the child, and gives it work of their own
+        await child.send("stay")
+        async with asyncio.timeout(5):
+            while not (await child.info()).current_run:
+                await asyncio.sleep(0.02)
+    async with kernel(tmp_path, ScriptedModel(tree_brain), subagents=True) as k:
+        resumed = await k.process(child.pid)
+        await asyncio.sleep(0.3)
+        running = (await resumed.info()).current_run
+        ended = await _finished(k, child.pid)
+    assert running is not None  # the user's run goes on
+    assert [e["reason"] for e in ended if e["status"] == "aborted"] == ["user"]

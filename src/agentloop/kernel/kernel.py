@@ -423,7 +423,7 @@ class Kernel:
         kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
         kernel_ref.append(kernel)
         try:
-            await engine.recover()
+            await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
             await kernel.watchers.start()  # delivers what watched sources logged while it was down
             kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
             yield kernel

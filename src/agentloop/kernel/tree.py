@@ -13,7 +13,10 @@ is gone or no longer wants the answer, and spends model calls nobody reads.
   answers to the parent are dropped with it.
 - **an aborted run** stops the subagents it started (``wait`` or not) and no others: a child of an
   earlier, finished run still owes that run's conversation its answer. Which run started a child
-  is stored with the child when it is made (``ORIGIN_KEY``), so a restart in between keeps it.
+  is stored with the child when it is made (``ORIGIN_KEY``), so a restart in between keeps it. The
+  abort itself records the run it ended (the engine's ``LAST_ABORT_KEY``), so a crash after the
+  abort committed and before its children were stopped is made good when they resume: a child
+  whose run began before its parent's aborted run ended, and was started by that run, is stopped.
 
 A stopped child's one-shot watch to its parent is dropped first, so the news "aborted" does not
 start a parent run that nobody asked for. Each child is stopped through ``engine.abort``, which
@@ -27,6 +30,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from agentloop.process.engine import LAST_ABORT_KEY
 from agentloop.process.store import NoSuchProcess, ProcessRecord
 
 if TYPE_CHECKING:
@@ -69,6 +73,26 @@ async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> Non
         started = await kernel.store.kv_get(child.pid, ORIGIN_KEY)
         if isinstance(started, dict) and started.get("run_id") == run_id:
             await call_off(kernel, pid, child.pid, PARENT_ABORT)
+
+
+async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:
+    """After a restart, among the resumed processes ``pids``: stop the subagents whose parent's run
+    was aborted before the crash, when the abort could not stop them any more. A child's run that
+    began after that abort is new work (someone talked to the child since) and goes on."""
+    for pid in pids:
+        record = await kernel.store.get_process(pid)
+        if record is None or record.parent_pid is None or record.current_run is None:
+            continue
+        started = await kernel.store.kv_get(pid, ORIGIN_KEY)
+        if not isinstance(started, dict) or started.get("run_id") is None:
+            continue
+        abort = await kernel.store.kv_get(record.parent_pid, LAST_ABORT_KEY)
+        if (
+            isinstance(abort, dict)
+            and abort.get("run_id") == started["run_id"]
+            and record.current_run.get("started", 0.0) <= abort.get("at", 0.0)
+        ):
+            await call_off(kernel, record.parent_pid, pid, PARENT_ABORT)
 
 
 async def stop_descendants(kernel: Kernel, record: ProcessRecord) -> None:

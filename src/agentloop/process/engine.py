@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -66,6 +67,9 @@ INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it 
 # Abort reasons after which the caller decides what runs next, so queued input is not promoted:
 # an interrupt starts its own run, a reset or kill clears the queue, and a subagent stopped with
 # its parent (``parent.*``) must not go on with queued work nobody will read.
+# kv row of a process: {"run_id", "at"} of its last aborted run, written with the abort, so what the
+# ``aborted`` hook had to do can still be done after a crash that came before the hook ran
+LAST_ABORT_KEY = "run:last-abort"
 NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill", "parent.abort", "parent.reset"})
 
 
@@ -369,6 +373,8 @@ class ProcessEngine:
             await end_batch(self, tx, live, active)
             await tx.append(active, added)
             await self.store.kv_delete(pid, f"approved:{active}")
+            if self.aborted is not None:
+                await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
             await tx.set_run(None)
             await tx.signal(sig.RUN_FINISHED, runId=active, status="aborted", reason=reason)
         return True
