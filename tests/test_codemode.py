@@ -616,3 +616,21 @@ async def test_sys_exit_0_or_without_a_code_is_a_normal_end_even_in_a_task(tmp_p
             result = await run_direct(codemode(tmp_path), code)
             text = result.content[0].text  # type: ignore[union-attr]
             assert text == "hi" and not result.is_error and result.details["exit_code"] == 0, (code, text)
+
+
+async def test_a_nested_call_knows_the_run_that_started_the_program(tmp_path: Path) -> None:
+    """(A subagent started from a program stops with that run, like one started directly.)"""
+    from agentloop import tool
+
+    seen: list[str | None] = []
+
+    @tool(name="probe")
+    async def probe(ctx: ToolContext) -> str:
+        """Report the run."""
+        seen.append(ctx.run_id)
+        return "ok"
+
+    cm = CodeMode([probe], cwd=tmp_path)
+    result = await cm.run(cm.validate({"code": "await probe()\n"}), ToolContext("call-1", cm.name, run_id="run-7"))
+    assert not result.is_error, result.text
+    assert seen == ["run-7"]

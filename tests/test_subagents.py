@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, UserMessage, call
+from agentloop import Reply, ScriptedModel, SystemMessage, ToolCall, ToolResultMessage, UserMessage, call
 from agentloop.kernel.tasks import MAX_DEPTH, child_pid
 from agentloop.models.base import ModelRequest
 from tests.process_support import kernel, slow
@@ -76,10 +76,35 @@ async def test_a_rerun_after_a_restart_finds_the_child_instead_of_starting_anoth
         tool = (await k.engine._run_config(await k.engine.live(parent.pid), "again")).tools["Task"]
         from agentloop.tools.base import ToolContext
 
-        again = await tool.run({"prompt": "job once", "wait": True}, ToolContext(call_id, "Task"))
+        [finished] = await _finished(k, parent.pid)
+        run_id = finished["runId"]
+        again = await tool.run({"prompt": "job once", "wait": True}, ToolContext(call_id, "Task", run_id=run_id))
         children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
-    assert [c.pid for c in children] == [child_pid(parent.pid, call_id)]
+    assert [c.pid for c in children] == [child_pid(parent.pid, run_id, call_id)]
     assert again.content[0].text == "done: once"  # the same child's answer, not a second run
+
+
+async def test_a_later_run_reusing_a_call_id_gets_a_child_of_its_own(tmp_path):
+    """Some providers number tool calls per reply (``call_0`` every time): a Task call of a later
+    run must not find the earlier run's child (kept, idle, with its old answer)."""
+
+    def numbering(request: ModelRequest) -> Reply | str:
+        last = request.messages[-1]
+        if isinstance(last, UserMessage) and last.text.startswith("delegate: "):
+            job = last.text.removeprefix("delegate: ")
+            return Reply(tool_calls=[ToolCall(id="call_0", name="Task", arguments={"prompt": f"job {job}"})])
+        return brain(request)
+
+    async with kernel(tmp_path, ScriptedModel(numbering), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("delegate: first")
+        await parent.wait_idle()
+        await parent.send("delegate: second")
+        await parent.wait_idle()
+        answers = [r.text for r in _results(await parent.messages())]
+        children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
+    assert answers == ["done: first", "done: second"]
+    assert len(children) == 2
 
 
 async def test_subagents_cannot_nest_without_end(tmp_path):

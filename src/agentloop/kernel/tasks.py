@@ -5,8 +5,9 @@ the task as its first message), so it survives a crash, shows up in ``ps`` and c
 Two ways to use it:
 
 - ``wait=true`` (the default): the call returns the child's final answer. The child's pid is
-  derived from the parent and the tool call id, so when a restart runs the call again (the tool
-  is idempotent) it finds the same child and waits for it instead of starting a second one.
+  derived from the parent, the run and the tool call id, so when a restart runs the call again
+  (the tool is idempotent) it finds the same child and waits for it instead of starting a second
+  one; a later run whose model numbers its calls the same way (``call_0`` again) starts its own.
 - ``wait=false``: the call returns at once; a one-shot signal watch tells the parent, as a system
   event, how the child's run ended and what it answered. The parent can go on meanwhile.
 
@@ -85,7 +86,7 @@ class TaskTool(Tool):
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         kernel, parent = self.kernel, self.parent
-        pid = child_pid(parent.pid, ctx.tool_call_id)
+        pid = child_pid(parent.pid, ctx.run_id, ctx.tool_call_id)
         existing = await kernel.store.get_process(pid)
         if existing is None:
             await self._check_limits()
@@ -128,9 +129,11 @@ class TaskTool(Tool):
             raise ToolError(f"{MAX_RUNNING} subagents are running already; wait for one to finish")
 
 
-def child_pid(parent_pid: str, tool_call_id: str) -> str:
-    """The child's pid: the same for the same call, so a re-run after a restart finds it."""
-    digest = hashlib.sha256(f"{parent_pid}\0{tool_call_id}".encode()).hexdigest()[:20]
+def child_pid(parent_pid: str, run_id: str | None, tool_call_id: str) -> str:
+    """The child's pid: the same for the same call, so a re-run after a restart finds it. The run
+    is part of it because call ids are only unique within a conversation's turn or run for some
+    providers, and a reset keeps the children of earlier runs."""
+    digest = hashlib.sha256(f"{parent_pid}\0{run_id or ''}\0{tool_call_id}".encode()).hexdigest()[:20]
     return f"task-{digest}"
 
 

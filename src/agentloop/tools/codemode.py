@@ -482,6 +482,7 @@ class _Execution:
             self.ctx.workspace,
             tools=self.ctx.tools,
             check=self.ctx.check,
+            run_id=self.ctx.run_id,  # (a subagent the program starts stops with the run)
             budget=self.ctx.budget,
         )
         if tool.timeout is not None and tool.interruptible:
