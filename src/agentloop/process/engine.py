@@ -64,12 +64,13 @@ log = logging.getLogger("agentloop.process")
 
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
 
-# Abort reasons after which the caller decides what runs next, so queued input is not promoted:
-# an interrupt starts its own run, a reset or kill clears the queue, and a subagent stopped with
-# its parent (``parent.*``) must not go on with queued work nobody will read.
 # kv row of a process: {"run_id", "at"} of its last aborted run, written with the abort, so what the
 # ``aborted`` hook had to do can still be done after a crash that came before the hook ran
 LAST_ABORT_KEY = "run:last-abort"
+
+# Abort reasons after which the caller decides what runs next, so queued input is not promoted:
+# an interrupt starts its own run, a reset or kill clears the queue, and a subagent stopped with
+# its parent (``parent.*``) must not go on with queued work nobody will read.
 NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill", "parent.abort", "parent.reset"})
 
 
