@@ -5,7 +5,7 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 harness=${HARNESS:-"$root/../shared/bench/peers"}
-py="$root/.venv/bin/python"
+py="${PY:-$root/.venv/bin/python}"
 wl=${1:-W1}; rounds=${2:-3}
 export PYTHONPATH="$harness:$here"
 for _ in $(seq "$rounds"); do

@@ -14,7 +14,7 @@ from agentloop.kernel import Kernel
 from agentloop.loop.hooks import ToolCallInfo
 from agentloop.loop.runner import CANCELLED
 from agentloop.models.base import ModelRequest
-from tests.process_support import kernel
+from tests.process_support import echo, kernel
 
 ASK_SHELL = {"default": "auto", "rules": [{"match": "shell.exec", "action": "ask"}]}
 
@@ -146,6 +146,33 @@ async def test_post_turn_hooks_run_after_each_turn_of_a_durable_run(tmp_path):
     async with kernel(tmp_path, model, hooks=hooks) as k:
         await _run(k)
     assert turns == [(0, "toolResult"), (1, "assistant")]
+
+
+async def test_a_durable_run_refuses_calls_to_tools_a_hook_kept_back(tmp_path):
+    hooks = Hooks()
+    calls: list[str] = []
+
+    @tool
+    def danger() -> str:
+        """Danger."""
+        calls.append("danger")
+        return "boom"
+
+    @hooks.on("pre_tool_materialization")
+    def hide_danger(info: TurnInfo) -> list[Any]:
+        return [t for t in info.tools if t.name != "danger"]
+
+    model = ScriptedModel([Reply(tool_calls=[call("danger"), call("echo", text="x")]), "done"])
+    async with kernel(tmp_path, model, tools=[danger, echo], hooks=hooks) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        await proc.wait_idle()
+        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+        finished = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.run.tool.finished"]
+    assert calls == []
+    assert [r.is_error for r in results] == [True, False]
+    assert "danger is not available in this turn" in results[0].text and results[1].text == "x"
+    assert [f["ok"] for f in finished] == [False, True]
 
 
 def _device_shell() -> Any:

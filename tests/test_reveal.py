@@ -61,6 +61,26 @@ async def test_hidden_tools_cannot_be_called_before_reveal_is_shown_but_run_goes
     assert names(model.requests[1]) == ["stock", "weather"]  # all revealed: request_tools is no longer shown
 
 
+async def test_a_hidden_tool_called_without_reveal_is_refused_and_not_run():
+    ran: list[str] = []
+
+    @tool(name="weather")
+    def spy(city: str) -> str:
+        """Tell the weather in a city."""
+        ran.append(city)
+        return f"sunny in {city}"
+
+    model = ScriptedModel(
+        [Reply(tool_calls=[call("weather", city="Oslo")]), Reply(tool_calls=[call("echo", text="hi")]), "done"]
+    )
+    agent = Agent(model=model, tools=[echo]).use(ToolReveal(hidden=[spy]))
+    result = await agent.run("weather in Oslo?")
+    refused, echoed = (m for m in result.messages if isinstance(m, ToolResultMessage))
+    assert refused.is_error and "weather is not available in this turn" in refused.text
+    assert ran == []  # the model guessed the name: it was not offered, so it did not run
+    assert echoed.text == "hi" and result.text == "done"  # offered tools run as before
+
+
 async def test_preflight_reveals_up_front_and_failures_are_harmless():
     chooser = ScriptedModel(['Sure: {"visibleTools": ["stock", "nonsense"]}'])
     model = ScriptedModel(["fine", "fine again"])

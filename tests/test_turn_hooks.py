@@ -61,6 +61,20 @@ async def test_phases_shape_the_request_in_order():
     assert turns == [0, 1]
 
 
+async def test_a_tool_a_hook_kept_back_cannot_be_called():
+    model = ScriptedModel([Reply(tool_calls=[call("danger"), call("echo", text="x")]), "done"])
+    agent = Agent(model=model, tools=[echo, danger])
+
+    @agent.hooks.on("pre_tool_materialization")
+    def hide_danger(info):
+        return [t for t in info.tools if t.name != "danger"]
+
+    result = await agent.run("go")
+    danger_result, echo_result = (m for m in result.messages if m.role == "toolResult")
+    assert danger_result.is_error and "not available in this turn" in danger_result.text
+    assert echo_result.text == "x" and not echo_result.is_error
+
+
 async def test_policy_block_fails_the_run_visibly():
     model = ScriptedModel(["never"])
     agent = Agent(model=model)

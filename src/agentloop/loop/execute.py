@@ -45,6 +45,12 @@ Emit = Callable[[LoopEvent], None] | None
 SKIPPED = "Skipped due to queued user message."
 
 
+def not_offered(name: str) -> str:
+    """The error of a call to a tool that exists but was not shown to the model this turn (kept
+    back by a hook, or not revealed yet): the model must not reach past what it was offered."""
+    return f"Tool {name} is not available in this turn: only the tools offered to you may be called"
+
+
 @dataclass(slots=True)
 class _Prepared:
     call: ToolCall
@@ -59,6 +65,8 @@ def _check(
     tool = cfg.tools.get(call.name)
     if tool is None:
         return tool_error_result(call, f"Tool {call.name} not found")
+    if state.offered is not None and call.name not in state.offered:
+        return tool_error_result(call, not_offered(call.name))
     try:
         args = tool.validate(call.arguments)
     except ToolError as exc:

@@ -77,6 +77,7 @@ async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
     request = build_request(cfg, messages, tools_enabled)
+    state.offered = None
     if cfg.hooks.phases:
         try:
             await _turn_phases(cfg, state, request)
@@ -84,6 +85,9 @@ async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit
             return AssistantMessage(
                 provider=cfg.model.info.provider, model=cfg.model.info.id, stop_reason="error", error_message=str(exc)
             )
+        offered = frozenset(spec.name for spec in request.tools)
+        if tools_enabled and offered != cfg.tools.keys():  # a hook narrowed the list: only those may run
+            state.offered = offered
     outcome: StreamError | None = None
     for model in (cfg.model, *cfg.fallbacks):
         if outcome is not None and emit is not None:  # say that we move on to the next model

@@ -71,6 +71,7 @@ class RunState:
     started: float = field(default_factory=time.monotonic)
     guard: str | None = None  # the guard that tripped; set when the final round is armed
     partial: AssistantMessage | None = None  # the assistant message being streamed
+    offered: frozenset[str] | None = None  # tools the last model call was shown, when hooks narrowed them
     results: dict[str, ToolResultMessage] = field(default_factory=dict)  # finished calls of a batch
     aborted: bool = False
     mode: Mode = "agent"

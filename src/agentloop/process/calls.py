@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared
+from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared, not_offered
 from agentloop.loop.guards import CALLS_USED_UP
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
@@ -58,6 +58,7 @@ async def dispatch(
     *,
     fresh: bool = False,
     budget: int | None = None,
+    offered: frozenset[str] | None = None,
 ) -> None:
     """Start the registered calls the policy allows, in the model's order, inside ``tx``; stop
     at the first that needs a person's approval, or that must wait for calls in flight (the
@@ -66,7 +67,8 @@ async def dispatch(
 
     ``fresh`` rows are not stored yet: they are inserted at the end with the status decided
     here (one statement per batch instead of an insert and an update per call). Calls past
-    ``budget`` (what is left of the ``max_tool_calls`` guard) are not run."""
+    ``budget`` (what is left of the ``max_tool_calls`` guard) are not run, nor calls to tools
+    outside ``offered`` (the names the model was shown, when hooks narrowed them)."""
     pid, run_id = live.record.pid, run["run_id"]
     assistant = assistant or _last_assistant(live.history) or AssistantMessage()
     approved = (await engine.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
@@ -77,6 +79,10 @@ async def dispatch(
         if row.status != "registered":
             continue
         call = call_of(row)
+        if offered is not None and row.tool_name not in offered and row.tool_name in cfg.tools:
+            refused = tool_error_result(call, not_offered(row.tool_name))
+            await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
+            continue
         if budget is not None and row.position >= budget:
             refused = tool_error_result(call, CALLS_USED_UP)
             await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
