@@ -113,3 +113,15 @@ async def test_a_file_that_does_not_validate_is_logged_and_waits_for_a_change(
     _write(path, ["a"], 3_000_000_000)
     assert set(await mcp.toolset(_record("alice"), {})) == {"a__ping"}
     await mcp.close()
+
+
+async def test_a_file_nested_too_deep_to_parse_is_logged_not_fatal(
+    tmp_path: Path, fake: FakeServers, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "mcp.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    mcp = AccountMCP(lambda owner: path)
+    with caplog.at_level(logging.WARNING):
+        assert await mcp.toolset(_record("alice"), {"Read": "read-tool"}) == {"Read": "read-tool"}  # type: ignore[dict-item]
+    assert "cannot read it" in caplog.text and fake.starts == []
+    await mcp.close()

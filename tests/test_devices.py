@@ -314,6 +314,10 @@ async def test_driver_requests_and_bad_frames_are_answered():
     assert (await device.socket.next())["error"]["code"] == "unknown_call"
     device.socket.inbox.put_nowait("not json")
     assert (await device.socket.next())["error"]["code"] == "bad_frame"
+    device.socket.inbox.put_nowait("[" * 100_000 + "]" * 100_000)  # too deep to parse: bad, not fatal
+    assert (await device.socket.next())["error"]["code"] == "bad_frame"
+    device.socket.push({"type": "req", "id": "p2", "call": "sys.ping", "args": {}})
+    assert await device.socket.next() == {"type": "res", "id": "p2", "ok": True, "data": {}}
     device.socket.push({"type": "res", "id": "nobody", "ok": True, "data": {}})  # ignored
     await hub.wait_until(lambda: bool(hub.online("alice")), 1)
 

@@ -267,6 +267,20 @@ async def test_history_ending_in_a_tool_result_continues():
             ),
             "messages[1].tool_calls[0].function.arguments",
         ),
+        (
+            body(
+                u("x"),
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "a", "function": {"name": "add", "arguments": "[" * 100_000 + "]" * 100_000}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "a", "content": "1"},
+            ),
+            "messages[1].tool_calls[0].function.arguments",  # nested deeper than the parser goes
+        ),
         ([1, 2], "body"),
     ],
 )

@@ -348,10 +348,34 @@ async def test_bad_input_gets_clear_errors(tmp_path):
         for empty in ("", "  \n"):
             with pytest.raises(ValueError, match="non-empty"):
                 await proc.send(empty)
+        for run_id in (7, ""):
+            with pytest.raises(ValueError, match="run_id must be a non-empty string"):
+                await proc.send("x", run_id=run_id)  # type: ignore[arg-type]
+        for media in (["abc"], "abc", [{"data": PNG, "mime_type": "image/png"}]):
+            with pytest.raises(TypeError, match="media must be a sequence of ImageContent"):
+                await proc.send("x", media=media)  # type: ignore[arg-type]
+        for limit, before in ((-1, None), (0, None), (True, None), (None, "x"), (None, 2**63)):
+            with pytest.raises(ValueError, match="must be an integer from"):
+                await proc.history(limit=limit, before=before)  # type: ignore[arg-type]
+        for after in ("x", -1, 2**63):
+            with pytest.raises(ValueError, match="after_seq must be an integer"):
+                await anext(proc.signals(after, follow=False))  # type: ignore[arg-type]
         assert await proc.messages() == []
+        with pytest.raises(TypeError, match="context must be a string, got int"):
+            await k.spawn(owner="a", context=5)  # type: ignore[arg-type]
+        with pytest.raises(NoSuchProcess, match="no such process: ghost"):
+            await k.spawn(owner="a", parent_pid="ghost")
+        with pytest.raises(ValueError, match="is not a directory"):
+            await k.spawn(owner="a", cwd="a\x00b")
+        assert [p.pid for p in await k.processes()] == [proc.pid]  # nothing half-made
     with pytest.raises(TypeError, match="approval must be a function, got str"):  # not at the first step
         async with Kernel.open(f"sqlite:///{tmp_path}/other.db", approval="default"):  # type: ignore[arg-type]
             pass
+    assert not (tmp_path / "other.db").exists()
+    for threshold in (5, 0, float("nan")):
+        with pytest.raises(ValueError, match="compaction_threshold must be above 0 and at most 1"):
+            async with Kernel.open(f"sqlite:///{tmp_path}/other.db", compaction_threshold=threshold):
+                pass
     assert not (tmp_path / "other.db").exists()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call
@@ -131,6 +132,14 @@ async def test_an_accounts_policy_file_applies_to_its_processes_and_is_reread_wh
         await alice.wait_idle()
         assert results(await alice.messages())[-1] == "hi"
         assert any("approval policy of account 'alice'" in r.message for r in caplog.records)
+
+        policy_file.unlink()
+        os.mkfifo(policy_file)  # not a file to read: reading it would block every process on the loop
+        caplog.clear()
+        await alice.send("and again")
+        await asyncio.wait_for(alice.wait_idle(), 10)
+        assert results(await alice.messages())[-1] == "hi"  # the default policy
+        assert any("not a regular file" in r.getMessage() for r in caplog.records)
 
 
 async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_path):

@@ -4,11 +4,13 @@ workspace files, commissioning, the skills index, determinism, and warnings inst
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 
 import pytest
 
 from agentloop.process.prompt import AssembledPrompt, PromptSources, assemble_prompt, render_template
+from agentloop.tools import skills
 
 TODAY = datetime.date(2024, 3, 1)  # yesterday crosses a month (and leap day) boundary
 
@@ -220,16 +222,19 @@ def test_binary_undecodable_and_unreadable_files_warn(tmp_path: Path, monkeypatc
     (tmp_path / "config/ai/context.d/30-blob.md").write_bytes(b"\x00\x01\x02")
     (tmp_path / "home/agent/context.d/b.md").write_bytes(b"caf\xe9")
     locked = tmp_path / "ws/USER.md"
-    real_read = Path.read_bytes
+    (tmp_path / "ws/SOUL.md").unlink()
+    os.mkfifo(tmp_path / "ws/SOUL.md")  # reading a FIFO would block the event loop until a writer came
+    real_read = skills.read_regular
 
-    def read_bytes(self: Path) -> bytes:
-        if self.name == locked.name:
+    def read_regular(path: Path) -> bytes:
+        if Path(path).name == locked.name:
             raise PermissionError(13, "Permission denied")
-        return real_read(self)
+        return real_read(path)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(skills, "read_regular", read_regular)
     prompt = assemble_prompt(sources, today=TODAY)
-    assert "content of SOUL.md" in prompt.text and "content of USER.md" not in prompt.text
+    assert "content of AGENTS.md" in prompt.text  # (and no hang on the FIFO: it is not a file to read)
+    assert "content of USER.md" not in prompt.text and "content of SOUL.md" not in prompt.text
     assert len(prompt.warnings) == 3
     assert "30-blob.md: binary file" in prompt.warnings[0]
     assert "b.md: not UTF-8" in prompt.warnings[1]

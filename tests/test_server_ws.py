@@ -210,6 +210,9 @@ def test_arguments_are_checked_and_name_the_field(server: KernelServer) -> None:
             ("proc.history", {"pid": pid, "limit": 0}, "limit"),
             ("proc.history", {"pid": pid, "limit": True}, "limit"),
             ("proc.subscribe", {"pid": pid, "after_seq": -1}, "after_seq"),
+            ("proc.subscribe", {"pid": pid, "after_seq": 2**63}, "after_seq"),  # past what the store holds
+            ("proc.history", {"pid": pid, "before": 2**63}, "before"),
+            ("proc.schedule.add", {"pid": pid, "text": "x", "every": 10**400}, "every"),
             ("proc.hil", {"pid": pid, "request_id": "r"}, "decision"),
             ("proc.hil", {"pid": pid, "request_id": "r", "decision": "maybe"}, "decision"),
             ("request.cancel", {}, "id"),

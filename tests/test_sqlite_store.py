@@ -142,3 +142,18 @@ async def test_a_new_database_file_is_readable_by_its_owner_only(tmp_path):
     await store.open()
     await store.close()
     assert (tmp_path / "new" / "agentloop.db").stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_migration_that_sqlite_rolled_back_itself_reports_its_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk or an I/O error ends the transaction inside SQLite; the store must then report
+    that error, not a failed ROLLBACK of a transaction that is gone (simulated: the migration's
+    own ROLLBACK, then a failing statement)."""
+    import agentloop.process.store.sqlite as sqlite_store
+
+    broken = (1, "CREATE TABLE t (a); ROLLBACK; SELECT * FROM missing_table")
+    monkeypatch.setattr(sqlite_store, "MIGRATIONS", [broken])
+    store = SQLiteStore(str(tmp_path / "agentloop.db"))
+    with pytest.raises(StoreError, match="no such table: missing_table"):
+        await store.open()

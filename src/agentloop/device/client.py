@@ -282,7 +282,7 @@ async def run_tool(tool: Tool, args: dict[str, Any], ctx: ToolContext) -> ToolRe
 def _parse(raw: str | bytes) -> dict[str, Any] | None:
     try:
         frame = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return frame if isinstance(frame, dict) else None
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentloop.process.store import ProcessRecord
-from agentloop.stamps import Stamp, file_stamp
+from agentloop.stamps import Stamp, file_stamp, read_regular
 from agentloop.tools.base import Tool
 from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools, parse_servers
 
@@ -108,8 +108,8 @@ class AccountMCP:
 
 def _read(path: Path) -> list[MCPServerConfig]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(read_regular(path).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8, not JSON, nested too deep
         raise ValueError(f"cannot read it: {exc}") from None
     if isinstance(data, dict) and set(data) == {"mcp_servers"}:
         data = data["mcp_servers"]

@@ -43,6 +43,7 @@ from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaSto
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
+    MAX_SEQ,
     NoSuchProcess,
     ProcessRecord,
     ScheduleRow,
@@ -204,6 +205,12 @@ def _prompt_builder(
     return build
 
 
+def _check_position(name: str, value: object, minimum: int) -> None:
+    """A count or position (a seq, a message id, a page size): an int the store can hold."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_SEQ:
+        raise ValueError(f"{name} must be an integer from {minimum} to {MAX_SEQ}, got {value!r}")
+
+
 class Process:
     """A handle on one durable process; every call goes through the kernel's engine and store."""
 
@@ -232,6 +239,10 @@ class Process:
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         if not isinstance(text, str) or (not text.strip() and not media):
             raise ValueError("text must be a non-empty string (or come with an image)")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+        if isinstance(media, str | bytes) or not all(isinstance(image, ImageContent) for image in media):
+            raise TypeError("media must be a sequence of ImageContent blocks")
         record = (await self.kernel.engine.live(self.pid)).record
         for image in media:  # every image is checked before any is stored: a bad one stores nothing
             self.kernel.media.check(image)
@@ -243,6 +254,7 @@ class Process:
 
     async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
         """The process's signals after ``after_seq``; with ``follow``, then live ones as they come."""
+        _check_position("after_seq", after_seq, 0)
         engine = self.kernel.engine
         await engine.live(self.pid)
         queue = engine.hub.watch(self.pid) if follow else None
@@ -276,6 +288,11 @@ class Process:
         await self.kernel.engine.wait_idle(self.pid)
 
     async def history(self, limit: int | None = None, before: int | None = None) -> list[StoredMessage]:
+        """The stored messages, oldest first: the last ``limit`` of them before message id ``before``."""
+        if limit is not None:
+            _check_position("limit", limit, 1)
+        if before is not None:
+            _check_position("before", before, 0)
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
         return await self.kernel.store.history(self.pid, limit=limit, before=before)
 
@@ -373,6 +390,10 @@ class Kernel:
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
                 raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+        if isinstance(compaction_threshold, bool) or not isinstance(compaction_threshold, int | float):
+            raise TypeError(f"compaction_threshold must be a number, got {type(compaction_threshold).__name__}")
+        if not 0 < compaction_threshold <= 1:  # a share of the context window (NaN fails this too)
+            raise ValueError(f"compaction_threshold must be above 0 and at most 1, got {compaction_threshold}")
         root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
         store = open_store(url)
         if data_dir is None:
@@ -454,11 +475,19 @@ class Kernel:
         check_name(run_as or owner, "run_as")
         if pid is not None:
             check_name(pid, "pid")
+        if not isinstance(context, str):  # it ends every run's system prompt: caught here, not at each run
+            raise TypeError(f"context must be a string, got {type(context).__name__}")
+        if parent_pid is not None and await self.store.get_process(parent_pid) is None:
+            raise NoSuchProcess(parent_pid)
         workspace = self.engine.config.workspace or Path(".").resolve()  # noqa: ASYNC240 - (set at open)
         where = workspace
         if cwd is not None:
-            where = (workspace / cwd).resolve()
-            if not where.is_dir():
+            try:
+                where = (workspace / cwd).resolve()
+                found = where.is_dir()
+            except (OSError, ValueError):  # a NUL byte, a path too long
+                found = False
+            if not found:
                 raise ValueError(f"cwd {str(cwd)!r} is not a directory")
         record = ProcessRecord(
             pid=pid or new_id(),

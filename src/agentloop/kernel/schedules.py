@@ -85,7 +85,10 @@ def render(row: ScheduleRow, now: float) -> str:
 def _number(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ScheduleError(f"{name} must be a number of seconds")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float
+        number = math.inf
     if not math.isfinite(number):
         raise ScheduleError(f"{name} must be a finite number")
     return number

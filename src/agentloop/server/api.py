@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from agentloop.loop.hooks import maybe_await
+from agentloop.process.store import MAX_SEQ
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import ChatRequest
@@ -30,7 +31,6 @@ from agentloop.server.http_errors import internal_error, invalid, validation_err
 from agentloop.server.openapi import Endpoint, document
 from agentloop.server.service import IMAGE_TYPES, MAX_HISTORY_PAGE, MODES
 
-MAX_SEQ = 2**63 - 1  # SQLite's INTEGER; a larger number is a bad request, not a storage error
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # ------------------------------------------------------------------ request models

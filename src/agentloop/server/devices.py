@@ -266,7 +266,7 @@ class DeviceHub:
                 return
             try:
                 frame = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 frame = None
             if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
                 await self._reply(conn, _error_res(None, "bad_frame", "a frame must be a JSON object with a type"))

@@ -128,7 +128,7 @@ def _arguments(raw: Any, field: str) -> dict[str, Any]:
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw) if raw.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # nesting deeper than the parser goes is not JSON we take
             raise _invalid(field, "not valid JSON") from None
         if isinstance(parsed, dict):
             return parsed

@@ -29,6 +29,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from agentloop.kernel import NoSuchProcess
 from agentloop.process.signals import Signal
+from agentloop.process.store import MAX_SEQ
 from agentloop.server.auth import Principal, bearer
 from agentloop.server.context import ServerContext
 from agentloop.server.errors import ApiError
@@ -206,6 +207,8 @@ def _opt_int(args: dict[str, Any], name: str, *, minimum: int = 0) -> int | None
     value: int | None = _want(args, name, int, "an integer", None)
     if value is not None and value < minimum:
         raise _invalid(f"{name} must be at least {minimum}")
+    if value is not None and value > MAX_SEQ:  # past SQLite's INTEGER: a bad request, not a storage error
+        raise _invalid(f"{name} must be at most {MAX_SEQ}")
     return value
 
 

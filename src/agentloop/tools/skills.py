@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from agentloop.stamps import read_regular
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, resolve_path
 
@@ -53,7 +54,7 @@ class UnreadableFile(Exception):
 def read_text_file(path: Path) -> str:
     """UTF-8 text of ``path``; binary or undecodable content is refused rather than garbled."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path)
     except OSError as exc:
         raise UnreadableFile(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if b"\x00" in data[:8192]:

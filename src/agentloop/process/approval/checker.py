@@ -20,7 +20,7 @@ from agentloop.process.approval.engine import args_fingerprint, decide
 from agentloop.process.approval.policy import Policy, Rule, default_policy, merge, parse_policy
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
-from agentloop.stamps import Stamp, file_stamp
+from agentloop.stamps import Stamp, file_stamp, read_regular
 
 log = logging.getLogger("agentloop.approval")
 
@@ -67,7 +67,7 @@ def policy_approval(
             return hit[1]
         source = f"of account {owner!r} ({path})"
         try:
-            policy = load_policy(path.read_text(encoding="utf-8"), source)
+            policy = load_policy(read_regular(path).decode("utf-8"), source)
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
             policy = default_policy()

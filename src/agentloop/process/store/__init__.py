@@ -1,6 +1,7 @@
 """Durable storage for processes: one schema, a SQLite store and a PostgreSQL store."""
 
 from agentloop.process.store.base import (
+    MAX_SEQ,
     TERMINAL_STATUSES,
     AccountRecord,
     CallStatus,
@@ -47,6 +48,7 @@ def open_store(url: str) -> Store:
 
 
 __all__ = [
+    "MAX_SEQ",
     "TERMINAL_STATUSES",
     "AccountRecord",
     "CallStatus",

@@ -23,6 +23,7 @@ ProcessState: TypeAlias = Literal["idle", "running", "killed"]
 CallStatus: TypeAlias = Literal["registered", "dispatched", "completed", "failed", "cancelled", "denied"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "denied"})
 QueueKind: TypeAlias = Literal["steer", "queue", "system"]
+MAX_SEQ = 2**63 - 1  # the largest INTEGER (SQLite) and BIGINT (PostgreSQL): a larger id or seq is bad input
 
 
 class StoreError(Exception):

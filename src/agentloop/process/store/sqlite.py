@@ -184,7 +184,8 @@ class SQLiteStore(Store):
                 db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:  # a full disk or an I/O error rolls back by itself: keep its error
+                    db.execute("ROLLBACK")
                 raise
 
     async def close(self) -> None:
