@@ -120,6 +120,35 @@ async def test_unreachable_server() -> None:
         assert (caught.value.status, caught.value.code) == (0, "unreachable")
 
 
+@pytest.mark.parametrize(
+    ("url", "token", "said"),
+    [
+        ("http://127.0.0.1:99999", "tok3n", "Port out of range"),
+        ("http://127.0.0.1:-1", "tok3n", "not a server address"),
+        ("ftp://127.0.0.1", "tok3n", "use http://host:port"),
+        ("http://127.0.0.1:8765", "caf\u00e9", "non-ASCII"),
+        ("http://127.0.0.1:8765", "bad\ntoken", "control"),
+    ],
+)
+def test_a_mistyped_address_or_token_is_said_to_be_one(url: str, token: str, said: str) -> None:
+    """Not 'cannot reach the server' (nor an exception from the socket layer): the typo is named,
+    and the token itself is not repeated."""
+    with pytest.raises(ClientError) as caught:
+        AgentloopClient(url, token)
+    assert caught.value.code == "invalid_argument" and said in caught.value.message
+    assert token not in caught.value.message
+
+
+def test_the_cli_reports_a_mistyped_server_in_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from agentloop.cli.main import app
+
+    result = CliRunner().invoke(app, ["ps", "--server", "http://127.0.0.1:99999", "--token", "t"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "not a server address: 'http://127.0.0.1:99999' (Port out of range" in result.output
+
+
 class CuttingTransport(httpx.AsyncBaseTransport):
     """The first event stream is cut after ``lines`` lines (a dropped connection); later ones pass.
     Records each stream request's ``Last-Event-ID``."""

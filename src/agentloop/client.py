@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from agentloop.urls import check_server_address, check_token
+
 DEFAULT_URL = "http://127.0.0.1:8765"
 # The server sends a comment every 15 s of silence: three missed ones mean the connection is dead.
 STREAM_READ_TIMEOUT = 45.0
@@ -107,6 +109,12 @@ class AgentloopClient:
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        try:  # a typo in the address or token is the caller's to fix, not a server to retry
+            check_server_address(url)
+            if token:
+                check_token(token)
+        except ValueError as exc:
+            raise ClientError(0, "invalid_argument", str(exc)) from None
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport)

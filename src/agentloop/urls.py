@@ -32,3 +32,24 @@ def redact_url(url: str) -> str:
     if parts.scheme and not netloc and url.startswith(f"{parts.scheme}://"):
         shown = shown.replace(f"{parts.scheme}:", f"{parts.scheme}://", 1)  # keep an empty authority
     return shown
+
+
+def check_server_address(url: str, schemes: tuple[str, ...] = ("http", "https")) -> None:
+    """Raise ``ValueError`` for an address no connection can be made to (a wrong scheme, no host,
+    a port outside 1-65535): a typo, to report as such, not as a server that cannot be reached."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is not a number or out of 0-65535
+    except ValueError as exc:
+        raise ValueError(f"not a server address: {redact_url(url)!r} ({exc})") from None
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ValueError(f"not a server address: {redact_url(url)!r} (use {schemes[0]}://host:port)")
+    if port == 0:
+        raise ValueError(f"not a server address: {redact_url(url)!r} (port 0)")
+
+
+def check_token(token: str) -> None:
+    """Raise ``ValueError`` for a token that cannot travel in an HTTP header. Tokens are printable
+    ASCII; anything else is a paste gone wrong, and the message must not repeat it."""
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError("the token holds characters a token never has (spaces, control or non-ASCII characters)")

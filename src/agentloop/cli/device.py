@@ -30,6 +30,7 @@ from agentloop.device.client import (
     parse_allow,
     websocket_url,
 )
+from agentloop.urls import check_token
 
 device_app = typer.Typer(
     name="device",
@@ -95,6 +96,7 @@ def connect(
     try:
         if not token:
             raise ValueError("a token is needed: --token T or AGENTLOOP_TOKEN")
+        check_token(token)
         target = websocket_url(url)
         implements = parse_allow(allow)
         base = (root or Path.cwd()).expanduser().resolve()

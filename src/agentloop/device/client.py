@@ -33,6 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 from agentloop.device.wire import result_to_wire
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
+from agentloop.urls import check_server_address
 
 __all__ = [
     "DEFAULT_ALLOW",
@@ -100,7 +101,9 @@ def websocket_url(url: str) -> str:
     path = parts.path.rstrip("/")
     if not path.endswith("/v1/ws"):
         path += "/v1/ws"
-    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+    address = urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+    check_server_address(address, ("ws", "wss"))  # a bad port is a typo to report, not to retry
+    return address
 
 
 @dataclass
