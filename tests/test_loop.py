@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -381,6 +382,33 @@ async def test_tool_timeout_is_enforced_and_run_goes_on():
     assert r[0].is_error and "timed out after 0.1 s" in r[0].text
     assert r[1].is_error and "timed out after 0.05 s" in r[1].text
     assert result.text == "moved on"
+
+
+async def test_a_blocking_tool_with_its_own_timeout_runs_in_a_thread_and_is_held_to_it():
+    release = threading.Event()
+
+    @tool(timeout=0.2)
+    def blocking() -> str:
+        """Block (a plain def: inline work could not be interrupted, so it gets a thread)."""
+        release.wait(10)
+        return "late"
+
+    @tool
+    def quick() -> str:
+        """Answer at once."""
+        return "quick"
+
+    model = ScriptedModel([Reply(tool_calls=[call("blocking"), call("quick")]), "moved on"])
+    t0 = time.monotonic()
+    try:
+        result = await Agent(model=model, tools=[blocking, quick]).run("go")
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5
+    first, second = (m for m in result.messages if isinstance(m, ToolResultMessage))
+    assert first.is_error and "timed out after 0.2 s" in first.text
+    assert second.text == "quick" and result.text == "moved on"
+    assert blocking.interruptible and not quick.interruptible  # no timeout of its own: still inline
 
 
 async def test_tool_failures_go_to_the_model():

@@ -297,7 +297,7 @@ class FunctionTool(Tool):
         *,
         name: str | None = None,
         description: str | None = None,
-        thread: bool = False,
+        thread: bool | None = None,
         **options: Any,
     ) -> None:
         sig = inspect.signature(fn)
@@ -329,6 +329,8 @@ class FunctionTool(Tool):
         )
         self.fn = fn
         self._is_async = inspect.iscoroutinefunction(fn)
+        if thread is None:  # a timeout set on the tool itself is a promise: only a thread can keep it
+            thread = options.get("timeout") is not None
         self._thread = thread and not self._is_async
         self.interruptible = self._is_async or self._thread
 
@@ -416,7 +418,7 @@ def tool(
     timeout: float | None = None,
     sequential: bool = False,
     idempotent: bool = False,
-    thread: bool = False,
+    thread: bool | None = None,
     max_result_chars: int | None = MAX_RESULT_CHARS,
 ) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 
@@ -430,14 +432,16 @@ def tool(
     timeout: float | None = None,
     sequential: bool = False,
     idempotent: bool = False,
-    thread: bool = False,
+    thread: bool | None = None,
     max_result_chars: int | None = MAX_RESULT_CHARS,
 ) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
     """Make a tool of a function: ``@tool`` or ``@tool(timeout=5, sequential=True)``.
 
     A plain ``def`` runs inline on the event loop (fast, fine for quick work); pass
-    ``thread=True`` for blocking work so it runs in a worker thread instead. ``async def`` tools
-    are cancelled on timeout and abort.
+    ``thread=True`` for blocking work so it runs in a worker thread instead (the default when the
+    tool has its own ``timeout``, which inline work could not keep). ``async def`` tools are
+    cancelled on timeout and abort; a thread's tool is answered with the timeout error when it is
+    due, and its thread finishes on its own.
     """
 
     def wrap(f: Callable[..., Any]) -> FunctionTool:
