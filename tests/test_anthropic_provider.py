@@ -138,6 +138,14 @@ async def test_tool_call_arguments_split_across_chunks(fake: AnthropicFake) -> N
     assert msg.stop_reason == "toolUse" and msg.text == "Let me echo."
     assert msg.tool_calls == [ToolCall(id="toolu_abc", name="echo", arguments={"text": "hello world"})]
     assert fake.last["tools"] == [{"name": "echo", "description": "Echo text.", "input_schema": ECHO_SPEC.parameters}]
+    assert "tool_choice" not in fake.last  # the provider's default: parallel calls allowed
+
+
+async def test_sequential_tool_execution_disables_parallel_tool_use(fake: AnthropicFake) -> None:
+    fake.push(tool_reply("echo", '{"text": "hi"}', id="toolu_1"), text_reply("done"))
+    agent = Agent(model=model(fake), tools=[echo], tool_execution="sequential")
+    assert (await agent.run("say hi")).text == "done"
+    assert [r["tool_choice"] for r in fake.requests] == [{"type": "auto", "disable_parallel_tool_use": True}] * 2
 
 
 async def test_two_parallel_tool_calls_interleaved(fake: AnthropicFake) -> None:

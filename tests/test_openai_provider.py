@@ -134,6 +134,14 @@ async def test_tool_call_arguments_split_across_chunks(fake: OpenAIFake) -> None
             "function": {"name": "echo", "description": "Echo text.", "parameters": ECHO_SPEC.parameters},
         }
     ]
+    assert "parallel_tool_calls" not in fake.last  # the provider's default: parallel
+
+
+async def test_sequential_tool_execution_asks_for_one_call_at_a_time(fake: OpenAIFake) -> None:
+    fake.push(tool_reply("echo", '{"text": "hi"}', id="call_1"), text_reply("done"))
+    agent = Agent(model=model(fake), tools=[echo], tool_execution="sequential")
+    assert (await agent.run("say hi")).text == "done"
+    assert [r["parallel_tool_calls"] for r in fake.requests] == [False, False]
 
 
 async def test_two_parallel_tool_calls_interleaved(fake: OpenAIFake) -> None:

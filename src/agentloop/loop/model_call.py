@@ -36,6 +36,7 @@ def build_request(cfg: LoopConfig, messages: list[Message], tools_enabled: bool)
         tools=cfg.tool_specs if tools_enabled else [],
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
+        parallel_tool_calls=cfg.tool_execution == "parallel",
     )
 
 

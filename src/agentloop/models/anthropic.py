@@ -148,6 +148,8 @@ class AnthropicModel(Model):
             params["tools"] = [
                 {"name": t.name, "description": t.description, "input_schema": t.parameters} for t in request.tools
             ]
+            if not request.parallel_tool_calls:
+                params["tool_choice"] = {"type": "auto", "disable_parallel_tool_use": True}
         if self.thinking_budget:
             params["thinking"] = {"type": "enabled", "budget_tokens": self.thinking_budget}
             max_tokens = max(max_tokens, self.thinking_budget + 1024)  # the budget must fit in max_tokens

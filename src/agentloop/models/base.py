@@ -89,6 +89,7 @@ class ModelRequest:
     tools: list[ToolSpec] = field(default_factory=list)
     max_tokens: int | None = None
     temperature: float | None = None
+    parallel_tool_calls: bool = True  # False: the loop runs calls one by one, so ask for one per turn
 
 
 def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int = 0, cache_write: int = 0) -> Usage:

@@ -120,6 +120,8 @@ class OpenAIChatModel(Model):
                 }
                 for t in request.tools
             ]
+            if not request.parallel_tool_calls:
+                params["parallel_tool_calls"] = False
         if request.max_tokens is not None:  # OpenAI's reasoning models accept only the newer name
             params["max_completion_tokens" if self.info.reasoning else "max_tokens"] = request.max_tokens
         if request.temperature is not None:
