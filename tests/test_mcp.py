@@ -156,6 +156,23 @@ async def test_an_mcp_call_in_a_durable_process_is_judged_by_its_mcp_syscall(tmp
     assert _results(messages)[0].text == "3" and messages[-1].text == "three"
 
 
+async def test_the_prompt_names_the_mcp_servers_a_process_has(tmp_path):
+    (tmp_path / "config/ai/context.d").mkdir(parents=True)
+    (tmp_path / "config/ai/context.d/10-mcp.md").write_text("MCP servers: {{mcp_servers}}.")
+    (tmp_path / "home/alice").mkdir(parents=True)
+    (tmp_path / "home/alice/mcp.json").write_text(json.dumps([fake("mine")]))
+    async with mcp_tools([fake("shared")]) as tools:
+        model = ScriptedModel(["hi alice", "hi bob"])
+        async with kernel(tmp_path, model, tools=tools) as k:
+            for owner in ("alice", "bob"):
+                proc = await k.spawn(owner=owner)
+                await proc.send("hello")
+                await proc.wait_idle()
+    alice, bob = (r.system_prompt for r in model.requests)
+    assert "MCP servers: shared, mine." in alice  # the kernel's, then the account's own
+    assert "MCP servers: shared." in bob
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -56,6 +56,7 @@ from agentloop.process.store import (
 from agentloop.stamps import stamps
 from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
+from agentloop.tools.mcp import mcp_server_names
 from agentloop.tools.skills import skills_tool
 
 
@@ -137,12 +138,16 @@ def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
 
 
 def _prompt_builder(
-    data_dir: Path, base: str, devices: DeviceDirectory | None = None
+    data_dir: Path,
+    base: str,
+    devices: DeviceDirectory | None = None,
+    mcp_servers: Callable[[ProcessRecord], Awaitable[str]] | None = None,
 ) -> Callable[[ProcessRecord], Awaitable[str]]:
     """Assemble each run's system prompt from the data directory's context, skills and homes
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
     directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
-    ``{{devices}}`` lists the owner's online devices when ``devices`` is given.
+    ``{{devices}}`` lists the owner's online devices when ``devices`` is given, ``{{mcp_servers}}``
+    the MCP servers whose tools the process has, as ``mcp_servers`` says.
 
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
     cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
@@ -153,7 +158,7 @@ def _prompt_builder(
     def online(record: ProcessRecord) -> str:
         return describe_devices(devices.online(record.owner)) if devices is not None else "local"
 
-    def assemble(record: ProcessRecord, devices_text: str) -> tuple[str, list[str]]:
+    def assemble(record: ProcessRecord, devices_text: str, mcp_text: str) -> tuple[str, list[str]]:
         sources = PromptSources(
             system_dir=system_dir,
             agent_home=homes / record.run_as,
@@ -167,7 +172,7 @@ def _prompt_builder(
                 "owner": record.owner,
                 "cwd": record.cwd,
                 "devices": devices_text,
-                "mcp_servers": "none",
+                "mcp_servers": mcp_text,
             },
         )
         assembled = assemble_prompt(sources)
@@ -176,8 +181,10 @@ def _prompt_builder(
 
     async def build(record: ProcessRecord) -> str:
         devices_text = online(record)
+        mcp_text = await mcp_servers(record) if mcp_servers is not None else "none"
         key = (
             devices_text,
+            mcp_text,
             record.run_as,
             record.owner,
             record.cwd,
@@ -196,7 +203,7 @@ def _prompt_builder(
         hit = cache.get(key)
         if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
             return hit[2]
-        text, files = assemble(record, devices_text)
+        text, files = assemble(record, devices_text, mcp_text)
         if len(cache) > 1024:
             cache.clear()
         cache[key] = (stamps([*watched, *files]), files, text)
@@ -408,6 +415,12 @@ class Kernel:
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
         account_mcp = AccountMCP(lambda owner: data / "home" / owner / "mcp.json")
+        shared_servers = mcp_server_names(agent.config.tools.values())
+
+        async def mcp_servers(record: ProcessRecord) -> str:
+            names = [*shared_servers, *mcp_server_names(await account_mcp.tools_of(record.owner))]
+            return ", ".join(dict.fromkeys(names)) or "none"
+
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
             toolset = _chain(task_toolset(kernel_ref), toolset)
@@ -433,7 +446,7 @@ class Kernel:
             agent.config,
             approval=approval,
             hydrate=_hydrate(media),
-            prompt=_prompt_builder(data, agent.config.system_prompt, devices),
+            prompt=_prompt_builder(data, agent.config.system_prompt, devices, mcp_servers),
             archive=archive,
             compaction_threshold=compaction_threshold,
             toolset=toolset,

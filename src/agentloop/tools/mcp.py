@@ -20,7 +20,7 @@ import json
 import logging
 import re
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -318,6 +318,18 @@ class MCPTool(Tool):
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         return await self.connection.call(self.remote_name, arguments)
+
+
+def mcp_server_names(tools: Iterable[Tool]) -> list[str]:
+    """The MCP servers whose tools are among ``tools`` (directly or through the ``mcp`` gateway),
+    in order: what a prompt's ``{{mcp_servers}}`` lists."""
+    names: dict[str, None] = {}
+    for tool in tools:
+        if isinstance(tool, MCPTool):
+            names[tool.connection.config.name] = None
+        elif isinstance(tool, MCPGateway):
+            names.update(dict.fromkeys(tool.connections))
+    return list(names)
 
 
 _MCP_SCHEMA: dict[str, Any] = {
