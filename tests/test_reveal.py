@@ -89,11 +89,20 @@ async def test_preflight_reveals_up_front_and_failures_are_harmless():
     assert names(model.requests[0]) == ["request_tools", "stock"]
     assert "price of ACME?" in chooser.requests[0].messages[0].text
 
+    # a preflight model that fails: the conversation's own model is asked once instead
     broken = ScriptedModel([ProviderError("down", kind="auth")])
-    model2 = ScriptedModel(["fine"])
-    agent2 = Agent(model=model2).use(ToolReveal(hidden=[weather], preflight=broken))
-    result = await agent2.run("hi")
-    assert result.text == "fine" and names(model2.requests[0]) == ["request_tools"]
+    model2 = ScriptedModel(['{"visibleTools": ["weather"]}', "fine"])
+    agent2 = Agent(model=model2).use(ToolReveal(hidden=[weather, stock], preflight=broken))
+    result = await agent2.run("weather?")
+    assert result.text == "fine" and names(model2.requests[1]) == ["request_tools", "weather"]
+    assert model2.requests[0].system_prompt != model2.requests[1].system_prompt  # the first was the preflight
+
+    # both fail: the turn goes on with nothing revealed
+    model3 = ScriptedModel([ProviderError("also down", kind="auth"), "fine"])
+    broken_too = ScriptedModel([ProviderError("down", kind="auth")])
+    agent3 = Agent(model=model3).use(ToolReveal(hidden=[weather], preflight=broken_too))
+    result = await agent3.run("hi")
+    assert result.text == "fine" and names(model3.requests[1]) == ["request_tools"]
 
 
 def test_bad_configuration_is_refused():

@@ -51,6 +51,7 @@ class ToolReveal:
         if not self.hidden:
             raise ValueError("ToolReveal needs at least one hidden tool")
         self.preflight_model = resolve_model(preflight) if preflight is not None else None
+        self.conversation_model: Model | None = None  # the second try of a failed preflight (set by install)
         self._preflight: OrderedDict[str, list[str]] = OrderedDict()  # run id -> names chosen up front
         catalogue = "\n".join(_summary(t) for t in self.hidden.values())
 
@@ -84,6 +85,7 @@ class ToolReveal:
                 raise ValueError(f"tool {name!r} is registered twice")
         config.tools.update(self.hidden)
         config.tools[REQUEST_TOOLS] = self.request_tool
+        self.conversation_model = config.model
         config.hooks.on("pre_tool_materialization")(self._materialize)
 
     def revealed(self, messages: list[Message]) -> set[str]:
@@ -111,13 +113,23 @@ class ToolReveal:
         request_text = next((m.text for m in reversed(info.messages) if isinstance(m, UserMessage)), "")
         candidates = [{"name": t.name, "summary": t.description.strip()[:200]} for t in self.hidden.values()]
         prompt = json.dumps({"request": request_text[:2000], "optionalTools": candidates})
-        try:
-            answer = await self.preflight_model.complete(
-                ModelRequest(system_prompt=_PREFLIGHT_PROMPT, messages=[user(prompt)], max_tokens=200)
-            )
+        request = ModelRequest(system_prompt=_PREFLIGHT_PROMPT, messages=[user(prompt)], max_tokens=200)
+        models = [self.preflight_model]
+        if self.conversation_model is not None and self.conversation_model is not self.preflight_model:
+            models.append(self.conversation_model)  # a cheap preflight model that is down: ask once more
+        for model in models:
+            try:
+                answer = await model.complete(request)
+            except Exception as exc:  # a preflight never fails the turn
+                log.warning("tool preflight with %s failed: %s", model.name, exc)
+                continue
+            if answer.stop_reason in ("error", "aborted"):
+                log.warning("tool preflight with %s failed: %s", model.name, answer.error_message)
+                continue
             chosen = _parse_choice(answer.text, set(self.hidden))
-        except Exception as exc:  # a preflight never fails the turn
-            log.warning("tool preflight failed, starting without extra tools: %s", exc)
+            break
+        else:
+            log.warning("tool preflight failed, starting without extra tools")
         self._preflight[info.run_id] = chosen
         while len(self._preflight) > 256:
             self._preflight.popitem(last=False)
