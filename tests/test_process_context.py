@@ -162,6 +162,31 @@ async def test_skills_are_indexed_in_the_prompt_and_read_with_the_skills_tool(tm
         assert "Run make ship." in result.text
 
 
+async def test_an_accounts_own_skills_join_the_systems_and_win_by_name(tmp_path):
+    def skill(layer: str, name: str, description: str, body: str) -> None:
+        folder = tmp_path / layer / name
+        folder.mkdir(parents=True)
+        (folder / "SKILL.md").write_text(f"---\nname: {name}\ndescription: {description}\n---\n{body}")
+
+    skill("config/ai/skills.d", "deploy", "Ship a release.", "Run make ship.")
+    skill("config/ai/skills.d", "review", "Review a change.", "Read the diff.")
+    skill("home/alice/skills.d", "deploy", "Ship the way alice does.", "Run alice-ship.")
+    show = Reply(tool_calls=[call("skills", action="show", name="deploy")])
+    model = ScriptedModel([show, "alice ok", show, "bob ok"])
+    async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[]) as k:
+        shown = {}
+        for owner in ("alice", "bob"):
+            proc = await k.spawn(owner=owner)
+            await proc.send("how do we deploy?")
+            await proc.wait_idle()
+            shown[owner] = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage)).text
+    alice_prompt, bob_prompt = model.requests[0].system_prompt, model.requests[2].system_prompt
+    assert "Ship the way alice does." in alice_prompt and "Review a change." in alice_prompt
+    assert "Ship a release." not in alice_prompt  # the account's skill of the same name wins
+    assert "Ship a release." in bob_prompt and "alice" not in bob_prompt
+    assert "Run alice-ship." in shown["alice"] and "Run make ship." in shown["bob"]
+
+
 async def test_a_skills_directory_made_after_start_brings_the_skills_tool_with_its_index(tmp_path):
     model = ScriptedModel(["no skills yet", Reply(tool_calls=[call("skills", action="list")]), "ok"])
     async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[]) as k:

@@ -103,14 +103,25 @@ def _cwd_toolset(root: Path) -> ToolsetFn:
     return toolset
 
 
-def _skills_toolset(skills_dir: Path) -> ToolsetFn:
-    """The ``skills`` tool, for runs that start while the skills directory exists: the prompt's
+def _skill_layers(data_dir: Path, account: str) -> list[Path]:
+    """Where a process's skills come from: the system's, then its account's own (which win)."""
+    return [data_dir / "config" / "ai" / "skills.d", data_dir / "home" / account / "skills.d"]
+
+
+def _skills_toolset(data_dir: Path) -> ToolsetFn:
+    """The ``skills`` tool, for runs that start while a skills directory exists: the prompt's
     skills index is read at the same moment, so the model never sees one without the other."""
-    skills = skills_tool([skills_dir])
+    by_account: dict[str, Tool] = {}
 
     def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        if "skills" in shared or not skills_dir.is_dir():
+        layers = _skill_layers(data_dir, record.run_as)
+        if "skills" in shared or not any(layer.is_dir() for layer in layers):
             return shared
+        skills = by_account.get(record.run_as)
+        if skills is None:
+            if len(by_account) >= 1024:
+                by_account.clear()
+            skills = by_account[record.run_as] = skills_tool(layers)
         return {**shared, "skills": skills}
 
     return toolset
@@ -152,7 +163,6 @@ def _prompt_builder(
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
     cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
     system_dir = data_dir / "config" / "ai" / "context.d"
-    skills_dir = data_dir / "config" / "ai" / "skills.d"
     homes = data_dir / "home"
 
     def online(record: ProcessRecord) -> str:
@@ -163,7 +173,7 @@ def _prompt_builder(
             system_dir=system_dir,
             agent_home=homes / record.run_as,
             owner_home=homes / record.owner,
-            skills_dirs=[skills_dir],
+            skills_dirs=_skill_layers(data_dir, record.run_as),
             workspace=Path(record.cwd),
             process_context=record.context or None,
             main_process=record.parent_pid is None,
@@ -196,7 +206,7 @@ def _prompt_builder(
             f"{system_dir}",
             f"{homes}/{record.run_as}/context.d",
             f"{homes}/{record.owner}/context.d",
-            f"{skills_dir}",
+            *map(str, _skill_layers(data_dir, record.run_as)),
             record.cwd,
             f"{record.cwd}/memory",
         ]
@@ -425,7 +435,7 @@ class Kernel:
         if subagents:
             toolset = _chain(task_toolset(kernel_ref), toolset)
         toolset = _chain(account_mcp.toolset, toolset)
-        toolset = _chain(_skills_toolset(data / "config" / "ai" / "skills.d"), toolset)
+        toolset = _chain(_skills_toolset(data), toolset)
         if builtin:
             toolset = _chain(_cwd_toolset(root), toolset)
         if approval is None:
