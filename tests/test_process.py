@@ -14,6 +14,7 @@ from agentloop.kernel import Approval, Kernel, NoSuchProcess
 from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
+from agentloop.process import engine as engine_module
 from tests.process_support import kernel, ran
 
 PNG = base64.b64encode(
@@ -176,6 +177,36 @@ async def test_abort_is_terminal_stale_abort_is_a_noop_and_queue_goes_on(tmp_pat
         results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
         assert [r.text for r in results] == ["Tool call cancelled: the run was aborted.", "quick"]
         assert (await proc.messages())[-1].text == "queued one done"
+
+
+async def test_a_tool_that_ignores_cancellation_does_not_hold_the_abort(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_module, "ABORT_GRACE", 0.3)
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    @tool
+    async def stubborn() -> str:
+        """Work that will not be stopped."""
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await release.wait()  # ignores the cancellation until the test lets it go
+        return "finished anyway"
+
+    model = ScriptedModel([Reply(tool_calls=[call("stubborn")]), "after the abort"])
+    async with kernel(tmp_path, model, tools=[stubborn]) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        await asyncio.wait_for(started.wait(), 5)
+        assert await asyncio.wait_for(proc.abort(), 5)  # the grace, not the tool, decides when
+        release.set()
+        await asyncio.sleep(0.1)  # the tool's late result arrives now, and is ignored
+        await proc.send("next")
+        await proc.wait_idle()
+        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+        assert [r.text for r in results] == ["Tool call cancelled: the run was aborted."]
+        assert (await proc.messages())[-1].text == "after the abort"
 
 
 async def test_model_answer_arriving_after_abort_is_dropped(tmp_path):

@@ -180,7 +180,9 @@ def launcher(
         run = live.record.current_run
         if live.stopping or run is None or run["run_id"] != run_id or engine.cached(live.record.pid) is not live:
             return
-        task = live.tools[row.dispatch_id] = asyncio.create_task(run_tool(engine, live, run_id, row, prepared))
+        name = f"tool {row.tool_name} ({row.tool_call_id})"  # named in the log if it ignores an abort
+        work = run_tool(engine, live, run_id, row, prepared)
+        task = live.tools[row.dispatch_id] = asyncio.create_task(work, name=name)
         task.add_done_callback(lambda done: _drop_task(live.tools, row.dispatch_id, done))
 
     return launch

@@ -67,6 +67,10 @@ INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it 
 # kv row of a process: {"run_id", "at"} of its last aborted run, written with the abort, so what the
 # ``aborted`` hook had to do can still be done after a crash that came before the hook ran
 LAST_ABORT_KEY = "run:last-abort"
+# How long an abort waits for the cancelled model call and tools to unwind (a shell tool kills its
+# process group on the way out) before it ends the run anyway: a tool that ignores cancellation
+# must not keep the run, and the person who pressed stop, waiting. Its late result is ignored.
+ABORT_GRACE = 10.0
 
 # Abort reasons after which the caller decides what runs next, so queued input is not promoted:
 # an interrupt starts its own run, a reset or kill clears the queue, and a subagent stopped with
@@ -355,8 +359,10 @@ class ProcessEngine:
         stopping = [t for t in [live.driver, *live.tools.values()] if t is not None and not t.done() and t is not me]
         for task in stopping:
             task.cancel()
-        if stopping:  # let them unwind (a shell tool kills its process group on the way out)
-            await asyncio.wait(stopping)
+        if stopping:  # let them unwind, for a while
+            _, stuck = await asyncio.wait(stopping, timeout=ABORT_GRACE)
+            for task in stuck:
+                log.warning("process %s: %s ignored its cancellation; the run ends without it", pid, task.get_name())
         run = live.record.current_run
         if run is None or run["run_id"] != active:
             return False  # it finished on its own meanwhile
