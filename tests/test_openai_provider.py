@@ -137,6 +137,16 @@ async def test_tool_call_arguments_split_across_chunks(fake: OpenAIFake) -> None
     assert "parallel_tool_calls" not in fake.last  # the provider's default: parallel
 
 
+def test_a_conversation_key_goes_to_openais_prompt_cache_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    keyed = ModelRequest(system_prompt="", messages=[user("hi")], cache_key="proc-1")
+    official = OpenAIChatModel("gpt-4o-mini", api_key="sk-test")
+    assert official.build_params(keyed)["prompt_cache_key"] == "proc-1"
+    assert "prompt_cache_key" not in official.build_params(req(user("hi")))  # no conversation, no key
+    other = OpenAIChatModel("local-model", api_key="x", base_url="http://127.0.0.1:8000/v1")
+    assert "prompt_cache_key" not in other.build_params(keyed)  # a compatible server may refuse it
+
+
 async def test_sequential_tool_execution_asks_for_one_call_at_a_time(fake: OpenAIFake) -> None:
     fake.push(tool_reply("echo", '{"text": "hi"}', id="call_1"), text_reply("done"))
     agent = Agent(model=model(fake), tools=[echo], tool_execution="sequential")

@@ -175,6 +175,16 @@ async def test_a_durable_run_refuses_calls_to_tools_a_hook_kept_back(tmp_path):
     assert [f["ok"] for f in finished] == [False, True]
 
 
+async def test_each_model_call_of_a_process_carries_its_pid_as_the_cache_key(tmp_path):
+    model = ScriptedModel([Reply(tool_calls=[call("echo", text="x")]), "done", "again"])
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        for text in ("go", "more"):
+            await proc.send(text)
+            await proc.wait_idle()
+    assert [r.cache_key for r in model.requests] == [proc.pid] * 3
+
+
 def _device_shell() -> Any:
     @tool(name="Shell")
     def shell(command: str, target: str = "local") -> str:

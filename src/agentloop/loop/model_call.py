@@ -29,7 +29,9 @@ from agentloop.models.base import Model, ModelRequest
 Emit = Callable[[LoopEvent], None] | None
 
 
-def build_request(cfg: LoopConfig, messages: list[Message], tools_enabled: bool) -> ModelRequest:
+def build_request(
+    cfg: LoopConfig, messages: list[Message], tools_enabled: bool, conversation: str | None = None
+) -> ModelRequest:
     return ModelRequest(
         system_prompt=cfg.system_prompt,
         messages=messages,
@@ -37,6 +39,7 @@ def build_request(cfg: LoopConfig, messages: list[Message], tools_enabled: bool)
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
         parallel_tool_calls=cfg.tool_execution == "parallel",
+        cache_key=conversation,
     )
 
 
@@ -77,7 +80,7 @@ async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit
     messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
-    request = build_request(cfg, messages, tools_enabled)
+    request = build_request(cfg, messages, tools_enabled, state.conversation)
     state.offered = None
     if cfg.hooks.phases:
         try:

@@ -72,6 +72,7 @@ class RunState:
     guard: str | None = None  # the guard that tripped; set when the final round is armed
     partial: AssistantMessage | None = None  # the assistant message being streamed
     offered: frozenset[str] | None = None  # tools the last model call was shown, when hooks narrowed them
+    conversation: str | None = None  # a durable process's id, sent as the provider's prompt-cache key
     results: dict[str, ToolResultMessage] = field(default_factory=dict)  # finished calls of a batch
     aborted: bool = False
     mode: Mode = "agent"

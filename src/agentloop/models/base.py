@@ -90,6 +90,7 @@ class ModelRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     parallel_tool_calls: bool = True  # False: the loop runs calls one by one, so ask for one per turn
+    cache_key: str | None = None  # the conversation (a process id): a prompt cache routes its calls together
 
 
 def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int = 0, cache_write: int = 0) -> Usage:

@@ -122,6 +122,8 @@ class OpenAIChatModel(Model):
             ]
             if not request.parallel_tool_calls:
                 params["parallel_tool_calls"] = False
+        if request.cache_key and self.base_url is None:  # OpenAI's own API; other servers may refuse it
+            params["prompt_cache_key"] = request.cache_key
         if request.max_tokens is not None:  # OpenAI's reasoning models accept only the newer name
             params["max_completion_tokens" if self.info.reasoning else "max_tokens"] = request.max_tokens
         if request.temperature is not None:

@@ -187,9 +187,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     generation = run["generation"]
 
     await _compact_if_needed(engine, live, run, cfg, tools_enabled)
-    messages = engine.hydrate(live.history) if engine.hydrate is not None and live.media else live.history
-    state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
-    live.partial = state
+    state = _call_state(engine, live, run)
 
     def stream(event: LoopEvent) -> None:
         if isinstance(event, MessageUpdate) and engine.hub.watching(pid):
@@ -213,9 +211,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         reply = await call_model(cfg, state, tools_enabled, stream if engine.hub.watching(pid) else None)
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry
-            messages = engine.hydrate(live.history) if engine.hydrate is not None and live.media else live.history
-            state = RunState(run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"])
-            live.partial = state
+            state = _call_state(engine, live, run)
             reply = await call_model(cfg, state, tools_enabled, None)
     finally:
         live.partial = None
@@ -275,6 +271,18 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         arm_deadline(engine, live, batch, time.time())
         return False
     return True
+
+
+def _call_state(engine: ProcessEngine, live: _Live, run: dict[str, Any]) -> RunState:
+    """What one model call of the run sees (stored images made inline again), kept as the call in
+    flight; the process id is the conversation a provider's prompt cache knows it by."""
+    history = live.history
+    messages = engine.hydrate(history) if engine.hydrate is not None and live.media else history
+    state = RunState(
+        run_id=run["run_id"], messages=messages, first_new=len(messages), turn=run["turn"], conversation=live.record.pid
+    )
+    live.partial = state
+    return state
 
 
 async def _compact_if_needed(
