@@ -209,6 +209,31 @@ async def test_a_tool_that_ignores_cancellation_does_not_hold_the_abort(tmp_path
         assert (await proc.messages())[-1].text == "after the abort"
 
 
+async def test_live_stream_signals_say_which_block_and_which_tool_call(tmp_path):
+    model = ScriptedModel([Reply(text="Let me echo.", tool_calls=[call("echo", text="x")]), "done"])
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        seen = []
+
+        async def watch() -> None:
+            async for s in proc.signals(follow=True):
+                seen.append(s)
+                if s.signal == "proc.run.finished":
+                    return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.05)  # subscribed before the run starts
+        await proc.send("go")
+        await asyncio.wait_for(watcher, 5)
+    live = [s.payload for s in seen if s.signal == "proc.run.stream"]
+    assert all(s.seq is None for s in seen if s.signal == "proc.run.stream")  # live only, never logged
+    text = [p for p in live if p["event"] == "text_delta"]
+    assert "".join(p["delta"] for p in text) == "Let me echo." + "done"
+    [start] = [p for p in live if p["event"] == "toolcall_start"]
+    assert start["callId"] and start["name"] == "echo" and isinstance(start["index"], int)
+    assert start["index"] > text[0]["index"]  # the call is the block after the text
+
+
 async def test_model_answer_arriving_after_abort_is_dropped(tmp_path):
     model = ScriptedModel(["too late", "fresh"], latency=0.3)
     async with kernel(tmp_path, model) as k:

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from agentloop.events import LoopEvent, MessageUpdate, ModelRetry
+from agentloop.events import LoopEvent, MessageUpdate, ModelRetry, StreamEvent, ToolCallStart
 from agentloop.loop.execute import SKIPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
@@ -191,18 +191,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
 
     def stream(event: LoopEvent) -> None:
         if isinstance(event, MessageUpdate) and engine.hub.watching(pid):
-            engine.hub.publish(
-                pid,
-                Signal(
-                    sig.RUN_STREAM,
-                    {
-                        "pid": pid,
-                        "runId": run_id,
-                        "event": event.event.type,
-                        "delta": getattr(event.event, "delta", None),
-                    },
-                ),
-            )
+            engine.hub.publish(pid, Signal(sig.RUN_STREAM, _stream_payload(pid, run_id, event.event)))
         elif isinstance(event, ModelRetry) and engine.hub.watching(pid):  # live progress, like deltas
             retry = {"model": event.model, "error": event.error, "attempt": event.attempt, "delay": event.delay}
             engine.hub.publish(pid, Signal(sig.RUN_STREAM, {"pid": pid, "runId": run_id, "event": event.type, **retry}))
@@ -271,6 +260,22 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         arm_deadline(engine, live, batch, time.time())
         return False
     return True
+
+
+def _stream_payload(pid: str, run_id: str, event: StreamEvent) -> dict[str, Any]:
+    """A live stream event as ``proc.run.stream`` shows it: its type, the content block it belongs
+    to, the text it adds, and for a tool call that starts, which call and tool (before its
+    arguments have arrived, a UI can already show what is being prepared)."""
+    payload: dict[str, Any] = {
+        "pid": pid,
+        "runId": run_id,
+        "event": event.type,
+        "index": getattr(event, "index", None),
+        "delta": getattr(event, "delta", None),
+    }
+    if isinstance(event, ToolCallStart):
+        payload["callId"], payload["name"] = event.id, event.name
+    return payload
 
 
 def _call_state(engine: ProcessEngine, live: _Live, run: dict[str, Any]) -> RunState:
