@@ -15,18 +15,26 @@ extras=${1:-local,server}
 pip=(.venv/bin/python -m pip)
 "${pip[@]}" install -q --upgrade pip
 
-if [[ ",$extras," =~ ,local(-small)?, ]] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+if [[ ",$extras," =~ ,local(-small)?, ]]; then
     pin=$(grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | head -1 | tr -d '"')
     flags=""
     if [ "$(uname -m)" = x86_64 ]; then
         flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
     fi
-    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/agentloop/wheels/$(echo "$pin $flags" | sha256sum | cut -c1-16)"
-    if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-        echo "building $pin (llama.cpp compiles from source: about 9 minutes on 2 cores, once)" >&2
-        CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-            "${pip[@]}" wheel -q --no-deps --no-cache-dir -w "$wheels" "$pin"
+    if [ -n "${CMAKE_ARGS:-}" ]; then
+        flags="$flags $CMAKE_ARGS"  # the caller's own flags (a GPU backend, say) come last and win
     fi
-    "${pip[@]}" install -q --no-deps "$wheels"/llama_cpp_python-*.whl
+    key=$(echo "$pin $flags" | sha256sum | cut -c1-16)
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/agentloop/wheels/$key"
+    marker=.venv/.agentloop-llama-build  # which build the venv holds: a native one from an older install is replaced
+    if [ "$(cat "$marker" 2>/dev/null)" != "$key" ]; then
+        if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+            echo "building $pin (llama.cpp compiles from source: about 9 minutes on 2 cores, once)" >&2
+            CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+                "${pip[@]}" wheel -q --no-deps --no-cache-dir -w "$wheels" "$pin"
+        fi
+        "${pip[@]}" install -q --no-deps --force-reinstall "$wheels"/llama_cpp_python-*.whl
+        echo "$key" > "$marker"
+    fi
 fi
 "${pip[@]}" install -q -e ".[$extras]"

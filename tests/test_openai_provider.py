@@ -147,11 +147,29 @@ def test_a_conversation_key_goes_to_openais_prompt_cache_only(monkeypatch: pytes
     assert "prompt_cache_key" not in other.build_params(keyed)  # a compatible server may refuse it
 
 
-async def test_sequential_tool_execution_asks_for_one_call_at_a_time(fake: OpenAIFake) -> None:
+def test_sequential_tool_execution_asks_openai_for_one_call_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    one_by_one = ModelRequest(system_prompt="", messages=[user("hi")], tools=[ECHO_SPEC], parallel_tool_calls=False)
+    assert OpenAIChatModel("gpt-4o-mini", api_key="k").build_params(one_by_one)["parallel_tool_calls"] is False
+    # OpenAI's reasoning models refuse the parameter, and an OpenAI-compatible server may
+    assert "parallel_tool_calls" not in OpenAIChatModel("o4-mini", api_key="k").build_params(one_by_one)
+    compatible = OpenAIChatModel("m", api_key="k", base_url="http://127.0.0.1:8000/v1")
+    assert "parallel_tool_calls" not in compatible.build_params(one_by_one)
+
+
+async def test_sequential_mode_reaches_the_request(fake: OpenAIFake) -> None:
     fake.push(tool_reply("echo", '{"text": "hi"}', id="call_1"), text_reply("done"))
-    agent = Agent(model=model(fake), tools=[echo], tool_execution="sequential")
+    seen: list[ModelRequest] = []
+
+    class Recording(OpenAIChatModel):
+        def build_params(self, request: ModelRequest) -> dict[str, Any]:
+            seen.append(request)
+            return super().build_params(request)
+
+    m = Recording("gpt-4o-mini", base_url=fake.base_url, api_key="sk-test")
+    agent = Agent(model=m, tools=[echo], tool_execution="sequential")
     assert (await agent.run("say hi")).text == "done"
-    assert [r["parallel_tool_calls"] for r in fake.requests] == [False, False]
+    assert [r.parallel_tool_calls for r in seen] == [False, False]
 
 
 async def test_two_parallel_tool_calls_interleaved(fake: OpenAIFake) -> None:

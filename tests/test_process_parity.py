@@ -148,7 +148,8 @@ async def test_post_turn_hooks_run_after_each_turn_of_a_durable_run(tmp_path):
     assert turns == [(0, "toolResult"), (1, "assistant")]
 
 
-async def test_a_durable_run_refuses_calls_to_tools_a_hook_kept_back(tmp_path):
+@pytest.mark.parametrize("options", [{}, {"tool_execution": "sequential"}, {"max_concurrency": 1}])
+async def test_a_durable_run_refuses_calls_to_tools_a_hook_kept_back(tmp_path, options):
     hooks = Hooks()
     calls: list[str] = []
 
@@ -162,17 +163,18 @@ async def test_a_durable_run_refuses_calls_to_tools_a_hook_kept_back(tmp_path):
     def hide_danger(info: TurnInfo) -> list[Any]:
         return [t for t in info.tools if t.name != "danger"]
 
-    model = ScriptedModel([Reply(tool_calls=[call("danger"), call("echo", text="x")]), "done"])
-    async with kernel(tmp_path, model, tools=[danger, echo], hooks=hooks) as k:
+    # the hidden call comes after calls that must wait their turn (sequential, concurrency 1)
+    model = ScriptedModel([Reply(tool_calls=[call("echo", text="a"), call("echo", text="x"), call("danger")]), "done"])
+    async with kernel(tmp_path, model, tools=[danger, echo], hooks=hooks, **options) as k:
         proc = await k.spawn(owner="a")
         await proc.send("go")
         await proc.wait_idle()
         results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
         finished = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.run.tool.finished"]
     assert calls == []
-    assert [r.is_error for r in results] == [True, False]
-    assert "danger is not available in this turn" in results[0].text and results[1].text == "x"
-    assert [f["ok"] for f in finished] == [False, True]
+    assert [r.is_error for r in results] == [False, False, True]
+    assert [r.text for r in results[:2]] == ["a", "x"] and "danger is not available in this turn" in results[2].text
+    assert sorted(f["ok"] for f in finished) == [False, True, True]
 
 
 async def test_each_model_call_of_a_process_carries_its_pid_as_the_cache_key(tmp_path):

@@ -120,8 +120,8 @@ class OpenAIChatModel(Model):
                 }
                 for t in request.tools
             ]
-            if not request.parallel_tool_calls:
-                params["parallel_tool_calls"] = False
+            if not request.parallel_tool_calls and self.base_url is None and not self.info.reasoning:
+                params["parallel_tool_calls"] = False  # OpenAI's reasoning models (and some servers) refuse it
         if request.cache_key and self.base_url is None:  # OpenAI's own API; other servers may refuse it
             params["prompt_cache_key"] = request.cache_key
         if request.max_tokens is not None:  # OpenAI's reasoning models accept only the newer name

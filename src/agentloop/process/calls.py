@@ -73,16 +73,17 @@ async def dispatch(
     assistant = assistant or _last_assistant(live.history) or AssistantMessage()
     approved = (await engine.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
     cfg = await engine._run_config(live, run_id)
+    if offered is not None:  # all at once: the loop below may stop at a call that has to wait
+        for row in rows:
+            if row.status == "registered" and row.tool_name not in offered and row.tool_name in cfg.tools:
+                refused = tool_error_result(call_of(row), not_offered(row.tool_name))
+                await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
     in_flight = sum(1 for r in rows if r.status == "dispatched")
     alone = in_flight > 0 and any(_runs_alone(cfg, r) for r in rows if r.status == "dispatched")
     for row in rows:
         if row.status != "registered":
             continue
         call = call_of(row)
-        if offered is not None and row.tool_name not in offered and row.tool_name in cfg.tools:
-            refused = tool_error_result(call, not_offered(row.tool_name))
-            await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
-            continue
         if budget is not None and row.position >= budget:
             refused = tool_error_result(call, CALLS_USED_UP)
             await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
