@@ -234,6 +234,35 @@ async def test_live_stream_signals_say_which_block_and_which_tool_call(tmp_path)
     assert start["index"] > text[0]["index"]  # the call is the block after the text
 
 
+async def test_chat_mode_answers_from_the_same_history_without_tools(tmp_path):
+    model = ScriptedModel(
+        lambda r: Reply(tool_calls=[call("echo", text="x")]) if r.tools and r.messages[-1].role == "user" else "said"
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        assert await proc.mode() == "agent"
+        await proc.send("use a tool")
+        await proc.wait_idle()
+        await proc.set_mode("chat")
+        assert await proc.mode() == "chat"
+        await proc.send("just talk")
+        await proc.wait_idle()
+        await proc.set_mode("agent")
+        await proc.send("tools again")
+        await proc.wait_idle()
+        chatty = await k.spawn(owner="a", mode="chat")
+        await chatty.send("hello")
+        await chatty.wait_idle()
+        changes = [s.payload["changes"] async for s in proc.signals(follow=False) if s.signal == "proc.changed"]
+        with pytest.raises(ValueError, match="mode must be agent or chat"):
+            await proc.set_mode("silent")  # type: ignore[arg-type]
+    offered = [bool(r.tools) for r in model.requests]
+    # agent run: call + after the result; chat run: no tools; agent again; the chat process: no tools
+    assert offered == [True, True, False, True, True, False]
+    assert model.requests[2].messages[0].text == "use a tool"  # the same history, tools or not
+    assert ["mode"] in changes
+
+
 async def test_model_answer_arriving_after_abort_is_dropped(tmp_path):
     model = ScriptedModel(["too late", "fresh"], latency=0.3)
     async with kernel(tmp_path, model) as k:

@@ -215,6 +215,25 @@ async def test_abort_and_reset(alice: httpx.AsyncClient) -> None:
     }
 
 
+async def test_mode_is_read_set_and_checked(server: LiveServer, alice: httpx.AsyncClient) -> None:
+    pid = await spawn(alice)
+    assert shape(await alice.get(f"/v1/processes/{pid}/mode"), api.ModeOut) == {"pid": pid, "mode": "agent"}
+    assert shape(await alice.post(f"/v1/processes/{pid}/mode", json={"mode": "chat"}), api.ModeOut) == {
+        "pid": pid,
+        "mode": "chat",
+    }
+    assert (await alice.get(f"/v1/processes/{pid}/mode")).json()["mode"] == "chat"
+    chatty = await spawn(alice, mode="chat")
+    assert (await alice.get(f"/v1/processes/{chatty}/mode")).json()["mode"] == "chat"
+    error(await alice.post(f"/v1/processes/{pid}/mode", json={"mode": "silent"}), 400, "invalid_request")
+    error(await alice.post(f"/v1/processes/{pid}/mode", json={}), 400, "invalid_request")
+    error(await alice.post("/v1/processes", json={"mode": "loud"}), 400, "invalid_request")
+    error(await alice.post("/v1/processes/nope/mode", json={"mode": "chat"}), 404, "not_found")
+    async with server.client(server.tokens.bob) as bob:  # another owner's process does not exist for bob
+        error(await bob.post(f"/v1/processes/{pid}/mode", json={"mode": "agent"}), 404, "not_found")
+    assert (await alice.get(f"/v1/processes/{pid}/mode")).json()["mode"] == "chat"
+
+
 class FakeHub:
     def __init__(self) -> None:
         self.asked: list[str] = []

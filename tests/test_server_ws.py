@@ -213,6 +213,8 @@ def test_arguments_are_checked_and_name_the_field(server: KernelServer) -> None:
             ("proc.subscribe", {"pid": pid, "after_seq": 2**63}, "after_seq"),  # past what the store holds
             ("proc.history", {"pid": pid, "before": 2**63}, "before"),
             ("proc.schedule.add", {"pid": pid, "text": "x", "every": 10**400}, "every"),
+            ("proc.mode", {"pid": pid, "mode": "silent"}, "mode"),
+            ("proc.mode", {"pid": pid, "mode": 1}, "mode"),
             ("proc.hil", {"pid": pid, "request_id": "r"}, "decision"),
             ("proc.hil", {"pid": pid, "request_id": "r", "decision": "maybe"}, "decision"),
             ("request.cancel", {}, "id"),
@@ -221,6 +223,9 @@ def test_arguments_are_checked_and_name_the_field(server: KernelServer) -> None:
             res = c.call(name, args)
             assert not res["ok"] and res["error"]["code"] == "invalid_request", (name, args, res)
             assert field in res["error"]["message"], (name, res)
+        assert c.ok("proc.mode", {"pid": pid}) == {"pid": pid, "mode": "agent"}
+        assert c.ok("proc.mode", {"pid": pid, "mode": "chat"}) == {"pid": pid, "mode": "chat"}
+        assert c.ok("proc.mode", {"pid": c.ok("proc.spawn", {"mode": "chat"})["pid"]})["mode"] == "chat"
         res = c.call("proc.send", {"pid": pid, "text": "x" * 200_001})
         assert res["error"]["code"] == "too_large"
         assert c.error("proc.hil", {"pid": pid, "request_id": "nope", "decision": "approve"}) == "not_found"

@@ -31,13 +31,14 @@ from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
 from agentloop.loop.hooks import maybe_await
+from agentloop.loop.state import Mode
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
-from agentloop.process.engine import ProcessEngine
+from agentloop.process.engine import MODE_KEY, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
 from agentloop.process.prompt import PromptSources, assemble_prompt
@@ -323,6 +324,14 @@ class Process:
     async def hil(self, request_id: str, decision: str, remember: bool = False) -> bool:
         return await self.kernel.engine.hil(self.pid, request_id, decision, remember=remember)
 
+    async def set_mode(self, mode: Mode) -> None:
+        """``chat``: from the next run on, answer from the same history without tools; ``agent``
+        (the default): with them again."""
+        await self.kernel.engine.set_mode(self.pid, mode)
+
+    async def mode(self) -> Mode:
+        return await self.kernel.engine.mode(self.pid)
+
     async def pending_approvals(self) -> list[Any]:
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
         return await self.kernel.store.hils(self.pid)
@@ -489,11 +498,13 @@ class Kernel:
         parent_pid: str | None = None,
         pid: str | None = None,
         kv: Mapping[str, Any] | None = None,
+        mode: Mode = "agent",
     ) -> Process:
         """A new durable process. ``cwd`` (default: the kernel's workspace; a relative one is taken
         from there) is the directory its built-in tools work in; it must exist. ``owner`` and
         ``run_as`` name accounts, so they must be plain names (they become directory names).
-        ``kv`` rows are stored with the process, in the same transaction."""
+        ``kv`` rows are stored with the process, in the same transaction. ``mode="chat"``: its runs
+        answer without tools (``Process.set_mode`` changes it)."""
         check_name(owner, "owner")
         check_name(run_as or owner, "run_as")
         if pid is not None:
@@ -502,6 +513,10 @@ class Kernel:
             raise TypeError(f"context must be a string, got {type(context).__name__}")
         if parent_pid is not None and await self.store.get_process(parent_pid) is None:
             raise NoSuchProcess(parent_pid)
+        if mode not in ("agent", "chat"):
+            raise ValueError(f"mode must be agent or chat, got {mode!r}")
+        if mode == "chat":
+            kv = {**(kv or {}), MODE_KEY: "chat"}
         workspace = self.engine.config.workspace or Path(".").resolve()  # noqa: ASYNC240 - (set at open)
         where = workspace
         if cwd is not None:

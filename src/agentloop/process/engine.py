@@ -37,7 +37,7 @@ from typing import Any
 
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.runner import CANCELLED
-from agentloop.loop.state import LoopConfig
+from agentloop.loop.state import LoopConfig, Mode
 from agentloop.messages import Message, ToolCall, tool_error_result
 from agentloop.process import admission, hil
 from agentloop.process import signals as sig
@@ -67,6 +67,7 @@ INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it 
 # kv row of a process: {"run_id", "at"} of its last aborted run, written with the abort, so what the
 # ``aborted`` hook had to do can still be done after a crash that came before the hook ran
 LAST_ABORT_KEY = "run:last-abort"
+MODE_KEY = "mode"  # "chat": the process's runs answer from the same history without tools
 # How long an abort waits for the cancelled model call and tools to unwind (a shell tool kills its
 # process group on the way out) before it ends the run anyway: a tool that ignores cancellation
 # must not keep the run, and the person who pressed stop, waiting. Its late result is ignored.
@@ -172,6 +173,8 @@ class ProcessEngine:
         if self.toolset is not None:
             tools = self.toolset(live.record, self.config.tools)
             cfg = replace(cfg, tools=dict(await maybe_await(tools)))
+        if await self.store.kv_get(live.record.pid, MODE_KEY) == "chat":  # read per run: a change waits for the next
+            cfg = replace(cfg, tools={})
         live.config = (run_id, cfg)
         return cfg
 
@@ -298,6 +301,22 @@ class ProcessEngine:
         )
 
     # -- approvals (see hil.py) -------------------------------------------------------------------
+
+    async def set_mode(self, pid: str, mode: Mode) -> None:
+        """Chat or agent from the next run on: a chat run sees the same history but no tools."""
+        if mode not in ("agent", "chat"):
+            raise ValueError(f"mode must be agent or chat, got {mode!r}")
+        live = await self.live(pid)
+        async with self._tx(live) as tx:
+            if mode == "chat":
+                await self.store.kv_set(pid, MODE_KEY, "chat")
+            else:
+                await self.store.kv_delete(pid, MODE_KEY)
+            await tx.signal(sig.CHANGED, changes=["mode"])
+
+    async def mode(self, pid: str) -> Mode:
+        await self.live(pid)  # NoSuchProcess for an unknown or killed pid
+        return "chat" if await self.store.kv_get(pid, MODE_KEY) == "chat" else "agent"
 
     async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> bool:
         """Answer a pending approval. The decision applies to the exact call (and arguments) shown."""

@@ -29,7 +29,7 @@ from agentloop.server.errors import ApiError
 from agentloop.server.events import open_stream
 from agentloop.server.http_errors import internal_error, invalid, validation_error
 from agentloop.server.openapi import Endpoint, document
-from agentloop.server.service import IMAGE_TYPES, MAX_HISTORY_PAGE, MODES
+from agentloop.server.service import IMAGE_TYPES, MAX_HISTORY_PAGE, MODES, RUN_MODES
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -50,6 +50,11 @@ class SpawnBody(Body):
     context: str = Field("", description="Process context, the last section of every run's system prompt.")
     interactive: bool = Field(True, description="Whether the process may ask for approval.")
     cwd: str | None = Field(None, description="Working directory, relative to the server's workspace.")
+    mode: Literal[RUN_MODES] = Field("agent", description="chat: runs answer without tools.")  # type: ignore[valid-type]
+
+
+class ModeBody(Body):
+    mode: Literal[RUN_MODES] = Field(description="agent (with tools) or chat (without), from the next run on.")  # type: ignore[valid-type]
 
 
 class MediaItem(Body):
@@ -167,6 +172,11 @@ class HistoryOut(Answer):
 
 class AbortOut(Answer):
     aborted: bool
+
+
+class ModeOut(Answer):
+    pid: str
+    mode: str
 
 
 class ApprovalRequest(Answer):
@@ -366,7 +376,7 @@ async def me(call: Call) -> dict[str, Any]:
 async def spawn(call: Call) -> dict[str, Any]:
     body = call.parsed(SpawnBody, call.body)
     return await call.ctx.processes.spawn(
-        call.principal, context=body.context, interactive=body.interactive, cwd=body.cwd
+        call.principal, context=body.context, interactive=body.interactive, cwd=body.cwd, mode=body.mode
     )
 
 
@@ -410,6 +420,15 @@ async def events(call: Call) -> Response:
     resume = _last_event_id(call.request)
     after = resume if resume is not None else query.after_seq  # the header wins: it is the reconnect
     return await open_stream(call.ctx, call.principal, call.param("pid"), after_seq=after, follow=query.follow)
+
+
+async def get_mode(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.mode(call.principal, call.param("pid"))
+
+
+async def set_mode(call: Call) -> dict[str, Any]:
+    body = call.parsed(ModeBody, call.body)
+    return await call.ctx.processes.mode(call.principal, call.param("pid"), body.mode)
 
 
 async def abort(call: Call) -> dict[str, Any]:
@@ -525,6 +544,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         headers=(("Last-Event-ID", "Resume after this seq; wins over after_seq."),),
     ),
     Endpoint("POST", f"{_P}/abort", "Abort the active run.", abort, body=AbortBody, answer=AbortOut),
+    Endpoint(
+        "GET", f"{_P}/mode", "Whether the process's runs use tools (agent) or not (chat).", get_mode, answer=ModeOut
+    ),
+    Endpoint(
+        "POST", f"{_P}/mode", "Set agent or chat mode, from the next run on.", set_mode, body=ModeBody, answer=ModeOut
+    ),
     Endpoint("GET", f"{_P}/hil", "Pending approval requests.", approvals, answer=ApprovalList),
     Endpoint(
         "POST",

@@ -21,6 +21,7 @@ from agentloop.kernel import Kernel, NoSuchProcess, Process
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.watches import WatchError
+from agentloop.loop.state import Mode
 from agentloop.messages import ImageContent, message_to_dict
 from agentloop.process.api import Receipt, SendMode
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
@@ -30,6 +31,7 @@ from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
 
 MODES: tuple[str, ...] = get_args(SendMode)
+RUN_MODES: tuple[str, ...] = get_args(Mode)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 MAX_TEXT = 200_000
 MAX_CONTEXT = 64_000
@@ -135,10 +137,17 @@ class ProcessService:
         return Process(self.kernel, pid), record
 
     async def spawn(
-        self, who: Principal, *, context: str = "", interactive: bool = True, cwd: str | None = None
+        self,
+        who: Principal,
+        *,
+        context: str = "",
+        interactive: bool = True,
+        cwd: str | None = None,
+        mode: str = "agent",
     ) -> dict[str, Any]:
         """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
         stay inside it."""
+        run_mode = _run_mode(mode)
         if len(context) > MAX_CONTEXT:  # it is sent with every model call, and listed with every process
             raise ApiError(413, "too_large", f"context is longer than {MAX_CONTEXT} characters")
         root = Path(self.kernel.engine.config.workspace or ".").resolve()  # noqa: ASYNC240 - no I/O wait
@@ -151,7 +160,7 @@ class ProcessService:
                 raise bad_cwd from None
             if not where.is_relative_to(root) or not where.is_dir():
                 raise bad_cwd
-        proc = await self.kernel.spawn(who.account, cwd=where, interactive=interactive, context=context)
+        proc = await self.kernel.spawn(who.account, cwd=where, interactive=interactive, context=context, mode=run_mode)
         return process_json(await proc.info())
 
     async def list_processes(self, who: Principal) -> list[dict[str, Any]]:
@@ -202,6 +211,13 @@ class ProcessService:
         """The process's signals after ``after_seq`` (checked now, before the first one is read)."""
         proc, _ = await self._process(who, pid)
         return proc.signals(after_seq=after_seq, follow=follow)
+
+    async def mode(self, who: Principal, pid: str, mode: str | None = None) -> dict[str, Any]:
+        """The process's mode, after setting it when ``mode`` is given (from its next run on)."""
+        proc, _ = await self._process(who, pid)
+        if mode is not None:
+            await proc.set_mode(_run_mode(mode))
+        return {"pid": pid, "mode": await proc.mode()}
 
     async def abort(self, who: Principal, pid: str, *, run_id: str | None = None) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)
@@ -296,6 +312,14 @@ class ProcessService:
         if not removed:
             raise ApiError(404, "not_found", f"no watch {watch_id!r} on process {pid!r}")
         return {"id": watch_id, "removed": True}
+
+
+def _run_mode(mode: str) -> Mode:
+    if mode == "chat":
+        return "chat"
+    if mode == "agent":
+        return "agent"
+    raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(RUN_MODES)}")
 
 
 def _check_text(text: str, *, empty_ok: bool = False) -> None:

@@ -244,7 +244,12 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
         context=_want(args, "context", str, "a string", ""),
         interactive=_want(args, "interactive", bool, "a boolean", True),
         cwd=_want(args, "cwd", str, "a string", None),
+        mode=_want(args, "mode", str, "a string", "agent"),
     )
+
+
+async def _mode(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.mode(conn.user, _id(args, "pid"), _want(args, "mode", str, "a string", None))
 
 
 async def _list(conn: Connection, args: dict[str, Any]) -> Any:
@@ -357,6 +362,7 @@ CALLS: dict[str, Call] = {
     "proc.send": Call(_send, mutates=True),
     "proc.history": Call(_history),
     "proc.abort": Call(_abort, mutates=True),
+    "proc.mode": Call(_mode, mutates=True),
     "proc.hil": Call(_hil, mutates=True),
     "proc.approvals": Call(_approvals),
     "proc.reset": Call(_reset, mutates=True),
