@@ -117,6 +117,18 @@ def test_a_second_chat_continues_the_conversation_and_new_starts_afresh(tmp_path
     assert texts(last_model.requests[0].messages) == ["fourth question", "after slash-new", "fifth question"]
 
 
+@pytest.mark.parametrize("memory", [False, True])
+def test_slash_chat_answers_without_tools_and_slash_agent_brings_them_back(
+    tmp_path: Path, ws: Path, memory: bool
+) -> None:
+    scripted = model("modes", ["with tools", "without", "with tools again"])
+    extra = ("--memory",) if memory else ()
+    result = chat(ws, tmp_path / "data", "modes", "one\n/chat\ntwo\n/agent\nthree\n", *extra)
+    assert [bool(r.tools) for r in scripted.requests] == [True, False, True]
+    assert texts(scripted.requests[1].messages) == ["one", "with tools", "two"]  # the same conversation
+    assert "(chat mode: answers without tools)" in result.stderr and "(agent mode: tools on)" in result.stderr
+
+
 def test_without_the_state_file_the_users_newest_process_in_the_workspace_is_continued(
     tmp_path: Path, ws: Path
 ) -> None:

@@ -210,7 +210,7 @@ async def test_events_resume_after_a_drop_without_loss_or_repeat(server: LiveSer
 def test_remote_chat_session(server: LiveServer) -> None:
     """The chat REPL over HTTP: streamed answers, an approval answered at the prompt."""
     out, err = io.StringIO(), io.StringIO()
-    reader = PlainReader(io.StringIO("hi\nrisky\ny\n/exit\n"))
+    reader = PlainReader(io.StringIO("hi\nrisky\ny\n/chat\n/exit\n"))
     ev = asyncio.new_event_loop()
     client = AgentloopClient(server.url, server.tokens.bob)
     try:
@@ -223,7 +223,8 @@ def test_remote_chat_session(server: LiveServer) -> None:
         again = RemoteSession(client)
         count = ev.run_until_complete(again.open())
         assert again.pid == session.pid and count == 6
-        assert again.seq == session.seq
+        assert again.seq == session.seq + 1  # /chat logged a proc.changed after the last turn
+        assert ev.run_until_complete(client.mode(session.pid)) == "chat"  # on the server's process
     finally:
         ev.run_until_complete(client.aclose())
         ev.close()

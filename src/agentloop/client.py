@@ -206,6 +206,14 @@ class AgentloopClient:
         data = await self._call("POST", f"/v1/processes/{pid}/abort", body=body)
         return bool(data.get("aborted"))
 
+    async def mode(self, pid: str, mode: str | None = None) -> str:
+        """The process's mode (agent or chat), after setting it when ``mode`` is given."""
+        if mode is None:
+            data = await self._call("GET", f"/v1/processes/{pid}/mode")
+        else:
+            data = await self._call("POST", f"/v1/processes/{pid}/mode", body={"mode": mode})
+        return str(data.get("mode"))
+
     async def approvals(self, pid: str) -> list[dict[str, Any]]:
         data = await self._call("GET", f"/v1/processes/{pid}/hil")
         return list(data.get("requests", []))

@@ -30,11 +30,15 @@ from agentloop.agent import Agent, Run, RunResult
 from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ReadInterrupted, ask_user
 from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
 from agentloop.kernel import Kernel, Process
+from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, Message
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
 
-HELP = "/new starts a new conversation · /exit or Ctrl-D quits · Ctrl-C aborts a running answer"
+HELP = (
+    "/new starts a new conversation · /chat answers without tools, /agent with them · "
+    "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
+)
 
 
 class Transcript(Protocol):
@@ -213,6 +217,9 @@ class Session(Protocol):
     async def new(self) -> None:
         """Start a fresh conversation."""
 
+    async def set_mode(self, mode: Mode) -> None:
+        """From the next turn on: ``chat`` answers from the same history without tools, ``agent`` with them."""
+
     def abort(self) -> None:
         """Ctrl-C during a turn: stop it (the conversation stays valid); called from a signal handler."""
 
@@ -226,10 +233,14 @@ class AgentSession:
         self.transcript = transcript if transcript is not None else MemoryTranscript()
         self.hook = hook
         self.last_result: RunResult | None = None
+        self.mode: Mode = "agent"
         self._run: Run | None = None
 
+    async def set_mode(self, mode: Mode) -> None:
+        self.mode = mode
+
     async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
-        run = self._run = self.agent.start(text, history=self.transcript.history(), stream=True)
+        run = self._run = self.agent.start(text, history=self.transcript.history(), stream=True, mode=self.mode)
         if self.hook is not None:
             self.hook.ask = ask
             self.hook.on_abort = run.abort
@@ -316,6 +327,12 @@ class ChatRepl:
             if word in ("/new", "/reset", "/clear"):
                 ev.run_until_complete(self.session.new())
                 self.err.print(Text("(new conversation)", style="dim"))
+                return True
+            if word in ("/chat", "/agent"):
+                mode: Mode = "chat" if word == "/chat" else "agent"
+                ev.run_until_complete(self.session.set_mode(mode))
+                shown = "chat mode: answers without tools" if mode == "chat" else "agent mode: tools on"
+                self.err.print(Text(f"({shown})", style="dim"))
                 return True
             if word in ("/help", "/?"):
                 self.err.print(Text(HELP, style="dim"))
@@ -520,6 +537,9 @@ class DurableSession:
     def _save(self) -> None:
         if self.proc is not None:
             self.state.put(self.key, self.proc.pid, self.seq)
+
+    async def set_mode(self, mode: Mode) -> None:
+        await self.process.set_mode(mode)
 
     async def new(self) -> None:
         self.proc = await self.kernel.spawn(owner=self.owner, cwd=self.cwd, interactive=True)

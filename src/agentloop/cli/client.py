@@ -26,6 +26,7 @@ from agentloop.cli.chat import TurnOutcome
 from agentloop.cli.config import Connection, load_connection
 from agentloop.cli.render import SignalRenderer, TextRenderer, describe_call, one_line, stderr_console
 from agentloop.client import AgentloopClient, ClientError, StreamEvent
+from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, ToolResultMessage, message_from_dict
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
@@ -389,6 +390,9 @@ class RemoteSession:
                 if event.seq is not None:
                     last = event.seq
         return last
+
+    async def set_mode(self, mode: Mode) -> None:
+        await self.client.mode(self.pid, mode)
 
     async def new(self) -> None:
         proc = await self.client.spawn(interactive=True, cwd=self.cwd)
