@@ -46,6 +46,8 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/processes/{pid}/messages"): {"params": {"limit": 10}},
     ("GET", "/v1/processes/{pid}/events"): {"params": {"follow": "false"}},
     ("POST", "/v1/processes/{pid}/abort"): {"json": {}},
+    ("GET", "/v1/processes/{pid}/mode"): {},
+    ("POST", "/v1/processes/{pid}/mode"): {"json": {"mode": "chat"}},
     ("GET", "/v1/processes/{pid}/hil"): {},
     ("POST", "/v1/processes/{pid}/hil/{request_id}"): {"json": {"decision": "deny"}},
     ("POST", "/v1/processes/{pid}/reset"): {},
