@@ -300,7 +300,7 @@ class ProcessEngine:
             lambda: admission.signal_event(self, pid, text, run_id=run_id, reason=reason, claim=claim)
         )
 
-    # -- approvals (see hil.py) -------------------------------------------------------------------
+    # -- mode --------------------------------------------------------------------------------------
 
     async def set_mode(self, pid: str, mode: Mode) -> None:
         """Chat or agent from the next run on: a chat run sees the same history but no tools."""
@@ -317,6 +317,8 @@ class ProcessEngine:
     async def mode(self, pid: str) -> Mode:
         await self.live(pid)  # NoSuchProcess for an unknown or killed pid
         return "chat" if await self.store.kv_get(pid, MODE_KEY) == "chat" else "agent"
+
+    # -- approvals (see hil.py) -------------------------------------------------------------------
 
     async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> bool:
         """Answer a pending approval. The decision applies to the exact call (and arguments) shown."""
