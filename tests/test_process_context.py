@@ -162,6 +162,30 @@ async def test_skills_are_indexed_in_the_prompt_and_read_with_the_skills_tool(tm
         assert "Run make ship." in result.text
 
 
+async def test_the_kernel_sets_the_accounts_context_budget(tmp_path):
+    home = tmp_path / "home" / "alice" / "context.d"
+    home.mkdir(parents=True)
+    (home / "1.md").write_text("A" * 100)
+    (home / "2.md").write_text("B" * 100)
+    prompts = []
+    for budget in (150, 1000):
+        model = ScriptedModel(["ok"])
+        db = f"sqlite:///{tmp_path}/{budget}.db"
+        async with Kernel.open(
+            db, model=model, workspace=tmp_path, tools=[], data_dir=tmp_path, context_bytes=budget
+        ) as k:
+            proc = await k.spawn(owner="alice")
+            await proc.send("hi")
+            await proc.wait_idle()
+        prompts.append(model.requests[0].system_prompt)
+    small, large = prompts
+    assert "A" * 100 in small and "B" * 100 not in small and "2.md truncated" in small
+    assert "A" * 100 in large and "B" * 100 in large
+    with pytest.raises(ValueError, match="context_bytes must be a non-negative integer"):
+        async with Kernel.open(f"sqlite:///{tmp_path}/bad.db", context_bytes=-1):
+            pass
+
+
 async def test_an_accounts_own_skills_join_the_systems_and_win_by_name(tmp_path):
     def skill(layer: str, name: str, description: str, body: str) -> None:
         folder = tmp_path / layer / name

@@ -41,7 +41,7 @@ from agentloop.process.archive import check_name, write_archive
 from agentloop.process.engine import MODE_KEY, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
-from agentloop.process.prompt import PromptSources, assemble_prompt
+from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
     MAX_SEQ,
@@ -154,6 +154,7 @@ def _prompt_builder(
     base: str,
     devices: DeviceDirectory | None = None,
     mcp_servers: Callable[[ProcessRecord], Awaitable[str]] | None = None,
+    context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
 ) -> Callable[[ProcessRecord], Awaitable[str]]:
     """Assemble each run's system prompt from the data directory's context, skills and homes
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
@@ -178,6 +179,7 @@ def _prompt_builder(
             workspace=Path(record.cwd),
             process_context=record.context or None,
             main_process=record.parent_pid is None,
+            max_context_bytes=context_bytes,
             variables={
                 "identity": record.run_as,
                 "owner": record.owner,
@@ -385,6 +387,7 @@ class Kernel:
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
+        context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
         toolset: ToolsetFn | None = None,
         devices: DeviceDirectory | None = None,
         schedule_min_every: float = DEFAULT_MIN_EVERY,
@@ -409,9 +412,11 @@ class Kernel:
         workers renew or try to take their duties (``kernel/duty.py``: firing the schedules, and
         delivering watched signals a dead worker left undelivered);
         ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
-        Tool calls are checked against the approval policy (``policy`` server-wide, per account in
-        ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
-        default otherwise) unless ``approval`` replaces the check.
+        ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``)
+        in each run's system prompt. Tool calls are checked against the approval policy
+        (``policy`` server-wide, per account in ``account_policies`` or the file
+        ``<data_dir>/home/<account>/approval.json``; DESIGN §3's default otherwise) unless
+        ``approval`` replaces the check.
         """
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
@@ -420,6 +425,8 @@ class Kernel:
             raise TypeError(f"compaction_threshold must be a number, got {type(compaction_threshold).__name__}")
         if not 0 < compaction_threshold <= 1:  # a share of the context window (NaN fails this too)
             raise ValueError(f"compaction_threshold must be above 0 and at most 1, got {compaction_threshold}")
+        if isinstance(context_bytes, bool) or not isinstance(context_bytes, int) or context_bytes < 0:
+            raise ValueError(f"context_bytes must be a non-negative integer, got {context_bytes!r}")
         root = Path(workspace or ".").resolve()  # noqa: ASYNC240 - once, at start-up
         store = open_store(url)
         if data_dir is None:
@@ -465,7 +472,7 @@ class Kernel:
             agent.config,
             approval=approval,
             hydrate=_hydrate(media),
-            prompt=_prompt_builder(data, agent.config.system_prompt, devices, mcp_servers),
+            prompt=_prompt_builder(data, agent.config.system_prompt, devices, mcp_servers, context_bytes),
             archive=archive,
             compaction_threshold=compaction_threshold,
             toolset=toolset,
