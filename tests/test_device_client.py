@@ -206,7 +206,7 @@ def test_addresses_and_allow_lists():
 
 async def test_a_device_subprocess_serves_read_and_shell_then_dies_mid_call(tmp_path):
     async with world(tmp_path) as w:
-        device = await w.spawn_device("box", "--allow", "fs,shell")
+        device = await w.spawn_device("box", "--allow", "fs,shell", "--description", "the build box")
         try:
             await w.online("box")
             async with httpx.AsyncClient(base_url=w.server.url) as http:
@@ -214,6 +214,7 @@ async def test_a_device_subprocess_serves_read_and_shell_then_dies_mid_call(tmp_
             assert listed.status_code == 200, listed.text
             [box] = listed.json()["devices"]
             assert box["id"] == "box" and box["owner"] == "alice" and "shell.exec" in box["implements"]
+            assert box["description"] == "the build box"  # --description, as the agents' prompts show it
             answer = await ask(w, "read")
             first, shell, escape, local = answer.split("\n---\n")
             assert first.startswith("OK ") and "greetings from the device" in first

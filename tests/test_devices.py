@@ -167,6 +167,8 @@ async def test_a_driver_connects_is_listed_and_goes_offline_on_close():
         ({"tools": [{"name": "t"}, {"name": "t"}]}, "tools[1].name"),
         ({"tools": [{"name": "t" * 60}]}, "tools[0].name"),
         ({"tools": "screenshot"}, "tools"),
+        ({"description": 5}, "description"),
+        ({"description": "x" * 201}, "description"),
     ],
 )
 async def test_a_bad_declaration_is_refused_naming_the_field(args, field):
@@ -396,7 +398,7 @@ def test_device_calls_are_tagged_remote():
 
 async def test_a_process_routes_calls_and_its_policy_sees_the_remote_tag(tmp_path):
     hub = DeviceHub()
-    device = await online(hub, ALICE, "laptop")
+    device = await online(hub, ALICE, "laptop", description="Alice's laptop,\n has the GPU")
     seen: list[ModelRequest] = []
 
     def model(req: ModelRequest) -> Reply | str:
@@ -423,7 +425,9 @@ async def test_a_process_routes_calls_and_its_policy_sees_the_remote_tag(tmp_pat
         assert answer.startswith('fs.read {"limit": 2000, "offset": 1, "path": "a.txt"}')  # validated args
         assert "denied by policy" in answer and "fs.write on laptop is" in answer and "remote" in answer
         assert device.calls("fs.read") and not device.calls("fs.write")
-        assert "- laptop: fs.read, fs.write" in seen[0].system_prompt and "- local:" in seen[0].system_prompt
+        assert "- laptop (Alice's laptop, has the GPU): fs.read, fs.write" in seen[0].system_prompt  # one line
+        assert "- local:" in seen[0].system_prompt
+        assert hub.list(ALICE)[0]["description"] == "Alice's laptop, has the GPU"
         # bob's process sees neither alice's device nor its name in the prompt
         bob = await k.spawn("bob")
         await bob.send("go")

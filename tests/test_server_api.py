@@ -240,7 +240,16 @@ class FakeHub:
 
     def list(self, who: Any) -> list[dict[str, Any]]:
         self.asked.append(who.account)
-        return [{"id": "laptop", "owner": who.account, "implements": ["fs.read"], "tools": [], "connected_at": 1.5}]
+        return [
+            {
+                "id": "laptop",
+                "owner": who.account,
+                "description": "",
+                "implements": ["fs.read"],
+                "tools": [],
+                "connected_at": 1.5,
+            }
+        ]
 
 
 async def test_devices_without_and_with_a_hub(server: LiveServer, alice: httpx.AsyncClient) -> None:

@@ -77,6 +77,9 @@ def connect(
         str | None, typer.Option("--token", envvar="AGENTLOOP_TOKEN", help="An account token (or AGENTLOOP_TOKEN).")
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="The device id (default: the host name).")] = None,
+    description: Annotated[
+        str, typer.Option("--description", help="What the device is, for the agents (e.g. 'my laptop, has the GPU').")
+    ] = "",
     root: Annotated[Path | None, typer.Option("--root", help="The directory it serves (default: here).")] = None,
     allow: Annotated[
         str,
@@ -111,6 +114,7 @@ def connect(
         name=name or default_name(),
         root=base,
         implements=implements,
+        description=description,
         backoff_initial=max(0.01, backoff),
         backoff_max=max(backoff, backoff_max),
     )

@@ -116,6 +116,7 @@ class DeviceOptions:
     root: Path
     implements: tuple[str, ...] = DEFAULT_ALLOW  # shell and file changes only when asked for
     tools: Sequence[Tool] = ()  # extra tools, shown to the model as ``<name>__<tool>``
+    description: str = ""  # the owner's words for the device, listed in the agents' prompts
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
     connect_timeout: float = 15.0
@@ -175,6 +176,7 @@ class DeviceClient:
             "name": self.options.name,
             "implements": [s for s in self.options.implements if s in self.handlers],
             "tools": tools,
+            **({"description": self.options.description} if self.options.description else {}),
         }
 
     async def session(self) -> None:

@@ -77,11 +77,13 @@ class DeviceInfo:
     implements: tuple[str, ...]
     tools: tuple[DeviceTool, ...] = ()
     connected_at: float = 0.0
+    description: str = ""  # the owner's words for it ("my laptop, has the GPU"), shown to the model
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "owner": self.owner,
+            "description": self.description,
             "implements": list(self.implements),
             "tools": [t.to_json() for t in self.tools],
             "connected_at": self.connected_at,
@@ -126,7 +128,8 @@ def describe_devices(devices: Sequence[DeviceInfo]) -> str:
     for d in sorted(devices, key=lambda d: d.id):
         what = ", ".join(d.implements) or "no syscalls"
         extra = ", ".join(device_tool_name(d.id, t.name) for t in d.tools)
-        lines.append(f"- {d.id}: {what}" + (f"; tools: {extra}" if extra else ""))
+        about = f" ({d.description})" if d.description else ""
+        lines.append(f"- {d.id}{about}: {what}" + (f"; tools: {extra}" if extra else ""))
     return "\n".join(lines)
 
 

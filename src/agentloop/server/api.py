@@ -240,6 +240,7 @@ class RemovedOut(Answer):
 class DeviceOut(Answer):
     id: str
     owner: str
+    description: str
     implements: list[str]
     tools: list[dict[str, Any]]
     connected_at: float

@@ -45,6 +45,7 @@ _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,30}[A-Za-z0-9])?")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 64
 MAX_DESCRIPTION = 4096
+MAX_DEVICE_DESCRIPTION = 200  # a device's own description: one line of the system prompt
 
 
 class DriverSocket(Protocol):
@@ -91,8 +92,9 @@ def _error_res(req_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"type": "res", "id": req_id, "ok": False, "error": {"code": code, "message": message}}
 
 
-def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool, ...]]:
-    """The device id, syscalls and extra tools a ``sys.connect`` declares; ``HubError`` if invalid."""
+def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool, ...], str]:
+    """The device id, syscalls, extra tools and description a ``sys.connect`` declares; ``HubError``
+    if invalid. The description goes into prompts, so it is one line of bounded length."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
@@ -136,7 +138,11 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
         except SchemaError as exc:
             raise HubError("invalid_request", f"{where}.parameters: not a valid JSON schema: {exc.message}") from None
         tools.append(DeviceTool(tname, desc, {"type": "object", **params}))
-    return name, tuple(dict.fromkeys(implements)), tuple(tools)
+    description = args.get("description", "")
+    if not isinstance(description, str) or len(description) > MAX_DEVICE_DESCRIPTION:
+        raise HubError("invalid_request", f"description: a string of at most {MAX_DEVICE_DESCRIPTION} chars")
+    description = " ".join(description.split())  # one line: it is listed in the system prompt
+    return name, tuple(dict.fromkeys(implements)), tuple(tools), description
 
 
 def _result_of(device: str, res: dict[str, Any]) -> ToolResult:
@@ -209,8 +215,9 @@ class DeviceHub:
         returns right after the error response and leaves the socket open for the caller.
         """
         try:
-            name, implements, tools = parse_declaration(args)
-            conn = _Connection(DeviceInfo(name, who.account, implements, tools, time.time()), websocket)
+            name, implements, tools, description = parse_declaration(args)
+            info = DeviceInfo(name, who.account, implements, tools, time.time(), description)
+            conn = _Connection(info, websocket)
             await self._claim(conn)
         except HubError as exc:
             with contextlib.suppress(Exception):
