@@ -23,7 +23,7 @@ from agentloop.events import AgentEnd, LoopEvent
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
 from agentloop.loop.runner import finish_event, run_loop
-from agentloop.loop.state import LoopConfig, Mode, RunState, ToolExecution
+from agentloop.loop.state import LoopConfig, Mode, RunState, ToolExecution, check_mode
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -284,8 +284,7 @@ class Agent:
         messages is a history to continue (its last message must be user input or tool results).
         ``mode="chat"`` runs without tools on the same history.
         """
-        if mode not in ("agent", "chat"):
-            raise ValueError(f"mode must be 'agent' or 'chat', got {mode!r}")
+        check_mode(mode)
         messages = list(history)
         if messages and not all(isinstance(m, _MESSAGE_TYPES) for m in messages):
             raise TypeError("history must be a list of Message objects")

@@ -1,5 +1,6 @@
-"""Cheap change detection for files the runtime re-reads while it runs (prompt sources, policy
-files, an account's MCP list): a ``stat`` per check instead of reading and parsing the file."""
+"""Files the runtime re-reads while it runs (prompt sources, policy files, an account's MCP list):
+cheap change detection (a ``stat`` per check instead of reading and parsing the file), and a read
+that refuses what is not a regular file."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
 from agentloop.loop.hooks import maybe_await
-from agentloop.loop.state import Mode
+from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
@@ -520,9 +520,7 @@ class Kernel:
             raise TypeError(f"context must be a string, got {type(context).__name__}")
         if parent_pid is not None and await self.store.get_process(parent_pid) is None:
             raise NoSuchProcess(parent_pid)
-        if mode not in ("agent", "chat"):
-            raise ValueError(f"mode must be agent or chat, got {mode!r}")
-        if mode == "chat":
+        if check_mode(mode) == "chat":
             kv = {**(kv or {}), MODE_KEY: "chat"}
         workspace = self.engine.config.workspace or Path(".").resolve()  # noqa: ASYNC240 - (set at open)
         where = workspace

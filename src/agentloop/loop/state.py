@@ -32,6 +32,15 @@ ToolExecution: TypeAlias = Literal["parallel", "sequential"]
 Mode: TypeAlias = Literal["agent", "chat"]  # chat: the same history, no tools
 
 
+def check_mode(mode: object) -> Mode:
+    """``mode`` as a ``Mode``, or ``ValueError`` (a run's, a process's: the same two words)."""
+    if mode == "agent":
+        return "agent"
+    if mode == "chat":
+        return "chat"
+    raise ValueError(f"mode must be agent or chat, got {mode!r}")
+
+
 @dataclass
 class LoopConfig:
     """Everything a run needs that does not change while it runs."""

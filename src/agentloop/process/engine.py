@@ -37,7 +37,7 @@ from typing import Any
 
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.runner import CANCELLED
-from agentloop.loop.state import LoopConfig, Mode
+from agentloop.loop.state import LoopConfig, Mode, check_mode
 from agentloop.messages import Message, ToolCall, tool_error_result
 from agentloop.process import admission, hil
 from agentloop.process import signals as sig
@@ -304,8 +304,7 @@ class ProcessEngine:
 
     async def set_mode(self, pid: str, mode: Mode) -> None:
         """Chat or agent from the next run on: a chat run sees the same history but no tools."""
-        if mode not in ("agent", "chat"):
-            raise ValueError(f"mode must be agent or chat, got {mode!r}")
+        mode = check_mode(mode)
         live = await self.live(pid)
         async with self._tx(live) as tx:
             if mode == "chat":

@@ -21,7 +21,7 @@ from agentloop.kernel import Kernel, NoSuchProcess, Process
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.watches import WatchError
-from agentloop.loop.state import Mode
+from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import ImageContent, message_to_dict
 from agentloop.process.api import Receipt, SendMode
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
@@ -315,11 +315,10 @@ class ProcessService:
 
 
 def _run_mode(mode: str) -> Mode:
-    if mode == "chat":
-        return "chat"
-    if mode == "agent":
-        return "agent"
-    raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(RUN_MODES)}")
+    try:
+        return check_mode(mode)
+    except ValueError:
+        raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(RUN_MODES)}") from None
 
 
 def _check_text(text: str, *, empty_ok: bool = False) -> None:
