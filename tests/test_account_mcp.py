@@ -4,6 +4,7 @@ every run), a file that does not validate logged and not retried until it change
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -112,6 +113,18 @@ async def test_a_file_that_does_not_validate_is_logged_and_waits_for_a_change(
     assert fake.starts == []  # the same bad file is not read again
     _write(path, ["a"], 3_000_000_000)
     assert set(await mcp.toolset(_record("alice"), {})) == {"a__ping"}
+    await mcp.close()
+
+
+async def test_a_fifo_in_place_of_the_file_is_logged_not_waited_on(
+    tmp_path: Path, fake: FakeServers, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "mcp.json"
+    os.mkfifo(path)  # reading it would block the event loop until some writer came
+    mcp = AccountMCP(lambda owner: path)
+    with caplog.at_level(logging.WARNING):
+        tools = await asyncio.wait_for(mcp.toolset(_record("alice"), {}), 5)
+    assert tools == {} and "not a regular file" in caplog.text and fake.starts == []
     await mcp.close()
 
 

@@ -126,6 +126,7 @@ async def test_unreachable_server() -> None:
         ("http://127.0.0.1:99999", "tok3n", "Port out of range"),
         ("http://127.0.0.1:-1", "tok3n", "not a server address"),
         ("ftp://127.0.0.1", "tok3n", "use http://host:port"),
+        ("http://127.0.0.1:0", "tok3n", "port 0"),
         ("http://127.0.0.1:8765", "caf\u00e9", "non-ASCII"),
         ("http://127.0.0.1:8765", "bad\ntoken", "control"),
     ],
