@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -104,9 +105,21 @@ def _cwd_toolset(root: Path) -> ToolsetFn:
     return toolset
 
 
-def _skill_layers(data_dir: Path, account: str) -> list[Path]:
-    """Where a process's skills come from: the system's, then its account's own (which win)."""
-    return [data_dir / "config" / "ai" / "skills.d", data_dir / "home" / account / "skills.d"]
+@functools.lru_cache(maxsize=1024)
+def _skill_layers(data_dir: Path, account: str) -> tuple[Path, Path]:
+    """Where a process's skills come from: the system's, then its account's own (which win).
+    Kept per account: every run asks, and joining paths costs more than the checks they serve."""
+    return data_dir / "config" / "ai" / "skills.d", data_dir / "home" / account / "skills.d"
+
+
+def _home_file(data_dir: Path, name: str) -> Callable[[str], Path]:
+    """An account's own config file ``home/<account>/<name>`` (looked up at every run, so kept)."""
+
+    @functools.lru_cache(maxsize=1024)
+    def file_of(account: str) -> Path:
+        return data_dir / "home" / account / name
+
+    return file_of
 
 
 def _skills_toolset(data_dir: Path) -> ToolsetFn:
@@ -122,7 +135,7 @@ def _skills_toolset(data_dir: Path) -> ToolsetFn:
         if skills is None:
             if len(by_account) >= 1024:
                 by_account.clear()
-            skills = by_account[record.run_as] = skills_tool(layers)
+            skills = by_account[record.run_as] = skills_tool(list(layers))
         return {**shared, "skills": skills}
 
     return toolset
@@ -175,7 +188,7 @@ def _prompt_builder(
             system_dir=system_dir,
             agent_home=homes / record.run_as,
             owner_home=homes / record.owner,
-            skills_dirs=_skill_layers(data_dir, record.run_as),
+            skills_dirs=list(_skill_layers(data_dir, record.run_as)),
             workspace=Path(record.cwd),
             process_context=record.context or None,
             main_process=record.parent_pid is None,
@@ -440,7 +453,7 @@ class Kernel:
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
-        account_mcp = AccountMCP(lambda owner: data / "home" / owner / "mcp.json")
+        account_mcp = AccountMCP(_home_file(data, "mcp.json"))
         shared_servers = mcp_server_names(agent.config.tools.values())
 
         async def mcp_servers(record: ProcessRecord) -> str:
@@ -459,7 +472,7 @@ class Kernel:
                 store,
                 server=policy,
                 accounts=account_policies,
-                account_file=lambda owner: data / "home" / owner / "approval.json",
+                account_file=_home_file(data, "approval.json"),
                 protected=_kernel_files(store, data),
             )
 
