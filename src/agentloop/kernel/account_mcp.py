@@ -53,7 +53,8 @@ class AccountMCP:
         tools = await self.tools_of(record.owner)
         if not tools:
             return shared
-        return {**{t.name: t for t in tools}, **shared}  # a built-in keeps its name
+        # the shared tools first (a stable prefix for prompt caches), and a built-in keeps its name
+        return {**shared, **{t.name: t for t in tools if t.name not in shared}}
 
     async def tools_of(self, owner: str) -> list[Tool]:
         """The owner's MCP tools, starting (or restarting) its servers if the file changed."""

@@ -17,7 +17,7 @@ import datetime
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +36,7 @@ from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
-from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_id
+from agentloop.process.api import ApprovalFn, PromptFn, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.engine import MODE_KEY, ProcessEngine
@@ -166,14 +166,13 @@ def _prompt_builder(
     data_dir: Path,
     base: str,
     devices: DeviceDirectory | None = None,
-    mcp_servers: Callable[[ProcessRecord], Awaitable[str]] | None = None,
     context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
-) -> Callable[[ProcessRecord], Awaitable[str]]:
+) -> PromptFn:
     """Assemble each run's system prompt from the data directory's context, skills and homes
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
     directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
     ``{{devices}}`` lists the owner's online devices when ``devices`` is given, ``{{mcp_servers}}``
-    the MCP servers whose tools the process has, as ``mcp_servers`` says.
+    the MCP servers whose tools the run has.
 
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
     cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
@@ -205,9 +204,9 @@ def _prompt_builder(
         files = [str(p) for section in assembled.sections for p in section.sources]
         return "\n\n".join(part for part in (base, assembled.text) if part), files
 
-    async def build(record: ProcessRecord) -> str:
+    async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> str:
         devices_text = online(record)
-        mcp_text = await mcp_servers(record) if mcp_servers is not None else "none"
+        mcp_text = ", ".join(mcp_server_names(tools.values())) or "none"
         key = (
             devices_text,
             mcp_text,
@@ -221,11 +220,12 @@ def _prompt_builder(
         watched = [
             f"{system_dir}",
             f"{homes}/{record.run_as}/context.d",
-            f"{homes}/{record.owner}/context.d",
             *map(str, _skill_layers(data_dir, record.run_as)),
             record.cwd,
             f"{record.cwd}/memory",
         ]
+        if record.owner != record.run_as:
+            watched.append(f"{homes}/{record.owner}/context.d")
         hit = cache.get(key)
         if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
             return hit[2]
@@ -454,12 +454,6 @@ class Kernel:
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
         account_mcp = AccountMCP(_home_file(data, "mcp.json"))
-        shared_servers = mcp_server_names(agent.config.tools.values())
-
-        async def mcp_servers(record: ProcessRecord) -> str:
-            names = [*shared_servers, *mcp_server_names(await account_mcp.tools_of(record.owner))]
-            return ", ".join(dict.fromkeys(names)) or "none"
-
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
             toolset = _chain(task_toolset(kernel_ref), toolset)
@@ -485,7 +479,7 @@ class Kernel:
             agent.config,
             approval=approval,
             hydrate=_hydrate(media),
-            prompt=_prompt_builder(data, agent.config.system_prompt, devices, mcp_servers, context_bytes),
+            prompt=_prompt_builder(data, agent.config.system_prompt, devices, context_bytes),
             archive=archive,
             compaction_threshold=compaction_threshold,
             toolset=toolset,

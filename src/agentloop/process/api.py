@@ -29,10 +29,11 @@ class Approval:
 
 
 ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
-PromptFn: TypeAlias = Callable[[ProcessRecord], Awaitable[str]]
+# A run's system prompt, given the process and the tools the run has (the prompt names their MCP servers).
+PromptFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Awaitable[str]]
 # The tools one process's run sees, given the process and the shared tools (e.g. the shared ones
-# with a ``target`` argument routing to the owner's devices, plus the devices' own tools).
-# a run's tools from the shared ones; may be async (e.g. to start the owner's MCP servers)
+# with a ``target`` argument routing to the owner's devices, plus the devices' own tools); may be
+# async (e.g. to start the owner's MCP servers).
 ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
 ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
 # Told (pid, run id, reason) once a run was aborted, so what the run started elsewhere can stop

@@ -166,13 +166,13 @@ class ProcessEngine:
         if live.config is not None and live.config[0] == run_id:
             return live.config[1]
         cfg = self.config
-        if self.prompt is not None:
-            if live.prompt is None or live.prompt[0] != run_id:
-                live.prompt = (run_id, await self.prompt(live.record))
-            cfg = replace(cfg, system_prompt=live.prompt[1])
         if self.toolset is not None:
             tools = self.toolset(live.record, self.config.tools)
             cfg = replace(cfg, tools=dict(await maybe_await(tools)))
+        if self.prompt is not None:
+            if live.prompt is None or live.prompt[0] != run_id:
+                live.prompt = (run_id, await self.prompt(live.record, cfg.tools))
+            cfg = replace(cfg, system_prompt=live.prompt[1])
         if await self.store.kv_get(live.record.pid, MODE_KEY) == "chat":  # read per run: a change waits for the next
             cfg = replace(cfg, tools={})
         live.config = (run_id, cfg)

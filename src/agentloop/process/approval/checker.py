@@ -50,7 +50,8 @@ def policy_approval(
     names an account's policy file, used when ``accounts`` has no policy for it."""
     server_policy = load_policy(server, "server")
     account_policies = {name: load_policy(p, f"of account {name!r}") for name, p in (accounts or {}).items()}
-    home = home_of or (lambda user: os.path.expanduser("~"))
+    own_home = os.path.expanduser("~")  # the kernel user's, for every account without a home of its own
+    home = home_of or (lambda user: own_home)
 
     fallback = server_policy if server_policy is not None else default_policy()
     guarded = [os.path.realpath(p) for p in protected]
