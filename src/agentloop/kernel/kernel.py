@@ -16,6 +16,7 @@ import asyncio
 import datetime
 import functools
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -129,7 +130,7 @@ def _skills_toolset(data_dir: Path) -> ToolsetFn:
 
     def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
         layers = _skill_layers(data_dir, record.run_as)
-        if "skills" in shared or not any(layer.is_dir() for layer in layers):
+        if "skills" in shared or not any(os.path.isdir(layer) for layer in layers):
             return shared
         skills = by_account.get(record.run_as)
         if skills is None:

@@ -5,7 +5,7 @@ the runner (and the approval policy, the kernel) can name them without importing
 
 from __future__ import annotations
 
-import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -51,10 +51,13 @@ _last_us = 0
 def new_id() -> str:
     """A fresh id: 13 hex digits of the time in microseconds (strictly increasing in this runtime),
     then 6 random ones. Ids sort by creation, so the rows keyed by them (processes, runs, calls)
-    are appended at the end of their index instead of anywhere in it: fewer pages per commit."""
+    are appended at the end of their index instead of anywhere in it: fewer pages per commit.
+    The random part only keeps the workers sharing a store apart; no id is a secret (every access
+    is checked against the owner), so ``random`` (seeded from the OS, reseeded in a forked child)
+    serves, without the system call ``os.urandom`` costs per id."""
     global _last_us
     _last_us = max(time.time_ns() // 1000, _last_us + 1)
-    return f"{_last_us:013x}{os.urandom(3).hex()}"
+    return f"{_last_us:013x}{random.getrandbits(24):06x}"
 
 
 @dataclass(frozen=True)
