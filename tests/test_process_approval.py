@@ -177,3 +177,42 @@ async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_p
     assert not (data / "home" / "alice" / "mcp.json").exists()
     assert not (data / "home" / "alice" / "approval.json").exists()
     assert (tmp_path / "notes.txt").read_text() == "fine"
+
+
+async def test_automatic_verdicts_are_reused_only_where_the_arguments_cannot_change_them(tmp_path):
+    """The checker remembers "auto" per (policy, syscall, target) for calls whose facts do not
+    read their arguments. A rule on an argument, a path, or a changed policy file must each still
+    be judged call by call."""
+    from agentloop.process.approval.checker import policy_approval
+    from agentloop.process.store import ProcessRecord, SQLiteStore, ToolCallRow
+
+    store = SQLiteStore(tmp_path / "a.db")
+    await store.open()
+    policy_file = tmp_path / "alice-approval.json"
+    check = policy_approval(store, account_file=lambda owner: policy_file)
+    alice = ProcessRecord("p1", "alice", "alice", str(tmp_path))
+
+    async def verdict(tool: str, **args: object) -> str:
+        row = ToolCallRow("d", "p1", "r", 0, "c", tool, f"tool.{tool}", dict(args))
+        return (await check(alice, row)).action
+
+    try:
+        assert [await verdict("echo", text="hi") for _ in range(2)] == ["auto", "auto"]
+        # the policy file appears: the verdict follows at the next call
+        policy_file.write_text('{"default": "auto", "rules": [{"match": "tool.echo", "action": "deny"}]}')
+        assert await verdict("echo", text="hi") == "deny"
+        # a rule on an argument: each call is judged by its own arguments
+        policy_file.write_text(
+            '{"default": "auto", "rules": [{"match": "tool.echo", "when": {"argEquals": {"text": "no"}},'
+            ' "action": "deny"}]}'
+        )
+        assert [await verdict("echo", text=t) for t in ("yes", "no", "yes", "no")] == ["auto", "deny", "auto", "deny"]
+        # a path is a fact of its own (outside the working directory here)
+        policy_file.write_text(
+            '{"default": "auto", "rules": [{"match": "tool.reader", "when": {"anyTag": ["outside-cwd"]},'
+            ' "action": "ask"}]}'
+        )
+        paths = ("notes.txt", "/etc/hostname", "notes.txt", "/etc/hostname")
+        assert [await verdict("reader", path=p) for p in paths] == ["auto", "ask", "auto", "ask"]
+    finally:
+        await store.close()

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.process.api import Approval, ApprovalFn
-from agentloop.process.approval.engine import args_fingerprint, decide
+from agentloop.process.approval.engine import args_fingerprint, decide, rules_read_args
 from agentloop.process.approval.policy import Policy, Rule, default_policy, merge, parse_policy
-from agentloop.process.approval.tags import call_target
+from agentloop.process.approval.tags import call_target, facts_read_args
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
 from agentloop.stamps import Stamp, file_stamp, read_regular
 
@@ -91,9 +91,31 @@ def policy_approval(
             policy = merged[key] = merge(base, None, [Rule.model_validate(r) for r in remembered])
         return policy
 
+    # policy -> automatic approvals by (syscall, target), for calls whose verdict cannot depend on
+    # their arguments: most calls of most runs, answered without working the policy out again
+    plain_autos: dict[int, tuple[Policy, dict[tuple[str, str], Approval]]] = {}
+
+    def known_auto(policy: Policy, syscall: str, target: str) -> Approval | None:
+        entry = plain_autos.get(id(policy))
+        return entry[1].get((syscall, target)) if entry is not None and entry[0] is policy else None
+
+    def keep_auto(policy: Policy, syscall: str, target: str, approval: Approval) -> None:
+        entry = plain_autos.get(id(policy))
+        if entry is None or entry[0] is not policy:
+            if rules_read_args(policy):
+                return
+            if len(plain_autos) >= 64:
+                plain_autos.clear()
+            entry = plain_autos[id(policy)] = (policy, {})
+        if len(entry[1]) < 4096:
+            entry[1][(syscall, target)] = approval
+
     async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
         policy = policy_of(process.owner, await store.kv_get(process.pid, OVERRIDES_KEY))
         target = call_target(row.syscall, row.tool_name, row.args)  # a device call is tagged ``remote``
+        plain = not facts_read_args(row.syscall, row.args)
+        if plain and (known := known_auto(policy, row.syscall, target)) is not None:
+            return known
         verdict = decide(
             policy,
             row.syscall,
@@ -104,8 +126,11 @@ def policy_approval(
             interactive=True,
             protected=guarded,
         )
-        if verdict.action == "auto":  # nothing to bind a person's answer to
-            return Approval("auto", tuple(verdict.tags), verdict.reason)
+        if verdict.action == "auto":  # nothing to bind a person's answer to, nor to explain
+            approval = Approval("auto", tuple(verdict.tags))
+            if plain:
+                keep_auto(policy, row.syscall, target, approval)
+            return approval
         return Approval(verdict.action, tuple(verdict.tags), verdict.reason, args_fingerprint(row.syscall, row.args))
 
     return approve

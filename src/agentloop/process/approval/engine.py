@@ -83,6 +83,11 @@ def _holds(when: When | None, tags: frozenset[str], args: Mapping[str, Any]) -> 
     return all(key in args and _same_value(args[key], v) for key, v in (when.arg_equals or {}).items())
 
 
+def rules_read_args(policy: Policy) -> bool:
+    """Whether any rule of ``policy`` looks at a call's arguments (not only its syscall and tags)."""
+    return any(r.when is not None and (r.when.arg_prefix or r.when.arg_equals) for r in policy.rules)
+
+
 def find_rule(
     policy: Policy, syscall: str, args: Mapping[str, Any], tags: frozenset[str], target: str = "local"
 ) -> tuple[int, Rule] | None:

@@ -115,6 +115,12 @@ def _paths_tags(
     return tags
 
 
+def facts_read_args(syscall: str, args: Mapping[str, Any]) -> bool:
+    """Whether :func:`call_facts` looks at this call's arguments (a command, a method, a path):
+    when it does not, every call of ``syscall`` on one target has the same facts."""
+    return syscall in ("shell.exec", "net.fetch") or "path" in args
+
+
 def call_facts(
     syscall: str,
     args: Mapping[str, Any],
