@@ -34,6 +34,7 @@ from agentloop.process.compaction import (
     plan_cut,
     pressure,
     should_compact,
+    split_memories,
     summarize,
 )
 
@@ -295,9 +296,33 @@ async def test_still_applies_detects_a_changed_history() -> None:
 
 
 @pytest.mark.parametrize(
+    ("answer", "summary", "memories"),
+    [
+        ("## Goal\nship it\n<memories>\n- prefers tabs\n</memories>", "## Goal\nship it", "- prefers tabs"),
+        ("## Goal\nship it\n<MEMORIES>none</MEMORIES>", "## Goal\nship it", None),
+        ("## Goal\nship it\n<memories>\n- None.\n</memories>", "## Goal\nship it", None),
+        ("## Goal\nship it", "## Goal\nship it", None),  # a model that leaves the block out
+        ("## Goal\nship it\n<memories>\n- cut off mid", "## Goal\nship it", "- cut off mid"),
+    ],
+)
+def test_the_memories_block_is_split_from_the_summary(answer: str, summary: str, memories: str | None) -> None:
+    assert split_memories(answer) == (summary, memories)
+
+
+async def test_compaction_carries_the_memories_apart_from_the_summary() -> None:
+    answer = f"{SUMMARY}\n<memories>\n- The user deploys on Fridays.\n</memories>"
+    model = ScriptedModel([answer])
+    res = await compact(long_history(rounds=10, size=3_000), model, keep_recent_tokens=3_000, reason="threshold")
+    assert res is not None and res.memories == "- The user deploys on Fridays."
+    assert SUMMARY in res.summary.text and "memories" not in res.summary.text.lower()
+    assert res.meta()["memories"] == res.memories
+    assert "<memories>" in model.requests[0].system_prompt  # the model was asked for them
+
+
+@pytest.mark.parametrize(
     "reply",
-    [ProviderError("upstream exploded", kind="server"), "", "   \n"],
-    ids=["provider-error", "empty", "blank"],
+    [ProviderError("upstream exploded", kind="server"), "", "   \n", "<memories>- only this</memories>"],
+    ids=["provider-error", "empty", "blank", "memories-only"],
 )
 async def test_failing_or_empty_summary_raises(reply: Any) -> None:
     with pytest.raises(CompactionError) as info:

@@ -3,6 +3,7 @@ and one compact-and-retry after a provider overflow."""
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
 from pathlib import Path
@@ -54,10 +55,10 @@ async def test_each_run_gets_an_assembled_prompt_built_once(tmp_path):
         assert "Now answer in German." in seen[2]
 
 
-def compacting_brain(rounds: int):
+def compacting_brain(rounds: int, summary: str = "Summary: the user wanted chunks; chunks 0.. were produced."):
     def brain(r: ModelRequest):
         if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
-            return "Summary: the user wanted chunks; chunks 0.. were produced."
+            return summary
         done = sum(isinstance(m, ToolResultMessage) for m in r.messages)
         summaries = [m for m in r.messages if isinstance(m, SystemMessage) and m.kind == "summary"]
         used = estimate_tokens(r.messages)  # report usage like a real provider would
@@ -95,6 +96,54 @@ async def test_threshold_compaction_happens_between_turns_of_one_run(tmp_path):
         assert json.loads(lines[1])["role"] == "user"
         segments = await k.store.segments(proc.pid)
         assert segments and segments[0].archive_path == event["archive"]
+
+
+SMALL = ModelInfo(provider="scripted", id="small", context_window=3000, max_output=200)
+REMEMBERING = "Summary: chunks were produced.\n<memories>\n- The user measures in metric units.\n</memories>"
+
+
+async def test_a_compactions_memories_go_to_the_days_memory_file_and_into_later_prompts(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel(compacting_brain(12, REMEMBERING), info=SMALL)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="alice", cwd=work)
+        await proc.send("produce chunks")
+        await proc.wait_idle()
+        compacted = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.compacted"]
+        name = f"memory/{datetime.date.today().isoformat()}.md"
+        assert compacted and all(event["memory"] == name for event in compacted)
+        text = (work / name).read_text()
+        assert text.startswith("### From context compaction (") and text.count("metric units") == len(compacted)
+        summary = (await proc.messages())[0]
+        assert summary.text.startswith("Summary of the earlier") and "<memories>" not in summary.text
+        await proc.send("what units?")
+        await proc.wait_idle()
+    last_prompt = model.requests[-1].system_prompt
+    assert "The user measures in metric units." in last_prompt  # read back as today's memory
+
+
+@pytest.mark.parametrize("how", ["link-outside", "disabled"])
+async def test_memories_are_not_written_through_a_link_out_of_the_workspace_nor_when_disabled(tmp_path, how, caplog):
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    if how == "link-outside":
+        (work / "memory").symlink_to(outside)
+    model = ScriptedModel(compacting_brain(12, REMEMBERING), info=SMALL)
+    async with kernel(tmp_path, model, daily_memory=how != "disabled") as k:
+        proc = await k.spawn(owner="alice", cwd=work)
+        await proc.send("produce chunks")
+        await proc.wait_idle()
+        compacted = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.compacted"]
+        messages = await proc.messages()
+    assert compacted and all(event["memory"] is None for event in compacted)  # compacted all the same
+    assert isinstance(messages[0], SystemMessage) and messages[0].kind == "summary"
+    assert list(outside.iterdir()) == []
+    if how == "disabled":
+        assert not (work / "memory").exists()
+    else:
+        assert "memories were not kept" in caplog.text and "points outside the workspace" in caplog.text
 
 
 @pytest.mark.parametrize("block", [False, True])

@@ -260,7 +260,8 @@ class SignalRenderer:
             count = next((p[k] for k in ("messages", "removed", "count") if isinstance(p.get(k), int)), None)
             reason = p.get("reason")
             what = f"compacted {count} messages" if count is not None else "compacted the conversation"
-            view.note(Text(what + (f" ({reason})" if reason else ""), style="dim"))
+            kept = f"; memories kept in {p['memory']}" if isinstance(p.get("memory"), str) else ""
+            view.note(Text(what + (f" ({reason})" if reason else "") + kept, style="dim"))
         elif name == psig.RUN_FINISHED:
             view.finish()
 

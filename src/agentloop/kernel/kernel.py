@@ -43,6 +43,7 @@ from agentloop.process.archive import check_name, write_archive
 from agentloop.process.engine import MODE_KEY, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
+from agentloop.process.memory import append_daily_memory
 from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, PromptSources, assemble_prompt
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
@@ -401,6 +402,7 @@ class Kernel:
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
+        daily_memory: bool = True,
         context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
         toolset: ToolsetFn | None = None,
         devices: DeviceDirectory | None = None,
@@ -427,7 +429,9 @@ class Kernel:
         delivering watched signals a dead worker left undelivered);
         ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``)
-        in each run's system prompt. Tool calls are checked against the approval policy
+        in each run's system prompt. With ``daily_memory`` a compaction's memories are appended to
+        ``memory/<date>.md`` in the process's working directory (``process/memory.py``).
+        Tool calls are checked against the approval policy
         (``policy`` server-wide, per account in ``account_policies`` or the file
         ``<data_dir>/home/<account>/approval.json``; DESIGN §3's default otherwise) unless
         ``approval`` replaces the check.
@@ -475,6 +479,9 @@ class Kernel:
             path = await asyncio.to_thread(write_archive, data, record.owner, record.pid, name, messages, meta)
             return str(path.relative_to(data))
 
+        async def remember(record: ProcessRecord, memories: str) -> str:
+            return await asyncio.to_thread(append_daily_memory, record.cwd, memories)
+
         engine = ProcessEngine(
             store,
             agent.config,
@@ -482,6 +489,7 @@ class Kernel:
             hydrate=_hydrate(media),
             prompt=_prompt_builder(data, agent.config.system_prompt, devices, context_bytes),
             archive=archive,
+            memory=remember if daily_memory else None,
             compaction_threshold=compaction_threshold,
             toolset=toolset,
             worker=worker,

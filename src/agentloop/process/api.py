@@ -36,6 +36,8 @@ PromptFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Awaitable[st
 # async (e.g. to start the owner's MCP servers).
 ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
 ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
+# Keeps the memories a compaction picked out (the daily memory file); returns where, or None.
+MemoryFn: TypeAlias = Callable[[ProcessRecord, str], Awaitable[str | None]]
 # Told (pid, run id, reason) once a run was aborted, so what the run started elsewhere can stop
 # with it (the kernel: the subagents it started).
 AbortedFn: TypeAlias = Callable[[str, str, str], Awaitable[None]]

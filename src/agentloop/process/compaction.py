@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -260,7 +261,27 @@ fact it needs to carry on without asking again. Answer in concise markdown with 
 ## Open tasks and next steps
 ## Key facts (ids, paths, commands, values, errors)
 
-Do not invent anything. Do not call tools. Write the summary only."""
+After the summary, write a <memories></memories> block with what is worth remembering after
+this conversation is over: the user's preferences, decisions about the work, lasting facts about
+people, projects and systems. One fact per line, each starting with "- "; write none inside the
+block if there is nothing of the kind.
+
+Do not invent anything. Do not call tools."""
+
+_MEMORIES = re.compile(r"<memories>(.*?)(?:</memories>|\Z)", re.DOTALL | re.IGNORECASE)
+_NOTHING = re.compile(r"^[-*\s]*(none|nothing|n/a)?[.\s]*$", re.IGNORECASE)
+
+
+def split_memories(text: str) -> tuple[str, str | None]:
+    """The summary and the memories block of a summary model's answer. A model that leaves the
+    block out (or says there is nothing to remember) gives no memories; one cut off inside the
+    block keeps what it wrote."""
+    found = _MEMORIES.search(text)
+    if found is None:
+        return text.strip(), None
+    memories = found.group(1).strip()
+    summary = (text[: found.start()] + text[found.end() :]).strip()
+    return summary, None if _NOTHING.match(memories) else memories
 
 
 def _summary_prompt(transcript: str, previous_summary: str | None, instructions: str | None) -> str:
@@ -284,7 +305,8 @@ async def summarize(
     previous_summary: str | None = None,
     instructions: str | None = None,
 ) -> str:
-    """A structured summary of ``messages`` written by ``model``, or ``CompactionError``.
+    """A structured summary of ``messages`` written by ``model`` (with its memories block, see
+    ``split_memories``), or ``CompactionError``.
 
     An empty summary would silently erase history, so anything short of non-empty text fails.
     """
@@ -304,7 +326,7 @@ async def summarize(
     if reply.stop_reason in ("error", "aborted"):
         raise CompactionError(f"summary model {model.name} failed ({reply.stop_reason}): {reply.error_message or ''}")
     text = reply.text.strip()
-    if not text:
+    if not split_memories(text)[0]:
         raise CompactionError(f"summary model {model.name} returned an empty summary")
     return text
 
@@ -323,6 +345,7 @@ class CompactionResult:
     tokens_before: int
     tokens_after: int
     created_ms: int = field(default_factory=now_ms)
+    memories: str | None = None  # lasting facts the summary model picked out, for the daily memory file
 
     @property
     def history(self) -> list[Message]:
@@ -348,6 +371,7 @@ class CompactionResult:
             "tokens_before": self.tokens_before,
             "tokens_after": self.tokens_after,
             "summary": self.summary.text,
+            "memories": self.memories,
             "created_ms": self.created_ms,
         }
 
@@ -377,11 +401,13 @@ async def compact(
     removed, kept = list(messages[:cut]), list(messages[cut:])
     previous = [m.text for m in removed if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND]
     rest = [m for m in removed if not (isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND)]
-    text = await summarize(
-        model,
-        rest,
-        previous_summary="\n\n".join(previous) or None,
-        instructions=instructions,
+    text, memories = split_memories(
+        await summarize(
+            model,
+            rest,
+            previous_summary="\n\n".join(previous) or None,
+            instructions=instructions,
+        )
     )
     summary = summary_message(text, len(removed))
     return CompactionResult(
@@ -391,4 +417,5 @@ async def compact(
         reason=reason,
         tokens_before=estimate_tokens(messages),
         tokens_after=estimate_tokens([summary, *kept]),
+        memories=memories,
     )

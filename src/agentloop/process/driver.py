@@ -328,6 +328,7 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
     stored = await engine.store.history(pid)
     removed_ids = [m.id for m in stored[: len(result.removed)]]
     where = await engine.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
+    memory = await _remember(engine, live, result.memories)
     async with engine._tx(live) as tx:
         summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], result.summary)
         await engine.store.add_segment(
@@ -350,10 +351,24 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
             tokensBefore=result.tokens_before,
             tokensAfter=result.tokens_after,
             archive=where,
+            memory=memory,
         )
         history = result.history
         tx.after.append(lambda: live.history.__setitem__(slice(None), history))
     return True
+
+
+async def _remember(engine: ProcessEngine, live: _Live, memories: str | None) -> str | None:
+    """Keep a compaction's memories (before the history is replaced, like its archive: a crash in
+    between repeats them, never loses them); where they went, or None. A failure to write them is
+    logged and costs the compaction nothing."""
+    if not memories or engine.memory is None:
+        return None
+    try:
+        return await engine.memory(live.record, memories)
+    except Exception as exc:
+        log.warning("process %s: the compaction's memories were not kept: %s", live.record.pid, exc)
+        return None
 
 
 async def _finish(

@@ -45,6 +45,7 @@ from agentloop.process.api import (
     AbortedFn,
     ApprovalFn,
     ArchiveFn,
+    MemoryFn,
     PromptFn,
     Receipt,
     SendMode,
@@ -92,6 +93,7 @@ class ProcessEngine:
         hydrate: Callable[[list[Message]], list[Message]] | None = None,
         prompt: PromptFn | None = None,
         archive: ArchiveFn | None = None,
+        memory: MemoryFn | None = None,
         compaction_threshold: float = 0.9,
         toolset: ToolsetFn | None = None,
         worker: str | None = None,
@@ -106,6 +108,7 @@ class ProcessEngine:
         self.hydrate = hydrate  # stored media references -> image blocks, before a model call
         self.prompt = prompt  # the run's system prompt, built once per run
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
+        self.memory = memory  # keeps what a compaction found worth remembering
         self.compaction_threshold = compaction_threshold
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
