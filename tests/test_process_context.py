@@ -276,3 +276,29 @@ async def test_a_skills_directory_made_after_start_brings_the_skills_tool_with_i
         assert [t.name for t in second.tools] == ["skills"] and "How to ship a release." in second.system_prompt
         result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
         assert "deploy" in result.text and not result.is_error
+
+
+async def test_model_retries_and_a_fallback_switch_are_logged_before_the_answer(tmp_path):
+    """``proc.run.retrying`` is in the signal log (not only shown live): a run that took long
+    says why to whoever reads it later."""
+    from agentloop import RetryPolicy
+
+    primary = ScriptedModel([ProviderError("overloaded", kind="rate_limit")] * 2)
+    backup = ScriptedModel(["fine"], info=ModelInfo(provider="scripted", id="backup"))
+    retry = RetryPolicy(max_retries=1, base_delay=0.001)
+    async with kernel(tmp_path, primary, fallbacks=[backup], retry=retry) as k:
+        proc = await k.spawn(owner="alice")
+        receipt = await proc.send("hi")
+        await proc.wait_idle()
+        signals = [s async for s in proc.signals(follow=False)]
+        answer = (await proc.messages())[-1].text
+    names = [s.signal for s in signals]
+    retrying = [s.payload for s in signals if s.signal == "proc.run.retrying"]
+    assert [(r["attempt"], r["model"], r["fallback"]) for r in retrying] == [
+        (1, "scripted:scripted", False),
+        (0, "scripted:backup", True),
+    ]
+    assert all(r["runId"] == receipt.run_id and "overloaded" in r["reason"] for r in retrying)
+    assert retrying[0]["delay"] > 0
+    assert names.index("proc.run.retrying") < names.index("proc.run.output") < names.index("proc.run.finished")
+    assert signals[-1].payload["status"] == "ok" and answer == "fine"

@@ -229,9 +229,7 @@ class SignalRenderer:
                 view.text(delta)
             elif event in ("thinking_start", "thinking_delta"):
                 view.waiting()
-            elif event == "model_retry":
-                self._retry(p)
-        elif name == "proc.run.retry":
+        elif name == psig.RUN_RETRYING:
             self._retry(p)
         elif name == psig.RUN_OUTPUT:
             text = str(p.get("text") or "")
@@ -268,7 +266,7 @@ class SignalRenderer:
     def _retry(self, p: dict[str, Any]) -> None:
         self.view.retry(
             str(p.get("model") or "model"),
-            str(p.get("error") or ""),
+            str(p.get("reason") or ""),
             int(p.get("attempt") or 0),
             float(p.get("delay") or 0.0),
         )

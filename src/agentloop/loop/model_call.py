@@ -2,14 +2,15 @@
 
 Transient failures (rate limit, 5xx, broken connection) are retried with backoff, honouring the
 provider's ``retry-after``; when a model keeps failing, the configured fallbacks are tried in
-order. A failed attempt is shown (``message_end`` with the error, then ``model_retry``) but does
-not enter the history. The returned message is final: ``done``, or the last error.
+order. A failed attempt is shown (``message_end`` with the error, then ``model_retry``, also given
+to ``on_retry`` before the wait) but does not enter the history. The returned message is final:
+``done``, or the last error.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from agentloop.events import (
     LoopEvent,
@@ -27,6 +28,7 @@ from agentloop.messages import AssistantMessage, Message
 from agentloop.models.base import Model, ModelRequest
 
 Emit = Callable[[LoopEvent], None] | None
+OnRetry = Callable[[ModelRetry], Awaitable[None]] | None
 
 
 def build_request(
@@ -76,7 +78,9 @@ async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: E
     return terminal
 
 
-async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit) -> AssistantMessage:
+async def call_model(
+    cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, on_retry: OnRetry = None
+) -> AssistantMessage:
     messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
@@ -94,9 +98,9 @@ async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit
             state.offered = offered
     outcome: StreamError | None = None
     for model in (cfg.model, *cfg.fallbacks):
-        if outcome is not None and emit is not None:  # say that we move on to the next model
+        if outcome is not None:  # say that we move on to the next model
             reason = outcome.message.error_message or outcome.kind
-            emit(ModelRetry(attempt=0, delay=0.0, error=reason, model=model.name))
+            await _retrying(ModelRetry(attempt=0, delay=0.0, error=reason, model=model.name), emit, on_retry)
         attempt = 0
         while True:
             result = await _attempt(model, request, state, emit)
@@ -110,15 +114,15 @@ async def call_model(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit
             delay = cfg.retry.delay(attempt, outcome.retry_after) if outcome.retryable else None
             if delay is None:
                 break
-            if emit is not None:
-                emit(
-                    ModelRetry(
-                        attempt=attempt,
-                        delay=delay,
-                        error=outcome.message.error_message or outcome.kind,
-                        model=model.name,
-                    )
-                )
+            error = outcome.message.error_message or outcome.kind
+            await _retrying(ModelRetry(attempt=attempt, delay=delay, error=error, model=model.name), emit, on_retry)
             await asyncio.sleep(delay)
     assert outcome is not None
     return outcome.message
+
+
+async def _retrying(event: ModelRetry, emit: Emit, on_retry: OnRetry) -> None:
+    if emit is not None:
+        emit(event)
+    if on_retry is not None:
+        await on_retry(event)

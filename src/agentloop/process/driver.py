@@ -192,16 +192,29 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     def stream(event: LoopEvent) -> None:
         if isinstance(event, MessageUpdate) and engine.hub.watching(pid):
             engine.hub.publish(pid, Signal(sig.RUN_STREAM, _stream_payload(pid, run_id, event.event)))
-        elif isinstance(event, ModelRetry) and engine.hub.watching(pid):  # live progress, like deltas
-            retry = {"model": event.model, "error": event.error, "attempt": event.attempt, "delay": event.delay}
-            engine.hub.publish(pid, Signal(sig.RUN_STREAM, {"pid": pid, "runId": run_id, "event": event.type, **retry}))
+
+    async def retrying(event: ModelRetry) -> None:
+        """Log the retry (or the switch to a fallback) before its wait: a run that takes long
+        says why, to those watching and to whoever reads the log later."""
+        async with engine._tx(live) as tx:
+            current = live.record.current_run
+            if current is not None and current.get("run_id") == run_id and current.get("generation") == generation:
+                await tx.signal(
+                    sig.RUN_RETRYING,
+                    runId=run_id,
+                    attempt=event.attempt,
+                    delay=event.delay,
+                    reason=event.error,
+                    model=event.model,
+                    fallback=event.attempt == 0,  # (attempt 0: the first call to a fallback model)
+                )
 
     try:
-        reply = await call_model(cfg, state, tools_enabled, stream if engine.hub.watching(pid) else None)
+        reply = await call_model(cfg, state, tools_enabled, stream if engine.hub.watching(pid) else None, retrying)
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry
             state = _call_state(engine, live, run)
-            reply = await call_model(cfg, state, tools_enabled, None)
+            reply = await call_model(cfg, state, tools_enabled, None, retrying)
     finally:
         live.partial = None
     if not tools_enabled and reply.tool_calls:

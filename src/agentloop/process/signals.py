@@ -17,6 +17,7 @@ from typing import Any
 
 RUN_STARTED = "proc.run.started"
 RUN_STREAM = "proc.run.stream"
+RUN_RETRYING = "proc.run.retrying"  # a failed model call being retried, or a switch to a fallback
 RUN_OUTPUT = "proc.run.output"
 TOOL_STARTED = "proc.run.tool.started"
 TOOL_FINISHED = "proc.run.tool.finished"

@@ -260,8 +260,11 @@ export class ProcessView {
         if (run && p.event === "text_delta" && typeof p.delta === "string") {
           this.liveBubble(run).textContent += p.delta;
           scrollDown();
-        } else if (p.event === "model_retry") {
-          status(`model retry ${p.attempt}: ${p.error}`);
+        }
+        break;
+      case "proc.run.retrying":
+        if (this.live) {
+          status(p.fallback ? `switching to ${p.model}: ${p.reason}` : `model retry ${p.attempt}: ${p.reason}`);
         }
         break;
       case "proc.run.output":
