@@ -27,6 +27,7 @@ from typing import Any
 from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
+from agentloop.kernel.account_model import AccountModels
 from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
 from agentloop.kernel.duty import SCHEDULES, WATCHES, Duty
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
@@ -459,6 +460,7 @@ class Kernel:
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
         account_mcp = AccountMCP(_home_file(data, "mcp.json"))
+        account_models = AccountModels(_home_file(data, "model.json"))
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
             toolset = _chain(task_toolset(kernel_ref), toolset)
@@ -488,6 +490,7 @@ class Kernel:
             approval=approval,
             hydrate=_hydrate(media),
             prompt=_prompt_builder(data, agent.config.system_prompt, devices, context_bytes),
+            configure=account_models.configure,
             archive=archive,
             memory=remember if daily_memory else None,
             compaction_threshold=compaction_threshold,

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+from agentloop.loop.state import LoopConfig
 from agentloop.messages import Message, ToolCall
 from agentloop.process.store import HilRow, ProcessRecord, ToolCallRow
 from agentloop.tools.base import Tool
@@ -29,6 +30,8 @@ class Approval:
 
 
 ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
+# A run's configuration from the kernel's, for one process (e.g. its owner's model choice).
+ConfigFn: TypeAlias = Callable[[ProcessRecord, LoopConfig], LoopConfig]
 # A run's system prompt, given the process and the tools the run has (the prompt names their MCP servers).
 PromptFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Awaitable[str]]
 # The tools one process's run sees, given the process and the shared tools (e.g. the shared ones

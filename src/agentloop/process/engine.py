@@ -45,6 +45,7 @@ from agentloop.process.api import (
     AbortedFn,
     ApprovalFn,
     ArchiveFn,
+    ConfigFn,
     MemoryFn,
     PromptFn,
     Receipt,
@@ -92,6 +93,7 @@ class ProcessEngine:
         approval: ApprovalFn = approve_everything,
         hydrate: Callable[[list[Message]], list[Message]] | None = None,
         prompt: PromptFn | None = None,
+        configure: ConfigFn | None = None,
         archive: ArchiveFn | None = None,
         memory: MemoryFn | None = None,
         compaction_threshold: float = 0.9,
@@ -107,6 +109,7 @@ class ProcessEngine:
         self.approval = approval
         self.hydrate = hydrate  # stored media references -> image blocks, before a model call
         self.prompt = prompt  # the run's system prompt, built once per run
+        self.configure = configure  # the run's configuration for its process (the owner's model)
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.memory = memory  # keeps what a compaction found worth remembering
         self.compaction_threshold = compaction_threshold
@@ -168,7 +171,7 @@ class ProcessEngine:
         tools, built when the run first needs it and kept until the run ends."""
         if live.config is not None and live.config[0] == run_id:
             return live.config[1]
-        cfg = self.config
+        cfg = self.config if self.configure is None else self.configure(live.record, self.config)
         if self.toolset is not None:
             tools = self.toolset(live.record, self.config.tools)
             cfg = replace(cfg, tools=dict(await maybe_await(tools)))
