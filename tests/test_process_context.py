@@ -14,7 +14,7 @@ from agentloop import Block, Hooks, Reply, ScriptedModel, SystemMessage, ToolRes
 from agentloop.kernel import Kernel
 from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.models.base import ModelInfo, ModelRequest, ProviderError
-from agentloop.process.compaction import SUMMARY_SYSTEM_PROMPT, estimate_tokens
+from agentloop.process.compaction import MEMORY_SYSTEM_PROMPT, SUMMARY_SYSTEM_PROMPT, estimate_tokens
 
 
 @tool
@@ -302,3 +302,50 @@ async def test_model_retries_and_a_fallback_switch_are_logged_before_the_answer(
     assert retrying[0]["delay"] > 0
     assert names.index("proc.run.retrying") < names.index("proc.run.output") < names.index("proc.run.finished")
     assert signals[-1].payload["status"] == "ok" and answer == "fine"
+
+
+def remembering_brain(r: ModelRequest):
+    if r.system_prompt == MEMORY_SYSTEM_PROMPT:
+        assert "my cat is called Miso" in r.messages[0].text  # shown the conversation being cleared
+        return "<memories>\n- The user's cat is called Miso.\n</memories>"
+    return "noted"
+
+
+async def test_a_reset_keeps_the_conversations_memories_in_the_daily_file(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel(remembering_brain)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="alice", cwd=work)
+        await proc.send("my cat is called Miso")
+        await proc.wait_idle()
+        await proc.reset()  # returns at once: the memories are written in the background
+    # closing the kernel let the background work finish
+    text = (work / f"memory/{datetime.date.today().isoformat()}.md").read_text()
+    assert "- The user's cat is called Miso." in text
+    assert sum(r.system_prompt == MEMORY_SYSTEM_PROMPT for r in model.requests) == 1
+
+
+@pytest.mark.parametrize("how", ["disabled", "model-fails"])
+async def test_a_reset_without_memories_still_resets(tmp_path, how, caplog):
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def brain(r: ModelRequest):
+        if r.system_prompt == MEMORY_SYSTEM_PROMPT:
+            raise ProviderError("the memory call broke", kind="server")
+        return "noted"
+
+    model = ScriptedModel(brain)
+    async with kernel(tmp_path, model, daily_memory=how != "disabled") as k:
+        proc = await k.spawn(owner="alice", cwd=work)
+        await proc.send("my cat is called Miso")
+        await proc.wait_idle()
+        await proc.reset()
+        assert await proc.messages() == []
+    assert not (work / "memory").exists()
+    asked = sum(r.system_prompt == MEMORY_SYSTEM_PROMPT for r in model.requests)
+    if how == "disabled":
+        assert asked == 0
+    else:
+        assert asked >= 1 and "memories of the reset conversation were not kept" in caplog.text

@@ -16,6 +16,7 @@ import asyncio
 import datetime
 import functools
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -41,6 +42,7 @@ from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, PromptFn, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
+from agentloop.process.compaction import extract_memories
 from agentloop.process.engine import MODE_KEY, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
@@ -63,6 +65,10 @@ from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.mcp import mcp_server_names
 from agentloop.tools.skills import skills_tool
+
+log = logging.getLogger("agentloop.kernel")
+
+REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
 
 
 def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
@@ -385,6 +391,7 @@ class Kernel:
         self.scheduler = Scheduler(store, engine, min_every=schedule_min_every, duty=duty(SCHEDULES))
         self.watchers = WatchRouter(store, engine, duty=duty(WATCHES))
         engine.aborted = self._run_aborted
+        self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
 
     @classmethod
     @asynccontextmanager
@@ -509,6 +516,7 @@ class Kernel:
         finally:
             await kernel.scheduler.stop()
             await kernel.watchers.stop()
+            await kernel._finish_remembering()
             await engine.close()
             await account_mcp.close()
             await store.close()
@@ -670,4 +678,29 @@ class Kernel:
         # conversation being archived, and an event about it would reach a process that no
         # longer knows why it asked. Watches on it stay: its watchers still follow it.
         await self.engine.reset(pid, also=lambda: self._drop_subscriptions(pid))
+        if self.engine.memory is not None and history:
+            task = asyncio.create_task(self._remember(record, history), name=f"memories of {pid}")
+            self._remembering.add(task)
+            task.add_done_callback(self._remembering.discard)
         return path
+
+    async def _remember(self, record: ProcessRecord, history: list[Message]) -> None:
+        """Keep what is worth remembering of a conversation a reset cleared, in the daily memory
+        file (as a compaction does for the part it folds away). In the background: the reset
+        does not wait for a model call; a failure is logged and loses only the memories."""
+        engine = self.engine
+        cfg = engine.config if engine.configure is None else engine.configure(record, engine.config)
+        try:
+            memories = await extract_memories(cfg.model, history)
+            if memories and engine.memory is not None:
+                await engine.memory(record, memories)
+        except Exception as exc:
+            log.warning("process %s: the memories of the reset conversation were not kept: %s", record.pid, exc)
+
+    async def _finish_remembering(self) -> None:
+        """On close: give the memories being kept a moment to be written, then stop."""
+        if self._remembering:
+            _, late = await asyncio.wait(set(self._remembering), timeout=REMEMBER_GRACE)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)

@@ -310,25 +310,51 @@ async def summarize(
 
     An empty summary would silently erase history, so anything short of non-empty text fails.
     """
+    transcript = _fit(render_transcript(messages), _transcript_budget(model))
+    text = await _ask(model, SUMMARY_SYSTEM_PROMPT, _summary_prompt(transcript, previous_summary, instructions))
+    if not split_memories(text)[0]:
+        raise CompactionError(f"summary model {model.name} returned an empty summary")
+    return text
+
+
+def _transcript_budget(model: Model) -> int:
+    """Characters of transcript the model is shown: most of its window, never less than 8,000."""
     info = model.info
-    budget = max(8_000, int((info.context_window - info.max_output) * CHARS_PER_TOKEN * 0.6))
-    transcript = _fit(render_transcript(messages), budget)
+    return max(8_000, int((info.context_window - info.max_output) * CHARS_PER_TOKEN * 0.6))
+
+
+async def _ask(model: Model, system_prompt: str, prompt: str, what: str = "summary") -> str:
+    """One tool-less call with a bounded answer; its text, or ``CompactionError``."""
     request = ModelRequest(
-        system_prompt=SUMMARY_SYSTEM_PROMPT,
-        messages=[user(_summary_prompt(transcript, previous_summary, instructions))],
+        system_prompt=system_prompt,
+        messages=[user(prompt)],
         tools=[],
-        max_tokens=min(info.max_output, SUMMARY_MAX_TOKENS),
+        max_tokens=min(model.info.max_output, SUMMARY_MAX_TOKENS),
     )
     try:
         reply = await model.complete(request)
     except Exception as exc:  # Model.complete should not raise; a broken adapter still must not
-        raise CompactionError(f"summary model {model.name} failed: {type(exc).__name__}: {exc}") from exc
+        raise CompactionError(f"{what} model {model.name} failed: {type(exc).__name__}: {exc}") from exc
     if reply.stop_reason in ("error", "aborted"):
-        raise CompactionError(f"summary model {model.name} failed ({reply.stop_reason}): {reply.error_message or ''}")
-    text = reply.text.strip()
-    if not split_memories(text)[0]:
-        raise CompactionError(f"summary model {model.name} returned an empty summary")
-    return text
+        raise CompactionError(f"{what} model {model.name} failed ({reply.stop_reason}): {reply.error_message or ''}")
+    return reply.text.strip()
+
+
+MEMORY_SYSTEM_PROMPT = """\
+You keep the long-term memory of an agent whose conversation is being cleared. From the
+conversation, pick out what is worth remembering after it: the user's preferences, decisions
+about the work, lasting facts about people, projects and systems. Answer with a
+<memories></memories> block only: one fact per line, each starting with "- ", or none inside it
+if there is nothing of the kind. Do not invent anything. Do not call tools."""
+
+
+async def extract_memories(model: Model, messages: list[Message]) -> str | None:
+    """What ``model`` finds worth remembering in ``messages`` (before a reset clears them), or
+    None: nothing, or an answer without the memories block. Failures raise ``CompactionError``."""
+    transcript = _fit(render_transcript(messages), _transcript_budget(model))
+    prompt = f"<conversation>\n{transcript}\n</conversation>\n\nWrite the memories block."
+    text = await _ask(model, MEMORY_SYSTEM_PROMPT, prompt, "memory")
+    return split_memories(text)[1]
 
 
 # ------------------------------------------------------------------ compaction
