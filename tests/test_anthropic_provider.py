@@ -12,6 +12,7 @@ from agentloop import Agent, tool, user
 from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
+    FileContent,
     ImageContent,
     SystemMessage,
     TextContent,
@@ -278,6 +279,22 @@ async def test_image_input_as_base64_block(fake: AnthropicFake) -> None:
     content = fake.last["messages"][0]["content"]
     assert content[0] == {"type": "text", "text": "what is this?"}
     assert content[1]["source"] == {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}
+
+
+async def test_documents_as_document_blocks(fake: AnthropicFake) -> None:
+    fake.push(text_reply("read"))
+    pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")
+    notes = FileContent(data="aGVsbG8gd29ybGQ=", mime_type="text/plain")
+    await events_of(model(fake), req(user("summarise", pdf, notes)))
+    content = [{k: v for k, v in b.items() if k != "cache_control"} for b in fake.last["messages"][0]["content"]]
+    assert content[1:] == [
+        {
+            "type": "document",
+            "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"},
+            "title": "report.pdf",
+        },
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hello world"}},
+    ]
 
 
 # ------------------------------------------------------------------ failures

@@ -12,6 +12,7 @@ from agentloop import Agent, tool, user
 from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
+    FileContent,
     ImageContent,
     SystemMessage,
     TextContent,
@@ -323,6 +324,18 @@ async def test_results_reordered_to_call_order_and_results_images(fake: GeminiFa
         {"text": "[system notice] 3 rounds left"},
         {"text": "what is it?"},
         {"inlineData": {"mimeType": "image/jpeg", "data": "/9j/"}},
+    ]
+
+
+async def test_documents_as_inline_data_or_text(fake: GeminiFake) -> None:
+    fake.push(text_reply("read"))
+    pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")
+    notes = FileContent(data="aGVsbG8gd29ybGQ=", mime_type="text/csv", name="t.csv")
+    await events_of(model(fake), req(user("summarise", pdf, notes)))
+    assert fake.last["contents"][0]["parts"] == [
+        {"text": "summarise"},
+        {"inlineData": {"mimeType": "application/pdf", "data": "JVBERi0xLjQK"}},
+        {"text": '<file name="t.csv" type="text/csv">\nhello world\n</file>'},
     ]
 
 

@@ -13,6 +13,7 @@ from agentloop import Agent, tool, user
 from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
+    FileContent,
     ImageContent,
     SystemMessage,
     TextContent,
@@ -287,6 +288,18 @@ async def test_image_input_as_data_url(fake: OpenAIFake) -> None:
     assert fake.last["messages"][0]["content"] == [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
+    ]
+
+
+async def test_documents_as_a_file_part_or_as_text(fake: OpenAIFake) -> None:
+    fake.push(text_reply("read"))
+    pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")
+    notes = FileContent(data="aGVsbG8gd29ybGQ=", mime_type="text/plain", name="notes.txt")
+    await events_of(model(fake), req(user("summarise", pdf, notes)))
+    assert fake.last["messages"][0]["content"] == [
+        {"type": "text", "text": "summarise"},
+        {"type": "file", "file": {"filename": "report.pdf", "file_data": "data:application/pdf;base64,JVBERi0xLjQK"}},
+        {"type": "text", "text": '<file name="notes.txt" type="text/plain">\nhello world\n</file>'},
     ]
 
 

@@ -169,6 +169,32 @@ async def test_send_with_an_image_and_each_mode(alice: httpx.AsyncClient) -> Non
     assert [b["type"] for b in first["content"]] == ["text", "image"]
 
 
+async def test_send_with_documents_and_clear_errors_for_bad_ones(alice: httpx.AsyncClient) -> None:
+    pid = await spawn(alice)
+    pdf = base64.b64encode(b"%PDF-1.4\n%%EOF\n").decode()
+    notes = base64.b64encode("café notes".encode()).decode()
+    media = [
+        {"data": pdf, "mime_type": "application/pdf", "name": "report.pdf"},
+        {"data": notes, "mime_type": "text/markdown", "name": "notes.md"},
+    ]
+    shape(await alice.post(f"/v1/processes/{pid}/messages", json={"text": "read", "media": media}), api.ReceiptOut, 202)
+    await wait_idle(alice, pid)
+    first = (await history(alice, pid))["messages"][0]["message"]
+    assert [(b["type"], b.get("name")) for b in first["content"]] == [
+        ("text", None),
+        ("file", "report.pdf"),
+        ("file", "notes.md"),
+    ]
+    url = f"/v1/processes/{pid}/messages"
+    bad = {"data": PNG, "mime_type": "application/pdf"}  # an image labelled as a PDF
+    assert "is not a PDF" in error(await alice.post(url, json={"text": "x", "media": [bad]}), 400, "invalid_request")
+    binary = {"data": base64.b64encode(b"a\x00b").decode(), "mime_type": "text/plain"}
+    assert "NUL" in error(await alice.post(url, json={"text": "x", "media": [binary]}), 400, "invalid_request")
+    zipped = {"data": PNG, "mime_type": "application/zip"}
+    error(await alice.post(url, json={"text": "x", "media": [zipped]}), 400, "invalid_request")
+    assert len((await history(alice, pid))["messages"]) == 2  # the refused sends left nothing behind
+
+
 async def test_approval_over_http_approve_and_deny(alice: httpx.AsyncClient) -> None:
     pid = await spawn(alice)
     shape(await alice.post(f"/v1/processes/{pid}/messages", json={"text": "risky"}), api.ReceiptOut, 202)

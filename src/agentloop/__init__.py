@@ -8,6 +8,7 @@ from agentloop.loop.hooks import Block, Hooks, ToolCallInfo, TurnInfo
 from agentloop.loop.reveal import ToolReveal
 from agentloop.messages import (
     AssistantMessage,
+    FileContent,
     ImageContent,
     Message,
     SystemMessage,
@@ -48,6 +49,7 @@ __all__ = [
     "AgentBusy",
     "AssistantMessage",
     "Block",
+    "FileContent",
     "Guards",
     "Hooks",
     "ImageContent",

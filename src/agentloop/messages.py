@@ -13,6 +13,8 @@ while anything that comes from outside still goes through full validation
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
@@ -74,6 +76,41 @@ class ImageContent:
     mime_type: str
 
 
+# the document types a ``FileContent`` may carry; the text ones reach a model without document
+# input as text
+FILE_TYPES = ("application/pdf", "text/plain", "text/markdown", "text/csv")
+
+
+@_wire
+class FileContent:
+    """A document as base64 data (``data``) with its MIME type (one of ``FILE_TYPES``: a PDF, or
+    plain, Markdown or CSV text) and its file name."""
+
+    type: Literal["file"] = "file"
+    data: str
+    mime_type: str
+    name: str = ""
+
+
+def document_text(block: FileContent) -> str | None:
+    """The text of a text document; None for a PDF, or data that is not base64 UTF-8."""
+    if not block.mime_type.startswith("text/"):
+        return None
+    try:
+        return base64.b64decode(block.data, validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+
+
+def file_text(block: FileContent) -> str | None:
+    """A text document as a provider without document input is given it: its text in a
+    ``<file>`` element with its name and type (None for a PDF)."""
+    text = document_text(block)
+    if text is None:
+        return None
+    return f'<file name="{block.name or "file"}" type="{block.mime_type}">\n{text}\n</file>'
+
+
 @_wire
 class ToolCall:
     """A request by the model to run a tool; ``arguments`` are already parsed JSON."""
@@ -84,7 +121,8 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
 
 
-UserBlock: TypeAlias = Annotated[TextContent | ImageContent, Field(discriminator="type")]
+UserBlock: TypeAlias = Annotated[TextContent | ImageContent | FileContent, Field(discriminator="type")]
+MediaBlock: TypeAlias = ImageContent | FileContent  # what a user (or a tool) attaches besides text
 AssistantBlock: TypeAlias = Annotated[TextContent | ThinkingContent | ToolCall, Field(discriminator="type")]
 
 
@@ -250,10 +288,10 @@ def messages_to_dicts(messages: list[Message]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ constructors
 
 
-def user(text: str, *images: ImageContent) -> UserMessage:
-    """A user message with text and optional images."""
-    blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
-    blocks.extend(images)
+def user(text: str, *media: ImageContent | FileContent) -> UserMessage:
+    """A user message with text and optional images and documents."""
+    blocks: list[TextContent | ImageContent | FileContent] = [TextContent(text=text)]
+    blocks.extend(media)
     return UserMessage(content=blocks)
 
 

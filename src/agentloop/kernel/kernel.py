@@ -36,7 +36,15 @@ from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.state import Mode, check_mode
-from agentloop.messages import ImageContent, Message, TextContent, ToolResultMessage, UserMessage
+from agentloop.messages import (
+    FileContent,
+    ImageContent,
+    Message,
+    TextContent,
+    ToolResultMessage,
+    UserBlock,
+    UserMessage,
+)
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, PromptFn, Receipt, SendMode, ToolsetFn, new_id
@@ -72,21 +80,23 @@ REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a re
 
 
 def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
-    """Turn stored media references back into image blocks for a model call (history unchanged)."""
+    """Turn stored media references back into image and document blocks for a model call
+    (history unchanged)."""
 
     def load(block: Any) -> Any:
-        if isinstance(block, ImageContent) and block.data.startswith(MEDIA_PREFIX):
+        if isinstance(block, ImageContent | FileContent) and block.data.startswith(MEDIA_PREFIX):
+            name = block.name if isinstance(block, FileContent) else ""
             try:
-                return media.load(MediaRef.from_dict(json.loads(block.data[len(MEDIA_PREFIX) :])))
+                return media.load(MediaRef.from_dict(json.loads(block.data[len(MEDIA_PREFIX) :])), name)
             except (MediaError, ValueError) as exc:
-                return TextContent(text=f"[image unavailable: {exc}]")
+                return TextContent(text=f"[{block.type} unavailable: {exc}]")
         return block
 
     def hydrate(messages: list[Message]) -> list[Message]:
         out: list[Message] = []
         for msg in messages:
             if isinstance(msg, UserMessage | ToolResultMessage) and any(
-                isinstance(b, ImageContent) and b.data.startswith(MEDIA_PREFIX) for b in msg.content
+                isinstance(b, ImageContent | FileContent) and b.data.startswith(MEDIA_PREFIX) for b in msg.content
             ):
                 msg = replace(msg, content=[load(b) for b in msg.content])
             out.append(msg)
@@ -273,25 +283,30 @@ class Process:
         self,
         text: str,
         mode: SendMode = "steer",
-        media: Sequence[ImageContent] = (),
+        media: Sequence[ImageContent | FileContent] = (),
         run_id: str | None = None,
     ) -> Receipt:
-        """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active)."""
+        """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active), with
+        images and documents (PDF, plain text, Markdown, CSV) attached as ``media``."""
         if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         if not isinstance(text, str) or (not text.strip() and not media):
-            raise ValueError("text must be a non-empty string (or come with an image)")
+            raise ValueError("text must be a non-empty string (or come with an image or a file)")
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
             raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
-        if isinstance(media, str | bytes) or not all(isinstance(image, ImageContent) for image in media):
-            raise TypeError("media must be a sequence of ImageContent blocks")
+        if isinstance(media, str | bytes) or not all(isinstance(b, ImageContent | FileContent) for b in media):
+            raise TypeError("media must be a sequence of ImageContent or FileContent blocks")
         record = (await self.kernel.engine.live(self.pid)).record
-        for image in media:  # every image is checked before any is stored: a bad one stores nothing
-            self.kernel.media.check(image)
-        blocks: list[TextContent | ImageContent] = [TextContent(text=text)]
-        for image in media:  # stored as files; the message keeps a reference, the model gets the image
-            ref = self.kernel.media.save(record.owner, self.pid, image)
-            blocks.append(ImageContent(data=MEDIA_PREFIX + json.dumps(ref.to_dict()), mime_type=ref.mime_type))
+        for block in media:  # every block is checked before any is stored: a bad one stores nothing
+            self.kernel.media.check(block)
+        blocks: list[UserBlock] = [TextContent(text=text)]
+        for block in media:  # stored as files; the message keeps a reference, the model gets the content
+            ref = self.kernel.media.save(record.owner, self.pid, block)
+            data = MEDIA_PREFIX + json.dumps(ref.to_dict())
+            if isinstance(block, FileContent):
+                blocks.append(FileContent(data=data, mime_type=ref.mime_type, name=block.name))
+            else:
+                blocks.append(ImageContent(data=data, mime_type=ref.mime_type))
         return await self.kernel.engine.send(self.pid, UserMessage(content=blocks), mode=mode, run_id=run_id)
 
     async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:

@@ -29,6 +29,7 @@ from agentloop.events import ErrorKind, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
     ImageContent,
+    MediaBlock,
     StopReason,
     SystemMessage,
     TextContent,
@@ -36,7 +37,9 @@ from agentloop.messages import (
     ToolCall,
     ToolResultMessage,
     Usage,
+    UserBlock,
     UserMessage,
+    document_text,
 )
 from agentloop.models.base import (
     NOTICE_PREFIX,
@@ -330,16 +333,27 @@ class _EventReader:
 # ------------------------------------------------------------------ history conversion
 
 
-def _image(image: ImageContent) -> dict[str, Any]:
-    return {"type": "image", "source": {"type": "base64", "media_type": image.mime_type, "data": image.data}}
+def _media(block: MediaBlock) -> dict[str, Any]:
+    """An image, or a document: a PDF as base64, a text document as its text."""
+    if isinstance(block, ImageContent):
+        return {"type": "image", "source": {"type": "base64", "media_type": block.mime_type, "data": block.data}}
+    text = document_text(block)
+    if text is None:
+        source = {"type": "base64", "media_type": block.mime_type, "data": block.data}
+    else:
+        source = {"type": "text", "media_type": "text/plain", "data": text}
+    document: dict[str, Any] = {"type": "document", "source": source}
+    if block.name:
+        document["title"] = block.name
+    return document
 
 
-def _user_blocks(blocks: list[TextContent | ImageContent]) -> list[dict[str, Any]]:
-    """Text and images; empty text blocks are rejected by the API, so they are left out."""
+def _user_blocks(blocks: list[UserBlock]) -> list[dict[str, Any]]:
+    """Text, images and documents; empty text blocks are rejected by the API, so they are left out."""
     return [
-        _image(b) if isinstance(b, ImageContent) else {"type": "text", "text": b.text}
+        {"type": "text", "text": b.text} if isinstance(b, TextContent) else _media(b)
         for b in blocks
-        if isinstance(b, ImageContent) or b.text
+        if not isinstance(b, TextContent) or b.text
     ]
 
 

@@ -34,7 +34,8 @@ import httpx
 from agentloop.events import ErrorKind, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
-    ImageContent,
+    FileContent,
+    MediaBlock,
     Message,
     StopReason,
     SystemMessage,
@@ -43,7 +44,9 @@ from agentloop.messages import (
     ToolCall,
     ToolResultMessage,
     Usage,
+    UserBlock,
     UserMessage,
+    file_text,
 )
 from agentloop.models.base import (
     NOTICE_PREFIX,
@@ -454,15 +457,19 @@ def openapi_schema(schema: Any) -> Any:
 # ------------------------------------------------------------------ history conversion
 
 
-def _inline(image: ImageContent) -> dict[str, Any]:
-    return {"inlineData": {"mimeType": image.mime_type, "data": image.data}}
+def _inline(block: MediaBlock) -> dict[str, Any]:
+    """An image or a PDF as inline data; a text document as its text."""
+    text = file_text(block) if isinstance(block, FileContent) else None
+    if text is not None:
+        return {"text": text}
+    return {"inlineData": {"mimeType": block.mime_type, "data": block.data}}
 
 
-def _user_parts(blocks: list[TextContent | ImageContent]) -> list[dict[str, Any]]:
-    """Text and images; empty text parts are rejected by the API, so they are left out."""
+def _user_parts(blocks: list[UserBlock]) -> list[dict[str, Any]]:
+    """Text, images and documents; empty text parts are rejected by the API, so they are left out."""
     parts: list[dict[str, Any]] = []
     for b in blocks:
-        if isinstance(b, ImageContent):
+        if not isinstance(b, TextContent):
             parts.append(_inline(b))
         elif b.text:
             parts.append({"text": b.text})
@@ -532,7 +539,7 @@ def _response_parts(results: list[ToolResultMessage], calls: AssistantMessage | 
         if calls is not None and _is_ours(res.tool_call_id, calls):
             response["id"] = res.tool_call_id
         parts.append({"functionResponse": response})
-        images.extend(_inline(b) for b in res.content if isinstance(b, ImageContent))
+        images.extend(_inline(b) for b in res.content if not isinstance(b, TextContent))
     return parts + images
 
 

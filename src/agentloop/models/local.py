@@ -30,14 +30,16 @@ from typing import Any, Literal
 from agentloop.events import StreamEvent
 from agentloop.messages import (
     AssistantMessage,
-    ImageContent,
+    FileContent,
     Message,
     SystemMessage,
     TextContent,
     ToolCall,
     ToolResultMessage,
     Usage,
+    UserBlock,
     UserMessage,
+    file_text,
 )
 from agentloop.models.base import AssistantBuilder, Model, ModelRequest, ProviderError, ToolSpec, make_usage
 from agentloop.models.catalog import model_info
@@ -64,6 +66,7 @@ INSTALL_LLAMA = (
     "(the first install compiles llama.cpp from source, about 9 minutes on 2 cores)"
 )
 IMAGE_OMITTED = "[image omitted: this local model cannot see images]"
+PDF_OMITTED = "[{name} omitted: this local model cannot read PDFs]"
 
 ChatMessage = dict[str, str]
 
@@ -340,8 +343,18 @@ def partial_answer(buf: str) -> str | None:
 # ------------------------------------------------------------------ conversation mapping
 
 
-def _blocks_text(blocks: list[TextContent | ImageContent]) -> str:
-    return "\n".join(b.text if isinstance(b, TextContent) else IMAGE_OMITTED for b in blocks)
+def _blocks_text(blocks: list[UserBlock]) -> str:
+    """Text only: a text document is given as its text, an image or a PDF is left out, saying so."""
+    return "\n".join(_block_text(b) for b in blocks)
+
+
+def _block_text(block: UserBlock) -> str:
+    if isinstance(block, TextContent):
+        return block.text
+    if isinstance(block, FileContent):
+        text = file_text(block)
+        return text if text is not None else PDF_OMITTED.format(name=block.name or "a PDF")
+    return IMAGE_OMITTED
 
 
 def _call_json(call: ToolCall) -> str:

@@ -25,12 +25,15 @@ from agentloop.events import ErrorKind, StreamEvent
 from agentloop.messages import (
     AssistantMessage,
     ImageContent,
+    MediaBlock,
     StopReason,
     SystemMessage,
     TextContent,
     ToolResultMessage,
     Usage,
+    UserBlock,
     UserMessage,
+    file_text,
 )
 from agentloop.models.base import (
     STREAM_CUT,
@@ -253,21 +256,31 @@ def _cause(exc: BaseException) -> str:
 # ------------------------------------------------------------------ history conversion
 
 
-def _image_part(image: ImageContent) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": f"data:{image.mime_type};base64,{image.data}"}}
+def _media_part(block: MediaBlock) -> dict[str, Any]:
+    """An image, a PDF (a ``file`` part), or a text document as text (the API takes PDFs only)."""
+    if isinstance(block, ImageContent):
+        return {"type": "image_url", "image_url": {"url": f"data:{block.mime_type};base64,{block.data}"}}
+    text = file_text(block)
+    if text is not None:
+        return {"type": "text", "text": text}
+    return {
+        "type": "file",
+        "file": {"filename": block.name or "document.pdf", "file_data": f"data:{block.mime_type};base64,{block.data}"},
+    }
 
 
-def _user_content(blocks: list[TextContent | ImageContent]) -> str | list[dict[str, Any]]:
+def _user_content(blocks: list[UserBlock]) -> str | list[dict[str, Any]]:
     if all(isinstance(b, TextContent) for b in blocks):
         return "".join(b.text for b in blocks if isinstance(b, TextContent))
-    return [{"type": "text", "text": b.text} if isinstance(b, TextContent) else _image_part(b) for b in blocks]
+    return [{"type": "text", "text": b.text} if isinstance(b, TextContent) else _media_part(b) for b in blocks]
 
 
 def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
     """Our history as Chat Completions messages, after replay hygiene.
 
-    Tool results can only carry text, so their images follow in one user message after the run
-    of tool messages (a user message inside the run would separate results from their calls).
+    Tool results can only carry text, so their images and documents follow in one user message
+    after the run of tool messages (a user message inside the run would separate results from
+    their calls).
     """
     out: list[dict[str, Any]] = []
     if request.system_prompt:
@@ -276,14 +289,14 @@ def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
 
     def flush_images() -> None:
         if pending_images:
-            parts = [{"type": "text", "text": "Images returned by the tools above:"}, *pending_images]
+            parts = [{"type": "text", "text": "Images and files returned by the tools above:"}, *pending_images]
             out.append({"role": "user", "content": parts})
             pending_images.clear()
 
     for msg in clean_history(request.messages, lambda i: safe_tool_id(i, TOOL_ID_MAX)):
         if isinstance(msg, ToolResultMessage):
             out.append({"role": "tool", "tool_call_id": msg.tool_call_id, "content": msg.text})
-            pending_images.extend(_image_part(b) for b in msg.content if isinstance(b, ImageContent))
+            pending_images.extend(_media_part(b) for b in msg.content if not isinstance(b, TextContent))
             continue
         flush_images()
         if isinstance(msg, UserMessage):

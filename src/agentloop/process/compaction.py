@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeAlias
 
 from agentloop.messages import (
     AssistantMessage,
+    FileContent,
     ImageContent,
     Message,
     SystemMessage,
@@ -33,6 +34,7 @@ from agentloop.messages import (
     user,
 )
 from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
+from agentloop.process.media import MEDIA_PREFIX
 
 CompactionReason: TypeAlias = Literal["threshold", "overflow", "manual"]
 
@@ -40,6 +42,7 @@ CHARS_PER_TOKEN = 4
 # Providers bill an image by its pixels (roughly 1–2k tokens for a screenshot); the base64 length
 # would overstate it tenfold, so every image counts the same.
 IMAGE_TOKENS = 1_200
+PDF_BYTES_PER_TOKEN = 20
 # Role markers and separators a provider adds around each message.
 MESSAGE_OVERHEAD = 4
 
@@ -65,11 +68,27 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def _file_tokens(block: FileContent) -> int:
+    """A document's cost from its size: text at the usual rate, a PDF at a rough one (providers
+    bill its pages, text and pictures, which the size only hints at)."""
+    size = len(block.data) * 3 // 4 - block.data[-2:].count("=")  # base64: 3 bytes per 4 characters
+    if block.data.startswith(MEDIA_PREFIX):  # stored as a file: the reference knows its size
+        try:
+            size = int(json.loads(block.data[len(MEDIA_PREFIX) :]).get("size", 0))
+        except (ValueError, TypeError, AttributeError):
+            size = 0
+    if block.mime_type == "application/pdf":
+        return max(IMAGE_TOKENS, size // PDF_BYTES_PER_TOKEN)
+    return math.ceil(size / CHARS_PER_TOKEN)
+
+
 def _block_tokens(block: Any) -> int:
     if isinstance(block, TextContent):
         return _text_tokens(block.text)
     if isinstance(block, ImageContent):
         return IMAGE_TOKENS
+    if isinstance(block, FileContent):
+        return _file_tokens(block)
     if isinstance(block, ThinkingContent):
         return _text_tokens(block.thinking) + _text_tokens(block.signature or "")
     if isinstance(block, ToolCall):
@@ -213,6 +232,8 @@ def _render_blocks(blocks: Iterable[Any], clip: int | None) -> str:
             parts.append(b.text if clip is None else _clip(b.text, clip))
         elif isinstance(b, ImageContent):
             parts.append(f"[image {b.mime_type}]")
+        elif isinstance(b, FileContent):
+            parts.append(f"[file {b.name or 'unnamed'} ({b.mime_type})]")
         elif isinstance(b, ThinkingContent):
             if b.thinking and not b.redacted:
                 parts.append(f"(thinking: {_clip(b.thinking, THINKING_CLIP)})")

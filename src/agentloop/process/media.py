@@ -1,10 +1,11 @@
-"""Images of a process, stored as files and referenced from message rows.
+"""Images and documents of a process, stored as files and referenced from message rows.
 
-Base64 images inside message rows would make every history read carry megabytes, so a message
+Base64 media inside message rows would make every history read carry megabytes, so a message
 keeps a small ``MediaRef`` and the bytes live under ``var/media/<uid>/<pid>/``, named by their
-SHA-256 (the same image sent twice is stored once). The declared MIME type is checked against
-the bytes, because providers reject a mislabelled image only at the next model call, far from
-the client that sent it. The files belong to one process, so reset and kill drop the folder.
+SHA-256 (the same file sent twice is stored once). The declared MIME type is checked against
+the bytes (an image's or a PDF's magic numbers; a text document must be UTF-8 without NUL
+bytes), because providers reject a mislabelled file only at the next model call, far from the
+client that sent it. The files belong to one process, so reset and kill drop the folder.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from agentloop.messages import ImageContent
+from agentloop.messages import FILE_TYPES, FileContent, ImageContent, MediaBlock
 from agentloop.process.archive import check_name
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 
 _EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp"}
-_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
+_FILE_EXTENSIONS = {"application/pdf": "pdf", "text/plain": "txt", "text/markdown": "md", "text/csv": "csv"}
+assert set(_FILE_EXTENSIONS) == set(FILE_TYPES)
+_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "text/x-markdown": "text/markdown"}
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -34,7 +37,7 @@ MEDIA_PREFIX = "media:"  # an image block whose data is this prefix + a MediaRef
 
 
 class MediaError(ValueError):
-    """An image that cannot be stored or found."""
+    """An image or a document that cannot be stored or found."""
 
 
 class MediaTooLarge(MediaError):
@@ -58,9 +61,22 @@ def sniff_mime(data: bytes) -> str | None:
     return None
 
 
+def _check_document(data: bytes, mime: str, declared: str) -> None:
+    if mime == "application/pdf":
+        if not data.startswith(b"%PDF-"):
+            raise MediaError(f"file declared as {declared!r} is not a PDF")
+        return
+    if b"\x00" in data:
+        raise MediaError(f"file declared as {declared!r} holds NUL bytes: it is not text")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MediaError(f"file declared as {declared!r} is not UTF-8 text") from None
+
+
 @dataclass(frozen=True, slots=True)
 class MediaRef:
-    """Where a stored image is: ``path`` is relative to the data dir, ``size`` in bytes."""
+    """Where a stored image or document is: ``path`` is relative to the data dir, ``size`` in bytes."""
 
     path: str
     mime_type: str
@@ -85,7 +101,7 @@ class MediaRef:
 
 
 class MediaStore:
-    """Image files under ``<data_dir>/var/media``; every path it hands out is relative to ``data_dir``."""
+    """Media files under ``<data_dir>/var/media``; every path it hands out is relative to ``data_dir``."""
 
     def __init__(self, data_dir: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.data_dir = Path(data_dir)
@@ -95,33 +111,38 @@ class MediaStore:
     def process_dir(self, uid: str, pid: str) -> Path:
         return self.root / check_name(uid, "uid") / check_name(pid, "pid")
 
-    def check(self, image: ImageContent) -> tuple[bytes, str, str]:
-        """The image's bytes, type and file extension; ``MediaError`` says why it cannot be stored."""
-        declared = image.mime_type.strip().lower()
+    def check(self, block: MediaBlock) -> tuple[bytes, str, str]:
+        """The block's bytes, type and file extension; ``MediaError`` says why it cannot be stored."""
+        kind = "image" if isinstance(block, ImageContent) else "file"
+        known = _EXTENSIONS if kind == "image" else _FILE_EXTENSIONS
+        declared = block.mime_type.strip().lower()
         mime = _ALIASES.get(declared, declared)
-        ext = _EXTENSIONS.get(mime)
+        ext = known.get(mime)
         if ext is None:
-            raise MediaError(f"unsupported image type {image.mime_type!r}; supported: {', '.join(_EXTENSIONS)}")
+            raise MediaError(f"unsupported {kind} type {block.mime_type!r}; supported: {', '.join(known)}")
         # base64 is 4 characters per 3 bytes: refuse a huge payload before decoding it.
-        if len(image.data) * 3 // 4 > self.max_bytes + 3:
-            raise MediaTooLarge(f"image is larger than the {self.max_bytes}-byte limit")
+        if len(block.data) * 3 // 4 > self.max_bytes + 3:
+            raise MediaTooLarge(f"{kind} is larger than the {self.max_bytes}-byte limit")
         try:
-            data = base64.b64decode(image.data, validate=True)
+            data = base64.b64decode(block.data, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise MediaError(f"image data is not valid base64: {exc}") from exc
+            raise MediaError(f"{kind} data is not valid base64: {exc}") from exc
         if len(data) > self.max_bytes:
-            raise MediaTooLarge(f"image is {len(data)} bytes, over the {self.max_bytes}-byte limit")
+            raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the {self.max_bytes}-byte limit")
+        if kind == "file":
+            _check_document(data, mime, block.mime_type)
+            return data, mime, ext
         actual = sniff_mime(data)
         if actual is None:
-            raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {image.mime_type!r})")
+            raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {block.mime_type!r})")
         if actual != mime:
-            raise MediaError(f"image declared as {image.mime_type!r} but its bytes are {actual}")
+            raise MediaError(f"image declared as {block.mime_type!r} but its bytes are {actual}")
         return data, mime, ext
 
-    def save(self, uid: str, pid: str, image: ImageContent) -> MediaRef:
-        """Store ``image`` (once per content) and return its reference."""
+    def save(self, uid: str, pid: str, block: MediaBlock) -> MediaRef:
+        """Store ``block`` (once per content) and return its reference."""
         directory = self.process_dir(uid, pid)
-        data, mime, ext = self.check(image)
+        data, mime, ext = self.check(block)
         sha = hashlib.sha256(data).hexdigest()
         path = directory / f"{sha}.{ext}"
         if not (path.is_file() and path.stat().st_size == len(data)):
@@ -145,8 +166,8 @@ class MediaStore:
             raise MediaError(f"media ref {ref.path!r} is outside the media store")
         return self.data_dir.joinpath(*rel.parts)
 
-    def load(self, ref: MediaRef) -> ImageContent:
-        """The image block back, verified against the ref's hash."""
+    def load(self, ref: MediaRef, name: str = "") -> MediaBlock:
+        """The image (or the document, called ``name``) back, verified against the ref's hash."""
         path = self._resolve(ref)
         try:
             data = path.read_bytes()
@@ -154,7 +175,10 @@ class MediaStore:
             raise MediaNotFound(f"media {ref.path} ({ref.mime_type}, sha256 {ref.sha256}) is missing") from None
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise MediaError(f"media {ref.path} does not match its sha256 {ref.sha256}: the file is corrupt")
-        return ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=ref.mime_type)
+        encoded = base64.b64encode(data).decode("ascii")
+        if ref.mime_type in _FILE_EXTENSIONS:
+            return FileContent(data=encoded, mime_type=ref.mime_type, name=name)
+        return ImageContent(data=encoded, mime_type=ref.mime_type)
 
     def delete_process(self, uid: str, pid: str) -> int:
         """Remove every file of one process; returns how many were removed."""

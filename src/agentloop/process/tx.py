@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import ImageContent, Message, ToolResultMessage, UserMessage
+from agentloop.messages import FileContent, ImageContent, Message, ToolResultMessage, UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
@@ -187,7 +187,7 @@ def _new_run(run_id: str | None = None) -> dict[str, Any]:
 
 
 def _has_media(message: Message) -> bool:
-    """Whether a message carries stored-media references (images kept as files, not inline)."""
+    """Whether a message carries stored-media references (images and documents kept as files)."""
     if not isinstance(message, UserMessage | ToolResultMessage) or len(message.content) < 2:
         return False
-    return any(isinstance(b, ImageContent) and b.data.startswith(MEDIA_PREFIX) for b in message.content)
+    return any(isinstance(b, ImageContent | FileContent) and b.data.startswith(MEDIA_PREFIX) for b in message.content)

@@ -29,7 +29,7 @@ from agentloop.server.errors import ApiError
 from agentloop.server.events import open_stream
 from agentloop.server.http_errors import internal_error, invalid, validation_error
 from agentloop.server.openapi import Endpoint, document
-from agentloop.server.service import IMAGE_TYPES, MAX_HISTORY_PAGE, MODES, RUN_MODES
+from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, RUN_MODES
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -58,8 +58,9 @@ class ModeBody(Body):
 
 
 class MediaItem(Body):
-    data: str = Field(description="The image, base64.")
-    mime_type: Literal[IMAGE_TYPES]  # type: ignore[valid-type]
+    data: str = Field(description="The image or document, base64.")
+    mime_type: Literal[MEDIA_TYPES]  # type: ignore[valid-type]
+    name: str = Field("", max_length=255, description="A document's file name, shown to the model.")
 
 
 class SendBody(Body):

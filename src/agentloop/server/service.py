@@ -22,7 +22,7 @@ from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.watches import WatchError
 from agentloop.loop.state import Mode, check_mode
-from agentloop.messages import ImageContent, message_to_dict
+from agentloop.messages import FILE_TYPES, FileContent, ImageContent, message_to_dict
 from agentloop.process.api import Receipt, SendMode
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
@@ -33,6 +33,7 @@ from agentloop.server.errors import ApiError
 MODES: tuple[str, ...] = get_args(SendMode)
 RUN_MODES: tuple[str, ...] = get_args(Mode)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+MEDIA_TYPES = (*IMAGE_TYPES, *FILE_TYPES)
 MAX_TEXT = 200_000
 MAX_CONTEXT = 64_000
 MAX_HISTORY_PAGE = 500
@@ -100,28 +101,34 @@ def _not_found(pid: str) -> ApiError:
     return ApiError(404, "not_found", f"no such process {pid!r}")
 
 
-def decode_media(items: list[Any]) -> list[ImageContent]:
-    """``[{data: base64, mime_type}]`` → image blocks, refusing anything that is not an image."""
-    images = []
+def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
+    """``[{data: base64, mime_type, name?}]`` → image and document blocks, refusing other types
+    (a document's content is checked when it is stored: ``MediaStore.check``)."""
+    blocks: list[ImageContent | FileContent] = []
     for i, item in enumerate(items):
         where = f"media[{i}]"
         if not isinstance(item, dict):
             raise ApiError(400, "invalid_request", f"{where} must be an object with data and mime_type")
-        mime, data = item.get("mime_type"), item.get("data")
-        if mime not in IMAGE_TYPES:
-            raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {', '.join(IMAGE_TYPES)}")
+        mime, data, name = item.get("mime_type"), item.get("data"), item.get("name", "")
+        if mime not in MEDIA_TYPES:
+            raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {', '.join(MEDIA_TYPES)}")
         if not isinstance(data, str) or not data:
             raise ApiError(400, "invalid_request", f"{where}.data must be a base64 string")
+        if not isinstance(name, str) or len(name) > 255:
+            raise ApiError(400, "invalid_request", f"{where}.name must be a string of at most 255 characters")
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, "invalid_request", f"{where}.data is not valid base64") from None
+        if mime in FILE_TYPES:
+            blocks.append(FileContent(data=data, mime_type=mime, name=name))
+            continue
         actual = sniff_mime(raw)
         if actual != mime:
             what = "not a PNG, JPEG, GIF or WebP image" if actual is None else f"a {actual} image, not {mime}"
             raise ApiError(400, "invalid_request", f"{where}.data is {what}")
-        images.append(ImageContent(data=data, mime_type=mime))
-    return images
+        blocks.append(ImageContent(data=data, mime_type=mime))
+    return blocks
 
 
 class ProcessService:
@@ -182,10 +189,10 @@ class ProcessService:
         if mode not in MODES:
             raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(MODES)}")
         _check_text(text, empty_ok=bool(media))
-        images = decode_media(media or [])
+        blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
         try:
-            receipt = await proc.send(text, mode, images, run_id=run_id)  # type: ignore[arg-type]
+            receipt = await proc.send(text, mode, blocks, run_id=run_id)  # type: ignore[arg-type]
         except NoSuchProcess:
             raise _not_found(pid) from None
         except MediaTooLarge as exc:

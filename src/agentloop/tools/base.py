@@ -20,10 +20,10 @@ from typing import Any, Literal, TypeAlias, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from agentloop.messages import ImageContent, TextContent, ToolResultMessage
+from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage
 from agentloop.models.base import ToolSpec
 
-ResultBlock: TypeAlias = TextContent | ImageContent
+ResultBlock: TypeAlias = TextContent | ImageContent | FileContent
 
 #: Characters of text a tool result may hand the model (about 25k tokens). One runaway result
 #: (a whole log, a binary dumped as text) would otherwise fill the context and be sent again with
@@ -140,9 +140,9 @@ def to_result(value: Any) -> ToolResult:
         return ToolResult([TextContent(text=value)])
     if value is None:
         return ToolResult([TextContent(text="")])
-    if isinstance(value, TextContent | ImageContent):
+    if isinstance(value, ResultBlock):
         return ToolResult([value])
-    if isinstance(value, list) and value and all(isinstance(v, TextContent | ImageContent) for v in value):
+    if isinstance(value, list) and value and all(isinstance(v, ResultBlock) for v in value):
         return ToolResult(list(value))
     if isinstance(value, BaseModel):  # a pydantic model returned by a tool
         return ToolResult([TextContent(text=value.model_dump_json())], details=value)
