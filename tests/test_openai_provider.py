@@ -291,6 +291,21 @@ async def test_image_input_as_data_url(fake: OpenAIFake) -> None:
     ]
 
 
+async def test_a_pdf_returned_by_a_tool_follows_the_tool_messages(fake: OpenAIFake) -> None:
+    calls = AssistantMessage(content=[ToolCall(id="call_r", name="Read", arguments={})], stop_reason="toolUse")
+    pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="r.pdf")
+    result = ToolResultMessage(tool_call_id="call_r", tool_name="Read", content=[TextContent(text="PDF r.pdf"), pdf])
+    fake.push(text_reply("read"))
+    await events_of(model(fake), req(user("read r.pdf"), calls, result))
+    messages = fake.last["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "user"]
+    assert messages[2]["content"] == "PDF r.pdf"
+    assert messages[3]["content"][1] == {
+        "type": "file",
+        "file": {"filename": "r.pdf", "file_data": "data:application/pdf;base64,JVBERi0xLjQK"},
+    }
+
+
 async def test_documents_as_a_file_part_or_as_text(fake: OpenAIFake) -> None:
     fake.push(text_reply("read"))
     pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")

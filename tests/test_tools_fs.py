@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
-from agentloop.messages import ImageContent, TextContent
+from agentloop.messages import FileContent, ImageContent, TextContent
 from agentloop.tools.base import ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.fs import delete_file, edit_file, read_file, write_file
@@ -160,6 +160,17 @@ async def test_read_truncates_long_lines(root: Path) -> None:
 async def test_read_empty_file(root: Path) -> None:
     (root / "empty.txt").write_text("")
     assert "empty" in text(await read_file(root, "empty.txt"))
+
+
+async def test_read_pdf_gives_a_document_block(root: Path) -> None:
+    pdf = b"%PDF-1.4\n" + bytes(range(256)) + b"\n%%EOF\n"  # binary inside, as real PDFs are
+    (root / "docs").mkdir()
+    (root / "docs" / "report.pdf").write_bytes(pdf)
+    result = await read_file(root, "docs/report.pdf")
+    assert not result.is_error and "PDF docs/report.pdf" in result.content[0].text
+    block = result.content[1]
+    assert isinstance(block, FileContent) and block.mime_type == "application/pdf" and block.name == "report.pdf"
+    assert base64.b64decode(block.data) == pdf
 
 
 async def test_read_image_gives_image_block(root: Path) -> None:

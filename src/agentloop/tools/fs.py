@@ -18,7 +18,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from agentloop.messages import ImageContent, TextContent
+from agentloop.messages import FileContent, ImageContent, TextContent
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
 
@@ -89,6 +89,16 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
                 [TextContent(text=note), ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=mime)],
                 details={"path": rel, "mime_type": mime, "bytes": len(data)},
             )
+        if head.startswith(b"%PDF-"):  # handed to the model as a document (read as text where it cannot)
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_IMAGE_BYTES:
+                raise ToolError(f"{path} is a PDF of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
+            data = head + f.read()
+            pdf = FileContent(data=base64.b64encode(data).decode("ascii"), mime_type="application/pdf", name=real.name)
+            return ToolResult(
+                [TextContent(text=f"PDF {rel} ({len(data)} bytes)"), pdf],
+                details={"path": rel, "mime_type": "application/pdf", "bytes": len(data)},
+            )
     if b"\x00" in head:
         hint = (
             " (its extension says image, but its content is not one)"
@@ -122,7 +132,7 @@ def _read_text(real: Path, rel: str, offset: int, limit: int) -> ToolResult:
 
 
 async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = DEFAULT_LIMIT) -> ToolResult:
-    """``fs.read``: numbered text lines, an image block, or a ``ToolError``."""
+    """``fs.read``: numbered text lines, an image or PDF block, or a ``ToolError``."""
     if offset < 1 or limit < 1:
         raise ToolError("offset and limit must be at least 1")
     return await asyncio.to_thread(_read_sync, root, path, offset, limit)
@@ -254,7 +264,7 @@ def read_tool(root: str | Path) -> FunctionTool:
     @tool(
         name="Read",
         description=(
-            "Read a text file with line numbers (like cat -n), or view an image (png, jpeg, gif, webp). "
+            "Read a text file with line numbers (like cat -n), or view an image (png, jpeg, gif, webp) or a PDF. "
             f"Returns up to `limit` lines from line `offset`; lines over {MAX_LINE_CHARS} chars are truncated. "
             "Read a file before you Edit it."
         ),
