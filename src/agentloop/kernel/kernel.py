@@ -6,22 +6,19 @@
         async for signal in proc.signals(follow=True): ...
 
 Opening resumes every run that was unfinished when the store was last closed (or the machine
-crashed). Images sent with a message are stored as files under the data directory; reset and
-kill archive the history there (``var/sessions/<user>/<pid>/``) before they clear it.
+crashed). Images and documents sent with a message are stored as files under the data directory;
+reset and kill archive the history there (``var/sessions/<user>/<pid>/``) before they clear it.
+What each run is given (prompt, tools, media) is put together in ``runs.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import functools
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,33 +26,32 @@ from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.account_model import AccountModels
-from agentloop.kernel.devices import DeviceDirectory, describe_devices, device_toolset
+from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import SCHEDULES, WATCHES, Duty
+from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WatchRouter
-from agentloop.loop.hooks import maybe_await
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import (
     FileContent,
     ImageContent,
     Message,
     TextContent,
-    ToolResultMessage,
     UserBlock,
     UserMessage,
 )
 from agentloop.models.base import Model
 from agentloop.process import signals as sig
-from agentloop.process.api import ApprovalFn, PromptFn, Receipt, SendMode, ToolsetFn, new_id
+from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
 from agentloop.process.engine import MODE_KEY, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
-from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
+from agentloop.process.media import MEDIA_PREFIX, MediaStore
 from agentloop.process.memory import append_daily_memory
-from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, PromptSources, assemble_prompt
+from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
     MAX_SEQ,
@@ -68,96 +64,12 @@ from agentloop.process.store import (
     WatchRow,
     open_store,
 )
-from agentloop.stamps import stamps
-from agentloop.tools.base import Tool, ToolLike
-from agentloop.tools.builtin import SYSCALLS, builtin_tools
-from agentloop.tools.mcp import mcp_server_names
-from agentloop.tools.skills import skills_tool
+from agentloop.tools.base import ToolLike
+from agentloop.tools.builtin import builtin_tools
 
 log = logging.getLogger("agentloop.kernel")
 
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
-
-
-def _hydrate(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
-    """Turn stored media references back into image and document blocks for a model call
-    (history unchanged)."""
-
-    def load(block: Any) -> Any:
-        if isinstance(block, ImageContent | FileContent) and block.data.startswith(MEDIA_PREFIX):
-            name = block.name if isinstance(block, FileContent) else ""
-            try:
-                return media.load(MediaRef.from_dict(json.loads(block.data[len(MEDIA_PREFIX) :])), name)
-            except (MediaError, ValueError) as exc:
-                return TextContent(text=f"[{block.type} unavailable: {exc}]")
-        return block
-
-    def hydrate(messages: list[Message]) -> list[Message]:
-        out: list[Message] = []
-        for msg in messages:
-            if isinstance(msg, UserMessage | ToolResultMessage) and any(
-                isinstance(b, ImageContent | FileContent) and b.data.startswith(MEDIA_PREFIX) for b in msg.content
-            ):
-                msg = replace(msg, content=[load(b) for b in msg.content])
-            out.append(msg)
-        return out
-
-    return hydrate
-
-
-def _cwd_toolset(root: Path) -> ToolsetFn:
-    """Each process works in its own directory: a process spawned with a ``cwd`` other than the
-    workspace gets built-in tools rooted there (its prompt already reads that directory's files,
-    and its approvals judge paths against it). Other tools are shared unchanged."""
-    rooted: dict[str, dict[str, Tool]] = {}
-
-    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        if record.cwd == str(root):
-            return shared
-        own = rooted.get(record.cwd)
-        if own is None:
-            if len(rooted) >= 1024:
-                rooted.clear()
-            own = rooted[record.cwd] = {t.name: t for t in builtin_tools(record.cwd)}
-        return {name: own.get(name, tool) if name in SYSCALLS else tool for name, tool in shared.items()}
-
-    return toolset
-
-
-@functools.lru_cache(maxsize=1024)
-def _skill_layers(data_dir: Path, account: str) -> tuple[Path, Path]:
-    """Where a process's skills come from: the system's, then its account's own (which win).
-    Kept per account: every run asks, and joining paths costs more than the checks they serve."""
-    return data_dir / "config" / "ai" / "skills.d", data_dir / "home" / account / "skills.d"
-
-
-def _home_file(data_dir: Path, name: str) -> Callable[[str], Path]:
-    """An account's own config file ``home/<account>/<name>`` (looked up at every run, so kept)."""
-
-    @functools.lru_cache(maxsize=1024)
-    def file_of(account: str) -> Path:
-        return data_dir / "home" / account / name
-
-    return file_of
-
-
-def _skills_toolset(data_dir: Path) -> ToolsetFn:
-    """The ``skills`` tool, for runs that start while a skills directory exists: the prompt's
-    skills index is read at the same moment, so the model never sees one without the other."""
-    by_account: dict[str, Tool] = {}
-
-    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        layers = _skill_layers(data_dir, record.run_as)
-        if "skills" in shared or not any(os.path.isdir(layer) for layer in layers):
-            return shared
-        skills = by_account.get(record.run_as)
-        if skills is None:
-            if len(by_account) >= 1024:
-                by_account.clear()
-            skills = by_account[record.run_as] = skills_tool(list(layers))
-        return {**shared, "skills": skills}
-
-    return toolset
 
 
 def _kernel_files(store: Store, data: Path) -> list[Path]:
@@ -169,92 +81,6 @@ def _kernel_files(store: Store, data: Path) -> list[Path]:
     if isinstance(path, str | Path) and str(path) != ":memory:":
         files += [Path(f"{path}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")]
     return files
-
-
-def _chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
-    if then is None:
-        return first
-
-    async def chained(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        return await maybe_await(then(record, await maybe_await(first(record, shared))))
-
-    return chained
-
-
-def _prompt_builder(
-    data_dir: Path,
-    base: str,
-    devices: DeviceDirectory | None = None,
-    context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
-) -> PromptFn:
-    """Assemble each run's system prompt from the data directory's context, skills and homes
-    (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
-    directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
-    ``{{devices}}`` lists the owner's online devices when ``devices`` is given, ``{{mcp_servers}}``
-    the MCP servers whose tools the run has.
-
-    Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
-    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
-    system_dir = data_dir / "config" / "ai" / "context.d"
-    homes = data_dir / "home"
-
-    def online(record: ProcessRecord) -> str:
-        return describe_devices(devices.online(record.owner)) if devices is not None else "local"
-
-    def assemble(record: ProcessRecord, devices_text: str, mcp_text: str) -> tuple[str, list[str]]:
-        sources = PromptSources(
-            system_dir=system_dir,
-            agent_home=homes / record.run_as,
-            owner_home=homes / record.owner,
-            skills_dirs=list(_skill_layers(data_dir, record.run_as)),
-            workspace=Path(record.cwd),
-            process_context=record.context or None,
-            main_process=record.parent_pid is None,
-            max_context_bytes=context_bytes,
-            variables={
-                "identity": record.run_as,
-                "owner": record.owner,
-                "cwd": record.cwd,
-                "devices": devices_text,
-                "mcp_servers": mcp_text,
-            },
-        )
-        assembled = assemble_prompt(sources)
-        files = [str(p) for section in assembled.sections for p in section.sources]
-        return "\n\n".join(part for part in (base, assembled.text) if part), files
-
-    async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> str:
-        devices_text = online(record)
-        mcp_text = ", ".join(mcp_server_names(tools.values())) or "none"
-        key = (
-            devices_text,
-            mcp_text,
-            record.run_as,
-            record.owner,
-            record.cwd,
-            record.context,
-            record.parent_pid is None,
-            datetime.date.today(),
-        )
-        watched = [
-            f"{system_dir}",
-            f"{homes}/{record.run_as}/context.d",
-            *map(str, _skill_layers(data_dir, record.run_as)),
-            record.cwd,
-            f"{record.cwd}/memory",
-        ]
-        if record.owner != record.run_as:
-            watched.append(f"{homes}/{record.owner}/context.d")
-        hit = cache.get(key)
-        if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
-            return hit[2]
-        text, files = assemble(record, devices_text, mcp_text)
-        if len(cache) > 1024:
-            cache.clear()
-        cache[key] = (stamps([*watched, *files]), files, text)
-        return text
-
-    return build
 
 
 def _check_position(name: str, value: object, minimum: int) -> None:
@@ -452,9 +278,10 @@ class Kernel:
         delivering watched signals a dead worker left undelivered);
         ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``)
-        in each run's system prompt. With ``daily_memory`` a compaction's memories are appended to
-        ``memory/<date>.md`` in the process's working directory (``process/memory.py``).
-        Tool calls are checked against the approval policy
+        in each run's system prompt. With ``daily_memory`` the memories a compaction (or a reset)
+        finds are appended to ``memory/<date>.md`` in the process's working directory
+        (``process/memory.py``). An account's ``home/<account>/model.json`` picks the model of its
+        runs (``kernel/account_model.py``). Tool calls are checked against the approval policy
         (``policy`` server-wide, per account in ``account_policies`` or the file
         ``<data_dir>/home/<account>/approval.json``; DESIGN §3's default otherwise) unless
         ``approval`` replaces the check.
@@ -481,21 +308,21 @@ class Kernel:
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
-        account_mcp = AccountMCP(_home_file(data, "mcp.json"))
-        account_models = AccountModels(_home_file(data, "model.json"))
+        account_mcp = AccountMCP(home_file(data, "mcp.json"))
+        account_models = AccountModels(home_file(data, "model.json"))
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
-            toolset = _chain(task_toolset(kernel_ref), toolset)
-        toolset = _chain(account_mcp.toolset, toolset)
-        toolset = _chain(_skills_toolset(data), toolset)
+            toolset = chain(task_toolset(kernel_ref), toolset)
+        toolset = chain(account_mcp.toolset, toolset)
+        toolset = chain(skills_toolset(data), toolset)
         if builtin:
-            toolset = _chain(_cwd_toolset(root), toolset)
+            toolset = chain(cwd_toolset(root), toolset)
         if approval is None:
             approval = policy_approval(
                 store,
                 server=policy,
                 accounts=account_policies,
-                account_file=_home_file(data, "approval.json"),
+                account_file=home_file(data, "approval.json"),
                 protected=_kernel_files(store, data),
             )
 
@@ -510,8 +337,8 @@ class Kernel:
             store,
             agent.config,
             approval=approval,
-            hydrate=_hydrate(media),
-            prompt=_prompt_builder(data, agent.config.system_prompt, devices, context_bytes),
+            hydrate=hydrate_media(media),
+            prompt=prompt_builder(data, agent.config.system_prompt, devices, context_bytes),
             configure=account_models.configure,
             archive=archive,
             memory=remember if daily_memory else None,

@@ -1,0 +1,199 @@
+"""What each run of a durable process is given besides the history: its system prompt (assembled
+from the data directory, the account's homes and the working directory, reused while none of
+those files changed), its tools (built-ins rooted at the process's directory, the skills tool,
+the account's MCP servers, chained), and its stored media made inline again for the model call.
+
+Every run asks for these, so the lookups behind them (paths joined per account, files stamped
+rather than read) are kept cheap; ``Kernel.open`` wires them into the engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agentloop.kernel.devices import DeviceDirectory, describe_devices
+from agentloop.loop.hooks import maybe_await
+from agentloop.messages import FileContent, ImageContent, Message, TextContent, ToolResultMessage, UserMessage
+from agentloop.process.api import PromptFn, ToolsetFn
+from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
+from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, PromptSources, assemble_prompt
+from agentloop.process.store import ProcessRecord
+from agentloop.stamps import stamps
+from agentloop.tools.base import Tool
+from agentloop.tools.builtin import SYSCALLS, builtin_tools
+from agentloop.tools.mcp import mcp_server_names
+from agentloop.tools.skills import skills_tool
+
+
+def hydrate_media(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
+    """Turn stored media references back into image and document blocks for a model call
+    (history unchanged)."""
+
+    def load(block: Any) -> Any:
+        if isinstance(block, ImageContent | FileContent) and block.data.startswith(MEDIA_PREFIX):
+            name = block.name if isinstance(block, FileContent) else ""
+            try:
+                return media.load(MediaRef.from_dict(json.loads(block.data[len(MEDIA_PREFIX) :])), name)
+            except (MediaError, ValueError) as exc:
+                return TextContent(text=f"[{block.type} unavailable: {exc}]")
+        return block
+
+    def hydrate(messages: list[Message]) -> list[Message]:
+        out: list[Message] = []
+        for msg in messages:
+            if isinstance(msg, UserMessage | ToolResultMessage) and any(
+                isinstance(b, ImageContent | FileContent) and b.data.startswith(MEDIA_PREFIX) for b in msg.content
+            ):
+                msg = replace(msg, content=[load(b) for b in msg.content])
+            out.append(msg)
+        return out
+
+    return hydrate
+
+
+def cwd_toolset(root: Path) -> ToolsetFn:
+    """Each process works in its own directory: a process spawned with a ``cwd`` other than the
+    workspace gets built-in tools rooted there (its prompt already reads that directory's files,
+    and its approvals judge paths against it). Other tools are shared unchanged."""
+    rooted: dict[str, dict[str, Tool]] = {}
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        if record.cwd == str(root):
+            return shared
+        own = rooted.get(record.cwd)
+        if own is None:
+            if len(rooted) >= 1024:
+                rooted.clear()
+            own = rooted[record.cwd] = {t.name: t for t in builtin_tools(record.cwd)}
+        return {name: own.get(name, tool) if name in SYSCALLS else tool for name, tool in shared.items()}
+
+    return toolset
+
+
+@functools.lru_cache(maxsize=1024)
+def skill_layers(data_dir: Path, account: str) -> tuple[Path, Path]:
+    """Where a process's skills come from: the system's, then its account's own (which win).
+    Kept per account: every run asks, and joining paths costs more than the checks they serve."""
+    return data_dir / "config" / "ai" / "skills.d", data_dir / "home" / account / "skills.d"
+
+
+def home_file(data_dir: Path, name: str) -> Callable[[str], Path]:
+    """An account's own config file ``home/<account>/<name>`` (looked up at every run, so kept)."""
+
+    @functools.lru_cache(maxsize=1024)
+    def file_of(account: str) -> Path:
+        return data_dir / "home" / account / name
+
+    return file_of
+
+
+def skills_toolset(data_dir: Path) -> ToolsetFn:
+    """The ``skills`` tool, for runs that start while a skills directory exists: the prompt's
+    skills index is read at the same moment, so the model never sees one without the other."""
+    by_account: dict[str, Tool] = {}
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        layers = skill_layers(data_dir, record.run_as)
+        if "skills" in shared or not any(os.path.isdir(layer) for layer in layers):
+            return shared
+        skills = by_account.get(record.run_as)
+        if skills is None:
+            if len(by_account) >= 1024:
+                by_account.clear()
+            skills = by_account[record.run_as] = skills_tool(list(layers))
+        return {**shared, "skills": skills}
+
+    return toolset
+
+
+def chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
+    if then is None:
+        return first
+
+    async def chained(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        return await maybe_await(then(record, await maybe_await(first(record, shared))))
+
+    return chained
+
+
+def prompt_builder(
+    data_dir: Path,
+    base: str,
+    devices: DeviceDirectory | None = None,
+    context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
+) -> PromptFn:
+    """Assemble each run's system prompt from the data directory's context, skills and homes
+    (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
+    directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
+    ``{{devices}}`` lists the owner's online devices when ``devices`` is given, ``{{mcp_servers}}``
+    the MCP servers whose tools the run has.
+
+    Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
+    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
+    system_dir = data_dir / "config" / "ai" / "context.d"
+    homes = data_dir / "home"
+
+    def online(record: ProcessRecord) -> str:
+        return describe_devices(devices.online(record.owner)) if devices is not None else "local"
+
+    def assemble(record: ProcessRecord, devices_text: str, mcp_text: str) -> tuple[str, list[str]]:
+        sources = PromptSources(
+            system_dir=system_dir,
+            agent_home=homes / record.run_as,
+            owner_home=homes / record.owner,
+            skills_dirs=list(skill_layers(data_dir, record.run_as)),
+            workspace=Path(record.cwd),
+            process_context=record.context or None,
+            main_process=record.parent_pid is None,
+            max_context_bytes=context_bytes,
+            variables={
+                "identity": record.run_as,
+                "owner": record.owner,
+                "cwd": record.cwd,
+                "devices": devices_text,
+                "mcp_servers": mcp_text,
+            },
+        )
+        assembled = assemble_prompt(sources)
+        files = [str(p) for section in assembled.sections for p in section.sources]
+        return "\n\n".join(part for part in (base, assembled.text) if part), files
+
+    async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> str:
+        devices_text = online(record)
+        mcp_text = ", ".join(mcp_server_names(tools.values())) or "none"
+        key = (
+            devices_text,
+            mcp_text,
+            record.run_as,
+            record.owner,
+            record.cwd,
+            record.context,
+            record.parent_pid is None,
+            datetime.date.today(),
+        )
+        watched = [
+            f"{system_dir}",
+            f"{homes}/{record.run_as}/context.d",
+            *map(str, skill_layers(data_dir, record.run_as)),
+            record.cwd,
+            f"{record.cwd}/memory",
+        ]
+        if record.owner != record.run_as:
+            watched.append(f"{homes}/{record.owner}/context.d")
+        hit = cache.get(key)
+        if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
+            return hit[2]
+        text, files = assemble(record, devices_text, mcp_text)
+        if len(cache) > 1024:
+            cache.clear()
+        cache[key] = (stamps([*watched, *files]), files, text)
+        return text
+
+    return build
