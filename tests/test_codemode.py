@@ -396,6 +396,17 @@ async def test_mcp_tools_are_functions_of_the_program(tmp_path: Path) -> None:
         )
         result = await run_direct(cm, code)
         assert result.content[0].text == "42\nfailed: Error executing tool fail"  # type: ignore[union-attr]
+        # structured output: the signature shows its shape, the program gets the value itself
+        assert "await mcp_fake_add(a, b) -> int" in cm.description
+        assert 'await mcp_fake_forecast(city) -> {"city": str, "celsius": float, "days": list[str]}' in cm.description
+        code = program(
+            """
+            f = await mcp_fake_forecast("Oslo")
+            print(f["city"], f["celsius"] + 1, f["days"][-1], await mcp_fake_add(2, 40) + 1)
+            """
+        )
+        result = await run_direct(cm, code)
+        assert result.content[0].text == "Oslo 22.5 tue 43"  # type: ignore[union-attr]
         # the default policy asks before every MCP call: without a terminal, refused
         hooks = Hooks()
         hooks.before_tool_call(PolicyHook(TRUST_CODEMODE, cwd=tmp_path, ask=None))

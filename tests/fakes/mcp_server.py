@@ -10,6 +10,7 @@ import os
 import sys
 
 from mcp.server.mcpserver import MCPServer
+from pydantic import BaseModel
 
 app = MCPServer("fake")
 
@@ -37,6 +38,18 @@ async def nap(seconds: float) -> str:
 def crash() -> str:
     """End the server process."""
     os._exit(3)
+
+
+class Forecast(BaseModel):
+    city: str
+    celsius: float
+    days: list[str]
+
+
+@app.tool()
+def forecast(city: str) -> Forecast:
+    """Tomorrow's weather (structured output)."""
+    return Forecast(city=city, celsius=21.5, days=["mon", "tue"])
 
 
 @app.tool()

@@ -196,6 +196,9 @@ class Tool:
         self.spec = ToolSpec(name=name, description=description, parameters=parameters)
         self.syscall: str | None = None  # what approval policies match; None: derived from the name
         self.interruptible = True  # False for work that runs inline on the event loop
+        # the JSON schema of the structured value in a result's ``details`` (an MCP tool's output
+        # schema), if the tool declares one: CodeMode programs get that value instead of the text
+        self.output_schema: dict[str, Any] | None = None
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """Checked (and coerced) arguments, or ``ToolArgumentsError`` with a readable message."""

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentloop.messages import ImageContent, TextContent
+from agentloop.messages import FileContent, ImageContent, TextContent
 from agentloop.tools.base import (
     ALLOW,
     NestedCheck,
@@ -130,6 +130,7 @@ class Function:
     required: tuple[str, ...]
     signature: str
     summary: str
+    structured: bool = False  # returns the tool's structured output, not its text
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "tool": self.tool, "params": list(self.params), "required": list(self.required)}
@@ -160,7 +161,44 @@ def describe(tool: Tool) -> Function:
     if len(summary) > 160:
         summary = summary[:157] + "..."
     signature = f"await {name}({', '.join(shown)})"
-    return Function(name, tool.name, tuple(params), tuple(required), signature, summary)
+    if tool.output_schema is not None:
+        signature += f" -> {_cut(_shape(unwrapped_schema(tool.output_schema)), 240)}"
+    return Function(name, tool.name, tuple(params), tuple(required), signature, summary, tool.output_schema is not None)
+
+
+_SCALARS = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
+
+
+def unwrapped_schema(schema: dict[str, Any]) -> Any:
+    """The schema of what the function returns: MCP servers wrap a value that is not an object as
+    ``{"result": value}``, which the program gets unwrapped."""
+    props = schema.get("properties")
+    if schema.get("type") == "object" and isinstance(props, dict) and list(props) == ["result"]:
+        return props["result"]
+    return schema
+
+
+def _shape(schema: Any, depth: int = 0) -> str:
+    """A JSON schema as a short Python-like type: ``{"city": str, "days": list[float]}``."""
+    if not isinstance(schema, dict):
+        return "Any"
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return " | ".join(json.dumps(v) for v in schema["enum"][:6])
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(options, list):
+        return " | ".join(_shape(o, depth) for o in options[:4])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return " | ".join(_shape({**schema, "type": k}, depth) for k in kind[:4])
+    if kind == "array":
+        return f"list[{_shape(schema.get('items'), depth + 1)}]"
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props or depth >= 2:
+            return "dict"
+        fields = [f"{json.dumps(k)}: {_shape(v, depth + 1)}" for k, v in list(props.items())[:12]]
+        return "{" + ", ".join(fields) + "}"
+    return _SCALARS.get(kind, "Any") if isinstance(kind, str) else "Any"
 
 
 _SCHEMA: dict[str, Any] = {
@@ -192,7 +230,8 @@ def _description(functions: Iterable[Function], max_output: int, max_calls: int)
     lines += [f"- {f.signature}: {f.summary}" if f.summary else f"- {f.signature}" for f in functions]
     lines += [
         "",
-        "Each returns the text the tool would show you (Read's lines are numbered). A failed call raises "
+        "Each returns the text the tool would show you (Read's lines are numbered), or, where it says `-> type`, "
+        "the tool's structured output as that Python value (a dict, a list, a number …). A failed call raises "
         "ToolFailed(message); one the approval policy refused raises ToolDenied (a ToolFailed) and did not run. "
         "Catch them to go on. Every call is approved exactly like a direct tool call; a call that needs a "
         "person's approval waits for their answer (within the program's timeout: give it time) or, where "
@@ -211,8 +250,8 @@ def _text_of(result: ToolResult) -> str:
     for block in result.content:
         if isinstance(block, TextContent):
             parts.append(block.text)
-        elif isinstance(block, ImageContent):
-            parts.append(f"[image: {block.mime_type}, not available inside CodeMode]")
+        elif isinstance(block, ImageContent | FileContent):
+            parts.append(f"[{block.type}: {block.mime_type}, not available inside CodeMode]")
     return "\n".join(parts)
 
 
@@ -435,7 +474,7 @@ class _Execution:
         call_id = msg["id"]
         async with self.parallel:
             try:
-                text = await self._call(msg.get("tool"), msg.get("args"))
+                value = await self._call(msg.get("tool"), msg.get("args"))
             except _Refused as exc:
                 self._send({"id": call_id, "ok": False, "denied": True, "error": str(exc)})
             except ToolError as exc:
@@ -446,7 +485,7 @@ class _Execution:
                 log.debug("codemode: nested call raised", exc_info=True)
                 self._send({"id": call_id, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
             else:
-                self._send({"id": call_id, "ok": True, "result": text})
+                self._send({"id": call_id, "ok": True, "result": value})
 
     def _tool(self, name: str) -> Tool:
         """The run's tool of that name when the runner gave its tools, else the one given to us."""
@@ -456,7 +495,7 @@ class _Execution:
             found = self.mode.own_tools[name]
         return found
 
-    async def _call(self, name: Any, args: Any) -> str:
+    async def _call(self, name: Any, args: Any) -> Any:
         if not isinstance(name, str) or name not in self.mode.own_tools:
             raise ToolError(f"no tool {name!r} is available in this program")
         if not isinstance(args, dict):
@@ -495,6 +534,10 @@ class _Execution:
             result = await tool.run(args, nested)
         if result.is_error:
             raise ToolError(_text_of(result) or f"{tool.name} failed")
+        if tool.output_schema is not None and isinstance(result.details, dict):
+            if unwrapped_schema(tool.output_schema) is not tool.output_schema:
+                return result.details.get("result")
+            return result.details
         return _text_of(result)
 
     async def _spend(self, name: str) -> None:

@@ -315,6 +315,8 @@ class MCPTool(Tool):
         self.syscall = f"mcp.{config.name}.{remote.name}"
         self.connection = connection
         self.remote_name = remote.name
+        output = getattr(remote, "output_schema", None)
+        self.output_schema = output if isinstance(output, dict) else None
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         return await self.connection.call(self.remote_name, arguments)
