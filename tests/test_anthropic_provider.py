@@ -281,6 +281,21 @@ async def test_image_input_as_base64_block(fake: AnthropicFake) -> None:
     assert content[1]["source"] == {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}
 
 
+async def test_a_pdf_returned_by_a_tool_is_a_document_in_the_tool_result(fake: AnthropicFake) -> None:
+    calls = AssistantMessage(content=[ToolCall(id="toolu_1", name="Read", arguments={})], stop_reason="toolUse")
+    pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="r.pdf")
+    result = ToolResultMessage(tool_call_id="toolu_1", tool_name="Read", content=[TextContent(text="PDF r.pdf"), pdf])
+    fake.push(text_reply("read"))
+    await events_of(model(fake), req(user("read r.pdf"), calls, result))
+    [tool_result] = [b for b in fake.last["messages"][2]["content"] if b["type"] == "tool_result"]
+    assert tool_result["content"][1]["type"] == "document"
+    assert tool_result["content"][1]["source"] == {
+        "type": "base64",
+        "media_type": "application/pdf",
+        "data": "JVBERi0xLjQK",
+    }
+
+
 async def test_documents_as_document_blocks(fake: AnthropicFake) -> None:
     fake.push(text_reply("read"))
     pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")

@@ -303,6 +303,14 @@ async def test_still_applies_detects_a_changed_history() -> None:
         ("## Goal\nship it\n<memories>\n- None.\n</memories>", "## Goal\nship it", None),
         ("## Goal\nship it", "## Goal\nship it", None),  # a model that leaves the block out
         ("## Goal\nship it\n<memories>\n- cut off mid", "## Goal\nship it", "- cut off mid"),
+        # a summary that only talks about the tag keeps all of itself
+        ("## Goal\nAdd a <memories> parser\n## Facts\nx", "## Goal\nAdd a <memories> parser\n## Facts\nx", None),
+        (
+            "## Goal\nAdd a <memories> parser\n<memories>\n- real\n</memories>",
+            "## Goal\nAdd a <memories> parser",
+            "- real",
+        ),
+        ("## Goal\n<memories>- a</memories> and more", "## Goal\n<memories>- a</memories> and more", None),
     ],
 )
 def test_the_memories_block_is_split_from_the_summary(answer: str, summary: str, memories: str | None) -> None:

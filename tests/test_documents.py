@@ -14,7 +14,7 @@ from agentloop.kernel import Kernel
 from agentloop.messages import document_text, file_text, message_from_json, message_to_json
 from agentloop.models.local import chat_messages
 from agentloop.process.compaction import IMAGE_TOKENS, estimate_tokens, render_transcript
-from agentloop.process.media import MediaError, MediaStore
+from agentloop.process.media import MAX_TEXT_BYTES, MediaError, MediaStore, MediaTooLarge
 
 PDF_BYTES = b"%PDF-1.4\n" + b"0" * 4000 + b"\n%%EOF\n"
 PDF = FileContent(data=base64.b64encode(PDF_BYTES).decode(), mime_type="application/pdf", name="report.pdf")
@@ -59,6 +59,15 @@ def test_compaction_counts_documents_by_size_and_names_them() -> None:
 def test_documents_that_are_not_what_they_say_are_refused(tmp_path: Path, block: FileContent, why: str) -> None:
     with pytest.raises(MediaError, match=why):
         MediaStore(tmp_path).check(block)
+
+
+def test_a_text_document_has_a_smaller_limit_than_a_pdf(tmp_path: Path) -> None:
+    """A text document reaches the model whole: a big one would crowd out the conversation."""
+    big = FileContent(data=base64.b64encode(b"x" * (MAX_TEXT_BYTES + 1)).decode(), mime_type="text/plain")
+    with pytest.raises(MediaTooLarge, match="text document"):
+        MediaStore(tmp_path).check(big)
+    pdf = b"%PDF-1.4\n" + b"0" * (MAX_TEXT_BYTES + 1)
+    MediaStore(tmp_path).check(FileContent(data=base64.b64encode(pdf).decode(), mime_type="application/pdf"))
 
 
 def test_a_stored_document_comes_back_with_its_name(tmp_path: Path) -> None:

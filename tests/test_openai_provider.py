@@ -291,13 +291,13 @@ async def test_image_input_as_data_url(fake: OpenAIFake) -> None:
     ]
 
 
-async def test_a_pdf_returned_by_a_tool_follows_the_tool_messages(fake: OpenAIFake) -> None:
+def test_a_pdf_returned_by_a_tool_follows_the_tool_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     calls = AssistantMessage(content=[ToolCall(id="call_r", name="Read", arguments={})], stop_reason="toolUse")
     pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="r.pdf")
     result = ToolResultMessage(tool_call_id="call_r", tool_name="Read", content=[TextContent(text="PDF r.pdf"), pdf])
-    fake.push(text_reply("read"))
-    await events_of(model(fake), req(user("read r.pdf"), calls, result))
-    messages = fake.last["messages"]
+    messages = OpenAIChatModel("gpt-4o-mini", api_key="k").build_params(req(user("read r.pdf"), calls, result))
+    messages = messages["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "user"]
     assert messages[2]["content"] == "PDF r.pdf"
     assert messages[3]["content"][1] == {
@@ -306,15 +306,27 @@ async def test_a_pdf_returned_by_a_tool_follows_the_tool_messages(fake: OpenAIFa
     }
 
 
-async def test_documents_as_a_file_part_or_as_text(fake: OpenAIFake) -> None:
-    fake.push(text_reply("read"))
+def test_documents_go_to_openai_as_file_parts_and_as_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")
-    notes = FileContent(data="aGVsbG8gd29ybGQ=", mime_type="text/plain", name="notes.txt")
-    await events_of(model(fake), req(user("summarise", pdf, notes)))
-    assert fake.last["messages"][0]["content"] == [
+    notes = FileContent(data="aGVsbG8gd29ybGQ=", mime_type="text/plain", name='a"b.txt')
+    params = OpenAIChatModel("gpt-4o-mini", api_key="k").build_params(req(user("summarise", pdf, notes)))
+    assert params["messages"][0]["content"] == [
         {"type": "text", "text": "summarise"},
         {"type": "file", "file": {"filename": "report.pdf", "file_data": "data:application/pdf;base64,JVBERi0xLjQK"}},
-        {"type": "text", "text": '<file name="notes.txt" type="text/plain">\nhello world\n</file>'},
+        {"type": "text", "text": '<file name="a&quot;b.txt" type="text/plain">\nhello world\n</file>'},
+    ]
+
+
+async def test_a_compatible_server_gets_a_note_instead_of_a_pdf(fake: OpenAIFake) -> None:
+    """Many OpenAI-compatible servers refuse ``file`` parts; one would stay in the history and
+    fail every later call."""
+    fake.push(text_reply("read"))
+    pdf = FileContent(data="JVBERi0xLjQK", mime_type="application/pdf", name="report.pdf")
+    await events_of(model(fake), req(user("summarise", pdf)))
+    assert fake.last["messages"][0]["content"] == [
+        {"type": "text", "text": "summarise"},
+        {"type": "text", "text": "[PDF report.pdf omitted: this server does not take PDFs]"},
     ]
 
 

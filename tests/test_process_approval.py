@@ -179,13 +179,22 @@ async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_p
     assert (tmp_path / "notes.txt").read_text() == "fine"
 
 
-async def test_automatic_verdicts_are_reused_only_where_the_arguments_cannot_change_them(tmp_path):
+async def test_automatic_verdicts_are_reused_only_where_the_arguments_cannot_change_them(tmp_path, monkeypatch):
     """The checker remembers "auto" per (policy, syscall, target) for calls whose facts do not
     read their arguments. A rule on an argument, a path, or a changed policy file must each still
     be judged call by call."""
+    from agentloop.process.approval import checker
     from agentloop.process.approval.checker import policy_approval
     from agentloop.process.store import ProcessRecord, SQLiteStore, ToolCallRow
 
+    decided: list[str] = []
+    real_decide = checker.decide
+
+    def counting(policy, syscall, args, **kw):  # type: ignore[no-untyped-def]
+        decided.append(syscall)
+        return real_decide(policy, syscall, args, **kw)
+
+    monkeypatch.setattr(checker, "decide", counting)
     store = SQLiteStore(tmp_path / "a.db")
     await store.open()
     policy_file = tmp_path / "alice-approval.json"
@@ -197,7 +206,8 @@ async def test_automatic_verdicts_are_reused_only_where_the_arguments_cannot_cha
         return (await check(alice, row)).action
 
     try:
-        assert [await verdict("echo", text="hi") for _ in range(2)] == ["auto", "auto"]
+        assert [await verdict("echo", text=t) for t in ("hi", "ho", "hu")] == ["auto", "auto", "auto"]
+        assert len(decided) == 1  # worked out once, then reused for other arguments
         # the policy file appears: the verdict follows at the next call
         policy_file.write_text('{"default": "auto", "rules": [{"match": "tool.echo", "action": "deny"}]}')
         assert await verdict("echo", text="hi") == "deny"

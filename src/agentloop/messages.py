@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import html
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
@@ -108,7 +109,8 @@ def file_text(block: FileContent) -> str | None:
     text = document_text(block)
     if text is None:
         return None
-    return f'<file name="{block.name or "file"}" type="{block.mime_type}">\n{text}\n</file>'
+    name = html.escape(block.name or "file")  # a quote or a bracket in the name cannot break the element
+    return f'<file name="{name}" type="{block.mime_type}">\n{text}\n</file>'
 
 
 @_wire

@@ -233,6 +233,7 @@ class Kernel:
         self.watchers = WatchRouter(store, engine, duty=duty(WATCHES))
         engine.aborted = self._run_aborted
         self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
+        self._closing = False  # (no new background work once closing has begun)
 
     @classmethod
     @asynccontextmanager
@@ -330,8 +331,8 @@ class Kernel:
             path = await asyncio.to_thread(write_archive, data, record.owner, record.pid, name, messages, meta)
             return str(path.relative_to(data))
 
-        async def remember(record: ProcessRecord, memories: str) -> str:
-            return await asyncio.to_thread(append_daily_memory, record.cwd, memories)
+        async def remember(record: ProcessRecord, memories: str, source: str) -> str:
+            return await asyncio.to_thread(append_daily_memory, record.cwd, memories, source=source)
 
         engine = ProcessEngine(
             store,
@@ -520,7 +521,7 @@ class Kernel:
         # conversation being archived, and an event about it would reach a process that no
         # longer knows why it asked. Watches on it stay: its watchers still follow it.
         await self.engine.reset(pid, also=lambda: self._drop_subscriptions(pid))
-        if self.engine.memory is not None and history:
+        if self.engine.memory is not None and history and not self._closing:
             task = asyncio.create_task(self._remember(record, history), name=f"memories of {pid}")
             self._remembering.add(task)
             task.add_done_callback(self._remembering.discard)
@@ -535,12 +536,13 @@ class Kernel:
         try:
             memories = await extract_memories(cfg.model, history)
             if memories and engine.memory is not None:
-                await engine.memory(record, memories)
+                await engine.memory(record, memories, "a conversation cleared by a reset")
         except Exception as exc:
             log.warning("process %s: the memories of the reset conversation were not kept: %s", record.pid, exc)
 
     async def _finish_remembering(self) -> None:
         """On close: give the memories being kept a moment to be written, then stop."""
+        self._closing = True
         if self._remembering:
             _, late = await asyncio.wait(set(self._remembering), timeout=REMEMBER_GRACE)
             for task in late:

@@ -111,7 +111,7 @@ class OpenAIChatModel(Model):
         """The request body (minus transport details), public so it can be inspected in tests."""
         params: dict[str, Any] = {
             "model": self.model_id,
-            "messages": to_openai_messages(request),
+            "messages": to_openai_messages(request, documents=self.base_url is None),  # PDFs: OpenAI's own API
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -256,26 +256,31 @@ def _cause(exc: BaseException) -> str:
 # ------------------------------------------------------------------ history conversion
 
 
-def _media_part(block: MediaBlock) -> dict[str, Any]:
-    """An image, a PDF (a ``file`` part), or a text document as text (the API takes PDFs only)."""
+def _media_part(block: MediaBlock, documents: bool) -> dict[str, Any]:
+    """An image, a PDF (a ``file`` part, where the server takes ``documents``), or a text document
+    as text (the API takes PDFs only)."""
     if isinstance(block, ImageContent):
         return {"type": "image_url", "image_url": {"url": f"data:{block.mime_type};base64,{block.data}"}}
     text = file_text(block)
     if text is not None:
         return {"type": "text", "text": text}
+    if not documents:  # many OpenAI-compatible servers refuse a ``file`` part, and it would stay in history
+        return {"type": "text", "text": f"[PDF {block.name or 'document'} omitted: this server does not take PDFs]"}
     return {
         "type": "file",
         "file": {"filename": block.name or "document.pdf", "file_data": f"data:{block.mime_type};base64,{block.data}"},
     }
 
 
-def _user_content(blocks: list[UserBlock]) -> str | list[dict[str, Any]]:
+def _user_content(blocks: list[UserBlock], documents: bool) -> str | list[dict[str, Any]]:
     if all(isinstance(b, TextContent) for b in blocks):
         return "".join(b.text for b in blocks if isinstance(b, TextContent))
-    return [{"type": "text", "text": b.text} if isinstance(b, TextContent) else _media_part(b) for b in blocks]
+    return [
+        {"type": "text", "text": b.text} if isinstance(b, TextContent) else _media_part(b, documents) for b in blocks
+    ]
 
 
-def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
+def to_openai_messages(request: ModelRequest, documents: bool = True) -> list[dict[str, Any]]:
     """Our history as Chat Completions messages, after replay hygiene.
 
     Tool results can only carry text, so their images and documents follow in one user message
@@ -296,11 +301,11 @@ def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
     for msg in clean_history(request.messages, lambda i: safe_tool_id(i, TOOL_ID_MAX)):
         if isinstance(msg, ToolResultMessage):
             out.append({"role": "tool", "tool_call_id": msg.tool_call_id, "content": msg.text})
-            pending_images.extend(_media_part(b) for b in msg.content if not isinstance(b, TextContent))
+            pending_images.extend(_media_part(b, documents) for b in msg.content if not isinstance(b, TextContent))
             continue
         flush_images()
         if isinstance(msg, UserMessage):
-            out.append({"role": "user", "content": _user_content(msg.content)})
+            out.append({"role": "user", "content": _user_content(msg.content, documents)})
         elif isinstance(msg, SystemMessage):
             out.append({"role": "system", "content": msg.text})
         elif isinstance(msg, AssistantMessage):

@@ -5,6 +5,7 @@ the runner (and the approval policy, the kernel) can name them without importing
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,8 +40,9 @@ PromptFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Awaitable[st
 # async (e.g. to start the owner's MCP servers).
 ToolsetFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
 ArchiveFn: TypeAlias = Callable[[ProcessRecord, str, list[Message], dict[str, Any]], Awaitable[str | None]]
-# Keeps the memories a compaction picked out (the daily memory file); returns where, or None.
-MemoryFn: TypeAlias = Callable[[ProcessRecord, str], Awaitable[str | None]]
+# Keeps memories a summary model picked out (the daily memory file), saying what found them (a
+# compaction, a reset); returns where, or None.
+MemoryFn: TypeAlias = Callable[[ProcessRecord, str, str], Awaitable[str | None]]
 # Told (pid, run id, reason) once a run was aborted, so what the run started elsewhere can stop
 # with it (the kernel: the subagents it started).
 AbortedFn: TypeAlias = Callable[[str, str, str], Awaitable[None]]
@@ -51,6 +53,8 @@ async def approve_everything(process: ProcessRecord, row: ToolCallRow) -> Approv
 
 
 _last_us = 0
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
 
 
 def new_id() -> str:
@@ -58,11 +62,12 @@ def new_id() -> str:
     then 6 random ones. Ids sort by creation, so the rows keyed by them (processes, runs, calls)
     are appended at the end of their index instead of anywhere in it: fewer pages per commit.
     The random part only keeps the workers sharing a store apart; no id is a secret (every access
-    is checked against the owner), so ``random`` (seeded from the OS, reseeded in a forked child)
-    serves, without the system call ``os.urandom`` costs per id."""
+    is checked against the owner), so a generator seeded from the OS (again in a forked child)
+    serves, without the system call ``os.urandom`` costs per id. It is this module's own: a
+    program seeding ``random`` for its own reasons does not make ids repeat across workers."""
     global _last_us
     _last_us = max(time.time_ns() // 1000, _last_us + 1)
-    return f"{_last_us:013x}{random.getrandbits(24):06x}"
+    return f"{_last_us:013x}{_ids.getrandbits(24):06x}"
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ CHARS_PER_TOKEN = 4
 # Providers bill an image by its pixels (roughly 1–2k tokens for a screenshot); the base64 length
 # would overstate it tenfold, so every image counts the same.
 IMAGE_TOKENS = 1_200
-PDF_BYTES_PER_TOKEN = 20
+PDF_BYTES_PER_TOKEN = 100  # rough: pages bill 1-3k tokens, and a page takes anything from 5 KB to 1 MB
 # Role markers and separators a provider adds around each message.
 MESSAGE_OVERHEAD = 4
 
@@ -117,7 +117,7 @@ def estimate_tokens(obj: Any) -> int:
         return _message_tokens(obj)
     if isinstance(obj, ToolSpec):
         return MESSAGE_OVERHEAD + _text_tokens(obj.name + obj.description + _json(obj.parameters))
-    if isinstance(obj, TextContent | ImageContent | ThinkingContent | ToolCall):
+    if isinstance(obj, TextContent | ImageContent | FileContent | ThinkingContent | ToolCall):
         return _block_tokens(obj)
     if isinstance(obj, list | tuple):
         return sum(estimate_tokens(item) for item in obj)
@@ -289,19 +289,31 @@ block if there is nothing of the kind.
 
 Do not invent anything. Do not call tools."""
 
-_MEMORIES = re.compile(r"<memories>(.*?)(?:</memories>|\Z)", re.DOTALL | re.IGNORECASE)
+_HEADING = re.compile(r"^#{1,6} ", re.MULTILINE)
 _NOTHING = re.compile(r"^[-*\s]*(none|nothing|n/a)?[.\s]*$", re.IGNORECASE)
 
 
 def split_memories(text: str) -> tuple[str, str | None]:
-    """The summary and the memories block of a summary model's answer. A model that leaves the
-    block out (or says there is nothing to remember) gives no memories; one cut off inside the
-    block keeps what it wrote."""
-    found = _MEMORIES.search(text)
-    if found is None:
+    """The summary and the memories block that ends a summary model's answer. Only a block at the
+    end counts (a summary may well mention the tag itself); one cut off before its closing tag
+    counts if it opens a line and no heading follows it. A model that leaves the block out, or
+    says there is nothing to remember, gives no memories."""
+    lowered = text.lower()
+    start = lowered.rfind("<memories>")
+    if start < 0:
         return text.strip(), None
-    memories = found.group(1).strip()
-    summary = (text[: found.start()] + text[found.end() :]).strip()
+    body_start = start + len("<memories>")
+    end = lowered.find("</memories>", body_start)
+    if end >= 0:
+        if text[end + len("</memories>") :].strip():
+            return text.strip(), None  # not the end of the answer: part of the summary
+        memories = text[body_start:end].strip()
+    else:
+        at_line_start = start == 0 or text[:start].endswith("\n")
+        if not at_line_start or _HEADING.search(text, body_start):
+            return text.strip(), None
+        memories = text[body_start:].strip()
+    summary = text[:start].strip()
     return summary, None if _NOTHING.match(memories) else memories
 
 

@@ -195,19 +195,14 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
 
     async def retrying(event: ModelRetry) -> None:
         """Log the retry (or the switch to a fallback) before its wait: a run that takes long
-        says why, to those watching and to whoever reads the log later."""
-        async with engine._tx(live) as tx:
-            current = live.record.current_run
-            if current is not None and current.get("run_id") == run_id and current.get("generation") == generation:
-                await tx.signal(
-                    sig.RUN_RETRYING,
-                    runId=run_id,
-                    attempt=event.attempt,
-                    delay=event.delay,
-                    reason=event.error,
-                    model=event.model,
-                    fallback=event.attempt == 0,  # (attempt 0: the first call to a fallback model)
-                )
+        says why, to those watching and to whoever reads the log later. Only a report: a store
+        that cannot take it now must not end a run that is riding out a failure."""
+        try:
+            await _log_retry(engine, live, run_id, generation, event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("process %s: the retry of run %s was not logged: %s", pid, run_id, exc)
 
     try:
         reply = await call_model(cfg, state, tools_enabled, stream if engine.hub.watching(pid) else None, retrying)
@@ -273,6 +268,23 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         arm_deadline(engine, live, batch, time.time())
         return False
     return True
+
+
+async def _log_retry(engine: ProcessEngine, live: _Live, run_id: str, generation: int, event: ModelRetry) -> None:
+    """``proc.run.retrying`` in its own transaction, if the model call is still the run's."""
+    async with engine._tx(live) as tx:
+        current = live.record.current_run
+        if current is None or current.get("run_id") != run_id or current.get("generation") != generation:
+            return
+        await tx.signal(
+            sig.RUN_RETRYING,
+            runId=run_id,
+            attempt=event.attempt,
+            delay=event.delay,
+            reason=event.error,
+            model=event.model,
+            fallback=event.attempt == 0,  # (attempt 0: the first call to a fallback model)
+        )
 
 
 def _stream_payload(pid: str, run_id: str, event: StreamEvent) -> dict[str, Any]:
@@ -378,7 +390,7 @@ async def _remember(engine: ProcessEngine, live: _Live, memories: str | None) ->
     if not memories or engine.memory is None:
         return None
     try:
-        return await engine.memory(live.record, memories)
+        return await engine.memory(live.record, memories, "context compaction")
     except Exception as exc:
         log.warning("process %s: the compaction's memories were not kept: %s", live.record.pid, exc)
         return None

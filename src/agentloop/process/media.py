@@ -25,6 +25,9 @@ from agentloop.messages import FILE_TYPES, FileContent, ImageContent, MediaBlock
 from agentloop.process.archive import check_name
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
+# A text document goes to the model whole, in the newest message, where compaction cannot fold
+# it away: past about 50k tokens it would crowd out the conversation on most models.
+MAX_TEXT_BYTES = 200 * 1024
 
 _EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp"}
 _FILE_EXTENSIONS = {"application/pdf": "pdf", "text/plain": "txt", "text/markdown": "md", "text/csv": "csv"}
@@ -130,6 +133,8 @@ class MediaStore:
         if len(data) > self.max_bytes:
             raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the {self.max_bytes}-byte limit")
         if kind == "file":
+            if mime != "application/pdf" and len(data) > MAX_TEXT_BYTES:
+                raise MediaTooLarge(f"a text document is {len(data)} bytes, over the {MAX_TEXT_BYTES}-byte limit")
             _check_document(data, mime, block.mime_type)
             return data, mime, ext
         actual = sniff_mime(data)

@@ -18,11 +18,15 @@ export function el(tag, cls, text) {
 export const pretty = (value) => (typeof value === "string" ? value : JSON.stringify(value, null, 2));
 export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
-/** The text of message content blocks (images as a placeholder). */
+/** The text of message content blocks (images and documents as a placeholder). */
 export function textOf(blocks) {
-  return (blocks || [])
-    .map((b) => (b.type === "text" ? b.text : b.type === "image" ? "[image]" : ""))
-    .join("");
+  const shown = (b) => {
+    if (b.type === "text") return b.text;
+    if (b.type === "image") return "[image]";
+    if (b.type === "file") return `[file ${b.name || b.mimeType}]`;
+    return "";
+  };
+  return (blocks || []).map(shown).join("");
 }
 
 export function status(text) {
