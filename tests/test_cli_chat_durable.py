@@ -510,3 +510,37 @@ async def test_on_a_terminal_a_line_that_is_no_answer_is_asked_again() -> None:
     answer = await ask_user(Question("Shell", {"command": "ls"}, ("network",), "why"), read, err, shows_prompt=True)
     assert answer == "always"
     assert "a (allow every Shell call for the rest of this conversation)" in err.file.getvalue()
+
+
+@pytest.mark.parametrize("where", ["durable", "memory"])
+def test_attach_sends_files_with_the_next_message(tmp_path: Path, ws: Path, where: str) -> None:
+    from agentloop.messages import FileContent, ImageContent
+
+    pdf = tmp_path / "report.pdf"
+    pdf.write_bytes(b"%PDF-1.4\n%%EOF\n")
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Plan\nship it\n")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x00\x01\x02")
+    scripted = model(f"attaching{where}", ["read both", "and nothing attached now"])
+    lines = [
+        f"/attach {pdf}",
+        f"/attach {notes}",
+        f"/attach {binary}",  # refused, with a reason
+        f"/attach {tmp_path / 'missing.txt'}",
+        "/attach",  # lists what is attached
+        "summarise these",
+        "and again",
+    ]
+    extra = ("--memory",) if where == "memory" else ()
+    result = chat(ws, tmp_path / "data", f"attaching{where}", "\n".join(lines) + "\n", *extra)
+    assert result.stdout == "read both\nand nothing attached now\n"
+    assert "attached report.pdf (application/pdf" in result.stderr
+    assert "cannot attach" in result.stderr and "blob.bin is not an image, a PDF or a text file" in result.stderr
+    assert "missing.txt is not a file" in result.stderr
+    assert "(attached: report.pdf (application/pdf, 15 bytes); notes.md (text/markdown" in result.stderr
+    first, second = (r.messages[-1] for r in scripted.requests)
+    assert isinstance(first, UserMessage) and first.text == "summarise these"
+    files = [b for b in first.content if isinstance(b, FileContent)]
+    assert [(f.name, f.mime_type) for f in files] == [("report.pdf", "application/pdf"), ("notes.md", "text/markdown")]
+    assert not any(isinstance(b, FileContent | ImageContent) for b in second.content)  # sent once

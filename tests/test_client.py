@@ -233,6 +233,31 @@ def test_remote_chat_session(server: LiveServer) -> None:
     assert 'approve echo {"text": "risky"}' in err.getvalue()
 
 
+def test_remote_chat_attaches_a_document(server: LiveServer, tmp_path: Path) -> None:
+    """``/attach`` over HTTP: the document reaches the server's process with the next message."""
+    notes = tmp_path / "notes.csv"
+    notes.write_text("a,b\n1,2\n")
+    out, err = io.StringIO(), io.StringIO()
+    reader = PlainReader(io.StringIO(f"/attach {notes}\nhi\n/exit\n"))
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(server.url, server.tokens.bob)
+    try:
+        session = RemoteSession(client)
+        ev.run_until_complete(session.open(new=True))
+        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=200))
+        assert repl.loop(ev) == 0
+        page = ev.run_until_complete(client.history(session.pid))
+    finally:
+        ev.run_until_complete(client.aclose())
+        ev.close()
+    sent = next(m["message"] for m in page["messages"] if m["message"]["role"] == "user")
+    assert [(b["type"], b.get("name"), b.get("mimeType")) for b in sent["content"]] == [
+        ("text", None, None),
+        ("file", "notes.csv", "text/csv"),
+    ]
+    assert out.getvalue() == "answer: hi\n"
+
+
 def test_connection_precedence(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text('server = "http://files:1/"\ntoken = "from-file"\n')

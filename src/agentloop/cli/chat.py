@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +28,18 @@ from rich.text import Text
 
 from agentloop.agent import Agent, Run, RunResult
 from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ReadInterrupted, ask_user
+from agentloop.cli.attach import AttachError, describe, load_attachment
 from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
 from agentloop.kernel import Kernel, Process
 from agentloop.loop.state import Mode
-from agentloop.messages import AssistantMessage, Message
+from agentloop.messages import AssistantMessage, MediaBlock, Message, user
 from agentloop.process import signals as sig
+from agentloop.process.media import MediaError
 from agentloop.process.signals import Signal
 
 HELP = (
     "/new starts a new conversation · /chat answers without tools, /agent with them · "
+    "/attach FILE adds an image, a PDF or a text file to your next message (/detach drops them) · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -208,8 +211,9 @@ class Session(Protocol):
     """Where turns run and where the conversation lives between them: in memory
     (``AgentSession``) or in a durable process (``DurableSession`` in ``cli.durable``)."""
 
-    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
-        """Run one turn to its end, showing it on ``view``; ``ask`` puts approvals to the user."""
+    async def turn(self, text: str, view: TextRenderer, ask: Asker, media: Sequence[MediaBlock] = ()) -> TurnOutcome:
+        """Run one turn to its end, showing it on ``view``; ``ask`` puts approvals to the user;
+        ``media`` go with the text."""
 
     async def resume(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
         """Show a turn left unfinished by an earlier chat to its end (nothing in memory)."""
@@ -239,8 +243,9 @@ class AgentSession:
     async def set_mode(self, mode: Mode) -> None:
         self.mode = mode
 
-    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
-        run = self._run = self.agent.start(text, history=self.transcript.history(), stream=True, mode=self.mode)
+    async def turn(self, text: str, view: TextRenderer, ask: Asker, media: Sequence[MediaBlock] = ()) -> TurnOutcome:
+        prompt = user(text, *media) if media else text
+        run = self._run = self.agent.start(prompt, history=self.transcript.history(), stream=True, mode=self.mode)
         if self.hook is not None:
             self.hook.ask = ask
             self.hook.on_abort = run.abort
@@ -291,6 +296,7 @@ class ChatRepl:
         self.progress = progress
         self.prompt = "› "
         self.last_outcome: TurnOutcome | None = None
+        self.attached: list[MediaBlock] = []  # /attach: they go with the next message
         self.aborted = False  # a turn was aborted: work that ignores cancellation may still run
         self._cancelled: asyncio.Event | None = None
 
@@ -334,6 +340,9 @@ class ChatRepl:
                 shown = "chat mode: answers without tools" if mode == "chat" else "agent mode: tools on"
                 self.err.print(Text(f"({shown})", style="dim"))
                 return True
+            if word in ("/attach", "/detach"):
+                self.attach(text[len(word) :].strip() if word == "/attach" else None)
+                return True
             if word in ("/help", "/?"):
                 self.err.print(Text(HELP, style="dim"))
                 return True
@@ -355,9 +364,27 @@ class ChatRepl:
             unread=getattr(self.reader, "unread", None),
         )
 
+    def attach(self, path: str | None) -> None:
+        """``/attach FILE`` (relative to the current directory), ``/attach`` to list, ``/detach``."""
+        if path is None:
+            self.attached.clear()
+            self.err.print(Text("(no attachments)", style="dim"))
+        elif not path:
+            shown = "; ".join(describe(b) for b in self.attached) or "nothing"
+            self.err.print(Text(f"(attached: {shown})", style="dim"))
+        else:
+            try:
+                block = load_attachment(Path(path).expanduser())
+            except AttachError as exc:
+                self.err.print(Text(f"cannot attach: {exc}", style="yellow"))
+                return
+            self.attached.append(block)
+            self.err.print(Text(f"(attached {describe(block)}: it goes with your next message)", style="dim"))
+
     async def turn(self, text: str) -> TurnOutcome:
-        """Run one turn and show how it ended."""
-        return await self._play(lambda view: self.session.turn(text, view, self.ask))
+        """Run one turn and show how it ended (with what was attached since the last one)."""
+        media, self.attached = self.attached, []
+        return await self._play(lambda view: self.session.turn(text, view, self.ask, media))
 
     async def resume(self) -> TurnOutcome:
         return await self._play(lambda view: self.session.resume(view, self.ask))
@@ -563,7 +590,7 @@ class DurableSession:
             return TurnOutcome("ok")
         return await self._follow(str(run["run_id"]), view, ask)
 
-    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
+    async def turn(self, text: str, view: TextRenderer, ask: Asker, media: Sequence[MediaBlock] = ()) -> TurnOutcome:
         proc = self.process
         if await self.unfinished():  # never start a turn behind one the user cannot see
             await self.resume(view, ask)
@@ -571,7 +598,10 @@ class DurableSession:
         # The engine streams deltas only while someone watches: watch from before the run starts.
         early = hub.watch(proc.pid)
         try:
-            receipt = await proc.send(text)
+            try:
+                receipt = await proc.send(text, media=media)
+            except MediaError as exc:
+                return TurnOutcome("error", "error", f"the attachment was refused: {exc}")
             return await self._follow(receipt.run_id, view, ask, early=lambda: hub.unwatch(proc.pid, early))
         finally:
             hub.unwatch(proc.pid, early)

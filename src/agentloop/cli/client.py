@@ -14,7 +14,7 @@ import asyncio
 import datetime
 import json
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Annotated, Any, TypeVar
 
@@ -27,7 +27,7 @@ from agentloop.cli.config import Connection, load_connection
 from agentloop.cli.render import SignalRenderer, TextRenderer, describe_call, one_line, stderr_console
 from agentloop.client import AgentloopClient, ClientError, StreamEvent
 from agentloop.loop.state import Mode
-from agentloop.messages import AssistantMessage, ToolResultMessage, message_from_dict
+from agentloop.messages import AssistantMessage, FileContent, MediaBlock, ToolResultMessage, message_from_dict
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
 
@@ -415,16 +415,22 @@ class RemoteSession:
         except ClientError as exc:
             return TurnOutcome("error", "error", exc.message)
 
-    async def turn(self, text: str, view: TextRenderer, ask: Asker) -> TurnOutcome:
+    async def turn(self, text: str, view: TextRenderer, ask: Asker, media: Sequence[MediaBlock] = ()) -> TurnOutcome:
         try:
             if await self.unfinished():  # never start a turn behind one the user cannot see
                 await self.resume(view, ask)
-            return await self._follow(view, ask, text=text)
+            return await self._follow(view, ask, text=text, media=media)
         except ClientError as exc:
             return TurnOutcome("error", "error", exc.message)
 
     async def _follow(
-        self, view: TextRenderer, ask: Asker, *, text: str | None = None, run_id: str | None = None
+        self,
+        view: TextRenderer,
+        ask: Asker,
+        *,
+        text: str | None = None,
+        media: Sequence[MediaBlock] = (),
+        run_id: str | None = None,
     ) -> TurnOutcome:
         """Watch first, then send: text deltas are live-only, so a stream opened after the send
         could miss the start of the answer."""
@@ -447,7 +453,8 @@ class RemoteSession:
             await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if text is not None:
-                receipt = await self.client.send(self.pid, text)
+                items = [_media_item(b) for b in media]
+                receipt = await self.client.send(self.pid, text, media=items or None)
                 run_id = str(receipt["run_id"])
             return await self._show(queue, view, ask, str(run_id))
         finally:
@@ -562,3 +569,11 @@ def chat_command(server: str | None, token: str | None, *, new: bool, pid: str |
 
 
 __all__ = ["RemoteSession", "chat_command", "register", "remote_chat"]
+
+
+def _media_item(block: MediaBlock) -> dict[str, str]:
+    """An attachment as ``POST …/messages`` takes it."""
+    item = {"data": block.data, "mime_type": block.mime_type}
+    if isinstance(block, FileContent):
+        item["name"] = block.name
+    return item
