@@ -63,6 +63,18 @@ async def test_a_tool_turn_runs_on_postgres_and_is_stored_there(pg_url: str, tmp
         await store.close()
 
 
+async def test_spawn_with_a_first_message_on_postgres(pg_url: str, tmp_path: Path) -> None:
+    """On a shared store the first message is delivered like a send (a worker claims the process)."""
+    ran.clear()
+    async with pg_kernel(pg_url, tmp_path, ScriptedModel(by_tool_results)) as k:
+        proc = await k.spawn(owner="alice", text="first", run_id="pg-first")
+        assert proc.started is not None and proc.started.run_id == "pg-first"
+        await proc.wait_idle()
+        assert ran == ["first"] and (await proc.messages())[-1].text == "answer: first"
+        again = await proc.send("first", run_id="pg-first")
+        assert again.run_id == "pg-first" and ran == ["first"]
+
+
 async def test_steer_and_queue_on_postgres(pg_url: str, tmp_path: Path) -> None:
     def brain(req: ModelRequest) -> Reply | str:
         last = req.messages[-1]

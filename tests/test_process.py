@@ -15,6 +15,7 @@ from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, Us
 from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
 from agentloop.process import engine as engine_module
+from agentloop.process.media import MediaError
 from tests.process_support import kernel, ran
 
 PNG = base64.b64encode(
@@ -638,3 +639,46 @@ async def test_an_idle_process_keeps_no_finished_driver_task_or_run_configuratio
         await proc.send("again")  # a new run gets a new driver
         await proc.wait_idle()
         assert (await proc.messages())[-1].text == "answer: again"
+
+
+async def test_spawn_with_a_first_message_stores_the_process_and_its_run_in_one_commit(tmp_path):
+    model = ScriptedModel(["first answer", "second answer"])
+    async with kernel(tmp_path, model) as k:
+        commits: list[int] = []
+        store = k.store
+        real_end = store._end
+
+        def counting(commit, settled=None):  # type: ignore[no-untyped-def]
+            if commit:
+                commits.append(1)
+            return real_end(commit, settled)
+
+        store._end = counting  # type: ignore[method-assign]
+        proc = await k.spawn(owner="a", text="hello", media=[ImageContent(data=PNG, mime_type="image/png")])
+        assert len(commits) == 1  # the process, its first message and run: one transaction
+        assert proc.started is not None and not proc.started.queued
+        await proc.wait_idle()
+        store._end = real_end  # type: ignore[method-assign]
+        sent = model.requests[0].messages[0]
+        assert isinstance(sent, UserMessage) and sent.text == "hello" and isinstance(sent.content[1], ImageContent)
+        signals = [s async for s in proc.signals(follow=False)]
+        started = next(s.payload for s in signals if s.signal == "proc.run.started")
+        assert started == {"pid": proc.pid, "runId": proc.started.run_id, "reason": "proc.send"}
+        assert signals[-1].signal == "proc.run.finished" and signals[-1].payload["status"] == "ok"
+
+
+async def test_spawn_with_a_first_message_is_idempotent_by_run_id_and_refuses_bad_input(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(["once"])) as k:
+        proc = await k.spawn(owner="a", text="hello", run_id="job-7")
+        await proc.wait_idle()
+        again = await proc.send("hello", run_id="job-7")  # a retry of the same delivery
+        assert proc.started is not None and again.run_id == proc.started.run_id
+        assert [m.text for m in await proc.messages()] == ["hello", "once"]
+        before = await k.processes()
+        for text, media in (("  ", ()), ("x", ["not a block"])):
+            with pytest.raises((ValueError, TypeError)):
+                await k.spawn(owner="a", text=text, media=media)  # type: ignore[arg-type]
+        assert await k.processes() == before  # nothing stored for a refused spawn
+        with pytest.raises(MediaError):
+            await k.spawn(owner="a", text="x", media=[ImageContent(data=PNG, mime_type="image/jpeg")])
+        assert await k.processes() == before

@@ -169,6 +169,25 @@ async def test_send_with_an_image_and_each_mode(alice: httpx.AsyncClient) -> Non
     assert [b["type"] for b in first["content"]] == ["text", "image"]
 
 
+async def test_spawn_with_a_first_message_starts_its_run(alice: httpx.AsyncClient) -> None:
+    body = {"text": "hello there", "media": [{"data": PNG, "mime_type": "image/png"}], "run_id": "first-1"}
+    made = shape(await alice.post("/v1/processes", json=body), api.ProcessOut, 201)
+    assert made["run_id"] == "first-1"
+    await wait_idle(alice, made["pid"])
+    first = (await history(alice, made["pid"]))["messages"][0]
+    assert first["run_id"] == "first-1" and [b["type"] for b in first["message"]["content"]] == ["text", "image"]
+    # a retry of the first message (a send with the same run id) delivers nothing new
+    again = shape(
+        await alice.post(f"/v1/processes/{made['pid']}/messages", json={"text": "hello there", "run_id": "first-1"}),
+        api.ReceiptOut,
+        202,
+    )
+    assert again["run_id"] == "first-1" and len((await history(alice, made["pid"]))["messages"]) == 2
+    error(await alice.post("/v1/processes", json={"media": body["media"]}), 400, "invalid_request")  # no text
+    bad = {"text": "x", "media": [{"data": PNG, "mime_type": "image/jpeg"}]}
+    error(await alice.post("/v1/processes", json=bad), 400, "invalid_request")
+
+
 async def test_send_with_documents_and_clear_errors_for_bad_ones(alice: httpx.AsyncClient) -> None:
     pid = await spawn(alice)
     pdf = base64.b64encode(b"%PDF-1.4\n%%EOF\n").decode()

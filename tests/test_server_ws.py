@@ -195,6 +195,13 @@ def test_every_process_call(server: KernelServer, tmp_path: Path) -> None:
         assert c.ok("proc.list") == {"processes": []}
 
 
+def test_spawn_with_a_first_message_over_the_socket(server: KernelServer) -> None:
+    with server.client("alice") as c:
+        made = c.ok("proc.spawn", {"text": "hello", "run_id": "ws-first"})
+        assert made["run_id"] == "ws-first"
+        assert c.ok("proc.send", {"pid": made["pid"], "text": "hello", "run_id": "ws-first"})["run_id"] == "ws-first"
+
+
 def test_arguments_are_checked_and_name_the_field(server: KernelServer) -> None:
     with server.client("alice") as c:
         pid = c.ok("proc.spawn")["pid"]
@@ -204,6 +211,8 @@ def test_arguments_are_checked_and_name_the_field(server: KernelServer) -> None:
             ("proc.get", {"pid": "x" * 500}, "pid"),
             ("proc.spawn", {"interactive": "yes"}, "interactive"),
             ("proc.spawn", {"cwd": "../.."}, "cwd"),
+            ("proc.spawn", {"text": 5}, "text"),
+            ("proc.spawn", {"text": "hi", "run_id": ""}, "run_id"),
             ("proc.send", {"pid": pid}, "text"),
             ("proc.send", {"pid": pid, "text": "hi", "mode": "shout"}, "mode"),
             ("proc.send", {"pid": pid, "text": "hi", "media": [{"data": "!!", "mime_type": "image/png"}]}, "media"),

@@ -83,6 +83,39 @@ def _kernel_files(store: Store, data: Path) -> list[Path]:
     return files
 
 
+def _check_input(text: object, media: object, run_id: object) -> None:
+    """What ``send`` (and ``spawn`` with a first message) refuses before anything is stored."""
+    if not isinstance(text, str) or (not text.strip() and not media):
+        raise ValueError("text must be a non-empty string (or come with an image or a file)")
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+    if (
+        isinstance(media, str | bytes)
+        or not isinstance(media, Sequence)
+        or not all(isinstance(b, ImageContent | FileContent) for b in media)
+    ):
+        raise TypeError("media must be a sequence of ImageContent or FileContent blocks")
+
+
+def _user_input(
+    store: MediaStore, owner: str, pid: str, text: str, media: Sequence[ImageContent | FileContent]
+) -> UserMessage:
+    """The user message for ``text`` and ``media``, the media stored as files (the message keeps a
+    reference, the model gets the content). Every block is checked before any is stored: a bad
+    one stores nothing."""
+    for block in media:
+        store.check(block)
+    blocks: list[UserBlock] = [TextContent(text=text)]
+    for block in media:
+        ref = store.save(owner, pid, block)
+        data = MEDIA_PREFIX + json.dumps(ref.to_dict())
+        if isinstance(block, FileContent):
+            blocks.append(FileContent(data=data, mime_type=ref.mime_type, name=block.name))
+        else:
+            blocks.append(ImageContent(data=data, mime_type=ref.mime_type))
+    return UserMessage(content=blocks)
+
+
 def _check_position(name: str, value: object, minimum: int) -> None:
     """A count or position (a seq, a message id, a page size): an int the store can hold."""
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_SEQ:
@@ -92,9 +125,10 @@ def _check_position(name: str, value: object, minimum: int) -> None:
 class Process:
     """A handle on one durable process; every call goes through the kernel's engine and store."""
 
-    def __init__(self, kernel: Kernel, pid: str) -> None:
+    def __init__(self, kernel: Kernel, pid: str, started: Receipt | None = None) -> None:
         self.kernel = kernel
         self.pid = pid
+        self.started = started  # the receipt of the message ``spawn`` was given, if any
 
     def __repr__(self) -> str:
         return f"<Process {self.pid}>"
@@ -116,24 +150,10 @@ class Process:
         images and documents (PDF, plain text, Markdown, CSV) attached as ``media``."""
         if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
-        if not isinstance(text, str) or (not text.strip() and not media):
-            raise ValueError("text must be a non-empty string (or come with an image or a file)")
-        if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
-        if isinstance(media, str | bytes) or not all(isinstance(b, ImageContent | FileContent) for b in media):
-            raise TypeError("media must be a sequence of ImageContent or FileContent blocks")
+        _check_input(text, media, run_id)
         record = (await self.kernel.engine.live(self.pid)).record
-        for block in media:  # every block is checked before any is stored: a bad one stores nothing
-            self.kernel.media.check(block)
-        blocks: list[UserBlock] = [TextContent(text=text)]
-        for block in media:  # stored as files; the message keeps a reference, the model gets the content
-            ref = self.kernel.media.save(record.owner, self.pid, block)
-            data = MEDIA_PREFIX + json.dumps(ref.to_dict())
-            if isinstance(block, FileContent):
-                blocks.append(FileContent(data=data, mime_type=ref.mime_type, name=block.name))
-            else:
-                blocks.append(ImageContent(data=data, mime_type=ref.mime_type))
-        return await self.kernel.engine.send(self.pid, UserMessage(content=blocks), mode=mode, run_id=run_id)
+        message = _user_input(self.kernel.media, record.owner, self.pid, text, media)
+        return await self.kernel.engine.send(self.pid, message, mode=mode, run_id=run_id)
 
     async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
         """The process's signals after ``after_seq``; with ``follow``, then live ones as they come."""
@@ -376,12 +396,17 @@ class Kernel:
         pid: str | None = None,
         kv: Mapping[str, Any] | None = None,
         mode: Mode = "agent",
+        text: str | None = None,
+        media: Sequence[ImageContent | FileContent] = (),
+        run_id: str | None = None,
     ) -> Process:
         """A new durable process. ``cwd`` (default: the kernel's workspace; a relative one is taken
         from there) is the directory its built-in tools work in; it must exist. ``owner`` and
         ``run_as`` name accounts, so they must be plain names (they become directory names).
         ``kv`` rows are stored with the process, in the same transaction. ``mode="chat"``: its runs
-        answer without tools (``Process.set_mode`` changes it)."""
+        answer without tools (``Process.set_mode`` changes it). ``text`` (with ``media``, and
+        ``run_id`` as in ``send``) is its first input: the process and its first run are stored in
+        one transaction, and ``Process.started`` is the receipt."""
         check_name(owner, "owner")
         check_name(run_as or owner, "run_as")
         if pid is not None:
@@ -412,8 +437,18 @@ class Kernel:
             context=context,
             created_at=time.time(),
         )
-        await self.engine.create(record, kv)
-        return Process(self, record.pid)
+        if text is None:
+            await self.engine.create(record, kv)
+            return Process(self, record.pid)
+        _check_input(text, media, run_id)
+        first = _user_input(self.media, owner, record.pid, text, media)
+        try:
+            started = await self.engine.create(record, kv, first, run_id)
+        except BaseException:
+            if media and await self.store.get_process(record.pid) is None:  # (not a pid taken already)
+                self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
+            raise
+        return Process(self, record.pid, started)
 
     async def process(self, pid: str) -> Process:
         if await self.store.get_process(pid) is None:

@@ -45,7 +45,7 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
             receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
             receipt = Receipt(receipt_run, True, live.queued + 1)
             await tx.enqueue("steer" if mode == "steer" else "queue", message, queued_run)
-        await _remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position)
+        await remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position)
     if not receipt.queued:
         engine.wake(pid)
     return receipt
@@ -66,9 +66,11 @@ async def _admitted(engine: ProcessEngine, pid: str, run_id: str | None) -> Rece
     return Receipt(seen.get("run", run_id), bool(seen.get("queued")), int(seen.get("position", 0)))
 
 
-async def _remember_admission(
+async def remember_admission(
     engine: ProcessEngine, pid: str, run_id: str, supplied: str | None, *, queued: bool, position: int
 ) -> None:
+    """Inside the caller's transaction: the delivery with the caller's ``supplied`` id (if any)
+    got this receipt, which a retry of it returns."""
     if supplied is not None:
         await engine.store.kv_set(pid, f"admitted:{supplied}", {"run": run_id, "queued": queued, "position": position})
 
@@ -114,7 +116,7 @@ async def signal_event(
         else:
             await tx.enqueue("system", message, run_id_kept)
             receipt = Receipt(active["run_id"], True, 0)
-        await _remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=0)
+        await remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=0)
     if not receipt.queued:
         engine.wake(pid)
     return receipt

@@ -148,18 +148,40 @@ class ProcessEngine:
             live.idle.set()
         return live
 
-    async def create(self, record: ProcessRecord, kv: Mapping[str, Any] | None = None) -> None:
+    async def create(
+        self,
+        record: ProcessRecord,
+        kv: Mapping[str, Any] | None = None,
+        first: Message | None = None,
+        run_id: str | None = None,
+    ) -> Receipt | None:
         """Store a new process, with ``kv`` as its first key-value rows in the same transaction
         (so what they say about it is never missing), and start its cache: a fresh process has
-        nothing to load."""
+        nothing to load. ``first`` input starts its first run (``run_id`` as in ``send``), in the
+        same transaction where this worker drives the process: one commit instead of two."""
+        if first is not None and self.leases is None:
+            live = self._live[record.pid] = _Live(record, [], calls=False)
+            try:
+                async with self._tx(live) as tx:
+                    await self.store.create_process(record)
+                    for key, value in (kv or {}).items():
+                        await self.store.kv_set(record.pid, key, value)
+                    started = await tx.start_run(first, "proc.send", run_id)
+                    # (a retried send of this id then returns this run)
+                    await admission.remember_admission(self, record.pid, started, run_id, queued=False, position=0)
+            except BaseException:
+                self._live.pop(record.pid, None)
+                raise
+            self.wake(record.pid)
+            return Receipt(started, False, 0)
         async with self.store.transaction():
             await self.store.create_process(record)
             for key, value in (kv or {}).items():
                 await self.store.kv_set(record.pid, key, value)
-        if self.leases is not None:
-            return  # cached by whichever worker claims it first
-        live = self._live[record.pid] = _Live(record, [], calls=False)
-        live.idle.set()
+        if self.leases is None:  # else cached by whichever worker claims it first
+            live = self._live[record.pid] = _Live(record, [], calls=False)
+            live.idle.set()
+        return None if first is None else await self.send(record.pid, first, run_id=run_id)
 
     def _tx(self, live: _Live) -> _TxScope:
         """One step's transaction: ``async with self._tx(live) as tx``. Once it commits, the cache

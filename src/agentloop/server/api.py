@@ -46,13 +46,6 @@ class Query(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class SpawnBody(Body):
-    context: str = Field("", description="Process context, the last section of every run's system prompt.")
-    interactive: bool = Field(True, description="Whether the process may ask for approval.")
-    cwd: str | None = Field(None, description="Working directory, relative to the server's workspace.")
-    mode: Literal[RUN_MODES] = Field("agent", description="chat: runs answer without tools.")  # type: ignore[valid-type]
-
-
 class ModeBody(Body):
     mode: Literal[RUN_MODES] = Field(description="agent (with tools) or chat (without), from the next run on.")  # type: ignore[valid-type]
 
@@ -61,6 +54,16 @@ class MediaItem(Body):
     data: str = Field(description="The image or document, base64.")
     mime_type: Literal[MEDIA_TYPES]  # type: ignore[valid-type]
     name: str = Field("", max_length=255, description="A document's file name, shown to the model.")
+
+
+class SpawnBody(Body):
+    context: str = Field("", description="Process context, the last section of every run's system prompt.")
+    interactive: bool = Field(True, description="Whether the process may ask for approval.")
+    cwd: str | None = Field(None, description="Working directory, relative to the server's workspace.")
+    mode: Literal[RUN_MODES] = Field("agent", description="chat: runs answer without tools.")  # type: ignore[valid-type]
+    text: str | None = Field(None, description="A first message: its run starts with the process, in one commit.")
+    media: list[MediaItem] | None = None
+    run_id: str | None = Field(None, min_length=1, max_length=128, description="The first message's run id.")
 
 
 class SendBody(Body):
@@ -377,8 +380,16 @@ async def me(call: Call) -> dict[str, Any]:
 
 async def spawn(call: Call) -> dict[str, Any]:
     body = call.parsed(SpawnBody, call.body)
+    media = [m.model_dump() for m in body.media] if body.media else None
     return await call.ctx.processes.spawn(
-        call.principal, context=body.context, interactive=body.interactive, cwd=body.cwd, mode=body.mode
+        call.principal,
+        context=body.context,
+        interactive=body.interactive,
+        cwd=body.cwd,
+        mode=body.mode,
+        text=body.text,
+        media=media,
+        run_id=body.run_id,
     )
 
 

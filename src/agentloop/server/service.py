@@ -151,10 +151,20 @@ class ProcessService:
         interactive: bool = True,
         cwd: str | None = None,
         mode: str = "agent",
+        text: str | None = None,
+        media: list[Any] | None = None,
+        run_id: str | None = None,
     ) -> dict[str, Any]:
         """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
-        stay inside it."""
+        stay inside it. ``text`` (with ``media`` and ``run_id``, as ``send`` takes them) starts its
+        first run in the same commit; ``run_id`` then names that run."""
         run_mode = _run_mode(mode)
+        blocks = None
+        if text is not None:
+            _check_text(text, empty_ok=bool(media))
+            blocks = decode_media(media or [])
+        elif media or run_id is not None:
+            raise ApiError(400, "invalid_request", "media and run_id come with a first message (text)")
         if len(context) > MAX_CONTEXT:  # it is sent with every model call, and listed with every process
             raise ApiError(413, "too_large", f"context is longer than {MAX_CONTEXT} characters")
         root = Path(self.kernel.engine.config.workspace or ".").resolve()  # noqa: ASYNC240 - no I/O wait
@@ -167,8 +177,25 @@ class ProcessService:
                 raise bad_cwd from None
             if not where.is_relative_to(root) or not where.is_dir():
                 raise bad_cwd
-        proc = await self.kernel.spawn(who.account, cwd=where, interactive=interactive, context=context, mode=run_mode)
-        return process_json(await proc.info())
+        try:
+            proc = await self.kernel.spawn(
+                who.account,
+                cwd=where,
+                interactive=interactive,
+                context=context,
+                mode=run_mode,
+                text=text,
+                media=blocks or (),
+                run_id=run_id,
+            )
+        except MediaTooLarge as exc:
+            raise ApiError(413, "too_large", f"media: {exc}") from None
+        except MediaError as exc:
+            raise ApiError(400, "invalid_request", f"media: {exc}") from None
+        answer = process_json(await proc.info())
+        if proc.started is not None:  # (the run may have ended already: its id all the same)
+            answer["run_id"] = proc.started.run_id
+        return answer
 
     async def list_processes(self, who: Principal) -> list[dict[str, Any]]:
         return [process_json(r) for r in await self.kernel.processes(owner=who.account) if r.state != "killed"]

@@ -245,6 +245,9 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
         interactive=_want(args, "interactive", bool, "a boolean", True),
         cwd=_want(args, "cwd", str, "a string", None),
         mode=_want(args, "mode", str, "a string", "agent"),
+        text=_want(args, "text", str, "a string", None),
+        media=_want(args, "media", list, "a list", None),
+        run_id=_opt_id(args, "run_id"),
     )
 
 
