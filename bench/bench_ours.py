@@ -64,8 +64,8 @@ def make_durable_runner(wl: common.Workload) -> Callable[[], Awaitable[str]]:
                 )
             )
         kernel = kernels[0]
-        proc = await kernel.spawn(owner="bench")
-        await proc.send(common.USER_PROMPT)
+        # a new conversation with its first message: the process and its run commit together
+        proc = await kernel.spawn(owner="bench", text=common.USER_PROMPT)
         await proc.wait_idle()
         last = (await proc.history(limit=1))[-1].message
         return last.text if isinstance(last, AssistantMessage) else ""

@@ -1,7 +1,9 @@
 """agentloop's durable runner on the peer harness's workloads, beside ``baseline-sqlite``.
 
-Each run is a new durable process on one SQLite kernel (spawn, send, wait until idle), every step
-committed in its own transaction; see ``bench_ours.make_durable_runner``.
+Each run is a new durable process on one SQLite kernel, spawned with the user's message (the
+process, the message and the run commit together; the peers' ``run(input)`` likewise takes the
+conversation and its first message in one call), then waited on until idle; every later step commits
+in its own transaction. See ``bench_ours.make_durable_runner``.
 """
 
 from __future__ import annotations
