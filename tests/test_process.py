@@ -16,6 +16,7 @@ from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
 from agentloop.process import engine as engine_module
 from agentloop.process.media import MediaError
+from agentloop.process.store import StoreError
 from tests.process_support import kernel, ran
 
 PNG = base64.b64encode(
@@ -682,3 +683,7 @@ async def test_spawn_with_a_first_message_is_idempotent_by_run_id_and_refuses_ba
         with pytest.raises(MediaError):
             await k.spawn(owner="a", text="x", media=[ImageContent(data=PNG, mime_type="image/jpeg")])
         assert await k.processes() == before
+        # a pid that is taken: refused, and the process that has it keeps its cache and its media
+        with pytest.raises(StoreError, match="exists already"):
+            await k.spawn(owner="a", pid=proc.pid, text="again", media=[ImageContent(data=PNG, mime_type="image/png")])
+        assert [m.text for m in await proc.messages()] == ["hello", "once"] and await k.processes() == before

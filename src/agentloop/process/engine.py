@@ -59,7 +59,7 @@ from agentloop.process.driver import drive
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
-from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
+from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoreError
 from agentloop.process.tx import _has_media, _Live, _TxScope
 
 log = logging.getLogger("agentloop.process")
@@ -160,6 +160,8 @@ class ProcessEngine:
         nothing to load. ``first`` input starts its first run (``run_id`` as in ``send``), in the
         same transaction where this worker drives the process: one commit instead of two."""
         if first is not None and self.leases is None:
+            if record.pid in self._live:  # its cache must not be replaced (nor dropped on the failure)
+                raise StoreError(f"process {record.pid} exists already")
             live = self._live[record.pid] = _Live(record, [], calls=False)
             try:
                 async with self._tx(live) as tx:
