@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from agentloop import Reply, ScriptedModel, SystemMessage, ToolCall, ToolResultMessage, UserMessage, call
 from agentloop.kernel.tasks import MAX_DEPTH, child_pid
 from agentloop.models.base import ModelRequest
@@ -82,6 +84,33 @@ async def test_a_rerun_after_a_restart_finds_the_child_instead_of_starting_anoth
         children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
     assert [c.pid for c in children] == [child_pid(parent.pid, run_id, call_id)]
     assert again.content[0].text == "done: once"  # the same child's answer, not a second run
+
+
+@pytest.mark.parametrize("wait", [True, False])
+async def test_a_rerun_after_a_crash_between_creating_the_child_and_prompting_it_delivers_the_prompt(tmp_path, wait):
+    """The child was stored, then the kernel died before its prompt (and, in the background, its
+    watch) were: the re-run of the call finishes the delivery instead of waiting on an empty child."""
+    from agentloop.tools.base import ToolContext
+
+    async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        tool = (await k.engine._run_config(await k.engine.live(parent.pid), "run-1")).tools["Task"]
+        pid = child_pid(parent.pid, "run-1", "call-1")
+        await k.spawn(owner="alice", pid=pid, parent_pid=parent.pid, interactive=False)  # what the crash left
+        result = await tool.run({"prompt": "job late", "wait": wait}, ToolContext("call-1", "Task", run_id="run-1"))
+        child = await k.process(pid)
+        await child.wait_idle()
+        assert [m.text for m in await child.messages()] == ["job late", "done: late"]
+        if wait:
+            assert result.content[0].text == "done: late"
+        else:
+            assert [w.source_pid for w in await k.watches(parent.pid)] in ([pid], [])  # (delivered: used up)
+            async with asyncio.timeout(5):
+                while not any(isinstance(m, SystemMessage) for m in await parent.messages()):
+                    await asyncio.sleep(0.02)
+        # and a second re-run delivers nothing more
+        await tool.run({"prompt": "job late", "wait": True}, ToolContext("call-1", "Task", run_id="run-1"))
+        assert [m.text for m in await child.messages()] == ["job late", "done: late"]
 
 
 async def test_a_later_run_reusing_a_call_id_gets_a_child_of_its_own(tmp_path):

@@ -104,6 +104,18 @@ class TaskTool(Tool):
             await child.send(arguments["prompt"], run_id=f"task:{pid}")
         else:
             child = await kernel.process(pid)
+            if existing.state != "killed":
+                # A restart may have come between the child's creation and its prompt (and, for a
+                # background task, its watch): finish the delivery. The send is idempotent by its
+                # run id, so a child that got the prompt gets nothing new; the watch goes in first,
+                # as above, so the child cannot finish before it exists.
+                if (
+                    not arguments["wait"]
+                    and not any(w.source_pid == pid for w in await kernel.watches(parent.pid))
+                    and not await child.history(limit=1)
+                ):
+                    await kernel.watch(parent.pid, pid, sig.RUN_FINISHED, once=True)
+                await child.send(arguments["prompt"], run_id=f"task:{pid}")
         if not arguments["wait"]:
             return ToolResult.text(f"Started subagent {pid}; its answer will arrive as a system message.")
         try:
