@@ -72,7 +72,9 @@ async def test_spawn_with_a_first_message_on_postgres(pg_url: str, tmp_path: Pat
         await proc.wait_idle()
         assert ran == ["first"] and (await proc.messages())[-1].text == "answer: first"
         again = await proc.send("first", run_id="pg-first")
+        await proc.wait_idle()
         assert again.run_id == "pg-first" and ran == ["first"]
+        assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["first"]
 
 
 async def test_steer_and_queue_on_postgres(pg_url: str, tmp_path: Path) -> None:

@@ -687,3 +687,29 @@ async def test_spawn_with_a_first_message_is_idempotent_by_run_id_and_refuses_ba
         with pytest.raises(StoreError, match="exists already"):
             await k.spawn(owner="a", pid=proc.pid, text="again", media=[ImageContent(data=PNG, mime_type="image/png")])
         assert [m.text for m in await proc.messages()] == ["hello", "once"] and await k.processes() == before
+
+
+async def test_a_retried_spawn_with_the_same_pid_and_run_id_gets_the_first_one(tmp_path):
+    async with kernel(tmp_path, ScriptedModel(["done"])) as k:
+        first = await k.spawn(owner="a", pid="job-1", text="go", run_id="r-1")
+        await first.wait_idle()
+        again = await k.spawn(owner="a", pid="job-1", text="go", run_id="r-1")
+        assert again.pid == first.pid and again.started == first.started
+        assert [m.text for m in await first.messages()] == ["go", "done"]  # delivered once
+        for owner, run_id in (("b", "r-1"), ("a", "r-2"), ("a", None)):  # not the same delivery: refused
+            with pytest.raises(StoreError, match="exists already"):
+                await k.spawn(owner=owner, pid="job-1", text="go", run_id=run_id)
+
+
+async def test_spawn_with_a_taken_pid_leaves_a_stored_but_uncached_process_working(tmp_path):
+    """After a restart a stored process is not cached yet: a spawn that collides with it must not
+    leave an empty cache entry behind for the next send to use."""
+    async with kernel(tmp_path, ScriptedModel(["first", "second"])) as k:
+        proc = await k.spawn(owner="a", text="one")
+        await proc.wait_idle()
+        k.engine.uncache(proc.pid)  # as after a restart
+        with pytest.raises(StoreError, match="exists already"):
+            await k.spawn(owner="a", pid=proc.pid, text="clash")
+        await proc.send("two")
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert [m.text for m in await proc.messages()] == ["one", "first", "two", "second"]

@@ -199,7 +199,10 @@ def test_spawn_with_a_first_message_over_the_socket(server: KernelServer) -> Non
     with server.client("alice") as c:
         made = c.ok("proc.spawn", {"text": "hello", "run_id": "ws-first"})
         assert made["run_id"] == "ws-first"
-        assert c.ok("proc.send", {"pid": made["pid"], "text": "hello", "run_id": "ws-first"})["run_id"] == "ws-first"
+        again = c.ok("proc.send", {"pid": made["pid"], "text": "hello", "run_id": "ws-first"})
+        assert again == {"run_id": "ws-first", "queued": False, "position": 0}
+        users = [m for m in c.ok("proc.history", {"pid": made["pid"]})["messages"] if m["message"]["role"] == "user"]
+        assert len(users) == 1  # the retry delivered nothing
 
 
 def test_arguments_are_checked_and_name_the_field(server: KernelServer) -> None:

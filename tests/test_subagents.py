@@ -108,9 +108,14 @@ async def test_a_rerun_after_a_crash_between_creating_the_child_and_prompting_it
             async with asyncio.timeout(5):
                 while not any(isinstance(m, SystemMessage) for m in await parent.messages()):
                     await asyncio.sleep(0.02)
-        # and a second re-run delivers nothing more
-        await tool.run({"prompt": "job late", "wait": True}, ToolContext("call-1", "Task", run_id="run-1"))
+        # and a second re-run delivers nothing more, nor tells the parent again
+        await tool.run({"prompt": "job late", "wait": wait}, ToolContext("call-1", "Task", run_id="run-1"))
+        await child.wait_idle()
+        await parent.wait_idle()
+        await asyncio.sleep(0.1)
         assert [m.text for m in await child.messages()] == ["job late", "done: late"]
+        told = [m for m in await parent.messages() if isinstance(m, SystemMessage) and "[signal watch" in m.text]
+        assert len(told) == (0 if wait else 1) and await k.watches(parent.pid) == []
 
 
 async def test_a_later_run_reusing_a_call_id_gets_a_child_of_its_own(tmp_path):

@@ -46,7 +46,7 @@ def load_attachment(path: Path) -> MediaBlock:
 
 
 def describe(block: MediaBlock) -> str:
-    size = len(block.data) * 3 // 4
+    size = len(block.data) * 3 // 4 - block.data[-2:].count("=")  # base64: 3 bytes per 4 characters
     if isinstance(block, FileContent):
         return f"{block.name} ({block.mime_type}, {size} bytes)"
     return f"an image ({block.mime_type}, {size} bytes)"

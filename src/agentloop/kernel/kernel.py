@@ -42,6 +42,7 @@ from agentloop.messages import (
     UserMessage,
 )
 from agentloop.models.base import Model
+from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
@@ -441,12 +442,22 @@ class Kernel:
             await self.engine.create(record, kv)
             return Process(self, record.pid)
         _check_input(text, media, run_id)
-        first = _user_input(self.media, owner, record.pid, text, media)
+        fresh = not self.media.process_dir(owner, record.pid).exists()  # (else they belong to someone else too)
         try:
+            first = _user_input(self.media, owner, record.pid, text, media)
             started = await self.engine.create(record, kv, first, run_id)
+        except StoreError:
+            # a retried spawn (same pid, same run id) gets the first one's process and receipt
+            existing = await self.store.get_process(record.pid)
+            seen = await admission.admitted(self.engine, record.pid, run_id) if existing and run_id else None
+            if existing is None or existing.owner != owner or seen is None:
+                if media and fresh and existing is None:
+                    self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
+                raise
+            return Process(self, record.pid, seen)
         except BaseException:
-            if media and await self.store.get_process(record.pid) is None:  # (not a pid taken already)
-                self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
+            if media and fresh and await self.store.get_process(record.pid) is None:
+                self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
 

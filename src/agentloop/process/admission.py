@@ -23,14 +23,14 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
         await engine.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
         mode = "steer" if await engine.leases.hold(pid) else "queue"  # … and runs this next
     live = await engine.live(pid)
-    seen = await _admitted(engine, pid, run_id)  # early too: a retried interrupt must abort nothing
+    seen = await admitted(engine, pid, run_id)  # early too: a retried interrupt must abort nothing
     if seen is not None:
         return seen
     if live.record.current_run is not None and mode == "interrupt":
         await engine.abort(pid, reason="user.interrupt")
     async with engine._tx(live) as tx:
         # checked again inside the transaction: two deliveries of one id cannot both pass
-        seen = await _admitted(engine, pid, run_id)
+        seen = await admitted(engine, pid, run_id)
         if seen is not None:
             return seen
         # decided inside the transaction: the run seen here cannot end before this commits
@@ -58,7 +58,7 @@ async def forget_admission(engine: ProcessEngine, pid: str, run_id: str) -> None
     await engine.store.kv_delete(pid, f"admitted:{run_id}")
 
 
-async def _admitted(engine: ProcessEngine, pid: str, run_id: str | None) -> Receipt | None:
+async def admitted(engine: ProcessEngine, pid: str, run_id: str | None) -> Receipt | None:
     """The receipt of an earlier delivery with this caller-supplied ``run_id``, if there was one."""
     seen = await engine.store.kv_get(pid, f"admitted:{run_id}") if run_id is not None else None
     if seen is None:
@@ -96,14 +96,14 @@ async def signal_event(
                 return None  # delivered by another worker (or its source moved on): nothing to do
             # a record left by a delivery that was not claimed (made before claims existed, or
             # by hand with the same id): that delivery stands, and the claim retires its record
-            seen = await _admitted(engine, pid, run_id)
+            seen = await admitted(engine, pid, run_id)
             if seen is not None and run_id is not None:
                 await forget_admission(engine, pid, run_id)
                 return seen
             run_id_kept, run_id = run_id, None  # the claim is the idempotency: no record to keep
         else:
             # checked inside the transaction: two deliveries of one id cannot both pass
-            seen = await _admitted(engine, pid, run_id)
+            seen = await admitted(engine, pid, run_id)
             if seen is not None:
                 return seen
             run_id_kept = run_id

@@ -59,7 +59,7 @@ from agentloop.process.driver import drive
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
-from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, StoreError
+from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
 from agentloop.process.tx import _has_media, _Live, _TxScope
 
 log = logging.getLogger("agentloop.process")
@@ -160,22 +160,7 @@ class ProcessEngine:
         nothing to load. ``first`` input starts its first run (``run_id`` as in ``send``), in the
         same transaction where this worker drives the process: one commit instead of two."""
         if first is not None and self.leases is None:
-            if record.pid in self._live:  # its cache must not be replaced (nor dropped on the failure)
-                raise StoreError(f"process {record.pid} exists already")
-            live = self._live[record.pid] = _Live(record, [], calls=False)
-            try:
-                async with self._tx(live) as tx:
-                    await self.store.create_process(record)
-                    for key, value in (kv or {}).items():
-                        await self.store.kv_set(record.pid, key, value)
-                    started = await tx.start_run(first, "proc.send", run_id)
-                    # (a retried send of this id then returns this run)
-                    await admission.remember_admission(self, record.pid, started, run_id, queued=False, position=0)
-            except BaseException:
-                self._live.pop(record.pid, None)
-                raise
-            self.wake(record.pid)
-            return Receipt(started, False, 0)
+            return await self._create_running(record, kv, first, run_id)
         async with self.store.transaction():
             await self.store.create_process(record)
             for key, value in (kv or {}).items():
@@ -184,6 +169,32 @@ class ProcessEngine:
             live = self._live[record.pid] = _Live(record, [], calls=False)
             live.idle.set()
         return None if first is None else await self.send(record.pid, first, run_id=run_id)
+
+    async def _create_running(
+        self, record: ProcessRecord, kv: Mapping[str, Any] | None, first: Message, run_id: str | None
+    ) -> Receipt:
+        """``create`` with the first run, in one transaction. The cache entry is published once the
+        process row is written (so nothing else loads the process meanwhile), dropped only if the
+        transaction is not kept, and the driver is woken once it is durable (a caller cancelled
+        while a group commit completes still leaves a running process with its driver)."""
+        live = _Live(record, [], calls=False)
+        kept: list[bool] = []
+        try:
+            async with self._tx(live) as tx:
+                await self.store.create_process(record)  # StoreError if the pid is taken: nothing published
+                self._live[record.pid] = live
+                for key, value in (kv or {}).items():
+                    await self.store.kv_set(record.pid, key, value)
+                started = await tx.start_run(first, "proc.send", run_id)
+                # (a retried send of this id then returns this run)
+                await admission.remember_admission(self, record.pid, started, run_id, queued=False, position=0)
+                tx.after.append(lambda: kept.append(True))
+                tx.durable.append(lambda: self.wake(record.pid))
+        except BaseException:
+            if not kept and self._live.get(record.pid) is live:
+                del self._live[record.pid]
+            raise
+        return Receipt(started, False, 0)
 
     def _tx(self, live: _Live) -> _TxScope:
         """One step's transaction: ``async with self._tx(live) as tx``. Once it commits, the cache

@@ -351,7 +351,8 @@ def _endpoint(ctx: ServerContext, spec: Endpoint) -> Callable[[Request], Awaitab
         try:
             who = await ctx.principal(request) if spec.auth else None
             query = parse_query(request.query_params, spec.query) if spec.query else None
-            body = await parse_body(request, spec.body, ctx.max_body) if spec.body else None
+            limit = ctx.max_media_body if spec.body is not None and "media" in spec.body.model_fields else ctx.max_body
+            body = await parse_body(request, spec.body, limit) if spec.body else None
             result = await handler(Call(ctx, request, who, query, body))
         except ApiError as exc:
             return exc.response()

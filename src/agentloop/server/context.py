@@ -18,6 +18,9 @@ from agentloop.server.errors import ApiError
 from agentloop.server.service import ProcessService
 
 DEFAULT_MAX_BODY = 1024 * 1024
+# a body that may carry media (base64: 4 characters per 3 bytes of a file up to the media store's
+# 10 MiB) gets room for one such file
+DEFAULT_MAX_MEDIA_BODY = 16 * 1024 * 1024
 DEFAULT_HEARTBEAT = 15.0
 
 
@@ -27,6 +30,7 @@ class ServerContext:
     accounts: Accounts
     devices: Any = None  # the device hub (``agentloop.server.devices``), when devices are enabled
     max_body: int = DEFAULT_MAX_BODY
+    max_media_body: int = DEFAULT_MAX_MEDIA_BODY  # for the requests that may carry images and documents
     heartbeat: float = DEFAULT_HEARTBEAT  # seconds between SSE heartbeat comments
     # Set when the server begins shutting down: streams end cleanly instead of being cut.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
