@@ -183,6 +183,10 @@ async def test_spawn_with_a_first_message_starts_its_run(alice: httpx.AsyncClien
         202,
     )
     assert again["run_id"] == "first-1" and len((await history(alice, made["pid"]))["messages"]) == 2
+    # a retried spawn (its answer lost) finds the process the first one made
+    retried = shape(await alice.post("/v1/processes", json=body), api.ProcessOut, 201)
+    assert retried["pid"] == made["pid"] and retried["run_id"] == "first-1"
+    assert len((await history(alice, made["pid"]))["messages"]) == 2
     error(await alice.post("/v1/processes", json={"media": body["media"]}), 400, "invalid_request")  # no text
     bad = {"text": "x", "media": [{"data": PNG, "mime_type": "image/jpeg"}]}
     error(await alice.post("/v1/processes", json=bad), 400, "invalid_request")

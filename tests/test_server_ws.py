@@ -201,6 +201,8 @@ def test_spawn_with_a_first_message_over_the_socket(server: KernelServer) -> Non
         assert made["run_id"] == "ws-first"
         again = c.ok("proc.send", {"pid": made["pid"], "text": "hello", "run_id": "ws-first"})
         assert again == {"run_id": "ws-first", "queued": False, "position": 0}
+        assert c.ok("proc.spawn", {"text": "hello", "run_id": "ws-first"})["pid"] == made["pid"]  # a retried spawn
+        assert len(c.ok("proc.list")["processes"]) == 1
         users = [m for m in c.ok("proc.history", {"pid": made["pid"]})["messages"] if m["message"]["role"] == "user"]
         assert len(users) == 1  # the retry delivered nothing
 

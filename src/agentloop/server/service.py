@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +27,7 @@ from agentloop.messages import FILE_TYPES, FileContent, ImageContent, message_to
 from agentloop.process.api import Receipt, SendMode
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
-from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, WatchRow
+from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
 
@@ -95,6 +96,12 @@ def watch_json(row: WatchRow) -> dict[str, Any]:
         "once": row.once,
         "created_at": row.created_at,
     }
+
+
+def _spawn_pid(account: str, run_id: str) -> str:
+    """The pid of the process a spawn with this caller's ``run_id`` makes (the same on a retry)."""
+    digest = hashlib.sha256(f"{account}\0{run_id}".encode()).hexdigest()[:20]
+    return f"spawn-{digest}"
 
 
 def _not_found(pid: str) -> ApiError:
@@ -177,6 +184,9 @@ class ProcessService:
                 raise bad_cwd from None
             if not where.is_relative_to(root) or not where.is_dir():
                 raise bad_cwd
+        # With a run id the pid follows from it, so a retried request (its answer lost) finds the
+        # process the first one made and gets its receipt instead of making a second one.
+        pid = _spawn_pid(who.account, run_id) if run_id is not None else None
         try:
             proc = await self.kernel.spawn(
                 who.account,
@@ -187,7 +197,13 @@ class ProcessService:
                 text=text,
                 media=blocks or (),
                 run_id=run_id,
+                pid=pid,
             )
+        except StoreError:
+            if pid is None or await self.kernel.store.get_process(pid) is None:
+                raise
+            # the pid is taken by another delivery: another owner's, or one with a different message
+            raise ApiError(409, "conflict", f"run_id {run_id!r} already started a process") from None
         except MediaTooLarge as exc:
             raise ApiError(413, "too_large", f"media: {exc}") from None
         except MediaError as exc:
