@@ -442,7 +442,8 @@ class Kernel:
             await self.engine.create(record, kv)
             return Process(self, record.pid)
         _check_input(text, media, run_id)
-        fresh = not self.media.process_dir(owner, record.pid).exists()  # (else they belong to someone else too)
+        # whether this call makes the media folder (one already there holds files of someone else too)
+        fresh = bool(media) and not self.media.process_dir(owner, record.pid).exists()
         try:
             first = _user_input(self.media, owner, record.pid, text, media)
             started = await self.engine.create(record, kv, first, run_id)
@@ -451,12 +452,12 @@ class Kernel:
             existing = await self.store.get_process(record.pid)
             seen = await admission.admitted(self.engine, record.pid, run_id) if existing and run_id else None
             if existing is None or existing.owner != owner or seen is None:
-                if media and fresh and existing is None:
+                if fresh and existing is None:
                     self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
                 raise
             return Process(self, record.pid, seen)
         except BaseException:
-            if media and fresh and await self.store.get_process(record.pid) is None:
+            if fresh and await self.store.get_process(record.pid) is None:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
