@@ -6,6 +6,7 @@ from both workers to many processes each run exactly once."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -166,6 +167,50 @@ async def test_a_follower_on_the_other_worker_sees_the_run(pg_url: str, tmp_path
         assert seen[0] == sig.RUN_STARTED and seen[-1] == sig.RUN_FINISHED and sig.RUN_OUTPUT in seen
 
 
+class SlowText(ScriptedModel):
+    """Streams its text a chunk every 30 ms, and notes when it made the last one."""
+
+    last_chunk: float | None = None
+
+    async def _stream(self, request: ModelRequest, out: Any) -> Any:
+        async for event in super()._stream(request, out):
+            if event.type == "text_delta":
+                await asyncio.sleep(0.03)
+                self.last_chunk = time.monotonic()
+            yield event
+
+
+async def test_a_follower_on_the_other_worker_sees_the_answer_as_it_streams(pg_url: str, tmp_path: Path) -> None:
+    text = "the quick brown fox jumps over the lazy dog"
+    model = SlowText(lambda req: text, chunk=4)
+    async with two(pg_url, tmp_path, model, []) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        seen: list[sig.Signal] = []
+        first_delta: list[float] = []
+
+        async def follow() -> None:
+            async for s in pb.signals(follow=True):
+                seen.append(s)
+                if s.signal == sig.RUN_STREAM and not first_delta:
+                    first_delta.append(time.monotonic())
+                if s.signal == sig.RUN_FINISHED:
+                    return
+
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.1)
+        await pa.send("go")  # runs on A, which relays its deltas to B
+        await asyncio.wait_for(follower, 10)
+        names = [s.signal for s in seen]
+        streamed = [s for s in seen if s.signal == sig.RUN_STREAM]
+        # the whole answer, live, in its place: after the run started, before its logged output
+        assert "".join(s.payload["delta"] for s in streamed if s.payload["event"] == "text_delta") == text
+        assert names.index(sig.RUN_STARTED) < names.index(sig.RUN_STREAM)
+        assert len(names) - names[::-1].index(sig.RUN_STREAM) - 1 < names.index(sig.RUN_OUTPUT)
+        assert all(s.seq is None and s.payload["runId"] == streamed[0].payload["runId"] for s in streamed)
+        assert model.last_chunk is not None and first_delta[0] < model.last_chunk  # while A's model streamed
+
+
 async def test_a_worker_whose_lease_was_taken_over_cannot_commit(pg_url: str, tmp_path: Path) -> None:
     """A stalls in a model call past its lease (simulated by expiring the lease row); B claims the
     run and finishes it; A's late answer is refused at commit, and A drops the process."""
@@ -300,6 +345,41 @@ async def test_a_fenced_commit_and_a_forwarded_write_notify_the_other_workers(pg
             await a.notify("p1", "B")  # a forwarded write
         await asyncio.wait_for(got.wait(), 5)
         assert heard == [("p1", "A"), ("p1", "B")]
+    finally:
+        await stop()
+        await a.close()
+        await b.close()
+
+
+async def test_relayed_deltas_reach_the_other_workers_in_notifications_that_fit(pg_url: str) -> None:
+    a, b = open_store(pg_url), open_store(pg_url)
+    await a.open()
+    await b.open()
+    heard: list[tuple[str, str, int, list[dict[str, Any]]]] = []
+    got = asyncio.Event()
+
+    def relayed(pid: str, sender: str, base: int, payloads: list[dict[str, Any]]) -> None:
+        heard.append((pid, sender, base, payloads))
+        got.set()
+
+    stop = await b.listen(lambda pid, sender: None, relayed)
+    assert stop is not None
+    try:
+        deltas = [{"event": "text_delta", "delta": f"{i:04d}" + "x" * 996} for i in range(20)]  # 20 kB in all
+        too_big = {"event": "text_delta", "delta": "y" * 9000}  # more than one notification holds
+        await a.relay("A", "p1", 7, [deltas[0], too_big, *deltas[1:]])
+        async with asyncio.timeout(5):
+            while sum(len(p) for *_, p in heard) < len(deltas):
+                await got.wait()
+                got.clear()
+        assert len(heard) > 1 and {(pid, sender, base) for pid, sender, base, _ in heard} == {("p1", "A", 7)}
+        assert [d for *_, payloads in heard for d in payloads] == deltas  # in order; the oversized one left out
+        await b.pool.execute("SELECT pg_notify('agentloop_live', 'not json')")  # ignored, not a crash
+        await a.relay("A", "p2", 1, [deltas[0]])
+        async with asyncio.timeout(5):
+            while heard[-1][0] != "p2":
+                await got.wait()
+                got.clear()
     finally:
         await stop()
         await a.close()

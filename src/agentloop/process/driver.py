@@ -189,9 +189,16 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     await _compact_if_needed(engine, live, run, cfg, tools_enabled)
     state = _call_state(engine, live, run)
 
+    relay = engine.leases.relay if engine.leases is not None else None  # watchers on other workers
+
     def stream(event: LoopEvent) -> None:
-        if isinstance(event, MessageUpdate) and engine.hub.watching(pid):
-            engine.hub.publish(pid, Signal(sig.RUN_STREAM, _stream_payload(pid, run_id, event.event)))
+        if not isinstance(event, MessageUpdate):
+            return
+        payload = _stream_payload(pid, run_id, event.event)
+        if engine.hub.watching(pid):
+            engine.hub.publish(pid, Signal(sig.RUN_STREAM, payload))
+        if relay is not None:
+            relay.send(pid, live.seq, payload)
 
     async def retrying(event: ModelRetry) -> None:
         """Log the retry (or the switch to a fallback) before its wait: a run that takes long
@@ -205,13 +212,16 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             log.warning("process %s: the retry of run %s was not logged: %s", pid, run_id, exc)
 
     try:
-        reply = await call_model(cfg, state, tools_enabled, stream if engine.hub.watching(pid) else None, retrying)
+        streaming = relay is not None or engine.hub.watching(pid)
+        reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry
             state = _call_state(engine, live, run)
             reply = await call_model(cfg, state, tools_enabled, None, retrying)
     finally:
         live.partial = None
+    if relay is not None:
+        await relay.flush(pid)  # the answer's deltas go out ahead of the commit that logs it
     if not tools_enabled and reply.tool_calls:
         reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
         reply.stop_reason = "stop"

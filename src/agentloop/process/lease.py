@@ -27,7 +27,8 @@ notification delays work by at most ``poll``, it never strands it.
 
 Live signals: a worker publishes the signals of the processes it holds as on one worker. Its
 watchers of a process held elsewhere are fed from the process's signal log, read after each
-notification about it, in sequence order (``follow``). Forwarded signals (a queue change, an
+notification about it, in sequence order (``follow``), with the holder's relayed stream deltas
+in their place (``relay``). Forwarded signals (a queue change, an
 approval decided elsewhere) reach the holder's watchers through the log only, on reconnect.
 
 On SQLite (one process owns the file) there are no leases: the engine runs without this module.
@@ -45,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.process.keylock import KeyedLocks
+from agentloop.process.relay import Relay
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, StoreError
 
@@ -119,13 +121,14 @@ class Leases:
         self._loop: asyncio.Task[None] | None = None
         self._unlisten: Any = None
         self._background: set[asyncio.Task[Any]] = set()
+        self.relay = Relay(self.store, self.owner)  # stream deltas to and from the other workers
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> list[str]:
         """Listen, claim the orphans (a dead worker's runs, this one's from before a restart),
         and start the loop; returns the pids resumed."""
-        self._unlisten = await self.store.listen(self._notified)
+        self._unlisten = await self.store.listen(self._notified, self._relayed)
         resumed = await self.sweep(reclaim=True)  # (this name's leases from before a restart too)
         self._loop = asyncio.get_running_loop().create_task(self._run(), name="agentloop-leases")
         return resumed
@@ -137,6 +140,7 @@ class Leases:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.relay.stop()
         if self._unlisten is not None:
             await self._unlisten()
             self._unlisten = None
@@ -284,6 +288,11 @@ class Leases:
         self._changed.add(pid)
         self._wake.set()
 
+    def _relayed(self, pid: str, sender: str, base: int, payloads: list[dict[str, Any]]) -> None:
+        if pid in self._tail and self.relay.received(pid, sender, base, payloads):
+            self._changed.add(pid)
+            self._wake.set()
+
     async def _run(self) -> None:
         renew_every = self.ttl / 3
         next_renew = time.monotonic() + renew_every
@@ -354,13 +363,14 @@ class Leases:
         hub = self.engine.hub
         if not hub.watching(pid):
             self._tail.pop(pid, None)
+            self.relay.forget(pid)
             return
         after = self._tail.get(pid, 0)
-        for row in await self.store.events(pid, after_seq=after):
-            hub.publish(pid, Signal(row.signal, row.payload, row.seq))
-            after = row.seq
-        if pid in self._tail:
-            self._tail[pid] = after
+        rows = await self.store.events(pid, after_seq=after)
+        logged = [Signal(row.signal, row.payload, row.seq) for row in rows]
+        self.relay.merge(pid, after, logged, lambda signal: hub.publish(pid, signal))
+        if rows and pid in self._tail:
+            self._tail[pid] = rows[-1].seq
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

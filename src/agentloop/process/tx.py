@@ -49,6 +49,7 @@ class _Live:
     remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
     spending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one nested call counted at a time
     asking: set[asyncio.Event] = field(default_factory=set)  # nested calls awaiting a person: set on wake
+    seq: int = 0  # the last signal this worker logged for the process (what relayed deltas follow)
 
 
 class _Tx:
@@ -119,6 +120,7 @@ class _Tx:
             publish, pid = self.engine.hub.publish, live.record.pid
             for s in self.signals:
                 publish(pid, s)
+            live.seq = self.signals[-1].seq or live.seq
         if live.record.current_run is None:
             live.idle.set()
 

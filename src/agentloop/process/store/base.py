@@ -198,6 +198,8 @@ class DutyLease:
 
 Settled: TypeAlias = Callable[[BaseException | None], None]
 Notified: TypeAlias = Callable[[str, str], None]  # (pid, sender): a process changed on some worker
+# (pid, sender, base seq, payloads): live progress signals another worker relayed (see process/relay.py)
+Relayed: TypeAlias = Callable[[str, str, int, list[dict[str, Any]]], None]
 
 
 class Transaction(ABC):
@@ -478,9 +480,16 @@ class Store(ABC):
         A store one worker has to itself has nobody to tell."""
         return None
 
-    async def listen(self, notified: Notified) -> Callable[[], Awaitable[None]] | None:
-        """Call ``notified`` for every ``notify`` of any worker (this one's too); returns how to
-        stop listening, or None when the store has no cross-worker channel."""
+    async def listen(self, notified: Notified, relayed: Relayed | None = None) -> Callable[[], Awaitable[None]] | None:
+        """Call ``notified`` for every ``notify`` of any worker (this one's too), and ``relayed``
+        for every ``relay``; returns how to stop listening, or None when the store has no
+        cross-worker channel."""
+        return None
+
+    async def relay(self, sender: str, pid: str, base: int, payloads: list[dict[str, Any]]) -> None:
+        """Send live progress signals of ``pid`` to the other workers now (outside any
+        transaction; best-effort: nothing is stored). Nobody to send them to on a store one
+        worker has to itself."""
         return None
 
     # -- accounts and tokens --------------------------------------------------------------------

@@ -60,6 +60,7 @@ from agentloop.process.store.base import (
     ProcessRecord,
     QueueItem,
     QueueKind,
+    Relayed,
     ScheduleRow,
     SegmentRow,
     Settled,
@@ -139,6 +140,8 @@ _DELETE_PROCESS = (
 # still agree on when a lease has expired.
 _NOW = "extract(epoch from clock_timestamp())::double precision"
 CHANNEL = "agentloop"  # the LISTEN/NOTIFY channel; a payload is "<pid> <sender>"
+LIVE_CHANNEL = "agentloop_live"  # relayed progress: {"pid", "sender", "base", "signals": [...]}
+_NOTIFY_MAX = 7900  # bytes of one NOTIFY payload (PostgreSQL refuses 8000 and more)
 _CLAIM = f"""
 INSERT INTO process_leases (pid, owner, epoch, expires) VALUES ($1, $2, 1, {_NOW} + $3)
 ON CONFLICT (pid) DO UPDATE SET owner = excluded.owner, epoch = process_leases.epoch + 1, expires = excluded.expires
@@ -861,7 +864,7 @@ class PostgresStore(Store):
     async def notify(self, pid: str, sender: str) -> None:
         await self._write().execute("SELECT pg_notify($1, $2)", CHANNEL, f"{pid} {sender}")
 
-    async def listen(self, notified: Notified) -> Callable[[], Awaitable[None]] | None:
+    async def listen(self, notified: Notified, relayed: Relayed | None = None) -> Callable[[], Awaitable[None]] | None:
         """LISTEN on a connection of its own (not the pool's: a pooled connection is shared). A
         notification sent while the connection is down is lost, which the caller's polling covers."""
         try:
@@ -873,17 +876,58 @@ class PostgresStore(Store):
             pid, _, sender = payload.partition(" ")
             notified(pid, sender)
 
-        await conn.add_listener(CHANNEL, deliver)
+        def deliver_live(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            assert relayed is not None
+            try:
+                batch = json.loads(payload)
+                pid, sender, base, signals = batch["pid"], batch["sender"], int(batch["base"]), batch["signals"]
+            except (ValueError, TypeError, KeyError):  # not ours: another program on the channel
+                log.debug("ignored a malformed relay message")
+                return
+            if isinstance(signals, list):
+                relayed(str(pid), str(sender), base, [s for s in signals if isinstance(s, dict)])
+
+        listeners = [(CHANNEL, deliver)] + ([(LIVE_CHANNEL, deliver_live)] if relayed is not None else [])
+        for channel, callback in listeners:
+            await conn.add_listener(channel, callback)
 
         async def stop() -> None:
-            with contextlib.suppress(Exception):
-                await conn.remove_listener(CHANNEL, deliver)
+            for channel, callback in listeners:
+                with contextlib.suppress(Exception):
+                    await conn.remove_listener(channel, callback)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5)
             if not conn.is_closed():
                 conn.terminate()
 
         return stop
+
+    async def relay(self, sender: str, pid: str, base: int, payloads: list[dict[str, Any]]) -> None:
+        """One NOTIFY per batch that fits the payload limit; a single signal too large to fit is
+        left out (it is only progress: the logged ``proc.run.output`` carries the whole text)."""
+        head = dumps({"pid": pid, "sender": sender, "base": base, "signals": []})[:-2]  # up to '['
+        chunk: list[str] = []
+        size = len(head.encode()) + 2
+        for payload in payloads:
+            item = dumps(payload)
+            grows = len(item.encode()) + (1 if chunk else 0)
+            if size + grows > _NOTIFY_MAX and chunk:
+                await self._notify_live(head, chunk)
+                chunk, size = [], len(head.encode()) + 2
+                grows = len(item.encode())
+            if size + grows > _NOTIFY_MAX:
+                log.debug("process %s: a progress signal of %d bytes is too large to relay", pid, grows)
+                continue
+            chunk.append(item)
+            size += grows
+        if chunk:
+            await self._notify_live(head, chunk)
+
+    async def _notify_live(self, head: str, items: list[str]) -> None:
+        try:
+            await self.pool.execute("SELECT pg_notify($1, $2)", LIVE_CHANNEL, head + ",".join(items) + "]}")
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise self._error("cannot relay through", exc) from None
 
     # -- accounts and tokens --------------------------------------------------------------------
 

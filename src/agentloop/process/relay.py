@@ -1,0 +1,128 @@
+"""Live progress signals between workers on a shared store (DESIGN §6).
+
+``proc.run.stream`` deltas are never logged (see ``signals``), so a watcher on a worker that does
+not hold the process would see a run's answer only once it is complete. The holder therefore
+relays them: it collects a process's deltas and sends them every ``interval`` seconds (and before
+each commit that ends a model call) in one cross-worker message (NOTIFY on PostgreSQL).
+
+Each batch names the last logged signal its holder had committed when the deltas were made (its
+*base*), so a receiving worker places the batch right after that signal in what its watchers see:
+it first feeds them the log up to the base, and it drops a batch whose base is behind what they
+have already seen (the deltas of an answer whose ``proc.run.output`` they hold). Progress is
+best-effort, as on one worker: a lost or dropped batch costs only live text, never a logged signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from agentloop.process.signals import RUN_STREAM, Signal
+from agentloop.process.store import Store
+
+log = logging.getLogger("agentloop.relay")
+
+INTERVAL = 0.05  # seconds a delta waits at most before it is relayed
+
+Batch = tuple[int, list[dict[str, Any]]]  # (base seq, payloads of proc.run.stream signals)
+
+
+class Relay:
+    """One worker's side of the relay: the deltas it sends for the processes it holds, and the
+    batches it received for processes its watchers follow elsewhere."""
+
+    def __init__(self, store: Store, owner: str, *, interval: float = INTERVAL) -> None:
+        self.store = store
+        self.owner = owner
+        self.interval = interval
+        self._outbox: dict[str, list[Batch]] = {}
+        self._inbox: dict[str, list[Batch]] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self._sending = asyncio.Lock()  # one send at a time: a flush waits for one under way
+
+    # -- sending (the holder) -----------------------------------------------------------------
+
+    def send(self, pid: str, base: int, payload: dict[str, Any]) -> None:
+        """Relay one delta of ``pid``, made after the holder's committed signal ``base``."""
+        box = self._outbox.setdefault(pid, [])
+        if box and box[-1][0] == base:
+            box[-1][1].append(payload)
+        else:
+            box.append((base, [payload]))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later(), name="agentloop-relay")
+
+    async def flush(self, pid: str) -> None:
+        """Send what waits for ``pid`` now, and let a send under way finish: before a commit, so
+        its deltas arrive ahead of it."""
+        box = self._outbox.pop(pid, None)
+        async with self._sending:
+            if box:
+                await self._send(pid, box)
+
+    async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        self._outbox.clear()
+        self._inbox.clear()
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self.interval)
+        boxes, self._outbox = self._outbox, {}
+        async with self._sending:
+            for pid, box in boxes.items():
+                await self._send(pid, box)
+
+    async def _send(self, pid: str, box: list[Batch]) -> None:
+        try:
+            for base, payloads in box:
+                await self.store.relay(self.owner, pid, base, payloads)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # only progress: the run goes on, its watchers get the text logged
+            log.debug("process %s: deltas not relayed: %s", pid, exc)
+
+    # -- receiving (the other workers) ----------------------------------------------------------
+
+    def received(self, pid: str, sender: str, base: int, payloads: list[dict[str, Any]]) -> bool:
+        """Keep a batch from another worker; returns whether it is worth a look (not this
+        worker's own)."""
+        if sender == self.owner:
+            return False
+        self._inbox.setdefault(pid, []).append((base, payloads))
+        return True
+
+    def forget(self, pid: str) -> None:
+        self._inbox.pop(pid, None)
+
+    def merge(self, pid: str, after: int, rows: list[Signal], publish: Callable[[Signal], None]) -> None:
+        """Publish the log ``rows`` read after seq ``after`` with the batches received for ``pid``
+        in their place: a batch right after its base, none behind what was already published;
+        a batch based past the rows (its commit not read yet) waits for the next read."""
+        batches = self._inbox.pop(pid, [])
+        for row in rows:
+            assert row.seq is not None
+            while batches and batches[0][0] < row.seq:
+                _publish_batch(batches.pop(0), after, publish)
+            publish(row)
+            after = row.seq
+        waiting = []
+        for batch in batches:
+            if batch[0] > after:
+                waiting.append(batch)
+            else:
+                _publish_batch(batch, after, publish)
+        if waiting:
+            self._inbox.setdefault(pid, [])[:0] = waiting
+
+
+def _publish_batch(batch: Batch, after: int, publish: Callable[[Signal], None]) -> None:
+    base, payloads = batch
+    if base == after:  # else the watchers have seen signals after it: its deltas are stale
+        for payload in payloads:
+            publish(Signal(RUN_STREAM, payload))
