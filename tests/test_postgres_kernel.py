@@ -18,7 +18,7 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
-from agentloop.process.store import open_store
+from agentloop.process.store import ProcessRecord, StoreError, open_store
 from agentloop.process.store.postgres import PostgresStore
 from tests.process_support import echo, ran, slow
 
@@ -74,6 +74,28 @@ async def test_spawn_with_a_first_message_on_postgres(pg_url: str, tmp_path: Pat
         again = await proc.send("first", run_id="pg-first")
         await proc.wait_idle()
         assert again.run_id == "pg-first" and ran == ["first"]
+        assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["first"]
+
+
+async def test_a_retried_spawn_delivers_the_message_a_first_attempt_left_undelivered(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """On a shared store the process is stored before its first message is delivered: a retry
+    of a spawn that stopped in between delivers the message (once), instead of failing."""
+    ran.clear()
+    async with pg_kernel(pg_url, tmp_path, ScriptedModel(by_tool_results)) as k:
+        record = ProcessRecord(pid="half-made", owner="alice", run_as="alice", cwd=str(tmp_path))
+        await k.engine.create(record)  # the first attempt's first step, and no second
+        proc = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")
+        assert proc.started is not None and proc.started.run_id == "r-1"
+        again = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")
+        assert again.started == proc.started
+        await proc.wait_idle()
+        assert ran == ["first"]
+        for owner, run_id in [("bob", "r-1"), ("alice", "r-2")]:  # somebody else's, or another message
+            with pytest.raises(StoreError):
+                await k.spawn(owner=owner, pid="half-made", text="first", run_id=run_id)
+        assert ran == ["first"]
         assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["first"]
 
 

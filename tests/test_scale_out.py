@@ -167,6 +167,19 @@ async def test_a_follower_on_the_other_worker_sees_the_run(pg_url: str, tmp_path
         assert seen[0] == sig.RUN_STARTED and seen[-1] == sig.RUN_FINISHED and sig.RUN_OUTPUT in seen
 
 
+def spy(store: Any, method: str) -> list[Any]:
+    """The calls of ``store.method`` from now on (it still does its work)."""
+    calls: list[Any] = []
+    real = getattr(store, method)
+
+    async def recording(*args: Any) -> Any:
+        calls.append(args)
+        return await real(*args)
+
+    setattr(store, method, recording)
+    return calls
+
+
 class SlowText(ScriptedModel):
     """Streams its text a chunk every 30 ms, and notes when it made the last one."""
 
@@ -190,17 +203,22 @@ async def test_a_follower_on_the_other_worker_sees_the_answer_as_it_streams(pg_u
         first_delta: list[float] = []
 
         async def follow() -> None:
-            async for s in pb.signals(follow=True):
+            async for s in pb.signals(after_seq=await b.store.last_event_seq(pb.pid), follow=True):
                 seen.append(s)
                 if s.signal == sig.RUN_STREAM and not first_delta:
                     first_delta.append(time.monotonic())
                 if s.signal == sig.RUN_FINISHED:
                     return
 
+        relayed = spy(a.store, "relay")
+        await pa.send("alone")  # nobody follows it on B: nothing relayed
+        await pa.wait_idle()
+        assert relayed == []
         follower = asyncio.create_task(follow())
         await asyncio.sleep(0.1)
         await pa.send("go")  # runs on A, which relays its deltas to B
         await asyncio.wait_for(follower, 10)
+        assert relayed
         names = [s.signal for s in seen]
         streamed = [s for s in seen if s.signal == sig.RUN_STREAM]
         # the whole answer, live, in its place: after the run started, before its logged output
@@ -209,6 +227,38 @@ async def test_a_follower_on_the_other_worker_sees_the_answer_as_it_streams(pg_u
         assert len(names) - names[::-1].index(sig.RUN_STREAM) - 1 < names.index(sig.RUN_OUTPUT)
         assert all(s.seq is None and s.payload["runId"] == streamed[0].payload["runId"] for s in streamed)
         assert model.last_chunk is not None and first_delta[0] < model.last_chunk  # while A's model streamed
+
+
+async def test_deltas_keep_coming_after_input_forwarded_from_the_other_worker(pg_url: str, tmp_path: Path) -> None:
+    # B logs the steer's proc.changed into A's process: A's later deltas follow that signal
+    model = SlowText(lambda req: f"about {last_user(req)}: " + "lorem ipsum " * 12, chunk=4)
+    async with two(pg_url, tmp_path, model, []) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        seen: list[sig.Signal] = []
+        streaming = asyncio.Event()
+
+        async def follow() -> None:
+            async for s in pb.signals(follow=True):
+                seen.append(s)
+                if sum(x.signal == sig.RUN_STREAM for x in seen) == 3:
+                    streaming.set()
+                if s.signal == sig.RUN_FINISHED:
+                    return
+
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.1)
+        await pa.send("first")
+        await asyncio.wait_for(streaming.wait(), 10)
+        await pb.send("also this", mode="steer")  # through B, while A's model streams
+        await asyncio.wait_for(follower, 10)
+        steered = next(i for i, s in enumerate(seen) if s.signal == sig.CHANGED and "queue" in s.payload["changes"])
+        answered = next(i for i, s in enumerate(seen) if s.signal == sig.RUN_OUTPUT)
+        assert steered < answered
+        # the first answer's deltas after the steer still reach B, to the end of the answer (some
+        # made just as the steer was logged may be dropped: only progress)
+        text = "".join(s.payload["delta"] or "" for s in seen[steered:answered] if s.signal == sig.RUN_STREAM)
+        assert len(text) >= 8 and seen[answered].payload["text"].endswith(text[-8:])
 
 
 async def test_a_worker_whose_lease_was_taken_over_cannot_commit(pg_url: str, tmp_path: Path) -> None:
@@ -351,35 +401,50 @@ async def test_a_fenced_commit_and_a_forwarded_write_notify_the_other_workers(pg
         await b.close()
 
 
+class Heard:
+    """A LiveListener that keeps what it hears."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, str, int, list[dict[str, Any]]]] = []
+        self.follows: list[tuple[str, list[str]]] = []
+        self.got = asyncio.Event()
+
+    def relayed(self, sender: str, batches: list[tuple[str, int, list[dict[str, Any]]]]) -> None:
+        self.batches += [(sender, pid, base, payloads) for pid, base, payloads in batches]
+        self.got.set()
+
+    def followed(self, sender: str, pids: list[str]) -> None:
+        self.follows.append((sender, pids))
+        self.got.set()
+
+    async def until(self, done: Any) -> None:
+        async with asyncio.timeout(5):
+            while not done():
+                await self.got.wait()
+                self.got.clear()
+
+
 async def test_relayed_deltas_reach_the_other_workers_in_notifications_that_fit(pg_url: str) -> None:
     a, b = open_store(pg_url), open_store(pg_url)
     await a.open()
     await b.open()
-    heard: list[tuple[str, str, int, list[dict[str, Any]]]] = []
-    got = asyncio.Event()
-
-    def relayed(pid: str, sender: str, base: int, payloads: list[dict[str, Any]]) -> None:
-        heard.append((pid, sender, base, payloads))
-        got.set()
-
-    stop = await b.listen(lambda pid, sender: None, relayed)
+    heard = Heard()
+    stop = await b.listen(lambda pid, sender: None, heard)
     assert stop is not None
     try:
-        deltas = [{"event": "text_delta", "delta": f"{i:04d}" + "x" * 996} for i in range(20)]  # 20 kB in all
+        # 20 deltas of 2 kB each (two bytes a character): only the byte count keeps them under the limit
+        deltas = [{"event": "text_delta", "delta": f"{i:04d}" + "é" * 998} for i in range(20)]
         too_big = {"event": "text_delta", "delta": "y" * 9000}  # more than one notification holds
-        await a.relay("A", "p1", 7, [deltas[0], too_big, *deltas[1:]])
-        async with asyncio.timeout(5):
-            while sum(len(p) for *_, p in heard) < len(deltas):
-                await got.wait()
-                got.clear()
-        assert len(heard) > 1 and {(pid, sender, base) for pid, sender, base, _ in heard} == {("p1", "A", 7)}
-        assert [d for *_, payloads in heard for d in payloads] == deltas  # in order; the oversized one left out
+        await a.relay("A", [("p1", 7, deltas[:5]), ("p2", 3, [too_big, *deltas[5:]])])
+        await heard.until(lambda: sum(len(p) for *_, p in heard.batches) >= len(deltas))
+        assert len(heard.batches) > 2  # split between notifications
+        assert {(sender, pid, base) for sender, pid, base, _ in heard.batches} == {("A", "p1", 7), ("A", "p2", 3)}
+        assert [d for *_, payloads in heard.batches for d in payloads] == deltas  # in order; the oversized one left out
         await b.pool.execute("SELECT pg_notify('agentloop_live', 'not json')")  # ignored, not a crash
-        await a.relay("A", "p2", 1, [deltas[0]])
-        async with asyncio.timeout(5):
-            while heard[-1][0] != "p2":
-                await got.wait()
-                got.clear()
+        await a.follow_live("A", [f"pid-{i}" for i in range(1000)])  # 22 kB of pids: several notifications
+        await heard.until(lambda: sum(len(pids) for _, pids in heard.follows) >= 1000)
+        assert [pid for _, pids in heard.follows for pid in pids] == [f"pid-{i}" for i in range(1000)]
+        assert len(heard.follows) > 1 and {sender for sender, _ in heard.follows} == {"A"}
     finally:
         await stop()
         await a.close()

@@ -451,6 +451,8 @@ class Kernel:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt
             existing = await self.store.get_process(record.pid)
             seen = await admission.admitted(self.engine, record.pid, run_id) if existing and run_id else None
+            if seen is None and run_id and await self._left_empty(existing, owner):
+                seen = await self.engine.send(record.pid, first, run_id=run_id)  # (once: by its run id)
             if existing is None or existing.owner != owner or seen is None:
                 if fresh and existing is None:
                     self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
@@ -461,6 +463,14 @@ class Kernel:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
+
+    async def _left_empty(self, record: ProcessRecord | None, owner: str) -> bool:
+        """Whether ``record`` is ``owner``'s process as a spawn on a shared store left it when it
+        stopped between storing the process and delivering its first message (a second step
+        there): a retry then delivers the message."""
+        if record is None or record.owner != owner or self.engine.leases is None:
+            return False
+        return not await self.store.history(record.pid, limit=1)
 
     async def process(self, pid: str) -> Process:
         if await self.store.get_process(pid) is None:

@@ -136,12 +136,13 @@ class ProcessEngine:
             return remote
         history = [m.message for m in await self.store.history(pid)]
         queued = len(await self.store.queue(pid))
+        seq = await self.store.last_event_seq(pid) if self.leases is not None else 0  # (see relay.py)
         raced = self._live.get(pid)
         if raced is not None:  # loaded by another task meanwhile: one cache (and driver) per process
             return raced
         if self.leases is not None and pid not in self.leases.held:  # let go of meanwhile
             return await self.live(pid)
-        live = self._live[pid] = _Live(record, history, queued=queued)
+        live = self._live[pid] = _Live(record, history, queued=queued, seq=seq)
         live.media = any(_has_media(m) for m in history)
         live.approvals = record.current_run is not None  # decisions made before a restart may be stored
         if record.current_run is None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -46,9 +47,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.process.keylock import KeyedLocks
-from agentloop.process.relay import Relay
+from agentloop.process.relay import Relay, publish_batch
 from agentloop.process.signals import Signal
-from agentloop.process.store import NoSuchProcess, StoreError
+from agentloop.process.store import NoSuchProcess, RelayBatch, StoreError
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -121,14 +122,14 @@ class Leases:
         self._loop: asyncio.Task[None] | None = None
         self._unlisten: Any = None
         self._background: set[asyncio.Task[Any]] = set()
-        self.relay = Relay(self.store, self.owner)  # stream deltas to and from the other workers
+        self.relay = Relay(self.store, self.owner, interest_ttl=3 * poll)  # stream deltas between workers
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> list[str]:
         """Listen, claim the orphans (a dead worker's runs, this one's from before a restart),
         and start the loop; returns the pids resumed."""
-        self._unlisten = await self.store.listen(self._notified, self._relayed)
+        self._unlisten = await self.store.listen(self._notified, self)
         resumed = await self.sweep(reclaim=True)  # (this name's leases from before a restart too)
         self._loop = asyncio.get_running_loop().create_task(self._run(), name="agentloop-leases")
         return resumed
@@ -188,6 +189,7 @@ class Leases:
         if pid in self._tail:
             await self._publish_log(pid)  # what the previous holder logged, before this one's steps
             self._tail.pop(pid, None)
+            self.relay.forget(pid)
         record = await self.store.get_process(pid)
         if record is None:
             self.held.pop(pid, None)
@@ -276,8 +278,11 @@ class Leases:
 
     def follow(self, pid: str, after_seq: int) -> None:
         """A watcher of ``pid`` has read its log up to ``after_seq``: signals after that reach it
-        from this worker's log reads while another worker holds the process."""
+        from this worker's log reads while another worker holds the process (and its deltas
+        from the holder, told that someone here follows it)."""
         if pid not in self.held:
+            if pid not in self._tail:
+                self._spawn(self.relay.announce([pid]))
             self._tail[pid] = min(self._tail.get(pid, after_seq), after_seq)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -288,10 +293,26 @@ class Leases:
         self._changed.add(pid)
         self._wake.set()
 
-    def _relayed(self, pid: str, sender: str, base: int, payloads: list[dict[str, Any]]) -> None:
-        if pid in self._tail and self.relay.received(pid, sender, base, payloads):
-            self._changed.add(pid)
-            self._wake.set()
+    # -- relayed deltas (see relay.py) -----------------------------------------------------------
+
+    def relayed(self, sender: str, batches: list[RelayBatch]) -> None:
+        """Another worker's deltas: straight to the watchers when they follow right after what
+        these have seen, else placed once the log is read up to them."""
+        if sender == self.owner:
+            return
+        for pid, base, payloads in batches:
+            tail = self._tail.get(pid)
+            if tail is None:
+                continue  # nobody here follows it (any more)
+            if base == tail and not self.relay.waiting(pid):
+                publish_batch((base, payloads), tail, functools.partial(self.engine.hub.publish, pid))
+            else:
+                self.relay.received(pid, base, payloads)
+                self._changed.add(pid)
+                self._wake.set()
+
+    def followed(self, sender: str, pids: list[str]) -> None:
+        self.relay.followed(sender, pids)
 
     async def _run(self) -> None:
         renew_every = self.ttl / 3
@@ -316,6 +337,8 @@ class Leases:
                     await self.sweep()
                     for pid in [*self.held, *self._tail]:
                         await self._look(pid)
+                    if self._tail:  # (kept alive while the watchers last)
+                        await self.relay.announce(list(self._tail))
             except asyncio.CancelledError:
                 raise
             except Exception:  # (the database is away) the next round tries again
@@ -346,9 +369,11 @@ class Leases:
             if run is not None and run["run_id"] == request.get("run_id"):
                 self._spawn(engine.abort(pid, run["run_id"], reason=str(request.get("reason", "user"))))
         queued = len(await self.store.queue(pid))
+        logged = await self.store.last_event_seq(pid)  # forwarded signals too: relayed deltas follow them
         if engine.cached(pid) is not live:
             return  # let go of (or reloaded) meanwhile
         live.queued = queued
+        live.seq = max(live.seq, logged)
         live.approvals = True  # a decision may have been stored elsewhere
         if live.record.current_run is None:
             if live.queued:
@@ -368,7 +393,7 @@ class Leases:
         after = self._tail.get(pid, 0)
         rows = await self.store.events(pid, after_seq=after)
         logged = [Signal(row.signal, row.payload, row.seq) for row in rows]
-        self.relay.merge(pid, after, logged, lambda signal: hub.publish(pid, signal))
+        self.relay.merge(pid, after, logged, functools.partial(hub.publish, pid))
         if rows and pid in self._tail:
             self._tail[pid] = rows[-1].seq
 

@@ -2,8 +2,13 @@
 
 ``proc.run.stream`` deltas are never logged (see ``signals``), so a watcher on a worker that does
 not hold the process would see a run's answer only once it is complete. The holder therefore
-relays them: it collects a process's deltas and sends them every ``interval`` seconds (and before
-each commit that ends a model call) in one cross-worker message (NOTIFY on PostgreSQL).
+relays them: it collects the deltas of its processes and sends them every ``interval`` seconds
+(and a process's own before each commit that ends one of its model calls) in one cross-worker
+message (NOTIFY on PostgreSQL) for all of them.
+
+Only processes somebody follows elsewhere are relayed: a worker whose watchers follow a process
+held elsewhere says so (``announce``) when the first one starts and again every poll, and a
+holder relays a process while such an announcement is younger than ``interest_ttl``.
 
 Each batch names the last logged signal its holder had committed when the deltas were made (its
 *base*), so a receiving worker places the batch right after that signal in what its watchers see:
@@ -17,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from agentloop.process.signals import RUN_STREAM, Signal
-from agentloop.process.store import Store
+from agentloop.process.store import RelayBatch, Store
 
 log = logging.getLogger("agentloop.relay")
 
@@ -34,10 +40,12 @@ class Relay:
     """One worker's side of the relay: the deltas it sends for the processes it holds, and the
     batches it received for processes its watchers follow elsewhere."""
 
-    def __init__(self, store: Store, owner: str, *, interval: float = INTERVAL) -> None:
+    def __init__(self, store: Store, owner: str, *, interest_ttl: float, interval: float = INTERVAL) -> None:
         self.store = store
         self.owner = owner
         self.interval = interval
+        self.interest_ttl = interest_ttl
+        self._wanted: dict[str, float] = {}  # pid -> until when (monotonic) another worker follows it
         self._outbox: dict[str, list[Batch]] = {}
         self._inbox: dict[str, list[Batch]] = {}
         self._flusher: asyncio.Task[None] | None = None
@@ -45,15 +53,31 @@ class Relay:
 
     # -- sending (the holder) -----------------------------------------------------------------
 
+    def wanted(self, pid: str) -> bool:
+        """Whether a watcher on another worker follows ``pid``."""
+        until = self._wanted.get(pid)
+        return until is not None and until > time.monotonic()
+
+    def followed(self, sender: str, pids: list[str]) -> None:
+        """Another worker announced the processes its watchers follow."""
+        if sender == self.owner:
+            return
+        now = time.monotonic()
+        self._wanted = {pid: until for pid, until in self._wanted.items() if until > now}
+        for pid in pids:
+            self._wanted[pid] = now + self.interest_ttl
+
     def send(self, pid: str, base: int, payload: dict[str, Any]) -> None:
-        """Relay one delta of ``pid``, made after the holder's committed signal ``base``."""
+        """Relay one delta of ``pid``, made after the holder's committed signal ``base``, if
+        anyone elsewhere follows the process."""
+        if not self.wanted(pid):
+            return
         box = self._outbox.setdefault(pid, [])
         if box and box[-1][0] == base:
             box[-1][1].append(payload)
         else:
             box.append((base, [payload]))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_later(), name="agentloop-relay")
+        self._arm()
 
     async def flush(self, pid: str) -> None:
         """Send what waits for ``pid`` now, and let a send under way finish: before a commit, so
@@ -61,7 +85,7 @@ class Relay:
         box = self._outbox.pop(pid, None)
         async with self._sending:
             if box:
-                await self._send(pid, box)
+                await self._send([(pid, base, payloads) for base, payloads in box])
 
     async def stop(self) -> None:
         if self._flusher is not None:
@@ -71,31 +95,42 @@ class Relay:
         self._outbox.clear()
         self._inbox.clear()
 
+    def _arm(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later(), name="agentloop-relay")
+
     async def _flush_later(self) -> None:
         await asyncio.sleep(self.interval)
         boxes, self._outbox = self._outbox, {}
         async with self._sending:
-            for pid, box in boxes.items():
-                await self._send(pid, box)
+            await self._send([(pid, base, payloads) for pid, box in boxes.items() for base, payloads in box])
+        if self._outbox:  # deltas made while this send was under way
+            self._flusher = None
+            self._arm()
 
-    async def _send(self, pid: str, box: list[Batch]) -> None:
+    async def _send(self, batches: list[RelayBatch]) -> None:
         try:
-            for base, payloads in box:
-                await self.store.relay(self.owner, pid, base, payloads)
+            await self.store.relay(self.owner, batches)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # only progress: the run goes on, its watchers get the text logged
-            log.debug("process %s: deltas not relayed: %s", pid, exc)
+        except Exception as exc:  # only progress: the runs go on, their watchers get the text logged
+            log.debug("deltas not relayed: %s", exc)
 
     # -- receiving (the other workers) ----------------------------------------------------------
 
-    def received(self, pid: str, sender: str, base: int, payloads: list[dict[str, Any]]) -> bool:
-        """Keep a batch from another worker; returns whether it is worth a look (not this
-        worker's own)."""
-        if sender == self.owner:
-            return False
+    async def announce(self, pids: list[str]) -> None:
+        """Tell the other workers this one's watchers follow ``pids`` (best-effort, repeated)."""
+        try:
+            await self.store.follow_live(self.owner, pids)
+        except Exception as exc:
+            log.debug("interest in %d processes not announced: %s", len(pids), exc)
+
+    def received(self, pid: str, base: int, payloads: list[dict[str, Any]]) -> None:
+        """Keep a batch from another worker until the log is read up to its place."""
         self._inbox.setdefault(pid, []).append((base, payloads))
-        return True
+
+    def waiting(self, pid: str) -> bool:
+        return pid in self._inbox
 
     def forget(self, pid: str) -> None:
         self._inbox.pop(pid, None)
@@ -108,7 +143,7 @@ class Relay:
         for row in rows:
             assert row.seq is not None
             while batches and batches[0][0] < row.seq:
-                _publish_batch(batches.pop(0), after, publish)
+                publish_batch(batches.pop(0), after, publish)
             publish(row)
             after = row.seq
         waiting = []
@@ -116,13 +151,15 @@ class Relay:
             if batch[0] > after:
                 waiting.append(batch)
             else:
-                _publish_batch(batch, after, publish)
+                publish_batch(batch, after, publish)
         if waiting:
             self._inbox.setdefault(pid, [])[:0] = waiting
 
 
-def _publish_batch(batch: Batch, after: int, publish: Callable[[Signal], None]) -> None:
+def publish_batch(batch: Batch, after: int, publish: Callable[[Signal], None]) -> None:
+    """Publish a relayed batch to watchers who have seen the log up to ``after``: only if it was
+    made right after that (else they have seen signals after it, and its deltas are stale)."""
     base, payloads = batch
-    if base == after:  # else the watchers have seen signals after it: its deltas are stale
+    if base == after:
         for payload in payloads:
             publish(Signal(RUN_STREAM, payload))

@@ -49,7 +49,7 @@ class _Live:
     remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
     spending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one nested call counted at a time
     asking: set[asyncio.Event] = field(default_factory=set)  # nested calls awaiting a person: set on wake
-    seq: int = 0  # the last signal this worker logged for the process (what relayed deltas follow)
+    seq: int = 0  # the last logged signal of the process this worker knows of (what relayed deltas follow)
 
 
 class _Tx:

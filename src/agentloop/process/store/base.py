@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 from agentloop.messages import Message
 
@@ -198,8 +198,15 @@ class DutyLease:
 
 Settled: TypeAlias = Callable[[BaseException | None], None]
 Notified: TypeAlias = Callable[[str, str], None]  # (pid, sender): a process changed on some worker
-# (pid, sender, base seq, payloads): live progress signals another worker relayed (see process/relay.py)
-Relayed: TypeAlias = Callable[[str, str, int, list[dict[str, Any]]], None]
+RelayBatch: TypeAlias = tuple[str, int, list[dict[str, Any]]]  # (pid, base seq, payloads): see process/relay.py
+
+
+class LiveListener(Protocol):
+    """Who hears the relayed progress signals of the other workers (see process/relay.py)."""
+
+    def relayed(self, sender: str, batches: list[RelayBatch]) -> None: ...
+
+    def followed(self, sender: str, pids: list[str]) -> None: ...
 
 
 class Transaction(ABC):
@@ -480,16 +487,22 @@ class Store(ABC):
         A store one worker has to itself has nobody to tell."""
         return None
 
-    async def listen(self, notified: Notified, relayed: Relayed | None = None) -> Callable[[], Awaitable[None]] | None:
-        """Call ``notified`` for every ``notify`` of any worker (this one's too), and ``relayed``
-        for every ``relay``; returns how to stop listening, or None when the store has no
-        cross-worker channel."""
+    async def listen(
+        self, notified: Notified, live: LiveListener | None = None
+    ) -> Callable[[], Awaitable[None]] | None:
+        """Call ``notified`` for every ``notify`` of any worker (this one's too), and ``live``
+        for every ``relay`` and ``follow_live``; returns how to stop listening, or None when the
+        store has no cross-worker channel."""
         return None
 
-    async def relay(self, sender: str, pid: str, base: int, payloads: list[dict[str, Any]]) -> None:
-        """Send live progress signals of ``pid`` to the other workers now (outside any
-        transaction; best-effort: nothing is stored). Nobody to send them to on a store one
-        worker has to itself."""
+    async def relay(self, sender: str, batches: list[RelayBatch]) -> None:
+        """Send live progress signals to the other workers now (outside any transaction;
+        best-effort: nothing is stored). Nobody to send them to on a store one worker has to
+        itself."""
+        return None
+
+    async def follow_live(self, sender: str, pids: list[str]) -> None:
+        """Tell the other workers that ``sender``'s watchers follow ``pids`` (as ``relay``)."""
         return None
 
     # -- accounts and tokens --------------------------------------------------------------------

@@ -55,12 +55,13 @@ from agentloop.process.store.base import (
     EventRow,
     HilRow,
     Lease,
+    LiveListener,
     NoSuchProcess,
     Notified,
     ProcessRecord,
     QueueItem,
     QueueKind,
-    Relayed,
+    RelayBatch,
     ScheduleRow,
     SegmentRow,
     Settled,
@@ -140,7 +141,9 @@ _DELETE_PROCESS = (
 # still agree on when a lease has expired.
 _NOW = "extract(epoch from clock_timestamp())::double precision"
 CHANNEL = "agentloop"  # the LISTEN/NOTIFY channel; a payload is "<pid> <sender>"
-LIVE_CHANNEL = "agentloop_live"  # relayed progress: {"pid", "sender", "base", "signals": [...]}
+# relayed progress (process/relay.py): {"sender", "batches": [[pid, base, [payload, ...]], ...]}
+# or {"sender", "follow": [pid, ...]}
+LIVE_CHANNEL = "agentloop_live"
 _NOTIFY_MAX = 7900  # bytes of one NOTIFY payload (PostgreSQL refuses 8000 and more)
 _CLAIM = f"""
 INSERT INTO process_leases (pid, owner, epoch, expires) VALUES ($1, $2, 1, {_NOW} + $3)
@@ -174,6 +177,56 @@ ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires = excluded.expi
 WHERE duties.owner IS NULL OR duties.expires < {_NOW} OR duties.owner = excluded.owner
 RETURNING epoch
 """
+
+
+def pack_relay(sender: str, batches: list[RelayBatch], limit: int = _NOTIFY_MAX) -> list[str]:
+    """The NOTIFY payloads that carry ``batches`` (see ``LIVE_CHANNEL``), each at most ``limit``
+    bytes: as few as fit, a batch split between two where needed. A signal too large to fit in
+    one alone is left out (it is only progress: the logged ``proc.run.output`` has the text)."""
+    head = f'{{"sender":{dumps(sender)},"batches":['
+    empty = len(head.encode()) + 2  # with its closing "]}"
+    payloads: list[str] = []
+    entries: list[str] = []
+    used = empty
+    for pid, base, signals in batches:
+        prefix = f"[{dumps(pid)},{int(base)},["
+        items: list[str] = []
+        for signal in signals:
+            item = dumps(signal)
+            if empty + len(prefix.encode()) + 2 + len(item.encode()) > limit:
+                log.debug("process %s: a progress signal of %d bytes is too large to relay", pid, len(item))
+                continue
+            # an entry's first item brings the entry's frame ('[pid,base,[' ... ']]', a comma before it)
+            frame = 0 if items else len(prefix.encode()) + 2 + (1 if entries else 0)
+            size = len(item.encode()) + (1 if items else 0)
+            if used + frame + size > limit:  # this payload is full: the next one goes on
+                if items:
+                    entries.append(prefix + ",".join(items) + "]]")
+                payloads.append(head + ",".join(entries) + "]}")
+                entries, items, used = [], [], empty
+                frame, size = len(prefix.encode()) + 2, len(item.encode())
+            items.append(item)
+            used += frame + size
+        if items:
+            entries.append(prefix + ",".join(items) + "]]")
+    if entries:
+        payloads.append(head + ",".join(entries) + "]}")
+    return payloads
+
+
+def _fill(used: int, items: list[str], limit: int = _NOTIFY_MAX) -> list[list[str]]:
+    """``items`` in groups whose comma-joined bytes fit in ``limit`` after ``used`` bytes."""
+    groups: list[list[str]] = [[]]
+    size = used
+    for item in items:
+        n = len(item.encode()) + (1 if groups[-1] else 0)
+        if size + n > limit and groups[-1]:
+            groups.append([])
+            size, n = used, len(item.encode())
+        if size + n <= limit:
+            groups[-1].append(item)
+            size += n
+    return [group for group in groups if group]
 
 
 def _changed(status: str) -> int:
@@ -864,7 +917,9 @@ class PostgresStore(Store):
     async def notify(self, pid: str, sender: str) -> None:
         await self._write().execute("SELECT pg_notify($1, $2)", CHANNEL, f"{pid} {sender}")
 
-    async def listen(self, notified: Notified, relayed: Relayed | None = None) -> Callable[[], Awaitable[None]] | None:
+    async def listen(
+        self, notified: Notified, live: LiveListener | None = None
+    ) -> Callable[[], Awaitable[None]] | None:
         """LISTEN on a connection of its own (not the pool's: a pooled connection is shared). A
         notification sent while the connection is down is lost, which the caller's polling covers."""
         try:
@@ -877,17 +932,21 @@ class PostgresStore(Store):
             notified(pid, sender)
 
         def deliver_live(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
-            assert relayed is not None
+            assert live is not None
             try:
-                batch = json.loads(payload)
-                pid, sender, base, signals = batch["pid"], batch["sender"], int(batch["base"]), batch["signals"]
+                message = json.loads(payload)
+                sender = str(message["sender"])
+                if "follow" in message:
+                    live.followed(sender, [str(pid) for pid in message["follow"]])
+                else:
+                    live.relayed(
+                        sender,
+                        [(str(p), int(b), [x for x in xs if isinstance(x, dict)]) for p, b, xs in message["batches"]],
+                    )
             except (ValueError, TypeError, KeyError):  # not ours: another program on the channel
-                log.debug("ignored a malformed relay message")
-                return
-            if isinstance(signals, list):
-                relayed(str(pid), str(sender), base, [s for s in signals if isinstance(s, dict)])
+                log.debug("ignored a malformed message on %s", LIVE_CHANNEL)
 
-        listeners = [(CHANNEL, deliver)] + ([(LIVE_CHANNEL, deliver_live)] if relayed is not None else [])
+        listeners = [(CHANNEL, deliver)] + ([(LIVE_CHANNEL, deliver_live)] if live is not None else [])
         for channel, callback in listeners:
             await conn.add_listener(channel, callback)
 
@@ -902,30 +961,18 @@ class PostgresStore(Store):
 
         return stop
 
-    async def relay(self, sender: str, pid: str, base: int, payloads: list[dict[str, Any]]) -> None:
-        """One NOTIFY per batch that fits the payload limit; a single signal too large to fit is
-        left out (it is only progress: the logged ``proc.run.output`` carries the whole text)."""
-        head = dumps({"pid": pid, "sender": sender, "base": base, "signals": []})[:-2]  # up to '['
-        chunk: list[str] = []
-        size = len(head.encode()) + 2
-        for payload in payloads:
-            item = dumps(payload)
-            grows = len(item.encode()) + (1 if chunk else 0)
-            if size + grows > _NOTIFY_MAX and chunk:
-                await self._notify_live(head, chunk)
-                chunk, size = [], len(head.encode()) + 2
-                grows = len(item.encode())
-            if size + grows > _NOTIFY_MAX:
-                log.debug("process %s: a progress signal of %d bytes is too large to relay", pid, grows)
-                continue
-            chunk.append(item)
-            size += grows
-        if chunk:
-            await self._notify_live(head, chunk)
+    async def relay(self, sender: str, batches: list[RelayBatch]) -> None:
+        for payload in pack_relay(sender, batches):
+            await self._notify_live(payload)
 
-    async def _notify_live(self, head: str, items: list[str]) -> None:
+    async def follow_live(self, sender: str, pids: list[str]) -> None:
+        head = f'{{"sender":{dumps(sender)},"follow":['
+        for items in _fill(len(head.encode()) + 2, [dumps(pid) for pid in pids]):
+            await self._notify_live(head + ",".join(items) + "]}")
+
+    async def _notify_live(self, payload: str) -> None:
         try:
-            await self.pool.execute("SELECT pg_notify($1, $2)", LIVE_CHANNEL, head + ",".join(items) + "]}")
+            await self.pool.execute("SELECT pg_notify($1, $2)", LIVE_CHANNEL, payload)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             raise self._error("cannot relay through", exc) from None
 
