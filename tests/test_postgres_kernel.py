@@ -16,6 +16,7 @@ pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agent
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
+from agentloop.kernel.kernel import SPAWN_KEY
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process.store import ProcessRecord, StoreError, open_store
@@ -85,7 +86,7 @@ async def test_a_retried_spawn_delivers_the_message_a_first_attempt_left_undeliv
     ran.clear()
     async with pg_kernel(pg_url, tmp_path, ScriptedModel(by_tool_results)) as k:
         record = ProcessRecord(pid="half-made", owner="alice", run_as="alice", cwd=str(tmp_path))
-        await k.engine.create(record)  # the first attempt's first step, and no second
+        await k.engine.create(record, {SPAWN_KEY: "r-1"})  # the first attempt's first step, and no second
         proc = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")
         assert proc.started is not None and proc.started.run_id == "r-1"
         again = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")
@@ -97,6 +98,16 @@ async def test_a_retried_spawn_delivers_the_message_a_first_attempt_left_undeliv
                 await k.spawn(owner=owner, pid="half-made", text="first", run_id=run_id)
         assert ran == ["first"]
         assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["first"]
+        # a process that no spawn of that run id left empty is still a clash: made without a
+        # message, or emptied by a reset
+        await k.spawn(owner="alice", pid="made-empty")
+        await proc.reset()
+        for pid, run_id in [("made-empty", "r-3"), ("half-made", "r-4")]:
+            with pytest.raises(StoreError):
+                await k.spawn(owner="alice", pid=pid, text="again", run_id=run_id)
+        late = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")  # the first's receipt
+        assert late.started == proc.started and await proc.messages() == []
+        assert ran == ["first"]
 
 
 async def test_steer_and_queue_on_postgres(pg_url: str, tmp_path: Path) -> None:

@@ -229,6 +229,36 @@ async def test_a_follower_on_the_other_worker_sees_the_answer_as_it_streams(pg_u
         assert model.last_chunk is not None and first_delta[0] < model.last_chunk  # while A's model streamed
 
 
+async def test_a_watcher_keeps_the_live_text_when_its_worker_lets_the_process_go(pg_url: str, tmp_path: Path) -> None:
+    model = SlowText(lambda req: f"about {last_user(req)}", chunk=2)
+    # polls far apart: A's watcher is announced when A lets go, not at a poll that happens to come
+    async with two(pg_url, tmp_path, model, [], poll_interval=30.0) as (a, b):
+        pa = await a.spawn(owner="alice")
+        seen: list[sig.Signal] = []
+        finished = asyncio.Event()
+
+        async def follow() -> None:  # on A, which runs the first message and then lets go
+            async for s in pa.signals(follow=True):
+                seen.append(s)
+                if s.signal == sig.RUN_FINISHED:
+                    finished.set()
+
+        await pa.send("first")  # A claims the process to run it
+        assert await holder(pg_url, pa.pid) == "A"
+        follower = asyncio.create_task(follow())  # a watcher on the holder: nothing to announce yet
+        await asyncio.wait_for(finished.wait(), 10)
+        async with asyncio.timeout(5):  # A lets go of the idle process
+            while await holder(pg_url, pa.pid) == "A":
+                await asyncio.sleep(0.05)
+        finished.clear()
+        await (await b.process(pa.pid)).send("second")  # B claims it and runs this one
+        await asyncio.wait_for(finished.wait(), 10)
+        follower.cancel()
+        second = seen[max(i for i, s in enumerate(seen) if s.signal == sig.RUN_STARTED) :]
+        text = "".join(s.payload["delta"] or "" for s in second if s.signal == sig.RUN_STREAM)
+        assert text == "about second"  # relayed by B to A's watcher
+
+
 async def test_deltas_keep_coming_after_input_forwarded_from_the_other_worker(pg_url: str, tmp_path: Path) -> None:
     # B logs the steer's proc.changed into A's process: A's later deltas follow that signal
     model = SlowText(lambda req: f"about {last_user(req)}: " + "lorem ipsum " * 12, chunk=4)

@@ -71,6 +71,7 @@ from agentloop.tools.builtin import builtin_tools
 log = logging.getLogger("agentloop.kernel")
 
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
+SPAWN_KEY = "spawn:run_id"  # a process's kv row: the run id of the spawn that made it (shared stores)
 
 
 def _kernel_files(store: Store, data: Path) -> list[Path]:
@@ -442,6 +443,8 @@ class Kernel:
             await self.engine.create(record, kv)
             return Process(self, record.pid)
         _check_input(text, media, run_id)
+        if run_id is not None and self.engine.leases is not None:  # (see _left_empty)
+            kv = {**(kv or {}), SPAWN_KEY: run_id}
         # whether this call makes the media folder (one already there holds files of someone else too)
         fresh = bool(media) and not self.media.process_dir(owner, record.pid).exists()
         try:
@@ -451,7 +454,7 @@ class Kernel:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt
             existing = await self.store.get_process(record.pid)
             seen = await admission.admitted(self.engine, record.pid, run_id) if existing and run_id else None
-            if seen is None and run_id and await self._left_empty(existing, owner):
+            if seen is None and run_id and await self._left_empty(existing, owner, run_id):
                 seen = await self.engine.send(record.pid, first, run_id=run_id)  # (once: by its run id)
             if existing is None or existing.owner != owner or seen is None:
                 if fresh and existing is None:
@@ -464,13 +467,14 @@ class Kernel:
             raise
         return Process(self, record.pid, started)
 
-    async def _left_empty(self, record: ProcessRecord | None, owner: str) -> bool:
-        """Whether ``record`` is ``owner``'s process as a spawn on a shared store left it when it
-        stopped between storing the process and delivering its first message (a second step
-        there): a retry then delivers the message."""
-        if record is None or record.owner != owner or self.engine.leases is None:
+    async def _left_empty(self, record: ProcessRecord | None, owner: str, run_id: str) -> bool:
+        """Whether ``record`` is the process a spawn with ``run_id`` on a shared store made and
+        left when it stopped between storing the process (with its ``SPAWN_KEY`` row) and
+        delivering its first message (a second step there): a retry then delivers the message."""
+        if record is None or record.owner != owner or self.engine.leases is None or record.history_generation != 1:
             return False
-        return not await self.store.history(record.pid, limit=1)
+        made_by = await self.store.kv_get(record.pid, SPAWN_KEY)
+        return made_by == run_id and not await self.store.history(record.pid, limit=1)
 
     async def process(self, pid: str) -> Process:
         if await self.store.get_process(pid) is None:

@@ -212,7 +212,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             log.warning("process %s: the retry of run %s was not logged: %s", pid, run_id, exc)
 
     try:
-        streaming = engine.hub.watching(pid) or (relay is not None and relay.wanted(pid))
+        # (on a shared store always: a watcher elsewhere may start following during the call)
+        streaming = relay is not None or engine.hub.watching(pid)
         reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry

@@ -122,7 +122,8 @@ class Leases:
         self._loop: asyncio.Task[None] | None = None
         self._unlisten: Any = None
         self._background: set[asyncio.Task[Any]] = set()
-        self.relay = Relay(self.store, self.owner, interest_ttl=3 * poll)  # stream deltas between workers
+        # stream deltas between workers; an interest outlives a few polls of a follower set up like this one
+        self.relay = Relay(self.store, self.owner, interest_ttl=max(3 * poll, 10.0))
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -219,8 +220,9 @@ class Leases:
         # seen above) or comes after and claims the lease anew (a new epoch this release leaves)
         del self.held[pid]
         engine.uncache(pid)
-        if seen is not None:
+        if seen is not None:  # its watchers here follow it from now on as held elsewhere
             self._tail[pid] = seen
+            self._spawn(self.relay.announce([pid]))
         await self.store.release_lease(pid, self.owner, epoch)
         if await self.store.queue(pid):  # input that another worker queued while this one let go
             await self.hold(pid)

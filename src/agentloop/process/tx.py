@@ -120,7 +120,7 @@ class _Tx:
             publish, pid = self.engine.hub.publish, live.record.pid
             for s in self.signals:
                 publish(pid, s)
-            live.seq = self.signals[-1].seq or live.seq
+            live.seq = max(live.seq, self.signals[-1].seq or 0)
         if live.record.current_run is None:
             live.idle.set()
 
