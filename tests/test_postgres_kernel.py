@@ -16,10 +16,9 @@ pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agent
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
-from agentloop.kernel.kernel import SPAWN_KEY
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
-from agentloop.process.store import ProcessRecord, StoreError, open_store
+from agentloop.process.store import StoreError, open_store
 from agentloop.process.store.postgres import PostgresStore
 from tests.process_support import echo, ran, slow
 
@@ -78,35 +77,32 @@ async def test_spawn_with_a_first_message_on_postgres(pg_url: str, tmp_path: Pat
         assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["first"]
 
 
-async def test_a_retried_spawn_delivers_the_message_a_first_attempt_left_undelivered(
-    pg_url: str, tmp_path: Path
-) -> None:
-    """On a shared store the process is stored before its first message is delivered: a retry
-    of a spawn that stopped in between delivers the message (once), instead of failing."""
+async def test_a_spawn_stores_its_process_and_first_message_together(pg_url: str, tmp_path: Path) -> None:
+    """On a shared store the first message is stored with the process, as input for whichever
+    worker claims it: when the spawning worker's own claim fails after the commit, the process
+    waits with its message, the sweep runs it, and a retry gets the receipt without a second
+    delivery."""
     ran.clear()
-    async with pg_kernel(pg_url, tmp_path, ScriptedModel(by_tool_results)) as k:
-        record = ProcessRecord(pid="half-made", owner="alice", run_as="alice", cwd=str(tmp_path))
-        await k.engine.create(record, {SPAWN_KEY: "r-1"})  # the first attempt's first step, and no second
-        proc = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")
-        assert proc.started is not None and proc.started.run_id == "r-1"
-        again = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")
-        assert again.started == proc.started
-        await proc.wait_idle()
-        assert ran == ["first"]
-        for owner, run_id in [("bob", "r-1"), ("alice", "r-2")]:  # somebody else's, or another message
-            with pytest.raises(StoreError):
-                await k.spawn(owner=owner, pid="half-made", text="first", run_id=run_id)
-        assert ran == ["first"]
-        assert [m.text for m in await proc.messages() if isinstance(m, UserMessage)] == ["first"]
-        # a process that no spawn of that run id left empty is still a clash: made without a
-        # message, or emptied by a reset
-        await k.spawn(owner="alice", pid="made-empty")
-        await proc.reset()
-        for pid, run_id in [("made-empty", "r-3"), ("half-made", "r-4")]:
-            with pytest.raises(StoreError):
-                await k.spawn(owner="alice", pid=pid, text="again", run_id=run_id)
-        late = await k.spawn(owner="alice", pid="half-made", text="first", run_id="r-1")  # the first's receipt
-        assert late.started == proc.started and await proc.messages() == []
+    async with pg_kernel(pg_url, tmp_path, ScriptedModel(by_tool_results), poll_interval=0.2) as k:
+        assert k.engine.leases is not None
+        claim = k.engine.leases.hold
+
+        async def failing(pid: str) -> bool:
+            raise StoreError("the database went away")
+
+        k.engine.leases.hold = failing  # type: ignore[method-assign]
+        made = await k.spawn(owner="alice", pid="stored", text="first", run_id="r-1")  # stored: the receipt
+        k.engine.leases.hold = claim  # type: ignore[method-assign]
+        retried = await k.spawn(owner="alice", pid="stored", text="first", run_id="r-1")
+        assert made.started == retried.started and retried.started is not None and retried.started.run_id == "r-1"
+        async with asyncio.timeout(10):  # the sweep claims the process with waiting input
+            while ran != ["first"] or (await retried.info()).state != "idle":
+                await asyncio.sleep(0.05)
+        assert [m.text for m in await retried.messages() if isinstance(m, UserMessage)] == ["first"]
+        started = [s async for s in retried.signals(follow=False) if s.signal == "proc.run.started"]
+        assert [s.payload["runId"] for s in started] == ["r-1"]
+        with pytest.raises(StoreError):  # another message for that pid: a clash
+            await k.spawn(owner="alice", pid="stored", text="again", run_id="r-2")
         assert ran == ["first"]
 
 

@@ -71,7 +71,6 @@ from agentloop.tools.builtin import builtin_tools
 log = logging.getLogger("agentloop.kernel")
 
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
-SPAWN_KEY = "spawn:run_id"  # a process's kv row: the run id of the spawn that made it (shared stores)
 
 
 def _kernel_files(store: Store, data: Path) -> list[Path]:
@@ -407,8 +406,9 @@ class Kernel:
         ``run_as`` name accounts, so they must be plain names (they become directory names).
         ``kv`` rows are stored with the process, in the same transaction. ``mode="chat"``: its runs
         answer without tools (``Process.set_mode`` changes it). ``text`` (with ``media``, and
-        ``run_id`` as in ``send``) is its first input: the process and its first run are stored in
-        one transaction, and ``Process.started`` is the receipt."""
+        ``run_id`` as in ``send``) is its first input, stored in one transaction with the process (with
+        its first run where this worker drives it; on a shared store as input the claiming worker
+        runs), and ``Process.started`` is the receipt."""
         check_name(owner, "owner")
         check_name(run_as or owner, "run_as")
         if pid is not None:
@@ -443,8 +443,6 @@ class Kernel:
             await self.engine.create(record, kv)
             return Process(self, record.pid)
         _check_input(text, media, run_id)
-        if run_id is not None and self.engine.leases is not None:  # (see _left_empty)
-            kv = {**(kv or {}), SPAWN_KEY: run_id}
         # whether this call makes the media folder (one already there holds files of someone else too)
         fresh = bool(media) and not self.media.process_dir(owner, record.pid).exists()
         try:
@@ -454,8 +452,6 @@ class Kernel:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt
             existing = await self.store.get_process(record.pid)
             seen = await admission.admitted(self.engine, record.pid, run_id) if existing and run_id else None
-            if seen is None and run_id and await self._left_empty(existing, owner, run_id):
-                seen = await self.engine.send(record.pid, first, run_id=run_id)  # (once: by its run id)
             if existing is None or existing.owner != owner or seen is None:
                 if fresh and existing is None:
                     self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
@@ -466,15 +462,6 @@ class Kernel:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
-
-    async def _left_empty(self, record: ProcessRecord | None, owner: str, run_id: str) -> bool:
-        """Whether ``record`` is the process a spawn with ``run_id`` on a shared store made and
-        left when it stopped between storing the process (with its ``SPAWN_KEY`` row) and
-        delivering its first message (a second step there): a retry then delivers the message."""
-        if record is None or record.owner != owner or self.engine.leases is None or record.history_generation != 1:
-            return False
-        made_by = await self.store.kv_get(record.pid, SPAWN_KEY)
-        return made_by == run_id and not await self.store.history(record.pid, limit=1)
 
     async def process(self, pid: str) -> Process:
         if await self.store.get_process(pid) is None:

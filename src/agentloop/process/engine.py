@@ -53,6 +53,7 @@ from agentloop.process.api import (
     ToolsetFn,
     approve_everything,
     call_of,
+    new_id,
 )
 from agentloop.process.calls import disarm, end_batch, results_of, settle
 from agentloop.process.driver import drive
@@ -158,18 +159,27 @@ class ProcessEngine:
     ) -> Receipt | None:
         """Store a new process, with ``kv`` as its first key-value rows in the same transaction
         (so what they say about it is never missing), and start its cache: a fresh process has
-        nothing to load. ``first`` input starts its first run (``run_id`` as in ``send``), in the
-        same transaction where this worker drives the process: one commit instead of two."""
+        nothing to load. ``first`` input (``run_id`` as in ``send``) goes in the same transaction:
+        as its first run where this worker drives the process, else (a shared store) as queued
+        input that whichever worker claims the process first (this one, at once) runs with the
+        receipt's run id. Either way no process exists without its first message."""
         if first is not None and self.leases is None:
             return await self._create_running(record, kv, first, run_id)
+        receipt = None
         async with self.store.transaction():
             await self.store.create_process(record)
             for key, value in (kv or {}).items():
                 await self.store.kv_set(record.pid, key, value)
+            if first is not None:
+                receipt = Receipt(run_id or new_id(), False, 0)
+                await self.store.enqueue(record.pid, "queue", first, run_id=receipt.run_id)
+                await admission.remember_admission(self, record.pid, receipt.run_id, run_id, queued=False, position=0)
         if self.leases is None:  # else cached by whichever worker claims it first
             live = self._live[record.pid] = _Live(record, [], calls=False)
             live.idle.set()
-        return None if first is None else await self.send(record.pid, first, run_id=run_id)
+        elif receipt is not None:
+            await self.leases.hold(record.pid)  # claimed: its queued message starts the run (else the claimer's)
+        return receipt
 
     async def _create_running(
         self, record: ProcessRecord, kv: Mapping[str, Any] | None, first: Message, run_id: str | None
