@@ -259,6 +259,20 @@ async def test_a_watcher_keeps_the_live_text_when_its_worker_lets_the_process_go
         assert text == "about second"  # relayed by B to A's watcher
 
 
+async def test_a_worker_that_takes_a_process_over_relays_after_its_last_logged_signal(
+    pg_url: str, tmp_path: Path
+) -> None:
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "hi " + last_user(req)), []) as (a, b):
+        pa = await a.spawn(owner="alice", text="first")
+        await pa.wait_idle()
+        async with asyncio.timeout(5):  # A lets go of the idle process
+            while await holder(pg_url, pa.pid) == "A":
+                await asyncio.sleep(0.05)
+        assert b.engine.leases is not None and await b.engine.leases.hold(pa.pid)
+        live = await b.engine.live(pa.pid)  # B's deltas name the last signal A logged, not 0
+        assert live.seq == await b.store.last_event_seq(pa.pid) > 0
+
+
 async def test_deltas_keep_coming_after_input_forwarded_from_the_other_worker(pg_url: str, tmp_path: Path) -> None:
     # B logs the steer's proc.changed into A's process: A's later deltas follow that signal
     model = SlowText(lambda req: f"about {last_user(req)}: " + "lorem ipsum " * 12, chunk=4)
