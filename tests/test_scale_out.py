@@ -172,9 +172,9 @@ def spy(store: Any, method: str) -> list[Any]:
     calls: list[Any] = []
     real = getattr(store, method)
 
-    async def recording(*args: Any) -> Any:
+    async def recording(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
-        return await real(*args)
+        return await real(*args, **kwargs)
 
     setattr(store, method, recording)
     return calls
@@ -257,6 +257,39 @@ async def test_a_watcher_keeps_the_live_text_when_its_worker_lets_the_process_go
         second = seen[max(i for i, s in enumerate(seen) if s.signal == sig.RUN_STARTED) :]
         text = "".join(s.payload["delta"] or "" for s in second if s.signal == sig.RUN_STREAM)
         assert text == "about second"  # relayed by B to A's watcher
+
+
+async def test_a_follower_shows_deltas_in_order_without_reading_the_log_for_each(pg_url: str, tmp_path: Path) -> None:
+    model = SlowText(lambda req: "lorem ipsum " * 12, chunk=4)  # 36 chunks, about a second
+    async with two(pg_url, tmp_path, model, []) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        assert b.engine.leases is not None
+        reads, batches = spy(b.store, "events"), []
+        received = b.engine.leases.relayed
+
+        def relayed(sender: str, got: list[Any]) -> None:
+            batches.extend(got)
+            received(sender, got)
+
+        b.engine.leases.relayed = relayed  # type: ignore[method-assign]
+        seen: list[sig.Signal] = []
+
+        async def follow() -> None:
+            async for s in pb.signals(follow=True):
+                seen.append(s)
+                if s.signal == sig.RUN_FINISHED:
+                    return
+
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.1)
+        await pa.send("go")
+        await asyncio.wait_for(follower, 10)
+        text = "".join(s.payload["delta"] or "" for s in seen if s.signal == sig.RUN_STREAM)
+        assert text == "lorem ipsum " * 12
+        # most batches went straight to the watcher: the log is read on commits and polls only
+        # (reading it for each batch, it would be read more often than batches came)
+        assert len(batches) >= 10 and len(reads) < len(batches) * 2 / 3
 
 
 async def test_a_worker_that_takes_a_process_over_relays_after_its_last_logged_signal(
