@@ -80,6 +80,7 @@ class ImageContent:
 # the document types a ``FileContent`` may carry; the text ones reach a model without document
 # input as text
 FILE_TYPES = ("application/pdf", "text/plain", "text/markdown", "text/csv")
+PDF_MAGIC = b"%PDF-"  # how a PDF file begins
 
 
 @_wire

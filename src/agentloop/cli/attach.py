@@ -8,8 +8,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from agentloop.messages import FileContent, ImageContent, MediaBlock
-from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, sniff_mime
+from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, MediaBlock
+from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, sniff_mime, text_fault
 
 _TEXT_TYPES = {".md": "text/markdown", ".markdown": "text/markdown", ".csv": "text/csv"}
 
@@ -32,14 +32,13 @@ def load_attachment(path: Path) -> MediaBlock:
     image = sniff_mime(data)
     if image is not None:
         return ImageContent(data=encoded, mime_type=image)
-    if data.startswith(b"%PDF-"):
+    if data.startswith(PDF_MAGIC):
         return FileContent(data=encoded, mime_type="application/pdf", name=path.name)
-    if b"\x00" in data:
+    fault = text_fault(data)
+    if fault == "nul":
         raise AttachError(f"{path} is not an image, a PDF or a text file")
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise AttachError(f"{path} is not UTF-8 text (nor an image or a PDF)") from None
+    if fault == "encoding":
+        raise AttachError(f"{path} is not UTF-8 text (nor an image or a PDF)")
     if len(data) > MAX_TEXT_BYTES:
         raise AttachError(f"{path} is {len(data)} bytes of text, over the {MAX_TEXT_BYTES}-byte limit for text")
     return FileContent(data=encoded, mime_type=_TEXT_TYPES.get(path.suffix.lower(), "text/plain"), name=path.name)

@@ -580,9 +580,8 @@ class Kernel:
         file (as a compaction does for the part it folds away). In the background: the reset
         does not wait for a model call; a failure is logged and loses only the memories."""
         engine = self.engine
-        cfg = engine.config if engine.configure is None else engine.configure(record, engine.config)
         try:
-            memories = await extract_memories(cfg.model, history)
+            memories = await extract_memories(engine.process_config(record).model, history)
             if memories and engine.memory is not None:
                 await engine.memory(record, memories, "a conversation cleared by a reset")
         except Exception as exc:

@@ -247,8 +247,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     async with engine._tx(live) as tx:
         # This engine is the process's only writer, so its record is the committed state; the
         # check runs inside the transaction, after any abort or interrupt that committed first.
-        current = live.record.current_run
-        if current is None or current.get("run_id") != run_id or current.get("generation") != generation:
+        if not _still_current(live, run_id, generation):
             return False  # aborted or superseded while the model was answering: drop the answer
         await tx.append(run_id, [reply])
         await tx.set_run(new_run)
@@ -281,11 +280,17 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     return True
 
 
+def _still_current(live: _Live, run_id: str, generation: int) -> bool:
+    """Whether the model call made at ``generation`` of run ``run_id`` is still the run's: no abort,
+    interrupt or newer step committed since."""
+    current = live.record.current_run
+    return current is not None and current.get("run_id") == run_id and current.get("generation") == generation
+
+
 async def _log_retry(engine: ProcessEngine, live: _Live, run_id: str, generation: int, event: ModelRetry) -> None:
     """``proc.run.retrying`` in its own transaction, if the model call is still the run's."""
     async with engine._tx(live) as tx:
-        current = live.record.current_run
-        if current is None or current.get("run_id") != run_id or current.get("generation") != generation:
+        if not _still_current(live, run_id, generation):
             return
         await tx.signal(
             sig.RUN_RETRYING,

@@ -212,12 +212,16 @@ class ProcessEngine:
         and the watchers learn what changed; a rollback leaves both untouched."""
         return _TxScope(self, live)
 
+    def process_config(self, record: ProcessRecord) -> LoopConfig:
+        """The shared configuration as the process's runs start from it (its owner's model)."""
+        return self.config if self.configure is None else self.configure(record, self.config)
+
     async def _run_config(self, live: _Live, run_id: str) -> LoopConfig:
         """The loop configuration of this run: the shared one with the run's own system prompt and
         tools, built when the run first needs it and kept until the run ends."""
         if live.config is not None and live.config[0] == run_id:
             return live.config[1]
-        cfg = self.config if self.configure is None else self.configure(live.record, self.config)
+        cfg = self.process_config(live.record)
         if self.toolset is not None:
             tools = self.toolset(live.record, self.config.tools)
             cfg = replace(cfg, tools=dict(await maybe_await(tools)))

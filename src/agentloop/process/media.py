@@ -19,9 +19,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
-from agentloop.messages import FILE_TYPES, FileContent, ImageContent, MediaBlock
+from agentloop.messages import FILE_TYPES, PDF_MAGIC, FileContent, ImageContent, MediaBlock
 from agentloop.process.archive import check_name
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
@@ -64,17 +64,28 @@ def sniff_mime(data: bytes) -> str | None:
     return None
 
 
-def _check_document(data: bytes, mime: str, declared: str) -> None:
-    if mime == "application/pdf":
-        if not data.startswith(b"%PDF-"):
-            raise MediaError(f"file declared as {declared!r} is not a PDF")
-        return
+def text_fault(data: bytes) -> Literal["nul", "encoding"] | None:
+    """Why ``data`` cannot be a text document: it holds NUL bytes (it is binary), or it is not
+    UTF-8; None when it can."""
     if b"\x00" in data:
-        raise MediaError(f"file declared as {declared!r} holds NUL bytes: it is not text")
+        return "nul"
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:
-        raise MediaError(f"file declared as {declared!r} is not UTF-8 text") from None
+        return "encoding"
+    return None
+
+
+def _check_document(data: bytes, mime: str, declared: str) -> None:
+    if mime == "application/pdf":
+        if not data.startswith(PDF_MAGIC):
+            raise MediaError(f"file declared as {declared!r} is not a PDF")
+        return
+    fault = text_fault(data)
+    if fault == "nul":
+        raise MediaError(f"file declared as {declared!r} holds NUL bytes: it is not text")
+    if fault == "encoding":
+        raise MediaError(f"file declared as {declared!r} is not UTF-8 text")
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,7 +202,8 @@ class ProcessService:
         except StoreError:
             if pid is None or await self.kernel.store.get_process(pid) is None:
                 raise
-            # the pid is taken by another delivery: another owner's, or one with a different message
+            # the pid is taken by a process that no spawn with this run id made (a retry gets the
+            # first one's receipt from the kernel)
             raise ApiError(409, "conflict", f"run_id {run_id!r} already started a process") from None
         except MediaTooLarge as exc:
             raise ApiError(413, "too_large", f"media: {exc}") from None

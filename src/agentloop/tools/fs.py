@@ -18,7 +18,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from agentloop.messages import FileContent, ImageContent, TextContent
+from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, TextContent
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
 
@@ -89,7 +89,7 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
                 [TextContent(text=note), ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=mime)],
                 details={"path": rel, "mime_type": mime, "bytes": len(data)},
             )
-        if head.startswith(b"%PDF-"):  # handed to the model as a document (read as text where it cannot)
+        if head.startswith(PDF_MAGIC):  # handed to the model as a document (read as text where it cannot)
             size = os.fstat(f.fileno()).st_size
             if size > MAX_IMAGE_BYTES:
                 raise ToolError(f"{path} is a PDF of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
