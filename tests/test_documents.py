@@ -14,7 +14,15 @@ from agentloop.kernel import Kernel
 from agentloop.messages import document_text, file_text, message_from_json, message_to_json
 from agentloop.models.local import chat_messages
 from agentloop.process.compaction import IMAGE_TOKENS, estimate_tokens, render_transcript
-from agentloop.process.media import MAX_TEXT_BYTES, MediaError, MediaStore, MediaTooLarge
+from agentloop.process.media import (
+    MAX_TEXT_BYTES,
+    MEDIA_PREFIX,
+    MediaError,
+    MediaRef,
+    MediaStore,
+    MediaTooLarge,
+    is_stored,
+)
 
 PDF_BYTES = b"%PDF-1.4\n" + b"0" * 4000 + b"\n%%EOF\n"
 PDF = FileContent(data=base64.b64encode(PDF_BYTES).decode(), mime_type="application/pdf", name="report.pdf")
@@ -68,6 +76,18 @@ def test_a_text_document_has_a_smaller_limit_than_a_pdf(tmp_path: Path) -> None:
         MediaStore(tmp_path).check(big)
     pdf = b"%PDF-1.4\n" + b"0" * (MAX_TEXT_BYTES + 1)
     MediaStore(tmp_path).check(FileContent(data=base64.b64encode(pdf).decode(), mime_type="application/pdf"))
+
+
+def test_a_stored_document_counts_by_the_size_its_reference_gives(tmp_path: Path) -> None:
+    text = FileContent(data=base64.b64encode(b"x" * 400).decode(), mime_type="text/plain", name="a.txt")
+    ref = MediaStore(tmp_path).save("alice", "p1", text)
+    stored = FileContent(data=ref.to_data(), mime_type="text/plain", name="a.txt")
+    assert is_stored(stored) and not is_stored(text) and MediaRef.of(stored) == ref
+    assert estimate_tokens(user("", stored)) - estimate_tokens(user("")) == 100  # 400 bytes, as inline
+    broken = FileContent(data=MEDIA_PREFIX + "{not json", mime_type="text/plain")
+    with pytest.raises(MediaError):
+        MediaRef.of(broken)
+    assert estimate_tokens(user("", broken)) == estimate_tokens(user(""))  # counted as empty, not a crash
 
 
 def test_a_stored_document_comes_back_with_its_name(tmp_path: Path) -> None:

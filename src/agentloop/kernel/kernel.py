@@ -14,7 +14,6 @@ What each run is given (prompt, tools, media) is put together in ``runs.py``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -50,7 +49,7 @@ from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
 from agentloop.process.engine import MODE_KEY, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
-from agentloop.process.media import MEDIA_PREFIX, MediaStore
+from agentloop.process.media import MediaStore
 from agentloop.process.memory import append_daily_memory
 from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES
 from agentloop.process.signals import Signal
@@ -109,7 +108,7 @@ def _user_input(
     blocks: list[UserBlock] = [TextContent(text=text)]
     for block in media:
         ref = store.save(owner, pid, block)
-        data = MEDIA_PREFIX + json.dumps(ref.to_dict())
+        data = ref.to_data()
         if isinstance(block, FileContent):
             blocks.append(FileContent(data=data, mime_type=ref.mime_type, name=block.name))
         else:

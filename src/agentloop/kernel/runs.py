@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -20,9 +19,9 @@ from typing import Any
 
 from agentloop.kernel.devices import DeviceDirectory, describe_devices
 from agentloop.loop.hooks import maybe_await
-from agentloop.messages import FileContent, ImageContent, Message, TextContent, ToolResultMessage, UserMessage
+from agentloop.messages import FileContent, Message, TextContent, ToolResultMessage, UserMessage
 from agentloop.process.api import PromptFn, ToolsetFn
-from agentloop.process.media import MEDIA_PREFIX, MediaError, MediaRef, MediaStore
+from agentloop.process.media import MediaError, MediaRef, MediaStore, is_stored
 from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, PromptSources, assemble_prompt
 from agentloop.process.store import ProcessRecord
 from agentloop.stamps import stamps
@@ -37,10 +36,10 @@ def hydrate_media(media: MediaStore) -> Callable[[list[Message]], list[Message]]
     (history unchanged)."""
 
     def load(block: Any) -> Any:
-        if isinstance(block, ImageContent | FileContent) and block.data.startswith(MEDIA_PREFIX):
+        if is_stored(block):
             name = block.name if isinstance(block, FileContent) else ""
             try:
-                return media.load(MediaRef.from_dict(json.loads(block.data[len(MEDIA_PREFIX) :])), name)
+                return media.load(MediaRef.of(block), name)
             except (MediaError, ValueError) as exc:
                 return TextContent(text=f"[{block.type} unavailable: {exc}]")
         return block
@@ -48,9 +47,7 @@ def hydrate_media(media: MediaStore) -> Callable[[list[Message]], list[Message]]
     def hydrate(messages: list[Message]) -> list[Message]:
         out: list[Message] = []
         for msg in messages:
-            if isinstance(msg, UserMessage | ToolResultMessage) and any(
-                isinstance(b, ImageContent | FileContent) and b.data.startswith(MEDIA_PREFIX) for b in msg.content
-            ):
+            if isinstance(msg, UserMessage | ToolResultMessage) and any(is_stored(b) for b in msg.content):
                 msg = replace(msg, content=[load(b) for b in msg.content])
             out.append(msg)
         return out

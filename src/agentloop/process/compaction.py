@@ -34,7 +34,7 @@ from agentloop.messages import (
     user,
 )
 from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
-from agentloop.process.media import MEDIA_PREFIX
+from agentloop.process.media import MediaError, MediaRef, is_stored
 
 CompactionReason: TypeAlias = Literal["threshold", "overflow", "manual"]
 
@@ -72,10 +72,10 @@ def _file_tokens(block: FileContent) -> int:
     """A document's cost from its size: text at the usual rate, a PDF at a rough one (providers
     bill its pages, text and pictures, which the size only hints at)."""
     size = len(block.data) * 3 // 4 - block.data[-2:].count("=")  # base64: 3 bytes per 4 characters
-    if block.data.startswith(MEDIA_PREFIX):  # stored as a file: the reference knows its size
+    if is_stored(block):  # stored as a file: the reference knows its size
         try:
-            size = int(json.loads(block.data[len(MEDIA_PREFIX) :]).get("size", 0))
-        except (ValueError, TypeError, AttributeError):
+            size = MediaRef.of(block).size
+        except MediaError:
             size = 0
     if block.mime_type == "application/pdf":
         return max(IMAGE_TOKENS, size // PDF_BYTES_PER_TOKEN)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -36,7 +37,7 @@ _ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "text/x-mark
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-MEDIA_PREFIX = "media:"  # an image block whose data is this prefix + a MediaRef as JSON: stored as a file
+MEDIA_PREFIX = "media:"  # a media block whose data is this prefix + a MediaRef as JSON: stored as a file
 
 
 class MediaError(ValueError):
@@ -112,6 +113,24 @@ class MediaRef:
         if not _SHA256.fullmatch(sha):
             raise MediaError(f"media ref has an invalid sha256: {sha!r}")
         return cls(path=path, mime_type=mime, size=size, sha256=sha)
+
+    def to_data(self) -> str:
+        """What a message keeps in the ``data`` of the block this file stands for."""
+        return MEDIA_PREFIX + json.dumps(self.to_dict())
+
+    @classmethod
+    def of(cls, block: ImageContent | FileContent) -> MediaRef:
+        """The reference a stored block holds (see ``is_stored``); ``MediaError`` if it is broken."""
+        try:
+            data = json.loads(block.data[len(MEDIA_PREFIX) :])
+        except ValueError as exc:
+            raise MediaError(f"media ref is not JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def is_stored(block: object) -> bool:
+    """Whether ``block`` is an image or a document kept as a file (its data a ``MediaRef``)."""
+    return isinstance(block, ImageContent | FileContent) and block.data.startswith(MEDIA_PREFIX)
 
 
 class MediaStore:

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentloop.process.memory import daily_memory_name
 from agentloop.tools.base import ToolError
 from agentloop.tools.paths import resolve_path
 from agentloop.tools.skills import UnreadableFile, read_text_file, scan_skills
@@ -233,7 +234,7 @@ def _workspace_names(sources: PromptSources, today: datetime.date) -> list[str]:
         if name == "MEMORY.md":
             if sources.main_process:
                 names.append(name)
-            names += [f"memory/{yesterday.isoformat()}.md", f"memory/{today.isoformat()}.md"]
+            names += [daily_memory_name(yesterday), daily_memory_name(today)]  # where compaction writes them
         else:
             names.append(name)
     return names

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import FileContent, ImageContent, Message, ToolResultMessage, UserMessage
+from agentloop.messages import Message, ToolResultMessage, UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
-from agentloop.process.media import MEDIA_PREFIX
+from agentloop.process.media import is_stored
 from agentloop.process.signals import Signal
 from agentloop.process.store import ProcessRecord, StoreError
 from agentloop.process.store.base import ProcessState, QueueKind
@@ -192,4 +192,4 @@ def _has_media(message: Message) -> bool:
     """Whether a message carries stored-media references (images and documents kept as files)."""
     if not isinstance(message, UserMessage | ToolResultMessage) or len(message.content) < 2:
         return False
-    return any(isinstance(b, ImageContent | FileContent) and b.data.startswith(MEDIA_PREFIX) for b in message.content)
+    return any(is_stored(b) for b in message.content)

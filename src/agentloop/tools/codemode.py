@@ -130,7 +130,6 @@ class Function:
     required: tuple[str, ...]
     signature: str
     summary: str
-    structured: bool = False  # returns the tool's structured output, not its text
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "tool": self.tool, "params": list(self.params), "required": list(self.required)}
@@ -163,7 +162,7 @@ def describe(tool: Tool) -> Function:
     signature = f"await {name}({', '.join(shown)})"
     if tool.output_schema is not None:
         signature += f" -> {_cut(_shape(unwrapped_schema(tool.output_schema)), 240)}"
-    return Function(name, tool.name, tuple(params), tuple(required), signature, summary, tool.output_schema is not None)
+    return Function(name, tool.name, tuple(params), tuple(required), signature, summary)
 
 
 _SCALARS = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
