@@ -11,7 +11,8 @@ import pytest
 
 from agentloop import FileContent, ScriptedModel, UserMessage, user
 from agentloop.kernel import Kernel
-from agentloop.messages import document_text, file_text, message_from_json, message_to_json
+from agentloop.messages import document_text, message_from_json, message_to_json
+from agentloop.models.base import file_text
 from agentloop.models.local import chat_messages
 from agentloop.process.compaction import IMAGE_TOKENS, estimate_tokens, render_transcript
 from agentloop.process.media import (

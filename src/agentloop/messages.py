@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import html
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
@@ -102,16 +101,6 @@ def document_text(block: FileContent) -> str | None:
         return base64.b64decode(block.data, validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-
-
-def file_text(block: FileContent) -> str | None:
-    """A text document as a provider without document input is given it: its text in a
-    ``<file>`` element with its name and type (None for a PDF)."""
-    text = document_text(block)
-    if text is None:
-        return None
-    name = html.escape(block.name or "file")  # a quote or a bracket in the name cannot break the element
-    return f'<file name="{name}" type="{block.mime_type}">\n{text}\n</file>'
 
 
 @_wire

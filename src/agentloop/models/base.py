@@ -8,6 +8,7 @@ the provider becomes a terminal ``error`` event instead of an exception in the l
 
 from __future__ import annotations
 
+import html
 import json
 import os
 from abc import ABC, abstractmethod
@@ -34,13 +35,25 @@ from agentloop.events import (
 from agentloop.messages import (
     AssistantMessage,
     Cost,
+    FileContent,
     Message,
     StopReason,
     TextContent,
     ThinkingContent,
     ToolCall,
     Usage,
+    document_text,
 )
+
+
+def file_text(block: FileContent) -> str | None:
+    """A text document as a provider without document input is given it: its text in a
+    ``<file>`` element with its name and type (None for a PDF)."""
+    text = document_text(block)
+    if text is None:
+        return None
+    name = html.escape(block.name or "file")  # a quote or a bracket in the name cannot break the element
+    return f'<file name="{name}" type="{block.mime_type}">\n{text}\n</file>'
 
 
 @dataclass(frozen=True)

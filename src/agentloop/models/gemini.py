@@ -46,7 +46,6 @@ from agentloop.messages import (
     Usage,
     UserBlock,
     UserMessage,
-    file_text,
 )
 from agentloop.models.base import (
     NOTICE_PREFIX,
@@ -58,6 +57,7 @@ from agentloop.models.base import (
     ProviderError,
     ToolSpec,
     endpoint,
+    file_text,
     http_error,
     make_usage,
     stream_broken,

@@ -39,9 +39,8 @@ from agentloop.messages import (
     Usage,
     UserBlock,
     UserMessage,
-    file_text,
 )
-from agentloop.models.base import AssistantBuilder, Model, ModelRequest, ProviderError, ToolSpec, make_usage
+from agentloop.models.base import AssistantBuilder, Model, ModelRequest, ProviderError, ToolSpec, file_text, make_usage
 from agentloop.models.catalog import model_info
 from agentloop.models.gguf_assets import (
     Progress,

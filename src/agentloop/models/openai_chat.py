@@ -33,7 +33,6 @@ from agentloop.messages import (
     Usage,
     UserBlock,
     UserMessage,
-    file_text,
 )
 from agentloop.models.base import (
     STREAM_CUT,
@@ -43,6 +42,7 @@ from agentloop.models.base import (
     ModelRequest,
     ProviderError,
     endpoint,
+    file_text,
     http_error,
     make_usage,
     stream_broken,
