@@ -141,11 +141,13 @@ def test_a_configured_fallback_answers_when_the_model_fails(
     assert ran.exit_code == 0, ran.stderr
     assert ran.stdout == "from the fallback\n"
     assert "primary is down" in ran.stderr  # the switch is shown
+    assert "switching to" in ran.stderr and "retry 0" not in ran.stderr
     chatted = runner.invoke(
         app, ["chat", "-m", primary, "-w", str(ws), "--data", str(tmp_path / "data")], input="hello\n"
     )
     assert chatted.exit_code == 0, chatted.stderr
     assert chatted.stdout == "from the fallback\n"
+    assert "switching to" in chatted.stderr and "retry 0" not in chatted.stderr  # from the durable log too
 
 
 def test_without_a_fallback_the_failure_is_the_answer(tmp_path: Path, ws: Path) -> None:

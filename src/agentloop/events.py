@@ -242,6 +242,11 @@ class ModelRetry:
     error: str
     model: str
 
+    @property
+    def fallback(self) -> bool:
+        """Whether this is the switch to a fallback ``model`` (its first call), not a retry."""
+        return self.attempt == 0
+
 
 @_event
 class AgentEnd:

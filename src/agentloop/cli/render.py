@@ -168,7 +168,11 @@ class TextRenderer:
             self.note(Text.assemble(("✓ ", "green"), (label, "dim")))
 
     def retry(self, model: str, error: str, attempt: int, delay: float) -> None:
-        self.note(Text(f"↻ {model}: {one_line(error)} — retry {attempt} in {delay:.1f}s", style="yellow"))
+        """A failed model call retried after ``delay``, or (``attempt`` 0) a switch to ``model``."""
+        if attempt == 0:
+            self.note(Text(f"↻ switching to {model}: {one_line(error)}", style="yellow"))
+        else:
+            self.note(Text(f"↻ {model}: {one_line(error)} — retry {attempt} in {delay:.1f}s", style="yellow"))
         self._wait(True)
 
     def finish(self) -> None:

@@ -299,7 +299,7 @@ async def _log_retry(engine: ProcessEngine, live: _Live, run_id: str, generation
             delay=event.delay,
             reason=event.error,
             model=event.model,
-            fallback=event.attempt == 0,  # (attempt 0: the first call to a fallback model)
+            fallback=event.fallback,
         )
 
 
