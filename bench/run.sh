@@ -34,3 +34,6 @@ echo
 "$py" "$here/report.py" "$here/results.jsonl" "$harness/RESULTS.md"
 echo
 "$py" "$here/bench_flatness.py"
+echo
+# how much of the durable W1 figure is SQLite alone (the store's statements replayed without Python)
+"$py" "$here/bench_store_floor.py"
