@@ -8,6 +8,7 @@ import base64
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from agentloop import FileContent, ScriptedModel, UserMessage, user
 from agentloop.kernel import Kernel
@@ -60,14 +61,22 @@ def test_compaction_counts_documents_by_size_and_names_them() -> None:
         (FileContent(data=base64.b64encode(b"PK\x03\x04").decode(), mime_type="application/pdf"), "is not a PDF"),
         (FileContent(data=base64.b64encode(b"a\x00b").decode(), mime_type="text/csv"), "NUL bytes"),
         (FileContent(data=base64.b64encode(b"\xff\xfe").decode(), mime_type="text/plain"), "not UTF-8"),
-        (FileContent(data=base64.b64encode(b"PK").decode(), mime_type="application/zip"), "unsupported file type"),
         (FileContent(data="%%%", mime_type="text/plain"), "not valid base64"),
     ],
-    ids=["not-a-pdf", "nul", "not-utf8", "zip", "bad-base64"],
+    ids=["not-a-pdf", "nul", "not-utf8", "bad-base64"],
 )
 def test_documents_that_are_not_what_they_say_are_refused(tmp_path: Path, block: FileContent, why: str) -> None:
     with pytest.raises(MediaError, match=why):
         MediaStore(tmp_path).check(block)
+
+
+def test_a_document_of_an_unknown_type_is_refused_when_it_is_built() -> None:
+    """Not only where media is stored: an in-memory Agent hands blocks straight to the adapters."""
+    with pytest.raises(ValueError, match="unsupported document type 'application/zip'"):
+        FileContent(data=base64.b64encode(b"PK").decode(), mime_type="application/zip")
+    with pytest.raises(ValidationError, match="unsupported document type"):
+        message_from_json('{"role":"user","content":[{"type":"file","data":"","mimeType":"image/png"}],"timestamp":1}')
+    assert FileContent(data="", mime_type=" Text/X-Markdown").mime_type == "text/markdown"
 
 
 def test_a_text_document_has_a_smaller_limit_than_a_pdf(tmp_path: Path) -> None:

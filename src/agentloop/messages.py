@@ -79,6 +79,7 @@ class ImageContent:
 # the document types a ``FileContent`` may carry; the text ones reach a model without document
 # input as text
 FILE_TYPES = ("application/pdf", "text/plain", "text/markdown", "text/csv")
+_FILE_ALIASES = {"text/x-markdown": "text/markdown"}
 PDF_MAGIC = b"%PDF-"  # how a PDF file begins
 
 
@@ -91,6 +92,15 @@ class FileContent:
     data: str
     mime_type: str
     name: str = ""
+
+    def __post_init__(self) -> None:
+        # checked here, not only where media is stored: a block built in memory reaches the
+        # provider adapters directly, and they would pass an unknown type on as a PDF
+        mime = self.mime_type.strip().lower()
+        mime = _FILE_ALIASES.get(mime, mime)
+        if mime not in FILE_TYPES:
+            raise ValueError(f"unsupported document type {self.mime_type!r}; supported: {', '.join(FILE_TYPES)}")
+        self.mime_type = mime
 
 
 def document_text(block: FileContent) -> str | None:

@@ -33,7 +33,7 @@ MAX_TEXT_BYTES = 200 * 1024
 _EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp"}
 _FILE_EXTENSIONS = {"application/pdf": "pdf", "text/plain": "txt", "text/markdown": "md", "text/csv": "csv"}
 assert set(_FILE_EXTENSIONS) == set(FILE_TYPES)
-_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "text/x-markdown": "text/markdown"}
+_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}  # (a document's type is settled by FileContent)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
