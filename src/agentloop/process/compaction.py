@@ -337,17 +337,18 @@ async def summarize(
     *,
     previous_summary: str | None = None,
     instructions: str | None = None,
-) -> str:
-    """A structured summary of ``messages`` written by ``model`` (with its memories block, see
-    ``split_memories``), or ``CompactionError``.
+) -> tuple[str, str | None]:
+    """A structured summary of ``messages`` written by ``model`` and the memories block it ended
+    with (see ``split_memories``), or ``CompactionError``.
 
     An empty summary would silently erase history, so anything short of non-empty text fails.
     """
     transcript = _fit(render_transcript(messages), _transcript_budget(model))
     text = await _ask(model, SUMMARY_SYSTEM_PROMPT, _summary_prompt(transcript, previous_summary, instructions))
-    if not split_memories(text)[0]:
+    summary, memories = split_memories(text)
+    if not summary:
         raise CompactionError(f"summary model {model.name} returned an empty summary")
-    return text
+    return summary, memories
 
 
 def _transcript_budget(model: Model) -> int:
@@ -460,13 +461,8 @@ async def compact(
     removed, kept = list(messages[:cut]), list(messages[cut:])
     previous = [m.text for m in removed if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND]
     rest = [m for m in removed if not (isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND)]
-    text, memories = split_memories(
-        await summarize(
-            model,
-            rest,
-            previous_summary="\n\n".join(previous) or None,
-            instructions=instructions,
-        )
+    text, memories = await summarize(
+        model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
     )
     summary = summary_message(text, len(removed))
     return CompactionResult(
