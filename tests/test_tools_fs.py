@@ -162,6 +162,16 @@ async def test_read_empty_file(root: Path) -> None:
     assert "empty" in text(await read_file(root, "empty.txt"))
 
 
+@pytest.mark.parametrize(("name", "head", "noun"), [("big.pdf", b"%PDF-1.4\n", "a PDF"), ("big.png", PNG, "an image")])
+async def test_read_refuses_an_image_or_pdf_over_the_limit(
+    root: Path, monkeypatch: pytest.MonkeyPatch, name: str, head: bytes, noun: str
+) -> None:
+    monkeypatch.setattr("agentloop.tools.fs.MAX_IMAGE_BYTES", 1000)
+    (root / name).write_bytes(head + b"0" * 1000)
+    with pytest.raises(ToolError, match=f"{name} is {noun} of {len(head) + 1000} bytes, over the 1000-byte limit"):
+        await read_file(root, name)
+
+
 async def test_read_pdf_gives_a_document_block(root: Path) -> None:
     pdf = b"%PDF-1.4\n" + bytes(range(256)) + b"\n%%EOF\n"  # binary inside, as real PDFs are
     (root / "docs").mkdir()

@@ -78,26 +78,23 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
     rel = display(base, real)
     with open(real, "rb") as f:
         head = f.read(_BINARY_PROBE)
-        mime = sniff_image(head)
+        # an image or a PDF goes to the model whole, as a block of its own
+        mime = sniff_image(head) or ("application/pdf" if head.startswith(PDF_MAGIC) else None)
         if mime is not None:
+            what, noun = ("PDF", "a PDF") if mime == "application/pdf" else ("Image", "an image")
             size = os.fstat(f.fileno()).st_size
             if size > MAX_IMAGE_BYTES:
-                raise ToolError(f"{path} is an image of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
+                raise ToolError(f"{path} is {noun} of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
             data = head + f.read()
-            note = f"Image {rel} ({mime}, {len(data)} bytes)"
-            return ToolResult(
-                [TextContent(text=note), ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=mime)],
-                details={"path": rel, "mime_type": mime, "bytes": len(data)},
+            encoded = base64.b64encode(data).decode("ascii")
+            block: ImageContent | FileContent = (
+                FileContent(data=encoded, mime_type=mime, name=real.name)
+                if what == "PDF"
+                else ImageContent(data=encoded, mime_type=mime)
             )
-        if head.startswith(PDF_MAGIC):  # handed to the model as a document (read as text where it cannot)
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_IMAGE_BYTES:
-                raise ToolError(f"{path} is a PDF of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
-            data = head + f.read()
-            pdf = FileContent(data=base64.b64encode(data).decode("ascii"), mime_type="application/pdf", name=real.name)
             return ToolResult(
-                [TextContent(text=f"PDF {rel} ({len(data)} bytes)"), pdf],
-                details={"path": rel, "mime_type": "application/pdf", "bytes": len(data)},
+                [TextContent(text=f"{what} {rel} ({mime}, {len(data)} bytes)"), block],
+                details={"path": rel, "mime_type": mime, "bytes": len(data)},
             )
     if b"\x00" in head:
         hint = (
