@@ -18,6 +18,7 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
+from agentloop.process import signals as sig
 from agentloop.process.store import StoreError, open_store
 from agentloop.process.store.postgres import PostgresStore
 from tests.process_support import echo, ran, slow
@@ -71,6 +72,9 @@ async def test_spawn_with_a_first_message_on_postgres(pg_url: str, tmp_path: Pat
         assert proc.started is not None and proc.started.run_id == "pg-first"
         await proc.wait_idle()
         assert ran == ["first"] and (await proc.messages())[-1].text == "answer: first"
+        # promoted from the queue by the claiming worker, the run still says why it started
+        started = [s async for s in proc.signals(follow=False) if s.signal == sig.RUN_STARTED]
+        assert [s.payload["reason"] for s in started] == ["proc.send"]
         again = await proc.send("first", run_id="pg-first")
         await proc.wait_idle()
         assert again.run_id == "pg-first" and ran == ["first"]

@@ -88,6 +88,36 @@ async def test_a_send_through_either_worker_runs_once(pg_url: str, tmp_path: Pat
         assert await holder(pg_url, proc_a.pid) is None  # idle: nobody holds it
 
 
+async def test_input_sent_through_the_other_worker_starts_its_run_with_its_own_reason(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A message or a system event for an idle process that another worker holds waits in the
+    queue for that worker; the run it starts still says it came from a send or an event."""
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
+        assert a.engine.leases is not None
+        proc_a = await a.spawn(owner="alice")
+        await a.engine.leases.hold(proc_a.pid)
+        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        proc_b = await b.process(proc_a.pid)
+
+        async def finished(runs: int) -> None:
+            async for s in proc_a.signals(follow=True):
+                runs -= s.signal == sig.RUN_FINISHED
+                if not runs:
+                    return
+
+        sent = await proc_b.send("hello")  # queued for A, which holds the process
+        await asyncio.wait_for(finished(1), 10)
+        event = await b.signal(proc_a.pid, "build finished")
+        await asyncio.wait_for(finished(2), 10)
+        started = [s async for s in proc_a.signals(follow=False) if s.signal == sig.RUN_STARTED]
+        assert [(s.payload["runId"], s.payload["reason"]) for s in started] == [
+            (sent.run_id, "proc.send"),
+            (event.run_id, "system.event"),
+        ]
+        assert await holder(pg_url, proc_a.pid) == "A"
+
+
 async def test_steer_abort_and_approval_from_the_worker_without_the_lease(pg_url: str, tmp_path: Path) -> None:
     gate = asyncio.Event()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agentloop.messages import AssistantMessage, TextContent, ToolCall, ToolResultMessage, system, user
+from agentloop.messages import AssistantMessage, TextContent, ToolCall, ToolResultMessage, message_to_json, system, user
 from agentloop.process.store import (
     AccountRecord,
     HilRow,
@@ -30,7 +30,7 @@ from agentloop.process.store import (
     WatchRow,
     open_store,
 )
-from agentloop.process.store.schema import LATEST_VERSION
+from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
 
 
 def _sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
@@ -80,6 +80,30 @@ async def test_schema_is_current_and_migration_is_idempotent(make_store):
     await again.open()  # a second open applies nothing and fails nothing
     assert await again.schema_version() == LATEST_VERSION
     await again.close()
+
+
+async def test_a_database_of_an_older_schema_keeps_its_rows(tmp_path):
+    """Migrating up from the version before the queue's run reason: queued input stays queued."""
+    db = sqlite3.connect(tmp_path / "old.db", isolation_level=None)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for version, sql in MIGRATIONS[:-1]:
+        for stmt in statements(sql, clustered="WITHOUT ROWID"):
+            db.execute(stmt)
+        db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+    db.execute("INSERT INTO processes VALUES ('p1', 'a', 'a', '/', NULL, 1, '', 'idle', NULL, 1, 1, 1, 2, 0, 0)")
+    db.execute(
+        "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at) VALUES ('p1', 1, 'queue', 'r1', ?, 0)",
+        (message_to_json(user("waiting")),),
+    )
+    db.close()
+    s = SQLiteStore(tmp_path / "old.db")
+    await s.open()
+    try:
+        assert await s.schema_version() == LATEST_VERSION
+        [item] = await s.queue("p1")
+        assert (item.message.text, item.run_id, item.reason) == ("waiting", "r1", None)
+    finally:
+        await s.close()
 
 
 async def test_a_newer_schema_is_refused(tmp_path):
@@ -264,13 +288,13 @@ async def test_queue_is_fifo(store):
     async with store.transaction():
         a = await store.enqueue("p1", "queue", user("a"))
         b = await store.enqueue("p1", "steer", user("b"), run_id="r9")
-        c = await store.enqueue("p1", "system", system("c", "event"))
+        c = await store.enqueue("p1", "system", system("c", "event"), reason="schedule")
     assert (a, b, c) == (1, 2, 3)
     items = await store.queue("p1")
-    assert [(i.kind, i.message.text, i.run_id) for i in items] == [
-        ("queue", "a", None),
-        ("steer", "b", "r9"),
-        ("system", "c", None),
+    assert [(i.kind, i.message.text, i.run_id, i.reason) for i in items] == [
+        ("queue", "a", None, None),
+        ("steer", "b", "r9", None),
+        ("system", "c", None, "schedule"),
     ]
     async with store.transaction():
         assert await store.dequeue("p1", b)

@@ -39,7 +39,7 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
             receipt = Receipt(await tx.start_run(message, "proc.send", run_id), False, 0)
         elif active is None:  # the worker holding the process starts the run, with this id
             receipt = Receipt(run_id or new_id(), False, 0)
-            await tx.enqueue("queue", message, receipt.run_id)
+            await tx.enqueue("queue", message, receipt.run_id, reason="proc.send")
         else:
             queued_run = run_id or new_id()
             receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
@@ -112,7 +112,7 @@ async def signal_event(
             receipt = Receipt(await tx.start_run(message, reason, run_id_kept), False)
         elif active is None:
             receipt = Receipt(run_id_kept or new_id(), False)
-            await tx.enqueue("system", message, receipt.run_id)
+            await tx.enqueue("system", message, receipt.run_id, reason=reason)
         else:
             await tx.enqueue("system", message, run_id_kept)
             receipt = Receipt(active["run_id"], True, 0)
@@ -137,5 +137,5 @@ async def promote(engine: ProcessEngine, live: _Live) -> None:
         if live.record.current_run is not None or not await engine.store.dequeue(pid, first.id):
             return
         tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
-        await tx.start_run(first.message, "queue.promote", first.run_id)
+        await tx.start_run(first.message, first.reason or "queue.promote", first.run_id)
     engine.wake(pid)

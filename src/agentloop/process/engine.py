@@ -172,7 +172,7 @@ class ProcessEngine:
                 await self.store.kv_set(record.pid, key, value)
             if first is not None:
                 receipt = Receipt(run_id or new_id(), False, 0)
-                await self.store.enqueue(record.pid, "queue", first, run_id=receipt.run_id)
+                await self.store.enqueue(record.pid, "queue", first, run_id=receipt.run_id, reason="proc.send")
                 await admission.remember_admission(self, record.pid, receipt.run_id, run_id, queued=False, position=0)
         if self.leases is None:  # else cached by whichever worker claims it first
             live = self._live[record.pid] = _Live(record, [], calls=False)

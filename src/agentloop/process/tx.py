@@ -101,10 +101,13 @@ class _Tx:
         await self.signal(sig.RUN_STARTED, runId=run["run_id"], reason=reason)
         return str(run["run_id"])
 
-    async def enqueue(self, kind: QueueKind, message: Message, run_id: str | None = None) -> None:
-        """Queue input for the active run (steer, system events) or for after it."""
+    async def enqueue(
+        self, kind: QueueKind, message: Message, run_id: str | None = None, reason: str | None = None
+    ) -> None:
+        """Queue input for the active run (steer, system events) or for after it; ``reason`` as
+        in ``Store.enqueue``."""
         live = self.live
-        await self.engine.store.enqueue(live.record.pid, kind, message, run_id=run_id)
+        await self.engine.store.enqueue(live.record.pid, kind, message, run_id=run_id, reason=reason)
         self.after.append(lambda: setattr(live, "queued", live.queued + 1))
         await self.signal(sig.CHANGED, changes=["queue"])
 

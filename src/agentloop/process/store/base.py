@@ -87,6 +87,7 @@ class QueueItem:
     run_id: str | None
     message: Message
     created_at: float = 0.0
+    reason: str | None = None  # the run reason it starts with when promoted (None: ``queue.promote``)
 
 
 @dataclass
@@ -326,8 +327,11 @@ class Store(ABC):
     # -- input queue ----------------------------------------------------------------------------
 
     @abstractmethod
-    async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
-        """Add to the queue; returns the item id (FIFO order)."""
+    async def enqueue(
+        self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None, reason: str | None = None
+    ) -> int:
+        """Add to the queue; returns the item id (FIFO order). ``reason``: the run reason the item
+        starts its run with when it is promoted (None: ``queue.promote``)."""
 
     @abstractmethod
     async def queue(self, pid: str) -> list[QueueItem]: ...

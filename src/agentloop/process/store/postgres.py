@@ -124,8 +124,8 @@ _ENQUEUE = """
 WITH c AS (
     UPDATE processes SET next_queue_id = next_queue_id + 1 WHERE pid = $1 RETURNING next_queue_id - 1 AS id
 )
-INSERT INTO message_queue (pid, id, kind, run_id, body, created_at)
-SELECT $1, c.id, $2, $3, $4, $5 FROM c
+INSERT INTO message_queue (pid, id, kind, run_id, body, created_at, reason)
+SELECT $1, c.id, $2, $3, $4, $5, $6 FROM c
 RETURNING id
 """
 # one statement: a CTE per table of the process (common.PROCESS_TABLES), then the registry row
@@ -639,8 +639,11 @@ class PostgresStore(Store):
 
     # -- input queue ----------------------------------------------------------------------------
 
-    async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
-        item_id = await self._write().fetchval(_ENQUEUE, pid, kind, run_id, message_to_json(message), time.time())
+    async def enqueue(
+        self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None, reason: str | None = None
+    ) -> int:
+        body = message_to_json(message)
+        item_id = await self._write().fetchval(_ENQUEUE, pid, kind, run_id, body, time.time(), reason)
         if item_id is None:
             raise NoSuchProcess(pid)
         return int(item_id)
@@ -648,9 +651,9 @@ class PostgresStore(Store):
     async def queue(self, pid: str) -> list[QueueItem]:
         async with self._reading() as db:
             rows = await db.fetch(
-                "SELECT id, kind, run_id, body, created_at FROM message_queue WHERE pid = $1 ORDER BY id", pid
+                "SELECT id, kind, run_id, body, created_at, reason FROM message_queue WHERE pid = $1 ORDER BY id", pid
             )
-        return [QueueItem(r[0], r[1], r[2], message_from_json(r[3]), r[4]) for r in rows]
+        return [QueueItem(r[0], r[1], r[2], message_from_json(r[3]), r[4], r[5]) for r in rows]
 
     async def dequeue(self, pid: str, item_id: int) -> bool:
         status = await self._write().execute(

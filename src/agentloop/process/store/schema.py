@@ -289,6 +289,15 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        7,
+        # Input queued for a process another worker holds (a shared store) starts a run of its
+        # own when that worker promotes it: the run keeps the reason it was sent with
+        # (``proc.send``, a schedule's, a watch's) instead of ``queue.promote``.
+        """
+        ALTER TABLE message_queue ADD COLUMN reason TEXT;
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -623,22 +623,24 @@ class SQLiteStore(Store):
 
     # -- input queue ----------------------------------------------------------------------------
 
-    async def enqueue(self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None) -> int:
+    async def enqueue(
+        self, pid: str, kind: QueueKind, message: Message, run_id: str | None = None, reason: str | None = None
+    ) -> int:
         db = self._write()
         counters = self._counters(pid)
         item_id = counters[2]
         counters[2] = item_id + 1
         db.execute(
-            "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-            (pid, item_id, kind, run_id, message_to_json(message), time.time()),
+            "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (pid, item_id, kind, run_id, message_to_json(message), time.time(), reason),
         )
         return item_id
 
     async def queue(self, pid: str) -> list[QueueItem]:
         rows = self.db.execute(
-            "SELECT id, kind, run_id, body, created_at FROM message_queue WHERE pid = ? ORDER BY id", (pid,)
+            "SELECT id, kind, run_id, body, created_at, reason FROM message_queue WHERE pid = ? ORDER BY id", (pid,)
         ).fetchall()
-        return [QueueItem(r[0], r[1], r[2], message_from_json(r[3]), r[4]) for r in rows]
+        return [QueueItem(r[0], r[1], r[2], message_from_json(r[3]), r[4], r[5]) for r in rows]
 
     async def dequeue(self, pid: str, item_id: int) -> bool:
         cur = self._write().execute("DELETE FROM message_queue WHERE pid = ? AND id = ?", (pid, item_id))
