@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from agentloop.models.base import ProviderError
+from agentloop.messages import user
+from agentloop.models.anthropic import AnthropicModel
+from agentloop.models.base import Model, ModelRequest, ProviderError
 from agentloop.models.gemini import GeminiModel
+from agentloop.models.openai_chat import OpenAIChatModel
 from agentloop.tools.mcp import MCPError, mcp_tools
 from agentloop.urls import redact_url
 
@@ -41,3 +44,21 @@ def test_geminis_base_url_is_shown_without_its_credentials():
     error = model.classify(httpx.ConnectError("refused"))
     assert isinstance(error, ProviderError) and ":pw@" not in str(error) and "bob:***@" in str(error)
     assert ":pw@" not in repr(model)
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic", "gemini"])
+async def test_a_provider_that_cannot_be_reached_is_named_without_its_credentials(provider: str) -> None:
+    """The error is stored in the process's history and sent to its watchers: every account using
+    the server would see the server's proxy password or key."""
+    url = "http://proxy:hunter2@127.0.0.1:9/v1?api_key=SECRETKEY"
+    model: Model
+    if provider == "openai":
+        model = OpenAIChatModel("gpt-4o-mini", api_key="k", base_url=url)
+    elif provider == "anthropic":
+        model = AnthropicModel("claude-haiku-4-5", api_key="k", base_url=url)
+    else:
+        model = GeminiModel("gemini-2.5-flash", api_key="k", base_url=url)
+    reply = await model.complete(ModelRequest(system_prompt="", messages=[user("hi")], tools=[]))
+    shown = reply.error_message or ""
+    assert reply.stop_reason == "error" and "cannot reach" in shown
+    assert "hunter2" not in shown and "SECRETKEY" not in shown and "proxy:***@127.0.0.1:9" in shown

@@ -58,6 +58,7 @@ from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
 from agentloop.models.replay import clean_history, safe_tool_id
 from agentloop.models.retry import retry_after_from_headers
+from agentloop.urls import redact_url
 
 PLACEHOLDER_KEY = "sk-ant-local-no-key"
 TOOL_ID_MAX = 64
@@ -193,7 +194,7 @@ class AnthropicModel(Model):
         if isinstance(exc, anthropic.APITimeoutError | TimeoutException):
             return ProviderError(f"the request to {self.name} timed out", kind="timeout")
         if isinstance(exc, anthropic.APIConnectionError | TransportError):
-            where = self.base_url or "the Anthropic API"
+            where = redact_url(self.base_url) if self.base_url else "the Anthropic API"  # (the message reaches clients)
             return ProviderError(f"cannot reach {where}: {_cause(exc)}", kind="connection")
         if isinstance(exc, anthropic.APIStatusError):
             return _classify_status(exc)

@@ -51,6 +51,7 @@ from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
 from agentloop.models.replay import clean_history, safe_tool_id
 from agentloop.models.retry import retry_after_from_headers
+from agentloop.urls import redact_url
 
 # A local server needs some key for the SDK to build its client; it never checks it.
 PLACEHOLDER_KEY = "sk-local-no-key"
@@ -180,7 +181,8 @@ class OpenAIChatModel(Model):
         if isinstance(exc, openai.APITimeoutError):
             return ProviderError(f"the request to {self.name} timed out", kind="timeout")
         if isinstance(exc, openai.APIConnectionError):
-            return ProviderError(f"cannot reach {self.base_url or 'the OpenAI API'}: {_cause(exc)}", kind="connection")
+            where = redact_url(self.base_url) if self.base_url else "the OpenAI API"  # (the message reaches clients)
+            return ProviderError(f"cannot reach {where}: {_cause(exc)}", kind="connection")
         if isinstance(exc, openai.APIStatusError):
             return classify_status(exc.status_code, exc.message, exc.response.headers)
         if isinstance(exc, openai.APIResponseValidationError):
