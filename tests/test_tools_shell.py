@@ -233,3 +233,22 @@ async def test_shell_tool_schema_and_validation(root: Path) -> None:
     for bad in (0, -1, 601):
         with pytest.raises(ToolError, match="timeout"):
             t.validate({"command": "true", "timeout": bad})
+
+
+async def test_commands_do_not_get_the_runtimes_credentials(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server runs commands for every account: ``printenv`` must not show its provider keys."""
+    secrets = {
+        "OPENAI_API_KEY": "sk-live-1",
+        "GITHUB_TOKEN": "ghp-2",
+        "DB_PASSWORD": "pw-3",
+        "DATABASE_URL": "postgresql://app:pw-4@db/app",
+        "AGENTLOOP_STORE": "postgresql://db/agentloop",
+    }
+    kept = {"PROJECT_MODE": "dev", "SSH_AUTH_SOCK": "/tmp/agent.sock", "SITE_URL": "https://example.com/x"}
+    for name, value in {**secrets, **kept}.items():
+        monkeypatch.setenv(name, value)
+    result = await run_shell(root, "env")
+    shown = result.content[0].text
+    assert not any(value in shown for value in secrets.values()), shown
+    assert all(f"{name}={value}" in shown for name, value in kept.items())
+    assert "PATH=" in shown and "PAGER=cat" in shown

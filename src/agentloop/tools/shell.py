@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -39,6 +40,24 @@ __all__ = ["DEFAULT_TIMEOUT", "MAX_OUTPUT_CHARS", "MAX_TIMEOUT", "run_shell", "s
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 600.0
 MAX_OUTPUT_CHARS = 30_000
+
+
+# what a command is not given of the runtime's environment: its credentials (provider API keys,
+# tokens, passwords) and its own settings. A server runs commands for every account, and
+# ``printenv`` is a harmless read: the key it would show must not be there to show.
+_CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|COOKIE|^AGENTLOOP_", re.IGNORECASE)
+_CREDENTIAL_URL = re.compile(r"://[^/@\s]*:[^/@\s]*@")  # scheme://user:password@host
+
+
+def command_environment() -> dict[str, str]:
+    """The environment a Shell command runs with: the runtime's, less its credentials."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not _CREDENTIAL_NAME.search(name) and not _CREDENTIAL_URL.search(value)
+    }
+    env.update(PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
+    return env
 
 
 def _shell() -> str:
@@ -76,13 +95,12 @@ async def run_shell(
     workdir = resolve_path(root, cwd or ".")
     if not workdir.is_dir():
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
-    env = {**os.environ, "PAGER": "cat", "GIT_PAGER": "cat", "GIT_TERMINAL_PROMPT": "0"}
     proc = await asyncio.create_subprocess_exec(
         _shell(),
         "-c",
         command,
         cwd=workdir,
-        env=env,
+        env=command_environment(),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
