@@ -112,6 +112,20 @@ async def test_errors_are_client_errors(server: LiveServer) -> None:
             await alice.process(pid)
 
 
+async def test_a_pid_is_sent_as_one_path_segment(server: LiveServer) -> None:
+    """``agentloop kill 'x/../<pid>'`` killed <pid>: the server normalised the unencoded path."""
+    async with client_for(server) as alice:
+        pid = (await alice.spawn())["pid"]
+        for odd in (f"no-such/../{pid}", f"..%2F{pid}", "%00", "a?b#c"):
+            with pytest.raises(ClientError) as caught:
+                await alice.kill(odd)
+            assert caught.value.code == "not_found", odd
+            with pytest.raises(ClientError):
+                await alice.hil(odd, "req/../x", "approve")
+        assert (await alice.process(pid))["pid"] == pid  # still there
+        assert (await alice.kill(pid))["killed"] is True
+
+
 async def test_unreachable_server() -> None:
     async with AgentloopClient("http://127.0.0.1:9", "t", timeout=2) as client:
         assert not await client.health()

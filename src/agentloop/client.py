@@ -20,6 +20,7 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, NamedTuple
+from urllib.parse import quote
 
 import httpx
 
@@ -47,6 +48,12 @@ class StreamEvent(NamedTuple):
     seq: int | None
     signal: str
     payload: dict[str, Any]
+
+
+def _segment(value: str) -> str:
+    """One path segment, percent-encoded whole: a pid like ``x/../<other>`` must name no other
+    route or process once the server has decoded and normalised the path."""
+    return quote(value, safe="")
 
 
 def _error(response: httpx.Response, body: bytes) -> ClientError:
@@ -174,7 +181,7 @@ class AgentloopClient:
         return list(data.get("processes", []))
 
     async def process(self, pid: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{pid}")
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{_segment(pid)}")
         return result
 
     async def send(
@@ -191,44 +198,46 @@ class AgentloopClient:
             body["media"] = media
         if run_id is not None:
             body["run_id"] = run_id
-        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{pid}/messages", body=body)
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/messages", body=body)
         return result
 
     async def history(self, pid: str, *, limit: int = 100, before: int | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
         if before is not None:
             params["before"] = before
-        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{pid}/messages", params=params)
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{_segment(pid)}/messages", params=params)
         return result
 
     async def abort(self, pid: str, run_id: str | None = None) -> bool:
         body = {"run_id": run_id} if run_id else {}
-        data = await self._call("POST", f"/v1/processes/{pid}/abort", body=body)
+        data = await self._call("POST", f"/v1/processes/{_segment(pid)}/abort", body=body)
         return bool(data.get("aborted"))
 
     async def mode(self, pid: str, mode: str | None = None) -> str:
         """The process's mode (agent or chat), after setting it when ``mode`` is given."""
         if mode is None:
-            data = await self._call("GET", f"/v1/processes/{pid}/mode")
+            data = await self._call("GET", f"/v1/processes/{_segment(pid)}/mode")
         else:
-            data = await self._call("POST", f"/v1/processes/{pid}/mode", body={"mode": mode})
+            data = await self._call("POST", f"/v1/processes/{_segment(pid)}/mode", body={"mode": mode})
         return str(data.get("mode"))
 
     async def approvals(self, pid: str) -> list[dict[str, Any]]:
-        data = await self._call("GET", f"/v1/processes/{pid}/hil")
+        data = await self._call("GET", f"/v1/processes/{_segment(pid)}/hil")
         return list(data.get("requests", []))
 
     async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> dict[str, Any]:
         body = {"decision": decision, "remember": remember}
-        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{pid}/hil/{request_id}", body=body)
+        result: dict[str, Any] = await self._call(
+            "POST", f"/v1/processes/{_segment(pid)}/hil/{_segment(request_id)}", body=body
+        )
         return result
 
     async def reset(self, pid: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{pid}/reset", body={})
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/reset", body={})
         return result
 
     async def kill(self, pid: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("DELETE", f"/v1/processes/{pid}")
+        result: dict[str, Any] = await self._call("DELETE", f"/v1/processes/{_segment(pid)}")
         return result
 
     async def devices(self) -> list[dict[str, Any]]:
@@ -297,7 +306,7 @@ class AgentloopClient:
         parser = SSEParser()
         try:
             async with self._http.stream(
-                "GET", f"/v1/processes/{pid}/events", params=params, headers=headers, timeout=timeout
+                "GET", f"/v1/processes/{_segment(pid)}/events", params=params, headers=headers, timeout=timeout
             ) as response:
                 if response.status_code >= 400:
                     raise _error(response, await response.aread())
