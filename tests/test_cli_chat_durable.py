@@ -544,3 +544,16 @@ def test_attach_sends_files_with_the_next_message(tmp_path: Path, ws: Path, wher
     files = [b for b in first.content if isinstance(b, FileContent)]
     assert [(f.name, f.mime_type) for f in files] == [("report.pdf", "application/pdf"), ("notes.md", "text/markdown")]
     assert not any(isinstance(b, FileContent | ImageContent) for b in second.content)  # sent once
+
+
+def test_one_bad_line_is_refused_and_the_chat_goes_on(tmp_path: Path, ws: Path) -> None:
+    """An attachment under an unknown user's home, or a line of bytes that are not UTF-8, ended
+    the chat and lost the lines after it."""
+    scripted = model("badlines", ["first", "second"])
+    stdin = b"/attach ~nosuchuser-agentloop/x.png\ncaf\xe9\nsecond message\n"
+    result = runner.invoke(app, ["chat", "-m", "badlines:x", "-w", str(ws), "--data", str(tmp_path / "d")], input=stdin)
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "cannot attach" in result.stderr
+    assert result.stdout == "first\nsecond\n"
+    assert [r.messages[-1].text for r in scripted.requests] == ["caf\ufffd", "second message"]

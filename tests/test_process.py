@@ -454,6 +454,20 @@ async def test_bad_input_gets_clear_errors(tmp_path):
             await k.spawn(owner="a", parent_pid="ghost")
         with pytest.raises(ValueError, match="is not a directory"):
             await k.spawn(owner="a", cwd="a\x00b")
+        (tmp_path / "loop").symlink_to(tmp_path / "loop")
+        for cwd in ("loop", "x" * 300):  # (a symlink loop made Path.resolve raise RuntimeError)
+            with pytest.raises(ValueError, match="is not a directory"):
+                await k.spawn(owner="a", cwd=cwd)
+        with pytest.raises(TypeError, match="interactive must be true or false, got 'no'"):
+            await k.spawn(owner="a", interactive="no")  # type: ignore[arg-type]
+        # text from bytes that were not UTF-8 (surrogateescape) cannot be stored: refused up front
+        bad = b"caf\xe9".decode("utf-8", "surrogateescape")
+        with pytest.raises(ValueError, match="text is not valid text"):
+            await proc.send(bad)
+        with pytest.raises(ValueError, match="text is not valid text"):
+            await k.signal(proc.pid, bad)
+        with pytest.raises(ValueError, match="context is not valid text"):
+            await k.spawn(owner="a", context=bad)
         assert [p.pid for p in await k.processes()] == [proc.pid]  # nothing half-made
     with pytest.raises(TypeError, match="approval must be a function, got str"):  # not at the first step
         async with Kernel.open(f"sqlite:///{tmp_path}/other.db", approval="default"):  # type: ignore[arg-type]

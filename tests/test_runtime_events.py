@@ -200,6 +200,8 @@ async def test_schedule_validation(tmp_path):
                 await k.schedule(proc.pid, "x", **kwargs)
         with pytest.raises(ScheduleError, match="text"):
             await k.schedule(proc.pid, " ", at=now)
+        with pytest.raises(ScheduleError, match="text is not valid text"):  # (it is stored, then delivered)
+            await k.schedule(proc.pid, b"caf\xe9".decode("utf-8", "surrogateescape"), at=now + 60)
         with pytest.raises(NoSuchProcess):
             await k.schedule("nope", "x", at=now + 60)
         assert await k.schedules(proc.pid) == []

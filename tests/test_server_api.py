@@ -114,6 +114,10 @@ async def test_spawn_list_get_and_kill(server: LiveServer, alice: httpx.AsyncCli
     error(await alice.get(f"/v1/processes/{pid}"), 404, "not_found")
     assert pid not in [p["pid"] for p in (await alice.get("/v1/processes")).json()["processes"]]
     error(await alice.post("/v1/processes", json={"cwd": "../.."}), 400, "invalid_request")
+    loop = server.data / "loop"
+    loop.symlink_to(loop)
+    for cwd in ("loop", "x" * 300):  # a symlink loop, a name too long: not a 500
+        error(await alice.post("/v1/processes", json={"cwd": cwd}), 400, "invalid_request")
 
 
 async def test_a_run_over_http_and_history_pages(alice: httpx.AsyncClient) -> None:

@@ -103,6 +103,16 @@ class FileContent:
         self.mime_type = mime
 
 
+def check_unicode(text: str, what: str) -> str:
+    """``text``, or ValueError if it cannot be stored: a lone surrogate, as Python makes of bytes
+    that were not UTF-8 (``surrogateescape``), has no UTF-8 form and would fail the commit."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid text (character {exc.start} is a lone surrogate: not UTF-8?)") from None
+    return text
+
+
 def document_text(block: FileContent) -> str | None:
     """The text of a text document; None for a PDF, or data that is not base64 UTF-8."""
     if not block.mime_type.startswith("text/"):

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import errno
 import getpass
+import io
 import json
 import os
 import sys
@@ -92,6 +93,8 @@ class PlainReader:
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stdin
+        if isinstance(self.stream, io.TextIOWrapper):  # a byte that is not UTF-8 must not end the chat
+            self.stream.reconfigure(errors="replace")
         self._pending: concurrent.futures.Future[str] | None = None
 
     def _readline(self) -> str:
@@ -375,7 +378,7 @@ class ChatRepl:
         else:
             try:
                 block = load_attachment(Path(path).expanduser())
-            except AttachError as exc:
+            except (AttachError, RuntimeError) as exc:  # (RuntimeError: ~nosuchuser/...)
                 self.err.print(Text(f"cannot attach: {exc}", style="yellow"))
                 return
             self.attached.append(block)
@@ -602,6 +605,8 @@ class DurableSession:
                 receipt = await proc.send(text, media=media)
             except MediaError as exc:
                 return TurnOutcome("error", "error", f"the attachment was refused: {exc}")
+            except ValueError as exc:  # text that cannot be stored (bytes that were not UTF-8)
+                return TurnOutcome("error", "error", f"the message was refused: {exc}")
             return await self._follow(receipt.run_id, view, ask, early=lambda: hub.unwatch(proc.pid, early))
         finally:
             hub.unwatch(proc.pid, early)

@@ -39,6 +39,7 @@ from agentloop.messages import (
     TextContent,
     UserBlock,
     UserMessage,
+    check_unicode,
 )
 from agentloop.models.base import Model
 from agentloop.process import admission
@@ -87,6 +88,7 @@ def _check_input(text: object, media: object, run_id: object) -> None:
     """What ``send`` (and ``spawn`` with a first message) refuses before anything is stored."""
     if not isinstance(text, str) or (not text.strip() and not media):
         raise ValueError("text must be a non-empty string (or come with an image or a file)")
+    check_unicode(text, "text")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
     if (
@@ -414,6 +416,9 @@ class Kernel:
             check_name(pid, "pid")
         if not isinstance(context, str):  # it ends every run's system prompt: caught here, not at each run
             raise TypeError(f"context must be a string, got {type(context).__name__}")
+        check_unicode(context, "context")
+        if not isinstance(interactive, bool):
+            raise TypeError(f"interactive must be true or false, got {interactive!r}")
         if parent_pid is not None and await self.store.get_process(parent_pid) is None:
             raise NoSuchProcess(parent_pid)
         if check_mode(mode) == "chat":
@@ -424,7 +429,7 @@ class Kernel:
             try:
                 where = (workspace / cwd).resolve()
                 found = where.is_dir()
-            except (OSError, ValueError):  # a NUL byte, a path too long
+            except (OSError, ValueError, RuntimeError):  # a NUL byte, a path too long, a symlink loop
                 found = False
             if not found:
                 raise ValueError(f"cwd {str(cwd)!r} is not a directory")
@@ -475,6 +480,7 @@ class Kernel:
         same ``run_id`` returns the first receipt and delivers once."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text must be a non-empty string")
+        check_unicode(text, "text")
         return await self.engine.signal_event(pid, text, run_id=run_id)
 
     # -- schedules (see kernel/schedules.py) ------------------------------------------------------

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 from agentloop.kernel.duty import Duty
+from agentloop.messages import check_unicode
 from agentloop.process.api import new_id
 from agentloop.process.engine import ProcessEngine
 from agentloop.process.store import NoSuchProcess, ScheduleRow, Store
@@ -133,6 +134,10 @@ class Scheduler:
             raise ScheduleError("text must be a non-empty string")
         if len(text) > MAX_TEXT:
             raise ScheduleError(f"text is longer than {MAX_TEXT} characters")
+        try:
+            check_unicode(text, "text")
+        except ValueError as exc:
+            raise ScheduleError(str(exc)) from None
         if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
             raise ScheduleError(f"name must be a non-empty string of at most {MAX_NAME} characters")
         if at is None and every is None:

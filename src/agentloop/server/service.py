@@ -180,9 +180,10 @@ class ProcessService:
             bad_cwd = ApiError(400, "invalid_request", "cwd must name a directory inside the server's workspace")
             try:
                 where = (root / cwd).resolve()
-            except (OSError, ValueError):  # a NUL byte, a name too long for the file system
-                raise bad_cwd from None
-            if not where.is_relative_to(root) or not where.is_dir():
+                inside = where.is_relative_to(root) and where.is_dir()
+            except (OSError, ValueError, RuntimeError):  # a NUL byte, a name too long, a symlink loop
+                inside = False
+            if not inside:
                 raise bad_cwd
         # With a run id the pid follows from it, so a retried request (its answer lost) finds the
         # process the first one made and gets its receipt instead of making a second one.
