@@ -20,6 +20,7 @@ from agentloop.messages import (
     ThinkingContent,
     ToolCall,
     ToolResultMessage,
+    message_to_json,
 )
 from agentloop.models.base import ModelRequest, ToolSpec
 from agentloop.models.openai_chat import OpenAIChatModel
@@ -488,3 +489,13 @@ async def test_abort_closes_the_stream(fake: OpenAIFake) -> None:
             break
     await gen.aclose()  # type: ignore[attr-defined]
     assert seen[-1] == "text_delta"
+
+
+async def test_lone_surrogates_in_a_stream_become_replacement_characters(fake: OpenAIFake) -> None:
+    """Valid JSON, no UTF-8 form: the answer could not be stored, and the run failed as an
+    internal error instead of keeping what the provider said."""
+    fake.push(tool_reply("echo", '{"text": "a\\ud800b", "raw": "c\ud800d"}', id="call_s", text="x\ud800y", split=3))
+    msg = finished(await events_of(model(fake), req(user("hi"), tools=[ECHO_SPEC]))).message
+    assert msg.text == "x\ufffdy"
+    assert msg.tool_calls[0].arguments == {"text": "a\ufffdb", "raw": "c\ufffdd"}
+    assert "\ufffd" in message_to_json(msg)

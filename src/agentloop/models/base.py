@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -186,6 +187,15 @@ def stream_broken(what: str, out: AssistantBuilder) -> str:
     return f"{what} ({got} characters of text received)" if got else what
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """``text`` with lone surrogates (valid JSON, ``"\\ud800"``, but no UTF-8 form) replaced by
+    U+FFFD: a provider that streams one must not fail the commit of its answer."""
+    return text if text.isascii() or not _SURROGATE.search(text) else _SURROGATE.sub("\ufffd", text)
+
+
 class AssistantBuilder:
     """Accumulates one assistant message from provider deltas and yields protocol events.
 
@@ -223,6 +233,7 @@ class AssistantBuilder:
     def text(self, delta: str) -> list[StreamEvent]:
         if not delta:
             return []
+        delta = storable(delta)
         events: list[StreamEvent] = []
         content = self.message.content
         if self._open is None or not isinstance(content[self._open], TextContent):
@@ -247,6 +258,7 @@ class AssistantBuilder:
         block = content[self._open]
         assert isinstance(block, ThinkingContent)
         if delta:
+            delta = storable(delta)
             block.thinking += delta
             events.append(ThinkingDelta(index=self._open, delta=delta))
         if signature:
@@ -270,6 +282,7 @@ class AssistantBuilder:
         if not fragment:
             return []
         i = self._tool_index[key]
+        fragment = storable(fragment)
         self._tool_args[i].append(fragment)
         return [ToolCallDelta(index=i, delta=fragment)]
 
@@ -294,6 +307,8 @@ class AssistantBuilder:
                         f"tool call {call.name!r} has arguments that are not a JSON object",
                         kind="invalid_response",
                     )
+                if "\\u" in raw:  # an escaped lone surrogate parses to one
+                    parsed = json.loads(storable(json.dumps(parsed, ensure_ascii=False)))
                 call.arguments = parsed
             events.append(ToolCallEnd(index=i, tool_call=call))
         self._tool_args.clear()
