@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -207,9 +207,17 @@ class PolicyHook:
     the kernel would add, so both runners remember alike."""
 
     def __init__(
-        self, policy: Policy, *, cwd: str | os.PathLike[str], ask: Asker | None, unanswerable: str = NO_TERMINAL
+        self,
+        policy: Policy,
+        *,
+        cwd: str | os.PathLike[str],
+        ask: Asker | None,
+        unanswerable: str = NO_TERMINAL,
+        protected: Sequence[str | os.PathLike[str]] = (),
     ) -> None:
         self.policy = policy
+        # off limits whatever the policy says, as for processes (see ``decide``)
+        self.protected = [os.path.realpath(p) for p in protected]
         self.unanswerable = unanswerable  # why an ask is refused when there is nobody to ask
         self.cwd = os.fspath(cwd)
         self.home = os.path.expanduser("~")
@@ -224,7 +232,7 @@ class PolicyHook:
         syscall = info.syscall or f"tool.{name}"  # the runner always names it; a bare hook call may not
         async with self._lock:
             policy = merge(None, self.policy, self.remembered)
-            verdict = decide(policy, syscall, info.args, cwd=self.cwd, home=self.home)
+            verdict = decide(policy, syscall, info.args, cwd=self.cwd, home=self.home, protected=self.protected)
             if verdict.action == "auto":
                 return None
             if verdict.action == "deny":

@@ -47,6 +47,7 @@ from agentloop.cli.options import (
     loop_flags,
 )
 from agentloop.cli.render import Progress
+from agentloop.kernel.kernel import kernel_files
 
 T = TypeVar("T")
 
@@ -195,7 +196,13 @@ async def serve_async(
                 )
                 if opts.approval.mode != "auto":
                     agent.hooks.before_tool_call(
-                        PolicyHook(opts.approval.policy, cwd=opts.workspace, ask=None, unanswerable=STATELESS_ASK)
+                        PolicyHook(
+                            opts.approval.policy,
+                            cwd=opts.workspace,
+                            ask=None,
+                            unanswerable=STATELESS_ASK,
+                            protected=kernel_files(kernel.store, kernel.data_dir),
+                        )
                     )
                 return agent
 

@@ -73,7 +73,7 @@ log = logging.getLogger("agentloop.kernel")
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
 
 
-def _kernel_files(store: Store, data: Path) -> list[Path]:
+def kernel_files(store: Store, data: Path) -> list[Path]:
     """What tools must not touch: the database (and its WAL), the accounts' homes (policies, MCP
     servers, context), the archives and media, the system context and skills. Named one by one,
     not as the whole data directory, because that may be the workspace itself."""
@@ -346,7 +346,7 @@ class Kernel:
                 server=policy,
                 accounts=account_policies,
                 account_file=home_file(data, "approval.json"),
-                protected=_kernel_files(store, data),
+                protected=kernel_files(store, data),
             )
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
