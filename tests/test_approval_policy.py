@@ -338,3 +338,35 @@ def test_args_fingerprint_is_canonical_and_binds_arguments() -> None:
     assert args_fingerprint("fs.read", {"path": "a"}) == (
         "8874bafbdd1fff8a1296df162e5fe7b382de85c0f4ee48a4961a6cad00640c07"
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "action", "tag"),
+    [
+        ("cat /srv/agentloop-da*/agentloop.db", "deny", "protected"),  # a glob that can match it
+        ("head /srv/agentloop-dat?/var/x /srv/agentloop-[d]ata/home", "deny", "protected"),
+        ("cat {/srv/agentloop-data,/x}/agentloop.db", "deny", "protected"),  # braces expanded first
+        ("cat /proc/1234/environ", "deny", "protected"),  # the runtime's credentials
+        ("grep -r PIN /srv", "ask", "unclassified"),  # a directory that holds the kernel's data
+        ("grep -r PIN /srv/agent*", "deny", "protected"),  # it names the directory itself
+        ("grep -r PIN /s*", "ask", "unclassified"),
+        ("cat $HOME/notes.txt", "ask", "unclassified"),  # a path the shell makes up
+        ("wc -l $(cat list.txt)", "ask", "unclassified"),
+        ("cat /srv/ws/notes.txt /srv/other/*.txt ./*.py", "auto", None),  # nothing of the kernel's
+        ("ls", "auto", None),
+    ],
+)
+def test_shell_paths_are_judged_as_the_shell_expands_them(command: str, action: str, tag: str | None) -> None:
+    """A review read another account's conversations with ``grep -a … /srv/agentloop-d*/…``: the
+    guard compared the text of the path, not what the shell would make of it."""
+    verdict = decide(
+        default_policy(),
+        "shell.exec",
+        {"command": command},
+        cwd="/srv/ws",
+        home="/home/u",
+        protected=["/srv/agentloop-data"],
+    )
+    assert verdict.action == action, verdict
+    if tag is not None:
+        assert tag in verdict.tags

@@ -149,6 +149,9 @@ async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_p
 
     data = tmp_path / "data"
     (data / "home" / "alice").mkdir(parents=True)
+    (data / "var" / "media" / "bob").mkdir(parents=True)
+    (data / "var" / "media" / "bob" / "doc.txt").write_text("bob's PIN is 9911")
+    (tmp_path / "plan.txt").write_text("the PIN pad is broken")
     (tmp_path / "link").symlink_to(data)
     attempts = [
         call("Write", path="data/home/alice/mcp.json", content="[]"),
@@ -156,7 +159,13 @@ async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_p
         call("Read", path="data/agentloop.db"),
         call("Shell", command=f"cat {data}/agentloop.db"),
         call("Shell", command="cp /etc/hostname data/home/alice/mcp.json"),
+        # what the shell expands is judged by what it can match (a review read bob's messages so)
+        call("Shell", command=f"grep -a PIN {str(data)[:-2]}*/agentloop.db"),
+        call("Shell", command=f"cat {{{data},/nowhere}}/var/media/bob/doc.txt"),
+        call("Shell", command="head -c 100 da[t]a/var/media/bob/doc.txt"),
+        call("Search", pattern="PIN", path="data/var"),
         call("Write", path="notes.txt", content="fine"),
+        call("Search", pattern="PIN"),  # the workspace, around the kernel's data
     ]
     model = ScriptedModel([Reply(tool_calls=attempts), "done"])
     allow_all = {"default": "auto", "rules": []}
@@ -172,8 +181,9 @@ async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_p
         await proc.send("go")
         await proc.wait_idle()
         results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
-    assert [r.is_error for r in results] == [True, True, True, True, True, False]
-    assert all("agentloop's own data" in r.text for r in results[:5])
+    assert [r.is_error for r in results] == [True] * 9 + [False, False]
+    assert all("agentloop's own data" in r.text for r in results[:9])
+    assert "plan.txt:1: the PIN pad is broken" in results[-1].text and "9911" not in results[-1].text
     assert not (data / "home" / "alice" / "mcp.json").exists()
     assert not (data / "home" / "alice" / "approval.json").exists()
     assert (tmp_path / "notes.txt").read_text() == "fine"

@@ -209,3 +209,18 @@ def test_glob_translation() -> None:
     assert negated and regex.match("a.js") and regex.match("b.ts") and not regex.match("c.py")
     regex, _, _ = glob_to_regex("src/*.py")
     assert regex.match("src/a.py") and not regex.match("src/x/a.py")
+
+
+async def test_paths_off_limits_are_left_out_by_both_engines(tree: Path) -> None:
+    """The kernel's data may lie under the workspace: Search walks around it (``off_limits``)."""
+    (tree / "data" / "var" / "x[1]").mkdir(parents=True)
+    (tree / "data" / "var" / "x[1]" / "secret.txt").write_text("needle of another account\n")
+    (tree / "data" / "agentloop.db").write_text("needle in the database\n")
+    (tree / "agentloop.db").write_text("needle in a file of the same name elsewhere\n")
+    off = (tree / "data" / "var", tree / "data" / "agentloop.db", tree.parent / "outside")
+    shown = await both(tree, "needle", max_results=100, off_limits=off)
+    assert "another account" not in shown and "in the database" not in shown
+    assert "agentloop.db:1: needle in a file of the same name elsewhere" in shown and "sub/c.txt" in shown
+    for path in ("data/var", "data/var/x[1]/secret.txt"):
+        with pytest.raises(ToolError, match="agentloop's own data"):
+            await search_files(tree, "needle", path, off_limits=off)

@@ -327,6 +327,7 @@ class Kernel:
         builtin = tools is None
         tools = [*(builtin_tools(root) if tools is None else tools), *extra_tools]
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
+        agent.config.off_limits = tuple(kernel_files(store, data))  # (the Search tool walks around them)
         await store.open()
         media = MediaStore(data)
         if toolset is None and devices is not None:

@@ -143,7 +143,14 @@ async def _execute(
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
     check = nested_check(cfg, p, nested)
     ctx = ToolContext(
-        call.id, call.name, cfg.workspace, tools=cfg.tools, check=check, run_id=p.info.run_id, budget=budget
+        call.id,
+        call.name,
+        cfg.workspace,
+        tools=cfg.tools,
+        check=check,
+        run_id=p.info.run_id,
+        budget=budget,
+        off_limits=cfg.off_limits,
     )
     if emit is not None:
 

@@ -58,6 +58,7 @@ class LoopConfig:
     workspace: Path | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    off_limits: tuple[Path, ...] = ()  # paths no tool may read (see ``ToolContext``)
 
     @property
     def tool_specs(self) -> list[ToolSpec]:

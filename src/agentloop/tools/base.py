@@ -119,7 +119,9 @@ class ToolContext:
     ``check`` (their approval) are for tools that call other tools, like CodeMode: the runner
     fills them so a nested call uses the very tool objects and the policy a direct call would.
     ``run_id`` names the run that made the call, for tools whose effects belong to that run (a
-    subagent started by it stops when the run is aborted).
+    subagent started by it stops when the run is aborted). ``off_limits`` are paths a tool that
+    walks a tree (Search) leaves out, whatever path it was given: a kernel's own data (every
+    account's conversations) may lie under the workspace.
     """
 
     tool_call_id: str
@@ -130,6 +132,7 @@ class ToolContext:
     check: NestedCheck | None = None
     run_id: str | None = None
     budget: CallBudget | None = None
+    off_limits: tuple[Path, ...] = ()
 
 
 def to_result(value: Any) -> ToolResult:

@@ -522,6 +522,7 @@ class _Execution:
             check=self.ctx.check,
             run_id=self.ctx.run_id,  # (a subagent the program starts stops with the run)
             budget=self.ctx.budget,
+            off_limits=self.ctx.off_limits,
         )
         if tool.timeout is not None and tool.interruptible:
             try:

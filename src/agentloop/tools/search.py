@@ -27,13 +27,14 @@ import re
 import shutil
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field
 
-from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
+from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
 
 __all__ = ["Hit", "glob_to_regex", "search_files", "search_tool"]
@@ -169,9 +170,16 @@ def _search_file(real: Path, rel: str, regex: re.Pattern[str], hits: list[Hit], 
 
 
 def _python_search(
-    root: Path, start: Path, regex: re.Pattern[str], glob: str | None, cap: int, cancel: threading.Event
+    root: Path,
+    start: Path,
+    regex: re.Pattern[str],
+    glob: str | None,
+    cap: int,
+    cancel: threading.Event,
+    skipped: frozenset[str] = frozenset(),
 ) -> list[Hit]:
-    """Depth-first in name order: the order ``rg --sort path`` visits a tree in."""
+    """Depth-first in name order: the order ``rg --sort path`` visits a tree in. ``skipped``:
+    paths (relative to ``root``) left out."""
     hits: list[Hit] = []
     filt = _GlobFilter(glob)
 
@@ -186,6 +194,8 @@ def _python_search(
             if entry.name in SKIP_DIRS or entry.is_symlink():
                 continue
             rel = display(root, Path(entry.path))
+            if rel in skipped:
+                continue
             if entry.is_dir(follow_symlinks=False):
                 if filt.keep_dir(rel):
                     walk(Path(entry.path))
@@ -209,15 +219,24 @@ def _rg_text(field: dict[str, Any]) -> str:
 
 
 async def _rg_search(
-    rg: str, root: Path, start: Path, pattern: str, glob: str | None, ignore_case: bool, cap: int
+    rg: str,
+    root: Path,
+    start: Path,
+    pattern: str,
+    glob: str | None,
+    ignore_case: bool,
+    cap: int,
+    skipped: frozenset[str] = frozenset(),
 ) -> list[Hit]:
     args = [rg, "--no-config", "--json", "--sort", "path", "--hidden", "--no-ignore"]
     if ignore_case:
         args.append("--ignore-case")
     if glob:
         args += ["--glob", glob]
-    for skipped in sorted(SKIP_DIRS):
-        args += ["--glob", f"!{skipped}"]
+    for name in sorted(SKIP_DIRS):
+        args += ["--glob", f"!{name}"]
+    for rel in sorted(skipped):  # anchored at the root (rg's working directory)
+        args += ["--glob", f"!/{_glob_escape(rel)}"]
     args += ["--regexp", pattern, "--", str(start)]
     # Globs with a "/" are matched relative to rg's working directory: make that the root.
     proc = await asyncio.create_subprocess_exec(
@@ -289,9 +308,11 @@ async def search_files(
     ignore_case: bool = False,
     *,
     use_rg: bool | None = None,
+    off_limits: Sequence[Path] = (),
 ) -> ToolResult:
     """``fs.search``. ``use_rg``: None picks rg when present (env ``AGENTLOOP_SEARCH`` may force
-    ``python`` or ``rg``); False forces the fallback; True insists on rg."""
+    ``python`` or ``rg``); False forces the fallback; True insists on rg. ``off_limits``: paths
+    left out of the walk (those under the root; the rest cannot be reached anyway)."""
     if not pattern:
         raise ToolError("pattern is empty")
     if max_results < 1:
@@ -300,11 +321,14 @@ async def search_files(
     start = resolve_path(root, path or ".")
     if not start.exists():
         raise ToolError(f"Path not found: {path}")
+    skipped = _inside_root(base, off_limits)
+    if any(start == base / rel or start.is_relative_to(base / rel) for rel in skipped):
+        raise ToolError(f"{path} is agentloop's own data, which tools may not read")
     glob = glob or None
     cap = min(max_results, MAX_RESULTS_LIMIT) + 1  # one more than shown tells us results were cut
     rg = _ripgrep(use_rg) if start.is_dir() else None  # a single file is quicker in-process
     if rg is not None:
-        hits = await _rg_search(rg, base, start, pattern, glob, ignore_case, cap)
+        hits = await _rg_search(rg, base, start, pattern, glob, ignore_case, cap, skipped)
         engine = "rg"
     else:
         try:
@@ -313,7 +337,7 @@ async def search_files(
             raise ToolError(f"Invalid regex {pattern!r}: {exc}") from None
         cancel = threading.Event()
         try:
-            hits = await asyncio.to_thread(_python_search, base, start, regex, glob, cap, cancel)
+            hits = await asyncio.to_thread(_python_search, base, start, regex, glob, cap, cancel, skipped)
         finally:
             cancel.set()  # a cancelled await leaves the thread running; tell it to stop
         engine = "python"
@@ -328,6 +352,20 @@ async def search_files(
     if truncated:
         text += f"\n[showing the first {len(shown)} matches; there are more: narrow the pattern, path or glob]"
     return ToolResult.text(text, details=details)
+
+
+def _inside_root(base: Path, paths: Sequence[Path]) -> frozenset[str]:
+    """``paths`` that lie under ``base`` (its real path), relative to it."""
+    inside = set()
+    for path in paths:
+        real = Path(os.path.realpath(path))
+        if real != base and real.is_relative_to(base):
+            inside.add(real.relative_to(base).as_posix())
+    return frozenset(inside)
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]{}!\\])", r"\\\1", text)
 
 
 def search_tool(root: str | Path, *, use_rg: bool | None = None) -> FunctionTool:
@@ -345,6 +383,8 @@ def search_tool(root: str | Path, *, use_rg: bool | None = None) -> FunctionTool
         glob: str | None = None,
         max_results: Annotated[int, Field(ge=1, le=MAX_RESULTS_LIMIT)] = DEFAULT_MAX_RESULTS,
         ignore_case: bool = False,
+        *,
+        ctx: ToolContext,
     ) -> ToolResult:
         """
         Args:
@@ -354,6 +394,8 @@ def search_tool(root: str | Path, *, use_rg: bool | None = None) -> FunctionTool
             max_results: Maximum number of matching lines to return.
             ignore_case: Match case-insensitively.
         """
-        return await search_files(root, pattern, path, glob, max_results, ignore_case, use_rg=use_rg)
+        return await search_files(
+            root, pattern, path, glob, max_results, ignore_case, use_rg=use_rg, off_limits=ctx.off_limits
+        )
 
     return search

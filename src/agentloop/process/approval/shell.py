@@ -307,7 +307,8 @@ class _Walker:
         operands = _operands(rest)
         if name in PATTERN_FIRST and not any(a.text in ("-e", "-f", "--regexp") for a in rest):
             operands = operands[1:]
-        self.paths.extend(a.text for a in operands if not a.dynamic and _looks_like_path(a.text))
+        # an operand with an expansion could be any path: kept, for the path tags to judge
+        self.paths.extend(a.text for a in operands if a.dynamic or _looks_like_path(a.text))
 
     def simple(self, name: str, rest: Sequence[_Arg]) -> frozenset[str]:
         if name in READ_ONLY:

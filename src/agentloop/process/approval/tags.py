@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from agentloop.process.approval.shell import ShellAnalysis, classify_shell
@@ -22,6 +24,10 @@ StrPath = str | os.PathLike[str]
 #: Writing here needs root on any sane machine (or changes the machine itself).
 SYSTEM_DIRS = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/sys", "/proc", "/dev", "/root")
 _WRITES = frozenset({"fs.write", "fs.edit", "fs.delete"})
+# what the shell expands before a command sees it: a pattern's matches are not known here
+_GLOB = re.compile(r"[*?\[]")
+# a process's environment (the runtime's credentials) and memory, readable by the same user
+_PROCESS_SECRETS = re.compile(r"/proc/[^/]+/(?:task/[^/]+/)?(?:environ|mem)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,48 @@ def _inside(path: str, base: str) -> bool:
     return path == base or path.startswith(base.rstrip("/") + "/")
 
 
+def _braces(pattern: str) -> list[str]:
+    """``a{b,c}d`` → ``abd``, ``acd`` (nested and repeated too), as the shell expands it."""
+    depth, start = 0, -1
+    for i, ch in enumerate(pattern):
+        if ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                body, parts, level, last = pattern[start + 1 : i], [], 0, 0
+                for j, c in enumerate(body):
+                    level += (c == "{") - (c == "}")
+                    if c == "," and level == 0:
+                        parts.append(body[last:j])
+                        last = j + 1
+                parts.append(body[last:])
+                if len(parts) < 2:
+                    continue  # ``{x}`` is literal
+                head, tail = pattern[:start], pattern[i + 1 :]
+                return [out for part in parts for out in _braces(head + part + tail)]
+    return [pattern]
+
+
+def _reach(pattern: str, protected: Sequence[str]) -> tuple[bool, bool]:
+    """Whether a glob pattern (absolute, normalised) can name a path inside a protected directory,
+    and whether it can name a directory that holds one: component by component, as the shell
+    matches it (``*`` stays within a component)."""
+    parts = pattern.strip("/").split("/")
+    inside = holds = False
+    for guarded in protected:
+        names = guarded.strip("/").split("/")
+        common = min(len(parts), len(names))
+        if all(fnmatchcase(name, part) for name, part in zip(names[:common], parts[:common], strict=True)):
+            if len(parts) >= len(names):
+                inside = True
+            else:
+                holds = True
+    return inside, holds
+
+
 def _resolve(path: str, base: str, home: str) -> str | None:
     """The absolute, normalised form of ``path``, or None if it depends on the environment."""
     if not path or "$" in path or "`" in path or "\x00" in path:
@@ -73,18 +121,44 @@ def _resolve(path: str, base: str, home: str) -> str | None:
 
 
 def path_tags(
-    path: str, *, base: StrPath, cwd: StrPath, home: StrPath, writing: bool = False, protected: Sequence[str] = ()
+    path: str,
+    *,
+    base: StrPath,
+    cwd: StrPath,
+    home: StrPath,
+    writing: bool = False,
+    protected: Sequence[str] = (),
+    shell: bool = False,
 ) -> set[str]:
     """Tags for one path named relative to ``base``; ``writing`` also flags system directories.
     A path inside one of the ``protected`` directories (agentloop's own data: its database,
-    archives, policies) is ``protected``, also when a symlink on the way leads there."""
+    archives, policies) is ``protected``, also when a symlink on the way leads there, and so is a
+    process's environment. A ``shell`` operand is what the shell expands: one that depends on a
+    variable is ``unclassified``, a glob that can match a protected path is ``protected``, and
+    a directory holding a protected one is ``unclassified`` (a recursive command reaches in)."""
+    if shell and "{" in path:  # expanded first: ``{/a,b}/c`` is /a/c and <base>/b/c
+        alternatives = _braces(path)
+        if alternatives != [path]:
+            return set().union(
+                *(
+                    path_tags(p, base=base, cwd=cwd, home=home, writing=writing, protected=protected, shell=True)
+                    for p in alternatives
+                )
+            )
     cwd_s, home_s = posixpath.normpath(os.fspath(cwd)), posixpath.normpath(os.fspath(home))
     resolved = _resolve(path, posixpath.normpath(os.fspath(base)), home_s)
     if resolved is None:
-        return set()
+        return {"unclassified"} if shell and ("$" in path or "`" in path) else set()
     tags: set[str] = set()
-    if protected and any(_inside(p, d) for p in {resolved, os.path.realpath(resolved)} for d in protected):
+    if _PROCESS_SECRETS.fullmatch(resolved):
         tags.add("protected")
+    if shell and _GLOB.search(resolved):
+        inside, holds = _reach(resolved, protected)
+        tags |= {"protected"} if inside else {"unclassified"} if holds else set()
+    elif protected and any(_inside(p, d) for p in {resolved, os.path.realpath(resolved)} for d in protected):
+        tags.add("protected")
+    elif shell and any(_inside(d, resolved) for d in protected):
+        tags.add("unclassified")
     inside_cwd = _inside(resolved, cwd_s)
     if not inside_cwd:
         tags.add("outside-cwd")
@@ -107,11 +181,12 @@ def _paths_tags(
     cwd: StrPath,
     home: StrPath,
     protected: Sequence[str] = (),
+    shell: bool = False,
 ) -> set[str]:
     written = set(writes)
     tags: set[str] = set()
     for p in paths:
-        tags |= path_tags(p, base=base, cwd=cwd, home=home, writing=p in written, protected=protected)
+        tags |= path_tags(p, base=base, cwd=cwd, home=home, writing=p in written, protected=protected, shell=shell)
     return tags
 
 
@@ -154,7 +229,13 @@ def call_facts(
         tags |= path_tags(workdir, base=base, cwd=cwd, home=home, protected=protected)
         if resolved_workdir is not None:
             tags |= _paths_tags(
-                analysis.paths, analysis.writes, base=resolved_workdir, cwd=cwd, home=home, protected=protected
+                analysis.paths,
+                analysis.writes,
+                base=resolved_workdir,
+                cwd=cwd,
+                home=home,
+                protected=protected,
+                shell=True,
             )
         return CallFacts(frozenset(tags), analysis.paths, analysis, analysis.reasons)
     path = args.get("path")
