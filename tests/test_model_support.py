@@ -128,3 +128,54 @@ def test_builder_rejects_garbage_tool_arguments():
     assert err.value.kind == "invalid_response" and "not JSON" in str(err.value)
     failed = b.fail("broken", "connection")
     assert failed.message.tool_calls == [] and failed.message.stop_reason == "error" and failed.retryable
+
+
+QUOTA = {
+    "error": {"message": "You exceeded your current quota", "type": "insufficient_quota", "code": "insufficient_quota"}
+}
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic", "gemini"])
+async def test_a_json_error_with_status_200_is_the_providers_error_not_a_cut_stream(provider: str) -> None:
+    """Read as an empty stream it was retried as a broken connection, and its message was lost."""
+    from agentloop import Agent
+    from agentloop.models.anthropic import AnthropicModel
+    from agentloop.models.gemini import GeminiModel
+    from agentloop.models.openai_chat import OpenAIChatModel
+    from tests.fakes.anthropic_server import AnthropicFake
+    from tests.fakes.gemini_server import GeminiFake
+    from tests.fakes.http_server import JSONReply
+    from tests.fakes.openai_server import OpenAIFake
+
+    fakes = {"openai": OpenAIFake, "anthropic": AnthropicFake, "gemini": GeminiFake}
+    with fakes[provider]() as fake:
+        fake.forever = JSONReply(200, QUOTA)
+        model = {
+            "openai": lambda: OpenAIChatModel("gpt-4o-mini", base_url=fake.base_url, api_key="k"),
+            "anthropic": lambda: AnthropicModel("claude-haiku-4-5", base_url=fake.base_url, api_key="k"),
+            "gemini": lambda: GeminiModel("gemini-2.5-flash", base_url=fake.base_url, api_key="k"),
+        }[provider]()
+        result = await Agent(model=model, retry=RetryPolicy(max_retries=2, base_delay=0.01)).run("hi")
+        assert result.stop_reason == "error"
+        assert result.error == "the provider answered application/json, not a stream: You exceeded your current quota"
+        assert len(fake.requests) == 1  # not a transient failure: not retried
+
+
+async def test_a_page_instead_of_a_stream_is_shown_as_such() -> None:
+    import httpx
+
+    from agentloop.models.base import check_event_stream
+
+    page = httpx.Response(
+        200, headers={"content-type": "text/html; charset=utf-8"}, content=b"<h1>502 Bad Gateway</h1>"
+    )
+    with pytest.raises(ProviderError, match="answered text/html, not a stream: <h1>502 Bad Gateway</h1>") as caught:
+        await check_event_stream(page)
+    assert caught.value.kind == "invalid_response"
+    overloaded = httpx.Response(200, json={"error": {"message": "overloaded", "code": 503}})
+    with pytest.raises(ProviderError) as caught:
+        await check_event_stream(overloaded)
+    assert caught.value.kind == "server"  # transient: retried
+    await check_event_stream(
+        httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"data: {}\n\n")
+    )

@@ -49,6 +49,7 @@ from agentloop.models.base import (
     ModelInfo,
     ModelRequest,
     ProviderError,
+    check_event_stream,
     endpoint,
     http_error,
     make_usage,
@@ -168,6 +169,7 @@ class AnthropicModel(Model):
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
         create = cast(Any, self.client.messages.create)  # overloads cannot see `stream` in a dict
         response: anthropic.AsyncStream[Any] = await create(**sdk_kwargs(create, self.build_params(request)))
+        await check_event_stream(response.response)
         yield out.start()
         reader = _EventReader(self.info, out)
         async with response:

@@ -45,6 +45,7 @@ from agentloop.messages import (
     Usage,
     document_text,
 )
+from agentloop.models.overflow import is_overflow_text
 
 
 def file_text(block: FileContent) -> str | None:
@@ -179,6 +180,33 @@ def http_error(
 
 
 STREAM_CUT = "the stream ended before the answer was finished"
+_NOT_A_STREAM = ("application/json", "text/html", "text/plain")
+
+
+async def check_event_stream(response: Any) -> None:
+    """A successful answer that is not the event stream asked for (a JSON error body with status
+    200, a proxy's HTML page): a ``ProviderError`` with what it says, instead of an empty stream
+    taken for a cut one and retried. ``response`` is an ``httpx.Response`` whose body is unread."""
+    content_type = str(response.headers.get("content-type", "")).split(";")[0].strip().lower()
+    if content_type not in _NOT_A_STREAM:
+        return
+    raw: bytes = await response.aread()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        message = str(error.get("message") or error.get("type") or error)
+        code = error.get("code", error.get("status"))
+        status = code if isinstance(code, int) and 400 <= code < 600 else 0
+    else:
+        message = raw.decode("utf-8", "replace").strip()[:300] or "(empty)"
+        status = 0
+    text = f"the provider answered {content_type}, not a stream: {message}"
+    if status:
+        raise http_error(status, text, overflow=is_overflow_text(message))
+    raise ProviderError(text, kind="overflow" if is_overflow_text(message) else "invalid_response")
 
 
 def stream_broken(what: str, out: AssistantBuilder) -> str:

@@ -56,6 +56,7 @@ from agentloop.models.base import (
     ModelRequest,
     ProviderError,
     ToolSpec,
+    check_event_stream,
     endpoint,
     file_text,
     http_error,
@@ -217,6 +218,7 @@ class GeminiModel(Model):
             if response.status_code >= 400:
                 raw = await response.aread()
                 raise classify_status(response.status_code, raw, response.headers)
+            await check_event_stream(response)
             yield out.start()
             reader = _ChunkReader(self.info, out)
             try:

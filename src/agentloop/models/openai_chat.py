@@ -41,6 +41,7 @@ from agentloop.models.base import (
     ModelInfo,
     ModelRequest,
     ProviderError,
+    check_event_stream,
     endpoint,
     file_text,
     http_error,
@@ -141,6 +142,7 @@ class OpenAIChatModel(Model):
         params = self.build_params(request)
         create = cast(Any, self.client.chat.completions.create)  # overloads cannot see `stream` in a dict
         response: openai.AsyncStream[Any] = await create(**sdk_kwargs(create, params))
+        await check_event_stream(response.response)
         yield out.start()
         finish: str | None = None
         usage: Usage | None = None
