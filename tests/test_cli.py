@@ -478,3 +478,27 @@ def test_run_policy_file_and_a_malformed_one(tmp_path: Path, ws: Path) -> None:
     assert missing.exit_code == 2 and missing.stderr.startswith("error: --approval must be ask, auto, deny or")
     typo = runner.invoke(app, ["run", "-m", model, "-w", str(ws), "--approval", "dney", "go"])
     assert typo.exit_code == 2 and "cannot read 'dney'" in typo.stderr and "Traceback" not in typo.stderr
+
+
+def test_a_home_of_an_unknown_user_is_named_with_its_flag(
+    tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~nosuchuser/x`` made every path flag fail with "RuntimeError: Could not determine home
+    directory", naming no flag; in the config file (a key the CLI can do without) it stopped the run."""
+    model = script(tmp_path / "s.json", ["fine", "fine"])
+    odd = "~nosuchuser-agentloop/x"
+    for args, flag in (
+        (["run", "-m", model, "-w", odd, "go"], "workspace"),
+        (["run", "-m", model, "-w", str(ws), "--approval", odd, "go"], "--approval"),
+        (["chat", "-m", model, "-w", str(ws), "--data", odd], "--data"),
+    ):
+        result = runner.invoke(app, args, input="")
+        assert result.exit_code != 0 and "Traceback" not in result.stderr
+        assert f"{flag} '{odd}': ~nosuchuser-agentloop names no user on this machine" in result.stderr, result.stderr
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'workspace = "{odd}"\n')
+    monkeypatch.setenv("AGENTLOOP_CONFIG", str(cfg))
+    monkeypatch.chdir(ws)
+    result = runner.invoke(app, ["run", "-m", model, "go"])
+    assert result.exit_code == 0 and result.stdout == "fine\n", result.stderr
+    assert "names no user on this machine; ignored" in result.stderr

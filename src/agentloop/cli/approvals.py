@@ -13,12 +13,12 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
 from rich.text import Text
 
+from agentloop.cli.config import expand_home
 from agentloop.cli.render import describe_call, one_line
 from agentloop.loop.hooks import Block, ToolCallInfo
 from agentloop.process.api import approve_everything
@@ -60,7 +60,7 @@ def parse_approval(spec: str) -> ApprovalSetting:
         return ApprovalSetting("auto", Policy(default="auto"), "--approval auto")
     if word == "deny":
         return ApprovalSetting("deny", Policy(default="deny"), "--approval deny")
-    path = Path(spec).expanduser()
+    path = expand_home(spec, "--approval")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

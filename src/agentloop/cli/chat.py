@@ -30,6 +30,7 @@ from rich.text import Text
 from agentloop.agent import Agent, Run, RunResult
 from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ReadInterrupted, ask_user
 from agentloop.cli.attach import AttachError, describe, load_attachment
+from agentloop.cli.config import expand_home
 from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
 from agentloop.kernel import Kernel, Process
 from agentloop.loop.state import Mode
@@ -439,9 +440,9 @@ def data_dir(explicit: Path | None = None, env: Mapping[str, str] | None = None)
     """``--data``, else ``$AGENTLOOP_DATA``, else ``$XDG_DATA_HOME/agentloop``, else ``~/.local/share/agentloop``."""
     env = os.environ if env is None else env
     if explicit is not None:
-        return explicit.expanduser()
+        return expand_home(explicit, "--data")
     if env.get("AGENTLOOP_DATA"):
-        return Path(env["AGENTLOOP_DATA"]).expanduser()
+        return expand_home(env["AGENTLOOP_DATA"], "$AGENTLOOP_DATA")
     base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "agentloop"
 

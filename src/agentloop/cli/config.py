@@ -126,11 +126,21 @@ class Settings:
         )
 
 
+def expand_home(path: str | Path, what: str) -> Path:
+    """``path`` with ``~`` expanded; a ValueError naming ``what`` (the flag or key it came from)
+    when it names the home of a user this machine does not know (``~nosuchuser/x``)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        user = str(path).split("/", 1)[0]
+        raise ValueError(f"{what} {str(path)!r}: {user} names no user on this machine") from None
+
+
 def config_path(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     explicit = env.get(CONFIG_ENV)
     if explicit:
-        return Path(explicit).expanduser()
+        return expand_home(explicit, f"${CONFIG_ENV}")
     base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "agentloop" / "config.toml"
 
@@ -256,9 +266,14 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
         bad("tool_timeout", "a positive number of seconds")
         tool_timeout = None
     workspace = data.get("workspace")
+    workspace_path = None
     if workspace is not None and not (isinstance(workspace, str) and workspace):
         bad("workspace", "a directory path")
-        workspace = None
+    elif isinstance(workspace, str):
+        try:
+            workspace_path = expand_home(workspace, "workspace")
+        except ValueError as exc:  # ~nosuchuser/...: a key the CLI can do without, like the others
+            warnings.append(f"config file {path}: {exc}; ignored")
     server = data.get("server")
     if server is not None and not (isinstance(server, str) and server.startswith(("http://", "https://"))):
         bad("server", "an http:// or https:// URL")
@@ -290,7 +305,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             model=model.strip() if isinstance(model, str) else None,
             system_prompt=system_prompt,
             tool_timeout=float(tool_timeout) if tool_timeout is not None else None,
-            workspace=Path(workspace).expanduser() if isinstance(workspace, str) else None,
+            workspace=workspace_path,
             server=server.rstrip("/") if isinstance(server, str) else None,
             token=token.strip() if isinstance(token, str) else None,
             errors=errors,

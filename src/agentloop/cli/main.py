@@ -24,7 +24,15 @@ from rich.text import Text
 
 from agentloop.agent import Agent, RunResult
 from agentloop.cli.approvals import Answer, ApprovalSetting, PolicyHook, Question, ask_user, parse_approval
-from agentloop.cli.config import LoopFlags, Settings, kernel_options, load_settings, loop_options, open_model
+from agentloop.cli.config import (
+    LoopFlags,
+    Settings,
+    expand_home,
+    kernel_options,
+    load_settings,
+    loop_options,
+    open_model,
+)
 from agentloop.cli.device import device_app
 from agentloop.cli.options import (
     CompactionOpt,
@@ -148,7 +156,7 @@ def _settings(
 
 
 def _workspace(settings: Settings) -> Path:
-    path = (settings.workspace or Path.cwd()).expanduser()
+    path = expand_home(settings.workspace or Path.cwd(), "workspace")
     if not path.exists():
         raise CliError(f"workspace {path} does not exist")
     if not path.is_dir():
