@@ -322,7 +322,7 @@ async def search_files(
     if not start.exists():
         raise ToolError(f"Path not found: {path}")
     skipped = _inside_root(base, off_limits)
-    if any(start == base / rel or start.is_relative_to(base / rel) for rel in skipped):
+    if any(start.is_relative_to(base / rel) for rel in skipped):
         raise ToolError(f"{path} is agentloop's own data, which tools may not read")
     glob = glob or None
     cap = min(max_results, MAX_RESULTS_LIMIT) + 1  # one more than shown tells us results were cut
