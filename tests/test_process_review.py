@@ -295,3 +295,134 @@ async def test_a_killed_process_refuses_every_call_with_no_such_process(tmp_path
 
 async def drain(proc):
     return [s async for s in proc.signals(follow=False)]
+
+
+def _slow_archive(monkeypatch: pytest.MonkeyPatch, entered: asyncio.Event, seconds: float = 0.3) -> None:
+    """Make a reset's or kill's archive take a while (it runs in a thread), and say when it starts:
+    the gap between its abort and its last commit, where input used to start a run."""
+    import time
+
+    from agentloop.kernel import kernel as kernel_module
+
+    real = kernel_module.write_archive
+    loop = asyncio.get_running_loop()
+
+    def slow(*args: object, **kw: object) -> object:
+        loop.call_soon_threadsafe(entered.set)
+        time.sleep(seconds)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel_module, "write_archive", slow)
+
+
+async def test_input_sent_during_a_reset_goes_to_the_fresh_conversation(tmp_path, monkeypatch):
+    """A review: a send (or an event) arriving while a reset archived the history started a run
+    the reset then cleared from under it; the message was in neither history nor archive."""
+    model = ScriptedModel(
+        lambda r: Reply(tool_calls=[call("slow", seconds=30)]) if r.messages[-1].text == "long" else "fresh answer"
+    )
+    entered = asyncio.Event()
+    _slow_archive(monkeypatch, entered)
+    async with kernel(tmp_path, model, daily_memory=False) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("long")
+        await asyncio.sleep(0.1)
+        reset = asyncio.create_task(proc.reset())
+        await asyncio.wait_for(entered.wait(), 5)
+        second = await proc.send("second")  # waits for the reset to finish
+        assert reset.done() and not second.queued
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert [m.text for m in await proc.messages()] == ["second", "fresh answer"]
+        runs = [s async for s in proc.signals(follow=False) if s.signal == "proc.run.started"]
+        assert [s.payload["runId"] for s in runs][-1] == second.run_id
+
+
+async def test_input_sent_during_a_kill_finds_no_process_and_waiters_return(tmp_path, monkeypatch):
+    """A review: a send during a kill started a run; the kill then left wait_idle() hanging."""
+    model = ScriptedModel(lambda r: Reply(tool_calls=[call("slow", seconds=30)]))
+    entered = asyncio.Event()
+    _slow_archive(monkeypatch, entered)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("long")
+        await asyncio.sleep(0.1)
+        waiter = asyncio.create_task(proc.wait_idle())
+        kill = asyncio.create_task(proc.kill())
+        await asyncio.wait_for(entered.wait(), 5)
+        with pytest.raises(NoSuchProcess):
+            await proc.send("second")
+        await asyncio.wait_for(kill, 5)
+        await asyncio.wait_for(asyncio.gather(waiter, return_exceptions=True), 5)  # not left waiting
+        assert model.calls == 1
+
+
+@pytest.mark.parametrize("kill", [False, True])
+async def test_a_crash_after_a_reset_or_kills_abort_runs_none_of_the_discarded_input(tmp_path, monkeypatch, kill):
+    """A review: the abort committed first, the queue was dropped in a later commit; a crash in
+    between left the queued input for the restart to run on the history the user cleared."""
+    ran.clear()
+    model = ScriptedModel(
+        lambda r: (
+            Reply(tool_calls=[call("slow", seconds=30)])
+            if r.messages[-1].text == "long"
+            else Reply(tool_calls=[call("echo", text="queued ran")])
+        )
+    )
+    def crash(*args: object, **kw: object) -> object:
+        raise SystemExit("the machine died while the history was archived")
+
+    from agentloop.kernel import kernel as kernel_module
+
+    monkeypatch.setattr(kernel_module, "write_archive", crash)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("long")
+        await proc.send("later", mode="queue")
+        await asyncio.sleep(0.1)
+        with pytest.raises(SystemExit):
+            await (proc.kill() if kill else proc.reset())
+        pid = proc.pid
+    monkeypatch.undo()
+    async with kernel(tmp_path, ScriptedModel(["nothing should ask"])) as k2:
+        proc = await k2.process(pid)  # still there: the kill did not get to its commit
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        assert await k2.store.queue(pid) == [] and ran == []
+        assert "later" not in [m.text for m in await proc.messages()]
+
+
+async def test_an_abort_whose_caller_gives_up_still_ends_the_run(tmp_path):
+    """A review: a caller cancelled while the tools unwound (``wait_for(abort(), t)``) left the
+    run active with nothing driving it; wait_idle() hung, and a tool deadline later revived it."""
+    unwinding = asyncio.Event()
+
+    @tool
+    async def cleanup_slowly(n: int) -> str:
+        """Works; on cancellation takes a while to clean up."""
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            unwinding.set()
+            await asyncio.sleep(0.3)
+            raise
+        return "done"
+
+    model = ScriptedModel(
+        lambda r: (
+            "final"
+            if isinstance(r.messages[-1], ToolResultMessage)
+            else Reply(tool_calls=[call("cleanup_slowly", n=1)])
+        )
+    )
+    async with kernel(tmp_path, model, tools=[cleanup_slowly]) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("go")
+        await asyncio.sleep(0.1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(proc.abort(), 0.05)
+        assert unwinding.is_set()
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        info = await proc.info()
+        assert info.current_run is None
+        finished = [s.payload for s in [s async for s in proc.signals(follow=False)] if s.signal == "proc.run.finished"]
+        assert [(f["status"], f["reason"]) for f in finished] == [("aborted", "user")]
+        assert model.calls == 1

@@ -536,7 +536,12 @@ class Kernel:
         return lambda: self.watchers.forget(dropped)
 
     async def _clear(self, pid: str, *, kill: bool, archive: bool, above: frozenset[str] = frozenset()) -> Path | None:
-        """Reset or kill (``above``: the pids a kill came down from, see tree.py)."""
+        """Reset or kill (``above``: the pids a kill came down from, see tree.py). From its abort
+        to its last commit the process is idle, yet not to be started: input for it waits."""
+        async with self.engine.clearing.hold(pid):
+            return await self._clear_held(pid, kill=kill, archive=archive, above=above)
+
+    async def _clear_held(self, pid: str, *, kill: bool, archive: bool, above: frozenset[str]) -> Path | None:
         record = await self.store.get_process(pid)
         if record is None:
             raise NoSuchProcess(pid)

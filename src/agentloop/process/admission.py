@@ -16,9 +16,19 @@ if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
 
 
+async def after_clearing(engine: ProcessEngine, pid: str) -> None:
+    """Wait out a reset or kill of the process under way: input that arrived meanwhile goes to the
+    conversation that follows it (or, after a kill, finds no process), never to the one being
+    cleared, where it would be lost or start a run the clearing does not know of."""
+    if pid in engine.clearing:
+        async with engine.clearing.hold(pid):
+            pass
+
+
 async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendMode, run_id: str | None) -> Receipt:
     if mode not in ("steer", "queue", "interrupt"):
         raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+    await after_clearing(engine, pid)
     if engine.leases is not None and not await engine.leases.hold(pid) and mode == "interrupt":
         await engine.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
         mode = "steer" if await engine.leases.hold(pid) else "queue"  # … and runs this next
@@ -86,6 +96,7 @@ async def signal_event(
 ) -> Receipt | None:
     """Deliver a system event. With ``claim`` (see ``ProcessEngine.claimed_event``) the claim runs
     first inside the delivery's transaction; None, and nothing delivered, when it fails."""
+    await after_clearing(engine, pid)
     if engine.leases is not None:
         await engine.leases.hold(pid)  # or, held elsewhere, the event waits in the queue for its holder
     live = await engine.live(pid)

@@ -57,6 +57,7 @@ from agentloop.process.api import (
 )
 from agentloop.process.calls import disarm, end_batch, results_of, settle
 from agentloop.process.driver import drive
+from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
@@ -80,6 +81,9 @@ ABORT_GRACE = 10.0
 # an interrupt starts its own run, a reset or kill clears the queue, and a subagent stopped with
 # its parent (``parent.*``) must not go on with queued work nobody will read.
 NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill", "parent.abort", "parent.reset"})
+# aborts whose queued input is discarded in the abort's own commit: a crash before the reset's
+# or kill's commit must not leave that input for the restart to run
+DISCARDS_QUEUE = frozenset({"process.reset", "process.kill"})
 
 
 class ProcessEngine:
@@ -118,6 +122,10 @@ class ProcessEngine:
         self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
         self._live: dict[str, _Live] = {}
         self._reloading: set[asyncio.Task[None]] = set()
+        self._aborting: set[asyncio.Task[bool]] = set()
+        # held by a reset or kill from its abort to its last commit: input for the process waits
+        # (see ``admission.after_clearing``), so no run starts in between to be cleared or lost
+        self.clearing = KeyedLocks()
         # several workers may share the store: ``worker`` names this one in its leases
         self.leases = Leases(self, owner=worker, ttl=lease_ttl, poll=poll_interval) if store.shared else None
 
@@ -397,7 +405,15 @@ class ProcessEngine:
     # -- ending runs ------------------------------------------------------------------------------
 
     async def abort(self, pid: str, run_id: str | None = None, *, reason: str = "user") -> bool:
-        """Stop the active run now. A stale ``run_id`` (not the active run) does nothing."""
+        """Stop the active run now. A stale ``run_id`` (not the active run) does nothing. Once
+        begun, the abort completes even if its caller is cancelled meanwhile (stopped halfway, the
+        run would be left with nothing driving it)."""
+        task = asyncio.get_running_loop().create_task(self._abort(pid, run_id, reason), name=f"abort {pid}")
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+        return await asyncio.shield(task)
+
+    async def _abort(self, pid: str, run_id: str | None, reason: str) -> bool:
         if self.leases is not None and not await self.leases.hold(pid):
             return await self.leases.forward_abort(pid, run_id, reason)
         live = await self.live(pid)
@@ -444,6 +460,10 @@ class ProcessEngine:
             return False  # it finished on its own meanwhile
         rows = await self.store.calls(pid, active)
         async with self._tx(live) as tx:
+            if reason in DISCARDS_QUEUE:
+                for item in await self.store.queue(pid):
+                    await self.store.dequeue(pid, item.id)
+                tx.after.append(lambda: setattr(live, "queued", 0))
             added: list[Message] = []
             if partial is not None and partial.partial is not None:
                 msg = partial.partial
@@ -464,9 +484,7 @@ class ProcessEngine:
 
     async def forget(self, pid: str) -> None:
         """Drop the in-memory state of a process (after kill); its watchers' streams end."""
-        live = self._live.get(pid)
-        if live is not None:
-            self._drop(live)
+        self.uncache(pid)  # (its waiters look again, and learn it is gone)
         if self.leases is not None:
             self.leases.lost(pid)
         self.hub.close(pid)
@@ -501,8 +519,8 @@ class ProcessEngine:
 
     async def close(self) -> None:
         self.closing = True  # the tools cancelled below are stopped by a shutdown, not an abort
-        tasks = [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
-        tasks.extend(self._reloading)
+        tasks: list[asyncio.Task[Any]] = [*self._reloading, *self._aborting]
+        tasks += [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
