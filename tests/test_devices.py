@@ -165,6 +165,9 @@ async def test_a_driver_connects_is_listed_and_goes_offline_on_close():
         ({"tools": [{"name": "t", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
         ({"tools": [{"name": "t", "parameters": {"type": "object", "properties": 3}}]}, "tools[0].parameters"),
         ({"tools": [{"name": "t"}, {"name": "t"}]}, "tools[1].name"),
+        # resolving a reference outside the schema would make the server fetch what the device names
+        ({"tools": [{"name": "t", "parameters": {"properties": {"q": {"$ref": "http://10.0.0.1/x"}}}}]}, "tools[0]"),
+        ({"tools": [{"name": "t", "parameters": {"patternProperties": {"^(a|a)+$": {}}}}]}, "tools[0]"),
         ({"tools": [{"name": "t" * 60}]}, "tools[0].name"),
         ({"tools": "screenshot"}, "tools"),
         ({"description": 5}, "description"),
@@ -439,3 +442,28 @@ async def test_a_process_routes_calls_and_its_policy_sees_the_remote_tag(tmp_pat
 
 def test_describe_devices_lists_local_first():
     assert describe_devices([]) == "- local: the server's own workspace"
+
+
+def test_a_device_schema_is_checked_without_fetching_or_slow_patterns() -> None:
+    """A review: a broken ``$ref`` failed the whole run as an internal error; a regex pattern built
+    to backtrack froze the server's event loop for every account while it was checked."""
+    import time
+
+    from agentloop.kernel.devices import DeviceExtraTool, DeviceInfo, DeviceTool
+    from agentloop.tools.base import ToolArgumentsError
+
+    def extra(parameters: dict[str, Any]) -> DeviceExtraTool:
+        spec = DeviceTool("lookup", "", {"type": "object", **parameters})
+        return DeviceExtraTool(DeviceInfo("laptop", "alice", (), (spec,)), spec, None)  # type: ignore[arg-type]
+
+    broken = extra({"properties": {"q": {"$ref": "#/$defs/nope"}}})
+    with pytest.raises(ToolArgumentsError, match="its schema from device laptop is broken"):
+        broken.validate({"q": "x"})
+    slow = extra({"properties": {"q": {"type": "string", "pattern": "^(a|a)+$"}, "pattern": {"type": "integer"}}})
+    start = time.monotonic()
+    assert slow.validate({"q": "a" * 40 + "!"}) == {"q": "a" * 40 + "!"}  # left to the device
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(ToolArgumentsError):
+        slow.validate({"q": 5})  # the rest is still checked
+    with pytest.raises(ToolArgumentsError):
+        slow.validate({"q": "a", "pattern": "not a number"})  # a property named pattern is kept

@@ -210,21 +210,44 @@ class RoutedTool(Tool):
         )
 
 
+def _without_patterns(schema: Any) -> Any:
+    """``schema`` less its ``pattern`` keywords (a string value: a property that happens to be
+    named so has a schema, an object, as its value)."""
+    if isinstance(schema, dict):
+        return {k: _without_patterns(v) for k, v in schema.items() if not (k == "pattern" and isinstance(v, str))}
+    if isinstance(schema, list):
+        return [_without_patterns(v) for v in schema]
+    return schema
+
+
 class DeviceExtraTool(Tool):
-    """A device's own tool, ``<device>__<name>``, forwarded as the call ``tool.<name>``."""
+    """A device's own tool, ``<device>__<name>``, forwarded as the call ``tool.<name>``.
+
+    Its schema is the device's, checked here on the server's event loop: so its ``$ref`` resolve
+    inside it only (nothing is fetched: a URL there would make the server request it), and its
+    regex ``pattern`` are left to the device, which checks the arguments again (a crafted
+    pattern can take Python's ``re`` exponential time, and every account would wait)."""
 
     def __init__(self, device: DeviceInfo, spec: DeviceTool, directory: DeviceDirectory) -> None:
         from jsonschema import Draft202012Validator
+        from referencing import Registry
 
         super().__init__(device_tool_name(device.id, spec.name), spec.description, spec.parameters)
         self.device = device.id
         self.owner = device.owner
         self.remote_name = spec.name
         self.directory = directory
-        self._validator = Draft202012Validator(spec.parameters)
+        self._validator = Draft202012Validator(_without_patterns(spec.parameters), registry=Registry())
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.path))
+        try:
+            found = list(self._validator.iter_errors(arguments))
+        except Exception as exc:  # a reference that does not resolve, or the like
+            raise ToolArgumentsError(
+                f"The arguments of {self.name} cannot be checked: its schema from device {self.device} is broken "
+                f"({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
+        errors = sorted(found, key=lambda e: list(e.path))
         if errors:
             pairs = [(".".join(str(p) for p in e.path), e.message) for e in errors]
             raise ToolArgumentsError(format_validation_error(self.name, pairs, arguments))
