@@ -467,3 +467,28 @@ def test_a_device_schema_is_checked_without_fetching_or_slow_patterns() -> None:
         slow.validate({"q": 5})  # the rest is still checked
     with pytest.raises(ToolArgumentsError):
         slow.validate({"q": "a", "pattern": "not a number"})  # a property named pattern is kept
+
+
+async def test_a_device_that_stops_reading_is_dropped_and_its_calls_end_on_time(monkeypatch):
+    """A review: with its socket's buffer full, every call to the device waited on the send lock
+    past its deadline, and the device could not reconnect under its name."""
+    from agentloop.server import devices as hub_module
+
+    monkeypatch.setattr(hub_module, "SEND_TIMEOUT", 0.3)
+    hub = DeviceHub()
+    device = await online(hub, ALICE, "laptop", implements=ALL)
+    stuck = asyncio.Event()
+
+    async def never(data: str) -> None:
+        await stuck.wait()  # the frame never leaves: nobody reads the other end
+
+    device.socket.send_text = never  # type: ignore[method-assign]
+    results = await asyncio.wait_for(
+        asyncio.gather(*(hub.call("alice", "laptop", "fs.read", {"path": "a"}, 5.0) for _ in range(3))), 3
+    )
+    assert all(r.is_error for r in results)
+    assert "does not read what it is sent" in results[0].content[0].text
+    assert hub.online("alice") == []  # dropped: the device may connect again under its name
+    again = await online(hub, ALICE, "laptop", implements=ALL)
+    assert [d.id for d in hub.online("alice")] == ["laptop"]
+    await again.disconnect()

@@ -46,6 +46,7 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 64
 MAX_DESCRIPTION = 4096
 MAX_DEVICE_DESCRIPTION = 200  # a device's own description: one line of the system prompt
+SEND_TIMEOUT = 10.0  # seconds one frame may take to leave; a device that does not read is dropped
 
 
 class DriverSocket(Protocol):
@@ -78,7 +79,9 @@ class _Connection:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def send(self, frame: dict[str, Any]) -> None:
-        async with self.lock:  # one frame at a time on the socket
+        """``TimeoutError`` when the frame cannot leave in ``SEND_TIMEOUT``: a device that stops
+        reading fills the socket's buffer, and would hold every caller waiting on the lock."""
+        async with asyncio.timeout(SEND_TIMEOUT), self.lock:  # one frame at a time on the socket
             await self.socket.send_text(json.dumps(frame, separators=(",", ":")))
 
     def fail_all(self, reason: dict[str, Any]) -> None:
@@ -262,7 +265,8 @@ class DeviceHub:
             log.info("device %s of %s: replacing an unresponsive connection", conn.info.id, conn.info.owner)
             self._drop(old, f"Device {conn.info.id} disconnected (replaced by a new connection)")
             with contextlib.suppress(Exception):
-                await old.socket.close(1001, "replaced by a new connection")
+                async with asyncio.timeout(SEND_TIMEOUT):  # (a socket that is not read may not close)
+                    await old.socket.close(1001, "replaced by a new connection")
             if key in self._devices:  # another newcomer won the race while we probed
                 raise HubError("conflict", f"a device named {conn.info.id!r} is already connected to this account")
         self._devices[key] = conn
@@ -359,16 +363,20 @@ class DeviceHub:
         elif call not in conn.info.implements:
             return ToolResult.error(f"Device {device_id} does not implement {call}")
         req_id = f"call-{next(self._ids)}"
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         conn.pending[req_id] = fut
+        deadline = None if timeout is None else loop.time() + timeout  # sending counts towards it
         try:
-            await conn.send({"type": "req", "id": req_id, "call": call, "args": args})
-        except Exception:
+            async with asyncio.timeout_at(deadline):
+                await conn.send({"type": "req", "id": req_id, "call": call, "args": args})
+        except Exception as exc:
             conn.pending.pop(req_id, None)
-            self._drop(conn, f"Device {device_id} disconnected")
-            return ToolResult.error(f"Device {device_id} disconnected")
+            why = "does not read what it is sent" if isinstance(exc, TimeoutError) else "disconnected"
+            self._drop(conn, f"Device {device_id} {why}")
+            return ToolResult.error(f"Device {device_id} {why}; the call was not sent")
         try:
-            res = await asyncio.wait_for(asyncio.shield(fut), timeout)
+            res = await asyncio.wait_for(asyncio.shield(fut), None if deadline is None else deadline - loop.time())
         except TimeoutError:
             self._cancel_on_device(conn, req_id)
             shown = f"{timeout:g} s" if timeout is not None else "its deadline"
