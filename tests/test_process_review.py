@@ -368,6 +368,7 @@ async def test_a_crash_after_a_reset_or_kills_abort_runs_none_of_the_discarded_i
             else Reply(tool_calls=[call("echo", text="queued ran")])
         )
     )
+
     def crash(*args: object, **kw: object) -> object:
         raise SystemExit("the machine died while the history was archived")
 
@@ -426,3 +427,27 @@ async def test_an_abort_whose_caller_gives_up_still_ends_the_run(tmp_path):
         finished = [s.payload for s in [s async for s in proc.signals(follow=False)] if s.signal == "proc.run.finished"]
         assert [(f["status"], f["reason"]) for f in finished] == [("aborted", "user")]
         assert model.calls == 1
+
+
+async def test_a_watcher_that_falls_behind_is_bounded_and_misses_no_logged_signal(tmp_path, monkeypatch):
+    """A review: a client that read slowly made the server keep every signal for it (73 MB for
+    1.6 MB of text). Now a watcher's queue is bounded; past it, it reads the log again."""
+    from agentloop.process import signals as sig
+
+    monkeypatch.setattr(sig, "BACKLOG", 3)
+    async with kernel(tmp_path, ScriptedModel(echo_then_answer, chunk=1)) as k:
+        proc = await k.spawn(owner="a")
+        follow = proc.signals(follow=True)
+        first = asyncio.create_task(anext(follow))  # the follower is watching, then reads nothing
+        await asyncio.sleep(0.05)
+        await proc.send("a long enough message to stream many deltas")
+        await proc.wait_idle()
+        queues = k.engine.hub._watchers[proc.pid]
+        assert all(q.qsize() <= 3 for q in queues)
+        seen = [await first]
+        while seen[-1].signal != sig.RUN_FINISHED:
+            seen.append(await asyncio.wait_for(anext(follow), 5))
+        await follow.aclose()
+        logged = [s.seq for s in seen if s.seq is not None]
+        assert logged == [s.seq async for s in proc.signals(follow=False)]  # each once, in order
+        assert sig.GAP not in seen

@@ -165,13 +165,9 @@ class Process:
         queue = engine.hub.watch(self.pid) if follow else None
         try:
             last = after_seq
-            while True:
-                page = await self.kernel.store.events(self.pid, after_seq=last, limit=500)
-                for row in page:
-                    last = row.seq
-                    yield Signal(row.signal, row.payload, row.seq)
-                if len(page) < 500:
-                    break
+            async for logged in self._logged(last):
+                last = logged.seq or last
+                yield logged
             if queue is None:
                 return
             if engine.leases is not None:  # held by another worker: fed from the log from here
@@ -180,6 +176,11 @@ class Process:
                 item = await queue.get()
                 if item is None:
                     return
+                if item is sig.GAP:  # fell behind, and what it had not taken was dropped: the log has it
+                    async for logged in self._logged(last):
+                        last = logged.seq or last
+                        yield logged
+                    continue
                 if item.seq is not None and item.seq <= last:
                     continue  # already delivered from the log
                 if item.seq is not None:
@@ -188,6 +189,16 @@ class Process:
         finally:
             if queue is not None:
                 engine.hub.unwatch(self.pid, queue)
+
+    async def _logged(self, after_seq: int) -> AsyncIterator[Signal]:
+        """The logged signals after ``after_seq``, a page at a time."""
+        while True:
+            page = await self.kernel.store.events(self.pid, after_seq=after_seq, limit=500)
+            for row in page:
+                after_seq = row.seq
+                yield Signal(row.signal, row.payload, row.seq)
+            if len(page) < 500:
+                return
 
     async def wait_idle(self) -> None:
         await self.kernel.engine.wait_idle(self.pid)

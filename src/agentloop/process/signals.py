@@ -36,6 +36,13 @@ class Signal:
     seq: int | None = None
 
 
+# A watcher that falls this far behind (a client that reads slowly, while a run streams) loses
+# what it has not taken yet: ``GAP`` takes its place, and the watcher reads the log again (only
+# live deltas are lost). Unbounded, one slow client would hold every signal in memory.
+BACKLOG = 10_000
+GAP = Signal("gap", {})
+
+
 @dataclass
 class SignalHub:
     """Fan-out of signals to live watchers, per process. Committed signals are announced after
@@ -55,7 +62,9 @@ class SignalHub:
             self._taps.remove(listener)
 
     def watch(self, pid: str) -> asyncio.Queue[Signal | None]:
-        queue: asyncio.Queue[Signal | None] = asyncio.Queue()
+        """A queue of the process's signals from now on (``GAP`` where some were dropped, see
+        ``BACKLOG``; None once the process is gone)."""
+        queue: asyncio.Queue[Signal | None] = asyncio.Queue(maxsize=BACKLOG)
         self._watchers[pid].add(queue)
         return queue
 
@@ -71,11 +80,19 @@ class SignalHub:
 
     def publish(self, pid: str, signal: Signal) -> None:
         for queue in self._watchers.get(pid, ()):
-            queue.put_nowait(signal)
+            _put(queue, signal)
         for listener in self._taps:
             listener(pid, signal)
 
     def close(self, pid: str) -> None:
         """The process is gone: end every watcher's stream."""
         for queue in self._watchers.pop(pid, set()):
-            queue.put_nowait(None)
+            _put(queue, None)
+
+
+def _put(queue: asyncio.Queue[Signal | None], item: Signal | None) -> None:
+    if queue.full():  # the watcher fell too far behind: it reads the log again instead
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(GAP)
+    queue.put_nowait(item)
