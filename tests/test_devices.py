@@ -492,3 +492,28 @@ async def test_a_device_that_stops_reading_is_dropped_and_its_calls_end_on_time(
     again = await online(hub, ALICE, "laptop", implements=ALL)
     assert [d.id for d in hub.online("alice")] == ["laptop"]
     await again.disconnect()
+
+
+async def test_a_devices_result_is_made_storable_and_its_media_checked():
+    """A review: an image that was not one was stored and sent with every later model request;
+    one lone surrogate in a device's text lost its whole result at the commit."""
+    import base64
+
+    png = base64.b64encode(bytes.fromhex("89504e470d0a1a0a") + b"\x00" * 16).decode()
+
+    async def odd(call: str, args: dict[str, Any]) -> dict[str, Any]:
+        content = [
+            {"type": "text", "text": "before \ud800 after"},
+            {"type": "image", "data": "!!! not base64 <script>", "mimeType": "text/html"},
+            {"type": "image", "data": png, "mimeType": "image/png"},
+        ]
+        return {"content": content, "is_error": False}
+
+    hub = DeviceHub()
+    device = await online(hub, ALICE, "laptop", handler=odd)
+    result = await hub.call("alice", "laptop", "fs.read", {"path": "a"}, 5.0)
+    text, note, image = result.content
+    assert text.text == "before \ufffd after"  # type: ignore[union-attr]
+    assert note.text.startswith("[device laptop sent media that was left out: unsupported image type")  # type: ignore[union-attr]
+    assert image.data == png  # type: ignore[union-attr]  # a real one is kept
+    await device.disconnect()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
@@ -101,6 +102,16 @@ class FileContent:
         if mime not in FILE_TYPES:
             raise ValueError(f"unsupported document type {self.mime_type!r}; supported: {', '.join(FILE_TYPES)}")
         self.mime_type = mime
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """``text`` with lone surrogates (valid JSON, ``"\\ud800"``, but no UTF-8 form) replaced by
+    U+FFFD: text from elsewhere (a provider's stream, a device's result) must not fail the commit
+    that stores it."""
+    return text if text.isascii() or not _SURROGATE.search(text) else _SURROGATE.sub("\ufffd", text)
 
 
 def check_unicode(text: str, what: str) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import html
 import json
 import os
-import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from agentloop.messages import (
     ToolCall,
     Usage,
     document_text,
+    storable,
 )
 from agentloop.models.overflow import is_overflow_text
 
@@ -213,15 +213,6 @@ def stream_broken(what: str, out: AssistantBuilder) -> str:
     """Why a stream failed, with how much of the answer had arrived (a retry starts it again)."""
     got = len(out.message.text)
     return f"{what} ({got} characters of text received)" if got else what
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def storable(text: str) -> str:
-    """``text`` with lone surrogates (valid JSON, ``"\\ud800"``, but no UTF-8 form) replaced by
-    U+FFFD: a provider that streams one must not fail the commit of its answer."""
-    return text if text.isascii() or not _SURROGATE.search(text) else _SURROGATE.sub("\ufffd", text)
 
 
 class AssistantBuilder:

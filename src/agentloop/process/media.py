@@ -133,6 +133,38 @@ def is_stored(block: object) -> bool:
     return isinstance(block, ImageContent | FileContent) and block.data.startswith(MEDIA_PREFIX)
 
 
+def check_media(block: MediaBlock, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes, str, str]:
+    """The block's bytes, type and file extension; ``MediaError`` says why it is not what it says
+    or too large (user input, and the images and documents in a device's tool results)."""
+    kind = "image" if isinstance(block, ImageContent) else "file"
+    known = _EXTENSIONS if kind == "image" else _FILE_EXTENSIONS
+    declared = block.mime_type.strip().lower()
+    mime = _ALIASES.get(declared, declared)
+    ext = known.get(mime)
+    if ext is None:
+        raise MediaError(f"unsupported {kind} type {block.mime_type!r}; supported: {', '.join(known)}")
+    # base64 is 4 characters per 3 bytes: refuse a huge payload before decoding it.
+    if len(block.data) * 3 // 4 > max_bytes + 3:
+        raise MediaTooLarge(f"{kind} is larger than the {max_bytes}-byte limit")
+    try:
+        data = base64.b64decode(block.data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"{kind} data is not valid base64: {exc}") from exc
+    if len(data) > max_bytes:
+        raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the {max_bytes}-byte limit")
+    if kind == "file":
+        if mime != "application/pdf" and len(data) > MAX_TEXT_BYTES:
+            raise MediaTooLarge(f"a text document is {len(data)} bytes, over the {MAX_TEXT_BYTES}-byte limit")
+        _check_document(data, mime, block.mime_type)
+        return data, mime, ext
+    actual = sniff_mime(data)
+    if actual is None:
+        raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {block.mime_type!r})")
+    if actual != mime:
+        raise MediaError(f"image declared as {block.mime_type!r} but its bytes are {actual}")
+    return data, mime, ext
+
+
 class MediaStore:
     """Media files under ``<data_dir>/var/media``; every path it hands out is relative to ``data_dir``."""
 
@@ -146,33 +178,7 @@ class MediaStore:
 
     def check(self, block: MediaBlock) -> tuple[bytes, str, str]:
         """The block's bytes, type and file extension; ``MediaError`` says why it cannot be stored."""
-        kind = "image" if isinstance(block, ImageContent) else "file"
-        known = _EXTENSIONS if kind == "image" else _FILE_EXTENSIONS
-        declared = block.mime_type.strip().lower()
-        mime = _ALIASES.get(declared, declared)
-        ext = known.get(mime)
-        if ext is None:
-            raise MediaError(f"unsupported {kind} type {block.mime_type!r}; supported: {', '.join(known)}")
-        # base64 is 4 characters per 3 bytes: refuse a huge payload before decoding it.
-        if len(block.data) * 3 // 4 > self.max_bytes + 3:
-            raise MediaTooLarge(f"{kind} is larger than the {self.max_bytes}-byte limit")
-        try:
-            data = base64.b64decode(block.data, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise MediaError(f"{kind} data is not valid base64: {exc}") from exc
-        if len(data) > self.max_bytes:
-            raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the {self.max_bytes}-byte limit")
-        if kind == "file":
-            if mime != "application/pdf" and len(data) > MAX_TEXT_BYTES:
-                raise MediaTooLarge(f"a text document is {len(data)} bytes, over the {MAX_TEXT_BYTES}-byte limit")
-            _check_document(data, mime, block.mime_type)
-            return data, mime, ext
-        actual = sniff_mime(data)
-        if actual is None:
-            raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {block.mime_type!r})")
-        if actual != mime:
-            raise MediaError(f"image declared as {block.mime_type!r} but its bytes are {actual}")
-        return data, mime, ext
+        return check_media(block, self.max_bytes)
 
     def save(self, uid: str, pid: str, block: MediaBlock) -> MediaRef:
         """Store ``block`` (once per content) and return its reference."""

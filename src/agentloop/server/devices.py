@@ -33,8 +33,10 @@ from typing import Any, Protocol
 
 from agentloop.device.wire import result_from_wire
 from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool
+from agentloop.messages import TextContent, storable
+from agentloop.process.media import MediaError, check_media
 from agentloop.server.auth import Principal
-from agentloop.tools.base import ToolResult
+from agentloop.tools.base import ResultBlock, ToolResult
 
 __all__ = ["DeviceHub", "DriverSocket", "HubError"]
 
@@ -178,7 +180,22 @@ def _result_of(device: str, res: dict[str, Any]) -> ToolResult:
     result = result_from_wire(res.get("data"))
     if result is None:
         return ToolResult.error(f"Device {device} answered with a malformed result")
+    result.content = [_checked_block(device, b) for b in result.content]
     return result
+
+
+def _checked_block(device: str, block: ResultBlock) -> ResultBlock:
+    """A block of a device's result as it can be stored and shown to a model: text with lone
+    surrogates replaced (they have no UTF-8 form: the whole result would be lost at its commit),
+    an image or document only if it is what it says, else a note in its place (it would be sent
+    with every later model request)."""
+    if isinstance(block, TextContent):
+        return TextContent(text=storable(block.text))
+    try:
+        check_media(block)
+    except MediaError as exc:
+        return TextContent(text=f"[device {device} sent media that was left out: {exc}]")
+    return block
 
 
 class DeviceHub:
