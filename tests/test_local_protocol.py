@@ -173,6 +173,19 @@ def test_parsing_garbage() -> None:
     assert parse_json_reply("[1, 2]") is None
 
 
+def test_an_object_inside_a_cut_off_call_is_not_taken_for_a_call() -> None:
+    """A review: a call cut off at max_tokens was read as a call of whatever ``name`` an object in
+    its arguments held (``name`` is accepted for ``tool``), a real tool included."""
+    cut = '{"tool": "gh__create_issue", "arguments": {"labels": [{"name": "get_time"}], "body": "Steps: {'
+    assert parse_json_reply(cut) is None
+    assert parse_json_reply("Sure: " + cut) is None
+    # a broken object before a whole one still leaves the whole one to be found
+    assert parse_json_reply('{not json} {"tool": "a", "arguments": {"s": "}{"}}') == {
+        "tool": "a",
+        "arguments": {"s": "}{"},
+    }
+
+
 def test_partial_answer_decodes_as_it_grows() -> None:
     full = json.dumps({"final_answer": 'line1\n"q" \u00e9 \U0001f600 end'})
     seen = [partial_answer(full[:i]) for i in range(len(full) + 1)]

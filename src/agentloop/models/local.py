@@ -244,11 +244,38 @@ def parse_json_reply(text: str) -> dict[str, Any] | None:
             try:
                 obj, _ = decoder.raw_decode(candidate, start)
             except json.JSONDecodeError:
-                start = candidate.find("{", start + 1)
+                # the next object may follow this broken one, never be inside it: an object in
+                # the arguments of a call cut off at max_tokens is not a call
+                end = _object_end(candidate, start)
+                start = -1 if end is None else candidate.find("{", end)
                 continue
             if isinstance(obj, dict):
                 return obj
             break
+    return None
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Where the ``{...}`` starting at ``start`` ends (braces in strings aside), or None if the
+    text ends first."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
     return None
 
 
