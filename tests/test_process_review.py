@@ -451,3 +451,45 @@ async def test_a_watcher_that_falls_behind_is_bounded_and_misses_no_logged_signa
         logged = [s.seq for s in seen if s.seq is not None]
         assert logged == [s.seq async for s in proc.signals(follow=False)]  # each once, in order
         assert sig.GAP not in seen
+
+
+async def test_a_tool_may_interrupt_or_reset_its_own_process(tmp_path):
+    """A diff review: once aborts ran in a task of their own, a tool that interrupted or reset its
+    own process was cancelled by it: the interrupting message was lost, the reset never done."""
+    state: dict[str, object] = {}
+
+    @tool
+    async def stop_me(how: str) -> str:
+        """Stops its own process."""
+        proc = await state["kernel"].process(state["pid"])  # type: ignore[attr-defined]
+        if how == "reset":
+            await proc.reset()
+        else:
+            await proc.send("after interrupt", mode="interrupt")
+        state["returned"] = how
+        return "ok"
+
+    def brain(r: ModelRequest) -> Reply | str:
+        last = r.messages[-1]
+        if isinstance(last, ToolResultMessage) or last.text == "after interrupt":
+            return "final: " + last.text
+        return Reply(tool_calls=[call("stop_me", how=last.text)])
+
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[stop_me], daily_memory=False) as k:
+        for how in ("interrupt", "reset"):
+            proc = await k.spawn(owner="a")
+            state.update(kernel=k, pid=proc.pid)
+            await proc.send(how)
+            for _ in range(50):
+                await asyncio.wait_for(proc.wait_idle(), 10)
+                if state.get("returned") == how:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.wait_for(proc.wait_idle(), 10)
+            assert state.get("returned") == how
+            texts = [m.text for m in await proc.messages()]
+            if how == "interrupt":
+                assert texts[-2:] == ["after interrupt", "final: after interrupt"]
+            else:
+                assert texts == []  # reset: the history is gone (archived)
+                assert list(tmp_path.rglob("reset-*"))

@@ -86,6 +86,12 @@ NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill",
 DISCARDS_QUEUE = frozenset({"process.reset", "process.kill"})
 
 
+def _aborted_alone(task: asyncio.Task[bool]) -> None:
+    """An abort's task is done: its failure is the caller's to hear, unless the caller gave up."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("an abort failed: %s", task.exception())
+
+
 class ProcessEngine:
     """Runs the durable processes of one store with one loop configuration."""
 
@@ -407,13 +413,16 @@ class ProcessEngine:
     async def abort(self, pid: str, run_id: str | None = None, *, reason: str = "user") -> bool:
         """Stop the active run now. A stale ``run_id`` (not the active run) does nothing. Once
         begun, the abort completes even if its caller is cancelled meanwhile (stopped halfway, the
-        run would be left with nothing driving it)."""
-        task = asyncio.get_running_loop().create_task(self._abort(pid, run_id, reason), name=f"abort {pid}")
+        run would be left with nothing driving it). The caller itself (a tool that interrupts or
+        resets its own process) is spared: it finishes what it is doing, as before."""
+        caller = asyncio.current_task()
+        task = asyncio.get_running_loop().create_task(self._abort(pid, run_id, reason, caller), name=f"abort {pid}")
         self._aborting.add(task)
         task.add_done_callback(self._aborting.discard)
+        task.add_done_callback(_aborted_alone)
         return await asyncio.shield(task)
 
-    async def _abort(self, pid: str, run_id: str | None, reason: str) -> bool:
+    async def _abort(self, pid: str, run_id: str | None, reason: str, caller: asyncio.Task[Any] | None) -> bool:
         if self.leases is not None and not await self.leases.hold(pid):
             return await self.leases.forward_abort(pid, run_id, reason)
         live = await self.live(pid)
@@ -422,7 +431,7 @@ class ProcessEngine:
             return False
         live.stopping += 1  # nothing new may start for the run while it is being stopped (an approval)
         try:
-            stopped = await self._stop(live, run["run_id"], reason)
+            stopped = await self._stop(live, run["run_id"], reason, caller)
         finally:
             live.stopping -= 1
         if stopped:
@@ -443,12 +452,15 @@ class ProcessEngine:
         except Exception:
             log.exception("process %s: stopping what run %s started failed", pid, run_id)
 
-    async def _stop(self, live: _Live, active: str, reason: str) -> bool:
-        """Cancel the run's model call and tools, then end it with a terminal result for every open call."""
+    async def _stop(self, live: _Live, active: str, reason: str, caller: asyncio.Task[Any] | None) -> bool:
+        """Cancel the run's model call and tools (but the ``caller``), then end it with a terminal
+        result for every open call."""
         pid = live.record.pid
         partial = live.partial
-        me = asyncio.current_task()
-        stopping = [t for t in [live.driver, *live.tools.values()] if t is not None and not t.done() and t is not me]
+        spared = {caller, asyncio.current_task()}
+        stopping = [
+            t for t in [live.driver, *live.tools.values()] if t is not None and not t.done() and t not in spared
+        ]
         for task in stopping:
             task.cancel()
         if stopping:  # let them unwind, for a while
