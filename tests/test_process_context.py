@@ -114,7 +114,7 @@ async def test_a_compactions_memories_go_to_the_days_memory_file_and_into_later_
         compacted = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.compacted"]
         name = f"memory/{datetime.date.today().isoformat()}.md"
         assert compacted and all(event["memory"] == name for event in compacted)
-        text = (work / name).read_text()
+        text = (tmp_path / "home" / "alice" / name).read_text()  # the owner's, not the workspace's
         assert text.startswith("### From context compaction (") and text.count("metric units") == len(compacted)
         summary = (await proc.messages())[0]
         assert summary.text.startswith("Summary of the earlier") and "<memories>" not in summary.text
@@ -125,20 +125,21 @@ async def test_a_compactions_memories_go_to_the_days_memory_file_and_into_later_
 
 
 @pytest.mark.parametrize("how", ["folder-link", "file-link", "hard-link", "disabled"])
-async def test_memories_are_not_written_through_a_link_out_of_the_workspace_nor_when_disabled(tmp_path, how, caplog):
-    work, outside = tmp_path / "work", tmp_path / "outside"
+async def test_memories_are_not_written_through_a_link_out_of_the_home_nor_when_disabled(tmp_path, how, caplog):
+    work, outside, home = tmp_path / "work", tmp_path / "outside", tmp_path / "home" / "alice"
     work.mkdir()
     outside.mkdir()
+    home.mkdir(parents=True)
     today = f"{datetime.date.today().isoformat()}.md"
     if how == "folder-link":
-        (work / "memory").symlink_to(outside)
+        (home / "memory").symlink_to(outside)
     elif how in ("file-link", "hard-link"):
-        (work / "memory").mkdir()
+        (home / "memory").mkdir()
         (outside / "bashrc").write_text("# keep me\n")
         if how == "file-link":
-            (work / "memory" / today).symlink_to(outside / "bashrc")
+            (home / "memory" / today).symlink_to(outside / "bashrc")
         else:
-            os.link(outside / "bashrc", work / "memory" / today)
+            os.link(outside / "bashrc", home / "memory" / today)
     model = ScriptedModel(compacting_brain(12, REMEMBERING), info=SMALL)
     async with kernel(tmp_path, model, daily_memory=how != "disabled") as k:
         proc = await k.spawn(owner="alice", cwd=work)
@@ -150,7 +151,7 @@ async def test_memories_are_not_written_through_a_link_out_of_the_workspace_nor_
     assert isinstance(messages[0], SystemMessage) and messages[0].kind == "summary"
     assert [p.read_text() for p in outside.iterdir()] in ([], ["# keep me\n"])  # nothing written outside
     if how == "disabled":
-        assert not (work / "memory").exists()
+        assert not (home / "memory").exists() and not (work / "memory").exists()
     else:
         assert "memories were not kept" in caplog.text
 
@@ -330,9 +331,28 @@ async def test_a_reset_keeps_the_conversations_memories_in_the_daily_file(tmp_pa
         await proc.wait_idle()
         await proc.reset()  # returns at once: the memories are written in the background
     # closing the kernel let the background work finish
-    text = (work / f"memory/{datetime.date.today().isoformat()}.md").read_text()
+    text = (tmp_path / "home" / "alice" / f"memory/{datetime.date.today().isoformat()}.md").read_text()
     assert "- The user's cat is called Miso." in text
     assert sum(r.system_prompt == MEMORY_SYSTEM_PROMPT for r in model.requests) == 1
+
+
+async def test_one_accounts_memories_never_reach_another_accounts_prompt(tmp_path):
+    """A review: a reset wrote alice's memories into the shared workspace, and bob's processes
+    there read them into their system prompt."""
+    model = ScriptedModel(remembering_brain)
+    async with kernel(tmp_path, model) as k:
+        alice = await k.spawn(owner="alice")
+        await alice.send("my cat is called Miso")
+        await alice.wait_idle()
+        await alice.reset()
+    async with kernel(tmp_path, model) as k:
+        for owner in ("alice", "bob"):
+            proc = await k.spawn(owner=owner)
+            await proc.send("hello")
+            await proc.wait_idle()
+    alice_prompt, bob_prompt = (r.system_prompt for r in model.requests[-2:])
+    assert "Miso" in alice_prompt and "Miso" not in bob_prompt
+    assert not (tmp_path / "memory").exists()  # nothing of it in the shared workspace
 
 
 @pytest.mark.parametrize("how", ["disabled", "model-fails"])

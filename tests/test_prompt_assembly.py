@@ -31,9 +31,11 @@ def full_tree(root: Path) -> PromptSources:
     ws = root / "ws"
     for name in ("HEARTBEAT.md", "TOOLS.md", "AGENTS.md", "USER.md", "IDENTITY.md", "SOUL.md", "MEMORY.md"):
         write(ws / name, f"content of {name}")
-    write(ws / "memory/2024-03-01.md", "TODAY NOTES")
-    write(ws / "memory/2024-02-29.md", "YESTERDAY NOTES")
-    write(ws / "memory/2024-02-28.md", "OLDER NOTES")
+    owner = root / "home/alice"  # daily memory is the owner's, not the (maybe shared) workspace's
+    write(owner / "memory/2024-03-01.md", "TODAY NOTES")
+    write(owner / "memory/2024-02-29.md", "YESTERDAY NOTES")
+    write(owner / "memory/2024-02-28.md", "OLDER NOTES")
+    write(ws / "memory/2024-03-01.md", "A WORKSPACE FILE THAT IS NOT MEMORY")
     return PromptSources(
         system_dir=root / "config/ai/context.d",
         agent_home=root / "home/agent",
@@ -167,6 +169,15 @@ def test_memory_md_only_in_the_main_process(tmp_path: Path) -> None:
     other = assemble_prompt(sources, today=TODAY)
     assert "MEMORY.md" not in other.text
     assert "TODAY NOTES" in other.text and "YESTERDAY NOTES" in other.text  # daily notes are for everyone
+
+
+def test_daily_memory_is_read_from_the_owners_home_only(tmp_path: Path) -> None:
+    """A review: memories written to the shared workspace went into every account's prompt."""
+    sources = full_tree(tmp_path)
+    text = assemble_prompt(sources, today=TODAY).text
+    assert "TODAY NOTES" in text and "A WORKSPACE FILE THAT IS NOT MEMORY" not in text
+    sources.owner_home = tmp_path / "home/bob"
+    assert "TODAY NOTES" not in assemble_prompt(sources, today=TODAY).text
 
 
 def test_daily_memory_follows_today(tmp_path: Path) -> None:

@@ -366,7 +366,11 @@ class Kernel:
             return str(path.relative_to(data))
 
         async def remember(record: ProcessRecord, memories: str, source: str) -> str:
-            return await asyncio.to_thread(append_daily_memory, record.cwd, memories, source=source)
+            # in the owner's home: the working directory may be shared with other accounts, whose
+            # prompts read the memory files there
+            home = data / "home" / record.owner
+            await asyncio.to_thread(home.mkdir, parents=True, exist_ok=True)
+            return await asyncio.to_thread(append_daily_memory, home, memories, source=source)
 
         engine = ProcessEngine(
             store,

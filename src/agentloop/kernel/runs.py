@@ -180,7 +180,7 @@ def prompt_builder(
             f"{homes}/{record.run_as}/context.d",
             *map(str, skill_layers(data_dir, record.run_as)),
             record.cwd,
-            f"{record.cwd}/memory",
+            f"{homes}/{record.owner}/memory",
         ]
         if record.owner != record.run_as:
             watched.append(f"{homes}/{record.owner}/context.d")

@@ -227,28 +227,33 @@ def _skills_block(dirs: list[Path], warnings: list[str]) -> _Block:
     return block
 
 
-def _workspace_names(sources: PromptSources, today: datetime.date) -> list[str]:
-    yesterday = today - datetime.timedelta(days=1)
-    names: list[str] = []
-    for name in WORKSPACE_FILES:
-        if name == "MEMORY.md":
-            if sources.main_process:
-                names.append(name)
-            names += [daily_memory_name(yesterday), daily_memory_name(today)]  # where compaction writes them
-        else:
-            names.append(name)
-    return names
+def _daily_memories(sources: PromptSources, today: datetime.date, warnings: list[str]) -> list[_Part]:
+    """Yesterday's and today's memory files, where compaction and reset write them: in the
+    owner's home, not the working directory, which other accounts' processes may share."""
+    home = sources.owner_home
+    if home is None or not home.is_dir():
+        return []
+    parts = []
+    for day in (today - datetime.timedelta(days=1), today):
+        name = daily_memory_name(day)
+        text = _read(home / name, home, warnings)
+        if text is not None:
+            parts.append(_Part(home / name, name, text))
+    return parts
 
 
 def _workspace_blocks(sources: PromptSources, today: datetime.date, warnings: list[str]) -> tuple[_Block, _Block]:
     files, commissioning = _Block("workspace"), _Block("commissioning")
     root = sources.workspace
     if root is None or not root.is_dir():
+        files.parts += _daily_memories(sources, today, warnings)
         return files, commissioning
-    for name in _workspace_names(sources, today):
-        text = _read(root / name, root, warnings)
+    for name in WORKSPACE_FILES:
+        text = _read(root / name, root, warnings) if name != "MEMORY.md" or sources.main_process else None
         if text is not None:
             files.parts.append(_Part(root / name, name, text))
+        if name == "MEMORY.md":  # the long-term memory, then the days' (for every process)
+            files.parts += _daily_memories(sources, today, warnings)
     bootstrap = root / BOOTSTRAP_FILE
     text = _read(bootstrap, root, warnings)
     if text is not None:
