@@ -350,13 +350,29 @@ def test_args_fingerprint_is_canonical_and_binds_arguments() -> None:
         ("grep -r PIN /srv", "ask", "unclassified"),  # a directory that holds the kernel's data
         ("grep -r PIN /srv/agent*", "deny", "protected"),  # it names the directory itself
         ("grep -r PIN /s*", "ask", "unclassified"),
+        ("tar czf /tmp/all.tgz /srv", "ask", "unclassified"),
         ("cat $HOME/notes.txt", "ask", "unclassified"),  # a path the shell makes up
         ("wc -l $(cat list.txt)", "ask", "unclassified"),
+        ("cat ~root/x", "ask", "unclassified"),  # another user's home: not known here
+        ("cat /srv/agentloop-dat{a..z}/agentloop.db", "ask", "unclassified"),  # a range: not expanded
+        ("cat ./" + "{a,b}" * 18, "ask", "unclassified"),  # 2**18 alternatives: not built
+        ("cat /proc/*/env*", "ask", "unclassified"),
+        ("cat < /srv/agentloop-data/agentloop.db", "deny", "protected"),  # a redirection reads too
+        ("ps eww", "ask", "unclassified"),  # every process's environment
         ("cat /srv/ws/notes.txt /srv/other/*.txt ./*.py", "auto", None),  # nothing of the kernel's
         ("ls", "auto", None),
+        # naming a directory that holds the data without reading below it is fine (a review:
+        # these were refused in a non-interactive process)
+        ("ls / /srv ~ ..", "auto", None),
+        ("du -sh /srv", "auto", None),
+        ("ls /s*", "auto", None),
+        ("ps aux", "auto", None),
     ],
 )
 def test_shell_paths_are_judged_as_the_shell_expands_them(command: str, action: str, tag: str | None) -> None:
+    import time
+
+    start = time.monotonic()
     """A review read another account's conversations with ``grep -a … /srv/agentloop-d*/…``: the
     guard compared the text of the path, not what the shell would make of it."""
     verdict = decide(
@@ -370,3 +386,18 @@ def test_shell_paths_are_judged_as_the_shell_expands_them(command: str, action: 
     assert verdict.action == action, verdict
     if tag is not None:
         assert tag in verdict.tags
+    assert time.monotonic() - start < 0.5  # judged on the event loop: never slow
+
+
+def test_a_glob_through_a_link_into_the_kernels_data_is_refused(tmp_path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "agentloop.db").write_text("")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "link").symlink_to(data)
+    for command in ("cat link/agentloop.db", "cat lin?/agentloop.db", "cat link/agentloop.d?"):
+        verdict = decide(
+            default_policy(), "shell.exec", {"command": command}, cwd=ws, home=tmp_path, protected=[str(data)]
+        )
+        assert verdict.action == "deny" and "protected" in verdict.tags, command

@@ -244,9 +244,11 @@ class _Walker:
         if getattr(target, "kind", None) != "word":
             return frozenset()  # 2>&1 and the like
         found = self.node(target, depth)
-        if node.type not in WRITE_REDIRECTS:
-            return found
         arg = self.arg(target)
+        if node.type not in WRITE_REDIRECTS:
+            if node.type in ("<", "<>"):
+                self.paths.append(arg.text)  # read: judged like any operand (``cat < secret``)
+            return found
         if arg.text in HARMLESS_SINKS or arg.text.startswith("/dev/fd/"):
             return found
         if not arg.dynamic and BLOCK_DEVICE.match(arg.text):
@@ -774,8 +776,19 @@ def _package(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[s
 
 
 _Handler = Callable[[_Walker, str, list[_Arg], int], frozenset[str]]
+
+
+def _ps(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    """``ps`` lists processes; its BSD ``e`` option (``ps eww``, ``ps aux e``) shows each one's
+    environment too: the runtime's, with its credentials."""
+    if any((not a.text.startswith("-") and "e" in a.text) or a.text == "--env" for a in rest):
+        return w.tag("ps shows processes' environments", "unclassified")
+    return frozenset()
+
+
 _SPECIAL: dict[str, _Handler] = {
     "git": _git,
+    "ps": _ps,
     "su": _su,
     "find": _find,
     "sed": _sed,

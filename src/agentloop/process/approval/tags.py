@@ -7,6 +7,8 @@ taken. Symlinks therefore are not followed here; the tools themselves confine wh
 
 from __future__ import annotations
 
+import glob
+import itertools
 import os
 import posixpath
 import re
@@ -63,12 +65,41 @@ def call_target(syscall: str, tool_name: str, args: Mapping[str, Any]) -> str:
     return device if sep and device and rest else "local"
 
 
+def _real(path: str) -> str:
+    """Where ``path`` leads through links, as far as this user may look."""
+    try:
+        return os.path.realpath(path)
+    except OSError:  # a link it may not read (/proc/1/fd/0)
+        return path
+
+
 def _inside(path: str, base: str) -> bool:
     return path == base or path.startswith(base.rstrip("/") + "/")
 
 
-def _braces(pattern: str) -> list[str]:
-    """``a{b,c}d`` → ``abd``, ``acd`` (nested and repeated too), as the shell expands it."""
+_MAX_ALTERNATIVES = 64  # more, and a command line of a hundred characters could stall the server
+_BRACE_RANGE = re.compile(r"\{[^{}]*\.\.[^{}]*\}")  # ``{a..z}``: not expanded here
+# commands that read a whole tree below the directories they are given (or, with a flag, can)
+_WALKERS = frozenset({"find", "rg", "ag", "ack", "tar", "zip", "rsync", "tree", "scp", "bsdtar"})
+_FLAG_WALKERS = frozenset({"grep", "egrep", "fgrep", "cp", "ls", "chmod", "chown", "chgrp", "diff", "zgrep"})
+_RECURSIVE_FLAG = re.compile(r"(?:^|\s)(?:--recursive|--dereference-recursive|-[A-Za-z]*[rRa][A-Za-z]*)(?=\s|$)")
+
+
+def walks_tree(command: str, analysis: ShellAnalysis) -> bool:
+    """Whether a command line may read everything below a directory it names (so naming one that
+    holds the kernel's data reaches into it); ``ls /`` or ``du -sh ~`` do not read files."""
+    names = set(analysis.commands)
+    return bool(names & _WALKERS) or bool(names & _FLAG_WALKERS and _RECURSIVE_FLAG.search(command))
+
+
+def _braces(pattern: str) -> list[str] | None:
+    """``a{b,c}d`` → ``abd``, ``acd`` (nested and repeated too), as the shell expands it; None
+    past ``_MAX_ALTERNATIVES``."""
+    alternatives = _expand_braces(pattern)
+    return alternatives if len(alternatives) <= _MAX_ALTERNATIVES else None
+
+
+def _expand_braces(pattern: str) -> list[str]:
     depth, start = 0, -1
     for i, ch in enumerate(pattern):
         if ch == "{":
@@ -88,7 +119,12 @@ def _braces(pattern: str) -> list[str]:
                 if len(parts) < 2:
                     continue  # ``{x}`` is literal
                 head, tail = pattern[:start], pattern[i + 1 :]
-                return [out for part in parts for out in _braces(head + part + tail)]
+                out: list[str] = []
+                for part in parts:
+                    out += _expand_braces(head + part + tail)
+                    if len(out) > _MAX_ALTERNATIVES:
+                        return out  # (the caller gives up: no need to build the rest)
+                return out
     return [pattern]
 
 
@@ -129,35 +165,51 @@ def path_tags(
     writing: bool = False,
     protected: Sequence[str] = (),
     shell: bool = False,
+    walks: bool = False,
 ) -> set[str]:
     """Tags for one path named relative to ``base``; ``writing`` also flags system directories.
     A path inside one of the ``protected`` directories (agentloop's own data: its database,
     archives, policies) is ``protected``, also when a symlink on the way leads there, and so is a
     process's environment. A ``shell`` operand is what the shell expands: one that depends on a
-    variable is ``unclassified``, a glob that can match a protected path is ``protected``, and
-    a directory holding a protected one is ``unclassified`` (a recursive command reaches in)."""
+    variable (or another user's home, or too many braces) is ``unclassified``, a glob that can
+    match a protected path is ``protected``, and, for a command that ``walks`` a tree, a directory
+    holding a protected one is ``unclassified``."""
     if shell and "{" in path:  # expanded first: ``{/a,b}/c`` is /a/c and <base>/b/c
         alternatives = _braces(path)
+        if alternatives is None or any(_BRACE_RANGE.search(p) for p in alternatives):
+            return {"unclassified"}
         if alternatives != [path]:
-            return set().union(
-                *(
-                    path_tags(p, base=base, cwd=cwd, home=home, writing=writing, protected=protected, shell=True)
-                    for p in alternatives
+            found: set[str] = set()
+            for p in alternatives:
+                found |= path_tags(
+                    p, base=base, cwd=cwd, home=home, writing=writing, protected=protected, shell=True, walks=walks
                 )
-            )
+            return found
     cwd_s, home_s = posixpath.normpath(os.fspath(cwd)), posixpath.normpath(os.fspath(home))
     resolved = _resolve(path, posixpath.normpath(os.fspath(base)), home_s)
     if resolved is None:
-        return {"unclassified"} if shell and ("$" in path or "`" in path) else set()
+        return {"unclassified"} if shell else set()  # ``$VAR/x``, ``~other/x``: not known here
     tags: set[str] = set()
     if _PROCESS_SECRETS.fullmatch(resolved):
         tags.add("protected")
     if shell and _GLOB.search(resolved):
         inside, holds = _reach(resolved, protected)
-        tags |= {"protected"} if inside else {"unclassified"} if holds else set()
-    elif protected and any(_inside(p, d) for p in {resolved, os.path.realpath(resolved)} for d in protected):
+        # what it matches here, through links too (``lin?/x`` with ``link`` pointing at the data)
+        inside = inside or (
+            bool(protected)
+            and any(
+                _inside(_real(found), d)
+                for found in itertools.islice(glob.iglob(resolved), _MAX_ALTERNATIVES)
+                for d in protected
+            )
+        )
+        if inside:
+            tags.add("protected")
+        elif (holds and walks) or resolved.startswith("/proc/"):  # (/proc: an environment, by any spelling)
+            tags.add("unclassified")
+    elif protected and any(_inside(p, d) for p in {resolved, _real(resolved)} for d in protected):
         tags.add("protected")
-    elif shell and any(_inside(d, resolved) for d in protected):
+    elif walks and any(_inside(d, resolved) for d in protected):
         tags.add("unclassified")
     inside_cwd = _inside(resolved, cwd_s)
     if not inside_cwd:
@@ -182,11 +234,15 @@ def _paths_tags(
     home: StrPath,
     protected: Sequence[str] = (),
     shell: bool = False,
+    walks: bool = False,
 ) -> set[str]:
     written = set(writes)
     tags: set[str] = set()
     for p in paths:
-        tags |= path_tags(p, base=base, cwd=cwd, home=home, writing=p in written, protected=protected, shell=shell)
+        writing = p in written
+        tags |= path_tags(
+            p, base=base, cwd=cwd, home=home, writing=writing, protected=protected, shell=shell, walks=walks
+        )
     return tags
 
 
@@ -218,11 +274,12 @@ def call_facts(
         tags.add("remote")
     if syscall == "shell.exec":
         command = args.get("command")
-        analysis = classify_shell(command) if isinstance(command, str) else None
+        command = command if isinstance(command, str) else None
+        analysis = classify_shell(command) if command is not None else None
         workdir = args.get("cwd", ".")
         workdir = workdir if isinstance(workdir, str) and workdir else "."
         resolved_workdir = _resolve(workdir, posixpath.normpath(os.fspath(base)), os.fspath(home))
-        if analysis is None:
+        if analysis is None or command is None:
             tags.add("unclassified")
             return CallFacts(frozenset(tags), (), None, ("no command given",))
         tags |= analysis.tags
@@ -236,6 +293,7 @@ def call_facts(
                 home=home,
                 protected=protected,
                 shell=True,
+                walks=walks_tree(command, analysis),
             )
         return CallFacts(frozenset(tags), analysis.paths, analysis, analysis.reasons)
     path = args.get("path")
