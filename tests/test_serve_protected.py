@@ -24,14 +24,18 @@ def _script(req: ModelRequest) -> Reply | str:
     if isinstance(last, ToolResultMessage):
         return "tool said: " + last.text
     text = last.text if isinstance(last, UserMessage) else ""
+    if text.startswith("search: "):
+        return Reply(tool_calls=[call("Search", pattern=text.removeprefix("search: "))])
     return Reply(tool_calls=[call("Shell", command=text)])
 
 
 def test_engine_chat_cannot_read_the_kernels_data(tmp_path: Path) -> None:
     register_provider("protectedprobe", lambda _id: ScriptedModel(_script))
-    data, ws = tmp_path / "data", tmp_path / "ws"
-    data.mkdir()
-    ws.mkdir()
+    ws = tmp_path / "ws"
+    data = ws / "data"  # inside the workspace: Search must walk around it
+    (data / "var" / "media" / "bob").mkdir(parents=True)
+    (data / "var" / "media" / "bob" / "doc.txt").write_text("bob's SECRET-42\n")
+    (ws / "plan.txt").write_text("no SECRET here\n")
     settings = Settings(model="protectedprobe:x", model_source="test")
     opts = ServeOptions(
         "127.0.0.1", 0, data.resolve(), ws.resolve(), settings, parse_approval("ask"), out=io.StringIO()
@@ -42,12 +46,18 @@ def test_engine_chat_cannot_read_the_kernels_data(tmp_path: Path) -> None:
         accounts = running.ctx.accounts
         server.call(accounts.create_account("alice"))
         token, _ = server.call(accounts.create_token("alice"))
-        command = f"cat {data.resolve()}/agentloop.db"
-        body = {"messages": [{"role": "user", "content": command}], "metadata": {"correlation_id": "c1"}}
-        with httpx.Client(base_url=running.url, timeout=30) as client:
-            reply = client.post("/engine/chat", json=body, headers={"Authorization": f"Bearer {token}"})
-        assert reply.status_code == 200
-        assert "agentloop's own data is off limits to tools" in reply.text
-        assert "SQLite format" not in reply.text
+        headers = {"Authorization": f"Bearer {token}"}
+
+        def ask(content: str) -> str:
+            body = {"messages": [{"role": "user", "content": content}], "metadata": {"correlation_id": "c1"}}
+            with httpx.Client(base_url=running.url, timeout=30) as client:
+                reply = client.post("/engine/chat", json=body, headers=headers)
+            assert reply.status_code == 200
+            return reply.text
+
+        shown = ask(f"cat {data.resolve()}/agentloop.db")
+        assert "agentloop's own data is off limits to tools" in shown and "SQLite format" not in shown
+        found = ask("search: SECRET")
+        assert "plan.txt:1: no SECRET here" in found and "SECRET-42" not in found
     finally:
         server.stop()

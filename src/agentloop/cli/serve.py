@@ -47,7 +47,6 @@ from agentloop.cli.options import (
     loop_flags,
 )
 from agentloop.cli.render import Progress
-from agentloop.kernel.kernel import kernel_files
 
 T = TypeVar("T")
 
@@ -194,6 +193,7 @@ async def serve_async(
                 agent = Agent(
                     model=model, tools=tools, system_prompt=settings.system_prompt, workspace=opts.workspace, **loop
                 )
+                agent.config.off_limits = kernel.off_limits  # the Search tool walks around the kernel's data
                 if opts.approval.mode != "auto":
                     agent.hooks.before_tool_call(
                         PolicyHook(
@@ -201,7 +201,7 @@ async def serve_async(
                             cwd=opts.workspace,
                             ask=None,
                             unanswerable=STATELESS_ASK,
-                            protected=kernel_files(kernel.store, kernel.data_dir),
+                            protected=kernel.off_limits,
                         )
                     )
                 return agent

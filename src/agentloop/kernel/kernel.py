@@ -73,7 +73,7 @@ log = logging.getLogger("agentloop.kernel")
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
 
 
-def kernel_files(store: Store, data: Path) -> list[Path]:
+def _kernel_files(store: Store, data: Path) -> list[Path]:
     """What tools must not touch: the database (and its WAL), the accounts' homes (policies, MCP
     servers, context), the archives and media, the system context and skills. Named one by one,
     not as the whole data directory, because that may be the workspace itself."""
@@ -338,7 +338,8 @@ class Kernel:
         builtin = tools is None
         tools = [*(builtin_tools(root) if tools is None else tools), *extra_tools]
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
-        agent.config.off_limits = tuple(kernel_files(store, data))  # (the Search tool walks around them)
+        off_limits = tuple(_kernel_files(store, data))
+        agent.config.off_limits = off_limits  # (the Search tool walks around them)
         await store.open()
         media = MediaStore(data)
         if toolset is None and devices is not None:
@@ -358,7 +359,7 @@ class Kernel:
                 server=policy,
                 accounts=account_policies,
                 account_file=home_file(data, "approval.json"),
-                protected=kernel_files(store, data),
+                protected=off_limits,
             )
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
@@ -487,6 +488,12 @@ class Kernel:
         if await self.store.get_process(pid) is None:
             raise NoSuchProcess(pid)
         return Process(self, pid)
+
+    @property
+    def off_limits(self) -> tuple[Path, ...]:
+        """What tools may not touch whatever the policy says (the database, the accounts' homes,
+        archives and media): for an agent outside any process to keep off them too."""
+        return self.engine.config.off_limits
 
     async def processes(self, owner: str | None = None) -> list[ProcessRecord]:
         return await self.store.list_processes(owner)
