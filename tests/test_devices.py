@@ -467,6 +467,8 @@ def test_a_device_schema_is_checked_without_fetching_or_slow_patterns() -> None:
         slow.validate({"q": 5})  # the rest is still checked
     with pytest.raises(ToolArgumentsError):
         slow.validate({"q": "a", "pattern": "not a number"})  # a property named pattern is kept
+    globs = extra({"properties": {"g": {"enum": [{"pattern": "*.py"}, {"pattern": "*.md"}]}}})
+    assert globs.validate({"g": {"pattern": "*.py"}}) == {"g": {"pattern": "*.py"}}  # data is data
 
 
 async def test_a_device_that_stops_reading_is_dropped_and_its_calls_end_on_time(monkeypatch):

@@ -210,14 +210,15 @@ class RoutedTool(Tool):
         )
 
 
-def _without_patterns(schema: Any) -> Any:
-    """``schema`` less its ``pattern`` keywords (a string value: a property that happens to be
-    named so has a schema, an object, as its value)."""
-    if isinstance(schema, dict):
-        return {k: _without_patterns(v) for k, v in schema.items() if not (k == "pattern" and isinstance(v, str))}
-    if isinstance(schema, list):
-        return [_without_patterns(v) for v in schema]
-    return schema
+def _device_validator(schema: dict[str, Any]) -> Any:
+    """A validator for a device's schema: ``pattern`` is not checked (the keyword only: ``enum``
+    or ``const`` data that holds the word is left alone), references resolve inside the schema."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.validators import extend
+    from referencing import Registry
+
+    unchecked = extend(Draft202012Validator, {"pattern": lambda validator, pattern, instance, schema: None})
+    return unchecked(schema, registry=Registry())
 
 
 class DeviceExtraTool(Tool):
@@ -229,15 +230,12 @@ class DeviceExtraTool(Tool):
     pattern can take Python's ``re`` exponential time, and every account would wait)."""
 
     def __init__(self, device: DeviceInfo, spec: DeviceTool, directory: DeviceDirectory) -> None:
-        from jsonschema import Draft202012Validator
-        from referencing import Registry
-
         super().__init__(device_tool_name(device.id, spec.name), spec.description, spec.parameters)
         self.device = device.id
         self.owner = device.owner
         self.remote_name = spec.name
         self.directory = directory
-        self._validator = Draft202012Validator(_without_patterns(spec.parameters), registry=Registry())
+        self._validator = _device_validator(spec.parameters)
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         try:
