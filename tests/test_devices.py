@@ -519,3 +519,22 @@ async def test_a_devices_result_is_made_storable_and_its_media_checked():
     assert note.text.startswith("[device laptop sent media that was left out: unsupported image type")  # type: ignore[union-attr]
     assert image.data == png  # type: ignore[union-attr]  # a real one is kept
     await device.disconnect()
+
+
+async def test_a_document_of_a_type_no_model_takes_is_left_out_and_the_rest_kept():
+    """A review: one such document made the whole result 'malformed'."""
+
+    async def report(call: str, args: dict[str, Any]) -> dict[str, Any]:
+        content = [
+            {"type": "text", "text": "the report follows"},
+            {"type": "file", "data": "e30=", "mimeType": "application/json", "name": "r.json"},
+        ]
+        return {"content": content, "is_error": False}
+
+    hub = DeviceHub()
+    device = await online(hub, ALICE, "laptop", handler=report)
+    result = await hub.call("alice", "laptop", "fs.read", {"path": "r.json"}, 5.0)
+    texts = [b.text for b in result.content]  # type: ignore[union-attr]
+    assert not result.is_error and texts[0] == "the report follows"
+    assert texts[1].startswith("[a block of the result was left out:") and "application/json" in texts[1]
+    await device.disconnect()

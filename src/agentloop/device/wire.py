@@ -16,6 +16,7 @@ from agentloop.tools.base import ResultBlock, ToolResult
 __all__ = ["result_from_wire", "result_to_wire"]
 
 _BLOCKS: TypeAdapter[list[UserBlock]] = TypeAdapter(list[UserBlock])
+_BLOCK: TypeAdapter[UserBlock] = TypeAdapter(UserBlock)
 
 
 def result_to_wire(result: ToolResult) -> dict[str, Any]:
@@ -25,11 +26,19 @@ def result_to_wire(result: ToolResult) -> dict[str, Any]:
 
 
 def result_from_wire(data: Any) -> ToolResult | None:
-    """The tool result in a device's answer, or None if the answer is malformed."""
-    if not isinstance(data, dict) or not isinstance(data.get("is_error", False), bool):
+    """The tool result in a device's answer, or None if the answer is malformed. A block of a
+    known kind that is not valid (a document of a type no model takes) is left out with a note,
+    the rest kept."""
+    content = data.get("content", []) if isinstance(data, dict) else None
+    if not isinstance(content, list) or not isinstance(data.get("is_error", False), bool):
         return None
-    try:
-        blocks: list[ResultBlock] = list(_BLOCKS.validate_python(data.get("content", [])))
-    except ValidationError:
-        return None
+    blocks: list[ResultBlock] = []
+    for raw in content:
+        if not isinstance(raw, dict) or raw.get("type") not in ("text", "image", "file"):
+            return None
+        try:
+            blocks.append(_BLOCK.validate_python(raw))
+        except ValidationError as exc:
+            why = exc.errors(include_url=False)[0]["msg"]
+            blocks.append(TextContent(text=f"[a block of the result was left out: {why}]"))
     return ToolResult(blocks or [TextContent(text="")], is_error=bool(data.get("is_error", False)))
