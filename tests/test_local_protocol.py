@@ -180,10 +180,11 @@ def test_an_object_inside_a_cut_off_call_is_not_taken_for_a_call() -> None:
     assert parse_json_reply(cut) is None
     assert parse_json_reply("Sure: " + cut) is None
     # a broken object before a whole one still leaves the whole one to be found
-    assert parse_json_reply('{not json} {"tool": "a", "arguments": {"s": "}{"}}') == {
-        "tool": "a",
-        "arguments": {"s": "}{"},
-    }
+    whole = {"tool": "a", "arguments": {"s": "}{"}}
+    assert parse_json_reply('{not json} {"tool": "a", "arguments": {"s": "}{"}}') == whole
+    # prose braces, and a closed object broken inside, are still looked through
+    assert parse_json_reply('Checking {quickly. {"tool": "a", "arguments": {"s": "}{"}}') == whole
+    assert parse_json_reply('{"tool_calls": [{"tool": "a", "arguments": {"s": "}{"}},]}') == whole
 
 
 def test_partial_answer_decodes_as_it_grows() -> None:

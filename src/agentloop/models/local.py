@@ -244,10 +244,11 @@ def parse_json_reply(text: str) -> dict[str, Any] | None:
             try:
                 obj, _ = decoder.raw_decode(candidate, start)
             except json.JSONDecodeError:
-                # the next object may follow this broken one, never be inside it: an object in
-                # the arguments of a call cut off at max_tokens is not a call
-                end = _object_end(candidate, start)
-                start = -1 if end is None else candidate.find("{", end)
+                # an object cut off before its end (at max_tokens) holds no call: an object in
+                # its arguments is not one. Prose braces and objects broken but closed are
+                # looked into as before.
+                cut = candidate[start + 1 :].lstrip()[:1] in ('"', "") and _object_end(candidate, start) is None
+                start = -1 if cut else candidate.find("{", start + 1)
                 continue
             if isinstance(obj, dict):
                 return obj
