@@ -538,3 +538,24 @@ async def test_a_document_of_a_type_no_model_takes_is_left_out_and_the_rest_kept
     assert not result.is_error and texts[0] == "the report follows"
     assert texts[1].startswith("[a block of the result was left out:") and "application/json" in texts[1]
     await device.disconnect()
+
+
+async def test_a_call_waiting_behind_a_slow_frame_times_out_without_dropping_the_device():
+    """A review: a short call deadline spent waiting for the socket dropped a healthy device."""
+    hub = DeviceHub()
+    device = await online(hub, ALICE, "laptop", implements=ALL)
+    real = device.socket.send_text
+
+    async def slow(data: str) -> None:
+        if len(data) > 100_000:
+            await asyncio.sleep(0.5)  # a big frame takes a while to leave
+        await real(data)
+
+    device.socket.send_text = slow  # type: ignore[method-assign]
+    big = asyncio.create_task(hub.call("alice", "laptop", "fs.write", {"path": "a", "content": "x" * 200_000}, 5.0))
+    await asyncio.sleep(0.05)
+    short = await hub.call("alice", "laptop", "fs.read", {"path": "b"}, 0.2)
+    assert short.is_error and "before it could be sent" in short.content[0].text  # type: ignore[union-attr]
+    assert not (await big).is_error
+    assert [d.id for d in hub.online("alice")] == ["laptop"]
+    await device.disconnect()

@@ -70,6 +70,10 @@ class HubError(Exception):
         self.message = message
 
 
+class _Busy(Exception):
+    """A frame waited for the socket past its caller's deadline."""
+
+
 @dataclass
 class _Connection:
     """One live driver socket and the calls waiting on it."""
@@ -80,11 +84,21 @@ class _Connection:
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def send(self, frame: dict[str, Any]) -> None:
-        """``TimeoutError`` when the frame cannot leave in ``SEND_TIMEOUT``: a device that stops
-        reading fills the socket's buffer, and would hold every caller waiting on the lock."""
-        async with asyncio.timeout(SEND_TIMEOUT), self.lock:  # one frame at a time on the socket
-            await self.socket.send_text(json.dumps(frame, separators=(",", ":")))
+    async def send(self, frame: dict[str, Any], deadline: float | None = None) -> None:
+        """One frame at a time on the socket. ``_Busy`` when the frames before it hold the socket
+        past ``deadline`` (the caller's: nothing is wrong with the device); ``TimeoutError`` when
+        the frame itself cannot leave in ``SEND_TIMEOUT``: a device that stops reading fills the
+        socket's buffer, and would hold every caller waiting on the lock."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.lock.acquire()
+        except TimeoutError:
+            raise _Busy from None
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT):
+                await self.socket.send_text(json.dumps(frame, separators=(",", ":")))
+        finally:
+            self.lock.release()
 
     def fail_all(self, reason: dict[str, Any]) -> None:
         for fut in self.pending.values():
@@ -385,8 +399,12 @@ class DeviceHub:
         conn.pending[req_id] = fut
         deadline = None if timeout is None else loop.time() + timeout  # sending counts towards it
         try:
-            async with asyncio.timeout_at(deadline):
-                await conn.send({"type": "req", "id": req_id, "call": call, "args": args})
+            await conn.send({"type": "req", "id": req_id, "call": call, "args": args}, deadline)
+        except _Busy:
+            conn.pending.pop(req_id, None)
+            return ToolResult.error(
+                f"Device {device_id}: {call} timed out before it could be sent (the device is busy)"
+            )
         except Exception as exc:
             conn.pending.pop(req_id, None)
             why = "does not read what it is sent" if isinstance(exc, TimeoutError) else "disconnected"
