@@ -122,6 +122,9 @@ async def test_a_pid_is_sent_as_one_path_segment(server: LiveServer) -> None:
             assert caught.value.code == "not_found", odd
             with pytest.raises(ClientError):
                 await alice.hil(odd, "req/../x", "approve")
+        for dots in ("..", "."):  # the URL would resolve them before sending: refused here
+            with pytest.raises(ClientError, match="not a valid id"):
+                await alice.reset(dots)
         assert (await alice.process(pid))["pid"] == pid  # still there
         assert (await alice.kill(pid))["killed"] is True
 

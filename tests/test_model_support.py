@@ -179,3 +179,12 @@ async def test_a_page_instead_of_a_stream_is_shown_as_such() -> None:
     await check_event_stream(
         httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"data: {}\n\n")
     )
+
+
+async def test_a_stream_labelled_text_plain_is_left_to_be_read() -> None:
+    """Some OpenAI-compatible servers label their event streams text/plain."""
+    import httpx
+
+    from agentloop.models.base import check_event_stream
+
+    await check_event_stream(httpx.Response(200, headers={"content-type": "text/plain"}, content=b"data: {}\n\n"))

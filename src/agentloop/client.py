@@ -52,7 +52,10 @@ class StreamEvent(NamedTuple):
 
 def _segment(value: str) -> str:
     """One path segment, percent-encoded whole: a pid like ``x/../<other>`` must name no other
-    route or process once the server has decoded and normalised the path."""
+    route or process once the server has decoded and normalised the path (nor may ``..`` itself,
+    which the URL would resolve before it is sent)."""
+    if value in ("", ".", ".."):
+        raise ClientError(400, "invalid_request", f"{value!r} is not a valid id")
     return quote(value, safe="")
 
 

@@ -180,7 +180,8 @@ def http_error(
 
 
 STREAM_CUT = "the stream ended before the answer was finished"
-_NOT_A_STREAM = ("application/json", "text/html", "text/plain")
+_NOT_A_STREAM = ("application/json", "text/html")  # (text/plain: some servers label their streams so)
+_ERROR_BODY_LIMIT = 65_536
 
 
 async def check_event_stream(response: Any) -> None:
@@ -190,7 +191,11 @@ async def check_event_stream(response: Any) -> None:
     content_type = str(response.headers.get("content-type", "")).split(";")[0].strip().lower()
     if content_type not in _NOT_A_STREAM:
         return
-    raw: bytes = await response.aread()
+    raw = b""
+    async for chunk in response.aiter_bytes():  # an error, not a download: the start says enough
+        raw += chunk
+        if len(raw) >= _ERROR_BODY_LIMIT:
+            break
     try:
         body = json.loads(raw)
     except ValueError:
