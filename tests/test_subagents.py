@@ -443,3 +443,31 @@ async def test_a_child_talked_to_after_its_parent_aborted_keeps_its_new_run_over
         ended = await _finished(k, child.pid)
     assert running is not None  # the user's run goes on
     assert [e["reason"] for e in ended if e["status"] == "aborted"] == ["user"]
+
+
+async def test_parallel_task_calls_of_one_turn_respect_the_running_cap(tmp_path):
+    """A review: 30 Task calls in one turn each counted the running children before any had
+    started, and 18 ran against a cap of 8 (at every nesting level)."""
+    from agentloop.kernel.tasks import MAX_RUNNING
+
+    def brain(request: ModelRequest) -> Reply | str:
+        first = next(m.text for m in request.messages if isinstance(m, UserMessage))
+        last = request.messages[-1]
+        if first == "fan out" and isinstance(last, UserMessage):
+            return Reply(tool_calls=[call("Task", prompt=f"job {i}", wait=False) for i in range(20)])
+        if first.startswith("job ") and isinstance(last, UserMessage):
+            return Reply(tool_calls=[call("slow", seconds=30)])  # the children keep running
+        return "ok"
+
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[slow], subagents=True) as k:
+        top = await k.spawn(owner="alice")
+        await top.send("fan out")
+        for _ in range(100):
+            results = [m for m in await top.messages() if isinstance(m, ToolResultMessage)]
+            if len(results) == 20:
+                break
+            await asyncio.sleep(0.05)
+        children = [r for r in await k.processes("alice") if r.parent_pid == top.pid]
+        assert len(children) == MAX_RUNNING
+        assert sum(r.is_error for r in results) == 20 - MAX_RUNNING
+        await top.kill()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from agentloop.kernel.tree import ORIGIN_KEY, origin
 from agentloop.messages import AssistantMessage
 from agentloop.process import signals as sig
+from agentloop.process.keylock import KeyedLocks
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 
@@ -56,6 +57,9 @@ _SCHEMA: dict[str, Any] = {
     "required": ["prompt"],
     "additionalProperties": False,
 }
+
+
+_starting = KeyedLocks()  # per parent pid (one event loop per kernel: a module-level lock set is enough)
 
 
 class TaskTool(Tool):
@@ -89,19 +93,22 @@ class TaskTool(Tool):
         pid = child_pid(parent.pid, ctx.run_id, ctx.tool_call_id)
         existing = await kernel.store.get_process(pid)
         if existing is None:
-            await self._check_limits()
-            child = await kernel.spawn(
-                parent.owner,
-                cwd=parent.cwd,
-                interactive=False,
-                parent_pid=parent.pid,
-                pid=pid,
-                kv={ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"])},
-                context=f"You are a subagent working on a task for process {parent.pid}. Answer with the result.",
-            )
-            if not arguments["wait"]:
-                await kernel.watch(parent.pid, pid, sig.RUN_FINISHED, once=True)
-            await child.send(arguments["prompt"], run_id=f"task:{pid}")
+            # one call of the parent's at a time from the count to the child's run: sibling calls
+            # of one turn would all count before any child runs, and pass the cap together
+            async with _starting.hold(parent.pid):
+                await self._check_limits()
+                child = await kernel.spawn(
+                    parent.owner,
+                    cwd=parent.cwd,
+                    interactive=False,
+                    parent_pid=parent.pid,
+                    pid=pid,
+                    kv={ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"])},
+                    context=f"You are a subagent working on a task for process {parent.pid}. Answer with the result.",
+                )
+                if not arguments["wait"]:
+                    await kernel.watch(parent.pid, pid, sig.RUN_FINISHED, once=True)
+                await child.send(arguments["prompt"], run_id=f"task:{pid}")
         else:
             child = await kernel.process(pid)
             if existing.state != "killed":
