@@ -502,3 +502,9 @@ def test_a_home_of_an_unknown_user_is_named_with_its_flag(
     result = runner.invoke(app, ["run", "-m", model, "go"])
     assert result.exit_code == 0 and result.stdout == "fine\n", result.stderr
     assert "names no user on this machine; ignored" in result.stderr
+
+
+def test_serve_takes_a_limit_of_processes_per_account() -> None:
+    assert "--max-processes" in runner.invoke(app, ["serve", "--help"]).stdout
+    refused = runner.invoke(app, ["serve", "--max-processes", "0"])
+    assert refused.exit_code == 2 and "Traceback" not in refused.stderr

@@ -627,3 +627,25 @@ def fuzz_client(server: LiveServer) -> Iterator[tuple[httpx.Client, str]]:
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.tokens.alice}"}) as client:
         pid = client.post("/v1/processes", json={}).json()["pid"]
         yield client, pid
+
+
+async def test_an_account_may_have_only_so_many_live_processes(server: LiveServer, alice: httpx.AsyncClient) -> None:
+    """A review: one account could make any number of processes, each with schedules starting
+    runs on the server's model keys."""
+    assert server.ctx is not None
+    live = len((await alice.get("/v1/processes")).json()["processes"])
+    server.ctx.max_processes = live + 1
+    try:
+        first = await alice.post("/v1/processes", json={"text": "hi", "run_id": "r-limit"})
+        assert first.status_code == 201, first.text
+        refused = error(await alice.post("/v1/processes", json={}), 409, "conflict")
+        assert "as many as this server allows" in refused
+        again = await alice.post("/v1/processes", json={"text": "hi", "run_id": "r-limit"})  # a retry: its receipt
+        assert again.status_code in (200, 201) and again.json()["pid"] == first.json()["pid"]
+        async with server.client(server.tokens.admin) as admin:
+            for _ in range(live + 2):  # admins are not limited
+                assert (await admin.post("/v1/processes", json={})).status_code == 201
+        await alice.delete(f"/v1/processes/{first.json()['pid']}")
+        assert (await alice.post("/v1/processes", json={})).status_code == 201  # room again
+    finally:
+        server.ctx.max_processes = 1000

@@ -67,6 +67,7 @@ class ServeOptions:
     settings: Settings
     approval: ApprovalSetting
     shutdown_timeout: int = SHUTDOWN_TIMEOUT
+    max_processes: int | None = None  # per account (None: the server's default)
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -184,6 +185,8 @@ async def serve_async(
                 _say(opts.out, f"created the admin account; its token: {first}")
                 _say(opts.out, TOKEN_NOTE)
             ctx = ServerContext(kernel, accounts, devices=hub)
+            if opts.max_processes is not None:
+                ctx.max_processes = opts.max_processes
             tools = [*builtin_tools(opts.workspace), *extra]
 
             def agent_factory() -> Agent:
@@ -409,6 +412,14 @@ def serve(
     max_cost: MaxCostOpt = None,
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
+    max_processes: Annotated[
+        int | None,
+        typer.Option(
+            "--max-processes",
+            min=1,
+            help="Live processes an account may have (admins are not limited; default 1000).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
@@ -432,7 +443,7 @@ def serve(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
                 "put TLS in front of it\n"
             )
-        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting)
+        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting, max_processes=max_processes)
         try:
             if chat:
                 opts.out = sys.stderr  # stdout carries the answers

@@ -22,6 +22,9 @@ DEFAULT_MAX_BODY = 1024 * 1024
 # 10 MiB) gets room for one such file
 DEFAULT_MAX_MEDIA_BODY = 16 * 1024 * 1024
 DEFAULT_HEARTBEAT = 15.0
+# live processes an account (not an admin) may have: each can hold schedules and watches that
+# start runs on the server's model keys, so an unbounded number is the server's to pay for
+DEFAULT_MAX_PROCESSES = 1000
 
 
 @dataclass
@@ -32,12 +35,13 @@ class ServerContext:
     max_body: int = DEFAULT_MAX_BODY
     max_media_body: int = DEFAULT_MAX_MEDIA_BODY  # for the requests that may carry images and documents
     heartbeat: float = DEFAULT_HEARTBEAT  # seconds between SSE heartbeat comments
+    max_processes: int = DEFAULT_MAX_PROCESSES  # per account (admins are not limited)
     # Set when the server begins shutting down: streams end cleanly instead of being cut.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def processes(self) -> ProcessService:
-        return ProcessService(self.kernel)
+        return ProcessService(self.kernel, max_processes=self.max_processes)
 
     async def principal(self, conn: HTTPConnection) -> Principal:
         """The caller of an HTTP request or WebSocket handshake, from its bearer token; 401 if none."""

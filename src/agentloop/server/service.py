@@ -141,8 +141,9 @@ def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
 class ProcessService:
     """What a principal may do with processes on one kernel."""
 
-    def __init__(self, kernel: Kernel) -> None:
+    def __init__(self, kernel: Kernel, *, max_processes: int | None = None) -> None:
         self.kernel = kernel
+        self.max_processes = max_processes  # per account, admins aside; None: no limit
 
     async def _process(self, who: Principal, pid: str) -> tuple[Process, ProcessRecord]:
         record = await self.kernel.store.get_process(pid)
@@ -188,6 +189,7 @@ class ProcessService:
         # With a run id the pid follows from it, so a retried request (its answer lost) finds the
         # process the first one made and gets its receipt instead of making a second one.
         pid = _spawn_pid(who.account, run_id) if run_id is not None else None
+        await self._check_process_limit(who, pid)
         try:
             proc = await self.kernel.spawn(
                 who.account,
@@ -214,6 +216,21 @@ class ProcessService:
         if proc.started is not None:  # (the run may have ended already: its id all the same)
             answer["run_id"] = proc.started.run_id
         return answer
+
+    async def _check_process_limit(self, who: Principal, pid: str | None) -> None:
+        """409 when the caller has as many live processes as the server allows (a retried spawn,
+        whose process exists already, gets its receipt all the same)."""
+        if self.max_processes is None or who.admin:
+            return
+        if pid is not None and await self.kernel.store.get_process(pid) is not None:
+            return
+        live = sum(r.state != "killed" for r in await self.kernel.processes(owner=who.account))
+        if live >= self.max_processes:
+            raise ApiError(
+                409,
+                "conflict",
+                f"account {who.account} has {live} processes, as many as this server allows; kill one first",
+            )
 
     async def list_processes(self, who: Principal) -> list[dict[str, Any]]:
         return [process_json(r) for r in await self.kernel.processes(owner=who.account) if r.state != "killed"]
