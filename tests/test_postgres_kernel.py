@@ -226,3 +226,23 @@ async def test_two_concurrent_sends_with_one_run_id_deliver_once(pg_url: str, tm
         users = [m for m in await proc.messages() if isinstance(m, UserMessage)]
     assert first == second and first.run_id == "d1"
     assert len(users) == 1
+
+
+async def test_concurrent_adds_respect_the_limits_and_the_cycle_check(pg_url: str, tmp_path: Path) -> None:
+    """A review: on PostgreSQL concurrent requests each counted before any inserted (300
+    schedules against a limit of 100), and A->B with B->A made together formed a loop that ran
+    forever."""
+    from agentloop.kernel.schedules import MAX_SCHEDULES
+    from agentloop.kernel.watches import WatchError
+
+    async with pg_kernel(pg_url, tmp_path, ScriptedModel(lambda r: "ok"), tools=[]) as k:
+        p = await k.spawn(owner="alice")
+        made = await asyncio.gather(
+            *(k.schedule(p.pid, "tick", at=4e9) for _ in range(MAX_SCHEDULES + 20)), return_exceptions=True
+        )
+        assert sum(isinstance(r, str) for r in made) == MAX_SCHEDULES == len(await k.schedules(p.pid))
+        a, b = await k.spawn(owner="alice"), await k.spawn(owner="alice")
+        both = await asyncio.gather(
+            k.watch(a.pid, b.pid, once=False), k.watch(b.pid, a.pid, once=False), return_exceptions=True
+        )
+        assert sum(isinstance(r, str) for r in both) == 1 and sum(isinstance(r, WatchError) for r in both) == 1

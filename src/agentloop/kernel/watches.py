@@ -86,6 +86,9 @@ class WatchRouter:
         self._dirty: set[str] = set()  # sources that logged a watched signal since they were read
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # one add at a time from its checks to its insert: two concurrent adds of A->B and B->A
+        # would each find no cycle and make a loop (a store that yields, PostgreSQL)
+        self._adding = asyncio.Lock()
 
     # -- the API ----------------------------------------------------------------------------------
 
@@ -98,6 +101,10 @@ class WatchRouter:
         source = await self._record(source_pid)
         if watcher.owner != source.owner:
             raise PermissionError("only processes of the same owner may watch each other")
+        async with self._adding:
+            return await self._add(pid, source_pid, signal, once)
+
+    async def _add(self, pid: str, source_pid: str, signal: str, once: bool) -> WatchRow:
         if not once and self.shared:  # the cycle check needs the other workers' watches too
             self._load(await self.store.watches())
         if not once and self._wakes(pid, source_pid):
