@@ -9,7 +9,7 @@ import base64
 from pathlib import Path
 
 from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, MediaBlock
-from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, sniff_mime, text_fault
+from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, decoded_size, sniff_mime, text_fault
 
 _TEXT_TYPES = {".md": "text/markdown", ".markdown": "text/markdown", ".csv": "text/csv"}
 
@@ -45,7 +45,7 @@ def load_attachment(path: Path) -> MediaBlock:
 
 
 def describe(block: MediaBlock) -> str:
-    size = len(block.data) * 3 // 4 - block.data[-2:].count("=")  # base64: 3 bytes per 4 characters
+    size = decoded_size(block.data)
     if isinstance(block, FileContent):
         return f"{block.name} ({block.mime_type}, {size} bytes)"
     return f"an image ({block.mime_type}, {size} bytes)"

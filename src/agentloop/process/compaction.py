@@ -34,7 +34,7 @@ from agentloop.messages import (
     user,
 )
 from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
-from agentloop.process.media import MediaError, MediaRef, is_stored
+from agentloop.process.media import MediaError, MediaRef, decoded_size, is_stored
 
 CompactionReason: TypeAlias = Literal["threshold", "overflow", "manual"]
 
@@ -71,7 +71,7 @@ def _json(value: Any) -> str:
 def _file_tokens(block: FileContent) -> int:
     """A document's cost from its size: text at the usual rate, a PDF at a rough one (providers
     bill its pages, text and pictures, which the size only hints at)."""
-    size = len(block.data) * 3 // 4 - block.data[-2:].count("=")  # base64: 3 bytes per 4 characters
+    size = decoded_size(block.data)
     if is_stored(block):  # stored as a file: the reference knows its size
         try:
             size = MediaRef.of(block).size

@@ -65,6 +65,11 @@ def sniff_mime(data: bytes) -> str | None:
     return None
 
 
+def decoded_size(data: str) -> int:
+    """The bytes that base64 ``data`` holds (3 per 4 characters, less the padding), undecoded."""
+    return len(data) * 3 // 4 - data[-2:].count("=")
+
+
 def text_fault(data: bytes) -> Literal["nul", "encoding"] | None:
     """Why ``data`` cannot be a text document: it holds NUL bytes (it is binary), or it is not
     UTF-8; None when it can."""
