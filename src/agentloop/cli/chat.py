@@ -378,8 +378,8 @@ class ChatRepl:
             self.err.print(Text(f"(attached: {shown})", style="dim"))
         else:
             try:
-                block = load_attachment(Path(path).expanduser())
-            except (AttachError, RuntimeError) as exc:  # (RuntimeError: ~nosuchuser/...)
+                block = load_attachment(expand_home(path, "/attach"))
+            except (AttachError, ValueError) as exc:
                 self.err.print(Text(f"cannot attach: {exc}", style="yellow"))
                 return
             self.attached.append(block)
