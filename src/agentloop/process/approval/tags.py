@@ -1,8 +1,10 @@
 """The facts about one tool call that a policy's ``when`` clause can test.
 
-Paths are judged lexically (``..`` folded, ``~`` expanded), never by touching the file system:
-the call may be bound for another device, and a decision must not depend on the moment it is
-taken. Symlinks therefore are not followed here; the tools themselves confine what they reach.
+Paths are judged lexically (``..`` folded, ``~`` expanded): the call may be bound for another
+device, and a decision should not depend on the moment it is taken; the tools themselves confine
+what they reach. One exception looks at this machine: whether a path leads into the kernel's own
+data (``protected``), through a link or as a shell glob would match it, is also checked on disk,
+since that data is refused whatever the policy says.
 """
 
 from __future__ import annotations
