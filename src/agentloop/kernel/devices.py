@@ -210,6 +210,22 @@ class RoutedTool(Tool):
         )
 
 
+def unsafe_schema(schema: Any) -> str | None:
+    """Why a device's parameter schema cannot be checked on the server, if it cannot: a reference
+    outside the schema (resolving it would make the server fetch a URL the device chose) or
+    ``patternProperties`` (regexes run on the server's event loop against names the model picks)."""
+    if isinstance(schema, list):
+        return next((p for p in map(unsafe_schema, schema) if p), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in ("$ref", "$dynamicRef", "$recursiveRef") and isinstance(value, str) and not value.startswith("#"):
+            return f"{key} {value[:100]!r} points outside the schema; only references inside it (#/...) are allowed"
+        if key == "patternProperties" and isinstance(value, dict):
+            return "patternProperties is not supported; list the properties, or use additionalProperties"
+    return next((p for p in map(unsafe_schema, schema.values()) if p), None)
+
+
 def _device_validator(schema: dict[str, Any]) -> Any:
     """A validator for a device's schema: ``pattern`` is not checked (the keyword only: ``enum``
     or ``const`` data that holds the word is left alone), references resolve inside the schema."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentloop.device.wire import result_from_wire
-from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool
+from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool, unsafe_schema
 from agentloop.messages import TextContent, storable
 from agentloop.process.media import MediaError, check_media
 from agentloop.server.auth import Principal
@@ -111,22 +111,6 @@ def _error_res(req_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"type": "res", "id": req_id, "ok": False, "error": {"code": code, "message": message}}
 
 
-def _unsafe_schema(schema: Any) -> str | None:
-    """Why a device's parameter schema cannot be checked on the server, if it cannot: a reference
-    outside the schema (resolving it would make the server fetch a URL the device chose) or
-    ``patternProperties`` (regexes run on the server's event loop against names the model picks)."""
-    if isinstance(schema, list):
-        return next((p for p in map(_unsafe_schema, schema) if p), None)
-    if not isinstance(schema, dict):
-        return None
-    for key, value in schema.items():
-        if key in ("$ref", "$dynamicRef", "$recursiveRef") and isinstance(value, str) and not value.startswith("#"):
-            return f"{key} {value[:100]!r} points outside the schema; only references inside it (#/...) are allowed"
-        if key == "patternProperties" and isinstance(value, dict):
-            return "patternProperties is not supported; list the properties, or use additionalProperties"
-    return next((p for p in map(_unsafe_schema, schema.values()) if p), None)
-
-
 def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool, ...], str]:
     """The device id, syscalls, extra tools and description a ``sys.connect`` declares; ``HubError``
     if invalid. The description goes into prompts, so it is one line of bounded length."""
@@ -172,7 +156,7 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
             Draft202012Validator.check_schema(params)
         except SchemaError as exc:
             raise HubError("invalid_request", f"{where}.parameters: not a valid JSON schema: {exc.message}") from None
-        problem = _unsafe_schema(params)
+        problem = unsafe_schema(params)
         if problem:
             raise HubError("invalid_request", f"{where}.parameters: {problem}")
         tools.append(DeviceTool(tname, desc, {"type": "object", **params}))
