@@ -619,3 +619,45 @@ async def test_a_worker_keeps_no_claim_lock_for_processes_it_is_not_claiming(pg_
         for k in (a, b):
             assert k.engine.leases is not None
             assert len(k.engine.leases._claiming) == 0
+
+
+async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_the_fresh_conversation(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reset on the holder archives, then clears: a message that another worker queues for the
+    process meanwhile is neither started on the history being cleared nor dropped with the
+    queue the reset discards; it starts the first run of the fresh conversation."""
+    import agentloop.kernel.kernel as kernel_module
+
+    archiving = asyncio.Event()
+    real_write = kernel_module.write_archive
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        archiving_loop.call_soon_threadsafe(archiving.set)
+        time.sleep(1.0)  # the window: B's message arrives while the reset is under way
+        return real_write(*args, **kwargs)
+
+    archiving_loop = asyncio.get_running_loop()
+    monkeypatch.setattr(kernel_module, "write_archive", slow_write)
+    brain = lambda req: "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))  # noqa: E731
+    async with two(pg_url, tmp_path, ScriptedModel(brain), []) as (a, b):
+        assert a.engine.leases is not None
+        proc_a = await a.spawn(owner="alice")
+        await proc_a.send("before")
+        await proc_a.wait_idle()
+        await a.engine.leases.hold(proc_a.pid)
+        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        proc_b = await b.process(proc_a.pid)
+
+        resetting = asyncio.create_task(proc_a.reset())
+        await asyncio.wait_for(archiving.wait(), 10)
+        sent = await proc_b.send("after")  # queued for A, which is resetting the process
+        await resetting
+        for _ in range(200):
+            texts = [m.text for m in await proc_a.messages()]
+            if len(texts) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert texts == ["after", "seen: after"]
+        started = [s async for s in proc_a.signals(follow=False) if s.signal == sig.RUN_STARTED]
+        assert started[-1].payload["runId"] == sent.run_id

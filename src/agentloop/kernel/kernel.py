@@ -560,7 +560,7 @@ class Kernel:
     async def _clear(self, pid: str, *, kill: bool, archive: bool, above: frozenset[str] = frozenset()) -> Path | None:
         """Reset or kill (``above``: the pids a kill came down from, see tree.py). From its abort
         to its last commit the process is idle, yet not to be started: input for it waits."""
-        async with self.engine.clearing.hold(pid):
+        async with self.engine.clear(pid):
             return await self._clear_held(pid, kill=kill, archive=archive, above=above)
 
     async def _clear_held(self, pid: str, *, kill: bool, archive: bool, above: frozenset[str]) -> Path | None:

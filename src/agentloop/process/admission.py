@@ -136,8 +136,8 @@ async def signal_event(
 async def promote(engine: ProcessEngine, live: _Live) -> None:
     """Queued input becomes the next run: system events first, then FIFO."""
     pid = live.record.pid
-    if live.record.current_run is not None:
-        return
+    if live.record.current_run is not None or pid in engine.discarding:
+        return  # (a reset or kill under way promotes what it leaves once it is over)
     queue = await engine.store.queue(pid) if live.queued else []
     if not queue:
         return

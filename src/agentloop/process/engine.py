@@ -31,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -62,7 +63,7 @@ from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
-from agentloop.process.tx import _has_media, _Live, _TxScope
+from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 
 log = logging.getLogger("agentloop.process")
 
@@ -132,6 +133,8 @@ class ProcessEngine:
         # held by a reset or kill from its abort to its last commit: input for the process waits
         # (see ``admission.after_clearing``), so no run starts in between to be cleared or lost
         self.clearing = KeyedLocks()
+        # pid -> the last queued item the reset or kill under way discards (see ``clear``)
+        self.discarding: dict[str, int] = {}
         # several workers may share the store: ``worker`` names this one in its leases
         self.leases = Leases(self, owner=worker, ttl=lease_ttl, poll=poll_interval) if store.shared else None
 
@@ -221,6 +224,35 @@ class ProcessEngine:
             raise
         return Receipt(started, False, 0)
 
+    @asynccontextmanager
+    async def clear(self, pid: str) -> AsyncIterator[None]:
+        """Hold the process for a reset or kill (``clearing``). The clearing discards the input
+        queued before it began. Input another worker queues meanwhile (this worker's own waits
+        instead) is kept: it belongs to the fresh conversation, whose first run it starts once the
+        clearing is over, instead of a run on the history being cleared."""
+        async with self.clearing.hold(pid):
+            self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
+            try:
+                yield
+            finally:
+                del self.discarding[pid]
+        live = self._live.get(pid)
+        if live is not None and not live.remote:
+            live.queued = len(await self.store.queue(pid))
+            await admission.promote(self, live)
+
+    async def _discard_queue(self, tx: _Tx, live: _Live) -> None:
+        """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``)."""
+        pid = live.record.pid
+        upto = self.discarding.get(pid)
+        kept = 0
+        for item in await self.store.queue(pid):
+            if upto is None or item.id <= upto:
+                await self.store.dequeue(pid, item.id)
+            else:
+                kept += 1
+        tx.after.append(lambda: setattr(live, "queued", kept))
+
     def _tx(self, live: _Live) -> _TxScope:
         """One step's transaction: ``async with self._tx(live) as tx``. Once it commits, the cache
         and the watchers learn what changed; a rollback leaves both untouched."""
@@ -294,9 +326,7 @@ class ProcessEngine:
                 tx.after.append(await also())
             generation = await self.store.new_generation(pid)
             tx.after.append(lambda: setattr(live.record, "history_generation", generation))
-            for item in await self.store.queue(pid):
-                await self.store.dequeue(pid, item.id)
-            tx.after.append(lambda: setattr(live, "queued", 0))
+            await self._discard_queue(tx, live)
             tx.after.append(live.history.clear)
             await tx.signal(sig.CHANGED, changes=["messages", "reset"])
         if self.leases is not None:
@@ -473,9 +503,7 @@ class ProcessEngine:
         rows = await self.store.calls(pid, active)
         async with self._tx(live) as tx:
             if reason in DISCARDS_QUEUE:
-                for item in await self.store.queue(pid):
-                    await self.store.dequeue(pid, item.id)
-                tx.after.append(lambda: setattr(live, "queued", 0))
+                await self._discard_queue(tx, live)
             added: list[Message] = []
             if partial is not None and partial.partial is not None:
                 msg = partial.partial
