@@ -326,3 +326,58 @@ async def test_a_killed_source_takes_its_watches_along_and_reset_drops_held_ones
         await watcher.send("after the reset")
         await watcher.wait_idle()
         await until(lambda: _count(other, 1))
+
+
+@contextlib.contextmanager
+def slow_archives(seconds: float):
+    """Resets take ``seconds`` to write their archive: the window in which the process is held."""
+    import agentloop.kernel.kernel as kernel_module
+
+    real = kernel_module.write_archive
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    kernel_module.write_archive = slow
+    try:
+        yield
+    finally:
+        kernel_module.write_archive = real
+
+
+async def test_a_reset_under_way_does_not_hold_up_other_processes_schedules(tmp_path):
+    """Schedules fire one at a time; one due for a process being reset is taken up again after
+    the reset (which drops it) instead of keeping the others waiting until the reset is over."""
+    async with kernel(tmp_path, echo_model()) as k:
+        busy, other = await k.spawn(owner="a"), await k.spawn(owner="a")
+        await busy.send("something to archive")
+        await busy.wait_idle()
+        due = time.time() + 0.3
+        await k.schedule(busy.pid, "for the process being reset", at=due)
+        await k.schedule(other.pid, "for the other process", at=due + 0.01)
+        with slow_archives(1.5):
+            resetting = asyncio.create_task(busy.reset())
+            await until(lambda: system_texts(other))
+            assert not resetting.done()
+            await resetting
+        await asyncio.sleep(0.2)
+        assert await system_texts(busy) == [] and await k.schedules(busy.pid) == []
+
+
+async def test_a_reset_under_way_does_not_hold_up_other_watchers(tmp_path):
+    async with kernel(tmp_path, echo_model()) as k:
+        source, busy, other = [await k.spawn(owner="a") for _ in range(3)]
+        await busy.send("something to archive")
+        await busy.wait_idle()
+        await k.watch(busy.pid, source.pid)  # first in line
+        await k.watch(other.pid, source.pid)
+        with slow_archives(1.5):
+            resetting = asyncio.create_task(busy.reset())
+            await asyncio.sleep(0.1)
+            await source.send("finish a run")
+            await until(lambda: system_texts(other))
+            assert not resetting.done()
+            await resetting
+        await asyncio.sleep(0.2)
+        assert await system_texts(busy) == [] and await k.watches(busy.pid) == []

@@ -231,8 +231,13 @@ class Scheduler:
         now = self.clock()
         due = await self.store.due_schedules(now, limit=BATCH)
         for row in due:
-            if self._held.get(row.id, 0.0) <= now:
-                await self._fire(row, now)
+            if self._held.get(row.id, 0.0) > now:
+                continue
+            if row.pid in self.engine.clearing:  # taken up again once that is over (a reset drops it)
+                self._held[row.id] = math.inf
+                self.engine.when_cleared(row.pid, partial(self._unhold, row.id))
+                continue
+            await self._fire(row, now)
         if len(due) == BATCH:
             return 0.0
         delay = POLL
@@ -240,10 +245,15 @@ class Scheduler:
             now = self.clock()
             self._held = {k: v for k, v in self._held.items() if v > now}
             delay = min([delay, *(v - now for v in self._held.values())])
-        nxt = await self.store.due_schedules(None, limit=1)
-        if nxt and nxt[0].id not in self._held:
-            delay = min(delay, nxt[0].next_due - self.clock())
+        soonest = await self.store.due_schedules(None, limit=len(self._held) + 1)
+        nxt = next((row for row in soonest if row.id not in self._held), None)  # (held ones: see above)
+        if nxt is not None:
+            delay = min(delay, nxt.next_due - self.clock())
         return max(delay, 0.0)
+
+    def _unhold(self, schedule_id: str) -> None:
+        self._held.pop(schedule_id, None)
+        self._poke.set()
 
     async def _fire(self, row: ScheduleRow, now: float) -> None:
         """Deliver one due schedule, claimed by its advance from the due time ``row`` was read at:

@@ -226,6 +226,9 @@ class WatchRouter:
                         self._dirty.add(source_pid)
                         continue
                 for row in list(self._index.get(source_pid, {}).values()):
+                    if row.pid in self.engine.clearing:  # back to it once that is over (a reset drops it)
+                        self.engine.when_cleared(row.pid, partial(self._mark, source_pid))
+                        continue
                     try:
                         await self._catch_up(row)
                     except NoSuchProcess:  # the watcher was killed meanwhile

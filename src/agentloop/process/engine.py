@@ -130,6 +130,7 @@ class ProcessEngine:
         self._live: dict[str, _Live] = {}
         self._reloading: set[asyncio.Task[None]] = set()
         self._aborting: set[asyncio.Task[bool]] = set()
+        self._deferred: set[asyncio.Task[None]] = set()  # see ``when_cleared``
         # held by a reset or kill from its abort to its last commit: input for the process waits
         # (see ``admission.after_clearing``), so no run starts in between to be cleared or lost
         self.clearing = KeyedLocks()
@@ -240,6 +241,19 @@ class ProcessEngine:
         if live is not None and not live.remote:
             live.queued = len(await self.store.queue(pid))
             await admission.promote(self, live)
+
+    def when_cleared(self, pid: str, then: Callable[[], None]) -> None:
+        """Call ``then`` once the reset or kill of ``pid`` under way is over. A loop that delivers
+        to many processes in turn comes back to this one then, instead of keeping the others
+        waiting meanwhile."""
+
+        async def wait() -> None:
+            await admission.after_clearing(self, pid)
+            then()
+
+        task = asyncio.get_running_loop().create_task(wait(), name=f"after the clearing of {pid}")
+        self._deferred.add(task)
+        task.add_done_callback(self._deferred.discard)
 
     async def _discard_queue(self, tx: _Tx, live: _Live) -> None:
         """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``)."""
@@ -559,7 +573,7 @@ class ProcessEngine:
 
     async def close(self) -> None:
         self.closing = True  # the tools cancelled below are stopped by a shutdown, not an abort
-        tasks: list[asyncio.Task[Any]] = [*self._reloading, *self._aborting]
+        tasks: list[asyncio.Task[Any]] = [*self._reloading, *self._aborting, *self._deferred]
         tasks += [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
         for task in tasks:
             task.cancel()
