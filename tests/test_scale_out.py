@@ -661,3 +661,27 @@ async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_th
         assert texts == ["after", "seen: after"]
         started = [s async for s in proc_a.signals(follow=False) if s.signal == sig.RUN_STARTED]
         assert started[-1].payload["runId"] == sent.run_id
+
+
+async def test_adds_through_both_workers_respect_the_limits_and_the_cycle_check(pg_url: str, tmp_path: Path) -> None:
+    """The per-process limits and the watch cycle check hold for requests that reach different
+    workers at once, not only for those of one worker."""
+    from agentloop.kernel.schedules import MAX_SCHEDULES
+    from agentloop.kernel.watches import WatchError
+
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
+        p = await a.spawn(owner="alice")
+        made = await asyncio.gather(
+            *(k.schedule(p.pid, "tick", at=4e9) for k in (a, b) for _ in range(MAX_SCHEDULES // 2 + 10)),
+            return_exceptions=True,
+        )
+        assert sum(isinstance(r, str) for r in made) == MAX_SCHEDULES == len(await a.schedules(p.pid))
+        loops = 0
+        for _ in range(5):  # each try a fresh pair: A->B through one worker, B->A through the other
+            x, y = await a.spawn(owner="alice"), await a.spawn(owner="alice")
+            both = await asyncio.gather(
+                a.watch(x.pid, y.pid, once=False), b.watch(y.pid, x.pid, once=False), return_exceptions=True
+            )
+            assert all(isinstance(r, str | WatchError) for r in both), both
+            loops += all(isinstance(r, str) for r in both)
+        assert loops == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -162,6 +163,42 @@ async def test_transactions_of_other_tasks_wait_and_do_not_mix(store):
     with pytest.raises(StoreError, match="do not nest"):
         async with store.transaction(), store.transaction():
             pass
+
+
+async def test_a_key_held_exclusively_excludes_other_workers(make_store):
+    """``exclusive``: another worker (a store of its own, in a thread of its own, as in another
+    process) taking the same key inside its transaction waits for the first one's commit, so a
+    count and the insert it allows cannot interleave with another pair's."""
+    store = make_store()
+    await store.open()
+    order: list[str] = []
+    holding = threading.Event()
+
+    async def other_worker() -> None:
+        other = make_store()
+        await other.open()
+        try:
+            holding.wait(10)
+            async with other.transaction():
+                await other.exclusive("schedules of p1")
+                order.append("second")
+        finally:
+            await other.close()
+
+    try:
+        await spawn(store)
+        with pytest.raises(StoreError, match=r"inside store\.transaction"):
+            await store.exclusive("k")
+        worker = asyncio.create_task(asyncio.to_thread(asyncio.run, other_worker()))
+        async with store.transaction():
+            await store.exclusive("schedules of p1")
+            holding.set()
+            await asyncio.sleep(0.3)
+            order.append("first")
+        await asyncio.wait_for(worker, 10)
+        assert order == ["first", "second"]
+    finally:
+        await store.close()
 
 
 async def test_end_keeps_or_drops_a_body_and_says_when_it_is_durable(make_store):

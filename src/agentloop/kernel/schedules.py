@@ -116,9 +116,6 @@ class Scheduler:
         self._held: dict[str, float] = {}  # schedule id -> not before (after a failed fire)
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # one add at a time from its count to its insert: concurrent requests would all count
-        # before any inserted, and pass the limit together (a store that yields, PostgreSQL)
-        self._adding = asyncio.Lock()
 
     # -- the API ----------------------------------------------------------------------------------
 
@@ -162,12 +159,14 @@ class Scheduler:
                 raise ScheduleError("at is more than a hundred years away")
         first = at if at is not None else now + (every or 0.0)
         live = await self.engine.live(pid)  # NoSuchProcess for an unknown or killed pid
-        async with self._adding:
+        row = ScheduleRow(new_id(), live.record.pid, text, first, every, name, created_at=now)
+        async with self.store.transaction():
+            # counted and inserted under one key: concurrent adds (through any worker) cannot all
+            # count before any inserts, and pass the limit together
+            await self.store.exclusive(f"schedules of {pid}")
             if len(await self.store.schedules(pid)) >= MAX_SCHEDULES:
                 raise LimitReached(f"process {pid} has {MAX_SCHEDULES} schedules already")
-            row = ScheduleRow(new_id(), live.record.pid, text, first, every, name, created_at=now)
-            async with self.store.transaction():
-                await self.store.add_schedule(row)
+            await self.store.add_schedule(row)
         self._poke.set()
         return row
 

@@ -86,9 +86,6 @@ class WatchRouter:
         self._dirty: set[str] = set()  # sources that logged a watched signal since they were read
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # one add at a time from its checks to its insert: two concurrent adds of A->B and B->A
-        # would each find no cycle and make a loop (a store that yields, PostgreSQL)
-        self._adding = asyncio.Lock()
 
     # -- the API ----------------------------------------------------------------------------------
 
@@ -101,10 +98,17 @@ class WatchRouter:
         source = await self._record(source_pid)
         if watcher.owner != source.owner:
             raise PermissionError("only processes of the same owner may watch each other")
-        async with self._adding:
-            return await self._add(pid, source_pid, signal, once)
+        async with self.store.transaction():
+            # checked and inserted under one key (a cycle joins processes of one owner): two
+            # concurrent adds of A->B and B->A, through any workers, cannot both find no cycle
+            await self.store.exclusive(f"watches of {watcher.owner}")
+            row = await self._add(pid, source_pid, signal, once)
+        self._index.setdefault(source_pid, {})[row.id] = row
+        self._mark(source_pid)
+        return row
 
     async def _add(self, pid: str, source_pid: str, signal: str, once: bool) -> WatchRow:
+        """Inside ``add``'s transaction: the checks, then the insert."""
         if not once and self.shared:  # the cycle check needs the other workers' watches too
             self._load(await self.store.watches())
         if not once and self._wakes(pid, source_pid):
@@ -115,13 +119,10 @@ class WatchRouter:
         if len(await self.store.watches(pid=pid)) >= MAX_WATCHES:
             raise LimitReached(f"process {pid} has {MAX_WATCHES} watches already")
         # From the source's newest signal on: what it logs between this read and the index
-        # update below is read by the catch-up that the poke at the end starts.
+        # update in ``add`` is read by the catch-up that its poke starts.
         seen = await self.store.last_event_seq(source_pid)
         row = WatchRow(new_id(), pid, source_pid, signal, once=once, seen_seq=seen, created_at=time.time())
-        async with self.store.transaction():
-            await self.store.add_watch(row)
-        self._index.setdefault(source_pid, {})[row.id] = row
-        self._mark(source_pid)
+        await self.store.add_watch(row)
         return row
 
     async def of(self, pid: str) -> list[WatchRow]:

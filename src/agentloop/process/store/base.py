@@ -386,6 +386,12 @@ class Store(ABC):
     @abstractmethod
     async def segments(self, pid: str) -> list[SegmentRow]: ...
 
+    @abstractmethod
+    async def exclusive(self, key: str) -> None:
+        """Inside a transaction: hold ``key`` until it ends, against the transactions of every
+        worker sharing the store. A check and the write it allows (a count under a limit, a cycle
+        check) done under one key cannot interleave with another pair's, wherever that runs."""
+
     # -- schedules ------------------------------------------------------------------------------
 
     @abstractmethod

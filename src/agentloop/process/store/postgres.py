@@ -768,6 +768,10 @@ class PostgresStore(Store):
             )
         return [SegmentRow(*r) for r in rows]
 
+    async def exclusive(self, key: str) -> None:
+        # a transaction-scoped advisory lock: released by the commit or rollback, on any worker
+        await self._write().execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", key)
+
     # -- schedules ------------------------------------------------------------------------------
 
     async def add_schedule(self, row: ScheduleRow) -> None:

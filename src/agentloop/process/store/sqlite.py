@@ -756,6 +756,10 @@ class SQLiteStore(Store):
         ).fetchall()
         return [SegmentRow(*r) for r in rows]
 
+    async def exclusive(self, key: str) -> None:
+        self._write()  # a transaction holds the database's one write lock: it excludes every other
+        # (other connections' too) already
+
     # -- schedules ------------------------------------------------------------------------------
 
     async def add_schedule(self, row: ScheduleRow) -> None:
