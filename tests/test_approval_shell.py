@@ -149,6 +149,28 @@ CASES: list[tuple[str, frozenset[str]]] = [
     ("crontab jobs.txt", M | U),
     ("sort -o out.txt in.txt", M),
     ("uniq in.txt out.txt", M),
+    # found by a review: each ran without asking
+    ("cat <<EOF\n$(rm -rf victim)\nEOF", U),
+    ("cat <<-EOF\n\t`rm -rf victim`\nEOF", U),
+    ("bash -c 'cat <<EOF\n$(rm -rf victim)\nEOF'", U),
+    ("cat <<EOF\nplain $HOME text\nEOF", NONE),
+    ("PATH=.:$PATH; ls", U),
+    ("printf -v PATH %s .; ls", U),
+    ("printf -v out %s .", NONE),
+    ("read -r PATH < f", U),
+    ("read -r line < f", NONE),
+    ("mapfile -C 'rm -rf x' -c 1 arr < f", U),
+    ("env -S 'rm -rf victim'", U),
+    ("env --split-string='rm -rf victim'", U),
+    ("xargs --process-slot-var ls rm -rf victim", D),
+    ("xargs --unknown-option ls rm -rf victim", U),
+    ("timeout --preserve-status 5 ls", NONE),
+    ("x=$'\\x24(rm -rf victim)'; echo ${x@P}", U),
+    ("cat < /dev/tcp/127.0.0.1/80", N),
+    ("echo hi > /dev/udp/10.0.0.1/53", N),
+    ("git diff --output ~/.bashrc", M),
+    ("git log --output=~/.bashrc", M),
+    ("/usr/bin/time -o ~/.bashrc ls", M),
 ]
 
 

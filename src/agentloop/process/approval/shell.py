@@ -62,7 +62,7 @@ WRAPPERS: dict[str, frozenset[str]] = {
     "nice": _words("-n --adjustment"),
     "ionice": _words("-c -n -p -t"),
     "nohup": frozenset(),
-    "time": _words("-f -o"),
+    "time": _words("-f -o --format --output"),
     "stdbuf": _words("-i -o -e"),
     "command": frozenset(),
     "builtin": frozenset(),
@@ -70,8 +70,18 @@ WRAPPERS: dict[str, frozenset[str]] = {
     "chronic": frozenset(),
     "unbuffer": frozenset(),
     "timeout": _words("-s -k --signal --kill-after"),
-    "xargs": _words("-I -i -n -P -L -l -d -E -e -s -a --max-args --max-procs --delimiter --arg-file"),
+    "xargs": _words(
+        "-I -i -n -P -L -l -d -E -e -s -a --max-args --max-procs --delimiter --arg-file --process-slot-var "
+        "--max-lines --max-chars --eof --replace"
+    ),
 }
+# Their long options that take no value. Any other long option (without ``=value``) may take the
+# next word as its value, so the command after it cannot be told apart: unclassified.
+WRAPPER_FLAGS = _words(
+    "--preserve-status --foreground --verbose --preserve-env --login --non-interactive --shell --background "
+    "--stdin --reset-timestamp --set-home --ignore-environment --null --debug --no-run-if-empty --open-tty "
+    "--interactive --exit --portability --append --quiet"
+)
 ELEVATING = frozenset({"sudo", "doas", "pkexec"})
 # Assignments that change what a later command runs: its name's meaning, the loader, or a helper
 # program it starts (a pager, an editor, git's ssh or diff command, an interpreter's startup code).
@@ -193,7 +203,11 @@ class _Walker:
 
     def node(self, node: Any, depth: int) -> frozenset[str]:
         kind = getattr(node, "kind", None)
-        if kind in ("operator", "pipe", "reservedword", "tilde", "heredoc"):
+        if kind in ("operator", "pipe", "reservedword", "tilde"):
+            return frozenset()
+        if kind == "heredoc":  # (bashlex parses only unquoted delimiters, whose body is expanded)
+            if "$(" in node.value or "`" in node.value:
+                return self.tag("command substitution in a here-document", "unclassified")
             return frozenset()
         if kind == "pipeline":
             return self.pipeline(node, depth)
@@ -213,6 +227,8 @@ class _Walker:
         if kind == "parameter":
             if "$(" in node.value or "`" in node.value:
                 return self.tag("command substitution inside ${...}", "unclassified")
+            if node.value.endswith("@P"):  # expanded like a prompt: a $(...) in the value runs
+                return self.tag("${...@P} runs the substitutions its value holds", "unclassified")
             return frozenset()
         if kind == "redirect":
             return self.redirect(node, depth)
@@ -241,10 +257,14 @@ class _Walker:
 
     def redirect(self, node: Any, depth: int) -> frozenset[str]:
         target = node.output
+        heredoc = getattr(node, "heredoc", None)
+        found = self.node(heredoc, depth) if heredoc is not None else frozenset()
         if getattr(target, "kind", None) != "word":
-            return frozenset()  # 2>&1 and the like
-        found = self.node(target, depth)
+            return found  # 2>&1 and the like
+        found |= self.node(target, depth)
         arg = self.arg(target)
+        if arg.text.startswith(("/dev/tcp/", "/dev/udp/")):  # bash opens a socket for these
+            return found | self.tag(f"connects to {arg.text}", "network")
         if node.type not in WRITE_REDIRECTS:
             if node.type in ("<", "<>"):
                 self.paths.append(arg.text)  # read: judged like any operand (``cat < secret``)
@@ -274,7 +294,7 @@ class _Walker:
             elif kind == "assignment" and not args:
                 hijack = hijack or _hijacks(part.word)
         verdict = self.argv(args, depth)
-        if hijack and args:
+        if hijack:  # before a command, for it; alone, for every later command of the line
             found |= self.tag("changes PATH or the loader before running a command", "unclassified")
         if verdict.interpreter and "network" in found:
             found |= self.tag("feeds downloaded code to an interpreter", "destructive", "unclassified")
@@ -361,6 +381,16 @@ class _Walker:
                 continue
             if not _is_option(text):
                 break
+            if name == "env" and (text in ("-S", "--split-string") or text.startswith(("-S", "--split-string="))):
+                return _Verdict(frozenset(found | self.tag("env -S splits a string into a command", "unclassified")))
+            if text.startswith("--") and "=" not in text and text not in takes_value and text not in WRAPPER_FLAGS:
+                return _Verdict(frozenset(found | self.tag(f"{name} {text}: cannot tell its command", "unclassified")))
+            if name == "time" and text in ("-o", "--output") and i + 1 < len(rest):
+                self.written([rest[i + 1]])
+                found |= self.tag("time -o writes a file", "mutating")
+            elif name == "time" and text.startswith("--output="):
+                self.written([_Arg(text.split("=", 1)[1], rest[i].dynamic)])
+                found |= self.tag("time -o writes a file", "mutating")
             i += 2 if text in takes_value else 1
         wrapped = rest[i:]
         if name == "timeout" and wrapped:
@@ -445,6 +475,13 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         found |= w.tag(f"git {sub} runs a program named on its command line", "unclassified")
     if sub == "config":
         return frozenset(found | _git_config(w, rest[i + 1 :]))
+    for j, a in enumerate(rest[i + 1 :], start=i + 1):  # diff, log, show ... --output FILE
+        if a.text == "--output" and j + 1 < len(rest):
+            w.written([rest[j + 1]])
+            found |= w.tag(f"git {sub} --output writes a file", "mutating")
+        elif a.text.startswith("--output="):
+            w.written([_Arg(a.text.split("=", 1)[1], a.dynamic)])
+            found |= w.tag(f"git {sub} --output writes a file", "mutating")
     if sub in ("status", "log", "diff", "show", "rev-parse", "ls-files", "blame", "grep", "describe", "shortlog"):
         return frozenset(found)
     if sub in _GIT_NETWORK and (sub != "remote" or {"update", "prune"} & set(args)):
@@ -742,6 +779,20 @@ def _setting(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[s
     return frozenset()
 
 
+def _assigning(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
+    """``printf -v NAME``, ``read NAME``, ``mapfile NAME``: builtins that set a variable, harmless
+    unless it is one that repoints what later commands run."""
+    if name in ("mapfile", "readarray") and any(a.text.startswith("-C") for a in rest):
+        return w.tag(f"{name} -C runs a callback", "unclassified")
+    if name == "printf":
+        names = [rest[i + 1].text for i, a in enumerate(rest[:-1]) if a.text == "-v"]
+    else:
+        names = [a.text for a in rest if not _is_option(a.text)]
+    if any(_hijacks(n) for n in names):
+        return w.tag(f"{name} sets PATH, the loader or a helper program", "unclassified")
+    return frozenset()
+
+
 def _hash(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     if any(a.text.startswith("-p") for a in rest):
         return w.tag("hash -p points a command name at another program", "unclassified")
@@ -799,6 +850,7 @@ _SPECIAL: dict[str, _Handler] = {
     "fd": _fd,
     "fdfind": _fd,
     "hash": _hash,
+    **{builtin: _assigning for builtin in ("printf", "read", "mapfile", "readarray")},
     "crontab": _crontab,
     **{reader: _reader for reader in (*_RUNS_WITH, *_WRITES_WITH, "uniq", "xxd")},
     **{builtin: _setting for builtin in SETTING_BUILTINS},
