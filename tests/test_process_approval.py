@@ -236,3 +236,52 @@ async def test_automatic_verdicts_are_reused_only_where_the_arguments_cannot_cha
         assert [await verdict("reader", path=p) for p in paths] == ["auto", "ask", "auto", "ask"]
     finally:
         await store.close()
+
+
+async def test_an_approval_does_not_override_a_refusal_that_came_while_it_was_pending(tmp_path):
+    """A person approves what was asked; if the policy (or the guard on the kernel's own data) now
+    refuses the very same call, the refusal stands: an approval only answers a question."""
+    from tests.process_support import kernel, ran
+
+    policy_file = tmp_path / "home" / "alice" / "approval.json"
+    policy_file.parent.mkdir(parents=True)
+    policy_file.write_text('{"default": "auto", "rules": [{"match": "tool.echo", "action": "ask"}]}')
+    ran.clear()
+    model = ScriptedModel(
+        lambda r: "ok" if isinstance(r.messages[-1], ToolResultMessage) else Reply(tool_calls=[call("echo", text="x")])
+    )
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        [ask] = await wait_for_ask(proc)
+        policy_file.write_text('{"default": "auto", "rules": [{"match": "tool.echo", "action": "deny"}]}  ')
+        await proc.hil(ask.request_id, "approve")
+        await proc.wait_idle()
+        [result] = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+        assert result.is_error and result.text.startswith("Tool execution denied by policy") and ran == []
+
+
+async def test_removing_an_accounts_policy_file_applies_also_where_rules_were_remembered(tmp_path):
+    """Remembered rules are merged onto the account's policy; once its file is gone they sit on
+    the server-wide policy again, not on a copy of the deleted file's."""
+    from tests.process_support import kernel
+
+    policy_file = tmp_path / "home" / "alice" / "approval.json"
+    policy_file.parent.mkdir(parents=True)
+    policy_file.write_text('{"default": "auto", "rules": []}')
+    server = {"default": "auto", "rules": [{"match": "tool.echo", "action": "deny"}]}
+    model = ScriptedModel(
+        lambda r: "ok" if isinstance(r.messages[-1], ToolResultMessage) else Reply(tool_calls=[call("echo", text="x")])
+    )
+    async with kernel(tmp_path, model, policy=server) as k:
+        proc = await k.spawn(owner="alice")
+        async with k.store.transaction():
+            await k.store.kv_set(proc.pid, "approval_overrides", [{"match": "fs.read", "action": "auto"}])
+        await proc.send("go")
+        await proc.wait_idle()
+        assert [m.is_error for m in await proc.messages() if isinstance(m, ToolResultMessage)] == [False]
+        policy_file.unlink()
+        await proc.send("again")
+        await proc.wait_idle()
+        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+        assert results[-1].is_error and results[-1].text.startswith("Tool execution denied by policy")

@@ -91,7 +91,9 @@ async def dispatch(
         if alone or in_flight >= max(1, cfg.max_concurrency) or (in_flight and _runs_alone(cfg, row)):
             break  # its turn comes when a call in flight finishes
         verdict = await engine.approval(live.record, row)
-        if verdict.action != "auto" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
+        # a person's approval answers a question: a refusal (a rule added meanwhile, the guard on
+        # the kernel's own data) stands
+        if verdict.action == "ask" and approved.get(row.dispatch_id) == (verdict.fingerprint or "-"):
             verdict = Approval("auto")
         if verdict.action == "ask" and not live.record.interactive:
             verdict = Approval("deny", verdict.tags, NOT_INTERACTIVE)

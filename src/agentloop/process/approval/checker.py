@@ -55,7 +55,8 @@ def policy_approval(
 
     fallback = server_policy if server_policy is not None else default_policy()
     guarded = [os.path.realpath(p) for p in protected]
-    merged: dict[tuple[str, str], Policy] = {}  # (owner, remembered rules as JSON) -> policy
+    # (owner, remembered rules as JSON) -> (the policy they were merged onto, the result)
+    merged: dict[tuple[str, str], tuple[Policy, Policy]] = {}
     from_files: dict[str, tuple[Stamp, Policy | None]] = {}  # owner -> (file stamp, its policy)
 
     def from_file(owner: str, path: Path) -> Policy | None:
@@ -73,7 +74,6 @@ def policy_approval(
             log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
             policy = default_policy()
         from_files[owner] = (stamp, policy)
-        merged.clear()  # remembered rules were merged onto the old policy
         return policy
 
     def policy_of(owner: str, remembered: list[dict[str, Any]] | None) -> Policy:
@@ -84,11 +84,13 @@ def policy_approval(
         if not remembered:
             return base
         key = (owner, json.dumps(remembered, sort_keys=True))
-        policy = merged.get(key)
-        if policy is None:
-            if len(merged) > 4096:
-                merged.clear()
-            policy = merged[key] = merge(base, None, [Rule.model_validate(r) for r in remembered])
+        hit = merged.get(key)
+        if hit is not None and hit[0] is base:  # (not if the account's policy changed or went away)
+            return hit[1]
+        if len(merged) > 4096:
+            merged.clear()
+        policy = merge(base, None, [Rule.model_validate(r) for r in remembered])
+        merged[key] = (base, policy)
         return policy
 
     # policy -> automatic approvals by (syscall, target), for calls whose verdict cannot depend on
