@@ -557,3 +557,24 @@ def test_one_bad_line_is_refused_and_the_chat_goes_on(tmp_path: Path, ws: Path) 
     assert "cannot attach" in result.stderr
     assert result.stdout == "first\nsecond\n"
     assert [r.messages[-1].text for r in scripted.requests] == ["caf\ufffd", "second message"]
+
+
+def test_a_question_shows_every_argument_it_would_approve_in_full() -> None:
+    """The headline shortens the main argument; what "y" approves is shown below it in full:
+    the end of a long command, the other arguments (a file's content), and control characters
+    as escapes rather than as instructions to the terminal."""
+    from agentloop.cli.approvals import Question, question_lines
+
+    def shown(question: Question) -> str:
+        return "\n".join(line.plain for line in question_lines(question))
+
+    command = "echo " + "x" * 150 + " && rm -rf ~/.ssh"
+    text = shown(Question("Shell", {"command": command}, ("destructive",), "shell command"))
+    assert "rm -rf ~/.ssh" in text and text.count("rm -rf ~/.ssh") == 1
+    text = shown(Question("Write", {"path": "/home/u/.bashrc", "content": "alias ls='rm -rf ~'\nexport X=1"}, (), ""))
+    assert "  content: alias ls='rm -rf ~'\n" in text and "           export X=1" in text
+    text = shown(Question("Shell", {"command": "ls \x1b[2K\x1b[1Arm -rf /\u202e"}, (), ""))
+    assert "\x1b" not in text and "\u202e" not in text and "\\u001b[2K" in text
+    assert shown(Question("Shell", {"command": "rm -rf build"}, ("destructive",), "")).count("rm -rf build") == 1
+    big = shown(Question("Write", {"path": "a", "content": "y" * 5000}, (), ""))
+    assert "… and 1000 more characters" in big

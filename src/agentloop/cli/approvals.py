@@ -10,6 +10,7 @@ main argument, the tags that made the policy ask, the reason, and ``y`` / ``n`` 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ Mode = Literal["ask", "auto", "deny", "file"]
 Answer = Literal["approve", "deny", "always", "abort"]
 
 ASK_LINE = "Allow? [y]es / [n]o / [a]lways"
+MAX_SHOWN = 4000  # characters of one argument shown with a question
 DENIED_BY_USER = "Tool execution denied by user"
 NO_TERMINAL = "requires interactive approval, but there is no terminal to ask at"
 
@@ -113,13 +115,37 @@ class Question:
 
 def question_lines(question: Question) -> list[Text]:
     tags = ", ".join(question.tags) or "none"
-    lines = [
-        Text.assemble(("? ", "bold yellow"), ("approve ", "bold"), describe_call(question.tool, dict(question.args))),
-        Text.assemble(("  tags: ", "dim"), (tags, "yellow")),
-    ]
+    args = dict(question.args)
+    headline = describe_call(question.tool, args)
+    lines = [Text.assemble(("? ", "bold yellow"), ("approve ", "bold"), _visible(headline))]
+    only = next(iter(args.values())) if len(args) == 1 else None
+    if not (isinstance(only, str) and headline == f"{question.tool} {only}"):
+        lines += argument_lines(args)  # the headline is shortened: "y" approves all of this
+    lines.append(Text.assemble(("  tags: ", "dim"), (tags, "yellow")))
     if question.reason:
-        lines.append(Text.assemble(("  why: ", "dim"), one_line(question.reason, 300)))
+        lines.append(Text.assemble(("  why: ", "dim"), _visible(one_line(question.reason, 300))))
     return lines
+
+
+def argument_lines(args: Mapping[str, Any]) -> list[Text]:
+    """Every argument of the call in full (up to ``MAX_SHOWN`` characters each, the rest counted),
+    lines kept, control characters made visible: what an approval is bound to, not a summary."""
+    lines: list[Text] = []
+    for key, value in args.items():
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        hidden = len(text) - MAX_SHOWN
+        label = f"  {key}: "
+        for i, part in enumerate(text[:MAX_SHOWN].split("\n")):
+            lines.append(Text.assemble((label if i == 0 else " " * len(label), "dim"), _visible(part)))
+        if hidden > 0:
+            lines.append(Text(f"{' ' * len(label)}… and {hidden} more characters", style="yellow"))
+    return lines
+
+
+def _visible(text: str) -> str:
+    """Control and format characters (escape sequences, bidirectional overrides) as escapes, so a
+    model cannot make the terminal show something other than what is approved."""
+    return "".join(c if c.isprintable() or c == "\t" else f"\\u{ord(c):04x}" for c in text)
 
 
 def parse_answer(line: str) -> Answer | None:
