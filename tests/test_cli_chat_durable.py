@@ -578,3 +578,27 @@ def test_a_question_shows_every_argument_it_would_approve_in_full() -> None:
     assert shown(Question("Shell", {"command": "rm -rf build"}, ("destructive",), "")).count("rm -rf build") == 1
     big = shown(Question("Write", {"path": "a", "content": "y" * 5000}, (), ""))
     assert "… and 1000 more characters" in big
+
+
+async def test_a_policy_named_on_the_command_line_beats_the_local_accounts_policy_file(tmp_path: Path) -> None:
+    """``chat --approval deny`` (or a policy file) is what the local user asked for: it wins over
+    their account's approval.json, as ``--approval auto`` does. Without the flag the file refines
+    the default policy."""
+    from agentloop import Reply, ScriptedModel, ToolResultMessage, call
+    from agentloop.cli.approvals import parse_approval
+    from tests.process_support import kernel
+
+    (tmp_path / "home" / "me").mkdir(parents=True)
+    (tmp_path / "home" / "me" / "approval.json").write_text('{"default": "auto", "rules": []}')
+    model = ScriptedModel(
+        lambda r: "ok" if isinstance(r.messages[-1], ToolResultMessage) else Reply(tool_calls=[call("echo", text="x")])
+    )
+    outcomes = {}
+    for spec in ("deny", "ask"):
+        async with kernel(tmp_path / spec, model, data_dir=tmp_path, **parse_approval(spec).kernel_options("me")) as k:
+            proc = await k.spawn(owner="me")
+            await proc.send("go")
+            await proc.wait_idle()
+            [result] = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+            outcomes[spec] = result.is_error
+    assert outcomes == {"deny": True, "ask": False}

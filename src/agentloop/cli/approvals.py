@@ -44,10 +44,15 @@ class ApprovalSetting:
     source: str
     warnings: list[str] = field(default_factory=list)
 
-    def kernel_options(self) -> dict[str, Any]:
-        """``Kernel.open`` keywords: ``auto`` skips the check, everything else is a policy."""
+    def kernel_options(self, owner: str | None = None) -> dict[str, Any]:
+        """``Kernel.open`` keywords: ``auto`` skips the check, everything else is a policy. It is
+        the server-wide default, which an account's own policy file refines; for ``owner`` (the
+        one account of a local chat) a policy named on the command line (``deny``, a file) wins
+        over that file instead, as ``auto`` does."""
         if self.mode == "auto":
             return {"approval": approve_everything}
+        if owner is not None and self.mode in ("deny", "file"):
+            return {"policy": self.policy, "account_policies": {owner: self.policy}}
         return {"policy": self.policy}
 
 

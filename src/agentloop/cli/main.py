@@ -457,7 +457,7 @@ def _durable_chat(
                     system_prompt=settings.system_prompt,
                     data_dir=directory,
                     extra_tools=extra,
-                    **setting.kernel_options(),
+                    **setting.kernel_options(owner=local_user()),
                     **options,
                 )
             )
