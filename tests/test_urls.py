@@ -11,7 +11,7 @@ from agentloop.models.base import Model, ModelRequest, ProviderError
 from agentloop.models.gemini import GeminiModel
 from agentloop.models.openai_chat import OpenAIChatModel
 from agentloop.tools.mcp import MCPError, mcp_tools
-from agentloop.urls import redact_url
+from agentloop.urls import redact_secrets, redact_url
 
 
 @pytest.mark.parametrize(
@@ -62,3 +62,39 @@ async def test_a_provider_that_cannot_be_reached_is_named_without_its_credential
     shown = reply.error_message or ""
     assert reply.stop_reason == "error" and "cannot reach" in shown
     assert "hunter2" not in shown and "SECRETKEY" not in shown and "proxy:***@127.0.0.1:9" in shown
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden", "kept"),
+    [
+        ("HTTP 401: Incorrect API key provided: sk-e2e-test-key-0000.", "sk-e2e-test-key-0000", "Incorrect API key"),
+        ("cannot reach https://bob:pw@llm.internal/v1?api_key=abc: ConnectError", "pw@", "llm.internal/v1"),
+        ("cannot reach https://bob:pw@llm.internal/v1?api_key=abc: ConnectError", "api_key=abc", "ConnectError"),
+        ('{"error": {"authorization": "Bearer abc.def"}}', "abc.def", '"authorization": '),
+        ("token=0123abc; retry later", "0123abc", "retry later"),
+        ("key AIzaSyA1234567890abcdefghijklmnopq invalid", "AIzaSyA1234567890", "invalid"),
+        ("signature a8f5f167f44f4964e6c998dee827110c0b7c1a3e rejected", "a8f5f167f44f", "rejected"),
+        ("rate limited: 429 Too Many Requests", "", "rate limited: 429 Too Many Requests"),
+    ],
+)
+def test_credentials_in_an_error_text_are_masked_and_the_rest_kept(text: str, hidden: str, kept: str) -> None:
+    shown = redact_secrets(text)
+    assert kept in shown and (not hidden or hidden not in shown)
+
+
+async def test_a_provider_error_quoting_a_key_is_stored_and_streamed_without_it(tmp_path) -> None:
+    """A provider's error reaches the process's history and its signals, which its owner (on a
+    server, not the operator whose key it is) reads: the key and the URL's password are masked."""
+    from agentloop import ScriptedModel
+    from tests.process_support import kernel
+
+    error = "HTTP 401: Incorrect API key provided: sk-live-0123456789 (https://ops:hunter2@llm.internal/v1)"
+    async with kernel(tmp_path, ScriptedModel([ProviderError(error, kind="auth")])) as k:
+        proc = await k.spawn(owner="bob")
+        await proc.send("hi")
+        await proc.wait_idle()
+        stored = repr([m.message for m in await k.store.history(proc.pid)])
+        logged = repr([s.payload async for s in proc.signals(follow=False)])
+    for text in (stored, logged):
+        assert "Incorrect API key provided" in text and "llm.internal" in text
+        assert "sk-live-0123456789" not in text and "hunter2" not in text

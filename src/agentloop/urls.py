@@ -34,6 +34,30 @@ def redact_url(url: str) -> str:
     return shown
 
 
+# credentials as error texts carry them: a bearer header, a vendor key (sk-..., sk-ant-..., AIza...),
+# a ``key=value`` or ``"token": "..."`` pair, a long opaque string (a key, a signature)
+_CREDENTIAL = re.compile(
+    r"(?i)\bbearer\s+[^\s\"',]+"
+    r"|\b(?:sk|pk|rk)-[A-Za-z0-9_\-]{6,}"
+    r"|\bAIza[A-Za-z0-9_\-]{20,}"
+    r"|(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]{32,}(?![A-Za-z0-9_\-])"
+)
+_CREDENTIAL_PAIR = re.compile(
+    r"(?i)\b((?:api[_-]?key|access[_-]?token|token|secret|password|authorization)[\"']?\s*[=:]\s*[\"']?)[^\s\"',}]+"
+)
+_URL_IN_TEXT = re.compile(r"\bhttps?://[^\s\"'<>]+")
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` (an error message from a provider or a library) with what looks like a credential
+    masked: in URLs as ``redact_url`` does, bearer tokens, vendor keys, ``key=value`` pairs and
+    long opaque strings. Such a message is stored and shown to the process's owner, who on a
+    server is not the operator whose key it may quote; the rest of it stays readable."""
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    text = _CREDENTIAL.sub(MASK, text)
+    return _CREDENTIAL_PAIR.sub(lambda m: m.group(1) + MASK, text)
+
+
 def check_server_address(url: str, schemes: tuple[str, ...] = ("http", "https")) -> None:
     """Raise ``ValueError`` for an address no connection can be made to (a wrong scheme, no host,
     a port outside 1-65535): a typo, to report as such, not as a server that cannot be reached."""

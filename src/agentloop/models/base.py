@@ -46,6 +46,7 @@ from agentloop.messages import (
     storable,
 )
 from agentloop.models.overflow import is_overflow_text
+from agentloop.urls import redact_secrets
 
 
 def file_text(block: FileContent) -> str | None:
@@ -366,7 +367,7 @@ class AssistantBuilder:
             msg.content = [b for i, b in enumerate(msg.content) if i not in incomplete]
             self._tool_args.clear()
         msg.stop_reason = "aborted" if kind == "aborted" else "error"
-        msg.error_message = text
+        msg.error_message = redact_secrets(text)  # stored, and shown to whoever owns the conversation
         return StreamError(message=msg, kind=kind, status=status, retry_after=retry_after)
 
 
