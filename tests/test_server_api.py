@@ -120,6 +120,21 @@ async def test_spawn_list_get_and_kill(server: LiveServer, alice: httpx.AsyncCli
         error(await alice.post("/v1/processes", json={"cwd": cwd}), 400, "invalid_request")
 
 
+async def test_a_kill_racing_another_kill_or_a_reset_answers_404_not_500(alice: httpx.AsyncClient) -> None:
+    """A retried DELETE (two tabs, a client that timed out) loses the race cleanly."""
+    for other in ("delete", "reset"):
+        for _ in range(3):  # with a history: the kill archives it (a moment the other request comes in)
+            pid = (await alice.post("/v1/processes", json={"text": "hello"})).json()["pid"]
+            second = (
+                alice.delete(f"/v1/processes/{pid}")
+                if other == "delete"
+                else alice.post(f"/v1/processes/{pid}/reset", json={})
+            )
+            answers = await asyncio.gather(alice.delete(f"/v1/processes/{pid}"), second)
+            assert sorted(r.status_code for r in answers)[0] == 200, answers
+            assert all(r.status_code in (200, 404) for r in answers), [r.text for r in answers]
+
+
 async def test_a_run_over_http_and_history_pages(alice: httpx.AsyncClient) -> None:
     pid = await spawn(alice)
     for word in ("one", "two", "three"):

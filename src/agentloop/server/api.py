@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from agentloop.loop.hooks import maybe_await
-from agentloop.process.store import MAX_SEQ
+from agentloop.process.store import MAX_SEQ, NoSuchProcess
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import ChatRequest
@@ -356,6 +356,8 @@ def _endpoint(ctx: ServerContext, spec: Endpoint) -> Callable[[Request], Awaitab
             result = await handler(Call(ctx, request, who, query, body))
         except ApiError as exc:
             return exc.response()
+        except NoSuchProcess as exc:  # killed by a request that raced this one (a retried DELETE)
+            return ApiError(404, "not_found", f"no such process {exc.pid!r}").response()
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception as exc:
