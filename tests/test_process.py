@@ -11,6 +11,7 @@ import pytest
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel, NoSuchProcess
+from agentloop.loop.runner import CANCELLED
 from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
@@ -179,6 +180,45 @@ async def test_abort_is_terminal_stale_abort_is_a_noop_and_queue_goes_on(tmp_pat
         results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
         assert [r.text for r in results] == ["Tool call cancelled: the run was aborted.", "quick"]
         assert (await proc.messages())[-1].text == "queued one done"
+
+
+async def test_an_abort_ends_every_started_call_and_says_the_history_and_approvals_changed(tmp_path):
+    """Watchers learn what an abort changed as they learn what a run changes: each started call
+    gets its proc.run.tool.finished (a card shown as running ends), and proc.changed names the
+    history (the cancelled results) and, when a question was withdrawn, the approvals."""
+
+    async def policy(process, row):
+        return Approval("ask", ("destructive",), "echo asks") if row.tool_name == "echo" else Approval("auto")
+
+    model = ScriptedModel(
+        lambda r: (
+            Reply(tool_calls=[call("slow", seconds=30)])
+            if r.messages[-1].text == "work"
+            else Reply(tool_calls=[call("echo", text="x")])
+        )
+    )
+    async with kernel(tmp_path, model, approval=policy) as k:
+        proc = await k.spawn(owner="a")
+        run = await proc.send("work")
+        await asyncio.sleep(0.1)
+        seen = len(await drain(proc))
+        assert await proc.abort()
+        after = await drain(proc, seen)
+        finished = [s.payload for s in after if s.signal == "proc.run.tool.finished"]
+        assert [(p["name"], p["ok"], p["error"]) for p in finished] == [("slow", False, CANCELLED)]
+        assert {"changes": ["messages"]}.items() <= next(s.payload for s in after if s.signal == "proc.changed").items()
+        assert after[-1].signal == "proc.run.finished" and after[-1].payload["runId"] == run.run_id
+
+        await proc.send("ask")
+        for _ in range(200):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.01)
+        seen = len(await drain(proc))
+        assert await proc.abort()
+        after = await drain(proc, seen)
+        assert not [s for s in after if s.signal == "proc.run.tool.finished"]  # it never started
+        assert [s.payload["changes"] for s in after if s.signal == "proc.changed"] == [["messages", "hil"]]
 
 
 async def test_a_tool_that_ignores_cancellation_does_not_hold_the_abort(tmp_path, monkeypatch):

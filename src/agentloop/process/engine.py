@@ -525,10 +525,24 @@ class ProcessEngine:
                 msg.stop_reason, msg.error_message = "aborted", "aborted"
                 added.append(msg)
             added.extend(results_of(rows, CANCELLED))
-            for h in await self.store.hils(pid):
+            for row in rows:  # each call that started ends, for whoever shows it running
+                if row.status == "dispatched":
+                    await tx.signal(
+                        sig.TOOL_FINISHED,
+                        runId=active,
+                        callId=row.tool_call_id,
+                        name=row.tool_name,
+                        syscall=row.syscall,
+                        ok=False,
+                        error=CANCELLED,
+                    )
+            questions = await self.store.hils(pid)
+            for h in questions:
                 await self.store.delete_hil(h.request_id)
             await end_batch(self, tx, live, active)
             await tx.append(active, added)
+            if added or questions:
+                await tx.signal(sig.CHANGED, changes=["messages", "hil"] if questions else ["messages"])
             await self.store.kv_delete(pid, f"approved:{active}")
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
