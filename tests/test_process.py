@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import json
 
@@ -767,3 +768,25 @@ async def test_spawn_with_a_taken_pid_leaves_a_stored_but_uncached_process_worki
         await proc.send("two")
         await asyncio.wait_for(proc.wait_idle(), 5)
         assert [m.text for m in await proc.messages()] == ["one", "first", "two", "second"]
+
+
+async def test_a_follower_catching_up_gets_no_deltas_of_a_run_it_has_seen_end(tmp_path):
+    """A follower reads a long log page by page while a run streams: the deltas that queued for it
+    meanwhile belong to a run the log then shows finished; they are dropped, not shown after it."""
+    model = ScriptedModel(lambda r: "many words " * 30)
+    async with kernel(tmp_path, model) as k:
+        proc = await k.spawn(owner="a")
+        for i in range(130):  # several pages of log
+            await proc.send(f"m{i}")
+            await proc.wait_idle()
+        follower = proc.signals(follow=True)
+        await anext(follower)  # reading the first page; live signals queue meanwhile
+        await proc.send("streamed")
+        await proc.wait_idle()
+        seen = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                seen.append((await asyncio.wait_for(anext(follower), 0.5)).signal)
+        await follower.aclose()
+        last_run_ends = len(seen) - seen[::-1].index("proc.run.finished")
+        assert seen.count("proc.run.finished") == 131 and "proc.run.stream" not in seen[last_run_ends:]

@@ -183,6 +183,8 @@ class Process:
                     continue
                 if item.seq is not None and item.seq <= last:
                     continue  # already delivered from the log
+                if item.seq is None and item.base is not None and item.base < last:
+                    continue  # a delta of a step the log has shown past (queued while the log was read)
                 if item.seq is not None:
                     last = item.seq
                 yield item

@@ -196,7 +196,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             return
         payload = _stream_payload(pid, run_id, event.event)
         if engine.hub.watching(pid):
-            engine.hub.publish(pid, Signal(sig.RUN_STREAM, payload))
+            engine.hub.publish(pid, Signal(sig.RUN_STREAM, payload, base=live.seq))
         if relay is not None:
             relay.send(pid, live.seq, payload)
 

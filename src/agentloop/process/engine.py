@@ -155,7 +155,7 @@ class ProcessEngine:
             return remote
         history = [m.message for m in await self.store.history(pid)]
         queued = len(await self.store.queue(pid))
-        seq = await self.store.last_event_seq(pid) if self.leases is not None else 0  # (see relay.py)
+        seq = await self.store.last_event_seq(pid)  # what the deltas of its next step follow (Signal.base)
         raced = self._live.get(pid)
         if raced is not None:  # loaded by another task meanwhile: one cache (and driver) per process
             return raced

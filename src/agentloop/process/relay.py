@@ -162,4 +162,4 @@ def publish_batch(batch: Batch, after: int, publish: Callable[[Signal], None]) -
     base, payloads = batch
     if base == after:
         for payload in payloads:
-            publish(Signal(RUN_STREAM, payload))
+            publish(Signal(RUN_STREAM, payload, base=base))

@@ -29,11 +29,14 @@ COMPACTED = "proc.compacted"
 
 @dataclass(frozen=True)
 class Signal:
-    """One signal. ``seq`` is None for live-only progress signals."""
+    """One signal. ``seq`` is None for live-only progress signals; their ``base`` is the seq of
+    the last logged signal when they were made, so a watcher that has read the log past it knows
+    they are stale (deltas of a step it has seen end)."""
 
     signal: str
     payload: dict[str, Any]
     seq: int | None = None
+    base: int | None = None
 
 
 # A watcher that falls this far behind (a client that reads slowly, while a run streams) loses
