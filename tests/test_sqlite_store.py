@@ -157,3 +157,23 @@ async def test_a_migration_that_sqlite_rolled_back_itself_reports_its_own_error(
     store = SQLiteStore(str(tmp_path / "agentloop.db"))
     with pytest.raises(StoreError, match="no such table: missing_table"):
         await store.open()
+
+
+async def test_a_second_runtime_on_the_same_file_is_refused_until_the_first_closes(tmp_path):
+    """Without leases two kernels on one SQLite file would both drive its processes (a review ran
+    a payment tool twice from two chats on one --data). The second is refused with a clear error;
+    other connections (the CLI's account and token commands) are not runtimes and still open."""
+    from agentloop import ScriptedModel
+    from agentloop.kernel import Kernel
+
+    url = f"sqlite:///{tmp_path}/agentloop.db"
+    async with Kernel.open(url, model=ScriptedModel(lambda r: "ok"), workspace=tmp_path):
+        with pytest.raises(StoreError, match=r"another agentloop .* is using"):
+            async with Kernel.open(url, model=ScriptedModel(lambda r: "ok"), workspace=tmp_path):
+                pass
+        other = SQLiteStore(tmp_path / "agentloop.db")
+        await other.open()
+        assert await other.list_processes() == []
+        await other.close()
+    async with Kernel.open(url, model=ScriptedModel(lambda r: "ok"), workspace=tmp_path) as k:
+        assert await k.processes() == []

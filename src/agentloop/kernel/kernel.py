@@ -343,6 +343,11 @@ class Kernel:
         off_limits = tuple(_kernel_files(store, data))
         agent.config.off_limits = off_limits  # (the Search tool walks around them)
         await store.open()
+        try:
+            store.hold_runtime()  # one runtime drives the processes of a SQLite file
+        except BaseException:
+            await store.close()
+            raise
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)

@@ -444,6 +444,13 @@ class Store(ABC):
     shared: bool = False  # several workers may use this store's database at once (leases needed)
 
     @abstractmethod
+    def hold_runtime(self) -> None:
+        """Claim the open database for one runtime (a kernel that drives its processes) until the
+        store closes. Runtimes sharing a store coordinate with leases; a store that is not
+        ``shared`` has none, so two runtimes would both drive the same processes (a tool run
+        twice): such a store refuses the second claim with ``StoreError``."""
+
+    @abstractmethod
     async def claim_lease(self, pid: str, owner: str, ttl: float) -> int | None:
         """Take ``pid``'s lease for ``ttl`` seconds if it is free, expired, or ``owner``'s already;
         returns the claim's epoch (one more than the last), None when another owner holds it."""

@@ -768,6 +768,9 @@ class PostgresStore(Store):
             )
         return [SegmentRow(*r) for r in rows]
 
+    def hold_runtime(self) -> None:
+        pass  # runtimes sharing the database each hold the processes they drive (leases)
+
     async def exclusive(self, key: str) -> None:
         # a transaction-scoped advisory lock: released by the commit or rollback, on any worker
         await self._write().execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -119,6 +120,7 @@ class SQLiteStore(Store):
         self._tx_fields: dict[str, dict[str, Any]] = {}
         self._tx_deleted: set[str] = set()
         self._checkpointer: Checkpointer | None = None
+        self._runtime_lock: int | None = None  # the lock file's descriptor (see ``hold_runtime``)
         # Group commit (see ``_begin``): the task whose commit opened this turn of the event loop,
         # and the group the other tasks' transactions of the same turn join.
         self._committer: asyncio.Task[Any] | None = None
@@ -188,6 +190,24 @@ class SQLiteStore(Store):
                     db.execute("ROLLBACK")
                 raise
 
+    def hold_runtime(self) -> None:
+        # an advisory lock on a file beside the database, released when the store closes or its
+        # process dies (a crash leaves no stale claim behind)
+        if self.path == ":memory:" or self._runtime_lock is not None:
+            return
+        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if not isinstance(exc, BlockingIOError):
+                raise StoreError(f"cannot lock {self.path}.lock: {exc.strerror or exc}") from exc
+            raise StoreError(
+                f"another agentloop (a chat or a server) is using {self.path}: stop it first, or talk to"
+                " it through its server (agentloop chat --server URL)"
+            ) from None
+        self._runtime_lock = fd
+
     async def close(self) -> None:
         if self._group is not None and self._lock.locked():  # a member's body is still open: it cannot be kept
             self._abandon_group(StoreError("the store was closed before the group could commit"))
@@ -201,6 +221,9 @@ class SQLiteStore(Store):
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
             self._db = None
+        if self._runtime_lock is not None:
+            os.close(self._runtime_lock)
+            self._runtime_lock = None
 
     async def schema_version(self) -> int:
         row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
