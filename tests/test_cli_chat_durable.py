@@ -602,3 +602,37 @@ async def test_a_policy_named_on_the_command_line_beats_the_local_accounts_polic
             [result] = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
             outcomes[spec] = result.is_error
     assert outcomes == {"deny": True, "ask": False}
+
+
+def test_sigterm_ends_the_chat_and_the_turn_goes_on_at_the_next_start(tmp_path: Path, ws: Path) -> None:
+    """kill / timeout / a supervisor: the chat ends (143) instead of aborting the turn and reading
+    on; the turn in flight is kept, as after a crash, and the next start finishes it."""
+    data = str(tmp_path / "data")
+    slow = script(tmp_path / "slow.json", ["late answer", "second", "third"], latency=2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentloop.cli.main", "chat", "-m", slow, "-w", str(ws), "--data", data],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+    try:
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write("one\ntwo\nthree\n")
+        proc.stdin.flush()
+        while "new conversation" not in proc.stderr.readline():
+            assert proc.poll() is None
+        time.sleep(0.5)  # the first turn's model call is under way
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143 and out == "" and "(aborted)" not in err and "Traceback" not in err, err
+    fast = script(tmp_path / "fast.json", ["resumed"])
+    later = cli(tmp_path, ["chat", "-m", fast, "-w", str(ws), "--data", data], "")
+    assert later.returncode == 0, later.stderr
+    history = cli(tmp_path, ["chat", "-m", fast, "-w", str(ws), "--data", data], "")
+    assert "(2 messages)" in history.stderr  # "one" and the answer the resumed turn gave

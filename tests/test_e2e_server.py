@@ -435,3 +435,29 @@ def test_chat_with_server_flag(served: Served, replies: OpenAIFake) -> None:
     assert f"agentloop chat · {served.url} · admin" in result.stderr
     result = runner.invoke(app, ["chat", "--server", served.url, "--token", "al_wrong-token-wrong-token-wrong"])
     assert result.exit_code == 1 and "refused the token (from --token)" in result.stderr
+
+
+def test_serve_chat_ends_cleanly_on_sigterm(tmp_path: Path, fake: OpenAIFake) -> None:
+    """SIGTERM at the prompt: the server shuts down gracefully and the session's token is revoked
+    (it was killed outright, leaving a live admin token behind)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AGENTLOOP_MODEL", "AGENTLOOP_DATA", "AGENTLOOP_TOKEN")}
+    env.update(OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="sk-e2e", AGENTLOOP_CONFIG=str(tmp_path / "none.toml"))
+    args = [str(AGENTLOOP), "serve", "--chat", "--port", "0", "--data", str(tmp_path / "data")]
+    args += ["--model", "openai:gpt-4o-mini", "--workspace", str(tmp_path)]
+    proc = subprocess.Popen(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stderr is not None
+        while "new conversation" not in (line := proc.stderr.readline()):
+            assert line, "serve --chat ended before its chat began"
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143
+    result = runner.invoke(app, ["token", "list", "--data", str(tmp_path / "data")])
+    rows = [line.split("\t") for line in result.stdout.strip().splitlines()[1:]]
+    assert [(r[2], r[4] != "-") for r in rows] == [("first start", False), ("serve --chat session", True)]

@@ -15,6 +15,7 @@ import getpass
 import io
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -413,7 +414,8 @@ class ChatRepl:
 
         interrupts = Interrupts()
         try:
-            with interrupts.abort_on_signal(self.session, on_abort=on_abort):
+            # (SIGTERM ends the chat instead: see ``exit_on_terminate``)
+            with interrupts.abort_on_signal(self.session, on_abort=on_abort, signals=(signal.SIGINT,)):
                 outcome = await start(renderer)
         finally:
             self._cancelled = None

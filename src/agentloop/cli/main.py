@@ -50,6 +50,7 @@ from agentloop.cli.render import (
     JsonRenderer,
     Progress,
     TextRenderer,
+    exit_on_terminate,
     one_line,
     play,
     stderr_console,
@@ -359,7 +360,7 @@ def chat(
 ) -> None:
     """Talk with the agent. The conversation is kept: quit and come back to continue it."""
 
-    with _guarded():
+    with _guarded(), exit_on_terminate():
         flags = loop_flags(
             max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
         )
@@ -478,11 +479,21 @@ def _durable_chat(
         code = repl.loop(ev)
     finally:
         try:
+            _cancel_pending(ev)  # a turn cut short (SIGTERM) stops before the kernel closes under it
             ev.run_until_complete(stack.aclose())
             ev.run_until_complete(ev.shutdown_asyncgens())
         finally:
             ev.close()
     return repl, code
+
+
+def _cancel_pending(ev: asyncio.AbstractEventLoop) -> None:
+    """Cancel, and wait out, what a ``run_until_complete`` that was interrupted left running."""
+    pending = [task for task in asyncio.all_tasks(ev) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        ev.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
 def _local_status() -> list[tuple[str, bool, str]]:

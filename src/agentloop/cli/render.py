@@ -372,7 +372,12 @@ class Interrupts:
         return 128 + (self.received or signal.SIGINT)
 
     @contextmanager
-    def abort_on_signal(self, run: Abortable, on_abort: Callable[[], None] | None = None) -> Iterator[None]:
+    def abort_on_signal(
+        self,
+        run: Abortable,
+        on_abort: Callable[[], None] | None = None,
+        signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+    ) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         installed: list[signal.Signals] = []
 
@@ -384,7 +389,7 @@ class Interrupts:
                 on_abort()
             run.abort()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             try:
                 loop.add_signal_handler(sig, handler, int(sig))
                 installed.append(sig)
@@ -395,6 +400,27 @@ class Interrupts:
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
+
+
+@contextmanager
+def exit_on_terminate() -> Iterator[None]:
+    """SIGTERM (``kill``, ``timeout``, a supervisor) ends the command by raising ``SystemExit``
+    (143), so what it holds is closed on the way out: a durable chat's kernel, with the turn in
+    flight left to resume at the next start (as after a crash); ``serve --chat``'s server and its
+    session token. Ctrl-C stays what aborts a turn."""
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: the default stands
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _isatty(stream: Any) -> bool:

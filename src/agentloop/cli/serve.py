@@ -337,6 +337,13 @@ class BackgroundServer:
 
 def serve_and_chat(opts: ServeOptions, *, new: bool, pid: str | None) -> tuple[bool, int]:
     """Start the server in the background and chat with it over HTTP; returns (aborted, exit code)."""
+    from agentloop.cli.render import exit_on_terminate
+
+    with exit_on_terminate():  # the server stops and the session token is revoked on the way out
+        return _serve_and_chat(opts, new=new, pid=pid)
+
+
+def _serve_and_chat(opts: ServeOptions, *, new: bool, pid: str | None) -> tuple[bool, int]:
     from agentloop.cli.client import remote_chat
     from agentloop.server.auth import ADMIN
 
