@@ -636,3 +636,25 @@ def test_sigterm_ends_the_chat_and_the_turn_goes_on_at_the_next_start(tmp_path: 
     assert later.returncode == 0, later.stderr
     history = cli(tmp_path, ["chat", "-m", fast, "-w", str(ws), "--data", data], "")
     assert "(2 messages)" in history.stderr  # "one" and the answer the resumed turn gave
+
+
+def test_typed_prompts_are_kept_privately_in_the_data_directory_and_not_at_all_in_memory_chats(
+    tmp_path: Path,
+) -> None:
+    """What was typed repeats the conversations: it lives in the chat's data directory (--data), a
+    file only its owner can read; a --memory chat keeps nothing (its history stays in memory)."""
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    from agentloop.cli.chat import TerminalReader, history_file
+
+    data = tmp_path / "data"
+    path = history_file(data)
+    assert path == data / "chat_history"
+    assert path.stat().st_mode & 0o777 == 0o600 and data.stat().st_mode & 0o777 == 0o700
+    path.chmod(0o644)  # made by an older agentloop
+    assert history_file(data) == path and path.stat().st_mode & 0o777 == 0o600
+    assert isinstance(TerminalReader(path).session.history, FileHistory)
+    assert isinstance(TerminalReader(None).session.history, InMemoryHistory)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert history_file(blocked) is None  # not a directory: the history stays in memory

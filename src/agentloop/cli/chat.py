@@ -145,13 +145,7 @@ class TerminalReader:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 
-        history: History = InMemoryHistory()
-        if history_file is not None:
-            try:
-                history_file.parent.mkdir(parents=True, exist_ok=True)
-                history = FileHistory(str(history_file))
-            except OSError:
-                pass
+        history: History = InMemoryHistory() if history_file is None else FileHistory(str(history_file))
         self.session: PromptSession[str] = PromptSession(history=history)
         self.answers: PromptSession[str] = PromptSession()  # y/n/a do not belong in the history
 
@@ -167,15 +161,23 @@ class TerminalReader:
             raise ReadInterrupted from None
 
 
-def history_file(env: dict[str, str] | None = None) -> Path:
-    env = dict(os.environ) if env is None else env
-    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "agentloop" / "chat_history"
+def history_file(directory: Path) -> Path | None:
+    """Where a terminal chat keeps what was typed (up-arrow recalls it): in the data directory,
+    readable by its owner only, like the conversations it repeats. None if it cannot be made."""
+    path = directory / "chat_history"
+    try:
+        make_data_dir(directory)
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600))
+        os.chmod(path, 0o600)  # (one an older agentloop made readable by all)
+    except OSError:
+        return None
+    return path
 
 
-def default_reader() -> LineReader:
+def default_reader(history: Path | None = None) -> LineReader:
+    """A prompt with ``history`` (a file; None: kept in memory) on a terminal, else plain lines."""
     if sys.stdin.isatty() and sys.stdout.isatty():
-        return TerminalReader(history_file())
+        return TerminalReader(history)
     return PlainReader()
 
 
@@ -290,12 +292,13 @@ class ChatRepl:
         session: Session | Agent,
         *,
         reader: LineReader | None = None,
+        history: Path | None = None,
         out: TextIO | None = None,
         err: Console | None = None,
         progress: Progress | None = None,
     ) -> None:
         self.session: Session = AgentSession(session) if isinstance(session, Agent) else session
-        self.reader = reader if reader is not None else default_reader()
+        self.reader = reader if reader is not None else default_reader(history)
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else stderr_console()
         self.progress = progress

@@ -435,7 +435,15 @@ def _durable_chat(
 ) -> tuple[ChatRepl, int]:
     """The chat on a durable process. The kernel stays open for the whole REPL, entered and left
     on the REPL's one event loop, so runs it resumes keep going between turns' reads."""
-    from agentloop.cli.chat import ChatRepl, ChatState, DurableSession, data_dir, local_user, make_data_dir
+    from agentloop.cli.chat import (
+        ChatRepl,
+        ChatState,
+        DurableSession,
+        data_dir,
+        history_file,
+        local_user,
+        make_data_dir,
+    )
     from agentloop.kernel import Kernel
 
     directory = data_dir(data)
@@ -472,7 +480,7 @@ def _durable_chat(
             err.print(
                 Text(f"continuing conversation {session.pid} ({count} messages) · --new starts afresh", style="dim")
             )
-        repl = ChatRepl(session, err=err, progress=progress)
+        repl = ChatRepl(session, err=err, progress=progress, history=history_file(directory))
         if ev.run_until_complete(session.unfinished()):
             err.print(Text("(the last answer was unfinished; it goes on)", style="dim"))
             ev.run_until_complete(repl.resume())
