@@ -316,3 +316,22 @@ def test_serve_applies_the_configured_guard_and_fallback(tmp_path: Path, ws: Pat
     assert done.stdout == "Answer from the fallback.\n"
     assert "(stopped: max_tool_calls)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["chat", "--server", "http://127.0.0.1:9", "--approval", "auto"], "--approval: a chat with a server"),
+        (["chat", "--server", "http://127.0.0.1:9", "-m", "openai:gpt-4o", "--memory"], "--model, --memory: a chat"),
+        (["chat", "--server", "http://127.0.0.1:9", "-w", "/nonexistent", "--data", "/x"], "--workspace, --data"),
+        (["chat", "--server", "http://127.0.0.1:9", "--new", "--pid", "p1"], "give one of them"),
+        (["chat", "--token", "sekrit"], "--token goes with --server"),
+        (["serve", "--new"], "give --chat too"),
+        (["serve", "--pid", "p1", "--port", "0"], "give --chat too"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(tmp_path: Path, args: list[str], fragment: str) -> None:
+    """A review found each of these silently doing nothing (--approval auto then asked anyway)."""
+    result = runner.invoke(app, args, input="")
+    assert result.exit_code == 2 and fragment in one_error_line(result.stderr), result.stderr
+    assert "sekrit" not in result.stderr

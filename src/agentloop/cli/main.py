@@ -266,7 +266,7 @@ WorkspaceOpt = Annotated[
 ]
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
 ApprovalOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--approval",
         help="Tool calls: ask (default policy, asks before risky calls), auto (allow all), deny, or a JSON policy.",
@@ -284,7 +284,7 @@ def run(
         float | None, typer.Option("--tool-timeout", min=0.001, help="Seconds a tool may run (default 60).")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print every loop event as a JSON line.")] = False,
-    approval: ApprovalOpt = "ask",
+    approval: ApprovalOpt = None,
     max_rounds: MaxRoundsOpt = None,
     max_tool_calls: MaxToolCallsOpt = None,
     max_wall_clock: MaxWallClockOpt = None,
@@ -296,7 +296,7 @@ def run(
     with _guarded():
         flags = loop_flags(max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback)
         settings = _settings(model, workspace, system, tool_timeout, flags)
-        setting = _approval(approval)
+        setting = _approval(approval or "ask")
         if prompt == "-":
             prompt = sys.stdin.read()
         if not prompt.strip():
@@ -342,7 +342,7 @@ def chat(
     memory: Annotated[
         bool, typer.Option("--memory", help="Keep the conversation in memory only (gone when the chat ends).")
     ] = False,
-    approval: ApprovalOpt = "ask",
+    approval: ApprovalOpt = None,
     server: Annotated[
         str | None, typer.Option("--server", help="Chat with a running server (agentloop serve) at this URL.")
     ] = None,
@@ -367,14 +367,22 @@ def chat(
         if server is not None or pid is not None:
             if flags.given():  # the server's own settings decide; silently ignoring them would mislead
                 _fail(f"{', '.join(flags.given())}: set run limits where the server runs (agentloop serve)", 2)
+            local: dict[str, object] = {"--model": model, "--workspace": workspace, "--system": system}
+            local |= {"--data": data, "--approval": approval, "--memory": memory or None}
+            if given := [name for name, value in local.items() if value is not None]:
+                _fail(f"{', '.join(given)}: a chat with a server runs on the server's settings (agentloop serve)", 2)
+            if new and pid is not None:
+                _fail("--new starts a new conversation and --pid continues one: give one of them", 2)
             from agentloop.cli.client import chat_command
 
             remote_aborted, remote_code = chat_command(server, token, new=new, pid=pid)
             if remote_aborted:
                 _exit(remote_code)
             raise typer.Exit(remote_code)
+        if token is not None:
+            _fail("--token goes with --server (or --pid): a local chat needs none", 2)
         settings = _settings(model, workspace, system, flags=flags)
-        setting = _approval(approval)
+        setting = _approval(approval or "ask")
         ws = _workspace(settings)
         progress = Progress()
         err = stderr_console()

@@ -431,9 +431,11 @@ def serve(
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
     from agentloop.cli.chat import data_dir, make_data_dir
-    from agentloop.cli.main import CliError, _approval, _exit, _guarded, _settings, _workspace
+    from agentloop.cli.main import CliError, _approval, _exit, _fail, _guarded, _settings, _workspace
 
     with _guarded():
+        if not chat and (new or pid is not None):
+            _fail("--new and --pid choose the conversation of --chat: give --chat too", 2)
         flags = loop_flags(
             max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
         )
