@@ -658,3 +658,15 @@ def test_typed_prompts_are_kept_privately_in_the_data_directory_and_not_at_all_i
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert history_file(blocked) is None  # not a directory: the history stays in memory
+
+
+@pytest.mark.parametrize("where", ["durable", "memory"])
+def test_a_piped_chat_whose_turn_failed_exits_1(tmp_path: Path, ws: Path, where: str) -> None:
+    """A script piping lines in learns that the (last) turn failed, as from ``agentloop run``."""
+    failing = script(tmp_path / "err.json", [{"error": "upstream exploded", "kind": "bad_request"}])
+    extra = ["--memory"] if where == "memory" else ["--data", str(tmp_path / "data")]
+    result = runner.invoke(app, ["chat", "-m", failing, "-w", str(ws), *extra], input="hi\n")
+    assert result.exit_code == 1 and "upstream exploded" in result.stderr
+    fine = script(tmp_path / "ok.json", ["hello"])
+    extra = ["--memory"] if where == "memory" else ["--data", str(tmp_path / "data2")]
+    assert runner.invoke(app, ["chat", "-m", fine, "-w", str(ws), *extra], input="hi\n").exit_code == 0

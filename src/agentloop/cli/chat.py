@@ -306,11 +306,13 @@ class ChatRepl:
         self.last_outcome: TurnOutcome | None = None
         self.attached: list[MediaBlock] = []  # /attach: they go with the next message
         self.aborted = False  # a turn was aborted: work that ignores cancellation may still run
+        self.failed = False  # the last turn ended in an error
         self._cancelled: asyncio.Event | None = None
 
     def loop(self, event_loop: asyncio.AbstractEventLoop | None = None) -> int:
-        """Run until the user quits; the exit code is 0. One event loop serves every turn, so
-        clients a model keeps (HTTP pools) stay bound to a loop that is still alive."""
+        """Run until the user quits; the exit code is 0, or 1 when input is piped and the last
+        turn failed. One event loop serves every turn, so clients a model keeps (HTTP pools) stay bound
+        to a loop that is still alive."""
         own = event_loop is None
         ev = event_loop if event_loop is not None else asyncio.new_event_loop()
         try:
@@ -327,7 +329,8 @@ class ChatRepl:
             if own:
                 ev.run_until_complete(ev.shutdown_asyncgens())
                 ev.close()
-        return 0
+        # piped (a script reads the answers): a last turn that failed fails the command, as ``run``
+        return 1 if self.failed and not self.reader.shows_prompt else 0
 
     def command(self, line: str, ev: asyncio.AbstractEventLoop) -> bool:
         """Act on one input line; False means quit."""
@@ -416,6 +419,7 @@ class ChatRepl:
             cancelled.set()
 
         interrupts = Interrupts()
+        self.failed = False
         try:
             # (SIGTERM ends the chat instead: see ``exit_on_terminate``)
             with interrupts.abort_on_signal(self.session, on_abort=on_abort, signals=(signal.SIGINT,)):
@@ -430,6 +434,7 @@ class ChatRepl:
             self.aborted = True
             self.err.print(Text("(aborted)", style="yellow"))
         elif outcome.status == "error":
+            self.failed = True
             self.err.print(Text(f"error: {one_line(outcome.error or 'the model call failed', 400)}", style="red"))
         elif outcome.reason not in ("stop", "length", "turn.complete"):
             self.err.print(Text(f"(stopped: {outcome.reason})", style="dim"))
