@@ -98,3 +98,14 @@ async def test_a_provider_error_quoting_a_key_is_stored_and_streamed_without_it(
     for text in (stored, logged):
         assert "Incorrect API key provided" in text and "llm.internal" in text
         assert "sk-live-0123456789" not in text and "hunter2" not in text
+
+
+def test_a_server_that_cannot_be_reached_is_named_without_the_password_in_its_url(tmp_path) -> None:
+    """``agentloop ps --server http://bob:hunter2@host``: the error names the server, not the password."""
+    from typer.testing import CliRunner
+
+    from agentloop.cli.main import app
+
+    result = CliRunner().invoke(app, ["ps", "--token", "T" * 20, "--server", "http://bob:hunter2@127.0.0.1:9/"])
+    assert result.exit_code == 1 and "cannot reach the server at http://bob:***@127.0.0.1:9" in result.stderr
+    assert "hunter2" not in result.stderr

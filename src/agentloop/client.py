@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 import httpx
 
-from agentloop.urls import check_server_address, check_token
+from agentloop.urls import check_server_address, check_token, redact_secrets, redact_url
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 # The server sends a comment every 15 s of silence: three missed ones mean the connection is dead.
@@ -143,7 +143,8 @@ class AgentloopClient:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _unreachable(self, exc: httpx.HTTPError) -> ClientError:
-        return ClientError(0, "unreachable", f"cannot reach the server at {self.url}: {type(exc).__name__} {exc}")
+        where, why = redact_url(self.url), redact_secrets(str(exc))  # a URL may carry a password
+        return ClientError(0, "unreachable", f"cannot reach the server at {where}: {type(exc).__name__} {why}")
 
     async def _call(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None) -> Any:
         try:

@@ -30,6 +30,7 @@ from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, FileContent, MediaBlock, ToolResultMessage, message_from_dict
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
+from agentloop.urls import redact_url
 
 T = TypeVar("T")
 
@@ -537,7 +538,7 @@ def remote_chat(
         session = RemoteSession(client, cwd=cwd)
         count = ev.run_until_complete(session.open(new=new, pid=pid))
         me = ev.run_until_complete(client.me())
-        err.print(Text(f"agentloop chat · {url} · {me.get('account')}", style="bold"))
+        err.print(Text(f"agentloop chat · {redact_url(url)} · {me.get('account')}", style="bold"))
         err.print(Text(HELP, style="dim"))
         if count is None:
             err.print(Text(f"new conversation {session.pid}", style="dim"))
