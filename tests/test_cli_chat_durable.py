@@ -670,3 +670,23 @@ def test_a_piped_chat_whose_turn_failed_exits_1(tmp_path: Path, ws: Path, where:
     fine = script(tmp_path / "ok.json", ["hello"])
     extra = ["--memory"] if where == "memory" else ["--data", str(tmp_path / "data2")]
     assert runner.invoke(app, ["chat", "-m", fine, "-w", str(ws), *extra], input="hi\n").exit_code == 0
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path, ws: Path) -> None:
+    """``agentloop run ... | head -c 3``: the answer's reader is gone; the command stops with the
+    shell's usual 141 and no error line or asyncio noise."""
+    answer = script(tmp_path / "long.json", ["x" * 200_000])
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "agentloop.cli.main", "run", "-m", answer, "-w", str(ws), "hi"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(tmp_path),
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", done.stderr

@@ -45,6 +45,7 @@ from agentloop.cli.options import (
     loop_flags,
 )
 from agentloop.cli.render import (
+    READER_GONE,
     EventSink,
     Interrupts,
     JsonRenderer,
@@ -54,6 +55,7 @@ from agentloop.cli.render import (
     one_line,
     play,
     stderr_console,
+    write_out,
 )
 from agentloop.cli.tooling import extra_tools
 from agentloop.models.catalog import CATALOG
@@ -117,19 +119,29 @@ def _guarded() -> Iterator[None]:
     try:
         yield
     except typer.Exit:
+        if READER_GONE.is_set():
+            raise typer.Exit(141) from None
         raise
     except KeyboardInterrupt:  # outside a run: nothing to abort
         sys.stderr.write("\naborted\n")
         _exit(130)
+    except BrokenPipeError:  # the reader went away (``| head``) where ``write_out`` was not used
+        write_out(sys.stdout, "")
+        raise typer.Exit(141) from None
     except Exception as exc:
         if os.environ.get("AGENTLOOP_DEBUG"):
             raise
+        if READER_GONE.is_set():  # (what failed once stdout was gone is no news to anyone)
+            raise typer.Exit(141) from None
         message = str(exc) or type(exc).__name__
         _fail(
             message
             if isinstance(exc, CliError | ValueError | ImportError | MCPError)
             else f"{type(exc).__name__}: {message}"
         )
+    else:
+        if READER_GONE.is_set():
+            raise typer.Exit(141)
 
 
 def _settings(

@@ -10,6 +10,7 @@ quadratic).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -107,16 +108,14 @@ class TextRenderer:
 
     def _write(self, text: str) -> None:
         self._wait(False)
-        self.out.write(text)
-        self.out.flush()
+        write_out(self.out, text)
         self._at_line_start = text.endswith("\n")
         self._wrote_text = True
 
     def end_line(self) -> None:
         """Finish a half-written answer line, so what follows starts on its own line."""
         if not self._at_line_start:
-            self.out.write("\n")
-            self.out.flush()
+            write_out(self.out, "\n")
             self._at_line_start = True
 
     def note(self, text: Text) -> None:
@@ -296,8 +295,7 @@ class JsonRenderer:
     def handle(self, event: LoopEvent) -> None:
         if self.before_output is not None:
             self.before_output()
-        self.out.write(json.dumps(self.to_dict(event), ensure_ascii=False) + "\n")
-        self.out.flush()
+        write_out(self.out, json.dumps(self.to_dict(event), ensure_ascii=False) + "\n")
 
 
 class Progress:
@@ -400,6 +398,22 @@ class Interrupts:
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
+
+
+READER_GONE = threading.Event()  # stdout's reader went away (``| head``): see ``write_out``
+
+
+def write_out(out: TextIO, text: str) -> None:
+    """Write answer text. When its reader has gone away (``| head -c 3``) the rest is discarded:
+    stdout is pointed at /dev/null (so no later flush fails) and ``READER_GONE`` tells the command
+    to end with the shell's usual 141 once the turn is over, instead of failing inside the loop."""
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        READER_GONE.set()
 
 
 @contextmanager
