@@ -27,6 +27,8 @@ from agentloop.models.base import AssistantBuilder, Model, ModelInfo, ModelReque
 from agentloop.models.scripted import ScriptedModel
 from agentloop.process.compaction import (
     IMAGE_TOKENS,
+    SUMMARY_KIND,
+    SUMMARY_SYSTEM_PROMPT,
     CompactionError,
     compact,
     context_tokens,
@@ -86,7 +88,14 @@ def check_cut(messages: list[Message], cut: int, keep: int) -> None:
     for m in removed:
         if isinstance(m, ToolResultMessage):
             assert m.tool_call_id not in kept_calls
-    assert estimate_tokens(kept) >= keep
+    if estimate_tokens(kept) < keep:  # moved forward: no earlier cut that splits nothing kept that much
+        assert all(estimate_tokens(messages[c:]) < keep for c in range(2, cut) if _whole_tail(messages, c))
+
+
+def _whole_tail(messages: list[Message], cut: int) -> bool:
+    """Whether a tail from ``cut`` has each of its tool results' calls."""
+    calls = {tc.id for m in messages[cut:] if isinstance(m, AssistantMessage) for tc in m.tool_calls}
+    return all(m.tool_call_id in calls for m in messages[cut:] if isinstance(m, ToolResultMessage))
 
 
 # ------------------------------------------------------------------ estimates
@@ -366,3 +375,135 @@ async def test_huge_transcripts_are_bounded_to_the_summary_model() -> None:
     prompt = model.requests[0].messages[0].text
     assert "goal:" in prompt and "step 199" in prompt and "characters omitted" in prompt
     assert len(prompt) < 40_000
+
+
+# ------------------------------------------------------------------ found by a review (durable)
+
+
+def _kernel(tmp_path: Any, brain: Any, info: ModelInfo, tools: list[Any]) -> Any:
+    from agentloop.kernel import Kernel
+
+    return Kernel.open(
+        f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain, info=info), workspace=tmp_path, tools=tools
+    )
+
+
+async def _compactions(proc: Any) -> list[dict[str, Any]]:
+    return [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.compacted"]
+
+
+def test_usage_a_compaction_kept_from_before_it_is_not_read_as_the_current_size() -> None:
+    """Messages kept in the tail carry usage measured on the history compacted away."""
+    kept = assistant("ok", usage=Usage(input=11_000, output=5))
+    summary = SystemMessage(content=[TextContent(text="Summary ...")], kind=SUMMARY_KIND)
+    summary.timestamp = kept.timestamp + 1  # made after what it kept
+    history = [summary, user("small"), kept, user("hi")]
+    assert context_tokens("", [], history) == estimate_tokens(history)
+    later = assistant("fresh", usage=Usage(input=900, output=5))
+    later.timestamp = summary.timestamp + 1
+    assert context_tokens("", [], [*history, later]) == 905
+
+
+async def test_replies_without_usage_after_a_compaction_do_not_compact_again_and_again(tmp_path: Any) -> None:
+    from agentloop import Reply, call, tool
+
+    info = ModelInfo(provider="scripted", id="small", context_window=12_000, max_output=200)
+
+    @tool
+    def dump(n: int) -> str:
+        """Return a long text."""
+        return f"chunk {n}: " + "lorem ipsum dolor sit amet " * 60
+
+    after = [0]
+
+    def brain(r: ModelRequest) -> Any:
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "Summary: chunks were produced."
+        compacted = any(isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND for m in r.messages)
+        after[0] += compacted
+        if after[0] > 10:
+            return "all done"
+        used = estimate_tokens(r.system_prompt) + estimate_tokens(r.tools) + estimate_tokens(r.messages)
+        done = sum(isinstance(m, ToolResultMessage) for m in r.messages)
+        # usage reported before the first compaction, none after it (a fallback, a local server)
+        return Reply(tool_calls=[call("dump", n=done)], input_tokens=0 if compacted else used, output_tokens=1)
+
+    async with _kernel(tmp_path, brain, info, [dump]) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("produce chunks")
+        await proc.wait_idle()
+        assert len(await _compactions(proc)) == 1  # was 9: the kept tail's stale usage each time
+
+
+async def test_an_exchange_bigger_than_the_tail_is_compacted_once_newer_input_follows(tmp_path: Any) -> None:
+    """Two parallel results of ~33k characters against a 16k-token window: the run that read them
+    fails, but the next message compacts them away instead of failing the same way for ever."""
+    from agentloop import Reply, call, tool
+
+    info = ModelInfo(provider="scripted", id="local-16k", context_window=16_000, max_output=1_000)
+
+    @tool
+    def read_log(part: int) -> str:
+        """Read part of a log."""
+        return f"log part {part}\n" + "2024-05-01 12:00:00 INFO request served in 3ms\n" * 700
+
+    def brain(r: ModelRequest) -> Any:
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "Summary: the user asked to read the logs."
+        size = estimate_tokens(r.system_prompt) + estimate_tokens(r.tools) + estimate_tokens(r.messages)
+        if size > info.context_window:
+            raise ProviderError(f"prompt is too long: {size} tokens > 16000 maximum", kind="overflow")
+        if r.messages[-1].text == "read the logs":
+            return Reply(tool_calls=[call("read_log", part=1), call("read_log", part=2)])
+        return "4"
+
+    async with _kernel(tmp_path, brain, info, [read_log]) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("read the logs")
+        await proc.wait_idle()
+        await proc.send("never mind. what is 2+2?")
+        await proc.wait_idle()
+        assert (await proc.messages())[-1].text == "4" and len(await _compactions(proc)) == 1
+    failed = AssistantMessage(content=[], stop_reason="error", error_message="prompt is too long")
+    huge = [user("x" * 80_000), failed, user("sorry, what is 2+2?")]
+    assert plan_cut(huge, 4_000) == 2  # a pasted message bigger than the window goes the same way
+
+
+async def test_threshold_compaction_fires_where_the_provider_counts_more_tokens_than_the_estimate(
+    tmp_path: Any,
+) -> None:
+    """CJK text is about a token per character, four times the estimate: the kept quarter of the
+    window is scaled by what the provider reports, so compaction happens before an overflow."""
+    from agentloop import Reply, call, tool
+
+    info = ModelInfo(provider="scripted", id="m", context_window=16_000, max_output=1_000)
+
+    def tokens(text: str) -> int:
+        cjk = sum(1 for ch in text if "\u4e00" <= ch <= "\u9fff")
+        return cjk + (len(text) - cjk) // 4
+
+    @tool
+    def read_doc(n: int) -> str:
+        """Read a chapter."""
+        return f"第{n}章 " + "系统设计文档内容说明" * 150
+
+    rejected, turns = [0], [0]
+
+    def brain(r: ModelRequest) -> Any:
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "摘要：用户要求阅读规格说明。"
+        size = tokens(r.system_prompt) + sum(tokens(m.text) + 4 for m in r.messages) + 200 * len(r.tools)
+        if size > info.context_window:
+            rejected[0] += 1
+            raise ProviderError(f"prompt is too long: {size} tokens", kind="overflow")
+        turns[0] += 1
+        if turns[0] >= 40:
+            return "完成"
+        return Reply(tool_calls=[call("read_doc", n=turns[0])], input_tokens=size)
+
+    async with _kernel(tmp_path, brain, info, [read_doc]) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("请阅读所有章节")
+        await proc.wait_idle()
+        reasons = {c["reason"] for c in await _compactions(proc)}
+    assert reasons == {"threshold"} and rejected == [0]

@@ -135,19 +135,35 @@ def context_tokens(system_prompt: str, tools: Sequence[ToolSpec], messages: Sequ
     """Tokens the next model call would send: real usage where the provider reported it.
 
     The newest assistant message with real usage already counts the prompt, the tools and the
-    history before it (plus its own output); only later messages are estimated. Usage from before
-    the latest summary is stale (it measured the history that was compacted away), and all-zero
-    usage means the provider did not report any, so both fall back to the estimate.
+    history before it (plus its own output); only later messages are estimated. Usage reported
+    before the latest summary was made is stale, even on a message the compaction kept (it
+    measured the history that was compacted away), and all-zero usage means the provider did not
+    report any, so both fall back to the estimate.
     """
+    summarised_at = _summary_time(messages)
     for i in range(len(messages) - 1, -1, -1):  # newest first: only the tail is looked at
         m = messages[i]
+        if m.timestamp <= summarised_at:
+            break
         if isinstance(m, AssistantMessage):
             covered = _usage_tokens(m)
             if covered:
                 return covered + estimate_tokens(list(messages[i + 1 :]))
-        elif isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND:
-            break  # usage from before the latest summary measured what was compacted away
+    return estimated_context(system_prompt, tools, messages)
+
+
+def estimated_context(system_prompt: str, tools: Sequence[ToolSpec], messages: Sequence[Message]) -> int:
+    """``context_tokens`` from the estimate alone."""
     return estimate_tokens(system_prompt) + estimate_tokens(list(tools)) + estimate_tokens(list(messages))
+
+
+def _summary_time(messages: Sequence[Message]) -> int:
+    """When the summary heading the history was made (a compaction replaces a prefix, so it is
+    first, or second after a message kept before it); -1 without one."""
+    for m in messages[:2]:
+        if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND:
+            return m.timestamp
+    return -1
 
 
 def pressure(
@@ -176,8 +192,10 @@ def plan_cut(messages: Sequence[Message], keep_recent_tokens: int) -> int | None
     """Index where the kept tail starts, or None when compacting would gain nothing.
 
     The tail holds at least ``keep_recent_tokens`` (the newest message always stays). The cut
-    only ever moves towards older messages, so the tail grows rather than lose a tool call's
-    results or start on a result whose call was summarised away: providers reject both.
+    moves towards older messages rather than lose a tool call's results or start on a result
+    whose call was summarised away (providers reject both). Only when that would leave nothing
+    to summarise (an exchange or a message bigger than the tail, left behind by newer ones) does
+    it move forward instead, past the oversized part, to the first place that splits nothing.
     """
     if keep_recent_tokens < 0:
         raise ValueError("keep_recent_tokens must not be negative")
@@ -211,9 +229,15 @@ def plan_cut(messages: Sequence[Message], keep_recent_tokens: int) -> int | None
         if moved == cut:
             break
         cut = moved
-    if cut < 2:
-        return None
-    return cut
+    if cut >= 2:
+        return cut
+    return next((c for c in range(max(2, cut + 1), n) if _splits_nothing(messages, c, owner)), None)
+
+
+def _splits_nothing(messages: Sequence[Message], cut: int, owner: dict[str, int]) -> bool:
+    """Whether a tail starting at ``cut`` keeps every tool result with its call."""
+    results = (m for m in messages[cut:] if isinstance(m, ToolResultMessage))
+    return all(owner.get(m.tool_call_id, cut) >= cut for m in results)
 
 
 # ------------------------------------------------------------------ the summary

@@ -33,7 +33,15 @@ from agentloop.process.calls import (
     results_of,
     settle,
 )
-from agentloop.process.compaction import CompactionError, compact, estimate_tokens, pressure, should_compact
+from agentloop.process.compaction import (
+    CompactionError,
+    compact,
+    context_tokens,
+    estimate_tokens,
+    estimated_context,
+    pressure,
+    should_compact,
+)
 from agentloop.process.lease import LeaseLost
 from agentloop.process.signals import Signal
 from agentloop.process.store import SegmentRow, ToolCallRow
@@ -355,7 +363,12 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
         if blocked is not None:
             log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
             return False
-    keep = cfg.model.info.context_window // 4
+    # a quarter of the window, in estimated tokens: scaled down where the provider counts more
+    # than the estimate does (CJK text, dense code), or the "quarter" could be the whole window
+    specs = cfg.tool_specs
+    estimated = estimated_context(cfg.system_prompt, specs, live.history)
+    real = context_tokens(cfg.system_prompt, specs, live.history)
+    keep = int(cfg.model.info.context_window // 4 * min(1.0, estimated / max(1, real)))
     if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
         keep = min(keep, estimate_tokens(live.history) // 2)
     keep = max(256, keep)
