@@ -263,3 +263,41 @@ def test_symlinks_out_of_agent_writable_places_are_refused(tmp_path: Path) -> No
     assert prompt.text.count("TOP SECRET") == 1
     assert "--- 30-linked.md ---\nTOP SECRET" in prompt.text
     assert len([w for w in prompt.warnings if "refused" in w]) == 2
+
+
+async def test_a_cached_prompt_follows_in_place_edits_of_files_that_added_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kernel reuses an assembled prompt while what it read is unchanged. Files that added
+    nothing (empty, blank, not UTF-8 yet, a skill folder without its SKILL.md) count too: edited
+    in place (their folder's entries unchanged), they reach the next run's prompt. What assembly
+    warned about is logged, once per assembly."""
+    import logging
+    import time
+
+    from agentloop.kernel.runs import prompt_builder
+    from agentloop.process.store import ProcessRecord
+
+    work = tmp_path / "work"
+    work.mkdir()
+    context = tmp_path / "home" / "alice" / "context.d"
+    context.mkdir(parents=True)
+    skill = tmp_path / "config" / "ai" / "skills.d" / "deploy"
+    skill.mkdir(parents=True)
+    (work / "AGENTS.md").write_text("")
+    (work / "USER.md").write_bytes(b"Name: J\xfcrgen\n")  # not UTF-8: skipped, with a warning
+    (context / "style.md").write_text("   \n")
+    build = prompt_builder(tmp_path, "Base.")
+    record = ProcessRecord(pid="p1", owner="alice", run_as="alice", cwd=str(work))
+    with caplog.at_level(logging.WARNING, logger="agentloop.prompt"):
+        await build(record, {})
+        await build(record, {})  # cached: not assembled (nor warned about) again
+    assert sum("USER.md" in r.getMessage() for r in caplog.records) == 1
+    time.sleep(0.01)
+    (work / "AGENTS.md").write_text("Always answer in French.")
+    (work / "USER.md").write_text("Name: Jürgen")
+    (context / "style.md").write_text("Use British spelling.")
+    (skill / "SKILL.md").write_text("---\nname: deploy\ndescription: Ship a release.\n---\nmake ship")
+    prompt = await build(record, {})
+    for text in ("Always answer in French.", "Name: Jürgen", "Use British spelling.", "Ship a release."):
+        assert text in prompt

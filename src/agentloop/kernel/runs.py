@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -29,6 +30,8 @@ from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.mcp import mcp_server_names
 from agentloop.tools.skills import skills_tool
+
+log = logging.getLogger("agentloop.prompt")
 
 
 def hydrate_media(media: MediaStore) -> Callable[[list[Message]], list[Message]]:
@@ -159,8 +162,11 @@ def prompt_builder(
             },
         )
         assembled = assemble_prompt(sources)
-        files = [str(p) for section in assembled.sections for p in section.sources]
-        return "\n\n".join(part for part in (base, assembled.text) if part), files
+        for warning in assembled.warnings:  # once per assembly: the result is cached until a file changes
+            log.warning("system prompt of process %s: %s", record.pid, warning)
+        consulted = {str(p) for p in assembled.consulted}
+        consulted.update(str(p) for section in assembled.sections for p in section.sources)
+        return "\n\n".join(part for part in (base, assembled.text) if part), sorted(consulted)
 
     async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> str:
         devices_text = online(record)

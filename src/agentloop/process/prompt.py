@@ -26,7 +26,7 @@ from pathlib import Path
 from agentloop.process.memory import daily_memory_name
 from agentloop.tools.base import ToolError
 from agentloop.tools.paths import resolve_path
-from agentloop.tools.skills import UnreadableFile, read_text_file, scan_skills
+from agentloop.tools.skills import SKILL_FILE, UnreadableFile, read_text_file, scan_skills
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT_BYTES",
@@ -76,6 +76,9 @@ class AssembledPrompt:
     sections: list[Section]
     bootstrap: bool
     warnings: list[str]
+    # every file and skill folder assembly looked at, also those that added nothing (empty, not
+    # UTF-8, a folder without its SKILL.md yet): a cached prompt is stale once any of them changes
+    consulted: list[Path] = field(default_factory=list)
 
     @property
     def digest(self) -> str:
@@ -118,6 +121,14 @@ class _Block:
         return Section(self.name, sources, size, self.truncated, list(self.omitted))
 
 
+@dataclass
+class _Reading:
+    """What assembly notices on its way: problems to report, and the paths it looked at."""
+
+    warnings: list[str] = field(default_factory=list)
+    consulted: list[Path] = field(default_factory=list)
+
+
 def render_template(text: str, variables: dict[str, str]) -> tuple[str, list[str]]:
     """``{{name}}`` replaced by its value in one pass (values are never re-expanded); unknown
     names stay visible so a typo shows in the prompt instead of silently vanishing."""
@@ -134,22 +145,23 @@ def render_template(text: str, variables: dict[str, str]) -> tuple[str, list[str
     return _PLACEHOLDER.sub(sub, text), unknown
 
 
-def _read(path: Path, root: Path | None, warnings: list[str]) -> str | None:
+def _read(path: Path, root: Path | None, seen: _Reading) -> str | None:
     """Text of a file, or None (with a warning when it exists but cannot be used). With ``root``,
     the file must lie inside it after symlinks are followed."""
     try:
         real = resolve_path(root, path.relative_to(root).as_posix()) if root is not None else path
     except ToolError as exc:
-        warnings.append(f"{path}: refused ({exc})")
+        seen.warnings.append(f"{path}: refused ({exc})")
         return None
     if not real.exists():
         return None
+    seen.consulted.append(path)
     if not real.is_file():
         return None
     try:
         text = read_text_file(real).strip()
     except UnreadableFile as exc:
-        warnings.append(str(exc))
+        seen.warnings.append(str(exc))
         return None
     return text or None
 
@@ -170,19 +182,19 @@ def _cut(text: str, limit: int) -> str:
     return kept[:newline] if newline >= len(kept) // 2 else kept
 
 
-def _system_block(sources: PromptSources, variables: dict[str, str], warnings: list[str]) -> _Block:
+def _system_block(sources: PromptSources, variables: dict[str, str], seen: _Reading) -> _Block:
     block = _Block("system context")
     for path in _context_files(sources.system_dir):
-        text = _read(path, None, warnings)
+        text = _read(path, None, seen)
         if text is None:
             continue
         rendered, unknown = render_template(text, variables)
-        warnings += [f"{path}: unknown template variable {{{{{key}}}}} left as is" for key in unknown]
+        seen.warnings += [f"{path}: unknown template variable {{{{{key}}}}} left as is" for key in unknown]
         block.parts.append(_Part(path, path.name, rendered))
     return block
 
 
-def _home_block(name: str, home: Path, budget: int, warnings: list[str]) -> _Block:
+def _home_block(name: str, home: Path, budget: int, seen: _Reading) -> _Block:
     """A home's ``context.d`` in name order until ``budget`` bytes of file text are used: the
     file that crosses the line is cut with a marker, later ones are named but not included."""
     block = _Block(name)
@@ -190,10 +202,10 @@ def _home_block(name: str, home: Path, budget: int, warnings: list[str]) -> _Blo
     used = 0
     for path in _context_files(directory):
         if used >= budget:
-            if _read(path, home, warnings) is not None:
+            if _read(path, home, seen) is not None:
                 block.omitted.append(path)
             continue
-        text = _read(path, home, warnings)
+        text = _read(path, home, seen)
         if text is None:
             continue
         size = len(text.encode("utf-8"))
@@ -201,20 +213,24 @@ def _home_block(name: str, home: Path, budget: int, warnings: list[str]) -> _Blo
             kept = _cut(text, budget - used)
             text = kept + f"\n[… {path.name} truncated: {len(kept.encode('utf-8'))} of {size} bytes shown]"
             block.truncated = True
-            warnings.append(f"{path}: truncated to fit max_context_bytes={budget}")
+            seen.warnings.append(f"{path}: truncated to fit max_context_bytes={budget}")
             size = budget - used
         used += size
         block.parts.append(_Part(path, path.name, text))
     if block.omitted:
         names = ", ".join(p.name for p in block.omitted)
         block.notes.append(f"[omitted, over the {budget}-byte context budget: {names}]")
-        warnings.append(f"{directory}: omitted over max_context_bytes={budget}: {names}")
+        seen.warnings.append(f"{directory}: omitted over max_context_bytes={budget}: {names}")
     return block
 
 
-def _skills_block(dirs: list[Path], warnings: list[str]) -> _Block:
+def _skills_block(dirs: list[Path], seen: _Reading) -> _Block:
+    # a skill's file changes (or a folder gains its SKILL.md) without its layer's entries changing
+    for layer in filter(Path.is_dir, dirs):
+        entries = [e for e in layer.iterdir() if e.is_dir() or e.suffix == ".md"]
+        seen.consulted += [e / SKILL_FILE if e.is_dir() else e for e in entries]
     skills, problems = scan_skills(dirs)
-    warnings += problems
+    seen.warnings += problems
     block = _Block("skills")
     if skills:
         block.preamble = (
@@ -227,7 +243,7 @@ def _skills_block(dirs: list[Path], warnings: list[str]) -> _Block:
     return block
 
 
-def _daily_memories(sources: PromptSources, today: datetime.date, warnings: list[str]) -> list[_Part]:
+def _daily_memories(sources: PromptSources, today: datetime.date, seen: _Reading) -> list[_Part]:
     """Yesterday's and today's memory files, where compaction and reset write them: in the
     owner's home, not the working directory, which other accounts' processes may share."""
     home = sources.owner_home
@@ -236,26 +252,26 @@ def _daily_memories(sources: PromptSources, today: datetime.date, warnings: list
     parts = []
     for day in (today - datetime.timedelta(days=1), today):
         name = daily_memory_name(day)
-        text = _read(home / name, home, warnings)
+        text = _read(home / name, home, seen)
         if text is not None:
             parts.append(_Part(home / name, name, text))
     return parts
 
 
-def _workspace_blocks(sources: PromptSources, today: datetime.date, warnings: list[str]) -> tuple[_Block, _Block]:
+def _workspace_blocks(sources: PromptSources, today: datetime.date, seen: _Reading) -> tuple[_Block, _Block]:
     files, commissioning = _Block("workspace"), _Block("commissioning")
     root = sources.workspace
     if root is None or not root.is_dir():
-        files.parts += _daily_memories(sources, today, warnings)
+        files.parts += _daily_memories(sources, today, seen)
         return files, commissioning
     for name in WORKSPACE_FILES:
-        text = _read(root / name, root, warnings) if name != "MEMORY.md" or sources.main_process else None
+        text = _read(root / name, root, seen) if name != "MEMORY.md" or sources.main_process else None
         if text is not None:
             files.parts.append(_Part(root / name, name, text))
         if name == "MEMORY.md":  # the long-term memory, then the days' (for every process)
-            files.parts += _daily_memories(sources, today, warnings)
+            files.parts += _daily_memories(sources, today, seen)
     bootstrap = root / BOOTSTRAP_FILE
-    text = _read(bootstrap, root, warnings)
+    text = _read(bootstrap, root, seen)
     if text is not None:
         commissioning.preamble = (
             f"{BOOTSTRAP_FILE} is in the workspace, so this run is the commissioning conversation: "
@@ -270,18 +286,18 @@ def assemble_prompt(sources: PromptSources, *, today: datetime.date | None = Non
     """The run's system prompt. ``today`` picks the daily memory files and fills ``{{date}}``
     when the caller gives no ``date`` variable; pass it to make assembly reproducible."""
     today = today or datetime.date.today()
-    warnings: list[str] = []
+    seen = _Reading()
     variables = {"date": today.isoformat(), **sources.variables}
     budget = max(0, sources.max_context_bytes)
-    blocks = [_system_block(sources, variables, warnings)]
+    blocks = [_system_block(sources, variables, seen)]
     homes: list[Path] = []
     for name, home in (("agent context", sources.agent_home), ("owner context", sources.owner_home)):
         if home is None or not home.is_dir() or home.resolve() in homes:
             continue  # the owner's own process: the same context.d, included once
         homes.append(home.resolve())
-        blocks.append(_home_block(name, home, budget, warnings))
-    blocks.append(_skills_block(sources.skills_dirs, warnings))
-    files, commissioning = _workspace_blocks(sources, today, warnings)
+        blocks.append(_home_block(name, home, budget, seen))
+    blocks.append(_skills_block(sources.skills_dirs, seen))
+    files, commissioning = _workspace_blocks(sources, today, seen)
     blocks += [files, commissioning]
     process = _Block("process context")
     if sources.process_context and sources.process_context.strip():
@@ -301,5 +317,6 @@ def assemble_prompt(sources: PromptSources, *, today: datetime.date | None = Non
         text=body + "\n" if body else "",
         sections=sections,
         bootstrap=bool(commissioning.parts),
-        warnings=warnings,
+        warnings=seen.warnings,
+        consulted=seen.consulted,
     )
