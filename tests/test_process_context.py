@@ -3,6 +3,7 @@ and one compact-and-retry after a provider overflow."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import gzip
 import json
@@ -397,3 +398,40 @@ async def test_a_retry_that_cannot_be_logged_does_not_end_the_run(tmp_path, monk
         finished = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.run.finished"]
         assert finished[-1]["status"] == "ok" and (await proc.messages())[-1].text == "fine after all"
     assert "the retry of run" in caplog.text and "database is locked" in caplog.text
+
+
+async def test_a_run_resumed_after_a_restart_keeps_the_prompt_it_began_with(tmp_path: Path) -> None:
+    """The prompt is built once per run and kept with it: a run cut off by a restart carries on
+    with the instructions it began with, though AGENTS.md changed meanwhile; the next run reads
+    the new file."""
+
+    @tool
+    async def slow(seconds: float) -> str:
+        """Sleep."""
+        await asyncio.sleep(seconds)
+        return "slept"
+
+    prompts: list[str] = []
+
+    def brain(r: ModelRequest) -> Reply | str:
+        prompts.append(r.system_prompt)
+        return Reply(tool_calls=[call("slow", seconds=30)]) if len(prompts) == 1 else "done"
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "AGENTS.md").write_text("Rule A.")
+    url = f"sqlite:///{tmp_path}/a.db"
+    async with Kernel.open(url, model=ScriptedModel(brain), workspace=tmp_path, tools=[slow]) as k:
+        proc = await k.spawn(owner="alice", cwd=work)
+        await proc.send("go")
+        while len(prompts) < 1:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the slow call is in flight when the kernel goes down
+    (work / "AGENTS.md").write_text("Rule B.")
+    async with Kernel.open(url, model=ScriptedModel(brain), workspace=tmp_path, tools=[slow]) as k:
+        proc = await k.process(proc.pid)
+        await asyncio.wait_for(proc.wait_idle(), 10)
+        assert len(prompts) == 2 and prompts[1] == prompts[0] and "Rule A." in prompts[1]
+        await proc.send("again")
+        await proc.wait_idle()
+        assert "Rule B." in prompts[2]

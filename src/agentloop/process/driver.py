@@ -275,6 +275,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
                 finished = True
             else:  # input joined the run: the next model call opens another turn
                 await tx.set_run({**new_run, "turn": new_run["turn"] + 1})
+        if not finished:
+            await engine.keep_prompt(tx, live)
     if not batch:
         await post_turn(engine, live, run_id, run["turn"])
     if finished:

@@ -73,6 +73,7 @@ INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it 
 # ``aborted`` hook had to do can still be done after a crash that came before the hook ran
 LAST_ABORT_KEY = "run:last-abort"
 MODE_KEY = "mode"  # "chat": the process's runs answer from the same history without tools
+PROMPT_KEY = "run:prompt"  # {"run": id, "text": ...}: a run's prompt, which it keeps if resumed
 # How long an abort waits for the cancelled model call and tools to unwind (a shell tool kills its
 # process group on the way out) before it ends the run anyway: a tool that ignores cancellation
 # must not keep the run, and the person who pressed stop, waiting. Its late result is ignored.
@@ -164,6 +165,7 @@ class ProcessEngine:
         live = self._live[pid] = _Live(record, history, queued=queued, seq=seq)
         live.media = any(_has_media(m) for m in history)
         live.approvals = record.current_run is not None  # decisions made before a restart may be stored
+        live.resumed = record.current_run is not None
         if record.current_run is None:
             live.idle.set()
         return live
@@ -287,12 +289,34 @@ class ProcessEngine:
             cfg = replace(cfg, tools=dict(await maybe_await(tools)))
         if self.prompt is not None:
             if live.prompt is None or live.prompt[0] != run_id:
-                live.prompt = (run_id, await self.prompt(live.record, cfg.tools))
+                kept = await self._kept_prompt(live, run_id)
+                live.prompt = kept or (run_id, await self.prompt(live.record, cfg.tools))
             cfg = replace(cfg, system_prompt=live.prompt[1])
         if await self.store.kv_get(live.record.pid, MODE_KEY) == "chat":  # read per run: a change waits for the next
             cfg = replace(cfg, tools={})
         live.config = (run_id, cfg)
         return cfg
+
+    async def _kept_prompt(self, live: _Live, run_id: str) -> tuple[str, str] | None:
+        """The prompt a resumed run was given before the restart (or the takeover), if stored."""
+        if not live.resumed:
+            return None
+        live.resumed = False
+        kept = await self.store.kv_get(live.record.pid, PROMPT_KEY)
+        if not isinstance(kept, dict) or kept.get("run") != run_id or not isinstance(kept.get("text"), str):
+            return None
+        live.prompt_kept = run_id
+        return run_id, kept["text"]
+
+    async def keep_prompt(self, tx: _Tx, live: _Live) -> None:
+        """Inside a step's transaction, for a run that goes on after it: store the run's prompt
+        once, so that after a restart the run carries on with the instructions it began with
+        (files it was built from may have changed meanwhile), not a prompt assembled anew."""
+        prompt = live.prompt
+        if prompt is None or live.prompt_kept == prompt[0] or self.prompt is None:
+            return
+        await self.store.kv_set(live.record.pid, PROMPT_KEY, {"run": prompt[0], "text": prompt[1]})
+        tx.after.append(lambda: setattr(live, "prompt_kept", prompt[0]))
 
     # -- recovery ---------------------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ class _Live:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     queued: int = 0  # items in the input queue (this engine is the only writer, so it can count)
     prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
+    prompt_kept: str | None = None  # the run whose prompt is stored (see ``ProcessEngine.keep_prompt``)
+    resumed: bool = False  # loaded with a run under way: its prompt may be stored already
     config: tuple[str, LoopConfig] | None = None  # (run id, the run's loop configuration)
     media: bool = False  # the history holds stored media references (to hydrate before model calls)
     approvals: bool = False  # a run of this process may have stored approval decisions
