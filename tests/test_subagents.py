@@ -471,3 +471,36 @@ async def test_parallel_task_calls_of_one_turn_respect_the_running_cap(tmp_path)
         assert len(children) == MAX_RUNNING
         assert sum(r.is_error for r in results) == 20 - MAX_RUNNING
         await top.kill()
+
+
+async def test_a_subagent_stopped_with_its_parent_does_not_start_over_after_a_restart(tmp_path):
+    """Its grandchild's report was queued for it when the parent's run was aborted: the report is
+    dropped with the stop, instead of starting a run nobody reads at the next start."""
+
+    def tree(request: ModelRequest) -> Reply | str:
+        last = request.messages[-1]
+        if isinstance(last, UserMessage):
+            command, _, rest = last.text.partition(" ")
+            if command == "spawn+stay":
+                return Reply(tool_calls=[call("Task", prompt=rest, wait=False), call("slow", seconds=30)])
+            return "ok"
+        return Reply(tool_calls=[call("slow", seconds=30)]) if isinstance(last, SystemMessage) else "over"
+
+    async def kids(k: Any, pid: str) -> list[Any]:
+        return [r for r in await k.processes("alice") if r.parent_pid == pid]
+
+    async with kernel(tmp_path, ScriptedModel(tree), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        await parent.send("spawn+stay spawn+stay quick")  # parent: child C + sleep; C: grandchild G + sleep
+        async with asyncio.timeout(10):
+            while not (c := await kids(k, parent.pid)) or not (g := await kids(k, c[0].pid)):
+                await asyncio.sleep(0.02)
+            child = c[0].pid
+            await (await k.process(g[0].pid)).wait_idle()
+            while not await k.store.queue(child):  # G's report waits in C's queue (C is busy)
+                await asyncio.sleep(0.02)
+        assert await parent.abort()
+        assert (await k.store.get_process(child)).current_run is None and await k.store.queue(child) == []
+    async with kernel(tmp_path, ScriptedModel(tree), subagents=True) as k:
+        await asyncio.sleep(0.3)
+        assert (await k.store.get_process(child)).current_run is None

@@ -84,8 +84,9 @@ ABORT_GRACE = 10.0
 # its parent (``parent.*``) must not go on with queued work nobody will read.
 NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill", "parent.abort", "parent.reset"})
 # aborts whose queued input is discarded in the abort's own commit: a crash before the reset's
-# or kill's commit must not leave that input for the restart to run
-DISCARDS_QUEUE = frozenset({"process.reset", "process.kill"})
+# or kill's commit must not leave that input for the restart to run, nor may a subagent stopped
+# with its parent find a report queued for it and start over after the next restart
+DISCARDS_QUEUE = frozenset({"process.reset", "process.kill", "parent.abort", "parent.reset"})
 
 
 def _aborted_alone(task: asyncio.Task[bool]) -> None:
