@@ -645,3 +645,36 @@ async def test_a_nested_call_knows_the_run_that_started_the_program(tmp_path: Pa
     result = await cm.run(cm.validate({"code": "await probe()\n"}), ToolContext("call-1", cm.name, run_id="run-7"))
     assert not result.is_error, result.text
     assert seen == ["run-7"]
+
+
+async def test_a_program_calls_only_the_built_in_tools_its_run_has_and_was_offered(tmp_path: Path) -> None:
+    """A review: a program ran shell() where a toolset had taken Shell from the process (and in the
+    kernel's root, not the process's directory), and where a hook had held Shell back this turn."""
+
+    def no_shell(record: Any, shared: Any) -> Any:  # e.g. a restricted account
+        return {name: tool for name, tool in shared.items() if name != "Shell"}
+
+    program_call = Reply(tool_calls=[call("CodeMode", code='print(await shell("touch made-by-shell"))')])
+    policy = {"default": "auto", "rules": [{"match": "codemode.exec", "action": "auto"}]}
+    (tmp_path / "ws" / "sub").mkdir(parents=True)
+    async with open_kernel(tmp_path, ScriptedModel([program_call, "done"]), policy=policy, toolset=no_shell) as k:
+        proc = await k.spawn(owner="alice", cwd="sub")
+        await proc.send("go")
+        await proc.wait_idle()
+        [res] = results(await proc.messages())
+    assert res.is_error and "no tool 'Shell' is available in this run" in res.text
+    assert not list(tmp_path.rglob("made-by-shell"))
+
+    hooks = Hooks()
+
+    @hooks.on("pre_tool_materialization")
+    async def hide_shell(info: Any) -> Any:
+        return [t for t in info.tools if t.name != "Shell"]
+
+    ws = tmp_path / "mem"
+    ws.mkdir()
+    agent = Agent(
+        model=ScriptedModel([program_call, "done"]), tools=builtin_tools(ws, codemode=True), workspace=ws, hooks=hooks
+    )
+    [res] = results((await agent.run("go")).messages)
+    assert res.is_error and "not available in this turn" in res.text and not (ws / "made-by-shell").exists()

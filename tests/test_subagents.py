@@ -69,21 +69,43 @@ async def test_a_background_task_reports_back_as_a_system_event(tmp_path):
 
 
 async def test_a_rerun_after_a_restart_finds_the_child_instead_of_starting_another(tmp_path):
-    """The tool is idempotent because the child's pid comes from the parent and the call id."""
+    """The tool is idempotent: the child's pid comes from the parent, the run and the call's
+    durable key, which a re-run of the call after a restart has again."""
+    from agentloop.tools.base import ToolContext
+
     async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
         parent = await k.spawn(owner="alice")
-        await parent.send("delegate: once")
-        await parent.wait_idle()
-        call_id = _results(await parent.messages())[0].tool_call_id
-        tool = (await k.engine._run_config(await k.engine.live(parent.pid), "again")).tools["Task"]
-        from agentloop.tools.base import ToolContext
-
-        [finished] = await _finished(k, parent.pid)
-        run_id = finished["runId"]
-        again = await tool.run({"prompt": "job once", "wait": True}, ToolContext(call_id, "Task", run_id=run_id))
+        tool = (await k.engine._run_config(await k.engine.live(parent.pid), "run-1")).tools["Task"]
+        ctx = ToolContext("call_0", "Task", run_id="run-1", call_key="d-1")
+        first = await tool.run({"prompt": "job once", "wait": True}, ctx)
+        again = await tool.run({"prompt": "job once", "wait": True}, ctx)
         children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
-    assert [c.pid for c in children] == [child_pid(parent.pid, run_id, call_id)]
-    assert again.content[0].text == "done: once"  # the same child's answer, not a second run
+    assert [c.pid for c in children] == [child_pid(parent.pid, "run-1", "d-1")]
+    assert first.content[0].text == again.content[0].text == "done: once"  # one child, one run
+
+
+async def test_two_task_calls_of_a_run_with_the_same_call_id_get_two_children(tmp_path):
+    """Some providers number calls per reply (call_0 in each): the second Task of the run was
+    given the first one's child, and so its answer."""
+
+    def numbered(request: ModelRequest) -> Reply | str:
+        first = _first_user(request)
+        if first.startswith("job "):
+            return f"answer to {first}"
+        done = [m for m in request.messages if isinstance(m, ToolResultMessage)]
+        if len(done) < 2:
+            job = "job A" if not done else "job B"
+            return Reply(tool_calls=[ToolCall(id="call_0", name="Task", arguments={"prompt": job})])
+        return "finished"
+
+    async with kernel(tmp_path, ScriptedModel(numbered), subagents=True) as k:
+        parent = await k.spawn(owner="alice", run_as="reviewer")
+        await parent.send("go")
+        await parent.wait_idle()
+        answers = [m.text for m in _results(await parent.messages())]
+        children = [r for r in await k.processes("alice") if r.parent_pid == parent.pid]
+    assert answers == ["answer to job A", "answer to job B"] and len(children) == 2
+    assert {c.run_as for c in children} == {"reviewer"}  # a child works as the identity its parent does
 
 
 @pytest.mark.parametrize("wait", [True, False])

@@ -90,7 +90,7 @@ class TaskTool(Tool):
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         kernel, parent = self.kernel, self.parent
-        pid = child_pid(parent.pid, ctx.run_id, ctx.tool_call_id)
+        pid = child_pid(parent.pid, ctx.run_id, ctx.call_key or ctx.tool_call_id)
         existing = await kernel.store.get_process(pid)
         if existing is None:
             # one call of the parent's at a time from the count to the child's run: sibling calls
@@ -99,6 +99,7 @@ class TaskTool(Tool):
                 await self._check_limits()
                 child = await kernel.spawn(
                     parent.owner,
+                    run_as=parent.run_as,  # the identity it works as (its context, skills, home) too
                     cwd=parent.cwd,
                     interactive=False,
                     parent_pid=parent.pid,
@@ -148,11 +149,12 @@ class TaskTool(Tool):
             raise ToolError(f"{MAX_RUNNING} subagents are running already; wait for one to finish")
 
 
-def child_pid(parent_pid: str, run_id: str | None, tool_call_id: str) -> str:
-    """The child's pid: the same for the same call, so a re-run after a restart finds it. The run
-    is part of it because call ids are only unique within a conversation's turn or run for some
-    providers, and a reset keeps the children of earlier runs."""
-    digest = hashlib.sha256(f"{parent_pid}\0{run_id or ''}\0{tool_call_id}".encode()).hexdigest()[:20]
+def child_pid(parent_pid: str, run_id: str | None, call_key: str) -> str:
+    """The child's pid: the same for the same call, so a re-run after a restart finds it. The call
+    is named by its durable key (``ToolContext.call_key``), not by the provider's call id, which
+    some providers reuse in every reply (``call_0``): a second Task of the run would find the
+    first one's child and be given its answer."""
+    digest = hashlib.sha256(f"{parent_pid}\0{run_id or ''}\0{call_key}".encode()).hexdigest()[:20]
     return f"task-{digest}"
 
 

@@ -35,6 +35,7 @@ from agentloop.tools.base import (
     ToolContext,
     ToolError,
     ToolResult,
+    not_offered,
 )
 from agentloop.tools.builtin import syscall_of
 
@@ -43,12 +44,6 @@ log = logging.getLogger("agentloop.tools")
 Emit = Callable[[LoopEvent], None] | None
 
 SKIPPED = "Skipped due to queued user message."
-
-
-def not_offered(name: str) -> str:
-    """The error of a call to a tool that exists but was not shown to the model this turn (kept
-    back by a hook, or not revealed yet): the model must not reach past what it was offered."""
-    return f"Tool {name} is not available in this turn: only the tools offered to you may be called"
 
 
 @dataclass(slots=True)
@@ -135,10 +130,12 @@ async def _execute(
     emit: Emit,
     nested: NestedCheck | None = None,
     budget: CallBudget | None = None,
+    call_key: str | None = None,
 ) -> ToolResultMessage:
     """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
     calls the tool makes itself (the in-memory runner's policy is a hook); ``budget`` counts those
-    calls against the run's ``max_tool_calls`` (each runner keeps its own count)."""
+    calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key`` as
+    in ``ToolContext``."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
     check = nested_check(cfg, p, nested)
@@ -151,6 +148,8 @@ async def _execute(
         run_id=p.info.run_id,
         budget=budget,
         off_limits=cfg.off_limits,
+        offered=state.offered,
+        call_key=call_key,
     )
     if emit is not None:
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared, not_offered
+from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared
 from agentloop.loop.guards import CALLS_USED_UP
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
@@ -32,7 +32,7 @@ from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.hil import NOT_INTERACTIVE, ask, nested_policy
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
-from agentloop.tools.base import CallBudget, Tool
+from agentloop.tools.base import CallBudget, Tool, not_offered
 from agentloop.tools.builtin import SYSCALLS, syscall_of
 
 if TYPE_CHECKING:
@@ -200,7 +200,8 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
         else:
             nested = nested_policy(engine, live, run_id, row)
             budget = nested_budget(engine, live, run_id, cfg)
-            result = await _execute(cfg, _state_for(live, run_id), checked, None, nested, budget)
+            state = _state_for(live, run_id)
+            result = await _execute(cfg, state, checked, None, nested, budget, call_key=row.dispatch_id)
         try:
             await record(engine, live, run_id, row, result)
         except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
@@ -352,4 +353,5 @@ def _last_assistant(history: list[Message]) -> AssistantMessage | None:
 
 
 def _state_for(live: _Live, run_id: str) -> RunState:
-    return RunState(run_id=run_id, messages=live.history, first_new=len(live.history))
+    offered = live.offered[1] if live.offered is not None and live.offered[0] == run_id else None
+    return RunState(run_id=run_id, messages=live.history, first_new=len(live.history), offered=offered)

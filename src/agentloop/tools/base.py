@@ -121,7 +121,11 @@ class ToolContext:
     ``run_id`` names the run that made the call, for tools whose effects belong to that run (a
     subagent started by it stops when the run is aborted). ``off_limits`` are paths a tool that
     walks a tree (Search) leaves out, whatever path it was given: a kernel's own data (every
-    account's conversations) may lie under the workspace.
+    account's conversations) may lie under the workspace. ``offered`` are the tools the model was
+    shown this turn when hooks narrowed them (None: all of ``tools``); a tool that calls others
+    calls only those. ``call_key`` is unique to this call in a durable process's store and the
+    same when the call runs again after a restart (None in memory): what a tool that starts
+    something keyed to its call (a subagent) names it by, where a provider may reuse call ids.
     """
 
     tool_call_id: str
@@ -133,6 +137,15 @@ class ToolContext:
     run_id: str | None = None
     budget: CallBudget | None = None
     off_limits: tuple[Path, ...] = ()
+    offered: frozenset[str] | None = None
+    call_key: str | None = None
+
+
+def not_offered(name: str) -> str:
+    """The error of a call to a tool that exists but was not shown to the model this turn (kept
+    back by a hook, or not revealed yet): the model must not reach past what it was offered, by
+    a direct call or from a program."""
+    return f"Tool {name} is not available in this turn: only the tools offered to you may be called"
 
 
 def to_result(value: Any) -> ToolResult:

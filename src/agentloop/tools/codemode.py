@@ -61,8 +61,9 @@ from agentloop.tools.base import (
     ToolError,
     ToolResult,
     format_validation_error,
+    not_offered,
 )
-from agentloop.tools.builtin import syscall_of
+from agentloop.tools.builtin import SYSCALLS, syscall_of
 from agentloop.tools.codemode_runner import PROGRAM
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
@@ -487,12 +488,21 @@ class _Execution:
                 self._send({"id": call_id, "ok": True, "result": value})
 
     def _tool(self, name: str) -> Tool:
-        """The run's tool of that name when the runner gave its tools, else the one given to us."""
-        run_tools = self.ctx.tools or {}
-        found = run_tools.get(name)
-        if found is None or isinstance(found, CodeMode) or syscall_of(found) == SYSCALL:
-            found = self.mode.own_tools[name]
-        return found
+        """The run's tool of that name when the runner gave its tools (if it was offered this
+        turn, when hooks narrowed them), else the one given to us: a tool only programs have (an
+        MCP server's behind CodeMode). A built-in tool comes from the run alone: it works in the
+        process's directory, and a run without it (a toolset took it away) has none to lend."""
+        own = self.mode.own_tools[name]
+        if self.ctx.tools is None:
+            return own
+        found = self.ctx.tools.get(name)
+        if found is not None and not isinstance(found, CodeMode) and syscall_of(found) != SYSCALL:
+            if self.ctx.offered is not None and name not in self.ctx.offered:
+                raise ToolError(not_offered(name))
+            return found
+        if name in SYSCALLS:
+            raise ToolError(f"no tool {name!r} is available in this run")
+        return own
 
     async def _call(self, name: Any, args: Any) -> Any:
         if not isinstance(name, str) or name not in self.mode.own_tools:
@@ -523,6 +533,8 @@ class _Execution:
             run_id=self.ctx.run_id,  # (a subagent the program starts stops with the run)
             budget=self.ctx.budget,
             off_limits=self.ctx.off_limits,
+            offered=self.ctx.offered,
+            call_key=None if self.ctx.call_key is None else f"{self.ctx.call_key}.{number}",
         )
         if tool.timeout is not None and tool.interruptible:
             try:
