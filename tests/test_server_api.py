@@ -664,3 +664,14 @@ async def test_an_account_may_have_only_so_many_live_processes(server: LiveServe
         assert (await alice.post("/v1/processes", json={})).status_code == 201  # room again
     finally:
         server.ctx.max_processes = 1000
+
+
+async def test_a_spawn_retried_after_its_process_was_killed_is_a_conflict(alice: httpx.AsyncClient) -> None:
+    """The pid follows from the run id: a retry after a kill must not make a new process under the
+    old pid, run the first message again and number its signals from 1 under old resume points."""
+    first = await alice.post("/v1/processes", json={"text": "hello", "run_id": "spawn-once"})
+    assert first.status_code == 201
+    pid = first.json()["pid"]
+    assert (await alice.delete(f"/v1/processes/{pid}")).status_code == 200
+    error(await alice.post("/v1/processes", json={"text": "hello", "run_id": "spawn-once"}), 409, "conflict")
+    error(await alice.get(f"/v1/processes/{pid}"), 404, "not_found")

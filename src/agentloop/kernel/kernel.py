@@ -438,6 +438,8 @@ class Kernel:
         check_name(run_as or owner, "run_as")
         if pid is not None:
             check_name(pid, "pid")
+            if await self.store.was_killed(pid):
+                raise StoreError(f"process {pid} was killed: a pid is not given to another process")
         if not isinstance(context, str):  # it ends every run's system prompt: caught here, not at each run
             raise TypeError(f"context must be a string, got {type(context).__name__}")
         check_unicode(context, "context")

@@ -92,6 +92,8 @@ class TaskTool(Tool):
         kernel, parent = self.kernel, self.parent
         pid = child_pid(parent.pid, ctx.run_id, ctx.call_key or ctx.tool_call_id)
         existing = await kernel.store.get_process(pid)
+        if existing is None and await kernel.store.was_killed(pid):  # (a re-run after a restart)
+            raise ToolError(f"the subagent {pid} this call started was killed")
         if existing is None:
             # one call of the parent's at a time from the count to the child's run: sibling calls
             # of one turn would all count before any child runs, and pass the cap together

@@ -203,6 +203,8 @@ class ProcessService:
                 pid=pid,
             )
         except StoreError:
+            if pid is not None and await self.kernel.store.was_killed(pid):
+                raise ApiError(409, "conflict", f"run_id {run_id!r} started a process that was killed since") from None
             if pid is None or await self.kernel.store.get_process(pid) is None:
                 raise
             # the pid is taken by a process that no spawn with this run id made (a retry gets the

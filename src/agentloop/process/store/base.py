@@ -276,7 +276,11 @@ class Store(ABC):
     @abstractmethod
     async def delete_process(self, pid: str) -> None:
         """Remove the process and every row it owns, its schedules and its signal watches (those
-        it holds and those on it)."""
+        it holds and those on it). Its pid is remembered (``was_killed``), never given again."""
+
+    @abstractmethod
+    async def was_killed(self, pid: str) -> bool:
+        """Whether a process with this pid existed and was deleted."""
 
     # -- history --------------------------------------------------------------------------------
 

@@ -133,7 +133,8 @@ _DELETE_PROCESS = (
     "WITH "
     + ",\n     ".join(f"d{i} AS (DELETE FROM {t} WHERE pid = $1)" for i, t in enumerate(PROCESS_TABLES))
     + ",\n     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1)"
-    + "\nDELETE FROM processes WHERE pid = $1"
+    + ",\n     p AS (DELETE FROM processes WHERE pid = $1)"
+    + "\nINSERT INTO killed_pids (pid, killed_at) VALUES ($1, $2) ON CONFLICT DO NOTHING"
 )
 
 
@@ -491,7 +492,11 @@ class PostgresStore(Store):
             raise NoSuchProcess(pid)
 
     async def delete_process(self, pid: str) -> None:
-        await self._write().execute(_DELETE_PROCESS, pid)
+        await self._write().execute(_DELETE_PROCESS, pid, time.time())
+
+    async def was_killed(self, pid: str) -> bool:
+        async with self._reading() as db:
+            return bool(await db.fetchval("SELECT 1 FROM killed_pids WHERE pid = $1", pid))
 
     # -- history --------------------------------------------------------------------------------
 

@@ -298,6 +298,19 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE message_queue ADD COLUMN reason TEXT;
         """,
     ),
+    (
+        8,
+        # The pids of killed processes: a pid is never used twice. A spawn retried with its run id
+        # after the process it made was killed (its pid follows from the run id) would otherwise
+        # make a new process under the old pid, run the first message again, and restart its
+        # signal numbering under a client that resumes from a later seq.
+        """
+        CREATE TABLE killed_pids (
+            pid TEXT PRIMARY KEY,
+            killed_at DOUBLE PRECISION NOT NULL
+        ) {clustered};
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

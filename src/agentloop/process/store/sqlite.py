@@ -503,10 +503,14 @@ class SQLiteStore(Store):
             db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
         db.execute("DELETE FROM signal_watches WHERE pid = ? OR source_pid = ?", (pid, pid))
         db.execute("DELETE FROM processes WHERE pid = ?", (pid,))
+        db.execute("INSERT OR IGNORE INTO killed_pids (pid, killed_at) VALUES (?, ?)", (pid, time.time()))
         self._tx_counters.pop(pid, None)
         self._tx_base.pop(pid, None)
         self._tx_fields.pop(pid, None)
         self._tx_deleted.add(pid)
+
+    async def was_killed(self, pid: str) -> bool:
+        return self.db.execute("SELECT 1 FROM killed_pids WHERE pid = ?", (pid,)).fetchone() is not None
 
     # -- history --------------------------------------------------------------------------------
 
