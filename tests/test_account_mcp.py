@@ -138,3 +138,26 @@ async def test_a_file_nested_too_deep_to_parse_is_logged_not_fatal(
         assert await mcp.toolset(_record("alice"), {"Read": "read-tool"}) == {"Read": "read-tool"}  # type: ignore[dict-item]
     assert "cannot read it" in caplog.text and fake.starts == []
     await mcp.close()
+
+
+async def test_closing_stops_every_accounts_servers_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One account after another, servers slow to stop added up past what a service manager
+    waits for (about 2 s each in the review: 100 s for 50 accounts)."""
+
+    class SlowToStop(FakeServers):
+        @contextlib.asynccontextmanager
+        async def __call__(self, servers: list[MCPServerConfig]) -> AsyncIterator[list[Any]]:
+            async with super().__call__(servers) as tools:
+                try:
+                    yield tools
+                finally:
+                    await asyncio.sleep(0.5)
+
+    monkeypatch.setattr(account_mcp, "mcp_tools", SlowToStop())
+    accounts = AccountMCP(lambda owner: tmp_path / f"{owner}.json")
+    for i, owner in enumerate(["a", "b", "c", "d"]):
+        _write(tmp_path / f"{owner}.json", [f"s{owner}"], 10**9 + i)
+        assert await accounts.tools_of(owner)
+    began = asyncio.get_running_loop().time()
+    await accounts.close()
+    assert asyncio.get_running_loop().time() - began < 1.5  # not 4 x 0.5 s

@@ -353,3 +353,58 @@ async def test_a_server_printing_garbage_on_stdout_is_logged_in_one_line_per_lin
     records = [r for r in caplog.records if r.name.startswith("mcp")]
     assert records and all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
     assert "Failed to parse" in records[0].getMessage()
+
+
+RAW = str(Path(__file__).parent / "fakes" / "raw_mcp_server.py")
+
+
+def raw(mode: str, **kw: object) -> dict[str, object]:
+    return {"name": "raw", "command": sys.executable, "args": [RAW, mode], **kw}
+
+
+async def test_a_byte_that_is_not_utf8_does_not_jam_the_servers_connection():
+    """With the SDK's strict decoding one bad byte stopped the reader: every later call waited out
+    its timeout, and nothing restarted the server."""
+    async with mcp_tools([raw("latin1-once", timeout=5)]) as tools:
+        [get] = tools
+        answers = [await get.run({}, None) for _ in range(3)]  # type: ignore[arg-type]
+    assert [a.content[0].text for a in answers] == ["caf\ufffd", "call 2", "call 3"]  # type: ignore[union-attr]
+
+
+async def test_what_a_server_sends_is_kept_only_where_it_is_what_it_says():
+    """An "image" that is HTML, not base64, becomes a note (a provider refuses it at every later
+    call); structured output past the result cap is not stored with the result."""
+    async with mcp_tools([raw("image")]) as tools:
+        result = await tools[0].run({}, None)  # type: ignore[arg-type]
+    [block] = result.content
+    assert block.type == "text" and "not a png, jpeg, gif or webp" in block.text  # type: ignore[union-attr]
+    async with mcp_tools([raw("big-struct")]) as tools:
+        result = await tools[0].run({}, None)  # type: ignore[arg-type]
+    assert result.content[0].text == "ok" and result.details is None  # type: ignore[union-attr]
+
+
+async def test_a_server_that_cannot_be_restarted_tells_the_model_nothing_of_its_command_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its arguments and stderr may hold the operator's secrets (a database URL, a token): the
+    model and the account see that it failed, the operator's log says why. A server stopped
+    because its configuration changed stays stopped for a run that still holds its tools."""
+    from agentloop.tools.mcp import MCPConnection
+
+    marker = tmp_path / "started"
+    script = (
+        f"import os, sys\nif os.path.exists({str(marker)!r}):\n"
+        "    sys.stderr.write('bad token ' + sys.argv[-1]); sys.exit(1)\n"
+        f"open({str(marker)!r}, 'w').close()\nos.execv(sys.executable, [sys.executable, {RAW!r}, 'ok'])\n"
+    )
+    config = MCPServerConfig(name="gh", command=sys.executable, args=["-c", script, "--token", "ghp_SECRET1234"])
+    connection = MCPConnection(config)
+    await connection.start()
+    await connection._stop_task()  # the server went away; the next call starts it again, and that fails
+    with pytest.raises(Exception) as info:
+        await connection.call("get", {})
+    assert "ghp_SECRET1234" not in str(info.value) and "'gh' is not available" in str(info.value)
+    assert any("ghp_SECRET1234" in r.getMessage() for r in caplog.records)  # (the operator's log)
+    await connection.close()
+    with pytest.raises(Exception, match="configuration changed"):
+        await connection.call("get", {})

@@ -48,12 +48,17 @@ class AccountMCP:
         self.clock = clock
         self._accounts: dict[str, _Account] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._warned: set[tuple[str, tuple[str, ...]]] = set()  # (owner, tools left out) already logged
 
     async def toolset(self, record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
         tools = await self.tools_of(record.owner)
         if not tools:
             return shared
         # the shared tools first (a stable prefix for prompt caches), and a built-in keeps its name
+        hidden = tuple(t.name for t in tools if t.name in shared)
+        if hidden and (record.owner, hidden) not in self._warned:  # once, not at every run
+            self._warned.add((record.owner, hidden))
+            log.warning("account %r: MCP tools named like the server's own are left out: %s", record.owner, hidden)
         return {**shared, **{t.name: t for t in tools if t.name not in shared}}
 
     async def tools_of(self, owner: str) -> list[Tool]:
@@ -100,11 +105,16 @@ class AccountMCP:
             await account.stack.aclose()
 
     async def close(self) -> None:
-        for owner in list(self._accounts):
+        """Stop every account's servers at once (one by one, servers slow to stop would add up
+        past what a service manager waits for)."""
+
+        async def stop(owner: str) -> None:
             try:
                 await self._stop(owner)
             except Exception:  # one account's servers must not keep the others running
                 log.exception("stopping the MCP servers of account %r", owner)
+
+        await asyncio.gather(*(stop(owner) for owner in list(self._accounts)))
 
 
 def _read(path: Path) -> list[MCPServerConfig]:

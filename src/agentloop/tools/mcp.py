@@ -15,6 +15,8 @@ dies later turns its calls into error results; the next call starts it again.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentloop.messages import ImageContent, TextContent
 from agentloop.tools.base import (
+    MAX_RESULT_CHARS,
     ResultBlock,
     Tool,
     ToolArgumentsError,
@@ -35,6 +38,7 @@ from agentloop.tools.base import (
     ToolResult,
     format_validation_error,
 )
+from agentloop.tools.fs import MAX_IMAGE_BYTES, sniff_image
 from agentloop.urls import redact_url
 
 log = logging.getLogger("agentloop.mcp")
@@ -43,6 +47,8 @@ __all__ = ["MCPConnection", "MCPServerConfig", "mcp_tools"]
 
 _NAME = r"[A-Za-z0-9_-]{1,40}"
 _CONNECTION_CLOSED = -32000  # JSON-RPC code the SDK gives a request whose connection ended
+STDERR_TAIL_BYTES = 8192  # of a server's stderr, what an error about it quotes from
+MAX_DETAILS_CHARS = MAX_RESULT_CHARS  # structured output kept with a result, as JSON
 
 
 class _OneLine(logging.Filter):
@@ -129,6 +135,7 @@ class MCPConnection:
         self._listing: list[Any] = []
         self._start_lock = asyncio.Lock()
         self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._closed = False  # closed for good: a tool kept by a run that began before does not restart it
 
     @property
     def alive(self) -> bool:
@@ -139,7 +146,12 @@ class MCPConnection:
         async with self._start_lock:
             if self.alive:
                 return
+            if self._closed:
+                raise MCPError(f"MCP server {self.config.name!r} was stopped (its configuration changed)")
             await self._stop_task()
+            with contextlib.suppress(OSError, ValueError):  # a new start, a new log: the old one goes
+                self._stderr.seek(0)
+                self._stderr.truncate()
             self._closing = asyncio.Event()
             ready: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._hold(ready), name=f"mcp:{self.config.name}")
@@ -185,7 +197,13 @@ class MCPConnection:
 
         assert self.config.command is not None
         params = StdioServerParameters(
-            command=self.config.command, args=self.config.args, env=self.config.env, cwd=self.config.cwd
+            command=self.config.command,
+            args=self.config.args,
+            env=self.config.env,
+            cwd=self.config.cwd,
+            # a byte that is not UTF-8 (a Latin-1 file name) becomes U+FFFD: with the default,
+            # the SDK's reader stopped there and every later call waited out its timeout
+            encoding_error_handler="replace",
         )
         return stdio_client(params, errlog=self._stderr)
 
@@ -197,9 +215,12 @@ class MCPConnection:
         return f"{text}; its stderr ends with:\n{tail}" if tail else text
 
     def _stderr_tail(self, lines: int = 8) -> str:
+        """The last lines the server wrote to stderr (read from the end: a chatty server's log
+        grows large, and this runs on the event loop)."""
         try:
             self._stderr.flush()
-            self._stderr.seek(0)
+            end = self._stderr.seek(0, 2)
+            self._stderr.seek(max(0, end - STDERR_TAIL_BYTES))
             text = self._stderr.read()
             self._stderr.seek(0, 2)
         except (OSError, ValueError):
@@ -213,11 +234,17 @@ class MCPConnection:
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         """Call one of the server's tools; a failure of the server is a ``ToolError``."""
+        name = self.config.name
+        if self._closed:  # a run that began before its account's configuration changed
+            raise ToolError(f"MCP server {name!r} was stopped: its configuration changed")
         if not self.alive:
             try:
                 await self.start()
             except MCPError as exc:
-                raise ToolError(str(exc)) from None
+                # the details (its command line, its stderr) are the operator's, and may hold
+                # secrets: they go to the log; the model (and the account) learn only that it failed
+                log.warning("%s", exc)
+                raise ToolError(f"MCP server {name!r} is not available (the server's log says why)") from None
         try:
             result = await self._client.call_tool(tool, arguments)
         except asyncio.CancelledError:
@@ -245,6 +272,7 @@ class MCPConnection:
             pass
 
     async def close(self) -> None:
+        self._closed = True
         await self._stop_task()
         self._stderr.close()
 
@@ -282,7 +310,7 @@ def _to_result(result: Any) -> ToolResult:
         if kind == "text":
             blocks.append(TextContent(text=block.text))
         elif kind == "image":
-            blocks.append(ImageContent(data=block.data, mime_type=block.mime_type))
+            blocks.append(_image(block.data, block.mime_type))
         elif kind == "resource_link":
             blocks.append(TextContent(text=f"[resource {block.uri}]"))
         elif kind == "resource":
@@ -291,9 +319,26 @@ def _to_result(result: Any) -> ToolResult:
             blocks.append(TextContent(text=text if text is not None else f"[binary resource {inner.uri}]"))
         else:
             blocks.append(TextContent(text=f"[{kind or 'unknown'} content]"))
-    if not blocks and result.structured_content is not None:
-        blocks.append(TextContent(text=json.dumps(result.structured_content, ensure_ascii=False)))
-    return ToolResult(blocks, details=result.structured_content, is_error=bool(result.is_error))
+    details = result.structured_content
+    if details is not None:
+        shown = json.dumps(details, ensure_ascii=False)
+        if not blocks:
+            blocks.append(TextContent(text=shown))
+        if len(shown) > MAX_DETAILS_CHARS:  # stored with the result: not past the cap text has
+            details = None
+    return ToolResult(blocks, details=details, is_error=bool(result.is_error))
+
+
+def _image(data: Any, mime_type: Any) -> ResultBlock:
+    """An image block if it is one a model accepts (the type it says, in base64, within the size
+    limit), else a note in its place: it is stored, and sent with every later model call."""
+    try:
+        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else b""
+    except (binascii.Error, ValueError):
+        raw = b""
+    if raw and len(raw) <= MAX_IMAGE_BYTES and sniff_image(raw[:16]) == mime_type:
+        return ImageContent(data=data, mime_type=mime_type)
+    return TextContent(text=f"[an image ({str(mime_type)[:40]}) that is not a png, jpeg, gif or webp under 10 MiB]")
 
 
 def _tool_name(server: str, tool: str) -> str:
