@@ -685,3 +685,20 @@ async def test_adds_through_both_workers_respect_the_limits_and_the_cycle_check(
             assert all(isinstance(r, str | WatchError) for r in both), both
             loops += all(isinstance(r, str) for r in both)
         assert loops == 0
+
+
+async def test_the_process_quota_holds_for_spawns_through_both_workers_at_once(pg_url: str, tmp_path: Path) -> None:
+    """The live processes an account may have are counted in the transaction that stores each new
+    one, under a key of the account's: spawns through two workers at once cannot pass it together."""
+    pytest.importorskip("starlette")
+    from agentloop.server.auth import Principal
+    from agentloop.server.errors import ApiError
+    from agentloop.server.service import ProcessService
+
+    bob = Principal("bob", admin=False, token_id="t")
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
+        services = [ProcessService(a, max_processes=3), ProcessService(b, max_processes=3)]
+        made = await asyncio.gather(*(s.spawn(bob) for s in services for _ in range(8)), return_exceptions=True)
+        assert sum(isinstance(r, dict) for r in made) == 3, made
+        assert all(isinstance(r, dict) or (isinstance(r, ApiError) and r.status == 409) for r in made)
+        assert len(await a.processes("bob")) == 3

@@ -48,7 +48,7 @@ from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
-from agentloop.process.engine import MODE_KEY, ProcessEngine
+from agentloop.process.engine import MODE_KEY, Admit, ProcessEngine
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MediaStore
 from agentloop.process.memory import append_daily_memory
@@ -425,6 +425,7 @@ class Kernel:
         text: str | None = None,
         media: Sequence[ImageContent | FileContent] = (),
         run_id: str | None = None,
+        admit: Admit | None = None,
     ) -> Process:
         """A new durable process. ``cwd`` (default: the kernel's workspace; a relative one is taken
         from there) is the directory its built-in tools work in; it must exist. ``owner`` and
@@ -433,7 +434,9 @@ class Kernel:
         answer without tools (``Process.set_mode`` changes it). ``text`` (with ``media``, and
         ``run_id`` as in ``send``) is its first input, stored in one transaction with the process (with
         its first run where this worker drives it; on a shared store as input the claiming worker
-        runs), and ``Process.started`` is the receipt."""
+        runs), and ``Process.started`` is the receipt. ``admit`` runs in the transaction that
+        stores the process, once its row is written (a quota counts it there): what it raises
+        leaves nothing behind."""
         check_name(owner, "owner")
         check_name(run_as or owner, "run_as")
         if pid is not None:
@@ -470,14 +473,14 @@ class Kernel:
             created_at=time.time(),
         )
         if text is None:
-            await self.engine.create(record, kv)
+            await self.engine.create(record, kv, admit=admit)
             return Process(self, record.pid)
         _check_input(text, media, run_id)
         # whether this call makes the media folder (one already there holds files of someone else too)
         fresh = bool(media) and not self.media.process_dir(owner, record.pid).exists()
         try:
             first = _user_input(self.media, owner, record.pid, text, media)
-            started = await self.engine.create(record, kv, first, run_id)
+            started = await self.engine.create(record, kv, first, run_id, admit)
         except StoreError:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt
             existing = await self.store.get_process(record.pid)

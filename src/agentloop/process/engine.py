@@ -87,6 +87,8 @@ NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill",
 # or kill's commit must not leave that input for the restart to run, nor may a subagent stopped
 # with its parent find a report queued for it and start over after the next restart
 DISCARDS_QUEUE = frozenset({"process.reset", "process.kill", "parent.abort", "parent.reset"})
+# checks a new process must pass inside the transaction that stores it (a quota): see ``create``
+Admit = Callable[[], Awaitable[None]]
 
 
 def _aborted_alone(task: asyncio.Task[bool]) -> None:
@@ -177,18 +179,22 @@ class ProcessEngine:
         kv: Mapping[str, Any] | None = None,
         first: Message | None = None,
         run_id: str | None = None,
+        admit: Admit | None = None,
     ) -> Receipt | None:
         """Store a new process, with ``kv`` as its first key-value rows in the same transaction
         (so what they say about it is never missing), and start its cache: a fresh process has
         nothing to load. ``first`` input (``run_id`` as in ``send``) goes in the same transaction:
         as its first run where this worker drives the process, else (a shared store) as queued
         input that whichever worker claims the process first (this one, at once) runs with the
-        receipt's run id. Either way no process exists without its first message."""
+        receipt's run id. Either way no process exists without its first message. ``admit`` runs
+        in that transaction once the process's row is written: what it raises leaves nothing."""
         if first is not None and self.leases is None:
-            return await self._create_running(record, kv, first, run_id)
+            return await self._create_running(record, kv, first, run_id, admit)
         receipt = None
         async with self.store.transaction():
             await self.store.create_process(record)
+            if admit is not None:
+                await admit()
             for key, value in (kv or {}).items():
                 await self.store.kv_set(record.pid, key, value)
             if first is not None:
@@ -203,7 +209,12 @@ class ProcessEngine:
         return receipt
 
     async def _create_running(
-        self, record: ProcessRecord, kv: Mapping[str, Any] | None, first: Message, run_id: str | None
+        self,
+        record: ProcessRecord,
+        kv: Mapping[str, Any] | None,
+        first: Message,
+        run_id: str | None,
+        admit: Admit | None = None,
     ) -> Receipt:
         """``create`` with the first run, in one transaction. The cache entry is published once the
         process row is written (so nothing else loads the process meanwhile), dropped only if the
@@ -214,6 +225,8 @@ class ProcessEngine:
         try:
             async with self._tx(live) as tx:
                 await self.store.create_process(record)  # StoreError if the pid is taken: nothing published
+                if admit is not None:
+                    await admit()
                 self._live[record.pid] = live
                 for key, value in (kv or {}).items():
                     await self.store.kv_set(record.pid, key, value)

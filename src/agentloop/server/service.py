@@ -25,6 +25,7 @@ from agentloop.kernel.watches import WatchError
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, message_to_dict
 from agentloop.process.api import Receipt, SendMode
+from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
 from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
@@ -189,7 +190,6 @@ class ProcessService:
         # With a run id the pid follows from it, so a retried request (its answer lost) finds the
         # process the first one made and gets its receipt instead of making a second one.
         pid = _spawn_pid(who.account, run_id) if run_id is not None else None
-        await self._check_process_limit(who, pid)
         try:
             proc = await self.kernel.spawn(
                 who.account,
@@ -201,6 +201,7 @@ class ProcessService:
                 media=blocks or (),
                 run_id=run_id,
                 pid=pid,
+                admit=self._process_quota(who),
             )
         except StoreError:
             if pid is not None and await self.kernel.store.was_killed(pid):
@@ -219,20 +220,27 @@ class ProcessService:
             answer["run_id"] = proc.started.run_id
         return answer
 
-    async def _check_process_limit(self, who: Principal, pid: str | None) -> None:
-        """409 when the caller has as many live processes as the server allows (a retried spawn,
-        whose process exists already, gets its receipt all the same)."""
-        if self.max_processes is None or who.admin:
-            return
-        if pid is not None and await self.kernel.store.get_process(pid) is not None:
-            return
-        live = sum(r.state != "killed" for r in await self.kernel.processes(owner=who.account))
-        if live >= self.max_processes:
-            raise ApiError(
-                409,
-                "conflict",
-                f"account {who.account} has {live} processes, as many as this server allows; kill one first",
-            )
+    def _process_quota(self, who: Principal) -> Admit | None:
+        """The check a new process of the caller's passes in the transaction that stores it: 409
+        past the live processes the server allows an account (admins have no limit). Counted there,
+        under a key of the account's, spawns through several workers at once cannot pass it
+        together; a retried spawn, whose process exists already, never gets this far (it gets its
+        receipt)."""
+        limit, store = self.max_processes, self.kernel.store
+        if limit is None or who.admin:
+            return None
+
+        async def admit() -> None:
+            await store.exclusive(f"processes of {who.account}")
+            live = await store.count_processes(who.account)  # this new one included
+            if live > limit:
+                raise ApiError(
+                    409,
+                    "conflict",
+                    f"account {who.account} has {live - 1} processes, as many as this server allows; kill one first",
+                )
+
+        return admit
 
     async def list_processes(self, who: Principal) -> list[dict[str, Any]]:
         return [process_json(r) for r in await self.kernel.processes(owner=who.account) if r.state != "killed"]

@@ -270,6 +270,10 @@ class Store(ABC):
     async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]: ...
 
     @abstractmethod
+    async def count_processes(self, owner: str) -> int:
+        """How many live (not killed) processes ``owner`` has."""
+
+    @abstractmethod
     async def update_process(self, pid: str, **fields: Any) -> None:
         """Set ``state``, ``current_run``, ``history_generation``, ``cwd``, ``context`` or ``interactive``."""
 

@@ -467,6 +467,11 @@ class PostgresStore(Store):
                 )
         return [process_record(r) for r in rows]
 
+    async def count_processes(self, owner: str) -> int:
+        async with self._reading() as db:
+            count = await db.fetchval("SELECT count(*) FROM processes WHERE owner = $1 AND state <> 'killed'", owner)
+        return int(count)
+
     async def update_process(self, pid: str, **fields: Any) -> None:
         unknown = set(fields) - UPDATABLE_FIELDS
         if unknown:

@@ -481,6 +481,14 @@ class SQLiteStore(Store):
             )
         return [process_record(r) for r in rows.fetchall()]
 
+    async def count_processes(self, owner: str) -> int:
+        row = (
+            self._read_registry()
+            .execute("SELECT count(*) FROM processes WHERE owner = ? AND state <> 'killed'", (owner,))
+            .fetchone()
+        )
+        return int(row[0])
+
     async def update_process(self, pid: str, **fields: Any) -> None:
         unknown = set(fields) - UPDATABLE_FIELDS
         if unknown:
