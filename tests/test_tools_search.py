@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +155,40 @@ async def test_no_match_is_not_an_error(tree: Path) -> None:
     assert not result.is_error and "No matches" in text(result)
 
 
-async def test_search_a_single_file(tree: Path) -> None:
-    # a single file is searched in-process whichever engine is available
-    result = await search_files(tree, "needle", path="a.txt")
+@pytest.mark.parametrize("use_rg", [False, pytest.param(True, marks=needs_rg)])
+async def test_search_a_single_file(tree: Path, use_rg: bool) -> None:
+    result = await search_files(tree, "needle", path="a.txt", use_rg=use_rg, glob="*.md")  # (a glob: for trees)
     assert text(result).splitlines() == ["a.txt:1: needle one"]
-    assert result.details["engine"] == "python"
+    assert result.details["engine"] == ("rg" if use_rg else "python")
+
+
+@needs_rg
+async def test_a_backtracking_pattern_on_one_file_does_not_stop_the_event_loop(tree: Path) -> None:
+    """Python's regex engine holds the GIL: a single file searched in-process with ``(a*)*b``
+    froze every task for seconds (minutes a few characters later). rg searches it."""
+    (tree / "aaa.txt").write_text("a" * 40 + "\n")  # hours for Python's engine
+    began = time.monotonic()
+    result = await asyncio.wait_for(search_files(tree, "(a*)*b", path="aaa.txt"), 10)
+    assert "No matches" in text(result) and time.monotonic() - began < 5
+
+
+async def test_a_fifo_is_refused_instead_of_blocking_a_thread(tree: Path) -> None:
+    os.mkfifo(tree / "pipe")
+    for use_rg in (False, True) if HAS_RG else (False,):
+        with pytest.raises(ToolError, match="not a regular file"):
+            await asyncio.wait_for(search_files(tree, "x", path="pipe", use_rg=use_rg), 5)
+
+
+@needs_rg
+async def test_a_search_cut_off_by_its_timeout_ends_while_rg_still_writes(tree: Path) -> None:
+    """A huge one-line match: a timeout cancels the search while rg's output pipe is full; the
+    search then returned only after rg's pipe closed (never, when nothing read it)."""
+    (tree / "bundle.min.js").write_text("needle" + "x" * 50_000_000 + "\n")
+    for limit in (0.02, 0.1, 0.3):
+        began = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(search_files(tree, "needle", max_results=5), limit)
+        assert time.monotonic() - began < 5
 
 
 @pytest.mark.parametrize("use_rg", [False, pytest.param(True, marks=needs_rg)])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from pydantic import Field
 
 from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
+from agentloop.tools.process_group import close_transport
 
 __all__ = ["Hit", "glob_to_regex", "search_files", "search_tool"]
 
@@ -250,13 +252,20 @@ async def _rg_search(
     assert proc.stdout is not None and proc.stderr is not None
     stderr_task = asyncio.ensure_future(proc.stderr.read())
     try:
-        pending = b""
+        pending = bytearray()
+        scanned = 0  # of ``pending``: no line break before here (a long line is not scanned again)
         while len(hits) < cap:
             chunk = await proc.stdout.read(1 << 16)
             if not chunk:
                 break
             pending += chunk
-            *complete, pending = pending.split(b"\n")
+            end = pending.rfind(b"\n", scanned)
+            if end < 0:
+                scanned = len(pending)
+                continue
+            complete = bytes(pending[:end]).split(b"\n")
+            del pending[: end + 1]
+            scanned = 0
             for raw in complete:
                 event = json.loads(raw)
                 if event.get("type") != "match":
@@ -273,6 +282,8 @@ async def _rg_search(
     finally:
         if proc.returncode is None:
             proc.kill()
+        close_transport(proc)  # (its paused stdout pipe would keep ``wait`` from returning)
+        with contextlib.suppress(ProcessLookupError):
             await proc.wait()
         stderr_task.cancel()
     if code == 2 and not hits:
@@ -321,14 +332,19 @@ async def search_files(
     start = resolve_path(root, path or ".")
     if not start.exists():
         raise ToolError(f"Path not found: {path}")
+    if not start.is_dir() and not start.is_file():  # a FIFO would block the search for ever
+        raise ToolError(f"{path} is not a regular file or a directory")
     skipped = _inside_root(base, off_limits)
     if any(start.is_relative_to(base / rel) for rel in skipped):
         raise ToolError(f"{path} is agentloop's own data, which tools may not read")
     glob = glob or None
     cap = min(max_results, MAX_RESULTS_LIMIT) + 1  # one more than shown tells us results were cut
-    rg = _ripgrep(use_rg) if start.is_dir() else None  # a single file is quicker in-process
+    # rg for a single file too: Python's regex engine holds the GIL, so a pattern that backtracks
+    # without end would stop the whole event loop (and no timeout could end it)
+    rg = _ripgrep(use_rg)
     if rg is not None:
-        hits = await _rg_search(rg, base, start, pattern, glob, ignore_case, cap, skipped)
+        scope = glob if start.is_dir() else None  # (a file named by path is searched, as in Python)
+        hits = await _rg_search(rg, base, start, pattern, scope, ignore_case, cap, skipped)
         engine = "rg"
     else:
         try:
