@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -356,3 +358,36 @@ async def test_missing_root_is_an_error_not_a_crash(tmp_path: Path) -> None:
     ctx = ToolContext(tool_call_id="1", tool_name="Write")
     await tools["Write"].run({"path": "a.txt", "content": "hi"}, ctx)
     assert (gone / "a.txt").read_text() == "hi"
+
+
+async def test_edit_keeps_a_windows_file_in_its_line_endings_and_counts_overlapping_matches(tmp_path: Path) -> None:
+    """A review: a one-line match in a CRLF file put a bare \\n in with the new text; and an
+    old_string found twice, overlapping, was taken as unique and the first one replaced."""
+    (tmp_path / "w.txt").write_bytes(b"alpha\r\nbeta\r\ngamma\r\n")
+    await edit_file(tmp_path, "w.txt", "beta", "beta\nbeta2")
+    assert (tmp_path / "w.txt").read_bytes() == b"alpha\r\nbeta\r\nbeta2\r\ngamma\r\n"
+    (tmp_path / "x.lua").write_text("if a then\nend\nend\nend\n")
+    with pytest.raises(ToolError, match="occurs 2 times"):
+        await edit_file(tmp_path, "x.lua", "end\nend\n", "end\n")
+    assert (tmp_path / "x.lua").read_text() == "if a then\nend\nend\nend\n"
+
+
+def test_a_write_that_fails_halfway_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    """Write and Edit write a new file and rename it into place: a full disk (here, a file size
+    limit) fails the call, and the original is whole, not truncated to what fitted."""
+    original = "".join(f"line {i} {'x' * 60}\n" for i in range(3000))
+    (tmp_path / "big.txt").write_text(original)
+    program = (
+        "import asyncio, resource, signal, sys\n"
+        "from agentloop.tools.fs import edit_file\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+        "try:\n"
+        f"    asyncio.run(edit_file({str(tmp_path)!r}, 'big.txt', 'line 0 ', 'LINE 0 '))\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert "ToolError" in done.stdout and "unchanged" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "big.txt").read_text() == original
+    assert [p.name for p in tmp_path.iterdir()] == ["big.txt"]  # no temporary file left behind

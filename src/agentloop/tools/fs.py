@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import errno
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import Annotated
 
@@ -139,21 +142,35 @@ async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = D
 
 
 def _write_bytes(real: Path, path: str, data: bytes) -> None:
-    """Write without following a symlink that may have appeared since resolution."""
+    """Write all or nothing: the new content goes to a file beside the target, which then takes
+    the target's place in one rename. A full disk or a crash halfway leaves the old file whole
+    (truncating it first lost an edited file's original). A symlink put there since resolution
+    is replaced, not followed: renaming over a link does not write through it."""
+    if real.is_symlink():
+        raise ToolError(f"Refusing to write {path}: it is a symlink")
     if real.is_dir():
         raise _is_dir_error(path)
     if real.exists() and not real.is_file():
         raise ToolError(f"{path} is not a regular file")
-    real.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(real, flags, 0o666)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        mode = stat.S_IMODE(os.stat(real).st_mode) if real.exists() else None
+        temporary = real.with_name(f".agentloop-{secrets.token_hex(6)}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ToolError(f"Refusing to write {path}: it is a symlink") from None
-        raise ToolError(f"Cannot write {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        raise ToolError(f"Cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(temporary, mode)  # an edited script stays executable
+        os.replace(temporary, real)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise ToolError(f"Cannot write {path}: {exc.strerror or exc} (the file is unchanged)") from None
 
 
 def _write_sync(root: str | Path, path: str, content: str) -> ToolResult:
@@ -195,12 +212,14 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"{path} is not UTF-8 text; Edit cannot change it safely") from None
-    count = text.count(old_string)
-    if count == 0 and "\r\n" in text and "\n" in old_string:
-        # The model writes "\n"; a Windows file has "\r\n". Match in the file's own convention.
+    if "\r\n" in text and text.count("\r\n") == text.count("\n"):
+        # The model writes "\n"; a Windows file has "\r\n" (every line): the edit takes the
+        # file's convention, what it replaces and what it puts in alike
         old_string = old_string.replace("\r\n", "\n").replace("\n", "\r\n")
         new_string = new_string.replace("\r\n", "\n").replace("\n", "\r\n")
-        count = text.count(old_string)
+    count = text.count(old_string)
+    if count == 1 and not replace_all and text.find(old_string, text.find(old_string) + 1) >= 0:
+        count = 2  # overlapping occurrences ("end\nend\n" in "end\nend\nend\n"): not unique either
     if count == 0:
         raise ToolError(f"old_string was not found in {path}; Read the file and copy the text exactly")
     if count > 1 and not replace_all:
