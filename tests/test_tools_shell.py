@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -243,8 +245,15 @@ async def test_commands_do_not_get_the_runtimes_credentials(root: Path, monkeypa
         "DB_PASSWORD": "pw-3",
         "DATABASE_URL": "postgresql://app:pw-4@db/app",
         "AGENTLOOP_STORE": "postgresql://db/agentloop",
+        # found by a review: each reached commands
+        "GIT_REMOTE": "https://ghp_token5@github.com/o/r.git",  # a token as the URL's user
+        "ANTHROPIC_BASE_URL": "https://proxy.internal/v1?api_key=k-6",
+        "NPM_CONFIG__AUTH": "bnBtOjc=",
+        "DOCKER_AUTH_CONFIG": '{"auths": 8}',
+        "GITHUB_PAT": "pat-9",
+        "SSH_AUTH_SOCK": "/tmp/agent.sock",  # the server's ssh-agent: its identity, anywhere
     }
-    kept = {"PROJECT_MODE": "dev", "SSH_AUTH_SOCK": "/tmp/agent.sock", "SITE_URL": "https://example.com/x"}
+    kept = {"PROJECT_MODE": "dev", "SITE_URL": "https://example.com/x?page=2", "PATHS_FILE": "/etc/x"}
     for name, value in {**secrets, **kept}.items():
         monkeypatch.setenv(name, value)
     result = await run_shell(root, "env")
@@ -252,3 +261,26 @@ async def test_commands_do_not_get_the_runtimes_credentials(root: Path, monkeypa
     assert not any(value in shown for value in secrets.values()), shown
     assert all(f"{name}={value}" in shown for name, value in kept.items())
     assert "PATH=" in shown and "PAGER=cat" in shown
+
+
+def _running(pattern: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the run's mark is found through /proc")
+async def test_processes_that_left_the_group_are_killed_too(root: Path) -> None:
+    """A review: a timeout killed the command's process group, but not a job control job (its
+    own group) or a setsid child (its own session), and said it had."""
+    tag = f"{os.getpid() % 1000}"
+    command = f"setsid sleep 7{tag}1 & set -m; sleep 7{tag}2 & sleep 30"
+    result = await run_shell(root, command, timeout=1.0, kill_grace=0.5)
+    assert result.details["timed_out"]
+    await asyncio.sleep(0.2)
+    left = _running(f"^sleep 7{tag}[12]$")
+    for pid in left:
+        os.kill(int(pid), 9)
+    assert left == []
+    held = await run_shell(root, f"setsid sleep 7{tag}3 &", timeout=5, kill_grace=0.5)  # holds the output
+    assert "were killed" in held.content[0].text  # type: ignore[union-attr]
+    await asyncio.sleep(0.2)
+    assert _running(f"^sleep 7{tag}3$") == []

@@ -71,6 +71,7 @@ from agentloop.tools.process_group import (
     OutputCapture,
     close_transport,
     kill_group,
+    marked,
     pump,
     supervise,
 )
@@ -353,6 +354,7 @@ class _Execution:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         cwd = self.mode.cwd or self.ctx.workspace or Path.cwd()
+        env, mark = marked(_environment())
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -362,7 +364,7 @@ class _Execution:
                 str(req_w),
                 str(resp_r),
                 cwd=cwd,
-                env=_environment(),
+                env=env,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
@@ -399,12 +401,12 @@ class _Execution:
             proc.stdin.close()
             outcome = await supervise(proc, output, limit)
             if outcome != "exited":
-                await kill_group(proc, KILL_GRACE)
+                await kill_group(proc, KILL_GRACE, mark)
                 await asyncio.wait({output}, timeout=DRAIN_GRACE)
             else:  # the runner's last line (a sys.exit message) may still be in the pipe
                 await asyncio.wait({requests}, timeout=DRAIN_GRACE)
         except BaseException:
-            await kill_group(proc, KILL_GRACE)
+            await kill_group(proc, KILL_GRACE, mark)
             raise
         finally:
             output.cancel()

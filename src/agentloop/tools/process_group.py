@@ -5,6 +5,10 @@ CodeMode, which both run programs that may start children of their own.
 ``asyncio``'s ``Process.wait()`` also waits for the output pipe to close, which a backgrounded
 child can hold open forever; so an exit is watched through ``returncode`` instead, and children
 still holding the output a moment after the main process exited count as "held".
+
+A child can leave the group (``setsid``, a shell's job control): so each run's environment
+carries a mark of its own (``marked``), which descendants inherit wherever they go, and stopping
+the run stops every process that bears it too (on Linux, where ``/proc`` shows environments).
 """
 
 from __future__ import annotations
@@ -12,12 +16,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import sys
 
-__all__ = ["DRAIN_GRACE", "KILL_GRACE", "OutputCapture", "close_transport", "kill_group", "pump", "supervise"]
+__all__ = [
+    "DRAIN_GRACE",
+    "KILL_GRACE",
+    "OutputCapture",
+    "close_transport",
+    "kill_group",
+    "marked",
+    "pump",
+    "supervise",
+]
 
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
+MARK = "AGENTLOOP_RUN_MARK"  # the environment variable that marks a run's processes (see ``marked``)
 DRAIN_GRACE = 0.3  # how long output may stay open after the main process exited
 _POLL = 0.02
 
@@ -63,9 +78,36 @@ async def pump(stream: asyncio.StreamReader, capture: OutputCapture) -> None:
         capture.feed(chunk)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def marked(env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """``env`` with a mark of its own for one run's processes, and the mark."""
+    mark = secrets.token_hex(8)
+    return {**env, MARK: mark}, mark
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """The live processes whose environment bears ``mark`` (none where /proc is missing)."""
+    entry_wanted = f"{MARK}={mark}".encode()
+    pids = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    environ = f.read()
+            except OSError:  # gone, or not ours to read
+                continue
+            if entry_wanted in environ.split(b"\0"):
+                pids.append(int(entry.name))
+    return pids
+
+
+def _signal_group(pgid: int, sig: int, mark: str | None = None) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+    for pid in _marked_pids(mark) if mark else ():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -95,19 +137,21 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-async def kill_group(proc: asyncio.subprocess.Process, grace: float) -> None:
-    """SIGTERM the group, SIGKILL what is left after ``grace``; SIGKILL is sent even if this
-    coroutine is cancelled while it waits."""
+async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str | None = None) -> None:
+    """SIGTERM the group (and the processes bearing ``mark``, which may have left it), SIGKILL
+    what is left after ``grace``; SIGKILL is sent even if this coroutine is cancelled meanwhile."""
     pgid = proc.pid
     loop = asyncio.get_running_loop()
-    _signal_group(pgid, signal.SIGTERM)
+    _signal_group(pgid, signal.SIGTERM, mark)
     try:
         deadline = loop.time() + grace
         # Neither a group's emptiness nor an exit whose pipe is held open can be awaited: poll.
-        while loop.time() < deadline and (proc.returncode is None or _group_alive(pgid)):  # noqa: ASYNC110
+        while loop.time() < deadline and (  # noqa: ASYNC110
+            proc.returncode is None or _group_alive(pgid) or (mark is not None and _marked_pids(mark))
+        ):
             await asyncio.sleep(_POLL)
     finally:
-        _signal_group(pgid, signal.SIGKILL)
+        _signal_group(pgid, signal.SIGKILL, mark)
     deadline = loop.time() + 2.0
     while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - the child watcher reaps it
         await asyncio.sleep(_POLL)

@@ -31,6 +31,7 @@ from agentloop.tools.process_group import (
     OutputCapture,
     close_transport,
     kill_group,
+    marked,
     pump,
     supervise,
 )
@@ -45,8 +46,13 @@ MAX_OUTPUT_CHARS = 30_000
 # what a command is not given of the runtime's environment: its credentials (provider API keys,
 # tokens, passwords) and its own settings. A server runs commands for every account, and
 # ``printenv`` is a harmless read: the key it would show must not be there to show.
-_CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|COOKIE|^AGENTLOOP_", re.IGNORECASE)
-_CREDENTIAL_URL = re.compile(r"://[^/@\s]*:[^/@\s]*@")  # scheme://user:password@host
+_CREDENTIAL_NAME = re.compile(
+    r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|COOKIE|AUTH|(^|_)PAT$|(^|_)DSN$|^AGENTLOOP_|^SSH_AUTH_SOCK$",
+    re.IGNORECASE,
+)  # (SSH_AUTH_SOCK: the server's ssh-agent, which would sign in as the server's user anywhere)
+# a URL with user information (scheme://user:password@host, or a token as the user) or a key or
+# token in its query (…?api_key=…)
+_CREDENTIAL_URL = re.compile(r"://[^/@\s]+@|[?&][^=&\s]*(key|token|secret|sig|auth)[^=&\s]*=", re.IGNORECASE)
 
 
 def command_environment() -> dict[str, str]:
@@ -95,12 +101,13 @@ async def run_shell(
     workdir = resolve_path(root, cwd or ".")
     if not workdir.is_dir():
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
+    env, mark = marked(command_environment())
     proc = await asyncio.create_subprocess_exec(
         _shell(),
         "-c",
         command,
         cwd=workdir,
-        env=command_environment(),
+        env=env,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -112,10 +119,10 @@ async def run_shell(
     try:
         outcome = await supervise(proc, reader, limit)
         if outcome != "exited":
-            await kill_group(proc, kill_grace)
+            await kill_group(proc, kill_grace, mark)
             await asyncio.wait({reader}, timeout=DRAIN_GRACE)
     except BaseException:
-        await kill_group(proc, kill_grace)
+        await kill_group(proc, kill_grace, mark)
         raise
     finally:
         reader.cancel()
