@@ -391,3 +391,16 @@ def test_a_write_that_fails_halfway_leaves_the_file_as_it_was(tmp_path: Path) ->
     assert "ToolError" in done.stdout and "unchanged" in done.stdout, done.stdout + done.stderr
     assert (tmp_path / "big.txt").read_text() == original
     assert [p.name for p in tmp_path.iterdir()] == ["big.txt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("path", ["x" * 300, "a/" + "y" * 256 + "/b", "\ud800", "f/sub"])
+async def test_paths_no_file_can_have_are_a_clear_error_without_the_servers_directory(
+    tmp_path: Path, path: str
+) -> None:
+    """A review: a name too long, a lone surrogate, or a file where a directory must be gave a raw
+    OSError or UnicodeEncodeError naming the server's absolute path."""
+    (tmp_path / "f").write_text("")
+    for call_tool in (lambda: write_file(tmp_path, path, "hi"), lambda: read_file(tmp_path, path)):
+        with pytest.raises(ToolError) as info:
+            await call_tool()
+        assert str(tmp_path) not in str(info.value)

@@ -49,6 +49,9 @@ def _relative_parts(root: Path, given: Path, path: str) -> list[str]:
     raise ToolError(f"Path {path!r} is outside the workspace ({root}); use a path relative to it")
 
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+
+
 def resolve_path(root: str | Path, path: str, *, follow_final: bool = True) -> Path:
     """The real path ``path`` names inside ``root``, or ``ToolError`` if it would leave the root.
 
@@ -57,6 +60,12 @@ def resolve_path(root: str | Path, path: str, *, follow_final: bool = True) -> P
     """
     if not path.strip():
         raise ToolError("Path is empty; give a path relative to the workspace")
+    try:
+        os.fsencode(path)
+    except UnicodeError:  # a lone surrogate: no file can have this name
+        raise ToolError(f"Path {path!r} has characters no file name can hold") from None
+    if any(len(os.fsencode(part)) > NAME_MAX for part in Path(path).parts):
+        raise ToolError(f"Path {path!r} has a name longer than {NAME_MAX} bytes")
     base = real_root(root)
     given = Path(root).expanduser().absolute()
     parts = _relative_parts(base, given, path)
