@@ -404,3 +404,47 @@ async def test_paths_no_file_can_have_are_a_clear_error_without_the_servers_dire
         with pytest.raises(ToolError) as info:
             await call_tool()
         assert str(tmp_path) not in str(info.value)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="what was opened is told by /proc")
+async def test_a_directory_swapped_for_a_link_after_the_check_does_not_lead_outside(tmp_path: Path) -> None:
+    """A review: a process racing the tool turned a directory on the path into a symlink to
+    elsewhere between the check and the open, and Write wrote outside the workspace. What was
+    opened is checked, for Read, Write, Edit and Delete alike."""
+    from agentloop.tools import fs
+    from agentloop.tools.paths import real_root, resolve_path
+
+    root, outside = tmp_path / "ws", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "x.txt").write_text("theirs\n")
+    (root / "d" / "x.txt").write_text("ours\n")
+    real = resolve_path(root, "d/x.txt")  # checked while d is a directory inside ...
+    (root / "d").rename(root / "d-old")
+    (root / "d").symlink_to(outside)  # ... then swapped
+    base = real_root(root)
+    with pytest.raises(ToolError, match="outside the workspace"):
+        fs._write_bytes(base, real, "d/x.txt", b"pwned\n")
+    with pytest.raises(ToolError, match="outside the workspace"), fs._directory_of(base, real, "d/x.txt"):
+        pass
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(fs, "resolve_path", lambda root, path, **kw: real)
+    try:
+        for attempt in (
+            lambda: read_file(root, "d/x.txt"),
+            lambda: edit_file(root, "d/x.txt", "theirs", "pwned"),
+            lambda: delete_file(root, "d/x.txt"),
+        ):
+            with pytest.raises(ToolError, match="outside the workspace"):
+                await attempt()
+    finally:
+        monkey.undo()
+    assert (outside / "x.txt").read_text() == "theirs\n" and sorted(p.name for p in outside.iterdir()) == ["x.txt"]
+
+
+async def test_read_breaks_lines_where_search_and_edit_do(tmp_path: Path) -> None:
+    """A lone carriage return (progress output) is not a line break: Read numbered lines that
+    Search and ``cat -n`` did not, and Edit could not match what Read had shown."""
+    (tmp_path / "log.txt").write_bytes(b"progress 10%\rprogress 100%\nERROR disk\r\n")
+    shown = text(await read_file(tmp_path, "log.txt")).split("\n")
+    assert shown == ["     1\tprogress 10%\rprogress 100%", "     2\tERROR disk"]

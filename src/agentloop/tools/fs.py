@@ -16,14 +16,15 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
 from pydantic import Field
 
 from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, TextContent
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
-from agentloop.tools.paths import display, real_root, resolve_path
+from agentloop.tools.paths import check_opened, display, real_root, resolve_path
 
 __all__ = [
     "delete_file",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 MAX_LINE_CHARS = 2000
+_LINE_BYTES = 4 * MAX_LINE_CHARS  # of one line, read: enough for MAX_LINE_CHARS characters of any UTF-8
 DEFAULT_LIMIT = 2000
 MAX_IMAGE_BYTES = 10 * 1024 * 1024
 _BINARY_PROBE = 8192
@@ -80,6 +82,7 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
         raise ToolError(f"{path} is not a regular file")
     rel = display(base, real)
     with open(real, "rb") as f:
+        check_opened(base, f.fileno(), path)
         head = f.read(_BINARY_PROBE)
         # an image or a PDF goes to the model whole, as a block of its own
         mime = sniff_image(head) or ("application/pdf" if head.startswith(PDF_MAGIC) else None)
@@ -99,26 +102,38 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
                 [TextContent(text=f"{what} {rel} ({mime}, {len(data)} bytes)"), block],
                 details={"path": rel, "mime_type": mime, "bytes": len(data)},
             )
-    if b"\x00" in head:
-        hint = (
-            " (its extension says image, but its content is not one)"
-            if real.suffix.lower() in _IMAGE_EXTENSIONS
-            else ""
-        )
-        raise ToolError(f"{path} is a binary file{hint}; it cannot be read as text (try Shell with file or xxd)")
-    return _read_text(real, rel, offset, limit)
+        if b"\x00" in head:
+            hint = (
+                " (its extension says image, but its content is not one)"
+                if real.suffix.lower() in _IMAGE_EXTENSIONS
+                else ""
+            )
+            raise ToolError(f"{path} is a binary file{hint}; it cannot be read as text (try Shell with file or xxd)")
+        f.seek(0)
+        return _read_text(f, rel, offset, limit)
 
 
-def _read_text(real: Path, rel: str, offset: int, limit: int) -> ToolResult:
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes, int]]:
+    """The file's lines, split at "\\n" only (as Search, Edit and ``cat -n`` count them; a lone
+    "\\r" is not a line break), each cut to what a result can show, with its whole length: a
+    line of gigabytes (a minified bundle) is never held whole."""
+    while raw := f.readline(_LINE_BYTES):
+        last, size = raw, len(raw)
+        while not last.endswith(b"\n") and (more := f.readline(_LINE_BYTES)):
+            last, size = more, size + len(more)
+        ending = 2 if last.endswith(b"\r\n") else 1 if last.endswith(b"\n") else 0
+        yield raw, size - ending
+
+
+def _read_text(f: BinaryIO, rel: str, offset: int, limit: int) -> ToolResult:
     lines: list[str] = []
     total = 0
-    with open(real, encoding="utf-8", errors="replace", newline=None) as f:
-        for total, line in enumerate(f, start=1):
-            if offset <= total < offset + limit:
-                text = line.rstrip("\n")
-                if len(text) > MAX_LINE_CHARS:
-                    text = text[:MAX_LINE_CHARS] + f"… [line truncated, {len(text)} chars]"
-                lines.append(f"{total:>6}\t{text}")
+    for total, (raw, size) in enumerate(_lines(f), start=1):
+        if offset <= total < offset + limit:
+            text = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
+            if len(text) > MAX_LINE_CHARS or size > len(raw.rstrip(b"\r\n")):
+                text = text[:MAX_LINE_CHARS] + f"… [line truncated, {size} bytes]"
+            lines.append(f"{total:>6}\t{text}")
     details = {"path": rel, "offset": offset, "lines": len(lines), "total_lines": total}
     if total == 0:
         return ToolResult.text(f"({rel} is empty)", details=details)
@@ -141,36 +156,60 @@ async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = D
 # ------------------------------------------------------------------ Write
 
 
-def _write_bytes(real: Path, path: str, data: bytes) -> None:
+def _write_bytes(base: Path, real: Path, path: str, data: bytes) -> None:
     """Write all or nothing: the new content goes to a file beside the target, which then takes
     the target's place in one rename. A full disk or a crash halfway leaves the old file whole
-    (truncating it first lost an edited file's original). A symlink put there since resolution
-    is replaced, not followed: renaming over a link does not write through it."""
-    if real.is_symlink():
-        raise ToolError(f"Refusing to write {path}: it is a symlink")
-    if real.is_dir():
-        raise _is_dir_error(path)
-    if real.exists() and not real.is_file():
-        raise ToolError(f"{path} is not a regular file")
+    (truncating it first lost an edited file's original). Both happen in the directory as opened
+    and checked to be inside the workspace, so a directory on the path swapped for a symlink
+    meanwhile cannot send the write elsewhere; a symlink put in the target's place is replaced,
+    never written through."""
+    with _directory_of(base, real, path, make=True) as directory:
+        name = real.name
+        old = _lstat(name, directory)
+        if old is not None and stat.S_ISLNK(old.st_mode):
+            raise ToolError(f"Refusing to write {path}: it is a symlink")
+        if old is not None and stat.S_ISDIR(old.st_mode):
+            raise _is_dir_error(path)
+        if old is not None and not stat.S_ISREG(old.st_mode):
+            raise ToolError(f"{path} is not a regular file")
+        temporary = f".agentloop-{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if old is not None:
+                    os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))  # an edited script stays executable
+                os.fsync(f.fileno())
+            os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=directory)
+            raise ToolError(f"Cannot write {path}: {exc.strerror or exc} (the file is unchanged)") from None
+
+
+@contextlib.contextmanager
+def _directory_of(base: Path, real: Path, path: str, *, make: bool = False) -> Iterator[int]:
+    """The directory ``real`` is in, open (made first with ``make``), checked to be inside the
+    workspace as opened."""
     try:
-        real.parent.mkdir(parents=True, exist_ok=True)
-        mode = stat.S_IMODE(os.stat(real).st_mode) if real.exists() else None
-        temporary = real.with_name(f".agentloop-{secrets.token_hex(6)}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        if make:
+            real.parent.mkdir(parents=True, exist_ok=True)
+        directory = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
-        raise ToolError(f"Cannot write {path}: {exc.strerror or exc}") from None
+        raise ToolError(f"Cannot reach {path}: {exc.strerror or exc}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(temporary, mode)  # an edited script stays executable
-        os.replace(temporary, real)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise ToolError(f"Cannot write {path}: {exc.strerror or exc} (the file is unchanged)") from None
+        check_opened(base, directory, path)
+        yield directory
+    finally:
+        os.close(directory)
+
+
+def _lstat(name: str, directory: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _write_sync(root: str | Path, path: str, content: str) -> ToolResult:
@@ -178,7 +217,7 @@ def _write_sync(root: str | Path, path: str, content: str) -> ToolResult:
     real = resolve_path(root, path)
     existed = real.exists()
     data = content.encode("utf-8")
-    _write_bytes(real, path, data)
+    _write_bytes(base, real, path, data)
     rel = display(base, real)
     verb = "Overwrote" if existed else "Created"
     return ToolResult.text(f"{verb} {rel} ({len(data)} bytes)", details={"path": rel, "bytes": len(data)})
@@ -205,7 +244,9 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
         raise _is_dir_error(path)
     if not real.is_file():
         raise ToolError(f"{path} is not a regular file")
-    raw = real.read_bytes()
+    with open(real, "rb") as f:
+        check_opened(base, f.fileno(), path)
+        raw = f.read()
     if b"\x00" in raw[:_BINARY_PROBE]:
         raise ToolError(f"{path} is a binary file; Edit works on text")
     try:
@@ -228,7 +269,7 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
             " or set replace_all=true to replace every occurrence"
         )
     updated = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
-    _write_bytes(real, path, updated.encode("utf-8"))
+    _write_bytes(base, real, path, updated.encode("utf-8"))
     done = count if replace_all else 1
     rel = display(base, real)
     noun = "replacement" if done == 1 else "replacements"
@@ -251,21 +292,23 @@ def _delete_sync(root: str | Path, path: str) -> ToolResult:
     if real == base:
         raise ToolError("Refusing to delete the workspace root")
     rel = display(base, real)
-    if real.is_symlink() or real.is_file():
-        real.unlink()
-        return ToolResult.text(f"Deleted {rel}", details={"path": rel, "kind": "file"})
-    if real.is_dir():
+    with _directory_of(base, real, path) as directory:  # (as opened: see ``_write_bytes``)
+        found = _lstat(real.name, directory)
+        if found is None:
+            raise _not_found(path)
         try:
-            real.rmdir()
+            if stat.S_ISDIR(found.st_mode):
+                os.rmdir(real.name, dir_fd=directory)
+            else:
+                os.unlink(real.name, dir_fd=directory)
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise ToolError(f"{path} is a directory that is not empty; delete its files first") from None
             raise ToolError(f"Cannot delete {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(found.st_mode):
         return ToolResult.text(f"Deleted empty directory {rel}", details={"path": rel, "kind": "directory"})
-    if not real.exists():
-        raise _not_found(path)
-    real.unlink()
-    return ToolResult.text(f"Deleted {rel}", details={"path": rel, "kind": "other"})
+    kind = "file" if stat.S_ISREG(found.st_mode) or stat.S_ISLNK(found.st_mode) else "other"
+    return ToolResult.text(f"Deleted {rel}", details={"path": rel, "kind": kind})
 
 
 async def delete_file(root: str | Path, path: str) -> ToolResult:

@@ -89,6 +89,18 @@ def resolve_path(root: str | Path, path: str, *, follow_final: bool = True) -> P
     return current
 
 
+def check_opened(base: Path, fd: int, path: str) -> None:
+    """``ToolError`` unless the file or directory open as ``fd`` lies inside ``base``. A directory
+    on the way may have been swapped for a symlink to elsewhere (by another process) after
+    ``resolve_path`` looked: what was actually opened is what counts (Linux tells it in /proc)."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc: the check resolve_path made stands
+        return
+    if not _inside(Path(opened), base):
+        raise ToolError(f"Path {path!r} led outside the workspace as it was opened (a directory on it changed)")
+
+
 def display(root: Path, path: Path) -> str:
     """``path`` as the model should write it next time: relative to the (real) root."""
     try:
