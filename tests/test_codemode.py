@@ -678,3 +678,13 @@ async def test_a_program_calls_only_the_built_in_tools_its_run_has_and_was_offer
     )
     [res] = results((await agent.run("go")).messages)
     assert res.is_error and "not available in this turn" in res.text and not (ws / "made-by-shell").exists()
+
+
+async def test_codemode_as_an_agents_only_tool_calls_the_built_ins_it_was_given(tmp_path: Path) -> None:
+    """The run has no built-ins of its own to lend: the program uses CodeMode's (a review: the
+    rule for runs whose toolset took a built-in away had refused them all)."""
+    (tmp_path / "a.txt").write_text("hello\n")
+    cm = CodeMode(builtin_tools(tmp_path), cwd=tmp_path)
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code='print(await read("a.txt"))')]), "done"])
+    [res] = results((await Agent(model=model, tools=[cm], workspace=tmp_path).run("go")).messages)
+    assert not res.is_error and "hello" in res.text

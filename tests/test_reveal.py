@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
@@ -110,3 +113,28 @@ def test_bad_configuration_is_refused():
         ToolReveal(hidden=[])
     with pytest.raises(ValueError, match="registered twice"):
         Agent(model=ScriptedModel([]), tools=[weather]).use(ToolReveal(hidden=[weather]))
+
+
+async def test_a_tool_revealed_in_a_durable_process_can_be_called_the_next_turn(tmp_path) -> None:
+    """The calls of a turn are checked against what that turn's model call was shown, not the
+    turn before's (a review: the durable runner compared them with the previous list)."""
+    from agentloop.kernel import Kernel
+
+    @tool
+    async def weather(city: str) -> str:
+        """Weather for a city."""
+        return f"sunny in {city}"
+
+    def brain(r: Any) -> Any:
+        done = [m for m in r.messages if isinstance(m, ToolResultMessage)]
+        if not done:
+            return Reply(tool_calls=[call("request_tools", names=["weather"])])
+        return Reply(tool_calls=[call("weather", city="Oslo")]) if len(done) == 1 else "finished"
+
+    async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain), workspace=tmp_path, tools=[]) as k:
+        ToolReveal(hidden=[weather]).install(k.engine.config)
+        proc = await k.spawn(owner="me")
+        await proc.send("weather in Oslo?")
+        await asyncio.wait_for(proc.wait_idle(), 10)
+        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+    assert [(r.tool_name, r.is_error, r.text) for r in results][-1] == ("weather", False, "sunny in Oslo")

@@ -267,8 +267,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         if reply.tool_calls:
             live.calls = True
             batch = call_rows(pid, run_id, reply.tool_calls, cfg.tools)
+            live.offered = None if state.offered is None else (run_id, state.offered)  # (before: dispatch checks it)
             await dispatch(engine, tx, live, new_run, batch, reply, fresh=True, budget=budget, offered=state.offered)
-            live.offered = None if state.offered is None else (run_id, state.offered)
         else:  # after an assistant message, the decision depends on that message (and input) alone
             after = decide([reply], has_input=await _joining(engine, live), guard=new_run.get("guard"))
             if isinstance(after, Finish):

@@ -492,8 +492,9 @@ class _Execution:
     def _tool(self, name: str) -> Tool:
         """The run's tool of that name when the runner gave its tools (if it was offered this
         turn, when hooks narrowed them), else the one given to us: a tool only programs have (an
-        MCP server's behind CodeMode). A built-in tool comes from the run alone: it works in the
-        process's directory, and a run without it (a toolset took it away) has none to lend."""
+        MCP server's, or every tool when CodeMode is an agent's only one). A run that has built-in
+        tools of its own lends only those: they work in the process's directory, and one it lacks
+        was taken from it (a toolset), so the program may not have it either."""
         own = self.mode.own_tools[name]
         if self.ctx.tools is None:
             return own
@@ -502,7 +503,7 @@ class _Execution:
             if self.ctx.offered is not None and name not in self.ctx.offered:
                 raise ToolError(not_offered(name))
             return found
-        if name in SYSCALLS:
+        if name in SYSCALLS and any(other in SYSCALLS for other in self.ctx.tools):
             raise ToolError(f"no tool {name!r} is available in this run")
         return own
 
