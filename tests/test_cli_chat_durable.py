@@ -7,6 +7,7 @@ exactly what the model was sent; subprocess tests use ``scripted:<file>`` models
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -690,3 +691,44 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path, ws: Pa
     finally:
         os.close(write_end)
     assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+def test_a_chat_cut_short_leaves_a_waiting_subagent_to_finish(tmp_path: Path) -> None:
+    """A turn whose Task waits on a subagent when the chat ends (SIGTERM): the subagent is left to
+    finish, as after a crash, and the resumed call gets its answer (a review: cancelling the turn
+    read as an abort, and the child was aborted)."""
+    from contextlib import AsyncExitStack
+
+    from agentloop.cli.main import _cancel_pending
+    from agentloop.kernel import Kernel
+
+    def brain(request: Any) -> Any:
+        task = next(m.text for m in request.messages if isinstance(m, UserMessage))
+        last = request.messages[-1]
+        if task.startswith("delegate") and isinstance(last, UserMessage):
+            return Reply(tool_calls=[call("Task", prompt="job count", wait=True)])
+        if task.startswith("job "):
+            return "done: counted"
+        return "parent got: " + last.text
+
+    url = f"sqlite:///{tmp_path}/agentloop.db"
+    ev = asyncio.new_event_loop()
+    stack = AsyncExitStack()
+    model = ScriptedModel(brain, latency=1.0)
+    kernel = ev.run_until_complete(
+        stack.enter_async_context(Kernel.open(url, model=model, workspace=tmp_path, subagents=True))
+    )
+    parent = ev.run_until_complete(kernel.spawn(owner="me", pid="parent"))
+    ev.run_until_complete(parent.send("delegate"))
+    ev.run_until_complete(asyncio.sleep(1.5))  # the Task waits on the child's slow model call
+    _cancel_pending(ev, kernel)
+    ev.run_until_complete(stack.aclose())
+    ev.close()
+
+    async def resumed() -> list[str]:
+        async with Kernel.open(url, model=ScriptedModel(brain), workspace=tmp_path, subagents=True) as again:
+            proc = await again.process("parent")
+            await asyncio.wait_for(proc.wait_idle(), 20)
+            return [m.text for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+
+    assert asyncio.run(resumed()) == ["done: counted"]

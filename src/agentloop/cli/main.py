@@ -64,6 +64,7 @@ from agentloop.tools.mcp import MCPError
 
 if TYPE_CHECKING:
     from agentloop.cli.chat import ChatRepl
+    from agentloop.kernel import Kernel
 
 app = typer.Typer(
     name="agentloop",
@@ -475,6 +476,7 @@ def _durable_chat(
     options = kernel_options(settings, progress)
     ev = asyncio.new_event_loop()
     stack = AsyncExitStack()
+    kernel: Kernel | None = None
     try:
         extra = ev.run_until_complete(stack.enter_async_context(extra_tools(settings, ws)))
         kernel = ev.run_until_complete(
@@ -507,7 +509,7 @@ def _durable_chat(
         code = repl.loop(ev)
     finally:
         try:
-            _cancel_pending(ev)  # a turn cut short (SIGTERM) stops before the kernel closes under it
+            _cancel_pending(ev, kernel)  # a turn cut short (SIGTERM) stops before the kernel closes under it
             ev.run_until_complete(stack.aclose())
             ev.run_until_complete(ev.shutdown_asyncgens())
         finally:
@@ -515,8 +517,12 @@ def _durable_chat(
     return repl, code
 
 
-def _cancel_pending(ev: asyncio.AbstractEventLoop) -> None:
-    """Cancel, and wait out, what a ``run_until_complete`` that was interrupted left running."""
+def _cancel_pending(ev: asyncio.AbstractEventLoop, kernel: Kernel | None = None) -> None:
+    """Cancel, and wait out, what a ``run_until_complete`` that was interrupted left running. It
+    is the kernel's shutdown (``closing``), not an abort: a Task waiting on a subagent leaves it
+    to finish, and the call finds it again when the turn resumes at the next start."""
+    if kernel is not None:
+        kernel.engine.closing = True
     pending = [task for task in asyncio.all_tasks(ev) if not task.done()]
     for task in pending:
         task.cancel()
