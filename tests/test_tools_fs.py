@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -448,3 +450,58 @@ async def test_read_breaks_lines_where_search_and_edit_do(tmp_path: Path) -> Non
     (tmp_path / "log.txt").write_bytes(b"progress 10%\rprogress 100%\nERROR disk\r\n")
     shown = text(await read_file(tmp_path, "log.txt")).split("\n")
     assert shown == ["     1\tprogress 10%\rprogress 100%", "     2\tERROR disk"]
+
+
+async def test_edit_matches_crlf_lines_of_a_file_with_mixed_endings(tmp_path: Path) -> None:
+    (tmp_path / "m.txt").write_bytes(b"one\r\ntwo\r\nthree\nfour\r\n")
+    await edit_file(tmp_path, "m.txt", "one\ntwo", "ONE\nTWO")
+    assert (tmp_path / "m.txt").read_bytes() == b"ONE\r\nTWO\r\nthree\nfour\r\n"
+
+
+def test_a_write_keeps_hard_links_owner_and_mode_and_respects_read_only_files(tmp_path: Path) -> None:
+    """The all-or-nothing write (a renamed temporary file) must not change what a file is: its
+    other hard links see the new content, its owner and mode stay, a read-only file stays unwritten
+    (the review of the atomic write: each had changed), and a directory the runtime may not add
+    files to still lets it rewrite a file it may write."""
+    import asyncio
+
+    (tmp_path / "a.txt").write_text("old\n")
+    os.link(tmp_path / "a.txt", tmp_path / "b.txt")
+    asyncio.run(edit_file(tmp_path, "a.txt", "old", "new"))
+    assert (tmp_path / "b.txt").read_text() == "new\n"
+    (tmp_path / "script.sh").write_text("echo 1\n")
+    (tmp_path / "script.sh").chmod(0o750)
+    if os.geteuid() == 0:
+        os.chown(tmp_path / "script.sh", 1000, 1000)
+    asyncio.run(edit_file(tmp_path, "script.sh", "1", "2"))
+    st = os.stat(tmp_path / "script.sh")
+    assert st.st_mode & 0o777 == 0o750 and (os.geteuid() != 0 or (st.st_uid, st.st_gid) == (1000, 1000))
+    shared = Path(tempfile.mkdtemp())  # (one another user can reach: pytest's directories are private)
+    shared.chmod(0o755)
+    program = (
+        "import asyncio, concurrent.futures.thread, os, sys\n"  # (imported while root can read them)
+        "from agentloop.tools.fs import write_file\n"
+        "from agentloop.tools.base import ToolError\n"
+        f"root = {str(shared)!r}\n"
+        "if os.geteuid() == 0:\n"
+        "    os.chown(root + '/ro.txt', 65534, 65534); os.chown(root + '/locked', 65534, 65534)\n"
+        "    os.chown(root + '/locked/conf.txt', 65534, 65534); os.setgid(65534); os.setuid(65534)\n"
+        "try:\n"
+        "    asyncio.run(write_file(root, 'ro.txt', 'changed'))\n"
+        "except ToolError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print(asyncio.run(write_file(root, 'locked/conf.txt', 'v2')).content[0].text)\n"
+    )
+    try:
+        (shared / "ro.txt").write_text("keep\n")
+        (shared / "ro.txt").chmod(0o444)
+        (shared / "locked").mkdir()
+        (shared / "locked" / "conf.txt").write_text("v1")
+        (shared / "locked").chmod(0o555)
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+        assert "refused: Cannot write ro.txt: it is read-only" in done.stdout, done.stdout + done.stderr
+        assert "Overwrote locked/conf.txt" in done.stdout
+        assert (shared / "ro.txt").read_text() == "keep\n" and (shared / "locked" / "conf.txt").read_text() == "v2"
+    finally:
+        (shared / "locked").chmod(0o755)
+        shutil.rmtree(shared)

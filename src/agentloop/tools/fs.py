@@ -158,11 +158,13 @@ async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = D
 
 def _write_bytes(base: Path, real: Path, path: str, data: bytes) -> None:
     """Write all or nothing: the new content goes to a file beside the target, which then takes
-    the target's place in one rename. A full disk or a crash halfway leaves the old file whole
-    (truncating it first lost an edited file's original). Both happen in the directory as opened
-    and checked to be inside the workspace, so a directory on the path swapped for a symlink
-    meanwhile cannot send the write elsewhere; a symlink put in the target's place is replaced,
-    never written through."""
+    the target's place in one rename, with its mode and owner. A full disk or a crash halfway
+    leaves the old file whole (truncating it first lost an edited file's original). Both happen
+    in the directory as opened and checked to be inside the workspace, so a directory on the
+    path swapped for a symlink meanwhile cannot send the write elsewhere; a symlink put in the
+    target's place is replaced, never written through. A file with other hard links, or in a
+    directory the runtime may not add files to, is written in place (a rename would cut the
+    links, or is not possible); a file its owner made read-only is refused, as a write would be."""
     with _directory_of(base, real, path, make=True) as directory:
         name = real.name
         old = _lstat(name, directory)
@@ -172,20 +174,45 @@ def _write_bytes(base: Path, real: Path, path: str, data: bytes) -> None:
             raise _is_dir_error(path)
         if old is not None and not stat.S_ISREG(old.st_mode):
             raise ToolError(f"{path} is not a regular file")
+        if old is not None and not os.access(name, os.W_OK, dir_fd=directory):
+            raise ToolError(f"Cannot write {path}: it is read-only")
+        if old is not None and (old.st_nlink > 1 or not os.access(".", os.W_OK, dir_fd=directory)):
+            _write_in_place(name, directory, path, data)
+            return
         temporary = f".agentloop-{secrets.token_hex(6)}.tmp"
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=directory)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=directory)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
-                if old is not None:
-                    os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))  # an edited script stays executable
+                if old is None:
+                    os.fchmod(f.fileno(), 0o666 & ~_umask())
+                else:  # the file keeps its mode (an edited script stays executable) and its owner
+                    with contextlib.suppress(PermissionError):
+                        os.fchown(f.fileno(), old.st_uid, old.st_gid)
+                    os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))
                 os.fsync(f.fileno())
             os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(temporary, dir_fd=directory)
             raise ToolError(f"Cannot write {path}: {exc.strerror or exc} (the file is unchanged)") from None
+
+
+def _write_in_place(name: str, directory: int, path: str, data: bytes) -> None:
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, dir_fd=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise ToolError(f"Cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager
@@ -253,11 +280,16 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"{path} is not UTF-8 text; Edit cannot change it safely") from None
+
+    def crlf(text: str) -> str:
+        return text.replace("\r\n", "\n").replace("\n", "\r\n")
+
     if "\r\n" in text and text.count("\r\n") == text.count("\n"):
         # The model writes "\n"; a Windows file has "\r\n" (every line): the edit takes the
         # file's convention, what it replaces and what it puts in alike
-        old_string = old_string.replace("\r\n", "\n").replace("\n", "\r\n")
-        new_string = new_string.replace("\r\n", "\n").replace("\n", "\r\n")
+        old_string, new_string = crlf(old_string), crlf(new_string)
+    elif "\r\n" in text and "\n" in old_string and old_string not in text:
+        old_string, new_string = crlf(old_string), crlf(new_string)  # lines of a mixed file that end in CRLF
     count = text.count(old_string)
     if count == 1 and not replace_all and text.find(old_string, text.find(old_string) + 1) >= 0:
         count = 2  # overlapping occurrences ("end\nend\n" in "end\nend\nend\n"): not unique either
