@@ -253,7 +253,15 @@ async def test_commands_do_not_get_the_runtimes_credentials(root: Path, monkeypa
         "GITHUB_PAT": "pat-9",
         "SSH_AUTH_SOCK": "/tmp/agent.sock",  # the server's ssh-agent: its identity, anywhere
     }
-    kept = {"PROJECT_MODE": "dev", "SITE_URL": "https://example.com/x?page=2", "PATHS_FILE": "/etc/x"}
+    kept = {
+        "PROJECT_MODE": "dev",
+        "SITE_URL": "https://example.com/x?page=2&design=flat",
+        "PATHS_FILE": "/etc/x",
+        # not credentials, though their names or values hold a credential word's letters
+        "GIT_AUTHOR_NAME": "Ada",
+        "GIT_AUTHOR_EMAIL": "ada@example.com",
+        "MIRROR": "ssh://git@example.com/r.git",
+    }
     for name, value in {**secrets, **kept}.items():
         monkeypatch.setenv(name, value)
     result = await run_shell(root, "env")

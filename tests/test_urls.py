@@ -23,6 +23,8 @@ from agentloop.urls import redact_secrets, redact_url
         ("http://bob@h/", "http://bob@h/"),
         ("postgresql:///db?host=/tmp&password=pw", "postgresql:///db?host=/tmp&password=***"),
         ("http://[::1", "<a URL that cannot be parsed>"),
+        ("https://ghp_0123456789abcdefghij0123@github.com/o/r", "https://***@github.com/o/r"),
+        ("https://h/p?design=flat&sessionId=9", "https://h/p?design=flat&sessionId=***"),
     ],
 )
 def test_redact_url_masks_passwords_and_key_like_parameters(url, shown):

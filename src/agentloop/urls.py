@@ -9,23 +9,40 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
 
-# query parameters whose values are credentials (api_key, access_token, X-Amz-Signature, ...)
-_SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|sig|auth|credential|session", re.IGNORECASE)
+# What names a credential, in a query parameter (api_key, access_token, X-Amz-Signature), an
+# environment variable (OPENAI_API_KEY, NPM_CONFIG__AUTH) or a ``key=value`` pair: one of these
+# words of the name (GIT_AUTHOR_NAME holds none: AUTHOR is not AUTH), or one of the parts.
+_SECRET_WORD = re.compile(
+    r"KEYS?|TOKENS?|SECRETS?|PASSWORDS?|PASSWD|COOKIES?|CREDENTIALS?|AUTH|AUTHORIZATION|SIG|SIGNATURE|SESSION|PAT|DSN",
+    re.IGNORECASE,
+)
+_SECRET_PARTS = re.compile(r"apikey|accesskey|secret|passw|token|credential", re.IGNORECASE)
+_WORD_BREAK = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])")
+# a URL's user that is a token rather than a name (https://ghp_...@github.com): long, or shaped
+# like a vendor's token
+_TOKEN_USER = re.compile(r".{20,}|(gh[pousr]|github_pat|glpat|xox[abp])[_-].+")
+
+
+def secret_name(name: str) -> bool:
+    """Whether ``name`` (a parameter's, a variable's, a field's) names a credential."""
+    return any(_SECRET_WORD.fullmatch(word) for word in _WORD_BREAK.split(name)) or bool(_SECRET_PARTS.search(name))
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its userinfo and the values of credential-like query
-    parameters masked; a URL that cannot be parsed is not shown at all."""
+    """``url`` with the password of its userinfo (or a user that is a token), and the values of
+    credential-like query parameters masked; a URL that cannot be parsed is not shown at all."""
     try:
         parts = urlsplit(url)
         netloc = parts.netloc
         if parts.password is not None:
             userinfo, _, hostport = netloc.rpartition("@")
             netloc = f"{userinfo.split(':', 1)[0]}:{MASK}@{hostport}"
+        elif parts.username is not None and _TOKEN_USER.fullmatch(parts.username):
+            netloc = f"{MASK}@{netloc.rpartition('@')[2]}"
         query = parts.query
         pairs = parse_qsl(query, keep_blank_values=True)
-        if any(_SECRET_PARAM.search(k) for k, _ in pairs):
-            query = urlencode([(k, MASK if _SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*/")
+        if any(secret_name(k) for k, _ in pairs):
+            query = urlencode([(k, MASK if secret_name(k) else v) for k, v in pairs], safe="*/")
         shown = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     except ValueError:
         return "<a URL that cannot be parsed>"
@@ -42,9 +59,7 @@ _CREDENTIAL = re.compile(
     r"|\bAIza[A-Za-z0-9_\-]{20,}"
     r"|(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]{32,}(?![A-Za-z0-9_\-])"
 )
-_CREDENTIAL_PAIR = re.compile(
-    r"(?i)\b((?:api[_-]?key|access[_-]?token|token|secret|password|authorization)[\"']?\s*[=:]\s*[\"']?)[^\s\"',}]+"
-)
+_PAIR = re.compile(r"\b([A-Za-z][\w.-]*)([\"']?\s*[=:]\s*[\"']?)([^\s\"',}]+)")  # name=value, "name": "value"
 _URL_IN_TEXT = re.compile(r"\bhttps?://[^\s\"'<>]+")
 
 
@@ -55,7 +70,14 @@ def redact_secrets(text: str) -> str:
     server is not the operator whose key it may quote; the rest of it stays readable."""
     text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
     text = _CREDENTIAL.sub(MASK, text)
-    return _CREDENTIAL_PAIR.sub(lambda m: m.group(1) + MASK, text)
+    return _PAIR.sub(lambda m: m.group(1) + m.group(2) + MASK if secret_name(m.group(1)) else m.group(0), text)
+
+
+def carries_secret(text: str) -> bool:
+    """Whether ``text`` (a setting's value) holds a URL with a credential in it."""
+    return any(redact_url(m.group(0)) != m.group(0) for m in _URL_IN_TEXT.finditer(text)) or bool(
+        re.search(r"://[^/@\s]*:[^/@\s]*@", text)  # (schemes urlsplit reads no userinfo of)
+    )
 
 
 def check_server_address(url: str, schemes: tuple[str, ...] = ("http", "https")) -> None:

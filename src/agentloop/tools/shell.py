@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import signal
 from pathlib import Path
@@ -35,6 +34,7 @@ from agentloop.tools.process_group import (
     pump,
     supervise,
 )
+from agentloop.urls import carries_secret, secret_name
 
 __all__ = ["DEFAULT_TIMEOUT", "MAX_OUTPUT_CHARS", "MAX_TIMEOUT", "run_shell", "shell_tool"]
 
@@ -46,22 +46,17 @@ MAX_OUTPUT_CHARS = 30_000
 # what a command is not given of the runtime's environment: its credentials (provider API keys,
 # tokens, passwords) and its own settings. A server runs commands for every account, and
 # ``printenv`` is a harmless read: the key it would show must not be there to show.
-_CREDENTIAL_NAME = re.compile(
-    r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|COOKIE|AUTH|(^|_)PAT$|(^|_)DSN$|^AGENTLOOP_|^SSH_AUTH_SOCK$",
-    re.IGNORECASE,
-)  # (SSH_AUTH_SOCK: the server's ssh-agent, which would sign in as the server's user anywhere)
-# a URL with user information (scheme://user:password@host, or a token as the user) or a key or
-# token in its query (…?api_key=…)
-_CREDENTIAL_URL = re.compile(r"://[^/@\s]+@|[?&][^=&\s]*(key|token|secret|sig|auth)[^=&\s]*=", re.IGNORECASE)
+# (names as ``urls.secret_name`` reads them: SSH_AUTH_SOCK is the server's ssh-agent, which would
+# sign in as the server's user anywhere; values with a URL that carries a credential)
+
+
+def _withheld(name: str, value: str) -> bool:
+    return name.startswith("AGENTLOOP_") or secret_name(name) or carries_secret(value)
 
 
 def command_environment() -> dict[str, str]:
     """The environment a Shell command runs with: the runtime's, less its credentials."""
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if not _CREDENTIAL_NAME.search(name) and not _CREDENTIAL_URL.search(value)
-    }
+    env = {name: value for name, value in os.environ.items() if not _withheld(name, value)}
     env.update(PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     return env
 
