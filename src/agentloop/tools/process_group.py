@@ -18,7 +18,7 @@ import contextlib
 import os
 import secrets
 import signal
-import sys
+from collections.abc import Sequence
 
 __all__ = [
     "DRAIN_GRACE",
@@ -84,74 +84,85 @@ def marked(env: dict[str, str]) -> tuple[dict[str, str], str]:
     return {**env, MARK: mark}, mark
 
 
-def _marked_pids(mark: str) -> list[int]:
-    """The live processes whose environment bears ``mark`` (none where /proc is missing)."""
-    entry_wanted = f"{MARK}={mark}".encode()
-    pids = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    environ = f.read()
-            except OSError:  # gone, or not ours to read
-                continue
-            if entry_wanted in environ.split(b"\0"):
-                pids.append(int(entry.name))
-    return pids
-
-
-def _signal_group(pgid: int, sig: int, mark: str | None = None) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-    for pid in _marked_pids(mark) if mark else ():
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (non-zombie) process is left in the group.
-
-    ``killpg(pgid, 0)`` also succeeds for zombies, which an init that does not reap leaves
-    behind; on Linux /proc tells them apart.
-    """
-    if not sys.platform.startswith("linux"):
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
+def _members(pgid: int, mark: str | None) -> list[int] | None:
+    """The live processes of group ``pgid`` and those (anywhere) bearing ``mark``, by one look
+    through /proc (a zombie is not live: an init that does not reap leaves them behind); None
+    where there is no /proc to look through."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    wanted = f"{MARK}={mark}".encode() if mark else None
+    found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat", "rb") as f:
                 stat = f.read()
+            # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if len(fields) < 3 or fields[0] in (b"Z", b"X"):
+                continue
+            if int(fields[2]) == pgid:
+                found.append(int(entry.name))
+            elif wanted is not None:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if wanted in f.read().split(b"\0"):
+                        found.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def _signal_group(pgid: int, sig: int, pids: Sequence[int] = ()) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _any_alive(pids: Sequence[int]) -> bool:
+    """Whether one of ``pids`` is still running (a zombie is not)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
         except OSError:
             continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+        if stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X"):
             return True
     return False
 
 
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str | None = None) -> None:
     """SIGTERM the group (and the processes bearing ``mark``, which may have left it), SIGKILL
-    what is left after ``grace``; SIGKILL is sent even if this coroutine is cancelled meanwhile."""
+    what is left after ``grace``; SIGKILL is sent even if this coroutine is cancelled meanwhile.
+    Which processes those are is read from /proc once, in a thread (every process's files, on a
+    busy machine), and once more at the end for children started meanwhile; the wait between
+    only looks at them."""
     pgid = proc.pid
     loop = asyncio.get_running_loop()
-    _signal_group(pgid, signal.SIGTERM, mark)
+    members = await asyncio.to_thread(_members, pgid, mark)
+    _signal_group(pgid, signal.SIGTERM, members or ())
     try:
         deadline = loop.time() + grace
         # Neither a group's emptiness nor an exit whose pipe is held open can be awaited: poll.
         while loop.time() < deadline and (  # noqa: ASYNC110
-            proc.returncode is None or _group_alive(pgid) or (mark is not None and _marked_pids(mark))
+            proc.returncode is None or (_any_alive(members) if members is not None else _group_exists(pgid))
         ):
             await asyncio.sleep(_POLL)
     finally:
-        _signal_group(pgid, signal.SIGKILL, mark)
+        _signal_group(pgid, signal.SIGKILL, members or ())
+        if mark is not None:
+            _signal_group(pgid, signal.SIGKILL, _members(pgid, mark) or ())
     deadline = loop.time() + 2.0
     while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - the child watcher reaps it
         await asyncio.sleep(_POLL)
