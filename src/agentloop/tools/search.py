@@ -342,7 +342,9 @@ async def search_files(
     # rg for a single file too: Python's regex engine holds the GIL, so a pattern that backtracks
     # without end would stop the whole event loop (and no timeout could end it)
     rg = _ripgrep(use_rg)
-    if rg is not None:
+    if not start.is_dir() and _binary(start):  # skipped, as in a tree (rg would search a named file)
+        hits, engine = [], "python" if rg is None else "rg"
+    elif rg is not None:
         scope = glob if start.is_dir() else None  # (a file named by path is searched, as in Python)
         hits = await _rg_search(rg, base, start, pattern, scope, ignore_case, cap, skipped)
         engine = "rg"
@@ -368,6 +370,15 @@ async def search_files(
     if truncated:
         text += f"\n[showing the first {len(shown)} matches; there are more: narrow the pattern, path or glob]"
     return ToolResult.text(text, details=details)
+
+
+def _binary(path: Path) -> bool:
+    """Whether a file is binary as both engines judge it: a NUL byte near its start."""
+    try:
+        with open(path, "rb") as f:
+            return b"\x00" in f.read(8192)
+    except OSError:
+        return False
 
 
 def _inside_root(base: Path, paths: Sequence[Path]) -> frozenset[str]:
