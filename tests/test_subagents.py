@@ -526,3 +526,25 @@ async def test_a_subagent_stopped_with_its_parent_does_not_start_over_after_a_re
     async with kernel(tmp_path, ScriptedModel(tree), subagents=True) as k:
         await asyncio.sleep(0.3)
         assert (await k.store.get_process(child)).current_run is None
+
+
+async def test_a_child_started_before_calls_had_keys_is_found_after_an_upgrade(tmp_path):
+    """A child named by the provider's call id (as before durable call keys) is found by the call
+    re-run after an upgrade, by that id and its prompt, instead of being started a second time."""
+    from agentloop.tools.base import ToolContext
+
+    async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
+        parent = await k.spawn(owner="alice")
+        old = child_pid(parent.pid, "run-1", "call_0")
+        child = await k.spawn(owner="alice", pid=old, parent_pid=parent.pid, interactive=False)
+        await child.send("job once")
+        await child.wait_idle()
+        tool = (await k.engine._run_config(await k.engine.live(parent.pid), "run-1")).tools["Task"]
+        ctx = ToolContext("call_0", "Task", run_id="run-1", call_key="d-9")
+        again = await tool.run({"prompt": "job once", "wait": True}, ctx)
+        other = await tool.run(
+            {"prompt": "job twice", "wait": True}, ToolContext("call_0", "Task", run_id="run-1", call_key="d-10")
+        )
+        children = sorted(r.pid for r in await k.processes("alice") if r.parent_pid == parent.pid)
+    assert again.content[0].text == "done: once" and other.content[0].text == "done: twice"
+    assert len(children) == 2 and old in children  # the reused call id with another prompt: a child of its own

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agentloop.kernel.tree import ORIGIN_KEY, origin
-from agentloop.messages import AssistantMessage
+from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.store import ProcessRecord
@@ -92,6 +92,10 @@ class TaskTool(Tool):
         kernel, parent = self.kernel, self.parent
         pid = child_pid(parent.pid, ctx.run_id, ctx.call_key or ctx.tool_call_id)
         existing = await kernel.store.get_process(pid)
+        if existing is None and ctx.call_key is not None:  # a child made before calls had keys?
+            legacy = await _legacy_child(kernel, parent.pid, child_pid(parent.pid, ctx.run_id, ctx.tool_call_id))
+            if legacy is not None and legacy[1] == arguments["prompt"]:
+                pid, existing = legacy[0].pid, legacy[0]
         if existing is None and await kernel.store.was_killed(pid):  # (a re-run after a restart)
             raise ToolError(f"the subagent {pid} this call started was killed")
         if existing is None:
@@ -158,6 +162,17 @@ def child_pid(parent_pid: str, run_id: str | None, call_key: str) -> str:
     first one's child and be given its answer."""
     digest = hashlib.sha256(f"{parent_pid}\0{run_id or ''}\0{call_key}".encode()).hexdigest()[:20]
     return f"task-{digest}"
+
+
+async def _legacy_child(kernel: Kernel, parent_pid: str, pid: str) -> tuple[ProcessRecord, str] | None:
+    """The child an earlier version named by the provider's call id, with its prompt, if there is
+    one: a call re-run after an upgrade finds it by that (and by its prompt, since the call id may
+    have been reused) instead of starting the work again."""
+    record = await kernel.store.get_process(pid)
+    if record is None or record.parent_pid != parent_pid:
+        return None
+    first = next((m.message for m in await kernel.store.history(pid) if isinstance(m.message, UserMessage)), None)
+    return (record, first.text) if first is not None else None
 
 
 async def _answer(kernel: Kernel, pid: str) -> ToolResult:
