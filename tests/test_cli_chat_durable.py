@@ -732,3 +732,27 @@ def test_a_chat_cut_short_leaves_a_waiting_subagent_to_finish(tmp_path: Path) ->
             return [m.text for m in await proc.messages() if isinstance(m, ToolResultMessage)]
 
     assert asyncio.run(resumed()) == ["done: counted"]
+
+
+def test_a_piped_chat_whose_reader_went_away_runs_no_more_turns(tmp_path: Path, ws: Path) -> None:
+    """``... | agentloop chat | head -c 3``: once nobody reads the answers, the lines still to come
+    are not sent to the model (and the command ends with 141)."""
+    answer = script(tmp_path / "long.json", ["x" * 200_000, "second", "third"])
+    data = tmp_path / "data"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "agentloop.cli.main", "chat", "-m", answer, "-w", str(ws), "--data", str(data)],
+            input="one\ntwo\nthree\n",
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(tmp_path),
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    later = cli(tmp_path, ["chat", "-m", script(tmp_path / "s.json", ["x"]), "-w", str(ws), "--data", str(data)], "")
+    assert "(2 messages)" in later.stderr  # "one" and its answer; "two" and "three" were never sent

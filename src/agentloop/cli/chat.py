@@ -32,7 +32,16 @@ from agentloop.agent import Agent, Run, RunResult
 from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ReadInterrupted, ask_user
 from agentloop.cli.attach import AttachError, describe, load_attachment
 from agentloop.cli.config import expand_home
-from agentloop.cli.render import Interrupts, Progress, SignalRenderer, TextRenderer, one_line, play, stderr_console
+from agentloop.cli.render import (
+    READER_GONE,
+    Interrupts,
+    Progress,
+    SignalRenderer,
+    TextRenderer,
+    one_line,
+    play,
+    stderr_console,
+)
 from agentloop.kernel import Kernel, Process
 from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, MediaBlock, Message, user
@@ -323,8 +332,8 @@ class ChatRepl:
                     continue  # Ctrl-C at the prompt clears the line
                 except EOFError:
                     break
-                if not self.command(line, ev):
-                    break
+                if not self.command(line, ev) or READER_GONE.is_set():
+                    break  # (nobody reads the answers any more: no more turns for nobody)
         finally:
             if own:
                 ev.run_until_complete(ev.shutdown_asyncgens())

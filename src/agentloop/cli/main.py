@@ -117,6 +117,7 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 @contextmanager
 def _guarded() -> Iterator[None]:
     """The one place where exceptions become ``error:`` lines and exit codes."""
+    READER_GONE.clear()  # (a command run before in this process, a test's, may have lost its reader)
     try:
         yield
     except typer.Exit:

@@ -412,7 +412,11 @@ def write_out(out: TextIO, text: str) -> None:
         out.flush()
     except BrokenPipeError:
         with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, out.fileno())
+            finally:
+                os.close(devnull)
         READER_GONE.set()
 
 
