@@ -385,12 +385,8 @@ class _Walker:
                 return _Verdict(frozenset(found | self.tag("env -S splits a string into a command", "unclassified")))
             if text.startswith("--") and "=" not in text and text not in takes_value and text not in WRAPPER_FLAGS:
                 return _Verdict(frozenset(found | self.tag(f"{name} {text}: cannot tell its command", "unclassified")))
-            if name == "time" and text in ("-o", "--output") and i + 1 < len(rest):
-                self.written([rest[i + 1]])
-                found |= self.tag("time -o writes a file", "mutating")
-            elif name == "time" and text.startswith("--output="):
-                self.written([_Arg(text.split("=", 1)[1], rest[i].dynamic)])
-                found |= self.tag("time -o writes a file", "mutating")
+            if name == "time":
+                found |= self.output_file(rest, i, ("-o", "--output"), "time -o")
             i += 2 if text in takes_value else 1
         wrapped = rest[i:]
         if name == "timeout" and wrapped:
@@ -403,6 +399,17 @@ class _Walker:
             return _Verdict(frozenset(found | self.tag(f"{name} without a command", "unclassified")))
         verdict = self.argv(wrapped, depth + 1)
         return verdict._replace(tags=verdict.tags | found)
+
+    def output_file(self, args: Sequence[_Arg], i: int, options: tuple[str, ...], what: str) -> frozenset[str]:
+        """``args[i]`` as an option naming a file to write (``-o FILE``, ``--output=FILE``)."""
+        text = args[i].text
+        if text in options and i + 1 < len(args):
+            self.written([args[i + 1]])
+        elif text.startswith(tuple(f"{o}=" for o in options if o.startswith("--"))):
+            self.written([_Arg(text.split("=", 1)[1], args[i].dynamic)])
+        else:
+            return frozenset()
+        return self.tag(f"{what} writes a file", "mutating")
 
     def interpreter(self, name: str, rest: list[_Arg], depth: int) -> _Verdict:
         if name in DYNAMIC:
@@ -475,13 +482,8 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         found |= w.tag(f"git {sub} runs a program named on its command line", "unclassified")
     if sub == "config":
         return frozenset(found | _git_config(w, rest[i + 1 :]))
-    for j, a in enumerate(rest[i + 1 :], start=i + 1):  # diff, log, show ... --output FILE
-        if a.text == "--output" and j + 1 < len(rest):
-            w.written([rest[j + 1]])
-            found |= w.tag(f"git {sub} --output writes a file", "mutating")
-        elif a.text.startswith("--output="):
-            w.written([_Arg(a.text.split("=", 1)[1], a.dynamic)])
-            found |= w.tag(f"git {sub} --output writes a file", "mutating")
+    for j in range(i + 1, len(rest)):  # diff, log, show ... --output FILE
+        found |= w.output_file(rest, j, ("--output",), f"git {sub} --output")
     if sub in ("status", "log", "diff", "show", "rev-parse", "ls-files", "blame", "grep", "describe", "shortlog"):
         return frozenset(found)
     if sub in _GIT_NETWORK and (sub != "remote" or {"update", "prune"} & set(args)):
