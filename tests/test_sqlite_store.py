@@ -177,3 +177,24 @@ async def test_a_second_runtime_on_the_same_file_is_refused_until_the_first_clos
         await other.close()
     async with Kernel.open(url, model=ScriptedModel(lambda r: "ok"), workspace=tmp_path) as k:
         assert await k.processes() == []
+
+
+async def test_a_kernel_that_fails_to_open_lets_go_of_the_database(tmp_path, monkeypatch):
+    """Whatever fails once the runtime's lock is held closes the store, lock included: the next
+    open in the same process is not refused as 'another agentloop'."""
+    from agentloop import ScriptedModel
+    from agentloop.kernel import Kernel
+
+    real_init = Kernel.__init__
+
+    def failing(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("setup failed")
+
+    monkeypatch.setattr(Kernel, "__init__", failing)
+    url = f"sqlite:///{tmp_path}/agentloop.db"
+    with pytest.raises(RuntimeError, match="setup failed"):
+        async with Kernel.open(url, model=ScriptedModel(lambda r: "ok"), workspace=tmp_path):
+            pass
+    monkeypatch.setattr(Kernel, "__init__", real_init)
+    async with Kernel.open(url, model=ScriptedModel(lambda r: "ok"), workspace=tmp_path) as k:
+        assert await k.processes() == []

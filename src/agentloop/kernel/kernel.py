@@ -342,12 +342,6 @@ class Kernel:
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         off_limits = tuple(_kernel_files(store, data))
         agent.config.off_limits = off_limits  # (the Search tool walks around them)
-        await store.open()
-        try:
-            store.hold_runtime()  # one runtime drives the processes of a SQLite file
-        except BaseException:
-            await store.close()
-            raise
         media = MediaStore(data)
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
@@ -395,7 +389,13 @@ class Kernel:
             lease_ttl=lease_ttl,
             poll_interval=poll_interval,
         )
-        kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
+        await store.open()  # (last: what fails from here on closes it, and lets go of the runtime's lock)
+        try:
+            store.hold_runtime()  # one runtime drives the processes of a SQLite file
+            kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
+        except BaseException:
+            await store.close()
+            raise
         kernel_ref.append(kernel)
         try:
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
