@@ -370,6 +370,36 @@ def cli(tmp_path: Path, args: list[str], stdin: str) -> subprocess.CompletedProc
     )
 
 
+def cli_process(tmp_path: Path, args: list[str]) -> subprocess.Popen[str]:
+    """``agentloop`` running in the background, its stdin, stdout and stderr piped to the test."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "agentloop.cli.main", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+
+
+def cli_unread(tmp_path: Path, args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """``agentloop`` whose stdout nobody reads (``| head -c 3`` once head is done)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "agentloop.cli.main", *args],
+            input=stdin,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(tmp_path),
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+
+
 def test_subprocess_chat_asks_then_a_second_chat_continues(tmp_path: Path, ws: Path) -> None:
     data = str(tmp_path / "data")
     rm = {"tool_calls": [{"name": "Shell", "arguments": {"command": "rm -rf build"}}]}
@@ -414,14 +444,7 @@ def test_ctrl_c_aborts_the_turn_and_the_chat_goes_on(tmp_path: Path, ws: Path, s
     shell = {"tool_calls": [{"name": "Shell", "arguments": {"command": command}}]}
     model_spec = script(tmp_path / "s.json", [shell, "after the abort"])
     data = str(tmp_path / "data")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentloop.cli.main", "chat", "-m", model_spec, "-w", str(ws), "--data", data],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(tmp_path),
-    )
+    proc = cli_process(tmp_path, ["chat", "-m", model_spec, "-w", str(ws), "--data", data])
     try:
         assert proc.stdin is not None
         proc.stdin.write("sleep please\nnext\n")
@@ -460,14 +483,7 @@ def test_a_question_left_open_by_a_killed_chat_is_asked_by_the_next(tmp_path: Pa
     rm = {"tool_calls": [{"name": "Shell", "arguments": {"command": "rm -rf build"}}]}
     data = str(tmp_path / "data")
     args = ["chat", "-m", script(tmp_path / "s1.json", [rm, "unreachable"]), "-w", str(ws), "--data", data]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentloop.cli.main", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(tmp_path),
-    )
+    proc = cli_process(tmp_path, args)
     try:
         assert proc.stdin is not None and proc.stderr is not None
         proc.stdin.write("clean up\n")
@@ -610,14 +626,7 @@ def test_sigterm_ends_the_chat_and_the_turn_goes_on_at_the_next_start(tmp_path: 
     on; the turn in flight is kept, as after a crash, and the next start finishes it."""
     data = str(tmp_path / "data")
     slow = script(tmp_path / "slow.json", ["late answer", "second", "third"], latency=2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentloop.cli.main", "chat", "-m", slow, "-w", str(ws), "--data", data],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(tmp_path),
-    )
+    proc = cli_process(tmp_path, ["chat", "-m", slow, "-w", str(ws), "--data", data])
     try:
         assert proc.stdin is not None and proc.stderr is not None
         proc.stdin.write("one\ntwo\nthree\n")
@@ -677,19 +686,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path, ws: Pa
     """``agentloop run ... | head -c 3``: the answer's reader is gone; the command stops with the
     shell's usual 141 and no error line or asyncio noise."""
     answer = script(tmp_path / "long.json", ["x" * 200_000])
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # nobody will read
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "agentloop.cli.main", "run", "-m", answer, "-w", str(ws), "hi"],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(tmp_path),
-            timeout=60,
-        )
-    finally:
-        os.close(write_end)
+    done = cli_unread(tmp_path, ["run", "-m", answer, "-w", str(ws), "hi"])
     assert done.returncode == 141 and done.stderr == "", done.stderr
 
 
@@ -739,20 +736,7 @@ def test_a_piped_chat_whose_reader_went_away_runs_no_more_turns(tmp_path: Path, 
     are not sent to the model (and the command ends with 141)."""
     answer = script(tmp_path / "long.json", ["x" * 200_000, "second", "third"])
     data = tmp_path / "data"
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "agentloop.cli.main", "chat", "-m", answer, "-w", str(ws), "--data", str(data)],
-            input="one\ntwo\nthree\n",
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(tmp_path),
-            timeout=60,
-        )
-    finally:
-        os.close(write_end)
+    done = cli_unread(tmp_path, ["chat", "-m", answer, "-w", str(ws), "--data", str(data)], "one\ntwo\nthree\n")
     assert done.returncode == 141, done.stderr
     later = cli(tmp_path, ["chat", "-m", script(tmp_path / "s.json", ["x"]), "-w", str(ws), "--data", str(data)], "")
     assert "(2 messages)" in later.stderr  # "one" and its answer; "two" and "three" were never sent
