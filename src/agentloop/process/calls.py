@@ -303,16 +303,21 @@ async def settle(
     else:
         ok = await engine.store.set_call_status(row.dispatch_id, status, expect=expect, result=stored)
     if ok:
-        payload: dict[str, Any] = {
-            "runId": row.run_id,
-            "callId": row.tool_call_id,
-            "name": row.tool_name,
-            "syscall": row.syscall,
-            "ok": not result.is_error,
-        }
-        payload["error" if result.is_error else "output"] = result.text
-        await tx.signal(sig.TOOL_FINISHED, **payload)
+        await signal_finished(tx, row, result.text, error=result.is_error)
     return ok
+
+
+async def signal_finished(tx: _Tx, row: ToolCallRow, text: str, *, error: bool) -> None:
+    """Log ``proc.run.tool.finished`` for a call: its output, or its error."""
+    payload: dict[str, Any] = {
+        "runId": row.run_id,
+        "callId": row.tool_call_id,
+        "name": row.tool_name,
+        "syscall": row.syscall,
+        "ok": not error,
+    }
+    payload["error" if error else "output"] = text
+    await tx.signal(sig.TOOL_FINISHED, **payload)
 
 
 def _syscall(call: ToolCall, tools: Mapping[str, Tool]) -> str:

@@ -56,7 +56,7 @@ from agentloop.process.api import (
     call_of,
     new_id,
 )
-from agentloop.process.calls import disarm, end_batch, results_of, settle
+from agentloop.process.calls import disarm, end_batch, results_of, settle, signal_finished
 from agentloop.process.driver import drive
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
@@ -565,15 +565,7 @@ class ProcessEngine:
             added.extend(results_of(rows, CANCELLED))
             for row in rows:  # each call that started ends, for whoever shows it running
                 if row.status == "dispatched":
-                    await tx.signal(
-                        sig.TOOL_FINISHED,
-                        runId=active,
-                        callId=row.tool_call_id,
-                        name=row.tool_name,
-                        syscall=row.syscall,
-                        ok=False,
-                        error=CANCELLED,
-                    )
+                    await signal_finished(tx, row, CANCELLED, error=True)
             questions = await self.store.hils(pid)
             for h in questions:
                 await self.store.delete_hil(h.request_id)
