@@ -13,10 +13,11 @@ import pytest
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel, NoSuchProcess
 from agentloop.loop.runner import CANCELLED
-from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage
+from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, UserMessage, message_from_dict
 from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
 from agentloop.process import engine as engine_module
+from agentloop.process.archive import read_archive
 from agentloop.process.media import MediaError
 from agentloop.process.store import StoreError
 from tests.process_support import kernel, ran
@@ -452,6 +453,31 @@ async def test_reset_archives_and_kill_removes(tmp_path):
         with pytest.raises(NoSuchProcess):
             await k.process(proc.pid)
         assert await k.processes() == []
+
+
+@pytest.mark.parametrize("clearing", ["reset", "kill"])
+async def test_input_queued_when_a_reset_or_kill_clears_it_is_kept_in_the_archive(tmp_path, clearing):
+    """Queued input the clearing drops never ran: it is kept, under the archive's meta.queued."""
+    gate = asyncio.Event()
+
+    @tool
+    async def wait() -> str:
+        """Wait."""
+        await gate.wait()
+        return "waited"
+
+    brain = lambda r: "done" if isinstance(r.messages[-1], ToolResultMessage) else Reply(tool_calls=[call("wait")])  # noqa: E731
+    async with kernel(tmp_path, ScriptedModel(brain), tools=[wait]) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("start")
+        receipt = await proc.send("later, please", mode="queue")
+        assert receipt.queued
+        archive = await (proc.reset() if clearing == "reset" else proc.kill())
+        assert archive is not None
+        header, history = read_archive(archive)
+        assert [m.text for m in history if isinstance(m, UserMessage)] == ["start"]
+        assert header["meta"]["reason"] == clearing
+        assert [message_from_dict(m).text for m in header["meta"]["queued"]] == ["later, please"]
 
 
 async def test_images_reach_the_model_as_images(tmp_path):

@@ -17,10 +17,11 @@ import pytest
 pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, Kernel
+from agentloop.kernel import Approval, Kernel, NoSuchProcess
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
+from agentloop.process.archive import read_archive
 from agentloop.process.store import open_store
 
 FAST = {"lease_ttl": 2.0, "poll_interval": 0.2}  # short, so a test sees expiry and polling quickly
@@ -661,6 +662,45 @@ async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_th
         assert texts == ["after", "seen: after"]
         started = [s async for s in proc_a.signals(follow=False) if s.signal == sig.RUN_STARTED]
         assert started[-1].payload["runId"] == sent.run_id
+
+
+async def test_a_message_sent_through_the_other_worker_during_a_kill_is_refused_or_archived(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill on the holder archives, then deletes the process: a message that another worker
+    sends meanwhile either gets "no such process" or, if it was queued in time, is in the
+    archive. It is never deleted with the process after its sender got a receipt."""
+    import agentloop.kernel.kernel as kernel_module
+
+    archiving = asyncio.Event()
+    real_write = kernel_module.write_archive
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        archiving_loop.call_soon_threadsafe(archiving.set)
+        time.sleep(1.0)  # the window: B's message arrives while the kill is under way
+        return real_write(*args, **kwargs)
+
+    archiving_loop = asyncio.get_running_loop()
+    monkeypatch.setattr(kernel_module, "write_archive", slow_write)
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "seen"), []) as (a, b):
+        assert a.engine.leases is not None
+        proc_a = await a.spawn(owner="alice")
+        await proc_a.send("before")
+        await proc_a.wait_idle()
+        await a.engine.leases.hold(proc_a.pid)
+        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        proc_b = await b.process(proc_a.pid)
+
+        killing = asyncio.create_task(proc_a.kill())
+        await asyncio.wait_for(archiving.wait(), 10)
+        with pytest.raises(NoSuchProcess):
+            await proc_b.send("after")  # waits for the kill's commit, then finds no process
+        archive = await killing
+        assert archive is not None
+        header, history = read_archive(archive)
+        assert [m.text for m in history] == ["before", "seen"] and "queued" not in header["meta"]
+        with pytest.raises(NoSuchProcess):
+            await b.process(proc_a.pid)
 
 
 async def test_adds_through_both_workers_respect_the_limits_and_the_cycle_check(pg_url: str, tmp_path: Path) -> None:

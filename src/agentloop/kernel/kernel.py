@@ -40,6 +40,7 @@ from agentloop.messages import (
     UserBlock,
     UserMessage,
     check_unicode,
+    message_to_dict,
 )
 from agentloop.models.base import Model
 from agentloop.process import admission
@@ -579,6 +580,9 @@ class Kernel:
         record = await self.store.get_process(pid)
         if record is None:
             raise NoSuchProcess(pid)
+        # the input the clearing discards (see ProcessEngine.clear), kept in its archive: it never ran
+        upto = self.engine.discarding.get(pid, 0)
+        dropped = {item.id: item.message for item in await self.store.queue(pid) if item.id <= upto}
         if kill:  # first, so that nothing a child logs while it is stopped reaches the process
             async with self.store.transaction():
                 done = await self._drop_subscriptions(pid)
@@ -590,25 +594,26 @@ class Kernel:
                 return await self._clear(child, kill=True, archive=archive, above=lineage)
 
             await tree.kill_children(self, record, kill_one, above)
-        else:
-            await tree.stop_descendants(self, record)
-        history = [m.message for m in await self.store.history(pid)]
-        path = None
-        if archive and history:
-            name = f"{'kill' if kill else 'reset'}-{record.history_generation}-{new_id()}"
-            path = await asyncio.to_thread(
-                write_archive, self.data_dir, record.owner, pid, name, history, {"reason": "kill" if kill else "reset"}
-            )
-        self.media.delete_process(record.owner, pid)
-        if not kill and self.engine.leases is not None and not await self.engine.leases.hold(pid):
-            raise StoreError(f"process {pid} is busy on another worker; retry the reset")
-        if kill:
-            await self.engine.live(pid)
             async with self.store.transaction():
+                # Under the process's row lock, taken first: input another worker queues for it
+                # from now on finds no process, and what it queued before is read here and kept
+                # in the archive, instead of being deleted with the process after a receipt.
+                await self.store.update_process(pid)  # NoSuchProcess: another kill came first
+                history = [m.message for m in await self.store.history(pid)]
+                dropped.update((item.id, item.message) for item in await self.store.queue(pid))
+                path = await self._archive(record, "kill", history, list(dropped.values())) if archive else None
                 await self.store.delete_process(pid)  # with its schedules and every watch naming it
+            self.media.delete_process(record.owner, pid)
             self.watchers.forget(killed=pid)
             await self.engine.forget(pid)
             return path
+
+        await tree.stop_descendants(self, record)
+        history = [m.message for m in await self.store.history(pid)]
+        path = await self._archive(record, "reset", history, list(dropped.values())) if archive else None
+        self.media.delete_process(record.owner, pid)
+        if self.engine.leases is not None and not await self.engine.leases.hold(pid):
+            raise StoreError(f"process {pid} is busy on another worker; retry the reset")
 
         # Reset drops the schedules and watches the process set up: they belong to the
         # conversation being archived, and an event about it would reach a process that no
@@ -619,6 +624,19 @@ class Kernel:
             self._remembering.add(task)
             task.add_done_callback(self._remembering.discard)
         return path
+
+    async def _archive(
+        self, record: ProcessRecord, reason: str, history: list[Message], queued: list[Message]
+    ) -> Path | None:
+        """Keep what a reset or kill clears: the history, and the queued input that never ran
+        (under the header's ``meta.queued``). None when there was nothing to keep."""
+        if not history and not queued:
+            return None
+        meta: dict[str, Any] = {"reason": reason}
+        if queued:
+            meta["queued"] = [message_to_dict(m) for m in queued]
+        name = f"{reason}-{record.history_generation}-{new_id()}"
+        return await asyncio.to_thread(write_archive, self.data_dir, record.owner, record.pid, name, history, meta)
 
     async def _remember(self, record: ProcessRecord, history: list[Message]) -> None:
         """Keep what is worth remembering of a conversation a reset cleared, in the daily memory
