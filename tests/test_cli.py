@@ -504,7 +504,8 @@ def test_a_home_of_an_unknown_user_is_named_with_its_flag(
     assert "names no user on this machine; ignored" in result.stderr
 
 
-def test_serve_takes_a_limit_of_processes_per_account() -> None:
-    assert "--max-processes" in runner.invoke(app, ["serve", "--help"]).stdout
-    refused = runner.invoke(app, ["serve", "--max-processes", "0"])
+@pytest.mark.parametrize("flag", ["--max-processes", "--max-inputs-per-minute"])
+def test_serve_takes_limits_per_account(flag: str) -> None:
+    assert flag in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).stdout
+    refused = runner.invoke(app, ["serve", flag, "0"])
     assert refused.exit_code == 2 and "Traceback" not in refused.stderr

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.routing import Route, WebSocketRoute
 
 from agentloop.server import api, events, web
+from agentloop.server.ratelimit import InputRate
 from tests.server_support import LiveServer, live_server, parse_sse, wait_idle, wait_until
 
 PNG = base64.b64encode(
@@ -664,6 +665,37 @@ async def test_an_account_may_have_only_so_many_live_processes(server: LiveServe
         assert (await alice.post("/v1/processes", json={})).status_code == 201  # room again
     finally:
         server.ctx.max_processes = 1000
+
+
+async def test_an_account_may_send_only_so_many_messages_a_minute(server: LiveServer, alice: httpx.AsyncClient) -> None:
+    """Each message or event may start a run on the server's model keys: a runaway client is
+    refused with 429 and Retry-After past the rate; bad requests, other accounts and admins are
+    not counted against it."""
+    assert server.ctx is not None
+    clock = [1000.0]
+    server.ctx.inputs = InputRate(lambda: clock[0])
+    server.ctx.max_inputs_per_minute = 3
+    try:
+        pid = (await alice.post("/v1/processes", json={"text": "one"})).json()["pid"]  # 1
+        error(await alice.post(f"/v1/processes/{pid}/messages", json={"text": ""}), 400, "invalid_request")
+        error(await alice.post("/v1/processes/nope/messages", json={"text": "hi"}), 404, "not_found")
+        assert (await alice.post(f"/v1/processes/{pid}/messages", json={"text": "two", "mode": "queue"})).is_success
+        assert (await alice.post(f"/v1/processes/{pid}/events", json={"text": "three"})).is_success
+        for refused in (
+            await alice.post(f"/v1/processes/{pid}/messages", json={"text": "four"}),
+            await alice.post(f"/v1/processes/{pid}/events", json={"text": "four"}),
+            await alice.post("/v1/processes", json={"text": "four"}),
+        ):
+            assert "retry in 60 s" in error(refused, 429, "rate_limited")
+            assert refused.headers["retry-after"] == "60"
+        assert (await alice.post("/v1/processes", json={})).status_code == 201  # no message: no run
+        async with server.client(server.tokens.admin) as admin:
+            assert (await admin.post(f"/v1/processes/{pid}/messages", json={"text": "admin"})).is_success
+        clock[0] += 60
+        assert (await alice.post(f"/v1/processes/{pid}/messages", json={"text": "later"})).is_success
+        await wait_idle(alice, pid)
+    finally:
+        server.ctx.max_inputs_per_minute = None
 
 
 async def test_a_spawn_retried_after_its_process_was_killed_is_a_conflict(alice: httpx.AsyncClient) -> None:

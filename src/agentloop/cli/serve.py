@@ -68,6 +68,7 @@ class ServeOptions:
     approval: ApprovalSetting
     shutdown_timeout: int = SHUTDOWN_TIMEOUT
     max_processes: int | None = None  # per account (None: the server's default)
+    max_inputs_per_minute: int | None = None  # per account (None: the server's default)
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -187,6 +188,8 @@ async def serve_async(
             ctx = ServerContext(kernel, accounts, devices=hub)
             if opts.max_processes is not None:
                 ctx.max_processes = opts.max_processes
+            if opts.max_inputs_per_minute is not None:
+                ctx.max_inputs_per_minute = opts.max_inputs_per_minute
             tools = [*builtin_tools(opts.workspace), *extra]
 
             def agent_factory() -> Agent:
@@ -427,6 +430,14 @@ def serve(
             help="Live processes an account may have (admins are not limited; default 1000).",
         ),
     ] = None,
+    max_inputs_per_minute: Annotated[
+        int | None,
+        typer.Option(
+            "--max-inputs-per-minute",
+            min=1,
+            help="Messages and events an account may send per minute (admins are not limited; default 60).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
@@ -452,7 +463,16 @@ def serve(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
                 "put TLS in front of it\n"
             )
-        opts = ServeOptions(host, port, directory.resolve(), ws, settings, setting, max_processes=max_processes)
+        opts = ServeOptions(
+            host,
+            port,
+            directory.resolve(),
+            ws,
+            settings,
+            setting,
+            max_processes=max_processes,
+            max_inputs_per_minute=max_inputs_per_minute,
+        )
         try:
             if chat:
                 opts.out = sys.stderr  # stdout carries the answers

@@ -528,6 +528,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SpawnBody,
         answer=ProcessOut,
         status=201,
+        errors=(409, 429),
     ),
     Endpoint("GET", "/v1/processes", "The caller's processes.", list_processes, answer=ProcessList),
     Endpoint("GET", _P, "One process.", get_process, answer=ProcessOut),
@@ -540,6 +541,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SendBody,
         answer=ReceiptOut,
         status=202,
+        errors=(429,),
     ),
     Endpoint(
         "GET",
@@ -586,6 +588,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=EventBody,
         answer=ReceiptOut,
         status=202,
+        errors=(429,),
     ),
     Endpoint("GET", f"{_P}/schedules", "The process's schedules, soonest first.", schedules, answer=ScheduleList),
     Endpoint(

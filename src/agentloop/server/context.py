@@ -15,6 +15,7 @@ from starlette.requests import HTTPConnection
 from agentloop.kernel import Kernel
 from agentloop.server.auth import Accounts, Principal, bearer
 from agentloop.server.errors import ApiError
+from agentloop.server.ratelimit import DEFAULT_MAX_INPUTS_PER_MINUTE, InputRate
 from agentloop.server.service import ProcessService
 
 DEFAULT_MAX_BODY = 1024 * 1024
@@ -36,12 +37,20 @@ class ServerContext:
     max_media_body: int = DEFAULT_MAX_MEDIA_BODY  # for the requests that may carry images and documents
     heartbeat: float = DEFAULT_HEARTBEAT  # seconds between SSE heartbeat comments
     max_processes: int = DEFAULT_MAX_PROCESSES  # per account (admins are not limited)
+    # messages and events an account (not an admin) may send per minute; None: no limit
+    max_inputs_per_minute: int | None = DEFAULT_MAX_INPUTS_PER_MINUTE
+    inputs: InputRate = field(default_factory=InputRate)
     # Set when the server begins shutting down: streams end cleanly instead of being cut.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def processes(self) -> ProcessService:
-        return ProcessService(self.kernel, max_processes=self.max_processes)
+        return ProcessService(
+            self.kernel,
+            max_processes=self.max_processes,
+            inputs=self.inputs,
+            max_inputs_per_minute=self.max_inputs_per_minute,
+        )
 
     async def principal(self, conn: HTTPConnection) -> Principal:
         """The caller of an HTTP request or WebSocket handshake, from its bearer token; 401 if none."""

@@ -15,14 +15,18 @@ from starlette.responses import JSONResponse
 class ApiError(Exception):
     """A failure answered before any stream opens: an HTTP status with ``{code, message}``."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, *, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after = retry_after  # seconds, for a refusal that passes (429)
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.code, self.message)
+        response = error_response(self.status, self.code, self.message)
+        if self.retry_after is not None:
+            response.headers["Retry-After"] = str(self.retry_after)
+        return response
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:

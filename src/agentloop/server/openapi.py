@@ -29,6 +29,7 @@ ERROR_TEXT = {
     409: "The state forbids it.",
     413: "The body is over the limit.",
     415: "The body is not application/json.",
+    429: "The account sent too many messages this minute; Retry-After says when to try again.",
     503: "Shutting down, or the part is not enabled.",
 }
 

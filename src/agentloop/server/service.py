@@ -31,6 +31,7 @@ from agentloop.process.signals import Signal
 from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
+from agentloop.server.ratelimit import InputRate
 
 MODES: tuple[str, ...] = get_args(SendMode)
 RUN_MODES: tuple[str, ...] = get_args(Mode)
@@ -142,9 +143,25 @@ def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
 class ProcessService:
     """What a principal may do with processes on one kernel."""
 
-    def __init__(self, kernel: Kernel, *, max_processes: int | None = None) -> None:
+    def __init__(
+        self,
+        kernel: Kernel,
+        *,
+        max_processes: int | None = None,
+        inputs: InputRate | None = None,
+        max_inputs_per_minute: int | None = None,
+    ) -> None:
         self.kernel = kernel
         self.max_processes = max_processes  # per account, admins aside; None: no limit
+        self._inputs = inputs if inputs is not None else InputRate()
+        self.max_inputs_per_minute = max_inputs_per_minute  # per account, admins aside; None: no limit
+
+    def _take_input(self, who: Principal) -> None:
+        """Count an input that may start a run (a first message, a send, an event): 429 past the
+        account's rate (see ratelimit.py). Checked once the request is known to be good, so a
+        malformed one or one for another's process costs nothing."""
+        if not who.admin:
+            self._inputs.take(who.account, self.max_inputs_per_minute)
 
     async def _process(self, who: Principal, pid: str) -> tuple[Process, ProcessRecord]:
         record = await self.kernel.store.get_process(pid)
@@ -190,6 +207,8 @@ class ProcessService:
         # With a run id the pid follows from it, so a retried request (its answer lost) finds the
         # process the first one made and gets its receipt instead of making a second one.
         pid = _spawn_pid(who.account, run_id) if run_id is not None else None
+        if text is not None:
+            self._take_input(who)
         try:
             proc = await self.kernel.spawn(
                 who.account,
@@ -263,6 +282,7 @@ class ProcessService:
         _check_text(text, empty_ok=bool(media))
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
+        self._take_input(who)
         try:
             receipt = await proc.send(text, mode, blocks, run_id=run_id)  # type: ignore[arg-type]
         except NoSuchProcess:
@@ -334,6 +354,7 @@ class ProcessService:
         """Inject a system event (ahead of queued user input); a retried ``run_id`` delivers once."""
         _check_text(text)
         await self._process(who, pid)
+        self._take_input(who)
         try:
             return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
         except NoSuchProcess:
