@@ -680,6 +680,34 @@ async def test_a_program_calls_only_the_built_in_tools_its_run_has_and_was_offer
     assert res.is_error and "not available in this turn" in res.text and not (ws / "made-by-shell").exists()
 
 
+async def test_a_program_approved_after_a_restart_calls_only_what_its_turn_was_offered(tmp_path: Path) -> None:
+    """The tools a hook offered a turn are kept with the run: a program whose approval comes
+    after a restart still may not call one the turn held back (they were kept in memory only)."""
+    program_call = Reply(tool_calls=[call("CodeMode", code='print(await shell("touch made-by-shell"))')])
+    policy = {"default": "auto", "rules": [{"match": "codemode.exec", "action": "ask"}]}
+
+    async def hide_shell(info: Any) -> Any:
+        return [t for t in info.tools if t.name != "Shell"]
+
+    async with open_kernel(tmp_path, ScriptedModel([program_call]), policy=policy) as k:
+        k.engine.config.hooks.on("pre_tool_materialization")(hide_shell)
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        for _ in range(200):
+            if await proc.pending_approvals():
+                break
+            await asyncio.sleep(0.02)
+        pid = proc.pid
+    async with open_kernel(tmp_path, ScriptedModel(["done"]), policy=policy) as k:
+        proc = await k.process(pid)
+        [question] = await proc.pending_approvals()
+        await proc.hil(question.request_id, "approve")
+        await asyncio.wait_for(proc.wait_idle(), 10)
+        [res] = results(await proc.messages())
+    assert res.is_error and "not available in this turn" in res.text, res.text
+    assert not list(tmp_path.rglob("made-by-shell"))
+
+
 async def test_codemode_as_an_agents_only_tool_calls_the_built_ins_it_was_given(tmp_path: Path) -> None:
     """The run has no built-ins of its own to lend: the program uses CodeMode's (a review: the
     rule for runs whose toolset took a built-in away had refused them all)."""

@@ -358,5 +358,11 @@ def _last_assistant(history: list[Message]) -> AssistantMessage | None:
 
 
 def _state_for(live: _Live, run_id: str) -> RunState:
-    offered = live.offered[1] if live.offered is not None and live.offered[0] == run_id else None
+    offered: frozenset[str] | None = None
+    if live.offered is not None and live.offered[0] == run_id:
+        offered = live.offered[1]
+    else:  # (after a restart or a takeover: the run's record keeps what its turn was shown)
+        run = live.record.current_run
+        kept = run.get("offered") if run is not None and run.get("run_id") == run_id else None
+        offered = frozenset(kept) if kept is not None else None
     return RunState(run_id=run_id, messages=live.history, first_new=len(live.history), offered=offered)

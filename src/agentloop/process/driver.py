@@ -250,6 +250,9 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             "cost": usage["cost"] + reply.usage.cost.total,
         },
     }
+    new_run.pop("offered", None)  # (a turn before's)
+    if reply.tool_calls and state.offered is not None:
+        new_run["offered"] = sorted(state.offered)  # kept with the run: so is a call resumed after a restart
     finished = False
     batch: list[ToolCallRow] = []
     async with engine._tx(live) as tx:
@@ -267,7 +270,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         if reply.tool_calls:
             live.calls = True
             batch = call_rows(pid, run_id, reply.tool_calls, cfg.tools)
-            live.offered = None if state.offered is None else (run_id, state.offered)  # (before: dispatch checks it)
+            live.offered = (run_id, state.offered)  # (before the commit: dispatch checks it)
             await dispatch(engine, tx, live, new_run, batch, reply, fresh=True, budget=budget, offered=state.offered)
         else:  # after an assistant message, the decision depends on that message (and input) alone
             after = decide([reply], has_input=await _joining(engine, live), guard=new_run.get("guard"))

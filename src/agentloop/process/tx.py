@@ -41,9 +41,9 @@ class _Live:
     prompt: tuple[str, str] | None = None  # (run id, system prompt): built once per run
     prompt_kept: str | None = None  # the run whose prompt is stored (see ``ProcessEngine.keep_prompt``)
     resumed: bool = False  # loaded with a run under way: its prompt may be stored already
-    # (run id, the tools its last model call was shown) when hooks narrowed them: what its calls'
-    # own nested calls may use (kept in memory only: after a restart they are not narrowed)
-    offered: tuple[str, frozenset[str]] | None = None
+    # (run id, the tools its last model call was shown, None unless hooks narrowed them): what its
+    # calls' own nested calls may use. The run's record keeps them too, for after a restart.
+    offered: tuple[str, frozenset[str] | None] | None = None
     config: tuple[str, LoopConfig] | None = None  # (run id, the run's loop configuration)
     media: bool = False  # the history holds stored media references (to hydrate before model calls)
     approvals: bool = False  # a run of this process may have stored approval decisions
