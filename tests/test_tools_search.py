@@ -205,8 +205,11 @@ async def test_backend_choice(tree: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("AGENTLOOP_SEARCH", "python")
     assert (await search_files(tree, "needle")).details["engine"] == "python"
     monkeypatch.delenv("AGENTLOOP_SEARCH")
-    monkeypatch.setenv("PATH", str(tree))  # no rg on PATH nor beside the interpreter: the fallback answers
-    monkeypatch.setattr(sys, "executable", str(tree / "python"))
+    bare = tree.parent / "bare-bin"  # an interpreter with no rg beside it, and no rg on PATH
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(bare))
+    monkeypatch.setattr(sys, "executable", str(bare / "python"))
     assert (await search_files(tree, "needle")).details["engine"] == "python"
     with pytest.raises(ToolError, match="not on PATH"):
         await search_files(tree, "needle", use_rg=True)
@@ -251,3 +254,58 @@ async def test_paths_off_limits_are_left_out_by_both_engines(tree: Path) -> None
     for path in ("data/var", "data/var/x[1]/secret.txt"):
         with pytest.raises(ToolError, match="agentloop's own data"):
             await search_files(tree, "needle", path, off_limits=off)
+
+
+def _search_children() -> list[int]:
+    """Live child interpreters of this test process running the Python engine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if ppid == os.getpid() and state != "Z" and b"search_python.py" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_backtracking_pattern_neither_freezes_the_server_nor_runs_for_ever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's regex engine holds the GIL: searched in the server's own interpreter, ``(a+)+$``
+    on a long line of a's stopped every run and stream, with no timeout able to end it. The
+    fallback engine runs in a child that is killed after its time or with the call."""
+    (tmp_path / "big.txt").write_text("a" * 40 + "b\n")
+    monkeypatch.setattr(search, "PYTHON_SEARCH_TIMEOUT", 1.0)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    beat = asyncio.create_task(ticker())
+    try:
+        with pytest.raises(ToolError, match="may backtrack without end"):
+            await search_files(tmp_path, "(a+)+$", use_rg=False)
+        assert ticks > 30  # the event loop kept running meanwhile
+        assert _search_children() == []  # and the child is gone
+        # a cancelled call (a run aborted) takes its child along too
+        call = asyncio.create_task(search_files(tmp_path, "(a+)+$", "big.txt", use_rg=False))
+        for _ in range(100):
+            if _search_children():
+                break
+            await asyncio.sleep(0.01)
+        assert _search_children()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert _search_children() == []
+    finally:
+        beat.cancel()

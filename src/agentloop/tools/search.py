@@ -1,7 +1,8 @@
 """The Search tool (syscall ``fs.search``): a regex over file contents under a directory.
 
 ripgrep is fast and handles huge trees, so it is used when it is on ``PATH``; a pure-Python walk
-stands in where it is not (a bare device, a slim container). The model must not be able to tell
+stands in where it is not (a bare device, a slim container), in a child interpreter that a timeout
+can kill (``search_python``). The model must not be able to tell
 them apart, so both are held to one contract, and the tests compare their output on one tree:
 
 - every regular file under the path is searched, hidden ones included; ``.git`` is skipped;
@@ -27,188 +28,26 @@ import os
 import re
 import shutil
 import sys
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field
 
+from agentloop.tools import search_python
 from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import close_transport
+from agentloop.tools.search_python import SKIP_DIRS, Hit, clean_line, glob_to_regex
 
 __all__ = ["Hit", "glob_to_regex", "search_files", "search_tool"]
 
-SKIP_DIRS = frozenset({".git"})
-MAX_TEXT_CHARS = 500
 DEFAULT_MAX_RESULTS = 200
 MAX_RESULTS_LIMIT = 5000
 ENV_BACKEND = "AGENTLOOP_SEARCH"  # "python" forces the fallback, "rg" insists on ripgrep
-
-
-@dataclass(frozen=True)
-class Hit:
-    path: str  # relative to the root, POSIX separators
-    line: int
-    text: str
-
-    def render(self) -> str:
-        return f"{self.path}:{self.line}: {self.text}"
-
-
-def _clean(text: str) -> str:
-    text = text.rstrip("\n").rstrip("\r")
-    if len(text) > MAX_TEXT_CHARS:
-        text = text[:MAX_TEXT_CHARS] + "…"
-    return text
-
-
-# ------------------------------------------------------------------ globs
-
-
-def _glob_body(glob: str) -> str:
-    """One glob (without its ``!``) as a regex body; ``*`` stays within a path component, as in gitignore."""
-    out: list[str] = []
-    i, n = 0, len(glob)
-    depth = 0
-    while i < n:
-        c = glob[i]
-        if glob.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if glob.startswith("/**", i) and i + 3 == n:
-            out.append("/.*")
-            i += 3
-            continue
-        if glob.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            end = glob.find("]", i + 2 if glob[i + 1 : i + 2] in ("!", "^", "]") else i + 1)
-            if end == -1:
-                out.append(re.escape(c))
-            else:
-                body = glob[i + 1 : end]
-                if body[:1] in ("!", "^"):
-                    body = "^" + body[1:]
-                out.append("[" + body.replace("\\", "\\\\") + "]")
-                i = end
-        elif c == "{":
-            depth += 1
-            out.append("(?:")
-        elif c == "}" and depth:
-            depth -= 1
-            out.append(")")
-        elif c == "," and depth:
-            out.append("|")
-        elif c == "\\" and i + 1 < n:
-            i += 1
-            out.append(re.escape(glob[i]))
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
-
-
-def glob_to_regex(glob: str) -> tuple[re.Pattern[str], bool, bool]:
-    """(regex, anchored, negated) for one gitignore-style glob.
-
-    An anchored regex is matched against the path relative to the root, otherwise against the
-    file name.
-    """
-    negated = glob.startswith("!")
-    if negated:
-        glob = glob[1:]
-    anchored = "/" in glob.rstrip("/")
-    glob = glob.lstrip("/").rstrip("/")
-    return re.compile(_glob_body(glob) + r"\Z", re.DOTALL), anchored, negated
-
-
-class _GlobFilter:
-    def __init__(self, glob: str | None) -> None:
-        self.rule = glob_to_regex(glob) if glob else None
-
-    def _matches(self, rel: str) -> bool:
-        assert self.rule is not None
-        regex, anchored, _ = self.rule
-        return bool(regex.match(rel if anchored else rel.rsplit("/", 1)[-1]))
-
-    def keep_dir(self, rel: str) -> bool:
-        return self.rule is None or not self.rule[2] or not self._matches(rel)
-
-    def keep_file(self, rel: str) -> bool:
-        if self.rule is None:
-            return True
-        return self._matches(rel) != self.rule[2]
-
-
-# ------------------------------------------------------------------ the pure-Python engine
-
-
-def _search_file(real: Path, rel: str, regex: re.Pattern[str], hits: list[Hit], cap: int) -> None:
-    try:
-        data = real.read_bytes()
-    except OSError:
-        return
-    if b"\x00" in data:
-        return
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for number, raw in enumerate(lines, start=1):
-        line = raw.decode("utf-8", errors="replace")
-        if regex.search(line):
-            hits.append(Hit(rel, number, _clean(line)))
-            if len(hits) >= cap:
-                return
-
-
-def _python_search(
-    root: Path,
-    start: Path,
-    regex: re.Pattern[str],
-    glob: str | None,
-    cap: int,
-    cancel: threading.Event,
-    skipped: frozenset[str] = frozenset(),
-) -> list[Hit]:
-    """Depth-first in name order: the order ``rg --sort path`` visits a tree in. ``skipped``:
-    paths (relative to ``root``) left out."""
-    hits: list[Hit] = []
-    filt = _GlobFilter(glob)
-
-    def walk(directory: Path) -> None:
-        try:
-            entries = sorted(os.scandir(directory), key=lambda e: e.name)
-        except OSError:
-            return
-        for entry in entries:
-            if cancel.is_set() or len(hits) >= cap:
-                return
-            if entry.name in SKIP_DIRS or entry.is_symlink():
-                continue
-            rel = display(root, Path(entry.path))
-            if rel in skipped:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                if filt.keep_dir(rel):
-                    walk(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False) and filt.keep_file(rel):
-                _search_file(Path(entry.path), rel, regex, hits, cap)
-
-    if start.is_dir():
-        walk(start)
-    else:
-        _search_file(start, display(root, start), regex, hits, cap)
-    return hits
+# The Python engine's child is killed after this long: a pattern that backtracks without end
+# would otherwise hold a CPU for ever (ripgrep's engine cannot backtrack, so it needs none).
+PYTHON_SEARCH_TIMEOUT = 30.0
 
 
 # ------------------------------------------------------------------ ripgrep
@@ -272,7 +111,7 @@ async def _rg_search(
                     continue
                 data = event["data"]
                 path = Path(_rg_text(data["path"]))
-                hits.append(Hit(display(root, path), int(data["line_number"]), _clean(_rg_text(data["lines"]))))
+                hits.append(Hit(display(root, path), int(data["line_number"]), clean_line(_rg_text(data["lines"]))))
                 if len(hits) >= cap:
                     break
         if len(hits) >= cap and proc.returncode is None:
@@ -291,6 +130,48 @@ async def _rg_search(
             raise ToolError(f"Invalid regex {pattern!r}: {stderr.removeprefix('regex parse error:').strip()}")
         raise ToolError(f"Search failed: {stderr or f'rg exited with {code}'}")
     return hits[:cap]
+
+
+async def _python_search(
+    root: Path, start: Path, pattern: str, ignore_case: bool, glob: str | None, cap: int, skipped: frozenset[str]
+) -> list[Hit]:
+    """The pure-Python engine, in a child interpreter that is killed when it takes too long or
+    the call is cancelled (see ``search_python``)."""
+    job = {
+        "root": str(root),
+        "start": str(start),
+        "pattern": pattern,
+        "ignore_case": ignore_case,
+        "glob": glob,
+        "cap": cap,
+        "skipped": sorted(skipped),
+    }
+    # -I: none of the caller's environment variables, user site or working directory on the path
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        search_python.__file__,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(job).encode()), PYTHON_SEARCH_TIMEOUT)
+    except TimeoutError:
+        raise ToolError(
+            f"Search stopped after {PYTHON_SEARCH_TIMEOUT:g} s: the pattern may backtrack without end"
+            " (nested repetition such as (a+)+); simplify it, or narrow the path or glob"
+        ) from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            close_transport(proc)
+            with contextlib.suppress(ProcessLookupError):
+                await proc.wait()
+    if proc.returncode != 0:
+        why = err.decode("utf-8", errors="replace").strip().splitlines()
+        raise ToolError(f"Search failed: {why[-1] if why else f'the search exited with {proc.returncode}'}")
+    return [Hit(path, line, text) for path, line, text in map(json.loads, out.splitlines())]
 
 
 def _ripgrep(use_rg: bool | None) -> str | None:
@@ -339,8 +220,7 @@ async def search_files(
         raise ToolError(f"{path} is agentloop's own data, which tools may not read")
     glob = glob or None
     cap = min(max_results, MAX_RESULTS_LIMIT) + 1  # one more than shown tells us results were cut
-    # rg for a single file too: Python's regex engine holds the GIL, so a pattern that backtracks
-    # without end would stop the whole event loop (and no timeout could end it)
+    # rg for a single file too: its engine cannot backtrack, so no pattern makes it run for ever
     rg = _ripgrep(use_rg)
     if not start.is_dir() and _binary(start):  # skipped, as in a tree (rg would search a named file)
         hits, engine = [], "python" if rg is None else "rg"
@@ -350,14 +230,10 @@ async def search_files(
         engine = "rg"
     else:
         try:
-            regex = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
+            re.compile(pattern, re.IGNORECASE if ignore_case else 0)
         except re.error as exc:
             raise ToolError(f"Invalid regex {pattern!r}: {exc}") from None
-        cancel = threading.Event()
-        try:
-            hits = await asyncio.to_thread(_python_search, base, start, regex, glob, cap, cancel, skipped)
-        finally:
-            cancel.set()  # a cancelled await leaves the thread running; tell it to stop
+        hits = await _python_search(base, start, pattern, ignore_case, glob, cap, skipped)
         engine = "python"
     shown = hits[: cap - 1]
     truncated = len(hits) >= cap
