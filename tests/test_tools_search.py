@@ -94,6 +94,11 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("needle", {"glob": "!*.txt"}),
     ("needle", {"glob": "!sub"}),
     ("needle", {"glob": "[ab].*"}),
+    # a trailing "/" matches directories only: no file is taken in, none is left out
+    ("needle", {"glob": "*/"}),
+    ("needle", {"glob": "sub*/"}),
+    ("needle", {"glob": "!a.txt/"}),
+    ("needle", {"glob": "!sub/"}),
     ("needle", {"max_results": 3}),
     ("needle", {"max_results": 1, "path": "sub"}),
     ("nothing-matches-this", {}),

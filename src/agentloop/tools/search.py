@@ -11,7 +11,8 @@ them apart, so both are held to one contract, and the tests compare their output
   are skipped;
 - files are visited in path order, lines in file order, so a capped result is the same prefix;
 - ``glob`` is a gitignore-style glob: without a ``/`` it matches the file name at any depth, with
-  one it is anchored at the workspace root; a leading ``!`` excludes; ``{a,b}`` alternates;
+  one it is anchored at the workspace root; a leading ``!`` excludes; ``{a,b}`` alternates; a
+  trailing ``/`` matches directories only (so it takes in no file, and leaves out only theirs);
 - each hit is ``relative/path:line: text``, the path relative to the root so Read can take it.
 
 Regex dialects differ at the edges (Rust's has no look-around, Python's no ``[[:alpha:]]``); the

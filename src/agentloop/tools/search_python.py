@@ -119,6 +119,7 @@ def glob_to_regex(glob: str) -> tuple[re.Pattern[str], bool, bool]:
 class _GlobFilter:
     def __init__(self, glob: str | None) -> None:
         self.rule = glob_to_regex(glob) if glob else None
+        self.dirs_only = glob is not None and glob.endswith("/")  # as in gitignore: it names no file
 
     def _matches(self, rel: str) -> bool:
         assert self.rule is not None
@@ -131,6 +132,8 @@ class _GlobFilter:
     def keep_file(self, rel: str) -> bool:
         if self.rule is None:
             return True
+        if self.dirs_only:  # taken in: none; left out: only inside a directory it names
+            return self.rule[2]
         return self._matches(rel) != self.rule[2]
 
 
