@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typer.testing import CliRunner
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, UserMessage, call
 from agentloop.cli.main import app
 from agentloop.models.base import ModelRequest
+from agentloop.tools.base import ToolError
 from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools
 from tests.process_support import kernel
 
@@ -408,3 +410,92 @@ async def test_a_server_that_cannot_be_restarted_tells_the_model_nothing_of_its_
     await connection.close()
     with pytest.raises(Exception, match="configuration changed"):
         await connection.call("get", {})
+
+
+# ------------------------------------------------------------------------------ a wedged server
+
+WEDGED = (  # the fake server, plus a tool that blocks its event loop: it reads nothing more, ever
+    "import sys, time\n"
+    f"sys.path.insert(0, {str(Path(SERVER).parent)!r})\n"
+    "from mcp_server import app\n"
+    "@app.tool()\n"
+    "async def wedge() -> str:\n"
+    '    """Stop answering anything (an infinite loop, a deadlock)."""\n'
+    "    time.sleep(3600)\n"
+    "    return 'never'\n"
+    "app.run()\n"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _gone(pid: int, within: float = 8.0) -> bool:
+    deadline = time.monotonic() + within
+    while _alive(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return not _alive(pid)
+
+
+async def test_a_server_whose_calls_time_out_again_and_again_is_killed_and_started_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wedged server made every later call wait out its timeout, for ever: after
+    ``restart_after_timeouts`` calls in a row time out (here in the loop, which cancels them at the
+    deadline), its process is killed and the next call starts a new one, just one however many
+    calls come at once. The log names the server, not its command line."""
+    script = tmp_path / "wedged.py"
+    script.write_text(WEDGED)
+    server = {"name": "stuck", "command": sys.executable, "args": [str(script), "--token", "ghp_SECRET1234"]}
+    async with mcp_tools([{**server, "timeout": 0.5}]) as tools:
+        whoami = next(t for t in tools if t.name == "stuck__whoami")
+        before = int((await whoami.run({}, None)).content[0].text)  # type: ignore[arg-type, union-attr]
+        model = ScriptedModel([*(Reply(tool_calls=[call("stuck__wedge")]) for _ in range(3)), "gave up"])
+        result = await Agent(model=model, tools=tools).run("go")
+        timed_out = _results(result.messages)
+        assert len(timed_out) == 3 and all(r.is_error and "timed out" in r.text for r in timed_out)
+        assert await _gone(before), "the wedged server's process is still there"
+        answers = await asyncio.gather(*(whoami.run({}, None) for _ in range(3)))  # type: ignore[arg-type]
+    after = {int(a.content[0].text) for a in answers}  # type: ignore[union-attr]
+    assert len(after) == 1 and before not in after  # one new process, for all three calls
+    assert "'stuck' timed out 3 times in a row" in caplog.text and "ghp_SECRET1234" not in caplog.text
+
+
+async def test_an_answer_between_timeouts_clears_the_count_and_a_call_in_flight_fails_cleanly() -> None:
+    """Only timeouts in a row count (here the SDK's own deadline, the call made directly, and
+    ``restart_after_timeouts`` set to 2): one answer in between and the server is kept. A call
+    still waiting when the server is given up fails at once, saying why."""
+    from agentloop.tools.mcp import MCPConnection
+
+    connection = MCPConnection(MCPServerConfig.model_validate(fake(timeout=0.5, restart_after_timeouts=2)))
+
+    async def whoami() -> str:
+        return (await connection.call("whoami", {})).content[0].text  # type: ignore[union-attr]
+
+    async def nap() -> str:
+        with pytest.raises(ToolError) as info:
+            await connection.call("nap", {"seconds": 30})
+        return str(info.value)
+
+    try:
+        first = await whoami()
+        assert "timed out" in await nap()
+        assert await whoami() == first
+        assert "timed out" in await nap()
+        assert await whoami() == first  # two timeouts, not in a row: the same process
+        assert "timed out" in await nap()
+        second = asyncio.create_task(nap())
+        await asyncio.sleep(0.25)
+        started = time.monotonic()
+        in_flight = await nap()  # its own deadline is 0.5 s away, the second's 0.25 s
+        assert "timed out" in await second
+        assert "'fake' was stopped before nap answered" in in_flight and "2 times in a row" in in_flight
+        assert time.monotonic() - started < 0.45
+        assert await whoami() != first and await _gone(int(first))
+    finally:
+        await connection.close()

@@ -9,7 +9,9 @@ with dozens of tools from filling the context window.
 
 Failures stay tool results: a server that cannot start is an error when the toolset opens (with
 the tail of the server's stderr, which is otherwise kept out of the terminal), and a server that
-dies later turns its calls into error results; the next call starts it again.
+dies later turns its calls into error results; the next call starts it again. So does a server
+whose calls time out ``restart_after_timeouts`` times in a row: it is taken for wedged (stuck in a
+loop, deadlocked), stopped (a program's process is killed) and started afresh by the next call.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = ["MCPConnection", "MCPServerConfig", "mcp_tools"]
 
 _NAME = r"[A-Za-z0-9_-]{1,40}"
 _CONNECTION_CLOSED = -32000  # JSON-RPC code the SDK gives a request whose connection ended
+_REQUEST_TIMEOUT = -32001  # JSON-RPC code the SDK gives a request that waited out its read timeout
 STDERR_TAIL_BYTES = 8192  # of a server's stderr, what an error about it quotes from
 MAX_DETAILS_CHARS = MAX_RESULT_CHARS  # structured output kept with a result, as JSON
 
@@ -83,6 +86,13 @@ class MCPServerConfig(BaseModel):
     tools: list[str] | None = Field(None, description="Only these of its tools (all when absent).")
     timeout: float = Field(60.0, gt=0, description="Seconds one call may take.")
     startup_timeout: float = Field(30.0, gt=0, description="Seconds the server may take to start.")
+    # Why 3: one slow call, or the model trying the same slow call again, is not yet a wedged server,
+    # and a restart loses what the server holds (an open browser, a login) for every run using it;
+    # a third call in a row waiting out its timeout (with no answer in between) is, and without a
+    # restart every later call would wait out the timeout as well.
+    restart_after_timeouts: int = Field(
+        3, ge=1, description="Calls in a row that time out before the server is stopped and started again."
+    )
 
     @model_validator(mode="after")
     def _one_transport(self) -> MCPServerConfig:
@@ -136,10 +146,15 @@ class MCPConnection:
         self._start_lock = asyncio.Lock()
         self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
         self._closed = False  # closed for good: a tool kept by a run that began before does not restart it
+        self._timeouts = 0  # calls in a row that timed out on the current session
+        self._abandoned: asyncio.Event | None = None  # the ``_closing`` of the session last given up for them
 
     @property
     def alive(self) -> bool:
-        return self._client is not None and self._task is not None and not self._task.done()
+        """Connected, and not being stopped (a session given up is still leaving: not to be used)."""
+        return (
+            self._client is not None and self._task is not None and not self._task.done() and not self._closing.is_set()
+        )
 
     async def start(self) -> None:
         """Start the server (or reconnect) and read its tool list; ``MCPError`` if it fails."""
@@ -148,11 +163,12 @@ class MCPConnection:
                 return
             if self._closed:
                 raise MCPError(f"MCP server {self.config.name!r} was stopped (its configuration changed)")
-            await self._stop_task()
+            await self._stop_task()  # (a session given up is waited for: its server is gone before the next starts)
             with contextlib.suppress(OSError, ValueError):  # a new start, a new log: the old one goes
                 self._stderr.seek(0)
                 self._stderr.truncate()
             self._closing = asyncio.Event()
+            self._timeouts = 0
             ready: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._hold(ready), name=f"mcp:{self.config.name}")
             try:
@@ -233,8 +249,10 @@ class MCPConnection:
         return [t for t in self._listing if wanted is None or t.name in wanted]
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
-        """Call one of the server's tools; a failure of the server is a ``ToolError``."""
+        """Call one of the server's tools; a failure of the server is a ``ToolError``. A call that
+        times out counts against the server (see ``_timed_out``); an answer clears the count."""
         name = self.config.name
+        started = asyncio.get_running_loop().time()
         if self._closed:  # a run that began before its account's configuration changed
             raise ToolError(f"MCP server {name!r} was stopped: its configuration changed")
         if not self.alive:
@@ -245,17 +263,60 @@ class MCPConnection:
                 # secrets: they go to the log; the model (and the account) learn only that it failed
                 log.warning("%s", exc)
                 raise ToolError(f"MCP server {name!r} is not available (the server's log says why)") from None
+        client, task, closing = self._client, self._task, self._closing  # this session's
         try:
-            result = await self._client.call_tool(tool, arguments)
+            result = await client.call_tool(tool, arguments)
         except asyncio.CancelledError:
+            # the loop cancels a tool at its deadline, which for a server's tool is its `timeout`
+            # (a call cancelled sooner, by an abort, says nothing about the server)
+            if asyncio.get_running_loop().time() - started >= self.config.timeout * 0.99:
+                self._timed_out(closing)
             raise
         except Exception as exc:
-            if _connection_lost(exc):  # the server is gone: the next call starts it again
-                await self._stop_task()
-            raise ToolError(f"MCP server {self.config.name!r} failed on {tool}: {_describe(exc)}") from None
+            if closing.is_set():  # stopped under the call: say so, not the SDK's "connection closed"
+                why = ""
+                if closing is self._abandoned:
+                    limit = self.config.restart_after_timeouts
+                    why = f" (its calls timed out {limit} times in a row); the next call starts it again"
+                raise ToolError(f"MCP server {name!r} was stopped before {tool} answered{why}") from None
+            if _error_code(exc) == _REQUEST_TIMEOUT:  # the SDK's own deadline (the same `timeout`)
+                self._timed_out(closing)
+            elif _connection_lost(exc):  # the server is gone: the next call starts it again
+                await self._stop_task(task)
+            elif closing is self._closing:  # an error the server sent: it answers
+                self._timeouts = 0
+            raise ToolError(f"MCP server {name!r} failed on {tool}: {_describe(exc)}") from None
+        if closing is self._closing:
+            self._timeouts = 0
         return _to_result(result)
 
-    async def _stop_task(self) -> None:
+    def _timed_out(self, closing: asyncio.Event) -> None:
+        """Count a call to the session ``closing`` belongs to that waited out its timeout. At
+        ``restart_after_timeouts`` in a row the server is taken for wedged and the session is
+        given up: no call goes to it any more, its task leaves the SDK's client, which stops the
+        server (closes its stdin, then kills its process group if it is still there), and the next
+        call starts it again, once the old one is gone (``start`` waits for the task). Calls still
+        waiting on it fail at once. Synchronous, so the timed-out call is not held up."""
+        if closing is not self._closing or closing.is_set():  # a session already given up or replaced
+            return
+        self._timeouts += 1
+        if self._timeouts < self.config.restart_after_timeouts:
+            return
+        # only the name: the command line, its environment and its stderr may hold secrets
+        log.warning(
+            "MCP server %r timed out %d times in a row: stopping it; the next call starts it again",
+            self.config.name,
+            self._timeouts,
+        )
+        self._abandoned = closing
+        closing.set()
+
+    async def _stop_task(self, only: asyncio.Task[None] | None = None) -> None:
+        """Stop the task holding the session (and with it the server), and wait for it to end;
+        with ``only``, just if that task is still the current one (a call that saw its server go
+        away must not stop the one a later call has started since)."""
+        if only is not None and only is not self._task:
+            return
         task, self._task = self._task, None
         if task is None:
             return
@@ -288,10 +349,16 @@ async def _list_all(client: Any) -> list[Any]:
             return tools
 
 
+def _error_code(exc: BaseException) -> int | None:
+    """The JSON-RPC error code of a failed request (``None``: not an error the SDK reports)."""
+    code = getattr(getattr(exc, "error", None), "code", None)
+    return code if isinstance(code, int) else None
+
+
 def _connection_lost(exc: BaseException) -> bool:
     """Whether a failed call means the connection is over (anything but an error the server sent)."""
-    code = getattr(getattr(exc, "error", None), "code", None)
-    return not isinstance(code, int) or code == _CONNECTION_CLOSED
+    code = _error_code(exc)
+    return code is None or code == _CONNECTION_CLOSED
 
 
 def _describe(exc: BaseException) -> str:
