@@ -88,3 +88,37 @@ def test_capped_keeps_images_errors_and_details() -> None:
 def test_a_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_result_chars"):
         tool(max_result_chars=0)(lambda: "x")
+
+
+@pytest.mark.parametrize("durable", [False, True])
+async def test_a_result_with_bytes_that_were_not_utf8_is_kept_with_replacement_characters(
+    tmp_path: Path, durable: bool
+) -> None:
+    """A tool that lists files decodes names that are not UTF-8 with surrogateescape: the lone
+    surrogates have no UTF-8 form, so the durable step failed to store the result (the model was
+    told it could not be recorded) and a provider would refuse it. They become U+FFFD."""
+
+    @tool
+    def listing() -> ToolResult:
+        """List the files."""
+        name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+        return ToolResult.text(f"{name}\nplain.txt", details={"names": [name, "plain.txt"], name: (name,)})
+
+    def brain(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        return "saw: " + last.text if isinstance(last, ToolResultMessage) else Reply(tool_calls=[call("listing")])
+
+    if durable:
+        async with Kernel.open(
+            f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain), tools=[listing], workspace=tmp_path
+        ) as k:
+            proc = await k.spawn(owner="me", text="list")
+            await proc.wait_idle()
+            messages = await proc.messages()
+    else:
+        messages = (await Agent(model=ScriptedModel(brain), tools=[listing]).run("list")).messages
+    [result] = [m for m in messages if isinstance(m, ToolResultMessage)]
+    assert not result.is_error and result.text == "caf\ufffd.txt\nplain.txt"
+    kept = ["caf\ufffd.txt"] if durable else ("caf\ufffd.txt",)  # (stored as JSON: a list)
+    assert result.details == {"names": ["caf\ufffd.txt", "plain.txt"], "caf\ufffd.txt": kept}
+    assert messages[-1].text == "saw: caf\ufffd.txt\nplain.txt"

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeAlias, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage
+from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage, storable
 from agentloop.models.base import ToolSpec
 
 ResultBlock: TypeAlias = TextContent | ImageContent | FileContent
@@ -67,13 +67,38 @@ class ToolResult:
         return ToolResult([cut, *images], details=self.details, is_error=self.is_error)
 
     def to_message(self, tool_call_id: str, tool_name: str) -> ToolResultMessage:
+        """The result as the history keeps it. Text a tool made of bytes that were not UTF-8 (a
+        file name decoded with ``surrogateescape``) has lone surrogates, which no provider takes
+        and no store can write: they become U+FFFD here instead of failing the step."""
+        content = [_storable_block(b) for b in self.content]
         return ToolResultMessage(
             tool_call_id=tool_call_id,
             tool_name=tool_name,
-            content=self.content,
-            details=self.details,
+            content=content,
+            details=_storable_details(self.details),
             is_error=self.is_error,
         )
+
+
+def _storable_block(block: ResultBlock) -> ResultBlock:
+    if isinstance(block, TextContent):
+        text = storable(block.text)
+        if text is not block.text:
+            return TextContent(text=text)
+    return block
+
+
+def _storable_details(value: Any) -> Any:
+    """``details`` with its strings made storable (see ``ToolResult.to_message``)."""
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, list):
+        return [_storable_details(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_storable_details(v) for v in value)
+    if isinstance(value, dict):
+        return {_storable_details(k): _storable_details(v) for k, v in value.items()}
+    return value
 
 
 class ToolError(Exception):
