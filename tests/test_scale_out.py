@@ -622,24 +622,31 @@ async def test_a_worker_keeps_no_claim_lock_for_processes_it_is_not_claiming(pg_
             assert len(k.engine.leases._claiming) == 0
 
 
+@pytest.fixture
+async def archiving(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set when a reset or kill begins writing its archive, which then takes a second: the window
+    in which the tests below send through the other worker."""
+    import agentloop.kernel.kernel as kernel_module
+
+    began = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real_write = kernel_module.write_archive
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        loop.call_soon_threadsafe(began.set)
+        time.sleep(1.0)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "write_archive", slow_write)
+    return began
+
+
 async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_the_fresh_conversation(
-    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, tmp_path: Path, archiving: asyncio.Event
 ) -> None:
     """A reset on the holder archives, then clears: a message that another worker queues for the
     process meanwhile is neither started on the history being cleared nor dropped with the
     queue the reset discards; it starts the first run of the fresh conversation."""
-    import agentloop.kernel.kernel as kernel_module
-
-    archiving = asyncio.Event()
-    real_write = kernel_module.write_archive
-
-    def slow_write(*args: Any, **kwargs: Any) -> Any:
-        archiving_loop.call_soon_threadsafe(archiving.set)
-        time.sleep(1.0)  # the window: B's message arrives while the reset is under way
-        return real_write(*args, **kwargs)
-
-    archiving_loop = asyncio.get_running_loop()
-    monkeypatch.setattr(kernel_module, "write_archive", slow_write)
     brain = lambda req: "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))  # noqa: E731
     async with two(pg_url, tmp_path, ScriptedModel(brain), []) as (a, b):
         assert a.engine.leases is not None
@@ -665,23 +672,11 @@ async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_th
 
 
 async def test_a_message_sent_through_the_other_worker_during_a_kill_is_refused_or_archived(
-    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, tmp_path: Path, archiving: asyncio.Event
 ) -> None:
     """A kill on the holder archives, then deletes the process: a message that another worker
     sends meanwhile either gets "no such process" or, if it was queued in time, is in the
     archive. It is never deleted with the process after its sender got a receipt."""
-    import agentloop.kernel.kernel as kernel_module
-
-    archiving = asyncio.Event()
-    real_write = kernel_module.write_archive
-
-    def slow_write(*args: Any, **kwargs: Any) -> Any:
-        archiving_loop.call_soon_threadsafe(archiving.set)
-        time.sleep(1.0)  # the window: B's message arrives while the kill is under way
-        return real_write(*args, **kwargs)
-
-    archiving_loop = asyncio.get_running_loop()
-    monkeypatch.setattr(kernel_module, "write_archive", slow_write)
     async with two(pg_url, tmp_path, ScriptedModel(lambda req: "seen"), []) as (a, b):
         assert a.engine.leases is not None
         proc_a = await a.spawn(owner="alice")
