@@ -22,6 +22,7 @@ from agentloop.messages import (
 )
 from agentloop.models.anthropic import AnthropicModel
 from agentloop.models.base import ModelRequest, ToolSpec
+from agentloop.models.overflow import is_context_overflow
 from agentloop.models.registry import resolve_model
 from agentloop.models.retry import RetryPolicy
 from tests.fakes.anthropic_server import (
@@ -216,7 +217,64 @@ async def test_thinking_with_signature_and_budget(fake: AnthropicFake) -> None:
     ]
 
 
+async def test_tool_input_sent_whole_in_the_block_start(fake: AnthropicFake) -> None:
+    """A server that puts a tool's input in ``content_block_start`` and sends no deltas (which
+    the SDK's accumulator takes) had the call run with no arguments."""
+    whole = ev(
+        "content_block_start",
+        index=0,
+        content_block={"type": "tool_use", "id": "toolu_w", "name": "echo", "input": {"text": "whole"}},
+    )
+    fake.push(
+        stream(message_start(), whole, ev("content_block_stop", index=0), *message_end("tool_use")),
+        stream(  # deltas, when they come, are the input (as in the SDK)
+            message_start(),
+            ev(
+                "content_block_start",
+                index=0,
+                content_block={"type": "tool_use", "id": "toolu_d", "name": "echo", "input": {"text": "stale"}},
+            ),
+            json_delta(0, ""),
+            json_delta(0, '{"text": "fresh"}'),
+            ev("content_block_stop", index=0),
+            *message_end("tool_use"),
+        ),
+    )
+    done = finished(await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))
+    assert done.message.tool_calls == [ToolCall(id="toolu_w", name="echo", arguments={"text": "whole"})]
+    done = finished(await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))
+    assert done.message.tool_calls == [ToolCall(id="toolu_d", name="echo", arguments={"text": "fresh"})]
+
+
+async def test_a_tool_call_cut_by_max_tokens_says_so(fake: AnthropicFake) -> None:
+    fake.push(
+        stream(
+            message_start(), tool_start(0, "toolu_c", "echo"), json_delta(0, '{"text": "lo'), *message_end("max_tokens")
+        )
+    )
+    err = (await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))[-1]
+    assert isinstance(err, StreamError) and err.kind == "invalid_response"
+    assert "cut off by the output token limit" in (err.message.error_message or "")
+
+
 # ------------------------------------------------------------------ request conversion
+
+
+async def test_whitespace_only_text_is_left_out(fake: AnthropicFake) -> None:
+    """The API refuses a text block of only whitespace ("text content blocks must contain
+    non-whitespace text"); kept in the history, one (a tool's "\n") failed every later call."""
+    calls = AssistantMessage(content=[ToolCall(id="toolu_1", name="echo", arguments={})], stop_reason="toolUse")
+    blank = ToolResultMessage(tool_call_id="toolu_1", tool_name="echo", content=[TextContent(text="\n")])
+    fake.push(text_reply("ok"))
+    await events_of(
+        model(fake, prompt_cache=False),
+        req(user("go"), calls, blank, user(" \n", ImageContent(data="AAAA", mime_type="image/png"))),
+    )
+    sent = fake.last["messages"]
+    assert sent[2]["content"] == [
+        {"type": "tool_result", "tool_use_id": "toolu_1"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+    ]
 
 
 async def test_history_tool_results_merged_ids_and_notices(fake: AnthropicFake) -> None:
@@ -330,6 +388,19 @@ async def test_overflow_400_is_overflow(fake: AnthropicFake) -> None:
     assert isinstance(err, StreamError)
     assert (err.kind, err.status, err.retryable) == ("overflow", 400, False)
     assert "prompt is too long" in (err.message.error_message or "")
+
+
+async def test_input_and_max_tokens_over_the_window_is_overflow(fake: AnthropicFake) -> None:
+    """With max_tokens at the model's output cap (64k), this is the overflow a long conversation
+    meets first; read as a bad request, the run failed instead of compacting."""
+    message = (
+        "input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, "
+        "decrease input length or `max_tokens` and try again"
+    )
+    fake.push(error(400, "invalid_request_error", message))
+    err = (await events_of(model(fake), req(user("big"))))[-1]
+    assert isinstance(err, StreamError) and (err.kind, err.status) == ("overflow", 400)
+    assert is_context_overflow(err.message)
 
 
 async def test_other_400_is_bad_request(fake: AnthropicFake) -> None:

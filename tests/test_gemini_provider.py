@@ -405,6 +405,15 @@ async def test_error_inside_the_stream(fake: GeminiFake) -> None:
     assert err.kind == "server" and err.retryable and err.message.text == "so far"
 
 
+async def test_an_error_string_inside_the_stream_is_the_error(fake: GeminiFake) -> None:
+    """A proxy's ``{"error": "..."}`` was skipped as a chunk without candidates: the stream then
+    read as cut (a retried connection error) and what it said was lost."""
+    fake.push(stream(chunk(text("so far")), {"error": "upstream request timeout"}))
+    err = failed(await events_of(model(fake), req(user("x"))))
+    assert (err.kind, err.message.error_message) == ("server", "stream error: upstream request timeout")
+    assert err.message.text == "so far"
+
+
 async def test_safety_finish_is_an_error_with_the_reason(fake: GeminiFake) -> None:
     ratings = [
         {"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "probability": "HIGH"},

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import email.utils
+import json
 import time
+from typing import Any
 
 import pytest
 
+from agentloop.events import StreamError
 from agentloop.messages import AssistantMessage, Usage
 from agentloop.models.base import AssistantBuilder, ModelInfo, ProviderError, make_usage
 from agentloop.models.catalog import model_info
@@ -98,6 +101,8 @@ def test_retry_after_parsing():
         "the request exceeds the available context size, try increasing it",
         "Requested tokens (9000) exceed context window of 8192",
         "400 status code (no body)",
+        "input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or "
+        "`max_tokens` and try again",  # Anthropic, when input + max_tokens do not fit the window
     ],
 )
 def test_overflow_texts(text):
@@ -128,6 +133,18 @@ def test_builder_rejects_garbage_tool_arguments():
     assert err.value.kind == "invalid_response" and "not JSON" in str(err.value)
     failed = b.fail("broken", "connection")
     assert failed.message.tool_calls == [] and failed.message.stop_reason == "error" and failed.retryable
+
+
+def test_a_tool_call_cut_by_the_output_limit_says_so():
+    """Arguments cut off by max_tokens are the usual broken JSON: the error named only the JSON."""
+    b = AssistantBuilder(ModelInfo(provider="p", id="m"))
+    b.start()
+    b.tool_call(0, "c1", "write")
+    b.tool_args(0, '{"path": "a.txt", "content": "lo')
+    with pytest.raises(ProviderError) as err:
+        b.finish("length")
+    assert err.value.kind == "invalid_response"
+    assert str(err.value).startswith("tool call 'write' was cut off by the output token limit")
 
 
 QUOTA = {
@@ -188,3 +205,90 @@ async def test_a_stream_labelled_text_plain_is_left_to_be_read() -> None:
     from agentloop.models.base import check_event_stream
 
     await check_event_stream(httpx.Response(200, headers={"content-type": "text/plain"}, content=b"data: {}\n\n"))
+
+
+class _Page:
+    """An answer that is not the provider's JSON: a proxy's HTML page, a server's plain text."""
+
+    def __init__(self, status: int, body: str, content_type: str = "text/html") -> None:
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def _serving_pages(fake_class: type) -> type:
+    """``fake_class`` answering a queued ``_Page`` as it is."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    class Pages(fake_class):  # type: ignore[misc, valid-type]
+        async def handle(self, request: Request) -> Response:
+            page = self.queue[0] if self.queue else None
+            if not isinstance(page, _Page):
+                return await super().handle(request)
+            self.queue.pop(0)
+            self.requests.append(await request.json())
+            return Response(page.body, status_code=page.status, media_type=page.content_type)
+
+    return Pages
+
+
+def _provider(provider: str, key: str = "k") -> tuple[Any, Any]:
+    """A fake server of ``provider`` that can also answer pages, and a model factory for it."""
+    from agentloop.models.anthropic import AnthropicModel
+    from agentloop.models.gemini import GeminiModel
+    from agentloop.models.openai_chat import OpenAIChatModel
+    from tests.fakes.anthropic_server import AnthropicFake
+    from tests.fakes.gemini_server import GeminiFake
+    from tests.fakes.openai_server import OpenAIFake
+
+    fake = _serving_pages({"openai": OpenAIFake, "anthropic": AnthropicFake, "gemini": GeminiFake}[provider])()
+    make = {
+        "openai": lambda: OpenAIChatModel("gpt-4o-mini", base_url=fake.base_url, api_key=key),
+        "anthropic": lambda: AnthropicModel("claude-haiku-4-5", base_url=fake.base_url, api_key=key),
+        "gemini": lambda: GeminiModel("gemini-2.5-flash", base_url=fake.base_url, api_key=key),
+    }[provider]
+    return fake, make
+
+
+async def _failure(model: Any) -> StreamError:
+    from agentloop import user
+    from agentloop.models.base import ModelRequest
+
+    events = [e async for e in model.stream(ModelRequest(system_prompt="", messages=[user("hi")]))]
+    assert isinstance(events[-1], StreamError), events[-1]
+    return events[-1]
+
+
+PAGE = "<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1>" + "<p>nginx</p>" * 500
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic", "gemini"])
+async def test_an_error_page_is_quoted_shortened(provider: str) -> None:
+    """OpenAI's adapter lost the body ("HTTP 502: Error code: 502") and the overflow a plain-text
+    body names; Anthropic's quoted a whole proxy page (6 KB of HTML) into the stored error."""
+    fake, make = _provider(provider)
+    with fake:
+        fake.push(_Page(502, PAGE), _Page(400, "the request exceeds the available context size", "text/plain"))
+        page = await _failure(make())
+        assert (page.kind, page.status, page.retryable) == ("server", 502, True)
+        text = page.message.error_message or ""
+        assert text.startswith("HTTP 502: <html><head><title>502 Bad Gateway</title>") and len(text) < 400
+        plain = await _failure(make())
+        assert (plain.kind, plain.status) == ("overflow", 400)
+        assert plain.message.error_message == "HTTP 400: the request exceeds the available context size"
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic", "gemini"])
+async def test_a_key_the_server_quotes_is_masked(provider: str) -> None:
+    """A key in no vendor's shape (a local server's, a proxy's) reached the stored error as is
+    when the server quoted it back."""
+    key = "team-proxy-key-8f3a"
+    fake, make = _provider(provider, key)
+    with fake:
+        fake.push(
+            _Page(401, json.dumps({"error": {"message": f"Invalid API key {key} for this proxy"}}), "application/json")
+        )
+        err = await _failure(make())
+    assert err.kind == "auth"
+    assert key not in (err.message.error_message or "") and "Invalid API key *** for this proxy" in (
+        err.message.error_message or ""
+    )

@@ -26,7 +26,7 @@ from agentloop.models.base import ModelRequest, ToolSpec
 from agentloop.models.openai_chat import OpenAIChatModel
 from agentloop.models.registry import resolve_model
 from agentloop.models.retry import RetryPolicy
-from tests.fakes.http_server import SSEReply
+from tests.fakes.http_server import JSONReply, SSEReply
 from tests.fakes.openai_server import (
     OpenAIFake,
     chunk,
@@ -191,6 +191,41 @@ async def test_two_parallel_tool_calls_interleaved(fake: OpenAIFake) -> None:
     assert done.message.tool_calls == [
         ToolCall(id="call_a", name="echo", arguments={"text": "one"}),
         ToolCall(id="call_b", name="echo", arguments={"text": "two"}),
+    ]
+
+
+async def test_parallel_calls_that_share_index_zero_stay_apart(fake: OpenAIFake) -> None:
+    """Ollama, LiteLLM and lmdeploy give every parallel call index 0: keyed by index alone, the
+    calls merged into one whose arguments (``{...}{...}``) were not JSON, and the turn failed."""
+    fake.push(
+        stream(  # each call whole (Ollama)
+            chunk(tool_delta(0, id="call_a", name="echo", args='{"text": "one"}')),
+            chunk(tool_delta(0, id="call_b", name="echo", args='{"text": "two"}')),
+            chunk(finish_reason="tool_calls"),
+        ),
+        stream(  # a start with the id, then fragments without one (lmdeploy)
+            chunk(tool_delta(0, id="call_c", name="echo")),
+            chunk(tool_delta(0, args='{"text": ')),
+            chunk(tool_delta(0, args='"three"}')),
+            chunk(tool_delta(0, id="call_d", name="echo")),
+            chunk(tool_delta(0, args='{"text": "four"}')),
+            chunk(finish_reason="tool_calls"),
+        ),
+        stream(  # one call whose later fragments carry another id: still one call
+            chunk(tool_delta(0, id="call_e", name="echo")),
+            chunk(tool_delta(0, id="call_f", args='{"text": ')),
+            chunk(tool_delta(0, id="call_f", args='"five"}')),
+            chunk(finish_reason="tool_calls"),
+        ),
+    )
+    seen = []
+    for _ in range(3):
+        done = finished(await events_of(model(fake), req(user("two"), tools=[ECHO_SPEC])))
+        seen.append([(c.id, c.arguments) for c in done.message.tool_calls])
+    assert seen == [
+        [("call_a", {"text": "one"}), ("call_b", {"text": "two"})],
+        [("call_c", {"text": "three"}), ("call_d", {"text": "four"})],
+        [("call_e", {"text": "five"})],
     ]
 
 
@@ -359,6 +394,25 @@ async def test_overflow_400_is_overflow(fake: OpenAIFake) -> None:
     assert "maximum context length" in (err.message.error_message or "")
 
 
+async def test_an_error_body_in_another_shape_is_quoted(fake: OpenAIFake) -> None:
+    """The SDK's message quotes only OpenAI's ``error.message``: a server's ``{"error": "..."}``
+    became "Error code: 400", its overflow went unrecognised (no compaction), its words lost."""
+    fake.push(JSONReply(400, {"error": "the request exceeds the available context size, try increasing it"}))
+    fake.push(JSONReply(503, {"detail": "upstream unavailable"}))
+    err = (await events_of(model(fake), req(user("big"))))[-1]
+    assert isinstance(err, StreamError) and (err.kind, err.status) == ("overflow", 400)
+    assert err.message.error_message == "HTTP 400: the request exceeds the available context size, try increasing it"
+    err = (await events_of(model(fake), req(user("x"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "server" and err.retryable
+    assert err.message.error_message == 'HTTP 503: {"detail": "upstream unavailable"}'
+
+
+async def test_an_overflow_named_only_by_the_error_code_is_overflow(fake: OpenAIFake) -> None:
+    fake.push(error(400, "Input tokens exceed the configured limit.", code="context_length_exceeded"))
+    err = (await events_of(model(fake), req(user("big"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "overflow"
+
+
 async def test_other_400_is_bad_request(fake: OpenAIFake) -> None:
     fake.push(error(400, "Invalid value for 'tools'"))
     err = (await events_of(model(fake), req(user("x"))))[-1]
@@ -421,6 +475,49 @@ async def test_error_event_inside_stream_is_server_error(fake: OpenAIFake) -> No
     fake.push(stream(chunk({"content": "so"}), {"error": {"message": "upstream failed", "type": "server_error"}}))
     err = (await events_of(model(fake), req(user("hi"))))[-1]
     assert isinstance(err, StreamError) and err.kind == "server"
+
+
+async def test_error_event_inside_stream_says_what_it_says(fake: OpenAIFake) -> None:
+    """An ``error`` that is a string (a proxy's) was reported as "An error occurred during
+    streaming"; one with a status code (vLLM, OpenRouter) was retried whatever the code."""
+    fake.push(stream(chunk({"content": "so"}), {"error": "upstream idle timeout"}))
+    fake.push(
+        stream(chunk({"content": "so"}), {"error": {"message": "bad grammar", "type": "BadRequestError", "code": 400}})
+    )
+    err = (await events_of(model(fake), req(user("hi"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "server" and err.retryable
+    assert err.message.error_message == "stream error: upstream idle timeout" and err.message.text == "so"
+    err = (await events_of(model(fake), req(user("hi"))))[-1]
+    assert isinstance(err, StreamError) and (err.kind, err.status, err.retryable) == ("bad_request", 400, False)
+    assert err.message.error_message == "stream error: bad grammar"
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop"), [("eos", "stop"), ("eos_token", "stop"), ("stop_sequence", "stop"), ("model_length", "length")]
+)
+async def test_other_servers_words_for_stop_and_length(fake: OpenAIFake, finish: str, stop: str) -> None:
+    """Together says ``eos``, older TGI ``eos_token``/``stop_sequence``, Mistral ``model_length``:
+    a finished answer was thrown away as a non-retryable error."""
+    fake.push(text_reply("all done", finish=finish))
+    done = finished(await events_of(model(fake), req(user("hi"))))
+    assert (done.message.text, done.message.stop_reason) == ("all done", stop)
+
+
+@pytest.mark.parametrize("finish", ["insufficient_system_resource", "error"])
+async def test_a_finish_reason_that_says_the_server_failed_is_retried(fake: OpenAIFake, finish: str) -> None:
+    """DeepSeek's ``insufficient_system_resource`` (and Mistral's ``error``) end an answer the
+    server could not finish: transient, not a bad request."""
+    fake.push(text_reply("half", finish=finish), text_reply("whole"))
+    result = await Agent(model=model(fake), retry=FAST).run("hi")
+    assert (result.stop_reason, result.text) == ("stop", "whole")
+    assert len(fake.requests) == 2
+
+
+async def test_a_content_filter_stop_is_an_error(fake: OpenAIFake) -> None:
+    fake.push(text_reply("I can", finish="content_filter"))
+    err = (await events_of(model(fake), req(user("hi"))))[-1]
+    assert isinstance(err, StreamError) and err.kind == "bad_request" and err.message.text == "I can"
+    assert "content_filter" in (err.message.error_message or "")
 
 
 async def test_connection_refused_is_connection_error() -> None:

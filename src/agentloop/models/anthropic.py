@@ -13,6 +13,7 @@ they travel as marked user text, in their place.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -53,6 +54,7 @@ from agentloop.models.base import (
     endpoint,
     http_error,
     make_usage,
+    quote_body,
     stream_broken,
 )
 from agentloop.models.catalog import model_info
@@ -206,11 +208,14 @@ class AnthropicModel(Model):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)
 
+    def secrets(self) -> tuple[str, ...]:
+        return (self._api_key,) if self._api_key else ()
+
 
 def _classify_status(exc: anthropic.APIStatusError) -> ProviderError:
     status = exc.status_code
     etype = _error_field(exc.body, "type")
-    detail = _error_field(exc.body, "message") or exc.message
+    detail = _error_field(exc.body, "message") or quote_body(exc.body if exc.body is not None else exc.message)
     text = f"HTTP {status} {etype}: {detail}" if etype else f"HTTP {status}: {detail}"
     if status < 400:  # an ``error`` event inside a 200 stream: only the body says what it was
         kind = _STREAM_ERRORS.get(etype or "", "server")
@@ -255,13 +260,16 @@ class _EventReader:
 
     The builder merges consecutive deltas of one kind into one block, but Anthropic's block
     boundaries matter (each thinking block has its own signature), so a ``content_block_stop``
-    closes the builder's open block.
+    closes the builder's open block. A ``tool_use`` block's arguments come as ``input_json_delta``
+    fragments; a server that sends them whole in the block's start instead (as the SDK's own
+    accumulator allows) has them taken from there.
     """
 
     def __init__(self, info: ModelInfo, out: AssistantBuilder) -> None:
         self.info = info
         self.out = out
         self.kinds: dict[int, str] = {}
+        self._start_input: dict[int, dict[str, Any]] = {}  # tool blocks whose start held the input
         self.tokens = {"input": 0, "output": 0, "cache_read": 0, "cache_write": 0}
         self.stop: StopReason | None = None
         self._stop_reason: str | None = None
@@ -294,6 +302,9 @@ class _EventReader:
         elif kind == "content_block_stop":
             if self.kinds.get(event.index) in ("text", "thinking"):
                 return out.end_block()
+            start_input = self._start_input.pop(event.index, None)
+            if start_input is not None and out.has_tool_call(event.index):  # no deltas came
+                return out.tool_args(event.index, json.dumps(start_input, ensure_ascii=False))
         elif kind == "message_delta":
             self._take_usage(event.usage)
             if event.delta.stop_reason:
@@ -317,6 +328,9 @@ class _EventReader:
             thinking.redacted = True
             return events + out.end_block()
         if block.type in ("tool_use", "server_tool_use"):
+            start_input = getattr(block, "input", None)
+            if isinstance(start_input, dict) and start_input:
+                self._start_input[index] = start_input
             return out.tool_call(index, block.id, block.name)
         return []
 
@@ -329,6 +343,8 @@ class _EventReader:
         if delta.type == "signature_delta":
             return out.thinking("", delta.signature)
         if delta.type == "input_json_delta" and out.has_tool_call(index):
+            if delta.partial_json:  # the deltas are the input, not the start's (as in the SDK)
+                self._start_input.pop(index, None)
             return out.tool_args(index, delta.partial_json)
         return []
 
@@ -352,11 +368,12 @@ def _media(block: MediaBlock) -> dict[str, Any]:
 
 
 def _user_blocks(blocks: list[UserBlock]) -> list[dict[str, Any]]:
-    """Text, images and documents; empty text blocks are rejected by the API, so they are left out."""
+    """Text, images and documents; text blocks that are empty or only whitespace are rejected by
+    the API (and would fail every later call from the history), so they are left out."""
     return [
         {"type": "text", "text": b.text} if isinstance(b, TextContent) else _media(b)
         for b in blocks
-        if not isinstance(b, TextContent) or b.text
+        if not isinstance(b, TextContent) or b.text.strip()
     ]
 
 

@@ -46,7 +46,7 @@ from agentloop.messages import (
     storable,
 )
 from agentloop.models.overflow import is_overflow_text
-from agentloop.urls import redact_secrets
+from agentloop.urls import MASK, redact_secrets
 
 
 def file_text(block: FileContent) -> str | None:
@@ -183,6 +183,31 @@ def http_error(
 STREAM_CUT = "the stream ended before the answer was finished"
 _NOT_A_STREAM = ("application/json", "text/html")  # (text/plain: some servers label their streams so)
 _ERROR_BODY_LIMIT = 65_536
+_QUOTE_LIMIT = 300  # how much of a body that is not an error object an error message quotes
+
+
+def quote_body(body: object) -> str:
+    """An error body that is not the provider's error object (a proxy's HTML page, plain text,
+    another server's JSON), as an error message quotes it: its start."""
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    elif not isinstance(body, str):
+        body = json.dumps(body, ensure_ascii=False, default=str)
+    return body.strip()[:_QUOTE_LIMIT] or "(no body)"
+
+
+def error_parts(error: object) -> tuple[str, int]:
+    """What an ``error`` object in a body or a stream says: its message (an object's ``message``
+    or ``type``, or the whole of a string), and the HTTP status its ``code`` (or ``status``)
+    names, 0 for none."""
+    if not isinstance(error, dict):
+        return quote_body(error), 0
+    message = str(error.get("message") or error.get("type") or error)
+    code = error.get("code", error.get("status"))
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 0
+    return message, status
 
 
 async def check_event_stream(response: Any) -> None:
@@ -203,16 +228,25 @@ async def check_event_stream(response: Any) -> None:
         body = None
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
-        message = str(error.get("message") or error.get("type") or error)
-        code = error.get("code", error.get("status"))
-        status = code if isinstance(code, int) and 400 <= code < 600 else 0
+        message, status = error_parts(error)
     else:
-        message = raw.decode("utf-8", "replace").strip()[:300] or "(empty)"
+        message = raw.decode("utf-8", "replace").strip()[:_QUOTE_LIMIT] or "(empty)"
         status = 0
     text = f"the provider answered {content_type}, not a stream: {message}"
     if status:
         raise http_error(status, text, overflow=is_overflow_text(message))
     raise ProviderError(text, kind="overflow" if is_overflow_text(message) else "invalid_response")
+
+
+_SECRET_MIN = 8  # a shorter "key" is a placeholder or a word: masking it would garble messages
+
+
+def mask(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with each of ``secrets`` (at least 8 characters long) replaced by ``***``."""
+    for secret in secrets:
+        if len(secret) >= _SECRET_MIN:
+            text = text.replace(secret, MASK)
+    return text
 
 
 def stream_broken(what: str, out: AssistantBuilder) -> str:
@@ -303,6 +337,17 @@ class AssistantBuilder:
     def has_tool_call(self, key: Any) -> bool:
         return key in self._tool_index
 
+    def tool_args_complete(self, key: Any) -> bool:
+        """Whether a call's arguments so far are a whole JSON value (more would not be its own)."""
+        raw = "".join(self._tool_args.get(self._tool_index[key], ())).strip()
+        if not raw:
+            return False
+        try:
+            json.loads(raw)
+        except (ValueError, RecursionError):
+            return False
+        return True
+
     def tool_args(self, key: Any, fragment: str) -> list[StreamEvent]:
         if not fragment:
             return []
@@ -313,7 +358,9 @@ class AssistantBuilder:
 
     # -- closing ---------------------------------------------------------------------------
 
-    def _close_tools(self) -> list[StreamEvent]:
+    def _close_tools(self, cut: bool = False) -> list[StreamEvent]:
+        """Parse each call's arguments. ``cut``: the answer hit the output token limit, which is
+        then why arguments are not JSON (the usual cause, and the one to report)."""
         events: list[StreamEvent] = []
         for i, parts in self._tool_args.items():
             call = self.message.content[i]
@@ -323,9 +370,13 @@ class AssistantBuilder:
                 try:
                     parsed = json.loads(raw)
                 except json.JSONDecodeError as exc:
+                    why = (
+                        "was cut off by the output token limit before its arguments were complete"
+                        if cut
+                        else "has arguments that are not JSON"
+                    )
                     raise ProviderError(
-                        f"tool call {call.name!r} has arguments that are not JSON: {raw[:200]!r}",
-                        kind="invalid_response",
+                        f"tool call {call.name!r} {why}: {raw[:200]!r}", kind="invalid_response"
                     ) from exc
                 if not isinstance(parsed, dict):
                     raise ProviderError(
@@ -342,7 +393,7 @@ class AssistantBuilder:
     def finish(self, stop_reason: StopReason | None = None, usage: Usage | None = None) -> list[StreamEvent]:
         """Close every open block and end with ``done``. ``stop_reason`` defaults from content."""
         events = self.end_block()
-        events.extend(self._close_tools())
+        events.extend(self._close_tools(cut=stop_reason == "length"))
         msg = self.message
         if usage is not None:
             msg.usage = usage
@@ -390,6 +441,11 @@ class Model(ABC):
             return exc
         return ProviderError(f"{type(exc).__name__}: {exc}", kind="unknown")
 
+    def secrets(self) -> tuple[str, ...]:
+        """What an error message must never show: the adapter's API key. A server may quote a key
+        it refuses, in a shape ``redact_secrets`` does not recognise; each failure masks these."""
+        return ()
+
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamEvent]:
         out = AssistantBuilder(self.info)
         events = self._stream(request, out)
@@ -404,7 +460,7 @@ class Model(ABC):
             err = self.classify(exc)
             if not out.started:
                 yield out.start()
-            yield out.fail(str(err), err.kind, err.status, err.retry_after)
+            yield out.fail(mask(str(err), self.secrets()), err.kind, err.status, err.retry_after)
         finally:
             await events.aclose()  # close the adapter now, not in a GC finalizer
 

@@ -61,6 +61,7 @@ from agentloop.models.base import (
     file_text,
     http_error,
     make_usage,
+    quote_body,
     stream_broken,
 )
 from agentloop.models.catalog import model_info
@@ -257,6 +258,9 @@ class GeminiModel(Model):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)
 
+    def secrets(self) -> tuple[str, ...]:
+        return (self._api_key,) if self._api_key else ()
+
 
 # ------------------------------------------------------------------ errors
 
@@ -364,8 +368,11 @@ class _ChunkReader:
     def read(self, chunk: Any) -> list[StreamEvent]:
         if not isinstance(chunk, dict):
             raise ProviderError(f"unreadable stream chunk: {json.dumps(chunk)[:200]}", kind="invalid_response")
-        if isinstance(chunk.get("error"), dict):  # an error inside a 200 stream
-            raise classify_status(int(chunk["error"].get("code") or 500), json.dumps(chunk).encode(), httpx.Headers())
+        error = chunk.get("error")
+        if isinstance(error, dict):  # an error inside a 200 stream
+            raise classify_status(int(error.get("code") or 500), json.dumps(chunk).encode(), httpx.Headers())
+        if error:  # a proxy's error, as a string: not a chunk to skip and then call the stream cut
+            raise ProviderError(f"stream error: {quote_body(error)}", kind="server")
         if isinstance(chunk.get("usageMetadata"), dict):
             self._usage = chunk["usageMetadata"]
         feedback = chunk.get("promptFeedback") or {}

@@ -43,9 +43,11 @@ from agentloop.models.base import (
     ProviderError,
     check_event_stream,
     endpoint,
+    error_parts,
     file_text,
     http_error,
     make_usage,
+    quote_body,
     stream_broken,
 )
 from agentloop.models.catalog import model_info
@@ -63,7 +65,15 @@ _FINISH: dict[str, StopReason] = {
     "length": "length",
     "tool_calls": "toolUse",
     "function_call": "toolUse",
+    # other servers' words for the same: end of sequence (Together, older TGI), stop sequence
+    # (TGI), the model's own window reached (Mistral)
+    "eos": "stop",
+    "eos_token": "stop",
+    "stop_sequence": "stop",
+    "model_length": "length",
 }
+# finish reasons that say the server failed mid-answer (DeepSeek, Mistral): transient, retried
+_FINISH_FAILED = frozenset({"insufficient_system_resource", "error"})
 _CLIENT_OPTIONS = ("timeout", "default_headers", "organization", "project")
 
 
@@ -163,7 +173,8 @@ class OpenAIChatModel(Model):
         if finish is None:
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
         if finish not in _FINISH:
-            raise ProviderError(f"the provider stopped the answer: finish_reason={finish!r}", kind="bad_request")
+            kind = "server" if finish in _FINISH_FAILED else "bad_request"
+            raise ProviderError(f"the provider stopped the answer: finish_reason={finish!r}", kind=kind)
         for event in out.finish(_FINISH[finish], usage):
             yield event
 
@@ -186,15 +197,22 @@ class OpenAIChatModel(Model):
             where = redact_url(self.base_url) if self.base_url else "the OpenAI API"  # (the message reaches clients)
             return ProviderError(f"cannot reach {where}: {_cause(exc)}", kind="connection")
         if isinstance(exc, openai.APIStatusError):
-            return classify_status(exc.status_code, exc.message, exc.response.headers)
+            message, codes = _status_detail(exc)
+            return classify_status(exc.status_code, message, exc.response.headers, codes)
         if isinstance(exc, openai.APIResponseValidationError):
             return ProviderError(f"unreadable response: {exc}", kind="invalid_response")
         if isinstance(exc, openai.APIError):  # an error event inside a 200 stream
-            text = f"stream error: {exc.message}"
+            message, status = error_parts(exc.body if exc.body is not None else exc.message)
+            text = f"stream error: {message}"
+            if status:  # the code it carries says what it is (vLLM, OpenRouter)
+                return http_error(status, text, overflow=is_overflow_text(text))
             return ProviderError(text, kind="overflow" if is_overflow_text(text) else "server")
         if isinstance(exc, ValueError | TypeError | AttributeError | KeyError | pydantic.ValidationError):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)
+
+    def secrets(self) -> tuple[str, ...]:
+        return (self._api_key,) if self._api_key else ()
 
 
 def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -208,13 +226,30 @@ def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def classify_status(status: int, text: str, headers: object) -> ProviderError:
-    """The error kind of an HTTP error answer, shared by every OpenAI-compatible server."""
+def _status_detail(exc: openai.APIStatusError) -> tuple[str, str]:
+    """What an error answer says, and its ``code`` and ``type`` (which may name an overflow). The
+    SDK's message quotes only an OpenAI-shaped ``error.message``; another server's body (a
+    string ``error``, plain text, a proxy's HTML page) is quoted from ``body``."""
+    body = exc.body  # (the SDK has already taken ``error`` out of ``{"error": {...}}``)
+    if isinstance(body, dict):
+        message = body.get("message")
+        if not isinstance(message, str) or not message:
+            message = quote_body(body.get("error") or body)
+        codes = " ".join(str(body[k]) for k in ("code", "type") if isinstance(body.get(k), str))
+        return message, codes
+    if body is None:
+        return exc.message, ""
+    return quote_body(body), ""
+
+
+def classify_status(status: int, text: str, headers: object, codes: str = "") -> ProviderError:
+    """The error kind of an HTTP error answer, shared by every OpenAI-compatible server;
+    ``codes``, the body's ``code`` and ``type``, may name an overflow the text does not."""
     return http_error(
         status,
         f"HTTP {status}: {text}",
         retry_after=retry_after_from_headers(headers),
-        overflow=is_overflow_text(text),
+        overflow=is_overflow_text(f"{text} {codes}"),
     )
 
 
@@ -223,11 +258,27 @@ class _DeltaReader:
 
     Tool call fragments are keyed by ``index``; servers that omit it (some Ollama versions send
     each call whole) are keyed by ``id``, and a fragment with neither continues the latest call.
+    Some servers give every parallel call index 0 (Ollama, LiteLLM, lmdeploy): a fragment with a
+    new ``id`` under an index whose call's arguments are already a whole JSON value starts
+    another call. (Not any new id: a few servers change the id between fragments of one call.)
     """
 
     def __init__(self, out: AssistantBuilder) -> None:
         self.out = out
         self.last_key: Any = None
+        self._latest: dict[Any, Any] = {}  # index (or id) -> builder key of the latest call under it
+        self._by_id: dict[str, Any] = {}  # the server's call id -> builder key
+
+    def _key(self, call: Any) -> Any:
+        if call.id and call.id in self._by_id:
+            return self._by_id[call.id]
+        slot = call.index if call.index is not None else (call.id or self.last_key or 0)
+        key = self._latest.get(slot, slot)
+        if call.id:
+            if self.out.has_tool_call(key) and self.out.tool_args_complete(key):
+                key = self._latest[slot] = (slot, call.id)
+            self._by_id[call.id] = key
+        return key
 
     def delta(self, delta: Any) -> list[StreamEvent]:
         if delta is None:
@@ -240,7 +291,7 @@ class _DeltaReader:
         if delta.content:
             events.extend(out.text(delta.content))
         for call in delta.tool_calls or ():
-            key = call.index if call.index is not None else (call.id or self.last_key or 0)
+            key = self._key(call)
             fn = call.function
             if not out.has_tool_call(key):
                 call_id = call.id or f"call_{key}_{len(out.message.content)}"

@@ -28,6 +28,7 @@ _PATTERNS = re.compile(
             r"token limit exceeded",
             r"requested tokens \(\d+\) exceed context window",
             r"model only supports up to \d+",  # Vertex AI's Gemini
+            r"input length and `?max_tokens`? exceed context limit",  # Anthropic: input + max_tokens > window
         ]
     ),
     re.IGNORECASE,
