@@ -10,6 +10,7 @@ import pytest
 
 from agentloop import Agent, tool, user
 from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
+from agentloop.loop.execute import malformed
 from agentloop.messages import (
     AssistantMessage,
     FileContent,
@@ -252,9 +253,11 @@ async def test_a_tool_call_cut_by_max_tokens_says_so(fake: AnthropicFake) -> Non
             message_start(), tool_start(0, "toolu_c", "echo"), json_delta(0, '{"text": "lo'), *message_end("max_tokens")
         )
     )
-    err = (await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))[-1]
-    assert isinstance(err, StreamError) and err.kind == "invalid_response"
-    assert "cut off by the output token limit" in (err.message.error_message or "")
+    done = finished(await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))
+    assert done.message.stop_reason == "length"
+    [cut] = done.message.tool_calls
+    assert cut.arguments == {} and cut.invalid_arguments == '{"text": "lo'
+    assert "cut off by the output token limit" in malformed(cut, done.message).text
 
 
 # ------------------------------------------------------------------ request conversion

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agentloop.events import StreamError
+from agentloop.loop.execute import malformed
 from agentloop.messages import AssistantMessage, Usage
 from agentloop.models.base import AssistantBuilder, ModelInfo, ProviderError, make_usage
 from agentloop.models.catalog import model_info
@@ -123,16 +124,19 @@ def test_silent_overflow_from_usage():
     assert is_context_overflow(err)
 
 
-def test_builder_rejects_garbage_tool_arguments():
+def test_builder_keeps_garbage_tool_arguments_for_the_loop_to_answer():
     b = AssistantBuilder(ModelInfo(provider="p", id="m"))
     b.start()
     b.tool_call(0, "c1", "read")
     b.tool_args(0, '{"path": ')
-    with pytest.raises(ProviderError) as err:
-        b.finish()
-    assert err.value.kind == "invalid_response" and "not JSON" in str(err.value)
-    failed = b.fail("broken", "connection")
-    assert failed.message.tool_calls == [] and failed.message.stop_reason == "error" and failed.retryable
+    b.tool_call(1, "c2", "read")
+    b.tool_args(1, '["a.txt"]')
+    done = b.finish()[-1]
+    first, second = done.message.tool_calls
+    assert (first.arguments, first.invalid_arguments) == ({}, '{"path":')
+    assert (second.arguments, second.invalid_arguments) == ({}, '["a.txt"]')
+    assert "are not valid JSON" in malformed(first, done.message).text
+    assert "are not a JSON object" in malformed(second, done.message).text
 
 
 def test_a_tool_call_cut_by_the_output_limit_says_so():
@@ -141,10 +145,10 @@ def test_a_tool_call_cut_by_the_output_limit_says_so():
     b.start()
     b.tool_call(0, "c1", "write")
     b.tool_args(0, '{"path": "a.txt", "content": "lo')
-    with pytest.raises(ProviderError) as err:
-        b.finish("length")
-    assert err.value.kind == "invalid_response"
-    assert str(err.value).startswith("tool call 'write' was cut off by the output token limit")
+    done = b.finish("length")[-1]
+    [cut] = done.message.tool_calls
+    assert done.message.stop_reason == "length" and cut.invalid_arguments == '{"path": "a.txt", "content": "lo'
+    assert "were cut off by the output token limit" in malformed(cut, done.message).text
 
 
 QUOTA = {

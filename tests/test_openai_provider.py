@@ -21,6 +21,7 @@ from agentloop.messages import (
     ToolCall,
     ToolResultMessage,
     message_to_json,
+    tool_error_result,
 )
 from agentloop.models.base import ModelRequest, ToolSpec
 from agentloop.models.openai_chat import OpenAIChatModel
@@ -465,10 +466,19 @@ async def test_garbage_in_stream_is_an_error_event(fake: OpenAIFake) -> None:
     assert err.kind == "invalid_response" and not err.retryable
 
 
-async def test_broken_tool_arguments_are_invalid_response(fake: OpenAIFake) -> None:
+async def test_broken_tool_arguments_stay_with_the_call_and_go_back_as_written(fake: OpenAIFake) -> None:
+    """The reply is not lost: the call keeps what the model wrote (the loop answers it with an
+    error), and the next request shows the model its call as it wrote it."""
     fake.push(tool_reply("echo", '{"text": "unterminated'))
-    err = (await events_of(model(fake), req(user("hi"), tools=[ECHO_SPEC])))[-1]
-    assert isinstance(err, StreamError) and err.kind == "invalid_response"
+    done = (await events_of(model(fake), req(user("hi"), tools=[ECHO_SPEC])))[-1]
+    assert isinstance(done, StreamDone)
+    [broken] = done.message.tool_calls
+    assert broken.arguments == {} and broken.invalid_arguments == '{"text": "unterminated'
+    answer = tool_error_result(broken, "bad arguments")
+    fake.push(stream(chunk({"content": "sorry"}), done=True))
+    await events_of(model(fake), req(user("hi"), done.message, answer, tools=[ECHO_SPEC]))
+    sent = fake.requests[-1]["messages"][1]["tool_calls"][0]["function"]
+    assert sent == {"name": "echo", "arguments": '{"text": "unterminated'}
 
 
 async def test_error_event_inside_stream_is_server_error(fake: OpenAIFake) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResult, ToolResultMessage, call, tool
 from agentloop.kernel import Kernel
-from agentloop.messages import ImageContent, TextContent
+from agentloop.messages import ImageContent, TextContent, ToolCall
 from agentloop.models.base import ModelRequest
 from agentloop.tools.base import MAX_RESULT_CHARS
 
@@ -122,3 +122,43 @@ async def test_a_result_with_bytes_that_were_not_utf8_is_kept_with_replacement_c
     kept = ["caf\ufffd.txt"] if durable else ("caf\ufffd.txt",)  # (stored as JSON: a list)
     assert result.details == {"names": ["caf\ufffd.txt", "plain.txt"], "caf\ufffd.txt": kept}
     assert messages[-1].text == "saw: caf\ufffd.txt\nplain.txt"
+
+
+@pytest.mark.parametrize("durable", [False, True])
+async def test_a_call_whose_arguments_are_not_json_gets_an_error_the_model_can_correct(
+    tmp_path: Path, durable: bool
+) -> None:
+    """A provider's reply with a call whose arguments are broken JSON failed the whole model
+    call (the run ended with "invalid_response", the model never saw why). The call is now
+    answered with an error naming the problem and the model tries again; in a durable process it
+    is answered before the approval policy is asked (it could not run anyway)."""
+    seen: list[str] = []
+
+    @tool
+    def echo(text: str) -> str:
+        """Echo."""
+        seen.append(text)
+        return text
+
+    def brain(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        if not isinstance(last, ToolResultMessage):
+            return Reply(tool_calls=[ToolCall(id="b1", name="echo", invalid_arguments='{"text": "unterm')])
+        if last.is_error:
+            return Reply(tool_calls=[call("echo", text="fixed")])
+        return "done: " + last.text
+
+    policy = {"default": "deny", "rules": [{"match": "tool.echo", "action": "auto"}]}
+    if durable:
+        async with Kernel.open(
+            f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain), tools=[echo], workspace=tmp_path, policy=policy
+        ) as k:
+            proc = await k.spawn(owner="me", text="go")
+            await proc.wait_idle()
+            messages = await proc.messages()
+    else:
+        messages = (await Agent(model=ScriptedModel(brain), tools=[echo]).run("go")).messages
+    broken, fixed = (m for m in messages if isinstance(m, ToolResultMessage))
+    assert broken.is_error and "The arguments of this echo call are not valid JSON" in broken.text, broken.text
+    assert 'They were: {"text": "unterm' in broken.text
+    assert not fixed.is_error and seen == ["fixed"] and messages[-1].text == "done: fixed"

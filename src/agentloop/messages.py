@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
 
-from pydantic import ConfigDict, Field, TypeAdapter
+from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
 from pydantic.alias_generators import to_camel
 
 StopReason: TypeAlias = Literal["stop", "length", "toolUse", "error", "aborted"]
@@ -136,12 +136,25 @@ def document_text(block: FileContent) -> str | None:
 
 @_wire
 class ToolCall:
-    """A request by the model to run a tool; ``arguments`` are already parsed JSON."""
+    """A request by the model to run a tool; ``arguments`` are already parsed JSON.
+
+    ``invalid_arguments``: what the model sent instead when it was not a JSON object (broken
+    JSON, an answer cut off by the output limit, a list); ``arguments`` is then empty. The call
+    is answered with an error result the model can correct, as any bad call is, rather than
+    failing the whole reply. Left out of the wire form when there is none."""
 
     type: Literal["toolCall"] = "toolCall"
     id: str
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
+    invalid_arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.invalid_arguments is None and isinstance(data, dict):
+            data.pop("invalidArguments", None)
+        return data
 
 
 UserBlock: TypeAlias = Annotated[TextContent | ImageContent | FileContent, Field(discriminator="type")]

@@ -11,6 +11,7 @@ error result for the model; nothing here raises except cancellation.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ def _check(
     cfg: LoopConfig, state: RunState, message: AssistantMessage, call: ToolCall
 ) -> _Prepared | ToolResultMessage:
     """Look the tool up and validate the arguments: a prepared call, or its error result."""
+    botched = malformed(call, message)
+    if botched is not None:
+        return botched
     tool = cfg.tools.get(call.name)
     if tool is None:
         return tool_error_result(call, f"Tool {call.name} not found")
@@ -68,6 +72,27 @@ def _check(
         return tool_error_result(call, str(exc))
     info = ToolCallInfo(call, args, message, state.messages, state.run_id, syscall=syscall_of(tool, args))
     return _Prepared(call, tool, info)
+
+
+def malformed(call: ToolCall, message: AssistantMessage) -> ToolResultMessage | None:
+    """The error result of a call whose arguments were not a JSON object (``invalid_arguments``),
+    saying what to do about it; None for a call whose arguments parsed."""
+    raw = call.invalid_arguments
+    if raw is None:
+        return None
+    if message.stop_reason == "length":
+        why = (
+            "were cut off by the output token limit before they were complete;"
+            " make the call smaller (a long text can be written in parts)"
+        )
+    else:
+        try:
+            json.loads(raw)
+            why = "are not a JSON object; call it again with an object of named arguments"
+        except (ValueError, RecursionError) as exc:
+            why = f"are not valid JSON ({exc}); call it again with a JSON object"
+    shown = raw if len(raw) <= 200 else raw[:200] + "…"
+    return tool_error_result(call, f"The arguments of this {call.name} call {why}. They were: {shown}")
 
 
 async def _ask_hooks(cfg: LoopConfig, p: _Prepared) -> _Prepared | ToolResultMessage:

@@ -183,6 +183,7 @@ def http_error(
 STREAM_CUT = "the stream ended before the answer was finished"
 _NOT_A_STREAM = ("application/json", "text/html")  # (text/plain: some servers label their streams so)
 _ERROR_BODY_LIMIT = 65_536
+_INVALID_ARGUMENTS_KEPT = 2000  # of a call's arguments that are not a JSON object: what the model is shown
 _QUOTE_LIMIT = 300  # how much of a body that is not an error object an error message quotes
 
 
@@ -358,9 +359,9 @@ class AssistantBuilder:
 
     # -- closing ---------------------------------------------------------------------------
 
-    def _close_tools(self, cut: bool = False) -> list[StreamEvent]:
-        """Parse each call's arguments. ``cut``: the answer hit the output token limit, which is
-        then why arguments are not JSON (the usual cause, and the one to report)."""
+    def _close_tools(self) -> list[StreamEvent]:
+        """Parse each call's arguments. Ones that are not a JSON object stay with the call as
+        ``invalid_arguments`` (the loop answers it with an error the model can correct)."""
         events: list[StreamEvent] = []
         for i, parts in self._tool_args.items():
             call = self.message.content[i]
@@ -369,23 +370,14 @@ class AssistantBuilder:
             if raw:
                 try:
                     parsed = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    why = (
-                        "was cut off by the output token limit before its arguments were complete"
-                        if cut
-                        else "has arguments that are not JSON"
-                    )
-                    raise ProviderError(
-                        f"tool call {call.name!r} {why}: {raw[:200]!r}", kind="invalid_response"
-                    ) from exc
-                if not isinstance(parsed, dict):
-                    raise ProviderError(
-                        f"tool call {call.name!r} has arguments that are not a JSON object",
-                        kind="invalid_response",
-                    )
-                if "\\u" in raw:  # an escaped lone surrogate parses to one
-                    parsed = json.loads(storable(json.dumps(parsed, ensure_ascii=False)))
-                call.arguments = parsed
+                except (ValueError, RecursionError):
+                    parsed = None
+                if isinstance(parsed, dict):
+                    if "\\u" in raw:  # an escaped lone surrogate parses to one
+                        parsed = json.loads(storable(json.dumps(parsed, ensure_ascii=False)))
+                    call.arguments = parsed
+                else:
+                    call.arguments, call.invalid_arguments = {}, raw[:_INVALID_ARGUMENTS_KEPT]
             events.append(ToolCallEnd(index=i, tool_call=call))
         self._tool_args.clear()
         return events
@@ -393,7 +385,7 @@ class AssistantBuilder:
     def finish(self, stop_reason: StopReason | None = None, usage: Usage | None = None) -> list[StreamEvent]:
         """Close every open block and end with ``done``. ``stop_reason`` defaults from content."""
         events = self.end_block()
-        events.extend(self._close_tools(cut=stop_reason == "length"))
+        events.extend(self._close_tools())
         msg = self.message
         if usage is not None:
             msg.usage = usage

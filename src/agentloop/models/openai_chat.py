@@ -29,6 +29,7 @@ from agentloop.messages import (
     StopReason,
     SystemMessage,
     TextContent,
+    ToolCall,
     ToolResultMessage,
     Usage,
     UserBlock,
@@ -370,10 +371,18 @@ def to_openai_messages(request: ModelRequest, documents: bool = True) -> list[di
                     {
                         "id": c.id,
                         "type": "function",
-                        "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+                        "function": {"name": c.name, "arguments": _arguments(c)},
                     }
                     for c in msg.tool_calls
                 ]
             out.append(entry)
     flush_images()
     return out
+
+
+def _arguments(call: ToolCall) -> str:
+    """A call's arguments as the model wrote them: its own text when it was not a JSON object,
+    so the error that answered it matches what the model sees of its call."""
+    if call.invalid_arguments is not None:
+        return call.invalid_arguments
+    return json.dumps(call.arguments, ensure_ascii=False)

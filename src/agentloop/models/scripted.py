@@ -227,7 +227,8 @@ class ScriptedModel(Model):
                 tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=tc[1])
             for event in out.tool_call(tc.id, tc.id, tc.name):
                 yield event
-            for event in out.tool_args(tc.id, json.dumps(tc.arguments)):
+            raw = tc.invalid_arguments if tc.invalid_arguments is not None else json.dumps(tc.arguments)
+            for event in out.tool_args(tc.id, raw):  # (a script may send broken arguments too)
                 yield event
         usage = make_usage(self.info, input=reply.input_tokens, output=reply.output_tokens)
         for event in out.finish(usage=usage):
