@@ -12,9 +12,10 @@ import pytest
 
 from agentloop import ScriptedModel
 from agentloop.kernel import NoSuchProcess
-from agentloop.kernel.schedules import LimitReached, ScheduleError, event_key, next_due_after
+from agentloop.kernel.schedules import LimitReached, ScheduleError, event_key, next_due_after, render
 from agentloop.kernel.watches import WatchError
 from agentloop.messages import SystemMessage
+from agentloop.process.store import ScheduleRow
 from tests.process_support import kernel
 
 
@@ -134,6 +135,22 @@ async def test_fires_missed_while_the_kernel_was_down_coalesce_into_one(tmp_path
         assert "3 earlier fires missed while the runtime was down" in text
         [row] = await k.schedules(pid)
         assert reopened < row.next_due <= reopened + 0.4
+
+
+async def test_a_repeating_schedule_that_starts_in_the_past_reports_no_missed_fires(tmp_path):
+    """``at`` in the past with ``every`` fires at once (as documented), but the due times before
+    the schedule was made were not missed "while the runtime was down": the model must not be told
+    so. Fires missed after it was made still count."""
+    async with kernel(tmp_path, echo_model(), schedule_min_every=0.1) as k:
+        proc = await k.spawn(owner="a")
+        await k.schedule(proc.pid, "hourly", at=time.time() - 5 * 3600 - 60, every=3600)
+        await until(lambda: _count(proc, 1))
+        await proc.wait_idle()
+        [text] = await system_texts(proc)
+        assert "missed" not in text
+    now = time.time()
+    late = ScheduleRow("s", "p", "tick", now - 3600 - 1, every=600, created_at=now - 3 * 600 - 1)
+    assert "; 3 earlier fires missed while the runtime was down" in render(late, now)
 
 
 async def test_a_failed_advance_does_not_deliver_twice(tmp_path, monkeypatch):
@@ -292,6 +309,32 @@ async def test_a_repeating_watch_delivers_every_match_and_survives_a_restart(tmp
     assert _admission_records(tmp_path) == []
 
 
+async def test_a_watch_delivery_that_fails_is_tried_again(tmp_path, monkeypatch):
+    """A delivery that fails (the database busy for a moment) is tried again, not left until the
+    source happens to log another signal the watch wants, or until the next restart: a one-shot
+    watch on a subagent's end would otherwise never tell its parent."""
+    async with kernel(tmp_path, echo_model()) as k:
+        k.watchers.retry = 0.05
+        source, watcher = await k.spawn(owner="a"), await k.spawn(owner="a")
+        await k.watch(watcher.pid, source.pid)
+        real = k.engine.claimed_event
+        failures: list[str] = []
+
+        async def fail_once(pid: str, text: str, **kw: Any) -> Any:
+            if not failures:
+                failures.append(pid)
+                raise sqlite3.OperationalError("database is locked")
+            return await real(pid, text, **kw)
+
+        monkeypatch.setattr(k.engine, "claimed_event", fail_once)
+        await source.send("compute the answer")
+        await source.wait_idle()
+        await until(lambda: system_texts(watcher))
+        await watcher.wait_idle()
+        assert failures == [watcher.pid] and len(await system_texts(watcher)) == 1
+        assert await k.watches(watcher.pid) == []
+
+
 async def test_watch_rules(tmp_path):
     async with kernel(tmp_path, echo_model()) as k:
         a, b, c = [await k.spawn(owner="alice") for _ in range(3)]
@@ -363,6 +406,26 @@ async def test_a_reset_under_way_does_not_hold_up_other_processes_schedules(tmp_
             await resetting
         await asyncio.sleep(0.2)
         assert await system_texts(busy) == [] and await k.schedules(busy.pid) == []
+
+
+async def test_schedules_held_back_do_not_make_the_timer_spin_or_starve_the_others(tmp_path, monkeypatch):
+    """A whole batch of due schedules held back (their process being reset, or their fires
+    failing): the timer neither re-reads them in a busy loop nor leaves the schedules due after
+    them unfired until they are let go."""
+    monkeypatch.setattr("agentloop.kernel.schedules.BATCH", 2)
+    async with kernel(tmp_path, echo_model()) as k:
+        await k.scheduler.stop()  # the test runs the passes itself
+        busy, other = await k.spawn(owner="a"), await k.spawn(owner="a")
+        now = time.time()
+        for n in range(2):
+            await k.schedule(busy.pid, f"held {n}", at=now - 10 + n)
+        await k.schedule(other.pid, "for the other process", at=now - 1)
+        async with k.engine.clearing.hold(busy.pid):  # (a reset of ``busy`` under way)
+            delays = [await k.scheduler.fire_due() for _ in range(3)]
+            await other.wait_idle()
+            assert await system_texts(other) != []
+            assert delays[-1] > 0  # (0: the timer's next pass at once, again and again)
+        assert await system_texts(busy) == []
 
 
 async def test_a_reset_under_way_does_not_hold_up_other_watchers(tmp_path):

@@ -737,3 +737,164 @@ async def test_the_process_quota_holds_for_spawns_through_both_workers_at_once(p
         assert sum(isinstance(r, dict) for r in made) == 3, made
         assert all(isinstance(r, dict) or (isinstance(r, ApiError) and r.status == 409) for r in made)
         assert len(await a.processes("bob")) == 3
+
+
+async def test_orphans_swept_together_are_all_resumed_when_one_fails_to_resume(pg_url: str, tmp_path: Path) -> None:
+    """The sweep claims several orphans at once. One whose resume fails (a database error, a
+    prompt or toolset hook raising) must not strand the others, nor itself: a claimed lease this
+    worker renews but never acts on would keep every other worker away from the process for good."""
+    from agentloop.messages import user
+    from agentloop.process.store import ProcessRecord
+
+    model = ScriptedModel(lambda r: f"re: {last_user(r)}")
+    async with worker(pg_url, tmp_path, "A", model, []) as a:
+        engine = a.engine
+        real_resume = engine.resume
+        failed: list[str] = []
+
+        async def resume_failing_once(record: ProcessRecord) -> bool:
+            if not failed:
+                failed.append(record.pid)
+                raise RuntimeError("the database went away for a moment")
+            return await real_resume(record)
+
+        engine.resume = resume_failing_once  # type: ignore[method-assign]
+        now = time.time()
+        async with a.store.transaction():  # two processes with queued input and no lease: orphans
+            for pid in ("orphan-1", "orphan-2"):
+                await a.store.create_process(ProcessRecord(pid, "alice", "alice", str(tmp_path), created_at=now))
+                await a.store.enqueue(pid, "queue", user(f"hello {pid}"), run_id=f"r-{pid}")
+        for pid in ("orphan-1", "orphan-2"):
+            proc = await a.process(pid)
+            async with asyncio.timeout(10):
+                while not [m for m in await a.store.history(pid) if m.message.role == "assistant"]:
+                    await asyncio.sleep(0.05)
+            await proc.wait_idle()
+            assert [m.text for m in await proc.messages()] == [f"hello {pid}", f"re: hello {pid}"]
+        assert failed == ["orphan-1"]
+
+
+async def test_an_idle_process_leased_before_a_restart_under_the_same_name_is_not_stranded(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A worker died holding the lease of an idle process (between a run's end and letting it go)
+    and came back under the same name. Its renewals, which extend every lease of its name, must not
+    keep that lease alive for good: input sent through another worker would wait for ever."""
+    from agentloop.process.store import ProcessRecord
+
+    store = open_store(pg_url)
+    await store.open()
+    try:
+        async with store.transaction():
+            await store.create_process(ProcessRecord("p-idle", "alice", "alice", str(tmp_path), created_at=time.time()))
+        assert await store.claim_lease("p-idle", "A", 2.0) is not None  # A's previous life held it
+    finally:
+        await store.close()
+    model = ScriptedModel(lambda r: f"re: {last_user(r)}")
+    async with two(pg_url, tmp_path, model, []) as (_a, b):
+        proc = await b.process("p-idle")
+        await proc.send("hello", mode="queue")  # through B: A's lease is alive, so B forwards it
+        async with asyncio.timeout(10):
+            while not [m for m in await b.store.history("p-idle") if m.message.role == "assistant"]:
+                await asyncio.sleep(0.05)
+        assert [m.text for m in await proc.messages()] == ["hello", "re: hello"]
+
+
+async def test_events_delivered_through_the_other_worker_during_a_reset_do_not_reach_the_fresh_conversation(
+    pg_url: str, tmp_path: Path, archiving: asyncio.Event
+) -> None:
+    """A reset drops the schedules and watches the process set up: their events belong to the
+    conversation being archived. One that another worker delivers while the reset is under way
+    (its schedules duty firing, its copy of a watched run ending) is queued for the holder; the
+    reset must drop it with them, not start the fresh conversation with it."""
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
+        assert a.engine.leases is not None
+        for k in (a, b):  # the test delivers the events itself, through B
+            await k.scheduler.stop()
+            await k.watchers.stop()
+        proc_a = await a.spawn(owner="alice")
+        source = await a.spawn(owner="alice")
+        await proc_a.send("before")
+        await proc_a.wait_idle()
+        await a.engine.leases.hold(proc_a.pid)
+        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        await a.schedule(proc_a.pid, "stand-up", at=time.time() + 3600)
+        [row] = await a.schedules(proc_a.pid)
+        await a.watch(proc_a.pid, source.pid)
+        [watch] = await a.watches(proc_a.pid)
+        await source.send("work")
+        await source.wait_idle()
+        [finished] = [e for e in await a.store.events(source.pid) if e.signal == sig.RUN_FINISHED]
+
+        resetting = asyncio.create_task(proc_a.reset())
+        await asyncio.wait_for(archiving.wait(), 10)
+        assert await b.scheduler._fire(row, time.time()) is None  # due now, fired by B
+        assert await b.engine.claimed_event(  # as B's watch router delivers it
+            proc_a.pid,
+            "[signal watch] the source finished",
+            claim=b.watchers._claim(watch, finished.seq),
+            run_id=f"watch:{watch.id}:{finished.seq}",
+            reason="signal.watch",
+        )
+        await resetting
+        await asyncio.sleep(0.5)
+        await proc_a.wait_idle()
+        assert [m.text for m in await proc_a.messages()] == []
+        assert await a.store.queue(proc_a.pid) == []
+        assert await a.schedules(proc_a.pid) == [] and await a.watches(proc_a.pid) == []
+
+
+async def test_one_delivery_id_sent_through_both_workers_at_once_is_delivered_once(pg_url: str, tmp_path: Path) -> None:
+    """A send (or system event) retried through the other worker while the first try is still
+    under way: the holder starts the run, the other worker queues it, and neither saw the other's
+    uncommitted idempotency record, so the message ran twice under one run id."""
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
+        assert a.engine.leases is not None
+        for i in range(5):
+            pa = await a.spawn(owner="alice")
+            await a.engine.leases.hold(pa.pid)  # A holds it: B forwards
+            pb = await b.process(pa.pid)
+            first, second = await asyncio.gather(pa.send("hello", run_id=f"d{i}"), pb.send("hello", run_id=f"d{i}"))
+            assert first == second
+            events = await asyncio.gather(
+                a.signal(pa.pid, "the build finished", run_id=f"e{i}"),
+                b.signal(pa.pid, "the build finished", run_id=f"e{i}"),
+            )
+            assert events[0] == events[1]
+            for _ in range(2):
+                await pa.wait_idle()
+                await pb.wait_idle()
+            texts = [m.text for m in await pa.messages()]
+            assert texts.count("hello") == 1, texts
+            assert texts.count("the build finished") == 1, texts
+            started = [s.payload["runId"] async for s in pa.signals(follow=False) if s.signal == sig.RUN_STARTED]
+            assert len(started) == len(set(started)), started
+
+
+async def test_waiting_for_a_process_held_elsewhere_does_not_poll_the_database_continually(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A worker waiting for a run on the other worker to end (a subagent's parent, a client) looks
+    again when that worker says the process changed, or every poll interval: not fifty times a
+    second for as long as the run lasts."""
+
+    async def slow(req: ModelRequest) -> str:
+        await asyncio.sleep(1.5)
+        return "done"
+
+    async with two(pg_url, tmp_path, ScriptedModel(slow), []) as (a, b):
+        pa = await a.spawn(owner="alice")
+        await pa.send("work")
+        pb = await b.process(pa.pid)
+        reads: list[str] = []
+        real = b.store.get_process
+
+        async def counting(pid: str) -> Any:
+            reads.append(pid)
+            return await real(pid)
+
+        b.store.get_process = counting  # type: ignore[method-assign]
+        async with asyncio.timeout(10):
+            await pb.wait_idle()
+        assert [m.text for m in await pa.messages()] == ["work", "done"]
+        assert len(reads) <= 25, len(reads)  # (a poll every 0.2 s, a look per notification; was ~70)

@@ -568,6 +568,12 @@ class Kernel:
         returns what to do once that commits."""
         await self.scheduler.drop(pid)
         dropped = await self.watchers.drop(pid)
+        # and the events they delivered that wait in the queue: another worker (its schedules duty,
+        # its copy of a watched source) cannot see a reset under way here, and what it queued
+        # meanwhile would otherwise start the fresh conversation (see ``ProcessEngine.clear``)
+        for item in await self.store.queue(pid):
+            if item.kind == "system" and (item.run_id or "").startswith(("schedule:", "watch:")):
+                await self.store.dequeue(pid, item.id)
         return lambda: self.watchers.forget(dropped)
 
     async def _clear(self, pid: str, *, kill: bool, archive: bool, above: frozenset[str] = frozenset()) -> Path | None:

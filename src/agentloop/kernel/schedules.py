@@ -78,6 +78,9 @@ def render(row: ScheduleRow, now: float) -> str:
     if row.every is not None:
         head += f", repeats every {row.every:g} s"
         missed = math.floor((now - row.next_due) / row.every)
+        # due times before the schedule was made (an ``at`` in the past) were not missed: it fires
+        # for them at once, as asked, and the runtime was not down for them
+        missed -= max(0, math.floor((row.created_at - row.next_due) / row.every))
         if missed > 0:
             head += f"; {missed} earlier fire{'s' if missed > 1 else ''} missed while the runtime was down"
     return f"{head}]\n{row.text}"
@@ -228,7 +231,10 @@ class Scheduler:
     async def fire_due(self) -> float:
         """Fire every schedule that is due now; returns the seconds until the next one is."""
         now = self.clock()
-        due = await self.store.due_schedules(now, limit=BATCH)
+        # past the held ones too: a full batch of them read alone would leave the schedules due
+        # after them unfired, and look like more work at once (a pass again without a pause)
+        limit = BATCH + sum(1 for until in self._held.values() if until > now)
+        due = await self.store.due_schedules(now, limit=limit)
         for row in due:
             if self._held.get(row.id, 0.0) > now:
                 continue
@@ -237,7 +243,7 @@ class Scheduler:
                 self.engine.when_cleared(row.pid, partial(self._unhold, row.id))
                 continue
             await self._fire(row, now)
-        if len(due) == BATCH:
+        if len(due) == limit:
             return 0.0
         delay = POLL
         if self._held:

@@ -84,6 +84,8 @@ class WatchRouter:
         self.shared = store.shared  # other workers add, deliver and delete watches too
         self._index: dict[str, dict[str, WatchRow]] = {}  # source pid -> watch id -> row
         self._dirty: set[str] = set()  # sources that logged a watched signal since they were read
+        self.retry = 5.0  # seconds before a source whose delivery failed is read again
+        self._retrying: dict[str, asyncio.TimerHandle] = {}  # source pid -> its read again
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -183,6 +185,9 @@ class WatchRouter:
 
     async def stop(self) -> None:
         self.engine.hub.untap(self._on_signal)
+        for handle in self._retrying.values():
+            handle.cancel()
+        self._retrying.clear()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -206,6 +211,14 @@ class WatchRouter:
     def _mark(self, source_pid: str) -> None:
         self._dirty.add(source_pid)
         self._poke.set()
+
+    def _retry_later(self, source_pid: str) -> None:
+        if source_pid not in self._retrying:
+            self._retrying[source_pid] = asyncio.get_running_loop().call_later(self.retry, self._retried, source_pid)
+
+    def _retried(self, source_pid: str) -> None:
+        del self._retrying[source_pid]
+        self._mark(source_pid)
 
     async def _run(self) -> None:
         while True:
@@ -235,7 +248,10 @@ class WatchRouter:
                     except NoSuchProcess:  # the watcher was killed meanwhile
                         self._unindex(row)
                     except Exception:
-                        log.exception("watch %s of process %s: delivery failed", row.id, row.pid)
+                        # tried again in a while: nothing else would read this source again before
+                        # it logs another signal the watch wants (on one worker: before a restart)
+                        log.exception("watch %s of process %s: delivery failed; retrying", row.id, row.pid)
+                        self._retry_later(source_pid)
 
     async def _sweep(self, duty: Duty) -> None:
         """On duty: mark the sources owing deliveries their publishers should have made by now."""

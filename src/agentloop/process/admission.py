@@ -40,6 +40,7 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
         await engine.abort(pid, reason="user.interrupt")
     async with engine._tx(live) as tx:
         # checked again inside the transaction: two deliveries of one id cannot both pass
+        await exclude_twin(engine, pid, run_id)
         seen = await admitted(engine, pid, run_id)
         if seen is not None:
             return seen
@@ -66,6 +67,15 @@ async def forget_admission(engine: ProcessEngine, pid: str, run_id: str) -> None
     inside the caller's transaction, once no one can retry it: a claimed delivery (a schedule's,
     a watch's) answers an old record for its id once and then retires it."""
     await engine.store.kv_delete(pid, f"admitted:{run_id}")
+
+
+async def exclude_twin(engine: ProcessEngine, pid: str, run_id: str | None) -> None:
+    """Inside a delivery's transaction, before its duplicate check: hold its ``run_id`` until the
+    commit. A transaction excludes the others of its own worker, but two workers delivering one id
+    at once (a retry through another worker: one as the holder, one forwarding) would each find no
+    record and each deliver; the second now waits for the first's commit and finds its record."""
+    if run_id is not None:
+        await engine.store.exclusive(f"admission of {run_id} to {pid}")
 
 
 async def admitted(engine: ProcessEngine, pid: str, run_id: str | None) -> Receipt | None:
@@ -114,6 +124,7 @@ async def signal_event(
             run_id_kept, run_id = run_id, None  # the claim is the idempotency: no record to keep
         else:
             # checked inside the transaction: two deliveries of one id cannot both pass
+            await exclude_twin(engine, pid, run_id)
             seen = await admitted(engine, pid, run_id)
             if seen is not None:
                 return seen

@@ -117,6 +117,7 @@ class Leases:
         self.held: dict[str, int] = {}  # pid -> epoch of this worker's claim
         self._claiming = KeyedLocks()  # one claim of a process at a time (a send's, the sweep's)
         self._changed: set[str] = set()  # pids other workers said changed, not yet looked at
+        self._news: dict[str, set[asyncio.Event]] = {}  # pid -> its waiters (``wait_idle``), set when it changes
         self._wake = asyncio.Event()
         self._tail: dict[str, int] = {}  # pid -> last seq published to this worker's watchers
         self._loop: asyncio.Task[None] | None = None
@@ -176,7 +177,11 @@ class Leases:
             async with self._claiming.hold(pid):
                 if self.held.get(pid, 0) >= epoch:
                     continue  # this worker's own claim (a send's) came first
-                await self._took(pid, epoch)
+                try:
+                    await self._took(pid, epoch)
+                except Exception:  # (its lease is let go: the next sweep tries again) the others go on
+                    log.exception("process %s: claimed, but could not resume it", pid)
+                    continue
                 resumed.append(pid)
         return resumed
 
@@ -185,18 +190,28 @@ class Leases:
         worker may have advanced it), so it is reloaded; a run in flight under the previous
         holder resumes as after a crash (its open calls re-dispatched or failed)."""
         self.held[pid] = epoch
+        self._tell_waiters(pid)  # (they wait for it here from now on)
         engine = self.engine
         engine.uncache(pid)
-        if pid in self._tail:
-            await self._publish_log(pid)  # what the previous holder logged, before this one's steps
-            self._tail.pop(pid, None)
-            self.relay.forget(pid)
-        record = await self.store.get_process(pid)
-        if record is None:
-            self.held.pop(pid, None)
-            await self.store.release_lease(pid, self.owner, epoch)
-            raise NoSuchProcess(pid)
-        await engine.resume(record)
+        try:
+            if pid in self._tail:
+                await self._publish_log(pid)  # what the previous holder logged, before this one's steps
+                self._tail.pop(pid, None)
+                self.relay.forget(pid)
+            record = await self.store.get_process(pid)
+            if record is None:
+                raise NoSuchProcess(pid)
+            await engine.resume(record)
+        except Exception:
+            # Not resumed: the lease goes back. Kept, it would be renewed with everything else this
+            # worker holds while nothing here drives the process, and no sweep (this worker's
+            # skips its own leases) would ever take the process up again.
+            if self.held.get(pid) == epoch:
+                del self.held[pid]
+                engine.uncache(pid)
+                with contextlib.suppress(Exception):  # (the database is away: the lease expires)
+                    await self.store.release_lease(pid, self.owner, epoch)
+            raise
 
     def idle(self, pid: str) -> None:
         """The process has no active run: free its lease (in the background) unless input waits."""
@@ -270,12 +285,25 @@ class Leases:
     async def wait_idle(self, pid: str) -> None:
         """Return when the process, held by another worker, has no active run and no input waiting."""
         while pid not in self.held:
-            record = await self.store.get_process(pid)
-            if record is None or record.state == "killed":
-                raise NoSuchProcess(pid)
-            if record.current_run is None and not await self.store.queue(pid):
-                return
-            await asyncio.sleep(0.02)
+            # looked at again when the holder says the process changed (each of its commits does),
+            # or after ``poll`` seconds (a notification can be lost): not in a tight loop, for as
+            # long as the run lasts, as many times over as there are waiters
+            news = asyncio.Event()  # (before the read: a change right after it is not missed)
+            waiters = self._news.setdefault(pid, set())
+            waiters.add(news)
+            try:
+                record = await self.store.get_process(pid)
+                if record is None or record.state == "killed":
+                    raise NoSuchProcess(pid)
+                if record.current_run is None and not await self.store.queue(pid):
+                    return
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.poll):
+                        await news.wait()
+            finally:
+                waiters.discard(news)
+                if not waiters and self._news.get(pid) is waiters:
+                    del self._news[pid]
         await self.engine.wait_idle(pid)
 
     def follow(self, pid: str, after_seq: int) -> None:
@@ -292,8 +320,13 @@ class Leases:
     def _notified(self, pid: str, sender: str) -> None:
         if sender == self.owner:
             return
+        self._tell_waiters(pid)
         self._changed.add(pid)
         self._wake.set()
+
+    def _tell_waiters(self, pid: str) -> None:
+        for news in self._news.get(pid, ()):
+            news.set()
 
     # -- relayed deltas (see relay.py) -----------------------------------------------------------
 
@@ -354,6 +387,13 @@ class Leases:
                 log.warning("process %s: lease lost (taken over after it expired)", pid)
                 self.held.pop(pid, None)
                 self.engine.uncache(pid)
+        # Leases of this name that nothing here acts on (one whose release failed, one from before
+        # a restart under the same name, the sweep's skipping its idle processes): renewed with the
+        # rest, they would keep every other worker from the process for good, and this one would
+        # ignore the input they forward. Let them go (a claim under way is left to finish).
+        for pid, epoch in alive.items():
+            if pid not in self.held and pid not in self._claiming:
+                await self.store.release_lease(pid, self.owner, epoch)
 
     async def _look(self, pid: str) -> None:
         """Another worker changed the process (or it is time to poll): act on what it left."""
