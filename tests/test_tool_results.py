@@ -162,3 +162,29 @@ async def test_a_call_whose_arguments_are_not_json_gets_an_error_the_model_can_c
     assert broken.is_error and "The arguments of this echo call are not valid JSON" in broken.text, broken.text
     assert 'They were: {"text": "unterm' in broken.text
     assert not fixed.is_error and seen == ["fixed"] and messages[-1].text == "done: fixed"
+
+
+async def test_a_scripted_call_with_a_lone_surrogate_in_its_arguments_is_stored(tmp_path: Path) -> None:
+    """The test model hands its calls' arguments over as given: a lone surrogate in them failed
+    the durable step. They are made storable, as a real provider's are on the way in."""
+
+    @tool
+    def echo(text: str) -> str:
+        """Echo."""
+        return text
+
+    def brain(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        return (
+            "saw: " + last.text
+            if isinstance(last, ToolResultMessage)
+            else Reply(tool_calls=[call("echo", text="a\ud800b")])
+        )
+
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain, keep_requests=False), tools=[echo], workspace=tmp_path
+    ) as k:
+        proc = await k.spawn(owner="me", text="go")
+        await proc.wait_idle()
+        messages = await proc.messages()
+    assert messages[-1].text == "saw: a\ufffdb"

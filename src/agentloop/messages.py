@@ -114,6 +114,20 @@ def storable(text: str) -> str:
     return text if text.isascii() or not _SURROGATE.search(text) else _SURROGATE.sub("\ufffd", text)
 
 
+def storable_value(value: Any) -> Any:
+    """``value`` (JSON-like data: a tool result's details, a call's arguments) with its strings,
+    keys included, made ``storable``."""
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, list):
+        return [storable_value(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(storable_value(v) for v in value)
+    if isinstance(value, dict):
+        return {storable_value(k): storable_value(v) for k, v in value.items()}
+    return value
+
+
 def check_unicode(text: str, what: str) -> str:
     """``text``, or ValueError if it cannot be stored: a lone surrogate, as Python makes of bytes
     that were not UTF-8 (``surrogateescape``), has no UTF-8 form and would fail the commit."""

@@ -21,6 +21,7 @@ from agentloop.messages import (
     TextContent,
     ThinkingContent,
     ToolCall,
+    storable_value,
 )
 from agentloop.models.base import (
     AssistantBuilder,
@@ -183,8 +184,8 @@ class ScriptedModel(Model):
         if reply.text:
             content.append(TextContent(text=reply.text))
         for tc in reply.tool_calls:
-            if isinstance(tc, tuple):
-                tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=tc[1])
+            if isinstance(tc, tuple):  # (arguments made storable, as a provider's are on the way in)
+                tc = ToolCall(id=f"call_{next(_ids)}", name=tc[0], arguments=storable_value(tc[1]))
             content.append(tc)
         return StreamDone(
             message=AssistantMessage(

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeAlias, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage, storable
+from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage, storable, storable_value
 from agentloop.models.base import ToolSpec
 
 ResultBlock: TypeAlias = TextContent | ImageContent | FileContent
@@ -75,7 +75,7 @@ class ToolResult:
             tool_call_id=tool_call_id,
             tool_name=tool_name,
             content=content,
-            details=_storable_details(self.details),
+            details=storable_value(self.details),
             is_error=self.is_error,
         )
 
@@ -86,19 +86,6 @@ def _storable_block(block: ResultBlock) -> ResultBlock:
         if text is not block.text:
             return TextContent(text=text)
     return block
-
-
-def _storable_details(value: Any) -> Any:
-    """``details`` with its strings made storable (see ``ToolResult.to_message``)."""
-    if isinstance(value, str):
-        return storable(value)
-    if isinstance(value, list):
-        return [_storable_details(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_storable_details(v) for v in value)
-    if isinstance(value, dict):
-        return {_storable_details(k): _storable_details(v) for k, v in value.items()}
-    return value
 
 
 class ToolError(Exception):
