@@ -22,7 +22,7 @@ from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
 from agentloop.process.archive import read_archive
-from agentloop.process.store import open_store
+from agentloop.process.store import HilRow, open_store
 
 FAST = {"lease_ttl": 2.0, "poll_interval": 0.2}  # short, so a test sees expiry and polling quickly
 
@@ -898,3 +898,31 @@ async def test_waiting_for_a_process_held_elsewhere_does_not_poll_the_database_c
             await pb.wait_idle()
         assert [m.text for m in await pa.messages()] == ["work", "done"]
         assert len(reads) <= 25, len(reads)  # (a poll every 0.2 s, a look per notification; was ~70)
+
+
+async def test_approvals_of_one_run_answered_through_both_workers_at_once_are_all_kept(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Approving updates the run's map of approved calls (read, add, write): two approvals of one
+    run's nested calls, answered through both workers at the same moment, each wrote the map as
+    it read it, so one was lost (and its call then denied)."""
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
+        assert a.engine.leases is not None
+        proc_a = await a.spawn(owner="alice")
+        await a.engine.leases.hold(proc_a.pid)
+        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        proc_b = await b.process(proc_a.pid)
+        for attempt in range(10):
+            run_id = f"run-{attempt}"
+            rows = [
+                HilRow(
+                    f"q{attempt}-{n}", proc_a.pid, run_id, f"d{attempt}-{n}", "c", "Shell", "shell.exec", {}, f"f{n}"
+                )
+                for n in (1, 2)
+            ]
+            async with a.store.transaction():
+                for row in rows:
+                    await a.store.put_hil(row)
+            await asyncio.gather(proc_a.hil(rows[0].request_id, "approve"), proc_b.hil(rows[1].request_id, "approve"))
+            approved = await a.store.kv_get(proc_a.pid, f"approved:{run_id}")
+            assert approved == {rows[0].dispatch_id: "f1", rows[1].dispatch_id: "f2"}, attempt

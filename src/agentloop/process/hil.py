@@ -92,6 +92,9 @@ async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str
     if row is None:
         raise KeyError(f"no pending approval {request_id!r} for process {pid}")
     async with engine._tx(live) as tx:
+        # the run's approved calls and the process's remembered rules are read, added to and
+        # written back: two answers through two workers at once would each keep only their own
+        await engine.store.exclusive(f"approvals of {pid}")
         if not await engine.store.delete_hil(request_id):  # decided meanwhile (by another client)
             raise KeyError(f"no pending approval {request_id!r} for process {pid}")
         if decision == "approve":
