@@ -28,9 +28,9 @@ from agentloop.kernel.account_model import AccountModels
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import SCHEDULES, WATCHES, Duty
 from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
-from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, Scheduler
+from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
 from agentloop.kernel.tasks import task_toolset
-from agentloop.kernel.watches import WatchRouter
+from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import (
     FileContent,
@@ -572,7 +572,7 @@ class Kernel:
         # its copy of a watched source) cannot see a reset under way here, and what it queued
         # meanwhile would otherwise start the fresh conversation (see ``ProcessEngine.clear``)
         for item in await self.store.queue(pid):
-            if item.kind == "system" and (item.run_id or "").startswith(("schedule:", "watch:")):
+            if item.kind == "system" and (item.run_id or "").startswith((SCHEDULE_RUN_PREFIX, WATCH_RUN_PREFIX)):
                 await self.store.dequeue(pid, item.id)
         return lambda: self.watchers.forget(dropped)
 

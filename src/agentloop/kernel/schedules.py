@@ -45,6 +45,7 @@ MAX_NAME = 128
 MAX_TEXT = 64_000  # a schedule's text is delivered again at every fire
 POLL = 60.0  # re-read the table at least this often (another writer may have added a schedule)
 BATCH = 100  # schedules fired per pass
+SCHEDULE_RUN_PREFIX = "schedule:"  # of the run ids of schedules' deliveries
 
 
 class ScheduleError(ValueError):
@@ -57,7 +58,7 @@ class LimitReached(ValueError):
 
 def event_key(row: ScheduleRow) -> str:
     """The name of the run a schedule's delivery for its current due time starts."""
-    return f"schedule:{row.id}:{row.next_due!r}"
+    return f"{SCHEDULE_RUN_PREFIX}{row.id}:{row.next_due!r}"
 
 
 def next_due_after(due: float, every: float, now: float) -> float:

@@ -64,6 +64,7 @@ MAX_WATCHES = 100  # per watching process
 MAX_FINAL_TEXT = 4_000  # of the source's answer, in the event text
 MAX_PAYLOAD = 1_000  # of any other signal's payload
 PAGE = 200
+WATCH_RUN_PREFIX = "watch:"  # of the run ids of watches' deliveries
 
 
 class WatchError(ValueError):
@@ -272,7 +273,7 @@ class WatchRouter:
                     continue
                 text = await self._render(row, event)
                 claim = self._claim(row, event.seq)
-                key = f"watch:{row.id}:{event.seq}"
+                key = f"{WATCH_RUN_PREFIX}{row.id}:{event.seq}"
                 delivered = await self.engine.claimed_event(
                     row.pid, text, claim=claim, run_id=key, reason="signal.watch"
                 )
