@@ -44,6 +44,7 @@ from agentloop.messages import (
     Usage,
     document_text,
     storable,
+    storable_value,
 )
 from agentloop.models.overflow import is_overflow_text
 from agentloop.urls import MASK, redact_secrets
@@ -374,7 +375,7 @@ class AssistantBuilder:
                     parsed = None
                 if isinstance(parsed, dict):
                     if "\\u" in raw:  # an escaped lone surrogate parses to one
-                        parsed = json.loads(storable(json.dumps(parsed, ensure_ascii=False)))
+                        parsed = storable_value(parsed)
                     call.arguments = parsed
                 else:
                     call.arguments, call.invalid_arguments = {}, raw[:_INVALID_ARGUMENTS_KEPT]

@@ -73,11 +73,11 @@ async def dispatch(
     assistant = assistant or _last_assistant(live.history) or AssistantMessage()
     approved = (await engine.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
     cfg = await engine._run_config(live, run_id)
-    botched = {c.id: c for c in assistant.tool_calls if c.invalid_arguments is not None}
-    for row in rows:  # (arguments that were not a JSON object: nothing to approve or run)
-        refused = malformed(botched[row.tool_call_id], assistant) if row.tool_call_id in botched else None
-        if refused is not None and row.status == "registered":
-            await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
+    waiting = {row.tool_call_id: row for row in rows if row.status == "registered"}
+    for call in assistant.tool_calls:  # (arguments that were not a JSON object: nothing to approve or run)
+        refused = malformed(call, assistant)
+        if refused is not None and call.id in waiting:
+            await settle(engine, tx, waiting[call.id], refused, "failed", ("registered",), fresh=fresh)
     if offered is not None:  # all at once: the loop below may stop at a call that has to wait
         for row in rows:
             if row.status == "registered" and row.tool_name not in offered and row.tool_name in cfg.tools:

@@ -31,6 +31,7 @@ class InputRate:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._accepted: dict[str, deque[float]] = {}
+        self._swept = clock()  # when accounts gone quiet were last dropped
 
     def take(self, account: str, limit: int | None) -> None:
         """Count one input of ``account``, or refuse it with 429 when the account gave ``limit``
@@ -56,9 +57,10 @@ class InputRate:
         self._forget_idle(now)
 
     def _forget_idle(self, now: float) -> None:
-        """Drop accounts with nothing left in the window, now and then: the table holds the
-        accounts active this minute, not every account ever seen."""
-        if len(self._accepted) < 1024:
+        """Once a minute, drop the accounts with nothing left in the window: the table holds the
+        accounts active lately, not every account ever seen."""
+        if now - self._swept < WINDOW:
             return
+        self._swept = now
         for account in [a for a, times in self._accepted.items() if not times or times[-1] <= now - WINDOW]:
             del self._accepted[account]
