@@ -230,3 +230,20 @@ async def wait_idle(client: httpx.AsyncClient, pid: str, seconds: float = 5.0) -
 
     await wait_until(idle, seconds)
     return out
+
+
+@contextmanager
+def serving(opts: Any) -> Iterator[tuple[str, dict[str, str]]]:
+    """``agentloop serve`` with ``opts`` (``ServeOptions``) in the background: its URL and the
+    bearer header of a new account, alice."""
+    from agentloop.cli.serve import BackgroundServer
+
+    server = BackgroundServer(opts, start_timeout=60)
+    running = server.start()
+    try:
+        accounts = running.ctx.accounts
+        server.call(accounts.create_account("alice"))
+        token, _ = server.call(accounts.create_token("alice"))
+        yield running.url, {"Authorization": f"Bearer {token}"}
+    finally:
+        server.stop()

@@ -46,6 +46,14 @@ def last_user(req: ModelRequest) -> str:
     return [m.text for m in req.messages if isinstance(m, UserMessage)][-1]
 
 
+async def kept_by(worker: Kernel, pid: str) -> None:
+    """``worker`` claims the process and keeps it while idle (it would let it go), so what the
+    other worker is sent for it is forwarded to ``worker``."""
+    assert worker.engine.leases is not None
+    await worker.engine.leases.hold(pid)
+    worker.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]
+
+
 async def holder(url: str, pid: str) -> str | None:
     store = open_store(url)
     await store.open()
@@ -95,10 +103,8 @@ async def test_input_sent_through_the_other_worker_starts_its_run_with_its_own_r
     """A message or a system event for an idle process that another worker holds waits in the
     queue for that worker; the run it starts still says it came from a send or an event."""
     async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
-        assert a.engine.leases is not None
         proc_a = await a.spawn(owner="alice")
-        await a.engine.leases.hold(proc_a.pid)
-        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        await kept_by(a, proc_a.pid)
         proc_b = await b.process(proc_a.pid)
 
         async def finished(runs: int) -> None:
@@ -649,12 +655,10 @@ async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_th
     queue the reset discards; it starts the first run of the fresh conversation."""
     brain = lambda req: "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))  # noqa: E731
     async with two(pg_url, tmp_path, ScriptedModel(brain), []) as (a, b):
-        assert a.engine.leases is not None
         proc_a = await a.spawn(owner="alice")
         await proc_a.send("before")
         await proc_a.wait_idle()
-        await a.engine.leases.hold(proc_a.pid)
-        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        await kept_by(a, proc_a.pid)
         proc_b = await b.process(proc_a.pid)
 
         resetting = asyncio.create_task(proc_a.reset())
@@ -678,12 +682,10 @@ async def test_a_message_sent_through_the_other_worker_during_a_kill_is_refused_
     sends meanwhile either gets "no such process" or, if it was queued in time, is in the
     archive. It is never deleted with the process after its sender got a receipt."""
     async with two(pg_url, tmp_path, ScriptedModel(lambda req: "seen"), []) as (a, b):
-        assert a.engine.leases is not None
         proc_a = await a.spawn(owner="alice")
         await proc_a.send("before")
         await proc_a.wait_idle()
-        await a.engine.leases.hold(proc_a.pid)
-        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        await kept_by(a, proc_a.pid)
         proc_b = await b.process(proc_a.pid)
 
         killing = asyncio.create_task(proc_a.kill())
@@ -808,7 +810,6 @@ async def test_events_delivered_through_the_other_worker_during_a_reset_do_not_r
     (its schedules duty firing, its copy of a watched run ending) is queued for the holder; the
     reset must drop it with them, not start the fresh conversation with it."""
     async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
-        assert a.engine.leases is not None
         for k in (a, b):  # the test delivers the events itself, through B
             await k.scheduler.stop()
             await k.watchers.stop()
@@ -816,8 +817,7 @@ async def test_events_delivered_through_the_other_worker_during_a_reset_do_not_r
         source = await a.spawn(owner="alice")
         await proc_a.send("before")
         await proc_a.wait_idle()
-        await a.engine.leases.hold(proc_a.pid)
-        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        await kept_by(a, proc_a.pid)
         await a.schedule(proc_a.pid, "stand-up", at=time.time() + 3600)
         [row] = await a.schedules(proc_a.pid)
         await a.watch(proc_a.pid, source.pid)
@@ -907,10 +907,8 @@ async def test_approvals_of_one_run_answered_through_both_workers_at_once_are_al
     run's nested calls, answered through both workers at the same moment, each wrote the map as
     it read it, so one was lost (and its call then denied)."""
     async with two(pg_url, tmp_path, ScriptedModel(lambda req: "ok"), []) as (a, b):
-        assert a.engine.leases is not None
         proc_a = await a.spawn(owner="alice")
-        await a.engine.leases.hold(proc_a.pid)
-        a.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]  # A keeps it while idle
+        await kept_by(a, proc_a.pid)
         proc_b = await b.process(proc_a.pid)
         for attempt in range(10):
             run_id = f"run-{attempt}"

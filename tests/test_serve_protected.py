@@ -13,10 +13,11 @@ import httpx
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call
 from agentloop.cli.approvals import parse_approval
 from agentloop.cli.config import Settings
-from agentloop.cli.serve import BackgroundServer, ServeOptions
+from agentloop.cli.serve import ServeOptions
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.models.registry import register_provider
+from tests.server_support import serving
 
 
 def _script(req: ModelRequest) -> Reply | str:
@@ -40,17 +41,11 @@ def test_engine_chat_cannot_read_the_kernels_data(tmp_path: Path) -> None:
     opts = ServeOptions(
         "127.0.0.1", 0, data.resolve(), ws.resolve(), settings, parse_approval("ask"), out=io.StringIO()
     )
-    server = BackgroundServer(opts, start_timeout=60)
-    running = server.start()
-    try:
-        accounts = running.ctx.accounts
-        server.call(accounts.create_account("alice"))
-        token, _ = server.call(accounts.create_token("alice"))
-        headers = {"Authorization": f"Bearer {token}"}
+    with serving(opts) as (url, headers):
 
         def ask(content: str) -> str:
             body = {"messages": [{"role": "user", "content": content}], "metadata": {"correlation_id": "c1"}}
-            with httpx.Client(base_url=running.url, timeout=30) as client:
+            with httpx.Client(base_url=url, timeout=30) as client:
                 reply = client.post("/engine/chat", json=body, headers=headers)
             assert reply.status_code == 200
             return reply.text
@@ -59,5 +54,3 @@ def test_engine_chat_cannot_read_the_kernels_data(tmp_path: Path) -> None:
         assert "agentloop's own data is off limits to tools" in shown and "SQLite format" not in shown
         found = ask("search: SECRET")
         assert "plan.txt:1: no SECRET here" in found and "SECRET-42" not in found
-    finally:
-        server.stop()

@@ -11,10 +11,11 @@ import pytest
 from agentloop import ScriptedModel
 from agentloop.cli.approvals import parse_approval
 from agentloop.cli.config import Settings
-from agentloop.cli.serve import BackgroundServer, ServeOptions
+from agentloop.cli.serve import ServeOptions
 from agentloop.models.registry import register_provider
 from agentloop.server.errors import ApiError
 from agentloop.server.ratelimit import InputRate
+from tests.server_support import serving
 
 
 class Clock:
@@ -64,7 +65,7 @@ def test_accounts_quiet_for_a_minute_are_forgotten() -> None:
     assert len(rate._accepted) == 1
 
 
-def test_serve_applies_its_rate_to_accounts_not_admins(tmp_path: Path) -> None:
+def test_serve_applies_its_input_rate(tmp_path: Path) -> None:
     """``serve --max-inputs-per-minute`` reaches the server: the third message of a minute is refused."""
     register_provider("ratelimitprobe", lambda _id: ScriptedModel(lambda request: "ok"))
     opts = ServeOptions(
@@ -77,17 +78,9 @@ def test_serve_applies_its_rate_to_accounts_not_admins(tmp_path: Path) -> None:
         max_inputs_per_minute=2,
         out=io.StringIO(),
     )
-    server = BackgroundServer(opts, start_timeout=60)
-    running = server.start()
-    try:
-        accounts = running.ctx.accounts
-        server.call(accounts.create_account("alice"))
-        token, _ = server.call(accounts.create_token("alice"))
-        with httpx.Client(base_url=running.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
-            pid = client.post("/v1/processes", json={"text": "one"}).json()["pid"]
-            assert client.post(f"/v1/processes/{pid}/messages", json={"text": "two"}).status_code == 202
-            refused = client.post(f"/v1/processes/{pid}/messages", json={"text": "three"})
-            assert refused.status_code == 429 and refused.json()["code"] == "rate_limited"
-            assert 1 <= int(refused.headers["retry-after"]) <= 60
-    finally:
-        server.stop()
+    with serving(opts) as (url, headers), httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        pid = client.post("/v1/processes", json={"text": "one"}).json()["pid"]
+        assert client.post(f"/v1/processes/{pid}/messages", json={"text": "two"}).status_code == 202
+        refused = client.post(f"/v1/processes/{pid}/messages", json={"text": "three"})
+        assert refused.status_code == 429 and refused.json()["code"] == "rate_limited"
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
