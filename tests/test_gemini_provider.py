@@ -540,7 +540,18 @@ async def test_abort_closes_the_stream(fake: GeminiFake) -> None:
     assert seen[-1] == "text_delta"
 
 
-async def test_function_call_arguments_that_are_not_an_object(fake: GeminiFake) -> None:
+async def test_function_call_arguments_that_are_not_an_object_stay_with_the_call(fake: GeminiFake) -> None:
+    """The reply is kept: the call carries what the model sent, the loop answers it with an error
+    the model can correct, and the call goes back to Gemini with an empty object (its API takes
+    nothing else)."""
     fake.push(stream(chunk({"functionCall": {"name": "echo", "args": ["a"]}}, finish="STOP")))
-    err = failed(await events_of(model(fake), req(user("x"), tools=[ECHO_SPEC])))
-    assert err.kind == "invalid_response" and err.message.tool_calls == []
+    fake.push(stream(chunk({"text": "sorry"}, finish="STOP")))
+    agent = Agent(model=model(fake), tools=[echo])
+    result = await agent.run("x")
+    assert result.text == "sorry"
+    [answer] = [m for m in result.messages if isinstance(m, ToolResultMessage)]
+    assert answer.is_error and '["a"]' in answer.text
+    [call] = next(m for m in result.messages if isinstance(m, AssistantMessage)).tool_calls
+    assert call.arguments == {} and call.invalid_arguments == '["a"]'
+    sent = fake.requests[-1]["contents"][1]["parts"][0]["functionCall"]
+    assert sent["name"] == "echo" and sent["args"] == {}

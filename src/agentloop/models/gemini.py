@@ -408,14 +408,12 @@ class _ChunkReader:
             events = self._signature(signature) if signature else []
             self._calls += 1
             call_id = call.get("id") or f"{GENERATED_ID_PREFIX}{uuid.uuid4().hex[:12]}"
-            args = call.get("args") or {}
-            if not isinstance(args, dict):
-                raise ProviderError(
-                    f"function call {call.get('name')!r} has arguments that are not an object", kind="invalid_response"
-                )
+            # arguments that are not an object go through as written: the call keeps them as
+            # ``invalid_arguments`` and the loop tells the model what to fix, rather than the reply failing
+            args = call.get("args")
             key = ("call", self._calls)
             events += out.tool_call(key, str(call_id), str(call.get("name") or ""))
-            return events + out.tool_args(key, json.dumps(args, ensure_ascii=False))
+            return events + out.tool_args(key, json.dumps({} if args is None else args, ensure_ascii=False))
         if "text" in part:
             events = out.text(str(part["text"] or ""))
             return events + self._signature(signature) if signature else events
