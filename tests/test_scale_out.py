@@ -900,6 +900,47 @@ async def test_waiting_for_a_process_held_elsewhere_does_not_poll_the_database_c
         assert len(reads) <= 25, len(reads)  # (a poll every 0.2 s, a look per notification; was ~70)
 
 
+async def test_an_abort_forwarded_to_the_holder_waits_for_it_without_polling_the_database(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A forwarded abort waits for the holder to end the run the same way: it looks again when the
+    holder says the process changed, or every poll interval, and returns once the run ended."""
+
+    @tool
+    async def stubborn() -> str:
+        """Take a second and a half to stop when cancelled."""
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(1.5)
+            raise
+        return "never"
+
+    def brain(req: ModelRequest) -> Reply | str:
+        return Reply(tool_calls=[call("stubborn")]) if isinstance(req.messages[-1], UserMessage) else "over"
+
+    async with two(pg_url, tmp_path, ScriptedModel(brain), [stubborn]) as (a, b):
+        pa = await a.spawn(owner="alice")
+        run = await pa.send("go")
+        async with asyncio.timeout(10):
+            while not [s async for s in pa.signals(follow=False) if s.signal == sig.TOOL_STARTED]:
+                await asyncio.sleep(0.02)
+        pb = await b.process(pa.pid)
+        reads: list[str] = []
+        real = b.store.get_process
+
+        async def counting(pid: str) -> Any:
+            reads.append(pid)
+            return await real(pid)
+
+        b.store.get_process = counting  # type: ignore[method-assign]
+        async with asyncio.timeout(10):
+            assert await pb.abort() is True  # forwarded to A, whose tool takes 1.5 s to stop
+        ended = [s.payload async for s in pa.signals(follow=False) if s.signal == sig.RUN_FINISHED]
+        assert ended[-1]["runId"] == run.run_id and ended[-1]["status"] == "aborted"
+        assert len(reads) <= 20, len(reads)  # (a poll every 0.2 s, a look per notification; was ~75)
+
+
 async def test_approvals_of_one_run_answered_through_both_workers_at_once_are_all_kept(
     pg_url: str, tmp_path: Path
 ) -> None:

@@ -43,7 +43,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.process.keylock import KeyedLocks
@@ -117,7 +117,7 @@ class Leases:
         self.held: dict[str, int] = {}  # pid -> epoch of this worker's claim
         self._claiming = KeyedLocks()  # one claim of a process at a time (a send's, the sweep's)
         self._changed: set[str] = set()  # pids other workers said changed, not yet looked at
-        self._news: dict[str, set[asyncio.Event]] = {}  # pid -> its waiters (``wait_idle``), set when it changes
+        self._news: dict[str, set[asyncio.Event]] = {}  # pid -> its waiters (``_news_of``), set when it changes
         self._wake = asyncio.Event()
         self._tail: dict[str, int] = {}  # pid -> last seq published to this worker's watchers
         self._loop: asyncio.Task[None] | None = None
@@ -273,38 +273,44 @@ class Leases:
             await self.store.kv_set(pid, ABORT_KEY, {"run_id": run["run_id"], "reason": reason})
             await self.told(pid)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if pid in self.held:  # claimed meanwhile (its holder died or let go): stop it here
-                return await self.engine.abort(pid, run["run_id"], reason=reason)
-            record = await self.store.get_process(pid)
-            if record is None or (record.current_run or {}).get("run_id") != run["run_id"]:
-                return True
-            await asyncio.sleep(0.02)
+        while (left := deadline - time.monotonic()) > 0:
+            with self._news_of(pid) as news:
+                if pid in self.held:  # claimed meanwhile (its holder died or let go): stop it here
+                    return await self.engine.abort(pid, run["run_id"], reason=reason)
+                record = await self.store.get_process(pid)
+                if record is None or (record.current_run or {}).get("run_id") != run["run_id"]:
+                    return True
+                await _heard(news, min(self.poll, left))
         return False
 
     async def wait_idle(self, pid: str) -> None:
         """Return when the process, held by another worker, has no active run and no input waiting."""
         while pid not in self.held:
-            # looked at again when the holder says the process changed (each of its commits does),
-            # or after ``poll`` seconds (a notification can be lost): not in a tight loop, for as
-            # long as the run lasts, as many times over as there are waiters
-            news = asyncio.Event()  # (before the read: a change right after it is not missed)
-            waiters = self._news.setdefault(pid, set())
-            waiters.add(news)
-            try:
+            with self._news_of(pid) as news:
                 record = await self.store.get_process(pid)
                 if record is None or record.state == "killed":
                     raise NoSuchProcess(pid)
                 if record.current_run is None and not await self.store.queue(pid):
                     return
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.poll):
-                        await news.wait()
-            finally:
-                waiters.discard(news)
-                if not waiters and self._news.get(pid) is waiters:
-                    del self._news[pid]
+                await _heard(news, self.poll)
         await self.engine.wait_idle(pid)
+
+    @contextlib.contextmanager
+    def _news_of(self, pid: str) -> Iterator[asyncio.Event]:
+        """An event set when the holder says ``pid`` changed (each of its commits does). Taken
+        before reading the process, so a change right after the read is not missed; waited on
+        at most ``poll`` at a time (a notification can be lost), so that waiting on a process
+        held elsewhere does not read the store in a tight loop for as long as its run lasts, as
+        many times over as there are waiters."""
+        news = asyncio.Event()
+        waiters = self._news.setdefault(pid, set())
+        waiters.add(news)
+        try:
+            yield news
+        finally:
+            waiters.discard(news)
+            if not waiters and self._news.get(pid) is waiters:
+                del self._news[pid]
 
     def follow(self, pid: str, after_seq: int) -> None:
         """A watcher of ``pid`` has read its log up to ``after_seq``: signals after that reach it
@@ -448,3 +454,10 @@ class Leases:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("lease work failed", exc_info=task.exception())
+
+
+async def _heard(news: asyncio.Event, seconds: float) -> None:
+    """Wait until ``news`` is set, or ``seconds``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await news.wait()
