@@ -138,14 +138,15 @@ def context_tokens(system_prompt: str, tools: Sequence[ToolSpec], messages: Sequ
     history before it (plus its own output); only later messages are estimated. Usage reported
     before the latest summary was made is stale, even on a message the compaction kept (it
     measured the history that was compacted away), and all-zero usage means the provider did not
-    report any, so both fall back to the estimate.
+    report any, so both fall back to the estimate. Only replies are dated against the summary:
+    input sent while it was being written is older than it yet joins the history after it.
     """
     summarised_at = _summary_time(messages)
     for i in range(len(messages) - 1, -1, -1):  # newest first: only the tail is looked at
         m = messages[i]
-        if m.timestamp <= summarised_at:
-            break
         if isinstance(m, AssistantMessage):
+            if m.timestamp <= summarised_at:
+                break
             covered = _usage_tokens(m)
             if covered:
                 return covered + estimate_tokens(list(messages[i + 1 :]))

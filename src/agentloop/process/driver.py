@@ -369,12 +369,16 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
         if blocked is not None:
             log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
             return False
-    # a quarter of the window, in estimated tokens: scaled down where the provider counts more
-    # than the estimate does (CJK text, dense code), or the "quarter" could be the whole window
-    specs = cfg.tool_specs
-    estimated = estimated_context(cfg.system_prompt, specs, live.history)
+    # a quarter of the room the history has (the window pressure is measured against, less the
+    # prompt and tools: a quarter of the whole window can be near the threshold by itself, and
+    # every turn would compact again), in estimated tokens: scaled down where the provider counts
+    # more than the estimate does (CJK text, dense code), or the "quarter" could be the whole room
+    specs, model = cfg.tool_specs, cfg.model.info
+    fixed = estimated_context(cfg.system_prompt, specs, [])
+    estimated = fixed + estimate_tokens(live.history)
     real = context_tokens(cfg.system_prompt, specs, live.history)
-    keep = int(cfg.model.info.context_window // 4 * min(1.0, estimated / max(1, real)))
+    room = (model.context_window - model.max_output) * min(1.0, estimated / max(1, real)) - fixed
+    keep = int(room // 4)
     if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
         keep = min(keep, estimate_tokens(live.history) // 2)
     keep = max(256, keep)
@@ -387,7 +391,11 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
         return False
     stored = await engine.store.history(pid)
     removed_ids = [m.id for m in stored[: len(result.removed)]]
-    where = await engine.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
+    try:
+        where = await engine.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
+    except Exception as exc:  # (a full disk): the removed messages would have no copy; keep them
+        log.warning("process %s: compaction not archived, history unchanged: %s", pid, exc)
+        return False
     memory = await _remember(engine, live, result.memories)
     async with engine._tx(live) as tx:
         summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], result.summary)
