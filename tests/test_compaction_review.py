@@ -446,3 +446,38 @@ async def test_a_worker_that_lost_the_process_during_a_summary_installs_nothing(
     assert messages == done and messages[-1].text == "all chunks done"
     assert len(compacted) == 1 == len(segments) and "Summary from B." in messages[0].text
     _check_whole(messages)
+
+
+async def test_the_answer_retried_after_an_overflow_streams_to_watchers(tmp_path: Path) -> None:
+    """The call made again after the compaction is streamed like any other: a watcher sees its
+    text arrive, not only the finished message."""
+    calls = [0]
+
+    def brain(r: ModelRequest) -> Any:
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "Summary: chunks."
+        calls[0] += 1
+        if calls[0] < 4:
+            return Reply(tool_calls=[call("dump", n=calls[0])])
+        if calls[0] == 4:
+            raise ProviderError("prompt is too long: 9000 tokens > 8192 maximum", kind="overflow")
+        return "the answer after compaction"
+
+    async with _kernel(tmp_path, brain, ModelInfo(provider="scripted", id="big", context_window=100_000)) as k:
+        proc = await k.spawn(owner="alice")
+        streamed: list[str] = []
+
+        async def watch() -> None:
+            async for s in proc.signals(follow=True):
+                if s.signal == "proc.run.stream" and s.payload["event"] == "text_delta":
+                    streamed.append(s.payload["delta"])
+                if s.signal == "proc.run.finished":
+                    return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.05)  # following before the run starts
+        await proc.send("produce chunks")
+        await asyncio.wait_for(watcher, 10)
+        compacted = await _signals(proc, "proc.compacted")
+    assert [c["reason"] for c in compacted] == ["overflow"]
+    assert "".join(streamed) == "the answer after compaction"

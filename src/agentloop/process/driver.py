@@ -226,7 +226,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry
             state = _call_state(engine, live, run)
-            reply = await call_model(cfg, state, tools_enabled, None, retrying)
+            reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
     finally:
         live.partial = None
     if relay is not None:
