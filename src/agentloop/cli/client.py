@@ -24,7 +24,15 @@ from rich.text import Text
 from agentloop.cli.approvals import Asker, Question
 from agentloop.cli.chat import TurnOutcome
 from agentloop.cli.config import Connection, load_connection
-from agentloop.cli.render import SignalRenderer, TextRenderer, describe_call, one_line, stderr_console
+from agentloop.cli.render import (
+    SignalRenderer,
+    TextRenderer,
+    describe_call,
+    is_terminal,
+    one_line,
+    stderr_console,
+    terminal_text,
+)
 from agentloop.client import AgentloopClient, ClientError, StreamEvent
 from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, FileContent, MediaBlock, ToolResultMessage, message_from_dict
@@ -167,12 +175,13 @@ def history(
 
     with _guarded():
         page = call(server, token, lambda c: c.history(pid, limit=limit))
+        terminal = is_terminal(sys.stdout)  # the model's text, shown as the chat shows it (see ``terminal_text``)
         for item in page.get("messages", []):
             if json_output:
                 _echo_json(item)
             else:
                 for line in message_lines(item.get("message")):
-                    typer.echo(line)
+                    typer.echo(terminal_text(line) if terminal else line)
 
 
 def message_lines(data: Any) -> list[str]:
@@ -366,7 +375,11 @@ class RemoteSession:
         self.cwd = cwd
         self.pid = ""
         self.seq = 0  # the last logged signal shown: the next turn follows from here
-        self._abort: asyncio.Task[bool] | None = None
+        self._abort: asyncio.Task[None] | None = None
+        # The turn being followed: its run (once known), what its display reads, and Ctrl-C.
+        self._run_id: str | None = None
+        self._queue: asyncio.Queue[StreamEvent | BaseException | None] | None = None
+        self._interrupted = asyncio.Event()
 
     async def open(self, *, new: bool = False, pid: str | None = None) -> int | None:
         """Attach to ``pid``, else to the newest conversation (unless ``new``), else start one;
@@ -401,8 +414,24 @@ class RemoteSession:
         self.seq = 0
 
     def abort(self) -> None:
-        if self.pid and (self._abort is None or self._abort.done()):
-            self._abort = asyncio.get_running_loop().create_task(self.client.abort(self.pid))
+        """Ctrl-C, or "abort" at an approval: stop the run being followed, and only that one.
+        Before its line has been sent there is nothing to stop on the server: the line is not sent."""
+        self._interrupted.set()
+        if self._run_id is not None and (self._abort is None or self._abort.done()):
+            self._abort = asyncio.get_running_loop().create_task(self._request_abort(self._run_id, self._queue))
+
+    async def _request_abort(
+        self, run_id: str, queue: asyncio.Queue[StreamEvent | BaseException | None] | None
+    ) -> None:
+        """The abort call. When it fails (most often: the server is gone) the turn cannot end the
+        usual way, with the run's last signal, so it ends here, saying why; without this the chat
+        kept waiting for a stream that would not come back, and only a second Ctrl-C (which
+        exits the chat) gave the user back control."""
+        try:
+            await self.client.abort(self.pid, run_id)
+        except ClientError as exc:
+            if queue is not None:
+                queue.put_nowait(ClientError(exc.status, exc.code, f"could not abort the run: {exc.message}"))
 
     async def unfinished(self) -> bool:
         return (await self.client.process(self.pid)).get("run_id") is not None
@@ -438,8 +467,14 @@ class RemoteSession:
         queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
         connected = asyncio.Event()
 
+        def retrying(problem: ClientError, attempt: int) -> None:
+            if attempt == 1:  # the spinner alone would not say why nothing moves
+                view.note(Text(f"(connection lost: {one_line(problem.message, 200)}; reconnecting)", style="yellow"))
+
         async def pump() -> None:
-            stream = self.client.events(self.pid, after_seq=self.seq, connected=connected, max_retries=20)
+            stream = self.client.events(
+                self.pid, after_seq=self.seq, connected=connected, max_retries=20, on_retry=retrying
+            )
             try:
                 async with aclosing(stream) as events:
                     async for event in events:
@@ -448,17 +483,25 @@ class RemoteSession:
             except ClientError as exc:
                 queue.put_nowait(exc)
 
+        self._queue, self._run_id = queue, run_id
+        self._interrupted.clear()
         task = asyncio.get_running_loop().create_task(pump())
         try:
-            waiter = asyncio.ensure_future(connected.wait())
-            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            waiters = {asyncio.ensure_future(connected.wait()), asyncio.ensure_future(self._interrupted.wait())}
+            await asyncio.wait({*waiters, task}, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
             if text is not None:
+                if self._interrupted.is_set():  # Ctrl-C while the stream was still being opened
+                    return TurnOutcome("aborted", "aborted")
                 items = [_media_item(b) for b in media]
                 receipt = await self.client.send(self.pid, text, media=items or None)
-                run_id = str(receipt["run_id"])
+                run_id = self._run_id = str(receipt["run_id"])
+                if self._interrupted.is_set():  # Ctrl-C while the line was on its way
+                    self.abort()
             return await self._show(queue, view, ask, str(run_id))
         finally:
+            self._queue = self._run_id = None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 

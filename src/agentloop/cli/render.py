@@ -48,9 +48,30 @@ from agentloop.process.signals import Signal
 _MAIN_ARGS = ("path", "file", "file_path", "command", "cmd", "pattern", "query", "url", "name")
 
 
+# What a terminal obeys instead of showing: the C0 and C1 controls (ESC begins every control
+# sequence, BEL ends the one that retitles the window, CR and BS overwrite what was shown) and the
+# bidirectional overrides and isolates (text shown in another order than it was written).
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _shown(match: re.Match[str]) -> str:
+    char = match.group()
+    return "" if char == "\r" else f"\\u{ord(char):04x}"
+
+
+def terminal_text(text: str) -> str:
+    """Model or tool text as a terminal may receive it: newlines, tabs and every printable
+    character kept, a carriage return dropped, any other control character made visible as
+    ``\\uXXXX``, so what a model wrote (or a web page it read told it to write) cannot clear,
+    retitle or recolour the terminal, nor hide text. (An approval question is stricter still:
+    see ``approvals._visible``.)"""
+    return _CONTROLS.sub(_shown, text)
+
+
 def one_line(text: str, limit: int = 160) -> str:
-    """Collapse whitespace so a message never breaks the one-line-per-event layout."""
-    flat = " ".join(text.split())
+    """Collapse whitespace so a message never breaks the one-line-per-event layout, and make
+    control characters visible: a line on stderr often quotes a model, a tool or a server."""
+    flat = terminal_text(" ".join(text.split()))
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
@@ -96,7 +117,7 @@ class TextRenderer:
         self._wrote_text = False
         self._new_message = False
         self._waiting = False
-        self._out_is_tty = _isatty(self.out)
+        self._out_is_tty = is_terminal(self.out)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -108,7 +129,8 @@ class TextRenderer:
 
     def _write(self, text: str) -> None:
         self._wait(False)
-        write_out(self.out, text)
+        # a pipe or a file gets the answer exactly; a terminal would obey the control sequences in it
+        write_out(self.out, terminal_text(text) if self._out_is_tty else text)
         self._at_line_start = text.endswith("\n")
         self._wrote_text = True
 
@@ -262,7 +284,7 @@ class SignalRenderer:
             reason = p.get("reason")
             what = f"compacted {count} messages" if count is not None else "compacted the conversation"
             kept = f"; memories kept in {p['memory']}" if isinstance(p.get("memory"), str) else ""
-            view.note(Text(what + (f" ({reason})" if reason else "") + kept, style="dim"))
+            view.note(Text(one_line(what + (f" ({reason})" if reason else "") + kept, 400), style="dim"))
         elif name == psig.RUN_FINISHED:
             view.finish()
 
@@ -307,7 +329,7 @@ class Progress:
 
     def __init__(self, err: TextIO | None = None, *, min_interval: float = 2.0) -> None:
         self.err = err if err is not None else sys.stderr
-        self.tty = _isatty(self.err)
+        self.tty = is_terminal(self.err)
         self.min_interval = min_interval
         self._lock = threading.Lock()
         self._open = False  # a line on the terminal waits to be replaced or cleared
@@ -441,7 +463,7 @@ def exit_on_terminate() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _isatty(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
