@@ -8,9 +8,13 @@
 //   (follow=false) to restore run outcomes and tool results, then follows live from its last seq;
 // - text deltas are live-only (never replayed); the streamed bubble is replaced by the persisted
 //   message, which the full text of proc.run.output is matched against, so it is never doubled.
+// - a closed view (the user opened another process) may still have requests in flight: whatever
+//   answers after close() is dropped, since the transcript and approvals now belong to the next one.
 
 import { api, ApiError, procPath, sse } from "./api.js";
 import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
+
+const GAP = " … "; // where a streaming bubble lost text while the stream reconnected
 
 export class ProcessView {
   constructor(pid, onState) {
@@ -63,6 +67,7 @@ export class ProcessView {
       }
       this.streaming("reconnecting");
       if (this.closed) return;
+      this.markGaps();
       await sleep(1000); // the stream ended (restart, shutdown): reconnect with Last-Event-ID
     }
   }
@@ -98,6 +103,7 @@ export class ProcessView {
 
   async refreshApprovals() {
     const { requests } = await api("GET", procPath(this.pid, "/hil"));
+    if (this.closed) return; // another process is open now: these are not its approvals
     const pending = new Set(requests.map((r) => r.request_id));
     for (const [id, card] of this.approvals) if (!pending.has(id)) this.dropApproval(id, card);
     for (const r of requests) {
@@ -111,12 +117,25 @@ export class ProcessView {
     return this.history;
   }
 
+  /** A reset (made here or by another client) started an empty history: forget the old one's
+   * messages and runs, in the history queue so that no fetch begun before it renders after it. */
+  forgetHistory() {
+    this.history = this.history.then(() => {
+      if (this.closed) return;
+      this.runs.clear();
+      this.messages.clear();
+      this.tools.clear();
+      $("transcript").replaceChildren();
+    });
+  }
+
   async fetchNewMessages() {
     const fresh = [];
     let before = null;
     for (let page = 0; page < 10; page++) {
       const query = before === null ? "limit=200" : `limit=200&before=${before}`;
       const data = await api("GET", procPath(this.pid, `/messages?${query}`));
+      if (this.closed) return; // another process is open now: the transcript is its
       const unseen = data.messages.filter((m) => !this.messages.has(m.id));
       fresh.push(...unseen);
       if (data.next_before === null || unseen.length < data.messages.length) break;
@@ -221,6 +240,15 @@ export class ProcessView {
     return run.current;
   }
 
+  /** Text deltas are never replayed, so those sent while the stream was down are lost: each
+   * unfinished bubble says so, instead of joining what follows to what came before as if it were
+   * one text. (proc.run.output brings the whole text.) */
+  markGaps() {
+    for (const run of this.runs.values()) {
+      if (run.current && !run.current.textContent.endsWith(GAP)) run.current.textContent += GAP;
+    }
+  }
+
   seal(run) {
     if (run.current) run.current.dataset.sealed = "1";
     run.current = null;
@@ -240,6 +268,7 @@ export class ProcessView {
   }
 
   addPending(runId, text) {
+    if (this.closed) return; // sent before the user switched away: the history shows it there
     const run = this.run(runId);
     const already = [...run.block.querySelectorAll(".msg.user:not(.pending)")].some((b) => b.textContent === text);
     if (!already) this.put(run, el("div", "msg user pending", text));
@@ -263,6 +292,8 @@ export class ProcessView {
         }
         break;
       case "proc.run.retrying":
+        // The failed model call is made again from its start: what it had streamed is void.
+        if (run && run.current) this.dropLive(run, run.current);
         if (this.live) {
           status(p.fallback ? `switching to ${p.model}: ${p.reason}` : `model retry ${p.attempt}: ${p.reason}`);
         }
@@ -320,10 +351,14 @@ export class ProcessView {
           this.notice(run, `context compacted: ${p.removed} older messages summarised (${p.tokensBefore} → ${p.tokensAfter} tokens)`);
         }
         break;
-      case "proc.changed":
-        if ((p.changes || []).includes("messages")) this.loadHistory();
-        if (this.live && (p.changes || []).includes("hil")) this.refreshApprovals().catch(() => {});
+      case "proc.changed": {
+        const changes = p.changes || [];
+        // In the backlog, a reset is older than the history already shown: only a live one clears.
+        if (this.live && changes.includes("reset")) this.forgetHistory();
+        if (changes.includes("messages")) this.loadHistory();
+        if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
         break;
+      }
       default:
         break;
     }
