@@ -370,7 +370,7 @@ async def test_huge_transcripts_are_bounded_to_the_summary_model() -> None:
     msgs: list[Message] = [user("goal: " + "g" * 100)]
     for i in range(200):
         msgs += [user(f"step {i} " + "u" * 300), assistant("a" * 300)]
-    text, _ = await summarize(model, msgs)
+    text, _, _ = await summarize(model, msgs)
     assert text == SUMMARY
     prompt = model.requests[0].messages[0].text
     assert "goal:" in prompt and "step 199" in prompt and "characters omitted" in prompt

@@ -11,6 +11,7 @@ import pytest
 
 from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, call, tool
 from agentloop.kernel import Kernel
+from agentloop.loop.guards import Guards
 from agentloop.messages import AssistantMessage, Message, TextContent, Usage, user
 from agentloop.models.base import ModelInfo, ModelRequest, ProviderError
 from agentloop.process.compaction import SUMMARY_KIND, SUMMARY_SYSTEM_PROMPT, context_tokens, estimate_tokens
@@ -481,3 +482,30 @@ async def test_the_answer_retried_after_an_overflow_streams_to_watchers(tmp_path
         compacted = await _signals(proc, "proc.compacted")
     assert [c["reason"] for c in compacted] == ["overflow"]
     assert "".join(streamed) == "the answer after compaction"
+
+
+async def test_the_summary_call_counts_against_the_run_s_token_budget(tmp_path: Path) -> None:
+    """A compaction's summary is a model call the run pays for: its usage joins the run's, so a
+    ``max_tokens`` (or ``max_cost``) guard sees it and stops the run at its next turn."""
+
+    rounds = [0]
+
+    def brain(r: ModelRequest) -> Any:
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return Reply(text="Summary: chunks.", input_tokens=1_000_000)
+        rounds[0] += 1
+        if rounds[0] > 30:
+            return "all chunks done"
+        return Reply(tool_calls=[call("dump", n=rounds[0])], input_tokens=estimate_tokens(r.messages))
+
+    model = ScriptedModel(brain, info=SMALL)
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[dump], guards=Guards(max_tokens=500_000)
+    ) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("produce chunks")
+        await proc.wait_idle()
+        compacted = await _signals(proc, "proc.compacted")
+        finished = await _signals(proc, "proc.run.finished")
+    assert len(compacted) == 1 and finished[-1]["reason"] == "max_tokens"
+    assert rounds[0] < 30  # stopped by the guard, not by running out of work

@@ -29,6 +29,7 @@ from agentloop.messages import (
     ThinkingContent,
     ToolCall,
     ToolResultMessage,
+    Usage,
     UserMessage,
     now_ms,
     user,
@@ -362,18 +363,18 @@ async def summarize(
     *,
     previous_summary: str | None = None,
     instructions: str | None = None,
-) -> tuple[str, str | None]:
-    """A structured summary of ``messages`` written by ``model`` and the memories block it ended
-    with (see ``split_memories``), or ``CompactionError``.
+) -> tuple[str, str | None, Usage]:
+    """A structured summary of ``messages`` written by ``model``, the memories block it ended
+    with (see ``split_memories``) and what the call used, or ``CompactionError``.
 
     An empty summary would silently erase history, so anything short of non-empty text fails.
     """
     transcript = _fit(render_transcript(messages), _transcript_budget(model))
-    text = await _ask(model, SUMMARY_SYSTEM_PROMPT, _summary_prompt(transcript, previous_summary, instructions))
-    summary, memories = split_memories(text)
+    reply = await _ask(model, SUMMARY_SYSTEM_PROMPT, _summary_prompt(transcript, previous_summary, instructions))
+    summary, memories = split_memories(reply.text.strip())
     if not summary:
         raise CompactionError(f"summary model {model.name} returned an empty summary")
-    return summary, memories
+    return summary, memories, reply.usage
 
 
 def _transcript_budget(model: Model) -> int:
@@ -382,8 +383,8 @@ def _transcript_budget(model: Model) -> int:
     return max(8_000, int((info.context_window - info.max_output) * CHARS_PER_TOKEN * 0.6))
 
 
-async def _ask(model: Model, system_prompt: str, prompt: str, what: str = "summary") -> str:
-    """One tool-less call with a bounded answer; its text, or ``CompactionError``."""
+async def _ask(model: Model, system_prompt: str, prompt: str, what: str = "summary") -> AssistantMessage:
+    """One tool-less call with a bounded answer, or ``CompactionError``."""
     request = ModelRequest(
         system_prompt=system_prompt,
         messages=[user(prompt)],
@@ -396,7 +397,7 @@ async def _ask(model: Model, system_prompt: str, prompt: str, what: str = "summa
         raise CompactionError(f"{what} model {model.name} failed: {type(exc).__name__}: {exc}") from exc
     if reply.stop_reason in ("error", "aborted"):
         raise CompactionError(f"{what} model {model.name} failed ({reply.stop_reason}): {reply.error_message or ''}")
-    return reply.text.strip()
+    return reply
 
 
 MEMORY_SYSTEM_PROMPT = """\
@@ -412,8 +413,8 @@ async def extract_memories(model: Model, messages: list[Message]) -> str | None:
     None: nothing, or an answer without the memories block. Failures raise ``CompactionError``."""
     transcript = _fit(render_transcript(messages), _transcript_budget(model))
     prompt = f"<conversation>\n{transcript}\n</conversation>\n\nWrite the memories block."
-    text = await _ask(model, MEMORY_SYSTEM_PROMPT, prompt, "memory")
-    return split_memories(text)[1]
+    reply = await _ask(model, MEMORY_SYSTEM_PROMPT, prompt, "memory")
+    return split_memories(reply.text.strip())[1]
 
 
 # ------------------------------------------------------------------ compaction
@@ -431,6 +432,7 @@ class CompactionResult:
     tokens_after: int
     created_ms: int = field(default_factory=now_ms)
     memories: str | None = None  # lasting facts the summary model picked out, for the daily memory file
+    usage: Usage = field(default_factory=Usage)  # the summary call's: the run it is made for pays for it
 
     @property
     def history(self) -> list[Message]:
@@ -486,7 +488,7 @@ async def compact(
     removed, kept = list(messages[:cut]), list(messages[cut:])
     previous = [m.text for m in removed if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND]
     rest = [m for m in removed if not (isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND)]
-    text, memories = await summarize(
+    text, memories, usage = await summarize(
         model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
     )
     summary = summary_message(text, len(removed))
@@ -498,4 +500,5 @@ async def compact(
         tokens_before=estimate_tokens(messages),
         tokens_after=estimate_tokens([summary, *kept]),
         memories=memories,
+        usage=usage,
     )

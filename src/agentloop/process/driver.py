@@ -194,7 +194,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
     generation = run["generation"]
 
-    await _compact_if_needed(engine, live, run, cfg, tools_enabled)
+    run = await _compact_if_needed(engine, live, run, cfg, tools_enabled)
     state = _call_state(engine, live, run)
 
     relay = engine.leases.relay if engine.leases is not None else None  # watchers on other workers
@@ -224,7 +224,9 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         streaming = relay is not None or engine.hub.watching(pid)
         reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
-        if overflow and await _compact(engine, live, run, cfg, "overflow"):  # one compact-and-retry
+        compacted = await _compact(engine, live, run, cfg, "overflow") if overflow else None
+        if compacted is not None:  # one compact-and-retry
+            run = compacted
             state = _call_state(engine, live, run)
             reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
     finally:
@@ -234,7 +236,6 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     if not tools_enabled and reply.tool_calls:
         reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
         reply.stop_reason = "stop"
-    usage = run["usage"]
     limit = cfg.guards.max_tool_calls
     budget = None if limit is None else max(0, limit - run["tool_calls"])  # calls past it are not run
     ran = len(reply.tool_calls) if budget is None else min(len(reply.tool_calls), budget)
@@ -243,12 +244,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         "generation": generation + 1,
         "rounds": run["rounds"] + (1 if tools_enabled else 0),
         "tool_calls": run["tool_calls"] + ran,
-        "usage": {
-            "input": usage["input"] + reply.usage.input,
-            "output": usage["output"] + reply.usage.output,
-            "total_tokens": usage["total_tokens"] + reply.usage.total_tokens,
-            "cost": usage["cost"] + reply.usage.cost.total,
-        },
+        "usage": _spent(run["usage"], reply.usage),
     }
     new_run.pop("offered", None)  # (a turn before's)
     if reply.tool_calls and state.offered is not None:
@@ -345,30 +341,45 @@ def _call_state(engine: ProcessEngine, live: _Live, run: dict[str, Any]) -> RunS
     return state
 
 
+def _spent(usage: dict[str, Any], more: Usage) -> dict[str, Any]:
+    """A run's usage (as its record keeps it) after one more model call."""
+    return {
+        "input": usage["input"] + more.input,
+        "output": usage["output"] + more.output,
+        "total_tokens": usage["total_tokens"] + more.total_tokens,
+        "cost": usage["cost"] + more.cost.total,
+    }
+
+
 async def _compact_if_needed(
     engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, tools: bool
-) -> None:
-    """Threshold compaction, between the turns of a run as well as between runs."""
+) -> dict[str, Any]:
+    """Threshold compaction, between the turns of a run as well as between runs; the run as it
+    stands afterwards."""
     if engine.archive is None or len(live.history) < 4:
-        return
+        return run
     specs = cfg.tool_specs if tools else []
     level = pressure(cfg.system_prompt, specs, live.history, cfg.model.info)
     if should_compact(level, engine.compaction_threshold):
-        await _compact(engine, live, run, cfg, "threshold")
+        return await _compact(engine, live, run, cfg, "threshold") or run
+    return run
 
 
-async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, reason: Any) -> bool:
+async def _compact(
+    engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, reason: Any
+) -> dict[str, Any] | None:
     """Summarise the older part of the history, archive it, then replace it by the summary.
-    Returns whether anything was compacted. A failure leaves the history as it was."""
+    Returns the run with the summary call's usage added (its guards count it like any model
+    call), or None when nothing was compacted. A failure leaves the history as it was."""
     if engine.archive is None:
-        return False
+        return None
     pid = live.record.pid
     if "pre_compaction" in cfg.hooks.phases:
         info = TurnInfo(run["run_id"], run["turn"], live.history, cfg.system_prompt, cfg.tool_specs)
         blocked = await cfg.hooks.run_phase("pre_compaction", info)
         if blocked is not None:
             log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
-            return False
+            return None
     # a quarter of the room the history has (the window pressure is measured against, less the
     # prompt and tools: a quarter of the whole window can be near the threshold by itself, and
     # every turn would compact again), in estimated tokens: scaled down where the provider counts
@@ -386,16 +397,16 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
         result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason)
     except CompactionError as exc:
         log.warning("process %s: compaction failed, history unchanged: %s", pid, exc)
-        return False
+        return None
     if result is None or not result.still_applies(live.history):
-        return False
+        return None
     stored = await engine.store.history(pid)
     removed_ids = [m.id for m in stored[: len(result.removed)]]
     try:
         where = await engine.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
     except Exception as exc:  # (a full disk): the removed messages would have no copy; keep them
         log.warning("process %s: compaction not archived, history unchanged: %s", pid, exc)
-        return False
+        return None
     memory = await _remember(engine, live, result.memories)
     async with engine._tx(live) as tx:
         summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], result.summary)
@@ -421,9 +432,12 @@ async def _compact(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg:
             archive=where,
             memory=memory,
         )
+        if _still_current(live, run["run_id"], run["generation"]):  # (not if an abort ended it meanwhile)
+            run = {**run, "usage": _spent(run["usage"], result.usage)}
+            await tx.set_run(run)
         history = result.history
         tx.after.append(lambda: live.history.__setitem__(slice(None), history))
-    return True
+    return run
 
 
 async def _remember(engine: ProcessEngine, live: _Live, memories: str | None) -> str | None:
