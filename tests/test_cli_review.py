@@ -221,3 +221,27 @@ def test_history_on_a_terminal_shows_control_sequences_as_text(
     assert result.exit_code == 0, result.output
     assert "answer: ok \\u001b]0;pwned" in result.output
     assert "\x1b" not in result.output and "\x07" not in result.output and "\u202e" not in result.output
+
+
+def test_a_command_the_gone_server_cannot_carry_out_leaves_the_chat_going(server: LiveServer) -> None:
+    """/new and /chat while the server is out of reach say so and the chat goes on (they ended it,
+    and the lines after them were lost); the next line is sent once the server is back."""
+    outage = Outage()
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(server.url, server.tokens.bob, transport=outage)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        session = RemoteSession(client)
+        ev.run_until_complete(session.open(new=True))
+        pid = session.pid
+        reader = ScriptedReader([("/new", outage.go_down), ("/chat", None), ("hi", outage.come_back), ("/exit", None)])
+        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=300))
+        code = repl.loop(ev)
+    finally:
+        ev.run_until_complete(client.aclose())
+        ev.close()
+    shown = err.getvalue()
+    assert "error: no new conversation: cannot reach the server" in shown
+    assert "error: the mode was not changed: cannot reach the server" in shown
+    assert "(new conversation)" not in shown and "chat mode" not in shown
+    assert session.pid == pid and out.getvalue().endswith("answer: hi\n") and code == 0

@@ -223,6 +223,11 @@ class TurnOutcome:
     error: str | None = None
 
 
+class SessionError(Exception):
+    """A command the session could not carry out (its server out of reach, say): the chat says
+    why and goes on, as it does after a failed turn, instead of ending with the conversation."""
+
+
 class Session(Protocol):
     """Where turns run and where the conversation lives between them: in memory
     (``AgentSession``) or in a durable process (``DurableSession`` in ``cli.durable``)."""
@@ -235,10 +240,11 @@ class Session(Protocol):
         """Show a turn left unfinished by an earlier chat to its end (nothing in memory)."""
 
     async def new(self) -> None:
-        """Start a fresh conversation."""
+        """Start a fresh conversation (``SessionError`` when it cannot)."""
 
     async def set_mode(self, mode: Mode) -> None:
-        """From the next turn on: ``chat`` answers from the same history without tools, ``agent`` with them."""
+        """From the next turn on: ``chat`` answers from the same history without tools, ``agent``
+        with them (``SessionError`` when it cannot)."""
 
     def abort(self) -> None:
         """Ctrl-C during a turn: stop it (the conversation stays valid); called from a signal handler."""
@@ -351,14 +357,14 @@ class ChatRepl:
             if word in ("/exit", "/quit"):
                 return False
             if word in ("/new", "/reset", "/clear"):
-                ev.run_until_complete(self.session.new())
-                self.err.print(Text("(new conversation)", style="dim"))
+                if self._carry_out(self.session.new(), ev):
+                    self.err.print(Text("(new conversation)", style="dim"))
                 return True
             if word in ("/chat", "/agent"):
                 mode: Mode = "chat" if word == "/chat" else "agent"
-                ev.run_until_complete(self.session.set_mode(mode))
-                shown = "chat mode: answers without tools" if mode == "chat" else "agent mode: tools on"
-                self.err.print(Text(f"({shown})", style="dim"))
+                if self._carry_out(self.session.set_mode(mode), ev):
+                    shown = "chat mode: answers without tools" if mode == "chat" else "agent mode: tools on"
+                    self.err.print(Text(f"({shown})", style="dim"))
                 return True
             if word in ("/attach", "/detach"):
                 self.attach(text[len(word) :].strip() if word == "/attach" else None)
@@ -371,6 +377,16 @@ class ChatRepl:
                 return True
             text = text[1:]
         self.last_outcome = ev.run_until_complete(self.turn(text))
+        return True
+
+    def _carry_out(self, command: Awaitable[None], ev: asyncio.AbstractEventLoop) -> bool:
+        """Run a session command; whether it was done (if not, the user is told why)."""
+        try:
+            ev.run_until_complete(command)
+        except SessionError as exc:
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return False
         return True
 
     async def ask(self, question: Question) -> Answer:

@@ -22,7 +22,7 @@ import typer
 from rich.text import Text
 
 from agentloop.cli.approvals import Asker, Question
-from agentloop.cli.chat import TurnOutcome
+from agentloop.cli.chat import SessionError, TurnOutcome
 from agentloop.cli.config import Connection, load_connection
 from agentloop.cli.render import (
     SignalRenderer,
@@ -406,10 +406,16 @@ class RemoteSession:
         return last
 
     async def set_mode(self, mode: Mode) -> None:
-        await self.client.mode(self.pid, mode)
+        try:
+            await self.client.mode(self.pid, mode)
+        except ClientError as exc:
+            raise SessionError(f"the mode was not changed: {exc.message}") from exc
 
     async def new(self) -> None:
-        proc = await self.client.spawn(interactive=True, cwd=self.cwd)
+        try:
+            proc = await self.client.spawn(interactive=True, cwd=self.cwd)
+        except ClientError as exc:
+            raise SessionError(f"no new conversation: {exc.message}") from exc
         self.pid = str(proc["pid"])
         self.seq = 0
 
