@@ -237,10 +237,10 @@ def test_binary_undecodable_and_unreadable_files_warn(tmp_path: Path, monkeypatc
     os.mkfifo(tmp_path / "ws/SOUL.md")  # reading a FIFO would block the event loop until a writer came
     real_read = skills.read_regular
 
-    def read_regular(path: Path) -> bytes:
+    def read_regular(path: Path, limit: int | None = None) -> bytes:
         if Path(path).name == locked.name:
             raise PermissionError(13, "Permission denied")
-        return real_read(path)
+        return real_read(path, limit)
 
     monkeypatch.setattr(skills, "read_regular", read_regular)
     prompt = assemble_prompt(sources, today=TODAY)

@@ -270,8 +270,10 @@ def _workspace_blocks(sources: PromptSources, today: datetime.date, seen: _Readi
             files.parts.append(_Part(root / name, name, text))
         if name == "MEMORY.md":  # the long-term memory, then the days' (for every process)
             files.parts += _daily_memories(sources, today, seen)
+    # commissioning is a conversation with the user, which a subagent in the same workspace is
+    # not: told it is the commissioning run, it could delete BOOTSTRAP.md mid-conversation
     bootstrap = root / BOOTSTRAP_FILE
-    text = _read(bootstrap, root, seen)
+    text = _read(bootstrap, root, seen) if sources.main_process else None
     if text is not None:
         commissioning.preamble = (
             f"{BOOTSTRAP_FILE} is in the workspace, so this run is the commissioning conversation: "

@@ -40,6 +40,8 @@ __all__ = [
 SKILL_FILE = "SKILL.md"
 MAX_DESCRIPTION_CHARS = 200
 MAX_READ_BYTES = 64 * 1024
+# no text file is read past this: a million tokens, more than any model's window holds
+MAX_TEXT_FILE_BYTES = 4 * 1024 * 1024
 MAX_LISTED_FILES = 50
 SEARCH_LIMIT = 10
 SEARCH_LIMIT_MAX = 50
@@ -52,9 +54,10 @@ class UnreadableFile(Exception):
 
 
 def read_text_file(path: Path) -> str:
-    """UTF-8 text of ``path``; binary or undecodable content is refused rather than garbled."""
+    """UTF-8 text of ``path``; binary or undecodable content is refused rather than garbled, and
+    so is a file over ``MAX_TEXT_FILE_BYTES``, before it is loaded."""
     try:
-        data = read_regular(path)
+        data = read_regular(path, MAX_TEXT_FILE_BYTES)
     except OSError as exc:
         raise UnreadableFile(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if b"\x00" in data[:8192]:
@@ -115,7 +118,11 @@ class Skill:
     fields: dict[str, str] = field(default_factory=dict)
 
 
-def _load(layer: Path, name: str, rel: str, root: Path | None) -> Skill:
+def _load(layer: Path, name: str, rel: str, folder: bool) -> Skill:
+    """The skill ``rel`` names in ``layer``. A skill folder is resolved inside its layer before it
+    becomes the root of its files: a folder that is a symlink to elsewhere (another account's
+    skill, say) would otherwise make everything there readable, as a linked single file is not."""
+    root = resolve_path(layer, name) if folder else None
     path = resolve_path(root if root is not None else layer, SKILL_FILE if root is not None else rel)
     if not path.is_file():
         raise UnreadableFile(f"{layer / rel}: not a regular file")
@@ -134,9 +141,9 @@ def scan_skills(dirs: list[Path]) -> tuple[dict[str, Skill], list[str]]:
         for entry in sorted(layer.iterdir(), key=lambda p: p.name):
             is_dir = entry.is_dir() and (entry / SKILL_FILE).exists()
             if is_dir:
-                name, rel, root = entry.name, f"{entry.name}/{SKILL_FILE}", entry.resolve()
+                name, rel = entry.name, f"{entry.name}/{SKILL_FILE}"
             elif entry.suffix == ".md" and not entry.is_dir():
-                name, rel, root = entry.stem, entry.name, None
+                name, rel = entry.stem, entry.name
             else:
                 continue
             if not _NAME.fullmatch(name):
@@ -145,7 +152,7 @@ def scan_skills(dirs: list[Path]) -> tuple[dict[str, Skill], list[str]]:
                 warnings.append(f"skill {name!r}: both {name}/ and {entry.name} in {layer}; using the directory")
                 continue
             try:
-                found[name] = _load(layer, name, rel, root)
+                found[name] = _load(layer, name, rel, is_dir)
             except (UnreadableFile, ToolError) as exc:
                 warnings.append(f"skill {name!r} skipped: {exc}")
         skills.update(found)
