@@ -4,6 +4,7 @@ summary is being written, failures between its steps, and the pressure it is tri
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,21 @@ def _chunk_brain(on_summary: Any, rounds: int = 12) -> Any:
         if done >= rounds or any(isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND for m in r.messages):
             return Reply(text="all chunks done", input_tokens=estimate_tokens(r.messages))
         return Reply(tool_calls=[call("dump", n=done)], input_tokens=estimate_tokens(r.messages))
+
+    return brain
+
+
+def _overflowing_fourth_call(fourth: Callable[[], Reply], answer: str) -> Callable[[ModelRequest], Any]:
+    """Three tool calls, then ``fourth()`` (an overflow, raised or silent), then ``answer``."""
+    calls = [0]
+
+    def brain(r: ModelRequest) -> Any:
+        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
+            return "Summary: chunks."
+        calls[0] += 1
+        if calls[0] < 4:
+            return Reply(tool_calls=[call("dump", n=calls[0])])
+        return fourth() if calls[0] == 4 else answer
 
     return brain
 
@@ -374,18 +390,7 @@ async def test_an_abort_while_the_archive_is_written_replaces_nothing(tmp_path: 
 async def test_a_silently_truncated_answer_is_dropped_for_the_retried_one(tmp_path: Path) -> None:
     """A server that truncates the prompt and answers anyway (usage above the window): the answer
     is discarded, the history compacted, and only the retried answer is kept."""
-    calls = [0]
-
-    def brain(r: ModelRequest) -> Any:
-        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
-            return "Summary: chunks."
-        calls[0] += 1
-        if calls[0] < 4:
-            return Reply(tool_calls=[call("dump", n=calls[0])])
-        if calls[0] == 4:
-            return Reply(text="truncated answer", input_tokens=200_000)
-        return "full answer"
-
+    brain = _overflowing_fourth_call(lambda: Reply(text="truncated answer", input_tokens=200_000), "full answer")
     async with _kernel(tmp_path, brain, ModelInfo(provider="scripted", id="big", context_window=100_000)) as k:
         proc = await k.spawn(owner="alice")
         await proc.send("produce chunks")
@@ -452,18 +457,11 @@ async def test_a_worker_that_lost_the_process_during_a_summary_installs_nothing(
 async def test_the_answer_retried_after_an_overflow_streams_to_watchers(tmp_path: Path) -> None:
     """The call made again after the compaction is streamed like any other: a watcher sees its
     text arrive, not only the finished message."""
-    calls = [0]
 
-    def brain(r: ModelRequest) -> Any:
-        if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
-            return "Summary: chunks."
-        calls[0] += 1
-        if calls[0] < 4:
-            return Reply(tool_calls=[call("dump", n=calls[0])])
-        if calls[0] == 4:
-            raise ProviderError("prompt is too long: 9000 tokens > 8192 maximum", kind="overflow")
-        return "the answer after compaction"
+    def overflow() -> Reply:
+        raise ProviderError("prompt is too long: 9000 tokens > 8192 maximum", kind="overflow")
 
+    brain = _overflowing_fourth_call(overflow, "the answer after compaction")
     async with _kernel(tmp_path, brain, ModelInfo(provider="scripted", id="big", context_window=100_000)) as k:
         proc = await k.spawn(owner="alice")
         streamed: list[str] = []
