@@ -54,6 +54,19 @@ async def kept_by(worker: Kernel, pid: str) -> None:
     worker.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]
 
 
+def count_process_reads(worker: Kernel) -> list[str]:
+    """The pids ``worker`` reads process records of from its store, from now on."""
+    reads: list[str] = []
+    real = worker.store.get_process
+
+    async def counting(pid: str) -> Any:
+        reads.append(pid)
+        return await real(pid)
+
+    worker.store.get_process = counting  # type: ignore[method-assign]
+    return reads
+
+
 async def holder(url: str, pid: str) -> str | None:
     store = open_store(url)
     await store.open()
@@ -886,14 +899,7 @@ async def test_waiting_for_a_process_held_elsewhere_does_not_poll_the_database_c
         pa = await a.spawn(owner="alice")
         await pa.send("work")
         pb = await b.process(pa.pid)
-        reads: list[str] = []
-        real = b.store.get_process
-
-        async def counting(pid: str) -> Any:
-            reads.append(pid)
-            return await real(pid)
-
-        b.store.get_process = counting  # type: ignore[method-assign]
+        reads = count_process_reads(b)
         async with asyncio.timeout(10):
             await pb.wait_idle()
         assert [m.text for m in await pa.messages()] == ["work", "done"]
@@ -926,14 +932,7 @@ async def test_an_abort_forwarded_to_the_holder_waits_for_it_without_polling_the
             while not [s async for s in pa.signals(follow=False) if s.signal == sig.TOOL_STARTED]:
                 await asyncio.sleep(0.02)
         pb = await b.process(pa.pid)
-        reads: list[str] = []
-        real = b.store.get_process
-
-        async def counting(pid: str) -> Any:
-            reads.append(pid)
-            return await real(pid)
-
-        b.store.get_process = counting  # type: ignore[method-assign]
+        reads = count_process_reads(b)
         async with asyncio.timeout(10):
             assert await pb.abort() is True  # forwarded to A, whose tool takes 1.5 s to stop
         ended = [s.payload async for s in pa.signals(follow=False) if s.signal == sig.RUN_FINISHED]
