@@ -64,7 +64,7 @@ from agentloop.tools.base import (
     not_offered,
 )
 from agentloop.tools.builtin import SYSCALLS, syscall_of
-from agentloop.tools.codemode_runner import PROGRAM
+from agentloop.tools.codemode_runner import LINE_LIMIT, PROGRAM
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
     KILL_GRACE,
@@ -97,7 +97,7 @@ MAX_CALLS = 200
 MAX_PARALLEL = 8  # nested calls in flight at once
 MAX_EXIT_MESSAGE = 2_000  # characters of a sys.exit("message") shown with the exit
 RUNNER = Path(__file__).with_name("codemode_runner.py")
-_LINE_LIMIT = 1 << 27
+_LINE_LIMIT = LINE_LIMIT  # told to the runner in the setup, so both sides keep the same one
 #: what the program's environment keeps of ours: enough to run programs, no credentials
 _ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
 
@@ -257,9 +257,7 @@ def _text_of(result: ToolResult) -> str:
 
 
 def _environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith("LC_")}
-    env["PYTHONIOENCODING"] = "utf-8"
-    return env
+    return {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith("LC_")}
 
 
 class CodeMode(Tool):
@@ -350,7 +348,8 @@ class _Execution:
         refusal = _compile_error(code)
         if refusal is not None:  # here, not in the runner: its exit code is the program's own to choose
             return ToolResult.text(f"{refusal}\n[the program could not be compiled; nothing ran]", is_error=True)
-        setup = json.dumps({"code": code, "functions": [f.spec() for f in self.mode.functions.values()]})
+        functions = [f.spec() for f in self.mode.functions.values()]
+        setup = json.dumps({"code": code, "functions": functions, "max_line": _LINE_LIMIT})
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         cwd = self.mode.cwd or self.ctx.workspace or Path.cwd()
@@ -358,7 +357,9 @@ class _Execution:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                "-I",
+                "-I",  # (which ignores every PYTHON* variable: UTF-8 is asked for with -X)
+                "-X",
+                "utf8",  # the program's text is UTF-8 whatever the server's locale, as its results are read
                 "-u",
                 str(RUNNER),
                 str(req_w),
@@ -446,7 +447,14 @@ class _Execution:
     # -- nested calls ---------------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader) -> None:
-        while line := await reader.readline():
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # past the line limit: not the runner's (it sends no such line)
+                log.debug("codemode: ignoring an overlong line on the channel")
+                continue  # the reader dropped it; what follows is read afresh
+            if not line:
+                break
             try:
                 msg = json.loads(line)
             except ValueError:
@@ -464,13 +472,25 @@ class _Execution:
             task.add_done_callback(self.handlers.discard)
 
     def _send(self, reply: dict[str, Any]) -> None:
+        """Answer one call. A reply that cannot cross as it is (a value JSON cannot carry, a line
+        longer than the runner reads) becomes a failure of that call: sent as it is, it would
+        leave the program waiting for an answer, or close its channel for every later call."""
         if self.responses is None or self.responses.is_closing():
             return
         try:
-            data = json.dumps(reply, default=str).encode() + b"\n"
-        except ValueError:
-            data = json.dumps({"id": reply["id"], "ok": False, "error": "the result could not be encoded"}).encode()
-        self.responses.write(data)  # buffered, never blocks: the program may be busy and not reading
+            data = json.dumps(reply, default=str).encode()
+        except (TypeError, ValueError):  # a key that is not a string, a circular value
+            data = self._failure(reply["id"], "the result could not be encoded")
+        if len(data) > _LINE_LIMIT:
+            data = self._failure(
+                reply["id"], f"the result is too large for the program ({len(data)} bytes): ask for less at once"
+            )
+        self.responses.write(data + b"\n")  # buffered, never blocks: the program may be busy and not reading
+
+    @staticmethod
+    def _failure(call_id: int, error: str) -> bytes:
+        """A failed answer to ``call_id``: it always encodes, and is short."""
+        return json.dumps({"id": call_id, "ok": False, "error": error}).encode()
 
     async def _answer(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
@@ -482,7 +502,12 @@ class _Execution:
             except ToolError as exc:
                 self._send({"id": call_id, "ok": False, "error": str(exc)})
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the program is over (it ended, timed out, was aborted): nobody waits
+                # the tool awaited something another party cancelled: its failure, and the
+                # program, waiting for this answer, must get one
+                self._send({"id": call_id, "ok": False, "error": f"{msg.get('tool')} was cancelled"})
             except Exception as exc:
                 log.debug("codemode: nested call raised", exc_info=True)
                 self._send({"id": call_id, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -513,7 +538,8 @@ class _Execution:
         if not isinstance(args, dict):
             raise ToolError("arguments must be an object")
         self.calls += 1
-        if self.calls > self.mode.max_calls:
+        number = self.calls  # now: calls made meanwhile (while this one is approved) count on
+        if number > self.mode.max_calls:
             raise ToolError(f"call limit reached: a program may make at most {self.mode.max_calls} tool calls")
         await self._spend(name)
         tool = self._tool(name)
@@ -525,7 +551,6 @@ class _Execution:
         if verdict.action == "ask":
             why = f" ({verdict.reason})" if verdict.reason else ""
             raise _Refused(f"{tool.name} {NEEDS_APPROVAL}{why}")
-        number = self.calls
         self.ctx.update({"codemode_call": number, "tool": tool.name, "args": args})
         nested = ToolContext(
             f"{self.ctx.tool_call_id}.{number}",

@@ -2,12 +2,15 @@
 
 Started by :mod:`agentloop.tools.codemode` as ``python -I -u codemode_runner.py REQ_FD RESP_FD``
 (isolated mode: no ``PYTHONPATH``, no user site, so this file imports nothing but the standard
-library). The setup — the program's source and the functions to define — arrives as one JSON
-document on stdin, which is then at end of file. Each call of a function writes one JSON line
-``{"id", "tool", "args"}`` to ``REQ_FD`` and waits for ``{"id", "ok", "result" | "error"}`` on
-``RESP_FD``. The program's own stdout and stderr are other pipes, so nothing it prints can be
-read as a request; and even a request the program writes to ``REQ_FD`` itself is only a request:
-the parent approves every one exactly as it approves the functions' own.
+library). The setup — the program's source, the functions to define and the longest line either
+side may send (``max_line``) — arrives as one JSON document on stdin, which is then at end of
+file. Each call of a function writes one JSON line ``{"id", "tool", "args"}`` to ``REQ_FD`` and
+waits for ``{"id", "ok", "result" | "error"}`` on ``RESP_FD``. A call whose arguments would make
+a longer line fails in the program without being sent: the parent could not read it, and the
+call would wait for an answer that never comes. The program's own stdout and stderr are other
+pipes, so nothing it prints can be read as a request; and even a request the program writes to
+``REQ_FD`` itself is only a request: the parent approves every one exactly as it approves the
+functions' own.
 
 Exit status: 0 when the program finished, 1 when it raised (the traceback, cut to the program's
 own frames, is on stderr), 2 when it could not be compiled; a program that calls ``sys.exit`` ends
@@ -32,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 PROGRAM = "<program>"
-_LINE_LIMIT = 1 << 27  # one response line may carry a whole file
+LINE_LIMIT = 1 << 27  # the longest line of the channel, either way: one line may carry a whole file
 
 
 class ToolFailed(Exception):
@@ -50,16 +53,17 @@ class ToolDenied(ToolFailed):
 class _Channel:
     """The two pipes to the parent, with one future per call in flight."""
 
-    def __init__(self, req_fd: int, resp_fd: int) -> None:
+    def __init__(self, req_fd: int, resp_fd: int, max_line: int) -> None:
         self.req_fd = req_fd
         self.resp_fd = resp_fd
+        self.max_line = max_line
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.next_id = 0
         self.closed = False
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+        reader = asyncio.StreamReader(limit=self.max_line)
         pipe = os.fdopen(self.resp_fd, "rb", 0)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
         self._pump_task = asyncio.create_task(self._pump(reader))
@@ -86,10 +90,17 @@ class _Channel:
         except (TypeError, ValueError) as exc:
             kinds = "str, int, float, bool, None, list, dict"
             raise TypeError(f"{function}(): arguments must be JSON values ({kinds}): {exc}") from None
+        data = line.encode()
+        if len(data) > self.max_line:
+            raise ToolFailed(
+                f"{function}(): the arguments are too large to send ({len(data)} bytes, at most "
+                f"{self.max_line}): pass less at once",
+                function,
+            )
         self.next_id += 1
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.pending[self.next_id] = future
-        _write_all(self.req_fd, (line + "\n").encode())
+        _write_all(self.req_fd, data + b"\n")
         msg = await future
         if msg.get("ok"):
             return msg.get("result")
@@ -169,7 +180,7 @@ async def _run(setup: dict[str, Any], req_fd: int, resp_fd: int) -> int:
         sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
         return 2
     asyncio.get_running_loop().set_exception_handler(_quiet_exits)
-    channel = _Channel(req_fd, resp_fd)
+    channel = _Channel(req_fd, resp_fd, int(setup.get("max_line") or LINE_LIMIT))
     await channel.start()
     namespace: dict[str, Any] = {
         "__name__": "__main__",
