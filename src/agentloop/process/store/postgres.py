@@ -1015,7 +1015,8 @@ class PostgresStore(Store):
 
     async def list_accounts(self) -> list[AccountRecord]:
         async with self._reading() as db:
-            rows = await db.fetch("SELECT name, admin, created_at FROM accounts ORDER BY name")
+            # by code point, as SQLite sorts: the database's collation may be a language's
+            rows = await db.fetch('SELECT name, admin, created_at FROM accounts ORDER BY name COLLATE "C"')
         return [account_row(r) for r in rows]
 
     async def add_token(self, record: TokenRecord) -> None:

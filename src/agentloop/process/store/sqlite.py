@@ -140,10 +140,12 @@ class SQLiteStore(Store):
             return
         try:
             self._open()
-        except (sqlite3.Error, OSError) as exc:
-            if self._db is not None:
+        except (sqlite3.Error, OSError, StoreError) as exc:
+            if self._db is not None:  # (a refused schema too: a second open() must not find it open)
                 self._db.close()
                 self._db = None
+            if isinstance(exc, StoreError):
+                raise
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise StoreError(f"cannot open the database {self.path}: {reason}") from exc
 
@@ -156,6 +158,10 @@ class SQLiteStore(Store):
                 os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db = db
+        # ``PRAGMA data_version`` numbers are per connection: the new one's may equal the last one
+        # this store saw, though other connections committed while it was closed
+        self._known.clear()
+        self._data_version = -1
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
@@ -170,25 +176,33 @@ class SQLiteStore(Store):
     def _migrate(self) -> None:
         db = self.db
         db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        current = row[0] or 0
-        if current > LATEST_VERSION:
-            raise StoreError(
-                f"the database schema is version {current}, newer than this agentloop ({LATEST_VERSION}): upgrade"
-            )
+        current = self._found_version()
         for version, sql in MIGRATIONS:
             if version <= current:
                 continue
             db.execute("BEGIN IMMEDIATE")
             try:
-                for stmt in statements(sql, clustered="WITHOUT ROWID"):
-                    db.execute(stmt)
-                db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+                # read again under the write lock: another process opening the same file may have
+                # migrated it since (two stores opening an old database at once)
+                current = self._found_version()
+                if version > current:
+                    for stmt in statements(sql, clustered="WITHOUT ROWID"):
+                        db.execute(stmt)
+                    db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:  # a full disk or an I/O error rolls back by itself: keep its error
                     db.execute("ROLLBACK")
                 raise
+
+    def _found_version(self) -> int:
+        """The database's schema version; ``StoreError`` if it is newer than this code."""
+        current = int(self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
+        if current > LATEST_VERSION:
+            raise StoreError(
+                f"the database schema is version {current}, newer than this agentloop ({LATEST_VERSION}): upgrade"
+            )
+        return current
 
     def hold_runtime(self) -> None:
         # an advisory lock on a file beside the database, released when the store closes or its
