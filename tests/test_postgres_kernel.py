@@ -16,6 +16,7 @@ pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agent
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel
+from agentloop.kernel.schedules import ScheduleError
 from agentloop.messages import UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
@@ -246,3 +247,22 @@ async def test_concurrent_adds_respect_the_limits_and_the_cycle_check(pg_url: st
             k.watch(a.pid, b.pid, once=False), k.watch(b.pid, a.pid, once=False), return_exceptions=True
         )
         assert sum(isinstance(r, str) for r in both) == 1 and sum(isinstance(r, WatchError) for r in both) == 1
+
+
+async def test_text_with_a_nul_character_is_refused_before_it_reaches_a_text_column(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """PostgreSQL's text type cannot hold U+0000: a spawn context or a schedule's text or name with
+    one is a clear ValueError (a 400 over HTTP), as on SQLite, not a database error mid-commit.
+    (Message text goes into JSON, where it is escaped, so it is kept.)"""
+    async with pg_kernel(pg_url, tmp_path, ScriptedModel(lambda req: "ok")) as k:
+        with pytest.raises(ValueError, match="NUL"):
+            await k.spawn(owner="alice", context="rules\x00more")
+        proc = await k.spawn(owner="alice")
+        for text, name in (("check\x00it", None), ("check it", "daily\x00")):
+            with pytest.raises(ScheduleError, match="NUL"):
+                await k.schedule(proc.pid, text, every=60, name=name)
+        await proc.send("a\x00b")
+        await proc.wait_idle()
+        assert [m.text for m in await proc.messages()] == ["a\x00b", "ok"]
+        assert [r.pid for r in await k.processes("alice")] == [proc.pid]

@@ -138,6 +138,16 @@ def check_unicode(text: str, what: str) -> str:
     return text
 
 
+def check_plain_text(text: str, what: str) -> str:
+    """``text``, or ValueError if a database text column cannot keep it: a lone surrogate (see
+    ``check_unicode``) or a NUL character, which PostgreSQL's text type refuses (message text is
+    stored as JSON, where a NUL is escaped: only what goes into a column of its own needs this)."""
+    check_unicode(text, what)
+    if "\x00" in text:
+        raise ValueError(f"{what} is not valid text (character {text.index(chr(0))} is NUL)")
+    return text
+
+
 def document_text(block: FileContent) -> str | None:
     """The text of a text document; None for a PDF, or data that is not base64 UTF-8."""
     if not block.mime_type.startswith("text/"):

@@ -39,6 +39,7 @@ from agentloop.messages import (
     TextContent,
     UserBlock,
     UserMessage,
+    check_plain_text,
     check_unicode,
     message_to_dict,
 )
@@ -446,7 +447,7 @@ class Kernel:
                 raise StoreError(f"process {pid} was killed: a pid is not given to another process")
         if not isinstance(context, str):  # it ends every run's system prompt: caught here, not at each run
             raise TypeError(f"context must be a string, got {type(context).__name__}")
-        check_unicode(context, "context")
+        check_plain_text(context, "context")  # (a column of its own)
         if not isinstance(interactive, bool):
             raise TypeError(f"interactive must be true or false, got {interactive!r}")
         if parent_pid is not None and await self.store.get_process(parent_pid) is None:

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 from agentloop.kernel.duty import Duty
-from agentloop.messages import check_unicode
+from agentloop.messages import check_plain_text
 from agentloop.process.api import new_id
 from agentloop.process.engine import ProcessEngine
 from agentloop.process.store import NoSuchProcess, ScheduleRow, Store
@@ -138,12 +138,14 @@ class Scheduler:
             raise ScheduleError("text must be a non-empty string")
         if len(text) > MAX_TEXT:
             raise ScheduleError(f"text is longer than {MAX_TEXT} characters")
-        try:
-            check_unicode(text, "text")
-        except ValueError as exc:
-            raise ScheduleError(str(exc)) from None
         if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
             raise ScheduleError(f"name must be a non-empty string of at most {MAX_NAME} characters")
+        try:
+            check_plain_text(text, "text")  # (both are columns of their own)
+            if name is not None:
+                check_plain_text(name, "name")
+        except ValueError as exc:
+            raise ScheduleError(str(exc)) from None
         if at is None and every is None:
             raise ScheduleError("give at (a time), every (an interval) or both")
         now = self.clock()
