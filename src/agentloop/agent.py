@@ -114,6 +114,7 @@ class Run:
         self._task: asyncio.Task[Any] | None = None
         self._result: RunResult | None = None
         self._done: asyncio.Event | None = None  # made on demand: only a second waiter needs it
+        self._failure: BaseException | None = None  # what the run raised, for its other waiters
 
     # -- input while running ----------------------------------------------------------------
 
@@ -153,6 +154,13 @@ class Run:
         state = self.state
         try:
             reason = await run_loop(self._cfg, state, emit, self._prompts)
+        except BaseException as exc:  # a hook or tool bug: the stream and the waiters must not hang
+            self._failure = exc
+            if self._queue is not None:
+                self._queue.put_nowait(None)  # ends ``events``, which then raises it from the task
+            if self._done is not None:
+                self._done.set()
+            raise
         finally:
             self._task = None
         error = state.error if reason == "error" else ("aborted" if reason == "aborted" else None)
@@ -179,7 +187,9 @@ class Run:
         if self._done is None:
             self._done = asyncio.Event()
         await self._done.wait()
-        assert self._result is not None
+        if self._result is None:
+            assert self._failure is not None
+            raise self._failure
         return self._result
 
     async def events(self) -> AsyncGenerator[LoopEvent, None]:

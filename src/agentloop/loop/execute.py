@@ -45,6 +45,7 @@ log = logging.getLogger("agentloop.tools")
 Emit = Callable[[LoopEvent], None] | None
 
 SKIPPED = "Skipped due to queued user message."
+CANCELLED = "Tool call cancelled: the run was aborted."
 
 
 @dataclass(slots=True)
@@ -182,25 +183,40 @@ async def _execute(
             emit(ToolExecutionUpdate(tool_call_id=call.id, tool_name=call.name, partial_result=partial))
 
         ctx.update = update
+    deadline: asyncio.Timeout | None = None
     try:
         if timeout is None or not tool.interruptible:  # an inline sync tool cannot be interrupted anyway
             result = await tool.run(p.info.args, ctx)
         else:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as deadline:
                 result = await tool.run(p.info.args, ctx)
-    except TimeoutError:
-        result = ToolResult.error(f"Tool {call.name} timed out after {timeout:g} s")
     except ToolError as exc:
         result = ToolResult.error(str(exc))
     except Exception as exc:
-        log.debug("tool %s raised", call.name, exc_info=True)
-        result = ToolResult.error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        # a TimeoutError is ours only if our deadline fired: a tool's own (a socket's, a
+        # ``wait_for`` inside it) is its failure, reported like any other exception
+        if timeout is not None and deadline is not None and deadline.expired():
+            result = ToolResult.error(f"Tool {call.name} timed out after {timeout:g} s")
+        else:
+            result = _raised(call, exc)
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():  # an abort (or the caller's cancel): stop now
+            raise
+        # the tool awaited work that was cancelled elsewhere: its failure, not the run's
+        result = _raised(call, exc)
     if cfg.hooks.after:
         try:
             result = await cfg.hooks.run_after(p.info, result)
         except Exception as exc:
             result = ToolResult.error(f"after-tool-call hook failed: {exc}")
     return result.capped(tool.max_result_chars).to_message(call.id, call.name)
+
+
+def _raised(call: ToolCall, exc: BaseException) -> ToolResult:
+    """The error result of a tool that raised ``exc``: its type and message, for the model."""
+    log.debug("tool %s raised", call.name, exc_info=exc)
+    return ToolResult.error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 def _finish(state: RunState, msg: ToolResultMessage, emit: Emit) -> ToolResultMessage:
@@ -225,41 +241,61 @@ async def run_tool_calls(
     ``budget`` caps how many calls may run (the rest get an error result); the caller has counted
     those in ``state.tool_calls`` already, and the calls the tools make themselves (CodeMode's) add
     to it as they go. Finished results are also recorded in ``state.results`` as they come, so an
-    abort can keep them.
+    abort can keep them; on abort every other call gets its "cancelled" result here, with its
+    ``tool_execution_end`` (and the start of a call not announced yet), so the events of the batch
+    stay paired.
     """
     state.results = {}
     spend = memory_budget(cfg, state)
     prepared: list[_Prepared] = []
     sequential_mode = cfg.tool_execution == "sequential"
     steered = False
-    for i, call in enumerate(calls):
-        if emit is not None:
-            emit(ToolExecutionStart(tool_call_id=call.id, tool_name=call.name, args=call.arguments))
-        if steered:
-            _finish(state, tool_error_result(call, SKIPPED), emit)
-            continue
-        if budget is not None and i >= budget:
-            _finish(state, tool_error_result(call, CALLS_USED_UP), emit)
-            continue
-        p = _check(cfg, state, message, call)
-        if cfg.hooks.before and isinstance(p, _Prepared):
-            p = await _ask_hooks(cfg, p)
-        if isinstance(p, ToolResultMessage):
-            _finish(state, p, emit)
-        elif sequential_mode:
-            _finish(state, await _execute(cfg, state, p, emit, budget=spend), emit)
-            steered = bool(state.steering)
-        else:
-            prepared.append(p)
-    if prepared and state.steering:
-        for p in prepared:  # the user spoke while we prepared: do not run what is now stale
-            _finish(state, tool_error_result(p.call, SKIPPED), emit)
-        prepared = []
-    if len(prepared) == 1:
-        _finish(state, await _execute(cfg, state, prepared[0], emit, budget=spend), emit)
-    elif prepared:
-        await _run_concurrently(cfg, state, prepared, emit, spend)
+    announced = 0  # calls whose tool_execution_start went out
+    try:
+        for i, call in enumerate(calls):
+            if emit is not None:
+                emit(ToolExecutionStart(tool_call_id=call.id, tool_name=call.name, args=call.arguments))
+            announced = i + 1
+            if steered:
+                _finish(state, tool_error_result(call, SKIPPED), emit)
+                continue
+            if budget is not None and i >= budget:
+                _finish(state, tool_error_result(call, CALLS_USED_UP), emit)
+                continue
+            p = _check(cfg, state, message, call)
+            if cfg.hooks.before and isinstance(p, _Prepared):
+                p = await _ask_hooks(cfg, p)
+            if isinstance(p, ToolResultMessage):
+                _finish(state, p, emit)
+            elif sequential_mode:
+                _finish(state, await _execute(cfg, state, p, emit, budget=spend), emit)
+                steered = bool(state.steering)
+            else:
+                prepared.append(p)
+        if prepared and state.steering:
+            for p in prepared:  # the user spoke while we prepared: do not run what is now stale
+                _finish(state, tool_error_result(p.call, SKIPPED), emit)
+            prepared = []
+        if len(prepared) == 1:
+            _finish(state, await _execute(cfg, state, prepared[0], emit, budget=spend), emit)
+        elif prepared:
+            await _run_concurrently(cfg, state, prepared, emit, spend)
+    except asyncio.CancelledError:
+        if state.aborted:
+            _cancel_rest(state, calls, announced, emit)
+        raise
     return [state.results[c.id] for c in calls]
+
+
+def _cancel_rest(state: RunState, calls: list[ToolCall], announced: int, emit: Emit) -> None:
+    """Give every call of an aborted batch without a result its terminal "cancelled" result, in
+    the model's order; the first ``announced`` calls had their start event already."""
+    for i, call in enumerate(calls):
+        if call.id in state.results:
+            continue
+        if emit is not None and i >= announced:
+            emit(ToolExecutionStart(tool_call_id=call.id, tool_name=call.name, args=call.arguments))
+        _finish(state, tool_error_result(call, CANCELLED), emit)
 
 
 async def _run_concurrently(

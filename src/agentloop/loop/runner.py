@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
-from agentloop.loop.execute import run_tool_calls
+from agentloop.loop.execute import CANCELLED, run_tool_calls
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide, unresolved_calls
@@ -27,8 +27,6 @@ from agentloop.messages import (
 )
 
 Emit = Callable[[LoopEvent], None] | None
-
-CANCELLED = "Tool call cancelled: the run was aborted."
 
 
 def _inject(state: RunState, message: Message, emit: Emit) -> None:
@@ -141,9 +139,12 @@ async def _end_turn(
 
 
 def _close_after_abort(state: RunState, emit: Emit) -> None:
+    """Close the books after an abort; a turn the abort cut short (in the model or the tools
+    phase) ends with its ``turn_end``, so a consumer sees every start matched."""
     phase, state.phase = state.phase, "idle"
     partial = state.partial
     if phase == "model":  # aborted while the model was streaming (or before it started)
+        announced = partial is not None  # its message_start went out when the stream started
         if partial is None:
             partial = AssistantMessage()
         partial.content = [b for b in partial.content if not isinstance(b, ToolCall)]
@@ -151,16 +152,24 @@ def _close_after_abort(state: RunState, emit: Emit) -> None:
         partial.error_message = "aborted"
         state.partial = None
         state.append(partial)
+        state.usage.add(partial.usage)  # what the provider reported before the abort was billed
         if emit is not None:
+            if not announced:
+                emit(MessageStart(message=partial))
             emit(MessageEnd(message=partial))
+            emit(TurnEnd(turn=state.turn, message=partial, tool_results=[]))
         return
     assistant, pending = unresolved_calls(state.messages)
     if assistant is None or not pending:
         return
+    results: list[ToolResultMessage] = []
     for call in pending:  # keep what finished, cancel the rest, in the model's order
         done: ToolResultMessage | None = state.results.get(call.id)
-        _inject(state, done or tool_error_result(call, CANCELLED), emit)
+        results.append(done or tool_error_result(call, CANCELLED))
+        _inject(state, results[-1], emit)
     state.results = {}
+    if emit is not None and phase == "tools":
+        emit(TurnEnd(turn=state.turn, message=assistant, tool_results=results))
 
 
 def finish_event(state: RunState, reason: str, error: str | None) -> AgentEnd:

@@ -36,8 +36,8 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
+from agentloop.loop.execute import CANCELLED
 from agentloop.loop.hooks import maybe_await
-from agentloop.loop.runner import CANCELLED
 from agentloop.loop.state import LoopConfig, Mode, check_mode
 from agentloop.messages import Message, ToolCall, tool_error_result
 from agentloop.process import admission, hil
