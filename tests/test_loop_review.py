@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 import pytest
+from pydantic import BaseModel, field_validator
 
 from agentloop import Agent, Reply, RetryPolicy, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.events import LoopEvent, StreamEvent
@@ -237,3 +238,33 @@ async def test_a_tool_that_raises_cancelled_error_itself_fails_alone() -> None:
         assert r[0].is_error and r[0].text.startswith("CancelledError")
         assert [m.text for m in r[1:]] == ["fine"] * (len(calls) - 1)
     assert finished == ["steady"]
+
+
+class Window(BaseModel):
+    """A range whose validator has a bug: it raises TypeError, which pydantic passes through."""
+
+    start: int
+    end: int
+
+    @field_validator("end")
+    @classmethod
+    def _after_start(cls, end: int) -> int:
+        raise TypeError("unsupported operand")
+
+
+async def test_a_validator_that_raises_something_else_fails_the_call_not_the_run() -> None:
+    """Validation is the tool's: whatever its validator raises, the model is told and the run
+    goes on (the TypeError reached the caller and the run ended without an answer)."""
+
+    @tool
+    def show(window: Window) -> str:
+        """Show a window."""
+        return "shown"
+
+    def brain(req: ModelRequest) -> Reply | str:
+        if isinstance(req.messages[-1], ToolResultMessage):
+            return "told: " + req.messages[-1].text
+        return Reply(tool_calls=[call("show", window={"start": 1, "end": 2})])
+
+    result = await Agent(model=ScriptedModel(brain), tools=[show]).run("go")
+    assert result.text.startswith("told: ") and "unsupported operand" in result.text

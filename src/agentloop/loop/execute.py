@@ -71,6 +71,9 @@ def _check(
         args = tool.validate(call.arguments)
     except ToolError as exc:
         return tool_error_result(call, str(exc))
+    except Exception as exc:  # a validator's own bug (pydantic passes a TypeError through): the call's failure
+        log.debug("validating the arguments of %s raised", call.name, exc_info=True)
+        return tool_error_result(call, f"Invalid arguments for {call.name}: {type(exc).__name__}: {exc}")
     info = ToolCallInfo(call, args, message, state.messages, state.run_id, syscall=syscall_of(tool, args))
     return _Prepared(call, tool, info)
 
