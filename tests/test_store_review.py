@@ -127,3 +127,25 @@ async def test_accounts_are_listed_in_the_same_order_on_a_postgresql_database_wi
         assert orders[1] == orders[0]
     finally:
         pg_server.drop_database(url)
+
+
+async def test_a_database_another_process_keeps_locked_is_a_store_error_and_loses_nothing(tmp_path: Path) -> None:
+    """Past the busy timeout, a transaction that cannot take the write lock fails as a StoreError
+    (what the store's callers catch) rather than a raw sqlite3 error; once the lock is free the
+    store works on, with nothing half-done."""
+    store = SQLiteStore(tmp_path / "a.db")
+    await store.open()
+    try:
+        store.db.execute("PRAGMA busy_timeout=50")
+        other = sqlite3.connect(tmp_path / "a.db", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process writing, for longer than the timeout
+        with pytest.raises(StoreError, match="busy"):
+            async with store.transaction():
+                await store.kv_set("p1", "k", 1)
+        other.execute("COMMIT")
+        other.close()
+        async with store.transaction():
+            await store.kv_set("p1", "k", 2)
+        assert await store.kv_get("p1", "k") == 2
+    finally:
+        await store.close()

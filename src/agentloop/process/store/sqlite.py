@@ -266,7 +266,10 @@ class SQLiteStore(Store):
             if self._group is not None and not db.in_transaction:  # SQLite rolled the group back by itself
                 self._abandon_group(StoreError("the transaction was rolled back by SQLite"))
             if self._group is None:
-                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:  # busy past busy_timeout: another process writes
+                    raise StoreError(f"the database {self.path} is busy: {exc}; try again") from exc
                 version = db.execute("PRAGMA data_version").fetchone()[0]
                 if version != self._data_version:  # another connection committed: what we knew may be stale
                     self._known.clear()
