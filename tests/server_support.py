@@ -93,6 +93,7 @@ class LiveServer:
     heartbeat: float = 15.0
     max_body: int = 1024 * 1024
     devices: Any = None
+    store_url: str = ""  # the kernel's store; a SQLite file in ``data`` when empty
     url: str = ""
     tokens: Tokens = field(default_factory=Tokens)
     ctx: ServerContext | None = None
@@ -126,7 +127,7 @@ class LiveServer:
 
     async def _main(self, sock: socket.socket) -> None:
         model = ScriptedModel(script, chunk=4, keep_requests=False)
-        url = f"sqlite:///{self.data}/agentloop.db"
+        url = self.store_url or f"sqlite:///{self.data}/agentloop.db"
         async with Kernel.open(
             url, model=model, workspace=self.data, tools=[echo, slow], approval=asking_policy
         ) as kernel:

@@ -707,3 +707,21 @@ def test_revoking_the_token_closes_a_socket_opened_with_it(server: KernelServer)
         assert c.ok("proc.list") == {"processes": []}
         server.run(lambda: ctx.accounts.revoke(record.id))
         assert closed_code(c) == ws.CLOSE_UNAUTHORIZED
+
+
+def test_numbers_json_cannot_spell_reach_the_socket_as_null(tmp_path: Path) -> None:
+    """A model's ``1e999`` parses to ``inf`` in a tool call's arguments: the ``sig`` frames that
+    show the call are strict JSON (``Client.frame`` refuses ``Infinity``), with null in its place."""
+
+    def brain(req: ModelRequest) -> Reply | str:
+        if isinstance(req.messages[-1], UserMessage):
+            return Reply(tool_calls=[call("echo", text="big", n=float("inf"))])
+        return "done"
+
+    with KernelServer(tmp_path, ScriptedModel(brain), tools=[echo]) as server, server.client("alice") as c:
+        pid = c.ok("proc.spawn")["pid"]
+        c.ok("proc.subscribe", {"pid": pid})
+        c.ok("proc.send", {"pid": pid, "text": "go"})
+        sigs = c.signals_until(pid, "proc.run.finished")
+        [started] = [s for s in sigs if s["signal"] == "proc.run.tool.started"]
+        assert started["payload"]["args"] == {"text": "big", "n": None}

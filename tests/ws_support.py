@@ -126,6 +126,16 @@ class KernelServer:
         return client
 
 
+def strict_json(text: str) -> Any:
+    """``text`` parsed as JSON proper: ``NaN`` and ``Infinity`` are JavaScript's, not JSON's, and
+    a browser's ``JSON.parse`` refuses them."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 class Client:
     """A synchronous WebSocket client that keeps the ``sig`` frames it reads past in ``sigs``."""
 
@@ -154,7 +164,7 @@ class Client:
         return rid
 
     def frame(self, timeout: float = 5) -> dict[str, Any]:
-        frame: dict[str, Any] = json.loads(self.ws.recv(timeout))
+        frame: dict[str, Any] = strict_json(self.ws.recv(timeout))  # (every frame, in every test)
         return frame
 
     def answer(self, rid: str | None, timeout: float = 5) -> dict[str, Any]:

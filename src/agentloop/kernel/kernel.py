@@ -86,13 +86,20 @@ def _kernel_files(store: Store, data: Path) -> list[Path]:
     return files
 
 
+def _check_run_id(run_id: object) -> None:
+    """A caller's run id names a run in a column of its own: a non-empty string of plain text."""
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+    if run_id is not None:
+        check_plain_text(run_id, "run_id")
+
+
 def _check_input(text: object, media: object, run_id: object) -> None:
     """What ``send`` (and ``spawn`` with a first message) refuses before anything is stored."""
     if not isinstance(text, str) or (not text.strip() and not media):
         raise ValueError("text must be a non-empty string (or come with an image or a file)")
     check_unicode(text, "text")
-    if run_id is not None and (not isinstance(run_id, str) or not run_id):
-        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+    _check_run_id(run_id)
     if (
         isinstance(media, str | bytes)
         or not isinstance(media, Sequence)
@@ -518,6 +525,7 @@ class Kernel:
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text must be a non-empty string")
         check_unicode(text, "text")
+        _check_run_id(run_id)
         return await self.engine.signal_event(pid, text, run_id=run_id)
 
     # -- schedules (see kernel/schedules.py) ------------------------------------------------------

@@ -29,7 +29,7 @@ from agentloop.server.errors import ApiError
 from agentloop.server.events import open_stream
 from agentloop.server.http_errors import internal_error, invalid, validation_error
 from agentloop.server.openapi import Endpoint, document
-from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, RUN_MODES
+from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, RUN_MODES, finite
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -299,6 +299,17 @@ class Call:
         return part
 
 
+class FiniteJSONResponse(JSONResponse):
+    """An answer whose NaN and infinities (a model's ``1e999`` in a tool call's arguments, shown by
+    ``GET …/hil``) are null: Starlette's encoder refuses them, which made the route a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:  # rare: only then is the content walked
+            return super().render(finite(content))
+
+
 def _json_type(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
@@ -364,7 +375,7 @@ def _endpoint(ctx: ServerContext, spec: Endpoint) -> Callable[[Request], Awaitab
             return internal_error(request, exc)
         if isinstance(result, Response):
             return result
-        return JSONResponse(result, status_code=spec.status)
+        return FiniteJSONResponse(result, status_code=spec.status)
 
     endpoint.__name__ = spec.operation_id
     return endpoint

@@ -15,7 +15,6 @@ cancelling a wait on a generator's ``__anext__`` would end that generator. Cance
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
@@ -29,7 +28,7 @@ from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.errors import ApiError
 from agentloop.server.http_errors import log_json
-from agentloop.server.service import signal_json
+from agentloop.server.service import json_text, signal_json
 
 _END = object()  # the pump's last item: the backlog ran out (follow=false), the process is gone, or shutdown
 
@@ -41,7 +40,7 @@ def event_data(pid: str, signal: Signal) -> dict[str, Any]:
 def frame(pid: str, signal: Signal) -> ServerSentEvent:
     seq = signal.seq
     return ServerSentEvent(
-        data=json.dumps(event_data(pid, signal)),
+        data=json_text(event_data(pid, signal)),
         event=signal.signal,
         id=str(seq) if seq is not None else None,
     )

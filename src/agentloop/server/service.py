@@ -13,6 +13,8 @@ import base64
 import binascii
 import contextlib
 import hashlib
+import json
+import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +25,7 @@ from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.watches import WatchError
 from agentloop.loop.state import Mode, check_mode
-from agentloop.messages import FILE_TYPES, FileContent, ImageContent, message_to_dict
+from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
 from agentloop.process.api import Receipt, SendMode
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
@@ -70,6 +72,28 @@ def signal_json(signal: Signal) -> dict[str, Any]:
     return {"signal": signal.signal, "payload": signal.payload, "seq": signal.seq}
 
 
+def finite(value: Any) -> Any:
+    """``value`` with NaN and the infinities as None. JSON has no spelling for them (Starlette's
+    encoder refuses them, ``json.dumps`` writes JavaScript's ``Infinity``, which ``JSON.parse``
+    refuses), yet a provider's ``{"n": 1e999}`` parses (``json.loads``) to ``inf`` in a tool call's
+    arguments, and from there reaches approvals and signals."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON, NaN and the infinities as null (see ``finite``)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:  # rare: only then is the value walked
+        return json.dumps(finite(value), allow_nan=False)
+
+
 def hil_json(row: HilRow) -> dict[str, Any]:
     data = asdict(row)
     return {
@@ -108,6 +132,17 @@ def _spawn_pid(account: str, run_id: str) -> str:
 
 def _not_found(pid: str) -> ApiError:
     return ApiError(404, "not_found", f"no such process {pid!r}")
+
+
+def _check_plain(value: str | None, name: str) -> None:
+    """400 unless ``value`` fits a text column of its own (``check_plain_text``: PostgreSQL's text
+    refuses NUL, and the query failed with a 500). Checked for every store alike, so the answer
+    does not depend on which one the server runs on."""
+    if value is not None:
+        try:
+            check_plain_text(value, name)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
 
 
 def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
@@ -164,6 +199,8 @@ class ProcessService:
             self._inputs.take(who.account, self.max_inputs_per_minute)
 
     async def _process(self, who: Principal, pid: str) -> tuple[Process, ProcessRecord]:
+        if "\x00" in pid:  # no process has one, and PostgreSQL fails a query naming it (_check_plain)
+            raise _not_found(pid)
         record = await self.kernel.store.get_process(pid)
         if record is None or record.state == "killed" or not who.may_see(record.owner):
             raise _not_found(pid)
@@ -185,6 +222,8 @@ class ProcessService:
         stay inside it. ``text`` (with ``media`` and ``run_id``, as ``send`` takes them) starts its
         first run in the same commit; ``run_id`` then names that run."""
         run_mode = _run_mode(mode)
+        _check_plain(context, "context")
+        _check_plain(run_id, "run_id")
         blocks = None
         if text is not None:
             _check_text(text, empty_ok=bool(media))
@@ -280,6 +319,7 @@ class ProcessService:
         if mode not in MODES:
             raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(MODES)}")
         _check_text(text, empty_ok=bool(media))
+        _check_plain(run_id, "run_id")
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
         self._take_input(who)
@@ -353,6 +393,7 @@ class ProcessService:
     async def signal(self, who: Principal, pid: str, text: str, *, run_id: str | None = None) -> dict[str, Any]:
         """Inject a system event (ahead of queued user input); a retried ``run_id`` delivers once."""
         _check_text(text)
+        _check_plain(run_id, "run_id")
         await self._process(who, pid)
         self._take_input(who)
         try:

@@ -33,6 +33,7 @@ from agentloop.process.store import MAX_SEQ
 from agentloop.server.auth import Principal, bearer
 from agentloop.server.context import ServerContext
 from agentloop.server.errors import ApiError
+from agentloop.server.service import json_text
 
 logger = logging.getLogger("agentloop.server")
 
@@ -701,7 +702,7 @@ class Connection:
         """Send one frame (one writer at a time); False if the socket is gone. A frame that cannot
         be serialised becomes an ``internal`` error for its request instead."""
         try:
-            text = json.dumps(frame)
+            text = json_text(frame)  # (strict JSON: a model's 1e999 in a call's arguments is null)
         except (TypeError, ValueError):
             _log(logging.ERROR, "frame not serialisable", exc_info=True, type=frame.get("type"))
             if frame.get("type") != "res":
