@@ -6,6 +6,7 @@ from both workers to many processes each run exactly once."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -17,12 +18,15 @@ import pytest
 pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, Kernel, NoSuchProcess
-from agentloop.messages import UserMessage
+from agentloop.kernel import Approval, Kernel, NoSuchProcess, ProcessBusy
+from agentloop.messages import ImageContent, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
 from agentloop.process.archive import read_archive
 from agentloop.process.store import HilRow, open_store
+from agentloop.server.auth import Principal
+from agentloop.server.errors import ApiError
+from agentloop.server.service import ProcessService
 
 FAST = {"lease_ttl": 2.0, "poll_interval": 0.2}  # short, so a test sees expiry and polling quickly
 
@@ -49,9 +53,12 @@ def last_user(req: ModelRequest) -> str:
 async def kept_by(worker: Kernel, pid: str) -> None:
     """``worker`` claims the process and keeps it while idle (it would let it go), so what the
     other worker is sent for it is forwarded to ``worker``."""
-    assert worker.engine.leases is not None
-    await worker.engine.leases.hold(pid)
-    worker.engine.leases.idle = lambda pid: None  # type: ignore[method-assign]
+    leases = worker.engine.leases
+    assert leases is not None
+    leases.idle = lambda pid: None  # type: ignore[method-assign]
+    # a release the end of its last run started may still be on its way: let it finish first
+    await asyncio.gather(*leases._background, return_exceptions=True)
+    assert await leases.hold(pid)
 
 
 def count_process_reads(worker: Kernel) -> list[str]:
@@ -686,6 +693,31 @@ async def test_a_message_sent_through_the_other_worker_during_a_reset_reaches_th
         assert texts == ["after", "seen: after"]
         started = [s async for s in proc_a.signals(follow=False) if s.signal == sig.RUN_STARTED]
         assert started[-1].payload["runId"] == sent.run_id
+
+
+async def test_a_reset_refused_because_another_worker_holds_the_process_changes_nothing(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A reset through a worker that cannot take the process from its holder is refused before
+    it touches anything: the images of the history it keeps are still there (they were deleted,
+    then the reset gave up), and the refusal says the process is busy."""
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + bytes(range(64))).decode()
+    async with two(pg_url, tmp_path, ScriptedModel(lambda req: "seen"), []) as (a, b):
+        proc_a = await a.spawn(owner="alice")
+        await proc_a.send("look", media=[ImageContent(data=png, mime_type="image/png")])
+        await proc_a.wait_idle()
+        await kept_by(a, proc_a.pid)
+        media = a.media.process_dir("alice", proc_a.pid)
+        assert len(list(media.iterdir())) == 1
+        with pytest.raises(ProcessBusy, match="busy on another worker"):
+            await (await b.process(proc_a.pid)).reset()
+        assert len(list(media.iterdir())) == 1
+        assert [m.text for m in await proc_a.messages()] == ["look", "seen"]
+        assert not list((tmp_path / "var" / "sessions").rglob("*.jsonl.gz"))  # nothing archived either
+        service = ProcessService(b)  # over HTTP and WebSocket: 409, to be tried again
+        with pytest.raises(ApiError) as refused:
+            await service.reset(Principal("alice", admin=False, token_id="t"), proc_a.pid)
+        assert (refused.value.status, refused.value.code, refused.value.retry_after) == (409, "conflict", 1)
 
 
 async def test_a_message_sent_through_the_other_worker_during_a_kill_is_refused_or_archived(

@@ -3,6 +3,6 @@
 from agentloop.kernel.kernel import Kernel, Process
 from agentloop.process.api import Approval, Receipt
 from agentloop.process.signals import Signal
-from agentloop.process.store import NoSuchProcess
+from agentloop.process.store import NoSuchProcess, ProcessBusy
 
-__all__ = ["Approval", "Kernel", "NoSuchProcess", "Process", "Receipt", "Signal"]
+__all__ = ["Approval", "Kernel", "NoSuchProcess", "Process", "ProcessBusy", "Receipt", "Signal"]

@@ -59,6 +59,7 @@ from agentloop.process.signals import Signal
 from agentloop.process.store import (
     MAX_SEQ,
     NoSuchProcess,
+    ProcessBusy,
     ProcessRecord,
     ScheduleRow,
     Store,
@@ -624,11 +625,13 @@ class Kernel:
             return path
 
         await tree.stop_descendants(self, record)
+        # before anything is archived or deleted: a reset given up after that would leave the
+        # history it keeps without its images
+        if self.engine.leases is not None and not await self.engine.leases.hold(pid):
+            raise ProcessBusy(pid, "reset")
         history = [m.message for m in await self.store.history(pid)]
         path = await self._archive(record, "reset", history, list(dropped.values())) if archive else None
         self.media.delete_process(record.owner, pid)
-        if self.engine.leases is not None and not await self.engine.leases.hold(pid):
-            raise StoreError(f"process {pid} is busy on another worker; retry the reset")
 
         # Reset drops the schedules and watches the process set up: they belong to the
         # conversation being archived, and an event about it would reach a process that no

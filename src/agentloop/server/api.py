@@ -589,7 +589,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         answer=DecisionOut,
     ),
     Endpoint(
-        "POST", f"{_P}/reset", "Archive the history and start an empty one.", reset, body=EmptyBody, answer=ResetOut
+        "POST",
+        f"{_P}/reset",
+        "Archive the history and start an empty one.",
+        reset,
+        body=EmptyBody,
+        answer=ResetOut,
+        errors=(409,),
     ),
     Endpoint(
         "POST",

@@ -30,7 +30,7 @@ from agentloop.process.api import Receipt, SendMode
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
 from agentloop.process.signals import Signal
-from agentloop.process.store import HilRow, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
+from agentloop.process.store import HilRow, ProcessBusy, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
 from agentloop.server.ratelimit import InputRate
@@ -380,7 +380,10 @@ class ProcessService:
 
     async def reset(self, who: Principal, pid: str) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)
-        archived = await proc.reset()
+        try:
+            archived = await proc.reset()
+        except ProcessBusy as exc:  # another worker would not let it go: nothing was done
+            raise ApiError(409, "conflict", str(exc), retry_after=1) from None
         return {"pid": pid, "archived": archived is not None}
 
     async def kill(self, who: Principal, pid: str) -> dict[str, Any]:

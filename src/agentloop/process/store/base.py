@@ -36,6 +36,15 @@ class NoSuchProcess(StoreError):
         self.pid = pid
 
 
+class ProcessBusy(StoreError):
+    """Another worker holds the process and will not let it go now (a reset asked through a
+    worker without its lease): nothing was done; try again."""
+
+    def __init__(self, pid: str, what: str) -> None:
+        super().__init__(f"process {pid} is busy on another worker; retry the {what}")
+        self.pid = pid
+
+
 @dataclass
 class ProcessRecord:
     pid: str
