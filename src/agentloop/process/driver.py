@@ -72,14 +72,14 @@ async def drive(engine: ProcessEngine, live: _Live) -> None:
             if live.lost:
                 return  # the cache was dropped (a failed commit): the reloaded process carries on
             # inside the loop: the promotion's wake-up only marks this driver dirty
-            await _fail(engine, live)
+            await fail_run(engine, live)
     if live.driver is asyncio.current_task():  # an idle process keeps no finished task around
         live.driver = None
     if engine.leases is not None and live.record.current_run is None:
         engine.leases.idle(live.record.pid)
 
 
-async def _fail(engine: ProcessEngine, live: _Live) -> None:
+async def fail_run(engine: ProcessEngine, live: _Live) -> None:
     """End the active run after an internal error: stop its tools, give every open call an
     error result (so the history stays valid), then let queued input run."""
     run = live.record.current_run
@@ -156,8 +156,13 @@ async def _joining(engine: ProcessEngine, live: _Live) -> bool:
 async def _skip_waiting(engine: ProcessEngine, live: _Live, rows: list[ToolCallRow]) -> bool:
     """The user (or a system event) spoke while calls of the batch still wait their turn: like
     the in-memory runner, do not start what is now stale. A call whose approval is pending
-    stays: the person answers the question they were shown."""
-    asked = {h.dispatch_id for h in await engine.store.hils(live.record.pid)}
+    stays: the person answers the question they were shown, and so does one already approved
+    (its question is gone once answered; skipped, the approval would come to nothing)."""
+    pid = live.record.pid
+    asked = {h.dispatch_id for h in await engine.store.hils(pid)}
+    run = live.record.current_run
+    if live.approvals and run is not None:
+        asked.update(await engine.store.kv_get(pid, f"approved:{run['run_id']}") or {})
     waiting = [r for r in rows if r.status == "registered" and r.dispatch_id not in asked]
     if not waiting:
         return False

@@ -56,13 +56,13 @@ from agentloop.process.api import (
     call_of,
     new_id,
 )
-from agentloop.process.calls import disarm, end_batch, results_of, settle, signal_finished
-from agentloop.process.driver import drive
+from agentloop.process.calls import disarm, dispatch, end_batch, results_of, settle, signal_finished
+from agentloop.process.driver import drive, fail_run
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
-from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
+from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, ToolCallRow
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 
 log = logging.getLogger("agentloop.process")
@@ -336,10 +336,31 @@ class ProcessEngine:
 
     async def recover(self) -> list[str]:
         """After a (re)start: settle the calls that were in flight and resume every unfinished run
-        (on a shared store: those no live worker holds, and from now on the orphans of dead ones)."""
+        (on a shared store: those no live worker holds, and from now on the orphans of dead ones).
+        A run that cannot be resumed (its tools or prompt cannot be had) ends with an error, as
+        a failed step does; the others resume all the same."""
         if self.leases is not None:
             return await self.leases.start()
-        return [record.pid for record in await self.store.list_processes() if await self.resume(record)]
+        resumed: list[str] = []
+        for record in await self.store.list_processes():
+            try:
+                if await self.resume(record):
+                    resumed.append(record.pid)
+            except Exception:  # one process that cannot be resumed must not keep the runtime from starting
+                log.exception("process %s: could not resume it after the restart", record.pid)
+                await self._fail_unresumed(record.pid)
+        return resumed
+
+    async def _fail_unresumed(self, pid: str) -> None:
+        """End a run its resumption failed on, as the driver ends one whose step failed: left
+        active, it would wait forever for calls nothing runs, and hold its queued input back."""
+        live = self._live.get(pid)
+        if live is None or live.record.current_run is None:
+            return  # not loaded (the store failed it), or nothing to end
+        try:
+            await fail_run(self, live)
+        except Exception:
+            log.exception("process %s: could not end the run it could not resume", pid)
 
     async def resume(self, record: ProcessRecord) -> bool:
         """Bring one process back to work from what the store holds. Returns whether it resumed."""
@@ -356,15 +377,21 @@ class ProcessEngine:
         async with self._tx(live) as tx:
             rows = await self.store.calls(record.pid, run_id)
             await hil.withdraw_orphans(self, tx, record.pid, rows)  # nested calls' questions died with their programs
+            rerun: list[ToolCallRow] = []
             for row in rows:
                 if row.status != "dispatched":
                     continue
                 tool = tools.get(row.tool_name)
                 if tool is not None and tool.idempotent:
-                    await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",))
+                    if await self.store.set_call_status(row.dispatch_id, "registered", expect=("dispatched",)):
+                        row.status = "registered"
+                        rerun.append(row)
                 else:
                     msg = tool_error_result(call_of(row), INTERRUPTED_BY_RESTART)
                     await settle(self, tx, row, msg, "failed", ("dispatched",))
+            if rerun:  # dispatched again in this commit: left registered, they would pass for calls
+                # never begun, which input waiting for the run skips as stale
+                await dispatch(self, tx, live, record.current_run, rerun)
         self.wake(record.pid)
         return True
 
