@@ -20,9 +20,14 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import contextvars
+import hashlib
 import json
 import logging
+import os
 import re
+import signal
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -51,7 +56,12 @@ _NAME = r"[A-Za-z0-9_-]{1,40}"
 _CONNECTION_CLOSED = -32000  # JSON-RPC code the SDK gives a request whose connection ended
 _REQUEST_TIMEOUT = -32001  # JSON-RPC code the SDK gives a request that waited out its read timeout
 STDERR_TAIL_BYTES = 8192  # of a server's stderr, what an error about it quotes from
+STDERR_KEEP_BYTES = 1 << 20  # of a server's stderr, what its file may grow to before it is cut to its tail
+STDERR_CHECK_EVERY = 2.0  # seconds between looks at that size while a server runs
 MAX_DETAILS_CHARS = MAX_RESULT_CHARS  # structured output kept with a result, as JSON
+HTTP_TIMEOUT = 30.0  # seconds to connect to (or send to) an HTTP server: the SDK's own default
+HTTP_READ_TIMEOUT = 300.0  # seconds an HTTP answer may pause: the SDK's default, or a call's `timeout` if longer
+GROUP_GRACE = 2.0  # seconds a stopped stdio server's leftover processes get after SIGTERM, before SIGKILL
 
 
 class _OneLine(logging.Filter):
@@ -181,6 +191,8 @@ class MCPConnection:
                 raise
 
     async def _hold(self, ready: asyncio.Future[list[Any]]) -> None:
+        spawned: list[int] = []  # this session's server processes (this task's context: see ``_record_spawns``)
+        _SPAWNED.set(spawned)
         try:
             from mcp import Client  # the SDK is an extra: imported only when a server is configured
 
@@ -189,7 +201,11 @@ class MCPConnection:
                 self._client = client
                 if not ready.done():
                     ready.set_result(listing)
-                await self._closing.wait()
+                closing = self._closing
+                while not closing.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(closing.wait(), STDERR_CHECK_EVERY)
+                    self._trim_stderr()
         except ImportError:
             if not ready.done():
                 ready.set_exception(MCPError("MCP servers need the `mcp` package: pip install 'agentloop[mcp]'"))
@@ -200,16 +216,16 @@ class MCPConnection:
                 log.warning("MCP server %s stopped: %s", self.config.name, _describe(exc))
         finally:
             self._client = None
+            for pid in spawned:
+                await _end_group(pid)
 
     def _transport(self) -> Any:
         if self.config.url is not None:
-            import httpx2  # the HTTP client the mcp SDK is built on
-            from mcp.client.streamable_http import streamable_http_client
-
-            http = httpx2.AsyncClient(headers=self.config.headers) if self.config.headers else None
-            return streamable_http_client(self.config.url, http_client=http)
+            return self._http_transport(self.config.url)
         from mcp import StdioServerParameters
         from mcp.client.stdio import stdio_client
+
+        _record_spawns()
 
         assert self.config.command is not None
         params = StdioServerParameters(
@@ -222,6 +238,21 @@ class MCPConnection:
             encoding_error_handler="replace",
         )
         return stdio_client(params, errlog=self._stderr)
+
+    @contextlib.asynccontextmanager
+    async def _http_transport(self, url: str) -> AsyncIterator[Any]:
+        """Streamable HTTP through a client of our own: the SDK makes one with its timeouts only
+        when given none, and one made for the ``headers`` had httpx's 5 s read timeout (every
+        call that took longer failed, and ended the session). It is ours to close, too."""
+        import httpx2  # the HTTP client the mcp SDK is built on
+        from mcp.client.streamable_http import streamable_http_client
+
+        timeout = httpx2.Timeout(HTTP_TIMEOUT, read=max(HTTP_READ_TIMEOUT, self.config.timeout))
+        async with (
+            httpx2.AsyncClient(headers=self.config.headers, timeout=timeout) as http,
+            streamable_http_client(url, http_client=http) as streams,
+        ):
+            yield streams
 
     def _why(self, reason: str) -> str:
         url = self.config.url
@@ -242,6 +273,25 @@ class MCPConnection:
         except (OSError, ValueError):
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+    def _trim_stderr(self) -> None:
+        """Cut the server's stderr file to its tail once it passes ``STDERR_KEEP_BYTES``: only
+        the tail is ever quoted, and a chatty server's log, kept whole for as long as it runs,
+        filled the temporary directory (on a tmpfs: memory). The server writes through the same
+        open file, offset included, so its next lines follow the kept tail."""
+        try:
+            self._stderr.flush()
+            end = self._stderr.seek(0, 2)
+            if end <= STDERR_KEEP_BYTES:
+                return
+            self._stderr.seek(end - STDERR_TAIL_BYTES)
+            tail = self._stderr.read()
+            self._stderr.seek(0)
+            self._stderr.truncate()
+            self._stderr.write(tail)
+            self._stderr.flush()
+        except (OSError, ValueError):  # closed meanwhile
+            pass
 
     def tools(self) -> list[Any]:
         """The server's tools (the SDK's ``Tool`` objects), filtered by ``config.tools``."""
@@ -369,6 +419,59 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+_SPAWNED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("agentloop_mcp_spawned", default=None)
+
+
+def _record_spawns() -> None:
+    """Have the SDK's stdio transport tell the session holding it (``_SPAWNED`` of its task) the
+    id of each server process it starts. The SDK starts a server in a process group of its own,
+    but kills that group only if the server outlives its grace period after stdin closes; a
+    server that exits at once leaves the helpers it started (a browser, a language server, a
+    child holding its stdout) running, one more set at every restart. With the id, the group
+    (whose id it is) is ended after the SDK is done (``_end_group``). Installed once; an SDK
+    without the hook keeps its own behaviour."""
+    from mcp.client import stdio
+
+    spawn = getattr(stdio, "_create_platform_compatible_process", None)
+    if spawn is None or getattr(spawn, "_agentloop_records", False):
+        return
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        process = await spawn(*args, **kwargs)
+        pids = _SPAWNED.get()
+        if pids is not None and isinstance(getattr(process, "pid", None), int):
+            pids.append(process.pid)
+        return process
+
+    recording._agentloop_records = True  # type: ignore[attr-defined]
+    stdio._create_platform_compatible_process = recording
+
+
+async def _end_group(pgid: int) -> None:
+    """End what is left of a stopped server's process group: SIGTERM, then SIGKILL after
+    ``GROUP_GRACE`` (also when cancelled meanwhile). Nothing to do, at once, for a server that
+    left nothing behind. POSIX only (on Windows the SDK's job object ends the whole tree)."""
+    if sys.platform == "win32":
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        deadline = asyncio.get_running_loop().time() + GROUP_GRACE
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass  # a member we may not signal (or a zombie): keep waiting
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
 def _to_result(result: Any) -> ToolResult:
     """An MCP ``CallToolResult`` as a tool result: text and images kept, other blocks described."""
     blocks: list[ResultBlock] = []
@@ -409,8 +512,16 @@ def _image(data: Any, mime_type: Any) -> ResultBlock:
 
 
 def _tool_name(server: str, tool: str) -> str:
-    """``<server>__<tool>`` within the 64 characters and alphabet every provider accepts."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{server}__{tool}")[:64]
+    """``<server>__<tool>`` within the 64 characters and alphabet every provider accepts. A name
+    that has to be changed for that ends in a hash of the tool's own name: ``get.user`` and
+    ``get_user``, or two long names alike in their first 64 characters, stay two tools (they
+    made the whole toolset fail to start), and a tool keeps its name whatever the server lists
+    with it or in which order (the history names the tools it called)."""
+    name = f"{server}__{tool}"
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        return name
+    suffix = "_" + hashlib.sha256(tool.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)[: 64 - len(suffix)] + suffix
 
 
 class MCPTool(Tool):
