@@ -50,6 +50,20 @@ def results(msgs: list[Message]) -> list[str]:
     return [m.text for m in msgs if isinstance(m, ToolResultMessage)]
 
 
+def stalled_lookup(seen: list[str]) -> Tool:
+    """An idempotent read that records each call in ``seen`` and stalls on the first (the call a
+    restart cuts short), answering at once after that."""
+
+    @tool(idempotent=True)
+    async def lookup(key: str) -> str:
+        """Read-only lookup."""
+        seen.append(key)
+        await asyncio.sleep(30 if len(seen) == 1 else 0)
+        return f"value of {key}"
+
+    return lookup
+
+
 async def test_a_restart_while_one_call_of_a_parallel_batch_awaits_approval_reruns_no_sibling(tmp_path: Path) -> None:
     ran.clear()
     batch = Reply(tool_calls=[call("echo", text="a"), call("echo", text="risky"), call("echo", text="b")])
@@ -128,12 +142,7 @@ async def test_an_idempotent_call_cut_by_a_restart_is_rerun_though_input_waits(t
     it is re-run (as the design says), not skipped like a call that never began."""
     seen: list[str] = []
 
-    @tool(idempotent=True)
-    async def lookup(key: str) -> str:
-        """Read-only lookup."""
-        seen.append(key)
-        await asyncio.sleep(30 if len(seen) == 1 else 0)
-        return f"value of {key}"
+    lookup = stalled_lookup(seen)
 
     def brain(r: ModelRequest) -> Reply | str:
         last = r.messages[-1]
@@ -258,12 +267,7 @@ async def test_an_idempotent_sibling_in_flight_is_rerun_while_the_other_call_sti
     ran.clear()
     seen: list[str] = []
 
-    @tool(idempotent=True)
-    async def lookup(key: str) -> str:
-        """Read-only lookup."""
-        seen.append(key)
-        await asyncio.sleep(30 if len(seen) == 1 else 0)
-        return f"value of {key}"
+    lookup = stalled_lookup(seen)
 
     def brain(r: ModelRequest) -> Reply | str:
         if isinstance(r.messages[-1], UserMessage):
@@ -294,12 +298,7 @@ async def test_a_second_restart_right_after_the_first_reruns_an_idempotent_call_
     once more in all, not once per restart that found it in flight."""
     seen: list[str] = []
 
-    @tool(idempotent=True)
-    async def lookup(key: str) -> str:
-        """Read-only lookup."""
-        seen.append(key)
-        await asyncio.sleep(30 if len(seen) == 1 else 0)
-        return f"value of {key}"
+    lookup = stalled_lookup(seen)
 
     def brain(r: ModelRequest) -> Reply | str:
         if isinstance(r.messages[-1], UserMessage):
