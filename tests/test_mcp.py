@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -181,7 +183,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_a_server_over_streamable_http():
+@asynccontextmanager
+async def http_server() -> AsyncIterator[str]:
+    """The test MCP server over Streamable HTTP, once it answers; its URL."""
     port = _free_port()
     server = await asyncio.create_subprocess_exec(sys.executable, SERVER, "http", str(port), stderr=subprocess.DEVNULL)
     try:
@@ -195,13 +199,17 @@ async def test_a_server_over_streamable_http():
                 except httpx.TransportError:
                     assert time.monotonic() < deadline, "the HTTP MCP server did not come up"
                     await asyncio.sleep(0.1)
-        async with mcp_tools([{"name": "web", "url": url, "headers": {"X-Test": "1"}}]) as tools:
-            model = ScriptedModel([Reply(tool_calls=[call("web__add", a=20, b=22)]), "done"])
-            result = await Agent(model=model, tools=tools).run("add")
-        assert _results(result.messages)[0].text == "42"
+        yield url
     finally:
         server.terminate()
         await server.wait()
+
+
+async def test_a_server_over_streamable_http():
+    async with http_server() as url, mcp_tools([{"name": "web", "url": url, "headers": {"X-Test": "1"}}]) as tools:
+        model = ScriptedModel([Reply(tool_calls=[call("web__add", a=20, b=22)]), "done"])
+        result = await Agent(model=model, tools=tools).run("add")
+    assert _results(result.messages)[0].text == "42"
 
 
 # ------------------------------------------------------------------------------ the command line

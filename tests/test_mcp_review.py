@@ -9,16 +9,14 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentloop.tools.mcp import MCPError, mcp_tools
-from tests.test_mcp import SERVER, _free_port, _gone, raw
+from tests.test_mcp import SERVER, _gone, http_server, raw
 
 pytest.importorskip("mcp")
 
@@ -43,27 +41,11 @@ async def test_a_server_over_http_with_headers_keeps_the_sdks_timeouts() -> None
     """With ``headers`` (an Authorization header: most hosted servers) the HTTP client was a
     bare one with a 5 s read timeout: every call that took longer failed, and took the session
     down with it, whatever the server's ``timeout`` said."""
-    port = _free_port()
-    server = await asyncio.create_subprocess_exec(sys.executable, SERVER, "http", str(port), stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}/mcp"
-        deadline = time.monotonic() + 20
-        async with httpx.AsyncClient() as http:
-            while True:
-                try:
-                    await http.get(url)
-                    break
-                except httpx.TransportError:
-                    assert time.monotonic() < deadline, "the HTTP MCP server did not come up"
-                    await asyncio.sleep(0.1)
-        config = {"name": "web", "url": url, "headers": {"Authorization": "Bearer t"}, "timeout": 30}
-        async with mcp_tools([config]) as tools:
-            nap = next(t for t in tools if t.name == "web__nap")
-            result = await nap.run({"seconds": 6}, None)  # type: ignore[arg-type]
-        assert not result.is_error and result.content[0].text.startswith("slept 6")  # type: ignore[union-attr]
-    finally:
-        server.terminate()
-        await server.wait()
+    config = {"name": "web", "headers": {"Authorization": "Bearer t"}, "timeout": 30}
+    async with http_server() as url, mcp_tools([{**config, "url": url}]) as tools:
+        nap = next(t for t in tools if t.name == "web__nap")
+        result = await nap.run({"seconds": 6}, None)  # type: ignore[arg-type]
+    assert not result.is_error and result.content[0].text.startswith("slept 6")  # type: ignore[union-attr]
 
 
 def _kill_left(pid_file: Path) -> None:
