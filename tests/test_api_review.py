@@ -15,22 +15,8 @@ from agentloop.models.base import ModelRequest
 from tests import server_support
 from tests.pg_support import PgServer
 from tests.server_support import LiveServer, live_server, parse_sse, wait_until
+from tests.test_server_api import error, spawn
 from tests.ws_support import strict_json
-
-
-def error(resp: httpx.Response, status: int, code: str) -> str:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"code", "message"} and body["code"] == code, body
-    message: str = body["message"]
-    return message
-
-
-async def spawn(client: httpx.AsyncClient, **body: Any) -> str:
-    resp = await client.post("/v1/processes", json=body)
-    assert resp.status_code == 201, resp.text
-    return str(resp.json()["pid"])
-
 
 # ------------------------------------------------------------------ NUL characters on PostgreSQL
 
