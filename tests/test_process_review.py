@@ -8,11 +8,11 @@ import pytest
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, NoSuchProcess
-from agentloop.messages import AssistantMessage, Message, SystemMessage, UserMessage, user
+from agentloop.messages import SystemMessage, UserMessage, user
 from agentloop.models.base import ModelRequest
 from agentloop.process.compaction import MEMORY_SYSTEM_PROMPT
 from agentloop.tools.base import ToolResult
-from tests.process_support import echo, kernel, ran
+from tests.process_support import assert_valid, echo, kernel, ran
 
 
 def echo_then_answer(r: ModelRequest) -> Reply | str:
@@ -20,22 +20,6 @@ def echo_then_answer(r: ModelRequest) -> Reply | str:
     if isinstance(last, UserMessage):
         return Reply(tool_calls=[call("echo", text=last.text)])
     return "done: " + last.text
-
-
-def assert_valid(msgs: list[Message]) -> None:
-    """Every tool call is followed by exactly one result each, in order; no orphan results."""
-    i = 0
-    while i < len(msgs):
-        msg = msgs[i]
-        if isinstance(msg, ToolResultMessage):
-            raise AssertionError(f"orphan tool result at {i}: {msg}")
-        if isinstance(msg, AssistantMessage) and msg.tool_calls:
-            ids = [c.id for c in msg.tool_calls]
-            results = msgs[i + 1 : i + 1 + len(ids)]
-            assert [getattr(r, "tool_call_id", None) for r in results] == ids, msgs
-            i += 1 + len(ids)
-            continue
-        i += 1
 
 
 async def test_an_internal_error_ends_the_run_and_queued_input_still_runs(tmp_path):

@@ -10,27 +10,12 @@ from typing import Any
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval
-from agentloop.messages import AssistantMessage, Message, UserMessage
+from agentloop.messages import Message, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process.engine import INTERRUPTED_BY_RESTART
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import Tool
-from tests.process_support import echo, kernel, ran
-
-
-def assert_valid(msgs: list[Message]) -> None:
-    """Every tool call is followed by exactly one result each, in order; no orphan results."""
-    i = 0
-    while i < len(msgs):
-        msg = msgs[i]
-        assert not isinstance(msg, ToolResultMessage), f"orphan tool result at {i}: {msg}"
-        if isinstance(msg, AssistantMessage) and msg.tool_calls:
-            ids = [c.id for c in msg.tool_calls]
-            results = msgs[i + 1 : i + 1 + len(ids)]
-            assert [getattr(r, "tool_call_id", None) for r in results] == ids, msgs
-            i += 1 + len(ids)
-            continue
-        i += 1
+from tests.process_support import assert_valid, echo, kernel, ran
 
 
 async def ask_risky(process: object, row: Any) -> Approval:
