@@ -12,6 +12,7 @@ from pydantic import BaseModel, field_validator
 from agentloop import Agent, Reply, RetryPolicy, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.events import LoopEvent, StreamEvent
 from agentloop.models.base import AssistantBuilder, ModelRequest, ProviderError, make_usage
+from agentloop.tools.base import ToolResult
 
 
 def assert_paired(events: list[LoopEvent]) -> None:
@@ -268,3 +269,28 @@ async def test_a_validator_that_raises_something_else_fails_the_call_not_the_run
 
     result = await Agent(model=ScriptedModel(brain), tools=[show]).run("go")
     assert result.text.startswith("told: ") and "unsupported operand" in result.text
+
+
+async def test_a_tool_whose_argument_model_is_defined_in_a_function_works() -> None:
+    """With ``from __future__ import annotations`` (as in this module) annotations are strings;
+    a model defined where the tool is (inside a function) resolves from that scope instead of
+    failing the decoration with a NameError."""
+
+    class Point(BaseModel):
+        x: int
+        y: int
+
+    @tool
+    def norm(point: Point) -> int:
+        """Manhattan norm."""
+        return abs(point.x) + abs(point.y)
+
+    @tool(name="double_norm")
+    def double(point: Point) -> int:
+        """Twice the norm."""
+        return 2 * (abs(point.x) + abs(point.y))
+
+    assert norm.parameters["$defs"]["Point"]["properties"]["x"] == {"type": "integer"}
+    result = await norm.run(norm.validate({"point": {"x": 3, "y": -4}}), None)  # type: ignore[arg-type]
+    assert result.content == ToolResult.text("7").content
+    assert double.validate({"point": {"x": 1, "y": 1}})["point"] == Point(x=1, y=1)

@@ -13,6 +13,7 @@ import asyncio
 import inspect
 import json
 import re
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,10 +330,16 @@ class FunctionTool(Tool):
         name: str | None = None,
         description: str | None = None,
         thread: bool | None = None,
+        scope: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
         sig = inspect.signature(fn)
-        hints = get_type_hints(fn, include_extras=True)
+        try:  # ``scope``: the names where the function was defined, for annotations kept as strings
+            hints = get_type_hints(fn, localns=dict(scope) if scope else None, include_extras=True)
+        except NameError as exc:
+            raise TypeError(
+                f"tool {fn.__name__}: annotation {exc.name!r} cannot be resolved; define it at module level"
+            ) from None
         doc_desc, doc_params = parse_docstring(fn.__doc__)
         fields: dict[str, Any] = {}
         self._ctx_param: str | None = None
@@ -475,19 +482,22 @@ def tool(
     due, and its thread finishes on its own.
     """
 
-    def wrap(f: Callable[..., Any]) -> FunctionTool:
+    def wrap(f: Callable[..., Any], scope: Mapping[str, Any] | None = None) -> FunctionTool:
         return FunctionTool(
             f,
             name=name,
             description=description,
             thread=thread,
+            # where the decorator was applied: a model defined in a function, named in annotations
+            # that ``from __future__ import annotations`` keeps as strings, resolves from there
+            scope=scope if scope is not None else sys._getframe(1).f_locals,
             timeout=timeout,
             sequential=sequential,
             idempotent=idempotent,
             max_result_chars=max_result_chars,
         )
 
-    return wrap(fn) if fn is not None else wrap
+    return wrap(fn, sys._getframe(1).f_locals) if fn is not None else wrap
 
 
 ToolLike: TypeAlias = Tool | Callable[..., Any]
