@@ -99,6 +99,7 @@ def test_writes_are_atomic_and_leave_no_temp_files(tmp_path: Path, monkeypatch: 
     def crash(*args: Any) -> None:
         raise OSError("disk gone")
 
+    monkeypatch.setattr(os, "link", crash)  # (publishing falls back to a rename without hard links)
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk gone"):
         write_archive(tmp_path, "u", "p", "two", every_kind())

@@ -163,9 +163,13 @@ class Process:
         if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         _check_input(text, media, run_id)
-        record = (await self.kernel.engine.live(self.pid)).record
+        engine = self.kernel.engine
+        record = (await engine.live(self.pid)).record
+        # a reset under way deletes the process's media: what this input brings is stored after it
+        # (the input waits for it anyway, and goes to the fresh conversation)
+        await admission.after_clearing(engine, self.pid)
         message = _user_input(self.kernel.media, record.owner, self.pid, text, media)
-        return await self.kernel.engine.send(self.pid, message, mode=mode, run_id=run_id)
+        return await engine.send(self.pid, message, mode=mode, run_id=run_id)
 
     async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
         """The process's signals after ``after_seq``; with ``follow``, then live ones as they come."""

@@ -1,7 +1,7 @@
 """History archives: the messages a compaction, reset or kill takes out of a live process.
 
 An archive is the only copy of what it holds once the history is replaced, so it is written to
-a temporary file, synced, and renamed into place: a reader sees a whole archive or none. The
+a temporary file, synced, and linked into place: a reader sees a whole archive or none. The
 header records how many messages follow, so a truncated file is detected instead of read as a
 shorter history. Names come from users and process ids, so each path component is checked
 before it can reach the filesystem.
@@ -54,7 +54,9 @@ def archive_path(data_dir: Path, user: str, pid: str, name: str) -> Path:
     return archive_dir(data_dir, user, pid) / f"{check_name(name, 'archive name')}{SUFFIX}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable: a rename or a new file in it is only
+    on disk once its directory is synced (best effort where a platform cannot sync one)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -67,6 +69,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def private_dir(root: Path, *parts: str) -> Path:
+    """``root/parts…``, made where missing one owner-only folder at a time: the folder names are
+    the accounts, their process ids and the hashes of their images, which only the runtime's own
+    user may list (``Path.mkdir(parents=True)`` would make the parents world-readable). Each new
+    folder is synced into its parent, so a file renamed into it cannot outlive it in a crash.
+    Existing folders keep their mode (``root`` and its ``var`` may be the operator's choice)."""
+    path = Path(root)
+    for part in parts:
+        parent, path = path, path / part
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        fsync_dir(parent)
+    return path
+
+
 def write_archive(
     data_dir: Path,
     user: str,
@@ -77,7 +96,9 @@ def write_archive(
 ) -> Path:
     """Write ``messages`` to ``var/sessions/<user>/<pid>/<name>.jsonl.gz`` and return the path.
 
-    An existing archive is never overwritten (``FileExistsError``): it may be the only copy.
+    An existing archive is never overwritten (``FileExistsError``), also not by a writer of the
+    same name finishing first meanwhile: it may be the only copy. The messages are streamed to
+    the file one line at a time: a long history is not held a second time as text.
     """
     path = archive_path(data_dir, user, pid, name)
     header = {
@@ -91,53 +112,78 @@ def write_archive(
         "meta": dict(meta or {}),
     }
     try:
-        lines = [json.dumps(header, ensure_ascii=False)]
+        first = json.dumps(header, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"archive meta is not JSON-serialisable: {exc}") from exc
-    lines.extend(json.dumps(message_to_dict(m), ensure_ascii=False) for m in messages)
-    payload = ("\n".join(lines) + "\n").encode("utf-8")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    directory = private_dir(Path(data_dir), "var", "sessions", user, pid)
     if path.exists():
         raise FileExistsError(f"archive {path} already exists")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as raw:
             # mtime=0: the same history gives the same bytes (the header holds the real time).
             with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
-                gz.write(payload)
+                gz.write(first.encode("utf-8") + b"\n")
+                for message in messages:
+                    gz.write(json.dumps(message_to_dict(message), ensure_ascii=False).encode("utf-8") + b"\n")
             raw.flush()
             os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        _publish(tmp, path)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    fsync_dir(directory)
     return path
 
 
-def read_archive(path: Path) -> tuple[dict[str, Any], list[Message]]:
-    """The header (with the caller's ``meta`` under ``"meta"``) and the messages, as written."""
+def _publish(tmp: Path, path: Path) -> None:
+    """Give the finished ``tmp`` the name ``path`` unless that name is taken. A hard link is
+    atomic and refuses an existing name, where ``exists()`` then ``replace`` would let a writer
+    finishing in between be overwritten; a filesystem without hard links gets the latter."""
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f.read().split("\n") if line]
+        os.link(tmp, path)
+    except FileExistsError:
+        raise FileExistsError(f"archive {path} already exists") from None
+    except OSError:
+        if path.exists():
+            raise FileExistsError(f"archive {path} already exists") from None
+        os.replace(tmp, path)
+
+
+def read_archive(path: Path) -> tuple[dict[str, Any], list[Message]]:
+    """The header (with the caller's ``meta`` under ``"meta"``) and the messages, as written.
+
+    Read one line at a time (an archive can hold a long history); ``ValueError`` says what is
+    wrong with a file that is truncated, corrupt or not an archive."""
+    header: Any = None
+    messages: list[Message] = []
+    try:
+        with gzip.open(path, "rt", encoding="utf-8", newline="\n") as f:
+            for line in f:
+                if not line.strip("\n"):
+                    continue
+                if header is None:
+                    header = json.loads(line)
+                    _check_header(path, header)
+                else:
+                    messages.append(message_from_dict(json.loads(line)))
     except (OSError, EOFError) as exc:
         raise ValueError(f"archive {path} is unreadable: {exc}") from exc
-    if not lines:
-        raise ValueError(f"archive {path} is empty")
-    try:
-        header = json.loads(lines[0])
-        records = [json.loads(line) for line in lines[1:]]
     except json.JSONDecodeError as exc:
         raise ValueError(f"archive {path} is not JSON lines: {exc}") from exc
+    if header is None:
+        raise ValueError(f"archive {path} is empty")
+    if header.get("count") != len(messages):
+        raise ValueError(f"archive {path} holds {len(messages)} messages, its header says {header.get('count')}")
+    return header, messages
+
+
+def _check_header(path: Path, header: Any) -> None:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"archive {path} has no {FORMAT} header")
     if header.get("version") != VERSION:
         raise ValueError(f"archive {path} has unsupported version {header.get('version')!r}")
-    if header.get("count") != len(records):
-        raise ValueError(f"archive {path} holds {len(records)} messages, its header says {header.get('count')}")
-    return header, [message_from_dict(r) for r in records]
 
 
 def _sort_key(path: Path) -> tuple[int, str]:

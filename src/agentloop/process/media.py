@@ -17,13 +17,14 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from agentloop.messages import FILE_TYPES, PDF_MAGIC, FileContent, ImageContent, MediaBlock
-from agentloop.process.archive import check_name
+from agentloop.process.archive import check_name, fsync_dir, private_dir
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 # A text document goes to the model whole, in the newest message, where compaction cannot fold
@@ -186,13 +187,16 @@ class MediaStore:
         return check_media(block, self.max_bytes)
 
     def save(self, uid: str, pid: str, block: MediaBlock) -> MediaRef:
-        """Store ``block`` (once per content) and return its reference."""
+        """Store ``block`` (once per content) and return its reference. A copy already there is
+        kept only if it is intact: sending a file again is how a damaged copy gets mended."""
         directory = self.process_dir(uid, pid)
         data, mime, ext = self.check(block)
         sha = hashlib.sha256(data).hexdigest()
         path = directory / f"{sha}.{ext}"
-        if not (path.is_file() and path.stat().st_size == len(data)):
-            directory.mkdir(parents=True, exist_ok=True)
+        try:
+            _read_verified(path, len(data), sha)
+        except MediaError:
+            directory = private_dir(self.data_dir, "var", "media", uid, pid)
             fd, tmp_name = tempfile.mkstemp(prefix=f".{sha[:16]}.", suffix=".tmp", dir=directory)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -203,6 +207,8 @@ class MediaStore:
             except BaseException:
                 Path(tmp_name).unlink(missing_ok=True)
                 raise
+            # the message that references the file is committed next: the rename must be on disk
+            fsync_dir(directory)
         rel = path.relative_to(self.data_dir).as_posix()
         return MediaRef(path=rel, mime_type=mime, size=len(data), sha256=sha)
 
@@ -214,13 +220,7 @@ class MediaStore:
 
     def load(self, ref: MediaRef, name: str = "") -> MediaBlock:
         """The image (or the document, called ``name``) back, verified against the ref's hash."""
-        path = self._resolve(ref)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise MediaNotFound(f"media {ref.path} ({ref.mime_type}, sha256 {ref.sha256}) is missing") from None
-        if hashlib.sha256(data).hexdigest() != ref.sha256:
-            raise MediaError(f"media {ref.path} does not match its sha256 {ref.sha256}: the file is corrupt")
+        data = _read_verified(self._resolve(ref), ref.size, ref.sha256, ref)
         encoded = base64.b64encode(data).decode("ascii")
         if ref.mime_type in _FILE_EXTENSIONS:
             return FileContent(data=encoded, mime_type=ref.mime_type, name=name)
@@ -234,3 +234,23 @@ class MediaStore:
         count = sum(1 for p in directory.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
         shutil.rmtree(directory)
         return count
+
+
+def _read_verified(path: Path, size: int, sha: str, ref: MediaRef | None = None) -> bytes:
+    """The bytes of the regular file ``path`` if they are the ``size`` bytes hashing to ``sha``.
+    Every way a stored file can go bad is a ``MediaError`` (``MediaNotFound`` when it is gone),
+    never an ``OSError``: the caller turns it into a note for the model instead of failing the
+    run, and every later one. A file of another size (or a folder, a FIFO) is not read at all."""
+    what = f"media {ref.path} ({ref.mime_type}, sha256 {sha})" if ref is not None else f"media {path}"
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise MediaError(f"{what} is not the {size}-byte file it was: the file is corrupt")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MediaNotFound(f"{what} is missing") from None
+    except OSError as exc:
+        raise MediaError(f"{what} is unreadable: {exc.strerror or exc}") from None
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise MediaError(f"{what} does not match its sha256: the file is corrupt")
+    return data
