@@ -80,6 +80,11 @@ class TaskTool(Tool):
         self.parent = parent
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        # as the schema says (``additionalProperties``): an option the model guessed at (say,
+        # ``background``) would otherwise be dropped in silence, and the call do something else
+        unknown = sorted(set(arguments) - set(_SCHEMA["properties"]))
+        if unknown:
+            raise ToolError(f"Task takes `prompt` and `wait` only, not {', '.join(f'`{k}`' for k in unknown)}")
         prompt = arguments.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
             raise ToolError("Task needs a non-empty `prompt` string")
@@ -188,8 +193,11 @@ async def _answer(kernel: Kernel, pid: str) -> ToolResult:
     text = last.text if last is not None else ""
     if finished is not None and finished.get("status") != "ok":
         reason = finished.get("reason") or finished.get("status")
+        # what failed (the provider's message), as the background report gives it: the reason
+        # code alone (``generation.error``) does not tell the parent whether trying again helps
+        said = "\n".join(part for part in (str(finished.get("error") or ""), text) if part)
         raise ToolError(
-            f"subagent {pid} ended with {finished.get('status')} ({reason})" + (f": {text}" if text else "")
+            f"subagent {pid} ended with {finished.get('status')} ({reason})" + (f": {said}" if said else "")
         )
     return ToolResult.text(text or f"subagent {pid} finished without an answer", details={"pid": pid})
 

@@ -11,12 +11,14 @@ is gone or no longer wants the answer, and spends model calls nobody reads.
   stays readable (what they found or changed), ``ps`` shows them, and a kill clears them. Killing
   them would buy nothing for the reset conversation: the watches that would have brought their
   answers to the parent are dropped with it.
-- **an aborted run** stops the subagents it started (``wait`` or not) and no others: a child of an
-  earlier, finished run still owes that run's conversation its answer. Which run started a child
-  is stored with the child when it is made (``ORIGIN_KEY``), so a restart in between keeps it. The
-  abort itself records the run it ended (the engine's ``LAST_ABORT_KEY``), so a crash after the
-  abort committed and before its children were stopped is made good when they resume: a child
-  whose run began before its parent's aborted run ended, and was started by that run, is stopped.
+- **an aborted run** stops the subagents it started (``wait`` or not), with their descendants (a
+  child that answered may have left a background task running, whose report nobody would read),
+  and no others: a child of an earlier, finished run still owes that run's conversation its answer.
+  Which run started a child is stored with the child when it is made (``ORIGIN_KEY``), so a
+  restart in between keeps it. The abort itself records the run it ended (the engine's
+  ``LAST_ABORT_KEY``), so a crash after the abort committed and before its children were stopped
+  is made good when they resume: a child whose run began before its parent's aborted run ended,
+  and was started by that run, is stopped.
 
 A stopped child's one-shot watch to its parent is dropped first, so the news "aborted" does not
 start a parent run that nobody asked for. Each child is stopped through ``engine.abort``, which
@@ -64,8 +66,10 @@ async def call_off(kernel: Kernel, parent_pid: str, child_pid: str, reason: str)
 
 
 async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> None:
-    """The engine's ``aborted`` hook: stop the subagents the aborted run started. Their own aborts
-    reach their subagents the same way."""
+    """The engine's ``aborted`` hook: stop the subagents the aborted run started, and everything
+    below them. A child that already answered has no run for its abort to stop, yet what it left
+    running (a background task) works for it only, and its report would start a run of the
+    child that nobody reads: the child's whole subtree stops with it."""
     record = await kernel.store.get_process(pid)
     if record is None:
         return
@@ -73,6 +77,7 @@ async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> Non
         started = await kernel.store.kv_get(child.pid, ORIGIN_KEY)
         if isinstance(started, dict) and started.get("run_id") == run_id:
             await call_off(kernel, pid, child.pid, PARENT_ABORT)
+            await stop_descendants(kernel, child, PARENT_ABORT)
 
 
 async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:
@@ -95,7 +100,7 @@ async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:
             await call_off(kernel, record.parent_pid, pid, PARENT_ABORT)
 
 
-async def stop_descendants(kernel: Kernel, record: ProcessRecord) -> None:
+async def stop_descendants(kernel: Kernel, record: ProcessRecord, reason: str = PARENT_RESET) -> None:
     """Abort the active runs of every descendant, from the top down (a parent stops before its
     children, so it never reads a child's abort as the answer it waited for)."""
     seen, level = {record.pid}, [record]
@@ -106,7 +111,7 @@ async def stop_descendants(kernel: Kernel, record: ProcessRecord) -> None:
                 if child.pid in seen:  # (a pid reused further up: never loop)
                     continue
                 seen.add(child.pid)
-                await call_off(kernel, parent.pid, child.pid, PARENT_RESET)
+                await call_off(kernel, parent.pid, child.pid, reason)
                 below.append(child)
         level = below
 
