@@ -5,10 +5,12 @@ tools are registered but not shown; the model sees a ``request_tools`` tool whos
 them by name and summary, and calling it reveals the named tools from the next round on. A visible
 tool is never taken away in the middle of a run.
 
-The revealed set is read back from the history (the ``request_tools`` results), not kept aside, so
-a run that is resumed from its stored history sees the same tools. An optional *preflight* asks a
-(cheap) model once per run which hidden tools the request will need; if it fails or answers
-nonsense, the run simply starts without extra tools.
+The revealed set is read back from the history (the ``request_tools`` results), so a run that is
+resumed from its stored history sees the same tools; what a run has shown is also remembered per
+run, because the history a turn-phase hook sees may not hold those results any more (a
+transform-context hook that trims it, a compaction that summarised them). An optional *preflight*
+asks a (cheap) model once per run which hidden tools the request will need; if it fails or
+answers nonsense, the run simply starts without extra tools.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ToolReveal:
         self.preflight_model = resolve_model(preflight) if preflight is not None else None
         self.conversation_model: Model | None = None  # the second try of a failed preflight (set by install)
         self._preflight: OrderedDict[str, list[str]] = OrderedDict()  # run id -> names chosen up front
+        self._shown: OrderedDict[str, frozenset[str]] = OrderedDict()  # run id -> hidden tools shown so far
         catalogue = "\n".join(_summary(t) for t in self.hidden.values())
 
         async def request_tools(names: list[str], reason: str = "") -> ToolResult:
@@ -100,6 +103,13 @@ class ToolReveal:
         visible = self.revealed(info.messages)
         if self.preflight_model is not None:
             visible.update(await self._preflight_choice(info))
+        shown = self._shown.get(info.run_id, frozenset())
+        visible |= shown  # never take back a tool this run was shown
+        if len(visible) > len(shown):
+            self._shown[info.run_id] = frozenset(visible)
+            self._shown.move_to_end(info.run_id)
+            while len(self._shown) > 256:
+                self._shown.popitem(last=False)
         if visible >= set(self.hidden):
             return [t for t in info.tools if t.name != REQUEST_TOOLS]
         return [t for t in info.tools if t.name not in self.hidden or t.name in visible]

@@ -7,6 +7,7 @@ came (a crash, an abort, a switch of model), ids in another provider's format. A
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,19 +37,29 @@ def clean_history(messages: list[Message], normalize_id: Callable[[str], str] | 
     - assistant turns that failed (``error``) are dropped, and aborted turns with no content;
     - a tool call without a result gets a synthetic error result right after its turn's results;
     - a tool result without its call is dropped;
-    - with ``normalize_id``, tool call ids are rewritten consistently in calls and results.
+    - with ``normalize_id``, tool call ids are rewritten consistently in calls and results, and
+      ids that normalise alike (``a|1`` and ``a/1``, or a shared prefix past the length limit)
+      stay distinct, so no result answers the wrong call.
     """
     out: list[Message] = []
     open_calls: dict[str, ToolCall] = {}  # (normalised) id -> call of the latest turn, no result yet
     dropped: set[str] = set()
-    ids: dict[str, str] = {}
+    ids: dict[str, str] = {}  # original id -> normalised id
+    taken: set[str] = set()  # normalised ids given out
 
     def norm(id: str) -> str:
         if normalize_id is None:
             return id
-        if id not in ids:
-            ids[id] = normalize_id(id)
-        return ids[id]
+        new = ids.get(id)
+        if new is None:
+            new = normalize_id(id)
+            salt = 0
+            while new in taken:  # another id normalised to this one: prefix a hash, which survives truncation
+                digest = hashlib.sha1(f"{salt}:{id}".encode(), usedforsecurity=False).hexdigest()[:12]
+                new, salt = normalize_id(f"{digest}_{id}"), salt + 1
+            ids[id] = new
+            taken.add(new)
+        return new
 
     def close_open() -> None:
         for call in open_calls.values():
