@@ -82,8 +82,8 @@ def _store_url(data: Path | None, *, create: bool = False) -> str | None:
     from agentloop.cli.main import CliError
 
     settings = load_settings()
-    if settings.store_error is not None:  # a bad URL must not fall back to another database
-        raise CliError(settings.store_error)
+    if settings.store_error is not None:  # a bad URL (or an unreadable config file) must not fall back
+        raise CliError(settings.store_error, 2)  # to another database; a bad config value is exit 2, as for serve
     configured = settings.store
     if configured is not None:
         return configured

@@ -30,6 +30,7 @@ from agentloop.loop.guards import Guards
 from agentloop.models.base import Model
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
 from agentloop.tools.mcp import MCPServerConfig, parse_servers
+from agentloop.urls import redact_secrets
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
@@ -112,7 +113,7 @@ class Settings:
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
-    store_error: str | None = None  # an unusable store URL: only commands that open the store stop
+    store_error: str | None = None  # an unusable (or unknowable) store URL: only commands that open the store stop
 
     @property
     def guards(self) -> Guards:
@@ -250,8 +251,11 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
 
     warnings: list[str] = []
 
-    def bad(key: str, expected: str) -> None:
-        warnings.append(f"config file {path}: {key} must be {expected}, got {data[key]!r}; ignored")
+    def bad(key: str, expected: str, *, secret: bool = False) -> None:
+        # a warning reaches the terminal and a server's log: a value that holds a credential (a
+        # token written as a list, a URL with one in it) is described, never repeated
+        got = f"a {type(data[key]).__name__}" if secret else redact_secrets(repr(data[key]))
+        warnings.append(f"config file {path}: {key} must be {expected}, got {got}; ignored")
 
     model = data.get("model")
     if model is not None and not (isinstance(model, str) and model.strip()):
@@ -280,7 +284,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
         server = None
     token = data.get("token")
     if token is not None and not (isinstance(token, str) and token.strip()):
-        bad("token", "a token string")
+        bad("token", "a token string", secret=True)
         token = None
     limits, errors = _read_limits(data, path)
     servers, problem = _read_mcp_servers(data.get("mcp_servers"))
@@ -347,8 +351,9 @@ def load_settings(
         *_flag_errors(flags),
         *(e for key, e in file.errors.items() if getattr(flags, key, None) is None and key != "store"),
     ]
-    # a flag (or the environment) replaces the file's key, so a bad key it overrides does not matter
-    store_error = file.errors.get("store") if store_url is None else None
+    # a flag (or the environment) replaces the file's key, so a bad key it overrides does not matter;
+    # a file that cannot be read may be the one naming the store: without it, the store is unknown
+    store_error = (file.errors.get("store") or file.errors.get("config")) if store_url is None else None
     if store_url is not None and store_source != in_file and (problem := store_problem(store_url)):
         store_error = f"{store_source}: store {problem}"  # (a bad key in the file never becomes store_url)
 
@@ -485,4 +490,6 @@ def load_connection(
     chosen_token, source = _pick(
         ("--token", token), (TOKEN_ENV, env.get(TOKEN_ENV)), (f"config file {path}", file.token), unset="none"
     )
+    if "config" in file.errors:  # its server and token are lenient keys, but the user must learn they are lost
+        warnings.append(file.errors["config"])
     return Connection(chosen_server.rstrip("/"), chosen_token, source, warnings)

@@ -30,7 +30,7 @@ from agentloop.device.client import (
     parse_allow,
     websocket_url,
 )
-from agentloop.urls import check_token
+from agentloop.urls import check_token, redact_url
 
 device_app = typer.Typer(
     name="device",
@@ -118,7 +118,8 @@ def connect(
         backoff_initial=max(0.01, backoff),
         backoff_max=max(backoff, backoff_max),
     )
-    _say(f"serving {base} ({', '.join(implements)}) as {options.name}; connecting to {target}")
+    # (the address may carry a proxy's password: the terminal, and the log that keeps it, get it masked)
+    _say(f"serving {base} ({', '.join(implements)}) as {options.name}; connecting to {redact_url(target)}")
     if "shell.exec" in implements:
         _say("shell lent: the account's agents can run commands on this machine as you")
     elif implements == DEFAULT_ALLOW:

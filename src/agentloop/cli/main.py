@@ -77,7 +77,11 @@ app.add_typer(device_app, name="device")
 
 
 class CliError(Exception):
-    """A failure to report as one line, with exit code 1."""
+    """A failure to report as one line, with exit code 1 (2: a bad flag or config value)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _version() -> str:
@@ -139,7 +143,8 @@ def _guarded() -> Iterator[None]:
         _fail(
             message
             if isinstance(exc, CliError | ValueError | ImportError | MCPError)
-            else f"{type(exc).__name__}: {message}"
+            else f"{type(exc).__name__}: {message}",
+            exc.code if isinstance(exc, CliError) else 1,
         )
     else:
         if READER_GONE.is_set():
@@ -164,7 +169,8 @@ def _settings(
     )
     for warning in settings.warnings:
         sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
-    errors = [*settings.errors, *([settings.store_error] if uses_store and settings.store_error else [])]
+    store_error = [settings.store_error] if uses_store and settings.store_error else []
+    errors = list(dict.fromkeys([*settings.errors, *store_error]))  # (an unreadable file is in both)
     if errors:
         _fail("; ".join(errors), 2)
     return settings
@@ -557,7 +563,7 @@ def models() -> None:
     """List providers and models, whether each is usable here, and which one is the default."""
     with _guarded():
         settings = load_settings()  # run limits do not matter to a listing: no exit over a bad one
-        for warning in [*settings.warnings, *settings.errors, *filter(None, [settings.store_error])]:
+        for warning in dict.fromkeys([*settings.warnings, *settings.errors, *filter(None, [settings.store_error])]):
             sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
         # (provider, model id, usable, why) — a provider's reason is given once, on its first row
         rows: list[tuple[str, str, bool, str]] = []
