@@ -195,6 +195,9 @@ def test_addresses_and_allow_lists():
     assert websocket_url("h:8765") == "ws://h:8765/v1/ws"
     with pytest.raises(ValueError):
         websocket_url("ftp://h")
+    with pytest.raises(ValueError) as refused:  # said on the terminal and in logs: the password masked
+        websocket_url("ftp://bob:hunter2@h")
+    assert "hunter2" not in str(refused.value) and "bob" in str(refused.value)
     with pytest.raises(ValueError, match="Port out of range"):  # a typo: said once, not retried forever
         websocket_url("http://127.0.0.1:99999")
     assert parse_allow("fs") == ("fs.read", "fs.write", "fs.edit", "fs.delete", "fs.search")

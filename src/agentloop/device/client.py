@@ -33,7 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 from agentloop.device.wire import result_to_wire
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
-from agentloop.urls import check_server_address
+from agentloop.urls import check_server_address, redact_url
 
 __all__ = [
     "DEFAULT_ALLOW",
@@ -97,7 +97,7 @@ def websocket_url(url: str) -> str:
     parts = urlsplit(url if "://" in url else f"ws://{url}")
     scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
     if scheme is None or not parts.netloc:
-        raise ValueError(f"not a server address: {url!r} (use http://host:port or ws://host:port)")
+        raise ValueError(f"not a server address: {redact_url(url)!r} (use http://host:port or ws://host:port)")
     path = parts.path.rstrip("/")
     if not path.endswith("/v1/ws"):
         path += "/v1/ws"
