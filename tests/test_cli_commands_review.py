@@ -131,3 +131,14 @@ def test_a_config_warning_never_repeats_a_credential(
     assert result.exit_code == 1
     assert f"warning: config file {config}: " in result.stderr and "; ignored" in result.stderr
     assert secret not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("address", ["ftp://host", "http://", "http://host:99999"])
+def test_a_server_address_that_is_a_typo_is_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, address: str
+) -> None:
+    """A bad --server is a bad flag value (exit 2, as the README says), not a server that could not
+    be reached (1): a script can tell a mistake it must fix from an outage it may wait out."""
+    result = runner.invoke(app, ["ps", "--server", address, "--token", "al_x"])
+    assert result.exit_code == 2, result.output
+    assert "not a server address" in result.output

@@ -38,7 +38,7 @@ from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, FileContent, MediaBlock, ToolResultMessage, message_from_dict
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
-from agentloop.urls import redact_url
+from agentloop.urls import check_server_address, redact_url
 
 T = TypeVar("T")
 
@@ -69,6 +69,10 @@ def connection(server: str | None, token: str | None) -> Connection:
     conn = load_connection(server=server, token=token)
     for warning in conn.warnings:
         sys.stderr.write(f"warning: {one_line(warning, 1000)}\n")
+    try:  # a typo in the address is a bad setting (exit 2), not a server out of reach
+        check_server_address(conn.server)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
     if not conn.token:
         raise CliError(
             'no token: pass --token, set AGENTLOOP_TOKEN, or put token = "…" in the config file '
