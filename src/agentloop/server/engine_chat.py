@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from agentloop.agent import Agent, Run
-from agentloop.events import AgentEnd, LoopEvent, MessageEnd, MessageUpdate, TextDelta, ToolExecutionEnd
+from agentloop.events import AgentEnd, LoopEvent, MessageEnd, MessageUpdate, ModelRetry, TextDelta, ToolExecutionEnd
 from agentloop.events import ToolExecutionStart as _ToolStart
 from agentloop.loop.hooks import maybe_await
 from agentloop.messages import (
@@ -46,6 +46,7 @@ from agentloop.messages import (
 )
 from agentloop.models.overflow import is_context_overflow, is_overflow_text
 from agentloop.server.errors import ApiError, safe_message
+from agentloop.server.service import json_text
 
 logger = logging.getLogger("agentloop.server")
 
@@ -211,6 +212,13 @@ class EventTranslator:
 
     It remembers the tool calls each assistant message made, so a call the loop finishes without
     ever starting (unknown tool, blocked by a hook) still gets its ``tool-call`` before its result.
+
+    A model call that fails after some of its text was streamed and is then retried (or handed to
+    a fallback model) starts its answer again, yet the caller concatenates every ``text-delta`` and
+    has no event that takes text back. So the text sent during the current model call is kept: the
+    retry's text is checked against it and only what goes beyond it is sent. A retry that answers
+    differently ends the stream with ``error{provider_error}``, which the caller can act on, rather
+    than leave it a garbled answer ("Hello, wHello, world.") it would store as the reply.
     """
 
     def __init__(self, max_same_failures: int = DEFAULT_MAX_SAME_TOOL_FAILURES) -> None:
@@ -219,18 +227,29 @@ class EventTranslator:
         self._last_assistant: AssistantMessage | None = None
         self._failures: dict[tuple[str, str, str], int] = {}
         self._max_same_failures = max_same_failures
+        self._sent = ""  # the text sent during the current model call, across its attempts
+        self._replayed: int | None = None  # a retry's text matched so far against _sent; None: not replaying
         self.outcome = "incomplete"  # what the log line at the end says
 
     def feed(self, event: LoopEvent) -> list[tuple[str, dict[str, Any]]]:
         if isinstance(event, MessageUpdate):
             if isinstance(event.event, TextDelta) and event.event.delta:
-                return [("text-delta", {"content": event.event.delta})]
+                return self._text(event.event.delta)
+            return []
+        if isinstance(event, ModelRetry):
+            if self._sent:  # the next attempt must first say again what was already sent
+                self._replayed = 0
             return []
         if isinstance(event, MessageEnd):
             if isinstance(event.message, AssistantMessage):
                 self._last_assistant = event.message
                 for tc in event.message.tool_calls:
                     self._calls[tc.id] = tc
+                if event.message.stop_reason != "error":  # the model call is over (a failed attempt may be retried)
+                    short = self._replayed is not None  # the retry ended before repeating what was sent
+                    self._sent, self._replayed = "", None
+                    if short:
+                        return [self._diverged()]
             return []
         if isinstance(event, _ToolStart):
             self._announced.add(event.tool_call_id)
@@ -250,6 +269,31 @@ class EventTranslator:
         if isinstance(event, AgentEnd):
             return [self._end(event)]
         return []
+
+    def _text(self, delta: str) -> list[tuple[str, dict[str, Any]]]:
+        """The ``text-delta`` for ``delta``: all of it, or during a retry the part beyond what was sent."""
+        if self._replayed is not None:
+            expected = self._sent[self._replayed :]
+            overlap = min(len(delta), len(expected))
+            if delta[:overlap] != expected[:overlap]:
+                return [self._diverged()]
+            self._replayed += overlap
+            delta = delta[overlap:]
+            if self._replayed < len(self._sent):
+                return []
+            self._replayed = None  # caught up: from here on the retry's text is new
+            if not delta:
+                return []
+        self._sent += delta
+        return [("text-delta", {"content": delta})]
+
+    def _diverged(self) -> tuple[str, dict[str, Any]]:
+        self.outcome = "provider_error"
+        message = (
+            "The model provider failed while answering, and its retry answered differently from the "
+            "text already sent; that text cannot be taken back, so this answer is incomplete."
+        )
+        return ("error", {"code": "provider_error", "message": message})
 
     @property
     def finished(self) -> bool:
@@ -409,9 +453,10 @@ class EngineChat:
             async with aclosing(run.events()) as events:
                 async for event in events:
                     for name, data in translator.feed(event):
-                        yield ServerSentEvent(data=json.dumps(data), event=name)
+                        # (strict JSON: a model's 1e999 in a call's arguments is sent as null)
+                        yield ServerSentEvent(data=json_text(data), event=name)
                     if translator.finished:
-                        break  # leaving run.events() early aborts the run (a tool_error)
+                        break  # leaving run.events() early aborts the run (a tool_error, a retry that diverged)
         except asyncio.CancelledError:
             # The client went away: leaving run.events() has aborted the run and its tools.
             translator.outcome = "client_disconnected"
@@ -420,7 +465,7 @@ class EngineChat:
             translator.outcome = "internal_error"
             _log(logging.ERROR, "stream failed", cid, exc_info=True, error_type=type(exc).__name__)
             data = {"code": "provider_error", "message": "The engine failed while answering."}
-            yield ServerSentEvent(data=json.dumps(data), event="error")
+            yield ServerSentEvent(data=json_text(data), event="error")
         finally:
             level = logging.INFO if translator.outcome not in ("internal_error", "provider_error") else logging.ERROR
             _log(
