@@ -349,3 +349,27 @@ async def test_a_disconnect_during_the_model_call_cancels_it_and_leaves_no_task(
     finally:
         server.should_exit = True
         await asyncio.wait_for(serve, 10)
+
+
+# ------------------------------------------------------------------ finish reasons
+
+
+class CutOff(Model):
+    """Answers, then stops at the output limit (the provider's "length" finish reason)."""
+
+    info = ModelInfo(provider="test", id="cut", context_window=100_000)
+
+    async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
+        yield out.start()
+        for event in out.text("a long answer that was cu"):
+            yield event
+        for event in out.finish("length"):
+            yield event
+
+
+async def test_an_answer_cut_at_the_output_limit_finishes_as_max_tokens() -> None:
+    """The contract spells an answer cut off at the output limit ``max_tokens`` (as the providers'
+    finish reasons it passes through do); ours said ``length``, which a gateway would not know."""
+    app = create_app(lambda: Agent(CutOff()), tokens={TOKEN})
+    events = await events_of(app, body(u("go")))
+    assert events[-1] == ("done", {"finish_reason": "max_tokens", "usage": events[-1][1]["usage"]})

@@ -320,7 +320,9 @@ class EventTranslator:
     def _end(self, event: AgentEnd) -> tuple[str, dict[str, Any]]:
         if event.stop_reason != "error":
             self.outcome = event.stop_reason
-            return ("done", {"finish_reason": event.stop_reason, "usage": _usage(event.usage)})
+            # the contract spells an answer cut off at the output limit as the providers do
+            reason = "max_tokens" if event.stop_reason == "length" else event.stop_reason
+            return ("done", {"finish_reason": reason, "usage": _usage(event.usage)})
         last = self._last_assistant
         overflow = (last is not None and is_context_overflow(last)) or is_overflow_text(event.error or "")
         if overflow:
