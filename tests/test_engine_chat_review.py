@@ -17,6 +17,7 @@ from agentloop import Agent, Reply, RetryPolicy, ScriptedModel, call, tool
 from agentloop.events import StreamEvent
 from agentloop.models.base import AssistantBuilder, Model, ModelInfo, ModelRequest, ProviderError
 from agentloop.server import create_app
+from agentloop.tools.base import ToolContext
 
 TOKEN = "review-token-123456"
 AUTH = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
@@ -373,3 +374,42 @@ async def test_an_answer_cut_at_the_output_limit_finishes_as_max_tokens() -> Non
     app = create_app(lambda: Agent(CutOff()), tokens={TOKEN})
     events = await events_of(app, body(u("go")))
     assert events[-1] == ("done", {"finish_reason": "max_tokens", "usage": events[-1][1]["usage"]})
+
+
+# ------------------------------------------------------------------ metadata reaches the tools
+
+
+async def test_the_correlation_id_reaches_the_tools() -> None:
+    """The contract's correlation_id flows to the tools (with the rest of the request's metadata),
+    so what a tool logs or calls can be traced to the request that caused it."""
+    seen: list[dict[str, Any]] = []
+
+    @tool
+    def trace(ctx: ToolContext) -> str:
+        """Record the request's metadata."""
+        seen.append(dict(ctx.metadata or {}))
+        return "traced"
+
+    script = [Reply(tool_calls=[call("trace")]), "ok"]
+    app = create_app(lambda: Agent(ScriptedModel(script), tools=[trace]), tokens={TOKEN})
+    payload = body(u("go"), cid="corr-42")
+    payload["metadata"]["conversation_id"] = "conv-7"
+    events = await events_of(app, payload)
+    assert events[-1][0] == "done"
+    assert seen == [
+        {"correlation_id": "corr-42", "conversation_id": "conv-7", "trigger": "message", "client_context": None}
+    ]
+
+
+async def test_metadata_given_to_a_run_reaches_its_tools() -> None:
+    seen: list[Any] = []
+
+    @tool
+    def trace(ctx: ToolContext) -> str:
+        """Record the run's metadata."""
+        seen.append(ctx.metadata)
+        return "traced"
+
+    agent = Agent(ScriptedModel([Reply(tool_calls=[call("trace")]), "ok"]), tools=[trace])
+    await agent.run("go", metadata={"request": "r-1"})
+    assert seen == [{"request": "r-1"}]

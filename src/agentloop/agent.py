@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -104,12 +104,18 @@ class Run:
     """One run of an agent. Steer it, queue follow-ups, abort it, iterate its events."""
 
     def __init__(
-        self, cfg: LoopConfig, history: list[Message], prompts: list[Message], stream: bool, mode: Mode = "agent"
+        self,
+        cfg: LoopConfig,
+        history: list[Message],
+        prompts: list[Message],
+        stream: bool,
+        mode: Mode = "agent",
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.id = _next_run_id()
         self._cfg = cfg
         self._prompts = prompts
-        self.state = RunState(run_id=self.id, messages=history, first_new=len(history), mode=mode)
+        self.state = RunState(run_id=self.id, messages=history, first_new=len(history), mode=mode, metadata=metadata)
         self._queue: asyncio.Queue[LoopEvent | None] | None = asyncio.Queue() if stream else None
         self._task: asyncio.Task[Any] | None = None
         self._result: RunResult | None = None
@@ -288,11 +294,18 @@ class Agent:
     # -- starting runs --------------------------------------------------------------------------
 
     def start(
-        self, input: Input, *, history: Sequence[Message] = (), stream: bool = False, mode: Mode = "agent"
+        self,
+        input: Input,
+        *,
+        history: Sequence[Message] = (),
+        stream: bool = False,
+        mode: Mode = "agent",
+        metadata: Mapping[str, Any] | None = None,
     ) -> Run:
         """Prepare a run. A string or message is a new prompt after ``history``; a list of
         messages is a history to continue (its last message must be user input or tool results).
-        ``mode="chat"`` runs without tools on the same history.
+        ``mode="chat"`` runs without tools on the same history. ``metadata`` (a request's ids,
+        say) reaches the run's tools as ``ToolContext.metadata``.
         """
         check_mode(mode)
         messages = list(history)
@@ -314,11 +327,18 @@ class Agent:
                 raise ValueError(f"Cannot continue from message role: {last.role}")
         else:
             prompts = [_as_message(input)]
-        return Run(self.config, messages, prompts, stream, mode)
+        return Run(self.config, messages, prompts, stream, mode, metadata)
 
-    async def run(self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent") -> RunResult:
+    async def run(
+        self,
+        input: Input,
+        *,
+        history: Sequence[Message] = (),
+        mode: Mode = "agent",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RunResult:
         """Run to the end and return the result."""
-        run = self.start(input, history=history, mode=mode)
+        run = self.start(input, history=history, mode=mode, metadata=metadata)
         self._active.add(run)
         try:
             return await run._execute()
@@ -326,10 +346,15 @@ class Agent:
             self._active.discard(run)
 
     async def stream(
-        self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent"
+        self,
+        input: Input,
+        *,
+        history: Sequence[Message] = (),
+        mode: Mode = "agent",
+        metadata: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[LoopEvent]:
         """Run and yield every loop event; the last one is ``agent_end``."""
-        run = self.start(input, history=history, stream=True, mode=mode)
+        run = self.start(input, history=history, stream=True, mode=mode, metadata=metadata)
         self._active.add(run)
         try:
             async with aclosing(run.events()) as events:

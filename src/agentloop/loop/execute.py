@@ -179,6 +179,7 @@ async def _execute(
         off_limits=cfg.off_limits,
         offered=state.offered,
         call_key=call_key,
+        metadata=state.metadata,
     )
     if emit is not None:
 

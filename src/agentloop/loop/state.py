@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
@@ -88,6 +89,7 @@ class RunState:
     mode: Mode = "agent"
     phase: Literal["idle", "model", "tools"] = "idle"
     error: str | None = None  # why the run failed, when it did
+    metadata: Mapping[str, Any] | None = None  # the caller's, for the run's tools (``ToolContext.metadata``)
 
     @property
     def new_messages(self) -> list[Message]:

@@ -23,6 +23,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -390,7 +391,7 @@ class EngineChat:
             req = parse_request(body)
             cid = req.metadata.correlation_id
             system_prefix, history = to_history(req)
-            run = self._start(system_prefix, history, cid)
+            run = self._start(system_prefix, history, cid, req.metadata.model_dump())
         except ApiError as exc:
             cid = cid or _correlation_hint(body)
             _log(logging.WARNING, "request rejected", cid, status=exc.status, code=exc.code, detail=exc.message)
@@ -437,7 +438,8 @@ class EngineChat:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _start(self, system_prefix: str, history: list[Message], cid: str) -> Run:
+    def _start(self, system_prefix: str, history: list[Message], cid: str, metadata: dict[str, Any]) -> Run:
+        """The request's run; its ``metadata`` (the correlation id among it) reaches its tools."""
         try:
             agent = self.agent_factory()
         except Exception:
@@ -447,7 +449,7 @@ class EngineChat:
         if system_prefix:
             # A copy: the factory may hand out one shared agent, and this prefix is per request.
             cfg = replace(cfg, system_prompt="\n\n".join(p for p in (system_prefix, cfg.system_prompt) if p))
-        return Run(cfg, history, [], stream=True)
+        return Run(cfg, history, [], stream=True, metadata=MappingProxyType(metadata))
 
     async def _stream(self, run: Run, cid: str, started: float) -> AsyncIterator[ServerSentEvent]:
         translator = EventTranslator()

@@ -139,6 +139,9 @@ class ToolContext:
     calls only those. ``call_key`` is unique to this call in a durable process's store and the
     same when the call runs again after a restart (None in memory): what a tool that starts
     something keyed to its call (a subagent) names it by, where a provider may reuse call ids.
+    ``metadata`` is what the caller attached to the run (``Agent.run(metadata=...)``; for
+    ``/engine/chat`` the request's ``metadata``, its ``correlation_id`` among it): for tools that
+    log or trace their work under the caller's ids. Read it; it is the caller's.
     """
 
     tool_call_id: str
@@ -152,6 +155,7 @@ class ToolContext:
     off_limits: tuple[Path, ...] = ()
     offered: frozenset[str] | None = None
     call_key: str | None = None
+    metadata: Mapping[str, Any] | None = None
 
 
 def not_offered(name: str) -> str:
