@@ -16,7 +16,6 @@ from agentloop.process.approval import (
     decide,
     default_policy,
     find_rule,
-    merge,
     parse_policy,
     remember_rule,
 )
@@ -297,32 +296,24 @@ def test_long_commands_are_shortened_in_the_reason() -> None:
     assert len(d.reason) < 200 and d.reason.endswith("…")
 
 
-# -- remember, merge, fingerprint ----------------------------------------------------------------
+# -- remember, fingerprint ----------------------------------------------------------------
 
 
-def test_remember_rule_is_bound_to_syscall_and_target_and_wins() -> None:
+def test_remember_rule_is_bound_to_syscall_and_target() -> None:
     assert remember_rule("shell.exec", "local") == Rule(match="shell.exec", target="local", action="auto")
     assert remember_rule("fs.delete", "laptop").to_json() == {
         "match": "fs.delete",
         "target": "laptop",
         "action": "auto",
     }
-    merged = merge(default_policy(), None, [remember_rule("fs.delete", "local")])
-    assert decide(merged, "fs.delete", {"path": "x"}, cwd=CWD, home=HOME).action == "auto"
-    on_device = decide(merged, "fs.delete", {"path": "x"}, target="laptop", cwd=CWD, home=HOME)
+    remembered = [remember_rule("fs.delete", "local")]
+    assert (
+        decide(default_policy(), "fs.delete", {"path": "x"}, cwd=CWD, home=HOME, remembered=remembered).action == "auto"
+    )
+    on_device = decide(
+        default_policy(), "fs.delete", {"path": "x"}, target="laptop", cwd=CWD, home=HOME, remembered=remembered
+    )
     assert on_device.action == "ask"
-
-
-def test_merge_puts_overrides_first_and_falls_back_to_server_then_default() -> None:
-    account = policy([{"match": "fs.read", "action": "deny"}], default="ask")
-    server = policy([{"match": "*", "action": "auto"}], default="deny")
-    override = Rule(match="fs.read", action="auto")
-    merged = merge(account, server, [override])
-    assert merged.default == "ask"
-    assert merged.rules == (override, *account.rules)
-    assert winner(merged, "fs.read", {"path": "a"}) == 0  # same specificity: the override comes first
-    assert merge(None, server, []) == server
-    assert merge(None, None, []) == default_policy()
 
 
 def test_args_fingerprint_is_canonical_and_binds_arguments() -> None:

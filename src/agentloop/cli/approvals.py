@@ -23,7 +23,7 @@ from agentloop.cli.config import expand_home
 from agentloop.cli.render import describe_call, one_line
 from agentloop.loop.hooks import Block, ToolCallInfo
 from agentloop.process.api import approve_everything
-from agentloop.process.approval import Policy, Rule, decide, default_policy, merge, parse_policy, remember_rule
+from agentloop.process.approval import Policy, Rule, decide, default_policy, parse_policy, remember_rule
 
 Mode = Literal["ask", "auto", "deny", "file"]
 Answer = Literal["approve", "deny", "always", "abort"]
@@ -262,8 +262,15 @@ class PolicyHook:
         name = info.call.name
         syscall = info.syscall or f"tool.{name}"  # the runner always names it; a bare hook call may not
         async with self._lock:
-            policy = merge(None, self.policy, self.remembered)
-            verdict = decide(policy, syscall, info.args, cwd=self.cwd, home=self.home, protected=self.protected)
+            verdict = decide(
+                self.policy,
+                syscall,
+                info.args,
+                cwd=self.cwd,
+                home=self.home,
+                protected=self.protected,
+                remembered=self.remembered,  # (they answer questions; they never lift a deny)
+            )
             if verdict.action == "auto":
                 return None
             if verdict.action == "deny":

@@ -19,7 +19,6 @@ from agentloop.process.approval.policy import (
     Rule,
     When,
     default_policy,
-    merge,
     parse_policy,
 )
 from agentloop.process.approval.shell import ShellAnalysis, classify_shell
@@ -44,7 +43,6 @@ __all__ = [
     "default_policy",
     "describe_rule",
     "find_rule",
-    "merge",
     "parse_policy",
     "path_tags",
     "remember_rule",

@@ -1,9 +1,10 @@
 """The approval policy as the durable runner asks it: one verdict per registered tool call.
 
-Policies come from three places, most specific first: rules a person remembered for this process
-(stored with the process), the owning account's policy (given in code, or its policy file, read
-again whenever it changes), and the server-wide default. A policy that cannot be read is replaced
-by the default policy, with a warning in the log.
+Policies come from two places: the owning account's policy (given in code, or its policy file,
+read again whenever it changes), else the server-wide default. A policy that cannot be read is
+replaced by the default policy, with a warning in the log. Rules a person remembered for this
+process (stored with the process) then answer the questions the policy would ask; they never
+lift what it denies.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from agentloop.process.api import Approval, ApprovalFn
 from agentloop.process.approval.engine import args_fingerprint, decide, rules_read_args
-from agentloop.process.approval.policy import Policy, Rule, default_policy, merge, parse_policy
+from agentloop.process.approval.policy import Policy, Rule, default_policy, parse_policy
 from agentloop.process.approval.tags import call_target, facts_read_args
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
 from agentloop.stamps import Stamp, file_stamp, read_regular
@@ -25,6 +26,8 @@ from agentloop.stamps import Stamp, file_stamp, read_regular
 log = logging.getLogger("agentloop.approval")
 
 OVERRIDES_KEY = "approval_overrides"
+#: A policy is a few rules; a file far larger is not one, and is not read into memory.
+MAX_POLICY_BYTES = 1 << 20
 
 
 def load_policy(data: str | bytes | dict[str, Any] | Policy | None, source: str) -> Policy | None:
@@ -55,8 +58,8 @@ def policy_approval(
 
     fallback = server_policy if server_policy is not None else default_policy()
     guarded = [os.path.realpath(p) for p in protected]
-    # (owner, remembered rules as JSON) -> (the policy they were merged onto, the result)
-    merged: dict[tuple[str, str], tuple[Policy, Policy]] = {}
+    # remembered rules as JSON -> (those rules, whether one reads a call's arguments)
+    parsed: dict[str, tuple[tuple[Rule, ...], bool]] = {}
     from_files: dict[str, tuple[Stamp, Policy | None]] = {}  # owner -> (file stamp, its policy)
 
     def from_file(owner: str, path: Path) -> Policy | None:
@@ -69,39 +72,42 @@ def policy_approval(
             return hit[1]
         source = f"of account {owner!r} ({path})"
         try:
-            policy = load_policy(read_regular(path).decode("utf-8"), source)
+            policy = load_policy(read_regular(path, MAX_POLICY_BYTES).decode("utf-8"), source)
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
             policy = default_policy()
         from_files[owner] = (stamp, policy)
         return policy
 
-    def policy_of(owner: str, remembered: list[dict[str, Any]] | None) -> Policy:
+    def policy_of(owner: str) -> Policy:
         base = account_policies.get(owner)
         if base is None and account_file is not None:
             base = from_file(owner, account_file(owner))
-        base = fallback if base is None else base
-        if not remembered:
-            return base
-        key = (owner, json.dumps(remembered, sort_keys=True))
-        hit = merged.get(key)
-        if hit is not None and hit[0] is base:  # (not if the account's policy changed or went away)
-            return hit[1]
-        if len(merged) > 4096:
-            merged.clear()
-        policy = merge(base, None, [Rule.model_validate(r) for r in remembered])
-        merged[key] = (base, policy)
-        return policy
+        return fallback if base is None else base
 
-    # policy -> automatic approvals by (syscall, target), for calls whose verdict cannot depend on
-    # their arguments: most calls of most runs, answered without working the policy out again
-    plain_autos: dict[int, tuple[Policy, dict[tuple[str, str], Approval]]] = {}
+    def remembered_rules(stored: list[dict[str, Any]] | None) -> tuple[str, tuple[Rule, ...], bool]:
+        """The process's remembered rules, parsed once per distinct list (a key for the caches)."""
+        if not stored:
+            return "", (), False
+        key = json.dumps(stored, sort_keys=True)
+        hit = parsed.get(key)
+        if hit is None:
+            if len(parsed) > 4096:
+                parsed.clear()
+            rules = tuple(Rule.model_validate(r) for r in stored)
+            hit = parsed[key] = (rules, rules_read_args(Policy(rules=rules)))
+        return key, *hit
 
-    def known_auto(policy: Policy, syscall: str, target: str) -> Approval | None:
+    # policy -> automatic approvals by (syscall, target, remembered rules), for calls whose verdict
+    # cannot depend on their arguments: most calls of most runs, answered without working the
+    # policy out again
+    plain_autos: dict[int, tuple[Policy, dict[tuple[str, str, str], Approval]]] = {}
+
+    def known_auto(policy: Policy, key: tuple[str, str, str]) -> Approval | None:
         entry = plain_autos.get(id(policy))
-        return entry[1].get((syscall, target)) if entry is not None and entry[0] is policy else None
+        return entry[1].get(key) if entry is not None and entry[0] is policy else None
 
-    def keep_auto(policy: Policy, syscall: str, target: str, approval: Approval) -> None:
+    def keep_auto(policy: Policy, key: tuple[str, str, str], approval: Approval) -> None:
         entry = plain_autos.get(id(policy))
         if entry is None or entry[0] is not policy:
             if rules_read_args(policy):
@@ -110,13 +116,15 @@ def policy_approval(
                 plain_autos.clear()
             entry = plain_autos[id(policy)] = (policy, {})
         if len(entry[1]) < 4096:
-            entry[1][(syscall, target)] = approval
+            entry[1][key] = approval
 
     async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
-        policy = policy_of(process.owner, await store.kv_get(process.pid, OVERRIDES_KEY))
+        policy = policy_of(process.owner)
+        rkey, remembered, remembered_read_args = remembered_rules(await store.kv_get(process.pid, OVERRIDES_KEY))
         target = call_target(row.syscall, row.tool_name, row.args)  # a device call is tagged ``remote``
-        plain = not facts_read_args(row.syscall, row.args)
-        if plain and (known := known_auto(policy, row.syscall, target)) is not None:
+        plain = not remembered_read_args and not facts_read_args(row.syscall, row.args)
+        key = (row.syscall, target, rkey)
+        if plain and (known := known_auto(policy, key)) is not None:
             return known
         verdict = decide(
             policy,
@@ -127,11 +135,12 @@ def policy_approval(
             home=home(process.run_as),
             interactive=True,
             protected=guarded,
+            remembered=remembered,
         )
         if verdict.action == "auto":  # nothing to bind a person's answer to, nor to explain
             approval = Approval("auto", tuple(verdict.tags))
             if plain:
-                keep_auto(policy, row.syscall, target, approval)
+                keep_auto(policy, key, approval)
             return approval
         return Approval(verdict.action, tuple(verdict.tags), verdict.reason, args_fingerprint(row.syscall, row.args))
 

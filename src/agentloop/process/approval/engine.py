@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from agentloop.process.approval.policy import Action, Policy, Rule, When
-from agentloop.process.approval.tags import CallFacts, call_facts, is_local
+from agentloop.process.approval.tags import PATH_ARGS, CallFacts, call_facts, is_local, path_inside, workspace_path
 
 __all__ = [
     "NON_INTERACTIVE",
@@ -69,7 +69,26 @@ def _same_value(actual: Any, wanted: Any) -> bool:
     return bool(actual == wanted)
 
 
-def _holds(when: When | None, tags: frozenset[str], args: Mapping[str, Any]) -> bool:
+def _has_prefix(value: Any, prefix: str, where: tuple[str, str] | None) -> bool:
+    """Whether ``value`` starts with ``prefix``; for a path argument (``where`` = its base and the
+    home), whether the path the tool reaches is the one ``prefix`` names or lies below it. A
+    string prefix there would let ``./.github/x`` past a rule on ``.github/`` and let a rule on
+    ``build`` allow ``build/../src`` or ``build-keep``."""
+    if not isinstance(value, str):
+        return False
+    if where is None:
+        return value.startswith(prefix)
+    base, home = where
+    return path_inside(workspace_path(value, base), workspace_path(prefix, base, home))
+
+
+def _holds(
+    when: When | None,
+    tags: frozenset[str],
+    args: Mapping[str, Any],
+    path_key: str | None = None,
+    where: tuple[str, str] | None = None,
+) -> bool:
     if when is None:
         return True
     if when.any_tags is not None and not tags.intersection(when.any_tags):
@@ -77,8 +96,7 @@ def _holds(when: When | None, tags: frozenset[str], args: Mapping[str, Any]) -> 
     if when.all_tags is not None and not tags.issuperset(when.all_tags):
         return False
     for key, prefix in (when.arg_prefix or {}).items():
-        value = args.get(key)
-        if not isinstance(value, str) or not value.startswith(prefix):
+        if not _has_prefix(args.get(key), prefix, where if key == path_key else None):
             return False
     return all(key in args and _same_value(args[key], v) for key, v in (when.arg_equals or {}).items())
 
@@ -89,14 +107,40 @@ def rules_read_args(policy: Policy) -> bool:
 
 
 def find_rule(
-    policy: Policy, syscall: str, args: Mapping[str, Any], tags: frozenset[str], target: str = "local"
+    policy: Policy,
+    syscall: str,
+    args: Mapping[str, Any],
+    tags: frozenset[str],
+    target: str = "local",
+    *,
+    base: str | os.PathLike[str] | None = None,
+    home: str | os.PathLike[str] | None = None,
 ) -> tuple[int, Rule] | None:
-    """The winning rule and its index: most specific target, then match, then first written."""
+    """The winning rule and its index: most specific target, then match, then first written.
+
+    Given the ``base`` the tools resolve relative paths against (and the ``home`` a policy's
+    ``~`` means), an ``argPrefix`` on the path argument of a file or shell call compares paths.
+    """
+    return _winner(policy.rules, syscall, args, tags, target, base=base, home=home)
+
+
+def _winner(
+    rules: Sequence[Rule],
+    syscall: str,
+    args: Mapping[str, Any],
+    tags: frozenset[str],
+    target: str,
+    *,
+    base: str | os.PathLike[str] | None,
+    home: str | os.PathLike[str] | None,
+) -> tuple[int, Rule] | None:
     target = "local" if is_local(target) else target
+    where = (os.fspath(base), os.fspath(home)) if base is not None and home is not None else None
+    path_key = PATH_ARGS.get(syscall) if where is not None else None
     candidates: list[tuple[int, int, int, Rule]] = []
-    for index, rule in enumerate(policy.rules):
+    for index, rule in enumerate(rules):
         t_rank, m_rank = _target_rank(rule, target), _match_rank(rule, syscall)
-        if t_rank is None or m_rank is None or not _holds(rule.when, tags, args):
+        if t_rank is None or m_rank is None or not _holds(rule.when, tags, args, path_key, where):
             continue
         candidates.append((-t_rank, -m_rank, index, rule))
     if not candidates:
@@ -146,23 +190,33 @@ def decide(
     root: str | os.PathLike[str] | None = None,
     interactive: bool = True,
     protected: Sequence[str] = (),
+    remembered: Sequence[Rule] = (),
 ) -> ApprovalDecision:
     """What to do with one call under ``policy``, and why, in words fit for the user.
 
     A call that touches a ``protected`` directory (the kernel's data: its database with every
     conversation and token hash, the archives, the policies themselves) is denied whatever the
     policy says: an agent that could rewrite its own approval policy or read other accounts'
-    archives would make every other rule moot."""
+    archives would make every other rule moot.
+
+    ``remembered`` rules (a person's "yes, and remember", :func:`remember_rule`) answer the
+    questions ``policy`` would ask: an ``auto`` one that applies turns ``ask`` into ``auto``. They
+    never lift a ``deny``: a call the policy refuses was never put to that person."""
     facts = call_facts(syscall, args, target=target, cwd=cwd, home=home, root=root, protected=protected)
     if "protected" in facts.tags:
         described = _describe_call(syscall, args, facts, target)
         reason = f"agentloop's own data is off limits to tools: {described}"
         return ApprovalDecision(action="deny", tags=sorted(facts.tags), rule="protected", reason=reason)
-    found = find_rule(policy, syscall, args, facts.tags, target)
+    base = root if root is not None else cwd
+    found = find_rule(policy, syscall, args, facts.tags, target, base=base, home=home)
     if found is None:
         action, rule_text = policy.default, "default"
     else:
         action, rule_text = found[1].action, describe_rule(found[1], found[0])
+    if action == "ask" and remembered:
+        kept = _winner(remembered, syscall, args, facts.tags, target, base=base, home=home)
+        if kept is not None and kept[1].action == "auto":
+            action, rule_text = "auto", "remembered " + describe_rule(kept[1])
     described = _describe_call(syscall, args, facts, target)
     if action == "ask" and not interactive:
         action, reason = "deny", f"{NON_INTERACTIVE} ({described})"
@@ -174,11 +228,12 @@ def decide(
 
 
 def remember_rule(syscall: str, target: str = "local") -> Rule:
-    """The process-local allow rule a "yes, and remember" answer adds.
+    """The process-local allow rule a "yes, and remember" answer adds (``remembered`` in
+    :func:`decide`).
 
     It is bound to the syscall and target only, not to the arguments: remembering one shell
-    command auto-approves later shell commands on that target unless a more specific rule
-    (another target-specific exact rule written earlier) says otherwise.
+    command auto-approves the later shell commands on that target the policy would ask about.
+    It answers questions only: what the policy denies stays denied.
     """
     return Rule(match=syscall, target="local" if is_local(target) else target, action="auto")
 

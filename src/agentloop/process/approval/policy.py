@@ -21,7 +21,6 @@ __all__ = [
     "Rule",
     "When",
     "default_policy",
-    "merge",
     "parse_policy",
 ]
 
@@ -161,13 +160,3 @@ def parse_policy(data: str | bytes | dict[str, Any] | None) -> tuple[Policy, lis
     except ValidationError as exc:
         problems = _describe_errors(exc)
         return default_policy(), [f"approval policy rejected, using the default policy: {p}" for p in problems]
-
-
-def merge(account: Policy | None, server: Policy | None, process_overrides: list[Rule]) -> Policy:
-    """The policy a run uses: the process's own rules, then its account's (or the server's).
-
-    The server policy is the fallback for accounts without one, not a further layer: mixing its
-    rules into an account's would let a more specific server rule beat the account's wishes.
-    """
-    base = account if account is not None else server if server is not None else default_policy()
-    return Policy(default=base.default, rules=(*process_overrides, *base.rules))

@@ -2,9 +2,11 @@
 
 Paths are judged lexically (``..`` folded, ``~`` expanded): the call may be bound for another
 device, and a decision should not depend on the moment it is taken; the tools themselves confine
-what they reach. One exception looks at this machine: whether a path leads into the kernel's own
-data (``protected``), through a link or as a shell glob would match it, is also checked on disk,
-since that data is refused whatever the policy says.
+what they reach. A shell operand is read as the shell expands it; the path of any other call also
+as the file tools read it (``resolve_path``), which expands nothing: ``$x/../.env`` is
+``<root>/.env``, and ``~/..`` is the workspace. One exception looks at this machine: whether a
+path leads into the kernel's own data (``protected``), through a link or as a shell glob would
+match it, is also checked on disk, since that data is refused whatever the policy says.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from typing import Any
 
 from agentloop.process.approval.shell import ShellAnalysis, classify_shell
 
-__all__ = ["CallFacts", "call_facts", "call_tags", "call_target", "is_local", "path_tags"]
+__all__ = [
+    "PATH_ARGS",
+    "CallFacts",
+    "call_facts",
+    "call_tags",
+    "call_target",
+    "is_local",
+    "path_inside",
+    "path_tags",
+    "workspace_path",
+]
 
 StrPath = str | os.PathLike[str]
 
@@ -77,6 +89,27 @@ def _real(path: str) -> str:
 
 def _inside(path: str, base: str) -> bool:
     return path == base or path.startswith(base.rstrip("/") + "/")
+
+
+path_inside = _inside
+
+#: The argument naming the path each routable syscall's tool resolves in the workspace.
+PATH_ARGS: dict[str, str] = {
+    "fs.read": "path",
+    "fs.write": "path",
+    "fs.edit": "path",
+    "fs.delete": "path",
+    "fs.search": "path",
+    "shell.exec": "cwd",
+}
+
+
+def workspace_path(path: str, base: str, home: str | None = None) -> str:
+    """``path`` as the tools resolve it, lexically: relative to ``base``, ``..`` folded, nothing
+    expanded. With ``home``, a leading ``~`` is that home, as a person writing a policy means it."""
+    if home is not None and (path == "~" or path.startswith("~/")):
+        path = home + path[1:]
+    return posixpath.normpath(posixpath.join(base, path))
 
 
 _MAX_ALTERNATIVES = 64  # more, and a command line of a hundred characters could stall the server
@@ -188,9 +221,35 @@ def path_tags(
                 )
             return found
     cwd_s, home_s = posixpath.normpath(os.fspath(cwd)), posixpath.normpath(os.fspath(home))
-    resolved = _resolve(path, posixpath.normpath(os.fspath(base)), home_s)
-    if resolved is None:
-        return {"unclassified"} if shell else set()  # ``$VAR/x``, ``~other/x``: not known here
+    base_s = posixpath.normpath(os.fspath(base))
+    resolved = _resolve(path, base_s, home_s)
+    if shell:
+        if resolved is None:
+            return {"unclassified"}  # ``$VAR/x``, ``~other/x``: not known here
+        readings = {resolved}
+    elif not path or "\x00" in path:
+        return set()  # (the tools refuse it)
+    else:
+        # the tools expand nothing (``$x/../data`` is ``<root>/data``); another reader of a path
+        # argument may expand ``~``: judged both ways
+        readings = {workspace_path(path, base_s)} | ({resolved} if resolved is not None else set())
+    found = set()
+    for reading in readings:
+        found |= _resolved_tags(reading, cwd_s, home_s, writing=writing, protected=protected, shell=shell, walks=walks)
+    return found
+
+
+def _resolved_tags(
+    resolved: str,
+    cwd_s: str,
+    home_s: str,
+    *,
+    writing: bool,
+    protected: Sequence[str],
+    shell: bool,
+    walks: bool,
+) -> set[str]:
+    """The tags of one absolute, normalised path (see :func:`path_tags`)."""
     tags: set[str] = set()
     if _PROCESS_SECRETS.fullmatch(resolved):
         tags.add("protected")
@@ -280,13 +339,20 @@ def call_facts(
         analysis = classify_shell(command) if command is not None else None
         workdir = args.get("cwd", ".")
         workdir = workdir if isinstance(workdir, str) and workdir else "."
-        resolved_workdir = _resolve(workdir, posixpath.normpath(os.fspath(base)), os.fspath(home))
         if analysis is None or command is None:
             tags.add("unclassified")
             return CallFacts(frozenset(tags), (), None, ("no command given",))
         tags |= analysis.tags
         tags |= path_tags(workdir, base=base, cwd=cwd, home=home, protected=protected)
-        if resolved_workdir is not None:
+        # the shell tool resolves its ``cwd`` as the file tools do, expanding nothing (``$x/..`` is
+        # the workspace): operands are judged from there, and from the ``~`` reading too
+        base_s = posixpath.normpath(os.fspath(base))
+        workdirs = {workspace_path(workdir, base_s)}
+        expanded = _resolve(workdir, base_s, posixpath.normpath(os.fspath(home)))
+        if expanded is not None:
+            workdirs.add(expanded)
+        walks = walks_tree(command, analysis)
+        for resolved_workdir in workdirs:
             tags |= _paths_tags(
                 analysis.paths,
                 analysis.writes,
@@ -295,7 +361,7 @@ def call_facts(
                 home=home,
                 protected=protected,
                 shell=True,
-                walks=walks_tree(command, analysis),
+                walks=walks,
             )
         return CallFacts(frozenset(tags), analysis.paths, analysis, analysis.reasons)
     path = args.get("path")
