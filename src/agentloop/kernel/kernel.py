@@ -165,9 +165,8 @@ class Process:
         _check_input(text, media, run_id)
         engine = self.kernel.engine
         record = (await engine.live(self.pid)).record
-        # a reset under way deletes the process's media: what this input brings is stored after it
-        # (the input waits for it anyway, and goes to the fresh conversation)
-        await admission.after_clearing(engine, self.pid)
+        if media:  # a reset under way deletes the process's media: what this input brings is stored
+            await admission.after_clearing(engine, self.pid)  # after it (the input waits for it anyway)
         message = _user_input(self.kernel.media, record.owner, self.pid, text, media)
         return await engine.send(self.pid, message, mode=mode, run_id=run_id)
 
