@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentloop import tool
-from agentloop.kernel import Kernel
-from agentloop.messages import AssistantMessage, Message, ToolResultMessage
+from agentloop import Reply, call, tool
+from agentloop.kernel import Approval, Kernel
+from agentloop.messages import AssistantMessage, Message, ToolResultMessage, UserMessage
+from agentloop.models.base import ModelRequest
 
 ran: list[str] = []  # what ``echo`` ran, in order (clear it at the start of a test that checks it)
 
@@ -45,3 +47,33 @@ def assert_valid(msgs: list[Message]) -> None:
             i += 1 + len(ids)
             continue
         i += 1
+
+
+def gated(gate: asyncio.Event) -> tuple[Any, Any, Callable[[ModelRequest], Reply | str], Any]:
+    """A model and tools for input forwarded between workers: "gate" calls a tool that waits for
+    ``gate`` (a run to steer or abort), "delete" calls ``rm``, which the policy asks about;
+    otherwise the model answers with every user message it has seen."""
+
+    @tool
+    async def wait_gate() -> str:
+        """Wait until the test opens the gate."""
+        await gate.wait()
+        return "opened"
+
+    @tool
+    def rm(path: str) -> str:
+        """Pretend to delete."""
+        return f"removed {path}"
+
+    def brain(req: ModelRequest) -> Reply | str:
+        last = req.messages[-1]
+        if isinstance(last, UserMessage) and last.text == "gate":
+            return Reply(tool_calls=[call("wait_gate")])
+        if isinstance(last, UserMessage) and last.text == "delete":
+            return Reply(tool_calls=[call("rm", path="x")])
+        return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
+
+    async def policy(process: Any, row: Any) -> Approval:
+        return Approval("ask", ("destructive",), "rm", fingerprint="rm") if row.tool_name == "rm" else Approval("auto")
+
+    return wait_gate, rm, brain, policy

@@ -18,7 +18,7 @@ from agentloop.process import engine as engine_module
 from agentloop.process import signals as sig
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.store import SQLiteStore, StoreError, ToolCallRow
-from tests.process_support import assert_valid, echo, kernel, ran
+from tests.process_support import assert_valid, echo, gated, kernel, ran
 
 
 async def _until(check: Any, seconds: float = 10.0) -> None:
@@ -295,28 +295,7 @@ async def test_lost_notifications_only_delay_steer_approval_and_abort_until_the_
     it forwards still reach the holder, at its next poll, instead of being stranded."""
     pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
     gate = asyncio.Event()
-
-    @tool
-    async def wait_gate() -> str:
-        """Wait until the test opens the gate."""
-        await gate.wait()
-        return "opened"
-
-    @tool
-    def rm(path: str) -> str:
-        """Pretend to delete."""
-        return f"removed {path}"
-
-    def brain(req: ModelRequest) -> Reply | str:
-        last = req.messages[-1]
-        if isinstance(last, UserMessage) and last.text == "gate":
-            return Reply(tool_calls=[call("wait_gate")])
-        if isinstance(last, UserMessage) and last.text == "delete":
-            return Reply(tool_calls=[call("rm", path="x")])
-        return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
-
-    async def policy(process: Any, row: Any) -> Approval:
-        return Approval("ask", ("destructive",), "rm", fingerprint="rm") if row.tool_name == "rm" else Approval("auto")
+    wait_gate, rm, brain, policy = gated(gate)
 
     def worker(name: str) -> Kernel:
         return Kernel.open(

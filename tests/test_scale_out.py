@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
-from agentloop.kernel import Approval, Kernel, NoSuchProcess, ProcessBusy
+from agentloop.kernel import Kernel, NoSuchProcess, ProcessBusy
 from agentloop.messages import ImageContent, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
@@ -27,6 +27,7 @@ from agentloop.process.store import HilRow, open_store
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
 from agentloop.server.service import ProcessService
+from tests.process_support import gated
 
 FAST = {"lease_ttl": 2.0, "poll_interval": 0.2}  # short, so a test sees expiry and polling quickly
 
@@ -147,28 +148,7 @@ async def test_input_sent_through_the_other_worker_starts_its_run_with_its_own_r
 
 async def test_steer_abort_and_approval_from_the_worker_without_the_lease(pg_url: str, tmp_path: Path) -> None:
     gate = asyncio.Event()
-
-    @tool
-    async def wait_gate() -> str:
-        """Wait until the test opens the gate."""
-        await gate.wait()
-        return "opened"
-
-    @tool
-    def rm(path: str) -> str:
-        """Pretend to delete."""
-        return f"removed {path}"
-
-    def brain(req: ModelRequest) -> Reply | str:
-        last = req.messages[-1]
-        if isinstance(last, UserMessage) and last.text == "gate":
-            return Reply(tool_calls=[call("wait_gate")])
-        if isinstance(last, UserMessage) and last.text == "delete":
-            return Reply(tool_calls=[call("rm", path="x")])
-        return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
-
-    async def policy(process: Any, row: Any) -> Approval:
-        return Approval("ask", ("destructive",), "rm", fingerprint="rm") if row.tool_name == "rm" else Approval("auto")
+    wait_gate, rm, brain, policy = gated(gate)
 
     async with two(pg_url, tmp_path, ScriptedModel(brain), [wait_gate, rm], approval=policy) as (a, b):
         pa = await a.spawn(owner="alice")
