@@ -48,6 +48,9 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 64
 MAX_DESCRIPTION = 4096
 MAX_DEVICE_DESCRIPTION = 200  # a device's own description: one line of the system prompt
+#: how deeply a tool's schema may nest objects and arrays: real ones stay far below it, and the
+#: checks that walk a schema (here, at every call, in the providers' encoders) recurse
+MAX_SCHEMA_DEPTH = 64
 SEND_TIMEOUT = 10.0  # seconds one frame may take to leave; a device that does not read is dropped
 
 
@@ -152,6 +155,8 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
             raise HubError("invalid_request", f"{where}.description: a string of at most {MAX_DESCRIPTION} chars")
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise HubError("invalid_request", f"{where}.parameters: must be a JSON schema of type object")
+        if _too_deep(params, MAX_SCHEMA_DEPTH):
+            raise HubError("invalid_request", f"{where}.parameters: nested deeper than {MAX_SCHEMA_DEPTH} levels")
         try:
             Draft202012Validator.check_schema(params)
         except SchemaError as exc:
@@ -165,6 +170,23 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
         raise HubError("invalid_request", f"description: a string of at most {MAX_DEVICE_DESCRIPTION} chars")
     description = " ".join(description.split())  # one line: it is listed in the system prompt
     return name, tuple(dict.fromkeys(implements)), tuple(tools), description
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests dicts and lists more than ``limit`` deep. Walked without recursion:
+    a frame may hold JSON nested almost to Python's recursion limit, and the checks that follow
+    (``check_schema``, ``unsafe_schema``, a validator at every call) recurse several frames per
+    level, so such a schema made ``RecursionError`` escape ``serve_driver`` instead of a refusal."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _result_of(device: str, res: dict[str, Any]) -> ToolResult:
@@ -394,6 +416,11 @@ class DeviceHub:
             why = "does not read what it is sent" if isinstance(exc, TimeoutError) else "disconnected"
             self._drop(conn, f"Device {device_id} {why}")
             return ToolResult.error(f"Device {device_id} {why}; the call was not sent")
+        except asyncio.CancelledError:
+            # The frame may have left already (a cancel while the socket drains it): the device
+            # would run it with nobody waiting. A cancel for an id it never got is harmless.
+            self._cancel_on_device(conn, req_id)
+            raise
         try:
             res = await asyncio.wait_for(asyncio.shield(fut), None if deadline is None else deadline - loop.time())
         except TimeoutError:
