@@ -68,6 +68,33 @@ def _is_dir_error(path: str) -> ToolError:
     return ToolError(f"{path} is a directory; use Search to find files in it or Shell (ls) to list it")
 
 
+def _open_regular(base: Path, real: Path, path: str) -> BinaryIO:
+    """``real`` open for reading, if what was opened is a regular file inside the workspace.
+
+    Callers checked it was one, but another process may have put a FIFO in its place since, and
+    opening a FIFO blocks until a writer comes: for ever, in a worker thread no cancellation can
+    free (a few such calls use up the pool every tool runs in). So it is opened without blocking
+    and judged by what was opened, not by its name."""
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise _not_found(path) from None
+    except OSError as exc:
+        raise ToolError(f"Cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        check_opened(base, fd, path)
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise _is_dir_error(path)
+        if not stat.S_ISREG(mode):
+            raise ToolError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 # ------------------------------------------------------------------ Read
 
 
@@ -81,8 +108,7 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
     if not real.is_file():  # a FIFO or device would block the reader forever
         raise ToolError(f"{path} is not a regular file")
     rel = display(base, real)
-    with open(real, "rb") as f:
-        check_opened(base, f.fileno(), path)
+    with _open_regular(base, real, path) as f:
         head = f.read(_BINARY_PROBE)
         # an image or a PDF goes to the model whole, as a block of its own
         mime = sniff_image(head) or ("application/pdf" if head.startswith(PDF_MAGIC) else None)
@@ -217,19 +243,53 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def _directory_of(base: Path, real: Path, path: str, *, make: bool = False) -> Iterator[int]:
-    """The directory ``real`` is in, open (made first with ``make``), checked to be inside the
-    workspace as opened."""
+    """The directory ``real`` is in, open and checked to be inside the workspace as opened; with
+    ``make``, the directories missing on the way are made first.
+
+    ``real`` has no symlink on the way (``resolve_path`` resolved them all), so each directory is
+    made and entered relative to the one before it, never following a symlink: one put on the way
+    by another process since the check would otherwise have the directories made (``mkdir -p``)
+    outside the workspace before the open could be checked."""
     try:
-        if make:
-            real.parent.mkdir(parents=True, exist_ok=True)
-        directory = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY)
+        parts = real.parent.relative_to(base).parts
+    except ValueError:  # (the root itself: callers refuse it first)
+        raise ToolError(f"Path {path!r} is outside the workspace") from None
+    try:
+        directory = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
         raise ToolError(f"Cannot reach {path}: {exc.strerror or exc}") from None
     try:
+        for part in parts:
+            if make:
+                try:
+                    os.mkdir(part, dir_fd=directory)
+                except FileExistsError:
+                    pass
+                except OSError as exc:
+                    raise ToolError(f"Cannot reach {path}: {exc.strerror or exc}") from None
+            inner = _enter(directory, part, path)
+            os.close(directory)
+            directory = inner
         check_opened(base, directory, path)
         yield directory
     finally:
         os.close(directory)
+
+
+def _enter(directory: int, name: str, path: str) -> int:
+    """The directory ``name`` in ``directory``, open; a symlink there is refused, not followed."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+    except OSError as exc:
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            raise ToolError(
+                f"Path {path!r} could lead outside the workspace: {name!r} on it became a symlink after it was checked"
+            ) from None
+        raise ToolError(f"Cannot reach {path}: {exc.strerror or exc}") from None
 
 
 def _lstat(name: str, directory: int) -> os.stat_result | None:
@@ -242,6 +302,8 @@ def _lstat(name: str, directory: int) -> os.stat_result | None:
 def _write_sync(root: str | Path, path: str, content: str) -> ToolResult:
     base = real_root(root)
     real = resolve_path(root, path)
+    if real.is_dir():  # (the root itself would otherwise be blamed on a directory that changed)
+        raise _is_dir_error(path)
     existed = real.exists()
     data = content.encode("utf-8")
     _write_bytes(base, real, path, data)
@@ -271,8 +333,7 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
         raise _is_dir_error(path)
     if not real.is_file():
         raise ToolError(f"{path} is not a regular file")
-    with open(real, "rb") as f:
-        check_opened(base, f.fileno(), path)
+    with _open_regular(base, real, path) as f:
         raw = f.read()
     if b"\x00" in raw[:_BINARY_PROBE]:
         raise ToolError(f"{path} is a binary file; Edit works on text")

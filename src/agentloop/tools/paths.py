@@ -50,6 +50,7 @@ def _relative_parts(root: Path, given: Path, path: str) -> list[str]:
 
 
 NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+PATH_MAX = 4096  # bytes in a whole path, its NUL included (Linux; macOS allows 1024)
 
 
 def resolve_path(root: str | Path, path: str, *, follow_final: bool = True) -> Path:
@@ -77,7 +78,13 @@ def resolve_path(root: str | Path, path: str, *, follow_final: bool = True) -> P
                 raise ToolError(f"Path {path!r} escapes the workspace with '..'")
             continue
         candidate = current / part
-        if candidate.is_symlink():
+        if len(os.fsencode(candidate)) >= PATH_MAX:  # (lstat would raise ENAMETOOLONG, naming the root)
+            raise ToolError(f"Path {_shorten(path)!r} is longer than a path can be ({PATH_MAX} bytes with the root)")
+        try:
+            is_link = candidate.is_symlink()
+        except OSError as exc:  # (a directory on the way the runtime may not search: EACCES)
+            raise ToolError(f"Path {_shorten(path)!r} cannot be reached: {exc.strerror}") from None
+        if is_link:
             target = Path(os.path.realpath(candidate))
             if not _inside(target, base):
                 shown = "/".join(parts[: i + 1])
@@ -86,7 +93,14 @@ def resolve_path(root: str | Path, path: str, *, follow_final: bool = True) -> P
             current = candidate if last and not follow_final else target
         else:
             current = candidate
+    if len(os.fsencode(current)) >= PATH_MAX:  # (a symlink's target made it so)
+        raise ToolError(f"Path {_shorten(path)!r} is longer than a path can be ({PATH_MAX} bytes with the root)")
     return current
+
+
+def _shorten(path: str) -> str:
+    """``path`` as an error message repeats it: a path of thousands of characters, cut."""
+    return path if len(path) <= 200 else f"{path[:100]}…{path[-100:]}"
 
 
 def check_opened(base: Path, fd: int, path: str) -> None:

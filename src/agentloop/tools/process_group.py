@@ -9,6 +9,9 @@ still holding the output a moment after the main process exited count as "held".
 A child can leave the group (``setsid``, a shell's job control): so each run's environment
 carries a mark of its own (``marked``), which descendants inherit wherever they go, and stopping
 the run stops every process that bears it too (on Linux, where ``/proc`` shows environments).
+One that also drops its environment (``setsid env -i …``) bears no mark, but if it still holds
+the run's output pipe it is found by that (``/proc/<pid>/fd``) and stopped as well. (One that did
+all three, detaching its output too, cannot be told from any other process of this user.)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "close_transport",
     "kill_group",
     "marked",
+    "output_pipes",
     "pump",
     "supervise",
 ]
@@ -84,16 +88,49 @@ def marked(env: dict[str, str]) -> tuple[dict[str, str], str]:
     return {**env, MARK: mark}, mark
 
 
-def _members(pgid: int, mark: str | None) -> list[int] | None:
-    """The live processes of group ``pgid`` and those (anywhere) bearing ``mark``, by one look
-    through /proc (a zombie is not live: an init that does not reap leaves them behind); None
-    where there is no /proc to look through."""
+def output_pipes(proc: asyncio.subprocess.Process) -> frozenset[str]:
+    """The pipes ``proc``'s output is read from, as a holder's ``/proc/<pid>/fd`` links name
+    them (``pipe:[inode]``: both ends of a pipe share its inode)."""
+    transport = getattr(proc, "_transport", None)
+    found = set()
+    for fd in (1, 2):
+        try:
+            pipe = transport.get_pipe_transport(fd).get_extra_info("pipe")  # type: ignore[union-attr]
+            found.add(f"pipe:[{os.fstat(pipe.fileno()).st_ino}]")
+        except (AttributeError, OSError, ValueError):  # not a pipe, or closed already
+            continue
+    return frozenset(found)
+
+
+def _holds(pid: str, pipes: frozenset[str]) -> bool:
+    """Whether process ``pid`` has one of ``pipes`` open for writing: a writer is the run's (a
+    process forked from the runtime may have inherited the reading end, and is not)."""
+    with os.scandir(f"/proc/{pid}/fd") as fds:
+        for fd in fds:
+            try:
+                if os.readlink(fd.path) not in pipes:
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd.name}", "rb") as f:
+                    flags = next(line for line in f if line.startswith(b"flags:")).split()[1]
+            except (OSError, StopIteration, IndexError):  # closed meanwhile
+                continue
+            if int(flags, 8) & os.O_ACCMODE != os.O_RDONLY:
+                return True
+    return False
+
+
+def _members(pgid: int, mark: str | None, pipes: frozenset[str] = frozenset()) -> list[int] | None:
+    """The live processes of group ``pgid``, those (anywhere) bearing ``mark`` and those holding
+    one of ``pipes`` (the run's output), by one look through /proc (a zombie is not live: an init
+    that does not reap leaves them behind); None where there is no /proc to look through. This
+    process, which reads the pipes, is none of them."""
     if not os.path.isdir("/proc/self"):
         return None
     wanted = f"{MARK}={mark}".encode() if mark else None
     found = []
+    own = str(os.getpid())
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or entry.name == own:
             continue
         try:
             with open(f"/proc/{entry.name}/stat", "rb") as f:
@@ -104,10 +141,14 @@ def _members(pgid: int, mark: str | None) -> list[int] | None:
                 continue
             if int(fields[2]) == pgid:
                 found.append(int(entry.name))
-            elif wanted is not None:
+                continue
+            if wanted is not None:
                 with open(f"/proc/{entry.name}/environ", "rb") as f:
                     if wanted in f.read().split(b"\0"):
                         found.append(int(entry.name))
+                        continue
+            if pipes and _holds(entry.name, pipes):
+                found.append(int(entry.name))
         except OSError:  # gone, or not ours to read
             continue
     return found
@@ -150,7 +191,8 @@ async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str |
     only looks at them."""
     pgid = proc.pid
     loop = asyncio.get_running_loop()
-    members = await asyncio.to_thread(_members, pgid, mark)
+    pipes = output_pipes(proc)
+    members = await asyncio.to_thread(_members, pgid, mark, pipes)
     _signal_group(pgid, signal.SIGTERM, members or ())
     try:
         deadline = loop.time() + grace
@@ -161,8 +203,8 @@ async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str |
             await asyncio.sleep(_POLL)
     finally:
         _signal_group(pgid, signal.SIGKILL, members or ())
-        if mark is not None:
-            _signal_group(pgid, signal.SIGKILL, _members(pgid, mark) or ())
+        if mark is not None or pipes:
+            _signal_group(pgid, signal.SIGKILL, _members(pgid, mark, pipes) or ())
     deadline = loop.time() + 2.0
     while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - the child watcher reaps it
         await asyncio.sleep(_POLL)

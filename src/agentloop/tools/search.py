@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -223,7 +224,7 @@ async def search_files(
     cap = min(max_results, MAX_RESULTS_LIMIT) + 1  # one more than shown tells us results were cut
     # rg for a single file too: its engine cannot backtrack, so no pattern makes it run for ever
     rg = _ripgrep(use_rg)
-    if not start.is_dir() and _binary(start):  # skipped, as in a tree (rg would search a named file)
+    if not start.is_dir() and _binary(start, path):  # skipped, as in a tree (rg would search a named file)
         hits, engine = [], "python" if rg is None else "rg"
     elif rg is not None:
         scope = glob if start.is_dir() else None  # (a file named by path is searched, as in Python)
@@ -249,13 +250,19 @@ async def search_files(
     return ToolResult.text(text, details=details)
 
 
-def _binary(path: Path) -> bool:
-    """Whether a file is binary as both engines judge it: a NUL byte near its start."""
+def _binary(path: Path, shown: str) -> bool:
+    """Whether a file is binary as both engines judge it: a NUL byte near its start.
+
+    It is opened without blocking and judged by what was opened: it was checked to be a regular
+    file, but a FIFO put in its place since would block this open, on the event loop, for ever."""
     try:
-        with open(path, "rb") as f:
-            return b"\x00" in f.read(8192)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except OSError:
         return False
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ToolError(f"{shown} is not a regular file or a directory")
+        return b"\x00" in f.read(8192)
 
 
 def _inside_root(base: Path, paths: Sequence[Path]) -> frozenset[str]:
