@@ -14,13 +14,14 @@ re-hash unless the file was touched.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,33 @@ _locks_guard = threading.Lock()
 def _lock_for(key: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(key, threading.Lock())
+
+
+@contextlib.contextmanager
+def _file_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<target>.lock`` across processes.
+
+    The thread lock only serialises one process; two agentloop processes started together (a
+    server and a CLI) would otherwise both copy and hash the gigabyte, or one would delete as
+    "damaged" the file the other is still writing its marker for. Where no lock can be taken
+    (no ``fcntl``, a read-only cache) we go on unlocked: every write is still atomic.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here; the atomic renames still hold
+        yield
+        return
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target.with_name(target.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor is closed, also by a crash
+        yield
+    finally:
+        os.close(fd)
 
 
 def bare_id(model_id: str) -> str:
@@ -207,9 +235,15 @@ def _marker_matches(path: Path, sha256: str) -> bool:
 def _write_marker(path: Path, sha256: str) -> None:
     st = path.stat()
     data = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    tmp = _marker_path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, _marker_path(path))
+    # A temporary name of its own: with a shared one, a concurrent writer's rename would take it away.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".sha256.tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data))
+        os.replace(tmp_name, _marker_path(path))
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
 
 
 def _remove(path: Path) -> None:
@@ -306,7 +340,7 @@ def ensure_model_file(model_id: str, progress: Progress | None = None) -> Path:
             kind="bad_request",
         )
     target = cache_path(mid)
-    with _lock_for(mid):
+    with _lock_for(mid), _file_lock(target):
         if target.is_file():
             if _marker_matches(target, known.sha256):
                 return target

@@ -674,7 +674,9 @@ class LocalModel(Model):
             before = len(out.message.text)
             async for event in self._generate(engine, chat, request, schema, out, gen):
                 yield event
-            prompt_tokens += gen.prompt_tokens
+            # Input is the largest prompt of one call, not the sum over retries: a sum above the
+            # window reads as a silent overflow, and the driver would compact and ask again.
+            prompt_tokens = max(prompt_tokens, gen.prompt_tokens)
             completion_tokens += gen.completion_tokens
             streamed = out.message.text[before:]
             reply = interpret(parse_json_reply(gen.text))
