@@ -59,7 +59,8 @@ def make_app(script: list[Any] | Callable[[Any], Any], *, tools: list[Any] | Non
     return create_app(factory, tokens={TOKEN, "other-token"}, **kw)
 
 
-def parse_sse(text: str) -> list[tuple[str, dict[str, Any]]]:
+def parse_sse(text: str, loads: Callable[[str], Any] = json.loads) -> list[tuple[str, Any]]:
+    """(event name, data decoded by ``loads``) for each frame of an SSE body."""
     events = []
     for block in text.replace("\r\n", "\n").split("\n\n"):
         name, data = None, None
@@ -69,7 +70,7 @@ def parse_sse(text: str) -> list[tuple[str, dict[str, Any]]]:
             elif line.startswith("data:"):
                 data = line[5:].strip()
         if name and data is not None:
-            events.append((name, json.loads(data)))
+            events.append((name, loads(data)))
     return events
 
 

@@ -18,6 +18,8 @@ from agentloop.events import StreamEvent
 from agentloop.models.base import AssistantBuilder, Model, ModelInfo, ModelRequest, ProviderError
 from agentloop.server import create_app
 from agentloop.tools.base import ToolContext
+from tests.test_engine_chat import parse_sse
+from tests.ws_support import strict_json
 
 TOKEN = "review-token-123456"
 AUTH = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
@@ -32,28 +34,6 @@ def u(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
 
-def sse_blocks(text: str) -> list[tuple[str, str]]:
-    """(event name, raw data) pairs: the data is kept as text so its JSON can be checked strictly."""
-    out = []
-    for block in text.replace("\r\n", "\n").split("\n\n"):
-        name, data = None, None
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data = line[5:].strip()
-        if name and data is not None:
-            out.append((name, data))
-    return out
-
-
-def _strict(text: str) -> Any:
-    def refuse(token: str) -> Any:
-        raise ValueError(f"not JSON: {token}")
-
-    return json.loads(text, parse_constant=refuse)
-
-
 async def post(
     app: Any, payload: Any = None, *, raw: bytes | None = None, headers: dict[str, str] | None = None
 ) -> httpx.Response:
@@ -65,7 +45,7 @@ async def post(
 async def events_of(app: Any, payload: Any) -> list[tuple[str, dict[str, Any]]]:
     resp = await post(app, payload)
     assert resp.status_code == 200, resp.text
-    return [(name, _strict(data)) for name, data in sse_blocks(resp.text)]
+    return parse_sse(resp.text, loads=strict_json)
 
 
 # ------------------------------------------------------------------ event data is strict JSON
