@@ -39,6 +39,7 @@ from agentloop.process.compaction import (
     split_memories,
     summarize,
 )
+from agentloop.tools.base import tool
 
 # ------------------------------------------------------------------ helpers
 
@@ -469,30 +470,40 @@ async def test_an_exchange_bigger_than_the_tail_is_compacted_once_newer_input_fo
     assert plan_cut(huge, 4_000) == 2  # a pasted message bigger than the window goes the same way
 
 
+# A provider that counts CJK text at about a token per character, four times the estimate.
+CJK_MODEL = ModelInfo(provider="scripted", id="m", context_window=16_000, max_output=1_000)
+
+
+def cjk_tokens(text: str) -> int:
+    cjk = sum(1 for ch in text if "\u4e00" <= ch <= "\u9fff")
+    return cjk + (len(text) - cjk) // 4
+
+
+def cjk_request_tokens(r: ModelRequest) -> int:
+    """What that provider would count for request ``r``."""
+    return cjk_tokens(r.system_prompt) + sum(cjk_tokens(m.text) + 4 for m in r.messages) + 200 * len(r.tools)
+
+
+@tool
+def read_doc(n: int) -> str:
+    """Read a chapter."""
+    return f"第{n}章 " + "系统设计文档内容说明" * 150
+
+
 async def test_threshold_compaction_fires_where_the_provider_counts_more_tokens_than_the_estimate(
     tmp_path: Any,
 ) -> None:
     """CJK text is about a token per character, four times the estimate: the kept quarter of the
     window is scaled by what the provider reports, so compaction happens before an overflow."""
-    from agentloop import Reply, call, tool
+    from agentloop import Reply, call
 
-    info = ModelInfo(provider="scripted", id="m", context_window=16_000, max_output=1_000)
-
-    def tokens(text: str) -> int:
-        cjk = sum(1 for ch in text if "\u4e00" <= ch <= "\u9fff")
-        return cjk + (len(text) - cjk) // 4
-
-    @tool
-    def read_doc(n: int) -> str:
-        """Read a chapter."""
-        return f"第{n}章 " + "系统设计文档内容说明" * 150
-
+    info = CJK_MODEL
     rejected, turns = [0], [0]
 
     def brain(r: ModelRequest) -> Any:
         if r.system_prompt == SUMMARY_SYSTEM_PROMPT:
             return "摘要：用户要求阅读规格说明。"
-        size = tokens(r.system_prompt) + sum(tokens(m.text) + 4 for m in r.messages) + 200 * len(r.tools)
+        size = cjk_request_tokens(r)
         if size > info.context_window:
             rejected[0] += 1
             raise ProviderError(f"prompt is too long: {size} tokens", kind="overflow")

@@ -16,6 +16,7 @@ from agentloop.loop.guards import Guards
 from agentloop.messages import AssistantMessage, Message, TextContent, Usage, user
 from agentloop.models.base import ModelInfo, ModelRequest, ProviderError
 from agentloop.process.compaction import SUMMARY_KIND, SUMMARY_SYSTEM_PROMPT, context_tokens, estimate_tokens
+from tests.test_compaction import CJK_MODEL, cjk_request_tokens, read_doc
 
 SMALL = ModelInfo(provider="scripted", id="small", context_window=3000, max_output=200)
 
@@ -97,17 +98,7 @@ async def test_input_queued_during_a_compaction_does_not_hide_the_pressure(tmp_p
     """CJK text counts about four times the estimate. A question queued while a compaction ran
     starts the next run with a context near the threshold: the real usage of the last reply must
     trigger the threshold compaction, instead of the estimate letting the call overflow."""
-    info = ModelInfo(provider="scripted", id="m", context_window=16_000, max_output=1_000)
-
-    def tokens(text: str) -> int:
-        cjk = sum(1 for ch in text if "\u4e00" <= ch <= "\u9fff")
-        return cjk + (len(text) - cjk) // 4
-
-    @tool
-    def read_doc(n: int) -> str:
-        """Read a chapter."""
-        return f"第{n}章 " + "系统设计文档内容说明" * 150
-
+    info = CJK_MODEL
     rejected, turns, procs = [0], [0], []
 
     async def brain(r: ModelRequest) -> Any:
@@ -115,7 +106,7 @@ async def test_input_queued_during_a_compaction_does_not_hide_the_pressure(tmp_p
             if len(procs) == 1:  # the first compaction: the user queues a long question meanwhile
                 procs.append(await procs[0].send("问题：" + "请解释这个系统的设计" * 350, mode="queue"))
             return "摘要：用户要求阅读规格说明。"
-        size = tokens(r.system_prompt) + sum(tokens(m.text) + 4 for m in r.messages) + 200 * len(r.tools)
+        size = cjk_request_tokens(r)
         if size > info.context_window:
             rejected[0] += 1
             raise ProviderError(f"prompt is too long: {size} tokens", kind="overflow")
