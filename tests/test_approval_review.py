@@ -11,6 +11,7 @@ import pytest
 
 from agentloop.process.approval import Policy, decide, default_policy, parse_policy, remember_rule
 from agentloop.tools.paths import resolve_path
+from tests.test_process_approval import calls_with_data_inside
 
 CWD = "/home/ann/proj"
 HOME = "/home/ann"
@@ -167,9 +168,7 @@ async def test_a_kernel_tool_cannot_rewrite_an_accounts_policy_through_a_literal
     """End to end: with the data directory inside the workspace, ``Write $x/../data/...`` (which
     the tool resolves to ``<root>/data/...``) and ``Shell cat data/...`` run from ``cwd="$x/.."``
     must be refused like ``data/...`` itself."""
-    from agentloop import Reply, ScriptedModel, ToolResultMessage, call
-    from agentloop.kernel import Kernel
-    from agentloop.tools.builtin import builtin_tools
+    from agentloop import call
 
     data = tmp_path / "data"
     (data / "home" / "alice").mkdir(parents=True)
@@ -177,19 +176,7 @@ async def test_a_kernel_tool_cannot_rewrite_an_accounts_policy_through_a_literal
         call("Write", path="$x/../data/home/alice/approval.json", content='{"default": "auto"}'),
         call("Shell", command="cat data/agentloop.db", cwd="$x/.."),
     ]
-    model = ScriptedModel([Reply(tool_calls=attempts), "done"])
-    async with Kernel.open(
-        f"sqlite:///{data}/agentloop.db",
-        model=model,
-        workspace=tmp_path,
-        data_dir=data,
-        tools=builtin_tools(tmp_path),
-        policy={"default": "auto", "rules": []},
-    ) as k:
-        proc = await k.spawn(owner="alice")
-        await proc.send("go")
-        await proc.wait_idle()
-        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+    results = await calls_with_data_inside(tmp_path, data, attempts)
     assert [r.is_error for r in results] == [True, True]
     assert all("agentloop's own data" in r.text for r in results)
     assert not (data / "home" / "alice" / "approval.json").exists()

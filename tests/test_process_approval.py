@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call
 from agentloop.kernel import Kernel
@@ -142,6 +143,25 @@ async def test_an_accounts_policy_file_applies_to_its_processes_and_is_reread_wh
         assert any("not a regular file" in r.getMessage() for r in caplog.records)
 
 
+async def calls_with_data_inside(tmp_path: Path, data: Path, attempts: list[Any]) -> list[ToolResultMessage]:
+    """The results of ``attempts``, made by alice's process under a policy that allows everything,
+    with the kernel's data directory ``data`` inside the workspace ``tmp_path``: whatever refuses
+    them is the guard on the kernel's own data."""
+    model = ScriptedModel([Reply(tool_calls=attempts), "done"])
+    async with Kernel.open(
+        f"sqlite:///{data}/agentloop.db",
+        model=model,
+        workspace=tmp_path,
+        data_dir=data,
+        tools=builtin_tools(tmp_path),
+        policy={"default": "auto", "rules": []},
+    ) as k:
+        proc = await k.spawn(owner="alice")
+        await proc.send("go")
+        await proc.wait_idle()
+        return [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+
+
 async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_path):
     """QA: with the data directory inside the workspace, an auto-approved Write of
     ``data/home/<account>/mcp.json`` made the kernel start any program. The kernel's data (its
@@ -167,20 +187,7 @@ async def test_tools_cannot_touch_the_kernels_own_data_whatever_the_policy(tmp_p
         call("Write", path="notes.txt", content="fine"),
         call("Search", pattern="PIN"),  # the workspace, around the kernel's data
     ]
-    model = ScriptedModel([Reply(tool_calls=attempts), "done"])
-    allow_all = {"default": "auto", "rules": []}
-    async with Kernel.open(
-        f"sqlite:///{data}/agentloop.db",
-        model=model,
-        workspace=tmp_path,
-        data_dir=data,
-        tools=builtin_tools(tmp_path),
-        policy=allow_all,
-    ) as k:
-        proc = await k.spawn(owner="alice")
-        await proc.send("go")
-        await proc.wait_idle()
-        results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+    results = await calls_with_data_inside(tmp_path, data, attempts)
     assert [r.is_error for r in results] == [True] * 9 + [False, False]
     assert all("agentloop's own data" in r.text for r in results[:9])
     assert "plan.txt:1: the PIN pad is broken" in results[-1].text and "9911" not in results[-1].text

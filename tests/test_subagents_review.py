@@ -24,6 +24,16 @@ async def _children(k: Any, pid: str) -> list[Any]:
     return [r for r in await k.processes("alice") if r.parent_pid == pid]
 
 
+async def _parent_run(k: Any) -> tuple[Any, ToolResultMessage]:
+    """A parent process sent "parent", once its run is over, and the one tool result it got."""
+    parent = await k.spawn(owner="alice")
+    await parent.send("parent")
+    async with asyncio.timeout(10):
+        await parent.wait_idle()
+    [result] = _results(await parent.messages())
+    return parent, result
+
+
 async def test_a_task_call_with_an_unknown_option_is_refused_and_starts_no_child(tmp_path):
     """The schema forbids other properties, yet ``background: true`` (a model's guess at how to
     go on without waiting) was dropped in silence: the call waited, and a child was started."""
@@ -34,11 +44,7 @@ async def test_a_task_call_with_an_unknown_option_is_refused_and_starts_no_child
         return "ok"
 
     async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
-        parent = await k.spawn(owner="alice")
-        await parent.send("parent")
-        async with asyncio.timeout(10):
-            await parent.wait_idle()
-        [result] = _results(await parent.messages())
+        parent, result = await _parent_run(k)
         children = await _children(k, parent.pid)
     assert result.is_error and "background" in result.text
     assert children == []
@@ -57,11 +63,7 @@ async def test_a_child_whose_model_fails_tells_the_waiting_parent_why(tmp_path):
         return "ok"
 
     async with kernel(tmp_path, ScriptedModel(brain), subagents=True) as k:
-        parent = await k.spawn(owner="alice")
-        await parent.send("parent")
-        async with asyncio.timeout(10):
-            await parent.wait_idle()
-        [result] = _results(await parent.messages())
+        _, result = await _parent_run(k)
     assert result.is_error and "ended with error" in result.text
     assert "invalid API key for the subagent's model" in result.text
 
