@@ -11,7 +11,8 @@ import json
 import logging
 import socket
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -385,6 +386,25 @@ def test_safe_message_strips_what_must_not_be_shown():
 # ------------------------------------------------------------------ a real server: streaming and disconnect
 
 
+@asynccontextmanager
+async def served(app: Any) -> AsyncIterator[str]:
+    """``app`` on a real uvicorn server (a client that goes away is a closed socket, not a
+    cancelled ASGI call); its base URL."""
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serve = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serve, 10)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -412,19 +432,10 @@ async def test_real_server_streams_and_a_disconnect_aborts_the_run(caplog: pytes
         script = [Reply(text="Working on it. ", tool_calls=[call("slow", seconds=30)]), "done"]
         return Agent(ScriptedModel(script, chunk=4), tools=[slow], tool_timeout=None)
 
-    port = _free_port()
-    config = uvicorn.Config(create_app(factory, tokens={TOKEN}), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    serve = asyncio.create_task(server.serve())
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
+    async with served(create_app(factory, tokens={TOKEN})) as base:
         received: list[str] = []
         async with (
-            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client,
+            httpx.AsyncClient(base_url=base, timeout=5) as client,
             client.stream("POST", URL, json=body(u("sleep")), headers=AUTH) as resp,
         ):
             assert resp.status_code == 200
@@ -442,9 +453,6 @@ async def test_real_server_streams_and_a_disconnect_aborts_the_run(caplog: pytes
                 break
             await asyncio.sleep(0.02)
         assert '"outcome": "client_disconnected"' in caplog.text
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serve, 10)
 
 
 # ------------------------------------------------------------------ no body makes a 500

@@ -18,7 +18,7 @@ from agentloop.events import StreamEvent
 from agentloop.models.base import AssistantBuilder, Model, ModelInfo, ModelRequest, ProviderError
 from agentloop.server import create_app
 from agentloop.tools.base import ToolContext
-from tests.test_engine_chat import parse_sse
+from tests.test_engine_chat import parse_sse, served
 from tests.ws_support import strict_json
 
 TOKEN = "review-token-123456"
@@ -293,25 +293,12 @@ class Hangs(Model):
 
 
 async def test_a_disconnect_during_the_model_call_cancels_it_and_leaves_no_task() -> None:
-    import socket
 
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     model = Hangs()
-    app = create_app(lambda: Agent(model), tokens={TOKEN})
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    serve = asyncio.create_task(server.serve())
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
+    async with served(create_app(lambda: Agent(model), tokens={TOKEN})) as base:
         before = set(asyncio.all_tasks())
         async with (
-            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client,
+            httpx.AsyncClient(base_url=base, timeout=5) as client,
             client.stream("POST", URL, json=body(u("hi")), headers=AUTH) as resp,
         ):
             assert resp.status_code == 200
@@ -327,9 +314,6 @@ async def test_a_disconnect_during_the_model_call_cancels_it_and_leaves_no_task(
                 break
             await asyncio.sleep(0.02)
         assert not extra, extra
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serve, 10)
 
 
 # ------------------------------------------------------------------ finish reasons
