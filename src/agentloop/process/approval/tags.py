@@ -87,11 +87,11 @@ def _real(path: str) -> str:
         return path
 
 
-def _inside(path: str, base: str) -> bool:
+def path_inside(path: str, base: str) -> bool:
+    """Whether the normalised path ``path`` is ``base`` or lies below it (folder by folder:
+    ``/etcetera`` is not under ``/etc``)."""
     return path == base or path.startswith(base.rstrip("/") + "/")
 
-
-path_inside = _inside
 
 #: The argument naming the path each routable syscall's tool resolves in the workspace.
 PATH_ARGS: dict[str, str] = {
@@ -259,7 +259,7 @@ def _resolved_tags(
         inside = inside or (
             bool(protected)
             and any(
-                _inside(_real(found), d)
+                path_inside(_real(found), d)
                 for found in itertools.islice(glob.iglob(resolved), _MAX_ALTERNATIVES)
                 for d in protected
             )
@@ -268,20 +268,20 @@ def _resolved_tags(
             tags.add("protected")
         elif (holds and walks) or resolved.startswith("/proc/"):  # (/proc: an environment, by any spelling)
             tags.add("unclassified")
-    elif protected and any(_inside(p, d) for p in {resolved, _real(resolved)} for d in protected):
+    elif protected and any(path_inside(p, d) for p in {resolved, _real(resolved)} for d in protected):
         tags.add("protected")
-    elif walks and any(_inside(d, resolved) for d in protected):
+    elif walks and any(path_inside(d, resolved) for d in protected):
         tags.add("unclassified")
-    inside_cwd = _inside(resolved, cwd_s)
+    inside_cwd = path_inside(resolved, cwd_s)
     if not inside_cwd:
         tags.add("outside-cwd")
-    if not _inside(resolved, home_s):
+    if not path_inside(resolved, home_s):
         tags.add("outside-home")
     # Judge hiddenness below cwd only: a workspace under ~/.cache must not make every path hidden.
     shown = posixpath.relpath(resolved, cwd_s) if inside_cwd else resolved
     if any(part.startswith(".") and part not in (".", "..") for part in shown.split("/")):
         tags.add("hidden-path")
-    if writing and any(_inside(resolved, d) for d in SYSTEM_DIRS) and resolved not in ("/dev/null",):
+    if writing and any(path_inside(resolved, d) for d in SYSTEM_DIRS) and resolved not in ("/dev/null",):
         tags.add("privileged")
     return tags
 
