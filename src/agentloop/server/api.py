@@ -29,7 +29,8 @@ from agentloop.server.errors import ApiError
 from agentloop.server.events import open_stream
 from agentloop.server.http_errors import internal_error, invalid, validation_error
 from agentloop.server.openapi import Endpoint, document
-from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, RUN_MODES, finite
+from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, RUN_MODES
+from agentloop.server.strict_json import finite
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

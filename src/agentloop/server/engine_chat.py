@@ -47,7 +47,7 @@ from agentloop.messages import (
 )
 from agentloop.models.overflow import is_context_overflow, is_overflow_text
 from agentloop.server.errors import ApiError, safe_message
-from agentloop.server.service import json_text
+from agentloop.server.strict_json import json_text
 
 logger = logging.getLogger("agentloop.server")
 

@@ -28,7 +28,8 @@ from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.errors import ApiError
 from agentloop.server.http_errors import log_json
-from agentloop.server.service import json_text, signal_json
+from agentloop.server.service import signal_json
+from agentloop.server.strict_json import json_text
 
 _END = object()  # the pump's last item: the backlog ran out (follow=false), the process is gone, or shutdown
 

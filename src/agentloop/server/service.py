@@ -13,8 +13,6 @@ import base64
 import binascii
 import contextlib
 import hashlib
-import json
-import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -70,28 +68,6 @@ def receipt_json(receipt: Receipt) -> dict[str, Any]:
 
 def signal_json(signal: Signal) -> dict[str, Any]:
     return {"signal": signal.signal, "payload": signal.payload, "seq": signal.seq}
-
-
-def finite(value: Any) -> Any:
-    """``value`` with NaN and the infinities as None. JSON has no spelling for them (Starlette's
-    encoder refuses them, ``json.dumps`` writes JavaScript's ``Infinity``, which ``JSON.parse``
-    refuses), yet a provider's ``{"n": 1e999}`` parses (``json.loads``) to ``inf`` in a tool call's
-    arguments, and from there reaches approvals and signals."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
-
-
-def json_text(value: Any) -> str:
-    """``value`` as JSON, NaN and the infinities as null (see ``finite``)."""
-    try:
-        return json.dumps(value, allow_nan=False)
-    except ValueError:  # rare: only then is the value walked
-        return json.dumps(finite(value), allow_nan=False)
 
 
 def hil_json(row: HilRow) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from agentloop.process.store import MAX_SEQ
 from agentloop.server.auth import Principal, bearer
 from agentloop.server.context import ServerContext
 from agentloop.server.errors import ApiError
-from agentloop.server.service import json_text
+from agentloop.server.strict_json import json_text
 
 logger = logging.getLogger("agentloop.server")
 
