@@ -8,6 +8,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterable
+from typing import BinaryIO
 
 Stamp = tuple[int, int]
 
@@ -23,22 +24,30 @@ def file_stamp(path: str | os.PathLike[str]) -> Stamp | None:
     return (st.st_mtime_ns, st.st_size)
 
 
-def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
-    """The content of ``path`` if it is a regular file. A FIFO or a device put where a config
-    file belongs would block the event loop on read (or never end): it is refused instead. With
-    ``limit``, a file longer than that many bytes is refused (``EFBIG``) without being loaded: a
-    huge (or sparse) file where text belongs would otherwise fill the server's memory."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO this way does not wait for a writer
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path`` open for reading if it is a regular file, judged by what was opened, not by its
+    name. A FIFO or a device where a file belongs (put there since a check, perhaps) would block
+    an ordinary open until a writer came, for ever: it is opened without waiting and refused
+    (``EINVAL``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
-        if limit is not None and info.st_size > limit:
-            raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read() if limit is None else f.read(limit + 1)  # (it may have grown since)
-    finally:
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
+    """The content of ``path`` if it is a regular file (``open_regular``). With ``limit``, a file
+    longer than that many bytes is refused (``EFBIG``) without being loaded: a huge (or sparse)
+    file where text belongs would otherwise fill the server's memory."""
+    with open_regular(path) as f:
+        if limit is not None and os.fstat(f.fileno()).st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+        data = f.read() if limit is None else f.read(limit + 1)  # (it may have grown since)
     if limit is not None and len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
     return data

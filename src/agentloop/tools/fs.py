@@ -23,6 +23,7 @@ from typing import Annotated, BinaryIO
 from pydantic import Field
 
 from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, TextContent
+from agentloop.stamps import open_regular
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
 from agentloop.tools.paths import check_opened, display, real_root, resolve_path
 
@@ -70,29 +71,20 @@ def _is_dir_error(path: str) -> ToolError:
 
 def _open_regular(base: Path, real: Path, path: str) -> BinaryIO:
     """``real`` open for reading, if what was opened is a regular file inside the workspace.
-
-    Callers checked it was one, but another process may have put a FIFO in its place since, and
-    opening a FIFO blocks until a writer comes: for ever, in a worker thread no cancellation can
-    free (a few such calls use up the pool every tool runs in). So it is opened without blocking
-    and judged by what was opened, not by its name."""
+    Callers checked it was one, but another process may have put a FIFO (or a link out) in its
+    place since: a blocked open would hold a worker thread no cancellation can free."""
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        f = open_regular(real)
     except FileNotFoundError:
         raise _not_found(path) from None
     except OSError as exc:
         raise ToolError(f"Cannot read {path}: {exc.strerror or exc}") from None
     try:
-        check_opened(base, fd, path)
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise _is_dir_error(path)
-        if not stat.S_ISREG(mode):
-            raise ToolError(f"{path} is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        check_opened(base, f.fileno(), path)
     except BaseException:
-        os.close(fd)
+        f.close()
         raise
+    return f
 
 
 # ------------------------------------------------------------------ Read

@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
-import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from agentloop.stamps import open_regular
 from agentloop.tools import search_python
 from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
@@ -251,17 +252,15 @@ async def search_files(
 
 
 def _binary(path: Path, shown: str) -> bool:
-    """Whether a file is binary as both engines judge it: a NUL byte near its start.
-
-    It is opened without blocking and judged by what was opened: it was checked to be a regular
-    file, but a FIFO put in its place since would block this open, on the event loop, for ever."""
+    """Whether a file is binary as both engines judge it: a NUL byte near its start. (It was
+    checked to be a regular file; one put in its place since is refused, not waited on.)"""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError:
+        f = open_regular(path)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise ToolError(f"{shown} is not a regular file or a directory") from None
         return False
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ToolError(f"{shown} is not a regular file or a directory")
+    with f:
         return b"\x00" in f.read(8192)
 
 
