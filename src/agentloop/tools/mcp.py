@@ -24,9 +24,7 @@ import contextvars
 import hashlib
 import json
 import logging
-import os
 import re
-import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -46,6 +44,7 @@ from agentloop.tools.base import (
     format_validation_error,
 )
 from agentloop.tools.fs import MAX_IMAGE_BYTES, sniff_image
+from agentloop.tools.process_group import end_group
 from agentloop.urls import redact_url
 
 log = logging.getLogger("agentloop.mcp")
@@ -216,8 +215,8 @@ class MCPConnection:
                 log.warning("MCP server %s stopped: %s", self.config.name, _describe(exc))
         finally:
             self._client = None
-            for pid in spawned:
-                await _end_group(pid)
+            for pid in spawned if sys.platform != "win32" else ():  # (there the SDK's job object ends the tree)
+                await end_group(pid, GROUP_GRACE)  # what the server left running in its group
 
     def _transport(self) -> Any:
         if self.config.url is not None:
@@ -428,7 +427,7 @@ def _record_spawns() -> None:
     but kills that group only if the server outlives its grace period after stdin closes; a
     server that exits at once leaves the helpers it started (a browser, a language server, a
     child holding its stdout) running, one more set at every restart. With the id, the group
-    (whose id it is) is ended after the SDK is done (``_end_group``). Installed once; an SDK
+    (whose id it is) is ended after the SDK is done (``end_group``). Installed once; an SDK
     without the hook keeps its own behaviour."""
     from mcp.client import stdio
 
@@ -445,31 +444,6 @@ def _record_spawns() -> None:
 
     recording._agentloop_records = True  # type: ignore[attr-defined]
     stdio._create_platform_compatible_process = recording
-
-
-async def _end_group(pgid: int) -> None:
-    """End what is left of a stopped server's process group: SIGTERM, then SIGKILL after
-    ``GROUP_GRACE`` (also when cancelled meanwhile). Nothing to do, at once, for a server that
-    left nothing behind. POSIX only (on Windows the SDK's job object ends the whole tree)."""
-    if sys.platform == "win32":
-        return
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    try:
-        deadline = asyncio.get_running_loop().time() + GROUP_GRACE
-        while asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                pass  # a member we may not signal (or a zombie): keep waiting
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
 
 
 def _to_result(result: Any) -> ToolResult:

@@ -28,6 +28,7 @@ __all__ = [
     "KILL_GRACE",
     "OutputCapture",
     "close_transport",
+    "end_group",
     "kill_group",
     "marked",
     "output_pipes",
@@ -181,6 +182,19 @@ def _group_exists(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+async def end_group(pgid: int, grace: float) -> None:
+    """SIGTERM process group ``pgid``, SIGKILL what is left of it after ``grace`` (also when
+    cancelled meanwhile): for a group whose leader is not ours to wait on (already gone, or
+    started by a library). Returns at once for a group that is empty."""
+    _signal_group(pgid, signal.SIGTERM)
+    try:
+        deadline = asyncio.get_running_loop().time() + grace
+        while _group_exists(pgid) and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_POLL)
+    finally:
+        _signal_group(pgid, signal.SIGKILL)
 
 
 async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str | None = None) -> None:
