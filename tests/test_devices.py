@@ -19,6 +19,7 @@ from agentloop.kernel.devices import describe_devices, device_toolset, split_dev
 from agentloop.models.base import ModelRequest
 from agentloop.process.approval import call_target, decide, default_policy
 from agentloop.process.store import ProcessRecord
+from agentloop.server import devices as devices_module
 from agentloop.server.auth import Principal
 from agentloop.server.devices import DeviceHub
 from agentloop.tools.base import ToolContext
@@ -195,6 +196,25 @@ async def test_a_live_name_is_a_conflict_but_other_accounts_may_use_it():
     assert first.calls("sys.ping")  # the old connection was asked whether it is still there
     await online(hub, BOB, "laptop")
     assert sorted((d["owner"], d["id"]) for d in hub.list(ROOT)) == [("alice", "laptop"), ("bob", "laptop")]
+
+
+async def test_an_account_has_room_for_a_bounded_number_of_devices_and_tools(monkeypatch):
+    monkeypatch.setattr(devices_module, "MAX_DEVICES_PER_ACCOUNT", 2)
+    monkeypatch.setattr(devices_module, "MAX_ACCOUNT_DEVICE_TOOLS", 3)
+    hub = DeviceHub(probe_timeout=0.5)
+    first = await online(hub, ALICE, "one", tools=[{"name": "a"}, {"name": "b"}])
+    res = await FakeDevice(hub, ALICE, "two", tools=[{"name": "a"}, {"name": "b"}]).connect()
+    assert res["ok"] is False and res["error"]["code"] == "conflict"
+    assert "declare 2 tools" in res["error"]["message"]
+    await online(hub, ALICE, "two", tools=[{"name": "a"}])  # within the tools in all
+    res = await FakeDevice(hub, ALICE, "three").connect()
+    assert res["ok"] is False and res["error"]["code"] == "conflict"
+    assert "2 devices" in res["error"]["message"]
+    await online(hub, BOB, "three")  # another account's room is its own
+    first.ping = False  # gone quiet: its replacement takes its room, not another's
+    await online(hub, ALICE, "one", tools=[{"name": "c"}, {"name": "d"}])
+    listed = sorted((d["owner"], d["id"]) for d in hub.list(ROOT))
+    assert listed == [("alice", "one"), ("alice", "two"), ("bob", "three")]
 
 
 async def test_an_unresponsive_connection_is_replaced_and_its_calls_fail():

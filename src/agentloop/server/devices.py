@@ -51,6 +51,11 @@ MAX_DEVICE_DESCRIPTION = 200  # a device's own description: one line of the syst
 #: how deeply a tool's schema may nest objects and arrays: real ones stay far below it, and the
 #: checks that walk a schema (here, at every call, in the providers' encoders) recurse
 MAX_SCHEMA_DEPTH = 64
+# An account's devices together: every run of the account offers all their tools to the model, and
+# providers refuse a request with too many (OpenAI's limit is 128); this also bounds what one
+# account's token can hold open on the server.
+MAX_DEVICES_PER_ACCOUNT = 16
+MAX_ACCOUNT_DEVICE_TOOLS = 128
 SEND_TIMEOUT = 10.0  # seconds one frame may take to leave; a device that does not read is dropped
 
 
@@ -170,6 +175,22 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
         raise HubError("invalid_request", f"description: a string of at most {MAX_DEVICE_DESCRIPTION} chars")
     description = " ".join(description.split())  # one line: it is listed in the system prompt
     return name, tuple(dict.fromkeys(implements)), tuple(tools), description
+
+
+def _check_room(info: DeviceInfo, others: list[DeviceInfo]) -> None:
+    """Refuse a device the account has no room for (``conflict``: the device client tries again
+    later, and gets in once another device of the account has gone)."""
+    if len(others) >= MAX_DEVICES_PER_ACCOUNT:
+        raise HubError(
+            "conflict", f"this account already has {len(others)} devices connected (at most {MAX_DEVICES_PER_ACCOUNT})"
+        )
+    declared = sum(len(d.tools) for d in others)
+    if declared + len(info.tools) > MAX_ACCOUNT_DEVICE_TOOLS:
+        raise HubError(
+            "conflict",
+            f"this account's devices already declare {declared} tools; with this device's {len(info.tools)} "
+            f"they would pass the limit of {MAX_ACCOUNT_DEVICE_TOOLS} tools in all",
+        )
 
 
 def _too_deep(value: Any, limit: int) -> bool:
@@ -306,6 +327,7 @@ class DeviceHub:
                     await old.socket.close(1001, "replaced by a new connection")
             if key in self._devices:  # another newcomer won the race while we probed
                 raise HubError("conflict", f"a device named {conn.info.id!r} is already connected to this account")
+        _check_room(conn.info, [c.info for (o, _), c in self._devices.items() if o == conn.info.owner])
         self._devices[key] = conn
         self._notify("online", conn.info)
 
