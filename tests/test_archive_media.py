@@ -26,11 +26,7 @@ from agentloop.messages import (
 )
 from agentloop.process.archive import list_archives, read_archive, write_archive
 from agentloop.process.media import MediaError, MediaNotFound, MediaRef, MediaStore, MediaTooLarge
-
-PNG = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + bytes(range(64))
-JPEG = b"\xff\xd8\xff\xe0" + b"JFIF" + bytes(range(40))
-GIF = b"GIF89a" + bytes(20)
-WEBP = b"RIFF\x10\x00\x00\x00WEBPVP8 " + bytes(16)
+from tests.image_support import GIF, JPEG, PNG, WEBP
 
 
 def b64(data: bytes) -> str:

@@ -24,6 +24,7 @@ from agentloop.server.auth import Principal
 from agentloop.server.devices import DeviceHub
 from agentloop.tools.base import ToolContext
 from agentloop.tools.builtin import builtin_tools
+from tests.image_support import PNG
 
 ALICE = Principal("alice", False, "t1")
 BOB = Principal("bob", False, "t2")
@@ -521,7 +522,7 @@ async def test_a_devices_result_is_made_storable_and_its_media_checked():
     one lone surrogate in a device's text lost its whole result at the commit."""
     import base64
 
-    png = base64.b64encode(bytes.fromhex("89504e470d0a1a0a") + b"\x00" * 16).decode()
+    png = base64.b64encode(PNG).decode()
 
     async def odd(call: str, args: dict[str, Any]) -> dict[str, Any]:
         content = [

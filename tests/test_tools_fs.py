@@ -18,6 +18,7 @@ from agentloop.tools.base import ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.fs import delete_file, edit_file, read_file, write_file
 from agentloop.tools.paths import resolve_path
+from tests.image_support import GIF, JPEG, WEBP
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
@@ -198,9 +199,9 @@ async def test_read_image_gives_image_block(root: Path) -> None:
         assert isinstance(image, ImageContent)
         assert image.mime_type == "image/png"
         assert base64.b64decode(image.data) == PNG
-    (root / "pic.gif").write_bytes(b"GIF89a" + b"\x00" * 20)
-    (root / "pic.webp").write_bytes(b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 10)
-    (root / "pic.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 10)
+    (root / "pic.gif").write_bytes(GIF)
+    (root / "pic.webp").write_bytes(WEBP)
+    (root / "pic.jpg").write_bytes(JPEG)
     mimes = []
     for name in ("pic.gif", "pic.webp", "pic.jpg"):
         block = (await read_file(root, name)).content[1]

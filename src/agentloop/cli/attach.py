@@ -8,8 +8,9 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from agentloop.images import image_size, sniff_image
 from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, MediaBlock
-from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, decoded_size, sniff_mime, text_fault
+from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, decoded_size, text_fault
 
 _TEXT_TYPES = {".md": "text/markdown", ".markdown": "text/markdown", ".csv": "text/csv"}
 
@@ -29,8 +30,10 @@ def load_attachment(path: Path) -> MediaBlock:
     except OSError as exc:
         raise AttachError(f"cannot read {path}: {exc.strerror or exc}") from None
     encoded = base64.b64encode(data).decode("ascii")
-    image = sniff_mime(data)
+    image = sniff_image(data)
     if image is not None:
+        if image_size(data) is None:
+            raise AttachError(f"{path} is a damaged image ({image}): its header does not give its size")
         return ImageContent(data=encoded, mime_type=image)
     if data.startswith(PDF_MAGIC):
         return FileContent(data=encoded, mime_type="application/pdf", name=path.name)

@@ -3,9 +3,9 @@
 Base64 media inside message rows would make every history read carry megabytes, so a message
 keeps a small ``MediaRef`` and the bytes live under ``var/media/<uid>/<pid>/``, named by their
 SHA-256 (the same file sent twice is stored once). The declared MIME type is checked against
-the bytes (an image's or a PDF's magic numbers; a text document must be UTF-8 without NUL
-bytes), because providers reject a mislabelled file only at the next model call, far from the
-client that sent it. The files belong to one process, so reset and kill drop the folder.
+the bytes (an image's or a PDF's magic numbers, and an image's header; a text document must be
+UTF-8 without NUL bytes), because providers reject a mislabelled or damaged file only at the next
+model call, far from the client that sent it. The files belong to one process, so reset and kill drop the folder.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
+from agentloop.images import image_size, sniff_image
 from agentloop.messages import FILE_TYPES, PDF_MAGIC, FileContent, ImageContent, MediaBlock
 from agentloop.process.archive import check_name, fsync_dir, private_dir
 
@@ -51,19 +52,6 @@ class MediaTooLarge(MediaError):
 
 class MediaNotFound(MediaError):
     pass
-
-
-def sniff_mime(data: bytes) -> str | None:
-    """The image type the bytes say they are, from their magic numbers."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data.startswith((b"GIF87a", b"GIF89a")):
-        return "image/gif"
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    return None
 
 
 def decoded_size(data: str) -> int:
@@ -163,11 +151,13 @@ def check_media(block: MediaBlock, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[
             raise MediaTooLarge(f"a text document is {len(data)} bytes, over the {MAX_TEXT_BYTES}-byte limit")
         _check_document(data, mime, block.mime_type)
         return data, mime, ext
-    actual = sniff_mime(data)
+    actual = sniff_image(data)
     if actual is None:
         raise MediaError(f"image data is not a PNG, JPEG, GIF or WebP image (declared {block.mime_type!r})")
     if actual != mime:
         raise MediaError(f"image declared as {block.mime_type!r} but its bytes are {actual}")
+    if image_size(data) is None:
+        raise MediaError(f"image data is a damaged {mime} image: its header does not give its size")
     return data, mime, ext
 
 

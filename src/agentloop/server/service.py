@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
 
+from agentloop.images import image_size, sniff_image
 from agentloop.kernel import Kernel, NoSuchProcess, Process
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
@@ -26,7 +27,7 @@ from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
 from agentloop.process.api import Receipt, SendMode
 from agentloop.process.engine import Admit
-from agentloop.process.media import MediaError, MediaTooLarge, sniff_mime
+from agentloop.process.media import MediaError, MediaTooLarge
 from agentloop.process.signals import Signal
 from agentloop.process.store import HilRow, ProcessBusy, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
 from agentloop.server.auth import Principal
@@ -143,10 +144,12 @@ def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
         if mime in FILE_TYPES:
             blocks.append(FileContent(data=data, mime_type=mime, name=name))
             continue
-        actual = sniff_mime(raw)
+        actual = sniff_image(raw)
         if actual != mime:
             what = "not a PNG, JPEG, GIF or WebP image" if actual is None else f"a {actual} image, not {mime}"
             raise ApiError(400, "invalid_request", f"{where}.data is {what}")
+        if image_size(raw) is None:
+            raise ApiError(400, "invalid_request", f"{where}.data is a damaged {mime} image: its header gives no size")
         blocks.append(ImageContent(data=data, mime_type=mime))
     return blocks
 

@@ -22,6 +22,7 @@ from typing import Annotated, BinaryIO
 
 from pydantic import Field
 
+from agentloop.images import image_size, sniff_image
 from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, TextContent
 from agentloop.stamps import open_regular
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
@@ -34,7 +35,6 @@ __all__ = [
     "edit_tool",
     "read_file",
     "read_tool",
-    "sniff_image",
     "write_file",
     "write_tool",
 ]
@@ -46,19 +46,6 @@ MAX_IMAGE_BYTES = 10 * 1024 * 1024
 _BINARY_PROBE = 8192
 
 _IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".gif", ".webp"})
-
-
-def sniff_image(head: bytes) -> str | None:
-    """The MIME type of an image format models accept, judged by its magic bytes."""
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if head.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if head.startswith((b"GIF87a", b"GIF89a")):
-        return "image/gif"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "image/webp"
-    return None
 
 
 def _not_found(path: str) -> ToolError:
@@ -110,6 +97,8 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
             if size > MAX_IMAGE_BYTES:
                 raise ToolError(f"{path} is {noun} of {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit")
             data = head + f.read()
+            if what == "Image" and image_size(data) is None:  # a provider would refuse it, and every later call
+                raise ToolError(f"{path} is a damaged image ({mime}): its header does not give its size")
             encoded = base64.b64encode(data).decode("ascii")
             block: ImageContent | FileContent = (
                 FileContent(data=encoded, mime_type=mime, name=real.name)

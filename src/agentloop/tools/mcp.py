@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agentloop.images import image_size, sniff_image
 from agentloop.messages import ImageContent, TextContent
 from agentloop.tools.base import (
     MAX_RESULT_CHARS,
@@ -43,7 +44,7 @@ from agentloop.tools.base import (
     ToolResult,
     format_validation_error,
 )
-from agentloop.tools.fs import MAX_IMAGE_BYTES, sniff_image
+from agentloop.tools.fs import MAX_IMAGE_BYTES
 from agentloop.tools.process_group import end_group
 from agentloop.urls import redact_url
 
@@ -480,9 +481,11 @@ def _image(data: Any, mime_type: Any) -> ResultBlock:
         raw = base64.b64decode(data, validate=True) if isinstance(data, str) else b""
     except (binascii.Error, ValueError):
         raw = b""
-    if raw and len(raw) <= MAX_IMAGE_BYTES and sniff_image(raw[:16]) == mime_type:
+    if raw and len(raw) <= MAX_IMAGE_BYTES and sniff_image(raw[:16]) == mime_type and image_size(raw) is not None:
         return ImageContent(data=data, mime_type=mime_type)
-    return TextContent(text=f"[an image ({str(mime_type)[:40]}) that is not a png, jpeg, gif or webp under 10 MiB]")
+    return TextContent(
+        text=f"[an image ({str(mime_type)[:40]}) that is not a png, jpeg, gif or webp under 10 MiB, or is damaged]"
+    )
 
 
 def _tool_name(server: str, tool: str) -> str:
