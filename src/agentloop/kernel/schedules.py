@@ -5,6 +5,8 @@ fires what is due: it delivers the schedule's text as a system event (``proc.run
 ``schedule.event`` when it starts a run) and then deletes a one-shot schedule or moves a repeating
 one to its next due time after now. Fires that were missed while the kernel was down coalesce
 into one delivery that says how many were missed: a backlog of identical reminders helps no one.
+For the same reason a repeating schedule whose last delivery still waits in its process's queue
+(the run is busy) only moves on: that delivery stands for the fires after it.
 
 Delivery and advancing are one transaction: the advance (deleting a one-shot schedule, moving a
 repeating one on from the due time it was read at) is the delivery's claim
@@ -39,6 +41,7 @@ from agentloop.process.store import NoSuchProcess, ScheduleRow, Store
 log = logging.getLogger("agentloop.kernel.schedules")
 
 DEFAULT_MIN_EVERY = 10.0  # each fire can start a model run: a tighter loop only burns tokens
+SHORTEST_EVERY = 0.001  # whatever the minimum says: a shorter step may not move an epoch time at all
 MAX_AHEAD = 100 * 365.25 * 86400.0  # further than this is a typo, not a plan
 MAX_SCHEDULES = 100  # per process
 MAX_NAME = 128
@@ -67,6 +70,8 @@ def next_due_after(due: float, every: float, now: float) -> float:
     nxt = due + steps * every
     while nxt <= now:  # float rounding
         nxt += every
+        if nxt <= now and now + every == now:  # a step below the clock's resolution never gets there
+            return math.nextafter(now, math.inf)
     return nxt
 
 
@@ -111,9 +116,12 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         duty: Duty | None = None,
     ) -> None:
+        if isinstance(min_every, bool) or not isinstance(min_every, int | float) or not 0 <= min_every < math.inf:
+            # (NaN would let every interval through: ``every < nan`` is never true)
+            raise ValueError(f"schedule_min_every must be a finite number of seconds, at least 0, got {min_every!r}")
         self.store = store
         self.engine = engine
-        self.min_every = min_every
+        self.min_every = max(float(min_every), SHORTEST_EVERY)
         self.clock = clock
         self.duty = duty  # on a shared store: the timer fires only while this worker holds it
         self.retry = 5.0  # seconds before a schedule whose fire failed is tried again
@@ -263,6 +271,19 @@ class Scheduler:
         self._held.pop(schedule_id, None)
         self._poke.set()
 
+    async def _advance(self, row: ScheduleRow, nxt: float) -> bool:
+        """A repeating schedule's claim: move it from the due time ``row`` was read at to ``nxt``.
+        False (and nothing delivered) when another timer moved it first, and also when an
+        earlier fire of it still waits in the process's queue (its run is busy: a slow tool, an
+        approval nobody answers overnight): the move commits, and that delivery stands for this
+        fire too, as one delivery stands for the fires missed while the runtime was down.
+        Otherwise the run's next model call would be handed the same text once per fire."""
+        if not await self.store.set_schedule_due(row.id, nxt, expect=row.next_due):
+            return False
+        mine = f"{SCHEDULE_RUN_PREFIX}{row.id}:"
+        waiting = any(q.kind == "system" and (q.run_id or "").startswith(mine) for q in await self.store.queue(row.pid))
+        return not waiting
+
     async def _fire(self, row: ScheduleRow, now: float) -> None:
         """Deliver one due schedule, claimed by its advance from the due time ``row`` was read at:
         if another timer fired it meanwhile, the claim fails and nothing is delivered."""
@@ -271,7 +292,7 @@ class Scheduler:
             claim = partial(self.store.delete_schedule, row.id)
         else:
             nxt = next_due_after(row.next_due, row.every, now)
-            claim = partial(self.store.set_schedule_due, row.id, nxt, expect=row.next_due)
+            claim = partial(self._advance, row, nxt)
         try:
             await self.engine.claimed_event(
                 row.pid, render(row, now), claim=claim, run_id=event_key(row), reason="schedule.event"

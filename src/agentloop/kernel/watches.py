@@ -9,6 +9,11 @@ the row): the event and the move commit together or not at all. A crash anywhere
 the next start, which reads every watch's source from its ``seen_seq`` again, and a signal is
 never delivered twice, even by two workers catching up at once.
 
+A repeating watch on a busy source can log faster than its watcher reads (the watcher waits on a
+slow tool, or on an approval nobody answers). At most ``MAX_WAITING`` of its events wait in the
+watcher's queue; the signals after that are read past without a delivery, and the next delivery
+says how many were left out, so a storm costs the watcher's model a bounded number of messages.
+
 Several workers on one store (DESIGN §6): the worker publishing the source's signals (its lease
 holder) delivers them, so a watch made on another worker must still be seen there. On a shared
 store the index is therefore re-read from the store for every source that logged a watchable
@@ -63,6 +68,7 @@ WATCHABLE: frozenset[str] = frozenset(
 MAX_WATCHES = 100  # per watching process
 MAX_FINAL_TEXT = 4_000  # of the source's answer, in the event text
 MAX_PAYLOAD = 1_000  # of any other signal's payload
+MAX_WAITING = 20  # a repeating watch's events waiting unread in its watcher's queue; past it, left out
 PAGE = 200
 WATCH_RUN_PREFIX = "watch:"  # of the run ids of watches' deliveries
 
@@ -87,14 +93,17 @@ class WatchRouter:
         self._dirty: set[str] = set()  # sources that logged a watched signal since they were read
         self.retry = 5.0  # seconds before a source whose delivery failed is read again
         self._retrying: dict[str, asyncio.TimerHandle] = {}  # source pid -> its read again
+        self._left_out: dict[str, int] = {}  # watch id -> signals not delivered since its last delivery
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     # -- the API ----------------------------------------------------------------------------------
 
     async def add(self, pid: str, source_pid: str, signal: str = sig.RUN_FINISHED, *, once: bool = True) -> WatchRow:
-        if signal not in WATCHABLE:
+        if not isinstance(signal, str) or signal not in WATCHABLE:  # (a list is not even hashable)
             raise WatchError(f"signal must be one of {', '.join(sorted(WATCHABLE))}")
+        if not isinstance(once, bool):  # ("false" is true, and the store keeps it as an integer)
+            raise WatchError(f"once must be true or false, got {once!r}")
         if pid == source_pid:
             raise WatchError("a process may not watch itself (each event would start the next run)")
         watcher = await self._record(pid)
@@ -141,6 +150,7 @@ class WatchRouter:
         async with self.store.transaction():
             gone = await self.store.delete_watch(watch_id)
         self._unindex(rows[0])
+        self._left_out.pop(watch_id, None)
         return gone
 
     async def drop(self, pid: str) -> list[WatchRow]:
@@ -168,11 +178,14 @@ class WatchRouter:
         (which removed the watches it held and those on it)."""
         for row in rows or ():
             self._unindex(row)
+            self._left_out.pop(row.id, None)
         if killed is not None:
-            self._index.pop(killed, None)
+            for row in self._index.pop(killed, {}).values():
+                self._left_out.pop(row.id, None)
             for watches in self._index.values():
                 for row in [w for w in watches.values() if w.pid == killed]:
                     del watches[row.id]
+                    self._left_out.pop(row.id, None)
 
     # -- delivery ---------------------------------------------------------------------------------
 
@@ -271,6 +284,20 @@ class WatchRouter:
                 if event.signal != row.signal:
                     after = event.seq
                     continue
+                if not row.once and await self._unread(row) >= MAX_WAITING:
+                    # a storm while the watcher cannot read (a slow tool, an approval nobody
+                    # answers): its next model call would get every one of them at once
+                    async with self.store.transaction():
+                        moved = await self.store.set_watch_seen(row.id, event.seq, expect=row.seen_seq)
+                    if not moved:
+                        fresh = await self._reread(row)
+                        if fresh is None:
+                            return
+                        row, after = fresh, fresh.seen_seq
+                        break
+                    self._left_out[row.id] = self._left_out.get(row.id, 0) + 1
+                    row.seen_seq = after = event.seq
+                    continue
                 text = await self._render(row, event)
                 claim = self._claim(row, event.seq)
                 key = f"{WATCH_RUN_PREFIX}{row.id}:{event.seq}"
@@ -284,6 +311,7 @@ class WatchRouter:
                     row, after = fresh, fresh.seen_seq
                     break  # read the log again from where that worker left the watch
                 row.seen_seq = after = event.seq
+                self._left_out.pop(row.id, None)  # (the delivery said how many)
                 if row.once:
                     self._unindex(row)
                     return
@@ -294,6 +322,13 @@ class WatchRouter:
             async with self.store.transaction():
                 if await self.store.set_watch_seen(row.id, after, expect=row.seen_seq):
                     row.seen_seq = after
+
+    async def _unread(self, row: WatchRow) -> int:
+        """How many of the watch's deliveries wait in its watcher's queue, not read yet."""
+        mine = f"{WATCH_RUN_PREFIX}{row.id}:"
+        return sum(
+            1 for q in await self.store.queue(row.pid) if q.kind == "system" and (q.run_id or "").startswith(mine)
+        )
 
     def _claim(self, row: WatchRow, seq: int) -> Callable[[], Awaitable[bool]]:
         """The delivery of signal ``seq``'s claim: the row moves from the ``seen_seq`` this worker
@@ -324,6 +359,13 @@ class WatchRouter:
                 lines.append("final answer:\n" + _clip(final, MAX_FINAL_TEXT))
         else:
             lines.append("payload: " + _clip(json.dumps(payload, ensure_ascii=False, default=str), MAX_PAYLOAD))
+        left_out = self._left_out.get(row.id, 0)
+        if left_out:
+            lines.append(
+                f"({left_out} earlier signal{'s' if left_out > 1 else ''} of this watch"
+                f" {'were' if left_out > 1 else 'was'} left out:"
+                f" {MAX_WAITING} of its events were waiting unread)"
+            )
         if row.once:
             lines.append("(the watch has ended: it was for one signal)")
         return "\n".join(lines)
