@@ -439,7 +439,7 @@ def test_bad_frames_are_answered_and_the_connection_stays_usable(server: KernelS
             ({"type": "req", "id": "a6", "call": "proc.list", "args": "x"}, "a6"),
             (b"\x00\x01binary", None),
             ("[" * 100_000 + "]" * 100_000, None),
-            (json.dumps({"type": "req", "id": "big", "call": "proc.list", "args": {"pad": "x" * (1 << 20)}}), None),
+            (json.dumps({"type": "req", "id": "big", "call": "proc.list", "args": {"pad": "x" * (1 << 20)}}), "big"),
         ]
         for frame, rid in cases:
             c.send(frame)

@@ -415,6 +415,8 @@ class EngineChat:
         if scheme.lower() == "bearer" and token:
             try:
                 ok = await maybe_await(self.authorize(token))
+            except ApiError:  # a refusal the check chose (429 past an account's input rate)
+                raise
             except Exception:
                 _log(logging.ERROR, "token check failed", None, exc_info=True)
                 raise ApiError(503, "engine_unavailable", "The engine cannot check credentials right now.") from None

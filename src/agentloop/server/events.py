@@ -21,6 +21,8 @@ from contextlib import aclosing, suppress
 from typing import Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import SendTimeoutError
+from starlette.types import Receive, Scope, Send
 
 from agentloop.kernel import NoSuchProcess
 from agentloop.process.signals import Signal
@@ -48,6 +50,7 @@ def frame(pid: str, signal: Signal) -> ServerSentEvent:
 
 
 BUFFER = 256  # signals read ahead of a slow client; beyond it, reading the backlog waits for the client
+SEND_TIMEOUT = 30.0  # seconds one event (or ping) may take to leave; a client that stops reading is dropped
 
 
 async def _pump(pid: str, signals: AsyncIterator[Signal], out: asyncio.Queue[Any]) -> None:
@@ -104,6 +107,27 @@ async def frames(
         stop.cancel()
 
 
+class _EventStream(EventSourceResponse):
+    """An event stream that ends when a frame cannot leave within ``SEND_TIMEOUT``.
+
+    A client that stops reading (or whose network went quiet) would otherwise hold its stream, its
+    tasks and its watcher on the process for ever: the server's send waits on the full socket, so
+    neither the heartbeat's revocation check nor anything else runs again. Ending it is routine,
+    not a failed request: a warning here, and the server closes the connection.
+    """
+
+    def __init__(self, content: AsyncIterator[ServerSentEvent], pid: str) -> None:
+        # ping=0: heartbeats come from ``frames``, and only after silence, not on a fixed clock.
+        super().__init__(content, ping=0, headers={"Cache-Control": "no-store"}, send_timeout=SEND_TIMEOUT)
+        self.pid = pid
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            log_json(logging.WARNING, "dropping an event stream whose client does not read", pid=self.pid)
+
+
 async def open_stream(
     ctx: ServerContext, who: Principal, pid: str, *, after_seq: int, follow: bool
 ) -> EventSourceResponse:
@@ -111,5 +135,4 @@ async def open_stream(
     if ctx.stopping.is_set():
         raise ApiError(503, "unavailable", "the server is shutting down")
     signals = await ctx.processes.signals(who, pid, after_seq=after_seq, follow=follow)
-    # ping=0: heartbeats come from ``frames``, and only after silence, not on a fixed clock.
-    return EventSourceResponse(frames(ctx, pid, signals, who), ping=0, headers={"Cache-Control": "no-store"})
+    return _EventStream(frames(ctx, pid, signals, who), pid)

@@ -45,7 +45,8 @@ class InputRate:
         while accepted and accepted[0] <= now - WINDOW:
             accepted.popleft()
         if len(accepted) >= limit:
-            wait = max(1, math.ceil(accepted[0] + WINDOW - now))
+            # (a limit of 0 has nothing in the window to wait for: a whole window, then ask again)
+            wait = max(1, math.ceil(accepted[0] + WINDOW - now)) if accepted else math.ceil(WINDOW)
             raise ApiError(
                 429,
                 "rate_limited",

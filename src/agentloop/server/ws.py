@@ -37,7 +37,7 @@ from agentloop.server.strict_json import json_text
 
 logger = logging.getLogger("agentloop.server")
 
-MAX_IN_FLIGHT = 32  # requests one connection may have running at once
+MAX_IN_FLIGHT = 32  # requests one connection may have running or waiting for their answer to leave
 MAX_SUBSCRIPTIONS = 64  # processes one connection may follow at once
 MAX_ID = 128  # longest request id (and pid, run id, approval id) accepted
 CONNECT_TIMEOUT = 10.0  # seconds a socket may stay open without a successful sys.connect
@@ -115,17 +115,27 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def parse_frame(message: Message, limit: int) -> Request:
+# The calls that may carry images and documents, so may be as large as their HTTP bodies may.
+MEDIA_CALLS = ("proc.spawn", "proc.send")
+
+
+def parse_frame(message: Message, limit: int, media_limit: int = 0) -> Request:
     """A request from one ASGI receive message, or ``FrameError`` saying what is wrong with it.
 
-    The size is checked before parsing so that a huge frame costs no JSON work, and no field is
-    trusted before its type is checked.
+    A frame is at most ``limit`` bytes, or ``media_limit`` for the calls that carry media (as the
+    HTTP API allows them ``max_media_body``). The size is checked before parsing so that a frame
+    larger than both costs no JSON work; one between the two is parsed, so that its refusal names
+    its id; and no field is trusted before its type is checked.
     """
     text = message.get("text")
     if text is None:
         raise FrameError("binary frames are not supported: send JSON text frames")
-    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
-        raise FrameError(f"frame larger than {limit} bytes")
+    largest = max(limit, media_limit)
+    size = len(text)
+    if size <= largest:
+        size = len(text.encode("utf-8", "surrogatepass"))
+    if size > largest:
+        raise FrameError(f"frame larger than {largest} bytes")
     try:
         frame = json.loads(text)
     except (ValueError, RecursionError):
@@ -142,6 +152,8 @@ def parse_frame(message: Message, limit: int) -> Request:
     call = frame.get("call")
     if not isinstance(call, str) or not call:
         raise FrameError("call must be a non-empty string", rid)
+    if size > limit and call not in MEDIA_CALLS:
+        raise FrameError(f"frame larger than {limit} bytes (only {' and '.join(MEDIA_CALLS)} carry media)", rid)
     args = frame.get("args", {})
     if not isinstance(args, dict):
         raise FrameError("args must be an object", rid)
@@ -398,6 +410,10 @@ class Connection:
         self.who: Principal | None = None
         self.subscriptions: dict[str, asyncio.Task[None]] = {}
         self._requests: dict[str, tuple[asyncio.Task[None], Call]] = {}  # running, still cancellable
+        # Requests started and not yet answered. Not ``len(_requests)``: a request leaves that once its
+        # call is done, and its answer may then wait for a client that does not read; counted until
+        # it is sent, the limit also bounds the answers such a client makes the server hold.
+        self._unanswered = 0
         self._tasks: set[asyncio.Task[None]] = set()  # every request and stream task, until it ends
         self._cancel_asked: set[str] = set()
         self._send_lock = asyncio.Lock()
@@ -457,11 +473,20 @@ class Connection:
 
     async def _close_when_revoked(self, driver: Principal | None = None) -> None:
         """Every heartbeat, check the token the socket connected with (a user's, or a device
-        driver's once the hub has the socket): a revoked one closes the socket."""
+        driver's once the hub has the socket): a revoked one closes the socket. A check that fails
+        (the store unreachable for a moment) is logged and tried again next time: were this task to
+        end on it, a token revoked later would keep the socket open for as long as it lasts."""
         while True:
             await asyncio.sleep(self.ctx.heartbeat)
             who = driver or self.who
-            if who is not None and not await self.ctx.accounts.still_valid(who):
+            if who is None:
+                continue
+            try:
+                valid = await self.ctx.accounts.still_valid(who)
+            except Exception:
+                _log(logging.WARNING, "token check failed", exc_info=True, account=who.account)
+                continue
+            if not valid:
                 await self._close(CLOSE_UNAUTHORIZED, "the token was revoked")
                 return
 
@@ -509,8 +534,10 @@ class Connection:
     async def _read(self) -> tuple[Principal, dict[str, Any], str] | None:
         """Read and dispatch frames; returns a driver's hand-over details when one connects."""
         while (message := await self._receive()) is not None:
+            if self._closed:  # closed (a revoked token, shutdown) while this frame was awaited: not run
+                continue
             try:
-                req = parse_frame(message, self.ctx.max_body)
+                req = parse_frame(message, self.ctx.max_body, self.ctx.max_media_body)
             except FrameError as exc:
                 await self.send(res_error(exc.id, "bad_frame", exc.message))
                 continue
@@ -574,12 +601,18 @@ class Connection:
             await self.send(res_error(req.id, "unknown_call", f"no call named {req.call[:64]!r}"))
         elif req.id in self._requests:
             await self.send(res_error(req.id, "bad_frame", "a request with this id is still running"))
-        elif len(self._requests) >= MAX_IN_FLIGHT:
+        elif self._unanswered >= MAX_IN_FLIGHT:
             await self.send(res_error(req.id, "too_many_requests", f"at most {MAX_IN_FLIGHT} requests may run at once"))
         else:
             task = self._start(self._run(req, call))
-            task.add_done_callback(lambda _: self._answer_if_cancelled_early(req.id, task))
+            self._unanswered += 1
+            task.add_done_callback(lambda _: self._done(req.id, task))
             self._requests[req.id] = (task, call)
+
+    def _done(self, rid: str, task: asyncio.Task[None]) -> None:
+        """A request task ended: its answer has been sent (or dropped with the socket)."""
+        self._unanswered -= 1
+        self._answer_if_cancelled_early(rid, task)
 
     def _answer_if_cancelled_early(self, rid: str, task: asyncio.Task[None]) -> None:
         """A request cancelled before its task first ran never entered ``_run``, so nothing in it
