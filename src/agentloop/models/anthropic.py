@@ -66,6 +66,7 @@ from agentloop.urls import redact_url
 PLACEHOLDER_KEY = "sk-ant-local-no-key"
 TOOL_ID_MAX = 64
 EPHEMERAL = {"type": "ephemeral"}
+EMPTY_ERROR = "(the tool failed without a message)"
 
 _STOP: dict[str, StopReason] = {
     "end_turn": "stop",
@@ -171,10 +172,10 @@ class AnthropicModel(Model):
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
         create = cast(Any, self.client.messages.create)  # overloads cannot see `stream` in a dict
         response: anthropic.AsyncStream[Any] = await create(**sdk_kwargs(create, self.build_params(request)))
-        await check_event_stream(response.response)
-        yield out.start()
         reader = _EventReader(self.info, out)
-        async with response:
+        async with response:  # from here on: closed also when the caller stops reading at the start
+            await check_event_stream(response.response)
+            yield out.start()
             try:
                 async for event in response:
                     for ev in reader.read(event):
@@ -182,12 +183,13 @@ class AnthropicModel(Model):
                     if reader.stop is not None:
                         break
             except (anthropic.APIConnectionError, TransportError) as exc:  # the SDK lets transport errors through
-                timed_out = isinstance(exc, anthropic.APITimeoutError | TimeoutException)
-                kind: ErrorKind = "timeout" if timed_out else "connection"
-                raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
-        if reader.stop is None:
+                if not reader.whole():
+                    timed_out = isinstance(exc, anthropic.APITimeoutError | TimeoutException)
+                    kind: ErrorKind = "timeout" if timed_out else "connection"
+                    raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+        if reader.stop is None and not reader.whole():
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
-        for ev in out.finish(reader.stop, reader.usage()):
+        for ev in out.finish(reader.stop or "stop", reader.usage()):
             yield ev
 
     # ------------------------------------------------------------------ errors
@@ -276,6 +278,15 @@ class _EventReader:
 
     def usage(self) -> Usage:
         return make_usage(self.info, **self.tokens)
+
+    def whole(self) -> bool:
+        """Whether the answer had arrived whole when the stream broke: once ``message_delta``
+        named the stop reason only ``message_stop`` was to come, so the answer ends as it said
+        (instead of being thrown away and asked for, and paid for, again)."""
+        if self._stop_reason is None:
+            return False
+        self.stop = _STOP.get(self._stop_reason, "stop")
+        return True
 
     def _take_usage(self, raw: Any) -> None:
         if raw is None:
@@ -397,8 +408,12 @@ def _assistant_blocks(msg: AssistantMessage, info: ModelInfo) -> list[dict[str, 
 
 
 def _tool_result(msg: ToolResultMessage) -> dict[str, Any]:
+    """A ``tool_result`` block. The API refuses an error result without content, and the stored
+    result would fail every later call of the conversation: an empty one says so in words."""
     block: dict[str, Any] = {"type": "tool_result", "tool_use_id": msg.tool_call_id}
     content = _user_blocks(msg.content)
+    if not content and msg.is_error:
+        content = [{"type": "text", "text": EMPTY_ERROR}]
     if content:
         block["content"] = content
     if msg.is_error:

@@ -127,9 +127,12 @@ def endpoint(
     api_key: str | None, base_url: str | None, *, key_env: str, url_env: str, placeholder: str
 ) -> tuple[str | None, str | None]:
     """The API key and base URL of a provider, from the arguments or the environment. A server at
-    a custom base URL (vLLM, llama.cpp, a proxy) often needs no key: it gets a placeholder."""
-    url = base_url or os.environ.get(url_env) or None
-    key = api_key or os.environ.get(key_env) or None
+    a custom base URL (vLLM, llama.cpp, a proxy) often needs no key: it gets a placeholder.
+
+    Both are stripped: a key read from a file (a mounted secret) ends in a newline, which no HTTP
+    header may hold, and every call failed as a connection error, retried in vain."""
+    url = (base_url or os.environ.get(url_env) or "").strip() or None
+    key = (api_key or os.environ.get(key_env) or "").strip() or None
     if key is None and url is not None:
         key = placeholder
     return key, url
@@ -339,6 +342,19 @@ class AssistantBuilder:
     def has_tool_call(self, key: Any) -> bool:
         return key in self._tool_index
 
+    def tool_name(self, key: Any) -> str:
+        """The function name of the call under ``key`` ("" while the provider has not said it)."""
+        call = self.message.content[self._tool_index[key]]
+        assert isinstance(call, ToolCall)
+        return call.name
+
+    def name_tool(self, key: Any, name: str) -> None:
+        """Give the call under ``key`` the name that came after its start (its ``toolcall_end``
+        carries it; the ``toolcall_start`` already sent showed none)."""
+        call = self.message.content[self._tool_index[key]]
+        assert isinstance(call, ToolCall)
+        call.name = name
+
     def tool_args_complete(self, key: Any) -> bool:
         """Whether a call's arguments so far are a whole JSON value (more would not be its own)."""
         raw = "".join(self._tool_args.get(self._tool_index[key], ())).strip()
@@ -384,13 +400,16 @@ class AssistantBuilder:
         return events
 
     def finish(self, stop_reason: StopReason | None = None, usage: Usage | None = None) -> list[StreamEvent]:
-        """Close every open block and end with ``done``. ``stop_reason`` defaults from content."""
+        """Close every open block and end with ``done``. ``stop_reason`` defaults from content,
+        and follows it where the provider's word and the content disagree: "stop" with calls (as
+        Ollama says), or "toolUse" without any (a server whose calls could not be read), which
+        the loop took for a turn with calls to run and never ended."""
         events = self.end_block()
         events.extend(self._close_tools())
         msg = self.message
         if usage is not None:
             msg.usage = usage
-        if stop_reason is None or (stop_reason == "stop" and msg.tool_calls):
+        if stop_reason is None or stop_reason in ("stop", "toolUse"):
             stop_reason = "toolUse" if msg.tool_calls else "stop"
         msg.stop_reason = stop_reason
         events.append(StreamDone(message=msg))

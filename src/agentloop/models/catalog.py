@@ -6,6 +6,9 @@ not listed still works: it gets its provider's defaults, with no price.
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 from agentloop.models.base import ModelInfo
 
 
@@ -61,11 +64,22 @@ PROVIDER_DEFAULTS: dict[str, ModelInfo] = {
 }
 
 
+# a pinned snapshot's date: OpenAI's ``gpt-4o-2024-08-06``, Anthropic's ``claude-sonnet-4-5-20250929``
+_SNAPSHOT = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+
+
 def model_info(provider: str, id: str) -> ModelInfo:
-    """The catalog entry for ``provider:id``, or the provider's defaults under that id."""
+    """The catalog entry for ``provider:id``, or the provider's defaults under that id.
+
+    A dated snapshot of a listed model has that model's facts under its own id: taken for an
+    unknown model it was free (a cost guard never fired), had the default window and was not
+    known to reason (OpenAI refuses ``max_tokens`` from a reasoning model)."""
     known = CATALOG.get(f"{provider}:{id}")
     if known is not None:
         return known
+    alias = CATALOG.get(f"{provider}:{_SNAPSHOT.sub('', id)}")
+    if alias is not None:
+        return replace(alias, id=id)
     base = PROVIDER_DEFAULTS.get(provider, ModelInfo(provider=provider, id=id))
     return ModelInfo(
         provider=provider,

@@ -76,6 +76,7 @@ _FINISH: dict[str, StopReason] = {
 # finish reasons that say the server failed mid-answer (DeepSeek, Mistral): transient, retried
 _FINISH_FAILED = frozenset({"insufficient_system_resource", "error"})
 _CLIENT_OPTIONS = ("timeout", "default_headers", "organization", "project")
+_QUOTA = "insufficient_quota"  # the ``code`` (and ``type``) of a 429 that says the account has no credit left
 
 
 class OpenAIChatModel(Model):
@@ -140,8 +141,12 @@ class OpenAIChatModel(Model):
                 params["parallel_tool_calls"] = False  # OpenAI's reasoning models (and some servers) refuse it
         if request.cache_key and self.base_url is None:  # OpenAI's own API; other servers may refuse it
             params["prompt_cache_key"] = request.cache_key
-        if request.max_tokens is not None:  # OpenAI's reasoning models accept only the newer name
-            params["max_completion_tokens" if self.info.reasoning else "max_tokens"] = request.max_tokens
+        if request.max_tokens is not None:
+            # OpenAI's reasoning models accept only the newer name, and OpenAI's own API takes it
+            # from every model (so a reasoning model missing from the catalog works too); other
+            # servers may know only the older one
+            newer = self.info.reasoning or self.base_url is None
+            params["max_completion_tokens" if newer else "max_tokens"] = request.max_tokens
         if request.temperature is not None:
             params["temperature"] = request.temperature
         params.update(self.options)
@@ -153,12 +158,12 @@ class OpenAIChatModel(Model):
         params = self.build_params(request)
         create = cast(Any, self.client.chat.completions.create)  # overloads cannot see `stream` in a dict
         response: openai.AsyncStream[Any] = await create(**sdk_kwargs(create, params))
-        await check_event_stream(response.response)
-        yield out.start()
         finish: str | None = None
         usage: Usage | None = None
         calls = _DeltaReader(out)
-        async with response:
+        async with response:  # from here on: closed also when the caller stops reading at the start
+            await check_event_stream(response.response)
+            yield out.start()
             try:
                 async for chunk in response:
                     if getattr(chunk, "usage", None) is not None:
@@ -169,8 +174,9 @@ class OpenAIChatModel(Model):
                         if choice.finish_reason:
                             finish = choice.finish_reason
             except openai.APIConnectionError as exc:  # the stream broke: say how far it got
-                kind: ErrorKind = "timeout" if isinstance(exc, openai.APITimeoutError) else "connection"
-                raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+                if finish is None:  # (after the finish the answer is whole: only its usage is lost)
+                    kind: ErrorKind = "timeout" if isinstance(exc, openai.APITimeoutError) else "connection"
+                    raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if finish is None:
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
         if finish not in _FINISH:
@@ -245,7 +251,13 @@ def _status_detail(exc: openai.APIStatusError) -> tuple[str, str]:
 
 def classify_status(status: int, text: str, headers: object, codes: str = "") -> ProviderError:
     """The error kind of an HTTP error answer, shared by every OpenAI-compatible server;
-    ``codes``, the body's ``code`` and ``type``, may name an overflow the text does not."""
+    ``codes``, the body's ``code`` and ``type``, may name an overflow the text does not.
+
+    OpenAI answers an exhausted quota (no credit left) with a 429 too, but waiting does not end
+    it: it is told apart by its code and not retried, so the run fails over (or ends) at once
+    instead of repeating a refused call."""
+    if _QUOTA in codes.split():
+        return ProviderError(f"HTTP {status}: {text}", kind="auth", status=status)
     return http_error(
         status,
         f"HTTP {status}: {text}",
@@ -260,8 +272,10 @@ class _DeltaReader:
     Tool call fragments are keyed by ``index``; servers that omit it (some Ollama versions send
     each call whole) are keyed by ``id``, and a fragment with neither continues the latest call.
     Some servers give every parallel call index 0 (Ollama, LiteLLM, lmdeploy): a fragment with a
-    new ``id`` under an index whose call's arguments are already a whole JSON value starts
-    another call. (Not any new id: a few servers change the id between fragments of one call.)
+    new ``id`` under an index whose call's arguments are already a whole JSON value, or that
+    names another function than that call's, starts another call. (Not any new id: a few servers
+    change the id between fragments of one call.) A call whose first fragment had no name takes
+    it from the fragment that brings it.
     """
 
     def __init__(self, out: AssistantBuilder) -> None:
@@ -276,10 +290,16 @@ class _DeltaReader:
         slot = call.index if call.index is not None else (call.id or self.last_key or 0)
         key = self._latest.get(slot, slot)
         if call.id:
-            if self.out.has_tool_call(key) and self.out.tool_args_complete(key):
+            if self.out.has_tool_call(key) and (self._names_another(key, call) or self.out.tool_args_complete(key)):
                 key = self._latest[slot] = (slot, call.id)
             self._by_id[call.id] = key
         return key
+
+    def _names_another(self, key: Any, call: Any) -> bool:
+        """Whether ``call`` names another function than the call under ``key`` (which tells two
+        calls apart even when the first has no arguments, so none that could be whole)."""
+        name = call.function.name if call.function else None
+        return bool(name) and self.out.tool_name(key) not in ("", name)
 
     def delta(self, delta: Any) -> list[StreamEvent]:
         if delta is None:
@@ -289,18 +309,47 @@ class _DeltaReader:
         reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
         if isinstance(reasoning, str) and reasoning:
             events.extend(out.thinking(reasoning))
-        if delta.content:
+        if isinstance(delta.content, str):
             events.extend(out.text(delta.content))
+        elif isinstance(delta.content, list):
+            events.extend(self._parts(delta.content))
         for call in delta.tool_calls or ():
             key = self._key(call)
             fn = call.function
             if not out.has_tool_call(key):
                 call_id = call.id or f"call_{key}_{len(out.message.content)}"
                 events.extend(out.tool_call(key, call_id, (fn.name if fn else None) or ""))
+            elif fn is not None and fn.name and not out.tool_name(key):
+                out.name_tool(key, fn.name)
             self.last_key = key
             if fn is not None and fn.arguments:
                 events.extend(out.tool_args(key, fn.arguments))
         return events
+
+    def _parts(self, parts: list[Any]) -> list[StreamEvent]:
+        """Content as a list of parts, as Mistral's reasoning models stream it: ``text`` parts,
+        and ``thinking`` parts whose ``thinking`` is a list of text parts. (Taken for a string,
+        it failed every answer of such a model as unreadable.)"""
+        events: list[StreamEvent] = []
+        for part in parts:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "thinking":
+                thinking = _part_text(part.get("thinking"))
+                if thinking:
+                    events.extend(self.out.thinking(thinking))
+            elif part.get("type") == "text":
+                events.extend(self.out.text(_part_text(part.get("text"))))
+        return events
+
+
+def _part_text(value: object) -> str:
+    """The text of a content part's payload: a string, or a list of ``{"type": "text"}`` parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
 
 
 def _cause(exc: BaseException) -> str:
@@ -328,9 +377,16 @@ def _media_part(block: MediaBlock, documents: bool) -> dict[str, Any]:
     }
 
 
+def _joined(blocks: list[UserBlock]) -> str:
+    """The text blocks of a message as one string, a line apart: separate blocks (an MCP tool's
+    several results, a note after a text) are separate texts, which glued together ran into one
+    another ("Found 2 files:a.py")."""
+    return "\n".join(b.text for b in blocks if isinstance(b, TextContent) and b.text)
+
+
 def _user_content(blocks: list[UserBlock], documents: bool) -> str | list[dict[str, Any]]:
     if all(isinstance(b, TextContent) for b in blocks):
-        return "".join(b.text for b in blocks if isinstance(b, TextContent))
+        return _joined(blocks)
     return [
         {"type": "text", "text": b.text} if isinstance(b, TextContent) else _media_part(b, documents) for b in blocks
     ]
@@ -356,7 +412,7 @@ def to_openai_messages(request: ModelRequest, documents: bool = True) -> list[di
 
     for msg in clean_history(request.messages, lambda i: safe_tool_id(i, TOOL_ID_MAX)):
         if isinstance(msg, ToolResultMessage):
-            out.append({"role": "tool", "tool_call_id": msg.tool_call_id, "content": msg.text})
+            out.append({"role": "tool", "tool_call_id": msg.tool_call_id, "content": _joined(msg.content)})
             pending_images.extend(_media_part(b, documents) for b in msg.content if not isinstance(b, TextContent))
             continue
         flush_images()
