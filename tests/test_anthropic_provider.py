@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 
 from agentloop import Agent, tool, user
 from agentloop.events import AgentEnd, LoopEvent, ModelRetry, StreamDone, StreamError, StreamEvent
+from agentloop.images import sniff_image
 from agentloop.loop.execute import malformed
 from agentloop.messages import (
     AssistantMessage,
@@ -42,6 +44,7 @@ from tests.fakes.anthropic_server import (
     tool_start,
 )
 from tests.fakes.http_server import SSEReply
+from tests.image_support import jpeg, png
 
 # anthropic 2.x warns about model ids it considers deprecated; the ids here are only fixture names
 pytestmark = pytest.mark.filterwarnings("ignore:The model .* is deprecated:DeprecationWarning")
@@ -340,6 +343,45 @@ async def test_image_input_as_base64_block(fake: AnthropicFake) -> None:
     content = fake.last["messages"][0]["content"]
     assert content[0] == {"type": "text", "text": "what is this?"}
     assert content[1]["source"] == {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}
+
+
+def b64_image(data: bytes) -> ImageContent:
+    return ImageContent(data=base64.b64encode(data).decode(), mime_type=sniff_image(data) or "image/png")
+
+
+def sent_blocks(content: list[dict[str, Any]]) -> list[str]:
+    """Each sent block as "image", or the note that took an image's place."""
+    return ["image" if b["type"] == "image" else b["text"] for b in content if b["type"] != "tool_result"]
+
+
+async def test_an_image_past_anthropics_limits_is_a_note_not_a_refused_request(fake: AnthropicFake) -> None:
+    """Anthropic refuses a request holding an image over 5 MiB of base64 or 8000 pixels a side,
+    and the image stays in the history: without this, every later call of the conversation
+    failed. The model is told what was left out and why."""
+    huge = png(8001, 600)
+    heavy = ImageContent(data=base64.b64encode(png() + bytes(4 * 2**20)).decode(), mime_type="image/png")
+    fake.push(text_reply("seen"))
+    await events_of(model(fake), req(user("look", b64_image(png(8000, 8000)), b64_image(huge), heavy)))
+    assert sent_blocks(fake.last["messages"][0]["content"]) == [
+        "look",
+        "image",
+        "[an image (image/png) was left out: it is 8001x600 pixels, over the 8000 a side Anthropic takes]",
+        "[an image (image/png) was left out: it is 5.3 MiB in base64, over the 5 MiB Anthropic takes]",
+    ]
+
+
+async def test_a_request_of_many_images_keeps_the_newest_within_anthropics_limits(fake: AnthropicFake) -> None:
+    """More than 20 images in a request: 2000 pixels a side at most; more than 100: the oldest go."""
+    images = [b64_image(jpeg(2001 if i == 60 else 100, 100)) for i in range(102)]
+    fake.push(text_reply("seen"))
+    await events_of(model(fake), req(user("many", *images)))
+    sent = sent_blocks(fake.last["messages"][0]["content"])
+    too_many = "[an image (image/jpeg) was left out: a request holds at most 100 images, and newer ones came after it]"
+    too_big = (
+        "[an image (image/jpeg) was left out: it is 2001x100 pixels, over the 2000 a side Anthropic takes"
+        " in a request of more than 20 images]"
+    )
+    assert sent == ["many", too_many, too_many, *["image"] * 58, too_big, *["image"] * 41]
 
 
 async def test_a_pdf_returned_by_a_tool_is_a_document_in_the_tool_result(fake: AnthropicFake) -> None:

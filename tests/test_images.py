@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentloop.cli.attach import AttachError, load_attachment
-from agentloop.images import image_size, sniff_image
+from agentloop.images import encoded_image_size, image_size, sniff_image
 from agentloop.messages import ImageContent
 from agentloop.process.media import MediaError, check_media
 from agentloop.server.errors import ApiError
@@ -60,6 +60,18 @@ def test_a_cut_short_image_never_raises_and_has_no_size_until_its_header_is_whol
     assert sizes[:10] == [None] * 10  # no format states its size in fewer bytes
     whole = next(n for n, s in enumerate(sizes) if s is not None)
     assert all(s == (7, 5) for s in sizes[whole:])  # once readable, the same answer for any longer cut
+
+
+def test_the_size_of_an_encoded_image_decodes_only_what_it_needs() -> None:
+    assert encoded_image_size(MADE["image/png"]) == (7, 5)
+    assert encoded_image_size(MADE["image/jpeg"]) == (7, 5)  # its frame header is past the first bytes
+    metadata = b"\xff\xe1" + (65535).to_bytes(2, "big") + bytes(65533)  # an EXIF segment at its largest
+    photo = jpeg(640, 480)
+    for segments in (1, 4):  # within the first look, and past it (the whole image is decoded)
+        data = photo[:2] + metadata * segments + photo[2:]
+        assert encoded_image_size(base64.b64encode(data).decode()) == (640, 480)
+    assert encoded_image_size("not base64!") is None
+    assert encoded_image_size(base64.b64encode(DAMAGED).decode()) is None
 
 
 def test_a_file_that_only_starts_like_an_image_has_no_size() -> None:

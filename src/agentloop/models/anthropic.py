@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover
     from httpx import TimeoutException, TransportError  # type: ignore[assignment]
 
 from agentloop.events import ErrorKind, StreamEvent
+from agentloop.images import encoded_image_size
 from agentloop.messages import (
     AssistantMessage,
     ImageContent,
@@ -67,6 +68,13 @@ PLACEHOLDER_KEY = "sk-ant-local-no-key"
 TOOL_ID_MAX = 64
 EPHEMERAL = {"type": "ephemeral"}
 EMPTY_ERROR = "(the tool failed without a message)"
+# Anthropic's limits on images: at most 5 MiB of base64 and 8000 pixels a side each, 2000 a side
+# in a request of more than 20, at most 100 in a request
+MAX_IMAGE_CHARS = 5 * 1024 * 1024
+MAX_IMAGE_SIDE = 8000
+MANY_IMAGES = 20
+MAX_SIDE_OF_MANY = 2000
+MAX_IMAGES = 100
 
 _STOP: dict[str, StopReason] = {
     "end_turn": "stop",
@@ -363,10 +371,48 @@ class _EventReader:
 # ------------------------------------------------------------------ history conversion
 
 
-def _media(block: MediaBlock) -> dict[str, Any]:
+class _Images:
+    """Which images of one request go to the API. One that breaks a limit of Anthropic's would
+    have the request refused, and every later one of the conversation holding it; instead a note
+    takes its place, saying why, so the model can tell the person. Past the number a request may
+    hold, the oldest are the ones left out."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        total = sum(
+            isinstance(b, ImageContent)
+            for m in messages
+            if isinstance(m, UserMessage | ToolResultMessage)
+            for b in m.content
+        )
+        self.left_out = max(0, total - MAX_IMAGES)  # the oldest, left out for the newer
+        self.many = total - self.left_out > MANY_IMAGES
+        self.max_side = MAX_SIDE_OF_MANY if self.many else MAX_IMAGE_SIDE
+        self.seen = 0
+
+    def block(self, image: ImageContent) -> dict[str, Any]:
+        """The next image of the request (they are asked for in order), or the note in its place."""
+        self.seen += 1
+        why = self._refusal(image)
+        if why is not None:
+            return {"type": "text", "text": f"[an image ({image.mime_type}) was left out: {why}]"}
+        return {"type": "image", "source": {"type": "base64", "media_type": image.mime_type, "data": image.data}}
+
+    def _refusal(self, image: ImageContent) -> str | None:
+        if self.seen <= self.left_out:
+            return f"a request holds at most {MAX_IMAGES} images, and newer ones came after it"
+        if len(image.data) > MAX_IMAGE_CHARS:
+            return f"it is {len(image.data) / 2**20:.1f} MiB in base64, over the 5 MiB Anthropic takes"
+        size = encoded_image_size(image.data)  # (None: not readable here; the API judges it)
+        if size is not None and max(size) > self.max_side:
+            among = f" in a request of more than {MANY_IMAGES} images" if self.many else ""
+            return f"it is {size[0]}x{size[1]} pixels, over the {self.max_side} a side Anthropic takes{among}"
+        return None
+
+
+def _media(block: MediaBlock, images: _Images) -> dict[str, Any]:
     """An image, or a document: a PDF as base64, a text document as its text."""
     if isinstance(block, ImageContent):
-        return {"type": "image", "source": {"type": "base64", "media_type": block.mime_type, "data": block.data}}
+        return images.block(block)
     text = document_text(block)
     if text is None:
         source = {"type": "base64", "media_type": block.mime_type, "data": block.data}
@@ -378,11 +424,11 @@ def _media(block: MediaBlock) -> dict[str, Any]:
     return document
 
 
-def _user_blocks(blocks: list[UserBlock]) -> list[dict[str, Any]]:
+def _user_blocks(blocks: list[UserBlock], images: _Images) -> list[dict[str, Any]]:
     """Text, images and documents; text blocks that are empty or only whitespace are rejected by
     the API (and would fail every later call from the history), so they are left out."""
     return [
-        {"type": "text", "text": b.text} if isinstance(b, TextContent) else _media(b)
+        {"type": "text", "text": b.text} if isinstance(b, TextContent) else _media(b, images)
         for b in blocks
         if not isinstance(b, TextContent) or b.text.strip()
     ]
@@ -407,11 +453,11 @@ def _assistant_blocks(msg: AssistantMessage, info: ModelInfo) -> list[dict[str, 
     return blocks
 
 
-def _tool_result(msg: ToolResultMessage) -> dict[str, Any]:
+def _tool_result(msg: ToolResultMessage, images: _Images) -> dict[str, Any]:
     """A ``tool_result`` block. The API refuses an error result without content, and the stored
     result would fail every later call of the conversation: an empty one says so in words."""
     block: dict[str, Any] = {"type": "tool_result", "tool_use_id": msg.tool_call_id}
-    content = _user_blocks(msg.content)
+    content = _user_blocks(msg.content, images)
     if not content and msg.is_error:
         content = [{"type": "text", "text": EMPTY_ERROR}]
     if content:
@@ -437,13 +483,15 @@ def to_anthropic_messages(messages: list[Any], info: ModelInfo) -> list[dict[str
         else:
             out.append({"role": role, "content": blocks})
 
-    for msg in clean_history(messages, lambda i: safe_tool_id(i, TOOL_ID_MAX)):
+    history = clean_history(messages, lambda i: safe_tool_id(i, TOOL_ID_MAX))
+    images = _Images(history)
+    for msg in history:
         if isinstance(msg, UserMessage):
-            add("user", _user_blocks(msg.content))
+            add("user", _user_blocks(msg.content, images))
         elif isinstance(msg, SystemMessage):
             add("user", [{"type": "text", "text": NOTICE_PREFIX + msg.text}])
         elif isinstance(msg, ToolResultMessage):
-            add("user", [_tool_result(msg)])
+            add("user", [_tool_result(msg, images)])
         elif isinstance(msg, AssistantMessage):
             add("assistant", _assistant_blocks(msg, info))
     return out
