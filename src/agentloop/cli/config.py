@@ -241,12 +241,14 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     """Parse the file leniently: a problem with one key is a warning, never an exception. A file
     that cannot be read at all is an error for the commands that run the loop, like a bad limit:
     going on without it would silently drop every budget, fallback and MCP server it sets."""
-    if not path.exists():
-        return FileConfig(), []
     try:
         with path.open("rb") as f:
             data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except (FileNotFoundError, NotADirectoryError):  # no file: nothing to read, nothing lost
+        return FileConfig(), []
+    # (a path that cannot even be checked, a directory the user may not enter, may hold a file;
+    # the parser recurses, so a file nested deep enough exhausts the stack)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         return FileConfig(errors={"config": f"config file {path} cannot be read: {exc}"}), []
 
     warnings: list[str] = []

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TextIO, TypeVar
 
 import typer
 
@@ -47,6 +47,9 @@ from agentloop.cli.options import (
     loop_flags,
 )
 from agentloop.cli.render import Progress
+
+if TYPE_CHECKING:  # (the server extra may be missing: imported where it is used)
+    from agentloop.server.auth import Accounts
 
 T = TypeVar("T")
 
@@ -181,7 +184,7 @@ async def serve_async(
             ) as kernel,
         ):
             accounts = Accounts(kernel.store)
-            first = await accounts.bootstrap()
+            first = await _first_start(accounts)
             if first is not None:
                 _say(opts.out, f"created the admin account; its token: {first}")
                 _say(opts.out, TOKEN_NOTE)
@@ -253,6 +256,20 @@ async def serve_async(
                     await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
     finally:
         sock.close()
+
+
+async def _first_start(accounts: Accounts) -> str | None:
+    """The admin's first token on a fresh store (``Accounts.bootstrap``), else None. Servers that
+    share a PostgreSQL store may start together on a fresh one: each sees no account, and all but
+    the first fail to create ``admin``. That one prints the token; the others just serve."""
+    from agentloop.server.auth import ADMIN, AccountError
+
+    try:
+        return await accounts.bootstrap()
+    except AccountError:
+        if await accounts.store.get_account(ADMIN) is None:
+            raise  # not the race: something else is wrong
+        return None
 
 
 @contextlib.contextmanager

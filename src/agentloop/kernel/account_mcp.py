@@ -4,8 +4,9 @@ tools that account's processes get, next to the account's ``approval.json``.
 The file is a JSON list of server objects, or ``{"mcp_servers": [...]}``, each as
 ``MCPServerConfig`` takes it. The servers of an account start when its first run needs them and
 stay up for the kernel's life; a change to the file restarts them with the new list at the next
-run. A file that does not validate, or a server that does not start, is logged and that account's
-runs go on with the other tools; a failed start is tried again a minute later, not at every run.
+run. A file that does not validate (or is over ``MAX_FILE_BYTES``), or a server that does not
+start, is logged and that account's runs go on with the other tools; a failed start is tried again
+a minute later, not at every run.
 
 The servers run as the kernel's own user, so the file is as powerful as the kernel's config:
 only someone who can write the data directory can write it (the API has no way to).
@@ -30,6 +31,7 @@ from agentloop.tools.mcp import MCPError, MCPServerConfig, mcp_tools, parse_serv
 log = logging.getLogger("agentloop.kernel.mcp")
 
 RETRY_AFTER = 60.0  # seconds before a server that failed to start is tried again
+MAX_FILE_BYTES = 1 << 20  # a server list is a few lines: a larger file is refused, not read into memory
 
 
 @dataclass
@@ -119,7 +121,7 @@ class AccountMCP:
 
 def _read(path: Path) -> list[MCPServerConfig]:
     try:
-        data = json.loads(read_regular(path).decode("utf-8"))
+        data = json.loads(read_regular(path, MAX_FILE_BYTES).decode("utf-8"))
     except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8, not JSON, nested too deep
         raise ValueError(f"cannot read it: {exc}") from None
     if isinstance(data, dict) and set(data) == {"mcp_servers"}:

@@ -7,8 +7,10 @@ account's ``approval.json`` and ``mcp.json``.
 
 Models are named as everywhere else (``provider:model``, ``models/registry.py``); the providers'
 keys stay server-wide, in the environment. The file is read again when it changes (a ``stat`` per
-run), and a run keeps the model it started with. A file that does not validate, or names a model
+run), and a run keeps the model it started with. A file that does not validate (a value of another
+type is not converted: ``true`` is no output budget), is over ``MAX_FILE_BYTES``, or names a model
 that cannot be made, is logged and the account's runs use the kernel's model until it is fixed.
+There is no base URL to set: the server's provider keys go only where its environment says.
 Only someone who can write the data directory can write it (the API has no way to).
 """
 
@@ -30,11 +32,15 @@ from agentloop.stamps import Stamp, file_stamp, read_regular
 
 log = logging.getLogger("agentloop.kernel.model")
 
+MAX_FILE_BYTES = 1 << 20  # a model choice is a few lines: a larger file is refused, not read into memory
+
 
 class AccountModelFile(BaseModel):
     """What ``model.json`` may say; every field is optional (an absent one keeps the kernel's)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON has the types these need, and a coerced mistake is worse than a refused one
+    # (``"max_tokens": true`` would be 1, every answer cut after its first token)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     fallbacks: list[str] | None = None
@@ -74,7 +80,7 @@ class AccountModels:
     def _read(self, owner: str) -> Callable[[LoopConfig], LoopConfig] | None:
         path = self.file_of(owner)
         try:
-            data = json.loads(read_regular(path).decode("utf-8"))
+            data = json.loads(read_regular(path, MAX_FILE_BYTES).decode("utf-8"))
             chosen = AccountModelFile.model_validate(data)
             model = self._model(chosen.model) if chosen.model is not None else None
             fallbacks = [self._model(spec) for spec in chosen.fallbacks] if chosen.fallbacks is not None else None
