@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -409,6 +410,21 @@ async def test_a_blocking_tool_with_its_own_timeout_runs_in_a_thread_and_is_held
     assert first.is_error and "timed out after 0.2 s" in first.text
     assert second.text == "quick" and result.text == "moved on"
     assert blocking.interruptible and not quick.interruptible  # no timeout of its own: still inline
+
+
+async def test_a_plain_def_that_holds_the_loop_long_is_reported_once(caplog):
+    @tool
+    def slow() -> str:
+        """Work inline for longer than a tool should hold the loop."""
+        time.sleep(0.6)
+        return "done"
+
+    model = ScriptedModel([Reply(tool_calls=[call("slow")]), Reply(tool_calls=[call("slow")]), "ok"])
+    with caplog.at_level(logging.WARNING, logger="agentloop.tools"):
+        result = await Agent(model=model, tools=[slow]).run("go")
+    assert result.text == "ok"
+    [record] = [r for r in caplog.records if r.name == "agentloop.tools"]
+    assert "tool slow ran 0.6 s inline" in record.getMessage() and "thread=True" in record.getMessage()
 
 
 async def test_tool_failures_go_to_the_model():

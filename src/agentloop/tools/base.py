@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import re
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,11 @@ ResultBlock: TypeAlias = TextContent | ImageContent | FileContent
 #: (a whole log, a binary dumped as text) would otherwise fill the context and be sent again with
 #: every later model call; cut, the model still sees the start and the end and can ask for less.
 MAX_RESULT_CHARS = 100_000
+#: Seconds a plain ``def`` tool may hold the event loop before it is reported (once per tool): no
+#: timeout can stop work done inline, and meanwhile every other run on the loop waits.
+SLOW_INLINE = 0.5
+
+log = logging.getLogger("agentloop.tools")
 
 
 @dataclass
@@ -375,6 +382,7 @@ class FunctionTool(Tool):
             thread = options.get("timeout") is not None
         self._thread = thread and not self._is_async
         self.interruptible = self._is_async or self._thread
+        self._reported_slow = False
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -392,8 +400,24 @@ class FunctionTool(Tool):
         elif self._thread:
             value = await asyncio.to_thread(self.fn, **arguments)
         else:
-            value = self.fn(**arguments)
+            started = time.perf_counter()
+            try:
+                value = self.fn(**arguments)
+            finally:
+                self._check_inline(time.perf_counter() - started)
         return to_result(value)
+
+    def _check_inline(self, seconds: float) -> None:
+        """Say so, once, when inline work held the loop long: the tool's author can move it to a
+        thread, where the timeout holds and other runs go on meanwhile."""
+        if seconds > SLOW_INLINE and not self._reported_slow:
+            self._reported_slow = True
+            log.warning(
+                "tool %s ran %.1f s inline, holding the event loop (no timeout can stop it there): "
+                "declare it @tool(thread=True), give it a timeout, or make it async",
+                self.name,
+                seconds,
+            )
 
 
 class SchemaTool(Tool):
