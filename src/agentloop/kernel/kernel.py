@@ -328,7 +328,7 @@ class Kernel:
         ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
         ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``)
         in each run's system prompt. With ``daily_memory`` the memories a compaction (or a reset)
-        finds are appended to ``memory/<date>.md`` in the process's working directory
+        finds are appended to ``memory/<date>.md`` in the owner's home, ``<data_dir>/home/<owner>``
         (``process/memory.py``). An account's ``home/<account>/model.json`` picks the model of its
         runs (``kernel/account_model.py``). Tool calls are checked against the approval policy
         (``policy`` server-wide, per account in ``account_policies`` or the file
