@@ -331,6 +331,7 @@ async def test_an_overflow_that_compaction_cannot_cure_ends_the_run_after_one_re
         compacted = await _signals(proc, "proc.compacted")
     assert [f["status"] for f in finished] == ["ok", "error"] and "prompt is too long" in finished[-1]["error"]
     assert [c["reason"] for c in compacted] == ["overflow"] and calls[0] == 5
+    assert "reset the process to start afresh" in finished[-1]["error"]  # what the person can do about it
 
 
 async def test_a_summary_that_fails_leaves_the_run_going(tmp_path: Path) -> None:

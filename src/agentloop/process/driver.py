@@ -474,6 +474,8 @@ async def _finish(
     if status == "error" and error is None:
         last = last or (live.history[-1] if live.history else None)
         error = (last.error_message if isinstance(last, AssistantMessage) else None) or "unknown error"
+        if isinstance(last, AssistantMessage) and is_context_overflow(last):  # (compaction was tried)
+            error += f" {OVERFLOW_ADVICE}"
     if status == "error":
         await tx.append(run_id, [system(f"The run failed: {error}", "error")])
     if live.approvals:
@@ -483,6 +485,14 @@ async def _finish(
     if error:
         payload["error"] = error
     await tx.signal(sig.RUN_FINISHED, **payload)
+
+
+# what a person can do about an overflow that a compaction did not cure (what is left in the window,
+# the system prompt, the tools and the newest messages, is too large on its own)
+OVERFLOW_ADVICE = (
+    "(The conversation no longer fits the model's context window, even compacted: reset the process "
+    "to start afresh - its history is archived - or use a model with a larger window.)"
+)
 
 
 def _reason_code(reason: str) -> str:
