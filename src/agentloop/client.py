@@ -33,13 +33,52 @@ STREAM_READ_TIMEOUT = 45.0
 
 class ClientError(Exception):
     """A failed call: the HTTP status (0 when the server could not be reached), the error code of
-    the wire contract (``not_found``, ``unauthorized`` …) and a message fit to show a person."""
+    the wire contract (``not_found``, ``unauthorized`` …), a message fit to show a person, and the
+    seconds the server asked the caller to wait before trying again (``Retry-After``: a 429, a 409
+    that passes), if it said so.
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    Refusals a caller commonly handles apart come as subclasses (``Unauthorized``, ``Forbidden``,
+    ``NotFound``, ``Conflict``, ``RateLimited``), so ``except NotFound`` reads as what it means;
+    ``except ClientError`` still catches them all."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(f"{message} ({code})" if code else message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+
+
+class Unauthorized(ClientError):
+    """401: no token, or one the server does not know (any more)."""
+
+
+class Forbidden(ClientError):
+    """403: a valid token, but not the account's action to take."""
+
+
+class NotFound(ClientError):
+    """404: no such process or request (or someone else's)."""
+
+
+class Conflict(ClientError):
+    """409: the state forbids it now; ``retry_after`` says when it may pass."""
+
+
+class RateLimited(ClientError):
+    """429: too many inputs this minute; ``retry_after`` says when to try again."""
+
+
+_KINDS: dict[int, type[ClientError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    429: RateLimited,
+}
+# the longest Retry-After the event stream honours before reconnecting (a bad header is no reason
+# to stop following for an hour)
+MAX_RETRY_AFTER = 60.0
 
 
 class StreamEvent(NamedTuple):
@@ -59,15 +98,46 @@ def _segment(value: str) -> str:
     return quote(value, safe="")
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """``Retry-After`` in seconds (the delay form; the date form is not used by the server)."""
+    value = response.headers.get("retry-after", "").strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < float("inf") else None
+
+
 def _error(response: httpx.Response, body: bytes) -> ClientError:
+    """The ``ClientError`` of an answer that is not a success: a redirect (not followed: the
+    address to use instead is the caller's to fix), the API's JSON error, or anything else (a
+    proxy's HTML page), said by its status line rather than repeated."""
+    status = response.status_code
+    kind = _KINDS.get(status, ClientError)
+    retry_after = _retry_after(response)
+    if 300 <= status < 400:
+        where = response.headers.get("location")
+        try:
+            to = f" to {redact_url(str(response.url.join(where)))}" if where else ""
+        except (httpx.InvalidURL, ValueError):
+            to = ""
+        message = f"the server answered a redirect (HTTP {status}){to}: use that address"
+        return ClientError(status, "bad_response", message)
     try:
         data = json.loads(body)
     except ValueError:
         data = None
     if isinstance(data, dict) and isinstance(data.get("code"), str):
-        return ClientError(response.status_code, data["code"], str(data.get("message") or data["code"]))
-    text = body.decode("utf-8", "replace").strip()[:200]
-    return ClientError(response.status_code, "http_error", text or response.reason_phrase or "request failed")
+        message = str(data.get("message") or data["code"])
+        return kind(status, data["code"], message, retry_after=retry_after)
+    line = f"HTTP {status} {response.reason_phrase}".rstrip()
+    kind_of_body = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+    text = body.decode("utf-8", "replace").strip()
+    if kind_of_body == "text/plain" and text:  # a plain-text reason is worth showing; markup is not
+        line = f"{line}: {redact_secrets(' '.join(text.split()))[:200]}"
+    elif text:
+        line = f"{line} ({kind_of_body or 'a body'} that is not the API's JSON; is this an agentloop server?)"
+    return kind(status, "http_error", line, retry_after=retry_after)
 
 
 def _transient(exc: ClientError) -> bool:
@@ -147,18 +217,25 @@ class AgentloopClient:
         return ClientError(0, "unreachable", f"cannot reach the server at {where}: {type(exc).__name__} {why}")
 
     async def _call(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        """One request; its answer, a JSON object (every route answers one). Anything else, from a
+        server that is not agentloop's, is a ``ClientError`` here rather than an AttributeError in
+        the caller's code."""
         try:
             response = await self._http.request(method, path, json=body, params=params)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
-        if response.status_code >= 400:
+        if response.status_code >= 300:
             raise _error(response, response.content)
         try:
-            return response.json()
+            data = response.json()
         except ValueError:
             raise ClientError(
                 response.status_code, "bad_response", "the server answered something that is not JSON"
             ) from None
+        if not isinstance(data, dict):
+            what = f"a JSON {type(data).__name__}, not an object"
+            raise ClientError(response.status_code, "bad_response", f"the server answered {what}")
+        return data
 
     # -- calls ------------------------------------------------------------------------------------
 
@@ -266,9 +343,10 @@ class AgentloopClient:
         A dropped connection, or a stream the server ended because it was shutting down, is
         reopened with ``Last-Event-ID`` after a growing, jittered pause (reset by every event that
         arrives), at most ``max_retries`` times in a row (None: until the server answers an error
-        that retrying cannot fix, such as 404 for a killed process). ``connected`` is set each time
-        the server has accepted the stream, so a caller can start a run only once it is watching
-        (text deltas are live-only: sent before that, they are missed). ``on_retry(problem,
+        that retrying cannot fix, such as 404 for a killed process, or a page that is not an event
+        stream); a ``Retry-After`` sent with a 429 or 503 is waited out. ``connected`` is set each
+        time the server has accepted the stream, so a caller can start a run only once it is
+        watching (text deltas are live-only: sent before that, they are missed). ``on_retry(problem,
         attempt)`` is told before each reconnection, so a person watching knows why it paused."""
         last = after_seq
         failures = 0
@@ -296,7 +374,10 @@ class AgentloopClient:
                 raise problem
             if on_retry is not None:
                 on_retry(problem, failures)
-            await asyncio.sleep(min(5.0, 0.2 * 2 ** (failures - 1)) * (0.5 + random.random() / 2))
+            delay = min(5.0, 0.2 * 2 ** (failures - 1)) * (0.5 + random.random() / 2)
+            if problem.retry_after is not None:  # the server said how long it needs: not sooner
+                delay = max(delay, min(problem.retry_after, MAX_RETRY_AFTER))
+            await asyncio.sleep(delay)
 
     async def _stream(
         self, pid: str, after_seq: int, follow: bool, connected: asyncio.Event | None
@@ -312,8 +393,18 @@ class AgentloopClient:
             async with self._http.stream(
                 "GET", f"/v1/processes/{_segment(pid)}/events", params=params, headers=headers, timeout=timeout
             ) as response:
-                if response.status_code >= 400:
+                if response.status_code >= 300:
                     raise _error(response, await response.aread())
+                media_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+                if media_type != "text/event-stream":
+                    # some other web server (an index page for every path): read as a stream that
+                    # ended, it would be reopened for ever with nothing to show for it
+                    shown = media_type or "no content type"
+                    raise ClientError(
+                        response.status_code,
+                        "bad_response",
+                        f"the server answered {shown}, not an event stream; is this an agentloop server?",
+                    )
                 if connected is not None:
                     connected.set()
                 async for line in response.aiter_lines():

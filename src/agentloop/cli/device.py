@@ -47,15 +47,25 @@ def _device() -> None:
 
 
 def _say(text: str) -> None:
-    print(f"agentloop device: {text}", file=sys.stderr, flush=True)
+    # (after SIGHUP the terminal may be gone: a line nobody can read must not stop the shutdown)
+    with contextlib.suppress(OSError, ValueError):
+        print(f"agentloop device: {text}", file=sys.stderr, flush=True)
+
+
+#: What asks a device to stop: Ctrl-C, ``kill``, and the terminal it runs in closing (SIGHUP, whose
+#: default action would end the device at once and leave its shell commands, each in a session of
+#: its own, running with nobody to stop them). A SIGHUP that is ignored (``nohup``) stays ignored.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 async def _serve(client: DeviceClient) -> None:
-    """Run the client until it fails fatally or SIGINT / SIGTERM asks it to stop (cleanly: running
-    work is cancelled, shell process groups killed, the socket closed)."""
+    """Run the client until it fails fatally or SIGINT / SIGTERM / SIGHUP asks it to stop (cleanly:
+    running work is cancelled, shell process groups killed, the socket closed)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
+        if sig not in (signal.SIGINT, signal.SIGTERM) and signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # set aside by whoever started us (nohup): theirs to decide
         loop.add_signal_handler(sig, stop.set)
     runner = asyncio.create_task(client.run())
     stopper = asyncio.create_task(stop.wait())

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 from agentloop.device.wire import result_to_wire
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
-from agentloop.urls import check_server_address, redact_url
+from agentloop.urls import MASK, check_server_address, redact_secrets, redact_url
 
 __all__ = [
     "DEFAULT_ALLOW",
@@ -59,6 +59,12 @@ ALLOW_GROUPS: dict[str, tuple[str, ...]] = {
 DEFAULT_ALLOW: tuple[str, ...] = ALLOW_GROUPS["read"]
 _FATAL_CODES = frozenset({"unauthorized", "forbidden", "invalid_request"})
 _STABLE_AFTER = 30.0  # a connection that lived this long resets the backoff
+#: The largest answer a device sends. The server reads at most 16 MiB in one frame (uvicorn's
+#: WebSocket limit) and closes the socket on a larger one, failing every call running on the
+#: device; a result over this is answered as an error instead. (A 10 MiB image, the largest
+#: fs.read sends, is 13.3 MiB as base64.)
+MAX_ANSWER_BYTES = 15 * 1024 * 1024
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
 
 
 class DeviceError(Exception):
@@ -128,6 +134,25 @@ def _say(text: str) -> None:
     log.info("%s", text)
 
 
+class _MaskedLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The log websockets writes to for a device: with debug logging on it logs the handshake's
+    headers (``Authorization: Bearer <token>``) and the frames sent (``sys.connect`` carries the
+    token), so every line has the token masked before it is written."""
+
+    def __init__(self, logger: logging.Logger, secret: str) -> None:
+        super().__init__(logger, {})
+        self.secret = secret
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level):
+            return
+        text = str(msg) % args if args else str(msg)
+        if self.secret:
+            text = text.replace(self.secret, MASK)
+        kwargs.setdefault("stacklevel", 2)
+        self.logger.log(level, "%s", text, **kwargs)
+
+
 class DeviceClient:
     """One device: ``await client.run()`` serves until cancelled; raises ``DeviceError`` if fatal."""
 
@@ -153,10 +178,8 @@ class DeviceClient:
                 why = "the server closed the connection"
             except DeviceError:
                 raise
-            except (OSError, TimeoutError, EOFError) as exc:
-                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            except Exception as exc:  # websockets' handshake and protocol errors
-                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            except Exception as exc:  # the network, websockets' handshake and protocol errors
+                why = self._reason(exc)
             if time.monotonic() - started >= _STABLE_AFTER:
                 attempt = 0
             delay = min(self.options.backoff_max, self.options.backoff_initial * 2**attempt)
@@ -164,6 +187,15 @@ class DeviceClient:
             attempt = min(attempt + 1, 30)
             self.say(f"disconnected ({why}); reconnecting in {delay:.1f} s")
             await asyncio.sleep(delay)
+
+    def _reason(self, exc: BaseException) -> str:
+        """Why a connection failed, fit for a terminal and a log: an error may quote an address
+        with a password in it (a proxy's, from ``ws_proxy``/``https_proxy``), never the token."""
+        text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), str(exc))
+        text = redact_secrets(text)
+        if self.options.token:
+            text = text.replace(self.options.token, MASK)
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
     # -- one connection ---------------------------------------------------------------------------
 
@@ -192,6 +224,7 @@ class DeviceClient:
                 open_timeout=self.options.connect_timeout,
                 ping_interval=self.options.ping_interval,
                 max_size=32 * 1024 * 1024,
+                logger=_MaskedLog(logging.getLogger("websockets.client"), self.options.token),
             )
         except InvalidStatus as exc:
             status = exc.response.status_code
@@ -219,7 +252,7 @@ class DeviceClient:
             data = frame.get("data") or {}
             account = data.get("account", "?") if isinstance(data, dict) else "?"
             what = ", ".join(self._connect_args()["implements"]) or "no syscalls"
-            self.say(f"connected to {self.url} as {self.options.name} (account {account}; {what})")
+            self.say(f"connected to {redact_url(self.url)} as {self.options.name} (account {account}; {what})")
             return
         raw_error = frame.get("error")
         error: dict[str, Any] = raw_error if isinstance(raw_error, dict) else {}
@@ -270,7 +303,14 @@ class DeviceClient:
 
     async def _handle(self, ws: Any, req_id: str, tool: Tool, args: dict[str, Any]) -> None:
         result = await run_tool(tool, args, ToolContext(req_id, tool.name, self.options.root))
-        await _send(ws, {"type": "res", "id": req_id, "ok": True, "data": result_to_wire(result)})
+        text = _encode({"type": "res", "id": req_id, "ok": True, "data": result_to_wire(result)})
+        if len(text) > MAX_ANSWER_BYTES:  # (ASCII: as many bytes as characters)
+            too_large = ToolResult.error(
+                f"The result of {tool.name} is too large to send ({len(text)} bytes, over the device's "
+                f"{MAX_ANSWER_BYTES}-byte limit); ask for less of it at a time."
+            )
+            text = _encode({"type": "res", "id": req_id, "ok": True, "data": result_to_wire(too_large)})
+        await _send_text(ws, text)
 
 
 async def run_tool(tool: Tool, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -300,9 +340,17 @@ def _cancel(tasks: dict[str, asyncio.Task[None]], req_id: Any) -> bool:
     return True
 
 
+def _encode(frame: dict[str, Any]) -> str:
+    return json.dumps(frame, separators=(",", ":"))
+
+
 async def _send(ws: Any, frame: dict[str, Any]) -> None:
+    await _send_text(ws, _encode(frame))
+
+
+async def _send_text(ws: Any, text: str) -> None:
     """Send a frame; a connection that closed meanwhile loses it (the server fails the call)."""
     from websockets.exceptions import ConnectionClosed
 
     with contextlib.suppress(ConnectionClosed):
-        await ws.send(json.dumps(frame, separators=(",", ":")))
+        await ws.send(text)
