@@ -745,7 +745,8 @@ async def test_spawn_with_a_first_message_stores_the_process_and_its_run_in_one_
         assert isinstance(sent, UserMessage) and sent.text == "hello" and isinstance(sent.content[1], ImageContent)
         signals = [s async for s in proc.signals(follow=False)]
         started = next(s.payload for s in signals if s.signal == "proc.run.started")
-        assert started == {"pid": proc.pid, "runId": proc.started.run_id, "reason": "proc.send"}
+        assert isinstance(started.pop("timestamp"), int)
+        assert started == {"pid": proc.pid, "runId": proc.started.run_id, "reason": "proc.send", "queuedCount": 0}
         assert signals[-1].signal == "proc.run.finished" and signals[-1].payload["status"] == "ok"
 
 

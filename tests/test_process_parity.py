@@ -126,11 +126,15 @@ async def test_max_rounds_ends_a_durable_run_with_a_tools_free_round(tmp_path):
         last = (await proc.messages())[-1]
     assert [bool(r.tools) for r in requests] == [True, True, False]
     assert last.text == "stopping here"
+    assert isinstance(finished[0].payload.pop("timestamp"), int)
     assert finished[0].payload == {
         "pid": proc.pid,
         "runId": finished[0].payload["runId"],
         "status": "ok",
         "reason": "max_rounds",
+        "text": "stopping here",  # the run's answer, for a watcher that does not read the history
+        "usage": {"input": 30, "output": 15, "total_tokens": 45, "cost": 0.0},
+        "queuedCount": 0,
     }
 
 

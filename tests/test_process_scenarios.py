@@ -22,6 +22,38 @@ def kernel(tmp_path: Path, model, tools, **kw):
     )
 
 
+async def test_run_started_and_finished_say_what_a_watcher_needs_without_reading_the_history(tmp_path):
+    """GSV's payloads: the run's answer, its usage and the input waiting to start the next run on
+    proc.run.finished (``aborted: true`` on an abort); the waiting input on proc.run.started."""
+    gate = asyncio.Event()
+
+    @tool
+    async def wait() -> str:
+        """Wait until let go."""
+        await gate.wait()
+        return "let go"
+
+    model = ScriptedModel(lambda r: Reply(tool_calls=[call("wait")]) if r.messages[-1].text == "work" else "answered")
+    async with kernel(tmp_path, model, [wait]) as k:
+        proc = await k.spawn(owner="a")
+        first = await proc.send("work")
+        await proc.send("then this", mode="queue")
+        await proc.send("and this", mode="queue")
+        await asyncio.sleep(0.1)
+        assert await proc.abort(run_id=first.run_id)
+        await proc.wait_idle()
+        signals = [s.payload async for s in proc.signals(follow=False) if s.signal.startswith("proc.run.")]
+    started = [p for p in signals if "queuedCount" in p and "status" not in p]
+    finished = [p for p in signals if "status" in p]
+    assert [p["queuedCount"] for p in started] == [0, 1, 0]  # each queued input starts a run of its own
+    aborted, *answered = finished
+    assert aborted["status"] == "aborted" and aborted["aborted"] is True and aborted["text"] is None
+    assert aborted["queuedCount"] == 2 and aborted["usage"]["total_tokens"] > 0
+    assert [(p["text"], p["queuedCount"]) for p in answered] == [("answered", 1), ("answered", 0)]
+    assert not any("aborted" in p for p in answered)
+    assert all(isinstance(p["timestamp"], int) for p in started + finished)
+
+
 async def test_overlapping_wake_ups_coalesce_into_one_driver(tmp_path):
     model = ScriptedModel(["only one answer"], latency=0.05)
 

@@ -30,6 +30,9 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
         raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
     await after_clearing(engine, pid)
     if engine.leases is not None and not await engine.leases.hold(pid) and mode == "interrupt":
+        seen = await admitted(engine, pid, run_id)  # a retried interrupt must abort nothing
+        if seen is not None:
+            return seen
         await engine.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
         mode = "steer" if await engine.leases.hold(pid) else "queue"  # … and runs this next
     live = await engine.live(pid)
@@ -159,5 +162,5 @@ async def promote(engine: ProcessEngine, live: _Live) -> None:
         if live.record.current_run is not None or not await engine.store.dequeue(pid, first.id):
             return
         tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
-        await tx.start_run(first.message, first.reason or "queue.promote", first.run_id)
+        await tx.start_run(first.message, first.reason or "queue.promote", first.run_id, queued=live.queued - 1)
     engine.wake(pid)

@@ -471,8 +471,8 @@ async def _finish(
     """End the run inside ``tx``; the caller promotes queued input once it has committed."""
     pid, run_id = live.record.pid, run["run_id"]
     status = "aborted" if reason == "aborted" else "error" if reason == "error" else "ok"
+    last = last or (live.history[-1] if live.history else None)
     if status == "error" and error is None:
-        last = last or (live.history[-1] if live.history else None)
         error = (last.error_message if isinstance(last, AssistantMessage) else None) or "unknown error"
         if isinstance(last, AssistantMessage) and is_context_overflow(last):  # (compaction was tried)
             error += f" {OVERFLOW_ADVICE}"
@@ -481,9 +481,31 @@ async def _finish(
     if live.approvals:
         await engine.store.kv_delete(pid, f"approved:{run_id}")
     await tx.set_run(None)
-    payload: dict[str, Any] = {"runId": run_id, "status": status, "reason": _reason_code(reason)}
+    answer = last.text if status == "ok" and isinstance(last, AssistantMessage) else None
+    await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
+
+
+async def signal_run_finished(
+    tx: _Tx,
+    live: _Live,
+    run: dict[str, Any],
+    status: str,
+    reason: str,
+    *,
+    error: str | None = None,
+    text: str | None = None,
+) -> None:
+    """Log ``proc.run.finished`` with what a watcher needs without reading the history: the run's
+    answer (``text``, null unless it ended with one), its usage, and the input waiting to start
+    the next run (``queuedCount``)."""
+    payload: dict[str, Any] = {"runId": run["run_id"], "status": status, "reason": reason, "text": text}
     if error:
         payload["error"] = error
+    if status == "aborted":
+        payload["aborted"] = True
+    payload["usage"] = run["usage"]
+    payload["queuedCount"] = live.queued
+    payload["timestamp"] = int(time.time() * 1000)
     await tx.signal(sig.RUN_FINISHED, **payload)
 
 

@@ -57,7 +57,7 @@ from agentloop.process.api import (
     new_id,
 )
 from agentloop.process.calls import disarm, dispatch, end_batch, results_of, settle, signal_finished
-from agentloop.process.driver import drive, fail_run
+from agentloop.process.driver import drive, fail_run, signal_run_finished
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
@@ -604,7 +604,7 @@ class ProcessEngine:
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
             await tx.set_run(None)
-            await tx.signal(sig.RUN_FINISHED, runId=active, status="aborted", reason=reason)
+            await signal_run_finished(tx, live, run, "aborted", reason)
         return True
 
     async def forget(self, pid: str) -> None:

@@ -98,12 +98,22 @@ class _Tx:
 
         self.after.append(apply)
 
-    async def start_run(self, message: Message, reason: str, run_id: str | None = None) -> str:
-        """Start a run with ``message`` as its first input; returns the run's id."""
+    async def start_run(
+        self, message: Message, reason: str, run_id: str | None = None, *, queued: int | None = None
+    ) -> str:
+        """Start a run with ``message`` as its first input; returns the run's id. ``queued``: the
+        input left waiting once this transaction is kept (the cache's count, unless it takes an
+        item out of the queue)."""
         run = _new_run(run_id)
         await self.append(run["run_id"], [message])
         await self.set_run(run)
-        await self.signal(sig.RUN_STARTED, runId=run["run_id"], reason=reason)
+        await self.signal(
+            sig.RUN_STARTED,
+            runId=run["run_id"],
+            reason=reason,
+            queuedCount=self.live.queued if queued is None else queued,
+            timestamp=int(run["started"] * 1000),
+        )
         return str(run["run_id"])
 
     async def enqueue(
