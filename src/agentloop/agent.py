@@ -33,7 +33,7 @@ from agentloop.messages import (
     UserMessage,
     user,
 )
-from agentloop.models.base import Model
+from agentloop.models.base import Model, Reasoning, check_reasoning
 from agentloop.models.registry import resolve_model
 from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool, ToolLike, as_tool
@@ -227,7 +227,9 @@ class Agent:
 
     ``tool_timeout`` applies to every tool without its own; ``max_rounds`` is a shortcut for
     ``guards=Guards(max_rounds=...)``; ``fallbacks`` are tried in order when the model keeps
-    failing; ``workspace`` is where the built-in file and shell tools are rooted.
+    failing; ``workspace`` is where the built-in file and shell tools are rooted; ``reasoning``
+    (``"off"``, ``"low"``, ``"medium"``, ``"high"``) sets how hard a reasoning model thinks, on
+    whichever provider it is (None: the model's own setting).
     """
 
     def __init__(
@@ -247,6 +249,7 @@ class Agent:
         workspace: str | Path | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        reasoning: Reasoning | None = None,
     ) -> None:
         if tool_execution not in ("parallel", "sequential"):
             raise ValueError(f"tool_execution must be 'parallel' or 'sequential', got {tool_execution!r}")
@@ -274,6 +277,7 @@ class Agent:
             workspace=Path(workspace).resolve() if workspace is not None else None,
             max_tokens=max_tokens,
             temperature=temperature,
+            reasoning=check_reasoning(reasoning),
         )
         self._active: set[Run] = set()
 

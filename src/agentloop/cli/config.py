@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentloop.loop.guards import Guards
-from agentloop.models.base import Model
+from agentloop.models.base import REASONING_LEVELS, Model, Reasoning
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
 from agentloop.tools.mcp import MCPServerConfig, parse_servers
 from agentloop.urls import redact_secrets
@@ -41,7 +41,7 @@ STORE_ENV = "AGENTLOOP_STORE"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
-_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold")
+_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning")
 _SWITCHES = ("codemode", "subagents")  # true or false; anything else is an error
 _KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store")
 
@@ -63,6 +63,7 @@ class FileConfig:
     max_cost: float | None = None
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
+    reasoning: Reasoning | None = None
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
     subagents: bool = False
@@ -82,6 +83,7 @@ class LoopFlags:
     max_cost: float | None = None
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
+    reasoning: Reasoning | None = None
 
     def given(self) -> list[str]:
         """The flags that were set, spelled as on the command line (to refuse them where they
@@ -107,6 +109,7 @@ class Settings:
     max_cost: float | None = None
     fallbacks: tuple[str, ...] = ()
     compaction_threshold: float | None = None  # None: the kernel's default
+    reasoning: Reasoning | None = None  # None: the model's own setting
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
@@ -182,6 +185,7 @@ _LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_tokens": (_positive_int, "a positive integer (input and output tokens per run)"),
     "max_cost": (_positive_number, "a positive number of dollars per run"),
     "compaction_threshold": (_share, "a number above 0 and at most 1 (the share of the context window)"),
+    "reasoning": (lambda v: v in REASONING_LEVELS, f"one of {', '.join(REASONING_LEVELS)}"),
 }
 
 
@@ -374,6 +378,7 @@ def load_settings(
         max_cost=_first(flags.max_cost, file.max_cost),
         fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
+        reasoning=_first(flags.reasoning, file.reasoning),
         mcp_servers=file.mcp_servers,
         codemode=file.codemode,
         subagents=file.subagents,
@@ -441,6 +446,7 @@ def loop_options(settings: Settings, progress: Callable[[str], None] | None = No
         "tool_timeout": settings.tool_timeout,
         "guards": settings.guards,
         "fallbacks": open_fallbacks(settings, progress),
+        "reasoning": settings.reasoning,
     }
 
 

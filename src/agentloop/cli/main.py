@@ -42,6 +42,7 @@ from agentloop.cli.options import (
     MaxTokensOpt,
     MaxToolCallsOpt,
     MaxWallClockOpt,
+    ReasoningOpt,
     loop_flags,
 )
 from agentloop.cli.render import (
@@ -311,10 +312,13 @@ def run(
     max_tokens: MaxTokensOpt = None,
     max_cost: MaxCostOpt = None,
     fallback: FallbackOpt = None,
+    reasoning: ReasoningOpt = None,
 ) -> None:
     """Run one prompt to the end: the answer on stdout, tool activity on stderr."""
     with _guarded():
-        flags = loop_flags(max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback)
+        flags = loop_flags(
+            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, reasoning=reasoning
+        )
         settings = _settings(model, workspace, system, tool_timeout, flags)
         setting = _approval(approval or "ask")
         if prompt == "-":
@@ -377,12 +381,13 @@ def chat(
     max_cost: MaxCostOpt = None,
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
+    reasoning: ReasoningOpt = None,
 ) -> None:
     """Talk with the agent. The conversation is kept: quit and come back to continue it."""
 
     with _guarded(), exit_on_terminate():
         flags = loop_flags(
-            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
+            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold, reasoning
         )
         if server is not None or pid is not None:
             if flags.given():  # the server's own settings decide; silently ignoring them would mislead

@@ -79,6 +79,18 @@ CompactionOpt = Annotated[
 ]
 
 
+ReasoningOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--reasoning",
+        metavar="LEVEL",
+        help="How hard a reasoning model thinks: off, low, medium or high (default: the model's own; "
+        "config: reasoning).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+
+
 def loop_flags(
     max_rounds: int | None = None,
     max_tool_calls: int | None = None,
@@ -87,6 +99,7 @@ def loop_flags(
     max_cost: float | None = None,
     fallback: list[str] | None = None,
     compaction_threshold: float | None = None,
+    reasoning: str | None = None,
 ) -> LoopFlags:
     """The run-limit flags as one value (an empty ``--fallback`` list means the flag was not given)."""
     return LoopFlags(
@@ -97,4 +110,5 @@ def loop_flags(
         max_cost=max_cost,
         fallbacks=tuple(fallback) if fallback else None,
         compaction_threshold=compaction_threshold,
+        reasoning=reasoning,  # type: ignore[arg-type]  # (checked with the other flags: _flag_errors)
     )

@@ -44,6 +44,7 @@ from agentloop.cli.options import (
     MaxTokensOpt,
     MaxToolCallsOpt,
     MaxWallClockOpt,
+    ReasoningOpt,
     loop_flags,
 )
 from agentloop.cli.render import Progress
@@ -439,6 +440,7 @@ def serve(
     max_cost: MaxCostOpt = None,
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
+    reasoning: ReasoningOpt = None,
     max_processes: Annotated[
         int | None,
         typer.Option(
@@ -465,7 +467,7 @@ def serve(
         if not chat and (new or pid is not None):
             _fail("--new and --pid choose the conversation of --chat: give --chat too", 2)
         flags = loop_flags(
-            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold
+            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold, reasoning
         )
         settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
         setting = _approval(approval)

@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentloop.loop.state import LoopConfig
-from agentloop.models.base import Model
+from agentloop.models.base import Model, Reasoning
 from agentloop.models.registry import resolve_model
 from agentloop.process.store import ProcessRecord
 from agentloop.stamps import Stamp, file_stamp, read_regular
@@ -46,6 +46,7 @@ class AccountModelFile(BaseModel):
     fallbacks: list[str] | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
+    reasoning: Reasoning | None = None
 
 
 class _Choice:
@@ -95,6 +96,7 @@ class AccountModels:
                 fallbacks=cfg.fallbacks if fallbacks is None else fallbacks,
                 max_tokens=cfg.max_tokens if chosen.max_tokens is None else chosen.max_tokens,
                 temperature=cfg.temperature if chosen.temperature is None else chosen.temperature,
+                reasoning=cfg.reasoning if chosen.reasoning is None else chosen.reasoning,
             )
 
         return apply

@@ -40,6 +40,7 @@ def build_request(
         tools=cfg.tool_specs if tools_enabled else [],
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
+        reasoning=cfg.reasoning,
         parallel_tool_calls=cfg.tool_execution == "parallel",
         cache_key=conversation,
     )

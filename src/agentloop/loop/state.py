@@ -25,7 +25,7 @@ from agentloop.messages import (
     ToolResultMessage,
     Usage,
 )
-from agentloop.models.base import Model, ToolSpec
+from agentloop.models.base import Model, Reasoning, ToolSpec
 from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool
 
@@ -59,6 +59,7 @@ class LoopConfig:
     workspace: Path | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    reasoning: Reasoning | None = None  # how hard a reasoning model thinks (``models.base.Reasoning``)
     off_limits: tuple[Path, ...] = ()  # paths no tool may read (see ``ToolContext``)
 
     @property

@@ -57,6 +57,7 @@ from agentloop.models.base import (
     make_usage,
     quote_body,
     stream_broken,
+    thinking_budget,
 )
 from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
@@ -68,6 +69,7 @@ PLACEHOLDER_KEY = "sk-ant-local-no-key"
 TOOL_ID_MAX = 64
 EPHEMERAL = {"type": "ephemeral"}
 EMPTY_ERROR = "(the tool failed without a message)"
+MIN_THINKING = 1024  # the smallest thinking budget the API takes
 # Anthropic's limits on images: at most 5 MiB of base64 and 8000 pixels a side each, 2000 a side
 # in a request of more than 20, at most 100 in a request
 MAX_IMAGE_CHARS = 5 * 1024 * 1024
@@ -166,9 +168,12 @@ class AnthropicModel(Model):
             ]
             if not request.parallel_tool_calls:
                 params["tool_choice"] = {"type": "auto", "disable_parallel_tool_use": True}
-        if self.thinking_budget:
-            params["thinking"] = {"type": "enabled", "budget_tokens": self.thinking_budget}
-            max_tokens = max(max_tokens, self.thinking_budget + 1024)  # the budget must fit in max_tokens
+        budget = self.thinking_budget
+        if request.reasoning is not None and self.info.reasoning:  # the run's level wins over the model's
+            budget = thinking_budget(request.reasoning, self.info, minimum=MIN_THINKING)
+        if budget:
+            params["thinking"] = {"type": "enabled", "budget_tokens": budget}
+            max_tokens = max(max_tokens, budget + 1024)  # the budget must fit in max_tokens
         elif request.temperature is not None:  # thinking requires the default temperature
             params["temperature"] = request.temperature
         params["max_tokens"] = max_tokens

@@ -14,7 +14,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias, get_args
 
 from agentloop.events import (
     ErrorKind,
@@ -88,6 +88,30 @@ class ModelInfo:
         return Cost(input=i, output=o, cache_read=r, cache_write=w, total=i + o + r + w)
 
 
+#: How hard a reasoning model thinks before it answers, said once for every provider: each
+#: adapter turns it into its own setting (OpenAI's ``reasoning_effort``, a thinking budget in
+#: tokens for Anthropic and Gemini). A model that does not reason ignores it.
+Reasoning: TypeAlias = Literal["off", "low", "medium", "high"]
+REASONING_LEVELS: tuple[str, ...] = get_args(Reasoning)
+#: the thinking budget of each level, in tokens, for the providers that take one
+THINKING_BUDGETS: dict[str, int] = {"low": 2_048, "medium": 8_192, "high": 24_576}
+
+
+def check_reasoning(value: Any) -> Reasoning | None:
+    """``value`` as a reasoning level (None: the model's own default); ValueError otherwise."""
+    if value is None or value in REASONING_LEVELS:
+        return value  # type: ignore[no-any-return]
+    raise ValueError(f"reasoning must be one of {', '.join(REASONING_LEVELS)}, got {value!r}")
+
+
+def thinking_budget(level: Reasoning, info: ModelInfo, minimum: int = 0) -> int:
+    """The thinking budget in tokens of ``level`` on ``info``'s model: 0 for off, else the level's,
+    at least ``minimum`` (what the provider accepts) and within the model's output limit."""
+    if level == "off":
+        return 0
+    return max(minimum, min(THINKING_BUDGETS[level], info.max_output // 2))
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     """A tool as the model sees it: a name, a description and a JSON schema for its arguments."""
@@ -108,6 +132,7 @@ class ModelRequest:
     temperature: float | None = None
     parallel_tool_calls: bool = True  # False: the loop runs calls one by one, so ask for one per turn
     cache_key: str | None = None  # the conversation (a process id): a prompt cache routes its calls together
+    reasoning: Reasoning | None = None  # None: the model's own setting
 
 
 def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int = 0, cache_write: int = 0) -> Usage:

@@ -43,6 +43,10 @@ CATALOG: dict[str, ModelInfo] = {
         _m("openai", "gpt-4.1", 1_047_576, 32_768, (2.0, 8.0, 0.5, 0.0), vision=True),
         _m("openai", "gpt-4.1-mini", 1_047_576, 32_768, (0.4, 1.6, 0.1, 0.0), vision=True),
         _m("openai", "o4-mini", 200_000, 100_000, (1.1, 4.4, 0.275, 0.0), vision=True, reasoning=True),
+        _m("openai", "o3", 200_000, 100_000, (2.0, 8.0, 0.5, 0.0), vision=True, reasoning=True),
+        _m("openai", "gpt-5", 400_000, 128_000, (1.25, 10.0, 0.125, 0.0), vision=True, reasoning=True),
+        _m("openai", "gpt-5-mini", 400_000, 128_000, (0.25, 2.0, 0.025, 0.0), vision=True, reasoning=True),
+        _m("openai", "gpt-5-nano", 400_000, 128_000, (0.05, 0.4, 0.005, 0.0), vision=True, reasoning=True),
         _m("anthropic", "claude-sonnet-4-5", 200_000, 64_000, (3.0, 15.0, 0.3, 3.75), vision=True, reasoning=True),
         _m("anthropic", "claude-opus-4-1", 200_000, 32_000, (15.0, 75.0, 1.5, 18.75), vision=True, reasoning=True),
         _m("anthropic", "claude-haiku-4-5", 200_000, 64_000, (1.0, 5.0, 0.1, 1.25), vision=True, reasoning=True),
@@ -87,5 +91,10 @@ def model_info(provider: str, id: str) -> ModelInfo:
         context_window=base.context_window,
         max_output=base.max_output,
         vision=base.vision,
-        reasoning=base.reasoning,
+        reasoning=base.reasoning or (provider == "openai" and _OPENAI_REASONING.match(id) is not None),
     )
+
+
+# OpenAI's reasoning families, for the ones not listed yet (they refuse ``max_tokens`` and take
+# ``reasoning_effort``): o1, o3, o4 and gpt-5 (but not its chat variant, which does not reason)
+_OPENAI_REASONING = re.compile(r"(?:o[134](?:-|$)|gpt-5(?!-chat))")

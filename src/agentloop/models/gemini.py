@@ -63,6 +63,7 @@ from agentloop.models.base import (
     make_usage,
     quote_body,
     stream_broken,
+    thinking_budget,
 )
 from agentloop.models.catalog import model_info
 from agentloop.models.overflow import is_overflow_text
@@ -71,6 +72,7 @@ from agentloop.models.retry import parse_retry_after, retry_after_from_headers
 from agentloop.urls import redact_url
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com"
+MIN_PRO_THINKING = 128  # a Pro model's least thinking budget (it cannot turn thinking off)
 API_VERSIONS = ("v1beta", "v1alpha", "v1")
 GENERATED_ID_PREFIX = "gemini_call_"
 # Documented stand-in for a function call that carries no signature because another model (or
@@ -187,10 +189,15 @@ class GeminiModel(Model):
             config["maxOutputTokens"] = request.max_tokens
         if request.temperature is not None:
             config["temperature"] = request.temperature
-        if self.thinking_budget is not None or self.include_thoughts:
+        budget = self.thinking_budget
+        if request.reasoning is not None and self.info.reasoning:  # the run's level wins over the model's
+            budget = thinking_budget(request.reasoning, self.info)
+            if budget == 0 and "-pro" in self.model_id:  # a Pro model cannot stop thinking: its least
+                budget = MIN_PRO_THINKING
+        if budget is not None or self.include_thoughts:
             thinking: dict[str, Any] = {}
-            if self.thinking_budget is not None:
-                thinking["thinkingBudget"] = self.thinking_budget
+            if budget is not None:
+                thinking["thinkingBudget"] = budget
             if self.include_thoughts:
                 thinking["includeThoughts"] = True
             config["thinkingConfig"] = thinking

@@ -42,6 +42,7 @@ from agentloop.models.base import (
     ModelInfo,
     ModelRequest,
     ProviderError,
+    Reasoning,
     check_event_stream,
     endpoint,
     error_parts,
@@ -150,6 +151,8 @@ class OpenAIChatModel(Model):
         if request.temperature is not None:
             params["temperature"] = request.temperature
         params.update(self.options)
+        if request.reasoning is not None and self.info.reasoning:  # (another model refuses the field)
+            params["reasoning_effort"] = _effort(request.reasoning, self.model_id)
         return params
 
     # ------------------------------------------------------------------ response
@@ -350,6 +353,14 @@ def _part_text(value: object) -> str:
     if isinstance(value, list):
         return "".join(p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+def _effort(level: Reasoning, model_id: str) -> str:
+    """OpenAI's ``reasoning_effort`` for a level. Its reasoning models cannot stop thinking: "off"
+    is their least, ``minimal`` where the model has it (the gpt-5 family), else ``low``."""
+    if level != "off":
+        return level
+    return "minimal" if model_id.startswith("gpt-5") else "low"
 
 
 def _cause(exc: BaseException) -> str:
