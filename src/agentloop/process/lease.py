@@ -256,7 +256,34 @@ class Leases:
         await self.store.notify(pid, self.owner)
 
     def lost(self, pid: str) -> None:
+        """This worker no longer holds ``pid`` (taken over, or its commit found the lease gone)."""
+        if self.held.pop(pid, None) is not None:
+            self._followed_from_log(pid)
+
+    def _followed_from_log(self, pid: str) -> None:
+        """Just before this worker drops its cache of a process it held: its watchers here follow
+        the process from the log from now on, from the last signal it published to them, as
+        watchers of any process held elsewhere (else they would hear nothing more of it)."""
+        live = self.engine.cached(pid)
+        if live is None or live.remote or not self.engine.hub.watching(pid) or pid in self._tail:
+            return
+        self._tail[pid] = live.seq
+        self._spawn(self.relay.announce([pid]))
+        self._changed.add(pid)  # (read the log at once: the new holder may be well ahead)
+        self._wake.set()
+
+    def _gone(self, pid: str) -> None:
+        """The process was killed (through another worker): end its watchers' streams here, as a
+        kill on this worker does, instead of leaving them waiting for ever."""
         self.held.pop(pid, None)
+        self._tail.pop(pid, None)
+        self.relay.forget(pid)
+        self.engine.uncache(pid)
+        self.engine.hub.close(pid)
+
+    async def _exists(self, pid: str) -> bool:
+        record = await self.store.get_process(pid)
+        return record is not None and record.state != "killed"
 
     # -- forwarding -------------------------------------------------------------------------------
 
@@ -371,8 +398,11 @@ class Leases:
                     await self._look(pid)
                 now = time.monotonic()
                 if now >= next_renew:
-                    next_renew = now + renew_every
+                    # a failed renewal is tried again at the next poll, not a renewal period later:
+                    # two periods of a database blip would otherwise let every lease lapse
+                    next_renew = now + min(renew_every, self.poll)
                     await self._renew()
+                    next_renew = now + renew_every
                 if now >= next_poll:
                     next_poll = now + self.poll
                     await self.sweep()
@@ -390,8 +420,8 @@ class Leases:
         alive = await self.store.renew_leases(self.owner, self.ttl)
         for pid, epoch in before.items():
             if self.held.get(pid) == epoch and alive.get(pid) != epoch:
-                log.warning("process %s: lease lost (taken over after it expired)", pid)
-                self.held.pop(pid, None)
+                log.warning("process %s: lease lost (taken over after it expired, or killed)", pid)
+                self.lost(pid)
                 self.engine.uncache(pid)
         # Leases of this name that nothing here acts on (one whose release failed, one from before
         # a restart under the same name, the sweep's skipping its idle processes): renewed with the
@@ -405,14 +435,34 @@ class Leases:
         """Another worker changed the process (or it is time to poll): act on what it left."""
         engine = self.engine
         live = engine.cached(pid) if pid in self.held else None
+        if live is None and pid in self.held and pid not in self._claiming:
+            # held but not loaded (a claim that found nothing to resume, the reload after a failed
+            # commit): loaded now, so that input another worker leaves for it is run, or the
+            # idle process let go; unlooked at, its lease would be renewed with nothing acting on it
+            try:
+                live = await engine.live(pid)
+            except NoSuchProcess:
+                self._gone(pid)
+                return
+            if live.remote:
+                return  # let go of meanwhile
         if live is None:
             if pid in self._tail:
                 await self._publish_log(pid)
             return
         request = await self.store.kv_get(pid, ABORT_KEY)
         if request is not None:
-            async with self.store.transaction():
-                await self.store.kv_delete(pid, ABORT_KEY)
+            try:
+                # under this worker's claim: one that lost the lease without knowing yet (a
+                # stall) leaves the request to the new holder instead of dropping it unheeded
+                async with self.store.transaction():
+                    await self.fence(pid)
+                    await self.store.kv_delete(pid, ABORT_KEY)
+            except LeaseLost:
+                if engine.cached(pid) is live:
+                    self.lost(pid)
+                    engine.uncache(pid)
+                return
             run = live.record.current_run
             if run is not None and run["run_id"] == request.get("run_id"):
                 self._spawn(engine.abort(pid, run["run_id"], reason=str(request.get("reason", "user"))))
@@ -420,6 +470,10 @@ class Leases:
         logged = await self.store.last_event_seq(pid)  # forwarded signals too: relayed deltas follow them
         if engine.cached(pid) is not live:
             return  # let go of (or reloaded) meanwhile
+        if logged < live.seq and not await self._exists(pid):  # (a log only shrinks when its process is killed)
+            if engine.cached(pid) is live:
+                self._gone(pid)
+            return
         live.queued = queued
         live.seq = max(live.seq, logged)
         live.approvals = True  # a decision may have been stored elsewhere
@@ -440,6 +494,10 @@ class Leases:
             return
         after = self._tail.get(pid, 0)
         rows = await self.store.events(pid, after_seq=after)
+        if not rows and pid not in self.held and not await self._exists(pid):
+            if pid not in self.held:  # (not claimed meanwhile)
+                self._gone(pid)
+            return
         logged = [Signal(row.signal, row.payload, row.seq) for row in rows]
         self.relay.merge(pid, after, logged, functools.partial(hub.publish, pid))
         if rows and pid in self._tail:

@@ -941,11 +941,10 @@ class PostgresStore(Store):
         self, notified: Notified, live: LiveListener | None = None
     ) -> Callable[[], Awaitable[None]] | None:
         """LISTEN on a connection of its own (not the pool's: a pooled connection is shared). A
-        notification sent while the connection is down is lost, which the caller's polling covers."""
-        try:
-            conn = await asyncpg.connect(self._dsn, timeout=15)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise self._error("cannot listen on", exc) from None
+        notification sent while the connection is down is lost, which the caller's polling covers;
+        a lost connection (the server restarted, a network blip) is replaced at once and then
+        retried until it is back, since without one every later notification would be lost too:
+        the relayed live text and the other workers' interest in it travel by notification only."""
 
         def deliver(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
             pid, _, sender = payload.partition(" ")
@@ -967,10 +966,52 @@ class PostgresStore(Store):
                 log.debug("ignored a malformed message on %s", LIVE_CHANNEL)
 
         listeners = [(CHANNEL, deliver)] + ([(LIVE_CHANNEL, deliver_live)] if live is not None else [])
-        for channel, callback in listeners:
-            await conn.add_listener(channel, callback)
+        lost = asyncio.Event()
+
+        def on_lost(_conn: Any) -> None:
+            lost.set()
+
+        async def connect() -> Any:
+            conn = await asyncpg.connect(self._dsn, timeout=15)
+            try:
+                for channel, callback in listeners:
+                    await conn.add_listener(channel, callback)
+            except BaseException:
+                conn.terminate()
+                raise
+            conn.add_termination_listener(on_lost)
+            if conn.is_closed():  # lost before its listener was there to hear it
+                lost.set()
+            return conn
+
+        try:
+            current = [await connect()]
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise self._error("cannot listen on", exc) from None
+
+        async def keep() -> None:
+            while True:
+                await lost.wait()
+                lost.clear()
+                log.warning("the notification connection to %s was lost; listening again", self.url)
+                delay = 0.1
+                while True:
+                    try:
+                        current[0] = await connect()
+                        break
+                    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                        log.debug("cannot listen on %s yet: %s", self.url, scrub(str(exc), self._dsn))
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, 5.0)
+
+        keeper = asyncio.get_running_loop().create_task(keep(), name="agentloop-listen")
 
         async def stop() -> None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            conn = current[0]
+            conn.remove_termination_listener(on_lost)
             for channel, callback in listeners:
                 with contextlib.suppress(Exception):
                     await conn.remove_listener(channel, callback)
