@@ -277,14 +277,15 @@ async def test_a_skills_directory_made_after_start_brings_the_skills_tool_with_i
         proc = await k.spawn(owner="alice")
         await proc.send("anything to know?")
         await proc.wait_idle()
-        assert [t.name for t in model.requests[0].tools] == []
+        assert [t.name for t in model.requests[0].tools] == ["memory"]  # (the owner's memory: always there)
         skill = tmp_path / "config" / "ai" / "skills.d" / "deploy"
         skill.mkdir(parents=True)
         (skill / "SKILL.md").write_text("---\nname: deploy\ndescription: How to ship a release.\n---\nRun make ship.")
         await proc.send("and now?")
         await proc.wait_idle()
         second = model.requests[1]
-        assert [t.name for t in second.tools] == ["skills"] and "How to ship a release." in second.system_prompt
+        assert [t.name for t in second.tools] == ["memory", "skills"]
+        assert "How to ship a release." in second.system_prompt
         result = next(m for m in await proc.messages() if isinstance(m, ToolResultMessage))
         assert "deploy" in result.text and not result.is_error
 

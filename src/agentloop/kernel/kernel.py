@@ -27,6 +27,7 @@ from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.account_model import AccountModels
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import SCHEDULES, WATCHES, Duty
+from agentloop.kernel.memory_tool import memory_toolset
 from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
 from agentloop.kernel.tasks import task_toolset
@@ -365,6 +366,8 @@ class Kernel:
             toolset = chain(task_toolset(kernel_ref), toolset)
         toolset = chain(account_mcp.toolset, toolset)
         toolset = chain(skills_toolset(data), toolset)
+        if daily_memory:
+            toolset = chain(memory_toolset(data), toolset)
         if builtin:
             toolset = chain(cwd_toolset(root), toolset)
         if approval is None:
