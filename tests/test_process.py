@@ -320,6 +320,31 @@ async def test_model_answer_arriving_after_abort_is_dropped(tmp_path):
         assert msgs[-1].role == "user" or (isinstance(msgs[-1], AssistantMessage) and msgs[-1].stop_reason == "aborted")
 
 
+async def test_a_resume_point_past_the_end_of_the_log_counts_from_its_end(tmp_path):
+    """A client that saw seq 500 of a database since restored from an older backup (the log ends
+    at 8): the new signals are numbered 9, 10, … and must reach it, not wait to pass 500."""
+    async with kernel(tmp_path, ScriptedModel(["one", "two"])) as k:
+        proc = await k.spawn(owner="a")
+        await proc.send("a")
+        await proc.wait_idle()
+        end = (await drain(proc))[-1].seq
+        assert await drain(proc, after=end + 500) == []  # nothing new yet
+        got: list[int] = []
+
+        async def follow() -> None:
+            async for s in proc.signals(after_seq=end + 500):
+                if s.seq is not None:
+                    got.append(s.seq)
+                if s.signal == "proc.run.finished":
+                    return
+
+        watcher = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        await proc.send("b")
+        await asyncio.wait_for(watcher, 5)
+    assert got and got[0] == end + 1  # the next run's signals, from the first
+
+
 async def test_signals_resume_and_follow(tmp_path):
     async with kernel(tmp_path, ScriptedModel(["one", "two"])) as k:
         proc = await k.spawn(owner="a")

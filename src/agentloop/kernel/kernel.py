@@ -172,10 +172,15 @@ class Process:
         return await engine.send(self.pid, message, mode=mode, run_id=run_id)
 
     async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
-        """The process's signals after ``after_seq``; with ``follow``, then live ones as they come."""
+        """The process's signals after ``after_seq``; with ``follow``, then live ones as they come.
+        An ``after_seq`` past the log's end (a client that saw more than a database restored from
+        an older backup holds) counts from the end: new signals take the numbers it already saw,
+        and waiting for the log to pass them would hide every one until then."""
         _check_position("after_seq", after_seq, 0)
         engine = self.kernel.engine
         await engine.live(self.pid)
+        if after_seq:
+            after_seq = min(after_seq, await self.kernel.store.last_event_seq(self.pid))
         queue = engine.hub.watch(self.pid) if follow else None
         try:
             last = after_seq
