@@ -480,6 +480,24 @@ async def test_reset_archives_and_kill_removes(tmp_path):
         assert await k.processes() == []
 
 
+async def test_a_reset_drops_the_old_conversations_signals_and_the_numbering_goes_on(tmp_path):
+    """The log of a conversation that reset archived and cleared is dropped with it (it would
+    otherwise grow with every tool output for the life of the process); signals a watch on the
+    process has not read yet are kept for it (``Store.prune_events``, in the store conformance)."""
+    async with kernel(tmp_path, ScriptedModel(lambda r: "seen")) as k:
+        proc = await k.spawn(owner="alice", text="first conversation")
+        await proc.wait_idle()
+        before = await drain(proc)
+        await proc.reset()
+        after = await drain(proc)
+        await proc.send("second conversation")
+        await proc.wait_idle()
+        resumed = await drain(proc, after=before[-1].seq)  # a client that saw the old log to its end
+    assert [s.signal for s in after] == ["proc.changed"] and after[0].payload["changes"] == ["messages", "reset"]
+    assert after[0].seq == before[-1].seq + 1
+    assert resumed[0] == after[0] and resumed[-1].signal == "proc.run.finished"
+
+
 @pytest.mark.parametrize("clearing", ["reset", "kill"])
 async def test_input_queued_when_a_reset_or_kill_clears_it_is_kept_in_the_archive(tmp_path, clearing):
     """Queued input the clearing drops never ran: it is kept, under the archive's meta.queued."""

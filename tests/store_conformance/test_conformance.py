@@ -502,6 +502,23 @@ async def test_last_event_seq(store: Store) -> None:
     assert await store.last_event_seq("p1") == 2
 
 
+async def test_pruning_a_log_keeps_what_a_watch_has_still_to_read_and_the_sequence(store: Store) -> None:
+    for pid in ("p1", "w"):
+        await spawn(store, pid)
+    async with store.transaction():
+        await store.append_events("p1", [("proc.changed", {"n": n}) for n in range(5)])
+        await store.add_watch(WatchRow("w1", "w", "p1", "proc.run.finished", once=True, seen_seq=3))
+    async with store.transaction():
+        assert await store.prune_events("p1") == 3  # seq 4 and 5: the watch has not read them yet
+    assert [e.seq for e in await store.events("p1")] == [4, 5]
+    async with store.transaction():
+        assert await store.delete_watch("w1")
+        assert await store.prune_events("p1") == 2
+        assert await store.prune_events("w") == 0
+        assert await store.append_events("p1", [("proc.changed", {})]) == [6]  # numbering goes on
+    assert [e.seq for e in await store.events("p1")] == [6] and await store.last_event_seq("p1") == 6
+
+
 async def test_deleting_a_process_drops_its_schedules_and_every_watch_touching_it(store: Store) -> None:
     for pid in ("a", "b", "c"):
         await spawn(store, pid)

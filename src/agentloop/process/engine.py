@@ -396,9 +396,10 @@ class ProcessEngine:
         return True
 
     async def reset(self, pid: str, *, also: Callable[[], Awaitable[Callable[[], None]]] | None = None) -> None:
-        """Start an empty history (a new generation) and drop the queue, in one transaction that
-        ``also`` writes into too (it returns what to do once that commits); the run was stopped
-        before. The cached process follows on commit."""
+        """Start an empty history (a new generation) and drop the queue and the logged signals of
+        the conversation (those no watch has still to read: ``Store.prune_events``), in one
+        transaction that ``also`` writes into too (it returns what to do once that commits); the
+        run was stopped before. The cached process follows on commit."""
         live = await self.live(pid)
         async with self._tx(live) as tx:
             if also is not None:
@@ -406,6 +407,7 @@ class ProcessEngine:
             generation = await self.store.new_generation(pid)
             tx.after.append(lambda: setattr(live.record, "history_generation", generation))
             await self._discard_queue(tx, live)
+            await self.store.prune_events(pid)
             tx.after.append(live.history.clear)
             await tx.signal(sig.CHANGED, changes=["messages", "reset"])
         if self.leases is not None:

@@ -395,6 +395,13 @@ class Store(ABC):
     async def last_event_seq(self, pid: str) -> int:
         """The sequence number of the process's newest logged signal (0 when none)."""
 
+    @abstractmethod
+    async def prune_events(self, pid: str) -> int:
+        """Drop the process's logged signals that no watch on it has still to read (those up to
+        the lowest ``seen_seq`` of the watches whose source it is; all when there is none);
+        returns how many. A reset's: the conversation they tell of is archived and gone, and a
+        log kept for ever would grow with every tool output. The sequence goes on unchanged."""
+
     # -- history segments -----------------------------------------------------------------------
 
     @abstractmethod

@@ -783,6 +783,14 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT MAX(seq) FROM events WHERE pid = ?", (pid,)).fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
+    async def prune_events(self, pid: str) -> int:
+        cursor = self._write().execute(
+            "DELETE FROM events WHERE pid = ? AND seq <= COALESCE("
+            "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = ?), seq)",
+            (pid, pid),
+        )
+        return cursor.rowcount
+
     # -- history segments -----------------------------------------------------------------------
 
     async def add_segment(self, row: SegmentRow) -> None:
