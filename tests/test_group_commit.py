@@ -14,7 +14,7 @@ from agentloop import Reply, ScriptedModel, call
 from agentloop.kernel import Kernel
 from agentloop.messages import Message, UserMessage, message_to_dict, user
 from agentloop.models.base import ModelRequest
-from agentloop.process.engine import INTERRUPTED_BY_RESTART
+from agentloop.process.calls import INTERRUPTED_BY_RESTART
 from agentloop.process.store import ProcessRecord, SQLiteStore, StoreError
 from tests.process_support import kernel, ran
 

@@ -12,7 +12,7 @@ from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval
 from agentloop.messages import Message, UserMessage
 from agentloop.models.base import ModelRequest
-from agentloop.process.engine import INTERRUPTED_BY_RESTART
+from agentloop.process.calls import INTERRUPTED_BY_RESTART
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import Tool
 from tests.process_support import assert_valid, echo, kernel, ran

@@ -46,6 +46,8 @@ Emit = Callable[[LoopEvent], None] | None
 
 SKIPPED = "Skipped due to queued user message."
 CANCELLED = "Tool call cancelled: the run was aborted."
+#: results that are no failure of the model's (``loop/retries.py`` does not count them)
+NOT_COUNTED = frozenset({SKIPPED, CANCELLED, CALLS_USED_UP})
 
 
 @dataclass(slots=True)

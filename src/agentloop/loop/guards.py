@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from agentloop.loop.retries import FINAL_INSTRUCTION as REPEATED_FAILURE_INSTRUCTION
+from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.messages import Usage
 
 #: the result of a direct call the model made past the ``max_tool_calls`` budget
@@ -55,6 +57,8 @@ class Guards:
         )
 
     def final_instruction(self, reason: str) -> str:
+        if reason == REPEATED_FAILURE:
+            return REPEATED_FAILURE_INSTRUCTION
         limit = getattr(self, reason)
         return (
             f"The run's budget is used up ({reason}={limit}). Tools are disabled now: answer the "

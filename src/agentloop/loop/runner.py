@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 
 from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
-from agentloop.loop.execute import CANCELLED, run_tool_calls
+from agentloop.loop.execute import CANCELLED, NOT_COUNTED, run_tool_calls
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
+from agentloop.loop.retries import REPEATED_FAILURE, count_failures
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide, unresolved_calls
 from agentloop.messages import (
     AssistantMessage,
@@ -79,6 +80,8 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 state.phase = "tools"
                 results = await run_tool_calls(cfg, state, decision.message, calls, emit, budget)
                 state.phase = "idle"
+                results, failing = count_failures(state.failures, calls, results, not_counted=NOT_COUNTED)
+                state.failing = state.failing or failing
                 for r in results:
                     _inject(state, r, emit)
                 state.results = {}
@@ -98,9 +101,10 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 _inject(state, follow_up.popleft(), emit)
             tools_enabled = decision.tools_enabled and state.mode == "agent" and bool(cfg.tools)
             if tools_enabled:
-                tripped = guards_active and cfg.guards.tripped(
-                    state.rounds, state.tool_calls, time.monotonic() - state.started, state.usage
-                )
+                tripped: str | None = REPEATED_FAILURE if state.failing else None
+                if tripped is None and guards_active:
+                    elapsed = time.monotonic() - state.started
+                    tripped = cfg.guards.tripped(state.rounds, state.tool_calls, elapsed, state.usage)
                 if tripped:
                     state.guard, tools_enabled = tripped, False
                     _inject(state, system(cfg.guards.final_instruction(tripped), "guard"), emit)

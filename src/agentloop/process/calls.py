@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from agentloop.loop.execute import NOT_COUNTED as NOT_THE_MODELS_FAILURES
 from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared, malformed
 from agentloop.loop.guards import CALLS_USED_UP
 from agentloop.loop.hooks import TurnInfo
+from agentloop.loop.retries import count_failures
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import (
     AssistantMessage,
@@ -39,6 +41,11 @@ if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
 
 log = logging.getLogger("agentloop.process")
+
+
+INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
+# results that are no failure of the model's: not counted as repeats (``loop/retries.py``)
+NOT_COUNTED = NOT_THE_MODELS_FAILURES | {INTERRUPTED_BY_RESTART}
 
 
 def call_rows(pid: str, run_id: str, calls: list[ToolCall], tools: Mapping[str, Tool]) -> list[ToolCallRow]:
@@ -271,11 +278,20 @@ async def record(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallR
 
 
 async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
-    """Every call of the batch is terminal: its results enter the history, in the model's order."""
-    results = [message_from_dict(r.result) for r in rows if r.result is not None]
-    await tx.append(run["run_id"], results)
+    """Every call of the batch is terminal: its results enter the history, in the model's order,
+    its failures counted with the run (``loop/retries.py``, as the in-memory runner counts them)."""
+    stored = [message_from_dict(r.result) for r in rows if r.result is not None]
+    failures = dict(run.get("failures") or {})
+    results = [m for m in stored if isinstance(m, ToolResultMessage)]
+    noted, failing = count_failures(failures, [call_of(r) for r in rows], results, not_counted=NOT_COUNTED)
+    await tx.append(run["run_id"], [*noted])
     await end_batch(engine, tx, live, run["run_id"])
-    await tx.set_run({**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1})
+    after = {**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1}
+    if failures:
+        after["failures"] = failures
+    if failing:
+        after["failing"] = True
+    await tx.set_run(after)
     await tx.signal(sig.CHANGED, changes=["messages"])
 
 

@@ -16,6 +16,7 @@ from agentloop.events import LoopEvent, MessageUpdate, ModelRetry, StreamEvent, 
 from agentloop.loop.execute import SKIPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
+from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
 from agentloop.messages import AssistantMessage, Message, ToolCall, Usage, system, tool_error_result
 from agentloop.models.overflow import is_context_overflow
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentloop.process")
 
 RUN_FAILED = "Tool call not completed: the run ended with an internal error."
-GUARD_NAMES = frozenset({"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost"})
+GUARD_NAMES = frozenset({"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost", REPEATED_FAILURE})
 
 
 async def drive(engine: ProcessEngine, live: _Live) -> None:
@@ -179,8 +180,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
     guard = run.get("guard")
     tools_enabled = tools_enabled and bool(cfg.tools)
-    tripped = None
-    if tools_enabled and cfg.guards.active:
+    tripped = REPEATED_FAILURE if tools_enabled and run.get("failing") else None
+    if tools_enabled and tripped is None and cfg.guards.active:
         usage = Usage(total_tokens=run["usage"]["total_tokens"])
         usage.cost.total = run["usage"]["cost"]
         tripped = cfg.guards.tripped(run["rounds"], run["tool_calls"], time.time() - run["started"], usage)

@@ -56,7 +56,15 @@ from agentloop.process.api import (
     call_of,
     new_id,
 )
-from agentloop.process.calls import disarm, dispatch, end_batch, results_of, settle, signal_finished
+from agentloop.process.calls import (
+    INTERRUPTED_BY_RESTART,
+    disarm,
+    dispatch,
+    end_batch,
+    results_of,
+    settle,
+    signal_finished,
+)
 from agentloop.process.driver import drive, fail_run, signal_run_finished
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
@@ -67,7 +75,6 @@ from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 
 log = logging.getLogger("agentloop.process")
 
-INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
 
 # kv row of a process: {"run_id", "at"} of its last aborted run, written with the abort, so what the
 # ``aborted`` hook had to do can still be done after a crash that came before the hook ran
