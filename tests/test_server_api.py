@@ -284,6 +284,20 @@ async def test_abort_and_reset(alice: httpx.AsyncClient) -> None:
     }
 
 
+async def test_stop_finishes_the_run_gently(alice: httpx.AsyncClient) -> None:
+    pid = await spawn(alice)
+    assert shape(await alice.post(f"/v1/processes/{pid}/stop"), api.StopOut) == {"stopping": False}  # no run
+    run_id = (await alice.post(f"/v1/processes/{pid}/messages", json={"text": "sleep 0.3"})).json()["run_id"]
+    assert (await alice.post(f"/v1/processes/{pid}/stop", json={"run_id": "another-run"})).json() == {"stopping": False}
+    assert shape(await alice.post(f"/v1/processes/{pid}/stop", json={"run_id": run_id}), api.StopOut) == {
+        "stopping": True
+    }
+    await wait_idle(alice, pid)
+    messages = [m["message"] for m in (await history(alice, pid))["messages"]]
+    assert [m["role"] for m in messages] == ["user", "assistant", "toolResult", "system", "assistant"]
+    assert "slept 0.3" in json.dumps(messages[2]["content"])  # the call under way was not cut short
+
+
 async def test_mode_is_read_set_and_checked(server: LiveServer, alice: httpx.AsyncClient) -> None:
     pid = await spawn(alice)
     assert shape(await alice.get(f"/v1/processes/{pid}/mode"), api.ModeOut) == {"pid": pid, "mode": "agent"}

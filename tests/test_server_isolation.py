@@ -46,6 +46,7 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/processes/{pid}/messages"): {"params": {"limit": 10}},
     ("GET", "/v1/processes/{pid}/events"): {"params": {"follow": "false"}},
     ("POST", "/v1/processes/{pid}/abort"): {"json": {}},
+    ("POST", "/v1/processes/{pid}/stop"): {"json": {}},
     ("GET", "/v1/processes/{pid}/mode"): {},
     ("POST", "/v1/processes/{pid}/mode"): {"json": {"mode": "chat"}},
     ("GET", "/v1/processes/{pid}/hil"): {},

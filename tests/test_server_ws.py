@@ -185,6 +185,7 @@ def test_every_process_call(server: KernelServer, tmp_path: Path) -> None:
         assert [m["message"]["role"] for m in older["messages"]] == ["user"] and older["next_before"] is None
         assert c.ok("proc.approvals", {"pid": pid}) == {"requests": []}
         assert c.ok("proc.abort", {"pid": pid}) == {"aborted": False}
+        assert c.ok("proc.stop", {"pid": pid}) == {"stopping": False}
 
         assert c.ok("proc.reset", {"pid": pid}) == {"pid": pid, "archived": True}
         assert c.ok("proc.history", {"pid": pid})["messages"] == []
@@ -335,6 +336,7 @@ def test_another_account_cannot_see_or_touch_a_process(server: KernelServer) -> 
             ("proc.history", {"pid": pid}),
             ("proc.subscribe", {"pid": pid}),
             ("proc.abort", {"pid": pid}),
+            ("proc.stop", {"pid": pid}),
             ("proc.approvals", {"pid": pid}),
             ("proc.hil", {"pid": pid, "request_id": "x", "decision": "deny"}),
             ("proc.reset", {"pid": pid}),

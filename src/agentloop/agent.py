@@ -139,6 +139,13 @@ class Run:
         if self._result is not None or self.state.aborted:  # the message would never be read
             raise AgentBusy(f"cannot {what}: the run has ended; start a new run with the message")
 
+    def stop(self) -> None:
+        """Finish gently: the model's answer and the tool calls under way complete, then the model
+        answers once more without tools (saying what is done and what is left) and the run ends
+        with stop reason ``stopped``. ``abort`` is the immediate stop. A no-op once it has ended."""
+        if self._result is None and not self.state.aborted:
+            self.state.stopping = True
+
     def abort(self) -> None:
         """Stop now: cancel the model stream and the tools. A no-op once the run is finished."""
         if self._result is not None or self.state.aborted:
@@ -389,6 +396,11 @@ class Agent:
         if run is None:
             raise AgentBusy("no run is active to follow up")
         run.follow_up(message)
+
+    def stop(self) -> None:
+        """Ask the active run to finish gently (``Run.stop``); does nothing when no run is active."""
+        for run in list(self._active):
+            run.stop()
 
     def abort(self) -> None:
         """Abort the active run; does nothing when no run is active."""

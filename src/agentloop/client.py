@@ -289,6 +289,12 @@ class AgentloopClient:
         result: dict[str, Any] = await self._call("GET", f"/v1/processes/{_segment(pid)}/messages", params=params)
         return result
 
+    async def stop(self, pid: str, run_id: str | None = None) -> bool:
+        """Ask the active run to finish gently (``POST …/stop``); False when none is active."""
+        body = {"run_id": run_id} if run_id else {}
+        data = await self._call("POST", f"/v1/processes/{_segment(pid)}/stop", body=body)
+        return bool(data.get("stopping"))
+
     async def abort(self, pid: str, run_id: str | None = None) -> bool:
         body = {"run_id": run_id} if run_id else {}
         data = await self._call("POST", f"/v1/processes/{_segment(pid)}/abort", body=body)

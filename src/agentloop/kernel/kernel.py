@@ -236,6 +236,11 @@ class Process:
     async def messages(self) -> list[Message]:
         return [m.message for m in await self.history()]
 
+    async def stop(self, run_id: str | None = None) -> bool:
+        """Finish the active run gently (``run_id``: only that one): what is under way completes,
+        then the model answers once without tools and the run ends with reason ``stopped``."""
+        return await self.kernel.engine.stop(self.pid, run_id)
+
     async def abort(self, run_id: str | None = None) -> bool:
         """Stop the active run (``run_id``: only that one), and the subagents it started."""
         return await self.kernel.engine.abort(self.pid, run_id)

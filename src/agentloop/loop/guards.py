@@ -16,6 +16,16 @@ from agentloop.messages import Usage
 
 #: the result of a direct call the model made past the ``max_tool_calls`` budget
 CALLS_USED_UP = "Not run: the run's tool call budget is used up."
+#: the stop reason of a run a person asked to finish (``Run.stop``): the guard that ends it gently
+STOPPED = "stopped"
+#: the final round's instruction of the guards that are not budgets
+FINAL_INSTRUCTIONS = {
+    REPEATED_FAILURE: REPEATED_FAILURE_INSTRUCTION,
+    STOPPED: (
+        "The user asked you to stop here. Tools are disabled now: say briefly what you did and what is "
+        "left undone, and stop."
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +67,8 @@ class Guards:
         )
 
     def final_instruction(self, reason: str) -> str:
-        if reason == REPEATED_FAILURE:
-            return REPEATED_FAILURE_INSTRUCTION
+        if reason in FINAL_INSTRUCTIONS:
+            return FINAL_INSTRUCTIONS[reason]
         limit = getattr(self, reason)
         return (
             f"The run's budget is used up ({reason}={limit}). Tools are disabled now: answer the "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
 from agentloop.loop.execute import CANCELLED, NOT_COUNTED, run_tool_calls
+from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.retries import REPEATED_FAILURE, count_failures
@@ -101,7 +102,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 _inject(state, follow_up.popleft(), emit)
             tools_enabled = decision.tools_enabled and state.mode == "agent" and bool(cfg.tools)
             if tools_enabled:
-                tripped: str | None = REPEATED_FAILURE if state.failing else None
+                tripped: str | None = REPEATED_FAILURE if state.failing else STOPPED if state.stopping else None
                 if tripped is None and guards_active:
                     elapsed = time.monotonic() - state.started
                     tripped = cfg.guards.tripped(state.rounds, state.tool_calls, elapsed, state.usage)

@@ -84,6 +84,7 @@ class RunState:
     guard: str | None = None  # the guard that tripped; set when the final round is armed
     failures: dict[str, int] = field(default_factory=dict)  # failed calls by what they were (loop/retries.py)
     failing: bool = False  # a call failed the same way once too often: the next round is the last
+    stopping: bool = False  # asked to finish (``Run.stop``): the next round is the last
     partial: AssistantMessage | None = None  # the assistant message being streamed
     offered: frozenset[str] | None = None  # tools the last model call was shown, when hooks narrowed them
     conversation: str | None = None  # a durable process's id, sent as the provider's prompt-cache key

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry, StreamEvent, ToolCallStart
 from agentloop.loop.execute import SKIPPED
+from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.retries import REPEATED_FAILURE
@@ -54,7 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentloop.process")
 
 RUN_FAILED = "Tool call not completed: the run ended with an internal error."
-GUARD_NAMES = frozenset({"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost", REPEATED_FAILURE})
+GUARD_NAMES = frozenset(
+    {"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost", REPEATED_FAILURE, STOPPED}
+)
 
 
 async def drive(engine: ProcessEngine, live: _Live) -> None:
@@ -180,7 +183,11 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
     guard = run.get("guard")
     tools_enabled = tools_enabled and bool(cfg.tools)
-    tripped = REPEATED_FAILURE if tools_enabled and run.get("failing") else None
+    tripped = (
+        (REPEATED_FAILURE if run.get("failing") else STOPPED if run.get("stopping") else None)
+        if tools_enabled
+        else None
+    )
     if tools_enabled and tripped is None and cfg.guards.active:
         usage = Usage(total_tokens=run["usage"]["total_tokens"])
         usage.cost.total = run["usage"]["cost"]

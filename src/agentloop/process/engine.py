@@ -528,6 +528,26 @@ class ProcessEngine:
 
     # -- ending runs ------------------------------------------------------------------------------
 
+    async def stop(self, pid: str, run_id: str | None = None) -> bool:
+        """Finish the active run gently: the answer and the tool calls under way complete, then the
+        model answers once more without tools and the run ends with stop reason ``stopped``
+        (``abort`` is the immediate stop). False when no such run is active (a stale ``run_id``).
+        Kept with the run's record, so a restart in between still ends it so."""
+        if self.leases is not None and not await self.leases.hold(pid):
+            return await self.leases.forward_stop(pid, run_id)
+        return await _retried(lambda: self._ask_to_stop(pid, run_id))
+
+    async def _ask_to_stop(self, pid: str, run_id: str | None) -> bool:
+        live = await self.live(pid)
+        run = live.record.current_run
+        if run is None or (run_id is not None and run["run_id"] != run_id):
+            return False
+        if not run.get("stopping"):
+            async with self._tx(live) as tx:
+                await tx.set_run({**run, "stopping": True})
+        self.wake(pid)  # (a driver waiting on nothing takes its last round now)
+        return True
+
     async def abort(self, pid: str, run_id: str | None = None, *, reason: str = "user") -> bool:
         """Stop the active run now. A stale ``run_id`` (not the active run) does nothing. Once
         begun, the abort completes even if its caller is cancelled meanwhile (stopped halfway, the

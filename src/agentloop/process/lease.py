@@ -60,6 +60,7 @@ T = TypeVar("T")
 log = logging.getLogger("agentloop.lease")
 
 ABORT_KEY = "abort:request"  # a process's kv row: {"run_id", "reason"} for its holder to act on
+STOP_REASON = "user.stop"  # the reason of a request to finish the run gently (``ProcessEngine.stop``)
 DEFAULT_TTL = 30.0
 DEFAULT_POLL = 2.0
 
@@ -287,6 +288,21 @@ class Leases:
 
     # -- forwarding -------------------------------------------------------------------------------
 
+    async def forward_stop(self, pid: str, run_id: str | None) -> bool:
+        """Ask the holder to finish the active run gently (``run_id``: only that one); False if no
+        such run is active. Not waited for: the run ends when its last answer is in."""
+        record = await self.store.get_process(pid)
+        if record is None:
+            raise NoSuchProcess(pid)
+        run = record.current_run
+        if run is None or (run_id is not None and run["run_id"] != run_id):
+            return False
+        async with self.store.transaction():
+            if await self.store.kv_get(pid, ABORT_KEY) is None:  # (an abort asked for already wins)
+                await self.store.kv_set(pid, ABORT_KEY, {"run_id": run["run_id"], "reason": STOP_REASON})
+            await self.told(pid)
+        return True
+
     async def forward_abort(self, pid: str, run_id: str | None, reason: str, *, wait: float = 30.0) -> bool:
         """Ask the holder to stop the active run (``run_id``: only that one) and wait until the
         store shows it ended; False if no such run was active, or it did not end in ``wait``."""
@@ -465,7 +481,11 @@ class Leases:
                 return
             run = live.record.current_run
             if run is not None and run["run_id"] == request.get("run_id"):
-                self._spawn(engine.abort(pid, run["run_id"], reason=str(request.get("reason", "user"))))
+                reason = str(request.get("reason", "user"))
+                if reason == STOP_REASON:
+                    self._spawn(engine.stop(pid, run["run_id"]))
+                else:
+                    self._spawn(engine.abort(pid, run["run_id"], reason=reason))
         queued = len(await self.store.queue(pid))
         logged = await self.store.last_event_seq(pid)  # forwarded signals too: relayed deltas follow them
         if engine.cached(pid) is not live:

@@ -86,6 +86,9 @@ class _Tx:
             self.after.append(lambda: setattr(self.live, "media", True))
 
     async def set_run(self, run: dict[str, Any] | None) -> None:
+        current = self.live.record.current_run
+        if run is not None and current is not None and current.get("stopping") and current["run_id"] == run["run_id"]:
+            run = {**run, "stopping": True}  # asked while a step was under way: its record keeps the request
         state: ProcessState = "running" if run is not None else "idle"
         await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
 

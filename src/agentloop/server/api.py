@@ -80,6 +80,10 @@ class AbortBody(Body):
     run_id: str | None = Field(None, min_length=1, max_length=128, description="Only abort this run.")
 
 
+class StopBody(Body):
+    run_id: str | None = Field(None, min_length=1, max_length=128, description="Only stop this run.")
+
+
 class HilBody(Body):
     decision: Literal["approve", "deny"]
     remember: bool = Field(False, description="Allow this syscall on this process from now on.")
@@ -177,6 +181,10 @@ class HistoryOut(Answer):
 
 class AbortOut(Answer):
     aborted: bool
+
+
+class StopOut(Answer):
+    stopping: bool
 
 
 class ModeOut(Answer):
@@ -459,6 +467,11 @@ async def set_mode(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.mode(call.principal, call.param("pid"), body.mode)
 
 
+async def stop(call: Call) -> dict[str, Any]:
+    body = call.parsed(StopBody, call.body)
+    return await call.ctx.processes.stop(call.principal, call.param("pid"), run_id=body.run_id)
+
+
 async def abort(call: Call) -> dict[str, Any]:
     body = call.parsed(AbortBody, call.body)
     return await call.ctx.processes.abort(call.principal, call.param("pid"), run_id=body.run_id)
@@ -574,6 +587,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         headers=(("Last-Event-ID", "Resume after this seq; wins over after_seq."),),
     ),
     Endpoint("POST", f"{_P}/abort", "Abort the active run.", abort, body=AbortBody, answer=AbortOut),
+    Endpoint(
+        "POST",
+        f"{_P}/stop",
+        "Finish the active run gently: what is under way completes, then one answer without tools.",
+        stop,
+        body=StopBody,
+        answer=StopOut,
+    ),
     Endpoint(
         "GET", f"{_P}/mode", "Whether the process's runs use tools (agent) or not (chat).", get_mode, answer=ModeOut
     ),

@@ -337,6 +337,10 @@ class ProcessService:
             await proc.set_mode(_run_mode(mode))
         return {"pid": pid, "mode": await proc.mode()}
 
+    async def stop(self, who: Principal, pid: str, *, run_id: str | None = None) -> dict[str, Any]:
+        proc, _ = await self._process(who, pid)
+        return {"stopping": await proc.stop(run_id)}
+
     async def abort(self, who: Principal, pid: str, *, run_id: str | None = None) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)
         return {"aborted": await proc.abort(run_id)}

@@ -295,6 +295,10 @@ async def _history(conn: Connection, args: dict[str, Any]) -> Any:
     )
 
 
+async def _stop(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.stop(conn.user, _id(args, "pid"), run_id=_opt_id(args, "run_id"))
+
+
 async def _abort(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.abort(conn.user, _id(args, "pid"), run_id=_opt_id(args, "run_id"))
 
@@ -378,6 +382,7 @@ CALLS: dict[str, Call] = {
     "proc.send": Call(_send, mutates=True),
     "proc.history": Call(_history),
     "proc.abort": Call(_abort, mutates=True),
+    "proc.stop": Call(_stop, mutates=True),
     "proc.mode": Call(_mode, mutates=True),
     "proc.hil": Call(_hil, mutates=True),
     "proc.approvals": Call(_approvals),
