@@ -185,6 +185,31 @@ async def test_steer_abort_and_approval_from_the_worker_without_the_lease(pg_url
         assert [s.payload for s in events if s.signal == sig.RUN_FINISHED][-1]["runId"] == asked.run_id
 
 
+async def test_a_gentle_stop_from_the_worker_without_the_lease(pg_url: str, tmp_path: Path) -> None:
+    """Forwarded to the holder: the call under way completes, then one answer without tools."""
+    gate = asyncio.Event()
+    wait_gate, rm, brain, policy = gated(gate)
+    async with two(pg_url, tmp_path, ScriptedModel(brain), [wait_gate, rm], approval=policy) as (a, b):
+        pa = await a.spawn(owner="alice")
+        pb = await b.process(pa.pid)
+        run = await pa.send("gate")
+        assert await holder(pg_url, pa.pid) == "A"
+        assert not await pb.stop(run_id="another-run")
+        assert await pb.stop() is True  # forwarded to A
+        for _ in range(200):  # A took the request (the run's record says so) before the gate opens
+            record = await b.store.get_process(pa.pid)
+            if record is not None and (record.current_run or {}).get("stopping"):
+                break
+            await asyncio.sleep(0.02)
+        gate.set()
+        await pb.wait_idle()
+        events = [s async for s in pb.signals(follow=False)]
+        end = [s.payload for s in events if s.signal == sig.RUN_FINISHED][-1]
+        assert (end["runId"], end["status"], end["reason"]) == (run.run_id, "ok", "stopped")
+        results = [m for m in await pa.messages() if isinstance(m, ToolResultMessage)]
+        assert [r.text for r in results] == ["opened"]  # not cut short
+
+
 async def test_a_follower_on_the_other_worker_sees_the_run(pg_url: str, tmp_path: Path) -> None:
     async with two(pg_url, tmp_path, ScriptedModel(lambda req: "hi " + last_user(req)), []) as (a, b):
         pa = await a.spawn(owner="alice")
