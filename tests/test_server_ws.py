@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.websockets import WebSocket
-from websockets.exceptions import ConnectionClosed
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval
@@ -28,7 +26,7 @@ from agentloop.models.base import ModelRequest
 from agentloop.server import ws
 from agentloop.server.auth import Principal
 from agentloop.server.service import ProcessService
-from tests.ws_support import Client, KernelServer
+from tests.ws_support import KernelServer, closed_code, eventually
 
 
 @tool
@@ -74,23 +72,6 @@ def make_server(path: Path, devices: Any = None) -> KernelServer:
 def server(tmp_path: Path):
     with make_server(tmp_path) as s:
         yield s
-
-
-def closed_code(client: Client, timeout: float = 5) -> int | None:
-    """Read until the server closes the socket; the close code it sent."""
-    deadline = time.monotonic() + timeout
-    with pytest.raises(ConnectionClosed) as info:
-        while time.monotonic() < deadline:
-            client.frame(timeout=max(0.01, deadline - time.monotonic()))
-    rcvd = info.value.rcvd
-    return rcvd.code if rcvd is not None else None
-
-
-def eventually(check: Any, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 class Gate:

@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 from starlette.websockets import WebSocket
-from websockets.exceptions import ConnectionClosed
 
 from agentloop import ScriptedModel
 from agentloop.server import events, ws
@@ -24,30 +23,13 @@ from agentloop.server.auth import Accounts, Principal
 from agentloop.server.errors import ApiError
 from agentloop.server.ratelimit import InputRate
 from tests.server_support import live_server, wait_until
-from tests.ws_support import Client, KernelServer
+from tests.ws_support import KernelServer, closed_code, eventually
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[KernelServer]:
     with KernelServer(tmp_path, ScriptedModel(["reply"])) as s:
         yield s
-
-
-def eventually(check: Any, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def closed_code(client: Client, timeout: float = 5) -> int | None:
-    """Read until the server closes the socket; the close code it sent."""
-    deadline = time.monotonic() + timeout
-    with pytest.raises(ConnectionClosed) as info:
-        while time.monotonic() < deadline:
-            client.frame(timeout=max(0.01, deadline - time.monotonic()))
-    rcvd = info.value.rcvd
-    return rcvd.code if rcvd is not None else None
 
 
 # ------------------------------------------------------------------ WebSocket: a client that does not read

@@ -17,7 +17,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvicorn
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from agentloop import Agent, ScriptedModel
@@ -207,3 +209,20 @@ class Client:
         mine = [s for s in self.sigs if s["pid"] == pid]
         self.sigs = [s for s in self.sigs if s["pid"] != pid]
         return mine
+
+
+def closed_code(client: Client, timeout: float = 5) -> int | None:
+    """Read until the server closes the socket; the close code it sent."""
+    deadline = time.monotonic() + timeout
+    with pytest.raises(ConnectionClosed) as info:
+        while time.monotonic() < deadline:
+            client.frame(timeout=max(0.01, deadline - time.monotonic()))
+    rcvd = info.value.rcvd
+    return rcvd.code if rcvd is not None else None
+
+
+def eventually(check: Any, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
