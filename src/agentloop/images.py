@@ -49,12 +49,12 @@ def image_size(data: bytes) -> tuple[int, int] | None:
         elif kind == "image/jpeg":
             size = _jpeg(data)
         elif kind == "image/gif":
-            size = struct.unpack_from("<HH", data, 6)
+            size = _gif(data)
         elif kind == "image/webp":
             size = _webp(data)
         else:
             return None
-    except (struct.error, IndexError):  # the header ends early
+    except (struct.error, IndexError, ValueError):  # the header ends early (or no marker follows)
         return None
     if size is None or size[0] <= 0 or size[1] <= 0:
         return None
@@ -82,16 +82,36 @@ def _png(data: bytes) -> tuple[int, int] | None:
     return width, height
 
 
+def _gif(data: bytes) -> tuple[int, int] | None:
+    width, height, flags = struct.unpack_from("<HHB", data, 6)
+    if width and height:
+        return width, height
+    # Some encoders leave the logical screen 0x0, and decoders (browsers, Pillow) then size the
+    # image by its first frame: its descriptor follows the colour table and any extensions.
+    at = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
+    while data[at] == 0x21:  # an extension (graphic control, comment, loop count): sub-blocks up to a 0
+        at += 2
+        while data[at]:
+            at += data[at] + 1
+        at += 1
+    if data[at] != 0x2C:
+        return None
+    _, _, width, height = struct.unpack_from("<HHHH", data, at + 1)
+    return width, height
+
+
 def _jpeg(data: bytes) -> tuple[int, int] | None:
     at = 2
     while True:
-        if data[at] != 0xFF:  # segments follow one another: anything else is damage
-            return None
-        while data[at] == 0xFF:  # (fill bytes may pad a marker)
+        # The next marker: 0xFF, maybe fill bytes (more 0xFF), then its code. Stray bytes before
+        # it, or a 0xFF followed by 0, are skipped as decoders do (libjpeg warns of "extraneous
+        # bytes before marker" and shows the image): refusing them refused photos that display.
+        at = data.index(0xFF, at) + 1  # (ValueError: no marker follows)
+        while data[at] == 0xFF:
             at += 1
         marker = data[at]
         at += 1
-        if marker in _JPEG_BARE:
+        if marker in _JPEG_BARE or marker == 0:
             continue
         if marker in _JPEG_END:
             return None

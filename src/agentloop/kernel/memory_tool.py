@@ -10,12 +10,14 @@ prompt of every process of the owner shows it from the next run on.
 from __future__ import annotations
 
 import datetime
+import errno
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 from agentloop.process.api import ToolsetFn
 from agentloop.process.memory import (
+    MAX_DAY_BYTES,
     append_daily_memory,
     forget_daily_memory,
     memory_days,
@@ -59,7 +61,7 @@ def memory_tool(home: Path, *, today: datetime.date | None = None) -> FunctionTo
             "Your long-term memory: notes kept by day (today's and yesterday's are in the system prompt). "
             "action='search' finds past entries matching query; 'list' names the days; 'read' shows a day "
             "(day as YYYY-MM-DD); 'remember' keeps text for later conversations; 'forget' removes a day's "
-            "entries that contain text."
+            "entries whose text (not heading) contains text."
         ),
         thread=True,
     )
@@ -117,18 +119,25 @@ def _search(home: Path, query: str, limit: int) -> ToolResult:
     if not words:
         raise ToolError("action='search' needs a query")
     found: list[str] = []
+    unreadable: list[str] = []
     days = memory_days(home) if home.is_dir() else []
     for day, _ in reversed(days):  # newest first
-        for entry in memory_entries(read_daily_memory(home, day) or ""):
+        try:
+            text = read_daily_memory(home, day) or ""
+        except (OSError, UnicodeDecodeError) as exc:  # one damaged day does not hide all the others
+            unreadable.append(f"{day.isoformat()} ({exc})")
+            continue
+        for entry in memory_entries(text):
             if all(w in entry.lower() for w in words):
                 found.append(f"[{day.isoformat()}] {entry}")
                 if len(found) >= limit:
                     break
         if len(found) >= limit:
             break
+    skipped = f"\n\n(days that could not be searched: {', '.join(unreadable)})" if unreadable else ""
     if not found:
-        return ToolResult.text(f"No memory matches {query!r}.")
-    return ToolResult.text(_clip("\n\n".join(found)))
+        return ToolResult.text(f"No memory matches {query!r}.{skipped}")
+    return ToolResult.text(_clip("\n\n".join(found)) + skipped)
 
 
 def _read(home: Path, day: datetime.date) -> ToolResult:
@@ -145,7 +154,15 @@ def _remember(home: Path, text: str) -> ToolResult:
     if len(text) > MAX_REMEMBER_CHARS:
         raise ToolError(f"keep it short: at most {MAX_REMEMBER_CHARS} characters per entry, got {len(text)}")
     home.mkdir(parents=True, exist_ok=True)
-    name = append_daily_memory(home, text, source=SOURCE)
+    try:
+        name = append_daily_memory(home, text, source=SOURCE, max_bytes=MAX_DAY_BYTES)
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        raise ToolError(
+            f"today's memory file is full ({exc.strerror}): forget entries of today that are no longer"
+            " needed, or keep fewer and shorter facts"
+        ) from None
     return ToolResult.text(f"Remembered (in {name}); every conversation of yours sees it from its next run.")
 
 

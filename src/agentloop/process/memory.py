@@ -69,19 +69,28 @@ def _checked(fd: int, name: str) -> os.stat_result:
 
 
 def append_daily_memory(
-    home: str | Path, memories: str, now: datetime.datetime | None = None, *, source: str = "context compaction"
+    home: str | Path,
+    memories: str,
+    now: datetime.datetime | None = None,
+    *,
+    source: str = "context compaction",
+    max_bytes: int | None = None,
 ) -> str:
     """Append ``memories`` (found by ``source``) to the day's memory file under ``home``; returns
-    its name relative to ``home``. Raises ``OSError`` when it cannot be written there safely."""
+    its name relative to ``home``. Raises ``OSError`` when it cannot be written there safely, and
+    ``OSError(EFBIG)`` when the file would pass ``max_bytes`` (checked under the folder's lock:
+    an agent remembering in a loop would make a day too large to read back, or to forget from)."""
     now = now or datetime.datetime.now()
     name = daily_memory_name(now.date())
-    entry = f"{ENTRY_HEADING}{source} ({now:%H:%M})\n\n{memories.strip()}\n\n"
+    entry = f"{ENTRY_HEADING}{source} ({now:%H:%M})\n\n{memories.strip()}\n\n".encode()
     with _folder(home, create=True, lock=True) as folder:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW
         fd = os.open(Path(name).name, flags, 0o644, dir_fd=folder)
         try:
-            _checked(fd, name)
-            os.write(fd, entry.encode("utf-8"))
+            size = _checked(fd, name).st_size
+            if max_bytes is not None and size + len(entry) > max_bytes:
+                raise OSError(errno.EFBIG, f"{size} bytes already; the entry would pass {max_bytes}", name)
+            os.write(fd, entry)
         finally:
             os.close(fd)
     return name
@@ -133,8 +142,16 @@ def memory_entries(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def entry_body(entry: str) -> str:
+    """An entry without its heading line, which names only its source and time: ``forget``'s
+    text is looked for here, or "agent" (in every heading ``From the agent``) would remove them
+    all."""
+    return entry.partition("\n")[2] if entry.startswith(ENTRY_HEADING) else entry
+
+
 def forget_daily_memory(home: str | Path, day: datetime.date, text: str) -> int:
-    """Remove the entries of the day's memory file that contain ``text``; how many were removed.
+    """Remove the entries of the day's memory file whose text (not heading) contains ``text``; how
+    many were removed.
     The file is rewritten through a new one renamed over it (removed when nothing is left), under
     the folder's lock: an entry appended meanwhile is neither lost nor forgotten."""
     if not text:
@@ -145,7 +162,7 @@ def forget_daily_memory(home: str | Path, day: datetime.date, text: str) -> int:
             if current is None:
                 return 0
             entries = memory_entries(current)
-            kept = [e for e in entries if text not in e]
+            kept = [e for e in entries if text not in entry_body(e)]
             if len(kept) < len(entries):
                 _replace(folder, Path(daily_memory_name(day)).name, kept)
             return len(entries) - len(kept)
@@ -159,6 +176,10 @@ def _replace(folder: int, name: str, entries: list[str]) -> None:
         os.unlink(name, dir_fd=folder)
         return
     temporary = f".{name}.{os.getpid()}.tmp"
+    # Under the folder's lock no one else writes it: one that is there was left by a process that
+    # died mid-rewrite (a restarted server often has its pid), and would fail every later forget.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary, dir_fd=folder)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=folder)
     try:
         with os.fdopen(fd, "wb") as f:

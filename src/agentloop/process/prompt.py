@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentloop.process.memory import daily_memory_name
+from agentloop.process.memory import daily_memory_name, memory_entries
 from agentloop.tools.base import ToolError
 from agentloop.tools.paths import resolve_path
 from agentloop.tools.skills import SKILL_FILE, UnreadableFile, read_text_file, scan_skills
@@ -41,6 +41,9 @@ __all__ = [
 DEFAULT_MAX_CONTEXT_BYTES = 32 * 1024
 WORKSPACE_FILES = ("SOUL.md", "IDENTITY.md", "USER.md", "AGENTS.md", "MEMORY.md", "TOOLS.md", "HEARTBEAT.md")
 BOOTSTRAP_FILE = "BOOTSTRAP.md"
+# what one day's memory file may add to every prompt: the agent's ``remember`` and each
+# compaction append to it, and a day of them would otherwise fill the model's window
+MAX_DAY_MEMORY_BYTES = 16 * 1024
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\}\}")
 
 
@@ -254,8 +257,32 @@ def _daily_memories(sources: PromptSources, today: datetime.date, seen: _Reading
         name = daily_memory_name(day)
         text = _read(home / name, home, seen)
         if text is not None:
-            parts.append(_Part(home / name, name, text))
+            shown, left_out = _newest_entries(text, MAX_DAY_MEMORY_BYTES)
+            if left_out:
+                seen.warnings.append(f"{home / name}: {left_out} bytes of older entries left out of the prompt")
+                shown = (
+                    f"[{left_out} bytes of this day's older entries are left out here;"
+                    f" the memory tool reads the day]\n\n{shown}"
+                )
+            parts.append(_Part(home / name, name, shown))
     return parts
+
+
+def _newest_entries(text: str, limit: int) -> tuple[str, int]:
+    """The newest whole entries of a day's memory within ``limit`` UTF-8 bytes (the end of the
+    newest when it alone is larger), and how many bytes are left out."""
+    size = len(text.encode("utf-8"))
+    if size <= limit:
+        return text, 0
+    kept: list[str] = []
+    used = 0
+    for entry in reversed(memory_entries(text)):
+        used += len(entry.encode("utf-8")) + 2
+        if used > limit:
+            break
+        kept.append(entry)
+    shown = "\n\n".join(reversed(kept)) or text.encode("utf-8")[-limit:].decode("utf-8", errors="ignore")
+    return shown, size - len(shown.encode("utf-8"))
 
 
 def _workspace_blocks(sources: PromptSources, today: datetime.date, seen: _Reading) -> tuple[_Block, _Block]:
