@@ -169,7 +169,7 @@ async def serve_async(
         model = open_model(settings.model, progress)
         hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
         options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
-        loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks")}  # what Agent takes
+        loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks", "reasoning")}  # what Agent takes
         async with (
             extra_tools(settings, opts.workspace) as extra,
             Kernel.open(

@@ -23,6 +23,10 @@ from agentloop.messages import TextContent, ToolCall, ToolResultMessage
 
 REPEATED_FAILURE = "repeated_failure"
 MAX_SAME_FAILURES = 3
+#: the distinct failures a run keeps counting, the latest: the durable run rewrites its record
+#: (the counts with it) at every step, so a long run failing in ever new ways must not make
+#: every step cost more. A repeat is a recent failure coming back, which this keeps.
+MAX_KEPT = 64
 FINAL_INSTRUCTION = (
     "The same tool call kept failing the same way, so tools are disabled now: tell the user what you "
     "tried, what failed and what would unblock it."
@@ -56,15 +60,19 @@ def count_failures(
     by_id = {c.id: c for c in calls}
     out: list[ToolResultMessage] = []
     tripped = False
+    touched: set[str] = set()
     for result in results:
         call = by_id.get(result.tool_call_id)
         if not result.is_error or call is None or result.text in not_counted:
             out.append(result)
             continue
         key = _key(call, result)
-        count = counts[key] = counts.get(key, 0) + 1
+        count = counts[key] = counts.pop(key, 0) + 1  # (moved to the end: the latest last)
+        touched.add(key)
         if count == MAX_SAME_FAILURES:
             result = dataclasses.replace(result, content=[*result.content, TextContent(text=_note(count))])
         tripped = tripped or count > MAX_SAME_FAILURES
         out.append(result)
+    for key in [k for k in counts if k not in touched][: max(0, len(counts) - MAX_KEPT)]:
+        del counts[key]  # the failures not seen for the longest
     return out, tripped

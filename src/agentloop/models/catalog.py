@@ -91,10 +91,17 @@ def model_info(provider: str, id: str) -> ModelInfo:
         context_window=base.context_window,
         max_output=base.max_output,
         vision=base.vision,
-        reasoning=base.reasoning or (provider == "openai" and _OPENAI_REASONING.match(id) is not None),
+        reasoning=base.reasoning or (provider in _REASONING and _REASONING[provider].match(id) is not None),
     )
 
 
-# OpenAI's reasoning families, for the ones not listed yet (they refuse ``max_tokens`` and take
-# ``reasoning_effort``): o1, o3, o4 and gpt-5 (but not its chat variant, which does not reason)
-_OPENAI_REASONING = re.compile(r"(?:o[134](?:-|$)|gpt-5(?!-chat))")
+# Each provider's reasoning families, for the models not listed yet (a run's reasoning level is
+# sent only to a model known to reason, so one unknown would drop it without a word). OpenAI's
+# refuse ``max_tokens`` and take ``reasoning_effort``: o1, o3, o4 and gpt-5 (but not its chat
+# variant, which does not reason). Anthropic's thinking models: Claude 3.7 Sonnet and the 4th
+# generation on; Gemini's: 2.5 (previews too) and later.
+_REASONING = {
+    "openai": re.compile(r"(?:o[134](?:-|$)|gpt-5(?!-chat))"),
+    "anthropic": re.compile(r"claude-(?:3-7-sonnet|(?:opus|sonnet|haiku)-[4-9])"),
+    "gemini": re.compile(r"(?:models/)?gemini-(?:2\.5|[3-9](?:\.\d+)?)-"),
+}

@@ -44,8 +44,10 @@ log = logging.getLogger("agentloop.process")
 
 
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
+# a call whose approval was still pending when the user asked the run to stop (``ProcessEngine.stop``)
+NOT_RUN_STOPPED = "Not run: the user asked to stop before it was approved."
 # results that are no failure of the model's: not counted as repeats (``loop/retries.py``)
-NOT_COUNTED = NOT_THE_MODELS_FAILURES | {INTERRUPTED_BY_RESTART}
+NOT_COUNTED = NOT_THE_MODELS_FAILURES | {INTERRUPTED_BY_RESTART, NOT_RUN_STOPPED}
 
 
 def call_rows(pid: str, run_id: str, calls: list[ToolCall], tools: Mapping[str, Tool]) -> list[ToolCallRow]:

@@ -25,6 +25,7 @@ from agentloop.process import signals as sig
 from agentloop.process.admission import promote
 from agentloop.process.api import call_of, new_id
 from agentloop.process.calls import (
+    NOT_RUN_STOPPED,
     arm_deadline,
     call_rows,
     dispatch,
@@ -117,6 +118,8 @@ async def _step(engine: ProcessEngine, live: _Live) -> bool:
     rows = await engine.store.calls(pid, run_id) if live.calls else []
     if rows:
         waiting = any(r.status == "registered" for r in rows)
+        if waiting and run.get("stopping") and await _unask_on_stop(engine, live, rows):
+            rows = await engine.store.calls(pid, run_id)
         if waiting and await _joining(engine, live) and await _skip_waiting(engine, live, rows):
             rows = await engine.store.calls(pid, run_id)
         if any(r.status == "registered" for r in rows) and not await engine.store.hils(pid):
@@ -174,6 +177,29 @@ async def _skip_waiting(engine: ProcessEngine, live: _Live, rows: list[ToolCallR
         for row in waiting:
             await settle(engine, tx, row, tool_error_result(call_of(row), SKIPPED), "cancelled", ("registered",))
     return True
+
+
+async def _unask_on_stop(engine: ProcessEngine, live: _Live, rows: list[ToolCallRow]) -> bool:
+    """The user asked the run to stop while calls of the batch wait for a person's approval: those
+    are not under way, and the stop must not wait for an answer that may never come (the run
+    would hang on it). Their questions are withdrawn and they are not run; the batch goes on
+    without them, then the model answers once more without tools. A question answered meanwhile
+    stands (its request is gone: its call runs, or is denied, as the person said)."""
+    pid = live.record.pid
+    asked = {h.dispatch_id: h.request_id for h in await engine.store.hils(pid)}
+    waiting = [r for r in rows if r.status == "registered" and r.dispatch_id in asked]
+    if not waiting:
+        return False
+    async with engine._tx(live) as tx:
+        withdrawn = False
+        for row in waiting:
+            if await engine.store.delete_hil(asked[row.dispatch_id]):
+                withdrawn = True
+                result = tool_error_result(call_of(row), NOT_RUN_STOPPED)
+                await settle(engine, tx, row, result, "cancelled", ("registered",))
+        if withdrawn:
+            await tx.signal(sig.CHANGED, changes=["hil"])
+    return withdrawn
 
 
 async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], tools_enabled: bool) -> bool:
@@ -502,17 +528,19 @@ async def signal_run_finished(
     *,
     error: str | None = None,
     text: str | None = None,
+    queued: int | None = None,
 ) -> None:
     """Log ``proc.run.finished`` with what a watcher needs without reading the history: the run's
     answer (``text``, null unless it ended with one), its usage, and the input waiting to start
-    the next run (``queuedCount``)."""
+    the next run (``queuedCount``: ``queued``, the count once ``tx`` is kept, where ``tx`` changes
+    the queue itself - the cache follows only after the commit - else the cache's)."""
     payload: dict[str, Any] = {"runId": run["run_id"], "status": status, "reason": reason, "text": text}
     if error:
         payload["error"] = error
     if status == "aborted":
         payload["aborted"] = True
     payload["usage"] = run["usage"]
-    payload["queuedCount"] = live.queued
+    payload["queuedCount"] = live.queued if queued is None else queued
     payload["timestamp"] = int(time.time() * 1000)
     await tx.signal(sig.RUN_FINISHED, **payload)
 

@@ -278,8 +278,9 @@ class ProcessEngine:
         self._deferred.add(task)
         task.add_done_callback(self._deferred.discard)
 
-    async def _discard_queue(self, tx: _Tx, live: _Live) -> None:
-        """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``)."""
+    async def _discard_queue(self, tx: _Tx, live: _Live) -> int:
+        """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``);
+        returns how many items are kept (what waits once the transaction is kept)."""
         pid = live.record.pid
         upto = self.discarding.get(pid)
         kept = 0
@@ -289,6 +290,7 @@ class ProcessEngine:
             else:
                 kept += 1
         tx.after.append(lambda: setattr(live, "queued", kept))
+        return kept
 
     def _tx(self, live: _Live) -> _TxScope:
         """One step's transaction: ``async with self._tx(live) as tx``. Once it commits, the cache
@@ -539,11 +541,20 @@ class ProcessEngine:
 
     async def _ask_to_stop(self, pid: str, run_id: str | None) -> bool:
         live = await self.live(pid)
-        run = live.record.current_run
-        if run is None or (run_id is not None and run["run_id"] != run_id):
+
+        def active() -> dict[str, Any] | None:
+            run = live.record.current_run
+            return None if run is None or (run_id is not None and run["run_id"] != run_id) else run
+
+        if active() is None:
             return False
-        if not run.get("stopping"):
-            async with self._tx(live) as tx:
+        async with self._tx(live) as tx:
+            # read again once the transaction has begun: a step (or an abort) that committed
+            # while it began must not be overwritten by the record as it was before
+            run = active()
+            if run is None:
+                return False
+            if not run.get("stopping"):
                 await tx.set_run({**run, "stopping": True})
         self.wake(pid)  # (a driver waiting on nothing takes its last round now)
         return True
@@ -610,8 +621,9 @@ class ProcessEngine:
             return False  # it finished on its own meanwhile
         rows = await self.store.calls(pid, active)
         async with self._tx(live) as tx:
+            queued: int | None = None  # (the cache's count, unless the abort drops the queue)
             if reason in DISCARDS_QUEUE:
-                await self._discard_queue(tx, live)
+                queued = await self._discard_queue(tx, live)
             added: list[Message] = []
             if partial is not None and partial.partial is not None:
                 msg = partial.partial
@@ -633,7 +645,7 @@ class ProcessEngine:
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
             await tx.set_run(None)
-            await signal_run_finished(tx, live, run, "aborted", reason)
+            await signal_run_finished(tx, live, run, "aborted", reason, queued=queued)
         return True
 
     async def forget(self, pid: str) -> None:
