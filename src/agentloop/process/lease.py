@@ -288,14 +288,19 @@ class Leases:
 
     # -- forwarding -------------------------------------------------------------------------------
 
-    async def forward_stop(self, pid: str, run_id: str | None) -> bool:
-        """Ask the holder to finish the active run gently (``run_id``: only that one); False if no
-        such run is active. Not waited for: the run ends when its last answer is in."""
+    async def _active_run(self, pid: str, run_id: str | None) -> dict[str, Any] | None:
+        """The process's active run as the store has it (``run_id``: only that one), else None."""
         record = await self.store.get_process(pid)
         if record is None:
             raise NoSuchProcess(pid)
         run = record.current_run
-        if run is None or (run_id is not None and run["run_id"] != run_id):
+        return None if run is None or (run_id is not None and run["run_id"] != run_id) else run
+
+    async def forward_stop(self, pid: str, run_id: str | None) -> bool:
+        """Ask the holder to finish the active run gently (``run_id``: only that one); False if no
+        such run is active. Not waited for: the run ends when its last answer is in."""
+        run = await self._active_run(pid, run_id)
+        if run is None:
             return False
         async with self.store.transaction():
             if await self.store.kv_get(pid, ABORT_KEY) is None:  # (an abort asked for already wins)
@@ -306,11 +311,8 @@ class Leases:
     async def forward_abort(self, pid: str, run_id: str | None, reason: str, *, wait: float = 30.0) -> bool:
         """Ask the holder to stop the active run (``run_id``: only that one) and wait until the
         store shows it ended; False if no such run was active, or it did not end in ``wait``."""
-        record = await self.store.get_process(pid)
-        if record is None:
-            raise NoSuchProcess(pid)
-        run = record.current_run
-        if run is None or (run_id is not None and run["run_id"] != run_id):
+        run = await self._active_run(pid, run_id)
+        if run is None:
             return False
         async with self.store.transaction():
             await self.store.kv_set(pid, ABORT_KEY, {"run_id": run["run_id"], "reason": reason})
