@@ -13,29 +13,13 @@ from pathlib import Path
 import pytest
 
 from agentloop.images import image_size
-from agentloop.kernel.memory_tool import memory_tool
 from agentloop.messages import ImageContent
 from agentloop.process.media import check_media
 from agentloop.process.memory import MAX_DAY_BYTES, append_daily_memory, daily_memory_name
 from agentloop.process.prompt import PromptSources, assemble_prompt
-from agentloop.tools.base import ToolError, ToolResult
+from agentloop.tools.base import ToolError
 from tests.image_support import jpeg
-
-DAY = datetime.date(2026, 3, 4)
-
-
-def at(day: datetime.date, hour: int = 9) -> datetime.datetime:
-    return datetime.datetime.combine(day, datetime.time(hour))
-
-
-def text(result: ToolResult) -> str:
-    return "".join(getattr(b, "text", "") for b in result.content)
-
-
-async def use(home: Path, **arguments: object) -> str:
-    memory = memory_tool(home)
-    return text(await memory.run(memory.validate(arguments), None))  # type: ignore[arg-type]
-
+from tests.test_memory_tool import DAY, at, use
 
 # ---------------------------------------------------------------------------------------- images
 
