@@ -52,8 +52,8 @@ def memory_toolset(data_dir: Path) -> ToolsetFn:
     return toolset
 
 
-def memory_tool(home: Path, *, today: datetime.date | None = None) -> FunctionTool:
-    """The ``memory`` tool over the memory files under ``home`` (``today``: fixed, for tests)."""
+def memory_tool(home: Path) -> FunctionTool:
+    """The ``memory`` tool over the memory files under ``home`` (an owner's home)."""
 
     @tool(
         name="memory",
