@@ -89,7 +89,7 @@ async def test_the_description_lists_the_functions_with_their_signatures(tmp_pat
     cm = codemode(tmp_path)
     assert cm.syscall == "codemode.exec" and "CodeMode" not in {t.name for t in builtin_tools(tmp_path)}
     assert "await read(path, offset=1, limit=2000)" in cm.description
-    assert 'await shell(command, cwd=".", timeout=None)' in cm.description
+    assert 'await shell(command, cwd=".", timeout=None, background=False)' in cm.description
     assert "print()s is the result" in cm.description
     assert "neither confined to the workspace nor approved" in cm.description
     assert describe(builtin_tools(tmp_path)[1]).signature == "await write(path, content)"

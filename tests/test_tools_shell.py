@@ -232,9 +232,11 @@ async def test_shell_tool_schema_and_validation(root: Path) -> None:
     assert args["timeout"] == 5.0
     result = await t.run(args, ToolContext(tool_call_id="1", tool_name="Shell"))
     assert text(result) == "hi\n[exit code 0]"
-    for bad in (0, -1, 601):
+    for bad in (0, -1, 3601):
         with pytest.raises(ToolError, match="timeout"):
             t.validate({"command": "true", "timeout": bad})
+    with pytest.raises(ToolError, match="at most 600 s; a longer command can run with background=true"):
+        await t.run(t.validate({"command": "true", "timeout": 601}), ToolContext(tool_call_id="1", tool_name="Shell"))
 
 
 async def test_commands_do_not_get_the_runtimes_credentials(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,11 +162,12 @@ async def _execute(
     nested: NestedCheck | None = None,
     budget: CallBudget | None = None,
     call_key: str | None = None,
+    background: Callable[[Coroutine[Any, Any, str], str], None] | None = None,
 ) -> ToolResultMessage:
     """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
     calls the tool makes itself (the in-memory runner's policy is a hook); ``budget`` counts those
-    calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key`` as
-    in ``ToolContext``."""
+    calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key`` and
+    ``background`` as in ``ToolContext``."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
     check = nested_check(cfg, p, nested)
@@ -182,6 +183,7 @@ async def _execute(
         offered=state.offered,
         call_key=call_key,
         metadata=state.metadata,
+        background=background,
     )
     if emit is not None:
 

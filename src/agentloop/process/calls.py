@@ -8,6 +8,7 @@ the driver only decides when a batch is started and when it is over."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -215,7 +216,10 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
             nested = nested_policy(engine, live, run_id, row)
             budget = nested_budget(engine, live, run_id, cfg)
             state = _state_for(live, run_id)
-            result = await _execute(cfg, state, checked, None, nested, budget, call_key=row.dispatch_id)
+            background = functools.partial(engine.start_background, live.record.pid)
+            result = await _execute(
+                cfg, state, checked, None, nested, budget, call_key=row.dispatch_id, background=background
+            )
         try:
             await record(engine, live, run_id, row, result)
         except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end

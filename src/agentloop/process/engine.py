@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -72,6 +72,7 @@ from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, ToolCallRow
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
+from agentloop.tools.base import BackgroundRefused
 
 log = logging.getLogger("agentloop.process")
 
@@ -94,6 +95,7 @@ NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill",
 # or kill's commit must not leave that input for the restart to run, nor may a subagent stopped
 # with its parent find a report queued for it and start over after the next restart
 DISCARDS_QUEUE = frozenset({"process.reset", "process.kill", "parent.abort", "parent.reset"})
+MAX_BACKGROUND = 8  # background jobs one process may have running (``start_background``)
 # checks a new process must pass inside the transaction that stores it (a quota): see ``create``
 Admit = Callable[[], Awaitable[None]]
 
@@ -142,6 +144,7 @@ class ProcessEngine:
         self._reloading: set[asyncio.Task[None]] = set()
         self._aborting: set[asyncio.Task[bool]] = set()
         self._deferred: set[asyncio.Task[None]] = set()  # see ``when_cleared``
+        self._background: dict[str, set[asyncio.Task[None]]] = {}  # pid -> its background work
         # held by a reset or kill from its abort to its last commit: input for the process waits
         # (see ``admission.after_clearing``), so no run starts in between to be cleared or lost
         self.clearing = KeyedLocks()
@@ -255,6 +258,7 @@ class ProcessEngine:
         instead) is kept: it belongs to the fresh conversation, whose first run it starts once the
         clearing is over, instead of a run on the history being cleared."""
         async with self.clearing.hold(pid):
+            self.stop_background(pid)  # (what it would tell belongs to the conversation being cleared)
             self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
             try:
                 yield
@@ -465,6 +469,40 @@ class ProcessEngine:
     async def send(self, pid: str, message: Message, *, mode: SendMode = "steer", run_id: str | None = None) -> Receipt:
         """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
         return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id))
+
+    # -- background work (see ``ToolContext.background``) -----------------------------------------
+
+    def start_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
+        """Own ``work`` a tool of ``pid`` started to outlive its call, and deliver what it returns
+        as a system event (``background.finished``). At most ``MAX_BACKGROUND`` per process
+        (``BackgroundRefused``); stopped by a reset or kill of the process and by ``close``. Not
+        kept across a restart: the work dies with the runtime, as a child process would."""
+        jobs = self._background.setdefault(pid, set())
+        if len(jobs) >= MAX_BACKGROUND:
+            work.close()
+            raise BackgroundRefused(f"this process already runs {len(jobs)} background jobs (at most {MAX_BACKGROUND})")
+        task = asyncio.get_running_loop().create_task(self._deliver_background(pid, work, label), name=label)
+        jobs.add(task)
+        task.add_done_callback(jobs.discard)
+
+    async def _deliver_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
+        try:
+            text = await work
+        except Exception as exc:  # (a cancellation is a reset, a kill or shutdown: nobody to tell)
+            log.warning("process %s: %s failed: %s", pid, label, exc)
+            text = f"{label} failed: {type(exc).__name__}: {exc}"
+        try:
+            await self.signal_event(pid, text, reason="background.finished")
+        except NoSuchProcess:
+            pass  # killed meanwhile
+        except Exception:
+            log.exception("process %s: the end of %s could not be delivered", pid, label)
+
+    def stop_background(self, pid: str) -> None:
+        """Stop the background work of ``pid`` (its reset or kill): cancelled, a command's process
+        group is killed."""
+        for task in self._background.pop(pid, set()):
+            task.cancel()
 
     async def signal_event(
         self, pid: str, text: str, *, run_id: str | None = None, reason: str = "system.event"
@@ -686,6 +724,7 @@ class ProcessEngine:
     async def close(self) -> None:
         self.closing = True  # the tools cancelled below are stopped by a shutdown, not an abort
         tasks: list[asyncio.Task[Any]] = [*self._reloading, *self._aborting, *self._deferred]
+        tasks += [t for jobs in self._background.values() for t in jobs]
         tasks += [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
         for task in tasks:
             task.cancel()

@@ -16,7 +16,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, get_type_hints, overload
@@ -148,7 +148,11 @@ class ToolContext:
     something keyed to its call (a subagent) names it by, where a provider may reuse call ids.
     ``metadata`` is what the caller attached to the run (``Agent.run(metadata=...)``; for
     ``/engine/chat`` the request's ``metadata``, its ``correlation_id`` among it): for tools that
-    log or trace their work under the caller's ids. Read it; it is the caller's.
+    log or trace their work under the caller's ids. Read it; it is the caller's. ``background``
+    hands the runtime work that outlives the call (a command left running, as Shell's
+    ``background``): the runtime owns it - stops it when the process is reset or killed, or the
+    runtime closes - and tells the model what it returns, as a system event. None where nothing
+    could tell it later (in memory); ``BackgroundRefused`` when the process runs too many already.
     """
 
     tool_call_id: str
@@ -163,6 +167,11 @@ class ToolContext:
     offered: frozenset[str] | None = None
     call_key: str | None = None
     metadata: Mapping[str, Any] | None = None
+    background: Callable[[Coroutine[Any, Any, str], str], None] | None = None
+
+
+class BackgroundRefused(Exception):
+    """Raised by ``ToolContext.background`` when it takes no more work (the limit per process)."""
 
 
 def not_offered(name: str) -> str:

@@ -22,7 +22,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
+from agentloop.messages import TextContent
+from agentloop.tools.base import BackgroundRefused, FunctionTool, ToolContext, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
@@ -40,6 +41,10 @@ __all__ = ["DEFAULT_TIMEOUT", "MAX_OUTPUT_CHARS", "MAX_TIMEOUT", "run_shell", "s
 
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 600.0
+# a command run in the background (a build, a test suite, a long download) may take longer: the
+# run goes on meanwhile, and the command's end comes to the model as a system event
+DEFAULT_BACKGROUND_TIMEOUT = 1800.0
+MAX_BACKGROUND_TIMEOUT = 3600.0
 MAX_OUTPUT_CHARS = 30_000
 
 
@@ -84,6 +89,7 @@ async def run_shell(
     *,
     max_output: int = MAX_OUTPUT_CHARS,
     kill_grace: float = KILL_GRACE,
+    max_timeout: float = MAX_TIMEOUT,
 ) -> ToolResult:
     """``shell.exec``: run ``command`` with its output captured; the group dies with it."""
     if not command.strip():
@@ -91,7 +97,7 @@ async def run_shell(
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     if limit <= 0:
         raise ToolError("timeout must be positive")
-    limit = min(limit, MAX_TIMEOUT)
+    limit = min(limit, max_timeout)
     base = real_root(root)
     workdir = resolve_path(root, cwd or ".")
     if not workdir.is_dir():
@@ -143,20 +149,61 @@ def shell_tool(root: str | Path) -> FunctionTool:
             "Run a shell command (bash) in the workspace and return its combined stdout and stderr and exit code. "
             "No stdin: interactive commands fail. Long output is cut in the middle. "
             "The command and every process it started are killed at the timeout; "
-            "background processes must redirect their output (cmd > log 2>&1 &) to outlive it."
+            "background processes must redirect their output (cmd > log 2>&1 &) to outlive it. "
+            "With background=true the call returns at once and the command's output and exit code come to "
+            "you later as a system message (for long builds or test runs; conversations kept by a server only)."
         ),
     )
     async def shell(
+        ctx: ToolContext,
         command: str,
         cwd: str = ".",
-        timeout: Annotated[float | None, Field(gt=0, le=MAX_TIMEOUT)] = None,  # noqa: ASYNC109
+        timeout: Annotated[float | None, Field(gt=0, le=MAX_BACKGROUND_TIMEOUT)] = None,  # noqa: ASYNC109
+        background: bool = False,
     ) -> ToolResult:
         """
         Args:
             command: The command line, run with bash -c.
             cwd: Working directory relative to the workspace root.
-            timeout: Seconds before the command is killed (default 60, max 600).
+            timeout: Seconds before the command is killed (default 60, max 600; in the background
+                default 1800, max 3600).
+            background: Return at once; the output comes later as a system message.
         """
-        return await run_shell(root, command, cwd, timeout)
+        if not background:
+            if timeout is not None and timeout > MAX_TIMEOUT:
+                raise ToolError(f"timeout is at most {MAX_TIMEOUT:g} s; a longer command can run with background=true")
+            return await run_shell(root, command, cwd, timeout)
+        return start_in_background(ctx, root, command, cwd, timeout)
 
     return shell
+
+
+def start_in_background(
+    ctx: ToolContext, root: str | Path, command: str, cwd: str, timeout: float | None
+) -> ToolResult:
+    """Hand ``command`` to the runtime (``ToolContext.background``), checked first as a foreground
+    one is, so a bad ``cwd`` is this call's error rather than a later message."""
+    if ctx.background is None:
+        raise ToolError(
+            "background=true needs a conversation the runtime keeps (agentloop chat or serve): run it without"
+        )
+    if not command.strip():
+        raise ToolError("command is empty")
+    if not resolve_path(root, cwd or ".").is_dir():
+        raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
+    limit = DEFAULT_BACKGROUND_TIMEOUT if timeout is None else timeout
+    shown = command if len(command) <= 200 else command[:200] + "…"
+
+    async def job() -> str:
+        result = await run_shell(root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT)
+        output = "".join(b.text for b in result.content if isinstance(b, TextContent))
+        return f"The background command `{shown}` (call {ctx.tool_call_id}) has ended:\n{output}"
+
+    try:
+        ctx.background(job(), f"background command `{shown}`")
+    except BackgroundRefused as exc:
+        raise ToolError(f"{exc}: wait for one to end, or run this one without background") from None
+    return ToolResult.text(
+        f"Started in the background: `{shown}` (stopped after {limit:g} s). Its output and exit code will "
+        "come to you as a system message when it ends; go on meanwhile."
+    )
