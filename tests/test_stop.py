@@ -71,3 +71,40 @@ async def test_a_durable_run_is_stopped_the_same_way_and_a_stale_stop_does_nothi
     assert [(f["status"], f["reason"]) for f in finished] == [("ok", "stopped")]
     assert finished[0]["text"].startswith("Stopped after step 1") and results == ["step done"]
     assert not model.requests[-1].tools
+
+
+async def test_a_stop_reaches_the_subagents_the_run_started(tmp_path: Path) -> None:
+    """A parent waiting on a child's Task call: the child sums up what it has, the parent takes
+    that as the call's answer, then gives its own last answer without tools."""
+    running = asyncio.Event()
+
+    def brain(r: ModelRequest) -> object:
+        first = next(m.text for m in r.messages if m.role == "user")
+        if first == "job":  # the child: works step after step while it has tools
+            return Reply(tool_calls=[call("step")]) if r.tools else "child: stopped after a step"
+        if r.messages[-1].role == "user":
+            return Reply(tool_calls=[call("Task", prompt="job", wait=True)])
+        return "parent: " + r.messages[-1].text if not r.tools else "parent: done"
+
+    model = ScriptedModel(brain)
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/a.db",
+        model=model,
+        workspace=tmp_path,
+        tools=[make_step(running)],
+        approval=approve_everything,
+        subagents=True,
+    ) as k:
+        parent = await k.spawn(owner="a", text="delegate the job")
+        await asyncio.wait_for(running.wait(), 5)
+        assert await parent.stop()
+        await asyncio.wait_for(parent.wait_idle(), 10)
+        messages = await parent.messages()
+        child = next(r for r in await k.processes("a") if r.parent_pid == parent.pid)
+        child_end = [
+            s.payload
+            async for s in (await k.process(child.pid)).signals(follow=False)
+            if s.signal == "proc.run.finished"
+        ]
+    assert [m.text for m in messages if isinstance(m, ToolResultMessage)] == ["child: stopped after a step"]
+    assert messages[-1].text.startswith("parent: ") and child_end[-1]["reason"] == "stopped"

@@ -238,8 +238,12 @@ class Process:
 
     async def stop(self, run_id: str | None = None) -> bool:
         """Finish the active run gently (``run_id``: only that one): what is under way completes,
-        then the model answers once without tools and the run ends with reason ``stopped``."""
-        return await self.kernel.engine.stop(self.pid, run_id)
+        then the model answers once without tools and the run ends with reason ``stopped``. The
+        subagents the run started that still work are stopped the same way (``tree.run_stopping``)."""
+        stopping = await self.kernel.engine.stop(self.pid, run_id)
+        if stopping:
+            await tree.run_stopping(self.kernel, self.pid)
+        return stopping
 
     async def abort(self, run_id: str | None = None) -> bool:
         """Stop the active run (``run_id``: only that one), and the subagents it started."""

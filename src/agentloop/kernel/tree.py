@@ -11,6 +11,8 @@ is gone or no longer wants the answer, and spends model calls nobody reads.
   stays readable (what they found or changed), ``ps`` shows them, and a kill clears them. Killing
   them would buy nothing for the reset conversation: the watches that would have brought their
   answers to the parent are dropped with it.
+- **a gently stopped run** (``Process.stop``) stops the subagents it started that still work, as
+  gently: each sums up what it has, which a parent waiting on it takes as its answer.
 - **an aborted run** stops the subagents it started (``wait`` or not), with their descendants (a
   child that answered may have left a background task running, whose report nobody would read),
   and no others: a child of an earlier, finished run still owes that run's conversation its answer.
@@ -78,6 +80,24 @@ async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> Non
         if isinstance(started, dict) and started.get("run_id") == run_id:
             await call_off(kernel, pid, child.pid, PARENT_ABORT)
             await stop_descendants(kernel, child, PARENT_ABORT)
+
+
+async def run_stopping(kernel: Kernel, pid: str) -> None:
+    """The active run of ``pid`` was asked to finish gently (``Process.stop``): so are the
+    subagents it started that are still working, and theirs, each wrapping up what it has. A
+    parent waiting on a child's ``Task`` call then gets the child's summing-up as its answer,
+    instead of waiting for the whole job the stop was meant to cut short."""
+    record = await kernel.store.get_process(pid)
+    run = record.current_run if record is not None else None
+    if record is None or run is None:
+        return
+    for child in await children(kernel, record):
+        started = await kernel.store.kv_get(child.pid, ORIGIN_KEY)
+        if child.current_run is None or not isinstance(started, dict) or started.get("run_id") != run["run_id"]:
+            continue
+        with contextlib.suppress(NoSuchProcess):
+            if await kernel.engine.stop(child.pid):
+                await run_stopping(kernel, child.pid)
 
 
 async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:
