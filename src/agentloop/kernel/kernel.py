@@ -239,10 +239,16 @@ class Process:
     async def stop(self, run_id: str | None = None) -> bool:
         """Finish the active run gently (``run_id``: only that one): what is under way completes,
         then the model answers once without tools and the run ends with reason ``stopped``. The
-        subagents the run started that still work are stopped the same way (``tree.run_stopping``)."""
+        subagents the run started that still work are stopped the same way (``tree.run_stopping``).
+        The run is named before it is stopped: a quick last answer may end it before its subagents
+        are looked up, and they must be found by it all the same."""
+        if run_id is None:
+            record = await self.kernel.store.get_process(self.pid)
+            run = record.current_run if record is not None else None
+            run_id = None if run is None else run["run_id"]
         stopping = await self.kernel.engine.stop(self.pid, run_id)
         if stopping:
-            await tree.run_stopping(self.kernel, self.pid)
+            await tree.run_stopping(self.kernel, self.pid, run_id)
         return stopping
 
     async def abort(self, run_id: str | None = None) -> bool:

@@ -61,10 +61,13 @@ async def children(kernel: Kernel, record: ProcessRecord) -> list[ProcessRecord]
 
 
 async def call_off(kernel: Kernel, parent_pid: str, child_pid: str, reason: str) -> None:
-    """Stop the child's active run without telling the parent: its watch on the child goes first."""
+    """Stop the child's active run without telling the parent: its watch on the child goes first.
+    Its background commands stop too (after the abort, so one a tool of the run handed over
+    meanwhile is among them): their reports would start runs of the child that nobody reads."""
     await kernel.watchers.give_up(parent_pid, child_pid)
     with contextlib.suppress(NoSuchProcess):
         await kernel.engine.abort(child_pid, reason=reason)
+    kernel.engine.stop_background(child_pid)
 
 
 async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> None:
@@ -82,22 +85,34 @@ async def run_aborted(kernel: Kernel, pid: str, run_id: str, reason: str) -> Non
             await stop_descendants(kernel, child, PARENT_ABORT)
 
 
-async def run_stopping(kernel: Kernel, pid: str) -> None:
-    """The active run of ``pid`` was asked to finish gently (``Process.stop``): so are the
-    subagents it started that are still working, and theirs, each wrapping up what it has. A
-    parent waiting on a child's ``Task`` call then gets the child's summing-up as its answer,
-    instead of waiting for the whole job the stop was meant to cut short."""
+async def run_stopping(
+    kernel: Kernel, pid: str, run_id: str | None = None, above: frozenset[str] = frozenset()
+) -> None:
+    """The run ``run_id`` of ``pid`` (None: the active one) was asked to finish gently
+    (``Process.stop``): so are the subagents it started that are still working, and theirs, each
+    wrapping up what it has. A parent waiting on a child's ``Task`` call then gets the child's
+    summing-up as its answer, instead of waiting for the whole job the stop was meant to cut
+    short. Named, the run is found even if it ended meanwhile. ``above``: the pids the stop came
+    down from (a pid reused further up is not walked again)."""
     record = await kernel.store.get_process(pid)
-    run = record.current_run if record is not None else None
-    if record is None or run is None:
+    if record is None:
         return
+    if run_id is None:
+        if record.current_run is None:
+            return
+        run_id = record.current_run["run_id"]
+    lineage = above | {pid}
     for child in await children(kernel, record):
+        run = child.current_run
+        if child.pid in lineage or run is None:
+            continue
         started = await kernel.store.kv_get(child.pid, ORIGIN_KEY)
-        if child.current_run is None or not isinstance(started, dict) or started.get("run_id") != run["run_id"]:
+        if not isinstance(started, dict) or started.get("run_id") != run_id:
             continue
         with contextlib.suppress(NoSuchProcess):
-            if await kernel.engine.stop(child.pid):
-                await run_stopping(kernel, child.pid)
+            # (only the run seen working: one begun since is new work, someone else's)
+            if await kernel.engine.stop(child.pid, run["run_id"]):
+                await run_stopping(kernel, child.pid, run["run_id"], lineage)
 
 
 async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:

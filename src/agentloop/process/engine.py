@@ -145,6 +145,9 @@ class ProcessEngine:
         self._aborting: set[asyncio.Task[bool]] = set()
         self._deferred: set[asyncio.Task[None]] = set()  # see ``when_cleared``
         self._background: dict[str, set[asyncio.Task[None]]] = {}  # pid -> its background work
+        # background work a reset or kill stopped, until it has ended: ``close`` waits for it too
+        # (a command's group is killed after a grace, which shutdown must not cut short)
+        self._ending: set[asyncio.Task[None]] = set()
         # held by a reset or kill from its abort to its last commit: input for the process waits
         # (see ``admission.after_clearing``), so no run starts in between to be cleared or lost
         self.clearing = KeyedLocks()
@@ -476,14 +479,31 @@ class ProcessEngine:
         """Own ``work`` a tool of ``pid`` started to outlive its call, and deliver what it returns
         as a system event (``background.finished``). At most ``MAX_BACKGROUND`` per process
         (``BackgroundRefused``); stopped by a reset or kill of the process and by ``close``. Not
-        kept across a restart: the work dies with the runtime, as a child process would."""
+        kept across a restart: the work dies with the runtime, as a child process would. Refused
+        while the process is being reset or killed, or the runtime closes: a tool of the run being
+        cleared may get here after the clearing stopped the work, and what it started would then
+        report to the fresh conversation (or run on with nobody to tell)."""
         jobs = self._background.setdefault(pid, set())
-        if len(jobs) >= MAX_BACKGROUND:
+        refusal = None
+        if pid in self.clearing or self.closing:
+            refusal = "this process is being reset or stopped"
+        elif len(jobs) >= MAX_BACKGROUND:
+            refusal = f"this process already runs {len(jobs)} background jobs (at most {MAX_BACKGROUND})"
+        if refusal is not None:
+            if not jobs:
+                del self._background[pid]
             work.close()
-            raise BackgroundRefused(f"this process already runs {len(jobs)} background jobs (at most {MAX_BACKGROUND})")
+            raise BackgroundRefused(refusal)
         task = asyncio.get_running_loop().create_task(self._deliver_background(pid, work, label), name=label)
         jobs.add(task)
-        task.add_done_callback(jobs.discard)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            work.close()  # (work cancelled before it began was never awaited: no warning for it)
+            jobs.discard(task)
+            if not jobs and self._background.get(pid) is jobs:
+                del self._background[pid]  # (no empty set kept for every process that ever had one)
+
+        task.add_done_callback(ended)
 
     async def _deliver_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
         try:
@@ -499,10 +519,12 @@ class ProcessEngine:
             log.exception("process %s: the end of %s could not be delivered", pid, label)
 
     def stop_background(self, pid: str) -> None:
-        """Stop the background work of ``pid`` (its reset or kill): cancelled, a command's process
-        group is killed."""
+        """Stop the background work of ``pid`` (its reset or kill, a stop with its parent's run):
+        cancelled, a command's process group is killed. Kept until it has ended, for ``close``."""
         for task in self._background.pop(pid, set()):
             task.cancel()
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
 
     async def signal_event(
         self, pid: str, text: str, *, run_id: str | None = None, reason: str = "system.event"
@@ -724,7 +746,7 @@ class ProcessEngine:
     async def close(self) -> None:
         self.closing = True  # the tools cancelled below are stopped by a shutdown, not an abort
         tasks: list[asyncio.Task[Any]] = [*self._reloading, *self._aborting, *self._deferred]
-        tasks += [t for jobs in self._background.values() for t in jobs]
+        tasks += [*self._ending, *(t for jobs in self._background.values() for t in jobs)]
         tasks += [t for live in self._live.values() for t in [*live.tools.values(), live.driver] if t is not None]
         for task in tasks:
             task.cancel()
