@@ -276,9 +276,8 @@ async def test_a_stop_reaches_the_subagents_even_when_the_run_ends_first(
 
 
 async def test_the_refusal_names_every_place_without_background_work(tmp_path: Path) -> None:
-    """A device runs Shell, and a CodeMode program calls it, with no ``ToolContext.background``
-    even under ``agentloop serve``: the refusal must not say only that the conversation is not
-    kept, which would be wrong there."""
+    """A device runs Shell with no ``ToolContext.background`` even under ``agentloop serve``: the
+    refusal must not say only that the conversation is not kept, which would be wrong there."""
     shell = shell_tool(tmp_path)
-    with pytest.raises(Exception, match="not one from a CodeMode program or on a device"):
+    with pytest.raises(Exception, match="not run on a device"):
         await shell.run(shell.validate({"command": "true", "background": True}), ToolContext("1", "Shell"))

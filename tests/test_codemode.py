@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agentloop import Agent, Guards, Reply, ScriptedModel, ToolResultMessage, call
+from agentloop import Agent, Guards, Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.cli.approvals import PolicyHook, Question
 from agentloop.kernel import Kernel
 from agentloop.loop.hooks import Hooks
@@ -116,6 +116,27 @@ async def test_results_and_failures_of_nested_calls_reach_the_program(tmp_path: 
     assert 'File "<program>", line 6' in text and "ToolFailed: hi\n[exit code 3]" in text
     assert "codemode_runner" not in text and "asyncio" not in text
     assert text.endswith("[the program raised an exception]")
+
+
+async def test_a_programs_calls_get_the_runs_metadata_and_background_work(tmp_path: Path) -> None:
+    """A call a program makes is the run's as a direct one is: it sees the caller's metadata, and
+    may hand work to the runtime (``Shell(background=True)`` from a program)."""
+    seen: dict[str, Any] = {}
+
+    @tool
+    async def probe(ctx: ToolContext) -> str:
+        """Record what the call was handed."""
+        seen.update(metadata=ctx.metadata, background=ctx.background)
+        return "ok"
+
+    def background(work: Any, label: str) -> None:
+        work.close()
+
+    cm = CodeMode([probe], cwd=tmp_path)
+    ctx = ToolContext("call-1", cm.name, metadata={"correlation_id": "c-1"}, background=background)
+    result = await cm.run(cm.validate({"code": "print(await probe())"}), ctx)
+    assert not result.is_error, result
+    assert seen == {"metadata": {"correlation_id": "c-1"}, "background": background}
 
 
 async def test_nested_calls_can_run_concurrently(tmp_path: Path) -> None:

@@ -563,6 +563,8 @@ class _Execution:
             off_limits=self.ctx.off_limits,
             offered=self.ctx.offered,
             call_key=None if self.ctx.call_key is None else f"{self.ctx.call_key}.{number}",
+            metadata=self.ctx.metadata,  # (the run's: a nested call is the run's as a direct one is)
+            background=self.ctx.background,
         )
         if tool.timeout is not None and tool.interruptible:
             try:

@@ -183,10 +183,10 @@ def start_in_background(
 ) -> ToolResult:
     """Hand ``command`` to the runtime (``ToolContext.background``), checked first as a foreground
     one is, so a bad ``cwd`` is this call's error rather than a later message."""
-    if ctx.background is None:  # (in memory, on a device, in a CodeMode program: not only the first)
+    if ctx.background is None:  # (in memory, or on a device)
         raise ToolError(
-            "background=true needs a conversation the runtime keeps (agentloop chat or serve) and a direct call "
-            "(not one from a CodeMode program or on a device): run it without"
+            "background=true needs a conversation the runtime keeps (agentloop chat or serve), not run on a "
+            "device: run it without"
         )
     if not command.strip():
         raise ToolError("command is empty")
