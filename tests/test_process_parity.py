@@ -138,6 +138,17 @@ async def test_max_rounds_ends_a_durable_run_with_a_tools_free_round(tmp_path):
     }
 
 
+async def test_a_final_round_of_nothing_but_calls_finishes_with_no_text(tmp_path):
+    """A model that calls tools in its tools-free final round: the calls are dropped, and the run
+    ends with no answer, which ``proc.run.finished`` says as null, not as an empty text."""
+    model = ScriptedModel(lambda r: Reply(tool_calls=[call("echo", text="again")]))
+    async with kernel(tmp_path, model, guards=Guards(max_rounds=1)) as k:
+        proc = await k.spawn(owner="a", text="loop")
+        await proc.wait_idle()
+        finished = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.run.finished"]
+    assert [(f["reason"], f["text"]) for f in finished] == [("max_rounds", None)]
+
+
 async def test_post_turn_hooks_run_after_each_turn_of_a_durable_run(tmp_path):
     hooks = Hooks()
     turns: list[tuple[int, str]] = []

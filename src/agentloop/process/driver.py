@@ -515,7 +515,7 @@ async def _finish(
     if live.approvals:
         await engine.store.kv_delete(pid, f"approved:{run_id}")
     await tx.set_run(None)
-    answer = last.text if status == "ok" and isinstance(last, AssistantMessage) else None
+    answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
 
 
