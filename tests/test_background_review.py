@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,22 +20,8 @@ from agentloop.models.base import ModelRequest
 from agentloop.process.api import approve_everything
 from agentloop.tools.base import FunctionTool, ToolContext
 from agentloop.tools.shell import shell_tool
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-async def until(check: Any, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not reached in time")
+from tests.test_background_shell import until
+from tests.test_tools_shell import alive, pid_from
 
 
 async def report(text: str, after: float) -> str:
@@ -122,8 +107,7 @@ async def test_a_subagent_stopped_with_its_parents_run_stops_its_background_comm
     ) as k:
         parent = await k.spawn(owner="a", text="delegate the job")
         await asyncio.wait_for(blocked.wait(), 5)
-        await until(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit())
-        job = int(pid_file.read_text())
+        job = await pid_from(pid_file)
         assert await parent.abort()
         await until(lambda: not alive(job), 0.4)  # stopped, not ended on its own
         await asyncio.sleep(0.5)
@@ -152,8 +136,7 @@ async def test_shutdown_right_after_a_reset_ends_the_command_the_reset_stopped(t
     ) as k:
         proc = await k.spawn(owner="a", text="build it")
         await proc.wait_idle()
-        await until(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit())
-        job = int(pid_file.read_text())
+        job = await pid_from(pid_file)
         await proc.reset()
     assert not alive(job)
 

@@ -6,7 +6,7 @@ memory, where nothing could tell the model later, it is refused."""
 from __future__ import annotations
 
 import asyncio
-import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,17 +18,10 @@ from agentloop.process import engine as engine_module
 from agentloop.process.api import approve_everything
 from agentloop.tools.base import ToolContext, ToolError
 from agentloop.tools.shell import shell_tool
+from tests.test_tools_shell import alive, pid_from
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-async def until(check, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+async def until(check: Callable[[], bool], seconds: float = 10.0) -> None:
     for _ in range(int(seconds / 0.02)):
         if check():
             return
@@ -79,8 +72,7 @@ async def test_a_reset_stops_a_background_command(tmp_path: Path) -> None:
     ) as k:
         proc = await k.spawn(owner="a", text="build it")
         await proc.wait_idle()
-        await until(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit())
-        job = int(pid_file.read_text())
+        job = await pid_from(pid_file)
         assert alive(job)
         await proc.reset()
         await until(lambda: not alive(job))

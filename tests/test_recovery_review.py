@@ -31,6 +31,14 @@ async def until(check: Any, seconds: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
 
+async def resumed(tmp_path: Path, pid: str, model: Any, **kw: Any) -> list[Message]:
+    """Open the kernel again after the crash and let the resumed run end: the process's messages."""
+    async with kernel(tmp_path, model, **kw) as k:
+        proc = await k.process(pid)
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        return await proc.messages()
+
+
 def results(msgs: list[Message]) -> list[str]:
     return [m.text for m in msgs if isinstance(m, ToolResultMessage)]
 
@@ -88,10 +96,7 @@ async def test_an_approval_given_just_before_a_crash_is_carried_out_after_the_re
         await proc.hil(ask.request_id, "approve")
         pid = proc.pid
     assert ran == ["a"]
-    async with kernel(tmp_path, ScriptedModel(brain), approval=ask_risky) as k:
-        proc = await k.process(pid)
-        await asyncio.wait_for(proc.wait_idle(), 5)
-        msgs = await proc.messages()
+    msgs = await resumed(tmp_path, pid, ScriptedModel(brain), approval=ask_risky)
     assert ran == ["a", "risky"]
     assert_valid(msgs)
     assert msgs[-1].text == "done: a | risky"
@@ -141,10 +146,7 @@ async def test_an_idempotent_call_cut_by_a_restart_is_rerun_though_input_waits(t
         await until(lambda: asyncio.sleep(0, len(seen) == 1))
         await proc.send("and hurry", mode="steer")
         pid = proc.pid
-    async with kernel(tmp_path, ScriptedModel(brain), tools=[lookup]) as k:
-        proc = await k.process(pid)
-        await asyncio.wait_for(proc.wait_idle(), 5)
-        msgs = await proc.messages()
+    msgs = await resumed(tmp_path, pid, ScriptedModel(brain), tools=[lookup])
     assert seen == ["k", "k"]
     assert_valid(msgs)
     assert msgs[-1].text == "done: value of k"
@@ -306,10 +308,7 @@ async def test_a_second_restart_right_after_the_first_reruns_an_idempotent_call_
 
     async with kernel(tmp_path, ScriptedModel(brain), tools=[lookup_down]) as k:
         pass  # a second crash, at once
-    async with kernel(tmp_path, ScriptedModel(brain), tools=[lookup]) as k:
-        proc = await k.process(pid)
-        await asyncio.wait_for(proc.wait_idle(), 5)
-        msgs = await proc.messages()
+    msgs = await resumed(tmp_path, pid, ScriptedModel(brain), tools=[lookup])
     assert len(seen) + len(gone) <= 3 and seen[-1] == "k"
     assert_valid(msgs)
     assert msgs[-1].text == "done: value of k"
