@@ -311,3 +311,28 @@ def test_a_queued_message_waits_for_the_run_and_then_runs_on_its_own(
     browser.reload()  # the page rebuilt from the history and the log shows the same, once
     browser.wait("document.querySelectorAll('#transcript .footer[data-status=ok]').length === 2")
     assert browser.eval(TRANSCRIPT) == shown
+
+
+@pytest.mark.parametrize("replies", [["HEARTBEAT_OK", "The build broke."]])
+def test_a_quiet_heartbeat_stays_out_of_sight_and_one_with_news_shows(
+    served: tuple[str, str, Path], browser: Browser
+) -> None:
+    """Check-ins are runs named ``heartbeat:<period>``; one answered only ``HEARTBEAT_OK`` is
+    hidden, live and after a reload, while one with something to say is shown."""
+    url, token, _ = served
+    pid = sign_in_and_open_a_process(browser, url, token)
+    auth = {"Authorization": f"Bearer {token}"}
+    for period in (1, 2):
+        posted = httpx.post(
+            f"{url}/v1/processes/{pid}/events", headers=auth, json={"text": "check in", "run_id": f"heartbeat:{period}"}
+        )
+        assert posted.status_code == 202, posted.text
+        browser.wait(f"document.querySelectorAll('#transcript .footer[data-status=ok]').length === {period}")
+    visible = """[...document.querySelectorAll('#transcript section.run')]
+      .map((n) => [n.dataset.run, n.hidden, n.offsetParent !== null])"""
+    for _ in range(2):
+        assert browser.eval(visible) == [["heartbeat:1", True, False], ["heartbeat:2", False, True]]
+        shown = browser.eval("document.getElementById('transcript').innerText")
+        assert "HEARTBEAT_OK" not in shown and "The build broke." in shown
+        browser.reload()
+        browser.wait(f"{FOLLOWING} && document.querySelectorAll('#transcript .footer[data-status=ok]').length === 2")

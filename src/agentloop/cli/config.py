@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from agentloop.loop.guards import Guards
 from agentloop.models.base import REASONING_LEVELS, Model, Reasoning
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
+from agentloop.process.heartbeat import DEFAULT_EVERY, DEFAULT_HEARTBEAT, DEFAULT_HOURS, HeartbeatSettings, parse_hours
 from agentloop.tools.mcp import MCPServerConfig, parse_servers
 from agentloop.urls import redact_secrets
 
@@ -43,7 +44,7 @@ _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server"
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning")
 _SWITCHES = ("codemode", "subagents")  # true or false; anything else is an error
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store")
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class FileConfig:
     codemode: bool = False
     subagents: bool = False
     store: str | None = None
+    heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -115,6 +117,7 @@ class Settings:
     subagents: bool = False  # offer durable processes the Task tool (child processes)
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
+    heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # the check-ins HEARTBEAT.md asks for
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
     store_error: str | None = None  # an unusable (or unknowable) store URL: only commands that open the store stop
 
@@ -307,6 +310,9 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     if store is not None and store_problem(store):
         errors["store"] = f"config file {path}: store {store_problem(store)}"
         store = None
+    heartbeat, problem = _read_heartbeat(data.get("heartbeat", True))
+    if problem:
+        warnings.append(f"config file {path}: heartbeat {problem}; the default (every 30 minutes, 08:00-23:00) applies")
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -323,6 +329,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             codemode=switches.get("codemode", False),
             subagents=switches.get("subagents", False),
             store=store,
+            heartbeat=heartbeat,
             **limits,
         ),
         warnings,
@@ -384,9 +391,29 @@ def load_settings(
         subagents=file.subagents,
         store=store_url,
         store_source=store_source,
+        heartbeat=file.heartbeat,
         errors=errors,
         store_error=store_error,
     )
+
+
+def _read_heartbeat(value: Any) -> tuple[HeartbeatSettings | None, str | None]:
+    """``heartbeat = false`` (none), ``true`` (the default) or a table ``{every = seconds, hours =
+    "08:00-23:00"}`` (``hours = "all"`` for the whole day); the default and why, when unusable."""
+    if isinstance(value, bool):
+        return (DEFAULT_HEARTBEAT if value else None), None
+    if not isinstance(value, dict):
+        return DEFAULT_HEARTBEAT, "must be true, false or a table with every and hours"
+    unknown = sorted(set(value) - {"every", "hours"})
+    if unknown:
+        return DEFAULT_HEARTBEAT, f"has unknown keys: {', '.join(map(str, unknown))}"
+    hours = value.get("hours", DEFAULT_HOURS)
+    if not isinstance(hours, str):
+        return DEFAULT_HEARTBEAT, 'hours must be a string such as "08:00-23:00" or "all"'
+    try:
+        return HeartbeatSettings(every=value.get("every", DEFAULT_EVERY), hours=parse_hours(hours)), None
+    except ValueError as exc:
+        return DEFAULT_HEARTBEAT, str(exc).removeprefix("heartbeat ")
 
 
 def store_problem(url: Any) -> str | None:
@@ -458,6 +485,7 @@ def kernel_options(settings: Settings, progress: Callable[[str], None] | None = 
         options["compaction_threshold"] = settings.compaction_threshold
     if settings.subagents:
         options["subagents"] = True
+    options["heartbeat"] = settings.heartbeat
     return options
 
 

@@ -42,6 +42,7 @@ from agentloop.events import (
 )
 from agentloop.messages import AssistantMessage
 from agentloop.process import signals as psig
+from agentloop.process.heartbeat import REASON as HEARTBEAT_REASON
 from agentloop.process.signals import Signal
 
 # The argument most worth showing for a call, by name, in order of preference.
@@ -238,12 +239,22 @@ class SignalRenderer:
         self.view = view
         self._streamed = ""  # text deltas of the model message in flight
         self._running: set[str] = set()
+        # heartbeat runs' text waits for its ``proc.run.output``, which says whether it is an
+        # acknowledgement nobody needs to see (``quiet``)
+        self._held: set[str] = set()
 
     def handle(self, signal: Signal) -> None:
         name, p = signal.signal, signal.payload
         view = self.view
         if name == psig.RUN_STARTED:
+            if p.get("reason") == HEARTBEAT_REASON:
+                self._held.add(str(p.get("runId")))
             view.waiting()
+        elif name in (psig.RUN_STREAM, psig.RUN_OUTPUT) and str(p.get("runId")) in self._held:
+            if name == psig.RUN_OUTPUT and not p.get("quiet") and p.get("text"):
+                view.message_start()
+                view.text(str(p["text"]))
+                view.message_start()
         elif name == psig.RUN_STREAM:
             event = p.get("event")
             delta = p.get("delta")
@@ -286,6 +297,7 @@ class SignalRenderer:
             kept = f"; memories kept in {p['memory']}" if isinstance(p.get("memory"), str) else ""
             view.note(Text(one_line(what + (f" ({reason})" if reason else "") + kept, 400), style="dim"))
         elif name == psig.RUN_FINISHED:
+            self._held.discard(str(p.get("runId")))
             view.finish()
 
     def _retry(self, p: dict[str, Any]) -> None:

@@ -26,7 +26,8 @@ from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.account_model import AccountModels
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
-from agentloop.kernel.duty import SCHEDULES, WATCHES, Duty
+from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
+from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
 from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
@@ -52,6 +53,7 @@ from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
 from agentloop.process.engine import MODE_KEY, Admit, ProcessEngine
+from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MediaStore
 from agentloop.process.memory import append_daily_memory
@@ -285,7 +287,13 @@ class Kernel:
     """Owns a store and the durable processes in it."""
 
     def __init__(
-        self, store: Store, engine: ProcessEngine, data_dir: Path, *, schedule_min_every: float = DEFAULT_MIN_EVERY
+        self,
+        store: Store,
+        engine: ProcessEngine,
+        data_dir: Path,
+        *,
+        schedule_min_every: float = DEFAULT_MIN_EVERY,
+        heartbeat: HeartbeatSettings | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -300,6 +308,7 @@ class Kernel:
 
         self.scheduler = Scheduler(store, engine, min_every=schedule_min_every, duty=duty(SCHEDULES))
         self.watchers = WatchRouter(store, engine, duty=duty(WATCHES))
+        self.heartbeat = None if heartbeat is None else Heartbeat(store, engine, heartbeat, duty=duty(HEARTBEAT))
         engine.aborted = self._run_aborted
         self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
         self._closing = False  # (no new background work once closing has begun)
@@ -326,6 +335,7 @@ class Kernel:
         toolset: ToolsetFn | None = None,
         devices: DeviceDirectory | None = None,
         schedule_min_every: float = DEFAULT_MIN_EVERY,
+        heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT,
         worker: str | None = None,
         lease_ttl: float = DEFAULT_TTL,
         poll_interval: float = DEFAULT_POLL,
@@ -340,7 +350,8 @@ class Kernel:
         ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
         is given) and fills the prompt's ``{{devices}}``; ``schedule_min_every`` is the shortest
-        interval a repeating schedule may have; on a store several workers share (PostgreSQL),
+        interval a repeating schedule may have; ``heartbeat`` paces the check-ins a workspace's
+        ``HEARTBEAT.md`` asks for (kernel/heartbeat.py; None: none); on a store several workers share (PostgreSQL),
         ``worker`` names this one in its leases (default: host, pid and a random suffix), a lease
         lasts ``lease_ttl`` seconds unless renewed, and ``poll_interval`` is how often it looks
         for work whose notification it missed (see ``process/lease.py``) and how often the
@@ -428,7 +439,7 @@ class Kernel:
         await store.open()  # (last: what fails from here on closes it, and lets go of the runtime's lock)
         try:
             store.hold_runtime()  # one runtime drives the processes of a SQLite file
-            kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every)
+            kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every, heartbeat=heartbeat)
         except BaseException:
             await store.close()
             raise
@@ -437,8 +448,12 @@ class Kernel:
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
             await kernel.watchers.start()  # delivers what watched sources logged while it was down
             kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
+            if kernel.heartbeat is not None:
+                kernel.heartbeat.start()
             yield kernel
         finally:
+            if kernel.heartbeat is not None:
+                await kernel.heartbeat.stop()
             await kernel.scheduler.stop()
             await kernel.watchers.stop()
             await kernel._finish_remembering()

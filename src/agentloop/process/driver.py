@@ -45,6 +45,7 @@ from agentloop.process.compaction import (
     pressure,
     should_compact,
 )
+from agentloop.process.heartbeat import quiet_answer
 from agentloop.process.lease import LeaseLost
 from agentloop.process.signals import Signal
 from agentloop.process.store import SegmentRow, ToolCallRow
@@ -299,7 +300,10 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         await tx.set_run(new_run)
         if reply.text or any(b.type == "thinking" for b in reply.content):
             thinking = "".join(getattr(b, "thinking", "") for b in reply.content)
-            await tx.signal(sig.RUN_OUTPUT, runId=run_id, text=reply.text, thinking=thinking)
+            output: dict[str, Any] = {"runId": run_id, "text": reply.text, "thinking": thinking}
+            if not reply.tool_calls and quiet_answer(run_id, reply.text):
+                output["quiet"] = True  # a heartbeat's "nothing to do": clients need not show it
+            await tx.signal(sig.RUN_OUTPUT, **output)
         await tx.signal(sig.CHANGED, changes=["messages"])
         # the same transaction takes the next decision's first step: start the tools, or finish
         if reply.tool_calls:
@@ -539,6 +543,8 @@ async def signal_run_finished(
         payload["error"] = error
     if status == "aborted":
         payload["aborted"] = True
+    if quiet_answer(run["run_id"], text):
+        payload["quiet"] = True
     payload["usage"] = run["usage"]
     payload["queuedCount"] = live.queued if queued is None else queued
     payload["timestamp"] = int(time.time() * 1000)

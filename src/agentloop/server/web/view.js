@@ -16,6 +16,13 @@ import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
 
 const GAP = " … "; // where a streaming bubble lost text while the stream reconnected
 
+/** A heartbeat check-in whose answer only says nothing needs attention stays out of sight: a
+ * person opening the page should not read "HEARTBEAT_OK" every half hour. */
+function quiet(run, hidden) {
+  run.block.hidden = hidden;
+  run.block.classList.toggle("quiet", hidden);
+}
+
 export class ProcessView {
   constructor(pid, onState) {
     this.pid = pid;
@@ -299,7 +306,12 @@ export class ProcessView {
         }
         break;
       case "proc.run.output":
+        if (run && p.quiet) {
+          quiet(run, true); // a heartbeat's "nothing to do"
+          break;
+        }
         if (run && p.text) {
+          quiet(run, false);
           // The full text of what was streamed. If its message is already rendered, it is that one.
           const persisted = [...run.block.querySelectorAll(".msg.assistant[data-id]:not([data-claimed])")].find(
             (b) => b.textContent === p.text,
@@ -334,10 +346,12 @@ export class ProcessView {
         if (this.live) this.addApproval(p);
         break;
       case "proc.run.started":
+        if (run && p.reason === "heartbeat") quiet(run, true); // shown once it has something to say
         if (this.live) this.refreshProcess().catch(() => {});
         break;
       case "proc.run.finished":
         if (run) {
+          if (p.quiet) quiet(run, true);
           this.seal(run);
           run.footer.textContent = `run finished: ${p.status}${p.reason ? ` (${p.reason})` : ""}`;
           run.footer.dataset.status = p.status;
