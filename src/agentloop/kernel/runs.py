@@ -29,7 +29,7 @@ from agentloop.stamps import stamps
 from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.mcp import mcp_server_names
-from agentloop.tools.skills import skills_tool
+from agentloop.tools.skills import requirements_generation, skills_tool
 
 log = logging.getLogger("agentloop.prompt")
 
@@ -180,6 +180,7 @@ def prompt_builder(
             record.context,
             record.parent_pid is None,
             datetime.date.today(),
+            requirements_generation(),  # (a program or variable a skill needs came or went)
         )
         watched = [
             f"{system_dir}",

@@ -232,8 +232,10 @@ def _skills_block(dirs: list[Path], seen: _Reading) -> _Block:
     for layer in filter(Path.is_dir, dirs):
         entries = [e for e in layer.iterdir() if e.is_dir() or e.suffix == ".md"]
         seen.consulted += [e / SKILL_FILE if e.is_dir() else e for e in entries]
-    skills, problems = scan_skills(dirs)
+    found, problems = scan_skills(dirs)
     seen.warnings += problems
+    # a skill that cannot work here (a program, a variable or the OS it needs) is not offered
+    skills = {name: s for name, s in found.items() if s.unavailable() is None}
     block = _Block("skills")
     if skills:
         block.preamble = (

@@ -11,28 +11,62 @@ a lone ``skills.d/<name>.md``. The name is the directory or file name, never the
 layers override by what an operator sees on disk. Skill directories are writable by the agent, so
 every file is opened through ``resolve_path`` rooted at the skill's own directory: a ``..``, an
 absolute path or a symlink cannot turn ``read`` into a general file reader.
+
+A skill may say what it needs, so that the model is told only of skills that can work here. Lists
+are comma-separated (``[a, b]`` also reads)::
+
+    requires-bins: git, docker        every program found on PATH (``shutil.which``)
+    requires-any-bins: podman, docker at least one of them
+    requires-env: GITHUB_TOKEN        each variable set and non-empty in the server's environment
+    os: linux, macos                  the platform family: linux, darwin (macos), windows (win32)
+
+Skills written for OpenClaw/ClawHub carry the same in a one-line JSON ``metadata`` field,
+``{"openclaw": {"requires": {"bins": [...], "anyBins": [...], "env": [...]}, "os": [...]}}`` (or
+under another single key, or with ``requires``/``os`` at the top); both forms add up. Other
+requirement kinds (OpenClaw's ``config``) are ignored: nothing here can judge them, and hiding a
+skill for them would hide it everywhere. Unreadable ``metadata`` is a warning, never a reason to
+hide the skill. An ineligible skill is left out of the prompt index and of ``list``/``search``
+(``list`` ends with one line naming them and why); ``show``/``read`` say why it is unavailable.
+Layers override first, so an account's copy of a skill may drop a requirement.
+
+Eligibility is judged on each assembly and each tool call, and only for skills that declare
+requirements. The kernel reuses an assembled prompt while its files are unchanged, which PATH and
+the environment are not part of; instead ``ELIGIBILITY`` remembers the verdicts prompts were built
+on and rechecks them at most once a minute, when a cached prompt is about to be reused
+(``requirements_generation``): a program installed later reaches the index within that minute,
+and no server without requirement-bearing skills ever pays for it.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+import shutil
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from agentloop.stamps import read_regular
 from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
 from agentloop.tools.paths import display, resolve_path
 
 __all__ = [
+    "ELIGIBILITY",
     "SKILL_FILE",
+    "Eligibility",
+    "Requirements",
     "Skill",
     "UnreadableFile",
     "discover_skills",
     "parse_front_matter",
+    "platform_family",
     "read_text_file",
+    "requirements_generation",
     "scan_skills",
     "skills_tool",
 ]
@@ -47,6 +81,10 @@ SEARCH_LIMIT = 10
 SEARCH_LIMIT_MAX = 50
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)\s*:\s*(.*)")
+RECHECK_SECONDS = 60.0
+MAX_REMEMBERED = 1024  # distinct requirement sets whose verdicts are rechecked
+_OS_ALIASES = {"macos": "darwin", "mac": "darwin", "osx": "darwin", "win32": "windows", "win": "windows"}
+_OS_LABELS = {"linux": "Linux", "darwin": "macOS", "windows": "Windows"}
 
 
 class UnreadableFile(Exception):
@@ -105,6 +143,135 @@ def _one_line(fields: dict[str, str], body: str) -> str:
     return text
 
 
+# ------------------------------------------------------------------ requirements
+
+
+def platform_family() -> str:
+    """``sys.platform`` as the families skills name: ``linux``, ``darwin``, ``windows``, or the
+    platform itself (``freebsd14`` → ``freebsd``)."""
+    platform = sys.platform
+    if platform in ("win32", "cygwin"):
+        return "windows"
+    return platform.rstrip("0123456789")
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a skill needs to work here; empty (false) for almost every skill."""
+
+    bins: tuple[str, ...] = ()
+    any_bins: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    os: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.bins or self.any_bins or self.env or self.os)
+
+    def unmet(self) -> str | None:
+        """Why the skill cannot work here (every unmet requirement), or None; looked up afresh."""
+        reasons: list[str] = []
+        if self.os and platform_family() not in self.os:
+            reasons.append(" or ".join(_OS_LABELS.get(o, o) for o in self.os) + " only")
+        missing = [b for b in self.bins if shutil.which(b) is None]
+        if missing:
+            reasons.append(f"needs {', '.join(missing)} on PATH")
+        if self.any_bins and not any(shutil.which(b) for b in self.any_bins):
+            reasons.append(f"needs one of {', '.join(self.any_bins)} on PATH")
+        unset = [name for name in self.env if not os.environ.get(name)]
+        if unset:
+            reasons.append(f"needs {', '.join(unset)} set")
+        return "; ".join(reasons) or None
+
+
+def _names(value: object) -> list[str]:
+    """A front-matter list (``a, b`` or ``[a, 'b']``) or a JSON list, as names; other values none."""
+    if isinstance(value, list):
+        return [v.strip() for v in value if isinstance(v, str) and v.strip()]
+    if not isinstance(value, str):
+        return []
+    return [n.strip("\"'") for n in re.split(r"[,\s]+", value.strip().strip("[]")) if n.strip("\"'")]
+
+
+def _metadata_spec(text: str) -> tuple[dict[str, Any], str | None]:
+    """The object in ``metadata`` that holds ``requires``/``os`` (OpenClaw's own key, any single
+    key, or the top level), and a problem to warn about."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return {}, f"metadata is not valid JSON ({exc}); its requirements are ignored"
+    if not isinstance(data, dict):
+        return {}, "metadata is not a JSON object; its requirements are ignored"
+    if "requires" in data or "os" in data:
+        return data, None
+    inner = data.get("openclaw", next(iter(data.values())) if len(data) == 1 else None)
+    return (inner, None) if isinstance(inner, dict) else ({}, None)
+
+
+def parse_requirements(fields: dict[str, str]) -> tuple[Requirements, list[str]]:
+    """The requirements a skill's front matter declares, in either form, and warnings."""
+    spec, problem = _metadata_spec(fields["metadata"]) if fields.get("metadata") else ({}, None)
+    needs = spec.get("requires")
+    needs = needs if isinstance(needs, dict) else {}
+    systems = _names(fields.get("os", "")) + _names(spec.get("os"))
+    found = Requirements(
+        bins=_unique(_names(fields.get("requires-bins", "")) + _names(needs.get("bins"))),
+        any_bins=_unique(_names(fields.get("requires-any-bins", "")) + _names(needs.get("anyBins"))),
+        env=_unique(_names(fields.get("requires-env", "")) + _names(needs.get("env"))),
+        os=_unique([_OS_ALIASES.get(o.lower(), o.lower()) for o in systems]),
+    )
+    return found, [problem] if problem else []
+
+
+def _unique(names: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+class Eligibility:
+    """The requirement verdicts prompts were built on, so a cached prompt can learn that one
+    changed: ``generation`` rechecks them at most once per ``interval`` and moves on when any
+    differs (as does ``judge`` when a fresh look disagrees with the remembered one). With no
+    requirement ever judged, ``generation`` costs nothing, not even a clock read."""
+
+    def __init__(self, interval: float = RECHECK_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._verdicts: dict[Requirements, str | None] = {}
+        self._checked = 0.0
+        self._generation = 0
+
+    def judge(self, needs: Requirements) -> str | None:
+        """Why ``needs`` are unmet here, looked up now; remembered for the recheck."""
+        verdict = needs.unmet()
+        if len(self._verdicts) >= MAX_REMEMBERED:
+            self._verdicts.clear()  # skills come and go; rebuilding the prompts re-judges the live ones
+            self._generation += 1
+        if not self._verdicts:
+            self._checked = self.clock()
+        if self._verdicts.get(needs, verdict) != verdict:
+            self._generation += 1
+        self._verdicts[needs] = verdict
+        return verdict
+
+    def generation(self) -> int:
+        """A number that changes when a remembered verdict no longer holds."""
+        if self._verdicts and self.clock() - self._checked >= self.interval:
+            self._checked = self.clock()
+            fresh = {needs: needs.unmet() for needs in list(self._verdicts)}
+            if any(self._verdicts.get(needs) != verdict for needs, verdict in fresh.items()):
+                self._generation += 1
+            self._verdicts.update(fresh)
+        return self._generation
+
+
+ELIGIBILITY = Eligibility()
+
+
+def requirements_generation() -> int:
+    """``ELIGIBILITY.generation()``: part of a cached prompt's key, so it is rebuilt once a
+    program or variable a skill needs appears (or goes), within ``RECHECK_SECONDS``."""
+    return ELIGIBILITY.generation()
+
+
 @dataclass
 class Skill:
     """One skill as found on disk; ``root`` is None for a single-file skill."""
@@ -116,9 +283,14 @@ class Skill:
     layer: Path
     body: str
     fields: dict[str, str] = field(default_factory=dict)
+    requires: Requirements = field(default_factory=Requirements)
+
+    def unavailable(self) -> str | None:
+        """Why this skill cannot work here, or None; no lookup at all without requirements."""
+        return ELIGIBILITY.judge(self.requires) if self.requires else None
 
 
-def _load(layer: Path, name: str, rel: str, folder: bool) -> Skill:
+def _load(layer: Path, name: str, rel: str, folder: bool) -> tuple[Skill, list[str]]:
     """The skill ``rel`` names in ``layer``. A skill folder is resolved inside its layer before it
     becomes the root of its files: a folder that is a symlink to elsewhere (another account's
     skill, say) would otherwise make everything there readable, as a linked single file is not."""
@@ -127,7 +299,8 @@ def _load(layer: Path, name: str, rel: str, folder: bool) -> Skill:
     if not path.is_file():
         raise UnreadableFile(f"{layer / rel}: not a regular file")
     fields, body = parse_front_matter(read_text_file(path))
-    return Skill(name, _one_line(fields, body), path, root, layer, body.rstrip() + "\n", fields)
+    requires, problems = parse_requirements(fields)
+    return Skill(name, _one_line(fields, body), path, root, layer, body.rstrip() + "\n", fields, requires), problems
 
 
 def scan_skills(dirs: list[Path]) -> tuple[dict[str, Skill], list[str]]:
@@ -152,9 +325,11 @@ def scan_skills(dirs: list[Path]) -> tuple[dict[str, Skill], list[str]]:
                 warnings.append(f"skill {name!r}: both {name}/ and {entry.name} in {layer}; using the directory")
                 continue
             try:
-                found[name] = _load(layer, name, rel, is_dir)
+                found[name], problems = _load(layer, name, rel, is_dir)
             except (UnreadableFile, ToolError) as exc:
                 warnings.append(f"skill {name!r} skipped: {exc}")
+                continue
+            warnings += [f"skill {name!r}: {problem}" for problem in problems]
         skills.update(found)
     return dict(sorted(skills.items())), warnings
 
@@ -199,11 +374,31 @@ def _cap(text: str) -> str:
     return kept + f"\n[… truncated: {MAX_READ_BYTES} of {len(data)} bytes shown]"
 
 
-def _list(skills: dict[str, Skill]) -> ToolResult:
-    if not skills:
+def _split(found: dict[str, Skill]) -> tuple[dict[str, Skill], dict[str, str]]:
+    """The skills that can work here, and why each of the others cannot."""
+    usable: dict[str, Skill] = {}
+    unavailable: dict[str, str] = {}
+    for name, skill in found.items():
+        reason = skill.unavailable()
+        if reason is None:
+            usable[name] = skill
+        else:
+            unavailable[name] = reason
+    return usable, unavailable
+
+
+def _list(skills: dict[str, Skill], unavailable: dict[str, str]) -> ToolResult:
+    """The usable skills, then one line for the others: the model learns they exist (a user may
+    ask for one) without a line each for what it cannot use."""
+    if not skills and not unavailable:
         return ToolResult.text("No skills are installed.", details={"skills": []})
-    lines = [f"{len(skills)} skills:"] + [f"- {s.name}: {s.description}" for s in skills.values()]
-    return ToolResult.text("\n".join(lines), details={"skills": [s.name for s in skills.values()]})
+    lines = [f"{len(skills)} skills:" if skills else "No skills are available here."]
+    lines += [f"- {s.name}: {s.description}" for s in skills.values()]
+    details: dict[str, Any] = {"skills": list(skills)}
+    if unavailable:
+        lines.append("not available here: " + ", ".join(f"{n} ({why})" for n, why in unavailable.items()))
+        details["unavailable"] = unavailable
+    return ToolResult.text("\n".join(lines), details=details)
 
 
 def _search(skills: dict[str, Skill], query: str, limit: int) -> ToolResult:
@@ -296,13 +491,15 @@ def skills_tool(dirs: list[Path]) -> FunctionTool:
         path: a file inside the skill's directory, for read.
         limit: at most this many search results.
         """
-        found = discover_skills(layers)
+        found, unavailable = _split(discover_skills(layers))
         if action == "list":
-            return _list(found)
+            return _list(found, unavailable)
         if action == "search":
             return _search(found, query or "", max(1, min(limit, SEARCH_LIMIT_MAX)))
         if not name:
             raise ToolError(f"action={action!r} needs the skill's name")
+        if name in unavailable:
+            raise ToolError(f"Skill {name!r} is not available here: {unavailable[name]}.")
         skill = found.get(name)
         if skill is None:
             raise _unknown(name, found)
