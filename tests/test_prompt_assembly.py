@@ -298,6 +298,6 @@ async def test_a_cached_prompt_follows_in_place_edits_of_files_that_added_nothin
     (work / "USER.md").write_text("Name: Jürgen")
     (context / "style.md").write_text("Use British spelling.")
     (skill / "SKILL.md").write_text("---\nname: deploy\ndescription: Ship a release.\n---\nmake ship")
-    prompt = await build(record, {})
+    prompt = (await build(record, {})).text  # (a ``CompiledPrompt``: the text with its manifest)
     for text in ("Always answer in French.", "Name: Jürgen", "Use British spelling.", "Ship a release."):
         assert text in prompt

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO, cast
+from typing import Any, Literal, Protocol, TextIO, cast, runtime_checkable
 
 from rich.console import Console
 from rich.status import Status
@@ -40,6 +40,7 @@ from agentloop.cli.render import (
     TextRenderer,
     one_line,
     play,
+    prompt_manifest_lines,
     stderr_console,
 )
 from agentloop.kernel import Kernel, Process
@@ -52,6 +53,7 @@ from agentloop.process.signals import Signal
 HELP = (
     "/new starts a new conversation · /chat answers without tools, /agent with them · "
     "/attach FILE adds an image, a PDF or a text file to your next message (/detach drops them) · "
+    "/prompt shows what the last system prompt was built from · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -250,6 +252,14 @@ class Session(Protocol):
         """Ctrl-C during a turn: stop it (the conversation stays valid); called from a signal handler."""
 
 
+@runtime_checkable
+class ShowsPrompt(Protocol):
+    """A session whose runs log what their system prompt was built from (``/prompt``)."""
+
+    async def prompt_manifest(self) -> dict[str, Any] | None:
+        """The newest ``proc.prompt.compiled`` payload of the conversation, or None."""
+
+
 class AgentSession:
     """Turns on an in-memory ``Agent``; the history lives in a ``Transcript``. Approvals, when the
     agent has a ``PolicyHook``, are asked through the turn's ``ask``."""
@@ -369,6 +379,9 @@ class ChatRepl:
             if word in ("/attach", "/detach"):
                 self.attach(text[len(word) :].strip() if word == "/attach" else None)
                 return True
+            if word == "/prompt":
+                self.show_prompt(ev)
+                return True
             if word in ("/help", "/?"):
                 self.err.print(Text(HELP, style="dim"))
                 return True
@@ -388,6 +401,19 @@ class ChatRepl:
             self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
             return False
         return True
+
+    def show_prompt(self, ev: asyncio.AbstractEventLoop) -> None:
+        """``/prompt``: what the conversation's newest system prompt was built from, so a user can
+        see why it is as large as it is and which files were cut or left out."""
+        if not isinstance(self.session, ShowsPrompt):
+            self.err.print(Text("(no prompt manifest: this chat does not log one)", style="dim"))
+            return
+        manifest = ev.run_until_complete(self.session.prompt_manifest())
+        if manifest is None:
+            self.err.print(Text("(no prompt manifest yet: it is logged when a run's prompt is built)", style="dim"))
+            return
+        for line in prompt_manifest_lines(manifest):
+            self.err.print(Text(line, style="yellow" if line.startswith("warning: ") else "dim"))
 
     async def ask(self, question: Question) -> Answer:
         """An approval, asked in the middle of a turn (the spinner steps aside meanwhile)."""
@@ -551,6 +577,7 @@ class DurableSession:
         self.proc: Process | None = None
         self.seq = 0  # the last signal shown: the next turn follows from here
         self._abort: asyncio.Task[bool] | None = None
+        self._manifest: tuple[str, int, dict[str, Any] | None] = ("", 0, None)  # (pid, seq read to, newest)
 
     @property
     def pid(self) -> str:
@@ -599,6 +626,17 @@ class DurableSession:
             if not page:
                 return last
             last = page[-1].seq
+
+    async def prompt_manifest(self) -> dict[str, Any] | None:
+        """The newest ``proc.prompt.compiled`` in the process's log, read on from where the last
+        look ended: asking again costs only what was logged since."""
+        pid = self.process.pid
+        known, seen, found = self._manifest if self._manifest[0] == pid else (pid, 0, None)
+        while page := await self.kernel.store.events(pid, after_seq=seen, limit=1000):
+            seen = page[-1].seq
+            found = next((row.payload for row in reversed(page) if row.signal == sig.PROMPT_COMPILED), found)
+        self._manifest = (known, seen, found)
+        return found
 
     def _save(self) -> None:
         if self.proc is not None:

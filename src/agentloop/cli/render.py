@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, TextIO
 
@@ -307,6 +307,51 @@ class SignalRenderer:
             int(p.get("attempt") or 0),
             float(p.get("delay") or 0.0),
         )
+
+
+def prompt_manifest_lines(manifest: Mapping[str, Any]) -> list[str]:
+    """A ``proc.prompt.compiled`` payload as ``/prompt`` shows it: the prompt's size, digest and
+    tool count, then one line per section (its size, whether a file was cut, its files and those
+    left out over the budget), then the assembly's warnings. File names come from the agent's
+    own directories, so control characters in them are made visible."""
+    sections = [s for s in _items(manifest.get("sections")) if isinstance(s, Mapping)]
+    base = _count(manifest.get("base"))
+    rows: list[tuple[str, int, bool, list[str], list[str]]] = [("base", base, False, [], [])] if base else []
+    rows += [
+        (
+            str(s.get("name", "")),
+            _count(s.get("bytes")),
+            bool(s.get("truncated")),
+            _names(s.get("files")),
+            _names(s.get("omitted")),
+        )
+        for s in sections
+    ]
+    digest = str(manifest.get("digest") or "")[:12]
+    tools = len(_items(manifest.get("tools")))
+    lines = [f"system prompt: {_count(manifest.get('bytes'))} bytes, sha256 {digest}, {tools} tools"]
+    width = max((len(one_line(name, 40)) for name, *_ in rows), default=0)
+    size = max((len(str(n)) for _, n, *_ in rows), default=0)
+    for name, n, truncated, files, omitted in rows:
+        parts = [f"  {one_line(name, 40):<{width}}  {n:>{size}} bytes"]
+        parts += ["truncated"] if truncated else []
+        parts += [", ".join(files)] if files else []
+        parts += [f"omitted: {', '.join(omitted)}"] if omitted else []
+        lines.append("  ".join(parts))
+    lines += [f"warning: {one_line(str(w), 400)}" for w in _items(manifest.get("warnings"))]
+    return lines
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _names(value: Any) -> list[str]:
+    return [one_line(str(v), 200) for v in _items(value)]
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class JsonRenderer:

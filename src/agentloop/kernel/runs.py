@@ -13,6 +13,7 @@ import datetime
 import functools
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -21,15 +22,15 @@ from typing import Any
 from agentloop.kernel.devices import DeviceDirectory, describe_devices
 from agentloop.loop.hooks import maybe_await
 from agentloop.messages import FileContent, Message, TextContent, ToolResultMessage, UserMessage
-from agentloop.process.api import PromptFn, ToolsetFn
+from agentloop.process.api import CompiledPrompt, PromptFn, PromptSection, ToolsetFn
 from agentloop.process.media import MediaError, MediaRef, MediaStore, is_stored
-from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, PromptSources, assemble_prompt
+from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, AssembledPrompt, PromptSources, assemble_prompt
 from agentloop.process.store import ProcessRecord
 from agentloop.stamps import stamps
 from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.mcp import mcp_server_names
-from agentloop.tools.skills import requirements_generation, skills_tool
+from agentloop.tools.skills import SKILL_FILE, requirements_generation, skills_tool
 
 log = logging.getLogger("agentloop.prompt")
 
@@ -133,17 +134,18 @@ def prompt_builder(
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
     directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
     ``{{devices}}`` lists the owner's online devices when ``devices`` is given, ``{{mcp_servers}}``
-    the MCP servers whose tools the run has.
+    the MCP servers whose tools the run has. The result says what went into the prompt, with
+    display names instead of the server's paths (see ``CompiledPrompt``).
 
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
-    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], str]] = {}
+    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], CompiledPrompt]] = {}
     system_dir = data_dir / "config" / "ai" / "context.d"
     homes = data_dir / "home"
 
     def online(record: ProcessRecord) -> str:
         return describe_devices(devices.online(record.owner)) if devices is not None else "local"
 
-    def assemble(record: ProcessRecord, devices_text: str, mcp_text: str) -> tuple[str, list[str]]:
+    def assemble(record: ProcessRecord, devices_text: str, mcp_text: str) -> tuple[CompiledPrompt, list[str]]:
         sources = PromptSources(
             system_dir=system_dir,
             agent_home=homes / record.run_as,
@@ -166,9 +168,9 @@ def prompt_builder(
             log.warning("system prompt of process %s: %s", record.pid, warning)
         consulted = {str(p) for p in assembled.consulted}
         consulted.update(str(p) for section in assembled.sections for p in section.sources)
-        return "\n\n".join(part for part in (base, assembled.text) if part), sorted(consulted)
+        return _compiled(base, assembled, _relative_to(_roots(data_dir, record))), sorted(consulted)
 
-    async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> str:
+    async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> CompiledPrompt:
         devices_text = online(record)
         mcp_text = ", ".join(mcp_server_names(tools.values())) or "none"
         key = (
@@ -180,7 +182,7 @@ def prompt_builder(
             record.context,
             record.parent_pid is None,
             datetime.date.today(),
-            requirements_generation(),  # (a program or variable a skill needs came or went)
+            requirements_generation(),
         )
         watched = [
             f"{system_dir}",
@@ -194,10 +196,50 @@ def prompt_builder(
         hit = cache.get(key)
         if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
             return hit[2]
-        text, files = assemble(record, devices_text, mcp_text)
+        prompt, files = assemble(record, devices_text, mcp_text)
         if len(cache) > 1024:
             cache.clear()
-        cache[key] = (stamps([*watched, *files]), files, text)
-        return text
+        cache[key] = (stamps([*watched, *files]), files, prompt)
+        return prompt
 
     return build
+
+
+def _compiled(base: str, assembled: AssembledPrompt, shown: Callable[[str], str]) -> CompiledPrompt:
+    """The run's prompt (``base`` first) with its manifest: paths shown as ``shown`` makes them."""
+
+    def name(path: Path) -> str:
+        return shown(str(path)).removesuffix(f"/{SKILL_FILE}")  # a skill is its folder
+
+    sections = tuple(
+        PromptSection(
+            s.name,
+            s.bytes,
+            tuple(map(name, s.sources)),
+            s.truncated,
+            tuple(map(name, s.omitted)),
+        )
+        for s in assembled.sections
+    )
+    text = "\n\n".join(part for part in (base, assembled.text) if part)
+    warnings = tuple(map(shown, assembled.warnings))
+    return CompiledPrompt(text, sections, warnings, len(base.encode("utf-8")))
+
+
+def _roots(data_dir: Path, record: ProcessRecord) -> list[str]:
+    """The directories a process's prompt files live in (as named and as resolved: a skill's path
+    is a real one), for ``_relative_to``."""
+    roots = [Path(record.cwd), Path(record.cwd).resolve()]
+    for data in (data_dir, data_dir.resolve()):
+        roots += [data / "home" / record.run_as, data / "home" / record.owner, data / "config" / "ai", data]
+    return [str(root) for root in roots]
+
+
+def _relative_to(roots: list[str]) -> Callable[[str], str]:
+    """Paths under ``roots`` in a text made relative to the innermost (the working directory's
+    ``AGENTS.md``, a home's ``context.d/x.md``, the system's ``skills.d/deploy``); a root itself
+    becomes ``.``. What the prompt's manifest says goes to watchers, who must not learn where the
+    server keeps its data (nor, from a warning, how that directory is laid out)."""
+    ordered = sorted({r.rstrip("/") for r in roots if r.strip("/")}, key=len, reverse=True)
+    pattern = re.compile("(?:" + "|".join(map(re.escape, ordered)) + r")(?:(/)|(?![\w.-]))")
+    return lambda text: pattern.sub(lambda m: "" if m.group(1) else ".", text)

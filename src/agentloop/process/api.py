@@ -5,6 +5,8 @@ the runner (and the approval policy, the kernel) can name them without importing
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import random
 import time
@@ -30,11 +32,48 @@ class Approval:
     fingerprint: str = ""
 
 
+@dataclass(frozen=True)
+class PromptSection:
+    """One ``[name]`` block of a compiled prompt as its manifest shows it. Files are display
+    names (``AGENTS.md``, ``context.d/10-me.md``, ``skills.d/deploy``): the manifest is logged
+    for watchers, who must not learn how the server's disk is laid out."""
+
+    name: str
+    bytes: int
+    files: tuple[str, ...] = ()
+    truncated: bool = False  # a file of it was cut to fit the context budget
+    omitted: tuple[str, ...] = ()  # files left out, over the budget
+
+
+@dataclass(frozen=True)
+class CompiledPrompt:
+    """A run's system prompt with what went into it, which a ``PromptFn`` may return instead of
+    the bare text, so the run's ``proc.prompt.compiled`` can say why the prompt is as large as it
+    is. ``base``: bytes of the kernel's own prompt, which comes before the sections. A prompt
+    function that caches its result returns the same object, so the digest is computed once."""
+
+    text: str
+    sections: tuple[PromptSection, ...] = ()
+    warnings: tuple[str, ...] = ()  # what assembly noticed (unreadable files...), paths as in ``files``
+    base: int = 0
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 of the text: which prompt the run was given."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    @functools.cached_property
+    def size(self) -> int:
+        """The text's length in UTF-8 bytes."""
+        return len(self.text.encode("utf-8"))
+
+
 ApprovalFn: TypeAlias = Callable[[ProcessRecord, ToolCallRow], Awaitable[Approval]]
 # A run's configuration from the kernel's, for one process (e.g. its owner's model choice).
 ConfigFn: TypeAlias = Callable[[ProcessRecord, LoopConfig], LoopConfig]
-# A run's system prompt, given the process and the tools the run has (the prompt names their MCP servers).
-PromptFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Awaitable[str]]
+# A run's system prompt, given the process and the tools the run has (the prompt names their MCP
+# servers): the text, or a ``CompiledPrompt`` that also says what it was built from.
+PromptFn: TypeAlias = Callable[[ProcessRecord, Mapping[str, Tool]], Awaitable[str | CompiledPrompt]]
 # The tools one process's run sees, given the process and the shared tools (e.g. the shared ones
 # with a ``target`` argument routing to the owner's devices, plus the devices' own tools); may be
 # async (e.g. to start the owner's MCP servers).

@@ -296,6 +296,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         # check runs inside the transaction, after any abort or interrupt that committed first.
         if not _still_current(live, run_id, generation):
             return False  # aborted or superseded while the model was answering: drop the answer
+        await engine.log_prompt(tx, live, run_id)  # (the run's first answer: what its prompt was made of)
         await tx.append(run_id, [reply])
         await tx.set_run(new_run)
         if reply.text or any(b.type == "thinking" for b in reply.content):

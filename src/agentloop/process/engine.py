@@ -46,6 +46,7 @@ from agentloop.process.api import (
     AbortedFn,
     ApprovalFn,
     ArchiveFn,
+    CompiledPrompt,
     ConfigFn,
     MemoryFn,
     PromptFn,
@@ -100,6 +101,28 @@ MAX_BACKGROUND = 8  # background jobs one process may have running (``start_back
 Admit = Callable[[], Awaitable[None]]
 
 
+def _compiled(prompt: str | CompiledPrompt) -> CompiledPrompt:
+    """What a ``PromptFn`` returned, as a ``CompiledPrompt`` (plain text: no sections to show)."""
+    return prompt if isinstance(prompt, CompiledPrompt) else CompiledPrompt(prompt)
+
+
+def _manifest(run_id: str, prompt: CompiledPrompt, tools: list[str]) -> dict[str, Any]:
+    """The payload of ``proc.prompt.compiled`` (the log adds the pid)."""
+    sections = [
+        {"name": s.name, "bytes": s.bytes, "files": list(s.files), "truncated": s.truncated, "omitted": list(s.omitted)}
+        for s in prompt.sections
+    ]
+    return {
+        "runId": run_id,
+        "digest": prompt.digest,
+        "bytes": prompt.size,
+        "sections": sections,
+        "tools": tools,
+        "warnings": list(prompt.warnings),
+        "base": prompt.base,
+    }
+
+
 def _aborted_alone(task: asyncio.Task[bool]) -> None:
     """An abort's task is done: its failure is the caller's to hear, unless the caller gave up."""
     if not task.cancelled() and task.exception() is not None:
@@ -134,6 +157,9 @@ class ProcessEngine:
         self.approval = approval
         self.hydrate = hydrate  # stored media references -> image blocks, before a model call
         self.prompt = prompt  # the run's system prompt, built once per run
+        # pid -> (run id, prompt, tools): what a run's prompt was built from, until its first model
+        # step logs it (``log_prompt``)
+        self._compiled: dict[str, tuple[str, CompiledPrompt, list[str]]] = {}
         self.configure = configure  # the run's configuration for its process (the owner's model)
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.memory = memory  # keeps what a compaction found worth remembering
@@ -317,13 +343,19 @@ class ProcessEngine:
         if self.toolset is not None:
             tools = self.toolset(live.record, self.config.tools)
             cfg = replace(cfg, tools=dict(await maybe_await(tools)))
+        fresh: CompiledPrompt | None = None
         if self.prompt is not None:
             if live.prompt is None or live.prompt[0] != run_id:
                 kept = await self._kept_prompt(live, run_id)
-                live.prompt = kept or (run_id, await self.prompt(live.record, cfg.tools))
+                if kept is None:
+                    fresh = _compiled(await self.prompt(live.record, cfg.tools))
+                    kept = (run_id, fresh.text)
+                live.prompt = kept
             cfg = replace(cfg, system_prompt=live.prompt[1])
         if await self.store.kv_get(live.record.pid, MODE_KEY) == "chat":  # read per run: a change waits for the next
             cfg = replace(cfg, tools={})
+        if fresh is not None:
+            self._compiled[live.record.pid] = (run_id, fresh, sorted(cfg.tools))
         live.config = (run_id, cfg)
         return cfg
 
@@ -347,6 +379,25 @@ class ProcessEngine:
             return
         await self.store.kv_set(live.record.pid, PROMPT_KEY, {"run": prompt[0], "text": prompt[1]})
         tx.after.append(lambda: setattr(live, "prompt_kept", prompt[0]))
+
+    async def log_prompt(self, tx: _Tx, live: _Live, run_id: str) -> None:
+        """Inside the transaction of a model step of ``run_id``: log ``proc.prompt.compiled`` if
+        the run's prompt was built fresh and is not logged yet, so the manifest is durable with
+        the first answer to that prompt (and, for a run that goes on, with the prompt itself,
+        which ``keep_prompt`` stores in the same commit). A run resumed with its kept prompt
+        logged it before the restart; one that must build its prompt anew logs the new one."""
+        pid = live.record.pid
+        pending = self._compiled.get(pid)
+        if pending is None or pending[0] != run_id:
+            return
+        _, prompt, tools = pending
+        await tx.signal(sig.PROMPT_COMPILED, **_manifest(run_id, prompt, tools))
+
+        def logged() -> None:
+            if self._compiled.get(pid) is pending:
+                del self._compiled[pid]
+
+        tx.after.append(logged)
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -438,6 +489,7 @@ class ProcessEngine:
         """Forget what this worker knows of a process (it lost or let go of the lease, or just
         claimed it): its tasks stop, waiters look again, the next use reloads it."""
         live = self._live.get(pid)
+        self._compiled.pop(pid, None)  # a reloaded run keeps its stored prompt, or builds (and logs) it anew
         if live is not None:
             self._drop(live)
             live.lost = True
