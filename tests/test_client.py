@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,26 @@ def test_remote_chat_session(server: LiveServer) -> None:
         ev.close()
     assert out.getvalue() == "answer: hi\ndone: risky\n"
     assert 'approve echo {"text": "risky"}' in err.getvalue()
+
+
+def test_remote_chat_shows_the_prompt_manifest(server: LiveServer) -> None:
+    """``/prompt`` over HTTP: read from the process's event log on the server."""
+    out, err = io.StringIO(), io.StringIO()
+    reader = PlainReader(io.StringIO("/prompt\nhi\n/prompt\n/exit\n"))
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(server.url, server.tokens.bob)
+    try:
+        session = RemoteSession(client)
+        ev.run_until_complete(session.open(new=True))
+        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=200))
+        assert repl.loop(ev) == 0
+    finally:
+        ev.run_until_complete(client.aclose())
+        ev.close()
+    shown = err.getvalue()
+    assert "no prompt manifest yet" in shown
+    after = shown[shown.index("no prompt manifest yet") :]
+    assert re.search(r"system prompt: \d+ bytes, sha256 [0-9a-f]{12}, \d+ tools", after), shown
 
 
 def test_remote_chat_attaches_a_document(server: LiveServer, tmp_path: Path) -> None:

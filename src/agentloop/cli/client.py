@@ -384,6 +384,7 @@ class RemoteSession:
         self._run_id: str | None = None
         self._queue: asyncio.Queue[StreamEvent | BaseException | None] | None = None
         self._interrupted = asyncio.Event()
+        self._manifest: tuple[str, int, dict[str, Any] | None] = ("", 0, None)  # pid, seq read, newest
 
     async def open(self, *, new: bool = False, pid: str | None = None) -> int | None:
         """Attach to ``pid``, else to the newest conversation (unless ``new``), else start one;
@@ -399,6 +400,21 @@ class RemoteSession:
         self.pid = pid
         self.seq = await self._last_seq()
         return len((await self.client.history(pid, limit=500)).get("messages", []))
+
+    async def prompt_manifest(self) -> dict[str, Any] | None:
+        """The newest ``proc.prompt.compiled`` in the process's log (``/prompt``), read on from
+        where the last look ended: asking again costs only what was logged since."""
+        pid = self.pid
+        _, seen, found = self._manifest if self._manifest[0] == pid else (pid, 0, None)
+        stream = self.client.events(pid, after_seq=seen, follow=False, max_retries=3)
+        async with aclosing(stream) as events:
+            async for event in events:
+                if event.seq is not None:
+                    seen = event.seq
+                if event.signal == sig.PROMPT_COMPILED:
+                    found = event.payload
+        self._manifest = (pid, seen, found)
+        return found
 
     async def _last_seq(self) -> int:
         last = self.seq
