@@ -17,6 +17,7 @@ from agentloop.messages import AssistantMessage, ImageContent, SystemMessage, Us
 from agentloop.models.base import ModelRequest
 from agentloop.process import calls as process_calls
 from agentloop.process import engine as engine_module
+from agentloop.process import signals as psig
 from agentloop.process.archive import read_archive
 from agentloop.process.media import MediaError
 from agentloop.process.store import StoreError
@@ -496,6 +497,24 @@ async def test_a_reset_drops_the_old_conversations_signals_and_the_numbering_goe
     assert [s.signal for s in after] == ["proc.changed"] and after[0].payload["changes"] == ["messages", "reset"]
     assert after[0].seq == before[-1].seq + 1
     assert resumed[0] == after[0] and resumed[-1].signal == "proc.run.finished"
+
+
+async def test_a_long_conversation_keeps_only_the_newest_signals_and_every_message(tmp_path, monkeypatch):
+    """The log keeps its newest ``KEPT_SIGNALS`` signals (pruned as runs end, ``PRUNE_EVERY`` at
+    a time), so a conversation that lasts for months does not grow the database for ever; its
+    messages all stay (a watch's unread signals stay too: the store conformance)."""
+    monkeypatch.setattr(psig, "KEPT_SIGNALS", 12)
+    monkeypatch.setattr(psig, "PRUNE_EVERY", 6)
+    async with kernel(tmp_path, ScriptedModel(lambda r: "seen")) as k:
+        proc = await k.spawn(owner="alice")
+        for n in range(15):
+            await proc.send(f"message {n}")
+            await proc.wait_idle()
+        logged = await drain(proc)
+        last = logged[-1].seq
+        assert last > 40 and last - 12 - 6 - 5 <= logged[0].seq <= last - 11  # the newest, give or take a batch
+        assert [s.seq for s in logged] == list(range(logged[0].seq, last + 1))  # whole, in order
+        assert len(await proc.messages()) == 30  # the conversation itself is all there
 
 
 @pytest.mark.parametrize("clearing", ["reset", "kill"])

@@ -519,6 +519,21 @@ async def test_pruning_a_log_keeps_what_a_watch_has_still_to_read_and_the_sequen
     assert [e.seq for e in await store.events("p1")] == [6] and await store.last_event_seq("p1") == 6
 
 
+async def test_pruning_the_oldest_of_a_log_keeps_the_rest_and_what_a_watch_has_still_to_read(store: Store) -> None:
+    for pid in ("p1", "w"):
+        await spawn(store, pid)
+    async with store.transaction():
+        await store.append_events("p1", [("proc.changed", {"n": n}) for n in range(10)])
+    async with store.transaction():
+        assert await store.prune_events("p1", through=4) == 4
+    assert [e.seq for e in await store.events("p1")] == [5, 6, 7, 8, 9, 10]
+    async with store.transaction():
+        await store.add_watch(WatchRow("w1", "w", "p1", "proc.run.finished", once=False, seen_seq=6))
+        assert await store.prune_events("p1", through=8) == 2  # 5 and 6: the watch has read to 6
+        assert await store.prune_events("p1", through=0) == 0
+    assert [e.seq for e in await store.events("p1")] == [7, 8, 9, 10] and await store.last_event_seq("p1") == 10
+
+
 async def test_deleting_a_process_drops_its_schedules_and_every_watch_touching_it(store: Store) -> None:
     for pid in ("a", "b", "c"):
         await spawn(store, pid)

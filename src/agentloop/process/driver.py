@@ -522,6 +522,9 @@ async def _finish(
     await tx.set_run(None)
     answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
+    if live.seq >= live.prune_at:  # the log keeps its newest signals (``signals.KEPT_SIGNALS``)
+        await engine.store.prune_events(pid, through=live.seq - sig.KEPT_SIGNALS)
+        tx.after.append(lambda: setattr(live, "prune_at", live.seq + sig.PRUNE_EVERY))
 
 
 async def signal_run_finished(

@@ -48,6 +48,13 @@ class Signal:
 BACKLOG = 10_000
 GAP = Signal("gap", {})
 
+# What a process's log keeps: its newest signals, this many (and those a watch has still to read).
+# Older ones are dropped as runs end, a thousand at a time, so a conversation that lasts for months
+# (a heartbeat every half hour, a tool output per call) does not grow the database for ever; its
+# messages, not its log, are the conversation, and a reset drops the whole log anyway.
+KEPT_SIGNALS = 10_000
+PRUNE_EVERY = 1_000
+
 
 @dataclass
 class SignalHub:

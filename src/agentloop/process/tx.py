@@ -55,6 +55,8 @@ class _Live:
     spending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one nested call counted at a time
     asking: set[asyncio.Event] = field(default_factory=set)  # nested calls awaiting a person: set on wake
     seq: int = 0  # the last logged signal of the process this worker knows of (what relayed deltas follow)
+    # the seq from which a finishing run prunes the log (``signals.KEPT_SIGNALS``)
+    prune_at: int = field(default_factory=lambda: sig.KEPT_SIGNALS + sig.PRUNE_EVERY)
 
 
 class _Tx:

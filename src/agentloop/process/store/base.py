@@ -396,10 +396,11 @@ class Store(ABC):
         """The sequence number of the process's newest logged signal (0 when none)."""
 
     @abstractmethod
-    async def prune_events(self, pid: str) -> int:
-        """Drop the process's logged signals that no watch on it has still to read (those up to
-        the lowest ``seen_seq`` of the watches whose source it is; all when there is none);
-        returns how many. A reset's: the conversation they tell of is archived and gone, and a
+    async def prune_events(self, pid: str, *, through: int | None = None) -> int:
+        """Drop the process's logged signals up to seq ``through`` (all when None) that no watch
+        on it has still to read (those up to the lowest ``seen_seq`` of the watches whose source
+        it is); returns how many. A reset's: the conversation they tell of is archived and gone;
+        and a long conversation's oldest, past what the log keeps (``signals.KEPT_SIGNALS``): a
         log kept for ever would grow with every tool output. The sequence goes on unchanged."""
 
     # -- history segments -----------------------------------------------------------------------

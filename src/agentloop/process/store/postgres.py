@@ -755,11 +755,12 @@ class PostgresStore(Store):
             found = await db.fetchval("SELECT MAX(seq) FROM events WHERE pid = $1", pid)
         return int(found) if found is not None else 0
 
-    async def prune_events(self, pid: str) -> int:
+    async def prune_events(self, pid: str, *, through: int | None = None) -> int:
         status = await self._write().execute(
-            "DELETE FROM events WHERE pid = $1 AND seq <= COALESCE("
+            "DELETE FROM events WHERE pid = $1 AND seq <= COALESCE($2::bigint, seq) AND seq <= COALESCE("
             "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = $1), seq)",
             pid,
+            through,
         )
         return int(status.split()[-1])
 

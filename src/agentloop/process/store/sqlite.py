@@ -783,11 +783,11 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT MAX(seq) FROM events WHERE pid = ?", (pid,)).fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
-    async def prune_events(self, pid: str) -> int:
+    async def prune_events(self, pid: str, *, through: int | None = None) -> int:
         cursor = self._write().execute(
-            "DELETE FROM events WHERE pid = ? AND seq <= COALESCE("
+            "DELETE FROM events WHERE pid = ? AND seq <= COALESCE(?, seq) AND seq <= COALESCE("
             "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = ?), seq)",
-            (pid, pid),
+            (pid, through, pid),
         )
         return cursor.rowcount
 
