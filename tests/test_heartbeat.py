@@ -17,7 +17,6 @@ from rich.console import Console
 from agentloop import ScriptedModel
 from agentloop.cli.render import SignalRenderer, TextRenderer
 from agentloop.kernel.heartbeat import Heartbeat, offset_of
-from agentloop.messages import SystemMessage
 from agentloop.process.heartbeat import DEFAULT_TEXT, HeartbeatSettings, has_instructions, is_ack, parse_hours, within
 from agentloop.process.signals import Signal
 from tests.process_support import kernel
@@ -34,8 +33,9 @@ def later(periods: float) -> float:
     return time.time() + periods * EVERY
 
 
-async def beats(proc: Any) -> list[str]:
-    return [m.text for m in await proc.messages() if isinstance(m, SystemMessage) and m.text == DEFAULT_TEXT]
+async def beats(proc: Any) -> int:
+    """Check-ins the process got (from its log: a quiet one leaves the conversation)."""
+    return len([s async for s in proc.signals(follow=False) if s.payload.get("reason") == "heartbeat"])
 
 
 async def signals_of(proc: Any, name: str) -> list[dict[str, Any]]:
@@ -111,7 +111,7 @@ async def test_the_main_conversation_gets_one_beat_per_period_and_an_ack_is_quie
         proc = await k.spawn(owner="a")
         k.heartbeat.clock = lambda: later(0.5)
         await k.heartbeat.beat_due()
-        assert await beats(proc) == []  # not within its first period
+        assert await beats(proc) == 0  # not within its first period
         now = later(2)
         k.heartbeat.clock = lambda: now
         delay = await k.heartbeat.beat_due()
@@ -119,7 +119,7 @@ async def test_the_main_conversation_gets_one_beat_per_period_and_an_ack_is_quie
         await proc.wait_idle()
         await k.heartbeat.beat_due()  # the same period again: nothing more
         await proc.wait_idle()
-        assert await beats(proc) == [DEFAULT_TEXT]
+        assert await beats(proc) == 1
         [started] = await signals_of(proc, "proc.run.started")
         assert started["reason"] == "heartbeat" and started["runId"].startswith("heartbeat:")
         [output] = await signals_of(proc, "proc.run.output")
@@ -128,7 +128,7 @@ async def test_the_main_conversation_gets_one_beat_per_period_and_an_ack_is_quie
         k.heartbeat.clock = lambda: now + EVERY  # the next period
         await k.heartbeat.beat_due()
         await proc.wait_idle()
-        assert await beats(proc) == [DEFAULT_TEXT, DEFAULT_TEXT]
+        assert await beats(proc) == 2
 
 
 async def test_an_answer_with_something_to_say_is_not_quiet(tmp_path):
@@ -162,7 +162,7 @@ async def test_no_beat_without_instructions(tmp_path, content):
         k.heartbeat.clock = lambda: later(3)
         await k.heartbeat.beat_due()
         await proc.wait_idle()
-        assert await beats(proc) == []
+        assert await beats(proc) == 0
 
 
 async def test_a_linked_heartbeat_file_outside_the_workspace_does_not_count(tmp_path):
@@ -176,7 +176,7 @@ async def test_a_linked_heartbeat_file_outside_the_workspace_does_not_count(tmp_
         proc = await k.spawn(owner="a")
         k.heartbeat.clock = lambda: later(3)
         await k.heartbeat.beat_due()
-        assert await beats(proc) == []
+        assert await beats(proc) == 0
 
 
 async def test_only_the_owners_latest_interactive_top_level_process_per_workspace_beats(tmp_path):
@@ -197,9 +197,9 @@ async def test_only_the_owners_latest_interactive_top_level_process_per_workspac
         await k.heartbeat.beat_due()
         for proc in (main, bob):
             await proc.wait_idle()
-            assert await beats(proc) == [DEFAULT_TEXT]
+            assert await beats(proc) == 1
         for proc in (old, child, batch, elsewhere):
-            assert await beats(proc) == []
+            assert await beats(proc) == 0
 
 
 async def test_no_beat_outside_the_active_hours(tmp_path):
@@ -212,14 +212,14 @@ async def test_no_beat_outside_the_active_hours(tmp_path):
         k.heartbeat.clock = lambda: later(3)
         k.heartbeat.local_time = lambda ts: datetime.time(3, 0)
         await k.heartbeat.beat_due()
-        assert await beats(proc) == []
+        assert await beats(proc) == 0
         k.heartbeat.local_time = lambda ts: datetime.time(9, 0)
         await k.heartbeat.beat_due()  # the same period: it was passed over, not postponed
-        assert await beats(proc) == []
+        assert await beats(proc) == 0
         k.heartbeat.clock = lambda: later(4)
         await k.heartbeat.beat_due()
         await proc.wait_idle()
-        assert await beats(proc) == [DEFAULT_TEXT]
+        assert await beats(proc) == 1
 
 
 async def test_a_busy_process_gets_its_beat_once_idle_and_never_inside_a_run(tmp_path):
@@ -238,12 +238,12 @@ async def test_a_busy_process_gets_its_beat_once_idle_and_never_inside_a_run(tmp
         await asyncio.sleep(0.05)
         k.heartbeat.clock = lambda: later(3)
         await k.heartbeat.beat_due()
-        assert await beats(proc) == [] and await k.store.queue(proc.pid) == []  # not queued behind the run
+        assert await beats(proc) == 0 and await k.store.queue(proc.pid) == []  # not queued behind the run
         gate.set()
         await proc.wait_idle()
         await k.heartbeat.beat_due()  # a later pass of the same period
         await proc.wait_idle()
-        assert await beats(proc) == [DEFAULT_TEXT]
+        assert await beats(proc) == 1
 
 
 async def test_two_timers_deliver_a_periods_beat_once(tmp_path):
@@ -255,7 +255,7 @@ async def test_two_timers_deliver_a_periods_beat_once(tmp_path):
         twins = [Heartbeat(k.store, k.engine, settings(), clock=lambda: now) for _ in range(2)]
         await asyncio.gather(*(t.beat_due() for t in twins))
         await proc.wait_idle()
-        assert await beats(proc) == [DEFAULT_TEXT]
+        assert await beats(proc) == 1
 
 
 async def test_the_timer_delivers_and_a_beat_survives_a_restart_as_delivered(tmp_path):
@@ -276,7 +276,7 @@ async def test_the_timer_delivers_and_a_beat_survives_a_restart_as_delivered(tmp
         await k.heartbeat.beat_due()  # a fresh timer, the same period: the store says it was given
         proc = await k.process(proc.pid)
         await proc.wait_idle()
-        assert await beats(proc) == [DEFAULT_TEXT]
+        assert await beats(proc) == 1
 
 
 async def test_heartbeat_none_runs_no_timer(tmp_path):
@@ -342,3 +342,44 @@ def test_the_config_file_turns_the_heartbeat_off(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text("heartbeat = false\n")
     assert kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(path)}))["heartbeat"] is None
+
+
+# ------------------------------------------------------------------ the conversation stays lean
+
+
+async def test_a_quiet_check_in_leaves_the_conversation_and_stays_in_the_log(tmp_path):
+    (tmp_path / "HEARTBEAT.md").write_text(ASKING)
+    async with await quiet_kernel(tmp_path, ScriptedModel(lambda r: "HEARTBEAT_OK")) as k:
+        await k.heartbeat.stop()
+        proc = await k.spawn(owner="a", text="hello")
+        await proc.wait_idle()
+        before = await proc.messages()
+        k.heartbeat.clock = lambda: later(3)
+        await k.heartbeat.beat_due()
+        await proc.wait_idle()
+        assert await proc.messages() == before  # the store's history, and the cache's:
+        assert k.engine.cached(proc.pid).history == before
+        [_, finished] = await signals_of(proc, "proc.run.finished")
+        assert finished["quiet"] is True and finished["runId"].startswith("heartbeat:")
+    async with await quiet_kernel(tmp_path, ScriptedModel(lambda r: "HEARTBEAT_OK")) as k:
+        assert await (await k.process(proc.pid)).messages() == before  # after a restart too
+
+
+async def test_a_check_in_with_news_or_with_tool_calls_stays_in_the_conversation(tmp_path):
+    from agentloop import Reply, ToolResultMessage, call
+
+    (tmp_path / "HEARTBEAT.md").write_text(ASKING)
+
+    def brain(request: Any) -> Any:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return "HEARTBEAT_OK"
+        return Reply(tool_calls=[call("echo", text="inbox")])
+
+    async with await quiet_kernel(tmp_path, ScriptedModel(brain)) as k:
+        await k.heartbeat.stop()
+        proc = await k.spawn(owner="a")
+        k.heartbeat.clock = lambda: later(3)
+        await k.heartbeat.beat_due()
+        await proc.wait_idle()
+        kept = await proc.messages()
+        assert len(kept) == 4 and kept[0].text == DEFAULT_TEXT  # it did something: the record stays

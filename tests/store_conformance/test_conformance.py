@@ -296,6 +296,19 @@ async def test_history_ids_paging_and_replacement(store):
     assert await store.history("p1", generation=1) == []
 
 
+async def test_deleting_a_runs_messages_keeps_the_others_and_the_numbering(store):
+    await spawn(store)
+    async with store.transaction():
+        await store.append_messages("p1", "r1", [user("a"), user("b")])
+        await store.append_messages("p1", "heartbeat:7", [system("check in", "event"), user("ok")])
+        await store.append_messages("p1", "r2", [user("c")])
+    async with store.transaction():
+        assert await store.delete_run_messages("p1", "heartbeat:7") == 2
+        assert await store.delete_run_messages("p1", "nope") == 0
+        assert await store.append_messages("p1", "r3", [user("d")]) == [6]  # numbering goes on
+    assert [(h.id, h.message.text) for h in await store.history("p1")] == [(1, "a"), (2, "b"), (5, "c"), (6, "d")]
+
+
 async def test_every_message_kind_round_trips(store):
     await spawn(store)
     msgs = [

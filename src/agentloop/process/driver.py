@@ -19,7 +19,7 @@ from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
-from agentloop.messages import AssistantMessage, Message, ToolCall, Usage, system, tool_error_result
+from agentloop.messages import AssistantMessage, Message, SystemMessage, ToolCall, Usage, system, tool_error_result
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
 from agentloop.process.admission import promote
@@ -522,9 +522,27 @@ async def _finish(
     await tx.set_run(None)
     answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
+    if status == "ok" and not run["tool_calls"] and not run["turn"] and quiet_answer(run_id, answer):
+        await _forget_check_in(engine, tx, live, run_id, last)
     if live.seq >= live.prune_at:  # the log keeps its newest signals (``signals.KEPT_SIGNALS``)
         await engine.store.prune_events(pid, through=live.seq - sig.KEPT_SIGNALS)
         tx.after.append(lambda: setattr(live, "prune_at", live.seq + sig.PRUNE_EVERY))
+
+
+async def _forget_check_in(engine: ProcessEngine, tx: _Tx, live: _Live, run_id: str, answer: Message | None) -> None:
+    """A heartbeat that found nothing to do, and did nothing (no tool call, no input joined): its
+    check-in and its acknowledgement leave the conversation, which would otherwise carry two
+    messages of nothing every half hour into every later model call. Its signals stay logged."""
+    history = live.history  # (the answer joins it once this transaction's body is kept)
+    if not history or not isinstance(history[-1], SystemMessage):
+        return  # (not the shape of a check-in: kept)
+    await engine.store.delete_run_messages(live.record.pid, run_id)
+
+    def forget() -> None:
+        if len(history) >= 2 and history[-1] is answer and isinstance(history[-2], SystemMessage):
+            del history[-2:]
+
+    tx.after.append(forget)
 
 
 async def signal_run_finished(

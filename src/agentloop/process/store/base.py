@@ -313,6 +313,10 @@ class Store(ABC):
         """Replace the messages with ids in [from_id, to_id] by one message (compaction); returns its id."""
 
     @abstractmethod
+    async def delete_run_messages(self, pid: str, run_id: str) -> int:
+        """Delete the messages run ``run_id`` added (a heartbeat that only acknowledged); how many."""
+
+    @abstractmethod
     async def new_generation(self, pid: str) -> int:
         """Start an empty history (reset); old generations' messages are deleted."""
 

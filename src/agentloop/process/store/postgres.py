@@ -550,6 +550,10 @@ class PostgresStore(Store):
                 raise NoSuchProcess(pid)
         return [StoredMessage(r[0], r[1], r[2], message_from_json(r[3])) for r in rows]
 
+    async def delete_run_messages(self, pid: str, run_id: str) -> int:
+        status = await self._write().execute("DELETE FROM messages WHERE pid = $1 AND run_id = $2", pid, run_id)
+        return int(status.split()[-1])
+
     async def replace_messages(self, pid: str, from_id: int, to_id: int, replacement: Message) -> int:
         db = self._write()
         gen = await db.fetchval("SELECT history_generation FROM processes WHERE pid = $1", pid)

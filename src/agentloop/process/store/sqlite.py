@@ -606,6 +606,10 @@ class SQLiteStore(Store):
         )
         return to_id
 
+    async def delete_run_messages(self, pid: str, run_id: str) -> int:
+        cursor = self._write().execute("DELETE FROM messages WHERE pid = ? AND run_id = ?", (pid, run_id))
+        return cursor.rowcount
+
     async def new_generation(self, pid: str) -> int:
         db = self._write()
         counters = self._counters(pid)
