@@ -14,10 +14,21 @@ their model in the same second. A beat is never queued behind work: a process th
 its beat is due gets it once it is idle, within the same period, or not at all. Beats missed
 while the runtime was down are not made up; the next one comes at its time.
 
+A beat is for the active hours: one whose period began outside them, or that would come (late,
+after a busy run) once they are over, is passed over.
+
 Delivery is claimed like a schedule's (kernel/schedules.py): the process's ``heartbeat`` value,
-the last period it got a beat for, moves forward in the delivery's transaction, so two timers
-(on a shared store, a stalled duty holder and the worker that took over) deliver a period's beat
-once. On a shared store only the worker holding the ``heartbeat`` duty runs the timer.
+when the period it last got a beat for began (a time, not a period's number, which depends on
+``every``: a changed setting neither stops the beats nor repeats one), moves forward in the
+delivery's transaction, so two timers (on a shared store, a stalled duty holder and the worker
+that took over) deliver a period's beat once. On a shared store only the worker holding the
+``heartbeat`` duty runs the timer.
+
+Which workspaces ask is judged as the prompt reads ``HEARTBEAT.md`` (UTF-8 text of at most
+4 MiB, inside the directory): a beat says the instructions are in the context, so a file the
+prompt leaves out gets none. A directory's answer is kept for ``POLL`` seconds, and passes are
+at least ``MIN_GAP`` apart: with thousands of processes a pass per process's beat, each reading
+every file and listing every process, would cost the square of their number.
 """
 
 from __future__ import annotations
@@ -41,17 +52,17 @@ from agentloop.process.heartbeat import (
     within,
 )
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
-from agentloop.stamps import read_regular
 from agentloop.tools.base import ToolError
 from agentloop.tools.paths import resolve_path
+from agentloop.tools.skills import UnreadableFile, read_text_file
 
 __all__ = ["Heartbeat", "offset_of"]
 
 log = logging.getLogger("agentloop.kernel.heartbeat")
 
 POLL = 60.0  # how soon a new HEARTBEAT.md, or a busy process gone idle, is noticed
-MAX_FILE_BYTES = 64 * 1024  # (the prompt reads it too; this only asks whether it says anything)
-KV_KEY = "heartbeat"  # the last period a process got its beat for
+MIN_GAP = 5.0  # between passes: beats due meanwhile come together, at most this much late
+KV_KEY = "heartbeat"  # when the period a process last got its beat for began (seconds since the epoch)
 
 
 def offset_of(pid: str, every: float) -> float:
@@ -81,6 +92,7 @@ class Heartbeat:
         self.duty = duty
         self.retry = 5.0  # seconds before a pass that failed is tried again
         self._beaten: dict[str, int] = {}  # pid -> the last period it got (or missed) its beat for
+        self._asks: dict[str, tuple[float, bool]] = {}  # cwd -> (when looked at, whether it asks)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -114,25 +126,28 @@ class Heartbeat:
 
     async def beat_due(self) -> float:
         """Deliver the beats that are due now; the seconds until the next pass."""
-        every = self.settings.every
+        every, hours = self.settings.every, self.settings.hours
         now = self.clock()
         soonest = POLL
-        for record in await self.targets():
+        in_hours_now = within(hours, self.local_time(now))
+        for record in await self.targets(now):
             offset = offset_of(record.pid, every)
             period = math.floor((now - offset) / every)
             began = period * every + offset
             soonest = min(soonest, began + every - now)
             if record.created_at > began - every or self._beaten.get(record.pid, -1) >= period:
                 continue  # (a conversation gets its first beat once it is a whole period old)
-            if not within(self.settings.hours, self.local_time(began)):
+            if not (in_hours_now and within(hours, self.local_time(began))):
                 self._beaten[record.pid] = period
                 continue
-            if record.current_run is not None:
-                continue  # busy: tried again at the next pass, while the period lasts
-            await self._beat(record.pid, period)
-        return max(soonest, 0.0)
+            if record.current_run is not None or record.pid in self.engine.clearing:
+                # busy, or being reset (waiting for that would hold up the beats of the processes
+                # after it): tried again at the next pass, while the period lasts
+                continue
+            await self._beat(record.pid, period, began)
+        return max(soonest, MIN_GAP)
 
-    async def targets(self) -> list[ProcessRecord]:
+    async def targets(self, now: float | None = None) -> list[ProcessRecord]:
         """Per owner and working directory whose ``HEARTBEAT.md`` has instructions, the
         interactive top-level process used last."""
         main: dict[tuple[str, str], ProcessRecord] = {}
@@ -143,23 +158,33 @@ class Heartbeat:
             known = main.get(place)
             if known is None or record.updated_at > known.updated_at:
                 main[place] = record
-        if not main:
-            return []
-        asking = await asyncio.to_thread(_asking, {cwd for _, cwd in main})
         alive = {record.pid for record in main.values()}
         self._beaten = {pid: period for pid, period in self._beaten.items() if pid in alive}
+        asking = await self._asking({cwd for _, cwd in main}, self.clock() if now is None else now)
         return [record for (_, cwd), record in main.items() if cwd in asking]
 
-    async def _beat(self, pid: str, period: int) -> None:
+    async def _asking(self, cwds: set[str], now: float) -> set[str]:
+        """Those of ``cwds`` whose ``HEARTBEAT.md`` has instructions, each file read at most once
+        per ``POLL`` seconds."""
+        known = self._asks
+        stale = {cwd for cwd in cwds if cwd not in known or not 0 <= now - known[cwd][0] < POLL}
+        if stale:
+            asking = await asyncio.to_thread(_asking, stale)
+            known.update((cwd, (now, cwd in asking)) for cwd in stale)
+        self._asks = {cwd: known[cwd] for cwd in cwds}
+        return {cwd for cwd in cwds if known[cwd][1]}
+
+    async def _beat(self, pid: str, period: int, began: float) -> None:
         async def claim() -> bool:
             # inside the delivery's transaction: the period moves on once, and a run that began
             # since the process was listed keeps its conversation to itself
             await self.store.exclusive(f"heartbeat of {pid}")
             last = await self.store.kv_get(pid, KV_KEY)
             record = await self.store.get_process(pid)
-            if (isinstance(last, int) and last >= period) or record is None or record.current_run is not None:
+            given = isinstance(last, int | float) and not isinstance(last, bool) and last >= began
+            if given or record is None or record.current_run is not None:
                 return False
-            await self.store.kv_set(pid, KV_KEY, period)
+            await self.store.kv_set(pid, KV_KEY, began)
             return True
 
         try:
@@ -172,19 +197,19 @@ class Heartbeat:
         except Exception:
             log.exception("heartbeat of process %s failed; retrying at the next pass", pid)
             return
-        if receipt is not None or await self.store.kv_get(pid, KV_KEY) == period:
+        if receipt is not None or await self.store.kv_get(pid, KV_KEY) == began:
             self._beaten[pid] = period
 
 
 def _asking(cwds: set[str]) -> set[str]:
-    """The directories whose ``HEARTBEAT.md`` has instructions (read inside the directory: a
-    link out of it does not count)."""
+    """The directories whose ``HEARTBEAT.md`` has instructions, read as the prompt reads it
+    (process/prompt.py): inside the directory (a link out of it does not count), UTF-8 text of
+    at most 4 MiB; a file the prompt leaves out asks for nothing."""
     out = set()
     for cwd in cwds:
         try:
-            path = resolve_path(cwd, HEARTBEAT_FILE)
-            text = read_regular(path, MAX_FILE_BYTES).decode("utf-8", errors="replace")
-        except (OSError, ToolError):
+            text = read_text_file(resolve_path(cwd, HEARTBEAT_FILE))
+        except (OSError, ToolError, UnreadableFile):
             continue
         if has_instructions(text):
             out.add(cwd)

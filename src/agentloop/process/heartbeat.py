@@ -111,7 +111,7 @@ def within(hours: Hours | None, moment: datetime.time) -> bool:
 def has_instructions(text: str) -> bool:
     """Whether a ``HEARTBEAT.md`` asks for anything: a line other than headings, empty list
     items, comments and blank lines. A template left as it was shipped asks for nothing."""
-    text = re.sub(r"<!--.*?-->", "", text, flags=re.DOTALL)
+    text = re.sub(r"<!--.*?-->", "", text.removeprefix("\ufeff"), flags=re.DOTALL)  # (an editor's BOM)
     return any(not _EMPTY_LINE.fullmatch(line) for line in text.splitlines())
 
 
@@ -125,16 +125,25 @@ class HeartbeatSettings:
 
     def __post_init__(self) -> None:
         if self.hours is not None and not (
-            isinstance(self.hours, tuple) and all(isinstance(t, datetime.time) for t in self.hours)
+            isinstance(self.hours, tuple)
+            and len(self.hours) == 2
+            and all(isinstance(t, datetime.time) for t in self.hours)
         ):
             raise ValueError(f"heartbeat hours must be a (start, end) pair of times, got {self.hours!r}")
         every = self.every
-        if isinstance(every, bool) or not isinstance(every, int | float) or not math.isfinite(every):
-            raise ValueError(f"heartbeat every must be a number of seconds, got {every!r}")
+        if isinstance(every, bool) or not isinstance(every, int | float) or not _finite(every):
+            raise ValueError(f"heartbeat every must be a number of seconds, got {every!r:.40}")
         if every < SHORTEST_EVERY:
             raise ValueError(f"heartbeat every must be at least {SHORTEST_EVERY:g} seconds, got {every:g}")
         if not isinstance(self.text, str) or not self.text.strip():
             raise ValueError("heartbeat text must be a non-empty string")
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int no float can hold
+        return False
 
 
 DEFAULT_HEARTBEAT = HeartbeatSettings()

@@ -351,7 +351,7 @@ export class ProcessView {
         break;
       case "proc.run.finished":
         if (run) {
-          if (p.quiet) quiet(run, true);
+          quiet(run, !!p.quiet); // a check-in that failed or was aborted is shown, with its footer
           this.seal(run);
           run.footer.textContent = `run finished: ${p.status}${p.reason ? ` (${p.reason})` : ""}`;
           run.footer.dataset.status = p.status;
