@@ -385,7 +385,11 @@ def _kernel(tmp_path: Any, brain: Any, info: ModelInfo, tools: list[Any]) -> Any
     from agentloop.kernel import Kernel
 
     return Kernel.open(
-        f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain, info=info), workspace=tmp_path, tools=tools
+        f"sqlite:///{tmp_path}/a.db",
+        model=ScriptedModel(brain, info=info),
+        workspace=tmp_path,
+        tools=tools,
+        clear_tool_outputs=False,  # (the summary's tests: the first tier has its own)
     )
 
 

@@ -29,7 +29,9 @@ def dump(n: int) -> str:
 
 def _kernel(tmp_path: Path, brain: Any, info: ModelInfo = SMALL, tools: list[Any] | None = None) -> Any:
     model = ScriptedModel(brain, info=info)
-    return Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=tools or [dump])
+    return Kernel.open(  # (the summary's reviews: the first tier, clearing tool outputs, has its own)
+        f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=tools or [dump], clear_tool_outputs=False
+    )
 
 
 async def _signals(proc: Any, name: str) -> list[dict[str, Any]]:
@@ -421,6 +423,7 @@ async def test_a_worker_that_lost_the_process_during_a_summary_installs_nothing(
             worker=name,
             lease_ttl=ttl,
             poll_interval=0.2,
+            clear_tool_outputs=False,
         )
 
     async with worker("A", 60.0) as a, worker("B", 2.0) as b:
@@ -490,7 +493,12 @@ async def test_the_summary_call_counts_against_the_run_s_token_budget(tmp_path: 
 
     model = ScriptedModel(brain, info=SMALL)
     async with Kernel.open(
-        f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[dump], guards=Guards(max_tokens=500_000)
+        f"sqlite:///{tmp_path}/a.db",
+        model=model,
+        workspace=tmp_path,
+        tools=[dump],
+        guards=Guards(max_tokens=500_000),
+        clear_tool_outputs=False,
     ) as k:
         proc = await k.spawn(owner="alice")
         await proc.send("produce chunks")

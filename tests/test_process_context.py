@@ -26,6 +26,9 @@ def dump(n: int) -> str:
 
 
 def kernel(tmp_path: Path, model, **kw):
+    kw.setdefault(
+        "clear_tool_outputs", False
+    )  # (the summary's tests: tests/test_compaction_clearing.py has the first tier)
     return Kernel.open(f"sqlite:///{tmp_path}/a.db", model=model, workspace=tmp_path, tools=[dump], **kw)
 
 

@@ -309,6 +309,20 @@ async def test_deleting_a_runs_messages_keeps_the_others_and_the_numbering(store
     assert [(h.id, h.message.text) for h in await store.history("p1")] == [(1, "a"), (2, "b"), (5, "c"), (6, "d")]
 
 
+async def test_messages_rewritten_in_place_keep_their_ids_and_order(store):
+    await spawn(store)
+    async with store.transaction():
+        await store.append_messages("p1", "r1", [user("a"), user("b"), user("c")])
+        await store.append_messages("p1", "r1", [user("d")])
+    cleared = ToolResultMessage(tool_call_id="c1", tool_name="Read", content=[TextContent(text="[cleared]")])
+    async with store.transaction():
+        await store.update_messages("p1", [(2, cleared), (4, user("D"))])
+        await store.update_messages("p1", [])
+    hist = await store.history("p1")
+    assert [h.id for h in hist] == [1, 2, 3, 4] and hist[1].message == cleared
+    assert [h.message.text for h in hist] == ["a", "[cleared]", "c", "D"] and hist[1].run_id == "r1"
+
+
 async def test_every_message_kind_round_trips(store):
     await spawn(store)
     msgs = [

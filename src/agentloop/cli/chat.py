@@ -408,7 +408,12 @@ class ChatRepl:
         if not isinstance(self.session, ShowsPrompt):
             self.err.print(Text("(no prompt manifest: this chat does not log one)", style="dim"))
             return
-        manifest = ev.run_until_complete(self.session.prompt_manifest())
+        try:
+            manifest = ev.run_until_complete(self.session.prompt_manifest())
+        except SessionError as exc:  # (a remote chat's server out of reach): said, and the chat goes on
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return
         if manifest is None:
             self.err.print(Text("(no prompt manifest yet: it is logged when a run's prompt is built)", style="dim"))
             return

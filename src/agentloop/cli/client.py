@@ -407,13 +407,17 @@ class RemoteSession:
         pid = self.pid
         _, seen, found = self._manifest if self._manifest[0] == pid else (pid, 0, None)
         stream = self.client.events(pid, after_seq=seen, follow=False, max_retries=3)
-        async with aclosing(stream) as events:
-            async for event in events:
-                if event.seq is not None:
-                    seen = event.seq
-                if event.signal == sig.PROMPT_COMPILED:
-                    found = event.payload
-        self._manifest = (pid, seen, found)
+        try:
+            async with aclosing(stream) as events:
+                async for event in events:
+                    if event.seq is not None:
+                        seen = event.seq
+                    if event.signal == sig.PROMPT_COMPILED:
+                        found = event.payload
+        except ClientError as exc:
+            raise SessionError(f"no prompt manifest: {exc.message}") from exc
+        finally:
+            self._manifest = (pid, seen, found)  # (what was read stays read)
         return found
 
     async def _last_seq(self) -> int:

@@ -294,6 +294,8 @@ class SignalRenderer:
             count = next((p[k] for k in ("messages", "removed", "count") if isinstance(p.get(k), int)), None)
             reason = p.get("reason")
             what = f"compacted {count} messages" if count is not None else "compacted the conversation"
+            if p.get("kind") == "clearing":
+                what = f"cleared {p.get('cleared')} old tool outputs (archived)"
             kept = f"; memories kept in {p['memory']}" if isinstance(p.get("memory"), str) else ""
             view.note(Text(one_line(what + (f" ({reason})" if reason else "") + kept, 400), style="dim"))
         elif name == psig.RUN_FINISHED:
@@ -327,7 +329,7 @@ def prompt_manifest_lines(manifest: Mapping[str, Any]) -> list[str]:
         )
         for s in sections
     ]
-    digest = str(manifest.get("digest") or "")[:12]
+    digest = one_line(str(manifest.get("digest") or ""), 64)[:12]  # (a server's payload: made visible too)
     tools = len(_items(manifest.get("tools")))
     lines = [f"system prompt: {_count(manifest.get('bytes'))} bytes, sha256 {digest}, {tools} tools"]
     width = max((len(one_line(name, 40)) for name, *_ in rows), default=0)

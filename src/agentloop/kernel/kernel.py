@@ -330,6 +330,7 @@ class Kernel:
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
+        clear_tool_outputs: bool = True,
         daily_memory: bool = True,
         context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
         toolset: ToolsetFn | None = None,
@@ -358,14 +359,16 @@ class Kernel:
         workers renew or try to take their duties (``kernel/duty.py``: firing the schedules, and
         delivering watched signals a dead worker left undelivered);
         ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
-        ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``)
-        in each run's system prompt. With ``daily_memory`` the memories a compaction (or a reset)
-        finds are appended to ``memory/<date>.md`` in the owner's home, ``<data_dir>/home/<owner>``
-        (``process/memory.py``). An account's ``home/<account>/model.json`` picks the model of its
-        runs (``kernel/account_model.py``). Tool calls are checked against the approval policy
-        (``policy`` server-wide, per account in ``account_policies`` or the file
-        ``<data_dir>/home/<account>/approval.json``; DESIGN §3's default otherwise) unless
-        ``approval`` replaces the check.
+        ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``) in
+        each run's system prompt. A context past ``compaction_threshold`` is first eased by
+        archiving old tool outputs and leaving a note in their place (``clear_tool_outputs``), when
+        that is enough, else summarised (``process/compaction.py``). With ``daily_memory`` the
+        memories a compaction (or a reset) finds are appended to ``memory/<date>.md`` in the owner's
+        home, ``<data_dir>/home/<owner>`` (``process/memory.py``). An account's
+        ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
+        Tool calls are checked against the approval policy (``policy`` server-wide, per account in
+        ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
+        default otherwise) unless ``approval`` replaces the check.
         """
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
@@ -431,6 +434,7 @@ class Kernel:
             archive=archive,
             memory=remember if daily_memory else None,
             compaction_threshold=compaction_threshold,
+            clear_tool_outputs=clear_tool_outputs,
             toolset=toolset,
             worker=worker,
             lease_ttl=lease_ttl,

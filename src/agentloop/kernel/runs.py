@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -226,20 +226,40 @@ def _compiled(base: str, assembled: AssembledPrompt, shown: Callable[[str], str]
     return CompiledPrompt(text, sections, warnings, len(base.encode("utf-8")))
 
 
-def _roots(data_dir: Path, record: ProcessRecord) -> list[str]:
-    """The directories a process's prompt files live in (as named and as resolved: a skill's path
-    is a real one), for ``_relative_to``."""
-    roots = [Path(record.cwd), Path(record.cwd).resolve()]
-    for data in (data_dir, data_dir.resolve()):
-        roots += [data / "home" / record.run_as, data / "home" / record.owner, data / "config" / "ai", data]
-    return [str(root) for root in roots]
+def _roots(data_dir: Path, record: ProcessRecord) -> list[tuple[str, str]]:
+    """The directories a process's prompt files live in, each with what it is shown as, for
+    ``_relative_to``: as named and as resolved (a skill's path, and the path in a warning about an
+    unreadable file, are real ones), so a home or a skills directory linked in from elsewhere is
+    named as its link is. A skill layer is ``skills.d`` wherever it really is."""
+    named = [Path(record.cwd)]
+    named += [data_dir / "home" / record.run_as, data_dir / "home" / record.owner, data_dir / "config" / "ai", data_dir]
+    roots = [(str(root), "") for root in named]
+    roots += [(str(root.resolve()), "") for root in named]
+    roots += [(str(layer.resolve()), layer.name) for layer in skill_layers(data_dir, record.run_as)]
+    return roots
 
 
-def _relative_to(roots: list[str]) -> Callable[[str], str]:
+def _relative_to(roots: Sequence[str | tuple[str, str]]) -> Callable[[str], str]:
     """Paths under ``roots`` in a text made relative to the innermost (the working directory's
     ``AGENTS.md``, a home's ``context.d/x.md``, the system's ``skills.d/deploy``); a root itself
-    becomes ``.``. What the prompt's manifest says goes to watchers, who must not learn where the
-    server keeps its data (nor, from a warning, how that directory is laid out)."""
-    ordered = sorted({r.rstrip("/") for r in roots if r.strip("/")}, key=len, reverse=True)
-    pattern = re.compile("(?:" + "|".join(map(re.escape, ordered)) + r")(?:(/)|(?![\w.-]))")
-    return lambda text: pattern.sub(lambda m: "" if m.group(1) else ".", text)
+    becomes ``.``. A root may come with a name to show instead (``(path, "skills.d")``). What the
+    prompt's manifest says goes to watchers, who must not learn where the server keeps its data
+    (nor, from a warning, how that directory is laid out). Only a whole path is a root: one
+    inside a longer path or word (``/backup/srv/data``, ``metadata``) is left as it is."""
+    shown: dict[str, str] = {}
+    for root in roots:
+        path, name = (root, "") if isinstance(root, str) else root
+        if path.strip("/"):
+            shown.setdefault(path.rstrip("/"), name)
+    ordered = sorted(shown, key=len, reverse=True)  # (the innermost root wins)
+    # a root starts a path: not after a character of a name (nor, a relative one, after a "/")
+    starts = "|".join(re.escape(r) if r.startswith("/") else "(?<!/)" + re.escape(r) for r in ordered)
+    pattern = re.compile(r"(?<![\w.~-])(" + starts + r")(?:(/)|(?![\w.-]))")
+
+    def sub(match: re.Match[str]) -> str:
+        name = shown[match.group(1)]
+        if match.group(2):
+            return f"{name}/" if name else ""
+        return name or "."
+
+    return lambda text: pattern.sub(sub, text) if ordered else text

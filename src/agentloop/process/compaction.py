@@ -16,7 +16,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 from agentloop.messages import (
@@ -240,6 +240,82 @@ def _splits_nothing(messages: Sequence[Message], cut: int, owner: dict[str, int]
     """Whether a tail starting at ``cut`` keeps every tool result with its call."""
     results = (m for m in messages[cut:] if isinstance(m, ToolResultMessage))
     return all(owner.get(m.tool_call_id, cut) >= cut for m in results)
+
+
+# ------------------------------------------------------------------ clearing old tool outputs
+
+
+CLEARABLE_TOKENS = 256  # a tool result smaller than this (about 1 KiB) is not worth a placeholder
+CLEARED_NOTE = "[output cleared to save context: about {tokens} tokens; the original is archived]"
+# A clearing is taken instead of a summary only if it brings the pressure this far under the
+# threshold: one that barely gets under would be followed by a summary a turn or two later.
+CLEARING_MARGIN = 0.8
+
+
+@dataclass
+class Clearing:
+    """Old tool outputs replaced by a one-line note: the first, cheap tier of compaction. No model
+    call, and the conversation keeps its shape (every call, its result, every word of the
+    dialogue); only the bulk of what tools returned long ago goes, to the archive."""
+
+    positions: list[int]  # indexes in the history of the results cleared
+    originals: list[ToolResultMessage]
+    cleared: list[ToolResultMessage]
+    tokens_before: int
+    tokens_after: int
+    created_ms: int = field(default_factory=now_ms)
+
+    def history(self, messages: Sequence[Message]) -> list[Message]:
+        out = list(messages)
+        for i, message in zip(self.positions, self.cleared, strict=True):
+            out[i] = message
+        return out
+
+    def still_applies(self, current: Sequence[Message]) -> bool:
+        """Whether the results to clear are still where they were, unchanged."""
+        return all(i < len(current) and current[i] == m for i, m in zip(self.positions, self.originals, strict=True))
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "kind": "clearing",
+            "cleared": len(self.originals),
+            "tokens_before": self.tokens_before,
+            "tokens_after": self.tokens_after,
+            "created_ms": self.created_ms,
+        }
+
+
+def clear_tool_outputs(messages: Sequence[Message], keep_recent_tokens: int) -> Clearing | None:
+    """Replace the large tool results older than the newest ``keep_recent_tokens`` with a note
+    saying how large they were; None when there is none to clear."""
+    total = 0
+    tail = len(messages)
+    while tail > 0 and total < keep_recent_tokens:
+        tail -= 1
+        total += estimate_tokens(messages[tail])
+    positions: list[int] = []
+    originals: list[ToolResultMessage] = []
+    cleared: list[ToolResultMessage] = []
+    for i in range(tail):
+        m = messages[i]
+        if not isinstance(m, ToolResultMessage) or _is_cleared(m):
+            continue
+        tokens = estimate_tokens(m)
+        if tokens < CLEARABLE_TOKENS:
+            continue
+        note = TextContent(text=CLEARED_NOTE.format(tokens=tokens))
+        positions.append(i)
+        originals.append(m)
+        cleared.append(replace(m, content=[note], details={"cleared": tokens}))
+    if not positions:
+        return None
+    before = estimate_tokens(list(messages))
+    saved = sum(estimate_tokens(o) - estimate_tokens(c) for o, c in zip(originals, cleared, strict=True))
+    return Clearing(positions, originals, cleared, before, before - saved)
+
+
+def _is_cleared(message: ToolResultMessage) -> bool:
+    return isinstance(message.details, dict) and "cleared" in message.details
 
 
 # ------------------------------------------------------------------ the summary

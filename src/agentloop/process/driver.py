@@ -37,7 +37,9 @@ from agentloop.process.calls import (
     settle,
 )
 from agentloop.process.compaction import (
+    CLEARING_MARGIN,
     CompactionError,
+    clear_tool_outputs,
     compact,
     context_tokens,
     estimate_tokens,
@@ -437,6 +439,9 @@ async def _compact(
     if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
         keep = min(keep, estimate_tokens(live.history) // 2)
     keep = max(256, keep)
+    # (an overflow was measured by the provider: the summary is the surer cure)
+    if reason == "threshold" and engine.clear_tool_outputs and await _clear(engine, live, run, cfg, keep):
+        return run
     try:
         result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason)
     except CompactionError as exc:
@@ -484,6 +489,52 @@ async def _compact(
     return run
 
 
+async def _clear(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, keep: int) -> bool:
+    """Compaction's first tier: the large outputs of tool calls older than the newest ``keep``
+    tokens are archived and replaced by a note, with no model call, when that alone brings the
+    pressure well under the threshold (``CLEARING_MARGIN``); whether it did. A failure leaves the
+    history as it was, for the summary to try."""
+    clearing = clear_tool_outputs(live.history, keep)
+    if clearing is None or engine.archive is None:
+        return False
+    specs, model = cfg.tool_specs, cfg.model.info
+    fixed = estimated_context(cfg.system_prompt, specs, [])
+    level = pressure(cfg.system_prompt, specs, live.history, model)
+    after = level * (fixed + clearing.tokens_after) / max(1, fixed + clearing.tokens_before)
+    if after > engine.compaction_threshold * CLEARING_MARGIN:
+        return False  # not enough: the summary does it all at once
+    pid = live.record.pid
+    stored = await engine.store.history(pid)
+    ids = [stored[i].id for i in clearing.positions]
+    originals: list[Message] = list(clearing.originals)
+    try:
+        where = await engine.archive(live.record, f"clearing-{new_id()}", originals, clearing.meta())
+    except Exception as exc:  # (a full disk): the outputs would have no copy; keep them
+        log.warning("process %s: tool outputs not archived, history unchanged: %s", pid, exc)
+        return False
+    if not clearing.still_applies(live.history):
+        return False
+    async with engine._tx(live) as tx:
+        await engine.store.update_messages(pid, list(zip(ids, clearing.cleared, strict=True)))
+        await engine.store.add_segment(
+            SegmentRow(new_id(), pid, live.record.history_generation, "clearing", ids[0], ids[-1], where)
+        )
+        await tx.signal(
+            sig.COMPACTED,
+            runId=run["run_id"],
+            reason="threshold",
+            kind="clearing",
+            removed=0,
+            cleared=len(ids),
+            tokensBefore=clearing.tokens_before,
+            tokensAfter=clearing.tokens_after,
+            archive=where,
+        )
+        history = clearing.history(live.history)
+        tx.after.append(lambda: live.history.__setitem__(slice(None), history))
+    return True
+
+
 async def _remember(engine: ProcessEngine, live: _Live, memories: str | None) -> str | None:
     """Keep a compaction's memories (before the history is replaced, like its archive: a crash in
     between repeats them, never loses them); where they went, or None. A failure to write them is
@@ -524,9 +575,29 @@ async def _finish(
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
     if status == "ok" and not run["tool_calls"] and not run["turn"] and quiet_answer(run_id, answer):
         await _forget_check_in(engine, tx, live, run_id, last)
-    if live.seq >= live.prune_at:  # the log keeps its newest signals (``signals.KEPT_SIGNALS``)
-        await engine.store.prune_events(pid, through=live.seq - sig.KEPT_SIGNALS)
-        tx.after.append(lambda: setattr(live, "prune_at", live.seq + sig.PRUNE_EVERY))
+    if live.seq >= live.prune_at:
+        await _prune_log(engine, tx, live)
+
+
+async def _prune_log(engine: ProcessEngine, tx: _Tx, live: _Live) -> None:
+    """The log keeps its newest signals (``signals.KEPT_SIGNALS``). At most ten batches go per
+    finishing run: a log grown long (before a watch let go of it, say) is worked down over the
+    next runs, not deleted in one transaction that holds the store for seconds."""
+    pid = live.record.pid
+    if live.pruned is None:  # (once per load: where the log starts)
+        oldest = await engine.store.events(pid, limit=1)
+        live.pruned = oldest[0].seq - 1 if oldest else live.seq
+    goal = live.seq - sig.KEPT_SIGNALS
+    through = min(goal, live.pruned + 10 * sig.PRUNE_EVERY)
+    if through > live.pruned:
+        await engine.store.prune_events(pid, through=through)
+    behind = through < goal
+
+    def moved() -> None:
+        live.pruned = max(live.pruned or 0, through)
+        live.prune_at = live.seq if behind else live.seq + sig.PRUNE_EVERY
+
+    tx.after.append(moved)
 
 
 async def _forget_check_in(engine: ProcessEngine, tx: _Tx, live: _Live, run_id: str, answer: Message | None) -> None:

@@ -145,6 +145,7 @@ class ProcessEngine:
         archive: ArchiveFn | None = None,
         memory: MemoryFn | None = None,
         compaction_threshold: float = 0.9,
+        clear_tool_outputs: bool = True,
         toolset: ToolsetFn | None = None,
         worker: str | None = None,
         lease_ttl: float = DEFAULT_TTL,
@@ -164,6 +165,8 @@ class ProcessEngine:
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.memory = memory  # keeps what a compaction found worth remembering
         self.compaction_threshold = compaction_threshold
+        # compaction's first tier: old tool outputs archived and replaced by a note, before a summary
+        self.clear_tool_outputs = clear_tool_outputs
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
         self._live: dict[str, _Live] = {}

@@ -57,6 +57,7 @@ class _Live:
     seq: int = 0  # the last logged signal of the process this worker knows of (what relayed deltas follow)
     # the seq from which a finishing run prunes the log (``signals.KEPT_SIGNALS``)
     prune_at: int = field(default_factory=lambda: sig.KEPT_SIGNALS + sig.PRUNE_EVERY)
+    pruned: int | None = None  # the log is pruned through this seq (None: not looked at since the load)
 
 
 class _Tx:
@@ -100,6 +101,7 @@ class _Tx:
             live.record.state = state
             if run is None:  # the run's own configuration and prompt end with it (idle processes keep none)
                 live.config = live.prompt = None
+                self.engine._compiled.pop(live.record.pid, None)  # (a run that ended before it answered)
 
         self.after.append(apply)
 

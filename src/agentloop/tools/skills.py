@@ -32,9 +32,13 @@ Layers override first, so an account's copy of a skill may drop a requirement.
 Eligibility is judged on each assembly and each tool call, and only for skills that declare
 requirements. The kernel reuses an assembled prompt while its files are unchanged, which PATH and
 the environment are not part of; instead ``ELIGIBILITY`` remembers the verdicts prompts were built
-on and rechecks them at most once a minute, when a cached prompt is about to be reused
-(``requirements_generation``): a program installed later reaches the index within that minute,
-and no server without requirement-bearing skills ever pays for it.
+on (the most recently judged ``MAX_REMEMBERED`` sets) and rechecks them at most once a minute,
+when a cached prompt is about to be reused (``requirements_generation``): a program installed
+later reaches the index within that minute, and no server without requirement-bearing skills ever
+pays for it. Skill files are the agent's to write, so what they declare is bounded: a program is
+looked up on PATH by its bare name only (a path would let a skill probe the server's disk, and
+counts as missing), a list is checked up to ``MAX_REQUIRED_NAMES``, and ``metadata`` that cannot
+be read (deep nesting too) is a warning.
 """
 
 from __future__ import annotations
@@ -82,7 +86,12 @@ SEARCH_LIMIT_MAX = 50
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)\s*:\s*(.*)")
 RECHECK_SECONDS = 60.0
-MAX_REMEMBERED = 1024  # distinct requirement sets whose verdicts are rechecked
+MAX_REMEMBERED = 1024  # distinct requirement sets whose verdicts are rechecked (the most recently judged)
+# Each name is a lookup (``which`` stats every PATH entry) at every assembly, tool call and recheck,
+# on the event loop, and skill files are the agent's to write: a list is checked this far, and a
+# name longer than this is shortened (and so never found), which also bounds the reasons shown.
+MAX_REQUIRED_NAMES = 16
+MAX_NAME_CHARS = 128
 _OS_ALIASES = {"macos": "darwin", "mac": "darwin", "osx": "darwin", "win32": "windows", "win": "windows"}
 _OS_LABELS = {"linux": "Linux", "darwin": "macOS", "windows": "Windows"}
 
@@ -172,15 +181,35 @@ class Requirements:
         reasons: list[str] = []
         if self.os and platform_family() not in self.os:
             reasons.append(" or ".join(_OS_LABELS.get(o, o) for o in self.os) + " only")
-        missing = [b for b in self.bins if shutil.which(b) is None]
+        missing = [b for b in self.bins if not _on_path(b)]
         if missing:
             reasons.append(f"needs {', '.join(missing)} on PATH")
-        if self.any_bins and not any(shutil.which(b) for b in self.any_bins):
+        if self.any_bins and not any(_on_path(b) for b in self.any_bins):
             reasons.append(f"needs one of {', '.join(self.any_bins)} on PATH")
         unset = [name for name in self.env if not os.environ.get(name)]
         if unset:
             reasons.append(f"needs {', '.join(unset)} set")
         return "; ".join(reasons) or None
+
+
+def _program_name(name: str) -> bool:
+    """Whether ``name`` is a bare program name, to look up on PATH. ``shutil.which`` checks a
+    name with a directory part (``/home/bob/x``, ``../../x``) as that file, wherever it is: a
+    skill the agent wrote could learn from its verdict what the server's disk holds."""
+    return not (
+        not name
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name in (".", "..")
+        or os.path.dirname(name)  # (a drive, on Windows)
+        or (os.altsep is not None and os.altsep in name)
+    )
+
+
+def _on_path(name: str) -> bool:
+    """Whether the program ``name`` is found on PATH; a path is never looked up (it is missing)."""
+    return _program_name(name) and shutil.which(name) is not None
 
 
 def _names(value: object) -> list[str]:
@@ -197,7 +226,7 @@ def _metadata_spec(text: str) -> tuple[dict[str, Any], str | None]:
     key, or the top level), and a problem to warn about."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (deep nesting: RecursionError, in a file the agent writes)
         return {}, f"metadata is not valid JSON ({exc}); its requirements are ignored"
     if not isinstance(data, dict):
         return {}, "metadata is not a JSON object; its requirements are ignored"
@@ -213,17 +242,34 @@ def parse_requirements(fields: dict[str, str]) -> tuple[Requirements, list[str]]
     needs = spec.get("requires")
     needs = needs if isinstance(needs, dict) else {}
     systems = _names(fields.get("os", "")) + _names(spec.get("os"))
+    problems = [problem] if problem else []
     found = Requirements(
-        bins=_unique(_names(fields.get("requires-bins", "")) + _names(needs.get("bins"))),
-        any_bins=_unique(_names(fields.get("requires-any-bins", "")) + _names(needs.get("anyBins"))),
-        env=_unique(_names(fields.get("requires-env", "")) + _names(needs.get("env"))),
-        os=_unique([_OS_ALIASES.get(o.lower(), o.lower()) for o in systems]),
+        bins=_bounded("requires-bins", _names(fields.get("requires-bins", "")) + _names(needs.get("bins")), problems),
+        any_bins=_bounded(
+            "requires-any-bins", _names(fields.get("requires-any-bins", "")) + _names(needs.get("anyBins")), problems
+        ),
+        env=_bounded("requires-env", _names(fields.get("requires-env", "")) + _names(needs.get("env")), problems),
+        os=_bounded("os", [_OS_ALIASES.get(o.lower(), o.lower()) for o in systems], problems),
     )
-    return found, [problem] if problem else []
+    paths = [b for b in found.bins + found.any_bins if not _program_name(b)]
+    if paths:
+        problems.append(
+            f"{', '.join(paths)}: programs are looked up on PATH by name, never by path; counted as missing"
+        )
+    return found, problems
 
 
-def _unique(names: list[str]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(names))
+def _bounded(kind: str, names: list[str], problems: list[str]) -> tuple[str, ...]:
+    """``names`` without repeats, at most ``MAX_REQUIRED_NAMES`` of them, none longer than
+    ``MAX_NAME_CHARS`` (a longer one is shortened with an ellipsis, so that it is never found)."""
+    unique = list(dict.fromkeys(names))
+    if len(unique) > MAX_REQUIRED_NAMES:
+        problems.append(f"{kind} names {len(unique)}; only the first {MAX_REQUIRED_NAMES} are checked")
+        unique = unique[:MAX_REQUIRED_NAMES]
+    if any(len(n) > MAX_NAME_CHARS for n in unique):
+        problems.append(f"{kind}: a name over {MAX_NAME_CHARS} characters is never found")
+        unique = [n if len(n) <= MAX_NAME_CHARS else n[:MAX_NAME_CHARS] + "…" for n in unique]
+    return tuple(dict.fromkeys(unique))
 
 
 class Eligibility:
@@ -240,16 +286,20 @@ class Eligibility:
         self._generation = 0
 
     def judge(self, needs: Requirements) -> str | None:
-        """Why ``needs`` are unmet here, looked up now; remembered for the recheck."""
+        """Why ``needs`` are unmet here, looked up now; remembered for the recheck (the
+        ``MAX_REMEMBERED`` most recently judged sets)."""
         verdict = needs.unmet()
-        if len(self._verdicts) >= MAX_REMEMBERED:
-            self._verdicts.clear()  # skills come and go; rebuilding the prompts re-judges the live ones
-            self._generation += 1
         if not self._verdicts:
             self._checked = self.clock()
-        if self._verdicts.get(needs, verdict) != verdict:
+        if self._verdicts.pop(needs, verdict) != verdict:  # (put back last: the most recent)
             self._generation += 1
         self._verdicts[needs] = verdict
+        while len(self._verdicts) > MAX_REMEMBERED:
+            # The least recently judged set is forgotten, and the generation stays: it is part of
+            # every process's prompt cache key, so moving it here would make every assembly that
+            # judges more sets than this miss every cached prompt, server-wide. A prompt built on
+            # a forgotten verdict follows at its next assembly (a file of it changes, a new day).
+            self._verdicts.pop(next(iter(self._verdicts)), None)
         return verdict
 
     def generation(self) -> int:
@@ -257,9 +307,11 @@ class Eligibility:
         if self._verdicts and self.clock() - self._checked >= self.interval:
             self._checked = self.clock()
             fresh = {needs: needs.unmet() for needs in list(self._verdicts)}
-            if any(self._verdicts.get(needs) != verdict for needs, verdict in fresh.items()):
+            if any(self._verdicts.get(needs, verdict) != verdict for needs, verdict in fresh.items()):
                 self._generation += 1
-            self._verdicts.update(fresh)
+            for needs, verdict in fresh.items():
+                if needs in self._verdicts:  # (not one forgotten meanwhile: the bound holds)
+                    self._verdicts[needs] = verdict
         return self._generation
 
 

@@ -313,6 +313,10 @@ class Store(ABC):
         """Replace the messages with ids in [from_id, to_id] by one message (compaction); returns its id."""
 
     @abstractmethod
+    async def update_messages(self, pid: str, updates: list[tuple[int, Message]]) -> None:
+        """Rewrite messages in place, by id (old tool outputs cleared to save context)."""
+
+    @abstractmethod
     async def delete_run_messages(self, pid: str, run_id: str) -> int:
         """Delete the messages run ``run_id`` added (a heartbeat that only acknowledged); how many."""
 

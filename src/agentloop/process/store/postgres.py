@@ -550,6 +550,12 @@ class PostgresStore(Store):
                 raise NoSuchProcess(pid)
         return [StoredMessage(r[0], r[1], r[2], message_from_json(r[3])) for r in rows]
 
+    async def update_messages(self, pid: str, updates: list[tuple[int, Message]]) -> None:
+        await self._write().executemany(
+            "UPDATE messages SET role = $1, body = $2 WHERE pid = $3 AND id = $4::bigint",
+            [(m.role, message_to_json(m), pid, i) for i, m in updates],
+        )
+
     async def delete_run_messages(self, pid: str, run_id: str) -> int:
         status = await self._write().execute("DELETE FROM messages WHERE pid = $1 AND run_id = $2", pid, run_id)
         return int(status.split()[-1])
@@ -760,11 +766,15 @@ class PostgresStore(Store):
         return int(found) if found is not None else 0
 
     async def prune_events(self, pid: str, *, through: int | None = None) -> int:
+        # One upper bound made of the arguments and an uncorrelated subquery (an InitPlan): an
+        # index range. (A bound naming ``seq`` itself, as ``COALESCE($2, seq)``, is only a filter:
+        # every prune read the process's whole log, and all of one a watch holds back.)
+        bound = (1 << 63) - 1 if through is None else max(0, min(through, (1 << 63) - 1))
         status = await self._write().execute(
-            "DELETE FROM events WHERE pid = $1 AND seq <= COALESCE($2::bigint, seq) AND seq <= COALESCE("
-            "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = $1), seq)",
+            "DELETE FROM events WHERE pid = $1 AND seq <= LEAST($2::bigint, COALESCE("
+            "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = $1), $2::bigint))",
             pid,
-            through,
+            bound,
         )
         return int(status.split()[-1])
 

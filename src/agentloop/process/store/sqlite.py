@@ -606,6 +606,12 @@ class SQLiteStore(Store):
         )
         return to_id
 
+    async def update_messages(self, pid: str, updates: list[tuple[int, Message]]) -> None:
+        self._write().executemany(
+            "UPDATE messages SET role = ?, body = ? WHERE pid = ? AND id = ?",
+            [(m.role, message_to_json(m), pid, i) for i, m in updates],
+        )
+
     async def delete_run_messages(self, pid: str, run_id: str) -> int:
         cursor = self._write().execute("DELETE FROM messages WHERE pid = ? AND run_id = ?", (pid, run_id))
         return cursor.rowcount
@@ -788,10 +794,14 @@ class SQLiteStore(Store):
         return int(row[0]) if row and row[0] is not None else 0
 
     async def prune_events(self, pid: str, *, through: int | None = None) -> int:
+        # One upper bound made of the arguments and an uncorrelated subquery: a range of the
+        # primary key. (A bound naming ``seq`` itself, as ``COALESCE(?, seq)``, is none: every
+        # prune read the process's whole log, and all of one a watch holds back.)
+        bound = (1 << 63) - 1 if through is None else max(0, min(through, (1 << 63) - 1))
         cursor = self._write().execute(
-            "DELETE FROM events WHERE pid = ? AND seq <= COALESCE(?, seq) AND seq <= COALESCE("
-            "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = ?), seq)",
-            (pid, through, pid),
+            "DELETE FROM events WHERE pid = ? AND seq <= MIN(?, COALESCE("
+            "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = ?), ?))",
+            (pid, bound, pid, bound),
         )
         return cursor.rowcount
 

@@ -362,7 +362,8 @@ export class ProcessView {
         break;
       case "proc.compacted":
         if (run) {
-          this.notice(run, `context compacted: ${p.removed} older messages summarised (${p.tokensBefore} → ${p.tokensAfter} tokens)`);
+          const what = p.kind === "clearing" ? `${p.cleared} old tool outputs cleared` : `${p.removed} older messages summarised`;
+          this.notice(run, `context compacted: ${what} (${p.tokensBefore} → ${p.tokensAfter} tokens)`);
         }
         break;
       case "proc.changed": {
