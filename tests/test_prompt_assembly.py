@@ -301,3 +301,18 @@ async def test_a_cached_prompt_follows_in_place_edits_of_files_that_added_nothin
     prompt = (await build(record, {})).text  # (a ``CompiledPrompt``: the text with its manifest)
     for text in ("Always answer in French.", "Name: Jürgen", "Use British spelling.", "Ship a release."):
         assert text in prompt
+
+
+def test_a_context_file_whose_name_is_not_utf8_is_skipped_with_a_warning(tmp_path):
+    """The agent can write its home: a name of stray bytes must not break every later prompt."""
+    folder = tmp_path / "home" / "context.d"
+    folder.mkdir(parents=True)
+    (folder / "10-fine.md").write_text("Be brief.")
+    with open(os.path.join(os.fsencode(folder), b"20-\xff.md"), "w") as f:
+        f.write("unreachable")
+    assembled = assemble_prompt(PromptSources(agent_home=tmp_path / "home"))
+    assert "Be brief." in assembled.text and "unreachable" not in assembled.text
+    assert any("not UTF-8, skipped" in w for w in assembled.warnings)
+    assembled.text.encode("utf-8")
+    [section] = assembled.sections
+    assert section.bytes > 0

@@ -169,13 +169,24 @@ def _read(path: Path, root: Path | None, seen: _Reading) -> str | None:
     return text or None
 
 
-def _context_files(directory: Path | None) -> list[Path]:
+def _context_files(directory: Path | None, seen: _Reading) -> list[Path]:
+    """The ``.md`` files of a ``context.d`` in name order. A name that is not UTF-8 (the agent can
+    write its home) would break the prompt, its manifest and the store's copy of both: skipped."""
     if directory is None or not directory.is_dir():
         return []
-    return sorted(
-        (p for p in directory.iterdir() if p.suffix == ".md" and not p.name.startswith(".")),
-        key=lambda p: p.name,
-    )
+    found = []
+    for path in directory.iterdir():
+        if path.suffix != ".md" or path.name.startswith("."):
+            continue
+        try:
+            path.name.encode("utf-8")
+        except UnicodeEncodeError:
+            seen.warnings.append(
+                f"{directory}: {path.name.encode('utf-8', 'replace').decode()}: name is not UTF-8, skipped"
+            )
+            continue
+        found.append(path)
+    return sorted(found, key=lambda p: p.name)
 
 
 def _cut(text: str, limit: int) -> str:
@@ -187,7 +198,7 @@ def _cut(text: str, limit: int) -> str:
 
 def _system_block(sources: PromptSources, variables: dict[str, str], seen: _Reading) -> _Block:
     block = _Block("system context")
-    for path in _context_files(sources.system_dir):
+    for path in _context_files(sources.system_dir, seen):
         text = _read(path, None, seen)
         if text is None:
             continue
@@ -203,7 +214,7 @@ def _home_block(name: str, home: Path, budget: int, seen: _Reading) -> _Block:
     block = _Block(name)
     directory = home / "context.d"
     used = 0
-    for path in _context_files(directory):
+    for path in _context_files(directory, seen):
         if used >= budget:
             if _read(path, home, seen) is not None:
                 block.omitted.append(path)
