@@ -246,7 +246,11 @@ def _splits_nothing(messages: Sequence[Message], cut: int, owner: dict[str, int]
 
 
 CLEARABLE_TOKENS = 256  # a tool result smaller than this (about 1 KiB) is not worth a placeholder
-CLEARED_NOTE = "[output cleared to save context: about {tokens} tokens; the original is archived]"
+CLEARED_NOTE = "[output cleared to save context: about {tokens} tokens{held}; the original is archived]"
+# The key a cleared result's details gain (the tool's own details stay: code reads them from the
+# history, as ``ToolReveal`` the tools a run was given): {"tokens": the output's estimate,
+# "measured": the timestamp of the newest reply when it was cleared, whose usage still counts it}.
+CLEARED_DETAIL = "_cleared"
 # A clearing is taken instead of a summary only if it brings the pressure this far under the
 # threshold: one that barely gets under would be followed by a summary a turn or two later.
 CLEARING_MARGIN = 0.8
@@ -275,6 +279,30 @@ class Clearing:
         """Whether the results to clear are still where they were, unchanged."""
         return all(i < len(current) and current[i] == m for i, m in zip(self.positions, self.originals, strict=True))
 
+    @staticmethod
+    def uncounted(messages: Sequence[Message]) -> int:
+        """Estimated tokens that clearings took out after the provider last reported usage: the
+        reply ``context_tokens`` reads still counts them (the model call after a clearing failed,
+        or was aborted, and reported none)."""
+        summarised_at = _summary_time(messages)
+        for i in range(len(messages) - 1, -1, -1):
+            reply = messages[i]
+            if not isinstance(reply, AssistantMessage):
+                continue
+            if reply.timestamp <= summarised_at:
+                return 0  # (that usage is not read at all)
+            if not _usage_tokens(reply):
+                continue
+            saved = 0
+            for m in messages[:i]:
+                info = m.details.get(CLEARED_DETAIL) if isinstance(m, ToolResultMessage) and _is_cleared(m) else None
+                if not isinstance(info, dict) or not isinstance(info.get("tokens"), int):
+                    continue
+                if isinstance(info.get("measured"), int) and info["measured"] >= reply.timestamp:
+                    saved += max(0, info["tokens"] - estimate_tokens(m))
+            return saved
+        return 0
+
     def meta(self) -> dict[str, Any]:
         return {
             "kind": "clearing",
@@ -293,6 +321,7 @@ def clear_tool_outputs(messages: Sequence[Message], keep_recent_tokens: int) -> 
     while tail > 0 and total < keep_recent_tokens:
         tail -= 1
         total += estimate_tokens(messages[tail])
+    measured = next((m.timestamp for m in reversed(messages) if isinstance(m, AssistantMessage)), -1)
     positions: list[int] = []
     originals: list[ToolResultMessage] = []
     cleared: list[ToolResultMessage] = []
@@ -303,10 +332,15 @@ def clear_tool_outputs(messages: Sequence[Message], keep_recent_tokens: int) -> 
         tokens = estimate_tokens(m)
         if tokens < CLEARABLE_TOKENS:
             continue
-        note = TextContent(text=CLEARED_NOTE.format(tokens=tokens))
+        images = sum(isinstance(b, ImageContent) for b in m.content)
+        files = sum(isinstance(b, FileContent) for b in m.content)
+        held = " and ".join(f"{n} {kind}{'s' * (n > 1)}" for n, kind in ((images, "image"), (files, "file")) if n)
+        note = TextContent(text=CLEARED_NOTE.format(tokens=tokens, held=f", with {held}" if held else ""))
+        details = dict(m.details) if isinstance(m.details, dict) else {}
+        details[CLEARED_DETAIL] = {"tokens": tokens, "measured": measured}
         positions.append(i)
         originals.append(m)
-        cleared.append(replace(m, content=[note], details={"cleared": tokens}))
+        cleared.append(replace(m, content=[note], details=details))
     if not positions:
         return None
     before = estimate_tokens(list(messages))
@@ -315,7 +349,7 @@ def clear_tool_outputs(messages: Sequence[Message], keep_recent_tokens: int) -> 
 
 
 def _is_cleared(message: ToolResultMessage) -> bool:
-    return isinstance(message.details, dict) and "cleared" in message.details
+    return isinstance(message.details, dict) and CLEARED_DETAIL in message.details
 
 
 # ------------------------------------------------------------------ the summary

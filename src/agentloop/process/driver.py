@@ -38,6 +38,7 @@ from agentloop.process.calls import (
 )
 from agentloop.process.compaction import (
     CLEARING_MARGIN,
+    Clearing,
     CompactionError,
     clear_tool_outputs,
     compact,
@@ -492,14 +493,27 @@ async def _compact(
 async def _clear(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, keep: int) -> bool:
     """Compaction's first tier: the large outputs of tool calls older than the newest ``keep``
     tokens are archived and replaced by a note, with no model call, when that alone brings the
-    pressure well under the threshold (``CLEARING_MARGIN``); whether it did. A failure leaves the
+    pressure well under the threshold (``CLEARING_MARGIN``); whether it did (or the pressure, once
+    what an earlier clearing took out is no longer counted, needs nothing). A failure leaves the
     history as it was, for the summary to try."""
-    clearing = clear_tool_outputs(live.history, keep)
-    if clearing is None or engine.archive is None:
+    if engine.archive is None:
         return False
     specs, model = cfg.tool_specs, cfg.model.info
     fixed = estimated_context(cfg.system_prompt, specs, [])
     level = pressure(cfg.system_prompt, specs, live.history, model)
+    # The usage the pressure was read from may predate a clearing (the model call after it failed
+    # or was aborted, reporting none): it still counts the outputs cleared. Without them the
+    # context may be well under the threshold, and another clearing (breaking the provider's prompt
+    # cache again) or a summary would be for nothing.
+    uncounted = Clearing.uncounted(live.history)
+    if uncounted:
+        estimated = fixed + estimate_tokens(live.history)
+        level *= estimated / (estimated + uncounted)
+        if not should_compact(level, engine.compaction_threshold):
+            return True
+    clearing = clear_tool_outputs(live.history, keep)
+    if clearing is None:
+        return False
     after = level * (fixed + clearing.tokens_after) / max(1, fixed + clearing.tokens_before)
     if after > engine.compaction_threshold * CLEARING_MARGIN:
         return False  # not enough: the summary does it all at once
