@@ -189,7 +189,7 @@ class Heartbeat:
 
         try:
             receipt = await self.engine.claimed_event(
-                pid, self.settings.text, claim=claim, run_id=f"{RUN_PREFIX}{period}", reason=REASON
+                pid, self.settings.text, claim=claim, run_id=f"{RUN_PREFIX}{int(began)}", reason=REASON
             )
         except NoSuchProcess:
             self._beaten.pop(pid, None)

@@ -2,11 +2,12 @@
 is only an acknowledgement.
 
 The kernel's heartbeat (kernel/heartbeat.py) delivers a check-in to a process as a system event
-whose run is named ``heartbeat:<period>``. Most check-ins find nothing to do, and the agent is asked
-to say so with ``HEARTBEAT_OK``: an answer of that kind is marked ``quiet`` in the run's signals,
-so clients do not show a person a message every half hour that says nothing happened. The rules
-live here, below the kernel, because the process driver marks the signals as it logs them (and
-the command line reads the settings without loading the kernel).
+whose run is named ``heartbeat:<start>`` (the period's start, epoch seconds: unique whatever the
+period). Most check-ins find nothing to do, and the agent is asked to say so with ``HEARTBEAT_OK``:
+an answer of that kind is marked ``quiet`` in the run's signals, so clients do not show a person a
+message every half hour that says nothing happened. The rules live here, below the kernel, because
+the process driver marks the signals as it logs them (and the command line reads the settings
+without loading the kernel).
 """
 
 from __future__ import annotations
