@@ -16,6 +16,8 @@ worker has taken over. Each fire is claimed in its own delivery transaction (see
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from agentloop.process.store import Store
@@ -61,3 +63,62 @@ class Duty:
             await self.store.release_duty(self.name, self.owner)
         except Exception:  # the database is gone: the duty expires by itself
             log.warning("could not release duty %s; it expires in %.0fs", self.name, self.ttl)
+
+
+class DutyTimer:
+    """A kernel's timer of one kind of work (firing schedules, delivering heartbeats): a task
+    that does a pass, then waits as long as the pass said (or until ``poke``). A pass that fails is
+    logged and tried again after ``retry`` seconds. On a shared store it works only while this
+    worker holds ``duty``; the others keep trying to take it."""
+
+    name = "timer"
+
+    def __init__(self, duty: Duty | None) -> None:
+        self.duty = duty
+        self.retry = 5.0  # seconds before a pass that failed is tried again
+        self._poke = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def work(self) -> float:
+        """Do what is due now; the seconds until the next pass."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"agentloop-{self.name}")
+
+    def poke(self) -> None:
+        """Pass again now (something new may be due sooner than the timer thinks)."""
+        self._poke.set()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self.duty is not None:
+            await self.duty.release()
+
+    async def _run(self) -> None:
+        while True:
+            self._poke.clear()  # before the pass: work that comes meanwhile pokes again
+            try:
+                delay = await self._pass()
+            except Exception:
+                log.exception("%s: a pass failed", self.name)
+                delay = self.retry
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):  # (not ``wait_for``: on 3.11 it can swallow a cancel)
+                    async with asyncio.timeout(delay):
+                        await self._poke.wait()
+
+    async def _pass(self) -> float:
+        """Work if this worker is on duty; the seconds until the next pass. On duty, that is at
+        most the duty's renewal interval, which also bounds how late work another worker added
+        is seen."""
+        duty = self.duty
+        if duty is None:
+            return await self.work()
+        if not await duty.hold():
+            return duty.every  # another worker does it; try again, to take over if it died
+        return min(await self.work(), duty.every)

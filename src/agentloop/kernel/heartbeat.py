@@ -41,7 +41,7 @@ import math
 import time
 from collections.abc import Callable
 
-from agentloop.kernel.duty import Duty
+from agentloop.kernel.duty import Duty, DutyTimer
 from agentloop.process.engine import ProcessEngine
 from agentloop.process.heartbeat import (
     HEARTBEAT_FILE,
@@ -71,8 +71,10 @@ def offset_of(pid: str, every: float) -> float:
     return fraction * every
 
 
-class Heartbeat:
+class Heartbeat(DutyTimer):
     """The check-ins of one kernel's processes: who gets one, when, and the timer."""
+
+    name = "heartbeat"
 
     def __init__(
         self,
@@ -84,45 +86,17 @@ class Heartbeat:
         local_time: Callable[[float], datetime.time] = lambda ts: datetime.datetime.fromtimestamp(ts).time(),
         duty: Duty | None = None,
     ) -> None:
+        super().__init__(duty)
         self.store = store
         self.engine = engine
         self.settings = settings
         self.clock = clock
         self.local_time = local_time
-        self.duty = duty
-        self.retry = 5.0  # seconds before a pass that failed is tried again
         self._beaten: dict[str, int] = {}  # pid -> the last period it got (or missed) its beat for
         self._asks: dict[str, tuple[float, bool]] = {}  # cwd -> (when looked at, whether it asks)
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="agentloop-heartbeat")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        if self.duty is not None:
-            await self.duty.release()
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                delay = await self._pass()
-            except Exception:
-                log.exception("heartbeat: a pass failed")
-                delay = self.retry
-            await asyncio.sleep(delay)
-
-    async def _pass(self) -> float:
-        duty = self.duty
-        if duty is None:
-            return await self.beat_due()
-        if not await duty.hold():
-            return duty.every
-        return min(await self.beat_due(), duty.every)
+    async def work(self) -> float:
+        return await self.beat_due()
 
     async def beat_due(self) -> float:
         """Deliver the beats that are due now; the seconds until the next pass."""

@@ -23,8 +23,6 @@ closes or dies.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime
 import logging
 import math
@@ -32,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from agentloop.kernel.duty import Duty
+from agentloop.kernel.duty import Duty, DutyTimer
 from agentloop.messages import check_plain_text
 from agentloop.process.api import new_id
 from agentloop.process.engine import ProcessEngine
@@ -104,8 +102,10 @@ def _number(value: object, name: str) -> float:
     return number
 
 
-class Scheduler:
+class Scheduler(DutyTimer):
     """The schedules of one kernel: validation, the table, and the timer that fires them."""
+
+    name = "schedules"
 
     def __init__(
         self,
@@ -119,15 +119,12 @@ class Scheduler:
         if isinstance(min_every, bool) or not isinstance(min_every, int | float) or not 0 <= min_every < math.inf:
             # (NaN would let every interval through: ``every < nan`` is never true)
             raise ValueError(f"schedule_min_every must be a finite number of seconds, at least 0, got {min_every!r}")
+        super().__init__(duty)  # (its ``retry``: also the wait before a schedule whose fire failed)
         self.store = store
         self.engine = engine
         self.min_every = max(float(min_every), SHORTEST_EVERY)
         self.clock = clock
-        self.duty = duty  # on a shared store: the timer fires only while this worker holds it
-        self.retry = 5.0  # seconds before a schedule whose fire failed is tried again
         self._held: dict[str, float] = {}  # schedule id -> not before (after a failed fire)
-        self._poke = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     # -- the API ----------------------------------------------------------------------------------
 
@@ -181,7 +178,7 @@ class Scheduler:
             if len(await self.store.schedules(pid)) >= MAX_SCHEDULES:
                 raise LimitReached(f"process {pid} has {MAX_SCHEDULES} schedules already")
             await self.store.add_schedule(row)
-        self._poke.set()
+        self.poke()
         return row
 
     async def of(self, pid: str) -> list[ScheduleRow]:
@@ -203,41 +200,8 @@ class Scheduler:
 
     # -- the timer --------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="agentloop-scheduler")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        if self.duty is not None:
-            await self.duty.release()
-
-    async def _run(self) -> None:
-        while True:
-            self._poke.clear()  # before reading: a schedule added meanwhile pokes again
-            try:
-                delay = await self._pass()
-            except Exception:
-                log.exception("schedules: a pass failed")
-                delay = self.retry
-            if delay > 0:
-                with contextlib.suppress(TimeoutError):  # (not ``wait_for``: on 3.11 it can swallow a cancel)
-                    async with asyncio.timeout(delay):
-                        await self._poke.wait()
-
-    async def _pass(self) -> float:
-        """Fire what is due if this worker is on duty; the seconds until the next pass. On duty,
-        that is at most the duty's renewal interval, which also bounds how late a schedule that
-        another worker added is seen."""
-        duty = self.duty
-        if duty is None:
-            return await self.fire_due()
-        if not await duty.hold():
-            return duty.every  # another worker fires them; try again, to take over if it died
-        return min(await self.fire_due(), duty.every)
+    async def work(self) -> float:
+        return await self.fire_due()
 
     async def fire_due(self) -> float:
         """Fire every schedule that is due now; returns the seconds until the next one is."""
@@ -269,7 +233,7 @@ class Scheduler:
 
     def _unhold(self, schedule_id: str) -> None:
         self._held.pop(schedule_id, None)
-        self._poke.set()
+        self.poke()
 
     async def _advance(self, row: ScheduleRow, nxt: float) -> bool:
         """A repeating schedule's claim: move it from the due time ``row`` was read at to ``nxt``.
