@@ -24,16 +24,9 @@ from agentloop.tools.base import Tool, ToolContext, ToolResult
 from agentloop.tools.skills import Eligibility, Requirements, scan_skills, skills_tool
 from tests.process_support import kernel
 from tests.store_conformance.test_conformance import make_store, spawn, store  # noqa: F401
+from tests.test_skills_eligibility import Clock
 
 # ====================================================================== skills eligibility
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -42,6 +42,18 @@ async def signals_of(proc: Any, name: str) -> list[dict[str, Any]]:
     return [s.payload async for s in proc.signals(follow=False) if s.signal == name]
 
 
+async def check_ins(workspace: Path, reply: str = "HEARTBEAT_OK") -> int:
+    """A new main conversation in ``workspace``, its timer passed three periods on: the check-ins
+    it got."""
+    async with kernel(workspace, ScriptedModel(lambda r: reply), heartbeat=settings()) as k:
+        await k.heartbeat.stop()
+        proc = await k.spawn(owner="a")
+        k.heartbeat.clock = lambda: later(3)
+        await k.heartbeat.beat_due()
+        await proc.wait_idle()
+        return await beats(proc)
+
+
 async def quiet_kernel(tmp_path: Path, model: Any, **kw: Any) -> Any:
     """A kernel whose heartbeat timer the test drives itself (``beat_due`` with a clock)."""
     return kernel(tmp_path, model, heartbeat=settings(**kw))
@@ -156,13 +168,7 @@ async def test_a_user_run_answering_the_token_is_not_quiet(tmp_path):
 async def test_no_beat_without_instructions(tmp_path, content):
     if content is not None:
         (tmp_path / "HEARTBEAT.md").write_text(content)
-    async with await quiet_kernel(tmp_path, ScriptedModel(lambda r: "HEARTBEAT_OK")) as k:
-        await k.heartbeat.stop()
-        proc = await k.spawn(owner="a")
-        k.heartbeat.clock = lambda: later(3)
-        await k.heartbeat.beat_due()
-        await proc.wait_idle()
-        assert await beats(proc) == 0
+    assert await check_ins(tmp_path) == 0
 
 
 async def test_a_linked_heartbeat_file_outside_the_workspace_does_not_count(tmp_path):
@@ -171,12 +177,7 @@ async def test_a_linked_heartbeat_file_outside_the_workspace_does_not_count(tmp_
     work = tmp_path / "work"
     work.mkdir()
     (work / "HEARTBEAT.md").symlink_to(outside)
-    async with kernel(work, ScriptedModel(lambda r: "HEARTBEAT_OK"), heartbeat=settings()) as k:
-        await k.heartbeat.stop()
-        proc = await k.spawn(owner="a")
-        k.heartbeat.clock = lambda: later(3)
-        await k.heartbeat.beat_due()
-        assert await beats(proc) == 0
+    assert await check_ins(work) == 0
 
 
 async def test_only_the_owners_latest_interactive_top_level_process_per_workspace_beats(tmp_path):

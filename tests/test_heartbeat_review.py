@@ -17,18 +17,7 @@ from agentloop.kernel.heartbeat import KV_KEY, Heartbeat, offset_of
 from agentloop.process.heartbeat import HeartbeatSettings, has_instructions, parse_hours
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from tests.process_support import kernel
-
-EVERY = 60.0
-ASKING = "# Heartbeat\n\n- Look at inbox.txt and tell me about anything urgent.\n"
-
-
-def settings(**kw: Any) -> HeartbeatSettings:
-    return HeartbeatSettings(every=kw.pop("every", EVERY), hours=kw.pop("hours", None), **kw)
-
-
-async def beats(proc: Any) -> int:
-    """Check-ins the process got, from its log (a quiet one may leave the conversation)."""
-    return len([s async for s in proc.signals(follow=False) if s.payload.get("reason") == "heartbeat"])
+from tests.test_heartbeat import ASKING, EVERY, beats, check_ins, settings
 
 
 def early_in_a_period(pid: str, every: float, periods: float = 3) -> float:
@@ -76,26 +65,14 @@ def test_a_template_saved_with_a_byte_order_mark_asks_for_nothing():
 async def test_no_beat_for_a_file_the_prompt_does_not_show(tmp_path, content):
     (tmp_path / "HEARTBEAT.md").write_bytes(content)
     assert not in_prompt(tmp_path)
-    async with kernel(tmp_path, ScriptedModel(lambda r: "HEARTBEAT_OK"), heartbeat=settings()) as k:
-        await k.heartbeat.stop()
-        proc = await k.spawn(owner="a")
-        k.heartbeat.clock = lambda: time.time() + 3 * EVERY
-        await k.heartbeat.beat_due()
-        await proc.wait_idle()
-        assert await beats(proc) == 0
+    assert await check_ins(tmp_path) == 0
 
 
 async def test_a_long_heartbeat_file_the_prompt_shows_gets_its_beats(tmp_path):
     (tmp_path / "HEARTBEAT.md").write_text(ASKING + "\n".join(f"- item {i}: look at it" for i in range(5000)))
     assert (tmp_path / "HEARTBEAT.md").stat().st_size > 64 * 1024
     assert in_prompt(tmp_path)
-    async with kernel(tmp_path, ScriptedModel(lambda r: "HEARTBEAT_OK"), heartbeat=settings()) as k:
-        await k.heartbeat.stop()
-        proc = await k.spawn(owner="a")
-        k.heartbeat.clock = lambda: time.time() + 3 * EVERY
-        await k.heartbeat.beat_due()
-        await proc.wait_idle()
-        assert await beats(proc) == 1
+    assert await check_ins(tmp_path) == 1
 
 
 async def test_a_fifo_for_a_heartbeat_file_neither_hangs_nor_beats(tmp_path):
