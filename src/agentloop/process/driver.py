@@ -441,7 +441,7 @@ async def _compact(
         keep = min(keep, estimate_tokens(live.history) // 2)
     keep = max(256, keep)
     # (an overflow was measured by the provider: the summary is the surer cure)
-    if reason == "threshold" and engine.clear_tool_outputs and await _clear(engine, live, run, cfg, keep):
+    if reason == "threshold" and engine.clear_tool_outputs and await _clear(engine, live, run, cfg, keep, fixed):
         return run
     try:
         result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason)
@@ -490,17 +490,18 @@ async def _compact(
     return run
 
 
-async def _clear(engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, keep: int) -> bool:
+async def _clear(
+    engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, keep: int, fixed: int
+) -> bool:
     """Compaction's first tier: the large outputs of tool calls older than the newest ``keep``
     tokens are archived and replaced by a note, with no model call, when that alone brings the
     pressure well under the threshold (``CLEARING_MARGIN``); whether it did (or the pressure, once
-    what an earlier clearing took out is no longer counted, needs nothing). A failure leaves the
-    history as it was, for the summary to try."""
+    what an earlier clearing took out is no longer counted, needs nothing). ``fixed``: the
+    prompt's and tools' estimate, as ``_compact`` measured it. A failure leaves the history as it
+    was, for the summary to try."""
     if engine.archive is None:
         return False
-    specs, model = cfg.tool_specs, cfg.model.info
-    fixed = estimated_context(cfg.system_prompt, specs, [])
-    level = pressure(cfg.system_prompt, specs, live.history, model)
+    level = pressure(cfg.system_prompt, cfg.tool_specs, live.history, cfg.model.info)
     # The usage the pressure was read from may predate a clearing (the model call after it failed
     # or was aborted, reporting none): it still counts the outputs cleared. Without them the
     # context may be well under the threshold, and another clearing (breaking the provider's prompt
