@@ -5,6 +5,8 @@ mode with ``synchronous=NORMAL`` costs tens of microseconds, less than handing e
 a worker thread would (which is all ``aiosqlite`` adds), and a transaction never awaits anything
 but the store's own lock, so ticks of different processes cannot interleave inside one. Tasks
 that commit in the same turn of the event loop share one commit (see ``SQLiteStore._begin``).
+Waiting for another program's write lock is the exception: it awaits between attempts, so the
+loop runs on meanwhile (``SQLiteStore._begin_immediate``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ _COUNTER_COLUMNS = ("next_message_id", "next_event_seq", "next_queue_id")
 _INSERT_MESSAGE = (
     "INSERT INTO messages (pid, id, generation, run_id, role, body, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+# How long a transaction waits for another process's write lock before it fails (``StoreError``),
+# and how much of that SQLite may spend blocking the event loop's thread in one attempt.
+BUSY_WAIT = 5.0
+_BUSY_TIMEOUT_MS = 5
 _INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)"
 
 
@@ -165,9 +171,10 @@ class SQLiteStore(Store):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
-        db.execute("PRAGMA busy_timeout=5000")
+        db.execute("PRAGMA busy_timeout=5000")  # (the migration's wait; see below)
         db.execute("PRAGMA temp_store=MEMORY")  # a group member's savepoint journal stays in memory
         self._migrate()
+        db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")  # from now on, longer waits await (``_begin``)
         if self.path != ":memory:":
             db.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
             self._checkpointer = Checkpointer(self.path)
@@ -266,10 +273,7 @@ class SQLiteStore(Store):
             if self._group is not None and not db.in_transaction:  # SQLite rolled the group back by itself
                 self._abandon_group(StoreError("the transaction was rolled back by SQLite"))
             if self._group is None:
-                try:
-                    db.execute("BEGIN IMMEDIATE")
-                except sqlite3.OperationalError as exc:  # busy past busy_timeout: another process writes
-                    raise StoreError(f"the database {self.path} is busy: {exc}; try again") from exc
+                await self._begin_immediate(db)
                 version = db.execute("PRAGMA data_version").fetchone()[0]
                 if version != self._data_version:  # another connection committed: what we knew may be stale
                     self._known.clear()
@@ -285,6 +289,26 @@ class SQLiteStore(Store):
             self._lock.release()
             raise
         self._tx_task = me
+
+    async def _begin_immediate(self, db: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE``, waiting for another process's write lock without blocking the loop.
+
+        SQLite's own busy handler sleeps in the calling thread, which here is the event loop's:
+        while another program (an admin command, a backup) held the lock, every stream, timer and
+        model call of the runtime would stand still. So the connection waits only briefly by
+        itself (``_BUSY_TIMEOUT_MS``) and longer waits happen here, between attempts, for up to
+        ``BUSY_WAIT`` seconds in all."""
+        deadline = time.monotonic() + BUSY_WAIT
+        pause = 0.001
+        while True:
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                    raise StoreError(f"the database {self.path} is busy: {exc}; try again") from exc
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
 
     def _end(self, commit: bool, settled: Settled | None) -> Awaitable[None] | None:
         member, self._member = self._member, False
