@@ -177,7 +177,9 @@ class Process:
         """The process's signals after ``after_seq``; with ``follow``, then live ones as they come.
         An ``after_seq`` past the log's end (a client that saw more than a database restored from
         an older backup holds) counts from the end: new signals take the numbers it already saw,
-        and waiting for the log to pass them would hide every one until then."""
+        and waiting for the log to pass them would hide every one until then. One before the
+        oldest kept signal (the log was pruned, or a reset dropped it) is first sent an unlogged
+        ``proc.log.pruned`` saying how many it missed: what they told is in the history now."""
         _check_position("after_seq", after_seq, 0)
         engine = self.kernel.engine
         await engine.live(self.pid)
@@ -186,7 +188,7 @@ class Process:
         queue = engine.hub.watch(self.pid) if follow else None
         try:
             last = after_seq
-            async for logged in self._logged(last):
+            async for logged in self._logged(last, resumed=after_seq > 0):
                 last = logged.seq or last
                 yield logged
             if queue is None:
@@ -198,7 +200,7 @@ class Process:
                 if item is None:
                     return
                 if item is sig.GAP:  # fell behind, and what it had not taken was dropped: the log has it
-                    async for logged in self._logged(last):
+                    async for logged in self._logged(last, resumed=True):
                         last = logged.seq or last
                         yield logged
                     continue
@@ -213,10 +215,17 @@ class Process:
             if queue is not None:
                 engine.hub.unwatch(self.pid, queue)
 
-    async def _logged(self, after_seq: int) -> AsyncIterator[Signal]:
-        """The logged signals after ``after_seq``, a page at a time."""
+    async def _logged(self, after_seq: int, *, resumed: bool) -> AsyncIterator[Signal]:
+        """The logged signals after ``after_seq``, a page at a time; for a watcher that has seen
+        the log through ``after_seq`` (``resumed``), led by ``proc.log.pruned`` if the log no
+        longer goes back that far. (A watcher reading from the start asked for what is kept.)"""
+        first = resumed
         while True:
             page = await self.kernel.store.events(self.pid, after_seq=after_seq, limit=500)
+            if first and page and page[0].seq > after_seq + 1:
+                payload = {"pid": self.pid, "afterSeq": after_seq, "oldestSeq": page[0].seq}
+                yield Signal(sig.LOG_PRUNED, {**payload, "missed": page[0].seq - after_seq - 1})
+            first = False
             for row in page:
                 after_seq = row.seq
                 yield Signal(row.signal, row.payload, row.seq)

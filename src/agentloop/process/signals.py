@@ -25,6 +25,9 @@ HIL_REQUESTED = "proc.run.hil.requested"
 RUN_FINISHED = "proc.run.finished"
 CHANGED = "proc.changed"
 COMPACTED = "proc.compacted"
+# not logged: sent to a watcher that resumes after a seq the log no longer holds the signals after
+# (pruned, or dropped by a reset), before the oldest kept one, so it knows to read the history
+LOG_PRUNED = "proc.log.pruned"
 # what went into a run's system prompt (sections, sizes, files cut or left out, tools, warnings):
 # once per run whose prompt was built fresh, with the run's first model step
 PROMPT_COMPILED = "proc.prompt.compiled"
