@@ -459,6 +459,7 @@ class Kernel:
         kernel_ref.append(kernel)
         try:
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
+            await kernel._sweep_media()
             await kernel.watchers.start()  # delivers what watched sources logged while it was down
             kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
             if kernel.heartbeat is not None:
@@ -721,6 +722,18 @@ class Kernel:
                 await engine.memory(record, memories, "a conversation cleared by a reset")
         except Exception as exc:
             log.warning("process %s: the memories of the reset conversation were not kept: %s", record.pid, exc)
+
+    async def _sweep_media(self) -> None:
+        """Remove media left behind by processes that are gone (``MediaStore.settled_dirs``)."""
+        settled = await asyncio.to_thread(self.media.settled_dirs)
+        gone = [(owner, pid) for owner, pid in settled if await self.store.get_process(pid) is None]
+        for owner, pid in gone:
+            try:
+                await asyncio.to_thread(self.media.delete_process, owner, pid)
+            except (OSError, ValueError) as exc:  # (a name no process could have, or an unreadable file)
+                log.warning("could not remove the media left by process %s: %s", pid, exc)
+        if gone:
+            log.info("removed the media of %d processes that no longer exist", len(gone))
 
     async def _finish_remembering(self) -> None:
         """On close: give the memories being kept a moment to be written, then stop."""

@@ -19,6 +19,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -28,6 +29,7 @@ from agentloop.messages import FILE_TYPES, PDF_MAGIC, FileContent, ImageContent,
 from agentloop.process.archive import check_name, fsync_dir, private_dir
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
+ORPHAN_AGE = 600.0  # seconds: a process's media directory younger than this is never swept
 # A text document goes to the model whole, in the newest message, where compaction cannot fold
 # it away: past about 50k tokens it would crowd out the conversation on most models.
 MAX_TEXT_BYTES = 200 * 1024
@@ -224,6 +226,26 @@ class MediaStore:
         count = sum(1 for p in directory.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
         shutil.rmtree(directory)
         return count
+
+    def settled_dirs(self, older_than: float = ORPHAN_AGE) -> list[tuple[str, str]]:
+        """(owner, pid) of every process directory untouched for ``older_than`` seconds: the ones
+        ``Kernel.open`` checks for a process that no longer exists. A kill deletes the process,
+        then its files, so a crash in between leaves them behind with nothing pointing at them
+        (as does one between a spawn's files and its commit). A younger directory may belong to a
+        process being created right now (on a shared store, by another worker in the same data
+        directory)."""
+        cutoff = time.time() - older_than
+        found: list[tuple[str, str]] = []
+        try:
+            owners = [d for d in self.root.iterdir() if d.is_dir() and not d.is_symlink()]
+            for owner in owners:
+                for directory in owner.iterdir():
+                    info = directory.lstat()
+                    if stat.S_ISDIR(info.st_mode) and info.st_mtime < cutoff:
+                        found.append((owner.name, directory.name))
+        except OSError:  # (no media yet, or a directory going away meanwhile: the next open looks again)
+            pass
+        return found
 
 
 def _read_verified(path: Path, size: int, sha: str, ref: MediaRef | None = None) -> bytes:
