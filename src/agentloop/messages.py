@@ -262,16 +262,27 @@ class SystemMessage:
     """A message from the runtime rather than a person: guard notices, events, provider errors.
 
     Providers render it as a system (or developer) message; ``kind`` says why it exists.
+    ``details`` is data for the runtime's code, never sent to a model: a summary carries there
+    what pieces read back from the history it replaced (``ToolReveal``'s revealed tools).
     """
 
     role: Literal["system"] = "system"
     content: list[TextContent]
     kind: str = "notice"
+    details: Any = None
     timestamp: int = field(default_factory=now_ms)
 
     @property
     def text(self) -> str:
         return "".join(b.text for b in self.content)
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # most system messages carry nothing: their stored form stays as it was
+        data = handler(self)
+        if self.details is None and isinstance(data, dict):
+            data.pop("details", None)
+        return data
 
 
 @_wire

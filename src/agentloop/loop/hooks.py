@@ -10,10 +10,11 @@ Turn phases (``hooks.on(phase)``) run before every model call, in this order:
 ``pre_tool_materialization`` (returns the tool list to show), ``pre_prompt_compile`` (returns the
 system prompt to send); and ``post_turn`` after each turn. ``pre_compaction`` runs before a
 durable process summarises older history (a last chance to save something from it; returning
-``Block`` skips this compaction). A hook that fails in a policy phase (``pre_policy``,
-``pre_tool_materialization``, ``pre_prompt_compile``) fails the run; one that fails in a context
-phase (``pre_prompt_context``, ``post_turn``, ``pre_compaction``) is logged and its contribution
-left out.
+``Block`` skips this compaction, returning a ``dict`` keeps that data on the summary message's
+``details``, for code that reads the history, as ``ToolReveal`` does, to find it there). A hook
+that fails in a policy phase (``pre_policy``, ``pre_tool_materialization``, ``pre_prompt_compile``)
+fails the run; one that fails in a context phase (``pre_prompt_context``, ``post_turn``,
+``pre_compaction``) is logged and its contribution left out.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class TurnInfo:
     system_prompt: str
     tools: list[ToolSpec]
     context: list[str] = field(default_factory=list)
+    carry: dict[str, Any] = field(default_factory=dict)  # pre_compaction: what the summary keeps
 
 
 class TurnFailed(Exception):
@@ -142,6 +144,8 @@ class Hooks:
                 info.tools = out
             elif phase == "pre_prompt_compile" and isinstance(out, str):
                 info.system_prompt = out
+            elif phase == "pre_compaction" and isinstance(out, dict):
+                info.carry.update(out)
         return None
 
     def before_tool_call(self, fn: T) -> T:

@@ -6,8 +6,10 @@ them by name and summary, and calling it reveals the named tools from the next r
 tool is never taken away in the middle of a run.
 
 The revealed set is read back from the history (the ``request_tools`` results), so a run that is
-resumed from its stored history sees the same tools; what a run has shown is also remembered per
-run, because the history a turn-phase hook sees may not hold those results any more (a
+resumed from its stored history sees the same tools. A summary compaction that removes those
+results keeps the set on the summary message (``details``, from a ``pre_compaction`` hook), where
+the same reading finds it, in later runs and after a restart alike; what a run has shown is also
+remembered per run, because the history a turn-phase hook sees may not hold those results any more (a
 transform-context hook that trims it, a compaction that summarised them). An optional *preflight*
 asks a (cheap) model once per run which hidden tools the request will need; if it fails or
 answers nonsense, the run simply starts without extra tools.
@@ -24,7 +26,7 @@ from typing import Any
 
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.state import LoopConfig
-from agentloop.messages import Message, ToolResultMessage, UserMessage, user
+from agentloop.messages import Message, SystemMessage, ToolResultMessage, UserMessage, user
 from agentloop.models.base import Model, ModelRequest
 from agentloop.models.registry import resolve_model
 from agentloop.tools.base import Tool, ToolLike, ToolResult, as_tool
@@ -90,14 +92,21 @@ class ToolReveal:
         config.tools[REQUEST_TOOLS] = self.request_tool
         self.conversation_model = config.model
         config.hooks.on("pre_tool_materialization")(self._materialize)
+        config.hooks.on("pre_compaction")(self._carry)
 
     def revealed(self, messages: list[Message]) -> set[str]:
-        """Hidden tools revealed so far in this history."""
+        """Hidden tools revealed so far in this history: by ``request_tools`` results, or by what
+        a summary carried of the results it replaced."""
         found: set[str] = set()
         for msg in messages:
-            if isinstance(msg, ToolResultMessage) and msg.tool_name == REQUEST_TOOLS and isinstance(msg.details, dict):
-                found.update(n for n in msg.details.get("added", []) if n in self.hidden)
+            found.update(n for n in _added(msg) if isinstance(n, str) and n in self.hidden)
         return found
+
+    def _carry(self, info: TurnInfo) -> dict[str, Any] | None:
+        """What a summary keeps of the history it replaces, so that ``revealed`` still finds the
+        tools the model was told it has (the history seen here includes any earlier summary)."""
+        found = self.revealed(info.messages)
+        return {REQUEST_TOOLS: {"added": sorted(found)}} if found else None
 
     async def _materialize(self, info: TurnInfo) -> list[Any]:
         visible = self.revealed(info.messages)
@@ -144,6 +153,18 @@ class ToolReveal:
         while len(self._preflight) > 256:
             self._preflight.popitem(last=False)
         return chosen
+
+
+def _added(msg: Message) -> list[Any]:
+    """The names a message says were revealed: a ``request_tools`` result's details, or the same
+    shape kept under ``request_tools`` in a system message's (a summary's) details."""
+    details: Any = None
+    if isinstance(msg, ToolResultMessage) and msg.tool_name == REQUEST_TOOLS:
+        details = msg.details
+    elif isinstance(msg, SystemMessage) and isinstance(msg.details, dict):
+        details = msg.details.get(REQUEST_TOOLS)
+    added = details.get("added") if isinstance(details, dict) else None
+    return added if isinstance(added, list) else []
 
 
 def _parse_choice(text: str, allowed: set[str]) -> list[str]:

@@ -13,6 +13,7 @@ good enough to trigger compaction a little early rather than too late.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -32,10 +33,13 @@ from agentloop.messages import (
     Usage,
     UserMessage,
     now_ms,
+    storable_value,
     user,
 )
 from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
 from agentloop.process.media import MediaError, MediaRef, decoded_size, is_stored
+
+log = logging.getLogger("agentloop.compaction")
 
 CompactionReason: TypeAlias = Literal["threshold", "overflow", "manual"]
 
@@ -573,10 +577,28 @@ class CompactionResult:
         }
 
 
-def summary_message(text: str, replaced: int) -> SystemMessage:
+def summary_message(text: str, replaced: int, details: dict[str, Any] | None = None) -> SystemMessage:
     plural = "message" if replaced == 1 else "messages"
     body = f"Summary of the earlier conversation; it replaces {replaced} earlier {plural}.\n\n{text}"
-    return SystemMessage(content=[TextContent(text=body)], kind=SUMMARY_KIND)
+    return SystemMessage(content=[TextContent(text=body)], kind=SUMMARY_KIND, details=details or None)
+
+
+def carried(removed: Sequence[Message], carry: dict[str, Any] | None) -> dict[str, Any]:
+    """The details a new summary keeps: what the summaries it replaces carried, under ``carry``
+    (what the ``pre_compaction`` hooks gave). Rolled forward like the summary text, so data kept
+    once is not lost to a second summary when its piece has nothing new to say."""
+    details: dict[str, Any] = {}
+    for m in removed:
+        if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND and isinstance(m.details, dict):
+            details.update(m.details)
+    for key, value in (carry or {}).items():
+        try:  # stored with the summary: a hook's data that cannot be must not fail the compaction
+            json.dumps({key: value})
+        except (TypeError, ValueError):
+            log.warning("compaction: %r from a pre_compaction hook is not JSON data; not kept", key)
+            continue
+        details[key] = storable_value(value)
+    return details
 
 
 async def compact(
@@ -586,11 +608,14 @@ async def compact(
     keep_recent_tokens: int = 20_000,
     reason: CompactionReason,
     instructions: str | None = None,
+    carry: dict[str, Any] | None = None,
 ) -> CompactionResult | None:
     """Summarise the prefix before ``plan_cut``; None when there is nothing worth compacting.
 
     Earlier summaries in the prefix are handed to the model as the previous summary so that
     repeated compactions roll them forward instead of summarising a summary as chatter.
+    ``carry``: JSON data for the summary's ``details`` (see ``carried``), which code reading the
+    history finds there once the messages it came from are gone.
     """
     cut = plan_cut(messages, keep_recent_tokens)
     if cut is None:
@@ -601,7 +626,7 @@ async def compact(
     text, memories, usage = await summarize(
         model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
     )
-    summary = summary_message(text, len(removed))
+    summary = summary_message(text, len(removed), carried(removed, carry))
     return CompactionResult(
         removed=removed,
         kept=kept,

@@ -421,12 +421,14 @@ async def _compact(
     if engine.archive is None:
         return None
     pid = live.record.pid
+    carry: dict[str, Any] = {}  # what the hooks want the summary to keep (``TurnInfo.carry``)
     if "pre_compaction" in cfg.hooks.phases:
         info = TurnInfo(run["run_id"], run["turn"], live.history, cfg.system_prompt, cfg.tool_specs)
         blocked = await cfg.hooks.run_phase("pre_compaction", info)
         if blocked is not None:
             log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
             return None
+        carry = info.carry
     # a quarter of the room the history has (the window pressure is measured against, less the
     # prompt and tools: a quarter of the whole window can be near the threshold by itself, and
     # every turn would compact again), in estimated tokens: scaled down where the provider counts
@@ -444,7 +446,7 @@ async def _compact(
     if reason == "threshold" and engine.clear_tool_outputs and await _clear(engine, live, run, cfg, keep, fixed):
         return run
     try:
-        result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason)
+        result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason, carry=carry)
     except CompactionError as exc:
         log.warning("process %s: compaction failed, history unchanged: %s", pid, exc)
         return None
