@@ -19,8 +19,8 @@ is gone or no longer wants the answer, and spends model calls nobody reads.
   Which run started a child is stored with the child when it is made (``ORIGIN_KEY``), so a
   restart in between keeps it. The abort itself records the run it ended (the engine's
   ``LAST_ABORT_KEY``), so a crash after the abort committed and before its children were stopped
-  is made good when they resume: a child whose run began before its parent's aborted run ended,
-  and was started by that run, is stopped.
+  is made good when they resume: a process whose run began before the aborted run ended, and
+  that the run started (itself, or an ancestor of it), is stopped.
 
 A stopped child's one-shot watch to its parent is dropped first, so the news "aborted" does not
 start a parent run that nobody asked for. Each child is stopped through ``engine.abort``, which
@@ -116,23 +116,40 @@ async def run_stopping(
 
 
 async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:
-    """After a restart, among the resumed processes ``pids``: stop the subagents whose parent's run
-    was aborted before the crash, when the abort could not stop them any more. A child's run that
-    began after that abort is new work (someone talked to the child since) and goes on."""
+    """After a restart, among the resumed processes ``pids``: stop the subagents below a run that
+    was aborted before the crash, when the abort could not stop them any more. As the abort
+    itself would have, that is the children the run started and everything below them, also
+    under a child that had answered already. A run that began after that abort is new work
+    (someone talked to the process since) and goes on."""
     for pid in pids:
         record = await kernel.store.get_process(pid)
         if record is None or record.parent_pid is None or record.current_run is None:
             continue
-        started = await kernel.store.kv_get(pid, ORIGIN_KEY)
-        if not isinstance(started, dict) or started.get("run_id") is None:
-            continue
-        abort = await kernel.store.kv_get(record.parent_pid, LAST_ABORT_KEY)
-        if (
-            isinstance(abort, dict)
-            and abort.get("run_id") == started["run_id"]
-            and record.current_run.get("started", 0.0) <= abort.get("at", 0.0)
-        ):
+        if await _below_an_abort(kernel, record, record.current_run.get("started", 0.0)):
             await call_off(kernel, record.parent_pid, pid, PARENT_ABORT)
+
+
+async def _below_an_abort(kernel: Kernel, record: ProcessRecord, began: float) -> bool:
+    """Whether a run that started ``record`` or one of its ancestors was aborted after ``began``
+    (the ancestor's ``ORIGIN_KEY`` names the run its parent's ``LAST_ABORT_KEY`` names)."""
+    node, seen = record, {record.pid}
+    while node.parent_pid is not None and node.parent_pid not in seen:
+        started = await kernel.store.kv_get(node.pid, ORIGIN_KEY)
+        abort = await kernel.store.kv_get(node.parent_pid, LAST_ABORT_KEY)
+        if (
+            isinstance(started, dict)
+            and started.get("run_id") is not None
+            and isinstance(abort, dict)
+            and abort.get("run_id") == started["run_id"]
+            and began <= abort.get("at", 0.0)
+        ):
+            return True
+        seen.add(node.parent_pid)
+        parent = await kernel.store.get_process(node.parent_pid)
+        if parent is None:
+            return False
+        node = parent
+    return False
 
 
 async def stop_descendants(kernel: Kernel, record: ProcessRecord, reason: str = PARENT_RESET) -> None:
