@@ -29,6 +29,7 @@ recovery, the public API (which delegates to those parts), and stopping runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -40,7 +41,7 @@ from agentloop.loop.execute import CANCELLED
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.state import LoopConfig, Mode, check_mode
 from agentloop.messages import Message, ToolCall, tool_error_result
-from agentloop.process import admission, hil
+from agentloop.process import admission, background, hil
 from agentloop.process import signals as sig
 from agentloop.process.api import (
     AbortedFn,
@@ -73,7 +74,8 @@ from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, ToolCallRow
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
-from agentloop.tools.base import BackgroundRefused
+from agentloop.tools.base import BackgroundRefused, background_group
+from agentloop.tools.process_group import GroupIdentity
 
 log = logging.getLogger("agentloop.process")
 
@@ -419,7 +421,16 @@ class ProcessEngine:
             except Exception:  # one process that cannot be resumed must not keep the runtime from starting
                 log.exception("process %s: could not resume it after the restart", record.pid)
                 await self._fail_unresumed(record.pid)
+            await self._recover_background(record)
         return resumed
+
+    async def _recover_background(self, record: ProcessRecord) -> None:
+        """Report (and stop) the background jobs the runtime before left unfinished
+        (``background.recover``); on a shared store they are left alone (see there)."""
+        try:
+            await background.recover(self, record)
+        except Exception:  # (as a process that cannot be resumed: the others go on)
+            log.exception("process %s: could not report the background work the restart ended", record.pid)
 
     async def _fail_unresumed(self, pid: str) -> None:
         """End a run its resumption failed on, as the driver ends one whose step failed: left
@@ -534,10 +545,11 @@ class ProcessEngine:
         """Own ``work`` a tool of ``pid`` started to outlive its call, and deliver what it returns
         as a system event (``background.finished``). At most ``MAX_BACKGROUND`` per process
         (``BackgroundRefused``); stopped by a reset or kill of the process and by ``close``. Not
-        kept across a restart: the work dies with the runtime, as a child process would. Refused
-        while the process is being reset or killed, or the runtime closes: a tool of the run being
-        cleared may get here after the clearing stopped the work, and what it started would then
-        report to the fresh conversation (or run on with nobody to tell)."""
+        resumed after a restart, but recorded while it runs (``background.py``): the runtime that
+        opens the store next tells the model it did not finish, and stops a command a crash left
+        running. Refused while the process is being reset or killed, or the runtime closes: a tool
+        of the run being cleared may get here after the clearing stopped the work, and what it
+        started would then report to the fresh conversation (or run on with nobody to tell)."""
         jobs = self._background.setdefault(pid, set())
         refusal = None
         if pid in self.clearing or self.closing:
@@ -561,17 +573,76 @@ class ProcessEngine:
         task.add_done_callback(ended)
 
     async def _deliver_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
+        """Record the job, run it, deliver its end. Cancelled by a reset, a kill or a stop with
+        its parent's run, it leaves no record (nobody to tell); by ``close``, it leaves its record
+        for the next runtime to report."""
+        job = new_id()
         try:
-            text = await work
-        except Exception as exc:  # (a cancellation is a reset, a kill or shutdown: nobody to tell)
+            kept = await self._keep_job(pid, job, label)
+            text = await self._run_job(pid, job if kept else None, work, label)
+            await self._tell_end(pid, job if kept else None, text, label)
+        except asyncio.CancelledError:
+            if not self.closing:
+                await self._forget_job(pid, job)
+            raise
+
+    async def _keep_job(self, pid: str, job: str, label: str) -> bool:
+        """Record the job before it begins; False if the store failed (it runs all the same, as
+        it would have before records existed: only a restart would not know of it)."""
+        try:
+            live = self._live.get(pid)
+            record = live.record if live is not None else await self.store.get_process(pid)
+            if record is None:
+                raise NoSuchProcess(pid)
+            async with self.store.transaction():
+                await background.record_job(self.store, pid, job, label, generation=record.history_generation)
+        except Exception as exc:
+            log.warning("process %s: %s is not recorded, so a restart will not report it: %s", pid, label, exc)
+            return False
+        return True
+
+    async def _run_job(self, pid: str, job: str | None, work: Coroutine[Any, Any, str], label: str) -> str:
+        """The work's report, or what it failed of; the groups it starts go into record ``job``."""
+        if job is not None:
+            background_group.set(functools.partial(self._keep_group, pid, job))  # (this task's context only)
+        try:
+            return await work
+        except Exception as exc:
             log.warning("process %s: %s failed: %s", pid, label, exc)
-            text = f"{label} failed: {type(exc).__name__}: {exc}"
+            return f"{label} failed: {type(exc).__name__}: {exc}"
+
+    async def _keep_group(self, pid: str, job: str, pgid: int, mark: str) -> None:
+        """``background_group`` of a job: the group its command runs as joins the job's record,
+        for the runtime after a crash to stop. A failure to write it is logged; the command
+        runs on (only a crash would then leave it behind)."""
         try:
-            await self.signal_event(pid, text, reason="background.finished")
+            async with self.store.transaction():
+                await background.record_group(self.store, pid, job, GroupIdentity.of(pgid, mark))
+        except Exception as exc:
+            log.warning("process %s: the process group %d of a background job is not recorded: %s", pid, pgid, exc)
+
+    async def _tell_end(self, pid: str, job: str | None, text: str, label: str) -> None:
+        """Deliver the job's end, removing its record in the same transaction (the removal is the
+        claim: a record gone means a reset or kill ended the job's conversation meanwhile)."""
+        try:
+            if job is None:
+                await self.signal_event(pid, text, reason=background.REASON)
+                return
+
+            async def claim() -> bool:
+                return await background.drop_job(self.store, pid, job)
+
+            await self.claimed_event(pid, text, claim=claim, run_id=new_id(), reason=background.REASON)
         except NoSuchProcess:
             pass  # killed meanwhile
         except Exception:
             log.exception("process %s: the end of %s could not be delivered", pid, label)
+
+    async def _forget_job(self, pid: str, job: str) -> None:
+        try:
+            await background.forget_job(self.store, pid, job)
+        except Exception as exc:  # (a restart finds it, and drops it if the conversation was reset)
+            log.warning("process %s: the record of a stopped background job was not removed: %s", pid, exc)
 
     def stop_background(self, pid: str) -> None:
         """Stop the background work of ``pid`` (its reset or kill, a stop with its parent's run):

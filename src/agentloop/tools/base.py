@@ -17,6 +17,7 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, get_type_hints, overload
@@ -151,8 +152,10 @@ class ToolContext:
     log or trace their work under the caller's ids. Read it; it is the caller's. ``background``
     hands the runtime work that outlives the call (a command left running, as Shell's
     ``background``): the runtime owns it - stops it when the process is reset or killed, or the
-    runtime closes - and tells the model what it returns, as a system event. None where nothing
-    could tell it later (in memory); ``BackgroundRefused`` when the process runs too many already.
+    runtime closes - and tells the model what it returns, as a system event (or, when the runtime
+    stopped or died first, the next one tells it the work did not finish; the work reports the
+    process groups it starts through ``background_group``, for that runtime to stop). None where
+    nothing could tell it later (in memory); ``BackgroundRefused`` when the process runs too many.
     """
 
     tool_call_id: str
@@ -172,6 +175,16 @@ class ToolContext:
 
 class BackgroundRefused(Exception):
     """Raised by ``ToolContext.background`` when it takes no more work (the limit per process)."""
+
+
+#: Called with the process group and the run mark (``process_group.marked``) of a command it starts.
+GroupStarted: TypeAlias = Callable[[int, str], Awaitable[None]]
+
+#: Set by the runtime while it runs work handed to ``ToolContext.background``: what that work
+#: tells of each process group it starts. The runtime records the group durably, so that if it
+#: dies meanwhile the next one can stop the command (a group of its own outlives its runtime).
+#: A context variable rather than an argument: the work was built before the runtime took it.
+background_group: ContextVar[GroupStarted | None] = ContextVar("agentloop_background_group", default=None)
 
 
 def not_offered(name: str) -> str:

@@ -12,6 +12,10 @@ the run stops every process that bears it too (on Linux, where ``/proc`` shows e
 One that also drops its environment (``setsid env -i …``) bears no mark, but if it still holds
 the run's output pipe it is found by that (``/proc/<pid>/fd``) and stopped as well. (One that did
 all three, detaching its output too, cannot be told from any other process of this user.)
+
+A group a runtime that died left running (``GroupIdentity``, ``end_left_group``) is stopped by the
+next one only if it is provably the run's: its leader the very process recorded (the same start
+time, since a pid is reused), or a process bearing the run's mark.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import contextlib
 import os
 import secrets
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "DRAIN_GRACE",
     "KILL_GRACE",
+    "GroupIdentity",
     "OutputCapture",
     "close_transport",
     "end_group",
+    "end_left_group",
     "kill_group",
     "marked",
     "output_pipes",
@@ -120,11 +128,11 @@ def _holds(pid: str, pipes: frozenset[str]) -> bool:
     return False
 
 
-def _members(pgid: int, mark: str | None, pipes: frozenset[str] = frozenset()) -> list[int] | None:
-    """The live processes of group ``pgid``, those (anywhere) bearing ``mark`` and those holding
-    one of ``pipes`` (the run's output), by one look through /proc (a zombie is not live: an init
-    that does not reap leaves them behind); None where there is no /proc to look through. This
-    process, which reads the pipes, is none of them."""
+def _members(pgid: int | None, mark: str | None, pipes: frozenset[str] = frozenset()) -> list[int] | None:
+    """The live processes of group ``pgid`` (None: of no group), those (anywhere) bearing ``mark``
+    and those holding one of ``pipes`` (the run's output), by one look through /proc (a zombie is
+    not live: an init that does not reap leaves them behind); None where there is no /proc to
+    look through. This process, which reads the pipes, is none of them."""
     if not os.path.isdir("/proc/self"):
         return None
     wanted = f"{MARK}={mark}".encode() if mark else None
@@ -140,7 +148,7 @@ def _members(pgid: int, mark: str | None, pipes: frozenset[str] = frozenset()) -
             fields = stat[stat.rfind(b")") + 2 :].split()
             if len(fields) < 3 or fields[0] in (b"Z", b"X"):
                 continue
-            if int(fields[2]) == pgid:
+            if pgid is not None and int(fields[2]) == pgid:
                 found.append(int(entry.name))
                 continue
             if wanted is not None:
@@ -155,9 +163,10 @@ def _members(pgid: int, mark: str | None, pipes: frozenset[str] = frozenset()) -
     return found
 
 
-def _signal_group(pgid: int, sig: int, pids: Sequence[int] = ()) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def _signal_group(pgid: int | None, sig: int, pids: Sequence[int] = ()) -> None:
+    if pgid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
@@ -195,6 +204,86 @@ async def end_group(pgid: int, grace: float) -> None:
             await asyncio.sleep(_POLL)
     finally:
         _signal_group(pgid, signal.SIGKILL)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: ``/proc/<pid>/stat`` field 22):
+    with the pid, what tells a process from a later one given the same pid. None when it is gone
+    or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2 :].split()[19])  # (fields from the 3rd on)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot of the machine: start times count from it, so they compare within one boot only."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class GroupIdentity:
+    """What a run's process group is known by after the runtime that started it died: the group
+    (its leader's pid), the run's mark, when the leader started and the machine's boot (None
+    where /proc does not tell)."""
+
+    pgid: int
+    mark: str | None
+    start: int | None
+    boot: str | None
+
+    @classmethod
+    def of(cls, pgid: int, mark: str | None) -> GroupIdentity:
+        """Group ``pgid`` as it is now (read while its leader runs: just after it started)."""
+        return cls(pgid, mark, process_start(pgid), boot_id())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pgid": self.pgid, "mark": self.mark, "start": self.start, "boot": self.boot}
+
+    @classmethod
+    def parse(cls, value: Any) -> GroupIdentity:
+        """From ``as_dict``'s form. ValueError for anything else: what a damaged record names must
+        not be signalled (a pgid of 0 or 1 would be this runtime's own group, or every process)."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"not a process group: {value!r}")
+        pgid, mark, start, boot = (value.get(k) for k in ("pgid", "mark", "start", "boot"))
+        if type(pgid) is not int or pgid <= 1:
+            raise ValueError(f"not a process group id: {pgid!r}")
+        if not (mark is None or (isinstance(mark, str) and mark)):
+            raise ValueError(f"not a run's mark: {mark!r}")
+        if not (start is None or type(start) is int) or not (boot is None or isinstance(boot, str)):
+            raise ValueError(f"not a start time and boot: {start!r}, {boot!r}")
+        return cls(pgid, mark, start, boot)
+
+
+async def end_left_group(group: GroupIdentity, grace: float = KILL_GRACE) -> bool:
+    """Stop what is left of ``group`` after the runtime that ran it died, as a timeout does
+    (SIGTERM, then SIGKILL after ``grace``), but only what is provably the run's: the group while
+    its leader is still the process recorded (its pid may lead another group by now), and the
+    processes bearing the run's mark. Nothing after a reboot or without /proc, where pids and
+    start times prove nothing. Returns whether it found anything to stop."""
+    if group.boot is None or group.boot != boot_id():
+        return False
+    same = group.start is not None and process_start(group.pgid) == group.start and group.pgid != os.getpgrp()
+    pgid = group.pgid if same else None
+    pids = await asyncio.to_thread(_members, pgid, group.mark)
+    if not pids:
+        return False
+    loop = asyncio.get_running_loop()
+    _signal_group(pgid, signal.SIGTERM, pids)
+    try:
+        deadline = loop.time() + grace
+        while loop.time() < deadline and _any_alive(pids):  # noqa: ASYNC110 - not our children: poll
+            await asyncio.sleep(_POLL)
+    finally:
+        _signal_group(pgid, signal.SIGKILL, pids)
+    return True
 
 
 async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str | None = None) -> None:

@@ -23,7 +23,16 @@ from typing import Annotated
 from pydantic import Field
 
 from agentloop.messages import TextContent
-from agentloop.tools.base import BackgroundRefused, FunctionTool, ToolContext, ToolError, ToolResult, tool
+from agentloop.tools.base import (
+    BackgroundRefused,
+    FunctionTool,
+    GroupStarted,
+    ToolContext,
+    ToolError,
+    ToolResult,
+    background_group,
+    tool,
+)
 from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
@@ -90,8 +99,11 @@ async def run_shell(
     max_output: int = MAX_OUTPUT_CHARS,
     kill_grace: float = KILL_GRACE,
     max_timeout: float = MAX_TIMEOUT,
+    started: GroupStarted | None = None,
 ) -> ToolResult:
-    """``shell.exec``: run ``command`` with its output captured; the group dies with it."""
+    """``shell.exec``: run ``command`` with its output captured; the group dies with it.
+    ``started`` is awaited with the group and its mark once the command runs (before it is
+    waited for), by whoever must be able to find the group again should this runtime die."""
     if not command.strip():
         raise ToolError("command is empty")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -118,6 +130,8 @@ async def run_shell(
     capture = OutputCapture(max_output)
     reader = asyncio.create_task(pump(proc.stdout, capture))
     try:
+        if started is not None:
+            await started(proc.pid, mark)  # (start_new_session: the shell leads the group)
         outcome = await supervise(proc, reader, limit)
         if outcome != "exited":
             await kill_group(proc, kill_grace, mark)
@@ -196,7 +210,8 @@ def start_in_background(
     shown = command if len(command) <= 200 else command[:200] + "…"
 
     async def job() -> str:
-        result = await run_shell(root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT)
+        started = background_group.get()  # (run by the runtime, which set it)
+        result = await run_shell(root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT, started=started)
         output = "".join(b.text for b in result.content if isinstance(b, TextContent))
         return f"The background command `{shown}` (call {ctx.tool_call_id}) has ended:\n{output}"
 
