@@ -230,3 +230,41 @@ def test_text_streamed_across_a_dropped_connection_is_never_shown_spliced(
     streamed: list[str] = browser.eval("window.__streamed")
     spliced = [s for s in streamed if not final.startswith(s) and "…" not in s]
     assert spliced == [], streamed
+
+
+def test_a_reconnect_after_the_log_was_pruned_reads_the_history_again(
+    flaky_server: LiveServer, browser: Browser
+) -> None:
+    """Away long enough for the log to drop what was said meanwhile (``proc.log.pruned``), the
+    page reads the history again rather than show only what the log still holds."""
+    pid = sign_in_and_open_a_process(browser, flaky_server.url, flaky_server.tokens.alice)
+    browser.call("Page.addScriptToEvaluateOnNewDocument", source=CUTTABLE)
+    browser.reload()
+    browser.wait(FOLLOWING)
+    browser.eval("{" + HOLD + "}")  # (in a block: its realFetch is the cutter's wrapper, not a redeclaration)
+    send(browser, "hello")
+    browser.wait("document.querySelector('#transcript .footer[data-status=ok]')")
+    browser.eval("window.__hold = 'follow=true'; window.__cut()")  # the reconnect waits for us
+    browser.wait("window.__held.length === 1")
+
+    async def meanwhile() -> None:
+        async with flaky_server.client(flaky_server.tokens.alice) as alice:
+            resp = await alice.post(f"/v1/processes/{pid}/messages", json={"text": "said elsewhere"})
+            assert resp.status_code == 202
+            await server_support.wait_idle(alice, pid)
+        assert flaky_server.ctx is not None
+        store = flaky_server.ctx.kernel.store
+
+        async def prune() -> None:  # all but the newest signal (the run's end) are gone
+            async with store.transaction():
+                await store.prune_events(pid, through=await store.last_event_seq(pid) - 1)
+
+        await flaky_server.run(prune)
+
+    asyncio.run(meanwhile())
+    browser.eval("window.__hold = null; window.__release()")
+    browser.wait(FOLLOWING)
+    messages = "[...document.querySelectorAll('#transcript .msg')].map((n) => n.textContent)"
+    browser.wait(f"{messages}.includes('answer: said elsewhere')", 5)
+    shown = browser.eval(messages)
+    assert shown == ["hello", "answer: hello", "said elsewhere", "answer: said elsewhere"]

@@ -8,6 +8,8 @@
 //   (follow=false) to restore run outcomes and tool results, then follows live from its last seq;
 // - text deltas are live-only (never replayed); the streamed bubble is replaced by the persisted
 //   message, which the full text of proc.run.output is matched against, so it is never doubled.
+// - a reconnect after signals the log no longer holds (pruned while the page was away) gets
+//   proc.log.pruned first: the history and the process's state are read again instead.
 // - a closed view (the user opened another process) may still have requests in flight: whatever
 //   answers after close() is dropped, since the transcript and approvals now belong to the next one.
 
@@ -374,6 +376,14 @@ export class ProcessView {
         if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
         break;
       }
+      case "proc.log.pruned":
+        // What the missed signals told is in the history and the process's state: read them again.
+        this.loadHistory();
+        if (this.live) {
+          this.refreshProcess().catch(() => {});
+          this.refreshApprovals().catch(() => {});
+        }
+        break;
       default:
         break;
     }
