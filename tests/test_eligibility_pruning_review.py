@@ -227,7 +227,8 @@ def test_more_requirement_sets_than_remembered_do_not_move_the_generation_at_eve
 
 
 async def test_a_client_resuming_from_before_the_kept_signals_gets_the_oldest_kept(tmp_path, monkeypatch):
-    """Guard: no error and no loop; the log reads on from the oldest kept, then live."""
+    """Guard: no error and no loop; the log reads on from the oldest kept (after the gap marker,
+    ``proc.log.pruned``, for one that resumes from before it), then live."""
     monkeypatch.setattr(psig, "KEPT_SIGNALS", 12)
     monkeypatch.setattr(psig, "PRUNE_EVERY", 6)
     async with kernel(tmp_path, ScriptedModel(lambda r: "seen")) as k:
@@ -239,6 +240,8 @@ async def test_a_client_resuming_from_before_the_kept_signals_gets_the_oldest_ke
         assert oldest > 5
         for after in (1, oldest - 1):
             replayed = [s.seq async for s in proc.signals(after_seq=after, follow=False)]
+            if after < oldest - 1:
+                assert replayed.pop(0) is None  # the marker: not logged
             assert replayed[0] == oldest and replayed == list(range(oldest, replayed[-1] + 1))
         live: list[str] = []
 
