@@ -43,7 +43,7 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning")
-_SWITCHES = ("codemode", "subagents")  # true or false; anything else is an error
+_SWITCHES = ("codemode", "subagents", "schedules")  # true or false; anything else is an error
 _KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat")
 
 
@@ -68,6 +68,7 @@ class FileConfig:
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
     subagents: bool = False
+    schedules: bool = False
     store: str | None = None
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
@@ -115,6 +116,7 @@ class Settings:
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
+    schedules: bool = False  # offer durable processes the Schedule tool (their own reminders)
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # the check-ins HEARTBEAT.md asks for
@@ -328,6 +330,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             mcp_servers=servers,
             codemode=switches.get("codemode", False),
             subagents=switches.get("subagents", False),
+            schedules=switches.get("schedules", False),
             store=store,
             heartbeat=heartbeat,
             **limits,
@@ -389,6 +392,7 @@ def load_settings(
         mcp_servers=file.mcp_servers,
         codemode=file.codemode,
         subagents=file.subagents,
+        schedules=file.schedules,
         store=store_url,
         store_source=store_source,
         heartbeat=file.heartbeat,
@@ -479,12 +483,15 @@ def loop_options(settings: Settings, progress: Callable[[str], None] | None = No
 
 def kernel_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """``loop_options`` plus what only a durable kernel has: the compaction threshold (left to the
-    kernel's default unless set) and the ``Task`` tool (``subagents``)."""
+    kernel's default unless set), the ``Task`` tool (``subagents``) and the ``Schedule`` tool
+    (``schedules``)."""
     options = loop_options(settings, progress)
     if settings.compaction_threshold is not None:
         options["compaction_threshold"] = settings.compaction_threshold
     if settings.subagents:
         options["subagents"] = True
+    if settings.schedules:
+        options["schedule_tool"] = True
     options["heartbeat"] = settings.heartbeat
     return options
 

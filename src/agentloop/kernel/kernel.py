@@ -30,6 +30,7 @@ from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
 from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
+from agentloop.kernel.schedule_tool import schedule_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
@@ -266,8 +267,14 @@ class Process:
         """Stop the active run (``run_id``: only that one), and the subagents it started."""
         return await self.kernel.engine.abort(self.pid, run_id)
 
-    async def hil(self, request_id: str, decision: str, remember: bool = False) -> bool:
-        return await self.kernel.engine.hil(self.pid, request_id, decision, remember=remember)
+    async def hil(
+        self, request_id: str, decision: str, remember: bool = False, message: str | None = None
+    ) -> bool:
+        """Answer a pending approval: ``approve`` (``remember``: this syscall from now on) or
+        ``deny``, with ``message`` the model reads in the denied call's result ("use staging
+        instead"), so it can change course instead of guessing why. A message with approve, one
+        too long (``MAX_DENIAL_MESSAGE``) or with control characters raises and answers nothing."""
+        return await self.kernel.engine.hil(self.pid, request_id, decision, remember=remember, message=message)
 
     async def set_mode(self, mode: Mode) -> None:
         """``chat``: from the next run on, answer from the same history without tools; ``agent``
@@ -333,6 +340,7 @@ class Kernel:
         tools: Iterable[ToolLike] | None = None,
         extra_tools: Iterable[ToolLike] = (),
         subagents: bool = False,
+        schedule_tool: bool = False,
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
@@ -356,7 +364,9 @@ class Kernel:
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
         directory); ``extra_tools`` join them (an MCP server's, say) without giving up the
         built-ins' per-process ``cwd``; ``subagents`` adds the ``Task`` tool (kernel/tasks.py), with
-        which a process hands work to a child process; ``toolset`` adapts them per process run;
+        which a process hands work to a child process; ``schedule_tool`` adds ``Schedule``
+        (kernel/schedule_tool.py), with which a process sets its own reminders;
+        ``toolset`` adapts them per process run;
         ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
         is given) and fills the prompt's ``{{devices}}``; ``schedule_min_every`` is the shortest
@@ -407,6 +417,8 @@ class Kernel:
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
             toolset = chain(task_toolset(kernel_ref), toolset)
+        if schedule_tool:
+            toolset = chain(schedule_toolset(kernel_ref), toolset)
         toolset = chain(account_mcp.toolset, toolset)
         toolset = chain(skills_toolset(data), toolset)
         if daily_memory:
@@ -594,11 +606,14 @@ class Kernel:
         at: float | None = None,
         every: float | None = None,
         name: str | None = None,
+        cron: str | None = None,
+        tz: str | None = None,
     ) -> str:
         """Deliver ``text`` to the process as a system event at ``at`` (epoch seconds) and/or every
-        ``every`` seconds; returns the schedule's id. ``ScheduleError`` for a bad time or interval,
+        ``every`` seconds, or at the times ``cron`` names in time zone ``tz`` (UTC by default);
+        returns the schedule's id. ``ScheduleError`` for a bad time, interval, expression or zone,
         ``NoSuchProcess`` for an unknown pid."""
-        return (await self.scheduler.add(pid, text, at=at, every=every, name=name)).id
+        return (await self.scheduler.add(pid, text, at=at, every=every, name=name, cron=cron, tz=tz)).id
 
     async def schedules(self, pid: str) -> list[ScheduleRow]:
         """The process's schedules, soonest first."""

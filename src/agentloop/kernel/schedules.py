@@ -1,4 +1,5 @@
-"""Schedules: system events a process receives at a time, once or every so many seconds.
+"""Schedules: system events a process receives at a time, once, every so many seconds, or on a
+calendar (a cron expression read in an IANA time zone, so "weekdays at 9" stays at 9 across DST).
 
 A schedule is a row (``schedules`` table), so it survives restarts. One timer task per kernel
 fires what is due: it delivers the schedule's text as a system event (``proc.run.started`` reason
@@ -27,8 +28,11 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+import zoneinfo
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
+
+from cronsim import CronSim, CronSimError
 
 from agentloop.kernel.duty import Duty, DutyTimer
 from agentloop.messages import check_plain_text
@@ -47,6 +51,8 @@ MAX_TEXT = 64_000  # a schedule's text is delivered again at every fire
 POLL = 60.0  # re-read the table at least this often (another writer may have added a schedule)
 BATCH = 100  # schedules fired per pass
 SCHEDULE_RUN_PREFIX = "schedule:"  # of the run ids of schedules' deliveries
+MAX_CRON = 200  # characters of a cron expression
+MISSED_COUNTED = 1000  # a calendar's missed fires are counted up to this many
 
 
 class ScheduleError(ValueError):
@@ -73,13 +79,51 @@ def next_due_after(due: float, every: float, now: float) -> float:
     return nxt
 
 
+def zone(tz: str) -> zoneinfo.ZoneInfo:
+    """The IANA time zone ``tz`` (``ScheduleError`` if there is none by that name)."""
+    if not isinstance(tz, str) or not tz or len(tz) > 64 or tz.startswith(("/", ".")) or ".." in tz:
+        raise ScheduleError(f"tz must be an IANA time zone such as Europe/Berlin or UTC, not {tz!r}")
+    try:
+        return zoneinfo.ZoneInfo(tz)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ScheduleError(f"unknown time zone {tz!r}: use an IANA name such as Europe/Berlin or UTC") from None
+
+
+def cron_times(cron: str, tz: str, after: float) -> Iterator[float]:
+    """The times (epoch seconds) ``cron`` names in time zone ``tz``, each later than ``after``."""
+    start = datetime.datetime.fromtimestamp(after, zone(tz))
+    for when in CronSim(cron, start):
+        if when.timestamp() > after:
+            yield when.timestamp()
+
+
+def next_cron_after(cron: str, tz: str, after: float) -> float:
+    """The first time ``cron`` names after ``after`` (a checked expression always has one)."""
+    return next(cron_times(cron, tz, after))
+
+
+def describe_cron(cron: str, tz: str) -> str:
+    """The expression in words ("At 09:00 on Monday through Friday"), with its zone."""
+    try:
+        words = CronSim(cron, datetime.datetime.now(zone(tz))).explain()
+    except Exception:  # (explain covers the common forms; the expression itself is enough)
+        words = f"cron {cron}"
+    return f"{words} ({tz})"
+
+
 def render(row: ScheduleRow, now: float) -> str:
     """The system message the process sees: what the schedule says, which one it is, and how many
     fires it stands for when the kernel was down past several due times."""
     label = row.name or row.id
     when = datetime.datetime.fromtimestamp(row.next_due, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     head = f"[schedule {label}, due {when}"
-    if row.every is not None:
+    if row.cron is not None and row.tz is not None:
+        head += f", repeats: {describe_cron(row.cron, row.tz)}"
+        missed = _missed_cron(row, now)
+        if missed > 0:
+            more = "+" if missed >= MISSED_COUNTED else ""
+            head += f"; {missed}{more} earlier fire{'s' if missed > 1 else ''} missed while the runtime was down"
+    elif row.every is not None:
         head += f", repeats every {row.every:g} s"
         missed = math.floor((now - row.next_due) / row.every)
         # due times before the schedule was made (an ``at`` in the past) were not missed: it fires
@@ -88,6 +132,41 @@ def render(row: ScheduleRow, now: float) -> str:
         if missed > 0:
             head += f"; {missed} earlier fire{'s' if missed > 1 else ''} missed while the runtime was down"
     return f"{head}]\n{row.text}"
+
+
+def _missed_cron(row: ScheduleRow, now: float) -> int:
+    """The calendar's fire times between the due one and ``now`` (after the schedule was made)."""
+    assert row.cron is not None and row.tz is not None
+    missed = 0
+    for when in cron_times(row.cron, row.tz, max(row.next_due, row.created_at)):
+        if when > now or missed >= MISSED_COUNTED:
+            break
+        missed += 1
+    return missed
+
+
+def _check_cron(cron: object, tz: object, now: float, min_every: float) -> tuple[str, str, float]:
+    """A usable calendar: the expression, its zone, its first time after ``now``."""
+    if not isinstance(cron, str) or not cron.strip() or len(cron) > MAX_CRON:
+        raise ScheduleError(f"cron must be a cron expression of at most {MAX_CRON} characters")
+    cron = " ".join(cron.split())
+    tz = "UTC" if tz is None else tz
+    if not isinstance(tz, str):
+        raise ScheduleError("tz must be an IANA time zone such as Europe/Berlin or UTC")
+    zone(tz)
+    try:
+        times = cron_times(cron, tz, now)
+        first = next(times)
+        second = next(times)
+    except CronSimError as exc:
+        raise ScheduleError(f"cron {cron!r} is not a cron expression (minute hour day month weekday): {exc}") from None
+    except StopIteration:  # (a date that never comes, like 30 February)
+        raise ScheduleError(f"cron {cron!r} never fires") from None
+    if first > now + MAX_AHEAD:
+        raise ScheduleError(f"cron {cron!r} first fires more than a hundred years from now")
+    if second - first < min_every:
+        raise ScheduleError(f"cron {cron!r} fires more often than every {min_every:g} seconds")
+    return cron, tz, first
 
 
 def _number(value: object, name: str) -> float:
@@ -136,9 +215,13 @@ class Scheduler(DutyTimer):
         at: float | None = None,
         every: float | None = None,
         name: str | None = None,
+        cron: str | None = None,
+        tz: str | None = None,
     ) -> ScheduleRow:
         """A new schedule: first due at ``at`` (epoch seconds; one in the past fires at once) or,
-        without it, ``every`` seconds from now; repeats every ``every`` seconds when given."""
+        without it, ``every`` seconds from now; repeats every ``every`` seconds when given. Or on a
+        calendar: ``cron`` (minute hour day-of-month month day-of-week) read in ``tz`` (an IANA
+        zone, UTC by default), first due at its next time after now."""
         if not isinstance(text, str) or not text.strip():
             raise ScheduleError("text must be a non-empty string")
         if len(text) > MAX_TEXT:
@@ -151,9 +234,15 @@ class Scheduler(DutyTimer):
                 check_plain_text(name, "name")
         except ValueError as exc:
             raise ScheduleError(str(exc)) from None
-        if at is None and every is None:
-            raise ScheduleError("give at (a time), every (an interval) or both")
+        if cron is not None and (at is not None or every is not None):
+            raise ScheduleError("give cron alone, or at and every: not both")
+        if tz is not None and cron is None:
+            raise ScheduleError("tz goes with cron (at is epoch seconds, which need no zone)")
+        if at is None and every is None and cron is None:
+            raise ScheduleError("give at (a time), every (an interval), both, or cron (a calendar)")
         now = self.clock()
+        if cron is not None:
+            cron, tz, first_cron = _check_cron(cron, tz, now, self.min_every)
         if every is not None:
             every = _number(every, "every")
             if every <= 0:
@@ -168,9 +257,9 @@ class Scheduler(DutyTimer):
                 raise ScheduleError("at must be a time in epoch seconds")
             if at > now + MAX_AHEAD:
                 raise ScheduleError("at is more than a hundred years away")
-        first = at if at is not None else now + (every or 0.0)
+        first = first_cron if cron is not None else at if at is not None else now + (every or 0.0)
         live = await self.engine.live(pid)  # NoSuchProcess for an unknown or killed pid
-        row = ScheduleRow(new_id(), live.record.pid, text, first, every, name, created_at=now)
+        row = ScheduleRow(new_id(), live.record.pid, text, first, every, name, created_at=now, cron=cron, tz=tz)
         async with self.store.transaction():
             # counted and inserted under one key: concurrent adds (through any worker) cannot all
             # count before any inserts, and pass the limit together
@@ -252,12 +341,13 @@ class Scheduler(DutyTimer):
         """Deliver one due schedule, claimed by its advance from the due time ``row`` was read at:
         if another timer fired it meanwhile, the claim fails and nothing is delivered."""
         claim: Callable[[], Awaitable[bool]]
-        if row.every is None:
-            claim = partial(self.store.delete_schedule, row.id)
-        else:
-            nxt = next_due_after(row.next_due, row.every, now)
-            claim = partial(self._advance, row, nxt)
         try:
+            if row.cron is not None and row.tz is not None:
+                claim = partial(self._advance, row, next_cron_after(row.cron, row.tz, max(now, row.next_due)))
+            elif row.every is None:
+                claim = partial(self.store.delete_schedule, row.id)
+            else:
+                claim = partial(self._advance, row, next_due_after(row.next_due, row.every, now))
             await self.engine.claimed_event(
                 row.pid, render(row, now), claim=claim, run_id=event_key(row), reason="schedule.event"
             )

@@ -101,6 +101,10 @@ class ScheduleBody(Body):
     at: float | None = Field(None, description="First (or only) time, epoch seconds; in the past fires at once.")
     every: float | None = Field(None, description="Repeat every this many seconds (the server sets a minimum).")
     name: str | None = Field(None, min_length=1, max_length=128)
+    cron: str | None = Field(
+        None, max_length=200, description="A calendar instead of at/every: minute hour day month weekday."
+    )
+    tz: str | None = Field(None, max_length=64, description="The IANA time zone cron is read in (UTC by default).")
 
 
 class WatchBody(Body):
@@ -225,6 +229,8 @@ class ScheduleOut(Answer):
     name: str | None
     next_due: float = Field(description="Epoch seconds.")
     every: float | None
+    cron: str | None
+    tz: str | None
     created_at: float
 
 
@@ -500,7 +506,14 @@ async def signal_event(call: Call) -> dict[str, Any]:
 async def add_schedule(call: Call) -> dict[str, Any]:
     body = call.parsed(ScheduleBody, call.body)
     return await call.ctx.processes.schedule(
-        call.principal, call.param("pid"), body.text, at=body.at, every=body.every, name=body.name
+        call.principal,
+        call.param("pid"),
+        body.text,
+        at=body.at,
+        every=body.every,
+        name=body.name,
+        cron=body.cron,
+        tz=body.tz,
     )
 
 

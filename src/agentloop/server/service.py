@@ -86,6 +86,8 @@ def schedule_json(row: ScheduleRow) -> dict[str, Any]:
         "name": row.name,
         "next_due": row.next_due,
         "every": row.every,
+        "cron": row.cron,
+        "tz": row.tz,
         "created_at": row.created_at,
     }
 
@@ -396,12 +398,14 @@ class ProcessService:
         at: float | None = None,
         every: float | None = None,
         name: str | None = None,
+        cron: str | None = None,
+        tz: str | None = None,
     ) -> dict[str, Any]:
         if len(text) > MAX_SCHEDULE_TEXT:
             raise ApiError(413, "too_large", f"text is longer than {MAX_SCHEDULE_TEXT} characters")
         await self._process(who, pid)
         with _refusals():
-            row = await self.kernel.scheduler.add(pid, text, at=at, every=every, name=name)
+            row = await self.kernel.scheduler.add(pid, text, at=at, every=every, name=name, cron=cron, tz=tz)
         return schedule_json(row)
 
     async def schedules(self, who: Principal, pid: str) -> list[dict[str, Any]]:

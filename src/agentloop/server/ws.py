@@ -346,6 +346,8 @@ async def _schedule_add(conn: Connection, args: dict[str, Any]) -> Any:
         at=_want(args, "at", (int, float), "a number of epoch seconds", None),
         every=_want(args, "every", (int, float), "a number of seconds", None),
         name=_want(args, "name", str, "a string", None),
+        cron=_want(args, "cron", str, "a cron expression", None),
+        tz=_want(args, "tz", str, "an IANA time zone", None),
     )
 
 

@@ -139,7 +139,7 @@ class SegmentRow:
 @dataclass
 class ScheduleRow:
     """A system event to deliver to ``pid`` at ``next_due`` (epoch seconds), then every ``every``
-    seconds (None: once)."""
+    seconds, or at the times the ``cron`` expression names in time zone ``tz`` (neither: once)."""
 
     id: str
     pid: str
@@ -148,6 +148,8 @@ class ScheduleRow:
     every: float | None = None
     name: str | None = None
     created_at: float = 0.0
+    cron: str | None = None
+    tz: str | None = None
 
 
 @dataclass

@@ -35,7 +35,7 @@ HIL_COLUMNS = (
 SEGMENT_COLUMNS = (
     "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
 )
-SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at"
+SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at, cron, tz"
 WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
 TOKEN_COLUMNS = "id, account, hash, label, created_at, revoked_at"
 

@@ -812,7 +812,8 @@ class PostgresStore(Store):
 
     async def add_schedule(self, row: ScheduleRow) -> None:
         status = await self._write().execute(
-            f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            " ON CONFLICT DO NOTHING",
             row.id,
             row.pid,
             row.text,
@@ -820,6 +821,8 @@ class PostgresStore(Store):
             None if row.every is None else float(row.every),
             row.name,
             float(row.created_at or time.time()),
+            row.cron,
+            row.tz,
         )
         if _changed(status) == 0:
             raise StoreError(f"schedule {row.id} exists already")

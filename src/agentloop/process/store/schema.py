@@ -311,6 +311,15 @@ MIGRATIONS: list[tuple[int, str]] = [
         ) {clustered};
         """,
     ),
+    (
+        9,
+        # Schedules on a calendar: a cron expression read in an IANA time zone ("every weekday at
+        # 9 in Berlin"), which a fixed interval in seconds cannot say across months and DST.
+        """
+        ALTER TABLE schedules ADD COLUMN cron TEXT;
+        ALTER TABLE schedules ADD COLUMN tz TEXT;
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

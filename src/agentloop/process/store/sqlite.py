@@ -863,8 +863,18 @@ class SQLiteStore(Store):
     async def add_schedule(self, row: ScheduleRow) -> None:
         try:
             self._write().execute(
-                f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (row.id, row.pid, row.text, row.next_due, row.every, row.name, row.created_at or time.time()),
+                f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.id,
+                    row.pid,
+                    row.text,
+                    row.next_due,
+                    row.every,
+                    row.name,
+                    row.created_at or time.time(),
+                    row.cron,
+                    row.tz,
+                ),
             )
         except sqlite3.IntegrityError:
             raise StoreError(f"schedule {row.id} exists already") from None

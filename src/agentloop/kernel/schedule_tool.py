@@ -1,0 +1,168 @@
+"""The ``Schedule`` tool: the agent sets its own reminders ("check the deploy in an hour", "every
+weekday at 9, summarise the inbox"), as schedules of its own process (``kernel/schedules.py``).
+
+A schedule outlives the run that made it: when it fires, the process gets its text as a system
+event, which starts a run if none is active. The tool reaches only its own process's schedules,
+with the limits any schedule has (how many per process, how often at most).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from agentloop.kernel.schedules import LimitReached, ScheduleError, describe_cron, zone
+from agentloop.process.store import NoSuchProcess, ProcessRecord, ScheduleRow
+from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
+
+if TYPE_CHECKING:
+    from agentloop.kernel.kernel import Kernel
+
+NAME = "Schedule"
+ACTIONS = ("add", "list", "remove")
+
+_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "action": {"type": "string", "enum": list(ACTIONS)},
+        "text": {
+            "type": "string",
+            "description": "add: what you will be told when it fires; write it as an instruction to yourself.",
+        },
+        "at": {
+            "type": "string",
+            "description": "add: when, as an ISO 8601 date-time (2026-12-01T09:00; in tz unless it has an offset).",
+        },
+        "in_seconds": {"type": "number", "description": "add: when, as seconds from now (instead of at)."},
+        "every_seconds": {"type": "number", "description": "add: repeat at this interval."},
+        "cron": {
+            "type": "string",
+            "description": "add: repeat on a calendar, 'minute hour day month weekday' (0 9 * * 1-5: weekdays at 9).",
+        },
+        "tz": {"type": "string", "description": "The IANA time zone of at and cron, e.g. Europe/Berlin (default UTC)."},
+        "name": {"type": "string", "description": "add: a short name to recognise it by."},
+        "id": {"type": "string", "description": "remove: the schedule's id (from add or list)."},
+    },
+    "required": ["action"],
+    "additionalProperties": False,
+}
+
+
+class ScheduleTool(Tool):
+    """``Schedule`` for one process: add, list and remove its schedules."""
+
+    def __init__(self, kernel: Kernel, record: ProcessRecord) -> None:
+        super().__init__(
+            NAME,
+            "Set a reminder for yourself: at a time, after a delay, at an interval or on a calendar (cron). When"
+            " it fires you get its text as a system message, in this conversation, even if nobody is talking to"
+            " you then. Also lists and removes your reminders.",
+            _SCHEMA,
+        )
+        self.syscall = "proc.schedule"
+        self.kernel = kernel
+        self.pid = record.pid
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(arguments) - set(_SCHEMA["properties"]))
+        if unknown:
+            raise ToolError(f"Schedule does not take {', '.join(f'`{k}`' for k in unknown)}")
+        if arguments.get("action") not in ACTIONS:
+            raise ToolError(f"action must be one of {', '.join(ACTIONS)}")
+        for key in ("text", "at", "cron", "tz", "name", "id"):
+            if arguments.get(key) is not None and not isinstance(arguments[key], str):
+                raise ToolError(f"`{key}` must be a string")
+        for key in ("in_seconds", "every_seconds"):
+            value = arguments.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise ToolError(f"`{key}` must be a number of seconds")
+        return arguments
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        action = arguments["action"]
+        try:
+            if action == "add":
+                return await self._add(arguments)
+            if action == "list":
+                return self._listed(await self.kernel.schedules(self.pid))
+            return await self._remove(arguments.get("id"))
+        except (ScheduleError, LimitReached) as exc:
+            raise ToolError(str(exc)) from None
+        except NoSuchProcess:
+            raise ToolError("this process no longer exists") from None
+
+    async def _add(self, arguments: dict[str, Any]) -> ToolResult:
+        text = arguments.get("text")
+        if not text:
+            raise ToolError("add needs `text`: what you want to be told when it fires")
+        at, delay = arguments.get("at"), arguments.get("in_seconds")
+        if at is not None and delay is not None:
+            raise ToolError("give `at` or `in_seconds`, not both")
+        cron, tz = arguments.get("cron"), arguments.get("tz")
+        when = _when(at, tz) if at is not None else None
+        if delay is not None:
+            if delay < 0:
+                raise ToolError("`in_seconds` must not be negative")
+            when = self.kernel.scheduler.clock() + float(delay)
+        row = await self.kernel.scheduler.add(
+            self.pid,
+            text,
+            at=when,
+            every=arguments.get("every_seconds"),
+            name=arguments.get("name"),
+            cron=cron,
+            tz=tz if cron is not None else None,
+        )
+        return ToolResult.text(f"Scheduled: {_line(row)}", details={"id": row.id})
+
+    async def _remove(self, schedule_id: str | None) -> ToolResult:
+        if not schedule_id:
+            raise ToolError("remove needs `id` (see action=list)")
+        if not await self.kernel.unschedule(self.pid, schedule_id):
+            raise ToolError(f"no schedule {schedule_id!r} here (see action=list)")
+        return ToolResult.text(f"Removed schedule {schedule_id}.")
+
+    @staticmethod
+    def _listed(rows: list[ScheduleRow]) -> ToolResult:
+        if not rows:
+            return ToolResult.text("No schedules.")
+        return ToolResult.text("\n".join(_line(r) for r in rows), details={"ids": [r.id for r in rows]})
+
+
+def _when(at: str, tz: str | None) -> float:
+    """``at`` (ISO 8601) as epoch seconds; a time without an offset is read in ``tz`` (UTC)."""
+    try:
+        moment = datetime.datetime.fromisoformat(at.strip())
+    except ValueError:
+        raise ToolError(f"`at` {at!r} is not an ISO 8601 date-time such as 2026-12-01T09:00") from None
+    if moment.tzinfo is None:
+        try:
+            moment = moment.replace(tzinfo=zone(tz or "UTC"))
+        except ScheduleError as exc:
+            raise ToolError(str(exc)) from None
+    return moment.timestamp()
+
+
+def _line(row: ScheduleRow) -> str:
+    """One schedule as the model reads it back: id, name, next time, how it repeats, its text."""
+    due = datetime.datetime.fromtimestamp(row.next_due, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    repeat = ""
+    if row.cron is not None and row.tz is not None:
+        repeat = f", repeats: {describe_cron(row.cron, row.tz)}"
+    elif row.every is not None:
+        repeat = f", repeats every {row.every:g} s"
+    name = f" ({row.name})" if row.name else ""
+    text = row.text if len(row.text) <= 200 else row.text[:200] + "…"
+    return f"{row.id}{name}: next {due}{repeat}: {text}"
+
+
+def schedule_toolset(kernel_ref: list[Kernel]) -> Any:
+    """A ``ToolsetFn`` adding ``Schedule`` to each run, bound to the run's process."""
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        if not kernel_ref or NAME in shared:
+            return shared
+        return {**shared, NAME: ScheduleTool(kernel_ref[0], record)}
+
+    return toolset
