@@ -6,7 +6,7 @@ a worker thread would (which is all ``aiosqlite`` adds), and a transaction never
 but the store's own lock, so ticks of different processes cannot interleave inside one. Tasks
 that commit in the same turn of the event loop share one commit (see ``SQLiteStore._begin``).
 Waiting for another program's write lock is the exception: it awaits between attempts, so the
-loop runs on meanwhile (``SQLiteStore._begin_immediate``).
+loop runs on meanwhile (``SQLiteStore._wait_for_write_lock``).
 """
 
 from __future__ import annotations
@@ -273,7 +273,10 @@ class SQLiteStore(Store):
             if self._group is not None and not db.in_transaction:  # SQLite rolled the group back by itself
                 self._abandon_group(StoreError("the transaction was rolled back by SQLite"))
             if self._group is None:
-                await self._begin_immediate(db)
+                try:
+                    db.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:
+                    await self._wait_for_write_lock(db, exc)
                 version = db.execute("PRAGMA data_version").fetchone()[0]
                 if version != self._data_version:  # another connection committed: what we knew may be stale
                     self._known.clear()
@@ -290,8 +293,9 @@ class SQLiteStore(Store):
             raise
         self._tx_task = me
 
-    async def _begin_immediate(self, db: sqlite3.Connection) -> None:
-        """``BEGIN IMMEDIATE``, waiting for another process's write lock without blocking the loop.
+    async def _wait_for_write_lock(self, db: sqlite3.Connection, busy: sqlite3.OperationalError) -> None:
+        """``BEGIN IMMEDIATE`` again until another program lets go of the write lock, without
+        blocking the loop; ``busy`` is the first attempt's error.
 
         SQLite's own busy handler sleeps in the calling thread, which here is the event loop's:
         while another program (an admin command, a backup) held the lock, every stream, timer and
@@ -301,14 +305,15 @@ class SQLiteStore(Store):
         deadline = time.monotonic() + BUSY_WAIT
         pause = 0.001
         while True:
+            if busy.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                raise StoreError(f"the database {self.path} is busy: {busy}; try again") from busy
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
             try:
                 db.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
-                    raise StoreError(f"the database {self.path} is busy: {exc}; try again") from exc
-            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.05)
+                busy = exc
 
     def _end(self, commit: bool, settled: Settled | None) -> Awaitable[None] | None:
         member, self._member = self._member, False
