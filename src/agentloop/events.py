@@ -234,7 +234,8 @@ class TurnEnd:
 
 @_event
 class ModelRetry:
-    """A provider failure being retried: after ``delay`` s on ``model``; ``attempt`` 0 means a switch to a fallback."""
+    """A provider failure (or an unusable answer) being retried: after ``delay`` s on ``model``;
+    ``attempt`` 0 means a switch to a fallback."""
 
     type: Literal["model_retry"] = "model_retry"
     attempt: int

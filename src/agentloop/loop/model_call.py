@@ -2,15 +2,18 @@
 
 Transient failures (rate limit, 5xx, broken connection) are retried with backoff, honouring the
 provider's ``retry-after``; when a model keeps failing, the configured fallbacks are tried in
-order. A failed attempt is shown (``message_end`` with the error, then ``model_retry``, also given
-to ``on_retry`` before the wait) but does not enter the history. The returned message is final:
-``done``, or the last error.
+order. An answer that finished but cannot be used (empty, thinking only, tool-call markup in its
+text: ``models/unusable.py``) is asked again at once, up to ``MAX_UNUSABLE_RETRIES`` times, then
+counts as a failure of the model. A failed attempt is shown (``message_end`` with the error, then
+``model_retry``, also given to ``on_retry`` before the wait) but does not enter the history. The
+returned message is final: ``done``, or the last error.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from agentloop.events import (
     LoopEvent,
@@ -24,11 +27,15 @@ from agentloop.events import (
 )
 from agentloop.loop.hooks import TurnFailed, TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import AssistantMessage, Message
+from agentloop.messages import AssistantMessage, Message, Usage
 from agentloop.models.base import Model, ModelRequest
+from agentloop.models.unusable import unusable
 
 Emit = Callable[[LoopEvent], None] | None
 OnRetry = Callable[[ModelRetry], Awaitable[None]] | None
+
+#: how many times an unusable answer (``models/unusable.py``) is asked again, on each model
+MAX_UNUSABLE_RETRIES = 3
 
 
 def build_request(
@@ -61,9 +68,20 @@ async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest) 
     request.tools = info.tools if request.tools else []
 
 
-async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: Emit) -> StreamDone | StreamError:
+@dataclass(slots=True)
+class _Unusable:
+    """A finished answer the loop cannot use, made a failed attempt: ``message`` is it as shown
+    (and, for the last, returned), ``reason`` what was wrong with it."""
+
+    message: AssistantMessage
+    reason: str
+
+
+async def _attempt(
+    model: Model, request: ModelRequest, state: RunState, emit: Emit, unusable_so_far: list[str]
+) -> StreamDone | StreamError | _Unusable:
     if emit is None:  # nobody watches: no deltas needed
-        return await model.respond(request)
+        return _judge(await model.respond(request), request, state, unusable_so_far)
     terminal: StreamDone | StreamError | None = None
     async for event in model.stream(request):
         if isinstance(event, StreamStart):
@@ -75,13 +93,41 @@ async def _attempt(model: Model, request: ModelRequest, state: RunState, emit: E
         elif state.partial is not None:
             emit(MessageUpdate(message=state.partial, event=event))
     assert terminal is not None  # Model.stream always ends with done or error
-    emit(MessageEnd(message=terminal.message))
-    return terminal
+    result = _judge(terminal, request, state, unusable_so_far)
+    emit(MessageEnd(message=result.message))
+    return result
+
+
+def _judge(
+    result: StreamDone | StreamError, request: ModelRequest, state: RunState, unusable_so_far: list[str]
+) -> StreamDone | StreamError | _Unusable:
+    """Make a finished answer that cannot be used a failed attempt, before anyone sees it end: it
+    is shown and kept as an error (the last saying that the model gave up), without what it said,
+    and its usage goes to the run's, since it was billed. Not while the run is being aborted:
+    the abort ends the run anyway, and a retry would only delay it."""
+    if not isinstance(result, StreamDone) or state.aborted:
+        return result
+    reason = unusable(result.message, tools_offered=bool(request.tools))
+    if reason is None:
+        return result
+    unusable_so_far.append(reason)
+    message = result.message
+    state.usage.add(message.usage)
+    message.content, message.usage, message.stop_reason = [], Usage(), "error"
+    message.error_message = reason if len(unusable_so_far) <= MAX_UNUSABLE_RETRIES else _gave_up(unusable_so_far)
+    return _Unusable(message, reason)
+
+
+def _gave_up(reasons: list[str]) -> str:
+    return f"the model gave no usable answer ({', '.join(dict.fromkeys(reasons))}) after {len(reasons)} attempts"
 
 
 async def call_model(
     cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, on_retry: OnRetry = None
 ) -> AssistantMessage:
+    """The model's final answer to the history of ``state``. The usage of answers it threw away
+    is added to ``state.usage``: the returned message's own stays that of one call, which the
+    context-pressure estimate reads as the size of the prompt."""
     messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
@@ -102,24 +148,42 @@ async def call_model(
         if outcome is not None:  # say that we move on to the next model
             reason = outcome.message.error_message or outcome.kind
             await _retrying(ModelRetry(attempt=0, delay=0.0, error=reason, model=model.name), emit, on_retry)
-        attempt = 0
-        while True:
-            result = await _attempt(model, request, state, emit)
-            state.partial = None
-            if isinstance(result, StreamDone):
-                return result.message
-            outcome = result
-            if outcome.kind == "aborted" or outcome.kind == "overflow":
-                return outcome.message
-            attempt += 1
-            delay = cfg.retry.delay(attempt, outcome.retry_after) if outcome.retryable else None
-            if delay is None:
-                break
-            error = outcome.message.error_message or outcome.kind
-            await _retrying(ModelRetry(attempt=attempt, delay=delay, error=error, model=model.name), emit, on_retry)
-            await asyncio.sleep(delay)
+        result = await _call_one(cfg, model, request, state, emit, on_retry)
+        if isinstance(result, AssistantMessage):
+            return result
+        outcome = result
     assert outcome is not None
     return outcome.message
+
+
+async def _call_one(
+    cfg: LoopConfig, model: Model, request: ModelRequest, state: RunState, emit: Emit, on_retry: OnRetry
+) -> AssistantMessage | StreamError:
+    """Call ``model`` until it answers (the message, final), or fails in a way the next model may
+    not (an abort, an overflow: final too); else the failure, for the next model to take over.
+    Transient failures and unusable answers are asked again, each within its own limit."""
+    attempt = 0
+    unusable_so_far: list[str] = []
+    while True:
+        result = await _attempt(model, request, state, emit, unusable_so_far)
+        state.partial = None
+        if isinstance(result, StreamDone):
+            return result.message
+        if isinstance(result, _Unusable):
+            if len(unusable_so_far) > MAX_UNUSABLE_RETRIES:
+                return StreamError(message=result.message, kind="invalid_response")
+            retry = ModelRetry(attempt=len(unusable_so_far), delay=0.0, error=result.reason, model=model.name)
+            await _retrying(retry, emit, on_retry)
+            continue
+        if result.kind == "aborted" or result.kind == "overflow":
+            return result.message
+        attempt += 1
+        delay = cfg.retry.delay(attempt, result.retry_after) if result.retryable else None
+        if delay is None:
+            return result
+        error = result.message.error_message or result.kind
+        await _retrying(ModelRetry(attempt=attempt, delay=delay, error=error, model=model.name), emit, on_retry)
+        await asyncio.sleep(delay)
 
 
 async def _retrying(event: ModelRetry, emit: Emit, on_retry: OnRetry) -> None:

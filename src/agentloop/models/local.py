@@ -654,8 +654,7 @@ class LocalModel(Model):
             async for event in self._generate(engine, chat, request, None, out, gen):
                 yield event
             prompt_tokens, completion_tokens = gen.prompt_tokens, gen.completion_tokens
-            if not gen.text.strip():
-                raise ProviderError("the local model returned an empty answer", kind="invalid_response")
+            # an empty answer goes on as it came: models/unusable.py judges it for every provider
             for event in out.finish("length" if gen.finish_reason == "length" else "stop", usage()):
                 yield event
             return
@@ -704,9 +703,7 @@ class LocalModel(Model):
                 if reply.text.startswith(streamed):
                     for event in out.text(reply.text[len(streamed) :]):
                         yield event
-                if not out.message.text.strip():
-                    raise ProviderError("the local model returned an empty answer", kind="invalid_response")
-                for event in out.finish("stop", usage()):
+                for event in out.finish("stop", usage()):  # (empty or not: see models/unusable.py)
                     yield event
                 return
             if streamed.strip():  # cut off mid-answer (usually max_tokens): keep what was said

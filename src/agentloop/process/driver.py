@@ -266,12 +266,14 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         # (on a shared store always: a watcher elsewhere may start following during the call)
         streaming = relay is not None or engine.hub.watching(pid)
         reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
+        discarded = state.usage  # the unusable answers call_model asked again for: billed all the same
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         compacted = await _compact(engine, live, run, cfg, "overflow") if overflow else None
         if compacted is not None:  # one compact-and-retry
             run = compacted
             state = _call_state(engine, live, run)
             reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
+            discarded += state.usage
     finally:
         live.partial = None
     if relay is not None:
@@ -287,7 +289,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         "generation": generation + 1,
         "rounds": run["rounds"] + (1 if tools_enabled else 0),
         "tool_calls": run["tool_calls"] + ran,
-        "usage": _spent(run["usage"], reply.usage),
+        "usage": _spent(run["usage"], reply.usage + discarded),
     }
     new_run.pop("offered", None)  # (a turn before's)
     if reply.tool_calls and state.offered is not None:
