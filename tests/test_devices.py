@@ -161,7 +161,7 @@ async def test_a_driver_connects_is_listed_and_goes_offline_on_close():
         ({"name": "-laptop"}, "name"),
         ({"name": "x" * 33}, "name"),
         ({"name": 7}, "name"),
-        ({"implements": ["fs.read", "net.fetch"]}, "implements"),
+        ({"implements": ["fs.read", "net.listen"]}, "implements"),
         ({"implements": "fs.read"}, "implements"),
         ({"tools": [{"name": "bad name"}]}, "tools[0].name"),
         ({"tools": [{"name": "t", "parameters": {"type": "array"}}]}, "tools[0].parameters"),

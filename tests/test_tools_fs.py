@@ -309,12 +309,12 @@ async def test_delete_file_empty_dir_and_refusals(root: Path) -> None:
 
 def test_builtin_tool_set_names_and_flags(root: Path) -> None:
     tools = {t.name: t for t in builtin_tools(root)}
-    assert list(tools) == ["Read", "Write", "Edit", "Delete", "Search", "Shell"]
+    assert list(tools) == ["Read", "Write", "Edit", "Delete", "Search", "Shell", "Fetch"]
     assert set(tools) == set(SYSCALLS)
     assert tools["Read"].idempotent and tools["Search"].idempotent
     assert not tools["Write"].idempotent and not tools["Shell"].idempotent
     assert tools["Shell"].timeout is None
-    assert [t.name for t in builtin_tools(root, shell=False)] == ["Read", "Write", "Edit", "Delete", "Search"]
+    assert [t.name for t in builtin_tools(root, shell=False, fetch=False)] == list(tools)[:5]
     for t in tools.values():
         assert t.description
         props = t.parameters["properties"]

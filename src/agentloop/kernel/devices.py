@@ -8,7 +8,7 @@ calls without importing the server package.
 ``device_toolset(directory)`` is a ``ToolsetFn`` for ``Kernel.open(toolset=...)``: each run of a
 process owned by X gets
 
-* every built-in routable tool (Read, Write, Edit, Delete, Search, Shell) wrapped so that it takes
+* every built-in routable tool (Read, Write, Edit, Delete, Search, Shell, Fetch) wrapped so that it takes
   a ``target``: ``local`` (the original tool, the server's workspace) or one of X's online devices
   that implements the tool's syscall;
 * each of X's online devices' extra tools as ``<device>__<tool>``.
@@ -31,6 +31,8 @@ from agentloop.process.api import ToolsetFn
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import Tool, ToolArgumentsError, ToolContext, ToolResult, format_validation_error
 from agentloop.tools.builtin import SYSCALLS
+from agentloop.tools.fetch import DEFAULT_TIMEOUT as FETCH_DEFAULT_TIMEOUT
+from agentloop.tools.fetch import MAX_TIMEOUT as FETCH_MAX_TIMEOUT
 from agentloop.tools.shell import DEFAULT_TIMEOUT as SHELL_DEFAULT_TIMEOUT
 from agentloop.tools.shell import MAX_TIMEOUT as SHELL_MAX_TIMEOUT
 
@@ -134,13 +136,18 @@ def describe_devices(devices: Sequence[DeviceInfo]) -> str:
 
 
 def _call_timeout(syscall: str, args: Mapping[str, Any]) -> float:
-    """How long the hub waits for a device's answer: a shell command's own limit plus a grace for
-    the device to kill it and report, otherwise a fixed limit."""
-    if syscall != "shell.exec":
+    """How long the hub waits for a device's answer: a shell command's (or a fetch's) own limit
+    plus a grace for the device to stop it and report, otherwise a fixed limit."""
+    limits = {
+        "shell.exec": (SHELL_DEFAULT_TIMEOUT, SHELL_MAX_TIMEOUT),
+        "net.fetch": (FETCH_DEFAULT_TIMEOUT, FETCH_MAX_TIMEOUT),
+    }
+    if syscall not in limits:
         return DEFAULT_CALL_TIMEOUT
+    default, most = limits[syscall]
     given = args.get("timeout")
-    limit = float(given) if isinstance(given, int | float) and given > 0 else SHELL_DEFAULT_TIMEOUT
-    return min(limit, SHELL_MAX_TIMEOUT) + SHELL_GRACE
+    limit = float(given) if isinstance(given, int | float) and given > 0 else default
+    return min(limit, most) + SHELL_GRACE
 
 
 def _target_schema(base: dict[str, Any], targets: Sequence[DeviceInfo]) -> dict[str, Any]:

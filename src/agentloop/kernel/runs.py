@@ -72,7 +72,8 @@ def cwd_toolset(root: Path) -> ToolsetFn:
         if own is None:
             if len(rooted) >= 1024:
                 rooted.clear()
-            own = rooted[record.cwd] = {t.name: t for t in builtin_tools(record.cwd)}
+            # (Fetch has no root: the shared one stays, with whatever allow-list it was given)
+            own = rooted[record.cwd] = {t.name: t for t in builtin_tools(record.cwd, fetch=False)}
         return {name: own.get(name, tool) if name in SYSCALLS else tool for name, tool in shared.items()}
 
     return toolset

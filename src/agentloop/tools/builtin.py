@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.tools.base import Tool
+from agentloop.tools.fetch import fetch_tool
 from agentloop.tools.fs import delete_tool, edit_tool, read_tool, write_tool
 from agentloop.tools.search import search_tool
 from agentloop.tools.shell import shell_tool
@@ -25,6 +26,7 @@ SYSCALLS: dict[str, str] = {
     "Delete": "fs.delete",  # fs.delete_file
     "Search": "fs.search",  # search.search_files
     "Shell": "shell.exec",  # shell.run_shell
+    "Fetch": "net.fetch",  # fetch.fetch_url
 }
 
 
@@ -36,10 +38,14 @@ def syscall_of(tool: Tool, arguments: Mapping[str, Any] | None = None) -> str:
     return own or SYSCALLS.get(tool.name) or f"tool.{tool.name}"
 
 
-def builtin_tools(workspace: str | Path, *, shell: bool = True, codemode: bool = False) -> list[Tool]:
-    """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``;
-    with ``codemode=True`` also CodeMode (syscall ``codemode.exec``) over them. CodeMode is
-    opt-in: its program is arbitrary Python running as this user (see ``tools/codemode.py``).
+def builtin_tools(
+    workspace: str | Path, *, shell: bool = True, codemode: bool = False, fetch: bool = True
+) -> list[Tool]:
+    """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``,
+    and (unless ``fetch=False``) Fetch, which reaches public addresses only (for an allow-list,
+    pass ``fetch=False`` and add ``fetch_tool(allow=[...])``); with ``codemode=True`` also CodeMode
+    (syscall ``codemode.exec``) over them. CodeMode is opt-in: its program is arbitrary Python
+    running as this user (see ``tools/codemode.py``).
 
     The root is resolved again on every call, so it may be created or moved after this returns;
     a call made while it is missing is an error result, not an exception.
@@ -48,6 +54,8 @@ def builtin_tools(workspace: str | Path, *, shell: bool = True, codemode: bool =
     tools: list[Tool] = [read_tool(root), write_tool(root), edit_tool(root), delete_tool(root), search_tool(root)]
     if shell:
         tools.append(shell_tool(root))
+    if fetch:
+        tools.append(fetch_tool())
     if codemode:
         from agentloop.tools.codemode import CodeMode  # it imports this module: import late
 

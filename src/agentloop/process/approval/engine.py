@@ -171,6 +171,9 @@ def _describe_call(syscall: str, args: Mapping[str, Any], facts: CallFacts, targ
     if syscall == "shell.exec" and facts.shell is not None:
         what = f"shell command{where}"
         shown = str(args.get("command", ""))
+    elif syscall == "net.fetch" and isinstance(args.get("url"), str):
+        what = f"web fetch{where}"  # the URL first: a JSON of every argument would cut it off
+        shown = f"{args.get('method') or 'GET'} {args['url']}"
     else:
         what = f"{syscall}{where}"
         shown = ", ".join(facts.paths) or _shorten(json.dumps(dict(args), sort_keys=True, default=str))

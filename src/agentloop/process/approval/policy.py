@@ -122,6 +122,11 @@ def default_policy() -> Policy:
             # command it can do anything outside its tool functions, so a person reads it first
             # (its tool calls are then judged one by one, like direct calls)
             Rule(match="codemode.exec", action="ask"),
+            # a web fetch, even a GET, sends what its URL holds to a host the model chose (all it
+            # has read could leave that way) and brings back text nobody vetted: a person sees the
+            # URL first. A POST is also ``mutating``, so a policy can trust reads and keep asking
+            # for writes (a rule on ``mutating`` written before an ``auto`` one)
+            Rule(match="net.fetch", action="ask"),
         ),
     )
 

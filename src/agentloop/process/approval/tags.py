@@ -60,7 +60,7 @@ def is_local(target: str | None) -> bool:
     return target in (None, "", "local")
 
 
-_ROUTABLE = frozenset({"fs.read", "fs.write", "fs.edit", "fs.delete", "fs.search", "shell.exec"})
+_ROUTABLE = frozenset({"fs.read", "fs.write", "fs.edit", "fs.delete", "fs.search", "shell.exec", "net.fetch"})
 
 
 def call_target(syscall: str, tool_name: str, args: Mapping[str, Any]) -> str:
