@@ -312,8 +312,13 @@ class AgentloopClient:
         data = await self._call("GET", f"/v1/processes/{_segment(pid)}/hil")
         return list(data.get("requests", []))
 
-    async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> dict[str, Any]:
-        body = {"decision": decision, "remember": remember}
+    async def hil(
+        self, pid: str, request_id: str, decision: str, *, remember: bool = False, message: str | None = None
+    ) -> dict[str, Any]:
+        """Approve or deny a pending call; ``message`` (deny only) tells the model why."""
+        body: dict[str, Any] = {"decision": decision, "remember": remember}
+        if message is not None:  # left out otherwise: a server without the field would refuse it
+            body["message"] = message
         result: dict[str, Any] = await self._call(
             "POST", f"/v1/processes/{_segment(pid)}/hil/{_segment(request_id)}", body=body
         )
@@ -326,6 +331,21 @@ class AgentloopClient:
     async def kill(self, pid: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("DELETE", f"/v1/processes/{_segment(pid)}")
         return result
+
+    async def queue(self, pid: str) -> list[dict[str, Any]]:
+        """The input waiting for the process (``GET …/queue``), in the order it will be taken."""
+        data = await self._call("GET", f"/v1/processes/{_segment(pid)}/queue")
+        return list(data.get("items", []))
+
+    async def withdraw(self, pid: str, item_id: int | None = None, *, kind: str | None = None) -> list[dict[str, Any]]:
+        """Withdraw waiting input before it runs; returns what was withdrawn. ``item_id``: that item
+        (``NotFound`` once a run has taken it); else the items of ``kind``, by default all the
+        user's input (system events only when asked for by kind)."""
+        path = f"/v1/processes/{_segment(pid)}/queue"
+        if item_id is not None:
+            path += f"/{int(item_id)}"
+        data = await self._call("DELETE", path, params={"kind": kind} if kind is not None else None)
+        return list(data.get("withdrawn", []))
 
     async def devices(self) -> list[dict[str, Any]]:
         data = await self._call("GET", "/v1/devices")

@@ -4,7 +4,9 @@ A durable chat hands the policy to the kernel, which stores the question and wai
 ``proc.hil``; the in-memory ``run`` (and ``chat --memory``) has no such machinery, so the same
 policy is evaluated in a ``before_tool_call`` hook with the same ``decide``. Both ask through
 :func:`ask_user`, so a question looks and is answered the same way everywhere: the tool, its
-main argument, the tags that made the policy ask, the reason, and ``y`` / ``n`` / ``a``.
+main argument, the tags that made the policy ask, the reason, and ``y`` / ``n`` / ``a``; ``n`` may
+be followed by a reason for the model (``n use staging instead``), which it reads in the call's
+result: one line, so a piped conversation answers as it always did.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from agentloop.cli.render import describe_call, one_line
 from agentloop.loop.hooks import Block, ToolCallInfo
 from agentloop.process.api import approve_everything
 from agentloop.process.approval import Policy, Rule, decide, default_policy, parse_policy, remember_rule
+from agentloop.process.approval.denial import denial_message, denial_text
 
 Mode = Literal["ask", "auto", "deny", "file"]
 Answer = Literal["approve", "deny", "always", "abort"]
 
-ASK_LINE = "Allow? [y]es / [n]o / [a]lways"
+ASK_LINE = "Allow? [y]es / [n]o / [a]lways · n REASON tells the model why"
 MAX_SHOWN = 4000  # characters of one argument shown with a question
 DENIED_BY_USER = "Tool execution denied by user"
 NO_TERMINAL = "requires interactive approval, but there is no terminal to ask at"
@@ -153,8 +156,25 @@ def _visible(text: str) -> str:
     return "".join(c if c.isprintable() or c == "\t" else f"\\u{ord(c):04x}" for c in text)
 
 
-def parse_answer(line: str) -> Answer | None:
-    word = line.strip().lower()
+@dataclass(frozen=True)
+class Denial:
+    """``n REASON``: deny, and tell the model why (it reads ``reason`` in the call's result)."""
+
+    reason: str
+
+
+UserAnswer = Answer | Denial
+
+
+def parse_answer(line: str) -> UserAnswer | None:
+    """y / n / a, or ``n`` (``no``, ``no,``, ``no:``) followed by a reason. The reason is checked
+    as the kernel checks it (``denial_message``): ``ValueError`` when it could not be sent."""
+    parts = line.split(maxsplit=1)
+    word = parts[0].lower().rstrip(",:") if parts else ""
+    rest = parts[1] if len(parts) > 1 else ""
+    if rest:
+        reason = denial_message(rest) if word in ("n", "no") else None
+        return Denial(reason) if reason is not None else None
     if word in ("y", "yes"):
         return "approve"
     if word in ("n", "no"):
@@ -180,11 +200,12 @@ async def ask_user(
     shows_prompt: bool,
     cancelled: asyncio.Event | None = None,
     unread: Callable[[str], None] | None = None,
-) -> Answer:
-    """Ask until the answer is y, n or a. End of input denies (nobody is there to say yes); Ctrl-C
-    in the answer, or ``cancelled`` (the turn was aborted meanwhile), gives ``abort``. With
-    ``unread`` (input from a pipe, written before the question was asked), a line that is no
-    answer denies the call and is given back, to be read as the next message: nothing is lost."""
+) -> UserAnswer:
+    """Ask until the answer is y, n (with a reason, maybe: a ``Denial``) or a. End of input denies
+    (nobody is there to say yes); Ctrl-C in the answer, or ``cancelled`` (the turn was aborted
+    meanwhile), gives ``abort``. With ``unread`` (input from a pipe, written before the question
+    was asked), a line that is no answer denies the call and is given back, to be read as the
+    next message: nothing is lost. A reason that cannot be sent is asked again on a terminal."""
     for text in question_lines(question):
         err.print(text)
     prompt = f"{ASK_LINE} › "
@@ -200,7 +221,14 @@ async def ask_user(
             return "abort"
         if line is None:
             return "abort"
-        answer = parse_answer(line)
+        try:
+            answer = parse_answer(line)
+        except ValueError as exc:  # a reason that cannot be sent
+            if unread is not None:  # a pipe cannot be asked again: the answer was still no
+                err.print(Text(f"(cannot send that reason: {exc}; denied without it)", style="yellow"))
+                return "deny"
+            err.print(Text(f"cannot send that reason: {exc}", style="yellow"))
+            continue
         if answer is not None:
             return answer
         if unread is not None:
@@ -208,7 +236,7 @@ async def ask_user(
             err.print(Text("(not an answer: denied; the line is kept as the next message)", style="yellow"))
             return "deny"
         always = f"allow every {question.tool} call for the rest of this conversation"
-        err.print(Text(f"answer y (yes, this once), n (no) or a ({always})"))
+        err.print(Text(f"answer y (yes, this once), n (no), n REASON (no, and tell the model why) or a ({always})"))
 
 
 async def _read_or_cancel(reading: Awaitable[str], cancelled: asyncio.Event | None) -> str | None:
@@ -228,7 +256,7 @@ async def _read_or_cancel(reading: Awaitable[str], cancelled: asyncio.Event | No
 
 # ---------------------------------------------------------------------------------- in-memory runs
 
-Asker = Callable[[Question], Awaitable[Answer]]
+Asker = Callable[[Question], Awaitable[UserAnswer]]
 
 
 class PolicyHook:
@@ -286,4 +314,4 @@ class PolicyHook:
                 return None
             if answer == "abort" and self.on_abort is not None:
                 self.on_abort()
-            return Block(DENIED_BY_USER)
+            return Block(denial_text(answer.reason) if isinstance(answer, Denial) else DENIED_BY_USER)

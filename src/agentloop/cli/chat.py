@@ -22,14 +22,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO, cast, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TextIO, cast, runtime_checkable
 
 from rich.console import Console
 from rich.status import Status
 from rich.text import Text
 
 from agentloop.agent import Agent, Run, RunResult
-from agentloop.cli.approvals import Answer, Asker, PolicyHook, Question, ReadInterrupted, ask_user
+from agentloop.cli.approvals import Asker, Denial, PolicyHook, Question, ReadInterrupted, UserAnswer, ask_user
 from agentloop.cli.attach import AttachError, describe, load_attachment
 from agentloop.cli.config import expand_home
 from agentloop.cli.render import (
@@ -54,6 +54,7 @@ HELP = (
     "/new starts a new conversation · /chat answers without tools, /agent with them · "
     "/attach FILE adds an image, a PDF or a text file to your next message (/detach drops them) · "
     "/prompt shows what the last system prompt was built from · "
+    "/queue lists input waiting to run (/queue clear withdraws yours) · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -260,6 +261,26 @@ class ShowsPrompt(Protocol):
         """The newest ``proc.prompt.compiled`` payload of the conversation, or None."""
 
 
+class Waiting(NamedTuple):
+    """One item waiting in a conversation's input queue, as ``/queue`` shows it."""
+
+    id: int
+    kind: str  # steer, queue or system
+    text: str
+
+
+@runtime_checkable
+class HasQueue(Protocol):
+    """A session whose process keeps an input queue (``/queue``): what was sent from elsewhere
+    (another window, the web UI) while a run was under way, and system events, wait there."""
+
+    async def queued(self) -> list[Waiting]:
+        """What waits, in the order it will be taken."""
+
+    async def clear_queue(self) -> list[Waiting]:
+        """Withdraw the user's waiting input (the system events stay); returns what was withdrawn."""
+
+
 class AgentSession:
     """Turns on an in-memory ``Agent``; the history lives in a ``Transcript``. Approvals, when the
     agent has a ``PolicyHook``, are asked through the turn's ``ask``."""
@@ -382,6 +403,9 @@ class ChatRepl:
             if word == "/prompt":
                 self.show_prompt(ev)
                 return True
+            if word == "/queue":
+                self.show_queue(text[len(word) :].strip().lower(), ev)
+                return True
             if word in ("/help", "/?"):
                 self.err.print(Text(HELP, style="dim"))
                 return True
@@ -420,7 +444,34 @@ class ChatRepl:
         for line in prompt_manifest_lines(manifest):
             self.err.print(Text(line, style="yellow" if line.startswith("warning: ") else "dim"))
 
-    async def ask(self, question: Question) -> Answer:
+    def show_queue(self, arg: str, ev: asyncio.AbstractEventLoop) -> None:
+        """``/queue``: the input waiting to run, so a user sees what another window sent meanwhile;
+        ``/queue clear`` withdraws the user's part of it before it runs."""
+        if arg not in ("", "clear"):
+            self.err.print(Text("usage: /queue lists what waits, /queue clear withdraws your messages", style="yellow"))
+            return
+        if not isinstance(self.session, HasQueue):
+            self.err.print(Text("(no queue: this chat runs one turn at a time in memory)", style="dim"))
+            return
+        try:
+            items = ev.run_until_complete(self.session.clear_queue() if arg else self.session.queued())
+        except SessionError as exc:
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return
+        if arg:
+            count = len(items)
+            said = f"withdrew {count} waiting message{'s' * (count != 1)}" if count else "nothing of yours was waiting"
+            self.err.print(Text(f"({said})", style="dim"))
+            return
+        if not items:
+            self.err.print(Text("(nothing waiting)", style="dim"))
+            return
+        self.err.print(Text(f"({len(items)} waiting, in the order they will be taken)", style="dim"))
+        for item in items:
+            self.err.print(Text(f"  #{item.id} {item.kind:<6} {one_line(item.text, 100)}", style="dim"))
+
+    async def ask(self, question: Question) -> UserAnswer:
         """An approval, asked in the middle of a turn (the spinner steps aside meanwhile)."""
         return await ask_user(
             question,
@@ -650,6 +701,12 @@ class DurableSession:
     async def set_mode(self, mode: Mode) -> None:
         await self.process.set_mode(mode)
 
+    async def queued(self) -> list[Waiting]:
+        return [Waiting(i.id, i.kind, i.message.text) for i in await self.process.queued()]
+
+    async def clear_queue(self) -> list[Waiting]:
+        return [Waiting(i.id, i.kind, i.message.text) for i in await self.process.withdraw()]
+
     async def new(self) -> None:
         self.proc = await self.kernel.spawn(owner=self.owner, cwd=self.cwd, interactive=True)
         self.seq = 0
@@ -744,8 +801,9 @@ class DurableSession:
             self.abort()
             return
         decision = "approve" if answer in ("approve", "always") else "deny"
+        reason = answer.reason if isinstance(answer, Denial) else None
         try:
-            await self.process.hil(question.request_id, decision, remember=answer == "always")
+            await self.process.hil(question.request_id, decision, remember=answer == "always", message=reason)
         except KeyError:  # answered elsewhere, or the run ended meanwhile
             return
         view.waiting()

@@ -21,8 +21,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.text import Text
 
-from agentloop.cli.approvals import Asker, Question
-from agentloop.cli.chat import SessionError, TurnOutcome
+from agentloop.cli.approvals import Asker, Denial, Question
+from agentloop.cli.chat import SessionError, TurnOutcome, Waiting
 from agentloop.cli.config import Connection, load_connection
 from agentloop.cli.render import (
     SignalRenderer,
@@ -358,6 +358,12 @@ def _outcome(payload: dict[str, Any]) -> TurnOutcome:
     return TurnOutcome("ok", reason)
 
 
+def _waiting(item: dict[str, Any]) -> Waiting:
+    """A queue item as the server sends it, as ``/queue`` shows it (whatever the server sent)."""
+    item_id = item.get("id")
+    return Waiting(item_id if isinstance(item_id, int) else 0, str(item.get("kind", "")), str(item.get("text", "")))
+
+
 def _question(row: dict[str, Any]) -> Question:
     args = row.get("args")
     return Question(
@@ -434,6 +440,18 @@ class RemoteSession:
             await self.client.mode(self.pid, mode)
         except ClientError as exc:
             raise SessionError(f"the mode was not changed: {exc.message}") from exc
+
+    async def queued(self) -> list[Waiting]:
+        try:
+            return [_waiting(item) for item in await self.client.queue(self.pid)]
+        except ClientError as exc:
+            raise SessionError(f"the queue was not read: {exc.message}") from exc
+
+    async def clear_queue(self) -> list[Waiting]:
+        try:
+            return [_waiting(item) for item in await self.client.withdraw(self.pid)]
+        except ClientError as exc:
+            raise SessionError(f"nothing was withdrawn: {exc.message}") from exc
 
     async def new(self) -> None:
         try:
@@ -589,8 +607,9 @@ class RemoteSession:
             self.abort()
             return
         decision = "approve" if answer in ("approve", "always") else "deny"
+        reason = answer.reason if isinstance(answer, Denial) else None
         try:
-            await self.client.hil(self.pid, question.request_id, decision, remember=answer == "always")
+            await self.client.hil(self.pid, question.request_id, decision, remember=answer == "always", message=reason)
         except ClientError as exc:
             if exc.code != "not_found":  # not_found: answered elsewhere, or the run ended meanwhile
                 raise

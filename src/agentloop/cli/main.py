@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agentloop.agent import Agent, RunResult
-from agentloop.cli.approvals import Answer, ApprovalSetting, PolicyHook, Question, ask_user, parse_approval
+from agentloop.cli.approvals import ApprovalSetting, PolicyHook, Question, UserAnswer, ask_user, parse_approval
 from agentloop.cli.config import (
     LoopFlags,
     Settings,
@@ -235,7 +235,7 @@ def _run_hook(setting: ApprovalSetting, workspace: Path) -> PolicyHook | None:
         reader = PlainReader()
         err = stderr_console()
 
-        async def ask_terminal(question: Question) -> Answer:
+        async def ask_terminal(question: Question) -> UserAnswer:
             return await ask_user(question, reader.read_async, err, shows_prompt=False)
 
         ask = ask_terminal

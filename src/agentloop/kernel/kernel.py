@@ -65,6 +65,7 @@ from agentloop.process.store import (
     NoSuchProcess,
     ProcessBusy,
     ProcessRecord,
+    QueueItem,
     ScheduleRow,
     Store,
     StoredMessage,
@@ -72,6 +73,7 @@ from agentloop.process.store import (
     WatchRow,
     open_store,
 )
+from agentloop.process.store.base import QueueKind
 from agentloop.tools.base import ToolLike
 from agentloop.tools.builtin import builtin_tools
 
@@ -267,9 +269,7 @@ class Process:
         """Stop the active run (``run_id``: only that one), and the subagents it started."""
         return await self.kernel.engine.abort(self.pid, run_id)
 
-    async def hil(
-        self, request_id: str, decision: str, remember: bool = False, message: str | None = None
-    ) -> bool:
+    async def hil(self, request_id: str, decision: str, remember: bool = False, message: str | None = None) -> bool:
         """Answer a pending approval: ``approve`` (``remember``: this syscall from now on) or
         ``deny``, with ``message`` the model reads in the denied call's result ("use staging
         instead"), so it can change course instead of guessing why. A message with approve, one
@@ -287,6 +287,21 @@ class Process:
     async def pending_approvals(self) -> list[Any]:
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
         return await self.kernel.store.hils(self.pid)
+
+    async def queued(self) -> list[QueueItem]:
+        """The input waiting in the process's queue (steer input and system events for the active
+        run, queued messages for the runs after it), in the order it will be taken."""
+        live = await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
+        items = await self.kernel.store.queue(self.pid)
+        return admission.take_order(items, running=live.record.current_run is not None)
+
+    async def withdraw(self, item_id: int | None = None, *, kind: QueueKind | None = None) -> list[QueueItem]:
+        """Take waiting input out of the queue before it runs; returns what was withdrawn. By
+        ``item_id``, by ``kind`` (both: the item, if of that kind), or by default all the user's
+        input (steer and queue), never the system events unless named. An item a run has taken
+        already is not withdrawn, and not in the answer. See ``admission.withdraw``."""
+        admission.check_withdrawal(item_id, kind)
+        return await self.kernel.engine.withdraw(self.pid, item_id, kind)
 
     async def reset(self) -> Path | None:
         """Abort (with the runs of its descendants), archive the whole history, start an empty

@@ -9,7 +9,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from agentloop.messages import Message, system
+from agentloop.process import signals as sig
 from agentloop.process.api import Receipt, SendMode, new_id
+from agentloop.process.store import MAX_SEQ, QueueItem
+from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _Live
 
 if TYPE_CHECKING:
@@ -148,19 +151,76 @@ async def signal_event(
 
 
 async def promote(engine: ProcessEngine, live: _Live) -> None:
-    """Queued input becomes the next run: system events first, then FIFO."""
+    """Queued input becomes the next run: system events first, then FIFO. An item withdrawn
+    between the look at the queue and its claim is passed over for the next one: left waiting,
+    the rest would have nothing to start it."""
     pid = live.record.pid
-    if live.record.current_run is not None or pid in engine.discarding:
-        return  # (a reset or kill under way promotes what it leaves once it is over)
-    queue = await engine.store.queue(pid) if live.queued else []
-    if not queue:
-        return
-    first = next((q for q in queue if q.kind == "system"), queue[0])
-    async with engine._tx(live) as tx:
-        # checked inside the transaction: two promotions that read the same queue (a worker's
-        # own and one on a notification from another) start one run
-        if live.record.current_run is not None or not await engine.store.dequeue(pid, first.id):
+    # (a reset or kill under way promotes what it leaves once it is over)
+    while live.record.current_run is None and pid not in engine.discarding:
+        queue = await engine.store.queue(pid) if live.queued else []
+        if not queue:
             return
-        tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
-        await tx.start_run(first.message, first.reason or "queue.promote", first.run_id, queued=live.queued - 1)
-    engine.wake(pid)
+        first = next((q for q in queue if q.kind == "system"), queue[0])
+        async with engine._tx(live) as tx:
+            # checked inside the transaction: two promotions that read the same queue (a worker's
+            # own and one on a notification from another) start one run
+            if live.record.current_run is not None:
+                return
+            if not await engine.store.dequeue(pid, first.id):
+                continue  # withdrawn meanwhile: look again
+            tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
+            await tx.start_run(first.message, first.reason or "queue.promote", first.run_id, queued=live.queued - 1)
+        engine.wake(pid)
+        return
+
+
+USER_INPUT: tuple[QueueKind, ...] = ("steer", "queue")  # what a withdraw that names no kind or item takes
+_TAKEN_RANK: dict[str, int] = {"system": 0, "steer": 1, "queue": 2}
+
+
+def take_order(items: list[QueueItem], *, running: bool) -> list[QueueItem]:
+    """``items`` (the store's queue, in id order) in the order they will be taken: while a run is
+    active, its next model turn takes the system events and then the steer input, and each
+    queued message becomes a run of its own after it. An idle process (input forwarded to the
+    worker holding it) first promotes a system event or else the oldest item, whose run then
+    takes the rest in that same order."""
+    ranked = sorted(items, key=lambda q: (_TAKEN_RANK[q.kind], q.id))
+    if running or not items or ranked[0].kind == "system":
+        return ranked
+    return [items[0], *(q for q in ranked if q is not items[0])]
+
+
+def check_withdrawal(item_id: object, kind: object) -> None:
+    """``ValueError`` unless ``item_id`` is None or a queue item id, and ``kind`` None or a kind."""
+    bad_id = isinstance(item_id, bool) or not isinstance(item_id, int) or not 1 <= item_id <= MAX_SEQ
+    if item_id is not None and bad_id:
+        raise ValueError(f"item_id must be an integer from 1 to {MAX_SEQ}, got {item_id!r}")
+    if kind is not None and kind not in ("steer", "queue", "system"):
+        raise ValueError(f"kind must be steer, queue or system, got {kind!r}")
+
+
+async def withdraw(
+    engine: ProcessEngine, pid: str, item_id: int | None = None, kind: QueueKind | None = None
+) -> list[QueueItem]:
+    """Take waiting input out of the queue before it runs: the item ``item_id``, the items of
+    ``kind``, or (neither given) all the user's input; system events only when named by id or
+    kind, since they are what schedules, watches and finished background work tell the process,
+    which the user did not write. Returns what was withdrawn, in take order.
+
+    One transaction: each item is claimed with the same delete a run's claim uses, so an item a
+    run took first is simply not withdrawn (nor listed), and one withdrawn is never run. A reset
+    under way is waited out (it archives what it discards). The media files a withdrawn message
+    names stay: stored once per process by content, they may be another message's too, and a
+    reset or kill deletes them with the process's folder."""
+    check_withdrawal(item_id, kind)
+    await after_clearing(engine, pid)
+    live = await engine.live(pid)
+    kinds = (kind,) if kind is not None else USER_INPUT if item_id is None else tuple(_TAKEN_RANK)
+    async with engine._tx(live) as tx:
+        chosen = [q for q in await engine.store.queue(pid) if q.kind in kinds and item_id in (None, q.id)]
+        taken = [q for q in chosen if await engine.store.dequeue(pid, q.id)]
+        if taken:
+            tx.after.append(lambda: setattr(live, "queued", max(0, live.queued - len(taken))))
+            await tx.signal(sig.CHANGED, changes=["queue"], withdrawn=[q.id for q in taken])
+        running = live.record.current_run is not None
+    return take_order(taken, running=running)

@@ -223,18 +223,25 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         usage.cost.total = run["usage"]["cost"]
         tripped = cfg.guards.tripped(run["rounds"], run["tool_calls"], time.time() - run["started"], usage)
     if inject or tripped:
-        added = [q.message for q in inject]
-        if tripped:
-            guard, tools_enabled = tripped, False
-            added.append(system(cfg.guards.final_instruction(tripped), "guard"))
-        run = {**run, "guard": guard, "generation": run["generation"] + 1}
         async with engine._tx(live) as tx:
-            for q in inject:
-                await engine.store.dequeue(pid, q.id)
-            tx.after.append(lambda: setattr(live, "queued", live.queued - len(inject)))
-            await tx.append(run_id, added)
-            await tx.set_run(run)
-            await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
+            # claimed one by one: an item withdrawn since the look above is not there to take
+            inject = [q for q in inject if await engine.store.dequeue(pid, q.id)]
+            if inject or tripped:
+                added = [q.message for q in inject]
+                if tripped:
+                    guard, tools_enabled = tripped, False
+                    added.append(system(cfg.guards.final_instruction(tripped), "guard"))
+                run = {**run, "guard": guard, "generation": run["generation"] + 1}
+                taken = len(inject)
+                tx.after.append(lambda: setattr(live, "queued", live.queued - taken))
+                await tx.append(run_id, added)
+                await tx.set_run(run)
+                await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
+    # after an answer, a model turn is for input that joins the run: if it was withdrawn meanwhile
+    # (before it was read above, or before it was claimed), the next step ends the run instead
+    answered = not inject and not tripped and bool(live.history) and isinstance(live.history[-1], AssistantMessage)
+    if answered and isinstance(decide(live.history, has_input=False, guard=guard), Finish):
+        return True
     generation = run["generation"]
 
     run = await _compact_if_needed(engine, live, run, cfg, tools_enabled)
@@ -589,6 +596,7 @@ async def _finish(
         await tx.append(run_id, [system(f"The run failed: {error}", "error")])
     if live.approvals:
         await engine.store.kv_delete(pid, f"approved:{run_id}")
+        await engine.store.kv_delete(pid, f"denied:{run_id}")  # a nested call's words (hil.py)
     await tx.set_run(None)
     answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)

@@ -72,7 +72,8 @@ from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
-from agentloop.process.store import NoSuchProcess, ProcessRecord, Store, ToolCallRow
+from agentloop.process.store import NoSuchProcess, ProcessRecord, QueueItem, Store, ToolCallRow
+from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 from agentloop.tools.base import BackgroundRefused, background_group
 from agentloop.tools.process_group import GroupIdentity
@@ -539,6 +540,10 @@ class ProcessEngine:
         """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
         return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id))
 
+    async def withdraw(self, pid: str, item_id: int | None = None, kind: QueueKind | None = None) -> list[QueueItem]:
+        """Take waiting input out of the queue before it runs (see ``admission.withdraw``)."""
+        return await _retried(lambda: admission.withdraw(self, pid, item_id, kind))
+
     # -- background work (see ``ToolContext.background``) -----------------------------------------
 
     def start_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
@@ -695,9 +700,12 @@ class ProcessEngine:
 
     # -- approvals (see hil.py) -------------------------------------------------------------------
 
-    async def hil(self, pid: str, request_id: str, decision: str, *, remember: bool = False) -> bool:
-        """Answer a pending approval. The decision applies to the exact call (and arguments) shown."""
-        return await _retried(lambda: hil.answer(self, pid, request_id, decision, remember=remember))
+    async def hil(
+        self, pid: str, request_id: str, decision: str, *, remember: bool = False, message: str | None = None
+    ) -> bool:
+        """Answer a pending approval. The decision applies to the exact call (and arguments) shown;
+        ``message`` (deny only) is what the model reads about why."""
+        return await _retried(lambda: hil.answer(self, pid, request_id, decision, remember=remember, message=message))
 
     # -- driving (see driver.py, calls.py) --------------------------------------------------------
 
@@ -828,6 +836,7 @@ class ProcessEngine:
             if added or questions:
                 await tx.signal(sig.CHANGED, changes=["messages", "hil"] if questions else ["messages"])
             await self.store.kv_delete(pid, f"approved:{active}")
+            await self.store.kv_delete(pid, f"denied:{active}")
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
             await tx.set_run(None)

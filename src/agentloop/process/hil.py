@@ -1,7 +1,8 @@
 """Human in the loop: a call the approval policy asks about waits for a person (a stored request
 and a ``proc.hil.requested`` signal), and their answer (approve, optionally remembered as a
-process-local rule, or deny) lets the batch go on; plus the policy for the calls a running tool
-makes itself (a CodeMode program's), which are asked about the same way while the tool waits.
+process-local rule, or deny, optionally with a message the model reads in the call's result)
+lets the batch go on; plus the policy for the calls a running tool makes itself (a CodeMode
+program's), which are asked about the same way while the tool waits.
 The policy itself lives in ``approval/``.
 
 A nested request differs from a direct one in what waits for the answer: not a call row of the
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from agentloop.messages import message_to_dict, tool_error_result
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
+from agentloop.process.approval.denial import DENIED_BY_USER, denial_message, denial_text
 from agentloop.process.approval.engine import remember_rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import HilRow, ToolCallRow
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentloop.process")
 
-DENIED_BY_USER = "Tool execution denied by user"
 NOT_INTERACTIVE = "requires interactive approval, which is unavailable for this process"
 
 
@@ -82,9 +83,17 @@ async def ask(
     return request_id
 
 
-async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str, *, remember: bool) -> bool:
+async def answer(
+    engine: ProcessEngine, pid: str, request_id: str, decision: str, *, remember: bool, message: str | None = None
+) -> bool:
+    """Carry out a person's decision. A ``message`` (deny only) is written into the denied call's
+    result in the transaction that deletes the request, so the model reads it after a restart
+    too. Input is checked before anything is touched: a bad answer leaves the request pending."""
     if decision not in ("approve", "deny"):
         raise ValueError(f"decision must be approve or deny, got {decision!r}")
+    note = denial_message(message)
+    if note is not None and decision != "deny":
+        raise ValueError("a message goes only with deny: it tells the model why the call was refused")
     if engine.leases is not None:
         await engine.leases.hold(pid)  # or, held elsewhere, decided here and carried out there
     live = await engine.live(pid)
@@ -107,23 +116,36 @@ async def answer(engine: ProcessEngine, pid: str, request_id: str, decision: str
                 target = call_target(row.syscall, row.tool_name, row.args)  # a device's, or local
                 rules.insert(0, remember_rule(row.syscall, target).to_json())
                 await engine.store.kv_set(pid, "approval_overrides", rules)
-        else:  # a nested call's request has no call row: its program reads the denial (``_decision``)
-            msg = tool_error_result(call_of(row), DENIED_BY_USER)
-            if await engine.store.set_call_status(
-                row.dispatch_id, "denied", expect=("registered",), result=message_to_dict(msg)
-            ):
-                await tx.signal(
-                    sig.TOOL_FINISHED,
-                    runId=row.run_id,
-                    callId=row.tool_call_id,
-                    name=row.tool_name,
-                    syscall=row.syscall,
-                    ok=False,
-                    error=DENIED_BY_USER,
-                )
+        else:
+            await _deny(engine, tx, live, row, note)
         await tx.signal(sig.CHANGED, changes=["hil"])
     engine.wake(pid)
     return True
+
+
+async def _deny(engine: ProcessEngine, tx: _Tx, live: _Live, row: HilRow, note: str | None) -> None:
+    """Inside ``tx``: the denied call's result, with the person's words. A nested call's request
+    has no call row: its program reads the denial (``_decision``), and the words from the run's
+    ``denied:`` record, since the answer may come through another worker."""
+    msg = tool_error_result(call_of(row), denial_text(note))
+    if await engine.store.set_call_status(
+        row.dispatch_id, "denied", expect=("registered",), result=message_to_dict(msg)
+    ):
+        await tx.signal(
+            sig.TOOL_FINISHED,
+            runId=row.run_id,
+            callId=row.tool_call_id,
+            name=row.tool_name,
+            syscall=row.syscall,
+            ok=False,
+            error=DENIED_BY_USER,
+            **({"withMessage": True} if note is not None else {}),
+        )
+    elif note is not None:
+        live.approvals = True  # the run's end clears its decisions, this one with them
+        denied = await engine.store.kv_get(row.pid, f"denied:{row.run_id}") or {}
+        denied[row.dispatch_id] = note
+        await engine.store.kv_set(row.pid, f"denied:{row.run_id}", denied)
 
 
 def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow) -> NestedCheck:
@@ -189,7 +211,8 @@ async def _decision(
     approved = await engine.store.kv_get(pid, f"approved:{run_id}") or {}
     if approved.get(dispatch_id) == (verdict.fingerprint or "-"):
         return ALLOW
-    return NestedVerdict("deny", DENIED_BY_USER)
+    denied = await engine.store.kv_get(pid, f"denied:{run_id}") or {}
+    return NestedVerdict("deny", denial_text(denied.get(dispatch_id)))
 
 
 async def _withdraw(engine: ProcessEngine, live: _Live, request_id: str) -> None:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from agentloop.loop.hooks import maybe_await
+from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
 from agentloop.process.store import MAX_SEQ, NoSuchProcess
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
@@ -29,7 +30,7 @@ from agentloop.server.errors import ApiError
 from agentloop.server.events import open_stream
 from agentloop.server.http_errors import internal_error, invalid, validation_error
 from agentloop.server.openapi import Endpoint, document
-from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, RUN_MODES
+from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, QUEUE_KINDS, RUN_MODES
 from agentloop.server.strict_json import finite
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -87,6 +88,13 @@ class StopBody(Body):
 class HilBody(Body):
     decision: Literal["approve", "deny"]
     remember: bool = Field(False, description="Allow this syscall on this process from now on.")
+    message: str | None = Field(
+        None,
+        max_length=MAX_DENIAL_MESSAGE,
+        description="With deny only: why, for the model, which reads it as the user's words in the denied"
+        " call's result (e.g. use the staging database instead). Stripped; newlines and tabs are the only"
+        " control characters allowed; blank is no message. With approve: 400.",
+    )
 
 
 class EventBody(Body):
@@ -125,6 +133,14 @@ class HistoryQuery(Query):
 class EventsQuery(Query):
     after_seq: int = Field(0, ge=0, le=MAX_SEQ, description="Send logged signals after this seq.")
     follow: bool = Field(True, description="Keep the stream open for live signals after the backlog.")
+
+
+class WithdrawQuery(Query):
+    kind: Literal[QUEUE_KINDS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="Only items of this kind. Without it, DELETE …/queue takes the user's input (steer and"
+        " queue), never system events; DELETE …/queue/{item_id} takes the item whatever its kind.",
+    )
 
 
 # ------------------------------------------------------------------ answer models (documentation and tests)
@@ -249,6 +265,23 @@ class WatchOut(Answer):
 
 class WatchList(Answer):
     watches: list[WatchOut]
+
+
+class QueueItemOut(Answer):
+    id: int
+    kind: Literal[QUEUE_KINDS]  # type: ignore[valid-type]
+    run_id: str | None = Field(description="A queued message's run (the one its receipt named); else its own id.")
+    text: str
+    message: dict[str, Any] = Field(description="agentloop's message format (message_to_dict).")
+    created_at: float
+
+
+class QueueOut(Answer):
+    items: list[QueueItemOut] = Field(description="In the order they will be taken.")
+
+
+class WithdrawnOut(Answer):
+    withdrawn: list[QueueItemOut]
 
 
 class RemovedOut(Answer):
@@ -490,7 +523,12 @@ async def approvals(call: Call) -> dict[str, Any]:
 async def decide(call: Call) -> dict[str, Any]:
     body = call.parsed(HilBody, call.body)
     return await call.ctx.processes.hil(
-        call.principal, call.param("pid"), call.param("request_id"), decision=body.decision, remember=body.remember
+        call.principal,
+        call.param("pid"),
+        call.param("request_id"),
+        decision=body.decision,
+        remember=body.remember,
+        message=body.message,
     )
 
 
@@ -538,6 +576,28 @@ async def watches(call: Call) -> dict[str, Any]:
 
 async def remove_watch(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.unwatch(call.principal, call.param("pid"), call.param("watch_id"))
+
+
+async def queue(call: Call) -> dict[str, Any]:
+    return {"items": await call.ctx.processes.queue(call.principal, call.param("pid"))}
+
+
+async def withdraw_all(call: Call) -> dict[str, Any]:
+    query = call.parsed(WithdrawQuery, call.query)
+    return {"withdrawn": await call.ctx.processes.withdraw(call.principal, call.param("pid"), kind=query.kind)}
+
+
+async def withdraw_item(call: Call) -> dict[str, Any]:
+    query, item_id = call.parsed(WithdrawQuery, call.query), _item_id(call.param("item_id"))
+    withdrawn = await call.ctx.processes.withdraw(call.principal, call.param("pid"), item_id, kind=query.kind)
+    return {"withdrawn": withdrawn}
+
+
+def _item_id(raw: str) -> int:
+    """A queue item id from the path: 1 or more, in ASCII digits (``int`` would take "²" or "1_0")."""
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MAX_SEQ:
+        raise invalid("item_id", f"must be an integer from 1 to {MAX_SEQ}")
+    return int(raw)
 
 
 async def devices(call: Call) -> dict[str, Any]:
@@ -666,6 +726,29 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         errors=(403, 409),
     ),
     Endpoint("DELETE", f"{_P}/watches/{{watch_id}}", "Delete a signal watch.", remove_watch, answer=RemovedOut),
+    Endpoint(
+        "GET",
+        f"{_P}/queue",
+        "The input waiting for the process, in the order it will be taken.",
+        queue,
+        answer=QueueOut,
+    ),
+    Endpoint(
+        "DELETE",
+        f"{_P}/queue",
+        "Withdraw waiting input before it runs: the user's, or one kind.",
+        withdraw_all,
+        query=WithdrawQuery,
+        answer=WithdrawnOut,
+    ),
+    Endpoint(
+        "DELETE",
+        f"{_P}/queue/{{item_id}}",
+        "Withdraw one waiting item (404 once a run has taken it).",
+        withdraw_item,
+        query=WithdrawQuery,
+        answer=WithdrawnOut,
+    ),
     Endpoint("GET", "/v1/devices", "Connected devices: the caller's (all for admins).", devices, answer=DeviceList),
     Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),
 )

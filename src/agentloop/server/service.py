@@ -29,12 +29,24 @@ from agentloop.process.api import Receipt, SendMode
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge
 from agentloop.process.signals import Signal
-from agentloop.process.store import HilRow, ProcessBusy, ProcessRecord, ScheduleRow, StoredMessage, StoreError, WatchRow
+from agentloop.process.store import (
+    MAX_SEQ,
+    HilRow,
+    ProcessBusy,
+    ProcessRecord,
+    QueueItem,
+    ScheduleRow,
+    StoredMessage,
+    StoreError,
+    WatchRow,
+)
+from agentloop.process.store.base import QueueKind
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError
 from agentloop.server.ratelimit import InputRate
 
 MODES: tuple[str, ...] = get_args(SendMode)
+QUEUE_KINDS: tuple[str, ...] = get_args(QueueKind)
 RUN_MODES: tuple[str, ...] = get_args(Mode)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 MEDIA_TYPES = (*IMAGE_TYPES, *FILE_TYPES)
@@ -100,6 +112,18 @@ def watch_json(row: WatchRow) -> dict[str, Any]:
         "signal": row.signal,
         "once": row.once,
         "created_at": row.created_at,
+    }
+
+
+def queue_item_json(item: QueueItem) -> dict[str, Any]:
+    """A waiting item: ``text`` to show, ``message`` whole (its media as references)."""
+    return {
+        "id": item.id,
+        "kind": item.kind,
+        "run_id": item.run_id,
+        "text": item.message.text,
+        "message": message_to_dict(item.message),
+        "created_at": item.created_at,
     }
 
 
@@ -352,15 +376,26 @@ class ProcessService:
         return [hil_json(r) for r in await proc.pending_approvals()]
 
     async def hil(
-        self, who: Principal, pid: str, request_id: str, *, decision: str, remember: bool = False
+        self,
+        who: Principal,
+        pid: str,
+        request_id: str,
+        *,
+        decision: str,
+        remember: bool = False,
+        message: str | None = None,
     ) -> dict[str, Any]:
+        """Answer a pending approval; ``message`` goes with deny, to the model (see ``Process.hil``).
+        The kernel checks it before touching anything, so a 400 leaves the request pending."""
         if decision not in ("approve", "deny"):
             raise ApiError(400, "invalid_request", "decision must be approve or deny")
         proc, _ = await self._process(who, pid)
         try:
-            await proc.hil(request_id, decision, remember=remember)
+            await proc.hil(request_id, decision, remember=remember, message=message)
         except KeyError:
             raise ApiError(404, "not_found", f"no pending approval {request_id!r} for process {pid!r}") from None
+        except (TypeError, ValueError) as exc:  # the message: too long, control characters, with approve
+            raise ApiError(400, "invalid_request", str(exc)) from None
         return {"request_id": request_id, "decision": decision, "remember": remember}
 
     async def reset(self, who: Principal, pid: str) -> dict[str, Any]:
@@ -443,6 +478,30 @@ class ProcessService:
         if not removed:
             raise ApiError(404, "not_found", f"no watch {watch_id!r} on process {pid!r}")
         return {"id": watch_id, "removed": True}
+
+    # -- the input queue --------------------------------------------------------------------------
+
+    async def queue(self, who: Principal, pid: str) -> list[dict[str, Any]]:
+        """The input waiting for the process, in the order it will be taken."""
+        proc, _ = await self._process(who, pid)
+        return [queue_item_json(i) for i in await proc.queued()]
+
+    async def withdraw(
+        self, who: Principal, pid: str, item_id: int | None = None, *, kind: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Withdraw waiting input (``Process.withdraw``): one item, a kind, or all the user's. A
+        named item that is not waiting (never was, or a run took it first) is a 404, so a client
+        knows it was not withdrawn."""
+        if item_id is not None and (isinstance(item_id, bool) or not 1 <= item_id <= MAX_SEQ):
+            raise ApiError(400, "invalid_request", f"item_id must be an integer from 1 to {MAX_SEQ}")
+        if kind is not None and kind not in QUEUE_KINDS:
+            raise ApiError(400, "invalid_request", f"kind must be one of {', '.join(QUEUE_KINDS)}")
+        proc, _ = await self._process(who, pid)
+        withdrawn = await proc.withdraw(item_id, kind=kind)  # type: ignore[arg-type]
+        if item_id is not None and not withdrawn:
+            what = f"no waiting {kind} item {item_id}" if kind else f"no waiting item {item_id}"
+            raise ApiError(404, "not_found", f"{what} on process {pid!r} (a run may have taken it)")
+        return [queue_item_json(i) for i in withdrawn]
 
 
 def _run_mode(mode: str) -> Mode:

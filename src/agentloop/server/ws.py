@@ -307,7 +307,8 @@ async def _hil(conn: Connection, args: dict[str, Any]) -> Any:
     pid, request_id = _id(args, "pid"), _id(args, "request_id")
     decision = _str(args, "decision")
     remember = _want(args, "remember", bool, "a boolean", False)
-    return await conn.service.hil(conn.user, pid, request_id, decision=decision, remember=remember)
+    message = _want(args, "message", str, "a string", None)
+    return await conn.service.hil(conn.user, pid, request_id, decision=decision, remember=remember, message=message)
 
 
 async def _approvals(conn: Connection, args: dict[str, Any]) -> Any:
@@ -377,6 +378,16 @@ async def _watch_remove(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.unwatch(conn.user, _id(args, "pid"), _id(args, "watch_id"))
 
 
+async def _queue_list(conn: Connection, args: dict[str, Any]) -> Any:
+    return {"items": await conn.service.queue(conn.user, _id(args, "pid"))}
+
+
+async def _queue_withdraw(conn: Connection, args: dict[str, Any]) -> Any:
+    pid, item_id = _id(args, "pid"), _opt_int(args, "item_id", minimum=1)
+    kind = _want(args, "kind", str, "a string", None)
+    return {"withdrawn": await conn.service.withdraw(conn.user, pid, item_id, kind=kind)}
+
+
 CALLS: dict[str, Call] = {
     "proc.spawn": Call(_spawn, mutates=True),
     "proc.list": Call(_list),
@@ -398,6 +409,8 @@ CALLS: dict[str, Call] = {
     "proc.watch.add": Call(_watch_add, mutates=True),
     "proc.watch.list": Call(_watch_list),
     "proc.watch.remove": Call(_watch_remove, mutates=True),
+    "proc.queue.list": Call(_queue_list),
+    "proc.queue.withdraw": Call(_queue_withdraw, mutates=True),
 }
 
 # Calls that change state keep running after their socket closes: referenced here until done.

@@ -399,6 +399,12 @@ export class ProcessView {
     card.append(el("strong", null, `Approve ${p.name}?`), el("span", null, tags), el("div", "reason", p.reason));
     card.append(el("pre", null, pretty(p.args)));
     const buttons = el("div", "buttons");
+    // Sent with Deny only: the model reads it as the user's words in the denied call's result.
+    const reason = el("input", "hil-reason");
+    reason.type = "text";
+    reason.maxLength = 2000;
+    reason.placeholder = "Reason for the model (sent with Deny)";
+    reason.setAttribute("aria-label", "Reason for the model, sent with Deny");
     const choices = [
       ["approve", "Approve", false],
       ["deny", "Deny", false],
@@ -410,6 +416,10 @@ export class ProcessView {
       button.addEventListener("click", () => this.answer(p.requestId, card, decision, remember));
       buttons.append(button);
     }
+    reason.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.isComposing) this.answer(p.requestId, card, "deny", false);
+    });
+    buttons.append(reason);
     card.append(buttons);
     this.approvals.set(p.requestId, card);
     $("approvals").append(card);
@@ -418,16 +428,20 @@ export class ProcessView {
   }
 
   async answer(requestId, card, decision, remember) {
-    for (const b of card.querySelectorAll("button")) b.disabled = true;
+    const controls = card.querySelectorAll("button, input");
+    for (const c of controls) c.disabled = true;
+    const body = { decision, remember };
+    const message = card.querySelector(".hil-reason").value.trim();
+    if (decision === "deny" && message) body.message = message;
     try {
       const path = procPath(this.pid, `/hil/${encodeURIComponent(requestId)}`);
-      await api("POST", path, { decision, remember });
+      await api("POST", path, body);
       this.dropApproval(requestId, card);
     } catch (err) {
       if (err instanceof ApiError && err.status === 404) this.dropApproval(requestId, card); // answered elsewhere
       else {
         status(`could not answer: ${err.message}`);
-        for (const b of card.querySelectorAll("button")) b.disabled = false;
+        for (const c of controls) c.disabled = false; // still pending: answer again
       }
     }
   }
