@@ -111,6 +111,16 @@ def agent_that_schedules(calls: list[dict[str, Any]]) -> Any:
     return brain
 
 
+async def _steps(proc: Any, n: int) -> list[str]:
+    """Send ``n`` messages one after another; the answer to each."""
+    answers = []
+    for i in range(n):
+        await proc.send(f"step {i}")
+        await proc.wait_idle()
+        answers.append((await proc.messages())[-1].text)
+    return answers
+
+
 async def test_the_agent_sets_lists_and_removes_its_own_reminders(tmp_path: Path) -> None:
     calls = [
         {"action": "add", "text": "check the deploy", "in_seconds": 3600, "name": "deploy"},
@@ -120,11 +130,7 @@ async def test_the_agent_sets_lists_and_removes_its_own_reminders(tmp_path: Path
     ]
     async with kernel(tmp_path, ScriptedModel(agent_that_schedules(calls)), schedule_tool=True) as k:
         proc = await k.spawn(owner="alice")
-        answers = []
-        for n in range(4):
-            await proc.send(f"step {n}")
-            await proc.wait_idle()
-            answers.append((await proc.messages())[-1].text)
+        answers = await _steps(proc, 4)
         rows = await k.schedules(proc.pid)
         calls.append({"action": "remove", "id": rows[0].id})
         await proc.send("remove")
@@ -147,11 +153,7 @@ async def test_bad_tool_input_is_an_error_the_model_sees_and_nothing_is_schedule
     ]
     async with kernel(tmp_path, ScriptedModel(agent_that_schedules(calls)), schedule_tool=True) as k:
         proc = await k.spawn(owner="alice")
-        answers = []
-        for n in range(4):
-            await proc.send(f"step {n}")
-            await proc.wait_idle()
-            answers.append((await proc.messages())[-1].text)
+        answers = await _steps(proc, 4)
         assert await k.schedules(proc.pid) == []
     assert all(a.startswith("error: ") for a in answers), answers
     assert "ISO 8601" in answers[0] and "not both" in answers[1] and "needs `text`" in answers[2]
