@@ -214,8 +214,8 @@ def test_the_default_tool_timeout_is_60_seconds() -> None:
 
 def test_the_built_in_tools_map_to_their_syscalls(tmp_path: Path) -> None:
     """§4: the model-visible built-ins map to syscalls Read→fs.read, Write→fs.write,
-    Edit→fs.edit, Delete→fs.delete, Search→fs.search, Shell→shell.exec, CodeMode→codemode.exec
-    (what approval policies and devices are matched against)."""
+    Edit→fs.edit, Delete→fs.delete, Search→fs.search, Shell→shell.exec, Fetch→net.fetch,
+    CodeMode→codemode.exec (what approval policies and devices are matched against)."""
     tools = {t.name: t for t in builtin_tools(tmp_path, codemode=True)}
     assert {name: syscall_of(t) for name, t in tools.items()} == {
         "Read": "fs.read",
@@ -224,6 +224,7 @@ def test_the_built_in_tools_map_to_their_syscalls(tmp_path: Path) -> None:
         "Delete": "fs.delete",
         "Search": "fs.search",
         "Shell": "shell.exec",
+        "Fetch": "net.fetch",
         "CodeMode": "codemode.exec",
     }
 

@@ -59,12 +59,15 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/processes/{pid}/watches"): {},
     ("POST", "/v1/processes/{pid}/watches"): {"json": {"source_pid": "{source_pid}"}},
     ("DELETE", "/v1/processes/{pid}/watches/{watch_id}"): {},
+    ("GET", "/v1/processes/{pid}/queue"): {},
+    ("DELETE", "/v1/processes/{pid}/queue"): {},
+    ("DELETE", "/v1/processes/{pid}/queue/{item_id}"): {},
 }
 
 
 def path_ids(alice: httpx.Client, path: str, pid: str) -> dict[str, str]:
-    """Ids a route's path or body names besides the pid: a schedule and a watch of alice's
-    process, and another of her processes to watch."""
+    """Ids a route's path or body names besides the pid: a schedule, a watch and a queued message
+    of alice's process, and another of her processes to watch."""
     source: str = alice.post("/v1/processes", json={}).json()["pid"]
     out = {"source_pid": source, "schedule_id": "no-such-schedule", "watch_id": "no-such-watch"}
     if "{schedule_id}" in path:
@@ -73,6 +76,10 @@ def path_ids(alice: httpx.Client, path: str, pid: str) -> dict[str, str]:
         ).json()["id"]
     if "{watch_id}" in path:
         out["watch_id"] = alice.post(f"/v1/processes/{pid}/watches", json={"source_pid": source}).json()["id"]
+    if "{item_id}" in path:  # input waiting behind a long run
+        alice.post(f"/v1/processes/{pid}/messages", json={"text": "sleep 30"})
+        alice.post(f"/v1/processes/{pid}/messages", json={"text": "later", "mode": "queue"})
+        out["item_id"] = str(alice.get(f"/v1/processes/{pid}/queue").json()["items"][0]["id"])
     return out
 
 
