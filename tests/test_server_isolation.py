@@ -36,9 +36,12 @@ PUBLIC = {("GET", "/v1/health")}
 RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/health"): {},
     ("GET", "/v1/me"): {},
+    ("GET", "/v1/usage"): {},
     ("GET", "/v1/devices"): {},
     ("GET", "/v1/openapi.json"): {},
     ("GET", "/v1/processes"): {},
+    ("GET", "/v1/approvals"): {},
+    ("GET", "/v1/events"): {"params": {"follow": "false"}},
     ("POST", "/v1/processes"): {"json": {"context": "matrix"}},
     ("GET", "/v1/processes/{pid}"): {},
     ("DELETE", "/v1/processes/{pid}"): {},
@@ -62,12 +65,15 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/processes/{pid}/queue"): {},
     ("DELETE", "/v1/processes/{pid}/queue"): {},
     ("DELETE", "/v1/processes/{pid}/queue/{item_id}"): {},
+    ("POST", "/v1/processes/{pid}/compact"): {"json": {}},
+    ("GET", "/v1/processes/{pid}/segments"): {},
+    ("GET", "/v1/processes/{pid}/segments/{segment_id}"): {"params": {"limit": 10}},
 }
 
 
 def path_ids(alice: httpx.Client, path: str, pid: str) -> dict[str, str]:
-    """Ids a route's path or body names besides the pid: a schedule, a watch and a queued message
-    of alice's process, and another of her processes to watch."""
+    """Ids a route's path or body names besides the pid: a schedule, a watch, a queued message and
+    a history segment of alice's process, and another of her processes to watch."""
     source: str = alice.post("/v1/processes", json={}).json()["pid"]
     out = {"source_pid": source, "schedule_id": "no-such-schedule", "watch_id": "no-such-watch"}
     if "{schedule_id}" in path:
@@ -80,6 +86,14 @@ def path_ids(alice: httpx.Client, path: str, pid: str) -> dict[str, str]:
         alice.post(f"/v1/processes/{pid}/messages", json={"text": "sleep 30"})
         alice.post(f"/v1/processes/{pid}/messages", json={"text": "later", "mode": "queue"})
         out["item_id"] = str(alice.get(f"/v1/processes/{pid}/queue").json()["items"][0]["id"])
+    if "{segment_id}" in path:  # a conversation a reset put away
+        alice.post(f"/v1/processes/{pid}/messages", json={"text": "hello"})
+        for _ in range(500):
+            if alice.get(f"/v1/processes/{pid}").json()["state"] == "idle":
+                break
+            time.sleep(0.01)
+        alice.post(f"/v1/processes/{pid}/reset")
+        out["segment_id"] = alice.get(f"/v1/processes/{pid}/segments").json()["segments"][0]["id"]
     return out
 
 
@@ -159,7 +173,7 @@ def expected(route: tuple[str, str], role: str) -> Callable[[int], bool]:
 def test_isolation(clients: dict[str, httpx.Client], route: tuple[str, str], role: str) -> None:
     method, path = route
     alice, caller = clients["owner"], clients[role]
-    pid, request_id = owned_process(alice, asking="{request_id}" in path)
+    pid, request_id = owned_process(alice, asking="{request_id}" in path or path == "/v1/approvals")
     ids = path_ids(alice, path, pid) if "{pid}" in path else {}
     before = alice.get(f"/v1/processes/{pid}").json()
     url = path.format(pid=pid, request_id=request_id, **ids)
@@ -181,12 +195,14 @@ def check_lists(route: tuple[str, str], role: str, resp: httpx.Response, pid: st
         owners = {p["owner"] for p in resp.json()["processes"]}
         assert owners <= {account}
         assert (pid in [p["pid"] for p in resp.json()["processes"]]) == (role == "owner")
+    elif route == ("GET", "/v1/approvals"):  # alice's process asks: in her inbox only
+        assert (pid in [r["pid"] for r in resp.json()["requests"]]) == (role == "owner")
     elif route == ("POST", "/v1/processes"):
         assert resp.json()["owner"] == account
     elif route == ("GET", "/v1/devices"):
         owners = {d["owner"] for d in resp.json()["devices"]}
         assert owners == ({"alice", "bob"} if role == "admin" else {account} if account != "admin" else set())
-    elif route == ("GET", "/v1/me"):
+    elif route in (("GET", "/v1/me"), ("GET", "/v1/usage")):  # the caller's own account only
         assert resp.json()["account"] == account
 
 

@@ -10,6 +10,8 @@ Every failure the server reports becomes a ``ClientError(status, code, message)`
 server nobody can reach (status 0, code ``unreachable``), so a caller handles one exception type.
 The event stream reconnects by itself after a dropped connection, sending ``Last-Event-ID`` so the
 server replays exactly the logged signals the client has not seen: nothing lost, nothing repeated.
+The account stream (``account_events``: approvals and run ends of all the account's processes) is
+live only, so it does not: list ``approvals()`` again, and reopen it, once it ends.
 """
 
 from __future__ import annotations
@@ -87,6 +89,15 @@ class StreamEvent(NamedTuple):
     seq: int | None
     signal: str
     payload: dict[str, Any]
+
+
+class AccountEvent(NamedTuple):
+    """One signal of the account stream: which process, what, and its seq in that process's log."""
+
+    pid: str
+    signal: str
+    payload: dict[str, Any]
+    seq: int | None
 
 
 def _segment(value: str) -> str:
@@ -250,6 +261,12 @@ class AgentloopClient:
         result: dict[str, Any] = await self._call("GET", "/v1/me")
         return result
 
+    async def usage(self) -> dict[str, Any]:
+        """``{"account", "usage": {input, output, total_tokens, cost, runs}}``: what the account's
+        processes (killed ones too) have spent over their finished runs."""
+        result: dict[str, Any] = await self._call("GET", "/v1/usage")
+        return result
+
     async def spawn(
         self, *, context: str | None = None, interactive: bool | None = None, cwd: str | None = None
     ) -> dict[str, Any]:
@@ -308,8 +325,13 @@ class AgentloopClient:
             data = await self._call("POST", f"/v1/processes/{_segment(pid)}/mode", body={"mode": mode})
         return str(data.get("mode"))
 
-    async def approvals(self, pid: str) -> list[dict[str, Any]]:
-        data = await self._call("GET", f"/v1/processes/{_segment(pid)}/hil")
+    async def approvals(self, pid: str | None = None, *, account: str | None = None) -> list[dict[str, Any]]:
+        """The pending approval requests of the process ``pid``; without one, of all the account's
+        processes, each with its ``pid`` (``account``: another account's, for an admin)."""
+        if pid is None:
+            data = await self._call("GET", "/v1/approvals", params={"account": account} if account else None)
+        else:
+            data = await self._call("GET", f"/v1/processes/{_segment(pid)}/hil")
         return list(data.get("requests", []))
 
     async def hil(
@@ -326,6 +348,30 @@ class AgentloopClient:
 
     async def reset(self, pid: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/reset", body={})
+        return result
+
+    async def compact(self, pid: str, instructions: str | None = None) -> dict[str, Any]:
+        """Summarise the history now (``POST …/compact``): ``{compacted, note, removed, tokens_before,
+        tokens_after, archive, segment_id}``. ``Conflict`` while a run is active."""
+        body = {"instructions": instructions} if instructions else {}
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/compact", body=body)
+        return result
+
+    async def segments(self, pid: str) -> list[dict[str, Any]]:
+        """What compactions, clearings and resets put away (``GET …/segments``), oldest first."""
+        data = await self._call("GET", f"/v1/processes/{_segment(pid)}/segments")
+        return list(data.get("segments", []))
+
+    async def segment(
+        self, pid: str, segment_id: str, *, limit: int = 100, before: int | None = None
+    ) -> dict[str, Any]:
+        """A page of one segment's archived messages: ``{segment, messages: [{index, message}],
+        next_before}`` (the newest page by default; ``NotFound`` for an unknown segment)."""
+        params: dict[str, Any] = {"limit": limit}
+        if before is not None:
+            params["before"] = before
+        path = f"/v1/processes/{_segment(pid)}/segments/{_segment(segment_id)}"
+        result: dict[str, Any] = await self._call("GET", path, params=params)
         return result
 
     async def kill(self, pid: str) -> dict[str, Any]:
@@ -413,12 +459,31 @@ class AgentloopClient:
         if after_seq:
             headers["Last-Event-ID"] = str(after_seq)
         params = {"after_seq": after_seq, "follow": "true" if follow else "false"}
+        path = f"/v1/processes/{_segment(pid)}/events"
+        async for frame in self._frames(path, params, headers, connected):
+            event = _event(*frame)
+            if event is not None:
+                yield event
+
+    async def account_events(self, *, connected: asyncio.Event | None = None) -> AsyncGenerator[AccountEvent, None]:
+        """The approvals asked and answered (``proc.changed`` naming "hil") and the runs finished
+        of all the account's processes, runs nobody follows included, as they happen. Live only,
+        one connection: it ends when the server ends it (a ``ClientError`` when the connection
+        fails); list ``approvals()`` once ``connected`` is set, and again after reopening it."""
+        headers = {"Accept": "text/event-stream"}
+        async for name, data, _ in self._frames("/v1/events", {}, headers, connected):
+            event = _account_event(name, data)
+            if event is not None:
+                yield event
+
+    async def _frames(
+        self, path: str, params: dict[str, Any], headers: dict[str, str], connected: asyncio.Event | None
+    ) -> AsyncIterator[tuple[str, str, str | None]]:
+        """The SSE frames of one connection to ``path``; errors (HTTP or network) become ``ClientError``."""
         timeout = httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT)
         parser = SSEParser()
         try:
-            async with self._http.stream(
-                "GET", f"/v1/processes/{_segment(pid)}/events", params=params, headers=headers, timeout=timeout
-            ) as response:
+            async with self._http.stream("GET", path, params=params, headers=headers, timeout=timeout) as response:
                 if response.status_code >= 300:
                     raise _error(response, await response.aread())
                 media_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -435,21 +500,24 @@ class AgentloopClient:
                     connected.set()
                 async for line in response.aiter_lines():
                     frame = parser.feed(line.rstrip("\r"))
-                    if frame is None:
-                        continue
-                    event = _event(*frame)
-                    if event is not None:
-                        yield event
+                    if frame is not None:
+                        yield frame
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
 
 
-def _event(name: str, data: str, event_id: str | None) -> StreamEvent | None:
+def _body(data: str) -> dict[str, Any] | None:
+    """An event's data, if it is the JSON object every event of the API carries."""
     try:
         body = json.loads(data)
     except ValueError:
         return None
-    if not isinstance(body, dict):
+    return body if isinstance(body, dict) else None
+
+
+def _event(name: str, data: str, event_id: str | None) -> StreamEvent | None:
+    body = _body(data)
+    if body is None:
         return None
     seq = body.get("seq")
     if not isinstance(seq, int) and event_id is not None and event_id.isdigit():
@@ -459,4 +527,20 @@ def _event(name: str, data: str, event_id: str | None) -> StreamEvent | None:
         seq if isinstance(seq, int) else None,
         str(body.get("signal") or name),
         payload if isinstance(payload, dict) else {},
+    )
+
+
+def _account_event(name: str, data: str) -> AccountEvent | None:
+    """An account stream event (no id: the seq, per process, is in its data), or None if it names
+    no process."""
+    body = _body(data)
+    pid = body.get("pid") if body is not None else None
+    if body is None or not isinstance(pid, str):
+        return None
+    seq, payload = body.get("seq"), body.get("payload")
+    return AccountEvent(
+        pid,
+        str(body.get("signal") or name),
+        payload if isinstance(payload, dict) else {},
+        seq if isinstance(seq, int) else None,
     )

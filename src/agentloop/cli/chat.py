@@ -42,11 +42,14 @@ from agentloop.cli.render import (
     play,
     prompt_manifest_lines,
     stderr_console,
+    usage_line,
 )
 from agentloop.kernel import Kernel, Process
 from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, MediaBlock, Message, user
 from agentloop.process import signals as sig
+from agentloop.process.api import RunActive
+from agentloop.process.compaction import CompactionError
 from agentloop.process.media import MediaError
 from agentloop.process.signals import Signal
 
@@ -55,6 +58,8 @@ HELP = (
     "/attach FILE adds an image, a PDF or a text file to your next message (/detach drops them) · "
     "/prompt shows what the last system prompt was built from · "
     "/queue lists input waiting to run (/queue clear withdraws yours) · "
+    "/compact [instructions] summarises the conversation now · "
+    "/usage shows what this conversation has cost · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -261,6 +266,32 @@ class ShowsPrompt(Protocol):
         """The newest ``proc.prompt.compiled`` payload of the conversation, or None."""
 
 
+@runtime_checkable
+class HasUsage(Protocol):
+    """A session whose process keeps usage totals (``/usage``)."""
+
+    async def usage(self) -> dict[str, Any]:
+        """The conversation's totals over its finished runs: ``{input, output, total_tokens, cost, runs}``."""
+
+
+class Compaction(NamedTuple):
+    """What ``/compact`` did, as it shows it: token counts are estimates of the history."""
+
+    compacted: bool
+    removed: int
+    tokens_before: int
+    tokens_after: int
+    note: str  # why nothing was compacted
+
+
+@runtime_checkable
+class Compacts(Protocol):
+    """A session whose process can summarise its history on demand (``/compact``)."""
+
+    async def compact(self, instructions: str | None) -> Compaction:
+        """Summarise the conversation now; ``instructions`` say what the summary must keep."""
+
+
 class Waiting(NamedTuple):
     """One item waiting in a conversation's input queue, as ``/queue`` shows it."""
 
@@ -403,8 +434,14 @@ class ChatRepl:
             if word == "/prompt":
                 self.show_prompt(ev)
                 return True
+            if word == "/compact":
+                self.compact(text[len(word) :].strip() or None, ev)
+                return True
             if word == "/queue":
                 self.show_queue(text[len(word) :].strip().lower(), ev)
+                return True
+            if word == "/usage":
+                self.show_usage(ev)
                 return True
             if word in ("/help", "/?"):
                 self.err.print(Text(HELP, style="dim"))
@@ -443,6 +480,39 @@ class ChatRepl:
             return
         for line in prompt_manifest_lines(manifest):
             self.err.print(Text(line, style="yellow" if line.startswith("warning: ") else "dim"))
+
+    def show_usage(self, ev: asyncio.AbstractEventLoop) -> None:
+        """``/usage``: what this conversation has cost so far (its process's totals, kept across
+        restarts and resets), so a user can see it without a server's admin."""
+        if not isinstance(self.session, HasUsage):
+            self.err.print(Text("(no usage totals: this chat keeps no process)", style="dim"))
+            return
+        try:
+            usage = ev.run_until_complete(self.session.usage())
+        except SessionError as exc:
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return
+        self.err.print(Text(f"({usage_line(usage)})", style="dim"))
+
+    def compact(self, instructions: str | None, ev: asyncio.AbstractEventLoop) -> None:
+        """``/compact [instructions]``: summarise the conversation now, to free the context before
+        it fills (or to refocus it); says how many tokens it took from how many."""
+        if not isinstance(self.session, Compacts):
+            self.err.print(Text("(no compaction: this chat keeps its conversation in memory)", style="dim"))
+            return
+        try:
+            done = ev.run_until_complete(self.session.compact(instructions))
+        except SessionError as exc:
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return
+        if not done.compacted:
+            self.err.print(Text(f"({one_line(done.note, 300)}; {done.tokens_before:,} tokens)", style="dim"))
+            return
+        summarised = f"{done.removed} message{'s' * (done.removed != 1)} summarised"
+        tokens = f"{done.tokens_before:,} → {done.tokens_after:,} tokens"
+        self.err.print(Text(f"(compacted: {summarised}, {tokens})", style="dim"))
 
     def show_queue(self, arg: str, ev: asyncio.AbstractEventLoop) -> None:
         """``/queue``: the input waiting to run, so a user sees what another window sent meanwhile;
@@ -706,6 +776,16 @@ class DurableSession:
 
     async def clear_queue(self) -> list[Waiting]:
         return [Waiting(i.id, i.kind, i.message.text) for i in await self.process.withdraw()]
+
+    async def usage(self) -> dict[str, Any]:
+        return (await self.process.info()).usage.as_dict()
+
+    async def compact(self, instructions: str | None) -> Compaction:
+        try:
+            done = await self.process.compact(instructions)
+        except (RunActive, CompactionError) as exc:
+            raise SessionError(f"not compacted: {exc}") from exc
+        return Compaction(done.compacted, done.removed, done.tokens_before, done.tokens_after, done.note)
 
     async def new(self) -> None:
         self.proc = await self.kernel.spawn(owner=self.owner, cwd=self.cwd, interactive=True)

@@ -22,7 +22,7 @@ import typer
 from rich.text import Text
 
 from agentloop.cli.approvals import Asker, Denial, Question
-from agentloop.cli.chat import SessionError, TurnOutcome, Waiting
+from agentloop.cli.chat import Compaction, SessionError, TurnOutcome, Waiting
 from agentloop.cli.config import Connection, load_connection
 from agentloop.cli.render import (
     SignalRenderer,
@@ -452,6 +452,28 @@ class RemoteSession:
             return [_waiting(item) for item in await self.client.withdraw(self.pid)]
         except ClientError as exc:
             raise SessionError(f"nothing was withdrawn: {exc.message}") from exc
+
+    async def compact(self, instructions: str | None) -> Compaction:
+        try:
+            done = await self.client.compact(self.pid, instructions)
+        except ClientError as exc:
+            raise SessionError(f"not compacted: {exc.message}") from exc
+
+        def count(key: str) -> int:  # (whatever the server sent)
+            value = done.get(key)
+            return value if isinstance(value, int) else 0
+
+        compacted, note = done.get("compacted") is True, str(done.get("note") or "not compacted")
+        return Compaction(compacted, count("removed"), count("tokens_before"), count("tokens_after"), note)
+
+    async def usage(self) -> dict[str, Any]:
+        try:
+            usage = (await self.client.process(self.pid)).get("usage")
+        except ClientError as exc:
+            raise SessionError(f"the usage was not read: {exc.message}") from exc
+        if not isinstance(usage, dict):
+            raise SessionError("this server keeps no usage totals (it is older than this client)")
+        return usage
 
     async def new(self) -> None:
         try:

@@ -311,6 +311,20 @@ class SignalRenderer:
         )
 
 
+def usage_line(usage: Mapping[str, Any], whose: str = "this conversation") -> str:
+    """Usage totals (``{input, output, total_tokens, cost, runs}``) as ``/usage`` shows them; the
+    cost only when the model has prices (a local model's is zero, not free of tokens)."""
+    runs = _count(usage.get("runs"))
+    if not runs:
+        return f"{whose}: no run has finished yet"
+    tokens, read, written = (_count(usage.get(k)) for k in ("total_tokens", "input", "output"))
+    parts = [f"{runs:,} run{'s' * (runs != 1)}", f"{tokens:,} tokens ({read:,} in, {written:,} out)"]
+    cost = usage.get("cost")
+    if isinstance(cost, int | float) and cost > 0:
+        parts.append(f"${cost:.4f}" if cost < 1 else f"${cost:,.2f}")
+    return f"{whose}: " + " · ".join(parts)
+
+
 def prompt_manifest_lines(manifest: Mapping[str, Any]) -> list[str]:
     """A ``proc.prompt.compiled`` payload as ``/prompt`` shows it: the prompt's size, digest and
     tool count, then one line per section (its size, whether a file was cut, its files and those

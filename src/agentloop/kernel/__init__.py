@@ -1,8 +1,18 @@
 """The kernel: durable processes behind one object (accounts, devices and routing come next)."""
 
 from agentloop.kernel.kernel import Kernel, Process
-from agentloop.process.api import Approval, Receipt
+from agentloop.process.api import Approval, Compacted, Receipt, RunActive
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessBusy
 
-__all__ = ["Approval", "Kernel", "NoSuchProcess", "Process", "ProcessBusy", "Receipt", "Signal"]
+__all__ = [
+    "Approval",
+    "Compacted",
+    "Kernel",
+    "NoSuchProcess",
+    "Process",
+    "ProcessBusy",
+    "Receipt",
+    "RunActive",
+    "Signal",
+]

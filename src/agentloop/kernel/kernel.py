@@ -32,6 +32,7 @@ from agentloop.kernel.memory_tool import memory_toolset
 from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
 from agentloop.kernel.schedule_tool import schedule_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
+from agentloop.kernel.segments import Segment, SegmentPage, list_segments, read_segment, record_reset
 from agentloop.kernel.tasks import task_toolset
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
 from agentloop.loop.state import Mode, check_mode
@@ -49,7 +50,7 @@ from agentloop.messages import (
 from agentloop.models.base import Model
 from agentloop.process import admission
 from agentloop.process import signals as sig
-from agentloop.process.api import ApprovalFn, Receipt, SendMode, ToolsetFn, new_id
+from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
@@ -62,6 +63,7 @@ from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
     MAX_SEQ,
+    HilRow,
     NoSuchProcess,
     ProcessBusy,
     ProcessRecord,
@@ -70,6 +72,7 @@ from agentloop.process.store import (
     Store,
     StoredMessage,
     StoreError,
+    UsageTotals,
     WatchRow,
     open_store,
 )
@@ -80,6 +83,7 @@ from agentloop.tools.builtin import builtin_tools
 log = logging.getLogger("agentloop.kernel")
 
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
+MAX_INSTRUCTIONS = 20_000  # characters of instructions a compaction asked for may give the summary model
 
 
 def _kernel_files(store: Store, data: Path) -> list[Path]:
@@ -302,6 +306,36 @@ class Process:
         already is not withdrawn, and not in the answer. See ``admission.withdraw``."""
         admission.check_withdrawal(item_id, kind)
         return await self.kernel.engine.withdraw(self.pid, item_id, kind)
+
+    async def compact(self, instructions: str | None = None) -> Compacted:
+        """Summarise the history now, as a run does when its context fills (``ProcessEngine.compact``):
+        the older part is archived and replaced by a summary, ``instructions`` telling the summary
+        model what to keep. Only while idle (``RunActive`` otherwise); ``Compacted.note`` says why
+        nothing was compacted (too short, a hook declined), a failure raises ``CompactionError``."""
+        if instructions is not None:
+            if not isinstance(instructions, str):
+                raise TypeError(f"instructions must be a string, got {type(instructions).__name__}")
+            if len(instructions) > MAX_INSTRUCTIONS:
+                raise ValueError(f"instructions are longer than {MAX_INSTRUCTIONS} characters")
+            check_plain_text(instructions, "instructions")
+        await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
+        return await self.kernel.engine.compact(self.pid, instructions=(instructions or "").strip() or None)
+
+    async def segments(self) -> list[Segment]:
+        """The parts of the history that compactions, clearings and resets put away, oldest first."""
+        return await list_segments(self.kernel.store, self.kernel.data_dir, await self.info())
+
+    async def segment(self, segment_id: str, limit: int = 100, before: int | None = None) -> SegmentPage:
+        """The archived messages of one segment: the last ``limit`` before position ``before``
+        (the newest page by default). ``NoSuchSegment`` for an id the process has no segment by."""
+        _check_position("limit", limit, 1)
+        if before is not None:
+            _check_position("before", before, 0)
+        if not isinstance(segment_id, str):
+            raise TypeError(f"segment_id must be a string, got {type(segment_id).__name__}")
+        return await read_segment(
+            self.kernel.store, self.kernel.data_dir, await self.info(), segment_id, limit=limit, before=before
+        )
 
     async def reset(self) -> Path | None:
         """Abort (with the runs of its descendants), archive the whole history, start an empty
@@ -602,6 +636,30 @@ class Kernel:
     async def processes(self, owner: str | None = None) -> list[ProcessRecord]:
         return await self.store.list_processes(owner)
 
+    async def usage(self, owner: str) -> UsageTotals:
+        """What ``owner``'s processes have spent over their finished runs, killed ones included
+        (a kill adds a process's totals to its owner's before it deletes the process)."""
+        return await self.store.account_usage(owner)
+
+    async def approvals(self, owner: str) -> list[HilRow]:
+        """The pending approval requests of every live process of ``owner``, oldest first: one
+        inbox, since a run nobody follows (a schedule's, a watch's, a subagent's) may ask too."""
+        return await self.store.account_hils(owner)
+
+    async def account_signals(self, owner: str) -> AsyncIterator[tuple[str, Signal]]:
+        """(pid, signal) for the approvals asked and answered and the runs ended of every process
+        of ``owner`` (``signals.for_account``), live from the first ``__anext__`` on: nothing is
+        replayed, ``approvals`` has what is pending. On a shared store, only the processes whose
+        steps commit through this kernel. Ends when the kernel closes, or when the reader falls
+        too far behind (it should list the approvals again)."""
+        hub = self.engine.hub
+        queue = hub.watch_account(owner)
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+        finally:
+            hub.unwatch_account(owner, queue)
+
     async def signal(self, pid: str, text: str, *, run_id: str | None = None) -> Receipt:
         """Inject a system event into a process (ahead of queued user input). Retrying with the
         same ``run_id`` returns the first receipt and delivers once."""
@@ -714,14 +772,19 @@ class Kernel:
         # history it keeps without its images
         if self.engine.leases is not None and not await self.engine.leases.hold(pid):
             raise ProcessBusy(pid, "reset")
-        history = [m.message for m in await self.store.history(pid)]
+        stored = await self.store.history(pid)
+        history = [m.message for m in stored]
         path = await self._archive(record, "reset", history, list(dropped.values())) if archive else None
         self.media.delete_process(record.owner, pid)
 
         # Reset drops the schedules and watches the process set up: they belong to the
         # conversation being archived, and an event about it would reach a process that no
         # longer knows why it asked. Watches on it stay: its watchers still follow it.
-        await self.engine.reset(pid, also=lambda: self._drop_subscriptions(pid))
+        async def also() -> Callable[[], None]:
+            await record_reset(self.store, self.data_dir, record, stored, path)  # (its segment row)
+            return await self._drop_subscriptions(pid)
+
+        await self.engine.reset(pid, also=also)
         if self.engine.memory is not None and history and not self._closing:
             task = asyncio.create_task(self._remember(record, history), name=f"memories of {pid}")
             self._remembering.add(task)

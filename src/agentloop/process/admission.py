@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 async def after_clearing(engine: ProcessEngine, pid: str) -> None:
     """Wait out a reset or kill of the process under way: input that arrived meanwhile goes to the
     conversation that follows it (or, after a kill, finds no process), never to the one being
-    cleared, where it would be lost or start a run the clearing does not know of."""
+    cleared, where it would be lost or start a run the clearing does not know of. A compaction
+    asked for holds the process too: input waits for the summary, and runs on it."""
     if pid in engine.clearing:
         async with engine.clearing.hold(pid):
             pass
@@ -155,8 +156,8 @@ async def promote(engine: ProcessEngine, live: _Live) -> None:
     between the look at the queue and its claim is passed over for the next one: left waiting,
     the rest would have nothing to start it."""
     pid = live.record.pid
-    # (a reset or kill under way promotes what it leaves once it is over)
-    while live.record.current_run is None and pid not in engine.discarding:
+    # (a reset, kill or compaction under way promotes what it leaves once it is over)
+    while live.record.current_run is None and pid not in engine.discarding and pid not in engine.compacting:
         queue = await engine.store.queue(pid) if live.queued else []
         if not queue:
             return

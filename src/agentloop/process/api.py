@@ -118,6 +118,30 @@ class Receipt:
     position: int = 0
 
 
+@dataclass(frozen=True)
+class Compacted:
+    """The answer to a compaction asked for (``ProcessEngine.compact``): whether the history was
+    summarised, and if not, why (``note``), so that a caller can tell "nothing worth compacting"
+    from a failure, which raises instead. Token counts are estimates of the history alone."""
+
+    compacted: bool
+    note: str = ""
+    removed: int = 0  # messages the summary replaced
+    tokens_before: int = 0
+    tokens_after: int = 0
+    archive: str | None = None  # the name of the archive that holds what was removed
+    segment_id: str | None = None  # its ``history_segments`` row
+
+
+class RunActive(ValueError):
+    """What was asked needs the process idle, and a run is under way: nothing was done; ask again
+    once it has finished (or abort it)."""
+
+    def __init__(self, pid: str, what: str) -> None:
+        super().__init__(f"process {pid} has a run under way; {what} needs it idle")
+        self.pid = pid
+
+
 def call_of(row: ToolCallRow | HilRow) -> ToolCall:
     """The model's tool call a pending-call or approval row stands for."""
     return ToolCall(id=row.tool_call_id, name=row.tool_name, arguments=row.args)

@@ -179,6 +179,21 @@ def read_archive(path: Path) -> tuple[dict[str, Any], list[Message]]:
     return header, messages
 
 
+def read_header(path: Path) -> dict[str, Any]:
+    """The header alone (what a listing shows: how many messages, the caller's ``meta``), without
+    reading the messages; ``ValueError`` as ``read_archive`` for a file that is not an archive."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8", newline="\n") as f:
+            header = json.loads(f.readline())
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"archive {path} is unreadable: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"archive {path} has no header: {exc}") from exc
+    _check_header(path, header)
+    assert isinstance(header, dict)
+    return header
+
+
 def _check_header(path: Path, header: Any) -> None:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"archive {path} has no {FORMAT} header")

@@ -23,7 +23,7 @@ from agentloop.messages import AssistantMessage, Message, SystemMessage, ToolCal
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
 from agentloop.process.admission import promote
-from agentloop.process.api import call_of, new_id
+from agentloop.process.api import Compacted, RunActive, call_of, new_id
 from agentloop.process.calls import (
     NOT_RUN_STOPPED,
     arm_deadline,
@@ -40,6 +40,8 @@ from agentloop.process.compaction import (
     CLEARING_MARGIN,
     Clearing,
     CompactionError,
+    CompactionReason,
+    CompactionResult,
     clear_tool_outputs,
     compact,
     context_tokens,
@@ -424,19 +426,38 @@ async def _compact_if_needed(
 async def _compact(
     engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, reason: Any
 ) -> dict[str, Any] | None:
-    """Summarise the older part of the history, archive it, then replace it by the summary.
-    Returns the run with the summary call's usage added (its guards count it like any model
-    call), or None when nothing was compacted. A failure leaves the history as it was."""
+    """Compact during a run (``summarise``). Returns the run with the summary call's usage added
+    (its guards count it like any model call), or None when nothing was compacted. A failure
+    leaves the history as it was."""
+    done, after = await summarise(engine, live, cfg, reason, run)
+    return after if done.compacted else None
+
+
+async def summarise(
+    engine: ProcessEngine,
+    live: _Live,
+    cfg: LoopConfig,
+    reason: CompactionReason,
+    run: dict[str, Any] | None,
+    instructions: str | None = None,
+) -> tuple[Compacted, dict[str, Any] | None]:
+    """Summarise the older part of the history, archive it, then replace it by the summary (in
+    one commit with its segment row and ``proc.compacted``). ``run``: the run it is made for, or
+    None for one asked for while the process is idle (``ProcessEngine.compact``), which must find
+    it still idle, its history as summarised, at the commit. Returns what it did and the run as it
+    stands afterwards. A failure leaves the history as it was: logged during a run, raised
+    (``CompactionError``, ``RunActive``) to whoever asked for it."""
     if engine.archive is None:
-        return None
+        return _unchanged(live, "not compacted: compaction is off (no archive to keep the history in)"), run
     pid = live.record.pid
     carry: dict[str, Any] = {}  # what the hooks want the summary to keep (``TurnInfo.carry``)
     if "pre_compaction" in cfg.hooks.phases:
-        info = TurnInfo(run["run_id"], run["turn"], live.history, cfg.system_prompt, cfg.tool_specs)
+        run_id, turn = (run["run_id"], run["turn"]) if run is not None else ("", 0)
+        info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs)
         blocked = await cfg.hooks.run_phase("pre_compaction", info)
         if blocked is not None:
             log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
-            return None
+            return _unchanged(live, f"not compacted: a pre_compaction hook declined: {blocked.reason}"), run
         carry = info.carry
     # a quarter of the room the history has (the window pressure is measured against, less the
     # prompt and tools: a quarter of the whole window can be near the threshold by itself, and
@@ -450,30 +471,46 @@ async def _compact(
     keep = int(room // 4)
     if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
         keep = min(keep, estimate_tokens(live.history) // 2)
+    if reason == "manual":  # asked for to free the context now, however full it is: keep a quarter
+        keep = min(keep, estimate_tokens(live.history) // 4)
     keep = max(256, keep)
     # (an overflow was measured by the provider: the summary is the surer cure)
-    if reason == "threshold" and engine.clear_tool_outputs and await _clear(engine, live, run, cfg, keep, fixed):
-        return run
+    clears = reason == "threshold" and engine.clear_tool_outputs
+    if clears and run is not None and await _clear(engine, live, run, cfg, keep, fixed):
+        return Compacted(True, "eased by clearing old tool outputs"), run
+    history = list(live.history)
     try:
-        result = await compact(list(live.history), cfg.model, keep_recent_tokens=keep, reason=reason, carry=carry)
+        result = await compact(
+            history, cfg.model, keep_recent_tokens=keep, reason=reason, instructions=instructions, carry=carry
+        )
     except CompactionError as exc:
+        if run is None:
+            raise
         log.warning("process %s: compaction failed, history unchanged: %s", pid, exc)
-        return None
-    if result is None or not result.still_applies(live.history):
-        return None
+        return _unchanged(live, str(exc)), run
+    if result is None:
+        return _unchanged(live, "nothing to compact: the conversation is too short"), run
+    if not result.still_applies(live.history):
+        return _unchanged(live, "not compacted: the history changed meanwhile"), run
     stored = await engine.store.history(pid)
     removed_ids = [m.id for m in stored[: len(result.removed)]]
+    name = f"compaction-{new_id()}"
     try:
-        where = await engine.archive(live.record, f"compaction-{new_id()}", result.removed, result.meta())
+        where = await engine.archive(live.record, name, result.removed, result.meta())
     except Exception as exc:  # (a full disk): the removed messages would have no copy; keep them
+        if run is None:
+            raise CompactionError(f"the compacted messages could not be archived: {exc}") from exc
         log.warning("process %s: compaction not archived, history unchanged: %s", pid, exc)
-        return None
+        return _unchanged(live, "not compacted: the archive could not be written"), run
     memory = await _remember(engine, live, result.memories)
+    segment_id, removed, summary = new_id(), len(result.removed), result.summary
     async with engine._tx(live) as tx:
-        summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], result.summary)
+        if run is None:
+            _still_idle(live, result)
+        summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], summary)
         await engine.store.add_segment(
             SegmentRow(
-                new_id(),
+                segment_id,
                 pid,
                 live.record.history_generation,
                 "compaction",
@@ -485,20 +522,46 @@ async def _compact(
         )
         await tx.signal(
             sig.COMPACTED,
-            runId=run["run_id"],
+            runId=run["run_id"] if run is not None else None,
             reason=reason,
-            removed=len(result.removed),
+            kind="summary",
+            removed=removed,
             tokensBefore=result.tokens_before,
             tokensAfter=result.tokens_after,
             archive=where,
             memory=memory,
         )
-        if _still_current(live, run["run_id"], run["generation"]):  # (not if an abort ended it meanwhile)
+        # (not if an abort ended it meanwhile)
+        if run is not None and _still_current(live, run["run_id"], run["generation"]):
             run = {**run, "usage": _spent(run["usage"], result.usage)}
             await tx.set_run(run)
-        history = result.history
-        tx.after.append(lambda: live.history.__setitem__(slice(None), history))
-    return run
+        # the tail as it is now: only the prefix the summary replaces was checked to be unchanged
+        tx.after.append(lambda: live.history.__setitem__(slice(0, removed), [summary]))
+    done = Compacted(
+        True,
+        removed=removed,
+        tokens_before=result.tokens_before,
+        tokens_after=result.tokens_after,
+        archive=name,
+        segment_id=segment_id,
+    )
+    return done, run
+
+
+def _unchanged(live: _Live, note: str) -> Compacted:
+    """A compaction that did nothing, and why; the history's size as it stays."""
+    tokens = estimate_tokens(live.history)
+    return Compacted(False, note, tokens_before=tokens, tokens_after=tokens)
+
+
+def _still_idle(live: _Live, result: CompactionResult) -> None:
+    """Inside the commit of a compaction asked for while idle: input that slipped in before the
+    process was held may have started a run (or a run's own compaction changed the history); the
+    summary then is not installed (its archive stays, an extra copy)."""
+    if live.record.current_run is not None:
+        raise RunActive(live.record.pid, "a compaction")
+    if not result.still_applies(live.history):
+        raise CompactionError("not compacted: the history changed meanwhile")
 
 
 async def _clear(
@@ -597,7 +660,7 @@ async def _finish(
     if live.approvals:
         await engine.store.kv_delete(pid, f"approved:{run_id}")
         await engine.store.kv_delete(pid, f"denied:{run_id}")  # a nested call's words (hil.py)
-    await tx.set_run(None)
+    await tx.end_run(run)
     answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
     if status == "ok" and not run["tool_calls"] and not run["turn"] and quiet_answer(run_id, answer):

@@ -47,11 +47,13 @@ from agentloop.process.api import (
     AbortedFn,
     ApprovalFn,
     ArchiveFn,
+    Compacted,
     CompiledPrompt,
     ConfigFn,
     MemoryFn,
     PromptFn,
     Receipt,
+    RunActive,
     SendMode,
     ToolsetFn,
     approve_everything,
@@ -67,12 +69,12 @@ from agentloop.process.calls import (
     settle,
     signal_finished,
 )
-from agentloop.process.driver import drive, fail_run, signal_run_finished
+from agentloop.process.driver import drive, fail_run, signal_run_finished, summarise
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.signals import SignalHub
-from agentloop.process.store import NoSuchProcess, ProcessRecord, QueueItem, Store, ToolCallRow
+from agentloop.process.store import NoSuchProcess, ProcessBusy, ProcessRecord, QueueItem, Store, ToolCallRow
 from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 from agentloop.tools.base import BackgroundRefused, background_group
@@ -180,11 +182,14 @@ class ProcessEngine:
         # background work a reset or kill stopped, until it has ended: ``close`` waits for it too
         # (a command's group is killed after a grace, which shutdown must not cut short)
         self._ending: set[asyncio.Task[None]] = set()
-        # held by a reset or kill from its abort to its last commit: input for the process waits
-        # (see ``admission.after_clearing``), so no run starts in between to be cleared or lost
+        # held by a reset or kill from its abort to its last commit, and by a compaction asked for
+        # (``compact``): input for the process waits (see ``admission.after_clearing``), so no run
+        # starts in between to be cleared or lost, or to find its history replaced under it
         self.clearing = KeyedLocks()
         # pid -> the last queued item the reset or kill under way discards (see ``clear``)
         self.discarding: dict[str, int] = {}
+        # processes a compaction asked for is summarising (see ``compact``): nothing queued starts
+        self.compacting: set[str] = set()
         # several workers may share the store: ``worker`` names this one in its leases
         self.leases = Leases(self, owner=worker, ttl=lease_ttl, poll=poll_interval) if store.shared else None
 
@@ -494,6 +499,32 @@ class ProcessEngine:
             await tx.signal(sig.CHANGED, changes=["messages", "reset"])
         if self.leases is not None:
             self.leases.idle(pid)
+
+    async def compact(self, pid: str, *, instructions: str | None = None) -> Compacted:
+        """Summarise the history now (reason ``manual``; ``instructions`` go to the summary model),
+        the same way a run compacts it: archive, then the swap with its segment row and
+        ``proc.compacted``. Only while idle (``RunActive``); a failure raises ``CompactionError``
+        and leaves the history as it was. The process is held as a reset holds it (``clearing``):
+        input sent meanwhile waits, then runs on the compacted history; input another worker
+        queues is promoted once it is over. On a shared store ``ProcessBusy`` while another
+        worker will not let the process go."""
+        async with self.clearing.hold(pid):
+            self.compacting.add(pid)  # (first: from here the lease of the idle process is kept)
+            try:
+                if self.leases is not None and not await self.leases.hold(pid):
+                    raise ProcessBusy(pid, "compaction")
+                live = await self.live(pid)
+                if live.record.current_run is not None:
+                    raise RunActive(pid, "a compaction")
+                done, _ = await summarise(self, live, self.process_config(live.record), "manual", None, instructions)
+            finally:
+                self.compacting.discard(pid)
+        if not live.remote and not live.lost:  # what another worker queued meanwhile (see ``clear``)
+            live.queued = len(await self.store.queue(pid))
+            await admission.promote(self, live)
+        if self.leases is not None and live.record.current_run is None:
+            self.leases.idle(pid)  # (let go of once nothing waits, as after a run)
+        return done
 
     # -- leases (see lease.py) --------------------------------------------------------------------
 
@@ -839,7 +870,7 @@ class ProcessEngine:
             await self.store.kv_delete(pid, f"denied:{active}")
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
-            await tx.set_run(None)
+            await tx.end_run(run)
             await signal_run_finished(tx, live, run, "aborted", reason, queued=queued)
         return True
 
@@ -890,4 +921,5 @@ class ProcessEngine:
             await self.leases.stop()
         for pid in list(self._live):
             self.hub.close(pid)  # followers' streams end instead of waiting forever
+        self.hub.close_accounts()
         self._live.clear()

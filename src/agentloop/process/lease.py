@@ -230,8 +230,8 @@ class Leases:
                 await engine.promote(live)
             return
         epoch = self.held.get(pid)
-        if epoch is None or (live is not None and not idle_now(live)):
-            return  # work arrived meanwhile
+        if epoch is None or pid in engine.compacting or (live is not None and not idle_now(live)):
+            return  # work arrived meanwhile (a compaction asked for lets it go when it is over)
         # no await from the check to here: a send of this worker either came before (and is
         # seen above) or comes after and claims the lease anew (a new epoch this release leaves)
         del self.held[pid]

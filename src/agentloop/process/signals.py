@@ -59,12 +59,27 @@ KEPT_SIGNALS = 10_000
 PRUNE_EVERY = 1_000
 
 
+def for_account(signal: Signal) -> bool:
+    """Whether an account's stream carries ``signal``: approvals asked and answered (or dropped:
+    ``proc.changed`` naming "hil") and runs that ended, so that one inbox can show what every
+    process of the account waits for, runs nobody follows included (a schedule's, a subagent's)."""
+    if signal.signal == CHANGED:
+        return "hil" in signal.payload.get("changes", ())
+    return signal.signal in (HIL_REQUESTED, RUN_FINISHED)
+
+
+AccountQueue = asyncio.Queue[tuple[str, Signal] | None]
+
+
 @dataclass
 class SignalHub:
     """Fan-out of signals to live watchers, per process. Committed signals are announced after
     their transaction commits, so a watcher never sees a signal the log does not have."""
 
     _watchers: dict[str, set[asyncio.Queue[Signal | None]]] = field(default_factory=lambda: defaultdict(set))
+    # owner -> its account's watchers (``watch_account``): they get (pid, signal) of every process
+    # of the owner's that ``publish`` is told the owner of
+    _accounts: dict[str, set[AccountQueue]] = field(default_factory=dict)
     # Called with every published signal of every process, once it is durable (the kernel's
     # signal watches): they must be cheap, synchronous and never raise, since they run in the
     # callback that settles a step's commit, for stream deltas too.
@@ -94,16 +109,60 @@ class SignalHub:
     def watching(self, pid: str) -> bool:
         return bool(self._watchers.get(pid))
 
-    def publish(self, pid: str, signal: Signal) -> None:
+    def watch_account(self, owner: str) -> AccountQueue:
+        """A queue of (pid, signal) for the ``for_account`` signals of ``owner``'s processes from
+        now on: live only, nothing is replayed (the store has what is pending). None ends it: the
+        hub closed, or the watcher fell ``BACKLOG`` behind and should read the store again."""
+        queue: AccountQueue = asyncio.Queue(maxsize=BACKLOG)
+        self._accounts.setdefault(owner, set()).add(queue)
+        return queue
+
+    def unwatch_account(self, owner: str, queue: AccountQueue) -> None:
+        watchers = self._accounts.get(owner)
+        if watchers is not None:
+            watchers.discard(queue)
+            if not watchers:
+                del self._accounts[owner]
+
+    def publish(self, pid: str, signal: Signal, owner: str | None = None) -> None:
+        """Announce ``signal``; with its process's ``owner``, to the owner's account watchers too.
+        The steps this worker commits give it; what is read from the log or relayed for a process
+        another worker holds (a shared store) comes without, and reaches process watchers only."""
         for queue in self._watchers.get(pid, ()):
             _put(queue, signal)
+        if owner is not None and self._accounts:  # the hot path's only cost while nobody watches an account
+            self._to_account(owner, pid, signal)
         for listener in self._taps:
             listener(pid, signal)
+
+    def _to_account(self, owner: str, pid: str, signal: Signal) -> None:
+        watchers = self._accounts.get(owner)
+        if not watchers or not for_account(signal):
+            return
+        for queue in list(watchers):
+            if queue.full():  # fallen too far behind: ended, so that it reads the inbox again
+                self.unwatch_account(owner, queue)
+                _end(queue)
+            else:
+                queue.put_nowait((pid, signal))
+
+    def close_accounts(self) -> None:
+        """Shutting down: end every account watcher's stream."""
+        accounts, self._accounts = self._accounts, {}
+        for watchers in accounts.values():
+            for queue in watchers:
+                _end(queue)
 
     def close(self, pid: str) -> None:
         """The process is gone: end every watcher's stream."""
         for queue in self._watchers.pop(pid, set()):
             _put(queue, None)
+
+
+def _end(queue: AccountQueue) -> None:
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(None)
 
 
 def _put(queue: asyncio.Queue[Signal | None], item: Signal | None) -> None:

@@ -18,8 +18,9 @@ from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
 from agentloop.process.media import is_stored
 from agentloop.process.signals import Signal
-from agentloop.process.store import ProcessRecord, StoreError
+from agentloop.process.store import ProcessRecord, StoreError, UsageTotals
 from agentloop.process.store.base import ProcessState, QueueKind
+from agentloop.process.store.common import usage_columns
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -88,22 +89,38 @@ class _Tx:
         if not self.live.media and any(_has_media(m) for m in messages):
             self.after.append(lambda: setattr(self.live, "media", True))
 
-    async def set_run(self, run: dict[str, Any] | None) -> None:
+    async def set_run(self, run: dict[str, Any] | None, usage: UsageTotals | None = None) -> None:
+        """Write the active run's record (None: no run); ``usage``, the process's new totals, in
+        the same UPDATE of its registry row."""
         current = self.live.record.current_run
         if run is not None and current is not None and current.get("stopping") and current["run_id"] == run["run_id"]:
             run = {**run, "stopping": True}  # asked while a step was under way: its record keeps the request
         state: ProcessState = "running" if run is not None else "idle"
-        await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
+        if usage is None:
+            await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
+        else:
+            await self.engine.store.update_process(
+                self.live.record.pid, current_run=run, state=state, **usage_columns(usage)
+            )
 
         def apply() -> None:
             live = self.live
             live.record.current_run = run
             live.record.state = state
+            if usage is not None:
+                live.record.usage = usage
             if run is None:  # the run's own configuration and prompt end with it (idle processes keep none)
                 live.config = live.prompt = None
                 self.engine._compiled.pop(live.record.pid, None)  # (a run that ended before it answered)
 
         self.after.append(apply)
+
+    async def end_run(self, run: dict[str, Any]) -> None:
+        """End ``run`` (its record as it stands at its end): no active run, and the process's
+        usage totals grown by the run's, whatever its status (an aborted or failed run's model
+        calls were billed too), in the one registry UPDATE the end writes anyway. This engine is
+        the process's only writer, so its cached totals are the stored ones."""
+        await self.set_run(None, self.live.record.usage.plus(run["usage"]))
 
     async def start_run(
         self, message: Message, reason: str, run_id: str | None = None, *, queued: int | None = None
@@ -142,9 +159,9 @@ class _Tx:
         for effect in self.durable:
             effect()
         if self.signals:
-            publish, pid = self.engine.hub.publish, live.record.pid
+            publish, pid, owner = self.engine.hub.publish, live.record.pid, live.record.owner
             for s in self.signals:
-                publish(pid, s)
+                publish(pid, s, owner)
             live.seq = max(live.seq, self.signals[-1].seq or 0)
         if live.record.current_run is None:
             live.idle.set()

@@ -27,10 +27,10 @@ from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import ChatRequest
 from agentloop.server.errors import ApiError
-from agentloop.server.events import open_stream
+from agentloop.server.events import open_account_stream, open_stream
 from agentloop.server.http_errors import internal_error, invalid, validation_error
 from agentloop.server.openapi import Endpoint, document
-from agentloop.server.service import MAX_HISTORY_PAGE, MEDIA_TYPES, MODES, QUEUE_KINDS, RUN_MODES
+from agentloop.server.service import MAX_HISTORY_PAGE, MAX_INSTRUCTIONS, MEDIA_TYPES, MODES, QUEUE_KINDS, RUN_MODES
 from agentloop.server.strict_json import finite
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -125,14 +125,33 @@ class EmptyBody(Body):
     pass
 
 
+class CompactBody(Body):
+    instructions: str | None = Field(
+        None, max_length=MAX_INSTRUCTIONS, description="What the summary must keep or focus on, for the summary model."
+    )
+
+
 class HistoryQuery(Query):
     limit: int = Field(100, ge=1, le=MAX_HISTORY_PAGE)
     before: int | None = Field(None, ge=0, le=MAX_SEQ, description="A message id: the page ends before it.")
 
 
+class SegmentQuery(Query):
+    limit: int = Field(100, ge=1, le=MAX_HISTORY_PAGE)
+    before: int | None = Field(None, ge=0, le=MAX_SEQ, description="An archive position: the page ends before it.")
+
+
 class EventsQuery(Query):
     after_seq: int = Field(0, ge=0, le=MAX_SEQ, description="Send logged signals after this seq.")
     follow: bool = Field(True, description="Keep the stream open for live signals after the backlog.")
+
+
+class ApprovalsQuery(Query):
+    account: str | None = Field(None, min_length=1, max_length=128, description="Admins only: that account's.")
+
+
+class AccountEventsQuery(Query):
+    follow: bool = Field(True, description="false: answer at once, sending nothing (the stream is live only).")
 
 
 class WithdrawQuery(Query):
@@ -159,6 +178,21 @@ class MeOut(Answer):
     admin: bool
 
 
+class UsageOut(Answer):
+    """Usage over finished runs, whatever their status (an aborted run's model calls count)."""
+
+    input: int = Field(description="Input tokens.")
+    output: int = Field(description="Output tokens.")
+    total_tokens: int
+    cost: float = Field(description="Dollars, at the model's catalog prices.")
+    runs: int = Field(description="Runs finished (ok, error or aborted).")
+
+
+class UsageAnswer(Answer):
+    account: str
+    usage: UsageOut = Field(description="The account's processes, live and killed.")
+
+
 class ProcessOut(Answer):
     pid: str
     owner: str
@@ -170,6 +204,7 @@ class ProcessOut(Answer):
     run_id: str | None
     created_at: float
     updated_at: float
+    usage: UsageOut = Field(description="The process's finished runs; a reset keeps it.")
 
 
 class ProcessList(Answer):
@@ -227,6 +262,14 @@ class ApprovalList(Answer):
     requests: list[ApprovalRequest]
 
 
+class AccountApproval(ApprovalRequest):
+    pid: str = Field(description="The process that asks.")
+
+
+class AccountApprovalList(Answer):
+    requests: list[AccountApproval] = Field(description="Oldest first.")
+
+
 class DecisionOut(Answer):
     request_id: str
     decision: Literal["approve", "deny"]
@@ -236,6 +279,41 @@ class DecisionOut(Answer):
 class ResetOut(Answer):
     pid: str
     archived: bool
+
+
+class CompactOut(Answer):
+    compacted: bool
+    note: str | None = Field(description="Why nothing was compacted (too short, a hook declined); null when it was.")
+    removed: int = Field(description="Messages the summary replaced.")
+    tokens_before: int = Field(description="The history's estimated tokens before.")
+    tokens_after: int
+    archive: str | None = Field(description="The archive's name (see segments).")
+    segment_id: str | None
+
+
+class SegmentOut(Answer):
+    id: str
+    kind: Literal["compaction", "clearing", "reset"]
+    reason: str | None = Field(description="A compaction's: threshold, overflow or manual; reset for a reset.")
+    created_at: float
+    generation: int = Field(description="The history generation it was taken from (each reset starts one).")
+    messages: int | None = Field(description="How many its archive holds; null when the archive cannot be read.")
+    archive: str | None
+
+
+class SegmentList(Answer):
+    segments: list[SegmentOut] = Field(description="Oldest first.")
+
+
+class ArchivedMessageOut(Answer):
+    index: int = Field(description="Its position in the archive, from 0.")
+    message: dict[str, Any] = Field(description="agentloop's message format (message_to_dict).")
+
+
+class SegmentPageOut(Answer):
+    segment: SegmentOut
+    messages: list[ArchivedMessageOut]
+    next_before: int | None
 
 
 class ScheduleOut(Answer):
@@ -440,6 +518,10 @@ async def me(call: Call) -> dict[str, Any]:
     return {"account": call.principal.account, "admin": call.principal.admin}
 
 
+async def usage(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.usage(call.principal)
+
+
 async def spawn(call: Call) -> dict[str, Any]:
     body = call.parsed(SpawnBody, call.body)
     media = [m.model_dump() for m in body.media] if body.media else None
@@ -520,6 +602,16 @@ async def approvals(call: Call) -> dict[str, Any]:
     return {"requests": await call.ctx.processes.approvals(call.principal, call.param("pid"))}
 
 
+async def account_approvals(call: Call) -> dict[str, Any]:
+    query = call.parsed(ApprovalsQuery, call.query)
+    return {"requests": await call.ctx.processes.account_approvals(call.principal, query.account)}
+
+
+async def account_events(call: Call) -> Response:
+    query = call.parsed(AccountEventsQuery, call.query)
+    return await open_account_stream(call.ctx, call.principal, follow=query.follow)
+
+
 async def decide(call: Call) -> dict[str, Any]:
     body = call.parsed(HilBody, call.body)
     return await call.ctx.processes.hil(
@@ -534,6 +626,21 @@ async def decide(call: Call) -> dict[str, Any]:
 
 async def reset(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.reset(call.principal, call.param("pid"))
+
+
+async def compact(call: Call) -> dict[str, Any]:
+    body = call.parsed(CompactBody, call.body)
+    return await call.ctx.processes.compact(call.principal, call.param("pid"), instructions=body.instructions)
+
+
+async def segments(call: Call) -> dict[str, Any]:
+    return {"segments": await call.ctx.processes.segments(call.principal, call.param("pid"))}
+
+
+async def segment(call: Call) -> dict[str, Any]:
+    query = call.parsed(SegmentQuery, call.query)
+    pid, segment_id = call.param("pid"), call.param("segment_id")
+    return await call.ctx.processes.segment(call.principal, pid, segment_id, limit=query.limit, before=query.before)
 
 
 async def signal_event(call: Call) -> dict[str, Any]:
@@ -618,6 +725,7 @@ _P = "/v1/processes/{pid}"
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/v1/health", "Liveness; needs no token.", health, answer=HealthOut, auth=False),
     Endpoint("GET", "/v1/me", "The caller's account.", me, answer=MeOut),
+    Endpoint("GET", "/v1/usage", "What the caller's account has spent.", usage, answer=UsageAnswer),
     Endpoint(
         "POST",
         "/v1/processes",
@@ -694,6 +802,30 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "POST",
+        f"{_P}/compact",
+        "Summarise the history now (idle only): the older part is archived, a summary takes its place.",
+        compact,
+        body=CompactBody,
+        answer=CompactOut,
+        errors=(409, 502),
+    ),
+    Endpoint(
+        "GET",
+        f"{_P}/segments",
+        "What compactions, clearings and resets put away (archived), oldest first.",
+        segments,
+        answer=SegmentList,
+    ),
+    Endpoint(
+        "GET",
+        f"{_P}/segments/{{segment_id}}",
+        "A page of one segment's archived messages, oldest first; next_before pages back.",
+        segment,
+        query=SegmentQuery,
+        answer=SegmentPageOut,
+    ),
+    Endpoint(
+        "POST",
         f"{_P}/events",
         "Inject a system event (ahead of queued user input; starts a run when idle).",
         signal_event,
@@ -748,6 +880,25 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         withdraw_item,
         query=WithdrawQuery,
         answer=WithdrawnOut,
+    ),
+    Endpoint(
+        "GET",
+        "/v1/approvals",
+        "Pending approval requests of all the caller's processes, each with its pid.",
+        account_approvals,
+        query=ApprovalsQuery,
+        answer=AccountApprovalList,
+        errors=(403,),
+    ),
+    Endpoint(
+        "GET",
+        "/v1/events",
+        "Live only: approvals asked and answered (proc.changed with hil) and runs finished, of all the caller's"
+        " processes.",
+        account_events,
+        query=AccountEventsQuery,
+        stream=EventOut,
+        errors=(503,),
     ),
     Endpoint("GET", "/v1/devices", "Connected devices: the caller's (all for admins).", devices, answer=DeviceList),
     Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),

@@ -1,4 +1,5 @@
-"""``GET /v1/processes/{pid}/events``: a process's signals as Server-Sent Events.
+"""``GET /v1/processes/{pid}/events``: a process's signals as Server-Sent Events; and
+``GET /v1/events``, the account stream (the approvals and run ends of all the caller's processes).
 
 The stream is a view on ``Process.signals``: logged signals carry ``id: <seq>`` so a client that
 reconnects with ``Last-Event-ID`` continues exactly where it stopped; live-only progress has no
@@ -10,15 +11,18 @@ generator has to wait "for the next signal, or a heartbeat's worth of silence, o
 cancelling a wait on a generator's ``__anext__`` would end that generator. Cancelling a
 ``Queue.get`` loses nothing, and cancelling the pump closes ``Process.signals`` (whose
 ``finally`` unwatches) in the pump's own task.
+
+The account stream is live only: its frames have no ``id``, since seqs are per process and there
+is no account log to resume; a client lists ``GET /v1/approvals`` whenever it (re)connects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import SendTimeoutError
@@ -34,6 +38,7 @@ from agentloop.server.service import signal_json
 from agentloop.server.strict_json import json_text
 
 _END = object()  # the pump's last item: the backlog ran out (follow=false), the process is gone, or shutdown
+T = TypeVar("T")
 
 
 def event_data(pid: str, signal: Signal) -> dict[str, Any]:
@@ -49,11 +54,17 @@ def frame(pid: str, signal: Signal) -> ServerSentEvent:
     )
 
 
+def account_frame(item: tuple[str, Signal]) -> ServerSentEvent:
+    """A frame of the account stream: the process stream's, without an id (nothing to resume)."""
+    pid, signal = item
+    return ServerSentEvent(data=json_text(event_data(pid, signal)), event=signal.signal)
+
+
 BUFFER = 256  # signals read ahead of a slow client; beyond it, reading the backlog waits for the client
 SEND_TIMEOUT = 30.0  # seconds one event (or ping) may take to leave; a client that stops reading is dropped
 
 
-async def _pump(pid: str, signals: AsyncIterator[Signal], out: asyncio.Queue[Any]) -> None:
+async def _pump(pid: str, signals: AsyncIterator[T], out: asyncio.Queue[Any]) -> None:
     try:
         async with aclosing(signals):  # type: ignore[type-var]  # an async generator at runtime
             async for signal in signals:
@@ -73,14 +84,26 @@ async def _on_stop(stopping: asyncio.Event, out: asyncio.Queue[Any]) -> None:
         out.put_nowait(_END)
 
 
-async def frames(
+def frames(
     ctx: ServerContext, pid: str, signals: AsyncIterator[Signal], who: Principal | None = None
+) -> AsyncIterator[ServerSentEvent]:
+    """SSE frames for a process's ``signals`` (see ``_frames``)."""
+    return _frames(ctx, pid, signals, who, lambda signal: frame(pid, signal))
+
+
+async def _frames(
+    ctx: ServerContext,
+    name: str,
+    signals: AsyncIterator[T],
+    who: Principal | None,
+    render: Callable[[T], ServerSentEvent],
 ) -> AsyncIterator[ServerSentEvent]:
     """SSE frames for ``signals``, with a ``: ping`` comment after every ``ctx.heartbeat`` seconds of
     silence, until the signals end or ``ctx.stopping`` is set; and, every heartbeat, a check that
-    ``who``'s token is still valid (a revoked token ends the stream)."""
+    ``who``'s token is still valid (a revoked token ends the stream). ``name`` is the stream's in
+    logs: its pid, or ``account <account>``."""
     items: asyncio.Queue[Any] = asyncio.Queue(BUFFER)
-    pump = asyncio.create_task(_pump(pid, signals, items))
+    pump = asyncio.create_task(_pump(name, signals, items))
     stop = asyncio.create_task(_on_stop(ctx.stopping, items))
     loop = asyncio.get_running_loop()
     check_at = loop.time() + ctx.heartbeat
@@ -101,7 +124,7 @@ async def frames(
                 item = items.get_nowait()
             if item is _END:
                 return
-            yield frame(pid, item)
+            yield render(item)
     finally:  # also on a client disconnect (CancelledError) or the response closing us
         pump.cancel()
         stop.cancel()
@@ -136,3 +159,18 @@ async def open_stream(
         raise ApiError(503, "unavailable", "the server is shutting down")
     signals = await ctx.processes.signals(who, pid, after_seq=after_seq, follow=follow)
     return _EventStream(frames(ctx, pid, signals, who), pid)
+
+
+async def _nothing() -> AsyncIterator[tuple[str, Signal]]:
+    return
+    yield  # (an async generator that ends at once)
+
+
+async def open_account_stream(ctx: ServerContext, who: Principal, *, follow: bool) -> EventSourceResponse:
+    """The caller's account stream; ``follow=false`` ends it at once (no log to send first), which
+    tells a client the stream may be opened without holding it."""
+    if ctx.stopping.is_set():
+        raise ApiError(503, "unavailable", "the server is shutting down")
+    signals = ctx.processes.account_signals(who) if follow else _nothing()
+    name = f"account {who.account}"
+    return _EventStream(_frames(ctx, name, signals, who, account_frame), name)

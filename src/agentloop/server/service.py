@@ -22,10 +22,12 @@ from agentloop.images import image_size, sniff_image
 from agentloop.kernel import Kernel, NoSuchProcess, Process
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
+from agentloop.kernel.segments import NoSuchSegment, Segment, SegmentPage
 from agentloop.kernel.watches import WatchError
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
-from agentloop.process.api import Receipt, SendMode
+from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
+from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge
 from agentloop.process.signals import Signal
@@ -42,7 +44,7 @@ from agentloop.process.store import (
 )
 from agentloop.process.store.base import QueueKind
 from agentloop.server.auth import Principal
-from agentloop.server.errors import ApiError
+from agentloop.server.errors import ApiError, safe_message
 from agentloop.server.ratelimit import InputRate
 
 MODES: tuple[str, ...] = get_args(SendMode)
@@ -53,6 +55,7 @@ MEDIA_TYPES = (*IMAGE_TYPES, *FILE_TYPES)
 MAX_TEXT = 200_000
 MAX_CONTEXT = 64_000
 MAX_HISTORY_PAGE = 500
+MAX_INSTRUCTIONS = 20_000  # characters of a compaction's instructions (``kernel.MAX_INSTRUCTIONS``)
 
 
 def process_json(record: ProcessRecord) -> dict[str, Any]:
@@ -68,6 +71,7 @@ def process_json(record: ProcessRecord) -> dict[str, Any]:
         "run_id": run["run_id"] if run else None,
         "created_at": record.created_at,
         "updated_at": record.updated_at,
+        "usage": record.usage.as_dict(),
     }
 
 
@@ -125,6 +129,35 @@ def queue_item_json(item: QueueItem) -> dict[str, Any]:
         "message": message_to_dict(item.message),
         "created_at": item.created_at,
     }
+
+
+def compacted_json(done: Compacted) -> dict[str, Any]:
+    return {
+        "compacted": done.compacted,
+        "note": done.note or None,
+        "removed": done.removed,
+        "tokens_before": done.tokens_before,
+        "tokens_after": done.tokens_after,
+        "archive": done.archive,
+        "segment_id": done.segment_id,
+    }
+
+
+def segment_json(segment: Segment) -> dict[str, Any]:
+    return {
+        "id": segment.id,
+        "kind": segment.kind,
+        "reason": segment.reason,
+        "created_at": segment.created_at,
+        "generation": segment.generation,
+        "messages": segment.messages,
+        "archive": segment.archive,
+    }
+
+
+def segment_page_json(page: SegmentPage) -> dict[str, Any]:
+    messages = [{"index": i, "message": message_to_dict(m)} for i, m in page.messages]
+    return {"segment": segment_json(page.segment), "messages": messages, "next_before": page.next_before}
 
 
 def _spawn_pid(account: str, run_id: str) -> str:
@@ -311,6 +344,10 @@ class ProcessService:
     async def get(self, who: Principal, pid: str) -> dict[str, Any]:
         return process_json((await self._process(who, pid))[1])
 
+    async def usage(self, who: Principal) -> dict[str, Any]:
+        """What the caller's account has spent: its processes' totals, the killed ones' too."""
+        return {"account": who.account, "usage": (await self.kernel.usage(who.account)).as_dict()}
+
     async def send(
         self,
         who: Principal,
@@ -375,6 +412,20 @@ class ProcessService:
         proc, _ = await self._process(who, pid)
         return [hil_json(r) for r in await proc.pending_approvals()]
 
+    async def account_approvals(self, who: Principal, account: str | None = None) -> list[dict[str, Any]]:
+        """The pending approvals of all the caller's processes, each with its pid: one inbox. An
+        admin may name another ``account``; anyone else naming one but their own gets a 403."""
+        owner = account or who.account
+        if owner != who.account and not who.admin:
+            raise ApiError(403, "forbidden", "only an admin may list another account's approvals")
+        _check_plain(owner, "account")
+        return [{"pid": r.pid, **hil_json(r)} for r in await self.kernel.approvals(owner)]
+
+    def account_signals(self, who: Principal) -> AsyncIterator[tuple[str, Signal]]:
+        """The caller's account stream (``Kernel.account_signals``): their own processes', admins'
+        included, so that an admin's inbox is not every account's."""
+        return self.kernel.account_signals(who.account)
+
     async def hil(
         self,
         who: Principal,
@@ -405,6 +456,42 @@ class ProcessService:
         except ProcessBusy as exc:  # another worker would not let it go: nothing was done
             raise ApiError(409, "conflict", str(exc), retry_after=1) from None
         return {"pid": pid, "archived": archived is not None}
+
+    async def compact(self, who: Principal, pid: str, *, instructions: str | None = None) -> dict[str, Any]:
+        """Summarise the history now (``Process.compact``). ``compacted: false`` with a ``note``
+        when there was nothing worth compacting; 409 ``busy`` while a run is active and 502 when
+        the summary could not be made, both leaving the history as it was."""
+        if instructions is not None and len(instructions) > MAX_INSTRUCTIONS:
+            raise ApiError(400, "invalid_request", f"instructions are longer than {MAX_INSTRUCTIONS} characters")
+        _check_plain(instructions, "instructions")
+        proc, _ = await self._process(who, pid)
+        try:
+            done = await proc.compact(instructions)
+        except (RunActive, ProcessBusy) as exc:
+            raise ApiError(409, "busy", str(exc), retry_after=1) from None
+        except CompactionError as exc:
+            raise ApiError(502, "compaction_failed", safe_message(str(exc), "the summary could not be made")) from None
+        return compacted_json(done)
+
+    async def segments(self, who: Principal, pid: str) -> list[dict[str, Any]]:
+        """What compactions, clearings and resets put away, oldest first."""
+        proc, _ = await self._process(who, pid)
+        return [segment_json(s) for s in await proc.segments()]
+
+    async def segment(
+        self, who: Principal, pid: str, segment_id: str, *, limit: int = 100, before: int | None = None
+    ) -> dict[str, Any]:
+        """A page of one segment's archived messages, as ``history`` pages the live ones; 404 for
+        an unknown segment, or one whose archive is gone."""
+        if not 1 <= limit <= MAX_HISTORY_PAGE:
+            raise ApiError(400, "invalid_request", f"limit must be between 1 and {MAX_HISTORY_PAGE}")
+        if before is not None and not 0 <= before <= MAX_SEQ:
+            raise ApiError(400, "invalid_request", f"before must be an integer from 0 to {MAX_SEQ}")
+        proc, _ = await self._process(who, pid)
+        try:
+            return segment_page_json(await proc.segment(segment_id, limit=limit, before=before))
+        except NoSuchSegment as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
 
     async def kill(self, who: Principal, pid: str) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)

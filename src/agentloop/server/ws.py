@@ -319,6 +319,21 @@ async def _reset(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.reset(conn.user, _id(args, "pid"))
 
 
+async def _compact(conn: Connection, args: dict[str, Any]) -> Any:
+    instructions = _want(args, "instructions", str, "a string", None)
+    return await conn.service.compact(conn.user, _id(args, "pid"), instructions=instructions)
+
+
+async def _segment_list(conn: Connection, args: dict[str, Any]) -> Any:
+    return {"segments": await conn.service.segments(conn.user, _id(args, "pid"))}
+
+
+async def _segment_read(conn: Connection, args: dict[str, Any]) -> Any:
+    pid, segment_id = _id(args, "pid"), _id(args, "segment_id")
+    limit, before = _int(args, "limit", 100, minimum=1), _opt_int(args, "before")
+    return await conn.service.segment(conn.user, pid, segment_id, limit=limit, before=before)
+
+
 async def _kill(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.kill(conn.user, _id(args, "pid"))
 
@@ -329,6 +344,16 @@ async def _subscribe(conn: Connection, args: dict[str, Any]) -> Any:
         raise ApiError(409, "conflict", f"a connection may follow at most {MAX_SUBSCRIPTIONS} processes")
     stream = await conn.service.signals(conn.user, pid, after_seq=after_seq)  # not_found before anything streams
     return Then({"pid": pid, "after_seq": after_seq}, lambda: conn.follow(pid, stream))
+
+
+async def _account_subscribe(conn: Connection, args: dict[str, Any]) -> Any:
+    stream = conn.service.account_signals(conn.user)
+    return Then({"account": conn.user.account}, lambda: conn.follow_account(stream))
+
+
+async def _account_approvals(conn: Connection, args: dict[str, Any]) -> Any:
+    account = _opt_id(args, "account")
+    return {"requests": await conn.service.account_approvals(conn.user, account)}
 
 
 async def _signal(conn: Connection, args: dict[str, Any]) -> Any:
@@ -401,6 +426,9 @@ CALLS: dict[str, Call] = {
     "proc.approvals": Call(_approvals),
     "proc.reset": Call(_reset, mutates=True),
     "proc.kill": Call(_kill, mutates=True),
+    "proc.compact": Call(_compact, mutates=True),
+    "proc.segment.list": Call(_segment_list),
+    "proc.segment.read": Call(_segment_read),
     "proc.subscribe": Call(_subscribe),
     "proc.signal": Call(_signal, mutates=True),
     "proc.schedule.add": Call(_schedule_add, mutates=True),
@@ -411,6 +439,8 @@ CALLS: dict[str, Call] = {
     "proc.watch.remove": Call(_watch_remove, mutates=True),
     "proc.queue.list": Call(_queue_list),
     "proc.queue.withdraw": Call(_queue_withdraw, mutates=True),
+    "account.subscribe": Call(_account_subscribe),
+    "approvals.list": Call(_account_approvals),
 }
 
 # Calls that change state keep running after their socket closes: referenced here until done.
@@ -429,6 +459,7 @@ class Connection:
         self.service = ctx.processes
         self.who: Principal | None = None
         self.subscriptions: dict[str, asyncio.Task[None]] = {}
+        self.account_stream: asyncio.Task[None] | None = None  # ``account.subscribe``'s
         self._requests: dict[str, tuple[asyncio.Task[None], Call]] = {}  # running, still cancellable
         # Requests started and not yet answered. Not ``len(_requests)``: a request leaves that once its
         # call is done, and its answer may then wait for a client that does not read; counted until
@@ -523,6 +554,7 @@ class Connection:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._requests.clear()
         self.subscriptions.clear()
+        self.account_stream = None
 
     def _uncancel(self) -> None:
         task = asyncio.current_task()
@@ -749,6 +781,40 @@ class Connection:
             await asyncio.wait([task])
         return {"pid": pid, "unsubscribed": task is not None}
 
+    def follow_account(self, stream: AsyncIterator[tuple[str, Signal]]) -> None:
+        """Stream the account's signals as ``sig`` frames (the same as a process subscription's, so
+        a client following both tells them apart by pid and seq), replacing an earlier one."""
+        if self.account_stream is not None:
+            self.account_stream.cancel()
+        self.account_stream = None
+        if not (self._closed or self._ending):
+            self.account_stream = self._start(self._pump_account(stream))
+
+    async def _pump_account(self, stream: AsyncIterator[tuple[str, Signal]]) -> None:
+        try:
+            async for pid, signal in stream:
+                if not await self.send(sig_frame(pid, signal)):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log(logging.ERROR, "account stream failed", exc_info=True, account=self.user.account)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()  # stop watching the account now, not when collected
+            if self.account_stream is asyncio.current_task():
+                self.account_stream = None
+
+    async def unsubscribe_account(self) -> Any:
+        """``account.unsubscribe``: answered once the stream has stopped, so no ``sig`` of it follows."""
+        task, self.account_stream = self.account_stream, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        return {"account": self.user.account, "unsubscribed": task is not None}
+
     # -- writing -----------------------------------------------------------------------------
 
     async def send(self, frame: dict[str, Any]) -> bool:
@@ -800,8 +866,16 @@ async def _unsubscribe(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.unsubscribe(args)
 
 
+async def _account_unsubscribe(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.unsubscribe_account()
+
+
 # Instant calls, answered in the order they arrive and never counted against the request limit.
-_INLINE: dict[str, Handler] = {"request.cancel": _cancel, "proc.unsubscribe": _unsubscribe}
+_INLINE: dict[str, Handler] = {
+    "request.cancel": _cancel,
+    "proc.unsubscribe": _unsubscribe,
+    "account.unsubscribe": _account_unsubscribe,
+}
 
 
 def routes(ctx: ServerContext) -> list[BaseRoute]:

@@ -22,6 +22,7 @@ from agentloop.process.store.base import (
     StoreError,
     TokenRecord,
     ToolCallRow,
+    UsageTotals,
     WatchRow,
 )
 from agentloop.process.store.pgurl import redact
@@ -73,6 +74,7 @@ __all__ = [
     "StoredMessage",
     "TokenRecord",
     "ToolCallRow",
+    "UsageTotals",
     "WatchRow",
     "open_store",
 ]

@@ -13,7 +13,7 @@ gap-free per process and identical across dialects.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
 
@@ -45,6 +45,38 @@ class ProcessBusy(StoreError):
         self.pid = pid
 
 
+@dataclass(slots=True)
+class UsageTotals:
+    """What a process, or an account, has spent over its finished runs: tokens read and written,
+    both together, the cost in dollars, and how many runs. A run counts however it ended (ok,
+    failed, aborted): its model calls were billed all the same."""
+
+    input: int = 0
+    output: int = 0
+    total_tokens: int = 0
+    cost: float = 0.0
+    runs: int = 0
+
+    def plus(self, run: Mapping[str, Any]) -> UsageTotals:
+        """These totals with one more run's usage added (as the run's record keeps it)."""
+        return UsageTotals(
+            self.input + run["input"],
+            self.output + run["output"],
+            self.total_tokens + run["total_tokens"],
+            self.cost + run["cost"],
+            self.runs + 1,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "input": self.input,
+            "output": self.output,
+            "total_tokens": self.total_tokens,
+            "cost": self.cost,
+            "runs": self.runs,
+        }
+
+
 @dataclass
 class ProcessRecord:
     pid: str
@@ -59,6 +91,7 @@ class ProcessRecord:
     history_generation: int = 1
     created_at: float = 0.0
     updated_at: float = 0.0
+    usage: UsageTotals = field(default_factory=UsageTotals)  # over its finished runs; a reset keeps them
 
 
 @dataclass
@@ -286,12 +319,18 @@ class Store(ABC):
 
     @abstractmethod
     async def update_process(self, pid: str, **fields: Any) -> None:
-        """Set ``state``, ``current_run``, ``history_generation``, ``cwd``, ``context`` or ``interactive``."""
+        """Set ``state``, ``current_run``, ``history_generation``, ``cwd``, ``context``,
+        ``interactive`` or the usage totals (``common.usage_columns``)."""
 
     @abstractmethod
     async def delete_process(self, pid: str) -> None:
         """Remove the process and every row it owns, its schedules and its signal watches (those
-        it holds and those on it). Its pid is remembered (``was_killed``), never given again."""
+        it holds and those on it). Its pid is remembered (``was_killed``), never given again. Its
+        usage totals are added to its owner's (``account_usage``): the account spent them."""
+
+    @abstractmethod
+    async def account_usage(self, owner: str) -> UsageTotals:
+        """What ``owner``'s processes have spent: the live ones' totals and the deleted ones'."""
 
     @abstractmethod
     async def was_killed(self, pid: str) -> bool:
@@ -373,6 +412,11 @@ class Store(ABC):
 
     @abstractmethod
     async def hils(self, pid: str) -> list[HilRow]: ...
+
+    @abstractmethod
+    async def account_hils(self, owner: str) -> list[HilRow]:
+        """The pending approvals of every live process of ``owner``, oldest first: one query for an
+        inbox, instead of one per process."""
 
     @abstractmethod
     async def delete_hil(self, request_id: str) -> bool: ...

@@ -7,10 +7,14 @@ from typing import Any
 
 from pydantic_core import to_json
 
-from agentloop.process.store.base import AccountRecord, HilRow, ProcessRecord, ToolCallRow, WatchRow
+from agentloop.process.store.base import AccountRecord, HilRow, ProcessRecord, ToolCallRow, UsageTotals, WatchRow
 
+# a process's usage totals (``UsageTotals``, field by field) as registry and ``account_usage`` columns
+USAGE_COLUMNS = ("usage_input", "usage_output", "usage_total_tokens", "usage_cost", "runs")
 # the registry columns ``Store.update_process`` may set
-UPDATABLE_FIELDS = frozenset({"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as"})
+UPDATABLE_FIELDS = frozenset(
+    {"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as", *USAGE_COLUMNS}
+)
 
 
 def dumps(value: Any) -> str:
@@ -23,7 +27,7 @@ def dumps(value: Any) -> str:
 # an asyncpg.Record: all index by position).
 PROCESS_COLUMNS = (
     "pid, owner, run_as, cwd, parent_pid, interactive, context, state, current_run, history_generation,"
-    " created_at, updated_at"
+    " created_at, updated_at, " + ", ".join(USAGE_COLUMNS)
 )
 CALL_COLUMNS = (
     "dispatch_id, pid, run_id, position, tool_call_id, tool_name, syscall, args, status, deadline, result, created_at"
@@ -31,6 +35,12 @@ CALL_COLUMNS = (
 HIL_COLUMNS = (
     "request_id, pid, run_id, dispatch_id, tool_call_id, tool_name, syscall, args, fingerprint, tags, reason,"
     " created_at"
+)
+# The pending approvals of one owner's live processes (``Store.account_hils``), {owner} its parameter.
+_HIL_COLUMNS_OF_H = ", ".join(f"h.{c.strip()}" for c in HIL_COLUMNS.split(","))
+ACCOUNT_HILS = (
+    f"SELECT {_HIL_COLUMNS_OF_H} FROM pending_hil h JOIN processes p ON p.pid = h.pid"
+    " WHERE p.owner = {owner} AND p.state <> 'killed' ORDER BY h.created_at, h.request_id"
 )
 SEGMENT_COLUMNS = (
     "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
@@ -44,6 +54,22 @@ LAGGING_WATCHES = (
     "SELECT DISTINCT w.source_pid FROM signal_watches w WHERE EXISTS (SELECT 1 FROM events e"
     " WHERE e.pid = w.source_pid AND e.seq > w.seen_seq AND e.signal = w.signal AND e.created_at < $1)"
     " ORDER BY w.source_pid"
+)
+
+_SUMS = ", ".join(f"COALESCE(SUM({c}), 0)" for c in USAGE_COLUMNS)
+_USAGE = ", ".join(USAGE_COLUMNS)
+# an account's totals ($1): its live processes' and those deleted processes left it
+ACCOUNT_USAGE = (
+    f"SELECT {_SUMS} FROM (SELECT {_USAGE} FROM processes WHERE owner = $1"
+    f" UNION ALL SELECT {_USAGE} FROM account_usage WHERE account = $1) AS u"
+)
+# before the row of process $1 is deleted: its totals join its owner's (a process that never
+# finished a run leaves nothing to add). The WHERE also keeps SQLite's parser from reading
+# ON CONFLICT as part of a join.
+FOLD_USAGE = (
+    f"INSERT INTO account_usage (account, {_USAGE}) SELECT owner, {_USAGE} FROM processes"
+    " WHERE pid = $1 AND runs > 0 ON CONFLICT (account) DO UPDATE SET "
+    + ", ".join(f"{c} = account_usage.{c} + excluded.{c}" for c in USAGE_COLUMNS)
 )
 
 # every table with rows of one process (``pid``): deleting a process empties them all. Watches
@@ -63,7 +89,7 @@ PROCESS_TABLES = (
 
 def process_record(row: Any) -> ProcessRecord:
     """A registry row (``PROCESS_COLUMNS``) as a ``ProcessRecord``."""
-    (pid, owner, run_as, cwd, parent, interactive, context, state, current, generation, created, updated) = row
+    (pid, owner, run_as, cwd, parent, interactive, context, state, current, generation, created, updated, *_) = row
     return ProcessRecord(
         pid=pid,
         owner=owner,
@@ -77,7 +103,20 @@ def process_record(row: Any) -> ProcessRecord:
         history_generation=generation,
         created_at=created,
         updated_at=updated,
+        usage=usage_totals(row, 12),
     )
+
+
+def usage_totals(row: Any, at: int = 0) -> UsageTotals:
+    """``USAGE_COLUMNS`` as read from ``row[at:]`` as ``UsageTotals`` (PostgreSQL sums BIGINTs as
+    numerics: converted)."""
+    return UsageTotals(int(row[at]), int(row[at + 1]), int(row[at + 2]), float(row[at + 3]), int(row[at + 4]))
+
+
+def usage_columns(totals: UsageTotals) -> dict[str, Any]:
+    """``totals`` as the registry columns ``Store.update_process`` sets."""
+    values = (totals.input, totals.output, totals.total_tokens, totals.cost, totals.runs)
+    return dict(zip(USAGE_COLUMNS, values, strict=True))
 
 
 def call_row(r: Any) -> ToolCallRow:

@@ -70,10 +70,14 @@ from agentloop.process.store.base import (
     StoreError,
     TokenRecord,
     ToolCallRow,
+    UsageTotals,
     WatchRow,
 )
 from agentloop.process.store.common import (
+    ACCOUNT_HILS,
+    ACCOUNT_USAGE,
     CALL_COLUMNS,
+    FOLD_USAGE,
     HIL_COLUMNS,
     LAGGING_WATCHES,
     PROCESS_COLUMNS,
@@ -88,6 +92,7 @@ from agentloop.process.store.common import (
     dumps,
     hil_row,
     process_record,
+    usage_totals,
     watch_row,
 )
 from agentloop.process.store.pgschema import migrate
@@ -128,9 +133,10 @@ INSERT INTO message_queue (pid, id, kind, run_id, body, created_at, reason)
 SELECT $1, c.id, $2, $3, $4, $5, $6 FROM c
 RETURNING id
 """
-# one statement: a CTE per table of the process (common.PROCESS_TABLES), then the registry row
+# one statement: the process's usage totals added to its owner's (every CTE reads the rows as they
+# were before the statement), a CTE per table of the process (common.PROCESS_TABLES), then the registry row
 _DELETE_PROCESS = (
-    "WITH "
+    f"WITH u AS ({FOLD_USAGE}),\n     "
     + ",\n     ".join(f"d{i} AS (DELETE FROM {t} WHERE pid = $1)" for i, t in enumerate(PROCESS_TABLES))
     + ",\n     w AS (DELETE FROM signal_watches WHERE pid = $1 OR source_pid = $1)"
     + ",\n     p AS (DELETE FROM processes WHERE pid = $1)"
@@ -499,6 +505,10 @@ class PostgresStore(Store):
     async def delete_process(self, pid: str) -> None:
         await self._write().execute(_DELETE_PROCESS, pid, time.time())
 
+    async def account_usage(self, owner: str) -> UsageTotals:
+        async with self._reading() as db:
+            return usage_totals(await db.fetchrow(ACCOUNT_USAGE, owner))
+
     async def was_killed(self, pid: str) -> bool:
         async with self._reading() as db:
             return bool(await db.fetchval("SELECT 1 FROM killed_pids WHERE pid = $1", pid))
@@ -705,6 +715,11 @@ class PostgresStore(Store):
             rows = await db.fetch(
                 f"SELECT {HIL_COLUMNS} FROM pending_hil WHERE pid = $1 ORDER BY created_at, request_id", pid
             )
+        return [hil_row(r) for r in rows]
+
+    async def account_hils(self, owner: str) -> list[HilRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(ACCOUNT_HILS.format(owner="$1"), owner)
         return [hil_row(r) for r in rows]
 
     async def delete_hil(self, request_id: str) -> bool:

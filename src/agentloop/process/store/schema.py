@@ -320,6 +320,28 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE schedules ADD COLUMN tz TEXT;
         """,
     ),
+    (
+        10,
+        # What a process has spent over its finished runs, written by the UPDATE that ends each run
+        # (no statement of its own); a reset keeps it. A kill adds a process's totals to its
+        # owner's row of ``account_usage`` before the process row goes, so an account's total is
+        # its live processes' plus that row.
+        """
+        ALTER TABLE processes ADD COLUMN usage_input BIGINT NOT NULL DEFAULT 0;
+        ALTER TABLE processes ADD COLUMN usage_output BIGINT NOT NULL DEFAULT 0;
+        ALTER TABLE processes ADD COLUMN usage_total_tokens BIGINT NOT NULL DEFAULT 0;
+        ALTER TABLE processes ADD COLUMN usage_cost DOUBLE PRECISION NOT NULL DEFAULT 0;
+        ALTER TABLE processes ADD COLUMN runs BIGINT NOT NULL DEFAULT 0;
+        CREATE TABLE account_usage (
+            account TEXT PRIMARY KEY,
+            usage_input BIGINT NOT NULL,
+            usage_output BIGINT NOT NULL,
+            usage_total_tokens BIGINT NOT NULL,
+            usage_cost DOUBLE PRECISION NOT NULL,
+            runs BIGINT NOT NULL
+        ) {clustered};
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

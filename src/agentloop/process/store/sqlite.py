@@ -44,11 +44,15 @@ from agentloop.process.store.base import (
     TokenRecord,
     ToolCallRow,
     Transaction,
+    UsageTotals,
     WatchRow,
 )
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 from agentloop.process.store.common import (
+    ACCOUNT_HILS,
+    ACCOUNT_USAGE,
     CALL_COLUMNS,
+    FOLD_USAGE,
     HIL_COLUMNS,
     LAGGING_WATCHES,
     PROCESS_COLUMNS,
@@ -63,6 +67,7 @@ from agentloop.process.store.common import (
     dumps,
     hil_row,
     process_record,
+    usage_totals,
     watch_row,
 )
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
@@ -78,6 +83,8 @@ _INSERT_MESSAGE = (
 BUSY_WAIT = 5.0
 _BUSY_TIMEOUT_MS = 5
 _INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)"
+_FOLD_USAGE = FOLD_USAGE.replace("$1", "?1")
+_ACCOUNT_USAGE = ACCOUNT_USAGE.replace("$1", "?1")
 
 
 class _Transaction(Transaction):
@@ -552,7 +559,9 @@ class SQLiteStore(Store):
             pending[key] = value
 
     async def delete_process(self, pid: str) -> None:
-        db = self._write()
+        self._write()
+        db = self._read_registry()  # (totals this transaction wrote are folded too)
+        db.execute(_FOLD_USAGE, (pid,))
         for table in PROCESS_TABLES:
             db.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
         db.execute("DELETE FROM signal_watches WHERE pid = ? OR source_pid = ?", (pid, pid))
@@ -562,6 +571,9 @@ class SQLiteStore(Store):
         self._tx_base.pop(pid, None)
         self._tx_fields.pop(pid, None)
         self._tx_deleted.add(pid)
+
+    async def account_usage(self, owner: str) -> UsageTotals:
+        return usage_totals(self._read_registry().execute(_ACCOUNT_USAGE, (owner,)).fetchone())
 
     async def was_killed(self, pid: str) -> bool:
         return self.db.execute("SELECT 1 FROM killed_pids WHERE pid = ?", (pid,)).fetchone() is not None
@@ -763,6 +775,10 @@ class SQLiteStore(Store):
         rows = self.db.execute(
             f"SELECT {HIL_COLUMNS} FROM pending_hil WHERE pid = ? ORDER BY created_at, request_id", (pid,)
         ).fetchall()
+        return [hil_row(r) for r in rows]
+
+    async def account_hils(self, owner: str) -> list[HilRow]:
+        rows = self._read_registry().execute(ACCOUNT_HILS.format(owner="?"), (owner,)).fetchall()
         return [hil_row(r) for r in rows]
 
     async def delete_hil(self, request_id: str) -> bool:

@@ -2,18 +2,22 @@
 // The page: sign-in, the process list, the composer and the process actions. No build step:
 // plain ES modules served by `agentloop serve` (server/web.py).
 
-import { api, onUnauthorized, procPath, tokenStore } from "./api.js";
-import { $, el, status } from "./dom.js";
+import { api, ApiError, onUnauthorized, procPath, sse, tokenStore } from "./api.js";
+import { $, el, sleep, status } from "./dom.js";
 import { ProcessView } from "./view.js";
 
 const PID_KEY = "agentloop.pid"; // the open process, reopened after a reload (not a secret)
 
 let view = null;
+let inbox = null; // the approvals inbox's AbortController, until sign-out
 
 function signOut(message) {
   tokenStore.clear();
   if (view) view.close();
   view = null;
+  if (inbox) inbox.abort();
+  inbox = null;
+  $("inbox").hidden = true;
   $("main").hidden = true;
   $("signin").hidden = false;
   $("signin-error").textContent = message || "";
@@ -26,6 +30,7 @@ async function signIn(token) {
   $("signin").hidden = true;
   $("main").hidden = false;
   await listProcesses();
+  followInbox();
   const last = sessionStorage.getItem(PID_KEY);
   if (last) await openProcess(last).catch(() => sessionStorage.removeItem(PID_KEY));
 }
@@ -42,6 +47,65 @@ async function listProcesses() {
     item.addEventListener("click", () => openProcess(p.pid).catch((err) => status(err.message)));
     list.append(item);
   }
+}
+
+// The approvals inbox: what every process of the account waits for, also those the page does not
+// show (a schedule's run, a subagent's). The account stream (GET /v1/events) is live only, so the
+// inbox is read whole (GET /v1/approvals) at each (re)connection and whenever the stream says an
+// approval was asked or answered, or a run ended.
+
+function followInbox() {
+  if (inbox) inbox.abort();
+  const stop = new AbortController();
+  inbox = stop;
+  let queued = false;
+  let loading = Promise.resolve();
+  const refresh = () => {
+    if (queued) return; // a read not yet begun covers this news too
+    queued = true;
+    loading = loading
+      .then(() => {
+        queued = false;
+        return loadInbox(stop);
+      })
+      .catch(() => {});
+  };
+  followAccount(stop, refresh);
+}
+
+async function followAccount(stop, refresh) {
+  while (!stop.signal.aborted) {
+    try {
+      for await (const _ of sse("/v1/events", null, stop.signal, refresh)) refresh();
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 401) return;
+    }
+    if (!stop.signal.aborted) await sleep(1000); // the server ended it (restart, shutdown): reconnect
+  }
+}
+
+async function loadInbox(stop) {
+  const { requests } = await api("GET", "/v1/approvals");
+  if (stop.signal.aborted) return; // signed out meanwhile
+  const list = $("inbox-list");
+  list.replaceChildren();
+  for (const r of requests) {
+    const item = el("li", null, r.tool_name);
+    item.dataset.pid = r.pid;
+    item.dataset.request = r.request_id;
+    item.title = r.reason || r.syscall;
+    item.append(el("span", "pid", r.pid));
+    item.addEventListener("click", () => openFromInbox(r.pid).catch((err) => status(err.message)));
+    list.append(item);
+  }
+  $("inbox-count").textContent = String(requests.length);
+  $("inbox").hidden = requests.length === 0;
+}
+
+/** Open a process the inbox names; one started elsewhere is not in the list yet. */
+async function openFromInbox(pid) {
+  if (!$("processes").querySelector(`li[data-pid="${CSS.escape(pid)}"]`)) await listProcesses();
+  await openProcess(pid);
 }
 
 function showProcess(process) {
