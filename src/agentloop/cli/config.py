@@ -44,7 +44,7 @@ _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server"
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning")
 _SWITCHES = ("codemode", "subagents", "schedules")  # true or false; anything else is an error
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat")
+_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat", "fetch_allow")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class FileConfig:
     codemode: bool = False
     subagents: bool = False
     schedules: bool = False
+    fetch_allow: tuple[str, ...] = ()
     store: str | None = None
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
@@ -117,6 +118,7 @@ class Settings:
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
     schedules: bool = False  # offer durable processes the Schedule tool (their own reminders)
+    fetch_allow: tuple[str, ...] = ()  # non-public hosts the Fetch tool may reach
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # the check-ins HEARTBEAT.md asks for
@@ -308,6 +310,9 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             switches[key] = value
         else:
             errors[key] = f"config file {path}: {key} must be true or false, got {value!r}"
+    fetch_allow, problem = _read_fetch_allow(data.get("fetch_allow", []))
+    if problem:
+        errors["fetch_allow"] = f"config file {path}: fetch_allow {problem}"
     store = data.get("store")
     if store is not None and store_problem(store):
         errors["store"] = f"config file {path}: store {store_problem(store)}"
@@ -331,6 +336,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             codemode=switches.get("codemode", False),
             subagents=switches.get("subagents", False),
             schedules=switches.get("schedules", False),
+            fetch_allow=fetch_allow,
             store=store,
             heartbeat=heartbeat,
             **limits,
@@ -393,12 +399,29 @@ def load_settings(
         codemode=file.codemode,
         subagents=file.subagents,
         schedules=file.schedules,
+        fetch_allow=file.fetch_allow,
         store=store_url,
         store_source=store_source,
         heartbeat=file.heartbeat,
         errors=errors,
         store_error=store_error,
     )
+
+
+def _read_fetch_allow(value: Any) -> tuple[tuple[str, ...], str | None]:
+    """``fetch_allow = ["localhost", "10.0.0.0/8"]``: hosts, addresses or networks; the problem
+    with the first entry that is none of them (a typo must not pass for an allow-list)."""
+    from agentloop.tools.fetch import AllowList  # (with httpx: only when the key is used)
+
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return (), 'must be a list of host names, addresses or networks, e.g. ["localhost", "10.0.0.0/8"]'
+    if not value:
+        return (), None
+    try:
+        AllowList.parse(value)
+    except ValueError as exc:
+        return (), str(exc).removeprefix("allow: ")
+    return tuple(value), None
 
 
 def _read_heartbeat(value: Any) -> tuple[HeartbeatSettings | None, str | None]:
@@ -492,6 +515,8 @@ def kernel_options(settings: Settings, progress: Callable[[str], None] | None = 
         options["subagents"] = True
     if settings.schedules:
         options["schedule_tool"] = True
+    if settings.fetch_allow:
+        options["fetch_allow"] = settings.fetch_allow
     options["heartbeat"] = settings.heartbeat
     return options
 

@@ -196,7 +196,7 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: 
     model = open_model(settings.model, progress)
     agent = Agent(
         model=model,
-        tools=builtin_tools(workspace),
+        tools=builtin_tools(workspace, fetch_allow=settings.fetch_allow),
         system_prompt=settings.system_prompt,
         workspace=workspace,
         **loop_options(settings, progress),

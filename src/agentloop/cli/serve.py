@@ -194,7 +194,7 @@ async def serve_async(
                 ctx.max_processes = opts.max_processes
             if opts.max_inputs_per_minute is not None:
                 ctx.max_inputs_per_minute = opts.max_inputs_per_minute
-            tools = [*builtin_tools(opts.workspace), *extra]
+            tools = [*builtin_tools(opts.workspace, fetch_allow=settings.fetch_allow), *extra]
 
             def agent_factory() -> Agent:
                 """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request,

@@ -22,5 +22,5 @@ async def extra_tools(settings: Settings, workspace: Path) -> AsyncIterator[list
         if settings.codemode:
             from agentloop.tools.codemode import CodeMode
 
-            extra.append(CodeMode([*builtin_tools(workspace), *mcp], cwd=workspace))
+            extra.append(CodeMode([*builtin_tools(workspace, fetch_allow=settings.fetch_allow), *mcp], cwd=workspace))
         yield extra

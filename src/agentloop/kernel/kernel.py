@@ -390,6 +390,7 @@ class Kernel:
         extra_tools: Iterable[ToolLike] = (),
         subagents: bool = False,
         schedule_tool: bool = False,
+        fetch_allow: Iterable[str] = (),
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
@@ -414,7 +415,8 @@ class Kernel:
         directory); ``extra_tools`` join them (an MCP server's, say) without giving up the
         built-ins' per-process ``cwd``; ``subagents`` adds the ``Task`` tool (kernel/tasks.py), with
         which a process hands work to a child process; ``schedule_tool`` adds ``Schedule``
-        (kernel/schedule_tool.py), with which a process sets its own reminders;
+        (kernel/schedule_tool.py), with which a process sets its own reminders; ``fetch_allow``
+        names the non-public hosts the built-in Fetch may reach (``["localhost", "10.0.0.0/8"]``);
         ``toolset`` adapts them per process run;
         ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
@@ -454,7 +456,7 @@ class Kernel:
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
         data = Path(data_dir)
         builtin = tools is None
-        tools = [*(builtin_tools(root) if tools is None else tools), *extra_tools]
+        tools = [*(builtin_tools(root, fetch_allow=fetch_allow) if tools is None else tools), *extra_tools]
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         off_limits = tuple(_kernel_files(store, data))
         agent.config.off_limits = off_limits  # (the Search tool walks around them)

@@ -6,7 +6,7 @@ plain coroutine named beside it, so the same behaviour can be served by a device
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,18 @@ def syscall_of(tool: Tool, arguments: Mapping[str, Any] | None = None) -> str:
 
 
 def builtin_tools(
-    workspace: str | Path, *, shell: bool = True, codemode: bool = False, fetch: bool = True
+    workspace: str | Path,
+    *,
+    shell: bool = True,
+    codemode: bool = False,
+    fetch: bool = True,
+    fetch_allow: Iterable[str] = (),
 ) -> list[Tool]:
     """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``,
-    and (unless ``fetch=False``) Fetch, which reaches public addresses only (for an allow-list,
-    pass ``fetch=False`` and add ``fetch_tool(allow=[...])``); with ``codemode=True`` also CodeMode
-    (syscall ``codemode.exec``) over them. CodeMode is opt-in: its program is arbitrary Python
-    running as this user (see ``tools/codemode.py``).
+    and (unless ``fetch=False``) Fetch, which reaches public addresses and those ``fetch_allow``
+    names (``["localhost", "10.0.0.0/8"]``; ``ValueError`` for an entry that is neither); with
+    ``codemode=True`` also CodeMode (syscall ``codemode.exec``) over them. CodeMode is opt-in: its
+    program is arbitrary Python running as this user (see ``tools/codemode.py``).
 
     The root is resolved again on every call, so it may be created or moved after this returns;
     a call made while it is missing is an error result, not an exception.
@@ -55,7 +60,7 @@ def builtin_tools(
     if shell:
         tools.append(shell_tool(root))
     if fetch:
-        tools.append(fetch_tool())
+        tools.append(fetch_tool(allow=fetch_allow))
     if codemode:
         from agentloop.tools.codemode import CodeMode  # it imports this module: import late
 

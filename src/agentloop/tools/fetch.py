@@ -196,7 +196,8 @@ async def checked_addresses(url: httpx.URL, allow: AllowList, resolve: Resolver)
             named = f"{host} is {why}" if host == text else f"{host} resolves to {ip}, {why}"
             raise ToolError(
                 f"refused to fetch {redact_url(str(url))}: {named}. Only public addresses are fetched "
-                "unless the Fetch tool's allow list names the host (fetch_tool(allow=[...]))"
+                "unless the Fetch tool's allow list names the host (fetch_allow in the config file, or"
+                " Kernel.open(fetch_allow=[...]))"
             )
     return found
 
