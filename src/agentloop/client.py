@@ -325,6 +325,40 @@ class AgentloopClient:
             data = await self._call("POST", f"/v1/processes/{_segment(pid)}/mode", body={"mode": mode})
         return str(data.get("mode"))
 
+    async def compaction(self, pid: str) -> dict[str, Any]:
+        """The process's compaction policy: ``{pid, threshold, overflow, keep_recent_tokens,
+        default_threshold}`` (``GET …/compaction``)."""
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{_segment(pid)}/compaction")
+        return result
+
+    async def set_compaction(
+        self,
+        pid: str,
+        *,
+        threshold: float | None = None,
+        overflow: str = "compact",
+        keep_recent_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """Replace the process's compaction policy, from its next run on (``POST …/compaction``):
+        compact at ``threshold`` (None: the server's), ``overflow`` ``compact`` or ``fail``, keep
+        ``keep_recent_tokens`` out of a summary (None: the default). All defaults: the server's."""
+        body = {"threshold": threshold, "overflow": overflow, "keep_recent_tokens": keep_recent_tokens}
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/compaction", body=body)
+        return result
+
+    async def title(self, pid: str) -> str | None:
+        """The process's title: a person's, or the one made after its first run; None before."""
+        data = await self._call("GET", f"/v1/processes/{_segment(pid)}/title")
+        title = data.get("title")
+        return title if isinstance(title, str) else None
+
+    async def set_title(self, pid: str, title: str | None) -> str | None:
+        """Name the process (trimmed; one line of plain text, at most 120 characters, else
+        ``ClientError`` 400); None clears the name, handing it back to the automatic title."""
+        data = await self._call("POST", f"/v1/processes/{_segment(pid)}/title", body={"title": title})
+        named = data.get("title")
+        return named if isinstance(named, str) else None
+
     async def approvals(self, pid: str | None = None, *, account: str | None = None) -> list[dict[str, Any]]:
         """The pending approval requests of the process ``pid``; without one, of all the account's
         processes, each with its ``pid`` (``account``: another account's, for an admin)."""

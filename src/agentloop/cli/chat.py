@@ -38,6 +38,7 @@ from agentloop.cli.render import (
     Progress,
     SignalRenderer,
     TextRenderer,
+    context_line,
     one_line,
     play,
     prompt_manifest_lines,
@@ -59,7 +60,9 @@ HELP = (
     "/prompt shows what the last system prompt was built from · "
     "/queue lists input waiting to run (/queue clear withdraws yours) · "
     "/compact [instructions] summarises the conversation now · "
+    "/context shows how full the context window is · "
     "/usage shows what this conversation has cost · "
+    "/title [text] shows or sets the conversation's title · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -274,6 +277,14 @@ class HasUsage(Protocol):
         """The conversation's totals over its finished runs: ``{input, output, total_tokens, cost, runs}``."""
 
 
+@runtime_checkable
+class ShowsContext(Protocol):
+    """A session whose process measures how full its context window is (``/context``)."""
+
+    async def context(self) -> dict[str, Any]:
+        """``Process.context()`` as a dict: level, ratio, tokens, window, threshold, policy."""
+
+
 class Compaction(NamedTuple):
     """What ``/compact`` did, as it shows it: token counts are estimates of the history."""
 
@@ -290,6 +301,17 @@ class Compacts(Protocol):
 
     async def compact(self, instructions: str | None) -> Compaction:
         """Summarise the conversation now; ``instructions`` say what the summary must keep."""
+
+
+@runtime_checkable
+class HasTitle(Protocol):
+    """A session whose process has a title (``/title``), the name lists show instead of its pid."""
+
+    async def title(self) -> str | None:
+        """The title: the user's, or the one made after the first answer; None before."""
+
+    async def set_title(self, text: str) -> str | None:
+        """Name the conversation (``SessionError`` for a title that is not one line of plain text)."""
 
 
 class Waiting(NamedTuple):
@@ -443,6 +465,12 @@ class ChatRepl:
             if word == "/usage":
                 self.show_usage(ev)
                 return True
+            if word == "/title":
+                self.title(text[len(word) :].strip() or None, ev)
+                return True
+            if word == "/context":
+                self.show_context(ev)
+                return True
             if word in ("/help", "/?"):
                 self.err.print(Text(HELP, style="dim"))
                 return True
@@ -494,6 +522,39 @@ class ChatRepl:
             self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
             return
         self.err.print(Text(f"({usage_line(usage)})", style="dim"))
+
+    def show_context(self, ev: asyncio.AbstractEventLoop) -> None:
+        """``/context``: how full the context window is and when it will be compacted, so a user
+        can compact or start anew before a run has to."""
+        if not isinstance(self.session, ShowsContext):
+            self.err.print(Text("(no context figures: this chat keeps its conversation in memory)", style="dim"))
+            return
+        try:
+            ctx = ev.run_until_complete(self.session.context())
+        except SessionError as exc:
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return
+        self.err.print(Text(f"({context_line(ctx)})", style="dim"))
+
+    def title(self, text: str | None, ev: asyncio.AbstractEventLoop) -> None:
+        """``/title``: the name lists (the web UI, ``agentloop ps``) show for this conversation;
+        ``/title TEXT`` renames it, and no automatic title replaces that one."""
+        if not isinstance(self.session, HasTitle):
+            self.err.print(Text("(no title: this chat keeps no process)", style="dim"))
+            return
+        try:
+            named = ev.run_until_complete(self.session.title() if text is None else self.session.set_title(text))
+        except SessionError as exc:
+            self.failed = True
+            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+            return
+        if text is not None:
+            self.err.print(Text(f"(title set: {named})", style="dim"))
+        elif named is None:
+            self.err.print(Text("(no title yet: one is made from your first message once it is answered)", style="dim"))
+        else:
+            self.err.print(Text(f"(title: {named})", style="dim"))
 
     def compact(self, instructions: str | None, ev: asyncio.AbstractEventLoop) -> None:
         """``/compact [instructions]``: summarise the conversation now, to free the context before
@@ -771,6 +832,15 @@ class DurableSession:
     async def set_mode(self, mode: Mode) -> None:
         await self.process.set_mode(mode)
 
+    async def title(self) -> str | None:
+        return await self.process.title()
+
+    async def set_title(self, text: str) -> str | None:
+        try:
+            return await self.process.set_title(text)
+        except (TypeError, ValueError) as exc:
+            raise SessionError(f"the title was not set: {exc}") from exc
+
     async def queued(self) -> list[Waiting]:
         return [Waiting(i.id, i.kind, i.message.text) for i in await self.process.queued()]
 
@@ -779,6 +849,9 @@ class DurableSession:
 
     async def usage(self) -> dict[str, Any]:
         return (await self.process.info()).usage.as_dict()
+
+    async def context(self) -> dict[str, Any]:
+        return (await self.process.context()).as_dict()
 
     async def compact(self, instructions: str | None) -> Compaction:
         try:

@@ -132,11 +132,11 @@ def ps(
             for row in rows:
                 _echo_json(row)
             return
-        typer.echo("pid\tstate\towner\trun\tupdated\tcwd")
+        typer.echo("pid\tstate\towner\trun\tupdated\tcwd\ttitle")
         for row in sorted(rows, key=lambda r: r.get("updated_at") or 0):
             typer.echo(
                 f"{row.get('pid')}\t{row.get('state')}\t{row.get('owner')}\t{row.get('run_id') or '-'}\t"
-                f"{_when(row.get('updated_at'))}\t{row.get('cwd')}"
+                f"{_when(row.get('updated_at'))}\t{row.get('cwd')}\t{row.get('title') or '-'}"
             )
 
 
@@ -441,6 +441,18 @@ class RemoteSession:
         except ClientError as exc:
             raise SessionError(f"the mode was not changed: {exc.message}") from exc
 
+    async def title(self) -> str | None:
+        try:
+            return await self.client.title(self.pid)
+        except ClientError as exc:
+            raise SessionError(f"the title was not read: {exc.message}") from exc
+
+    async def set_title(self, text: str) -> str | None:
+        try:
+            return await self.client.set_title(self.pid, text)
+        except ClientError as exc:
+            raise SessionError(f"the title was not set: {exc.message}") from exc
+
     async def queued(self) -> list[Waiting]:
         try:
             return [_waiting(item) for item in await self.client.queue(self.pid)]
@@ -474,6 +486,15 @@ class RemoteSession:
         if not isinstance(usage, dict):
             raise SessionError("this server keeps no usage totals (it is older than this client)")
         return usage
+
+    async def context(self) -> dict[str, Any]:
+        try:
+            context = (await self.client.process(self.pid)).get("context_pressure")
+        except ClientError as exc:
+            raise SessionError(f"the context was not read: {exc.message}") from exc
+        if not isinstance(context, dict):
+            raise SessionError("this server does not measure the context (it is older than this client)")
+        return context
 
     async def new(self) -> None:
         try:

@@ -242,6 +242,7 @@ class SignalRenderer:
         # heartbeat runs' text waits for its ``proc.run.output``, which says whether it is an
         # acknowledgement nobody needs to see (``quiet``)
         self._held: set[str] = set()
+        self._level = "ok"  # the context's, as last logged: a rise is worth a line, a fall is not
 
     def handle(self, signal: Signal) -> None:
         name, p = signal.signal, signal.payload
@@ -301,6 +302,18 @@ class SignalRenderer:
         elif name == psig.RUN_FINISHED:
             self._held.discard(str(p.get("runId")))
             view.finish()
+        elif name == psig.CHANGED and "context" in (p.get("changes") or ()):
+            self._context(p)
+
+    def _context(self, p: dict[str, Any]) -> None:
+        """A dim line when the context's level rises (warn, critical, full): the user can compact
+        or start anew before the run has to."""
+        level = str(p.get("level"))
+        rose = _LEVELS.index(level) > _LEVELS.index(self._level) if level in _LEVELS else False
+        if level in _LEVELS:
+            self._level = level
+        if rose:
+            self.view.note(Text(context_warning(p), style="dim"))
 
     def _retry(self, p: dict[str, Any]) -> None:
         self.view.retry(
@@ -309,6 +322,40 @@ class SignalRenderer:
             int(p.get("attempt") or 0),
             float(p.get("delay") or 0.0),
         )
+
+
+_LEVELS = ("ok", "warn", "critical", "full")
+_LEVEL_ADVICE = {
+    "critical": " · it will be compacted soon (/compact does it now)",
+    "full": " · the next message may not fit (/compact or /new)",
+}
+
+
+def context_warning(p: Mapping[str, Any]) -> str:
+    """The line a rise of the context's level is shown with (a ``proc.changed`` context payload)."""
+    ratio, tokens, window = p.get("ratio"), _count(p.get("tokens")), _count(p.get("window"))
+    share = f"{ratio:.0%}" if isinstance(ratio, int | float) else "?%"
+    return f"context {share} full ({tokens:,} of {window:,} tokens){_LEVEL_ADVICE.get(str(p.get('level')), '')}"
+
+
+def context_line(ctx: Mapping[str, Any]) -> str:
+    """``/context``: the level, the share of the usable window, the threshold and what the
+    process's policy changes (``Process.context().as_dict()``, or a process's ``context_pressure``)."""
+    ratio, threshold = ctx.get("ratio"), ctx.get("threshold")
+    share = f"{ratio:.0%}" if isinstance(ratio, int | float) else "?%"
+    parts = [
+        f"context: {ctx.get('level', '?')}",
+        f"{share} of {_count(ctx.get('window')):,} tokens ({_count(ctx.get('tokens')):,})",
+    ]
+    if isinstance(threshold, int | float):
+        parts.append(f"compacts at {threshold:.0%}")
+    policy = ctx.get("policy")
+    if isinstance(policy, Mapping):
+        if policy.get("overflow") == "fail":
+            parts.append("overflow fails the run")
+        if isinstance(policy.get("keep_recent_tokens"), int):
+            parts.append(f"keeps {policy['keep_recent_tokens']:,} recent tokens")
+    return " · ".join(parts)
 
 
 def usage_line(usage: Mapping[str, Any], whose: str = "this conversation") -> str:

@@ -29,11 +29,20 @@ from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
-from agentloop.kernel.runs import chain, cwd_toolset, home_file, hydrate_media, prompt_builder, skills_toolset
+from agentloop.kernel.runs import (
+    chain,
+    cwd_toolset,
+    home_file,
+    hydrate_media,
+    jobs_toolset,
+    prompt_builder,
+    skills_toolset,
+)
 from agentloop.kernel.schedule_tool import schedule_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
 from agentloop.kernel.segments import Segment, SegmentPage, list_segments, read_segment, record_reset
 from agentloop.kernel.tasks import task_toolset
+from agentloop.kernel.titles import Titles, Titling, check_titling
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import (
@@ -59,6 +68,15 @@ from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MediaStore
 from agentloop.process.memory import append_daily_memory
+from agentloop.process.pressure import (
+    CompactionPolicy,
+    Overflow,
+    ProcessContext,
+    check_policy,
+    context_of,
+    load_policy,
+    set_policy,
+)
 from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
@@ -159,7 +177,22 @@ class Process:
         record = await self.kernel.store.get_process(self.pid)
         if record is None:
             raise NoSuchProcess(self.pid)
+        record.title = await self.kernel.titles.of(self.pid)
         return record
+
+    async def title(self) -> str | None:
+        """The process's title (kernel/titles.py): a person's, or the one made after its
+        conversation's first run; None before there is one."""
+        record = await self.kernel.store.get_process(self.pid)
+        if record is None or record.state == "killed":
+            raise NoSuchProcess(self.pid)
+        return await self.kernel.titles.of(self.pid)
+
+    async def set_title(self, text: str | None) -> str | None:
+        """Name the process: one line of plain text, trimmed, at most 120 characters
+        (``ValueError``/``TypeError`` otherwise, changing nothing). Nothing automatic overwrites it,
+        a reset keeps it; None clears it, handing the process back to the automatic title."""
+        return await self.kernel.titles.set(self.pid, text)
 
     async def send(
         self,
@@ -288,6 +321,30 @@ class Process:
     async def mode(self) -> Mode:
         return await self.kernel.engine.mode(self.pid)
 
+    async def set_compaction(
+        self, threshold: float | None = None, overflow: Overflow = "compact", keep_recent_tokens: int | None = None
+    ) -> CompactionPolicy:
+        """This process's compaction, from its next run on: compact at ``threshold`` (a share of
+        the usable window, above 0 and at most 1; None: the kernel's), on an ``overflow`` the
+        provider reports either ``compact`` and retry or ``fail`` the run with an error (its
+        history stays verbatim), and keep ``keep_recent_tokens`` of recent history out of the
+        summary (None: a quarter of the room the history has). All defaults: the kernel's again.
+        A bad value raises ``TypeError`` or ``ValueError`` and changes nothing."""
+        policy = check_policy(threshold, overflow, keep_recent_tokens)
+        await set_policy(self.kernel.engine, self.pid, policy)
+        return policy
+
+    async def compaction(self) -> CompactionPolicy:
+        """The compaction policy set for the process's runs (``set_compaction``)."""
+        await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
+        return await load_policy(self.kernel.store, self.pid)
+
+    async def context(self) -> ProcessContext:
+        """How full the context window is (``level`` ok/warn/critical/full, ``ratio``, ``tokens``
+        of the usable ``window``) after the latest model step, with the policy and the threshold
+        that apply. A level change is also logged as ``proc.changed`` with ``changes: ["context"]``."""
+        return await context_of(self.kernel.engine, await self.info())
+
     async def pending_approvals(self) -> list[Any]:
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
         return await self.kernel.store.hils(self.pid)
@@ -359,9 +416,11 @@ class Kernel:
         *,
         schedule_min_every: float = DEFAULT_MIN_EVERY,
         heartbeat: HeartbeatSettings | None = None,
+        titles: Titling = "message",
     ) -> None:
         self.store = store
         self.engine = engine
+        self.titles = Titles(store, engine, titles)  # (before recovery: its tap hears the runs it starts)
         self.data_dir = data_dir
         self.media = MediaStore(data_dir)
         leases = engine.leases
@@ -407,6 +466,7 @@ class Kernel:
         worker: str | None = None,
         lease_ttl: float = DEFAULT_TTL,
         poll_interval: float = DEFAULT_POLL,
+        titles: Titling = "message",
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -438,8 +498,12 @@ class Kernel:
         ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
-        default otherwise) unless ``approval`` replaces the check.
+        default otherwise) unless ``approval`` replaces the check. After a conversation's first run
+        a title is made in the background (kernel/titles.py): ``titles="message"`` cuts one from the
+        first user message, ``"model"`` asks the process's model (that fallback when it fails), a
+        ``TitleFn`` replaces the model, None makes none (a person may still set one).
         """
+        check_titling(titles)
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
                 raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
@@ -472,6 +536,7 @@ class Kernel:
             toolset = chain(schedule_toolset(kernel_ref), toolset)
         toolset = chain(account_mcp.toolset, toolset)
         toolset = chain(skills_toolset(data), toolset)
+        toolset = chain(toolset, jobs_toolset())  # (last: with Shell as the other toolsets left it)
         if daily_memory:
             toolset = chain(memory_toolset(data), toolset)
         if builtin:
@@ -515,12 +580,15 @@ class Kernel:
         await store.open()  # (last: what fails from here on closes it, and lets go of the runtime's lock)
         try:
             store.hold_runtime()  # one runtime drives the processes of a SQLite file
-            kernel = cls(store, engine, Path(data_dir), schedule_min_every=schedule_min_every, heartbeat=heartbeat)
+            kernel = cls(
+                store, engine, Path(data_dir), schedule_min_every=schedule_min_every, heartbeat=heartbeat, titles=titles
+            )
         except BaseException:
             await store.close()
             raise
         kernel_ref.append(kernel)
         try:
+            await kernel.titles.recover()
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
             await kernel._sweep_media()
             await kernel.watchers.start()  # delivers what watched sources logged while it was down
@@ -533,6 +601,7 @@ class Kernel:
                 await kernel.heartbeat.stop()
             await kernel.scheduler.stop()
             await kernel.watchers.stop()
+            await kernel.titles.close()
             await kernel._finish_remembering()
             await engine.close()
             await account_mcp.close()
@@ -636,7 +705,12 @@ class Kernel:
         return self.engine.config.off_limits
 
     async def processes(self, owner: str | None = None) -> list[ProcessRecord]:
-        return await self.store.list_processes(owner)
+        """The processes of ``owner`` (every one with None), each with its ``title``."""
+        records = await self.store.list_processes(owner)
+        titles = await self.titles.of_owner(owner)
+        for record in records:
+            record.title = titles.get(record.pid)
+        return records
 
     async def usage(self, owner: str) -> UsageTotals:
         """What ``owner``'s processes have spent over their finished runs, killed ones included
@@ -741,6 +815,7 @@ class Kernel:
         record = await self.store.get_process(pid)
         if record is None:
             raise NoSuchProcess(pid)
+        self.titles.cancel(pid)  # (the title being made is the cleared conversation's)
         # the input the clearing discards (see ProcessEngine.clear), kept in its archive: it never ran
         upto = self.engine.discarding.get(pid, 0)
         dropped = {item.id: item.message for item in await self.store.queue(pid) if item.id <= upto}
@@ -784,7 +859,14 @@ class Kernel:
         # longer knows why it asked. Watches on it stay: its watchers still follow it.
         async def also() -> Callable[[], None]:
             await record_reset(self.store, self.data_dir, record, stored, path)  # (its segment row)
-            return await self._drop_subscriptions(pid)
+            retitled = await self.titles.forget_automatic(record)  # (the fresh conversation earns its own)
+            dropped = await self._drop_subscriptions(pid)
+
+            def done() -> None:
+                dropped()
+                retitled()
+
+            return done
 
         await self.engine.reset(pid, also=also)
         if self.engine.memory is not None and history and not self._closing:

@@ -29,6 +29,7 @@ from agentloop.process.store import ProcessRecord
 from agentloop.stamps import stamps
 from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
+from agentloop.tools.jobs import jobs_tool
 from agentloop.tools.mcp import mcp_server_names
 from agentloop.tools.skills import SKILL_FILE, requirements_generation, skills_tool
 
@@ -111,6 +112,19 @@ def skills_toolset(data_dir: Path) -> ToolsetFn:
                 by_account.clear()
             skills = by_account[record.run_as] = skills_tool(list(layers))
         return {**shared, "skills": skills}
+
+    return toolset
+
+
+def jobs_toolset() -> ToolsetFn:
+    """The ``Jobs`` tool, for runs that have Shell: only a durable process runs background
+    commands, so only its runs are offered the tool that looks after them."""
+    jobs = jobs_tool()
+
+    def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+        if "Shell" not in shared or "Jobs" in shared:
+            return shared
+        return {**shared, "Jobs": jobs}
 
     return toolset
 

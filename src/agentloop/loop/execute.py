@@ -39,6 +39,7 @@ from agentloop.tools.base import (
     not_offered,
 )
 from agentloop.tools.builtin import syscall_of
+from agentloop.tools.jobs import JobTable
 
 log = logging.getLogger("agentloop.tools")
 
@@ -163,11 +164,12 @@ async def _execute(
     budget: CallBudget | None = None,
     call_key: str | None = None,
     background: Callable[[Coroutine[Any, Any, str], str], None] | None = None,
+    jobs: JobTable | None = None,
 ) -> ToolResultMessage:
     """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
     calls the tool makes itself (the in-memory runner's policy is a hook); ``budget`` counts those
-    calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key`` and
-    ``background`` as in ``ToolContext``."""
+    calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key``,
+    ``background`` and ``jobs`` as in ``ToolContext``."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
     check = nested_check(cfg, p, nested)
@@ -184,6 +186,7 @@ async def _execute(
         call_key=call_key,
         metadata=state.metadata,
         background=background,
+        jobs=jobs,
     )
     if emit is not None:
 

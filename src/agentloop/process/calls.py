@@ -217,8 +217,9 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
             budget = nested_budget(engine, live, run_id, cfg)
             state = _state_for(live, run_id)
             background = functools.partial(engine.start_background, live.record.pid)
+            jobs = engine.jobs.of(live.record.pid)
             result = await _execute(
-                cfg, state, checked, None, nested, budget, call_key=row.dispatch_id, background=background
+                cfg, state, checked, None, nested, budget, call_key=row.dispatch_id, background=background, jobs=jobs
             )
         try:
             await record(engine, live, run_id, row, result)

@@ -129,7 +129,9 @@ def estimate_tokens(obj: Any) -> int:
     return _text_tokens(_json(obj))
 
 
-def _usage_tokens(message: AssistantMessage) -> int:
+def reported_tokens(message: AssistantMessage) -> int:
+    """The context the provider counted for a reply (its prompt, tools, history and output); 0
+    where it reported none (an error, an abort, usage all zero)."""
     u = message.usage
     if u.input + u.cache_read <= 0 or message.stop_reason in ("error", "aborted"):
         return 0
@@ -152,7 +154,7 @@ def context_tokens(system_prompt: str, tools: Sequence[ToolSpec], messages: Sequ
         if isinstance(m, AssistantMessage):
             if m.timestamp <= summarised_at:
                 break
-            covered = _usage_tokens(m)
+            covered = reported_tokens(m)
             if covered:
                 return covered + estimate_tokens(list(messages[i + 1 :]))
     return estimated_context(system_prompt, tools, messages)
@@ -295,7 +297,7 @@ class Clearing:
                 continue
             if reply.timestamp <= summarised_at:
                 return 0  # (that usage is not read at all)
-            if not _usage_tokens(reply):
+            if not reported_tokens(reply):
                 continue
             saved = 0
             for m in messages[:i]:

@@ -48,10 +48,22 @@ from agentloop.process.compaction import (
     estimate_tokens,
     estimated_context,
     pressure,
+    reported_tokens,
     should_compact,
 )
 from agentloop.process.heartbeat import quiet_answer
 from agentloop.process.lease import LeaseLost
+from agentloop.process.pressure import (
+    ContextReading,
+    know_context,
+    load_policy,
+    note_context,
+    overflow_advice,
+    refused_overflow,
+    step_reading,
+    threshold_of,
+    usable_window,
+)
 from agentloop.process.signals import Signal
 from agentloop.process.store import SegmentRow, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
@@ -246,7 +258,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         return True
     generation = run["generation"]
 
-    run = await _compact_if_needed(engine, live, run, cfg, tools_enabled)
+    run, measured = await _compact_if_needed(engine, live, run, cfg, tools_enabled)
     state = _call_state(engine, live, run)
 
     relay = engine.leases.relay if engine.leases is not None else None  # watchers on other workers
@@ -277,9 +289,12 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
         discarded = state.usage  # the unusable answers call_model asked again for: billed all the same
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
-        compacted = await _compact(engine, live, run, cfg, "overflow") if overflow else None
+        refused = overflow and live.policy.overflow == "fail"  # the process's policy: the run fails instead
+        compacted = await _compact(engine, live, run, cfg, "overflow") if overflow and not refused else None
+        if refused:
+            reply = refused_overflow(reply, cfg.model.info.context_window)
         if compacted is not None:  # one compact-and-retry
-            run = compacted
+            run, measured = compacted, None
             state = _call_state(engine, live, run)
             reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
             discarded += state.usage
@@ -301,6 +316,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         "usage": _spent(run["usage"], reply.usage + discarded),
     }
     new_run.pop("offered", None)  # (a turn before's)
+    reading = _reading(engine, live, cfg, tools_enabled, reply, measured)  # None: the level is as known
     if reply.tool_calls and state.offered is not None:
         new_run["offered"] = sorted(state.offered)  # kept with the run: so is a call resumed after a restart
     finished = False
@@ -313,6 +329,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         await engine.log_prompt(tx, live, run_id)  # (the run's first answer: what its prompt was made of)
         await tx.append(run_id, [reply])
         await tx.set_run(new_run)
+        if reading is not None:
+            await note_context(tx, live, reading)
         if reply.text or any(b.type == "thinking" for b in reply.content):
             thinking = "".join(getattr(b, "thinking", "") for b in reply.content)
             output: dict[str, Any] = {"runId": run_id, "text": reply.text, "thinking": thinking}
@@ -411,16 +429,32 @@ def _spent(usage: dict[str, Any], more: Usage) -> dict[str, Any]:
 
 async def _compact_if_needed(
     engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, tools: bool
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], int | None]:
     """Threshold compaction, between the turns of a run as well as between runs; the run as it
-    stands afterwards."""
+    stands afterwards, and the context's tokens as measured for it (None: not measured, or the
+    history changed since), which the step's pressure reading builds on."""
     if engine.archive is None or len(live.history) < 4:
-        return run
+        return run, None
     specs = cfg.tool_specs if tools else []
-    level = pressure(cfg.system_prompt, specs, live.history, cfg.model.info)
-    if should_compact(level, engine.compaction_threshold):
-        return await _compact(engine, live, run, cfg, "threshold") or run
-    return run
+    tokens = context_tokens(cfg.system_prompt, specs, live.history)
+    if should_compact(tokens / usable_window(cfg.model.info), threshold_of(engine, live.policy)):
+        compacted = await _compact(engine, live, run, cfg, "threshold")
+        return (run, tokens) if compacted is None else (compacted, None)
+    return run, tokens
+
+
+def _reading(
+    engine: ProcessEngine, live: _Live, cfg: LoopConfig, tools: bool, reply: AssistantMessage, before: int | None
+) -> ContextReading | None:
+    """How full the context is with ``reply`` in it (``step_reading``): the provider's count, else
+    the tokens measured before the call plus the reply's estimate (measured now only where they
+    were not: compaction off, or the history changed since)."""
+    tokens = reported_tokens(reply)
+    if not tokens:
+        if before is None:
+            before = context_tokens(cfg.system_prompt, cfg.tool_specs if tools else [], live.history)
+        tokens = before + estimate_tokens(reply)
+    return step_reading(engine, live, cfg.model.info, tokens)
 
 
 async def _compact(
@@ -467,13 +501,18 @@ async def summarise(
     fixed = estimated_context(cfg.system_prompt, specs, [])
     estimated = fixed + estimate_tokens(live.history)
     real = context_tokens(cfg.system_prompt, specs, live.history)
-    room = (model.context_window - model.max_output) * min(1.0, estimated / max(1, real)) - fixed
-    keep = int(room // 4)
+    scale = min(1.0, estimated / max(1, real))
+    room = (model.context_window - model.max_output) * scale - fixed
+    policy = live.policy if run is not None else await load_policy(engine.store, pid)  # (idle: no run read it)
+    # and at most half of what the threshold leaves the history (a low one, a process's own, would
+    # otherwise be under the kept quarter and the prompt together: compacting at every turn)
+    under = usable_window(model) * scale * threshold_of(engine, policy) - fixed
+    keep = int(min(room / 4, under / 2)) if policy.keep_recent_tokens is None else policy.keep_recent_tokens
     if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
         keep = min(keep, estimate_tokens(live.history) // 2)
     if reason == "manual":  # asked for to free the context now, however full it is: keep a quarter
         keep = min(keep, estimate_tokens(live.history) // 4)
-    keep = max(256, keep)
+    keep = max(256 if policy.keep_recent_tokens is None else 1, keep)
     # (an overflow was measured by the provider: the summary is the surer cure)
     clears = reason == "threshold" and engine.clear_tool_outputs
     if clears and run is not None and await _clear(engine, live, run, cfg, keep, fixed):
@@ -504,6 +543,8 @@ async def summarise(
         return _unchanged(live, "not compacted: the archive could not be written"), run
     memory = await _remember(engine, live, result.memories)
     segment_id, removed, summary = new_id(), len(result.removed), result.summary
+    await know_context(engine.store, live)
+    reading = ContextReading.of(fixed + result.tokens_after, model, threshold_of(engine, policy))
     async with engine._tx(live) as tx:
         if run is None:
             _still_idle(live, result)
@@ -531,6 +572,7 @@ async def summarise(
             archive=where,
             memory=memory,
         )
+        await note_context(tx, live, reading)  # (an estimate: the next model step has the provider's count)
         # (not if an abort ended it meanwhile)
         if run is not None and _still_current(live, run["run_id"], run["generation"]):
             run = {**run, "usage": _spent(run["usage"], result.usage)}
@@ -584,13 +626,13 @@ async def _clear(
     if uncounted:
         estimated = fixed + estimate_tokens(live.history)
         level *= estimated / (estimated + uncounted)
-        if not should_compact(level, engine.compaction_threshold):
+        if not should_compact(level, threshold_of(engine, live.policy)):
             return True
     clearing = clear_tool_outputs(live.history, keep)
     if clearing is None:
         return False
     after = level * (fixed + clearing.tokens_after) / max(1, fixed + clearing.tokens_before)
-    if after > engine.compaction_threshold * CLEARING_MARGIN:
+    if after > threshold_of(engine, live.policy) * CLEARING_MARGIN:
         return False  # not enough: the summary does it all at once
     pid = live.record.pid
     stored = await engine.store.history(pid)
@@ -653,8 +695,8 @@ async def _finish(
     last = last or (live.history[-1] if live.history else None)
     if status == "error" and error is None:
         error = (last.error_message if isinstance(last, AssistantMessage) else None) or "unknown error"
-        if isinstance(last, AssistantMessage) and is_context_overflow(last):  # (compaction was tried)
-            error += f" {OVERFLOW_ADVICE}"
+        if isinstance(last, AssistantMessage) and is_context_overflow(last):  # (compaction was tried, or refused)
+            error += " " + overflow_advice(live.policy, OVERFLOW_ADVICE)
     if status == "error":
         await tx.append(run_id, [system(f"The run failed: {error}", "error")])
     if live.approvals:

@@ -73,11 +73,13 @@ from agentloop.process.driver import drive, fail_run, signal_run_finished, summa
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
+from agentloop.process.pressure import forget_context, run_keys, take_run_rows
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import NoSuchProcess, ProcessBusy, ProcessRecord, QueueItem, Store, ToolCallRow
 from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 from agentloop.tools.base import BackgroundRefused, background_group
+from agentloop.tools.jobs import JobRegistry
 from agentloop.tools.process_group import GroupIdentity
 
 log = logging.getLogger("agentloop.process")
@@ -179,6 +181,7 @@ class ProcessEngine:
         self._aborting: set[asyncio.Task[bool]] = set()
         self._deferred: set[asyncio.Task[None]] = set()  # see ``when_cleared``
         self._background: dict[str, set[asyncio.Task[None]]] = {}  # pid -> its background work
+        self.jobs = JobRegistry()  # the background commands each process can look after (``Jobs``)
         # background work a reset or kill stopped, until it has ended: ``close`` waits for it too
         # (a command's group is killed after a grace, which shutdown must not cut short)
         self._ending: set[asyncio.Task[None]] = set()
@@ -363,8 +366,10 @@ class ProcessEngine:
                     kept = (run_id, fresh.text)
                 live.prompt = kept
             cfg = replace(cfg, system_prompt=live.prompt[1])
-        if await self.store.kv_get(live.record.pid, MODE_KEY) == "chat":  # read per run: a change waits for the next
+        rows = await self.store.kv_many(live.record.pid, (MODE_KEY, *run_keys(live)))  # per run, in one query:
+        if rows.get(MODE_KEY) == "chat":  # a change waits for the next run
             cfg = replace(cfg, tools={})
+        take_run_rows(live, rows, cfg.model.info, self.compaction_threshold)  # the compaction policy, the level
         if fresh is not None:
             self._compiled[live.record.pid] = (run_id, fresh, sorted(cfg.tools))
         live.config = (run_id, cfg)
@@ -496,6 +501,7 @@ class ProcessEngine:
             await self._discard_queue(tx, live)
             await self.store.prune_events(pid)
             tx.after.append(live.history.clear)
+            await forget_context(tx, live)
             await tx.signal(sig.CHANGED, changes=["messages", "reset"])
         if self.leases is not None:
             self.leases.idle(pid)
@@ -683,6 +689,7 @@ class ProcessEngine:
     def stop_background(self, pid: str) -> None:
         """Stop the background work of ``pid`` (its reset or kill, a stop with its parent's run):
         cancelled, a command's process group is killed. Kept until it has ended, for ``close``."""
+        self.jobs.drop(pid)
         for task in self._background.pop(pid, set()):
             task.cancel()
             self._ending.add(task)

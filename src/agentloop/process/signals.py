@@ -62,9 +62,11 @@ PRUNE_EVERY = 1_000
 def for_account(signal: Signal) -> bool:
     """Whether an account's stream carries ``signal``: approvals asked and answered (or dropped:
     ``proc.changed`` naming "hil") and runs that ended, so that one inbox can show what every
-    process of the account waits for, runs nobody follows included (a schedule's, a subagent's)."""
+    process of the account waits for, runs nobody follows included (a schedule's, a subagent's);
+    and new titles (``proc.changed`` naming "title"), for a list of every process."""
     if signal.signal == CHANGED:
-        return "hil" in signal.payload.get("changes", ())
+        changes = signal.payload.get("changes", ())
+        return "hil" in changes or "title" in changes
     return signal.signal in (HIL_REQUESTED, RUN_FINISHED)
 
 

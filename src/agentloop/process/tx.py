@@ -17,6 +17,7 @@ from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
 from agentloop.process.media import is_stored
+from agentloop.process.pressure import DEFAULT_POLICY, Band, CompactionPolicy, ContextReading
 from agentloop.process.signals import Signal
 from agentloop.process.store import ProcessRecord, StoreError, UsageTotals
 from agentloop.process.store.base import ProcessState, QueueKind
@@ -59,6 +60,11 @@ class _Live:
     # the seq from which a finishing run prunes the log (``signals.KEPT_SIGNALS``)
     prune_at: int = field(default_factory=lambda: sig.KEPT_SIGNALS + sig.PRUNE_EVERY)
     pruned: int | None = None  # the log is pruned through this seq (None: not looked at since the load)
+    policy: CompactionPolicy = DEFAULT_POLICY  # the active run's (read with its configuration)
+    context: ContextReading | None = None  # the last reading of a change of level (None: none, so ok)
+    context_known: bool = False  # ``context`` holds the stored level at least (see pressure.run_keys)
+    context_tokens: int | None = None  # the newest model step's
+    context_band: Band | None = None  # the ratios the known level spans (see pressure.level_band)
 
 
 class _Tx:

@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 
 from agentloop.loop.hooks import maybe_await
 from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
+from agentloop.process.pressure import MAX_KEEP_RECENT
 from agentloop.process.store import MAX_SEQ, NoSuchProcess
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
@@ -50,6 +51,13 @@ class Query(BaseModel):
 
 class ModeBody(Body):
     mode: Literal[RUN_MODES] = Field(description="agent (with tools) or chat (without), from the next run on.")  # type: ignore[valid-type]
+
+
+class TitleBody(Body):
+    title: str | None = Field(
+        description="One line of plain text, trimmed, at most 120 characters; null clears it (an automatic"
+        " title follows)."
+    )
 
 
 class MediaItem(Body):
@@ -131,6 +139,24 @@ class CompactBody(Body):
     )
 
 
+class CompactionBody(Body):
+    threshold: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Compact when the context is this full (a share of the usable window); null: the server's.",
+    )
+    overflow: Literal["compact", "fail"] = Field(
+        "compact", description="On a context overflow: compact and retry, or end the run with an error."
+    )
+    keep_recent_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_KEEP_RECENT,
+        description="Recent history a summary leaves as it is; null: a quarter of the room.",
+    )
+
+
 class HistoryQuery(Query):
     limit: int = Field(100, ge=1, le=MAX_HISTORY_PAGE)
     before: int | None = Field(None, ge=0, le=MAX_SEQ, description="A message id: the page ends before it.")
@@ -193,8 +219,33 @@ class UsageAnswer(Answer):
     usage: UsageOut = Field(description="The account's processes, live and killed.")
 
 
+class PolicyOut(Answer):
+    threshold: float | None
+    overflow: Literal["compact", "fail"]
+    keep_recent_tokens: int | None
+
+
+class CompactionOut(PolicyOut):
+    pid: str
+    default_threshold: float = Field(description="The server's, which applies while threshold is null.")
+
+
+class ContextOut(Answer):
+    level: Literal["ok", "warn", "critical", "full"] = Field(
+        description="ok below 0.7, warn from 0.7, critical from 0.85 (or the compaction threshold), full from 1."
+    )
+    ratio: float = Field(description="tokens / window, after the latest model step.")
+    tokens: int = Field(description="The provider's count where it reported one, else the estimate.")
+    window: int = Field(description="The usable window: the model's context window less its output budget.")
+    threshold: float = Field(description="The compaction threshold that applies (the policy's, else the server's).")
+    policy: PolicyOut
+
+
 class ProcessOut(Answer):
     pid: str
+    title: str | None = Field(
+        description="Set by a person, else made after the conversation's first run; null before there is one."
+    )
     owner: str
     state: Literal["idle", "running", "killed"]
     cwd: str
@@ -205,6 +256,9 @@ class ProcessOut(Answer):
     created_at: float
     updated_at: float
     usage: UsageOut = Field(description="The process's finished runs; a reset keeps it.")
+    context_pressure: ContextOut | None = Field(
+        None, description="How full the context window is: with one process (GET, spawn), not in a list."
+    )
 
 
 class ProcessList(Answer):
@@ -245,6 +299,11 @@ class StopOut(Answer):
 class ModeOut(Answer):
     pid: str
     mode: str
+
+
+class TitleOut(Answer):
+    pid: str
+    title: str | None
 
 
 class ApprovalRequest(Answer):
@@ -557,6 +616,15 @@ async def send(call: Call) -> dict[str, Any]:
     )
 
 
+async def get_compaction(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.compaction(call.principal, call.param("pid"))
+
+
+async def set_compaction(call: Call) -> dict[str, Any]:
+    body = call.parsed(CompactionBody, call.body)
+    return await call.ctx.processes.compaction(call.principal, call.param("pid"), body.model_dump())
+
+
 async def history(call: Call) -> dict[str, Any]:
     query = call.parsed(HistoryQuery, call.query)
     return await call.ctx.processes.history(call.principal, call.param("pid"), limit=query.limit, before=query.before)
@@ -586,6 +654,15 @@ async def get_mode(call: Call) -> dict[str, Any]:
 async def set_mode(call: Call) -> dict[str, Any]:
     body = call.parsed(ModeBody, call.body)
     return await call.ctx.processes.mode(call.principal, call.param("pid"), body.mode)
+
+
+async def get_title(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.title(call.principal, call.param("pid"))
+
+
+async def set_title(call: Call) -> dict[str, Any]:
+    body = call.parsed(TitleBody, call.body)
+    return await call.ctx.processes.set_title(call.principal, call.param("pid"), body.title)
 
 
 async def stop(call: Call) -> dict[str, Any]:
@@ -781,6 +858,24 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "POST", f"{_P}/mode", "Set agent or chat mode, from the next run on.", set_mode, body=ModeBody, answer=ModeOut
+    ),
+    Endpoint("GET", f"{_P}/compaction", "The process's compaction policy.", get_compaction, answer=CompactionOut),
+    Endpoint(
+        "POST",
+        f"{_P}/compaction",
+        "Set the process's compaction policy (fields left out: the defaults), from its next run on.",
+        set_compaction,
+        body=CompactionBody,
+        answer=CompactionOut,
+    ),
+    Endpoint("GET", f"{_P}/title", "The process's title (null before it has one).", get_title, answer=TitleOut),
+    Endpoint(
+        "POST",
+        f"{_P}/title",
+        "Name the process (null clears it): nothing automatic overwrites it, a reset keeps it.",
+        set_title,
+        body=TitleBody,
+        answer=TitleOut,
     ),
     Endpoint("GET", f"{_P}/hil", "Pending approval requests.", approvals, answer=ApprovalList),
     Endpoint(

@@ -13,7 +13,7 @@ import base64
 import binascii
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
@@ -30,6 +30,7 @@ from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
 from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge
+from agentloop.process.pressure import check_policy, context_of
 from agentloop.process.signals import Signal
 from agentloop.process.store import (
     MAX_SEQ,
@@ -62,6 +63,7 @@ def process_json(record: ProcessRecord) -> dict[str, Any]:
     run = record.current_run
     return {
         "pid": record.pid,
+        "title": record.title,
         "owner": record.owner,
         "state": record.state,
         "cwd": record.cwd,
@@ -311,7 +313,7 @@ class ProcessService:
             raise ApiError(413, "too_large", f"media: {exc}") from None
         except MediaError as exc:
             raise ApiError(400, "invalid_request", f"media: {exc}") from None
-        answer = process_json(await proc.info())
+        answer = await self._one(await proc.info())
         if proc.started is not None:  # (the run may have ended already: its id all the same)
             answer["run_id"] = proc.started.run_id
         return answer
@@ -342,7 +344,15 @@ class ProcessService:
         return [process_json(r) for r in await self.kernel.processes(owner=who.account) if r.state != "killed"]
 
     async def get(self, who: Principal, pid: str) -> dict[str, Any]:
-        return process_json((await self._process(who, pid))[1])
+        """One process, with how full its context is (``context_pressure``: ``Process.context``)."""
+        record = (await self._process(who, pid))[1]
+        record.title = await self.kernel.titles.of(pid)
+        return await self._one(record)
+
+    async def _one(self, record: ProcessRecord) -> dict[str, Any]:
+        """A process as one is answered (a list leaves out the context: a row read per process)."""
+        context = await context_of(self.kernel.engine, record)
+        return {**process_json(record), "context_pressure": context.as_dict()}
 
     async def usage(self, who: Principal) -> dict[str, Any]:
         """What the caller's account has spent: its processes' totals, the killed ones' too."""
@@ -399,6 +409,38 @@ class ProcessService:
         if mode is not None:
             await proc.set_mode(_run_mode(mode))
         return {"pid": pid, "mode": await proc.mode()}
+
+    async def compaction(self, who: Principal, pid: str, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The process's compaction policy, after replacing it when ``change`` is given (its
+        ``threshold``, ``overflow``, ``keep_recent_tokens``; those left out take the defaults), from
+        the next run on. ``default_threshold``: the kernel's, which applies while ``threshold`` is null."""
+        proc, _ = await self._process(who, pid)
+        if change is not None:
+            try:
+                policy = check_policy(
+                    change.get("threshold"), change.get("overflow", "compact"), change.get("keep_recent_tokens")
+                )
+            except (TypeError, ValueError) as exc:
+                raise ApiError(400, "invalid_request", str(exc)) from None
+            await proc.set_compaction(policy.threshold, policy.overflow, policy.keep_recent_tokens)
+        policy = await proc.compaction()
+        return {"pid": pid, **policy.as_dict(), "default_threshold": self.kernel.engine.compaction_threshold}
+
+    async def title(self, who: Principal, pid: str) -> dict[str, Any]:
+        proc, _ = await self._process(who, pid)
+        return {"pid": pid, "title": await proc.title()}
+
+    async def set_title(self, who: Principal, pid: str, title: str | None) -> dict[str, Any]:
+        """Name the process (``Process.set_title``; None clears the name): 400 for a title that is
+        not one trimmed line of plain text of at most 120 characters, and nothing changes."""
+        proc, _ = await self._process(who, pid)
+        try:
+            title = await proc.set_title(title)
+        except (TypeError, ValueError) as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        except NoSuchProcess:
+            raise _not_found(pid) from None
+        return {"pid": pid, "title": title}
 
     async def stop(self, who: Principal, pid: str, *, run_id: str | None = None) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)

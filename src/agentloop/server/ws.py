@@ -268,6 +268,20 @@ async def _mode(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.mode(conn.user, _id(args, "pid"), _want(args, "mode", str, "a string", None))
 
 
+async def _compaction(conn: Connection, args: dict[str, Any]) -> Any:
+    """Read the policy; with any of its fields (a null one too), replace it (the service checks them)."""
+    change: dict[str, Any] = {k: args[k] for k in ("threshold", "overflow", "keep_recent_tokens") if k in args}
+    return await conn.service.compaction(conn.user, _id(args, "pid"), change or None)
+
+
+async def _title(conn: Connection, args: dict[str, Any]) -> Any:
+    """``{pid}`` reads the title; ``{pid, title}`` sets it, a null ``title`` clears it."""
+    pid = _id(args, "pid")
+    if "title" not in args:
+        return await conn.service.title(conn.user, pid)
+    return await conn.service.set_title(conn.user, pid, _want(args, "title", str, "a string or null", None))
+
+
 async def _list(conn: Connection, args: dict[str, Any]) -> Any:
     return {"processes": await conn.service.list_processes(conn.user)}
 
@@ -422,6 +436,8 @@ CALLS: dict[str, Call] = {
     "proc.abort": Call(_abort, mutates=True),
     "proc.stop": Call(_stop, mutates=True),
     "proc.mode": Call(_mode, mutates=True),
+    "proc.title": Call(_title, mutates=True),
+    "proc.compaction": Call(_compaction, mutates=True),
     "proc.hil": Call(_hil, mutates=True),
     "proc.approvals": Call(_approvals),
     "proc.reset": Call(_reset, mutates=True),

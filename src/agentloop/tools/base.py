@@ -20,12 +20,15 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage, storable, storable_value
 from agentloop.models.base import ToolSpec
+
+if TYPE_CHECKING:
+    from agentloop.tools.jobs import JobTable
 
 ResultBlock: TypeAlias = TextContent | ImageContent | FileContent
 
@@ -156,6 +159,8 @@ class ToolContext:
     stopped or died first, the next one tells it the work did not finish; the work reports the
     process groups it starts through ``background_group``, for that runtime to stop). None where
     nothing could tell it later (in memory); ``BackgroundRefused`` when the process runs too many.
+    ``jobs`` are the calling process's background commands (``tools/jobs.py``), given with
+    ``background``: what Shell files a command it starts under, and the ``Jobs`` tool looks in.
     """
 
     tool_call_id: str
@@ -171,6 +176,7 @@ class ToolContext:
     call_key: str | None = None
     metadata: Mapping[str, Any] | None = None
     background: Callable[[Coroutine[Any, Any, str], str], None] | None = None
+    jobs: JobTable | None = None
 
 
 class BackgroundRefused(Exception):

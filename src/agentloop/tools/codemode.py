@@ -565,6 +565,7 @@ class _Execution:
             call_key=None if self.ctx.call_key is None else f"{self.ctx.call_key}.{number}",
             metadata=self.ctx.metadata,  # (the run's: a nested call is the run's as a direct one is)
             background=self.ctx.background,
+            jobs=self.ctx.jobs,
         )
         if tool.timeout is not None and tool.interruptible:
             try:

@@ -85,6 +85,18 @@ class OutputCapture:
         omitted = self.total - len(head.encode()) - len(tail.encode())
         return f"{head}\n… {omitted} bytes omitted …\n{tail}", True
 
+    def span(self, offset: int, limit: int) -> tuple[int, bytes]:
+        """Up to ``limit`` bytes of the output from byte ``offset`` on, and where they start: later
+        than ``offset`` when the middle there was not kept (a page never spans the gap)."""
+        tail_start = self.total - len(self.tail)
+        if offset < len(self.head):
+            data = self.head[offset : offset + limit]
+            if len(data) < limit and tail_start == len(self.head):  # (nothing dropped between them)
+                data += self.tail[: limit - len(data)]
+            return offset, bytes(data)
+        start = max(offset, tail_start)
+        return start, bytes(self.tail[start - tail_start : start - tail_start + limit])
+
 
 async def pump(stream: asyncio.StreamReader, capture: OutputCapture) -> None:
     while chunk := await stream.read(1 << 16):
@@ -313,14 +325,18 @@ async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str |
         await asyncio.sleep(_POLL)
 
 
-async def supervise(proc: asyncio.subprocess.Process, reader: asyncio.Task[None], limit: float) -> str:
+async def supervise(
+    proc: asyncio.subprocess.Process, reader: asyncio.Task[None], limit: float, stop: asyncio.Event | None = None
+) -> str:
     """Wait for the command: ``"exited"``, ``"held"`` (exited, but children keep the output
-    open) or ``"timeout"``."""
+    open), ``"timeout"``, or ``"stopped"`` once ``stop`` is set (a request to end it early)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
     exited_at: float | None = None
     while not reader.done():
         now = loop.time()
+        if stop is not None and stop.is_set():
+            return "stopped"
         if now >= deadline:
             return "timeout"
         if proc.returncode is not None:
@@ -329,6 +345,8 @@ async def supervise(proc: asyncio.subprocess.Process, reader: asyncio.Task[None]
                 return "held"
         await asyncio.wait({reader}, timeout=min(0.05, deadline - now))
     while proc.returncode is None:  # output closed; the shell is exiting or detached its output
+        if stop is not None and stop.is_set():
+            return "stopped"
         if loop.time() >= deadline:
             return "timeout"
         await asyncio.sleep(_POLL)

@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -33,6 +33,7 @@ from agentloop.tools.base import (
     background_group,
     tool,
 )
+from agentloop.tools.jobs import CommandJob, JobRegistry
 from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
@@ -100,10 +101,13 @@ async def run_shell(
     kill_grace: float = KILL_GRACE,
     max_timeout: float = MAX_TIMEOUT,
     started: GroupStarted | None = None,
+    job: CommandJob | None = None,
 ) -> ToolResult:
     """``shell.exec``: run ``command`` with its output captured; the group dies with it.
     ``started`` is awaited with the group and its mark once the command runs (before it is
-    waited for), by whoever must be able to find the group again should this runtime die."""
+    waited for), by whoever must be able to find the group again should this runtime die.
+    A background ``job`` gets a stdin pipe (no stdin otherwise), the process and the output as
+    they come, and may be stopped early (``job.stop_requested``), as a timeout stops it."""
     if not command.strip():
         raise ToolError("command is empty")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -121,7 +125,7 @@ async def run_shell(
         command,
         cwd=workdir,
         env=env,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.DEVNULL if job is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
@@ -129,10 +133,12 @@ async def run_shell(
     assert proc.stdout is not None
     capture = OutputCapture(max_output)
     reader = asyncio.create_task(pump(proc.stdout, capture))
+    if job is not None:
+        job.attach(proc, capture)
     try:
         if started is not None:
             await started(proc.pid, mark)  # (start_new_session: the shell leads the group)
-        outcome = await supervise(proc, reader, limit)
+        outcome = await supervise(proc, reader, limit, None if job is None else job.stop_requested)
         if outcome != "exited":
             await kill_group(proc, kill_grace, mark)
             await asyncio.wait({reader}, timeout=DRAIN_GRACE)
@@ -150,6 +156,9 @@ async def run_shell(
     if outcome == "timeout":
         note = f"[timed out after {limit:g} s; the command and its child processes were killed]"
         return ToolResult.text(f"{body}\n{note}", is_error=True, details=details)
+    if outcome == "stopped":
+        note = f"[stopped on request ({_status(code)}); the command and its child processes were killed]"
+        return ToolResult.text(f"{body}\n{note}", is_error=True, details={**details, "stopped": True})
     note = f"[{_status(code)}]"
     if outcome == "held":
         note = f"[{_status(code)}; background processes still holding the output open were killed]"
@@ -165,7 +174,9 @@ def shell_tool(root: str | Path) -> FunctionTool:
             "The command and every process it started are killed at the timeout; "
             "background processes must redirect their output (cmd > log 2>&1 &) to outlive it. "
             "With background=true the call returns at once and the command's output and exit code come to "
-            "you later as a system message (for long builds or test runs; conversations kept by a server only)."
+            "you later as a system message (for long builds or test runs; conversations kept by a server only); "
+            "it gets a job id, and the Jobs tool shows its status and output meanwhile, writes to its stdin or "
+            "stops it."
         ),
     )
     async def shell(
@@ -208,18 +219,50 @@ def start_in_background(
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
     limit = DEFAULT_BACKGROUND_TIMEOUT if timeout is None else timeout
     shown = command if len(command) <= 200 else command[:200] + "…"
+    table = ctx.jobs if ctx.jobs is not None else JobRegistry().of("")  # (a runtime without Jobs)
+    job = table.open(command)
 
-    async def job() -> str:
-        started = background_group.get()  # (run by the runtime, which set it)
-        result = await run_shell(root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT, started=started)
-        output = "".join(b.text for b in result.content if isinstance(b, TextContent))
-        return f"The background command `{shown}` (call {ctx.tool_call_id}) has ended:\n{output}"
+    async def work() -> str:
+        output = await run_job(root, command, cwd, limit, job)
+        return f"The background command `{shown}` (job {job.id}, call {ctx.tool_call_id}) has ended:\n{output}"
 
     try:
-        ctx.background(job(), f"background command `{shown}`")
+        ctx.background(work(), f"background command `{shown}`")
     except BackgroundRefused as exc:
+        table.discard(job)
         raise ToolError(f"{exc}: wait for one to end, or run this one without background") from None
     return ToolResult.text(
-        f"Started in the background: `{shown}` (stopped after {limit:g} s). Its output and exit code will "
-        "come to you as a system message when it ends; go on meanwhile."
+        f"Started in the background as job {job.id}: `{shown}` (stopped after {limit:g} s). Its output and exit "
+        "code will come to you as a system message when it ends; go on meanwhile. Its stdin stays open: the "
+        "Jobs tool can show its status and output so far, write to its stdin (or close it), or stop it."
     )
+
+
+async def run_job(root: str | Path, command: str, cwd: str, limit: float, job: CommandJob) -> str:
+    """Run a background job's command to its end, keeping the job's summary; the output and how it
+    ended, as the model is told. A job stopped before its command started never starts it."""
+    if job.stop_requested.is_set():
+        job.finish(None, "stopped on request before it started", stopped=True)
+        return "(no output)\n[stopped on request before it started]"
+    started = background_group.get()  # (run by the runtime, which set it)
+    try:
+        result = await run_shell(
+            root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT, started=started, job=job
+        )
+    except BaseException as exc:
+        job.finish(None, f"failed to run ({type(exc).__name__})")
+        raise
+    details = result.details if isinstance(result.details, dict) else {}
+    code = details.get("exit_code")
+    job.finish(code, _ending(details), stopped=bool(details.get("stopped")))
+    return "".join(b.text for b in result.content if isinstance(b, TextContent))
+
+
+def _ending(details: dict[str, Any]) -> str:
+    """How a command ended, in words, from its result's ``details``."""
+    status = _status(details.get("exit_code"))
+    if details.get("stopped"):
+        return f"stopped on request ({status})"
+    if details.get("timed_out"):
+        return f"timed out ({status})"
+    return status

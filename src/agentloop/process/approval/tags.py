@@ -310,7 +310,7 @@ def _paths_tags(
 def facts_read_args(syscall: str, args: Mapping[str, Any]) -> bool:
     """Whether :func:`call_facts` looks at this call's arguments (a command, a method, a path):
     when it does not, every call of ``syscall`` on one target has the same facts."""
-    return syscall in ("shell.exec", "net.fetch") or "path" in args
+    return syscall in ("shell.exec", "net.fetch", "shell.jobs") or "path" in args
 
 
 def call_facts(
@@ -364,6 +364,12 @@ def call_facts(
                 walks=walks,
             )
         return CallFacts(frozenset(tags), analysis.paths, analysis, analysis.reasons)
+    if syscall == "shell.jobs":
+        # (a background command this process started, judged as it started: looking at it only
+        # reads, and writing to it or stopping it changes no more than the command itself may)
+        if args.get("action") in ("input", "stop"):
+            tags.add("mutating")
+        return CallFacts(frozenset(tags))
     path = args.get("path")
     paths = (path,) if isinstance(path, str) and path else ()
     if syscall in _WRITES:

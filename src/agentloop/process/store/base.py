@@ -13,7 +13,7 @@ gap-free per process and identical across dialects.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
 
@@ -92,6 +92,9 @@ class ProcessRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     usage: UsageTotals = field(default_factory=UsageTotals)  # over its finished runs; a reset keeps them
+    # its title (process_kv ``title``, kernel/titles.py): filled in by ``Process.info`` and
+    # ``Kernel.processes``, never by the store's own reads of the registry
+    title: str | None = None
 
 
 @dataclass
@@ -431,6 +434,23 @@ class Store(ABC):
 
     @abstractmethod
     async def kv_delete(self, pid: str, key: str) -> None: ...
+
+    @abstractmethod
+    async def kv_add(self, pid: str, key: str, value: Any, *, generation: int) -> bool:
+        """Add the row unless the process has one for ``key`` already, is gone, or has moved past
+        history ``generation`` (a reset): a value for one conversation that never overwrites
+        another, checked and written in one statement. Whether it was added."""
+
+    @abstractmethod
+    async def kv_values(self, key: str, owner: str | None = None) -> dict[str, Any]:
+        """pid -> the value of ``key`` for each process of ``owner`` (of any owner with None) that
+        has one: one query for a list, instead of one per process."""
+
+    async def kv_many(self, pid: str, keys: Sequence[str]) -> dict[str, Any]:
+        """The rows of ``keys`` that exist, by key. The stores read them in one query: a run's
+        configuration reads several rows, and a query per row would be paid by every run."""
+        found = {key: await self.kv_get(pid, key) for key in keys}
+        return {key: value for key, value in found.items() if value is not None}
 
     # -- signal log -----------------------------------------------------------------------------
 

@@ -42,6 +42,17 @@ ACCOUNT_HILS = (
     f"SELECT {_HIL_COLUMNS_OF_H} FROM pending_hil h JOIN processes p ON p.pid = h.pid"
     " WHERE p.owner = {owner} AND p.state <> 'killed' ORDER BY h.created_at, h.request_id"
 )
+# a kv row added only where none is, for a process still in a history generation: ``kv_add``
+KV_ADD = (
+    "INSERT INTO process_kv (pid, key, value) SELECT CAST({pid} AS TEXT), CAST({key} AS TEXT), CAST({value} AS TEXT)"
+    " WHERE EXISTS (SELECT 1 FROM processes WHERE pid = {pid} AND history_generation = {generation})"
+    " ON CONFLICT (pid, key) DO NOTHING"
+)
+# one key's value for each process of an owner (the titles of a process list): ``kv_values``
+OWNER_KV = (
+    "SELECT k.pid, k.value FROM process_kv k JOIN processes p ON p.pid = k.pid"
+    " WHERE p.owner = {owner} AND k.key = {key}"
+)
 SEGMENT_COLUMNS = (
     "id, pid, generation, kind, from_message_id, to_message_id, archive_path, summary_message_id, created_at"
 )

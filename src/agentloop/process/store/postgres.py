@@ -42,7 +42,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import asyncpg
@@ -79,7 +79,9 @@ from agentloop.process.store.common import (
     CALL_COLUMNS,
     FOLD_USAGE,
     HIL_COLUMNS,
+    KV_ADD,
     LAGGING_WATCHES,
+    OWNER_KV,
     PROCESS_COLUMNS,
     PROCESS_TABLES,
     SCHEDULE_COLUMNS,
@@ -733,6 +735,15 @@ class PostgresStore(Store):
             value = await db.fetchval("SELECT value FROM process_kv WHERE pid = $1 AND key = $2", pid, key)
         return json.loads(value) if value is not None else None
 
+    async def kv_many(self, pid: str, keys: Sequence[str]) -> dict[str, Any]:
+        if not keys:
+            return {}
+        async with self._reading() as db:
+            rows = await db.fetch(
+                "SELECT key, value FROM process_kv WHERE pid = $1 AND key = ANY($2::text[])", pid, list(keys)
+            )
+        return {row["key"]: json.loads(row["value"]) for row in rows}
+
     async def kv_set(self, pid: str, key: str, value: Any) -> None:
         await self._write().execute(
             "INSERT INTO process_kv (pid, key, value) VALUES ($1, $2, $3)"
@@ -744,6 +755,18 @@ class PostgresStore(Store):
 
     async def kv_delete(self, pid: str, key: str) -> None:
         await self._write().execute("DELETE FROM process_kv WHERE pid = $1 AND key = $2", pid, key)
+
+    async def kv_add(self, pid: str, key: str, value: Any, *, generation: int) -> bool:
+        sql = KV_ADD.format(pid="$1", key="$2", value="$3", generation="$4")
+        return _changed(await self._write().execute(sql, pid, key, dumps(value), generation)) == 1
+
+    async def kv_values(self, key: str, owner: str | None = None) -> dict[str, Any]:
+        async with self._reading() as db:
+            if owner is None:
+                rows = await db.fetch("SELECT pid, value FROM process_kv WHERE key = $1", key)
+            else:
+                rows = await db.fetch(OWNER_KV.format(owner="$1", key="$2"), owner, key)
+        return {row[0]: json.loads(row[1]) for row in rows}
 
     # -- signal log -----------------------------------------------------------------------------
 

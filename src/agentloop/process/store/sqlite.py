@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
 import sqlite3
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ from agentloop.process.store.common import (
     CALL_COLUMNS,
     FOLD_USAGE,
     HIL_COLUMNS,
+    KV_ADD,
     LAGGING_WATCHES,
+    OWNER_KV,
     PROCESS_COLUMNS,
     PROCESS_TABLES,
     SCHEDULE_COLUMNS,
@@ -85,6 +88,14 @@ _BUSY_TIMEOUT_MS = 5
 _INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)"
 _FOLD_USAGE = FOLD_USAGE.replace("$1", "?1")
 _ACCOUNT_USAGE = ACCOUNT_USAGE.replace("$1", "?1")
+_OWNER_KV = OWNER_KV.format(owner="?", key="?")
+_KV_ADD = KV_ADD.format(pid="?1", key="?2", value="?3", generation="?4")
+
+
+@functools.cache
+def _kv_many(count: int) -> str:
+    """The query of ``kv_many`` for ``count`` keys (made once: it is asked for at every run)."""
+    return f"SELECT key, value FROM process_kv WHERE pid = ? AND key IN ({', '.join('?' * count)})"
 
 
 class _Transaction(Transaction):
@@ -791,6 +802,12 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT value FROM process_kv WHERE pid = ? AND key = ?", (pid, key)).fetchone()
         return json.loads(row[0]) if row else None
 
+    async def kv_many(self, pid: str, keys: Sequence[str]) -> dict[str, Any]:
+        if not keys:
+            return {}
+        rows = self.db.execute(_kv_many(len(keys)), (pid, *keys)).fetchall()
+        return {key: json.loads(value) for key, value in rows}
+
     async def kv_set(self, pid: str, key: str, value: Any) -> None:
         self._write().execute(
             "INSERT INTO process_kv (pid, key, value) VALUES (?, ?, ?)"
@@ -800,6 +817,16 @@ class SQLiteStore(Store):
 
     async def kv_delete(self, pid: str, key: str) -> None:
         self._write().execute("DELETE FROM process_kv WHERE pid = ? AND key = ?", (pid, key))
+
+    async def kv_add(self, pid: str, key: str, value: Any, *, generation: int) -> bool:
+        return self._write().execute(_KV_ADD, (pid, key, dumps(value), generation)).rowcount == 1
+
+    async def kv_values(self, key: str, owner: str | None = None) -> dict[str, Any]:
+        if owner is None:
+            rows = self.db.execute("SELECT pid, value FROM process_kv WHERE key = ?", (key,))
+        else:
+            rows = self.db.execute(_OWNER_KV, (owner, key))
+        return {pid: json.loads(value) for pid, value in rows.fetchall()}
 
     # -- signal log -----------------------------------------------------------------------------
 

@@ -40,13 +40,41 @@ async function listProcesses() {
   const list = $("processes");
   list.replaceChildren();
   for (const p of processes) {
-    const item = el("li", null, p.pid);
+    const item = el("li");
     item.dataset.pid = p.pid;
-    item.append(el("span", "state", p.state));
+    item.title = p.pid; // the pid as its tooltip: the list shows the process's title
+    item.append(el("span", "name"), el("span", "state", p.state));
+    list.append(item);
+    retitle(p.pid, p.title);
     if (view && view.pid === p.pid) item.classList.add("selected");
     item.addEventListener("click", () => openProcess(p.pid).catch((err) => status(err.message)));
-    list.append(item);
   }
+}
+
+/** Show a process's title in the list (its pid while it has none) and, if it is open, the header. */
+function retitle(pid, title) {
+  const item = $("processes").querySelector(`li[data-pid="${CSS.escape(pid)}"]`);
+  if (item) {
+    item.querySelector(".name").textContent = title || pid;
+    item.classList.toggle("titled", !!title);
+  }
+  if (view && view.pid === pid) $("proc-name").textContent = title || "";
+  return item !== null;
+}
+
+/** A title change on the account stream renames its process; whether that was all it said. A
+ * process the list does not have yet (started elsewhere) brings the list up to date. */
+function retitled(frame) {
+  let item;
+  try {
+    item = JSON.parse(frame.data);
+  } catch {
+    return false;
+  }
+  const changes = (item.payload && item.payload.changes) || [];
+  if (item.signal !== "proc.changed" || !changes.includes("title")) return false;
+  if (!retitle(item.pid, item.payload.title)) listProcesses().catch(() => {});
+  return changes.length === 1;
 }
 
 // The approvals inbox: what every process of the account waits for, also those the page does not
@@ -76,7 +104,7 @@ function followInbox() {
 async function followAccount(stop, refresh) {
   while (!stop.signal.aborted) {
     try {
-      for await (const _ of sse("/v1/events", null, stop.signal, refresh)) refresh();
+      for await (const frame of sse("/v1/events", null, stop.signal, refresh)) if (!retitled(frame)) refresh();
     } catch (err) {
       if (err instanceof ApiError && err.status === 401) return;
     }
@@ -116,6 +144,8 @@ function showProcess(process) {
   $("abort").disabled = !has || !process.run_id;
   const item = has ? $("processes").querySelector(`li[data-pid="${CSS.escape(process.pid)}"] .state`) : null;
   if (item) item.textContent = process.state;
+  $("proc-name").textContent = "";
+  if (has) retitle(process.pid, process.title);
 }
 
 async function openProcess(pid) {

@@ -374,6 +374,7 @@ export class ProcessView {
         if (this.live && changes.includes("reset")) this.forgetHistory();
         if (changes.includes("messages")) this.loadHistory();
         if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
+        if (this.live && changes.includes("title")) this.refreshProcess().catch(() => {});
         break;
       }
       case "proc.log.pruned":
