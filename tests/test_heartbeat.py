@@ -337,11 +337,15 @@ def test_the_config_file_sets_the_heartbeat(tmp_path, text, every, hours, warned
     assert kernel_options(settings)["heartbeat"] == file.heartbeat
 
 
-def test_the_config_file_turns_the_heartbeat_off(tmp_path):
-    from agentloop.cli.config import kernel_options, load_settings
+@pytest.mark.parametrize("text", ["heartbeat = false", 'heartbeat = "off"', 'heartbeat = " No "'])
+def test_the_config_file_turns_the_heartbeat_off(tmp_path, text):
+    """``false``, or the words people write for it: a heartbeat costs model calls, so a config that
+    says off in words must not leave it on."""
+    from agentloop.cli.config import kernel_options, load_settings, read_config_file
 
     path = tmp_path / "config.toml"
-    path.write_text("heartbeat = false\n")
+    path.write_text(text + "\n")
+    assert read_config_file(path)[1] == []
     assert kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(path)}))["heartbeat"] is None
 
 

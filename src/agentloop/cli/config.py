@@ -424,9 +424,14 @@ def _read_fetch_allow(value: Any) -> tuple[tuple[str, ...], str | None]:
     return tuple(value), None
 
 
+_WORDS_FOR = {"off": False, "false": False, "no": False, "on": True, "true": True, "yes": True}
+
+
 def _read_heartbeat(value: Any) -> tuple[HeartbeatSettings | None, str | None]:
     """``heartbeat = false`` (none), ``true`` (the default) or a table ``{every = seconds, hours =
     "08:00-23:00"}`` (``hours = "all"`` for the whole day); the default and why, when unusable."""
+    if isinstance(value, str) and value.strip().lower() in _WORDS_FOR:  # "off", "on": meant as the booleans
+        value = _WORDS_FOR[value.strip().lower()]
     if isinstance(value, bool):
         return (DEFAULT_HEARTBEAT if value else None), None
     if not isinstance(value, dict):
