@@ -19,7 +19,7 @@ import inspect
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 import uvicorn
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
@@ -188,6 +189,86 @@ def live_server(data: Path, **kw: Any) -> Iterator[LiveServer]:
         yield server
     finally:
         server.stop()
+
+
+def module_server(name: str) -> Any:
+    """A module-scoped ``server`` fixture: a live server on a fresh directory named after ``name``.
+    Use as ``server = module_server("queue")``; ``alice`` and ``bob`` below talk to it."""
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+        with live_server(tmp_path_factory.mktemp(name)) as srv:
+            yield srv
+
+    return server
+
+
+# Client fixtures of the module's ``server`` fixture; bring them in as ``alice = server_support.alice``
+# (an assignment, so a test's ``alice`` argument does not read as shadowing an unused import).
+@pytest.fixture
+async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with server.client(server.tokens.alice) as client:
+        yield client
+
+
+@pytest.fixture
+async def bob(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with server.client(server.tokens.bob) as client:
+        yield client
+
+
+def checked(resp: httpx.Response, model: type[Any], status: int = 200) -> dict[str, Any]:
+    """The answer's JSON, after checking its status and that it fits ``model`` (a looser
+    ``test_server_api.shape``: the content type is not checked)."""
+    assert resp.status_code == status, resp.text
+    data: dict[str, Any] = resp.json()
+    model.model_validate(data)
+    return data
+
+
+def refused(resp: httpx.Response, status: int, code: str) -> None:
+    """The answer is an error of ``status`` with ``code`` (a looser ``test_server_api.error``)."""
+    assert resp.status_code == status, resp.text
+    assert resp.json()["code"] == code, resp.text
+
+
+async def pending_requests(client: httpx.AsyncClient, pid: str) -> list[dict[str, Any]]:
+    """Poll the process's approval requests until there is one; all of them."""
+    found: list[dict[str, Any]] = []
+
+    async def asked() -> bool:
+        nonlocal found
+        found = (await client.get(f"/v1/processes/{pid}/hil")).json()["requests"]
+        return bool(found)
+
+    await wait_until(asked)
+    return found
+
+
+def remote_chat(server: LiveServer, stdin: str) -> tuple[str, str]:
+    """A chat REPL over HTTP as bob, on a new process of the server, reading ``stdin``: what it
+    wrote to stdout and to stderr."""
+    import io
+
+    from rich.console import Console
+
+    from agentloop.cli.chat import ChatRepl, PlainReader
+    from agentloop.cli.client import RemoteSession
+    from agentloop.client import AgentloopClient
+
+    out, err = io.StringIO(), io.StringIO()
+    reader = PlainReader(io.StringIO(stdin))
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(server.url, server.tokens.bob)
+    try:
+        session = RemoteSession(client)
+        ev.run_until_complete(session.open(new=True))
+        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=200))
+        assert repl.loop(ev) == 0
+    finally:
+        ev.run_until_complete(client.aclose())
+        ev.close()
+    return out.getvalue(), err.getvalue()
 
 
 def parse_sse(text: str) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from agentloop.process.signals import Signal, SignalHub
 from agentloop.server import api
 from tests import server_support
 from tests.cdp import Browser
-from tests.server_support import LiveServer, asking_policy, echo, live_server, wait_until
+from tests.server_support import LiveServer, asking_policy, echo, live_server, pending_requests, wait_until
 from tests.test_server_api import read_frames
 from tests.test_web_ui_browser import FOLLOWING, browser, chromium, replies, served  # noqa: F401
 from tests.ws_support import KernelServer, eventually
@@ -51,16 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
             yield srv
 
 
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
-
-
-@pytest.fixture
-async def bob(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.bob) as client:
-        yield client
+alice, bob = server_support.alice, server_support.bob
 
 
 async def spawn(client: httpx.AsyncClient) -> str:
@@ -73,15 +64,7 @@ async def spawn(client: httpx.AsyncClient) -> str:
 async def ask(client: httpx.AsyncClient, pid: str) -> dict[str, Any]:
     """Start a run on ``pid`` that asks for approval; its pending request."""
     assert (await client.post(f"/v1/processes/{pid}/messages", json={"text": "risky"})).status_code == 202
-    found: list[dict[str, Any]] = []
-
-    async def asked() -> bool:
-        nonlocal found
-        found = (await client.get(f"/v1/processes/{pid}/hil")).json()["requests"]
-        return bool(found)
-
-    await wait_until(asked)
-    return found[0]
+    return (await pending_requests(client, pid))[0]
 
 
 async def inbox(client: httpx.AsyncClient, **params: str) -> list[dict[str, Any]]:

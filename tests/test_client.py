@@ -20,7 +20,7 @@ from agentloop.cli.client import RemoteSession, message_lines
 from agentloop.cli.config import load_connection
 from agentloop.client import AgentloopClient, ClientError, SSEParser, StreamEvent
 from agentloop.process import signals as sig
-from tests.server_support import LiveServer, live_server
+from tests.server_support import LiveServer, live_server, remote_chat
 
 
 @pytest.fixture(scope="module")
@@ -253,19 +253,7 @@ def test_remote_chat_session(server: LiveServer) -> None:
 
 def test_remote_chat_shows_the_prompt_manifest(server: LiveServer) -> None:
     """``/prompt`` over HTTP: read from the process's event log on the server."""
-    out, err = io.StringIO(), io.StringIO()
-    reader = PlainReader(io.StringIO("/prompt\nhi\n/prompt\n/exit\n"))
-    ev = asyncio.new_event_loop()
-    client = AgentloopClient(server.url, server.tokens.bob)
-    try:
-        session = RemoteSession(client)
-        ev.run_until_complete(session.open(new=True))
-        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=200))
-        assert repl.loop(ev) == 0
-    finally:
-        ev.run_until_complete(client.aclose())
-        ev.close()
-    shown = err.getvalue()
+    _, shown = remote_chat(server, "/prompt\nhi\n/prompt\n/exit\n")
     assert "no prompt manifest yet" in shown
     after = shown[shown.index("no prompt manifest yet") :]
     assert re.search(r"system prompt: \d+ bytes, sha256 [0-9a-f]{12}, \d+ tools", after), shown

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,8 @@ from agentloop.process.pressure import (
 from agentloop.process.signals import Signal
 from agentloop.process.store import open_store
 from agentloop.server import api
-from tests.server_support import LiveServer, live_server, wait_idle
+from tests import server_support
+from tests.server_support import LiveServer, remote_chat, wait_idle
 from tests.ws_support import KernelServer
 
 # a window of 2,000 usable tokens (the output budget is not usable): ratios are easy to read
@@ -396,16 +397,8 @@ async def test_kv_many_reads_several_keys_in_one_query(
 # ------------------------------------------------------------------ HTTP, WebSocket, client
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("pressure")) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
+server = server_support.module_server("pressure")
+alice = server_support.alice
 
 
 async def test_http_process_carries_its_context(alice: httpx.AsyncClient) -> None:
@@ -557,7 +550,6 @@ def test_chat_slash_context_and_the_warning(tmp_path: Path) -> None:
 def test_chat_slash_context_in_memory_and_remote(server: LiveServer) -> None:
     from agentloop import Agent
     from agentloop.cli.chat import ChatRepl, PlainReader
-    from agentloop.cli.client import RemoteSession
 
     err = io.StringIO()
     reader = PlainReader(io.StringIO("/context\n/exit\n"))
@@ -565,16 +557,5 @@ def test_chat_slash_context_in_memory_and_remote(server: LiveServer) -> None:
     assert repl.loop() == 0
     assert "no context figures" in err.getvalue()
 
-    ev = asyncio.new_event_loop()
-    client = AgentloopClient(server.url, server.tokens.bob)
-    err = io.StringIO()
-    try:
-        session = RemoteSession(client)
-        ev.run_until_complete(session.open(new=True))
-        reader = PlainReader(io.StringIO("hi\n/context\n/exit\n"))
-        repl = ChatRepl(session, reader=reader, out=io.StringIO(), err=Console(file=err, width=200))
-        assert repl.loop(ev) == 0
-    finally:
-        ev.run_until_complete(client.aclose())
-        ev.close()
-    assert "context: ok · 0% of 995,904 tokens (15)" in err.getvalue()
+    _, shown = remote_chat(server, "hi\n/context\n/exit\n")
+    assert "context: ok · 0% of 995,904 tokens (15)" in shown

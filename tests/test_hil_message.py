@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,6 @@ from rich.console import Console
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call
 from agentloop.cli.approvals import Denial, PolicyHook, Question, ask_user, parse_answer
-from agentloop.cli.chat import ChatRepl, PlainReader
-from agentloop.cli.client import RemoteSession
 from agentloop.client import AgentloopClient, ClientError
 from agentloop.kernel import Approval
 from agentloop.loop.hooks import Block, ToolCallInfo
@@ -28,10 +25,11 @@ from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
 from agentloop.process.approval import Policy
 from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE, denial_text
+from tests import server_support
 from tests import test_web_ui_browser as web_ui
 from tests.cdp import Browser
 from tests.process_support import echo, kernel
-from tests.server_support import LiveServer, live_server, wait_idle, wait_until
+from tests.server_support import LiveServer, pending_requests, remote_chat, wait_idle
 from tests.test_web_ui_browser import send, sign_in_and_open_a_process
 from tests.ws_support import KernelServer
 
@@ -197,22 +195,11 @@ async def test_a_nested_calls_denial_gives_its_program_the_message(tmp_path: Pat
 # ---------------------------------------------------------------------------------- HTTP and client
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("hil")) as srv:
-        yield srv
+server = server_support.module_server("hil")
 
 
 async def http_pending(client: httpx.AsyncClient, pid: str) -> dict[str, Any]:
-    found: list[dict[str, Any]] = []
-
-    async def asked() -> bool:
-        nonlocal found
-        found = (await client.get(f"/v1/processes/{pid}/hil")).json()["requests"]
-        return bool(found)
-
-    await wait_until(asked)
-    [request] = found
+    [request] = await pending_requests(client, pid)
     return request
 
 
@@ -267,19 +254,8 @@ async def test_the_client_passes_the_message(server: LiveServer) -> None:
 
 
 def test_remote_chat_denies_with_a_reason(server: LiveServer) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    reader = PlainReader(io.StringIO(f"risky\nn {STAGING}\n/exit\n"))
-    ev = asyncio.new_event_loop()
-    client = AgentloopClient(server.url, server.tokens.bob)
-    try:
-        session = RemoteSession(client)
-        ev.run_until_complete(session.open(new=True))
-        repl = ChatRepl(session, reader=reader, out=out, err=Console(file=err, width=200))
-        assert repl.loop(ev) == 0
-    finally:
-        ev.run_until_complete(client.aclose())
-        ev.close()
-    assert out.getvalue() == f"done: {denial_text(STAGING)}\n"
+    out, _ = remote_chat(server, f"risky\nn {STAGING}\n/exit\n")
+    assert out == f"done: {denial_text(STAGING)}\n"
 
 
 # ---------------------------------------------------------------------------------- WebSocket

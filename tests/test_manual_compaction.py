@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from agentloop.process.api import RunActive
 from agentloop.process.archive import read_archive
 from agentloop.process.compaction import SUMMARY_KIND, SUMMARY_SYSTEM_PROMPT, CompactionError
 from agentloop.server import api
-from tests.server_support import LiveServer, live_server, wait_idle
+from tests import server_support
+from tests.server_support import LiveServer, checked, refused, wait_idle
 from tests.ws_support import KernelServer
 
 LONG = "lorem ipsum dolor sit amet " * 80  # about 540 tokens
@@ -96,6 +96,14 @@ async def talked(k: Kernel, rounds: int = 3) -> Process:
 
 async def logged(proc: Process, name: str) -> list[dict[str, Any]]:
     return [s.payload async for s in proc.signals(follow=False) if s.signal == name]
+
+
+async def held_compaction(brain: Brain, proc: Process) -> asyncio.Task[Any]:
+    """A compaction of ``proc`` started and held at its summary call until ``brain.gate`` opens."""
+    brain.gate.clear()
+    compacting = asyncio.create_task(proc.compact())
+    await asyncio.wait_for(brain.summarising.wait(), 5)
+    return compacting
 
 
 def is_summary(m: Message) -> bool:
@@ -205,9 +213,7 @@ async def test_input_sent_during_a_compaction_waits_and_runs_on_the_summary(tmp_
     brain = Brain()
     async with kernel(tmp_path, brain) as k:
         proc = await talked(k)
-        brain.gate.clear()
-        compacting = asyncio.create_task(proc.compact())
-        await asyncio.wait_for(brain.summarising.wait(), 5)
+        compacting = await held_compaction(brain, proc)
         sent = asyncio.create_task(proc.send("question while compacting"))
         event = asyncio.create_task(k.signal(proc.pid, "an event while compacting"))
         await asyncio.sleep(0.1)
@@ -231,9 +237,7 @@ async def test_a_reset_waits_for_a_compaction_under_way(tmp_path: Path) -> None:
     brain = Brain()
     async with kernel(tmp_path, brain) as k:
         proc = await talked(k)
-        brain.gate.clear()
-        compacting = asyncio.create_task(proc.compact())
-        await asyncio.wait_for(brain.summarising.wait(), 5)
+        compacting = await held_compaction(brain, proc)
         resetting = asyncio.create_task(proc.reset())
         await asyncio.sleep(0.1)
         assert not resetting.done()
@@ -305,9 +309,7 @@ async def test_compaction_and_segments_on_a_shared_postgresql_store(pg_url: str,
 
     async with worker("A") as a, worker("B") as b:
         proc = await talked(a)
-        brain.gate.clear()
-        compacting = asyncio.create_task(proc.compact())
-        await asyncio.wait_for(brain.summarising.wait(), 5)
+        compacting = await held_compaction(brain, proc)
         elsewhere = await b.process(proc.pid)
         receipt = await elsewhere.send("question from B")
         assert receipt.queued is False
@@ -328,34 +330,8 @@ async def test_compaction_and_segments_on_a_shared_postgresql_store(pg_url: str,
 # ---------------------------------------------------------------------------------- HTTP
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("compact")) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
-
-
-@pytest.fixture
-async def bob(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.bob) as client:
-        yield client
-
-
-def shape(resp: httpx.Response, model: type[Any], status: int = 200) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    data: dict[str, Any] = resp.json()
-    model.model_validate(data)
-    return data
-
-
-def refused(resp: httpx.Response, status: int, code: str) -> None:
-    assert resp.status_code == status, resp.text
-    assert resp.json()["code"] == code, resp.text
+server = server_support.module_server("compact")
+alice, bob = server_support.alice, server_support.bob
 
 
 async def talked_over_http(client: httpx.AsyncClient, rounds: int = 3) -> str:
@@ -370,31 +346,31 @@ async def test_http_compacts_and_reads_segments_back(alice: httpx.AsyncClient) -
     pid = await talked_over_http(alice)
     base = f"/v1/processes/{pid}"
     before = (await alice.get(f"{base}/messages")).json()["messages"]
-    done = shape(await alice.post(f"{base}/compact", json={"instructions": "mention part 1"}), api.CompactOut)
+    done = checked(await alice.post(f"{base}/compact", json={"instructions": "mention part 1"}), api.CompactOut)
     assert done["compacted"] is True and done["removed"] == 4 and done["tokens_before"] > 0  # (an echoing model)
     after = (await alice.get(f"{base}/messages")).json()["messages"]
     assert after[0]["message"]["kind"] == "summary" and "mention part 1" in after[0]["message"]["content"][0]["text"]
 
-    [segment] = shape(await alice.get(f"{base}/segments"), api.SegmentList)["segments"]
+    [segment] = checked(await alice.get(f"{base}/segments"), api.SegmentList)["segments"]
     assert segment["id"] == done["segment_id"] and segment["kind"] == "compaction"
     assert segment["reason"] == "manual" and segment["messages"] == 4 and segment["archive"] == done["archive"]
-    page = shape(await alice.get(f"{base}/segments/{segment['id']}", params={"limit": 3}), api.SegmentPageOut)
+    page = checked(await alice.get(f"{base}/segments/{segment['id']}", params={"limit": 3}), api.SegmentPageOut)
     assert [m["index"] for m in page["messages"]] == [1, 2, 3] and page["next_before"] == 1
     assert [m["message"] for m in page["messages"]] == [m["message"] for m in before[1:4]]
-    older = shape(await alice.get(f"{base}/segments/{segment['id']}?limit=3&before=1"), api.SegmentPageOut)
+    older = checked(await alice.get(f"{base}/segments/{segment['id']}?limit=3&before=1"), api.SegmentPageOut)
     assert [m["message"] for m in older["messages"]] == [before[0]["message"]] and older["next_before"] is None
 
-    assert shape(await alice.post(f"{base}/reset"), api.ResetOut)["archived"] is True
-    kinds = [s["kind"] for s in shape(await alice.get(f"{base}/segments"), api.SegmentList)["segments"]]
+    assert checked(await alice.post(f"{base}/reset"), api.ResetOut)["archived"] is True
+    kinds = [s["kind"] for s in checked(await alice.get(f"{base}/segments"), api.SegmentList)["segments"]]
     assert kinds == ["compaction", "reset"]
-    nothing = shape(await alice.post(f"{base}/compact"), api.CompactOut)  # (empty body: no instructions)
+    nothing = checked(await alice.post(f"{base}/compact"), api.CompactOut)  # (empty body: no instructions)
     assert nothing["compacted"] is False and nothing["note"]
 
 
 async def test_http_refuses_bad_compactions_and_segment_reads(alice: httpx.AsyncClient, bob: httpx.AsyncClient) -> None:
     pid = await talked_over_http(alice)
     base = f"/v1/processes/{pid}"
-    done = shape(await alice.post(f"{base}/compact", json={}), api.CompactOut)
+    done = checked(await alice.post(f"{base}/compact", json={}), api.CompactOut)
     refused(await alice.get(f"{base}/segments/no-such-segment"), 404, "not_found")
     refused(await alice.get(f"{base}/segments/{done['segment_id']}?limit=0"), 400, "invalid_request")
     refused(await alice.get(f"{base}/segments/{done['segment_id']}?before=-1"), 400, "invalid_request")

@@ -13,7 +13,6 @@ import asyncio
 import io
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,10 @@ from agentloop.models.base import ModelRequest
 from agentloop.models.registry import register_provider
 from agentloop.process import signals as sig
 from agentloop.server import api
+from tests import server_support, test_prompt_manifest
 from tests.cdp import Browser
 from tests.process_support import kernel
-from tests.server_support import LiveServer, live_server
+from tests.server_support import LiveServer
 from tests.test_web_ui_browser import browser, chromium, replies, served  # noqa: F401 - the browser fixtures
 from tests.ws_support import KernelServer
 
@@ -415,16 +415,8 @@ async def test_titles_on_postgres(pg_url: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ HTTP, WebSocket, client, CLI
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("titles")) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
+server = server_support.module_server("titles")
+alice = server_support.alice
 
 
 async def http_titled(client: httpx.AsyncClient, pid: str) -> str:
@@ -518,12 +510,7 @@ def test_ps_shows_the_title(server: LiveServer) -> None:
 # ------------------------------------------------------------------ chat
 
 
-@pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "no-config.toml"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    for name in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG", "AGENTLOOP_DATA"):
-        monkeypatch.delenv(name, raising=False)
+isolated = test_prompt_manifest.isolated  # a config-free environment for the CLI
 
 
 def test_chat_slash_title_shows_and_sets_it(tmp_path: Path, isolated: None) -> None:

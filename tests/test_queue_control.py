@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ from agentloop.process import driver as driver_module
 from agentloop.process import signals as sig
 from agentloop.process.store import QueueItem
 from agentloop.server import api
-from tests.server_support import LiveServer, live_server, wait_until
+from tests import server_support
+from tests.server_support import LiveServer, checked, refused, wait_until
 from tests.ws_support import KernelServer
 
 PNG = base64.b64encode(
@@ -464,34 +465,8 @@ async def test_a_withdraw_through_another_worker_reaches_the_holder(pg_url: str,
 # ---------------------------------------------------------------------------------- HTTP
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("queue")) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
-
-
-@pytest.fixture
-async def bob(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.bob) as client:
-        yield client
-
-
-def shape(resp: httpx.Response, model: type[Any], status: int = 200) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    data: dict[str, Any] = resp.json()
-    model.model_validate(data)
-    return data
-
-
-def refused(resp: httpx.Response, status: int, code: str) -> None:
-    assert resp.status_code == status, resp.text
-    assert resp.json()["code"] == code, resp.text
+server = server_support.module_server("queue")
+alice, bob = server_support.alice, server_support.bob
 
 
 async def busy_over_http(client: httpx.AsyncClient) -> str:
@@ -505,11 +480,11 @@ async def test_http_lists_and_withdraws_waiting_input(alice: httpx.AsyncClient) 
     pid = await busy_over_http(alice)
     base = f"/v1/processes/{pid}/queue"
     try:
-        assert shape(await alice.get(base), api.QueueOut) == {"items": []}
+        assert checked(await alice.get(base), api.QueueOut) == {"items": []}
         await alice.post(f"/v1/processes/{pid}/messages", json={"text": "later", "mode": "queue", "run_id": "r-later"})
         await alice.post(f"/v1/processes/{pid}/messages", json={"text": "also", "mode": "steer"})
         await alice.post(f"/v1/processes/{pid}/events", json={"text": "an event"})
-        items = shape(await alice.get(base), api.QueueOut)["items"]
+        items = checked(await alice.get(base), api.QueueOut)["items"]
         assert [(i["kind"], i["text"]) for i in items] == [
             ("system", "an event"),
             ("steer", "also"),
@@ -518,7 +493,7 @@ async def test_http_lists_and_withdraws_waiting_input(alice: httpx.AsyncClient) 
         later = items[2]
         assert later["run_id"] == "r-later" and later["message"]["role"] == "user" and later["created_at"] > 0
 
-        gone = shape(await alice.delete(f"{base}/{later['id']}"), api.WithdrawnOut)["withdrawn"]
+        gone = checked(await alice.delete(f"{base}/{later['id']}"), api.WithdrawnOut)["withdrawn"]
         assert gone == [later]
         refused(await alice.delete(f"{base}/{later['id']}"), 404, "not_found")  # no longer waiting
         refused(await alice.delete(f"{base}/424242"), 404, "not_found")
@@ -526,12 +501,12 @@ async def test_http_lists_and_withdraws_waiting_input(alice: httpx.AsyncClient) 
             refused(await alice.delete(f"{base}/{bad}"), 400, "invalid_request")
         refused(await alice.delete(f"{base}?kind=user"), 400, "invalid_request")
 
-        left = shape(await alice.delete(base), api.WithdrawnOut)["withdrawn"]
+        left = checked(await alice.delete(base), api.WithdrawnOut)["withdrawn"]
         assert [(i["kind"], i["text"]) for i in left] == [("steer", "also")]  # user input only
-        system = shape(await alice.delete(f"{base}?kind=system"), api.WithdrawnOut)["withdrawn"]
+        system = checked(await alice.delete(f"{base}?kind=system"), api.WithdrawnOut)["withdrawn"]
         assert [i["text"] for i in system] == ["an event"]
-        assert shape(await alice.get(base), api.QueueOut) == {"items": []}
-        assert shape(await alice.delete(base), api.WithdrawnOut) == {"withdrawn": []}
+        assert checked(await alice.get(base), api.QueueOut) == {"items": []}
+        assert checked(await alice.delete(base), api.WithdrawnOut) == {"withdrawn": []}
     finally:
         await alice.post(f"/v1/processes/{pid}/abort", json={})
 

@@ -4,6 +4,8 @@ results that revealed them: in later runs, after a restart, and over repeated su
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from agentloop.loop.reveal import REQUEST_TOOLS, ToolReveal
 from agentloop.messages import Message, TextContent, user
 from agentloop.models.base import ModelInfo, ModelRequest
 from agentloop.process.compaction import SUMMARY_KIND, SUMMARY_SYSTEM_PROMPT, compact, estimate_tokens
+from tests.test_reveal import stock, weather
 
 SMALL = ModelInfo(provider="scripted", id="small", context_window=3_000, max_output=200)
 FILLS = 5  # dump calls per "fill" run: enough for a summary in a 3k window
@@ -22,18 +25,6 @@ FILLS = 5  # dump calls per "fill" run: enough for a summary in a 3k window
 def dump(n: int) -> str:
     """Return a long text."""
     return f"chunk {n}: " + "lorem ipsum dolor sit amet " * 60
-
-
-@tool
-def weather(city: str) -> str:
-    """Tell the weather in a city."""
-    return f"sunny in {city}"
-
-
-@tool
-def stock(symbol: str) -> str:
-    """Quote a stock price."""
-    return f"{symbol}: 42"
 
 
 class Brain:
@@ -63,15 +54,18 @@ class Brain:
         return {"text": "?"}
 
 
-def _open(path: Path, brain: Brain) -> Any:
-    kernel = Kernel.open(
+@asynccontextmanager
+async def _open(path: Path, brain: Brain) -> AsyncIterator[Kernel]:
+    """A kernel with ``weather`` and ``stock`` hidden behind ``request_tools``."""
+    async with Kernel.open(
         f"sqlite:///{path}/a.db",
         model=ScriptedModel(brain, info=SMALL),
         workspace=path,
         tools=[dump],
         clear_tool_outputs=False,  # (the summary is the tier under test)
-    )
-    return kernel
+    ) as kernel:
+        ToolReveal(hidden=[weather, stock]).install(kernel.engine.config)
+        yield kernel
 
 
 async def _say(proc: Any, brain: Brain, mode: str) -> None:
@@ -89,8 +83,10 @@ def _reveal_results(messages: list[Message]) -> list[ToolResultMessage]:
     return [m for m in messages if isinstance(m, ToolResultMessage) and m.tool_name == REQUEST_TOOLS]
 
 
-def _last_result(messages: list[Message]) -> ToolResultMessage:
-    return [m for m in messages if isinstance(m, ToolResultMessage)][-1]
+def _used_weather(messages: list[Message]) -> None:
+    """The last tool result is the revealed ``weather`` tool's answer."""
+    result = [m for m in messages if isinstance(m, ToolResultMessage)][-1]
+    assert (result.tool_name, result.is_error, result.text) == ("weather", False, "sunny in Oslo")
 
 
 async def _reveal_then_compact(proc: Any, brain: Brain) -> None:
@@ -107,20 +103,17 @@ async def _reveal_then_compact(proc: Any, brain: Brain) -> None:
 async def test_a_revealed_tool_is_still_shown_and_callable_after_a_summary(tmp_path: Path) -> None:
     brain = Brain()
     async with _open(tmp_path, brain) as k:
-        ToolReveal(hidden=[weather, stock]).install(k.engine.config)
         proc = await k.spawn(owner="alice")
         await _reveal_then_compact(proc, brain)
         await _say(proc, brain, "use")
         messages = await proc.messages()
     assert "weather" in brain.shown[-2]  # the call that used it was shown it
-    result = _last_result(messages)
-    assert (result.tool_name, result.is_error, result.text) == ("weather", False, "sunny in Oslo")
+    _used_weather(messages)
 
 
 async def test_a_tool_never_revealed_stays_hidden_after_a_summary(tmp_path: Path) -> None:
     brain = Brain()
     async with _open(tmp_path, brain) as k:
-        ToolReveal(hidden=[weather, stock]).install(k.engine.config)
         proc = await k.spawn(owner="alice")
         await _reveal_then_compact(proc, brain)
         await _say(proc, brain, "use")
@@ -131,25 +124,21 @@ async def test_the_revealed_set_survives_a_restart_after_a_summary(tmp_path: Pat
     """The store holds it: a new kernel, with a new ``ToolReveal`` (nothing in memory), reads it."""
     brain = Brain()
     async with _open(tmp_path, brain) as k:
-        ToolReveal(hidden=[weather, stock]).install(k.engine.config)
         proc = await k.spawn(owner="alice")
         pid = proc.pid
         await _reveal_then_compact(proc, brain)
     brain = Brain()
     async with _open(tmp_path, brain) as k:
-        ToolReveal(hidden=[weather, stock]).install(k.engine.config)
         proc = await k.process(pid)
         await _say(proc, brain, "use")
         messages = await proc.messages()
     assert "weather" in brain.shown[0] and "stock" not in brain.shown[0]
-    result = _last_result(messages)
-    assert (result.tool_name, result.is_error, result.text) == ("weather", False, "sunny in Oslo")
+    _used_weather(messages)
 
 
 async def test_repeated_summaries_keep_the_revealed_set(tmp_path: Path) -> None:
     brain = Brain()
     async with _open(tmp_path, brain) as k:
-        ToolReveal(hidden=[weather, stock]).install(k.engine.config)
         proc = await k.spawn(owner="alice")
         await _reveal_then_compact(proc, brain)
         first = await _summaries(proc)
@@ -159,8 +148,7 @@ async def test_repeated_summaries_keep_the_revealed_set(tmp_path: Path) -> None:
         await _say(proc, brain, "use")
         messages = await proc.messages()
     assert "weather" in brain.shown[-2] and "stock" not in brain.shown[-2]
-    result = _last_result(messages)
-    assert (result.tool_name, result.is_error, result.text) == ("weather", False, "sunny in Oslo")
+    _used_weather(messages)
 
 
 async def test_compact_rolls_carried_details_forward_and_adds_new_ones() -> None:

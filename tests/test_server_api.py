@@ -25,6 +25,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from agentloop.server import api, events, web
 from agentloop.server.ratelimit import InputRate
+from tests import server_support
 from tests.server_support import LiveServer, live_server, parse_sse, wait_idle, wait_until
 
 PNG = base64.b64encode(
@@ -43,10 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield srv
 
 
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
+alice = server_support.alice
 
 
 def shape(resp: httpx.Response, model: type[BaseModel], status: int = 200) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,27 +12,13 @@ import pytest
 
 from agentloop import ScriptedModel
 from agentloop.server import api
-from tests.server_support import LiveServer, live_server, wait_idle, wait_until
+from tests import server_support
+from tests.server_support import LiveServer, wait_idle, wait_until
 from tests.test_server_api import error, shape, spawn
 from tests.ws_support import KernelServer
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("events")) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def alice(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.alice) as client:
-        yield client
-
-
-@pytest.fixture
-async def bob(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with server.client(server.tokens.bob) as client:
-        yield client
+server = server_support.module_server("events")
+alice, bob = server_support.alice, server_support.bob
 
 
 async def system_texts(client: httpx.AsyncClient, pid: str) -> list[str]:

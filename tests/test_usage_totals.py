@@ -7,7 +7,6 @@ processes plus the killed ones, whose totals a kill folds into the account). Sho
 from __future__ import annotations
 
 import asyncio
-import io
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call
-from agentloop.cli.chat import ChatRepl, PlainReader
-from agentloop.cli.client import RemoteSession
 from agentloop.cli.main import app
 from agentloop.client import AgentloopClient
 from agentloop.kernel import Kernel, Process
@@ -33,8 +29,9 @@ from agentloop.process.store import ProcessRecord, SQLiteStore, Store, UsageTota
 from agentloop.process.store.common import usage_columns
 from agentloop.process.store.schema import MIGRATIONS, statements
 from agentloop.server import api
+from tests import test_prompt_manifest
 from tests.process_support import echo, kernel, slow
-from tests.server_support import LiveServer, live_server, wait_idle
+from tests.server_support import LiveServer, live_server, remote_chat, wait_idle
 from tests.store_conformance.test_conformance import make_store, store  # noqa: F401
 from tests.ws_support import KernelServer
 
@@ -310,12 +307,7 @@ def test_the_websocket_process_carries_the_totals(tmp_path: Path) -> None:
 runner = CliRunner()
 
 
-@pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "no-config.toml"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    for name in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG", "AGENTLOOP_DATA"):
-        monkeypatch.delenv(name, raising=False)
+isolated = test_prompt_manifest.isolated  # a config-free environment for the CLI
 
 
 @pytest.mark.usefixtures("isolated")
@@ -343,16 +335,5 @@ def test_slash_usage_in_an_in_memory_chat_says_there_is_none(tmp_path: Path) -> 
 
 
 def test_slash_usage_in_a_remote_chat(server: LiveServer) -> None:
-    err = io.StringIO()
-    ev = asyncio.new_event_loop()
-    client = AgentloopClient(server.url, server.tokens.bob)
-    try:
-        session = RemoteSession(client)
-        ev.run_until_complete(session.open(new=True))
-        reader = PlainReader(io.StringIO("hi\n/usage\n/exit\n"))
-        repl = ChatRepl(session, reader=reader, out=io.StringIO(), err=Console(file=err, width=200))
-        assert repl.loop(ev) == 0
-    finally:
-        ev.run_until_complete(client.aclose())
-        ev.close()
-    assert "this conversation: 1 run · 15 tokens (10 in, 5 out)" in err.getvalue()
+    _, err = remote_chat(server, "hi\n/usage\n/exit\n")
+    assert "this conversation: 1 run · 15 tokens (10 in, 5 out)" in err
