@@ -174,10 +174,15 @@ class Process:
         return f"<Process {self.pid}>"
 
     async def info(self) -> ProcessRecord:
+        record = await self._record()
+        record.title = await self.kernel.titles.of(self.pid)
+        return record
+
+    async def _record(self) -> ProcessRecord:
+        """The registry row (``NoSuchProcess`` if there is none), without the title ``info`` adds."""
         record = await self.kernel.store.get_process(self.pid)
         if record is None:
             raise NoSuchProcess(self.pid)
-        record.title = await self.kernel.titles.of(self.pid)
         return record
 
     async def title(self) -> str | None:
@@ -343,7 +348,7 @@ class Process:
         """How full the context window is (``level`` ok/warn/critical/full, ``ratio``, ``tokens``
         of the usable ``window``) after the latest model step, with the policy and the threshold
         that apply. A level change is also logged as ``proc.changed`` with ``changes: ["context"]``."""
-        return await context_of(self.kernel.engine, await self.info())
+        return await context_of(self.kernel.engine, await self._record())
 
     async def pending_approvals(self) -> list[Any]:
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
@@ -361,7 +366,6 @@ class Process:
         ``item_id``, by ``kind`` (both: the item, if of that kind), or by default all the user's
         input (steer and queue), never the system events unless named. An item a run has taken
         already is not withdrawn, and not in the answer. See ``admission.withdraw``."""
-        admission.check_withdrawal(item_id, kind)
         return await self.kernel.engine.withdraw(self.pid, item_id, kind)
 
     async def compact(self, instructions: str | None = None) -> Compacted:
@@ -380,7 +384,7 @@ class Process:
 
     async def segments(self) -> list[Segment]:
         """The parts of the history that compactions, clearings and resets put away, oldest first."""
-        return await list_segments(self.kernel.store, self.kernel.data_dir, await self.info())
+        return await list_segments(self.kernel.store, self.kernel.data_dir, await self._record())
 
     async def segment(self, segment_id: str, limit: int = 100, before: int | None = None) -> SegmentPage:
         """The archived messages of one segment: the last ``limit`` before position ``before``
@@ -391,7 +395,7 @@ class Process:
         if not isinstance(segment_id, str):
             raise TypeError(f"segment_id must be a string, got {type(segment_id).__name__}")
         return await read_segment(
-            self.kernel.store, self.kernel.data_dir, await self.info(), segment_id, limit=limit, before=before
+            self.kernel.store, self.kernel.data_dir, await self._record(), segment_id, limit=limit, before=before
         )
 
     async def reset(self) -> Path | None:

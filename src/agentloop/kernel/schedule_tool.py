@@ -12,7 +12,8 @@ import datetime
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from agentloop.kernel.schedules import LimitReached, ScheduleError, describe_cron, zone
+from agentloop.kernel.schedules import LimitReached, ScheduleError, repeats, zone
+from agentloop.process.api import ToolsetFn
 from agentloop.process.store import NoSuchProcess, ProcessRecord, ScheduleRow
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 
@@ -147,17 +148,14 @@ def _when(at: str, tz: str | None) -> float:
 def _line(row: ScheduleRow) -> str:
     """One schedule as the model reads it back: id, name, next time, how it repeats, its text."""
     due = datetime.datetime.fromtimestamp(row.next_due, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    repeat = ""
-    if row.cron is not None and row.tz is not None:
-        repeat = f", repeats: {describe_cron(row.cron, row.tz)}"
-    elif row.every is not None:
-        repeat = f", repeats every {row.every:g} s"
+    repeat = repeats(row)
+    repeat = "" if repeat is None else f", {repeat}"
     name = f" ({row.name})" if row.name else ""
     text = row.text if len(row.text) <= 200 else row.text[:200] + "…"
     return f"{row.id}{name}: next {due}{repeat}: {text}"
 
 
-def schedule_toolset(kernel_ref: list[Kernel]) -> Any:
+def schedule_toolset(kernel_ref: list[Kernel]) -> ToolsetFn:
     """A ``ToolsetFn`` adding ``Schedule`` to each run, bound to the run's process."""
 
     def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:

@@ -111,20 +111,30 @@ def describe_cron(cron: str, tz: str) -> str:
     return f"{words} ({tz})"
 
 
+def repeats(row: ScheduleRow) -> str | None:
+    """How the schedule repeats, in words ("repeats every 60 s"); None for one that fires once."""
+    if row.cron is not None and row.tz is not None:
+        return f"repeats: {describe_cron(row.cron, row.tz)}"
+    if row.every is not None:
+        return f"repeats every {row.every:g} s"
+    return None
+
+
 def render(row: ScheduleRow, now: float) -> str:
     """The system message the process sees: what the schedule says, which one it is, and how many
     fires it stands for when the kernel was down past several due times."""
     label = row.name or row.id
     when = datetime.datetime.fromtimestamp(row.next_due, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     head = f"[schedule {label}, due {when}"
+    repeat = repeats(row)
+    if repeat is not None:
+        head += f", {repeat}"
     if row.cron is not None and row.tz is not None:
-        head += f", repeats: {describe_cron(row.cron, row.tz)}"
         missed = _missed_cron(row, now)
         if missed > 0:
             more = "+" if missed >= MISSED_COUNTED else ""
             head += f"; {missed}{more} earlier fire{'s' if missed > 1 else ''} missed while the runtime was down"
     elif row.every is not None:
-        head += f", repeats every {row.every:g} s"
         missed = math.floor((now - row.next_due) / row.every)
         # due times before the schedule was made (an ``at`` in the past) were not missed: it fires
         # for them at once, as asked, and the runtime was not down for them

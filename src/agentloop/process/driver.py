@@ -47,11 +47,11 @@ from agentloop.process.compaction import (
     context_tokens,
     estimate_tokens,
     estimated_context,
-    pressure,
     reported_tokens,
     should_compact,
 )
 from agentloop.process.heartbeat import quiet_answer
+from agentloop.process.hil import forget_decisions
 from agentloop.process.lease import LeaseLost
 from agentloop.process.pressure import (
     ContextReading,
@@ -515,7 +515,7 @@ async def summarise(
     keep = max(256 if policy.keep_recent_tokens is None else 1, keep)
     # (an overflow was measured by the provider: the summary is the surer cure)
     clears = reason == "threshold" and engine.clear_tool_outputs
-    if clears and run is not None and await _clear(engine, live, run, cfg, keep, fixed):
+    if clears and run is not None and await _clear(engine, live, run, cfg, keep, fixed, real / usable_window(model)):
         return Compacted(True, "eased by clearing old tool outputs"), run
     history = list(live.history)
     try:
@@ -607,17 +607,16 @@ def _still_idle(live: _Live, result: CompactionResult) -> None:
 
 
 async def _clear(
-    engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, keep: int, fixed: int
+    engine: ProcessEngine, live: _Live, run: dict[str, Any], cfg: LoopConfig, keep: int, fixed: int, level: float
 ) -> bool:
     """Compaction's first tier: the large outputs of tool calls older than the newest ``keep``
     tokens are archived and replaced by a note, with no model call, when that alone brings the
     pressure well under the threshold (``CLEARING_MARGIN``); whether it did (or the pressure, once
     what an earlier clearing took out is no longer counted, needs nothing). ``fixed``: the
-    prompt's and tools' estimate, as ``_compact`` measured it. A failure leaves the history as it
-    was, for the summary to try."""
+    prompt's and tools' estimate, and ``level`` the pressure, as ``summarise`` measured them. A
+    failure leaves the history as it was, for the summary to try."""
     if engine.archive is None:
         return False
-    level = pressure(cfg.system_prompt, cfg.tool_specs, live.history, cfg.model.info)
     # The usage the pressure was read from may predate a clearing (the model call after it failed
     # or was aborted, reporting none): it still counts the outputs cleared. Without them the
     # context may be well under the threshold, and another clearing (breaking the provider's prompt
@@ -700,8 +699,7 @@ async def _finish(
     if status == "error":
         await tx.append(run_id, [system(f"The run failed: {error}", "error")])
     if live.approvals:
-        await engine.store.kv_delete(pid, f"approved:{run_id}")
-        await engine.store.kv_delete(pid, f"denied:{run_id}")  # a nested call's words (hil.py)
+        await forget_decisions(engine.store, pid, run_id)
     await tx.end_run(run)
     answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)

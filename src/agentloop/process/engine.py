@@ -369,7 +369,7 @@ class ProcessEngine:
         rows = await self.store.kv_many(live.record.pid, (MODE_KEY, *run_keys(live)))  # per run, in one query:
         if rows.get(MODE_KEY) == "chat":  # a change waits for the next run
             cfg = replace(cfg, tools={})
-        take_run_rows(live, rows, cfg.model.info, self.compaction_threshold)  # the compaction policy, the level
+        take_run_rows(self, live, rows, cfg.model.info)  # the compaction policy, the level
         if fresh is not None:
             self._compiled[live.record.pid] = (run_id, fresh, sorted(cfg.tools))
         live.config = (run_id, cfg)
@@ -873,8 +873,7 @@ class ProcessEngine:
             await tx.append(active, added)
             if added or questions:
                 await tx.signal(sig.CHANGED, changes=["messages", "hil"] if questions else ["messages"])
-            await self.store.kv_delete(pid, f"approved:{active}")
-            await self.store.kv_delete(pid, f"denied:{active}")
+            await hil.forget_decisions(self.store, pid, active)
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
             await tx.end_run(run)

@@ -26,7 +26,7 @@ from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.approval.denial import DENIED_BY_USER, denial_message, denial_text
 from agentloop.process.approval.engine import remember_rule
 from agentloop.process.approval.tags import call_target
-from agentloop.process.store import HilRow, ToolCallRow
+from agentloop.process.store import HilRow, Store, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
 from agentloop.tools.base import ALLOW, NestedCheck, NestedVerdict
 
@@ -146,6 +146,13 @@ async def _deny(engine: ProcessEngine, tx: _Tx, live: _Live, row: HilRow, note: 
         denied = await engine.store.kv_get(row.pid, f"denied:{row.run_id}") or {}
         denied[row.dispatch_id] = note
         await engine.store.kv_set(row.pid, f"denied:{row.run_id}", denied)
+
+
+async def forget_decisions(store: Store, pid: str, run_id: str) -> None:
+    """Inside the transaction that ends run ``run_id``: drop what its approvals decided (the calls
+    approved, and the words of the nested calls denied), which only that run reads."""
+    await store.kv_delete(pid, f"approved:{run_id}")
+    await store.kv_delete(pid, f"denied:{run_id}")
 
 
 def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow) -> NestedCheck:

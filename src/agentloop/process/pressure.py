@@ -153,7 +153,7 @@ class ProcessContext:
     threshold: float
 
     def as_dict(self) -> dict[str, Any]:
-        reading = {"level": self.level, "ratio": round(self.ratio, 4), "tokens": self.tokens, "window": self.window}
+        reading = ContextReading(self.level, self.ratio, self.tokens, self.window).as_dict()
         return {**reading, "threshold": self.threshold, "policy": self.policy.as_dict()}
 
 
@@ -170,15 +170,13 @@ def run_keys(live: _Live) -> tuple[str, ...]:
     return (COMPACTION_KEY,) if live.context_known else (COMPACTION_KEY, CONTEXT_KEY)
 
 
-def take_run_rows(live: _Live, rows: dict[str, Any], info: ModelInfo, default_threshold: float) -> None:
+def take_run_rows(engine: ProcessEngine, live: _Live, rows: dict[str, Any], info: ModelInfo) -> None:
     """Keep what ``run_keys`` read (the run's policy; the stored reading at the first run), and the
     band of ratios the known level spans with this run's model and threshold."""
-    policy = live.policy = CompactionPolicy.stored(rows.get(COMPACTION_KEY))
+    live.policy = CompactionPolicy.stored(rows.get(COMPACTION_KEY))
     if not live.context_known:
-        live.context = ContextReading.stored(rows.get(CONTEXT_KEY))
-        live.context_known = True
-    threshold = default_threshold if policy.threshold is None else policy.threshold
-    live.context_band = level_band(_level(live.context), usable_window(info), threshold)
+        _know(live, rows.get(CONTEXT_KEY))
+    live.context_band = level_band(_level(live.context), usable_window(info), threshold_of(engine, live.policy))
 
 
 def level_band(level: ContextLevel, window: int, threshold: float) -> Band:
@@ -227,8 +225,13 @@ def _level(reading: ContextReading | None) -> ContextLevel:
 async def know_context(store: Store, live: _Live) -> None:
     """Read the stored level into the cache, where no run has yet (a compaction while idle)."""
     if not live.context_known:
-        live.context = ContextReading.stored(await store.kv_get(live.record.pid, CONTEXT_KEY))
-        live.context_known = True
+        _know(live, await store.kv_get(live.record.pid, CONTEXT_KEY))
+
+
+def _know(live: _Live, stored: Any) -> None:
+    """The cache takes the stored level row (``stored``: its value, None where there is none)."""
+    live.context = ContextReading.stored(stored)
+    live.context_known = True
 
 
 async def forget_context(tx: _Tx, live: _Live) -> None:
