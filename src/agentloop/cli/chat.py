@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import errno
 import getpass
 import io
@@ -22,7 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol, TextIO, cast, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TextIO, TypeVar, cast, runtime_checkable
 
 from rich.console import Console
 from rich.status import Status
@@ -65,6 +66,16 @@ HELP = (
     "/title [text] shows or sets the conversation's title · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
+
+T = TypeVar("T")
+
+
+class _Failed(enum.Enum):
+    FAILED = enum.auto()
+
+
+#: What ``ChatRepl._ask`` gives for a session call that failed (its answer may itself be None).
+_FAILED = _Failed.FAILED
 
 
 class Transcript(Protocol):
@@ -450,29 +461,8 @@ class ChatRepl:
                     shown = "chat mode: answers without tools" if mode == "chat" else "agent mode: tools on"
                     self.err.print(Text(f"({shown})", style="dim"))
                 return True
-            if word in ("/attach", "/detach"):
-                self.attach(text[len(word) :].strip() if word == "/attach" else None)
-                return True
-            if word == "/prompt":
-                self.show_prompt(ev)
-                return True
-            if word == "/compact":
-                self.compact(text[len(word) :].strip() or None, ev)
-                return True
-            if word == "/queue":
-                self.show_queue(text[len(word) :].strip().lower(), ev)
-                return True
-            if word == "/usage":
-                self.show_usage(ev)
-                return True
-            if word == "/title":
-                self.title(text[len(word) :].strip() or None, ev)
-                return True
-            if word == "/context":
-                self.show_context(ev)
-                return True
-            if word in ("/help", "/?"):
-                self.err.print(Text(HELP, style="dim"))
+            if (act := self._commands(ev).get(word)) is not None:
+                act(text[len(word) :].strip())
                 return True
             if not text.startswith("//"):  # "//x" sends "/x" as text
                 self.err.print(Text(f"unknown command {word}; {HELP}", style="yellow"))
@@ -481,15 +471,35 @@ class ChatRepl:
         self.last_outcome = ev.run_until_complete(self.turn(text))
         return True
 
+    def _commands(self, ev: asyncio.AbstractEventLoop) -> dict[str, Callable[[str], None]]:
+        """The slash commands that only show or change something, each given the rest of its line."""
+        show_help: Callable[[str], None] = lambda _: self.err.print(Text(HELP, style="dim"))  # noqa: E731
+        return {
+            "/attach": lambda rest: self.attach(rest),
+            "/detach": lambda _: self.attach(None),
+            "/prompt": lambda _: self.show_prompt(ev),
+            "/compact": lambda rest: self.compact(rest or None, ev),
+            "/queue": lambda rest: self.show_queue(rest.lower(), ev),
+            "/usage": lambda _: self.show_usage(ev),
+            "/title": lambda rest: self.title(rest or None, ev),
+            "/context": lambda _: self.show_context(ev),
+            "/help": show_help,
+            "/?": show_help,
+        }
+
     def _carry_out(self, command: Awaitable[None], ev: asyncio.AbstractEventLoop) -> bool:
         """Run a session command; whether it was done (if not, the user is told why)."""
+        return self._ask(command, ev) is not _FAILED
+
+    def _ask(self, call: Awaitable[T], ev: asyncio.AbstractEventLoop) -> T | Literal[_Failed.FAILED]:
+        """What a session call answers, or ``_FAILED`` once the user is told why it failed (a
+        remote chat's server out of reach): said, and the chat goes on."""
         try:
-            ev.run_until_complete(command)
+            return ev.run_until_complete(call)
         except SessionError as exc:
             self.failed = True
             self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
-            return False
-        return True
+            return _FAILED
 
     def show_prompt(self, ev: asyncio.AbstractEventLoop) -> None:
         """``/prompt``: what the conversation's newest system prompt was built from, so a user can
@@ -497,11 +507,7 @@ class ChatRepl:
         if not isinstance(self.session, ShowsPrompt):
             self.err.print(Text("(no prompt manifest: this chat does not log one)", style="dim"))
             return
-        try:
-            manifest = ev.run_until_complete(self.session.prompt_manifest())
-        except SessionError as exc:  # (a remote chat's server out of reach): said, and the chat goes on
-            self.failed = True
-            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+        if (manifest := self._ask(self.session.prompt_manifest(), ev)) is _FAILED:
             return
         if manifest is None:
             self.err.print(Text("(no prompt manifest yet: it is logged when a run's prompt is built)", style="dim"))
@@ -515,11 +521,7 @@ class ChatRepl:
         if not isinstance(self.session, HasUsage):
             self.err.print(Text("(no usage totals: this chat keeps no process)", style="dim"))
             return
-        try:
-            usage = ev.run_until_complete(self.session.usage())
-        except SessionError as exc:
-            self.failed = True
-            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+        if (usage := self._ask(self.session.usage(), ev)) is _FAILED:
             return
         self.err.print(Text(f"({usage_line(usage)})", style="dim"))
 
@@ -529,11 +531,7 @@ class ChatRepl:
         if not isinstance(self.session, ShowsContext):
             self.err.print(Text("(no context figures: this chat keeps its conversation in memory)", style="dim"))
             return
-        try:
-            ctx = ev.run_until_complete(self.session.context())
-        except SessionError as exc:
-            self.failed = True
-            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+        if (ctx := self._ask(self.session.context(), ev)) is _FAILED:
             return
         self.err.print(Text(f"({context_line(ctx)})", style="dim"))
 
@@ -543,11 +541,7 @@ class ChatRepl:
         if not isinstance(self.session, HasTitle):
             self.err.print(Text("(no title: this chat keeps no process)", style="dim"))
             return
-        try:
-            named = ev.run_until_complete(self.session.title() if text is None else self.session.set_title(text))
-        except SessionError as exc:
-            self.failed = True
-            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+        if (named := self._ask(self.session.title() if text is None else self.session.set_title(text), ev)) is _FAILED:
             return
         if text is not None:
             self.err.print(Text(f"(title set: {named})", style="dim"))
@@ -562,11 +556,7 @@ class ChatRepl:
         if not isinstance(self.session, Compacts):
             self.err.print(Text("(no compaction: this chat keeps its conversation in memory)", style="dim"))
             return
-        try:
-            done = ev.run_until_complete(self.session.compact(instructions))
-        except SessionError as exc:
-            self.failed = True
-            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+        if (done := self._ask(self.session.compact(instructions), ev)) is _FAILED:
             return
         if not done.compacted:
             self.err.print(Text(f"({one_line(done.note, 300)}; {done.tokens_before:,} tokens)", style="dim"))
@@ -584,11 +574,7 @@ class ChatRepl:
         if not isinstance(self.session, HasQueue):
             self.err.print(Text("(no queue: this chat runs one turn at a time in memory)", style="dim"))
             return
-        try:
-            items = ev.run_until_complete(self.session.clear_queue() if arg else self.session.queued())
-        except SessionError as exc:
-            self.failed = True
-            self.err.print(Text(f"error: {one_line(str(exc), 400)}", style="red"))
+        if (items := self._ask(self.session.clear_queue() if arg else self.session.queued(), ev)) is _FAILED:
             return
         if arg:
             count = len(items)

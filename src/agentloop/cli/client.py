@@ -479,22 +479,20 @@ class RemoteSession:
         return Compaction(compacted, count("removed"), count("tokens_before"), count("tokens_after"), note)
 
     async def usage(self) -> dict[str, Any]:
-        try:
-            usage = (await self.client.process(self.pid)).get("usage")
-        except ClientError as exc:
-            raise SessionError(f"the usage was not read: {exc.message}") from exc
-        if not isinstance(usage, dict):
-            raise SessionError("this server keeps no usage totals (it is older than this client)")
-        return usage
+        return await self._process_field("usage", "the usage", "keeps no usage totals")
 
     async def context(self) -> dict[str, Any]:
+        return await self._process_field("context_pressure", "the context", "does not measure the context")
+
+    async def _process_field(self, key: str, what: str, lacking: str) -> dict[str, Any]:
+        """One object of the process's description; a server older than this client lacks it."""
         try:
-            context = (await self.client.process(self.pid)).get("context_pressure")
+            found = (await self.client.process(self.pid)).get(key)
         except ClientError as exc:
-            raise SessionError(f"the context was not read: {exc.message}") from exc
-        if not isinstance(context, dict):
-            raise SessionError("this server does not measure the context (it is older than this client)")
-        return context
+            raise SessionError(f"{what} was not read: {exc.message}") from exc
+        if not isinstance(found, dict):
+            raise SessionError(f"this server {lacking} (it is older than this client)")
+        return found
 
     async def new(self) -> None:
         try:

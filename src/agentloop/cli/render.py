@@ -309,9 +309,10 @@ class SignalRenderer:
         """A dim line when the context's level rises (warn, critical, full): the user can compact
         or start anew before the run has to."""
         level = str(p.get("level"))
-        rose = _LEVELS.index(level) > _LEVELS.index(self._level) if level in _LEVELS else False
-        if level in _LEVELS:
-            self._level = level
+        if level not in _LEVELS:
+            return
+        rose = _LEVELS.index(level) > _LEVELS.index(self._level)
+        self._level = level
         if rose:
             self.view.note(Text(context_warning(p), style="dim"))
 
@@ -333,19 +334,18 @@ _LEVEL_ADVICE = {
 
 def context_warning(p: Mapping[str, Any]) -> str:
     """The line a rise of the context's level is shown with (a ``proc.changed`` context payload)."""
-    ratio, tokens, window = p.get("ratio"), _count(p.get("tokens")), _count(p.get("window"))
-    share = f"{ratio:.0%}" if isinstance(ratio, int | float) else "?%"
-    return f"context {share} full ({tokens:,} of {window:,} tokens){_LEVEL_ADVICE.get(str(p.get('level')), '')}"
+    tokens, window = _count(p.get("tokens")), _count(p.get("window"))
+    advice = _LEVEL_ADVICE.get(str(p.get("level")), "")
+    return f"context {_share(p.get('ratio'))} full ({tokens:,} of {window:,} tokens){advice}"
 
 
 def context_line(ctx: Mapping[str, Any]) -> str:
     """``/context``: the level, the share of the usable window, the threshold and what the
     process's policy changes (``Process.context().as_dict()``, or a process's ``context_pressure``)."""
-    ratio, threshold = ctx.get("ratio"), ctx.get("threshold")
-    share = f"{ratio:.0%}" if isinstance(ratio, int | float) else "?%"
+    threshold = ctx.get("threshold")
     parts = [
         f"context: {ctx.get('level', '?')}",
-        f"{share} of {_count(ctx.get('window')):,} tokens ({_count(ctx.get('tokens')):,})",
+        f"{_share(ctx.get('ratio'))} of {_count(ctx.get('window')):,} tokens ({_count(ctx.get('tokens')):,})",
     ]
     if isinstance(threshold, int | float):
         parts.append(f"compacts at {threshold:.0%}")
@@ -411,6 +411,11 @@ def _items(value: Any) -> list[Any]:
 
 def _names(value: Any) -> list[str]:
     return [one_line(str(v), 200) for v in _items(value)]
+
+
+def _share(ratio: Any) -> str:
+    """A share of the context window as a percentage ("?%" when the figure is missing)."""
+    return f"{ratio:.0%}" if isinstance(ratio, int | float) else "?%"
 
 
 def _count(value: Any) -> int:

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.types import Message
@@ -36,6 +36,7 @@ from agentloop.server.errors import ApiError
 from agentloop.server.strict_json import json_text
 
 logger = logging.getLogger("agentloop.server")
+T = TypeVar("T")
 
 MAX_IN_FLIGHT = 32  # requests one connection may have running or waiting for their answer to leave
 MAX_SUBSCRIPTIONS = 64  # processes one connection may follow at once
@@ -772,20 +773,30 @@ class Connection:
 
     async def _pump(self, pid: str, stream: AsyncIterator[Signal]) -> None:
         try:
-            async for signal in stream:
-                if not await self.send(sig_frame(pid, signal)):
+            await self._relay(stream, lambda signal: sig_frame(pid, signal), "signal stream failed", pid=pid)
+        finally:
+            if self.subscriptions.get(pid) is asyncio.current_task():
+                del self.subscriptions[pid]
+
+    async def _relay(
+        self, stream: AsyncIterator[T], frame: Callable[[T], dict[str, Any]], failed: str, **fields: Any
+    ) -> None:
+        """Send each item of ``stream`` as ``frame`` makes it, until the client stops reading or
+        the stream ends or fails (logged as ``failed``); then close the stream, so the watching
+        stops now rather than when it is collected."""
+        try:
+            async for item in stream:
+                if not await self.send(frame(item)):
                     return
         except asyncio.CancelledError:
             raise
         except Exception:
-            _log(logging.ERROR, "signal stream failed", exc_info=True, pid=pid)
+            _log(logging.ERROR, failed, exc_info=True, **fields)
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
-                    await aclose()  # stop watching the process now, not when collected
-            if self.subscriptions.get(pid) is asyncio.current_task():
-                del self.subscriptions[pid]
+                    await aclose()
 
     async def unsubscribe(self, args: dict[str, Any]) -> Any:
         """``proc.unsubscribe {pid}``: answered after the stream has stopped, so no ``sig`` for the
@@ -808,18 +819,8 @@ class Connection:
 
     async def _pump_account(self, stream: AsyncIterator[tuple[str, Signal]]) -> None:
         try:
-            async for pid, signal in stream:
-                if not await self.send(sig_frame(pid, signal)):
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            _log(logging.ERROR, "account stream failed", exc_info=True, account=self.user.account)
+            await self._relay(stream, lambda item: sig_frame(*item), "account stream failed", account=self.user.account)
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()  # stop watching the account now, not when collected
             if self.account_stream is asyncio.current_task():
                 self.account_stream = None
 

@@ -94,6 +94,7 @@ _TEXT_TYPES = frozenset(
 )
 _HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 _CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
+_HEADER_CHARSET = re.compile(r"charset\s*=\s*[\"']?([A-Za-z0-9_.:-]+)", re.IGNORECASE)
 
 
 # ------------------------------------------------------------------ which addresses may be reached
@@ -345,7 +346,7 @@ def _kind(mime: str, data: bytes) -> str:
 def decode(data: bytes, content_type: str, html: bool) -> str:
     """The body as text, by its declared charset (an HTML page's ``<meta>`` one too), else UTF-8;
     bytes that do not decode become U+FFFD."""
-    found = re.search(r"charset\s*=\s*[\"']?([A-Za-z0-9_.:-]+)", content_type, re.IGNORECASE)
+    found = _HEADER_CHARSET.search(content_type)
     charset = found.group(1) if found else None
     if charset is None and html and (meta := _CHARSET.search(data[:4096])):
         charset = meta.group(1).decode("ascii")

@@ -66,6 +66,11 @@ class CommandJob:
         self._capture: OutputCapture | None = None
 
     @property
+    def shown(self) -> str:
+        """The command as messages name it: its first 200 characters."""
+        return self.command if len(self.command) <= 200 else self.command[:200] + "…"
+
+    @property
     def state(self) -> str:
         if self.ended is not None:
             return "ended"
@@ -220,8 +225,7 @@ def _prune(own: dict[str, CommandJob]) -> None:
 
 
 def _shown(job: CommandJob) -> str:
-    command = job.command if len(job.command) <= 200 else job.command[:200] + "…"
-    return f"`{command}`"
+    return f"`{job.shown}`"
 
 
 def _summary(job: CommandJob) -> str:

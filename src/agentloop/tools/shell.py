@@ -218,9 +218,9 @@ def start_in_background(
     if not resolve_path(root, cwd or ".").is_dir():
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
     limit = DEFAULT_BACKGROUND_TIMEOUT if timeout is None else timeout
-    shown = command if len(command) <= 200 else command[:200] + "…"
     table = ctx.jobs if ctx.jobs is not None else JobRegistry().of("")  # (a runtime without Jobs)
     job = table.open(command)
+    shown = job.shown
 
     async def work() -> str:
         output = await run_job(root, command, cwd, limit, job)

@@ -51,9 +51,14 @@ async function listProcesses() {
   }
 }
 
+/** The process list's item for `pid`, or null while the list does not have it. */
+function listItem(pid) {
+  return $("processes").querySelector(`li[data-pid="${CSS.escape(pid)}"]`);
+}
+
 /** Show a process's title in the list (its pid while it has none) and, if it is open, the header. */
 function retitle(pid, title) {
-  const item = $("processes").querySelector(`li[data-pid="${CSS.escape(pid)}"]`);
+  const item = listItem(pid);
   if (item) {
     item.querySelector(".name").textContent = title || pid;
     item.classList.toggle("titled", !!title);
@@ -132,7 +137,7 @@ async function loadInbox(stop) {
 
 /** Open a process the inbox names; one started elsewhere is not in the list yet. */
 async function openFromInbox(pid) {
-  if (!$("processes").querySelector(`li[data-pid="${CSS.escape(pid)}"]`)) await listProcesses();
+  if (!listItem(pid)) await listProcesses();
   await openProcess(pid);
 }
 
@@ -142,7 +147,7 @@ function showProcess(process) {
   $("proc-state").textContent = has ? (process.run_id ? `running ${process.run_id}` : process.state) : "";
   for (const id of ["abort", "reset", "kill", "send", "text"]) $(id).disabled = !has;
   $("abort").disabled = !has || !process.run_id;
-  const item = has ? $("processes").querySelector(`li[data-pid="${CSS.escape(process.pid)}"] .state`) : null;
+  const item = has ? listItem(process.pid)?.querySelector(".state") : null;
   if (item) item.textContent = process.state;
   $("proc-name").textContent = "";
   if (has) retitle(process.pid, process.title);
