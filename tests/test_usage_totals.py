@@ -25,6 +25,7 @@ from agentloop.models.base import ModelInfo, ModelRequest, ProviderError
 from agentloop.models.registry import register_provider
 from agentloop.process import driver
 from agentloop.process import signals as sig
+from agentloop.process.compaction import SUMMARY_SYSTEM_PROMPT
 from agentloop.process.store import ProcessRecord, SQLiteStore, Store, UsageTotals
 from agentloop.process.store.common import usage_columns
 from agentloop.process.store.schema import MIGRATIONS, statements
@@ -148,6 +149,32 @@ async def test_totals_survive_reopening_the_kernel_and_a_reset(tmp_path: Path) -
         await run(proc, "again")
         assert (await proc.info()).usage == totals(100, 10, [(50, 5), (50, 5)], 2)
         assert [r.usage.runs for r in await k.processes("alice")] == [2]
+
+
+def summarising_brain(req: ModelRequest) -> Reply:
+    """``brain``, and the summary a compaction asks for, which costs 400 + 40 tokens."""
+    if req.system_prompt == SUMMARY_SYSTEM_PROMPT:
+        return Reply(text="Summary: the user said hi.", input_tokens=400, output_tokens=40)
+    return brain(req)
+
+
+async def test_a_manual_compaction_counts_its_summary_call_but_no_run(tmp_path: Path) -> None:
+    model = ScriptedModel(summarising_brain, info=PRICED)
+    async with kernel(tmp_path, model, data_dir=tmp_path) as k:
+        proc = await k.spawn(owner="alice")
+        for i in range(3):
+            await run(proc, f"hi {i} " + "lorem ipsum " * 200)
+        spent = [(50, 5)] * 3
+        assert (await proc.info()).usage == totals(150, 15, spent, 3)
+        assert (await proc.compact()).compacted
+        with_summary = totals(550, 55, [*spent, (400, 40)], 3)  # billed, but not a run
+        assert (await proc.info()).usage == with_summary
+        assert await k.usage("alice") == with_summary
+        await run(proc, "after")  # the next run adds to it
+        assert (await proc.info()).usage == totals(600, 60, [*spent, (400, 40), (50, 5)], 4)
+        pid = proc.pid
+    async with kernel(tmp_path, model, data_dir=tmp_path) as k:  # stored, not only cached
+        assert (await (await k.process(pid)).info()).usage == totals(600, 60, [*spent, (400, 40), (50, 5)], 4)
 
 
 async def test_the_account_total_includes_killed_processes(tmp_path: Path) -> None:

@@ -573,8 +573,9 @@ async def summarise(
             memory=memory,
         )
         await note_context(tx, live, reading)  # (an estimate: the next model step has the provider's count)
-        # (not if an abort ended it meanwhile)
-        if run is not None and _still_current(live, run["run_id"], run["generation"]):
+        if run is None:  # asked for while idle: no run to carry the summary call's usage
+            await tx.count_usage(result.usage)
+        elif _still_current(live, run["run_id"], run["generation"]):  # (not if an abort ended it meanwhile)
             run = {**run, "usage": _spent(run["usage"], result.usage)}
             await tx.set_run(run)
         # the tail as it is now: only the prefix the summary replaces was checked to be unchanged

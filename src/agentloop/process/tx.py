@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import Message, ToolResultMessage, UserMessage
+from agentloop.messages import Message, ToolResultMessage, Usage, UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
@@ -127,6 +127,14 @@ class _Tx:
         calls were billed too), in the one registry UPDATE the end writes anyway. This engine is
         the process's only writer, so its cached totals are the stored ones."""
         await self.set_run(None, self.live.record.usage.plus(run["usage"]))
+
+    async def count_usage(self, usage: Usage) -> None:
+        """Add a model call made outside any run (a compaction asked for while the process is
+        idle) to the process's totals: it was billed, but it is no run."""
+        spent = {"input": usage.input, "output": usage.output, "total_tokens": usage.total_tokens}
+        totals = self.live.record.usage.plus({**spent, "cost": usage.cost.total}, runs=0)
+        await self.engine.store.update_process(self.live.record.pid, **usage_columns(totals))
+        self.after.append(lambda: setattr(self.live.record, "usage", totals))
 
     async def start_run(
         self, message: Message, reason: str, run_id: str | None = None, *, queued: int | None = None

@@ -57,14 +57,15 @@ class UsageTotals:
     cost: float = 0.0
     runs: int = 0
 
-    def plus(self, run: Mapping[str, Any]) -> UsageTotals:
-        """These totals with one more run's usage added (as the run's record keeps it)."""
+    def plus(self, run: Mapping[str, Any], *, runs: int = 1) -> UsageTotals:
+        """These totals with one more run's usage added (as the run's record keeps it); ``runs=0``
+        for model calls made outside any run."""
         return UsageTotals(
             self.input + run["input"],
             self.output + run["output"],
             self.total_tokens + run["total_tokens"],
             self.cost + run["cost"],
-            self.runs + 1,
+            self.runs + runs,
         )
 
     def as_dict(self) -> dict[str, Any]:
