@@ -73,6 +73,8 @@ Resolver: TypeAlias = Callable[[str, int], Awaitable[Sequence[str]]]
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te"})
 # headers that prove who the caller is: they go to the origin they were set for, not where it redirects
 _CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
+# headers that describe the body sent (the Fetch standard's request-body-header names): they go with it
+_BODY_HEADERS = frozenset({"content-type", "content-encoding", "content-language", "content-location"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
@@ -299,7 +301,7 @@ async def _follow(
         hops.append(redact_url(str(url)))
         method, body = _redirected(response.status_code, method, body)
         if body is None:
-            headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+            headers = {k: v for k, v in headers.items() if k.lower() not in _BODY_HEADERS}
         if _origin(target) != _origin(url):
             headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIALS}
         url = target
