@@ -5,6 +5,7 @@ redirect; the address that was checked is the one connected to; limits on time a
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +25,7 @@ from agentloop.process.approval import call_target, decide, default_policy, pars
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import ToolArgumentsError, ToolContext, ToolError, ToolResult
 from agentloop.tools.builtin import SYSCALLS, builtin_tools, syscall_of
-from agentloop.tools.fetch import MAX_REDIRECTS, decode, fetch_tool, fetch_url, html_to_text
+from agentloop.tools.fetch import MAX_REDIRECTS, decode, fetch_tool, fetch_url, html_to_text, refusal
 from tests.image_support import PNG
 
 PAGE = """<!doctype html><html><head><title>The Title</title>
@@ -330,11 +331,23 @@ async def test_post_becomes_get_after_303_and_credentials_stay_with_their_origin
         ("http://[::]/", "unspecified"),
         ("http://224.0.0.1/", "multicast"),
         ("http://100.64.0.1/", "not a public"),
+        # IPv4 carried inside IPv6: judged as the IPv4 address it reaches
+        ("http://[64:ff9b::7f00:1]/", "loopback"),  # NAT64, well-known prefix
+        ("http://[64:ff9b::a9fe:a9fe]/", "link-local"),
+        ("http://[2002:a00:1::]/", "private"),  # 6to4 of 10.0.0.1
+        ("http://[2002:7f00:1::1]/", "loopback"),
+        ("http://[64:ff9b:1::a00:1]/", "not a public"),  # NAT64 local use (RFC 8215)
+        ("http://[::127.0.0.1]/", "not a public"),  # IPv4-compatible (deprecated)
     ],
 )
 async def test_private_loopback_and_metadata_addresses_are_refused(url: str, word: str) -> None:
     with pytest.raises(ToolError, match=word):
         await fetch_url(url)
+
+
+async def test_public_ipv4_inside_ipv6_is_still_public() -> None:
+    for address in ("64:ff9b::808:808", "2002:808:808::1"):  # 8.8.8.8 by NAT64 and by 6to4
+        assert refusal(ipaddress.ip_address(address)) is None
 
 
 async def test_a_name_resolving_to_a_private_address_is_refused() -> None:

@@ -76,6 +76,9 @@ _CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
 # headers that describe the body sent (the Fetch standard's request-body-header names): they go with it
 _BODY_HEADERS = frozenset({"content-type", "content-encoding", "content-language", "content-location"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the IPv4 address is the last 32 bits
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # local-use NAT64 (RFC 8215), not globally reachable
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
 _TEXT_TYPES = frozenset(
@@ -132,11 +135,28 @@ class AllowList:
         return any(ip.version == net.version and ip in net for net in self.networks)
 
 
+def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one reaches through a translator or a tunnel the host may have a
+    route to (``::ffff:127.0.0.1``, NAT64's ``64:ff9b::7f00:1``, 6to4's ``2002:7f00:1::``): judged
+    in its place, or a loopback address would pass as a public IPv6 one."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def refusal(ip: IPAddress) -> str | None:
     """Why no fetch connects to ``ip`` unless it is allowed; None for a public address.
     Link-local comes before private: 169.254.169.254, the metadata service, is both."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    if isinstance(ip, ipaddress.IPv6Address):
+        carried = _carried_ipv4(ip)
+        if carried is not None:
+            ip = carried
+        elif ip in _NAT64_LOCAL or (ip in _IPV4_COMPATIBLE and not (ip.is_loopback or ip.is_unspecified)):
+            return "not a public address"  # (where the IPv4 address sits varies, or it is deprecated)
     if ip.is_unspecified:
         return "the unspecified address"
     if ip.is_loopback:
