@@ -5,9 +5,13 @@ redirect; the address that was checked is the one connected to; limits on time a
 from __future__ import annotations
 
 import asyncio
+import functools
+import gzip
 import ipaddress
 import json
 import time
+import tracemalloc
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +126,19 @@ async def answer(seen: Seen, writer: asyncio.StreamWriter) -> None:
             await asyncio.sleep(0.2)
     elif path == "/big":
         respond(writer, "200 OK", b"a" * int(query["n"]), Content_Type="text/plain")
+    elif path == "/bomb":  # 64 MiB of zeros in about 64 KiB of gzip (or raw deflate)
+        encoding = query.get("encoding", "gzip")
+        respond(writer, "200 OK", bomb(encoding), Content_Type="text/plain", Content_Encoding=encoding)
+    elif path == "/gzipped":
+        respond(
+            writer, "200 OK", gzip.compress(b"small and squeezed"), Content_Type="text/plain", Content_Encoding="gzip"
+        )
+    elif path == "/badgzip":
+        respond(
+            writer, "200 OK", b"\x1f\x8b\x08\x00not gzip at all", Content_Type="text/plain", Content_Encoding="gzip"
+        )
+    elif path == "/brotli":
+        respond(writer, "200 OK", b"\x0b\x02\x80hi\x03", Content_Type="text/plain", Content_Encoding="br")
     elif path == "/binary":
         respond(writer, "200 OK", bytes(range(256)) * 40, Content_Type="application/octet-stream")
     elif path == "/image":
@@ -406,6 +423,34 @@ async def test_the_timeout_bounds_the_whole_fetch_not_each_read(site: Site) -> N
     with pytest.raises(ToolError, match="timed out"):
         await fetch_url(site.url("/drip"), timeout=1, allow=LOCAL)
     assert time.monotonic() - started < 4
+
+
+@functools.cache
+def bomb(encoding: str) -> bytes:
+    """64 MiB of zeros, gzipped or as raw deflate."""
+    packer = zlib.compressobj(9, wbits=31 if encoding == "gzip" else -15)
+    return packer.compress(bytes(64 * 1024 * 1024)) + packer.flush()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_body_is_inflated_only_as_far_as_max_bytes(site: Site, encoding: str) -> None:
+    bomb(encoding)  # (made before memory is traced)
+    tracemalloc.start()
+    try:
+        result = await fetch_url(site.url(f"/bomb?encoding={encoding}"), max_bytes=1000, allow=LOCAL)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.details["truncated"] is True
+    assert peak < 8 * 1024 * 1024  # never the whole 64 MiB, nor one network read's worth of it
+
+
+async def test_compressed_bodies_still_read_and_unknown_encodings_are_refused(site: Site) -> None:
+    assert "small and squeezed" in text(await fetch_url(site.url("/gzipped"), allow=LOCAL))
+    with pytest.raises(ToolError, match="br"):
+        await fetch_url(site.url("/brotli"), allow=LOCAL)
+    with pytest.raises(ToolError, match="not valid gzip"):
+        await fetch_url(site.url("/badgzip"), allow=LOCAL)
 
 
 async def test_max_bytes_stops_the_download(site: Site) -> None:

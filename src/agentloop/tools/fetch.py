@@ -24,6 +24,7 @@ import codecs
 import ipaddress
 import re
 import socket
+import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -328,16 +329,61 @@ async def _follow(
 
 
 async def _read(response: httpx.Response, max_bytes: int) -> tuple[bytes, bool]:
-    """The body (decompressed) up to ``max_bytes``, and whether there was more."""
+    """The body (decompressed) up to ``max_bytes``, and whether there was more. Inflated here, a
+    bounded amount at a time: httpx inflates each network read whole, and 64 KiB of gzip can hold
+    64 MiB (a page built to exhaust memory would be, before the limit could cut it)."""
+    inflate = _inflater(response.headers.get("content-encoding", ""))
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
-        if size + len(chunk) > max_bytes:
-            chunks.append(chunk[: max_bytes - size])
-            return b"".join(chunks), True
-        chunks.append(chunk)
-        size += len(chunk)
+    async for raw in response.aiter_raw():
+        while raw:
+            room = max_bytes - size + 1  # one byte more than fits: whether there was more
+            if inflate is None:
+                chunk, raw = raw[:room], raw[room:]
+            else:
+                try:
+                    chunk, raw = inflate.decompress(raw, room), inflate.unconsumed_tail
+                except zlib.error as exc:
+                    raise ToolError(
+                        f"the response body is not valid {response.headers['content-encoding']}: {exc}"
+                    ) from None
+            if size + len(chunk) > max_bytes:
+                chunks.append(chunk[: max_bytes - size])
+                return b"".join(chunks), True
+            chunks.append(chunk)
+            size += len(chunk)
+            if not chunk:
+                break  # (all of ``raw`` went into the inflater's state: the next read goes on)
     return b"".join(chunks), False
+
+
+def _inflater(encoding: str) -> Any:
+    """A ``zlib`` decompressor for the body's ``Content-Encoding`` (None: not compressed)."""
+    name = encoding.strip().lower()
+    if name in ("", "identity"):
+        return None
+    if name in ("gzip", "x-gzip"):
+        return zlib.decompressobj(wbits=31)
+    if name == "deflate":  # meant as zlib-wrapped; raw deflate is what many servers send
+        return _Deflate()
+    raise ToolError(f"the response is compressed as {encoding!r}, which Fetch cannot read (gzip and deflate only)")
+
+
+class _Deflate:
+    """``Content-Encoding: deflate`` read as it is meant (zlib-wrapped) or as it is often sent
+    (raw), told apart by the first bytes."""
+
+    def __init__(self) -> None:
+        self._inflate: Any = None
+        self.unconsumed_tail = b""
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if self._inflate is None:
+            wrapped = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            self._inflate = zlib.decompressobj(wbits=15 if wrapped else -15)
+        out: bytes = self._inflate.decompress(data, max_length)
+        self.unconsumed_tail = self._inflate.unconsumed_tail
+        return out
 
 
 # ------------------------------------------------------------------ the answer as the model sees it
