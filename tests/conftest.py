@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cdp import Browser, find_chromium, required
 from tests.pg_support import PgServer, find_binaries
 
 # Set (CI does) to make a missing PostgreSQL a failure instead of a skip.
@@ -47,3 +48,25 @@ def pg_url(pg_server: PgServer) -> Iterator[str]:
     url = pg_server.create_database()
     yield url
     pg_server.drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """The Chromium binary for the browser tests; they skip without one, unless
+    ``AGENTLOOP_REQUIRE_BROWSER=1`` (CI) makes that a failure."""
+    binary = find_chromium()
+    if binary is None:
+        message = "chromium is not installed (apt-get install -y chromium)"
+        if required():
+            pytest.fail(f"{message}, and AGENTLOOP_REQUIRE_BROWSER=1 says the browser test must run")
+        pytest.skip(f"{message}; set AGENTLOOP_REQUIRE_BROWSER=1 to make this a failure")
+    return binary
+
+
+@pytest.fixture
+def browser(chromium: str) -> Iterator[Browser]:
+    b = Browser(chromium)
+    try:
+        yield b
+    finally:
+        b.close()

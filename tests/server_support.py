@@ -95,6 +95,8 @@ class LiveServer:
     max_body: int = 1024 * 1024
     devices: Any = None
     store_url: str = ""  # the kernel's store; a SQLite file in ``data`` when empty
+    model: Any = None  # the kernel's model; ``script`` when None
+    kernel_options: dict[str, Any] = field(default_factory=dict)  # more ``Kernel.open`` arguments
     url: str = ""
     tokens: Tokens = field(default_factory=Tokens)
     ctx: ServerContext | None = None
@@ -127,11 +129,10 @@ class LiveServer:
             sock.close()
 
     async def _main(self, sock: socket.socket) -> None:
-        model = ScriptedModel(script, chunk=4, keep_requests=False)
+        model = self.model or ScriptedModel(script, chunk=4, keep_requests=False)
         url = self.store_url or f"sqlite:///{self.data}/agentloop.db"
-        async with Kernel.open(
-            url, model=model, workspace=self.data, tools=[echo, slow], approval=asking_policy
-        ) as kernel:
+        options: dict[str, Any] = {"tools": [echo, slow], "approval": asking_policy, **self.kernel_options}
+        async with Kernel.open(url, model=model, workspace=self.data, **options) as kernel:
             accounts = Accounts(kernel.store)
             await accounts.create_account("alice")
             await accounts.create_account("bob")

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cdp import Browser, find_chromium, required
+from tests.cdp import Browser
 
 AGENTLOOP = Path(sys.executable).parent / "agentloop"
 XSS = "<img src=x onerror=alert(1)>"
@@ -43,17 +43,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    binary = find_chromium()
-    if binary is None:
-        message = "chromium is not installed (apt-get install -y chromium)"
-        if required():
-            pytest.fail(f"{message}, and AGENTLOOP_REQUIRE_BROWSER=1 says the browser test must run")
-        pytest.skip(f"{message}; set AGENTLOOP_REQUIRE_BROWSER=1 to make this a failure")
-    return binary
 
 
 @pytest.fixture
@@ -100,15 +89,6 @@ def served(tmp_path: Path, replies: list[object]) -> Iterator[tuple[str, str, Pa
         finally:
             proc.kill()
             proc.wait(30)
-
-
-@pytest.fixture
-def browser(chromium: str) -> Iterator[Browser]:
-    b = Browser(chromium)
-    try:
-        yield b
-    finally:
-        b.close()
 
 
 # What the transcript shows, in order: (kind, text) of every bubble, tool card and run footer.

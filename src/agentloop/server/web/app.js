@@ -141,16 +141,32 @@ async function openFromInbox(pid) {
   await openProcess(pid);
 }
 
+/** The header's meter of how full the open process's context window is (GET …/processes/<pid>
+ * answers it as context_pressure), styled by its level: ok, warn, critical or full. */
+function showContext(pressure) {
+  const box = $("context");
+  box.hidden = !pressure;
+  if (!pressure) return;
+  box.dataset.level = pressure.level;
+  $("context-label").textContent = `context ${Math.round(pressure.ratio * 100)}% · ${pressure.level}`;
+  const meter = $("context-meter");
+  meter.high = Math.min(0.85, pressure.threshold); // critical from here (see ContextOut)
+  meter.value = Math.min(1, pressure.ratio);
+  const tokens = `${pressure.tokens.toLocaleString()} of ${pressure.window.toLocaleString()} tokens`;
+  box.title = `${tokens}; compacts at ${Math.round(pressure.threshold * 100)}%`;
+}
+
 function showProcess(process) {
   const has = process !== null;
   $("proc-title").textContent = has ? process.pid : "No process selected";
   $("proc-state").textContent = has ? (process.run_id ? `running ${process.run_id}` : process.state) : "";
-  for (const id of ["abort", "reset", "kill", "send", "text"]) $(id).disabled = !has;
+  for (const id of ["abort", "compact", "reset", "kill", "send", "text"]) $(id).disabled = !has;
   $("abort").disabled = !has || !process.run_id;
   const item = has ? listItem(process.pid)?.querySelector(".state") : null;
   if (item) item.textContent = process.state;
   $("proc-name").textContent = "";
   if (has) retitle(process.pid, process.title);
+  showContext(has ? process.context_pressure : null);
 }
 
 async function openProcess(pid) {
@@ -188,6 +204,11 @@ async function act(what) {
     if (what === "abort") {
       const { aborted } = await api("POST", procPath(pid, "/abort"), {});
       status(aborted ? "run aborted" : "no run to abort");
+    } else if (what === "compact") {
+      status("compacting…");
+      const done = await api("POST", procPath(pid, "/compact"), {});
+      const tokens = `${done.tokens_before} → ${done.tokens_after} tokens`;
+      status(done.compacted ? `compacted: ${done.removed} older messages summarised (${tokens})` : done.note);
     } else if (what === "reset") {
       if (!confirm("Reset this process? Its history is archived and cleared.")) return;
       await api("POST", procPath(pid, "/reset"), {});
@@ -201,6 +222,8 @@ async function act(what) {
       sessionStorage.removeItem(PID_KEY);
       $("transcript").replaceChildren();
       $("approvals").replaceChildren();
+      $("queue-list").replaceChildren();
+      $("queue").hidden = true;
       showProcess(null);
       await listProcesses();
       status("process killed");
@@ -237,7 +260,10 @@ function wire() {
       send();
     }
   });
-  for (const what of ["abort", "reset", "kill"]) $(what).addEventListener("click", () => act(what));
+  for (const what of ["abort", "compact", "reset", "kill"]) $(what).addEventListener("click", () => act(what));
+  $("queue-clear").addEventListener("click", () => {
+    if (view) view.withdraw();
+  });
 }
 
 onUnauthorized(() => signOut("The token was refused; sign in again."));

@@ -12,6 +12,10 @@
 //   proc.log.pruned first: the history and the process's state are read again instead.
 // - a closed view (the user opened another process) may still have requests in flight: whatever
 //   answers after close() is dropped, since the transcript and approvals now belong to the next one.
+// - the input queue (messages waiting for the active run to end, GET …/queue) is read whole when
+//   the process opens and whenever a signal says it changed: proc.changed naming "queue" (input
+//   queued or withdrawn, steering taken) or "reset", and a run starting (it took the next item) or
+//   ending (an abort may drop what waited).
 
 import { api, ApiError, procPath, sse } from "./api.js";
 import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
@@ -33,6 +37,10 @@ export class ProcessView {
     this.messages = new Set(); // ids of rendered messages
     this.tools = new Map(); // tool call id -> card
     this.approvals = new Map(); // request id -> card
+    this.queued = new Map(); // queue item id -> item, as last read
+    this.withdrawn = new Set(); // ids of the items withdrawn, whose pending bubbles are gone
+    this.queueAsked = false; // a queue read is asked for and not yet begun
+    this.queueLoading = Promise.resolve();
     this.lastSeq = 0;
     this.live = false; // false while the logged backlog is replayed
     this.process = null;
@@ -40,6 +48,8 @@ export class ProcessView {
     this.stop = new AbortController();
     $("transcript").replaceChildren();
     $("approvals").replaceChildren();
+    $("queue-list").replaceChildren();
+    $("queue").hidden = true;
   }
 
   close() {
@@ -56,6 +66,7 @@ export class ProcessView {
     await this.consume(false); // the logged backlog, then live from its last seq
     this.live = true;
     await this.refreshApprovals();
+    await this.refreshQueue();
     this.follow();
   }
 
@@ -117,6 +128,81 @@ export class ProcessView {
     for (const [id, card] of this.approvals) if (!pending.has(id)) this.dropApproval(id, card);
     for (const r of requests) {
       this.addApproval({ requestId: r.request_id, runId: r.run_id, callId: r.tool_call_id, name: r.tool_name, ...r });
+    }
+  }
+
+  /** Read the queue again, one read at a time: a read asked for and not yet begun covers any
+   * news that comes meanwhile too. */
+  refreshQueue() {
+    if (this.queueAsked) return this.queueLoading;
+    this.queueAsked = true;
+    this.queueLoading = this.queueLoading
+      .then(() => {
+        this.queueAsked = false;
+        return this.loadQueue();
+      })
+      .catch((err) => {
+        if (!this.closed) status(`could not read the queue: ${err.message}`);
+      });
+    return this.queueLoading;
+  }
+
+  async loadQueue() {
+    if (this.closed) return;
+    const { items } = await api("GET", procPath(this.pid, "/queue"));
+    if (this.closed) return; // another process is open now: this is not its queue
+    this.queued = new Map(items.map((item) => [item.id, item]));
+    const list = $("queue-list");
+    list.replaceChildren();
+    items.forEach((item, index) => list.append(this.queueItem(item, index + 1)));
+    $("queue-count").textContent = String(items.length);
+    $("queue").hidden = items.length === 0;
+  }
+
+  /** One waiting item: its place in the queue, its kind where it is not a queued message, its text. */
+  queueItem(item, position) {
+    const row = el("li");
+    row.dataset.item = item.id;
+    row.dataset.kind = item.kind;
+    row.append(el("span", "position", `${position}.`));
+    if (item.kind !== "queue") row.append(el("span", "kind", item.kind === "steer" ? "steer" : "event"));
+    row.append(el("span", "text", item.text));
+    const button = el("button", "withdraw", "Withdraw");
+    button.type = "button";
+    button.title = "Take it back before it runs";
+    button.addEventListener("click", () => this.withdraw(item.id, button));
+    row.append(button);
+    return row;
+  }
+
+  /** Withdraw one waiting item (`id`), or all the user's input (no `id`). A 404 is an item a run
+   * took first (or another client withdrew): the read that follows shows which. */
+  async withdraw(id, button) {
+    if (button) button.disabled = true;
+    const path = procPath(this.pid, id === undefined ? "/queue" : `/queue/${id}`);
+    try {
+      const { withdrawn } = await api("DELETE", path);
+      for (const item of withdrawn) this.dropWithdrawn(item);
+      status(withdrawn.length === 1 ? "withdrawn: it will not run" : `withdrawn: ${withdrawn.length} messages`);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 404) status("not withdrawn: it is no longer waiting");
+      else status(`could not withdraw: ${err.message}`);
+      if (button) button.disabled = false;
+    }
+    await this.refreshQueue();
+  }
+
+  /** A withdrawn message never runs: its pending bubble goes, and the run block made for it. */
+  dropWithdrawn(item) {
+    if (this.closed || this.withdrawn.has(item.id)) return; // (told by the answer and by the signal)
+    this.withdrawn.add(item.id);
+    const run = this.runs.get(item.run_id);
+    const scope = run ? run.block : $("transcript");
+    const bubble = [...scope.querySelectorAll(".msg.user.pending")].find((b) => b.textContent === item.text);
+    if (bubble) bubble.remove();
+    if (run && !run.footer.textContent && run.block.children.length === 1) {
+      run.block.remove(); // only its empty footer is left: the run will never be
+      this.runs.delete(item.run_id);
     }
   }
 
@@ -349,7 +435,10 @@ export class ProcessView {
         break;
       case "proc.run.started":
         if (run && p.reason === "heartbeat") quiet(run, true); // shown once it has something to say
-        if (this.live) this.refreshProcess().catch(() => {});
+        if (this.live) {
+          this.refreshProcess().catch(() => {});
+          this.refreshQueue(); // it may have taken the next waiting item
+        }
         break;
       case "proc.run.finished":
         if (run) {
@@ -359,7 +448,10 @@ export class ProcessView {
           run.footer.dataset.status = p.status;
           for (const [id, card] of this.approvals) if (card.dataset.run === p.runId) this.dropApproval(id, card);
         }
-        if (this.live) this.refreshProcess().catch(() => {});
+        if (this.live) {
+          this.refreshProcess().catch(() => {});
+          this.refreshQueue(); // an abort may have dropped what waited
+        }
         scrollDown();
         break;
       case "proc.compacted":
@@ -367,6 +459,7 @@ export class ProcessView {
           const what = p.kind === "clearing" ? `${p.cleared} old tool outputs cleared` : `${p.removed} older messages summarised`;
           this.notice(run, `context compacted: ${what} (${p.tokensBefore} → ${p.tokensAfter} tokens)`);
         }
+        if (this.live) this.refreshProcess().catch(() => {}); // the context meter falls
         break;
       case "proc.changed": {
         const changes = p.changes || [];
@@ -374,7 +467,13 @@ export class ProcessView {
         if (this.live && changes.includes("reset")) this.forgetHistory();
         if (changes.includes("messages")) this.loadHistory();
         if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
-        if (this.live && changes.includes("title")) this.refreshProcess().catch(() => {});
+        // the title, the context's level (the header's meter) or the threshold it is measured against
+        const header = ["title", "context", "compaction", "reset"];
+        if (this.live && changes.some((c) => header.includes(c))) this.refreshProcess().catch(() => {});
+        if (this.live && (changes.includes("queue") || changes.includes("reset"))) {
+          for (const id of p.withdrawn || []) if (this.queued.has(id)) this.dropWithdrawn(this.queued.get(id));
+          this.refreshQueue();
+        }
         break;
       }
       case "proc.log.pruned":
@@ -383,6 +482,7 @@ export class ProcessView {
         if (this.live) {
           this.refreshProcess().catch(() => {});
           this.refreshApprovals().catch(() => {});
+          this.refreshQueue();
         }
         break;
       default:
