@@ -46,7 +46,7 @@ from agentloop.cli.render import (
     stderr_console,
     usage_line,
 )
-from agentloop.kernel import Kernel, Process
+from agentloop.kernel import Kernel, Process, ProcessBusy
 from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, MediaBlock, Message, user
 from agentloop.process import signals as sig
@@ -842,7 +842,8 @@ class DurableSession:
     async def compact(self, instructions: str | None) -> Compaction:
         try:
             done = await self.process.compact(instructions)
-        except (RunActive, CompactionError) as exc:
+        # busy (a run, another worker's lease), or instructions it cannot take (too long, a NUL: ValueError)
+        except (RunActive, ProcessBusy, CompactionError, ValueError) as exc:
             raise SessionError(f"not compacted: {exc}") from exc
         return Compaction(done.compacted, done.removed, done.tokens_before, done.tokens_after, done.note)
 

@@ -9,10 +9,11 @@ with the limits any schedule has (how many per process, how often at most).
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from agentloop.kernel.schedules import LimitReached, ScheduleError, repeats, zone
+from agentloop.kernel.schedules import MAX_AHEAD, LimitReached, ScheduleError, repeats, zone
 from agentloop.process.api import ToolsetFn
 from agentloop.process.store import NoSuchProcess, ProcessRecord, ScheduleRow
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 NAME = "Schedule"
 ACTIONS = ("add", "list", "remove")
+FOR_ADD = ("text", "at", "in_seconds", "every_seconds", "cron", "tz", "name")  # the arguments of add alone
 
 _SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -78,6 +80,15 @@ class ScheduleTool(Tool):
             value = arguments.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
                 raise ToolError(f"`{key}` must be a number of seconds")
+            if value is not None and not _finite(value):  # (named here: the kernel would name `at`)
+                raise ToolError(f"`{key}` must be a finite number of seconds")
+        # an argument the action does not use is an error, not dropped: the call would do something else
+        action = arguments["action"]
+        unused = [f"`{k}`" for k in FOR_ADD if action != "add" and arguments.get(k) is not None]
+        if unused:
+            raise ToolError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for action=add, not {action}")
+        if action != "remove" and arguments.get("id") is not None:
+            raise ToolError(f"`id` is for action=remove, not {action}")
         return arguments
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -101,10 +112,14 @@ class ScheduleTool(Tool):
         if at is not None and delay is not None:
             raise ToolError("give `at` or `in_seconds`, not both")
         cron, tz = arguments.get("cron"), arguments.get("tz")
+        if tz is not None and at is None and cron is None:
+            raise ToolError("`tz` is the time zone of `at` or `cron` only: `in_seconds` and `every_seconds` need none")
         when = _when(at, tz) if at is not None else None
         if delay is not None:
             if delay < 0:
                 raise ToolError("`in_seconds` must not be negative")
+            if delay > MAX_AHEAD:
+                raise ToolError("`in_seconds` is more than a hundred years")
             when = self.kernel.scheduler.clock() + float(delay)
         row = await self.kernel.scheduler.add(
             self.pid,
@@ -137,12 +152,20 @@ def _when(at: str, tz: str | None) -> float:
         moment = datetime.datetime.fromisoformat(at.strip())
     except ValueError:
         raise ToolError(f"`at` {at!r} is not an ISO 8601 date-time such as 2026-12-01T09:00") from None
+    try:
+        where = zone(tz or "UTC")  # (checked with an offset too: a bad tz is refused, not ignored)
+    except ScheduleError as exc:
+        raise ToolError(str(exc)) from None
     if moment.tzinfo is None:
-        try:
-            moment = moment.replace(tzinfo=zone(tz or "UTC"))
-        except ScheduleError as exc:
-            raise ToolError(str(exc)) from None
+        moment = moment.replace(tzinfo=where)
     return moment.timestamp()
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past any float
+        return False
 
 
 def _line(row: ScheduleRow) -> str:

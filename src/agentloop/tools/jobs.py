@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import secrets
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool
+from agentloop.tools.base import FunctionTool, ToolArgumentsError, ToolContext, ToolError, ToolResult
 from agentloop.tools.process_group import KILL_GRACE, OutputCapture
 
 __all__ = ["MAX_ENDED", "SYSCALL", "CommandJob", "JobRegistry", "JobTable", "jobs_tool"]
@@ -201,6 +202,12 @@ class JobTable:
         wanted = job_id.strip()
         wanted = wanted if wanted.startswith(PREFIX) else PREFIX + wanted
         found = self._jobs.get(self._pid, {}).get(wanted)
+        if found is None and not re.fullmatch(f"{PREFIX}[0-9a-f]+", wanted):  # (not made into bg-BG-3F2A)
+            shown = job_id if len(job_id) <= 40 else job_id[:40] + "…"
+            raise ToolError(
+                f"no such job {shown!r} in this conversation: a job's id is like bg-3f2a (bg- and lower-case hex "
+                "digits), as the message that started it said; action='list' shows this conversation's jobs"
+            )
         if found is None:
             raise ToolError(
                 f"no such job {wanted}: a job belongs to the conversation that started it, and a restart of "
@@ -301,36 +308,41 @@ async def _stop(job: CommandJob) -> ToolResult:
     )
 
 
-def _check(action: str, job: str | None, text: str | None, eof: bool, offset: int | None) -> None:
+def _check(action: str, job: str | None, text: str | None, newline: bool | None, eof: bool, offset: int | None) -> None:
     """Arguments that do not fit the action are an error, rather than silently ignored."""
     if action != "list" and not (job and job.strip()):
         raise ToolError(f"action={action!r} needs the job's id (as bg-3f2a: the start message named it)")
-    if action != "input" and (text is not None or eof):
+    if action == "list" and job is not None:
+        raise ToolError("job is not for action='list', which lists every job: use action='status' for one")
+    if action != "input" and (text is not None or newline is not None or eof):
         raise ToolError("text, newline and eof are for action='input'")
     if action != "output" and offset is not None:
         raise ToolError("offset is for action='output'")
 
 
+class _JobsTool(FunctionTool):
+    """``Jobs``, which refuses an argument it does not take instead of dropping it: ``input`` meant
+    as ``text`` would otherwise write an empty line to the command's stdin."""
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(arguments) - set(self.parameters["properties"]))
+        if unknown:
+            raise ToolArgumentsError(
+                f"Jobs does not take {', '.join(unknown)}: its arguments are action, job, text (what action='input' "
+                "writes), newline, eof and offset"
+            )
+        return super().validate(arguments)
+
+
 def jobs_tool() -> FunctionTool:
     """The ``Jobs`` tool (syscall ``shell.jobs``) over the jobs of the process that calls it."""
 
-    @tool(
-        name="Jobs",
-        description=(
-            "Look after the commands you started with Shell background=true (each has an id like bg-3f2a, "
-            "named when it started). action='list' shows them; 'status' tells whether one still runs (or how "
-            "it ended), for how long, and how much output it wrote; 'output' shows its output so far (the "
-            "last part; offset=N shows from byte N on); 'input' writes text to its stdin (a newline is added "
-            "unless newline=false; eof=true then closes stdin); 'stop' kills it and every process it "
-            "started. Its end still comes to you as a system message, once."
-        ),
-    )
     async def jobs(
         ctx: ToolContext,
         action: Action,
         job: str | None = None,
         text: str | None = None,
-        newline: bool = True,
+        newline: bool | None = None,
         eof: bool = False,
         offset: Annotated[int | None, Field(ge=0)] = None,
     ) -> ToolResult:
@@ -345,7 +357,7 @@ def jobs_tool() -> FunctionTool:
         """
         if ctx.jobs is None:
             raise ToolError("background jobs need a conversation the runtime keeps (agentloop chat or serve)")
-        _check(action, job, text, eof, offset)
+        _check(action, job, text, newline, eof, offset)
         if action == "list":
             return _list(ctx.jobs)
         assert job is not None
@@ -355,8 +367,20 @@ def jobs_tool() -> FunctionTool:
         if action == "output":
             return _output(found, offset)
         if action == "input":
-            return await _input(found, text or "", newline, eof)
+            return await _input(found, text or "", newline is not False, eof)
         return await _stop(found)
 
-    jobs.syscall = SYSCALL
-    return jobs
+    tool = _JobsTool(
+        jobs,
+        name="Jobs",
+        description=(
+            "Look after the commands you started with Shell background=true (each has an id like bg-3f2a, "
+            "named when it started). action='list' shows them; 'status' tells whether one still runs (or how "
+            "it ended), for how long, and how much output it wrote; 'output' shows its output so far (the "
+            "last part; offset=N shows from byte N on); 'input' writes text to its stdin (a newline is added "
+            "unless newline=false; eof=true then closes stdin); 'stop' kills it and every process it "
+            "started. Its end still comes to you as a system message, once."
+        ),
+    )
+    tool.syscall = SYSCALL
+    return tool
