@@ -28,7 +28,7 @@ from tests import server_support
 from tests.cdp import Browser
 from tests.server_support import LiveServer, asking_policy, echo, live_server, pending_requests, wait_until
 from tests.test_server_api import read_frames
-from tests.test_web_ui_browser import FOLLOWING, browser, chromium, replies, served  # noqa: F401
+from tests.test_web_ui_browser import FOLLOWING, replies, served  # noqa: F401
 from tests.ws_support import KernelServer, eventually
 
 ORIGINAL_SCRIPT = server_support.script
@@ -366,7 +366,7 @@ BADGE = "document.getElementById('inbox-count').textContent"
 @pytest.mark.parametrize("replies", [[ASKING, "Deleted junk.txt."]])
 def test_the_sidebar_shows_an_approval_asked_by_another_process_and_opens_it(
     served: tuple[str, str, Path],  # noqa: F811
-    browser: Browser,  # noqa: F811
+    browser: Browser,
 ) -> None:
     url, token, workspace = served
     browser.navigate(url + "/")

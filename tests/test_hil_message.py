@@ -351,8 +351,8 @@ async def test_the_in_memory_hook_gives_the_model_the_reason(tmp_path: Path) -> 
 
 # ---------------------------------------------------------------------------------- web UI
 
-# the browser test's fixtures: headless Chromium and an ``agentloop serve`` with a scripted model
-chromium, served, browser = web_ui.chromium, web_ui.served, web_ui.browser
+# the browser test's fixture: an ``agentloop serve`` with a scripted model (Chromium: conftest)
+served = web_ui.served
 DELETE = {"tool_calls": [{"name": "Delete", "arguments": {"path": "junk.txt"}}]}
 
 

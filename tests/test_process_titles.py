@@ -37,7 +37,7 @@ from tests import server_support, test_prompt_manifest
 from tests.cdp import Browser
 from tests.process_support import kernel
 from tests.server_support import LiveServer
-from tests.test_web_ui_browser import browser, chromium, replies, served  # noqa: F401 - the browser fixtures
+from tests.test_web_ui_browser import replies, served  # noqa: F401 - fixtures
 from tests.ws_support import KernelServer
 
 LONG = "  Plan the migration of our billing\tservice to Postgres with zero downtime and a rollback plan  \nmore"
@@ -553,7 +553,7 @@ def test_remote_chat_slash_title(server: LiveServer) -> None:
 @pytest.mark.parametrize("replies", [["The answer."]])
 def test_the_sidebar_shows_the_title_with_the_pid_as_its_tooltip(
     served: tuple[str, str, Path],  # noqa: F811
-    browser: Browser,  # noqa: F811
+    browser: Browser,
 ) -> None:
     url, token, _ = served
     headers = {"Authorization": f"Bearer {token}"}

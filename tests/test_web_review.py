@@ -26,10 +26,8 @@ from tests.cdp import Browser
 from tests.server_support import LiveServer, live_server
 from tests.test_web_ui_browser import FOLLOWING, send, sign_in_and_open_a_process
 
-# The browser test's fixtures, under their names here: pytest looks fixtures up in the module.
-chromium = test_web_ui_browser.chromium
+# The browser test's server fixture, under its name here: pytest looks fixtures up in the module.
 served = test_web_ui_browser.served
-browser = test_web_ui_browser.browser
 
 DELETE = {"tool_calls": [{"name": "Delete", "arguments": {"path": "junk.txt"}}]}
 
