@@ -332,6 +332,17 @@ async def test_reset_kill_and_close_cancel_the_title_being_made(tmp_path: Path) 
         assert cancelled == [reset.pid, killed.pid]
         assert await reset.title() is None
     assert cancelled == [reset.pid, killed.pid, closed.pid]
+    async with titles_kernel(tmp_path) as k:  # the close did not wait for the model: the fallback names it
+        assert await (await k.process(closed.pid)).title() == "three"
+        assert await (await k.process(reset.pid)).title() is None
+
+
+async def test_a_title_made_just_before_the_kernel_closes_is_written(tmp_path: Path) -> None:
+    async with titles_kernel(tmp_path) as k:
+        proc = await k.spawn(owner="alice", text="quit right after the answer")
+        await proc.wait_idle()  # the title waits for the writer's next batch: the close writes it
+    async with titles_kernel(tmp_path) as k:
+        assert await (await k.process(proc.pid)).title() == "quit right after the answer"
 
 
 async def test_a_first_run_resumed_after_a_restart_still_names_the_process(tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ conversation begun by a system event waits for its first user message. The title
 a moment later (``WRITE_DELAY``) by one background writer, all that came meanwhile in one
 transaction, each row added only where no title is and only for the conversation it names
 (``Store.kv_add``): a busy server pays a fraction of a commit per title, and what ends a run (the
-abort's answer, the next queued run) goes first. Reset, kill and close cancel the work under way.
+abort's answer, the next queued run) goes first. Reset and kill cancel the work under way; close
+writes what is made at once, and the fallback for a title a model is still being asked for.
 
 Every change is announced with ``proc.changed`` (``changes: ["title"]``, ``title``), live only: the
 log is the conversation's record and a title is state read with the process, so a watcher that
@@ -186,6 +187,7 @@ class Titles:
         # pid -> the text its first run's end names it after (None: no user's text yet, waiting)
         self.pending: dict[str, str | None] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}  # pid -> the model asked for its title
+        self.asking: dict[str, tuple[ProcessRecord, str, int]] = {}  # pid -> what it was asked about
         # pid -> (text, limit, generation, owner) to write: the title ``fallback_title(text, limit)``
         self.ready: dict[str, tuple[str, int, int, str]] = {}
         self._writer: asyncio.Task[None] | None = None
@@ -294,11 +296,13 @@ class Titles:
         work = self._ask(record, text, record.history_generation)
         task = asyncio.get_running_loop().create_task(work, name=f"title of {record.pid}")
         self.tasks[record.pid] = task
+        self.asking[record.pid] = (record, text, record.history_generation)
         task.add_done_callback(functools.partial(self._done, record.pid))
 
     def _done(self, pid: str, task: asyncio.Task[None]) -> None:
         if self.tasks.get(pid) is task:
             del self.tasks[pid]
+            self.asking.pop(pid, None)
 
     async def _ask(self, record: ProcessRecord, text: str, generation: int) -> None:
         """The namer's title, else the fallback; a failure costs only the title (logged)."""
@@ -326,7 +330,8 @@ class Titles:
         """Write what is ready, a batch per transaction, until nothing is; announce what was
         written. A failed transaction costs its batch's titles (logged)."""
         while self.ready:
-            await asyncio.sleep(WRITE_DELAY)
+            if not self.closing:  # (the close writes at once what is left)
+                await asyncio.sleep(WRITE_DELAY)
             batch, self.ready = self.ready, {}
             written: list[tuple[str, str, str]] = []
             try:
@@ -358,6 +363,7 @@ class Titles:
         the title being made."""
         self.pending.pop(pid, None)
         self.ready.pop(pid, None)
+        self.asking.pop(pid, None)
         task = self.tasks.pop(pid, None)
         if task is not None:
             task.cancel()
@@ -378,13 +384,20 @@ class Titles:
                 self.pending[record.pid] = _user_text(stored[0].message)
 
     async def close(self) -> None:
-        """On close: stop the titles being made (a restart does not make them again)."""
+        """On close: write the titles made, without waiting for the next batch (a restart does not
+        make them again); a model still being asked is not waited for: the fallback names its
+        process instead."""
         self.closing = True
         self.engine.hub.untap(self._heard)
-        tasks = [*self.tasks.values(), *self._ending, *([self._writer] if self._writer else [])]
+        for pid, (record, text, generation) in self.asking.items():
+            self.ready[pid] = (text, FALLBACK_CHARS, generation, record.owner)
+        tasks = [*self.tasks.values(), *self._ending]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
+        await self._write_ready()  # (what came while no writer ran)
         self.tasks.clear()
+        self.asking.clear()
         self.pending.clear()
-        self.ready.clear()
