@@ -113,17 +113,25 @@ async def _running(rt: Runtime, root: Path) -> str:
     return job
 
 
-@pytest.mark.parametrize("wrong", ["BG-{hex}", "{HEX}", "job {hex}", "bg_{hex}", "bg-zzzz", "x" * 500])
+@pytest.mark.parametrize("wrong", ["job {hex}", "bg_{hex}", "bg-zzzz", "BG-ZZZZ", "x" * 500])
 async def test_a_malformed_job_id_says_there_is_no_such_job_and_what_an_id_looks_like(
     tmp_path: Path, runtime: Runtime, wrong: str
 ) -> None:
     job = await _running(runtime, tmp_path)
-    given = wrong.format(hex=job.removeprefix("bg-"), HEX=job.removeprefix("bg-").upper())
+    given = wrong.format(hex=job.removeprefix("bg-"))
     with pytest.raises(ToolError) as refused:
         await jobs(runtime, action="status", job=given)
     said = str(refused.value)
     assert "no such job" in said and "this conversation" in said and "bg-3f2a" in said, said
-    assert "bg-BG-" not in said and "bg-job" not in said and len(said) < 400, said
+    assert "bg-bg-" not in said and "bg-job" not in said and len(said) < 400, said
+    await jobs(runtime, action="stop", job=job)
+
+
+async def test_a_job_id_is_found_in_either_case(tmp_path: Path, runtime: Runtime) -> None:
+    job = await _running(runtime, tmp_path)
+    hex_part = job.removeprefix("bg-")
+    for given in (job.upper(), hex_part.upper(), f" {job} "):
+        assert job in text(await jobs(runtime, action="status", job=given))
     await jobs(runtime, action="stop", job=job)
 
 

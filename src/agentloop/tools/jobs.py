@@ -198,15 +198,16 @@ class JobTable:
             self._jobs.pop(self._pid, None)
 
     def find(self, job_id: str) -> CommandJob:
-        """The job by its id (``bg-3f2a``, or ``3f2a``); ToolError that says why there is none."""
-        wanted = job_id.strip()
+        """The job by its id (``bg-3f2a``, or ``3f2a``, in either case: the id is hex); ToolError
+        that says why there is none."""
+        wanted = job_id.strip().lower()
         wanted = wanted if wanted.startswith(PREFIX) else PREFIX + wanted
         found = self._jobs.get(self._pid, {}).get(wanted)
-        if found is None and not re.fullmatch(f"{PREFIX}[0-9a-f]+", wanted):  # (not made into bg-BG-3F2A)
+        if found is None and not re.fullmatch(f"{PREFIX}[0-9a-f]+", wanted):  # (not made into bg-job 3f2a)
             shown = job_id if len(job_id) <= 40 else job_id[:40] + "…"
             raise ToolError(
-                f"no such job {shown!r} in this conversation: a job's id is like bg-3f2a (bg- and lower-case hex "
-                "digits), as the message that started it said; action='list' shows this conversation's jobs"
+                f"no such job {shown!r} in this conversation: a job's id is like bg-3f2a (bg- and hex digits), "
+                "as the message that started it said; action='list' shows this conversation's jobs"
             )
         if found is None:
             raise ToolError(
