@@ -608,11 +608,12 @@ def models() -> None:
 
 def _register_commands() -> None:
     """Commands kept in their own modules (imported here, after every helper they use exists)."""
-    from agentloop.cli import admin, client, serve
+    from agentloop.cli import admin, client, serve, telegram
 
     serve.register(app)
     admin.register(app)
     client.register(app)
+    telegram.register(app)
 
 
 _register_commands()
