@@ -42,7 +42,10 @@ from agentloop.cli.options import (
     MaxTokensOpt,
     MaxToolCallsOpt,
     MaxWallClockOpt,
+    ModelOpt,
     ReasoningOpt,
+    SystemOpt,
+    WorkspaceOpt,
     loop_flags,
 )
 from agentloop.cli.render import (
@@ -275,17 +278,6 @@ def _run_once(agent: Agent, prompt: str, sink: EventSink, settings: Settings) ->
 
 # ---------------------------------------------------------------------------------- commands
 
-ModelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model", "-m", help="provider:model (default: $AGENTLOOP_MODEL, the config file, the embedded model)"
-    ),
-]
-WorkspaceOpt = Annotated[
-    Path | None,
-    typer.Option("--workspace", "-w", help="Directory the file and shell tools work in (default: current directory)"),
-]
-SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
 ApprovalOpt = Annotated[
     str | None,
     typer.Option(

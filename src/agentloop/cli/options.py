@@ -1,4 +1,5 @@
-"""The run-limit options ``run``, ``chat`` and ``serve`` share, and the one value they make.
+"""The options several commands share: what a process runs on (model, workspace, system prompt,
+data directory, store), and the run limits with the one value they make.
 
 When a limit is used up the model answers once more without tools and the run ends with the
 limit's name as its stop reason (``Guards``). Each flag wins over the config file's key of the same
@@ -8,11 +9,40 @@ Kept in a module of their own because ``cli.serve`` needs them and cannot import
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from agentloop.cli.config import LoopFlags
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="provider:model (default: $AGENTLOOP_MODEL, the config file, the embedded model)"
+    ),
+]
+WorkspaceOpt = Annotated[
+    Path | None,
+    typer.Option("--workspace", "-w", help="Directory the file and shell tools work in (default: current directory)"),
+]
+SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
+DataOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--data",
+        help="Where the database and files live (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
+        "~/.local/share/agentloop).",
+    ),
+]
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        help="Store URL: sqlite:///path or postgresql://user@host/db, which several servers may share "
+        "(default: $AGENTLOOP_STORE, the config file's store, <data>/agentloop.db).",
+    ),
+]
 
 _LIMITS = "Run limits"
 MaxRoundsOpt = Annotated[

@@ -38,13 +38,18 @@ from agentloop.cli.approvals import ApprovalSetting, PolicyHook
 from agentloop.cli.config import Settings, kernel_options, open_model
 from agentloop.cli.options import (
     CompactionOpt,
+    DataOpt,
     FallbackOpt,
     MaxCostOpt,
     MaxRoundsOpt,
     MaxTokensOpt,
     MaxToolCallsOpt,
     MaxWallClockOpt,
+    ModelOpt,
     ReasoningOpt,
+    StoreOpt,
+    SystemOpt,
+    WorkspaceOpt,
     loop_flags,
 )
 from agentloop.cli.render import Progress
@@ -394,25 +399,10 @@ def serve(
         str, typer.Option("--host", help="Address to listen on (loopback unless you mean otherwise).")
     ] = DEFAULT_HOST,
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0 picks a free one).")] = DEFAULT_PORT,
-    data: Annotated[
-        Path | None,
-        typer.Option(
-            "--data",
-            help="Where the database and files live (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
-            "~/.local/share/agentloop).",
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model", "-m", help="provider:model (default: $AGENTLOOP_MODEL, the config file, the embedded model)"
-        ),
-    ] = None,
-    workspace: Annotated[
-        Path | None,
-        typer.Option("--workspace", "-w", help="Directory processes work in (default: current directory)."),
-    ] = None,
-    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    data: DataOpt = None,
+    model: ModelOpt = None,
+    workspace: WorkspaceOpt = None,
+    system: SystemOpt = None,
     approval: Annotated[
         str,
         typer.Option(
@@ -425,14 +415,7 @@ def serve(
     ] = False,
     new: Annotated[bool, typer.Option("--new", help="With --chat: start a new conversation.")] = False,
     pid: Annotated[str | None, typer.Option("--pid", help="With --chat: talk to this process.")] = None,
-    store: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            help="Store URL: sqlite:///path or postgresql://user@host/db, which several servers may share "
-            "(default: $AGENTLOOP_STORE, the config file's store, <data>/agentloop.db).",
-        ),
-    ] = None,
+    store: StoreOpt = None,
     max_rounds: MaxRoundsOpt = None,
     max_tool_calls: MaxToolCallsOpt = None,
     max_wall_clock: MaxWallClockOpt = None,

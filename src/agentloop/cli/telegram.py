@@ -26,13 +26,18 @@ from agentloop.cli.approvals import ApprovalSetting
 from agentloop.cli.config import Settings, kernel_options, open_model
 from agentloop.cli.options import (
     CompactionOpt,
+    DataOpt,
     FallbackOpt,
     MaxCostOpt,
     MaxRoundsOpt,
     MaxTokensOpt,
     MaxToolCallsOpt,
     MaxWallClockOpt,
+    ModelOpt,
     ReasoningOpt,
+    StoreOpt,
+    SystemOpt,
+    WorkspaceOpt,
     loop_flags,
 )
 from agentloop.cli.render import Progress
@@ -66,25 +71,10 @@ def telegram(
             "--account", help="The account every chat's process belongs to (default: telegram-<user id> per chat)."
         ),
     ] = None,
-    data: Annotated[
-        Path | None,
-        typer.Option(
-            "--data",
-            help="Where the database and files live (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
-            "~/.local/share/agentloop).",
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model", "-m", help="provider:model (default: $AGENTLOOP_MODEL, the config file, the embedded model)"
-        ),
-    ] = None,
-    workspace: Annotated[
-        Path | None,
-        typer.Option("--workspace", "-w", help="Directory processes work in (default: current directory)."),
-    ] = None,
-    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    data: DataOpt = None,
+    model: ModelOpt = None,
+    workspace: WorkspaceOpt = None,
+    system: SystemOpt = None,
     approval: Annotated[
         str,
         typer.Option(
@@ -93,12 +83,7 @@ def telegram(
             "or a JSON policy.",
         ),
     ] = "ask",
-    store: Annotated[
-        str | None,
-        typer.Option(
-            "--store", help="Store URL (default: $AGENTLOOP_STORE, the config file's store, <data>/agentloop.db)."
-        ),
-    ] = None,
+    store: StoreOpt = None,
     max_rounds: MaxRoundsOpt = None,
     max_tool_calls: MaxToolCallsOpt = None,
     max_wall_clock: MaxWallClockOpt = None,
