@@ -30,6 +30,7 @@ from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call
 from agentloop.messages import TextContent
 from agentloop.tools.base import ToolContext, ToolError, ToolResult
 from agentloop.tools.fetch import fetch_tool, fetch_url
+from tests.test_tools_fetch import Seen, read_request
 
 LOCAL = ("127.0.0.1",)
 TIMEOUT = 5.0
@@ -41,16 +42,6 @@ REASONS = {
     307: "Temporary Redirect",
     308: "Permanent Redirect",
 }
-
-
-@dataclass
-class Seen:
-    """One request a server received, as it arrived."""
-
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
 
 
 @dataclass
@@ -74,19 +65,9 @@ class Server:
         assert task is not None
         self.tasks.add(task)
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, _ = lines[0].split(" ", 2)
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                if line:
-                    name, _, value = line.partition(":")
-                    assert name.strip().lower() not in headers, f"{name} sent twice"
-                    headers[name.strip().lower()] = value.strip()
-            assert "transfer-encoding" not in headers  # every body Fetch sends has a known length
-            body = await reader.readexactly(int(headers.get("content-length", "0")))
-            self.seen.append(Seen(method, target, headers, body))
-            writer.write(self.answer(target))
+            seen = await read_request(reader)
+            self.seen.append(seen)
+            writer.write(self.answer(seen.path))
             await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
