@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from agentloop.kernel import Process, ProcessBusy
 from agentloop.kernel.schedule_tool import ScheduleTool
 from agentloop.tools.base import ToolContext, ToolError
 from agentloop.tools.jobs import jobs_tool
+from tests import test_background_control
 from tests.process_support import kernel
 from tests.test_background_control import Runtime, jobs, start
 from tests.test_background_shell import until
@@ -97,14 +97,7 @@ async def test_a_number_that_is_no_time_names_the_argument_given(tmp_path: Path,
 
 # -- Jobs ----------------------------------------------------------------------------------------
 
-
-@pytest.fixture
-async def runtime() -> Any:
-    rt = Runtime()
-    yield rt
-    for task in rt.tasks:
-        task.cancel()
-    await asyncio.gather(*rt.tasks, return_exceptions=True)
+runtime = test_background_control.runtime  # (the fixture, under its name here)
 
 
 async def _running(rt: Runtime, root: Path) -> str:

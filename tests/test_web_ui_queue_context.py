@@ -26,10 +26,10 @@ from agentloop.models.base import ModelInfo, ModelRequest
 from agentloop.process.compaction import SUMMARY_SYSTEM_PROMPT
 from tests.cdp import Browser
 from tests.server_support import LiveServer
+from tests.test_web_ui_browser import send, sign_in_and_open_a_process
 
 WINDOW = ModelInfo(provider="scripted", id="window", context_window=10_200, max_output=200)  # 10,000 usable
 LONG = "lorem ipsum dolor sit amet " * 80  # about 540 tokens: enough history for a summary
-FOLLOWING = "document.getElementById('transcript').dataset.stream === 'live'"
 QUEUE = "[...document.querySelectorAll('#queue-list li')].map((li) => li.textContent)"
 LABEL = "document.getElementById('context-label').textContent"
 
@@ -72,20 +72,7 @@ def api(server: LiveServer) -> Iterator[httpx.Client]:
 
 
 def open_new_process(browser: Browser, server: LiveServer) -> str:
-    browser.navigate(server.url + "/")
-    browser.wait("!document.getElementById('signin').hidden")
-    browser.type_into("token", server.tokens.alice)
-    browser.eval("document.getElementById('signin-form').requestSubmit()")
-    browser.wait("document.getElementById('who').textContent")
-    browser.click("#new-process")
-    pid: str = browser.wait(f"{FOLLOWING} && document.getElementById('proc-title').textContent")
-    return pid
-
-
-def send(browser: Browser, text: str, mode: str = "steer") -> None:
-    browser.eval(f"document.getElementById('mode').value = {json.dumps(mode)}")
-    browser.type_into("text", text)
-    browser.click("#send")
+    return sign_in_and_open_a_process(browser, server.url, server.tokens.alice)
 
 
 def enqueue(browser: Browser, text: str, position: int) -> None:
