@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Iterable, Mapping
-from contextlib import aclosing, suppress
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
@@ -42,19 +41,15 @@ from typing import Any, cast
 import httpx
 
 from agentloop.channels.botapi import DEFAULT_API_URL, BotApi, BotApiError
+from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
-from agentloop.kernel import Kernel, NoSuchProcess, Process, Signal
-from agentloop.process import signals as sig
+from agentloop.kernel import Kernel
 from agentloop.process.archive import check_name
 
 log = logging.getLogger("agentloop.channels.telegram")
 
 CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>" of the chat the process talks with
-_DECISIONS = {"a": ("approve", False), "d": ("deny", False), "r": ("approve", True)}
-_OUTCOMES = {"a": "✅ Approved", "d": "❌ Denied", "r": "✅ Approved, and allowed from now on"}
-NOT_PENDING = "This request is no longer pending."
-CLOSE_GRACE = 5.0  # seconds ``close`` lets an update or a signal being handled finish
 REFUSE_EVERY = 3600.0  # seconds: a chat that is refused is told so at most this often
 
 HELP = (
@@ -76,7 +71,7 @@ def _field(value: object, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else None
 
 
-class TelegramBridge:
+class TelegramBridge(ChatBridge[int]):
     """Connects a Telegram bot to ``kernel``: see the module doc.
 
     ``allow`` are the Telegram user ids that may talk to the agent (and answer its approvals);
@@ -85,6 +80,11 @@ class TelegramBridge:
     given to each process at spawn; ``poll_timeout`` the seconds one ``getUpdates`` waits for news;
     ``state_dir`` where the state file is kept (default ``<data dir>/var/telegram``); ``backoff``
     the (first, longest) wait between retries; ``transport`` replaces the network (tests)."""
+
+    CHAT_KEY = CHAT_KEY
+    OWNER_PREFIX = "telegram-"
+    NAME = "telegram"
+    log = log
 
     def __init__(
         self,
@@ -107,22 +107,15 @@ class TelegramBridge:
             check_name(account, "account")
         if _int(poll_timeout) is None or not 0 <= poll_timeout <= 600:
             raise ValueError(f"poll_timeout must be whole seconds from 0 to 600, got {poll_timeout!r}")
-        self.kernel = kernel
-        self.allow = frozenset(allowed)
-        self.account = account
-        self.context = context
-        self.poll_timeout = poll_timeout
         self.api = BotApi(token, api_url, backoff=backoff, timeout=30.0, transport=transport)
         self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "telegram"
+        state = ChannelState(self.state_dir / "unknown.json")
+        super().__init__(kernel, account=account, context=context, state=state, backoff=self.api.backoff)
+        self.allow = frozenset(allowed)
+        self.poll_timeout = poll_timeout
         self.bot_id = 0
         self.username = ""
-        self.state = ChannelState(self.state_dir / "unknown.json")
-        self._chats: dict[int, str] = {}  # chat id -> pid
-        self._followers: dict[str, asyncio.Task[None]] = {}
         self._poller: asyncio.Task[None] | None = None
-        # held while an update ("poll") or a process's signal (its pid) is handled: ``close`` waits
-        # for them, so that what was sent is also recorded as sent
-        self._busy: dict[str, asyncio.Lock] = {}
         # chat id -> when it was last told it is refused: a stranger who writes a thousand times
         # gets one answer, and cannot keep the bot busy (and rate-limited) answering them
         self._refused: dict[int, float] = {}
@@ -167,45 +160,25 @@ class TelegramBridge:
 
     async def close(self) -> None:
         """Stop polling and following (before the kernel closes), and close the HTTP client. An
-        update or a signal being handled is given ``CLOSE_GRACE`` seconds to finish first."""
-        tasks = {key: t for key, t in {"poll": self._poller, **self._followers}.items() if t is not None}
-        # (the locks are fair: once asked for, the poller takes no further update)
-        acquiring = [asyncio.ensure_future(self._lock(key).acquire()) for key, t in tasks.items() if not t.done()]
-        if acquiring:
-            await asyncio.wait(acquiring, timeout=CLOSE_GRACE)
-        for task in (*acquiring, *tasks.values()):
-            task.cancel()
-        await asyncio.gather(*acquiring, *tasks.values(), return_exceptions=True)
-        self._followers.clear()
-        self._busy.clear()
+        update or a signal being handled is given ``bridge.CLOSE_GRACE`` seconds to finish first."""
+        await self._stop_tasks({"poll": self._poller})  # (an update being handled holds "poll")
         self._poller = None
         await self.api.close()
 
-    def _lock(self, key: str) -> asyncio.Lock:
-        return self._busy.setdefault(key, asyncio.Lock())
+    def _kv_value(self, chat: int) -> str:
+        return f"{self.bot_id}:{chat}"
 
-    async def _find_chats(self) -> None:
-        """The chats' processes, by their ``telegram.chat`` kv: this bot's, of the owner the bridge
-        would give them now (the newest when a chat has several), and not killed."""
-        found: dict[int, tuple[float, str]] = {}
-        prefix = f"{self.bot_id}:"
-        for pid, value in (await self.kernel.store.kv_values(CHAT_KEY, self.account)).items():
-            if not isinstance(value, str) or not value.startswith(prefix):
-                continue
-            try:
-                chat_id = int(value[len(prefix) :])
-            except ValueError:
-                continue
-            record = await self.kernel.store.get_process(pid)
-            if record is None or record.state == "killed":
-                continue
-            if self.account is None and not record.owner.startswith("telegram-"):
-                continue
-            if chat_id not in found or record.created_at > found[chat_id][0]:
-                found[chat_id] = (record.created_at, pid)
-        for chat_id, (_, pid) in found.items():
-            self._chats[chat_id] = pid
-            self._follow(chat_id, pid)
+    def _chat_of(self, value: str) -> int | None:
+        bot, _, chat = value.partition(":")
+        if bot != str(self.bot_id):
+            return None
+        try:
+            return int(chat)
+        except ValueError:
+            return None
+
+    def redact(self, text: str) -> str:
+        return self.api.redact(text)
 
     # -- from Telegram ---------------------------------------------------------------------------
 
@@ -284,7 +257,8 @@ class TelegramBridge:
         elif command == "stop":
             await self._stop(chat_id)
         else:
-            await self._deliver(chat_id, user_id, text, update_id)
+            run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"  # a redelivered update is admitted once
+            await self._deliver(chat_id, user_id, text, run_id)
 
     async def _refuse(self, chat_id: int, user_id: int | None) -> None:
         now = asyncio.get_running_loop().time()
@@ -306,64 +280,6 @@ class TelegramBridge:
             return None
         return name.lower() if name.lower() in ("start", "help", "new", "stop") else None
 
-    async def _deliver(self, chat_id: int, user_id: int, text: str, update_id: int) -> None:
-        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"  # a redelivered update is admitted once
-        for _ in range(2):  # (again with a new process, when the chat's was killed meanwhile)
-            proc = await self._process(chat_id, user_id)
-            try:
-                await proc.send(text, mode="queue", run_id=run_id)
-                return
-            except NoSuchProcess:
-                self._forget(chat_id)
-            except (ValueError, TypeError) as exc:  # text a process cannot keep (a lone surrogate)
-                await self._send(chat_id, f"That message was refused: {exc}")
-                return
-
-    async def _process(self, chat_id: int, user_id: int) -> Process:
-        pid = self._chats.get(chat_id)
-        if pid is not None:
-            try:
-                return await self.kernel.process(pid)
-            except NoSuchProcess:
-                self._forget(chat_id)
-        owner = self.account or f"telegram-{user_id}"
-        proc = await self.kernel.spawn(
-            owner, interactive=True, context=self.context, kv={CHAT_KEY: f"{self.bot_id}:{chat_id}"}
-        )
-        log.info("chat %d talks with process %s (owner %s)", chat_id, proc.pid, owner)
-        self._chats[chat_id] = proc.pid
-        self.state.seqs[proc.pid] = 0  # its every signal is news, after a crash too:
-        await self.state.save()  # (unknown, its follower would begin at the end of its log)
-        self._follow(chat_id, proc.pid)
-        return proc
-
-    def _forget(self, chat_id: int) -> None:
-        pid = self._chats.pop(chat_id, None)
-        if pid is not None:
-            self.state.seqs.pop(pid, None)
-            follower = self._followers.pop(pid, None)
-            if follower is not None and follower is not asyncio.current_task():
-                follower.cancel()
-            self._busy.pop(pid, None)
-
-    async def _reset(self, chat_id: int) -> None:
-        pid = self._chats.get(chat_id)
-        if pid is not None:
-            try:
-                await (await self.kernel.process(pid)).reset()
-            except NoSuchProcess:
-                self._forget(chat_id)
-        await self._send(chat_id, "Started a new conversation.")
-
-    async def _stop(self, chat_id: int) -> None:
-        pid = self._chats.get(chat_id)
-        stopped = False
-        if pid is not None:
-            with suppress(NoSuchProcess):
-                stopped = await (await self.kernel.process(pid)).abort()
-        if not stopped:  # (else the run's end says "Stopped.")
-            await self._send(chat_id, "Nothing is running.")
-
     async def _on_callback(self, query: dict[str, Any]) -> None:
         query_id = query.get("id")
         if not isinstance(query_id, str):
@@ -380,15 +296,8 @@ class TelegramBridge:
         key, request_id = button
         message = query.get("message")
         chat_id = _int(_field(_field(message, "chat"), "id"))
-        pid = self._chats.get(chat_id) if chat_id is not None else None
-        decided = False
-        if pid is not None:
-            decision, remember = _DECISIONS[key]
-            try:
-                decided = await (await self.kernel.process(pid)).hil(request_id, decision, remember=remember)
-            except (KeyError, NoSuchProcess):  # answered already, or its run ended
-                decided = False
-        outcome = _OUTCOMES[key] if decided else NOT_PENDING
+        outcome = await self._decide(chat_id, key, request_id)
+        decided = outcome == OUTCOMES[key]
         await self._answer(query_id, outcome)
         if chat_id is not None:
             await self._settle(chat_id, message, outcome, _field(query.get("from"), "first_name"))
@@ -411,77 +320,10 @@ class TelegramBridge:
 
     # -- to Telegram -----------------------------------------------------------------------------
 
-    def _follow(self, chat_id: int, pid: str) -> None:
-        if pid not in self._followers:
-            task = asyncio.create_task(self._follower(chat_id, pid), name=f"agentloop-telegram-{pid}")
-            self._followers[pid] = task
-
-    async def _follower(self, chat_id: int, pid: str) -> None:
-        """Act on the process's signals from the last one acted on, for as long as it lives."""
-        delay = self.api.backoff[0]
-        while True:
-            try:
-                proc = await self.kernel.process(pid)
-                after = self.state.seqs.get(pid)
-                if after is None:  # (the state file was lost: what is logged was dealt with)
-                    after = await self.kernel.store.last_event_seq(pid)
-                stream = cast("AsyncGenerator[Signal, None]", proc.signals(after_seq=after, follow=True))
-                async with aclosing(stream) as signals:
-                    async for signal in signals:
-                        async with self._lock(pid):
-                            await self._on_signal(chat_id, proc, signal)
-                        delay = self.api.backoff[0]
-                return  # the process is gone
-            except NoSuchProcess:
-                if self._chats.get(chat_id) == pid:
-                    self._forget(chat_id)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                reason = self.api.redact(f"{type(exc).__name__}: {exc}")
-                log.error("following process %s failed (%s); again in %.0f s", pid, reason, delay)
-                await asyncio.sleep(delay)
-                delay = min(max(delay * 2, 0.05), self.api.backoff[1])
-
-    async def _on_signal(self, chat_id: int, proc: Process, signal: Signal) -> None:
-        payload = signal.payload
-        if signal.signal == sig.RUN_STARTED:
-            await self._typing(chat_id)
-        elif signal.signal == sig.HIL_REQUESTED:
-            await self._ask(chat_id, proc, payload)
-        elif signal.signal == sig.RUN_FINISHED:
-            await self._finished(chat_id, payload)
-        else:
-            return
-        if signal.seq is not None and signal.signal != sig.RUN_STARTED:
-            self.state.seqs[proc.pid] = signal.seq
-            await self.state.save()
-
-    async def _ask(self, chat_id: int, proc: Process, payload: Mapping[str, Any]) -> None:
-        request_id = payload.get("requestId")
-        keyboard = approval_keyboard(request_id) if isinstance(request_id, str) else None
-        if keyboard is None:
-            return
-        if not any(row.request_id == request_id for row in await proc.pending_approvals()):
-            return  # answered before this was read (a follower catching up after a restart)
-        await self._send(chat_id, describe_request(payload), keyboard)
-
-    async def _finished(self, chat_id: int, payload: Mapping[str, Any]) -> None:
-        if payload.get("quiet"):  # a heartbeat's "nothing to do"
-            return
-        text = payload.get("text")
-        status = payload.get("status")
-        if isinstance(text, str) and text.strip():
-            await self._send(chat_id, text)
-        elif status == "error":
-            error = str(payload.get("error") or payload.get("reason") or "the model call failed")
-            await self._send(chat_id, f"⚠️ The answer failed: {error[:1000]}")
-        elif status == "aborted":
-            if payload.get("reason") != "process.reset":
-                await self._send(chat_id, "Stopped.")
-        else:
-            await self._send(chat_id, "(The agent finished without an answer.)")
+    async def _send_approval(self, chat_id: int, payload: Mapping[str, Any], request_id: str) -> None:
+        keyboard = approval_keyboard(request_id)
+        if keyboard is not None:
+            await self._send(chat_id, describe_request(payload), keyboard)
 
     async def _send(self, chat_id: int, text: str, markup: dict[str, Any] | None = None) -> None:
         """``text`` to the chat, in as many messages as it takes (the buttons on the last).

@@ -48,9 +48,11 @@ def split_message(text: str, limit: int = MAX_MESSAGE) -> list[str]:
     return [part for part in parts if part.strip()]
 
 
-def describe_request(payload: Mapping[str, Any]) -> str:
-    """The text of an approval request: the tool, its arguments (shortened where long), the
-    policy's tags and reason."""
+def describe_request(
+    payload: Mapping[str, Any], *, max_argument: int = MAX_ARGUMENT, max_arguments: int = MAX_ARGUMENTS
+) -> str:
+    """The text of an approval request: the tool, its arguments (each shortened to
+    ``max_argument`` characters, ``max_arguments`` in all), the policy's tags and reason."""
     name = str(payload.get("name") or payload.get("syscall") or "a tool")
     lines = [f"🔐 Approve {name}?"]
     args = payload.get("args")
@@ -58,9 +60,9 @@ def describe_request(payload: Mapping[str, Any]) -> str:
     items = list(args.items()) if isinstance(args, dict) else []
     for n, (key, value) in enumerate(items):
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-        if len(text) > MAX_ARGUMENT:
-            text = f"{text[:MAX_ARGUMENT]}… ({len(text) - MAX_ARGUMENT} more characters)"
-        if shown + len(text) > MAX_ARGUMENTS:
+        if len(text) > max_argument:
+            text = f"{text[:max_argument]}… ({len(text) - max_argument} more characters)"
+        if shown + len(text) > max_arguments:
             lines.append(f"… and {len(items) - n} more arguments")
             break
         shown += len(text)
@@ -70,7 +72,7 @@ def describe_request(payload: Mapping[str, Any]) -> str:
         lines.append("Flagged: " + ", ".join(str(t) for t in tags))
     reason = payload.get("reason")
     if isinstance(reason, str) and reason.strip():
-        lines.append("Why: " + reason.strip()[:MAX_ARGUMENT])
+        lines.append("Why: " + reason.strip()[:max_argument])
     return "\n".join(lines)
 
 

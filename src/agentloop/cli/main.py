@@ -600,12 +600,13 @@ def models() -> None:
 
 def _register_commands() -> None:
     """Commands kept in their own modules (imported here, after every helper they use exists)."""
-    from agentloop.cli import admin, client, serve, telegram
+    from agentloop.cli import admin, client, serve, telegram, whatsapp
 
     serve.register(app)
     admin.register(app)
     client.register(app)
     telegram.register(app)
+    whatsapp.register(app)
 
 
 _register_commands()

@@ -1,0 +1,269 @@
+"""What every chat channel does the same way: one durable process per chat, and a follower per
+process that turns its signals into the app's messages.
+
+``ChatBridge`` keeps the chat → process map (found again at start by a process kv the process is
+spawned with), admits a chat's input with a caller-supplied run id (so an app that delivers a
+message twice runs it once), and follows each process from the last signal acted on (kept in the
+channel's ``ChannelState`` file): ``proc.run.started`` becomes "typing…", ``proc.run.hil.requested``
+an approval request with buttons, ``proc.run.finished`` the answer. A signal is recorded as acted
+on only after its message went out, so an answer is sent at least once and never lost.
+
+A channel subclasses it and says how to reach its app: ``_send`` (text, in as many messages as the
+app needs), ``_typing``, ``_send_approval``, and how its kv value names a chat (``_kv_value`` and
+``_chat_of``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Hashable, Mapping
+from contextlib import aclosing, suppress
+from typing import Any, ClassVar, Generic, TypeVar, cast
+
+from agentloop.channels.state import ChannelState
+from agentloop.kernel import Kernel, NoSuchProcess, Process, Signal
+from agentloop.process import signals as sig
+
+K = TypeVar("K", bound=Hashable)
+
+# a button's key -> (decision, remember): approve, deny, approve and remember
+DECISIONS = {"a": ("approve", False), "d": ("deny", False), "r": ("approve", True)}
+OUTCOMES = {"a": "✅ Approved", "d": "❌ Denied", "r": "✅ Approved, and allowed from now on"}
+NOT_PENDING = "This request is no longer pending."
+CLOSE_GRACE = 5.0  # seconds ``close`` lets an update or a signal being handled finish
+
+
+class ChatBridge(Generic[K]):
+    """The chat ↔ process half of a channel (see the module doc). ``CHAT_KEY`` is the process kv
+    naming its chat, ``OWNER_PREFIX`` what a chat's account is called without ``account``
+    (``<prefix><user>``), ``NAME`` the channel in logs and task names."""
+
+    CHAT_KEY: ClassVar[str]
+    OWNER_PREFIX: ClassVar[str]
+    NAME: ClassVar[str]
+    log: ClassVar[logging.Logger]
+
+    def __init__(
+        self, kernel: Kernel, *, account: str | None, context: str, state: ChannelState, backoff: tuple[float, float]
+    ) -> None:
+        self.kernel = kernel
+        self.account = account
+        self.context = context
+        self.state = state
+        self._backoff = backoff
+        self._chats: dict[K, str] = {}  # chat -> pid
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        # held while input (its key) or a process's signal (its pid) is handled: ``close`` waits
+        # for them, so that what was sent is also recorded as sent
+        self._busy: dict[str, asyncio.Lock] = {}
+
+    # -- what a channel says ---------------------------------------------------------------------
+
+    def _kv_value(self, chat: K) -> str:
+        raise NotImplementedError
+
+    def _chat_of(self, value: str) -> K | None:
+        """The chat a kv value names, None for one that is not this bridge's."""
+        raise NotImplementedError
+
+    def redact(self, text: str) -> str:
+        """``text`` without the channel's secrets."""
+        return text
+
+    async def _send(self, chat: K, text: str) -> None:
+        raise NotImplementedError
+
+    async def _say(self, chat: K, text: str) -> None:
+        """A short notice in answer to the user's input (``_send`` unless the channel defers it)."""
+        await self._send(chat, text)
+
+    async def _typing(self, chat: K) -> None:
+        """Show that the agent is at work (nothing, where the app cannot)."""
+
+    async def _send_approval(self, chat: K, payload: Mapping[str, Any], request_id: str) -> None:
+        raise NotImplementedError
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        return self._busy.setdefault(key, asyncio.Lock())
+
+    async def _stop_tasks(self, tasks: Mapping[str, asyncio.Task[Any] | None]) -> None:
+        """Cancel ``tasks`` (keyed by their lock) and the followers, each given ``CLOSE_GRACE``
+        seconds to finish what it is handling."""
+        every = {key: t for key, t in {**tasks, **self._followers}.items() if t is not None}
+        # (the locks are fair: once asked for, no further input or signal is taken)
+        acquiring = [asyncio.ensure_future(self._lock(key).acquire()) for key, t in every.items() if not t.done()]
+        if acquiring:
+            await asyncio.wait(acquiring, timeout=CLOSE_GRACE)
+        for task in (*acquiring, *every.values()):
+            task.cancel()
+        await asyncio.gather(*acquiring, *every.values(), return_exceptions=True)
+        self._followers.clear()
+        self._busy.clear()
+
+    async def _find_chats(self) -> None:
+        """The chats' processes, by their kv: this bridge's, of the owner the bridge would give
+        them now (the newest when a chat has several), and not killed. Each is followed."""
+        found: dict[K, tuple[float, str]] = {}
+        for pid, value in (await self.kernel.store.kv_values(self.CHAT_KEY, self.account)).items():
+            chat = self._chat_of(value) if isinstance(value, str) else None
+            if chat is None:
+                continue
+            record = await self.kernel.store.get_process(pid)
+            if record is None or record.state == "killed":
+                continue
+            if self.account is None and not record.owner.startswith(self.OWNER_PREFIX):
+                continue
+            if chat not in found or record.created_at > found[chat][0]:
+                found[chat] = (record.created_at, pid)
+        for chat, (_, pid) in found.items():
+            self._chats[chat] = pid
+            self._follow(chat, pid)
+
+    # -- from the chat ---------------------------------------------------------------------------
+
+    async def _deliver(self, chat: K, user: object, text: str, run_id: str) -> None:
+        """``text`` to the chat's process (spawned when it has none), admitted once per ``run_id``."""
+        for _ in range(2):  # (again with a new process, when the chat's was killed meanwhile)
+            proc = await self._process(chat, user)
+            try:
+                await proc.send(text, mode="queue", run_id=run_id)
+                return
+            except NoSuchProcess:
+                self._forget(chat)
+            except (ValueError, TypeError) as exc:  # text a process cannot keep (a lone surrogate)
+                await self._say(chat, f"That message was refused: {exc}")
+                return
+
+    async def _process(self, chat: K, user: object) -> Process:
+        pid = self._chats.get(chat)
+        if pid is not None:
+            try:
+                return await self.kernel.process(pid)
+            except NoSuchProcess:
+                self._forget(chat)
+        owner = self.account or f"{self.OWNER_PREFIX}{user}"
+        proc = await self.kernel.spawn(
+            owner, interactive=True, context=self.context, kv={self.CHAT_KEY: self._kv_value(chat)}
+        )
+        self.log.info("chat %s talks with process %s (owner %s)", chat, proc.pid, owner)
+        self._chats[chat] = proc.pid
+        self.state.seqs[proc.pid] = 0  # its every signal is news, after a crash too:
+        await self.state.save()  # (unknown, its follower would begin at the end of its log)
+        self._follow(chat, proc.pid)
+        return proc
+
+    def _forget(self, chat: K) -> None:
+        pid = self._chats.pop(chat, None)
+        if pid is not None:
+            self.state.seqs.pop(pid, None)
+            follower = self._followers.pop(pid, None)
+            if follower is not None and follower is not asyncio.current_task():
+                follower.cancel()
+            self._busy.pop(pid, None)
+
+    async def _reset(self, chat: K) -> None:
+        pid = self._chats.get(chat)
+        if pid is not None:
+            try:
+                await (await self.kernel.process(pid)).reset()
+            except NoSuchProcess:
+                self._forget(chat)
+        await self._say(chat, "Started a new conversation.")
+
+    async def _stop(self, chat: K) -> None:
+        pid = self._chats.get(chat)
+        stopped = False
+        if pid is not None:
+            with suppress(NoSuchProcess):
+                stopped = await (await self.kernel.process(pid)).abort()
+        if not stopped:  # (else the run's end says "Stopped.")
+            await self._say(chat, "Nothing is running.")
+
+    async def _decide(self, chat: K | None, key: str, request_id: str) -> str:
+        """Answer the chat's approval ``request_id`` as the button ``key`` says; what became of it."""
+        pid = self._chats.get(chat) if chat is not None else None
+        decided = False
+        if pid is not None:
+            decision, remember = DECISIONS[key]
+            try:
+                decided = await (await self.kernel.process(pid)).hil(request_id, decision, remember=remember)
+            except (KeyError, NoSuchProcess):  # answered already, or its run ended
+                decided = False
+        return OUTCOMES[key] if decided else NOT_PENDING
+
+    # -- to the chat -----------------------------------------------------------------------------
+
+    def _follow(self, chat: K, pid: str) -> None:
+        if pid not in self._followers:
+            task = asyncio.create_task(self._follower(chat, pid), name=f"agentloop-{self.NAME}-{pid}")
+            self._followers[pid] = task
+
+    async def _follower(self, chat: K, pid: str) -> None:
+        """Act on the process's signals from the last one acted on, for as long as it lives."""
+        first, longest = self._backoff
+        delay = first
+        while True:
+            try:
+                proc = await self.kernel.process(pid)
+                after = self.state.seqs.get(pid)
+                if after is None:  # (the state file was lost: what is logged was dealt with)
+                    after = await self.kernel.store.last_event_seq(pid)
+                stream = cast("AsyncGenerator[Signal, None]", proc.signals(after_seq=after, follow=True))
+                async with aclosing(stream) as signals:
+                    async for signal in signals:
+                        async with self._lock(pid):
+                            await self._on_signal(chat, proc, signal)
+                        delay = first
+                return  # the process is gone
+            except NoSuchProcess:
+                if self._chats.get(chat) == pid:
+                    self._forget(chat)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = self.redact(f"{type(exc).__name__}: {exc}")
+                self.log.error("following process %s failed (%s); again in %.0f s", pid, reason, delay)
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 0.05), longest)
+
+    async def _on_signal(self, chat: K, proc: Process, signal: Signal) -> None:
+        payload = signal.payload
+        if signal.signal == sig.RUN_STARTED:
+            await self._typing(chat)
+        elif signal.signal == sig.HIL_REQUESTED:
+            await self._ask(chat, proc, payload)
+        elif signal.signal == sig.RUN_FINISHED:
+            await self._finished(chat, payload)
+        else:
+            return
+        if signal.seq is not None and signal.signal != sig.RUN_STARTED:
+            self.state.seqs[proc.pid] = signal.seq
+            await self.state.save()
+
+    async def _ask(self, chat: K, proc: Process, payload: Mapping[str, Any]) -> None:
+        request_id = payload.get("requestId")
+        if not isinstance(request_id, str):
+            return
+        if not any(row.request_id == request_id for row in await proc.pending_approvals()):
+            return  # answered before this was read (a follower catching up after a restart)
+        await self._send_approval(chat, payload, request_id)
+
+    async def _finished(self, chat: K, payload: Mapping[str, Any]) -> None:
+        if payload.get("quiet"):  # a heartbeat's "nothing to do"
+            return
+        text = payload.get("text")
+        status = payload.get("status")
+        if isinstance(text, str) and text.strip():
+            await self._send(chat, text)
+        elif status == "error":
+            error = str(payload.get("error") or payload.get("reason") or "the model call failed")
+            await self._send(chat, f"⚠️ The answer failed: {error[:1000]}")
+        elif status == "aborted":
+            if payload.get("reason") != "process.reset":
+                await self._send(chat, "Stopped.")
+        else:
+            await self._send(chat, "(The agent finished without an answer.)")

@@ -1,0 +1,159 @@
+"""A small client of the WhatsApp Business Cloud API (Meta's Graph API): sends a phone number's
+messages, retried when that helps.
+
+The access token travels in the ``Authorization`` header, never in a URL, so what httpx logs
+(``HTTP Request: POST …``) does not show it; every message this module makes is passed through
+``redact`` all the same, in case an error's text quotes it.
+
+Failures: a network error, an HTTP 5xx, an answer that is not JSON, a 429 and the Graph error
+codes that mean "too many messages" (4, 80007, 130429, 131056) or that Graph marks
+``is_transient`` are retried with exponential backoff; anything else (a bad token, a number that
+is not on WhatsApp, a re-engagement window that closed) is permanent and raised at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from agentloop.urls import MASK, redact_url
+
+log = logging.getLogger("agentloop.channels.graph")
+
+DEFAULT_GRAPH_URL = "https://graph.facebook.com"
+DEFAULT_API_VERSION = "v21.0"
+RATE_LIMITS = frozenset({4, 80007, 130429, 131056})  # Graph error codes that mean "slow down"
+_ID = re.compile(r"[0-9]{1,32}")  # a phone number id (and a wa_id: digits)
+_VERSION = re.compile(r"v[0-9]{1,3}\.[0-9]{1,3}")
+
+
+class GraphError(Exception):
+    """A Graph API call that failed: ``transient`` ones may succeed when asked again. The message
+    never holds the access token."""
+
+    def __init__(
+        self, description: str, *, status: int | None = None, code: int | None = None, transient: bool = False
+    ) -> None:
+        shown = description
+        if code is not None:
+            shown += f" (code {code})"
+        if status is not None:
+            shown += f" (HTTP {status})"
+        super().__init__(f"WhatsApp send failed: {shown}")
+        self.description = description
+        self.status = status
+        self.code = code
+        self.transient = transient
+
+
+def check_graph_url(url: str) -> str:
+    """``url`` without a trailing slash, or ValueError: an http(s) address of the Graph API."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"the Graph API URL must be an http(s) address, got {redact_url(str(url))!r}")
+    return url.rstrip("/")
+
+
+def check_phone_number_id(value: str) -> str:
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise ValueError("the phone number id must be the digits Meta shows for the WhatsApp number")
+    return value
+
+
+def check_api_version(value: str) -> str:
+    if not isinstance(value, str) or not _VERSION.fullmatch(value):
+        raise ValueError(f"the Graph API version must look like v21.0, got {value!r}")
+    return value
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class GraphApi:
+    """Sends messages from ``phone_number_id`` with ``token``, through ``graph_url`` (Meta, or a
+    test's fake) at ``api_version``. ``backoff`` is (first, longest) wait between retries in
+    seconds. Close it with ``close``."""
+
+    def __init__(
+        self,
+        token: str,
+        phone_number_id: str,
+        *,
+        graph_url: str = DEFAULT_GRAPH_URL,
+        api_version: str = DEFAULT_API_VERSION,
+        backoff: tuple[float, float] = (1.0, 30.0),
+        timeout: float = 30.0,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        if not isinstance(token, str) or not token.strip() or any(c.isspace() or not c.isprintable() for c in token):
+            raise ValueError("the access token must be the one Meta gave (no spaces)")
+        first, longest = backoff
+        if not (0 <= first <= longest and math.isfinite(longest)):
+            raise ValueError(f"backoff must be (first, longest) seconds with 0 <= first <= longest, got {backoff!r}")
+        self.phone_number_id = check_phone_number_id(phone_number_id)
+        self.graph_url = check_graph_url(graph_url)
+        self.api_version = check_api_version(api_version)
+        self.backoff = (float(first), float(longest))
+        self._secrets = sorted({token, *secrets} - {""}, key=len, reverse=True)
+        self._client = httpx.AsyncClient(
+            base_url=f"{self.graph_url}/{self.api_version}/{self.phone_number_id}/",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            follow_redirects=False,  # (a redirect elsewhere would carry the token there)
+        )
+
+    def redact(self, text: str) -> str:
+        """``text`` with the token (and the other secrets given) masked."""
+        for secret in self._secrets:
+            text = text.replace(secret, MASK)
+        return text
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def send(self, message: dict[str, Any], *, attempts: int | None = None) -> Any:
+        """POST ``message`` (``to``, ``type`` and its part; ``messaging_product`` is added) to
+        ``/messages``; Graph's answer. Transient failures are logged and retried, up to
+        ``attempts`` tries (None: until it works, or the caller is cancelled); the last one, or a
+        permanent one, raises ``GraphError``."""
+        body = {"messaging_product": "whatsapp", **message}
+        delay = self.backoff[0]
+        tried = 0
+        while True:
+            tried += 1
+            try:
+                return await self._once(body)
+            except GraphError as exc:
+                if not exc.transient or (attempts is not None and tried >= attempts):
+                    raise
+                log.warning("%s; trying again in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 0.05), self.backoff[1])
+
+    async def _once(self, body: dict[str, Any]) -> Any:
+        try:
+            response = await self._client.post("messages", json=body)
+        except httpx.HTTPError as exc:  # connection refused, reset, timed out …
+            reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            raise GraphError(f"network error ({reason})", transient=True) from None
+        status = response.status_code
+        try:
+            answer = response.json()
+        except ValueError:  # a proxy's error page, a truncated answer
+            answer = None
+        if 200 <= status < 300:  # (sent: an answer that is not JSON is not worth sending it again)
+            return answer
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if not isinstance(error, dict):
+            raise GraphError("the answer is not the Graph API's JSON", status=status, transient=status >= 500)
+        code = _int(error.get("code"))
+        description = self.redact(str(error.get("message") or "no description"))[:300]
+        transient = status >= 500 or status == 429 or code in RATE_LIMITS or error.get("is_transient") is True
+        raise GraphError(description, status=status, code=code, transient=transient)

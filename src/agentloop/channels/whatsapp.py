@@ -1,0 +1,459 @@
+"""Talk to a durable agent from WhatsApp, over the WhatsApp Business Cloud API.
+
+    async with Kernel.open(...) as kernel, WhatsAppBridge(kernel, **secrets, allow=["15551234567"]) as bridge:
+        await bridge.serve("127.0.0.1", 8787)  # until cancelled
+
+Meta delivers a number's messages to a webhook, so the bridge is a small web app (Starlette under
+uvicorn: the ``server`` extra) at ``path``: ``GET`` answers Meta's verification handshake
+(``hub.verify_token`` must be the configured verify token), ``POST`` takes the notifications,
+each signed with the app secret (``X-Hub-Signature-256``; anything unsigned or badly signed is
+refused before it is read). As with Telegram (``agentloop.channels.telegram``, whose process
+handling this shares through ``agentloop.channels.bridge``) there is one durable process per
+WhatsApp user, found again after a restart by its process kv ``whatsapp.chat`` =
+``<phone number id>:<wa_id>``; a text becomes ``Process.send`` (mode ``queue``), ``/new`` resets
+the conversation and ``/stop`` aborts the run. Answers go out through the Graph API
+(``agentloop.channels.graph``) as plain text in parts of at most 4096 characters; an approval
+request is an interactive message with Approve / Deny / Always reply buttons, whose answer comes
+back as a message.
+
+A notification is answered 200 once its messages are admitted (or after ``INTAKE_WAIT`` seconds,
+the admission going on): the run, and any message sent back, happen after. Meta delivers a
+notification again until it gets its 200, and a text is sent to its process with the run id
+``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits only once: a re-delivery,
+or one after a crash, never runs twice. Each process's follower resumes from the last signal acted
+on (the state file ``<data dir>/var/whatsapp/<phone number id>.json``): an answer is sent at least
+once.
+
+Only the numbers (wa_ids) on the allow-list reach a process: anyone else gets a short refusal (at
+most once an hour) and their message goes nowhere. An empty allow-list refuses everyone. The
+access token, app secret and verify token never appear in a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import socket
+from collections import OrderedDict
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge
+from agentloop.channels.graph import DEFAULT_API_VERSION, DEFAULT_GRAPH_URL, GraphApi, GraphError
+from agentloop.channels.state import ChannelState
+from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
+from agentloop.kernel import Kernel
+from agentloop.process.archive import check_name
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+log = logging.getLogger("agentloop.channels.whatsapp")
+
+CHAT_KEY = "whatsapp.chat"  # process kv: "<phone number id>:<wa_id>" of the user the process talks with
+MAX_TEXT = 4096  # characters of one WhatsApp text message
+MAX_BODY = 1024  # characters of an interactive message's body
+MAX_BUTTON_ID = 256
+MAX_NOTIFICATION = 1 << 20  # bytes of a webhook POST the bridge reads
+INTAKE_WAIT = 5.0  # seconds a webhook POST waits for its messages' admission before answering 200
+REFUSE_EVERY = 3600.0  # seconds: a number that is refused is told so at most this often
+SEEN = 2048  # message ids remembered, so that a re-delivered notification is not handled again
+_BUTTONS = (("Approve", "a"), ("Deny", "d"), ("Always", "r"))
+_MEDIA = frozenset({"image", "audio", "video", "document", "sticker", "location", "contacts", "button"})
+
+HELP = (
+    "Send me a message and your agent answers here.\n"
+    "/new starts a fresh conversation.\n"
+    "/stop stops the answer under way."
+)
+CONTEXT = (
+    "The user talks with you through WhatsApp, which shows your answers as plain text: "
+    "write without Markdown headings, tables or links in brackets."
+)
+
+
+def _field(value: object, key: str) -> Any:
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def _wa_id(value: object) -> str | None:
+    return value if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 32 else None
+
+
+def check_signature(secret: str, body: bytes, header: str | None) -> bool:
+    """Whether ``header`` is ``sha256=<hex HMAC-SHA256 of body with secret>`` (compared in
+    constant time)."""
+    if not header or not header.startswith("sha256="):
+        return False
+    expected = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode(), header[len("sha256=") :].strip().lower().encode())
+
+
+def sign(secret: str, body: bytes) -> str:
+    """The ``X-Hub-Signature-256`` header Meta sends with ``body``."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def approval_message(wa_id: str, payload: Mapping[str, Any], request_id: str) -> dict[str, Any] | None:
+    """The interactive message asking to approve ``payload``'s call; None for a request id no
+    button can carry."""
+    ids = [f"hil:{key}:{request_id}" for _, key in _BUTTONS]
+    if any(parse_callback(i) is None or len(i) > MAX_BUTTON_ID for i in ids):
+        return None
+    body = describe_request(payload, max_argument=200, max_arguments=600)
+    if len(body) > MAX_BODY:
+        body = body[: MAX_BODY - 1] + "…"
+    buttons = [
+        {"type": "reply", "reply": {"id": i, "title": title}} for (title, _), i in zip(_BUTTONS, ids, strict=True)
+    ]
+    interactive = {"type": "button", "body": {"text": body}, "action": {"buttons": buttons}}
+    return {"to": wa_id, "type": "interactive", "interactive": interactive}
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, IndexError) as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.setblocking(False)
+    return sock
+
+
+class WhatsAppBridge(ChatBridge[str]):
+    """Connects a WhatsApp Business number to ``kernel``: see the module doc.
+
+    ``access_token`` sends (Graph API), ``app_secret`` checks the webhook's signatures,
+    ``verify_token`` answers Meta's verification; ``phone_number_id`` is the number's id (not the
+    number). ``allow`` are the wa_ids (phone numbers, digits only) that may talk to the agent;
+    ``path`` is where the webhook listens; ``account`` the account every process belongs to
+    (default ``whatsapp-<wa_id>``); ``state_dir`` where the state file is kept (default
+    ``<data dir>/var/whatsapp``); ``backoff`` the (first, longest) wait between retries."""
+
+    CHAT_KEY = CHAT_KEY
+    OWNER_PREFIX = "whatsapp-"
+    NAME = "whatsapp"
+    log = log
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        *,
+        access_token: str,
+        app_secret: str,
+        verify_token: str,
+        phone_number_id: str,
+        allow: Iterable[str],
+        path: str = "/whatsapp",
+        graph_url: str = DEFAULT_GRAPH_URL,
+        api_version: str = DEFAULT_API_VERSION,
+        account: str | None = None,
+        context: str = CONTEXT,
+        state_dir: str | Path | None = None,
+        backoff: tuple[float, float] = (1.0, 30.0),
+    ) -> None:
+        allowed = [str(n).lstrip("+") for n in allow]
+        if any(_wa_id(n) is None for n in allowed):
+            raise ValueError("allow must be phone numbers in international form, digits only (15551234567)")
+        for name, value in (("app_secret", app_secret), ("verify_token", verify_token)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must not be empty")
+        if not isinstance(path, str) or not path.startswith("/") or "?" in path or "#" in path:
+            raise ValueError(f"path must begin with '/', got {path!r}")
+        if account is not None:
+            check_name(account, "account")
+        self.api = GraphApi(
+            access_token,
+            phone_number_id,
+            graph_url=graph_url,
+            api_version=api_version,
+            backoff=backoff,
+            secrets=(app_secret, verify_token),
+        )
+        self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "whatsapp"
+        state = ChannelState(self.state_dir / f"{self.api.phone_number_id}.json")
+        super().__init__(kernel, account=account, context=context, state=state, backoff=self.api.backoff)
+        self.phone_number_id = self.api.phone_number_id
+        self.allow = frozenset(allowed)
+        self.path = path
+        self._app_secret = app_secret
+        self._verify_token = verify_token
+        self._refused: dict[str, float] = {}
+        self._last_in: dict[str, str] = {}  # wa_id -> its latest text's wamid (what "typing…" is shown on)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._notices: set[asyncio.Task[None]] = set()
+        self._server: Any = None  # the uvicorn.Server of ``serve``
+        self._serving: asyncio.Task[None] | None = None
+        self.port: int | None = None
+        self._started = False
+
+    async def __aenter__(self) -> WhatsAppBridge:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def redact(self, text: str) -> str:
+        return self.api.redact(text)
+
+    def _kv_value(self, chat: str) -> str:
+        return f"{self.phone_number_id}:{chat}"
+
+    def _chat_of(self, value: str) -> str | None:
+        number, _, chat = value.partition(":")
+        return _wa_id(chat) if number == self.phone_number_id else None
+
+    # -- life ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Find the users' processes again (by their kv) and follow them. Webhook notifications
+        are taken from then on, by ``app`` (or ``serve``)."""
+        if self._started:
+            return
+        try:
+            await asyncio.to_thread(self.state.load)
+            await self._find_chats()
+        except BaseException:
+            await self.close()
+            raise
+        self._started = True
+        if not self.allow:
+            log.warning("no WhatsApp number is allowed: every message is refused")
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 8787) -> None:
+        """Start (``start``) and serve the webhook on ``host``:``port`` until cancelled or closed."""
+        await self.listen(host, port)
+        await self.wait()
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 8787) -> int:
+        """Start serving the webhook in the background; the port it listens on (``port`` 0 picks
+        a free one). OSError when it cannot listen there."""
+        import uvicorn
+
+        class _Server(uvicorn.Server):  # (the caller handles signals, not uvicorn)
+            @contextmanager
+            def capture_signals(self) -> Generator[None, None, None]:
+                yield
+
+        await self.start()
+        sock = _bind(host, port)
+        config = uvicorn.Config(
+            self.app(), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+        )
+        self._server = server = _Server(config)
+        self._serving = task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.wait({task}, timeout=0.02)
+        if not server.started:
+            sock.close()
+            await asyncio.gather(task, return_exceptions=True)
+            raise OSError(f"the webhook server on {host}:{port} did not start")
+        self.port = int(sock.getsockname()[1])
+        return self.port
+
+    async def wait(self) -> None:
+        """Until the webhook server ends (when cancelled, or closed)."""
+        if self._serving is not None:
+            await asyncio.gather(self._serving, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop serving, then following (before the kernel closes), and close the HTTP client.
+        Input or a signal being handled, and notices being sent, get ``CLOSE_GRACE`` seconds."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._serving is not None:
+            await asyncio.gather(self._serving, return_exceptions=True)
+        if self._notices:
+            await asyncio.wait(set(self._notices), timeout=CLOSE_GRACE)
+        await self._stop_tasks({})
+        for task in list(self._notices):
+            task.cancel()
+        await asyncio.gather(*self._notices, return_exceptions=True)
+        self._server = self._serving = None
+        self._started = False
+        await self.api.close()
+
+    # -- the webhook -----------------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        """The webhook as an ASGI app (``GET`` and ``POST`` at ``path``)."""
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        return Starlette(routes=[Route(self.path, self._webhook, methods=["GET", "POST"])])
+
+    async def _webhook(self, request: Request) -> Response:
+        from starlette.responses import PlainTextResponse, Response
+
+        if request.method == "GET":  # Meta's verification of the address
+            params = request.query_params
+            token = params.get("hub.verify_token") or ""
+            good = hmac.compare_digest(token.encode(), self._verify_token.encode())
+            if params.get("hub.mode") == "subscribe" and good:
+                return PlainTextResponse(params.get("hub.challenge") or "")
+            log.warning("refused a webhook verification: wrong mode or verify token")
+            return Response("forbidden", 403, media_type="text/plain")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_NOTIFICATION):
+            return Response("too large", 413, media_type="text/plain")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_NOTIFICATION:
+                return Response("too large", 413, media_type="text/plain")
+        signature = request.headers.get("x-hub-signature-256")
+        if not signature:
+            log.warning("refused a webhook notification without a signature")
+            return Response("unsigned", 401, media_type="text/plain")
+        if not check_signature(self._app_secret, body, signature):
+            log.warning("refused a webhook notification with a wrong signature")
+            return Response("bad signature", 403, media_type="text/plain")
+        try:
+            notification = json.loads(body)
+        except ValueError:
+            log.warning("a signed webhook notification is not JSON")
+            return Response("not JSON", 400, media_type="text/plain")
+        messages = self._messages(notification)
+        if messages:
+            intake = asyncio.ensure_future(self._intake(messages))
+            self._notices.add(intake)
+            intake.add_done_callback(self._notices.discard)
+            await asyncio.wait({intake}, timeout=INTAKE_WAIT)  # (it goes on if it takes longer)
+        return Response("ok", 200, media_type="text/plain")
+
+    def _messages(self, notification: object) -> list[dict[str, Any]]:
+        """The user messages of a notification sent to this number (statuses are left out)."""
+        found: list[dict[str, Any]] = []
+        entries = _field(notification, "entry")
+        for entry in entries if isinstance(entries, list) else []:
+            changes = _field(entry, "changes")
+            for change in changes if isinstance(changes, list) else []:
+                value = _field(change, "value")
+                number = _field(_field(value, "metadata"), "phone_number_id")
+                if number is not None and str(number) != self.phone_number_id:
+                    continue  # (an app may serve several numbers)
+                messages = _field(value, "messages")
+                found += [m for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)]
+        return found
+
+    async def _intake(self, messages: list[dict[str, Any]]) -> None:
+        for message in messages:
+            wamid = message.get("id")
+            if not isinstance(wamid, str) or not wamid or len(wamid) > 256 or not wamid.isprintable():
+                continue
+            if wamid in self._seen:  # delivered again: admitted (or answered, or under way) already
+                continue
+            self._seen[wamid] = None
+            while len(self._seen) > SEEN:
+                self._seen.popitem(last=False)
+            try:
+                async with self._lock("intake"):
+                    await self._take(message, wamid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("WhatsApp message %s was not handled: %s", wamid, self.redact(f"{type(exc).__name__}: {exc}"))
+
+    async def _take(self, message: dict[str, Any], wamid: str) -> None:
+        wa_id = _wa_id(message.get("from"))
+        if wa_id is None:
+            return
+        if wa_id not in self.allow:
+            self._refuse(wa_id)
+            return
+        kind = message.get("type")
+        if kind == "text":
+            text = _field(message.get("text"), "body")
+            if not isinstance(text, str) or not text.strip():
+                return
+            command = text.strip().lower()
+            if command in ("/start", "/help"):
+                await self._say(wa_id, HELP)
+            elif command == "/new":
+                await self._reset(wa_id)
+            elif command == "/stop":
+                await self._stop(wa_id)
+            else:  # (a re-delivered message is admitted once)
+                self._last_in[wa_id] = wamid
+                await self._deliver(wa_id, wa_id, text, f"whatsapp-{self.phone_number_id}-{wamid}")
+        elif kind == "interactive":
+            button = parse_callback(_field(_field(message.get("interactive"), "button_reply"), "id"))
+            if button is None:
+                await self._say(wa_id, "Unknown button.")
+                return
+            key, request_id = button
+            await self._say(wa_id, await self._decide(wa_id, key, request_id))
+        elif kind in _MEDIA:
+            await self._say(wa_id, "I can read text messages only.")
+
+    def _refuse(self, wa_id: str) -> None:
+        now = asyncio.get_running_loop().time()
+        last = self._refused.get(wa_id)
+        if last is not None and now - last < REFUSE_EVERY:
+            log.debug("refused another message from WhatsApp number %s", wa_id)
+            return
+        log.warning("refused a message from WhatsApp number %s: not on the allow-list", wa_id)
+        self._refused[wa_id] = now
+        self._later(self._send(wa_id, "Sorry, this agent is private: your number is not on its allow-list."))
+
+    # -- to WhatsApp -----------------------------------------------------------------------------
+
+    def _later(self, work: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    async def _say(self, chat: str, text: str) -> None:
+        # (said while a notification waits for its 200: sent after it, so Meta is answered quickly)
+        self._later(self._send(chat, text))
+
+    async def _typing(self, chat: str) -> None:
+        """Mark the user's latest text read and show "typing…" under it (for 25 seconds, or until
+        the answer): one try, as it costs only looks. Nothing when no text of theirs was seen since
+        the bridge started."""
+        wamid = self._last_in.get(chat)
+        if wamid is None:
+            return
+        indicator = {"status": "read", "message_id": wamid, "typing_indicator": {"type": "text"}}
+        try:
+            await self.api.send(indicator, attempts=1)
+        except GraphError as exc:
+            log.info("%s (typing indicator)", exc)
+
+    async def _send(self, chat: str, text: str) -> None:
+        """``text`` to the user, in as many messages as it takes. Transient failures are retried
+        until they pass; a permanent one is logged, and the text dropped."""
+        for part in split_message(text, MAX_TEXT):
+            if not await self._post({"to": chat, "type": "text", "text": {"body": part, "preview_url": False}}):
+                return
+
+    async def _send_approval(self, chat: str, payload: Mapping[str, Any], request_id: str) -> None:
+        message = approval_message(chat, payload, request_id)
+        if message is not None:
+            await self._post(message)
+
+    async def _post(self, message: dict[str, Any]) -> bool:
+        try:
+            await self.api.send(message)
+            return True
+        except GraphError as exc:
+            log.error("%s (to %s): the message is dropped", exc, message.get("to"))
+            return False
