@@ -51,6 +51,7 @@ log = logging.getLogger("agentloop.channels.telegram")
 
 CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>" of the chat the process talks with
 REFUSE_EVERY = 3600.0  # seconds: a chat that is refused is told so at most this often
+TRIES = 5  # times an update whose handling fails is taken before it is skipped
 
 HELP = (
     "Send me a message and your agent answers here.\n"
@@ -119,6 +120,7 @@ class TelegramBridge(ChatBridge[int]):
         # chat id -> when it was last told it is refused: a stranger who writes a thousand times
         # gets one answer, and cannot keep the bot busy (and rate-limited) answering them
         self._refused: dict[int, float] = {}
+        self._failures: dict[int, int] = {}  # update id -> the times its handling failed (the one retried)
 
     async def __aenter__(self) -> TelegramBridge:
         await self.start()
@@ -200,36 +202,48 @@ class TelegramBridge(ChatBridge[int]):
                 delay = min(max(delay * 2, 0.05), self.api.backoff[1])
                 continue
             before = self.state.offset
+            failed = False
             if isinstance(updates, list):
                 for update in updates:
                     async with self._lock("poll"):
-                        await self._take(update)
+                        failed = not await self._take(update)
+                    if failed:  # (taken again, from the next getUpdates on: the later ones after it)
+                        break
             else:
                 log.warning("Telegram getUpdates answered something other than a list of updates")
-            if updates != [] and self.state.offset == before:  # nothing taken: do not ask again at once
+            if failed or (updates != [] and self.state.offset == before):  # do not ask again at once
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 0.05), self.api.backoff[1])
             else:
                 delay = self.api.backoff[0]
 
-    async def _take(self, update: object) -> None:
-        """Handle one update, then move the offset past it (also when handling failed: an update
-        that breaks the bridge must not come back for ever)."""
+    async def _take(self, update: object) -> bool:
+        """Handle one update, then move the offset past it. When handling failed (the store was
+        unreachable for a moment …) the offset stays, and False says so: the update is taken again
+        (its input is admitted once, by its run id), up to ``TRIES`` times in all, then skipped (an
+        update that breaks the bridge must not come back for ever)."""
         update_id = _int(_field(update, "update_id"))
         if update_id is None:
             log.warning("skipped a Telegram update without an update_id")
-            return
+            return True
         if update_id < self.state.offset:
-            return
+            return True
         try:
             await self._handle(cast("dict[str, Any]", update), update_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             reason = self.api.redact(f"{type(exc).__name__}: {exc}")
-            log.error("Telegram update %d was not handled: %s", update_id, reason)
+            tries = self._failures.get(update_id, 0) + 1
+            if tries < TRIES:
+                self._failures = {update_id: tries}
+                log.error("Telegram update %d was not handled (%s): it is taken again", update_id, reason)
+                return False
+            log.error("Telegram update %d was not handled: %s; skipped after %d tries", update_id, reason, tries)
+        self._failures.pop(update_id, None)
         self.state.offset = update_id + 1
         await self.state.save()
+        return True
 
     async def _handle(self, update: dict[str, Any], update_id: int) -> None:
         if isinstance(update.get("message"), dict):

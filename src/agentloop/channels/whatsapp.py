@@ -17,7 +17,8 @@ request is an interactive message with Approve / Deny / Always reply buttons, wh
 back as a message.
 
 A notification is answered 200 once its messages are admitted (or after ``INTAKE_WAIT`` seconds,
-the admission going on): the run, and any message sent back, happen after. Meta delivers a
+the admission going on; 503 when one failed, so that Meta delivers it again): the run, and any
+message sent back, happen after. Meta delivers a
 notification again until it gets its 200, and a text is sent to its process with the run id
 ``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits only once: a re-delivery,
 or one after a crash, never runs twice. Each process's follower resumes from the last signal acted
@@ -196,7 +197,7 @@ class WhatsAppBridge(ChatBridge[str]):
         self._refused: dict[str, float] = {}
         self._last_in: dict[str, str] = {}  # wa_id -> its latest text's wamid (what "typing…" is shown on)
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._notices: set[asyncio.Task[None]] = set()
+        self._notices: set[asyncio.Task[Any]] = set()
         self._server: Any = None  # the uvicorn.Server of ``serve``
         self._serving: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -337,6 +338,9 @@ class WhatsAppBridge(ChatBridge[str]):
             self._notices.add(intake)
             intake.add_done_callback(self._notices.discard)
             await asyncio.wait({intake}, timeout=INTAKE_WAIT)  # (it goes on if it takes longer)
+            if intake.done() and not intake.cancelled() and intake.exception() is None and not intake.result():
+                # a message was not admitted (the store was unreachable …): Meta delivers it again
+                return Response("not taken", 503, media_type="text/plain")
         return Response("ok", 200, media_type="text/plain")
 
     def _messages(self, notification: object) -> list[dict[str, Any]]:
@@ -354,7 +358,10 @@ class WhatsAppBridge(ChatBridge[str]):
                 found += [m for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)]
         return found
 
-    async def _intake(self, messages: list[dict[str, Any]]) -> None:
+    async def _intake(self, messages: list[dict[str, Any]]) -> bool:
+        """Take the messages; False when one of them failed (it is then not remembered as seen:
+        a re-delivery takes it again, and admits its text once, by its run id)."""
+        taken = True
         for message in messages:
             wamid = message.get("id")
             if not isinstance(wamid, str) or not wamid or len(wamid) > 256 or not wamid.isprintable():
@@ -371,6 +378,9 @@ class WhatsAppBridge(ChatBridge[str]):
                 raise
             except Exception as exc:
                 log.error("WhatsApp message %s was not handled: %s", wamid, self.redact(f"{type(exc).__name__}: {exc}"))
+                self._seen.pop(wamid, None)
+                taken = False
+        return taken
 
     async def _take(self, message: dict[str, Any], wamid: str) -> None:
         wa_id = _wa_id(message.get("from"))
