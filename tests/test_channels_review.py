@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from agentloop.kernel import Kernel
+from agentloop.channels.bridge import REFUSE_EVERY, RefusalThrottle
+from agentloop.kernel import Kernel, Process, ProcessBusy
 from agentloop.process.store.base import StoreError
 from tests import test_channel_telegram as tg
 from tests import test_channel_whatsapp as wa
@@ -143,3 +144,34 @@ async def test_whatsapp_a_message_whose_admission_failed_is_delivered_again_by_m
         await wa.until(lambda: graph.texts(wa.ALICE))
         await asyncio.sleep(0.2)
         assert graph.texts(wa.ALICE) == ["seen: hello"] and wa.user_texts(model) == ["hello"]
+
+
+async def test_refused_chats_are_told_once_an_hour_and_forgotten_after() -> None:
+    throttle: RefusalThrottle[int] = RefusalThrottle()
+    assert throttle.due(1) and not throttle.due(1)  # a stranger writing again is not answered again
+    for chat in range(2, 1100):  # many strangers, each told once
+        assert throttle.due(chat)
+    assert len(throttle._told) <= 1100
+    throttle._told = {c: t - REFUSE_EVERY for c, t in throttle._told.items()}  # an hour on
+    assert throttle.due(5000)
+    assert len(throttle._told) == 1  # those refused an hour ago are forgotten
+    assert throttle.due(1)  # and told again when they write again
+
+
+async def test_new_on_a_process_busy_elsewhere_says_so_and_the_bridge_goes_on(
+    tmp_path: Path, fake: FakeTelegram, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with tg.running(tmp_path, fake, allow=[tg.ALICE]) as _:
+        fake.message(chat=tg.ALICE, user=tg.ALICE, text="hello")
+        await tg.until(lambda: fake.texts(tg.ALICE) == ["seen: hello"])
+
+        async def busy(self: Process) -> None:
+            raise ProcessBusy(self.pid, "reset")
+
+        monkeypatch.setattr(Process, "reset", busy)
+        fake.message(chat=tg.ALICE, user=tg.ALICE, text="/new")
+        await tg.until(lambda: len(fake.texts(tg.ALICE)) == 2)
+        assert "busy" in fake.texts(tg.ALICE)[1] and "Started" not in fake.texts(tg.ALICE)[1]
+        monkeypatch.undo()
+        fake.message(chat=tg.ALICE, user=tg.ALICE, text="/new")
+        await tg.until(lambda: fake.texts(tg.ALICE)[-1] == "Started a new conversation.")

@@ -22,7 +22,7 @@ from contextlib import aclosing, suppress
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from agentloop.channels.state import ChannelState
-from agentloop.kernel import Kernel, NoSuchProcess, Process, Signal
+from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
 from agentloop.process import signals as sig
 
 K = TypeVar("K", bound=Hashable)
@@ -32,6 +32,27 @@ DECISIONS = {"a": ("approve", False), "d": ("deny", False), "r": ("approve", Tru
 OUTCOMES = {"a": "✅ Approved", "d": "❌ Denied", "r": "✅ Approved, and allowed from now on"}
 NOT_PENDING = "This request is no longer pending."
 CLOSE_GRACE = 5.0  # seconds ``close`` lets an update or a signal being handled finish
+REFUSE_EVERY = 3600.0  # seconds: a chat that is refused is told so at most this often
+
+
+class RefusalThrottle(Generic[K]):
+    """When a refused chat is told so again: at most every ``REFUSE_EVERY`` seconds, so a stranger
+    who writes a thousand times gets one answer and cannot keep the bot busy (and rate-limited).
+    Chats refused longer ago are forgotten, so strangers cost no memory over time."""
+
+    def __init__(self) -> None:
+        self._told: dict[K, float] = {}
+
+    def due(self, chat: K) -> bool:
+        """Whether ``chat`` is to be told now (it is then not told again for a while)."""
+        now = asyncio.get_running_loop().time()
+        last = self._told.get(chat)
+        if last is not None and now - last < REFUSE_EVERY:
+            return False
+        if len(self._told) >= 1024:  # (pruned in batches: a dict walk per refusal would be the cost)
+            self._told = {c: t for c, t in self._told.items() if now - t < REFUSE_EVERY}
+        self._told[chat] = now
+        return True
 
 
 class ChatBridge(Generic[K]):
@@ -171,6 +192,9 @@ class ChatBridge(Generic[K]):
                 await (await self.kernel.process(pid)).reset()
             except NoSuchProcess:
                 self._forget(chat)
+            except ProcessBusy:  # another worker holds it (a shared store) and will not let go now
+                await self._say(chat, "The conversation is busy elsewhere; try /new again in a moment.")
+                return
         await self._say(chat, "Started a new conversation.")
 
     async def _stop(self, chat: K) -> None:

@@ -41,7 +41,7 @@ from typing import Any, cast
 import httpx
 
 from agentloop.channels.botapi import DEFAULT_API_URL, BotApi, BotApiError
-from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge
+from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
@@ -50,7 +50,6 @@ from agentloop.process.archive import check_name
 log = logging.getLogger("agentloop.channels.telegram")
 
 CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>" of the chat the process talks with
-REFUSE_EVERY = 3600.0  # seconds: a chat that is refused is told so at most this often
 TRIES = 5  # times an update whose handling fails is taken before it is skipped
 
 HELP = (
@@ -117,9 +116,7 @@ class TelegramBridge(ChatBridge[int]):
         self.bot_id = 0
         self.username = ""
         self._poller: asyncio.Task[None] | None = None
-        # chat id -> when it was last told it is refused: a stranger who writes a thousand times
-        # gets one answer, and cannot keep the bot busy (and rate-limited) answering them
-        self._refused: dict[int, float] = {}
+        self._refused: RefusalThrottle[int] = RefusalThrottle()
         self._failures: dict[int, int] = {}  # update id -> the times its handling failed (the one retried)
 
     async def __aenter__(self) -> TelegramBridge:
@@ -275,13 +272,10 @@ class TelegramBridge(ChatBridge[int]):
             await self._deliver(chat_id, user_id, text, run_id)
 
     async def _refuse(self, chat_id: int, user_id: int | None) -> None:
-        now = asyncio.get_running_loop().time()
-        last = self._refused.get(chat_id)
-        if last is not None and now - last < REFUSE_EVERY:
+        if not self._refused.due(chat_id):
             log.debug("refused another message from Telegram user %s in chat %d", user_id, chat_id)
             return
         log.warning("refused a message from Telegram user %s in chat %d: not on the allow-list", user_id, chat_id)
-        self._refused[chat_id] = now
         if user_id is not None:
             await self._send(chat_id, f"Sorry, this bot is private. (Your Telegram user id is {user_id}.)")
 

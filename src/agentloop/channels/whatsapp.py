@@ -45,7 +45,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge
+from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge, RefusalThrottle
 from agentloop.channels.graph import DEFAULT_API_VERSION, DEFAULT_GRAPH_URL, GraphApi, GraphError
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
@@ -65,7 +65,6 @@ MAX_BODY = 1024  # characters of an interactive message's body
 MAX_BUTTON_ID = 256
 MAX_NOTIFICATION = 1 << 20  # bytes of a webhook POST the bridge reads
 INTAKE_WAIT = 5.0  # seconds a webhook POST waits for its messages' admission before answering 200
-REFUSE_EVERY = 3600.0  # seconds: a number that is refused is told so at most this often
 SEEN = 2048  # message ids remembered, so that a re-delivered notification is not handled again
 _BUTTONS = (("Approve", "a"), ("Deny", "d"), ("Always", "r"))
 _MEDIA = frozenset({"image", "audio", "video", "document", "sticker", "location", "contacts", "button"})
@@ -194,7 +193,7 @@ class WhatsAppBridge(ChatBridge[str]):
         self.path = path
         self._app_secret = app_secret
         self._verify_token = verify_token
-        self._refused: dict[str, float] = {}
+        self._refused: RefusalThrottle[str] = RefusalThrottle()
         self._last_in: dict[str, str] = {}  # wa_id -> its latest text's wamid (what "typing…" is shown on)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._notices: set[asyncio.Task[Any]] = set()
@@ -415,13 +414,10 @@ class WhatsAppBridge(ChatBridge[str]):
             await self._say(wa_id, "I can read text messages only.")
 
     def _refuse(self, wa_id: str) -> None:
-        now = asyncio.get_running_loop().time()
-        last = self._refused.get(wa_id)
-        if last is not None and now - last < REFUSE_EVERY:
+        if not self._refused.due(wa_id):
             log.debug("refused another message from WhatsApp number %s", wa_id)
             return
         log.warning("refused a message from WhatsApp number %s: not on the allow-list", wa_id)
-        self._refused[wa_id] = now
         self._later(self._send(wa_id, "Sorry, this agent is private: your number is not on its allow-list."))
 
     # -- to WhatsApp -----------------------------------------------------------------------------
