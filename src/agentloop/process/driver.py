@@ -302,12 +302,14 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         live.partial = None
     if relay is not None:
         await relay.flush(pid)  # the answer's deltas go out ahead of the commit that logs it
-    if not tools_enabled and reply.tool_calls:
+    calls = reply.tool_calls  # (a list made anew at each look: taken once)
+    if not tools_enabled and calls:
         reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
         reply.stop_reason = "stop"
+        calls = []
     limit = cfg.guards.max_tool_calls
     budget = None if limit is None else max(0, limit - run["tool_calls"])  # calls past it are not run
-    ran = len(reply.tool_calls) if budget is None else min(len(reply.tool_calls), budget)
+    ran = len(calls) if budget is None else min(len(calls), budget)
     new_run = {
         **run,
         "generation": generation + 1,
@@ -317,7 +319,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     }
     new_run.pop("offered", None)  # (a turn before's)
     reading = _reading(engine, live, cfg, tools_enabled, reply, measured)  # None: the level is as known
-    if reply.tool_calls and state.offered is not None:
+    if calls and state.offered is not None:
         new_run["offered"] = sorted(state.offered)  # kept with the run: so is a call resumed after a restart
     finished = False
     batch: list[ToolCallRow] = []
@@ -328,20 +330,22 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             return False  # aborted or superseded while the model was answering: drop the answer
         await engine.log_prompt(tx, live, run_id)  # (the run's first answer: what its prompt was made of)
         await tx.append(run_id, [reply])
-        await tx.set_run(new_run)
         if reading is not None:
             await note_context(tx, live, reading)
-        if reply.text or any(b.type == "thinking" for b in reply.content):
+        text = reply.text
+        if text or any(b.type == "thinking" for b in reply.content):
             thinking = "".join(getattr(b, "thinking", "") for b in reply.content)
-            output: dict[str, Any] = {"runId": run_id, "text": reply.text, "thinking": thinking}
-            if not reply.tool_calls and quiet_answer(run_id, reply.text):
+            output: dict[str, Any] = {"runId": run_id, "text": text, "thinking": thinking}
+            if not calls and quiet_answer(run_id, text):
                 output["quiet"] = True  # a heartbeat's "nothing to do": clients need not show it
             await tx.signal(sig.RUN_OUTPUT, **output)
         await tx.signal(sig.CHANGED, changes=["messages"])
         # the same transaction takes the next decision's first step: start the tools, or finish
-        if reply.tool_calls:
+        # (the run's record is written once, as the step leaves it: the body reads the cache's)
+        if calls:
+            await tx.set_run(new_run)
             live.calls = True
-            batch = call_rows(pid, run_id, reply.tool_calls, cfg.tools)
+            batch = call_rows(pid, run_id, calls, cfg.tools)
             live.offered = (run_id, state.offered)  # (before the commit: dispatch checks it)
             await dispatch(engine, tx, live, new_run, batch, reply, fresh=True, budget=budget, offered=state.offered)
         else:  # after an assistant message, the decision depends on that message (and input) alone

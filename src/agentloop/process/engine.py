@@ -354,21 +354,24 @@ class ProcessEngine:
         if live.config is not None and live.config[0] == run_id:
             return live.config[1]
         cfg = self.process_config(live.record)
+        changes: dict[str, Any] = {}  # (one ``replace`` for them all: each copy costs microseconds)
+        tools = cfg.tools
         if self.toolset is not None:
-            tools = self.toolset(live.record, self.config.tools)
-            cfg = replace(cfg, tools=dict(await maybe_await(tools)))
+            tools = changes["tools"] = dict(await maybe_await(self.toolset(live.record, self.config.tools)))
         fresh: CompiledPrompt | None = None
         if self.prompt is not None:
             if live.prompt is None or live.prompt[0] != run_id:
                 kept = await self._kept_prompt(live, run_id)
                 if kept is None:
-                    fresh = _compiled(await self.prompt(live.record, cfg.tools))
+                    fresh = _compiled(await self.prompt(live.record, tools))
                     kept = (run_id, fresh.text)
                 live.prompt = kept
-            cfg = replace(cfg, system_prompt=live.prompt[1])
+            changes["system_prompt"] = live.prompt[1]
         rows = await self.store.kv_many(live.record.pid, (MODE_KEY, *run_keys(live)))  # per run, in one query:
         if rows.get(MODE_KEY) == "chat":  # a change waits for the next run
-            cfg = replace(cfg, tools={})
+            changes["tools"] = {}
+        if changes:
+            cfg = replace(cfg, **changes)
         take_run_rows(self, live, rows, cfg.model.info)  # the compaction policy, the level
         if fresh is not None:
             self._compiled[live.record.pid] = (run_id, fresh, sorted(cfg.tools))

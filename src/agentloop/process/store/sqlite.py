@@ -20,7 +20,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +106,8 @@ class _Transaction(Transaction):
     def __init__(self, store: SQLiteStore) -> None:
         self.store = store
 
-    async def begin(self) -> None:
-        await self.store._begin()
+    def begin(self) -> Coroutine[Any, Any, None]:
+        return self.store._begin()  # (its coroutine itself: no frame of its own around it, per step)
 
     def end(self, commit: bool, settled: Settled | None = None) -> Awaitable[None] | None:
         return self.store._end(commit, settled)
@@ -132,6 +132,9 @@ class SQLiteStore(Store):
         self._db: sqlite3.Connection | None = None
         self._lock = asyncio.Lock()
         self._tx_task: asyncio.Task[Any] | None = None  # the task whose transaction is open
+        # ... and its loop: ``asyncio.current_task(loop)`` skips the running loop's lookup, which
+        # costs a ``getpid`` system call on Python 3.11 (every write statement checks its task)
+        self._tx_loop: asyncio.AbstractEventLoop | None = None
         # Per-process counters as last committed by this connection: pid -> [next message id,
         # next event seq, next queue id, history generation]. Valid while no other connection has
         # committed (``PRAGMA data_version``, checked when each transaction begins).
@@ -282,7 +285,8 @@ class SQLiteStore(Store):
         row) never waits for a group. The group holds SQLite's write lock until that next turn, so
         one event loop should not open two stores on the same file (the second would wait on the
         lock the first can only release once the loop runs)."""
-        me = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task(loop)
         if self._tx_task is not None and self._tx_task is me:
             raise StoreError("transactions do not nest")
         await self._lock.acquire()  # another task's transaction: wait for it to end
@@ -300,7 +304,6 @@ class SQLiteStore(Store):
                     self._known.clear()
                     self._data_version = version
                 if self._committer is not None and self._committer is not me:
-                    loop = asyncio.get_running_loop()
                     self._group = _Group()
                     loop.call_soon(self._commit_group)
             if self._group is not None:
@@ -310,6 +313,7 @@ class SQLiteStore(Store):
             self._lock.release()
             raise
         self._tx_task = me
+        self._tx_loop = loop
 
     async def _wait_for_write_lock(self, db: sqlite3.Connection, busy: sqlite3.OperationalError) -> None:
         """``BEGIN IMMEDIATE`` again until another program lets go of the write lock, without
@@ -335,7 +339,8 @@ class SQLiteStore(Store):
 
     def _end(self, commit: bool, settled: Settled | None) -> Awaitable[None] | None:
         member, self._member = self._member, False
-        self._tx_task = None
+        task, self._tx_task = self._tx_task, None
+        loop = self._tx_loop or asyncio.get_running_loop()
         try:
             db = self.db
             if not commit:
@@ -352,11 +357,11 @@ class SQLiteStore(Store):
             for pid in self._tx_deleted:
                 known.pop(pid, None)
             if not member:
-                self._committed()
+                self._committed(task, loop)
                 return None
             group = self._group
             assert group is not None
-            done = asyncio.get_running_loop().create_future()
+            done = loop.create_future()
             group.members.append((done, settled))
             return done
         finally:
@@ -369,7 +374,7 @@ class SQLiteStore(Store):
                 # not from here: the member's caller applies its cache updates when end() returns,
                 # and the group's follow-ups (signals, tool starts) must see them
                 self._group.due = False
-                asyncio.get_running_loop().call_soon(self._commit_group)
+                loop.call_soon(self._commit_group)
 
     def _rollback(self, member: bool) -> None:
         """Undo the open body: the whole transaction, or a member's savepoint only. Some errors
@@ -387,11 +392,12 @@ class SQLiteStore(Store):
                 return
         self._abandon_group(StoreError("the transaction was rolled back by SQLite"))
 
-    def _committed(self) -> None:
-        """After each real commit: mark this loop turn as having one, tell the checkpointer."""
+    def _committed(self, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop) -> None:
+        """After each real commit (by ``task``, on ``loop``): mark this loop turn as having one, tell
+        the checkpointer."""
         if self._committer is None:
-            asyncio.get_running_loop().call_soon(self._next_turn)
-        self._committer = asyncio.current_task()
+            loop.call_soon(self._next_turn)
+        self._committer = task
         if self._checkpointer is not None:
             self._checkpointer.committed()
 
@@ -448,7 +454,8 @@ class SQLiteStore(Store):
         self.db.execute("COMMIT")
 
     def _write(self) -> sqlite3.Connection:
-        if self._tx_task is None or self._tx_task is not asyncio.current_task():
+        task = self._tx_task
+        if task is None or task is not asyncio.current_task(self._tx_loop):
             raise StoreError("writes must happen inside store.transaction()")
         return self.db
 
@@ -592,7 +599,7 @@ class SQLiteStore(Store):
     # -- history --------------------------------------------------------------------------------
 
     def _generation(self, pid: str) -> int:
-        if self._tx_task is not None and self._tx_task is asyncio.current_task():
+        if self._tx_task is not None and self._tx_task is asyncio.current_task(self._tx_loop):
             return self._counters(pid)[3]
         row = self._read_registry().execute("SELECT history_generation FROM processes WHERE pid = ?", (pid,)).fetchone()
         if row is None:
