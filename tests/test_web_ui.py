@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
 from agentloop.server import web
 from tests.server_support import LiveServer, live_server
 
@@ -140,3 +141,10 @@ def test_the_assets_ship_in_the_wheel() -> None:
     assert "exclude" not in pyproject.split("[tool.hatch.build.targets.wheel]")[1].split("\n[")[0]
     assert set(web.load_assets()) == {"index.html", "app.js", "api.js", "dom.js", "view.js", "app.css", "icon.svg"}
     assert {p.name for p in WEB.iterdir()} == set(web.load_assets())  # no file left out of the table
+
+
+def test_the_deny_reason_box_takes_what_the_server_accepts() -> None:
+    """The page's limit on a denial's reason is the one the server checks: a longer reason could
+    be typed and then refused only once sent."""
+    limits = re.findall(r"reason\.maxLength = (\d+);", (WEB / "view.js").read_text())
+    assert limits == [str(MAX_DENIAL_MESSAGE)]
