@@ -145,9 +145,10 @@ async def test_totals_survive_reopening_the_kernel_and_a_reset(tmp_path: Path) -
         proc = await k.process(pid)
         assert (await proc.info()).usage == totals(50, 5, [(50, 5)], 1)
         await proc.reset()  # a fresh conversation; what the process cost stays
-        assert (await proc.info()).usage == totals(50, 5, [(50, 5)], 1)
+        await asyncio.gather(*k._remembering)  # (plus the call that picks the memories it keeps)
+        assert (await proc.info()).usage == totals(100, 10, [(50, 5), (50, 5)], 1)
         await run(proc, "again")
-        assert (await proc.info()).usage == totals(100, 10, [(50, 5), (50, 5)], 2)
+        assert (await proc.info()).usage == totals(150, 15, [(50, 5)] * 3, 2)
         assert [r.usage.runs for r in await k.processes("alice")] == [2]
 
 
@@ -190,10 +191,11 @@ async def test_the_account_total_includes_killed_processes(tmp_path: Path) -> No
         await first.kill()
         assert await k.usage("alice") == everything  # the killed process's cost stays with the account
         await second.reset()
-        assert await k.usage("alice") == everything
+        await asyncio.gather(*k._remembering)  # (the memories call, which counts too)
+        assert await k.usage("alice") == totals(400, 40, [(50, 5), (100, 10), (200, 20), (50, 5)], 2)
         await sleeping(second)  # killed mid-run: the model call its run made counts
         await second.kill()
-        assert await k.usage("alice") == totals(450, 45, [(50, 5), (100, 10), (200, 20), (100, 10)], 3)
+        assert await k.usage("alice") == totals(500, 50, [(50, 5), (100, 10), (200, 20), (50, 5), (100, 10)], 3)
         assert await k.usage("bob") == totals(50, 5, [(50, 5)], 1)
     async with kernel(tmp_path, priced()) as k:  # and it survives a restart
         assert (await k.usage("alice")).runs == 3

@@ -895,10 +895,20 @@ class Kernel:
     async def _remember(self, record: ProcessRecord, history: list[Message]) -> None:
         """Keep what is worth remembering of a conversation a reset cleared, in the daily memory
         file (as a compaction does for the part it folds away). In the background: the reset
-        does not wait for a model call; a failure is logged and loses only the memories."""
+        does not wait for a model call; a failure is logged and loses only the memories. What the
+        model call spent is added to the process's usage totals (``ProcessEngine.add_usage``: no
+        run counted); nothing once the process is killed."""
         engine = self.engine
         try:
-            memories = await extract_memories(engine.process_config(record).model, history)
+            memories, spent = await extract_memories(engine.process_config(record).model, history)
+        except Exception as exc:
+            log.warning("process %s: the memories of the reset conversation were not kept: %s", record.pid, exc)
+            return
+        try:
+            await engine.add_usage(record.pid, spent)
+        except Exception as exc:
+            log.warning("process %s: the memory model's call was not counted: %s", record.pid, exc)
+        try:
             if memories and engine.memory is not None:
                 await engine.memory(record, memories, "a conversation cleared by a reset")
         except Exception as exc:

@@ -11,11 +11,13 @@ Automatic titles stay off the hot path: the runs' own commits are untouched. The
 notes a run that starts on an empty history (a conversation's first) and, once that run's end is
 durable, the title is made. The default is cheap and deterministic, the first user message cut
 short (``fallback_title``); ``titles="model"`` asks the process's model once, in a task of the
-process's own (its usage is not counted, as for the memories a reset keeps), and keeps that
-fallback when the model fails or answers nothing usable; a ``TitleFn`` may replace the model. A
-conversation begun by a system event waits for its first user message. The titles made are written
-a moment later (``WRITE_DELAY``) by one background writer, all that came meanwhile in one
-transaction, each row added only where no title is and only for the conversation it names
+process's own (what it spends is added to the process's usage totals, as for the memories a reset
+keeps: an increment in a transaction of its own, so a run of the process ending meanwhile loses
+nothing of it, nor it of the run: ``ProcessEngine.add_usage``), and keeps that fallback when the
+model fails or answers nothing usable; a ``TitleFn`` may replace the model (what it spends is its
+own affair). A conversation begun by a system event waits for its first user message. The titles
+made are written a moment later (``WRITE_DELAY``) by one background writer, all that came meanwhile
+in one transaction, each row added only where no title is and only for the conversation it names
 (``Store.kv_add``): a busy server pays a fraction of a commit per title, and what ends a run (the
 abort's answer, the next queued run) goes first. Reset and kill cancel the work under way; close
 writes what is made at once, and the fallback for a title a model is still being asked for.
@@ -154,7 +156,8 @@ def _text_of(value: Any) -> str | None:
 
 def model_namer(engine: ProcessEngine) -> TitleFn:
     """The ``TitleFn`` of ``titles="model"``: the process's own model (its owner's), asked once
-    without tools. A failed call raises, so the caller keeps the fallback."""
+    without tools. What the call spent is added to the process's usage totals
+    (``ProcessEngine.add_usage``). A failed call raises, so the caller keeps the fallback."""
 
     async def ask(record: ProcessRecord, text: str) -> str | None:
         model = engine.process_config(record).model
@@ -165,6 +168,10 @@ def model_namer(engine: ProcessEngine) -> TitleFn:
             max_tokens=min(model.info.max_output, MODEL_TOKENS),
         )
         reply = await model.complete(request)
+        try:  # billed whatever it answered: counted in the process's totals (no run)
+            await engine.add_usage(record.pid, reply.usage)
+        except Exception as exc:  # (the store failed: the title still stands)
+            log.warning("process %s: the title's model call was not counted: %s", record.pid, exc)
         if reply.stop_reason in ("error", "aborted"):
             raise RuntimeError(f"model {model.name} failed: {reply.error_message or reply.stop_reason}")
         return reply.text

@@ -524,13 +524,14 @@ about the work, lasting facts about people, projects and systems. Answer with a
 if there is nothing of the kind. Do not invent anything. Do not call tools."""
 
 
-async def extract_memories(model: Model, messages: list[Message]) -> str | None:
+async def extract_memories(model: Model, messages: list[Message]) -> tuple[str | None, Usage]:
     """What ``model`` finds worth remembering in ``messages`` (before a reset clears them), or
-    None: nothing, or an answer without the memories block. Failures raise ``CompactionError``."""
+    None: nothing, or an answer without the memories block; and what the call spent. Failures
+    raise ``CompactionError``."""
     transcript = _fit(render_transcript(messages), _transcript_budget(model))
     prompt = f"<conversation>\n{transcript}\n</conversation>\n\nWrite the memories block."
     reply = await _ask(model, MEMORY_SYSTEM_PROMPT, prompt, "memory")
-    return split_memories(reply.text.strip())[1]
+    return split_memories(reply.text.strip())[1], reply.usage
 
 
 # ------------------------------------------------------------------ compaction

@@ -40,7 +40,7 @@ from typing import Any
 from agentloop.loop.execute import CANCELLED
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.state import LoopConfig, Mode, check_mode
-from agentloop.messages import Message, ToolCall, tool_error_result
+from agentloop.messages import Message, ToolCall, Usage, tool_error_result
 from agentloop.process import admission, background, hil
 from agentloop.process import signals as sig
 from agentloop.process.api import (
@@ -75,7 +75,15 @@ from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.pressure import forget_context, run_keys, take_run_rows
 from agentloop.process.signals import SignalHub
-from agentloop.process.store import NoSuchProcess, ProcessBusy, ProcessRecord, QueueItem, Store, ToolCallRow
+from agentloop.process.store import (
+    NoSuchProcess,
+    ProcessBusy,
+    ProcessRecord,
+    QueueItem,
+    Store,
+    ToolCallRow,
+    UsageTotals,
+)
 from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
 from agentloop.tools.base import BackgroundRefused, background_group
@@ -534,6 +542,23 @@ class ProcessEngine:
         if self.leases is not None and live.record.current_run is None:
             self.leases.idle(pid)  # (let go of once nothing waits, as after a run)
         return done
+
+    async def add_usage(self, pid: str, usage: Usage) -> bool:
+        """Count a model call made outside the runner's transactions (a title, the memories a
+        reset keeps) in the process's usage totals: added to the stored ones in a transaction of
+        its own (``Store.add_usage``: an increment, so a run ending meanwhile, here or on another
+        worker, loses nothing and takes nothing away), then to this worker's cached record, if it
+        holds the same one still (a record loaded meanwhile read the sum). No run is counted;
+        nothing is written for a call that spent nothing. False when the process is gone."""
+        added = UsageTotals.of_call(usage)
+        if added == UsageTotals():
+            return True
+        live = self._live.get(pid)
+        if not await self.store.add_usage(pid, added):
+            return False
+        if live is not None and self._live.get(pid) is live:
+            live.record.usage = live.record.usage + added
+        return True
 
     # -- leases (see lease.py) --------------------------------------------------------------------
 

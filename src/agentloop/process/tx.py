@@ -21,7 +21,6 @@ from agentloop.process.pressure import DEFAULT_POLICY, Band, CompactionPolicy, C
 from agentloop.process.signals import Signal
 from agentloop.process.store import ProcessRecord, StoreError, UsageTotals
 from agentloop.process.store.base import ProcessState, QueueKind
-from agentloop.process.store.common import usage_columns
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -95,26 +94,27 @@ class _Tx:
         if not self.live.media and any(_has_media(m) for m in messages):
             self.after.append(lambda: setattr(self.live, "media", True))
 
-    async def set_run(self, run: dict[str, Any] | None, usage: UsageTotals | None = None) -> None:
-        """Write the active run's record (None: no run); ``usage``, the process's new totals, in
-        the same UPDATE of its registry row."""
+    async def set_run(self, run: dict[str, Any] | None, added: UsageTotals | None = None) -> None:
+        """Write the active run's record (None: no run); ``added``, what the process's usage
+        totals grow by, in the same UPDATE of its registry row (an increment: see
+        ``Store.update_process``)."""
         current = self.live.record.current_run
         if run is not None and current is not None and current.get("stopping") and current["run_id"] == run["run_id"]:
             run = {**run, "stopping": True}  # asked while a step was under way: its record keeps the request
         state: ProcessState = "running" if run is not None else "idle"
-        if usage is None:
+        if added is None:
             await self.engine.store.update_process(self.live.record.pid, current_run=run, state=state)
         else:
             await self.engine.store.update_process(
-                self.live.record.pid, current_run=run, state=state, **usage_columns(usage)
+                self.live.record.pid, current_run=run, state=state, usage_added=added
             )
 
         def apply() -> None:
             live = self.live
             live.record.current_run = run
             live.record.state = state
-            if usage is not None:
-                live.record.usage = usage
+            if added is not None:
+                live.record.usage = live.record.usage + added
             if run is None:  # the run's own configuration and prompt end with it (idle processes keep none)
                 live.config = live.prompt = None
                 self.engine._compiled.pop(live.record.pid, None)  # (a run that ended before it answered)
@@ -124,17 +124,18 @@ class _Tx:
     async def end_run(self, run: dict[str, Any]) -> None:
         """End ``run`` (its record as it stands at its end): no active run, and the process's
         usage totals grown by the run's, whatever its status (an aborted or failed run's model
-        calls were billed too), in the one registry UPDATE the end writes anyway. This engine is
-        the process's only writer, so its cached totals are the stored ones."""
-        await self.set_run(None, self.live.record.usage.plus(run["usage"]))
+        calls were billed too), in the one registry UPDATE the end writes anyway. The UPDATE adds
+        to the stored totals rather than writing this engine's: a model call counted outside the
+        engine's transactions meanwhile (a title, a reset's memories: ``ProcessEngine.add_usage``)
+        is not overwritten. The cached totals follow by the same amount."""
+        await self.set_run(None, UsageTotals().plus(run["usage"]))
 
     async def count_usage(self, usage: Usage) -> None:
         """Add a model call made outside any run (a compaction asked for while the process is
         idle) to the process's totals: it was billed, but it is no run."""
-        spent = {"input": usage.input, "output": usage.output, "total_tokens": usage.total_tokens}
-        totals = self.live.record.usage.plus({**spent, "cost": usage.cost.total}, runs=0)
-        await self.engine.store.update_process(self.live.record.pid, **usage_columns(totals))
-        self.after.append(lambda: setattr(self.live.record, "usage", totals))
+        added = UsageTotals.of_call(usage)
+        await self.engine.store.update_process(self.live.record.pid, usage_added=added)
+        self.after.append(lambda: setattr(self.live.record, "usage", self.live.record.usage + added))
 
     async def start_run(
         self, message: Message, reason: str, run_id: str | None = None, *, queued: int | None = None

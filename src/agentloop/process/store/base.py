@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
 
-from agentloop.messages import Message
+from agentloop.messages import Message, Usage
 
 ProcessState: TypeAlias = Literal["idle", "running", "killed"]
 CallStatus: TypeAlias = Literal["registered", "dispatched", "completed", "failed", "cancelled", "denied"]
@@ -67,6 +67,20 @@ class UsageTotals:
             self.cost + run["cost"],
             self.runs + runs,
         )
+
+    def __add__(self, other: UsageTotals) -> UsageTotals:
+        return UsageTotals(
+            self.input + other.input,
+            self.output + other.output,
+            self.total_tokens + other.total_tokens,
+            self.cost + other.cost,
+            self.runs + other.runs,
+        )
+
+    @classmethod
+    def of_call(cls, usage: Usage) -> UsageTotals:
+        """One model call's usage (made outside any run: no run counted) as totals to add."""
+        return cls(usage.input, usage.output, usage.total_tokens, usage.cost.total, 0)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -324,7 +338,24 @@ class Store(ABC):
     @abstractmethod
     async def update_process(self, pid: str, **fields: Any) -> None:
         """Set ``state``, ``current_run``, ``history_generation``, ``cwd``, ``context``,
-        ``interactive`` or the usage totals (``common.usage_columns``)."""
+        ``interactive`` or the usage totals (``common.usage_columns``), or add to the totals:
+        ``usage_added`` (``UsageTotals``) is added to the stored ones by the UPDATE itself
+        (``usage_input = usage_input + ?``), so two writers that each add what they spent lose
+        nothing of each other's, whichever commits first. The durable runner adds a run's usage
+        so when the run ends, in the one UPDATE of its registry row."""
+
+    async def add_usage(self, pid: str, added: UsageTotals) -> bool:
+        """Add ``added`` to the process's usage totals in a transaction of its own (a model call
+        made outside the runner's transactions: a title, the memories a reset keeps). An
+        increment (see ``update_process``): a run ending meanwhile loses nothing, nor does this.
+        False, and nothing written, when the process does not exist (killed: its totals were
+        folded into its owner's already, and what came later is not counted)."""
+        try:
+            async with self.transaction():
+                await self.update_process(pid, usage_added=added)
+        except NoSuchProcess:
+            return False
+        return True
 
     @abstractmethod
     async def delete_process(self, pid: str) -> None:

@@ -11,9 +11,23 @@ from agentloop.process.store.base import AccountRecord, HilRow, ProcessRecord, T
 
 # a process's usage totals (``UsageTotals``, field by field) as registry and ``account_usage`` columns
 USAGE_COLUMNS = ("usage_input", "usage_output", "usage_total_tokens", "usage_cost", "runs")
-# the registry columns ``Store.update_process`` may set
+# ``Store.update_process``'s increment of the usage totals: a ``UsageTotals`` added to the stored
+# ones in the UPDATE itself (``col = col + ?``), so writers that do not see each other's totals (a
+# run's end, a title's model call in the background) lose nothing of each other's
+USAGE_ADDED = "usage_added"
+# the registry columns ``Store.update_process`` may set, and the increment
 UPDATABLE_FIELDS = frozenset(
-    {"state", "current_run", "history_generation", "cwd", "context", "interactive", "run_as", *USAGE_COLUMNS}
+    {
+        "state",
+        "current_run",
+        "history_generation",
+        "cwd",
+        "context",
+        "interactive",
+        "run_as",
+        *USAGE_COLUMNS,
+        USAGE_ADDED,
+    }
 )
 
 
@@ -74,12 +88,13 @@ ACCOUNT_USAGE = (
     f"SELECT {_SUMS} FROM (SELECT {_USAGE} FROM processes WHERE owner = $1"
     f" UNION ALL SELECT {_USAGE} FROM account_usage WHERE account = $1) AS u"
 )
-# before the row of process $1 is deleted: its totals join its owner's (a process that never
-# finished a run leaves nothing to add). The WHERE also keeps SQLite's parser from reading
-# ON CONFLICT as part of a join.
+# before the row of process $1 is deleted: its totals join its owner's (a process that spent
+# nothing, in runs or outside them, leaves nothing to add). The WHERE also keeps SQLite's parser
+# from reading ON CONFLICT as part of a join.
 FOLD_USAGE = (
     f"INSERT INTO account_usage (account, {_USAGE}) SELECT owner, {_USAGE} FROM processes"
-    " WHERE pid = $1 AND runs > 0 ON CONFLICT (account) DO UPDATE SET "
+    " WHERE pid = $1 AND (runs > 0 OR usage_total_tokens > 0 OR usage_input > 0 OR usage_output > 0"
+    " OR usage_cost > 0) ON CONFLICT (account) DO UPDATE SET "
     + ", ".join(f"{c} = account_usage.{c} + excluded.{c}" for c in USAGE_COLUMNS)
 )
 
@@ -128,6 +143,13 @@ def usage_columns(totals: UsageTotals) -> dict[str, Any]:
     """``totals`` as the registry columns ``Store.update_process`` sets."""
     values = (totals.input, totals.output, totals.total_tokens, totals.cost, totals.runs)
     return dict(zip(USAGE_COLUMNS, values, strict=True))
+
+
+def usage_increments(added: Any) -> dict[str, Any]:
+    """``update_process``'s ``usage_added`` (a ``UsageTotals``) as column -> amount to add."""
+    if not isinstance(added, UsageTotals):
+        raise TypeError(f"{USAGE_ADDED} must be UsageTotals, got {type(added).__name__}")
+    return usage_columns(added)
 
 
 def call_row(r: Any) -> ToolCallRow:

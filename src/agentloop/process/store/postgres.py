@@ -88,12 +88,14 @@ from agentloop.process.store.common import (
     SEGMENT_COLUMNS,
     TOKEN_COLUMNS,
     UPDATABLE_FIELDS,
+    USAGE_ADDED,
     WATCH_COLUMNS,
     account_row,
     call_row,
     dumps,
     hil_row,
     process_record,
+    usage_increments,
     usage_totals,
     watch_row,
 )
@@ -489,14 +491,24 @@ class PostgresStore(Store):
             if await db.fetchval("SELECT 1 FROM processes WHERE pid = $1 FOR UPDATE", pid) is None:
                 raise NoSuchProcess(pid)
             return
+        fields = dict(fields)
+        added = fields.pop(USAGE_ADDED, None)
+        increments = {} if added is None else usage_increments(added)
+        for column in [c for c in increments if c in fields]:  # (a total set in the same call: the sum is set)
+            fields[column] += increments.pop(column)
         values: list[Any] = []
+        assignments: list[str] = []
         for key, value in fields.items():
             if key == "current_run":
                 value = dumps(value) if value is not None else None
             elif key == "interactive":
                 value = int(value)
             values.append(value)
-        sets = ", ".join(f"{key} = ${i}" for i, key in enumerate(fields, start=1))
+            assignments.append(f"{key} = ${len(values)}")
+        for column, amount in increments.items():  # a writer that did not see these totals loses nothing
+            values.append(amount)
+            assignments.append(f"{column} = {column} + ${len(values)}")
+        sets = ", ".join(assignments)
         n = len(values)
         status = await db.execute(
             f"UPDATE processes SET {sets}, updated_at = ${n + 1} WHERE pid = ${n + 2}", *values, time.time(), pid

@@ -64,12 +64,15 @@ from agentloop.process.store.common import (
     SEGMENT_COLUMNS,
     TOKEN_COLUMNS,
     UPDATABLE_FIELDS,
+    USAGE_ADDED,
+    USAGE_COLUMNS,
     WATCH_COLUMNS,
     account_row,
     call_row,
     dumps,
     hil_row,
     process_record,
+    usage_increments,
     usage_totals,
     watch_row,
 )
@@ -90,6 +93,13 @@ _FOLD_USAGE = FOLD_USAGE.replace("$1", "?1")
 _ACCOUNT_USAGE = ACCOUNT_USAGE.replace("$1", "?1")
 _OWNER_KV = OWNER_KV.format(owner="?", key="?")
 _KV_ADD = KV_ADD.format(pid="?1", key="?2", value="?3", generation="?4")
+
+
+@functools.cache
+def _assignments(columns: tuple[str, ...]) -> str:
+    """The SET list of a registry UPDATE: ``column = ?``, or ``column = column + ?`` for an
+    increment (a pending field named ``+column``: ``update_process``'s ``usage_added``)."""
+    return ", ".join(f"{c[1:]} = {c[1:]} + ?" if c[0] == "+" else f"{c} = ?" for c in columns)
 
 
 @functools.cache
@@ -495,11 +505,11 @@ class SQLiteStore(Store):
             if sets is not None:
                 cols.append("updated_at")
                 values.append(time.time())
-            db.execute(f"UPDATE processes SET {' = ?, '.join(cols)} = ? WHERE pid = ?", (*values, pid))
+            db.execute(f"UPDATE processes SET {_assignments(tuple(cols))} WHERE pid = ?", (*values, pid))
             written[:] = counters
         for pid, sets in fields.items():  # fields of a process whose counters were not loaded
             cols, values = [*sets, "updated_at"], [*sets.values(), time.time()]
-            db.execute(f"UPDATE processes SET {' = ?, '.join(cols)} = ? WHERE pid = ?", (*values, pid))
+            db.execute(f"UPDATE processes SET {_assignments(tuple(cols))} WHERE pid = ?", (*values, pid))
         fields.clear()
 
     def _read_registry(self) -> sqlite3.Connection:
@@ -568,6 +578,15 @@ class SQLiteStore(Store):
         counters = self._counters(pid)  # NoSuchProcess now, not at commit
         pending = self._tx_fields.setdefault(pid, {})
         for key, value in fields.items():
+            if key == USAGE_ADDED:  # increments ("+column"), or added to a total this transaction set
+                for column, amount in usage_increments(value).items():
+                    if column in pending:
+                        pending[column] += amount
+                    else:
+                        pending["+" + column] = pending.get("+" + column, 0) + amount
+                continue
+            if key in USAGE_COLUMNS:  # a total set replaces what this transaction added before
+                pending.pop("+" + key, None)
             if key == "current_run":
                 value = dumps(value) if value is not None else None
             elif key == "interactive":
