@@ -1,26 +1,22 @@
 """``agentloop whatsapp``: the durable agent, reachable from WhatsApp (``agentloop.channels.whatsapp``).
 
-The command opens the kernel as ``agentloop telegram`` does and serves a ``WhatsAppBridge``'s
-webhook on ``--host``/``--port`` (127.0.0.1:8787 by default: a reverse proxy or a tunnel gives it
-the public HTTPS address Meta calls) until SIGINT/SIGTERM, which stop serving and close the kernel
-cleanly. The secrets come from the environment (``WHATSAPP_ACCESS_TOKEN``, ``WHATSAPP_APP_SECRET``,
+The command checks its secrets and options, then serves a ``WhatsAppBridge``'s webhook on
+``--host``/``--port`` (127.0.0.1:8787 by default: a reverse proxy or a tunnel gives it the public
+HTTPS address Meta calls) on a kernel opened as ``agentloop serve`` opens it, until SIGINT/SIGTERM
+(``cli.channel``). The secrets come from the environment (``WHATSAPP_ACCESS_TOKEN``, ``WHATSAPP_APP_SECRET``,
 ``WHATSAPP_VERIFY_TOKEN``, and ``WHATSAPP_PHONE_NUMBER_ID``), never from the command line, where
 ``ps`` would show them to everyone.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
-import sys
-from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agentloop.cli.approvals import ApprovalSetting
-from agentloop.cli.config import Settings, kernel_options, open_model
+from agentloop.cli.channel import Bridge, run_bridge
+from agentloop.cli.config import Settings
 from agentloop.cli.options import (
     CompactionOpt,
     DataOpt,
@@ -37,7 +33,9 @@ from agentloop.cli.options import (
     WorkspaceOpt,
     loop_flags,
 )
-from agentloop.cli.render import Progress
+
+if TYPE_CHECKING:
+    from agentloop.kernel import Kernel
 
 ENV = ("WHATSAPP_ACCESS_TOKEN", "WHATSAPP_APP_SECRET", "WHATSAPP_VERIFY_TOKEN", "WHATSAPP_PHONE_NUMBER_ID")
 
@@ -103,9 +101,8 @@ def whatsapp(
         check_graph_url,
         check_phone_number_id,
     )
-    from agentloop.cli.chat import data_dir, make_data_dir
-    from agentloop.cli.main import CliError, _approval, _fail, _guarded, _settings, _workspace
-    from agentloop.cli.telegram import _log_to_stderr
+    from agentloop.channels.whatsapp import WhatsAppBridge
+    from agentloop.cli.main import CliError, _fail, _guarded
     from agentloop.process.archive import check_name
 
     with _guarded():
@@ -140,94 +137,38 @@ def whatsapp(
         flags = loop_flags(
             max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold, reasoning
         )
-        settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
-        setting = _approval(approval)
-        ws = _workspace(settings)
-        directory = data_dir(data)
-        try:
-            make_data_dir(directory)
-        except OSError as exc:
-            raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
-        handler = _log_to_stderr()
-        try:
-            where = _Where(host, port, path, url, version)
-            asyncio.run(_run(settings, setting, ws, directory.resolve(), secrets, numbers, where, account))
-        finally:
-            logging.getLogger("agentloop.channels").removeHandler(handler)
 
+        async def start(kernel: Kernel, settings: Settings) -> tuple[Bridge, str]:
+            bridge = WhatsAppBridge(
+                kernel,
+                access_token=secrets["WHATSAPP_ACCESS_TOKEN"],
+                app_secret=secrets["WHATSAPP_APP_SECRET"],
+                verify_token=secrets["WHATSAPP_VERIFY_TOKEN"],
+                phone_number_id=secrets["WHATSAPP_PHONE_NUMBER_ID"],
+                allow=numbers,
+                path=path,
+                graph_url=url,
+                api_version=version,
+                account=account,
+            )
+            try:
+                listening = await bridge.listen(host, port)
+            except OSError as exc:
+                await bridge.close()
+                raise CliError(str(exc)) from None
+            shown = f"[{host}]" if ":" in host else host
+            where = f"http://{shown}:{listening}{path}"
+            return bridge, f"webhook on {where} ({settings.model}); allowed numbers: {', '.join(numbers)}"
 
-class _Where(NamedTuple):
-    host: str
-    port: int
-    path: str
-    graph_url: str
-    api_version: str
-
-
-async def _run(
-    settings: Settings,
-    setting: ApprovalSetting,
-    ws: Path,
-    directory: Path,
-    secrets: dict[str, str],
-    allow: list[str],
-    where: _Where,
-    account: str | None,
-) -> None:
-    from agentloop.channels.whatsapp import WhatsAppBridge
-    from agentloop.cli.main import CliError
-    from agentloop.cli.telegram import _stop_on_signals
-    from agentloop.cli.tooling import extra_tools
-    from agentloop.kernel import Kernel
-
-    progress = Progress()
-    model = open_model(settings.model, progress)
-    options = kernel_options(settings, progress)
-    async with (
-        extra_tools(settings, ws) as extra,
-        Kernel.open(
-            settings.store or f"sqlite:///{directory}/agentloop.db",
+        run_bridge(
+            "whatsapp",
+            start,
             model=model,
-            workspace=ws,
-            system_prompt=settings.system_prompt,
-            data_dir=directory,
-            extra_tools=extra,
-            **setting.kernel_options(owner=account),
-            **options,
-        ) as kernel,
-    ):
-        bridge = WhatsAppBridge(
-            kernel,
-            access_token=secrets["WHATSAPP_ACCESS_TOKEN"],
-            app_secret=secrets["WHATSAPP_APP_SECRET"],
-            verify_token=secrets["WHATSAPP_VERIFY_TOKEN"],
-            phone_number_id=secrets["WHATSAPP_PHONE_NUMBER_ID"],
-            allow=allow,
-            path=where.path,
-            graph_url=where.graph_url,
-            api_version=where.api_version,
+            workspace=workspace,
+            system=system,
+            data=data,
+            approval=approval,
+            store=store,
+            flags=flags,
             account=account,
         )
-        try:
-            try:
-                port = await bridge.listen(where.host, where.port)
-            except OSError as exc:
-                raise CliError(str(exc)) from None
-            shown = f"[{where.host}]" if ":" in where.host else where.host
-            sys.stderr.write(
-                f"agentloop whatsapp: webhook on http://{shown}:{port}{where.path} ({settings.model}); "
-                f"allowed numbers: {', '.join(allow)}\n"
-            )
-            sys.stderr.flush()
-            stop = asyncio.Event()
-            with _stop_on_signals(stop):
-                waiting = asyncio.ensure_future(stop.wait())
-                serving = asyncio.ensure_future(bridge.wait())
-                try:
-                    await asyncio.wait({waiting, serving}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiting.cancel()
-                    serving.cancel()
-            sys.stderr.write("agentloop whatsapp: stopping\n")
-        finally:
-            await bridge.close()  # before the kernel closes

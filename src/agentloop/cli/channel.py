@@ -1,0 +1,145 @@
+"""What the chat-app commands (``agentloop telegram``, ``agentloop whatsapp``) do alike: open the
+kernel as ``agentloop serve`` does (``<data>/agentloop.db``, or the store ``--store`` names), start
+the channel's bridge on it, log the bridge (refusals, retries, failures: never a secret) on stderr,
+and run until SIGINT/SIGTERM, which close the bridge and then the kernel cleanly; the next start
+resumes unfinished runs where they stopped. Each command checks its own secrets and options first
+and hands over a function that starts its bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from agentloop.cli.config import LoopFlags, Settings, kernel_options, open_model
+from agentloop.cli.render import Progress
+
+if TYPE_CHECKING:
+    from agentloop.cli.approvals import ApprovalSetting
+    from agentloop.kernel import Kernel
+
+
+class Bridge(Protocol):
+    async def wait(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# starts the channel's bridge on the kernel: the bridge, and the line that says where it listens
+# (a failure to start raises ``CliError``)
+StartBridge = Callable[["Kernel", Settings], Awaitable[tuple[Bridge, str]]]
+
+
+def run_bridge(
+    name: str,
+    start: StartBridge,
+    *,
+    model: str | None,
+    workspace: Path | None,
+    system: str | None,
+    data: Path | None,
+    approval: str,
+    store: str | None,
+    flags: LoopFlags,
+    account: str | None,
+) -> None:
+    """Run the ``name`` channel's bridge (``start``) on a kernel made from the command's options,
+    until a signal stops it. Called inside ``cli.main._guarded``."""
+    from agentloop.cli.chat import data_dir, make_data_dir
+    from agentloop.cli.main import CliError, _approval, _settings, _workspace
+
+    settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
+    setting = _approval(approval)
+    ws = _workspace(settings)
+    directory = data_dir(data)
+    try:
+        make_data_dir(directory)
+    except OSError as exc:
+        raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
+    handler = _log_to_stderr()
+    try:
+        asyncio.run(_serve(name, start, settings, setting, ws, directory.resolve(), account))
+    finally:
+        logging.getLogger("agentloop.channels").removeHandler(handler)
+
+
+def _log_to_stderr() -> logging.Handler:
+    """The bridges' log on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("agentloop.channels")
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+async def _serve(
+    name: str,
+    start: StartBridge,
+    settings: Settings,
+    setting: ApprovalSetting,
+    ws: Path,
+    directory: Path,
+    account: str | None,
+) -> None:
+    from agentloop.cli.tooling import extra_tools
+    from agentloop.kernel import Kernel
+
+    progress = Progress()
+    model = open_model(settings.model, progress)
+    options = kernel_options(settings, progress)
+    async with (
+        extra_tools(settings, ws) as extra,
+        Kernel.open(
+            settings.store or f"sqlite:///{directory}/agentloop.db",
+            model=model,
+            workspace=ws,
+            system_prompt=settings.system_prompt,
+            data_dir=directory,
+            extra_tools=extra,
+            **setting.kernel_options(owner=account),
+            **options,
+        ) as kernel,
+    ):
+        bridge, listening = await start(kernel, settings)
+        try:
+            sys.stderr.write(f"agentloop {name}: {listening}\n")
+            sys.stderr.flush()
+            stop = asyncio.Event()
+            with _stop_on_signals(stop):
+                waiting = asyncio.ensure_future(stop.wait())
+                running = asyncio.ensure_future(bridge.wait())
+                try:
+                    await asyncio.wait({waiting, running}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiting.cancel()
+                    running.cancel()
+            sys.stderr.write(f"agentloop {name}: stopping\n")
+        finally:
+            await bridge.close()  # before the kernel closes
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set ``stop``: the bridge and the kernel close as on any way out."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, stop.set)
+                installed.append(signum)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+    try:
+        yield
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
