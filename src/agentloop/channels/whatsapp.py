@@ -37,7 +37,6 @@ import hashlib
 import hmac
 import json
 import logging
-import socket
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -51,6 +50,7 @@ from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
 from agentloop.process.archive import check_name
+from agentloop.sockets import listening_socket
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -116,23 +116,6 @@ def approval_message(wa_id: str, payload: Mapping[str, Any], request_id: str) ->
     ]
     interactive = {"type": "button", "body": {"text": body}, "action": {"buttons": buttons}}
     return {"to": wa_id, "type": "interactive", "interactive": interactive}
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except (OSError, IndexError) as exc:
-        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    sock.setblocking(False)
-    return sock
 
 
 class WhatsAppBridge(ChatBridge[str]):
@@ -254,7 +237,7 @@ class WhatsAppBridge(ChatBridge[str]):
                 yield
 
         await self.start()
-        sock = _bind(host, port)
+        sock = listening_socket(host, port)
         config = uvicorn.Config(
             self.app(), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
         )

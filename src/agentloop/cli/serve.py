@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import ipaddress
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator
@@ -53,6 +52,7 @@ from agentloop.cli.options import (
     loop_flags,
 )
 from agentloop.cli.render import Progress
+from agentloop.sockets import listening_socket
 
 if TYPE_CHECKING:  # (the server extra may be missing: imported where it is used)
     from agentloop.server.auth import Accounts
@@ -113,25 +113,6 @@ def url_of(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the server starts so a busy port is a clear error (and
-    ``--port 0`` picks a free one). SO_REUSEADDR lets a restart take the port straight back."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except (OSError, IndexError) as exc:
-        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    sock.setblocking(False)
-    return sock
-
-
 def _server_class() -> Any:
     import uvicorn
 
@@ -168,7 +149,7 @@ async def serve_async(
     from agentloop.tools.builtin import builtin_tools
 
     settings = opts.settings
-    sock = bind(opts.host, opts.port)
+    sock = listening_socket(opts.host, opts.port, backlog=2048)
     try:
         progress = Progress()
         model = open_model(settings.model, progress)
