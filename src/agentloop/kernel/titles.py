@@ -396,8 +396,8 @@ class Titles:
         process instead."""
         self.closing = True
         self.engine.hub.untap(self._heard)
-        for pid, (record, text, generation) in self.asking.items():
-            self.ready[pid] = (text, FALLBACK_CHARS, generation, record.owner)
+        for pid, (record, text, generation) in self.asking.items():  # (a task that ended this turn made one)
+            self.ready.setdefault(pid, (text, FALLBACK_CHARS, generation, record.owner))
         tasks = [*self.tasks.values(), *self._ending]
         for task in tasks:
             task.cancel()

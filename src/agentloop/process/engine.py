@@ -549,15 +549,32 @@ class ProcessEngine:
         its own (``Store.add_usage``: an increment, so a run ending meanwhile, here or on another
         worker, loses nothing and takes nothing away), then to this worker's cached record, if it
         holds the same one still (a record loaded meanwhile read the sum). No run is counted;
-        nothing is written for a call that spent nothing. False when the process is gone."""
+        nothing is written for a call that spent nothing. False when the process is gone. The
+        cache follows when the increment is durable (``settled``), even if this task is cancelled
+        while its group commits: the increment is kept all the same."""
         added = UsageTotals.of_call(usage)
         if added == UsageTotals():
             return True
-        live = self._live.get(pid)
-        if not await self.store.add_usage(pid, added):
-            return False
-        if live is not None and self._live.get(pid) is live:
-            live.record.usage = live.record.usage + added
+        scope = self.store.transaction()  # (``Store.add_usage``, with the cache told at the commit)
+        await scope.begin()
+        live = self._live.get(pid)  # (once the store is ours: a record loaded later reads the sum)
+        try:
+            await self.store.update_process(pid, usage_added=added)
+        except BaseException as exc:
+            scope.end(commit=False)
+            if isinstance(exc, NoSuchProcess):
+                return False
+            raise
+
+        def settled(error: BaseException | None) -> None:
+            if error is None and live is not None and self._live.get(pid) is live:
+                live.record.usage = live.record.usage + added
+
+        pending = scope.end(commit=True, settled=settled)
+        if pending is None:
+            settled(None)
+        else:
+            await pending
         return True
 
     # -- leases (see lease.py) --------------------------------------------------------------------

@@ -80,6 +80,7 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the IPv4 address is the last 32 bits
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # local-use NAT64 (RFC 8215), not globally reachable
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+_SIIT = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT's IPv4-translated addresses: the last 32 bits
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
 _TEXT_TYPES = frozenset(
@@ -144,7 +145,7 @@ def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
         return ip.ipv4_mapped
     if ip.sixtofour is not None:
         return ip.sixtofour
-    if ip in _NAT64:
+    if ip in _NAT64 or ip in _SIIT:
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
 
@@ -158,6 +159,8 @@ def refusal(ip: IPAddress) -> str | None:
             ip = carried
         elif ip in _NAT64_LOCAL or (ip in _IPV4_COMPATIBLE and not (ip.is_loopback or ip.is_unspecified)):
             return "not a public address"  # (where the IPv4 address sits varies, or it is deprecated)
+        elif ip.is_site_local:  # fec0::/10, deprecated but routed inside a site (not private to ipaddress)
+            return "not a public address"
     if ip.is_unspecified:
         return "the unspecified address"
     if ip.is_loopback:
@@ -375,11 +378,16 @@ class _Deflate:
 
     def __init__(self) -> None:
         self._inflate: Any = None
+        self._head = b""  # the first bytes, until two tell which it is (a read may hold one)
         self.unconsumed_tail = b""
 
     def decompress(self, data: bytes, max_length: int) -> bytes:
         if self._inflate is None:
-            wrapped = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            data = self._head + data
+            if len(data) < 2:
+                self._head, self.unconsumed_tail = data, b""
+                return b""
+            wrapped = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
             self._inflate = zlib.decompressobj(wbits=15 if wrapped else -15)
         out: bytes = self._inflate.decompress(data, max_length)
         self.unconsumed_tail = self._inflate.unconsumed_tail
@@ -543,7 +551,9 @@ async def _fetch(
     max_chars: int,
 ) -> ToolResult:
     hops: list[str] = []
-    defaults = {"User-Agent": USER_AGENT, "Accept": ACCEPT}
+    # Accept-Encoding named here: httpx offers br and zstd whenever their packages are installed,
+    # and ``_read`` inflates gzip and deflate only
+    defaults = {"User-Agent": USER_AGENT, "Accept": ACCEPT, "Accept-Encoding": "gzip, deflate"}
     # trust_env off: the environment's proxies would connect instead of us (past the checks),
     # and its .netrc would add the runtime's credentials to requests the model chose
     async with httpx.AsyncClient(trust_env=False, follow_redirects=False, headers=defaults) as client:

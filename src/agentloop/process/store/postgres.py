@@ -517,7 +517,11 @@ class PostgresStore(Store):
             raise NoSuchProcess(pid)
 
     async def delete_process(self, pid: str) -> None:
-        await self._write().execute(_DELETE_PROCESS, pid, time.time())
+        db = self._write()
+        # the row locked first, in a statement of its own: the fold's snapshot is then taken after
+        # any writer that held it committed (an increment of its totals is folded, not deleted)
+        await db.execute("SELECT 1 FROM processes WHERE pid = $1 FOR UPDATE", pid)
+        await db.execute(_DELETE_PROCESS, pid, time.time())
 
     async def account_usage(self, owner: str) -> UsageTotals:
         async with self._reading() as db:

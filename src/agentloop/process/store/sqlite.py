@@ -577,14 +577,10 @@ class SQLiteStore(Store):
         self._write()
         counters = self._counters(pid)  # NoSuchProcess now, not at commit
         pending = self._tx_fields.setdefault(pid, {})
+        added = usage_increments(fields[USAGE_ADDED]) if USAGE_ADDED in fields else None
         for key, value in fields.items():
-            if key == USAGE_ADDED:  # increments ("+column"), or added to a total this transaction set
-                for column, amount in usage_increments(value).items():
-                    if column in pending:
-                        pending[column] += amount
-                    else:
-                        pending["+" + column] = pending.get("+" + column, 0) + amount
-                continue
+            if key == USAGE_ADDED:
+                continue  # (after the totals set in the same call: the sum is set, as on PostgreSQL)
             if key in USAGE_COLUMNS:  # a total set replaces what this transaction added before
                 pending.pop("+" + key, None)
             if key == "current_run":
@@ -594,6 +590,12 @@ class SQLiteStore(Store):
             elif key == "history_generation":
                 counters[3] = value
             pending[key] = value
+        if added is not None:  # increments ("+column"), or added to a total this transaction set
+            for column, amount in added.items():
+                if column in pending:
+                    pending[column] += amount
+                else:
+                    pending["+" + column] = pending.get("+" + column, 0) + amount
 
     async def delete_process(self, pid: str) -> None:
         self._write()
