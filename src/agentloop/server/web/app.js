@@ -35,19 +35,75 @@ async function signIn(token) {
   if (last) await openProcess(last).catch(() => sessionStorage.removeItem(PID_KEY));
 }
 
+const expanded = new Set(); // the parents whose subagents the list shows (collapsed by default)
+
+/** The account's processes, each subagent (parent_pid set) indented under its parent, behind a
+ * toggle on the parent; one whose parent is not listed (killed) is shown at the top level. */
 async function listProcesses() {
   const { processes } = await api("GET", "/v1/processes");
+  const listed = new Set(processes.map((p) => p.pid));
+  const children = new Map();
+  const top = [];
+  for (const p of processes) {
+    if (p.parent_pid && p.parent_pid !== p.pid && listed.has(p.parent_pid)) {
+      if (!children.has(p.parent_pid)) children.set(p.parent_pid, []);
+      children.get(p.parent_pid).push(p);
+    } else top.push(p);
+  }
   const list = $("processes");
   list.replaceChildren();
-  for (const p of processes) {
+  const add = (p, depth) => {
     const item = el("li");
     item.dataset.pid = p.pid;
     item.title = p.pid; // the pid as its tooltip: the list shows the process's title
-    item.append(el("span", "name"), el("span", "state", p.state));
+    item.append(el("span", "name"));
+    if (depth > 0) {
+      item.dataset.parent = p.parent_pid;
+      item.dataset.depth = String(depth);
+      item.style.setProperty("--depth", String(depth));
+    }
+    const kids = children.get(p.pid) || [];
+    if (kids.length) {
+      const toggle = el("button", "subagents");
+      toggle.type = "button";
+      toggle.dataset.count = String(kids.length);
+      toggle.addEventListener("click", (event) => {
+        event.stopPropagation(); // folding is not opening
+        if (!expanded.delete(p.pid)) expanded.add(p.pid);
+        fold();
+      });
+      item.append(toggle);
+    }
+    item.append(el("span", "state", p.state));
     list.append(item);
     retitle(p.pid, p.title);
     if (view && view.pid === p.pid) item.classList.add("selected");
     item.addEventListener("click", () => openProcess(p.pid).catch((err) => status(err.message)));
+    for (const kid of kids) add(kid, depth + 1);
+  };
+  for (const p of top) add(p, 0);
+  fold();
+}
+
+/** Show the subagents of the expanded parents (whose own parents are shown), hide the others. */
+function fold() {
+  for (const item of $("processes").children) {
+    const parent = item.dataset.parent ? listItem(item.dataset.parent) : null;
+    item.hidden = parent !== null && (parent.hidden || !expanded.has(parent.dataset.pid));
+    const toggle = item.querySelector(":scope > .subagents");
+    if (toggle) {
+      const open = expanded.has(item.dataset.pid);
+      const n = Number(toggle.dataset.count);
+      toggle.textContent = `${open ? "▾" : "▸"} ${n} subagent${n === 1 ? "" : "s"}`;
+      toggle.setAttribute("aria-expanded", String(open));
+    }
+  }
+}
+
+/** Expand the parents of `pid`'s item, so an open subagent is not hidden in the list. */
+function reveal(pid) {
+  for (let item = listItem(pid); item && item.dataset.parent; item = listItem(item.dataset.parent)) {
+    expanded.add(item.dataset.parent);
   }
 }
 
@@ -176,6 +232,8 @@ async function openProcess(pid) {
   });
   sessionStorage.setItem(PID_KEY, pid); // a reload reopens it; it is not a secret
   for (const li of $("processes").children) li.classList.toggle("selected", li.dataset.pid === pid);
+  reveal(pid);
+  fold();
   await view.open();
 }
 
