@@ -51,17 +51,12 @@ def run_bridge(
 ) -> None:
     """Run the ``name`` channel's bridge (``start``) on a kernel made from the command's options,
     until a signal stops it. Called inside ``cli.main._guarded``."""
-    from agentloop.cli.chat import data_dir, make_data_dir
-    from agentloop.cli.main import CliError, _approval, _settings, _workspace
+    from agentloop.cli.main import _approval, _data_directory, _settings, _workspace
 
     settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
     setting = _approval(approval)
     ws = _workspace(settings)
-    directory = data_dir(data)
-    try:
-        make_data_dir(directory)
-    except OSError as exc:
-        raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
+    directory = _data_directory(data)
     handler = _log_to_stderr()
     try:
         asyncio.run(_serve(name, start, settings, setting, ws, directory.resolve(), account))

@@ -189,6 +189,18 @@ def _workspace(settings: Settings) -> Path:
     return path.resolve()
 
 
+def _data_directory(data: Path | None) -> Path:
+    """The data directory (``--data``, else the environment's, see ``chat.data_dir``), made for
+    its owner only if it is missing; CliError when it cannot be used."""
+    from agentloop.cli.chat import data_dir, make_data_dir
+
+    directory = data_dir(data)
+    try:
+        return make_data_dir(directory)
+    except OSError as exc:
+        raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
+
+
 def _is_embedded(settings: Settings) -> bool:
     return parse_model_string(settings.model)[0] == "local"
 
@@ -464,18 +476,12 @@ def _durable_chat(
         ChatRepl,
         ChatState,
         DurableSession,
-        data_dir,
         history_file,
         local_user,
-        make_data_dir,
     )
     from agentloop.kernel import Kernel
 
-    directory = data_dir(data)
-    try:
-        make_data_dir(directory)
-    except OSError as exc:
-        raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
+    directory = _data_directory(data)
     model = open_model(settings.model, progress)
     options = kernel_options(settings, progress)
     ev = asyncio.new_event_loop()

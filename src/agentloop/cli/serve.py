@@ -424,8 +424,7 @@ def serve(
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
-    from agentloop.cli.chat import data_dir, make_data_dir
-    from agentloop.cli.main import CliError, _approval, _exit, _fail, _guarded, _settings, _workspace
+    from agentloop.cli.main import CliError, _approval, _data_directory, _exit, _fail, _guarded, _settings, _workspace
 
     with _guarded():
         if not chat and (new or pid is not None):
@@ -436,11 +435,7 @@ def serve(
         settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
         setting = _approval(approval)
         ws = _workspace(settings)
-        directory = data_dir(data)
-        try:
-            make_data_dir(directory)
-        except OSError as exc:
-            raise CliError(f"cannot use the data directory {directory}: {exc.strerror or exc}") from exc
+        directory = _data_directory(data)
         if not is_loopback(host):
             sys.stderr.write(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
