@@ -21,14 +21,14 @@ from rich.console import Console
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Kernel, Process
 from agentloop.loop.hooks import Block, TurnInfo
-from agentloop.messages import Message, SystemMessage, UserMessage
+from agentloop.messages import Message, SystemMessage
 from agentloop.models.base import ModelRequest, ProviderError
 from agentloop.process.api import RunActive
 from agentloop.process.archive import read_archive
 from agentloop.process.compaction import SUMMARY_KIND, SUMMARY_SYSTEM_PROMPT, CompactionError
 from agentloop.server import api
-from tests import server_support
-from tests.server_support import LiveServer, checked, refused, wait_idle
+from tests import server_support, test_queue_control
+from tests.server_support import LiveServer, checked, refused, slow, wait_idle
 from tests.ws_support import KernelServer
 
 LONG = "lorem ipsum dolor sit amet " * 80  # about 540 tokens
@@ -433,19 +433,10 @@ async def test_the_client_compacts_and_reads_segments(server: LiveServer) -> Non
 
 
 def ws_script(req: ModelRequest) -> Reply | str:
+    """The queue tests' WebSocket script, which also answers the summary call."""
     if req.system_prompt == SUMMARY_SYSTEM_PROMPT:
         return "Summary: long texts."
-    last = req.messages[-1]
-    if isinstance(last, UserMessage) and last.text == "sleep":
-        return Reply(tool_calls=[call("slow", seconds=30)])
-    return "reply: " + last.text
-
-
-@tool
-async def slow(seconds: float) -> str:
-    """Sleep."""
-    await asyncio.sleep(seconds)
-    return f"slept {seconds}"
+    return test_queue_control.ws_script(req)
 
 
 def test_websocket_compacts_and_reads_segments_with_the_same_rules(tmp_path: Path) -> None:

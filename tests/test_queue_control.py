@@ -30,7 +30,7 @@ from agentloop.process import signals as sig
 from agentloop.process.store import QueueItem
 from agentloop.server import api
 from tests import server_support
-from tests.server_support import LiveServer, checked, refused, wait_until
+from tests.server_support import LiveServer, checked, refused, slow, wait_until
 from tests.ws_support import KernelServer
 
 PNG = base64.b64encode(
@@ -569,13 +569,6 @@ def ws_script(req: ModelRequest) -> Reply | str:
     if isinstance(last, UserMessage) and last.text == "sleep":
         return Reply(tool_calls=[call("slow", seconds=30)])
     return "reply: " + last.text
-
-
-@tool
-async def slow(seconds: float) -> str:
-    """Sleep."""
-    await asyncio.sleep(seconds)
-    return f"slept {seconds}"
 
 
 def test_websocket_lists_and_withdraws_with_the_same_rules(tmp_path: Path) -> None:
