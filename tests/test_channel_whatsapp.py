@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,20 +31,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from typer.testing import CliRunner
 
-from agentloop import Reply, ScriptedModel, call, tool
+from agentloop import ScriptedModel
 from agentloop.channels.whatsapp import CHAT_KEY, MAX_TEXT, WhatsAppBridge, sign
 from agentloop.cli.main import app
-from agentloop.kernel import Approval, Kernel
-from agentloop.messages import ToolResultMessage, UserMessage
-from agentloop.models.base import ModelRequest
+from agentloop.kernel import Kernel
 from tests.fakes.http_server import ServerThread
+from tests.test_channel_telegram import FAST, brain, open_kernel, removed, until, user_texts
 
 ACCESS_TOKEN = "EAAG-access-token-SECRET-0123456789abcdef"
 APP_SECRET = "app-secret-5f4dcc3b5aa765d61d8327deb882cf99"
 VERIFY_TOKEN = "verify-me-0123"
 PHONE_ID = "106540352242922"
 ALICE, BOB, MALLORY = "15550000001", "15550000002", "15550009999"
-FAST = (0.05, 0.2)
 _wamids = itertools.count(1)  # (unique across bridges: a new one must not look like a re-delivery)
 
 
@@ -113,16 +111,6 @@ def graph() -> Iterator[FakeGraph]:
         yield fake
 
 
-async def until(check: Callable[[], Any], seconds: float = 5.0) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {getattr(check, '__name__', check)}")
-
-
 # ------------------------------------------------------------------------------- Meta's side
 
 
@@ -176,49 +164,13 @@ def notify(*messages: dict[str, Any], statuses: list[dict[str, Any]] | None = No
 
 # ------------------------------------------------------------------------------- the agent
 
-removed: list[str] = []
-
-
-@tool
-def rm(path: str) -> str:
-    """Pretend to delete."""
-    removed.append(path)
-    return f"removed {path}"
-
-
-def brain(req: ModelRequest) -> Reply | str:
-    last = req.messages[-1]
-    if isinstance(last, ToolResultMessage):
-        return f"tool said: {last.text}"
-    if isinstance(last, UserMessage) and last.text == "delete":
-        return Reply(tool_calls=[call("rm", path="x")])
-    if isinstance(last, UserMessage) and last.text.startswith("long "):
-        return "\n".join(f"line {n:04d} " + "x" * 40 for n in range(int(last.text.split()[1])))
-    return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
-
-
-async def policy(process: Any, row: Any) -> Approval:
-    return (
-        Approval("ask", ("destructive",), "rm deletes files", fingerprint="rm")
-        if row.tool_name == "rm"
-        else Approval("auto")
-    )
-
 
 @asynccontextmanager
 async def running(
     tmp_path: Path, graph: FakeGraph, **kw: Any
 ) -> AsyncIterator[tuple[Kernel, WhatsAppBridge, ScriptedModel, Meta]]:
     model = kw.pop("model", None) or ScriptedModel(brain)
-    async with Kernel.open(
-        f"sqlite:///{tmp_path}/agentloop.db",
-        model=model,
-        workspace=tmp_path,
-        tools=[rm],
-        approval=policy,
-        titles=None,
-        heartbeat=None,
-    ) as kernel:
+    async with open_kernel(tmp_path, model) as kernel:
         bridge = WhatsAppBridge(
             kernel,
             access_token=ACCESS_TOKEN,
@@ -239,10 +191,6 @@ async def running(
                 await meta.client.aclose()
         finally:
             await bridge.close()
-
-
-def user_texts(model: ScriptedModel) -> list[str]:
-    return [r.messages[-1].text for r in model.requests if isinstance(r.messages[-1], UserMessage)]
 
 
 # ------------------------------------------------------------------------------- tests
