@@ -128,7 +128,7 @@ class _Tx:
         to the stored totals rather than writing this engine's: a model call counted outside the
         engine's transactions meanwhile (a title, a reset's memories: ``ProcessEngine.add_usage``)
         is not overwritten. The cached totals follow by the same amount."""
-        await self.set_run(None, UsageTotals().plus(run["usage"]))
+        await self.set_run(None, UsageTotals.of_run(run["usage"]))
 
     async def count_usage(self, usage: Usage) -> None:
         """Add a model call made outside any run (a compaction asked for while the process is

@@ -57,16 +57,10 @@ class UsageTotals:
     cost: float = 0.0
     runs: int = 0
 
-    def plus(self, run: Mapping[str, Any], *, runs: int = 1) -> UsageTotals:
-        """These totals with one more run's usage added (as the run's record keeps it); ``runs=0``
-        for model calls made outside any run."""
-        return UsageTotals(
-            self.input + run["input"],
-            self.output + run["output"],
-            self.total_tokens + run["total_tokens"],
-            self.cost + run["cost"],
-            self.runs + runs,
-        )
+    @classmethod
+    def of_run(cls, usage: Mapping[str, Any]) -> UsageTotals:
+        """One run's usage, as the run's record keeps it, as totals to add: one run."""
+        return cls(usage["input"], usage["output"], usage["total_tokens"], usage["cost"], 1)
 
     def __add__(self, other: UsageTotals) -> UsageTotals:
         return UsageTotals(
