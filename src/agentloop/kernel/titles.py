@@ -193,8 +193,8 @@ class Titles:
             self.namer = titling
         # pid -> the text its first run's end names it after (None: no user's text yet, waiting)
         self.pending: dict[str, str | None] = {}
-        self.tasks: dict[str, asyncio.Task[None]] = {}  # pid -> the model asked for its title
-        self.asking: dict[str, tuple[ProcessRecord, str, int]] = {}  # pid -> what it was asked about
+        # pid -> the model asked for its title, and the fallback to write if the kernel closes first
+        self.tasks: dict[str, tuple[asyncio.Task[None], tuple[str, int, int, str]]] = {}
         # pid -> (text, limit, generation, owner) to write: the title ``fallback_title(text, limit)``
         self.ready: dict[str, tuple[str, int, int, str]] = {}
         self._writer: asyncio.Task[None] | None = None
@@ -302,14 +302,12 @@ class Titles:
             return
         work = self._ask(record, text, record.history_generation)
         task = asyncio.get_running_loop().create_task(work, name=f"title of {record.pid}")
-        self.tasks[record.pid] = task
-        self.asking[record.pid] = (record, text, record.history_generation)
+        self.tasks[record.pid] = (task, (text, FALLBACK_CHARS, record.history_generation, record.owner))
         task.add_done_callback(functools.partial(self._done, record.pid))
 
     def _done(self, pid: str, task: asyncio.Task[None]) -> None:
-        if self.tasks.get(pid) is task:
+        if pid in self.tasks and self.tasks[pid][0] is task:
             del self.tasks[pid]
-            self.asking.pop(pid, None)
 
     async def _ask(self, record: ProcessRecord, text: str, generation: int) -> None:
         """The namer's title, else the fallback; a failure costs only the title (logged)."""
@@ -370,9 +368,9 @@ class Titles:
         the title being made."""
         self.pending.pop(pid, None)
         self.ready.pop(pid, None)
-        self.asking.pop(pid, None)
-        task = self.tasks.pop(pid, None)
-        if task is not None:
+        asked = self.tasks.pop(pid, None)
+        if asked is not None:
+            task = asked[0]
             task.cancel()
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
@@ -396,9 +394,9 @@ class Titles:
         process instead."""
         self.closing = True
         self.engine.hub.untap(self._heard)
-        for pid, (record, text, generation) in self.asking.items():  # (a task that ended this turn made one)
-            self.ready.setdefault(pid, (text, FALLBACK_CHARS, generation, record.owner))
-        tasks = [*self.tasks.values(), *self._ending]
+        for pid, (_, fallback) in self.tasks.items():  # (setdefault: a task that ended this turn made one)
+            self.ready.setdefault(pid, fallback)
+        tasks = [*(task for task, _ in self.tasks.values()), *self._ending]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -406,5 +404,4 @@ class Titles:
             await asyncio.gather(self._writer, return_exceptions=True)
         await self._write_ready()  # (what came while no writer ran)
         self.tasks.clear()
-        self.asking.clear()
         self.pending.clear()
