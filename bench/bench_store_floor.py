@@ -7,6 +7,11 @@ run and alternating with it, the harness's ``baseline-sqlite`` pattern: one INSE
 message, five messages. The ratio of the two medians is what the store's schema alone costs
 against that baseline; the durable runner's own figure (``bench_ours_sqlite.py``) adds Python.
 
+A third pattern, also alternated with the two, is the floor of the redesign the W1 target needs: an
+append-only journal (one row per step, the step's message and signals together) beside a process
+row, four commits a run as today. It tells how much of the 1.5x budget such a schema would leave
+to Python.
+
     .venv/bin/python bench/bench_store_floor.py [replays]
 """
 
@@ -98,6 +103,32 @@ def _swap(value: Any, old: str, new: str) -> Any:
     return value
 
 
+def _journal_step(statements: list[Statement]) -> str:
+    """A journal row's body as big as an average step of the recorded run: its messages and
+    signals, written as one text."""
+    texts = [p for _, params, many in statements for row in (params if many else [params]) for p in row]
+    payload = sum(len(p) for p in texts if isinstance(p, str) and p.startswith("{"))
+    return "x" * (payload // 4)
+
+
+def _journal_run(db: sqlite3.Connection, pid: str, step: str) -> None:
+    """A W1 run on the journal schema: the process and its first step, then three steps, each
+    commit one journal row and (after the first) the process row's new state."""
+    db.execute("BEGIN IMMEDIATE")
+    db.execute("INSERT INTO j_procs VALUES (?, 'running', ?, 2, ?)", (pid, step[:200], time.time()))
+    db.execute("INSERT INTO j_steps VALUES (?, 1, ?, ?)", (pid, step, time.time()))
+    db.execute("COMMIT")
+    for seq in (2, 3, 4):
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO j_steps VALUES (?, ?, ?, ?)", (pid, seq, step, time.time()))
+        state = "idle" if seq == 4 else "running"
+        db.execute(
+            "UPDATE j_procs SET state = ?, run = ?, next_seq = ?, at = ? WHERE pid = ?",
+            (state, step[:200], seq + 1, time.time(), pid),
+        )
+        db.execute("COMMIT")
+
+
 def main() -> None:
     replays = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
     folder = tempfile.mkdtemp(prefix="bench-floor-")
@@ -109,11 +140,17 @@ def main() -> None:
         for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON"):
             db.execute(f"PRAGMA {pragma}")
         db.execute("CREATE TABLE baseline (session INTEGER, seq INTEGER, body TEXT, PRIMARY KEY (session, seq))")
+        db.execute("CREATE TABLE j_procs (pid TEXT PRIMARY KEY, state TEXT, run TEXT, next_seq INTEGER, at REAL)")
+        db.execute(
+            "CREATE TABLE j_steps (pid TEXT, seq INTEGER, body TEXT, at REAL, PRIMARY KEY (pid, seq)) WITHOUT ROWID"
+        )
         body = json.dumps({"role": "assistant", "content": "done"})
+        step = _journal_step(statements)
         # every replay's statements are prepared up front: only their execution is timed
         runs = [[_swap(s, pid, f"r{i:018d}") for s in statements] for i in range(replays)]
         ours: list[float] = []
         baseline: list[float] = []
+        journal: list[float] = []
         for i, run in enumerate(runs):
             start = time.perf_counter()
             for sql, params, many in run:
@@ -125,6 +162,9 @@ def main() -> None:
                 db.execute("INSERT INTO baseline VALUES (?, ?, ?)", (i, seq, body))
                 db.execute("COMMIT")
             baseline.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            _journal_run(db, f"j{i:018d}", step)
+            journal.append(time.perf_counter() - start)
         db.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -132,6 +172,7 @@ def main() -> None:
     commits = sum(1 for sql, _, _ in statements if sql == "COMMIT")
     ours_us = statistics.median(ours) * 1e6
     base_us = statistics.median(baseline) * 1e6
+    journal_us = statistics.median(journal) * 1e6
     print(
         json.dumps(
             {
@@ -144,6 +185,8 @@ def main() -> None:
                 "ours_sql_p50_us": round(ours_us, 1),
                 "baseline_sqlite_sql_p50_us": round(base_us, 1),
                 "ratio": round(ours_us / base_us, 2),
+                "journal_sql_p50_us": round(journal_us, 1),
+                "journal_ratio": round(journal_us / base_us, 2),
                 "loadavg_1m": os.getloadavg()[0],
             }
         )
