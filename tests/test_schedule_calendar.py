@@ -171,3 +171,28 @@ async def test_the_tool_is_offered_only_when_asked_for(tmp_path: Path) -> None:
     async with kernel(tmp_path, ScriptedModel(brain), schedule_tool=True) as k:
         await (await k.spawn(owner="alice", text="hi")).wait_idle()
     assert "Schedule" not in offered[0] and "Schedule" in offered[1]
+
+
+async def test_the_tool_says_what_time_it_is_and_refuses_a_date_already_past(tmp_path: Path) -> None:
+    """A model does not know today's date: the tool's answers name the time now and how far off
+    the reminder is, and an ``at`` already past (a guessed year, yesterday's date) is refused with
+    the time now instead of firing at once."""
+    now = epoch(2026, 11, 26, 15, 20, tz=datetime.UTC)  # a Thursday
+    calls = [
+        {"action": "add", "text": "dentist", "at": "2025-11-27T09:00", "tz": "Europe/Berlin"},
+        {"action": "add", "text": "dentist", "at": "2026-11-27T09:00", "tz": "Europe/Berlin"},
+        {"action": "add", "text": "tea", "in_seconds": 90},
+        {"action": "list"},
+    ]
+    async with kernel(tmp_path, ScriptedModel(agent_that_schedules(calls)), schedule_tool=True) as k:
+        k.scheduler.clock = lambda: now
+        proc = await k.spawn(owner="alice")
+        answers = await _steps(proc, 4)
+        rows = await k.schedules(proc.pid)
+    assert answers[0].startswith("error: ") and "in the past" in answers[0]
+    assert "Now: Thursday 2026-11-26 15:20 UTC" in answers[0]
+    assert sorted(r.text for r in rows) == ["dentist", "tea"]  # the refused one was not scheduled
+    assert "in 16 h 40 min" in answers[1] and "Now: Thursday 2026-11-26 15:20 UTC" in answers[1]
+    assert "in 1 min" in answers[2]
+    assert answers[3].startswith("Now: Thursday 2026-11-26 15:20 UTC")
+    assert "in 16 h 40 min" in answers[3] and "in 1 min" in answers[3]

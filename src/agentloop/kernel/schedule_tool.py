@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 NAME = "Schedule"
 ACTIONS = ("add", "list", "remove")
+PAST_GRACE = 60.0  # seconds an ``at`` may lie in the past (it fires at once) before it is refused as a mistake
 FOR_ADD = ("text", "at", "in_seconds", "every_seconds", "cron", "tz", "name")  # the arguments of add alone
 
 _SCHEMA: dict[str, Any] = {
@@ -97,7 +98,7 @@ class ScheduleTool(Tool):
             if action == "add":
                 return await self._add(arguments)
             if action == "list":
-                return self._listed(await self.kernel.schedules(self.pid))
+                return self._listed(await self.kernel.schedules(self.pid), self.kernel.scheduler.clock())
             return await self._remove(arguments.get("id"))
         except (ScheduleError, LimitReached) as exc:
             raise ToolError(str(exc)) from None
@@ -114,13 +115,16 @@ class ScheduleTool(Tool):
         cron, tz = arguments.get("cron"), arguments.get("tz")
         if tz is not None and at is None and cron is None:
             raise ToolError("`tz` is the time zone of `at` or `cron` only: `in_seconds` and `every_seconds` need none")
+        now = self.kernel.scheduler.clock()
         when = _when(at, tz) if at is not None else None
+        if when is not None and when < now - PAST_GRACE:  # (a guessed year or date, not a plan)
+            raise ToolError(f"`at` {at} is in the past. {_now(now)}: give a later time, or `in_seconds`.")
         if delay is not None:
             if delay < 0:
                 raise ToolError("`in_seconds` must not be negative")
             if delay > MAX_AHEAD:
                 raise ToolError("`in_seconds` is more than a hundred years")
-            when = self.kernel.scheduler.clock() + float(delay)
+            when = now + float(delay)
         row = await self.kernel.scheduler.add(
             self.pid,
             text,
@@ -130,7 +134,7 @@ class ScheduleTool(Tool):
             cron=cron,
             tz=tz if cron is not None else None,
         )
-        return ToolResult.text(f"Scheduled: {_line(row)}", details={"id": row.id})
+        return ToolResult.text(f"Scheduled: {_line(row, now)}. {_now(now)}.", details={"id": row.id})
 
     async def _remove(self, schedule_id: str | None) -> ToolResult:
         if not schedule_id:
@@ -140,10 +144,9 @@ class ScheduleTool(Tool):
         return ToolResult.text(f"Removed schedule {schedule_id}.")
 
     @staticmethod
-    def _listed(rows: list[ScheduleRow]) -> ToolResult:
-        if not rows:
-            return ToolResult.text("No schedules.")
-        return ToolResult.text("\n".join(_line(r) for r in rows), details={"ids": [r.id for r in rows]})
+    def _listed(rows: list[ScheduleRow], now: float) -> ToolResult:
+        lines = [f"{_now(now)}."] + [_line(r, now) for r in rows] if rows else [f"No schedules. {_now(now)}."]
+        return ToolResult.text("\n".join(lines), details={"ids": [r.id for r in rows]})
 
 
 def _when(at: str, tz: str | None) -> float:
@@ -168,9 +171,29 @@ def _finite(value: float) -> bool:
         return False
 
 
-def _line(row: ScheduleRow) -> str:
-    """One schedule as the model reads it back: id, name, next time, how it repeats, its text."""
+def _now(now: float) -> str:
+    """The time ``now``, as a model that knows no date needs it to plan: "Now: Thursday 2026-11-26 15:20 UTC"."""
+    return "Now: " + datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%A %Y-%m-%d %H:%M UTC")
+
+
+def _until(seconds: float) -> str:
+    """How far off a time is: "in 2 d 3 h", "in 16 h 40 min", "in 1 min", "now"."""
+    minutes = int(seconds // 60)
+    if minutes <= 0:
+        return "now"
+    days, rest = divmod(minutes, 1440)
+    hours, minutes = divmod(rest, 60)
+    parts = [f"{days} d"] if days else []
+    parts += [f"{hours} h"] if hours else []
+    parts += [f"{minutes} min"] if minutes and days < 2 else []  # (minutes matter less days ahead)
+    return "in " + " ".join(parts or ["1 d"])
+
+
+def _line(row: ScheduleRow, now: float) -> str:
+    """One schedule as the model reads it back: id, name, next time (and how far off), how it
+    repeats, its text."""
     due = datetime.datetime.fromtimestamp(row.next_due, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    due = f"{due} ({_until(row.next_due - now)})"
     repeat = repeats(row)
     repeat = "" if repeat is None else f", {repeat}"
     name = f" ({row.name})" if row.name else ""
