@@ -6,6 +6,7 @@ from agentloop.agent import Agent, AgentBusy, Run, RunResult
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Block, Hooks, ToolCallInfo, TurnInfo
 from agentloop.loop.reveal import ToolReveal
+from agentloop.loop.stop_after import StopAfterTools
 from agentloop.messages import (
     AssistantMessage,
     FileContent,
@@ -66,6 +67,7 @@ __all__ = [
     "RunResult",
     "ScriptedModel",
     "Signal",
+    "StopAfterTools",
     "SystemMessage",
     "TextContent",
     "ThinkingContent",

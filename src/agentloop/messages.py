@@ -313,6 +313,7 @@ class ToolResultMessage:
     content: list[UserBlock]
     details: Any = None
     is_error: bool = False
+    terminate: bool = False  # the tool asked to end the run after this turn (``ToolResult.terminate``)
     timestamp: int = field(default_factory=now_ms)
 
     @property

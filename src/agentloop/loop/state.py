@@ -168,4 +168,19 @@ def decide(messages: list[Message], *, has_input: bool, guard: str | None) -> De
         assistant, pending = unresolved_calls(messages)
         if assistant is not None and pending:
             return RunTools(assistant, pending)
+        # every result of the turn asks to end the run: no model call to read them back, unless
+        # input waits (the person who spoke meanwhile is answered, as at any other end)
+        if last.terminate and not has_input and assistant is not None and _terminating(messages, assistant):
+            return _FINISH_STOP
     return _CALL_WITH_TOOLS if guard is None else _CALL_WITHOUT_TOOLS
+
+
+def _terminating(messages: list[Message], assistant: AssistantMessage) -> bool:
+    """Whether each of ``assistant``'s calls has a result that says ``terminate``."""
+    asked = {c.id for c in assistant.tool_calls}
+    for msg in reversed(messages):
+        if msg is assistant:
+            return True
+        if isinstance(msg, ToolResultMessage) and msg.tool_call_id in asked and not msg.terminate:
+            return False
+    return True

@@ -19,7 +19,16 @@ from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
-from agentloop.messages import AssistantMessage, Message, SystemMessage, ToolCall, Usage, system, tool_error_result
+from agentloop.messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    ToolCall,
+    ToolResultMessage,
+    Usage,
+    system,
+    tool_error_result,
+)
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
 from agentloop.process.admission import promote
@@ -706,6 +715,8 @@ async def _finish(
     if live.approvals:
         await forget_decisions(engine.store, pid, run_id)
     await tx.end_run(run)
+    if status == "ok" and isinstance(last, ToolResultMessage) and last.terminate:  # (ended by its tools)
+        last = next((m for m in reversed(live.history) if isinstance(m, AssistantMessage)), last)
     answer = (last.text or None) if status == "ok" and isinstance(last, AssistantMessage) else None
     await signal_run_finished(tx, live, run, status, _reason_code(reason), error=error, text=answer)
     if status == "ok" and not run["tool_calls"] and not run["turn"] and quiet_answer(run_id, answer):

@@ -45,15 +45,18 @@ log = logging.getLogger("agentloop.tools")
 
 @dataclass
 class ToolResult:
-    """What a tool hands back: content blocks for the model, ``details`` for programs."""
+    """What a tool hands back: content blocks for the model, ``details`` for programs.
+    ``terminate`` asks for the run to end after this turn (when every result of the turn asks
+    it): a "submit" tool whose result is the outcome needs no model call to read it back."""
 
     content: list[ResultBlock]
     details: Any = None
     is_error: bool = False
+    terminate: bool = False
 
     @classmethod
-    def text(cls, text: str, *, is_error: bool = False, details: Any = None) -> ToolResult:
-        return cls([TextContent(text=text)], details=details, is_error=is_error)
+    def text(cls, text: str, *, is_error: bool = False, details: Any = None, terminate: bool = False) -> ToolResult:
+        return cls([TextContent(text=text)], details=details, is_error=is_error, terminate=terminate)
 
     @classmethod
     def error(cls, text: str) -> ToolResult:
@@ -76,7 +79,7 @@ class ToolResult:
         )
         images = [b for b in self.content if not isinstance(b, TextContent)]
         cut = TextContent(text=text[:head] + note + (text[-tail:] if tail else ""))
-        return ToolResult([cut, *images], details=self.details, is_error=self.is_error)
+        return ToolResult([cut, *images], details=self.details, is_error=self.is_error, terminate=self.terminate)
 
     def to_message(self, tool_call_id: str, tool_name: str) -> ToolResultMessage:
         """The result as the history keeps it. Text a tool made of bytes that were not UTF-8 (a
@@ -89,6 +92,7 @@ class ToolResult:
             content=content,
             details=storable_value(self.details),
             is_error=self.is_error,
+            terminate=self.terminate,
         )
 
 
