@@ -147,3 +147,12 @@ async def test_a_durable_process_ends_its_run_on_a_terminating_result(tmp_path: 
         again = [h.message for h in await proc.history()]
     assert isinstance(again[-1], ToolResultMessage) and again[-1].terminate
     assert isinstance(decide(again, has_input=False, guard=None), Finish)
+
+
+async def test_stop_after_tools_as_a_kernels_hooks(tmp_path: Path) -> None:
+    model = scripted(Reply(tool_calls=[call("note", text="x")]))
+    async with kernel(tmp_path, model, tools=[note], hooks=StopAfterTools("note").hooks()) as k:
+        proc = await k.spawn(owner="alice", text="go")
+        await proc.wait_idle()
+        last: Any = (await proc.history())[-1].message
+    assert len(model.requests) == 1 and isinstance(last, ToolResultMessage) and last.terminate
