@@ -16,14 +16,19 @@ the conversation and ``/stop`` aborts the run. Answers go out through the Graph 
 request is an interactive message with Approve / Deny / Always reply buttons, whose answer comes
 back as a message.
 
-A notification is answered 200 once its messages are admitted (or after ``INTAKE_WAIT`` seconds,
-the admission going on; 503 when one failed, so that Meta delivers it again): the run, and any
-message sent back, happen after. Meta delivers a
-notification again until it gets its 200, and a text is sent to its process with the run id
-``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits only once: a re-delivery,
-or one after a crash, never runs twice. Each process's follower resumes from the last signal acted
-on (the state file ``<data dir>/var/whatsapp/<phone number id>.json``): an answer is sent at least
-once.
+A notification is answered 200 only when each of its messages is admitted or durably kept: one
+whose admission is not done within ``INTAKE_WAIT`` seconds is first written to the inbox of the
+state file ``<data dir>/var/whatsapp/<phone number id>.json`` (atomically), and a retrier admits it
+from there, with backoff, when that admission fails, and at the next start when the bridge stops or
+crashes first. A message leaves the inbox once admitted (or answered, as a text no process can keep
+is); closing the bridge leaves it there. A notification with a message that failed, or that could
+not be kept (the file cannot be written; the inbox holds ``INBOX_MAX`` messages or ``INBOX_BYTES``
+bytes already, which is logged as an error), is answered 503, so that Meta delivers it again. A
+message admitted in time is not written anywhere. The run, and any message sent back, happen after.
+Meta delivers a notification again until it gets its 200, and a text is sent to its process with the
+run id ``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits only once: a
+re-delivery, or one after a crash, never runs twice. Each process's follower resumes from the last
+signal acted on (kept in the same state file): an answer is sent at least once.
 
 Only the numbers (wa_ids) on the allow-list reach a process: anyone else gets a short refusal (at
 most once an hour) and their message goes nowhere. An empty allow-list refuses everyone. The
@@ -64,8 +69,10 @@ MAX_TEXT = 4096  # characters of one WhatsApp text message
 MAX_BODY = 1024  # characters of an interactive message's body
 MAX_BUTTON_ID = 256
 MAX_NOTIFICATION = 1 << 20  # bytes of a webhook POST the bridge reads
-INTAKE_WAIT = 5.0  # seconds a webhook POST waits for its messages' admission before answering 200
-SEEN = 2048  # message ids remembered, so that a re-delivered notification is not handled again
+INTAKE_WAIT = 5.0  # seconds a webhook POST waits for its messages' admission before keeping them
+INBOX_MAX = 1000  # messages the inbox keeps (a notification that would need more is answered 503)
+INBOX_BYTES = 4 << 20  # bytes (as JSON) the inbox keeps, at least a whole notification's
+SEEN = 2048  # ids of messages taken, remembered so that a re-delivered notification is not handled again
 _BUTTONS = (("Approve", "a"), ("Deny", "d"), ("Always", "r"))
 _MEDIA = frozenset({"image", "audio", "video", "document", "sticker", "location", "contacts", "button"})
 
@@ -86,6 +93,13 @@ def _field(value: object, key: str) -> Any:
 
 def _wa_id(value: object) -> str | None:
     return value if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 32 else None
+
+
+def _message_id(message: dict[str, Any]) -> str | None:
+    wamid = message.get("id")
+    if not isinstance(wamid, str) or not wamid or len(wamid) > 256 or not wamid.isprintable():
+        return None
+    return wamid
 
 
 def check_signature(secret: str, body: bytes, header: str | None) -> bool:
@@ -178,7 +192,10 @@ class WhatsAppBridge(ChatBridge[str]):
         self._verify_token = verify_token
         self._refused: RefusalThrottle[str] = RefusalThrottle()
         self._last_in: dict[str, str] = {}  # wa_id -> its latest text's wamid (what "typing…" is shown on)
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # (taken: admitted, or answered)
+        self._taking: dict[str, asyncio.Future[None]] = {}  # wamid -> done when its take ends
+        self._kept = asyncio.Event()  # set when a message is put in the inbox
+        self._retrying: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[Any]] = set()
         self._server: Any = None  # the uvicorn.Server of ``serve``
         self._serving: asyncio.Task[None] | None = None
@@ -207,8 +224,8 @@ class WhatsAppBridge(ChatBridge[str]):
     # -- life ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Find the users' processes again (by their kv) and follow them. Webhook notifications
-        are taken from then on, by ``app`` (or ``serve``)."""
+        """Find the users' processes again (by their kv) and follow them, and admit what the
+        inbox kept. Webhook notifications are taken from then on, by ``app`` (or ``serve``)."""
         if self._started:
             return
         try:
@@ -218,6 +235,9 @@ class WhatsAppBridge(ChatBridge[str]):
             await self.close()
             raise
         self._started = True
+        if self.state.inbox:
+            log.info("%d WhatsApp message(s) kept in the inbox are admitted now", len(self.state.inbox))
+        self._retry()
         if not self.allow:
             log.warning("no WhatsApp number is allowed: every message is refused")
 
@@ -266,11 +286,11 @@ class WhatsAppBridge(ChatBridge[str]):
             await asyncio.gather(self._serving, return_exceptions=True)
         if self._notices:
             await asyncio.wait(set(self._notices), timeout=CLOSE_GRACE)
-        await self._stop_tasks({})
+        await self._stop_tasks({"intake": self._retrying})  # (the inbox stays in the file)
         for task in list(self._notices):
             task.cancel()
         await asyncio.gather(*self._notices, return_exceptions=True)
-        self._server = self._serving = None
+        self._server = self._serving = self._retrying = None
         self._started = False
         await self.api.close()
 
@@ -314,15 +334,25 @@ class WhatsAppBridge(ChatBridge[str]):
         except ValueError:
             log.warning("a signed webhook notification is not JSON")
             return Response("not JSON", 400, media_type="text/plain")
-        messages = self._messages(notification)
+        messages: dict[str, dict[str, Any]] = {}
+        for message in self._messages(notification):
+            wamid = _message_id(message)
+            if wamid is not None:
+                messages.setdefault(wamid, message)
         if messages:
-            intake = asyncio.ensure_future(self._intake(messages))
+            taken: set[str] = set()
+            intake = asyncio.ensure_future(self._intake(messages, taken))
             self._notices.add(intake)
             intake.add_done_callback(self._notices.discard)
             await asyncio.wait({intake}, timeout=INTAKE_WAIT)  # (it goes on if it takes longer)
-            if intake.done() and not intake.cancelled() and intake.exception() is None and not intake.result():
-                # a message was not admitted (the store was unreachable …): Meta delivers it again
-                return Response("not taken", 503, media_type="text/plain")
+            if intake.done():
+                if not intake.cancelled() and intake.exception() is None and not intake.result():
+                    # a message was not admitted (the store was unreachable …): Meta delivers it again
+                    return Response("not taken", 503, media_type="text/plain")
+            else:  # the 200 is given for what is admitted or kept only
+                pending = {w: m for w, m in messages.items() if w not in taken and w not in self._seen}
+                if pending and not await self._keep(pending):
+                    return Response("not kept", 503, media_type="text/plain")
         return Response("ok", 200, media_type="text/plain")
 
     def _messages(self, notification: object) -> list[dict[str, Any]]:
@@ -340,29 +370,107 @@ class WhatsAppBridge(ChatBridge[str]):
                 found += [m for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)]
         return found
 
-    async def _intake(self, messages: list[dict[str, Any]]) -> bool:
-        """Take the messages; False when one of them failed (it is then not remembered as seen:
-        a re-delivery takes it again, and admits its text once, by its run id)."""
-        taken = True
-        for message in messages:
-            wamid = message.get("id")
-            if not isinstance(wamid, str) or not wamid or len(wamid) > 256 or not wamid.isprintable():
+    async def _intake(self, messages: Mapping[str, dict[str, Any]], taken: set[str]) -> bool:
+        """Take the messages (by wamid), adding each taken to ``taken``; False when one of them
+        failed (a re-delivery, or the retrier when it was kept, takes it again)."""
+        ok = True
+        for wamid, message in messages.items():
+            if await self._admit(wamid, message):
+                taken.add(wamid)
+            else:
+                ok = False
+        return ok
+
+    async def _admit(self, wamid: str, message: dict[str, Any]) -> bool:
+        """Take the message unless it was taken; whether it is taken now (it then leaves the
+        inbox). One being taken already (a re-delivery meanwhile; the retrier and the webhook) is
+        waited for, and taken again when that failed. Only a message taken is remembered as seen:
+        a re-delivery of one that failed takes it again (and admits its text once, by its run id)."""
+        while wamid not in self._seen:
+            running = self._taking.get(wamid)
+            if running is not None:
+                await asyncio.wait({running})  # (not cancelled with this task)
                 continue
-            if wamid in self._seen:  # delivered again: admitted (or answered, or under way) already
-                continue
-            self._seen[wamid] = None
-            while len(self._seen) > SEEN:
-                self._seen.popitem(last=False)
+            self._taking[wamid] = done = asyncio.get_running_loop().create_future()
             try:
                 async with self._lock("intake"):
                     await self._take(message, wamid)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
                 log.error("WhatsApp message %s was not handled: %s", wamid, self.redact(f"{type(exc).__name__}: {exc}"))
-                self._seen.pop(wamid, None)
-                taken = False
-        return taken
+                return False
+            finally:
+                del self._taking[wamid]
+                done.set_result(None)
+            self._seen[wamid] = None
+            while len(self._seen) > SEEN:
+                self._seen.popitem(last=False)
+        await self._unkeep(wamid)
+        return True
+
+    # -- the inbox -------------------------------------------------------------------------------
+
+    async def _keep(self, messages: Mapping[str, dict[str, Any]]) -> bool:
+        """Put the messages (by wamid) in the inbox, and write it: whether they are kept. False
+        (logged) when the inbox is full or cannot be written: the caller answers 503."""
+        inbox = self.state.inbox
+        held = {entry["id"] for entry in inbox}
+        new = [message for wamid, message in messages.items() if wamid not in held]
+        if new:
+            size = sum(len(json.dumps(entry)) for entry in (*inbox, *new))
+            if len(inbox) + len(new) > INBOX_MAX or size > INBOX_BYTES:
+                log.error(
+                    "the WhatsApp inbox is full (%d messages, %d bytes with these): %d message(s) whose"
+                    " admission is slow are not kept, and answered 503 for Meta to deliver them again",
+                    len(inbox),
+                    size,
+                    len(new),
+                )
+                return False
+            inbox.extend(new)
+            self._retry()
+        if not await self.state.save():  # (the whole inbox: a message kept by another call too)
+            log.error("the WhatsApp inbox cannot be written: answered 503, for Meta to deliver again")
+            return False
+        return True
+
+    async def _unkeep(self, wamid: str) -> None:
+        inbox = self.state.inbox
+        if any(entry["id"] == wamid for entry in inbox):
+            inbox[:] = [entry for entry in inbox if entry["id"] != wamid]
+            await self.state.save()  # (when it fails, the next start admits it again: once)
+
+    def _retry(self) -> None:
+        """Wake the retrier (started when there is none)."""
+        if self._retrying is None or self._retrying.done():
+            self._retrying = asyncio.create_task(self._retrier(), name="agentloop-whatsapp-inbox")
+        self._kept.set()
+
+    async def _retrier(self) -> None:
+        """Admit the inbox's messages, in order, until it is empty; after a round in which one
+        failed, again after a backoff."""
+        first, longest = self._backoff
+        delay = first
+        while True:
+            if not self.state.inbox:
+                self._kept.clear()
+                await self._kept.wait()
+                continue
+            failed = 0
+            for message in list(self.state.inbox):
+                wamid = message["id"]
+                if not any(entry["id"] == wamid for entry in self.state.inbox):
+                    continue  # (admitted meanwhile, by a re-delivery)
+                if _message_id(message) is None:
+                    log.error("WhatsApp message %r in the inbox has no usable id: it is dropped", wamid[:300])
+                    await self._unkeep(wamid)
+                elif not await self._admit(wamid, message):
+                    failed += 1
+            if failed:
+                log.error("%d WhatsApp message(s) kept in the inbox: tried again in %.1f s", failed, delay)
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 0.05), longest)
+            else:
+                delay = first
 
     async def _take(self, message: dict[str, Any], wamid: str) -> None:
         wa_id = _wa_id(message.get("from"))
