@@ -82,6 +82,9 @@ def test_file_keys_become_guards_fallbacks_and_threshold_and_flags_win(tmp_path:
     assert s.compaction_threshold == 0.6
     options = kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(tmp_path / "none.toml")}))
     assert options["guards"] == Guards() and options["fallbacks"] == [] and "compaction_threshold" not in options
+    assert "approval_timeout" not in options
+    cfg.write_text("approval_timeout = 600\n")
+    assert kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(cfg)}))["approval_timeout"] == 600.0
 
 
 def test_a_flag_replaces_a_bad_key(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,6 +232,8 @@ def test_the_compaction_threshold_reaches_the_durable_chat(
         ('fallbacks = "openai:gpt-4o"\n', "fallbacks must be a non-empty list"),
         ('fallbacks = ["gpt-4o"]\n', "fallbacks has a bad model: model must look like 'provider:model'"),
         ('fallbacks = ["nope:x"]\n', "fallbacks has a bad model: unknown provider 'nope'"),
+        ("approval_timeout = 0\n", "approval_timeout must be a positive number of seconds"),
+        ("approval_timeout = inf\n", "approval_timeout must be a positive number of seconds"),
     ],
 )
 @pytest.mark.parametrize("command", ["run", "chat", "serve"])

@@ -7,10 +7,10 @@ stop the CLI: it becomes a warning and the defaults apply.
 
 The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
 ``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
-``compaction_threshold`` and the ``mcp_servers``. A budget written down and then silently ignored
-would let a run go on without the limit its owner relied on (and a server left out, without tools
-it was meant to have), so a bad value there is an error (exit 2) for the commands that run the
-loop, naming the key or flag and what it must be.
+``compaction_threshold``, the ``approval_timeout`` and the ``mcp_servers``. A budget written down
+and then silently ignored would let a run go on without the limit its owner relied on (and a
+server left out, without tools it was meant to have), so a bad value there is an error (exit 2)
+for the commands that run the loop, naming the key or flag and what it must be.
 
 The store (``--store``, then ``AGENTLOOP_STORE``, then the file's ``store`` key; default the
 data directory's SQLite file) is strict too: a server pointed at a shared PostgreSQL that
@@ -42,7 +42,7 @@ STORE_ENV = "AGENTLOOP_STORE"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
-_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning")
+_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning", "approval_timeout")
 _SWITCHES = ("codemode", "subagents", "schedules")  # true or false; anything else is an error
 _KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat", "fetch_allow")
 
@@ -65,6 +65,7 @@ class FileConfig:
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
     reasoning: Reasoning | None = None
+    approval_timeout: float | None = None
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
     subagents: bool = False
@@ -114,6 +115,7 @@ class Settings:
     fallbacks: tuple[str, ...] = ()
     compaction_threshold: float | None = None  # None: the kernel's default
     reasoning: Reasoning | None = None  # None: the model's own setting
+    approval_timeout: float | None = None  # seconds an approval request waits before it is denied
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
@@ -193,6 +195,10 @@ _LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_cost": (_positive_number, "a positive number of dollars per run"),
     "compaction_threshold": (_share, "a number above 0 and at most 1 (the share of the context window)"),
     "reasoning": (lambda v: v in REASONING_LEVELS, f"one of {', '.join(REASONING_LEVELS)}"),
+    "approval_timeout": (
+        lambda v: _positive_number(v) and v < float("inf"),
+        "a positive number of seconds an approval request waits for its answer",
+    ),
 }
 
 
@@ -227,7 +233,9 @@ def _read_limits(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict
             values[key] = tuple(v.strip() for v in data[key])
         else:
             values[key] = (
-                float(data[key]) if key in ("max_wall_clock", "max_cost", "compaction_threshold") else data[key]
+                float(data[key])
+                if key in ("max_wall_clock", "max_cost", "compaction_threshold", "approval_timeout")
+                else data[key]
             )
     return values, errors
 
@@ -395,6 +403,7 @@ def load_settings(
         fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
         reasoning=_first(flags.reasoning, file.reasoning),
+        approval_timeout=file.approval_timeout,
         mcp_servers=file.mcp_servers,
         codemode=file.codemode,
         subagents=file.subagents,
@@ -523,6 +532,8 @@ def kernel_options(settings: Settings, progress: Callable[[str], None] | None = 
     if settings.fetch_allow:
         options["fetch_allow"] = settings.fetch_allow
     options["heartbeat"] = settings.heartbeat
+    if settings.approval_timeout is not None:
+        options["approval_timeout"] = settings.approval_timeout
     return options
 
 

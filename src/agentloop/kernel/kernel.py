@@ -65,6 +65,7 @@ from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
 from agentloop.process.engine import MODE_KEY, Admit, ProcessEngine
 from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
+from agentloop.process.hil import check_approval_timeout
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MediaStore
 from agentloop.process.memory import append_daily_memory
@@ -457,6 +458,7 @@ class Kernel:
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
+        approval_timeout: float | None = None,
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
@@ -502,12 +504,14 @@ class Kernel:
         ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
-        default otherwise) unless ``approval`` replaces the check. After a conversation's first run
+        default otherwise) unless ``approval`` replaces the check. A request nobody answers within
+        ``approval_timeout`` seconds is denied (None: it waits for ever). After a conversation's first run
         a title is made in the background (kernel/titles.py): ``titles="message"`` cuts one from the
         first user message, ``"model"`` asks the process's model (that fallback when it fails), a
         ``TitleFn`` replaces the model, None makes none (a person may still set one).
         """
         check_titling(titles)
+        check_approval_timeout(approval_timeout)
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
                 raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
@@ -581,6 +585,7 @@ class Kernel:
             lease_ttl=lease_ttl,
             poll_interval=poll_interval,
         )
+        engine.approval_timeout = approval_timeout
         await store.open()  # (last: what fails from here on closes it, and lets go of the runtime's lock)
         try:
             store.hold_runtime()  # one runtime drives the processes of a SQLite file

@@ -60,7 +60,7 @@ from agentloop.process.compaction import (
     should_compact,
 )
 from agentloop.process.heartbeat import quiet_answer
-from agentloop.process.hil import forget_decisions
+from agentloop.process.hil import expire_asks, forget_decisions
 from agentloop.process.lease import LeaseLost
 from agentloop.process.pressure import (
     ContextReading,
@@ -149,6 +149,8 @@ async def _step(engine: ProcessEngine, live: _Live) -> bool:
             rows = await engine.store.calls(pid, run_id)
         if waiting and await _joining(engine, live) and await _skip_waiting(engine, live, rows):
             rows = await engine.store.calls(pid, run_id)
+        if (waiting or live.asking) and engine.approval_timeout is not None and await expire_asks(engine, live):
+            return True  # (a request nobody answered was denied: the batch goes on at the next step)
         if any(r.status == "registered" for r in rows) and not await engine.store.hils(pid):
             async with engine._tx(live) as tx:
                 await dispatch(engine, tx, live, run, rows)

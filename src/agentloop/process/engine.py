@@ -184,6 +184,8 @@ class ProcessEngine:
         self.clear_tool_outputs = clear_tool_outputs
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
+        # seconds an approval request may wait for its answer before it is denied (None: for ever)
+        self.approval_timeout: float | None = None
         self._live: dict[str, _Live] = {}
         self._reloading: set[asyncio.Task[None]] = set()
         self._aborting: set[asyncio.Task[bool]] = set()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from agentloop.messages import message_to_dict, tool_error_result
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentloop.process")
 
 NOT_INTERACTIVE = "requires interactive approval, which is unavailable for this process"
+TIMED_OUT = "Tool execution not approved: nobody answered the approval request within {wait}, so the call was not run"
+TIMED_OUT_ERROR = "approval timed out"
 
 
 async def ask(
@@ -53,6 +56,7 @@ async def ask(
     the request is answered; a ``nested`` one's program waits (``ask_nested``)."""
     request_id = new_id()
     tags = list(verdict.tags)
+    created = time.time()
     await engine.store.put_hil(
         HilRow(
             request_id,
@@ -66,8 +70,10 @@ async def ask(
             verdict.fingerprint or "-",
             tags,
             verdict.reason,
+            created,
         )
     )
+    timeout = engine.approval_timeout
     await tx.signal(
         sig.HIL_REQUESTED,
         runId=run_id,
@@ -79,7 +85,10 @@ async def ask(
         tags=tags,
         reason=verdict.reason,
         **({"nested": True} if nested else {}),
+        **({"expiresAt": created + timeout} if timeout is not None else {}),
     )
+    if timeout is not None:
+        tx.after.append(lambda: arm_asks(engine, live_of(engine, pid), created + timeout))
     return request_id
 
 
@@ -123,11 +132,85 @@ async def answer(
     return True
 
 
-async def _deny(engine: ProcessEngine, tx: _Tx, live: _Live, row: HilRow, note: str | None) -> None:
-    """Inside ``tx``: the denied call's result, with the person's words. A nested call's request
-    has no call row: its program reads the denial (``_decision``), and the words from the run's
-    ``denied:`` record, since the answer may come through another worker."""
-    msg = tool_error_result(call_of(row), denial_text(note))
+def check_approval_timeout(timeout: object) -> None:
+    """``TypeError``/``ValueError`` unless ``timeout`` is None or a positive, finite number of seconds."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"approval_timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if not 0 < timeout < float("inf"):  # (NaN fails this too)
+        raise ValueError(f"approval_timeout must be a positive, finite number of seconds, got {timeout!r}")
+
+
+async def expire_asks(engine: ProcessEngine, live: _Live) -> bool:
+    """Deny the process's requests left unanswered for ``engine.approval_timeout`` seconds (the
+    model reads that nobody answered, not that a person refused), and wake again when the next
+    one falls due. The deadline follows from the stored request, so it holds across a restart."""
+    timeout = engine.approval_timeout
+    if timeout is None:
+        return False
+    now = time.time()
+    rows = await engine.store.hils(live.record.pid)
+    due = [h for h in rows if h.created_at + timeout <= now]
+    denied = False
+    if due:
+        text = TIMED_OUT.format(wait=_duration(timeout))
+        async with engine._tx(live) as tx:
+            for row in due:
+                if await engine.store.delete_hil(row.request_id):  # (not answered meanwhile)
+                    await _deny(engine, tx, live, row, None, text=text, error=TIMED_OUT_ERROR)
+                    denied = True
+            if denied:
+                await tx.signal(sig.CHANGED, changes=["hil"])
+        log.info("process %s: %d approval request(s) unanswered after %s, denied", live.record.pid, len(due), timeout)
+    ahead = [h.created_at + timeout for h in rows if h.created_at + timeout > now]
+    if ahead:
+        arm_asks(engine, live, min(ahead))
+    return denied
+
+
+def arm_asks(engine: ProcessEngine, live: _Live | None, due: float) -> None:
+    """Wake the process's driver just after ``due`` (epoch seconds), to deny what is unanswered by
+    then. One timer per process: a nearer deadline replaces a later one."""
+    if live is None:
+        return
+    loop = asyncio.get_running_loop()
+    at = loop.time() + max(0.0, due - time.time()) + 0.01
+    timer = live.ask_timer
+    if timer is not None and not timer.cancelled() and loop.time() < timer.when() <= at:
+        return  # (a nearer wake-up is armed, and it arms the next)
+    if timer is not None:
+        timer.cancel()
+    live.ask_timer = loop.call_at(at, engine.wake, live.record.pid)
+
+
+def live_of(engine: ProcessEngine, pid: str) -> _Live | None:
+    return engine._live.get(pid)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+async def _deny(
+    engine: ProcessEngine,
+    tx: _Tx,
+    live: _Live,
+    row: HilRow,
+    note: str | None,
+    *,
+    text: str | None = None,
+    error: str = DENIED_BY_USER,
+) -> None:
+    """Inside ``tx``: the denied call's result, with the person's words (or ``text``, when no
+    person answered). A nested call's request has no call row: its program reads the denial
+    (``_decision``), and the words from the run's ``denied:`` record, since the answer may come
+    through another worker."""
+    msg = tool_error_result(call_of(row), text or denial_text(note))
     if await engine.store.set_call_status(
         row.dispatch_id, "denied", expect=("registered",), result=message_to_dict(msg)
     ):
@@ -138,7 +221,7 @@ async def _deny(engine: ProcessEngine, tx: _Tx, live: _Live, row: HilRow, note: 
             name=row.tool_name,
             syscall=row.syscall,
             ok=False,
-            error=DENIED_BY_USER,
+            error=error,
             **({"withMessage": True} if note is not None else {}),
         )
     elif note is not None:
