@@ -606,13 +606,14 @@ def models() -> None:
 
 def _register_commands() -> None:
     """Commands kept in their own modules (imported here, after every helper they use exists)."""
-    from agentloop.cli import admin, client, serve, telegram, whatsapp
+    from agentloop.cli import admin, client, discord, serve, telegram, whatsapp
 
     serve.register(app)
     admin.register(app)
     client.register(app)
     telegram.register(app)
     whatsapp.register(app)
+    discord.register(app)
 
 
 _register_commands()

@@ -1,0 +1,733 @@
+"""Talk to a durable agent from Discord.
+
+    async with Kernel.open(...) as kernel, DiscordBridge(kernel, token, allow=[80351110224678912]) as bridge:
+        await bridge.wait()  # until cancelled, or a failure no retry can mend (DiscordError)
+
+``DiscordBridge`` holds a connection to Discord's gateway (a WebSocket, API v10, JSON) and keeps
+one durable process per Discord channel: a direct message channel, or a server (guild) channel
+where the bot is mentioned. In a DM every message is for the bot; in a server channel only those
+that mention it (``@bot what is …``; the mention is taken out of the text), so the bot can sit in a
+busy channel without answering everything. A message becomes ``Process.send`` (mode ``queue``:
+while the agent is still answering, it waits for its own run); ``!new`` resets the conversation,
+``!stop`` aborts the run and ``!help`` says so (``!`` rather than ``/``: a ``/`` command would have
+to be registered with Discord as an application command). A follower per process reads its signals
+(``agentloop.channels.bridge``): ``proc.run.started`` shows "typing…", ``proc.run.hil.requested``
+sends the call to approve with Approve / Deny / Always buttons (whose presses come back as
+``INTERACTION_CREATE`` and are answered by updating the message: its buttons go, the outcome is
+added), and ``proc.run.finished`` sends the answer, in parts of at most 2000 characters, with
+``allowed_mentions`` empty so that nothing the model writes pings anyone (``@everyone``).
+
+Only the Discord users on the allow-list (user ids) reach a process or answer an approval: anyone
+else gets a short refusal (with their user id, so the bot's owner can add them; at most once an
+hour per channel) and their message goes nowhere. An empty allow-list refuses everyone.
+
+The gateway: ``GET /gateway/bot`` names its address; on Hello the bridge beats every
+``heartbeat_interval`` (the first beat after a random part of it, as Discord asks) and identifies
+(intents: server and direct messages, and their content). A beat not acknowledged by the next one
+means the connection is dead though open (a "zombie"): it is closed and resumed. A drop, an op 7
+Reconnect or an op 9 Invalid Session that may be resumed reconnects to the session's
+``resume_gateway_url`` and resumes (op 6), so that Discord replays what was dispatched meanwhile;
+an op 9 that may not be resumed identifies anew after 1–5 seconds. A close that no retry can mend
+(4004: the token was refused, 4010–4014: a bad shard, API version or intents, or the Message
+Content intent not enabled for the bot) ends the bridge with a ``DiscordError``; anything else is
+retried with the bridge's backoff.
+
+What survives a restart:
+
+- the channel's process: it is spawned with the process kv ``discord.chat`` = ``<bot id>:<channel
+  id>`` (in the same transaction), and found again by that key;
+- per channel, the id of the last message handled, and per process the last signal acted on: a
+  small JSON file, ``<data dir>/var/discord/<bot id>.json``. The gateway does not replay what was
+  said while the bridge was away (a new session begins where it connects), so on start, and after
+  each new session, the bridge reads each known channel's messages after the last one handled
+  (``GET /channels/<id>/messages?after=…``) and handles them, oldest first. A message's id is stored
+  only after it was handled, so a crash in between handles it again, once: its input is sent with
+  the run id ``discord-<bot>-<channel>-<message id>``, which ``Process.send`` admits only once (and a
+  message both caught up and dispatched is taken once, by its id). A follower resumes from its last
+  signal, so an answer that finished while the bridge was down is still sent. Channels the bridge
+  never heard from cannot be caught up: their first message must arrive while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import secrets
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
+from agentloop.channels.discord_api import DEFAULT_API_URL, USER_AGENT, DiscordApi, DiscordError
+from agentloop.channels.state import ChannelState
+from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
+from agentloop.kernel import Kernel
+from agentloop.process.archive import check_name
+from agentloop.urls import MASK, redact_url
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
+log = logging.getLogger("agentloop.channels.discord")
+
+CHAT_KEY = "discord.chat"  # process kv: "<bot id>:<channel id>" of the channel the process talks in
+TRIES = 5  # times a dispatch whose handling fails is taken before it is skipped
+MAX_MESSAGE = 2000  # characters of one Discord message
+MAX_CUSTOM_ID = 100  # characters of a button's custom_id
+PAGE = 100  # messages one catch-up request reads (Discord's most)
+HELLO_WAIT = 20.0  # seconds a new connection waits for the gateway's Hello
+OPEN_WAIT = 20.0  # seconds the WebSocket handshake may take
+MAX_EVENT = 8 << 20  # bytes of one gateway event
+GATEWAY_VERSION = 10
+# GUILD_MESSAGES | DIRECT_MESSAGES | MESSAGE_CONTENT (the last is privileged: enabled per bot in
+# the Developer Portal, else the gateway closes with 4014)
+INTENTS = (1 << 9) | (1 << 12) | (1 << 15)
+PERMANENT_CLOSES = {
+    4004: "authentication failed: the bot token was refused",
+    4010: "invalid shard",
+    4011: "sharding required: the bot is in too many servers for one connection",
+    4012: "invalid API version",
+    4013: "invalid intents",
+    4014: "disallowed intents: enable the Message Content intent for the bot in the Developer Portal (Bot page)",
+}
+NEW_SESSION_CLOSES = frozenset({4007, 4009})  # an invalid seq, a session timed out: resuming cannot work
+NO_MENTIONS: dict[str, Any] = {"parse": []}
+EPHEMERAL = 64  # message flag: only the presser sees the answer
+CATCH_UP = "CATCH_UP"  # the intake's item that reads what was said while no session was up
+_BUTTONS = (("Approve", "a", 3), ("Deny", "d", 4), ("Always", "r", 2))  # label, key, style (green, red, grey)
+_TEXT_TYPES = frozenset({0, 19})  # a message, a reply: the rest (joins, pins, calls …) say nothing to the bot
+_SENSITIVE_FRAME = re.compile(r'"op":\s*[26][,}]')  # Identify and Resume carry the token
+_RUN = re.compile(r"[A-Za-z0-9_-]{6,}")
+
+HELP = (
+    "Send me a message and your agent answers here (in a server channel, mention me).\n"
+    "!new starts a fresh conversation.\n"
+    "!stop stops the answer under way."
+)
+CONTEXT = (
+    "The user talks with you through Discord, which shows your answers with its Markdown "
+    "(bold, italics, lists, code blocks; no tables or headings deeper than ###)."
+)
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _snowflake(value: object) -> int | None:
+    """A Discord id (sent as a string of digits) as an int; None for anything else."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        value = int(value)
+    number = _int(value)
+    return number if number is not None and 0 <= number < 1 << 64 else None
+
+
+def _field(value: object, key: str) -> Any:
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def _gateway_address(url: str) -> str:
+    """``url`` (a gateway's ws(s) address) with the version and encoding the bridge speaks."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        shown = redact_url(url)
+        raise DiscordError("gateway", f"the gateway address is not a ws(s) URL: {shown!r}", transient=True)
+    query = f"v={GATEWAY_VERSION}&encoding=json"
+    return urlunsplit((parts.scheme, parts.netloc, parts.path or "/", query, ""))
+
+
+def approval_components(request_id: str) -> list[dict[str, Any]] | None:
+    """An action row of Approve / Deny / Always buttons (custom_id ``hil:<key>:<request id>``, as
+    the other channels' buttons); None for a request id no button can carry."""
+    ids = [f"hil:{key}:{request_id}" for _, key, _ in _BUTTONS]
+    if any(parse_callback(i) is None or len(i) > MAX_CUSTOM_ID for i in ids):
+        return None
+    buttons = [
+        {"type": 2, "style": style, "label": label, "custom_id": i}
+        for (label, _, style), i in zip(_BUTTONS, ids, strict=True)
+    ]
+    return [{"type": 1, "components": buttons}]
+
+
+def _mask_token(text: str, token: str) -> str:
+    """``text`` with the token and every run of six or more of its characters that is a piece of
+    it masked: websockets logs a frame cut short in the middle, which a whole-token match misses."""
+    text = text.replace(token, MASK)
+    return _RUN.sub(lambda m: MASK if m.group(0) in token else m.group(0), text)
+
+
+class _GatewayLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The logger websockets is given: its lines (the frames, at DEBUG) with the token masked, and
+    the Identify and Resume frames, which carry it, not shown at all."""
+
+    def __init__(self, logger: logging.Logger, token: str) -> None:
+        super().__init__(logger, {})
+        self._token = token
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level):
+            return
+        try:
+            text = str(msg) % args if args else str(msg)
+        except (TypeError, ValueError):  # (a line whose arguments do not fit its format)
+            text = f"{msg} {args}"
+        if _SENSITIVE_FRAME.search(text):
+            text = f"{text[:2]}(an Identify or Resume payload, not shown)"
+        self.logger.log(level, "%s", _mask_token(text, self._token), **kwargs)
+
+
+class _Reconnect(Exception):
+    """The connection is to be made again (``why``): the session is kept when it may be resumed."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class DiscordState(ChannelState):
+    """``ChannelState`` plus ``last``: per channel, the id of the last message handled (where
+    catching up begins). ``offset`` is unused: the gateway has none. ``last`` is replaced, never
+    changed in place (``handled``, ``forget``), as the file is written from another thread."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.last: Mapping[int, int] = {}
+
+    def handled(self, channel: int, message_id: int) -> None:
+        self.last = {**self.last, channel: max(message_id, self.last.get(channel, 0))}
+
+    def forget(self, channel: int) -> None:
+        self.last = {c: m for c, m in self.last.items() if c != channel}
+
+    def load(self) -> None:
+        super().load()
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):  # (missing, or reported by ChannelState.load)
+            return
+        last = _field(data, "last")
+        found: dict[int, int] = {}
+        for channel, message in last.items() if isinstance(last, dict) else ():
+            channel_id, message_id = _snowflake(channel), _snowflake(message)
+            if channel_id is not None and message_id is not None:
+                found[channel_id] = message_id
+        self.last = found
+
+    def _write(self, data: dict[str, Any]) -> None:
+        # (ids as strings, as Discord writes them: a JSON reader with doubles would round them)
+        super()._write({**data, "last": {str(c): str(m) for c, m in self.last.items()}})
+
+
+class DiscordBridge(ChatBridge[int]):
+    """Connects a Discord bot to ``kernel``: see the module doc.
+
+    ``allow`` are the Discord user ids that may talk to the agent (and answer its approvals);
+    ``api_url`` Discord's HTTP API; ``account`` the account every channel's process belongs to
+    (default: ``discord-<user id>`` of the person who wrote first in the channel); ``context`` is
+    given to each process at spawn; ``state_dir`` where the state file is kept (default
+    ``<data dir>/var/discord``); ``backoff`` the (first, longest) wait between retries;
+    ``ready_timeout`` the seconds ``start`` waits for the gateway's READY; ``invalid_session_wait``
+    the (least, most) seconds before identifying again after an op 9; ``transport`` replaces the
+    HTTP network (tests)."""
+
+    CHAT_KEY = CHAT_KEY
+    OWNER_PREFIX = "discord-"
+    NAME = "discord"
+    log = log
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        token: str,
+        *,
+        allow: Iterable[int],
+        api_url: str = DEFAULT_API_URL,
+        account: str | None = None,
+        context: str = CONTEXT,
+        state_dir: str | Path | None = None,
+        backoff: tuple[float, float] = (1.0, 30.0),
+        ready_timeout: float = 30.0,
+        invalid_session_wait: tuple[float, float] = (1.0, 5.0),
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        allowed = list(allow)
+        if any(_snowflake(uid) is None or not isinstance(uid, int) for uid in allowed):
+            raise TypeError("allow must be Discord user ids (integers)")
+        if account is not None:
+            check_name(account, "account")
+        low, high = invalid_session_wait
+        if not 0 <= low <= high:
+            raise ValueError(f"invalid_session_wait must be (least, most) seconds, got {invalid_session_wait!r}")
+        self.api = DiscordApi(token, api_url, backoff=backoff, timeout=30.0, transport=transport)
+        self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "discord"
+        self.state: DiscordState = DiscordState(self.state_dir / "unknown.json")
+        super().__init__(kernel, account=account, context=context, state=self.state, backoff=self.api.backoff)
+        self.allow = frozenset(allowed)
+        self.bot_id = 0
+        self.username = ""
+        self.ready_timeout = ready_timeout
+        self.invalid_session_wait = (float(low), float(high))
+        self._wslog = _GatewayLog(logging.getLogger("agentloop.channels.discord.gateway"), token)
+        self._mention = re.compile(r"$^")  # (the bot's mention, once its id is known)
+        self._refused: RefusalThrottle[tuple[int, int]] = RefusalThrottle()
+        self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self._worker: asyncio.Task[None] | None = None
+        self._gateway: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        # the gateway session: what a resume takes
+        self._session_id: str | None = None
+        self._resume_url: str | None = None
+        self._seq: int | None = None
+        self._acked = True  # the last heartbeat was acknowledged
+        self._live = False  # this connection got its READY or RESUMED (the backoff starts over)
+        self._dropped: str | None = None  # why the bridge closed the connection itself
+
+    async def __aenter__(self) -> DiscordBridge:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -- life ------------------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, Any]:
+        """Ask Discord who the bot is (``GET /users/@me``: a refused token raises ``DiscordError``,
+        an unreachable server too after a few tries), find the channels' processes again, follow
+        them, connect to the gateway and wait (``ready_timeout`` seconds at most) for its READY.
+        A close the gateway means for good (4004 …) raises ``DiscordError``. Returns the bot user
+        (``id``, ``username`` …)."""
+        try:
+            me = await self.api.request("GET", "/users/@me", attempts=4)
+            bot_id = _snowflake(_field(me, "id"))
+            if bot_id is None:
+                raise DiscordError("GET /users/@me", "the answer names no bot")
+            self.bot_id = bot_id
+            self.username = str(_field(me, "username") or "")
+            self._mention = re.compile(rf"\s*<@!?{bot_id}>\s*")
+            self.state = DiscordState(self.state_dir / f"{bot_id}.json")
+            await asyncio.to_thread(self.state.load)
+            await self._find_chats()
+            if not self.allow:
+                log.warning("no Discord user is allowed: every message is refused")
+            self._worker = asyncio.create_task(self._intake(), name="agentloop-discord-intake")
+            self._gateway = gateway = asyncio.create_task(self._run_gateway(), name="agentloop-discord-gateway")
+            ready = asyncio.ensure_future(self._ready.wait())
+            try:
+                await asyncio.wait({ready, gateway}, timeout=self.ready_timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+            if gateway.done():
+                gateway.result()  # (it ends only on a permanent failure: raised here)
+                raise DiscordError("gateway", "the connection ended before it was ready")
+            if not self._ready.is_set():
+                log.warning("the Discord gateway is not ready after %.0f s: still trying", self.ready_timeout)
+        except BaseException:
+            await self.close()
+            raise
+        return cast("dict[str, Any]", me)
+
+    async def wait(self) -> None:
+        """Until the gateway connection ends: when cancelled, or closed, or on a failure no retry
+        can mend (a revoked token …), which is raised (``DiscordError``)."""
+        gateway = self._gateway
+        if gateway is None:
+            return
+        await asyncio.wait({gateway})
+        if not gateway.cancelled() and gateway.exception() is not None:
+            raise cast("BaseException", gateway.exception())
+
+    async def close(self) -> None:
+        """Leave the gateway and stop following (before the kernel closes), and close the HTTP
+        client. A message or a signal being handled is given ``bridge.CLOSE_GRACE`` seconds to
+        finish first."""
+        await self._stop_tasks({"intake": self._worker, "gateway": self._gateway})
+        self._worker = self._gateway = None
+        await self.api.close()
+
+    def _kv_value(self, chat: int) -> str:
+        return f"{self.bot_id}:{chat}"
+
+    def _chat_of(self, value: str) -> int | None:
+        bot, _, chat = value.partition(":")
+        return _snowflake(chat) if bot == str(self.bot_id) else None
+
+    def redact(self, text: str) -> str:
+        return self.api.redact(text)
+
+    # -- the gateway -----------------------------------------------------------------------------
+
+    async def _run_gateway(self) -> None:
+        """Connect, and connect again (resuming the session where it can) for as long as the
+        bridge runs; a close no retry can mend raises ``DiscordError``."""
+        from websockets.exceptions import ConnectionClosed, WebSocketException
+
+        first, longest = self.api.backoff
+        delay = first
+        while True:
+            self._live = False
+            self._dropped = None
+            try:
+                await self._connection()
+                why = "the gateway ended the connection"
+            except _Reconnect as again:
+                why = again.why
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd is not None else None
+                if code in PERMANENT_CLOSES:
+                    log.error(
+                        "the Discord gateway closed the connection: %s (close code %d)", PERMANENT_CLOSES[code], code
+                    )
+                    raise DiscordError("gateway", f"{PERMANENT_CLOSES[code]} (close code {code})", code=code) from None
+                if code in NEW_SESSION_CLOSES:
+                    self._forget_session()
+                why = self._dropped or (f"closed with code {code}" if code is not None else "the connection dropped")
+            except DiscordError as exc:
+                if not exc.transient:
+                    raise
+                why = str(exc)
+            except (OSError, TimeoutError, WebSocketException, ValueError) as exc:
+                why = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            except Exception as exc:  # (a bug: the bridge goes on all the same)
+                why = self.redact(f"unexpected {type(exc).__name__}: {exc}")  # (no traceback: it may quote frames)
+            if self._live:
+                delay = first
+            how = "resuming" if self._session_id is not None else "connecting anew"
+            log.warning("the Discord gateway connection ended (%s); %s in %.1f s", why, how, delay)
+            await asyncio.sleep(delay)
+            delay = min(max(delay * 2, 0.05), longest)
+
+    def _forget_session(self) -> None:
+        self._session_id = self._resume_url = None
+        self._seq = None
+
+    async def _gateway_url(self) -> str:
+        """Where a new session connects (``GET /gateway/bot``), once Discord allows a new one."""
+        answer = await self.api.request("GET", "/gateway/bot", attempts=3)
+        url = _field(answer, "url")
+        if not isinstance(url, str):
+            raise DiscordError("GET /gateway/bot", "the answer names no gateway address", transient=True)
+        limit = _field(answer, "session_start_limit")
+        reset_after = _int(_field(limit, "reset_after"))
+        if _field(limit, "remaining") == 0 and reset_after is not None:
+            wait = min(max(reset_after / 1000, 0.0), 86400.0)
+            log.warning("Discord allows the bot no new session for now: waiting %.0f s", wait)
+            await asyncio.sleep(wait)
+        return url
+
+    async def _connection(self) -> None:
+        """One connection: Hello, then Resume (when a session is kept) or Identify, then its
+        events until it ends (an exception says how)."""
+        from websockets.asyncio.client import connect
+
+        resuming = self._session_id is not None
+        url = self._resume_url if resuming and self._resume_url else await self._gateway_url()
+        async with connect(
+            _gateway_address(url),
+            open_timeout=OPEN_WAIT,
+            close_timeout=2.0,
+            ping_interval=None,  # (the gateway's heartbeat is the keepalive)
+            max_size=MAX_EVENT,
+            compression=None,
+            user_agent_header=USER_AGENT,
+            logger=self._wslog,
+        ) as ws:
+            hello = await asyncio.wait_for(self._receive(ws), HELLO_WAIT)
+            interval = _field(hello.get("d"), "heartbeat_interval")
+            if hello.get("op") != 10 or not isinstance(interval, int | float) or isinstance(interval, bool):
+                raise _Reconnect("the gateway did not begin with Hello")
+            beat = asyncio.create_task(
+                self._heartbeat(ws, max(float(interval), 1.0) / 1000), name="agentloop-discord-beat"
+            )
+            try:
+                if resuming:
+                    resume = {"token": self.api.token, "session_id": self._session_id, "seq": self._seq}
+                    await self._send_json(ws, {"op": 6, "d": resume})
+                else:
+                    await self._send_json(ws, {"op": 2, "d": self._identify()})
+                while True:
+                    await self._on_payload(ws, await self._receive(ws))
+            finally:
+                beat.cancel()
+                await asyncio.gather(beat, return_exceptions=True)
+
+    def _identify(self) -> dict[str, Any]:
+        properties = {"os": sys.platform, "browser": "agentloop", "device": "agentloop"}
+        return {"token": self.api.token, "intents": INTENTS, "properties": properties}
+
+    async def _receive(self, ws: ClientConnection) -> dict[str, Any]:
+        """The next payload (what is not a JSON object is skipped)."""
+        while True:
+            raw = await ws.recv()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                log.warning("the Discord gateway sent something that is not JSON")
+                continue
+            if isinstance(payload, dict):
+                return payload
+
+    async def _send_json(self, ws: ClientConnection, payload: dict[str, Any]) -> None:
+        await ws.send(json.dumps(payload, separators=(",", ":")))
+
+    async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
+        """Beat every ``interval`` seconds (the first after a random part of it); a beat whose
+        ACK did not come by the next one closes the connection, to be resumed."""
+        self._acked = True
+        await asyncio.sleep(interval * random.random())
+        while True:
+            if not self._acked:
+                self._dropped = "no heartbeat ACK: a zombie connection"
+                await ws.close(4000, "zombie")  # (not 1000, which would end the session)
+                return
+            self._acked = False
+            await self._send_json(ws, {"op": 1, "d": self._seq})
+            await asyncio.sleep(interval)
+
+    async def _on_payload(self, ws: ClientConnection, payload: dict[str, Any]) -> None:
+        op = payload.get("op")
+        seq = _int(payload.get("s"))
+        if seq is not None:
+            self._seq = seq
+        if op == 0:
+            self._dispatch(payload.get("t"), payload.get("d"))
+        elif op == 1:  # the gateway asks for a beat now
+            await self._send_json(ws, {"op": 1, "d": self._seq})
+        elif op == 11:
+            self._acked = True
+        elif op == 7:
+            await ws.close(4000, "reconnect")  # (not 1000, which would end the session)
+            raise _Reconnect("Discord asked for a reconnect (op 7)")
+        elif op == 9:
+            if payload.get("d") is True:
+                await ws.close(4000, "resume")
+                raise _Reconnect("the session was invalidated, to be resumed (op 9)")
+            self._forget_session()
+            await asyncio.sleep(random.uniform(*self.invalid_session_wait))
+            raise _Reconnect("the session was invalidated (op 9)")
+
+    def _dispatch(self, event: object, data: object) -> None:
+        if not isinstance(data, dict):
+            return
+        if event == "READY":
+            session_id, resume_url = data.get("session_id"), data.get("resume_gateway_url")
+            self._session_id = session_id if isinstance(session_id, str) and session_id else None
+            self._resume_url = resume_url if isinstance(resume_url, str) and resume_url else None
+            user = data.get("user")
+            self.username = self.username or str(_field(user, "username") or "")
+            self._live = True
+            self._ready.set()
+            log.info("connected to the Discord gateway as %s (%d)", self.username or "the bot", self.bot_id)
+            self._queue.put_nowait((CATCH_UP, {}))  # (a new session: what was said meanwhile is not replayed)
+        elif event == "RESUMED":
+            self._live = True
+            log.info("resumed the Discord gateway session")
+        elif event in ("MESSAGE_CREATE", "INTERACTION_CREATE"):
+            self._queue.put_nowait((str(event), data))
+
+    # -- from Discord ----------------------------------------------------------------------------
+
+    async def _intake(self) -> None:
+        """Handle the dispatches one at a time, in order (apart from the connection, whose
+        heartbeat ACKs must be read while a message is handled)."""
+        while True:
+            kind, data = await self._queue.get()
+            await self._take(kind, data)
+
+    async def _take(self, kind: str, data: dict[str, Any]) -> None:
+        """Handle one dispatch (or a catch-up). When handling failed (the store was unreachable for
+        a moment …) it is taken again, up to ``TRIES`` times in all, then skipped (a message that
+        breaks the bridge must not hold up the rest for ever). A message taken again is admitted
+        once, by its run id."""
+        delay = self.api.backoff[0]
+        for tried in range(1, TRIES + 1):
+            try:
+                async with self._lock("intake"):
+                    if kind == CATCH_UP:
+                        await self._catch_up()
+                    elif kind == "MESSAGE_CREATE":
+                        await self._on_message(data)
+                    else:
+                        await self._on_interaction(data)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = self.redact(f"{type(exc).__name__}: {exc}")
+                what = "catching up" if kind == CATCH_UP else f"Discord {kind} {_field(data, 'id')}"
+                if tried == TRIES:
+                    log.error("%s failed: %s; skipped after %d tries", what, reason, tried)
+                    return
+                log.error("%s failed (%s): trying again in %.1f s", what, reason, delay)
+            await asyncio.sleep(delay)
+            delay = min(max(delay * 2, 0.05), self.api.backoff[1])
+
+    async def _catch_up(self) -> None:
+        """Handle, oldest first, what was said in the known channels after the last message
+        handled there (the gateway does not replay it to a new session)."""
+        for channel in sorted(self.state.last):
+            after = self.state.last.get(channel)
+            taken = 0
+            while after is not None:
+                try:
+                    params = {"after": after, "limit": PAGE}
+                    batch = await self.api.request("GET", f"/channels/{channel}/messages", params=params, attempts=3)
+                except DiscordError as exc:
+                    if exc.status not in (403, 404):
+                        raise  # (taken again)
+                    log.warning("%s: channel %d is not caught up, and forgotten", exc, channel)
+                    self.state.forget(channel)
+                    await self.state.save()
+                    break
+                messages = (
+                    [m for m in batch if _snowflake(_field(m, "id")) is not None] if isinstance(batch, list) else []
+                )
+                messages.sort(key=lambda m: cast("int", _snowflake(m["id"])))
+                for message in messages:
+                    await self._on_message(message)
+                taken += len(messages)
+                if len(messages) < PAGE:
+                    break
+                after = _snowflake(messages[-1]["id"])
+            if taken:
+                log.info("caught up %d messages in channel %d", taken, channel)
+
+    async def _on_message(self, message: dict[str, Any]) -> None:
+        channel = _snowflake(message.get("channel_id"))
+        message_id = _snowflake(message.get("id"))
+        author = message.get("author")
+        user_id = _snowflake(_field(author, "id"))
+        if channel is None or message_id is None or user_id is None:
+            return
+        if _field(author, "bot") is True or user_id == self.bot_id or message.get("webhook_id") is not None:
+            return
+        if message.get("type", 0) not in _TEXT_TYPES:
+            return
+        if message_id <= self.state.last.get(channel, 0):
+            return  # handled already (caught up, then dispatched too)
+        text = message.get("content")
+        text = text if isinstance(text, str) else ""
+        if message.get("guild_id") is not None and not self._mentioned(message):
+            return  # in a server channel, what does not mention the bot is not for it
+        stripped = self._mention.sub(" ", text)
+        if stripped != text:
+            text = stripped.strip()
+        if user_id not in self.allow:
+            await self._refuse(channel, user_id)
+            return
+        command = self._command(text)
+        if command == "help":
+            await self._send(channel, HELP)
+        elif command == "new":
+            await self._reset(channel)
+        elif command == "stop":
+            await self._stop(channel)
+        elif not text.strip():
+            media = message.get("attachments") or message.get("sticker_items")
+            await self._send(channel, "I can read text messages only." if media else HELP)
+        else:
+            run_id = f"discord-{self.bot_id}-{channel}-{message_id}"  # a message taken again is admitted once
+            await self._deliver(channel, user_id, text, run_id)
+        self.state.handled(channel, message_id)
+        await self.state.save()
+
+    def _mentioned(self, message: dict[str, Any]) -> bool:
+        mentions = message.get("mentions")
+        return isinstance(mentions, list) and any(_snowflake(_field(m, "id")) == self.bot_id for m in mentions)
+
+    def _command(self, text: str) -> str | None:
+        """``new`` for "!new" (any case); None for text and for other words after a "!"."""
+        if not text.startswith("!"):
+            return None
+        name = text[1:].split(maxsplit=1)[0].lower() if text[1:].strip() else ""
+        return name if name in ("help", "new", "stop") else None
+
+    async def _refuse(self, channel: int, user_id: int) -> None:
+        if not self._refused.due((channel, user_id)):
+            log.debug("refused another message from Discord user %d in channel %d", user_id, channel)
+            return
+        log.warning("refused a message from Discord user %d in channel %d: not on the allow-list", user_id, channel)
+        await self._send(channel, f"Sorry, this bot is private. (Your Discord user id is {user_id}.)")
+
+    async def _on_interaction(self, interaction: dict[str, Any]) -> None:
+        interaction_id = _snowflake(interaction.get("id"))
+        token = interaction.get("token")
+        if interaction_id is None or not isinstance(token, str):
+            return
+        presser = _field(interaction.get("member"), "user") or interaction.get("user")
+        user_id = _snowflake(_field(presser, "id"))
+        if user_id is None or user_id not in self.allow:
+            log.warning("refused an approval answer from Discord user %s: not on the allow-list", user_id)
+            await self._reply(interaction_id, token, "You are not allowed to answer this.")
+            return
+        button = parse_callback(_field(interaction.get("data"), "custom_id")) if interaction.get("type") == 3 else None
+        if button is None:
+            await self._reply(interaction_id, token, "Unknown button.")
+            return
+        key, request_id = button
+        channel = _snowflake(interaction.get("channel_id"))
+        outcome = await self._decide(channel, key, request_id)
+        if outcome == NOT_PENDING or channel is None:
+            await self._reply(interaction_id, token, outcome)
+            return
+        who = _field(presser, "global_name") or _field(presser, "username") or str(user_id)
+        suffix = f"\n\n{outcome} by {who}"
+        text = str(_field(interaction.get("message"), "content") or "")
+        if len(text) + len(suffix) > MAX_MESSAGE:
+            text = text[: max(MAX_MESSAGE - len(suffix) - 1, 0)] + "…"
+        update = {"content": (text + suffix)[:MAX_MESSAGE], "components": [], "allowed_mentions": NO_MENTIONS}
+        await self._respond(interaction_id, token, {"type": 7, "data": update})  # UPDATE_MESSAGE
+        if outcome == OUTCOMES[key] and key != "d":
+            await self._typing(channel)  # the run goes on
+
+    async def _reply(self, interaction_id: int, token: str, text: str) -> None:
+        """Answer a press with a note only the presser sees."""
+        data = {"content": text, "flags": EPHEMERAL, "allowed_mentions": NO_MENTIONS}
+        await self._respond(interaction_id, token, {"type": 4, "data": data})  # CHANNEL_MESSAGE_WITH_SOURCE
+
+    async def _respond(self, interaction_id: int, token: str, body: dict[str, Any]) -> None:
+        try:
+            path = f"/interactions/{interaction_id}/{MASK}/callback"
+            await self.api.request("POST", path, json=body, attempts=3, path_secret=token)
+        except DiscordError as exc:  # (15 minutes after the press its token is void: nothing to do)
+            log.info("%s", exc)
+
+    # -- to Discord ------------------------------------------------------------------------------
+
+    async def _send_approval(self, chat: int, payload: Mapping[str, Any], request_id: str) -> None:
+        components = approval_components(request_id)
+        if components is not None:
+            await self._send(chat, describe_request(payload, max_arguments=1500), components)
+
+    async def _send(self, chat: int, text: str, components: list[dict[str, Any]] | None = None) -> None:
+        """``text`` to the channel, in as many messages as it takes (the buttons on the last), no
+        one pinged. Transient failures are retried until they pass (a nonce keeps a retry after a
+        lost answer from posting twice); a permanent one (the channel is gone, the bot may not
+        write there) is logged, and the text dropped."""
+        parts = split_message(text, MAX_MESSAGE)
+        for n, part in enumerate(parts):
+            body: dict[str, Any] = {"content": part, "allowed_mentions": NO_MENTIONS}
+            body |= {"nonce": secrets.token_hex(12), "enforce_nonce": True}
+            if components is not None and n == len(parts) - 1:
+                body["components"] = components
+            try:
+                await self.api.request("POST", f"/channels/{chat}/messages", json=body)
+            except DiscordError as exc:
+                log.error("%s (channel %d): the message is dropped", exc, chat)
+                return
+
+    async def _typing(self, chat: int) -> None:
+        try:
+            await self.api.request("POST", f"/channels/{chat}/typing", attempts=1)
+        except DiscordError as exc:
+            log.info("%s", exc)
