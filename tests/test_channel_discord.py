@@ -883,3 +883,34 @@ def test_the_command_talks_through_a_bot_and_stops_cleanly_on_sigterm(
     assert "@agent is listening" in err and "allowed users: 100" in err and TOKEN not in out + err
     saved = json.loads((tmp_path / "data" / "var" / "discord" / f"{BOT}.json").read_text())
     assert saved["last"] == {str(ALICE_DM): hi["id"]}
+
+
+async def test_a_busy_conversation_names_the_channels_own_command(tmp_path: Path) -> None:
+    """``/new`` is Telegram's and WhatsApp's spelling; a Discord user is told to type ``!new``."""
+    from agentloop.channels.bridge import ChatBridge
+    from agentloop.channels.state import ChannelState
+    from agentloop.kernel import ProcessBusy
+
+    said: list[str] = []
+
+    class Busy:
+        async def reset(self) -> None:
+            raise ProcessBusy("pid", "reset")
+
+    class FakeKernel:
+        async def process(self, pid: str) -> Busy:
+            return Busy()
+
+    for bridge_class, prefix in ((DiscordBridge, "!"), (ChatBridge, "/")):
+        bridge = bridge_class.__new__(bridge_class)
+        ChatBridge.__init__(
+            bridge, FakeKernel(), account=None, context="", state=ChannelState(tmp_path / "s.json"), backoff=(0.01, 0.1)
+        )  # type: ignore[arg-type]
+        bridge._chats[1] = "pid"
+
+        async def say(chat: object, text: str) -> None:
+            said.append(text)
+
+        bridge._say = say  # type: ignore[method-assign]
+        await bridge._reset(1)
+        assert said[-1] == f"The conversation is busy elsewhere; try {prefix}new again in a moment."

@@ -63,6 +63,7 @@ class ChatBridge(Generic[K]):
     CHAT_KEY: ClassVar[str]
     OWNER_PREFIX: ClassVar[str]
     NAME: ClassVar[str]
+    COMMAND_PREFIX: ClassVar[str] = "/"  # what the channel's commands start with ("/new")
     log: ClassVar[logging.Logger]
 
     def __init__(
@@ -193,7 +194,9 @@ class ChatBridge(Generic[K]):
             except NoSuchProcess:
                 self._forget(chat)
             except ProcessBusy:  # another worker holds it (a shared store) and will not let go now
-                await self._say(chat, "The conversation is busy elsewhere; try /new again in a moment.")
+                await self._say(
+                    chat, f"The conversation is busy elsewhere; try {self.COMMAND_PREFIX}new again in a moment."
+                )
                 return
         await self._say(chat, "Started a new conversation.")
 

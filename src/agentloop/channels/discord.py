@@ -241,6 +241,7 @@ class DiscordBridge(ChatBridge[int]):
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "discord-"
     NAME = "discord"
+    COMMAND_PREFIX = "!"
     log = log
 
     def __init__(
