@@ -216,7 +216,7 @@ def watch(
     until_done: Annotated[
         bool, typer.Option("--until-done", help="Stop after the next finished run (proc.run.finished).")
     ] = False,
-    deltas: Annotated[bool, typer.Option("--deltas", help="Also show live text deltas (proc.run.stream).")] = False,
+    deltas: Annotated[bool, typer.Option("--deltas", help="Also show live progress (deltas, tool output).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Each signal as JSON, one per line.")] = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
@@ -233,7 +233,7 @@ def watch(
         stream = client.events(pid, after_seq=after, follow=follow, on_retry=retrying)
         async with aclosing(stream) as events:
             async for event in events:
-                if event.signal == sig.RUN_STREAM and not deltas:
+                if event.signal in (sig.RUN_STREAM, sig.TOOL_UPDATE) and not deltas:
                     continue
                 if json_output:
                     _echo_json({"seq": event.seq, "signal": event.signal, "payload": event.payload})

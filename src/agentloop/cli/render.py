@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Protocol, TextIO
 
 from rich.console import Console
@@ -37,6 +38,7 @@ from agentloop.events import (
     ThinkingDelta,
     ToolExecutionEnd,
     ToolExecutionStart,
+    ToolExecutionUpdate,
     TurnEnd,
     event_to_dict,
 )
@@ -86,6 +88,12 @@ def describe_call(name: str, args: dict[str, Any]) -> str:
     return f"{name} {one_line(json.dumps(args, ensure_ascii=False, default=str), 100)}"
 
 
+# a running call's output as the chat shows it (``TextRenderer.tool_output``): a line is cut at
+# this many characters, and an unfinished line waits with at most this many more
+_MAX_OUTPUT_LINE = 300
+_MAX_PARTIAL = 4096
+
+
 class EventSink(Protocol):
     def handle(self, event: LoopEvent) -> None: ...
 
@@ -114,6 +122,7 @@ class TextRenderer:
         self.err = err if err is not None else stderr_console()
         self.on_wait = on_wait
         self._calls: dict[str, str] = {}
+        self._partial: dict[str, str] = {}  # call id -> the last line of its output so far, unfinished
         self._at_line_start = True
         self._wrote_text = False
         self._new_message = False
@@ -182,7 +191,36 @@ class TextRenderer:
     def knows(self, call_id: str) -> bool:
         return call_id in self._calls
 
+    def tool_output(self, call_id: str, update: Any) -> None:
+        """A running call's progress: of an update with a text ``delta`` (Shell's output as it
+        comes), each finished line, dim and indented under the call's line; the unfinished last
+        line waits for the rest of it (or for the call's end). ``skipped`` (characters the tool
+        left out, a flood of output) is said in a line of its own. Other updates are not shown."""
+        if not isinstance(update, Mapping) or not isinstance(update.get("delta"), str):
+            return
+        skipped = update.get("skipped")
+        if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped > 0:
+            self._flush_output(call_id)
+            self.note(Text(f"  … {skipped:,} characters skipped …", style="dim"))
+        *lines, rest = (self._partial.pop(call_id, "") + update["delta"]).split("\n")
+        for line in lines:
+            self._output_line(line)
+        if rest:
+            self._partial[call_id] = rest[-_MAX_PARTIAL:]
+
+    def _flush_output(self, call_id: str) -> None:
+        rest = self._partial.pop(call_id, "")
+        if rest:
+            self._output_line(rest)
+
+    def _output_line(self, line: str) -> None:
+        shown = terminal_text(line.expandtabs())
+        if len(shown) > _MAX_OUTPUT_LINE:
+            shown = shown[: _MAX_OUTPUT_LINE - 1] + "…"
+        self.note(Text("  " + shown, style="dim"))
+
     def tool_end(self, call_id: str, name: str, is_error: bool, text: str) -> None:
+        self._flush_output(call_id)
         label = self._calls.pop(call_id, name)
         if is_error:
             self.note(Text.assemble(("✗ ", "red"), label, (": " + one_line(text), "red")))
@@ -198,6 +236,8 @@ class TextRenderer:
         self._wait(True)
 
     def finish(self) -> None:
+        for call_id in list(self._partial):  # (calls that never ended: an abort)
+            self._flush_output(call_id)
         self._wait(False)
         self.end_line()
 
@@ -216,6 +256,8 @@ class TextRenderer:
                 self.waiting()
         elif isinstance(event, ToolExecutionStart):
             self.tool_start(event.tool_call_id, event.tool_name, event.args)
+        elif isinstance(event, ToolExecutionUpdate):
+            self.tool_output(event.tool_call_id, event.partial_result)
         elif isinstance(event, ToolExecutionEnd):
             self.tool_end(event.tool_call_id, event.tool_name, event.is_error, event.result.text)
         elif isinstance(event, TurnEnd):
@@ -279,6 +321,8 @@ class SignalRenderer:
             self._running.add(call_id)
             args = p.get("args")
             view.tool_start(call_id, str(p.get("name", "")), args if isinstance(args, dict) else {})
+        elif name == psig.TOOL_UPDATE:
+            view.tool_output(str(p.get("callId", "")), p.get("update"))
         elif name == psig.HIL_REQUESTED and not p.get("nested"):  # a nested call's callId is its program's
             args = p.get("args")
             view.tool_start(
@@ -433,6 +477,12 @@ class JsonRenderer:
     def to_dict(event: LoopEvent) -> dict[str, Any]:
         if isinstance(event, MessageUpdate):
             return {"type": event.type, "event": event_to_dict(event.event)}
+        if isinstance(event, ToolExecutionUpdate):  # a tool's progress may be anything: not JSON is its string
+            try:
+                progress = json.loads(json.dumps(event.partial_result, ensure_ascii=False, default=str))
+            except Exception:  # (a value whose string fails, a cycle)
+                progress = None
+            return {**event_to_dict(replace(event, partial_result=None)), "partial_result": progress}
         data = event_to_dict(event)
         if isinstance(event, MessageStart) and isinstance(event.message, AssistantMessage):
             # The streamed message is live: by now it may hold text its deltas are about to repeat.

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from agentloop.events import LoopEvent, ToolExecutionUpdate
 from agentloop.loop.execute import NOT_COUNTED as NOT_THE_MODELS_FAILURES
 from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared, malformed
 from agentloop.loop.guards import CALLS_USED_UP
@@ -33,6 +36,7 @@ from agentloop.messages import (
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.hil import NOT_INTERACTIVE, ask, nested_policy
+from agentloop.process.signals import Signal
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
 from agentloop.tools.base import CallBudget, Tool, not_offered
@@ -218,9 +222,19 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
             state = _state_for(live, run_id)
             background = functools.partial(engine.start_background, live.record.pid)
             jobs = engine.jobs.of(live.record.pid)
+            progress = Progress(engine, live, run_id, row)
             result = await _execute(
-                cfg, state, checked, None, nested, budget, call_key=row.dispatch_id, background=background, jobs=jobs
+                cfg,
+                state,
+                checked,
+                progress,
+                nested,
+                budget,
+                call_key=row.dispatch_id,
+                background=background,
+                jobs=jobs,
             )
+            await progress.flush()
         try:
             await record(engine, live, run_id, row, result)
         except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
@@ -230,6 +244,91 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
     finally:
         live.tools.pop(row.dispatch_id, None)
     engine.wake(live.record.pid)
+
+
+# the largest tool update sent, as JSON: a larger one is dropped (Shell's are a few KiB at most)
+MAX_UPDATE_CHARS = 16_384
+_DROP = object()
+
+
+class Progress:
+    """What a durable call's ``ToolContext.update`` does: publish ``proc.run.tool.update`` (pid,
+    runId, callId, name, and the tool's ``update``) to this worker's watchers of the process and,
+    on a shared store, relay it to watchers on other workers, as the driver does stream deltas:
+    live only, never in the log, no seq (its ``base`` the last logged signal, so a watcher that has
+    read the log past it drops it as stale). Best-effort and never the tool's problem: nothing is
+    done while nobody watches, a value that is not JSON is sent as its string (or dropped, as is one
+    over ``MAX_UPDATE_CHARS``), an update from a tool's worker thread is handed to the event loop,
+    and nothing raises into the tool. A slow watcher costs nothing either: the hub's queues are
+    bounded (``signals.BACKLOG``) and never waited on."""
+
+    def __init__(self, engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow) -> None:
+        self.engine, self.live, self.run_id, self.row = engine, live, run_id, row
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()
+        self.relayed = False  # something waits in the relay: sent before the result is committed
+
+    def __call__(self, event: LoopEvent) -> None:
+        if not isinstance(event, ToolExecutionUpdate):
+            return
+        try:
+            if threading.get_ident() == self.thread:
+                self.publish(event.partial_result)
+            else:  # a sync tool run in a thread: the hub and the relay belong to the loop
+                self.loop.call_soon_threadsafe(self.publish, event.partial_result)
+        except Exception:  # (the loop closed under a thread that outlived it)
+            log.debug("a tool update of %s was not published", self.row.tool_name, exc_info=True)
+
+    def publish(self, value: Any) -> None:
+        try:
+            pid = self.live.record.pid
+            relay = self.engine.leases.relay if self.engine.leases is not None else None
+            watched = self.engine.hub.watching(pid)
+            if not watched and (relay is None or not relay.wanted(pid)):
+                return  # nobody to tell
+            update = _as_json(value)
+            if update is _DROP:
+                return
+            payload = {
+                "pid": pid,
+                "runId": self.run_id,
+                "callId": self.row.tool_call_id,
+                "name": self.row.tool_name,
+                "update": update,
+            }
+            if watched:
+                self.engine.hub.publish(pid, Signal(sig.TOOL_UPDATE, payload, base=self.live.seq))
+            if relay is not None and relay.send(pid, self.live.seq, payload, signal=sig.TOOL_UPDATE):
+                self.relayed = True
+        except Exception:
+            log.debug("a tool update of %s was not published", self.row.tool_name, exc_info=True)
+
+    async def flush(self) -> None:
+        """The call ended: what the relay holds of its updates goes out ahead of its result."""
+        relay = self.engine.leases.relay if self.engine.leases is not None else None
+        if self.relayed and relay is not None:
+            await relay.flush(self.live.record.pid)
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as plain JSON data (a copy, so the tool may change what it passed on), its string
+    when it is not JSON, ``_DROP`` when not even that or when it is too large to send."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            text = json.dumps(value, allow_nan=False, default=str)
+        except (TypeError, ValueError, RecursionError):
+            try:
+                text = json.dumps(str(value))
+            except Exception:  # a __str__ that fails
+                return _DROP
+        except Exception:  # a __str__ of a part that fails
+            return _DROP
+    if len(text) > MAX_UPDATE_CHARS:
+        log.debug("a tool update of %d characters was dropped", len(text))
+        return _DROP
+    return json.loads(text)
 
 
 def nested_budget(engine: ProcessEngine, live: _Live, run_id: str, cfg: LoopConfig) -> CallBudget | None:

@@ -1,10 +1,12 @@
 """Live progress signals between workers on a shared store (DESIGN §6).
 
-``proc.run.stream`` deltas are never logged (see ``signals``), so a watcher on a worker that does
-not hold the process would see a run's answer only once it is complete. The holder therefore
-relays them: it collects the deltas of its processes and sends them every ``interval`` seconds
-(and a process's own before each commit that ends one of its model calls) in one cross-worker
-message (NOTIFY on PostgreSQL) for all of them.
+``proc.run.stream`` deltas and ``proc.run.tool.update`` progress are never logged (see
+``signals``), so a watcher on a worker that does not hold the process would see a run's answer
+(a command's output) only once it is complete. The holder therefore relays them: it collects the
+progress of its processes and sends it every ``interval`` seconds (and a process's own before each
+commit that ends one of its model calls or tool calls) in one cross-worker message (NOTIFY on
+PostgreSQL) for all of them. A payload is relayed as it is published; one of another signal than
+``proc.run.stream`` carries that signal's name under ``SIGNAL_KEY``, taken off again on arrival.
 
 Only processes somebody follows elsewhere are relayed: a worker whose watchers follow a process
 held elsewhere says so (``announce``) when the first one starts and again every poll, and a
@@ -26,14 +28,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentloop.process.signals import RUN_STREAM, Signal
+from agentloop.process.signals import RUN_STREAM, TOOL_UPDATE, Signal
 from agentloop.process.store import RelayBatch, Store
 
 log = logging.getLogger("agentloop.relay")
 
 INTERVAL = 0.05  # seconds a delta waits at most before it is relayed
 
-Batch = tuple[int, list[dict[str, Any]]]  # (base seq, payloads of proc.run.stream signals)
+Batch = tuple[int, list[dict[str, Any]]]  # (base seq, payloads of progress signals)
+# in a relayed payload: the name of its signal, when it is not ``proc.run.stream`` (a batch on the
+# wire is payloads only, and a worker that predates the key shows such a payload as a stream event
+# that no client draws)
+SIGNAL_KEY = "~signal"
+RELAYED = frozenset({RUN_STREAM, TOOL_UPDATE})  # what a relayed payload may be: live-only progress
 
 
 class Relay:
@@ -67,17 +74,21 @@ class Relay:
         for pid in pids:
             self._wanted[pid] = now + self.interest_ttl
 
-    def send(self, pid: str, base: int, payload: dict[str, Any]) -> None:
-        """Relay one delta of ``pid``, made after the holder's committed signal ``base``, if
-        anyone elsewhere follows the process."""
+    def send(self, pid: str, base: int, payload: dict[str, Any], *, signal: str = RUN_STREAM) -> bool:
+        """Relay one progress signal of ``pid`` (a delta, unless ``signal`` says otherwise), made
+        after the holder's committed signal ``base``, if anyone elsewhere follows the process;
+        returns whether it will be sent."""
         if not self.wanted(pid):
-            return
+            return False
+        if signal != RUN_STREAM:
+            payload = {**payload, SIGNAL_KEY: signal}
         box = self._outbox.setdefault(pid, [])
         if box and box[-1][0] == base:
             box[-1][1].append(payload)
         else:
             box.append((base, [payload]))
         self._arm()
+        return True
 
     async def flush(self, pid: str) -> None:
         """Send what waits for ``pid`` now, and let a send under way finish: before a commit, so
@@ -162,4 +173,9 @@ def publish_batch(batch: Batch, after: int, publish: Callable[[Signal], None]) -
     base, payloads = batch
     if base == after:
         for payload in payloads:
-            publish(Signal(RUN_STREAM, payload, base=base))
+            name = payload.get(SIGNAL_KEY, RUN_STREAM)
+            if name not in RELAYED:
+                continue  # never a logged signal: those come from the log
+            if SIGNAL_KEY in payload:
+                payload = {k: v for k, v in payload.items() if k != SIGNAL_KEY}
+            publish(Signal(name, payload, base=base))

@@ -2,9 +2,11 @@
 
 Durable signals are written to the process's ``events`` log inside the transaction that caused
 them, each with the next per-process sequence number, so a watcher that drops its connection
-resumes with ``after_seq`` and misses nothing. Stream deltas (``proc.run.stream``) are the one
-exception: they are live-only progress (a resumed watcher gets the whole text in
-``proc.run.output``), because logging every token would make the log the bottleneck.
+resumes with ``after_seq`` and misses nothing. Progress is the exception: stream deltas
+(``proc.run.stream``) and a running tool's updates (``proc.run.tool.update``, what it reports with
+``ToolContext.update``: Shell's output as it comes) are live-only, without a seq (a resumed
+watcher gets the whole text in ``proc.run.output``, the whole result in ``proc.run.tool.finished``),
+because logging every token or every line would make the log the bottleneck.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ RUN_STREAM = "proc.run.stream"
 RUN_RETRYING = "proc.run.retrying"  # a failed model call being retried, or a switch to a fallback
 RUN_OUTPUT = "proc.run.output"
 TOOL_STARTED = "proc.run.tool.started"
+# live-only, as RUN_STREAM: {pid, runId, callId, name, update} while a call runs (``process/calls.py``)
+TOOL_UPDATE = "proc.run.tool.update"
 TOOL_FINISHED = "proc.run.tool.finished"
 HIL_REQUESTED = "proc.run.hil.requested"
 RUN_FINISHED = "proc.run.finished"

@@ -9,14 +9,24 @@ rely on. Stopping is SIGTERM to the group, then SIGKILL to whatever is left afte
 child can hold open forever; so the shell's exit is watched through ``returncode`` instead, and
 children still holding the output a moment after the shell exited are killed. Children that
 redirect their output (``server > log 2>&1 &``) are left running.
+
+While a command runs its output is also reported as progress (``ToolContext.update``, which a
+durable process publishes as ``proc.run.tool.update``): ``{"stream": "stdout", "delta": text}``
+(stderr is merged into stdout, as in the result), at most one update per ``UPDATE_INTERVAL`` and
+each at most ``MAX_DELTA_BYTES``, so a command that prints megabytes sends a few kilobytes of its
+newest output (``skipped`` counts the characters left out before a delta). The result is the same
+with or without anyone watching.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import logging
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,7 +57,18 @@ from agentloop.tools.process_group import (
 )
 from agentloop.urls import carries_secret, secret_name
 
-__all__ = ["DEFAULT_TIMEOUT", "MAX_OUTPUT_CHARS", "MAX_TIMEOUT", "run_shell", "shell_tool"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MAX_DELTA_BYTES",
+    "MAX_OUTPUT_CHARS",
+    "MAX_TIMEOUT",
+    "UPDATE_INTERVAL",
+    "OutputStream",
+    "run_shell",
+    "shell_tool",
+]
+
+log = logging.getLogger("agentloop.tools.shell")
 
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 600.0
@@ -56,6 +77,10 @@ MAX_TIMEOUT = 600.0
 DEFAULT_BACKGROUND_TIMEOUT = 1800.0
 MAX_BACKGROUND_TIMEOUT = 3600.0
 MAX_OUTPUT_CHARS = 30_000
+# the output as it comes (``OutputStream``): at most one update per stream this often (seconds),
+# each with at most this many bytes of UTF-8 text
+UPDATE_INTERVAL = 0.1
+MAX_DELTA_BYTES = 4096
 
 
 # what a command is not given of the runtime's environment: its credentials (provider API keys,
@@ -91,6 +116,111 @@ def _status(code: int | None) -> str:
     return f"exit code {code}"
 
 
+class OutputStream:
+    """A command's output as progress updates, while it runs: ``feed`` it the bytes as they are
+    read, ``close`` it when the command has ended. ``update`` gets ``{"stream", "delta"}`` at once
+    for the first output, then at most once per ``interval`` with what came meanwhile (a timer sends
+    what waits when nothing more comes); a delta is at most ``max_bytes`` of UTF-8, the newest part
+    of what waited, with ``skipped``: how many characters before it were left out. Text is decoded
+    incrementally, so a character split between two reads is never mangled. Nothing here raises:
+    an ``update`` that fails loses that update, never the command's output."""
+
+    def __init__(
+        self,
+        update: Callable[[dict[str, Any]], None],
+        stream: str = "stdout",
+        *,
+        interval: float = UPDATE_INTERVAL,
+        max_bytes: int = MAX_DELTA_BYTES,
+    ) -> None:
+        self.update = update
+        self.stream = stream
+        self.interval = interval
+        self.max_bytes = max(4, max_bytes)  # (room for one character of any width)
+        self._loop = asyncio.get_running_loop()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+        self._skipped = 0
+        self._last: float | None = None  # when the last update was sent
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self._closed:
+            return
+        try:
+            self._add(self._decoder.decode(chunk))
+            if not self._pending or self._timer is not None:
+                return  # (a character still incomplete; or an update already due)
+            now = self._loop.time()
+            if self._last is None or now - self._last >= self.interval:
+                self._send()
+            else:
+                self._timer = self._loop.call_later(self._last + self.interval - now, self._due)
+        except Exception:  # only progress: the command's output is captured regardless
+            log.debug("shell output not streamed", exc_info=True)
+
+    def close(self) -> None:
+        """The command ended: send what waits now (ahead of the call's result)."""
+        self.cancel()
+        try:
+            self._add(self._decoder.decode(b"", final=True))
+            self._send()
+        except Exception:
+            log.debug("shell output not streamed", exc_info=True)
+
+    def cancel(self) -> None:
+        """No more updates (the call ended, or is being stopped)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _due(self) -> None:
+        self._timer = None
+        self._send()
+
+    def _add(self, text: str) -> None:
+        if not text:
+            return
+        self._pending += text
+        over = len(self._pending) - self.max_bytes  # (a character is one byte at least)
+        if over > 0:
+            self._pending = self._pending[over:]
+            self._skipped += over
+
+    def _send(self) -> None:
+        text = self._pending
+        if not text and not self._skipped:
+            return
+        data = text.encode("utf-8", errors="surrogatepass")
+        if len(data) > self.max_bytes:  # wide characters: keep the newest whole ones that fit
+            kept = data[-self.max_bytes :].decode("utf-8", errors="ignore")
+            self._skipped += len(text) - len(kept)
+            text = kept
+        update: dict[str, Any] = {"stream": self.stream, "delta": text}
+        if self._skipped:
+            update["skipped"] = self._skipped
+        self._pending, self._skipped = "", 0
+        self._last = self._loop.time()
+        try:
+            self.update(update)
+        except Exception:
+            log.debug("a shell output update failed", exc_info=True)
+
+
+class _StreamingCapture(OutputCapture):
+    """The bounded capture of the result, that also feeds the live ``OutputStream``."""
+
+    def __init__(self, max_chars: int, stream: OutputStream) -> None:
+        super().__init__(max_chars)
+        self.stream = stream
+
+    def feed(self, chunk: bytes) -> None:
+        super().feed(chunk)
+        self.stream.feed(chunk)
+
+
 async def run_shell(
     root: str | Path,
     command: str,
@@ -102,12 +232,14 @@ async def run_shell(
     max_timeout: float = MAX_TIMEOUT,
     started: GroupStarted | None = None,
     job: CommandJob | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> ToolResult:
     """``shell.exec``: run ``command`` with its output captured; the group dies with it.
     ``started`` is awaited with the group and its mark once the command runs (before it is
     waited for), by whoever must be able to find the group again should this runtime die.
     A background ``job`` gets a stdin pipe (no stdin otherwise), the process and the output as
-    they come, and may be stopped early (``job.stop_requested``), as a timeout stops it."""
+    they come, and may be stopped early (``job.stop_requested``), as a timeout stops it.
+    ``progress`` (a ``ToolContext.update``) gets the output as it comes (``OutputStream``)."""
     if not command.strip():
         raise ToolError("command is empty")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -131,7 +263,8 @@ async def run_shell(
         start_new_session=True,
     )
     assert proc.stdout is not None
-    capture = OutputCapture(max_output)
+    streaming = OutputStream(progress) if progress is not None else None
+    capture = OutputCapture(max_output) if streaming is None else _StreamingCapture(max_output, streaming)
     reader = asyncio.create_task(pump(proc.stdout, capture))
     if job is not None:
         job.attach(proc, capture)
@@ -143,11 +276,15 @@ async def run_shell(
             await kill_group(proc, kill_grace, mark)
             await asyncio.wait({reader}, timeout=DRAIN_GRACE)
     except BaseException:
+        if streaming is not None:
+            streaming.cancel()
         await kill_group(proc, kill_grace, mark)
         raise
     finally:
         reader.cancel()
         close_transport(proc)
+    if streaming is not None:
+        streaming.close()  # the last of the output goes out before the result
     output, truncated = capture.render()
     code = proc.returncode
     rel = display(base, workdir)
@@ -197,7 +334,7 @@ def shell_tool(root: str | Path) -> FunctionTool:
         if not background:
             if timeout is not None and timeout > MAX_TIMEOUT:
                 raise ToolError(f"timeout is at most {MAX_TIMEOUT:g} s; a longer command can run with background=true")
-            return await run_shell(root, command, cwd, timeout)
+            return await run_shell(root, command, cwd, timeout, progress=ctx.update)
         return start_in_background(ctx, root, command, cwd, timeout)
 
     return shell

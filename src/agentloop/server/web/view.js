@@ -21,6 +21,7 @@ import { api, ApiError, procPath, sse } from "./api.js";
 import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
 
 const GAP = " … "; // where a streaming bubble lost text while the stream reconnected
+const LIVE_OUTPUT = 32768; // characters of a running call's streamed output a card keeps
 
 /** A heartbeat check-in whose answer only says nothing needs attention stays out of sight: a
  * person opening the page should not read "HEARTBEAT_OK" every half hour. */
@@ -320,6 +321,23 @@ export class ProcessView {
     return card;
   }
 
+  /** A running call's output as it comes ({delta, skipped?} updates): appended to its card,
+   * only the newest LIVE_OUTPUT characters kept, until the result takes its place. */
+  streamTool(card, update) {
+    if (!update || typeof update.delta !== "string") return;
+    const output = card.querySelector(".output");
+    let text = output.textContent;
+    if (Number.isInteger(update.skipped) && update.skipped > 0) {
+      text += `${text && !text.endsWith("\n") ? "\n" : ""}… ${update.skipped} characters skipped …\n`;
+    }
+    text += update.delta;
+    if (text.length > LIVE_OUTPUT) text = `…${text.slice(-LIVE_OUTPUT)}`;
+    output.textContent = text;
+    output.scrollTop = output.scrollHeight;
+    card.classList.add("streaming");
+    scrollDown();
+  }
+
   finishTool(card, ok, output) {
     card.className = `tool ${ok ? "ok" : "failed"}`;
     card.querySelector(".state").textContent = ok ? " finished" : " failed";
@@ -419,6 +437,13 @@ export class ProcessView {
           const card = this.toolCard(p.callId, p.name, p.args);
           if (!card.isConnected) this.put(run, card);
           this.resolveCall(p.callId);
+        }
+        break;
+      case "proc.run.tool.update":
+        // Live-only progress of a running call (Shell's output as it comes); its result replaces it.
+        if (run) {
+          const card = this.tools.get(p.callId);
+          if (card && card.classList.contains("running")) this.streamTool(card, p.update);
         }
         break;
       case "proc.run.tool.finished":
