@@ -410,7 +410,7 @@ def serve(
         typer.Option(
             "--max-processes",
             min=1,
-            help="Live processes an account may have (admins are not limited; default 1000).",
+            help="Live top-level processes an account may have, subagents aside (admins: no limit; default 1000).",
         ),
     ] = None,
     max_inputs_per_minute: Annotated[

@@ -41,7 +41,7 @@ from agentloop.kernel.runs import (
 from agentloop.kernel.schedule_tool import schedule_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
 from agentloop.kernel.segments import Segment, SegmentPage, list_segments, read_segment, record_reset
-from agentloop.kernel.tasks import task_toolset
+from agentloop.kernel.tasks import Retirer, task_toolset
 from agentloop.kernel.titles import Titles, Titling, check_titling
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
 from agentloop.loop.state import Mode, check_mode
@@ -596,7 +596,10 @@ class Kernel:
             await store.close()
             raise
         kernel_ref.append(kernel)
+        retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
         try:
+            if retirer is not None:  # (before recovery: its tap hears the runs it resumes end)
+                await retirer.start()
             await kernel.titles.recover()
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
             await kernel._sweep_media()
@@ -606,6 +609,8 @@ class Kernel:
                 kernel.heartbeat.start()
             yield kernel
         finally:
+            if retirer is not None:
+                await retirer.close()
             if kernel.heartbeat is not None:
                 await kernel.heartbeat.stop()
             await kernel.scheduler.stop()

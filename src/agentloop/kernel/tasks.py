@@ -17,29 +17,61 @@ with the parent (reset, kill): see ``tree.py``. Which run that was is stored wit
 Children are not interactive: nobody watches a child to answer its approval requests, so a call
 its policy would ask about is refused and the child's model is told why. Nesting is capped
 (``MAX_DEPTH``) so a model cannot fork itself without end, and so is the number of children one
-process may have running at once.
+process may have running at once. Children are not conversations: the account's process quota
+(the server's) does not count them (``Store.count_processes(top_level_only=True)``).
+
+Finished children are retired (``retire_finished``), so a parent that delegates a lot does not
+keep every child it ever made: the newest ``KEEP_FINISHED`` finished children of a parent stay
+readable (a user opens them to see what a subagent did), older ones are killed the way kill does
+it (their history archived under ``var/sessions/<owner>/<pid>/``, their own subtree with them).
+A child is finished when its answer has reached the parent durably and nothing of it still works:
+
+- the parent's ``Task`` call that made it has its result stored: its run is over, or the call's
+  row is terminal (a restart reads the result from there instead of calling ``Task`` again, which
+  would find the child gone). The call is named in the child's ``ORIGIN_KEY`` row;
+- nothing watches it any more: a ``wait=false`` child's one-shot watch has delivered its report to
+  the parent (in the transaction that queued the event), or was dropped (a reset, an abort);
+- it and every process below it are idle: no run, no input waiting, no approval pending, no
+  watch or schedule of its own that would wake it, no background job.
+
+A child not made by ``Task`` (no ``ORIGIN_KEY`` row naming this parent) is never retired. The
+occasions are a ``Task`` call that makes a child, and the end of a run of a process with children
+(``Retirer``, the kernel's hub tap): both only in the background, never in the way of the run. Each
+retirement is checked again under the child's clearing hold, and is a kill: one a crash cuts
+short leaves a child that the next occasion retires (a kill can be repeated), never a parent
+without its answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import logging
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from agentloop.kernel import tree
 from agentloop.kernel.tree import ORIGIN_KEY, origin
 from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.process import signals as sig
+from agentloop.process.background import JOBS_KEY
 from agentloop.process.keylock import KeyedLocks
-from agentloop.process.store import ProcessRecord
+from agentloop.process.signals import Signal
+from agentloop.process.store import TERMINAL_STATUSES, NoSuchProcess, ProcessRecord
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
 
+log = logging.getLogger("agentloop.kernel.tasks")
+
 MAX_DEPTH = 3  # a process, its child, grandchild and great-grandchild: no deeper
 MAX_RUNNING = 8  # children of one process running at once
 TASK_TIMEOUT = 1800.0  # seconds a waiting Task call may take (the child's own runs are not cut)
+KEEP_FINISHED = 16  # finished children of one process kept readable; older ones are retired
+RETIRE_GRACE = 10.0  # seconds a closing kernel waits for the retirements under way
 
 _SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -60,6 +92,7 @@ _SCHEMA: dict[str, Any] = {
 
 
 _starting = KeyedLocks()  # per parent pid (one event loop per kernel: a module-level lock set is enough)
+_retiring = KeyedLocks()  # per parent pid: one retirement of its children at a time
 
 
 class TaskTool(Tool):
@@ -115,12 +148,15 @@ class TaskTool(Tool):
                     interactive=False,
                     parent_pid=parent.pid,
                     pid=pid,
-                    kv={ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"])},
+                    kv={ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"], ctx.call_key)},
                     context=f"You are a subagent working on a task for process {parent.pid}. Answer with the result.",
                 )
                 if not arguments["wait"]:
                     await kernel.watch(parent.pid, pid, sig.RUN_FINISHED, once=True)
                 await child.send(arguments["prompt"], run_id=f"task:{pid}")
+            retirer = _retirers.get(kernel)
+            if retirer is not None:  # a new child: the occasion to retire the oldest finished ones
+                retirer.soon(parent.pid)
         else:
             child = await kernel.process(pid)
             if existing.state != "killed":
@@ -200,6 +236,193 @@ async def _answer(kernel: Kernel, pid: str) -> ToolResult:
             f"subagent {pid} ended with {finished.get('status')} ({reason})" + (f": {said}" if said else "")
         )
     return ToolResult.text(text or f"subagent {pid} finished without an answer", details={"pid": pid})
+
+
+# -- retiring finished children ------------------------------------------------------------------
+
+
+async def retire_finished(kernel: Kernel, parent_pid: str) -> list[str]:
+    """Retire the finished children of ``parent_pid`` past the newest ``KEEP_FINISHED`` (see the
+    module doc); returns the pids retired. Nothing while the parent is being reset or killed (that
+    takes care of its children itself) or the kernel closes. A child whose retirement fails is
+    logged and left for the next occasion."""
+    async with _retiring.hold(parent_pid):
+        engine, store = kernel.engine, kernel.store
+        if engine.closing or parent_pid in engine.clearing:
+            return []
+        parent = await store.get_process(parent_pid)
+        if parent is None or parent.state == "killed":
+            return []
+        idle = [c for c in await tree.children(kernel, parent) if c.current_run is None]
+        if len(idle) <= KEEP_FINISHED:
+            return []
+        idle.sort(key=lambda r: (r.updated_at, r.created_at, r.pid), reverse=True)  # newest finished first
+        kept, retired = 0, []
+        for child in idle:
+            if child.pid in engine.clearing or not await _finished(kernel, parent_pid, child):
+                continue
+            if kept < KEEP_FINISHED:
+                kept += 1
+            elif await _retire(kernel, parent_pid, child.pid):
+                retired.append(child.pid)
+        return retired
+
+
+async def _finished(kernel: Kernel, parent_pid: str, child: ProcessRecord) -> bool:
+    """Whether ``child``'s answer has reached its parent durably and nothing of it works on."""
+    store = kernel.store
+    started = await store.kv_get(child.pid, ORIGIN_KEY)
+    if not isinstance(started, dict) or started.get("parent") != parent_pid:
+        return False  # not a subagent of this parent's Task calls: whoever made it decides
+    if not await store.history(child.pid, limit=1):
+        return False  # never given its task (a restart between its creation and its prompt)
+    parent = await store.get_process(parent_pid)  # (read after the child: a run begun since is seen)
+    if parent is None or await _call_pending(kernel, parent, started):
+        return False
+    if await store.watches(source_pid=child.pid):
+        return False  # its report is still owed (or someone else follows it)
+    return await _quiet(kernel, child)
+
+
+async def _call_pending(kernel: Kernel, parent: ProcessRecord, started: dict[str, Any]) -> bool:
+    """Whether the parent's ``Task`` call that made the child may still run (again): its run is
+    the parent's active one and the call has no stored result yet. A run that is over never runs
+    its calls again; a terminal call row keeps its result for the restart that would re-run it."""
+    run_id, run = started.get("run_id"), parent.current_run
+    if run_id is None or run is None or run.get("run_id") != run_id:
+        return False
+    call = started.get("call")
+    if not isinstance(call, str):
+        return True  # (made before the call was kept: until its run is over)
+    return any(
+        (row.dispatch_id == call or call.startswith(f"{row.dispatch_id}.")) and row.status not in TERMINAL_STATUSES
+        for row in await kernel.store.calls(parent.pid, run_id)
+    )
+
+
+async def _quiet(kernel: Kernel, record: ProcessRecord) -> bool:
+    """Whether ``record`` and every process below it are idle and nothing would wake them: a
+    retirement kills the whole subtree. (``record`` itself may be held for its retirement: one
+    below it being reset or killed is not quiet.)"""
+    store, engine = kernel.store, kernel.engine
+    seen, todo = {record.pid}, [record]
+    while todo:
+        node = todo.pop()
+        if (
+            node.current_run is not None
+            or (node is not record and node.pid in engine.clearing)
+            or await store.queue(node.pid)
+            or await store.hils(node.pid)
+            or await store.watches(pid=node.pid)
+            or await store.schedules(node.pid)
+            or await store.kv_get(node.pid, JOBS_KEY)
+        ):
+            return False
+        for child in await tree.children(kernel, node):
+            if child.pid not in seen:  # (a pid reused further up: never loop)
+                seen.add(child.pid)
+                todo.append(child)
+    return True
+
+
+async def _retire(kernel: Kernel, parent_pid: str, pid: str) -> bool:
+    """Kill a finished child with an archive, as ``Process.kill`` does, once it is checked again
+    under its clearing hold (input for it waits meanwhile). False if it was not retired."""
+    try:
+        async with kernel.engine.clear(pid):
+            record = await kernel.store.get_process(pid)
+            if record is None or record.current_run is not None or not await _finished(kernel, parent_pid, record):
+                return False
+            await kernel._clear_held(pid, kill=True, archive=True, above=frozenset({parent_pid}))
+    except NoSuchProcess:
+        return False  # killed meanwhile
+    except Exception as exc:
+        log.warning("process %s: the finished subagent %s was not retired: %s", parent_pid, pid, exc)
+        return False
+    log.info("process %s: retired the finished subagent %s", parent_pid, pid)
+    return True
+
+
+_retirers: weakref.WeakKeyDictionary[Kernel, Retirer] = weakref.WeakKeyDictionary()
+
+
+class Retirer:
+    """A kernel's retirements of finished subagents, in the background: after a run of a process
+    with children ends (the kernel's hub tap) and after a ``Task`` call made a child (``soon``).
+    One at a time per parent; an occasion that comes while one is under way runs it again after."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.parents: set[str] = set()  # the processes known to have children
+        self._work: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()
+        self.closed = False
+        _retirers[kernel] = self
+        kernel.engine.hub.tap(self._heard)
+
+    async def start(self) -> None:
+        """Note the processes that have children (once, when the kernel opens)."""
+        records = await self.kernel.store.list_processes()
+        self.parents.update(r.parent_pid for r in records if r.parent_pid is not None and r.state != "killed")
+
+    def _heard(self, pid: str, signal: Signal) -> None:
+        """The hub's tap: cheap, synchronous, never raising."""
+        if signal.signal != sig.RUN_FINISHED or pid not in self.parents:
+            return
+        live = self.kernel.engine.cached(pid)
+        if live is not None and live.remote:  # (its worker retires them)
+            return
+        self.soon(pid)
+
+    def soon(self, parent_pid: str) -> None:
+        """Retire the finished children of ``parent_pid`` in the background."""
+        if self.closed:
+            return
+        self.parents.add(parent_pid)
+        if parent_pid in self._work:
+            self._again.add(parent_pid)
+            return
+        work = self._retire(parent_pid)
+        task = asyncio.get_running_loop().create_task(work, name=f"retire the finished subagents of {parent_pid}")
+        self._work[parent_pid] = task
+        task.add_done_callback(functools.partial(self._done, parent_pid))
+
+    async def _retire(self, parent_pid: str) -> None:
+        try:
+            await retire_finished(self.kernel, parent_pid)
+            if await self.kernel.store.get_process(parent_pid) is None:
+                self.parents.discard(parent_pid)  # (killed: no more occasions for it)
+        except Exception as exc:
+            log.warning("process %s: its finished subagents were not retired: %s", parent_pid, exc)
+
+    def _done(self, parent_pid: str, task: asyncio.Task[None]) -> None:
+        if self._work.get(parent_pid) is task:
+            del self._work[parent_pid]
+        if parent_pid in self._again:
+            self._again.discard(parent_pid)
+            self.soon(parent_pid)
+
+    async def wait(self) -> None:
+        """Until no retirement is under way (tests; ``close``)."""
+        while self._work:
+            await asyncio.gather(*list(self._work.values()), return_exceptions=True)
+
+    async def close(self) -> None:
+        """No more occasions; the retirements under way get ``RETIRE_GRACE`` to finish."""
+        self.closed = True
+        self.kernel.engine.hub.untap(self._heard)
+        _retirers.pop(self.kernel, None)
+        work = set(self._work.values())
+        if work:
+            _, late = await asyncio.wait(work, timeout=RETIRE_GRACE)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+
+def retirer_of(kernel: Kernel) -> Retirer | None:
+    """The kernel's ``Retirer`` (one opened with ``subagents``), if it has one."""
+    return _retirers.get(kernel)
 
 
 def task_toolset(kernel_ref: list[Kernel]) -> Any:

@@ -8,9 +8,12 @@ is gone or no longer wants the answer, and spends model calls nobody reads.
   before anything is stopped, so no child's last signal reaches it. The parent is deleted last: a
   kill that fails half-way can be repeated and still finds every child through it.
 - **reset** aborts the runs of all descendants still running, and keeps them: their history
-  stays readable (what they found or changed), ``ps`` shows them, and a kill clears them. Killing
-  them would buy nothing for the reset conversation: the watches that would have brought their
-  answers to the parent are dropped with it.
+  stays readable (what they found or changed), ``ps`` shows them, and a kill clears them (or their
+  retirement, below). Killing them would buy nothing for the reset conversation: the watches that
+  would have brought their answers to the parent are dropped with it.
+- **a finished subagent** is retired (``tasks.retire_finished``): once its answer has reached the
+  parent durably, only the newest ``tasks.KEEP_FINISHED`` finished children of a parent stay
+  readable, and the older ones are killed as a kill does it (archived, with their subtree).
 - **a gently stopped run** (``Process.stop``) stops the subagents it started that still work, as
   gently: each sums up what it has, which a parent waiting on it takes as its answer.
 - **an aborted run** stops the subagents it started (``wait`` or not), with their descendants (a
@@ -40,7 +43,7 @@ from agentloop.process.store import NoSuchProcess, ProcessRecord
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
 
-ORIGIN_KEY = "task:origin"  # a child's kv row: {"parent", "run_id", "wait"} of the Task call that made it
+ORIGIN_KEY = "task:origin"  # a child's kv row: {"parent", "run_id", "wait", "call"} of the Task call that made it
 PARENT_ABORT = "parent.abort"  # the abort reason of a subagent stopped with its parent's run
 PARENT_RESET = "parent.reset"  # ... and of a descendant stopped by a reset
 
@@ -48,9 +51,13 @@ PARENT_RESET = "parent.reset"  # ... and of a descendant stopped by a reset
 KillFn = Callable[[str, frozenset[str]], Awaitable[Any]]
 
 
-def origin(parent_pid: str, run_id: str | None, wait: bool) -> dict[str, Any]:
-    """The ``ORIGIN_KEY`` row of a subagent: who started it, in which run, waiting or not."""
-    return {"parent": parent_pid, "run_id": run_id, "wait": wait}
+def origin(parent_pid: str, run_id: str | None, wait: bool, call: str | None = None) -> dict[str, Any]:
+    """The ``ORIGIN_KEY`` row of a subagent: who started it, in which run, waiting or not, and
+    the durable key of the call (``ToolContext.call_key``: the dispatch id of the parent's tool
+    call, or of the code-mode call it was made in, followed by ``.<n>``), by which its retirement
+    (``tasks.retire_finished``) knows whether the call's result is stored yet. A row without
+    ``call`` (a child made before it was kept) counts as pending until the run is over."""
+    return {"parent": parent_pid, "run_id": run_id, "wait": wait, "call": call}
 
 
 async def children(kernel: Kernel, record: ProcessRecord) -> list[ProcessRecord]:

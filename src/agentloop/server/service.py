@@ -320,7 +320,9 @@ class ProcessService:
 
     def _process_quota(self, who: Principal) -> Admit | None:
         """The check a new process of the caller's passes in the transaction that stores it: 409
-        past the live processes the server allows an account (admins have no limit). Counted there,
+        past the live processes the server allows an account (admins have no limit). Only the
+        top-level ones count, the account's conversations: the subagents their ``Task`` calls
+        make are capped per parent (kernel/tasks.py) and retired once finished. Counted there,
         under a key of the account's, spawns through several workers at once cannot pass it
         together; a retried spawn, whose process exists already, never gets this far (it gets its
         receipt)."""
@@ -330,7 +332,7 @@ class ProcessService:
 
         async def admit() -> None:
             await store.exclusive(f"processes of {who.account}")
-            live = await store.count_processes(who.account)  # this new one included
+            live = await store.count_processes(who.account, top_level_only=True)  # this new one included
             if live > limit:
                 raise ApiError(
                     409,

@@ -326,8 +326,9 @@ class Store(ABC):
     async def list_processes(self, owner: str | None = None) -> list[ProcessRecord]: ...
 
     @abstractmethod
-    async def count_processes(self, owner: str) -> int:
-        """How many live (not killed) processes ``owner`` has."""
+    async def count_processes(self, owner: str, *, top_level_only: bool = False) -> int:
+        """How many live (not killed) processes ``owner`` has; with ``top_level_only``, only those
+        without a parent (its conversations: the subagents a ``Task`` call makes are left out)."""
 
     @abstractmethod
     async def update_process(self, pid: str, **fields: Any) -> None:

@@ -477,9 +477,12 @@ class PostgresStore(Store):
                 )
         return [process_record(r) for r in rows]
 
-    async def count_processes(self, owner: str) -> int:
+    async def count_processes(self, owner: str, *, top_level_only: bool = False) -> int:
+        sql = "SELECT count(*) FROM processes WHERE owner = $1 AND state <> 'killed'"
+        if top_level_only:
+            sql += " AND parent_pid IS NULL"
         async with self._reading() as db:
-            count = await db.fetchval("SELECT count(*) FROM processes WHERE owner = $1 AND state <> 'killed'", owner)
+            count = await db.fetchval(sql, owner)
         return int(count)
 
     async def update_process(self, pid: str, **fields: Any) -> None:

@@ -562,12 +562,11 @@ class SQLiteStore(Store):
             )
         return [process_record(r) for r in rows.fetchall()]
 
-    async def count_processes(self, owner: str) -> int:
-        row = (
-            self._read_registry()
-            .execute("SELECT count(*) FROM processes WHERE owner = ? AND state <> 'killed'", (owner,))
-            .fetchone()
-        )
+    async def count_processes(self, owner: str, *, top_level_only: bool = False) -> int:
+        sql = "SELECT count(*) FROM processes WHERE owner = ? AND state <> 'killed'"
+        if top_level_only:
+            sql += " AND parent_pid IS NULL"
+        row = self._read_registry().execute(sql, (owner,)).fetchone()
         return int(row[0])
 
     async def update_process(self, pid: str, **fields: Any) -> None:
