@@ -52,6 +52,8 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/processes/{pid}/stop"): {"json": {}},
     ("GET", "/v1/processes/{pid}/mode"): {},
     ("POST", "/v1/processes/{pid}/mode"): {"json": {"mode": "chat"}},
+    ("GET", "/v1/processes/{pid}/model"): {},
+    ("POST", "/v1/processes/{pid}/model"): {"json": {"model": None, "reasoning": "low"}},
     ("GET", "/v1/processes/{pid}/title"): {},
     ("POST", "/v1/processes/{pid}/title"): {"json": {"title": "matrix"}},
     ("GET", "/v1/processes/{pid}/compaction"): {},

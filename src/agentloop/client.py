@@ -268,9 +268,17 @@ class AgentloopClient:
         return result
 
     async def spawn(
-        self, *, context: str | None = None, interactive: bool | None = None, cwd: str | None = None
+        self,
+        *,
+        context: str | None = None,
+        interactive: bool | None = None,
+        cwd: str | None = None,
+        model: str | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
-        body = {k: v for k, v in (("context", context), ("interactive", interactive), ("cwd", cwd)) if v is not None}
+        """A new process; ``model`` (``provider:model``) and ``reasoning``: its own model choice."""
+        fields = (("context", context), ("interactive", interactive), ("cwd", cwd), ("model", model))
+        body = {k: v for k, v in (*fields, ("reasoning", reasoning)) if v is not None}
         result: dict[str, Any] = await self._call("POST", "/v1/processes", body=body)
         return result
 
@@ -344,6 +352,21 @@ class AgentloopClient:
         ``keep_recent_tokens`` out of a summary (None: the default). All defaults: the server's."""
         body = {"threshold": threshold, "overflow": overflow, "keep_recent_tokens": keep_recent_tokens}
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/compaction", body=body)
+        return result
+
+    async def model(self, pid: str) -> dict[str, Any]:
+        """The process's model: ``{pid, model, reasoning, effective, source}`` (``model`` and
+        ``reasoning`` its own choice, ``effective`` what its next run uses, ``source`` where that
+        comes from: ``process``, ``account`` or ``default``)."""
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{_segment(pid)}/model")
+        return result
+
+    async def set_model(self, pid: str, model: str | None, *, reasoning: str | None = None) -> dict[str, Any]:
+        """Give the process its own model (``provider:model``) and reasoning level from its next
+        run on; None (and no level) returns it to the account's or the server's. One the server
+        cannot use is a ``ClientError`` 400, and nothing changes."""
+        body = {"model": model, "reasoning": reasoning}
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/model", body=body)
         return result
 
     async def title(self, pid: str) -> str | None:

@@ -64,6 +64,7 @@ HELP = (
     "/context shows how full the context window is · "
     "/usage shows what this conversation has cost · "
     "/title [text] shows or sets the conversation's title · "
+    "/model [spec|default] shows or sets this conversation's model (provider:model) · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -325,6 +326,22 @@ class HasTitle(Protocol):
         """Name the conversation (``SessionError`` for a title that is not one line of plain text)."""
 
 
+@runtime_checkable
+class HasModel(Protocol):
+    """A session whose process may have a model of its own (``/model``), over the account's and
+    the default one."""
+
+    async def model(self) -> dict[str, Any]:
+        """``Process.model()`` as a dict: model, reasoning (its own), effective, source."""
+
+    async def set_model(self, spec: str | None) -> dict[str, Any]:
+        """Its own model from the next answer on (None: the default again); ``SessionError`` for
+        one that cannot be used."""
+
+
+_MODEL_SOURCES = {"process": "this conversation's", "account": "your account's model.json", "default": "the default"}
+
+
 class Waiting(NamedTuple):
     """One item waiting in a conversation's input queue, as ``/queue`` shows it."""
 
@@ -482,6 +499,7 @@ class ChatRepl:
             "/queue": lambda rest: self.show_queue(rest.lower(), ev),
             "/usage": lambda _: self.show_usage(ev),
             "/title": lambda rest: self.title(rest or None, ev),
+            "/model": lambda rest: self.model(rest or None, ev),
             "/context": lambda _: self.show_context(ev),
             "/help": show_help,
             "/?": show_help,
@@ -549,6 +567,27 @@ class ChatRepl:
             self.err.print(Text("(no title yet: one is made from your first message once it is answered)", style="dim"))
         else:
             self.err.print(Text(f"(title: {named})", style="dim"))
+
+    def model(self, spec: str | None, ev: asyncio.AbstractEventLoop) -> None:
+        """``/model``: the model that answers this conversation and where it comes from (its own
+        choice, the account's ``model.json``, the default); ``/model SPEC`` picks its own from the
+        next answer on, ``/model default`` drops it."""
+        if not isinstance(self.session, HasModel):
+            self.err.print(Text("(no model of its own: this chat keeps no process)", style="dim"))
+            return
+        clear = spec is not None and spec.lower() == "default"
+        call = self.session.model() if spec is None else self.session.set_model(None if clear else spec)
+        if (choice := self._ask(call, ev)) is _FAILED:
+            return
+        effective, source = choice.get("effective"), _MODEL_SOURCES.get(str(choice.get("source")), "?")
+        level = f", reasoning {choice['reasoning']}" if choice.get("reasoning") else ""
+        if clear:
+            shown = f"model: back to {source}, {effective}"
+        elif spec is not None:
+            shown = f"model set: {choice.get('model')}{level}, from the next answer on"
+        else:
+            shown = f"model: {effective}, {source}{level}"
+        self.err.print(Text(f"({shown})", style="dim"))
 
     def compact(self, instructions: str | None, ev: asyncio.AbstractEventLoop) -> None:
         """``/compact [instructions]``: summarise the conversation now, to free the context before
@@ -826,6 +865,17 @@ class DurableSession:
             return await self.process.set_title(text)
         except (TypeError, ValueError) as exc:
             raise SessionError(f"the title was not set: {exc}") from exc
+
+    async def model(self) -> dict[str, Any]:
+        return (await self.process.model()).as_dict()
+
+    async def set_model(self, spec: str | None) -> dict[str, Any]:
+        """Its own model (keeping its own reasoning level), or none at all (``None``)."""
+        try:
+            level = (await self.process.model()).reasoning if spec is not None else None
+            return (await self.process.set_model(spec, reasoning=level)).as_dict()
+        except ValueError as exc:
+            raise SessionError(f"the model was not changed: {exc}") from exc
 
     async def queued(self) -> list[Waiting]:
         return [Waiting(i.id, i.kind, i.message.text) for i in await self.process.queued()]

@@ -24,7 +24,7 @@ from typing import Any
 from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
-from agentloop.kernel.account_model import AccountModels
+from agentloop.kernel.account_model import AccountModels, ModelChoice
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.heartbeat import Heartbeat
@@ -56,14 +56,14 @@ from agentloop.messages import (
     check_unicode,
     message_to_dict,
 )
-from agentloop.models.base import Model
+from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
-from agentloop.process.engine import MODE_KEY, Admit, ProcessEngine
+from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
 from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
 from agentloop.process.hil import check_approval_timeout
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
@@ -327,6 +327,24 @@ class Process:
     async def mode(self) -> Mode:
         return await self.kernel.engine.mode(self.pid)
 
+    async def set_model(self, model: str | None, *, reasoning: Reasoning | None = None) -> ModelChoice:
+        """This conversation's own model from its next run on (a run under way keeps its own):
+        ``provider:model`` as an account's ``model.json`` names one, and a ``reasoning`` level;
+        it wins over the account's file and the kernel's model. None (and no level) returns to
+        those. One that cannot be used (``AccountModels.check``) is a ``ValueError``, and the
+        choice stays what it was."""
+        row = self.kernel.models.check(model, reasoning)
+        await self.kernel.engine.set_model(self.pid, row)
+        return await self.model()
+
+    async def model(self) -> ModelChoice:
+        """The process's model choice, the model its next run uses and where that comes from."""
+        record = await self._record()
+        if record.state == "killed":
+            raise NoSuchProcess(self.pid)
+        row = await self.kernel.store.kv_get(self.pid, MODEL_KEY)
+        return self.kernel.models.describe(record, row, self.kernel.engine.config.model)
+
     async def set_compaction(
         self, threshold: float | None = None, overflow: Overflow = "compact", keep_recent_tokens: int | None = None
     ) -> CompactionPolicy:
@@ -422,9 +440,13 @@ class Kernel:
         schedule_min_every: float = DEFAULT_MIN_EVERY,
         heartbeat: HeartbeatSettings | None = None,
         titles: Titling = "message",
+        models: AccountModels | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
+        # the model per account (model.json) and per process (``Process.set_model``)
+        self.models = models if models is not None else AccountModels(home_file(data_dir, "model.json"))
+        engine.choose_model = self.models.choose
         self.titles = Titles(store, engine, titles)  # (before recovery: its tap hears the runs it starts)
         self.data_dir = data_dir
         self.media = MediaStore(data_dir)
@@ -536,7 +558,7 @@ class Kernel:
         if toolset is None and devices is not None:
             toolset = device_toolset(devices)
         account_mcp = AccountMCP(home_file(data, "mcp.json"))
-        account_models = AccountModels(home_file(data, "model.json"))
+        account_models = AccountModels(home_file(data, "model.json"), default=model if isinstance(model, str) else None)
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
             toolset = chain(task_toolset(kernel_ref), toolset)
@@ -590,7 +612,13 @@ class Kernel:
         try:
             store.hold_runtime()  # one runtime drives the processes of a SQLite file
             kernel = cls(
-                store, engine, Path(data_dir), schedule_min_every=schedule_min_every, heartbeat=heartbeat, titles=titles
+                store,
+                engine,
+                Path(data_dir),
+                schedule_min_every=schedule_min_every,
+                heartbeat=heartbeat,
+                titles=titles,
+                models=account_models,
             )
         except BaseException:
             await store.close()
@@ -633,6 +661,8 @@ class Kernel:
         pid: str | None = None,
         kv: Mapping[str, Any] | None = None,
         mode: Mode = "agent",
+        model: str | None = None,
+        reasoning: Reasoning | None = None,
         text: str | None = None,
         media: Sequence[ImageContent | FileContent] = (),
         run_id: str | None = None,
@@ -642,7 +672,9 @@ class Kernel:
         from there) is the directory its built-in tools work in; it must exist. ``owner`` and
         ``run_as`` name accounts, so they must be plain names (they become directory names).
         ``kv`` rows are stored with the process, in the same transaction. ``mode="chat"``: its runs
-        answer without tools (``Process.set_mode`` changes it). ``text`` (with ``media``, and
+        answer without tools (``Process.set_mode`` changes it). ``model`` (``provider:model``) and
+        ``reasoning`` are its own model choice, over its account's (``Process.set_model`` changes
+        it; one that cannot be used is a ``ValueError`` and no process is made). ``text`` (with ``media``, and
         ``run_id`` as in ``send``) is its first input, stored in one transaction with the process (with
         its first run where this worker drives it; on a shared store as input the claiming worker
         runs), and ``Process.started`` is the receipt. ``admit`` runs in the transaction that
@@ -663,6 +695,10 @@ class Kernel:
             raise NoSuchProcess(parent_pid)
         if check_mode(mode) == "chat":
             kv = {**(kv or {}), MODE_KEY: "chat"}
+        if model is not None or reasoning is not None:
+            chosen = self.models.check(model, reasoning)
+            if chosen is not None:
+                kv = {**(kv or {}), MODEL_KEY: chosen}
         workspace = self.engine.config.workspace or Path(".").resolve()  # noqa: ASYNC240 - (set at open)
         where = workspace
         if cwd is not None:

@@ -97,6 +97,9 @@ log = logging.getLogger("agentloop.process")
 # ``aborted`` hook had to do can still be done after a crash that came before the hook ran
 LAST_ABORT_KEY = "run:last-abort"
 MODE_KEY = "mode"  # "chat": the process's runs answer from the same history without tools
+# the process's own model choice ({"model": "provider:model", "reasoning": level}, checked by the
+# kernel: kernel/account_model.py), over its owner's; absent: its owner's (or the kernel's)
+MODEL_KEY = "model"
 PROMPT_KEY = "run:prompt"  # {"run": id, "text": ...}: a run's prompt, which it keeps if resumed
 # How long an abort waits for the cancelled model call and tools to unwind (a shell tool kills its
 # process group on the way out) before it ends the run anyway: a tool that ignores cancellation
@@ -177,6 +180,8 @@ class ProcessEngine:
         # step logs it (``log_prompt``)
         self._compiled: dict[str, tuple[str, CompiledPrompt, list[str]]] = {}
         self.configure = configure  # the run's configuration for its process (the owner's model)
+        # a process's own model choice (its ``MODEL_KEY`` row) applied over that (set by the kernel)
+        self.choose_model: Callable[[Any, LoopConfig], LoopConfig] | None = None
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.memory = memory  # keeps what a compaction found worth remembering
         self.compaction_threshold = compaction_threshold
@@ -354,16 +359,22 @@ class ProcessEngine:
         and the watchers learn what changed; a rollback leaves both untouched."""
         return _TxScope(self, live)
 
-    def process_config(self, record: ProcessRecord) -> LoopConfig:
-        """The shared configuration as the process's runs start from it (its owner's model)."""
-        return self.config if self.configure is None else self.configure(record, self.config)
+    def process_config(self, record: ProcessRecord, model: Any = None) -> LoopConfig:
+        """The shared configuration as the process's runs start from it (its owner's model, or
+        ``model``, the process's own choice as its ``MODEL_KEY`` row holds it, when given)."""
+        cfg = self.config if self.configure is None else self.configure(record, self.config)
+        if model is not None and self.choose_model is not None:
+            cfg = self.choose_model(model, cfg)
+        return cfg
 
     async def _run_config(self, live: _Live, run_id: str) -> LoopConfig:
         """The loop configuration of this run: the shared one with the run's own system prompt and
         tools, built when the run first needs it and kept until the run ends."""
         if live.config is not None and live.config[0] == run_id:
             return live.config[1]
-        cfg = self.process_config(live.record)
+        # per run, in one query (a change waits for the next run): the mode, the model, the pressure rows
+        rows = await self.store.kv_many(live.record.pid, (MODE_KEY, MODEL_KEY, *run_keys(live)))
+        cfg = self.process_config(live.record, rows.get(MODEL_KEY))
         changes: dict[str, Any] = {}  # (one ``replace`` for them all: each copy costs microseconds)
         tools = cfg.tools
         if self.toolset is not None:
@@ -377,8 +388,7 @@ class ProcessEngine:
                     kept = (run_id, fresh.text)
                 live.prompt = kept
             changes["system_prompt"] = live.prompt[1]
-        rows = await self.store.kv_many(live.record.pid, (MODE_KEY, *run_keys(live)))  # per run, in one query:
-        if rows.get(MODE_KEY) == "chat":  # a change waits for the next run
+        if rows.get(MODE_KEY) == "chat":
             changes["tools"] = {}
         if changes:
             cfg = replace(cfg, **changes)
@@ -782,6 +792,17 @@ class ProcessEngine:
     async def mode(self, pid: str) -> Mode:
         await self.live(pid)  # NoSuchProcess for an unknown or killed pid
         return "chat" if await self.store.kv_get(pid, MODE_KEY) == "chat" else "agent"
+
+    async def set_model(self, pid: str, row: Mapping[str, Any] | None) -> None:
+        """The process's own model choice from its next run on (None: its owner's again); the
+        kernel checked it (``AccountModels.check``)."""
+        live = await self.live(pid)
+        async with self._tx(live) as tx:
+            if row:
+                await self.store.kv_set(pid, MODEL_KEY, dict(row))
+            else:
+                await self.store.kv_delete(pid, MODEL_KEY)
+            await tx.signal(sig.CHANGED, changes=["model"])
 
     # -- approvals (see hil.py) -------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from agentloop.kernel.account_model import MAX_SPEC
 from agentloop.loop.hooks import maybe_await
+from agentloop.models.base import REASONING_LEVELS
 from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
 from agentloop.process.pressure import MAX_KEEP_RECENT
 from agentloop.process.store import MAX_SEQ, NoSuchProcess
@@ -53,6 +55,17 @@ class ModeBody(Body):
     mode: Literal[RUN_MODES] = Field(description="agent (with tools) or chat (without), from the next run on.")  # type: ignore[valid-type]
 
 
+class ModelBody(Body):
+    model: str | None = Field(
+        max_length=MAX_SPEC,
+        description="This process's own model (provider:model, as in an account's model.json), from its next run"
+        " on; null returns to the account's model.json, else the server's model.",
+    )
+    reasoning: Literal[REASONING_LEVELS] | None = Field(  # type: ignore[valid-type]
+        None, description="A reasoning level for its runs (off, low, medium, high); null: the account's or the model's."
+    )
+
+
 class TitleBody(Body):
     title: str | None = Field(
         description="One line of plain text, trimmed, at most 120 characters; null clears it (an automatic"
@@ -71,6 +84,10 @@ class SpawnBody(Body):
     interactive: bool = Field(True, description="Whether the process may ask for approval.")
     cwd: str | None = Field(None, description="Working directory, relative to the server's workspace.")
     mode: Literal[RUN_MODES] = Field("agent", description="chat: runs answer without tools.")  # type: ignore[valid-type]
+    model: str | None = Field(
+        None, max_length=MAX_SPEC, description="Its own model (provider:model), over the account's and the server's."
+    )
+    reasoning: Literal[REASONING_LEVELS] | None = Field(None, description="Its own reasoning level.")  # type: ignore[valid-type]
     text: str | None = Field(None, description="A first message: its run starts with the process, in one commit.")
     media: list[MediaItem] | None = None
     run_id: str | None = Field(None, min_length=1, max_length=128, description="The first message's run id.")
@@ -259,6 +276,9 @@ class ProcessOut(Answer):
     context_pressure: ContextOut | None = Field(
         None, description="How full the context window is: with one process (GET, spawn), not in a list."
     )
+    model: ModelOut | None = Field(
+        None, description="Its model, as GET /v1/processes/{pid}/model answers: with one process, not in a list."
+    )
 
 
 class ProcessList(Answer):
@@ -299,6 +319,16 @@ class StopOut(Answer):
 class ModeOut(Answer):
     pid: str
     mode: str
+
+
+class ModelOut(Answer):
+    pid: str
+    model: str | None = Field(description="The process's own model; null: it has none.")
+    reasoning: str | None = Field(description="The process's own reasoning level; null: it has none.")
+    effective: str = Field(description="The model its next run uses (provider:model).")
+    source: Literal["process", "account", "default"] = Field(
+        description="Where that model comes from: the process, its account's model.json, the server."
+    )
 
 
 class TitleOut(Answer):
@@ -590,6 +620,8 @@ async def spawn(call: Call) -> dict[str, Any]:
         interactive=body.interactive,
         cwd=body.cwd,
         mode=body.mode,
+        model=body.model,
+        reasoning=body.reasoning,
         text=body.text,
         media=media,
         run_id=body.run_id,
@@ -654,6 +686,15 @@ async def get_mode(call: Call) -> dict[str, Any]:
 async def set_mode(call: Call) -> dict[str, Any]:
     body = call.parsed(ModeBody, call.body)
     return await call.ctx.processes.mode(call.principal, call.param("pid"), body.mode)
+
+
+async def get_model(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.model(call.principal, call.param("pid"))
+
+
+async def set_model(call: Call) -> dict[str, Any]:
+    body = call.parsed(ModelBody, call.body)
+    return await call.ctx.processes.model(call.principal, call.param("pid"), body.model_dump())
 
 
 async def get_title(call: Call) -> dict[str, Any]:
@@ -858,6 +899,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "POST", f"{_P}/mode", "Set agent or chat mode, from the next run on.", set_mode, body=ModeBody, answer=ModeOut
+    ),
+    Endpoint("GET", f"{_P}/model", "The process's model and where it comes from.", get_model, answer=ModelOut),
+    Endpoint(
+        "POST",
+        f"{_P}/model",
+        "Set the process's own model (null: the account's or the server's again), from its next run on.",
+        set_model,
+        body=ModelBody,
+        answer=ModelOut,
     ),
     Endpoint("GET", f"{_P}/compaction", "The process's compaction policy.", get_compaction, answer=CompactionOut),
     Endpoint(

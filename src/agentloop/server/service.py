@@ -20,6 +20,7 @@ from typing import Any, get_args
 
 from agentloop.images import image_size, sniff_image
 from agentloop.kernel import Kernel, NoSuchProcess, Process
+from agentloop.kernel.account_model import names_a_file
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.segments import NoSuchSegment, Segment, SegmentPage
@@ -254,14 +255,19 @@ class ProcessService:
         interactive: bool = True,
         cwd: str | None = None,
         mode: str = "agent",
+        model: str | None = None,
+        reasoning: str | None = None,
         text: str | None = None,
         media: list[Any] | None = None,
         run_id: str | None = None,
     ) -> dict[str, Any]:
         """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
         stay inside it. ``text`` (with ``media`` and ``run_id``, as ``send`` takes them) starts its
-        first run in the same commit; ``run_id`` then names that run."""
+        first run in the same commit; ``run_id`` then names that run. ``model`` and ``reasoning``
+        are its own model choice (see ``model``)."""
         run_mode = _run_mode(mode)
+        if model is not None or reasoning is not None:
+            self._model_choice(model, reasoning)
         _check_plain(context, "context")
         _check_plain(run_id, "run_id")
         blocks = None
@@ -295,6 +301,8 @@ class ProcessService:
                 interactive=interactive,
                 context=context,
                 mode=run_mode,
+                model=model,
+                reasoning=reasoning,  # type: ignore[arg-type]
                 text=text,
                 media=blocks or (),
                 run_id=run_id,
@@ -354,7 +362,8 @@ class ProcessService:
     async def _one(self, record: ProcessRecord) -> dict[str, Any]:
         """A process as one is answered (a list leaves out the context: a row read per process)."""
         context = await context_of(self.kernel.engine, record)
-        return {**process_json(record), "context_pressure": context.as_dict()}
+        model = await self._model_json(Process(self.kernel, record.pid))
+        return {**process_json(record), "context_pressure": context.as_dict(), "model": model}
 
     async def usage(self, who: Principal) -> dict[str, Any]:
         """What the caller's account has spent: its processes' totals, the killed ones' too."""
@@ -411,6 +420,38 @@ class ProcessService:
         if mode is not None:
             await proc.set_mode(_run_mode(mode))
         return {"pid": pid, "mode": await proc.mode()}
+
+    async def model(self, who: Principal, pid: str, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The process's model choice (``Process.model``), after replacing it when ``change`` is
+        given (its ``model`` and ``reasoning``; null: none), from the next run on. A choice that
+        cannot be used is a 400 and changes nothing."""
+        proc, _ = await self._process(who, pid)
+        if change is not None:
+            model, reasoning = change.get("model"), change.get("reasoning")
+            self._model_choice(model, reasoning)
+            try:
+                await proc.set_model(model, reasoning=reasoning)
+            except ValueError as exc:  # (checked above: the provider's key went meanwhile, say)
+                raise ApiError(400, "invalid_request", str(exc)) from None
+            except NoSuchProcess:
+                raise _not_found(pid) from None
+        return await self._model_json(proc)
+
+    async def _model_json(self, proc: Process) -> dict[str, Any]:
+        try:
+            return {"pid": proc.pid, **(await proc.model()).as_dict()}
+        except NoSuchProcess:
+            raise _not_found(proc.pid) from None
+
+    def _model_choice(self, model: Any, reasoning: Any) -> None:
+        """A 400 for a model choice the kernel refuses, or one that names a file on the server (a
+        scripted model's replies, a local model's weights): only its operator may name those."""
+        if isinstance(model, str) and names_a_file(model):
+            raise ApiError(400, "invalid_request", f"model {model!r} names a file on the server: not over the API")
+        try:
+            self.kernel.models.check(model, reasoning)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", safe_message(str(exc), "the model choice was refused")) from None
 
     async def compaction(self, who: Principal, pid: str, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The process's compaction policy, after replacing it when ``change`` is given (its
