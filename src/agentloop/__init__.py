@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from agentloop.agent import Agent, AgentBusy, Run, RunResult
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Block, Hooks, ToolCallInfo, TurnInfo
+from agentloop.loop.output import OutputSpec
 from agentloop.loop.reveal import ToolReveal
 from agentloop.loop.stop_after import StopAfterTools
 from agentloop.messages import (
@@ -59,6 +60,7 @@ __all__ = [
     "Model",
     "ModelInfo",
     "NoSuchProcess",
+    "OutputSpec",
     "Process",
     "Receipt",
     "Reply",

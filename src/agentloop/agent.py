@@ -6,6 +6,8 @@
 
 An agent holds configuration, not conversation: each run starts from the history it is given, so
 one agent serves any number of concurrent runs. ``result.messages`` continues a conversation.
+
+    result = await agent.run("Which city?", output_type=City)   # result.output: a City, or None
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Se
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Generic, Protocol, cast
+
+from typing_extensions import TypeVar
 
 from agentloop.events import AgentEnd, LoopEvent
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
+from agentloop.loop.output import DEFAULT_RETRIES, OUTPUT_MISSING, OutputSpec, check_retries
 from agentloop.loop.runner import finish_event, run_loop
 from agentloop.loop.state import LoopConfig, Mode, RunState, ToolExecution, check_mode
 from agentloop.messages import (
@@ -39,6 +44,8 @@ from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool, ToolLike, as_tool
 
 Input = str | Message | Sequence[Message]
+#: The type of a run's structured output (``output_type``); Any when the run has none.
+OutputT = TypeVar("OutputT", default=Any)
 
 
 _MESSAGE_TYPES = (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
@@ -55,12 +62,15 @@ class AgentBusy(RuntimeError):
 
 
 @dataclass
-class RunResult:
+class RunResult(Generic[OutputT]):
     """The outcome of a run: the whole history, what this run added, and why it stopped.
 
-    ``stop_reason`` is ``stop``, ``length``, ``error``, ``aborted``, or the name of the guard
+    ``stop_reason`` is ``stop``, ``length``, ``error``, ``aborted``, the name of the guard
     that ended the run (``max_rounds``, ``max_tool_calls``, ``max_wall_clock``, ``max_tokens``,
-    ``max_cost``).
+    ``max_cost``), or ``output_missing``: the run was given an ``output_type`` and the model kept
+    answering in words after being told to call ``final_result``. ``output`` is the validated
+    ``output_type`` value (the last valid ``final_result`` call since the prompt), None when the run
+    had no output type or got no valid output (a guard may end a run before it, too).
     """
 
     run_id: str
@@ -69,6 +79,7 @@ class RunResult:
     stop_reason: str
     usage: Usage
     error: str | None = None
+    output: OutputT | None = None
 
     @property
     def text(self) -> str:
@@ -100,7 +111,7 @@ def _as_message(m: str | Message) -> Message:
     return m
 
 
-class Run:
+class Run(Generic[OutputT]):
     """One run of an agent. Steer it, queue follow-ups, abort it, iterate its events."""
 
     def __init__(
@@ -111,14 +122,16 @@ class Run:
         stream: bool,
         mode: Mode = "agent",
         metadata: Mapping[str, Any] | None = None,
+        output: OutputSpec[OutputT] | None = None,
     ) -> None:
         self.id = _next_run_id()
-        self._cfg = cfg
         self._prompts = prompts
         self.state = RunState(run_id=self.id, messages=history, first_new=len(history), mode=mode, metadata=metadata)
+        self._output = output
+        self._cfg = cfg if output is None else output.prepare(cfg, self.state)  # the output tool: this run's only
         self._queue: asyncio.Queue[LoopEvent | None] | None = asyncio.Queue() if stream else None
         self._task: asyncio.Task[Any] | None = None
-        self._result: RunResult | None = None
+        self._result: RunResult[OutputT] | None = None
         self._done: asyncio.Event | None = None  # made on demand: only a second waiter needs it
         self._failure: BaseException | None = None  # what the run raised, for its other waiters
 
@@ -161,7 +174,7 @@ class Run:
 
     # -- running ------------------------------------------------------------------------------
 
-    async def _execute(self) -> RunResult:
+    async def _execute(self) -> RunResult[OutputT]:
         self._task = asyncio.current_task()
         emit = self._queue.put_nowait if self._queue is not None else None
         state = self.state
@@ -177,6 +190,9 @@ class Run:
         finally:
             self._task = None
         error = state.error if reason == "error" else ("aborted" if reason == "aborted" else None)
+        output = self._output.output_of(state.messages) if self._output is not None else None
+        if output is None and self._output is not None and reason == "stop":
+            reason = OUTPUT_MISSING
         if emit is not None:
             emit(finish_event(state, reason, error))
         self._result = RunResult(
@@ -186,12 +202,13 @@ class Run:
             stop_reason=reason,
             usage=state.usage,
             error=error,
+            output=output,
         )
         if self._done is not None:
             self._done.set()
         return self._result
 
-    async def result(self) -> RunResult:
+    async def result(self) -> RunResult[OutputT]:
         """Wait for the run to finish (start it here if nobody else did)."""
         if self._result is not None:
             return self._result
@@ -236,7 +253,9 @@ class Agent:
     ``guards=Guards(max_rounds=...)``; ``fallbacks`` are tried in order when the model keeps
     failing; ``workspace`` is where the built-in file and shell tools are rooted; ``reasoning``
     (``"off"``, ``"low"``, ``"medium"``, ``"high"``) sets how hard a reasoning model thinks, on
-    whichever provider it is (None: the model's own setting).
+    whichever provider it is (None: the model's own setting). ``output_type`` is the default of
+    each run's ``output_type`` (see ``run``); ``output_retries`` is how many times a run that
+    needs an output tells a model that answered in words to call ``final_result`` instead.
     """
 
     def __init__(
@@ -257,6 +276,8 @@ class Agent:
         max_tokens: int | None = None,
         temperature: float | None = None,
         reasoning: Reasoning | None = None,
+        output_type: Any = None,
+        output_retries: int = DEFAULT_RETRIES,
     ) -> None:
         if tool_execution not in ("parallel", "sequential"):
             raise ValueError(f"tool_execution must be 'parallel' or 'sequential', got {tool_execution!r}")
@@ -286,7 +307,10 @@ class Agent:
             temperature=temperature,
             reasoning=check_reasoning(reasoning),
         )
-        self._active: set[Run] = set()
+        self.output_retries = check_retries(output_retries)
+        # made now: a type pydantic cannot handle is the constructor's TypeError, not each run's
+        self._output = None if output_type is None else OutputSpec[Any](output_type, retries=output_retries)
+        self._active: set[Run[Any]] = set()
 
     def use(self, *pieces: Piece) -> Agent:
         """Add behaviour made of tools and hooks, e.g. ``agent.use(ToolReveal(hidden=[...]))``."""
@@ -312,13 +336,16 @@ class Agent:
         stream: bool = False,
         mode: Mode = "agent",
         metadata: Mapping[str, Any] | None = None,
-    ) -> Run:
+        output_type: type[OutputT] | None = None,
+    ) -> Run[OutputT]:
         """Prepare a run. A string or message is a new prompt after ``history``; a list of
         messages is a history to continue (its last message must be user input or tool results).
         ``mode="chat"`` runs without tools on the same history. ``metadata`` (a request's ids,
-        say) reaches the run's tools as ``ToolContext.metadata``.
+        say) reaches the run's tools as ``ToolContext.metadata``. ``output_type`` (else the
+        agent's) is what the run must produce; see ``run``.
         """
         check_mode(mode)
+        output = self._output_for(output_type, mode)
         messages = list(history)
         if messages and not all(isinstance(m, _MESSAGE_TYPES) for m in messages):
             raise TypeError("history must be a list of Message objects")
@@ -338,7 +365,15 @@ class Agent:
                 raise ValueError(f"Cannot continue from message role: {last.role}")
         else:
             prompts = [_as_message(input)]
-        return Run(self.config, messages, prompts, stream, mode, metadata)
+        return Run(self.config, messages, prompts, stream, mode, metadata, output)
+
+    def _output_for(self, output_type: Any, mode: Mode) -> OutputSpec[Any] | None:
+        """The run's output: its own type, else the agent's (not in chat mode: no tools there)."""
+        if output_type is None:
+            return self._output if mode == "agent" else None
+        if mode != "agent":
+            raise ValueError("output_type needs tools, and mode='chat' runs without them")
+        return OutputSpec[Any](output_type, retries=self.output_retries)
 
     async def run(
         self,
@@ -347,9 +382,19 @@ class Agent:
         history: Sequence[Message] = (),
         mode: Mode = "agent",
         metadata: Mapping[str, Any] | None = None,
-    ) -> RunResult:
-        """Run to the end and return the result."""
-        run = self.start(input, history=history, mode=mode, metadata=metadata)
+        output_type: type[OutputT] | None = None,
+    ) -> RunResult[OutputT]:
+        """Run to the end and return the result.
+
+        ``output_type`` (else the agent's): a pydantic model, a dataclass, a TypedDict or any type
+        pydantic validates (``list[str]``, ``int``, ``Literal[...]``; ``TypeError`` if it cannot).
+        The run gets a ``final_result`` tool whose arguments are that type's JSON schema (others
+        wrapped as ``{"result": ...}``); a valid call ends the run and is ``result.output``, the
+        validated value. Invalid arguments go back to the model as a validation error; a model
+        that answers in words is told to call the tool, at most ``output_retries`` times, and
+        then the run ends with stop reason ``output_missing`` and ``output`` None.
+        """
+        run = self.start(input, history=history, mode=mode, metadata=metadata, output_type=output_type)
         self._active.add(run)
         try:
             return await run._execute()
@@ -363,9 +408,11 @@ class Agent:
         history: Sequence[Message] = (),
         mode: Mode = "agent",
         metadata: Mapping[str, Any] | None = None,
+        output_type: type[Any] | None = None,
     ) -> AsyncIterator[LoopEvent]:
-        """Run and yield every loop event; the last one is ``agent_end``."""
-        run = self.start(input, history=history, stream=True, mode=mode, metadata=metadata)
+        """Run and yield every loop event; the last one is ``agent_end``. With an ``output_type``
+        (see ``run``) the output is the ``details`` of the ``final_result`` tool result."""
+        run = self.start(input, history=history, stream=True, mode=mode, metadata=metadata, output_type=output_type)
         self._active.add(run)
         try:
             async with aclosing(run.events()) as events:
@@ -374,9 +421,16 @@ class Agent:
         finally:
             self._active.discard(run)
 
-    def run_sync(self, input: Input, *, history: Sequence[Message] = (), mode: Mode = "agent") -> RunResult:
+    def run_sync(
+        self,
+        input: Input,
+        *,
+        history: Sequence[Message] = (),
+        mode: Mode = "agent",
+        output_type: type[OutputT] | None = None,
+    ) -> RunResult[OutputT]:
         """``run`` for scripts without an event loop."""
-        return asyncio.run(self.run(input, history=history, mode=mode))
+        return asyncio.run(self.run(input, history=history, mode=mode, output_type=output_type))
 
     # -- talking to the active run ----------------------------------------------------------------
 

@@ -1,0 +1,174 @@
+"""Structured output: a run whose outcome is a typed value rather than text.
+
+``Agent.run(..., output_type=City)`` adds one tool to that run, ``final_result``, whose arguments
+are the output: its JSON schema is ``City``'s (pydantic's ``TypeAdapter``), and a type whose schema
+is not an object (``list[str]``, ``int``, a ``Literal``, a union) is wrapped as ``{"result": ...}``.
+The output is a tool call rather than a reply format because every provider has tool calls, and
+because what happens to a call is already the loop's business:
+
+- a valid call is a result with ``terminate`` set and the validated value (as JSON data) in its
+  ``details``, so the run ends without a model call to read it back (``decide``), unless other calls
+  of the same turn did not end it, when the model gets one more turn;
+- invalid arguments are an error result listing what failed, like any tool's; the model mends them,
+  and the repeated-failure guard stops a model that cannot;
+- a model that answers in words instead is told, with a system message, to call ``final_result``:
+  at most ``retries`` times a run, after which the run ends with stop reason ``output_missing``.
+
+The output is read back from the history (the last valid ``final_result`` result since the last
+user message), so a run continued from a stored history finds it there as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
+
+from agentloop.loop.hooks import Hooks, TurnInfo
+from agentloop.loop.state import LoopConfig, RunState
+from agentloop.messages import AssistantMessage, Message, ToolResultMessage, UserMessage, system
+from agentloop.tools.base import (
+    Tool,
+    ToolArgumentsError,
+    ToolContext,
+    ToolResult,
+    _strip_titles,
+    format_validation_error,
+)
+
+OUTPUT_TOOL = "final_result"
+#: the stop reason of a run that asked for an output and ended without one
+OUTPUT_MISSING = "output_missing"
+DEFAULT_RETRIES = 2
+NUDGE_KIND = "output"
+
+OutputT = TypeVar("OutputT")
+
+
+def check_retries(retries: object) -> int:
+    """``output_retries`` as given, or ``ValueError``."""
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"output_retries must be a whole number of at least 0, got {retries!r}")
+    return retries
+
+
+class OutputSpec(Generic[OutputT]):
+    """What a run must produce: the type, its output tool, and how often a text answer is nudged.
+
+    Raises ``TypeError`` when pydantic can neither validate ``output_type`` nor describe it as a
+    JSON schema.
+    """
+
+    def __init__(self, output_type: Any, *, retries: int = DEFAULT_RETRIES, name: str = OUTPUT_TOOL) -> None:
+        self.type = output_type
+        self.retries = check_retries(retries)
+        self.name = name
+        try:
+            self.adapter: TypeAdapter[OutputT] = TypeAdapter(output_type)
+            schema = self.adapter.json_schema()
+            as_object = _as_object(schema)
+            self.wrapped = as_object is None
+            self.arguments: TypeAdapter[Any] = self.adapter  # what a call's arguments are validated as
+            if as_object is not None:
+                schema = as_object
+            else:  # a tool's arguments are an object: the value is its one field
+                wrapper: type[BaseModel] = create_model(
+                    name, __config__=ConfigDict(arbitrary_types_allowed=True), result=(output_type, ...)
+                )
+                self.arguments = TypeAdapter(wrapper)
+                schema = self.arguments.json_schema()
+        except Exception as exc:  # pydantic's schema errors are TypeErrors; say which argument it was
+            raise TypeError(f"output_type {output_type!r} is not a type pydantic can validate: {exc}") from exc
+        self.tool = OutputTool(self, _strip_titles(schema))
+
+    def check(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A call's arguments validated (and coerced) and dumped as JSON data, or
+        ``ToolArgumentsError`` saying what does not fit."""
+        try:
+            value = self.arguments.validate_python(arguments)
+        except ValidationError as exc:
+            errors = [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+            raise ToolArgumentsError(format_validation_error(self.name, errors, arguments)) from None
+        data: dict[str, Any] = self.arguments.dump_python(value, mode="json")
+        return data
+
+    def output_of(self, messages: list[Message]) -> OutputT | None:
+        """The output in ``messages``: the last valid ``final_result`` result since the last user
+        message, validated again from its ``details``; None when there is none."""
+        for msg in reversed(messages):
+            if isinstance(msg, UserMessage):
+                return None
+            if isinstance(msg, ToolResultMessage) and msg.tool_name == self.name and not msg.is_error:
+                try:
+                    return self.adapter.validate_python(msg.details)
+                except ValidationError:  # a result a hook rewrote: not an output
+                    continue
+        return None
+
+    def prepare(self, config: LoopConfig, state: RunState) -> LoopConfig:
+        """``config`` for one run: the output tool among its tools and a hook that nudges a text
+        answer. The agent's own tools and hooks are left as they are."""
+        if self.name in config.tools:
+            raise ValueError(f"a tool is already named {self.name!r}, the output tool's name")
+        hooks = Hooks(
+            before=list(config.hooks.before),
+            after=list(config.hooks.after),
+            transform=list(config.hooks.transform),
+            phases={phase: list(fns) for phase, fns in config.hooks.phases.items()},
+        )
+        nudged = 0
+
+        def nudge(info: TurnInfo) -> None:
+            """After a turn that answered in words, with no output yet: ask for the call."""
+            nonlocal nudged
+            last = state.messages[-1] if state.messages else None
+            if not isinstance(last, AssistantMessage) or last.tool_calls or last.stop_reason != "stop":
+                return
+            if state.guard or state.stopping or state.aborted or state.steering or state.follow_up:
+                return  # ending anyway, or input waits (answered first; the answer after it is checked)
+            if nudged >= self.retries or self.output_of(state.messages) is not None:
+                return
+            nudged += 1
+            state.follow_up.append(system(self.instruction, NUDGE_KIND))
+
+        hooks.on("post_turn")(nudge)
+        return replace(config, tools={**config.tools, self.name: self.tool}, hooks=hooks)
+
+    @property
+    def instruction(self) -> str:
+        """The nudge after a text answer (a system message of kind ``output``)."""
+        return f"Call {self.name} with your answer: the answer must be given as that tool's arguments, not as text."
+
+
+def _as_object(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """``schema`` when it describes an object (a recursive model's is a reference to one, which
+    is followed); None when the value needs wrapping to be a tool's arguments."""
+    if schema.get("type") == "object":
+        return schema
+    ref, defs = schema.get("$ref"), schema.get("$defs")
+    if set(schema) == {"$ref", "$defs"} and isinstance(ref, str) and isinstance(defs, dict):
+        target = defs.get(ref.removeprefix("#/$defs/"))
+        if isinstance(target, dict) and target.get("type") == "object":
+            return {**target, "$defs": defs}
+    return None
+
+
+class OutputTool(Tool):
+    """The tool whose valid call is the run's output (see the module docstring)."""
+
+    def __init__(self, spec: OutputSpec[Any], parameters: dict[str, Any]) -> None:
+        super().__init__(
+            spec.name,
+            "Give your final answer by calling this tool: its arguments are the answer. "
+            "Call it once, when you have the answer.",
+            parameters,
+        )
+        self._spec = spec
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        return self._spec.check(arguments)
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        details = arguments["result"] if self._spec.wrapped else arguments
+        return ToolResult.text("Final answer received.", details=details, terminate=True)
