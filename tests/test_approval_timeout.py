@@ -106,3 +106,29 @@ async def test_requests_of_later_batches_get_their_own_deadline(tmp_path: Path) 
         await asyncio.wait_for(proc.wait_idle(), 5)
         results = [m for m in await proc.messages() if isinstance(m, ToolResultMessage)]
     assert [("nobody answered" in r.text) for r in results] == [True, True]
+
+
+async def test_a_programs_nested_request_nobody_answers_is_denied_too(tmp_path: Path) -> None:
+    """A CodeMode program waiting for a person's answer to one of its own calls is told, when the
+    time is up, that nobody answered; the program goes on."""
+    from tests.test_codemode import TRUST_CODEMODE, open_kernel, program, results
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f.txt").write_text("x")
+    code = program(
+        """
+        try:
+            await delete("f.txt")
+        except ToolDenied as exc:
+            print(exc)
+        print("went on")
+        """
+    )
+    model = ScriptedModel([Reply(tool_calls=[call("CodeMode", code=code)]), "done"])
+    async with open_kernel(tmp_path, model, policy=TRUST_CODEMODE.to_json(), approval_timeout=0.3) as k:
+        proc = await k.spawn(owner="alice", text="go")
+        await asyncio.wait_for(proc.wait_idle(), 5)
+        [res] = results(await proc.messages())
+        assert await proc.pending_approvals() == []
+    assert "nobody answered" in res.text and "went on" in res.text and (ws / "f.txt").exists()

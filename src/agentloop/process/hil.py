@@ -162,6 +162,8 @@ async def expire_asks(engine: ProcessEngine, live: _Live) -> bool:
                     denied = True
             if denied:
                 await tx.signal(sig.CHANGED, changes=["hil"])
+        if denied:
+            engine.wake(live.record.pid)  # (a program waiting on its own request looks again)
         log.info("process %s: %d approval request(s) unanswered after %s, denied", live.record.pid, len(due), timeout)
     ahead = [h.created_at + timeout for h in rows if h.created_at + timeout > now]
     if ahead:
@@ -224,10 +226,10 @@ async def _deny(
             error=error,
             **({"withMessage": True} if note is not None else {}),
         )
-    elif note is not None:
+    elif note is not None or text is not None:
         live.approvals = True  # the run's end clears its decisions, this one with them
         denied = await engine.store.kv_get(row.pid, f"denied:{row.run_id}") or {}
-        denied[row.dispatch_id] = note
+        denied[row.dispatch_id] = note if text is None else {"text": text}  # (the person's words, or ours)
         await engine.store.kv_set(row.pid, f"denied:{row.run_id}", denied)
 
 
@@ -301,8 +303,10 @@ async def _decision(
     approved = await engine.store.kv_get(pid, f"approved:{run_id}") or {}
     if approved.get(dispatch_id) == (verdict.fingerprint or "-"):
         return ALLOW
-    denied = await engine.store.kv_get(pid, f"denied:{run_id}") or {}
-    return NestedVerdict("deny", denial_text(denied.get(dispatch_id)))
+    denied = (await engine.store.kv_get(pid, f"denied:{run_id}") or {}).get(dispatch_id)
+    if isinstance(denied, dict) and isinstance(denied.get("text"), str):  # (nobody answered: ``expire_asks``)
+        return NestedVerdict("deny", denied["text"])
+    return NestedVerdict("deny", denial_text(denied))
 
 
 async def _withdraw(engine: ProcessEngine, live: _Live, request_id: str) -> None:
