@@ -453,6 +453,22 @@ class RemoteSession:
         except ClientError as exc:
             raise SessionError(f"the title was not set: {exc.message}") from exc
 
+    async def model(self) -> dict[str, Any]:
+        """``/model``: the process's own choice, the model its next run uses and where that comes from."""
+        try:
+            return await self.client.model(self.pid)
+        except ClientError as exc:
+            raise SessionError(f"the model was not read: {exc.message}") from exc
+
+    async def set_model(self, spec: str | None) -> dict[str, Any]:
+        """Its own model (keeping its own reasoning level), or none at all (``None``), from the next
+        answer on."""
+        try:
+            level = (await self.client.model(self.pid)).get("reasoning") if spec is not None else None
+            return await self.client.set_model(self.pid, spec, reasoning=level)
+        except ClientError as exc:
+            raise SessionError(f"the model was not changed: {exc.message}") from exc
+
     async def queued(self) -> list[Waiting]:
         try:
             return [_waiting(item) for item in await self.client.queue(self.pid)]

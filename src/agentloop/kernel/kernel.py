@@ -946,7 +946,7 @@ class Kernel:
         run counted); nothing once the process is killed."""
         engine = self.engine
         try:
-            memories, spent = await extract_memories(engine.process_config(record).model, history)
+            memories, spent = await extract_memories((await engine.effective_config(record)).model, history)
         except Exception as exc:
             log.warning("process %s: the memories of the reset conversation were not kept: %s", record.pid, exc)
             return

@@ -1,8 +1,8 @@
 """Subagents: the ``Task`` tool, with which a process hands a piece of work to a child process.
 
 The child is an ordinary durable process (same owner and working directory, ``parent_pid`` set,
-the task as its first message), so it survives a crash, shows up in ``ps`` and can be watched.
-Two ways to use it:
+the task as its first message, the parent's own model choice if it made one: ``Process.set_model``),
+so it survives a crash, shows up in ``ps`` and can be watched. Two ways to use it:
 
 - ``wait=true`` (the default): the call returns the child's final answer. The child's pid is
   derived from the parent, the run and the tool call id, so when a restart runs the call again
@@ -57,6 +57,7 @@ from agentloop.kernel.tree import ORIGIN_KEY, origin
 from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.background import JOBS_KEY
+from agentloop.process.engine import MODEL_KEY
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.signals import Signal
 from agentloop.process.store import TERMINAL_STATUSES, NoSuchProcess, ProcessRecord
@@ -141,6 +142,10 @@ class TaskTool(Tool):
             # of one turn would all count before any child runs, and pass the cap together
             async with _starting.hold(parent.pid):
                 await self._check_limits()
+                kv: dict[str, Any] = {ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"], ctx.call_key)}
+                chosen = await kernel.store.kv_get(parent.pid, MODEL_KEY)  # the parent's own model, if any
+                if chosen is not None:
+                    kv[MODEL_KEY] = chosen
                 child = await kernel.spawn(
                     parent.owner,
                     run_as=parent.run_as,  # the identity it works as (its context, skills, home) too
@@ -148,7 +153,7 @@ class TaskTool(Tool):
                     interactive=False,
                     parent_pid=parent.pid,
                     pid=pid,
-                    kv={ORIGIN_KEY: origin(parent.pid, ctx.run_id, arguments["wait"], ctx.call_key)},
+                    kv=kv,
                     context=f"You are a subagent working on a task for process {parent.pid}. Answer with the result.",
                 )
                 if not arguments["wait"]:

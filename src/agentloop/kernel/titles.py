@@ -155,12 +155,13 @@ def _text_of(value: Any) -> str | None:
 
 
 def model_namer(engine: ProcessEngine) -> TitleFn:
-    """The ``TitleFn`` of ``titles="model"``: the process's own model (its owner's), asked once
-    without tools. What the call spent is added to the process's usage totals
-    (``ProcessEngine.add_usage``). A failed call raises, so the caller keeps the fallback."""
+    """The ``TitleFn`` of ``titles="model"``: the process's model (its own choice, else its
+    owner's: ``ProcessEngine.effective_config``), asked once without tools. What the call spent is
+    added to the process's usage totals (``ProcessEngine.add_usage``). A failed call raises, so the
+    caller keeps the fallback."""
 
     async def ask(record: ProcessRecord, text: str) -> str | None:
-        model = engine.process_config(record).model
+        model = (await engine.effective_config(record)).model
         request = ModelRequest(
             system_prompt=TITLE_PROMPT,
             messages=[user(text[:MODEL_INPUT])],

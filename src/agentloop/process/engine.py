@@ -367,6 +367,12 @@ class ProcessEngine:
             cfg = self.choose_model(model, cfg)
         return cfg
 
+    async def effective_config(self, record: ProcessRecord) -> LoopConfig:
+        """``process_config`` with the process's own model choice read from its kv (one query): the
+        model a run of it would start on, for the calls made for it outside a run (its title, a
+        manual compaction, the memories a reset keeps, the context window before its first step)."""
+        return self.process_config(record, await self.store.kv_get(record.pid, MODEL_KEY))
+
     async def _run_config(self, live: _Live, run_id: str) -> LoopConfig:
         """The loop configuration of this run: the shared one with the run's own system prompt and
         tools, built when the run first needs it and kept until the run ends."""
@@ -545,7 +551,8 @@ class ProcessEngine:
                 live = await self.live(pid)
                 if live.record.current_run is not None:
                     raise RunActive(pid, "a compaction")
-                done, _ = await summarise(self, live, self.process_config(live.record), "manual", None, instructions)
+                cfg = await self.effective_config(live.record)  # (the process's own model, if it chose one)
+                done, _ = await summarise(self, live, cfg, "manual", None, instructions)
             finally:
                 self.compacting.discard(pid)
         if not live.remote and not live.lost:  # what another worker queued meanwhile (see ``clear``)

@@ -292,7 +292,8 @@ async def context_of(engine: ProcessEngine, record: ProcessRecord) -> ProcessCon
     policy = await load_policy(engine.store, record.pid)
     threshold = threshold_of(engine, policy)
     if reading is None:
-        reading = ContextReading.of(0, engine.process_config(record).model.info, threshold)
+        # (no step measured it yet: the window of the model its next run uses, its own choice included)
+        reading = ContextReading.of(0, (await engine.effective_config(record)).model.info, threshold)
     return ProcessContext(reading.level, reading.ratio, reading.tokens, reading.window, policy, threshold)
 
 

@@ -259,6 +259,8 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
         interactive=_want(args, "interactive", bool, "a boolean", True),
         cwd=_want(args, "cwd", str, "a string", None),
         mode=_want(args, "mode", str, "a string", "agent"),
+        model=_want(args, "model", str, "a string", None),
+        reasoning=_want(args, "reasoning", str, "a string", None),
         text=_want(args, "text", str, "a string", None),
         media=_want(args, "media", list, "a list", None),
         run_id=_opt_id(args, "run_id"),
@@ -267,6 +269,24 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _mode(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.mode(conn.user, _id(args, "pid"), _want(args, "mode", str, "a string", None))
+
+
+async def _model_get(conn: Connection, args: dict[str, Any]) -> Any:
+    """The process's model: ``{pid, model, reasoning, effective, source}`` (as HTTP's GET)."""
+    return await conn.service.model(conn.user, _id(args, "pid"))
+
+
+async def _model_set(conn: Connection, args: dict[str, Any]) -> Any:
+    """``{pid, model, reasoning?}``: its own model from the next run on (a null ``model``, and no
+    level, returns it to the account's or the server's); the service checks the choice."""
+    pid = _id(args, "pid")
+    if "model" not in args:
+        raise _invalid("model is required (null returns to the account's or the server's model)")
+    change = {
+        "model": _want(args, "model", str, "a string or null", None),
+        "reasoning": _want(args, "reasoning", str, "a string or null", None),
+    }
+    return await conn.service.model(conn.user, pid, change)
 
 
 async def _compaction(conn: Connection, args: dict[str, Any]) -> Any:
@@ -439,6 +459,8 @@ CALLS: dict[str, Call] = {
     "proc.mode": Call(_mode, mutates=True),
     "proc.title": Call(_title, mutates=True),
     "proc.compaction": Call(_compaction, mutates=True),
+    "proc.model.get": Call(_model_get),
+    "proc.model.set": Call(_model_set, mutates=True),
     "proc.hil": Call(_hil, mutates=True),
     "proc.approvals": Call(_approvals),
     "proc.reset": Call(_reset, mutates=True),
