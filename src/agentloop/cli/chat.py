@@ -65,6 +65,7 @@ HELP = (
     "/usage shows what this conversation has cost · "
     "/title [text] shows or sets the conversation's title · "
     "/model [spec|default] shows or sets this conversation's model (provider:model) · "
+    "/fork [N] continues a copy of this conversation (before your Nth message: type another) · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -339,6 +340,15 @@ class HasModel(Protocol):
         one that cannot be used."""
 
 
+@runtime_checkable
+class Forks(Protocol):
+    """A session whose process can be forked (``/fork``): the chat goes on in a copy."""
+
+    async def fork(self, before: int | None) -> int:
+        """Switch to a fork of the conversation: all of it (None), or what came before the user's
+        message number ``before`` (from 1); how many messages the fork holds."""
+
+
 _MODEL_SOURCES = {"process": "this conversation's", "account": "your account's model.json", "default": "the default"}
 
 
@@ -501,6 +511,7 @@ class ChatRepl:
             "/title": lambda rest: self.title(rest or None, ev),
             "/model": lambda rest: self.model(rest or None, ev),
             "/context": lambda _: self.show_context(ev),
+            "/fork": lambda rest: self.fork(rest, ev),
             "/help": show_help,
             "/?": show_help,
         }
@@ -588,6 +599,22 @@ class ChatRepl:
         else:
             shown = f"model: {effective}, {source}{level}"
         self.err.print(Text(f"({shown})", style="dim"))
+
+    def fork(self, rest: str, ev: asyncio.AbstractEventLoop) -> None:
+        """``/fork``: go on in a copy of the conversation, which stays as it was; ``/fork N``: in a
+        copy of what came before your Nth message, so that what you type next takes its place."""
+        if not isinstance(self.session, Forks):
+            self.err.print(Text("(no fork: this chat cannot copy its conversation)", style="dim"))
+            return
+        if rest and (not rest.isascii() or not rest.isdigit() or int(rest) < 1):
+            self.err.print(Text("usage: /fork [N], N the number of one of your messages, from 1", style="yellow"))
+            return
+        if (count := self._ask(self.session.fork(int(rest) if rest else None), ev)) is _FAILED:
+            return
+        where = f"before your message {rest}" if rest else "all of it"
+        self.err.print(
+            Text(f"(forked: a new conversation with {count} messages, {where}; the old one is kept)", style="dim")
+        )
 
     def compact(self, instructions: str | None, ev: asyncio.AbstractEventLoop) -> None:
         """``/compact [instructions]``: summarise the conversation now, to free the context before
@@ -896,6 +923,26 @@ class DurableSession:
         except (RunActive, ProcessBusy, CompactionError, ValueError) as exc:
             raise SessionError(f"not compacted: {exc}") from exc
         return Compaction(done.compacted, done.removed, done.tokens_before, done.tokens_after, done.note)
+
+    async def fork(self, before: int | None) -> int:
+        """Go on in a fork (``Process.fork``): of the whole conversation, or of what came before the
+        user's message number ``before``."""
+        at = None
+        if before is not None:
+            history = await self.process.history()
+            mine = [i for i, m in enumerate(history) if m.message.role == "user"]
+            if before > len(mine):
+                raise SessionError(f"not forked: this conversation has {len(mine)} messages of yours")
+            if mine[before - 1] == 0:
+                raise SessionError("not forked: nothing comes before your first message (/new starts afresh)")
+            at = history[mine[before - 1] - 1].id
+        try:
+            self.proc = await self.process.fork(at=at)
+        except ValueError as exc:
+            raise SessionError(f"not forked: {exc}") from exc
+        self.seq = await self._last_seq(self.proc, 0)
+        self._save()
+        return len(await self.proc.messages())
 
     async def new(self) -> None:
         self.proc = await self.kernel.spawn(owner=self.owner, cwd=self.cwd, interactive=True)

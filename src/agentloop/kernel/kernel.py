@@ -27,6 +27,7 @@ from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.account_model import AccountModels, ModelChoice
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
+from agentloop.kernel.fork import fork as fork_process
 from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
 from agentloop.kernel.runs import (
@@ -417,6 +418,12 @@ class Process:
             self.kernel.store, self.kernel.data_dir, await self._record(), segment_id, limit=limit, before=before
         )
 
+    async def fork(self, *, at: int | None = None, segment: str | None = None, context: str | None = None) -> Process:
+        """A new process of the same owner and settings whose history is a copy of this one's up to
+        and including message id ``at`` (None: all of it), or of the archived ``segment``; this
+        one is left as it is (``Kernel.fork``, kernel/fork.py)."""
+        return await self.kernel.fork(self.pid, at=at, segment=segment, context=context)
+
     async def reset(self) -> Path | None:
         """Abort (with the runs of its descendants), archive the whole history, start an empty
         one, delete the process's media."""
@@ -742,6 +749,26 @@ class Kernel:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
+
+    async def fork(
+        self,
+        pid: str,
+        *,
+        at: int | None = None,
+        segment: str | None = None,
+        context: str | None = None,
+        admit: Admit | None = None,
+    ) -> Process:
+        """A new top-level process from process ``pid``'s conversation (kernel/fork.py): its owner,
+        ``run_as``, ``cwd``, ``interactive``, title, settings (mode, own model, compaction policy)
+        and ``context`` (unless another is given), and a copy of its current history up to and
+        including message id ``at`` (None: all of it) or of its archived ``segment``, the media
+        those messages reference copied with them; ``forked_from`` in its kv says where it came
+        from. It starts idle: a run under way in ``pid`` is not copied. An ``at`` that is not a
+        message of the history, or ends inside a tool call batch, is a ``ValueError`` (naming the
+        nearest valid points); so are ``at`` and ``segment`` together. ``NoSuchProcess``,
+        ``NoSuchSegment`` for what is not there. ``admit`` as in ``spawn`` (a quota)."""
+        return Process(self, await fork_process(self, pid, at=at, segment=segment, context=context, admit=admit))
 
     async def process(self, pid: str) -> Process:
         if await self.store.get_process(pid) is None:

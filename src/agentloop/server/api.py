@@ -156,6 +156,16 @@ class CompactBody(Body):
     )
 
 
+class ForkBody(Body):
+    at: int | None = Field(
+        None, ge=0, le=MAX_SEQ, description="A message id: the copy ends with it (left out: the whole history)."
+    )
+    segment: str | None = Field(
+        None, min_length=1, max_length=128, description="A segment's id: copy what it archived instead."
+    )
+    context: str | None = Field(None, description="The fork's process context (left out: the source's).")
+
+
 class CompactionBody(Body):
     threshold: float | None = Field(
         None,
@@ -279,6 +289,10 @@ class ProcessOut(Answer):
     model: ModelOut | None = Field(
         None, description="Its model, as GET /v1/processes/{pid}/model answers: with one process, not in a list."
     )
+
+
+class ForkOut(ProcessOut):
+    forked_from: dict[str, Any] = Field(description='Where it came from: {"pid", "at"} or {"pid", "segment"}.')
 
 
 class ProcessList(Answer):
@@ -761,6 +775,13 @@ async def segment(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.segment(call.principal, pid, segment_id, limit=query.limit, before=query.before)
 
 
+async def fork(call: Call) -> dict[str, Any]:
+    body = call.parsed(ForkBody, call.body)
+    return await call.ctx.processes.fork(
+        call.principal, call.param("pid"), at=body.at, segment=body.segment, context=body.context
+    )
+
+
 async def signal_event(call: Call) -> dict[str, Any]:
     body = call.parsed(EventBody, call.body)
     return await call.ctx.processes.signal(call.principal, call.param("pid"), body.text, run_id=body.run_id)
@@ -968,6 +989,16 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         segment,
         query=SegmentQuery,
         answer=SegmentPageOut,
+    ),
+    Endpoint(
+        "POST",
+        f"{_P}/fork",
+        "A new process from this one's conversation: its history up to a message (at), or an archived segment.",
+        fork,
+        body=ForkBody,
+        answer=ForkOut,
+        status=201,
+        errors=(409,),
     ),
     Endpoint(
         "POST",

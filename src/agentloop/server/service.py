@@ -21,6 +21,7 @@ from typing import Any, get_args
 from agentloop.images import image_size, sniff_image
 from agentloop.kernel import Kernel, NoSuchProcess, Process
 from agentloop.kernel.account_model import names_a_file
+from agentloop.kernel.fork import FORKED_KEY
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.segments import NoSuchSegment, Segment, SegmentPage
@@ -577,6 +578,30 @@ class ProcessService:
             return segment_page_json(await proc.segment(segment_id, limit=limit, before=before))
         except NoSuchSegment as exc:
             raise ApiError(404, "not_found", str(exc)) from None
+
+    async def fork(
+        self, who: Principal, pid: str, *, at: int | None = None, segment: str | None = None, context: str | None = None
+    ) -> dict[str, Any]:
+        """A new process from this one's conversation (``Kernel.fork``): owned by the process's
+        owner, counted against the caller's quota as a spawn is (409 past it). 400 for an ``at``
+        that is not a message of the history or ends inside a tool call batch, for both ``at`` and
+        ``segment``, for a clearing's segment; 404 for a segment the process has none by."""
+        _check_plain(context, "context")
+        _check_plain(segment, "segment")
+        if context is not None and len(context) > MAX_CONTEXT:
+            raise ApiError(413, "too_large", f"context is longer than {MAX_CONTEXT} characters")
+        await self._process(who, pid)
+        try:
+            made = await self.kernel.fork(pid, at=at, segment=segment, context=context, admit=self._process_quota(who))
+        except NoSuchSegment as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
+        except NoSuchProcess:
+            raise _not_found(pid) from None
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        answer = await self._one(await made.info())
+        answer["forked_from"] = await self.kernel.store.kv_get(made.pid, FORKED_KEY)
+        return answer
 
     async def kill(self, who: Principal, pid: str) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)
