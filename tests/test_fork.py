@@ -26,7 +26,7 @@ from agentloop.models.base import ModelRequest
 from agentloop.models.registry import register_provider
 from agentloop.process.media import MediaRef
 from agentloop.server import api
-from tests import test_prompt_manifest
+from tests import server_support, test_prompt_manifest
 from tests.image_support import PNG
 from tests.process_support import assert_valid
 from tests.server_support import LiveServer, checked, live_server, refused, wait_idle
@@ -378,3 +378,42 @@ def test_chat_slash_fork_goes_on_in_a_copy(tmp_path: Path, isolated: None) -> No
     assert "/fork [N]" in err
     out = result.stdout
     assert "seen: one, two" in out and "seen: one, three" in out and "seen: one, three, four" in out
+
+
+# ------------------------------------------------------------------ the remote chat
+
+remote_server = server_support.module_server("fork-remote")
+
+
+def test_remote_chat_forks_the_servers_conversation(remote_server: LiveServer) -> None:
+    """``agentloop chat --server``: ``/fork 2`` goes on in a copy of what came before the second
+    message, on the server; the original conversation is kept."""
+    import io
+
+    from rich.console import Console
+
+    from agentloop.cli.chat import ChatRepl, PlainReader
+    from agentloop.cli.client import RemoteSession
+    from agentloop.client import AgentloopClient
+
+    err = io.StringIO()
+    ev = asyncio.new_event_loop()
+    client = AgentloopClient(remote_server.url, remote_server.tokens.bob)
+    try:
+        session = RemoteSession(client)
+        ev.run_until_complete(session.open(new=True))
+        first = session.pid
+        stdin = "one\ntwo\n/fork 9\n/fork 2\nthree\n"
+        repl = ChatRepl(session, reader=PlainReader(io.StringIO(stdin)), out=io.StringIO(), err=Console(file=err))
+        repl.loop(ev)
+        forked = ev.run_until_complete(client.history(session.pid, limit=100))["messages"]
+        original = ev.run_until_complete(client.history(first, limit=100))["messages"]
+    finally:
+        ev.run_until_complete(client.aclose())
+        ev.close()
+    shown = " ".join(err.getvalue().split())
+    assert "no fork" not in shown and "not forked: this conversation has 2 messages of yours" in shown
+    assert "(forked: a new conversation with 2 messages, before your message 2" in shown
+    assert session.pid != first
+    assert [m["message"]["content"][0]["text"] for m in forked] == ["one", "answer: one", "three", "answer: three"]
+    assert len(original) == 4  # one, its answer, two, its answer: kept

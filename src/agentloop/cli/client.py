@@ -510,6 +510,38 @@ class RemoteSession:
             raise SessionError(f"this server {lacking} (it is older than this client)")
         return found
 
+    async def fork(self, before: int | None) -> int:
+        """``/fork``: go on in a fork of the server's process (``POST …/fork``), of the whole
+        conversation or of what came before the user's message number ``before``; how many
+        messages the fork holds."""
+        try:
+            at = None
+            if before is not None:
+                history = await self._history()
+                mine = [i for i, m in enumerate(history) if (m.get("message") or {}).get("role") == "user"]
+                if before > len(mine):
+                    raise SessionError(f"not forked: this conversation has {len(mine)} messages of yours")
+                if mine[before - 1] == 0:
+                    raise SessionError("not forked: nothing comes before your first message (/new starts afresh)")
+                at = history[mine[before - 1] - 1]["id"]
+            fork = await self.client.fork(self.pid, at=at)
+        except ClientError as exc:
+            raise SessionError(f"not forked: {exc.message}") from exc
+        self.pid = str(fork["pid"])
+        self.seq = await self._last_seq()
+        return len(await self._history())
+
+    async def _history(self) -> list[dict[str, Any]]:
+        """The whole history of the process, oldest first (read page by page)."""
+        messages: list[dict[str, Any]] = []
+        before = None
+        while True:
+            page = await self.client.history(self.pid, limit=500, before=before)
+            messages[:0] = page.get("messages", [])
+            before = page.get("next_before")
+            if before is None:
+                return messages
+
     async def new(self) -> None:
         try:
             proc = await self.client.spawn(interactive=True, cwd=self.cwd)
