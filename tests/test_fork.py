@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -417,3 +418,25 @@ def test_remote_chat_forks_the_servers_conversation(remote_server: LiveServer) -
     assert session.pid != first
     assert [m["message"]["content"][0]["text"] for m in forked] == ["one", "answer: one", "three", "answer: three"]
     assert len(original) == 4  # one, its answer, two, its answer: kept
+
+
+# ------------------------------------------------------------------ the WebSocket
+
+
+def test_websocket_forks_a_process(tmp_path: Path) -> None:
+    from tests.ws_support import KernelServer
+
+    model = ScriptedModel(lambda req: f"answer: {req.messages[-1].text}")
+    with KernelServer(tmp_path, model) as server, server.client("alice") as c, server.client("bob") as bob:
+        pid = c.ok("proc.spawn", {"text": "one"})["pid"]
+        for _ in range(200):
+            if len(c.ok("proc.history", {"pid": pid})["messages"]) == 2:
+                break
+            time.sleep(0.02)
+        [first, _] = c.ok("proc.history", {"pid": pid})["messages"]
+        made = c.ok("proc.fork", {"pid": pid, "at": first["id"], "context": "a fork"})
+        assert made["pid"] != pid and made["forked_from"] == {"pid": pid, "at": first["id"]}
+        assert [m["message"]["role"] for m in c.ok("proc.history", {"pid": made["pid"]})["messages"]] == ["user"]
+        assert c.error("proc.fork", {"pid": pid, "at": 999}) == "invalid_request"
+        assert c.error("proc.fork", {"pid": pid, "at": "one"}) == "invalid_request"
+        assert bob.error("proc.fork", {"pid": pid}) == "not_found"

@@ -369,6 +369,13 @@ async def _segment_read(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.segment(conn.user, pid, segment_id, limit=limit, before=before)
 
 
+async def _fork(conn: Connection, args: dict[str, Any]) -> Any:
+    pid = _id(args, "pid")
+    at, segment = _opt_int(args, "at", minimum=1), _opt_id(args, "segment")
+    context = _want(args, "context", str, "a string", None)
+    return await conn.service.fork(conn.user, pid, at=at, segment=segment, context=context)
+
+
 async def _kill(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.kill(conn.user, _id(args, "pid"))
 
@@ -464,6 +471,7 @@ CALLS: dict[str, Call] = {
     "proc.hil": Call(_hil, mutates=True),
     "proc.approvals": Call(_approvals),
     "proc.reset": Call(_reset, mutates=True),
+    "proc.fork": Call(_fork, mutates=True),
     "proc.kill": Call(_kill, mutates=True),
     "proc.compact": Call(_compact, mutates=True),
     "proc.segment.list": Call(_segment_list),
