@@ -32,6 +32,7 @@ from typer.testing import CliRunner
 
 from agentloop import Reply, ScriptedModel, call, tool
 from agentloop.channels.botapi import BotApi, BotApiError
+from agentloop.channels.media import UNSUPPORTED
 from agentloop.channels.telegram import CHAT_KEY, TelegramBridge
 from agentloop.channels.telegram_text import MAX_MESSAGE, describe_request, split_message
 from agentloop.cli.main import app
@@ -464,7 +465,7 @@ async def test_stop_aborts_the_run_and_new_starts_a_fresh_conversation(tmp_path:
         assert [r.pid for r in await kernel.processes()] == [record.pid]
         fake.message(chat=ALICE, user=ALICE, text="/help")
         fake.add({"message": {"message_id": 9, "from": {"id": ALICE}, "chat": {"id": ALICE}, "sticker": {}}})
-        await until(lambda: fake.texts(ALICE)[-1] == "I can read text messages only.")
+        await until(lambda: fake.texts(ALICE)[-1] == UNSUPPORTED)
         assert "/new" in fake.texts(ALICE)[-2]
 
 

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from agentloop import ScriptedModel
+from agentloop.channels.media import UNSUPPORTED
 from agentloop.channels.whatsapp import CHAT_KEY, MAX_TEXT, WhatsAppBridge, sign
 from agentloop.cli.main import app
 from agentloop.kernel import Kernel
@@ -238,17 +239,17 @@ async def test_a_text_is_answered_to_its_sender_by_that_numbers_process(tmp_path
         await meta.text(ALICE, "again")
         await until(lambda: len(graph.texts(ALICE)) == 2)
         assert graph.texts(ALICE)[1] == "seen: hello, again" and len(await kernel.processes()) == 2
-        # statuses, reactions and another number's notifications are ignored; media get a notice
+        # statuses, reactions and another number's notifications are ignored; a voice message gets a notice
         status = {"id": "wamid.o1", "status": "delivered", "timestamp": "1", "recipient_id": ALICE}
         assert (await meta.post(notify(statuses=[status]))).status_code == 200
         await meta.send(ALICE, {"type": "reaction", "reaction": {"message_id": "wamid.o1", "emoji": "👍"}})
         other = notify({"from": ALICE, "id": meta.wamid(), "type": "text", "text": {"body": "elsewhere"}})
         other["entry"][0]["changes"][0]["value"]["metadata"]["phone_number_id"] = "999"
         assert (await meta.post(other)).status_code == 200
-        await meta.send(ALICE, {"type": "image", "image": {"id": "1", "mime_type": "image/jpeg"}})
+        await meta.send(ALICE, {"type": "audio", "audio": {"id": "1", "mime_type": "audio/ogg", "voice": True}})
         await until(lambda: len(graph.texts(ALICE)) == 3)
         await asyncio.sleep(0.2)
-        assert graph.texts(ALICE)[2:] == ["I can read text messages only."]
+        assert graph.texts(ALICE)[2:] == [UNSUPPORTED]
         assert (await meta.post({"object": "garbage"})).status_code == 200
         assert (
             await meta.client.post(meta.url, content=b"{", headers={"x-hub-signature-256": sign(APP_SECRET, b"{")})

@@ -6,6 +6,8 @@ enters httpx's URL: the client addresses ``/bot***/<method>`` and ``_TokenTransp
 token into the path of the request handed to the connection, after httpx has built (and before it
 logs) its own. What httpx logs (``HTTP Request: POST …`` at INFO on the ``httpx`` logger) and what
 its exceptions carry show the mask; every message this module makes is passed through ``redact``.
+A file a user sent is downloaded the same way (``download``: ``GET /file/bot***/<file path>``, the
+token written in by the same transport), streamed and cut off at a limit.
 
 Failures: a network error, an HTTP 5xx and an answer that is not the Bot API's JSON are transient
 and retried with exponential backoff; a 429 waits the ``parameters.retry_after`` Telegram asks for;
@@ -21,10 +23,11 @@ import math
 import re
 import urllib.request
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
+from agentloop.channels.media import FetchFailed, fetch
 from agentloop.urls import MASK, redact_url
 
 log = logging.getLogger("agentloop.channels.botapi")
@@ -33,6 +36,7 @@ DEFAULT_API_URL = "https://api.telegram.org"
 MAX_RETRY_AFTER = 3600.0  # seconds: a flood wait past an hour is a garbled answer, not advice
 _TOKEN = re.compile(r"[A-Za-z0-9:_-]{1,200}")  # what a token may be: it is spliced into a URL path
 _MASKED_PATH = f"/bot{MASK}/".encode()
+_FILE_PATH = re.compile(r"[A-Za-z0-9_.-][A-Za-z0-9_./-]{0,499}")  # what getFile names ("photos/file_7.jpg")
 
 
 class BotApiError(Exception):
@@ -171,6 +175,19 @@ class BotApi:
                 await asyncio.sleep(wait)
                 if exc.retry_after is None:
                     delay = min(max(delay * 2, 0.05), self.backoff[1])
+
+    async def download(self, file_path: object, cap: int) -> bytes:
+        """The file ``getFile`` named ``file_path``, at most ``cap`` bytes (``media.fetch``:
+        ``FetchFailed`` or ``TooLarge``). The token is written into the address by the transport."""
+        if (
+            not isinstance(file_path, str)
+            or not _FILE_PATH.fullmatch(file_path)
+            or any(part in ("", ".", "..") for part in file_path.split("/"))
+        ):
+            raise FetchFailed("Telegram named no file path that can be downloaded", transient=False)
+        url = f"{self.api_url}/file/bot{MASK}/{quote(file_path)}"
+        request = self._client.build_request("GET", url, headers={"Accept-Encoding": "identity"})
+        return await fetch(self._client, request, cap, self.redact)
 
     async def _once(self, method: str, params: dict[str, Any], http_timeout: float | None) -> Any:
         try:

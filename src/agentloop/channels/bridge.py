@@ -9,21 +9,37 @@ an approval request with buttons, ``proc.run.finished`` the answer. A signal is 
 on only after its message went out, so an answer is sent at least once and never lost.
 
 A channel subclasses it and says how to reach its app: ``_send`` (text, in as many messages as the
-app needs), ``_typing``, ``_send_approval``, and how its kv value names a chat (``_kv_value`` and
-``_chat_of``).
+app needs), ``_typing``, ``_send_approval``, how its kv value names a chat (``_kv_value`` and
+``_chat_of``), and how a file a user sent is downloaded (``_fetch``: what becomes of images and
+documents is shared, ``_deliver_files``, see ``agentloop.channels.media``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Hashable, Mapping
+from collections.abc import AsyncGenerator, Hashable, Mapping, Sequence
 from contextlib import aclosing, suppress
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
+from agentloop.channels.media import (
+    FETCH_TRIES,
+    MAX_FILE_BYTES,
+    Attachment,
+    FetchFailed,
+    TooLarge,
+    block_of,
+    cap_of,
+    default_text,
+    refusal,
+    too_large,
+)
 from agentloop.channels.state import ChannelState
 from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
+from agentloop.messages import FileContent, ImageContent
+from agentloop.process import admission
 from agentloop.process import signals as sig
+from agentloop.process.media import MediaError
 
 K = TypeVar("K", bound=Hashable)
 
@@ -67,9 +83,19 @@ class ChatBridge(Generic[K]):
     log: ClassVar[logging.Logger]
 
     def __init__(
-        self, kernel: Kernel, *, account: str | None, context: str, state: ChannelState, backoff: tuple[float, float]
+        self,
+        kernel: Kernel,
+        *,
+        account: str | None,
+        context: str,
+        state: ChannelState,
+        backoff: tuple[float, float],
+        max_file_bytes: int = MAX_FILE_BYTES,
     ) -> None:
+        if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes must be a positive number of bytes, got {max_file_bytes!r}")
         self.kernel = kernel
+        self.max_file_bytes = max_file_bytes
         self.account = account
         self.context = context
         self.state = state
@@ -105,6 +131,11 @@ class ChatBridge(Generic[K]):
 
     async def _send_approval(self, chat: K, payload: Mapping[str, Any], request_id: str) -> None:
         raise NotImplementedError
+
+    async def _fetch(self, attachment: Attachment, cap: int) -> bytes:
+        """The bytes of ``attachment``, at most ``cap`` of them (``media.read_capped``): raises
+        ``FetchFailed`` (``transient`` when asking again may help) or ``TooLarge``."""
+        raise FetchFailed("this channel cannot download files", transient=False)
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -146,18 +177,80 @@ class ChatBridge(Generic[K]):
 
     # -- from the chat ---------------------------------------------------------------------------
 
-    async def _deliver(self, chat: K, user: object, text: str, run_id: str) -> None:
-        """``text`` to the chat's process (spawned when it has none), admitted once per ``run_id``."""
+    async def _deliver(
+        self, chat: K, user: object, text: str, run_id: str, media: Sequence[ImageContent | FileContent] = ()
+    ) -> None:
+        """``text`` (and ``media``) to the chat's process (spawned when it has none), admitted once
+        per ``run_id``."""
         for _ in range(2):  # (again with a new process, when the chat's was killed meanwhile)
             proc = await self._process(chat, user)
             try:
-                await proc.send(text, mode="queue", run_id=run_id)
+                await proc.send(text, mode="queue", media=media, run_id=run_id)
                 return
             except NoSuchProcess:
                 self._forget(chat)
             except (ValueError, TypeError) as exc:  # text a process cannot keep (a lone surrogate)
                 await self._say(chat, f"That message was refused: {exc}")
                 return
+
+    async def _deliver_files(
+        self, chat: K, user: object, text: str, run_id: str, attachments: Sequence[Attachment]
+    ) -> None:
+        """A message with files: each fetched (and checked) before anything is admitted, then
+        ``text`` (a short default when empty) with them as one input, admitted once per ``run_id``.
+        A file that is of a type the kernel does not take, too large, not what it says or cannot
+        be fetched: the user is told, and nothing of the message reaches the process."""
+        problem = refusal(attachments, self.max_file_bytes)
+        if problem is not None:
+            self.log.info("refused a message with files in chat %s: %s", chat, problem)
+            await self._say(chat, problem)
+            return
+        if await self._admitted(chat, run_id):
+            return  # (taken before a crash, or delivered again: not downloaded again)
+        blocks: list[ImageContent | FileContent] = []
+        for attachment in attachments:
+            what = attachment.what[:1].upper() + attachment.what[1:]
+            try:
+                data = await self._fetch_retried(attachment, cap_of(attachment, self.max_file_bytes))
+                blocks.append(block_of(attachment, data, self.max_file_bytes))
+            except TooLarge:
+                self.log.info("refused %s in chat %s: over the limit", attachment.what, chat)
+                await self._say(chat, too_large(attachment, self.max_file_bytes))
+                return
+            except FetchFailed as exc:
+                self.log.error("could not fetch %s in chat %s: %s", attachment.what, chat, self.redact(str(exc)))
+                await self._say(chat, f"I could not fetch {attachment.what}; please send it again.")
+                return
+            except MediaError as exc:
+                self.log.info("refused %s in chat %s: %s", attachment.what, chat, exc)
+                await self._say(chat, f"{what} was refused: {exc}")
+                return
+        await self._deliver(chat, user, text if text.strip() else default_text(attachments), run_id, blocks)
+
+    async def _fetch_retried(self, attachment: Attachment, cap: int) -> bytes:
+        """``_fetch``, tried again with the channel's backoff while it fails for a reason that may
+        pass, ``FETCH_TRIES`` times in all."""
+        first, longest = self._backoff
+        delay = first
+        tried = 0
+        while True:
+            tried += 1
+            try:
+                return await self._fetch(attachment, cap)
+            except FetchFailed as exc:
+                if not exc.transient or tried >= FETCH_TRIES:
+                    raise
+                reason = self.redact(str(exc))
+                self.log.warning("fetching %s failed (%s); trying again in %.1f s", attachment.what, reason, delay)
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 0.05), longest)
+
+    async def _admitted(self, chat: K, run_id: str) -> bool:
+        """Whether the chat's process admitted input with ``run_id`` already."""
+        pid = self._chats.get(chat)
+        if pid is None:
+            return False
+        return await admission.admitted(self.kernel.engine, pid, run_id) is not None
 
     async def _process(self, chat: K, user: object) -> Process:
         pid = self._chats.get(chat)

@@ -17,6 +17,14 @@ sends the call to approve with Approve / Deny / Always buttons (whose presses co
 added), and ``proc.run.finished`` sends the answer, in parts of at most 2000 characters, with
 ``allowed_mentions`` empty so that nothing the model writes pings anyone (``@everyone``).
 
+A message's attachments (up to ``media.MAX_FILES``: images, and PDF, plain text, Markdown or CSV
+documents) are downloaded from Discord's CDN, without the bot token and only from the CDN's own
+addresses (``attachment_urls``: an address anywhere else is never fetched), and go with the text
+(or a short default) as one ``Process.send``. Voice messages, audio, video, stickers and other
+files are refused with a short reply, and so are files past ``max_file_bytes``; a download that
+keeps failing is reported to the user and nothing of that message is delivered
+(``agentloop.channels.media``).
+
 Only the Discord users on the allow-list (user ids) reach a process or answer an approval: anyone
 else gets a short refusal (with their user id, so the bot's owner can add them; at most once an
 hour per channel) and their message goes nowhere. An empty allow-list refuses everyone.
@@ -65,8 +73,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from agentloop.channels.botapi import _env_proxy
 from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
 from agentloop.channels.discord_api import DEFAULT_API_URL, USER_AGENT, DiscordApi, DiscordError
+from agentloop.channels.media import (
+    MAX_FILE_BYTES,
+    Attachment,
+    FetchFailed,
+    classify,
+    fetch,
+    shown_name,
+)
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
@@ -106,6 +123,8 @@ _BUTTONS = (("Approve", "a", 3), ("Deny", "d", 4), ("Always", "r", 2))  # label,
 _TEXT_TYPES = frozenset({0, 19})  # a message, a reply: the rest (joins, pins, calls …) say nothing to the bot
 _SENSITIVE_FRAME = re.compile(r'"op":\s*[26][,}]')  # Identify and Resume carry the token
 _RUN = re.compile(r"[A-Za-z0-9_-]{6,}")
+# where attachments are (the CDN, and its media proxy): nothing is fetched from anywhere else
+ATTACHMENT_URLS = ("https://cdn.discordapp.com/", "https://media.discordapp.net/")
 
 HELP = (
     "Send me a message and your agent answers here (in a server channel, mention me).\n"
@@ -142,6 +161,30 @@ def _gateway_address(url: str) -> str:
         raise DiscordError("gateway", f"the gateway address is not a ws(s) URL: {shown!r}", transient=True)
     query = f"v={GATEWAY_VERSION}&encoding=json"
     return urlunsplit((parts.scheme, parts.netloc, parts.path or "/", query, ""))
+
+
+def _attachment_base(url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host, port, path prefix) of an address attachments may be fetched from."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise ValueError(f"attachment_urls must be http(s) addresses, got {url!r}")
+    path = parts.path if parts.path.endswith("/") else f"{parts.path}/"
+    return parts.scheme, parts.hostname.lower(), parts.port, path
+
+
+def _allowed(url: str, bases: Iterable[tuple[str, str, int | None, str]]) -> bool:
+    """Whether ``url`` is under one of ``bases`` (scheme, host, port and path prefix all alike)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    if parts.username is not None or parts.password is not None or ".." in parts.path.split("/"):
+        return False
+    host = (parts.hostname or "").lower()
+    return any(
+        (parts.scheme, host, port) == (scheme, h, p) and parts.path.startswith(prefix) for scheme, h, p, prefix in bases
+    )
 
 
 def approval_components(request_id: str) -> list[dict[str, Any]] | None:
@@ -235,7 +278,9 @@ class DiscordBridge(ChatBridge[int]):
     given to each process at spawn; ``state_dir`` where the state file is kept (default
     ``<data dir>/var/discord``); ``backoff`` the (first, longest) wait between retries;
     ``ready_timeout`` the seconds ``start`` waits for the gateway's READY; ``invalid_session_wait``
-    the (least, most) seconds before identifying again after an op 9; ``transport`` replaces the
+    the (least, most) seconds before identifying again after an op 9; ``max_file_bytes`` the
+    largest attachment taken; ``attachment_urls`` the addresses (scheme, host and path prefix)
+    attachments are downloaded from (Discord's CDN; a test's fake); ``transport`` replaces the
     HTTP network (tests)."""
 
     CHAT_KEY = CHAT_KEY
@@ -257,6 +302,8 @@ class DiscordBridge(ChatBridge[int]):
         backoff: tuple[float, float] = (1.0, 30.0),
         ready_timeout: float = 30.0,
         invalid_session_wait: tuple[float, float] = (1.0, 5.0),
+        max_file_bytes: int = MAX_FILE_BYTES,
+        attachment_urls: Iterable[str] = ATTACHMENT_URLS,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         allowed = list(allow)
@@ -270,7 +317,23 @@ class DiscordBridge(ChatBridge[int]):
         self.api = DiscordApi(token, api_url, backoff=backoff, timeout=30.0, transport=transport)
         self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "discord"
         self.state: DiscordState = DiscordState(self.state_dir / "unknown.json")
-        super().__init__(kernel, account=account, context=context, state=self.state, backoff=self.api.backoff)
+        super().__init__(
+            kernel,
+            account=account,
+            context=context,
+            state=self.state,
+            backoff=self.api.backoff,
+            max_file_bytes=max_file_bytes,
+        )
+        self.attachment_urls = tuple(_attachment_base(url) for url in attachment_urls)
+        # attachments are fetched without the bot token (a client of their own), redirects not followed
+        self._files = httpx.AsyncClient(
+            headers={"User-Agent": USER_AGENT},
+            transport=transport or httpx.AsyncHTTPTransport(proxy=_env_proxy(ATTACHMENT_URLS[0])),
+            timeout=30.0,
+            trust_env=False,
+            follow_redirects=False,
+        )
         self.allow = frozenset(allowed)
         self.bot_id = 0
         self.username = ""
@@ -355,6 +418,7 @@ class DiscordBridge(ChatBridge[int]):
         await self._stop_tasks({"intake": self._worker, "gateway": self._gateway})
         self._worker = self._gateway = None
         await self.api.close()
+        await self._files.aclose()
 
     def _kv_value(self, chat: int) -> str:
         return f"{self.bot_id}:{chat}"
@@ -626,21 +690,50 @@ class DiscordBridge(ChatBridge[int]):
         if user_id not in self.allow:
             await self._refuse(channel, user_id)
             return
-        command = self._command(text)
-        if command == "help":
+        run_id = f"discord-{self.bot_id}-{channel}-{message_id}"  # a message taken again is admitted once
+        attachments = self._attachments(message)
+        command = self._command(text) if not attachments else None
+        if attachments:
+            await self._deliver_files(channel, user_id, text, run_id, attachments)
+        elif command == "help":
             await self._send(channel, HELP)
         elif command == "new":
             await self._reset(channel)
         elif command == "stop":
             await self._stop(channel)
         elif not text.strip():
-            media = message.get("attachments") or message.get("sticker_items")
-            await self._send(channel, "I can read text messages only." if media else HELP)
+            await self._send(channel, HELP)
         else:
-            run_id = f"discord-{self.bot_id}-{channel}-{message_id}"  # a message taken again is admitted once
             await self._deliver(channel, user_id, text, run_id)
         self.state.handled(channel, message_id)
         await self.state.save()
+
+    def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
+        """The message's files (a sticker, and a voice message's audio, as files the kernel does
+        not take)."""
+        found: list[Attachment] = []
+        if message.get("sticker_items"):
+            found.append(Attachment(None, "", "", "the sticker", None, ""))
+        attachments = message.get("attachments")
+        for item in attachments if isinstance(attachments, list) else []:
+            if not isinstance(item, dict):
+                continue
+            name = shown_name(item.get("filename"), "")
+            kind, mime = classify(item.get("content_type"), name)
+            size = _int(item.get("size"))
+            url = item.get("url")
+            url = url if isinstance(url, str) else ""
+            found.append(Attachment(kind, mime, name, name or "the attachment", size, url))
+        return found
+
+    async def _fetch(self, attachment: Attachment, cap: int) -> bytes:
+        """The attachment from the CDN (no token): only from ``attachment_urls``."""
+        url = attachment.ref
+        if not _allowed(url, self.attachment_urls):
+            shown = redact_url(url)[:200] if url else "none"
+            raise FetchFailed(f"the attachment's address is not Discord's CDN ({shown}): not fetched", transient=False)
+        request = self._files.build_request("GET", url, headers={"Accept-Encoding": "identity"})
+        return await fetch(self._files, request, cap, self.redact)
 
     def _mentioned(self, message: dict[str, Any]) -> bool:
         mentions = message.get("mentions")

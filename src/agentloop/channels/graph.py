@@ -9,6 +9,11 @@ Failures: a network error, an HTTP 5xx, an answer that is not JSON, a 429 and th
 codes that mean "too many messages" (4, 80007, 130429, 131056) or that Graph marks
 ``is_transient`` are retried with exponential backoff; anything else (a bad token, a number that
 is not on WhatsApp, a re-engagement window that closed) is permanent and raised at once.
+
+A file a user sent is fetched in two steps (``media``, then ``download``): ``GET /<media id>`` names
+its address, which is downloaded with the same bearer token (Meta requires it), so the address must
+be on one of Meta's hosts (``media_hosts``; or the Graph URL's own host, for a test's fake): the
+token is never sent anywhere a message names. The download is streamed and cut off at a limit.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import asyncio
 import logging
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from agentloop.channels.media import FetchFailed, fetch
 from agentloop.urls import MASK, redact_url
 
 log = logging.getLogger("agentloop.channels.graph")
@@ -31,6 +38,9 @@ DEFAULT_API_VERSION = "v21.0"
 RATE_LIMITS = frozenset({4, 80007, 130429, 131056})  # Graph error codes that mean "slow down"
 _ID = re.compile(r"[0-9]{1,32}")  # a phone number id (and a wa_id: digits)
 _VERSION = re.compile(r"v[0-9]{1,3}\.[0-9]{1,3}")
+_MEDIA_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# where Graph's media addresses point (lookaside.fbsbx.com): the token is sent there, nowhere else
+MEDIA_HOSTS = ("fbsbx.com", "facebook.com", "fbcdn.net", "whatsapp.net")
 
 
 class GraphError(Exception):
@@ -38,14 +48,20 @@ class GraphError(Exception):
     never holds the access token."""
 
     def __init__(
-        self, description: str, *, status: int | None = None, code: int | None = None, transient: bool = False
+        self,
+        description: str,
+        *,
+        status: int | None = None,
+        code: int | None = None,
+        transient: bool = False,
+        what: str = "send",
     ) -> None:
         shown = description
         if code is not None:
             shown += f" (code {code})"
         if status is not None:
             shown += f" (HTTP {status})"
-        super().__init__(f"WhatsApp send failed: {shown}")
+        super().__init__(f"WhatsApp {what} failed: {shown}")
         self.description = description
         self.status = status
         self.code = code
@@ -79,7 +95,8 @@ def _int(value: object) -> int | None:
 class GraphApi:
     """Sends messages from ``phone_number_id`` with ``token``, through ``graph_url`` (Meta, or a
     test's fake) at ``api_version``. ``backoff`` is (first, longest) wait between retries in
-    seconds. Close it with ``close``."""
+    seconds; ``media_hosts`` the hosts (and their subdomains) a media address may be on. Close it
+    with ``close``."""
 
     def __init__(
         self,
@@ -91,6 +108,7 @@ class GraphApi:
         backoff: tuple[float, float] = (1.0, 30.0),
         timeout: float = 30.0,
         secrets: tuple[str, ...] = (),
+        media_hosts: Sequence[str] = MEDIA_HOSTS,
     ) -> None:
         if not isinstance(token, str) or not token.strip() or any(c.isspace() or not c.isprintable() for c in token):
             raise ValueError("the access token must be the one Meta gave (no spaces)")
@@ -101,6 +119,7 @@ class GraphApi:
         self.graph_url = check_graph_url(graph_url)
         self.api_version = check_api_version(api_version)
         self.backoff = (float(first), float(longest))
+        self.media_hosts = tuple(h.lower().strip(".") for h in media_hosts)
         self._secrets = sorted({token, *secrets} - {""}, key=len, reverse=True)
         self._client = httpx.AsyncClient(
             base_url=f"{self.graph_url}/{self.api_version}/{self.phone_number_id}/",
@@ -137,12 +156,60 @@ class GraphApi:
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 0.05), self.backoff[1])
 
+    async def media(self, media_id: object) -> tuple[str, int | None]:
+        """Where the file ``media_id`` (of a user's message) is, and its size when Graph says it
+        (``GET /<media id>``, one try): ``GraphError`` when Graph does not say."""
+        if not isinstance(media_id, str) or not _MEDIA_ID.fullmatch(media_id):
+            raise GraphError("the message names no media id", what="media lookup")
+        url = f"{self.graph_url}/{self.api_version}/{media_id}"
+        try:
+            response = await self._client.get(url, params={"phone_number_id": self.phone_number_id})
+        except httpx.HTTPError as exc:
+            reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            raise GraphError(f"network error ({reason})", transient=True, what="media lookup") from None
+        answer = self._answer(response, "media lookup")
+        address = answer.get("url") if isinstance(answer, dict) else None
+        if not isinstance(address, str):
+            raise GraphError("the answer names no media address", status=response.status_code, what="media lookup")
+        size = answer.get("file_size")
+        if isinstance(size, str) and size.isascii() and size.isdigit():
+            size = int(size)
+        return address, _int(size)
+
+    def media_allowed(self, url: str) -> bool:
+        """Whether ``url`` may be downloaded with the token: https on one of ``media_hosts`` (or
+        on the Graph URL's own scheme and host)."""
+        try:
+            parts = urlsplit(url)
+            graph = urlsplit(self.graph_url)
+            host = (parts.hostname or "").lower()
+            if parts.username is not None or parts.password is not None or not host:
+                return False
+            if parts.scheme == graph.scheme and host == graph.hostname and parts.port == graph.port:
+                return True
+            return parts.scheme == "https" and any(host == h or host.endswith(f".{h}") for h in self.media_hosts)
+        except ValueError:  # (a port that is not a number)
+            return False
+
+    async def download(self, url: object, cap: int) -> bytes:
+        """The file at ``url`` (what ``media`` named), with the token, at most ``cap`` bytes
+        (``media.fetch``: ``FetchFailed`` or ``TooLarge``)."""
+        if not isinstance(url, str) or not self.media_allowed(url):
+            shown = redact_url(url) if isinstance(url, str) else repr(url)
+            raise FetchFailed(f"Graph named a media address off Meta's hosts: {shown[:200]}", transient=False)
+        request = self._client.build_request("GET", url, headers={"Accept-Encoding": "identity"})
+        return await fetch(self._client, request, cap, self.redact)
+
     async def _once(self, body: dict[str, Any]) -> Any:
         try:
             response = await self._client.post("messages", json=body)
         except httpx.HTTPError as exc:  # connection refused, reset, timed out …
             reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             raise GraphError(f"network error ({reason})", transient=True) from None
+        return self._answer(response, "send")
+
+    def _answer(self, response: httpx.Response, what: str) -> Any:
+        """The JSON of a 2xx answer; ``GraphError`` for any other."""
         status = response.status_code
         try:
             answer = response.json()
@@ -152,8 +219,9 @@ class GraphApi:
             return answer
         error = answer.get("error") if isinstance(answer, dict) else None
         if not isinstance(error, dict):
-            raise GraphError("the answer is not the Graph API's JSON", status=status, transient=status >= 500)
+            description = "the answer is not the Graph API's JSON"
+            raise GraphError(description, status=status, transient=status >= 500, what=what)
         code = _int(error.get("code"))
         description = self.redact(str(error.get("message") or "no description"))[:300]
         transient = status >= 500 or status == 429 or code in RATE_LIMITS or error.get("is_transient") is True
-        raise GraphError(description, status=status, code=code, transient=transient)
+        raise GraphError(description, status=status, code=code, transient=transient, what=what)

@@ -12,6 +12,15 @@ approve with Approve / Deny / Always buttons (answered through ``callback_query`
 ``Process.hil``), and ``proc.run.finished`` sends the answer as plain text, in parts of at most
 4096 characters (no ``parse_mode``: nothing the model writes needs escaping, nothing is lost).
 
+A photo (the largest size Telegram offers within the limit) or a document (a PDF, a plain text,
+Markdown or CSV file, an image sent as a file) becomes the same ``Process.send`` with the file
+attached and its caption as the text: the file is found with ``getFile`` and downloaded from
+``/file/bot<token>/<file path>`` (the token kept out of every log line and error, as for the
+methods: ``agentloop.channels.botapi``). Voice messages, audio, video, stickers and other files
+are refused with a short reply, and so are files past ``max_file_bytes``; a download that keeps
+failing is reported to the user and nothing of that message is delivered
+(``agentloop.channels.media``). An album arrives as one message per photo, each its own input.
+
 Only the Telegram users on the allow-list reach a process: anyone else gets a short refusal
 (with their user id, so the bot's owner can add them) and their message goes nowhere. An empty
 allow-list refuses everyone.
@@ -42,6 +51,15 @@ import httpx
 
 from agentloop.channels.botapi import DEFAULT_API_URL, BotApi, BotApiError
 from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
+from agentloop.channels.media import (
+    MAX_FILE_BYTES,
+    UNSUPPORTED,
+    Attachment,
+    FetchFailed,
+    TooLarge,
+    classify,
+    shown_name,
+)
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
@@ -51,6 +69,16 @@ log = logging.getLogger("agentloop.channels.telegram")
 
 CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>" of the chat the process talks with
 TRIES = 5  # times an update whose handling fails is taken before it is skipped
+# what a message may hold that the kernel does not take ("animation" before "document": a GIF is
+# sent as an MP4 animation, with a "document" beside it)
+_UNSUPPORTED = {
+    "voice": "the voice message",
+    "audio": "the audio file",
+    "video": "the video",
+    "video_note": "the video message",
+    "sticker": "the sticker",
+    "animation": "the animation",
+}
 
 HELP = (
     "Send me a message and your agent answers here.\n"
@@ -79,7 +107,8 @@ class TelegramBridge(ChatBridge[int]):
     (default: ``telegram-<user id>`` of the person who wrote first in the chat); ``context`` is
     given to each process at spawn; ``poll_timeout`` the seconds one ``getUpdates`` waits for news;
     ``state_dir`` where the state file is kept (default ``<data dir>/var/telegram``); ``backoff``
-    the (first, longest) wait between retries; ``transport`` replaces the network (tests)."""
+    the (first, longest) wait between retries; ``max_file_bytes`` the largest photo or document
+    taken (``agentloop.channels.media``); ``transport`` replaces the network (tests)."""
 
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "telegram-"
@@ -98,6 +127,7 @@ class TelegramBridge(ChatBridge[int]):
         poll_timeout: int = 30,
         state_dir: str | Path | None = None,
         backoff: tuple[float, float] = (1.0, 30.0),
+        max_file_bytes: int = MAX_FILE_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         allowed = list(allow)
@@ -110,7 +140,14 @@ class TelegramBridge(ChatBridge[int]):
         self.api = BotApi(token, api_url, backoff=backoff, timeout=30.0, transport=transport)
         self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "telegram"
         state = ChannelState(self.state_dir / "unknown.json")
-        super().__init__(kernel, account=account, context=context, state=state, backoff=self.api.backoff)
+        super().__init__(
+            kernel,
+            account=account,
+            context=context,
+            state=state,
+            backoff=self.api.backoff,
+            max_file_bytes=max_file_bytes,
+        )
         self.allow = frozenset(allowed)
         self.poll_timeout = poll_timeout
         self.bot_id = 0
@@ -256,9 +293,16 @@ class TelegramBridge(ChatBridge[int]):
         if user_id is None or user_id not in self.allow:
             await self._refuse(chat_id, user_id)
             return
+        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"  # a redelivered update is admitted once
         text = message.get("text")
         if not isinstance(text, str) or not text.strip():
-            await self._send(chat_id, "I can read text messages only.")
+            attachments = self._attachments(message)
+            if not attachments:  # (a location, a contact, a poll …)
+                await self._send(chat_id, UNSUPPORTED)
+                return
+            caption = message.get("caption")
+            caption = caption if isinstance(caption, str) else ""
+            await self._deliver_files(chat_id, user_id, caption, run_id, attachments)
             return
         command = self._command(text)
         if command in ("start", "help"):
@@ -268,8 +312,58 @@ class TelegramBridge(ChatBridge[int]):
         elif command == "stop":
             await self._stop(chat_id)
         else:
-            run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"  # a redelivered update is admitted once
             await self._deliver(chat_id, user_id, text, run_id)
+
+    def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
+        """The message's photo or document (Telegram sends one a message), or what it holds that
+        the kernel does not take; nothing for a message with no file."""
+        for key, what in _UNSUPPORTED.items():
+            if key in message:
+                return [Attachment(None, "", "", what, None, "")]
+        photo = message.get("photo")
+        if isinstance(photo, list) and photo:
+            return [self._photo(photo)]
+        document = message.get("document")
+        if isinstance(document, dict):
+            file_id = document.get("file_id")
+            name = shown_name(document.get("file_name"), "")
+            kind, mime = classify(document.get("mime_type"), name)
+            size = _int(document.get("file_size"))
+            ref = file_id if isinstance(file_id, str) else ""
+            return [Attachment(kind, mime, name, name or "the document", size, ref)]
+        return []
+
+    def _photo(self, sizes: list[Any]) -> Attachment:
+        """The largest of a photo's sizes within the limit (the smallest, when none is: refused)."""
+        known = [s for s in sizes if isinstance(_field(s, "file_id"), str)]
+        if not known:
+            return Attachment("image", "image/jpeg", "", "the photo", None, "")
+
+        def area(size: Any) -> int:
+            return (_int(_field(size, "width")) or 0) * (_int(_field(size, "height")) or 0)
+
+        def fits(size: Any) -> bool:
+            declared = _int(_field(size, "file_size"))
+            return declared is None or declared <= self.max_file_bytes
+
+        fitting = [s for s in known if fits(s)]
+        best = max(fitting, key=area) if fitting else min(known, key=lambda s: _int(s.get("file_size")) or 0)
+        return Attachment("image", "image/jpeg", "", "the photo", _int(best.get("file_size")), best["file_id"])
+
+    async def _fetch(self, attachment: Attachment, cap: int) -> bytes:
+        """``getFile``, then the file from ``/file/bot<token>/<file path>``."""
+        if not attachment.ref:
+            raise FetchFailed("the message names no file", transient=False)
+        try:
+            found = await self.api.call("getFile", {"file_id": attachment.ref}, attempts=1)
+        except BotApiError as exc:
+            if "too big" in exc.description.lower():  # (the Bot API gives bots files of up to 20 MB)
+                raise TooLarge(exc.description) from None
+            raise FetchFailed(str(exc), transient=exc.transient) from None
+        size = _int(_field(found, "file_size"))
+        if size is not None and size > cap:
+            raise TooLarge(f"{size} bytes")
+        return await self.api.download(_field(found, "file_path"), cap)
 
     async def _refuse(self, chat_id: int, user_id: int | None) -> None:
         if not self._refused.due(chat_id):

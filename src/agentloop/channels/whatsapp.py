@@ -30,6 +30,15 @@ run id ``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits onl
 re-delivery, or one after a crash, never runs twice. Each process's follower resumes from the last
 signal acted on (kept in the same state file): an answer is sent at least once.
 
+An ``image`` or a ``document`` message (a PDF, a plain text, Markdown or CSV file, an image sent
+as a file) becomes the same ``Process.send`` with the file attached and its caption as the text:
+``GET /<media id>`` on the Graph API names the file's address, which is downloaded with the access
+token (only from Meta's hosts). Voice messages, audio, video, stickers and the like are refused
+with a short reply, and so are files past ``max_file_bytes``; a download that keeps failing is
+reported to the user and nothing of that message is delivered (``agentloop.channels.media``). A
+download is part of taking the message: one that takes longer than ``INTAKE_WAIT`` is kept in the
+inbox like any slow admission.
+
 Only the numbers (wa_ids) on the allow-list reach a process: anyone else gets a short refusal (at
 most once an hour) and their message goes nowhere. An empty allow-list refuses everyone. The
 access token, app secret and verify token never appear in a log line.
@@ -50,7 +59,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge, RefusalThrottle
-from agentloop.channels.graph import DEFAULT_API_VERSION, DEFAULT_GRAPH_URL, GraphApi, GraphError
+from agentloop.channels.graph import DEFAULT_API_VERSION, DEFAULT_GRAPH_URL, MEDIA_HOSTS, GraphApi, GraphError
+from agentloop.channels.media import (
+    MAX_FILE_BYTES,
+    UNSUPPORTED,
+    Attachment,
+    FetchFailed,
+    TooLarge,
+    classify,
+    shown_name,
+)
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
@@ -74,7 +92,17 @@ INBOX_MAX = 1000  # messages the inbox keeps (a notification that would need mor
 INBOX_BYTES = 4 << 20  # bytes (as JSON) the inbox keeps, at least a whole notification's
 SEEN = 2048  # ids of messages taken, remembered so that a re-delivered notification is not handled again
 _BUTTONS = (("Approve", "a"), ("Deny", "d"), ("Always", "r"))
-_MEDIA = frozenset({"image", "audio", "video", "document", "sticker", "location", "contacts", "button"})
+_FILES = {"image": "the image", "document": "the document"}  # message types whose file the kernel takes
+# message types the bridge cannot take (a voice message is an "audio" one), as the user is told of them
+_UNSUPPORTED = {
+    "audio": "the audio message",
+    "video": "the video",
+    "sticker": "the sticker",
+    "location": "the location",
+    "contacts": "the contact",
+    "button": "the button",
+    "unsupported": "the message",
+}
 
 HELP = (
     "Send me a message and your agent answers here.\n"
@@ -140,7 +168,9 @@ class WhatsAppBridge(ChatBridge[str]):
     number). ``allow`` are the wa_ids (phone numbers, digits only) that may talk to the agent;
     ``path`` is where the webhook listens; ``account`` the account every process belongs to
     (default ``whatsapp-<wa_id>``); ``state_dir`` where the state file is kept (default
-    ``<data dir>/var/whatsapp``); ``backoff`` the (first, longest) wait between retries."""
+    ``<data dir>/var/whatsapp``); ``backoff`` the (first, longest) wait between retries;
+    ``max_file_bytes`` the largest image or document taken; ``media_hosts`` the hosts a file may
+    be downloaded from with the token (``graph.MEDIA_HOSTS``)."""
 
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "whatsapp-"
@@ -163,6 +193,8 @@ class WhatsAppBridge(ChatBridge[str]):
         context: str = CONTEXT,
         state_dir: str | Path | None = None,
         backoff: tuple[float, float] = (1.0, 30.0),
+        max_file_bytes: int = MAX_FILE_BYTES,
+        media_hosts: Iterable[str] = MEDIA_HOSTS,
     ) -> None:
         allowed = [str(n).lstrip("+") for n in allow]
         if any(_wa_id(n) is None for n in allowed):
@@ -181,10 +213,18 @@ class WhatsAppBridge(ChatBridge[str]):
             api_version=api_version,
             backoff=backoff,
             secrets=(app_secret, verify_token),
+            media_hosts=tuple(media_hosts),
         )
         self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "whatsapp"
         state = ChannelState(self.state_dir / f"{self.api.phone_number_id}.json")
-        super().__init__(kernel, account=account, context=context, state=state, backoff=self.api.backoff)
+        super().__init__(
+            kernel,
+            account=account,
+            context=context,
+            state=state,
+            backoff=self.api.backoff,
+            max_file_bytes=max_file_bytes,
+        )
         self.phone_number_id = self.api.phone_number_id
         self.allow = frozenset(allowed)
         self.path = path
@@ -501,8 +541,31 @@ class WhatsAppBridge(ChatBridge[str]):
                 return
             key, request_id = button
             await self._say(wa_id, await self._decide(wa_id, key, request_id))
-        elif kind in _MEDIA:
-            await self._say(wa_id, "I can read text messages only.")
+        elif kind in _FILES:
+            part = message.get(kind)
+            caption = _field(part, "caption")
+            name = shown_name(_field(part, "filename"), "")
+            classified, mime = classify(_field(part, "mime_type"), name)
+            if kind == "image" and classified != "image":  # (a HEIC photo …)
+                classified = None
+            media_id = _field(part, "id")
+            ref = media_id if isinstance(media_id, str) else ""
+            attachment = Attachment(classified, mime, name, name or _FILES[kind], None, ref)
+            self._last_in[wa_id] = wamid
+            run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
+            await self._deliver_files(wa_id, wa_id, caption if isinstance(caption, str) else "", run_id, [attachment])
+        elif kind in _UNSUPPORTED:
+            await self._say(wa_id, UNSUPPORTED)
+
+    async def _fetch(self, attachment: Attachment, cap: int) -> bytes:
+        """``GET /<media id>`` for the file's address, then the file, with the token."""
+        try:
+            url, size = await self.api.media(attachment.ref)
+        except GraphError as exc:
+            raise FetchFailed(str(exc), transient=exc.transient) from None
+        if size is not None and size > cap:
+            raise TooLarge(f"{size} bytes")
+        return await self.api.download(url, cap)
 
     def _refuse(self, wa_id: str) -> None:
         if not self._refused.due(wa_id):

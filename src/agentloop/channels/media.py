@@ -1,0 +1,230 @@
+"""Images and documents that users send to a chat bridge: what the kernel takes, how they are
+fetched, and what the user is told when a file cannot be used.
+
+A chat app hands a bot a reference to a file (Telegram a ``file_id``, WhatsApp a media id,
+Discord a CDN URL), not its bytes. Each channel turns a message's files into ``Attachment`` (its
+kind, declared type, name, size and the reference) and says how to fetch one (``_fetch``); the
+rest is shared (``ChatBridge._deliver_files``):
+
+- the kernel takes images (PNG, JPEG, GIF, WebP) and documents (PDF, plain text, Markdown, CSV):
+  anything else (voice messages, audio, video, stickers, archives …) is refused with ``UNSUPPORTED``
+  and nothing reaches the process, not even the caption;
+- at most ``MAX_FILES`` files a message; each at most the bridge's ``max_file_bytes`` (10 MiB by
+  default, the kernel's own limit; a text document ``MAX_TEXT_BYTES``, as the kernel). A size the
+  app declares past the limit is refused before any download; a download is streamed
+  (``read_capped``) and stopped as soon as it passes the limit, so a file that lies about its size
+  is never read whole;
+- a download that fails is tried again with the channel's backoff (``FETCH_TRIES`` tries in all,
+  and never for longer than ``FETCH_SECONDS`` each); when it still fails the user is told the file
+  could not be fetched, and the message is not delivered at all: a caption without its picture
+  would have the agent answer about a file it cannot see, and the user can simply send it again;
+- the bytes are checked as the kernel checks them (``agentloop.process.media.check_media``: an
+  image's magic and header, a PDF's magic, a text document's UTF-8) before anything is admitted, so
+  the user learns at once what is wrong with a file.
+
+The message is then admitted with the same run id as a text message of the channel: a
+re-delivered message (a crash between the download and the admission, or after it) is admitted
+once; one admitted already is not even downloaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Literal
+
+import httpx
+
+from agentloop.images import sniff_image
+from agentloop.messages import FILE_TYPES, FileContent, ImageContent
+from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, check_media
+
+__all__ = [
+    "FETCH_SECONDS",
+    "FETCH_TRIES",
+    "MAX_FILES",
+    "UNSUPPORTED",
+    "Attachment",
+    "FetchFailed",
+    "TooLarge",
+    "block_of",
+    "classify",
+    "default_text",
+    "read_capped",
+]
+
+MAX_FILE_BYTES = DEFAULT_MAX_BYTES  # bytes of one file (the kernel's media limit)
+MAX_FILES = 4  # files of one message
+FETCH_TRIES = 3  # times a download that failed for a reason that may pass is tried
+FETCH_SECONDS = 120.0  # seconds one download may take in all (a server that trickles is cut off)
+
+UNSUPPORTED = (
+    "I can read text, images and PDF or text documents; voice messages, audio, video, stickers "
+    "and other files are not supported."
+)
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "text/x-markdown": "text/markdown"}
+_BY_SUFFIX = {
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+    ".gif": "image/gif",
+    ".webp": "image/webp",
+    ".pdf": "application/pdf",
+    ".txt": "text/plain",
+    ".md": "text/markdown",
+    ".markdown": "text/markdown",
+    ".csv": "text/csv",
+}
+_GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
+
+Kind = Literal["image", "file"]
+
+
+class FetchFailed(Exception):
+    """A file that could not be downloaded; ``transient`` when asking again may help. The
+    message never holds a token."""
+
+    def __init__(self, reason: str, *, transient: bool = True) -> None:
+        super().__init__(reason)
+        self.transient = transient
+
+
+class TooLarge(Exception):
+    """A file past the limit (declared so, or found so while it was read)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """One file of a message. ``kind`` is None for a type the kernel does not take; ``mime`` the
+    type it will be given as (for an image, the one its bytes show wins); ``what`` how the user is
+    told about it ("the photo", "report.pdf"); ``size`` the bytes the app declares (None: not
+    said); ``ref`` what the channel fetches it by."""
+
+    kind: Kind | None
+    mime: str
+    name: str
+    what: str
+    size: int | None
+    ref: str
+
+    @property
+    def text(self) -> bool:
+        return self.kind == "file" and self.mime != "application/pdf"
+
+
+def classify(mime: object, name: object = "") -> tuple[Kind | None, str]:
+    """The kind and type of a file declared as ``mime`` and named ``name``: an image or a document
+    the kernel takes, else ``(None, type)``. A missing or generic type is judged by the name's
+    suffix (``notes.md`` sent as ``application/octet-stream``)."""
+    declared = mime.split(";", 1)[0].strip().lower() if isinstance(mime, str) else ""
+    declared = _ALIASES.get(declared, declared)
+    if declared in _GENERIC and isinstance(name, str):
+        declared = _BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
+    if declared in IMAGE_TYPES:
+        return "image", declared
+    if declared in FILE_TYPES:
+        return "file", declared
+    return None, declared
+
+
+def shown_name(name: object, fallback: str) -> str:
+    """A file name as the user is told about it: one short line (``fallback`` when there is none)."""
+    if not isinstance(name, str):
+        return fallback
+    clean = "".join(c for c in name if c.isprintable()).strip()[:80]
+    return clean or fallback
+
+
+def default_text(attachments: Sequence[Attachment]) -> str:
+    """What the input says when the user sent files without a caption."""
+    if all(a.kind == "image" for a in attachments):
+        return "(see the attached image)" if len(attachments) == 1 else "(see the attached images)"
+    return "(see the attached file)" if len(attachments) == 1 else "(see the attached files)"
+
+
+def cap_of(attachment: Attachment, max_bytes: int) -> int:
+    """The most bytes ``attachment`` may have: a text document goes to the model whole."""
+    return min(max_bytes, MAX_TEXT_BYTES) if attachment.text else max_bytes
+
+
+def human(size: int) -> str:
+    if size >= 1 << 20:
+        return f"{size / (1 << 20):g} MiB"
+    if size >= 1 << 10:
+        return f"{size / (1 << 10):g} KiB"
+    return f"{size} bytes"
+
+
+def refusal(attachments: Sequence[Attachment], max_bytes: int) -> str | None:
+    """Why the message's files cannot be taken, before any is fetched; None when they may be."""
+    if any(a.kind is None for a in attachments):
+        return UNSUPPORTED
+    if len(attachments) > MAX_FILES:
+        return f"Send at most {MAX_FILES} files in one message."
+    for attachment in attachments:
+        if attachment.size is not None and attachment.size > cap_of(attachment, max_bytes):
+            return too_large(attachment, max_bytes)
+    return None
+
+
+def too_large(attachment: Attachment, max_bytes: int) -> str:
+    limit = human(cap_of(attachment, max_bytes))
+    what = "a text document" if attachment.text else "a file"
+    return f"{attachment.what[:1].upper()}{attachment.what[1:]} is too large: I can take {what} of up to {limit}."
+
+
+async def read_capped(response: httpx.Response, cap: int) -> bytes:
+    """The body of a streamed ``response``, read only up to ``cap`` bytes: ``TooLarge`` as soon as
+    it has more (or says so in ``Content-Length``), before the rest is read."""
+    length = response.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise TooLarge(f"{length} bytes")
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > cap:
+            raise TooLarge(f"more than {cap} bytes")
+    return bytes(body)
+
+
+async def fetch(
+    client: httpx.AsyncClient, request: httpx.Request, cap: int, redact: Callable[[str], str] = str
+) -> bytes:
+    """GET ``request`` with ``client``, at most ``cap`` bytes (``read_capped``) and
+    ``FETCH_SECONDS``: ``FetchFailed`` (transient for a network error, a 5xx and a 429; its reason
+    passed through ``redact``) or ``TooLarge``."""
+    try:
+        async with asyncio.timeout(FETCH_SECONDS):
+            response = await client.send(request, stream=True)
+            try:
+                status = response.status_code
+                if status != 200:
+                    transient = status >= 500 or status in (408, 429)
+                    raise FetchFailed(f"the download was answered HTTP {status}", transient=transient)
+                return await read_capped(response, cap)
+            finally:
+                await response.aclose()
+    except TimeoutError:
+        raise FetchFailed(f"the download took longer than {FETCH_SECONDS:.0f} s") from None
+    except httpx.HTTPError as exc:  # connection refused, reset, timed out …
+        reason = redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        raise FetchFailed(f"network error ({reason})") from None
+
+
+def block_of(attachment: Attachment, data: bytes, max_bytes: int) -> ImageContent | FileContent:
+    """The block ``data`` of ``attachment`` is given to the process as, checked as the kernel
+    checks it (``MediaError`` says what is wrong). An image is given as the type its bytes show
+    (a photo labelled PNG that is a JPEG is still a photo)."""
+    encoded = base64.b64encode(data).decode("ascii")
+    block: ImageContent | FileContent
+    if attachment.kind == "image":
+        block = ImageContent(data=encoded, mime_type=sniff_image(data[:16]) or attachment.mime)
+    else:
+        block = FileContent(data=encoded, mime_type=attachment.mime, name=attachment.name)
+    check_media(block, max_bytes)
+    return block
