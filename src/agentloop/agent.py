@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,9 +51,13 @@ OutputT = TypeVar("OutputT", default=Any)
 
 _MESSAGE_TYPES = (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
 
+log = logging.getLogger("agentloop")
+
+Watch = Callable[[LoopEvent], None]  # what an observer watches a run with (``loop.state.Observer``)
+
 
 class Piece(Protocol):
-    """A composable piece of behaviour: it installs its tools and hooks into an agent's config."""
+    """A composable piece of behaviour: it installs its tools, hooks and observers into an agent's config."""
 
     def install(self, config: LoopConfig) -> None: ...
 
@@ -176,12 +181,18 @@ class Run(Generic[OutputT]):
 
     async def _execute(self) -> RunResult[OutputT]:
         self._task = asyncio.current_task()
-        emit = self._queue.put_nowait if self._queue is not None else None
+        emit: Watch | None = self._queue.put_nowait if self._queue is not None else None
         state = self.state
+        watchers = _watchers(self._cfg, state) if self._cfg.observers else None
+        if watchers:  # (none: the loop runs as it would without observers, emit None unless streaming)
+            emit = _fan_out(emit, watchers)
         try:
             reason = await run_loop(self._cfg, state, emit, self._prompts)
         except BaseException as exc:  # a hook or tool bug: the stream and the waiters must not hang
             self._failure = exc
+            if watchers:  # their run ends too (the stream's consumer gets the exception instead)
+                ended = "aborted" if isinstance(exc, asyncio.CancelledError) else "error"
+                _tell(watchers, finish_event(state, ended, f"{type(exc).__name__}: {exc}"))
             if self._queue is not None:
                 self._queue.put_nowait(None)  # ends ``events``, which then raises it from the task
             if self._done is not None:
@@ -244,6 +255,37 @@ class Run(Generic[OutputT]):
             if not task.done():
                 self.abort()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+def _watchers(cfg: LoopConfig, state: RunState) -> list[Watch]:
+    """What the config's observers (``LoopConfig.observers``) watch this run with."""
+    watchers: list[Watch] = []
+    for observer in cfg.observers:
+        try:
+            watch = observer(cfg, state)
+        except Exception:
+            log.exception("a run observer failed to start watching run %s", state.run_id)
+            continue
+        if watch is not None:
+            watchers.append(watch)
+    return watchers
+
+
+def _fan_out(emit: Watch | None, watchers: list[Watch]) -> Watch:
+    def fan_out(event: LoopEvent) -> None:
+        if emit is not None:
+            emit(event)
+        _tell(watchers, event)
+
+    return fan_out
+
+
+def _tell(watchers: list[Watch], event: LoopEvent) -> None:
+    for watch in watchers:
+        try:
+            watch(event)
+        except Exception:  # an observer's bug must not end the run it watches
+            log.exception("a run observer failed on %s", event.type)
 
 
 class Agent:
@@ -313,7 +355,7 @@ class Agent:
         self._active: set[Run[Any]] = set()
 
     def use(self, *pieces: Piece) -> Agent:
-        """Add behaviour made of tools and hooks, e.g. ``agent.use(ToolReveal(hidden=[...]))``."""
+        """Add behaviour made of tools, hooks and observers, e.g. ``agent.use(ToolReveal(hidden=[...]))``."""
         for piece in pieces:
             piece.install(self.config)
         return self

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
+from agentloop.events import LoopEvent
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
 from agentloop.messages import (
@@ -42,6 +43,15 @@ def check_mode(mode: object) -> Mode:
     raise ValueError(f"mode must be agent or chat, got {mode!r}")
 
 
+#: What watches an in-memory run's events (``LoopConfig.observers``; tracing, say): called with the
+#: run's config and state as the run starts, it returns the function the run gives each of its
+#: events to, streaming or not (None: it leaves this run alone). That function is called on the
+#: run's hot path: it must be cheap and should not raise (what it raises is logged, then ignored).
+#: A run with a watcher calls the model's streaming API even when it is not streamed (the events
+#: come from the stream); without one, nothing changes.
+Observer: TypeAlias = Callable[["LoopConfig", "RunState"], Callable[[LoopEvent], None] | None]
+
+
 @dataclass
 class LoopConfig:
     """Everything a run needs that does not change while it runs."""
@@ -61,6 +71,7 @@ class LoopConfig:
     temperature: float | None = None
     reasoning: Reasoning | None = None  # how hard a reasoning model thinks (``models.base.Reasoning``)
     off_limits: tuple[Path, ...] = ()  # paths no tool may read (see ``ToolContext``)
+    observers: list[Observer] = field(default_factory=list)  # see ``Observer``: none, no cost
 
     @property
     def tool_specs(self) -> list[ToolSpec]:

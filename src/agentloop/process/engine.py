@@ -189,6 +189,8 @@ class ProcessEngine:
         self.clear_tool_outputs = clear_tool_outputs
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
+        # called, without arguments, once ``close`` has stopped every process (observers of the kernel)
+        self.closed_hooks: list[Callable[[], None]] = []
         # seconds an approval request may wait for its answer before it is denied (None: for ever)
         self.approval_timeout: float | None = None
         self._live: dict[str, _Live] = {}
@@ -1004,3 +1006,8 @@ class ProcessEngine:
             self.hub.close(pid)  # followers' streams end instead of waiting forever
         self.hub.close_accounts()
         self._live.clear()
+        for hook in list(self.closed_hooks):  # (tracing ends the spans of the runs cut short)
+            try:
+                hook()
+            except Exception:
+                log.exception("a hook of the engine's close failed")
