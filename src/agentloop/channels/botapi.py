@@ -27,6 +27,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from agentloop.channels.clients import Masker, check_backoff
 from agentloop.channels.media import FetchFailed, fetch
 from agentloop.urls import MASK, redact_url
 
@@ -124,13 +125,10 @@ class BotApi:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         check_token(token)
-        first, longest = backoff
-        if not (0 <= first <= longest and math.isfinite(longest)):
-            raise ValueError(f"backoff must be (first, longest) seconds with 0 <= first <= longest, got {backoff!r}")
+        self.backoff = check_backoff(backoff)
         self.api_url = check_api_url(api_url)
-        self.backoff = (float(first), float(longest))
-        # the token, and its secret half alone (what follows the bot id), as messages may quote them
-        self._secrets = sorted({token, token.partition(":")[2] or token} - {""}, key=len, reverse=True)
+        # ``text`` with the token, and its secret half alone (what follows the bot id), masked
+        self.redact = Masker(token, token.partition(":")[2])
         inner = transport or httpx.AsyncHTTPTransport(proxy=_env_proxy(self.api_url))
         self._client = httpx.AsyncClient(
             base_url=f"{self.api_url}/bot{MASK}/",
@@ -139,12 +137,6 @@ class BotApi:
             trust_env=False,  # (the environment's proxy is the transport's, above)
             follow_redirects=False,
         )
-
-    def redact(self, text: str) -> str:
-        """``text`` with the token (and its secret half) masked."""
-        for secret in self._secrets:
-            text = text.replace(secret, MASK)
-        return text
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from agentloop.channels.botapi import _env_proxy
+from agentloop.channels.clients import Masker, check_backoff
 from agentloop.urls import MASK, redact_url
 
 log = logging.getLogger("agentloop.channels.discord_api")
@@ -144,16 +145,13 @@ class DiscordApi:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         check_token(token)
-        first, longest = backoff
-        if not (0 <= first <= longest and math.isfinite(longest)):
-            raise ValueError(f"backoff must be (first, longest) seconds with 0 <= first <= longest, got {backoff!r}")
+        self.backoff = check_backoff(backoff)
         self.api_url = check_api_url(api_url)
-        self.backoff = (float(first), float(longest))
         self.token = token
-        # the token, and its last part alone (the signature: what makes it a secret), as messages
-        # may quote either
+        # ``text`` with the token, and its last part alone (the signature: what makes it a
+        # secret), masked: messages may quote either
         secret = token.rpartition(".")[2]
-        self._secrets = sorted({token, secret if len(secret) >= 8 else token}, key=len, reverse=True)
+        self.redact = Masker(token, secret if len(secret) >= 8 else token)
         inner = transport or httpx.AsyncHTTPTransport(proxy=_env_proxy(self.api_url))
         self._client = httpx.AsyncClient(
             base_url=f"{self.api_url}/",
@@ -163,12 +161,6 @@ class DiscordApi:
             trust_env=False,  # (the environment's proxy is the transport's, above)
             follow_redirects=False,  # (a redirect elsewhere would carry the token there)
         )
-
-    def redact(self, text: str) -> str:
-        """``text`` with the token (and its secret part) masked."""
-        for secret in self._secrets:
-            text = text.replace(secret, MASK)
-        return text
 
     async def close(self) -> None:
         await self._client.aclose()

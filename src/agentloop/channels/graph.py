@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +27,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentloop.channels.clients import Masker, check_backoff
 from agentloop.channels.media import FetchFailed, fetch
-from agentloop.urls import MASK, redact_url
+from agentloop.urls import redact_url
 
 log = logging.getLogger("agentloop.channels.graph")
 
@@ -112,27 +112,18 @@ class GraphApi:
     ) -> None:
         if not isinstance(token, str) or not token.strip() or any(c.isspace() or not c.isprintable() for c in token):
             raise ValueError("the access token must be the one Meta gave (no spaces)")
-        first, longest = backoff
-        if not (0 <= first <= longest and math.isfinite(longest)):
-            raise ValueError(f"backoff must be (first, longest) seconds with 0 <= first <= longest, got {backoff!r}")
+        self.backoff = check_backoff(backoff)
         self.phone_number_id = check_phone_number_id(phone_number_id)
         self.graph_url = check_graph_url(graph_url)
         self.api_version = check_api_version(api_version)
-        self.backoff = (float(first), float(longest))
         self.media_hosts = tuple(h.lower().strip(".") for h in media_hosts)
-        self._secrets = sorted({token, *secrets} - {""}, key=len, reverse=True)
+        self.redact = Masker(token, *secrets)  # ``text`` with the token (and the other secrets given) masked
         self._client = httpx.AsyncClient(
             base_url=f"{self.graph_url}/{self.api_version}/{self.phone_number_id}/",
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
             follow_redirects=False,  # (a redirect elsewhere would carry the token there)
         )
-
-    def redact(self, text: str) -> str:
-        """``text`` with the token (and the other secrets given) masked."""
-        for secret in self._secrets:
-            text = text.replace(secret, MASK)
-        return text
 
     async def close(self) -> None:
         await self._client.aclose()
