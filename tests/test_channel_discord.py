@@ -221,10 +221,12 @@ class FakeDiscord:
         self.calls: list[Call] = []
         self.failures: dict[str, list[tuple[int, Any]]] = {}
         self.history: dict[int, list[dict[str, Any]]] = {}  # channel -> its messages, oldest first
+        self.guilds: dict[int, int] = {}  # channel -> its server (guild), for a server channel
         self._next_id = 900_000
         routes = [
             Route("/api/v10/users/@me", self.route("me"), methods=["GET"]),
             Route("/api/v10/gateway/bot", self.route("gateway"), methods=["GET"]),
+            Route("/api/v10/channels/{channel}", self.route("channel"), methods=["GET"]),
             Route("/api/v10/channels/{channel}/messages", self.route("create_message"), methods=["POST"]),
             Route("/api/v10/channels/{channel}/messages", self.route("messages"), methods=["GET"]),
             Route("/api/v10/channels/{channel}/typing", self.route("typing"), methods=["POST"]),
@@ -286,6 +288,11 @@ class FakeDiscord:
             with self.lock:
                 self.history.setdefault(channel, []).append(message)
             return JSONResponse(message)
+        if name == "channel":  # a server channel names its guild; a DM (type 1) none
+            guild = self.guilds.get(channel)
+            return JSONResponse(
+                {"id": str(channel), "type": 1 if guild is None else 0, "guild_id": guild and str(guild)}
+            )
         if name == "messages":
             after, limit = int(request.query_params["after"]), int(request.query_params["limit"])
             with self.lock:
@@ -306,7 +313,9 @@ class FakeDiscord:
         bot: bool = False,
         live: bool = True,
     ) -> dict[str, Any]:
-        """A message from ``user`` in ``channel``: kept in its history, and dispatched (``live``)."""
+        """A message from ``user`` in ``channel``: kept in its history as the REST API returns it,
+        and dispatched (``live``) as the gateway does, with the channel's guild (``guild``: the
+        channel is a server's, from then on)."""
         message: dict[str, Any] = {
             "id": str(self.next_id()),
             "channel_id": str(channel),
@@ -317,12 +326,15 @@ class FakeDiscord:
             "attachments": [],
         }
         if guild is not None:
-            message["guild_id"] = str(guild)
+            self.guilds[channel] = guild
         with self.lock:
             self.history.setdefault(channel, []).append(message)
+        event = dict(message)
+        if channel in self.guilds:  # (the gateway's MESSAGE_CREATE adds guild_id; REST messages have none)
+            event["guild_id"] = str(self.guilds[channel])
         if live:
-            self.gateway.dispatch("MESSAGE_CREATE", message)
-        return message
+            self.gateway.dispatch("MESSAGE_CREATE", event)
+        return event
 
     def press(self, user: int, sent: dict[str, Any], custom_id: str, channel: int | None = None) -> None:
         """``user`` presses the button ``custom_id`` on the bot's message ``sent``."""

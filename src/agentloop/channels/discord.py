@@ -643,8 +643,11 @@ class DiscordBridge(ChatBridge[int]):
         for channel in sorted(self.state.last):
             after = self.state.last.get(channel)
             taken = 0
+            guild: object = None
             while after is not None:
                 try:
+                    if not taken:  # (a REST message has no guild_id: the channel says whose it is)
+                        guild = _field(await self.api.request("GET", f"/channels/{channel}", attempts=3), "guild_id")
                     params = {"after": after, "limit": PAGE}
                     batch = await self.api.request("GET", f"/channels/{channel}/messages", params=params, attempts=3)
                 except DiscordError as exc:
@@ -659,7 +662,7 @@ class DiscordBridge(ChatBridge[int]):
                 )
                 messages.sort(key=lambda m: cast("int", _snowflake(m["id"])))
                 for message in messages:
-                    await self._on_message(message)
+                    await self._on_message(message if guild is None else {**message, "guild_id": guild})
                 taken += len(messages)
                 if len(messages) < PAGE:
                     break
