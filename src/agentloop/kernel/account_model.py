@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agentloop.loop.state import LoopConfig
 from agentloop.messages import check_plain_text
 from agentloop.models.base import Model, Reasoning
+from agentloop.models.gguf_assets import is_path_id
 from agentloop.models.registry import HOSTED, hosted_status, parse_model_string, resolve_model
 from agentloop.process.store import ProcessRecord
 from agentloop.stamps import Stamp, file_stamp, read_regular
@@ -43,6 +44,7 @@ from agentloop.stamps import Stamp, file_stamp, read_regular
 log = logging.getLogger("agentloop.kernel.model")
 
 MAX_FILE_BYTES = 1 << 20  # a model choice is a few lines: a larger file is refused, not read into memory
+KEPT_MODELS = 256  # models made for the specs named, kept for the next run that names one
 MAX_SPEC = 1024  # characters of a process's ``provider:model`` (a scripted model's path included)
 ModelSource: TypeAlias = Literal["process", "account", "default"]
 
@@ -112,7 +114,7 @@ class AccountModels:
         self.file_of = file_of
         self.resolve = resolve
         self.default = default  # the kernel's model as it was named, if it was (else its info names it)
-        self._models: dict[str, Model] = {}  # spec -> model, shared by the accounts naming it
+        self._models: dict[str, Model] = {}  # spec -> model, shared by the accounts naming it (LRU, oldest first)
         self._choices: dict[str, _Choice] = {}
 
     def configure(self, record: ProcessRecord, cfg: LoopConfig) -> LoopConfig:
@@ -165,14 +167,12 @@ class AccountModels:
         if chosen.model is not None:
             spec = check_plain_text(chosen.model, "model")
             try:
-                self._model(spec)
                 provider = parse_model_string(spec)[0]
+                if provider in HOSTED and not (status := hosted_status(provider))[0]:
+                    raise ValueError(f"this server's {provider} provider {status[1]}")
+                self.resolve(spec)  # (made to see that it can be, not kept: refused names cost no memory)
             except Exception as exc:  # an unknown provider, a missing SDK, a model that fails to load
                 raise ValueError(f"model {spec!r} cannot be used: {exc}") from None
-            if provider in HOSTED:
-                usable, why = hosted_status(provider)
-                if not usable:
-                    raise ValueError(f"model {spec!r} cannot be used: this server's {provider} provider {why}")
         row = chosen.model_dump(exclude_none=True)
         return row or None
 
@@ -215,9 +215,14 @@ class AccountModels:
         return True
 
     def _model(self, spec: str) -> Model:
-        model = self._models.get(spec)
+        """The model ``spec`` names, kept for the next run that names it (a scripted model's replies
+        go on from run to run); the least recently used past ``KEPT_MODELS`` are let go."""
+        model = self._models.pop(spec, None)
         if model is None:
-            model = self._models[spec] = self.resolve(spec)
+            model = self.resolve(spec)
+        self._models[spec] = model
+        while len(self._models) > KEPT_MODELS:
+            del self._models[next(iter(self._models))]
         return model
 
 
@@ -228,7 +233,7 @@ def names_a_file(spec: str) -> bool:
     provider, _, model_id = spec.partition(":")
     if provider == "scripted":
         return True
-    return provider == "local" and ("/" in model_id or "\\" in model_id or model_id.lower().endswith(".gguf"))
+    return provider == "local" and ("/" in model_id or "\\" in model_id or is_path_id(model_id))
 
 
 def _why(exc: BaseException) -> str:

@@ -43,9 +43,11 @@ from agentloop.messages import (
 from agentloop.models.base import AssistantBuilder, Model, ModelRequest, ProviderError, ToolSpec, file_text, make_usage
 from agentloop.models.catalog import model_info
 from agentloop.models.gguf_assets import (
+    KNOWN_MODELS,
     Progress,
     bare_id,
     ensure_model_file,
+    is_path_id,
     local_model_status,
 )
 from agentloop.models.overflow import is_overflow_text
@@ -533,6 +535,9 @@ class LocalModel(Model):
         llama: Any = None,
     ) -> None:
         mid = bare_id(model_id)
+        if llama is None and mid not in KNOWN_MODELS and not is_path_id(mid):  # (a typo: refused now, not at each run)
+            names = ", ".join(f"local:{k}" for k in KNOWN_MODELS)
+            raise ValueError(f"unknown local model {mid!r}: use one of {names}, or local:/path/to/model.gguf")
         self.model_id = mid
         self.n_ctx = n_ctx
         self.n_threads = n_threads or _default_threads()
