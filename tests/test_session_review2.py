@@ -142,3 +142,25 @@ async def test_discord_catch_up_takes_every_server_channel_message_as_if_it_were
         posted = fake.texts(GENERAL)
     assert "lunch at noon, anyone?" not in taken, f"a message not for the bot became a run: {taken}"
     assert not any("private" in text for text in posted), f"a refusal was posted in the channel: {posted}"
+
+
+async def test_the_servers_own_model_file_is_not_shown_to_its_clients(tmp_path: Path) -> None:
+    """``GET …/model`` says which model a conversation's next run uses; when that is the operator's
+    default and it names a file on the server (a scripted model's replies, a local model's
+    weights), a client is told the provider only, not the server's path."""
+    import json as _json
+
+    from agentloop.kernel import Kernel as _Kernel
+    from agentloop.server.auth import Principal
+    from agentloop.server.service import ProcessService
+
+    replies = tmp_path / "secret-dir" / "replies.json"
+    replies.parent.mkdir()
+    replies.write_text(_json.dumps(["ok"]))
+    async with _Kernel.open(f"sqlite:///{tmp_path}/a.db", model=f"scripted:{replies}", workspace=tmp_path) as k:
+        service = ProcessService(k)
+        alice = Principal("alice", False, "t1")
+        made = await service.spawn(alice)
+        shown = await service.model(alice, made["pid"])
+    assert "secret-dir" not in _json.dumps(shown) and "secret-dir" not in _json.dumps(made)
+    assert shown["source"] == "default" and shown["effective"].startswith("scripted:")

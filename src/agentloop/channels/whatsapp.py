@@ -386,8 +386,9 @@ class WhatsAppBridge(ChatBridge[str]):
             intake.add_done_callback(self._notices.discard)
             await asyncio.wait({intake}, timeout=INTAKE_WAIT)  # (it goes on if it takes longer)
             if intake.done():
-                if not intake.cancelled() and intake.exception() is None and not intake.result():
-                    # a message was not admitted (the store was unreachable …): Meta delivers it again
+                if intake.cancelled() or intake.exception() is not None or not intake.result():
+                    # a message was not admitted (the store was unreachable, the bridge closing …):
+                    # Meta delivers it again
                     return Response("not taken", 503, media_type="text/plain")
             else:  # the 200 is given for what is admitted or kept only
                 pending = {w: m for w, m in messages.items() if w not in taken and w not in self._seen}

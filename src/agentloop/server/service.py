@@ -439,10 +439,16 @@ class ProcessService:
         return await self._model_json(proc)
 
     async def _model_json(self, proc: Process) -> dict[str, Any]:
+        """The process's model choice; a model the operator named by a file on the server (the
+        default, an account's ``model.json``) is shown by its provider only: the path is theirs."""
         try:
-            return {"pid": proc.pid, **(await proc.model()).as_dict()}
+            shown = {"pid": proc.pid, **(await proc.model()).as_dict()}
         except NoSuchProcess:
             raise _not_found(proc.pid) from None
+        effective = shown.get("effective")
+        if shown.get("source") != "process" and isinstance(effective, str) and names_a_file(effective):
+            shown["effective"] = f"{effective.partition(':')[0]}:(a file on the server)"
+        return shown
 
     def _model_choice(self, model: Any, reasoning: Any) -> None:
         """A 400 for a model choice the kernel refuses, or one that names a file on the server (a

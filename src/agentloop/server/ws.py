@@ -371,7 +371,7 @@ async def _segment_read(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _fork(conn: Connection, args: dict[str, Any]) -> Any:
     pid = _id(args, "pid")
-    at, segment = _opt_int(args, "at", minimum=1), _opt_id(args, "segment")
+    at, segment = _opt_int(args, "at"), _opt_id(args, "segment")
     context = _want(args, "context", str, "a string", None)
     return await conn.service.fork(conn.user, pid, at=at, segment=segment, context=context)
 
