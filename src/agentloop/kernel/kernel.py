@@ -25,6 +25,7 @@ from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.account_model import AccountModels, ModelChoice
+from agentloop.kernel.delegate import Replies, delegate_toolset
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
 from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.fork import fork as fork_process
@@ -509,7 +510,8 @@ class Kernel:
         ``tools`` default to the built-in tools rooted at ``workspace`` (default: the current
         directory); ``extra_tools`` join them (an MCP server's, say) without giving up the
         built-ins' per-process ``cwd``; ``subagents`` adds the ``Task`` tool (kernel/tasks.py), with
-        which a process hands work to a child process; ``schedule_tool`` adds ``Schedule``
+        which a process hands work to a child process, and ``Delegate`` (kernel/delegate.py), with which
+        it hands a task to another existing process of its owner; ``schedule_tool`` adds ``Schedule``
         (kernel/schedule_tool.py), with which a process sets its own reminders; ``fetch_allow``
         names the non-public hosts the built-in Fetch may reach (``["localhost", "10.0.0.0/8"]``);
         ``toolset`` adapts them per process run;
@@ -569,6 +571,7 @@ class Kernel:
         kernel_ref: list[Kernel] = []  # the Task tool needs the kernel, which is made below
         if subagents:
             toolset = chain(task_toolset(kernel_ref), toolset)
+            toolset = chain(delegate_toolset(kernel_ref), toolset)  # (kernel/delegate.py)
         if schedule_tool:
             toolset = chain(schedule_toolset(kernel_ref), toolset)
         toolset = chain(account_mcp.toolset, toolset)
@@ -632,6 +635,7 @@ class Kernel:
             raise
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
+        replies = Replies(kernel) if subagents else None  # (Delegate's answers: kernel/delegate.py)
         try:
             if retirer is not None:  # (before recovery: its tap hears the runs it resumes end)
                 await retirer.start()
@@ -639,6 +643,8 @@ class Kernel:
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
             await kernel._sweep_media()
             await kernel.watchers.start()  # delivers what watched sources logged while it was down
+            if replies is not None:  # delivers the answers to Delegate calls owed from before
+                await replies.start()
             kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
             if kernel.heartbeat is not None:
                 kernel.heartbeat.start()
@@ -646,6 +652,8 @@ class Kernel:
         finally:
             if retirer is not None:
                 await retirer.close()
+            if replies is not None:
+                await replies.close()
             if kernel.heartbeat is not None:
                 await kernel.heartbeat.stop()
             await kernel.scheduler.stop()

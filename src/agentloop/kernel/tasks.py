@@ -34,7 +34,9 @@ A child is finished when its answer has reached the parent durably and nothing o
 - it and every process below it are idle: no run, no input waiting, no approval pending, no
   watch or schedule of its own that would wake it, no background job.
 
-A child not made by ``Task`` (no ``ORIGIN_KEY`` row naming this parent) is never retired. The
+A child not made by ``Task`` (no ``ORIGIN_KEY`` row naming this parent) is never retired, nor
+one that was ever handed a task by ``Delegate`` (kernel/delegate.py, ``DELEGATED_KEY``): another
+process addresses it by its pid. The
 occasions are a ``Task`` call that makes a child, and the end of a run of a process with children
 (``Retirer``, the kernel's hub tap): both only in the background, never in the way of the run. Each
 retirement is checked again under the child's clearing hold, and is a kill: one a crash cuts
@@ -73,6 +75,7 @@ MAX_RUNNING = 8  # children of one process running at once
 TASK_TIMEOUT = 1800.0  # seconds a waiting Task call may take (the child's own runs are not cut)
 KEEP_FINISHED = 16  # finished children of one process kept readable; older ones are retired
 RETIRE_GRACE = 10.0  # seconds a closing kernel waits for the retirements under way
+DELEGATED_KEY = "delegated"  # kv row of a process another delegated a task to (kernel/delegate.py)
 
 _SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -279,6 +282,8 @@ async def _finished(kernel: Kernel, parent_pid: str, child: ProcessRecord) -> bo
     started = await store.kv_get(child.pid, ORIGIN_KEY)
     if not isinstance(started, dict) or started.get("parent") != parent_pid:
         return False  # not a subagent of this parent's Task calls: whoever made it decides
+    if await store.kv_get(child.pid, DELEGATED_KEY):
+        return False  # a process was delegated to (``Delegate``): someone addresses it by its pid
     if not await store.history(child.pid, limit=1):
         return False  # never given its task (a restart between its creation and its prompt)
     parent = await store.get_process(parent_pid)  # (read after the child: a run begun since is seen)
