@@ -212,24 +212,109 @@ function showContext(pressure) {
   box.title = `${tokens}; compacts at ${Math.round(pressure.threshold * 100)}%`;
 }
 
+let shownModel = null; // the open process's model choice, as last shown
+
+/** The header's model: the one the next answer uses, and whose choice it is (the process's own,
+ * the account's model.json, or the server's default). */
+function showModel(choice) {
+  $("model-box").hidden = !choice;
+  if (!choice) {
+    closeModelForm();
+    return;
+  }
+  const reasoning = choice.source === "process" && choice.reasoning ? ` (${choice.reasoning})` : "";
+  $("model").textContent = `${choice.source} · ${choice.effective}${reasoning}`;
+  const whose = { process: "this conversation's own", account: "the account's", default: "the server's default" };
+  const by = whose[choice.source] || choice.source;
+  $("model-edit").title = `Next answer: ${choice.effective}${reasoning}, ${by}. Click to change.`;
+  shownModel = choice;
+}
+
+function openModelForm() {
+  $("model-spec").value = (shownModel && shownModel.model) || "";
+  $("model-reasoning").value = (shownModel && shownModel.model && shownModel.reasoning) || "";
+  $("model-error").textContent = "";
+  $("model-form").hidden = false;
+  $("model-edit").setAttribute("aria-expanded", "true");
+  $("model-spec").focus();
+}
+
+function closeModelForm() {
+  $("model-form").hidden = true;
+  $("model-error").textContent = "";
+  $("model-edit").setAttribute("aria-expanded", "false");
+}
+
+/** Set the open process's model (`spec` null: back to the account's or the server's), from its
+ * next run on. A refusal is shown in the form, and the model stays as it was. */
+async function setModel(spec, reasoning) {
+  if (!view) return;
+  const pid = view.pid;
+  const body = { model: spec };
+  if (spec !== null && reasoning) body.reasoning = reasoning;
+  for (const id of ["model-apply", "model-reset"]) $(id).disabled = true;
+  try {
+    const choice = await api("POST", procPath(pid, "/model"), body);
+    if (!view || view.pid !== pid) return;
+    showModel(choice);
+    closeModelForm();
+    const now = `${choice.effective} (${choice.source})`;
+    status(spec === null ? `model: back to ${now}; from the next answer on` : `model: ${now} from the next answer on`);
+  } catch (err) {
+    if (view && view.pid === pid) $("model-error").textContent = err.message;
+  } finally {
+    for (const id of ["model-apply", "model-reset"]) $(id).disabled = false;
+  }
+}
+
+/** Fork the open process: up to message `at` (undefined: all of it), open the fork, and put
+ * `text` (the message it was forked before) in the composer to edit and send again. */
+async function fork(at, text) {
+  if (!view) return;
+  const pid = view.pid;
+  $("fork").disabled = true;
+  status("forking…");
+  try {
+    const made = await api("POST", procPath(pid, "/fork"), at === undefined ? {} : { at });
+    await listProcesses();
+    await openProcess(made.pid);
+    if (text) {
+      $("text").value = text;
+      $("text").focus();
+    }
+    status(text ? "forked: edit the message and send it" : `forked from ${pid}`);
+  } catch (err) {
+    status(`could not fork: ${err.message}`);
+  } finally {
+    $("fork").disabled = !view;
+  }
+}
+
 function showProcess(process) {
   const has = process !== null;
   $("proc-title").textContent = has ? process.pid : "No process selected";
   $("proc-state").textContent = has ? (process.run_id ? `running ${process.run_id}` : process.state) : "";
-  for (const id of ["abort", "compact", "reset", "kill", "send", "text"]) $(id).disabled = !has;
+  for (const id of ["abort", "compact", "fork", "reset", "kill", "send", "text"]) $(id).disabled = !has;
   $("abort").disabled = !has || !process.run_id;
   const item = has ? listItem(process.pid)?.querySelector(".state") : null;
   if (item) item.textContent = process.state;
   $("proc-name").textContent = "";
   if (has) retitle(process.pid, process.title);
   showContext(has ? process.context_pressure : null);
+  showModel(has && process.model ? process.model : null);
 }
 
 async function openProcess(pid) {
   if (view) view.close();
-  view = new ProcessView(pid, (process) => {
-    if (view && view.pid === pid) showProcess(process);
-  });
+  closeModelForm();
+  shownModel = null;
+  view = new ProcessView(
+    pid,
+    (process) => {
+      if (view && view.pid === pid) showProcess(process);
+    },
+    (at, text) => fork(at, text),
+  );
   sessionStorage.setItem(PID_KEY, pid); // a reload reopens it; it is not a secret
   for (const li of $("processes").children) li.classList.toggle("selected", li.dataset.pid === pid);
   reveal(pid);
@@ -319,6 +404,19 @@ function wire() {
     }
   });
   for (const what of ["abort", "compact", "reset", "kill"]) $(what).addEventListener("click", () => act(what));
+  $("fork").addEventListener("click", () => fork(undefined, ""));
+  $("model-edit").addEventListener("click", () => ($("model-form").hidden ? openModelForm() : closeModelForm()));
+  $("model-cancel").addEventListener("click", closeModelForm);
+  $("model-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const spec = $("model-spec").value.trim();
+    if (!spec) {
+      $("model-error").textContent = "Name a model as provider:model, or reset to the default.";
+      return;
+    }
+    setModel(spec, $("model-reasoning").value);
+  });
+  $("model-reset").addEventListener("click", () => setModel(null, ""));
   $("queue-clear").addEventListener("click", () => {
     if (view) view.withdraw();
   });

@@ -22,6 +22,26 @@ import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
 
 const GAP = " … "; // where a streaming bubble lost text while the stream reconnected
 const LIVE_OUTPUT = 32768; // characters of a running call's streamed output a card keeps
+const SKEW = 1.5; // seconds: a request gone this close to its deadline was denied for want of an answer
+const TIMED_OUT = "approval timed out"; // the error of a call the server denied because nobody answered
+
+/** Seconds as m:ss (h:mm:ss from an hour), for an approval's countdown. */
+function clock(seconds) {
+  const s = Math.max(0, Math.ceil(seconds));
+  const mm = Math.floor(s / 60) % 60;
+  const ss = String(s % 60).padStart(2, "0");
+  const h = Math.floor(s / 3600);
+  return h ? `${h}:${String(mm).padStart(2, "0")}:${ss}` : `${mm}:${ss}`;
+}
+
+/** The plain text of a user message (the words only, no placeholders for images), to edit again. */
+function plainText(content) {
+  if (typeof content === "string") return content;
+  return (content || [])
+    .filter((b) => b.type === "text")
+    .map((b) => b.text)
+    .join("");
+}
 
 /** A heartbeat check-in whose answer only says nothing needs attention stays out of sight: a
  * person opening the page should not read "HEARTBEAT_OK" every half hour. */
@@ -31,13 +51,17 @@ function quiet(run, hidden) {
 }
 
 export class ProcessView {
-  constructor(pid, onState) {
+  /** `onFork(at, text)`: make a fork up to message `at` and open it with `text` in the composer. */
+  constructor(pid, onState, onFork) {
     this.pid = pid;
     this.onState = onState;
+    this.onFork = onFork;
     this.runs = new Map(); // runId -> {block, footer, live: [bubbles], current}
     this.messages = new Set(); // ids of rendered messages
     this.tools = new Map(); // tool call id -> card
     this.approvals = new Map(); // request id -> card
+    this.countdowns = new Map(); // request id -> the interval updating its card's time left
+    this.expiries = new Map(); // request id -> expiresAt, as the logged request said (the backlog)
     this.queued = new Map(); // queue item id -> item, as last read
     this.withdrawn = new Set(); // ids of the items withdrawn, whose pending bubbles are gone
     this.queueAsked = false; // a queue read is asked for and not yet begun
@@ -55,6 +79,8 @@ export class ProcessView {
 
   close() {
     this.stop.abort();
+    for (const timer of this.countdowns.values()) clearInterval(timer);
+    this.countdowns.clear();
   }
 
   get closed() {
@@ -128,7 +154,15 @@ export class ProcessView {
     const pending = new Set(requests.map((r) => r.request_id));
     for (const [id, card] of this.approvals) if (!pending.has(id)) this.dropApproval(id, card);
     for (const r of requests) {
-      this.addApproval({ requestId: r.request_id, runId: r.run_id, callId: r.tool_call_id, name: r.tool_name, ...r });
+      const expiresAt = r.expires_at ?? this.expiries.get(r.request_id);
+      this.addApproval({
+        requestId: r.request_id,
+        runId: r.run_id,
+        callId: r.tool_call_id,
+        name: r.tool_name,
+        ...(expiresAt !== undefined ? { expiresAt } : {}),
+        ...r,
+      });
     }
   }
 
@@ -276,6 +310,7 @@ export class ProcessView {
       bubble.dataset.id = id;
       this.dropPending(text);
       this.put(run, bubble);
+      this.put(run, this.messageActions(id, plainText(message.content)));
     } else if (role === "assistant") {
       for (const block of message.content || []) {
         if (block.type === "text" && block.text) {
@@ -302,6 +337,38 @@ export class ProcessView {
       if (!card.isConnected) this.put(run, card); // it stays where its call is
     } else {
       this.put(run, el("div", "msg system", textOf(message.content) || pretty(message)));
+    }
+  }
+
+  /** The actions under one of the user's messages: fork the conversation from just before it. */
+  messageActions(id, text) {
+    const bar = el("div", "msg-actions");
+    bar.dataset.for = String(id);
+    const button = el("button", "fork-here", "Fork from here");
+    button.type = "button";
+    button.title = "A new conversation up to just before this message, with the message in the composer to edit";
+    button.addEventListener("click", () => this.forkBefore(id, text, button));
+    bar.append(button);
+    return bar;
+  }
+
+  /** Fork up to the message before message `id` (read now: the history may have changed since
+   * the page showed it); the first message has nothing before it, so there is nothing to fork. */
+  async forkBefore(id, text, button) {
+    if (!this.onFork) return;
+    button.disabled = true;
+    try {
+      const { messages } = await api("GET", procPath(this.pid, `/messages?limit=1&before=${encodeURIComponent(id)}`));
+      if (this.closed) return;
+      if (!messages.length) {
+        status("cannot fork here: there is nothing before the first message (use Fork for the whole conversation)");
+        return;
+      }
+      await this.onFork(messages[messages.length - 1].id, text);
+    } catch (err) {
+      if (!this.closed) status(`could not fork: ${err.message}`);
+    } finally {
+      button.disabled = false;
     }
   }
 
@@ -452,11 +519,13 @@ export class ProcessView {
           if (!card.classList.contains("running") && !this.live) break; // the history had its result
           this.finishTool(card, p.ok, p.ok ? p.output : p.error ?? p.output);
           if (!card.isConnected) this.put(run, card);
-          this.resolveCall(p.callId);
+          this.resolveCall(p.callId, !p.ok && p.error === TIMED_OUT ? "timed out" : undefined);
         }
         break;
       case "proc.run.hil.requested":
         if (this.live) this.addApproval(p);
+        // (the backlog: the pending requests are read next, without their deadlines)
+        else if (typeof p.expiresAt === "number") this.expiries.set(p.requestId, p.expiresAt);
         break;
       case "proc.run.started":
         if (run && p.reason === "heartbeat") quiet(run, true); // shown once it has something to say
@@ -493,7 +562,7 @@ export class ProcessView {
         if (changes.includes("messages")) this.loadHistory();
         if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
         // the title, the context's level (the header's meter) or the threshold it is measured against
-        const header = ["title", "context", "compaction", "reset"];
+        const header = ["title", "context", "compaction", "reset", "model"];
         if (this.live && changes.some((c) => header.includes(c))) this.refreshProcess().catch(() => {});
         if (this.live && (changes.includes("queue") || changes.includes("reset"))) {
           for (const id of p.withdrawn || []) if (this.queued.has(id)) this.dropWithdrawn(this.queued.get(id));
@@ -521,9 +590,11 @@ export class ProcessView {
     card.dataset.request = p.requestId;
     card.dataset.run = p.runId;
     card.dataset.call = p.callId;
+    card.dataset.tool = p.name || "";
     const tags = p.tags && p.tags.length ? ` [${p.tags.join(", ")}]` : "";
     card.append(el("strong", null, `Approve ${p.name}?`), el("span", null, tags), el("div", "reason", p.reason));
     card.append(el("pre", null, pretty(p.args)));
+    if (typeof p.expiresAt === "number" && Number.isFinite(p.expiresAt)) this.countDown(p.requestId, card, p.expiresAt);
     const buttons = el("div", "buttons");
     // Sent with Deny only: the model reads it as the user's words in the denied call's result.
     const reason = el("input", "hil-reason");
@@ -562,7 +633,7 @@ export class ProcessView {
     try {
       const path = procPath(this.pid, `/hil/${encodeURIComponent(requestId)}`);
       await api("POST", path, body);
-      this.dropApproval(requestId, card);
+      this.dropApproval(requestId, card, "answered");
     } catch (err) {
       if (err instanceof ApiError && err.status === 404) this.dropApproval(requestId, card); // answered elsewhere
       else {
@@ -572,14 +643,56 @@ export class ProcessView {
     }
   }
 
-  dropApproval(requestId, card) {
-    this.approvals.delete(requestId);
-    card.remove();
-    const tool = this.tools.get(card.dataset.call);
-    if (tool && tool.classList.contains("running")) tool.querySelector(".state").textContent = " running…";
+  /** The time left to answer, updated each second, until the server denies the request itself. */
+  countDown(requestId, card, expiresAt) {
+    card.dataset.expiresAt = String(expiresAt);
+    const line = el("div", "expires");
+    const tick = () => {
+      const left = expiresAt - Date.now() / 1000;
+      const text = left > 0 ? `denied automatically in ${clock(left)}` : "not answered in time: denying…";
+      if (line.textContent !== text) line.textContent = text;
+      card.classList.toggle("urgent", left <= 30);
+    };
+    tick();
+    this.countdowns.set(requestId, setInterval(tick, 250)); // (a whole second's tick could lag a second)
+    card.append(line);
   }
 
-  resolveCall(callId) {
-    for (const [id, card] of this.approvals) if (card.dataset.call === callId) this.dropApproval(id, card);
+  /** A request no longer pending: its card goes. One that was not answered here and is gone at its
+   * deadline was denied by the server for want of an answer: the card stays, saying so, until
+   * dismissed. (`how`: "answered", this page's answer was taken; "timed out", the server said so.) */
+  dropApproval(requestId, card, how) {
+    this.approvals.delete(requestId);
+    const timer = this.countdowns.get(requestId);
+    if (timer !== undefined) clearInterval(timer);
+    this.countdowns.delete(requestId);
+    const expiresAt = Number(card.dataset.expiresAt);
+    const late = how !== "answered" && expiresAt && Date.now() / 1000 >= expiresAt - SKEW;
+    if (how === "timed out" || late) this.expired(card);
+    else card.remove();
+    const tool = this.tools.get(card.dataset.call);
+    if (tool && tool.classList.contains("running")) {
+      tool.querySelector(".state").textContent = card.isConnected ? " denied: not answered in time" : " running…";
+    }
+  }
+
+  /** The final state of a card the server denied because nobody answered in time. */
+  expired(card) {
+    card.classList.add("expired");
+    card.classList.remove("urgent");
+    for (const node of card.querySelectorAll(".buttons")) node.remove();
+    const line = card.querySelector(".expires") || card.appendChild(el("div", "expires"));
+    line.textContent = "Denied: not answered in time.";
+    const dismiss = el("button", "dismiss", "Dismiss");
+    dismiss.type = "button";
+    dismiss.addEventListener("click", () => card.remove());
+    card.append(dismiss);
+    const run = this.runs.get(card.dataset.run);
+    const name = card.dataset.tool || "a call";
+    if (run) this.notice(run, `approval of ${name} not answered in time: denied automatically`);
+  }
+
+  resolveCall(callId, how) {
+    for (const [id, card] of this.approvals) if (card.dataset.call === callId) this.dropApproval(id, card, how);
   }
 }
