@@ -61,7 +61,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from agentloop.kernel.tasks import DELEGATED_KEY, TASK_TIMEOUT
-from agentloop.messages import AssistantMessage
+from agentloop.kernel.watches import run_answer
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
@@ -204,7 +204,7 @@ class DelegateTool(Tool):
             ) from None
         if finished is None:
             raise ToolError(f"process {to} was killed before it answered")
-        return _answer(to, rid, finished, await _final_text(kernel, to, rid))
+        return _answer(to, rid, finished, await run_answer(kernel.store, to, rid))
 
 
 async def _run_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
@@ -229,17 +229,6 @@ async def _logged_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict
             after = row.seq
         if len(page) < PAGE:
             return None
-
-
-async def _final_text(kernel: Kernel, pid: str, run_id: str) -> str:
-    try:
-        messages = await kernel.store.history(pid)
-    except NoSuchProcess:
-        return ""
-    for stored in reversed(messages):
-        if stored.run_id == run_id and isinstance(stored.message, AssistantMessage) and stored.message.text:
-            return stored.message.text
-    return ""
 
 
 def _answer(pid: str, run_id: str, finished: Mapping[str, Any], text: str) -> ToolResult:
@@ -312,7 +301,7 @@ class Replies:
             async with store.transaction():  # nobody to tell (killed), or a conversation that is gone (reset)
                 await _claim(self.kernel, target, rid)
             return False
-        text = _render_reply(target, rid, finished, await _final_text(self.kernel, target, rid))
+        text = _render_reply(target, rid, finished, await run_answer(self.kernel.store, target, rid))
         try:
             receipt = await self.kernel.engine.claimed_event(
                 source.pid,

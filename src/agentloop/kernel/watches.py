@@ -354,7 +354,7 @@ class WatchRouter:
             lines.append(f"run {payload.get('runId')}: status {payload.get('status')} ({payload.get('reason')})")
             if payload.get("error"):
                 lines.append(f"error: {_clip(str(payload['error']), MAX_PAYLOAD)}")
-            final = await self._final_text(row.source_pid, payload.get("runId"))
+            final = await run_answer(self.store, row.source_pid, payload.get("runId"), limit=50)
             if final:
                 lines.append("final answer:\n" + _clip(final, MAX_FINAL_TEXT))
         else:
@@ -369,16 +369,6 @@ class WatchRouter:
         if row.once:
             lines.append("(the watch has ended: it was for one signal)")
         return "\n".join(lines)
-
-    async def _final_text(self, pid: str, run_id: Any) -> str:
-        try:
-            recent = await self.store.history(pid, limit=50)
-        except NoSuchProcess:
-            return ""
-        for stored in reversed(recent):
-            if stored.run_id == run_id and isinstance(stored.message, AssistantMessage) and stored.message.text:
-                return stored.message.text
-        return ""
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -415,3 +405,16 @@ class WatchRouter:
             watches.pop(row.id, None)
             if not watches:
                 del self._index[row.source_pid]
+
+
+async def run_answer(store: Store, pid: str, run_id: Any, *, limit: int | None = None) -> str:
+    """The last words of run ``run_id`` of process ``pid`` (its newest assistant text), among its
+    newest ``limit`` messages (None: all of them); "" when there are none, or no such process."""
+    try:
+        messages = await store.history(pid, limit=limit) if limit is not None else await store.history(pid)
+    except NoSuchProcess:
+        return ""
+    for stored in reversed(messages):
+        if stored.run_id == run_id and isinstance(stored.message, AssistantMessage) and stored.message.text:
+            return stored.message.text
+    return ""
