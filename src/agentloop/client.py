@@ -275,10 +275,16 @@ class AgentloopClient:
         cwd: str | None = None,
         model: str | None = None,
         reasoning: str | None = None,
+        text: str | None = None,
+        run_id: str | None = None,
+        output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """A new process; ``model`` (``provider:model``) and ``reasoning``: its own model choice."""
+        """A new process; ``model`` (``provider:model``) and ``reasoning``: its own model choice.
+        ``text`` is a first message, its run starting with the process (``run_id`` names it;
+        ``output_schema``, a JSON Schema, asks that run for a value, as ``send`` does)."""
         fields = (("context", context), ("interactive", interactive), ("cwd", cwd), ("model", model))
-        body = {k: v for k, v in (*fields, ("reasoning", reasoning)) if v is not None}
+        first = (("text", text), ("run_id", run_id), ("output_schema", output_schema))
+        body = {k: v for k, v in (*fields, ("reasoning", reasoning), *first) if v is not None}
         result: dict[str, Any] = await self._call("POST", "/v1/processes", body=body)
         return result
 
@@ -298,12 +304,17 @@ class AgentloopClient:
         mode: str = "steer",
         media: list[dict[str, str]] | None = None,
         run_id: str | None = None,
+        output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """Deliver input; ``output_schema`` (a JSON Schema) asks the run answering it for a value:
+        its ``proc.run.finished`` event carries it as ``output`` (such input never joins a run)."""
         body: dict[str, Any] = {"text": text, "mode": mode}
         if media:
             body["media"] = media
         if run_id is not None:
             body["run_id"] = run_id
+        if output_schema is not None:
+            body["output_schema"] = output_schema
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/messages", body=body)
         return result
 

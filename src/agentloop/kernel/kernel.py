@@ -21,6 +21,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from agentloop.agent import Agent
 from agentloop.kernel import tree
 from agentloop.kernel.account_mcp import AccountMCP
@@ -46,6 +48,7 @@ from agentloop.kernel.segments import Segment, SegmentPage, list_segments, read_
 from agentloop.kernel.tasks import Retirer, task_toolset
 from agentloop.kernel.titles import Titles, Titling, check_titling
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
+from agentloop.loop.output import DEFAULT_RETRIES, output_in, output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import (
     FileContent,
@@ -124,6 +127,14 @@ def _check_run_id(run_id: object) -> None:
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
     if run_id is not None:
         check_plain_text(run_id, "run_id")
+
+
+def _output_row(output_schema: Any) -> dict[str, Any] | None:
+    """The row an input's ``output_schema`` is kept in (``admission.output_key``), checked
+    (``ValueError``), or None for input that asks for no output."""
+    if output_schema is None:
+        return None
+    return {"schema": output_schema_of(output_schema), "retries": DEFAULT_RETRIES}
 
 
 def _check_input(text: object, media: object, run_id: object) -> None:
@@ -208,18 +219,39 @@ class Process:
         mode: SendMode = "steer",
         media: Sequence[ImageContent | FileContent] = (),
         run_id: str | None = None,
+        output_schema: dict[str, Any] | Any = None,
     ) -> Receipt:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active), with
-        images and documents (PDF, plain text, Markdown, CSV) attached as ``media``."""
+        images and documents (PDF, plain text, Markdown, CSV) attached as ``media``.
+
+        ``output_schema`` (a JSON Schema, or a type pydantic describes as one) asks the run that
+        answers this input for a value: it gets a ``final_result`` tool with that schema, and ends
+        when the model calls it validly (``Process.output`` reads the value back; the run's
+        ``proc.run.finished`` carries it as ``output``). Such input never joins a run under way
+        (a run has one output): a ``steer`` waits for a run of its own, as ``queue`` does. A schema
+        that is not valid (or larger than 64 KiB as JSON) is a ``ValueError``, nothing delivered."""
         if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
             raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
         _check_input(text, media, run_id)
+        output = _output_row(output_schema)
         engine = self.kernel.engine
         record = (await engine.live(self.pid)).record
         if media:  # a reset under way deletes the process's media: what this input brings is stored
             await admission.after_clearing(engine, self.pid)  # after it (the input waits for it anyway)
         message = _user_input(self.kernel.media, record.owner, self.pid, text, media)
-        return await engine.send(self.pid, message, mode=mode, run_id=run_id)
+        return await engine.send(self.pid, message, mode=mode, run_id=run_id, output=output)
+
+    async def output(self, run_id: str, output_type: Any = None) -> Any:
+        """The output run ``run_id`` gave (one whose input asked for it with ``output_schema``):
+        the value of its last valid ``final_result`` call, read back from the history, as JSON
+        data (validated as ``output_type`` when given, a pydantic type); None if it gave none
+        (yet, or it was asked for none, or the history holding it was reset)."""
+        await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
+        messages = [m.message for m in await self.kernel.store.history(self.pid) if m.run_id == run_id]
+        value = output_in(messages)
+        if value is None or output_type is None:
+            return value
+        return TypeAdapter(output_type).validate_python(value)
 
     async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
         """The process's signals after ``after_seq``; with ``follow``, then live ones as they come.
@@ -682,6 +714,7 @@ class Kernel:
         media: Sequence[ImageContent | FileContent] = (),
         run_id: str | None = None,
         admit: Admit | None = None,
+        output_schema: dict[str, Any] | Any = None,
     ) -> Process:
         """A new durable process. ``cwd`` (default: the kernel's workspace; a relative one is taken
         from there) is the directory its built-in tools work in; it must exist. ``owner`` and
@@ -692,9 +725,13 @@ class Kernel:
         it; one that cannot be used is a ``ValueError`` and no process is made). ``text`` (with ``media``, and
         ``run_id`` as in ``send``) is its first input, stored in one transaction with the process (with
         its first run where this worker drives it; on a shared store as input the claiming worker
-        runs), and ``Process.started`` is the receipt. ``admit`` runs in the transaction that
+        runs), and ``Process.started`` is the receipt; ``output_schema`` as in ``Process.send``
+        (the first run's output; only with ``text``). ``admit`` runs in the transaction that
         stores the process, once its row is written (a quota counts it there): what it raises
         leaves nothing behind."""
+        output = _output_row(output_schema)
+        if output is not None and text is None:
+            raise ValueError("output_schema asks the run answering text for a value: give text with it")
         check_name(owner, "owner")
         check_name(run_as or owner, "run_as")
         if pid is not None:
@@ -742,7 +779,7 @@ class Kernel:
         fresh = bool(media) and not self.media.process_dir(owner, record.pid).exists()
         try:
             first = _user_input(self.media, owner, record.pid, text, media)
-            started = await self.engine.create(record, kv, first, run_id, admit)
+            started = await self.engine.create(record, kv, first, run_id, admit, output)
         except StoreError:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt
             existing = await self.store.get_process(record.pid)

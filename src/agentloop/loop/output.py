@@ -20,6 +20,7 @@ user message), so a run continued from a stored history finds it there as well.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
@@ -29,6 +30,7 @@ from agentloop.loop.hooks import Hooks, TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import AssistantMessage, Message, ToolResultMessage, UserMessage, system
 from agentloop.tools.base import (
+    SchemaTool,
     Tool,
     ToolArgumentsError,
     ToolContext,
@@ -171,4 +173,111 @@ class OutputTool(Tool):
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         details = arguments["result"] if self._spec.wrapped else arguments
+        return ToolResult.text("Final answer received.", details=details, terminate=True)
+
+
+# ------------------------------------------------------------------ an output given as a JSON Schema
+
+#: the largest output schema a durable run takes, as compact JSON
+MAX_SCHEMA_BYTES = 64 * 1024
+
+
+def output_schema_of(output: Any) -> dict[str, Any]:
+    """What a caller asked for as a durable run's output, as the JSON Schema kept with the run: a
+    JSON Schema (a dict, checked) as it is, or a type pydantic can describe (a model, ``list[str]``)
+    as ``TypeAdapter(output).json_schema()`` without pydantic's titles. ``ValueError`` for a schema
+    that is not a valid JSON Schema, is not JSON, or is larger than ``MAX_SCHEMA_BYTES``."""
+    if isinstance(output, dict):
+        schema = output
+    elif isinstance(output, (bool, int, float, str, list, tuple)) or output is None:
+        raise ValueError(f"output_schema must be a JSON Schema object or a type, got {type(output).__name__}")
+    else:
+        try:
+            schema = _strip_titles(TypeAdapter(output).json_schema())
+        except Exception as exc:
+            raise ValueError(f"output_schema {output!r} is not a type pydantic can describe: {exc}") from exc
+    SchemaOutput(schema)  # checked: what is kept can be made into the run's tool
+    return schema
+
+
+class SchemaOutput:
+    """The output of a durable run, as a JSON Schema (what an API client can send): its
+    ``final_result`` tool, validated with ``jsonschema``; a schema that is not an object's is
+    wrapped as ``{"result": ...}``, as ``OutputSpec`` wraps a type. ``ValueError`` for a schema
+    that is not valid, not JSON, or larger than ``MAX_SCHEMA_BYTES``."""
+
+    def __init__(self, schema: dict[str, Any], *, retries: int = DEFAULT_RETRIES, name: str = OUTPUT_TOOL) -> None:
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
+        if not isinstance(schema, dict):
+            raise ValueError(f"output_schema must be a JSON object, got {type(schema).__name__}")
+        try:
+            size = len(json.dumps(schema, separators=(",", ":"), allow_nan=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"output_schema is not JSON: {exc}") from None
+        if size > MAX_SCHEMA_BYTES:
+            raise ValueError(f"output_schema is {size} bytes as JSON, more than {MAX_SCHEMA_BYTES}")
+        try:
+            Draft202012Validator.check_schema(schema)
+        except SchemaError as exc:
+            raise ValueError(f"output_schema is not a valid JSON Schema: {exc.message}") from None
+        self.schema = schema
+        self.retries = check_retries(retries)
+        self.name = name
+        as_object = _as_object(schema)
+        self.wrapped = as_object is None
+        if as_object is not None:
+            parameters = as_object
+        else:  # the value is the one field of the arguments; its definitions move up with it
+            inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$schema")}
+            parameters = {"type": "object", "properties": {"result": inner}, "required": ["result"]}
+            parameters.update({k: schema[k] for k in ("$defs", "definitions") if k in schema})
+        self.tool = SchemaOutputTool(self, parameters)
+
+    def output_of(self, messages: list[Message]) -> Any:
+        """The output in ``messages``: the value of the last valid ``final_result`` result since
+        the last user message; None when there is none."""
+        return output_in(messages, self.name)
+
+    @property
+    def instruction(self) -> str:
+        return f"Call {self.name} with your answer: the answer must be given as that tool's arguments, not as text."
+
+
+def output_in(messages: list[Message], name: str = OUTPUT_TOOL) -> Any:
+    """The value of the last valid ``name`` result (a terminating one, with its ``details``) since
+    the last user message in ``messages``; None when there is none."""
+    for msg in reversed(messages):
+        if isinstance(msg, UserMessage):
+            return None
+        if (
+            isinstance(msg, ToolResultMessage)
+            and msg.tool_name == name
+            and msg.terminate
+            and not msg.is_error
+            and msg.details is not None
+        ):
+            return msg.details
+    return None
+
+
+class SchemaOutputTool(SchemaTool):
+    """``final_result`` of a run whose output is a JSON Schema (see ``SchemaOutput``)."""
+
+    def __init__(self, spec: SchemaOutput, parameters: dict[str, Any]) -> None:
+        async def unused(**_: Any) -> None:  # (``run`` below answers)
+            return None
+
+        super().__init__(
+            spec.name,
+            "Give your final answer by calling this tool: its arguments are the answer. "
+            "Call it once, when you have the answer.",
+            parameters,
+            unused,
+        )
+        self.output = spec
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        details = arguments["result"] if self.output.wrapped else arguments
         return ToolResult.text("Final answer received.", details=details, terminate=True)

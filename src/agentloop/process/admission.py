@@ -6,7 +6,7 @@ makes a delivery idempotent. When a run ends, queued input becomes the next run 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentloop.messages import Message, system
 from agentloop.process import signals as sig
@@ -29,7 +29,34 @@ async def after_clearing(engine: ProcessEngine, pid: str) -> None:
             pass
 
 
-async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendMode, run_id: str | None) -> Receipt:
+# kv row of a run whose answer must be a value (``send(..., output=...)``): ``output_key(run_id)``
+# holds {"schema": <JSON Schema>, "retries": n}, written with the input, for the run its receipt
+# names; the run's configuration reads it with its other rows (one query), so it is the same after
+# a restart, and the end of the run (or the withdrawal of the input) deletes it
+OUTPUT_PREFIX = "run:output:"
+
+
+def output_key(run_id: str) -> str:
+    return OUTPUT_PREFIX + run_id
+
+
+async def keep_output(engine: ProcessEngine, pid: str, run_id: str, output: dict[str, Any] | None) -> None:
+    """Inside the delivery's transaction: the output the run ``run_id`` must give, if any."""
+    if output is not None:
+        await engine.store.kv_set(pid, output_key(run_id), output)
+
+
+async def send(
+    engine: ProcessEngine,
+    pid: str,
+    message: Message,
+    *,
+    mode: SendMode,
+    run_id: str | None,
+    output: dict[str, Any] | None = None,
+) -> Receipt:
+    """Deliver user input. With ``output`` (the row ``output_key`` keeps), the input never joins a
+    run under way (a run has one output): a ``steer`` waits as ``queue`` input for a run of its own."""
     if mode not in ("steer", "queue", "interrupt"):
         raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
     await after_clearing(engine, pid)
@@ -60,9 +87,11 @@ async def send(engine: ProcessEngine, pid: str, message: Message, *, mode: SendM
             await tx.enqueue("queue", message, receipt.run_id, reason="proc.send")
         else:
             queued_run = run_id or new_id()
-            receipt_run = active["run_id"] if mode == "steer" else queued_run  # steer joins the active run
+            steer = mode == "steer" and output is None
+            receipt_run = active["run_id"] if steer else queued_run  # steer joins the active run
             receipt = Receipt(receipt_run, True, live.queued + 1)
-            await tx.enqueue("steer" if mode == "steer" else "queue", message, queued_run)
+            await tx.enqueue("steer" if steer else "queue", message, queued_run)
+        await keep_output(engine, pid, receipt.run_id, output)
         await remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position)
     if not receipt.queued:
         engine.wake(pid)
@@ -220,6 +249,9 @@ async def withdraw(
     async with engine._tx(live) as tx:
         chosen = [q for q in await engine.store.queue(pid) if q.kind in kinds and item_id in (None, q.id)]
         taken = [q for q in chosen if await engine.store.dequeue(pid, q.id)]
+        for q in taken:  # (the output a queued item's run was to give: that run will not be)
+            if q.kind == "queue" and q.run_id is not None:
+                await engine.store.kv_delete(pid, output_key(q.run_id))
         if taken:
             tx.after.append(lambda: setattr(live, "queued", max(0, live.queued - len(taken))))
             await tx.signal(sig.CHANGED, changes=["queue"], withdrawn=[q.id for q in taken])

@@ -17,6 +17,7 @@ from agentloop.loop.execute import SKIPPED
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
+from agentloop.loop.output import NUDGE_KIND, OUTPUT_MISSING, OUTPUT_TOOL, SchemaOutput, SchemaOutputTool
 from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
 from agentloop.messages import (
@@ -31,7 +32,7 @@ from agentloop.messages import (
 )
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
-from agentloop.process.admission import promote
+from agentloop.process.admission import output_key, promote
 from agentloop.process.api import Compacted, RunActive, call_of, new_id
 from agentloop.process.calls import (
     NOT_RUN_STOPPED,
@@ -167,8 +168,18 @@ async def _step(engine: ProcessEngine, live: _Live) -> bool:
 
     decision = decide(live.history, has_input=await _joining(engine, live), guard=run.get("guard"))
     if isinstance(decision, Finish):
+        reason = decision.reason
+        output = await _run_output(engine, live, run_id) if reason == "stop" else None
+        if output is not None and output.output_of(live.history) is None:  # (resumed, or input withdrawn)
+            nudged = _nudged(run, output, live.history[-1] if live.history else None)
+            if nudged is not None:
+                async with engine._tx(live) as tx:
+                    await _nudge(tx, output, {**nudged, "generation": run["generation"] + 1})
+                    await tx.signal(sig.CHANGED, changes=["messages"])
+                return True
+            reason = OUTPUT_MISSING
         async with engine._tx(live) as tx:
-            await _finish(engine, tx, live, run, decision.reason)
+            await _finish(engine, tx, live, run, reason)
         await promote(engine, live)
         return False
     if isinstance(decision, RunTools):  # calls without rows: history from elsewhere; register them
@@ -179,6 +190,47 @@ async def _step(engine: ProcessEngine, live: _Live) -> bool:
         return True
     assert isinstance(decision, CallModel)
     return await _model_turn(engine, live, run, decision.tools_enabled)
+
+
+async def _run_output(engine: ProcessEngine, live: _Live, run_id: str) -> SchemaOutput | None:
+    """The output the run must give, if it was asked for one (its configuration is the run's
+    cached one: read again only after a reload, never a query of its own)."""
+    tool = (await engine._run_config(live, run_id)).tools.get(OUTPUT_TOOL)
+    return tool.output if isinstance(tool, SchemaOutputTool) else None
+
+
+def run_output(live: _Live, run_id: str) -> SchemaOutput | None:
+    """``_run_output`` from the cache alone (None where the run's configuration is not cached)."""
+    if live.config is None or live.config[0] != run_id:
+        return None
+    tool = live.config[1].tools.get(OUTPUT_TOOL)
+    return tool.output if isinstance(tool, SchemaOutputTool) else None
+
+
+def _nudged(run: dict[str, Any], output: SchemaOutput, last: Message | None) -> dict[str, Any] | None:
+    """The run would end with words (``last``) where it must give an output: its record with one
+    more nudge counted (``nudged``), for the step's commit to write with ``_nudge``, when it may
+    have one (at most ``output.retries`` a run); None once they are spent, and for an end that is
+    not a text answer (a tool asked to end the run, a guard or a stop ended it)."""
+    if not isinstance(last, AssistantMessage) or last.tool_calls or last.stop_reason != "stop":
+        return None
+    nudged = int(run.get("nudged", 0))
+    if nudged >= output.retries or run.get("stopping") or run.get("guard"):
+        return None
+    return {**run, "nudged": nudged + 1}
+
+
+async def _nudge(tx: _Tx, output: SchemaOutput, run: dict[str, Any]) -> None:
+    """Inside the step's transaction: tell the model to call the output tool (a system message of
+    kind ``output``, as ``OutputSpec`` does in memory), with ``run`` (``_nudged``'s) as the record."""
+    await tx.append(run["run_id"], [system(output.instruction, NUDGE_KIND)])
+    await tx.set_run(run)
+
+
+async def forget_output(engine: ProcessEngine, live: _Live, run_id: str) -> None:
+    """Inside the transaction that ends run ``run_id``: its output row goes with it."""
+    if run_output(live, run_id) is not None:
+        await engine.store.kv_delete(live.record.pid, output_key(run_id))
 
 
 async def _joining(engine: ProcessEngine, live: _Live) -> bool:
@@ -361,10 +413,20 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
             await dispatch(engine, tx, live, new_run, batch, reply, fresh=True, budget=budget, offered=state.offered)
         else:  # after an assistant message, the decision depends on that message (and input) alone
             after = decide([reply], has_input=await _joining(engine, live), guard=new_run.get("guard"))
-            if isinstance(after, Finish):
-                await _finish(engine, tx, live, new_run, after.reason, last=reply)
+            reason = after.reason if isinstance(after, Finish) else None
+            wanted = run_output(live, run_id) if reason == "stop" else None
+            nudged = None
+            if wanted is not None and wanted.output_of(live.history) is None:  # words, not the output
+                nudged = _nudged(new_run, wanted, reply)
+                if nudged is None:
+                    reason = OUTPUT_MISSING
+                else:  # asked for the output tool's call: another turn
+                    reason = None
+                    await _nudge(tx, wanted, {**nudged, "turn": new_run["turn"] + 1})
+            if reason is not None:
+                await _finish(engine, tx, live, new_run, reason, last=reply)
                 finished = True
-            else:  # input joined the run: the next model call opens another turn
+            elif nudged is None:  # input joined the run: the next model call opens another turn
                 await tx.set_run({**new_run, "turn": new_run["turn"] + 1})
         if not finished:
             await engine.keep_prompt(tx, live)
@@ -716,6 +778,7 @@ async def _finish(
         await tx.append(run_id, [system(f"The run failed: {error}", "error")])
     if live.approvals:
         await forget_decisions(engine.store, pid, run_id)
+    await forget_output(engine, live, run_id)
     await tx.end_run(run)
     if status == "ok" and isinstance(last, ToolResultMessage) and last.terminate:  # (ended by its tools)
         last = next((m for m in reversed(live.history) if isinstance(m, AssistantMessage)), last)
@@ -780,6 +843,9 @@ async def signal_run_finished(
     the next run (``queuedCount``: ``queued``, the count once ``tx`` is kept, where ``tx`` changes
     the queue itself - the cache follows only after the commit - else the cache's)."""
     payload: dict[str, Any] = {"runId": run["run_id"], "status": status, "reason": reason, "text": text}
+    output = run_output(live, run["run_id"])
+    if output is not None:  # a run asked for an output: the value, null without one (only when asked)
+        payload["output"] = output.output_of(live.history) if status == "ok" else None
     if error:
         payload["error"] = error
     if status == "aborted":

@@ -39,6 +39,7 @@ from typing import Any
 
 from agentloop.loop.execute import CANCELLED
 from agentloop.loop.hooks import maybe_await
+from agentloop.loop.output import DEFAULT_RETRIES, SchemaOutput
 from agentloop.loop.state import LoopConfig, Mode, check_mode
 from agentloop.messages import Message, ToolCall, Usage, tool_error_result
 from agentloop.process import admission, background, hil
@@ -69,7 +70,7 @@ from agentloop.process.calls import (
     settle,
     signal_finished,
 )
-from agentloop.process.driver import drive, fail_run, signal_run_finished, summarise
+from agentloop.process.driver import drive, fail_run, forget_output, signal_run_finished, summarise
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
@@ -250,6 +251,7 @@ class ProcessEngine:
         first: Message | None = None,
         run_id: str | None = None,
         admit: Admit | None = None,
+        output: dict[str, Any] | None = None,
     ) -> Receipt | None:
         """Store a new process, with ``kv`` as its first key-value rows in the same transaction
         (so what they say about it is never missing), and start its cache: a fresh process has
@@ -257,9 +259,10 @@ class ProcessEngine:
         as its first run where this worker drives the process, else (a shared store) as queued
         input that whichever worker claims the process first (this one, at once) runs with the
         receipt's run id. Either way no process exists without its first message. ``admit`` runs
-        in that transaction once the process's row is written: what it raises leaves nothing."""
+        in that transaction once the process's row is written: what it raises leaves nothing.
+        ``output``: the row the first run's output is kept in (``admission.output_key``)."""
         if first is not None and self.leases is None:
-            return await self._create_running(record, kv, first, run_id, admit)
+            return await self._create_running(record, kv, first, run_id, admit, output)
         receipt = None
         async with self.store.transaction():
             await self.store.create_process(record)
@@ -270,6 +273,7 @@ class ProcessEngine:
             if first is not None:
                 receipt = Receipt(run_id or new_id(), False, 0)
                 await self.store.enqueue(record.pid, "queue", first, run_id=receipt.run_id, reason="proc.send")
+                await admission.keep_output(self, record.pid, receipt.run_id, output)
                 await admission.remember_admission(self, record.pid, receipt.run_id, run_id, queued=False, position=0)
         if self.leases is None:  # else cached by whichever worker claims it first
             live = self._live[record.pid] = _Live(record, [], calls=False)
@@ -285,6 +289,7 @@ class ProcessEngine:
         first: Message,
         run_id: str | None,
         admit: Admit | None = None,
+        output: dict[str, Any] | None = None,
     ) -> Receipt:
         """``create`` with the first run, in one transaction. The cache entry is published once the
         process row is written (so nothing else loads the process meanwhile), dropped only if the
@@ -301,6 +306,7 @@ class ProcessEngine:
                 for key, value in (kv or {}).items():
                     await self.store.kv_set(record.pid, key, value)
                 started = await tx.start_run(first, "proc.send", run_id)
+                await admission.keep_output(self, record.pid, started, output)
                 # (a retried send of this id then returns this run)
                 await admission.remember_admission(self, record.pid, started, run_id, queued=False, position=0)
                 tx.after.append(lambda: kept.append(True))
@@ -351,6 +357,8 @@ class ProcessEngine:
         for item in await self.store.queue(pid):
             if upto is None or item.id <= upto:
                 await self.store.dequeue(pid, item.id)
+                if item.kind == "queue" and item.run_id is not None:  # (the output its run was to give)
+                    await self.store.kv_delete(pid, admission.output_key(item.run_id))
             else:
                 kept += 1
         tx.after.append(lambda: setattr(live, "queued", kept))
@@ -380,8 +388,10 @@ class ProcessEngine:
         tools, built when the run first needs it and kept until the run ends."""
         if live.config is not None and live.config[0] == run_id:
             return live.config[1]
-        # per run, in one query (a change waits for the next run): the mode, the model, the pressure rows
-        rows = await self.store.kv_many(live.record.pid, (MODE_KEY, MODEL_KEY, *run_keys(live)))
+        # per run, in one query (a change waits for the next run): the mode, the model, the pressure
+        # rows, and the output the run must give (if any: ``admission.output_key``)
+        output_key = admission.output_key(run_id)
+        rows = await self.store.kv_many(live.record.pid, (MODE_KEY, MODEL_KEY, output_key, *run_keys(live)))
         cfg = self.process_config(live.record, rows.get(MODEL_KEY))
         changes: dict[str, Any] = {}  # (one ``replace`` for them all: each copy costs microseconds)
         tools = cfg.tools
@@ -398,6 +408,10 @@ class ProcessEngine:
             changes["system_prompt"] = live.prompt[1]
         if rows.get(MODE_KEY) == "chat":
             changes["tools"] = {}
+        kept_output = rows.get(output_key)
+        if isinstance(kept_output, dict):  # its tool, in chat mode too (the run's answer is a call)
+            spec = SchemaOutput(kept_output["schema"], retries=kept_output.get("retries", DEFAULT_RETRIES))
+            changes["tools"] = {**changes.get("tools", tools), spec.name: spec.tool}
         if changes:
             cfg = replace(cfg, **changes)
         take_run_rows(self, live, rows, cfg.model.info)  # the compaction policy, the level
@@ -639,9 +653,19 @@ class ProcessEngine:
 
     # -- input (see admission.py) -----------------------------------------------------------------
 
-    async def send(self, pid: str, message: Message, *, mode: SendMode = "steer", run_id: str | None = None) -> Receipt:
-        """Deliver user input: start a run, or queue it for the active one (see the module doc)."""
-        return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id))
+    async def send(
+        self,
+        pid: str,
+        message: Message,
+        *,
+        mode: SendMode = "steer",
+        run_id: str | None = None,
+        output: dict[str, Any] | None = None,
+    ) -> Receipt:
+        """Deliver user input: start a run, or queue it for the active one (see the module doc).
+        ``output``: the row the answering run's output is kept in (``admission.output_key``); such
+        input never joins a run under way."""
+        return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id, output=output))
 
     async def withdraw(self, pid: str, item_id: int | None = None, kind: QueueKind | None = None) -> list[QueueItem]:
         """Take waiting input out of the queue before it runs (see ``admission.withdraw``)."""
@@ -953,6 +977,7 @@ class ProcessEngine:
             await hil.forget_decisions(self.store, pid, active)
             if self.aborted is not None:
                 await self.store.kv_set(pid, LAST_ABORT_KEY, {"run_id": active, "at": time.time()})
+            await forget_output(self, live, active)
             await tx.end_run(run)
             await signal_run_finished(tx, live, run, "aborted", reason, queued=queued)
         return True

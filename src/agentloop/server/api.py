@@ -91,6 +91,9 @@ class SpawnBody(Body):
     text: str | None = Field(None, description="A first message: its run starts with the process, in one commit.")
     media: list[MediaItem] | None = None
     run_id: str | None = Field(None, min_length=1, max_length=128, description="The first message's run id.")
+    output_schema: dict[str, Any] | None = Field(
+        None, description="A JSON Schema: the first run answers with a value of it (a final_result call); with text."
+    )
 
 
 class SendBody(Body):
@@ -99,6 +102,9 @@ class SendBody(Body):
     media: list[MediaItem] | None = None
     run_id: str | None = Field(
         None, min_length=1, max_length=128, description="Retrying with the same run_id delivers once."
+    )
+    output_schema: dict[str, Any] | None = Field(
+        None, description="A JSON Schema: the run answering this input ends with a value of it (never joins a run)."
     )
 
 
@@ -639,6 +645,7 @@ async def spawn(call: Call) -> dict[str, Any]:
         text=body.text,
         media=media,
         run_id=body.run_id,
+        output_schema=body.output_schema,
     )
 
 
@@ -658,7 +665,13 @@ async def send(call: Call) -> dict[str, Any]:
     body = call.parsed(SendBody, call.body)
     media = [m.model_dump() for m in body.media] if body.media is not None else None
     return await call.ctx.processes.send(
-        call.principal, call.param("pid"), body.text, mode=body.mode, media=media, run_id=body.run_id
+        call.principal,
+        call.param("pid"),
+        body.text,
+        mode=body.mode,
+        media=media,
+        run_id=body.run_id,
+        output_schema=body.output_schema,
     )
 
 

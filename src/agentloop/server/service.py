@@ -26,6 +26,7 @@ from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.segments import NoSuchSegment, Segment, SegmentPage
 from agentloop.kernel.watches import WatchError
+from agentloop.loop.output import output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
 from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
@@ -81,6 +82,19 @@ def process_json(record: ProcessRecord) -> dict[str, Any]:
 
 def message_json(stored: StoredMessage) -> dict[str, Any]:
     return {"id": stored.id, "run_id": stored.run_id, "message": message_to_dict(stored.message)}
+
+
+def _output_schema(schema: Any) -> dict[str, Any] | None:
+    """An input's ``output_schema``, checked as the kernel checks it: a 400 for one that is not a
+    valid JSON Schema object (or is larger than ``MAX_SCHEMA_BYTES`` as JSON)."""
+    if schema is None:
+        return None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "invalid_request", "output_schema must be a JSON Schema object")
+    try:
+        return output_schema_of(schema)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from None
 
 
 def receipt_json(receipt: Receipt) -> dict[str, Any]:
@@ -261,11 +275,12 @@ class ProcessService:
         text: str | None = None,
         media: list[Any] | None = None,
         run_id: str | None = None,
+        output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
         stay inside it. ``text`` (with ``media`` and ``run_id``, as ``send`` takes them) starts its
         first run in the same commit; ``run_id`` then names that run. ``model`` and ``reasoning``
-        are its own model choice (see ``model``)."""
+        are its own model choice (see ``model``); ``output_schema`` (with ``text``) as ``send``'s."""
         run_mode = _run_mode(mode)
         if model is not None or reasoning is not None:
             self._model_choice(model, reasoning)
@@ -275,8 +290,9 @@ class ProcessService:
         if text is not None:
             _check_text(text, empty_ok=bool(media))
             blocks = decode_media(media or [])
-        elif media or run_id is not None:
-            raise ApiError(400, "invalid_request", "media and run_id come with a first message (text)")
+        elif media or run_id is not None or output_schema is not None:
+            raise ApiError(400, "invalid_request", "media, run_id and output_schema come with a first message (text)")
+        output = _output_schema(output_schema)
         if len(context) > MAX_CONTEXT:  # it is sent with every model call, and listed with every process
             raise ApiError(413, "too_large", f"context is longer than {MAX_CONTEXT} characters")
         root = Path(self.kernel.engine.config.workspace or ".").resolve()  # noqa: ASYNC240 - no I/O wait
@@ -309,6 +325,7 @@ class ProcessService:
                 run_id=run_id,
                 pid=pid,
                 admit=self._process_quota(who),
+                output_schema=output,
             )
         except StoreError:
             if pid is not None and await self.kernel.store.was_killed(pid):
@@ -379,16 +396,20 @@ class ProcessService:
         mode: str = "steer",
         media: list[Any] | None = None,
         run_id: str | None = None,
+        output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """Deliver input. ``output_schema`` (a JSON Schema) asks the run answering it for a value
+        (``Process.send``): such input never joins a run under way; a bad schema is a 400."""
         if mode not in MODES:
             raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(MODES)}")
         _check_text(text, empty_ok=bool(media))
         _check_plain(run_id, "run_id")
+        output = _output_schema(output_schema)
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
         self._take_input(who)
         try:
-            receipt = await proc.send(text, mode, blocks, run_id=run_id)  # type: ignore[arg-type]
+            receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
         except NoSuchProcess:
             raise _not_found(pid) from None
         except MediaTooLarge as exc:

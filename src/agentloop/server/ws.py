@@ -264,6 +264,7 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
         text=_want(args, "text", str, "a string", None),
         media=_want(args, "media", list, "a list", None),
         run_id=_opt_id(args, "run_id"),
+        output_schema=_want(args, "output_schema", dict, "a JSON Schema object", None),
     )
 
 
@@ -321,6 +322,7 @@ async def _send(conn: Connection, args: dict[str, Any]) -> Any:
         mode=_want(args, "mode", str, "a string", "steer"),
         media=_want(args, "media", list, "a list", None),
         run_id=_opt_id(args, "run_id"),
+        output_schema=_want(args, "output_schema", dict, "a JSON Schema object", None),
     )
 
 
