@@ -3,7 +3,7 @@ model picker, and the countdown of an approval the server denies when nobody ans
 
 The server is the tests' in-process one (tests/server_support.py, its scripted model: ``risky``
 calls a tool the approval policy asks about; anything else answers ``answer: <text>``), with an
-approval timeout of 3 s. A ``pu`` provider is registered here so that ``pu:<id>`` is a model spec
+approval timeout of 3 s. A ``webpu`` provider is registered here so that ``webpu:<id>`` is a model spec
 the server accepts: it answers ``<id>: <text>``.
 
 Without Chromium the tests skip, unless ``AGENTLOOP_REQUIRE_BROWSER=1`` (CI) makes them fail.
@@ -39,7 +39,7 @@ def _pu(model_id: str) -> ScriptedModel:
     return ScriptedModel(answer, keep_requests=False)
 
 
-register_provider("pu", _pu)
+register_provider("webpu", _pu)
 
 TITLE = "document.getElementById('proc-title').textContent"
 STATUS = "document.getElementById('status').textContent"
@@ -184,12 +184,12 @@ def test_the_model_picker_shows_sets_refuses_and_resets_the_model(
     assert browser.eval("document.getElementById('model-form').hidden") is False
     assert "next answer" in browser.eval("document.getElementById('model-hint').textContent")
     browser.eval("document.getElementById('model-spec').value = ''")
-    browser.type_into("model-spec", "pu:x")
+    browser.type_into("model-spec", "webpu:x")
     browser.eval("document.getElementById('model-reasoning').value = 'low'")
     browser.click("#model-apply")
-    browser.wait(f"{label}.includes('pu:x') && {label}.includes('process')")
+    browser.wait(f"{label}.includes('webpu:x') && {label}.includes('process')")
     got = api.get(f"/v1/processes/{pid}/model").json()
-    assert (got["model"], got["reasoning"], got["effective"], got["source"]) == ("pu:x", "low", "pu:x", "process")
+    assert (got["model"], got["reasoning"], got["effective"], got["source"]) == ("webpu:x", "low", "webpu:x", "process")
     assert browser.eval("document.getElementById('model-error').textContent") == ""
 
     # The next answer is the new model's.
@@ -208,8 +208,8 @@ def test_the_model_picker_shows_sets_refuses_and_resets_the_model(
     refused = api.post(f"/v1/processes/{pid}/model", json={"model": "nosuchprovider:zzz"})
     assert refused.status_code == 400
     assert shown == refused.json()["message"]
-    assert api.get(f"/v1/processes/{pid}/model").json()["model"] == "pu:x"
-    assert "pu:x" in browser.eval(label) and "process" in browser.eval(label)
+    assert api.get(f"/v1/processes/{pid}/model").json()["model"] == "webpu:x"
+    assert "webpu:x" in browser.eval(label) and "process" in browser.eval(label)
 
     # Reset to the default: the process's own choice is gone.
     browser.click("#model-reset")
