@@ -493,7 +493,9 @@ class KernelTracing:
         self.agent_name = agent_name
         self.max_open_runs = max_open_runs
         self._engine = kernel.engine
-        self._runs: OrderedDict[str, _DurableRun] = OrderedDict()  # oldest first
+        # (pid, run id) -> its spans, oldest first: run ids are unique per process only (a heartbeat
+        # gives all the processes it beats in one period the same)
+        self._runs: OrderedDict[tuple[str, str], _DurableRun] = OrderedDict()
         self._active: dict[str, str] = {}  # pid -> its run being traced
         self._closed = False
         self._failures = 0
@@ -547,14 +549,14 @@ class KernelTracing:
                 self._start(pid, run_id, payload, resumed=False)
             return
         if isinstance(run_id, str):
-            run = self._runs.get(run_id)
+            run = self._runs.get((pid, run_id))
             if run is None:
                 if name not in _OF_A_RUN or not self._drives(pid):
                     return
                 run = self._start(pid, run_id, payload, resumed=True)
         else:
             active = self._active.get(pid)
-            run = self._runs.get(active) if active is not None else None
+            run = self._runs.get((pid, active)) if active is not None else None
             if run is None:
                 return
         self._look(run)
@@ -569,8 +571,8 @@ class KernelTracing:
 
     def _start(self, pid: str, run_id: str, payload: Mapping[str, Any], *, resumed: bool) -> _DurableRun:
         earlier = self._active.get(pid)
-        if earlier is not None and earlier in self._runs:  # its end was never heard
-            self._incomplete(self._runs[earlier], "superseded")
+        if earlier is not None and (pid, earlier) in self._runs:  # its end was never heard
+            self._incomplete(self._runs[(pid, earlier)], "superseded")
         while len(self._runs) >= self.max_open_runs:
             self._incomplete(next(iter(self._runs.values())), "evicted")
         attrs: dict[str, Any] = {OPERATION: "invoke_agent", CONVERSATION: pid, RUN_ID: run_id, RUN_RESUMED: resumed}
@@ -587,7 +589,7 @@ class KernelTracing:
         start = int(stamp) * 1_000_000 if isinstance(stamp, int) and not resumed else time.time_ns()
         span = self._tracer.start_span(name, kind=self._api.SpanKind.INTERNAL, attributes=attrs, start_time=start)
         run = _DurableRun(pid, run_id, span, self._api.set_span_in_context(span), start, _newest_answer(history))
-        self._runs[run_id] = run
+        self._runs[(pid, run_id)] = run
         self._active[pid] = run_id
         return run
 
@@ -722,7 +724,7 @@ class KernelTracing:
         run.span.end()
 
     def _drop(self, run: _DurableRun) -> None:
-        self._runs.pop(run.run_id, None)
+        self._runs.pop((run.pid, run.run_id), None)
         if self._active.get(run.pid) == run.run_id:
             del self._active[run.pid]
 

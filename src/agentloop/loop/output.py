@@ -180,6 +180,13 @@ class OutputTool(Tool):
 
 #: the largest output schema a durable run takes, as compact JSON
 MAX_SCHEMA_BYTES = 64 * 1024
+#: the most schema nodes one validation of a durable run's output may visit, ``$ref`` followed: a
+#: small schema whose references fan out (``allOf`` of two refs, each to a level below) could
+#: otherwise cost exponential time on the event loop for every call
+MAX_SCHEMA_NODES = 20_000
+# keywords whose values are regular expressions the server would run on the model's arguments: a
+# caller's pattern with nested quantifiers (``^(a+)+$``) could hold the event loop for hours
+_REGEX_KEYWORDS = ("pattern", "patternProperties")
 
 
 def output_schema_of(output: Any) -> dict[str, Any]:
@@ -222,6 +229,7 @@ class SchemaOutput:
             Draft202012Validator.check_schema(schema)
         except SchemaError as exc:
             raise ValueError(f"output_schema is not a valid JSON Schema: {exc.message}") from None
+        _check_cost(schema)
         self.schema = schema
         self.retries = check_retries(retries)
         self.name = name
@@ -231,6 +239,7 @@ class SchemaOutput:
             parameters = as_object
         else:  # the value is the one field of the arguments; its definitions move up with it
             inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$schema")}
+            inner = _moved_refs(inner)  # ("#" was the schema itself: now it is the wrapper)
             parameters = {"type": "object", "properties": {"result": inner}, "required": ["result"]}
             parameters.update({k: schema[k] for k in ("$defs", "definitions") if k in schema})
         self.tool = SchemaOutputTool(self, parameters)
@@ -243,6 +252,70 @@ class SchemaOutput:
     @property
     def instruction(self) -> str:
         return f"Call {self.name} with your answer: the answer must be given as that tool's arguments, not as text."
+
+
+def _check_cost(schema: dict[str, Any]) -> None:
+    """``ValueError`` for a schema whose validation the server could not bound: one that names a
+    regular expression (``pattern``, ``patternProperties``), or whose nodes, each ``$ref`` followed
+    (but not into itself again: recursion is fine), number more than ``MAX_SCHEMA_NODES``."""
+    visited = 0
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            raise ValueError(f"output_schema may refer only within itself, not to {ref!r}")
+        node: Any = schema
+        for part in (p for p in ref[1:].split("/") if p):
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        nonlocal visited
+        visited += 1
+        if visited > MAX_SCHEMA_NODES:
+            raise ValueError(
+                f"output_schema is too complex: checking it would visit more than {MAX_SCHEMA_NODES} schema nodes"
+            )
+        if isinstance(node, list):
+            for item in node:
+                walk(item, path)
+            return
+        if not isinstance(node, dict):
+            return
+        for key in _REGEX_KEYWORDS:
+            if key in node:
+                raise ValueError(
+                    f"output_schema may not use {key!r}: the server does not run a caller's regular expressions"
+                )
+        for key, value in node.items():
+            if key in ("$defs", "definitions", "enum", "const", "examples", "default"):
+                continue  # (definitions are walked where they are referred to; values are data)
+            if key == "$ref" and isinstance(value, str):
+                if value not in path:  # (a reference back into itself ends there)
+                    walk(resolve(value), (*path, value))
+            elif key == "properties" and isinstance(value, dict):
+                for sub in value.values():  # (the names are data, the values schemas)
+                    walk(sub, path)
+            else:
+                walk(value, path)
+
+    walk(schema, ("#",))
+
+
+def _moved_refs(node: Any) -> Any:
+    """``node`` with its references into the schema (``#``, ``#/items``, but not ``#/$defs/...``,
+    which move up with it) pointed at where the schema now is: ``#/properties/result``."""
+    if isinstance(node, list):
+        return [_moved_refs(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    moved = {k: _moved_refs(v) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (
+        ref == "#" or (ref.startswith("#/") and not ref.startswith(("#/$defs/", "#/definitions/")))
+    ):
+        moved["$ref"] = "#/properties/result" + ref[1:]
+    return moved
 
 
 def output_in(messages: list[Message], name: str = OUTPUT_TOOL) -> Any:
