@@ -346,3 +346,35 @@ async def test_retirement_never_kills_a_subagent_that_was_delegated_to(tmp_path,
     assert results == ["did: hello child"]
     assert retired == [plain]  # the other finished child goes: retirement did run
     assert kept in alive
+
+
+async def test_a_runs_answer_is_read_a_page_at_a_time_from_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_answer`` (Delegate's replies, the watch router's events) finds a recent run's words in
+    the newest page, and an old run's by paging back: a long-lived target is not read whole."""
+    from agentloop.kernel import Kernel, watches
+    from agentloop.kernel.watches import run_answer
+
+    monkeypatch.setattr(watches, "ANSWER_PAGE", 2)
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(lambda r: f"re: {r.messages[-1].text}"), workspace=tmp_path
+    ) as k:
+        proc = await k.spawn(owner="alice")
+        runs = []
+        for text in ("one", "two", "three", "four"):
+            runs.append((await proc.send(text)).run_id)
+            await proc.wait_idle()
+        reads: list[Any] = []
+        history = k.store.history
+
+        async def counted(*args: Any, **kw: Any) -> Any:
+            reads.append(kw.get("before"))
+            return await history(*args, **kw)
+
+        monkeypatch.setattr(k.store, "history", counted)
+        assert await run_answer(k.store, proc.pid, runs[-1]) == "re: four" and len(reads) == 1
+        reads.clear()
+        assert await run_answer(k.store, proc.pid, runs[0]) == "re: one" and len(reads) == 4
+        assert await run_answer(k.store, proc.pid, "no-such-run") == ""
+        assert await run_answer(k.store, proc.pid, runs[0], limit=2) == ""  # (not among the newest two)

@@ -81,6 +81,9 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+ANSWER_PAGE = 100  # messages ``run_answer`` reads at a time, newest first
+
+
 class WatchRouter:
     """The signal watches of one kernel: validation, an index by source, and delivery."""
 
@@ -409,12 +412,21 @@ class WatchRouter:
 
 async def run_answer(store: Store, pid: str, run_id: Any, *, limit: int | None = None) -> str:
     """The last words of run ``run_id`` of process ``pid`` (its newest assistant text), among its
-    newest ``limit`` messages (None: all of them); "" when there are none, or no such process."""
-    try:
-        messages = await store.history(pid, limit=limit) if limit is not None else await store.history(pid)
-    except NoSuchProcess:
-        return ""
-    for stored in reversed(messages):
-        if stored.run_id == run_id and isinstance(stored.message, AssistantMessage) and stored.message.text:
-            return stored.message.text
+    newest ``limit`` messages (None: all of them, read a page at a time from the newest, so that a
+    long-lived process's recent run costs one page); "" when there are none, or no such process."""
+    before: int | None = None
+    seen = 0
+    while limit is None or seen < limit:
+        size = ANSWER_PAGE if limit is None else min(ANSWER_PAGE, limit - seen)
+        try:
+            page = await store.history(pid, limit=size, before=before)
+        except NoSuchProcess:
+            return ""
+        for stored in reversed(page):
+            if stored.run_id == run_id and isinstance(stored.message, AssistantMessage) and stored.message.text:
+                return stored.message.text
+        if len(page) < size:
+            return ""
+        seen += len(page)
+        before = page[0].id
     return ""
