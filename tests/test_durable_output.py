@@ -295,3 +295,21 @@ def test_ws_send_and_spawn_with_a_schema(tmp_path: Path) -> None:
         assert c.error("proc.send", {"pid": pid, "text": "x", "output_schema": "nope"}) == "invalid_request"
         assert c.error("proc.send", {"pid": pid, "text": "x", "output_schema": {"type": 3}}) == "invalid_request"
         assert c.error("proc.spawn", {"output_schema": CITY}) == "invalid_request"  # no first message to answer
+
+
+async def test_a_run_ended_before_its_configuration_was_built_leaves_no_output_row(tmp_path: Path) -> None:
+    """Found by review: the output row was deleted only when the run's configuration (and so its
+    output tool) was cached; a run ended before it was ever built (an internal error right after a
+    reload) left the row for ever. Now such an end deletes it anyway."""
+    from agentloop.process.admission import output_key
+    from agentloop.process.driver import forget_output
+
+    async with kernel(tmp_path, ScriptedModel(["ok"])) as k:
+        proc = await k.spawn(owner="alice")
+        async with k.store.transaction():
+            await k.store.kv_set(proc.pid, output_key("r-lost"), {"schema": {"type": "integer"}})
+        live = await k.engine.live(proc.pid)
+        live.config = None  # (as after a reload: nothing built for the run yet)
+        async with k.store.transaction():
+            await forget_output(k.engine, live, "r-lost")
+        assert await k.store.kv_get(proc.pid, output_key("r-lost")) is None

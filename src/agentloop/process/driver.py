@@ -228,8 +228,10 @@ async def _nudge(tx: _Tx, output: SchemaOutput, run: dict[str, Any]) -> None:
 
 
 async def forget_output(engine: ProcessEngine, live: _Live, run_id: str) -> None:
-    """Inside the transaction that ends run ``run_id``: its output row goes with it."""
-    if run_output(live, run_id) is not None:
+    """Inside the transaction that ends run ``run_id``: its output row goes with it. Where the run's
+    configuration was never built (an internal error right after a reload) whether it has one is
+    not known: the row is deleted anyway (a rare path; the common one costs no statement)."""
+    if run_output(live, run_id) is not None or live.config is None or live.config[0] != run_id:
         await engine.store.kv_delete(live.record.pid, output_key(run_id))
 
 
