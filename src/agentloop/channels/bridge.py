@@ -20,7 +20,8 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Hashable, Mapping, Sequence
 from contextlib import aclosing, suppress
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from types import TracebackType
+from typing import Any, ClassVar, Generic, Self, TypeVar, cast
 
 from agentloop.channels.media import (
     FETCH_TRIES,
@@ -138,6 +139,22 @@ class ChatBridge(Generic[K]):
         raise FetchFailed("this channel cannot download files", transient=False)
 
     # -- life ------------------------------------------------------------------------------------
+
+    async def start(self) -> Any:
+        """Reach the app and find the chats' processes again (each channel says how)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
 
     def _lock(self, key: str) -> asyncio.Lock:
         return self._busy.setdefault(key, asyncio.Lock())

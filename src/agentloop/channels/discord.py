@@ -67,7 +67,6 @@ import secrets
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -353,15 +352,6 @@ class DiscordBridge(ChatBridge[int]):
         self._acked = True  # the last heartbeat was acknowledged
         self._live = False  # this connection got its READY or RESUMED (the backoff starts over)
         self._dropped: str | None = None  # why the bridge closed the connection itself
-
-    async def __aenter__(self) -> DiscordBridge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     # -- life ------------------------------------------------------------------------------------
 

@@ -44,7 +44,6 @@ import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, cast
 
 import httpx
@@ -155,15 +154,6 @@ class TelegramBridge(ChatBridge[int]):
         self._poller: asyncio.Task[None] | None = None
         self._refused: RefusalThrottle[int] = RefusalThrottle()
         self._failures: dict[int, int] = {}  # update id -> the times its handling failed (the one retried)
-
-    async def __aenter__(self) -> TelegramBridge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     # -- life ------------------------------------------------------------------------------------
 

@@ -55,7 +55,6 @@ from collections import OrderedDict
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge, RefusalThrottle
@@ -241,15 +240,6 @@ class WhatsAppBridge(ChatBridge[str]):
         self._serving: asyncio.Task[None] | None = None
         self.port: int | None = None
         self._started = False
-
-    async def __aenter__(self) -> WhatsAppBridge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     def redact(self, text: str) -> str:
         return self.api.redact(text)
