@@ -18,6 +18,7 @@ import typer
 from agentloop.cli.channel import Bridge, run_bridge
 from agentloop.cli.config import Settings
 from agentloop.cli.options import (
+    ChannelApprovalOpt,
     CompactionOpt,
     DataOpt,
     FallbackOpt,
@@ -96,14 +97,7 @@ def discord(
     model: ModelOpt = None,
     workspace: WorkspaceOpt = None,
     system: SystemOpt = None,
-    approval: Annotated[
-        str,
-        typer.Option(
-            "--approval",
-            help="Tool calls: ask (default policy: risky calls wait for Approve/Deny in the channel), auto, deny, "
-            "or a JSON policy.",
-        ),
-    ] = "ask",
+    approval: ChannelApprovalOpt = "ask",
     store: StoreOpt = None,
     max_rounds: MaxRoundsOpt = None,
     max_tool_calls: MaxToolCallsOpt = None,

@@ -119,6 +119,15 @@ ReasoningOpt = Annotated[
         rich_help_panel=_LIMITS,
     ),
 ]
+# the chat-app commands' (telegram, whatsapp, discord): a person answers in the app
+ChannelApprovalOpt = Annotated[
+    str,
+    typer.Option(
+        "--approval",
+        help="Tool calls: ask (default policy: risky calls wait for Approve/Deny buttons in the conversation), "
+        "auto, deny, or a JSON policy.",
+    ),
+]
 
 
 def loop_flags(

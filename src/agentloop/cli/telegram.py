@@ -17,6 +17,7 @@ import typer
 from agentloop.cli.channel import Bridge, run_bridge
 from agentloop.cli.config import Settings
 from agentloop.cli.options import (
+    ChannelApprovalOpt,
     CompactionOpt,
     DataOpt,
     FallbackOpt,
@@ -69,14 +70,7 @@ def telegram(
     model: ModelOpt = None,
     workspace: WorkspaceOpt = None,
     system: SystemOpt = None,
-    approval: Annotated[
-        str,
-        typer.Option(
-            "--approval",
-            help="Tool calls: ask (default policy: risky calls wait for Approve/Deny in the chat), auto, deny, "
-            "or a JSON policy.",
-        ),
-    ] = "ask",
+    approval: ChannelApprovalOpt = "ask",
     store: StoreOpt = None,
     max_rounds: MaxRoundsOpt = None,
     max_tool_calls: MaxToolCallsOpt = None,
