@@ -14,8 +14,9 @@ import pytest
 
 from agentloop import ScriptedModel
 from agentloop.kernel import Kernel
-from agentloop.kernel.account_model import AccountModels, names_a_file
+from agentloop.kernel.account_model import AccountModels
 from agentloop.models.gguf_assets import is_path_id
+from agentloop.models.registry import names_a_file
 from tests import server_support
 from tests.server_support import LiveServer
 

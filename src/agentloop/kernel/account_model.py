@@ -36,7 +36,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agentloop.loop.state import LoopConfig
 from agentloop.messages import check_plain_text
 from agentloop.models.base import Model, Reasoning
-from agentloop.models.gguf_assets import is_path_id
 from agentloop.models.registry import HOSTED, hosted_status, parse_model_string, resolve_model
 from agentloop.process.store import ProcessRecord
 from agentloop.stamps import Stamp, file_stamp, read_regular
@@ -224,16 +223,6 @@ class AccountModels:
         while len(self._models) > KEPT_MODELS:
             del self._models[next(iter(self._models))]
         return model
-
-
-def names_a_file(spec: str) -> bool:
-    """Whether ``spec`` names a file of the machine that makes the model: a scripted model's
-    replies, a local model's weights given by path. Those are for whoever runs the server to pick
-    (in ``model.json``, or ``--model``), not for a client of its API to point at any file."""
-    provider, _, model_id = spec.partition(":")
-    if provider == "scripted":
-        return True
-    return provider == "local" and ("/" in model_id or "\\" in model_id or is_path_id(model_id))
 
 
 def _why(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TypeAlias
 
 from agentloop.models.base import Model
+from agentloop.models.gguf_assets import is_path_id
 
 ModelFactory: TypeAlias = Callable[[str], Model]
 
@@ -97,3 +98,13 @@ def resolve_model(spec: str | Model | None) -> Model:
         spec = os.environ.get("AGENTLOOP_MODEL") or DEFAULT_MODEL
     provider, model_id = parse_model_string(spec)
     return _factory(provider)(model_id)
+
+
+def names_a_file(spec: str) -> bool:
+    """Whether ``spec`` names a file of the machine that makes the model: a scripted model's
+    replies, a local model's weights given by path. Those are for whoever runs the server to pick
+    (in ``model.json``, or ``--model``), not for a client of its API to point at any file."""
+    provider, _, model_id = spec.partition(":")
+    if provider == "scripted":
+        return True
+    return provider == "local" and ("/" in model_id or "\\" in model_id or is_path_id(model_id))

@@ -20,7 +20,6 @@ from typing import Any, get_args
 
 from agentloop.images import image_size, sniff_image
 from agentloop.kernel import Kernel, NoSuchProcess, Process
-from agentloop.kernel.account_model import names_a_file
 from agentloop.kernel.fork import FORKED_KEY
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
@@ -29,6 +28,7 @@ from agentloop.kernel.watches import WatchError
 from agentloop.loop.output import output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
+from agentloop.models.registry import names_a_file
 from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
 from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
