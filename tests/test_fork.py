@@ -26,6 +26,7 @@ from agentloop.messages import AssistantMessage, ImageContent, Message, UserMess
 from agentloop.models.base import ModelRequest
 from agentloop.models.registry import register_provider
 from agentloop.process.media import MediaRef
+from agentloop.process.store import StoreError
 from agentloop.server import api
 from tests import server_support, test_prompt_manifest
 from tests.image_support import PNG
@@ -259,6 +260,30 @@ async def test_bad_input_is_refused_and_makes_nothing(tmp_path: Path) -> None:
             await proc.fork()
 
 
+async def test_a_fork_given_its_pid_is_made_once(tmp_path: Path) -> None:
+    """A caller that names the fork's pid can retry: the retry gets the fork the first call made,
+    not a second one; a pid taken by another process, or by a fork since killed, is refused."""
+    async with open_kernel(tmp_path, ScriptedModel(answer)) as k:
+        proc = await k.spawn(owner="alice")
+        await say(proc, "one")
+        other = await k.spawn(owner="alice")
+        made = await k.fork(proc.pid, new_pid="fork-1")
+        assert made.pid == "fork-1"
+        again = await k.fork(proc.pid, new_pid="fork-1", at=1)  # (a retry: its arguments are the first call's)
+        assert again.pid == "fork-1" and len(await k.processes()) == 3
+        assert texts([m.message for m in await again.history()]) == ["one", "seen: one"]
+        with pytest.raises(StoreError, match="already"):
+            await k.fork(other.pid, new_pid="fork-1")  # the pid is a fork of another process
+        with pytest.raises(StoreError, match="already"):
+            await k.fork(proc.pid, new_pid=other.pid)  # the pid is not a fork at all
+        await made.kill()
+        with pytest.raises(StoreError, match="killed"):
+            await k.fork(proc.pid, new_pid="fork-1")
+        with pytest.raises(ValueError):
+            await k.fork(proc.pid, new_pid="../x")
+        assert len(await k.processes()) == 2
+
+
 # ------------------------------------------------------------------ HTTP and the client
 
 
@@ -295,6 +320,26 @@ async def test_the_fork_route(server: LiveServer) -> None:
         assert f"fork at message {history[2]['id']}" in inside.json()["message"]
 
 
+async def test_a_retried_fork_with_a_fork_id_makes_one_fork(server: LiveServer) -> None:
+    async with server.client(server.tokens.alice) as alice, server.client(server.tokens.bob) as bob:
+        pid = checked(await alice.post("/v1/processes", json={"text": "hello"}), api.ProcessOut, 201)["pid"]
+        await wait_idle(alice, pid)
+        other = checked(await alice.post("/v1/processes", json={}), api.ProcessOut, 201)["pid"]
+        count = len((await alice.get("/v1/processes")).json()["processes"])
+        made = checked(await alice.post(f"/v1/processes/{pid}/fork", json={"fork_id": "f1"}), api.ForkOut, 201)
+        again = checked(await alice.post(f"/v1/processes/{pid}/fork", json={"fork_id": "f1"}), api.ForkOut, 201)
+        assert again == made and again["forked_from"] == {"pid": pid, "at": 2}
+        # the same id for another source is another fork; the quota counts each fork once
+        elsewhere = checked(await alice.post(f"/v1/processes/{other}/fork", json={"fork_id": "f1"}), api.ForkOut, 201)
+        assert elsewhere["pid"] != made["pid"]
+        assert len((await alice.get("/v1/processes")).json()["processes"]) == count + 2
+        refused(await bob.post(f"/v1/processes/{pid}/fork", json={"fork_id": "f1"}), 404, "not_found")
+        refused(await alice.post(f"/v1/processes/{pid}/fork", json={"fork_id": ""}), 400, "invalid_request")
+        refused(await alice.post(f"/v1/processes/{pid}/fork", json={"fork_id": "x\u0000"}), 400, "invalid_request")
+        assert (await alice.delete(f"/v1/processes/{made['pid']}")).status_code == 200
+        refused(await alice.post(f"/v1/processes/{pid}/fork", json={"fork_id": "f1"}), 409, "conflict")
+
+
 async def test_a_fork_counts_against_the_account_quota(server: LiveServer) -> None:
     assert server.ctx is not None
     async with server.client(server.tokens.alice) as alice:
@@ -324,6 +369,8 @@ async def test_the_client_forks(server: LiveServer) -> None:
         segment = (await client.segments(pid))[0]["id"]
         made = await client.fork(pid, segment=segment)
         assert made["forked_from"] == {"pid": pid, "segment": segment}
+        retried = await client.fork(pid, segment=segment, fork_id="c1")
+        assert (await client.fork(pid, segment=segment, fork_id="c1"))["pid"] == retried["pid"] != made["pid"]
         with pytest.raises(NotFound):
             await client.fork("no-such-process")
         assert server.ctx is not None
@@ -440,3 +487,6 @@ def test_websocket_forks_a_process(tmp_path: Path) -> None:
         assert c.error("proc.fork", {"pid": pid, "at": 999}) == "invalid_request"
         assert c.error("proc.fork", {"pid": pid, "at": "one"}) == "invalid_request"
         assert bob.error("proc.fork", {"pid": pid}) == "not_found"
+        once = c.ok("proc.fork", {"pid": pid, "fork_id": "w1"})
+        assert c.ok("proc.fork", {"pid": pid, "fork_id": "w1"})["pid"] == once["pid"]
+        assert c.error("proc.fork", {"pid": pid, "fork_id": ""}) == "invalid_request"

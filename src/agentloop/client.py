@@ -442,11 +442,15 @@ class AgentloopClient:
         result: dict[str, Any] = await self._call("GET", path, params=params)
         return result
 
-    async def fork(self, pid: str, *, at: int | None = None, segment: str | None = None) -> dict[str, Any]:
+    async def fork(
+        self, pid: str, *, at: int | None = None, segment: str | None = None, fork_id: str | None = None
+    ) -> dict[str, Any]:
         """A new process from this one's conversation (``POST …/fork``): its history up to and
         including message id ``at`` (None: all of it), or the archived ``segment``. The new
-        process, with ``forked_from``; ``Conflict`` past the account's process quota."""
-        body: dict[str, Any] = {k: v for k, v in (("at", at), ("segment", segment)) if v is not None}
+        process, with ``forked_from``; ``Conflict`` past the account's process quota. Asked again
+        with the same ``fork_id``, the server answers with the fork it made the first time."""
+        chosen = (("at", at), ("segment", segment), ("fork_id", fork_id))
+        body: dict[str, Any] = {k: v for k, v in chosen if v is not None}
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/fork", body=body)
         return result
 

@@ -57,10 +57,11 @@ from agentloop.messages import (
 )
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
+from agentloop.process.archive import check_name
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit
 from agentloop.process.media import MediaError, MediaRef, MediaStore, is_stored
 from agentloop.process.pressure import COMPACTION_KEY
-from agentloop.process.store import MAX_SEQ, NoSuchProcess, ProcessRecord
+from agentloop.process.store import MAX_SEQ, NoSuchProcess, ProcessRecord, Store, StoreError
 
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
@@ -160,15 +161,23 @@ async def fork(
     segment: str | None = None,
     context: str | None = None,
     admit: Admit | None = None,
+    new_pid: str | None = None,
 ) -> str:
     """Make the fork of process ``pid`` (see the module doc) and return its pid. ``NoSuchProcess``
     for an unknown or killed pid, ``NoSuchSegment`` for a segment it has none by, ``ValueError``
-    for a bad ``at`` (or both ``at`` and ``segment``, or a clearing's segment)."""
+    for a bad ``at`` (or both ``at`` and ``segment``, or a clearing's segment). ``new_pid`` names
+    the fork, so that a caller who lost the answer can ask again: where a fork of ``pid`` by that
+    name exists, it is the answer and nothing is made (the first call's arguments stand);
+    ``StoreError`` where the name is another process's, or a killed one's."""
     _check_args(at, segment, context)
+    if new_pid is not None:
+        check_name(new_pid, "new_pid")
     store = kernel.store
     source = await store.get_process(pid)
     if source is None or source.state == "killed":
         raise NoSuchProcess(pid)
+    if new_pid is not None and await _made_before(store, pid, new_pid):
+        return new_pid
     runs: list[str | None]
     origin: dict[str, Any]
     if segment is not None:
@@ -190,7 +199,7 @@ async def fork(
         origin = {"pid": pid, "at": stored[count - 1].id if count else None}
     settings = await store.kv_many(pid, COPIED_KEYS)
     record = ProcessRecord(
-        pid=new_id(),
+        pid=new_pid or new_id(),
         owner=source.owner,
         run_as=source.run_as,
         cwd=source.cwd,
@@ -212,8 +221,26 @@ async def fork(
                 await store.append_messages(record.pid, run_id, [message for _, message in group])
             payload = {"pid": record.pid, "changes": ["messages"], "forkedFrom": origin}
             await store.append_event(record.pid, sig.CHANGED, payload)
+    except StoreError:
+        if new_pid is not None and await _made_before(store, pid, new_pid):
+            return new_pid  # (a retry that ran alongside the first call)
+        raise
     except BaseException:
-        if await store.get_process(record.pid) is None:  # (a new pid: the folder is the fork's alone)
+        if await store.get_process(record.pid) is None:  # (the pid is not taken: its folder is the fork's alone)
             await asyncio.to_thread(media.delete_process, record.owner, record.pid)
         raise
     return record.pid
+
+
+async def _made_before(store: Store, source: str, new_pid: str) -> bool:
+    """Whether process ``new_pid`` is a fork of ``source`` already made (by a call asked again);
+    ``StoreError`` where the pid is taken otherwise, or was a killed process's."""
+    if await store.was_killed(new_pid):
+        raise StoreError(f"process {new_pid} was killed: a pid is not given to another process")
+    made = await store.get_process(new_pid)
+    if made is None:
+        return False
+    origin = await store.kv_get(new_pid, FORKED_KEY)
+    if not isinstance(origin, dict) or origin.get("pid") != source:
+        raise StoreError(f"process {new_pid} already exists, and is not a fork of {source}")
+    return True

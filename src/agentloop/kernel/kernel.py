@@ -803,6 +803,7 @@ class Kernel:
         segment: str | None = None,
         context: str | None = None,
         admit: Admit | None = None,
+        new_pid: str | None = None,
     ) -> Process:
         """A new top-level process from process ``pid``'s conversation (kernel/fork.py): its owner,
         ``run_as``, ``cwd``, ``interactive``, title, settings (mode, own model, compaction policy)
@@ -812,8 +813,10 @@ class Kernel:
         from. It starts idle: a run under way in ``pid`` is not copied. An ``at`` that is not a
         message of the history, or ends inside a tool call batch, is a ``ValueError`` (naming the
         nearest valid points); so are ``at`` and ``segment`` together. ``NoSuchProcess``,
-        ``NoSuchSegment`` for what is not there. ``admit`` as in ``spawn`` (a quota)."""
-        return Process(self, await fork_process(self, pid, at=at, segment=segment, context=context, admit=admit))
+        ``NoSuchSegment`` for what is not there. ``admit`` as in ``spawn`` (a quota). ``new_pid``
+        names the fork: asked again, the call answers with the fork it made (a retry is safe)."""
+        made = await fork_process(self, pid, at=at, segment=segment, context=context, admit=admit, new_pid=new_pid)
+        return Process(self, made)
 
     async def process(self, pid: str) -> Process:
         if await self.store.get_process(pid) is None:

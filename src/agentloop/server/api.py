@@ -170,6 +170,9 @@ class ForkBody(Body):
         None, min_length=1, max_length=128, description="A segment's id: copy what it archived instead."
     )
     context: str | None = Field(None, description="The fork's process context (left out: the source's).")
+    fork_id: str | None = Field(
+        None, min_length=1, max_length=128, description="Retrying with the same fork_id makes one fork."
+    )
 
 
 class CompactionBody(Body):
@@ -791,7 +794,7 @@ async def segment(call: Call) -> dict[str, Any]:
 async def fork(call: Call) -> dict[str, Any]:
     body = call.parsed(ForkBody, call.body)
     return await call.ctx.processes.fork(
-        call.principal, call.param("pid"), at=body.at, segment=body.segment, context=body.context
+        call.principal, call.param("pid"), at=body.at, segment=body.segment, context=body.context, fork_id=body.fork_id
     )
 
 

@@ -184,6 +184,12 @@ def _spawn_pid(account: str, run_id: str) -> str:
     return f"spawn-{digest}"
 
 
+def _fork_pid(account: str, source: str, fork_id: str) -> str:
+    """The pid of the fork of ``source`` this caller's ``fork_id`` makes (the same on a retry)."""
+    digest = hashlib.sha256(f"{account}\0{source}\0{fork_id}".encode()).hexdigest()[:20]
+    return f"fork-{digest}"
+
+
 def _not_found(pid: str) -> ApiError:
     return ApiError(404, "not_found", f"no such process {pid!r}")
 
@@ -607,19 +613,36 @@ class ProcessService:
             raise ApiError(404, "not_found", str(exc)) from None
 
     async def fork(
-        self, who: Principal, pid: str, *, at: int | None = None, segment: str | None = None, context: str | None = None
+        self,
+        who: Principal,
+        pid: str,
+        *,
+        at: int | None = None,
+        segment: str | None = None,
+        context: str | None = None,
+        fork_id: str | None = None,
     ) -> dict[str, Any]:
         """A new process from this one's conversation (``Kernel.fork``): owned by the process's
         owner, counted against the caller's quota as a spawn is (409 past it). 400 for an ``at``
         that is not a message of the history or ends inside a tool call batch, for both ``at`` and
-        ``segment``, for a clearing's segment; 404 for a segment the process has none by."""
+        ``segment``, for a clearing's segment; 404 for a segment the process has none by. With a
+        ``fork_id`` the fork's pid follows from it, so a retried request gets the fork the first
+        one made (409 once that fork was killed)."""
         _check_plain(context, "context")
         _check_plain(segment, "segment")
+        _check_plain(fork_id, "fork_id")
         if context is not None and len(context) > MAX_CONTEXT:
             raise ApiError(413, "too_large", f"context is longer than {MAX_CONTEXT} characters")
         await self._process(who, pid)
+        new_pid = _fork_pid(who.account, pid, fork_id) if fork_id is not None else None
         try:
-            made = await self.kernel.fork(pid, at=at, segment=segment, context=context, admit=self._process_quota(who))
+            made = await self.kernel.fork(
+                pid, at=at, segment=segment, context=context, admit=self._process_quota(who), new_pid=new_pid
+            )
+        except StoreError:
+            if new_pid is None or not await self.kernel.store.was_killed(new_pid):
+                raise
+            raise ApiError(409, "conflict", f"fork_id {fork_id!r} made a fork that was killed since") from None
         except NoSuchSegment as exc:
             raise ApiError(404, "not_found", str(exc)) from None
         except NoSuchProcess:

@@ -375,7 +375,8 @@ async def _fork(conn: Connection, args: dict[str, Any]) -> Any:
     pid = _id(args, "pid")
     at, segment = _opt_int(args, "at"), _opt_id(args, "segment")
     context = _want(args, "context", str, "a string", None)
-    return await conn.service.fork(conn.user, pid, at=at, segment=segment, context=context)
+    fork_id = _opt_id(args, "fork_id")
+    return await conn.service.fork(conn.user, pid, at=at, segment=segment, context=context, fork_id=fork_id)
 
 
 async def _kill(conn: Connection, args: dict[str, Any]) -> Any:
