@@ -573,12 +573,25 @@ async def test_relayed_deltas_reach_the_other_workers_in_notifications_that_fit(
     try:
         # 20 deltas of 2 kB each (two bytes a character): only the byte count keeps them under the limit
         deltas = [{"event": "text_delta", "delta": f"{i:04d}" + "é" * 998} for i in range(20)]
-        too_big = {"event": "text_delta", "delta": "y" * 9000}  # more than one notification holds
-        await a.relay("A", [("p1", 7, deltas[:5]), ("p2", 3, [too_big, *deltas[5:]])])
-        await heard.until(lambda: sum(len(p) for *_, p in heard.batches) >= len(deltas))
+        # more than one notification holds: a delta is sent in pieces, anything else left out
+        too_big = {"event": "text_delta", "delta": "y" * 9000 + "\x1b" * 3000}
+        shell = {"runId": "r", "update": {"stream": "stdout", "delta": "z\u00e9\n" * 4000, "skipped": 5}}
+        no_delta = {"runId": "r", "update": {"lines": ["x" * 100] * 100}}
+        sent = [too_big, shell, no_delta, *deltas[5:]]
+        await a.relay("A", [("p1", 7, deltas[:5]), ("p2", 3, sent)])
+        await heard.until(lambda: [d for *_, p in heard.batches for d in p][-1:] == deltas[-1:])
         assert len(heard.batches) > 2  # split between notifications
         assert {(sender, pid, base) for sender, pid, base, _ in heard.batches} == {("A", "p1", 7), ("A", "p2", 3)}
-        assert [d for *_, payloads in heard.batches for d in payloads] == deltas  # in order; the oversized one left out
+        got = [d for *_, payloads in heard.batches for d in payloads]
+        assert got[:5] == deltas[:5] and got[-15:] == deltas[5:]  # in order
+        pieces = got[5:-15]
+        streamed = [p for p in pieces if "delta" in p]
+        assert len(streamed) > 1 and "".join(p["delta"] for p in streamed) == too_big["delta"]
+        assert all(p["event"] == "text_delta" for p in streamed)
+        updates = [p["update"] for p in pieces if "update" in p]
+        assert len(updates) > 1 and "".join(u["delta"] for u in updates) == shell["update"]["delta"]
+        assert [u.get("skipped") for u in updates] == [5] + [None] * (len(updates) - 1)
+        assert len(streamed) + len(updates) == len(pieces)  # the one without a delta left out
         await b.pool.execute("SELECT pg_notify('agentloop_live', 'not json')")  # ignored, not a crash
         await a.follow_live("A", [f"pid-{i}" for i in range(1000)])  # 22 kB of pids: several notifications
         await heard.until(lambda: sum(len(pids) for _, pids in heard.follows) >= 1000)

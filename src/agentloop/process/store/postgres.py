@@ -42,7 +42,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import asyncpg
@@ -193,7 +193,9 @@ RETURNING epoch
 def pack_relay(sender: str, batches: list[RelayBatch], limit: int = _NOTIFY_MAX) -> list[str]:
     """The NOTIFY payloads that carry ``batches`` (see ``LIVE_CHANNEL``), each at most ``limit``
     bytes: as few as fit, a batch split between two where needed. A signal too large to fit in
-    one alone is left out (it is only progress: the logged ``proc.run.output`` has the text)."""
+    one alone is sent in pieces when what makes it large is its text delta (``split_delta``: the
+    pieces' deltas add up to its own); any other is left out (it is only progress: the logged
+    ``proc.run.output`` has the text)."""
     head = f'{{"sender":{dumps(sender)},"batches":['
     empty = len(head.encode()) + 2  # with its closing "]}"
     payloads: list[str] = []
@@ -201,12 +203,10 @@ def pack_relay(sender: str, batches: list[RelayBatch], limit: int = _NOTIFY_MAX)
     used = empty
     for pid, base, signals in batches:
         prefix = f"[{dumps(pid)},{int(base)},["
+        room = limit - empty - len(prefix.encode()) - 2  # the bytes one signal may take alone
         items: list[str] = []
-        for signal in signals:
+        for signal in _fitted(pid, signals, room):
             item = dumps(signal)
-            if empty + len(prefix.encode()) + 2 + len(item.encode()) > limit:
-                log.debug("process %s: a progress signal of %d bytes is too large to relay", pid, len(item))
-                continue
             # an entry's first item brings the entry's frame ('[pid,base,[' ... ']]', a comma before it)
             frame = 0 if items else len(prefix.encode()) + 2 + (1 if entries else 0)
             size = len(item.encode()) + (1 if items else 0)
@@ -223,6 +223,54 @@ def pack_relay(sender: str, batches: list[RelayBatch], limit: int = _NOTIFY_MAX)
     if entries:
         payloads.append(head + ",".join(entries) + "]}")
     return payloads
+
+
+def _fitted(pid: str, signals: list[dict[str, Any]], room: int) -> Iterator[dict[str, Any]]:
+    """``signals`` with each larger than ``room`` bytes split (or left out where it cannot be)."""
+    for signal in signals:
+        size = len(dumps(signal).encode())
+        if size <= room:
+            yield signal
+            continue
+        pieces = split_delta(signal, room)
+        if not pieces:
+            log.debug("process %s: a progress signal of %d bytes is too large to relay", pid, size)
+        yield from pieces
+
+
+def split_delta(signal: dict[str, Any], room: int) -> list[dict[str, Any]]:
+    """``signal`` as several of at most ``room`` bytes of JSON each, whose text deltas, in order,
+    add up to its own: a stream delta (``delta``) or a tool's progress that carries one
+    (``update.delta``, the shell's output). Its other fields go with every piece, but a
+    ``skipped`` count (text dropped before the delta) only with the first. Empty where the
+    signal has no such delta, or its other fields alone leave no room for one."""
+    update = signal.get("update")
+    nested = isinstance(update, dict) and isinstance(update.get("delta"), str)
+    text = update.get("delta") if isinstance(update, dict) and nested else signal.get("delta")
+    if not isinstance(text, str) or not text:
+        return []
+
+    def piece(delta: str, first: bool) -> dict[str, Any]:
+        if not nested:
+            return {**signal, "delta": delta}
+        inner = {**(update if isinstance(update, dict) else {}), "delta": delta}
+        if not first:
+            inner.pop("skipped", None)
+        return {**signal, "update": inner}
+
+    space = room - len(dumps(piece("", True)).encode())
+    if space < 64:  # (the rest of it is nearly as large as a notification)
+        return []
+    pieces: list[dict[str, Any]] = []
+    start, used = 0, 0
+    for i, ch in enumerate(text):
+        size = len(dumps(ch).encode()) - 2  # as it is escaped in JSON, without the quotes
+        if used + size > space:
+            pieces.append(piece(text[start:i], not pieces))
+            start, used = i, 0
+        used += size
+    pieces.append(piece(text[start:], not pieces))
+    return pieces
 
 
 def _fill(used: int, items: list[str], limit: int = _NOTIFY_MAX) -> list[list[str]]:
