@@ -332,6 +332,31 @@ async def test_approve_runs_the_tool_and_deny_does_not(tmp_path: Path, fake: Fak
         assert fake.sent("answerCallbackQuery")[4]["text"] == "❌ Denied"
 
 
+async def test_a_message_typed_instead_of_pressing_a_button_denies_and_is_answered(
+    tmp_path: Path, fake: FakeTelegram
+) -> None:
+    """A chat has no prompt to type an answer into: a user who writes while a request waits (\"no,
+    keep it\") declines it, and the model reads the refusal and the message together, in the
+    run that asked; one answer comes, and the buttons go stale."""
+    removed.clear()
+    async with running(tmp_path, fake, allow=[ALICE]) as (kernel, _, model):
+        fake.message(chat=ALICE, user=ALICE, text="delete")
+        [ask] = await until(lambda: [p for p in fake.sent(chat=ALICE) if "reply_markup" in p])
+        fake.message(chat=ALICE, user=ALICE, text="no, keep it")
+        await until(lambda: len(fake.texts(ALICE)) == 2)
+        [proc] = await kernel.processes()
+        process = await kernel.process(proc.pid)
+        await process.wait_idle()
+        assert removed == [] and await process.pending_approvals() == []
+        assert fake.texts(ALICE) == [ask["text"], "seen: delete, no, keep it"]  # one answer, in the run that asked
+        last = model.requests[-1].messages
+        assert isinstance(last[-2], ToolResultMessage) and last[-2].is_error and "denied" in last[-2].text.lower()
+        fake.press(ALICE, ask, ask["reply_markup"]["inline_keyboard"][0][0]["callback_data"])  # Approve, too late
+        await until(lambda: fake.sent("answerCallbackQuery"))
+        assert fake.sent("answerCallbackQuery")[0]["text"] == "This request is no longer pending."
+        assert removed == []
+
+
 async def test_the_offset_survives_a_restart_and_a_redelivered_update_runs_once(
     tmp_path: Path, fake: FakeTelegram
 ) -> None:

@@ -198,11 +198,18 @@ class ChatBridge(Generic[K]):
         self, chat: K, user: object, text: str, run_id: str, media: Sequence[ImageContent | FileContent] = ()
     ) -> None:
         """``text`` (and ``media``) to the chat's process (spawned when it has none), admitted once
-        per ``run_id``."""
+        per ``run_id``. Each message is a run of its own (``queue``), except one written while the
+        process waits for an approval: a chat has no prompt to type an answer into, so a user who
+        writes instead of pressing a button ("no, keep it") declines what waits, and the message
+        joins the run that asked (``steer``), which reads the refusal and the words together."""
         for _ in range(2):  # (again with a new process, when the chat's was killed meanwhile)
             proc = await self._process(chat, user)
             try:
-                await proc.send(text, mode="queue", media=media, run_id=run_id)
+                waiting = [] if await self._admitted(chat, run_id) else await proc.pending_approvals()
+                await proc.send(text, mode="steer" if waiting else "queue", media=media, run_id=run_id)
+                for request in waiting:  # (after the send: the run must find the words when it goes on)
+                    with suppress(KeyError):  # answered meanwhile
+                        await proc.hil(request.request_id, "deny")
                 return
             except NoSuchProcess:
                 self._forget(chat)
