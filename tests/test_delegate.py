@@ -323,6 +323,53 @@ async def test_no_reply_to_a_source_reset_since(tmp_path):
     assert owed is None
 
 
+@pytest.mark.parametrize("how", ["withdraw", "reset"])
+async def test_a_queued_task_dropped_before_its_turn_is_an_error_at_once_for_a_waiting_caller(tmp_path, how):
+    """The target was busy, so the task waited in its queue; it was withdrawn (or the target reset)
+    before its turn. The waiting caller is told at once that it was not run, not after its timeout."""
+    async with _kernel(tmp_path) as k:
+        source = await k.spawn(owner="alice")
+        target = await k.spawn(owner="alice")
+        await target.send("busy b9")
+        await _until(lambda: _at_gate(target))
+        await source.send(f"delegate {target.pid} wait 60: plain")
+        await _until(lambda: _queued(target))
+        if how == "withdraw":
+            assert len(await target.withdraw()) == 1
+        else:
+            await target.reset()
+        async with asyncio.timeout(5):
+            await source.wait_idle()
+        [result] = await _results(source)
+        _gate("b9").set()
+        await target.wait_idle()
+    assert "did not run the task" in result and target.pid in result
+    assert "timeout" not in result and "did not answer" not in result
+
+
+async def test_a_queued_task_dropped_before_its_turn_is_reported_to_a_caller_that_did_not_wait(tmp_path):
+    async with _kernel(tmp_path) as k:
+        source = await k.spawn(owner="alice")
+        target = await k.spawn(owner="alice")
+        await target.send("busy b10")
+        await _until(lambda: _at_gate(target))
+        await source.send(f"delegate {target.pid} nowait -: plain")
+        await source.wait_idle()
+        await _until(lambda: _queued(target))
+        await target.withdraw()
+        await _until(lambda: _has_told(source))
+        await source.wait_idle()
+        told = await _told(source)
+        owed = await k.store.kv_get(target.pid, delegate.DELEGATIONS_KEY)
+        _gate("b10").set()
+        await target.wait_idle()
+        await asyncio.sleep(0.1)
+        assert await _told(source) == told  # once
+    assert len(told) == 1 and told[0].startswith(f"[delegation reply] process {target.pid}")
+    assert "did not run the task" in told[0]
+    assert owed is None  # nothing left owed on the target
+
+
 async def test_retirement_never_kills_a_subagent_that_was_delegated_to(tmp_path, monkeypatch):
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")

@@ -44,9 +44,12 @@ Known limits: a target killed before it answers sends no reply to a ``wait=false
 waiting one is told); on a store several workers share, the worker that runs the target's run
 delivers the reply, and one that dies before that leaves it to the next kernel start. Two
 processes that wait on each other (A waits on B, which delegates back to A and waits) wait until
-the timeout: the task for A is queued behind A's waiting run. A queued task that never runs (the
-target is reset, or the item withdrawn, before its turn) ends no run: a waiting caller gets the
-timeout, one that did not wait no reply (its row stays owed, a few bytes on the target).
+the timeout: the task for A is queued behind A's waiting run.
+
+A queued task dropped before its turn (withdrawn, the target reset, or stopped with its parent)
+ends no run, so the signal that may have dropped it is the cue: if the task is then neither in the
+queue, nor the run under way, nor a run that has ended, the caller is told it was not run (a
+tool error for one that waits, a reply for one that did not).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import hashlib
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +67,7 @@ from agentloop.kernel.tasks import DELEGATED_KEY, TASK_TIMEOUT
 from agentloop.kernel.watches import run_answer
 from agentloop.process import admission
 from agentloop.process import signals as sig
+from agentloop.process.engine import DISCARDS_QUEUE
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
@@ -78,6 +82,9 @@ DELEGATIONS_KEY = "delegations"  # a target's kv row: delegated run id -> the re
 MAX_TIMEOUT = TASK_TIMEOUT  # seconds a waiting call may take at most
 MAX_ANSWER = 8_000  # characters of the answer in a reply event
 REPLY_GRACE = 10.0  # seconds a closing kernel waits for the replies under way
+# the end of a delegated task that was dropped before its run began (its payload, as a run's end)
+NOT_RUN: dict[str, Any] = {"status": "not_run", "reason": "dropped"}
+NOT_RUN_WHY = "it was taken out of its queue before its turn (withdrawn, or the process was reset or stopped)"
 PAGE = 500
 
 _SCHEMA: dict[str, Any] = {
@@ -204,19 +211,50 @@ class DelegateTool(Tool):
             ) from None
         if finished is None:
             raise ToolError(f"process {to} was killed before it answered")
+        if finished is NOT_RUN:
+            raise ToolError(f"process {to} did not run the task: {NOT_RUN_WHY}")
         return _answer(to, rid, finished, await run_answer(kernel.store, to, rid))
 
 
 async def _run_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
     """The ``proc.run.finished`` payload of the target's run ``run_id``, when it comes (from its
-    log after ``after``, then live); None if the target is killed first."""
+    log after ``after``, then live); ``NOT_RUN`` if the task is dropped before its run begins;
+    None if the target is killed first."""
     try:
         async for signal in (await kernel.process(pid)).signals(after_seq=after, follow=True):
             if signal.signal == sig.RUN_FINISHED and signal.payload.get("runId") == run_id:
                 return dict(signal.payload)
+            if _may_drop(signal):
+                dropped = await _dropped(kernel, pid, run_id, signal.seq or after)
+                if dropped is not None:
+                    return dropped
     except NoSuchProcess:
         return None
     return None
+
+
+def _may_drop(signal: Signal) -> bool:
+    """Whether ``signal`` may say that queued input was dropped: a withdrawal, a reset, or the
+    abort of a run that discards the queue (a subagent stopped with its parent)."""
+    if signal.signal == sig.CHANGED:
+        changes = signal.payload.get("changes") or ()
+        return "queue" in changes or "reset" in changes
+    return signal.signal == sig.RUN_FINISHED and signal.payload.get("reason") in DISCARDS_QUEUE
+
+
+async def _dropped(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
+    """After a signal at seq ``after`` that may have dropped the delegated task: ``NOT_RUN`` if it
+    is neither waiting in the queue nor the run under way, nor a run that has ended since (its
+    end then: the log is read after the signal); None while it is still to come. Read in that
+    order, a task that moves on meanwhile (taken from the queue, its run ended) is never missed."""
+    if any(item.run_id == run_id for item in await kernel.store.queue(pid)):
+        return None
+    record = await kernel.store.get_process(pid)
+    if record is None or record.state == "killed":
+        raise NoSuchProcess(pid)
+    if record.current_run is not None and record.current_run.get("run_id") == run_id:
+        return None
+    return await _logged_end(kernel, pid, run_id, after) or NOT_RUN
 
 
 async def _logged_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
@@ -272,16 +310,34 @@ class Replies:
 
     def _heard(self, pid: str, signal: Signal) -> None:
         """The hub's tap: cheap, synchronous, never raising."""
-        if signal.signal != sig.RUN_FINISHED or self.closed:
+        if self.closed:
+            return
+        if _may_drop(signal):  # (rare: a withdrawal, a reset, a stop with the parent)
+            self._spawn(self._deliver_dropped(pid, signal.seq or 0), f"replies of {pid}")
+        if signal.signal != sig.RUN_FINISHED:
             return
         rid = signal.payload.get("runId")
         if not isinstance(rid, str) or not rid.startswith(RUN_PREFIX):
             return
-        task = asyncio.get_running_loop().create_task(
-            self._deliver_logged(pid, rid, dict(signal.payload)), name=f"reply of {rid}"
-        )
+        self._spawn(self._deliver_logged(pid, rid, dict(signal.payload)), f"reply of {rid}")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._work.add(task)
         task.add_done_callback(self._work.discard)
+
+    async def _deliver_dropped(self, target: str, after: int) -> None:
+        """The replies owed by ``target`` for tasks dropped before their turn: ``NOT_RUN``."""
+        try:
+            owed = dict(await self.kernel.store.kv_get(target, DELEGATIONS_KEY) or {})
+            for rid in owed:
+                finished = await _dropped(self.kernel, target, rid, after)
+                if finished is not None:
+                    await self.deliver(target, rid, finished)
+        except NoSuchProcess:
+            return
+        except Exception as exc:  # left owed
+            log.warning("process %s: the replies of its dropped delegated tasks were not delivered: %s", target, exc)
 
     async def _deliver_logged(self, target: str, rid: str, finished: dict[str, Any]) -> None:
         try:
@@ -349,6 +405,8 @@ async def _claim(kernel: Kernel, target: str, rid: str) -> bool:
 
 
 def _render_reply(target: str, rid: str, finished: Mapping[str, Any], text: str) -> str:
+    if finished is NOT_RUN:
+        return f"[delegation reply] process {target} did not run the task (run {rid}): {NOT_RUN_WHY}"
     lines = [
         f"[delegation reply] process {target} ended the task you delegated to it (run {rid}):"
         f" status {finished.get('status')} ({finished.get('reason')})"
