@@ -85,6 +85,9 @@ def test_file_keys_become_guards_fallbacks_and_threshold_and_flags_win(tmp_path:
     assert "approval_timeout" not in options
     cfg.write_text("approval_timeout = 600\n")
     assert kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(cfg)}))["approval_timeout"] == 600.0
+    assert "outage_retries" not in options
+    cfg.write_text("outage_retries = [30, 120.5]\n")
+    assert kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(cfg)}))["outage_retries"] == (30.0, 120.5)
 
 
 def test_a_flag_replaces_a_bad_key(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,6 +237,9 @@ def test_the_compaction_threshold_reaches_the_durable_chat(
         ('fallbacks = ["nope:x"]\n', "fallbacks has a bad model: unknown provider 'nope'"),
         ("approval_timeout = 0\n", "approval_timeout must be a positive number of seconds"),
         ("approval_timeout = inf\n", "approval_timeout must be a positive number of seconds"),
+        ("outage_retries = 30\n", "outage_retries must be a list of at most 20 waits in seconds"),
+        ("outage_retries = [30, -1]\n", "outage_retries must be a list of at most 20 waits in seconds"),
+        ("outage_retries = [1e9]\n", "outage_retries must be a list of at most 20 waits in seconds"),
     ],
 )
 @pytest.mark.parametrize("command", ["run", "chat", "serve"])

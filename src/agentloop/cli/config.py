@@ -7,8 +7,8 @@ stop the CLI: it becomes a warning and the defaults apply.
 
 The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
 ``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
-``compaction_threshold``, the ``approval_timeout`` and the ``mcp_servers``. A budget written down
-and then silently ignored would let a run go on without the limit its owner relied on (and a
+``compaction_threshold``, the ``approval_timeout``, the ``outage_retries`` and the ``mcp_servers``.
+A budget written down and then silently ignored would let a run go on without the limit its owner relied on (and a
 server left out, without tools it was meant to have), so a bad value there is an error (exit 2)
 for the commands that run the loop, naming the key or flag and what it must be.
 
@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from agentloop.loop.guards import Guards
 from agentloop.models.base import REASONING_LEVELS, Model, Reasoning
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
+from agentloop.process.driver import MAX_OUTAGE_DELAY, MAX_OUTAGE_RETRIES
 from agentloop.process.heartbeat import DEFAULT_EVERY, DEFAULT_HEARTBEAT, DEFAULT_HOURS, HeartbeatSettings, parse_hours
 from agentloop.tools.mcp import MCPServerConfig, parse_servers
 from agentloop.urls import redact_secrets
@@ -42,7 +43,7 @@ STORE_ENV = "AGENTLOOP_STORE"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
-_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning", "approval_timeout")
+_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning", "approval_timeout", "outage_retries")
 _SWITCHES = ("codemode", "subagents", "schedules")  # true or false; anything else is an error
 _KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat", "fetch_allow")
 
@@ -66,6 +67,7 @@ class FileConfig:
     compaction_threshold: float | None = None
     reasoning: Reasoning | None = None
     approval_timeout: float | None = None
+    outage_retries: tuple[float, ...] | None = None
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
     subagents: bool = False
@@ -116,6 +118,7 @@ class Settings:
     compaction_threshold: float | None = None  # None: the kernel's default
     reasoning: Reasoning | None = None  # None: the model's own setting
     approval_timeout: float | None = None  # seconds an approval request waits before it is denied
+    outage_retries: tuple[float, ...] | None = None  # waits before each new try of a model that is out
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
@@ -199,6 +202,15 @@ _LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: _positive_number(v) and v < float("inf"),
         "a positive number of seconds an approval request waits for its answer",
     ),
+    "outage_retries": (
+        lambda v: (
+            isinstance(v, list)
+            and len(v) <= MAX_OUTAGE_RETRIES
+            and all(_positive_number(x) and x <= MAX_OUTAGE_DELAY for x in v)
+        ),
+        f"a list of at most {MAX_OUTAGE_RETRIES} waits in seconds (each up to {MAX_OUTAGE_DELAY:g})"
+        " before a model that is out is tried again",
+    ),
 }
 
 
@@ -231,6 +243,8 @@ def _read_limits(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict
             errors[key] = f"config file {path}: {key} {problem}"
         elif key == "fallbacks":
             values[key] = tuple(v.strip() for v in data[key])
+        elif key == "outage_retries":
+            values[key] = tuple(float(v) for v in data[key])
         else:
             values[key] = (
                 float(data[key])
@@ -404,6 +418,7 @@ def load_settings(
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
         reasoning=_first(flags.reasoning, file.reasoning),
         approval_timeout=file.approval_timeout,
+        outage_retries=file.outage_retries,
         mcp_servers=file.mcp_servers,
         codemode=file.codemode,
         subagents=file.subagents,
@@ -534,6 +549,8 @@ def kernel_options(settings: Settings, progress: Callable[[str], None] | None = 
     options["heartbeat"] = settings.heartbeat
     if settings.approval_timeout is not None:
         options["approval_timeout"] = settings.approval_timeout
+    if settings.outage_retries is not None:
+        options["outage_retries"] = settings.outage_retries
     return options
 
 

@@ -68,6 +68,7 @@ from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, Tool
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.compaction import extract_memories
+from agentloop.process.driver import check_outage_retries
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
 from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
 from agentloop.process.hil import check_approval_timeout
@@ -521,6 +522,7 @@ class Kernel:
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
         approval_timeout: float | None = None,
+        outage_retries: Sequence[float] = (),
         policy: str | bytes | dict[str, Any] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
@@ -568,13 +570,18 @@ class Kernel:
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
         default otherwise) unless ``approval`` replaces the check. A request nobody answers within
-        ``approval_timeout`` seconds is denied (None: it waits for ever). After a conversation's first run
+        ``approval_timeout`` seconds is denied (None: it waits for ever). A model call that still
+        fails after its own retries and fallbacks in a way that may pass (a rate limit, a 5xx, no
+        connection) ends the run, unless ``outage_retries`` gives the seconds to wait before each
+        new try (``(30, 120, 600)``: three more, over some 12 minutes): the run then waits, durably
+        (a restart keeps to the plan), and goes on where it was. After a conversation's first run
         a title is made in the background (kernel/titles.py): ``titles="message"`` cuts one from the
         first user message, ``"model"`` asks the process's model (that fallback when it fails), a
         ``TitleFn`` replaces the model, None makes none (a person may still set one).
         """
         check_titling(titles)
         check_approval_timeout(approval_timeout)
+        retry_plan = check_outage_retries(outage_retries)
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
                 raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
@@ -650,6 +657,7 @@ class Kernel:
             poll_interval=poll_interval,
         )
         engine.approval_timeout = approval_timeout
+        engine.outage_retries = retry_plan
         await store.open()  # (last: what fails from here on closes it, and lets go of the runtime's lock)
         try:
             store.hold_runtime()  # one runtime drives the processes of a SQLite file

@@ -133,6 +133,7 @@ async def call_model(
         messages = await cfg.hooks.run_transform(messages)
     request = build_request(cfg, messages, tools_enabled, state.conversation)
     state.offered = None
+    state.transient = False
     if cfg.hooks.phases:
         try:
             await _turn_phases(cfg, state, request)
@@ -153,6 +154,7 @@ async def call_model(
             return result
         outcome = result
     assert outcome is not None
+    state.transient = outcome.retryable  # (every model failed so: a later try may well succeed)
     return outcome.message
 
 

@@ -104,6 +104,7 @@ class RunState:
     mode: Mode = "agent"
     phase: Literal["idle", "model", "tools"] = "idle"
     error: str | None = None  # why the run failed, when it did
+    transient: bool = False  # the last model call failed in a way that may pass (rate limit, 5xx, connection)
     metadata: Mapping[str, Any] | None = None  # the caller's, for the run's tools (``ToolContext.metadata``)
 
     @property

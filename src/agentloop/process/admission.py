@@ -93,8 +93,8 @@ async def send(
             await tx.enqueue("steer" if steer else "queue", message, queued_run)
         await keep_output(engine, pid, receipt.run_id, output)
         await remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position)
-    if not receipt.queued:
-        engine.wake(pid)
+    if not receipt.queued or (active is not None and active.get("retry_at") is not None):
+        engine.wake(pid)  # (a run waiting out an outage tries again at once for what joins it)
     return receipt
 
 

@@ -189,6 +189,10 @@ async def _step(engine: ProcessEngine, live: _Live) -> bool:
             await engine.store.register_calls(call_rows(pid, run_id, decision.calls, tools))
         return True
     assert isinstance(decision, CallModel)
+    retry_at = run.get("retry_at")
+    if retry_at is not None and time.time() < retry_at and not await _joining(engine, live):
+        _arm_retry(engine, live, retry_at)  # (the model was out: its turn comes then, or with new input)
+        return False
     return await _model_turn(engine, live, run, decision.tools_enabled)
 
 
@@ -367,6 +371,9 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         live.partial = None
     if relay is not None:
         await relay.flush(pid)  # the answer's deltas go out ahead of the commit that logs it
+    delay = _outage_delay(engine, run, reply, state)
+    if delay is not None:
+        return await _defer(engine, live, run, cfg, reply, discarded, delay)
     calls = reply.tool_calls  # (a list made anew at each look: taken once)
     if not tools_enabled and calls:
         reply.content = [b for b in reply.content if not isinstance(b, ToolCall)]
@@ -383,6 +390,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         "usage": _spent(run["usage"], reply.usage + discarded),
     }
     new_run.pop("offered", None)  # (a turn before's)
+    new_run.pop("retry_at", None)  # (the model answered: an outage's count starts again)
+    new_run.pop("deferred", None)
     reading = _reading(engine, live, cfg, tools_enabled, reply, measured)  # None: the level is as known
     if calls and state.offered is not None:
         new_run["offered"] = sorted(state.offered)  # kept with the run: so is a call resumed after a restart
@@ -443,6 +452,90 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         arm_deadline(engine, live, batch, time.time())
         return False
     return True
+
+
+MAX_OUTAGE_RETRIES = 20  # tries a run may wait for at most (``Kernel.open``'s ``outage_retries``)
+MAX_OUTAGE_DELAY = 86_400.0  # seconds one wait may last at most
+
+
+def check_outage_retries(delays: object) -> tuple[float, ...]:
+    """``outage_retries`` as the engine keeps it; ``TypeError``/``ValueError`` for what is not a
+    list of at most ``MAX_OUTAGE_RETRIES`` positive numbers of seconds up to ``MAX_OUTAGE_DELAY``."""
+    if isinstance(delays, str | bytes) or not isinstance(delays, list | tuple):
+        raise TypeError(f"outage_retries must be a list of seconds, got {type(delays).__name__}")
+    if len(delays) > MAX_OUTAGE_RETRIES:
+        raise ValueError(f"outage_retries may plan {MAX_OUTAGE_RETRIES} tries at most, got {len(delays)}")
+    for delay in delays:
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 < delay <= MAX_OUTAGE_DELAY:
+            raise ValueError(f"outage_retries must be seconds between 0 and {MAX_OUTAGE_DELAY:g}, got {delay!r}")
+    return tuple(float(d) for d in delays)
+
+
+def _outage_delay(engine: ProcessEngine, run: dict[str, Any], reply: AssistantMessage, state: RunState) -> float | None:
+    """Seconds until the run calls its model again, when the call failed in a way that may pass
+    (``state.transient``: a rate limit, a 5xx, no connection, after the call's own retries and
+    fallbacks) and the run may wait for it yet (``engine.outage_retries``, counted in the run's
+    record as ``deferred``); None: the failure ends the run, as it always did."""
+    delays = engine.outage_retries
+    deferred = int(run.get("deferred", 0))
+    if reply.stop_reason != "error" or not state.transient or deferred >= len(delays) or run.get("stopping"):
+        return None
+    return float(delays[deferred])
+
+
+async def _defer(
+    engine: ProcessEngine,
+    live: _Live,
+    run: dict[str, Any],
+    cfg: LoopConfig,
+    reply: AssistantMessage,
+    spent: Usage,
+    delay: float,
+) -> bool:
+    """The model is out: instead of ending the run, commit when it is to be called again (the run's
+    ``retry_at``, which a restart keeps) with ``proc.run.retrying`` (``deferred``), and sleep until
+    then. The failed answer is not kept: the history stays as the model last saw it, so the next
+    try asks the same. Input that joins the run calls the model at once; an abort ends the run as
+    at any time."""
+    run_id, generation = run["run_id"], run["generation"]
+    retry_at = time.time() + delay
+    deferred = int(run.get("deferred", 0)) + 1
+    async with engine._tx(live) as tx:
+        if not _still_current(live, run_id, generation):
+            return False
+        waiting = {**run, "generation": generation + 1, "retry_at": retry_at, "deferred": deferred}
+        waiting["usage"] = _spent(run["usage"], reply.usage + spent)  # (failed calls may be billed)
+        await tx.set_run(waiting)
+        await tx.signal(
+            sig.RUN_RETRYING,
+            runId=run_id,
+            attempt=deferred,
+            delay=delay,
+            reason=reply.error_message or "the model call failed",
+            model=cfg.model.name,
+            fallback=False,
+            deferred=True,
+            at=retry_at,
+        )
+    log.warning(
+        "process %s: the model is unavailable (%s); run %s tries again in %g s (%d of %d)",
+        live.record.pid,
+        reply.error_message,
+        run_id,
+        delay,
+        deferred,
+        len(engine.outage_retries),
+    )
+    _arm_retry(engine, live, retry_at)
+    return False
+
+
+def _arm_retry(engine: ProcessEngine, live: _Live, at: float) -> None:
+    """Wake the process's driver just after ``at`` (epoch seconds), for its deferred model call."""
+    loop = asyncio.get_running_loop()
+    if live.retry_timer is not None:
+        live.retry_timer.cancel()
+    live.retry_timer = loop.call_at(loop.time() + max(0.0, at - time.time()) + 0.01, engine.wake, live.record.pid)
 
 
 def _still_current(live: _Live, run_id: str, generation: int) -> bool:

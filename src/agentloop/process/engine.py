@@ -194,6 +194,9 @@ class ProcessEngine:
         self.closed_hooks: list[Callable[[], None]] = []
         # seconds an approval request may wait for its answer before it is denied (None: for ever)
         self.approval_timeout: float | None = None
+        # seconds a run waits before each new try of a model that is out (``driver._defer``); empty:
+        # a model call that fails after its own retries ends the run
+        self.outage_retries: tuple[float, ...] = ()
         self._live: dict[str, _Live] = {}
         self._reloading: set[asyncio.Task[None]] = set()
         self._aborting: set[asyncio.Task[bool]] = set()

@@ -53,6 +53,7 @@ class _Live:
     lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
     deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
     ask_timer: asyncio.TimerHandle | None = None  # wakes it to deny an approval request left unanswered
+    retry_timer: asyncio.TimerHandle | None = None  # wakes it to call a model that was out again
     remote: bool = False  # another worker holds the process: a snapshot to forward input with, never driven
     spending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one nested call counted at a time
     asking: set[asyncio.Event] = field(default_factory=set)  # nested calls awaiting a person: set on wake
