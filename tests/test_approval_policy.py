@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from agentloop.process.approval import (
+    KNOWN_TAGS,
     NON_INTERACTIVE,
     Policy,
     Rule,
@@ -314,6 +315,35 @@ def test_remember_rule_is_bound_to_syscall_and_target() -> None:
         default_policy(), "fs.delete", {"path": "x"}, target="laptop", cwd=CWD, home=HOME, remembered=remembered
     )
     assert on_device.action == "ask"
+
+
+def test_remember_is_narrowed_to_the_risks_the_person_saw() -> None:
+    """An "always" answer to a call asked about for some risks allows later calls of that kind with no
+    other risk: approving a network command once must not approve a destructive one."""
+    curl = decide(default_policy(), "shell.exec", {"command": "curl https://example.com"}, cwd=CWD, home=HOME)
+    assert curl.action == "ask" and curl.tags == ["network"]
+    rule = remember_rule("shell.exec", "local", curl.tags)
+    assert list(rule.to_json()["when"]["noTag"]) == sorted(KNOWN_TAGS - {"network"})
+    remembered = [Rule.model_validate(rule.to_json())]  # (as the process's kv keeps it)
+
+    def verdict(command: str) -> str:
+        args = {"command": command}
+        return decide(default_policy(), "shell.exec", args, cwd=CWD, home=HOME, remembered=remembered).action
+
+    assert verdict("curl https://example.org/other") == "auto"  # the same kind of call
+    assert verdict("rm -rf /tmp/x") == "ask"  # destructive: never shown to the person
+    assert verdict("sudo ls") == "ask"
+    assert verdict("curl https://example.com | sh") == "ask"
+    assert verdict("ls") == "auto"  # (the policy does not ask about it anyway)
+    # a rule written by hand can use the same clause
+    policy, problems = parse_policy(
+        {"default": "ask", "rules": [{"match": "*", "when": {"noTag": ["network"]}, "action": "auto"}]}
+    )
+    assert problems == []
+    assert decide(policy, "shell.exec", {"command": "ls"}, cwd=CWD, home=HOME).action == "auto"
+    assert decide(policy, "shell.exec", {"command": "curl x.io"}, cwd=CWD, home=HOME).action == "ask"
+    _, problems = parse_policy({"rules": [{"match": "*", "when": {"noTag": ["netwrk"]}, "action": "auto"}]})
+    assert problems and "unknown tag" in problems[0]
 
 
 def test_args_fingerprint_is_canonical_and_binds_arguments() -> None:

@@ -16,6 +16,7 @@ from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import engine as engine_module
 from agentloop.process import signals as sig
+from agentloop.process.approval import KNOWN_TAGS
 from agentloop.process.prompt import PromptSources, assemble_prompt
 from agentloop.process.store import SQLiteStore, StoreError, ToolCallRow
 from tests.process_support import assert_valid, echo, gated, kernel, ran
@@ -261,6 +262,9 @@ async def test_remember_is_a_rule_of_the_process_only(tmp_path: Path) -> None:
         await first.send("again")
         await first.wait_idle()
         assert ran == ["x", "x"] and await first.pending_approvals() == []  # remembered here
+        # … for calls with no risk beyond what the person saw (this one had none)
+        [rule] = await k.store.kv_get(first.pid, "approval_overrides")
+        assert rule["when"] == {"noTag": sorted(KNOWN_TAGS)} and rule["match"] == "tool.echo"
         await other.send("go")
         await _until(other.pending_approvals)  # … but not for the account's other process
         assert ran == ["x", "x"]

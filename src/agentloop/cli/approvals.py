@@ -308,7 +308,7 @@ class PolicyHook:
                 return Block(f"Tool execution denied: {self.unanswerable} ({verdict.reason})")
             answer = await self.ask(Question(name, info.args, tuple(verdict.tags), verdict.reason))
             if answer == "always":
-                self.remembered.insert(0, remember_rule(syscall))
+                self.remembered.insert(0, remember_rule(syscall, tags=verdict.tags))
                 return None
             if answer == "approve":
                 return None

@@ -123,7 +123,7 @@ async def answer(
             if remember:  # a process-local allow rule, which the policy checker reads first
                 rules = await engine.store.kv_get(pid, "approval_overrides") or []
                 target = call_target(row.syscall, row.tool_name, row.args)  # a device's, or local
-                rules.insert(0, remember_rule(row.syscall, target).to_json())
+                rules.insert(0, remember_rule(row.syscall, target, row.tags).to_json())
                 await engine.store.kv_set(pid, "approval_overrides", rules)
         else:
             await _deny(engine, tx, live, row, note)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from agentloop.process.approval.policy import Action, Policy, Rule, When
+from agentloop.process.approval.policy import KNOWN_TAGS, Action, Policy, Rule, When
 from agentloop.process.approval.tags import PATH_ARGS, CallFacts, call_facts, is_local, path_inside, workspace_path
 
 __all__ = [
@@ -94,6 +94,8 @@ def _holds(
     if when.any_tags is not None and not tags.intersection(when.any_tags):
         return False
     if when.all_tags is not None and not tags.issuperset(when.all_tags):
+        return False
+    if when.none_tags is not None and tags.intersection(when.none_tags):
         return False
     for key, prefix in (when.arg_prefix or {}).items():
         if not _has_prefix(args.get(key), prefix, where if key == path_key else None):
@@ -230,15 +232,19 @@ def decide(
     return ApprovalDecision(action=action, tags=sorted(facts.tags), rule=rule_text, reason=reason)
 
 
-def remember_rule(syscall: str, target: str = "local") -> Rule:
+def remember_rule(syscall: str, target: str = "local", tags: Sequence[str] | None = None) -> Rule:
     """The process-local allow rule a "yes, and remember" answer adds (``remembered`` in
     :func:`decide`).
 
-    It is bound to the syscall and target only, not to the arguments: remembering one shell
-    command auto-approves the later shell commands on that target the policy would ask about.
-    It answers questions only: what the policy denies stays denied.
+    It is bound to the syscall and target, not to the arguments, and, given the ``tags`` of the
+    call the person answered, to calls with no risk beyond those (``noTag``: every other known
+    tag): remembering one network command auto-approves the later network commands on that
+    target the policy would ask about, not a destructive or privileged one, which the person was
+    never shown. It answers questions only: what the policy denies stays denied.
     """
-    return Rule(match=syscall, target="local" if is_local(target) else target, action="auto")
+    others = sorted(KNOWN_TAGS - set(tags)) if tags is not None else []
+    when = When.model_validate({"noTag": others}) if others else None
+    return Rule(match=syscall, target="local" if is_local(target) else target, when=when, action="auto")
 
 
 def args_fingerprint(syscall: str, args: Mapping[str, Any]) -> str:

@@ -58,10 +58,11 @@ class When(_Strict):
 
     any_tags: tuple[str, ...] | None = Field(default=None, alias="anyTag", min_length=1)
     all_tags: tuple[str, ...] | None = Field(default=None, alias="allTags", min_length=1)
+    none_tags: tuple[str, ...] | None = Field(default=None, alias="noTag", min_length=1)
     arg_prefix: dict[str, str] | None = Field(default=None, alias="argPrefix")
     arg_equals: dict[str, Scalar] | None = Field(default=None, alias="argEquals")
 
-    @field_validator("any_tags", "all_tags")
+    @field_validator("any_tags", "all_tags", "none_tags")
     @classmethod
     def _known_tags(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
         # A misspelt tag would make the rule silently never (or always) apply.
