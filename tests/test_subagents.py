@@ -49,7 +49,7 @@ async def test_task_waits_for_a_child_process_and_returns_its_answer(tmp_path):
         parent_cwd = (await parent.info()).cwd
     assert _results(messages)[0].text == "done: count the files"
     assert messages[-1].text == "parent got: done: count the files"
-    assert len(children) == 1 and not children[0].interactive  # nobody would see its approval requests
+    assert len(children) == 1 and children[0].interactive  # as its parent: its requests are put to the parent's person
     assert children[0].cwd == parent_cwd and children[0].owner == "alice"
 
 

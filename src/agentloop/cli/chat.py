@@ -993,7 +993,7 @@ class DurableSession:
         outcome = TurnOutcome("ok")
         try:
             for row in await proc.pending_approvals():  # asked before this client was watching
-                if row.run_id == run_id:
+                if row.run_id == run_id or row.pid != proc.pid:  # (or a subagent's, put to this person)
                     await self._answer(Question.from_row(row), view, ask, answered)
             stream = cast("AsyncGenerator[Signal, None]", proc.signals(after_seq=self.seq, follow=True))
             async with aclosing(stream) as signals:
@@ -1007,7 +1007,7 @@ class DurableSession:
                     if signal.signal == sig.TOOL_FINISHED and not view.knows(str(payload.get("callId"))):
                         await self._learn_call(str(payload.get("callId")), view)
                     render.handle(signal)
-                    if signal.signal == sig.HIL_REQUESTED and payload.get("runId") == run_id:
+                    if signal.signal == sig.HIL_REQUESTED and (payload.get("runId") == run_id or "subagent" in payload):
                         await self._answer(Question.from_payload(payload), view, ask, answered)
                     if signal.signal == sig.RUN_FINISHED and payload.get("runId") == run_id:
                         outcome = _outcome(payload)

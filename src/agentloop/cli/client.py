@@ -666,7 +666,7 @@ class RemoteSession:
             if item.signal == sig.TOOL_FINISHED and not view.knows(str(payload.get("callId"))):
                 await self._learn_call(str(payload.get("callId")), view)
             render.handle(_signal(item))
-            if item.signal == sig.HIL_REQUESTED and payload.get("runId") == run_id:
+            if item.signal == sig.HIL_REQUESTED and (payload.get("runId") == run_id or "subagent" in payload):
                 await self._answer(Question.from_payload(payload), view, ask, answered)
             if item.signal == sig.RUN_FINISHED and payload.get("runId") == run_id:
                 return _outcome(payload)

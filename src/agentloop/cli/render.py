@@ -323,7 +323,8 @@ class SignalRenderer:
             view.tool_start(call_id, str(p.get("name", "")), args if isinstance(args, dict) else {})
         elif name == psig.TOOL_UPDATE:
             view.tool_output(str(p.get("callId", "")), p.get("update"))
-        elif name == psig.HIL_REQUESTED and not p.get("nested"):  # a nested call's callId is its program's
+        # a nested call's callId is its program's; a subagent's call is not one of this process's
+        elif name == psig.HIL_REQUESTED and not p.get("nested") and not p.get("subagent"):
             args = p.get("args")
             view.tool_start(
                 str(p.get("callId", "")), str(p.get("name", "")), args if isinstance(args, dict) else {}, show=False

@@ -45,6 +45,7 @@ from agentloop.kernel.runs import (
 from agentloop.kernel.schedule_tool import schedule_toolset
 from agentloop.kernel.schedules import DEFAULT_MIN_EVERY, SCHEDULE_RUN_PREFIX, Scheduler
 from agentloop.kernel.segments import Segment, SegmentPage, list_segments, read_segment, record_reset
+from agentloop.kernel.subagent_asks import SubagentAsks, descendants_asks
 from agentloop.kernel.tasks import Retirer, task_toolset
 from agentloop.kernel.titles import Titles, Titling, check_titling
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
@@ -351,8 +352,15 @@ class Process:
         """Answer a pending approval: ``approve`` (``remember``: this syscall from now on) or
         ``deny``, with ``message`` the model reads in the denied call's result ("use staging
         instead"), so it can change course instead of guessing why. A message with approve, one
-        too long (``MAX_DENIAL_MESSAGE``) or with control characters raises and answers nothing."""
-        return await self.kernel.engine.hil(self.pid, request_id, decision, remember=remember, message=message)
+        too long (``MAX_DENIAL_MESSAGE``) or with control characters raises and answers nothing.
+        A request of one of its subagents (``pending_approvals`` lists them) is answered in the
+        subagent's process (kernel/subagent_asks.py)."""
+        pid = self.pid
+        if not any(h.request_id == request_id for h in await self.pending_approvals(own=True)):
+            record = await self._record()
+            theirs = next((h for h in await descendants_asks(self.kernel, record) if h.request_id == request_id), None)
+            pid = pid if theirs is None else theirs.pid
+        return await self.kernel.engine.hil(pid, request_id, decision, remember=remember, message=message)
 
     async def set_mode(self, mode: Mode) -> None:
         """``chat``: from the next run on, answer from the same history without tools; ``agent``
@@ -404,9 +412,14 @@ class Process:
         that apply. A level change is also logged as ``proc.changed`` with ``changes: ["context"]``."""
         return await context_of(self.kernel.engine, await self._record())
 
-    async def pending_approvals(self) -> list[Any]:
+    async def pending_approvals(self, *, own: bool = False) -> list[HilRow]:
+        """The approval requests waiting for a person: its own, then (unless ``own``) those of its
+        subagents, which are answered through it too (each row's ``pid`` says whose it is)."""
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
-        return await self.kernel.store.hils(self.pid)
+        rows = await self.kernel.store.hils(self.pid)
+        if own:
+            return rows
+        return rows + await descendants_asks(self.kernel, await self._record())
 
     async def queued(self) -> list[QueueItem]:
         """The input waiting in the process's queue (steer input and system events for the active
@@ -675,6 +688,7 @@ class Kernel:
             raise
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
+        asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)
         replies = Replies(kernel) if subagents else None  # (Delegate's answers: kernel/delegate.py)
         try:
             if retirer is not None:  # (before recovery: its tap hears the runs it resumes end)
@@ -692,6 +706,8 @@ class Kernel:
         finally:
             if retirer is not None:
                 await retirer.close()
+            if asks is not None:
+                await asks.close()
             if replies is not None:
                 await replies.close()
             if kernel.heartbeat is not None:

@@ -14,8 +14,9 @@ so it survives a crash, shows up in ``ps`` and can be watched. Two ways to use i
 Either way the child stops with the parent's run that started it (aborted, interrupted), and
 with the parent (reset, kill): see ``tree.py``. Which run that was is stored with the child.
 
-Children are not interactive: nobody watches a child to answer its approval requests, so a call
-its policy would ask about is refused and the child's model is told why. Nesting is capped
+A child is interactive when its parent is: nobody watches a child, so its approval requests are
+put to the person who watches the conversation (kernel/subagent_asks.py); a child of a
+non-interactive process refuses what its policy would ask about, and its model is told why. Nesting is capped
 (``MAX_DEPTH``) so a model cannot fork itself without end, and so is the number of children one
 process may have running at once. Children are not conversations: the account's process quota
 (the server's) does not count them (``Store.count_processes(top_level_only=True)``).
@@ -153,7 +154,7 @@ class TaskTool(Tool):
                     parent.owner,
                     run_as=parent.run_as,  # the identity it works as (its context, skills, home) too
                     cwd=parent.cwd,
-                    interactive=False,
+                    interactive=parent.interactive,  # (its requests are put to the parent's person)
                     parent_pid=parent.pid,
                     pid=pid,
                     kv=kv,

@@ -368,6 +368,7 @@ class ApprovalRequest(Answer):
     args: dict[str, Any]
     tags: list[str]
     reason: str
+    subagent: str | None = Field(None, description="The subagent that asks (its pid), when it is not this process.")
 
 
 class ApprovalList(Answer):

@@ -529,7 +529,10 @@ class ProcessService:
 
     async def approvals(self, who: Principal, pid: str) -> list[dict[str, Any]]:
         proc, _ = await self._process(who, pid)
-        return [hil_json(r) for r in await proc.pending_approvals()]
+        # (a subagent's request is put to its conversation: answered here, it says whose it is)
+        return [
+            {**hil_json(r), **({"subagent": r.pid} if r.pid != pid else {})} for r in await proc.pending_approvals()
+        ]
 
     async def account_approvals(self, who: Principal, account: str | None = None) -> list[dict[str, Any]]:
         """The pending approvals of all the caller's processes, each with its pid: one inbox. An
