@@ -455,6 +455,17 @@ async def test_accounts_are_unique_and_listed(store: Store) -> None:
     assert (await store.get_account("alice")) is not None
 
 
+async def test_what_an_account_had_spent_when_a_period_began_is_kept_from_the_first_look(store: Store) -> None:
+    async with store.transaction():
+        assert await store.spent_before("alice", "2026-11", 1.25) == 1.25
+    async with store.transaction():
+        assert await store.spent_before("alice", "2026-11", 9.0) == 1.25  # the first look's stands
+        assert await store.spent_before("alice", "2026-12", 9.0) == 9.0  # a new period
+        assert await store.spent_before("bob", "2026-11", 0.0) == 0.0
+    with pytest.raises(StoreError, match="transaction"):
+        await store.spent_before("carol", "2026-11", 1.0)
+
+
 async def test_tokens_are_found_by_hash_and_revoked_once(store: Store) -> None:
     async with store.transaction():
         await store.create_account(AccountRecord("alice"))

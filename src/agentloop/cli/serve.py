@@ -78,6 +78,7 @@ class ServeOptions:
     shutdown_timeout: int = SHUTDOWN_TIMEOUT
     max_processes: int | None = None  # per account (None: the server's default)
     max_inputs_per_minute: int | None = None  # per account (None: the server's default)
+    account_budget: float | None = None  # dollars per account and calendar month (None: no budget)
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -180,6 +181,7 @@ async def serve_async(
                 ctx.max_processes = opts.max_processes
             if opts.max_inputs_per_minute is not None:
                 ctx.max_inputs_per_minute = opts.max_inputs_per_minute
+            ctx.account_budget = opts.account_budget
             tools = [*builtin_tools(opts.workspace, fetch_allow=settings.fetch_allow), *extra]
 
             def agent_factory() -> Agent:
@@ -421,6 +423,15 @@ def serve(
             help="Messages and events an account may send per minute (admins are not limited; default 60).",
         ),
     ] = None,
+    account_budget: Annotated[
+        float | None,
+        typer.Option(
+            "--account-budget",
+            min=0.01,
+            help="Dollars an account may spend per calendar month (UTC), at catalog prices; past it new input"
+            " is refused with 402 (admins are not limited; default: no budget).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
@@ -450,6 +461,7 @@ def serve(
             setting,
             max_processes=max_processes,
             max_inputs_per_minute=max_inputs_per_minute,
+            account_budget=account_budget,
         )
         try:
             if chat:

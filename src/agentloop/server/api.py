@@ -890,7 +890,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SpawnBody,
         answer=ProcessOut,
         status=201,
-        errors=(409, 429),
+        errors=(402, 409, 429),
     ),
     Endpoint("GET", "/v1/processes", "The caller's processes.", list_processes, answer=ProcessList),
     Endpoint("GET", _P, "One process.", get_process, answer=ProcessOut),
@@ -903,7 +903,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SendBody,
         answer=ReceiptOut,
         status=202,
-        errors=(429,),
+        errors=(402, 429),
     ),
     Endpoint(
         "GET",
@@ -1025,7 +1025,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=EventBody,
         answer=ReceiptOut,
         status=202,
-        errors=(429,),
+        errors=(402, 429),
     ),
     Endpoint("GET", f"{_P}/schedules", "The process's schedules, soonest first.", schedules, answer=ScheduleList),
     Endpoint(

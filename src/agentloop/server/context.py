@@ -40,6 +40,8 @@ class ServerContext:
     # messages and events an account (not an admin) may send per minute; None: no limit
     max_inputs_per_minute: int | None = DEFAULT_MAX_INPUTS_PER_MINUTE
     inputs: InputRate = field(default_factory=InputRate)
+    # dollars an account (not an admin) may spend per calendar month (UTC); None: no budget
+    account_budget: float | None = None
     # Set when the server begins shutting down: streams end cleanly instead of being cut.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -50,6 +52,7 @@ class ServerContext:
             max_processes=self.max_processes,
             inputs=self.inputs,
             max_inputs_per_minute=self.max_inputs_per_minute,
+            account_budget=self.account_budget,
         )
 
     async def principal(self, conn: HTTPConnection) -> Principal:

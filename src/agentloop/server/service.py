@@ -13,6 +13,7 @@ import base64
 import binascii
 import contextlib
 import hashlib
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -247,11 +248,34 @@ class ProcessService:
         max_processes: int | None = None,
         inputs: InputRate | None = None,
         max_inputs_per_minute: int | None = None,
+        account_budget: float | None = None,
     ) -> None:
         self.kernel = kernel
         self.max_processes = max_processes  # per account, admins aside; None: no limit
         self._inputs = inputs if inputs is not None else InputRate()
         self.max_inputs_per_minute = max_inputs_per_minute  # per account, admins aside; None: no limit
+        self.account_budget = account_budget  # dollars per account and calendar month (UTC), admins aside
+
+    async def _check_budget(self, who: Principal) -> None:
+        """402 once the account has spent its ``account_budget`` this calendar month (UTC), at
+        catalog prices, over its runs that ended: new input would start more. The month's
+        spending is the account's total since the first check in the month (``spent_before``),
+        so a run under way at the turn of the month counts where it ends."""
+        budget = self.account_budget
+        if budget is None or who.admin:
+            return
+        total = (await self.kernel.usage(who.account)).cost
+        period = time.strftime("%Y-%m", time.gmtime())
+        async with self.kernel.store.transaction():
+            before = await self.kernel.store.spent_before(who.account, period, total)
+        spent = total - before
+        if spent >= budget:
+            raise ApiError(
+                402,
+                "budget_spent",
+                f"account {who.account!r} has spent ${spent:.2f} of its ${budget:.2f} budget for {period} (UTC);"
+                " new input is refused until the month ends",
+            )
 
     def _take_input(self, who: Principal) -> None:
         """Count an input that may start a run (a first message, a send, an event): 429 past the
@@ -316,6 +340,7 @@ class ProcessService:
         # process the first one made and gets its receipt instead of making a second one.
         pid = _spawn_pid(who.account, run_id) if run_id is not None else None
         if text is not None:
+            await self._check_budget(who)
             self._take_input(who)
         try:
             proc = await self.kernel.spawn(
@@ -413,6 +438,7 @@ class ProcessService:
         output = _output_schema(output_schema)
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
+        await self._check_budget(who)
         self._take_input(who)
         try:
             receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
@@ -668,6 +694,7 @@ class ProcessService:
         _check_text(text)
         _check_plain(run_id, "run_id")
         await self._process(who, pid)
+        await self._check_budget(who)
         self._take_input(who)
         try:
             return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))

@@ -363,6 +363,11 @@ class Store(ABC):
         """What ``owner``'s processes have spent: the live ones' totals and the deleted ones'."""
 
     @abstractmethod
+    async def spent_before(self, account: str, period: str, spent: float) -> float:
+        """What ``account`` had spent when budget ``period`` (a name such as ``2026-11``) began for
+        it: the ``spent`` the first call for the period gives (kept), the kept value after."""
+
+    @abstractmethod
     async def was_killed(self, pid: str) -> bool:
         """Whether a process with this pid existed and was deleted."""
 

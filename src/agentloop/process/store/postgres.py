@@ -578,6 +578,19 @@ class PostgresStore(Store):
         async with self._reading() as db:
             return usage_totals(await db.fetchrow(ACCOUNT_USAGE, owner))
 
+    async def spent_before(self, account: str, period: str, spent: float) -> float:
+        db = self._write()
+        await db.execute(
+            "INSERT INTO account_periods (account, period, spent_before) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            account,
+            period,
+            float(spent),
+        )
+        value = await db.fetchval(
+            "SELECT spent_before FROM account_periods WHERE account = $1 AND period = $2", account, period
+        )
+        return float(value)
+
     async def was_killed(self, pid: str) -> bool:
         async with self._reading() as db:
             return bool(await db.fetchval("SELECT 1 FROM killed_pids WHERE pid = $1", pid))

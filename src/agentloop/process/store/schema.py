@@ -342,6 +342,20 @@ MIGRATIONS: list[tuple[int, str]] = [
         ) {clustered};
         """,
     ),
+    (
+        11,
+        # What an account had spent when a budget period (a calendar month) began for it, as the
+        # first check in the period found it: the period's spending is the total since, so a
+        # monthly budget needs no statement in the runs themselves.
+        """
+        CREATE TABLE account_periods (
+            account TEXT NOT NULL,
+            period TEXT NOT NULL,
+            spent_before DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (account, period)
+        ) {clustered};
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

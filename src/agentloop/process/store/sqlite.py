@@ -613,6 +613,17 @@ class SQLiteStore(Store):
     async def account_usage(self, owner: str) -> UsageTotals:
         return usage_totals(self._read_registry().execute(_ACCOUNT_USAGE, (owner,)).fetchone())
 
+    async def spent_before(self, account: str, period: str, spent: float) -> float:
+        db = self._write()
+        db.execute(
+            "INSERT INTO account_periods (account, period, spent_before) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+            (account, period, float(spent)),
+        )
+        row = db.execute(
+            "SELECT spent_before FROM account_periods WHERE account = ? AND period = ?", (account, period)
+        ).fetchone()
+        return float(row[0])
+
     async def was_killed(self, pid: str) -> bool:
         return self.db.execute("SELECT 1 FROM killed_pids WHERE pid = ?", (pid,)).fetchone() is not None
 
