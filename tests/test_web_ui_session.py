@@ -183,6 +183,11 @@ def test_the_model_picker_shows_sets_refuses_and_resets_the_model(
     browser.click("#model-edit")
     assert browser.eval("document.getElementById('model-form').hidden") is False
     assert "next answer" in browser.eval("document.getElementById('model-hint').textContent")
+    # it suggests the server's catalog (GET /v1/models), the models the server can call first
+    catalog = api.get("/v1/models").json()["models"]
+    assert browser.wait("document.getElementById('model-options').options.length") == len(catalog)
+    first = browser.eval("document.getElementById('model-options').options[0].value")
+    assert next(m for m in catalog if m["model"] == first)["usable"] is True
     browser.eval("document.getElementById('model-spec').value = ''")
     browser.type_into("model-spec", "webpu:x")
     browser.eval("document.getElementById('model-reasoning').value = 'low'")

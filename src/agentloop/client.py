@@ -365,6 +365,13 @@ class AgentloopClient:
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/compaction", body=body)
         return result
 
+    async def models(self) -> dict[str, Any]:
+        """The models a picker may offer: ``{models: [{model, context_window, max_output,
+        input_cost, output_cost, vision, reasoning, usable, why}], default}`` (``usable``: this
+        server can call it; ``why``: or what it needs). Any other ``provider:model`` may be named."""
+        result: dict[str, Any] = await self._call("GET", "/v1/models")
+        return result
+
     async def model(self, pid: str) -> dict[str, Any]:
         """The process's model: ``{pid, model, reasoning, effective, source}`` (``model`` and
         ``reasoning`` its own choice, ``effective`` what its next run uses, ``source`` where that

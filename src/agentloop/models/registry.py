@@ -10,9 +10,10 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from agentloop.models.base import Model
+from agentloop.models.catalog import CATALOG
 from agentloop.models.gguf_assets import is_path_id
 
 ModelFactory: TypeAlias = Callable[[str], Model]
@@ -46,6 +47,39 @@ def hosted_status(provider: str) -> tuple[bool, str]:
     if found is not None:
         return True, f"{found} is set"
     return False, f"needs {' or '.join(names)}"
+
+
+def provider_status(provider: str) -> tuple[bool, str]:
+    """Whether models of ``provider`` can be called here, and why (or what they need)."""
+    if provider in HOSTED:
+        return hosted_status(provider)
+    if provider == "local":
+        if importlib.util.find_spec("llama_cpp") is None:
+            return False, "pip install 'agentloop[local]'"
+        return True, "runs on this machine"
+    return provider in _PROVIDERS, "registered" if provider in _PROVIDERS else "unknown provider"
+
+
+def catalog() -> list[dict[str, Any]]:
+    """The models this runtime knows the facts of (``catalog.CATALOG``), each with whether it can be
+    used here: what a model picker offers. Any other ``provider:model`` may still be named."""
+    listed = []
+    for info in CATALOG.values():
+        usable, why = provider_status(info.provider)
+        listed.append(
+            {
+                "model": info.name,
+                "context_window": info.context_window,
+                "max_output": info.max_output,
+                "input_cost": info.input_cost,
+                "output_cost": info.output_cost,
+                "vision": info.vision,
+                "reasoning": info.reasoning,
+                "usable": usable,
+                "why": why,
+            }
+        )
+    return listed
 
 
 class ModelNotFound(ValueError):

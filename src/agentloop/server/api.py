@@ -354,6 +354,23 @@ class ModelOut(Answer):
     )
 
 
+class CatalogModel(Answer):
+    model: str = Field(description="provider:model")
+    context_window: int
+    max_output: int
+    input_cost: float = Field(description="Dollars per million input tokens.")
+    output_cost: float = Field(description="Dollars per million output tokens.")
+    vision: bool
+    reasoning: bool
+    usable: bool = Field(description="Whether this server can call it (its provider's key or package is there).")
+    why: str = Field(description="Why it can be used, or what it needs.")
+
+
+class ModelCatalog(Answer):
+    models: list[CatalogModel] = Field(description="The models whose facts agentloop knows; others may be named.")
+    default: str = Field(description="The server's model (by its provider only when it names a file on the server).")
+
+
 class TitleOut(Answer):
     pid: str
     title: str | None
@@ -719,6 +736,10 @@ async def set_mode(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.mode(call.principal, call.param("pid"), body.mode)
 
 
+async def models(call: Call) -> dict[str, Any]:
+    return call.ctx.processes.models()
+
+
 async def get_model(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.model(call.principal, call.param("pid"))
 
@@ -937,6 +958,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "POST", f"{_P}/mode", "Set agent or chat mode, from the next run on.", set_mode, body=ModeBody, answer=ModeOut
+    ),
+    Endpoint(
+        "GET",
+        "/v1/models",
+        "The models a picker may offer, and which this server can call.",
+        models,
+        answer=ModelCatalog,
     ),
     Endpoint("GET", f"{_P}/model", "The process's model and where it comes from.", get_model, answer=ModelOut),
     Endpoint(

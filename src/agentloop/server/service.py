@@ -29,7 +29,7 @@ from agentloop.kernel.watches import WatchError
 from agentloop.loop.output import output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
-from agentloop.models.registry import names_a_file
+from agentloop.models.registry import catalog, names_a_file
 from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
 from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
@@ -490,6 +490,14 @@ class ProcessService:
             except NoSuchProcess:
                 raise _not_found(pid) from None
         return await self._model_json(proc)
+
+    def models(self) -> dict[str, Any]:
+        """The model catalog (``registry.catalog``) and the server's own model, shown as ``model``
+        shows it (by its provider only when it names a file on the server)."""
+        default = self.kernel.engine.config.model.name
+        if names_a_file(default):
+            default = f"{default.partition(':')[0]}:(a file on the server)"
+        return {"models": catalog(), "default": default}
 
     async def _model_json(self, proc: Process) -> dict[str, Any]:
         """The process's model choice; a model the operator named by a file on the server (the

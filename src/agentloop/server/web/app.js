@@ -230,7 +230,31 @@ function showModel(choice) {
   shownModel = choice;
 }
 
+let catalogAsked = false; // the model catalog fills the picker's suggestions once
+
+/** Offer the models the server knows (GET /v1/models) as the picker's suggestions: those it can
+ * call first, then the others with what they need. Any provider:model may still be typed. */
+async function loadCatalog() {
+  if (catalogAsked) return;
+  catalogAsked = true;
+  try {
+    const { models } = await api("GET", "/v1/models");
+    const ordered = models.filter((m) => m.usable).concat(models.filter((m) => !m.usable));
+    $("model-options").replaceChildren(
+      ...ordered.map((m) => {
+        const option = document.createElement("option");
+        option.value = m.model;
+        option.label = m.usable ? `${m.context_window.toLocaleString()} tokens` : m.why;
+        return option;
+      }),
+    );
+  } catch {
+    catalogAsked = false; // (asked again the next time the form opens)
+  }
+}
+
 function openModelForm() {
+  loadCatalog();
   $("model-spec").value = (shownModel && shownModel.model) || "";
   $("model-reasoning").value = (shownModel && shownModel.model && shownModel.reasoning) || "";
   $("model-error").textContent = "";
