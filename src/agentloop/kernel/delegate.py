@@ -59,10 +59,11 @@ import hashlib
 import logging
 import time
 import weakref
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from agentloop.kernel.tapwork import TapWork
 from agentloop.kernel.tasks import DELEGATED_KEY, TASK_TIMEOUT
 from agentloop.kernel.watches import run_answer
 from agentloop.process import admission
@@ -293,7 +294,7 @@ class Replies:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         self.closed = False
-        self._work: set[asyncio.Task[None]] = set()
+        self._work = TapWork()
         _replies[kernel] = self
         kernel.engine.hub.tap(self._heard)
 
@@ -313,18 +314,13 @@ class Replies:
         if self.closed:
             return
         if _may_drop(signal):  # (rare: a withdrawal, a reset, a stop with the parent)
-            self._spawn(self._deliver_dropped(pid, signal.seq or 0), f"replies of {pid}")
+            self._work.start(self._deliver_dropped(pid, signal.seq or 0), f"replies of {pid}")
         if signal.signal != sig.RUN_FINISHED:
             return
         rid = signal.payload.get("runId")
         if not isinstance(rid, str) or not rid.startswith(RUN_PREFIX):
             return
-        self._spawn(self._deliver_logged(pid, rid, dict(signal.payload)), f"reply of {rid}")
-
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(work, name=name)
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
+        self._work.start(self._deliver_logged(pid, rid, dict(signal.payload)), f"reply of {rid}")
 
     async def _deliver_dropped(self, target: str, after: int) -> None:
         """The replies owed by ``target`` for tasks dropped before their turn: ``NOT_RUN``."""
@@ -374,18 +370,13 @@ class Replies:
 
     async def wait(self) -> None:
         """Until no delivery is under way (tests)."""
-        while self._work:
-            await asyncio.gather(*list(self._work), return_exceptions=True)
+        await self._work.wait()
 
     async def close(self) -> None:
         self.closed = True
         self.kernel.engine.hub.untap(self._heard)
         _replies.pop(self.kernel, None)
-        if self._work:
-            _, late = await asyncio.wait(set(self._work), timeout=REPLY_GRACE)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await self._work.close(REPLY_GRACE)
 
 
 async def _claim(kernel: Kernel, target: str, rid: str) -> bool:

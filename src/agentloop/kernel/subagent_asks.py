@@ -17,10 +17,10 @@ approval timeout still denies it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from agentloop.kernel.tapwork import TapWork
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
 from agentloop.process.store import HilRow, NoSuchProcess, ProcessRecord
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentloop.kernel.asks")
 
 MAX_DEPTH = 16  # parents followed up at most (``tasks.MAX_DEPTH`` keeps real trees far shallower)
+GRACE = 5.0  # seconds a closing kernel waits for the copies under way
 
 
 class SubagentAsks:
@@ -39,7 +40,7 @@ class SubagentAsks:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         self.closed = False
-        self._work: set[asyncio.Task[None]] = set()
+        self._work = TapWork()
         kernel.engine.hub.tap(self._heard)
 
     def _heard(self, pid: str, signal: Signal) -> None:
@@ -54,9 +55,7 @@ class SubagentAsks:
         live = self.kernel.engine.cached(pid)
         if live is None or live.record.parent_pid is None:  # (a top-level process: its own watchers see it)
             return
-        task = asyncio.get_running_loop().create_task(self._copy(pid, signal), name=f"asks of {pid}")
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
+        self._work.start(self._copy(pid, signal), f"asks of {pid}")
 
     async def _copy(self, child: str, signal: Signal) -> None:
         try:
@@ -73,15 +72,10 @@ class SubagentAsks:
         except Exception as exc:  # only a copy: the request stands, listed through the top-level process
             log.warning("process %s: its approval request was not shown on its conversation: %s", child, exc)
 
-    async def wait(self) -> None:
-        """Until no copy is under way (tests, close)."""
-        while self._work:
-            await asyncio.gather(*list(self._work), return_exceptions=True)
-
     async def close(self) -> None:
         self.closed = True
         self.kernel.engine.hub.untap(self._heard)
-        await self.wait()
+        await self._work.close(GRACE)
 
 
 async def top_level(kernel: Kernel, pid: str) -> ProcessRecord | None:
