@@ -37,6 +37,7 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/health"): {},
     ("GET", "/v1/me"): {},
     ("GET", "/v1/usage"): {},
+    ("GET", "/v1/models"): {},
     ("GET", "/v1/devices"): {},
     ("GET", "/v1/openapi.json"): {},
     ("GET", "/v1/processes"): {},
