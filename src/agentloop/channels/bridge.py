@@ -48,6 +48,8 @@ K = TypeVar("K", bound=Hashable)
 DECISIONS = {"a": ("approve", False), "d": ("deny", False), "r": ("approve", True)}
 OUTCOMES = {"a": "✅ Approved", "d": "❌ Denied", "r": "✅ Approved, and allowed from now on"}
 NOT_PENDING = "This request is no longer pending."
+# a process's row, per run id of a message typed while approvals waited: the requests it declines
+DECLINES = "bridge.declines:"
 CLOSE_GRACE = 5.0  # seconds ``close`` lets an update or a signal being handled finish
 REFUSE_EVERY = 3600.0  # seconds: a chat that is refused is told so at most this often
 
@@ -205,11 +207,20 @@ class ChatBridge(Generic[K]):
         for _ in range(2):  # (again with a new process, when the chat's was killed meanwhile)
             proc = await self._process(chat, user)
             try:
-                waiting = [] if await self._admitted(chat, run_id) else await proc.pending_approvals()
-                await proc.send(text, mode="steer" if waiting else "queue", media=media, run_id=run_id)
-                for request in waiting:  # (after the send: the run must find the words when it goes on)
+                if await self._admitted(chat, run_id):  # taken again: what its first take declines
+                    declines = await self.kernel.store.kv_get(proc.pid, DECLINES + run_id) or []
+                else:
+                    declines = [request.request_id for request in await proc.pending_approvals()]
+                    if declines:  # kept before the send, so a take that fails after it still declines them
+                        async with self.kernel.store.transaction():
+                            await self.kernel.store.kv_set(proc.pid, DECLINES + run_id, declines)
+                    await proc.send(text, mode="steer" if declines else "queue", media=media, run_id=run_id)
+                for request_id in declines:  # (after the send: the run must find the words when it goes on)
                     with suppress(KeyError):  # answered meanwhile
-                        await proc.hil(request.request_id, "deny")
+                        await proc.hil(request_id, "deny")
+                if declines:
+                    async with self.kernel.store.transaction():
+                        await self.kernel.store.kv_delete(proc.pid, DECLINES + run_id)
                 return
             except NoSuchProcess:
                 self._forget(chat)

@@ -314,7 +314,7 @@ class Replies:
         if self.closed:
             return
         if _may_drop(signal):  # (rare: a withdrawal, a reset, a stop with the parent)
-            self._work.start(self._deliver_dropped(pid, signal.seq or 0), f"replies of {pid}")
+            self._work.start(self._deliver_dropped(pid), f"replies of {pid}")
         if signal.signal != sig.RUN_FINISHED:
             return
         rid = signal.payload.get("runId")
@@ -322,11 +322,14 @@ class Replies:
             return
         self._work.start(self._deliver_logged(pid, rid, dict(signal.payload)), f"reply of {rid}")
 
-    async def _deliver_dropped(self, target: str, after: int) -> None:
-        """The replies owed by ``target`` for tasks dropped before their turn: ``NOT_RUN``."""
+    async def _deliver_dropped(self, target: str) -> None:
+        """The replies owed by ``target`` for tasks dropped before their turn: ``NOT_RUN``. The
+        log is read from each task's delegation on, not from the signal that woke this: a task
+        whose run ended before it (its reply still on its way) is answered, never ``NOT_RUN``."""
         try:
             owed = dict(await self.kernel.store.kv_get(target, DELEGATIONS_KEY) or {})
-            for rid in owed:
+            for rid, row in owed.items():
+                after = int(row.get("after", 0)) if isinstance(row, dict) else 0
                 finished = await _dropped(self.kernel, target, rid, after)
                 if finished is not None:
                     await self.deliver(target, rid, finished)

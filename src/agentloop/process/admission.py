@@ -93,9 +93,15 @@ async def send(
             await tx.enqueue("steer" if steer else "queue", message, queued_run)
         await keep_output(engine, pid, receipt.run_id, output)
         await remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=receipt.position)
-    if not receipt.queued or (active is not None and active.get("retry_at") is not None):
-        engine.wake(pid)  # (a run waiting out an outage tries again at once for what joins it)
+    if not receipt.queued or _waiting_out_an_outage(active):
+        engine.wake(pid)
     return receipt
+
+
+def _waiting_out_an_outage(run: dict[str, Any] | None) -> bool:
+    """Whether ``run`` waits for its next try at a provider that was down: input that joins it
+    (a steer, a system event) wakes it to try again at once, not at the planned time."""
+    return run is not None and run.get("retry_at") is not None
 
 
 async def forget_admission(engine: ProcessEngine, pid: str, run_id: str) -> None:
@@ -175,7 +181,7 @@ async def signal_event(
             await tx.enqueue("system", message, run_id_kept)
             receipt = Receipt(active["run_id"], True, 0)
         await remember_admission(engine, pid, receipt.run_id, run_id, queued=receipt.queued, position=0)
-    if not receipt.queued:
+    if not receipt.queued or _waiting_out_an_outage(active):
         engine.wake(pid)
     return receipt
 
