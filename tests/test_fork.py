@@ -284,6 +284,28 @@ async def test_a_fork_given_its_pid_is_made_once(tmp_path: Path) -> None:
         assert len(await k.processes()) == 2
 
 
+async def test_a_fork_the_store_fails_to_write_leaves_no_media_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a StoreError while the fork was written (its pid named by the caller) was re-raised
+    before the media copied for it were removed: they stayed on disk, in no process's folder."""
+    async with open_kernel(tmp_path, ScriptedModel(answer)) as k:
+        proc = await k.spawn(owner="alice")
+        await say(proc, "look", media=[ImageContent(data=PNG64, mime_type="image/png")])
+
+        async def failing(*args: Any, **kw: Any) -> None:
+            raise StoreError("disk I/O error")
+
+        monkeypatch.setattr(k.store, "append_event", failing)
+        with pytest.raises(StoreError, match="disk I/O"):
+            await k.fork(proc.pid, new_pid="fork-1")
+        monkeypatch.undo()
+        assert not (tmp_path / "var" / "media" / "alice" / "fork-1").exists()
+        assert len(await k.processes()) == 1
+        assert (await k.fork(proc.pid, new_pid="fork-1")).pid == "fork-1"  # and it can be asked again
+        assert any((tmp_path / "var" / "media" / "alice" / "fork-1").iterdir())
+
+
 # ------------------------------------------------------------------ HTTP and the client
 
 

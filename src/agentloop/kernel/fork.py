@@ -221,13 +221,15 @@ async def fork(
                 await store.append_messages(record.pid, run_id, [message for _, message in group])
             payload = {"pid": record.pid, "changes": ["messages"], "forkedFrom": origin}
             await store.append_event(record.pid, sig.CHANGED, payload)
-    except StoreError:
-        if new_pid is not None and await _made_before(store, pid, new_pid):
-            return new_pid  # (a retry that ran alongside the first call)
-        raise
-    except BaseException:
-        if await store.get_process(record.pid) is None:  # (the pid is not taken: its folder is the fork's alone)
-            await asyncio.to_thread(media.delete_process, record.owner, record.pid)
+    except BaseException as exc:
+        made = False
+        try:  # (a retry that ran alongside the first call made it: that fork is the answer)
+            made = isinstance(exc, StoreError) and new_pid is not None and await _made_before(store, pid, new_pid)
+        finally:  # otherwise the media copied for it go, where the pid is not taken (its folder is ours alone)
+            if not made and await store.get_process(record.pid) is None:
+                await asyncio.to_thread(media.delete_process, record.owner, record.pid)
+        if made:
+            return record.pid
         raise
     return record.pid
 
