@@ -255,6 +255,7 @@ class ProcessService:
         self._inputs = inputs if inputs is not None else InputRate()
         self.max_inputs_per_minute = max_inputs_per_minute  # per account, admins aside; None: no limit
         self.account_budget = account_budget  # dollars per account and calendar month (UTC), admins aside
+        self._spent_before: dict[tuple[str, str], float] = {}  # (account, month): ``Store.spent_before``
 
     async def _check_budget(self, who: Principal) -> None:
         """402 once the account has spent its ``account_budget`` this calendar month (UTC), at
@@ -266,8 +267,11 @@ class ProcessService:
             return
         total = (await self.kernel.usage(who.account)).cost
         period = time.strftime("%Y-%m", time.gmtime())
-        async with self.kernel.store.transaction():
-            before = await self.kernel.store.spent_before(who.account, period, total)
+        before = self._spent_before.get((who.account, period))
+        if before is None:  # (once written, a month's row never changes: read once, kept)
+            async with self.kernel.store.transaction():
+                before = await self.kernel.store.spent_before(who.account, period, total)
+            self._spent_before[(who.account, period)] = before
         spent = total - before
         if spent >= budget:
             raise ApiError(
