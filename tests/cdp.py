@@ -30,8 +30,12 @@ def find_chromium() -> str | None:
     return None
 
 
-class Browser:
-    """One Chromium process with one page; ``dialogs`` collects every alert/confirm it opened."""
+class Chromium:
+    """One headless Chromium process, shared by the tests of a session (starting one takes about
+    a second). Each ``Browser`` is a browser context of its own in it (``Target.createBrowserContext``:
+    its own cookies, storage and cache, as an incognito window has), with one page, disposed of
+    with everything in it at the test's end; so what one test leaves in its browser cannot reach
+    another, as with a Chromium of its own per test."""
 
     def __init__(self, binary: str) -> None:
         self.profile = tempfile.mkdtemp(prefix="agentloop-chromium-")
@@ -49,17 +53,15 @@ class Browser:
             "about:blank",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        port = self._devtools_port()
-        pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json() if t["type"] == "page"]
-        self.ws: ClientConnection = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
-        self.ws.__enter__()  # websockets 17 asks for a context manager; close() below ends it
+        try:
+            self.port = self._devtools_port()
+            version = httpx.get(f"http://127.0.0.1:{self.port}/json/version", timeout=5).json()
+            self.ws: ClientConnection = connect(version["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+            self.ws.__enter__()
+        except BaseException:
+            self._end()
+            raise
         self._next = 0
-        self.dialogs: list[str] = []
-        self.accept_dialogs = False  # confirm() answers: no unless a test says yes
-        self.console: list[str] = []
-        self.call("Page.enable")
-        self.call("Runtime.enable")
-        self.call("Log.enable")  # CSP violations and failed loads are reported here
 
     def _devtools_port(self) -> int:
         marker = Path(self.profile) / "DevToolsActivePort"
@@ -73,13 +75,64 @@ class Browser:
             time.sleep(0.05)
         raise RuntimeError("chromium did not open its DevTools port in 20 s")
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        """A command to the browser itself (not to a page); events on this connection are ignored."""
+        self._next += 1
+        ident = self._next
+        self.ws.send(json.dumps({"id": ident, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=20))
+            if msg.get("id") == ident:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                result: dict[str, Any] = msg.get("result", {})
+                return result
+
     def close(self) -> None:
         try:
             self.ws.close()
         finally:
-            self.proc.kill()
-            self.proc.wait(10)
-            shutil.rmtree(self.profile, ignore_errors=True)
+            self._end()
+
+    def _end(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+class Browser:
+    """One page in a fresh browser context of a ``Chromium``; ``dialogs`` collects every
+    alert/confirm it opened."""
+
+    def __init__(self, chromium: Chromium) -> None:
+        self.chromium = chromium
+        self.context: str = chromium.call("Target.createBrowserContext", disposeOnDetach=True)["browserContextId"]
+        try:
+            target = chromium.call("Target.createTarget", url="about:blank", browserContextId=self.context)
+            url = f"ws://127.0.0.1:{chromium.port}/devtools/page/{target['targetId']}"
+            self.ws: ClientConnection = connect(url, max_size=None, open_timeout=10)
+            self.ws.__enter__()  # websockets 17 asks for a context manager; close() below ends it
+        except BaseException:
+            chromium.call("Target.disposeBrowserContext", browserContextId=self.context)
+            raise
+        self._next = 0
+        self.dialogs: list[str] = []
+        self.accept_dialogs = False  # confirm() answers: no unless a test says yes
+        self.console: list[str] = []
+        self.call("Page.enable")
+        self.call("Runtime.enable")
+        self.call("Log.enable")  # CSP violations and failed loads are reported here
+
+    def close(self) -> None:
+        """Close the page and dispose of its context: its storage, cookies and cache with it."""
+        try:
+            self.ws.close()
+        finally:
+            if self.chromium.alive():
+                self.chromium.call("Target.disposeBrowserContext", browserContextId=self.context)
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         self._next += 1

@@ -4,12 +4,37 @@ PostgreSQL tests use is started here (``tests/pg_support.py``), once per session
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
-from tests.cdp import Browser, find_chromium, required
+from tests.cdp import Browser, Chromium, find_chromium, required
 from tests.pg_support import PgServer, find_binaries
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Subprocesses the tests start (``agentloop`` commands, workers, servers: a few hundred) each
+    import the package. Where ``PYTHONDONTWRITEBYTECODE`` is set, each of them compiled all of it
+    from source again (~0.3 s apiece). They get a bytecode cache of this session's instead, in a
+    temporary directory (``PYTHONPYCACHEPREFIX``), so the source tree stays free of
+    ``__pycache__`` as that setting wants; removed at the session's end. The code they run is the
+    same."""
+    dont_write = os.environ.get("PYTHONDONTWRITEBYTECODE")
+    if not dont_write or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    prefix = tempfile.mkdtemp(prefix="agentloop-test-pycache-")
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+
+    def restore() -> None:
+        os.environ.pop("PYTHONPYCACHEPREFIX", None)
+        os.environ["PYTHONDONTWRITEBYTECODE"] = dont_write
+        shutil.rmtree(prefix, ignore_errors=True)
+
+    config.add_cleanup(restore)
+
 
 # Set (CI does) to make a missing PostgreSQL a failure instead of a skip.
 REQUIRE_PG = "AGENTLOOP_REQUIRE_POSTGRES"
@@ -63,10 +88,43 @@ def chromium() -> str:
     return binary
 
 
+@pytest.fixture(scope="session")
+def _chromium_process() -> Iterator[list[Chromium]]:
+    """The session's Chromium (started by the first browser test, see ``tests/cdp.py``), in a
+    list so that ``browser`` can start another if it ever died."""
+    running: list[Chromium] = []
+    yield running
+    for c in running:
+        c.close()
+
+
 @pytest.fixture
-def browser(chromium: str) -> Iterator[Browser]:
-    b = Browser(chromium)
+def browser(chromium: str, _chromium_process: list[Chromium]) -> Iterator[Browser]:
+    """A page of its own in a browser context of its own (cookies, storage, cache) of the
+    session's Chromium."""
+    if not _chromium_process or not _chromium_process[0].alive():
+        if _chromium_process:
+            _chromium_process.pop().close()
+        _chromium_process.append(Chromium(chromium))
+    b = Browser(_chromium_process[0])
     try:
         yield b
     finally:
         b.close()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start mypy (``test_static.test_mypy_strict``) in the background as soon as the session knows
+    it will run it, so its ~25 s of CPU overlap the rest of the suite (see ``tests/test_static.py``)."""
+    from tests import test_static
+
+    if not session.config.option.collectonly and any(
+        item.nodeid.endswith(test_static.MYPY_TEST) for item in session.items
+    ):
+        test_static.start_mypy()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests import test_static
+
+    test_static.stop_mypy()
