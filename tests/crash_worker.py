@@ -9,7 +9,9 @@ conversation if it has not started, waits until the process is idle and prints D
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
@@ -74,6 +76,18 @@ def main(db: str, side_effects: str) -> None:
         print("DONE", flush=True)
 
     asyncio.run(run())
+
+
+def forked(db: str, side_effects: str, out: Connection, err: Connection) -> None:
+    """``main`` in a process forked from the tests' fork server (``test_crash_resume._start``),
+    this module and the package imported already: its stdout and stderr are the pipes given."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    main(db, side_effects)
 
 
 if __name__ == "__main__":

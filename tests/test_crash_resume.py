@@ -6,34 +6,88 @@ commits, while tools run, while an approval is pending (the worker approves afte
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from agentloop.messages import AssistantMessage, ToolResultMessage, UserMessage
 from agentloop.process.store import SQLiteStore, open_store
-
-WORKER = Path(__file__).with_name("crash_worker.py")
-ROOT = Path(__file__).resolve().parent.parent
+from tests import crash_worker
 
 
-def _start(db: Path | str, effects: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), str(db), str(effects)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+class _Worker:
+    """``crash_worker.py`` run as a new process, killed as one (SIGKILL to its pid): forked from a
+    fork server that imported it and the package once for the whole module (``_forkserver``),
+    not started afresh. A fresh start is half a second of imports before ``READY``, three per
+    test; the worker's life from the kernel's opening on (where the kills land) is the same."""
+
+    def __init__(self, db: Path | str, effects: Path) -> None:
+        read_out, write_out = _CTX.Pipe(duplex=False)
+        read_err, write_err = _CTX.Pipe(duplex=False)
+        self.proc = _CTX.Process(target=crash_worker.forked, args=(str(db), str(effects), write_out, write_err))
+        self.proc.start()
+        write_out.close()  # the child has its own copies: the reads below end when it does
+        write_err.close()
+        self.stdout = os.fdopen(os.dup(read_out.fileno()), "r")
+        self._err = os.fdopen(os.dup(read_err.fileno()), "r")
+        read_out.close()
+        read_err.close()
+        self.stderr = self._err
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        """As ``Popen.send_signal``: nothing if the worker has ended already."""
+        assert self.proc.pid is not None
+        if self.proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):  # (ended since)
+                os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("crash_worker", timeout)
+        self.stdout.close()
+        self._err.close()
+        return self.proc.exitcode
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        with ThreadPoolExecutor(2) as pool:  # both pipes at once, or a full one would stall the child
+            out, err = pool.submit(self.stdout.read), pool.submit(self._err.read)
+            self.proc.join(timeout)
+            if self.proc.exitcode is None:
+                self.proc.kill()
+                self.proc.join(10)
+                raise subprocess.TimeoutExpired("crash_worker", timeout)
+            result = out.result(10), err.result(10)
+        self.stdout.close()
+        self._err.close()
+        return result
 
 
-def _kill_after_ready(proc: subprocess.Popen[str], delay: float) -> None:
+_CTX = multiprocessing.get_context("forkserver")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver() -> None:
+    """The fork server, with ``crash_worker`` (the package with it) imported before it forks."""
+    _CTX.set_forkserver_preload(["tests.crash_worker"])
+
+
+def _start(db: Path | str, effects: Path) -> _Worker:
+    return _Worker(db, effects)
+
+
+def _kill_after_ready(proc: _Worker, delay: float) -> None:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.strip() == "READY", line + (proc.stderr.read() if proc.stderr else "")
