@@ -35,6 +35,17 @@ def fake(name: str = "fake", **kw: object) -> dict[str, object]:
     return {"name": name, "command": sys.executable, "args": [SERVER], **kw}
 
 
+@pytest.fixture
+def short_sdk_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test whose server never reads its stdin again (asleep, or wedged): on stopping it the
+    SDK closes that stdin and waits out its grace period (2 s) for the server to exit before it
+    kills the server's process tree. This server never exits by itself, so the wait was only
+    time lost; with a shorter one the SDK takes the same path (the kill), sooner."""
+    from mcp.client import stdio
+
+    monkeypatch.setattr(stdio, "PROCESS_TERMINATION_TIMEOUT", 0.5, raising=False)
+
+
 def _results(messages: list[object]) -> list[ToolResultMessage]:
     return [m for m in messages if isinstance(m, ToolResultMessage)]
 
@@ -88,7 +99,7 @@ async def test_a_server_that_dies_gives_an_error_result_and_is_started_again_on_
     assert not after.is_error and after.text.isdigit() and after.text != before.text
 
 
-async def test_a_server_that_cannot_start_is_a_clear_error_with_its_stderr():
+async def test_a_server_that_cannot_start_is_a_clear_error_with_its_stderr(short_sdk_grace: None):
     broken = {"name": "broken", "command": sys.executable, "args": ["-c", "import sys; sys.exit('no config file')"]}
     with pytest.raises(MCPError) as info:
         async with mcp_tools([broken]):
@@ -351,7 +362,7 @@ async def test_a_call_through_the_mcp_tool_is_judged_as_the_server_tool_it_reach
     assert gateway.syscall_for({"server": "fake"}) == "mcp.fake.list_tools"
 
 
-async def test_a_server_printing_garbage_on_stdout_is_logged_in_one_line_per_line(tmp_path, caplog):
+async def test_a_server_printing_garbage_on_stdout_is_logged_in_one_line_per_line(tmp_path, caplog, short_sdk_grace):
     """QA: the SDK logged a fifty-line traceback for each stray line a server printed."""
     noisy = tmp_path / "noisy.py"
     noisy.write_text("import time\nprint('hello, not json', flush=True)\ntime.sleep(30)\n")
@@ -451,7 +462,7 @@ async def _gone(pid: int, within: float = 8.0) -> bool:
 
 
 async def test_a_server_whose_calls_time_out_again_and_again_is_killed_and_started_afresh(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, short_sdk_grace: None
 ) -> None:
     """A wedged server made every later call wait out its timeout, for ever: after
     ``restart_after_timeouts`` calls in a row time out (here in the loop, which cancels them at the

@@ -11,6 +11,7 @@ import pytest
 
 from agentloop.messages import user
 from agentloop.process.store import AccountRecord, ProcessRecord, SQLiteStore, StoreError
+from agentloop.process.store import sqlite as sqlite_store
 from agentloop.process.store.postgres import PostgresStore
 from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
 from tests.pg_support import PgServer
@@ -129,10 +130,15 @@ async def test_accounts_are_listed_in_the_same_order_on_a_postgresql_database_wi
         pg_server.drop_database(url)
 
 
-async def test_a_database_another_process_keeps_locked_is_a_store_error_and_loses_nothing(tmp_path: Path) -> None:
+async def test_a_database_another_process_keeps_locked_is_a_store_error_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Past the busy timeout, a transaction that cannot take the write lock fails as a StoreError
     (what the store's callers catch) rather than a raw sqlite3 error; once the lock is free the
     store works on, with nothing half-done."""
+    # the store waits for the lock ``BUSY_WAIT`` seconds (5) before it gives up; a shorter wait
+    # ends the same way (as test_sqlite_busy.py has it), without 5 s of waiting
+    monkeypatch.setattr(sqlite_store, "BUSY_WAIT", 0.3)
     store = SQLiteStore(tmp_path / "a.db")
     await store.open()
     try:
