@@ -93,6 +93,12 @@ async def top_level(kernel: Kernel, pid: str) -> ProcessRecord | None:
 
 async def descendants_asks(kernel: Kernel, record: ProcessRecord) -> list[HilRow]:
     """The pending approval requests of ``record``'s descendants, nearest first."""
+    waiting: dict[str, list[HilRow]] = {}
+    for row in await kernel.store.account_hils(record.owner):  # (one query; mostly none but its own)
+        if row.pid != record.pid:
+            waiting.setdefault(row.pid, []).append(row)
+    if not waiting:
+        return []
     rows: list[HilRow] = []
     family = [r for r in await kernel.store.list_processes(record.owner) if r.state != "killed"]
     level = [record.pid]
@@ -101,5 +107,5 @@ async def descendants_asks(kernel: Kernel, record: ProcessRecord) -> list[HilRow
         if not level:
             break
         for pid in level:
-            rows.extend(await kernel.store.hils(pid))
+            rows.extend(waiting.get(pid, ()))
     return rows
