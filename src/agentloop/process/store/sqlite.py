@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentloop.messages import Message, message_from_json, message_to_json
+from agentloop.messages import Message, message_from_json
 from agentloop.process.store.base import (
     AccountRecord,
     CallStatus,
@@ -71,6 +71,7 @@ from agentloop.process.store.common import (
     call_row,
     dumps,
     hil_row,
+    message_json,
     process_record,
     usage_increments,
     usage_totals,
@@ -96,10 +97,12 @@ _KV_ADD = KV_ADD.format(pid="?1", key="?2", value="?3", generation="?4")
 
 
 @functools.cache
-def _assignments(columns: tuple[str, ...]) -> str:
-    """The SET list of a registry UPDATE: ``column = ?``, or ``column = column + ?`` for an
-    increment (a pending field named ``+column``: ``update_process``'s ``usage_added``)."""
-    return ", ".join(f"{c[1:]} = {c[1:]} + ?" if c[0] == "+" else f"{c} = ?" for c in columns)
+def _update(columns: tuple[str, ...]) -> str:
+    """A registry UPDATE of one process: ``column = ?``, or ``column = column + ?`` for an
+    increment (a pending field named ``+column``: ``update_process``'s ``usage_added``). Made
+    once per column list (a few kinds of step write the same few lists)."""
+    sets = ", ".join(f"{c[1:]} = {c[1:]} + ?" if c[0] == "+" else f"{c} = ?" for c in columns)
+    return f"UPDATE processes SET {sets} WHERE pid = ?"
 
 
 @functools.cache
@@ -505,11 +508,11 @@ class SQLiteStore(Store):
             if sets is not None:
                 cols.append("updated_at")
                 values.append(time.time())
-            db.execute(f"UPDATE processes SET {_assignments(tuple(cols))} WHERE pid = ?", (*values, pid))
+            db.execute(_update(tuple(cols)), (*values, pid))
             written[:] = counters
         for pid, sets in fields.items():  # fields of a process whose counters were not loaded
             cols, values = [*sets, "updated_at"], [*sets.values(), time.time()]
-            db.execute(f"UPDATE processes SET {_assignments(tuple(cols))} WHERE pid = ?", (*values, pid))
+            db.execute(_update(tuple(cols)), (*values, pid))
         fields.clear()
 
     def _read_registry(self) -> sqlite3.Connection:
@@ -570,9 +573,8 @@ class SQLiteStore(Store):
         return int(row[0])
 
     async def update_process(self, pid: str, **fields: Any) -> None:
-        unknown = set(fields) - UPDATABLE_FIELDS
-        if unknown:
-            raise StoreError(f"cannot update process fields {sorted(unknown)}")
+        if not UPDATABLE_FIELDS.issuperset(fields):
+            raise StoreError(f"cannot update process fields {sorted(set(fields) - UPDATABLE_FIELDS)}")
         self._write()
         counters = self._counters(pid)  # NoSuchProcess now, not at commit
         pending = self._tx_fields.setdefault(pid, {})
@@ -649,12 +651,12 @@ class SQLiteStore(Store):
             m = messages[0]
             db.execute(
                 _INSERT_MESSAGE,
-                (pid, first, generation, run_id, m.role, message_to_json(m), now),
+                (pid, first, generation, run_id, m.role, message_json(m), now),
             )
             return [first]
         db.executemany(
             _INSERT_MESSAGE,
-            [(pid, first + i, generation, run_id, m.role, message_to_json(m), now) for i, m in enumerate(messages)],
+            [(pid, first + i, generation, run_id, m.role, message_json(m), now) for i, m in enumerate(messages)],
         )
         return list(range(first, counters[0]))
 
@@ -692,14 +694,14 @@ class SQLiteStore(Store):
         db.execute("DELETE FROM messages WHERE pid = ? AND id BETWEEN ? AND ?", (pid, from_id, to_id))
         db.execute(
             _INSERT_MESSAGE,
-            (pid, to_id, gen, None, replacement.role, message_to_json(replacement), time.time()),
+            (pid, to_id, gen, None, replacement.role, message_json(replacement), time.time()),
         )
         return to_id
 
     async def update_messages(self, pid: str, updates: list[tuple[int, Message]]) -> None:
         self._write().executemany(
             "UPDATE messages SET role = ?, body = ? WHERE pid = ? AND id = ?",
-            [(m.role, message_to_json(m), pid, i) for i, m in updates],
+            [(m.role, message_json(m), pid, i) for i, m in updates],
         )
 
     async def delete_run_messages(self, pid: str, run_id: str) -> int:
@@ -784,7 +786,7 @@ class SQLiteStore(Store):
         counters[2] = item_id + 1
         db.execute(
             "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (pid, item_id, kind, run_id, message_to_json(message), time.time(), reason),
+            (pid, item_id, kind, run_id, message_json(message), time.time(), reason),
         )
         return item_id
 
