@@ -157,6 +157,21 @@ def prompt_builder(
     system_dir = data_dir / "config" / "ai" / "context.d"
     homes = data_dir / "home"
 
+    @functools.lru_cache(maxsize=1024)
+    def watched_of(run_as: str, owner: str, cwd: str) -> tuple[str, ...]:
+        """The directories whose entries the prompt depends on besides the files it read (joined
+        once per account and directory: every run asks)."""
+        watched = [
+            f"{system_dir}",
+            f"{homes}/{run_as}/context.d",
+            *map(str, skill_layers(data_dir, run_as)),
+            cwd,
+            f"{homes}/{owner}/memory",
+        ]
+        if owner != run_as:
+            watched.append(f"{homes}/{owner}/context.d")
+        return tuple(watched)
+
     def online(record: ProcessRecord) -> str:
         return describe_devices(devices.online(record.owner)) if devices is not None else "local"
 
@@ -199,15 +214,7 @@ def prompt_builder(
             datetime.date.today(),
             requirements_generation(),
         )
-        watched = [
-            f"{system_dir}",
-            f"{homes}/{record.run_as}/context.d",
-            *map(str, skill_layers(data_dir, record.run_as)),
-            record.cwd,
-            f"{homes}/{record.owner}/memory",
-        ]
-        if record.owner != record.run_as:
-            watched.append(f"{homes}/{record.owner}/context.d")
+        watched = watched_of(record.run_as, record.owner, record.cwd)
         hit = cache.get(key)
         if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
             return hit[2]
