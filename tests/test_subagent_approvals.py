@@ -75,6 +75,36 @@ async def test_a_childs_request_is_put_to_the_parent_and_answered_through_it(tmp
         assert any(c.get("subagent") == child.pid and "hil" in c["changes"] for c in changed)
 
 
+async def test_the_account_stream_carries_a_childs_request_once(tmp_path):
+    """The account stream has every process's signals, the child's own request among them: the
+    copy on the conversation's log (``subagent``) is left out of it, or an inbox showed it twice."""
+    ran.clear()
+    async with kernel(tmp_path, ScriptedModel(brain), subagents=True, policy=POLICY) as k:
+        stream = k.account_signals("alice")
+        heard: list[tuple[str, Any]] = []
+
+        async def listen() -> None:
+            async for pid, signal in stream:
+                heard.append((pid, signal))
+
+        listener = asyncio.create_task(listen())
+        await asyncio.sleep(0)  # (watching from here on)
+        parent = await k.spawn(owner="alice")
+        await parent.send("delegate: hello")
+        [ask] = await _asked(parent)
+        async with asyncio.timeout(5):  # the copy is on the conversation's log
+            while not await _logged(k, parent.pid, sig.HIL_REQUESTED):
+                await asyncio.sleep(0.02)
+        await parent.hil(ask.request_id, "approve")
+        async with asyncio.timeout(10):
+            await parent.wait_idle()
+        listener.cancel()
+    asks = [(pid, s.payload["requestId"]) for pid, s in heard if s.signal == sig.HIL_REQUESTED]
+    assert asks == [(ask.pid, ask.request_id)]
+    assert not [s for _, s in heard if "subagent" in s.payload]
+    assert [pid for pid, s in heard if s.signal == sig.RUN_FINISHED][-1] == parent.pid
+
+
 async def test_a_grandchilds_request_reaches_the_top_and_a_denial_reaches_the_model(tmp_path):
     ran.clear()
     async with kernel(tmp_path, ScriptedModel(brain), subagents=True, policy=POLICY) as k:

@@ -67,7 +67,11 @@ def for_account(signal: Signal) -> bool:
     """Whether an account's stream carries ``signal``: approvals asked and answered (or dropped:
     ``proc.changed`` naming "hil") and runs that ended, so that one inbox can show what every
     process of the account waits for, runs nobody follows included (a schedule's, a subagent's);
-    and new titles (``proc.changed`` naming "title"), for a list of every process."""
+    and new titles (``proc.changed`` naming "title"), for a list of every process. Not the copies
+    of a subagent's approval signals on its conversation (``subagent`` in the payload): the
+    account stream has the subagent's own."""
+    if "subagent" in signal.payload:
+        return False
     if signal.signal == CHANGED:
         changes = signal.payload.get("changes", ())
         return "hil" in changes or "title" in changes
