@@ -19,7 +19,10 @@ attached and its caption as the text: the file is found with ``getFile`` and dow
 methods: ``agentloop.channels.botapi``). Voice messages, audio, video, stickers and other files
 are refused with a short reply, and so are files past ``max_file_bytes``; a download that keeps
 failing is reported to the user and nothing of that message is delivered
-(``agentloop.channels.media``). An album arrives as one message per photo, each its own input.
+(``agentloop.channels.media``). An album (Telegram sends one message per file, sharing a
+``media_group_id``) is one input: its files together (at most ``media.MAX_FILES`` to an input),
+with the caption one of them carries. A poll whose last update is inside an album waits a moment
+(``ALBUM_WAIT``) for the album's other files before it takes it.
 
 Only the Telegram users on the allow-list reach a process: anyone else gets a short refusal
 (with their user id, so the bot's owner can add them) and their message goes nowhere. An empty
@@ -52,6 +55,7 @@ from agentloop.channels.botapi import DEFAULT_API_URL, BotApi, BotApiError
 from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
 from agentloop.channels.media import (
     MAX_FILE_BYTES,
+    MAX_FILES,
     UNSUPPORTED,
     Attachment,
     FetchFailed,
@@ -68,6 +72,7 @@ log = logging.getLogger("agentloop.channels.telegram")
 
 CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>" of the chat the process talks with
 TRIES = 5  # times an update whose handling fails is taken before it is skipped
+ALBUM_WAIT = 0.5  # seconds a poll that ends inside an album waits for the album's other files
 # what a message may hold that the kernel does not take ("animation" before "document": a GIF is
 # sent as an MP4 animation, with a "document" beside it)
 _UNSUPPORTED = {
@@ -96,6 +101,27 @@ def _int(value: object) -> int | None:
 
 def _field(value: object, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else None
+
+
+def _album(update: object) -> tuple[int, str] | None:
+    """(chat id, media group id) of an update that is one file of an album."""
+    message = _field(update, "message")
+    chat, group = _int(_field(_field(message, "chat"), "id")), _field(message, "media_group_id")
+    return (chat, group) if chat is not None and isinstance(group, str) else None
+
+
+def takes(updates: list[Any]) -> list[list[Any]]:
+    """The updates of one ``getUpdates``, in order, as they are taken: one by one, except the files
+    of an album (consecutive messages of one chat with one ``media_group_id``), taken together as
+    one input, ``MAX_FILES`` at most to a take."""
+    out: list[list[Any]] = []
+    for update in updates:
+        album = _album(update)
+        if album is not None and out and _album(out[-1][0]) == album and len(out[-1]) < MAX_FILES:
+            out[-1].append(update)
+        else:
+            out.append([update])
+    return out
 
 
 class TelegramBridge(ChatBridge[int]):
@@ -210,6 +236,7 @@ class TelegramBridge(ChatBridge[int]):
 
     async def _poll(self) -> None:
         delay = self.api.backoff[0]
+        waited_for = None  # the first update of an album a poll ended inside, left for the next
         while True:
             params: dict[str, Any] = {"offset": self.state.offset, "timeout": self.poll_timeout}
             params["allowed_updates"] = ["message", "callback_query"]
@@ -226,34 +253,50 @@ class TelegramBridge(ChatBridge[int]):
                 delay = min(max(delay * 2, 0.05), self.api.backoff[1])
                 continue
             before = self.state.offset
-            failed = False
+            failed = deferred = False
             if isinstance(updates, list):
-                for update in updates:
+                batch = takes(updates)
+                last = batch[-1][0] if batch else None
+                if _album(last) is not None and _field(last, "update_id") != waited_for:
+                    # the album's other files may come with the next poll: the rest is taken now,
+                    # the album after a moment (asked for from the offset, it comes again, with
+                    # what followed it), and then whatever the poll brings of it
+                    batch.pop()
+                    deferred, waited_for = True, _field(last, "update_id")
+                for take in batch:
                     async with self._lock("poll"):
-                        failed = not await self._take(update)
+                        failed = not await self._take(take)
                     if failed:  # (taken again, from the next getUpdates on: the later ones after it)
                         break
             else:
                 log.warning("Telegram getUpdates answered something other than a list of updates")
-            if failed or (updates != [] and self.state.offset == before):  # do not ask again at once
+            if failed or (updates != [] and self.state.offset == before and not deferred):  # not again at once
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 0.05), self.api.backoff[1])
             else:
                 delay = self.api.backoff[0]
+                if deferred:
+                    await asyncio.sleep(ALBUM_WAIT)
 
-    async def _take(self, update: object) -> bool:
-        """Handle one update, then move the offset past it. When handling failed (the store was
-        unreachable for a moment …) the offset stays, and False says so: the update is taken again
-        (its input is admitted once, by its run id), up to ``TRIES`` times in all, then skipped (an
-        update that breaks the bridge must not come back for ever)."""
-        update_id = _int(_field(update, "update_id"))
-        if update_id is None:
+    async def _take(self, take: list[Any]) -> bool:
+        """Handle one update (or an album's, as one: ``takes``), then move the offset past it. When
+        handling failed (the store was unreachable for a moment …) the offset stays, and False says
+        so: the update is taken again (its input is admitted once, by its run id: the first
+        update's), up to ``TRIES`` times in all, then skipped (an update that breaks the bridge
+        must not come back for ever)."""
+        ids = [_int(_field(update, "update_id")) for update in take]
+        if None in ids:
             log.warning("skipped a Telegram update without an update_id")
             return True
-        if update_id < self.state.offset:
+        fresh = [(i, u) for i, u in zip(cast("list[int]", ids), take, strict=True) if i >= self.state.offset]
+        if not fresh:
             return True
+        update_id, last = fresh[0][0], fresh[-1][0]
         try:
-            await self._handle(cast("dict[str, Any]", update), update_id)
+            if len(fresh) == 1:
+                await self._handle(cast("dict[str, Any]", fresh[0][1]), update_id)
+            else:
+                await self._on_album([u["message"] for _, u in fresh], update_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -265,7 +308,7 @@ class TelegramBridge(ChatBridge[int]):
                 return False
             log.error("Telegram update %d was not handled: %s; skipped after %d tries", update_id, reason, tries)
         self._failures.pop(update_id, None)
-        self.state.offset = update_id + 1
+        self.state.offset = last + 1
         await self.state.save()
         return True
 
@@ -303,6 +346,26 @@ class TelegramBridge(ChatBridge[int]):
             await self._stop(chat_id)
         else:
             await self._deliver(chat_id, user_id, text, run_id)
+
+    async def _on_album(self, messages: list[dict[str, Any]], update_id: int) -> None:
+        """An album's messages (one file each, of one chat) as one input: all its files, the
+        caption one of them carries as the text (``_on_message`` for the rest)."""
+        first = messages[0]
+        chat_id = _int(_field(first.get("chat"), "id"))
+        user_id = _int(_field(first.get("from"), "id"))
+        if chat_id is None:
+            return
+        if user_id is None or user_id not in self.allow:
+            await self._refuse(chat_id, user_id)
+            return
+        attachments = [a for message in messages for a in self._attachments(message)]
+        if not attachments:
+            await self._send(chat_id, UNSUPPORTED)
+            return
+        captions = [m.get("caption") for m in messages]
+        caption = next((c for c in captions if isinstance(c, str) and c.strip()), "")
+        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"
+        await self._deliver_files(chat_id, user_id, caption, run_id, attachments)
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
         """The message's photo or document (Telegram sends one a message), or what it holds that
