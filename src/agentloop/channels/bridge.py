@@ -208,25 +208,44 @@ class ChatBridge(Generic[K]):
             proc = await self._process(chat, user)
             try:
                 if await self._admitted(chat, run_id):  # taken again: what its first take declines
-                    declines = await self.kernel.store.kv_get(proc.pid, DECLINES + run_id) or []
-                else:
-                    declines = [request.request_id for request in await proc.pending_approvals()]
-                    if declines:  # kept before the send, so a take that fails after it still declines them
-                        async with self.kernel.store.transaction():
-                            await self.kernel.store.kv_set(proc.pid, DECLINES + run_id, declines)
+                    await self._decline(proc, run_id)
+                    return
+                declines = [request.request_id for request in await proc.pending_approvals()]
+                await self._keep_declines(proc.pid, run_id, declines)
+                try:
                     await proc.send(text, mode="steer" if declines else "queue", media=media, run_id=run_id)
-                for request_id in declines:  # (after the send: the run must find the words when it goes on)
-                    with suppress(KeyError):  # answered meanwhile
-                        await proc.hil(request_id, "deny")
-                if declines:
-                    async with self.kernel.store.transaction():
-                        await self.kernel.store.kv_delete(proc.pid, DECLINES + run_id)
+                except (ValueError, TypeError):  # (refused: it declines nothing)
+                    await self._keep_declines(proc.pid, run_id, [])
+                    raise
+                await self._decline(proc, run_id)  # (after the send: the run must find the words when it goes on)
                 return
             except NoSuchProcess:
                 self._forget(chat)
             except (ValueError, TypeError) as exc:  # text a process cannot keep (a lone surrogate)
                 await self._say(chat, f"That message was refused: {exc}")
                 return
+
+    async def _keep_declines(self, pid: str, run_id: str, declines: list[str]) -> None:
+        """Keep (or, with none, drop) the requests the input ``run_id`` declines, before its send:
+        a take that fails after the send still declines them when it is taken again."""
+        store = self.kernel.store
+        if declines or await store.kv_get(pid, DECLINES + run_id) is not None:
+            async with store.transaction():
+                if declines:
+                    await store.kv_set(pid, DECLINES + run_id, declines)
+                else:  # (kept by an earlier take whose send failed; answered since)
+                    await store.kv_delete(pid, DECLINES + run_id)
+
+    async def _decline(self, proc: Process, run_id: str) -> None:
+        """Deny the requests the admitted input ``run_id`` declines (kept by ``_keep_declines``)."""
+        declines = await self.kernel.store.kv_get(proc.pid, DECLINES + run_id)
+        if not declines:
+            return
+        for request_id in declines:
+            with suppress(KeyError):  # answered meanwhile
+                await proc.hil(request_id, "deny")
+        async with self.kernel.store.transaction():
+            await self.kernel.store.kv_delete(proc.pid, DECLINES + run_id)
 
     async def _deliver_files(
         self, chat: K, user: object, text: str, run_id: str, attachments: Sequence[Attachment]
@@ -240,8 +259,12 @@ class ChatBridge(Generic[K]):
             self.log.info("refused a message with files in chat %s: %s", chat, problem)
             await self._say(chat, problem)
             return
-        if await self._admitted(chat, run_id):
-            return  # (taken before a crash, or delivered again: not downloaded again)
+        if await self._admitted(chat, run_id):  # (taken before a crash, or delivered again: not downloaded again)
+            pid = self._chats.get(chat)
+            if pid is not None:  # what it declines, when the first take failed after the send
+                with suppress(NoSuchProcess):
+                    await self._decline(await self.kernel.process(pid), run_id)
+            return
         blocks: list[ImageContent | FileContent] = []
         for attachment in attachments:
             what = attachment.what[:1].upper() + attachment.what[1:]

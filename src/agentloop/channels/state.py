@@ -36,8 +36,8 @@ def _entry(value: object) -> bool:
 
 
 class ChannelState:
-    """``offset``, ``seqs`` (pid -> seq) and ``inbox`` (the input not yet admitted, in the order
-    it came: JSON objects, each with a distinct string ``id``), kept in the JSON file ``path``:
+    """``offset``, ``seqs`` (pid -> seq), ``inbox`` (the input not yet admitted, in the order it
+    came: JSON objects, each with a distinct string ``id``) and ``taking``, kept in the JSON file ``path``:
     ``load`` once, change them, ``save``."""
 
     def __init__(self, path: Path) -> None:
@@ -45,6 +45,9 @@ class ChannelState:
         self.offset = 0
         self.seqs: dict[str, int] = {}
         self.inbox: list[dict[str, Any]] = []
+        # (first, last): the ids of the updates an album's take under way holds (Telegram), so that
+        # a retake holds the same ones, not files of the album that came since
+        self.taking: tuple[int, int] | None = None
         self._lock = asyncio.Lock()
 
     def load(self) -> None:
@@ -63,6 +66,10 @@ class ChannelState:
             for pid, seq in seqs.items():
                 if isinstance(pid, str) and (seq := _count(seq)) is not None:
                     self.seqs[pid] = seq
+        taking = data.get("taking")
+        if isinstance(taking, list) and len(taking) == 2:
+            first, last = _count(taking[0]), _count(taking[1])
+            self.taking = (first, last) if first is not None and last is not None and first <= last else None
         inbox = data.get("inbox")
         ids = {entry["id"] for entry in self.inbox}  # (loaded again: what is held already stays, once)
         for entry in inbox if isinstance(inbox, list) else []:
@@ -76,6 +83,8 @@ class ChannelState:
             data: dict[str, Any] = {"offset": self.offset, "seqs": dict(self.seqs)}
             if self.inbox:
                 data["inbox"] = list(self.inbox)
+            if self.taking is not None:
+                data["taking"] = list(self.taking)
             try:
                 await asyncio.to_thread(self._write, data)
             except (OSError, ValueError, TypeError, RecursionError) as exc:  # (a full disk; what JSON cannot hold)

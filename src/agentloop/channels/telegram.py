@@ -291,6 +291,12 @@ class TelegramBridge(ChatBridge[int]):
         fresh = [(i, u) for i, u in zip(cast("list[int]", ids), take, strict=True) if i >= self.state.offset]
         if not fresh:
             return True
+        held = self.state.taking
+        if held is not None and held[0] == fresh[0][0]:  # taken again: what it held the first time, no more
+            fresh = [(i, u) for i, u in fresh if i <= held[1]]
+        elif _album(fresh[0][1]) is not None:  # (its run id is the first update's: a retake must hold the same)
+            self.state.taking = (fresh[0][0], fresh[-1][0])
+            await self.state.save()
         update_id, last = fresh[0][0], fresh[-1][0]
         try:
             if len(fresh) == 1:
@@ -309,6 +315,7 @@ class TelegramBridge(ChatBridge[int]):
             log.error("Telegram update %d was not handled: %s; skipped after %d tries", update_id, reason, tries)
         self._failures.pop(update_id, None)
         self.state.offset = last + 1
+        self.state.taking = None
         await self.state.save()
         return True
 
