@@ -117,3 +117,15 @@ def test_takes_groups_consecutive_files_of_one_album_of_one_chat() -> None:
         [{"update_id": 1, "message": "garbage"}],
         [{"nonsense": True}],
     ]
+
+
+async def test_a_video_in_an_album_is_left_out_and_the_photos_go_on(tmp_path: Path, fake: FilesTelegram) -> None:
+    async with tg.running(tmp_path, fake, allow=[ALICE]) as (_, _, model):
+        album_item(fake, 0, caption="our trip")
+        fake.media(ALICE, ALICE, video={"file_id": "v", "duration": 3}, media_group_id="g1")
+        album_item(fake, 1)
+        await until(lambda: len(fake.texts(ALICE)) == 2, 10)
+        told, answer = fake.texts(ALICE)
+        assert told.startswith("Left out of your album: the video.") and answer == "seen: our trip"
+        [given] = inputs(model)
+        assert given.content[1:] == [ImageContent(data=b64(PICTURES[i]), mime_type="image/png") for i in (0, 1)]

@@ -356,7 +356,8 @@ class TelegramBridge(ChatBridge[int]):
 
     async def _on_album(self, messages: list[dict[str, Any]], update_id: int) -> None:
         """An album's messages (one file each, of one chat) as one input: all its files, the
-        caption one of them carries as the text (``_on_message`` for the rest)."""
+        caption one of them carries as the text (``_on_message`` for the rest). A file the kernel
+        does not take (a video beside the photos) is left out, and the user told so."""
         first = messages[0]
         chat_id = _int(_field(first.get("chat"), "id"))
         user_id = _int(_field(first.get("from"), "id"))
@@ -365,13 +366,17 @@ class TelegramBridge(ChatBridge[int]):
         if user_id is None or user_id not in self.allow:
             await self._refuse(chat_id, user_id)
             return
-        attachments = [a for message in messages for a in self._attachments(message)]
+        found = [a for message in messages for a in self._attachments(message)]
+        attachments = [a for a in found if a.kind is not None]
         if not attachments:
             await self._send(chat_id, UNSUPPORTED)
             return
+        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"
+        left_out = [a.what for a in found if a.kind is None]  # (a video beside photos: the photos go on)
+        if left_out and not await self._admitted(chat_id, run_id):
+            await self._send(chat_id, f"Left out of your album: {', '.join(left_out)}. {UNSUPPORTED}")
         captions = [m.get("caption") for m in messages]
         caption = next((c for c in captions if isinstance(c, str) and c.strip()), "")
-        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"
         await self._deliver_files(chat_id, user_id, caption, run_id, attachments)
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
