@@ -30,7 +30,30 @@ def find_chromium() -> str | None:
     return None
 
 
-class Chromium:
+class _Connection:
+    """A DevTools WebSocket: commands by id, with the events that arrive meanwhile to ``_event``."""
+
+    ws: ClientConnection
+    _next: int
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self._next += 1
+        ident = self._next
+        self.ws.send(json.dumps({"id": ident, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=20))
+            if msg.get("id") == ident:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                result: dict[str, Any] = msg.get("result", {})
+                return result
+            self._event(msg)
+
+    def _event(self, msg: dict[str, Any]) -> None:
+        """An event (the browser's own connection ignores them)."""
+
+
+class Chromium(_Connection):
     """One headless Chromium process, shared by the tests of a session (starting one takes about
     a second). Each ``Browser`` is a browser context of its own in it (``Target.createBrowserContext``:
     its own cookies, storage and cache, as an incognito window has), with one page, disposed of
@@ -78,19 +101,6 @@ class Chromium:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        """A command to the browser itself (not to a page); events on this connection are ignored."""
-        self._next += 1
-        ident = self._next
-        self.ws.send(json.dumps({"id": ident, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv(timeout=20))
-            if msg.get("id") == ident:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                result: dict[str, Any] = msg.get("result", {})
-                return result
-
     def close(self) -> None:
         try:
             self.ws.close()
@@ -103,7 +113,7 @@ class Chromium:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
-class Browser:
+class Browser(_Connection):
     """One page in a fresh browser context of a ``Chromium``; ``dialogs`` collects every
     alert/confirm it opened."""
 
@@ -133,19 +143,6 @@ class Browser:
         finally:
             if self.chromium.alive():
                 self.chromium.call("Target.disposeBrowserContext", browserContextId=self.context)
-
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        self._next += 1
-        ident = self._next
-        self.ws.send(json.dumps({"id": ident, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv(timeout=20))
-            if msg.get("id") == ident:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                result: dict[str, Any] = msg.get("result", {})
-                return result
-            self._event(msg)
 
     def _event(self, msg: dict[str, Any]) -> None:
         method = msg.get("method")
