@@ -137,6 +137,7 @@ async def test_input_tries_at_once_and_an_abort_ends_the_wait(tmp_path: Path) ->
         msgs = await proc.messages()
         assert receipt.queued and msgs[-1].text == "seen: hello, still there?"
         assert [e["status"] for e in await finished(proc)] == ["ok"]
+        assert k.engine.cached(proc.pid).retry_timer is None  # (the run ended: nothing left to wake it for)
 
         script.items.append(OUT)
         await proc.send("again")
@@ -147,6 +148,7 @@ async def test_input_tries_at_once_and_an_abort_ends_the_wait(tmp_path: Path) ->
         async with asyncio.timeout(5):
             await proc.wait_idle()
         assert [e["status"] for e in await finished(proc)] == ["ok", "aborted"]
+        assert k.engine.cached(proc.pid).retry_timer is None
 
 
 @pytest.mark.parametrize("plan", ["30", [0], [-1], [float("nan")], [True], [1e9], [1] * 21, None])

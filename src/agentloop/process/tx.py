@@ -120,6 +120,9 @@ class _Tx:
             if run is None:  # the run's own configuration and prompt end with it (idle processes keep none)
                 live.config = live.prompt = None
                 self.engine._compiled.pop(live.record.pid, None)  # (a run that ended before it answered)
+                if live.retry_timer is not None:  # (an aborted run that waited out an outage)
+                    live.retry_timer.cancel()
+                    live.retry_timer = None
 
         self.after.append(apply)
 
