@@ -1,4 +1,4 @@
-"""A monthly budget per account (``agentloop serve --account-budget``, ``ServerContext.account_budget``):
+"""A monthly budget per account (``agentloop serve --account-budget``, ``ServerContext.limit_spending``):
 once an account has spent it this calendar month (UTC, catalog prices, runs that ended), new input
 that would start runs (a first message, a send, an event) is refused with 402 ``budget_spent``,
 naming what was spent; reads still work, admins are not limited, and another account is not
@@ -26,7 +26,7 @@ PRICEY = ModelInfo(provider="scripted", id="pricey", input_cost=1_000_000, outpu
 def server(tmp_path: Path) -> Iterator[LiveServer]:
     srv = LiveServer(tmp_path, model=ScriptedModel(lambda r: "answer", info=PRICEY)).start()
     assert srv.ctx is not None
-    srv.ctx.account_budget = 30.0
+    srv.ctx.limit_spending(30.0)
     yield srv
     srv.stop()
 
@@ -63,7 +63,7 @@ def test_input_is_refused_once_the_months_budget_is_spent(server: LiveServer) ->
         other = bob.post("/v1/processes", json={"text": "hello"})  # another account's budget is its own
         assert other.status_code == 201
         assert admin.post("/v1/processes", json={"text": "hello"}).status_code == 201
-        server.ctx.account_budget = None  # type: ignore[union-attr]  # no budget: no check
+        server.ctx.limit_spending(None)  # type: ignore[union-attr]  # no budget: no check
         assert alice.post(f"/v1/processes/{pid}/messages", json={"text": "four"}).status_code in (200, 202)
 
 

@@ -181,7 +181,7 @@ async def serve_async(
                 ctx.max_processes = opts.max_processes
             if opts.max_inputs_per_minute is not None:
                 ctx.max_inputs_per_minute = opts.max_inputs_per_minute
-            ctx.account_budget = opts.account_budget
+            ctx.limit_spending(opts.account_budget)
             tools = [*builtin_tools(opts.workspace, fetch_allow=settings.fetch_allow), *extra]
 
             def agent_factory() -> Agent:

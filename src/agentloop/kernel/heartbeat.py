@@ -39,7 +39,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from agentloop.kernel.duty import Duty, DutyTimer
 from agentloop.process.engine import ProcessEngine
@@ -94,6 +94,9 @@ class Heartbeat(DutyTimer):
         self.local_time = local_time
         self._beaten: dict[str, int] = {}  # pid -> the last period it got (or missed) its beat for
         self._asks: dict[str, tuple[float, bool]] = {}  # cwd -> (when looked at, whether it asks)
+        # why an account may start nothing new now (``budget.gate_timers``): the
+        # period's beat of its processes is skipped
+        self.spending: Callable[[str], Awaitable[str | None]] | None = None
 
     async def work(self) -> float:
         return await self.beat_due()
@@ -117,6 +120,9 @@ class Heartbeat(DutyTimer):
             if record.current_run is not None or record.pid in self.engine.clearing:
                 # busy, or being reset (waiting for that would hold up the beats of the processes
                 # after it): tried again at the next pass, while the period lasts
+                continue
+            if self.spending is not None and await self.spending(record.owner) is not None:
+                self._beaten[record.pid] = period  # (a check-in nobody asked for: this period's is skipped)
                 continue
             await self._beat(record.pid, period, began)
         return max(soonest, MIN_GAP)

@@ -50,6 +50,7 @@ MAX_NAME = 128
 MAX_TEXT = 64_000  # a schedule's text is delivered again at every fire
 POLL = 60.0  # re-read the table at least this often (another writer may have added a schedule)
 BATCH = 100  # schedules fired per pass
+OVER_BUDGET_WAIT = 300.0  # seconds a schedule of an account past its budget waits before it is looked at again
 SCHEDULE_RUN_PREFIX = "schedule:"  # of the run ids of schedules' deliveries
 MAX_CRON = 200  # characters of a cron expression
 MISSED_COUNTED = 1000  # a calendar's missed fires are counted up to this many
@@ -214,6 +215,9 @@ class Scheduler(DutyTimer):
         self.min_every = max(float(min_every), SHORTEST_EVERY)
         self.clock = clock
         self._held: dict[str, float] = {}  # schedule id -> not before (after a failed fire)
+        # why an account may start nothing new now (``budget.gate_timers``): its
+        # schedules wait, and fire once it may again
+        self.spending: Callable[[str], Awaitable[str | None]] | None = None
 
     # -- the API ----------------------------------------------------------------------------------
 
@@ -347,11 +351,24 @@ class Scheduler(DutyTimer):
         waiting = any(q.kind == "system" and (q.run_id or "").startswith(mine) for q in await self.store.queue(row.pid))
         return not waiting
 
+    async def _over_budget(self, row: ScheduleRow) -> bool:
+        assert self.spending is not None
+        record = await self.store.get_process(row.pid)
+        if record is None:
+            return False  # (its process is gone: the delivery finds that out)
+        why = await self.spending(record.owner)
+        if why is not None:
+            log.info("schedule %s of process %s waits: %s", row.id, row.pid, why)
+        return why is not None
+
     async def _fire(self, row: ScheduleRow, now: float) -> None:
         """Deliver one due schedule, claimed by its advance from the due time ``row`` was read at:
         if another timer fired it meanwhile, the claim fails and nothing is delivered."""
         claim: Callable[[], Awaitable[bool]]
         try:
+            if self.spending is not None and await self._over_budget(row):
+                self._held[row.id] = self.clock() + OVER_BUDGET_WAIT  # (it fires once the account may spend again)
+                return
             if row.cron is not None and row.tz is not None:
                 claim = partial(self._advance, row, next_cron_after(row.cron, row.tz, max(now, row.next_due)))
             elif row.every is None:

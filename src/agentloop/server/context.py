@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import HTTPConnection
 
 from agentloop.kernel import Kernel
+from agentloop.kernel.budget import MonthlyBudget, gate_timers
 from agentloop.server.auth import Accounts, Principal, bearer
 from agentloop.server.errors import ApiError
 from agentloop.server.ratelimit import DEFAULT_MAX_INPUTS_PER_MINUTE, InputRate
@@ -40,8 +41,8 @@ class ServerContext:
     # messages and events an account (not an admin) may send per minute; None: no limit
     max_inputs_per_minute: int | None = DEFAULT_MAX_INPUTS_PER_MINUTE
     inputs: InputRate = field(default_factory=InputRate)
-    # dollars an account (not an admin) may spend per calendar month (UTC); None: no budget
-    account_budget: float | None = None
+    # what an account (not an admin) may spend per calendar month (UTC): ``limit_spending``
+    budget: MonthlyBudget | None = None
     # Set when the server begins shutting down: streams end cleanly instead of being cut.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -52,8 +53,14 @@ class ServerContext:
             max_processes=self.max_processes,
             inputs=self.inputs,
             max_inputs_per_minute=self.max_inputs_per_minute,
-            account_budget=self.account_budget,
+            budget=self.budget,
         )
+
+    def limit_spending(self, dollars: float | None) -> None:
+        """A budget of ``dollars`` per account and calendar month (UTC), admins aside (None: no
+        budget): past it, the account's input is refused and its schedules and heartbeats wait."""
+        self.budget = None if dollars is None else MonthlyBudget(self.kernel, dollars)
+        gate_timers(self.kernel, None if self.budget is None else self.budget.refusal)
 
     async def principal(self, conn: HTTPConnection) -> Principal:
         """The caller of an HTTP request or WebSocket handshake, from its bearer token; 401 if none."""

@@ -13,7 +13,6 @@ import base64
 import binascii
 import contextlib
 import hashlib
-import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, get_args
 
 from agentloop.images import image_size, sniff_image
 from agentloop.kernel import Kernel, NoSuchProcess, Process
+from agentloop.kernel.budget import MonthlyBudget
 from agentloop.kernel.fork import FORKED_KEY
 from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
@@ -248,38 +248,20 @@ class ProcessService:
         max_processes: int | None = None,
         inputs: InputRate | None = None,
         max_inputs_per_minute: int | None = None,
-        account_budget: float | None = None,
+        budget: MonthlyBudget | None = None,
     ) -> None:
         self.kernel = kernel
         self.max_processes = max_processes  # per account, admins aside; None: no limit
         self._inputs = inputs if inputs is not None else InputRate()
         self.max_inputs_per_minute = max_inputs_per_minute  # per account, admins aside; None: no limit
-        self.account_budget = account_budget  # dollars per account and calendar month (UTC), admins aside
-        self._spent_before: dict[tuple[str, str], float] = {}  # (account, month): ``Store.spent_before``
+        self.budget = budget  # per account and calendar month (UTC), admins aside; None: no budget
 
     async def _check_budget(self, who: Principal) -> None:
-        """402 once the account has spent its ``account_budget`` this calendar month (UTC), at
-        catalog prices, over its runs that ended: new input would start more. The month's
-        spending is the account's total since the first check in the month (``spent_before``),
-        so a run under way at the turn of the month counts where it ends."""
-        budget = self.account_budget
-        if budget is None or who.admin:
-            return
-        total = (await self.kernel.usage(who.account)).cost
-        period = time.strftime("%Y-%m", time.gmtime())
-        before = self._spent_before.get((who.account, period))
-        if before is None:  # (once written, a month's row never changes: read once, kept)
-            async with self.kernel.store.transaction():
-                before = await self.kernel.store.spent_before(who.account, period, total)
-            self._spent_before[(who.account, period)] = before
-        spent = total - before
-        if spent >= budget:
-            raise ApiError(
-                402,
-                "budget_spent",
-                f"account {who.account!r} has spent ${spent:.2f} of its ${budget:.2f} budget for {period} (UTC);"
-                " new input is refused until the month ends",
-            )
+        """402 once the account has spent its monthly budget (``kernel/budget.py``): new input
+        would start more."""
+        why = await self.budget.refusal(who.account, admin=who.admin) if self.budget is not None else None
+        if why is not None:
+            raise ApiError(402, "budget_spent", why)
 
     def _take_input(self, who: Principal) -> None:
         """Count an input that may start a run (a first message, a send, an event): 429 past the
