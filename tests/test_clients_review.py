@@ -369,3 +369,33 @@ async def test_a_device_started_under_nohup_outlives_its_terminal(tmp_path) -> N
             if device.returncode is None:
                 device.terminate()
                 assert await asyncio.wait_for(device.wait(), 10) == 0
+
+
+async def test_the_account_stream_is_reopened_after_a_drop_and_says_so() -> None:
+    """The account stream was one connection: a dropped one (a proxy's idle cut, a server
+    restarting) ended it, and a caller that did not reopen it by hand heard nothing more."""
+    opened: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/events"
+        opened.append(1)
+        if len(opened) == 1:  # the server restarting: the stream ends
+            return httpx.Response(200, headers={"Content-Type": "text/event-stream"}, text=": hello\n\n")
+        if len(opened) == 2:
+            return httpx.Response(502, text=HTML)
+        body = 'event: proc.run.finished\ndata: {"pid": "p1", "signal": "proc.run.finished", "payload": {}}\n\n'
+        return httpx.Response(200, headers={"Content-Type": "text/event-stream"}, text=body)
+
+    retries: list[str] = []
+    connected = asyncio.Event()
+    async with mocked(handler) as client:
+        async with asyncio.timeout(10):
+            stream = client.account_events(connected=connected, on_retry=lambda p, n: retries.append(p.code))
+            event = await anext(stream)
+            await stream.aclose()
+    assert (event.pid, event.signal) == ("p1", "proc.run.finished") and connected.is_set()
+    assert len(opened) == 3 and retries[0] == "stream_ended" and len(retries) == 2
+
+    async with mocked(handler) as client:  # without reconnect: the end of the first connection ends it
+        opened.clear()
+        assert [e async for e in client.account_events(reconnect=False)] == [] and len(opened) == 1

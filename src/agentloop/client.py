@@ -10,8 +10,9 @@ Every failure the server reports becomes a ``ClientError(status, code, message)`
 server nobody can reach (status 0, code ``unreachable``), so a caller handles one exception type.
 The event stream reconnects by itself after a dropped connection, sending ``Last-Event-ID`` so the
 server replays exactly the logged signals the client has not seen: nothing lost, nothing repeated.
-The account stream (``account_events``: approvals and run ends of all the account's processes) is
-live only, so it does not: list ``approvals()`` again, and reopen it, once it ends.
+The account stream (``account_events``: approvals and run ends of all the account's processes)
+reconnects too, but it is live only, with nothing to replay: list ``approvals()`` again each time
+it is (re)connected.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -78,6 +79,8 @@ _KINDS: dict[int, type[ClientError]] = {
     409: Conflict,
     429: RateLimited,
 }
+T = TypeVar("T")
+
 # the longest Retry-After the event stream honours before reconnecting (a bad header is no reason
 # to stop following for an hour)
 MAX_RETRY_AFTER = 60.0
@@ -508,15 +511,37 @@ class AgentloopClient:
         watching (text deltas are live-only: sent before that, they are missed). ``on_retry(problem,
         attempt)`` is told before each reconnection, so a person watching knows why it paused."""
         last = after_seq
+        stream = self._reopening(
+            lambda: self._stream(pid, last, follow, connected),
+            follow=follow,
+            reconnect=reconnect,
+            max_retries=max_retries,
+            connected=connected,
+            on_retry=on_retry,
+        )
+        async for event in stream:
+            if event.seq is not None:
+                last = event.seq  # (where a reopened stream goes on from)
+            yield event
+
+    async def _reopening(
+        self,
+        opened: Callable[[], AsyncIterator[T]],
+        *,
+        follow: bool,
+        reconnect: bool,
+        max_retries: int | None,
+        connected: asyncio.Event | None,
+        on_retry: Callable[[ClientError, int], None] | None,
+    ) -> AsyncGenerator[T, None]:
+        """The items of the connections ``opened`` makes: one after another, as ``events`` says."""
         failures = 0
         while True:
             ended_cleanly = False
             try:
-                async for event in self._stream(pid, last, follow, connected):
+                async for item in opened():
                     failures = 0
-                    if event.seq is not None:
-                        last = event.seq
-                    yield event
+                    yield item
                 ended_cleanly = True
             except ClientError as exc:
                 if not (reconnect and _transient(exc)):
@@ -552,16 +577,33 @@ class AgentloopClient:
             if event is not None:
                 yield event
 
-    async def account_events(self, *, connected: asyncio.Event | None = None) -> AsyncGenerator[AccountEvent, None]:
+    async def account_events(
+        self,
+        *,
+        connected: asyncio.Event | None = None,
+        reconnect: bool = True,
+        max_retries: int | None = None,
+        on_retry: Callable[[ClientError, int], None] | None = None,
+    ) -> AsyncGenerator[AccountEvent, None]:
         """The approvals asked and answered (``proc.changed`` naming "hil") and the runs finished
-        of all the account's processes, runs nobody follows included, as they happen. Live only,
-        one connection: it ends when the server ends it (a ``ClientError`` when the connection
-        fails); list ``approvals()`` once ``connected`` is set, and again after reopening it."""
+        of all the account's processes, runs nobody follows included, as they happen. A dropped
+        connection, or a stream the server ended as it shut down, is reopened as ``events``
+        reopens its stream (without ``reconnect``: a ``ClientError``, or the end). The stream is
+        live only: what happened while it was closed is not sent again, so list ``approvals()``
+        each time ``connected`` is set, the first time and after each reopening."""
         headers = {"Accept": "text/event-stream"}
-        async for name, data, _ in self._frames("/v1/events", {}, headers, connected):
-            event = _account_event(name, data)
-            if event is not None:
-                yield event
+
+        async def opened() -> AsyncIterator[AccountEvent]:
+            async for name, data, _ in self._frames("/v1/events", {}, headers, connected):
+                event = _account_event(name, data)
+                if event is not None:
+                    yield event
+
+        stream = self._reopening(
+            opened, follow=True, reconnect=reconnect, max_retries=max_retries, connected=connected, on_retry=on_retry
+        )
+        async for event in stream:
+            yield event
 
     async def _frames(
         self, path: str, params: dict[str, Any], headers: dict[str, str], connected: asyncio.Event | None
