@@ -44,10 +44,17 @@ def test_input_is_refused_once_the_months_budget_is_spent(server: LiveServer) ->
         return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"})
 
     with client(server.tokens.alice) as alice, client(server.tokens.bob) as bob, client(server.tokens.admin) as admin:
-        pid = alice.post("/v1/processes", json={"text": "one"}).json()["pid"]  # $20 of $30
+        made = alice.post("/v1/processes", json={"text": "one", "run_id": "r-one"})  # $20 of $30
+        pid = made.json()["pid"]
         _idle(alice, pid)
-        assert alice.post(f"/v1/processes/{pid}/messages", json={"text": "two"}).status_code in (200, 202)
+        sent = alice.post(f"/v1/processes/{pid}/messages", json={"text": "two", "run_id": "r-two"})
+        assert sent.status_code in (200, 202)
         _idle(alice, pid)  # $40 now: past the budget
+        # a retry of input admitted already (its answer lost) gets its first receipt, not 402
+        again = alice.post(f"/v1/processes/{pid}/messages", json={"text": "two", "run_id": "r-two"})
+        assert again.status_code in (200, 202) and again.json() == sent.json(), again.text
+        respawned = alice.post("/v1/processes", json={"text": "one", "run_id": "r-one"})
+        assert respawned.status_code in (200, 201) and respawned.json()["pid"] == pid, respawned.text
         refused = alice.post(f"/v1/processes/{pid}/messages", json={"text": "three"})
         assert refused.status_code == 402, refused.text
         body = refused.json()

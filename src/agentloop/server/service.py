@@ -30,6 +30,7 @@ from agentloop.loop.output import output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
 from agentloop.models.registry import catalog, names_a_file
+from agentloop.process import admission
 from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
 from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
@@ -256,6 +257,14 @@ class ProcessService:
         self.max_inputs_per_minute = max_inputs_per_minute  # per account, admins aside; None: no limit
         self.budget = budget  # per account and calendar month (UTC), admins aside; None: no budget
 
+    async def _check_input(self, who: Principal, pid: str | None = None, run_id: str | None = None) -> None:
+        """The budget, then the rate, for an input that may start a run; not for a retry of one
+        admitted already (``run_id``), which gets its first receipt however the account stands now."""
+        if pid is not None and await admission.admitted(self.kernel.engine, pid, run_id) is not None:
+            return
+        await self._check_budget(who)
+        self._take_input(who)
+
     async def _check_budget(self, who: Principal) -> None:
         """402 once the account has spent its monthly budget (``kernel/budget.py``): new input
         would start more."""
@@ -325,9 +334,8 @@ class ProcessService:
         # With a run id the pid follows from it, so a retried request (its answer lost) finds the
         # process the first one made and gets its receipt instead of making a second one.
         pid = _spawn_pid(who.account, run_id) if run_id is not None else None
-        if text is not None:
-            await self._check_budget(who)
-            self._take_input(who)
+        if text is not None and (pid is None or await self.kernel.store.get_process(pid) is None):
+            await self._check_input(who)
         try:
             proc = await self.kernel.spawn(
                 who.account,
@@ -424,8 +432,7 @@ class ProcessService:
         output = _output_schema(output_schema)
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
-        await self._check_budget(who)
-        self._take_input(who)
+        await self._check_input(who, pid, run_id)
         try:
             receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
         except NoSuchProcess:
@@ -688,8 +695,7 @@ class ProcessService:
         _check_text(text)
         _check_plain(run_id, "run_id")
         await self._process(who, pid)
-        await self._check_budget(who)
-        self._take_input(who)
+        await self._check_input(who, pid, run_id)
         try:
             return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
         except NoSuchProcess:
