@@ -328,6 +328,9 @@ Message: TypeAlias = Annotated[
 
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 _MESSAGES: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
+_SERIALIZERS = {
+    cls: TypeAdapter(cls).serializer for cls in (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
+}
 
 
 def message_from_dict(data: Any) -> Message:
@@ -349,7 +352,11 @@ def message_to_dict(message: Message) -> dict[str, Any]:
 
 
 def message_to_json(message: Message) -> str:
-    return _MESSAGE.dump_json(message).decode()
+    """By the message class's own serializer: the union's picks the same one by the role, after a
+    lookup that costs more than the message (the store writes several per step)."""
+    serializer = _SERIALIZERS.get(type(message))
+    data = serializer.to_json(message) if serializer is not None else _MESSAGE.dump_json(message)
+    return data.decode()
 
 
 def messages_to_dicts(messages: list[Message]) -> list[dict[str, Any]]:

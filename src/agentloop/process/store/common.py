@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import TypeAdapter
-from pydantic_core import SchemaSerializer, to_json
+from pydantic_core import to_json
 
-from agentloop.messages import AssistantMessage, Message, SystemMessage, ToolResultMessage, UserMessage, message_to_json
 from agentloop.process.store.base import AccountRecord, HilRow, ProcessRecord, ToolCallRow, UsageTotals, WatchRow
 
 # a process's usage totals (``UsageTotals``, field by field) as registry and ``account_usage`` columns
@@ -31,21 +29,6 @@ UPDATABLE_FIELDS = frozenset(
         USAGE_ADDED,
     }
 )
-
-
-_SERIALIZERS: dict[type, SchemaSerializer] = {
-    cls: TypeAdapter(cls).serializer for cls in (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
-}
-
-
-def message_json(message: Message) -> str:
-    """``message_to_json``, by the message class's own serializer where it is one of the four:
-    the union's picks the same one by the role, after a lookup that costs more than the message
-    (several per step). Anything else goes through the union, as before."""
-    serializer = _SERIALIZERS.get(type(message))
-    if serializer is None:
-        return message_to_json(message)
-    return serializer.to_json(message).decode()
 
 
 def dumps(value: Any) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentloop.messages import Message, message_from_json
+from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
     AccountRecord,
     CallStatus,
@@ -71,7 +71,6 @@ from agentloop.process.store.common import (
     call_row,
     dumps,
     hil_row,
-    message_json,
     process_record,
     usage_increments,
     usage_totals,
@@ -657,12 +656,12 @@ class SQLiteStore(Store):
             m = messages[0]
             db.execute(
                 _INSERT_MESSAGE,
-                (pid, first, generation, run_id, m.role, message_json(m), now),
+                (pid, first, generation, run_id, m.role, message_to_json(m), now),
             )
             return [first]
         db.executemany(
             _INSERT_MESSAGE,
-            [(pid, first + i, generation, run_id, m.role, message_json(m), now) for i, m in enumerate(messages)],
+            [(pid, first + i, generation, run_id, m.role, message_to_json(m), now) for i, m in enumerate(messages)],
         )
         return list(range(first, counters[0]))
 
@@ -700,14 +699,14 @@ class SQLiteStore(Store):
         db.execute("DELETE FROM messages WHERE pid = ? AND id BETWEEN ? AND ?", (pid, from_id, to_id))
         db.execute(
             _INSERT_MESSAGE,
-            (pid, to_id, gen, None, replacement.role, message_json(replacement), time.time()),
+            (pid, to_id, gen, None, replacement.role, message_to_json(replacement), time.time()),
         )
         return to_id
 
     async def update_messages(self, pid: str, updates: list[tuple[int, Message]]) -> None:
         self._write().executemany(
             "UPDATE messages SET role = ?, body = ? WHERE pid = ? AND id = ?",
-            [(m.role, message_json(m), pid, i) for i, m in updates],
+            [(m.role, message_to_json(m), pid, i) for i, m in updates],
         )
 
     async def delete_run_messages(self, pid: str, run_id: str) -> int:
@@ -792,7 +791,7 @@ class SQLiteStore(Store):
         counters[2] = item_id + 1
         db.execute(
             "INSERT INTO message_queue (pid, id, kind, run_id, body, created_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (pid, item_id, kind, run_id, message_json(message), time.time(), reason),
+            (pid, item_id, kind, run_id, message_to_json(message), time.time(), reason),
         )
         return item_id
 
