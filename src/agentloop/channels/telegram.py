@@ -325,15 +325,28 @@ class TelegramBridge(ChatBridge[int]):
         elif isinstance(update.get("callback_query"), dict):
             await self._on_callback(update["callback_query"])
 
-    async def _on_message(self, message: dict[str, Any], update_id: int) -> None:
+    async def _sender(self, message: dict[str, Any]) -> tuple[int, int] | None:
+        """(chat id, user id) of a message from a user on the allow-list; None (anyone else
+        refused) otherwise."""
         chat_id = _int(_field(message.get("chat"), "id"))
         user_id = _int(_field(message.get("from"), "id"))
         if chat_id is None:
-            return
+            return None
         if user_id is None or user_id not in self.allow:
             await self._refuse(chat_id, user_id)
+            return None
+        return chat_id, user_id
+
+    def _run_id(self, chat_id: int, update_id: int) -> str:
+        """The run id of an update's input: a redelivered update is admitted once."""
+        return f"telegram-{self.bot_id}-{chat_id}-{update_id}"
+
+    async def _on_message(self, message: dict[str, Any], update_id: int) -> None:
+        sender = await self._sender(message)
+        if sender is None:
             return
-        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"  # a redelivered update is admitted once
+        chat_id, user_id = sender
+        run_id = self._run_id(chat_id, update_id)
         text = message.get("text")
         if not isinstance(text, str) or not text.strip():
             attachments = self._attachments(message)
@@ -358,20 +371,16 @@ class TelegramBridge(ChatBridge[int]):
         """An album's messages (one file each, of one chat) as one input: all its files, the
         caption one of them carries as the text (``_on_message`` for the rest). A file the kernel
         does not take (a video beside the photos) is left out, and the user told so."""
-        first = messages[0]
-        chat_id = _int(_field(first.get("chat"), "id"))
-        user_id = _int(_field(first.get("from"), "id"))
-        if chat_id is None:
+        sender = await self._sender(messages[0])
+        if sender is None:
             return
-        if user_id is None or user_id not in self.allow:
-            await self._refuse(chat_id, user_id)
-            return
+        chat_id, user_id = sender
         found = [a for message in messages for a in self._attachments(message)]
         attachments = [a for a in found if a.kind is not None]
         if not attachments:
             await self._send(chat_id, UNSUPPORTED)
             return
-        run_id = f"telegram-{self.bot_id}-{chat_id}-{update_id}"
+        run_id = self._run_id(chat_id, update_id)
         left_out = [a.what for a in found if a.kind is None]  # (a video beside photos: the photos go on)
         if left_out and not await self._admitted(chat_id, run_id):
             await self._send(chat_id, f"Left out of your album: {', '.join(left_out)}. {UNSUPPORTED}")
