@@ -62,6 +62,23 @@ async def test_a_delegated_task_that_ran_is_not_reported_as_dropped_when_its_rep
 # ------------------------------------------------ chat bridge: a failure between the steer and the denial
 
 
+def fail_hil_once(monkeypatch: pytest.MonkeyPatch) -> list[Exception]:
+    """``Process.hil`` fails once (the store locked for a moment), then works; the failure still
+    to come, in a list that is empty once it came."""
+    from agentloop.kernel.kernel import Process
+
+    real_hil = Process.hil
+    failures: list[Exception] = [RuntimeError("database is locked")]
+
+    async def flaky_hil(self: Any, *a: Any, **kw: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await real_hil(self, *a, **kw)
+
+    monkeypatch.setattr(Process, "hil", flaky_hil)
+    return failures
+
+
 async def test_a_message_typed_during_an_approval_still_declines_it_when_its_update_is_taken_again(
     tmp_path, monkeypatch
 ):
@@ -71,19 +88,10 @@ async def test_a_message_typed_during_an_approval_still_declines_it_when_its_upd
     once, by its run id"). But the message is admitted by then, so ``_deliver`` looks at no
     approval at all (``waiting = []``): the request stays pending for ever (no approval timeout
     by default) with the user's "no, keep it" stuck in the queue behind the question."""
-    from agentloop.kernel.kernel import Process
     from tests import test_channel_telegram as tg
 
     tg.removed.clear()
-    real_hil = Process.hil
-    failures = [RuntimeError("database is locked")]
-
-    async def flaky_hil(self: Any, *a: Any, **kw: Any) -> Any:
-        if failures:
-            raise failures.pop()
-        return await real_hil(self, *a, **kw)
-
-    monkeypatch.setattr(Process, "hil", flaky_hil)
+    failures = fail_hil_once(monkeypatch)
     telegram = tg.FakeTelegram()
     with telegram.server:
         async with tg.running(tmp_path, telegram, allow=[tg.ALICE]) as (kernel, bridge, _):

@@ -11,6 +11,7 @@ import pytest
 from tests import test_channel_telegram as tg
 from tests.image_support import png
 from tests.test_channel_media import FilesTelegram
+from tests.test_session_review4 import fail_hil_once
 
 PICTURE = png(40, 30)
 
@@ -27,18 +28,9 @@ async def test_a_photo_sent_during_an_approval_still_declines_it_when_its_update
     admitted ("not downloaded again"): the retake never reaches the code that reads the row. The
     request stays pending, the photo's steer waits behind it, and the row is left in the kv."""
     from agentloop.channels.bridge import DECLINES
-    from agentloop.kernel.kernel import Process
 
     tg.removed.clear()
-    real_hil = Process.hil
-    failures = [RuntimeError("database is locked")]
-
-    async def flaky_hil(self: Any, *a: Any, **kw: Any) -> Any:
-        if failures:
-            raise failures.pop()
-        return await real_hil(self, *a, **kw)
-
-    monkeypatch.setattr(Process, "hil", flaky_hil)
+    failures = fail_hil_once(monkeypatch)
     fake = FilesTelegram()
     fake.file("p0", "photos/file_0.png", PICTURE, len(PICTURE))
     photo = [{"file_id": "p0", "file_unique_id": "u0", "width": 40, "height": 30, "file_size": len(PICTURE)}]
