@@ -29,6 +29,8 @@ import httpx
 
 from agentloop.urls import check_server_address, check_token, redact_secrets, redact_url
 
+T = TypeVar("T")
+
 DEFAULT_URL = "http://127.0.0.1:8765"
 # The server sends a comment every 15 s of silence: three missed ones mean the connection is dead.
 STREAM_READ_TIMEOUT = 45.0
@@ -79,8 +81,6 @@ _KINDS: dict[int, type[ClientError]] = {
     409: Conflict,
     429: RateLimited,
 }
-T = TypeVar("T")
-
 # the longest Retry-After the event stream honours before reconnecting (a bad header is no reason
 # to stop following for an hour)
 MAX_RETRY_AFTER = 60.0

@@ -94,8 +94,8 @@ class Heartbeat(DutyTimer):
         self.local_time = local_time
         self._beaten: dict[str, int] = {}  # pid -> the last period it got (or missed) its beat for
         self._asks: dict[str, tuple[float, bool]] = {}  # cwd -> (when looked at, whether it asks)
-        # why an account may start nothing new now (``budget.gate_timers``): the
-        # period's beat of its processes is skipped
+        # why an account may start nothing new now (``budget.gate_timers``): the period's beat of
+        # its processes is skipped
         self.spending: Callable[[str], Awaitable[str | None]] | None = None
 
     async def work(self) -> float:

@@ -215,8 +215,8 @@ class Scheduler(DutyTimer):
         self.min_every = max(float(min_every), SHORTEST_EVERY)
         self.clock = clock
         self._held: dict[str, float] = {}  # schedule id -> not before (after a failed fire)
-        # why an account may start nothing new now (``budget.gate_timers``): its
-        # schedules wait, and fire once it may again
+        # why an account may start nothing new now (``budget.gate_timers``): its schedules wait,
+        # and fire once it may again
         self.spending: Callable[[str], Awaitable[str | None]] | None = None
 
     # -- the API ----------------------------------------------------------------------------------
@@ -351,12 +351,11 @@ class Scheduler(DutyTimer):
         waiting = any(q.kind == "system" and (q.run_id or "").startswith(mine) for q in await self.store.queue(row.pid))
         return not waiting
 
-    async def _over_budget(self, row: ScheduleRow) -> bool:
-        assert self.spending is not None
+    async def _over_budget(self, row: ScheduleRow, spending: Callable[[str], Awaitable[str | None]]) -> bool:
         record = await self.store.get_process(row.pid)
         if record is None:
             return False  # (its process is gone: the delivery finds that out)
-        why = await self.spending(record.owner)
+        why = await spending(record.owner)
         if why is not None:
             log.info("schedule %s of process %s waits: %s", row.id, row.pid, why)
         return why is not None
@@ -366,7 +365,7 @@ class Scheduler(DutyTimer):
         if another timer fired it meanwhile, the claim fails and nothing is delivered."""
         claim: Callable[[], Awaitable[bool]]
         try:
-            if self.spending is not None and await self._over_budget(row):
+            if self.spending is not None and await self._over_budget(row, self.spending):
                 self._held[row.id] = self.clock() + OVER_BUDGET_WAIT  # (it fires once the account may spend again)
                 return
             if row.cron is not None and row.tz is not None:

@@ -262,15 +262,10 @@ class ProcessService:
         admitted already (``run_id``), which gets its first receipt however the account stands now."""
         if pid is not None and await admission.admitted(self.kernel.engine, pid, run_id) is not None:
             return
-        await self._check_budget(who)
-        self._take_input(who)
-
-    async def _check_budget(self, who: Principal) -> None:
-        """402 once the account has spent its monthly budget (``kernel/budget.py``): new input
-        would start more."""
         why = await self.budget.refusal(who.account, admin=who.admin) if self.budget is not None else None
-        if why is not None:
+        if why is not None:  # (``kernel/budget.py``: new input would start more)
             raise ApiError(402, "budget_spent", why)
+        self._take_input(who)
 
     def _take_input(self, who: Principal) -> None:
         """Count an input that may start a run (a first message, a send, an event): 429 past the
