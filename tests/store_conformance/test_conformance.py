@@ -403,6 +403,21 @@ async def test_kv_and_segments(store):
     assert await store.kv_get("p1", "overrides") is None
 
 
+async def test_kv_many_reads_the_keys_that_exist_of_a_short_or_a_long_list(store):
+    """A few keys (one lookup each) and more than 64 (one ``IN`` list, past SQLite's limit of
+    compound terms): the same answer, missing and repeated keys included, another process's not."""
+    await spawn(store)
+    await spawn(store, "p2")
+    async with store.transaction():
+        for i in range(0, 80, 2):
+            await store.kv_set("p1", f"k{i}", i)
+        await store.kv_set("p2", "k1", "other")
+    assert await store.kv_many("p1", ["k0", "k1", "k2", "k0"]) == {"k0": 0, "k2": 2}
+    many = [f"k{i}" for i in range(80)]
+    assert await store.kv_many("p1", many) == {f"k{i}": i for i in range(0, 80, 2)}
+    assert await store.kv_many("p1", []) == {}
+
+
 async def test_signal_log_is_gap_free_and_resumable(store):
     await spawn(store)
     await spawn(store, "p2")
