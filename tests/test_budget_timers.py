@@ -91,3 +91,10 @@ async def test_a_heartbeat_is_skipped_for_an_account_past_its_budget_and_not_for
         await k.heartbeat.beat_due()
         await alice.wait_idle()
         assert await beats(alice) == 1
+
+
+@pytest.mark.parametrize("dollars", [0, -5.0, float("nan"), float("inf"), True, "10"])
+async def test_a_budget_that_is_not_a_positive_amount_is_refused(tmp_path: Path, dollars: Any) -> None:
+    async with kernel(tmp_path, pricey()) as k:
+        with pytest.raises(ValueError, match="positive number of dollars"):
+            MonthlyBudget(k, dollars)

@@ -14,6 +14,7 @@ so a run under way at the turn of the month counts where it ends.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ class MonthlyBudget:
     """``dollars`` per account and calendar month (UTC) on ``kernel``; admins are not limited."""
 
     def __init__(self, kernel: Kernel, dollars: float) -> None:
+        if isinstance(dollars, bool) or not isinstance(dollars, int | float) or not 0 < dollars < math.inf:
+            raise ValueError(f"a budget must be a positive number of dollars, got {dollars!r}")
         self.kernel = kernel
         self.dollars = dollars
         self._before: dict[tuple[str, str], float] = {}  # (account, month): its total at the month's start
