@@ -258,6 +258,16 @@ async def _dropped(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[st
     return await _logged_end(kernel, pid, run_id, after) or NOT_RUN
 
 
+async def _owed_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
+    """How the task a reply is owed for ended: as ``_dropped`` says once its delivery is recorded
+    (the admission of ``run_id``); before that only a logged end counts. The row is written
+    before the task is sent, so a task on its way (a call, or its re-run after a restart, between
+    the two) is not in the queue yet, and must not be taken for one that was dropped."""
+    if await admission.admitted(kernel.engine, pid, run_id) is None:
+        return await _logged_end(kernel, pid, run_id, after)
+    return await _dropped(kernel, pid, run_id, after)
+
+
 async def _logged_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
     """The ``proc.run.finished`` payload of run ``run_id`` if the log has it already."""
     while True:
@@ -299,11 +309,15 @@ class Replies:
         kernel.engine.hub.tap(self._heard)
 
     async def start(self) -> None:
-        """Deliver the replies owed for delegated runs that have ended (after a restart)."""
+        """Deliver the replies owed for delegated runs that have ended (after a restart), and for
+        delivered tasks that were dropped before their turn (their "not run" reply was on its way
+        when the kernel stopped). A task whose delivery is not recorded yet is left alone: the
+        caller's call, run again after the restart, delivers it."""
         for target, owed in (await self.kernel.store.kv_values(DELEGATIONS_KEY)).items():
             for rid, row in dict(owed or {}).items():
                 try:
-                    finished = await _logged_end(self.kernel, target, rid, int(row.get("after", 0)))
+                    after = int(row.get("after", 0)) if isinstance(row, dict) else 0
+                    finished = await _owed_end(self.kernel, target, rid, after)
                     if finished is not None:
                         await self.deliver(target, rid, finished)
                 except Exception as exc:
@@ -330,7 +344,7 @@ class Replies:
             owed = dict(await self.kernel.store.kv_get(target, DELEGATIONS_KEY) or {})
             for rid, row in owed.items():
                 after = int(row.get("after", 0)) if isinstance(row, dict) else 0
-                finished = await _dropped(self.kernel, target, rid, after)
+                finished = await _owed_end(self.kernel, target, rid, after)
                 if finished is not None:
                     await self.deliver(target, rid, finished)
         except NoSuchProcess:

@@ -694,6 +694,7 @@ class Kernel:
             if retirer is not None:  # (before recovery: its tap hears the runs it resumes end)
                 await retirer.start()
             await kernel.titles.recover()
+            await tree.stop_orphan_jobs(kernel)  # (before recovery reports them: what an abort left)
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
             await kernel._sweep_media()
             await kernel.watchers.start()  # delivers what watched sources logged while it was down

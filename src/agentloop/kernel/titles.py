@@ -378,15 +378,26 @@ class Titles:
 
     async def recover(self) -> None:
         """At start-up, before the unfinished runs resume: a first run a restart cut short still
-        names its process when it ends (no ``proc.run.started`` is heard for it again)."""
+        names its process when it ends (no ``proc.run.started`` is heard for it again). And an
+        idle conversation without a title whose user message has run was named when the runtime
+        died (the model still being asked, or the title waiting for the writer's batch): it gets
+        the title the close would have written, the first message cut short (no model calls at
+        start-up). Both look at a conversation of at most ``RECOVER_SCAN`` messages only."""
         if not self.automatic:
             return
+        titled = await self.store.kv_values(TITLE_KEY)
         for record in await self.store.list_processes():
             run = record.current_run
-            if run is None or record.state == "killed":
+            if record.state == "killed" or (run is None and record.pid in titled):
                 continue
             stored = await self.store.history(record.pid, limit=RECOVER_SCAN + 1)
-            if stored and len(stored) <= RECOVER_SCAN and all(m.run_id == run["run_id"] for m in stored):
+            if not stored or len(stored) > RECOVER_SCAN:
+                continue
+            if run is None:
+                first = next((t for m in stored if (t := _user_text(m.message))), None)
+                if first is not None:
+                    self._made(record, first, FALLBACK_CHARS, record.history_generation)
+            elif all(m.run_id == run["run_id"] for m in stored):
                 self.pending[record.pid] = _user_text(stored[0].message)
 
     async def close(self) -> None:

@@ -23,7 +23,8 @@ is gone or no longer wants the answer, and spends model calls nobody reads.
   restart in between keeps it. The abort itself records the run it ended (the engine's
   ``LAST_ABORT_KEY``), so a crash after the abort committed and before its children were stopped
   is made good when they resume: a process whose run began before the aborted run ended, and
-  that the run started (itself, or an ancestor of it), is stopped.
+  that the run started (itself, or an ancestor of it), is stopped; a background job such a
+  process began before it is ended without the report a restart gives other jobs.
 
 A stopped child's one-shot watch to its parent is dropped first, so the news "aborted" does not
 start a parent run that nobody asked for. Each child is stopped through ``engine.abort``, which
@@ -37,8 +38,10 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from agentloop.process import background
 from agentloop.process.engine import LAST_ABORT_KEY
 from agentloop.process.store import NoSuchProcess, ProcessRecord
+from agentloop.tools.process_group import end_left_group
 
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
@@ -134,6 +137,33 @@ async def stop_orphans(kernel: Kernel, pids: list[str]) -> None:
             continue
         if await _below_an_abort(kernel, record, record.current_run.get("started", 0.0)):
             await call_off(kernel, record.parent_pid, pid, PARENT_ABORT)
+
+
+async def stop_orphan_jobs(kernel: Kernel) -> None:
+    """After a restart, before the background jobs the runtime before left are reported
+    (``background.recover``): end, without a report, those of subagents below a run that was
+    aborted after they began, when the abort could not stop them any more (``call_off`` stops
+    them silently). The report would start a run of the subagent that nobody reads, one that
+    may run the command again. On a shared store the records are their own workers' (see there)."""
+    if kernel.engine.leases is not None:
+        return
+    store = kernel.store
+    jobs_of = await store.kv_values(background.JOBS_KEY)  # (one query: most processes have none)
+    if not jobs_of:
+        return
+    for record in await store.list_processes():
+        jobs = jobs_of.get(record.pid)
+        if record.parent_pid is None or record.state == "killed" or not isinstance(jobs, dict):
+            continue
+        for job, entry in jobs.items():
+            try:
+                found = background.Job.parse(entry)
+            except ValueError:
+                continue  # (``background.recover`` drops it, with a warning)
+            if await _below_an_abort(kernel, record, found.started):
+                if found.group is not None:
+                    await end_left_group(found.group)
+                await background.forget_job(store, record.pid, job)
 
 
 async def _below_an_abort(kernel: Kernel, record: ProcessRecord, began: float) -> bool:
