@@ -21,7 +21,6 @@ import asyncio
 import logging
 import math
 import re
-import urllib.request
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -29,6 +28,7 @@ import httpx
 
 from agentloop.channels.clients import Masker, check_backoff
 from agentloop.channels.media import FetchFailed, fetch
+from agentloop.proxies import env_proxy
 from agentloop.urls import MASK, redact_url
 
 log = logging.getLogger("agentloop.channels.botapi")
@@ -84,16 +84,6 @@ class _TokenTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def _env_proxy(url: str) -> str | None:
-    """The proxy the environment names for ``url`` (``HTTPS_PROXY``, ``ALL_PROXY``, minus
-    ``NO_PROXY``), as httpx itself would use: its own lookup is bypassed with the transport."""
-    parts = urlsplit(url)
-    if parts.hostname is None or urllib.request.proxy_bypass(parts.hostname):
-        return None
-    proxies = urllib.request.getproxies()
-    return proxies.get(parts.scheme) or proxies.get("all")
-
-
 def check_token(token: str) -> str:
     """``token``, or ValueError (which does not quote it) if it cannot be a bot token."""
     if not isinstance(token, str) or not _TOKEN.fullmatch(token):
@@ -129,7 +119,7 @@ class BotApi:
         self.api_url = check_api_url(api_url)
         # ``text`` with the token, and its secret half alone (what follows the bot id), masked
         self.redact = Masker(token, token.partition(":")[2])
-        inner = transport or httpx.AsyncHTTPTransport(proxy=_env_proxy(self.api_url))
+        inner = transport or httpx.AsyncHTTPTransport(proxy=env_proxy(self.api_url))
         self._client = httpx.AsyncClient(
             base_url=f"{self.api_url}/bot{MASK}/",
             transport=_TokenTransport(token, inner),

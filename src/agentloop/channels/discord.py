@@ -72,7 +72,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentloop.channels.botapi import _env_proxy
 from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
 from agentloop.channels.discord_api import DEFAULT_API_URL, USER_AGENT, DiscordApi, DiscordError
 from agentloop.channels.media import (
@@ -87,6 +86,7 @@ from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
 from agentloop.process.archive import check_name
+from agentloop.proxies import env_proxy
 from agentloop.urls import MASK, redact_url
 
 if TYPE_CHECKING:
@@ -328,7 +328,7 @@ class DiscordBridge(ChatBridge[int]):
         # attachments are fetched without the bot token (a client of their own), redirects not followed
         self._files = httpx.AsyncClient(
             headers={"User-Agent": USER_AGENT},
-            transport=transport or httpx.AsyncHTTPTransport(proxy=_env_proxy(ATTACHMENT_URLS[0])),
+            transport=transport or httpx.AsyncHTTPTransport(proxy=env_proxy(ATTACHMENT_URLS[0])),
             timeout=30.0,
             trust_env=False,
             follow_redirects=False,

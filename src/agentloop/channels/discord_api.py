@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from agentloop.channels.botapi import _env_proxy
 from agentloop.channels.clients import Masker, check_backoff
+from agentloop.proxies import env_proxy
 from agentloop.urls import MASK, redact_url
 
 log = logging.getLogger("agentloop.channels.discord_api")
@@ -152,7 +152,7 @@ class DiscordApi:
         # secret), masked: messages may quote either
         secret = token.rpartition(".")[2]
         self.redact = Masker(token, secret if len(secret) >= 8 else token)
-        inner = transport or httpx.AsyncHTTPTransport(proxy=_env_proxy(self.api_url))
+        inner = transport or httpx.AsyncHTTPTransport(proxy=env_proxy(self.api_url))
         self._client = httpx.AsyncClient(
             base_url=f"{self.api_url}/",
             headers={"Authorization": f"Bot {token}", "User-Agent": USER_AGENT},

@@ -11,9 +11,21 @@ verified against the name): a DNS answer that changes between the check and the 
 (rebinding) cannot lead anywhere else. Hosts that should be reachable anyway (a dev server on
 localhost) are named in ``allow``: host names, addresses or networks.
 
-Nothing of the runtime's is sent along: no proxy settings or ``.netrc`` credentials from the
-environment, no cookies kept from one call (or hop) to the next; the ``Authorization`` and
-``Cookie`` headers a call sets do not follow a redirect to another origin.
+A hop the environment sends through a proxy (``HTTPS_PROXY`` or ``HTTP_PROXY`` by the URL's scheme,
+else ``ALL_PROXY``; not for a host ``NO_PROXY`` names, nor for ``localhost`` and loopback addresses,
+which go direct) is checked without DNS, since the proxy resolves the name and connects: an address
+in the URL is judged as above (so are ``127.1``, ``2130706433`` and ``0x7f.0.0.1``, which resolvers
+read as addresses), and a name without a dot (an intranet host) or under a domain only a local
+network resolves (``.local``, ``.internal``, ``.home.arpa``, ``.localdomain``) is refused unless
+allowed. A name this machine can resolve as well is refused when it points at a non-public
+address here; what the proxy's own lookup answers is not checked: where the proxy lets requests
+go is the proxy's policy (hosts to reach directly, checked in full, belong in ``NO_PROXY``). The
+proxy itself is the operator's choice and may have a private address.
+
+Nothing else of the runtime's is sent along: no ``.netrc`` credentials from the environment (a
+proxy's own credentials, in its URL, go to the proxy only), no cookies kept from one call (or hop)
+to the next; the ``Authorization`` and ``Cookie`` headers a call sets do not follow a redirect to
+another origin.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from html.parser import HTMLParser
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Any, Literal, NoReturn, TypeAlias
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -36,6 +48,7 @@ from pydantic import Field
 
 from agentloop.images import image_size, sniff_image
 from agentloop.messages import ImageContent, TextContent
+from agentloop.proxies import env_proxy
 from agentloop.tools.base import FunctionTool, ResultBlock, ToolError, ToolResult, tool
 from agentloop.tools.fs import MAX_IMAGE_BYTES
 from agentloop.urls import redact_url
@@ -81,7 +94,13 @@ _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the IPv
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # local-use NAT64 (RFC 8215), not globally reachable
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
 _SIIT = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT's IPv4-translated addresses: the last 32 bits
+LOCAL_LOOKUP_TIMEOUT = 2.0  # seconds a hop through a proxy waits for this machine's own lookup of the name
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# the last label of a host resolvers read as an IPv4 address in a short or numeric form (127.1, 0x7f.1)
+_NUMBER_LABEL = re.compile(r"0x[0-9a-f]*|[0-9]+")
+# domains only a local network resolves (RFC 6762, RFC 8375, ICANN's private-use .internal, and a
+# common one of /etc/hosts): names under them are refused on a hop through a proxy
+_LOCAL_DOMAINS = (".local", ".internal", ".home.arpa", ".localdomain", ".localhost")
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
 _TEXT_TYPES = frozenset(
     {
@@ -220,13 +239,74 @@ async def checked_addresses(url: httpx.URL, allow: AllowList, resolve: Resolver)
         ip = ipaddress.ip_address(text)
         why = None if allow.allows_address(ip) else refusal(ip)
         if why is not None:
-            named = f"{host} is {why}" if host == text else f"{host} resolves to {ip}, {why}"
-            raise ToolError(
-                f"refused to fetch {redact_url(str(url))}: {named}. Only public addresses are fetched "
-                "unless the Fetch tool's allow list names the host (fetch_allow in the config file, or"
-                " Kernel.open(fetch_allow=[...]))"
-            )
+            _refuse(url, f"{host} is {why}" if host == text else f"{host} resolves to {ip}, {why}")
     return found
+
+
+def _refuse(url: httpx.URL, named: str, proxied: bool = False) -> NoReturn:
+    via = " (checked as written: the proxy the environment names would resolve it)" if proxied else ""
+    raise ToolError(
+        f"refused to fetch {redact_url(str(url))}: {named}. Only public addresses are fetched "
+        "unless the Fetch tool's allow list names the host (fetch_allow in the config file, or"
+        f" Kernel.open(fetch_allow=[...])){via}"
+    )
+
+
+def _numeric_host(host: str) -> IPAddress | None:
+    """The address ``host`` is written as, if it is one: in standard notation, or in a form a
+    resolver reads as an IPv4 address (``127.1``, ``2130706433``, ``0x7f.0.0.1``).
+    ``ToolError`` for a host whose last label is a number but that is no such address."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if not _NUMBER_LABEL.fullmatch(host.rsplit(".", 1)[-1]):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        raise ToolError(f"{host!r} is neither a host name nor an address") from None
+
+
+def checked_name(url: httpx.URL, allow: AllowList) -> None:
+    """For a hop through a proxy, which resolves the name and connects itself: ``url``'s host
+    checked as it is written, without DNS. An address is refused as a resolved one would be;
+    a name without a dot or under a local-only domain is refused; another name passes."""
+    host = url.host.lower().rstrip(".")
+    if allow.allows_name(host):
+        return
+    ip = _numeric_host(host)
+    if ip is not None:
+        why = None if allow.allows_address(ip) else refusal(ip)
+        if why is not None:
+            _refuse(url, f"{host} is {why}", proxied=True)
+    elif "." not in host:
+        _refuse(url, f"{host} is a name without a domain (a local or intranet host)", proxied=True)
+    elif host.endswith(_LOCAL_DOMAINS):
+        _refuse(url, f"{host} is in a domain only a local network resolves", proxied=True)
+
+
+async def checked_locally(url: httpx.URL, allow: AllowList, resolve: Resolver) -> None:
+    """For a hop through a proxy, after ``checked_name``: where this machine can resolve the name
+    too (within ``LOCAL_LOOKUP_TIMEOUT``), a name that points at a non-public address is refused,
+    as a direct hop's would be. Best effort: a name only the proxy can resolve passes, and the
+    proxy's own answer may differ (a name that changes its answer is not caught)."""
+    host = url.host.lower().rstrip(".")
+    if allow.allows_name(host) or _numeric_host(host) is not None:
+        return
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        found = await asyncio.wait_for(resolve(host, port), LOCAL_LOOKUP_TIMEOUT)
+    except (OSError, TimeoutError):
+        return  # the proxy's to resolve
+    for text in found:
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            continue
+        why = None if allow.allows_address(ip) else refusal(ip)
+        if why is not None:
+            _refuse(url, f"{host} resolves to {ip} here, {why}")
 
 
 # ------------------------------------------------------------------ the request
@@ -252,6 +332,55 @@ def _limit(timeout: float | None) -> float:
     if not 0 < limit <= MAX_TIMEOUT:
         raise ToolError(f"timeout must be more than 0 and at most {MAX_TIMEOUT:g} s")
     return limit
+
+
+class _Clients:
+    """The httpx clients of one fetch: one that connects to the addresses checked, and one for
+    each proxy a hop goes through. None reads the environment itself (``trust_env=False``): no
+    ``.netrc``, and the proxy is the one ``env_proxy`` names for the hop."""
+
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        self._headers = dict(headers)
+        self._open: dict[str | None, httpx.AsyncClient] = {}
+
+    def get(self, proxy: str | None) -> httpx.AsyncClient:
+        client = self._open.get(proxy)
+        if client is None:
+            transport = None
+            if proxy is not None:
+                try:
+                    transport = httpx.AsyncHTTPTransport(proxy=proxy, trust_env=False)
+                except (ImportError, ValueError, httpx.InvalidURL) as exc:
+                    raise ToolError(
+                        f"the proxy the environment names, {redact_url(proxy)}, cannot be used: {exc}"
+                    ) from None
+            client = httpx.AsyncClient(
+                trust_env=False, follow_redirects=False, headers=self._headers, transport=transport
+            )
+            self._open[proxy] = client
+        return client
+
+    def forget_cookies(self) -> None:
+        for client in self._open.values():
+            client.cookies.clear()
+
+    async def aclose(self) -> None:
+        for client in self._open.values():
+            await client.aclose()
+
+
+async def _send_via(
+    client: httpx.AsyncClient, proxy: str, url: httpx.URL, method: str, headers: Mapping[str, str], body: bytes | None
+) -> httpx.Response:
+    """One hop through ``proxy``, which resolves the host's name and connects (a ``CONNECT``
+    tunnel for https, the absolute URL sent to it for http)."""
+    request = client.build_request(method, url, headers=headers, content=body)
+    try:
+        return await client.send(request, stream=True)
+    except httpx.ConnectError as exc:
+        raise ToolError(f"could not connect to {url.host} through the proxy {redact_url(proxy)}: {exc}") from None
+    except httpx.ProxyError as exc:
+        raise ToolError(f"the proxy {redact_url(proxy)} did not connect to {url.host}: {exc}") from None
 
 
 async def _send(
@@ -294,7 +423,7 @@ def _redirected(status: int, method: str, body: bytes | None) -> tuple[str, byte
 
 
 async def _follow(
-    client: httpx.AsyncClient,
+    clients: _Clients,
     url: httpx.URL,
     method: str,
     headers: dict[str, str],
@@ -304,14 +433,24 @@ async def _follow(
     hops: list[str],
 ) -> tuple[httpx.Response, httpx.URL, str]:
     """The first answer that is not a redirect (open: the caller reads and closes it), with the
-    URL and method that got it. Each hop is checked as the first one was."""
+    URL and method that got it. Each hop is checked as the first one was, and goes through the
+    proxy the environment names for it, if any (checked by name then, without DNS)."""
     while True:
+        proxy = env_proxy(str(url))
+        addresses: list[str] = []
         try:
-            addresses = await checked_addresses(url, allow, resolve)
+            if proxy is None:
+                addresses = await checked_addresses(url, allow, resolve)
+            else:
+                checked_name(url, allow)
+                await checked_locally(url, allow, resolve)
         except ToolError as exc:
             raise ToolError(f"{exc} (redirected there by {hops[-1]})" if hops else str(exc)) from None
-        response = await _send(client, url, method, headers, body, addresses)
-        client.cookies.clear()  # nothing a site set goes to the next hop, maybe another origin
+        if proxy is None:
+            response = await _send(clients.get(None), url, method, headers, body, addresses)
+        else:
+            response = await _send_via(clients.get(proxy), proxy, url, method, headers, body)
+        clients.forget_cookies()  # nothing a site set goes to the next hop, maybe another origin
         try:
             target = _next_hop(response, url)
         except ToolError:
@@ -554,19 +693,19 @@ async def _fetch(
     # Accept-Encoding named here: httpx offers br and zstd whenever their packages are installed,
     # and ``_read`` inflates gzip and deflate only
     defaults = {"User-Agent": USER_AGENT, "Accept": ACCEPT, "Accept-Encoding": "gzip, deflate"}
-    # trust_env off: the environment's proxies would connect instead of us (past the checks),
-    # and its .netrc would add the runtime's credentials to requests the model chose
-    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, headers=defaults) as client:
+    clients = _Clients(defaults)
+    try:
+        response, final, method = await _follow(clients, url, method, headers, body, allow, resolve, hops)
         try:
-            response, final, method = await _follow(client, url, method, headers, body, allow, resolve, hops)
-            try:
-                return await _answer(response, final, method, hops, max_bytes, max_chars)
-            finally:
-                await response.aclose()
-        except httpx.TimeoutException:
-            raise
-        except httpx.HTTPError as exc:
-            raise ToolError(f"fetching {redact_url(str(url))} failed: {type(exc).__name__}: {exc}") from None
+            return await _answer(response, final, method, hops, max_bytes, max_chars)
+        finally:
+            await response.aclose()
+    except httpx.TimeoutException:
+        raise
+    except httpx.HTTPError as exc:
+        raise ToolError(f"fetching {redact_url(str(url))} failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        await clients.aclose()
 
 
 # ------------------------------------------------------------------ HTML as text
