@@ -161,7 +161,7 @@ async def test_a_name_that_resolves_to_a_private_address_here_is_refused_with_a_
     """Where this machine resolves the name too, a private answer is refused before the proxy is
     asked; a lookup that hangs is given up on and the proxy resolves the name."""
     monkeypatch.setenv("HTTP_PROXY", f"http://{proxy.address}")
-    with pytest.raises(ToolError, match="evil.example resolves to 10.0.0.5 here, a private address"):
+    with pytest.raises(ToolError, match=r"evil\.example resolves to 10\.0\.0\.5 here, a private address"):
         await fetch_url("http://evil.example/", resolve=resolver({"evil.example": ["10.0.0.5"]}))
     assert proxy.requests == []
     allowed = await fetch_url(

@@ -93,7 +93,9 @@ async def test_a_group_recorded_before_a_reboot_or_as_the_runtimes_own_is_never_
             await sleeper.wait()
 
 
-async def test_fetch_goes_direct_to_this_machine_whatever_proxy_the_environment_names(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fetch_goes_direct_to_this_machine_whatever_proxy_the_environment_names(
+    site: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there: using it would fail
     monkeypatch.delenv("NO_PROXY", raising=False)
