@@ -221,10 +221,10 @@ async def test_a_child_is_not_retired_before_its_answer_is_stored_with_the_paren
     reading, hold = asyncio.Event(), asyncio.Event()
     real = tasks._answer
 
-    async def held_answer(kernel: Kernel, pid: str) -> Any:
+    async def held_answer(kernel: Kernel, pid: str, *run: Any) -> Any:
         reading.set()
         await hold.wait()
-        return await real(kernel, pid)
+        return await real(kernel, pid, *run)
 
     monkeypatch.setattr(tasks, "_answer", held_answer)
     async with _kernel(tmp_path) as k:

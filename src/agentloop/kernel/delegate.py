@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentloop.kernel.tapwork import TapWork
 from agentloop.kernel.tasks import DELEGATED_KEY, TASK_TIMEOUT
-from agentloop.kernel.watches import run_answer
+from agentloop.kernel.watches import logged_end, run_answer
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.engine import DISCARDS_QUEUE
@@ -86,7 +86,6 @@ REPLY_GRACE = 10.0  # seconds a closing kernel waits for the replies under way
 # the end of a delegated task that was dropped before its run began (its payload, as a run's end)
 NOT_RUN: dict[str, Any] = {"status": "not_run", "reason": "dropped"}
 NOT_RUN_WHY = "it was taken out of its queue before its turn (withdrawn, or the process was reset or stopped)"
-PAGE = 500
 
 _SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -255,7 +254,7 @@ async def _dropped(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[st
         raise NoSuchProcess(pid)
     if record.current_run is not None and record.current_run.get("run_id") == run_id:
         return None
-    return await _logged_end(kernel, pid, run_id, after) or NOT_RUN
+    return await logged_end(kernel.store, pid, run_id, after) or NOT_RUN
 
 
 async def _owed_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
@@ -264,20 +263,8 @@ async def _owed_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[s
     before the task is sent, so a task on its way (a call, or its re-run after a restart, between
     the two) is not in the queue yet, and must not be taken for one that was dropped."""
     if await admission.admitted(kernel.engine, pid, run_id) is None:
-        return await _logged_end(kernel, pid, run_id, after)
+        return await logged_end(kernel.store, pid, run_id, after)
     return await _dropped(kernel, pid, run_id, after)
-
-
-async def _logged_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
-    """The ``proc.run.finished`` payload of run ``run_id`` if the log has it already."""
-    while True:
-        page = await kernel.store.events(pid, after_seq=after, limit=PAGE)
-        for row in page:
-            if row.signal == sig.RUN_FINISHED and row.payload.get("runId") == run_id:
-                return dict(row.payload)
-            after = row.seq
-        if len(page) < PAGE:
-            return None
 
 
 def _answer(pid: str, run_id: str, finished: Mapping[str, Any], text: str) -> ToolResult:

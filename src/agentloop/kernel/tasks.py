@@ -4,10 +4,13 @@ The child is an ordinary durable process (same owner and working directory, ``pa
 the task as its first message, the parent's own model choice if it made one: ``Process.set_model``),
 so it survives a crash, shows up in ``ps`` and can be watched. Two ways to use it:
 
-- ``wait=true`` (the default): the call returns the child's final answer. The child's pid is
-  derived from the parent, the run and the tool call id, so when a restart runs the call again
-  (the tool is idempotent) it finds the same child and waits for it instead of starting a second
-  one; a later run whose model numbers its calls the same way (``call_0`` again) starts its own.
+- ``wait=true`` (the default): the call returns the final answer of the run it started in the
+  child, when that run ends: not of a run after it, which it does not wait for (the child is
+  addressable by its pid: another process may ``Delegate`` a task to it, a person may send it
+  input). The child's pid is derived from the parent, the run and the tool call id, so when a
+  restart runs the call again (the tool is idempotent) it finds the same child and waits for it
+  (or reads how that run ended) instead of starting a second one; a later run whose model numbers
+  its calls the same way (``call_0`` again) starts its own.
 - ``wait=false``: the call returns at once; a one-shot signal watch tells the parent, as a system
   event, how the child's run ended and what it answered. The parent can go on meanwhile.
 
@@ -57,7 +60,8 @@ from typing import TYPE_CHECKING, Any
 
 from agentloop.kernel import tree
 from agentloop.kernel.tree import ORIGIN_KEY, origin
-from agentloop.messages import AssistantMessage, UserMessage
+from agentloop.kernel.watches import logged_end, run_answer
+from agentloop.messages import UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.background import JOBS_KEY
 from agentloop.process.engine import MODEL_KEY
@@ -139,6 +143,7 @@ class TaskTool(Tool):
             legacy = await _legacy_child(kernel, parent.pid, child_pid(parent.pid, ctx.run_id, ctx.tool_call_id))
             if legacy is not None and legacy[1] == arguments["prompt"]:
                 pid, existing = legacy[0].pid, legacy[0]
+        run_id = f"task:{pid}"  # the child's run on the task (as its receipt says, below)
         if existing is None and await kernel.store.was_killed(pid):  # (a re-run after a restart)
             raise ToolError(f"the subagent {pid} this call started was killed")
         if existing is None:
@@ -162,7 +167,7 @@ class TaskTool(Tool):
                 )
                 if not arguments["wait"]:
                     await kernel.watch(parent.pid, pid, sig.RUN_FINISHED, once=True)
-                await child.send(arguments["prompt"], run_id=f"task:{pid}")
+                run_id = (await child.send(arguments["prompt"], run_id=run_id)).run_id
             retirer = _retirers.get(kernel)
             if retirer is not None:  # a new child: the occasion to retire the oldest finished ones
                 retirer.soon(parent.pid)
@@ -179,18 +184,19 @@ class TaskTool(Tool):
                     and not await child.history(limit=1)
                 ):
                     await kernel.watch(parent.pid, pid, sig.RUN_FINISHED, once=True)
-                await child.send(arguments["prompt"], run_id=f"task:{pid}")
+                run_id = (await child.send(arguments["prompt"], run_id=run_id)).run_id
         if not arguments["wait"]:
             return ToolResult.text(f"Started subagent {pid}; its answer will arrive as a system message.")
         try:
-            await child.wait_idle()
+            finished = await _run_end(kernel, pid, run_id)
         except asyncio.CancelledError:
             # The parent's run was aborted (or timed out): the work it waited for is not wanted any
-            # more. A shutdown is different: the call runs again after the restart and finds the child.
+            # more (but what others gave the child after it is theirs). A shutdown is different: the
+            # call runs again after the restart and finds the child.
             if not kernel.engine.closing:
-                await asyncio.shield(child.abort())
+                await asyncio.shield(child.abort(run_id))
             raise
-        return await _answer(kernel, pid)
+        return await _answer(kernel, pid, run_id, finished)
 
     async def _check_limits(self) -> None:
         depth, pid = 0, self.parent.parent_pid
@@ -225,18 +231,55 @@ async def _legacy_child(kernel: Kernel, parent_pid: str, pid: str) -> tuple[Proc
     return (record, first.text) if first is not None else None
 
 
-async def _answer(kernel: Kernel, pid: str) -> ToolResult:
-    """The child's last answer, or an error saying how its run ended without one."""
-    finished = None
-    async for signal in (await kernel.process(pid)).signals(follow=False):
-        if signal.signal == sig.RUN_FINISHED:
-            finished = signal.payload
-    last = next(
-        (m.message for m in reversed(await kernel.store.history(pid)) if isinstance(m.message, AssistantMessage)),
-        None,
-    )
-    text = last.text if last is not None else ""
-    if finished is not None and finished.get("status") != "ok":
+async def _run_end(kernel: Kernel, pid: str, run_id: str) -> dict[str, Any] | None:
+    """The ``proc.run.finished`` payload of the child's run ``run_id``, the Task's own, when it
+    comes (from the log, then live): not the end of a run after it (a task another process
+    delegated to the child, input a person sent it; a run whose end is in the log already, for a
+    call run again after a restart). None if the run is over without one in the log (pruned
+    since, dropped by a reset) or the child was killed."""
+    try:
+        process = await kernel.process(pid)
+        after = await kernel.store.last_event_seq(pid)  # (before the check: a change after it is seen)
+        pending = await _pending(kernel, pid, run_id)
+        async for signal in process.signals(follow=pending):
+            if signal.signal == sig.RUN_FINISHED and signal.payload.get("runId") == run_id:
+                return dict(signal.payload)
+            if (signal.seq or 0) > after and _may_end(signal) and not await _pending(kernel, pid, run_id):
+                # over: its end is logged by now, if it has one (a signal is heard after the
+                # commit that logged it, and those the same commit logged after it)
+                return await logged_end(kernel.store, pid, run_id, signal.seq or after)
+    except NoSuchProcess:
+        pass
+    return None
+
+
+def _may_end(signal: Signal) -> bool:
+    """Whether ``signal`` may say that a run is over, or its queued input dropped (a withdrawal,
+    a reset): a run's end, or a change of the queue."""
+    if signal.signal == sig.CHANGED:
+        changes = signal.payload.get("changes") or ()
+        return "queue" in changes or "reset" in changes
+    return signal.signal == sig.RUN_FINISHED
+
+
+async def _pending(kernel: Kernel, pid: str, run_id: str) -> bool:
+    """Whether the child's run ``run_id`` is under way or its input waits in the queue."""
+    record = await kernel.store.get_process(pid)
+    if record is None or record.state == "killed":
+        return False
+    if record.current_run is not None and record.current_run.get("run_id") == run_id:
+        return True
+    return any(item.run_id == run_id for item in await kernel.store.queue(pid))
+
+
+async def _answer(kernel: Kernel, pid: str, run_id: str, finished: Mapping[str, Any] | None) -> ToolResult:
+    """The answer of the child's run ``run_id``, or an error saying how it ended without one."""
+    text = await run_answer(kernel.store, pid, run_id)
+    if finished is None:
+        record = await kernel.store.get_process(pid)
+        if record is None or record.state == "killed":
+            raise ToolError(f"subagent {pid} was killed before it answered")
+    elif finished.get("status") != "ok":
         reason = finished.get("reason") or finished.get("status")
         # what failed (the provider's message), as the background report gives it: the reason
         # code alone (``generation.error``) does not tell the parent whether trying again helps

@@ -82,6 +82,7 @@ def _clip(text: str, limit: int) -> str:
 
 
 ANSWER_PAGE = 100  # messages ``run_answer`` reads at a time, newest first
+LOG_PAGE = 500  # signals of a log read at a time (``logged_end``)
 
 
 class WatchRouter:
@@ -430,3 +431,16 @@ async def run_answer(store: Store, pid: str, run_id: Any, *, limit: int | None =
         seen += len(page)
         before = page[0].id
     return ""
+
+
+async def logged_end(store: Store, pid: str, run_id: str, after: int) -> dict[str, Any] | None:
+    """The ``proc.run.finished`` payload of run ``run_id`` of process ``pid`` if its log has it
+    after ``after`` (read a page at a time)."""
+    while True:
+        page = await store.events(pid, after_seq=after, limit=LOG_PAGE)
+        for row in page:
+            if row.signal == sig.RUN_FINISHED and row.payload.get("runId") == run_id:
+                return dict(row.payload)
+            after = row.seq
+        if len(page) < LOG_PAGE:
+            return None
