@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
+from agentloop.cli.options import data_path
 from agentloop.process.store import Store, open_store
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ DataOpt = Annotated[
     Path | None,
     typer.Option(
         "--data",
+        parser=data_path,
         help="The server's data directory (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
         "~/.local/share/agentloop).",
     ),

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from agentloop.cli.config import LoopFlags, Settings, kernel_options, open_model
+from agentloop.cli.config import LoopFlags, Settings, kernel_options, open_settings_model
 from agentloop.cli.render import Progress
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ async def _serve(
     from agentloop.kernel import Kernel
 
     progress = Progress()
-    model = open_model(settings.model, progress)
+    model = open_settings_model(settings, progress)
     options = kernel_options(settings, progress)
     async with (
         extra_tools(settings, ws) as extra,

@@ -16,6 +16,7 @@ import getpass
 import io
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -192,6 +193,22 @@ class TerminalReader:
             return await self.answers.prompt_async(prompt, handle_sigint=False, set_exception_handler=False)
         except KeyboardInterrupt:  # out of a task, asyncio would re-raise it past the whole event loop
             raise ReadInterrupted from None
+
+
+def pasted_path(text: str) -> Path:
+    """``/attach``'s argument as typed, or as a terminal pastes a file dropped on it: quoted, or
+    with its spaces escaped (``'My file.png'``, ``My\\ file.png``). The text as it stands wins
+    when it names something."""
+    literal = expand_home(text, "/attach")
+    if literal.exists():
+        return literal
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an unbalanced quote: not shell words
+        return literal
+    if len(words) == 1 and words[0] != text:
+        return expand_home(words[0], "/attach")
+    return literal
 
 
 def history_file(directory: Path) -> Path | None:
@@ -675,7 +692,7 @@ class ChatRepl:
             self.err.print(Text(f"(attached: {shown})", style="dim"))
         else:
             try:
-                block = load_attachment(expand_home(path, "/attach"))
+                block = load_attachment(pasted_path(path))
             except (AttachError, ValueError) as exc:
                 self.err.print(Text(f"cannot attach: {exc}", style="yellow"))
                 return

@@ -568,6 +568,18 @@ def open_model(spec: str, progress: Callable[[str], None] | None = None) -> Mode
     return resolve_model(spec)
 
 
+def open_settings_model(settings: Settings, progress: Callable[[str], None] | None = None) -> Model:
+    """``open_model`` for a command's model. One the user did not type with this command (from
+    ``$AGENTLOOP_MODEL`` or the config file) that cannot be made says where it came from: set long
+    ago, that is the last place a user would look."""
+    try:
+        return open_model(settings.model, progress)
+    except ValueError as exc:
+        if settings.model_source in ("--model", "built-in default"):
+            raise
+        raise ModelNotFound(f"{exc} (the model comes from {settings.model_source})") from exc
+
+
 @dataclass(frozen=True)
 class Connection:
     """Where a client command talks to and with which token; ``token_source`` says where the token

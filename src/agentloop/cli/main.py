@@ -31,7 +31,7 @@ from agentloop.cli.config import (
     kernel_options,
     load_settings,
     loop_options,
-    open_model,
+    open_settings_model,
 )
 from agentloop.cli.device import device_app
 from agentloop.cli.options import (
@@ -46,6 +46,7 @@ from agentloop.cli.options import (
     ReasoningOpt,
     SystemOpt,
     WorkspaceOpt,
+    data_path,
     loop_flags,
 )
 from agentloop.cli.render import (
@@ -64,6 +65,7 @@ from agentloop.cli.render import (
 from agentloop.cli.tooling import extra_tools
 from agentloop.models.catalog import CATALOG
 from agentloop.models.registry import HOSTED, hosted_status, parse_model_string
+from agentloop.process.store.base import StoreError
 from agentloop.tools.mcp import MCPError
 
 if TYPE_CHECKING:
@@ -146,7 +148,7 @@ def _guarded() -> Iterator[None]:
         message = str(exc) or type(exc).__name__
         _fail(
             message
-            if isinstance(exc, CliError | ValueError | ImportError | MCPError)
+            if isinstance(exc, CliError | ValueError | ImportError | MCPError | StoreError)
             else f"{type(exc).__name__}: {message}",
             exc.code if isinstance(exc, CliError) else 1,
         )
@@ -208,7 +210,7 @@ def _is_embedded(settings: Settings) -> bool:
 def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: PolicyHook | None = None) -> Agent:
     from agentloop.tools.builtin import builtin_tools
 
-    model = open_model(settings.model, progress)
+    model = open_settings_model(settings, progress)
     agent = Agent(
         model=model,
         tools=builtin_tools(workspace, fetch_allow=settings.fetch_allow),
@@ -219,6 +221,28 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: 
     if hook is not None:
         agent.hooks.before_tool_call(hook)
     return agent
+
+
+def _model_problem(spec: str) -> str | None:
+    """Why the hosted model ``spec`` cannot answer on this machine (no key, no SDK), or None."""
+    try:
+        provider = parse_model_string(spec)[0]
+    except ValueError:
+        return None  # (opening it says why)
+    if provider not in HOSTED:
+        return None
+    usable, why = hosted_status(provider)
+    return None if usable else why
+
+
+def _check_model(settings: Settings) -> None:
+    """A hosted model this machine has no key for would fail every message with the same error:
+    refuse it before the first one, unless a fallback may answer instead."""
+    if not settings.fallbacks and (why := _model_problem(settings.model)) is not None:
+        raise CliError(
+            f"{settings.model} (from {settings.model_source}) cannot be used here ({why}); "
+            "pick another with --model (agentloop models lists them)"
+        )
 
 
 def _approval(spec: str) -> ApprovalSetting:
@@ -333,6 +357,7 @@ def run(
         progress = Progress()
         hook = _run_hook(setting, ws)
         agent = _build_agent(settings, ws, progress, hook)
+        _check_model(settings)
         if _is_embedded(settings):  # the first start takes minutes: never leave the user in silence
             progress(f"starting the embedded model {settings.model}…")
         sink: EventSink
@@ -362,6 +387,7 @@ def chat(
         Path | None,
         typer.Option(
             "--data",
+            parser=data_path,
             help="Where conversations are kept (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
             "~/.local/share/agentloop).",
         ),
@@ -435,6 +461,7 @@ def _memory_chat(
 
     hook = None if setting.mode == "auto" else PolicyHook(setting.policy, cwd=ws, ask=None)
     agent = _build_agent(settings, ws, progress, hook)
+    _check_model(settings)
     ev = asyncio.new_event_loop()
     stack = AsyncExitStack()
     try:
@@ -482,7 +509,7 @@ def _durable_chat(
     from agentloop.kernel import Kernel
 
     directory = _data_directory(data)
-    model = open_model(settings.model, progress)
+    model = open_settings_model(settings, progress)
     options = kernel_options(settings, progress)
     ev = asyncio.new_event_loop()
     stack = AsyncExitStack()
@@ -505,12 +532,24 @@ def _durable_chat(
         )
         session = DurableSession(kernel, owner=local_user(), cwd=ws, state=ChatState(directory / "chat.json"))
         count = ev.run_until_complete(session.open(new=new))
+        choice = ev.run_until_complete(session.process.model())
+        if choice.source == "default":
+            _check_model(settings)
         _chat_banner(err, settings, ws)
         if count is None:
             err.print(Text(f"new conversation {session.pid}", style="dim"))
         else:
             err.print(
                 Text(f"continuing conversation {session.pid} ({count} messages) · --new starts afresh", style="dim")
+            )
+        if choice.source != "default" and not settings.fallbacks and (why := _model_problem(choice.effective)):
+            # its own model (or its account's): refusing would leave no way to /model it back
+            err.print(
+                Text(
+                    f"warning: this conversation's model {choice.effective} cannot be used here ({why}); "
+                    f"/model picks another (/model default: {settings.model})",
+                    style="yellow",
+                )
             )
         repl = ChatRepl(session, err=err, progress=progress, history=history_file(directory))
         if ev.run_until_complete(session.unfinished()):

@@ -16,6 +16,14 @@ import typer
 
 from agentloop.cli.config import LoopFlags
 
+
+def data_path(value: str) -> Path:
+    """``--data``'s value. An empty one (``--data "$DIR"`` with DIR unset) is refused rather than
+    read as the current directory, which would then receive the conversations and token hashes."""
+    if not value.strip():
+        raise typer.BadParameter("is empty: name a directory (or leave the flag out)")
+    return Path(value)
+
 ModelOpt = Annotated[
     str | None,
     typer.Option(
@@ -31,6 +39,7 @@ DataOpt = Annotated[
     Path | None,
     typer.Option(
         "--data",
+        parser=data_path,
         help="Where the database and files live (default: $AGENTLOOP_DATA, $XDG_DATA_HOME/agentloop, "
         "~/.local/share/agentloop).",
     ),

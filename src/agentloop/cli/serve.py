@@ -34,7 +34,7 @@ import typer
 
 from agentloop.agent import Agent
 from agentloop.cli.approvals import ApprovalSetting, PolicyHook
-from agentloop.cli.config import Settings, kernel_options, open_model
+from agentloop.cli.config import Settings, kernel_options, open_settings_model
 from agentloop.cli.options import (
     CompactionOpt,
     DataOpt,
@@ -153,7 +153,7 @@ async def serve_async(
     sock = listening_socket(opts.host, opts.port, backlog=2048)
     try:
         progress = Progress()
-        model = open_model(settings.model, progress)
+        model = open_settings_model(settings, progress)
         hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
         options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
         loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks", "reasoning")}  # what Agent takes

@@ -139,7 +139,7 @@ class AnthropicModel(Model):
         if self._client is None:
             if self._api_key is None:
                 raise ProviderError(
-                    "no Anthropic API key: set ANTHROPIC_API_KEY (or ANTHROPIC_BASE_URL for a proxy)", kind="auth"
+                    "no Anthropic API key (set ANTHROPIC_API_KEY, or ANTHROPIC_BASE_URL for a proxy)", kind="auth"
                 )
             self._client = AsyncAnthropic(
                 api_key=self._api_key, base_url=self.base_url, max_retries=0, **self._client_options

@@ -167,7 +167,7 @@ class GeminiModel(Model):
     def _headers(self) -> dict[str, str]:
         if self._api_key is None:
             raise ProviderError(
-                "no Gemini API key: set GEMINI_API_KEY or GOOGLE_API_KEY (or GEMINI_BASE_URL for a proxy)", kind="auth"
+                "no Gemini API key (set GEMINI_API_KEY or GOOGLE_API_KEY, or GEMINI_BASE_URL for a proxy)", kind="auth"
             )
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
         if self._api_key:

@@ -113,7 +113,7 @@ class OpenAIChatModel(Model):
         if self._client is None:
             if self._api_key is None:
                 raise ProviderError(
-                    "no OpenAI API key: set OPENAI_API_KEY (or OPENAI_BASE_URL for a local server)", kind="auth"
+                    "no OpenAI API key (set OPENAI_API_KEY, or OPENAI_BASE_URL for a local server)", kind="auth"
                 )
             self._client = AsyncOpenAI(
                 api_key=self._api_key, base_url=self.base_url, max_retries=0, **self._client_options
