@@ -10,8 +10,9 @@ on only after its message went out, so an answer is sent at least once and never
 
 A channel subclasses it and says how to reach its app: ``_send`` (text, in as many messages as the
 app needs), ``_typing``, ``_send_approval``, how its kv value names a chat (``_kv_value`` and
-``_chat_of``), and how a file a user sent is downloaded (``_fetch``: what becomes of images and
-documents is shared, ``_deliver_files``, see ``agentloop.channels.media``).
+``_chat_of``), and how a file a user sent is downloaded (``_fetch``: what becomes of images,
+documents and, with a ``transcriber``, voice messages is shared, ``_deliver_files``, see
+``agentloop.channels.media``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,24 @@ from typing import Any, ClassVar, Generic, Self, TypeVar, cast
 from agentloop.channels.media import (
     FETCH_TRIES,
     MAX_FILE_BYTES,
+    TRANSCRIBE_SECONDS,
     Attachment,
     FetchFailed,
+    Kind,
     TooLarge,
+    Transcriber,
+    audio_filename,
+    audio_type,
     block_of,
     cap_of,
+    classify,
+    clean_transcript,
     default_text,
+    no_words,
+    not_transcribed,
     refusal,
     too_large,
+    transcript_text,
 )
 from agentloop.channels.state import ChannelState
 from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
@@ -41,6 +52,7 @@ from agentloop.messages import FileContent, ImageContent
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.media import MediaError
+from agentloop.urls import redact_secrets
 
 K = TypeVar("K", bound=Hashable)
 
@@ -94,11 +106,15 @@ class ChatBridge(Generic[K]):
         state: ChannelState,
         backoff: tuple[float, float],
         max_file_bytes: int = MAX_FILE_BYTES,
+        transcriber: Transcriber | None = None,
     ) -> None:
         if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 1:
             raise ValueError(f"max_file_bytes must be a positive number of bytes, got {max_file_bytes!r}")
+        if transcriber is not None and not callable(getattr(transcriber, "transcribe", None)):
+            raise TypeError("transcriber must have an async transcribe(audio, filename, mime) method")
         self.kernel = kernel
         self.max_file_bytes = max_file_bytes
+        self.transcriber = transcriber  # voice messages and audio files are refused without one
         self.account = account
         self.context = context
         self.state = state
@@ -139,6 +155,16 @@ class ChatBridge(Generic[K]):
         """The bytes of ``attachment``, at most ``cap`` of them (``media.read_capped``): raises
         ``FetchFailed`` (``transient`` when asking again may help) or ``TooLarge``."""
         raise FetchFailed("this channel cannot download files", transient=False)
+
+    def _classify(self, mime: object, name: object = "") -> tuple[Kind | None, str]:
+        """``media.classify``, and audio as ``"audio"`` when the bridge has a transcriber (else it
+        is a type the kernel does not take, as before)."""
+        kind, declared = classify(mime, name)
+        if kind is None and self.transcriber is not None:
+            audio = audio_type(mime, name)
+            if audio is not None:
+                return "audio", audio
+        return kind, declared
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -253,7 +279,9 @@ class ChatBridge(Generic[K]):
         """A message with files: each fetched (and checked) before anything is admitted, then
         ``text`` (a short default when empty) with them as one input, admitted once per ``run_id``.
         A file that is of a type the kernel does not take, too large, not what it says or cannot
-        be fetched: the user is told, and nothing of the message reaches the process."""
+        be fetched: the user is told, and nothing of the message reaches the process. An audio
+        file (``"audio"``, with a transcriber) is given as its transcript, after ``text``; one
+        whose transcription fails is told to the user and left out, and the rest goes on."""
         problem = refusal(attachments, self.max_file_bytes)
         if problem is not None:
             self.log.info("refused a message with files in chat %s: %s", chat, problem)
@@ -266,10 +294,16 @@ class ChatBridge(Generic[K]):
                     await self._decline(await self.kernel.process(pid), run_id)
             return
         blocks: list[ImageContent | FileContent] = []
+        spoken: list[str] = []  # the transcripts, marked
         for attachment in attachments:
             what = attachment.what[:1].upper() + attachment.what[1:]
             try:
                 data = await self._fetch_retried(attachment, cap_of(attachment, self.max_file_bytes))
+                if attachment.kind == "audio":
+                    transcript = await self._transcribe(chat, attachment, data)
+                    if transcript is not None:
+                        spoken.append(transcript_text(attachment, transcript))
+                    continue
                 blocks.append(block_of(attachment, data, self.max_file_bytes))
             except TooLarge:
                 self.log.info("refused %s in chat %s: over the limit", attachment.what, chat)
@@ -283,7 +317,38 @@ class ChatBridge(Generic[K]):
                 self.log.info("refused %s in chat %s: %s", attachment.what, chat, exc)
                 await self._say(chat, f"{what} was refused: {exc}")
                 return
-        await self._deliver(chat, user, text if text.strip() else default_text(attachments), run_id, blocks)
+        if not spoken and not blocks:  # (audio only, none transcribed: the user was told; a caption alone is not sent)
+            return
+        others = [a for a in attachments if a.kind != "audio"]
+        parts = [text] if text.strip() else ([] if spoken else [default_text(others)])
+        await self._deliver(chat, user, "\n\n".join([*parts, *spoken]), run_id, blocks)
+
+    async def _transcribe(self, chat: K, attachment: Attachment, data: bytes) -> str | None:
+        """The words of the audio ``attachment`` (its bytes ``data``), cleaned; None when the
+        transcription failed or found no words, which the user is told (and the log, never with
+        a secret)."""
+        transcriber = self.transcriber
+        if transcriber is None:  # (not made "audio" without one)
+            return None
+        try:
+            async with asyncio.timeout(TRANSCRIBE_SECONDS):
+                said = await transcriber.transcribe(data, audio_filename(attachment), attachment.mime)
+            if not isinstance(said, str):
+                raise TypeError(f"the transcriber answered {type(said).__name__}, not text")
+        except Exception as exc:  # (anything: a transcriber's failure must not fail the take)
+            timed_out = isinstance(exc, TimeoutError) and not str(exc)
+            said_why = redact_secrets(self.redact(f"{type(exc).__name__}: {exc}"))  # (the channel's token, any key)
+            reason = f"no answer in {TRANSCRIBE_SECONDS:.0f} s" if timed_out else said_why[:500]
+            self.log.error("could not transcribe %s in chat %s: %s", attachment.what, chat, reason)
+            await self._say(chat, not_transcribed(attachment.what))
+            return None
+        transcript = clean_transcript(said)
+        if not transcript:
+            self.log.info("the transcript of %s in chat %s holds no words", attachment.what, chat)
+            await self._say(chat, no_words(attachment.what))
+            return None
+        self.log.info("transcribed %s in chat %s (%d characters)", attachment.what, chat, len(transcript))
+        return transcript
 
     async def _fetch_retried(self, attachment: Attachment, cap: int) -> bytes:
         """``_fetch``, tried again with the channel's backoff while it fails for a reason that may

@@ -20,10 +20,11 @@ added), and ``proc.run.finished`` sends the answer, in parts of at most 2000 cha
 A message's attachments (up to ``media.MAX_FILES``: images, and PDF, plain text, Markdown or CSV
 documents) are downloaded from Discord's CDN, without the bot token and only from the CDN's own
 addresses (``attachment_urls``: an address anywhere else is never fetched), and go with the text
-(or a short default) as one ``Process.send``. Voice messages, audio, video, stickers and other
-files are refused with a short reply, and so are files past ``max_file_bytes``; a download that
-keeps failing is reported to the user and nothing of that message is delivered
-(``agentloop.channels.media``).
+(or a short default) as one ``Process.send``. A voice message or an audio attachment is taken only
+when the bridge has a ``transcriber``: it reaches the agent as its transcript, marked as such, after
+the text. Without one, and for video, stickers and other files, the message is refused with a short
+reply, and so are files past ``max_file_bytes``; a download that keeps failing is reported to the
+user and nothing of that message is delivered (``agentloop.channels.media``).
 
 Only the Discord users on the allow-list (user ids) reach a process or answer an approval: anyone
 else gets a short refusal (with their user id, so the bot's owner can add them; at most once an
@@ -78,7 +79,7 @@ from agentloop.channels.media import (
     MAX_FILE_BYTES,
     Attachment,
     FetchFailed,
-    classify,
+    Transcriber,
     fetch,
     shown_name,
 )
@@ -119,6 +120,7 @@ NO_MENTIONS: dict[str, Any] = {"parse": []}
 EPHEMERAL = 64  # message flag: only the presser sees the answer
 CATCH_UP = "CATCH_UP"  # the intake's item that reads what was said while no session was up
 _BUTTONS = (("Approve", "a", 3), ("Deny", "d", 4), ("Always", "r", 2))  # label, key, style (green, red, grey)
+_VOICE_MESSAGE = 1 << 13  # message flag: a voice message (its one attachment is the recording)
 _TEXT_TYPES = frozenset({0, 19})  # a message, a reply: the rest (joins, pins, calls …) say nothing to the bot
 _SENSITIVE_FRAME = re.compile(r'"op":\s*[26][,}]')  # Identify and Resume carry the token
 _RUN = re.compile(r"[A-Za-z0-9_-]{6,}")
@@ -279,8 +281,9 @@ class DiscordBridge(ChatBridge[int]):
     ``ready_timeout`` the seconds ``start`` waits for the gateway's READY; ``invalid_session_wait``
     the (least, most) seconds before identifying again after an op 9; ``max_file_bytes`` the
     largest attachment taken; ``attachment_urls`` the addresses (scheme, host and path prefix)
-    attachments are downloaded from (Discord's CDN; a test's fake); ``transport`` replaces the
-    HTTP network (tests)."""
+    attachments are downloaded from (Discord's CDN; a test's fake); ``transcriber`` turns voice
+    messages and audio attachments into text (without one they are refused); ``transport``
+    replaces the HTTP network (tests)."""
 
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "discord-"
@@ -303,6 +306,7 @@ class DiscordBridge(ChatBridge[int]):
         invalid_session_wait: tuple[float, float] = (1.0, 5.0),
         max_file_bytes: int = MAX_FILE_BYTES,
         attachment_urls: Iterable[str] = ATTACHMENT_URLS,
+        transcriber: Transcriber | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         allowed = list(allow)
@@ -323,6 +327,7 @@ class DiscordBridge(ChatBridge[int]):
             state=self.state,
             backoff=self.api.backoff,
             max_file_bytes=max_file_bytes,
+            transcriber=transcriber,
         )
         self.attachment_urls = tuple(_attachment_base(url) for url in attachment_urls)
         # attachments are fetched without the bot token (a client of their own), redirects not followed
@@ -712,11 +717,13 @@ class DiscordBridge(ChatBridge[int]):
             if not isinstance(item, dict):
                 continue
             name = shown_name(item.get("filename"), "")
-            kind, mime = classify(item.get("content_type"), name)
+            kind, mime = self._classify(item.get("content_type"), name)
             size = _int(item.get("size"))
             url = item.get("url")
             url = url if isinstance(url, str) else ""
-            found.append(Attachment(kind, mime, name, name or "the attachment", size, url))
+            voice = kind == "audio" and ("waveform" in item or bool((_int(message.get("flags")) or 0) & _VOICE_MESSAGE))
+            shown = "the voice message" if voice else name or "the attachment"
+            found.append(Attachment(kind, mime, name, shown, size, url))
         return found
 
     async def _fetch(self, attachment: Attachment, cap: int) -> bytes:

@@ -25,6 +25,16 @@ rest is shared (``ChatBridge._deliver_files``):
 The message is then admitted with the same run id as a text message of the channel: a
 re-delivered message (a crash between the download and the admission, or after it) is admitted
 once; one admitted already is not even downloaded again.
+
+Voice messages and audio files are taken only when the bridge was given a ``Transcriber``
+(``agentloop.models.transcribe`` is one: any OpenAI-compatible ``/v1/audio/transcriptions``). The
+channel then makes them attachments of kind ``"audio"`` (``audio_type``), downloaded as any file
+(the same limits and retries), and their transcript joins the text, marked as such
+(``transcript_text``): the agent reads the words, not the sound. A transcription that fails (an
+HTTP error, a timeout, an answer with no words) is told to the user (``not_transcribed``) and only
+that file is left out: the rest of the message (the other files of an album, the caption with them)
+still goes on; a message with nothing left is not delivered at all. Without a transcriber, a voice
+message is refused with ``UNSUPPORTED``, as any file the kernel does not take.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import base64
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Literal, Protocol
 
 import httpx
 
@@ -46,27 +56,81 @@ __all__ = [
     "FETCH_SECONDS",
     "FETCH_TRIES",
     "MAX_FILES",
+    "TRANSCRIBE_SECONDS",
     "UNSUPPORTED",
     "Attachment",
     "FetchFailed",
     "TooLarge",
+    "Transcriber",
+    "audio_filename",
+    "audio_type",
     "block_of",
     "classify",
     "default_text",
     "read_capped",
+    "transcript_text",
 ]
 
 MAX_FILE_BYTES = DEFAULT_MAX_BYTES  # bytes of one file (the kernel's media limit)
 MAX_FILES = 4  # files of one message
 FETCH_TRIES = 3  # times a download that failed for a reason that may pass is tried
 FETCH_SECONDS = 120.0  # seconds one download may take in all (a server that trickles is cut off)
+TRANSCRIBE_SECONDS = 300.0  # seconds one transcription may take in all, whatever the transcriber's own limit
 
 UNSUPPORTED = (
     "I can read text, images and PDF or text documents; voice messages, audio, video, stickers "
     "and other files are not supported."
 )
 
+
+def not_transcribed(what: str) -> str:
+    """What the user is told when ``what`` ("the voice message") could not be transcribed."""
+    return f"Sorry, I could not transcribe {what}; please try again, or write it as text."
+
+
+def no_words(what: str) -> str:
+    """What the user is told when ``what`` was transcribed to nothing."""
+    return f"I could not make out any words in {what}; please try again, or write it as text."
+
+
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+# audio a transcriber is given: its type, by suffix, and the suffix a file of that type is named with
+# (a server such as OpenAI's tells the format by the file name's suffix)
+_AUDIO_ALIASES = {
+    "audio/mp3": "audio/mpeg",
+    "audio/x-mp3": "audio/mpeg",
+    "audio/x-wav": "audio/wav",
+    "audio/wave": "audio/wav",
+    "audio/vnd.wave": "audio/wav",
+    "audio/x-m4a": "audio/mp4",
+    "audio/m4a": "audio/mp4",
+    "audio/x-flac": "audio/flac",
+    "audio/opus": "audio/ogg",
+    "application/ogg": "audio/ogg",
+}
+_AUDIO_BY_SUFFIX = {
+    ".ogg": "audio/ogg",
+    ".oga": "audio/ogg",
+    ".opus": "audio/ogg",
+    ".mp3": "audio/mpeg",
+    ".mpga": "audio/mpeg",
+    ".m4a": "audio/mp4",
+    ".wav": "audio/wav",
+    ".flac": "audio/flac",
+    ".aac": "audio/aac",
+    ".amr": "audio/amr",
+    ".weba": "audio/webm",
+}
+_AUDIO_SUFFIX = {
+    "audio/ogg": ".ogg",
+    "audio/mpeg": ".mp3",
+    "audio/mp4": ".m4a",
+    "audio/wav": ".wav",
+    "audio/flac": ".flac",
+    "audio/aac": ".aac",
+    "audio/amr": ".amr",
+    "audio/webm": ".webm",
+}
 _ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "text/x-markdown": "text/markdown"}
 _BY_SUFFIX = {
     ".png": "image/png",
@@ -82,7 +146,14 @@ _BY_SUFFIX = {
 }
 _GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
 
-Kind = Literal["image", "file"]
+Kind = Literal["image", "file", "audio"]  # ("audio": transcribed, where the bridge has a transcriber)
+
+
+class Transcriber(Protocol):
+    """Speech to text, as a bridge uses it: the words said in ``audio`` (a file named
+    ``filename``, of type ``mime``). Any exception is a failed transcription (the user is told)."""
+
+    async def transcribe(self, audio: bytes, filename: str, mime: str) -> str: ...
 
 
 class FetchFailed(Exception):
@@ -132,6 +203,41 @@ def classify(mime: object, name: object = "") -> tuple[Kind | None, str]:
     return None, declared
 
 
+def audio_type(mime: object, name: object = "") -> str | None:
+    """The audio type of a file declared as ``mime`` and named ``name`` (by the name's suffix when
+    the type is missing or generic); None for anything that is not audio."""
+    declared = mime.split(";", 1)[0].strip().lower() if isinstance(mime, str) else ""
+    declared = _AUDIO_ALIASES.get(declared, declared)
+    if declared in _GENERIC and isinstance(name, str):
+        declared = _AUDIO_BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
+    return declared if declared.startswith("audio/") and len(declared) > len("audio/") else None
+
+
+def audio_filename(attachment: Attachment) -> str:
+    """The name ``attachment`` is given to a transcriber as: its own when it has a suffix the
+    server can tell the format by, else ``audio`` with the suffix of its type."""
+    name = attachment.name
+    suffix = PurePosixPath(name.lower()).suffix
+    if name and (suffix in _AUDIO_BY_SUFFIX or suffix in _AUDIO_SUFFIX.values()):
+        return name
+    return "audio" + _AUDIO_SUFFIX.get(attachment.mime, ".ogg")
+
+
+def transcript_text(attachment: Attachment, transcript: str) -> str:
+    """The transcript of ``attachment`` as the agent reads it: marked as a transcription, so that
+    the agent knows the user spoke it (and that the words may be misheard)."""
+    what = attachment.what
+    label = what[4:] if what.startswith("the ") else f'audio file "{what}"'
+    return f"[Transcribed {label}]: {transcript}"
+
+
+def clean_transcript(text: str) -> str:
+    """A transcript with what no message should hold (control characters, lone surrogates) taken
+    out and its whitespace tidied."""
+    kept = "".join(c for c in text if c.isprintable() or c in "\n\t")
+    return "\n".join(" ".join(line.split()) for line in kept.strip().splitlines()).strip()
+
+
 def shown_name(name: object, fallback: str) -> str:
     """A file name as the user is told about it: one short line (``fallback`` when there is none)."""
     if not isinstance(name, str):
@@ -141,7 +247,7 @@ def shown_name(name: object, fallback: str) -> str:
 
 
 def default_text(attachments: Sequence[Attachment]) -> str:
-    """What the input says when the user sent files without a caption."""
+    """What the input says when the user sent files (images, documents) without a caption."""
     if all(a.kind == "image" for a in attachments):
         return "(see the attached image)" if len(attachments) == 1 else "(see the attached images)"
     return "(see the attached file)" if len(attachments) == 1 else "(see the attached files)"

@@ -16,9 +16,12 @@ A photo (the largest size Telegram offers within the limit) or a document (a PDF
 Markdown or CSV file, an image sent as a file) becomes the same ``Process.send`` with the file
 attached and its caption as the text: the file is found with ``getFile`` and downloaded from
 ``/file/bot<token>/<file path>`` (the token kept out of every log line and error, as for the
-methods: ``agentloop.channels.botapi``). Voice messages, audio, video, stickers and other files
-are refused with a short reply, and so are files past ``max_file_bytes``; a download that keeps
-failing is reported to the user and nothing of that message is delivered
+methods: ``agentloop.channels.botapi``). A voice message or an audio file (a ``voice``, an
+``audio``, or a document of an audio type) is taken only when the bridge has a ``transcriber``: it
+is downloaded the same way and reaches the agent as its transcript, marked as such, after the
+caption; a transcription that fails is told to the user. Without one, and for video, stickers and
+other files, the message is refused with a short reply, and so are files past ``max_file_bytes``;
+a download that keeps failing is reported to the user and nothing of that message is delivered
 (``agentloop.channels.media``). An album (Telegram sends one message per file, sharing a
 ``media_group_id``) is one input: its files together (at most ``media.MAX_FILES`` to an input),
 with the caption one of them carries. A poll whose last update is inside an album waits a moment
@@ -60,7 +63,8 @@ from agentloop.channels.media import (
     Attachment,
     FetchFailed,
     TooLarge,
-    classify,
+    Transcriber,
+    audio_type,
     shown_name,
 )
 from agentloop.channels.state import ChannelState
@@ -83,6 +87,7 @@ _UNSUPPORTED = {
     "sticker": "the sticker",
     "animation": "the animation",
 }
+_AUDIO = {"voice": ("the voice message", "audio/ogg"), "audio": ("the audio file", "audio/mpeg")}  # (its default type)
 
 HELP = (
     "Send me a message and your agent answers here.\n"
@@ -133,7 +138,8 @@ class TelegramBridge(ChatBridge[int]):
     given to each process at spawn; ``poll_timeout`` the seconds one ``getUpdates`` waits for news;
     ``state_dir`` where the state file is kept (default ``<data dir>/var/telegram``); ``backoff``
     the (first, longest) wait between retries; ``max_file_bytes`` the largest photo or document
-    taken (``agentloop.channels.media``); ``transport`` replaces the network (tests)."""
+    taken (``agentloop.channels.media``); ``transcriber`` turns voice messages and audio files into
+    text (without one they are refused); ``transport`` replaces the network (tests)."""
 
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "telegram-"
@@ -153,6 +159,7 @@ class TelegramBridge(ChatBridge[int]):
         state_dir: str | Path | None = None,
         backoff: tuple[float, float] = (1.0, 30.0),
         max_file_bytes: int = MAX_FILE_BYTES,
+        transcriber: Transcriber | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         allowed = list(allow)
@@ -172,6 +179,7 @@ class TelegramBridge(ChatBridge[int]):
             state=state,
             backoff=self.api.backoff,
             max_file_bytes=max_file_bytes,
+            transcriber=transcriber,
         )
         self.allow = frozenset(allowed)
         self.poll_timeout = poll_timeout
@@ -389,8 +397,12 @@ class TelegramBridge(ChatBridge[int]):
         await self._deliver_files(chat_id, user_id, caption, run_id, attachments)
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
-        """The message's photo or document (Telegram sends one a message), or what it holds that
-        the kernel does not take; nothing for a message with no file."""
+        """The message's photo, document or (with a transcriber) audio (Telegram sends one a
+        message), or what it holds that the kernel does not take; nothing for a message with no file."""
+        if self.transcriber is not None:
+            for key, (what, default) in _AUDIO.items():
+                if isinstance(message.get(key), dict):
+                    return [self._audio(message[key], what, default)]
         for key, what in _UNSUPPORTED.items():
             if key in message:
                 return [Attachment(None, "", "", what, None, "")]
@@ -401,11 +413,20 @@ class TelegramBridge(ChatBridge[int]):
         if isinstance(document, dict):
             file_id = document.get("file_id")
             name = shown_name(document.get("file_name"), "")
-            kind, mime = classify(document.get("mime_type"), name)
+            kind, mime = self._classify(document.get("mime_type"), name)
             size = _int(document.get("file_size"))
             ref = file_id if isinstance(file_id, str) else ""
-            return [Attachment(kind, mime, name, name or "the document", size, ref)]
+            shown = name or ("the audio file" if kind == "audio" else "the document")
+            return [Attachment(kind, mime, name, shown, size, ref)]
         return []
+
+    def _audio(self, audio: dict[str, Any], what: str, default: str) -> Attachment:
+        """A voice message or an audio file (``what``), of its declared type (else ``default``)."""
+        file_id = audio.get("file_id")
+        name = shown_name(audio.get("file_name"), "")
+        mime = audio_type(audio.get("mime_type"), name) or default
+        ref = file_id if isinstance(file_id, str) else ""
+        return Attachment("audio", mime, name, what, _int(audio.get("file_size")), ref)
 
     def _photo(self, sizes: list[Any]) -> Attachment:
         """The largest of a photo's sizes within the limit (the smallest, when none is: refused)."""

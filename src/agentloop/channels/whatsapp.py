@@ -33,11 +33,14 @@ signal acted on (kept in the same state file): an answer is sent at least once.
 An ``image`` or a ``document`` message (a PDF, a plain text, Markdown or CSV file, an image sent
 as a file) becomes the same ``Process.send`` with the file attached and its caption as the text:
 ``GET /<media id>`` on the Graph API names the file's address, which is downloaded with the access
-token (only from Meta's hosts). Voice messages, audio, video, stickers and the like are refused
-with a short reply, and so are files past ``max_file_bytes``; a download that keeps failing is
-reported to the user and nothing of that message is delivered (``agentloop.channels.media``). A
-download is part of taking the message: one that takes longer than ``INTAKE_WAIT`` is kept in the
-inbox like any slow admission.
+token (only from Meta's hosts). An ``audio`` message (a voice message, or an audio file) is taken
+only when the bridge has a ``transcriber``: it is downloaded the same way and reaches the agent as
+its transcript, marked as such; a transcription that fails is told to the user. Without one, and
+for video, stickers and the like, the message is refused with a short reply, and so are files past
+``max_file_bytes``; a download that keeps failing is reported to the user and nothing of that
+message is delivered (``agentloop.channels.media``). A download (and a transcription) is part of
+taking the message: one that takes longer than ``INTAKE_WAIT`` is kept in the inbox like any slow
+admission.
 
 Only the numbers (wa_ids) on the allow-list reach a process: anyone else gets a short refusal (at
 most once an hour) and their message goes nowhere. An empty allow-list refuses everyone. The
@@ -65,7 +68,8 @@ from agentloop.channels.media import (
     Attachment,
     FetchFailed,
     TooLarge,
-    classify,
+    Transcriber,
+    audio_type,
     shown_name,
 )
 from agentloop.channels.state import ChannelState
@@ -169,7 +173,8 @@ class WhatsAppBridge(ChatBridge[str]):
     (default ``whatsapp-<wa_id>``); ``state_dir`` where the state file is kept (default
     ``<data dir>/var/whatsapp``); ``backoff`` the (first, longest) wait between retries;
     ``max_file_bytes`` the largest image or document taken; ``media_hosts`` the hosts a file may
-    be downloaded from with the token (``graph.MEDIA_HOSTS``)."""
+    be downloaded from with the token (``graph.MEDIA_HOSTS``); ``transcriber`` turns audio
+    messages into text (without one they are refused)."""
 
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "whatsapp-"
@@ -194,6 +199,7 @@ class WhatsAppBridge(ChatBridge[str]):
         backoff: tuple[float, float] = (1.0, 30.0),
         max_file_bytes: int = MAX_FILE_BYTES,
         media_hosts: Iterable[str] = MEDIA_HOSTS,
+        transcriber: Transcriber | None = None,
     ) -> None:
         allowed = [str(n).lstrip("+") for n in allow]
         if any(_wa_id(n) is None for n in allowed):
@@ -223,6 +229,7 @@ class WhatsAppBridge(ChatBridge[str]):
             state=state,
             backoff=self.api.backoff,
             max_file_bytes=max_file_bytes,
+            transcriber=transcriber,
         )
         self.phone_number_id = self.api.phone_number_id
         self.allow = frozenset(allowed)
@@ -536,15 +543,24 @@ class WhatsAppBridge(ChatBridge[str]):
             part = message.get(kind)
             caption = _field(part, "caption")
             name = shown_name(_field(part, "filename"), "")
-            classified, mime = classify(_field(part, "mime_type"), name)
+            classified, mime = self._classify(_field(part, "mime_type"), name)
             if kind == "image" and classified != "image":  # (a HEIC photo …)
                 classified = None
             media_id = _field(part, "id")
             ref = media_id if isinstance(media_id, str) else ""
-            attachment = Attachment(classified, mime, name, name or _FILES[kind], None, ref)
+            shown = name or ("the audio file" if classified == "audio" else _FILES[kind])
+            attachment = Attachment(classified, mime, name, shown, None, ref)
             self._last_in[wa_id] = wamid
             run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
             await self._deliver_files(wa_id, wa_id, caption if isinstance(caption, str) else "", run_id, [attachment])
+        elif kind == "audio" and self.transcriber is not None:
+            part = message.get("audio")
+            media_id = _field(part, "id")
+            what = "the voice message" if _field(part, "voice") is True else "the audio message"
+            mime = audio_type(_field(part, "mime_type")) or "audio/ogg"
+            attachment = Attachment("audio", mime, "", what, None, media_id if isinstance(media_id, str) else "")
+            self._last_in[wa_id] = wamid
+            await self._deliver_files(wa_id, wa_id, "", f"whatsapp-{self.phone_number_id}-{wamid}", [attachment])
         elif kind in _UNSUPPORTED:
             await self._say(wa_id, UNSUPPORTED)
 

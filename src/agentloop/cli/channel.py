@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentloop.cli.config import LoopFlags, Settings, kernel_options, open_settings_model
 from agentloop.cli.render import Progress
@@ -23,6 +23,7 @@ from agentloop.cli.render import Progress
 if TYPE_CHECKING:
     from agentloop.cli.approvals import ApprovalSetting
     from agentloop.kernel import Kernel
+    from agentloop.models.transcribe import OpenAITranscriber
 
 
 class Bridge(Protocol):
@@ -34,6 +35,24 @@ class Bridge(Protocol):
 # starts the channel's bridge on the kernel: the bridge, and the line that says where it listens
 # (a failure to start raises ``CliError``)
 StartBridge = Callable[["Kernel", Settings], Awaitable[tuple[Bridge, str]]]
+
+
+def open_transcriber(model: str | None, url: str | None, key_env: str | None) -> OpenAITranscriber | None:
+    """The transcriber ``--transcribe-model`` (with ``--transcribe-url`` and ``--transcribe-key-env``)
+    names, checked before the bridge starts (ValueError saying what is wrong); None without one:
+    voice messages are then refused."""
+    model = (model or "").strip() or None
+    if model is None:
+        given = [flag for flag, value in (("--transcribe-url", url), ("--transcribe-key-env", key_env)) if value]
+        if given:
+            raise ValueError(f"{' and '.join(given)} need --transcribe-model (openai:whisper-1, for one)")
+        return None
+    from agentloop.models.transcribe import open_transcriber as _open
+
+    try:
+        return _open(model, base_url=url, key_env=key_env)
+    except ValueError as exc:
+        raise ValueError(f"--transcribe-model: {exc}") from None
 
 
 def run_bridge(
@@ -48,9 +67,11 @@ def run_bridge(
     store: str | None,
     flags: LoopFlags,
     account: str | None,
+    transcriber: Any = None,
 ) -> None:
     """Run the ``name`` channel's bridge (``start``) on a kernel made from the command's options,
-    until a signal stops it. Called inside ``cli.main._guarded``."""
+    until a signal stops it (and then close ``transcriber``, the bridge's, when it has a ``close``).
+    Called inside ``cli.main._guarded``."""
     from agentloop.cli.main import _approval, _data_directory, _settings, _workspace
 
     settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
@@ -59,7 +80,7 @@ def run_bridge(
     directory = _data_directory(data)
     handler = _log_to_stderr()
     try:
-        asyncio.run(_serve(name, start, settings, setting, ws, directory.resolve(), account))
+        asyncio.run(_serve(name, start, settings, setting, ws, directory.resolve(), account, transcriber))
     finally:
         logging.getLogger("agentloop.channels").removeHandler(handler)
 
@@ -83,6 +104,7 @@ async def _serve(
     ws: Path,
     directory: Path,
     account: str | None,
+    transcriber: Any = None,
 ) -> None:
     from agentloop.cli.tooling import extra_tools
     from agentloop.kernel import Kernel
@@ -90,7 +112,9 @@ async def _serve(
     progress = Progress()
     model = open_settings_model(settings, progress)
     options = kernel_options(settings, progress)
+    close = getattr(transcriber, "close", None)
     async with (
+        contextlib.AsyncExitStack() as stack,
         extra_tools(settings, ws) as extra,
         Kernel.open(
             settings.store or f"sqlite:///{directory}/agentloop.db",
@@ -103,8 +127,12 @@ async def _serve(
             **options,
         ) as kernel,
     ):
+        if callable(close):  # (after the bridge, which closes first)
+            stack.push_async_callback(close)
         bridge, listening = await start(kernel, settings)
         try:
+            if transcriber is not None:
+                listening += f"; voice messages are transcribed ({transcriber!r})"
             sys.stderr.write(f"agentloop {name}: {listening}\n")
             sys.stderr.flush()
             stop = asyncio.Event()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agentloop.cli.channel import Bridge, run_bridge
+from agentloop.cli.channel import Bridge, open_transcriber, run_bridge
 from agentloop.cli.config import Settings
 from agentloop.cli.options import (
     ChannelApprovalOpt,
@@ -31,6 +31,9 @@ from agentloop.cli.options import (
     ReasoningOpt,
     StoreOpt,
     SystemOpt,
+    TranscribeKeyEnvOpt,
+    TranscribeModelOpt,
+    TranscribeUrlOpt,
     WorkspaceOpt,
     loop_flags,
 )
@@ -107,6 +110,9 @@ def discord(
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
     reasoning: ReasoningOpt = None,
+    transcribe_model: TranscribeModelOpt = None,
+    transcribe_url: TranscribeUrlOpt = None,
+    transcribe_key_env: TranscribeKeyEnvOpt = None,
 ) -> None:
     """Talk with the durable agent from Discord: one conversation per channel (DMs, or server
     channels where the bot is mentioned), answers and approval buttons in the channel; !new starts
@@ -137,6 +143,7 @@ def discord(
                 check_name(account, "account")
             if any(uid < 0 for uid in allow):
                 raise ValueError("--allow takes Discord user ids: positive numbers")
+            transcriber = open_transcriber(transcribe_model, transcribe_url, transcribe_key_env)
         except ValueError as exc:
             _fail(str(exc), 2)
         flags = loop_flags(
@@ -145,7 +152,7 @@ def discord(
         allowed = sorted(set(allow))
 
         async def start(kernel: Kernel, settings: Settings) -> tuple[Bridge, str]:
-            bridge = DiscordBridge(kernel, token, allow=allowed, api_url=url, account=account)
+            bridge = DiscordBridge(kernel, token, allow=allowed, api_url=url, account=account, transcriber=transcriber)
             try:
                 await bridge.start()
             except DiscordError as exc:
@@ -165,4 +172,5 @@ def discord(
             store=store,
             flags=flags,
             account=account,
+            transcriber=transcriber,
         )

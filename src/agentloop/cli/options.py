@@ -24,6 +24,7 @@ def data_path(value: str) -> Path:
         raise typer.BadParameter("is empty: name a directory (or leave the flag out)")
     return Path(value)
 
+
 ModelOpt = Annotated[
     str | None,
     typer.Option(
@@ -135,6 +136,43 @@ ChannelApprovalOpt = Annotated[
         "--approval",
         help="Tool calls: ask (default policy: risky calls wait for Approve/Deny buttons in the conversation), "
         "auto, deny, or a JSON policy.",
+    ),
+]
+
+_VOICE = "Voice messages"
+# the chat-app commands': voice messages and audio files become text (refused without a model)
+TranscribeModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--transcribe-model",
+        metavar="PROVIDER:MODEL",
+        envvar="AGENTLOOP_TRANSCRIBE_MODEL",
+        show_envvar=False,
+        help="Take voice messages and audio files, transcribed by this model: openai:whisper-1, or openai:<id> "
+        "of any server speaking OpenAI's /v1/audio/transcriptions (with --transcribe-url); key from "
+        "$OPENAI_API_KEY. Default: $AGENTLOOP_TRANSCRIBE_MODEL; without one, voice messages are refused.",
+        rich_help_panel=_VOICE,
+    ),
+]
+TranscribeUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--transcribe-url",
+        metavar="URL",
+        envvar="AGENTLOOP_TRANSCRIBE_URL",
+        show_envvar=False,
+        help="The transcription server's base URL (default: $AGENTLOOP_TRANSCRIBE_URL, $OPENAI_BASE_URL, OpenAI); "
+        "a server of your own needs no key.",
+        rich_help_panel=_VOICE,
+    ),
+]
+TranscribeKeyEnvOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--transcribe-key-env",
+        metavar="NAME",
+        help="The environment variable that holds the transcription server's API key (default: OPENAI_API_KEY).",
+        rich_help_panel=_VOICE,
     ),
 ]
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agentloop.cli.channel import Bridge, run_bridge
+from agentloop.cli.channel import Bridge, open_transcriber, run_bridge
 from agentloop.cli.config import Settings
 from agentloop.cli.options import (
     ChannelApprovalOpt,
@@ -30,6 +30,9 @@ from agentloop.cli.options import (
     ReasoningOpt,
     StoreOpt,
     SystemOpt,
+    TranscribeKeyEnvOpt,
+    TranscribeModelOpt,
+    TranscribeUrlOpt,
     WorkspaceOpt,
     loop_flags,
 )
@@ -80,6 +83,9 @@ def telegram(
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
     reasoning: ReasoningOpt = None,
+    transcribe_model: TranscribeModelOpt = None,
+    transcribe_url: TranscribeUrlOpt = None,
+    transcribe_key_env: TranscribeKeyEnvOpt = None,
 ) -> None:
     """Talk with the durable agent from Telegram: one conversation per chat, answers and approval
     buttons in the chat; /new starts afresh, /stop stops the answer under way."""
@@ -107,6 +113,7 @@ def telegram(
             url = check_api_url(api_url or DEFAULT_API_URL)
             if account is not None:
                 check_name(account, "account")
+            transcriber = open_transcriber(transcribe_model, transcribe_url, transcribe_key_env)
         except ValueError as exc:
             _fail(str(exc), 2)
         flags = loop_flags(
@@ -115,7 +122,7 @@ def telegram(
         allowed = sorted(set(allow))
 
         async def start(kernel: Kernel, settings: Settings) -> tuple[Bridge, str]:
-            bridge = TelegramBridge(kernel, token, allow=allowed, api_url=url, account=account)
+            bridge = TelegramBridge(kernel, token, allow=allowed, api_url=url, account=account, transcriber=transcriber)
             try:
                 await bridge.start()
             except BotApiError as exc:
@@ -135,4 +142,5 @@ def telegram(
             store=store,
             flags=flags,
             account=account,
+            transcriber=transcriber,
         )

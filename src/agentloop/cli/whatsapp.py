@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agentloop.cli.channel import Bridge, run_bridge
+from agentloop.cli.channel import Bridge, open_transcriber, run_bridge
 from agentloop.cli.config import Settings
 from agentloop.cli.options import (
     ChannelApprovalOpt,
@@ -31,6 +31,9 @@ from agentloop.cli.options import (
     ReasoningOpt,
     StoreOpt,
     SystemOpt,
+    TranscribeKeyEnvOpt,
+    TranscribeModelOpt,
+    TranscribeUrlOpt,
     WorkspaceOpt,
     loop_flags,
 )
@@ -84,6 +87,9 @@ def whatsapp(
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
     reasoning: ReasoningOpt = None,
+    transcribe_model: TranscribeModelOpt = None,
+    transcribe_url: TranscribeUrlOpt = None,
+    transcribe_key_env: TranscribeKeyEnvOpt = None,
 ) -> None:
     """Talk with the durable agent from WhatsApp (Business Cloud API): serves the webhook Meta
     calls; one conversation per number, approval buttons in the chat; /new starts afresh, /stop
@@ -121,6 +127,7 @@ def whatsapp(
             check_phone_number_id(secrets["WHATSAPP_PHONE_NUMBER_ID"])
             if account is not None:
                 check_name(account, "account")
+            transcriber = open_transcriber(transcribe_model, transcribe_url, transcribe_key_env)
         except ValueError as exc:
             _fail(str(exc), 2)
         try:
@@ -144,6 +151,7 @@ def whatsapp(
                 graph_url=url,
                 api_version=version,
                 account=account,
+                transcriber=transcriber,
             )
             try:
                 listening = await bridge.listen(host, port)
@@ -165,4 +173,5 @@ def whatsapp(
             store=store,
             flags=flags,
             account=account,
+            transcriber=transcriber,
         )
