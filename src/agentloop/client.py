@@ -276,17 +276,21 @@ class AgentloopClient:
         context: str | None = None,
         interactive: bool | None = None,
         cwd: str | None = None,
+        mode: str | None = None,
         model: str | None = None,
         reasoning: str | None = None,
         text: str | None = None,
+        media: list[dict[str, str]] | None = None,
         run_id: str | None = None,
         output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """A new process; ``model`` (``provider:model``) and ``reasoning``: its own model choice.
-        ``text`` is a first message, its run starting with the process (``run_id`` names it;
-        ``output_schema``, a JSON Schema, asks that run for a value, as ``send`` does)."""
-        fields = (("context", context), ("interactive", interactive), ("cwd", cwd), ("model", model))
-        first = (("text", text), ("run_id", run_id), ("output_schema", output_schema))
+        """A new process; ``mode``: ``agent`` (the default) or ``chat`` (runs without tools);
+        ``model`` (``provider:model``) and ``reasoning``: its own model choice. ``text`` is a first
+        message (with ``media`` as ``send`` takes them), its run starting with the process
+        (``run_id`` names it; ``output_schema``, a JSON Schema, asks that run for a value, as
+        ``send`` does)."""
+        fields = (("context", context), ("interactive", interactive), ("cwd", cwd), ("mode", mode), ("model", model))
+        first = (("text", text), ("media", media or None), ("run_id", run_id), ("output_schema", output_schema))
         body = {k: v for k, v in (*fields, ("reasoning", reasoning), *first) if v is not None}
         result: dict[str, Any] = await self._call("POST", "/v1/processes", body=body)
         return result
@@ -453,13 +457,20 @@ class AgentloopClient:
         return result
 
     async def fork(
-        self, pid: str, *, at: int | None = None, segment: str | None = None, fork_id: str | None = None
+        self,
+        pid: str,
+        *,
+        at: int | None = None,
+        segment: str | None = None,
+        context: str | None = None,
+        fork_id: str | None = None,
     ) -> dict[str, Any]:
         """A new process from this one's conversation (``POST …/fork``): its history up to and
-        including message id ``at`` (None: all of it), or the archived ``segment``. The new
-        process, with ``forked_from``; ``Conflict`` past the account's process quota. Asked again
-        with the same ``fork_id``, the server answers with the fork it made the first time."""
-        chosen = (("at", at), ("segment", segment), ("fork_id", fork_id))
+        including message id ``at`` (None: all of it), or the archived ``segment``; ``context``:
+        the fork's own process context (None: the source's). The new process, with
+        ``forked_from``; ``Conflict`` past the account's process quota. Asked again with the same
+        ``fork_id``, the server answers with the fork it made the first time."""
+        chosen = (("at", at), ("segment", segment), ("context", context), ("fork_id", fork_id))
         body: dict[str, Any] = {k: v for k, v in chosen if v is not None}
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/fork", body=body)
         return result

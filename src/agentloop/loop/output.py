@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
@@ -260,15 +261,6 @@ def _check_cost(schema: dict[str, Any]) -> None:
     (but not into itself again: recursion is fine), number more than ``MAX_SCHEMA_NODES``."""
     visited = 0
 
-    def resolve(ref: str) -> Any:
-        if not ref.startswith("#"):
-            raise ValueError(f"output_schema may refer only within itself, not to {ref!r}")
-        node: Any = schema
-        for part in (p for p in ref[1:].split("/") if p):
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
-
     def walk(node: Any, path: tuple[str, ...]) -> None:
         nonlocal visited
         visited += 1
@@ -288,11 +280,11 @@ def _check_cost(schema: dict[str, Any]) -> None:
                     f"output_schema may not use {key!r}: the server does not run a caller's regular expressions"
                 )
         for key, value in node.items():
-            if key in ("$defs", "definitions", "enum", "const", "examples", "default"):
+            if key in ("$defs", "definitions", *_DATA_KEYWORDS):
                 continue  # (definitions are walked where they are referred to; values are data)
             if key == "$ref" and isinstance(value, str):
                 if value not in path:  # (a reference back into itself ends there)
-                    walk(resolve(value), (*path, value))
+                    walk(_resolve(schema, value), (*path, value))
             elif key == "properties" and isinstance(value, dict):
                 for sub in value.values():  # (the names are data, the values schemas)
                     walk(sub, path)
@@ -300,6 +292,93 @@ def _check_cost(schema: dict[str, Any]) -> None:
                 walk(value, path)
 
     walk(schema, ("#",))
+    _check_progress(schema)
+
+
+# The keywords whose subschemas apply to the value itself, not to a part of it: a ``$ref`` cycle
+# through these only would be checked again and again on the same value, without end.
+_DATA_KEYWORDS = ("enum", "const", "examples", "default")
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
+
+
+def _resolve(schema: dict[str, Any], ref: str) -> Any:
+    """The node a ``$ref`` within ``schema`` names (a JSON pointer, ``#/...``); None for an anchor
+    (``#name``, the validator's to find). ``ValueError`` for a reference outside the schema, or to
+    a place it does not have: no answer could be checked against it."""
+    if not ref.startswith("#"):
+        raise ValueError(f"output_schema may refer only within itself, not to {ref!r}")
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node: Any = schema
+    for part in (p for p in ref[1:].split("/") if p):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise ValueError(f"output_schema refers to {ref!r}, which it does not define")
+    return node
+
+
+def _check_progress(schema: dict[str, Any]) -> None:
+    """``ValueError`` for a ``$ref`` that leads back to where it started without descending into
+    the value (``{"$defs": {"a": {"$ref": "#/$defs/a"}}}``, ``{"allOf": [{"$ref": "#"}]}``):
+    checking an answer would recurse without end. Recursion through ``properties``, ``items`` and
+    the like is fine: each step is a smaller part of the value."""
+
+    def next_nodes(node: Any) -> list[Any]:
+        if not isinstance(node, dict):
+            return []
+        found: list[Any] = []
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            found.append(_resolve(schema, ref))
+        for key in _IN_PLACE:
+            value = node.get(key)
+            if isinstance(value, list):
+                found.extend(value)
+            elif key == "dependentSchemas" and isinstance(value, dict):
+                found.extend(value.values())
+            elif isinstance(value, dict):
+                found.append(value)
+        return [n for n in found if isinstance(n, dict)]
+
+    done: set[int] = set()
+    for start in _schema_nodes(schema):
+        if id(start) in done:
+            continue
+        on_path = {id(start)}
+        stack = [(start, iter(next_nodes(start)))]
+        while stack:
+            node, todo = stack[-1]
+            child = next(todo, None)
+            if child is None:
+                stack.pop()
+                on_path.discard(id(node))
+                done.add(id(node))
+            elif id(child) in on_path:
+                raise ValueError(
+                    "output_schema has a $ref that leads back to itself without descending into the value:"
+                    " no answer could ever be checked against it"
+                )
+            elif id(child) not in done:
+                on_path.add(id(child))
+                stack.append((child, iter(next_nodes(child))))
+
+
+def _schema_nodes(node: Any) -> list[dict[str, Any]]:
+    """Every object in ``node`` but its values (``enum``, ``const`` …: data, not schemas)."""
+    found: list[dict[str, Any]] = []
+    todo = [node]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            found.append(item)
+            todo.extend(v for k, v in item.items() if k not in _DATA_KEYWORDS)
+        elif isinstance(item, list):
+            todo.extend(item)
+    return found
 
 
 def _moved_refs(node: Any) -> Any:

@@ -215,6 +215,9 @@ def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
         where = f"media[{i}]"
         if not isinstance(item, dict):
             raise ApiError(400, "invalid_request", f"{where} must be an object with data and mime_type")
+        unknown = sorted(set(item) - {"data", "mime_type", "name"})
+        if unknown:  # (as HTTP's model refuses it: a misspelt ``name`` is not silently dropped)
+            raise ApiError(400, "invalid_request", f"{where}.{unknown[0][:64]}: unknown field")
         mime, data, name = item.get("mime_type"), item.get("data"), item.get("name", "")
         if mime not in MEDIA_TYPES:
             raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {', '.join(MEDIA_TYPES)}")

@@ -245,11 +245,24 @@ class Then:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """A user call. ``mutates``: it changes state, so once started it runs to its end even if the
-    request is cancelled or the socket closes (half a kill or a send is worse than a late one)."""
+    """A user call. ``args``: the arguments it takes; any other is refused, as HTTP refuses an
+    unknown field (a misspelt ``run_id`` must not turn a retry into a second message).
+    ``mutates``: it changes state, so once started it runs to its end even if the request is
+    cancelled or the socket closes (half a kill or a send is worse than a late one)."""
 
     handler: Handler
+    args: frozenset[str] = frozenset()
     mutates: bool = False
+
+
+def _takes(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+def _check_args(args: dict[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(args) - allowed)
+    if unknown:
+        raise _invalid(f"{unknown[0][:64]}: unknown argument (this call takes {', '.join(sorted(allowed)) or 'none'})")
 
 
 async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
@@ -459,39 +472,57 @@ async def _queue_withdraw(conn: Connection, args: dict[str, Any]) -> Any:
 
 
 CALLS: dict[str, Call] = {
-    "proc.spawn": Call(_spawn, mutates=True),
-    "proc.list": Call(_list),
-    "proc.get": Call(_get),
-    "proc.send": Call(_send, mutates=True),
-    "proc.history": Call(_history),
-    "proc.abort": Call(_abort, mutates=True),
-    "proc.stop": Call(_stop, mutates=True),
-    "proc.mode": Call(_mode, mutates=True),
-    "proc.title": Call(_title, mutates=True),
-    "proc.compaction": Call(_compaction, mutates=True),
-    "proc.model.get": Call(_model_get),
-    "proc.model.set": Call(_model_set, mutates=True),
-    "proc.hil": Call(_hil, mutates=True),
-    "proc.approvals": Call(_approvals),
-    "proc.reset": Call(_reset, mutates=True),
-    "proc.fork": Call(_fork, mutates=True),
-    "proc.kill": Call(_kill, mutates=True),
-    "proc.compact": Call(_compact, mutates=True),
-    "proc.segment.list": Call(_segment_list),
-    "proc.segment.read": Call(_segment_read),
-    "proc.subscribe": Call(_subscribe),
-    "proc.signal": Call(_signal, mutates=True),
-    "proc.schedule.add": Call(_schedule_add, mutates=True),
-    "proc.schedule.list": Call(_schedule_list),
-    "proc.schedule.remove": Call(_schedule_remove, mutates=True),
-    "proc.watch.add": Call(_watch_add, mutates=True),
-    "proc.watch.list": Call(_watch_list),
-    "proc.watch.remove": Call(_watch_remove, mutates=True),
-    "proc.queue.list": Call(_queue_list),
-    "proc.queue.withdraw": Call(_queue_withdraw, mutates=True),
-    "account.subscribe": Call(_account_subscribe),
-    "approvals.list": Call(_account_approvals),
+    "proc.spawn": Call(
+        _spawn,
+        _takes(
+            "context", "interactive", "cwd", "mode", "model", "reasoning", "text", "media", "run_id", "output_schema"
+        ),
+        mutates=True,
+    ),
+    "proc.list": Call(_list, _takes()),
+    "proc.get": Call(_get, _takes("pid")),
+    "proc.send": Call(_send, _takes("pid", "text", "mode", "media", "run_id", "output_schema"), mutates=True),
+    "proc.history": Call(_history, _takes("pid", "limit", "before")),
+    "proc.abort": Call(_abort, _takes("pid", "run_id"), mutates=True),
+    "proc.stop": Call(_stop, _takes("pid", "run_id"), mutates=True),
+    "proc.mode": Call(_mode, _takes("pid", "mode"), mutates=True),
+    "proc.title": Call(_title, _takes("pid", "title"), mutates=True),
+    "proc.compaction": Call(_compaction, _takes("pid", "threshold", "overflow", "keep_recent_tokens"), mutates=True),
+    "proc.model.get": Call(_model_get, _takes("pid")),
+    "proc.model.set": Call(_model_set, _takes("pid", "model", "reasoning"), mutates=True),
+    "proc.hil": Call(_hil, _takes("pid", "request_id", "decision", "remember", "message"), mutates=True),
+    "proc.approvals": Call(_approvals, _takes("pid")),
+    "proc.reset": Call(_reset, _takes("pid"), mutates=True),
+    "proc.fork": Call(_fork, _takes("pid", "at", "segment", "context", "fork_id"), mutates=True),
+    "proc.kill": Call(_kill, _takes("pid"), mutates=True),
+    "proc.compact": Call(_compact, _takes("pid", "instructions"), mutates=True),
+    "proc.segment.list": Call(_segment_list, _takes("pid")),
+    "proc.segment.read": Call(_segment_read, _takes("pid", "segment_id", "limit", "before")),
+    "proc.subscribe": Call(_subscribe, _takes("pid", "after_seq")),
+    "proc.signal": Call(_signal, _takes("pid", "text", "run_id"), mutates=True),
+    "proc.schedule.add": Call(_schedule_add, _takes("pid", "text", "at", "every", "name", "cron", "tz"), mutates=True),
+    "proc.schedule.list": Call(_schedule_list, _takes("pid")),
+    "proc.schedule.remove": Call(_schedule_remove, _takes("pid", "schedule_id"), mutates=True),
+    "proc.watch.add": Call(_watch_add, _takes("pid", "source_pid", "signal", "once"), mutates=True),
+    "proc.watch.list": Call(_watch_list, _takes("pid")),
+    "proc.watch.remove": Call(_watch_remove, _takes("pid", "watch_id"), mutates=True),
+    "proc.queue.list": Call(_queue_list, _takes("pid")),
+    "proc.queue.withdraw": Call(_queue_withdraw, _takes("pid", "item_id", "kind"), mutates=True),
+    "account.subscribe": Call(_account_subscribe, _takes()),
+    "approvals.list": Call(_account_approvals, _takes("account")),
 }
+
+_ACCOUNT = "account"
+_PROCESS = "proc:"
+
+
+def _follows(req: Request) -> str | None:
+    """What a subscribe request follows (``_ACCOUNT``, or ``_PROCESS`` and its pid); None for other calls."""
+    if req.call == "account.subscribe":
+        return _ACCOUNT
+    pid = req.args.get("pid")
+    return _PROCESS + pid if req.call == "proc.subscribe" and isinstance(pid, str) else None
+
 
 # Calls that change state keep running after their socket closes: referenced here until done.
 _detached: set[asyncio.Future[Outcome]] = set()
@@ -517,6 +548,7 @@ class Connection:
         self._unanswered = 0
         self._tasks: set[asyncio.Task[None]] = set()  # every request and stream task, until it ends
         self._cancel_asked: set[str] = set()
+        self._subscribing: dict[str, set[asyncio.Task[None]]] = {}  # subscribe requests running, by ``_follows``
         self._send_lock = asyncio.Lock()
         self._closed = False
         self._reader: asyncio.Task[Any] | None = None
@@ -696,7 +728,7 @@ class Connection:
     async def _dispatch(self, req: Request) -> None:
         inline = _INLINE.get(req.call)
         if inline is not None:
-            await self.send((await self._settle(req, Call(inline)))[0])
+            await self.send((await self._settle(req, inline))[0])
             return
         call = CALLS.get(req.call)
         if call is None:
@@ -710,6 +742,25 @@ class Connection:
             self._unanswered += 1
             task.add_done_callback(lambda _: self._done(req.id, task))
             self._requests[req.id] = (task, call)
+            follows = _follows(req)
+            if follows is not None:  # (an unsubscribe sent after it waits for it: see ``_subscribed``)
+                self._subscribing.setdefault(follows, set()).add(task)
+                task.add_done_callback(lambda _: self._subscribe_ended(follows, task))
+
+    def _subscribe_ended(self, follows: str, task: asyncio.Task[None]) -> None:
+        pending = self._subscribing.get(follows)
+        if pending is not None:
+            pending.discard(task)
+            if not pending:
+                del self._subscribing[follows]
+
+    async def _subscribed(self, follows: str) -> None:
+        """Wait for the subscribe requests to ``follows`` sent before the unsubscribe being run (they
+        run as tasks of their own; an unsubscribe is run as it arrives), so that it undoes them
+        too: otherwise one still being set up would start after the answer that said it was gone."""
+        pending = self._subscribing.get(follows)
+        if pending:
+            await asyncio.wait(list(pending))
 
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
         """A request task ended: its answer has been sent (or dropped with the socket)."""
@@ -762,6 +813,7 @@ class Connection:
         """The ``res`` frame for a call: its data, or the error it raised as a safe code and message
         (an unexpected exception is logged and answered ``internal``, with none of its text)."""
         try:
+            _check_args(req.args, call.args)
             data = await call.handler(self, req.args)
         except ApiError as exc:
             return res_error(req.id, exc.code, exc.message), None
@@ -835,6 +887,7 @@ class Connection:
         """``proc.unsubscribe {pid}``: answered after the stream has stopped, so no ``sig`` for the
         process follows the answer."""
         pid = _id(args, "pid")
+        await self._subscribed(_PROCESS + pid)
         task = self.subscriptions.pop(pid, None)
         if task is not None:
             task.cancel()
@@ -859,6 +912,7 @@ class Connection:
 
     async def unsubscribe_account(self) -> Any:
         """``account.unsubscribe``: answered once the stream has stopped, so no ``sig`` of it follows."""
+        await self._subscribed(_ACCOUNT)
         task, self.account_stream = self.account_stream, None
         if task is not None:
             task.cancel()
@@ -921,10 +975,10 @@ async def _account_unsubscribe(conn: Connection, args: dict[str, Any]) -> Any:
 
 
 # Instant calls, answered in the order they arrive and never counted against the request limit.
-_INLINE: dict[str, Handler] = {
-    "request.cancel": _cancel,
-    "proc.unsubscribe": _unsubscribe,
-    "account.unsubscribe": _account_unsubscribe,
+_INLINE: dict[str, Call] = {
+    "request.cancel": Call(_cancel, _takes("id")),
+    "proc.unsubscribe": Call(_unsubscribe, _takes("pid")),
+    "account.unsubscribe": Call(_account_unsubscribe, _takes()),
 }
 
 
