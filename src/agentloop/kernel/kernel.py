@@ -696,6 +696,8 @@ class Kernel:
             await kernel.titles.recover()
             await tree.stop_orphan_jobs(kernel)  # (before recovery reports them: what an abort left)
             await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
+            if asks is not None:  # (after recovery: the requests it withdrew are no longer shown)
+                await asks.recover()  # the copies a crash lost
             await kernel._sweep_media()
             await kernel.watchers.start()  # delivers what watched sources logged while it was down
             if replies is not None:  # delivers the answers to Delegate calls owed from before
