@@ -7,7 +7,8 @@ stop the CLI: it becomes a warning and the defaults apply.
 
 The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
 ``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
-``compaction_threshold``, the ``approval_timeout``, the ``outage_retries`` and the ``mcp_servers``.
+``compaction_threshold``, the ``approval_timeout``, the ``outage_retries``, the ``mcp_servers``
+and the ``shell_sandbox``.
 A budget written down and then silently ignored would let a run go on without the limit its owner relied on (and a
 server left out, without tools it was meant to have), so a bad value there is an error (exit 2)
 for the commands that run the loop, naming the key or flag and what it must be.
@@ -32,6 +33,7 @@ from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_
 from agentloop.process.driver import MAX_OUTAGE_DELAY, MAX_OUTAGE_RETRIES
 from agentloop.process.heartbeat import DEFAULT_EVERY, DEFAULT_HEARTBEAT, DEFAULT_HOURS, HeartbeatSettings, parse_hours
 from agentloop.tools.mcp import MCPServerConfig, parse_servers
+from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 from agentloop.urls import redact_secrets
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
@@ -45,7 +47,16 @@ _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server"
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning", "approval_timeout", "outage_retries")
 _SWITCHES = ("codemode", "subagents", "schedules")  # true or false; anything else is an error
-_KEYS = (*_LENIENT_KEYS, *_STRICT_KEYS, "mcp_servers", *_SWITCHES, "store", "heartbeat", "fetch_allow")
+_KEYS = (
+    *_LENIENT_KEYS,
+    *_STRICT_KEYS,
+    "mcp_servers",
+    *_SWITCHES,
+    "store",
+    "heartbeat",
+    "fetch_allow",
+    "shell_sandbox",
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class FileConfig:
     subagents: bool = False
     schedules: bool = False
     fetch_allow: tuple[str, ...] = ()
+    shell_sandbox: str = "off"
     store: str | None = None
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
@@ -124,6 +136,7 @@ class Settings:
     subagents: bool = False  # offer durable processes the Task tool (child processes)
     schedules: bool = False  # offer durable processes the Schedule tool (their own reminders)
     fetch_allow: tuple[str, ...] = ()  # non-public hosts the Fetch tool may reach
+    shell_sandbox: str = "off"  # confine Shell commands (tools/sandbox.py): off, workspace, workspace-offline
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # the check-ins HEARTBEAT.md asks for
@@ -335,6 +348,12 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     fetch_allow, problem = _read_fetch_allow(data.get("fetch_allow", []))
     if problem:
         errors["fetch_allow"] = f"config file {path}: fetch_allow {problem}"
+    shell_sandbox = data.get("shell_sandbox", "off")
+    try:  # (strict: a sandbox asked for and misspelt must not run commands unconfined)
+        check_sandbox_mode(shell_sandbox)
+    except ValueError as exc:
+        errors["shell_sandbox"] = f"config file {path}: {exc}"
+        shell_sandbox = "off"
     store = data.get("store")
     if store is not None and store_problem(store):
         errors["store"] = f"config file {path}: store {store_problem(store)}"
@@ -359,6 +378,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             subagents=switches.get("subagents", False),
             schedules=switches.get("schedules", False),
             fetch_allow=fetch_allow,
+            shell_sandbox=shell_sandbox,
             store=store,
             heartbeat=heartbeat,
             **limits,
@@ -424,6 +444,7 @@ def load_settings(
         subagents=file.subagents,
         schedules=file.schedules,
         fetch_allow=file.fetch_allow,
+        shell_sandbox=file.shell_sandbox,
         store=store_url,
         store_source=store_source,
         heartbeat=file.heartbeat,
@@ -546,6 +567,8 @@ def kernel_options(settings: Settings, progress: Callable[[str], None] | None = 
         options["schedule_tool"] = True
     if settings.fetch_allow:
         options["fetch_allow"] = settings.fetch_allow
+    if settings.shell_sandbox != "off":
+        options["shell_sandbox"] = settings.shell_sandbox
     options["heartbeat"] = settings.heartbeat
     if settings.approval_timeout is not None:
         options["approval_timeout"] = settings.approval_timeout

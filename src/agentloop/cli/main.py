@@ -213,7 +213,7 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: 
     model = open_settings_model(settings, progress)
     agent = Agent(
         model=model,
-        tools=builtin_tools(workspace, fetch_allow=settings.fetch_allow),
+        tools=builtin_tools(workspace, fetch_allow=settings.fetch_allow, shell_sandbox=settings.shell_sandbox),
         system_prompt=settings.system_prompt,
         workspace=workspace,
         **loop_options(settings, progress),

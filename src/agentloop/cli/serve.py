@@ -182,7 +182,10 @@ async def serve_async(
             if opts.max_inputs_per_minute is not None:
                 ctx.max_inputs_per_minute = opts.max_inputs_per_minute
             ctx.limit_spending(opts.account_budget)
-            tools = [*builtin_tools(opts.workspace, fetch_allow=settings.fetch_allow), *extra]
+            tools = [
+                *builtin_tools(opts.workspace, fetch_allow=settings.fetch_allow, shell_sandbox=settings.shell_sandbox),
+                *extra,
+            ]
 
             def agent_factory() -> Agent:
                 """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request,

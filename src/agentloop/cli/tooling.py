@@ -22,5 +22,6 @@ async def extra_tools(settings: Settings, workspace: Path) -> AsyncIterator[list
         if settings.codemode:
             from agentloop.tools.codemode import CodeMode
 
-            extra.append(CodeMode([*builtin_tools(workspace, fetch_allow=settings.fetch_allow), *mcp], cwd=workspace))
+            builtins = builtin_tools(workspace, fetch_allow=settings.fetch_allow, shell_sandbox=settings.shell_sandbox)
+            extra.append(CodeMode([*builtins, *mcp], cwd=workspace, sandbox=settings.shell_sandbox))
         yield extra

@@ -105,6 +105,7 @@ from agentloop.process.store import (
 from agentloop.process.store.base import QueueKind
 from agentloop.tools.base import ToolLike
 from agentloop.tools.builtin import builtin_tools
+from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 
 log = logging.getLogger("agentloop.kernel")
 
@@ -531,6 +532,7 @@ class Kernel:
         subagents: bool = False,
         schedule_tool: bool = False,
         fetch_allow: Iterable[str] = (),
+        shell_sandbox: str = "off",
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
@@ -561,6 +563,9 @@ class Kernel:
         it hands a task to another existing process of its owner; ``schedule_tool`` adds ``Schedule``
         (kernel/schedule_tool.py), with which a process sets its own reminders; ``fetch_allow``
         names the non-public hosts the built-in Fetch may reach (``["localhost", "10.0.0.0/8"]``);
+        ``shell_sandbox`` (``"off"``, ``"workspace"``, ``"workspace-offline"``) confines the built-in
+        Shell's commands with Landlock (``tools/sandbox.py``; a sandbox this machine cannot give is
+        logged once, and every command refused);
         ``toolset`` adapts them per process run;
         ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
@@ -593,6 +598,7 @@ class Kernel:
         ``TitleFn`` replaces the model, None makes none (a person may still set one).
         """
         check_titling(titles)
+        check_sandbox_mode(shell_sandbox)
         check_approval_timeout(approval_timeout)
         retry_plan = check_outage_retries(outage_retries)
         for name, fn in (("approval", approval), ("toolset", toolset)):
@@ -611,7 +617,11 @@ class Kernel:
             data_dir = Path(path).resolve().parent if path != ":memory:" else root  # noqa: ASYNC240
         data = Path(data_dir)
         builtin = tools is None
-        tools = [*(builtin_tools(root, fetch_allow=fetch_allow) if tools is None else tools), *extra_tools]
+        if tools is None:
+            tools = builtin_tools(root, fetch_allow=fetch_allow, shell_sandbox=shell_sandbox)
+        elif shell_sandbox != "off":  # (tools of the caller's own: theirs to confine)
+            raise ValueError("shell_sandbox is for the built-in tools: with tools=..., pass it to builtin_tools()")
+        tools = [*tools, *extra_tools]
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         off_limits = tuple(_kernel_files(store, data))
         agent.config.off_limits = off_limits  # (the Search tool walks around them)
@@ -632,7 +642,7 @@ class Kernel:
         if daily_memory:
             toolset = chain(memory_toolset(data), toolset)
         if builtin:
-            toolset = chain(cwd_toolset(root), toolset)
+            toolset = chain(cwd_toolset(root, shell_sandbox), toolset)
         if approval is None:
             approval = policy_approval(
                 store,

@@ -13,6 +13,7 @@ from typing import Any
 from agentloop.tools.base import Tool
 from agentloop.tools.fetch import fetch_tool
 from agentloop.tools.fs import delete_tool, edit_tool, read_tool, write_tool
+from agentloop.tools.sandbox import check_mode
 from agentloop.tools.search import search_tool
 from agentloop.tools.shell import shell_tool
 
@@ -45,24 +46,29 @@ def builtin_tools(
     codemode: bool = False,
     fetch: bool = True,
     fetch_allow: Iterable[str] = (),
+    shell_sandbox: str = "off",
 ) -> list[Tool]:
     """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``,
     and (unless ``fetch=False``) Fetch, which reaches public addresses and those ``fetch_allow``
     names (``["localhost", "10.0.0.0/8"]``; ``ValueError`` for an entry that is neither); with
     ``codemode=True`` also CodeMode (syscall ``codemode.exec``) over them. CodeMode is opt-in: its
-    program is arbitrary Python running as this user (see ``tools/codemode.py``).
+    program is arbitrary Python running as this user (see ``tools/codemode.py``). ``shell_sandbox``
+    (``"off"``, ``"workspace"``, ``"workspace-offline"``; ``ValueError`` for another) runs Shell's
+    commands and CodeMode's programs under Landlock, writable only inside the workspace
+    (``tools/sandbox.py``).
 
     The root is resolved again on every call, so it may be created or moved after this returns;
     a call made while it is missing is an error result, not an exception.
     """
+    check_mode(shell_sandbox)  # (also when Shell is left out: a typo is an error wherever it is)
     root = Path(workspace).expanduser().absolute()
     tools: list[Tool] = [read_tool(root), write_tool(root), edit_tool(root), delete_tool(root), search_tool(root)]
     if shell:
-        tools.append(shell_tool(root))
+        tools.append(shell_tool(root, sandbox=shell_sandbox))
     if fetch:
         tools.append(fetch_tool(allow=fetch_allow))
     if codemode:
         from agentloop.tools.codemode import CodeMode  # it imports this module: import late
 
-        tools.append(CodeMode(tools, cwd=root))
+        tools.append(CodeMode(tools, cwd=root, sandbox=shell_sandbox))
     return tools

@@ -26,7 +26,10 @@ does through the tool functions is confined (file tools keep their root) and app
 therefore exactly as powerful as an unclassified shell command, and the default policy asks a
 person before each ``codemode.exec`` call, showing the program. The subprocess gets a minimal
 environment (no API keys from this process's environment), which keeps secrets out of casual
-reach but is no sandbox.
+reach but is no sandbox. ``sandbox`` (the ``shell_sandbox`` setting: ``workspace``,
+``workspace-offline``) confines the program as it does Shell's commands (``tools/sandbox.py``):
+it may then write only beneath its working directory and its private ``$TMPDIR`` (and, offline,
+open no TCP connection); it is not run where that cannot be had.
 
 The subprocess runs in its own process group; a timeout, the runtime's per-tool timeout and an
 abort kill the group, so whatever the program started dies with it (as for Shell) - unless it
@@ -51,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.messages import FileContent, ImageContent, TextContent
+from agentloop.tools import sandbox as sandboxing
 from agentloop.tools.base import (
     ALLOW,
     NestedCheck,
@@ -65,6 +69,7 @@ from agentloop.tools.base import (
 )
 from agentloop.tools.builtin import SYSCALLS, syscall_of
 from agentloop.tools.codemode_runner import LINE_LIMIT, PROGRAM
+from agentloop.tools.paths import real_root
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
     KILL_GRACE,
@@ -75,6 +80,7 @@ from agentloop.tools.process_group import (
     pump,
     supervise,
 )
+from agentloop.tools.shell import private_tmp, refuse_unconfined
 
 log = logging.getLogger("agentloop.codemode")
 
@@ -277,7 +283,9 @@ class CodeMode(Tool):
         max_output: int = MAX_OUTPUT_CHARS,
         max_calls: int = MAX_CALLS,
         name: str = "CodeMode",
+        sandbox: str = "off",
     ) -> None:
+        self.sandbox = sandboxing.check_mode(sandbox)
         own: dict[str, Tool] = {}
         functions: dict[str, Function] = {}
         for tool in tools:
@@ -301,7 +309,13 @@ class CodeMode(Tool):
         # output printed so far; the runtime's per-tool limit (default 60 s) would cut a longer
         # one and lose it. So the runtime waits a little longer than the longest allowed program.
         runtime_limit = MAX_TIMEOUT + 2 * KILL_GRACE + 5
-        super().__init__(name, _description(functions.values(), max_output, max_calls), _SCHEMA, timeout=runtime_limit)
+        description = _description(functions.values(), max_output, max_calls)
+        if sandbox != "off":
+            description += (
+                "\nThe program itself runs in a sandbox: it can write files only inside the working directory and "
+                "$TMPDIR" + (" and cannot open TCP connections." if sandbox == "workspace-offline" else ".")
+            )
+        super().__init__(name, description, _SCHEMA, timeout=runtime_limit)
         self.syscall = SYSCALL
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -348,22 +362,34 @@ class _Execution:
         refusal = _compile_error(code)
         if refusal is not None:  # here, not in the runner: its exit code is the program's own to choose
             return ToolResult.text(f"{refusal}\n[the program could not be compiled; nothing ran]", is_error=True)
+        refuse_unconfined(self.mode.sandbox, "program")  # (a sandbox asked for and not to be had)
+        with private_tmp(self.mode.sandbox) as tmp:
+            return await self._run(code, limit, tmp)
+
+    async def _run(self, code: str, limit: float, tmp: str | None) -> ToolResult:
         functions = [f.spec() for f in self.mode.functions.values()]
         setup = json.dumps({"code": code, "functions": functions, "max_line": _LINE_LIMIT})
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         cwd = self.mode.cwd or self.ctx.workspace or Path.cwd()
-        env, mark = marked(_environment())
+        argv = [
+            sys.executable,
+            "-I",  # (which ignores every PYTHON* variable: UTF-8 is asked for with -X)
+            "-X",
+            "utf8",  # the program's text is UTF-8 whatever the server's locale, as its results are read
+            "-u",
+            str(RUNNER),
+            str(req_w),
+            str(resp_r),
+        ]
+        environment = _environment()
+        if tmp is not None:  # (the wrapper confines itself, then execs the runner: the channel's fds stay open)
+            environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
+            argv = sandboxing.wrapper_argv(self.mode.sandbox, [real_root(cwd), tmp], argv)
+        env, mark = marked(environment)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",  # (which ignores every PYTHON* variable: UTF-8 is asked for with -X)
-                "-X",
-                "utf8",  # the program's text is UTF-8 whatever the server's locale, as its results are read
-                "-u",
-                str(RUNNER),
-                str(req_w),
-                str(resp_r),
+                *argv,
                 cwd=cwd,
                 env=env,
                 stdin=asyncio.subprocess.PIPE,

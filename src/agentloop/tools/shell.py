@@ -22,17 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field
 
 from agentloop.messages import TextContent
+from agentloop.tools import sandbox as sandboxing
 from agentloop.tools.base import (
     BackgroundRefused,
     FunctionTool,
@@ -103,6 +107,56 @@ def command_environment() -> dict[str, str]:
 
 def _shell() -> str:
     return shutil.which("bash") or "/bin/sh"
+
+
+def refuse_unconfined(mode: str, what: str = "command") -> None:
+    """``ToolError`` when the sandbox ``mode`` cannot be had here: the ``what`` must not run unconfined."""
+    why = sandboxing.unavailable(mode)
+    if why is not None:
+        raise ToolError(
+            f"the {what} was not run: the Shell sandbox (shell_sandbox = {mode!r}) is not available on this "
+            f"machine: {why}"
+        )
+
+
+_warned: set[str] = set()
+
+
+def _warn_if_unavailable(mode: str) -> None:
+    """One warning per mode and runtime, when the tools are made, for a sandbox that cannot be had
+    (every command will then be refused)."""
+    why = sandboxing.unavailable(mode)
+    if why is not None and mode not in _warned:
+        _warned.add(mode)
+        log.warning("shell_sandbox = %r is not available (%s): every Shell command will be refused", mode, why)
+
+
+@contextlib.contextmanager
+def private_tmp(mode: str) -> Iterator[str | None]:
+    """A sandboxed command's own temporary directory (its ``$TMPDIR``, writable in the sandbox),
+    removed when the command ends; None without a sandbox."""
+    if mode == "off":
+        yield None
+        return
+    try:
+        path = tempfile.mkdtemp(prefix="agentloop-sandbox-")
+    except OSError as exc:
+        raise ToolError(f"not run: no temporary directory for the sandbox: {exc}") from None
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_DENIED = re.compile(r"Permission denied|Operation not permitted")
+
+
+def _sandbox_note(mode: str) -> str:
+    net = "; no TCP connections or listening" if mode == "workspace-offline" else ""
+    return (
+        f"[sandbox {mode}: commands may write only inside the workspace and $TMPDIR{net}; "
+        "a 'Permission denied' elsewhere comes from it]"
+    )
 
 
 def _status(code: int | None) -> str:
@@ -233,13 +287,18 @@ async def run_shell(
     started: GroupStarted | None = None,
     job: CommandJob | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    sandbox: str = "off",
 ) -> ToolResult:
     """``shell.exec``: run ``command`` with its output captured; the group dies with it.
     ``started`` is awaited with the group and its mark once the command runs (before it is
     waited for), by whoever must be able to find the group again should this runtime die.
     A background ``job`` gets a stdin pipe (no stdin otherwise), the process and the output as
     they come, and may be stopped early (``job.stop_requested``), as a timeout stops it.
-    ``progress`` (a ``ToolContext.update``) gets the output as it comes (``OutputStream``)."""
+    ``progress`` (a ``ToolContext.update``) gets the output as it comes (``OutputStream``).
+    With a ``sandbox`` mode other than ``off`` the command runs under Landlock (``tools/sandbox.py``),
+    writable only beneath the root and a private ``$TMPDIR``; where that cannot be had it is not
+    run (``ToolError``)."""
+    sandboxing.check_mode(sandbox)
     if not command.strip():
         raise ToolError("command is empty")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -250,39 +309,44 @@ async def run_shell(
     workdir = resolve_path(root, cwd or ".")
     if not workdir.is_dir():
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
-    env, mark = marked(command_environment())
-    proc = await asyncio.create_subprocess_exec(
-        _shell(),
-        "-c",
-        command,
-        cwd=workdir,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL if job is None else asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    streaming = OutputStream(progress) if progress is not None else None
-    capture = OutputCapture(max_output) if streaming is None else _StreamingCapture(max_output, streaming)
-    reader = asyncio.create_task(pump(proc.stdout, capture))
-    if job is not None:
-        job.attach(proc, capture)
-    try:
-        if started is not None:
-            await started(proc.pid, mark)  # (start_new_session: the shell leads the group)
-        outcome = await supervise(proc, reader, limit, None if job is None else job.stop_requested)
-        if outcome != "exited":
+    refuse_unconfined(sandbox)
+    with private_tmp(sandbox) as tmp:
+        environment = command_environment()
+        argv = [_shell(), "-c", command]
+        if tmp is not None:
+            environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
+            argv = sandboxing.wrapper_argv(sandbox, [base, tmp], argv)
+        env, mark = marked(environment)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=workdir,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL if job is None else asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        streaming = OutputStream(progress) if progress is not None else None
+        capture = OutputCapture(max_output) if streaming is None else _StreamingCapture(max_output, streaming)
+        reader = asyncio.create_task(pump(proc.stdout, capture))
+        if job is not None:
+            job.attach(proc, capture)
+        try:
+            if started is not None:
+                await started(proc.pid, mark)  # (start_new_session: the shell leads the group)
+            outcome = await supervise(proc, reader, limit, None if job is None else job.stop_requested)
+            if outcome != "exited":
+                await kill_group(proc, kill_grace, mark)
+                await asyncio.wait({reader}, timeout=DRAIN_GRACE)
+        except BaseException:
+            if streaming is not None:
+                streaming.cancel()
             await kill_group(proc, kill_grace, mark)
-            await asyncio.wait({reader}, timeout=DRAIN_GRACE)
-    except BaseException:
-        if streaming is not None:
-            streaming.cancel()
-        await kill_group(proc, kill_grace, mark)
-        raise
-    finally:
-        reader.cancel()
-        close_transport(proc)
+            raise
+        finally:
+            reader.cancel()
+            close_transport(proc)
     if streaming is not None:
         streaming.close()  # the last of the output goes out before the result
     output, truncated = capture.render()
@@ -290,6 +354,10 @@ async def run_shell(
     rel = display(base, workdir)
     details = {"exit_code": code, "timed_out": outcome == "timeout", "truncated": truncated, "cwd": rel}
     body = output.rstrip("\n") if output.strip() else "(no output)"
+    if sandbox != "off":
+        details["sandbox"] = sandbox
+        if code != 0 and _DENIED.search(output):
+            body = f"{body}\n{_sandbox_note(sandbox)}"
     if outcome == "timeout":
         note = f"[timed out after {limit:g} s; the command and its child processes were killed]"
         return ToolResult.text(f"{body}\n{note}", is_error=True, details=details)
@@ -302,7 +370,20 @@ async def run_shell(
     return ToolResult.text(f"{body}\n{note}", is_error=code != 0, details=details)
 
 
-def shell_tool(root: str | Path) -> FunctionTool:
+def shell_tool(root: str | Path, *, sandbox: str = "off") -> FunctionTool:
+    """The Shell tool, rooted at ``root``; ``sandbox`` (``tools/sandbox.py``: ``off``, ``workspace``,
+    ``workspace-offline``; ``ValueError`` for another) confines its commands, foreground and
+    background. A sandbox this machine cannot give is logged once here, and each command refused."""
+    sandboxing.check_mode(sandbox)
+    _warn_if_unavailable(sandbox)
+    confined = ""
+    if sandbox != "off":
+        confined = (
+            " Commands run in a sandbox: they can read everything but write only inside the workspace and $TMPDIR "
+            "(a private temporary directory, removed when the command ends)"
+            + ("; they cannot open TCP connections or listen." if sandbox == "workspace-offline" else ".")
+        )
+
     @tool(
         name="Shell",
         description=(
@@ -313,7 +394,7 @@ def shell_tool(root: str | Path) -> FunctionTool:
             "With background=true the call returns at once and the command's output and exit code come to "
             "you later as a system message (for long builds or test runs; conversations kept by a server only); "
             "it gets a job id, and the Jobs tool shows its status and output meanwhile, writes to its stdin or "
-            "stops it."
+            "stops it." + confined
         ),
     )
     async def shell(
@@ -334,17 +415,18 @@ def shell_tool(root: str | Path) -> FunctionTool:
         if not background:
             if timeout is not None and timeout > MAX_TIMEOUT:
                 raise ToolError(f"timeout is at most {MAX_TIMEOUT:g} s; a longer command can run with background=true")
-            return await run_shell(root, command, cwd, timeout, progress=ctx.update)
-        return start_in_background(ctx, root, command, cwd, timeout)
+            return await run_shell(root, command, cwd, timeout, progress=ctx.update, sandbox=sandbox)
+        return start_in_background(ctx, root, command, cwd, timeout, sandbox=sandbox)
 
     return shell
 
 
 def start_in_background(
-    ctx: ToolContext, root: str | Path, command: str, cwd: str, timeout: float | None
+    ctx: ToolContext, root: str | Path, command: str, cwd: str, timeout: float | None, *, sandbox: str = "off"
 ) -> ToolResult:
     """Hand ``command`` to the runtime (``ToolContext.background``), checked first as a foreground
-    one is, so a bad ``cwd`` is this call's error rather than a later message."""
+    one is, so a bad ``cwd`` (or a ``sandbox`` that cannot be had) is this call's error rather than a
+    later message."""
     if ctx.background is None:  # (in memory, or on a device)
         raise ToolError(
             "background=true needs a conversation the runtime keeps (agentloop chat or serve), not run on a "
@@ -354,13 +436,14 @@ def start_in_background(
         raise ToolError("command is empty")
     if not resolve_path(root, cwd or ".").is_dir():
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
+    refuse_unconfined(sandbox)
     limit = DEFAULT_BACKGROUND_TIMEOUT if timeout is None else timeout
     table = ctx.jobs if ctx.jobs is not None else JobRegistry().of("")  # (a runtime without Jobs)
     job = table.open(command)
     shown = job.shown
 
     async def work() -> str:
-        output = await run_job(root, command, cwd, limit, job)
+        output = await run_job(root, command, cwd, limit, job, sandbox=sandbox)
         return f"The background command `{shown}` (job {job.id}, call {ctx.tool_call_id}) has ended:\n{output}"
 
     try:
@@ -375,16 +458,19 @@ def start_in_background(
     )
 
 
-async def run_job(root: str | Path, command: str, cwd: str, limit: float, job: CommandJob) -> str:
-    """Run a background job's command to its end, keeping the job's summary; the output and how it
-    ended, as the model is told. A job stopped before its command started never starts it."""
+async def run_job(
+    root: str | Path, command: str, cwd: str, limit: float, job: CommandJob, *, sandbox: str = "off"
+) -> str:
+    """Run a background job's command to its end (under ``sandbox``, as ``run_shell``), keeping the
+    job's summary; the output and how it ended, as the model is told. A job stopped before its
+    command started never starts it."""
     if job.stop_requested.is_set():
         job.finish(None, "stopped on request before it started", stopped=True)
         return "(no output)\n[stopped on request before it started]"
     started = background_group.get()  # (run by the runtime, which set it)
     try:
         result = await run_shell(
-            root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT, started=started, job=job
+            root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT, started=started, job=job, sandbox=sandbox
         )
     except BaseException as exc:
         job.finish(None, f"failed to run ({type(exc).__name__})")

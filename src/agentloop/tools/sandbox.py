@@ -1,0 +1,256 @@
+"""The Shell sandbox (``shell_sandbox``): Linux Landlock, applied by the command's own process.
+
+A sandboxed command is not started as ``bash -c CMD`` but as this file run by the same interpreter
+(``python -I -S sandbox.py --write DIR … [--offline] -- bash -c CMD``): it restricts itself with
+Landlock (``landlock_create_ruleset``, ``landlock_add_rule``, ``prctl(PR_SET_NO_NEW_PRIVS)``,
+``landlock_restrict_self``) and then execs the shell. So nothing runs in the child between
+``fork`` and ``exec`` (no ``preexec_fn``, unsafe in a threaded runtime), the pid stays the shell's
+(the process group and its mark work as without a sandbox), and the restriction is inherited by
+everything the command starts; it cannot be lifted.
+
+The modes:
+
+- ``off`` (the default): no sandbox.
+- ``workspace``: the whole file system may be read and executed; it may be written (files created,
+  changed, truncated, renamed, removed) only beneath the directories given with ``--write`` (the
+  Shell's workspace root and the command's private ``$TMPDIR``) and in the devices in ``DEVICES``
+  (``/dev/null``, ``/dev/zero``, ``/dev/full``, ``/dev/tty``: what shells and ordinary tools open
+  for writing). Elsewhere the command gets the ordinary ``EACCES`` ("Permission denied"). With
+  Landlock ABI 6 or later the command may also not send signals to processes outside its sandbox
+  (the runtime, the user's other programs).
+- ``workspace-offline``: also no TCP ``connect`` or ``bind`` (ABI 4 or later) and, with ABI 6, no
+  connecting to abstract Unix sockets outside the sandbox.
+
+What is *not* confined: reading (any file this user may read, secrets included), UDP and other
+non-TCP protocols, connecting to Unix sockets that have a path (``/var/run/docker.sock``), ioctls,
+and every other system call; processes started before (a server the command talks to is not
+sandboxed). Setuid programs (``sudo``) cannot gain privileges (``no_new_privs``).
+
+Only the standard library is used: the wrapper runs with ``-I -S`` (no ``site``, no
+``agentloop`` package), to start in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import stat
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+__all__ = [
+    "DEVICES",
+    "MODES",
+    "check_mode",
+    "landlock_status",
+    "main",
+    "restrict",
+    "unavailable",
+    "wrapper_argv",
+]
+
+MODES = ("off", "workspace", "workspace-offline")
+#: written by shells and ordinary tools (``> /dev/null``); a missing one is skipped
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")
+#: the exit status of a sandboxed command that could not be confined (and so was not run)
+REFUSED_STATUS = 126
+
+# the Landlock UAPI (include/uapi/linux/landlock.h); the syscall numbers are the same on every
+# architecture (from the unified table)
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
+_CREATE_RULESET_VERSION = 1 << 0
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+
+_FS_EXECUTE = 1 << 0
+_FS_WRITE_FILE = 1 << 1
+_FS_READ_FILE = 1 << 2
+_FS_READ_DIR = 1 << 3
+_FS_REMOVE_DIR = 1 << 4
+_FS_REMOVE_FILE = 1 << 5
+_FS_MAKE_CHAR = 1 << 6
+_FS_MAKE_DIR = 1 << 7
+_FS_MAKE_REG = 1 << 8
+_FS_MAKE_SOCK = 1 << 9
+_FS_MAKE_FIFO = 1 << 10
+_FS_MAKE_BLOCK = 1 << 11
+_FS_MAKE_SYM = 1 << 12
+_FS_REFER = 1 << 13  # ABI 2: link or rename into another directory
+_FS_TRUNCATE = 1 << 14  # ABI 3
+# (ABI 5's LANDLOCK_ACCESS_FS_IOCTL_DEV is left unhandled: ioctls on devices stay as they are)
+_FS_V1 = (1 << 13) - 1
+_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE  # (what a non-directory rule may hold)
+_NET_BIND_TCP = 1 << 0  # ABI 4
+_NET_CONNECT_TCP = 1 << 1
+_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+_SCOPE_SIGNAL = 1 << 1
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # (``__attribute__((packed))``: 12 bytes)
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def check_mode(mode: object) -> str:
+    """``mode`` if it names a sandbox mode; ``ValueError`` saying which ones there are otherwise."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"shell_sandbox must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    return mode
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _syscall(libc: ctypes.CDLL, number: int, *args: int | ctypes.c_void_p) -> int:
+    fn = libc.syscall
+    fn.restype = ctypes.c_long
+    result = int(fn(ctypes.c_long(number), *(a if isinstance(a, ctypes.c_void_p) else ctypes.c_long(a) for a in args)))
+    if result < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return result
+
+
+@functools.cache
+def landlock_status() -> tuple[int, str]:
+    """This machine's Landlock ABI version (0: none) and, when there is none, why."""
+    if not sys.platform.startswith("linux"):
+        return 0, f"Landlock is a Linux feature and this system is {sys.platform}"
+    try:
+        abi = _syscall(_libc(), _SYS_CREATE_RULESET, ctypes.c_void_p(None), 0, _CREATE_RULESET_VERSION)
+    except OSError as exc:
+        if exc.errno == errno.ENOSYS:
+            return 0, "this kernel has no Landlock (it needs Linux 5.13 or later built with CONFIG_SECURITY_LANDLOCK)"
+        if exc.errno == errno.EOPNOTSUPP:
+            return 0, "Landlock is disabled in this kernel (add landlock to the lsm= boot parameter)"
+        return 0, f"the Landlock probe failed: {exc.strerror or exc}"
+    except (AttributeError, TypeError) as exc:  # (no libc ``syscall``)
+        return 0, f"the Landlock probe failed: {exc}"
+    return abi, ""
+
+
+def unavailable(mode: str) -> str | None:
+    """Why the sandbox ``mode`` cannot be had on this machine, or None (also for ``off``)."""
+    if check_mode(mode) == "off":
+        return None
+    abi, why = landlock_status()
+    if abi < 1:
+        return why or "Landlock is not available on this system"
+    if mode == "workspace-offline" and abi < 4:
+        return f"blocking the network needs Landlock ABI 4 (Linux 6.7) or later; this kernel has ABI {abi}"
+    return None
+
+
+def wrapper_argv(mode: str, writable: Sequence[str | os.PathLike[str]], argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``argv`` under the sandbox ``mode`` (not ``off``), writable beneath
+    ``writable``: this file, run by this interpreter, which confines itself and then execs ``argv``."""
+    if check_mode(mode) == "off":
+        raise ValueError("no wrapper for shell_sandbox 'off'")
+    here = os.path.abspath(__file__)
+    start = [sys.executable, "-I", "-S", here] if os.path.isfile(here) else [sys.executable, "-m", __name__]
+    options = [item for path in writable for item in ("--write", os.fspath(path))]
+    if mode == "workspace-offline":
+        options.append("--offline")
+    return [*start, *options, "--", *argv]
+
+
+def restrict(writable: Sequence[str], *, offline: bool = False, devices: Sequence[str] = DEVICES) -> int:
+    """Confine this process (and all it will start) for good: read and execute anywhere, write
+    beneath ``writable`` and into ``devices``, with ``offline`` no TCP. The ABI used; ``OSError`` or
+    ``RuntimeError`` when it cannot be done (then nothing may run: the caller must stop)."""
+    abi, why = landlock_status()
+    if abi < 1:
+        raise RuntimeError(why or "Landlock is not available")
+    handled = _FS_V1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    net = 0
+    if offline:
+        if abi < 4:
+            raise RuntimeError(f"blocking the network needs Landlock ABI 4 or later; this kernel has ABI {abi}")
+        net = _NET_BIND_TCP | _NET_CONNECT_TCP
+    scoped = (_SCOPE_SIGNAL | (_SCOPE_ABSTRACT_UNIX_SOCKET if offline else 0)) if abi >= 6 else 0
+    attr = _RulesetAttr(handled, net, scoped)
+    size = 8 if abi < 4 else (16 if abi < 6 else ctypes.sizeof(_RulesetAttr))
+    libc = _libc()
+    ruleset = _syscall(libc, _SYS_CREATE_RULESET, ctypes.c_void_p(ctypes.addressof(attr)), size, 0)
+    try:
+        _allow(libc, ruleset, "/", _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR, required=True)
+        for path in writable:
+            _allow(libc, ruleset, path, handled, required=True)
+        for device in devices:
+            _allow(libc, ruleset, device, (_FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE) & handled, required=False)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
+            raise OSError(ctypes.get_errno(), f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
+        _syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0)
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def _allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int, *, required: bool) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        if required:
+            raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
+        return
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            access &= _FILE_RIGHTS  # (the kernel refuses directory rights on a file)
+        rule = _PathBeneathAttr(access, fd)
+        try:
+            _syscall(libc, _SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.c_void_p(ctypes.addressof(rule)), 0)
+        except OSError as exc:
+            raise OSError(exc.errno, f"a Landlock rule for {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """``sandbox.py --write DIR … [--offline] -- PROGRAM ARGS…``: confine, then exec PROGRAM
+    (an absolute path). Exit 126 with the reason on stderr, PROGRAM not run, when confining fails."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    writable: list[str] = []
+    offline = False
+    while args and args[0] != "--":
+        option = args.pop(0)
+        if option == "--write" and args:
+            writable.append(args.pop(0))
+        elif option == "--offline":
+            offline = True
+        else:
+            _refuse(f"unknown option {option!r}")
+    if not args or len(args) < 2:
+        _refuse("usage: sandbox.py --write DIR ... [--offline] -- PROGRAM [ARGS...]")
+    program = args[1:]
+    try:
+        restrict(writable, offline=offline)
+    except (OSError, RuntimeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        _refuse(f"cannot confine the command ({why}); it was not run")
+    try:
+        os.execv(program[0], program)
+    except OSError as exc:
+        sys.stderr.write(f"agentloop sandbox: cannot run {program[0]}: {exc.strerror or exc}\n")
+        sys.stderr.flush()
+        os._exit(127)
+
+
+def _refuse(message: str) -> NoReturn:
+    sys.stderr.write(f"agentloop sandbox: {message}\n")
+    sys.stderr.flush()
+    os._exit(REFUSED_STATUS)
+
+
+if __name__ == "__main__":
+    main()
