@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from agentloop import Reply, call, tool
 from agentloop.kernel import Approval, Kernel
 from agentloop.messages import AssistantMessage, Message, ToolResultMessage, UserMessage
 from agentloop.models.base import ModelRequest
 
+gates: dict[str, asyncio.Event] = {}  # named gates ``gate_tool`` waits at (``closed_gates`` opens them)
 ran: list[str] = []  # what ``echo`` ran, in order (clear it at the start of a test that checks it)
 
 
@@ -77,3 +80,28 @@ def gated(gate: asyncio.Event) -> tuple[Any, Any, Callable[[ModelRequest], Reply
         return Approval("ask", ("destructive",), "rm", fingerprint="rm") if row.tool_name == "rm" else Approval("auto")
 
     return wait_gate, rm, brain, policy
+
+
+def gate(name: str) -> asyncio.Event:
+    return gates.setdefault(name, asyncio.Event())
+
+
+@tool(name="gate")
+async def gate_tool(name: str) -> str:
+    """Wait for the test."""
+    await gate(name).wait()
+    return f"opened {name}"
+
+
+@pytest.fixture(autouse=True)
+def closed_gates() -> Iterator[None]:
+    """Import it into a test module that uses ``gate_tool``: each test starts with no gates and
+    leaves none closed."""
+    gates.clear()
+    yield
+    for event in gates.values():
+        event.set()
+
+
+def last_user(request: ModelRequest) -> str:
+    return next(m.text for m in reversed(request.messages) if isinstance(m, UserMessage))

@@ -7,41 +7,22 @@ event; a restart delivers once; retirement never kills a process that was delega
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, UserMessage, call, tool
+from agentloop import Reply, ScriptedModel, SystemMessage, ToolResultMessage, UserMessage, call
 from agentloop.kernel import delegate, tasks
 from agentloop.models.base import ModelRequest
-from tests.process_support import kernel
-
-gates: dict[str, asyncio.Event] = {}
-
-
-def _gate(name: str) -> asyncio.Event:
-    return gates.setdefault(name, asyncio.Event())
-
-
-@tool(name="gate")
-async def gate_tool(name: str) -> str:
-    """Wait for the test."""
-    await _gate(name).wait()
-    return f"opened {name}"
-
-
-@pytest.fixture(autouse=True)
-def _closed_gates() -> Iterator[None]:
-    gates.clear()
-    yield
-    for event in gates.values():
-        event.set()
-
-
-def _last_user(request: ModelRequest) -> str:
-    return next(m.text for m in reversed(request.messages) if isinstance(m, UserMessage))
+from tests.process_support import (
+    closed_gates,  # noqa: F401  (the autouse fixture: no gate left closed)
+    gate,
+    gate_tool,
+    kernel,
+    last_user,
+)
 
 
 def brain(request: ModelRequest) -> Reply | str:
@@ -50,7 +31,7 @@ def brain(request: ModelRequest) -> Reply | str:
     ``busy <name>`` waits at a gate and answers ``busy done``; ``task: X`` starts a subagent, which
     answers ``done: X``."""
     last = request.messages[-1]
-    asked = _last_user(request)
+    asked = last_user(request)
     if asked.startswith("Delegated task from process"):
         task = asked.split("\n\n")[1]
         if isinstance(last, UserMessage) and task.startswith("gate "):
@@ -100,7 +81,7 @@ async def _delegated(proc: Any) -> list[str]:
     return [m.text for m in await proc.messages() if m.text.startswith("Delegated task from process")]
 
 
-async def _at_gate(proc: Any) -> bool:
+async def _atgate(proc: Any) -> bool:
     history = await proc.history()
     return (await proc.info()).current_run is not None and any(
         getattr(m.message, "tool_calls", None) for m in history[-2:]
@@ -150,11 +131,11 @@ async def test_a_busy_target_queues_the_task_and_the_answer_is_of_the_delegated_
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await target.send("busy b1")
-        await _until(lambda: _at_gate(target))
+        await _until(lambda: _atgate(target))
         await source.send(f"delegate {target.pid} wait -: plain")
         await _until(lambda: _queued(target))
         assert (await source.info()).current_run is not None  # waiting for the delegated run
-        _gate("b1").set()
+        gate("b1").set()
         await source.wait_idle()
         await target.wait_idle()
         results = await _results(source)
@@ -176,7 +157,7 @@ async def test_without_waiting_the_answer_arrives_as_a_system_event(tmp_path):
         await source.wait_idle()
         assert (await _results(source))[0].startswith(f"Delegated to process {target.pid}")
         assert await _told(source) == []
-        _gate("g1").set()
+        gate("g1").set()
         await _until(lambda: _has_told(source))
         await source.wait_idle()
         told = await _told(source)
@@ -204,8 +185,8 @@ async def test_a_reply_for_an_aborted_source_run_is_still_delivered_and_the_targ
         await source.abort()  # the source's run: not the target's delegated runs
         await source.wait_idle()
         assert (await target.info()).current_run is not None
-        _gate("g5").set()
-        _gate("g6").set()
+        gate("g5").set()
+        gate("g6").set()
         await _until(lambda: _has_told(source))
         await target.wait_idle()
         await source.wait_idle()
@@ -223,7 +204,7 @@ async def test_a_timeout_is_an_error_and_leaves_the_target_working(tmp_path):
         await source.wait_idle()
         results = await _results(source)
         still = (await target.info()).current_run
-        _gate("g2").set()
+        gate("g2").set()
         await target.wait_idle()
         await asyncio.sleep(0.1)
         await source.wait_idle()
@@ -240,8 +221,8 @@ async def test_a_restart_while_the_target_works_delivers_once_and_the_source_get
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await source.send(f"delegate {target.pid} wait -: gate g3")
-        await _until(lambda: _at_gate(target))
-    _gate("g3").set()
+        await _until(lambda: _atgate(target))
+    gate("g3").set()
     async with _kernel(tmp_path) as k:
         source, target = await k.process(source.pid), await k.process(target.pid)
         await _until(lambda: _answered(source))
@@ -293,7 +274,7 @@ async def test_no_reply_to_a_killed_source(tmp_path):
         await source.send(f"delegate {target.pid} nowait -: gate g4")
         await source.wait_idle()
         await source.kill(archive=False)
-        _gate("g4").set()
+        gate("g4").set()
         await target.wait_idle()
         replies = delegate.replies_of(k)
         assert replies is not None
@@ -311,7 +292,7 @@ async def test_no_reply_to_a_source_reset_since(tmp_path):
         await source.send(f"delegate {target.pid} nowait -: gate g7")
         await source.wait_idle()
         await source.reset()
-        _gate("g7").set()
+        gate("g7").set()
         await target.wait_idle()
         replies = delegate.replies_of(k)
         assert replies is not None
@@ -331,7 +312,7 @@ async def test_a_queued_task_dropped_before_its_turn_is_an_error_at_once_for_a_w
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await target.send("busy b9")
-        await _until(lambda: _at_gate(target))
+        await _until(lambda: _atgate(target))
         await source.send(f"delegate {target.pid} wait 60: plain")
         await _until(lambda: _queued(target))
         if how == "withdraw":
@@ -341,7 +322,7 @@ async def test_a_queued_task_dropped_before_its_turn_is_an_error_at_once_for_a_w
         async with asyncio.timeout(5):
             await source.wait_idle()
         [result] = await _results(source)
-        _gate("b9").set()
+        gate("b9").set()
         await target.wait_idle()
     assert "did not run the task" in result and target.pid in result
     assert "timeout" not in result and "did not answer" not in result
@@ -352,7 +333,7 @@ async def test_a_queued_task_dropped_before_its_turn_is_reported_to_a_caller_tha
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await target.send("busy b10")
-        await _until(lambda: _at_gate(target))
+        await _until(lambda: _atgate(target))
         await source.send(f"delegate {target.pid} nowait -: plain")
         await source.wait_idle()
         await _until(lambda: _queued(target))
@@ -361,7 +342,7 @@ async def test_a_queued_task_dropped_before_its_turn_is_reported_to_a_caller_tha
         await source.wait_idle()
         told = await _told(source)
         owed = await k.store.kv_get(target.pid, delegate.DELEGATIONS_KEY)
-        _gate("b10").set()
+        gate("b10").set()
         await target.wait_idle()
         await asyncio.sleep(0.1)
         assert await _told(source) == told  # once

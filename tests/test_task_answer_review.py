@@ -8,48 +8,29 @@ restart, which found the child's later runs over."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentloop import Reply, ScriptedModel, ToolResultMessage, UserMessage, call, tool
+from agentloop import Reply, ScriptedModel, ToolResultMessage, UserMessage, call
 from agentloop.models.base import ModelRequest
 from agentloop.tools.base import ToolContext
-from tests.process_support import kernel
-
-gates: dict[str, asyncio.Event] = {}
-
-
-def _gate(name: str) -> asyncio.Event:
-    return gates.setdefault(name, asyncio.Event())
-
-
-@tool(name="gate")
-async def gate_tool(name: str) -> str:
-    """Wait for the test."""
-    await _gate(name).wait()
-    return f"opened {name}"
-
-
-@pytest.fixture(autouse=True)
-def _closed_gates() -> Iterator[None]:
-    gates.clear()
-    yield
-    for event in gates.values():
-        event.set()
-
-
-def _last_user(request: ModelRequest) -> str:
-    return next(m.text for m in reversed(request.messages) if isinstance(m, UserMessage))
+from tests.process_support import (
+    closed_gates,  # noqa: F401  (the autouse fixture: no gate left closed)
+    gate,
+    gate_tool,
+    kernel,
+    last_user,
+)
 
 
 def brain(request: ModelRequest) -> Reply | str:
     """``task: X`` starts a subagent on ``job X``, which answers ``done: X`` (after waiting at the
     gate ``g`` for ``job gate g``); ``delegate <pid>: X`` delegates X without waiting; a delegated
     task is answered ``did: X``; any other input ``re: <input>``."""
-    last, asked = request.messages[-1], _last_user(request)
+    last, asked = request.messages[-1], last_user(request)
     if asked.startswith("Delegated task from process"):
         return f"did: {asked.split(chr(10) * 2)[1]}"
     if asked.startswith("job "):
@@ -81,7 +62,7 @@ async def _results(proc: Any) -> list[str]:
     return [m.text for m in await proc.messages() if isinstance(m, ToolResultMessage)]
 
 
-async def _child_at_gate(k: Any, parent_pid: str) -> Any:
+async def _child_atgate(k: Any, parent_pid: str) -> Any:
     """The parent's one child, once its Task run waits at its gate."""
 
     async def there() -> bool:
@@ -104,7 +85,7 @@ async def test_a_waiting_task_gets_the_answer_of_its_own_run_in_the_child(tmp_pa
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")
         await parent.send("task: gate g1")
-        child = await _child_at_gate(k, parent.pid)
+        child = await _child_atgate(k, parent.pid)
         if other == "delegate":
             source = await k.spawn(owner="alice")
             await source.send(f"delegate {child.pid}: extra")
@@ -113,7 +94,7 @@ async def test_a_waiting_task_gets_the_answer_of_its_own_run_in_the_child(tmp_pa
         else:
             await child.send("extra", mode=other)
         assert await child.queued()  # behind the Task's run (a steer: for it)
-        _gate("g1").set()
+        gate("g1").set()
         async with asyncio.timeout(10):
             await parent.wait_idle()
             await child.wait_idle()
@@ -133,14 +114,14 @@ async def test_a_waiting_task_does_not_wait_for_the_runs_queued_after_its_own(tm
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")
         await parent.send("task: gate g1")
-        child = await _child_at_gate(k, parent.pid)
+        child = await _child_atgate(k, parent.pid)
         await child.send("job gate g2", mode="queue")  # a run of the child's that waits at g2
-        _gate("g1").set()
+        gate("g1").set()
         async with asyncio.timeout(5):
             await parent.wait_idle()
         results = await _results(parent)
         still = (await child.info()).current_run
-        _gate("g2").set()
+        gate("g2").set()
         await child.wait_idle()
     assert results == ["done: gate g1"]
     assert still is not None  # the child's next run went on (not aborted with the call)
@@ -177,12 +158,12 @@ async def test_a_task_waiting_over_a_restart_gets_the_answer_of_its_own_run(tmp_
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")
         await parent.send("task: gate g1")
-        child = await _child_at_gate(k, parent.pid)
+        child = await _child_atgate(k, parent.pid)
         source = await k.spawn(owner="alice")
         await source.send(f"delegate {child.pid}: extra")
         await source.wait_idle()
         assert await child.queued()
-    _gate("g1").set()
+    gate("g1").set()
     async with _kernel(tmp_path) as k:
         parent, child = await k.process(parent.pid), await k.process(child.pid)
 
