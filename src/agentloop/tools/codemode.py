@@ -69,7 +69,6 @@ from agentloop.tools.base import (
 )
 from agentloop.tools.builtin import SYSCALLS, syscall_of
 from agentloop.tools.codemode_runner import LINE_LIMIT, PROGRAM
-from agentloop.tools.paths import real_root
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
     KILL_GRACE,
@@ -80,7 +79,7 @@ from agentloop.tools.process_group import (
     pump,
     supervise,
 )
-from agentloop.tools.shell import private_tmp, refuse_unconfined
+from agentloop.tools.shell import confined_argv, private_tmp, refuse_unconfined, sandbox_root
 
 log = logging.getLogger("agentloop.codemode")
 
@@ -385,7 +384,7 @@ class _Execution:
         environment = _environment()
         if tmp is not None:  # (the wrapper confines itself, then execs the runner: the channel's fds stay open)
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
-            argv = sandboxing.wrapper_argv(self.mode.sandbox, [real_root(cwd), tmp], argv)
+            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program")
         env, mark = marked(environment)
         try:
             proc = await asyncio.create_subprocess_exec(

@@ -1,7 +1,7 @@
 """The Shell sandbox (``shell_sandbox``): Linux Landlock, applied by the command's own process.
 
 A sandboxed command is not started as ``bash -c CMD`` but as this file run by the same interpreter
-(``python -I -S sandbox.py --write DIR … [--offline] -- bash -c CMD``): it restricts itself with
+(``python -I -S -c <this file> --write DIR … [--offline] -- bash -c CMD``): it restricts itself with
 Landlock (``landlock_create_ruleset``, ``landlock_add_rule``, ``prctl(PR_SET_NO_NEW_PRIVS)``,
 ``landlock_restrict_self``) and then execs the shell. So nothing runs in the child between
 ``fork`` and ``exec`` (no ``preexec_fn``, unsafe in a threaded runtime), the pid stays the shell's
@@ -19,7 +19,14 @@ The modes:
   Landlock ABI 6 or later the command may also not send signals to processes outside its sandbox
   (the runtime, the user's other programs).
 - ``workspace-offline``: also no TCP ``connect`` or ``bind`` (ABI 4 or later) and, with ABI 6, no
-  connecting to abstract Unix sockets outside the sandbox.
+  connecting to abstract Unix sockets outside the sandbox; a seccomp filter (x86-64, ARM64) refuses
+  the TCP Landlock does not see (``_offline_filter``: Multipath TCP and SMC sockets, TCP Fast Open,
+  io_uring). A ``listen`` without ``bind`` still gets a port (the kernel's choice).
+
+The wrapper is run from this file's text as the runtime imported it (``-c``), on the real (base)
+interpreter, which must not lie beneath a writable directory (``Unconfinable``): what runs before
+the command is confined cannot be changed by an earlier command. A writable directory must be given
+by its real path (the wrapper refuses one reached through a symlink, which a command could swap in).
 
 What is *not* confined: reading (any file this user may read, secrets included), UDP and other
 non-TCP protocols, connecting to Unix sockets that have a path (``/var/run/docker.sock``), ioctls,
@@ -44,6 +51,7 @@ from typing import NoReturn
 __all__ = [
     "DEVICES",
     "MODES",
+    "Unconfinable",
     "check_mode",
     "landlock_status",
     "main",
@@ -87,6 +95,97 @@ _NET_BIND_TCP = 1 << 0  # ABI 4
 _NET_CONNECT_TCP = 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 _SCOPE_SIGNAL = 1 << 1
+
+
+# ``workspace-offline``'s seccomp filter: the TCP that Landlock's connect rule does not see. Multipath
+# TCP (``IPPROTO_MPTCP``) and SMC sockets are not TCP to Landlock, yet reach any TCP server; a
+# ``sendto``/``sendmsg`` with ``MSG_FASTOPEN`` connects a TCP socket without ``connect``; io_uring
+# makes sockets and sends outside the system calls a filter sees. Per architecture: (audit arch,
+# socket, sendto, sendmsg, sendmmsg, io_uring_setup, x32 bit)
+_SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, 41, 44, 46, 307, 425, 0x40000000),
+    "aarch64": (0xC00000B7, 198, 206, 211, 269, 425, 0),
+}
+_AF_INET, _AF_INET6, _AF_SMC = 2, 10, 43
+_IPPROTO_SMC, _IPPROTO_MPTCP = 256, 262
+_MSG_FASTOPEN = 0x20000000
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+_Row = tuple[int, "int | str", "int | str", int]
+
+
+def _offline_filter(machine: str) -> list[tuple[int, int, int, int]]:
+    """The seccomp program (``struct sock_filter`` rows) that refuses, with ``EACCES``, the TCP
+    Landlock lets through (``_SECCOMP_ARCH``); ``RuntimeError`` for an architecture it does not know."""
+    if machine not in _SECCOMP_ARCH:
+        raise RuntimeError(f"blocking the network needs a seccomp filter this sandbox has none for on {machine}")
+    arch, socket_nr, sendto, sendmsg, sendmmsg, io_uring_setup, x32 = _SECCOMP_ARCH[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # (BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K)
+
+    def arg(n: int) -> int:  # (the low 32 bits of argument n: the kernel takes these as 32-bit ints)
+        return 16 + 8 * n
+
+    program: list[_Row | str] = [  # (a string: a label; a jump names the label it goes to, 0: the next row)
+        (ld, 0, 0, 4),  # the architecture: another ABI's calls (32-bit compat), numbered otherwise, are refused
+        (jeq, 0, "deny", arch),
+        (ld, 0, 0, 0),  # the call
+        *([(jge, "deny", 0, x32)] if x32 else []),
+        (jeq, "socket", 0, socket_nr),
+        (jeq, "flags3", 0, sendto),
+        (jeq, "flags3", 0, sendmmsg),
+        (jeq, "flags2", 0, sendmsg),
+        (jeq, "deny", "allow", io_uring_setup),
+        "socket",  # socket(domain, type, protocol)
+        (ld, 0, 0, arg(0)),
+        (jeq, "deny", 0, _AF_SMC),
+        (jeq, "protocol", 0, _AF_INET),
+        (jeq, "protocol", "allow", _AF_INET6),
+        "protocol",
+        (ld, 0, 0, arg(2)),
+        (jeq, "deny", 0, _IPPROTO_MPTCP),
+        (jeq, "deny", "allow", _IPPROTO_SMC),
+        "flags3",  # sendto(fd, buf, len, flags, …), sendmmsg(fd, msgs, n, flags)
+        (ld, 0, 0, arg(3)),
+        (jset, "deny", "allow", _MSG_FASTOPEN),
+        "flags2",  # sendmsg(fd, msg, flags)
+        (ld, 0, 0, arg(2)),
+        (jset, "deny", "allow", _MSG_FASTOPEN),
+        "deny",
+        (ret, 0, 0, _SECCOMP_RET_ERRNO | errno.EACCES),
+        "allow",
+        (ret, 0, 0, _SECCOMP_RET_ALLOW),
+    ]
+    labels: dict[str, int] = {}
+    rows: list[_Row] = []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(rows)
+        else:
+            rows.append(item)
+
+    def offset(target: int | str, at: int) -> int:
+        return target if isinstance(target, int) else labels[target] - at - 1
+
+    return [(code, offset(jt, i), offset(jf, i), k) for i, (code, jt, jf, k) in enumerate(rows)]
+
+
+def _filter_offline(libc: ctypes.CDLL) -> None:
+    """Install ``_offline_filter`` (after ``no_new_privs``); ``OSError`` or ``RuntimeError``."""
+    rows = _offline_filter(os.uname().machine)
+    program = (_SockFilter * len(rows))(*(_SockFilter(*row) for row in rows))
+    fprog = _SockFprog(len(rows), program)
+    if libc.prctl(_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0):
+        raise OSError(ctypes.get_errno(), f"prctl(PR_SET_SECCOMP): {os.strerror(ctypes.get_errno())}")
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -149,17 +248,63 @@ def unavailable(mode: str) -> str | None:
         return why or "Landlock is not available on this system"
     if mode == "workspace-offline" and abi < 4:
         return f"blocking the network needs Landlock ABI 4 (Linux 6.7) or later; this kernel has ABI {abi}"
+    if mode == "workspace-offline" and os.uname().machine not in _SECCOMP_ARCH:
+        return f"blocking the network is not supported on {os.uname().machine} (only on {', '.join(_SECCOMP_ARCH)})"
     return None
+
+
+class Unconfinable(RuntimeError):
+    """What runs before the command is confined (the interpreter, its standard library) could be
+    changed by a command: it lies beneath a directory the sandbox lets commands write."""
+
+
+def _own_source() -> str | None:
+    try:
+        with open(__file__, encoding="utf-8") as file:
+            return file.read()
+    except (NameError, OSError):  # (run with -c: the wrapper itself; or no file to read)
+        return None
+
+
+#: this file as the runtime imported it: the wrapper is run from this text (``-c``), not from the
+#: file, which may lie in a workspace (an editable install) where a command could change it
+_SOURCE = _own_source() if __name__ != "__main__" else None
+
+
+@functools.cache
+def _interpreter() -> tuple[str, tuple[str, ...]]:
+    """The interpreter the wrapper runs on (a virtual environment's base one: the wrapper needs only
+    the standard library) and what it loads before the command is confined, as real paths."""
+    import sysconfig  # (here, not at the top: the wrapper itself never needs it)
+
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    paths = sysconfig.get_paths()
+    loaded = {executable, paths["stdlib"], paths["platstdlib"], sysconfig.get_config_var("LIBDIR") or ""}
+    return executable, tuple(os.path.realpath(p) for p in sorted(loaded) if p)
+
+
+def _beneath(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
 
 
 def wrapper_argv(mode: str, writable: Sequence[str | os.PathLike[str]], argv: Sequence[str]) -> list[str]:
     """The command line that runs ``argv`` under the sandbox ``mode`` (not ``off``), writable beneath
-    ``writable``: this file, run by this interpreter, which confines itself and then execs ``argv``."""
+    ``writable``: this file's text as the runtime read it, run by this interpreter (``-I -S -c``),
+    which confines itself and then execs ``argv``. ``Unconfinable`` when the interpreter or its
+    standard library lies beneath a writable directory: a command could change what the next one is
+    confined by."""
     if check_mode(mode) == "off":
         raise ValueError("no wrapper for shell_sandbox 'off'")
-    here = os.path.abspath(__file__)
-    start = [sys.executable, "-I", "-S", here] if os.path.isfile(here) else [sys.executable, "-m", __name__]
-    options = [item for path in writable for item in ("--write", os.fspath(path))]
+    executable, loaded = _interpreter()
+    for directory in (os.path.realpath(path) for path in writable):
+        exposed = next((path for path in loaded if _beneath(path, directory)), None)
+        if exposed is not None:
+            raise Unconfinable(
+                f"the sandbox cannot be set up: {exposed} (the Python that confines each command) lies beneath "
+                f"{directory}, which commands may write; run the runtime on a Python installed outside the workspace"
+            )
+    start = [executable, "-I", "-S", "-c", _SOURCE] if _SOURCE is not None else [sys.executable, "-m", __name__]
+    options = [item for path in writable for item in ("--write", os.path.abspath(path))]
     if mode == "workspace-offline":
         options.append("--offline")
     return [*start, *options, "--", *argv]
@@ -191,6 +336,8 @@ def restrict(writable: Sequence[str], *, offline: bool = False, devices: Sequenc
             _allow(libc, ruleset, device, (_FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE) & handled, required=False)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
             raise OSError(ctypes.get_errno(), f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
+        if offline:
+            _filter_offline(libc)
         _syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0)
     finally:
         os.close(ruleset)
@@ -205,6 +352,8 @@ def _allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int, *, required:
             raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
         return
     try:
+        if required and os.readlink(f"/proc/self/fd/{fd}") != path:  # (a symlink: swapped in by a command?)
+            raise OSError(errno.ELOOP, f"{path} is reached through a symlink (to {os.readlink(f'/proc/self/fd/{fd}')})")
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             access &= _FILE_RIGHTS  # (the kernel refuses directory rights on a file)
         rule = _PathBeneathAttr(access, fd)

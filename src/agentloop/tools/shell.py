@@ -29,7 +29,7 @@ import re
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -119,6 +119,17 @@ def refuse_unconfined(mode: str, what: str = "command") -> None:
         )
 
 
+def confined_argv(
+    mode: str, writable: Sequence[str | os.PathLike[str]], argv: Sequence[str], what: str = "command"
+) -> list[str]:
+    """``argv`` under the sandbox ``mode`` (``sandbox.wrapper_argv``); ``ToolError`` when it cannot be
+    confined safely here (the interpreter that confines it lies where commands may write)."""
+    try:
+        return sandboxing.wrapper_argv(mode, writable, argv)
+    except sandboxing.Unconfinable as exc:
+        raise ToolError(f"the {what} was not run: {exc}") from None
+
+
 _warned: set[str] = set()
 
 
@@ -131,6 +142,19 @@ def _warn_if_unavailable(mode: str) -> None:
         log.warning("shell_sandbox = %r is not available (%s): every Shell command will be refused", mode, why)
 
 
+def sandbox_root(root: str | Path) -> Path:
+    """The real path of a sandboxed command's workspace ``root``, which must be that path itself: a
+    root reached through a symlink is refused (``ToolError``), as a command confined to a directory
+    above it could have swapped that symlink in to widen what the next command may write."""
+    base = real_root(root)
+    if base != Path(os.path.abspath(os.path.expanduser(root))):
+        raise ToolError(
+            f"not run: the workspace {str(root)!r} is reached through a symlink (to {str(base)!r}); "
+            "the Shell sandbox needs a workspace given by its real path"
+        )
+    return base
+
+
 @contextlib.contextmanager
 def private_tmp(mode: str) -> Iterator[str | None]:
     """A sandboxed command's own temporary directory (its ``$TMPDIR``, writable in the sandbox),
@@ -139,7 +163,7 @@ def private_tmp(mode: str) -> Iterator[str | None]:
         yield None
         return
     try:
-        path = tempfile.mkdtemp(prefix="agentloop-sandbox-")
+        path = os.path.realpath(tempfile.mkdtemp(prefix="agentloop-sandbox-"))  # (the wrapper wants real paths)
     except OSError as exc:
         raise ToolError(f"not run: no temporary directory for the sandbox: {exc}") from None
     try:
@@ -315,7 +339,7 @@ async def run_shell(
         argv = [_shell(), "-c", command]
         if tmp is not None:
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
-            argv = sandboxing.wrapper_argv(sandbox, [base, tmp], argv)
+            argv = confined_argv(sandbox, [sandbox_root(root), tmp], argv)
         env, mark = marked(environment)
         proc = await asyncio.create_subprocess_exec(
             *argv,
