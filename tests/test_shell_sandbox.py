@@ -356,22 +356,46 @@ async def test_without_landlock_a_kernel_warns_once_and_refuses(
             return Reply(tool_calls=[call("Shell", command="touch ran")])
         return "done"
 
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, logger="agentloop.tools.shell"):
         async with Kernel.open(
             f"sqlite:///{tmp_path}/k.db",
             model=ScriptedModel(brain),
-            workspace=tmp_path,
+            workspace=ws,
             approval=approve_everything,
             shell_sandbox="workspace-offline",
         ) as k:
             proc = await k.spawn(owner="a", text="go")
             await proc.wait_idle()
             [result] = [m for m in await proc.messages() if m.role == "toolResult"]
-            other = await k.spawn(owner="a", text="go", cwd=tmp_path / "..")  # (its own Shell: no new warning)
+            other = await k.spawn(owner="a", text="go", cwd="sub")  # (its own Shell: no new warning)
             await other.wait_idle()
     assert len(caplog.records) == 1 and "workspace-offline" in caplog.records[0].getMessage()
     assert "the command was not run" in result.text and "Landlock is disabled for this test" in result.text
-    assert not (tmp_path / "ran").exists() and not (tmp_path.parent / "ran").exists()
+    assert not (ws / "ran").exists() and not (ws / "sub" / "ran").exists()
+
+
+async def test_the_kernels_data_may_not_lie_where_sandboxed_commands_write(tmp_path: Path) -> None:
+    """A command could rewrite the database, an account's policy or its MCP servers (which the
+    runtime starts unconfined): with a sandbox the kernel's data lies outside the workspace, and
+    outside a process's own cwd."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    with pytest.raises(ValueError, match="shell_sandbox needs the kernel's data outside"):
+        async with Kernel.open(f"sqlite:///{ws}/k.db", workspace=ws, shell_sandbox="workspace"):
+            pass
+    with pytest.raises(ValueError, match="shell_sandbox needs the kernel's data outside"):
+        async with Kernel.open("sqlite:///:memory:", workspace=ws, shell_sandbox="workspace"):
+            pass
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/k.db", model=ScriptedModel(["ok"]), workspace=ws, shell_sandbox="workspace"
+    ) as k:
+        with pytest.raises(ValueError, match="lies in it"):
+            await k.spawn(owner="a", cwd=tmp_path)
+        assert [p.cwd for p in await k.processes()] == []
+    async with Kernel.open(f"sqlite:///{ws}/k.db", workspace=ws):  # (no sandbox: as before)
+        pass
 
 
 async def test_offline_needs_abi_4(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:

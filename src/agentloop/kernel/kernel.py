@@ -124,6 +124,18 @@ def _kernel_files(store: Store, data: Path) -> list[Path]:
     return files
 
 
+def _check_outside(root: Path, kernel_files: Iterable[Path]) -> None:
+    """A sandboxed Shell may write anywhere beneath ``root``: the kernel's own files (its database,
+    the accounts' policies and MCP servers) must lie elsewhere, or a command could rewrite what
+    the runtime trusts and so leave the sandbox (``ValueError`` saying so)."""
+    for path in kernel_files:
+        if path.resolve().is_relative_to(root):
+            raise ValueError(
+                f"shell_sandbox needs the kernel's data outside {root}, where sandboxed commands may write,"
+                f" but {path} lies in it: a command could rewrite it (keep the store and data_dir elsewhere)"
+            )
+
+
 def _check_run_id(run_id: object) -> None:
     """A caller's run id names a run in a column of its own: a non-empty string of plain text."""
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
@@ -518,6 +530,7 @@ class Kernel:
         engine.aborted = self._run_aborted
         self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
         self._closing = False  # (no new background work once closing has begun)
+        self.shell_sandbox = "off"  # (``open``'s: a sandboxed process may not work where the kernel's data is)
 
     @classmethod
     @asynccontextmanager
@@ -624,6 +637,8 @@ class Kernel:
         tools = [*tools, *extra_tools]
         agent = Agent(model=model, tools=tools, system_prompt=system_prompt, workspace=root, **agent_options)
         off_limits = tuple(_kernel_files(store, data))
+        if shell_sandbox != "off":
+            _check_outside(root, off_limits)
         agent.config.off_limits = off_limits  # (the Search tool walks around them)
         media = MediaStore(data)
         if toolset is None and devices is not None:
@@ -696,6 +711,7 @@ class Kernel:
         except BaseException:
             await store.close()
             raise
+        kernel.shell_sandbox = shell_sandbox
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
         asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)
@@ -798,6 +814,8 @@ class Kernel:
                 found = False
             if not found:
                 raise ValueError(f"cwd {str(cwd)!r} is not a directory")
+            if self.shell_sandbox != "off":  # (its Shell may write anywhere beneath it)
+                _check_outside(where, self.off_limits)
         record = ProcessRecord(
             pid=pid or new_id(),
             owner=owner,
