@@ -81,7 +81,7 @@ async def _delegated(proc: Any) -> list[str]:
     return [m.text for m in await proc.messages() if m.text.startswith("Delegated task from process")]
 
 
-async def _atgate(proc: Any) -> bool:
+async def _at_gate(proc: Any) -> bool:
     history = await proc.history()
     return (await proc.info()).current_run is not None and any(
         getattr(m.message, "tool_calls", None) for m in history[-2:]
@@ -131,7 +131,7 @@ async def test_a_busy_target_queues_the_task_and_the_answer_is_of_the_delegated_
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await target.send("busy b1")
-        await _until(lambda: _atgate(target))
+        await _until(lambda: _at_gate(target))
         await source.send(f"delegate {target.pid} wait -: plain")
         await _until(lambda: _queued(target))
         assert (await source.info()).current_run is not None  # waiting for the delegated run
@@ -221,7 +221,7 @@ async def test_a_restart_while_the_target_works_delivers_once_and_the_source_get
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await source.send(f"delegate {target.pid} wait -: gate g3")
-        await _until(lambda: _atgate(target))
+        await _until(lambda: _at_gate(target))
     gate("g3").set()
     async with _kernel(tmp_path) as k:
         source, target = await k.process(source.pid), await k.process(target.pid)
@@ -312,7 +312,7 @@ async def test_a_queued_task_dropped_before_its_turn_is_an_error_at_once_for_a_w
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await target.send("busy b9")
-        await _until(lambda: _atgate(target))
+        await _until(lambda: _at_gate(target))
         await source.send(f"delegate {target.pid} wait 60: plain")
         await _until(lambda: _queued(target))
         if how == "withdraw":
@@ -333,7 +333,7 @@ async def test_a_queued_task_dropped_before_its_turn_is_reported_to_a_caller_tha
         source = await k.spawn(owner="alice")
         target = await k.spawn(owner="alice")
         await target.send("busy b10")
-        await _until(lambda: _atgate(target))
+        await _until(lambda: _at_gate(target))
         await source.send(f"delegate {target.pid} nowait -: plain")
         await source.wait_idle()
         await _until(lambda: _queued(target))

@@ -15,8 +15,8 @@ from agentloop.process.api import approve_everything
 from agentloop.process.background import JOBS_KEY
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.shell import shell_tool
-from tests.process_support import kernel
-from tests.test_delegate import _at_gate, _gate, _has_told, _kernel, _queued, _told, _until
+from tests.process_support import closed_gates, gate, kernel  # noqa: F401  (closed_gates: the autouse fixture)
+from tests.test_delegate import _at_gate, _has_told, _kernel, _queued, _told, _until
 
 
 async def test_a_dropped_delegated_tasks_reply_lost_to_a_crash_is_delivered_at_the_next_start(tmp_path, monkeypatch):
@@ -37,7 +37,7 @@ async def test_a_dropped_delegated_tasks_reply_lost_to_a_crash_is_delivered_at_t
         await source.wait_idle()
         await _until(lambda: _queued(target))
         assert len(await target.withdraw()) == 1
-        _gate("r1").set()
+        gate("r1").set()
         await target.wait_idle()
         assert await _told(source) == []
         assert await k.store.kv_get(target.pid, delegate.DELEGATIONS_KEY)

@@ -52,7 +52,7 @@ async def test_a_delegated_task_that_ran_is_not_reported_as_dropped_when_its_rep
         await td._until(lambda: td._has_told(source))
         await source.wait_idle()
         told = await td._told(source)
-        td._gate("bz").set()
+        td.gate("bz").set()
         await target.wait_idle()
     assert len(told) == 1
     assert "did not run the task" not in told[0], told[0]

@@ -62,7 +62,7 @@ async def _results(proc: Any) -> list[str]:
     return [m.text for m in await proc.messages() if isinstance(m, ToolResultMessage)]
 
 
-async def _child_atgate(k: Any, parent_pid: str) -> Any:
+async def _child_at_gate(k: Any, parent_pid: str) -> Any:
     """The parent's one child, once its Task run waits at its gate."""
 
     async def there() -> bool:
@@ -85,7 +85,7 @@ async def test_a_waiting_task_gets_the_answer_of_its_own_run_in_the_child(tmp_pa
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")
         await parent.send("task: gate g1")
-        child = await _child_atgate(k, parent.pid)
+        child = await _child_at_gate(k, parent.pid)
         if other == "delegate":
             source = await k.spawn(owner="alice")
             await source.send(f"delegate {child.pid}: extra")
@@ -114,7 +114,7 @@ async def test_a_waiting_task_does_not_wait_for_the_runs_queued_after_its_own(tm
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")
         await parent.send("task: gate g1")
-        child = await _child_atgate(k, parent.pid)
+        child = await _child_at_gate(k, parent.pid)
         await child.send("job gate g2", mode="queue")  # a run of the child's that waits at g2
         gate("g1").set()
         async with asyncio.timeout(5):
@@ -158,7 +158,7 @@ async def test_a_task_waiting_over_a_restart_gets_the_answer_of_its_own_run(tmp_
     async with _kernel(tmp_path) as k:
         parent = await k.spawn(owner="alice")
         await parent.send("task: gate g1")
-        child = await _child_atgate(k, parent.pid)
+        child = await _child_at_gate(k, parent.pid)
         source = await k.spawn(owner="alice")
         await source.send(f"delegate {child.pid}: extra")
         await source.wait_idle()
