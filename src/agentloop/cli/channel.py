@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from agentloop.cli.config import LoopFlags, Settings, kernel_options, open_settings_model
 from agentloop.cli.render import Progress
@@ -67,10 +67,10 @@ def run_bridge(
     store: str | None,
     flags: LoopFlags,
     account: str | None,
-    transcriber: Any = None,
+    transcriber: OpenAITranscriber | None = None,
 ) -> None:
     """Run the ``name`` channel's bridge (``start``) on a kernel made from the command's options,
-    until a signal stops it (and then close ``transcriber``, the bridge's, when it has a ``close``).
+    until a signal stops it (and then close ``transcriber``, the bridge's).
     Called inside ``cli.main._guarded``."""
     from agentloop.cli.main import _approval, _data_directory, _settings, _workspace
 
@@ -104,7 +104,7 @@ async def _serve(
     ws: Path,
     directory: Path,
     account: str | None,
-    transcriber: Any = None,
+    transcriber: OpenAITranscriber | None = None,
 ) -> None:
     from agentloop.cli.tooling import extra_tools
     from agentloop.kernel import Kernel
@@ -112,7 +112,6 @@ async def _serve(
     progress = Progress()
     model = open_settings_model(settings, progress)
     options = kernel_options(settings, progress)
-    close = getattr(transcriber, "close", None)
     async with (
         contextlib.AsyncExitStack() as stack,
         extra_tools(settings, ws) as extra,
@@ -127,8 +126,8 @@ async def _serve(
             **options,
         ) as kernel,
     ):
-        if callable(close):  # (after the bridge, which closes first)
-            stack.push_async_callback(close)
+        if transcriber is not None:  # (after the bridge, which closes first)
+            stack.push_async_callback(transcriber.close)
         bridge, listening = await start(kernel, settings)
         try:
             if transcriber is not None:

@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             offline = True
         else:
             _refuse(f"unknown option {option!r}")
-    if not args or len(args) < 2:
+    if len(args) < 2:
         _refuse("usage: sandbox.py --write DIR ... [--offline] -- PROGRAM [ARGS...]")
     program = args[1:]
     try:
