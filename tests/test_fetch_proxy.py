@@ -8,16 +8,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
-from agentloop.messages import TextContent
 from agentloop.proxies import env_proxy
 from agentloop.tools import fetch as fetch_module
-from agentloop.tools.base import ToolError, ToolResult
+from agentloop.tools.base import ToolError
 from agentloop.tools.fetch import fetch_url
+from tests.test_fetch_hops import serving
+from tests.test_tools_fetch import resolver, text
 
 PROXY_VARIABLES = (
     "HTTP_PROXY",
@@ -89,28 +90,15 @@ class Server:
             self.tasks.discard(task)
 
 
-async def running() -> AsyncIterator[Server]:
-    state = Server()
-    server = await asyncio.start_server(state.serve, "127.0.0.1", 0)
-    state.port = server.sockets[0].getsockname()[1]
-    try:
-        yield state
-    finally:
-        server.close()
-        for task in list(state.tasks):
-            task.cancel()
-        await server.wait_closed()
-
-
 @pytest.fixture
 async def proxy() -> AsyncIterator[Server]:
-    async for server in running():
+    async for server in serving(Server()):
         yield server
 
 
 @pytest.fixture
 async def origin() -> AsyncIterator[Server]:
-    async for server in running():
+    async for server in serving(Server()):
         yield server
 
 
@@ -121,23 +109,6 @@ def no_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
     yield
-
-
-def resolver(names: dict[str, list[str]], asked: list[str] | None = None) -> Callable[[str, int], Awaitable[list[str]]]:
-    """A DNS of our own: ``names`` answer, anything else is an error (the tests never reach out)."""
-
-    async def resolve(host: str, port: int) -> list[str]:
-        if asked is not None:
-            asked.append(host)
-        if host not in names:
-            raise OSError(f"unknown host {host}")
-        return names[host]
-
-    return resolve
-
-
-def text(result: ToolResult) -> str:
-    return "\n".join(b.text for b in result.content if isinstance(b, TextContent))
 
 
 # ------------------------------------------------------------------ through the proxy

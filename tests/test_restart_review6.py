@@ -5,7 +5,10 @@ opened again on the same database. Nothing lost, nothing done twice, nothing stu
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from agentloop import Reply, ScriptedModel, call, tool
 from agentloop.kernel import Kernel, delegate, titles
@@ -19,7 +22,9 @@ from tests.process_support import closed_gates, gate, kernel  # noqa: F401  (clo
 from tests.test_delegate import _at_gate, _has_told, _kernel, _queued, _told, _until
 
 
-async def test_a_dropped_delegated_tasks_reply_lost_to_a_crash_is_delivered_at_the_next_start(tmp_path, monkeypatch):
+async def test_a_dropped_delegated_tasks_reply_lost_to_a_crash_is_delivered_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The target was busy, the task (``wait=false``) waited in its queue and was withdrawn; the
     kernel went down before the "not run" reply went out. The next start tells the caller, once,
     instead of leaving the reply owed for ever."""
@@ -55,7 +60,9 @@ async def test_a_dropped_delegated_tasks_reply_lost_to_a_crash_is_delivered_at_t
     assert again == told
 
 
-async def test_a_title_a_crash_kept_from_being_written_is_made_at_the_next_start(tmp_path, monkeypatch):
+async def test_a_title_a_crash_kept_from_being_written_is_made_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first run ended and its title was being made (a model asked, or the writer's batch
     waiting) when the kernel died: nothing was written. The next start names the process (from its
     first message: no model call at start-up), instead of leaving it a bare pid for ever; a
@@ -93,8 +100,8 @@ async def test_a_title_a_crash_kept_from_being_written_is_made_at_the_next_start
 
 
 async def test_a_background_job_of_a_subagent_an_abort_could_not_stop_before_a_crash_is_not_reported(
-    tmp_path, monkeypatch
-):
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The parent's run was aborted, and the runtime died before the abort stopped what the run's
     subagent left running (a background command of a child that had answered). The next start
     ends that job without telling the child: its "did not finish" report would start a run of the
