@@ -76,6 +76,34 @@ def failed_with_denial(result: ToolResult) -> bool:
     return result.is_error and "Permission denied" in text(result)
 
 
+def test_a_crashed_runtimes_tmpdirs_are_swept(tmp_path: Path) -> None:
+    """A runtime killed while a sandboxed command ran leaves its ``$TMPDIR``: the next runtime's first
+    sandboxed command removes those whose runtime is gone, and nothing else."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as living:
+        try:
+            target = tmp_path / "target"
+            target.mkdir()
+            names = {
+                "dead": f"agentloop-sandbox-pid{dead_pid}-x1",
+                "living": f"agentloop-sandbox-pid{living.pid}-x2",
+                "mine": f"agentloop-sandbox-pid{os.getpid()}-x3",
+                "older name": "agentloop-sandbox-12345678",
+                "other": "unrelated",
+            }
+            for name in names.values():
+                (tmp_path / name).mkdir()
+            (tmp_path / names["dead"] / "left.txt").write_text("x")
+            (tmp_path / f"agentloop-sandbox-pid{dead_pid}-link").symlink_to(target)
+            shell.sweep_stale_tmp(str(tmp_path))
+        finally:
+            living.kill()
+    assert not (tmp_path / names["dead"]).exists()
+    assert all((tmp_path / names[key]).is_dir() for key in ("living", "mine", "older name", "other"))
+    assert target.is_dir() and (tmp_path / f"agentloop-sandbox-pid{dead_pid}-link").is_symlink()  # (not followed)
+
+
 # -- workspace: what may be written and what may not ---------------------------------------------
 
 
@@ -89,7 +117,7 @@ async def test_writes_inside_the_workspace_and_its_tmpdir(abi: int, root: Path) 
     lines = text(result).splitlines()
     assert lines[0] == "t"
     tmpdir = Path(lines[1])
-    assert tmpdir.name.startswith("agentloop-sandbox-") and not tmpdir.exists()  # (removed when it ended)
+    assert tmpdir.name.startswith(f"agentloop-sandbox-pid{os.getpid()}-") and not tmpdir.exists()  # (removed)
     devices = "echo x > /dev/null && echo y >/dev/stdout && echo z >/dev/stderr && head -c1 /dev/zero | wc -c"
     ok = await run_shell(root, devices, sandbox="workspace")  # (what shells write to still works)
     assert text(ok) == "y\nz\n1\n[exit code 0]"

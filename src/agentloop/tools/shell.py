@@ -155,15 +155,57 @@ def sandbox_root(root: str | Path) -> Path:
     return base
 
 
+_TMP_PREFIX = "agentloop-sandbox-pid"
+_swept_tmp = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (someone else's process: alive)
+        return True
+    return True
+
+
+def sweep_stale_tmp(folder: str | None = None) -> None:
+    """Remove the private temporary directories a crashed runtime left behind.
+
+    A directory is named after the runtime's pid, so one whose runtime is gone (and that this user
+    owns) is nobody's: its command ended with that runtime. A pid since reused keeps its directory,
+    which is only a leftover, never a removal of something in use."""
+    try:
+        entries = list(os.scandir(folder or tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        pid, _, _ = entry.name.removeprefix(_TMP_PREFIX).partition("-")
+        if not entry.name.startswith(_TMP_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and not _alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def private_tmp(mode: str) -> Iterator[str | None]:
     """A sandboxed command's own temporary directory (its ``$TMPDIR``, writable in the sandbox),
-    removed when the command ends; None without a sandbox."""
+    removed when the command ends; None without a sandbox. The first one a runtime makes also
+    sweeps away those a crashed runtime left (``sweep_stale_tmp``)."""
+    global _swept_tmp
     if mode == "off":
         yield None
         return
+    if not _swept_tmp:
+        _swept_tmp = True
+        sweep_stale_tmp()
     try:
-        path = os.path.realpath(tempfile.mkdtemp(prefix="agentloop-sandbox-"))  # (the wrapper wants real paths)
+        # (named after this runtime, so a later one can tell when it is gone; the wrapper wants real paths)
+        path = os.path.realpath(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-"))
     except OSError as exc:
         raise ToolError(f"not run: no temporary directory for the sandbox: {exc}") from None
     try:
