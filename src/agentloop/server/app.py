@@ -61,17 +61,19 @@ def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
     accepts any valid account token."""
 
     async def authorize(token: str) -> bool:
-        """A valid account token, within its account's input rate: each request runs the model on
-        the server's keys, like a message to a process, so both draw on one budget (see
-        ratelimit.py); a stateless route beside the limited one would leave it braking nothing."""
-        who = await ctx.accounts.authenticate(token)
-        if who is None:
-            return False
-        if not who.admin:
-            ctx.inputs.take(who.account, ctx.max_inputs_per_minute)  # 429 past the rate
-        return True
+        """A valid account token."""
+        return await ctx.accounts.authenticate(token) is not None
 
-    chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body)
+    async def admit(token: str) -> None:
+        """Within its account's input rate: each request runs the model on the server's keys, like
+        a message to a process, so both draw on one budget (see ratelimit.py); a stateless route
+        beside the limited one would leave it braking nothing. Counted only for a request found
+        well-formed, as a message is: a malformed one (400) runs nothing and costs nothing."""
+        who = await ctx.accounts.authenticate(token)
+        if who is not None and not who.admin:
+            ctx.inputs.take(who.account, ctx.max_inputs_per_minute)  # 429 past the rate
+
+    chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body, admit=admit)
     routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx), *web.routes()]
     # Unknown routes, wrong methods and unexpected failures answer JSON {code, message} too.
     return Starlette(routes=routes, exception_handlers=exception_handlers())

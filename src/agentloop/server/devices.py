@@ -36,6 +36,7 @@ from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceT
 from agentloop.messages import TextContent, storable
 from agentloop.process.media import MediaError, check_media
 from agentloop.server.auth import Principal
+from agentloop.server.strict_json import too_deep
 from agentloop.tools.base import ResultBlock, ToolResult
 
 __all__ = ["DeviceHub", "DriverSocket", "HubError"]
@@ -160,7 +161,7 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
             raise HubError("invalid_request", f"{where}.description: a string of at most {MAX_DESCRIPTION} chars")
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise HubError("invalid_request", f"{where}.parameters: must be a JSON schema of type object")
-        if _too_deep(params, MAX_SCHEMA_DEPTH):
+        if too_deep(params, MAX_SCHEMA_DEPTH):
             raise HubError("invalid_request", f"{where}.parameters: nested deeper than {MAX_SCHEMA_DEPTH} levels")
         try:
             Draft202012Validator.check_schema(params)
@@ -191,23 +192,6 @@ def _check_room(info: DeviceInfo, others: list[DeviceInfo]) -> None:
             f"this account's devices already declare {declared} tools; with this device's {len(info.tools)} "
             f"they would pass the limit of {MAX_ACCOUNT_DEVICE_TOOLS} tools in all",
         )
-
-
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests dicts and lists more than ``limit`` deep. Walked without recursion:
-    a frame may hold JSON nested almost to Python's recursion limit, and the checks that follow
-    (``check_schema``, ``unsafe_schema``, a validator at every call) recurse several frames per
-    level, so such a schema made ``RecursionError`` escape ``serve_driver`` instead of a refusal."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def _result_of(device: str, res: dict[str, Any]) -> ToolResult:

@@ -58,6 +58,9 @@ STATELESS_ASK = "requires approval, which a stateless /engine/chat request canno
 AgentFactory = Callable[[], Agent]
 # Says whether a bearer token may call the endpoint; may be async (a store lookup).
 Authorize = Callable[[str], bool | Awaitable[bool]]
+# Admits a well-formed request of a token's just before its run starts (may raise ``ApiError``,
+# e.g. 429 past an account's input rate): a request refused as malformed must not count.
+Admit = Callable[[str], Awaitable[None] | None]
 
 # ------------------------------------------------------------------ request shape
 
@@ -371,15 +374,23 @@ def _correlation_hint(body: bytes) -> str | None:
 class EngineChat:
     """The endpoint (``handle`` is the route). One instance per app; it holds configuration, never conversation."""
 
-    def __init__(self, agent_factory: AgentFactory, authorize: Authorize, *, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(
+        self,
+        agent_factory: AgentFactory,
+        authorize: Authorize,
+        *,
+        max_body: int = DEFAULT_MAX_BODY,
+        admit: Admit | None = None,
+    ) -> None:
         self.agent_factory = agent_factory
         self.authorize = authorize
         self.max_body = max_body
+        self.admit = admit
 
     async def handle(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            await self._check_auth(request)
+            token = await self._check_auth(request)
             body = await self._read_body(request)
         except ApiError as exc:
             _log(logging.WARNING, "request rejected", None, status=exc.status, code=exc.code)
@@ -391,6 +402,8 @@ class EngineChat:
             req = parse_request(body)
             cid = req.metadata.correlation_id
             system_prefix, history = to_history(req)
+            if self.admit is not None:  # (only now: a malformed request is refused for free)
+                await maybe_await(self.admit(token))
             run = self._start(system_prefix, history, cid, req.metadata.model_dump())
         except ApiError as exc:
             cid = cid or _correlation_hint(body)
@@ -407,7 +420,8 @@ class EngineChat:
         )
         return EventSourceResponse(self._stream(run, cid, started), ping=15)
 
-    async def _check_auth(self, request: Request) -> None:
+    async def _check_auth(self, request: Request) -> str:
+        """The request's bearer token, once ``authorize`` accepted it (401 otherwise)."""
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         token = token.strip()
@@ -422,6 +436,7 @@ class EngineChat:
                 raise ApiError(503, "engine_unavailable", "The engine cannot check credentials right now.") from None
         if not ok:
             raise ApiError(401, "unauthorized", "Missing or invalid bearer token.")
+        return token
 
     async def _read_body(self, request: Request) -> bytes:
         content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()

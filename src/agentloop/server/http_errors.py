@@ -87,7 +87,9 @@ def validation_error(exc: ValidationError, root: str = "body") -> ApiError:
     """The first problem of a failed validation, naming its field (``text: field required``)."""
     err = exc.errors(include_url=False, include_context=False, include_input=False)[0]
     if err["type"] == "json_invalid":
-        return invalid(root, "not valid JSON")
+        # (pydantic's parser stops at a nesting depth: valid JSON, but say why it was refused)
+        deep = "recursion limit" in str(err.get("msg", ""))
+        return invalid(root, "nested too deeply" if deep else "not valid JSON")
     if not err["loc"] and err["type"] in ("model_type", "model_attributes_type", "dict_type"):
         return invalid(root, "must be a JSON object")
     problem = err["msg"]

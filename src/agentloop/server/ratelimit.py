@@ -57,6 +57,14 @@ class InputRate:
         accepted.append(now)
         self._forget_idle(now)
 
+    def give_back(self, account: str) -> None:
+        """Uncount ``account``'s latest input: the request it was taken for was refused after all
+        (its media turned out damaged, the process quota was full), and a refused input must not
+        leave the account fewer to send (``take``: a refused input is not counted)."""
+        accepted = self._accepted.get(account)
+        if accepted:
+            accepted.pop()
+
     def _forget_idle(self, now: float) -> None:
         """Once a minute, drop the accounts with nothing left in the window: the table holds the
         accounts active lately, not every account ever seen."""

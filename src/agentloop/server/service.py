@@ -52,6 +52,7 @@ from agentloop.process.store.base import QueueKind
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError, safe_message
 from agentloop.server.ratelimit import InputRate
+from agentloop.server.strict_json import too_deep
 
 MODES: tuple[str, ...] = get_args(SendMode)
 QUEUE_KINDS: tuple[str, ...] = get_args(QueueKind)
@@ -86,17 +87,28 @@ def message_json(stored: StoredMessage) -> dict[str, Any]:
     return {"id": stored.id, "run_id": stored.run_id, "message": message_to_dict(stored.message)}
 
 
+# JSON nesting an ``output_schema`` may have (as a device tool's schema: ``devices.MAX_SCHEMA_DEPTH``).
+# Checking a schema, and later the answers against it, recurses a few Python frames per level: one
+# nested ~150 deep, well within the 64 KiB limit, ran out of stack and answered 500.
+MAX_SCHEMA_DEPTH = 64
+
+
 def _output_schema(schema: Any) -> dict[str, Any] | None:
     """An input's ``output_schema``, checked as the kernel checks it: a 400 for one that is not a
-    valid JSON Schema object (or is larger than ``MAX_SCHEMA_BYTES`` as JSON)."""
+    valid JSON Schema object (or is larger than ``MAX_SCHEMA_BYTES`` as JSON, or nested deeper
+    than ``MAX_SCHEMA_DEPTH``)."""
     if schema is None:
         return None
     if not isinstance(schema, dict):
         raise ApiError(400, "invalid_request", "output_schema must be a JSON Schema object")
+    if too_deep(schema, MAX_SCHEMA_DEPTH):
+        raise ApiError(400, "invalid_request", f"output_schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
     try:
         return output_schema_of(schema)
     except ValueError as exc:
         raise ApiError(400, "invalid_request", str(exc)) from None
+    except RecursionError:  # (a backstop: the depth limit above keeps well clear of it)
+        raise ApiError(400, "invalid_request", "output_schema nests too deeply to be checked") from None
 
 
 def receipt_json(receipt: Receipt) -> dict[str, Any]:
@@ -260,22 +272,40 @@ class ProcessService:
         self.max_inputs_per_minute = max_inputs_per_minute  # per account, admins aside; None: no limit
         self.budget = budget  # per account and calendar month (UTC), admins aside; None: no budget
 
-    async def _check_input(self, who: Principal, pid: str | None = None, run_id: str | None = None) -> None:
+    @contextlib.asynccontextmanager
+    async def _input(self, who: Principal, pid: str | None = None, run_id: str | None = None) -> AsyncIterator[None]:
+        """Admit an input that may start a run around the block that delivers it: the budget, then
+        the rate (``_check_input``). When the block refuses it after all (media whose bytes are
+        not what they say, found only when stored; the process quota, checked in the spawn's
+        commit), the rate slot is given back: a refused request must not cost the account the
+        inputs it may still send, nor turn its next good one into a 429."""
+        counted = await self._check_input(who, pid, run_id)
+        try:
+            yield
+        except Exception:
+            if counted:
+                self._inputs.give_back(who.account)
+            raise
+
+    async def _check_input(self, who: Principal, pid: str | None = None, run_id: str | None = None) -> bool:
         """The budget, then the rate, for an input that may start a run; not for a retry of one
-        admitted already (``run_id``), which gets its first receipt however the account stands now."""
+        admitted already (``run_id``), which gets its first receipt however the account stands now.
+        Whether a rate slot was taken (``_input`` gives it back if the input is refused later)."""
         if pid is not None and await admission.admitted(self.kernel.engine, pid, run_id) is not None:
-            return
+            return False
         why = await self.budget.refusal(who.account, admin=who.admin) if self.budget is not None else None
         if why is not None:  # (``kernel/budget.py``: new input would start more)
             raise ApiError(402, "budget_spent", why)
-        self._take_input(who)
+        return self._take_input(who)
 
-    def _take_input(self, who: Principal) -> None:
+    def _take_input(self, who: Principal) -> bool:
         """Count an input that may start a run (a first message, a send, an event): 429 past the
         account's rate (see ratelimit.py). Checked once the request is known to be good, so a
-        malformed one or one for another's process costs nothing."""
-        if not who.admin:
-            self._inputs.take(who.account, self.max_inputs_per_minute)
+        malformed one or one for another's process costs nothing; whether it was counted."""
+        if who.admin or self.max_inputs_per_minute is None:
+            return False
+        self._inputs.take(who.account, self.max_inputs_per_minute)
+        return True
 
     async def _process(self, who: Principal, pid: str) -> tuple[Process, ProcessRecord]:
         if "\x00" in pid:  # no process has one, and PostgreSQL fails a query naming it (_check_plain)
@@ -332,24 +362,24 @@ class ProcessService:
         # With a run id the pid follows from it, so a retried request (its answer lost) finds the
         # process the first one made and gets its receipt instead of making a second one.
         pid = _spawn_pid(who.account, run_id) if run_id is not None else None
-        if text is not None and (pid is None or await self.kernel.store.get_process(pid) is None):
-            await self._check_input(who)
+        new_input = text is not None and (pid is None or await self.kernel.store.get_process(pid) is None)
         try:
-            proc = await self.kernel.spawn(
-                who.account,
-                cwd=where,
-                interactive=interactive,
-                context=context,
-                mode=run_mode,
-                model=model,
-                reasoning=reasoning,  # type: ignore[arg-type]
-                text=text,
-                media=blocks or (),
-                run_id=run_id,
-                pid=pid,
-                admit=self._process_quota(who),
-                output_schema=output,
-            )
+            async with self._input(who) if new_input else contextlib.nullcontext():
+                proc = await self.kernel.spawn(
+                    who.account,
+                    cwd=where,
+                    interactive=interactive,
+                    context=context,
+                    mode=run_mode,
+                    model=model,
+                    reasoning=reasoning,  # type: ignore[arg-type]
+                    text=text,
+                    media=blocks or (),
+                    run_id=run_id,
+                    pid=pid,
+                    admit=self._process_quota(who),
+                    output_schema=output,
+                )
         except StoreError:
             if pid is not None and await self.kernel.store.was_killed(pid):
                 raise ApiError(409, "conflict", f"run_id {run_id!r} started a process that was killed since") from None
@@ -430,9 +460,9 @@ class ProcessService:
         output = _output_schema(output_schema)
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
-        await self._check_input(who, pid, run_id)
         try:
-            receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
+            async with self._input(who, pid, run_id):
+                receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
         except NoSuchProcess:
             raise _not_found(pid) from None
         except MediaTooLarge as exc:
@@ -693,9 +723,9 @@ class ProcessService:
         _check_text(text)
         _check_plain(run_id, "run_id")
         await self._process(who, pid)
-        await self._check_input(who, pid, run_id)
         try:
-            return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
+            async with self._input(who, pid, run_id):
+                return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
         except NoSuchProcess:
             raise _not_found(pid) from None
 

@@ -30,3 +30,20 @@ def json_text(value: Any) -> str:
         return json.dumps(value, allow_nan=False)
     except ValueError:  # rare: only then is the value walked
         return json.dumps(finite(value), allow_nan=False)
+
+
+def too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests dicts and lists more than ``limit`` deep. Walked without recursion:
+    a request may hold JSON nested almost to Python's recursion limit, and the checks that follow
+    (``check_schema``, a validator at every call, the providers' encoders) recurse several frames
+    per level, so such a schema made ``RecursionError`` escape as a failure instead of a refusal."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False

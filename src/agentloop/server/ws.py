@@ -88,9 +88,13 @@ class Request:
 
 
 def _readable_id(frame: dict[str, Any]) -> str | None:
-    """The frame's id if it is one we may echo back (a short string), else None."""
+    """The frame's id if it is one we may echo back (a short string of valid Unicode), else None:
+    an id holding a lone surrogate, echoed, would make the error frame itself one that strict
+    JSON parsers refuse, so the client could not read why its frame was refused."""
     rid = frame.get("id")
-    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID else None
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID or _has_lone_surrogate(rid):
+        return None
+    return rid
 
 
 # A frame's text arrives as valid UTF-8, so a lone surrogate can only come from a JSON escape.
@@ -139,8 +143,10 @@ def parse_frame(message: Message, limit: int, media_limit: int = 0) -> Request:
         raise FrameError(f"frame larger than {largest} bytes")
     try:
         frame = json.loads(text)
-    except (ValueError, RecursionError):
+    except ValueError:
         raise FrameError("frame is not valid JSON") from None
+    except RecursionError:
+        raise FrameError("frame nests too deeply") from None
     if not isinstance(frame, dict):
         raise FrameError("frame must be a JSON object")
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(frame):
@@ -738,7 +744,11 @@ class Connection:
         elif self._unanswered >= MAX_IN_FLIGHT:
             await self.send(res_error(req.id, "too_many_requests", f"at most {MAX_IN_FLIGHT} requests may run at once"))
         else:
-            task = self._start(self._run(req, call))
+            # A call that changes state starts now, not when its task first runs: a client that
+            # sends a message and closes the socket at once would otherwise see the close cancel
+            # the task before it ran, and the message it sent was silently never delivered.
+            op = self._detach(req, call) if call.mutates else None
+            task = self._start(self._run(req, call, op))
             self._unanswered += 1
             task.add_done_callback(lambda _: self._done(req.id, task))
             self._requests[req.id] = (task, call)
@@ -782,12 +792,13 @@ class Connection:
     async def _send_quietly(self, frame: dict[str, Any]) -> None:
         await self.send(frame)
 
-    async def _run(self, req: Request, call: Call) -> None:
-        """One request task: run the call, then answer (``cancelled`` if ``request.cancel`` hit it)."""
+    async def _run(self, req: Request, call: Call, op: asyncio.Future[Outcome] | None = None) -> None:
+        """One request task: run the call (or, for one that changes state, wait for ``op``, already
+        under way), then answer (``cancelled`` if ``request.cancel`` hit it)."""
         then: Callable[[], None] | None = None
         try:
             try:
-                frame, then = await self._outcome(req, call)
+                frame, then = await (self._settle(req, call) if op is None else asyncio.shield(op))
             except asyncio.CancelledError:
                 if req.id not in self._cancel_asked:
                     raise  # the connection is ending: nobody to answer
@@ -799,15 +810,14 @@ class Connection:
         if await self.send(frame) and then is not None:
             then()
 
-    async def _outcome(self, req: Request, call: Call) -> Outcome:
-        """Run a call. One that changes state runs shielded in its own task, so neither a cancel
-        nor a closing socket stops it halfway (its answer is dropped if nobody is left to read it)."""
-        if not call.mutates:
-            return await self._settle(req, call)
+    def _detach(self, req: Request, call: Call) -> asyncio.Future[Outcome]:
+        """Start a call that changes state in its own task, referenced until done, so that neither
+        a cancel nor a closing socket stops it halfway, nor before it began (its answer is
+        dropped if nobody is left to read it)."""
         op = asyncio.ensure_future(self._settle(req, call))
         _detached.add(op)
         op.add_done_callback(_detached.discard)
-        return await asyncio.shield(op)
+        return op
 
     async def _settle(self, req: Request, call: Call) -> Outcome:
         """The ``res`` frame for a call: its data, or the error it raised as a safe code and message
