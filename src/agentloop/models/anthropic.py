@@ -202,6 +202,8 @@ class AnthropicModel(Model):
                     raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if reader.stop is None and not reader.whole():
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
+        for ev in reader.flush():
+            yield ev
         for ev in out.finish(reader.stop or "stop", reader.usage()):
             yield ev
 
@@ -277,14 +279,16 @@ class _EventReader:
     boundaries matter (each thinking block has its own signature), so a ``content_block_stop``
     closes the builder's open block. A ``tool_use`` block's arguments come as ``input_json_delta``
     fragments; a server that sends them whole in the block's start instead (as the SDK's own
-    accumulator allows) has them taken from there.
+    accumulator allows) has them taken from there, and input that is not an object stays with
+    the call as invalid arguments. A block started twice, or arguments for a block that never
+    started, are garbage: dropped, they left a call that ran with no arguments at all.
     """
 
     def __init__(self, info: ModelInfo, out: AssistantBuilder) -> None:
         self.info = info
         self.out = out
         self.kinds: dict[int, str] = {}
-        self._start_input: dict[int, dict[str, Any]] = {}  # tool blocks whose start held the input
+        self._start_input: dict[int, str] = {}  # tool blocks whose start held the input: its JSON text
         self.tokens = {"input": 0, "output": 0, "cache_read": 0, "cache_write": 0}
         self.stop: StopReason | None = None
         self._stop_reason: str | None = None
@@ -326,9 +330,7 @@ class _EventReader:
         elif kind == "content_block_stop":
             if self.kinds.get(event.index) in ("text", "thinking"):
                 return out.end_block()
-            start_input = self._start_input.pop(event.index, None)
-            if start_input is not None and out.has_tool_call(event.index):  # no deltas came
-                return out.tool_args(event.index, json.dumps(start_input, ensure_ascii=False))
+            return self._start_args(event.index)
         elif kind == "message_delta":
             self._take_usage(event.usage)
             if event.delta.stop_reason:
@@ -338,8 +340,24 @@ class _EventReader:
             self.stop = _STOP.get(reason, "stop")
         return []
 
+    def _start_args(self, index: int) -> list[StreamEvent]:
+        """The input a tool block's start held, as its arguments (no deltas came)."""
+        start_input = self._start_input.pop(index, None)
+        if start_input is not None and self.out.has_tool_call(index):
+            return self.out.tool_args(index, start_input)
+        return []
+
+    def flush(self) -> list[StreamEvent]:
+        """At the end of the message: the start input of tool blocks that never said they
+        stopped (it was lost, and the call ran with no arguments)."""
+        return [ev for index in list(self._start_input) for ev in self._start_args(index)]
+
     def _block_start(self, index: int, block: Any) -> list[StreamEvent]:
         out = self.out
+        if index in self.kinds:
+            raise ProviderError(
+                f"unreadable response: the provider started content block {index} twice", kind="invalid_response"
+            )
         self.kinds[index] = block.type
         if block.type == "text":
             return out.text(block.text or "")
@@ -353,9 +371,11 @@ class _EventReader:
             return events + out.end_block()
         if block.type in ("tool_use", "server_tool_use"):
             start_input = getattr(block, "input", None)
-            if isinstance(start_input, dict) and start_input:
+            if isinstance(start_input, str):  # (its JSON text, as a delta would have been)
                 self._start_input[index] = start_input
-            return out.tool_call(index, block.id, block.name)
+            elif start_input is not None and start_input != {}:
+                self._start_input[index] = json.dumps(start_input, ensure_ascii=False, default=str)
+            return out.tool_call(index, getattr(block, "id", None), getattr(block, "name", None))
         return []
 
     def _block_delta(self, index: int, delta: Any) -> list[StreamEvent]:
@@ -366,6 +386,12 @@ class _EventReader:
             return out.thinking(delta.thinking)
         if delta.type == "signature_delta":
             return out.thinking("", delta.signature)
+        if delta.type == "input_json_delta" and index not in self.kinds:
+            raise ProviderError(
+                f"unreadable response: the provider sent tool call arguments for content block {index}, "
+                "which it never started",
+                kind="invalid_response",
+            )
         if delta.type == "input_json_delta" and out.has_tool_call(index):
             if delta.partial_json:  # the deltas are the input, not the start's (as in the SDK)
                 self._start_input.pop(index, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -136,6 +137,10 @@ class ModelRequest:
 
 
 def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int = 0, cache_write: int = 0) -> Usage:
+    """The usage of one call from the provider's counts. A count below zero (a server's bug) is
+    taken as none: added to a run's or an account's spend, it took back what other calls had cost,
+    and a budget let through more than it allows."""
+    input, output, cache_read, cache_write = (max(0, n) for n in (input, output, cache_read, cache_write))
     usage = Usage(
         input=input,
         output=output,
@@ -279,6 +284,18 @@ def mask(text: str, secrets: tuple[str, ...]) -> str:
     return text
 
 
+def _string(value: object, what: str) -> str:
+    """``value``, which the provider should have sent as a string, or the error that says it did
+    not (instead of an ``AttributeError`` from deep inside, which told the user nothing)."""
+    if isinstance(value, str):
+        return value
+    raise ProviderError(
+        f"unreadable response: the provider sent {what} as {type(value).__name__}, not a string: "
+        f"{quote_body(value)[:100]}",
+        kind="invalid_response",
+    )
+
+
 def stream_broken(what: str, out: AssistantBuilder) -> str:
     """Why a stream failed, with how much of the answer had arrived (a retry starts it again)."""
     got = len(out.message.text)
@@ -322,7 +339,7 @@ class AssistantBuilder:
     def text(self, delta: str) -> list[StreamEvent]:
         if not delta:
             return []
-        delta = storable(delta)
+        delta = storable(_string(delta, "text"))
         events: list[StreamEvent] = []
         content = self.message.content
         if self._open is None or not isinstance(content[self._open], TextContent):
@@ -347,14 +364,24 @@ class AssistantBuilder:
         block = content[self._open]
         assert isinstance(block, ThinkingContent)
         if delta:
-            delta = storable(delta)
+            delta = storable(_string(delta, "thinking"))
             block.thinking += delta
             events.append(ThinkingDelta(index=self._open, delta=delta))
         if signature:
-            block.signature = (block.signature or "") + signature
+            block.signature = (block.signature or "") + _string(signature, "a thinking signature")
         return events
 
-    def tool_call(self, key: Any, id: str, name: str) -> list[StreamEvent]:
+    def tool_call(self, key: Any, id: object, name: object) -> list[StreamEvent]:
+        """Open a tool call. ``id`` and ``name`` are as the provider sent them: a call without an
+        id (or with one that is not a string, or with the id of an earlier call of the answer)
+        gets one of its own, since its result is paired to it by id (a missing one was stored as
+        null, and every later call of the conversation failed on it; a repeated one lost the
+        second result, and the history replayed two calls with one result, which providers
+        refuse); a name that is not a string is no name (``unusable`` judges the answer)."""
+        if not isinstance(id, str) or not id or any(c.id == id for c in self.message.tool_calls):
+            id = f"call_{uuid.uuid4().hex[:16]}"
+        if not isinstance(name, str):
+            name = ""
         events = self.end_block()
         content = self.message.content
         content.append(ToolCall(id=id, name=name))
@@ -395,7 +422,7 @@ class AssistantBuilder:
         if not fragment:
             return []
         i = self._tool_index[key]
-        fragment = storable(fragment)
+        fragment = storable(_string(fragment, "tool call arguments"))
         self._tool_args[i].append(fragment)
         return [ToolCallDelta(index=i, delta=fragment)]
 

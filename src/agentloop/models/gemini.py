@@ -230,18 +230,21 @@ class GeminiModel(Model):
             yield out.start()
             reader = _ChunkReader(self.info, out)
             try:
-                async for data in _sse_data(response):
+                async for data, ended in _sse_data(response):
                     try:
                         chunk = json.loads(data)
                     except json.JSONDecodeError as exc:
+                        if not ended:  # the body ended inside this event: a cut stream (retried), not garbage
+                            continue  # (the last one: the stream ends here)
                         raise ProviderError(
                             f"unreadable stream chunk: {data[:200]!r}", kind="invalid_response"
                         ) from exc
                     for event in reader.read(chunk):
                         yield event
             except (httpx.TransportError, httpx.StreamError) as exc:
-                kind: ErrorKind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
-                raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
+                if reader.finish is None:  # (after the finish the answer is whole: at most its usage is lost)
+                    kind: ErrorKind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
+                    raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if reader.finish is None:
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
         stop = _FINISH.get(reader.finish)
@@ -326,18 +329,33 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
-    """The ``data`` payload of each SSE event (multi-line data joined, comments skipped)."""
+def _error_status(code: object) -> int:
+    """The HTTP status an error inside the stream names by its ``code``; 500 (a server error,
+    retried) when that is not one: read as a number whatever it was, a word failed the answer
+    as unreadable and lost what the error said."""
+    if isinstance(code, str) and code.strip().isdigit():
+        code = int(code)
+    if isinstance(code, float) and code.is_integer():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600:
+        return code
+    return 500
+
+
+async def _sse_data(response: httpx.Response) -> AsyncGenerator[tuple[str, bool], None]:
+    """The ``data`` payload of each SSE event (multi-line data joined, comments skipped), and
+    whether a blank line ended it. The last event of a body may lack that line (some servers
+    omit it), or be cut off in the middle: only the reader can tell the two apart."""
     lines: list[str] = []
     async for line in response.aiter_lines():
         if not line:
             if lines:
-                yield "\n".join(lines)
+                yield "\n".join(lines), True
                 lines = []
         elif line.startswith("data:"):
             lines.append(line[5:].removeprefix(" "))
     if lines:
-        yield "\n".join(lines)
+        yield "\n".join(lines), False
 
 
 # ------------------------------------------------------------------ stream reading
@@ -358,7 +376,7 @@ class _ChunkReader:
         """``usageMetadata`` is cumulative, the latest wins. Thinking is billed as output; the
         cached part of the prompt is reported apart from (and included in) the prompt count."""
         u = self._usage
-        cached = int(u.get("cachedContentTokenCount") or 0)
+        cached = max(0, int(u.get("cachedContentTokenCount") or 0))  # (negative: the prompt grew by it)
         prompt = int(u.get("promptTokenCount") or 0) + int(u.get("toolUsePromptTokenCount") or 0)
         output = int(u.get("candidatesTokenCount") or 0) + int(u.get("thoughtsTokenCount") or 0)
         return make_usage(self.info, input=max(0, prompt - cached), output=output, cache_read=cached)
@@ -377,7 +395,7 @@ class _ChunkReader:
             raise ProviderError(f"unreadable stream chunk: {json.dumps(chunk)[:200]}", kind="invalid_response")
         error = chunk.get("error")
         if isinstance(error, dict):  # an error inside a 200 stream
-            raise classify_status(int(error.get("code") or 500), json.dumps(chunk).encode(), httpx.Headers())
+            raise classify_status(_error_status(error.get("code")), json.dumps(chunk).encode(), httpx.Headers())
         if error:  # a proxy's error, as a string: not a chunk to skip and then call the stream cut
             raise ProviderError(f"stream error: {quote_body(error)}", kind="server")
         if isinstance(chunk.get("usageMetadata"), dict):

@@ -190,7 +190,7 @@ class OpenAIChatModel(Model):
 
     def _usage(self, raw: Any) -> Usage:
         details = getattr(raw, "prompt_tokens_details", None)
-        cached = int(getattr(details, "cached_tokens", 0) or 0)
+        cached = max(0, int(getattr(details, "cached_tokens", 0) or 0))  # (negative: the prompt grew by it)
         prompt = int(raw.prompt_tokens or 0)
         return make_usage(
             self.info, input=max(0, prompt - cached), output=int(raw.completion_tokens or 0), cache_read=cached
@@ -312,21 +312,29 @@ class _DeltaReader:
         reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
         if isinstance(reasoning, str) and reasoning:
             events.extend(out.thinking(reasoning))
-        if isinstance(delta.content, str):
-            events.extend(out.text(delta.content))
-        elif isinstance(delta.content, list):
-            events.extend(self._parts(delta.content))
+        content = delta.content
+        if isinstance(content, str):
+            events.extend(out.text(content))
+        elif isinstance(content, list):
+            events.extend(self._parts(content))
+        elif isinstance(content, int | float) and not isinstance(content, bool):
+            events.extend(out.text(str(content)))  # a number for text: its digits (it was dropped)
+        elif content is not None:  # dropped unseen, the answer was taken for an empty one
+            raise ProviderError(
+                f"unreadable response: the provider sent content that is not text: {quote_body(content)[:100]}",
+                kind="invalid_response",
+            )
         for call in delta.tool_calls or ():
             key = self._key(call)
             fn = call.function
             if not out.has_tool_call(key):
                 call_id = call.id or f"call_{key}_{len(out.message.content)}"
                 events.extend(out.tool_call(key, call_id, (fn.name if fn else None) or ""))
-            elif fn is not None and fn.name and not out.tool_name(key):
+            elif fn is not None and isinstance(fn.name, str) and fn.name and not out.tool_name(key):
                 out.name_tool(key, fn.name)
             self.last_key = key
             if fn is not None and fn.arguments:
-                events.extend(out.tool_args(key, fn.arguments))
+                events.extend(out.tool_args(key, _arguments_text(fn.arguments)))
         return events
 
     def _parts(self, parts: list[Any]) -> list[StreamEvent]:
@@ -344,6 +352,15 @@ class _DeltaReader:
             elif part.get("type") == "text":
                 events.extend(self.out.text(_part_text(part.get("text"))))
         return events
+
+
+def _arguments_text(arguments: object) -> str:
+    """A call's ``arguments`` as JSON text. Some servers send the object itself instead of its
+    text; it is written out, and a value that is not an object (a number, a list) stays with the
+    call as invalid arguments the model is told about, rather than failing the whole answer."""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False, default=str)
 
 
 def _part_text(value: object) -> str:

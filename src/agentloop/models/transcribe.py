@@ -158,6 +158,9 @@ class OpenAITranscriber:
             raise TranscriptionError(f"the transcription server could not be reached ({reason[:300]})") from None
         except sdk.OpenAIError as exc:  # (an answer the SDK could not read …)
             raise TranscriptionError(f"the transcription failed: {redact_secrets(str(exc))[:300]}") from None
+        except ValueError as exc:  # a JSON answer that is not JSON (empty, cut off): the SDK lets it out as is
+            reason = redact_secrets(f"{type(exc).__name__}: {exc}")[:300]
+            raise TranscriptionError(f"the transcription server's answer is not JSON ({reason})") from None
         text = getattr(result, "text", None)
         if not isinstance(text, str):  # (a body that is not the JSON asked for: the SDK hands it over as is)
             raise TranscriptionError("the transcription server's answer holds no text")

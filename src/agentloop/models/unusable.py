@@ -18,6 +18,7 @@ from agentloop.messages import AssistantMessage, ThinkingContent
 EMPTY = "empty answer"
 REASONING_ONLY = "reasoning only"
 TOOL_MARKUP = "tool call markup in text"
+NAMELESS_CALL = "tool call without a name"
 
 #: the call syntax of chat templates, as it shows when a server fails to parse it
 _MARKUP = re.compile(
@@ -46,9 +47,13 @@ def has_tool_markup(text: str) -> bool:
 
 
 def unusable(message: AssistantMessage, tools_offered: bool) -> str | None:
-    """Why a finished answer cannot be used (``EMPTY``, ``REASONING_ONLY``, ``TOOL_MARKUP``), or
-    None when it can. Markup counts only when tools were offered: without them, text about tool
-    calls is just an answer. An answer cut by the output limit with some text is usable."""
+    """Why a finished answer cannot be used (``EMPTY``, ``REASONING_ONLY``, ``TOOL_MARKUP``,
+    ``NAMELESS_CALL``), or None when it can. Markup counts only when tools were offered: without
+    them, text about tool calls is just an answer. An answer cut by the output limit with some
+    text is usable. A call whose name never came (a server's garbage) names no tool to run, and
+    kept in the history it is replayed with an empty name that providers refuse."""
+    if any(not call.name for call in message.tool_calls):
+        return NAMELESS_CALL
     if message.tool_calls:
         return None
     if not message.text.strip():
