@@ -34,6 +34,7 @@ import asyncio
 import functools
 import logging
 import re
+import unicodedata
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -103,7 +104,25 @@ def check_title(text: str) -> str:
     bad = next((c for c in title if ord(c) in _CONTROL), None)
     if bad is not None:
         raise ValueError(f"title must be one line of plain text, without control characters (U+{ord(bad):04X})")
+    if not any(_visible(c) for c in title):
+        raise ValueError("title must have a visible character (it holds only invisible or blank ones)")
     return title
+
+
+# Categories of what shows nothing by itself: controls, format characters (U+200B ZERO WIDTH SPACE,
+# U+200D ZERO WIDTH JOINER, U+2060 WORD JOINER, U+FEFF), surrogates, spaces and separators, and
+# combining marks (variation selectors among them), which only change the character before them.
+_UNSEEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zs", "Zl", "Zp", "Mn", "Me"})
+# Letters and symbols drawn as blank space: the Hangul fillers and the blank Braille pattern.
+_BLANK_CHARS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def _visible(char: str) -> bool:
+    """Whether ``char`` shows something by itself. A title of only zero-width or blank characters
+    passes the blank check (``str.strip`` keeps them) but names nothing: a list would show a row
+    that cannot be told from an untitled process. An unassigned code point (``Cn``) counts as
+    visible: it may be an emoji newer than this Python's Unicode tables."""
+    return char not in _BLANK_CHARS and unicodedata.category(char) not in _UNSEEN_CATEGORIES
 
 
 def _one_line(text: str, keep: int) -> str:

@@ -68,8 +68,8 @@ class ModelBody(Body):
 
 class TitleBody(Body):
     title: str | None = Field(
-        description="One line of plain text, trimmed, at most 120 characters; null clears it (an automatic"
-        " title follows)."
+        description="One line of plain text, trimmed, at most 120 characters, with a visible character; null"
+        " clears it (an automatic title follows)."
     )
 
 

@@ -84,6 +84,25 @@ async def _on_stop(stopping: asyncio.Event, out: asyncio.Queue[Any]) -> None:
         out.put_nowait(_END)
 
 
+async def _revoked(ctx: ServerContext, who: Principal, name: str) -> bool | None:
+    """Whether ``who``'s token is revoked (or its account gone): True ends the stream. None when
+    the check itself failed (the store unreachable for a moment): logged, without the token, and
+    the stream goes on to the next check, as a WebSocket's does. Ending the stream on it would cut
+    every client off at each database blip, and all of them would reconnect at once."""
+    try:
+        return not await ctx.accounts.still_valid(who)
+    except Exception as exc:
+        log_json(
+            logging.WARNING,
+            "token check failed",
+            exc=exc,
+            stream=name,
+            account=who.account,
+            error_type=type(exc).__name__,
+        )
+        return None
+
+
 def frames(
     ctx: ServerContext, pid: str, signals: AsyncIterator[Signal], who: Principal | None = None
 ) -> AsyncIterator[ServerSentEvent]:
@@ -100,8 +119,9 @@ async def _frames(
 ) -> AsyncIterator[ServerSentEvent]:
     """SSE frames for ``signals``, with a ``: ping`` comment after every ``ctx.heartbeat`` seconds of
     silence, until the signals end or ``ctx.stopping`` is set; and, every heartbeat, a check that
-    ``who``'s token is still valid (a revoked token ends the stream). ``name`` is the stream's in
-    logs: its pid, or ``account <account>``."""
+    ``who``'s token is still valid (a revoked token ends the stream; a check that fails is tried
+    again at the next one: ``_revoked``). ``name`` is the stream's in logs: its pid, or ``account
+    <account>``."""
     items: asyncio.Queue[Any] = asyncio.Queue(BUFFER)
     pump = asyncio.create_task(_pump(name, signals, items))
     stop = asyncio.create_task(_on_stop(ctx.stopping, items))
@@ -110,7 +130,7 @@ async def _frames(
     try:
         while not ctx.stopping.is_set():
             if who is not None and loop.time() >= check_at:
-                if not await ctx.accounts.still_valid(who):
+                if await _revoked(ctx, who, name) is True:
                     return
                 check_at = loop.time() + ctx.heartbeat
             if items.empty():

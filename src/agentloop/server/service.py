@@ -564,7 +564,8 @@ class ProcessService:
 
     async def set_title(self, who: Principal, pid: str, title: str | None) -> dict[str, Any]:
         """Name the process (``Process.set_title``; None clears the name): 400 for a title that is
-        not one trimmed line of plain text of at most 120 characters, and nothing changes."""
+        not one trimmed line of plain text of at most 120 characters with a visible character, and
+        nothing changes."""
         proc, _ = await self._process(who, pid)
         try:
             title = await proc.set_title(title)
