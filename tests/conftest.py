@@ -115,9 +115,12 @@ def browser(chromium: str, _chromium_process: list[Chromium]) -> Iterator[Browse
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start mypy (``test_static.test_mypy_strict``) in the background as soon as the session knows
-    it will run it, so its ~25 s of CPU overlap the rest of the suite (see ``tests/test_static.py``)."""
+    it will run it, so its ~25 s of CPU overlap the rest of the suite (see ``tests/test_static.py``).
+    Not in an xdist worker: each collects every test, and only one runs it (then, in the foreground)."""
     from tests import test_static
 
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     if not session.config.option.collectonly and any(
         item.nodeid.endswith(test_static.MYPY_TEST) for item in session.items
     ):
