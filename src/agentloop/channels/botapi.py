@@ -12,7 +12,9 @@ token written in by the same transport), streamed and cut off at a limit.
 Failures: a network error, an HTTP 5xx and an answer that is not the Bot API's JSON are transient
 and retried with exponential backoff; a 429 waits the ``parameters.retry_after`` Telegram asks for;
 any other ``ok: false`` (400 bad request, 401 bad token, 403 blocked by the user, 409 another
-poller) is permanent and raised at once, since asking again cannot change the answer.
+poller) is permanent and raised at once, since asking again cannot change the answer. A 400 that
+names ``parameters.migrate_to_chat_id`` (the group became a supergroup, which has another chat id)
+carries that id, so that the caller can send there instead.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ _FILE_PATH = re.compile(r"[A-Za-z0-9_.-][A-Za-z0-9_./-]{0,499}")  # what getFile
 
 class BotApiError(Exception):
     """A Bot API call that failed: ``transient`` ones may succeed when asked again (after
-    ``retry_after`` seconds when Telegram said how long). The message never holds the token."""
+    ``retry_after`` seconds when Telegram said how long). ``migrate_to`` is the chat id a group
+    that became a supergroup has now (Telegram's ``migrate_to_chat_id``). The message never holds
+    the token."""
 
     def __init__(
         self,
@@ -52,6 +56,7 @@ class BotApiError(Exception):
         code: int | None = None,
         transient: bool = False,
         retry_after: float | None = None,
+        migrate_to: int | None = None,
     ) -> None:
         shown = f"{description} (HTTP {code})" if code is not None else description
         super().__init__(f"Telegram {method} failed: {shown}")
@@ -60,6 +65,7 @@ class BotApiError(Exception):
         self.code = code
         self.transient = transient
         self.retry_after = retry_after
+        self.migrate_to = migrate_to
 
 
 class _TokenTransport(httpx.AsyncBaseTransport):
@@ -192,14 +198,23 @@ class BotApi:
         code = body.get("error_code")
         code = code if isinstance(code, int) and not isinstance(code, bool) else status
         description = self.redact(str(body.get("description") or "no description"))[:300]
-        retry_after = None
+        retry_after: float | None = None
+        migrate_to: int | None = None
         parameters = body.get("parameters")
         if isinstance(parameters, dict):
             wait = parameters.get("retry_after")
             if isinstance(wait, int | float) and not isinstance(wait, bool) and math.isfinite(wait):
                 retry_after = min(max(float(wait), 0.0), MAX_RETRY_AFTER)
+            moved = parameters.get("migrate_to_chat_id")
+            if isinstance(moved, int) and not isinstance(moved, bool):
+                migrate_to = moved
         limited = 429 in (status, code)
         transient = limited or status >= 500 or code >= 500
         raise BotApiError(
-            method, description, code=code, transient=transient, retry_after=retry_after if limited else None
+            method,
+            description,
+            code=code,
+            transient=transient,
+            retry_after=retry_after if limited else None,
+            migrate_to=migrate_to,
         )

@@ -20,7 +20,8 @@ added), and ``proc.run.finished`` sends the answer, in parts of at most 2000 cha
 A message's attachments (up to ``media.MAX_FILES``: images, and PDF, plain text, Markdown or CSV
 documents) are downloaded from Discord's CDN, without the bot token and only from the CDN's own
 addresses (``attachment_urls``: an address anywhere else is never fetched), and go with the text
-(or a short default) as one ``Process.send``. A voice message or an audio attachment is taken only
+(or a short default) as one ``Process.send``. A forwarded message (whose text and files Discord
+sends in ``message_snapshots``) is taken as the user's own. A voice message or an audio attachment is taken only
 when the bridge has a ``transcriber``: it reaches the agent as its transcript, marked as such, after
 the text. Without one, and for video, stickers and other files, the message is refused with a short
 reply, and so are files past ``max_file_bytes``; a download that keeps failing is reported to the
@@ -35,7 +36,8 @@ The gateway: ``GET /gateway/bot`` names its address; on Hello the bridge beats e
 (intents: server and direct messages, and their content). A beat not acknowledged by the next one
 means the connection is dead though open (a "zombie"): it is closed and resumed. A drop, an op 7
 Reconnect or an op 9 Invalid Session that may be resumed reconnects to the session's
-``resume_gateway_url`` and resumes (op 6), so that Discord replays what was dispatched meanwhile;
+``resume_gateway_url`` and resumes (op 6), so that Discord replays what was dispatched meanwhile
+(after ``RESUME_TRIES`` failures in a row to get there, through the gateway's main address instead);
 an op 9 that may not be resumed identifies anew after 1–5 seconds. A close that no retry can mend
 (4004: the token was refused, 4010–4014: a bad shard, API version or intents, or the Message
 Content intent not enabled for the bot) ends the bridge with a ``DiscordError``; anything else is
@@ -116,6 +118,7 @@ PERMANENT_CLOSES = {
     4014: "disallowed intents: enable the Message Content intent for the bot in the Developer Portal (Bot page)",
 }
 NEW_SESSION_CLOSES = frozenset({4007, 4009})  # an invalid seq, a session timed out: resuming cannot work
+RESUME_TRIES = 3  # resumes in a row that fail at the session's resume address before the main one is used
 NO_MENTIONS: dict[str, Any] = {"parse": []}
 EPHEMERAL = 64  # message flag: only the presser sees the answer
 CATCH_UP = "CATCH_UP"  # the intake's item that reads what was said while no session was up
@@ -199,6 +202,14 @@ def approval_components(request_id: str) -> list[dict[str, Any]] | None:
         for (label, _, style), i in zip(_BUTTONS, ids, strict=True)
     ]
     return [{"type": 1, "components": buttons}]
+
+
+def _forwarded(message: dict[str, Any]) -> dict[str, Any] | None:
+    """The message a forward carries: Discord sends a forward with no content of its own, the
+    forwarded message's text and files in ``message_snapshots``. None for any other message."""
+    snapshots = message.get("message_snapshots")
+    inner = _field(snapshots[0], "message") if isinstance(snapshots, list) and snapshots else None
+    return inner if isinstance(inner, dict) else None
 
 
 def _mask_token(text: str, token: str) -> str:
@@ -434,9 +445,11 @@ class DiscordBridge(ChatBridge[int]):
 
         first, longest = self.api.backoff
         delay = first
+        stuck = 0  # resumes in a row that failed at the resume address
         while True:
             self._live = False
             self._dropped = None
+            resume_at = self._resume_url if self._session_id is not None else None
             try:
                 await self._connection()
                 why = "the gateway ended the connection"
@@ -461,7 +474,16 @@ class DiscordBridge(ChatBridge[int]):
             except Exception as exc:  # (a bug: the bridge goes on all the same)
                 why = self.redact(f"unexpected {type(exc).__name__}: {exc}")  # (no traceback: it may quote frames)
             if self._live:
-                delay = first
+                delay, stuck = first, 0
+            elif resume_at is not None and resume_at == self._resume_url:
+                stuck += 1
+                if stuck >= RESUME_TRIES:  # (its host is down, or it is no gateway: the session is kept)
+                    log.warning(
+                        "the Discord session could not be resumed at its resume address %d times in a row:"
+                        " resuming through the gateway's main address",
+                        stuck,
+                    )
+                    self._resume_url, stuck = None, 0
             how = "resuming" if self._session_id is not None else "connecting anew"
             log.warning("the Discord gateway connection ended (%s); %s in %.1f s", why, how, delay)
             await asyncio.sleep(delay)
@@ -690,7 +712,12 @@ class DiscordBridge(ChatBridge[int]):
             return
         run_id = f"discord-{self.bot_id}-{channel}-{message_id}"  # a message taken again is admitted once
         attachments = self._attachments(message)
-        command = self._command(text) if not attachments else None
+        forwarded = _forwarded(message) if not text.strip() and not attachments else None
+        if forwarded is not None:  # (what it holds is the forwarded message's: not a command of the user's)
+            content = forwarded.get("content")
+            text = content.strip() if isinstance(content, str) else ""
+            attachments = self._attachments(forwarded)
+        command = self._command(text) if not attachments and forwarded is None else None
         if attachments:
             await self._deliver_files(channel, user_id, text, run_id, attachments)
         elif command == "help":

@@ -31,6 +31,11 @@ Only the Telegram users on the allow-list reach a process: anyone else gets a sh
 (with their user id, so the bot's owner can add them) and their message goes nowhere. An empty
 allow-list refuses everyone.
 
+A service message (Telegram's note that a member joined, a message was pinned, the auto-delete timer
+was set …) was written by nobody: it is not answered, nor refused. When a group becomes a
+supergroup its chat id changes (Telegram says so in a service message, and in the error a send to
+the old id gets): the group's process goes on with the new id, and what was on its way is sent there.
+
 What survives a restart:
 
 - the chat's process: it is spawned with the process kv ``telegram.chat`` = ``<bot id>:<chat id>``
@@ -39,7 +44,9 @@ What survives a restart:
   ``<data dir>/var/telegram/<bot id>.json``. The store has no table for state that belongs to no
   process, and the offset belongs to the bot. The offset advances only after an update was handled,
   so a crash in between delivers the update again, once: its input is sent with the run id
-  ``telegram-<bot>-<chat>-<update id>``, which ``Process.send`` admits only once. A follower resumes
+  ``telegram-<bot>-<chat>-<update id>``, which ``Process.send`` admits only once (Telegram numbers
+  updates afresh, from a random id, after a week without any: a poll whose updates are all below
+  the offset moves it back to them). A follower resumes
   from its last signal, so an answer that finished while the bridge was down is still sent (one
   sent just before a crash may be sent twice: at least once, never lost).
 """
@@ -88,6 +95,53 @@ _UNSUPPORTED = {
     "animation": "the animation",
 }
 _AUDIO = {"voice": ("the voice message", "audio/ogg"), "audio": ("the audio file", "audio/mpeg")}  # (its default type)
+# what a service message holds (Telegram's note that something happened in the chat: a member
+# joined, a message was pinned, the auto-delete timer was set, the group became a supergroup …):
+# nobody wrote it to the bot, so it is not answered (nor refused) and reaches no process
+_SERVICE = frozenset(
+    {
+        "new_chat_members",
+        "left_chat_member",
+        "new_chat_title",
+        "new_chat_photo",
+        "delete_chat_photo",
+        "group_chat_created",
+        "supergroup_chat_created",
+        "channel_chat_created",
+        "message_auto_delete_timer_changed",
+        "migrate_to_chat_id",
+        "migrate_from_chat_id",
+        "pinned_message",
+        "successful_payment",
+        "refunded_payment",
+        "users_shared",
+        "chat_shared",
+        "gift",
+        "unique_gift",
+        "connected_website",
+        "write_access_allowed",
+        "passport_data",
+        "proximity_alert_triggered",
+        "boost_added",
+        "chat_background_set",
+        "checklist_tasks_done",
+        "checklist_tasks_added",
+        "direct_message_price_changed",
+        "forum_topic_created",
+        "forum_topic_edited",
+        "forum_topic_closed",
+        "forum_topic_reopened",
+        "general_forum_topic_hidden",
+        "general_forum_topic_unhidden",
+        "giveaway_created",
+        "giveaway_completed",
+        "paid_message_price_changed",
+        "video_chat_scheduled",
+        "video_chat_started",
+        "video_chat_ended",
+        "video_chat_participants_invited",
+    }
+)
 
 HELP = (
     "Send me a message and your agent answers here.\n"
@@ -188,6 +242,8 @@ class TelegramBridge(ChatBridge[int]):
         self._poller: asyncio.Task[None] | None = None
         self._refused: RefusalThrottle[int] = RefusalThrottle()
         self._failures: dict[int, int] = {}  # update id -> the times its handling failed (the one retried)
+        # a group's chat id -> the supergroup's it became: what is sent to the group goes there
+        self._moved: dict[int, int] = {}
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -260,6 +316,8 @@ class TelegramBridge(ChatBridge[int]):
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 0.05), self.api.backoff[1])
                 continue
+            if isinstance(updates, list):
+                await self._renumbered(updates)
             before = self.state.offset
             failed = deferred = False
             if isinstance(updates, list):
@@ -285,6 +343,24 @@ class TelegramBridge(ChatBridge[int]):
                 delay = self.api.backoff[0]
                 if deferred:
                     await asyncio.sleep(ALBUM_WAIT)
+
+    async def _renumbered(self, updates: list[Any]) -> None:
+        """Follow Telegram when it numbers updates afresh: after a week without updates the next
+        one's id is chosen at random, and may be below the offset. Telegram still gives it (an
+        offset past every id it gave out confirms nothing), but it would be taken for one taken
+        already: skipped, and given again, for ever, with every update after it. A poll whose
+        updates are all below the offset therefore moves the offset back to the first of them."""
+        ids = [i for i in (_int(_field(update, "update_id")) for update in updates) if i is not None]
+        if not ids or max(ids) >= self.state.offset:
+            return
+        log.warning(
+            "Telegram numbers its updates afresh (after a week without any): the offset goes from %d back to %d",
+            self.state.offset,
+            min(ids),
+        )
+        self.state.offset = min(ids)
+        self.state.taking = None
+        await self.state.save()
 
     async def _take(self, take: list[Any]) -> bool:
         """Handle one update (or an album's, as one: ``takes``), then move the offset past it. When
@@ -350,6 +426,9 @@ class TelegramBridge(ChatBridge[int]):
         return f"telegram-{self.bot_id}-{chat_id}-{update_id}"
 
     async def _on_message(self, message: dict[str, Any], update_id: int) -> None:
+        if not isinstance(message.get("text"), str) and not _SERVICE.isdisjoint(message):
+            await self._on_service(message)
+            return
         sender = await self._sender(message)
         if sender is None:
             return
@@ -374,6 +453,33 @@ class TelegramBridge(ChatBridge[int]):
             await self._stop(chat_id)
         else:
             await self._deliver(chat_id, user_id, text, run_id)
+
+    async def _on_service(self, message: dict[str, Any]) -> None:
+        """A service message: nothing to answer. One that says a group became a supergroup (which
+        Telegram sends in both) moves the group's conversation to the supergroup's chat id."""
+        chat_id = _int(_field(message.get("chat"), "id"))
+        to, since = _int(message.get("migrate_to_chat_id")), _int(message.get("migrate_from_chat_id"))
+        if chat_id is not None and to is not None:
+            await self._migrate(chat_id, to)
+        elif chat_id is not None and since is not None:
+            await self._migrate(since, chat_id)
+        else:
+            log.debug("a Telegram service message in chat %s is not answered", chat_id)
+
+    async def _migrate(self, old: int, new: int) -> None:
+        """The group ``old`` is the supergroup ``new`` now (its chat id changed): what is sent to
+        ``old`` goes to ``new``, and its process talks with ``new`` (its kv says so, for a restart)."""
+        if old == new:
+            return
+        if self._moved.get(old) != new:
+            self._moved[old] = new
+            log.info("Telegram chat %d became the supergroup %d: its conversation goes on there", old, new)
+        pid = self._chats.get(old)
+        if pid is None or new in self._chats:
+            return
+        async with self.kernel.store.transaction():  # (first: a failure leaves it to be done again)
+            await self.kernel.store.kv_set(pid, CHAT_KEY, self._kv_value(new))
+        self._chats[new] = self._chats.pop(old)
 
     async def _on_album(self, messages: list[dict[str, Any]], update_id: int) -> None:
         """An album's messages (one file each, of one chat) as one input: all its files, the
@@ -528,16 +634,24 @@ class TelegramBridge(ChatBridge[int]):
         bot, the chat is gone) is logged, and the text dropped."""
         parts = split_message(text)
         for n, part in enumerate(parts):
-            params: dict[str, Any] = {"chat_id": chat_id, "text": part}
+            params: dict[str, Any] = {"chat_id": self._moved.get(chat_id, chat_id), "text": part}
             if markup is not None and n == len(parts) - 1:
                 params["reply_markup"] = markup
             try:
-                await self.api.call("sendMessage", params)
+                try:
+                    await self.api.call("sendMessage", params)
+                except BotApiError as exc:  # (a group that became a supergroup: sent there instead)
+                    if exc.migrate_to is None or exc.migrate_to == params["chat_id"]:
+                        raise
+                    await self._migrate(params["chat_id"], exc.migrate_to)
+                    params["chat_id"] = exc.migrate_to
+                    await self.api.call("sendMessage", params)
             except BotApiError as exc:
-                log.error("%s (chat %d): the message is dropped", exc, chat_id)
+                log.error("%s (chat %d): the message is dropped", exc, params["chat_id"])
                 return
 
     async def _typing(self, chat_id: int) -> None:
+        chat_id = self._moved.get(chat_id, chat_id)
         await self._try("sendChatAction", {"chat_id": chat_id, "action": "typing"}, attempts=1)
 
     async def _answer(self, query_id: str, text: str) -> None:

@@ -28,7 +28,9 @@ message admitted in time is not written anywhere. The run, and any message sent 
 Meta delivers a notification again until it gets its 200, and a text is sent to its process with the
 run id ``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits only once: a
 re-delivery, or one after a crash, never runs twice. Each process's follower resumes from the last
-signal acted on (kept in the same state file): an answer is sent at least once.
+signal acted on (kept in the same state file): an answer is sent at least once. Graph says only
+later, in a status notification, that a message it took could not be delivered (the user last
+wrote more than 24 hours ago …): such a failure is logged, as a send refused at once is.
 
 An ``image`` or a ``document`` message (a PDF, a plain text, Markdown or CSV file, an image sent
 as a file) becomes the same ``Process.send`` with the file attached and its caption as the text:
@@ -371,6 +373,7 @@ class WhatsAppBridge(ChatBridge[str]):
         except ValueError:
             log.warning("a signed webhook notification is not JSON")
             return Response("not JSON", 400, media_type="text/plain")
+        self._failures(notification)
         messages: dict[str, dict[str, Any]] = {}
         for message in self._messages(notification):
             wamid = _message_id(message)
@@ -393,8 +396,9 @@ class WhatsAppBridge(ChatBridge[str]):
                     return Response("not kept", 503, media_type="text/plain")
         return Response("ok", 200, media_type="text/plain")
 
-    def _messages(self, notification: object) -> list[dict[str, Any]]:
-        """The user messages of a notification sent to this number (statuses are left out)."""
+    def _messages(self, notification: object, key: str = "messages") -> list[dict[str, Any]]:
+        """The user messages of a notification sent to this number (``key`` "statuses": what
+        became of the messages it sent)."""
         found: list[dict[str, Any]] = []
         entries = _field(notification, "entry")
         for entry in entries if isinstance(entries, list) else []:
@@ -404,9 +408,31 @@ class WhatsAppBridge(ChatBridge[str]):
                 number = _field(_field(value, "metadata"), "phone_number_id")
                 if number is not None and str(number) != self.phone_number_id:
                     continue  # (an app may serve several numbers)
-                messages = _field(value, "messages")
+                messages = _field(value, key)
                 found += [m for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)]
         return found
+
+    def _failures(self, notification: object) -> None:
+        """Log the messages the notification says could not be delivered. Graph takes a message
+        (200, with an id) before it tries to deliver it: a failure (more than 24 hours since the
+        user last wrote, a number that cannot receive it …) comes later, as a status, and would
+        otherwise leave no trace of the answer that was lost."""
+        for status in self._messages(notification, "statuses"):
+            if status.get("status") != "failed":
+                continue
+            errors = status.get("errors")
+            error = errors[0] if isinstance(errors, list) and errors else None
+            code = _field(error, "code")
+            title = _field(error, "title") or _field(error, "message") or "no reason given"
+            details = _field(_field(error, "error_data"), "details")
+            why = f"{title}: {details}" if isinstance(details, str) and details else str(title)
+            log.error(
+                "WhatsApp could not deliver message %s to %s: %s%s",
+                str(status.get("id"))[:300],
+                str(status.get("recipient_id"))[:32],
+                self.redact(why)[:500],
+                f" (code {code})" if isinstance(code, int) and not isinstance(code, bool) else "",
+            )
 
     async def _intake(self, messages: Mapping[str, dict[str, Any]], taken: set[str]) -> bool:
         """Take the messages (by wamid), adding each taken to ``taken``; False when one of them
