@@ -71,10 +71,18 @@ def _existing_database(data: Path | None) -> Path | None:
     return path.resolve() if path.is_file() else None
 
 
+def _sqlite_file(url: str) -> Path | None:
+    """The file a ``sqlite:///`` store URL names (relative to here, as the store reads it)."""
+    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+
+
 def _no_database(data: Path | None) -> str:
     from agentloop.cli.chat import data_dir
+    from agentloop.cli.config import load_settings
 
-    return f"no database at {data_dir(data) / 'agentloop.db'}: no accounts or tokens yet (agentloop serve creates it)"
+    configured = load_settings().store
+    path = (_sqlite_file(configured) if configured else None) or data_dir(data) / "agentloop.db"
+    return f"no database at {path}: no accounts or tokens yet (agentloop serve creates it)"
 
 
 def _store_url(data: Path | None, *, create: bool = False) -> str | None:
@@ -88,7 +96,10 @@ def _store_url(data: Path | None, *, create: bool = False) -> str | None:
         raise CliError(settings.store_error, 2)  # to another database; a bad config value is exit 2, as for serve
     configured = settings.store
     if configured is not None:
-        return configured
+        # a configured SQLite file is no different from the data directory's: only ``create`` makes
+        # it (``account list`` once left an empty database wherever a mistyped URL pointed)
+        file = _sqlite_file(configured)
+        return None if file is not None and not create and not file.is_file() else configured
     path = _database(data) if create else _existing_database(data)
     return f"sqlite:///{path}" if path is not None else None
 

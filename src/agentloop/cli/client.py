@@ -35,7 +35,14 @@ from agentloop.cli.render import (
 )
 from agentloop.client import AgentloopClient, ClientError, StreamEvent
 from agentloop.loop.state import Mode
-from agentloop.messages import AssistantMessage, FileContent, MediaBlock, ToolResultMessage, message_from_dict
+from agentloop.messages import (
+    AssistantMessage,
+    FileContent,
+    MediaBlock,
+    ToolResultMessage,
+    message_from_dict,
+    storable,
+)
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
 from agentloop.urls import check_server_address, redact_url
@@ -157,9 +164,13 @@ def send(
 
     with _guarded():
         if mode not in ("steer", "queue", "interrupt"):
-            raise CliError("--mode must be steer, queue or interrupt")
+            raise CliError("--mode must be steer, queue or interrupt", 2)  # (a bad flag value: usage)
         if text == "-":
             text = sys.stdin.read()
+        # bytes that were not UTF-8 (on stdin or in the argument) are U+FFFD, as ``run -`` and the
+        # chat make them: as Python's lone surrogates they failed the request's JSON, with
+        # ``error: 'utf-8' codec can't encode characters …: surrogates not allowed``
+        text = storable(text)
         if not text.strip():
             raise CliError("empty message")
         receipt = call(server, token, lambda c: c.send(pid, text, mode=mode))

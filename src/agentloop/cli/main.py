@@ -113,6 +113,21 @@ def _main(
     ] = False,
 ) -> None:
     """A durable agent-loop runtime: a model, tools, and a loop that streams what it does."""
+    _replace_closed_streams()
+
+
+def _replace_closed_streams() -> None:
+    """A standard stream the caller closed (``<&-``, ``>&-``) is None in Python, and every
+    command reads or writes them without a second thought: ``run -`` failed with ``error:
+    AttributeError: 'NoneType' object has no attribute 'read'`` and ``chat`` with one about
+    ``isatty``. A closed one is taken as /dev/null (as a daemon's streams are): no input, so
+    ``run -`` says its prompt is empty and ``chat`` ends as at Ctrl-D; output goes nowhere."""
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (it stays open: it is stdin)
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -357,6 +357,8 @@ def serve_and_chat(opts: ServeOptions, *, new: bool, pid: str | None) -> tuple[b
 
 def _serve_and_chat(opts: ServeOptions, *, new: bool, pid: str | None) -> tuple[bool, int]:
     from agentloop.cli.client import remote_chat
+    from agentloop.cli.main import CliError
+    from agentloop.client import ClientError
     from agentloop.server.auth import ADMIN
 
     background = BackgroundServer(opts)
@@ -366,6 +368,8 @@ def _serve_and_chat(opts: ServeOptions, *, new: bool, pid: str | None) -> tuple[
         token, record = background.call(accounts.create_token(ADMIN, label="serve --chat session"))
         try:
             return remote_chat(running.url, token, new=new, pid=pid, cwd=None)
+        except ClientError as exc:  # (``--pid nope``: the server's own words, as ``chat --server`` says them)
+            raise CliError(exc.message) from None
         finally:
             with contextlib.suppress(Exception):
                 background.call(accounts.revoke(record.id))
@@ -438,11 +442,23 @@ def serve(
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
-    from agentloop.cli.main import CliError, _approval, _data_directory, _exit, _fail, _guarded, _settings, _workspace
+    from agentloop.cli.main import (
+        CliError,
+        _approval,
+        _data_directory,
+        _exit,
+        _fail,
+        _guarded,
+        _model_problem,
+        _settings,
+        _workspace,
+    )
 
     with _guarded():
         if not chat and (new or pid is not None):
             _fail("--new and --pid choose the conversation of --chat: give --chat too", 2)
+        if not host.strip():  # (``--host "$HOST"`` with HOST unset: a warning about "listening on ," came first)
+            _fail(f"--host is empty: name the address to listen on (default {DEFAULT_HOST})", 2)
         flags = loop_flags(
             max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold, reasoning
         )
@@ -450,6 +466,13 @@ def serve(
         setting = _approval(approval)
         ws = _workspace(settings)
         directory = _data_directory(data)
+        if not settings.fallbacks and (why := _model_problem(settings.model)) is not None:
+            # not refused, as ``run`` and ``chat`` refuse it: an account's own model may answer instead;
+            # but without a word, every message to the others failed with no hint why before the first
+            sys.stderr.write(
+                f"warning: {settings.model} (from {settings.model_source}) cannot be used here ({why}): "
+                "processes on it will fail until it can; --model picks another (agentloop models lists them)\n"
+            )
         if not is_loopback(host):
             sys.stderr.write(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
