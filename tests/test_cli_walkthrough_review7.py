@@ -3,7 +3,6 @@ sections: a Ctrl-C in the CLI's first second, and the wrong inputs a first hour 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,23 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from agentloop.cli.main import app
+from tests.test_cli_review6 import KEYS, _isolated, runner, script  # noqa: F401 (_isolated: autouse)
 
 ROOT = Path(__file__).resolve().parent.parent
-runner = CliRunner()
-KEYS = ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
-KEYS += ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GEMINI_BASE_URL")
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No user config, no model, key or data directory from the environment."""
-    monkeypatch.setenv("AGENTLOOP_CONFIG", str(tmp_path / "no-config.toml"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    for name in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG", "AGENTLOOP_DATA", *KEYS):
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
@@ -38,11 +25,6 @@ def ws(tmp_path: Path) -> Path:
     workspace = tmp_path / "ws"
     workspace.mkdir()
     return workspace
-
-
-def script(path: Path, replies: list[Any]) -> str:
-    path.write_text(json.dumps({"replies": replies}))
-    return f"scripted:{path}"
 
 
 def invoke(args: list[str], stdin: str = "") -> Any:

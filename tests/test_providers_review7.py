@@ -19,12 +19,9 @@ from starlette.routing import Route
 from agentloop import Agent, tool, user
 from agentloop.events import StreamDone, StreamError
 from agentloop.messages import AssistantMessage, ToolCall, ToolResultMessage
-from agentloop.models.anthropic import AnthropicModel
-from agentloop.models.base import Model, ModelRequest, ToolSpec, make_usage
+from agentloop.models.base import Model, ModelRequest, make_usage
 from agentloop.models.catalog import model_info
 from agentloop.models.gemini import GeminiModel
-from agentloop.models.openai_chat import OpenAIChatModel
-from agentloop.models.retry import RetryPolicy
 from agentloop.models.transcribe import OpenAITranscriber, TranscriptionError
 from agentloop.models.unusable import NAMELESS_CALL, unusable
 from agentloop.process import signals as sig
@@ -36,9 +33,7 @@ from tests.fakes.gemini_server import GeminiFake
 from tests.fakes.http_server import ServerThread, SSEReply, sse_frame
 from tests.fakes.openai_server import OpenAIFake
 from tests.process_support import assert_valid, kernel, ran
-
-FAST = RetryPolicy(max_retries=2, base_delay=0.01, max_delay=1.0)
-SPEC = ToolSpec(name="echo", description="Echo.", parameters={"type": "object", "properties": {}})
+from tests.test_providers_review import FAST, SPEC, anthropic_model, openai_model
 
 
 @tool
@@ -84,14 +79,6 @@ def gfake(gemini_server: GeminiFake) -> Iterator[GeminiFake]:
     gemini_server.reset()
     yield gemini_server
     gemini_server.reset()
-
-
-def openai_model(fake: OpenAIFake) -> OpenAIChatModel:
-    return OpenAIChatModel("gpt-4o-mini", base_url=fake.base_url, api_key="sk-test")
-
-
-def anthropic_model(fake: AnthropicFake) -> AnthropicModel:
-    return AnthropicModel("claude-haiku-4-5", base_url=fake.base_url, api_key="sk-ant-test")
 
 
 def gemini_model(fake: GeminiFake) -> GeminiModel:
