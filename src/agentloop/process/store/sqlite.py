@@ -95,6 +95,24 @@ _OWNER_KV = OWNER_KV.format(owner="?", key="?")
 _KV_ADD = KV_ADD.format(pid="?1", key="?2", value="?3", generation="?4")
 
 
+def _unwritable(path: str) -> str | None:
+    """Why SQLite could not write the database at ``path``, if it could not. SQLite opens a
+    read-only file without complaint and fails only at the first write, which may be a run's
+    commit long after start-up (its answer lost); every use of the store writes, so say it at
+    open. ``os.access`` also sees a read-only file system, where even root cannot write."""
+    if not os.access(path, os.W_OK):
+        return "it is read-only (its permissions or its file system); make it writable or use another database"
+    # WAL mode writes beside the file: its -wal and -shm files, created in the folder when missing
+    companions = [path + "-wal", path + "-shm"]
+    for companion in companions:
+        if os.path.exists(companion) and not os.access(companion, os.W_OK):
+            return f"{companion} is read-only; make it writable"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not all(os.path.exists(c) for c in companions) and not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is read-only, and SQLite writes its journal there"
+    return None
+
+
 @functools.cache
 def _update(columns: tuple[str, ...]) -> str:
     """A registry UPDATE of one process: ``column = ?``, or ``column = column + ?`` for an
@@ -201,6 +219,9 @@ class SQLiteStore(Store):
             # shared-memory files the same permissions)
             with contextlib.suppress(FileExistsError):
                 os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            refusal = _unwritable(self.path)
+            if refusal is not None:
+                raise StoreError(f"cannot open the database {self.path}: {refusal}")
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db = db
         # ``PRAGMA data_version`` numbers are per connection: the new one's may equal the last one
