@@ -60,6 +60,7 @@ from agentloop.models.base import (
     thinking_budget,
 )
 from agentloop.models.catalog import model_info
+from agentloop.models.idle import IdleLimit, StreamIdle, idle_seconds
 from agentloop.models.overflow import is_overflow_text
 from agentloop.models.replay import clean_history, safe_tool_id
 from agentloop.models.retry import retry_after_from_headers
@@ -190,14 +191,14 @@ class AnthropicModel(Model):
             await check_event_stream(response.response)
             yield out.start()
             try:
-                async for event in response:
+                async for event in IdleLimit(response, idle_seconds(self.client.timeout), _progress):
                     for ev in reader.read(event):
                         yield ev
                     if reader.stop is not None:
                         break
-            except (anthropic.APIConnectionError, TransportError) as exc:  # the SDK lets transport errors through
+            except (anthropic.APIConnectionError, TransportError, StreamIdle) as exc:  # (SDK lets transport errors out)
                 if not reader.whole():
-                    timed_out = isinstance(exc, anthropic.APITimeoutError | TimeoutException)
+                    timed_out = isinstance(exc, anthropic.APITimeoutError | TimeoutException | StreamIdle)
                     kind: ErrorKind = "timeout" if timed_out else "connection"
                     raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if reader.stop is None and not reader.whole():
@@ -265,6 +266,12 @@ def _error_field(body: object, name: str) -> str | None:
         if isinstance(inner, dict) and isinstance(inner.get(name), str):
             return cast(str, inner[name])
     return None
+
+
+def _progress(event: Any) -> bool:
+    """Whether a stream event is progress: all but ``ping`` (which the SDK drops already, but a
+    version that passed it on would keep a stalled stream alive)."""
+    return getattr(event, "type", None) != "ping"
 
 
 def _cause(exc: BaseException) -> str:

@@ -232,12 +232,12 @@ def quote_body(body: object) -> str:
 
 
 def error_parts(error: object) -> tuple[str, int]:
-    """What an ``error`` object in a body or a stream says: its message (an object's ``message``
-    or ``type``, or the whole of a string), and the HTTP status its ``code`` (or ``status``)
-    names, 0 for none."""
+    """What an ``error`` object in a body or a stream says: its message (an object's ``message``,
+    ``detail`` or ``type``, else its start, or the start of a string), and the HTTP status its
+    ``code`` (or ``status``) names, 0 for none."""
     if not isinstance(error, dict):
         return quote_body(error), 0
-    message = str(error.get("message") or error.get("type") or error)
+    message = str(error.get("message") or error.get("detail") or error.get("type") or quote_body(error))
     code = error.get("code", error.get("status"))
     if isinstance(code, str) and code.isdigit():
         code = int(code)
@@ -296,6 +296,21 @@ def _string(value: object, what: str) -> str:
     )
 
 
+def grow(holder: object, name: str, delta: str) -> None:
+    """Append ``delta`` to the string attribute ``name`` of ``holder`` in amortised constant time.
+
+    ``holder.text += delta`` copies the whole text on every delta (the attribute keeps the old
+    string alive), so a long answer cost time quadratic in its deltas: 100k of them took seconds
+    of CPU. With the attribute's reference dropped first, the local is the string's only owner
+    and CPython grows it in place. The attribute is whole again before anything else can run, so
+    whoever reads the message mid-stream (an abort storing the partial answer) sees all of it;
+    a reader that kept a reference to the old string only costs a copy, never a wrong text."""
+    text: str = getattr(holder, name)
+    setattr(holder, name, "")
+    text += delta
+    setattr(holder, name, text)
+
+
 def stream_broken(what: str, out: AssistantBuilder) -> str:
     """Why a stream failed, with how much of the answer had arrived (a retry starts it again)."""
     got = len(out.message.text)
@@ -349,7 +364,7 @@ class AssistantBuilder:
             events.append(TextStart(index=self._open))
         block = content[self._open]
         assert isinstance(block, TextContent)
-        block.text += delta
+        grow(block, "text", delta)
         events.append(TextDelta(index=self._open, delta=delta))
         return events
 
@@ -365,7 +380,7 @@ class AssistantBuilder:
         assert isinstance(block, ThinkingContent)
         if delta:
             delta = storable(_string(delta, "thinking"))
-            block.thinking += delta
+            grow(block, "thinking", delta)
             events.append(ThinkingDelta(index=self._open, delta=delta))
         if signature:
             block.signature = (block.signature or "") + _string(signature, "a thinking signature")

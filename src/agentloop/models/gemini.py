@@ -66,6 +66,7 @@ from agentloop.models.base import (
     thinking_budget,
 )
 from agentloop.models.catalog import model_info
+from agentloop.models.idle import IdleLimit, StreamIdle, idle_seconds
 from agentloop.models.overflow import is_overflow_text
 from agentloop.models.replay import clean_history
 from agentloop.models.retry import parse_retry_after, retry_after_from_headers
@@ -222,7 +223,8 @@ class GeminiModel(Model):
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
         body = self.build_body(request)
         headers = self._headers()
-        async with self._http().stream("POST", self.url, json=body, headers=headers) as response:
+        client = self._http()
+        async with client.stream("POST", self.url, json=body, headers=headers) as response:
             if response.status_code >= 400:
                 raw = await response.aread()
                 raise classify_status(response.status_code, raw, response.headers)
@@ -230,7 +232,7 @@ class GeminiModel(Model):
             yield out.start()
             reader = _ChunkReader(self.info, out)
             try:
-                async for data, ended in _sse_data(response):
+                async for data, ended in IdleLimit(_sse_data(response), idle_seconds(client.timeout)):
                     try:
                         chunk = json.loads(data)
                     except json.JSONDecodeError as exc:
@@ -241,9 +243,10 @@ class GeminiModel(Model):
                         ) from exc
                     for event in reader.read(chunk):
                         yield event
-            except (httpx.TransportError, httpx.StreamError) as exc:
+            except (httpx.TransportError, httpx.StreamError, StreamIdle) as exc:
                 if reader.finish is None:  # (after the finish the answer is whole: at most its usage is lost)
-                    kind: ErrorKind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
+                    timed_out = isinstance(exc, httpx.TimeoutException | StreamIdle)
+                    kind: ErrorKind = "timeout" if timed_out else "connection"
                     raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if reader.finish is None:
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")

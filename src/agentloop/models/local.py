@@ -40,7 +40,16 @@ from agentloop.messages import (
     UserBlock,
     UserMessage,
 )
-from agentloop.models.base import AssistantBuilder, Model, ModelRequest, ProviderError, ToolSpec, file_text, make_usage
+from agentloop.models.base import (
+    AssistantBuilder,
+    Model,
+    ModelRequest,
+    ProviderError,
+    ToolSpec,
+    file_text,
+    grow,
+    make_usage,
+)
 from agentloop.models.catalog import model_info
 from agentloop.models.gguf_assets import (
     KNOWN_MODELS,
@@ -617,7 +626,7 @@ class LocalModel(Model):
             while True:
                 item = await queue.get()
                 if item[0] == "text":
-                    gen.text += item[1]
+                    grow(gen, "text", item[1])  # (``+=`` on the attribute: quadratic in the tokens)
                     gen.completion_tokens += 1
                     if schema is None:
                         delta = item[1]

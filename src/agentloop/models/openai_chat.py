@@ -53,6 +53,7 @@ from agentloop.models.base import (
     stream_broken,
 )
 from agentloop.models.catalog import model_info
+from agentloop.models.idle import IdleLimit, StreamIdle, idle_seconds
 from agentloop.models.overflow import is_overflow_text
 from agentloop.models.replay import clean_history, safe_tool_id
 from agentloop.models.retry import retry_after_from_headers
@@ -168,7 +169,8 @@ class OpenAIChatModel(Model):
             await check_event_stream(response.response)
             yield out.start()
             try:
-                async for chunk in response:
+                async for chunk in IdleLimit(response, idle_seconds(self.client.timeout)):
+                    _raise_error_chunk(chunk)
                     if getattr(chunk, "usage", None) is not None:
                         usage = self._usage(chunk.usage)
                     for choice in chunk.choices or ():
@@ -176,9 +178,10 @@ class OpenAIChatModel(Model):
                             yield event
                         if choice.finish_reason:
                             finish = choice.finish_reason
-            except openai.APIConnectionError as exc:  # the stream broke: say how far it got
+            except (openai.APIConnectionError, StreamIdle) as exc:  # the stream broke: say how far it got
                 if finish is None:  # (after the finish the answer is whole: only its usage is lost)
-                    kind: ErrorKind = "timeout" if isinstance(exc, openai.APITimeoutError) else "connection"
+                    timed_out = isinstance(exc, openai.APITimeoutError | StreamIdle)
+                    kind: ErrorKind = "timeout" if timed_out else "connection"
                     raise ProviderError(stream_broken(f"the stream broke: {_cause(exc)}", out), kind=kind) from exc
         if finish is None:
             raise ProviderError(stream_broken(STREAM_CUT, out), kind="connection")
@@ -212,17 +215,39 @@ class OpenAIChatModel(Model):
         if isinstance(exc, openai.APIResponseValidationError):
             return ProviderError(f"unreadable response: {exc}", kind="invalid_response")
         if isinstance(exc, openai.APIError):  # an error event inside a 200 stream
-            message, status = error_parts(exc.body if exc.body is not None else exc.message)
-            text = f"stream error: {message}"
-            if status:  # the code it carries says what it is (vLLM, OpenRouter)
-                return http_error(status, text, overflow=is_overflow_text(text))
-            return ProviderError(text, kind="overflow" if is_overflow_text(text) else "server")
+            return stream_error(exc.body if exc.body is not None else exc.message)
         if isinstance(exc, ValueError | TypeError | AttributeError | KeyError | pydantic.ValidationError):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)
 
     def secrets(self) -> tuple[str, ...]:
         return (self._api_key,) if self._api_key else ()
+
+
+def stream_error(body: object) -> ProviderError:
+    """What an error inside a 200 stream means: its message, and the kind the status its code
+    names says (vLLM, OpenRouter), else a server error (retried) or an overflow by its text."""
+    message, status = error_parts(body)
+    text = f"stream error: {message}"
+    if status:
+        return http_error(status, text, overflow=is_overflow_text(text))
+    return ProviderError(text, kind="overflow" if is_overflow_text(text) else "server")
+
+
+# what marks a chunk without ``choices`` as an error body (vLLM's ``"object": "error"``, a proxy's
+# ``{"message": ...}`` or ``{"detail": ...}``); the SDK recognises only an ``error`` key
+_ERROR_MARKS = ("message", "detail", "error_message")
+
+
+def _raise_error_chunk(chunk: Any) -> None:
+    """Raise the provider error a chunk is, when it is one the SDK let through: an ``event:
+    error`` or a data line whose body has no ``error`` key. Taken for an empty chunk, it ended
+    the stream as a cut one, and the retry lost what the server had said."""
+    if "choices" in getattr(chunk, "model_fields_set", ("choices",)):
+        return
+    body = chunk.to_dict()
+    if body.get("object") == "error" or body.get("type") == "error" or any(k in body for k in _ERROR_MARKS):
+        raise stream_error(body)
 
 
 def sdk_kwargs(create: Any, params: dict[str, Any]) -> dict[str, Any]:
