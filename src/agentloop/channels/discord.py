@@ -7,15 +7,23 @@
 one durable process per Discord channel: a direct message channel, or a server (guild) channel
 where the bot is mentioned. In a DM every message is for the bot; in a server channel only those
 that mention it (``@bot what is …``; the mention is taken out of the text), so the bot can sit in a
-busy channel without answering everything. A message becomes ``Process.send`` (mode ``queue``:
-while the agent is still answering, it waits for its own run); ``!new`` resets the conversation,
-``!stop`` aborts the run and ``!help`` says so (``!`` rather than ``/``: a ``/`` command would have
-to be registered with Discord as an application command). A follower per process reads its signals
-(``agentloop.channels.bridge``): ``proc.run.started`` shows "typing…", ``proc.run.hil.requested``
-sends the call to approve with Approve / Deny / Always buttons (whose presses come back as
-``INTERACTION_CREATE`` and are answered by updating the message: its buttons go, the outcome is
-added), and ``proc.run.finished`` sends the answer, in parts of at most 2000 characters, with
-``allowed_mentions`` empty so that nothing the model writes pings anyone (``@everyone``).
+busy channel without answering everything. A mention of the bot's own role (the one Discord manages
+for the bot in each server, which the mention autocomplete offers beside the bot: its
+``tags.bot_id`` names the bot) counts as a mention of the bot, and is taken out as well. The
+server's roles are read (``GET /guilds/<id>/roles``) when a message mentions one the bridge does
+not know (at most every ``ROLES_REFRESH`` seconds); ``GUILD_CREATE`` would carry them, but only to
+a session with the Guilds intent, which the bridge does not ask for (it would bring every server's
+channels and members at each connect).
+
+A message becomes ``Process.send`` (mode ``queue``: while the agent is still answering, it waits
+for its own run); ``!new`` resets the conversation, ``!stop`` aborts the run and ``!help`` says so
+(``!`` rather than ``/``: a ``/`` command would have to be registered with Discord as an
+application command). A follower per process reads its signals (``agentloop.channels.bridge``):
+``proc.run.started`` shows "typing…", ``proc.run.hil.requested`` sends the call to approve with
+Approve / Deny / Always buttons (whose presses come back as ``INTERACTION_CREATE`` and are answered
+by updating the message: its buttons go, the outcome is added), and ``proc.run.finished`` sends the
+answer, in parts of at most 2000 characters, with ``allowed_mentions`` empty so that nothing the
+model writes pings anyone (``@everyone``).
 
 A message's attachments (up to ``media.MAX_FILES``: images, and PDF, plain text, Markdown or CSV
 documents) are downloaded from Discord's CDN, without the bot token and only from the CDN's own
@@ -69,6 +77,7 @@ import re
 import secrets
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -119,6 +128,7 @@ PERMANENT_CLOSES = {
 }
 NEW_SESSION_CLOSES = frozenset({4007, 4009})  # an invalid seq, a session timed out: resuming cannot work
 RESUME_TRIES = 3  # resumes in a row that fail at the session's resume address before the main one is used
+ROLES_REFRESH = 60.0  # seconds: a server's roles are read again at most this often
 NO_MENTIONS: dict[str, Any] = {"parse": []}
 EPHEMERAL = 64  # message flag: only the presser sees the answer
 CATCH_UP = "CATCH_UP"  # the intake's item that reads what was said while no session was up
@@ -189,6 +199,32 @@ def _allowed(url: str, bases: Iterable[tuple[str, str, int | None, str]]) -> boo
     return any(
         (parts.scheme, host, port) == (scheme, h, p) and parts.path.startswith(prefix) for scheme, h, p, prefix in bases
     )
+
+
+@dataclass(frozen=True)
+class GuildRoles:
+    """A server's roles as the bridge last read them (``at``, loop seconds): every role id
+    (``known``: a mention of another is news, the roles are read again) and the bot's own."""
+
+    known: frozenset[int]
+    mine: frozenset[int]
+    at: float
+
+
+def bot_roles(roles: object, bot_id: int) -> tuple[frozenset[int], frozenset[int]]:
+    """(every role id, the ids of the bot's managed roles) of a server's ``roles``: a managed role
+    is the one Discord made for a bot when it joined, and its ``tags.bot_id`` names that bot. (Any
+    other role the bot has is shared with people: a mention of it is not meant for the bot.)"""
+    known: set[int] = set()
+    mine: set[int] = set()
+    for role in roles if isinstance(roles, list) else []:
+        role_id = _snowflake(_field(role, "id"))
+        if role_id is None:
+            continue
+        known.add(role_id)
+        if _snowflake(_field(_field(role, "tags"), "bot_id")) == bot_id:
+            mine.add(role_id)
+    return frozenset(known), frozenset(mine)
 
 
 def approval_components(request_id: str) -> list[dict[str, Any]] | None:
@@ -356,6 +392,7 @@ class DiscordBridge(ChatBridge[int]):
         self.invalid_session_wait = (float(low), float(high))
         self._wslog = _GatewayLog(logging.getLogger("agentloop.channels.discord.gateway"), token)
         self._mention = re.compile(r"$^")  # (the bot's mention, once its id is known)
+        self._roles: dict[int, GuildRoles] = {}  # server -> its roles, as last read
         self._refused: RefusalThrottle[tuple[int, int]] = RefusalThrottle()
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
@@ -702,11 +739,10 @@ class DiscordBridge(ChatBridge[int]):
             return  # handled already (caught up, then dispatched too)
         text = message.get("content")
         text = text if isinstance(text, str) else ""
-        if message.get("guild_id") is not None and not self._mentioned(message):
-            return  # in a server channel, what does not mention the bot is not for it
-        stripped = self._mention.sub(" ", text)
-        if stripped != text:
-            text = stripped.strip()
+        roles = await self._roles_mentioned(message) if message.get("guild_id") is not None else frozenset()
+        if message.get("guild_id") is not None and not self._mentioned(message) and not roles:
+            return  # in a server channel, what does not mention the bot (or its role) is not for it
+        text = self._without_mentions(text, roles)
         if user_id not in self.allow:
             await self._refuse(channel, user_id)
             return
@@ -765,6 +801,45 @@ class DiscordBridge(ChatBridge[int]):
     def _mentioned(self, message: dict[str, Any]) -> bool:
         mentions = message.get("mentions")
         return isinstance(mentions, list) and any(_snowflake(_field(m, "id")) == self.bot_id for m in mentions)
+
+    async def _roles_mentioned(self, message: dict[str, Any]) -> frozenset[int]:
+        """The bot's own roles a server message mentions (``mention_roles``): a user who picks the
+        bot's role from the mention autocomplete means the bot."""
+        listed = message.get("mention_roles")
+        mentioned = {r for r in (_snowflake(x) for x in (listed if isinstance(listed, list) else [])) if r is not None}
+        guild = _snowflake(message.get("guild_id"))
+        if not mentioned or guild is None:
+            return frozenset()
+        return (await self._guild_roles(guild, mentioned)).mine & mentioned
+
+    async def _guild_roles(self, guild: int, wanted: set[int]) -> GuildRoles:
+        """The server's roles: as known, unless ``wanted`` holds one not among them (a role made
+        since, the bot invited again), then read anew (at most every ``ROLES_REFRESH`` seconds). A
+        server that refuses (403, 404) leaves the roles as they were; a transient failure is raised,
+        and the message taken again."""
+        now = asyncio.get_running_loop().time()
+        known = self._roles.get(guild)
+        if known is not None and (wanted <= known.known or now - known.at < ROLES_REFRESH):
+            return known
+        try:
+            answer = await self.api.request("GET", f"/guilds/{guild}/roles", attempts=3)
+        except DiscordError as exc:
+            if exc.transient:
+                raise
+            log.info("%s: the roles of server %d are not known", exc, guild)
+            kept = known or GuildRoles(frozenset(), frozenset(), now)
+            self._roles[guild] = GuildRoles(kept.known, kept.mine, now)
+            return self._roles[guild]
+        self._roles[guild] = GuildRoles(*bot_roles(answer, self.bot_id), now)
+        return self._roles[guild]
+
+    def _without_mentions(self, text: str, roles: frozenset[int]) -> str:
+        """``text`` with the bot's mentions (and those of its ``roles``) taken out."""
+        stripped = self._mention.sub(" ", text)
+        if roles:
+            ids = "|".join(str(r) for r in sorted(roles))
+            stripped = re.sub(rf"\s*<@&(?:{ids})>\s*", " ", stripped)
+        return stripped.strip() if stripped != text else text
 
     def _command(self, text: str) -> str | None:
         """``new`` for "!new" (any case); None for text and for other words after a "!"."""

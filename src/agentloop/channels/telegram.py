@@ -36,10 +36,15 @@ was set …) was written by nobody: it is not answered, nor refused. When a grou
 supergroup its chat id changes (Telegram says so in a service message, and in the error a send to
 the old id gets): the group's process goes on with the new id, and what was on its way is sent there.
 
+In a supergroup with topics (a forum), each topic is a conversation of its own: a message written in
+a topic (``is_topic_message``, its ``message_thread_id``) reaches that topic's process, and what the
+bridge sends for it (answers, "typing…", approvals, refusals) goes into that topic. The General
+topic, and every chat without topics, is one conversation per chat, as before.
+
 What survives a restart:
 
 - the chat's process: it is spawned with the process kv ``telegram.chat`` = ``<bot id>:<chat id>``
-  (in the same transaction), and found again by that key;
+  (a topic's: ``<bot id>:<chat id>:<thread id>``; in the same transaction), and found again by that key;
 - the ``getUpdates`` offset and, per process, the last signal acted on: a small JSON file,
   ``<data dir>/var/telegram/<bot id>.json``. The store has no table for state that belongs to no
   process, and the offset belongs to the bot. The offset advances only after an update was handled,
@@ -57,7 +62,7 @@ import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import httpx
 
@@ -81,7 +86,7 @@ from agentloop.process.archive import check_name
 
 log = logging.getLogger("agentloop.channels.telegram")
 
-CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>" of the chat the process talks with
+CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>[:<thread id>]" of its chat (topic)
 TRIES = 5  # times an update whose handling fails is taken before it is skipped
 ALBUM_WAIT = 0.5  # seconds a poll that ends inside an album waits for the album's other files
 # what a message may hold that the kernel does not take ("animation" before "document": a GIF is
@@ -162,6 +167,36 @@ def _field(value: object, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else None
 
 
+class Topic(NamedTuple):
+    """One topic of a forum supergroup, a conversation of its own. A chat without topics (and a
+    forum's General topic) is keyed by its chat id alone, as before topics were kept apart, so
+    that the processes of existing chats are found again under the keys they were spawned with."""
+
+    chat: int
+    thread: int
+
+
+Chat = int | Topic  # a conversation: a chat (by its id), or one topic of a forum
+
+
+def chat_id_of(chat: Chat) -> int:
+    """The Telegram chat id of a conversation."""
+    return chat.chat if isinstance(chat, Topic) else chat
+
+
+def conversation(message: object) -> Chat | None:
+    """The conversation ``message`` belongs to: its topic when it was written in one (Telegram
+    marks it ``is_topic_message``; a reply elsewhere also carries a ``message_thread_id``, which is
+    no topic), else its chat. None for a message that names no chat."""
+    chat_id = _int(_field(_field(message, "chat"), "id"))
+    if chat_id is None:
+        return None
+    thread = _int(_field(message, "message_thread_id"))
+    if _field(message, "is_topic_message") is True and thread is not None:
+        return Topic(chat_id, thread)
+    return chat_id
+
+
 def _album(update: object) -> tuple[int, str] | None:
     """(chat id, media group id) of an update that is one file of an album."""
     message = _field(update, "message")
@@ -183,7 +218,7 @@ def takes(updates: list[Any]) -> list[list[Any]]:
     return out
 
 
-class TelegramBridge(ChatBridge[int]):
+class TelegramBridge(ChatBridge[Chat]):
     """Connects a Telegram bot to ``kernel``: see the module doc.
 
     ``allow`` are the Telegram user ids that may talk to the agent (and answer its approvals);
@@ -281,17 +316,20 @@ class TelegramBridge(ChatBridge[int]):
         self._poller = None
         await self.api.close()
 
-    def _kv_value(self, chat: int) -> str:
+    def _kv_value(self, chat: Chat) -> str:
+        if isinstance(chat, Topic):
+            return f"{self.bot_id}:{chat.chat}:{chat.thread}"
         return f"{self.bot_id}:{chat}"
 
-    def _chat_of(self, value: str) -> int | None:
-        bot, _, chat = value.partition(":")
-        if bot != str(self.bot_id):
+    def _chat_of(self, value: str) -> Chat | None:
+        bot, *ids = value.split(":")
+        if bot != str(self.bot_id) or len(ids) not in (1, 2):
             return None
         try:
-            return int(chat)
+            numbers = [int(n) for n in ids]
         except ValueError:
             return None
+        return Topic(numbers[0], numbers[1]) if len(numbers) == 2 else numbers[0]
 
     def redact(self, text: str) -> str:
         return self.api.redact(text)
@@ -409,21 +447,22 @@ class TelegramBridge(ChatBridge[int]):
         elif isinstance(update.get("callback_query"), dict):
             await self._on_callback(update["callback_query"])
 
-    async def _sender(self, message: dict[str, Any]) -> tuple[int, int] | None:
-        """(chat id, user id) of a message from a user on the allow-list; None (anyone else
+    async def _sender(self, message: dict[str, Any]) -> tuple[Chat, int] | None:
+        """(conversation, user id) of a message from a user on the allow-list; None (anyone else
         refused) otherwise."""
-        chat_id = _int(_field(message.get("chat"), "id"))
+        chat = conversation(message)
         user_id = _int(_field(message.get("from"), "id"))
-        if chat_id is None:
+        if chat is None:
             return None
         if user_id is None or user_id not in self.allow:
-            await self._refuse(chat_id, user_id)
+            await self._refuse(chat, user_id)
             return None
-        return chat_id, user_id
+        return chat, user_id
 
-    def _run_id(self, chat_id: int, update_id: int) -> str:
-        """The run id of an update's input: a redelivered update is admitted once."""
-        return f"telegram-{self.bot_id}-{chat_id}-{update_id}"
+    def _run_id(self, chat: Chat, update_id: int) -> str:
+        """The run id of an update's input: a redelivered update is admitted once (the chat id
+        alone, a topic's too: the update id is the bot's own, unique across its chats)."""
+        return f"telegram-{self.bot_id}-{chat_id_of(chat)}-{update_id}"
 
     async def _on_message(self, message: dict[str, Any], update_id: int) -> None:
         if not isinstance(message.get("text"), str) and not _SERVICE.isdisjoint(message):
@@ -432,27 +471,27 @@ class TelegramBridge(ChatBridge[int]):
         sender = await self._sender(message)
         if sender is None:
             return
-        chat_id, user_id = sender
-        run_id = self._run_id(chat_id, update_id)
+        chat, user_id = sender
+        run_id = self._run_id(chat, update_id)
         text = message.get("text")
         if not isinstance(text, str) or not text.strip():
             attachments = self._attachments(message)
             if not attachments:  # (a location, a contact, a poll …)
-                await self._send(chat_id, UNSUPPORTED)
+                await self._send(chat, UNSUPPORTED)
                 return
             caption = message.get("caption")
             caption = caption if isinstance(caption, str) else ""
-            await self._deliver_files(chat_id, user_id, caption, run_id, attachments)
+            await self._deliver_files(chat, user_id, caption, run_id, attachments)
             return
         command = self._command(text)
         if command in ("start", "help"):
-            await self._send(chat_id, HELP)
+            await self._send(chat, HELP)
         elif command == "new":
-            await self._reset(chat_id)
+            await self._reset(chat)
         elif command == "stop":
-            await self._stop(chat_id)
+            await self._stop(chat)
         else:
-            await self._deliver(chat_id, user_id, text, run_id)
+            await self._deliver(chat, user_id, text, run_id)
 
     async def _on_service(self, message: dict[str, Any]) -> None:
         """A service message: nothing to answer. One that says a group became a supergroup (which
@@ -488,19 +527,19 @@ class TelegramBridge(ChatBridge[int]):
         sender = await self._sender(messages[0])
         if sender is None:
             return
-        chat_id, user_id = sender
+        chat, user_id = sender
         found = [a for message in messages for a in self._attachments(message)]
         attachments = [a for a in found if a.kind is not None]
         if not attachments:
-            await self._send(chat_id, UNSUPPORTED)
+            await self._send(chat, UNSUPPORTED)
             return
-        run_id = self._run_id(chat_id, update_id)
+        run_id = self._run_id(chat, update_id)
         left_out = [a.what for a in found if a.kind is None]  # (a video beside photos: the photos go on)
-        if left_out and not await self._admitted(chat_id, run_id):
-            await self._send(chat_id, f"Left out of your album: {', '.join(left_out)}. {UNSUPPORTED}")
+        if left_out and not await self._admitted(chat, run_id):
+            await self._send(chat, f"Left out of your album: {', '.join(left_out)}. {UNSUPPORTED}")
         captions = [m.get("caption") for m in messages]
         caption = next((c for c in captions if isinstance(c, str) and c.strip()), "")
-        await self._deliver_files(chat_id, user_id, caption, run_id, attachments)
+        await self._deliver_files(chat, user_id, caption, run_id, attachments)
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
         """The message's photo, document or (with a transcriber) audio (Telegram sends one a
@@ -566,13 +605,16 @@ class TelegramBridge(ChatBridge[int]):
             raise TooLarge(f"{size} bytes")
         return await self.api.download(_field(found, "file_path"), cap)
 
-    async def _refuse(self, chat_id: int, user_id: int | None) -> None:
+    async def _refuse(self, chat: Chat, user_id: int | None) -> None:
+        """Tell a stranger the bot is private, in the topic they wrote in; at most once an hour per
+        chat (not per topic: a forum's topics are one group of people)."""
+        chat_id = chat_id_of(chat)
         if not self._refused.due(chat_id):
             log.debug("refused another message from Telegram user %s in chat %d", user_id, chat_id)
             return
         log.warning("refused a message from Telegram user %s in chat %d: not on the allow-list", user_id, chat_id)
         if user_id is not None:
-            await self._send(chat_id, f"Sorry, this bot is private. (Your Telegram user id is {user_id}.)")
+            await self._send(chat, f"Sorry, this bot is private. (Your Telegram user id is {user_id}.)")
 
     def _command(self, text: str) -> str | None:
         """``new`` for "/new" or "/new@thisbot"; None for text and for another bot's command."""
@@ -598,14 +640,14 @@ class TelegramBridge(ChatBridge[int]):
             return
         key, request_id = button
         message = query.get("message")
-        chat_id = _int(_field(_field(message, "chat"), "id"))
-        outcome = await self._decide(chat_id, key, request_id)
+        chat = conversation(message)  # (the approval's topic: the process that asked)
+        outcome = await self._decide(chat, key, request_id)
         decided = outcome == OUTCOMES[key]
         await self._answer(query_id, outcome)
-        if chat_id is not None:
-            await self._settle(chat_id, message, outcome, _field(query.get("from"), "first_name"))
-        if decided and key != "d" and chat_id is not None:
-            await self._typing(chat_id)  # the run goes on
+        if chat is not None:
+            await self._settle(chat_id_of(chat), message, outcome, _field(query.get("from"), "first_name"))
+        if decided and key != "d" and chat is not None:
+            await self._typing(chat)  # the run goes on
 
     async def _settle(self, chat_id: int, message: Any, outcome: str, who: object) -> None:
         """The approval message, its buttons taken away and what became of it added."""
@@ -623,18 +665,27 @@ class TelegramBridge(ChatBridge[int]):
 
     # -- to Telegram -----------------------------------------------------------------------------
 
-    async def _send_approval(self, chat_id: int, payload: Mapping[str, Any], request_id: str) -> None:
+    async def _send_approval(self, chat: Chat, payload: Mapping[str, Any], request_id: str) -> None:
         keyboard = approval_keyboard(request_id)
         if keyboard is not None:
-            await self._send(chat_id, describe_request(payload), keyboard)
+            await self._send(chat, describe_request(payload), keyboard)
 
-    async def _send(self, chat_id: int, text: str, markup: dict[str, Any] | None = None) -> None:
-        """``text`` to the chat, in as many messages as it takes (the buttons on the last).
-        Transient failures are retried until they pass; a permanent one (the user blocked the
-        bot, the chat is gone) is logged, and the text dropped."""
+    def _to(self, chat: Chat) -> dict[str, Any]:
+        """Where a call for ``chat`` goes: its chat id (the supergroup's, for a group that became
+        one), and its topic's ``message_thread_id`` (else Telegram puts it in the General topic)."""
+        chat_id = chat_id_of(chat)
+        params: dict[str, Any] = {"chat_id": self._moved.get(chat_id, chat_id)}
+        if isinstance(chat, Topic):
+            params["message_thread_id"] = chat.thread
+        return params
+
+    async def _send(self, chat: Chat, text: str, markup: dict[str, Any] | None = None) -> None:
+        """``text`` to the chat (its topic), in as many messages as it takes (the buttons on the
+        last). Transient failures are retried until they pass; a permanent one (the user blocked
+        the bot, the chat is gone) is logged, and the text dropped."""
         parts = split_message(text)
         for n, part in enumerate(parts):
-            params: dict[str, Any] = {"chat_id": self._moved.get(chat_id, chat_id), "text": part}
+            params: dict[str, Any] = {**self._to(chat), "text": part}
             if markup is not None and n == len(parts) - 1:
                 params["reply_markup"] = markup
             try:
@@ -650,9 +701,8 @@ class TelegramBridge(ChatBridge[int]):
                 log.error("%s (chat %d): the message is dropped", exc, params["chat_id"])
                 return
 
-    async def _typing(self, chat_id: int) -> None:
-        chat_id = self._moved.get(chat_id, chat_id)
-        await self._try("sendChatAction", {"chat_id": chat_id, "action": "typing"}, attempts=1)
+    async def _typing(self, chat: Chat) -> None:
+        await self._try("sendChatAction", {**self._to(chat), "action": "typing"}, attempts=1)
 
     async def _answer(self, query_id: str, text: str) -> None:
         await self._try("answerCallbackQuery", {"callback_query_id": query_id, "text": text})
