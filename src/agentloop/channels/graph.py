@@ -14,6 +14,10 @@ A file a user sent is fetched in two steps (``media``, then ``download``): ``GET
 its address, which is downloaded with the same bearer token (Meta requires it), so the address must
 be on one of Meta's hosts (``media_hosts``; or the Graph URL's own host, for a test's fake): the
 token is never sent anywhere a message names. The download is streamed and cut off at a limit.
+
+``check`` asks Graph once, at start, whether it takes the token and knows the number (``GET
+/<phone number id>/whatsapp_business_profile``, the cheapest read on the number a messaging token
+may make): a wrong token would otherwise show only when the first answer to a user fails.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ log = logging.getLogger("agentloop.channels.graph")
 DEFAULT_GRAPH_URL = "https://graph.facebook.com"
 DEFAULT_API_VERSION = "v21.0"
 RATE_LIMITS = frozenset({4, 80007, 130429, 131056})  # Graph error codes that mean "slow down"
+TOKEN_REFUSED = 190  # Graph's code for an access token it does not take (expired, revoked, mistyped)
+NO_OBJECT = (100, 33)  # (code, subcode): the id names nothing this token can see
+CHECK_TIMEOUT = 10.0  # seconds the start-up check waits: a start should not hang on a dead network
 _ID = re.compile(r"[0-9]{1,32}")  # a phone number id (and a wa_id: digits)
 _VERSION = re.compile(r"v[0-9]{1,3}\.[0-9]{1,3}")
 _MEDIA_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -55,6 +62,7 @@ class GraphError(Exception):
         code: int | None = None,
         transient: bool = False,
         what: str = "send",
+        subcode: int | None = None,
     ) -> None:
         shown = description
         if code is not None:
@@ -65,7 +73,14 @@ class GraphError(Exception):
         self.description = description
         self.status = status
         self.code = code
+        self.subcode = subcode
         self.transient = transient
+
+
+class CredentialsRefused(ValueError):
+    """Graph refused the access token, or does not know the phone number id: the bridge could
+    answer nobody with them. A ValueError, as a wrong setting is, so that the command line says it
+    in one line; the message never holds the token."""
 
 
 def check_graph_url(url: str) -> str:
@@ -90,6 +105,19 @@ def check_api_version(value: str) -> str:
 
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def refusal(exc: GraphError, phone_number_id: str) -> str | None:
+    """What ``exc`` (the start-up check's failure) says is wrong with the bridge's settings, None
+    when it does not say they are wrong (a network error, a rate limit, a missing permission …)."""
+    if exc.code == TOKEN_REFUSED or exc.status == 401:
+        return f"the access token was refused by the Graph API ({exc.description}); give a valid one"
+    if (exc.code, exc.subcode) == NO_OBJECT:
+        return (
+            f"the Graph API does not know the phone number id {phone_number_id} (or this access token may not"
+            " use it): give the id Meta shows for the WhatsApp number, not the number"
+        )
+    return None
 
 
 class GraphApi:
@@ -156,8 +184,7 @@ class GraphApi:
         try:
             response = await self._client.get(url, params={"phone_number_id": self.phone_number_id})
         except httpx.HTTPError as exc:
-            reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-            raise GraphError(f"network error ({reason})", transient=True, what="media lookup") from None
+            raise self._network_error(exc, "media lookup") from None
         answer = self._answer(response, "media lookup")
         address = answer.get("url") if isinstance(answer, dict) else None
         if not isinstance(address, str):
@@ -191,12 +218,36 @@ class GraphApi:
         request = self._client.build_request("GET", url, headers={"Accept-Encoding": "identity"})
         return await fetch(self._client, request, cap, self.redact)
 
+    async def check(self) -> None:
+        """Ask Graph, once, whether it takes the token and knows the phone number id.
+        ``CredentialsRefused`` when it says it does not; ``GraphError`` when it could not be asked,
+        or answered some other failure, which says nothing certain about them (the caller decides
+        what that is worth)."""
+        what = "start-up check"
+        try:
+            response = await self._client.get(
+                "whatsapp_business_profile", params={"fields": "about"}, timeout=CHECK_TIMEOUT
+            )
+        except httpx.HTTPError as exc:
+            raise self._network_error(exc, what) from None
+        try:
+            self._answer(response, what)
+        except GraphError as exc:
+            reason = refusal(exc, self.phone_number_id)
+            if reason is not None:
+                raise CredentialsRefused(f"WhatsApp cannot start: {reason}") from None
+            raise
+
+    def _network_error(self, exc: httpx.HTTPError, what: str) -> GraphError:
+        """The transient ``GraphError`` for a call that got no answer (refused, reset, timed out …)."""
+        reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        return GraphError(f"network error ({reason})", transient=True, what=what)
+
     async def _once(self, body: dict[str, Any]) -> Any:
         try:
             response = await self._client.post("messages", json=body)
         except httpx.HTTPError as exc:  # connection refused, reset, timed out …
-            reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-            raise GraphError(f"network error ({reason})", transient=True) from None
+            raise self._network_error(exc, "send") from None
         return self._answer(response, "send")
 
     def _answer(self, response: httpx.Response, what: str) -> Any:
@@ -213,6 +264,7 @@ class GraphApi:
             description = "the answer is not the Graph API's JSON"
             raise GraphError(description, status=status, transient=status >= 500, what=what)
         code = _int(error.get("code"))
+        subcode = _int(error.get("error_subcode"))
         description = self.redact(str(error.get("message") or "no description"))[:300]
         transient = status >= 500 or status == 429 or code in RATE_LIMITS or error.get("is_transient") is True
-        raise GraphError(description, status=status, code=code, transient=transient, what=what)
+        raise GraphError(description, status=status, code=code, transient=transient, what=what, subcode=subcode)

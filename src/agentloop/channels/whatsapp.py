@@ -21,13 +21,20 @@ whose admission is not done within ``INTAKE_WAIT`` seconds is first written to t
 state file ``<data dir>/var/whatsapp/<phone number id>.json`` (atomically), and a retrier admits it
 from there, with backoff, when that admission fails, and at the next start when the bridge stops or
 crashes first. A message leaves the inbox once admitted (or answered, as a text no process can keep
-is); closing the bridge leaves it there. A notification with a message that failed, or that could
-not be kept (the file cannot be written; the inbox holds ``INBOX_MAX`` messages or ``INBOX_BYTES``
-bytes already, which is logged as an error), is answered 503, so that Meta delivers it again. A
-message admitted in time is not written anywhere. The run, and any message sent back, happen after.
-Meta delivers a notification again until it gets its 200, and a text is sent to its process with the
-run id ``whatsapp-<phone number id>-<wamid>``, which ``Process.send`` admits only once: a
-re-delivery, or one after a crash, never runs twice. Each process's follower resumes from the last
+is); closing the bridge leaves it there. One whose admission fails ``INBOX_ATTEMPTS`` times in a
+row, over at least ``INBOX_PATIENCE`` times the longest backoff (a store outage must cost nothing),
+is given up: logged as an error, dropped from the inbox, and its sender told (once) that it could
+not be handled, so that a message no retry can admit does not keep the retrier (and the log) busy
+for ever; a restart gives what is still kept as many tries again. A notification with a message
+that failed, or that could not be kept (the file cannot be written; the inbox holds ``INBOX_MAX``
+messages or ``INBOX_BYTES`` bytes already, which is logged as an error), is answered 503, so that
+Meta delivers it again. A message admitted in time is not written anywhere. The run, and any
+message sent back, happen after. Meta delivers a notification again until it gets its 200, and a
+text is sent to its process with the run id ``whatsapp-<phone number id>-<wamid>``, which
+``Process.send`` admits only once: a re-delivery, or one after a crash, never runs twice. What no
+run id makes once (a command such as ``/new``, a button, a reply to a message the bridge cannot
+take) is remembered by its wamid in the state file (the last ``HANDLED``), so that Meta's
+re-delivery after a restart does not act again. Each process's follower resumes from the last
 signal acted on (kept in the same state file): an answer is sent at least once. Graph says only
 later, in a status notification, that a message it took could not be delivered (the user last
 wrote more than 24 hours ago …): such a failure is logged, as a send refused at once is.
@@ -43,6 +50,14 @@ for video, stickers and the like, the message is refused with a short reply, and
 message is delivered (``agentloop.channels.media``). A download (and a transcription) is part of
 taking the message: one that takes longer than ``INTAKE_WAIT`` is kept in the inbox like any slow
 admission.
+
+At start the bridge asks Graph once whether it takes the access token and knows the phone number id
+(``GraphApi.check``): when Graph says no, the start fails with ``CredentialsRefused`` naming which
+(rather than the first answer to a user failing). When Graph cannot be asked (the network, a 5xx) or
+answers something that says nothing certain, the bridge warns and starts all the same: its sends
+are retried and Meta delivers again what was not taken, so a network down at boot should not keep a
+service down once it is back. A signed notification that is not JSON, or nests deeper than
+``MAX_DEPTH``, is refused with 400.
 
 Only the numbers (wa_ids) on the allow-list reach a process: anyone else gets a short refusal (at
 most once an hour) and their message goes nowhere. An empty allow-list refuses everyone. The
@@ -96,6 +111,12 @@ INTAKE_WAIT = 5.0  # seconds a webhook POST waits for its messages' admission be
 INBOX_MAX = 1000  # messages the inbox keeps (a notification that would need more is answered 503)
 INBOX_BYTES = 4 << 20  # bytes (as JSON) the inbox keeps, at least a whole notification's
 SEEN = 2048  # ids of messages taken, remembered so that a re-delivered notification is not handled again
+HANDLED = 500  # of those, the ids kept in the state file (commands …: what no run id makes once)
+INBOX_ATTEMPTS = 5  # failed admissions in a row after which a kept message is given up ...
+# ... if they span at least this many of the longest backoff (5 minutes by default): an outage of the
+# store (a database restarting) fails every message for a while, and must not cost them
+INBOX_PATIENCE = 10
+MAX_DEPTH = 64  # nesting of a notification's JSON (Meta's are about 10 deep)
 _BUTTONS = (("Approve", "a"), ("Deny", "d"), ("Always", "r"))
 _FILES = {"image": "the image", "document": "the document"}  # message types whose file the kernel takes
 # message types the bridge cannot take (a voice message is an "audio" one), as the user is told of them
@@ -109,6 +130,7 @@ _UNSUPPORTED = {
     "unsupported": "the message",
 }
 
+GIVEN_UP = "Sorry, your message could not be handled. Please send it again later."
 HELP = (
     "Send me a message and your agent answers here.\n"
     "/new starts a fresh conversation.\n"
@@ -133,6 +155,52 @@ def _message_id(message: dict[str, Any]) -> str | None:
     if not isinstance(wamid, str) or not wamid or len(wamid) > 256 or not wamid.isprintable():
         return None
     return wamid
+
+
+class WhatsAppState(ChannelState):
+    """``ChannelState`` plus ``handled``: the ids of the messages taken whose re-delivery would act
+    again (a command …), oldest first, at most ``HANDLED``. In the file, so that Meta's re-delivery
+    after a restart is known; ``ChannelState`` keeps no such list (its other channels read the
+    service from an offset, or keep their own)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.handled: list[str] = []
+
+    def add_handled(self, wamid: str) -> None:
+        """Add ``wamid``, forgetting the oldest past ``HANDLED`` (written with the next ``save``)."""
+        self.handled = [*self.handled, wamid][-HANDLED:]  # (replaced: the file is written from a thread)
+
+    def load(self) -> None:
+        super().load()
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):  # (missing, or reported by ChannelState.load)
+            return
+        handled = _field(data, "handled")
+        found = [wamid for wamid in handled if isinstance(wamid, str)] if isinstance(handled, list) else []
+        self.handled = found[-HANDLED:]
+
+    def _write(self, data: dict[str, Any]) -> None:
+        super()._write({**data, "handled": self.handled} if self.handled else data)
+
+
+def _parse(body: bytes) -> tuple[Any, str | None]:
+    """The notification in ``body``, or why it is refused (400). Nested past Python's recursion
+    limit, ``json.loads`` raises ``RecursionError`` (which would be a 500); nested less, but past
+    ``MAX_DEPTH``, it would raise that later, where the inbox writes it: no notification of Meta's
+    is near either."""
+    from agentloop.server.strict_json import too_deep  # (the server extra: as the webhook's Starlette)
+
+    try:
+        notification = json.loads(body)
+    except ValueError:
+        return None, "not JSON"
+    except RecursionError:
+        return None, "nested too deep"
+    if too_deep(notification, MAX_DEPTH):
+        return None, "nested too deep"
+    return notification, None
 
 
 def check_signature(secret: str, body: bytes, header: str | None) -> bool:
@@ -223,7 +291,7 @@ class WhatsAppBridge(ChatBridge[str]):
             media_hosts=tuple(media_hosts),
         )
         self.state_dir = Path(state_dir) if state_dir is not None else kernel.data_dir / "var" / "whatsapp"
-        state = ChannelState(self.state_dir / f"{self.api.phone_number_id}.json")
+        state = WhatsAppState(self.state_dir / f"{self.api.phone_number_id}.json")
         super().__init__(
             kernel,
             account=account,
@@ -233,6 +301,7 @@ class WhatsAppBridge(ChatBridge[str]):
             max_file_bytes=max_file_bytes,
             transcriber=transcriber,
         )
+        self._state = state  # (``self.state``, typed as the WhatsApp one)
         self.phone_number_id = self.api.phone_number_id
         self.allow = frozenset(allowed)
         self.path = path
@@ -242,6 +311,8 @@ class WhatsAppBridge(ChatBridge[str]):
         self._last_in: dict[str, str] = {}  # wa_id -> its latest text's wamid (what "typing…" is shown on)
         self._seen: OrderedDict[str, None] = OrderedDict()  # (taken: admitted, or answered)
         self._taking: dict[str, asyncio.Future[None]] = {}  # wamid -> done when its take ends
+        # wamid -> (failed admissions in a row, loop time of the first) of a kept message
+        self._attempts: dict[str, tuple[int, float]] = {}
         self._kept = asyncio.Event()  # set when a message is put in the inbox
         self._retrying: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[Any]] = set()
@@ -263,12 +334,16 @@ class WhatsAppBridge(ChatBridge[str]):
     # -- life ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Find the users' processes again (by their kv) and follow them, and admit what the
-        inbox kept. Webhook notifications are taken from then on, by ``app`` (or ``serve``)."""
+        """Check the access token and the phone number id with Graph (``CredentialsRefused`` when
+        it refuses them, see the module doc), find the users' processes again (by their kv) and
+        follow them, and admit what the inbox kept. Webhook notifications are taken from then on,
+        by ``app`` (or ``serve``)."""
         if self._started:
             return
         try:
+            await self._check_credentials()
             await asyncio.to_thread(self.state.load)
+            self._seen.update(dict.fromkeys(self._state.handled))
             await self._find_chats()
         except BaseException:
             await self.close()
@@ -280,14 +355,28 @@ class WhatsAppBridge(ChatBridge[str]):
         if not self.allow:
             log.warning("no WhatsApp number is allowed: every message is refused")
 
+    async def _check_credentials(self) -> None:
+        """``GraphApi.check``, whose ``CredentialsRefused`` goes to the caller. Any other failure
+        says nothing certain about the token, and the bridge's sends are retried: a warning, and
+        the bridge starts. An answer that is not Graph's (a proxy's page, a test's fake that does
+        not serve the path) is noted only at debug level: it is not about the token either."""
+        try:
+            await self.api.check()
+        except GraphError as exc:
+            if exc.transient or exc.code is not None:
+                log.warning("%s: the access token is not checked, and the bridge starts all the same", exc)
+            else:
+                log.debug("%s: the access token is not checked", exc)
+
     async def serve(self, host: str = "127.0.0.1", port: int = 8787) -> None:
         """Start (``start``) and serve the webhook on ``host``:``port`` until cancelled or closed."""
         await self.listen(host, port)
         await self.wait()
 
     async def listen(self, host: str = "127.0.0.1", port: int = 8787) -> int:
-        """Start serving the webhook in the background; the port it listens on (``port`` 0 picks
-        a free one). OSError when it cannot listen there."""
+        """Start (``start``) and serve the webhook in the background; the port it listens on
+        (``port`` 0 picks a free one). OSError when it cannot listen there, said before Graph is
+        asked anything: what is wrong here is told first."""
         import uvicorn
 
         class _Server(uvicorn.Server):  # (the caller handles signals, not uvicorn)
@@ -295,8 +384,12 @@ class WhatsAppBridge(ChatBridge[str]):
             def capture_signals(self) -> Generator[None, None, None]:
                 yield
 
-        await self.start()
         sock = listening_socket(host, port)
+        try:
+            await self.start()
+        except BaseException:
+            sock.close()
+            raise
         config = uvicorn.Config(
             self.app(), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
         )
@@ -368,11 +461,10 @@ class WhatsAppBridge(ChatBridge[str]):
         if not check_signature(self._app_secret, body, signature):
             log.warning("refused a webhook notification with a wrong signature")
             return Response("bad signature", 403, media_type="text/plain")
-        try:
-            notification = json.loads(body)
-        except ValueError:
-            log.warning("a signed webhook notification is not JSON")
-            return Response("not JSON", 400, media_type="text/plain")
+        notification, refused = _parse(body)
+        if refused is not None:
+            log.warning("refused a signed webhook notification: %s", refused)
+            return Response(refused, 400, media_type="text/plain")
         self._failures(notification)
         messages: dict[str, dict[str, Any]] = {}
         for message in self._messages(notification):
@@ -450,6 +542,7 @@ class WhatsAppBridge(ChatBridge[str]):
         inbox). One being taken already (a re-delivery meanwhile; the retrier and the webhook) is
         waited for, and taken again when that failed. Only a message taken is remembered as seen:
         a re-delivery of one that failed takes it again (and admits its text once, by its run id)."""
+        durable = False
         while wamid not in self._seen:
             running = self._taking.get(wamid)
             if running is not None:
@@ -458,18 +551,26 @@ class WhatsAppBridge(ChatBridge[str]):
             self._taking[wamid] = done = asyncio.get_running_loop().create_future()
             try:
                 async with self._lock("intake"):
-                    await self._take(message, wamid)
+                    durable = await self._take(message, wamid)
             except Exception as exc:
                 log.error("WhatsApp message %s was not handled: %s", wamid, self.redact(f"{type(exc).__name__}: {exc}"))
                 return False
             finally:
                 del self._taking[wamid]
                 done.set_result(None)
-            self._seen[wamid] = None
-            while len(self._seen) > SEEN:
-                self._seen.popitem(last=False)
-        await self._unkeep(wamid)
+            self._remember(wamid, durable)
+        await self._unkeep(wamid, save=durable)
         return True
+
+    def _remember(self, wamid: str, durable: bool) -> None:
+        """Remember the message as taken (the last ``SEEN``); ``durable`` ones also in the state
+        (the last ``HANDLED``, written by the caller): what a re-delivery after a restart would do
+        again, as nothing else makes it once."""
+        self._seen[wamid] = None
+        while len(self._seen) > SEEN:
+            self._seen.popitem(last=False)
+        if durable:
+            self._state.add_handled(wamid)
 
     # -- the inbox -------------------------------------------------------------------------------
 
@@ -497,11 +598,17 @@ class WhatsAppBridge(ChatBridge[str]):
             return False
         return True
 
-    async def _unkeep(self, wamid: str) -> None:
+    async def _unkeep(self, wamid: str, *, save: bool = False) -> None:
+        """Take the message out of the inbox, and write the state when that (or ``save``) changed
+        it. When the write fails, the next start admits it again (once), or acts again on a command
+        whose id was not written: at least once, as with a crash."""
         inbox = self.state.inbox
+        self._attempts.pop(wamid, None)
         if any(entry["id"] == wamid for entry in inbox):
             inbox[:] = [entry for entry in inbox if entry["id"] != wamid]
-            await self.state.save()  # (when it fails, the next start admits it again: once)
+            save = True
+        if save:
+            await self.state.save()
 
     def _retry(self) -> None:
         """Wake the retrier (started when there is none)."""
@@ -527,7 +634,7 @@ class WhatsAppBridge(ChatBridge[str]):
                 if _message_id(message) is None:
                     log.error("WhatsApp message %r in the inbox has no usable id: it is dropped", wamid[:300])
                     await self._unkeep(wamid)
-                elif not await self._admit(wamid, message):
+                elif not await self._admit(wamid, message) and not await self._given_up(wamid, message):
                     failed += 1
             if failed:
                 log.error("%d WhatsApp message(s) kept in the inbox: tried again in %.1f s", failed, delay)
@@ -536,59 +643,108 @@ class WhatsAppBridge(ChatBridge[str]):
             else:
                 delay = first
 
-    async def _take(self, message: dict[str, Any], wamid: str) -> None:
+    async def _given_up(self, wamid: str, message: dict[str, Any]) -> bool:
+        """Count a kept message's failed admission; whether it is given up now, having failed
+        ``INBOX_ATTEMPTS`` times in a row over at least ``INBOX_PATIENCE`` longest backoffs: logged
+        (its id and sender only), its sender (when allowed) told once, and dropped from the inbox,
+        so that the retrier stops trying it."""
+        now = asyncio.get_running_loop().time()
+        attempts, since = self._attempts.get(wamid, (0, now))
+        attempts += 1
+        self._attempts[wamid] = (attempts, since)
+        if attempts < INBOX_ATTEMPTS or now - since < INBOX_PATIENCE * self._backoff[1]:
+            return False
+        wa_id = _wa_id(message.get("from"))
+        log.error(
+            "WhatsApp message %s from %s failed %d times: it is given up, and dropped from the inbox",
+            wamid,
+            wa_id or "an unknown number",
+            attempts,
+        )
+        if wa_id is not None and wa_id in self.allow:
+            await self._say(wa_id, GIVEN_UP)
+        await self._unkeep(wamid)
+        return True
+
+    async def _take(self, message: dict[str, Any], wamid: str) -> bool:
+        """Act on the message; whether its id must be kept in the state file, as Meta's re-delivery
+        after a restart would act again (a command, a button, a reply). A text or a file reaches its
+        process under a run id admitted once, and a refusal is throttled: neither is written."""
         wa_id = _wa_id(message.get("from"))
         if wa_id is None:
-            return
+            return False
         if wa_id not in self.allow:
             self._refuse(wa_id)
-            return
+            return False
         kind = message.get("type")
         if kind == "text":
-            text = _field(message.get("text"), "body")
-            if not isinstance(text, str) or not text.strip():
-                return
-            command = text.strip().lower()
-            if command in ("/start", "/help"):
-                await self._say(wa_id, HELP)
-            elif command == "/new":
-                await self._reset(wa_id)
-            elif command == "/stop":
-                await self._stop(wa_id)
-            else:  # (a re-delivered message is admitted once)
-                self._last_in[wa_id] = wamid
-                await self._deliver(wa_id, wa_id, text, f"whatsapp-{self.phone_number_id}-{wamid}")
-        elif kind == "interactive":
-            button = parse_callback(_field(_field(message.get("interactive"), "button_reply"), "id"))
-            if button is None:
-                await self._say(wa_id, "Unknown button.")
-                return
-            key, request_id = button
-            await self._say(wa_id, await self._decide(wa_id, key, request_id))
-        elif kind in _FILES:
-            part = message.get(kind)
-            caption = _field(part, "caption")
-            name = shown_name(_field(part, "filename"), "")
-            classified, mime = self._classify(_field(part, "mime_type"), name)
-            if kind == "image" and classified != "image":  # (a HEIC photo …)
-                classified = None
-            media_id = _field(part, "id")
-            ref = media_id if isinstance(media_id, str) else ""
-            shown = name or ("the audio file" if classified == "audio" else _FILES[kind])
-            attachment = Attachment(classified, mime, name, shown, None, ref)
-            self._last_in[wa_id] = wamid
-            run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
-            await self._deliver_files(wa_id, wa_id, caption if isinstance(caption, str) else "", run_id, [attachment])
-        elif kind == "audio" and self.transcriber is not None:
-            part = message.get("audio")
-            media_id = _field(part, "id")
-            what = "the voice message" if _field(part, "voice") is True else "the audio message"
-            mime = audio_type(_field(part, "mime_type")) or "audio/ogg"
-            attachment = Attachment("audio", mime, "", what, None, media_id if isinstance(media_id, str) else "")
-            self._last_in[wa_id] = wamid
-            await self._deliver_files(wa_id, wa_id, "", f"whatsapp-{self.phone_number_id}-{wamid}", [attachment])
-        elif kind in _UNSUPPORTED:
+            return await self._take_text(message, wamid, wa_id)
+        if kind == "interactive":
+            await self._press(message, wa_id)
+            return True
+        if kind in _FILES or (kind == "audio" and self.transcriber is not None):
+            await self._take_file(message, wamid, wa_id)
+            return False
+        if kind in _UNSUPPORTED:
             await self._say(wa_id, UNSUPPORTED)
+            return True
+        return False
+
+    async def _take_text(self, message: dict[str, Any], wamid: str, wa_id: str) -> bool:
+        """A command, or a text for the user's process; whether it was a command (see ``_take``)."""
+        text = _field(message.get("text"), "body")
+        if not isinstance(text, str) or not text.strip():
+            return False
+        command = text.strip().lower()
+        if command in ("/start", "/help"):
+            await self._say(wa_id, HELP)
+        elif command == "/new":
+            await self._reset(wa_id)
+        elif command == "/stop":
+            await self._stop(wa_id)
+        else:  # (a re-delivered message is admitted once)
+            self._last_in[wa_id] = wamid
+            await self._deliver(wa_id, wa_id, text, f"whatsapp-{self.phone_number_id}-{wamid}")
+            return False
+        return True
+
+    async def _press(self, message: dict[str, Any], wa_id: str) -> None:
+        """An approval button's answer."""
+        button = parse_callback(_field(_field(message.get("interactive"), "button_reply"), "id"))
+        if button is None:
+            await self._say(wa_id, "Unknown button.")
+            return
+        key, request_id = button
+        await self._say(wa_id, await self._decide(wa_id, key, request_id))
+
+    async def _take_file(self, message: dict[str, Any], wamid: str, wa_id: str) -> None:
+        """An image, a document or (with a transcriber) an audio message, for the user's process,
+        with its caption as the text."""
+        kind = str(message.get("type"))
+        part = message.get(kind)
+        caption = _field(part, "caption") if kind in _FILES else None  # (an audio message has none)
+        media_id = _field(part, "id")
+        ref = media_id if isinstance(media_id, str) else ""
+        attachment = self._file(kind, part, ref) if kind in _FILES else self._audio(part, ref)
+        self._last_in[wa_id] = wamid
+        run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
+        await self._deliver_files(wa_id, wa_id, caption if isinstance(caption, str) else "", run_id, [attachment])
+
+    def _file(self, kind: str, part: object, ref: str) -> Attachment:
+        """The attachment of an image or a document message (``part``: its ``image`` or
+        ``document``); one the kernel cannot take has the kind None, and is refused with a reply."""
+        name = shown_name(_field(part, "filename"), "")
+        classified, mime = self._classify(_field(part, "mime_type"), name)
+        if kind == "image" and classified != "image":  # (a HEIC photo …)
+            classified = None
+        shown = name or ("the audio file" if classified == "audio" else _FILES[kind])
+        return Attachment(classified, mime, name, shown, None, ref)
+
+    def _audio(self, part: object, ref: str) -> Attachment:
+        """The attachment of an audio message (a voice message, or an audio file)."""
+        what = "the voice message" if _field(part, "voice") is True else "the audio message"
+        mime = audio_type(_field(part, "mime_type")) or "audio/ogg"
+        return Attachment("audio", mime, "", what, None, ref)
 
     async def _fetch(self, attachment: Attachment, cap: int) -> bytes:
         """``GET /<media id>`` for the file's address, then the file, with the token."""
