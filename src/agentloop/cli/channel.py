@@ -17,7 +17,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from agentloop.cli.config import LoopFlags, Settings, kernel_options, open_settings_model
+from agentloop.cli.config import (
+    LoopFlags,
+    Settings,
+    config_path,
+    kernel_options,
+    open_settings_model,
+    read_config_file,
+)
 from agentloop.cli.render import Progress
 
 if TYPE_CHECKING:
@@ -39,20 +46,28 @@ StartBridge = Callable[["Kernel", Settings], Awaitable[tuple[Bridge, str]]]
 
 def open_transcriber(model: str | None, url: str | None, key_env: str | None) -> OpenAITranscriber | None:
     """The transcriber ``--transcribe-model`` (with ``--transcribe-url`` and ``--transcribe-key-env``)
-    names, checked before the bridge starts (ValueError saying what is wrong); None without one:
-    voice messages are then refused."""
-    model = (model or "").strip() or None
-    if model is None:
-        given = [flag for flag, value in (("--transcribe-url", url), ("--transcribe-key-env", key_env)) if value]
-        if given:
-            raise ValueError(f"{' and '.join(given)} need --transcribe-model (openai:whisper-1, for one)")
+    names, each flag (or its environment variable) else the config file's key of the same name
+    (``transcribe_model`` …), checked before the bridge starts (ValueError saying what is wrong,
+    and where it was set); None without a model: voice messages are then refused."""
+    given = {"model": (model or "").strip() or None, "url": url, "key_env": key_env}
+    path = config_path()
+    from_file = read_config_file(path)[0].transcribe
+    where = {"model": "--transcribe-model", "url": "--transcribe-url", "key_env": "--transcribe-key-env"}
+    for name, value in list(given.items()):
+        if value is None and f"transcribe_{name}" in from_file:
+            given[name] = from_file[f"transcribe_{name}"]
+            where[name] = f"config file {path}: transcribe_{name}"
+    if given["model"] is None:
+        named = [where[name] for name in ("url", "key_env") if given[name]]
+        if named:
+            raise ValueError(f"{' and '.join(named)} need --transcribe-model (openai:whisper-1, for one)")
         return None
     from agentloop.models.transcribe import open_transcriber as _open
 
     try:
-        return _open(model, base_url=url, key_env=key_env)
+        return _open(given["model"], base_url=given["url"], key_env=given["key_env"])
     except ValueError as exc:
-        raise ValueError(f"--transcribe-model: {exc}") from None
+        raise ValueError(f"{where['model']}: {exc}") from None
 
 
 def run_bridge(

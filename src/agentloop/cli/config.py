@@ -46,7 +46,13 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
 _STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning", "approval_timeout", "outage_retries")
-_SWITCHES = ("codemode", "subagents", "schedules")  # true or false; anything else is an error
+_SWITCHES = ("codemode", "subagents", "schedules")
+# the chat bridges' speech-to-text (``--transcribe-model``, ``--transcribe-url``, ``--transcribe-key-env``)
+TRANSCRIBE_KEYS = (
+    "transcribe_model",
+    "transcribe_url",
+    "transcribe_key_env",
+)  # true or false; anything else is an error
 _KEYS = (
     *_LENIENT_KEYS,
     *_STRICT_KEYS,
@@ -56,6 +62,7 @@ _KEYS = (
     "heartbeat",
     "fetch_allow",
     "shell_sandbox",
+    *TRANSCRIBE_KEYS,
 )
 
 
@@ -87,6 +94,8 @@ class FileConfig:
     shell_sandbox: str = "off"
     store: str | None = None
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
+    # the chat bridges' speech-to-text, for the keys of ``TRANSCRIBE_KEYS`` the file sets
+    transcribe: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -361,6 +370,13 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     heartbeat, problem = _read_heartbeat(data.get("heartbeat", True))
     if problem:
         warnings.append(f"config file {path}: heartbeat {problem}; the default (every 30 minutes, 08:00-23:00) applies")
+    transcribe = {}
+    for key in TRANSCRIBE_KEYS:  # (checked as the flags are, when a bridge opens the transcriber)
+        value = data.get(key)
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            bad(key, "a non-empty string")
+        elif value is not None:
+            transcribe[key] = value.strip()
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -381,6 +397,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             shell_sandbox=shell_sandbox,
             store=store,
             heartbeat=heartbeat,
+            transcribe=transcribe,
             **limits,
         ),
         warnings,
