@@ -40,6 +40,17 @@ def spawn(server: LiveServer, parent_pid: str | None = None, owner: str = "alice
     return str(process.pid)
 
 
+def forget(server: LiveServer, pid: str) -> None:
+    """Take ``pid`` out of the registry, leaving its children: a parent gone on its own."""
+    assert server.ctx is not None
+    store = server.ctx.kernel.store
+
+    async def drop() -> None:
+        store.db.execute("DELETE FROM processes WHERE pid = ?", (pid,))  # type: ignore[attr-defined]
+
+    asyncio.run(server.run(drop))
+
+
 def item(pid: str) -> str:
     return f"document.querySelector('#processes li[data-pid={json.dumps(pid)}]')"
 
@@ -61,8 +72,9 @@ def test_subagents_are_folded_under_their_parent_and_open_on_click(server: LiveS
     first = spawn(server, parent)
     second = spawn(server, parent)
     grandchild = spawn(server, first)
-    orphan_parent = spawn(server, owner="bob")  # not in alice's list (killing a parent kills its children)
+    orphan_parent = spawn(server)
     orphan = spawn(server, orphan_parent)
+    forget(server, orphan_parent)  # (killing a parent kills its children: this one went alone)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.tokens.alice}"}) as api:
         api.post(f"/v1/processes/{parent}/title", json={"title": "Research trip"}).raise_for_status()
         listed = {p["pid"]: p["parent_pid"] for p in api.get("/v1/processes").json()["processes"]}

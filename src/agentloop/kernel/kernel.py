@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -103,6 +104,7 @@ from agentloop.process.store import (
     open_store,
 )
 from agentloop.process.store.base import QueueKind
+from agentloop.process.store.common import dumps
 from agentloop.tools.base import ToolLike
 from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
@@ -111,6 +113,7 @@ log = logging.getLogger("agentloop.kernel")
 
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
 MAX_INSTRUCTIONS = 20_000  # characters of instructions a compaction asked for may give the summary model
+MAX_FILE_NAME = 255  # characters of a document's name (as the server's API allows)
 
 
 def _kernel_files(store: Store, data: Path) -> list[Path]:
@@ -144,6 +147,13 @@ def _check_run_id(run_id: object) -> None:
         check_plain_text(run_id, "run_id")
 
 
+def _check_run_id_type(run_id: object) -> None:
+    """The run id ``abort`` and ``stop`` name: None (the active run) or a string. Any other string
+    is a stale id, which does nothing (DESIGN §2); a number is a mistake, not a stale id."""
+    if run_id is not None and not isinstance(run_id, str):
+        raise TypeError(f"run_id must be a string or None, got {type(run_id).__name__}")
+
+
 def _output_row(output_schema: Any) -> dict[str, Any] | None:
     """The row an input's ``output_schema`` is kept in (``admission.output_key``), checked
     (``ValueError``), or None for input that asks for no output."""
@@ -164,6 +174,39 @@ def _check_input(text: object, media: object, run_id: object) -> None:
         or not all(isinstance(b, ImageContent | FileContent) for b in media)
     ):
         raise TypeError("media must be a sequence of ImageContent or FileContent blocks")
+    for block in media:
+        if isinstance(block, FileContent):
+            _check_file_name(block.name)
+
+
+def _check_file_name(name: object) -> None:
+    """A document's name is shown to the model and kept in the message's JSON: a string of at most
+    ``MAX_FILE_NAME`` characters, of one line, that has a UTF-8 form (a lone surrogate would fail
+    the commit deep in the store, after the file was written)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a file's name must be a string, got {type(name).__name__}")
+    if len(name) > MAX_FILE_NAME:
+        raise ValueError(f"a file's name must be at most {MAX_FILE_NAME} characters, got {len(name)}")
+    check_plain_text(name, "the file's name")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"the file's name {name!r} holds control characters (a line break, a tab...)")
+
+
+def _check_kv(kv: object) -> None:
+    """``spawn``'s ``kv``: a mapping of plain-text keys to values a store row can hold as JSON,
+    checked before the transaction so that a bad one names itself instead of failing the insert."""
+    if kv is None:
+        return
+    if not isinstance(kv, Mapping):
+        raise TypeError(f"kv must be a mapping of names to JSON values, got {type(kv).__name__}")
+    for key, value in kv.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"kv keys must be non-empty strings, got {key!r}")
+        check_plain_text(key, "a kv key")
+        try:
+            dumps(value)
+        except ValueError as exc:  # (pydantic's serialisation error is one)
+            raise ValueError(f"kv[{key!r}] cannot be stored as JSON: {exc}") from None
 
 
 def _user_input(
@@ -348,6 +391,7 @@ class Process:
         subagents the run started that still work are stopped the same way (``tree.run_stopping``).
         The run is named before it is stopped: a quick last answer may end it before its subagents
         are looked up, and they must be found by it all the same."""
+        _check_run_id_type(run_id)
         if run_id is None:
             record = await self.kernel.store.get_process(self.pid)
             run = record.current_run if record is not None else None
@@ -359,6 +403,7 @@ class Process:
 
     async def abort(self, run_id: str | None = None) -> bool:
         """Stop the active run (``run_id``: only that one), and the subagents it started."""
+        _check_run_id_type(run_id)
         return await self.kernel.engine.abort(self.pid, run_id)
 
     async def hil(self, request_id: str, decision: str, remember: bool = False, message: str | None = None) -> bool:
@@ -368,6 +413,8 @@ class Process:
         too long (``MAX_DENIAL_MESSAGE``) or with control characters raises and answers nothing.
         A request of one of its subagents (``pending_approvals`` lists them) is answered in the
         subagent's process (kernel/subagent_asks.py)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         pid = self.pid
         if not any(h.request_id == request_id for h in await self.pending_approvals(own=True)):
             record = await self._record()
@@ -786,7 +833,9 @@ class Kernel:
         if output is not None and text is None:
             raise ValueError("output_schema asks the run answering text for a value: give text with it")
         check_name(owner, "owner")
-        check_name(run_as or owner, "run_as")
+        run_as = owner if run_as is None else run_as  # ("" is a bad name, not "the owner")
+        check_name(run_as, "run_as")
+        _check_kv(kv)
         if pid is not None:
             check_name(pid, "pid")
             if await self.store.was_killed(pid):
@@ -796,8 +845,8 @@ class Kernel:
         check_plain_text(context, "context")  # (a column of its own)
         if not isinstance(interactive, bool):
             raise TypeError(f"interactive must be true or false, got {interactive!r}")
-        if parent_pid is not None and await self.store.get_process(parent_pid) is None:
-            raise NoSuchProcess(parent_pid)
+        if parent_pid is not None:
+            await self._check_parent(parent_pid, owner)
         if check_mode(mode) == "chat":
             kv = {**(kv or {}), MODE_KEY: "chat"}
         if model is not None or reasoning is not None:
@@ -807,6 +856,8 @@ class Kernel:
         workspace = self.engine.config.workspace or Path(".").resolve()  # noqa: ASYNC240 - (set at open)
         where = workspace
         if cwd is not None:
+            if not isinstance(cwd, str | os.PathLike):
+                raise TypeError(f"cwd must be a path, got {type(cwd).__name__}")
             try:
                 where = (workspace / cwd).resolve()
                 found = where.is_dir()
@@ -819,7 +870,7 @@ class Kernel:
         record = ProcessRecord(
             pid=pid or new_id(),
             owner=owner,
-            run_as=run_as or owner,
+            run_as=run_as,
             cwd=str(where),
             parent_pid=parent_pid,
             interactive=interactive,
@@ -849,6 +900,16 @@ class Kernel:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
+
+    async def _check_parent(self, parent_pid: str, owner: str) -> None:
+        """A child is spawned under a live process of its own owner: the tree (kill, the approvals a
+        parent answers for its subagents) looks for children among the owner's processes only,
+        so a child of another owner would neither die with its parent nor be answered through it."""
+        parent = await self.store.get_process(parent_pid)
+        if parent is None or parent.state == "killed":
+            raise NoSuchProcess(parent_pid)
+        if parent.owner != owner:
+            raise ValueError(f"parent {parent_pid} is not {owner!r}'s: a child has its parent's owner")
 
     async def fork(
         self,

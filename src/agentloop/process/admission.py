@@ -59,6 +59,36 @@ async def send(
     run under way (a run has one output): a ``steer`` waits as ``queue`` input for a run of its own."""
     if mode not in ("steer", "queue", "interrupt"):
         raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+    while True:
+        try:
+            return await _send_once(engine, pid, message, mode=mode, run_id=run_id, output=output)
+        except _ClearingBegan:
+            continue  # (nothing was written: delivered again once the clearing is over)
+
+
+class _ClearingBegan(Exception):
+    """A reset or kill of the process began while a delivery was on its way to starting a run."""
+
+
+def _check_not_clearing(engine: ProcessEngine, pid: str) -> None:
+    """Inside a delivery's transaction, before it starts a run: a reset or kill that began since
+    the delivery waited out the last one (during an interrupt's abort, say) may have looked for
+    the run to stop already, and a run started now would outlive it, its tool results landing
+    in the fresh history with no call before them. The delivery starts over instead."""
+    if pid in engine.discarding or pid in engine.compacting:  # (``clearing`` counts waiters too)
+        raise _ClearingBegan(pid)
+
+
+async def _send_once(
+    engine: ProcessEngine,
+    pid: str,
+    message: Message,
+    *,
+    mode: SendMode,
+    run_id: str | None,
+    output: dict[str, Any] | None,
+) -> Receipt:
+    """One try of ``send``: ``_ClearingBegan`` when a clearing came in between (see there)."""
     await after_clearing(engine, pid)
     if engine.leases is not None and not await engine.leases.hold(pid) and mode == "interrupt":
         seen = await admitted(engine, pid, run_id)  # a retried interrupt must abort nothing
@@ -81,6 +111,7 @@ async def send(
         # decided inside the transaction: the run seen here cannot end before this commits
         active = live.record.current_run
         if active is None and not live.remote:
+            _check_not_clearing(engine, pid)
             receipt = Receipt(await tx.start_run(message, "proc.send", run_id), False, 0)
         elif active is None:  # the worker holding the process starts the run, with this id
             receipt = Receipt(run_id or new_id(), False, 0)

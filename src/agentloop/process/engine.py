@@ -82,6 +82,7 @@ from agentloop.process.store import (
     ProcessRecord,
     QueueItem,
     Store,
+    StoreError,
     ToolCallRow,
     UsageTotals,
 )
@@ -140,6 +141,16 @@ def _manifest(run_id: str, prompt: CompiledPrompt, tools: list[str]) -> dict[str
         "warnings": list(prompt.warnings),
         "base": prompt.base,
     }
+
+
+def _check_settled(live: _Live) -> None:
+    """For ``wait_idle`` once the runtime is closing: a process with a run under way will not get
+    idle here, and saying it did would be a lie (``StoreError``); one that is idle is."""
+    if live.record.current_run is not None or not live.idle.is_set():
+        raise StoreError(
+            f"the runtime closed while process {live.record.pid} had a run under way:"
+            " it resumes when the store is opened again"
+        )
 
 
 def _aborted_alone(task: asyncio.Task[bool]) -> None:
@@ -1002,12 +1013,17 @@ class ProcessEngine:
                 task.cancel()
 
     async def wait_idle(self, pid: str) -> None:
-        """Return when no run is active and nothing is working for the process."""
+        """Return when no run is active and nothing is working for the process. ``StoreError``
+        when the runtime closes first with a run under way: nothing here drives it any more (it
+        resumes where the store is opened next), and the caller would otherwise wait for ever."""
         live = await self.live(pid)
         while True:
             if live.remote:
                 assert self.leases is not None
                 await self.leases.wait_idle(pid)
+                return
+            if self.closing:
+                _check_settled(live)
                 return
             if live.lost:  # dropped after a failed commit: follow the reloaded process
                 live = await self.live(pid)
@@ -1030,8 +1046,9 @@ class ProcessEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.leases is not None:
             await self.leases.stop()
-        for pid in list(self._live):
+        for pid, live in self._live.items():
             self.hub.close(pid)  # followers' streams end instead of waiting forever
+            live.idle.set()  # and so do the callers of ``wait_idle`` (told the run was left unfinished)
         self.hub.close_accounts()
         self._live.clear()
         for hook in list(self.closed_hooks):  # (tracing ends the spans of the runs cut short)

@@ -100,6 +100,8 @@ async def answer(
     too. Input is checked before anything is touched: a bad answer leaves the request pending."""
     if decision not in ("approve", "deny"):
         raise ValueError(f"decision must be approve or deny, got {decision!r}")
+    if not isinstance(remember, bool):  # ("false" from a form is truthy: it would add an allow rule)
+        raise TypeError(f"remember must be true or false, got {remember!r}")
     note = denial_message(message)
     if note is not None and decision != "deny":
         raise ValueError("a message goes only with deny: it tells the model why the call was refused")

@@ -33,6 +33,8 @@ def open_store(url: str) -> Store:
     """A store from a URL, read as SQLAlchemy does: ``sqlite:///relative/path.db``,
     ``sqlite:////absolute/path.db``, ``sqlite:///:memory:``; ``postgresql://user:password@host:port/db``
     (or ``postgres://``) for PostgreSQL, which needs the ``postgres`` extra (asyncpg)."""
+    if not isinstance(url, str):  # (a path object, a None from an unset setting)
+        raise TypeError(f"store URL must be a string such as sqlite:///agentloop.db, got {type(url).__name__}")
     if url.startswith("sqlite:///"):
         path = url.removeprefix("sqlite:///")
         if not path:
