@@ -112,6 +112,19 @@ class ToolArgumentsError(ToolError):
     """The model's arguments do not fit the tool's schema."""
 
 
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8, or ``ToolError`` naming ``what``: a model's JSON may hold a lone
+    surrogate (``"\\ud800"`` is valid JSON), which has no UTF-8 form; a raw ``UnicodeEncodeError``
+    would tell the model nothing it could fix."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ToolError(
+            f"{what} is not valid UTF-8 text: character {exc.start} is a lone surrogate"
+            f" ({text[exc.start]!r}); write the character itself, or a whole surrogate pair"
+        ) from None
+
+
 def _ignore(partial: Any) -> None:
     """Progress reports go nowhere when nobody watches the run."""
 

@@ -77,6 +77,7 @@ from agentloop.tools.process_group import (
     kill_group,
     marked,
     pump,
+    spawn,
     supervise,
 )
 from agentloop.tools.shell import confined_argv, private_tmp, refuse_unconfined, sandbox_root
@@ -387,7 +388,8 @@ class _Execution:
             argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program")
         env, mark = marked(environment)
         try:
-            proc = await asyncio.create_subprocess_exec(
+            proc = await spawn(  # (a cancel while it starts stops its group too)
+                mark,
                 *argv,
                 cwd=cwd,
                 env=env,

@@ -49,7 +49,7 @@ from pydantic import Field
 from agentloop.images import image_size, sniff_image
 from agentloop.messages import ImageContent, TextContent
 from agentloop.proxies import env_proxy
-from agentloop.tools.base import FunctionTool, ResultBlock, ToolError, ToolResult, tool
+from agentloop.tools.base import FunctionTool, ResultBlock, ToolError, ToolResult, tool, utf8
 from agentloop.tools.fs import MAX_IMAGE_BYTES
 from agentloop.urls import redact_url
 
@@ -194,8 +194,13 @@ def refusal(ip: IPAddress) -> str | None:
 
 
 async def system_resolve(host: str, port: int) -> list[str]:
-    """The addresses ``getaddrinfo`` gives for ``host``, in its order, without repeats."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    """The addresses ``getaddrinfo`` gives for ``host``, in its order, without repeats. A name
+    that has no IDNA form (an empty label, one over 63 characters) is an ``OSError``, as a name
+    that does not resolve is: the lookup raised ``UnicodeError`` before asking anyone."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except UnicodeError as exc:
+        raise OSError(f"not a host name DNS can look up ({exc})") from None
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
@@ -203,7 +208,7 @@ def checked_url(url: str) -> httpx.URL:
     """``url`` parsed, if it is one Fetch may request (http or https, with a host)."""
     try:
         parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as exc:
+    except (httpx.InvalidURL, TypeError, UnicodeError) as exc:  # (a lone surrogate: no UTF-8 to quote)
         raise ToolError(f"not a URL: {redact_url(url)!r} ({exc})") from None
     if parsed.scheme not in ("http", "https"):
         given = f"not {parsed.scheme}:" if parsed.scheme else "and the URL has no scheme (write https://...)"
@@ -568,10 +573,12 @@ def decode(data: bytes, content_type: str, html: bool) -> str:
     if data.startswith(codecs.BOM_UTF8):
         charset = "utf-8-sig"
     try:
-        codec = codecs.lookup(charset or "utf-8").name
-    except LookupError:
-        codec = "utf-8"
-    return data.decode(codec, errors="replace")
+        return data.decode(charset or "utf-8", errors="replace")
+    except (LookupError, UnicodeError):
+        # a name Python does not know; one of its codecs that turn bytes into bytes (base64, zlib,
+        # rot13), which a server or a page's <meta> is not trusted not to name; or a text codec
+        # that takes no "replace" (idna) or decodes nothing (undefined)
+        return data.decode("utf-8", errors="replace")
 
 
 def _image(data: bytes, mime: str, truncated: bool) -> tuple[list[ResultBlock], str]:
@@ -671,7 +678,7 @@ async def fetch_url(
     if body is not None and not any(k.lower() == "content-type" for k in sent):
         sent["Content-Type"] = "text/plain; charset=utf-8"
     allowed = allow if isinstance(allow, AllowList) else AllowList.parse(allow)
-    content = body.encode("utf-8") if body is not None else None
+    content = utf8(body, "body") if body is not None else None
     try:
         async with asyncio.timeout(limit):
             return await _fetch(start, method, sent, content, allowed, resolve or system_resolve, max_bytes, max_chars)

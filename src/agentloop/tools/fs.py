@@ -16,6 +16,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -25,7 +26,7 @@ from pydantic import Field
 from agentloop.images import image_size, sniff_image
 from agentloop.messages import PDF_MAGIC, FileContent, ImageContent, TextContent
 from agentloop.stamps import open_regular
-from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool
+from agentloop.tools.base import FunctionTool, ToolError, ToolResult, tool, utf8
 from agentloop.tools.paths import check_opened, display, real_root, resolve_path
 
 __all__ = [
@@ -42,7 +43,14 @@ __all__ = [
 MAX_LINE_CHARS = 2000
 _LINE_BYTES = 4 * MAX_LINE_CHARS  # of one line, read: enough for MAX_LINE_CHARS characters of any UTF-8
 DEFAULT_LIMIT = 2000
+_CHUNK = 1 << 20  # bytes read at a time where lines are only counted, not shown
+# bytes after the page Read counts lines in for its "… N more lines" note: a log of many gigabytes
+# would otherwise hold a worker thread (which no timeout can stop) for minutes, for a count
+COUNT_BYTES = 256 * 1024 * 1024
 MAX_IMAGE_BYTES = 10 * 1024 * 1024
+# of a file Edit changes: it holds the file several times over (bytes, text, the edited text),
+# in the server's memory; a larger one (a log, a data dump, a sparse file) is for Shell's tools
+MAX_EDIT_BYTES = 32 * 1024 * 1024
 _BINARY_PROBE = 8192
 
 _IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".gif", ".webp"})
@@ -126,7 +134,7 @@ def _lines(f: BinaryIO) -> Iterator[tuple[bytes, int]]:
     line of gigabytes (a minified bundle) is never held whole."""
     while raw := f.readline(_LINE_BYTES):
         last, size = raw, len(raw)
-        while not last.endswith(b"\n") and (more := f.readline(_LINE_BYTES)):
+        while not last.endswith(b"\n") and (more := f.readline(_CHUNK)):  # (the rest only measured)
             last, size = more, size + len(more)
         ending = 2 if last.endswith(b"\r\n") else 1 if last.endswith(b"\n") else 0
         yield raw, size - ending
@@ -136,11 +144,15 @@ def _read_text(f: BinaryIO, rel: str, offset: int, limit: int) -> ToolResult:
     lines: list[str] = []
     total = 0
     for total, (raw, size) in enumerate(_lines(f), start=1):
-        if offset <= total < offset + limit:
+        if offset <= total:
             text = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
             if len(text) > MAX_LINE_CHARS or size > len(raw.rstrip(b"\r\n")):
                 text = text[:MAX_LINE_CHARS] + f"… [line truncated, {size} bytes]"
             lines.append(f"{total:>6}\t{text}")
+            if len(lines) == limit:
+                break
+    rest, counted = _count_lines(f)
+    total += rest
     details = {"path": rel, "offset": offset, "lines": len(lines), "total_lines": total}
     if total == 0:
         return ToolResult.text(f"({rel} is empty)", details=details)
@@ -148,9 +160,30 @@ def _read_text(f: BinaryIO, rel: str, offset: int, limit: int) -> ToolResult:
         raise ToolError(f"offset {offset} is past the end of {rel}, which has {total} lines")
     out = "\n".join(lines)
     remaining = total - (offset + len(lines) - 1)
-    if remaining > 0:
+    if not counted:
+        size = os.fstat(f.fileno()).st_size
+        details["total_lines"] = None
+        out += (
+            f"\n… at least {remaining} more lines (counted in the next {COUNT_BYTES} bytes of {size});"
+            f" use offset={offset + len(lines)} to read on"
+        )
+    elif remaining > 0:
         out += f"\n… {remaining} more lines; use offset={offset + len(lines)} to read on"
     return ToolResult.text(out, details=details)
+
+
+def _count_lines(f: BinaryIO) -> tuple[int, bool]:
+    """The lines from ``f``'s position to its end (a last one without a line break counts), read
+    in chunks of ``_CHUNK``, and whether that is all of them: counting stops after
+    ``COUNT_BYTES``, the count then a lower bound."""
+    count, read, last = 0, 0, b"\n"
+    while chunk := f.read(_CHUNK):
+        count += chunk.count(b"\n")
+        read += len(chunk)
+        last = chunk[-1:]
+        if read >= COUNT_BYTES and f.read(1):
+            return count, False
+    return count + (last != b"\n"), True
 
 
 async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = DEFAULT_LIMIT) -> ToolResult:
@@ -161,6 +194,32 @@ async def read_file(root: str | Path, path: str, offset: int = 1, limit: int = D
 
 
 # ------------------------------------------------------------------ Write
+
+
+_writers_guard = threading.Lock()
+_writers: dict[Path, tuple[threading.Lock, int]] = {}  # a file's lock, and how many hold or await it
+
+
+@contextlib.contextmanager
+def _one_writer(real: Path) -> Iterator[None]:
+    """Hold the file ``real`` for one Write or Edit at a time in this runtime. The calls of one
+    model turn run concurrently (CodeMode's too): two Edits of one file each read it, made their
+    change and wrote it back, and the second undid the first while both reported success. The
+    lock is dropped when no call holds or awaits it. (Another runtime, a device or a command
+    changing the file meanwhile is not held off: only the calls made here are.)"""
+    with _writers_guard:
+        lock, users = _writers.get(real, (threading.Lock(), 0))
+        _writers[real] = (lock, users + 1)
+    try:
+        with lock:
+            yield
+    finally:
+        with _writers_guard:
+            lock, users = _writers[real]
+            if users == 1:
+                del _writers[real]
+            else:
+                _writers[real] = (lock, users - 1)
 
 
 def _write_bytes(base: Path, real: Path, path: str, data: bytes) -> None:
@@ -281,13 +340,16 @@ def _lstat(name: str, directory: int) -> os.stat_result | None:
 
 
 def _write_sync(root: str | Path, path: str, content: str) -> ToolResult:
+    data = utf8(content, "content")
     base = real_root(root)
     real = resolve_path(root, path)
     if real.is_dir():  # (the root itself would otherwise be blamed on a directory that changed)
         raise _is_dir_error(path)
-    existed = real.exists()
-    data = content.encode("utf-8")
-    _write_bytes(base, real, path, data)
+    if path.endswith(("/", os.sep)):  # a directory's name: the kernel's open says EISDIR, not "created"
+        raise ToolError(f"{path} ends in '/', which names a directory; give the file's name to write it")
+    with _one_writer(real):  # (an Edit of it under way would write back what it read, this lost)
+        existed = real.exists()
+        _write_bytes(base, real, path, data)
     rel = display(base, real)
     verb = "Overwrote" if existed else "Created"
     return ToolResult.text(f"{verb} {rel} ({len(data)} bytes)", details={"path": rel, "bytes": len(data)})
@@ -308,20 +370,33 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
         raise ToolError("old_string and new_string are identical; nothing to change")
     base = real_root(root)
     real = resolve_path(root, path)
-    if not real.exists():
-        raise _not_found(path)
-    if real.is_dir():
-        raise _is_dir_error(path)
-    if not real.is_file():
-        raise ToolError(f"{path} is not a regular file")
-    with _open_regular(base, real, path) as f:
-        raw = f.read()
+    with _one_writer(real):  # (read, change, write back: no other Write or Edit of it in between)
+        if not real.exists():
+            raise _not_found(path)
+        if real.is_dir():
+            raise _is_dir_error(path)
+        if not real.is_file():
+            raise ToolError(f"{path} is not a regular file")
+        text = _text_for_edit(_read_for_edit(base, real, path), path)
+        updated, count = _replace(text, path, old_string, new_string, replace_all)
+        _write_bytes(base, real, path, utf8(updated, "new_string"))
+    done = count if replace_all else 1
+    rel = display(base, real)
+    noun = "replacement" if done == 1 else "replacements"
+    return ToolResult.text(f"Edited {rel}: {done} {noun}", details={"path": rel, "replacements": done})
+
+
+def _text_for_edit(raw: bytes, path: str) -> str:
     if b"\x00" in raw[:_BINARY_PROBE]:
         raise ToolError(f"{path} is a binary file; Edit works on text")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"{path} is not UTF-8 text; Edit cannot change it safely") from None
+
+
+def _replace(text: str, path: str, old_string: str, new_string: str, replace_all: bool) -> tuple[str, int]:
+    """``text`` with the edit made, and how many times ``old_string`` occurs in it."""
 
     def crlf(text: str) -> str:
         return text.replace("\r\n", "\n").replace("\n", "\r\n")
@@ -343,11 +418,21 @@ def _edit_sync(root: str | Path, path: str, old_string: str, new_string: str, re
             " or set replace_all=true to replace every occurrence"
         )
     updated = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
-    _write_bytes(base, real, path, updated.encode("utf-8"))
-    done = count if replace_all else 1
-    rel = display(base, real)
-    noun = "replacement" if done == 1 else "replacements"
-    return ToolResult.text(f"Edited {rel}: {done} {noun}", details={"path": rel, "replacements": done})
+    return updated, count
+
+
+def _read_for_edit(base: Path, real: Path, path: str) -> bytes:
+    """The whole of the file Edit changes, if it is at most ``MAX_EDIT_BYTES``: judged before it
+    is loaded, and again by what is read (it may grow meanwhile)."""
+    with _open_regular(base, real, path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(MAX_EDIT_BYTES + 1) if size <= MAX_EDIT_BYTES else b""
+    if size > MAX_EDIT_BYTES or len(raw) > MAX_EDIT_BYTES:
+        raise ToolError(
+            f"{path} is {max(size, len(raw))} bytes, over the {MAX_EDIT_BYTES}-byte limit of Edit;"
+            " change it with Shell (sed, a script) instead"
+        )
+    return raw
 
 
 async def edit_file(
@@ -366,7 +451,7 @@ def _delete_sync(root: str | Path, path: str) -> ToolResult:
     if real == base:
         raise ToolError("Refusing to delete the workspace root")
     rel = display(base, real)
-    with _directory_of(base, real, path) as directory:  # (as opened: see ``_write_bytes``)
+    with _one_writer(real), _directory_of(base, real, path) as directory:  # (as opened: see ``_write_bytes``)
         found = _lstat(real.name, directory)
         if found is None:
             raise _not_found(path)

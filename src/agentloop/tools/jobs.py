@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from agentloop.tools.base import FunctionTool, ToolArgumentsError, ToolContext, ToolError, ToolResult
+from agentloop.tools.base import FunctionTool, ToolArgumentsError, ToolContext, ToolError, ToolResult, utf8
 from agentloop.tools.process_group import KILL_GRACE, OutputCapture
 
 __all__ = ["MAX_ENDED", "SYSCALL", "CommandJob", "JobRegistry", "JobTable", "jobs_tool"]
@@ -285,7 +285,7 @@ def _output(job: CommandJob, offset: int | None) -> ToolResult:
 async def _input(job: CommandJob, text: str, newline: bool, eof: bool) -> ToolResult:
     if len(text) > MAX_INPUT_CHARS:
         raise ToolError(f"text is at most {MAX_INPUT_CHARS} characters")
-    data = (text + ("\n" if newline else "")).encode()
+    data = utf8(text + ("\n" if newline else ""), "text")
     if not data and not eof:
         raise ToolError("nothing to write: give text (newline adds a line end), or eof=true to close stdin")
     taken = await job.write(data, eof)

@@ -41,6 +41,7 @@ __all__ = [
     "marked",
     "output_pipes",
     "pump",
+    "spawn",
     "supervise",
 ]
 
@@ -323,6 +324,36 @@ async def kill_group(proc: asyncio.subprocess.Process, grace: float, mark: str |
     deadline = loop.time() + 2.0
     while proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - the child watcher reaps it
         await asyncio.sleep(_POLL)
+
+
+async def spawn(mark: str | None, *argv: str, **options: Any) -> asyncio.subprocess.Process:
+    """``asyncio.create_subprocess_exec(*argv, **options)`` for a program whose environment bears
+    ``mark`` (``marked``), made so that a cancel cannot lose its children. The creation goes on
+    after the fork (it connects the pipes); cancelled then - a timeout, an abort - asyncio kills
+    the program itself and raises, and whatever the program had started meanwhile (on a loaded
+    machine it has run for a while) was left running, its group never known to the caller. So
+    the processes bearing the mark are stopped then (on Linux, where /proc shows them)."""
+    try:
+        return await asyncio.create_subprocess_exec(*argv, **options)
+    except asyncio.CancelledError:
+        if mark is not None:
+            await _stop_marked(mark)
+        raise
+
+
+async def _stop_marked(mark: str) -> None:
+    """SIGTERM every process bearing ``mark``, SIGKILL what is left after ``KILL_GRACE`` (and
+    what was started meanwhile)."""
+    pids = await asyncio.to_thread(_members, None, mark)
+    if not pids:
+        return
+    _signal_group(None, signal.SIGTERM, pids)
+    try:
+        deadline = asyncio.get_running_loop().time() + KILL_GRACE
+        while asyncio.get_running_loop().time() < deadline and _any_alive(pids):  # noqa: ASYNC110
+            await asyncio.sleep(_POLL)
+    finally:
+        _signal_group(None, signal.SIGKILL, [*pids, *(_members(None, mark) or ())])
 
 
 async def supervise(

@@ -38,7 +38,7 @@ from pydantic import Field
 
 from agentloop.stamps import open_regular
 from agentloop.tools import search_python
-from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool
+from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool, utf8
 from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import close_transport
 from agentloop.tools.search_python import SKIP_DIRS, Hit, clean_line, glob_to_regex
@@ -210,6 +210,9 @@ async def search_files(
     left out of the walk (those under the root; the rest cannot be reached anyway)."""
     if not pattern:
         raise ToolError("pattern is empty")
+    _check_text(pattern, "pattern")
+    if glob:
+        _check_text(glob, "glob")
     if max_results < 1:
         raise ToolError("max_results must be at least 1")
     base = real_root(root)
@@ -249,6 +252,15 @@ async def search_files(
     if truncated:
         text += f"\n[showing the first {len(shown)} matches; there are more: narrow the pattern, path or glob]"
     return ToolResult.text(text, details=details)
+
+
+def _check_text(value: str, what: str) -> None:
+    """``ToolError`` for a pattern or glob no engine can take alike: a NUL byte (ripgrep's argument
+    ends at one; and a file that holds one is binary, never searched) or a lone surrogate (no UTF-8
+    form; ripgrep takes UTF-8 only)."""
+    if "\x00" in value:
+        raise ToolError(f"{what} has a NUL byte; files with NUL bytes are binary and not searched")
+    utf8(value, what)
 
 
 def _binary(path: Path, shown: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +141,23 @@ class _GlobFilter:
 # ------------------------------------------------------------------ the pure-Python engine
 
 
-def _search_file(real: Path, rel: str, regex: re.Pattern[str], hits: list[Hit], cap: int) -> None:
+def _read_regular(real: Path) -> bytes | None:
+    """The content of ``real`` if it is, as opened, a regular file and not a symlink; None
+    otherwise. The walk saw a regular file there, but another process may have swapped in a
+    symlink to outside the workspace (which must not be followed) or a FIFO (which would block)."""
     try:
-        data = real.read_bytes()
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return f.read()
+
+
+def _search_file(real: Path, rel: str, regex: re.Pattern[str], hits: list[Hit], cap: int) -> None:
+    data = _read_regular(real)
+    if data is None:
         return
     if b"\x00" in data:
         return

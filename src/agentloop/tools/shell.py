@@ -57,6 +57,7 @@ from agentloop.tools.process_group import (
     kill_group,
     marked,
     pump,
+    spawn,
     supervise,
 )
 from agentloop.urls import carries_secret, secret_name
@@ -103,6 +104,21 @@ def command_environment() -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if not _withheld(name, value)}
     env.update(PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     return env
+
+
+def check_command(command: str) -> None:
+    """``ToolError`` for a command no process can be given: empty, or with a NUL byte (an argument
+    ends at one) or a lone surrogate (no bytes stand for it; one that stands for a byte, as a
+    non-UTF-8 file name comes back, is that byte)."""
+    if not command.strip():
+        raise ToolError("command is empty")
+    if "\x00" in command:
+        at = command.index("\x00")
+        raise ToolError(f"command has a NUL byte (character {at}), which no command line can hold")
+    try:
+        os.fsencode(command)
+    except UnicodeEncodeError as exc:
+        raise ToolError(f"command is not valid text: character {exc.start} is a lone surrogate") from None
 
 
 def _shell() -> str:
@@ -365,8 +381,7 @@ async def run_shell(
     writable only beneath the root and a private ``$TMPDIR``; where that cannot be had it is not
     run (``ToolError``)."""
     sandboxing.check_mode(sandbox)
-    if not command.strip():
-        raise ToolError("command is empty")
+    check_command(command)
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     if limit <= 0:
         raise ToolError("timeout must be positive")
@@ -383,7 +398,8 @@ async def run_shell(
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
             argv = confined_argv(sandbox, [sandbox_root(root), tmp], argv)
         env, mark = marked(environment)
-        proc = await asyncio.create_subprocess_exec(
+        proc = await spawn(
+            mark,
             *argv,
             cwd=workdir,
             env=env,
@@ -498,8 +514,7 @@ def start_in_background(
             "background=true needs a conversation the runtime keeps (agentloop chat or serve), not run on a "
             "device: run it without"
         )
-    if not command.strip():
-        raise ToolError("command is empty")
+    check_command(command)
     if not resolve_path(root, cwd or ".").is_dir():
         raise ToolError(f"cwd {cwd!r} is not a directory in the workspace")
     refuse_unconfined(sandbox)

@@ -412,8 +412,8 @@ def _files(skill: Skill) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for fname in sorted(filenames):
             full = Path(dirpath) / fname
-            if fname.startswith(".") or full.is_symlink() or full == skill.path:
-                continue
+            if fname.startswith(".") or full.is_symlink() or not full.is_file() or full == skill.path:
+                continue  # (a FIFO or socket: ``read`` refuses it, so it is not offered)
             out.append(full.relative_to(skill.root).as_posix())
     return sorted(out)
 
