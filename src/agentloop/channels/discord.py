@@ -298,13 +298,9 @@ class DiscordState(ChannelState):
     def forget(self, channel: int) -> None:
         self.last = {c: m for c, m in self.last.items() if c != channel}
 
-    def load(self) -> None:
-        super().load()
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):  # (missing, or reported by ChannelState.load)
-            return
-        last = _field(data, "last")
+    def _read(self, data: dict[str, Any]) -> None:
+        super()._read(data)
+        last = data.get("last")
         found: dict[int, int] = {}
         for channel, message in last.items() if isinstance(last, dict) else ():
             channel_id, message_id = _snowflake(channel), _snowflake(message)

@@ -58,8 +58,11 @@ class ChannelState:
         except (OSError, ValueError, RecursionError) as exc:
             log.warning("the state file %s cannot be read (%s): starting afresh", self.path, exc)
             return
-        if not isinstance(data, dict):
-            return
+        if isinstance(data, dict):
+            self._read(data)
+
+    def _read(self, data: dict[str, Any]) -> None:
+        """Take what the file's ``data`` holds; a channel's state with more fields reads them here."""
         self.offset = _count(data.get("offset")) or 0
         seqs = data.get("seqs")
         if isinstance(seqs, dict):

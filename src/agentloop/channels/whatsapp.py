@@ -171,13 +171,9 @@ class WhatsAppState(ChannelState):
         """Add ``wamid``, forgetting the oldest past ``HANDLED`` (written with the next ``save``)."""
         self.handled = [*self.handled, wamid][-HANDLED:]  # (replaced: the file is written from a thread)
 
-    def load(self) -> None:
-        super().load()
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):  # (missing, or reported by ChannelState.load)
-            return
-        handled = _field(data, "handled")
+    def _read(self, data: dict[str, Any]) -> None:
+        super()._read(data)
+        handled = data.get("handled")
         found = [wamid for wamid in handled if isinstance(wamid, str)] if isinstance(handled, list) else []
         self.handled = found[-HANDLED:]
 
