@@ -325,57 +325,113 @@ def _call_key(name: str, arguments: dict[str, Any]) -> str:
     return name + "\x00" + json.dumps(arguments, sort_keys=True, separators=(",", ":"))
 
 
-_ANSWER_HEAD = re.compile(r'\s*\{\s*"final_answer"\s*:\s*"')
+_HEAD = '{"final_answer":"'
+_HEAD_SPACE = frozenset({0, 1, 15, 16})  # indices in _HEAD that whitespace may come before
+_PLAIN = re.compile(r'[^"\\]+')
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"'}
+
+
+class AnswerScanner:
+    """The decoded ``final_answer`` string of a JSON reply still being generated, fed piece by piece.
+
+    ``feed`` takes only the new text and returns what it adds to the answer, so a whole reply
+    costs time linear in its length (rescanning the reply on every token was quadratic). The
+    reply is an answer once it starts ``{"final_answer": "`` (whitespace allowed around the
+    punctuation); decoding stops before an incomplete escape, waiting for the rest, and for
+    good at the closing quote or a malformed ``\\u`` escape.
+    """
+
+    __slots__ = ("_head", "_out", "_pending", "_state")
+
+    def __init__(self) -> None:
+        self._state: Literal["head", "body", "done", "none"] = "head"
+        self._head = 0  # characters of _HEAD matched so far
+        self._pending = ""  # undecoded body text: the start of an incomplete escape
+        self._out: list[str] = []
+
+    @property
+    def value(self) -> str | None:
+        """The answer decoded so far, or None while the reply is not (yet) a final answer."""
+        return None if self._state in ("head", "none") else "".join(self._out)
+
+    def feed(self, text: str) -> str:
+        """Take the next piece of the reply; return the characters it adds to the answer."""
+        if self._state == "head":
+            text = self._feed_head(text)
+        return self._feed_body(text) if self._state == "body" else ""
+
+    def _feed_head(self, text: str) -> str:
+        """Match ``text`` against the rest of the head; return what follows it, if it is whole."""
+        k = self._head
+        for j, c in enumerate(text):
+            if c == _HEAD[k]:
+                k += 1
+                if k == len(_HEAD):
+                    self._state = "body"
+                    return text[j + 1 :]
+            elif not (k in _HEAD_SPACE and c.isspace()):  # (str.isspace is exactly re's \s)
+                self._state = "none"
+                return ""
+        self._head = k
+        return ""
+
+    def _feed_body(self, text: str) -> str:
+        buf = self._pending + text if self._pending else text
+        new: list[str] = []
+        i = 0
+        n = len(buf)
+        while i < n:
+            plain = _PLAIN.match(buf, i)
+            if plain is not None:
+                new.append(plain.group())
+                i = plain.end()
+                continue
+            if buf[i] == '"':
+                self._state = "done"
+                break
+            if i + 1 >= n:
+                break
+            e = buf[i + 1]
+            if e != "u":
+                new.append(_ESCAPES.get(e, e))
+                i += 2
+                continue
+            if i + 6 > n:
+                break
+            try:
+                code = int(buf[i + 2 : i + 6], 16)
+            except ValueError:
+                code = -1
+            if code < 0:  # malformed (int() also takes a sign: "\u-001")
+                self._state = "done"
+                break
+            if 0xD800 <= code < 0xDC00:  # a surrogate pair needs its second half
+                if i + 12 > n:
+                    break
+                try:
+                    low = int(buf[i + 8 : i + 12], 16) if buf[i + 6 : i + 8] == "\\u" else -1
+                except ValueError:
+                    low = -1
+                if 0xDC00 <= low < 0xE000:
+                    new.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+                    i += 12
+                    continue
+                new.append("\ufffd")
+                i += 6
+                continue
+            new.append(chr(code))
+            i += 6
+        self._out.extend(new)
+        self._pending = buf[i:] if self._state == "body" else ""
+        return "".join(new)
 
 
 def partial_answer(buf: str) -> str | None:
     """The decoded prefix of the ``final_answer`` string in a JSON reply still being generated,
     or None when the reply is not (yet) a final answer. Stops before an incomplete escape."""
-    head = _ANSWER_HEAD.match(buf)
-    if head is None:
-        return None
-    out: list[str] = []
-    i = head.end()
-    n = len(buf)
-    while i < n:
-        c = buf[i]
-        if c == '"':
-            break
-        if c != "\\":
-            out.append(c)
-            i += 1
-            continue
-        if i + 1 >= n:
-            break
-        e = buf[i + 1]
-        if e != "u":
-            out.append(_ESCAPES.get(e, e))
-            i += 2
-            continue
-        if i + 6 > n:
-            break
-        try:
-            code = int(buf[i + 2 : i + 6], 16)
-        except ValueError:
-            break
-        if 0xD800 <= code < 0xDC00:  # a surrogate pair needs its second half
-            if i + 12 > n:
-                break
-            try:
-                low = int(buf[i + 8 : i + 12], 16) if buf[i + 6 : i + 8] == "\\u" else -1
-            except ValueError:
-                low = -1
-            if 0xDC00 <= low < 0xE000:
-                out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
-                i += 12
-                continue
-            out.append("\ufffd")
-            i += 6
-            continue
-        out.append(chr(code))
-        i += 6
-    return "".join(out)
+    scanner = AnswerScanner()
+    scanner.feed(buf)
+    return scanner.value
 
 
 # ------------------------------------------------------------------ conversation mapping
@@ -621,20 +677,15 @@ class LocalModel(Model):
 
         thread = threading.Thread(target=_worker, args=(engine, kwargs, stop, push), daemon=True, name="llama")
         thread.start()
-        streamed = ""
+        answer = AnswerScanner()  # fed only the new text: rescanning the reply per token was quadratic
         try:
             while True:
                 item = await queue.get()
                 if item[0] == "text":
                     grow(gen, "text", item[1])  # (``+=`` on the attribute: quadratic in the tokens)
                     gen.completion_tokens += 1
-                    if schema is None:
-                        delta = item[1]
-                    else:
-                        value = partial_answer(gen.text)
-                        delta = value[len(streamed) :] if value is not None and value.startswith(streamed) else ""
+                    delta = item[1] if schema is None else answer.feed(item[1])
                     if delta:
-                        streamed += delta
                         for event in out.text(delta):
                             yield event
                     if degenerate(gen.text):
