@@ -114,6 +114,7 @@ log = logging.getLogger("agentloop.kernel")
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
 MAX_INSTRUCTIONS = 20_000  # characters of instructions a compaction asked for may give the summary model
 MAX_FILE_NAME = 255  # characters of a document's name (as the server's API allows)
+MAX_RUN_ID = 128  # characters of a caller's run id (as the server's API and its WebSocket frames allow)
 
 
 def _kernel_files(store: Store, data: Path) -> list[Path]:
@@ -140,11 +141,19 @@ def _check_outside(root: Path, kernel_files: Iterable[Path]) -> None:
 
 
 def _check_run_id(run_id: object) -> None:
-    """A caller's run id names a run in a column of its own: a non-empty string of plain text."""
+    """A caller's run id names a run in a column of its own, and in the key of the record that
+    makes its delivery idempotent: a non-empty string of plain text of at most ``MAX_RUN_ID``
+    characters."""
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
     if run_id is not None:
+        _check_run_id_length(run_id)
         check_plain_text(run_id, "run_id")
+
+
+def _check_run_id_length(run_id: str) -> None:
+    if len(run_id) > MAX_RUN_ID:
+        raise ValueError(f"run_id must be at most {MAX_RUN_ID} characters, got {len(run_id)}")
 
 
 def _check_run_id_type(run_id: object) -> None:
@@ -152,6 +161,8 @@ def _check_run_id_type(run_id: object) -> None:
     is a stale id, which does nothing (DESIGN §2); a number is a mistake, not a stale id."""
     if run_id is not None and not isinstance(run_id, str):
         raise TypeError(f"run_id must be a string or None, got {type(run_id).__name__}")
+    if run_id is not None:
+        _check_run_id_length(run_id)  # (no run has a longer one: a mistake, as the server says too)
 
 
 def _output_row(output_schema: Any) -> dict[str, Any] | None:

@@ -74,9 +74,17 @@ def _check_not_clearing(engine: ProcessEngine, pid: str) -> None:
     """Inside a delivery's transaction, before it starts a run: a reset or kill that began since
     the delivery waited out the last one (during an interrupt's abort, say) may have looked for
     the run to stop already, and a run started now would outlive it, its tool results landing
-    in the fresh history with no call before them. The delivery starts over instead."""
-    if pid in engine.discarding or pid in engine.compacting:  # (``clearing`` counts waiters too)
+    in the fresh history with no call before them (a compaction: it would summarise the history
+    under the run). The delivery starts over instead. A clearing that begins after this check
+    waits for the transaction to end before it looks (``ProcessEngine.settle_deliveries``)."""
+    if _clearing(engine, pid):
         raise _ClearingBegan(pid)
+
+
+def _clearing(engine: ProcessEngine, pid: str) -> bool:
+    """Whether a reset, kill or compaction holds the process now (``clearing`` counts the
+    input waiting for one too, so it is not the test)."""
+    return pid in engine.discarding or pid in engine.compacting
 
 
 async def _send_once(
@@ -178,7 +186,26 @@ async def signal_event(
     claim: Callable[[], Awaitable[bool]] | None = None,
 ) -> Receipt | None:
     """Deliver a system event. With ``claim`` (see ``ProcessEngine.claimed_event``) the claim runs
-    first inside the delivery's transaction; None, and nothing delivered, when it fails."""
+    first inside the delivery's transaction; None, and nothing delivered, when it fails. A
+    reset, kill or compaction that begins on the way is waited out as ``send`` waits it out: the
+    delivery (and its claim, rolled back with it) is tried again once it is over."""
+    while True:
+        try:
+            return await _signal_once(engine, pid, text, run_id=run_id, reason=reason, claim=claim)
+        except _ClearingBegan:
+            continue
+
+
+async def _signal_once(
+    engine: ProcessEngine,
+    pid: str,
+    text: str,
+    *,
+    run_id: str | None,
+    reason: str,
+    claim: Callable[[], Awaitable[bool]] | None,
+) -> Receipt | None:
+    """One try of ``signal_event``: ``_ClearingBegan`` when a clearing came in between."""
     await after_clearing(engine, pid)
     if engine.leases is not None:
         await engine.leases.hold(pid)  # or, held elsewhere, the event waits in the queue for its holder
@@ -204,6 +231,7 @@ async def signal_event(
             run_id_kept = run_id
         active = live.record.current_run
         if active is None and not live.remote:
+            _check_not_clearing(engine, pid)
             receipt = Receipt(await tx.start_run(message, reason, run_id_kept), False)
         elif active is None:
             receipt = Receipt(run_id_kept or new_id(), False)
@@ -223,15 +251,16 @@ async def promote(engine: ProcessEngine, live: _Live) -> None:
     the rest would have nothing to start it."""
     pid = live.record.pid
     # (a reset, kill or compaction under way promotes what it leaves once it is over)
-    while live.record.current_run is None and pid not in engine.discarding and pid not in engine.compacting:
+    while live.record.current_run is None and not _clearing(engine, pid):
         queue = await engine.store.queue(pid) if live.queued else []
         if not queue:
             return
         first = next((q for q in queue if q.kind == "system"), queue[0])
         async with engine._tx(live) as tx:
             # checked inside the transaction: two promotions that read the same queue (a worker's
-            # own and one on a notification from another) start one run
-            if live.record.current_run is not None:
+            # own and one on a notification from another) start one run; and one of a clearing
+            # that began since the look above starts none (see ``_check_not_clearing``)
+            if live.record.current_run is not None or _clearing(engine, pid):
                 return
             if not await engine.store.dequeue(pid, first.id):
                 continue  # withdrawn meanwhile: look again
@@ -280,10 +309,25 @@ async def withdraw(
     names stay: stored once per process by content, they may be another message's too, and a
     reset or kill deletes them with the process's folder."""
     check_withdrawal(item_id, kind)
+    while True:
+        try:
+            return await _withdraw_once(engine, pid, item_id, kind)
+        except _ClearingBegan:
+            continue  # (nothing was taken: what the clearing kept is looked for once it is over)
+
+
+async def _withdraw_once(
+    engine: ProcessEngine, pid: str, item_id: int | None, kind: QueueKind | None
+) -> list[QueueItem]:
+    """One try of ``withdraw``: ``_ClearingBegan`` when a reset or kill began on the way, which
+    archives the queued input it discards (read once it began): taken now, an item would be in
+    that archive and in this answer both."""
     await after_clearing(engine, pid)
     live = await engine.live(pid)
     kinds = (kind,) if kind is not None else USER_INPUT if item_id is None else tuple(_TAKEN_RANK)
     async with engine._tx(live) as tx:
+        if pid in engine.discarding:  # (a compaction takes nothing from the queue)
+            raise _ClearingBegan(pid)
         chosen = [q for q in await engine.store.queue(pid) if q.kind in kinds and item_id in (None, q.id)]
         taken = [q for q in chosen if await engine.store.dequeue(pid, q.id)]
         for q in taken:  # (the output a queued item's run was to give: that run will not be)

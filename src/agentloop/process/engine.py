@@ -341,6 +341,7 @@ class ProcessEngine:
             self.stop_background(pid)  # (what it would tell belongs to the conversation being cleared)
             self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
             try:
+                await self.settle_deliveries()  # (before the clearing looks for the run to stop)
                 yield
             finally:
                 del self.discarding[pid]
@@ -348,6 +349,20 @@ class ProcessEngine:
         if live is not None and not live.remote:
             live.queued = len(await self.store.queue(pid))
             await admission.promote(self, live)
+
+    async def settle_deliveries(self) -> None:
+        """Once a reset, kill or compaction has marked the process (``discarding``, ``compacting``):
+        wait for the transactions of this worker under way to end. A delivery checks the marks
+        inside its transaction, before it starts a run (``admission._check_not_clearing``); one
+        whose check came before the mark and whose commit after it would start a run the
+        clearing, looking for the run to stop (or whether one is active), could not see yet. A
+        transaction begun here (and rolled back: it writes nothing) begins only once those have
+        ended, and a transaction's cache updates apply as it ends, so from here on the cached
+        ``current_run`` shows their run; a delivery that begins later sees the mark and waits.
+        On the reset path only: the delivery itself pays nothing for it."""
+        scope = self.store.transaction()
+        await scope.begin()
+        scope.end(commit=False)
 
     def when_cleared(self, pid: str, then: Callable[[], None]) -> None:
         """Call ``then`` once the reset or kill of ``pid`` under way is over. A loop that delivers
@@ -576,6 +591,7 @@ class ProcessEngine:
         async with self.clearing.hold(pid):
             self.compacting.add(pid)  # (first: from here the lease of the idle process is kept)
             try:
+                await self.settle_deliveries()  # (before it looks whether a run is active)
                 if self.leases is not None and not await self.leases.hold(pid):
                     raise ProcessBusy(pid, "compaction")
                 live = await self.live(pid)
