@@ -19,9 +19,11 @@ pending request the row lacks is copied then (rebuilt from its stored row), and 
 has that is no longer pending gets its ``proc.changed`` copy; a request already shown is never
 copied twice (the row, not the log, which is pruned, says so; a copy logged before the row was
 kept, by an older runtime, is looked for on the log then), and one answered meanwhile not at all.
-On a shared store a worker that dies while the others go on leaves its lost copies until a kernel
-opens on the store again (the requests are listed meanwhile). An approval timeout still denies a
-request whatever became of its copy.
+On a shared store a worker that dies (or closes) between the two leaves the child with its run
+under way and no live lease: the worker that takes the child over (lease.py's sweep, or a claim)
+makes the copies good for the child's conversation then (``_taken``, the same reconciliation for
+that one conversation), so they do not wait for a kernel to open on the store. An approval
+timeout still denies a request whatever became of its copy.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class SubagentAsks:
         self.closed = False
         self._work = TapWork()
         kernel.engine.hub.tap(self._heard)
+        leases = kernel.engine.leases
+        if leases is not None:  # (a shared store: what a worker that stopped short left undone)
+            leases.taken.append(self._taken)
 
     def _heard(self, pid: str, signal: Signal) -> None:
         """The hub's tap: cheap, synchronous, never raising."""
@@ -80,6 +85,30 @@ class SubagentAsks:
             return  # the conversation is gone
         except Exception as exc:  # only a copy: the request stands, listed through the top-level process
             log.warning("process %s: its approval request was not shown on its conversation: %s", child, exc)
+
+    def _taken(self, record: ProcessRecord) -> None:
+        """The leases' takeover hook: this worker claimed ``record`` with its run under way, from a
+        worker that may have committed a request of it and stopped before its copy (or a change
+        of its requests before that one's). Cheap and synchronous; only a subagent's takeover
+        reads anything, and only its conversation is written to, when it differs."""
+        if self.closed or record.parent_pid is None:
+            return
+        self._work.start(self._made_good(record.pid), f"asks of {record.pid}, taken over")
+
+    async def _made_good(self, child: str) -> None:
+        """``recover`` for the one conversation ``child`` works for."""
+        try:
+            top = await top_level(self.kernel, child)
+            if top is None:
+                return
+            pending = {row.request_id for row in await descendants_asks(self.kernel, top)}
+            before = await self.kernel.store.kv_get(top.pid, SHOWN_KEY)
+            if pending != (set(before) if isinstance(before, dict) else set()):
+                await self._show(top.pid)
+        except NoSuchProcess:
+            return
+        except Exception as exc:  # (the requests are still listed; the next takeover or start tries again)
+            log.warning("process %s: its approval requests were not made good on its conversation: %s", child, exc)
 
     async def recover(self) -> None:
         """At start-up: show on each conversation's log the pending requests of its subagents that
@@ -169,6 +198,9 @@ class SubagentAsks:
     async def close(self) -> None:
         self.closed = True
         self.kernel.engine.hub.untap(self._heard)
+        leases = self.kernel.engine.leases
+        if leases is not None and self._taken in leases.taken:
+            leases.taken.remove(self._taken)
         await self._work.close(GRACE)
 
 

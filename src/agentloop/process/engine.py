@@ -984,6 +984,11 @@ class ProcessEngine:
             return False  # it finished on its own meanwhile
         rows = await self.store.calls(pid, active)
         async with self._tx(live) as tx:
+            # read again once the transaction has begun: another abort of the run may have ended it
+            # while this one read its calls (two ends would give each call two cancelled results)
+            run = live.record.current_run
+            if run is None or run["run_id"] != active:
+                return False
             queued: int | None = None  # (the cache's count, unless the abort drops the queue)
             if reason in DISCARDS_QUEUE:
                 queued = await self._discard_queue(tx, live)

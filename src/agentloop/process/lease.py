@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.relay import Relay, publish_batch
 from agentloop.process.signals import Signal
-from agentloop.process.store import NoSuchProcess, RelayBatch, StoreError
+from agentloop.process.store import NoSuchProcess, ProcessRecord, RelayBatch, StoreError
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -124,6 +124,9 @@ class Leases:
         self._loop: asyncio.Task[None] | None = None
         self._unlisten: Any = None
         self._background: set[asyncio.Task[Any]] = set()
+        # told of each process claimed with a run under way (a takeover: its previous holder died,
+        # closed or stalled); called under the claim, so each only starts work of its own
+        self.taken: list[Callable[[ProcessRecord], None]] = []
         # stream deltas between workers; an interest outlives a few polls of a follower set up like this one
         self.relay = Relay(self.store, self.owner, interest_ttl=max(3 * poll, 10.0))
 
@@ -203,6 +206,12 @@ class Leases:
             if record is None:
                 raise NoSuchProcess(pid)
             await engine.resume(record)
+            if record.current_run is not None:
+                for hook in list(self.taken):
+                    try:
+                        hook(record)
+                    except Exception:  # (the process is resumed: what a hook missed is not its concern)
+                        log.exception("process %s: a takeover hook failed", pid)
         except Exception:
             # Not resumed: the lease goes back. Kept, it would be renewed with everything else this
             # worker holds while nothing here drives the process, and no sweep (this worker's
@@ -482,7 +491,9 @@ class Leases:
                     engine.uncache(pid)
                 return
             run = live.record.current_run
-            if run is not None and run["run_id"] == request.get("run_id"):
+            # (an abort of this worker's own stopping the run already: a second one racing it
+            # would end the run twice, each with its cancelled results; the caller waits all the same)
+            if run is not None and run["run_id"] == request.get("run_id") and not live.stopping:
                 reason = str(request.get("reason", "user"))
                 if reason == STOP_REASON:
                     self._spawn(engine.stop(pid, run["run_id"]))
