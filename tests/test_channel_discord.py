@@ -2,7 +2,8 @@
 
 ``FakeDiscord`` is a Starlette app under uvicorn on 127.0.0.1 (its own thread and event loop) for
 the REST routes the bridge uses (who the bot is, the gateway's address, sending and reading a
-channel's messages, "typing…", answering a button press), recording every call and answering as
+channel's messages, "typing…", answering a button press or a slash command, reading and
+overwriting the application's global commands), recording every call and answering as
 Discord answers; failures (an HTTP status with a JSON body) can be queued per route. Its
 ``gateway`` is a ``websockets`` server on 127.0.0.1 (a thread and loop of its own as well) that
 speaks the gateway protocol: Hello, Identify → READY with a session, Resume → the events missed,
@@ -84,6 +85,7 @@ class FakeGateway:
         self.interval_ms = 300
         self.ack = True
         self.refuse: int | None = None  # a close code for the next Identify or Resume
+        self.application: int | None = BOT  # READY's application id (None: READY names none)
         self.lock = threading.Lock()
         self.connections: list[Connection] = []
         self.sessions: dict[str, Session] = {}
@@ -153,6 +155,8 @@ class FakeGateway:
                 "resume_gateway_url": f"{self.url}/resume",
                 "guilds": [],
             }
+            if self.application is not None:
+                ready["application"] = {"id": str(self.application), "flags": 0}
             await self.dispatch_on(conn, "READY", ready)
         elif op == 6:
             session = self.sessions.get(d["session_id"])
@@ -222,6 +226,7 @@ class FakeDiscord:
         self.failures: dict[str, list[tuple[int, Any]]] = {}
         self.history: dict[int, list[dict[str, Any]]] = {}  # channel -> its messages, oldest first
         self.guilds: dict[int, int] = {}  # channel -> its server (guild), for a server channel
+        self.commands: dict[int, list[dict[str, Any]]] = {}  # application -> its global commands
         self._next_id = 900_000
         routes = [
             Route("/api/v10/users/@me", self.route("me"), methods=["GET"]),
@@ -231,6 +236,8 @@ class FakeDiscord:
             Route("/api/v10/channels/{channel}/messages", self.route("messages"), methods=["GET"]),
             Route("/api/v10/channels/{channel}/typing", self.route("typing"), methods=["POST"]),
             Route("/api/v10/interactions/{id}/{token}/callback", self.route("callback"), methods=["POST"]),
+            Route("/api/v10/applications/{app}/commands", self.route("commands"), methods=["GET"]),
+            Route("/api/v10/applications/{app}/commands", self.route("put_commands"), methods=["PUT"]),
         ]
         self.server = ServerThread(Starlette(routes=routes))
         self.url = f"{self.server.url}/api/v10"
@@ -274,6 +281,12 @@ class FakeDiscord:
         if name == "gateway":
             limit = {"total": 1000, "remaining": 999, "reset_after": 0, "max_concurrency": 1}
             return JSONResponse({"url": self.gateway.url, "shards": 1, "session_start_limit": limit})
+        if name in ("commands", "put_commands"):  # (global application commands: a PUT replaces them all)
+            app = int(request.path_params["app"])
+            with self.lock:
+                if name == "put_commands":
+                    self.commands[app] = [self.registered(app, n, c) for n, c in enumerate(body)]
+                return JSONResponse(self.commands.get(app, []))
         channel = int(request.path_params.get("channel", 0))
         if name == "create_message":
             message = {
@@ -299,6 +312,13 @@ class FakeDiscord:
                 newer = [m for m in self.history.get(channel, []) if int(m["id"]) > after][:limit]
             return JSONResponse(list(reversed(newer)))  # newest first, as Discord answers
         return Response(status_code=204)
+
+    @staticmethod
+    def registered(app: int, n: int, command: dict[str, Any]) -> dict[str, Any]:
+        """``command`` as Discord keeps and returns it: with its ids and the defaults filled in."""
+        defaults = {"type": 1, "contexts": [0, 1, 2], "integration_types": [0], "nsfw": False}
+        kept = {"id": str(800_000 + n), "application_id": str(app), "version": "1", "default_member_permissions": None}
+        return {**defaults, **command, **kept}
 
     # -- what the test does as a Discord user
 
@@ -350,6 +370,32 @@ class FakeDiscord:
             "data": {"custom_id": custom_id, "component_type": 2},
         }
         self.gateway.dispatch("INTERACTION_CREATE", interaction)
+
+    def command(self, user: int, name: str, channel: int, *, guild: int | None = None) -> str:
+        """``user`` uses the slash command ``/name`` in ``channel`` (a server's, with ``guild``):
+        the interaction's token, which its answer's address holds."""
+        who = {"id": str(user), "username": f"user{user}", "global_name": f"User{user}"}
+        token = f"command-token-{user}-{self.next_id()}"
+        interaction: dict[str, Any] = {
+            "id": str(self.next_id()),
+            "application_id": str(BOT),
+            "type": 2,
+            "token": token,
+            "channel_id": str(channel),
+            "channel": {"id": str(channel), "type": 1 if guild is None else 0},
+            "data": {"id": "800000", "name": name, "type": 1},
+            "context": 1 if guild is None else 0,
+        }
+        if guild is None:
+            interaction["user"] = who
+        else:
+            interaction |= {"guild_id": str(guild), "member": {"user": who, "roles": []}}
+        self.gateway.dispatch("INTERACTION_CREATE", interaction)
+        return token
+
+    def answer_to(self, token: str) -> dict[str, Any] | None:
+        """The bridge's response to the interaction with ``token``."""
+        return next((c.body for c in self.of("callback") if c.ok and c.params["token"] == token), None)
 
     def fail(self, route: str, *failures: tuple[int, Any]) -> None:
         with self.lock:

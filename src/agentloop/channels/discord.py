@@ -16,10 +16,19 @@ a session with the Guilds intent, which the bridge does not ask for (it would br
 channels and members at each connect).
 
 A message becomes ``Process.send`` (mode ``queue``: while the agent is still answering, it waits
-for its own run); ``!new`` resets the conversation, ``!stop`` aborts the run and ``!help`` says so
-(``!`` rather than ``/``: a ``/`` command would have to be registered with Discord as an
-application command). A follower per process reads its signals (``agentloop.channels.bridge``):
-``proc.run.started`` shows "typing…", ``proc.run.hil.requested`` sends the call to approve with
+for its own run); ``!new`` resets the conversation, ``!stop`` aborts the run and ``!help`` says so.
+The same three are slash commands, ``/new``, ``/stop`` and ``/help``: global application commands
+of the bot's application (its id from READY's ``application``, else the bot's own), registered
+after the first READY with one bulk overwrite (``PUT /applications/<id>/commands``), and only when
+what is registered (``GET`` the same address) differs from them, so a restart rewrites nothing. A
+failure to register (no access, no network) is logged and the ``!`` commands work all the same. A
+slash command comes as an ``INTERACTION_CREATE`` (type 2) from a DM or a server channel (no mention
+needed) and does what its ``!`` twin does to that channel's process, checked against the same
+allow-list; it is answered in the interaction's own response (help and refusals seen only by the
+user; should that response fail, "new" and "stop" are told in the channel instead).
+
+A follower per process reads its signals (``agentloop.channels.bridge``): ``proc.run.started``
+shows "typing…", ``proc.run.hil.requested`` sends the call to approve with
 Approve / Deny / Always buttons (whose presses come back as ``INTERACTION_CREATE`` and are answered
 by updating the message: its buttons go, the outcome is added), and ``proc.run.finished`` sends the
 answer, in parts of at most 2000 characters, with ``allowed_mentions`` empty so that nothing the
@@ -142,9 +151,20 @@ ATTACHMENT_URLS = ("https://cdn.discordapp.com/", "https://media.discordapp.net/
 
 HELP = (
     "Send me a message and your agent answers here (in a server channel, mention me).\n"
-    "!new starts a fresh conversation.\n"
-    "!stop stops the answer under way."
+    "/new (or !new) starts a fresh conversation.\n"
+    "/stop (or !stop) stops the answer under way."
 )
+# the slash commands the bridge registers (global, chat input: type 1), in servers and the bot's DMs
+# (contexts 0, 1) of a server-installed app (integration type 0); nothing else is registered
+COMMANDS: tuple[dict[str, Any], ...] = tuple(
+    {"name": name, "type": 1, "description": description, "contexts": [0, 1], "integration_types": [0]}
+    for name, description in (
+        ("new", "Start a fresh conversation"),
+        ("stop", "Stop the answer under way"),
+        ("help", "What this bot does, and its commands"),
+    )
+)
+REFUSAL = "Sorry, this bot is private. (Your Discord user id is {}.)"
 CONTEXT = (
     "The user talks with you through Discord, which shows your answers with its Markdown "
     "(bold, italics, lists, code blocks; no tables or headings deeper than ###)."
@@ -238,6 +258,29 @@ def approval_components(request_id: str) -> list[dict[str, Any]] | None:
         for (label, _, style), i in zip(_BUTTONS, ids, strict=True)
     ]
     return [{"type": 1, "components": buttons}]
+
+
+def commands_differ(registered: object, wanted: Iterable[Mapping[str, Any]] = COMMANDS) -> bool:
+    """Whether the application's ``registered`` commands (``GET /applications/<id>/commands``) are
+    other than ``wanted``: another set of names, or a command whose fields the bridge sets (lists
+    in any order) are not the same, or that has options. (What the bridge does not set, Discord's
+    ids, versions …, is not compared.)"""
+    wanted = list(wanted)
+    if not isinstance(registered, list) or len(registered) != len(wanted):
+        return True
+    have = {_field(command, "name"): command for command in registered}
+    for want in wanted:
+        command = have.get(want["name"])
+        if not isinstance(command, dict) or command.get("options"):
+            return True
+        for key, value in want.items():
+            got = command.get(key)
+            if isinstance(value, list):
+                if not isinstance(got, list) or sorted(got, key=repr) != sorted(value, key=repr):
+                    return True
+            elif got != value:
+                return True
+    return False
 
 
 def _forwarded(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -383,6 +426,7 @@ class DiscordBridge(ChatBridge[int]):
         )
         self.allow = frozenset(allowed)
         self.bot_id = 0
+        self.application_id = 0  # (READY names it: the slash commands are registered for it)
         self.username = ""
         self.ready_timeout = ready_timeout
         self.invalid_session_wait = (float(low), float(high))
@@ -393,6 +437,9 @@ class DiscordBridge(ChatBridge[int]):
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self._gateway: asyncio.Task[None] | None = None
+        self._registration: asyncio.Task[None] | None = None  # (the slash commands', once a run)
+        # while a slash command is handled: (its task, its channel, what ``_say`` said meanwhile)
+        self._saying: tuple[asyncio.Task[Any] | None, int, list[str]] | None = None
         self._ready = asyncio.Event()
         # the gateway session: what a resume takes
         self._session_id: str | None = None
@@ -454,8 +501,9 @@ class DiscordBridge(ChatBridge[int]):
         """Leave the gateway and stop following (before the kernel closes), and close the HTTP
         client. A message or a signal being handled is given ``bridge.CLOSE_GRACE`` seconds to
         finish first."""
-        await self._stop_tasks({"intake": self._worker, "gateway": self._gateway})
-        self._worker = self._gateway = None
+        tasks = {"intake": self._worker, "gateway": self._gateway, "commands": self._registration}
+        await self._stop_tasks(tasks)
+        self._worker = self._gateway = self._registration = None
         await self.api.close()
         await self._files.aclose()
 
@@ -640,6 +688,10 @@ class DiscordBridge(ChatBridge[int]):
             self._resume_url = resume_url if isinstance(resume_url, str) and resume_url else None
             user = data.get("user")
             self.username = self.username or str(_field(user, "username") or "")
+            application = _snowflake(_field(data.get("application"), "id"))
+            self.application_id = application or self.application_id or self.bot_id
+            if self._registration is None:  # (once a run: a new session does not register again)
+                self._registration = asyncio.create_task(self._register_commands(), name="agentloop-discord-commands")
             self._live = True
             self._ready.set()
             log.info("connected to the Discord gateway as %s (%d)", self.username or "the bot", self.bot_id)
@@ -649,6 +701,24 @@ class DiscordBridge(ChatBridge[int]):
             log.info("resumed the Discord gateway session")
         elif event in ("MESSAGE_CREATE", "INTERACTION_CREATE"):
             self._queue.put_nowait((str(event), data))
+
+    async def _register_commands(self) -> None:
+        """Make ``COMMANDS`` the application's global commands: read what is registered, and
+        overwrite it in one ``PUT`` only when it differs. A failure is logged, no more: the ``!``
+        commands do without."""
+        path = f"/applications/{self.application_id}/commands"
+        try:
+            registered = await self.api.request("GET", path, attempts=3)
+            if not commands_differ(registered):
+                log.info("the Discord slash commands /new, /stop and /help are registered already")
+                return
+            await self.api.request("PUT", path, json=list(COMMANDS), attempts=3)
+            log.info("registered the Discord slash commands /new, /stop and /help")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # (DiscordError; anything else is a bug, which must not stop the bridge either)
+            reason = self.redact(str(exc) if isinstance(exc, DiscordError) else f"{type(exc).__name__}: {exc}")
+            log.warning("%s: the slash commands are not registered (!new, !stop and !help still work)", reason)
 
     # -- from Discord ----------------------------------------------------------------------------
 
@@ -858,6 +928,9 @@ class DiscordBridge(ChatBridge[int]):
             return
         presser = _field(interaction.get("member"), "user") or interaction.get("user")
         user_id = _snowflake(_field(presser, "id"))
+        if interaction.get("type") == 2:  # APPLICATION_COMMAND: /new, /stop, /help
+            await self._on_command(interaction_id, token, interaction, user_id)
+            return
         if user_id is None or user_id not in self.allow:
             log.warning("refused an approval answer from Discord user %s: not on the allow-list", user_id)
             await self._reply(interaction_id, token, "You are not allowed to answer this.")
@@ -882,17 +955,66 @@ class DiscordBridge(ChatBridge[int]):
         if outcome == OUTCOMES[key] and key != "d":
             await self._typing(channel)  # the run goes on
 
+    async def _on_command(
+        self, interaction_id: int, token: str, interaction: dict[str, Any], user_id: int | None
+    ) -> None:
+        """A slash command: what its ``!`` twin does, for the same users, answered in the
+        interaction's response."""
+        name = _field(interaction.get("data"), "name")
+        channel = _snowflake(interaction.get("channel_id")) or _snowflake(_field(interaction.get("channel"), "id"))
+        if user_id is None or user_id not in self.allow:
+            log.warning(
+                "refused the command /%s from Discord user %s in channel %s: not on the allow-list",
+                str(name)[:40],
+                user_id,
+                channel,
+            )
+            refusal = REFUSAL.format(user_id) if user_id is not None else "Sorry, this bot is private."
+            await self._reply(interaction_id, token, refusal)
+            return
+        if name == "help":
+            await self._reply(interaction_id, token, HELP)
+            return
+        if name not in ("new", "stop") or channel is None:
+            await self._reply(interaction_id, token, "Unknown command.")
+            return
+        said: list[str] = []
+        self._saying = (asyncio.current_task(), channel, said)
+        try:
+            await (self._reset(channel) if name == "new" else self._stop(channel))
+        finally:
+            self._saying = None
+        if not said:  # (a run was stopped: its end says "Stopped." in the channel)
+            await self._reply(interaction_id, token, "Stopping the answer under way.")
+            return
+        text = split_message("\n".join(said), MAX_MESSAGE)[0]
+        data = {"content": text, "allowed_mentions": NO_MENTIONS}
+        if not await self._respond(interaction_id, token, {"type": 4, "data": data}):
+            await self._send(channel, "\n".join(said))  # (its token was void: told in the channel)
+
+    async def _say(self, chat: int, text: str) -> None:
+        """A notice in answer to the user: to the slash command being handled, when it is for its
+        channel (and said by the task handling it); else to the channel."""
+        saying = self._saying
+        if saying is not None and saying[0] is asyncio.current_task() and saying[1] == chat:
+            saying[2].append(text)
+            return
+        await self._send(chat, text)
+
     async def _reply(self, interaction_id: int, token: str, text: str) -> None:
-        """Answer a press with a note only the presser sees."""
+        """Answer a press (or a command) with a note only the user sees."""
         data = {"content": text, "flags": EPHEMERAL, "allowed_mentions": NO_MENTIONS}
         await self._respond(interaction_id, token, {"type": 4, "data": data})  # CHANNEL_MESSAGE_WITH_SOURCE
 
-    async def _respond(self, interaction_id: int, token: str, body: dict[str, Any]) -> None:
+    async def _respond(self, interaction_id: int, token: str, body: dict[str, Any]) -> bool:
+        """Whether the interaction's response was taken."""
         try:
             path = f"/interactions/{interaction_id}/{MASK}/callback"
             await self.api.request("POST", path, json=body, attempts=3, path_secret=token)
-        except DiscordError as exc:  # (15 minutes after the press its token is void: nothing to do)
+        except DiscordError as exc:  # (15 minutes after the press, or 3 s unanswered, its token is void)
             log.info("%s", exc)
+            return False
+        return True
 
     # -- to Discord ------------------------------------------------------------------------------
 
