@@ -365,6 +365,9 @@ class Replies:
                 claim=lambda: _claim(self.kernel, target, rid),
                 run_id=f"{rid}:reply",
                 reason="delegate.reply",
+                # checked again inside the delivery: a reset of the caller since the look above
+                # ends the conversation the reply belongs to
+                generation=source.history_generation,
             )
         except NoSuchProcess:  # the caller was killed meanwhile
             async with store.transaction():

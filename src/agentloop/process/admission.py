@@ -13,7 +13,7 @@ from agentloop.process import signals as sig
 from agentloop.process.api import Receipt, SendMode, new_id
 from agentloop.process.store import MAX_SEQ, QueueItem
 from agentloop.process.store.base import QueueKind
-from agentloop.process.tx import _Live
+from agentloop.process.tx import _Live, promoting
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -184,14 +184,19 @@ async def signal_event(
     run_id: str | None,
     reason: str,
     claim: Callable[[], Awaitable[bool]] | None = None,
+    generation: int | None = None,
 ) -> Receipt | None:
     """Deliver a system event. With ``claim`` (see ``ProcessEngine.claimed_event``) the claim runs
     first inside the delivery's transaction; None, and nothing delivered, when it fails. A
     reset, kill or compaction that begins on the way is waited out as ``send`` waits it out: the
-    delivery (and its claim, rolled back with it) is tried again once it is over."""
+    delivery (and its claim, rolled back with it) is tried again once it is over. ``generation``
+    (with ``claim``): the event belongs to that conversation of the process; if a reset ended it
+    meanwhile, the claim is kept and nothing is delivered (None), decided inside the transaction."""
     while True:
         try:
-            return await _signal_once(engine, pid, text, run_id=run_id, reason=reason, claim=claim)
+            return await _signal_once(
+                engine, pid, text, run_id=run_id, reason=reason, claim=claim, generation=generation
+            )
         except _ClearingBegan:
             continue
 
@@ -204,6 +209,7 @@ async def _signal_once(
     run_id: str | None,
     reason: str,
     claim: Callable[[], Awaitable[bool]] | None,
+    generation: int | None = None,
 ) -> Receipt | None:
     """One try of ``signal_event``: ``_ClearingBegan`` when a clearing came in between."""
     await after_clearing(engine, pid)
@@ -215,6 +221,8 @@ async def _signal_once(
         if claim is not None:
             if not await claim():
                 return None  # delivered by another worker (or its source moved on): nothing to do
+            if generation is not None and not await _same_conversation(engine, live, generation):
+                return None  # claimed (committed): owed to a conversation a reset has ended since
             # a record left by a delivery that was not claimed (made before claims existed, or
             # by hand with the same id): that delivery stands, and the claim retires its record
             seen = await admitted(engine, pid, run_id)
@@ -245,29 +253,45 @@ async def _signal_once(
     return receipt
 
 
+async def _same_conversation(engine: ProcessEngine, live: _Live, generation: int) -> bool:
+    """Inside a delivery's transaction: whether the process still holds conversation
+    ``generation``. A reset or kill under way (the deliveries it waits for are discarded with
+    its queue, or would reach the fresh conversation) is waited out first (``_ClearingBegan``)."""
+    pid = live.record.pid
+    if pid in engine.discarding:
+        raise _ClearingBegan(pid)
+    if not live.remote:  # (this worker's cache: a reset here updates it as its commit ends)
+        return live.record.history_generation == generation
+    record = await engine.store.get_process(pid)  # (another worker's reset: only the store knows)
+    return record is not None and record.state != "killed" and record.history_generation == generation
+
+
 async def promote(engine: ProcessEngine, live: _Live) -> None:
     """Queued input becomes the next run: system events first, then FIFO. An item withdrawn
     between the look at the queue and its claim is passed over for the next one: left waiting,
     the rest would have nothing to start it."""
-    pid = live.record.pid
-    # (a reset, kill or compaction under way promotes what it leaves once it is over)
-    while live.record.current_run is None and not _clearing(engine, pid):
-        queue = await engine.store.queue(pid) if live.queued else []
-        if not queue:
-            return
-        first = next((q for q in queue if q.kind == "system"), queue[0])
-        async with engine._tx(live) as tx:
-            # checked inside the transaction: two promotions that read the same queue (a worker's
-            # own and one on a notification from another) start one run; and one of a clearing
-            # that began since the look above starts none (see ``_check_not_clearing``)
-            if live.record.current_run is not None or _clearing(engine, pid):
+    if not live.queued:
+        return  # (the common end of a run: nothing waits)
+    with promoting(live):  # (``wait_idle`` waits for it)
+        pid = live.record.pid
+        # (a reset, kill or compaction under way promotes what it leaves once it is over)
+        while live.record.current_run is None and not _clearing(engine, pid):
+            queue = await engine.store.queue(pid) if live.queued else []
+            if not queue:
                 return
-            if not await engine.store.dequeue(pid, first.id):
-                continue  # withdrawn meanwhile: look again
-            tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
-            await tx.start_run(first.message, first.reason or "queue.promote", first.run_id, queued=live.queued - 1)
-        engine.wake(pid)
-        return
+            first = next((q for q in queue if q.kind == "system"), queue[0])
+            async with engine._tx(live) as tx:
+                # checked inside the transaction: two promotions that read the same queue (a worker's
+                # own and one on a notification from another) start one run; and one of a clearing
+                # that began since the look above starts none (see ``_check_not_clearing``)
+                if live.record.current_run is not None or _clearing(engine, pid):
+                    return
+                if not await engine.store.dequeue(pid, first.id):
+                    continue  # withdrawn meanwhile: look again
+                tx.after.append(lambda: setattr(live, "queued", live.queued - 1))
+                await tx.start_run(first.message, first.reason or "queue.promote", first.run_id, queued=live.queued - 1)
+            engine.wake(pid)
+            return
 
 
 USER_INPUT: tuple[QueueKind, ...] = ("steer", "queue")  # what a withdraw that names no kind or item takes

@@ -206,6 +206,7 @@ def launcher(
         work = run_tool(engine, live, run_id, row, prepared)
         task = live.tools[row.dispatch_id] = asyncio.create_task(work, name=name)
         task.add_done_callback(lambda done: _drop_task(live.tools, row.dispatch_id, done))
+        task.add_done_callback(functools.partial(_ended, live.record.pid))
 
     return launch
 
@@ -238,9 +239,12 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
         try:
             await record(engine, live, run_id, row, result)
         except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end
-            log.exception("process %s: the result of %s could not be recorded", live.record.pid, row.tool_name)
             text = f"The tool's result could not be recorded: {type(exc).__name__}: {exc}"
-            await record(engine, live, run_id, row, tool_error_result(prepared.call, text))
+            await record(engine, live, run_id, row, tool_error_result(prepared.call, text))  # (the store's own
+            # failure raises again here: told by ``_ended``, in one line)
+            log.error(
+                "process %s: the result of %s could not be recorded", live.record.pid, row.tool_name, exc_info=exc
+            )
     finally:
         live.tools.pop(row.dispatch_id, None)
     engine.wake(live.record.pid)
@@ -459,6 +463,20 @@ def _runs_alone(cfg: LoopConfig, row: ToolCallRow) -> bool:
         return True
     tool = cfg.tools.get(row.tool_name)
     return tool is not None and tool.sequential
+
+
+def _ended(pid: str, task: asyncio.Task[None]) -> None:
+    """A tool's task is over: a failure of its own (the store gone while its result was recorded:
+    the database cut off, the runtime closing) is said here in one line, not left to the event
+    loop's "Task exception was never retrieved". The call stays open in the store: the run
+    resumes from there (a restart, or the worker that takes the process over)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.warning(
+            "process %s: %s ended without its result recorded: %s: %s", pid, task.get_name(), type(exc).__name__, exc
+        )
 
 
 def _drop_task(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[None]) -> None:

@@ -33,7 +33,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -87,7 +87,7 @@ from agentloop.process.store import (
     UsageTotals,
 )
 from agentloop.process.store.base import QueueKind
-from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope
+from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope, promoting
 from agentloop.tools.base import BackgroundRefused, background_group
 from agentloop.tools.jobs import JobRegistry
 from agentloop.tools.process_group import GroupIdentity
@@ -337,18 +337,24 @@ class ProcessEngine:
         queued before it began. Input another worker queues meanwhile (this worker's own waits
         instead) is kept: it belongs to the fresh conversation, whose first run it starts once the
         clearing is over, instead of a run on the history being cleared."""
-        async with self.clearing.hold(pid):
-            self.stop_background(pid)  # (what it would tell belongs to the conversation being cleared)
-            self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
-            try:
-                await self.settle_deliveries()  # (before the clearing looks for the run to stop)
-                yield
-            finally:
-                del self.discarding[pid]
-        live = self._live.get(pid)
-        if live is not None and not live.remote:
-            live.queued = len(await self.store.queue(pid))
-            await admission.promote(self, live)
+        with ExitStack() as after:
+            async with self.clearing.hold(pid):
+                self.stop_background(pid)  # (what it would tell belongs to the conversation being cleared)
+                self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
+                try:
+                    await self.settle_deliveries()  # (before the clearing looks for the run to stop)
+                    # and what the deliveries it waited for queued (they checked before the mark: a
+                    # steer, an event for the run it stops) is discarded with the rest
+                    self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
+                    yield
+                finally:
+                    del self.discarding[pid]
+                live = self._live.get(pid)
+                if live is not None and not live.remote:  # (``wait_idle`` waits from before the release)
+                    after.enter_context(promoting(live))
+            if live is not None and not live.remote:
+                live.queued = len(await self.store.queue(pid))
+                await admission.promote(self, live)
 
     async def settle_deliveries(self) -> None:
         """Once a reset, kill or compaction has marked the process (``discarding``, ``compacting``):
@@ -588,22 +594,25 @@ class ProcessEngine:
         input sent meanwhile waits, then runs on the compacted history; input another worker
         queues is promoted once it is over. On a shared store ``ProcessBusy`` while another
         worker will not let the process go."""
-        async with self.clearing.hold(pid):
-            self.compacting.add(pid)  # (first: from here the lease of the idle process is kept)
-            try:
-                await self.settle_deliveries()  # (before it looks whether a run is active)
-                if self.leases is not None and not await self.leases.hold(pid):
-                    raise ProcessBusy(pid, "compaction")
-                live = await self.live(pid)
-                if live.record.current_run is not None:
-                    raise RunActive(pid, "a compaction")
-                cfg = await self.effective_config(live.record)  # (the process's own model, if it chose one)
-                done, _ = await summarise(self, live, cfg, "manual", None, instructions)
-            finally:
-                self.compacting.discard(pid)
-        if not live.remote and not live.lost:  # what another worker queued meanwhile (see ``clear``)
-            live.queued = len(await self.store.queue(pid))
-            await admission.promote(self, live)
+        with ExitStack() as after:
+            async with self.clearing.hold(pid):
+                self.compacting.add(pid)  # (first: from here the lease of the idle process is kept)
+                try:
+                    await self.settle_deliveries()  # (before it looks whether a run is active)
+                    if self.leases is not None and not await self.leases.hold(pid):
+                        raise ProcessBusy(pid, "compaction")
+                    live = await self.live(pid)
+                    if live.record.current_run is not None:
+                        raise RunActive(pid, "a compaction")
+                    cfg = await self.effective_config(live.record)  # (the process's own model, if it chose one)
+                    done, _ = await summarise(self, live, cfg, "manual", None, instructions)
+                finally:
+                    self.compacting.discard(pid)
+                if not live.remote and not live.lost:  # (``wait_idle`` waits from before the release)
+                    after.enter_context(promoting(live))
+            if not live.remote and not live.lost:  # what another worker queued meanwhile (see ``clear``)
+                live.queued = len(await self.store.queue(pid))
+                await admission.promote(self, live)
         if self.leases is not None and live.record.current_run is None:
             self.leases.idle(pid)  # (let go of once nothing waits, as after a run)
         return done
@@ -827,16 +836,27 @@ class ProcessEngine:
         return receipt
 
     async def claimed_event(
-        self, pid: str, text: str, *, claim: Callable[[], Awaitable[bool]], run_id: str, reason: str
+        self,
+        pid: str,
+        text: str,
+        *,
+        claim: Callable[[], Awaitable[bool]],
+        run_id: str,
+        reason: str,
+        generation: int | None = None,
     ) -> Receipt | None:
         """A system event delivered only if ``claim`` (a compare-and-set on the caller's own row,
         such as moving a schedule past its due time) succeeds inside the delivery's transaction;
         None when it does not. The event and the claim commit together or not at all, so
         several workers racing to deliver it deliver it once, and a crash between the two cannot
         happen: the claim is the delivery's idempotency, and no admission record is kept (one
-        that exists for ``run_id`` is answered and dropped). ``run_id`` names the run it starts."""
+        that exists for ``run_id`` is answered and dropped). ``run_id`` names the run it starts.
+        ``generation``: the conversation of the process the event is for; one a reset has ended
+        meanwhile gets nothing (the claim is kept: None), checked inside the transaction."""
         return await _retried(
-            lambda: admission.signal_event(self, pid, text, run_id=run_id, reason=reason, claim=claim)
+            lambda: admission.signal_event(
+                self, pid, text, run_id=run_id, reason=reason, claim=claim, generation=generation
+            )
         )
 
     # -- mode --------------------------------------------------------------------------------------
@@ -941,15 +961,16 @@ class ProcessEngine:
         run = live.record.current_run
         if run is None or (run_id is not None and run["run_id"] != run_id):
             return False
-        live.stopping += 1  # nothing new may start for the run while it is being stopped (an approval)
-        try:
-            stopped = await self._stop(live, run["run_id"], reason, caller)
-        finally:
-            live.stopping -= 1
-        if stopped:
-            await self._tell_aborted(pid, run["run_id"], reason)
-        if stopped and reason not in NEXT_RUN_DECIDED:
-            await admission.promote(self, live)
+        with promoting(live):  # (from the run's end to its successor's start, for ``wait_idle``)
+            live.stopping += 1  # nothing new may start for the run while it is being stopped (an approval)
+            try:
+                stopped = await self._stop(live, run["run_id"], reason, caller)
+            finally:
+                live.stopping -= 1
+            if stopped:
+                await self._tell_aborted(pid, run["run_id"], reason)
+            if stopped and reason not in NEXT_RUN_DECIDED:
+                await admission.promote(self, live)
         if live.dirty:
             self.wake(pid)  # a wake-up that came while the run was being stopped
         return stopped
@@ -1054,6 +1075,10 @@ class ProcessEngine:
                 await asyncio.sleep(0)  # a run starting in this very step: its flag is cleared as it returns
             elif live.driver is not None and not live.driver.done():
                 await asyncio.wait([live.driver])
+            elif starting := [t for t in live.promoting if t is not asyncio.current_task() and not t.done()]:
+                await asyncio.wait(starting)  # the queued input a run's end leaves may start a run now
+            elif live.queued and pid in self.clearing:
+                await admission.after_clearing(self, pid)  # queued input waits for a reset or compaction
             else:
                 return
 

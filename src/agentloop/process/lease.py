@@ -193,18 +193,25 @@ class Leases:
         """A claim succeeded: whatever this worker cached of the process may be stale (another
         worker may have advanced it), so it is reloaded; a run in flight under the previous
         holder resumes as after a crash (its open calls re-dispatched or failed)."""
+        engine = self.engine
+        try:
+            record = await self.store.get_process(pid)
+            if record is None:
+                raise NoSuchProcess(pid)
+            if record.current_run is not None and await self._stop_asked(pid, epoch, record.current_run):
+                record.current_run = {**record.current_run, "stopping": True}
+        except Exception:
+            with contextlib.suppress(Exception):  # (the database is away: the lease expires)
+                await self.store.release_lease(pid, self.owner, epoch)
+            raise
         self.held[pid] = epoch
         self._tell_waiters(pid)  # (they wait for it here from now on)
-        engine = self.engine
         engine.uncache(pid)
         try:
             if pid in self._tail:
                 await self._publish_log(pid)  # what the previous holder logged, before this one's steps
                 self._tail.pop(pid, None)
                 self.relay.forget(pid)
-            record = await self.store.get_process(pid)
-            if record is None:
-                raise NoSuchProcess(pid)
             await engine.resume(record)
             if record.current_run is not None:
                 for hook in list(self.taken):
@@ -222,6 +229,29 @@ class Leases:
                 with contextlib.suppress(Exception):  # (the database is away: the lease expires)
                     await self.store.release_lease(pid, self.owner, epoch)
             raise
+
+    async def _stop_asked(self, pid: str, epoch: int, run: dict[str, Any]) -> bool:
+        """On a takeover, before the run resumes (and before this worker shows the process as its
+        own: nothing loads the run as it was before the mark): a gentle stop forwarded to the
+        previous holder that it never acted on (it died first) marks the run ``stopping`` now, as
+        ``_ask_to_stop`` would have, so its next model turn is its last, without tools, and it
+        ends as stopped (left to ``_look``, the resumed run could end first as a plain end of
+        turn). An abort asked for is left to ``_look``: its caller waits for it, and stops it
+        here if need be. Whether the run was marked."""
+        request = await self.store.kv_get(pid, ABORT_KEY)
+        if (
+            not isinstance(request, dict)
+            or request.get("reason") != STOP_REASON
+            or request.get("run_id") != run["run_id"]
+        ):
+            return False
+        async with self.store.transaction():
+            if not await self.store.fence(pid, self.owner, epoch, self.ttl):  # (this claim's)
+                raise LeaseLost(pid)
+            await self.store.kv_delete(pid, ABORT_KEY)
+            if not run.get("stopping"):
+                await self.store.update_process(pid, current_run={**run, "stopping": True}, state="running")
+        return True
 
     def idle(self, pid: str) -> None:
         """The process has no active run: free its lease (in the background) unless input waits."""

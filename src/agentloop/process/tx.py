@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,9 @@ class _Live:
     media: bool = False  # the history holds stored media references (to hydrate before model calls)
     approvals: bool = False  # a run of this process may have stored approval decisions
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
+    # tasks that may start the next run from queued input now (an abort's end, a promotion, the end
+    # of a reset or compaction): ``wait_idle`` waits for them (see ``promoting``)
+    promoting: list[asyncio.Task[Any]] = field(default_factory=list)
     calls: bool = True  # the active run may have tool call rows (False only when known to have none)
     lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
     deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
@@ -66,6 +70,21 @@ class _Live:
     context_known: bool = False  # ``context`` holds the stored level at least (see pressure.run_keys)
     context_tokens: int | None = None  # the newest model step's
     context_band: Band | None = None  # the ratios the known level spans (see pressure.level_band)
+
+
+@contextmanager
+def promoting(live: _Live) -> Iterator[None]:
+    """Around work that may start a run from the queued input of an idle process: ``wait_idle``
+    does not call the process idle meanwhile (the run's end is committed, its successor not yet)."""
+    task = asyncio.current_task()
+    if task is None:
+        yield
+        return
+    live.promoting.append(task)
+    try:
+        yield
+    finally:
+        live.promoting.remove(task)
 
 
 class _Tx:
