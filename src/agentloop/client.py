@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
@@ -530,14 +531,15 @@ class AgentloopClient:
             connected=connected,
             on_retry=on_retry,
         )
-        async for event in stream:
-            if event.seq is not None:
-                last = event.seq  # (where a reopened stream goes on from)
-            yield event
+        async with aclosing(stream):  # (closed here, not by the loop's finalizer in another task)
+            async for event in stream:
+                if event.seq is not None:
+                    last = event.seq  # (where a reopened stream goes on from)
+                yield event
 
     async def _reopening(
         self,
-        opened: Callable[[], AsyncIterator[T]],
+        opened: Callable[[], AsyncGenerator[T, None]],
         *,
         follow: bool,
         reconnect: bool,
@@ -550,9 +552,10 @@ class AgentloopClient:
         while True:
             ended_cleanly = False
             try:
-                async for item in opened():
-                    failures = 0
-                    yield item
+                async with aclosing(opened()) as items:
+                    async for item in items:
+                        failures = 0
+                        yield item
                 ended_cleanly = True
             except ClientError as exc:
                 if not (reconnect and _transient(exc)):
@@ -576,17 +579,18 @@ class AgentloopClient:
 
     async def _stream(
         self, pid: str, after_seq: int, follow: bool, connected: asyncio.Event | None
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """One connection of the event stream; errors (HTTP or network) become ``ClientError``."""
         headers = {"Accept": "text/event-stream"}
         if after_seq:
             headers["Last-Event-ID"] = str(after_seq)
         params = {"after_seq": after_seq, "follow": "true" if follow else "false"}
         path = f"/v1/processes/{_segment(pid)}/events"
-        async for frame in self._frames(path, params, headers, connected):
-            event = _event(*frame)
-            if event is not None:
-                yield event
+        async with aclosing(self._frames(path, params, headers, connected)) as frames:
+            async for frame in frames:
+                event = _event(*frame)
+                if event is not None:
+                    yield event
 
     async def account_events(
         self,
@@ -604,21 +608,23 @@ class AgentloopClient:
         each time ``connected`` is set, the first time and after each reopening."""
         headers = {"Accept": "text/event-stream"}
 
-        async def opened() -> AsyncIterator[AccountEvent]:
-            async for name, data, _ in self._frames("/v1/events", {}, headers, connected):
-                event = _account_event(name, data)
-                if event is not None:
-                    yield event
+        async def opened() -> AsyncGenerator[AccountEvent, None]:
+            async with aclosing(self._frames("/v1/events", {}, headers, connected)) as frames:
+                async for name, data, _ in frames:
+                    event = _account_event(name, data)
+                    if event is not None:
+                        yield event
 
         stream = self._reopening(
             opened, follow=True, reconnect=reconnect, max_retries=max_retries, connected=connected, on_retry=on_retry
         )
-        async for event in stream:
-            yield event
+        async with aclosing(stream):
+            async for event in stream:
+                yield event
 
     async def _frames(
         self, path: str, params: dict[str, Any], headers: dict[str, str], connected: asyncio.Event | None
-    ) -> AsyncIterator[tuple[str, str, str | None]]:
+    ) -> AsyncGenerator[tuple[str, str, str | None], None]:
         """The SSE frames of one connection to ``path``; errors (HTTP or network) become ``ClientError``."""
         timeout = httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT)
         parser = SSEParser()

@@ -22,7 +22,11 @@ class AttachError(ValueError):
 def load_attachment(path: Path) -> MediaBlock:
     try:
         if not path.is_file():
-            raise AttachError(f"{path} is not a file")
+            where = ""
+            if not path.is_absolute() and not path.exists():
+                # (not the workspace's: a user who chats about examples/demo may expect that)
+                where = f" (no such file in the current directory, {Path.cwd()})"
+            raise AttachError(f"{path} is not a file{where}")
         size = path.stat().st_size
         if size > DEFAULT_MAX_BYTES:
             raise AttachError(f"{path} is {size} bytes, over the {DEFAULT_MAX_BYTES}-byte limit")

@@ -115,8 +115,8 @@ def discord(
     transcribe_key_env: TranscribeKeyEnvOpt = None,
 ) -> None:
     """Talk with the durable agent from Discord: one conversation per channel (DMs, or server
-    channels where the bot is mentioned), answers and approval buttons in the channel; !new starts
-    afresh, !stop stops the answer under way."""
+    channels where the bot is mentioned), answers and approval buttons in the channel; /new (or
+    !new) starts afresh, /stop (or !stop) stops the answer under way."""
     from agentloop.channels.discord import DiscordBridge
     from agentloop.channels.discord_api import DEFAULT_API_URL, DiscordError, check_api_url, check_token
     from agentloop.cli.main import CliError, _fail, _guarded
