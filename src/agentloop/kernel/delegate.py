@@ -363,7 +363,7 @@ class Replies:
                 source.pid,
                 text,
                 claim=lambda: _claim(self.kernel, target, rid),
-                run_id=f"{rid}:reply",
+                run_id=f"{rid}{admission.BOUND_SUFFIX}",  # (a reset drops it, queued whenever)
                 reason="delegate.reply",
                 # checked again inside the delivery: a reset of the caller since the look above
                 # ends the conversation the reply belongs to

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from agentloop.messages import Message, system
 from agentloop.process import signals as sig
 from agentloop.process.api import Receipt, SendMode, new_id
-from agentloop.process.store import MAX_SEQ, QueueItem
+from agentloop.process.store import MAX_SEQ, NoSuchProcess, QueueItem
 from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _Live, promoting
 
@@ -253,16 +253,44 @@ async def _signal_once(
     return receipt
 
 
+# the run ids of system events that belong to the conversation they were delivered to (delivered
+# with ``generation``: a delegate's reply) end so; a reset drops them from the queue even when
+# another worker queued them while it was under way (``bound_to_conversation``)
+BOUND_SUFFIX = ":reply"
+
+
+def bound_to_conversation(item: QueueItem) -> bool:
+    """Whether the queued ``item`` is a system event bound to the conversation it was delivered
+    to (see ``BOUND_SUFFIX``): a reset of the process discards it whenever it was queued."""
+    return item.kind == "system" and (item.run_id or "").endswith(BOUND_SUFFIX)
+
+
 async def _same_conversation(engine: ProcessEngine, live: _Live, generation: int) -> bool:
     """Inside a delivery's transaction: whether the process still holds conversation
     ``generation``. A reset or kill under way (the deliveries it waits for are discarded with
-    its queue, or would reach the fresh conversation) is waited out first (``_ClearingBegan``)."""
+    its queue, or would reach the fresh conversation) is waited out first (``_ClearingBegan``).
+
+    Held by another worker, the process's reset is not seen here until it commits, so the check
+    and the delivery are made atomic with it through the store: the process's row is locked
+    first (``update_process`` with no fields: ``FOR UPDATE``), and a reset bumps the generation
+    in that row (``new_generation``) before it reads the queue to discard. A reset that bumped
+    it first is waited for, and its generation is read here once it committed; one that comes
+    after waits for this delivery's commit, and then finds its item in the queue. An item queued
+    while the reset was under way but before its transaction (its archive being written) is
+    kept by the reset as input for the fresh conversation unless it is bound to the old one
+    (``bound_to_conversation``): such events carry run ids ending with ``BOUND_SUFFIX``. The
+    lock is on this path only (system events bound to a conversation, delivered to a process
+    held elsewhere), never on a send's or a step's."""
     pid = live.record.pid
     if pid in engine.discarding:
         raise _ClearingBegan(pid)
     if not live.remote:  # (this worker's cache: a reset here updates it as its commit ends)
         return live.record.history_generation == generation
-    record = await engine.store.get_process(pid)  # (another worker's reset: only the store knows)
+    try:
+        await engine.store.update_process(pid)  # (the row lock: see above)
+    except NoSuchProcess:
+        return False
+    record = await engine.store.get_process(pid)  # (read after the lock: a reset's commit is seen)
     return record is not None and record.state != "killed" and record.history_generation == generation
 
 

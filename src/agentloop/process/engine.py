@@ -384,13 +384,15 @@ class ProcessEngine:
         task.add_done_callback(self._deferred.discard)
 
     async def _discard_queue(self, tx: _Tx, live: _Live) -> int:
-        """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``);
-        returns how many items are kept (what waits once the transaction is kept)."""
+        """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``),
+        and the events bound to the conversation it ends whenever they were queued (another worker's,
+        ``admission.bound_to_conversation``); returns how many items are kept (what waits once the
+        transaction is kept)."""
         pid = live.record.pid
         upto = self.discarding.get(pid)
         kept = 0
         for item in await self.store.queue(pid):
-            if upto is None or item.id <= upto:
+            if upto is None or item.id <= upto or admission.bound_to_conversation(item):
                 await self.store.dequeue(pid, item.id)
                 if item.kind == "queue" and item.run_id is not None:  # (the output its run was to give)
                     await self.store.kv_delete(pid, admission.output_key(item.run_id))

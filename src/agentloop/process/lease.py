@@ -512,9 +512,12 @@ class Leases:
             try:
                 # under this worker's claim: one that lost the lease without knowing yet (a
                 # stall) leaves the request to the new holder instead of dropping it unheeded
-                async with self.store.transaction():
-                    await self.fence(pid)
-                    await self.store.kv_delete(pid, ABORT_KEY)
+                if request.get("reason") == STOP_REASON:
+                    await self._take_stop(live, request)
+                else:
+                    async with self.store.transaction():
+                        await self.fence(pid)
+                        await self.store.kv_delete(pid, ABORT_KEY)
             except LeaseLost:
                 if engine.cached(pid) is live:
                     self.lost(pid)
@@ -523,12 +526,15 @@ class Leases:
             run = live.record.current_run
             # (an abort of this worker's own stopping the run already: a second one racing it
             # would end the run twice, each with its cancelled results; the caller waits all the same)
-            if run is not None and run["run_id"] == request.get("run_id") and not live.stopping:
-                reason = str(request.get("reason", "user"))
-                if reason == STOP_REASON:
-                    self._spawn(engine.stop(pid, run["run_id"]))
-                else:
-                    self._spawn(engine.abort(pid, run["run_id"], reason=reason))
+            # (a gentle stop is marked already: ``_take_stop``)
+            reason = str(request.get("reason", "user"))
+            if (
+                run is not None
+                and run["run_id"] == request.get("run_id")
+                and not live.stopping
+                and reason != STOP_REASON
+            ):
+                self._spawn(engine.abort(pid, run["run_id"], reason=reason))
         queued = len(await self.store.queue(pid))
         logged = await self.store.last_event_seq(pid)  # forwarded signals too: relayed deltas follow them
         if engine.cached(pid) is not live:
@@ -547,6 +553,27 @@ class Leases:
                 self.idle(pid)
         else:
             engine.wake(pid)
+
+    async def _take_stop(self, live: _Live, request: dict[str, Any]) -> None:
+        """A gentle stop forwarded to this worker: the request is taken and the run marked
+        ``stopping`` (as ``ProcessEngine.stop`` marks it) in one transaction, under this worker's
+        claim. Taken in a transaction of its own, a crash before the mark's would lose the stop:
+        the worker taking the run over (``_stop_asked``) would find no request and no mark. A
+        request for another run (ended meanwhile), or one for a run an abort of this worker is
+        stopping already, is only taken."""
+        engine = self.engine
+        pid = live.record.pid
+        marked = False
+        async with engine._tx(live) as tx:  # (fenced at its end: ``LeaseLost`` if the claim is gone)
+            await self.store.kv_delete(pid, ABORT_KEY)
+            # read inside the transaction: a step that committed while it began is not overwritten
+            run = live.record.current_run
+            if run is not None and run["run_id"] == request.get("run_id") and not live.stopping:
+                if not run.get("stopping"):
+                    await tx.set_run({**run, "stopping": True})
+                marked = True
+        if marked:
+            engine.wake(pid)  # (a driver waiting on nothing takes its last round now)
 
     async def _publish_log(self, pid: str) -> None:
         """Feed this worker's watchers of ``pid`` from its log, in order, from where they are."""
