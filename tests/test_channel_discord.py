@@ -2,8 +2,8 @@
 
 ``FakeDiscord`` is a Starlette app under uvicorn on 127.0.0.1 (its own thread and event loop) for
 the REST routes the bridge uses (who the bot is, the gateway's address, sending and reading a
-channel's messages, "typing…", answering a button press or a slash command, reading and
-overwriting the application's global commands), recording every call and answering as
+channel's messages, "typing…", answering a button press or a slash command, editing a deferred
+answer, reading and overwriting the application's global commands), recording every call and answering as
 Discord answers; failures (an HTTP status with a JSON body) can be queued per route. Its
 ``gateway`` is a ``websockets`` server on 127.0.0.1 (a thread and loop of its own as well) that
 speaks the gateway protocol: Hello, Identify → READY with a session, Resume → the events missed,
@@ -238,6 +238,7 @@ class FakeDiscord:
             Route("/api/v10/interactions/{id}/{token}/callback", self.route("callback"), methods=["POST"]),
             Route("/api/v10/applications/{app}/commands", self.route("commands"), methods=["GET"]),
             Route("/api/v10/applications/{app}/commands", self.route("put_commands"), methods=["PUT"]),
+            Route("/api/v10/webhooks/{app}/{token}/messages/@original", self.route("edit_original"), methods=["PATCH"]),
         ]
         self.server = ServerThread(Starlette(routes=routes))
         self.url = f"{self.server.url}/api/v10"
@@ -287,6 +288,13 @@ class FakeDiscord:
                 if name == "put_commands":
                     self.commands[app] = [self.registered(app, n, c) for n, c in enumerate(body)]
                 return JSONResponse(self.commands.get(app, []))
+        if name == "edit_original":  # (a deferred response, edited: unknown until the deferral was taken)
+            token = request.path_params["token"]
+            deferred = [c for c in self.of("callback") if c.ok and c.params["token"] == token and c.body["type"] == 5]
+            if not deferred:
+                return JSONResponse({"message": "Unknown Webhook", "code": 10015}, 404)
+            author = {"id": str(BOT), "username": "agent", "bot": True}
+            return JSONResponse({"id": str(self.next_id()), "author": author, "type": 20, **body})
         channel = int(request.path_params.get("channel", 0))
         if name == "create_message":
             message = {
@@ -394,8 +402,21 @@ class FakeDiscord:
         return token
 
     def answer_to(self, token: str) -> dict[str, Any] | None:
-        """The bridge's response to the interaction with ``token``."""
-        return next((c.body for c in self.of("callback") if c.ok and c.params["token"] == token), None)
+        """The bridge's answer to the interaction with ``token``: its response; for a deferred one
+        (type 5), once made, the edit that gives it its text, as the response it stands for (type 4,
+        with the deferral's flags)."""
+        response = next((c.body for c in self.of("callback") if c.ok and c.params["token"] == token), None)
+        if response is None or response.get("type") != 5:
+            return response
+        edit = self.edit_of(token)
+        if edit is None:
+            return None
+        flags = (response.get("data") or {}).get("flags")
+        return {"type": 4, "data": edit | ({"flags": flags} if flags is not None else {})}
+
+    def edit_of(self, token: str) -> dict[str, Any] | None:
+        """What the bridge's edit of the (deferred) response to the interaction with ``token`` says."""
+        return next((c.body for c in self.of("edit_original") if c.ok and c.params["token"] == token), None)
 
     def fail(self, route: str, *failures: tuple[int, Any]) -> None:
         with self.lock:

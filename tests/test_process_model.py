@@ -273,12 +273,12 @@ def test_chat_slash_model_shows_sets_and_clears_it(tmp_path: Path, isolated: Non
     )
     assert "Traceback" not in result.stderr
     err = " ".join(result.stderr.split())
-    assert "(model: scripted:scripted, the default)" in err
+    assert "(model: pmchat:x, the default)" in err
     assert "(model set: pm:chosen, from the next answer on)" in err
     assert "(model: pm:chosen, this conversation's)" in err
     assert "error: " in err and "unknown provider 'nosuchprovider'" in err
-    assert "(model: back to the default, scripted:scripted)" in err
-    assert err.count("(model: scripted:scripted, the default)") == 2
+    assert "(model: back to the default, pmchat:x)" in err
+    assert err.count("(model: pmchat:x, the default)") == 2
     assert "/model [spec|default]" in err
     out = result.stdout
     assert "chosen: hello" in out and "chat-x: again" in out

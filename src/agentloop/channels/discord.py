@@ -24,8 +24,14 @@ what is registered (``GET`` the same address) differs from them, so a restart re
 failure to register (no access, no network) is logged and the ``!`` commands work all the same. A
 slash command comes as an ``INTERACTION_CREATE`` (type 2) from a DM or a server channel (no mention
 needed) and does what its ``!`` twin does to that channel's process, checked against the same
-allow-list; it is answered in the interaction's own response (help and refusals seen only by the
-user; should that response fail, "new" and "stop" are told in the channel instead).
+allow-list. Discord drops an interaction not answered within 3 seconds, while a command waits its
+turn behind the messages before it (an attachment being downloaded …), so each is answered as it
+arrives, outside that queue: ``/help``, a refusal and an unknown command at once with their text
+(seen only by the user), ``/new`` and ``/stop`` with a deferred response (type 5: the user sees
+"thinking…"; ``/stop``'s only for the user, as all it says is a note to them: its run's end says
+"Stopped." in the channel). Once the command is handled, in order, its answer replaces the deferred
+response (``PATCH /webhooks/<application>/<token>/messages/@original``); should the deferral or
+that edit fail, what "new" or "stop" said is told in the channel instead.
 
 A follower per process reads its signals (``agentloop.channels.bridge``): ``proc.run.started``
 shows "typing…", ``proc.run.hil.requested`` sends the call to approve with
@@ -85,7 +91,7 @@ import random
 import re
 import secrets
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -93,7 +99,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
+from agentloop.channels.bridge import CLOSE_GRACE, NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
 from agentloop.channels.discord_api import DEFAULT_API_URL, USER_AGENT, DiscordApi, DiscordError
 from agentloop.channels.media import (
     MAX_FILE_BYTES,
@@ -141,6 +147,8 @@ ROLES_REFRESH = 60.0  # seconds: a server's roles are read again at most this of
 NO_MENTIONS: dict[str, Any] = {"parse": []}
 EPHEMERAL = 64  # message flag: only the presser sees the answer
 CATCH_UP = "CATCH_UP"  # the intake's item that reads what was said while no session was up
+COMMAND = "COMMAND"  # the intake's item for /new or /stop, acknowledged on arrival: {"interaction", "ack"}
+DEFERRED = 5  # DEFERRED_CHANNEL_MESSAGE_WITH_SOURCE: an interaction's answer to come (by an edit)
 _BUTTONS = (("Approve", "a", 3), ("Deny", "d", 4), ("Always", "r", 2))  # label, key, style (green, red, grey)
 _VOICE_MESSAGE = 1 << 13  # message flag: a voice message (its one attachment is the recording)
 _TEXT_TYPES = frozenset({0, 19})  # a message, a reply: the rest (joins, pins, calls …) say nothing to the bot
@@ -281,6 +289,11 @@ def commands_differ(registered: object, wanted: Iterable[Mapping[str, Any]] = CO
             elif got != value:
                 return True
     return False
+
+
+def _command_channel(interaction: dict[str, Any]) -> int | None:
+    """The channel a slash command was used in."""
+    return _snowflake(interaction.get("channel_id")) or _snowflake(_field(interaction.get("channel"), "id"))
 
 
 def _forwarded(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -438,6 +451,7 @@ class DiscordBridge(ChatBridge[int]):
         self._worker: asyncio.Task[None] | None = None
         self._gateway: asyncio.Task[None] | None = None
         self._registration: asyncio.Task[None] | None = None  # (the slash commands', once a run)
+        self._answering: set[asyncio.Task[bool]] = set()  # slash commands answered on arrival
         # while a slash command is handled: (its task, its channel, what ``_say`` said meanwhile)
         self._saying: tuple[asyncio.Task[Any] | None, int, list[str]] | None = None
         self._ready = asyncio.Event()
@@ -504,6 +518,12 @@ class DiscordBridge(ChatBridge[int]):
         tasks = {"intake": self._worker, "gateway": self._gateway, "commands": self._registration}
         await self._stop_tasks(tasks)
         self._worker = self._gateway = self._registration = None
+        if self._answering:  # (answers on their way to Discord: short, given the same grace)
+            await asyncio.wait(set(self._answering), timeout=CLOSE_GRACE)
+            for task in self._answering:
+                task.cancel()
+            await asyncio.gather(*self._answering, return_exceptions=True)
+            self._answering.clear()
         await self.api.close()
         await self._files.aclose()
 
@@ -699,8 +719,48 @@ class DiscordBridge(ChatBridge[int]):
         elif event == "RESUMED":
             self._live = True
             log.info("resumed the Discord gateway session")
+        elif event == "INTERACTION_CREATE" and data.get("type") == 2:  # APPLICATION_COMMAND
+            self._command_arrived(data)
         elif event in ("MESSAGE_CREATE", "INTERACTION_CREATE"):
             self._queue.put_nowait((str(event), data))
+
+    def _command_arrived(self, interaction: dict[str, Any]) -> None:
+        """A slash command, answered at once (Discord waits 3 seconds, the queue may take longer):
+        help, a refusal or an unknown command with its text; ``/new`` and ``/stop`` with a
+        deferred response, and queued, to be handled in order and answered by an edit."""
+        interaction_id = _snowflake(interaction.get("id"))
+        token = interaction.get("token")
+        if interaction_id is None or not isinstance(token, str):
+            return
+        user = _field(interaction.get("member"), "user") or interaction.get("user")
+        user_id = _snowflake(_field(user, "id"))
+        name = _field(interaction.get("data"), "name")
+        channel = _command_channel(interaction)
+        if user_id is None or user_id not in self.allow:
+            log.warning(
+                "refused the command /%s from Discord user %s in channel %s: not on the allow-list",
+                str(name)[:40],
+                user_id,
+                channel,
+            )
+            text = REFUSAL.format(user_id) if user_id is not None else "Sorry, this bot is private."
+        elif name == "help":
+            text = HELP
+        elif name not in ("new", "stop") or channel is None:
+            text = "Unknown command."
+        else:
+            # (the flag is the deferral's: what /stop says is for the user, what /new says for all)
+            body: dict[str, Any] = {"type": DEFERRED} | ({"data": {"flags": EPHEMERAL}} if name == "stop" else {})
+            ack = self._answer_soon(self._respond(interaction_id, token, body))
+            self._queue.put_nowait((COMMAND, {"interaction": interaction, "ack": ack}))
+            return
+        self._answer_soon(self._reply(interaction_id, token, text))
+
+    def _answer_soon(self, answer: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        task = asyncio.create_task(answer, name="agentloop-discord-answer")
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+        return task
 
     async def _register_commands(self) -> None:
         """Make ``COMMANDS`` the application's global commands: read what is registered, and
@@ -742,6 +802,8 @@ class DiscordBridge(ChatBridge[int]):
                         await self._catch_up()
                     elif kind == "MESSAGE_CREATE":
                         await self._on_message(data)
+                    elif kind == COMMAND:
+                        await self._on_command(data["interaction"], data["ack"])
                     else:
                         await self._on_interaction(data)
                 return
@@ -749,7 +811,11 @@ class DiscordBridge(ChatBridge[int]):
                 raise
             except Exception as exc:
                 reason = self.redact(f"{type(exc).__name__}: {exc}")
-                what = "catching up" if kind == CATCH_UP else f"Discord {kind} {_field(data, 'id')}"
+                what = (
+                    "catching up"
+                    if kind == CATCH_UP
+                    else f"Discord {kind} {_field(data.get('interaction', data), 'id')}"
+                )
                 if tried == TRIES:
                     log.error("%s failed: %s; skipped after %d tries", what, reason, tried)
                     return
@@ -928,9 +994,6 @@ class DiscordBridge(ChatBridge[int]):
             return
         presser = _field(interaction.get("member"), "user") or interaction.get("user")
         user_id = _snowflake(_field(presser, "id"))
-        if interaction.get("type") == 2:  # APPLICATION_COMMAND: /new, /stop, /help
-            await self._on_command(interaction_id, token, interaction, user_id)
-            return
         if user_id is None or user_id not in self.allow:
             log.warning("refused an approval answer from Discord user %s: not on the allow-list", user_id)
             await self._reply(interaction_id, token, "You are not allowed to answer this.")
@@ -955,42 +1018,40 @@ class DiscordBridge(ChatBridge[int]):
         if outcome == OUTCOMES[key] and key != "d":
             await self._typing(channel)  # the run goes on
 
-    async def _on_command(
-        self, interaction_id: int, token: str, interaction: dict[str, Any], user_id: int | None
-    ) -> None:
-        """A slash command: what its ``!`` twin does, for the same users, answered in the
-        interaction's response."""
-        name = _field(interaction.get("data"), "name")
-        channel = _snowflake(interaction.get("channel_id")) or _snowflake(_field(interaction.get("channel"), "id"))
-        if user_id is None or user_id not in self.allow:
-            log.warning(
-                "refused the command /%s from Discord user %s in channel %s: not on the allow-list",
-                str(name)[:40],
-                user_id,
-                channel,
-            )
-            refusal = REFUSAL.format(user_id) if user_id is not None else "Sorry, this bot is private."
-            await self._reply(interaction_id, token, refusal)
-            return
-        if name == "help":
-            await self._reply(interaction_id, token, HELP)
-            return
-        if name not in ("new", "stop") or channel is None:
-            await self._reply(interaction_id, token, "Unknown command.")
-            return
+    async def _on_command(self, interaction: dict[str, Any], ack: asyncio.Task[bool]) -> None:
+        """``/new`` or ``/stop`` (from a user on the allow-list, its response deferred on arrival:
+        ``ack`` says whether that was taken), in its turn: what its ``!`` twin does, answered by
+        editing the deferred response, else (for what was said) in the channel."""
+        channel = cast("int", _command_channel(interaction))
         said: list[str] = []
         self._saying = (asyncio.current_task(), channel, said)
         try:
-            await (self._reset(channel) if name == "new" else self._stop(channel))
+            await (self._reset(channel) if _field(interaction.get("data"), "name") == "new" else self._stop(channel))
         finally:
             self._saying = None
-        if not said:  # (a run was stopped: its end says "Stopped." in the channel)
-            await self._reply(interaction_id, token, "Stopping the answer under way.")
+        try:
+            acked = await asyncio.shield(ack)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # (a bug in answering: the channel is told instead)
+            acked = False
+        text = split_message("\n".join(said), MAX_MESSAGE)[0] if said else "Stopping the answer under way."
+        if acked and await self._edit_response(interaction, text):
             return
-        text = split_message("\n".join(said), MAX_MESSAGE)[0]
+        if said:  # (the token was void, or the edit refused: told in the channel; "Stopped." comes anyway)
+            await self._send(channel, "\n".join(said))
+
+    async def _edit_response(self, interaction: dict[str, Any], text: str) -> bool:
+        """Whether the interaction's deferred response now says ``text``."""
+        application = _snowflake(interaction.get("application_id")) or self.application_id or self.bot_id
         data = {"content": text, "allowed_mentions": NO_MENTIONS}
-        if not await self._respond(interaction_id, token, {"type": 4, "data": data}):
-            await self._send(channel, "\n".join(said))  # (its token was void: told in the channel)
+        try:
+            path = f"/webhooks/{application}/{MASK}/messages/@original"
+            await self.api.request("PATCH", path, json=data, attempts=3, path_secret=str(interaction["token"]))
+        except DiscordError as exc:
+            log.info("%s", exc)
+            return False
+        return True
 
     async def _say(self, chat: int, text: str) -> None:
         """A notice in answer to the user: to the slash command being handled, when it is for its
@@ -1001,10 +1062,10 @@ class DiscordBridge(ChatBridge[int]):
             return
         await self._send(chat, text)
 
-    async def _reply(self, interaction_id: int, token: str, text: str) -> None:
-        """Answer a press (or a command) with a note only the user sees."""
+    async def _reply(self, interaction_id: int, token: str, text: str) -> bool:
+        """Answer a press (or a command) with a note only the user sees: whether it was taken."""
         data = {"content": text, "flags": EPHEMERAL, "allowed_mentions": NO_MENTIONS}
-        await self._respond(interaction_id, token, {"type": 4, "data": data})  # CHANNEL_MESSAGE_WITH_SOURCE
+        return await self._respond(interaction_id, token, {"type": 4, "data": data})  # CHANNEL_MESSAGE_WITH_SOURCE
 
     async def _respond(self, interaction_id: int, token: str, body: dict[str, Any]) -> bool:
         """Whether the interaction's response was taken."""

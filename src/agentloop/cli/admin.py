@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from agentloop.cli.options import data_path
+from agentloop.cli.usage import App
 from agentloop.process.store import Store, open_store
 
 if TYPE_CHECKING:
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 ADMIN = "admin"  # the account the first server start creates (agentloop.server.auth.ADMIN)
 
-account_app = typer.Typer(help="Accounts that own processes and tokens.", no_args_is_help=True)
-token_app = typer.Typer(help="Bearer tokens for the server (shown once when created).", no_args_is_help=True)
+account_app = App(help="Accounts that own processes and tokens.", no_args_is_help=True)
+token_app = App(help="Bearer tokens for the server (shown once when created).", no_args_is_help=True)
 
 DataOpt = Annotated[
     Path | None,
@@ -147,7 +148,9 @@ def _when(stamp: float | None) -> str:
 
 @account_app.command("create")
 def account_create(
-    name: Annotated[str, typer.Argument(help="Lowercase letters, digits, '-' or '_', starting with a letter.")],
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="Lowercase letters, digits, '-' or '_', starting with a letter.")
+    ],
     admin: Annotated[bool, typer.Option("--admin", help="May see and manage every account's processes.")] = False,
     token: Annotated[bool, typer.Option("--token/--no-token", help="Also create a first token and print it.")] = True,
     data: DataOpt = None,

@@ -149,7 +149,7 @@ def ps(
 
 def send(
     pid: PidArg,
-    text: Annotated[str, typer.Argument(help="The message; '-' reads it from stdin.")],
+    text: Annotated[str, typer.Argument(metavar="TEXT", help="The message; '-' reads it from stdin.")],
     mode: Annotated[
         str,
         typer.Option(

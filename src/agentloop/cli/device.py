@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 
+from agentloop.cli.usage import App
 from agentloop.device.client import (
     DEFAULT_ALLOW,
     DeviceClient,
@@ -32,7 +33,7 @@ from agentloop.device.client import (
 )
 from agentloop.urls import check_token, redact_url
 
-device_app = typer.Typer(
+device_app = App(
     name="device",
     help="Connect this machine to an agentloop server as a device.",
     no_args_is_help=True,
@@ -82,7 +83,9 @@ async def _serve(client: DeviceClient) -> None:
 
 @device_app.command("connect")
 def connect(
-    url: Annotated[str, typer.Argument(help="The server, e.g. http://host:8765 (or ws://host:8765/v1/ws).")],
+    url: Annotated[
+        str, typer.Argument(metavar="URL", help="The server, e.g. http://host:8765 (or ws://host:8765/v1/ws).")
+    ],
     token: Annotated[
         str | None, typer.Option("--token", envvar="AGENTLOOP_TOKEN", help="An account token (or AGENTLOOP_TOKEN).")
     ] = None,

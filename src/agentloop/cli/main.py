@@ -63,6 +63,7 @@ from agentloop.cli.render import (
     write_out,
 )
 from agentloop.cli.tooling import extra_tools
+from agentloop.cli.usage import App
 from agentloop.models.catalog import CATALOG
 from agentloop.models.registry import HOSTED, hosted_status, parse_model_string
 from agentloop.process.store.base import StoreError
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from agentloop.cli.chat import ChatRepl
     from agentloop.kernel import Kernel
 
-app = typer.Typer(
+app = App(
     name="agentloop",
     help="A durable agent-loop runtime: a model, tools, and a loop that streams what it does.",
     no_args_is_help=True,
@@ -340,7 +341,9 @@ ApprovalOpt = Annotated[
 
 @app.command()
 def run(
-    prompt: Annotated[str, typer.Argument(help="What to ask; '-' reads it from stdin.", show_default=False)] = "",
+    prompt: Annotated[
+        str, typer.Argument(metavar="PROMPT", help="What to ask; '-' reads it from stdin.", show_default=False)
+    ] = "",
     model: ModelOpt = None,
     workspace: WorkspaceOpt = None,
     system: SystemOpt = None,
@@ -545,6 +548,9 @@ def _durable_chat(
                 )
             )
         )
+        # /model names the default as the user gave it ("scripted:/path/file.json"), not by the model's
+        # info (which says "scripted:scripted")
+        kernel.models.default = settings.model
         session = DurableSession(kernel, owner=local_user(), cwd=ws, state=ChatState(directory / "chat.json"))
         count = ev.run_until_complete(session.open(new=new))
         choice = ev.run_until_complete(session.process.model())
