@@ -291,6 +291,17 @@ def commands_differ(registered: object, wanted: Iterable[Mapping[str, Any]] = CO
     return False
 
 
+def _interaction_parts(interaction: dict[str, Any]) -> tuple[int, str, int | None] | None:
+    """(id, token, user id) of an interaction (a button press, a slash command), the user being
+    the member's in a server and the user's in a DM; None for one that cannot be answered."""
+    interaction_id = _snowflake(interaction.get("id"))
+    token = interaction.get("token")
+    if interaction_id is None or not isinstance(token, str):
+        return None
+    user = _field(interaction.get("member"), "user") or interaction.get("user")
+    return interaction_id, token, _snowflake(_field(user, "id"))
+
+
 def _command_channel(interaction: dict[str, Any]) -> int | None:
     """The channel a slash command was used in."""
     return _snowflake(interaction.get("channel_id")) or _snowflake(_field(interaction.get("channel"), "id"))
@@ -728,12 +739,10 @@ class DiscordBridge(ChatBridge[int]):
         """A slash command, answered at once (Discord waits 3 seconds, the queue may take longer):
         help, a refusal or an unknown command with its text; ``/new`` and ``/stop`` with a
         deferred response, and queued, to be handled in order and answered by an edit."""
-        interaction_id = _snowflake(interaction.get("id"))
-        token = interaction.get("token")
-        if interaction_id is None or not isinstance(token, str):
+        parts = _interaction_parts(interaction)
+        if parts is None:
             return
-        user = _field(interaction.get("member"), "user") or interaction.get("user")
-        user_id = _snowflake(_field(user, "id"))
+        interaction_id, token, user_id = parts
         name = _field(interaction.get("data"), "name")
         channel = _command_channel(interaction)
         if user_id is None or user_id not in self.allow:
@@ -985,15 +994,13 @@ class DiscordBridge(ChatBridge[int]):
             log.debug("refused another message from Discord user %d in channel %d", user_id, channel)
             return
         log.warning("refused a message from Discord user %d in channel %d: not on the allow-list", user_id, channel)
-        await self._send(channel, f"Sorry, this bot is private. (Your Discord user id is {user_id}.)")
+        await self._send(channel, REFUSAL.format(user_id))
 
     async def _on_interaction(self, interaction: dict[str, Any]) -> None:
-        interaction_id = _snowflake(interaction.get("id"))
-        token = interaction.get("token")
-        if interaction_id is None or not isinstance(token, str):
+        parts = _interaction_parts(interaction)
+        if parts is None:
             return
-        presser = _field(interaction.get("member"), "user") or interaction.get("user")
-        user_id = _snowflake(_field(presser, "id"))
+        interaction_id, token, user_id = parts
         if user_id is None or user_id not in self.allow:
             log.warning("refused an approval answer from Discord user %s: not on the allow-list", user_id)
             await self._reply(interaction_id, token, "You are not allowed to answer this.")
@@ -1008,6 +1015,7 @@ class DiscordBridge(ChatBridge[int]):
         if outcome == NOT_PENDING or channel is None:
             await self._reply(interaction_id, token, outcome)
             return
+        presser = _field(interaction.get("member"), "user") or interaction.get("user")
         who = _field(presser, "global_name") or _field(presser, "username") or str(user_id)
         suffix = f"\n\n{outcome} by {who}"
         text = str(_field(interaction.get("message"), "content") or "")
