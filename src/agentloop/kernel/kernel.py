@@ -977,9 +977,12 @@ class Kernel:
     async def account_signals(self, owner: str) -> AsyncIterator[tuple[str, Signal]]:
         """(pid, signal) for the approvals asked and answered and the runs ended of every process
         of ``owner`` (``signals.for_account``), live from the first ``__anext__`` on: nothing is
-        replayed, ``approvals`` has what is pending. On a shared store, only the processes whose
-        steps commit through this kernel. Ends when the kernel closes, or when the reader falls
-        too far behind (it should list the approvals again)."""
+        replayed, ``approvals`` has what is pending. On a shared store (PostgreSQL), the signals
+        committed through the other workers too: each worker's commits notify the others of their
+        account-level signals (``Leases.accounted``), best-effort as any notification (one lost
+        while the listening connection is down is not replayed: the approvals list has what is
+        pending). Ends when the kernel closes, or when the reader falls too far behind (it should
+        list the approvals again)."""
         hub = self.engine.hub
         queue = hub.watch_account(owner)
         try:

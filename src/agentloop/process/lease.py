@@ -31,6 +31,12 @@ notification about it, in sequence order (``follow``), with the holder's relayed
 in their place (``relay``). Forwarded signals (a queue change, an
 approval decided elsewhere) reach the holder's watchers through the log only, on reconnect.
 
+Account streams (``Kernel.account_signals``): a worker publishes the signals it commits itself to
+its account watchers; the account-level ones (``signals.for_account``: runs ended, approvals asked
+and answered) of every commit also go to the other workers in a notification the committing
+transaction sends (``accounted``), so an account watcher on any worker sees them once each,
+whichever worker ran the step, without reading any process's log.
+
 On SQLite (one process owns the file) there are no leases: the engine runs without this module.
 """
 
@@ -438,6 +444,38 @@ class Leases:
 
     def followed(self, sender: str, pids: list[str]) -> None:
         self.relay.followed(sender, pids)
+
+    # -- account streams ---------------------------------------------------------------------------
+
+    def accounted(self, owner: str, pid: str, items: list[tuple[int, str, dict[str, Any] | None]]) -> None:
+        """Account-level signals (``signals.for_account``) another worker committed for ``owner``'s
+        process ``pid``, told in its transaction: to this worker's account watchers of ``owner``,
+        who see the signals this worker commits as it publishes them, and no others (what the
+        log reads publish goes to process watchers only). One without its payload (too large for
+        a notification) is read from the log first."""
+        hub = self.engine.hub
+        if not hub.watches_account(owner):
+            return  # nobody here watches the account (the usual case: nothing to do)
+        if all(payload is not None for _, _, payload in items):
+            for seq, name, payload in items:
+                assert payload is not None
+                hub.to_account(owner, pid, Signal(name, payload, seq))
+            return
+        self._spawn(self._account_from_log(owner, pid, items))
+
+    async def _account_from_log(
+        self, owner: str, pid: str, items: list[tuple[int, str, dict[str, Any] | None]]
+    ) -> None:
+        first = min(seq for seq, _, _ in items)
+        last = max(seq for seq, _, _ in items)
+        rows = {row.seq: row for row in await self.store.events(pid, after_seq=first - 1, limit=last - first + 1)}
+        for seq, name, payload in items:
+            if payload is None:
+                row = rows.get(seq)
+                if row is None:
+                    continue  # pruned or killed meanwhile
+                payload = row.payload
+            self.engine.hub.to_account(owner, pid, Signal(name, payload, seq))
 
     async def _run(self) -> None:
         renew_every = self.ttl / 3

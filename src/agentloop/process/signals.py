@@ -145,6 +145,15 @@ class SignalHub:
         for listener in self._taps:
             listener(pid, signal)
 
+    def watches_account(self, owner: str) -> bool:
+        """Whether anyone here watches ``owner``'s account stream."""
+        return bool(self._accounts.get(owner))
+
+    def to_account(self, owner: str, pid: str, signal: Signal) -> None:
+        """``signal`` of ``owner``'s process ``pid`` to the account's watchers only (another
+        worker committed it: its process watchers read it from the log)."""
+        self._to_account(owner, pid, signal)
+
     def _to_account(self, owner: str, pid: str, signal: Signal) -> None:
         watchers = self._accounts.get(owner)
         if not watchers or not for_account(signal):

@@ -106,8 +106,18 @@ class _Tx:
     async def flush(self) -> None:
         if self._pending:
             seqs = await self.engine.store.append_events(self.live.record.pid, self._pending)
-            self.signals += [Signal(n, p, q) for (n, p), q in zip(self._pending, seqs, strict=True)]
+            logged = [Signal(n, p, q) for (n, p), q in zip(self._pending, seqs, strict=True)]
+            self.signals += logged
             self._pending = []
+            if self.engine.leases is not None:  # (a shared store: the other workers' account streams)
+                await self._notify_account(logged)
+
+    async def _notify_account(self, logged: list[Signal]) -> None:
+        """The account-level signals just logged (``for_account``), told to the other workers in
+        this transaction: each worker publishes what it commits to its own account watchers only."""
+        told = [(s.seq, s.signal, s.payload) for s in logged if s.seq is not None and sig.for_account(s)]
+        if told:
+            await self.engine.store.notify_account(self.live.record.owner, self.live.record.pid, told)
 
     async def append(self, run_id: str | None, messages: list[Message]) -> None:
         await self.engine.store.append_messages(self.live.record.pid, run_id, messages)

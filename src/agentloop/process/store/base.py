@@ -494,6 +494,12 @@ class Store(ABC):
     async def append_events(self, pid: str, events: list[tuple[str, dict[str, Any]]]) -> list[int]:
         """Append several signals at once; returns their sequence numbers."""
 
+    async def notify_account(self, owner: str, pid: str, signals: list[tuple[int, str, dict[str, Any]]]) -> None:
+        """Inside a transaction: tell the other workers sharing the store of ``owner``'s
+        account-level signals (seq, name, payload) just logged for ``pid``, for their account
+        streams, once the transaction commits. A store no other worker shares has none to tell."""
+        return None
+
     @abstractmethod
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]: ...
 

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
@@ -153,7 +154,10 @@ _DELETE_PROCESS = (
 _NOW = "extract(epoch from clock_timestamp())::double precision"
 CHANNEL = "agentloop"  # the LISTEN/NOTIFY channel; a payload is "<pid> <sender>"
 # relayed progress (process/relay.py): {"sender", "batches": [[pid, base, [payload, ...]], ...]}
-# or {"sender", "follow": [pid, ...]}
+# or {"sender", "follow": [pid, ...]}, or the account-level signals of a commit (``notify_account``),
+# sent in the committing transaction (delivered at commit, never for a rolled back one):
+# {"sender", "owner", "pid", "account": [[seq, signal, payload or null], ...]} (null: too large for
+# a notification, read from the log); its sender is the store (each worker has its own)
 LIVE_CHANNEL = "agentloop_live"
 _NOTIFY_MAX = 7900  # bytes of one NOTIFY payload (PostgreSQL refuses 8000 and more)
 _CLAIM = f"""
@@ -288,6 +292,15 @@ def _fill(used: int, items: list[str], limit: int = _NOTIFY_MAX) -> list[list[st
     return [group for group in groups if group]
 
 
+def _account_items(items: list[Any]) -> list[tuple[int, str, dict[str, Any] | None]]:
+    """The [seq, signal, payload or null] of an account notification, checked."""
+    return [
+        (int(seq), str(name), payload if isinstance(payload, dict) else None)
+        for seq, name, payload in items
+        if isinstance(seq, int) and isinstance(name, str)
+    ]
+
+
 def _changed(status: str) -> int:
     """The row count of a command status such as ``UPDATE 1`` or ``INSERT 0 1``."""
     return int(status.rsplit(" ", 1)[-1])
@@ -308,6 +321,7 @@ class PostgresStore(Store):
         self._lock = asyncio.Lock()  # held by the open transaction until its commit or rollback is over
         self._tx: TxState | None = None  # the open transaction's body
         self._settling: Settling | None = None  # the commit or rollback in flight
+        self._sender = os.urandom(8).hex()  # this store's name on the account notifications it sends
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.url!r})"
@@ -867,6 +881,22 @@ class PostgresStore(Store):
             raise NoSuchProcess(pid)
         return sorted(int(r[0]) for r in rows)
 
+    async def notify_account(self, owner: str, pid: str, signals: list[tuple[int, str, dict[str, Any]]]) -> None:
+        """In this transaction, one notification (or a few) on ``LIVE_CHANNEL``: delivered to the
+        other workers at commit, never for a rollback. A payload too large for a notification is
+        sent as null, for its readers to take from the log."""
+        head = dumps({"sender": self._sender, "owner": owner, "pid": pid, "account": []}).removesuffix("[]}")
+        room = _NOTIFY_MAX - len(head.encode()) - 1
+        texts = []
+        for seq, name, payload in signals:
+            text = dumps([seq, name, payload])
+            if len(text.encode()) > room - 2:  # (within its group's brackets)
+                text = dumps([seq, name, None])
+            texts.append(text)
+        for group in _fill(2, texts, room):
+            body = f"{head}[{','.join(group)}]}}"
+            await self._write().execute("SELECT pg_notify($1, $2)", LIVE_CHANNEL, body)
+
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         async with self._reading() as db:
             rows = await db.fetch(
@@ -1099,7 +1129,11 @@ class PostgresStore(Store):
             try:
                 message = json.loads(payload)
                 sender = str(message["sender"])
-                if "follow" in message:
+                if "account" in message:
+                    accounted = getattr(live, "accounted", None)
+                    if sender != self._sender and accounted is not None:  # (its own: published as committed)
+                        accounted(str(message["owner"]), str(message["pid"]), _account_items(message["account"]))
+                elif "follow" in message:
                     live.followed(sender, [str(pid) for pid in message["follow"]])
                 else:
                     live.relayed(
