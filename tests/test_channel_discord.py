@@ -288,6 +288,10 @@ class FakeDiscord:
                 if name == "put_commands":
                     self.commands[app] = [self.registered(app, n, c) for n, c in enumerate(body)]
                 return JSONResponse(self.commands.get(app, []))
+        if name == "edit_original" and self.deferral(request.path_params["token"]) == 6:
+            # (a press's deferred update, edited: the pressed message, which the history keeps as sent)
+            author = {"id": str(BOT), "username": "agent", "bot": True}
+            return JSONResponse({"id": str(self.next_id()), "author": author, "type": 0, **body})
         if name == "edit_original":  # (a deferred response, edited: unknown until the deferral was taken)
             token = request.path_params["token"]
             deferred = [c for c in self.of("callback") if c.ok and c.params["token"] == token and c.body["type"] == 5]
@@ -406,6 +410,8 @@ class FakeDiscord:
         (type 5), once made, the edit that gives it its text, as the response it stands for (type 4,
         with the deferral's flags)."""
         response = next((c.body for c in self.of("callback") if c.ok and c.params["token"] == token), None)
+        if response is not None and response.get("type") == 6:  # (a press's deferred update)
+            return self.update_of(token)
         if response is None or response.get("type") != 5:
             return response
         edit = self.edit_of(token)
@@ -413,6 +419,17 @@ class FakeDiscord:
             return None
         flags = (response.get("data") or {}).get("flags")
         return {"type": 4, "data": edit | ({"flags": flags} if flags is not None else {})}
+
+    def update_of(self, token: str) -> dict[str, Any] | None:
+        """A press's deferred update (type 6), once its outcome is shown by editing the pressed
+        message, as the response it stands for (an update, type 7)."""
+        edit = self.edit_of(token)
+        return None if edit is None else {"type": 7, "data": edit}
+
+    def deferral(self, token: str) -> int | None:
+        """The type of the deferred response (5 or 6) taken for the interaction with ``token``."""
+        taken = [c.body["type"] for c in self.of("callback") if c.ok and c.params["token"] == token]
+        return next((t for t in taken if t in (5, 6)), None)
 
     def edit_of(self, token: str) -> dict[str, Any] | None:
         """What the bridge's edit of the (deferred) response to the interaction with ``token`` says."""
@@ -437,7 +454,12 @@ class FakeDiscord:
         return [m["content"] for m in self.posted(channel)]
 
     def callbacks(self) -> list[dict[str, Any]]:
-        return [c.body for c in self.of("callback") if c.ok]
+        """The responses taken, in the order of their interactions (answered on arrival, side by
+        side, they may reach Discord in any order); a press's deferred update once its outcome is
+        shown, as the response it stands for (``answer_to``)."""
+        taken = sorted((c for c in self.of("callback") if c.ok), key=lambda c: int(c.params["id"]))
+        answers = [self.answer_to(c.params["token"]) if c.body["type"] == 6 else c.body for c in taken]
+        return [a for a in answers if a is not None]
 
 
 @pytest.fixture

@@ -35,8 +35,14 @@ that edit fail, what "new" or "stop" said is told in the channel instead.
 
 A follower per process reads its signals (``agentloop.channels.bridge``): ``proc.run.started``
 shows "typing…", ``proc.run.hil.requested`` sends the call to approve with
-Approve / Deny / Always buttons (whose presses come back as ``INTERACTION_CREATE`` and are answered
-by updating the message: its buttons go, the outcome is added), and ``proc.run.finished`` sends the
+Approve / Deny / Always buttons (whose presses come back as ``INTERACTION_CREATE``, type 3; like a
+slash command, each is acknowledged as it arrives, outside the intake queue: a stranger's press or
+an unknown button is refused at once with a note only the presser sees, an approval answer gets a
+deferred update (type 6) at once and is decided in its turn, in order; then the pressed message is
+edited (``PATCH …/messages/@original``): its buttons go, the outcome is added. A press on a
+request no longer pending when it arrives is told so at once, in a note only the presser sees.
+Should the deferral fail, the press is answered as before, by updating the message in the response
+(type 7); should the edit fail, the outcome is told in the channel), and ``proc.run.finished`` sends the
 answer, in parts of at most 2000 characters, with ``allowed_mentions`` empty so that nothing the
 model writes pings anyone (``@everyone``).
 
@@ -94,7 +100,7 @@ import sys
 from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -149,6 +155,9 @@ EPHEMERAL = 64  # message flag: only the presser sees the answer
 CATCH_UP = "CATCH_UP"  # the intake's item that reads what was said while no session was up
 COMMAND = "COMMAND"  # the intake's item for /new or /stop, acknowledged on arrival: {"interaction", "ack"}
 DEFERRED = 5  # DEFERRED_CHANNEL_MESSAGE_WITH_SOURCE: an interaction's answer to come (by an edit)
+PRESS = "PRESS"  # the intake's item for an approval button press, acknowledged on arrival: {"interaction", "ack"}
+DEFERRED_UPDATE = 6  # DEFERRED_UPDATE_MESSAGE: a press taken, its message to be edited once decided
+T = TypeVar("T")
 _BUTTONS = (("Approve", "a", 3), ("Deny", "d", 4), ("Always", "r", 2))  # label, key, style (green, red, grey)
 _VOICE_MESSAGE = 1 << 13  # message flag: a voice message (its one attachment is the recording)
 _TEXT_TYPES = frozenset({0, 19})  # a message, a reply: the rest (joins, pins, calls …) say nothing to the bot
@@ -462,7 +471,7 @@ class DiscordBridge(ChatBridge[int]):
         self._worker: asyncio.Task[None] | None = None
         self._gateway: asyncio.Task[None] | None = None
         self._registration: asyncio.Task[None] | None = None  # (the slash commands', once a run)
-        self._answering: set[asyncio.Task[bool]] = set()  # slash commands answered on arrival
+        self._answering: set[asyncio.Task[Any]] = set()  # slash commands and presses answered on arrival
         # while a slash command is handled: (its task, its channel, what ``_say`` said meanwhile)
         self._saying: tuple[asyncio.Task[Any] | None, int, list[str]] | None = None
         self._ready = asyncio.Event()
@@ -732,7 +741,9 @@ class DiscordBridge(ChatBridge[int]):
             log.info("resumed the Discord gateway session")
         elif event == "INTERACTION_CREATE" and data.get("type") == 2:  # APPLICATION_COMMAND
             self._command_arrived(data)
-        elif event in ("MESSAGE_CREATE", "INTERACTION_CREATE"):
+        elif event == "INTERACTION_CREATE":  # a button press (MESSAGE_COMPONENT), or something unknown
+            self._press_arrived(data)
+        elif event == "MESSAGE_CREATE":
             self._queue.put_nowait((str(event), data))
 
     def _command_arrived(self, interaction: dict[str, Any]) -> None:
@@ -765,7 +776,53 @@ class DiscordBridge(ChatBridge[int]):
             return
         self._answer_soon(self._reply(interaction_id, token, text))
 
-    def _answer_soon(self, answer: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+    def _press_arrived(self, interaction: dict[str, Any]) -> None:
+        """A button press, acknowledged at once (Discord waits 3 seconds, the queue may take
+        longer): a stranger's, or an unknown button, refused with a note; an approval answer with a
+        deferred update (type 6), and queued, to be decided in order and shown by an edit."""
+        parts = _interaction_parts(interaction)
+        if parts is None:
+            return
+        interaction_id, token, user_id = parts
+        if user_id is None or user_id not in self.allow:
+            log.warning("refused an approval answer from Discord user %s: not on the allow-list", user_id)
+            self._answer_soon(self._reply(interaction_id, token, "You are not allowed to answer this."))
+            return
+        if interaction.get("type") != 3 or parse_callback(_field(interaction.get("data"), "custom_id")) is None:
+            self._answer_soon(self._reply(interaction_id, token, "Unknown button."))
+            return
+        channel = _snowflake(interaction.get("channel_id"))
+        request_id = cast("tuple[str, str]", parse_callback(_field(interaction.get("data"), "custom_id")))[1]
+        ack = self._answer_soon(self._acknowledge_press(interaction_id, token, channel, request_id))
+        self._queue.put_nowait((PRESS, {"interaction": interaction, "ack": ack}))
+
+    async def _acknowledge_press(
+        self, interaction_id: int, token: str, channel: int | None, request_id: str
+    ) -> bool | None:
+        """A press's answer on arrival: a note when its request is no longer pending (None), else
+        a deferred update: whether it was taken."""
+        if not await self._may_be_pending(channel, request_id):
+            await self._reply(interaction_id, token, NOT_PENDING)
+            return None
+        return await self._respond(interaction_id, token, {"type": DEFERRED_UPDATE})
+
+    async def _may_be_pending(self, channel: int | None, request_id: str) -> bool:
+        """Whether ``request_id`` may be waiting for an answer in ``channel``: not when it is none of
+        its process's pending requests (in doubt, the press is decided in its turn)."""
+        if channel is None:
+            return False
+        pid = self._chats.get(channel)
+        if pid is None:
+            return True  # (a process made by what is before it in the queue)
+        try:
+            pending = await (await self.kernel.process(pid)).pending_approvals()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # (unknown: the store unreachable for a moment …)
+            return True
+        return any(row.request_id == request_id for row in pending)
+
+    def _answer_soon(self, answer: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(answer, name="agentloop-discord-answer")
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
@@ -814,7 +871,7 @@ class DiscordBridge(ChatBridge[int]):
                     elif kind == COMMAND:
                         await self._on_command(data["interaction"], data["ack"])
                     else:
-                        await self._on_interaction(data)
+                        await self._on_press(data["interaction"], data["ack"])
                 return
             except asyncio.CancelledError:
                 raise
@@ -996,24 +1053,24 @@ class DiscordBridge(ChatBridge[int]):
         log.warning("refused a message from Discord user %d in channel %d: not on the allow-list", user_id, channel)
         await self._send(channel, REFUSAL.format(user_id))
 
-    async def _on_interaction(self, interaction: dict[str, Any]) -> None:
-        parts = _interaction_parts(interaction)
-        if parts is None:
-            return
-        interaction_id, token, user_id = parts
-        if user_id is None or user_id not in self.allow:
-            log.warning("refused an approval answer from Discord user %s: not on the allow-list", user_id)
-            await self._reply(interaction_id, token, "You are not allowed to answer this.")
-            return
-        button = parse_callback(_field(interaction.get("data"), "custom_id")) if interaction.get("type") == 3 else None
-        if button is None:
-            await self._reply(interaction_id, token, "Unknown button.")
-            return
-        key, request_id = button
+    async def _on_press(self, interaction: dict[str, Any], ack: asyncio.Task[bool | None]) -> None:
+        """An approval answer (from a user on the allow-list, a button of ours, its update deferred
+        on arrival: ``ack`` says whether that was taken, None when the press was answered already,
+        its request no longer pending), in its turn: decided, and the pressed
+        message edited to show the outcome without its buttons (else updated in the response, as
+        when nothing was deferred, or the outcome told in the channel)."""
+        interaction_id, token, user_id = cast("tuple[int, str, int | None]", _interaction_parts(interaction))
+        key, request_id = cast("tuple[str, str]", parse_callback(_field(interaction.get("data"), "custom_id")))
         channel = _snowflake(interaction.get("channel_id"))
+        acked = await self._taken(ack)
+        if acked is None:  # (no longer pending when it came: told so then)
+            return
         outcome = await self._decide(channel, key, request_id)
         if outcome == NOT_PENDING or channel is None:
-            await self._reply(interaction_id, token, outcome)
+            if not acked:
+                await self._reply(interaction_id, token, outcome)
+            else:  # (answered while it waited its turn: its message shows how)
+                log.info("a press by Discord user %s on request %s came after it was answered", user_id, request_id)
             return
         presser = _field(interaction.get("member"), "user") or interaction.get("user")
         who = _field(presser, "global_name") or _field(presser, "username") or str(user_id)
@@ -1021,8 +1078,12 @@ class DiscordBridge(ChatBridge[int]):
         text = str(_field(interaction.get("message"), "content") or "")
         if len(text) + len(suffix) > MAX_MESSAGE:
             text = text[: max(MAX_MESSAGE - len(suffix) - 1, 0)] + "…"
-        update = {"content": (text + suffix)[:MAX_MESSAGE], "components": [], "allowed_mentions": NO_MENTIONS}
-        await self._respond(interaction_id, token, {"type": 7, "data": update})  # UPDATE_MESSAGE
+        content = (text + suffix)[:MAX_MESSAGE]
+        if not acked:  # (the deferral was not taken: the response updates the message, as it did)
+            update = {"content": content, "components": [], "allowed_mentions": NO_MENTIONS}
+            await self._respond(interaction_id, token, {"type": 7, "data": update})  # UPDATE_MESSAGE
+        elif not await self._edit_response(interaction, content, components=[]):
+            await self._send(channel, suffix.strip())  # (the message keeps its buttons: the outcome is told)
         if outcome == OUTCOMES[key] and key != "d":
             await self._typing(channel)  # the run goes on
 
@@ -1037,22 +1098,35 @@ class DiscordBridge(ChatBridge[int]):
             await (self._reset(channel) if _field(interaction.get("data"), "name") == "new" else self._stop(channel))
         finally:
             self._saying = None
-        try:
-            acked = await asyncio.shield(ack)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # (a bug in answering: the channel is told instead)
-            acked = False
+        acked = await self._taken(ack)
         text = split_message("\n".join(said), MAX_MESSAGE)[0] if said else "Stopping the answer under way."
         if acked and await self._edit_response(interaction, text):
             return
         if said:  # (the token was void, or the edit refused: told in the channel; "Stopped." comes anyway)
             await self._send(channel, "\n".join(said))
 
-    async def _edit_response(self, interaction: dict[str, Any], text: str) -> bool:
-        """Whether the interaction's deferred response now says ``text``."""
-        application = _snowflake(interaction.get("application_id")) or self.application_id or self.bot_id
-        data = {"content": text, "allowed_mentions": NO_MENTIONS}
+    @staticmethod
+    async def _taken(ack: asyncio.Task[T]) -> T | bool:
+        """What an interaction's acknowledgement on arrival says (whether it was taken …)."""
+        try:
+            return await asyncio.shield(ack)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # (a bug in answering: taken as not acknowledged)
+            return False
+
+    def _application(self, interaction: dict[str, Any]) -> int | None:
+        return _snowflake(interaction.get("application_id")) or self.application_id or self.bot_id
+
+    async def _edit_response(
+        self, interaction: dict[str, Any], text: str, *, components: list[dict[str, Any]] | None = None
+    ) -> bool:
+        """Whether the interaction's deferred response (a press's: the pressed message) now says
+        ``text`` (with ``components``, when given)."""
+        application = self._application(interaction)
+        data: dict[str, Any] = {"content": text, "allowed_mentions": NO_MENTIONS}
+        if components is not None:
+            data["components"] = components
         try:
             path = f"/webhooks/{application}/{MASK}/messages/@original"
             await self.api.request("PATCH", path, json=data, attempts=3, path_secret=str(interaction["token"]))
