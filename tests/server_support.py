@@ -134,14 +134,7 @@ class LiveServer:
         options: dict[str, Any] = {"tools": [echo, slow], "approval": asking_policy, **self.kernel_options}
         async with Kernel.open(url, model=model, workspace=self.data, **options) as kernel:
             accounts = Accounts(kernel.store)
-            await accounts.create_account("alice")
-            await accounts.create_account("bob")
-            await accounts.create_account("admin", admin=True)
-            self.tokens.alice, _ = await accounts.create_token("alice")
-            self.tokens.bob, _ = await accounts.create_token("bob")
-            self.tokens.admin, _ = await accounts.create_token("admin")
-            self.tokens.revoked, record = await accounts.create_token("alice", label="old")
-            await accounts.revoke(record.id)
+            await self.make_accounts(accounts)
             self.ctx = ServerContext(
                 kernel, accounts, devices=self.devices, max_body=self.max_body, heartbeat=self.heartbeat
             )
@@ -156,6 +149,17 @@ class LiveServer:
                 await asyncio.sleep(0.005)
             self._ready.set()
             await serving
+
+    async def make_accounts(self, accounts: Accounts) -> None:
+        """The accounts the tests use, and their tokens in ``tokens``."""
+        await accounts.create_account("alice")
+        await accounts.create_account("bob")
+        await accounts.create_account("admin", admin=True)
+        self.tokens.alice, _ = await accounts.create_token("alice")
+        self.tokens.bob, _ = await accounts.create_token("bob")
+        self.tokens.admin, _ = await accounts.create_token("admin")
+        self.tokens.revoked, record = await accounts.create_token("alice", label="old")
+        await accounts.revoke(record.id)
 
     async def run(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn()`` on the server's loop (e.g. to set ``ctx.stopping`` or count watchers)."""

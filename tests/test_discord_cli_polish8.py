@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import click
 import pytest
@@ -68,28 +67,15 @@ def cdn() -> Iterator[SlowCdn]:
         slow.release.set()
 
 
-def post_image(fake: FakeDiscord, cdn: SlowCdn, text: str) -> None:
+def post_image(fake: FakeDiscord, cdn: SlowCdn, channel: int, user: int, text: str) -> None:
+    """``user`` sends ``text`` with an image in ``channel``, its download held by ``cdn``."""
+    event = fake.message(channel, user, text, live=False)
     url = f"{cdn.base}1/2/cat.png?ex=1&is=2&hm=abc"
-    file = {
-        "id": "1",
-        "filename": "cat.png",
-        "size": len(PNG),
-        "url": url,
-        "proxy_url": url,
-        "content_type": "image/png",
-    }
-    message: dict[str, Any] = {
-        "id": str(fake.next_id()),
-        "channel_id": str(ALICE_DM),
-        "author": {"id": str(ALICE), "username": "alice", "global_name": "Alice", "bot": False},
-        "content": text,
-        "mentions": [],
-        "type": 0,
-        "attachments": [file],
-    }
+    file = {"id": "1", "filename": "cat.png", "size": len(PNG), "url": url, "proxy_url": url}
+    event["attachments"] = [file | {"content_type": "image/png"}]
     with fake.lock:
-        fake.history.setdefault(ALICE_DM, []).append(message)
-    fake.gateway.dispatch("MESSAGE_CREATE", message)
+        fake.history[channel][-1]["attachments"] = event["attachments"]
+    fake.gateway.dispatch("MESSAGE_CREATE", event)
 
 
 def response(fake: FakeDiscord, token: str) -> dc.Call | None:
@@ -100,7 +86,7 @@ async def test_a_command_behind_a_slow_download_is_acknowledged_at_once_then_edi
     tmp_path: Path, fake: FakeDiscord, cdn: SlowCdn
 ) -> None:
     async with running(tmp_path, fake, allow=[ALICE], attachment_urls=(cdn.base,)) as (kernel, _, model):
-        post_image(fake, cdn, "look")
+        post_image(fake, cdn, ALICE_DM, ALICE, "look")
         await until(cdn.asked.is_set)  # the intake is held by the download
         sent = time.monotonic()
         new = fake.command(ALICE, "new", ALICE_DM)

@@ -20,7 +20,7 @@ import pytest
 from agentloop.channels.discord import EPHEMERAL
 from tests import test_channel_discord as dc
 from tests.test_channel_discord import ALICE, ALICE_DM, BOB, BOB_DM, MALLORY, FakeDiscord, running, until
-from tests.test_discord_cli_polish8 import PNG, SlowCdn
+from tests.test_discord_cli_polish8 import SlowCdn, post_image, response
 
 NO_MENTIONS = {"parse": []}
 
@@ -37,27 +37,6 @@ def cdn() -> Iterator[SlowCdn]:
     with slow.server:
         yield slow
         slow.release.set()
-
-
-def post_image(fake: FakeDiscord, cdn: SlowCdn, channel: int, user: int, text: str) -> None:
-    url = f"{cdn.base}1/2/cat.png?ex=1&is=2&hm=abc"
-    file = {"id": "1", "filename": "cat.png", "size": len(PNG), "url": url, "proxy_url": url}
-    message: dict[str, Any] = {
-        "id": str(fake.next_id()),
-        "channel_id": str(channel),
-        "author": {"id": str(user), "username": f"user{user}", "bot": False},
-        "content": text,
-        "mentions": [],
-        "type": 0,
-        "attachments": [file | {"content_type": "image/png"}],
-    }
-    with fake.lock:
-        fake.history.setdefault(channel, []).append(message)
-    fake.gateway.dispatch("MESSAGE_CREATE", message)
-
-
-def response(fake: FakeDiscord, token: str) -> dc.Call | None:
-    return next((c for c in fake.of("callback") if c.ok and c.params["token"] == token), None)
 
 
 def last_token(fake: FakeDiscord, user: int) -> str:

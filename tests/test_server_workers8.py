@@ -9,21 +9,16 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
 
-import uvicorn
 import websockets
 
-from agentloop import ScriptedModel
-from agentloop.kernel import Kernel
-from agentloop.server import ServerContext, create_server
 from agentloop.server.auth import Accounts
-from tests.server_support import LiveServer, Tokens, asking_policy, echo, engine_agent, script, slow
+from tests.server_support import LiveServer, Tokens
 from tests.test_scale_out import kept_by
 
 # (pg_url comes from tests/conftest.py, as for tests/test_scale_out.py)
@@ -36,35 +31,17 @@ class Worker(LiveServer):
     name: str = "A"
     shared: Tokens | None = None
 
-    async def _main(self, sock: Any) -> None:
-        options: dict[str, Any] = {
-            "tools": [echo, slow],
-            "approval": asking_policy,
-            "worker": self.name,
-            "lease_ttl": 2.0,
-            "poll_interval": 0.2,
-            "data_dir": self.data,
-        }
-        model = ScriptedModel(script, chunk=4, keep_requests=False)
-        async with Kernel.open(self.store_url, model=model, workspace=self.data, **options) as kernel:
-            accounts = Accounts(kernel.store)
-            assert self.shared is not None
-            if not self.shared.alice:
-                await accounts.create_account("alice")
-                self.shared.alice, _ = await accounts.create_token("alice")
-            self.tokens = self.shared
-            self.ctx = ServerContext(kernel, accounts, heartbeat=1.0)
-            self.app = create_server(self.ctx, engine_agent)
-            config = uvicorn.Config(
-                self.app, log_level="critical", lifespan="off", access_log=False, timeout_graceful_shutdown=1
-            )
-            self._server = uvicorn.Server(config)
-            self.loop = asyncio.get_running_loop()
-            serving = asyncio.create_task(self._server.serve(sockets=[sock]))
-            while not self._server.started and not serving.done():
-                await asyncio.sleep(0.005)
-            self._ready.set()
-            await serving
+    async def make_accounts(self, accounts: Accounts) -> None:
+        assert self.shared is not None
+        if not self.shared.alice:
+            await accounts.create_account("alice")
+            self.shared.alice, _ = await accounts.create_token("alice")
+        self.tokens = self.shared
+
+
+def worker(data: Path, store_url: str, name: str, tokens: Tokens) -> Worker:
+    options = {"worker": name, "lease_ttl": 2.0, "poll_interval": 0.2, "data_dir": data}
+    return Worker(data, heartbeat=1.0, store_url=store_url, kernel_options=options, name=name, shared=tokens)
 
 
 @pytest.fixture
@@ -72,9 +49,9 @@ def workers(pg_url: str, tmp_path: Path) -> Iterator[tuple[Worker, Worker]]:
     tokens = Tokens()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a = Worker(tmp_path / "a", store_url=pg_url, name="A", shared=tokens).start()
+    a = worker(tmp_path / "a", pg_url, "A", tokens).start()
     try:
-        b = Worker(tmp_path / "b", store_url=pg_url, name="B", shared=tokens).start()
+        b = worker(tmp_path / "b", pg_url, "B", tokens).start()
         try:
             yield a, b
         finally:
