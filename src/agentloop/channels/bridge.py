@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from contextlib import aclosing, suppress
 from types import TracebackType
-from typing import Any, ClassVar, Generic, Self, TypeVar, cast
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from agentloop.channels.media import (
     FETCH_TRIES,
@@ -454,7 +454,7 @@ class ChatBridge(Generic[K]):
                 after = self.state.seqs.get(pid)
                 if after is None:  # (the state file was lost: what is logged was dealt with)
                     after = await self.kernel.store.last_event_seq(pid)
-                stream = cast("AsyncGenerator[Signal, None]", proc.signals(after_seq=after, follow=True))
+                stream = proc.signals(after_seq=after, follow=True)
                 async with aclosing(stream) as signals:
                     async for signal in signals:
                         async with self._lock(pid):

@@ -20,11 +20,11 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol, TextIO, TypeVar, cast, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TextIO, TypeVar, runtime_checkable
 
 from rich.console import Console
 from rich.status import Status
@@ -54,7 +54,6 @@ from agentloop.process import signals as sig
 from agentloop.process.api import RunActive
 from agentloop.process.compaction import CompactionError
 from agentloop.process.media import MediaError
-from agentloop.process.signals import Signal
 
 HELP = (
     "/new starts a new conversation · /chat answers without tools, /agent with them · "
@@ -1012,7 +1011,7 @@ class DurableSession:
             for row in await proc.pending_approvals():  # asked before this client was watching
                 if row.run_id == run_id or row.pid != proc.pid:  # (or a subagent's, put to this person)
                     await self._answer(Question.from_row(row), view, ask, answered)
-            stream = cast("AsyncGenerator[Signal, None]", proc.signals(after_seq=self.seq, follow=True))
+            stream = proc.signals(after_seq=self.seq, follow=True)
             async with aclosing(stream) as signals:
                 async for signal in signals:
                     if early is not None:

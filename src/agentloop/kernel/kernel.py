@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -322,7 +322,7 @@ class Process:
             return value
         return TypeAdapter(output_type).validate_python(value)
 
-    async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncIterator[Signal]:
+    async def signals(self, after_seq: int = 0, *, follow: bool = True) -> AsyncGenerator[Signal, None]:
         """The process's signals after ``after_seq``; with ``follow``, then live ones as they come.
         An ``after_seq`` past the log's end (a client that saw more than a database restored from
         an older backup holds) counts from the end: new signals take the numbers it already saw,

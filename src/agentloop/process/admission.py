@@ -6,7 +6,7 @@ makes a delivery idempotent. When a run ends, queued input becomes the next run 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.messages import Message, system
 from agentloop.process import signals as sig
@@ -17,6 +17,8 @@ from agentloop.process.tx import _Live, promoting
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
+
+T = TypeVar("T")
 
 
 async def after_clearing(engine: ProcessEngine, pid: str) -> None:
@@ -59,15 +61,21 @@ async def send(
     run under way (a run has one output): a ``steer`` waits as ``queue`` input for a run of its own."""
     if mode not in ("steer", "queue", "interrupt"):
         raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
-    while True:
-        try:
-            return await _send_once(engine, pid, message, mode=mode, run_id=run_id, output=output)
-        except _ClearingBegan:
-            continue  # (nothing was written: delivered again once the clearing is over)
+    return await _past_clearings(lambda: _send_once(engine, pid, message, mode=mode, run_id=run_id, output=output))
 
 
 class _ClearingBegan(Exception):
     """A reset or kill of the process began while a delivery was on its way to starting a run."""
+
+
+async def _past_clearings(attempt: Callable[[], Awaitable[T]]) -> T:
+    """``attempt()``, made again each time it met a reset, kill or compaction that began on its
+    way (``_ClearingBegan``: its transaction wrote nothing); the next try waits that one out."""
+    while True:
+        try:
+            return await attempt()
+        except _ClearingBegan:
+            continue
 
 
 def _check_not_clearing(engine: ProcessEngine, pid: str) -> None:
@@ -192,13 +200,9 @@ async def signal_event(
     delivery (and its claim, rolled back with it) is tried again once it is over. ``generation``
     (with ``claim``): the event belongs to that conversation of the process; if a reset ended it
     meanwhile, the claim is kept and nothing is delivered (None), decided inside the transaction."""
-    while True:
-        try:
-            return await _signal_once(
-                engine, pid, text, run_id=run_id, reason=reason, claim=claim, generation=generation
-            )
-        except _ClearingBegan:
-            continue
+    return await _past_clearings(
+        lambda: _signal_once(engine, pid, text, run_id=run_id, reason=reason, claim=claim, generation=generation)
+    )
 
 
 async def _signal_once(
@@ -361,11 +365,7 @@ async def withdraw(
     names stay: stored once per process by content, they may be another message's too, and a
     reset or kill deletes them with the process's folder."""
     check_withdrawal(item_id, kind)
-    while True:
-        try:
-            return await _withdraw_once(engine, pid, item_id, kind)
-        except _ClearingBegan:
-            continue  # (nothing was taken: what the clearing kept is looked for once it is over)
+    return await _past_clearings(lambda: _withdraw_once(engine, pid, item_id, kind))
 
 
 async def _withdraw_once(

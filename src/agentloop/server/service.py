@@ -13,7 +13,7 @@ import base64
 import binascii
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
@@ -815,7 +815,9 @@ class ProcessService:
         return [queue_item_json(i) for i in withdrawn]
 
 
-async def _without_gaps(kernel: Kernel, pid: str, signals: AsyncIterator[Signal], after: int) -> AsyncIterator[Signal]:
+async def _without_gaps(
+    kernel: Kernel, pid: str, signals: AsyncGenerator[Signal, None], after: int
+) -> AsyncIterator[Signal]:
     """``signals`` of a process on a shared store, with the logged ones another worker wrote in
     their place. The worker holding the process publishes the signals of its own steps; one that
     another worker logged for it (the queue change of a message sent there, an approval decided
@@ -824,7 +826,7 @@ async def _without_gaps(kernel: Kernel, pid: str, signals: AsyncIterator[Signal]
     between, read from the log: seqs are given out under the process row's lock, so whatever
     is numbered below a committed signal is committed too. One already sent is not sent again."""
     last = after
-    async with contextlib.aclosing(signals):  # type: ignore[type-var]  # an async generator at runtime
+    async with contextlib.aclosing(signals):
         async for signal in signals:
             seq = signal.seq
             if seq is None:
