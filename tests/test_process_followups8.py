@@ -20,6 +20,7 @@ from agentloop.kernel import NoSuchProcess, delegate
 from agentloop.models.base import ModelRequest
 from agentloop.process import admission
 from agentloop.process import signals as sig
+from agentloop.process.tx import promoting
 from tests.process_support import (
     closed_gates,  # noqa: F401  (the autouse fixture: no gate left closed)
     gate,
@@ -86,6 +87,33 @@ async def test_wait_idle_does_not_return_while_an_abort_is_about_to_promote_queu
 
 
 # -- 4. a delegate's reply checks the caller's conversation inside its delivery ----------------------
+
+
+async def test_wait_idle_returns_when_a_promotion_in_a_long_lived_task_ends(tmp_path: Path) -> None:
+    """The leases' loop promotes what another worker queued, in its own task, which lives on:
+    ``wait_idle`` waited for that task to end, for ever (1 in 3 runs of the two-worker delivery
+    test hung), instead of for the promotion to end."""
+    async with kernel(tmp_path, ScriptedModel(gated), tools=[gate_tool]) as k:
+        proc = await k.spawn(owner="a")
+        live = await k.engine.live(proc.pid)
+        entered, done = asyncio.Event(), asyncio.Event()
+
+        async def long_lived() -> None:
+            with promoting(live):
+                entered.set()
+                await done.wait()
+            await asyncio.Event().wait()  # (goes on, as the leases' loop does)
+
+        looping = asyncio.create_task(long_lived())
+        try:
+            await soon(entered.wait())
+            waiter = asyncio.create_task(proc.wait_idle())
+            await asyncio.sleep(0.05)
+            assert not waiter.done()  # (a promotion under way: not idle yet)
+            done.set()
+            await soon(waiter)
+        finally:
+            looping.cancel()
 
 
 async def test_a_delegate_reply_racing_a_reset_of_its_caller_is_not_delivered_to_the_fresh_conversation(

@@ -1077,8 +1077,8 @@ class ProcessEngine:
                 await asyncio.sleep(0)  # a run starting in this very step: its flag is cleared as it returns
             elif live.driver is not None and not live.driver.done():
                 await asyncio.wait([live.driver])
-            elif starting := [t for t in live.promoting if t is not asyncio.current_task() and not t.done()]:
-                await asyncio.wait(starting)  # the queued input a run's end leaves may start a run now
+            elif any(t is not asyncio.current_task() for t in live.promoting):
+                await live.promoted.wait()  # the queued input a run's end leaves may start a run now
             elif live.queued and pid in self.clearing:
                 await admission.after_clearing(self, pid)  # queued input waits for a reset or compaction
             else:

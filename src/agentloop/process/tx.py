@@ -53,6 +53,9 @@ class _Live:
     # tasks that may start the next run from queued input now (an abort's end, a promotion, the end
     # of a reset or compaction): ``wait_idle`` waits for them (see ``promoting``)
     promoting: list[asyncio.Task[Any]] = field(default_factory=list)
+    # set (and replaced) each time one of them ends: the tasks themselves may live on (the leases'
+    # loop promotes what another worker queued), so ``wait_idle`` waits for this, not for them
+    promoted: asyncio.Event = field(default_factory=asyncio.Event)
     calls: bool = True  # the active run may have tool call rows (False only when known to have none)
     lost: bool = False  # dropped after a failed commit (the store lacks a step this cache holds)
     deadline: asyncio.TimerHandle | None = None  # wakes the driver to enforce the batch's nearest deadline
@@ -85,6 +88,8 @@ def promoting(live: _Live) -> Iterator[None]:
         yield
     finally:
         live.promoting.remove(task)
+        ended, live.promoted = live.promoted, asyncio.Event()
+        ended.set()
 
 
 class _Tx:
