@@ -998,6 +998,9 @@ class Kernel:
             raise ValueError("text must be a non-empty string")
         check_unicode(text, "text")
         _check_run_id(run_id)
+        if run_id is not None and run_id.endswith(admission.BOUND_SUFFIX):
+            # (a reset would take it for a delegate's reply to the conversation it ends, and drop it)
+            raise ValueError(f"run_id must not end with {admission.BOUND_SUFFIX!r}: delegate replies use such ids")
         return await self.engine.signal_event(pid, text, run_id=run_id)
 
     # -- schedules (see kernel/schedules.py) ------------------------------------------------------

@@ -734,6 +734,8 @@ class ProcessService:
                 return receipt_json(await self.kernel.signal(pid, text, run_id=run_id))
         except NoSuchProcess:
             raise _not_found(pid) from None
+        except ValueError as exc:  # a run id kept for the runtime's own events
+            raise ApiError(400, "invalid_request", str(exc)) from None
 
     async def schedule(
         self,
