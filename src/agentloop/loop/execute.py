@@ -194,22 +194,17 @@ async def _execute(
             emit(ToolExecutionUpdate(tool_call_id=call.id, tool_name=call.name, partial_result=partial))
 
         ctx.update = update
-    deadline: asyncio.Timeout | None = None
     try:
         if timeout is None or not tool.interruptible:  # an inline sync tool cannot be interrupted anyway
             result = await tool.run(p.info.args, ctx)
         else:
-            async with asyncio.timeout(timeout) as deadline:
-                result = await tool.run(p.info.args, ctx)
+            result = await _within(timeout, tool.run(p.info.args, ctx), call)
     except ToolError as exc:
         result = ToolResult.error(str(exc))
+    except _TimedOut:  # (a tool's own TimeoutError, a socket's, is its failure: reported below)
+        result = ToolResult.error(f"Tool {call.name} timed out after {timeout:g} s")
     except Exception as exc:
-        # a TimeoutError is ours only if our deadline fired: a tool's own (a socket's, a
-        # ``wait_for`` inside it) is its failure, reported like any other exception
-        if timeout is not None and deadline is not None and deadline.expired():
-            result = ToolResult.error(f"Tool {call.name} timed out after {timeout:g} s")
-        else:
-            result = _raised(call, exc)
+        result = _raised(call, exc)
     except asyncio.CancelledError as exc:
         task = asyncio.current_task()
         if task is None or task.cancelling():  # an abort (or the caller's cancel): stop now
@@ -222,6 +217,56 @@ async def _execute(
         except Exception as exc:
             result = ToolResult.error(f"after-tool-call hook failed: {exc}")
     return result.capped(tool.max_result_chars).to_message(call.id, call.name)
+
+
+# how long a tool whose timeout fired is given to end once cancelled; one that is still running
+# then (it caught the cancellation and went on) is left behind, so that it cannot hold its run
+TIMEOUT_GRACE = 2.0
+_abandoned: set[asyncio.Task[Any]] = set()  # (the loop keeps only weak references to tasks)
+
+
+class _TimedOut(Exception):
+    """A call's timeout fired (not a ``TimeoutError`` of the tool's own)."""
+
+
+async def _within(seconds: float, work: Coroutine[Any, Any, ToolResult], call: ToolCall) -> ToolResult:
+    """``work``'s result if it ends within ``seconds``. Past that it is cancelled, and
+    given ``TIMEOUT_GRACE`` seconds to end: a result it gives then (a tool that caught the
+    cancellation to report what it had) is kept, and an end by cancellation or error is
+    ``_TimedOut``. One still running is left behind (``_TimedOut`` too, its late result dropped):
+    a tool that swallows the cancellation and carries on has no say in when its run goes on.
+
+    The tool runs in a task of its own for that, so that it can be left behind. Cancelling the
+    caller (an abort) cancels it and waits for its end, as when it ran inline: the abort's own
+    grace (the engine's) decides how long."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((task,), timeout=seconds)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait((task,), timeout=TIMEOUT_GRACE)
+    except asyncio.CancelledError:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+        raise
+    if not task.done():
+        log.warning(
+            "tool %s (%s) ignored its timeout's cancellation: left running, its result dropped", call.name, call.id
+        )
+        _abandoned.add(task)
+        task.add_done_callback(_forget)
+    elif not task.cancelled() and task.exception() is None:
+        return task.result()
+    raise _TimedOut
+
+
+def _forget(task: asyncio.Task[Any]) -> None:
+    """An abandoned tool ended at last: whatever it returned or raised is dropped, quietly."""
+    _abandoned.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("abandoned tool task %s ended with an error", task.get_name(), exc_info=task.exception())
 
 
 def _raised(call: ToolCall, exc: BaseException) -> ToolResult:
