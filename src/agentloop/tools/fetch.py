@@ -572,6 +572,10 @@ def decode(data: bytes, content_type: str, html: bool) -> str:
         charset = meta.group(1).decode("ascii")
     if data.startswith(codecs.BOM_UTF8):
         charset = "utf-8-sig"
+    elif data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        # (as browsers decode: the mark wins over the header) UTF-16 holds NUL bytes for every
+        # ASCII character; read as UTF-8 it would be NULs and nonsense, and taken for binary
+        charset = "utf-16"
     try:
         return data.decode(charset or "utf-8", errors="replace")
     except (LookupError, UnicodeError):
@@ -601,6 +605,19 @@ def _cut(text: str, max_chars: int) -> tuple[str, str | None]:
     return text[:max_chars], note
 
 
+def _text(data: bytes, content_type: str, html: bool, url: str) -> str | None:
+    """A body typed as text (or HTML), decoded and, for HTML, made readable; None when it is not
+    text after all: it holds a NUL character. A server's type is a claim (a misconfigured one
+    serves archives and images as ``text/plain``), and NULs are no text a model can use, nor
+    one some providers accept. The check is on the decoded text, not the bytes: UTF-16 text has
+    NUL bytes in every ASCII character but no NUL character. (In a worker thread: a page of
+    megabytes takes a while to decode and parse.)"""
+    decoded = decode(data, content_type, html)
+    if "\x00" in decoded:
+        return None
+    return html_to_text(decoded, url) if html else decoded
+
+
 async def _render(
     data: bytes, content_type: str, truncated: bool, url: str, max_chars: int, max_bytes: int
 ) -> tuple[str, list[ResultBlock]]:
@@ -611,13 +628,14 @@ async def _render(
     if kind == "image":
         blocks, note = _image(data, mime, truncated)
         return note, blocks
+    more = " or more (download stopped at max_bytes)" if truncated else ""
     if kind == "binary":
-        more = " or more (download stopped at max_bytes)" if truncated else ""
         return f"[binary body: {mime or 'no type given'}, {len(data)} bytes{more}; not shown]", []
-    if kind == "html":
-        text = await asyncio.to_thread(lambda: html_to_text(decode(data, content_type, True), url))
-    else:
-        text = decode(data, content_type, False)
+    text = await asyncio.to_thread(_text, data, content_type, kind == "html", url)
+    if text is None:
+        typed = mime and mime != "application/octet-stream"  # (else judged text by its first 4 KB)
+        why = "declared as text, but it holds NUL bytes" if typed else "it holds NUL bytes"
+        return f"[binary body: {mime or 'no type given'}, {len(data)} bytes{more}; not shown: {why}]", []
     shown, cut = _cut(text, max_chars)
     return (shown or "(empty body)") + (f"\n{cut}" if cut else "") + stopped, []
 

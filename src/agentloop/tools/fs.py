@@ -17,6 +17,8 @@ import os
 import secrets
 import stat
 import threading
+from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -52,6 +54,13 @@ MAX_IMAGE_BYTES = 10 * 1024 * 1024
 # in the server's memory; a larger one (a log, a data dump, a sparse file) is for Shell's tools
 MAX_EDIT_BYTES = 32 * 1024 * 1024
 _BINARY_PROBE = 8192
+# Line checkpoints (``_LineMarks``): at least this many bytes apart in one file (half a counting
+# chunk, so each chunk's end makes one), at most this many kept of one file, and of this many
+# files (the least recently read forgotten first). A file of more than ``_MARKS_PER_FILE`` times
+# ``_MARK_BYTES`` is marked more sparsely, never less than whole.
+_MARK_BYTES = _CHUNK // 2
+_MARKS_PER_FILE = 4096
+_MARKED_FILES = 8
 
 _IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".gif", ".webp"})
 
@@ -124,41 +133,186 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
                 else ""
             )
             raise ToolError(f"{path} is a binary file{hint}; it cannot be read as text (try Shell with file or xxd)")
-        f.seek(0)
-        return _read_text(f, rel, offset, limit)
+        return _read_text(f, str(real), rel, offset, limit)
 
 
-def _lines(f: BinaryIO) -> Iterator[tuple[bytes, int]]:
-    """The file's lines, split at "\\n" only (as Search, Edit and ``cat -n`` count them; a lone
-    "\\r" is not a line break), each cut to what a result can show, with its whole length: a
-    line of gigabytes (a minified bundle) is never held whole."""
+# A version of one file: device and inode (another file put at the path), size, modification
+# and change times (a rewrite in place; ctime moves with every write and cannot be set back)
+FileStamp = tuple[int, int, int, int, int]
+
+
+def _file_stamp(fd: int) -> FileStamp:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class _Marks:
+    """The checkpoints of one version of one file: ``lines[i]`` starts at byte ``positions[i]``."""
+
+    __slots__ = ("gap", "lines", "positions", "stamp")
+
+    def __init__(self, stamp: FileStamp, lines: list[int], positions: list[int], gap: int) -> None:
+        self.stamp = stamp
+        self.lines = lines
+        self.positions = positions
+        self.gap = gap  # the least bytes between two of them
+
+
+class _LineMarks:
+    """Where lines start, remembered from earlier Reads: a page at line ``offset`` is read from
+    the last checkpoint at or before it instead of from the first byte, so paging through a log
+    of gigabytes costs each page its own bytes, not all the bytes before it (quadratic).
+
+    Bounded: ``files`` files (least recently used dropped), ``per_file`` checkpoints each (when a
+    file has more, every other one goes and the spacing doubles, so the whole file stays marked).
+    A checkpoint is good for one version of a file only: each is kept with the file's stamp
+    (``_file_stamp``) and dropped when the file read has another. Reads run in worker threads,
+    several at once: every use holds the lock, and a Read gathers its new checkpoints apart and
+    adds them once, at its end."""
+
+    def __init__(self, files: int = _MARKED_FILES, per_file: int = _MARKS_PER_FILE) -> None:
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, _Marks] = OrderedDict()
+        self._max_files = files
+        self._per_file = per_file
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._files.clear()
+
+    def _current(self, key: str, stamp: FileStamp) -> _Marks | None:
+        marks = self._files.get(key)
+        if marks is not None and marks.stamp != stamp:  # the file changed: its checkpoints are wrong
+            del self._files[key]
+            return None
+        return marks
+
+    def nearest(self, key: str, stamp: FileStamp, line: int) -> tuple[int, int]:
+        """(line number, byte position) of the last checkpoint at or before ``line`` of this
+        version of the file; (1, 0), its start, when there is none."""
+        with self._lock:
+            marks = self._current(key, stamp)
+            if marks is None:
+                return 1, 0
+            self._files.move_to_end(key)
+            i = bisect_right(marks.lines, line) - 1
+            return (marks.lines[i], marks.positions[i]) if i >= 0 else (1, 0)
+
+    def marks_of(self, key: str) -> list[tuple[int, int]]:
+        with self._lock:
+            marks = self._files.get(key)
+            return [] if marks is None else list(zip(marks.lines, marks.positions, strict=True))
+
+    def add(self, key: str, stamp: FileStamp, found: list[tuple[int, int]]) -> None:
+        """Adds ``found`` (line number, byte position of its start) to this version's checkpoints."""
+        if not found:
+            return
+        with self._lock:
+            marks = self._current(key, stamp)
+            merged = sorted({*found, *(() if marks is None else zip(marks.lines, marks.positions, strict=True))})
+            gap = _MARK_BYTES if marks is None else marks.gap
+            while len(kept := self._thinned(merged, gap)) > self._per_file:
+                gap *= 2
+            self._files[key] = _Marks(stamp, [line for line, _ in kept], [pos for _, pos in kept], gap)
+            self._files.move_to_end(key)
+            while len(self._files) > self._max_files:
+                self._files.popitem(last=False)
+
+    @staticmethod
+    def _thinned(marks: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+        kept: list[tuple[int, int]] = []
+        for line, pos in marks:
+            if not kept or pos - kept[-1][1] >= gap:
+                kept.append((line, pos))
+        return kept
+
+
+_LINE_MARKS = _LineMarks()
+
+
+class _Marker:
+    """Gathers one Read's checkpoints: the start of the first line found at least
+    ``_MARK_BYTES`` past the last one."""
+
+    def __init__(self, position: int) -> None:
+        self.found: list[tuple[int, int]] = []
+        self._next = position + _MARK_BYTES
+
+    def line_at(self, line: int, position: int) -> None:
+        if position >= self._next:
+            self.found.append((line, position))
+            self._next = position + _MARK_BYTES
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes, int, int]]:
+    """The file's lines, split at "\n" only (as Search, Edit and ``cat -n`` count them; a lone
+    "\r" is not a line break), each cut to what a result can show, with its whole length (its
+    line break left out) and the bytes it took (with it): a line of gigabytes (a minified
+    bundle) is never held whole."""
     while raw := f.readline(_LINE_BYTES):
         last, size = raw, len(raw)
         while not last.endswith(b"\n") and (more := f.readline(_CHUNK)):  # (the rest only measured)
             last, size = more, size + len(more)
         ending = 2 if last.endswith(b"\r\n") else 1 if last.endswith(b"\n") else 0
-        yield raw, size - ending
+        yield raw, size - ending, size
 
 
-def _read_text(f: BinaryIO, rel: str, offset: int, limit: int) -> ToolResult:
+def _read_text(f: BinaryIO, key: str, rel: str, offset: int, limit: int) -> ToolResult:
+    """Up to ``limit`` lines from line ``offset``, read from the nearest checkpoint before it
+    (``_LineMarks``), and the lines after them counted.
+
+    A page stops before the first line that holds a NUL byte. The file's first 8 KB held none
+    (``_read_sync`` refuses it as binary otherwise), so this is text with something else later:
+    a log a crash padded with zeros, a script with an archive appended. NULs are not text a
+    model can use (and some providers refuse them), and hiding them, or swapping each for a
+    mark, would show a page of binary as if it were text. So the text before is answered as
+    usual, with a note that names the line and the offset to read on after it; a page that
+    starts on such a line is refused like a binary file, with the same way on."""
+    stamp = _file_stamp(f.fileno())
+    first, position = _LINE_MARKS.nearest(key, stamp, offset)
+    f.seek(position)
+    marker = _Marker(position)
     lines: list[str] = []
-    total = 0
-    for total, (raw, size) in enumerate(_lines(f), start=1):
+    binary_line: int | None = None
+    total = first - 1
+    for total, (raw, size, took) in enumerate(_lines(f), start=first):
+        marker.line_at(total, position)
+        position += took
         if offset <= total:
             text = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
             if len(text) > MAX_LINE_CHARS or size > len(raw.rstrip(b"\r\n")):
                 text = text[:MAX_LINE_CHARS] + f"… [line truncated, {size} bytes]"
+            if "\x00" in text:
+                if not lines:
+                    raise ToolError(
+                        f"line {total} of {rel} holds NUL bytes: binary content that cannot be read as text;"
+                        f" use offset={total + 1} to read on past it, or Shell (xxd) to see it"
+                    )
+                binary_line = total
+                break
             lines.append(f"{total:>6}\t{text}")
             if len(lines) == limit:
                 break
-    rest, counted = _count_lines(f)
+    rest, counted = _count_lines(f, total, position, marker)
     total += rest
-    details = {"path": rel, "offset": offset, "lines": len(lines), "total_lines": total}
+    if _file_stamp(f.fileno()) == stamp:  # (not changed while it was read)
+        _LINE_MARKS.add(key, stamp, marker.found)
+    details: dict[str, object] = {"path": rel, "offset": offset, "lines": len(lines), "total_lines": total}
     if total == 0:
         return ToolResult.text(f"({rel} is empty)", details=details)
     if offset > total:
         raise ToolError(f"offset {offset} is past the end of {rel}, which has {total} lines")
     out = "\n".join(lines)
+    if binary_line is not None:
+        details["binary_line"] = binary_line
+        out += (
+            f"\n… line {binary_line} holds NUL bytes: binary content, not shown;"
+            f" use offset={binary_line + 1} to read on past it"
+        )
+        return ToolResult.text(out, details=details)
     remaining = total - (offset + len(lines) - 1)
     if not counted:
         size = os.fstat(f.fileno()).st_size
@@ -172,13 +326,18 @@ def _read_text(f: BinaryIO, rel: str, offset: int, limit: int) -> ToolResult:
     return ToolResult.text(out, details=details)
 
 
-def _count_lines(f: BinaryIO) -> tuple[int, bool]:
-    """The lines from ``f``'s position to its end (a last one without a line break counts), read
-    in chunks of ``_CHUNK``, and whether that is all of them: counting stops after
-    ``COUNT_BYTES``, the count then a lower bound."""
+def _count_lines(f: BinaryIO, line: int, position: int, marker: _Marker) -> tuple[int, bool]:
+    """The lines from ``f``'s position (``position``, the start of line ``line + 1``) to its end
+    (a last one without a line break counts), read in chunks of ``_CHUNK``, and whether that is
+    all of them: counting stops after ``COUNT_BYTES``, the count then a lower bound. The line
+    after each chunk's last break is a checkpoint for ``marker``, which costs a search per chunk,
+    not per line."""
     count, read, last = 0, 0, b"\n"
     while chunk := f.read(_CHUNK):
-        count += chunk.count(b"\n")
+        breaks = chunk.count(b"\n")
+        if breaks:
+            marker.line_at(line + count + breaks + 1, position + read + chunk.rindex(b"\n") + 1)
+        count += breaks
         read += len(chunk)
         last = chunk[-1:]
         if read >= COUNT_BYTES and f.read(1):

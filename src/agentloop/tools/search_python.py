@@ -19,6 +19,7 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 SKIP_DIRS = frozenset({".git"})
 MAX_TEXT_CHARS = 500
@@ -141,35 +142,52 @@ class _GlobFilter:
 # ------------------------------------------------------------------ the pure-Python engine
 
 
-def _read_regular(real: Path) -> bytes | None:
-    """The content of ``real`` if it is, as opened, a regular file and not a symlink; None
+_CHUNK = 1 << 20  # bytes read at a time where a file is only checked for NUL bytes
+
+
+def _open_regular(real: Path) -> BinaryIO | None:
+    """``real`` open for reading if it is, as opened, a regular file and not a symlink; None
     otherwise. The walk saw a regular file there, but another process may have swapped in a
     symlink to outside the workspace (which must not be followed) or a FIFO (which would block)."""
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return f.read()
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
 
 
 def _search_file(real: Path, rel: str, regex: re.Pattern[str], hits: list[Hit], cap: int) -> None:
-    data = _read_regular(real)
-    if data is None:
+    """``real``'s matching lines, read a line at a time: a log of gigabytes is never held whole,
+    only its longest line (which the regex must see whole, as ripgrep's does).
+
+    A file with a NUL byte anywhere is binary and gives no hits (see ``search.py``), so its hits
+    wait in a list of their own until its end: a NUL found after them drops them all. Once that
+    list is full (``cap`` reached) the rest is only checked for a NUL, in large chunks."""
+    f = _open_regular(real)
+    if f is None:
         return
-    if b"\x00" in data:
-        return
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for number, raw in enumerate(lines, start=1):
-        line = raw.decode("utf-8", errors="replace")
-        if regex.search(line):
-            hits.append(Hit(rel, number, clean_line(line)))
-            if len(hits) >= cap:
+    room = cap - len(hits)
+    found: list[Hit] = []
+    with f:
+        for number, raw in enumerate(f, start=1):  # (lines split at b"\n", as bytes.split did)
+            if b"\x00" in raw:
                 return
+            line = raw.removesuffix(b"\n").decode("utf-8", errors="replace")
+            if regex.search(line):
+                found.append(Hit(rel, number, clean_line(line)))
+                if len(found) >= room:
+                    break
+        else:
+            hits.extend(found)
+            return
+        while chunk := f.read(_CHUNK):  # (only after a break: at the end, a read still takes _CHUNK bytes)
+            if b"\x00" in chunk:
+                return
+    hits.extend(found)
 
 
 def python_search(
