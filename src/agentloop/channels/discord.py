@@ -40,9 +40,12 @@ slash command, each is acknowledged as it arrives, outside the intake queue: a s
 an unknown button is refused at once with a note only the presser sees, an approval answer gets a
 deferred update (type 6) at once and is decided in its turn, in order; then the pressed message is
 edited (``PATCH …/messages/@original``): its buttons go, the outcome is added. A press on a
-request no longer pending when it arrives is told so at once, in a note only the presser sees.
-Should the deferral fail, the press is answered as before, by updating the message in the response
-(type 7); should the edit fail, the outcome is told in the channel), and ``proc.run.finished`` sends the
+request no longer pending when it arrives is told so at once, in a note only the presser sees; one
+answered while the press waited its turn, in a followup note only they see (``POST
+/webhooks/<application>/<token>``, the token kept out of every log line). Should the deferral fail,
+the press is answered as before, by updating the message in the response (type 7); should the edit
+(or that update) fail, the outcome is told in the channel. A command or a press whose handling is
+given up after ``TRIES`` is told so, instead of "thinking…" for 15 minutes), and ``proc.run.finished`` sends the
 answer, in parts of at most 2000 characters, with ``allowed_mentions`` empty so that nothing the
 model writes pings anyone (``@everyone``).
 
@@ -162,6 +165,11 @@ _BUTTONS = (("Approve", "a", 3), ("Deny", "d", 4), ("Always", "r", 2))  # label,
 _VOICE_MESSAGE = 1 << 13  # message flag: a voice message (its one attachment is the recording)
 _TEXT_TYPES = frozenset({0, 19})  # a message, a reply: the rest (joins, pins, calls …) say nothing to the bot
 _SENSITIVE_FRAME = re.compile(r'"op":\s*[26][,}]')  # Identify and Resume carry the token
+# an interaction's token in a dispatch (INTERACTION_CREATE): its value, up to its closing quote (or
+# past the "..." where websockets elides a long frame's middle, to the next quote)
+_TOKEN_VALUE = re.compile(r'("token"\s*:\s*")[^"]*')
+# what follows the "..." of an elided frame up to a quote: it may be the end of a token whose key was elided
+_ELIDED_TAIL = re.compile(r'(?<=\.\.\.)[^"\s]+(?=")')
 _RUN = re.compile(r"[A-Za-z0-9_-]{6,}")
 # where attachments are (the CDN, and its media proxy): nothing is fetched from anywhere else
 ATTACHMENT_URLS = ("https://cdn.discordapp.com/", "https://media.discordapp.net/")
@@ -182,6 +190,7 @@ COMMANDS: tuple[dict[str, Any], ...] = tuple(
     )
 )
 REFUSAL = "Sorry, this bot is private. (Your Discord user id is {}.)"
+GIVEN_UP = "Sorry, that could not be done just now; please try again."
 CONTEXT = (
     "The user talks with you through Discord, which shows your answers with its Markdown "
     "(bold, italics, lists, code blocks; no tables or headings deeper than ###)."
@@ -333,7 +342,10 @@ def _mask_token(text: str, token: str) -> str:
 
 class _GatewayLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """The logger websockets is given: its lines (the frames, at DEBUG) with the token masked, and
-    the Identify and Resume frames, which carry it, not shown at all."""
+    the Identify and Resume frames, which carry it, not shown at all. An interaction's token (in an
+    ``INTERACTION_CREATE``: whoever holds it may answer, edit and post as the bot in that channel
+    for 15 minutes) is masked too: a frame's middle is elided only up to ``WEBSOCKETS_MAX_LOG_SIZE``
+    characters, which an operator raises to see whole frames."""
 
     def __init__(self, logger: logging.Logger, token: str) -> None:
         super().__init__(logger, {})
@@ -348,6 +360,9 @@ class _GatewayLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             text = f"{msg} {args}"
         if _SENSITIVE_FRAME.search(text):
             text = f"{text[:2]}(an Identify or Resume payload, not shown)"
+        text = _TOKEN_VALUE.sub(lambda m: m.group(1) + MASK, text)
+        if "..." in text:
+            text = _ELIDED_TAIL.sub(MASK, text)
         self.logger.log(level, "%s", _mask_token(text, self._token), **kwargs)
 
 
@@ -884,6 +899,8 @@ class DiscordBridge(ChatBridge[int]):
                 )
                 if tried == TRIES:
                     log.error("%s failed: %s; skipped after %d tries", what, reason, tried)
+                    if kind in (COMMAND, PRESS):
+                        await self._given_up(kind, data)
                     return
                 log.error("%s failed (%s): trying again in %.1f s", what, reason, delay)
             await asyncio.sleep(delay)
@@ -1069,7 +1086,7 @@ class DiscordBridge(ChatBridge[int]):
         if outcome == NOT_PENDING or channel is None:
             if not acked:
                 await self._reply(interaction_id, token, outcome)
-            else:  # (answered while it waited its turn: its message shows how)
+            elif not await self._follow_up(interaction, outcome):  # (answered while it waited its turn)
                 log.info("a press by Discord user %s on request %s came after it was answered", user_id, request_id)
             return
         presser = _field(interaction.get("member"), "user") or interaction.get("user")
@@ -1079,10 +1096,13 @@ class DiscordBridge(ChatBridge[int]):
         if len(text) + len(suffix) > MAX_MESSAGE:
             text = text[: max(MAX_MESSAGE - len(suffix) - 1, 0)] + "…"
         content = (text + suffix)[:MAX_MESSAGE]
+        shown = False
         if not acked:  # (the deferral was not taken: the response updates the message, as it did)
             update = {"content": content, "components": [], "allowed_mentions": NO_MENTIONS}
-            await self._respond(interaction_id, token, {"type": 7, "data": update})  # UPDATE_MESSAGE
-        elif not await self._edit_response(interaction, content, components=[]):
+            shown = await self._respond(interaction_id, token, {"type": 7, "data": update})  # UPDATE_MESSAGE
+        # (an update refused too: the deferral may have been taken though its answer was lost, else
+        # the token is void, a press replayed after a resume: the outcome is told in the channel)
+        if not shown and not await self._edit_response(interaction, content, components=[]):
             await self._send(channel, suffix.strip())  # (the message keeps its buttons: the outcome is told)
         if outcome == OUTCOMES[key] and key != "d":
             await self._typing(channel)  # the run goes on
@@ -1134,6 +1154,32 @@ class DiscordBridge(ChatBridge[int]):
             log.info("%s", exc)
             return False
         return True
+
+    async def _follow_up(self, interaction: dict[str, Any], text: str) -> bool:
+        """Whether a note only the user sees was added to the interaction (a followup message,
+        ``POST /webhooks/<application>/<token>``: its response was given already). The token is
+        the address's path secret, as in a callback's: it reaches no log and no message."""
+        application = self._application(interaction)
+        data = {"content": text, "flags": EPHEMERAL, "allowed_mentions": NO_MENTIONS}
+        try:
+            path = f"/webhooks/{application}/{MASK}"
+            await self.api.request("POST", path, json=data, attempts=3, path_secret=str(interaction["token"]))
+        except DiscordError as exc:
+            log.info("%s", exc)
+            return False
+        return True
+
+    async def _given_up(self, kind: str, data: dict[str, Any]) -> None:
+        """Tell the user of a slash command or a press whose handling was given up: its deferred
+        response would otherwise say "thinking…" until Discord drops it, 15 minutes on (a press:
+        nothing at all)."""
+        ack = data.get("ack")
+        if not isinstance(ack, asyncio.Task) or await self._taken(ack) is not True:
+            return  # (not deferred: nothing waits for an answer)
+        if kind == COMMAND:
+            await self._edit_response(data["interaction"], GIVEN_UP)
+        else:
+            await self._follow_up(data["interaction"], GIVEN_UP)
 
     async def _say(self, chat: int, text: str) -> None:
         """A notice in answer to the user: to the slash command being handled, when it is for its

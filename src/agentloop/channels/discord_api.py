@@ -116,7 +116,12 @@ class _PathSecretTransport(httpx.AsyncBaseTransport):
         secret = request.extensions.get(_PATH_SECRET)
         if not isinstance(secret, str):
             return await self._inner.handle_async_request(request)
-        path = request.url.raw_path.replace(_MASKED, f"/{secret}/".encode(), 1)
+        path, mark, query = request.url.raw_path.partition(b"?")
+        if path.endswith(_MASKED[:-1]):  # (the secret ends the path: a followup's address)
+            path = path[: -len(MASK)] + secret.encode()
+        else:
+            path = path.replace(_MASKED, f"/{secret}/".encode(), 1)
+        path += mark + query
         real = httpx.Request(
             request.method,
             request.url.copy_with(raw_path=path),
@@ -213,6 +218,8 @@ class DiscordApi:
             )
         except httpx.HTTPError as exc:  # connection refused, reset, timed out …
             reason = self.redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            if path_secret:  # (an error that quotes the address the transport made)
+                reason = reason.replace(path_secret, MASK)
             raise DiscordError(what, f"network error ({reason})", transient=True) from None
         status = response.status_code
         try:

@@ -81,13 +81,14 @@ from agentloop.channels.media import (
 )
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
-from agentloop.kernel import Kernel
+from agentloop.kernel import Kernel, NoSuchProcess
 from agentloop.process.archive import check_name
 
 log = logging.getLogger("agentloop.channels.telegram")
 
 CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>[:<thread id>]" of its chat (topic)
 TRIES = 5  # times an update whose handling fails is taken before it is skipped
+GENERAL_TOPIC = 1  # the thread id of a forum's General topic, which a send must not name
 ALBUM_WAIT = 0.5  # seconds a poll that ends inside an album waits for the album's other files
 # what a message may hold that the kernel does not take ("animation" before "document": a GIF is
 # sent as an MP4 animation, with a "document" beside it)
@@ -187,12 +188,14 @@ def chat_id_of(chat: Chat) -> int:
 def conversation(message: object) -> Chat | None:
     """The conversation ``message`` belongs to: its topic when it was written in one (Telegram
     marks it ``is_topic_message``; a reply elsewhere also carries a ``message_thread_id``, which is
-    no topic), else its chat. None for a message that names no chat."""
+    no topic), else its chat. None for a message that names no chat. The General topic (thread
+    ``GENERAL_TOPIC``) is the chat's, should a message in it come marked: a send naming that thread
+    is refused ("message thread not found"); one naming none goes there."""
     chat_id = _int(_field(_field(message, "chat"), "id"))
     if chat_id is None:
         return None
     thread = _int(_field(message, "message_thread_id"))
-    if _field(message, "is_topic_message") is True and thread is not None:
+    if _field(message, "is_topic_message") is True and thread is not None and thread != GENERAL_TOPIC:
         return Topic(chat_id, thread)
     return chat_id
 
@@ -641,6 +644,8 @@ class TelegramBridge(ChatBridge[Chat]):
         key, request_id = button
         message = query.get("message")
         chat = conversation(message)  # (the approval's topic: the process that asked)
+        if chat is not None and not isinstance(chat, Topic):
+            chat = await self._asking(chat, request_id)
         outcome = await self._decide(chat, key, request_id)
         decided = outcome == OUTCOMES[key]
         await self._answer(query_id, outcome)
@@ -648,6 +653,24 @@ class TelegramBridge(ChatBridge[Chat]):
             await self._settle(chat_id_of(chat), message, outcome, _field(query.get("from"), "first_name"))
         if decided and key != "d" and chat is not None:
             await self._typing(chat)  # the run goes on
+
+    async def _asking(self, chat_id: int, request_id: str) -> Chat:
+        """The conversation of the chat ``chat_id`` (the chat itself, or one of its topics) whose
+        process waits for ``request_id``; the chat when none does. A press names its message's
+        topic, except on a message Telegram no longer shows the bot (one too old: an
+        ``InaccessibleMessage``, with its chat and id only), while an approval may wait for days."""
+        topics: list[Chat] = [c for c in self._chats if isinstance(c, Topic) and c.chat == chat_id]
+        for chat in [chat_id, *topics] if topics else []:
+            pid = self._chats.get(chat)
+            if pid is None:
+                continue
+            try:
+                pending = await (await self.kernel.process(pid)).pending_approvals()
+            except NoSuchProcess:
+                continue
+            if any(row.request_id == request_id for row in pending):
+                return chat
+        return chat_id
 
     async def _settle(self, chat_id: int, message: Any, outcome: str, who: object) -> None:
         """The approval message, its buttons taken away and what became of it added."""
