@@ -132,6 +132,8 @@ class Browser(_Connection):
         self.dialogs: list[str] = []
         self.accept_dialogs = False  # confirm() answers: no unless a test says yes
         self.console: list[str] = []
+        self.holding: str | None = None  # the method of the requests whose responses ``hold`` keeps
+        self.held: list[str] = []  # their request ids, until ``release``
         self.call("Page.enable")
         self.call("Runtime.enable")
         self.call("Log.enable")  # CSP violations and failed loads are reported here
@@ -160,6 +162,13 @@ class Browser(_Connection):
             self.console.append(f"{entry.get('source')}/{entry.get('level')}: {entry.get('text')}")
         elif method == "Runtime.exceptionThrown":
             self.console.append(f"exception: {params['exceptionDetails']}")
+        elif method == "Fetch.requestPaused":  # (see ``hold``)
+            if params["request"]["method"] == self.holding:
+                self.held.append(params["requestId"])
+            else:  # not one to hold: on its way at once, the reply coming back as an unmatched id
+                self._next += 1
+                resume = {"requestId": params["requestId"]}
+                self.ws.send(json.dumps({"id": self._next, "method": "Fetch.continueRequest", "params": resume}))
 
     def eval(self, expression: str) -> Any:
         """The value of ``expression`` in the page (promises awaited)."""
@@ -187,6 +196,23 @@ class Browser(_Connection):
         self.eval("window.__before_reload = true")
         self.call("Page.reload", ignoreCache=True)
         self.wait("document.readyState === 'complete' && window.__before_reload === undefined")
+
+    def hold(self, method: str, url_pattern: str) -> None:
+        """Keep the responses to ``method`` requests whose URL matches ``url_pattern`` (a glob) from
+        the page until ``release``: the server has answered, the page has not seen it yet, as when a
+        loaded machine delivers a response late. Requests of other methods pass at once."""
+        self.holding = method
+        self.call("Fetch.enable", patterns=[{"urlPattern": url_pattern, "requestStage": "Response"}])
+
+    def release(self) -> int:
+        """Let the held responses reach the page, and stop holding; how many there were."""
+        released = 0
+        for request_id in self.held:
+            self.call("Fetch.continueRequest", requestId=request_id)
+            released += 1
+        self.held, self.holding = [], None
+        self.call("Fetch.disable")
+        return released
 
     def type_into(self, element_id: str, text: str) -> None:
         """Focus the element and type ``text`` as keyboard input (Input.insertText)."""

@@ -319,3 +319,37 @@ def test_a_quiet_heartbeat_stays_out_of_sight_and_one_with_news_shows(
     assert [row for row in browser.eval(visible) if row[2]] == [["heartbeat:2", False, True]]
     shown = browser.eval("document.getElementById('transcript').innerText")
     assert "HEARTBEAT_OK" not in shown and "The build broke." in shown
+
+
+ANSWER = "An answer, streamed in small pieces."
+# Each text shown in a streaming answer bubble before its run's block shows a user message.
+EARLY = """window.__early = [];
+new MutationObserver((records) => { for (const r of records) for (const n of r.addedNodes)
+    if (n.nodeType === 3 && r.target.classList && r.target.classList.contains('live')
+        && !r.target.closest('section.run').querySelector('.msg.user')) __early.push(n.data);
+}).observe(document.getElementById('transcript'), {childList: true, subtree: true});"""
+
+
+@pytest.mark.parametrize("replies", [[ANSWER]])
+def test_a_message_shows_before_its_answer_when_its_receipt_comes_late(
+    served: tuple[str, str, Path], browser: Browser
+) -> None:
+    """The stream and the POST that sent a message are two connections, in no order: on a loaded
+    machine the answer can stream in, and its run end, before the page has the POST's receipt.
+    The message is shown from the history as its run starts, ahead of any of the run's output,
+    and the late receipt adds no second copy of it."""
+    url, token, _ = served
+    sign_in_and_open_a_process(browser, url, token)
+    browser.eval(EARLY)
+    browser.hold("POST", "*/v1/processes/*/messages")
+    send(browser, "are you there?")
+    browser.wait("document.querySelector('#transcript .footer[data-status=ok]')")
+    assert len(browser.held) == 1  # the run is over, and the page has not had the receipt yet
+    assert browser.eval("window.__early") == []
+    expected = [["user", "are you there?"], ["assistant", ANSWER], OK]
+    assert browser.eval(TRANSCRIPT) == expected
+
+    assert browser.release() == 1
+    browser.wait("document.getElementById('status').textContent === 'sent (steer)'")
+    assert browser.eval(TRANSCRIPT) == expected
+    assert browser.eval("document.querySelectorAll('#transcript .msg.user.pending').length") == 0

@@ -8,6 +8,9 @@
 //   (follow=false) to restore run outcomes and tool results, then follows live from its last seq;
 // - text deltas are live-only (never replayed); the streamed bubble is replaced by the persisted
 //   message, which the full text of proc.run.output is matched against, so it is never doubled.
+// - a run's first input is committed with its proc.run.started: the history is read then, and the
+//   stream's later frames wait for it, so a run's output never shows before the message it answers
+//   (the POST that sent it, and its pending bubble, may be answered after the whole run).
 // - a reconnect after signals the log no longer holds (pruned while the page was away) gets
 //   proc.log.pruned first: the history and the process's state are read again instead.
 // - a closed view (the user opened another process) may still have requests in flight: whatever
@@ -134,7 +137,8 @@ export class ProcessView {
         if (item.seq <= this.lastSeq) continue; // seen already: never shown twice
         this.lastSeq = item.seq;
       }
-      this.apply(item.signal, item.payload || {});
+      const shown = this.apply(item.signal, item.payload || {});
+      if (shown) await shown; // the frames after it wait (see proc.run.started)
     }
   }
 
@@ -460,7 +464,8 @@ export class ProcessView {
     if (pending) pending.remove();
   }
 
-  /** One signal. During the backlog, runs whose messages are gone (reset, compacted) are skipped. */
+  /** One signal. During the backlog, runs whose messages are gone (reset, compacted) are skipped.
+   * A promise when the stream's next frames must wait for what it started (a history read). */
   apply(signal, p) {
     const current = this.process && p.runId === this.process.run_id;
     const run = p.runId === undefined ? null : this.run(p.runId, this.live || current);
@@ -532,6 +537,12 @@ export class ProcessView {
         if (this.live) {
           this.refreshProcess().catch(() => {});
           this.refreshQueue(); // it may have taken the next waiting item
+          // The input that started the run is in the history already (committed with this signal),
+          // and nothing else says so until the run's answer is: read it now, and hold the stream's
+          // next frames until it is shown, so that the run's output never shows before the message
+          // it answers (the sender's pending bubble waits for the POST's receipt, which may come
+          // after the whole run on a loaded machine; another client's message has none).
+          return this.loadHistory();
         }
         break;
       case "proc.run.finished":
