@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +131,27 @@ async def test_an_abort_still_cancels_the_tool_and_waits_for_it() -> None:
     assert cleaned == ["cleaned"]
     (cancelled,) = [m for m in result.messages if isinstance(m, ToolResultMessage)]
     assert cancelled.text == execute.CANCELLED
+
+
+async def test_a_tool_under_a_timeout_may_abort_its_own_run_and_finish() -> None:
+    """A tool runs in a task of its own under its timeout: a tool that aborts its own run must
+    still be spared (it finishes what it is doing), as when it ran in the run's task; the task
+    waiting for it is spared with it (in a durable process too: test_process_review's
+    ``test_a_tool_may_interrupt_or_reset_its_own_process``)."""
+    holder: dict[str, Any] = {}
+    finished: list[str] = []
+
+    @tool(timeout=30)
+    async def stop_now() -> str:
+        """Stop the run, then tidy up."""
+        holder["run"].abort()
+        await asyncio.sleep(0.01)  # (an await after the abort: a cancel would land here)
+        finished.append("tidied")
+        return "stopping"
+
+    model = ScriptedModel([Reply(tool_calls=[call("stop_now")]), "must not be called"])
+    run = Agent(model=model, tools=[stop_now]).start("go")
+    holder["run"] = run
+    result = await run.result()
+    assert result.stop_reason == "aborted" and model.calls == 1
+    assert finished == ["tidied"]

@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, cast
 from typing_extensions import TypeVar
 
 from agentloop.events import AgentEnd, LoopEvent
+from agentloop.loop.execute import own_tasks
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
 from agentloop.loop.output import DEFAULT_RETRIES, OUTPUT_MISSING, OutputSpec, check_retries
@@ -170,7 +171,7 @@ class Run(Generic[OutputT]):
             return
         self.state.aborted = True
         task = self._task
-        if task is not None and task is not asyncio.current_task() and not task.done():
+        if task is not None and task not in own_tasks() and not task.done():  # (not a tool's own run)
             task.cancel()
 
     @property

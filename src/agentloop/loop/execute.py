@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Coroutine
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +226,18 @@ TIMEOUT_GRACE = 2.0
 _abandoned: set[asyncio.Task[Any]] = set()  # (the loop keeps only weak references to tasks)
 
 
+# the tasks waiting for the tool that runs in the current one (``_within``), outermost first: what
+# a tool that stops its own run (an interrupt, a reset) spares along with itself (``own_tasks``)
+_WAITING: ContextVar[tuple[asyncio.Task[Any], ...]] = ContextVar("agentloop_tool_waiters", default=())
+
+
+def own_tasks() -> frozenset[asyncio.Task[Any]]:
+    """The current task and, when it runs a tool under a timeout, the tasks waiting for that tool
+    (each call's, a nested call's): cancelling one of those would cancel the tool itself."""
+    me = asyncio.current_task()
+    return frozenset(_WAITING.get() if me is None else (me, *_WAITING.get()))
+
+
 class _TimedOut(Exception):
     """A call's timeout fired (not a ``TimeoutError`` of the tool's own)."""
 
@@ -239,7 +252,12 @@ async def _within(seconds: float, work: Coroutine[Any, Any, ToolResult], call: T
     The tool runs in a task of its own for that, so that it can be left behind. Cancelling the
     caller (an abort) cancels it and waits for its end, as when it ran inline: the abort's own
     grace (the engine's) decides how long."""
-    task = asyncio.ensure_future(work)
+    me = asyncio.current_task()
+    waiting = _WAITING.set((*_WAITING.get(), me) if me is not None else _WAITING.get())
+    try:
+        task = asyncio.ensure_future(work)  # (it copies the context: the tool sees who waits for it)
+    finally:
+        _WAITING.reset(waiting)
     try:
         await asyncio.wait((task,), timeout=seconds)
         if task.done():

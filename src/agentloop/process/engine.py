@@ -37,7 +37,7 @@ from contextlib import ExitStack, asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
-from agentloop.loop.execute import CANCELLED
+from agentloop.loop.execute import CANCELLED, own_tasks
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.output import DEFAULT_RETRIES, SchemaOutput
 from agentloop.loop.state import LoopConfig, Mode, check_mode
@@ -949,14 +949,14 @@ class ProcessEngine:
         begun, the abort completes even if its caller is cancelled meanwhile (stopped halfway, the
         run would be left with nothing driving it). The caller itself (a tool that interrupts or
         resets its own process) is spared: it finishes what it is doing, as before."""
-        caller = asyncio.current_task()
-        task = asyncio.get_running_loop().create_task(self._abort(pid, run_id, reason, caller), name=f"abort {pid}")
+        callers = own_tasks()  # (the tool's task, and the one waiting for it under its timeout)
+        task = asyncio.get_running_loop().create_task(self._abort(pid, run_id, reason, callers), name=f"abort {pid}")
         self._aborting.add(task)
         task.add_done_callback(self._aborting.discard)
         task.add_done_callback(_aborted_alone)
         return await asyncio.shield(task)
 
-    async def _abort(self, pid: str, run_id: str | None, reason: str, caller: asyncio.Task[Any] | None) -> bool:
+    async def _abort(self, pid: str, run_id: str | None, reason: str, callers: frozenset[asyncio.Task[Any]]) -> bool:
         if self.leases is not None and not await self.leases.hold(pid):
             return await self.leases.forward_abort(pid, run_id, reason)
         live = await self.live(pid)
@@ -966,7 +966,7 @@ class ProcessEngine:
         with promoting(live):  # (from the run's end to its successor's start, for ``wait_idle``)
             live.stopping += 1  # nothing new may start for the run while it is being stopped (an approval)
             try:
-                stopped = await self._stop(live, run["run_id"], reason, caller)
+                stopped = await self._stop(live, run["run_id"], reason, callers)
             finally:
                 live.stopping -= 1
             if stopped:
@@ -987,12 +987,12 @@ class ProcessEngine:
         except Exception:
             log.exception("process %s: stopping what run %s started failed", pid, run_id)
 
-    async def _stop(self, live: _Live, active: str, reason: str, caller: asyncio.Task[Any] | None) -> bool:
-        """Cancel the run's model call and tools (but the ``caller``), then end it with a terminal
+    async def _stop(self, live: _Live, active: str, reason: str, callers: frozenset[asyncio.Task[Any]]) -> bool:
+        """Cancel the run's model call and tools (but the ``callers``), then end it with a terminal
         result for every open call."""
         pid = live.record.pid
         partial = live.partial
-        spared = {caller, asyncio.current_task()}
+        spared = {*callers, asyncio.current_task()}
         stopping = [
             t for t in [live.driver, *live.tools.values()] if t is not None and not t.done() and t not in spared
         ]
@@ -1051,9 +1051,9 @@ class ProcessEngine:
         """Forget a process's cache and stop everything working for it (but the calling task)."""
         del self._live[live.record.pid]
         disarm(live)
-        me = asyncio.current_task()
+        mine = own_tasks()
         for task in [*live.tools.values(), live.driver]:
-            if task is not None and not task.done() and task is not me:
+            if task is not None and not task.done() and task not in mine:
                 task.cancel()
 
     async def wait_idle(self, pid: str) -> None:
