@@ -46,13 +46,14 @@ from agentloop.messages import (
 from agentloop.models.base import (
     NOTICE_PREFIX,
     STREAM_CUT,
+    ApiKey,
     AssistantBuilder,
+    KeySource,
     Model,
     ModelInfo,
     ModelRequest,
     ProviderError,
     check_event_stream,
-    endpoint,
     http_error,
     make_usage,
     quote_body,
@@ -109,13 +110,18 @@ class AnthropicModel(Model):
     long conversation pays full price for its prefix once. Other ``options`` (``top_k``,
     ``metadata``, ...) go into every request body; ``timeout`` and ``default_headers`` configure
     the client.
+
+    ``api_key`` is a key, or a function (plain or async) asked for the key before every call:
+    see ``KeySource``. The client is copied with the new key (sharing its connection pool) only
+    when the key changes, and a call refused with 401 asks once more and is retried once with a
+    different key.
     """
 
     def __init__(
         self,
         model_id: str,
         *,
-        api_key: str | None = None,
+        api_key: ApiKey = None,
         base_url: str | None = None,
         client: AsyncAnthropic | None = None,
         info: ModelInfo | None = None,
@@ -125,27 +131,57 @@ class AnthropicModel(Model):
     ) -> None:
         self.model_id = model_id
         self.info = info or model_info("anthropic", model_id)
-        self._api_key, self.base_url = endpoint(
-            api_key, base_url, key_env="ANTHROPIC_API_KEY", url_env="ANTHROPIC_BASE_URL", placeholder=PLACEHOLDER_KEY
+        self._keys, self.base_url = KeySource.of(
+            api_key,
+            base_url,
+            key_env="ANTHROPIC_API_KEY",
+            url_env="ANTHROPIC_BASE_URL",
+            placeholder=PLACEHOLDER_KEY,
+            what="Anthropic",
         )
+        self._api_key = self._keys.fixed
         self.thinking_budget = thinking_budget
         self.prompt_cache = prompt_cache
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
         self.options = options
         self._client = client
+        self._keyed: tuple[str, AsyncAnthropic] | None = None  # a key provider's latest key, and its client
 
     @property
     def client(self) -> AsyncAnthropic:
-        """Built on first use, so that an agent can be configured before a key exists."""
+        """Built on first use, so that an agent can be configured before a key exists. With a
+        key provider it is the base the calls' clients copy (its own key is a placeholder)."""
         if self._client is None:
-            if self._api_key is None:
+            if self._api_key is None and not self._keys.dynamic:
                 raise ProviderError(
                     "no Anthropic API key (set ANTHROPIC_API_KEY, or ANTHROPIC_BASE_URL for a proxy)", kind="auth"
                 )
-            self._client = AsyncAnthropic(
-                api_key=self._api_key, base_url=self.base_url, max_retries=0, **self._client_options
-            )
+            key = PLACEHOLDER_KEY if self._keys.dynamic else self._api_key
+            self._client = AsyncAnthropic(api_key=key, base_url=self.base_url, max_retries=0, **self._client_options)
         return self._client
+
+    def _client_with(self, key: str | None) -> AsyncAnthropic:
+        """The client of a call made with ``key``: the client itself for a fixed key, else a copy
+        with the key (kept while the key is unchanged; a copy shares the connection pool)."""
+        if key is None or not self._keys.dynamic:
+            return self.client
+        if self._keyed is None or self._keyed[0] != key:
+            self._keyed = (key, self.client.with_options(api_key=key))
+        return self._keyed[1]
+
+    async def _open(self, params: dict[str, Any]) -> tuple[AsyncAnthropic, anthropic.AsyncStream[Any]]:
+        """Send the request with the key valid now, and the client that sent it. A 401 with a key
+        provider asks it once more (the token may have expired on the way) and retries once."""
+        key = await self._keys.get()
+        client = self._client_with(key)
+        try:
+            return client, await _send(client, params)
+        except anthropic.AuthenticationError:
+            fresh = await self._keys.refreshed(key)
+            if fresh is None:
+                raise
+        client = self._client_with(fresh)
+        return client, await _send(client, params)
 
     # ------------------------------------------------------------------ request
 
@@ -184,14 +220,13 @@ class AnthropicModel(Model):
     # ------------------------------------------------------------------ response
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
-        create = cast(Any, self.client.messages.create)  # overloads cannot see `stream` in a dict
-        response: anthropic.AsyncStream[Any] = await create(**sdk_kwargs(create, self.build_params(request)))
+        client, response = await self._open(self.build_params(request))
         reader = _EventReader(self.info, out)
         async with response:  # from here on: closed also when the caller stops reading at the start
             await check_event_stream(response.response)
             yield out.start()
             try:
-                async for event in IdleLimit(response, idle_seconds(self.client.timeout), _progress):
+                async for event in IdleLimit(response, idle_seconds(client.timeout), _progress):
                     for ev in reader.read(event):
                         yield ev
                     if reader.stop is not None:
@@ -227,7 +262,14 @@ class AnthropicModel(Model):
         return super().classify(exc)
 
     def secrets(self) -> tuple[str, ...]:
-        return (self._api_key,) if self._api_key else ()
+        return self._keys.secrets()
+
+
+async def _send(client: AsyncAnthropic, params: dict[str, Any]) -> anthropic.AsyncStream[Any]:
+    """One streaming Messages request through ``client``."""
+    create = cast(Any, client.messages.create)  # overloads cannot see `stream` in a dict
+    response: anthropic.AsyncStream[Any] = await create(**sdk_kwargs(create, params))
+    return response
 
 
 def _classify_status(exc: anthropic.APIStatusError) -> ProviderError:

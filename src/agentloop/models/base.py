@@ -9,11 +9,12 @@ the provider becomes a terminal ``error`` event instead of an exception in the l
 from __future__ import annotations
 
 import html
+import inspect
 import json
 import os
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, get_args
 
@@ -166,6 +167,84 @@ def endpoint(
     if key is None and url is not None:
         key = placeholder
     return key, url
+
+
+#: What an adapter asks for its API key before each call: a function, plain or async, that returns
+#: the key valid now (an OAuth token that expires hourly, a key a vault rotates, an Azure AD token).
+KeyProvider: TypeAlias = Callable[[], str | Awaitable[str]]
+#: An adapter's ``api_key``: a fixed key, a ``KeyProvider``, or None (the environment's key).
+ApiKey: TypeAlias = str | KeyProvider | None
+
+_KEYS_MASKED = 4  # of a provider's keys, how many of the latest each error message masks
+
+
+class KeySource:
+    """An adapter's API key: a fixed one, or the answer of a ``KeyProvider`` asked before every
+    call, so a long-running server follows a credential that changes under it (a fixed key held
+    for the adapter's lifetime failed every call once the token expired, until a restart).
+
+    A provider that raises (or answers no key) is an ``auth`` error of that call, never a
+    traceback; one that raises a ``ProviderError`` chooses its own kind (``connection``, say, for
+    a vault that is down for a moment: the loop retries it). A synchronous provider runs in the
+    event loop: one that does I/O should be async."""
+
+    def __init__(self, fixed: str | None, provider: KeyProvider | None, what: str) -> None:
+        self.fixed = fixed
+        self.provider = provider
+        self.what = what
+        self._seen: list[str] = []  # the provider's latest keys, for masking
+
+    @classmethod
+    def of(
+        cls, api_key: ApiKey, base_url: str | None, *, key_env: str, url_env: str, placeholder: str, what: str
+    ) -> tuple[KeySource, str | None]:
+        """The key source and base URL of an adapter from its ``api_key`` and ``base_url``
+        arguments (see ``endpoint``); a provider replaces the environment's key."""
+        if callable(api_key):
+            _, url = endpoint(None, base_url, key_env=key_env, url_env=url_env, placeholder=placeholder)
+            return cls(None, api_key, what), url
+        key, url = endpoint(api_key, base_url, key_env=key_env, url_env=url_env, placeholder=placeholder)
+        return cls(key, None, what), url
+
+    @property
+    def dynamic(self) -> bool:
+        return self.provider is not None
+
+    async def get(self) -> str | None:
+        """The key for the call about to be made: the fixed one, or the provider's answer now."""
+        if self.provider is None:
+            return self.fixed
+        try:
+            value = self.provider()
+            if inspect.isawaitable(value):
+                value = await value
+        except ProviderError:
+            raise
+        except Exception as exc:  # the run gets an error result, not the provider's traceback
+            raise ProviderError(
+                mask(f"the {self.what} API key provider failed: {type(exc).__name__}: {exc}", self.secrets()),
+                kind="auth",
+            ) from exc
+        if not isinstance(value, str) or not value.strip():
+            got = "an empty string" if isinstance(value, str) else type(value).__name__
+            raise ProviderError(f"the {self.what} API key provider returned no key (got {got})", kind="auth")
+        key = value.strip()  # (a header cannot hold the newline a key read from a file ends in)
+        if key not in self._seen:
+            self._seen = [*self._seen[-(_KEYS_MASKED - 1) :], key]
+        return key
+
+    async def refreshed(self, refused: str | None) -> str | None:
+        """After the provider refused ``refused`` (HTTP 401, a token that expired between asking
+        and sending): the key provider's key when it gives another one, for one more try; None
+        when there is no provider or it gives the same key (a retry would only be refused too)."""
+        if self.provider is None:
+            return None
+        key = await self.get()
+        return key if key != refused else None
+
+    def secrets(self) -> tuple[str, ...]:
+        """The keys an error message must not show: the fixed one, or the provider's latest."""
+        return (self.fixed,) if self.fixed else tuple(self._seen)
 
 
 class ProviderError(Exception):

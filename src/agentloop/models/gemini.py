@@ -26,7 +26,8 @@ import asyncio
 import json
 import os
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -50,14 +51,15 @@ from agentloop.messages import (
 from agentloop.models.base import (
     NOTICE_PREFIX,
     STREAM_CUT,
+    ApiKey,
     AssistantBuilder,
+    KeySource,
     Model,
     ModelInfo,
     ModelRequest,
     ProviderError,
     ToolSpec,
     check_event_stream,
-    endpoint,
     file_text,
     http_error,
     make_usage,
@@ -113,13 +115,17 @@ class GeminiModel(Model):
     OpenAPI-subset ``parameters``, which gets a sanitised copy. Other ``options`` are merged into
     ``generationConfig`` (``topP``, ``topK``, ``stopSequences``, ...); ``timeout`` configures the
     HTTP client.
+
+    ``api_key`` is a key, or a function (plain or async) asked for the key before every call
+    (see ``KeySource``); a call refused with 401 asks it once more and is retried once with a
+    different key.
     """
 
     def __init__(
         self,
         model_id: str,
         *,
-        api_key: str | None = None,
+        api_key: ApiKey = None,
         base_url: str | None = None,
         client: httpx.AsyncClient | None = None,
         info: ModelInfo | None = None,
@@ -131,11 +137,13 @@ class GeminiModel(Model):
     ) -> None:
         self.model_id = model_id.removeprefix("models/")
         self.info = info or model_info("gemini", self.model_id)
-        key = api_key or os.environ.get("GEMINI_API_KEY") or os.environ.get("GOOGLE_API_KEY") or None
+        if not callable(api_key):
+            api_key = api_key or os.environ.get("GEMINI_API_KEY") or os.environ.get("GOOGLE_API_KEY") or None
         # a proxy at a custom base URL may hold the key itself: no header then, not a fake key
-        self._api_key, url = endpoint(
-            key, base_url, key_env="GEMINI_API_KEY", url_env="GEMINI_BASE_URL", placeholder=""
+        self._keys, url = KeySource.of(
+            api_key, base_url, key_env="GEMINI_API_KEY", url_env="GEMINI_BASE_URL", placeholder="", what="Gemini"
         )
+        self._api_key = self._keys.fixed
         self.base_url = (url or DEFAULT_BASE_URL).rstrip("/")
         self.thinking_budget = thinking_budget
         self.include_thoughts = self.info.reasoning if include_thoughts is None else include_thoughts
@@ -165,15 +173,30 @@ class GeminiModel(Model):
             self._own_client = (loop, httpx.AsyncClient(timeout=self.timeout))
         return self._own_client[1]
 
-    def _headers(self) -> dict[str, str]:
-        if self._api_key is None:
+    def _headers(self, key: str | None) -> dict[str, str]:
+        if key is None:
             raise ProviderError(
                 "no Gemini API key (set GEMINI_API_KEY or GOOGLE_API_KEY, or GEMINI_BASE_URL for a proxy)", kind="auth"
             )
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
-        if self._api_key:
-            headers["x-goog-api-key"] = self._api_key
+        if key:
+            headers["x-goog-api-key"] = key
         return headers
+
+    @asynccontextmanager
+    async def _response(self, client: httpx.AsyncClient, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """The streaming response to ``body``, sent with the key valid now. A 401 with a key
+        provider asks it once more (the token may have expired on the way) and sends once more."""
+        key = await self._keys.get()
+        fresh: str | None = None
+        async with client.stream("POST", self.url, json=body, headers=self._headers(key)) as response:
+            if response.status_code == 401:
+                fresh = await self._keys.refreshed(key)
+            if fresh is None:
+                yield response
+                return
+        async with client.stream("POST", self.url, json=body, headers=self._headers(fresh)) as response:
+            yield response
 
     # ------------------------------------------------------------------ request
 
@@ -222,9 +245,8 @@ class GeminiModel(Model):
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
         body = self.build_body(request)
-        headers = self._headers()
         client = self._http()
-        async with client.stream("POST", self.url, json=body, headers=headers) as response:
+        async with self._response(client, body) as response:
             if response.status_code >= 400:
                 raw = await response.aread()
                 raise classify_status(response.status_code, raw, response.headers)
@@ -272,7 +294,7 @@ class GeminiModel(Model):
         return super().classify(exc)
 
     def secrets(self) -> tuple[str, ...]:
-        return (self._api_key,) if self._api_key else ()
+        return self._keys.secrets()
 
 
 # ------------------------------------------------------------------ errors

@@ -37,14 +37,15 @@ from agentloop.messages import (
 )
 from agentloop.models.base import (
     STREAM_CUT,
+    ApiKey,
     AssistantBuilder,
+    KeySource,
     Model,
     ModelInfo,
     ModelRequest,
     ProviderError,
     Reasoning,
     check_event_stream,
-    endpoint,
     error_parts,
     file_text,
     http_error,
@@ -87,13 +88,18 @@ class OpenAIChatModel(Model):
     ``options`` are ``timeout``, ``default_headers``, ``organization`` and ``project`` for the
     client; anything else (``top_p``, ``reasoning_effort``, ``seed``, ...) goes into every
     request body as is.
+
+    ``api_key`` is a key, or a function (plain or async) asked for the key before every call:
+    see ``KeySource``. The client is rebuilt (sharing its connection pool) only when the key
+    it returns changes, and a call refused with 401 asks it once more and is retried once
+    with a different key.
     """
 
     def __init__(
         self,
         model_id: str,
         *,
-        api_key: str | None = None,
+        api_key: ApiKey = None,
         base_url: str | None = None,
         client: AsyncOpenAI | None = None,
         info: ModelInfo | None = None,
@@ -101,25 +107,55 @@ class OpenAIChatModel(Model):
     ) -> None:
         self.model_id = model_id
         self.info = info or model_info("openai", model_id)
-        self._api_key, self.base_url = endpoint(
-            api_key, base_url, key_env="OPENAI_API_KEY", url_env="OPENAI_BASE_URL", placeholder=PLACEHOLDER_KEY
+        self._keys, self.base_url = KeySource.of(
+            api_key,
+            base_url,
+            key_env="OPENAI_API_KEY",
+            url_env="OPENAI_BASE_URL",
+            placeholder=PLACEHOLDER_KEY,
+            what="OpenAI",
         )
+        self._api_key = self._keys.fixed
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
         self.options = options
         self._client = client
+        self._keyed: tuple[str, AsyncOpenAI] | None = None  # a key provider's latest key, and its client
 
     @property
     def client(self) -> AsyncOpenAI:
-        """Built on first use, so that an agent can be configured before a key exists."""
+        """Built on first use, so that an agent can be configured before a key exists. With a
+        key provider it is the base the calls' clients copy (its own key is a placeholder)."""
         if self._client is None:
-            if self._api_key is None:
+            if self._api_key is None and not self._keys.dynamic:
                 raise ProviderError(
                     "no OpenAI API key (set OPENAI_API_KEY, or OPENAI_BASE_URL for a local server)", kind="auth"
                 )
-            self._client = AsyncOpenAI(
-                api_key=self._api_key, base_url=self.base_url, max_retries=0, **self._client_options
-            )
+            key = PLACEHOLDER_KEY if self._keys.dynamic else self._api_key
+            self._client = AsyncOpenAI(api_key=key, base_url=self.base_url, max_retries=0, **self._client_options)
         return self._client
+
+    def _client_with(self, key: str | None) -> AsyncOpenAI:
+        """The client of a call made with ``key``: the client itself for a fixed key, else a copy
+        with the key (kept while the key is unchanged; a copy shares the connection pool)."""
+        if key is None or not self._keys.dynamic:
+            return self.client
+        if self._keyed is None or self._keyed[0] != key:
+            self._keyed = (key, self.client.with_options(api_key=key))
+        return self._keyed[1]
+
+    async def _open(self, params: dict[str, Any]) -> tuple[AsyncOpenAI, openai.AsyncStream[Any]]:
+        """Send the request with the key valid now, and the client that sent it. A 401 with a key
+        provider asks it once more (the token may have expired on the way) and retries once."""
+        key = await self._keys.get()
+        client = self._client_with(key)
+        try:
+            return client, await _send(client, params)
+        except openai.AuthenticationError:
+            fresh = await self._keys.refreshed(key)
+            if fresh is None:
+                raise
+        client = self._client_with(fresh)
+        return client, await _send(client, params)
 
     # ------------------------------------------------------------------ request
 
@@ -159,9 +195,7 @@ class OpenAIChatModel(Model):
     # ------------------------------------------------------------------ response
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
-        params = self.build_params(request)
-        create = cast(Any, self.client.chat.completions.create)  # overloads cannot see `stream` in a dict
-        response: openai.AsyncStream[Any] = await create(**sdk_kwargs(create, params))
+        client, response = await self._open(self.build_params(request))
         finish: str | None = None
         usage: Usage | None = None
         calls = _DeltaReader(out)
@@ -169,7 +203,7 @@ class OpenAIChatModel(Model):
             await check_event_stream(response.response)
             yield out.start()
             try:
-                async for chunk in IdleLimit(response, idle_seconds(self.client.timeout)):
+                async for chunk in IdleLimit(response, idle_seconds(client.timeout)):
                     _raise_error_chunk(chunk)
                     if getattr(chunk, "usage", None) is not None:
                         usage = self._usage(chunk.usage)
@@ -221,7 +255,14 @@ class OpenAIChatModel(Model):
         return super().classify(exc)
 
     def secrets(self) -> tuple[str, ...]:
-        return (self._api_key,) if self._api_key else ()
+        return self._keys.secrets()
+
+
+async def _send(client: AsyncOpenAI, params: dict[str, Any]) -> openai.AsyncStream[Any]:
+    """One streaming Chat Completions request through ``client``."""
+    create = cast(Any, client.chat.completions.create)  # overloads cannot see `stream` in a dict
+    response: openai.AsyncStream[Any] = await create(**sdk_kwargs(create, params))
+    return response
 
 
 def stream_error(body: object) -> ProviderError:
