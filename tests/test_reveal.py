@@ -131,8 +131,13 @@ async def test_a_tool_revealed_in_a_durable_process_can_be_called_the_next_turn(
             return Reply(tool_calls=[call("request_tools", names=["weather"])])
         return Reply(tool_calls=[call("weather", city="Oslo")]) if len(done) == 1 else "finished"
 
-    async with Kernel.open(f"sqlite:///{tmp_path}/a.db", model=ScriptedModel(brain), workspace=tmp_path, tools=[]) as k:
-        ToolReveal(hidden=[weather]).install(k.engine.config)
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/a.db",
+        model=ScriptedModel(brain),
+        workspace=tmp_path,
+        tools=[],
+        pieces=[ToolReveal(hidden=[weather])],
+    ) as k:
         proc = await k.spawn(owner="me")
         await proc.send("weather in Oslo?")
         await asyncio.wait_for(proc.wait_idle(), 10)

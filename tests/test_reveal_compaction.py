@@ -63,8 +63,8 @@ async def _open(path: Path, brain: Brain) -> AsyncIterator[Kernel]:
         workspace=path,
         tools=[dump],
         clear_tool_outputs=False,  # (the summary is the tier under test)
+        pieces=[ToolReveal(hidden=[weather, stock])],
     ) as kernel:
-        ToolReveal(hidden=[weather, stock]).install(kernel.engine.config)
         yield kernel
 
 

@@ -30,7 +30,7 @@ from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
 from agentloop.loop.output import DEFAULT_RETRIES, OUTPUT_MISSING, OutputSpec, check_retries
 from agentloop.loop.runner import finish_event, run_loop
-from agentloop.loop.state import LoopConfig, Mode, RunState, ToolExecution, check_mode
+from agentloop.loop.state import LoopConfig, Mode, QueueMode, RunState, ToolExecution, check_mode, check_queue_mode
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -299,6 +299,14 @@ class Agent:
     whichever provider it is (None: the model's own setting). ``output_type`` is the default of
     each run's ``output_type`` (see ``run``); ``output_retries`` is how many times a run that
     needs an output tells a model that answered in words to call ``final_result`` instead.
+
+    ``pieces`` are composable behaviours (``ToolReveal``, ``StopAfterTools`` …) installed as
+    ``use`` would: given here they reach a config nobody else builds, as ``Kernel.open``'s
+    (which passes its ``agent_options`` to this constructor). ``steering_mode`` and
+    ``follow_up_mode`` (``"one-at-a-time"``, the default, or ``"all"``; see ``loop.state.QueueMode``)
+    say whether a model call takes one queued message or all of them. They are the in-memory
+    runner's: a durable process always takes every waiting steer item into its next model call
+    (as ``"all"``), and each queued follow-up starts a run of its own, so they do not apply there.
     """
 
     def __init__(
@@ -321,6 +329,9 @@ class Agent:
         reasoning: Reasoning | None = None,
         output_type: Any = None,
         output_retries: int = DEFAULT_RETRIES,
+        pieces: Iterable[Piece] = (),
+        steering_mode: QueueMode = "one-at-a-time",
+        follow_up_mode: QueueMode = "one-at-a-time",
     ) -> None:
         if tool_execution not in ("parallel", "sequential"):
             raise ValueError(f"tool_execution must be 'parallel' or 'sequential', got {tool_execution!r}")
@@ -349,7 +360,10 @@ class Agent:
             max_tokens=max_tokens,
             temperature=temperature,
             reasoning=check_reasoning(reasoning),
+            steering_mode=check_queue_mode("steering_mode", steering_mode),
+            follow_up_mode=check_queue_mode("follow_up_mode", follow_up_mode),
         )
+        self.use(*pieces)
         self.output_retries = check_retries(output_retries)
         # made now: a type pydantic cannot handle is the constructor's TypeError, not each run's
         self._output = None if output_type is None else OutputSpec[Any](output_type, retries=output_retries)

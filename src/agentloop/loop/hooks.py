@@ -8,7 +8,8 @@ result the previous one returned.
 Turn phases (``hooks.on(phase)``) run before every model call, in this order:
 ``pre_policy`` (may ``Block`` the turn), ``pre_prompt_context`` (returns extra context text),
 ``pre_tool_materialization`` (returns the tool list to show), ``pre_prompt_compile`` (returns the
-system prompt to send); and ``post_turn`` after each turn. ``pre_compaction`` runs before a
+system prompt to send); and ``post_turn`` after each turn (returning ``Stop`` ends the run gently,
+as ``Run.stop`` does: pi's ``shouldStopAfterTurn``). ``pre_compaction`` runs before a
 durable process summarises older history (a last chance to save something from it; returning
 ``Block`` skips this compaction, returning a ``dict`` keeps that data on the summary message's
 ``details``, for code that reads the history, as ``ToolReveal`` does, to find it there). A hook
@@ -80,6 +81,17 @@ class Block:
     reason: str = "Tool execution was blocked"
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Returned by a ``post_turn`` hook to end the run gently after this turn: as ``Run.stop``
+    (and a durable process's ``stop``) do, what the turn started is kept, the model answers once
+    more without tools, and the run ends with stop reason ``stopped``; a turn that ended with the
+    model's answer and no waiting input simply ends the run. ``reason`` is logged. It is a value
+    of its own, not ``Block``: a block refuses something, this asks for an orderly end."""
+
+    reason: str = "a post_turn hook asked to stop"
+
+
 BeforeToolCall: TypeAlias = Callable[[ToolCallInfo], "Block | Awaitable[Block | None] | None"]
 AfterToolCall: TypeAlias = Callable[[ToolCallInfo, ToolResult], "ToolResult | Awaitable[ToolResult | None] | None"]
 TransformContext: TypeAlias = Callable[[list[Message]], "list[Message] | Awaitable[list[Message]]"]
@@ -121,9 +133,11 @@ class Hooks:
 
         return register
 
-    async def run_phase(self, phase: Phase, info: TurnInfo) -> Block | None:
+    async def run_phase(self, phase: Phase, info: TurnInfo) -> Block | Stop | None:
         """Run one phase's hooks, applying what they return to ``info``; raises ``TurnFailed``.
-        Returns the ``Block`` a ``pre_compaction`` hook gave, if any."""
+        Returns the ``Block`` a ``pre_compaction`` hook gave, or the ``Stop`` a ``post_turn`` hook
+        gave (the other ``post_turn`` hooks still run: each sees every turn), if any."""
+        stop: Stop | None = None
         for fn in self.phases.get(phase, ()):
             try:
                 out = await _call(fn, info)
@@ -136,6 +150,10 @@ class Hooks:
                 raise TurnFailed(f"turn blocked by policy: {out.reason}")
             if isinstance(out, Block) and phase == "pre_compaction":
                 return out
+            if isinstance(out, Stop) and phase == "post_turn":
+                log.info("run %s: a post_turn hook asked to stop after turn %d: %s", info.run_id, info.turn, out.reason)
+                stop = stop or out
+                continue
             if out is None:
                 continue
             if phase == "pre_prompt_context" and isinstance(out, str):
@@ -146,7 +164,7 @@ class Hooks:
                 info.system_prompt = out
             elif phase == "pre_compaction" and isinstance(out, dict):
                 info.carry.update(out)
-        return None
+        return stop
 
     def before_tool_call(self, fn: T) -> T:
         self.before.append(fn)  # type: ignore[arg-type]

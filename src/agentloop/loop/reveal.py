@@ -11,15 +11,18 @@ results keeps the set on the summary message (``details``, from a ``pre_compacti
 the same reading finds it, in later runs and after a restart alike; what a run has shown is also
 remembered per run, because the history a turn-phase hook sees may not hold those results any more (a
 transform-context hook that trims it, a compaction that summarised them). An optional *preflight*
-asks a (cheap) model once per run which hidden tools the request will need; if it fails or
-answers nonsense, the run simply starts without extra tools.
+asks a (cheap) model once per run which hidden tools the request will need; if it fails, answers
+nonsense or takes longer than ``preflight_timeout``, the run simply starts without extra tools.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +44,20 @@ _PREFLIGHT_PROMPT = (
     "Choose none when none is clearly needed."
 )
 
+#: seconds a preflight may hold the turn by default, and at most (Pioneer's provider timeout and cap)
+DEFAULT_PREFLIGHT_TIMEOUT = 15.0
+MAX_PREFLIGHT_TIMEOUT = 60.0
+
+
+def check_preflight_timeout(value: object) -> float:
+    """``value`` as a preflight timeout in seconds, or ``ValueError``/``TypeError``. Bounded above
+    because the preflight holds the turn before its first model call: a person is waiting."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"preflight_timeout must be a number of seconds, got {type(value).__name__}")
+    if not (0 < value <= MAX_PREFLIGHT_TIMEOUT) or math.isnan(value):
+        raise ValueError(f"preflight_timeout must be above 0 and at most {MAX_PREFLIGHT_TIMEOUT:g} s, got {value}")
+    return float(value)
+
 
 def _summary(tool: Tool) -> str:
     first = tool.description.strip().splitlines()[0] if tool.description.strip() else ""
@@ -48,12 +65,25 @@ def _summary(tool: Tool) -> str:
 
 
 class ToolReveal:
-    """Hidden tools plus the ``request_tools`` tool that reveals them; see the module docstring."""
+    """Hidden tools plus the ``request_tools`` tool that reveals them; see the module docstring.
 
-    def __init__(self, hidden: Iterable[ToolLike], *, preflight: str | Model | None = None) -> None:
+    ``preflight_timeout`` (seconds, at most 60) bounds the whole preflight, its second try
+    included: a preflight model that hangs would otherwise hold the turn for ever. Past it the
+    run starts without extra tools, as after any other preflight failure; ``request_tools`` is
+    still there for the model to ask.
+    """
+
+    def __init__(
+        self,
+        hidden: Iterable[ToolLike],
+        *,
+        preflight: str | Model | None = None,
+        preflight_timeout: float = DEFAULT_PREFLIGHT_TIMEOUT,
+    ) -> None:
         self.hidden: dict[str, Tool] = {t.name: t for t in map(as_tool, hidden)}
         if not self.hidden:
             raise ValueError("ToolReveal needs at least one hidden tool")
+        self.preflight_timeout = check_preflight_timeout(preflight_timeout)
         self.preflight_model = resolve_model(preflight) if preflight is not None else None
         self.conversation_model: Model | None = None  # the second try of a failed preflight (set by install)
         self._preflight: OrderedDict[str, list[str]] = OrderedDict()  # run id -> names chosen up front
@@ -136,9 +166,18 @@ class ToolReveal:
         models = [self.preflight_model]
         if self.conversation_model is not None and self.conversation_model is not self.preflight_model:
             models.append(self.conversation_model)  # a cheap preflight model that is down: ask once more
+        deadline = time.monotonic() + self.preflight_timeout
         for model in models:
+            left = deadline - time.monotonic()
+            if left <= 0:  # the first try used the time up: no second try, no extra tools
+                log.warning("tool preflight: no time left to ask %s, starting without extra tools", model.name)
+                break
             try:
-                answer = await model.complete(request)
+                async with asyncio.timeout(left):
+                    answer = await model.complete(request)
+            except TimeoutError:  # a hung model: the turn goes on without waiting for it any longer
+                log.warning("tool preflight with %s took longer than %g s", model.name, self.preflight_timeout)
+                continue
             except Exception as exc:  # a preflight never fails the turn
                 log.warning("tool preflight with %s failed: %s", model.name, exc)
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
@@ -18,7 +19,16 @@ from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model
 from agentloop.loop.retries import REPEATED_FAILURE, count_failures
-from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide, unresolved_calls
+from agentloop.loop.state import (
+    CallModel,
+    Finish,
+    LoopConfig,
+    QueueMode,
+    RunState,
+    RunTools,
+    decide,
+    unresolved_calls,
+)
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -36,6 +46,14 @@ def _inject(state: RunState, message: Message, emit: Emit) -> None:
     if emit is not None:
         emit(MessageStart(message=message))
         emit(MessageEnd(message=message))
+
+
+def _take(state: RunState, queue: deque[Message], mode: QueueMode, emit: Emit) -> None:
+    """Inject queued input before a model call: one message, or (``all``) everything queued, in order."""
+    _inject(state, queue.popleft(), emit)
+    if mode == "all":
+        while queue:
+            _inject(state, queue.popleft(), emit)
 
 
 def _strip_tool_calls(message: AssistantMessage) -> None:
@@ -97,9 +115,9 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                     emit(TurnStart(turn=state.turn))
                 new_turn = False
             if steering:  # queued input goes first: steering at any boundary, follow-up at the end
-                _inject(state, steering.popleft(), emit)
+                _take(state, steering, cfg.steering_mode, emit)
             elif follow_up and isinstance(state.messages[-1], AssistantMessage):
-                _inject(state, follow_up.popleft(), emit)
+                _take(state, follow_up, cfg.follow_up_mode, emit)
             tools_enabled = decision.tools_enabled and state.mode == "agent" and bool(cfg.tools)
             if tools_enabled:
                 tripped: str | None = REPEATED_FAILURE if state.failing else STOPPED if state.stopping else None
@@ -140,7 +158,8 @@ async def _end_turn(
         emit(TurnEnd(turn=state.turn, message=message, tool_results=results))
     if "post_turn" in cfg.hooks.phases:
         info = TurnInfo(state.run_id, state.turn, state.messages, cfg.system_prompt, cfg.tool_specs)
-        await cfg.hooks.run_phase("post_turn", info)
+        if await cfg.hooks.run_phase("post_turn", info) is not None:  # a ``Stop``: as ``Run.stop``
+            state.stopping = True
 
 
 def _close_after_abort(state: RunState, emit: Emit) -> None:

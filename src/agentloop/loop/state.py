@@ -32,6 +32,19 @@ from agentloop.tools.base import Tool
 
 ToolExecution: TypeAlias = Literal["parallel", "sequential"]
 Mode: TypeAlias = Literal["agent", "chat"]  # chat: the same history, no tools
+#: How queued steering or follow-up input joins the run: ``one-at-a-time`` injects one message per
+#: model call (the model answers each in turn), ``all`` injects everything queued before the next
+#: call (one answer to the lot: cheaper when messages pile up). pi's ``steeringMode``/``followUpMode``.
+QueueMode: TypeAlias = Literal["one-at-a-time", "all"]
+
+
+def check_queue_mode(name: str, value: object) -> QueueMode:
+    """``value`` as a ``QueueMode``, or ``ValueError`` naming the option ``name``."""
+    if value == "one-at-a-time":
+        return "one-at-a-time"
+    if value == "all":
+        return "all"
+    raise ValueError(f"{name} must be 'one-at-a-time' or 'all', got {value!r}")
 
 
 def check_mode(mode: object) -> Mode:
@@ -72,6 +85,8 @@ class LoopConfig:
     reasoning: Reasoning | None = None  # how hard a reasoning model thinks (``models.base.Reasoning``)
     off_limits: tuple[Path, ...] = ()  # paths no tool may read (see ``ToolContext``)
     observers: list[Observer] = field(default_factory=list)  # see ``Observer``: none, no cost
+    steering_mode: QueueMode = "one-at-a-time"  # see ``QueueMode`` (the in-memory runner's)
+    follow_up_mode: QueueMode = "one-at-a-time"
 
     @property
     def tool_specs(self) -> list[ToolSpec]:

@@ -3,7 +3,7 @@
 Some tools are the run's outcome: a "submit" or "final_answer" tool whose arguments are the
 result a program waits for. Without this piece the model is called once more only to read its own
 result back and say "done", which costs a round trip and tokens. Added with
-``agent.use(StopAfterTools("submit"))`` (or its hook given to a kernel, ``hooks=``), it marks a
+``agent.use(StopAfterTools("submit"))`` (or given to a kernel, ``pieces=[...]``), it marks a
 successful result of those tools ``terminate`` (see ``ToolResult``); the run ends after a turn whose
 every result is so marked. A failed call is not marked, so the model can mend its arguments and try
 again; and input that waits when the turn ends is still answered.

@@ -407,12 +407,16 @@ async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any
 
 async def post_turn(engine: ProcessEngine, live: _Live, run_id: str, turn: int) -> None:
     """The ``post_turn`` hooks, as the in-memory runner calls them after each turn (a failing
-    one is logged). The hooks are the shared configuration's; the prompt and tools the run's."""
+    one is logged). The hooks are the shared configuration's; the prompt and tools the run's.
+    A hook's ``Stop`` is a gentle stop of this run, through the same path as ``Process.stop`` (so
+    it is kept with the run's record, and a run that has ended meanwhile is left alone)."""
     hooks = engine.config.hooks
     if "post_turn" not in hooks.phases:
         return
     cfg = live.config[1] if live.config is not None and live.config[0] == run_id else engine.config
-    await hooks.run_phase("post_turn", TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs))
+    info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs)
+    if await hooks.run_phase("post_turn", info) is not None:
+        await engine.stop(live.record.pid, run_id)
 
 
 async def settle(
