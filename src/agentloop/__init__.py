@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from agentloop.agent import Agent, AgentBusy, Run, RunResult
     from agentloop.kernel import Kernel, NoSuchProcess, Process, Receipt, Signal
     from agentloop.loop.guards import Guards
-    from agentloop.loop.hooks import Block, Hooks, ToolCallInfo, TurnInfo
+    from agentloop.loop.hooks import Block, Hooks, Stop, ToolCallInfo, TurnInfo
     from agentloop.loop.output import OutputSpec
     from agentloop.loop.reveal import ToolReveal
     from agentloop.loop.stop_after import StopAfterTools
@@ -50,6 +50,7 @@ _LAZY: dict[str, str] = {
     "Guards": "agentloop.loop.guards",
     "Block": "agentloop.loop.hooks",
     "Hooks": "agentloop.loop.hooks",
+    "Stop": "agentloop.loop.hooks",
     "ToolCallInfo": "agentloop.loop.hooks",
     "TurnInfo": "agentloop.loop.hooks",
     "OutputSpec": "agentloop.loop.output",
@@ -126,6 +127,7 @@ __all__ = [
     "RunResult",
     "ScriptedModel",
     "Signal",
+    "Stop",
     "StopAfterTools",
     "SystemMessage",
     "TextContent",
