@@ -7,8 +7,8 @@ stop the CLI: it becomes a warning and the defaults apply.
 
 The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
 ``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
-``compaction_threshold``, the ``approval_timeout``, the ``outage_retries``, the ``mcp_servers``
-and the ``shell_sandbox``.
+``compaction_threshold``, how a turn's tool calls run (``max_concurrency``, ``tool_execution``),
+the ``approval_timeout``, the ``outage_retries``, the ``mcp_servers`` and the ``shell_sandbox``.
 A budget written down and then silently ignored would let a run go on without the limit its owner relied on (and a
 server left out, without tools it was meant to have), so a bad value there is an error (exit 2)
 for the commands that run the loop, naming the key or flag and what it must be.
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentloop.loop.guards import Guards
+from agentloop.loop.state import ToolExecution
 from agentloop.models.base import REASONING_LEVELS, Model, Reasoning
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
 from agentloop.process.driver import MAX_OUTAGE_DELAY, MAX_OUTAGE_RETRIES
@@ -45,7 +46,19 @@ STORE_ENV = "AGENTLOOP_STORE"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
-_STRICT_KEYS = (*GUARD_KEYS, "fallbacks", "compaction_threshold", "reasoning", "approval_timeout", "outage_retries")
+# how the tool calls of one model turn run: at most ``max_concurrency`` at once, or one after the
+# other (``tool_execution = "sequential"``); tools that share state may need either
+TOOL_RUN_KEYS = ("max_concurrency", "tool_execution")
+TOOL_EXECUTIONS = ("parallel", "sequential")
+_STRICT_KEYS = (
+    *GUARD_KEYS,
+    "fallbacks",
+    "compaction_threshold",
+    "reasoning",
+    "approval_timeout",
+    "outage_retries",
+    *TOOL_RUN_KEYS,
+)
 _SWITCHES = ("codemode", "subagents", "schedules")
 # the chat bridges' speech-to-text (``--transcribe-model``, ``--transcribe-url``, ``--transcribe-key-env``)
 TRANSCRIBE_KEYS = (
@@ -86,6 +99,8 @@ class FileConfig:
     reasoning: Reasoning | None = None
     approval_timeout: float | None = None
     outage_retries: tuple[float, ...] | None = None
+    max_concurrency: int | None = None
+    tool_execution: ToolExecution | None = None
     mcp_servers: tuple[MCPServerConfig, ...] = ()
     codemode: bool = False
     subagents: bool = False
@@ -112,6 +127,8 @@ class LoopFlags:
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
     reasoning: Reasoning | None = None
+    max_concurrency: int | None = None
+    tool_execution: ToolExecution | None = None
 
     def given(self) -> list[str]:
         """The flags that were set, spelled as on the command line (to refuse them where they
@@ -140,6 +157,8 @@ class Settings:
     reasoning: Reasoning | None = None  # None: the model's own setting
     approval_timeout: float | None = None  # seconds an approval request waits before it is denied
     outage_retries: tuple[float, ...] | None = None  # waits before each new try of a model that is out
+    max_concurrency: int | None = None  # tool calls of one turn running at once (None: the loop's 16)
+    tool_execution: ToolExecution | None = None  # "sequential": a turn's calls one after the other (None: parallel)
     mcp_servers: tuple[MCPServerConfig, ...] = ()  # ``[[mcp_servers]]`` tables: their tools join the built-ins
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
@@ -233,6 +252,8 @@ _LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"a list of at most {MAX_OUTAGE_RETRIES} waits in seconds (each up to {MAX_OUTAGE_DELAY:g})"
         " before a model that is out is tried again",
     ),
+    "max_concurrency": (_positive_int, "a positive integer (tool calls of one model turn running at once)"),
+    "tool_execution": (lambda v: v in TOOL_EXECUTIONS, f"one of {', '.join(TOOL_EXECUTIONS)}"),
 }
 
 
@@ -454,6 +475,8 @@ def load_settings(
         fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
         reasoning=_first(flags.reasoning, file.reasoning),
+        max_concurrency=_first(flags.max_concurrency, file.max_concurrency),
+        tool_execution=_first(flags.tool_execution, file.tool_execution),
         approval_timeout=file.approval_timeout,
         outage_retries=file.outage_retries,
         mcp_servers=file.mcp_servers,
@@ -562,13 +585,20 @@ def open_fallbacks(settings: Settings, progress: Callable[[str], None] | None = 
 
 def loop_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The ``Agent`` (and so ``Kernel.open``) keyword arguments the settings decide: the tool
-    timeout, the guards and the fallback models. One place, so every command builds the same loop."""
-    return {
+    timeout, the guards, the fallback models and how a turn's tool calls run (each of the last two
+    only when set: the loop's own defaults stay its own). One place, so every command builds the
+    same loop."""
+    options: dict[str, Any] = {
         "tool_timeout": settings.tool_timeout,
         "guards": settings.guards,
         "fallbacks": open_fallbacks(settings, progress),
         "reasoning": settings.reasoning,
     }
+    if settings.max_concurrency is not None:
+        options["max_concurrency"] = settings.max_concurrency
+    if settings.tool_execution is not None:
+        options["tool_execution"] = settings.tool_execution
+    return options
 
 
 def kernel_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:

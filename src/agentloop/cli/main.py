@@ -37,6 +37,7 @@ from agentloop.cli.device import device_app
 from agentloop.cli.options import (
     CompactionOpt,
     FallbackOpt,
+    MaxConcurrencyOpt,
     MaxCostOpt,
     MaxRoundsOpt,
     MaxTokensOpt,
@@ -45,6 +46,7 @@ from agentloop.cli.options import (
     ModelOpt,
     ReasoningOpt,
     SystemOpt,
+    ToolExecutionOpt,
     WorkspaceOpt,
     data_path,
     loop_flags,
@@ -359,11 +361,21 @@ def run(
     max_cost: MaxCostOpt = None,
     fallback: FallbackOpt = None,
     reasoning: ReasoningOpt = None,
+    max_concurrency: MaxConcurrencyOpt = None,
+    tool_execution: ToolExecutionOpt = None,
 ) -> None:
     """Run one prompt to the end: the answer on stdout, tool activity on stderr."""
     with _guarded():
         flags = loop_flags(
-            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, reasoning=reasoning
+            max_rounds,
+            max_tool_calls,
+            max_wall_clock,
+            max_tokens,
+            max_cost,
+            fallback,
+            reasoning=reasoning,
+            max_concurrency=max_concurrency,
+            tool_execution=tool_execution,
         )
         settings = _settings(model, workspace, system, tool_timeout, flags)
         setting = _approval(approval or "ask")
@@ -430,12 +442,23 @@ def chat(
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
     reasoning: ReasoningOpt = None,
+    max_concurrency: MaxConcurrencyOpt = None,
+    tool_execution: ToolExecutionOpt = None,
 ) -> None:
     """Talk with the agent. The conversation is kept: quit and come back to continue it."""
 
     with _guarded(), exit_on_terminate():
         flags = loop_flags(
-            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold, reasoning
+            max_rounds,
+            max_tool_calls,
+            max_wall_clock,
+            max_tokens,
+            max_cost,
+            fallback,
+            compaction_threshold,
+            reasoning,
+            max_concurrency=max_concurrency,
+            tool_execution=tool_execution,
         )
         if server is not None or pid is not None:
             if flags.given():  # the server's own settings decide; silently ignoring them would mislead

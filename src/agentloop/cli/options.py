@@ -129,6 +129,24 @@ ReasoningOpt = Annotated[
         rich_help_panel=_LIMITS,
     ),
 ]
+MaxConcurrencyOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-concurrency",
+        metavar="N",
+        help="Tool calls of one model turn that run at once (default 16; config: max_concurrency).",
+        rich_help_panel=_LIMITS,
+    ),
+]
+ToolExecutionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tool-execution",
+        metavar="MODE",
+        help="parallel (default) or sequential: a turn's tool calls one after the other (config: tool_execution).",
+        rich_help_panel=_LIMITS,
+    ),
+]
 # the chat-app commands' (telegram, whatsapp, discord): a person answers in the app
 ChannelApprovalOpt = Annotated[
     str,
@@ -186,8 +204,12 @@ def loop_flags(
     fallback: list[str] | None = None,
     compaction_threshold: float | None = None,
     reasoning: str | None = None,
+    *,
+    max_concurrency: int | None = None,
+    tool_execution: str | None = None,
 ) -> LoopFlags:
-    """The run-limit flags as one value (an empty ``--fallback`` list means the flag was not given)."""
+    """The run-limit flags as one value (an empty ``--fallback`` list means the flag was not given).
+    How a turn's tool calls run is keyword-only: the commands without those flags pass none."""
     return LoopFlags(
         max_rounds=max_rounds,
         max_tool_calls=max_tool_calls,
@@ -197,4 +219,6 @@ def loop_flags(
         fallbacks=tuple(fallback) if fallback else None,
         compaction_threshold=compaction_threshold,
         reasoning=reasoning,  # type: ignore[arg-type]  # (checked with the other flags: _flag_errors)
+        max_concurrency=max_concurrency,
+        tool_execution=tool_execution,  # type: ignore[arg-type]  # (likewise)
     )

@@ -39,6 +39,7 @@ from agentloop.cli.options import (
     CompactionOpt,
     DataOpt,
     FallbackOpt,
+    MaxConcurrencyOpt,
     MaxCostOpt,
     MaxRoundsOpt,
     MaxTokensOpt,
@@ -48,6 +49,7 @@ from agentloop.cli.options import (
     ReasoningOpt,
     StoreOpt,
     SystemOpt,
+    ToolExecutionOpt,
     WorkspaceOpt,
     loop_flags,
 )
@@ -156,7 +158,9 @@ async def serve_async(
         model = open_settings_model(settings, progress)
         hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
         options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
-        loop = {key: options[key] for key in ("tool_timeout", "guards", "fallbacks", "reasoning")}  # what Agent takes
+        # what Agent takes (its stateless asks run their tool calls as the processes' do)
+        agent_keys = ("tool_timeout", "guards", "fallbacks", "reasoning", "max_concurrency", "tool_execution")
+        loop = {key: options[key] for key in agent_keys if key in options}
         async with (
             extra_tools(settings, opts.workspace) as extra,
             Kernel.open(
@@ -414,6 +418,8 @@ def serve(
     fallback: FallbackOpt = None,
     compaction_threshold: CompactionOpt = None,
     reasoning: ReasoningOpt = None,
+    max_concurrency: MaxConcurrencyOpt = None,
+    tool_execution: ToolExecutionOpt = None,
     max_processes: Annotated[
         int | None,
         typer.Option(
@@ -460,7 +466,16 @@ def serve(
         if not host.strip():  # (``--host "$HOST"`` with HOST unset: a warning about "listening on ," came first)
             _fail(f"--host is empty: name the address to listen on (default {DEFAULT_HOST})", 2)
         flags = loop_flags(
-            max_rounds, max_tool_calls, max_wall_clock, max_tokens, max_cost, fallback, compaction_threshold, reasoning
+            max_rounds,
+            max_tool_calls,
+            max_wall_clock,
+            max_tokens,
+            max_cost,
+            fallback,
+            compaction_threshold,
+            reasoning,
+            max_concurrency=max_concurrency,
+            tool_execution=tool_execution,
         )
         settings = _settings(model, workspace, system, flags=flags, store=store, uses_store=True)
         setting = _approval(approval)

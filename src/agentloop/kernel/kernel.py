@@ -648,7 +648,10 @@ class Kernel:
         for work whose notification it missed (see ``process/lease.py``) and how often the
         workers renew or try to take their duties (``kernel/duty.py``: firing the schedules, and
         delivering watched signals a dead worker left undelivered);
-        ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …).
+        ``agent_options`` are ``Agent``'s (``tool_timeout``, ``guards``, ``fallbacks`` …), among
+        them ``pieces``: behaviour to compose in, like ``[ToolReveal(hidden=[...])]`` (hidden tools
+        behind ``request_tools``) or ``[StopAfterTools("submit")]``, installed into the processes'
+        shared configuration (``steering_mode``/``follow_up_mode`` are the in-memory runner's only).
         ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``) in
         each run's system prompt. A context past ``compaction_threshold`` is first eased by
         archiving old tool outputs and leaving a note in their place (``clear_tool_outputs``), when
@@ -736,12 +739,17 @@ class Kernel:
             await asyncio.to_thread(home.mkdir, parents=True, exist_ok=True)
             return await asyncio.to_thread(append_daily_memory, home, memories, source=source)
 
+        async def run_model(record: ProcessRecord) -> str:
+            # the prompt's {{model}}: what the run starts on (the process's, its account's or this
+            # kernel's model), read only when the system context asks; the engine is made just below
+            return (await engine.effective_config(record)).model.name
+
         engine = ProcessEngine(
             store,
             agent.config,
             approval=approval,
             hydrate=hydrate_media(media),
-            prompt=prompt_builder(data, agent.config.system_prompt, devices, context_bytes),
+            prompt=prompt_builder(data, agent.config.system_prompt, devices, context_bytes, run_model),
             configure=account_models.configure,
             archive=archive,
             memory=remember if daily_memory else None,

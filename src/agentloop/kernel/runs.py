@@ -14,8 +14,10 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+import secrets
+import zoneinfo
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,23 +144,80 @@ def chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
     return chained
 
 
+#: The variables only the moment a run's prompt is built knows (``{{time}}``, ``{{timezone}}``),
+#: or the process (``{{pid}}``) and the model its run takes (``{{model}}``): an assembly is shared
+#: by the runs of many processes over many minutes, so these go into it as markers and each build
+#: fills in its own values (reading the model's only when the system context asks for it).
+RUN_VARIABLES = ("time", "timezone", "pid", "model")
+
+ModelOf = Callable[[ProcessRecord], Awaitable[str]]
+
+
+def local_zone(now: datetime.datetime) -> str:
+    """``{{timezone}}``: this process's local time zone as a person would name it, by its IANA name
+    where the process can tell it (``$TZ``, else the zone ``/etc/localtime`` links to), else its
+    abbreviation; with the UTC offset in force at ``now`` (an aware local time), which a model needs
+    to turn a time it is told into this zone's."""
+    offset = now.strftime("%z")
+    utc = f"UTC{offset[:3]}:{offset[3:]}" if offset else "UTC"
+    rule = os.environ.get("TZ")
+    if rule is not None:  # (``$TZ`` wins over /etc/localtime, also when it is a rule, not a zone's key)
+        name = rule.removeprefix(":")
+        try:
+            zoneinfo.ZoneInfo(name)  # a zone's key, not a POSIX rule such as "EST5EDT,M3.2.0,M11.1.0"
+        except (ValueError, zoneinfo.ZoneInfoNotFoundError):
+            name = ""
+    else:
+        linked = os.path.realpath("/etc/localtime")
+        name = linked.partition("/zoneinfo/")[2] if "/zoneinfo/" in linked else ""
+    name = name or now.tzname() or ""
+    if not name or name.startswith(("+", "-", "UTC")):  # an abbreviation that only repeats the offset
+        return utc
+    return f"{name} ({utc})"
+
+
+@dataclass
+class _Assembly:
+    """One cached assembly: the stamps and files it was checked against, the prompt with the
+    ``RUN_VARIABLES`` it uses still as markers, and the last prompt filled in from it (a build
+    with the same values returns that very object, whose digest is then computed once)."""
+
+    stamps: tuple[Any, ...]
+    files: list[str]
+    template: CompiledPrompt
+    uses: tuple[str, ...]
+    filled: tuple[dict[str, str], CompiledPrompt] | None = None
+
+
 def prompt_builder(
     data_dir: Path,
     base: str,
     devices: DeviceDirectory | None = None,
     context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
+    model_of: ModelOf | None = None,
 ) -> PromptFn:
     """Assemble each run's system prompt from the data directory's context, skills and homes
     (``config/ai/context.d``, ``config/ai/skills.d``, ``home/<user>``), the process's working
     directory and its spawn context; ``base`` (the kernel's own system prompt) comes first.
-    ``{{devices}}`` lists the owner's online devices when ``devices`` is given, ``{{mcp_servers}}``
-    the MCP servers whose tools the run has. The result says what went into the prompt, with
-    display names instead of the server's paths (see ``CompiledPrompt``).
+    The system context is templated: ``{{identity}}`` (the account the process runs as),
+    ``{{owner}}``, ``{{cwd}}``, ``{{home}}`` (the run-as account's home, ``<data>/home/<account>``),
+    ``{{date}}``, ``{{time}}`` (``HH:MM``, local) and ``{{timezone}}`` (``Europe/Berlin (UTC+01:00)``:
+    this process's zone, the one ``date`` and ``time`` are in), ``{{pid}}`` (the process's id),
+    ``{{model}}`` (the ``provider:model`` its run takes, as ``model_of`` names it; without
+    ``model_of`` it is not known here and stays as written, with a warning), ``{{devices}}`` (the
+    owner's online devices when ``devices`` is given) and ``{{mcp_servers}}`` (the MCP servers whose
+    tools the run has). Their values are taken when the run's prompt is built, and the run keeps
+    that prompt. The result says what went into the prompt, with display names instead of the
+    server's paths (see ``CompiledPrompt``).
 
     Assembly reads a dozen paths; the result is reused while none of them (nor the day) changed."""
-    cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[str], CompiledPrompt]] = {}
+    cache: dict[tuple[Any, ...], _Assembly] = {}
     system_dir = data_dir / "config" / "ai" / "context.d"
     homes = data_dir / "home"
+    # a marker no file holds (random per builder) stands for each run variable in an assembly
+    opening = f"\ue000{secrets.token_hex(8)}:"
+    markers = re.compile(re.escape(opening) + "([a-z]+)\ue001")
+    run_names = RUN_VARIABLES if model_of is not None else tuple(n for n in RUN_VARIABLES if n != "model")
 
     @functools.lru_cache(maxsize=1024)
     def watched_of(run_as: str, owner: str, cwd: str) -> tuple[str, ...]:
@@ -192,8 +251,10 @@ def prompt_builder(
                 "identity": record.run_as,
                 "owner": record.owner,
                 "cwd": record.cwd,
+                "home": str(homes / record.run_as),
                 "devices": devices_text,
                 "mcp_servers": mcp_text,
+                **{name: f"{opening}{name}\ue001" for name in run_names},
             },
         )
         assembled = assemble_prompt(sources)
@@ -202,6 +263,27 @@ def prompt_builder(
         consulted = {str(p) for p in assembled.consulted}
         consulted.update(str(p) for section in assembled.sections for p in section.sources)
         return _compiled(base, assembled, _relative_to(_roots(data_dir, record))), sorted(consulted)
+
+    async def run_values(record: ProcessRecord, names: Sequence[str]) -> dict[str, str]:
+        """The values of the run variables ``names`` for a prompt built now for ``record``."""
+        now = datetime.datetime.now().astimezone()
+        values = {"time": now.strftime("%H:%M"), "pid": record.pid}
+        if "timezone" in names:
+            values["timezone"] = local_zone(now)
+        if "model" in names and model_of is not None:
+            values["model"] = await model_of(record)
+        return {name: values[name] for name in names}
+
+    async def fill(record: ProcessRecord, entry: _Assembly) -> CompiledPrompt:
+        """The cached assembly with this build's run variables in place of its markers."""
+        if not entry.uses:
+            return entry.template
+        values = await run_values(record, entry.uses)
+        if entry.filled is not None and entry.filled[0] == values:
+            return entry.filled[1]
+        prompt = _filled(entry.template, markers, values)
+        entry.filled = (values, prompt)
+        return prompt
 
     async def build(record: ProcessRecord, tools: Mapping[str, Tool]) -> CompiledPrompt:
         devices_text = online(record)
@@ -219,15 +301,29 @@ def prompt_builder(
         )
         watched = watched_of(record.run_as, record.owner, record.cwd)
         hit = cache.get(key)
-        if hit is not None and hit[0] == stamps([*watched, *hit[1]]):
-            return hit[2]
+        if hit is not None and hit.stamps == stamps([*watched, *hit.files]):
+            return await fill(record, hit)
         prompt, files = assemble(record, devices_text, mcp_text)
         if len(cache) > 1024:
             cache.clear()
-        cache[key] = (stamps([*watched, *files]), files, prompt)
-        return prompt
+        uses = tuple(sorted(set(markers.findall(prompt.text))))
+        entry = cache[key] = _Assembly(stamps([*watched, *files]), files, prompt, uses)
+        return await fill(record, entry)
 
     return build
+
+
+def _filled(template: CompiledPrompt, markers: re.Pattern[str], values: Mapping[str, str]) -> CompiledPrompt:
+    """``template`` with each marker replaced by its variable's value, in one pass (a value is
+    never expanded again). Only the system context is templated, so its section's size in the
+    manifest changes by what the values add."""
+    text = markers.sub(lambda match: values[match.group(1)], template.text)
+    grown = len(text.encode("utf-8")) - len(template.text.encode("utf-8"))
+    sections = tuple(
+        replace(section, bytes=section.bytes + grown) if section.name == "system context" else section
+        for section in template.sections
+    )
+    return replace(template, text=text, sections=sections)
 
 
 def _compiled(base: str, assembled: AssembledPrompt, shown: Callable[[str], str]) -> CompiledPrompt:
