@@ -22,7 +22,7 @@ from agentloop.client import AccountEvent, AgentloopClient, ClientError
 from agentloop.messages import SystemMessage, UserMessage
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
-from agentloop.process.signals import Signal, SignalHub
+from agentloop.process.signals import AccountSignal, Signal, SignalHub
 from agentloop.server import api
 from tests import server_support
 from tests.cdp import Browser
@@ -86,19 +86,22 @@ def account_watchers(server: LiveServer, account: str) -> int:
 def test_an_account_watcher_gets_its_owners_approvals_and_run_ends_only() -> None:
     hub = SignalHub()
     mine = hub.watch_account("alice")
-    asked = Signal(sig.HIL_REQUESTED, {"requestId": "h1"}, 3)
-    hub.publish("p1", asked, "alice")
-    hub.publish("p1", Signal(sig.RUN_STARTED, {}, 1), "alice")
+    asked = AccountSignal("p1", Signal(sig.HIL_REQUESTED, {"requestId": "h1"}, 3), 7)
+    hub.to_account("alice", asked)
+    hub.to_account("alice", AccountSignal("p1", Signal(sig.RUN_STARTED, {}, 1), 8))  # (not the account's)
     hub.publish("p1", Signal(sig.RUN_STREAM, {"delta": "x"}), "alice")
     hub.publish("p1", Signal(sig.CHANGED, {"changes": ["queue"]}, 2), "alice")
-    answered = Signal(sig.CHANGED, {"changes": ["messages", "hil"]}, 4)
-    hub.publish("p1", answered, "alice")
-    finished = Signal(sig.RUN_FINISHED, {"status": "ok"}, 5)
-    hub.publish("p1", finished, "alice")
-    hub.publish("p2", Signal(sig.HIL_REQUESTED, {}, 1), "bob")  # another account's
+    answered = AccountSignal("p1", Signal(sig.CHANGED, {"changes": ["messages", "hil"]}, 4), 8)
+    hub.to_account("alice", answered)
+    titled = Signal(sig.CHANGED, {"changes": ["title"], "title": "t"})
+    hub.publish("p1", titled, "alice")  # unlogged, as titles are: live only, no account seq
+    finished = AccountSignal("p1", Signal(sig.RUN_FINISHED, {"status": "ok"}, 5), 9)
+    hub.to_account("alice", finished)
+    hub.to_account("bob", AccountSignal("p2", Signal(sig.HIL_REQUESTED, {}, 1), 1))  # another account's
     hub.publish("p3", Signal(sig.HIL_REQUESTED, {}, 1))  # (a relayed signal: its owner is not known here)
     got = [mine.get_nowait() for _ in range(mine.qsize())]
-    assert got == [("p1", asked), ("p1", answered), ("p1", finished)]
+    assert got == [asked, answered, AccountSignal("p1", titled), finished]
+    assert hub.account_heads() == {"alice": 9}
     hub.unwatch_account("alice", mine)
     assert hub._accounts == {}
 
@@ -198,7 +201,7 @@ async def test_the_account_stream_tells_of_an_approval_a_schedule_asked_with_nob
         frames = read_frames(resp)
         asked = await next_data(frames)
         assert asked["event"] == sig.HIL_REQUESTED and asked["data"]["pid"] == pid
-        assert "id" not in asked  # live only: nothing to resume from
+        assert asked["id"].isdigit()  # its account seq: what a reconnect resumes after
         assert server.watchers(pid) == 0  # nobody follows the process itself
         request_id = asked["data"]["payload"]["requestId"]
         assert [r["request_id"] for r in await inbox(alice) if r["pid"] == pid] == [request_id]
@@ -230,10 +233,14 @@ async def test_the_account_stream_follows_a_run_started_by_a_system_event(
     await alice.post(f"/v1/processes/{pid}/abort", json={})
 
 
-async def test_follow_false_answers_at_once_with_nothing(server: LiveServer, alice: httpx.AsyncClient) -> None:
+async def test_follow_false_answers_at_once_with_where_the_stream_stands(
+    server: LiveServer, alice: httpx.AsyncClient
+) -> None:
     resp = await alice.get("/v1/events", params={"follow": "false"})
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
-    assert resp.content == b""
+    assert server.ctx is not None
+    newest = await server.run(lambda: server.ctx.kernel.account_seq("alice"))  # type: ignore[union-attr]
+    assert resp.content == f"id: {newest}\r\n\r\n".encode()  # no event: only the account seq it opens at
     assert account_watchers(server, "alice") == 0
 
 
@@ -246,6 +253,8 @@ async def test_the_account_stream_pings_and_ends_on_revocation_and_shutdown(tmp_
             pings = 0
             async with phone.stream("GET", "/v1/events") as resp, asyncio.timeout(5):
                 async for frame in read_frames(resp):  # until the server ends the stream
+                    if set(frame) == {"id"}:
+                        continue  # (the opening frame: where the stream starts)
                     assert frame == {"comment": "ping"}
                     pings += 1
                     if pings == 2:
@@ -285,8 +294,8 @@ def test_account_subscribe_pushes_the_signals_of_every_process_of_the_account(tm
         assert server.ctx is not None
         kernel = server.ctx.kernel
         with server.client("alice") as c, server.client("bob") as other:
-            assert c.ok("account.subscribe") == {"account": "alice"}
-            assert other.ok("account.subscribe") == {"account": "bob"}
+            assert c.ok("account.subscribe")["account"] == "alice"
+            assert other.ok("account.subscribe")["account"] == "bob"
             pid = c.ok("proc.spawn")["pid"]  # never proc.subscribe'd
             server.run(lambda: kernel.signal(pid, "risky"))
             [asked] = c.signals_until(pid, sig.HIL_REQUESTED)

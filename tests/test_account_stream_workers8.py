@@ -54,7 +54,7 @@ class Stream:
 
     async def _pump(self) -> None:
         async for item in self._stream:
-            self.seen.append(item)
+            self.seen.append((item.pid or "", item.signal))
 
     def logged(self) -> list[tuple[str, int | None, str]]:
         """What it saw, but the new titles: announced only where they are made (not logged)."""

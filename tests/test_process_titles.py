@@ -377,13 +377,14 @@ async def test_changes_are_announced_to_followers_and_the_account_stream(tmp_pat
         changed = await asyncio.wait_for(following, 5)
         assert changed.payload == {"pid": proc.pid, "changes": ["title"], "title": "name me please"}
         assert changed.seq is None
-        pid, finished = await asyncio.wait_for(heard, 5)
-        assert finished.signal == sig.RUN_FINISHED
-        pid, told = await asyncio.wait_for(anext(account), 5)
-        assert (pid, told.signal, told.payload["title"]) == (proc.pid, sig.CHANGED, "name me please")
+        finished = await asyncio.wait_for(heard, 5)
+        assert finished.signal.signal == sig.RUN_FINISHED and finished.seq is not None
+        told = await asyncio.wait_for(anext(account), 5)
+        assert (told.pid, told.signal.signal, told.signal.payload["title"]) == (proc.pid, sig.CHANGED, "name me please")
+        assert told.seq is None  # (a title is announced live only: no account seq)
         await proc.set_title("By hand")
-        pid, told = await asyncio.wait_for(anext(account), 5)
-        assert told.payload == {"pid": proc.pid, "changes": ["title"], "title": "By hand"}
+        told = await asyncio.wait_for(anext(account), 5)
+        assert told.signal.payload == {"pid": proc.pid, "changes": ["title"], "title": "By hand"}
         await account.aclose()
 
 

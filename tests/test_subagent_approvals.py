@@ -84,8 +84,8 @@ async def test_the_account_stream_carries_a_childs_request_once(tmp_path):
         heard: list[tuple[str, Any]] = []
 
         async def listen() -> None:
-            async for pid, signal in stream:
-                heard.append((pid, signal))
+            async for item in stream:
+                heard.append((item.pid, item.signal))
 
         listener = asyncio.create_task(listen())
         await asyncio.sleep(0)  # (watching from here on)

@@ -11,8 +11,8 @@ server nobody can reach (status 0, code ``unreachable``), so a caller handles on
 The event stream reconnects by itself after a dropped connection, sending ``Last-Event-ID`` so the
 server replays exactly the logged signals the client has not seen: nothing lost, nothing repeated.
 The account stream (``account_events``: approvals and run ends of all the account's processes)
-reconnects too, but it is live only, with nothing to replay: list ``approvals()`` again each time
-it is (re)connected.
+reconnects the same way, with ``Last-Event-ID`` set to the last account seq it saw (each event's
+``id``), so nothing between is lost either.
 """
 
 from __future__ import annotations
@@ -96,12 +96,16 @@ class StreamEvent(NamedTuple):
 
 
 class AccountEvent(NamedTuple):
-    """One signal of the account stream: which process, what, and its seq in that process's log."""
+    """One signal of the account stream: which process, what, its seq in that process's log, and
+    ``id``, its account seq (what the stream resumes after). ``id`` is None for a new title (live
+    only); ``pid`` is None only for ``account.log.pruned``, which says the stream resumed after
+    an account seq the server no longer keeps the signals after (list the approvals again)."""
 
-    pid: str
+    pid: str | None
     signal: str
     payload: dict[str, Any]
     seq: int | None
+    id: int | None = None
 
 
 def _segment(value: str) -> str:
@@ -173,9 +177,9 @@ class SSEParser:
     def feed(self, line: str) -> tuple[str, str, str | None] | None:
         """One line (without its newline); returns ``(event, data, id)`` when a frame completes."""
         if not line:
-            if not self._data:
-                self._event, self._id = "", None
-                return None
+            if not self._data:  # no event; but an id alone still moves the last event id (as a browser's)
+                frame_id, self._event, self._id = self._id, "", None
+                return ("", "", frame_id) if frame_id is not None else None
             frame = (self._event or "message", "\n".join(self._data), self._id)
             self._event, self._data, self._id = "", [], None
             return frame
@@ -595,23 +599,34 @@ class AgentloopClient:
     async def account_events(
         self,
         *,
+        after_seq: int | None = None,
         connected: asyncio.Event | None = None,
         reconnect: bool = True,
         max_retries: int | None = None,
         on_retry: Callable[[ClientError, int], None] | None = None,
     ) -> AsyncGenerator[AccountEvent, None]:
         """The approvals asked and answered (``proc.changed`` naming "hil") and the runs finished
-        of all the account's processes, runs nobody follows included, as they happen. A dropped
+        of all the account's processes, runs nobody follows included: those after account seq
+        ``after_seq`` (an earlier event's ``id``) first, if given, then as they happen. A dropped
         connection, or a stream the server ended as it shut down, is reopened as ``events``
-        reopens its stream (without ``reconnect``: a ``ClientError``, or the end). The stream is
-        live only: what happened while it was closed is not sent again, so list ``approvals()``
-        each time ``connected`` is set, the first time and after each reopening."""
+        reopens its stream (without ``reconnect``: a ``ClientError``, or the end), with
+        ``Last-Event-ID`` set to the last account seq seen (the server's opening id, before any
+        event), so nothing in between is lost or repeated. Still, list ``approvals()`` when
+        ``connected`` is first set: the stream tells of changes, the list of what is pending."""
         headers = {"Accept": "text/event-stream"}
+        last = after_seq
 
         async def opened() -> AsyncGenerator[AccountEvent, None]:
-            async with aclosing(self._frames("/v1/events", {}, headers, connected)) as frames:
-                async for name, data, _ in frames:
-                    event = _account_event(name, data)
+            nonlocal last
+            sent = dict(headers)
+            if last is not None:
+                sent["Last-Event-ID"] = str(last)
+            async with aclosing(self._frames("/v1/events", {}, sent, connected)) as frames:
+                async for name, data, event_id in frames:
+                    number = int(event_id) if event_id is not None and event_id.isdigit() else None
+                    if number is not None:
+                        last = number  # (an id-only frame too: where a stream opened from now on starts)
+                    event = _account_event(name, data, number)
                     if event is not None:
                         yield event
 
@@ -676,17 +691,17 @@ def _event(name: str, data: str, event_id: str | None) -> StreamEvent | None:
     )
 
 
-def _account_event(name: str, data: str) -> AccountEvent | None:
-    """An account stream event (no id: the seq, per process, is in its data), or None if it names
-    no process."""
+def _account_event(name: str, data: str, event_id: int | None) -> AccountEvent | None:
+    """An account stream event (``event_id``: its account seq; the seq in its data is its
+    process's), or None for a frame without an event's data (the opening id-only frame)."""
     body = _body(data)
-    pid = body.get("pid") if body is not None else None
-    if body is None or not isinstance(pid, str):
+    if body is None:
         return None
-    seq, payload = body.get("seq"), body.get("payload")
+    pid, seq, payload = body.get("pid"), body.get("seq"), body.get("payload")
     return AccountEvent(
-        pid,
+        pid if isinstance(pid, str) else None,
         str(body.get("signal") or name),
         payload if isinstance(payload, dict) else {},
         seq if isinstance(seq, int) else None,
+        event_id,
     )

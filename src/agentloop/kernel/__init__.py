@@ -2,10 +2,11 @@
 
 from agentloop.kernel.kernel import Kernel, Process
 from agentloop.process.api import Approval, Compacted, Receipt, RunActive
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import NoSuchProcess, ProcessBusy
 
 __all__ = [
+    "AccountSignal",
     "Approval",
     "Compacted",
     "Kernel",

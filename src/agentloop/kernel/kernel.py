@@ -87,7 +87,7 @@ from agentloop.process.pressure import (
     set_policy,
 )
 from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import (
     MAX_SEQ,
     HilRow,
@@ -982,22 +982,74 @@ class Kernel:
         inbox, since a run nobody follows (a schedule's, a watch's, a subagent's) may ask too."""
         return await self.store.account_hils(owner)
 
-    async def account_signals(self, owner: str) -> AsyncIterator[tuple[str, Signal]]:
-        """(pid, signal) for the approvals asked and answered and the runs ended of every process
-        of ``owner`` (``signals.for_account``), live from the first ``__anext__`` on: nothing is
-        replayed, ``approvals`` has what is pending. On a shared store (PostgreSQL), the signals
-        committed through the other workers too: each worker's commits notify the others of their
-        account-level signals (``Leases.accounted``), best-effort as any notification (one lost
-        while the listening connection is down is not replayed: the approvals list has what is
-        pending). Ends when the kernel closes, or when the reader falls too far behind (it should
-        list the approvals again)."""
+    async def account_seq(self, owner: str) -> int:
+        """The account seq of ``owner``'s newest logged account signal (0: none yet): where an
+        account stream opened now starts, to resume from before anything reached it."""
+        return await self.store.last_account_seq(owner)
+
+    async def account_signals(
+        self, owner: str, after_seq: int | None = None, *, follow: bool = True
+    ) -> AsyncGenerator[AccountSignal, None]:
+        """The approvals asked and answered and the runs ended of every process of ``owner``
+        (``signals.for_account``), each with its account seq (``AccountSignal.seq``: per owner,
+        gapless, in commit order). With ``after_seq``, first those the account log holds after
+        it, then (with ``follow``) live ones, with none missed or repeated at the seam; without,
+        live ones from the first ``__anext__`` on. An ``after_seq`` past the log's end counts from
+        the end; one before the oldest kept is first sent an unlogged ``account.log.pruned``
+        (``signals.ACCOUNT_LOG_PRUNED``: read the approvals inbox again). New titles come live
+        only (no account seq). On a shared store (PostgreSQL), the signals committed through the
+        other workers too (``Leases.accounted``): one whose notification was lost or overtaken is
+        read from the account log before the one after it. Ends when the kernel closes, or when
+        the reader falls too far behind (it resumes from its last account seq)."""
+        if after_seq is not None:
+            _check_position("after_seq", after_seq, 0)
         hub = self.engine.hub
-        queue = hub.watch_account(owner)
+        queue = hub.watch_account(owner) if follow else None  # first, then the log: nothing falls between
         try:
+            newest = await self.store.last_account_seq(owner)
+            last = newest if after_seq is None else min(after_seq, newest)
+            async for logged in self._account_logged(owner, last, resumed=last > 0):
+                last = logged.seq or last
+                yield logged
+            if queue is None:
+                return
+            hub.account_seen(owner, last)
             while (item := await queue.get()) is not None:
+                if item.seq is None:  # (a new title: live only)
+                    yield item
+                    continue
+                if item.seq <= last:
+                    continue  # read from the log already
+                if item.seq > last + 1:  # some did not reach this worker (yet): the log has them
+                    async for logged in self._account_logged(owner, last, resumed=True, before=item.seq):
+                        last = logged.seq or last
+                        yield logged
+                last = item.seq
                 yield item
         finally:
-            hub.unwatch_account(owner, queue)
+            if queue is not None:
+                hub.unwatch_account(owner, queue)
+
+    async def _account_logged(
+        self, owner: str, after_seq: int, *, resumed: bool, before: int | None = None
+    ) -> AsyncIterator[AccountSignal]:
+        """The owner's account log after ``after_seq`` (and before ``before``), a page at a time;
+        for a watcher that has seen it through ``after_seq`` (``resumed``), led by
+        ``account.log.pruned`` if the log no longer goes back that far."""
+        first = resumed
+        while True:
+            page = await self.store.account_events(owner, after_seq=after_seq, limit=500)
+            if first and page and page[0].seq > after_seq + 1:
+                payload = {"afterSeq": after_seq, "oldestSeq": page[0].seq, "missed": page[0].seq - after_seq - 1}
+                yield AccountSignal(None, Signal(sig.ACCOUNT_LOG_PRUNED, payload))
+            first = False
+            for row in page:
+                if before is not None and row.seq >= before:
+                    return
+                after_seq = row.seq
+                yield AccountSignal(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
+            if len(page) < 500:
+                return
 
     async def signal(self, pid: str, text: str, *, run_id: str | None = None) -> Receipt:
         """Inject a system event into a process (ahead of queued user input). Retrying with the

@@ -34,8 +34,12 @@ approval decided elsewhere) reach the holder's watchers through the log only, on
 Account streams (``Kernel.account_signals``): a worker publishes the signals it commits itself to
 its account watchers; the account-level ones (``signals.for_account``: runs ended, approvals asked
 and answered) of every commit also go to the other workers in a notification the committing
-transaction sends (``accounted``), so an account watcher on any worker sees them once each,
-whichever worker ran the step, without reading any process's log.
+transaction sends (``accounted``), so an account watcher on any worker sees them, whichever worker
+ran the step, without reading any process's log. Each carries its account seq (per owner, gapless,
+in commit order: the account log's), so a watcher that finds one missing (a notification lost
+while the listener reconnected, or overtaken by a later one) reads it from the account log before
+it goes on; and every ``poll`` each worker compares the newest account seq of the owners watched
+on it with what reached them, so one lost after the last signal is found too.
 
 On SQLite (one process owns the file) there are no leases: the engine runs without this module.
 """
@@ -54,7 +58,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.relay import Relay, publish_batch
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, RelayBatch, StoreError
 
 if TYPE_CHECKING:
@@ -447,35 +451,49 @@ class Leases:
 
     # -- account streams ---------------------------------------------------------------------------
 
-    def accounted(self, owner: str, pid: str, items: list[tuple[int, str, dict[str, Any] | None]]) -> None:
+    def accounted(self, owner: str, pid: str, items: list[tuple[int, int, str, dict[str, Any] | None]]) -> None:
         """Account-level signals (``signals.for_account``) another worker committed for ``owner``'s
-        process ``pid``, told in its transaction: to this worker's account watchers of ``owner``,
-        who see the signals this worker commits as it publishes them, and no others (what the
-        log reads publish goes to process watchers only). One without its payload (too large for
-        a notification) is read from the log first."""
+        process ``pid``, told in its transaction as (account seq, seq, name, payload): to this
+        worker's account watchers of ``owner``, who see the signals this worker commits as it
+        publishes them, and no others (what the log reads publish goes to process watchers only).
+        One without its payload (too large for a notification) is read from the account log
+        first; one that never comes is found missing by its successor's account seq (or by the
+        poll: ``_account_caught_up``), and read from the account log the same way."""
         hub = self.engine.hub
         if not hub.watches_account(owner):
             return  # nobody here watches the account (the usual case: nothing to do)
-        if all(payload is not None for _, _, payload in items):
-            for seq, name, payload in items:
+        if all(payload is not None for _, _, _, payload in items):
+            for number, seq, name, payload in items:
                 assert payload is not None
-                hub.to_account(owner, pid, Signal(name, payload, seq))
+                hub.to_account(owner, AccountSignal(pid, Signal(name, payload, seq), number))
             return
-        self._spawn(self._account_from_log(owner, pid, items))
+        self._spawn(self._account_from_log(owner, items))
 
-    async def _account_from_log(
-        self, owner: str, pid: str, items: list[tuple[int, str, dict[str, Any] | None]]
-    ) -> None:
-        first = min(seq for seq, _, _ in items)
-        last = max(seq for seq, _, _ in items)
-        rows = {row.seq: row for row in await self.store.events(pid, after_seq=first - 1, limit=last - first + 1)}
-        for seq, name, payload in items:
-            if payload is None:
-                row = rows.get(seq)
-                if row is None:
-                    continue  # pruned or killed meanwhile
-                payload = row.payload
-            self.engine.hub.to_account(owner, pid, Signal(name, payload, seq))
+    async def _account_from_log(self, owner: str, items: list[tuple[int, int, str, dict[str, Any] | None]]) -> None:
+        first = min(number for number, _, _, _ in items)
+        last = max(number for number, _, _, _ in items)
+        rows = await self.store.account_events(owner, after_seq=first - 1, limit=last - first + 1)
+        for row in rows:  # (one pruned meanwhile is missing: the watchers are told when they read)
+            self.engine.hub.to_account(
+                owner, AccountSignal(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
+            )
+
+    async def _account_caught_up(self) -> None:
+        """The poll's check of the account streams watched here: an owner whose account log holds
+        a newer account seq than any that reached its watchers gets the rest from the log (a
+        notification lost after the owner's last signal has no successor to reveal it). The
+        watchers drop what they had already."""
+        hub = self.engine.hub
+        heads = hub.account_heads()
+        if not heads:
+            return
+        for owner, newest in (await self.store.last_account_seqs(list(heads))).items():
+            seen = heads[owner]
+            if newest > seen and hub.watches_account(owner):
+                rows = await self.store.account_events(owner, after_seq=seen, limit=500)
+                for row in rows:
+                    item = AccountSignal(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
+                    hub.to_account(owner, item)
 
     async def _run(self) -> None:
         renew_every = self.ttl / 3
@@ -505,6 +523,7 @@ class Leases:
                         await self._look(pid)
                     if self._tail:  # (kept alive while the watchers last)
                         await self.relay.announce(list(self._tail))
+                    await self._account_caught_up()
             except asyncio.CancelledError:
                 raise
             except Exception:  # (the database is away) the next round tries again

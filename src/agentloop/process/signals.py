@@ -7,6 +7,12 @@ resumes with ``after_seq`` and misses nothing. Progress is the exception: stream
 ``ToolContext.update``: Shell's output as it comes) are live-only, without a seq (a resumed
 watcher gets the whole text in ``proc.run.output``, the whole result in ``proc.run.tool.finished``),
 because logging every token or every line would make the log the bottleneck.
+
+An account's stream (``for_account``: approvals asked and answered, runs ended, across all of an
+owner's processes) is resumable the same way: each account-level signal a step logs is also copied
+to the owner's account log in the same transaction, with the next per-owner account seq
+(``AccountSignal.seq``), so a watcher that drops its connection resumes after the last one it saw.
+New titles are the exception there: announced live only (no account seq), as they are not logged.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ COMPACTED = "proc.compacted"
 # not logged: sent to a watcher that resumes after a seq the log no longer holds the signals after
 # (pruned, or dropped by a reset), before the oldest kept one, so it knows to read the history
 LOG_PRUNED = "proc.log.pruned"
+# not logged either: the account stream's own notice to a watcher that resumes after an account
+# seq the account log no longer holds the signals after, before the oldest kept one (as LOG_PRUNED)
+ACCOUNT_LOG_PRUNED = "account.log.pruned"
 # what went into a run's system prompt (sections, sizes, files cut or left out, tools, warnings):
 # once per run whose prompt was built fresh, with the run's first model step
 PROMPT_COMPILED = "proc.prompt.compiled"
@@ -61,6 +70,10 @@ GAP = Signal("gap", {})
 # messages, not its log, are the conversation, and a reset drops the whole log anyway.
 KEPT_SIGNALS = 10_000
 PRUNE_EVERY = 1_000
+# What an owner's account log keeps, the same way: its newest account signals, this many, pruned
+# by the step whose account seq passes a multiple of ACCOUNT_PRUNE_EVERY (a statement per thousand).
+KEPT_ACCOUNT_SIGNALS = 10_000
+ACCOUNT_PRUNE_EVERY = 1_000
 
 
 def for_account(signal: Signal) -> bool:
@@ -78,7 +91,19 @@ def for_account(signal: Signal) -> bool:
     return signal.signal in (HIL_REQUESTED, RUN_FINISHED)
 
 
-AccountQueue = asyncio.Queue[tuple[str, Signal] | None]
+@dataclass(frozen=True, slots=True)
+class AccountSignal:
+    """One item of an account stream: ``signal`` of the owner's process ``pid``, and its ``seq`` in
+    the owner's account log (what a watcher resumes after). ``seq`` is None for what the account
+    log does not keep: new titles (live only) and the stream's own notices
+    (``ACCOUNT_LOG_PRUNED``, whose ``pid`` is None too)."""
+
+    pid: str | None
+    signal: Signal
+    seq: int | None = None
+
+
+AccountQueue = asyncio.Queue[AccountSignal | None]
 
 
 @dataclass
@@ -87,9 +112,12 @@ class SignalHub:
     their transaction commits, so a watcher never sees a signal the log does not have."""
 
     _watchers: dict[str, set[asyncio.Queue[Signal | None]]] = field(default_factory=lambda: defaultdict(set))
-    # owner -> its account's watchers (``watch_account``): they get (pid, signal) of every process
-    # of the owner's that ``publish`` is told the owner of
+    # owner -> its account's watchers (``watch_account``): they get the account signals of every
+    # process of the owner's (``to_account``, and the new titles ``publish`` is told the owner of)
     _accounts: dict[str, set[AccountQueue]] = field(default_factory=dict)
+    # owner -> the newest account seq its watchers here were given (or had read): while anyone
+    # watches it, what a worker on a shared store checks the account log against (``account_heads``)
+    _heads: dict[str, int] = field(default_factory=dict)
     # Called with every published signal of every process, once it is durable (the kernel's
     # signal watches): they must be cheap, synchronous and never raise, since they run in the
     # callback that settles a step's commit, for stream deltas too.
@@ -120,9 +148,10 @@ class SignalHub:
         return bool(self._watchers.get(pid))
 
     def watch_account(self, owner: str) -> AccountQueue:
-        """A queue of (pid, signal) for the ``for_account`` signals of ``owner``'s processes from
-        now on: live only, nothing is replayed (the store has what is pending). None ends it: the
-        hub closed, or the watcher fell ``BACKLOG`` behind and should read the store again."""
+        """A queue of the ``for_account`` signals of ``owner``'s processes from now on, as they are
+        published here (``Kernel.account_signals`` puts them in account seq order and fills gaps
+        from the account log). None ends it: the hub closed, or the watcher fell ``BACKLOG``
+        behind and should resume from the account log."""
         queue: AccountQueue = asyncio.Queue(maxsize=BACKLOG)
         self._accounts.setdefault(owner, set()).add(queue)
         return queue
@@ -133,15 +162,25 @@ class SignalHub:
             watchers.discard(queue)
             if not watchers:
                 del self._accounts[owner]
+                self._heads.pop(owner, None)
+
+    def account_seen(self, owner: str, seq: int) -> None:
+        """A watcher of ``owner``'s account has read its account log up to ``seq``."""
+        if owner in self._accounts and seq > self._heads.get(owner, 0):
+            self._heads[owner] = seq
+
+    def account_heads(self) -> dict[str, int]:
+        """owner -> the newest account seq that reached its watchers here, for every owner watched."""
+        return dict(self._heads)
 
     def publish(self, pid: str, signal: Signal, owner: str | None = None) -> None:
-        """Announce ``signal``; with its process's ``owner``, to the owner's account watchers too.
-        The steps this worker commits give it; what is read from the log or relayed for a process
-        another worker holds (a shared store) comes without, and reaches process watchers only."""
+        """Announce ``signal``; with its process's ``owner``, an unlogged one to the owner's
+        account watchers too (a new title: live only, no account seq). Logged account-level
+        signals reach them through ``to_account``, with their account seqs."""
         for queue in self._watchers.get(pid, ()):
             _put(queue, signal)
         if owner is not None and self._accounts:  # the hot path's only cost while nobody watches an account
-            self._to_account(owner, pid, signal)
+            self._to_account(owner, AccountSignal(pid, signal))
         for listener in self._taps:
             listener(pid, signal)
 
@@ -149,25 +188,30 @@ class SignalHub:
         """Whether anyone here watches ``owner``'s account stream."""
         return bool(self._accounts.get(owner))
 
-    def to_account(self, owner: str, pid: str, signal: Signal) -> None:
-        """``signal`` of ``owner``'s process ``pid`` to the account's watchers only (another
-        worker committed it: its process watchers read it from the log)."""
-        self._to_account(owner, pid, signal)
+    def to_account(self, owner: str, item: AccountSignal) -> None:
+        """A logged account signal of ``owner``'s to the account's watchers only: one this
+        worker committed (its process watchers had it from ``publish``), or one another worker
+        committed (they read it from the log)."""
+        if self._accounts:
+            self._to_account(owner, item)
 
-    def _to_account(self, owner: str, pid: str, signal: Signal) -> None:
+    def _to_account(self, owner: str, item: AccountSignal) -> None:
         watchers = self._accounts.get(owner)
-        if not watchers or not for_account(signal):
+        if not watchers or not for_account(item.signal):
             return
+        if item.seq is not None and item.seq > self._heads.get(owner, 0):
+            self._heads[owner] = item.seq
         for queue in list(watchers):
-            if queue.full():  # fallen too far behind: ended, so that it reads the inbox again
+            if queue.full():  # fallen too far behind: ended, so that it resumes from the account log
                 self.unwatch_account(owner, queue)
                 _end(queue)
             else:
-                queue.put_nowait((pid, signal))
+                queue.put_nowait(item)
 
     def close_accounts(self) -> None:
         """Shutting down: end every account watcher's stream."""
         accounts, self._accounts = self._accounts, {}
+        self._heads.clear()
         for watchers in accounts.values():
             for queue in watchers:
                 _end(queue)

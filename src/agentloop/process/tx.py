@@ -19,7 +19,7 @@ from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
 from agentloop.process.media import is_stored
 from agentloop.process.pressure import DEFAULT_POLICY, Band, CompactionPolicy, ContextReading
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import ProcessRecord, StoreError, UsageTotals
 from agentloop.process.store.base import ProcessState, QueueKind
 
@@ -100,6 +100,7 @@ class _Tx:
         self.engine = engine
         self.live = live
         self.signals: list[Signal] = []
+        self.accounted: list[AccountSignal] = []  # the account-level ones, with their account seqs
         self.after: list[Callable[[], None]] = []  # cache updates
         self.durable: list[Callable[[], None]] = []  # effects, once committed
         self._pending: list[tuple[str, dict[str, Any]]] = []
@@ -114,15 +115,25 @@ class _Tx:
             logged = [Signal(n, p, q) for (n, p), q in zip(self._pending, seqs, strict=True)]
             self.signals += logged
             self._pending = []
-            if self.engine.leases is not None:  # (a shared store: the other workers' account streams)
-                await self._notify_account(logged)
+            picked = [s for s in logged if sig.for_account(s)]
+            if picked:  # (most steps log none: a run's end, an approval asked or answered)
+                await self._account(picked)
 
-    async def _notify_account(self, logged: list[Signal]) -> None:
-        """The account-level signals just logged (``for_account``), told to the other workers in
-        this transaction: each worker publishes what it commits to its own account watchers only."""
-        told = [(s.seq, s.signal, s.payload) for s in logged if s.seq is not None and sig.for_account(s)]
-        if told:
-            await self.engine.store.notify_account(self.live.record.owner, self.live.record.pid, told)
+    async def _account(self, picked: list[Signal]) -> None:
+        """The account-level signals just logged (``for_account``), copied to the owner's account
+        log in this transaction, numbered there (published with those numbers once durable:
+        ``settled``); on a shared store also told to the other workers, who publish them to their
+        own account watchers. The owner's log is pruned as it passes each ACCOUNT_PRUNE_EVERY."""
+        store, pid, owner = self.engine.store, self.live.record.pid, self.live.record.owner
+        rows = [(s.seq or 0, s.signal, s.payload) for s in picked]
+        numbers = await store.append_account_events(owner, pid, rows)
+        self.accounted += [AccountSignal(pid, s, n) for s, n in zip(picked, numbers, strict=True)]
+        newest, every = numbers[-1], sig.ACCOUNT_PRUNE_EVERY
+        if newest // every > (numbers[0] - 1) // every and newest > sig.KEPT_ACCOUNT_SIGNALS:
+            await store.prune_account_events(owner, through=newest - sig.KEPT_ACCOUNT_SIGNALS)
+        if self.engine.leases is not None:  # (a shared store: the other workers' account streams)
+            told = [(n, seq, name, payload) for n, (seq, name, payload) in zip(numbers, rows, strict=True)]
+            await store.notify_account(owner, pid, told)
 
     async def append(self, run_id: str | None, messages: list[Message]) -> None:
         await self.engine.store.append_messages(self.live.record.pid, run_id, messages)
@@ -214,19 +225,23 @@ class _Tx:
         for effect in self.durable:
             effect()
         if self.signals:
-            publish, pid, owner = self.engine.hub.publish, live.record.pid, live.record.owner
+            publish, pid = self.engine.hub.publish, live.record.pid
             for s in self.signals:
-                publish(pid, s, owner)
+                publish(pid, s)
             live.seq = max(live.seq, self.signals[-1].seq or 0)
+            if self.accounted:
+                to_account, owner = self.engine.hub.to_account, live.record.owner
+                for item in self.accounted:
+                    to_account(owner, item)
         # done with: the closures these lists hold refer back to this object, a cycle only the
         # garbage collector would free (a dozen objects per step, and more frequent collections)
-        self.durable, self.signals = [], []
+        self.durable, self.signals, self.accounted = [], [], []
         if live.record.current_run is None:
             live.idle.set()
 
     def drop(self) -> None:
         """The body was not kept (or its commit was lost): forget what it collected (see ``settled``)."""
-        self.after, self.durable, self.signals, self._pending = [], [], [], []
+        self.after, self.durable, self.signals, self._pending, self.accounted = [], [], [], [], []
 
 
 class _TxScope:

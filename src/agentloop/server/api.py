@@ -213,7 +213,12 @@ class ApprovalsQuery(Query):
 
 
 class AccountEventsQuery(Query):
-    follow: bool = Field(True, description="false: answer at once, sending nothing (the stream is live only).")
+    after_seq: int | None = Field(
+        None, ge=0, le=MAX_SEQ, description="Send the account's logged signals after this account seq first."
+    )
+    follow: bool = Field(
+        True, description="Keep the stream open for live signals after the backlog (none without after_seq)."
+    )
 
 
 class WithdrawQuery(Query):
@@ -513,8 +518,11 @@ class DeviceList(Answer):
 class EventOut(Answer):
     signal: str
     payload: dict[str, Any]
-    seq: int | None = Field(description="The log sequence number (also the SSE id); null for live-only progress.")
-    pid: str
+    seq: int | None = Field(
+        description="The process log's sequence number (also the SSE id of a process stream; an account stream's"
+        " id is the account seq); null for live-only progress."
+    )
+    pid: str | None = Field(description="The process; null only on the account stream's account.log.pruned.")
 
 
 class ChatEvent(BaseModel):
@@ -779,7 +787,9 @@ async def account_approvals(call: Call) -> dict[str, Any]:
 
 async def account_events(call: Call) -> Response:
     query = call.parsed(AccountEventsQuery, call.query)
-    return await open_account_stream(call.ctx, call.principal, follow=query.follow)
+    resume = _last_event_id(call.request)
+    after = resume if resume is not None else query.after_seq  # the header wins: it is the reconnect
+    return await open_account_stream(call.ctx, call.principal, after_seq=after, follow=query.follow)
 
 
 async def decide(call: Call) -> dict[str, Any]:
@@ -911,7 +921,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SpawnBody,
         answer=ProcessOut,
         status=201,
-        errors=(402, 409, 429),
+        errors=(402, 409, 429, 502),
     ),
     Endpoint("GET", "/v1/processes", "The caller's processes.", list_processes, answer=ProcessList),
     Endpoint("GET", _P, "One process.", get_process, answer=ProcessOut),
@@ -924,7 +934,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SendBody,
         answer=ReceiptOut,
         status=202,
-        errors=(402, 429),
+        errors=(402, 429, 502),
     ),
     Endpoint(
         "GET",
@@ -1114,12 +1124,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(
         "GET",
         "/v1/events",
-        "Live only: approvals asked and answered (proc.changed with hil) and runs finished, of all the caller's"
-        " processes.",
+        "Approvals asked and answered (proc.changed with hil) and runs finished, of all the caller's processes;"
+        " each event's id is its account seq (a stream opened from now on starts with an id-only frame).",
         account_events,
         query=AccountEventsQuery,
         stream=EventOut,
         errors=(503,),
+        headers=(("Last-Event-ID", "Resume after this account seq; wins over after_seq."),),
     ),
     Endpoint("GET", "/v1/devices", "Connected devices: the caller's (all for admins).", devices, answer=DeviceList),
     Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),

@@ -12,8 +12,12 @@ cancelling a wait on a generator's ``__anext__`` would end that generator. Cance
 ``Queue.get`` loses nothing, and cancelling the pump closes ``Process.signals`` (whose
 ``finally`` unwatches) in the pump's own task.
 
-The account stream is live only: its frames have no ``id``, since seqs are per process and there
-is no account log to resume; a client lists ``GET /v1/approvals`` whenever it (re)connects.
+The account stream is resumable the same way, by account seq (per owner: the account log's, see
+``Kernel.account_signals``): its frames carry ``id: <account seq>`` (a new title, live only, has
+none), and ``Last-Event-ID`` (or ``after_seq``) resumes after one. A stream opened without either
+starts with a frame that is only ``id: <the newest account seq>``: it dispatches no event, but a
+client cut off before the first signal resumes from it. A resume point older than the kept log is
+told with an ``account.log.pruned`` event (no id) first, as ``proc.log.pruned`` on a process stream.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from sse_starlette.sse import SendTimeoutError
 from starlette.types import Receive, Scope, Send
 
 from agentloop.kernel import NoSuchProcess
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.errors import ApiError
@@ -54,10 +58,15 @@ def frame(pid: str, signal: Signal) -> ServerSentEvent:
     )
 
 
-def account_frame(item: tuple[str, Signal]) -> ServerSentEvent:
-    """A frame of the account stream: the process stream's, without an id (nothing to resume)."""
-    pid, signal = item
-    return ServerSentEvent(data=json_text(event_data(pid, signal)), event=signal.signal)
+def account_frame(item: AccountSignal) -> ServerSentEvent:
+    """A frame of the account stream: the process stream's, with the account seq as its id (the
+    ``seq`` in its data stays the signal's seq in its process's log)."""
+    signal = item.signal
+    return ServerSentEvent(
+        data=json_text({**signal_json(signal), "pid": item.pid}),
+        event=signal.signal,
+        id=str(item.seq) if item.seq is not None else None,
+    )
 
 
 BUFFER = 256  # signals read ahead of a slow client; beyond it, reading the backlog waits for the client
@@ -181,16 +190,24 @@ async def open_stream(
     return _EventStream(frames(ctx, pid, signals, who), pid)
 
 
-async def _nothing() -> AsyncIterator[tuple[str, Signal]]:
-    return
-    yield  # (an async generator that ends at once)
+async def _opening(start: int, signals: AsyncIterator[ServerSentEvent]) -> AsyncIterator[ServerSentEvent]:
+    """``signals``, led by a frame that only sets the client's last event id to ``start``."""
+    yield ServerSentEvent(id=str(start))
+    async with aclosing(signals):  # type: ignore[type-var]  # an async generator at runtime
+        async for item in signals:
+            yield item
 
 
-async def open_account_stream(ctx: ServerContext, who: Principal, *, follow: bool) -> EventSourceResponse:
-    """The caller's account stream; ``follow=false`` ends it at once (no log to send first), which
-    tells a client the stream may be opened without holding it."""
+async def open_account_stream(
+    ctx: ServerContext, who: Principal, *, after_seq: int | None, follow: bool
+) -> EventSourceResponse:
+    """The caller's account stream after account seq ``after_seq`` (None: from now on, opened by
+    an id-only frame saying where that is); ``follow=false`` ends it after the logged backlog,
+    at once without ``after_seq`` (which tells a client the stream may be opened without holding
+    it, and where it stands)."""
     if ctx.stopping.is_set():
         raise ApiError(503, "unavailable", "the server is shutting down")
-    signals = ctx.processes.account_signals(who) if follow else _nothing()
+    start, signals = await ctx.processes.account_signals(who, after_seq=after_seq, follow=follow)
     name = f"account {who.account}"
-    return _EventStream(_frames(ctx, name, signals, who, account_frame), name)
+    frames = _frames(ctx, name, signals, who, account_frame)
+    return _EventStream(frames if after_seq is not None else _opening(start, frames), name)

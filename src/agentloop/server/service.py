@@ -36,7 +36,7 @@ from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge
 from agentloop.process.pressure import check_policy, context_of
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import (
     MAX_SEQ,
     HilRow,
@@ -604,10 +604,15 @@ class ProcessService:
         _check_plain(owner, "account")
         return [{"pid": r.pid, **hil_json(r)} for r in await self.kernel.approvals(owner)]
 
-    def account_signals(self, who: Principal) -> AsyncIterator[tuple[str, Signal]]:
+    async def account_signals(
+        self, who: Principal, *, after_seq: int | None = None, follow: bool = True
+    ) -> tuple[int, AsyncIterator[AccountSignal]]:
         """The caller's account stream (``Kernel.account_signals``): their own processes', admins'
-        included, so that an admin's inbox is not every account's."""
-        return self.kernel.account_signals(who.account)
+        included, so that an admin's inbox is not every account's; after ``after_seq`` (an account
+        seq), or from now on. Returned with where it starts: ``after_seq``, or the newest account
+        seq now, which a client resumes from if it is cut off before any signal comes."""
+        start = await self.kernel.account_seq(who.account) if after_seq is None else after_seq
+        return start, self.kernel.account_signals(who.account, start, follow=follow)
 
     async def hil(
         self,

@@ -28,7 +28,7 @@ from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from agentloop.kernel import NoSuchProcess
-from agentloop.process.signals import Signal
+from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import MAX_SEQ
 from agentloop.server.auth import Principal, bearer
 from agentloop.server.context import ServerContext
@@ -175,8 +175,14 @@ def res_error(rid: str | None, code: str, message: str) -> dict[str, Any]:
     return {"type": "res", "id": rid, "ok": False, "error": {"code": code, "message": message}}
 
 
-def sig_frame(pid: str, signal: Signal) -> dict[str, Any]:
+def sig_frame(pid: str | None, signal: Signal) -> dict[str, Any]:
     return {"type": "sig", "signal": signal.signal, "payload": signal.payload, "seq": signal.seq, "pid": pid}
+
+
+def account_sig_frame(item: AccountSignal) -> dict[str, Any]:
+    """A signal of the account stream: a process subscription's frame, with ``id``, its account
+    seq (what ``account.subscribe {after_seq}`` resumes after; null for a new title)."""
+    return {**sig_frame(item.pid, item.signal), "id": item.seq}
 
 
 # ------------------------------------------------------------------ arguments
@@ -411,8 +417,12 @@ async def _subscribe(conn: Connection, args: dict[str, Any]) -> Any:
 
 
 async def _account_subscribe(conn: Connection, args: dict[str, Any]) -> Any:
-    stream = conn.service.account_signals(conn.user)
-    return Then({"account": conn.user.account}, lambda: conn.follow_account(stream))
+    """``account.subscribe {after_seq?}``: the account's signals after that account seq, or from
+    now on; the answer's ``after_seq`` says where the stream starts (the newest account seq now,
+    without one), which a client resumes from if it is cut off before any signal comes."""
+    after_seq = _opt_int(args, "after_seq")
+    start, stream = await conn.service.account_signals(conn.user, after_seq=after_seq)
+    return Then({"account": conn.user.account, "after_seq": start}, lambda: conn.follow_account(stream))
 
 
 async def _account_approvals(conn: Connection, args: dict[str, Any]) -> Any:
@@ -514,7 +524,7 @@ CALLS: dict[str, Call] = {
     "proc.watch.remove": Call(_watch_remove, _takes("pid", "watch_id"), mutates=True),
     "proc.queue.list": Call(_queue_list, _takes("pid")),
     "proc.queue.withdraw": Call(_queue_withdraw, _takes("pid", "item_id", "kind"), mutates=True),
-    "account.subscribe": Call(_account_subscribe, _takes()),
+    "account.subscribe": Call(_account_subscribe, _takes("after_seq")),
     "approvals.list": Call(_account_approvals, _takes("account")),
 }
 
@@ -904,18 +914,19 @@ class Connection:
             await asyncio.wait([task])
         return {"pid": pid, "unsubscribed": task is not None}
 
-    def follow_account(self, stream: AsyncIterator[tuple[str, Signal]]) -> None:
-        """Stream the account's signals as ``sig`` frames (the same as a process subscription's, so
-        a client following both tells them apart by pid and seq), replacing an earlier one."""
+    def follow_account(self, stream: AsyncIterator[AccountSignal]) -> None:
+        """Stream the account's signals as ``sig`` frames (a process subscription's, with the
+        account seq as ``id``: a client following both tells them apart by it), replacing an
+        earlier one."""
         if self.account_stream is not None:
             self.account_stream.cancel()
         self.account_stream = None
         if not (self._closed or self._ending):
             self.account_stream = self._start(self._pump_account(stream))
 
-    async def _pump_account(self, stream: AsyncIterator[tuple[str, Signal]]) -> None:
+    async def _pump_account(self, stream: AsyncIterator[AccountSignal]) -> None:
         try:
-            await self._relay(stream, lambda item: sig_frame(*item), "account stream failed", account=self.user.account)
+            await self._relay(stream, account_sig_frame, "account stream failed", account=self.user.account)
         finally:
             if self.account_stream is asyncio.current_task():
                 self.account_stream = None

@@ -3,6 +3,7 @@
 from agentloop.process.store.base import (
     MAX_SEQ,
     TERMINAL_STATUSES,
+    AccountEventRow,
     AccountRecord,
     CallStatus,
     DutyLease,
@@ -56,6 +57,7 @@ def open_store(url: str) -> Store:
 __all__ = [
     "MAX_SEQ",
     "TERMINAL_STATUSES",
+    "AccountEventRow",
     "AccountRecord",
     "CallStatus",
     "DutyLease",

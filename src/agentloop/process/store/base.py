@@ -169,6 +169,19 @@ class EventRow:
 
 
 @dataclass
+class AccountEventRow:
+    """An account-level signal as the account log keeps it: its ``seq`` in the owner's log, and
+    the process it is of with its seq in that process's log (``pid_seq``)."""
+
+    seq: int
+    pid: str
+    pid_seq: int
+    signal: str
+    payload: dict[str, Any]
+    created_at: float = 0.0
+
+
+@dataclass
 class SegmentRow:
     id: str
     pid: str
@@ -494,11 +507,45 @@ class Store(ABC):
     async def append_events(self, pid: str, events: list[tuple[str, dict[str, Any]]]) -> list[int]:
         """Append several signals at once; returns their sequence numbers."""
 
-    async def notify_account(self, owner: str, pid: str, signals: list[tuple[int, str, dict[str, Any]]]) -> None:
+    async def notify_account(self, owner: str, pid: str, signals: list[tuple[int, int, str, dict[str, Any]]]) -> None:
         """Inside a transaction: tell the other workers sharing the store of ``owner``'s
-        account-level signals (seq, name, payload) just logged for ``pid``, for their account
-        streams, once the transaction commits. A store no other worker shares has none to tell."""
+        account-level signals (account seq, seq, name, payload) just logged for ``pid``, for their
+        account streams, once the transaction commits. A store no other worker shares has none to
+        tell. Best-effort: a worker that misses one finds the gap in the account seqs and reads
+        the account log."""
         return None
+
+    # -- account log ----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def append_account_events(
+        self, owner: str, pid: str, events: list[tuple[int, str, dict[str, Any]]]
+    ) -> list[int]:
+        """Inside a transaction: copy account-level signals of ``owner``'s process ``pid`` (its
+        seq, name, payload) to the owner's account log; returns their account seqs, in order.
+        The numbering is per owner, gapless and in commit order: a second transaction of the
+        same owner's waits here until the first has committed (or rolled back, leaving no gap),
+        so whatever is numbered below a committed account seq is committed too."""
+
+    @abstractmethod
+    async def account_events(self, owner: str, after_seq: int = 0, limit: int = 1000) -> list[AccountEventRow]:
+        """The owner's account log after ``after_seq``, oldest first."""
+
+    @abstractmethod
+    async def last_account_seq(self, owner: str) -> int:
+        """The account seq of the owner's newest logged account signal (0 when none)."""
+
+    async def last_account_seqs(self, owners: Sequence[str]) -> dict[str, int]:
+        """``last_account_seq`` of each of ``owners`` (those with none left out); a dialect that
+        several workers share answers in one query (each worker's poll asks of every owner whose
+        account stream it serves)."""
+        found = {owner: await self.last_account_seq(owner) for owner in owners}
+        return {owner: seq for owner, seq in found.items() if seq}
+
+    @abstractmethod
+    async def prune_account_events(self, owner: str, *, through: int) -> int:
+        """Inside a transaction: drop the owner's account log up to ``through``, but never its
+        newest row (the numbering goes on from it); returns how many."""
 
     @abstractmethod
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]: ...

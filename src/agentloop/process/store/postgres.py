@@ -50,6 +50,8 @@ import asyncpg
 
 from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
+    MAX_SEQ,
+    AccountEventRow,
     AccountRecord,
     CallStatus,
     DutyLease,
@@ -130,6 +132,20 @@ SELECT $1, c.first + t.n - 1, t.signal, t.payload, $4
 FROM c, unnest($2::text[], $3::text[]) WITH ORDINALITY AS t(signal, payload, n)
 RETURNING seq
 """
+# Account signals copied to the owner's account log (``append_account_events``) in one round trip:
+# the upsert bumps the owner's counter row, whose lock it holds until commit, so the owner's next
+# transaction numbers after this one's commit (gapless, in commit order; a rollback undoes the bump).
+_APPEND_ACCOUNT_EVENTS = """
+WITH c AS (
+    INSERT INTO account_seqs (owner, next) VALUES ($1, 1 + cardinality($3::bigint[]))
+    ON CONFLICT (owner) DO UPDATE SET next = account_seqs.next + cardinality($3::bigint[])
+    RETURNING next - cardinality($3::bigint[]) AS first
+)
+INSERT INTO account_events (owner, seq, pid, pid_seq, signal, payload, created_at)
+SELECT $1, c.first + t.n - 1, $2, t.pid_seq, t.signal, t.payload, $6
+FROM c, unnest($3::bigint[], $4::text[], $5::text[]) WITH ORDINALITY AS t(pid_seq, signal, payload, n)
+RETURNING seq
+"""
 _ENQUEUE = """
 WITH c AS (
     UPDATE processes SET next_queue_id = next_queue_id + 1 WHERE pid = $1 RETURNING next_queue_id - 1 AS id
@@ -156,8 +172,9 @@ CHANNEL = "agentloop"  # the LISTEN/NOTIFY channel; a payload is "<pid> <sender>
 # relayed progress (process/relay.py): {"sender", "batches": [[pid, base, [payload, ...]], ...]}
 # or {"sender", "follow": [pid, ...]}, or the account-level signals of a commit (``notify_account``),
 # sent in the committing transaction (delivered at commit, never for a rolled back one):
-# {"sender", "owner", "pid", "account": [[seq, signal, payload or null], ...]} (null: too large for
-# a notification, read from the log); its sender is the store (each worker has its own)
+# {"sender", "owner", "pid", "account": [[account seq, seq, signal, payload or null], ...]} (null:
+# too large for a notification, read from the account log); its sender is the store (each worker
+# has its own)
 LIVE_CHANNEL = "agentloop_live"
 _NOTIFY_MAX = 7900  # bytes of one NOTIFY payload (PostgreSQL refuses 8000 and more)
 _CLAIM = f"""
@@ -292,12 +309,12 @@ def _fill(used: int, items: list[str], limit: int = _NOTIFY_MAX) -> list[list[st
     return [group for group in groups if group]
 
 
-def _account_items(items: list[Any]) -> list[tuple[int, str, dict[str, Any] | None]]:
-    """The [seq, signal, payload or null] of an account notification, checked."""
+def _account_items(items: list[Any]) -> list[tuple[int, int, str, dict[str, Any] | None]]:
+    """The [account seq, seq, signal, payload or null] of an account notification, checked."""
     return [
-        (int(seq), str(name), payload if isinstance(payload, dict) else None)
-        for seq, name, payload in items
-        if isinstance(seq, int) and isinstance(name, str)
+        (account_seq, seq, name, payload if isinstance(payload, dict) else None)
+        for account_seq, seq, name, payload in items
+        if isinstance(account_seq, int) and isinstance(seq, int) and isinstance(name, str)
     ]
 
 
@@ -881,17 +898,17 @@ class PostgresStore(Store):
             raise NoSuchProcess(pid)
         return sorted(int(r[0]) for r in rows)
 
-    async def notify_account(self, owner: str, pid: str, signals: list[tuple[int, str, dict[str, Any]]]) -> None:
+    async def notify_account(self, owner: str, pid: str, signals: list[tuple[int, int, str, dict[str, Any]]]) -> None:
         """In this transaction, one notification (or a few) on ``LIVE_CHANNEL``: delivered to the
         other workers at commit, never for a rollback. A payload too large for a notification is
-        sent as null, for its readers to take from the log."""
+        sent as null, for its readers to take from the account log."""
         head = dumps({"sender": self._sender, "owner": owner, "pid": pid, "account": []}).removesuffix("[]}")
         room = _NOTIFY_MAX - len(head.encode()) - 1
         texts = []
-        for seq, name, payload in signals:
-            text = dumps([seq, name, payload])
+        for account_seq, seq, name, payload in signals:
+            text = dumps([account_seq, seq, name, payload])
             if len(text.encode()) > room - 2:  # (within its group's brackets)
-                text = dumps([seq, name, None])
+                text = dumps([account_seq, seq, name, None])
             texts.append(text)
         for group in _fill(2, texts, room):
             body = f"{head}[{','.join(group)}]}}"
@@ -925,6 +942,58 @@ class PostgresStore(Store):
             bound,
         )
         return int(status.split()[-1])
+
+    # -- account log ----------------------------------------------------------------------------
+
+    async def append_account_events(
+        self, owner: str, pid: str, events: list[tuple[int, str, dict[str, Any]]]
+    ) -> list[int]:
+        if not events:
+            return []
+        rows = await self._write().fetch(
+            _APPEND_ACCOUNT_EVENTS,
+            owner,
+            pid,
+            [seq for seq, _, _ in events],
+            [name for _, name, _ in events],
+            [dumps(payload) for _, _, payload in events],
+            time.time(),
+        )
+        return sorted(int(r[0]) for r in rows)
+
+    async def account_events(self, owner: str, after_seq: int = 0, limit: int = 1000) -> list[AccountEventRow]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                "SELECT seq, pid, pid_seq, signal, payload, created_at FROM account_events"
+                " WHERE owner = $1 AND seq > $2::bigint ORDER BY seq LIMIT $3",
+                owner,
+                after_seq,
+                limit,
+            )
+        return [AccountEventRow(int(r[0]), r[1], int(r[2]), r[3], json.loads(r[4]), r[5]) for r in rows]
+
+    async def last_account_seq(self, owner: str) -> int:
+        async with self._reading() as db:
+            found = await db.fetchval("SELECT MAX(seq) FROM account_events WHERE owner = $1", owner)
+        return int(found) if found is not None else 0
+
+    async def last_account_seqs(self, owners: Sequence[str]) -> dict[str, int]:
+        async with self._reading() as db:
+            rows = await db.fetch(
+                "SELECT owner, MAX(seq) FROM account_events WHERE owner = ANY($1::text[]) GROUP BY owner",
+                list(owners),
+            )
+        return {row[0]: int(row[1]) for row in rows}
+
+    async def prune_account_events(self, owner: str, *, through: int) -> int:
+        bound = max(0, min(through, MAX_SEQ))
+        status = await self._write().execute(
+            "DELETE FROM account_events WHERE owner = $1 AND seq <= LEAST($2::bigint,"
+            " (SELECT MAX(seq) FROM account_events WHERE owner = $1) - 1)",
+            owner,
+            bound,
+        )
+        return _changed(status)
 
     # -- history segments -----------------------------------------------------------------------
 

@@ -356,6 +356,31 @@ MIGRATIONS: list[tuple[int, str]] = [
         ) {clustered};
         """,
     ),
+    (
+        12,
+        # The account log: a copy of each account-level signal (``signals.for_account``) a process
+        # step logs, numbered per owner (``seq``, gapless, in commit order) in the transaction that
+        # logs it, so an account stream resumes after the last one its client saw. A copy, keyed by
+        # the owner: a reset or a kill drops a process's own log, not this. ``pid_seq`` is the
+        # signal's seq in its process's log. ``account_seqs`` holds the next seq of an owner where a
+        # dialect numbers from a counter row (PostgreSQL: its row lock orders the owner's commits).
+        """
+        CREATE TABLE account_events (
+            owner TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            pid TEXT NOT NULL,
+            pid_seq BIGINT NOT NULL,
+            signal TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (owner, seq)
+        ) {clustered};
+        CREATE TABLE account_seqs (
+            owner TEXT PRIMARY KEY,
+            next BIGINT NOT NULL
+        ) {clustered};
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

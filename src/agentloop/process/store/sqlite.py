@@ -26,6 +26,8 @@ from typing import Any
 
 from agentloop.messages import Message, message_from_json, message_to_json
 from agentloop.process.store.base import (
+    MAX_SEQ,
+    AccountEventRow,
     AccountRecord,
     CallStatus,
     DutyLease,
@@ -89,6 +91,9 @@ _INSERT_MESSAGE = (
 BUSY_WAIT = 5.0
 _BUSY_TIMEOUT_MS = 5
 _INSERT_EVENT = "INSERT INTO events (pid, seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?)"
+_INSERT_ACCOUNT_EVENT = (
+    "INSERT INTO account_events (owner, seq, pid, pid_seq, signal, payload, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 _FOLD_USAGE = FOLD_USAGE.replace("$1", "?1")
 _ACCOUNT_USAGE = ACCOUNT_USAGE.replace("$1", "?1")
 _OWNER_KV = OWNER_KV.format(owner="?", key="?")
@@ -175,6 +180,10 @@ class SQLiteStore(Store):
         # next event seq, next queue id, history generation]. Valid while no other connection has
         # committed (``PRAGMA data_version``, checked when each transaction begins).
         self._known: dict[str, list[int]] = {}
+        # owner -> the newest account seq as last committed by this connection (valid as ``_known``
+        # is), so that numbering an account signal is a plain INSERT: reading the owner's newest
+        # in the statement (``INSERT … SELECT MAX(seq) + 1 … RETURNING``) cost four times as much
+        self._known_accounts: dict[str, int] = {}
         self._data_version = -1
         # The open transaction's view: counters taken so far, and registry columns to write. Both
         # go to the process row in one UPDATE at commit (or before a read of the registry).
@@ -182,6 +191,7 @@ class SQLiteStore(Store):
         self._tx_base: dict[str, list[int]] = {}  # the counters as the process row holds them now
         self._tx_fields: dict[str, dict[str, Any]] = {}
         self._tx_deleted: set[str] = set()
+        self._tx_accounts: dict[str, int] = {}  # owner -> the newest account seq the body numbered
         self._checkpointer: Checkpointer | None = None
         self._runtime_lock: int | None = None  # the lock file's descriptor (see ``hold_runtime``)
         # Group commit (see ``_begin``): the task whose commit opened this turn of the event loop,
@@ -227,6 +237,7 @@ class SQLiteStore(Store):
         # ``PRAGMA data_version`` numbers are per connection: the new one's may equal the last one
         # this store saw, though other connections committed while it was closed
         self._known.clear()
+        self._known_accounts.clear()
         self._data_version = -1
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -341,6 +352,7 @@ class SQLiteStore(Store):
                 version = db.execute("PRAGMA data_version").fetchone()[0]
                 if version != self._data_version:  # another connection committed: what we knew may be stale
                     self._known.clear()
+                    self._known_accounts.clear()
                     self._data_version = version
                 if self._committer is not None and self._committer is not me:
                     self._group = _Group()
@@ -395,6 +407,8 @@ class SQLiteStore(Store):
             known.update(self._tx_counters)
             for pid in self._tx_deleted:
                 known.pop(pid, None)
+            if self._tx_accounts:
+                self._known_accounts.update(self._tx_accounts)
             if not member:
                 self._committed(task, loop)
                 return None
@@ -408,6 +422,7 @@ class SQLiteStore(Store):
             self._tx_base.clear()
             self._tx_fields.clear()
             self._tx_deleted.clear()
+            self._tx_accounts.clear()
             self._lock.release()
             if member and self._group is not None and self._group.due:
                 # not from here: the member's caller applies its cache updates when end() returns,
@@ -474,6 +489,7 @@ class SQLiteStore(Store):
         """Tell every member how its group ended: first each one's follow-up, then its waiter."""
         if error is not None:
             self._known.clear()  # nothing of the group is stored: forget what we knew
+            self._known_accounts.clear()
         for _, settled in group.members:
             if settled is not None:
                 try:
@@ -940,6 +956,59 @@ class SQLiteStore(Store):
             "DELETE FROM events WHERE pid = ? AND seq <= MIN(?, COALESCE("
             "(SELECT MIN(seen_seq) FROM signal_watches WHERE source_pid = ?), ?))",
             (pid, bound, pid, bound),
+        )
+        return cursor.rowcount
+
+    # -- account log ----------------------------------------------------------------------------
+
+    async def append_account_events(
+        self, owner: str, pid: str, events: list[tuple[int, str, dict[str, Any]]]
+    ) -> list[int]:
+        if not events:
+            return []
+        db = self._write()
+        # the owner's newest account seq: as this body left it, as last committed, or read (one
+        # writer: nothing else can number between the read and the insert; a rolled back body
+        # leaves no gap, as its numbers are forgotten with it)
+        newest = self._tx_accounts.get(owner)
+        if newest is None:
+            newest = self._known_accounts.get(owner)
+        if newest is None:
+            row = db.execute("SELECT MAX(seq) FROM account_events WHERE owner = ?", (owner,)).fetchone()
+            newest = int(row[0] or 0)
+        now = time.time()
+        if len(events) == 1:
+            seq, name, payload = events[0]
+            db.execute(_INSERT_ACCOUNT_EVENT, (owner, newest + 1, pid, seq, name, dumps(payload), now))
+        else:
+            db.executemany(
+                _INSERT_ACCOUNT_EVENT,
+                [
+                    (owner, newest + i, pid, seq, name, dumps(payload), now)
+                    for i, (seq, name, payload) in enumerate(events, 1)
+                ],
+            )
+        self._tx_accounts[owner] = newest + len(events)
+        return list(range(newest + 1, newest + len(events) + 1))
+
+    async def account_events(self, owner: str, after_seq: int = 0, limit: int = 1000) -> list[AccountEventRow]:
+        rows = self.db.execute(
+            "SELECT seq, pid, pid_seq, signal, payload, created_at FROM account_events"
+            " WHERE owner = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (owner, after_seq, limit),
+        ).fetchall()
+        return [AccountEventRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5]) for r in rows]
+
+    async def last_account_seq(self, owner: str) -> int:
+        row = self.db.execute("SELECT MAX(seq) FROM account_events WHERE owner = ?", (owner,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    async def prune_account_events(self, owner: str, *, through: int) -> int:
+        bound = max(0, min(through, MAX_SEQ))
+        cursor = self._write().execute(
+            "DELETE FROM account_events WHERE owner = ?1 AND seq <= MIN(?2,"
+            " (SELECT MAX(seq) FROM account_events WHERE owner = ?1) - 1)",
+            (owner, bound),
         )
         return cursor.rowcount
 
