@@ -45,7 +45,7 @@ async def test_a_stopped_run_finishes_its_step_then_answers_without_tools() -> N
     results = [m for m in result.messages if isinstance(m, ToolResultMessage)]
     assert result.stop_reason == "stopped" and result.text.startswith("Stopped after step 1")
     assert [r.text for r in results] == ["step done"]  # the step under way was not cut short
-    assert not model.requests[-1].tools and "asked you to stop" in model.requests[-1].messages[-1].text
+    assert not model.requests[-1].tools and "asked to stop" in model.requests[-1].messages[-1].text
     run.stop()  # over: nothing to do
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from agentloop.loop.output import OutputSpec
     from agentloop.loop.reveal import ToolReveal
     from agentloop.loop.stop_after import StopAfterTools
+    from agentloop.loop.tool_retry import ToolRetry
     from agentloop.messages import (
         AssistantMessage,
         FileContent,
@@ -56,6 +57,7 @@ _LAZY: dict[str, str] = {
     "OutputSpec": "agentloop.loop.output",
     "ToolReveal": "agentloop.loop.reveal",
     "StopAfterTools": "agentloop.loop.stop_after",
+    "ToolRetry": "agentloop.loop.tool_retry",
     "AssistantMessage": "agentloop.messages",
     "FileContent": "agentloop.messages",
     "ImageContent": "agentloop.messages",
@@ -139,6 +141,7 @@ __all__ = [
     "ToolError",
     "ToolResult",
     "ToolResultMessage",
+    "ToolRetry",
     "ToolReveal",
     "TurnInfo",
     "Usage",

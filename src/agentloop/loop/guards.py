@@ -16,13 +16,14 @@ from agentloop.messages import Usage
 
 #: the result of a direct call the model made past the ``max_tool_calls`` budget
 CALLS_USED_UP = "Not run: the run's tool call budget is used up."
-#: the stop reason of a run a person asked to finish (``Run.stop``): the guard that ends it gently
+#: the stop reason of a run asked to finish (``Run.stop``, a ``post_turn`` hook's ``Stop``): the guard that
+#: ends it gently (its instruction names no one: a person, a hook or a retry budget may ask)
 STOPPED = "stopped"
 #: the final round's instruction of the guards that are not budgets
 FINAL_INSTRUCTIONS = {
     REPEATED_FAILURE: REPEATED_FAILURE_INSTRUCTION,
     STOPPED: (
-        "The user asked you to stop here. Tools are disabled now: say briefly what you did and what is "
+        "You were asked to stop here. Tools are disabled now: say briefly what you did and what is "
         "left undone, and stop."
     ),
 }
