@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from agentloop.models.registry import register_provider, resolve_model
     from agentloop.models.retry import RetryPolicy
     from agentloop.models.scripted import Reply, ScriptedModel, call
+    from agentloop.process.audio_video import AudioContent, VideoContent
     from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult, tool
 
 __version__ = "0.1.0"
@@ -78,6 +79,8 @@ _LAZY: dict[str, str] = {
     "Reply": "agentloop.models.scripted",
     "ScriptedModel": "agentloop.models.scripted",
     "call": "agentloop.models.scripted",
+    "AudioContent": "agentloop.process.audio_video",
+    "VideoContent": "agentloop.process.audio_video",
     "Tool": "agentloop.tools.base",
     "ToolContext": "agentloop.tools.base",
     "ToolError": "agentloop.tools.base",
@@ -110,6 +113,7 @@ __all__ = [
     "Agent",
     "AgentBusy",
     "AssistantMessage",
+    "AudioContent",
     "Block",
     "FileContent",
     "Guards",
@@ -146,6 +150,7 @@ __all__ = [
     "TurnInfo",
     "Usage",
     "UserMessage",
+    "VideoContent",
     "call",
     "register_provider",
     "resolve_model",

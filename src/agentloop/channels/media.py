@@ -44,12 +44,21 @@ import base64
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Literal, Protocol
+from typing import Literal
 
 import httpx
 
 from agentloop.images import sniff_image
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent
+from agentloop.process.audio_video import (
+    TRANSCRIBE_SECONDS,
+    Transcriber,
+    audio_type,
+    clean_transcript,
+    shown_name,
+)
+from agentloop.process.audio_video import audio_filename as _audio_filename
+from agentloop.process.audio_video import transcript_text as _transcript_text
 from agentloop.process.media import DEFAULT_MAX_BYTES, MAX_TEXT_BYTES, check_media
 
 __all__ = [
@@ -66,8 +75,10 @@ __all__ = [
     "audio_type",
     "block_of",
     "classify",
+    "clean_transcript",
     "default_text",
     "read_capped",
+    "shown_name",
     "transcript_text",
 ]
 
@@ -75,7 +86,6 @@ MAX_FILE_BYTES = DEFAULT_MAX_BYTES  # bytes of one file (the kernel's media limi
 MAX_FILES = 4  # files of one message
 FETCH_TRIES = 3  # times a download that failed for a reason that may pass is tried
 FETCH_SECONDS = 120.0  # seconds one download may take in all (a server that trickles is cut off)
-TRANSCRIBE_SECONDS = 300.0  # seconds one transcription may take in all, whatever the transcriber's own limit
 
 UNSUPPORTED = (
     "I can read text, images and PDF or text documents; voice messages, audio, video, stickers "
@@ -94,43 +104,6 @@ def no_words(what: str) -> str:
 
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
-# audio a transcriber is given: its type, by suffix, and the suffix a file of that type is named with
-# (a server such as OpenAI's tells the format by the file name's suffix)
-_AUDIO_ALIASES = {
-    "audio/mp3": "audio/mpeg",
-    "audio/x-mp3": "audio/mpeg",
-    "audio/x-wav": "audio/wav",
-    "audio/wave": "audio/wav",
-    "audio/vnd.wave": "audio/wav",
-    "audio/x-m4a": "audio/mp4",
-    "audio/m4a": "audio/mp4",
-    "audio/x-flac": "audio/flac",
-    "audio/opus": "audio/ogg",
-    "application/ogg": "audio/ogg",
-}
-_AUDIO_BY_SUFFIX = {
-    ".ogg": "audio/ogg",
-    ".oga": "audio/ogg",
-    ".opus": "audio/ogg",
-    ".mp3": "audio/mpeg",
-    ".mpga": "audio/mpeg",
-    ".m4a": "audio/mp4",
-    ".wav": "audio/wav",
-    ".flac": "audio/flac",
-    ".aac": "audio/aac",
-    ".amr": "audio/amr",
-    ".weba": "audio/webm",
-}
-_AUDIO_SUFFIX = {
-    "audio/ogg": ".ogg",
-    "audio/mpeg": ".mp3",
-    "audio/mp4": ".m4a",
-    "audio/wav": ".wav",
-    "audio/flac": ".flac",
-    "audio/aac": ".aac",
-    "audio/amr": ".amr",
-    "audio/webm": ".webm",
-}
 _ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "text/x-markdown": "text/markdown"}
 _BY_SUFFIX = {
     ".png": "image/png",
@@ -147,13 +120,6 @@ _BY_SUFFIX = {
 _GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
 
 Kind = Literal["image", "file", "audio"]  # ("audio": transcribed, where the bridge has a transcriber)
-
-
-class Transcriber(Protocol):
-    """Speech to text, as a bridge uses it: the words said in ``audio`` (a file named
-    ``filename``, of type ``mime``). Any exception is a failed transcription (the user is told)."""
-
-    async def transcribe(self, audio: bytes, filename: str, mime: str) -> str: ...
 
 
 class FetchFailed(Exception):
@@ -203,47 +169,15 @@ def classify(mime: object, name: object = "") -> tuple[Kind | None, str]:
     return None, declared
 
 
-def audio_type(mime: object, name: object = "") -> str | None:
-    """The audio type of a file declared as ``mime`` and named ``name`` (by the name's suffix when
-    the type is missing or generic); None for anything that is not audio."""
-    declared = mime.split(";", 1)[0].strip().lower() if isinstance(mime, str) else ""
-    declared = _AUDIO_ALIASES.get(declared, declared)
-    if declared in _GENERIC and isinstance(name, str):
-        declared = _AUDIO_BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
-    return declared if declared.startswith("audio/") and len(declared) > len("audio/") else None
-
-
 def audio_filename(attachment: Attachment) -> str:
-    """The name ``attachment`` is given to a transcriber as: its own when it has a suffix the
-    server can tell the format by, else ``audio`` with the suffix of its type."""
-    name = attachment.name
-    suffix = PurePosixPath(name.lower()).suffix
-    if name and (suffix in _AUDIO_BY_SUFFIX or suffix in _AUDIO_SUFFIX.values()):
-        return name
-    return "audio" + _AUDIO_SUFFIX.get(attachment.mime, ".ogg")
+    """The name ``attachment`` is given to a transcriber as (``process.audio_video.audio_filename``)."""
+    return _audio_filename(attachment.name, attachment.mime)
 
 
 def transcript_text(attachment: Attachment, transcript: str) -> str:
-    """The transcript of ``attachment`` as the agent reads it: marked as a transcription, so that
-    the agent knows the user spoke it (and that the words may be misheard)."""
-    what = attachment.what
-    label = what[4:] if what.startswith("the ") else f'audio file "{what}"'
-    return f"[Transcribed {label}]: {transcript}"
-
-
-def clean_transcript(text: str) -> str:
-    """A transcript with what no message should hold (control characters, lone surrogates) taken
-    out and its whitespace tidied."""
-    kept = "".join(c for c in text if c.isprintable() or c in "\n\t")
-    return "\n".join(" ".join(line.split()) for line in kept.strip().splitlines()).strip()
-
-
-def shown_name(name: object, fallback: str) -> str:
-    """A file name as the user is told about it: one short line (``fallback`` when there is none)."""
-    if not isinstance(name, str):
-        return fallback
-    clean = "".join(c for c in name if c.isprintable()).strip()[:80]
-    return clean or fallback
+    """The transcript of ``attachment`` as the agent reads it, marked as a transcription (the
+    wording the kernel gives audio sent to a process too: ``process.audio_video.transcript_text``)."""
+    return _transcript_text(attachment.what, transcript)
 
 
 def default_text(attachments: Sequence[Attachment]) -> str:

@@ -50,6 +50,9 @@ from agentloop.cli.options import (
     StoreOpt,
     SystemOpt,
     ToolExecutionOpt,
+    TranscribeKeyEnvOpt,
+    TranscribeModelOpt,
+    TranscribeUrlOpt,
     WorkspaceOpt,
     loop_flags,
 )
@@ -57,6 +60,7 @@ from agentloop.cli.render import Progress
 from agentloop.sockets import listening_socket
 
 if TYPE_CHECKING:  # (the server extra may be missing: imported where it is used)
+    from agentloop.models.transcribe import OpenAITranscriber
     from agentloop.server.auth import Accounts
 
 T = TypeVar("T")
@@ -81,6 +85,7 @@ class ServeOptions:
     max_processes: int | None = None  # per account (None: the server's default)
     max_inputs_per_minute: int | None = None  # per account (None: the server's default)
     account_budget: float | None = None  # dollars per account and calendar month (None: no budget)
+    transcriber: OpenAITranscriber | None = None  # audio sent to a process is transcribed (None: refused)
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -171,6 +176,7 @@ async def serve_async(
                 data_dir=opts.data,
                 devices=hub,
                 extra_tools=extra,
+                transcriber=opts.transcriber,
                 **opts.approval.kernel_options(),
                 **options,
             ) as kernel,
@@ -238,6 +244,8 @@ async def serve_async(
                     if server.started:
                         _say(opts.out, f"agentloop serving on {running.url}")
                         _say(opts.out, f"web UI: {running.url}/ (sign in with a token)")
+                        if opts.transcriber is not None:
+                            _say(opts.out, f"audio sent to processes is transcribed ({opts.transcriber!r})")
                         if on_ready is not None:
                             result = on_ready(running)
                             if result is not None:
@@ -252,6 +260,8 @@ async def serve_async(
                     await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
     finally:
         sock.close()
+        if opts.transcriber is not None:  # (after the kernel, which no longer sends it audio)
+            await opts.transcriber.close()
 
 
 async def _first_start(accounts: Accounts) -> str | None:
@@ -445,9 +455,13 @@ def serve(
             " is refused with 402 (admins are not limited; default: no budget).",
         ),
     ] = None,
+    transcribe_model: TranscribeModelOpt = None,
+    transcribe_url: TranscribeUrlOpt = None,
+    transcribe_key_env: TranscribeKeyEnvOpt = None,
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
     prints the admin token once). The run limits apply to every process it runs."""
+    from agentloop.cli.channel import open_transcriber
     from agentloop.cli.main import (
         CliError,
         _approval,
@@ -481,6 +495,10 @@ def serve(
         setting = _approval(approval)
         ws = _workspace(settings)
         directory = _data_directory(data)
+        try:  # (the channels' flags and config keys: audio sent over the API is transcribed as theirs is)
+            transcriber = open_transcriber(transcribe_model, transcribe_url, transcribe_key_env)
+        except ValueError as exc:
+            _fail(str(exc), 2)
         if not settings.fallbacks and (why := _model_problem(settings.model)) is not None:
             # not refused, as ``run`` and ``chat`` refuse it: an account's own model may answer instead;
             # but without a word, every message to the others failed with no hint why before the first
@@ -503,6 +521,7 @@ def serve(
             max_processes=max_processes,
             max_inputs_per_minute=max_inputs_per_minute,
             account_budget=account_budget,
+            transcriber=transcriber,
         )
         try:
             if chat:

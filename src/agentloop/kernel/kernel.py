@@ -69,6 +69,7 @@ from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
+from agentloop.process.audio_video import AudioContent, InputMedia, Transcriber, VideoContent, to_text
 from agentloop.process.compaction import extract_memories
 from agentloop.process.driver import check_outage_retries
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
@@ -182,9 +183,9 @@ def _check_input(text: object, media: object, run_id: object) -> None:
     if (
         isinstance(media, str | bytes)
         or not isinstance(media, Sequence)
-        or not all(isinstance(b, ImageContent | FileContent) for b in media)
+        or not all(isinstance(b, ImageContent | FileContent | AudioContent | VideoContent) for b in media)
     ):
-        raise TypeError("media must be a sequence of ImageContent or FileContent blocks")
+        raise TypeError("media must be a sequence of ImageContent, FileContent, AudioContent or VideoContent blocks")
     for block in media:
         if isinstance(block, FileContent):
             _check_file_name(block.name)
@@ -286,12 +287,20 @@ class Process:
         self,
         text: str,
         mode: SendMode = "steer",
-        media: Sequence[ImageContent | FileContent] = (),
+        media: Sequence[InputMedia] = (),
         run_id: str | None = None,
         output_schema: dict[str, Any] | Any = None,
     ) -> Receipt:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active), with
         images and documents (PDF, plain text, Markdown, CSV) attached as ``media``.
+
+        Audio (``AudioContent``) is transcribed by the kernel's transcriber (``Kernel.open``)
+        before delivery, and its transcript, marked as one, follows ``text``; a video
+        (``VideoContent``) is delivered as a note of what was attached (no model takes video).
+        What cannot be done is raised and nothing delivered: ``NoTranscriber`` (audio without a
+        transcriber), ``TranscriptionFailed``, ``NoWords``, ``MediaTooLarge`` (each attachment
+        has the media limit). A retry of an input admitted already (its ``run_id``) is not
+        transcribed again: it gets its receipt (``process/audio_video.py``).
 
         ``output_schema`` (a JSON Schema, or a type pydantic describes as one) asks the run that
         answers this input for a value: it gets a ``final_result`` tool with that schema, and ends
@@ -305,9 +314,14 @@ class Process:
         output = _output_row(output_schema)
         engine = self.kernel.engine
         record = (await engine.live(self.pid)).record
-        if media:  # a reset under way deletes the process's media: what this input brings is stored
+        if any(isinstance(block, AudioContent | VideoContent) for block in media):
+            seen = await admission.admitted(engine, self.pid, run_id)
+            if seen is not None:  # (a retry: its transcription was delivered the first time)
+                return seen
+        text, blocks = await to_text(text, media, self.kernel.transcriber, self.kernel.media.max_bytes)
+        if blocks:  # a reset under way deletes the process's media: what this input brings is stored
             await admission.after_clearing(engine, self.pid)  # after it (the input waits for it anyway)
-        message = _user_input(self.kernel.media, record.owner, self.pid, text, media)
+        message = _user_input(self.kernel.media, record.owner, self.pid, text, blocks)
         return await engine.send(self.pid, message, mode=mode, run_id=run_id, output=output)
 
     async def output(self, run_id: str, output_type: Any = None) -> Any:
@@ -575,6 +589,7 @@ class Kernel:
         self.titles = Titles(store, engine, titles)  # (before recovery: its tap hears the runs it starts)
         self.data_dir = data_dir
         self.media = MediaStore(data_dir)
+        self.transcriber: Transcriber | None = None  # (``open``'s: audio sent to a process is refused without one)
         leases = engine.leases
 
         # on a shared store one worker at a time fires the schedules, and one delivers the watched
@@ -623,6 +638,7 @@ class Kernel:
         lease_ttl: float = DEFAULT_TTL,
         poll_interval: float = DEFAULT_POLL,
         titles: Titling = "message",
+        transcriber: Transcriber | None = None,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -670,6 +686,9 @@ class Kernel:
         a title is made in the background (kernel/titles.py): ``titles="message"`` cuts one from the
         first user message, ``"model"`` asks the process's model (that fallback when it fails), a
         ``TitleFn`` replaces the model, None makes none (a person may still set one).
+        ``transcriber`` (``models.transcribe.open_transcriber``'s, or any object with an async
+        ``transcribe(audio, filename, mime) -> str``) turns audio sent to a process into its
+        transcript (``Process.send``); without one, audio is refused. The caller closes it.
         """
         check_titling(titles)
         check_sandbox_mode(shell_sandbox)
@@ -678,6 +697,8 @@ class Kernel:
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
                 raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+        if transcriber is not None and not callable(getattr(transcriber, "transcribe", None)):
+            raise TypeError("transcriber must have an async transcribe(audio, filename, mime) method")
         if isinstance(compaction_threshold, bool) or not isinstance(compaction_threshold, int | float):
             raise TypeError(f"compaction_threshold must be a number, got {type(compaction_threshold).__name__}")
         if not 0 < compaction_threshold <= 1:  # a share of the context window (NaN fails this too)
@@ -778,6 +799,7 @@ class Kernel:
             await store.close()
             raise
         kernel.shell_sandbox = shell_sandbox
+        kernel.transcriber = transcriber
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
         asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)
@@ -830,7 +852,7 @@ class Kernel:
         model: str | None = None,
         reasoning: Reasoning | None = None,
         text: str | None = None,
-        media: Sequence[ImageContent | FileContent] = (),
+        media: Sequence[InputMedia] = (),
         run_id: str | None = None,
         admit: Admit | None = None,
         output_schema: dict[str, Any] | Any = None,
@@ -900,10 +922,11 @@ class Kernel:
             await self.engine.create(record, kv, admit=admit)
             return Process(self, record.pid)
         _check_input(text, media, run_id)
+        text, blocks = await to_text(text, media, self.transcriber, self.media.max_bytes)  # (as ``send``)
         # whether this call makes the media folder (one already there holds files of someone else too)
-        fresh = bool(media) and not self.media.process_dir(owner, record.pid).exists()
+        fresh = bool(blocks) and not self.media.process_dir(owner, record.pid).exists()
         try:
-            first = _user_input(self.media, owner, record.pid, text, media)
+            first = _user_input(self.media, owner, record.pid, text, blocks)
             started = await self.engine.create(record, kv, first, run_id, admit, output)
         except StoreError:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt

@@ -74,9 +74,13 @@ class TitleBody(Body):
 
 
 class MediaItem(Body):
-    data: str = Field(description="The image or document, base64.")
-    mime_type: Literal[MEDIA_TYPES]  # type: ignore[valid-type]
-    name: str = Field("", max_length=255, description="A document's file name, shown to the model.")
+    data: str = Field(description="The image, document, audio or video, base64.")
+    mime_type: str = Field(
+        max_length=128,
+        description=f"One of {', '.join(MEDIA_TYPES)}; or audio/* (transcribed before delivery: the server needs"
+        " --transcribe-model), or video/* (delivered as a note of what was attached: no model takes video).",
+    )
+    name: str = Field("", max_length=255, description="The file's name, shown to the model.")
 
 
 class SpawnBody(Body):

@@ -30,7 +30,8 @@ ERROR_TEXT = {
     413: "The body is over the limit.",
     415: "The body is not application/json.",
     429: "The account sent too many messages this minute; Retry-After says when to try again.",
-    502: "A model the request needed failed (a compaction's summary model); nothing was changed.",
+    502: "A model the request needed failed (a compaction's summary model, an audio's transcription model);"
+    " nothing was changed.",
     503: "Shutting down, or the part is not enabled.",
 }
 

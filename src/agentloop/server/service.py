@@ -32,6 +32,14 @@ from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plai
 from agentloop.models.registry import catalog, names_a_file
 from agentloop.process import admission
 from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
+from agentloop.process.audio_video import (
+    AudioContent,
+    InputMedia,
+    TranscriptionFailed,
+    VideoContent,
+    audio_type,
+    video_type,
+)
 from agentloop.process.compaction import CompactionError
 from agentloop.process.engine import Admit
 from agentloop.process.media import MediaError, MediaTooLarge
@@ -58,7 +66,11 @@ MODES: tuple[str, ...] = get_args(SendMode)
 QUEUE_KINDS: tuple[str, ...] = get_args(QueueKind)
 RUN_MODES: tuple[str, ...] = get_args(Mode)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
-MEDIA_TYPES = (*IMAGE_TYPES, *FILE_TYPES)
+MEDIA_TYPES = (*IMAGE_TYPES, *FILE_TYPES)  # besides audio/* (transcribed) and video/* (described)
+NO_TRANSCRIBER = (
+    "audio needs a transcription model: start the server with --transcribe-model (openai:whisper-1, for one; "
+    "or the config file's transcribe_model)"
+)
 MAX_TEXT = 200_000
 MAX_CONTEXT = 64_000
 MAX_HISTORY_PAGE = 500
@@ -204,6 +216,13 @@ def _fork_pid(account: str, source: str, fork_id: str) -> str:
     return f"fork-{digest}"
 
 
+def _transcription_failed(exc: TranscriptionFailed) -> ApiError:
+    """502: the transcription model failed (the audio was fine as far as the server can tell);
+    nothing was delivered, so the same request may simply be sent again."""
+    said = safe_message(str(exc), "the transcription failed")
+    return ApiError(502, "transcription_failed", f"media: {said}; nothing was delivered")
+
+
 def _not_found(pid: str) -> ApiError:
     return ApiError(404, "not_found", f"no such process {pid!r}")
 
@@ -219,10 +238,11 @@ def _check_plain(value: str | None, name: str) -> None:
             raise ApiError(400, "invalid_request", str(exc)) from None
 
 
-def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
-    """``[{data: base64, mime_type, name?}]`` → image and document blocks, refusing other types
-    (a document's content is checked when it is stored: ``MediaStore.check``)."""
-    blocks: list[ImageContent | FileContent] = []
+def decode_media(items: list[Any]) -> list[InputMedia]:
+    """``[{data: base64, mime_type, name?}]`` → image, document, audio (``audio/*``: transcribed
+    as it is delivered) and video (``video/*``: delivered as a note of it) blocks, refusing other
+    types (a document's content is checked when it is stored: ``MediaStore.check``)."""
+    blocks: list[InputMedia] = []
     for i, item in enumerate(items):
         where = f"media[{i}]"
         if not isinstance(item, dict):
@@ -231,8 +251,10 @@ def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
         if unknown:  # (as HTTP's model refuses it: a misspelt ``name`` is not silently dropped)
             raise ApiError(400, "invalid_request", f"{where}.{unknown[0][:64]}: unknown field")
         mime, data, name = item.get("mime_type"), item.get("data"), item.get("name", "")
-        if mime not in MEDIA_TYPES:
-            raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {', '.join(MEDIA_TYPES)}")
+        audio, video = audio_type(mime), video_type(mime)
+        if not isinstance(mime, str) or (mime not in MEDIA_TYPES and audio is None and video is None):
+            known = ", ".join(MEDIA_TYPES)
+            raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {known}, audio/* or video/*")
         if not isinstance(data, str) or not data:
             raise ApiError(400, "invalid_request", f"{where}.data must be a base64 string")
         if not isinstance(name, str) or len(name) > 255:
@@ -241,6 +263,12 @@ def decode_media(items: list[Any]) -> list[ImageContent | FileContent]:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, "invalid_request", f"{where}.data is not valid base64") from None
+        if audio is not None:
+            blocks.append(AudioContent(data=data, mime_type=audio, name=name))
+            continue
+        if video is not None:
+            blocks.append(VideoContent(data=data, mime_type=video, name=name))
+            continue
         if mime in FILE_TYPES:
             blocks.append(FileContent(data=data, mime_type=mime, name=name))
             continue
@@ -343,6 +371,7 @@ class ProcessService:
         if text is not None:
             _check_text(text, empty_ok=bool(media))
             blocks = decode_media(media or [])
+            self._check_audio(blocks)
         elif media or run_id is not None or output_schema is not None:
             raise ApiError(400, "invalid_request", "media, run_id and output_schema come with a first message (text)")
         output = _output_schema(output_schema)
@@ -392,6 +421,8 @@ class ProcessService:
             raise ApiError(413, "too_large", f"media: {exc}") from None
         except MediaError as exc:
             raise ApiError(400, "invalid_request", f"media: {exc}") from None
+        except TranscriptionFailed as exc:
+            raise _transcription_failed(exc) from None
         answer = await self._one(await proc.info())
         if proc.started is not None:  # (the run may have ended already: its id all the same)
             answer["run_id"] = proc.started.run_id
@@ -460,6 +491,7 @@ class ProcessService:
         output = _output_schema(output_schema)
         blocks = decode_media(media or [])
         proc, _ = await self._process(who, pid)
+        self._check_audio(blocks)
         try:
             async with self._input(who, pid, run_id):
                 receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
@@ -469,7 +501,15 @@ class ProcessService:
             raise ApiError(413, "too_large", f"media: {exc}") from None
         except MediaError as exc:
             raise ApiError(400, "invalid_request", f"media: {exc}") from None
+        except TranscriptionFailed as exc:
+            raise _transcription_failed(exc) from None
         return receipt_json(receipt)
+
+    def _check_audio(self, blocks: list[InputMedia]) -> None:
+        """400 for audio on a server without a transcriber, before the input is counted: the
+        kernel would refuse it too, in words that name the library, not the server's flag."""
+        if self.kernel.transcriber is None and any(isinstance(b, AudioContent) for b in blocks):
+            raise ApiError(400, "invalid_request", NO_TRANSCRIBER)
 
     async def history(self, who: Principal, pid: str, *, limit: int = 100, before: int | None = None) -> dict[str, Any]:
         """A page of messages, oldest first, ending before message id ``before`` (the newest page by
