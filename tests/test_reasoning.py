@@ -1,6 +1,7 @@
-"""One reasoning level (``off``, ``low``, ``medium``, ``high``) for every provider: set on the
-``Agent``, in an account's ``model.json``, in the config file or with ``--reasoning``, and turned
-into each provider's own setting by its adapter (a model that does not reason is sent nothing)."""
+"""One reasoning level (``off``, ``minimal``, ``low``, ``medium``, ``high``, ``xhigh``) for every
+provider: set on the ``Agent``, in an account's ``model.json``, in the config file or with
+``--reasoning``, and turned into each provider's own setting by its adapter (a model that does not
+reason is sent nothing)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ async def test_the_agents_level_reaches_every_model_call_and_a_bad_one_is_refuse
     model = ScriptedModel(["thought"])
     await Agent(model=model, reasoning="high").run("think hard")
     assert [r.reasoning for r in model.requests] == ["high"]
-    with pytest.raises(ValueError, match="reasoning must be one of off, low, medium, high"):
+    with pytest.raises(ValueError, match="reasoning must be one of off, minimal, low, medium, high, xhigh"):
         Agent(model=ScriptedModel(["x"]), reasoning="max")  # type: ignore[arg-type]
 
 
@@ -90,10 +91,12 @@ def test_the_config_file_and_the_flag_set_the_level(tmp_path: Path) -> None:
     assert loop_options(settings)["reasoning"] == "medium"
     cfg.write_text('reasoning = "extreme"\n')
     assert load_settings(env=env).errors == [
-        f"config file {cfg}: reasoning must be one of off, low, medium, high, got 'extreme'"
+        f"config file {cfg}: reasoning must be one of off, minimal, low, medium, high, xhigh, got 'extreme'"
     ]
     result = CliRunner().invoke(app, ["run", "--reasoning", "lots", "hi"], env=env)
-    assert result.exit_code == 2 and "--reasoning must be one of off, low, medium, high" in result.output
+    assert (
+        result.exit_code == 2 and "--reasoning must be one of off, minimal, low, medium, high, xhigh" in result.output
+    )
 
 
 @pytest.mark.parametrize(

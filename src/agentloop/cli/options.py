@@ -124,8 +124,8 @@ ReasoningOpt = Annotated[
     typer.Option(
         "--reasoning",
         metavar="LEVEL",
-        help="How hard a reasoning model thinks: off, low, medium or high (default: the model's own; "
-        "config: reasoning).",
+        help="How hard a reasoning model thinks: off, minimal, low, medium, high or xhigh (default: the "
+        "model's own; config: reasoning).",
         rich_help_panel=_LIMITS,
     ),
 ]

@@ -92,11 +92,14 @@ class ModelInfo:
 
 #: How hard a reasoning model thinks before it answers, said once for every provider: each
 #: adapter turns it into its own setting (OpenAI's ``reasoning_effort``, a thinking budget in
-#: tokens for Anthropic and Gemini). A model that does not reason ignores it.
-Reasoning: TypeAlias = Literal["off", "low", "medium", "high"]
+#: tokens for Anthropic and Gemini), clamped to what the model takes. A model that does not
+#: reason ignores it. The levels are pi's (``minimal`` and ``xhigh`` around the usual three), so a
+#: level set for one provider means the nearest thing on another instead of being refused.
+Reasoning: TypeAlias = Literal["off", "minimal", "low", "medium", "high", "xhigh"]
 REASONING_LEVELS: tuple[str, ...] = get_args(Reasoning)
-#: the thinking budget of each level, in tokens, for the providers that take one
-THINKING_BUDGETS: dict[str, int] = {"low": 2_048, "medium": 8_192, "high": 24_576}
+#: the thinking budget of each level, in tokens, for the providers that take one (``minimal`` is
+#: Anthropic's least budget; each adapter also keeps a level within its model's own limits)
+THINKING_BUDGETS: dict[str, int] = {"minimal": 1_024, "low": 2_048, "medium": 8_192, "high": 24_576, "xhigh": 32_768}
 
 
 def check_reasoning(value: Any) -> Reasoning | None:
@@ -106,12 +109,16 @@ def check_reasoning(value: Any) -> Reasoning | None:
     raise ValueError(f"reasoning must be one of {', '.join(REASONING_LEVELS)}, got {value!r}")
 
 
-def thinking_budget(level: Reasoning, info: ModelInfo, minimum: int = 0) -> int:
+def thinking_budget(level: Reasoning, info: ModelInfo, minimum: int = 0, maximum: int | None = None) -> int:
     """The thinking budget in tokens of ``level`` on ``info``'s model: 0 for off, else the level's,
-    at least ``minimum`` (what the provider accepts) and within the model's output limit."""
+    within the model's output limit and ``maximum`` (the most the provider takes for it) and at
+    least ``minimum`` (the least it takes: a model's limits win over a level's number)."""
     if level == "off":
         return 0
-    return max(minimum, min(THINKING_BUDGETS[level], info.max_output // 2))
+    budget = min(THINKING_BUDGETS[level], info.max_output // 2)
+    if maximum is not None:
+        budget = min(budget, maximum)
+    return max(minimum, budget)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,21 @@ from agentloop.urls import redact_url
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com"
 MIN_PRO_THINKING = 128  # a Pro model's least thinking budget (it cannot turn thinking off)
+# The most thinking each Gemini 2.5 family takes (a larger budget is refused with a 400): Pro up
+# to 32k, Flash and Flash-Lite up to 24k, so ``xhigh`` is ``high`` on the latter.
+MAX_PRO_THINKING = 32_768
+MAX_FLASH_THINKING = 24_576
+
+
+def _max_thinking(model_id: str) -> int | None:
+    """The largest thinking budget ``model_id`` takes, where its family's limit is known."""
+    if "-pro" in model_id:
+        return MAX_PRO_THINKING
+    if "-flash" in model_id:
+        return MAX_FLASH_THINKING
+    return None
+
+
 API_VERSIONS = ("v1beta", "v1alpha", "v1")
 GENERATED_ID_PREFIX = "gemini_call_"
 # Documented stand-in for a function call that carries no signature because another model (or
@@ -215,7 +230,7 @@ class GeminiModel(Model):
             config["temperature"] = request.temperature
         budget = self.thinking_budget
         if request.reasoning is not None and self.info.reasoning:  # the run's level wins over the model's
-            budget = thinking_budget(request.reasoning, self.info)
+            budget = thinking_budget(request.reasoning, self.info, maximum=_max_thinking(self.model_id))
             if budget == 0 and "-pro" in self.model_id:  # a Pro model cannot stop thinking: its least
                 budget = MIN_PRO_THINKING
         if budget is not None or self.include_thoughts:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -438,12 +439,38 @@ def _part_text(value: object) -> str:
     return ""
 
 
+# OpenAI's ``reasoning_effort`` values from least to most, and what each family of its reasoning
+# models takes (first match wins; the SDK's type lists them all, but a model refuses one it does not
+# take with a 400). Before gpt-5.1 no model could stop thinking ("none"); gpt-5 added "minimal";
+# gpt-5.1 dropped "minimal" for "none"; "xhigh" came with gpt-5.1-codex-max and gpt-5.2. gpt-5-pro
+# thinks only at "high". The o-series, and a family not known here, take the three usual ones.
+_EFFORT_ORDER = ("none", "minimal", "low", "medium", "high", "xhigh")
+_USUAL_EFFORTS = ("low", "medium", "high")
+_FAMILY_EFFORTS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = (
+    (re.compile(r"gpt-5-pro(?:-|$)"), ("high",)),
+    (re.compile(r"gpt-5\.1-codex-max(?:-|$)"), ("low", "medium", "high", "xhigh")),
+    (re.compile(r"gpt-5(?:\.1)?-codex(?:-|$)"), _USUAL_EFFORTS),
+    (re.compile(r"gpt-5\.1(?:-|$)"), ("none", "low", "medium", "high")),
+    (re.compile(r"gpt-5\.\d+(?:-|$)"), ("none", "low", "medium", "high", "xhigh")),
+    (re.compile(r"gpt-5(?:-|$)"), ("minimal", "low", "medium", "high")),
+)
+
+
+def _efforts_of(model_id: str) -> tuple[str, ...]:
+    """The ``reasoning_effort`` values ``model_id`` takes (a gateway's ``openai/`` prefix aside)."""
+    name = model_id.rsplit("/", 1)[-1]
+    return next((efforts for pattern, efforts in _FAMILY_EFFORTS if pattern.match(name)), _USUAL_EFFORTS)
+
+
 def _effort(level: Reasoning, model_id: str) -> str:
-    """OpenAI's ``reasoning_effort`` for a level. Its reasoning models cannot stop thinking: "off"
-    is their least, ``minimal`` where the model has it (the gpt-5 family), else ``low``."""
-    if level != "off":
-        return level
-    return "minimal" if model_id.startswith("gpt-5") else "low"
+    """OpenAI's ``reasoning_effort`` for a level: the level itself ("off" is "none") where the
+    model takes it, else the nearest value it does take, so a level is never refused by the API
+    (an o-series model's "off" is its least, "low"; gpt-5's "xhigh" is its most, "high"). Between
+    two equally near values the higher wins: "minimal" asks for some thinking, so on gpt-5.1 it is
+    "low", not "none"."""
+    wanted = _EFFORT_ORDER.index("none" if level == "off" else level)
+    efforts = _efforts_of(model_id)
+    return min(efforts, key=lambda e: (abs(_EFFORT_ORDER.index(e) - wanted), -_EFFORT_ORDER.index(e)))
 
 
 def _cause(exc: BaseException) -> str:

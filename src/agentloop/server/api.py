@@ -62,7 +62,9 @@ class ModelBody(Body):
         " on; null returns to the account's model.json, else the server's model.",
     )
     reasoning: Literal[REASONING_LEVELS] | None = Field(  # type: ignore[valid-type]
-        None, description="A reasoning level for its runs (off, low, medium, high); null: the account's or the model's."
+        None,
+        description="A reasoning level for its runs (off, minimal, low, medium, high, xhigh); null: the account's "
+        "or the model's.",
     )
 
 
@@ -1148,6 +1150,10 @@ ENGINE_CHAT = Endpoint(
     body=ChatRequest,
     stream=ChatEvent,
     errors=(503,),
+    headers=(
+        ("X-Actor-ID", "The gateway's actor (with X-Actor-Permissions), read-only for the run's tools; not auth."),
+        ("X-Actor-Permissions", "The actor's permissions, a comma list (with X-Actor-ID); not checked here."),
+    ),
 )
 
 _document: dict[str, Any] | None = None

@@ -11,6 +11,12 @@ A failed tool call is reported to the model, which usually corrects itself. When
 same call, with the same arguments, fails the same way three times in one request) the run is
 stopped and the stream ends with ``error{code: "tool_error"}``, instead of burning the caller's
 budget on a loop that will not get anywhere.
+
+The gateway of the Agent Loop Spec names who a request is for in two headers it sets after its
+own auth: ``X-Actor-ID`` and ``X-Actor-Permissions`` (a comma list). They are facts about the
+caller's caller, handed to the run's tools read-only (``ToolContext.metadata["actor"]``) so a tool
+can scope what it does; the endpoint never grants or refuses anything by them: the bearer token
+stays its only auth, and anyone holding it could send any actor.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +35,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -197,6 +205,54 @@ def to_history(req: ChatRequest) -> tuple[str, list[Message]]:
     if not history or history[-1].role not in ("user", "toolResult"):
         raise _invalid("messages", "the last message must be from the user or a tool")
     return "\n\n".join(prefix), history
+
+
+# ------------------------------------------------------------------ actor headers
+
+ACTOR_ID_HEADER = "X-Actor-ID"
+ACTOR_PERMISSIONS_HEADER = "X-Actor-Permissions"
+MAX_ACTOR_ID = 256
+MAX_PERMISSION = 256
+MAX_PERMISSIONS_HEADER = 4096
+# Visible ASCII without spaces: an id or a permission is a token (``owner_abc123``, ``memory:*``),
+# and nothing a tool might print, log or put in a path can hide a control character or a look-alike.
+_TOKEN = re.compile(r"[\x21-\x7e]+")
+
+
+def _one_header(headers: Headers, name: str) -> str | None:
+    values = headers.getlist(name)
+    if len(values) > 1:  # two identities for one request: which one the gateway meant is unknowable
+        raise _invalid(name, "sent more than once")
+    return values[0] if values else None
+
+
+def parse_actor(headers: Headers) -> MappingProxyType[str, Any] | None:
+    """The gateway's actor headers as ``{"id", "permissions"}`` (read-only), None without them.
+
+    Both or neither: a gateway sets the pair, and half of it is a gateway fault that a tool
+    should not have to guess about. A malformed value is refused (400) before the stream opens;
+    the message names the header, never its value. An empty ``X-Actor-Permissions`` is an actor
+    without permissions.
+    """
+    actor_id = _one_header(headers, ACTOR_ID_HEADER)
+    raw = _one_header(headers, ACTOR_PERMISSIONS_HEADER)
+    if actor_id is None and raw is None:
+        return None
+    if actor_id is None:
+        raise _invalid(ACTOR_ID_HEADER, f"required with {ACTOR_PERMISSIONS_HEADER}")
+    if raw is None:
+        raise _invalid(ACTOR_PERMISSIONS_HEADER, f"required with {ACTOR_ID_HEADER}")
+    actor_id = actor_id.strip()
+    if len(actor_id) > MAX_ACTOR_ID or not _TOKEN.fullmatch(actor_id):
+        raise _invalid(ACTOR_ID_HEADER, f"must be 1 to {MAX_ACTOR_ID} visible ASCII characters, without spaces")
+    if len(raw) > MAX_PERMISSIONS_HEADER:
+        raise _invalid(ACTOR_PERMISSIONS_HEADER, f"longer than {MAX_PERMISSIONS_HEADER} characters")
+    items = [p.strip() for p in raw.split(",")] if raw.strip() else []
+    for item in items:
+        if len(item) > MAX_PERMISSION or not _TOKEN.fullmatch(item):
+            problem = f"must be a comma list of permissions, each 1 to {MAX_PERMISSION} visible ASCII characters"
+            raise _invalid(ACTOR_PERMISSIONS_HEADER, problem)
+    return MappingProxyType({"id": actor_id, "permissions": tuple(dict.fromkeys(items))})
 
 
 # ------------------------------------------------------------------ loop events -> SSE events
@@ -401,10 +457,14 @@ class EngineChat:
         try:
             req = parse_request(body)
             cid = req.metadata.correlation_id
+            actor = parse_actor(request.headers)
             system_prefix, history = to_history(req)
             if self.admit is not None:  # (only now: a malformed request is refused for free)
                 await maybe_await(self.admit(token))
-            run = self._start(system_prefix, history, cid, req.metadata.model_dump())
+            metadata = req.metadata.model_dump()
+            if actor is not None:  # (from the headers only: the body's metadata has no ``actor`` field)
+                metadata["actor"] = actor
+            run = self._start(system_prefix, history, cid, metadata)
         except ApiError as exc:
             cid = cid or _correlation_hint(body)
             _log(logging.WARNING, "request rejected", cid, status=exc.status, code=exc.code, detail=exc.message)
@@ -416,6 +476,7 @@ class EngineChat:
             conversation_id=req.metadata.conversation_id,
             trigger=req.metadata.trigger,
             messages=len(req.messages),
+            actor_id=actor["id"] if actor is not None else None,  # (a name, not a credential: for tracing)
             run_id=run.id,
         )
         return EventSourceResponse(self._stream(run, cid, started), ping=15)
