@@ -11,8 +11,8 @@ on only after its message went out, so an answer is sent at least once and never
 A channel subclasses it and says how to reach its app: ``_send`` (text, in as many messages as the
 app needs), ``_typing``, ``_send_approval``, how its kv value names a chat (``_kv_value`` and
 ``_chat_of``), and how a file a user sent is downloaded (``_fetch``: what becomes of images,
-documents and, with a ``transcriber``, voice messages is shared, ``_deliver_files``, see
-``agentloop.channels.media``).
+documents, videos (a note, never downloaded) and, with a ``transcriber``, voice messages is shared,
+``_deliver_files``, see ``agentloop.channels.media``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from agentloop.channels.media import (
     refusal,
     too_large,
     transcript_text,
+    video_kind,
+    video_text,
 )
 from agentloop.channels.state import ChannelState
 from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
@@ -157,13 +159,18 @@ class ChatBridge(Generic[K]):
         raise FetchFailed("this channel cannot download files", transient=False)
 
     def _classify(self, mime: object, name: object = "") -> tuple[Kind | None, str]:
-        """``media.classify``, and audio as ``"audio"`` when the bridge has a transcriber (else it
-        is a type the kernel does not take, as before)."""
+        """``media.classify``, audio as ``"audio"`` when the bridge has a transcriber (else it is a
+        type the kernel does not take, as before), and a video as ``"video"`` (a note in its place:
+        every bridge can give that, so it needs nothing of the bridge)."""
         kind, declared = classify(mime, name)
         if kind is None and self.transcriber is not None:
             audio = audio_type(mime, name)
             if audio is not None:
                 return "audio", audio
+        if kind is None:
+            video = video_kind(mime, name)
+            if video is not None:
+                return "video", video
         return kind, declared
 
     # -- life ------------------------------------------------------------------------------------
@@ -281,7 +288,10 @@ class ChatBridge(Generic[K]):
         A file that is of a type the kernel does not take, too large, not what it says or cannot
         be fetched: the user is told, and nothing of the message reaches the process. An audio
         file (``"audio"``, with a transcriber) is given as its transcript, after ``text``; one
-        whose transcription fails is told to the user and left out, and the rest goes on."""
+        whose transcription fails is told to the user and left out, and the rest goes on. A video
+        (``"video"``) is given as a note of it (``media.video_text``), after ``text`` in the order
+        attached, and is not downloaded: the note needs only what the message said of it, and no
+        model could use the bytes."""
         problem = refusal(attachments, self.max_file_bytes)
         if problem is not None:
             self.log.info("refused a message with files in chat %s: %s", chat, problem)
@@ -294,9 +304,13 @@ class ChatBridge(Generic[K]):
                     await self._decline(await self.kernel.process(pid), run_id)
             return
         blocks: list[ImageContent | FileContent] = []
-        spoken: list[str] = []  # the transcripts, marked
+        spoken: list[str] = []  # the transcripts and the videos' notes, marked, in the order attached
         for attachment in attachments:
             what = attachment.what[:1].upper() + attachment.what[1:]
+            if attachment.kind == "video":
+                self.log.info("noted %s in chat %s (%s; not downloaded)", attachment.what, chat, attachment.mime)
+                spoken.append(video_text(attachment))
+                continue
             try:
                 data = await self._fetch_retried(attachment, cap_of(attachment, self.max_file_bytes))
                 if attachment.kind == "audio":
@@ -319,7 +333,7 @@ class ChatBridge(Generic[K]):
                 return
         if not spoken and not blocks:  # (audio only, none transcribed: the user was told; a caption alone is not sent)
             return
-        others = [a for a in attachments if a.kind != "audio"]
+        others = [a for a in attachments if a.kind not in ("audio", "video")]
         parts = [text] if text.strip() else ([] if spoken else [default_text(others)])
         await self._deliver(chat, user, "\n\n".join([*parts, *spoken]), run_id, blocks)
 

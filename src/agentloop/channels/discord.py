@@ -55,9 +55,12 @@ addresses (``attachment_urls``: an address anywhere else is never fetched), and 
 (or a short default) as one ``Process.send``. A forwarded message (whose text and files Discord
 sends in ``message_snapshots``) is taken as the user's own. A voice message or an audio attachment is taken only
 when the bridge has a ``transcriber``: it reaches the agent as its transcript, marked as such, after
-the text. Without one, and for video, stickers and other files, the message is refused with a short
-reply, and so are files past ``max_file_bytes``; a download that keeps failing is reported to the
-user and nothing of that message is delivered (``agentloop.channels.media``).
+the text. A video attachment (a ``video/*`` content type) reaches the agent as a note of what was
+attached (its file name, type and size, as the message says them), after the text, and is not
+downloaded from the CDN: no model could use its bytes. Without a transcriber voice messages and
+audio, and always stickers and other files, are refused with a short reply, and so are files past
+``max_file_bytes``; a download that keeps failing is reported to the user and nothing of that
+message is delivered (``agentloop.channels.media``).
 
 Only the Discord users on the allow-list (user ids) reach a process or answer an approval: anyone
 else gets a short refusal (with their user id, so the bot's owner can add them; at most once an
@@ -985,8 +988,8 @@ class DiscordBridge(ChatBridge[int]):
         await self.state.save()
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
-        """The message's files (a sticker, and a voice message's audio, as files the kernel does
-        not take)."""
+        """The message's files (a sticker, and without a transcriber a voice message's audio, as
+        files the kernel does not take; a video as one to note, ``ChatBridge._classify``)."""
         found: list[Attachment] = []
         if message.get("sticker_items"):
             found.append(Attachment(None, "", "", "the sticker", None, ""))

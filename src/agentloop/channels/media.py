@@ -1,14 +1,15 @@
-"""Images and documents that users send to a chat bridge: what the kernel takes, how they are
-fetched, and what the user is told when a file cannot be used.
+"""Images, documents and videos that users send to a chat bridge: what the kernel takes, how they
+are fetched, and what the user is told when a file cannot be used.
 
 A chat app hands a bot a reference to a file (Telegram a ``file_id``, WhatsApp a media id,
 Discord a CDN URL), not its bytes. Each channel turns a message's files into ``Attachment`` (its
 kind, declared type, name, size and the reference) and says how to fetch one (``_fetch``); the
 rest is shared (``ChatBridge._deliver_files``):
 
-- the kernel takes images (PNG, JPEG, GIF, WebP) and documents (PDF, plain text, Markdown, CSV):
-  anything else (voice messages, audio, video, stickers, archives …) is refused with ``UNSUPPORTED``
-  and nothing reaches the process, not even the caption;
+- the kernel takes images (PNG, JPEG, GIF, WebP) and documents (PDF, plain text, Markdown, CSV);
+  a video is taken as a note in its place (below); anything else (voice messages and audio
+  without a transcriber, stickers, archives …) is refused with ``UNSUPPORTED`` and nothing reaches
+  the process, not even the caption;
 - at most ``MAX_FILES`` files a message; each at most the bridge's ``max_file_bytes`` (10 MiB by
   default, the kernel's own limit; a text document ``MAX_TEXT_BYTES``, as the kernel). A size the
   app declares past the limit is refused before any download; a download is streamed
@@ -35,6 +36,17 @@ HTTP error, a timeout, an answer with no words) is told to the user (``not_trans
 that file is left out: the rest of the message (the other files of an album, the caption with them)
 still goes on; a message with nothing left is not delivered at all. Without a transcriber, a voice
 message is refused with ``UNSUPPORTED``, as any file the kernel does not take.
+
+A video (kind ``"video"``: a ``video/*`` type, or a video's suffix on a file of a generic type) is
+given to the agent as the note the kernel gives a ``VideoContent`` in its place
+(``process.audio_video.video_note``: name, type, size, and that it cannot be viewed), after the
+text, as a transcript is (``video_text``). No model takes video, so its bytes are never downloaded:
+every app says its type (and Telegram and Discord its name and size) in the message itself, and
+what nobody reads is not fetched; a size the app does not say (WhatsApp's) is said to be unknown
+rather than found out. For the same reason a video is held to neither the size limit nor
+``MAX_FILES``: neither costs anything for a file that is not fetched. The words sent with a video
+reach the agent with it, and a video alone still makes a run (the agent can say it cannot watch it,
+where a refusal would have said nothing of the message).
 """
 
 from __future__ import annotations
@@ -56,6 +68,8 @@ from agentloop.process.audio_video import (
     audio_type,
     clean_transcript,
     shown_name,
+    video_note,
+    video_type,
 )
 from agentloop.process.audio_video import audio_filename as _audio_filename
 from agentloop.process.audio_video import transcript_text as _transcript_text
@@ -80,6 +94,8 @@ __all__ = [
     "read_capped",
     "shown_name",
     "transcript_text",
+    "video_kind",
+    "video_text",
 ]
 
 MAX_FILE_BYTES = DEFAULT_MAX_BYTES  # bytes of one file (the kernel's media limit)
@@ -88,8 +104,8 @@ FETCH_TRIES = 3  # times a download that failed for a reason that may pass is tr
 FETCH_SECONDS = 120.0  # seconds one download may take in all (a server that trickles is cut off)
 
 UNSUPPORTED = (
-    "I can read text, images and PDF or text documents; voice messages, audio, video, stickers "
-    "and other files are not supported."
+    "I can read text, images and PDF or text documents, and am told that a video was sent (I cannot "
+    "watch it); voice messages, audio, stickers and other files are not supported."
 )
 
 
@@ -118,8 +134,19 @@ _BY_SUFFIX = {
     ".csv": "text/csv",
 }
 _GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
+# the type of a video sent as a file of a generic type, by its suffix (as ``_BY_SUFFIX`` for the rest)
+_VIDEO_BY_SUFFIX = {
+    ".mp4": "video/mp4",
+    ".m4v": "video/x-m4v",
+    ".mov": "video/quicktime",
+    ".webm": "video/webm",
+    ".mkv": "video/x-matroska",
+    ".avi": "video/x-msvideo",
+    ".3gp": "video/3gpp",
+}
 
-Kind = Literal["image", "file", "audio"]  # ("audio": transcribed, where the bridge has a transcriber)
+# ("audio": transcribed, where the bridge has a transcriber; "video": a note in its place, never fetched)
+Kind = Literal["image", "file", "audio", "video"]
 
 
 class FetchFailed(Exception):
@@ -169,6 +196,28 @@ def classify(mime: object, name: object = "") -> tuple[Kind | None, str]:
     return None, declared
 
 
+def video_kind(mime: object, name: object = "") -> str | None:
+    """The video type of a file declared as ``mime`` and named ``name`` (by the name's suffix when
+    the type is missing or generic: ``clip.mp4`` sent as ``application/octet-stream``); None for
+    anything that is not a video."""
+    declared = mime.split(";", 1)[0].strip().lower() if isinstance(mime, str) else ""
+    if declared in _GENERIC and isinstance(name, str):
+        declared = _VIDEO_BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
+    return video_type(declared)
+
+
+def video_text(attachment: Attachment) -> str:
+    """What the agent reads in place of the video ``attachment``: the kernel's note for a
+    ``VideoContent`` (``video_note``), so that a video reads the same whichever way it came. A
+    size the app did not say is said to be unknown: finding it out would mean fetching a file
+    nobody reads."""
+    if attachment.size is not None:
+        return video_note(attachment.name, attachment.mime, attachment.size)
+    shown = shown_name(attachment.name, "")
+    label = f'video "{shown}"' if shown else "video"
+    return f"[Attached {label} ({attachment.mime}, size unknown): it cannot be viewed here; this note stands in for it]"
+
+
 def audio_filename(attachment: Attachment) -> str:
     """The name ``attachment`` is given to a transcriber as (``process.audio_video.audio_filename``)."""
     return _audio_filename(attachment.name, attachment.mime)
@@ -181,7 +230,8 @@ def transcript_text(attachment: Attachment, transcript: str) -> str:
 
 
 def default_text(attachments: Sequence[Attachment]) -> str:
-    """What the input says when the user sent files (images, documents) without a caption."""
+    """What the input says when the user sent files (images, documents) without a caption (and
+    nothing else stands for the text: a transcript, a video's note)."""
     if all(a.kind == "image" for a in attachments):
         return "(see the attached image)" if len(attachments) == 1 else "(see the attached images)"
     return "(see the attached file)" if len(attachments) == 1 else "(see the attached files)"
@@ -201,12 +251,14 @@ def human(size: int) -> str:
 
 
 def refusal(attachments: Sequence[Attachment], max_bytes: int) -> str | None:
-    """Why the message's files cannot be taken, before any is fetched; None when they may be."""
+    """Why the message's files cannot be taken, before any is fetched; None when they may be. A
+    video is counted against neither limit: it is never fetched, only noted."""
     if any(a.kind is None for a in attachments):
         return UNSUPPORTED
-    if len(attachments) > MAX_FILES:
+    fetched = [a for a in attachments if a.kind != "video"]
+    if len(fetched) > MAX_FILES:
         return f"Send at most {MAX_FILES} files in one message."
-    for attachment in attachments:
+    for attachment in fetched:
         if attachment.size is not None and attachment.size > cap_of(attachment, max_bytes):
             return too_large(attachment, max_bytes)
     return None

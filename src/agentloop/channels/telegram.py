@@ -19,10 +19,13 @@ attached and its caption as the text: the file is found with ``getFile`` and dow
 methods: ``agentloop.channels.botapi``). A voice message or an audio file (a ``voice``, an
 ``audio``, or a document of an audio type) is taken only when the bridge has a ``transcriber``: it
 is downloaded the same way and reaches the agent as its transcript, marked as such, after the
-caption; a transcription that fails is told to the user. Without one, and for video, stickers and
-other files, the message is refused with a short reply, and so are files past ``max_file_bytes``;
-a download that keeps failing is reported to the user and nothing of that message is delivered
-(``agentloop.channels.media``). An album (Telegram sends one message per file, sharing a
+caption; a transcription that fails is told to the user. A video (a ``video``, a round
+``video_note``, an ``animation``: Telegram's GIF, which it turns into a silent MP4; or a document
+of a video type) reaches the agent as a note of what was attached (its name, type and size, from the
+message itself: nothing is downloaded), after the caption. Without a transcriber voice messages and
+audio, and always stickers and other files, are refused with a short reply, and so are files past
+``max_file_bytes``; a download that keeps failing is reported to the user and nothing of that
+message is delivered (``agentloop.channels.media``). An album (Telegram sends one message per file, sharing a
 ``media_group_id``) is one input: its files together (at most ``media.MAX_FILES`` to an input),
 with the caption one of them carries. A poll whose last update is inside an album waits a moment
 (``ALBUM_WAIT``) for the album's other files before it takes it.
@@ -77,12 +80,14 @@ from agentloop.channels.media import (
     TooLarge,
     Transcriber,
     audio_type,
+    classify,
     shown_name,
 )
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel, NoSuchProcess
 from agentloop.process.archive import check_name
+from agentloop.process.audio_video import video_type
 
 log = logging.getLogger("agentloop.channels.telegram")
 
@@ -90,16 +95,15 @@ CHAT_KEY = "telegram.chat"  # process kv: "<bot id>:<chat id>[:<thread id>]" of 
 TRIES = 5  # times an update whose handling fails is taken before it is skipped
 GENERAL_TOPIC = 1  # the thread id of a forum's General topic, which a send must not name
 ALBUM_WAIT = 0.5  # seconds a poll that ends inside an album waits for the album's other files
-# what a message may hold that the kernel does not take ("animation" before "document": a GIF is
-# sent as an MP4 animation, with a "document" beside it)
+# what a message may hold that the kernel does not take
 _UNSUPPORTED = {
     "voice": "the voice message",
     "audio": "the audio file",
-    "video": "the video",
-    "video_note": "the video message",
     "sticker": "the sticker",
-    "animation": "the animation",
 }
+# videos, given as a note (looked for before "document": an animation comes with a "document" of the
+# same file beside it, for clients that know no animations): what the user is told of each
+_VIDEO = {"video": "the video", "video_note": "the video message", "animation": "the animation"}
 _AUDIO = {"voice": ("the voice message", "audio/ogg"), "audio": ("the audio file", "audio/mpeg")}  # (its default type)
 # what a service message holds (Telegram's note that something happened in the chat: a member
 # joined, a message was pinned, the auto-delete timer was set, the group became a supergroup …):
@@ -526,7 +530,8 @@ class TelegramBridge(ChatBridge[Chat]):
     async def _on_album(self, messages: list[dict[str, Any]], update_id: int) -> None:
         """An album's messages (one file each, of one chat) as one input: all its files, the
         caption one of them carries as the text (``_on_message`` for the rest). A file the kernel
-        does not take (a video beside the photos) is left out, and the user told so."""
+        does not take (an archive in an album of documents) is left out, and the user told so; a
+        video goes with the photos, as its note."""
         sender = await self._sender(messages[0])
         if sender is None:
             return
@@ -537,7 +542,7 @@ class TelegramBridge(ChatBridge[Chat]):
             await self._send(chat, UNSUPPORTED)
             return
         run_id = self._run_id(chat, update_id)
-        left_out = [a.what for a in found if a.kind is None]  # (a video beside photos: the photos go on)
+        left_out = [a.what for a in found if a.kind is None]  # (an archive beside PDFs: the PDFs go on)
         if left_out and not await self._admitted(chat, run_id):
             await self._send(chat, f"Left out of your album: {', '.join(left_out)}. {UNSUPPORTED}")
         captions = [m.get("caption") for m in messages]
@@ -545,12 +550,16 @@ class TelegramBridge(ChatBridge[Chat]):
         await self._deliver_files(chat, user_id, caption, run_id, attachments)
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
-        """The message's photo, document or (with a transcriber) audio (Telegram sends one a
+        """The message's photo, document, video or (with a transcriber) audio (Telegram sends one a
         message), or what it holds that the kernel does not take; nothing for a message with no file."""
         if self.transcriber is not None:
             for key, (what, default) in _AUDIO.items():
                 if isinstance(message.get(key), dict):
                     return [self._audio(message[key], what, default)]
+        for key, what in _VIDEO.items():
+            video = self._video(message.get(key), key, what)
+            if video is not None:
+                return [video]
         for key, what in _UNSUPPORTED.items():
             if key in message:
                 return [Attachment(None, "", "", what, None, "")]
@@ -575,6 +584,27 @@ class TelegramBridge(ChatBridge[Chat]):
         mime = audio_type(audio.get("mime_type"), name) or default
         ref = file_id if isinstance(file_id, str) else ""
         return Attachment("audio", mime, name, what, _int(audio.get("file_size")), ref)
+
+    def _video(self, video: object, key: str, what: str) -> Attachment | None:
+        """A video (``what``: a ``video``, a ``video_note``, an ``animation``), from what the message
+        says of it: its name, type and size, which is all its note needs (it is never downloaded).
+
+        An animation is noted as the video it is, not shown by its thumbnail: Telegram keeps a GIF
+        as a silent MP4, and the thumbnail is one small frame of it, which would have the agent
+        describe a moving picture from a still it did not choose (and cost two requests). One kept
+        as an image (a GIF as ``image/gif``) is None: the document beside it, an image the kernel
+        takes, is used instead. A round ``video_note`` says no type, nor does a video that the
+        sender gave none: Telegram's are MP4."""
+        if not isinstance(video, dict):
+            return None
+        declared = video.get("mime_type")
+        if key == "animation" and classify(declared)[0] == "image":
+            return None
+        mime = video_type(declared) or "video/mp4"
+        file_id = video.get("file_id")
+        name = shown_name(video.get("file_name"), "")
+        ref = file_id if isinstance(file_id, str) else ""
+        return Attachment("video", mime, name, what, _int(video.get("file_size")), ref)
 
     def _photo(self, sizes: list[Any]) -> Attachment:
         """The largest of a photo's sizes within the limit (the smallest, when none is: refused)."""

@@ -44,12 +44,15 @@ as a file) becomes the same ``Process.send`` with the file attached and its capt
 ``GET /<media id>`` on the Graph API names the file's address, which is downloaded with the access
 token (only from Meta's hosts). An ``audio`` message (a voice message, or an audio file) is taken
 only when the bridge has a ``transcriber``: it is downloaded the same way and reaches the agent as
-its transcript, marked as such; a transcription that fails is told to the user. Without one, and
-for video, stickers and the like, the message is refused with a short reply, and so are files past
-``max_file_bytes``; a download that keeps failing is reported to the user and nothing of that
-message is delivered (``agentloop.channels.media``). A download (and a transcription) is part of
-taking the message: one that takes longer than ``INTAKE_WAIT`` is kept in the inbox like any slow
-admission.
+its transcript, marked as such; a transcription that fails is told to the user. A ``video``
+message (or a document of a video type) reaches the agent as a note of what was attached, after its
+caption, and is not downloaded: the notification says its type, which with the caption is all the
+agent can use (it does not say the size, so the note says that is unknown, rather than Graph being
+asked for a file nobody reads). Without a transcriber audio, and always stickers and the like, are
+refused with a short reply, and so are files past ``max_file_bytes``; a download that keeps failing
+is reported to the user and nothing of that message is delivered (``agentloop.channels.media``). A
+download (and a transcription) is part of taking the message: one that takes longer than
+``INTAKE_WAIT`` is kept in the inbox like any slow admission.
 
 At start the bridge asks Graph once whether it takes the access token and knows the phone number id
 (``GraphApi.check``): when Graph says no, the start fails with ``CredentialsRefused`` naming which
@@ -93,6 +96,7 @@ from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
 from agentloop.process.archive import check_name
+from agentloop.process.audio_video import video_type
 from agentloop.sockets import listening_socket
 
 if TYPE_CHECKING:
@@ -122,7 +126,6 @@ _FILES = {"image": "the image", "document": "the document"}  # message types who
 # message types the bridge cannot take (a voice message is an "audio" one), as the user is told of them
 _UNSUPPORTED = {
     "audio": "the audio message",
-    "video": "the video",
     "sticker": "the sticker",
     "location": "the location",
     "contacts": "the contact",
@@ -678,7 +681,7 @@ class WhatsAppBridge(ChatBridge[str]):
         if kind == "interactive":
             await self._press(message, wa_id)
             return True
-        if kind in _FILES or (kind == "audio" and self.transcriber is not None):
+        if kind in _FILES or kind == "video" or (kind == "audio" and self.transcriber is not None):
             await self._take_file(message, wamid, wa_id)
             return False
         if kind in _UNSUPPORTED:
@@ -714,14 +717,19 @@ class WhatsAppBridge(ChatBridge[str]):
         await self._say(wa_id, await self._decide(wa_id, key, request_id))
 
     async def _take_file(self, message: dict[str, Any], wamid: str, wa_id: str) -> None:
-        """An image, a document or (with a transcriber) an audio message, for the user's process,
-        with its caption as the text."""
+        """An image, a document, a video or (with a transcriber) an audio message, for the user's
+        process, with its caption as the text."""
         kind = str(message.get("type"))
         part = message.get(kind)
-        caption = _field(part, "caption") if kind in _FILES else None  # (an audio message has none)
+        caption = _field(part, "caption") if kind != "audio" else None  # (an audio message has none)
         media_id = _field(part, "id")
         ref = media_id if isinstance(media_id, str) else ""
-        attachment = self._file(kind, part, ref) if kind in _FILES else self._audio(part, ref)
+        if kind in _FILES:
+            attachment = self._file(kind, part, ref)
+        elif kind == "video":
+            attachment = self._video(part, ref)
+        else:
+            attachment = self._audio(part, ref)
         self._last_in[wa_id] = wamid
         run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
         await self._deliver_files(wa_id, wa_id, caption if isinstance(caption, str) else "", run_id, [attachment])
@@ -735,6 +743,14 @@ class WhatsAppBridge(ChatBridge[str]):
             classified = None
         shown = name or ("the audio file" if classified == "audio" else _FILES[kind])
         return Attachment(classified, mime, name, shown, None, ref)
+
+    def _video(self, part: object, ref: str) -> Attachment:
+        """The attachment of a video message: its note needs its type (MP4 when it says none) and,
+        where it has one, its name; the size is not in the notification (None: said to be
+        unknown), and finding it out (``GET /<media id>``) is left undone, as is the download."""
+        mime = video_type(_field(part, "mime_type")) or "video/mp4"
+        name = shown_name(_field(part, "filename"), "")
+        return Attachment("video", mime, name, "the video", None, ref)
 
     def _audio(self, part: object, ref: str) -> Attachment:
         """The attachment of an audio message (a voice message, or an audio file)."""
