@@ -226,16 +226,30 @@ TIMEOUT_GRACE = 2.0
 _abandoned: set[asyncio.Task[Any]] = set()  # (the loop keeps only weak references to tasks)
 
 
-# the tasks waiting for the tool that runs in the current one (``_within``), outermost first: what
-# a tool that stops its own run (an interrupt, a reset) spares along with itself (``own_tasks``)
-_WAITING: ContextVar[tuple[asyncio.Task[Any], ...]] = ContextVar("agentloop_tool_waiters", default=())
+@dataclass(slots=True)
+class _Waiter:
+    """A task waiting in ``_within`` for ``tool``, the task it runs the tool in (set once made)."""
+
+    task: asyncio.Task[Any]
+    tool: asyncio.Task[Any] | None = None
+
+
+# what a tool that stops its own run (an interrupt, a reset) spares along with itself
+# (``own_tasks``): for each tool running under a timeout around the current task (``_within``,
+# outermost first, nested calls included), the task waiting for it and the tool's own task. The
+# variable is copied into every task the tool starts, and into every callback it schedules, which
+# may outlive the call: a waiter counts only while the tool it waits for is still running, else
+# a watchdog the tool left behind could never abort the run it had once been called from.
+_WAITING: ContextVar[tuple[_Waiter, ...]] = ContextVar("agentloop_tool_waiters", default=())
 
 
 def own_tasks() -> frozenset[asyncio.Task[Any]]:
-    """The current task and, when it runs a tool under a timeout, the tasks waiting for that tool
-    (each call's, a nested call's): cancelling one of those would cancel the tool itself."""
+    """The current task and, while it runs (or is called from) a tool under a timeout that has not
+    ended yet, the tasks waiting for that tool (each call's, a nested call's): cancelling one of
+    those would cancel the tool itself."""
     me = asyncio.current_task()
-    return frozenset(_WAITING.get() if me is None else (me, *_WAITING.get()))
+    waiting = (w.task for w in _WAITING.get() if w.tool is not None and not w.tool.done())
+    return frozenset(waiting if me is None else (me, *waiting))
 
 
 class _TimedOut(Exception):
@@ -251,13 +265,19 @@ async def _within(seconds: float, work: Coroutine[Any, Any, ToolResult], call: T
 
     The tool runs in a task of its own for that, so that it can be left behind. Cancelling the
     caller (an abort) cancels it and waits for its end, as when it ran inline: the abort's own
-    grace (the engine's) decides how long."""
+    grace (the engine's) decides how long. Whatever the tool's task ends with is retrieved in
+    every case (``_ended``): an error it raised while being cancelled by an abort is nobody's
+    to report, and must not be logged as an exception never retrieved."""
     me = asyncio.current_task()
-    waiting = _WAITING.set((*_WAITING.get(), me) if me is not None else _WAITING.get())
+    waiter = _Waiter(me) if me is not None else None
+    waiting = _WAITING.set((*_WAITING.get(), waiter) if waiter is not None else _WAITING.get())
     try:
         task = asyncio.ensure_future(work)  # (it copies the context: the tool sees who waits for it)
     finally:
         _WAITING.reset(waiting)
+    if waiter is not None:
+        waiter.tool = task
+    task.add_done_callback(_ended)
     try:
         await asyncio.wait((task,), timeout=seconds)
         if task.done():
@@ -274,17 +294,18 @@ async def _within(seconds: float, work: Coroutine[Any, Any, ToolResult], call: T
             "tool %s (%s) ignored its timeout's cancellation: left running, its result dropped", call.name, call.id
         )
         _abandoned.add(task)
-        task.add_done_callback(_forget)
+        task.add_done_callback(_abandoned.discard)
     elif not task.cancelled() and task.exception() is None:
         return task.result()
     raise _TimedOut
 
 
-def _forget(task: asyncio.Task[Any]) -> None:
-    """An abandoned tool ended at last: whatever it returned or raised is dropped, quietly."""
-    _abandoned.discard(task)
+def _ended(task: asyncio.Task[Any]) -> None:
+    """A tool's task ended: its error is marked retrieved (``_within`` reports what it must from
+    the task itself). A tool left behind, or cancelled by an abort, may end with one nobody
+    waits for any more: it is logged quietly."""
     if not task.cancelled() and task.exception() is not None:
-        log.debug("abandoned tool task %s ended with an error", task.get_name(), exc_info=task.exception())
+        log.debug("tool task %s ended with an error", task.get_name(), exc_info=task.exception())
 
 
 def _raised(call: ToolCall, exc: BaseException) -> ToolResult:

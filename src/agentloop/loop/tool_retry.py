@@ -137,7 +137,10 @@ Classifier: TypeAlias = Callable[[ToolFailure], "Classification | None"]
 _REFUSED = Classification(
     "permission_denied", retryable=False, hint="the call was refused before it ran; do not repeat it"
 )
-_DENIED = Classification("permission_denied", retryable=False, hint="denied by policy; do not repeat it")
+_DENIED = Classification(
+    "permission_denied", retryable=False, hint="refused by the approval policy or the person asked; do not repeat it"
+)
+_REFUSALS = ("Tool execution denied", "Tool execution not approved", "Tool execution was blocked")
 
 # What the loop and the built-in tools say, checked in this order against the text of a failure
 # that no ``details`` explained (Shell's and Fetch's are read first). The loop's own argument
@@ -156,7 +159,15 @@ _PATTERNS: tuple[tuple[str, ErrorClass], ...] = (
     (r"\btimed out\b|\ATimeoutError\b", "timeout"),
     (r"\bnarrow (the|it|your)\b|\btoo broad\b", "needs_narrowing"),
     (r"\bcommand not found\b|\bnot on PATH\b", "command_not_found"),
-    (r"\bwas not found in\b|\bidentical; nothing to change\b", "invalid_arguments"),  # Edit's old_string
+    # Edit's old_string (missing, or not unique), Read's offset, a file a text tool cannot take:
+    # the model's arguments to fix (checked before "not found", "denied" and the like)
+    (
+        r"\bwas not found in\b|\bidentical; nothing to change\b|\Aold_string occurs \d+ times\b"
+        r"|\Aoffset \d+ is past the end of\b|\bis a binary file\b",
+        "invalid_arguments",
+    ),
+    # Fetch's refusal of an address that is not public: a rule, not a failure of the request
+    (r"\Arefused to fetch\b", "permission_denied"),
     (
         r"Permission denied|Operation not permitted|\bread-only\b|\boutside the workspace\b"
         r"|\bescapes the workspace\b|\bmay not\b|\ARefusing to\b|\bdenied\b|\AAccessDenied|\APermissionError\b",
@@ -169,7 +180,8 @@ _PATTERNS: tuple[tuple[str, ErrorClass], ...] = (
     ),
     (
         r"\bmust be\b|\bmust not\b|\bis empty\b|\AInvalid\b|\bnot valid\b|\bnot a URL\b|\bonly http and https\b"
-        r"|\bhas a NUL byte\b|\bis a directory;|\bis not a (regular file|directory)\b|\AValueError\b",
+        r"|\bhas a NUL byte\b|\bis a directory(;| that is not empty)|\bis not a (regular file|directory)\b"
+        r"|\AValueError\b|\A\w+ is at most\b",
         "invalid_arguments",
     ),
     (r"characters cut: the result had\b", "output_truncated"),
@@ -190,7 +202,10 @@ def classify_failure(failure: ToolFailure) -> Classification:
             cast(ErrorClass, own), retryable is not False, hint if isinstance(hint, str) and hint else None
         )
     text = failure.text
-    if text.startswith(("Tool execution denied by policy", "Tool execution was blocked")):
+    # the approval layer's refusals: by policy, by the person asked ("denied by user", with their
+    # words), for a process nobody can be asked in, and a request nobody answered in time. The
+    # person's own "no" is no failure to retry either: counted, a second one ended the run
+    if text.startswith(_REFUSALS):
         return _DENIED
     if "exit_code" in details or "timed_out" in details:
         return _shell(details, text)

@@ -558,6 +558,11 @@ def _kind(mime: str, data: bytes) -> str:
         return "binary"
     if sniff_image(data[:16]):
         return "image"
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        # UTF-16 text (as ``decode`` reads it, by its mark): its NUL bytes are no sign of binary,
+        # and its head must be decoded to be told for HTML (``_text`` still refuses NUL characters)
+        head = data[:4096].decode("utf-16", errors="replace").lstrip()
+        return "html" if head[:15].lower().startswith(("<!doctype html", "<html")) else "text"
     if b"\x00" in data[:4096]:
         return "binary"
     return "html" if data.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html")) else "text"
