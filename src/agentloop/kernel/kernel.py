@@ -1039,10 +1039,10 @@ class Kernel:
         try:
             newest = await self.store.last_account_seq(owner)
             last = newest if after_seq is None else min(after_seq, newest)
-            async for logged in self._account_logged(owner, last, resumed=last > 0):
+            async for logged in self._account_logged(owner, last):
                 last = logged.seq or last
                 yield logged
-            if queue is None:
+            if queue is None or self.engine.closing:  # (closed meanwhile: the hub ended its watchers)
                 return
             hub.account_seen(owner, last)
             while (item := await queue.get()) is not None:
@@ -1052,28 +1052,34 @@ class Kernel:
                 if item.seq <= last:
                     continue  # read from the log already
                 if item.seq > last + 1:  # some did not reach this worker (yet): the log has them
-                    async for logged in self._account_logged(owner, last, resumed=True, before=item.seq):
+                    async for logged in self._account_logged(owner, last, before=item.seq):
                         last = logged.seq or last
                         yield logged
                 last = item.seq
                 yield item
+        except StoreError:
+            # the kernel closed under a read of the account log (a long backlog, a gap being
+            # filled): the stream ends, as a live one does when the kernel closes, rather than
+            # failing with a store that is gone
+            if not self.engine.closing:
+                raise
         finally:
             if queue is not None:
                 hub.unwatch_account(owner, queue)
 
     async def _account_logged(
-        self, owner: str, after_seq: int, *, resumed: bool, before: int | None = None
+        self, owner: str, after_seq: int, *, before: int | None = None
     ) -> AsyncIterator[AccountSignal]:
-        """The owner's account log after ``after_seq`` (and before ``before``), a page at a time;
-        for a watcher that has seen it through ``after_seq`` (``resumed``), led by
-        ``account.log.pruned`` if the log no longer goes back that far."""
-        first = resumed
+        """The owner's account log after ``after_seq`` (and before ``before``), a page at a time,
+        each page led by ``account.log.pruned`` if it does not start right after ``after_seq``.
+        The account log is gapless and never reset, so a hole can only be pruning: before the
+        first page (a resume point older than what is kept, 0 included: a stream opened on an
+        empty log said ``id: 0``), or between two pages (pruned while this read them)."""
         while True:
             page = await self.store.account_events(owner, after_seq=after_seq, limit=500)
-            if first and page and page[0].seq > after_seq + 1:
+            if page and page[0].seq > after_seq + 1:
                 payload = {"afterSeq": after_seq, "oldestSeq": page[0].seq, "missed": page[0].seq - after_seq - 1}
                 yield AccountSignal(None, Signal(sig.ACCOUNT_LOG_PRUNED, payload))
-            first = False
             for row in page:
                 if before is not None and row.seq >= before:
                     return

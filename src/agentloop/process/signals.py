@@ -165,8 +165,10 @@ class SignalHub:
                 self._heads.pop(owner, None)
 
     def account_seen(self, owner: str, seq: int) -> None:
-        """A watcher of ``owner``'s account has read its account log up to ``seq``."""
-        if owner in self._accounts and seq > self._heads.get(owner, 0):
+        """A watcher of ``owner``'s account has read its account log up to ``seq``. Recorded even
+        at 0 (an account with nothing logged yet): ``account_heads`` names the owners the poll
+        checks, and one left out would never have a lost notification found."""
+        if owner in self._accounts and seq >= self._heads.get(owner, 0):
             self._heads[owner] = seq
 
     def account_heads(self) -> dict[str, int]:

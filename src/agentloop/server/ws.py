@@ -422,7 +422,10 @@ async def _account_subscribe(conn: Connection, args: dict[str, Any]) -> Any:
     without one), which a client resumes from if it is cut off before any signal comes."""
     after_seq = _opt_int(args, "after_seq")
     start, stream = await conn.service.account_signals(conn.user, after_seq=after_seq)
-    return Then({"account": conn.user.account, "after_seq": start}, lambda: conn.follow_account(stream))
+    return Then(
+        {"account": conn.user.account, "after_seq": start},
+        lambda: conn.follow_account(conn.resuming_account(stream, start)),
+    )
 
 
 async def _account_approvals(conn: Connection, args: dict[str, Any]) -> Any:
@@ -923,6 +926,23 @@ class Connection:
         self.account_stream = None
         if not (self._closed or self._ending):
             self.account_stream = self._start(self._pump_account(stream))
+
+    async def resuming_account(self, stream: AsyncIterator[AccountSignal], start: int) -> AsyncIterator[AccountSignal]:
+        """``stream``, opened again after the last account seq it gave (``start`` before any)
+        whenever the kernel ends it while this connection and the server go on: a subscriber
+        whose queue overflowed (it read too slowly) is ended there, and an SSE client reconnects
+        with ``Last-Event-ID``, but a subscription has no end a client is told of: it would hear
+        of nothing again, unaware. The account log has what it missed."""
+        last = start
+        while True:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # an async generator at runtime
+                async for item in stream:
+                    if item.seq is not None:
+                        last = item.seq
+                    yield item
+            if self._closed or self._ending or self.ctx.stopping.is_set() or self.service.kernel.engine.closing:
+                return
+            _, stream = await self.service.account_signals(self.user, after_seq=last)
 
     async def _pump_account(self, stream: AsyncIterator[AccountSignal]) -> None:
         try:
