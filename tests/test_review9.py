@@ -226,3 +226,16 @@ async def test_built_in_tool_failures_get_their_classes(tmp_path: Path) -> None:
     # unchanged: what the tests of the piece pin
     assert await failed("Read", path="nope.txt") == "not_found"
     assert await failed("Edit", path="a.txt", old_string="zz", new_string="x") == "invalid_arguments"
+
+
+def test_a_tool_result_made_from_a_string_is_one_text_block() -> None:
+    """``ToolResult("done")`` was taken as a list of one-character blocks (the model got "d", "o",
+    "n", "e" as four blocks, and ToolRetry split its text the same way); anything else that is no
+    list of blocks is a clear TypeError where the result is made, not a failure later."""
+    from agentloop.messages import TextContent
+    from agentloop.tools.base import ToolResult
+
+    assert ToolResult("done").content == [TextContent(text="done")]
+    assert ToolResult((TextContent(text="a"),)).content == [TextContent(text="a")]
+    with pytest.raises(TypeError, match="list of blocks or a text, got int"):
+        ToolResult(5)  # type: ignore[arg-type]

@@ -54,6 +54,16 @@ class ToolResult:
     is_error: bool = False
     terminate: bool = False
 
+    def __post_init__(self) -> None:
+        # ``ToolResult("done")`` reads naturally, and was taken as a list of one-character blocks
+        content: object = self.content
+        if isinstance(content, str):
+            self.content = [TextContent(text=content)]
+        elif isinstance(content, tuple):
+            self.content = list(content)
+        elif not isinstance(content, list):
+            raise TypeError(f"ToolResult content must be a list of blocks or a text, got {type(content).__name__}")
+
     @classmethod
     def text(cls, text: str, *, is_error: bool = False, details: Any = None, terminate: bool = False) -> ToolResult:
         return cls([TextContent(text=text)], details=details, is_error=is_error, terminate=terminate)
