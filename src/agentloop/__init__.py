@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
     from agentloop.agent import Agent, AgentBusy, Run, RunResult
     from agentloop.kernel import Kernel, NoSuchProcess, Process, Receipt, Signal
+    from agentloop.loop.compaction import Compaction
     from agentloop.loop.guards import Guards
     from agentloop.loop.hooks import Block, Hooks, Stop, ToolCallInfo, TurnInfo
     from agentloop.loop.output import OutputSpec
@@ -49,6 +50,7 @@ _LAZY: dict[str, str] = {
     "AgentBusy": "agentloop.agent",
     "Run": "agentloop.agent",
     "RunResult": "agentloop.agent",
+    "Compaction": "agentloop.loop.compaction",
     "Guards": "agentloop.loop.guards",
     "Block": "agentloop.loop.hooks",
     "Hooks": "agentloop.loop.hooks",
@@ -115,6 +117,7 @@ __all__ = [
     "AssistantMessage",
     "AudioContent",
     "Block",
+    "Compaction",
     "FileContent",
     "Guards",
     "Hooks",

@@ -9,13 +9,19 @@ Turn phases (``hooks.on(phase)``) run before every model call, in this order:
 ``pre_policy`` (may ``Block`` the turn), ``pre_prompt_context`` (returns extra context text),
 ``pre_tool_materialization`` (returns the tool list to show), ``pre_prompt_compile`` (returns the
 system prompt to send); and ``post_turn`` after each turn (returning ``Stop`` ends the run gently,
-as ``Run.stop`` does: pi's ``shouldStopAfterTurn``). ``pre_compaction`` runs before a
-durable process summarises older history (a last chance to save something from it; returning
-``Block`` skips this compaction, returning a ``dict`` keeps that data on the summary message's
-``details``, for code that reads the history, as ``ToolReveal`` does, to find it there). A hook
-that fails in a policy phase (``pre_policy``, ``pre_tool_materialization``, ``pre_prompt_compile``)
-fails the run; one that fails in a context phase (``pre_prompt_context``, ``post_turn``,
-``pre_compaction``) is logged and its contribution left out.
+as ``Run.stop`` does: pi's ``shouldStopAfterTurn``). ``pre_compaction`` runs before older
+history is summarised, by a durable process or by the ``Compaction`` piece (a last chance to save
+something from it; returning ``Block`` skips this compaction, returning a ``dict`` keeps that data
+on the summary message's ``details``, for code that reads the history, as ``ToolReveal`` does, to
+find it there). ``compact_context`` is the in-memory runner's own compaction point (a durable
+process compacts by itself and never runs it): before each model call its hooks see the run's
+history (``TurnInfo.messages``, not to be changed in place) and may return a shorter one that
+replaces it, an older part folded into a summary, as the ``Compaction`` piece does; they run once
+more, with ``TurnInfo.overflow`` set, after a call the provider refused as too long, and the call
+is made again if they returned a history. A hook that fails in a policy phase (``pre_policy``,
+``pre_tool_materialization``, ``pre_prompt_compile``) fails the run; one that fails in a context
+phase (``pre_prompt_context``, ``post_turn``, ``pre_compaction``, ``compact_context``) is logged
+and its contribution left out.
 """
 
 from __future__ import annotations
@@ -25,14 +31,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar, cast, get_args
 
-from agentloop.messages import AssistantMessage, Message, ToolCall
+from agentloop.messages import AssistantMessage, Message, ToolCall, Usage
 from agentloop.models.base import ToolSpec
 from agentloop.tools.base import ToolResult
 
 log = logging.getLogger("agentloop.hooks")
 
 Phase: TypeAlias = Literal[
-    "pre_policy", "pre_prompt_context", "pre_tool_materialization", "pre_prompt_compile", "post_turn", "pre_compaction"
+    "pre_policy",
+    "pre_prompt_context",
+    "pre_tool_materialization",
+    "pre_prompt_compile",
+    "post_turn",
+    "pre_compaction",
+    "compact_context",
 ]
 PHASES: tuple[str, ...] = get_args(Phase)
 POLICY_PHASES = frozenset({"pre_policy", "pre_tool_materialization", "pre_prompt_compile"})
@@ -49,6 +61,10 @@ class TurnInfo:
     tools: list[ToolSpec]
     context: list[str] = field(default_factory=list)
     carry: dict[str, Any] = field(default_factory=dict)  # pre_compaction: what the summary keeps
+    # compact_context: the call before failed as a context overflow (compact harder, or it fails
+    # again); and the run's usage, to which a hook adds what its own model calls cost
+    overflow: bool = False
+    usage: Usage | None = None
 
 
 class TurnFailed(Exception):
@@ -164,6 +180,8 @@ class Hooks:
                 info.system_prompt = out
             elif phase == "pre_compaction" and isinstance(out, dict):
                 info.carry.update(out)
+            elif phase == "compact_context" and isinstance(out, list):
+                info.messages = out
         return stop
 
     def before_tool_call(self, fn: T) -> T:

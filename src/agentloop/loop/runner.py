@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, TurnEnd, TurnStart
+from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, ModelRetry, TurnEnd, TurnStart
 from agentloop.loop.execute import CANCELLED, NOT_COUNTED, run_tool_calls
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
@@ -37,6 +37,7 @@ from agentloop.messages import (
     system,
     tool_error_result,
 )
+from agentloop.models.overflow import is_context_overflow
 
 Emit = Callable[[LoopEvent], None] | None
 
@@ -71,6 +72,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
         _inject(state, p, emit)
     new_turn = False  # a turn ended; the next model call opens another
     guards_active = cfg.guards.active
+    compacts = "compact_context" in cfg.hooks.phases  # (a ``Compaction`` piece; none: no cost)
     try:
         while True:
             if state.aborted:  # aborted from inside the run's own task (a hook, an inline tool)
@@ -130,7 +132,11 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 else:
                     state.rounds += 1
             state.phase = "model"
+            if compacts:
+                await _compact(cfg, state, tools_enabled, overflow=False)
             reply = await call_model(cfg, state, tools_enabled, emit)
+            if compacts and is_context_overflow(reply, cfg.model.info.context_window):
+                reply = await _compact_and_retry(cfg, state, tools_enabled, emit, reply)
             state.phase = "idle"
             state.usage.add(reply.usage)
             has_calls = reply.stop_reason == "toolUse" or bool(reply.tool_calls)
@@ -149,6 +155,47 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
             current.uncancel()
         _close_after_abort(state, emit)
         return "aborted"
+
+
+async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, *, overflow: bool) -> bool:
+    """Let the ``compact_context`` hooks replace the history before a model call; whether they did.
+
+    The history is replaced in place (the list is the run's ``messages``). The run's new messages
+    stay its new ones where the replacement kept them as they were, at its end; where it folded
+    some of them into the summary, the run's new messages are the whole compacted history, which
+    then starts with the summary that stands for them.
+    """
+    history = state.messages
+    tools = cfg.tool_specs if tools_enabled else []
+    info = TurnInfo(state.run_id, state.turn, history, cfg.system_prompt, tools, overflow=overflow, usage=state.usage)
+    await cfg.hooks.run_phase("compact_context", info)
+    new = info.messages
+    if new is history:
+        return False
+    added = len(history) - state.first_new  # this run's messages so far
+    first = len(new) - added
+    if first < 0 or (added and new[first] is not history[state.first_new]):
+        first = 0
+    history[:] = new
+    state.first_new = first
+    return True
+
+
+async def _compact_and_retry(
+    cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, reply: AssistantMessage
+) -> AssistantMessage:
+    """After a call the provider refused as too long (or cut short without saying so): compact and
+    make the call once more, as a durable process does. The refused reply is not kept (what it
+    used is counted); it stays the answer where nothing was compacted. The second call's answer
+    is final: refused again, it ends the run with that error."""
+    if state.aborted or not await _compact(cfg, state, tools_enabled, overflow=True):
+        return reply
+    state.usage.add(reply.usage)
+    if emit is not None:  # as a failed attempt: shown (its message_end went out), then the retry
+        error = reply.error_message or "the context overflowed"
+        model = f"{reply.provider}:{reply.model}" if reply.provider else cfg.model.name  # (a fallback's)
+        emit(ModelRetry(attempt=1, delay=0.0, error=error, model=model))
+    return await call_model(cfg, state, tools_enabled, emit)
 
 
 async def _end_turn(
