@@ -282,3 +282,31 @@ async def test_without_the_piece_results_are_unchanged(tmp_path: Path) -> None:
     assert texts == [f"File not found: {p}.txt" for p in "abcd"]
     assert result.stop_reason == "stop" and result.text == "done"
     assert all("Tool failures" not in r.system_prompt for r in model.requests)
+
+
+async def test_the_budgets_of_two_processes_are_their_own_though_their_run_ids_match(tmp_path: Path) -> None:
+    """One piece serves every process of a kernel, and run ids repeat across processes (a
+    heartbeat's, or a caller's own): the counts were kept per run id alone, so one process's
+    failures spent another's budget and stopped its run. Each process fails twice here (the
+    not_found budget is 2) and must finish on its own."""
+
+    def brain(request: object) -> Reply | str:
+        failed = sum(1 for m in request.messages if isinstance(m, ToolResultMessage))  # type: ignore[attr-defined]
+        return Reply(tool_calls=[call("Read", path=f"missing-{failed}.txt")]) if failed < 2 else "not there"
+
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/k.db",
+        model=ScriptedModel(brain),
+        workspace=tmp_path,
+        tools=builtin_tools(tmp_path, shell=False),
+        approval=approve_everything,
+        pieces=[ToolRetry()],
+    ) as k:
+        reasons = []
+        for owner in ("ann", "bob"):
+            proc = await k.spawn(owner=owner)
+            await proc.send("find it", run_id="nightly")
+            await asyncio.wait_for(proc.wait_idle(), 10)
+            finished = [s.payload async for s in proc.signals(follow=False) if s.signal == "proc.run.finished"]
+            reasons += [(f["status"], f["reason"]) for f in finished]
+    assert reasons == [("ok", "turn.complete"), ("ok", "turn.complete")]  # (not "stopped")

@@ -623,7 +623,9 @@ class Compaction:
             return None
         carry: dict[str, Any] = {}
         if "pre_compaction" in config.hooks.phases:
-            asked = TurnInfo(info.run_id, info.turn, history, info.system_prompt, info.tools)
+            asked = TurnInfo(
+                info.run_id, info.turn, history, info.system_prompt, info.tools, conversation=info.conversation
+            )
             if isinstance(await config.hooks.run_phase("pre_compaction", asked), Block):
                 log.info("run %s: compaction skipped by a pre_compaction hook", info.run_id)
                 return None

@@ -78,7 +78,9 @@ def _check(
     except Exception as exc:  # a validator's own bug (pydantic passes a TypeError through): the call's failure
         log.debug("validating the arguments of %s raised", call.name, exc_info=True)
         return tool_error_result(call, f"Invalid arguments for {call.name}: {type(exc).__name__}: {exc}")
-    info = ToolCallInfo(call, args, message, state.messages, state.run_id, syscall=syscall_of(tool, args))
+    info = ToolCallInfo(
+        call, args, message, state.messages, state.run_id, syscall_of(tool, args), conversation=state.conversation
+    )
     return _Prepared(call, tool, info)
 
 
@@ -128,7 +130,14 @@ def nested_check(cfg: LoopConfig, p: _Prepared, first: NestedCheck | None = None
         count += 1
         call = ToolCall(id=f"{p.call.id}.{count}", name=tool_name, arguments=args)
         info = ToolCallInfo(
-            call, args, p.info.assistant_message, p.info.messages, p.info.run_id, syscall=syscall, parent=p.call
+            call,
+            args,
+            p.info.assistant_message,
+            p.info.messages,
+            p.info.run_id,
+            syscall=syscall,
+            parent=p.call,
+            conversation=p.info.conversation,
         )
         try:
             block = await cfg.hooks.run_before(info)

@@ -65,6 +65,9 @@ class TurnInfo:
     # again); and the run's usage, to which a hook adds what its own model calls cost
     overflow: bool = False
     usage: Usage | None = None
+    # a durable process's id (None in memory): run ids are unique only within one process (a
+    # heartbeat's, a caller's), so a hook that keeps state per run keys it by both
+    conversation: str | None = None
 
 
 class TurnFailed(Exception):
@@ -88,6 +91,7 @@ class ToolCallInfo:
     run_id: str
     syscall: str | None = None
     parent: ToolCall | None = None
+    conversation: str | None = None  # as ``TurnInfo.conversation``
 
 
 @dataclass(frozen=True)

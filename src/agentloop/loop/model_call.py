@@ -55,7 +55,14 @@ def build_request(
 
 async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest) -> None:
     """Let the turn-phase hooks shape this call's system prompt and tool list."""
-    info = TurnInfo(state.run_id, state.turn, request.messages, request.system_prompt, request.tools)
+    info = TurnInfo(
+        state.run_id,
+        state.turn,
+        request.messages,
+        request.system_prompt,
+        request.tools,
+        conversation=state.conversation,
+    )
     hooks = cfg.hooks
     await hooks.run_phase("pre_policy", info)
     await hooks.run_phase("pre_prompt_context", info)

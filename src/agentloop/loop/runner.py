@@ -167,7 +167,16 @@ async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, *, ove
     """
     history = state.messages
     tools = cfg.tool_specs if tools_enabled else []
-    info = TurnInfo(state.run_id, state.turn, history, cfg.system_prompt, tools, overflow=overflow, usage=state.usage)
+    info = TurnInfo(
+        state.run_id,
+        state.turn,
+        history,
+        cfg.system_prompt,
+        tools,
+        overflow=overflow,
+        usage=state.usage,
+        conversation=state.conversation,
+    )
     await cfg.hooks.run_phase("compact_context", info)
     new = info.messages
     if new is history:
@@ -204,7 +213,9 @@ async def _end_turn(
     if emit is not None:
         emit(TurnEnd(turn=state.turn, message=message, tool_results=results))
     if "post_turn" in cfg.hooks.phases:
-        info = TurnInfo(state.run_id, state.turn, state.messages, cfg.system_prompt, cfg.tool_specs)
+        info = TurnInfo(
+            state.run_id, state.turn, state.messages, cfg.system_prompt, cfg.tool_specs, conversation=state.conversation
+        )
         if await cfg.hooks.run_phase("post_turn", info) is not None:  # a ``Stop``: as ``Run.stop``
             state.stopping = True
 

@@ -31,7 +31,8 @@ Calls refused before they ran (arguments that fail validation, an unknown tool, 
 reach ``after_tool_call`` hooks, so their result cannot carry the line: they are counted when the
 turn ends (``post_turn``) and their facts given to the model with its next call, as context.
 
-The counts live in this object, per run (the ``run_id``), not in the run's stored record: a
+The counts live in this object, per run (its process and ``run_id``: one piece serves every process
+of a kernel, and run ids repeat across processes), not in the run's stored record: a
 durable run resumed after a restart starts counting afresh. That errs on the side of going on,
 and the repeat guard (``loop/retries.py``), which keeps its counts with the run, still stands
 behind it. That guard compares failures by their text; the budget line differs from one failure
@@ -57,6 +58,9 @@ from agentloop.messages import AssistantMessage, Message, TextContent, ToolCall,
 from agentloop.tools.base import ToolResult
 
 log = logging.getLogger("agentloop.tool_retry")
+
+# a run of a process (its id, None in memory) and its run id: what the counts are kept per
+RunKey: TypeAlias = tuple[str | None, str]
 
 ErrorClass: TypeAlias = Literal[
     "invalid_arguments",
@@ -316,7 +320,7 @@ class ToolRetry:
         if classify is not None and not callable(classify):
             raise TypeError(f"classify must be a function, got {type(classify).__name__}")
         self.classify = classify
-        self._runs: OrderedDict[str, _Run] = OrderedDict()
+        self._runs: OrderedDict[RunKey, _Run] = OrderedDict()
 
     def install(self, config: LoopConfig) -> None:
         self._register(config.hooks)
@@ -348,7 +352,7 @@ class ToolRetry:
 
     def after_tool_call(self, info: ToolCallInfo, result: ToolResult) -> ToolResult | None:
         """Count a failed call that ran, and add the budget line to its result."""
-        run = self._run(info.run_id)
+        run = self._run((info.conversation, info.run_id))
         self._enter(run, _batch_key(info.assistant_message, info.call))
         run.seen.add(info.call.id)
         if not result.is_error or info.parent is not None:
@@ -363,15 +367,16 @@ class ToolRetry:
     def post_turn(self, info: TurnInfo) -> Stop | None:
         """Count the turn's failures that never ran (no after hook saw them), close the batch, and
         ask for the stop once a budget is spent."""
-        run = self._runs.get(info.run_id)
+        key = (info.conversation, info.run_id)
+        run = self._runs.get(key)
         batch = _last_batch(info.messages)
         if batch is not None:
             assistant, results = batch
-            key = _batch_key(assistant, assistant.tool_calls[0])
+            batch_key = _batch_key(assistant, assistant.tool_calls[0])
             if run is None:
-                run = self._run(info.run_id)
-            if key != run.batch or not run.closed:
-                self._enter(run, key)
+                run = self._run(key)
+            if batch_key != run.batch or not run.closed:
+                self._enter(run, batch_key)
                 self._sweep(run, assistant, results)
                 self._close(run)
         if run is None or run.exhausted is None or run.stopped:
@@ -381,7 +386,7 @@ class ToolRetry:
 
     def pre_prompt_context(self, info: TurnInfo) -> str | None:
         """The facts of failures whose result could not carry them (see ``post_turn``), once."""
-        run = self._runs.get(info.run_id)
+        run = self._runs.get((info.conversation, info.run_id))
         if run is None or not run.notes:
             return None
         notes, run.notes = run.notes, []
@@ -389,14 +394,14 @@ class ToolRetry:
 
     # -- counting ----------------------------------------------------------------------------------
 
-    def _run(self, run_id: str) -> _Run:
-        run = self._runs.get(run_id)
+    def _run(self, key: RunKey) -> _Run:
+        run = self._runs.get(key)
         if run is None:
-            run = self._runs[run_id] = _Run()
+            run = self._runs[key] = _Run()
             while len(self._runs) > MAX_RUNS:
                 self._runs.popitem(last=False)
         else:
-            self._runs.move_to_end(run_id)
+            self._runs.move_to_end(key)
         return run
 
     def _enter(self, run: _Run, key: str) -> None:

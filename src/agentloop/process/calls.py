@@ -414,7 +414,7 @@ async def post_turn(engine: ProcessEngine, live: _Live, run_id: str, turn: int) 
     if "post_turn" not in hooks.phases:
         return
     cfg = live.config[1] if live.config is not None and live.config[0] == run_id else engine.config
-    info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs)
+    info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, conversation=live.record.pid)
     if await hooks.run_phase("post_turn", info) is not None:
         await engine.stop(live.record.pid, run_id)
 
@@ -514,4 +514,6 @@ def _state_for(live: _Live, run_id: str) -> RunState:
         run = live.record.current_run
         kept = run.get("offered") if run is not None and run.get("run_id") == run_id else None
         offered = frozenset(kept) if kept is not None else None
-    return RunState(run_id=run_id, messages=live.history, first_new=len(live.history), offered=offered)
+    return RunState(
+        run_id=run_id, messages=live.history, first_new=len(live.history), offered=offered, conversation=live.record.pid
+    )

@@ -659,7 +659,7 @@ async def summarise(
     carry: dict[str, Any] = {}  # what the hooks want the summary to keep (``TurnInfo.carry``)
     if "pre_compaction" in cfg.hooks.phases:
         run_id, turn = (run["run_id"], run["turn"]) if run is not None else ("", 0)
-        info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs)
+        info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, conversation=pid)
         blocked = await cfg.hooks.run_phase("pre_compaction", info)
         if blocked is not None:
             log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
