@@ -57,6 +57,7 @@ from agentloop.models.base import (
     http_error,
     make_usage,
     quote_body,
+    send_keyed,
     stream_broken,
     thinking_budget,
 )
@@ -170,18 +171,10 @@ class AnthropicModel(Model):
         return self._keyed[1]
 
     async def _open(self, params: dict[str, Any]) -> tuple[AsyncAnthropic, anthropic.AsyncStream[Any]]:
-        """Send the request with the key valid now, and the client that sent it. A 401 with a key
-        provider asks it once more (the token may have expired on the way) and retries once."""
-        key = await self._keys.get()
-        client = self._client_with(key)
-        try:
-            return client, await _send(client, params)
-        except anthropic.AuthenticationError:
-            fresh = await self._keys.refreshed(key)
-            if fresh is None:
-                raise
-        client = self._client_with(fresh)
-        return client, await _send(client, params)
+        """Send the request with the key valid now (see ``send_keyed``), and the client that sent it."""
+        return await send_keyed(
+            self._keys, self._client_with, lambda client: _send(client, params), anthropic.AuthenticationError
+        )
 
     # ------------------------------------------------------------------ request
 

@@ -16,7 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
 from agentloop.events import (
     ErrorKind,
@@ -252,6 +252,31 @@ class KeySource:
     def secrets(self) -> tuple[str, ...]:
         """The keys an error message must not show: the fixed one, or the provider's latest."""
         return (self.fixed,) if self.fixed else tuple(self._seen)
+
+
+Client = TypeVar("Client")
+Sent = TypeVar("Sent")
+
+
+async def send_keyed(
+    keys: KeySource,
+    client_for: Callable[[str | None], Client],
+    send: Callable[[Client], Awaitable[Sent]],
+    refused: type[Exception],
+) -> tuple[Client, Sent]:
+    """``send`` through the SDK client of the key valid now (``client_for``), and that client. A
+    refusal of the key (the SDK's ``refused``, its 401) with a key provider asks it once more (the
+    token may have expired on the way) and sends once more if it gives another key."""
+    key = await keys.get()
+    client = client_for(key)
+    try:
+        return client, await send(client)
+    except refused:
+        fresh = await keys.refreshed(key)
+        if fresh is None:
+            raise
+    client = client_for(fresh)
+    return client, await send(client)
 
 
 class ProviderError(Exception):

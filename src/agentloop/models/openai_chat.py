@@ -52,6 +52,7 @@ from agentloop.models.base import (
     http_error,
     make_usage,
     quote_body,
+    send_keyed,
     stream_broken,
 )
 from agentloop.models.catalog import model_info
@@ -145,18 +146,10 @@ class OpenAIChatModel(Model):
         return self._keyed[1]
 
     async def _open(self, params: dict[str, Any]) -> tuple[AsyncOpenAI, openai.AsyncStream[Any]]:
-        """Send the request with the key valid now, and the client that sent it. A 401 with a key
-        provider asks it once more (the token may have expired on the way) and retries once."""
-        key = await self._keys.get()
-        client = self._client_with(key)
-        try:
-            return client, await _send(client, params)
-        except openai.AuthenticationError:
-            fresh = await self._keys.refreshed(key)
-            if fresh is None:
-                raise
-        client = self._client_with(fresh)
-        return client, await _send(client, params)
+        """Send the request with the key valid now (see ``send_keyed``), and the client that sent it."""
+        return await send_keyed(
+            self._keys, self._client_with, lambda client: _send(client, params), openai.AuthenticationError
+        )
 
     # ------------------------------------------------------------------ request
 
