@@ -21,15 +21,13 @@ module; it sits below both.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Protocol, TypeAlias
 
 from agentloop.messages import FileContent, ImageContent
-from agentloop.process.media import DEFAULT_MAX_BYTES, MediaError, MediaTooLarge
+from agentloop.process.media import DEFAULT_MAX_BYTES, MediaError, decode_limited
 from agentloop.urls import redact_secrets
 
 __all__ = [
@@ -222,14 +220,7 @@ def _decoded(block: AudioContent | VideoContent, max_bytes: int) -> bytes:
     kind = "audio" if isinstance(block, AudioContent) else "video"
     if not isinstance(block.data, str) or not block.data:
         raise MediaError(f"{kind} data must be a non-empty base64 string")
-    if len(block.data) * 3 // 4 > max_bytes + 3:
-        raise MediaTooLarge(f"{kind} is larger than the {max_bytes}-byte limit")
-    try:
-        data = base64.b64decode(block.data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(f"{kind} data is not valid base64: {exc}") from None
-    if len(data) > max_bytes:
-        raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the {max_bytes}-byte limit")
+    data = decode_limited(block.data, kind, max_bytes)
     if not data:
         raise MediaError(f"{kind} data is empty")
     return data

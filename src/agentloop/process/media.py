@@ -61,6 +61,20 @@ def decoded_size(data: str) -> int:
     return len(data) * 3 // 4 - data[-2:].count("=")
 
 
+def decode_limited(data: str, kind: str, max_bytes: int) -> bytes:
+    """``data`` (base64) decoded, at most ``max_bytes`` (``MediaTooLarge``), a huge payload refused
+    by its length before it is decoded (4 characters per 3 bytes)."""
+    if len(data) * 3 // 4 > max_bytes + 3:
+        raise MediaTooLarge(f"{kind} is larger than the {max_bytes}-byte limit")
+    try:
+        decoded = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"{kind} data is not valid base64: {exc}") from None
+    if len(decoded) > max_bytes:
+        raise MediaTooLarge(f"{kind} is {len(decoded)} bytes, over the {max_bytes}-byte limit")
+    return decoded
+
+
 def text_fault(data: bytes) -> Literal["nul", "encoding"] | None:
     """Why ``data`` cannot be a text document: it holds NUL bytes (it is binary), or it is not
     UTF-8; None when it can."""
@@ -139,15 +153,7 @@ def check_media(block: MediaBlock, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[
     ext = known.get(mime)
     if ext is None:
         raise MediaError(f"unsupported {kind} type {block.mime_type!r}; supported: {', '.join(known)}")
-    # base64 is 4 characters per 3 bytes: refuse a huge payload before decoding it.
-    if len(block.data) * 3 // 4 > max_bytes + 3:
-        raise MediaTooLarge(f"{kind} is larger than the {max_bytes}-byte limit")
-    try:
-        data = base64.b64decode(block.data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(f"{kind} data is not valid base64: {exc}") from exc
-    if len(data) > max_bytes:
-        raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the {max_bytes}-byte limit")
+    data = decode_limited(block.data, kind, max_bytes)
     if kind == "file":
         if mime != "application/pdf" and len(data) > MAX_TEXT_BYTES:
             raise MediaTooLarge(f"a text document is {len(data)} bytes, over the {MAX_TEXT_BYTES}-byte limit")
