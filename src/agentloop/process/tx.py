@@ -297,6 +297,70 @@ class _TxScope:
         return None
 
 
+class _TxBatch:
+    """One transaction for small changes to several processes at once (the titles the kernel
+    writes together: ``ProcessEngine.log_changes``): a ``_Tx`` per process, which logs its signals
+    and keeps its cache and watchers in step as ``_TxScope`` does, and one commit for them all, so
+    that a busy server pays a fraction of a commit per change. Runs never use it: their steps each
+    have a transaction of their own. One process whose lease is gone fails the whole batch."""
+
+    __slots__ = ("engine", "scope", "txs")
+
+    def __init__(self, engine: ProcessEngine, lives: list[_Live]) -> None:
+        self.engine = engine
+        self.scope = engine.store.transaction()
+        self.txs = [_Tx(engine, live) for live in lives]
+
+    async def __aenter__(self) -> list[_Tx]:
+        await self.scope.begin()
+        lost = next((tx.live for tx in self.txs if tx.live.lost), None)
+        if lost is not None:  # dropped after a failed commit (see ``_TxScope``)
+            self.scope.end(commit=False)
+            if self.engine.leases is not None:
+                raise LeaseLost(lost.record.pid)
+            raise StoreError(f"process {lost.record.pid} was reloaded after a failed commit")
+        return self.txs
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
+        txs, leases = self.txs, self.engine.leases
+        if kind is not None:
+            self.scope.end(commit=False)
+            for tx in txs:
+                tx.drop()
+            return None
+        try:
+            for tx in txs:
+                if leases is not None:  # as a step: under this worker's lease, or told to the holder
+                    pid = tx.live.record.pid
+                    await (leases.told(pid) if tx.live.remote else leases.fence(pid))
+                await tx.flush()
+        except BaseException as error:
+            self.scope.end(commit=False)
+            for tx in txs:
+                tx.drop()
+            if isinstance(error, LeaseLost) and leases is not None:
+                leases.lost(error.pid)
+                self.engine.uncache(error.pid)
+            raise
+
+        def settled(error: BaseException | None) -> None:
+            for tx in txs:
+                tx.settled(error)
+
+        pending = self.scope.end(commit=True, settled=settled)
+        for tx in txs:
+            for apply in tx.after:
+                apply()
+            tx.after = []
+            if tx.live.record.current_run is not None:
+                tx.live.idle.clear()
+        if pending is None:
+            settled(None)
+        else:
+            await pending
+        return None
+
+
 def _new_run(run_id: str | None = None) -> dict[str, Any]:
     return {
         "run_id": run_id or new_id(),
