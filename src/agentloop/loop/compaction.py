@@ -568,8 +568,11 @@ class Compaction:
     older history is replaced by a summary that ``summariser`` (else the agent's model) writes,
     keeping the newest ``keep_recent_tokens`` (default: a quarter of the room the history has, at
     most half of what the threshold leaves it) and never separating a tool call from its results.
-    When the provider refuses a call as too long anyway (or cuts the prompt without saying so), it
-    compacts harder (keeping at most half the history) and the call is made once more; a second
+    Where the system prompt and tools with that least tail reach the threshold by themselves, no
+    summary could bring the context under it: the usable window is the limit instead (or, where
+    even that is out of reach, only the provider's refusal). When the provider refuses a call as
+    too long anyway (or cuts the prompt without saying so), it compacts harder (keeping at most
+    half the history) and the call is made once more; a second
     overflow ends the run with that error, as does one where nothing could be compacted. A summary
     that fails leaves the history as it was (logged). ``pre_compaction`` hooks run first, as in a
     durable process: one returning ``Block`` skips the compaction, a ``dict`` is kept on the
@@ -659,7 +662,38 @@ class Compaction:
         return result.history
 
     def _over(self, info: TurnInfo, model: ModelInfo) -> bool:
-        return should_compact(pressure(info.system_prompt, info.tools, info.messages, model), self.threshold)
+        """Whether to compact before this call: past the threshold, where a summary can help.
+
+        What a compaction leaves is at least the system prompt and tools, which it cannot touch,
+        plus the tail it keeps (``plan_cut`` keeps at least the tokens asked for), plus the
+        summary. Where the first two alone reach the threshold, every call would be past it again
+        right after its summary: each would pay for another one and the model would keep losing
+        its recent work, for nothing. The threshold is then out of reach and the window itself is
+        the limit: the run compacts only where the next call would not fit the usable window
+        (a provider that cuts the prompt without saying so would otherwise lose the oldest part
+        unseen), and not at all where even that cannot help; the overflow retry, which compacts
+        harder, is left for a call the provider refuses. (Estimates are compared, scaled as
+        ``_keep`` scales them, and only past the threshold: below it nothing more is measured.)
+        """
+        real = context_tokens(info.system_prompt, info.tools, info.messages)
+        usable = max(1, model.context_window - model.max_output)
+        if not should_compact(real / usable, self.threshold):
+            return False
+        fixed = estimated_context(info.system_prompt, info.tools, [])
+        scale = min(1.0, (fixed + estimate_tokens(info.messages)) / max(1, real))
+        least_left = fixed + (MIN_KEEP if self.keep_recent_tokens is None else self.keep_recent_tokens)
+        room = usable * scale
+        if least_left < room * self.threshold:
+            return True
+        if real >= usable and least_left < room:
+            return True
+        log.debug(
+            "run %s: past the compaction threshold, but the system prompt and tools (about %d tokens)"
+            " with the least tail kept leave a summary no room to bring it under; not compacted",
+            info.run_id,
+            fixed,
+        )
+        return False
 
     def _keep(self, model: ModelInfo, info: TurnInfo) -> int:
         """Estimated tokens of newest history to keep (the durable driver's rule, without a policy)."""

@@ -167,6 +167,9 @@ async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, *, ove
     """
     history = state.messages
     tools = cfg.tool_specs if tools_enabled else []
+    if tools and state.offered is not None:  # a hook (``ToolReveal``) narrowed the last call's list:
+        # measure the tools a call is shown, not a catalogue kept hidden to save that very room
+        tools = [spec for spec in tools if spec.name in state.offered]
     info = TurnInfo(
         state.run_id,
         state.turn,
@@ -197,7 +200,14 @@ async def _compact_and_retry(
     make the call once more, as a durable process does. The refused reply is not kept (what it
     used is counted); it stays the answer where nothing was compacted. The second call's answer
     is final: refused again, it ends the run with that error."""
-    if state.aborted or not await _compact(cfg, state, tools_enabled, overflow=True):
+    if state.aborted:
+        return reply
+    try:
+        compacted = await _compact(cfg, state, tools_enabled, overflow=True)
+    except asyncio.CancelledError:  # aborted while the summary was written: the run ends here
+        state.usage.add(reply.usage)  # (and the refused reply, billed, is not returned to be counted)
+        raise
+    if not compacted:
         return reply
     state.usage.add(reply.usage)
     if emit is not None:  # as a failed attempt: shown (its message_end went out), then the retry
