@@ -139,9 +139,9 @@ function retitled(frame) {
 }
 
 // The approvals inbox: what every process of the account waits for, also those the page does not
-// show (a schedule's run, a subagent's). The account stream (GET /v1/events) is live only, so the
-// inbox is read whole (GET /v1/approvals) at each (re)connection and whenever the stream says an
-// approval was asked or answered, or a run ended.
+// show (a schedule's run, a subagent's). The inbox is read whole (GET /v1/approvals) at each
+// (re)connection of the account stream (GET /v1/events) and whenever it says an approval was asked or
+// answered, or a run ended: a read is one small request, simpler than resuming the stream by its ids.
 
 function followInbox() {
   if (inbox) inbox.abort();
