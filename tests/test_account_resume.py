@@ -33,10 +33,7 @@ def answer(req: ModelRequest) -> str:
 
 @asynccontextmanager
 async def kernel(tmp_path: Path) -> AsyncIterator[Kernel]:
-    # titles off: these count run ends, and a title is logged to the account log too, at a moment
-    # of its own after a first run (tests/test_account_titles9.py has the titles)
-    url = f"sqlite:///{tmp_path}/agentloop.db"
-    async with Kernel.open(url, model=ScriptedModel(answer), workspace=tmp_path, titles=None) as k:
+    async with Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=ScriptedModel(answer), workspace=tmp_path) as k:
         yield k
 
 
@@ -52,7 +49,7 @@ def runs(items: list[AccountSignal]) -> list[tuple[int | None, str | None]]:
 
 
 async def take(stream: AsyncIterator[AccountSignal], n: int) -> list[AccountSignal]:
-    """The next ``n`` logged items (an ``account.log.pruned`` notice, unlogged, is left out)."""
+    """The next ``n`` logged items (new titles, live only, are left out)."""
     got: list[AccountSignal] = []
     async with asyncio.timeout(5):
         while len(got) < n:
@@ -191,7 +188,7 @@ async def test_a_lost_notification_is_read_from_the_account_log(pg_url: str, tmp
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("resume"), kernel_options={"titles": None}) as srv:  # (see ``kernel``)
+    with live_server(tmp_path_factory.mktemp("resume")) as srv:
         yield srv
 
 
@@ -304,7 +301,7 @@ async def test_the_client_resumes_the_account_stream_from_its_last_id(
 
 
 def test_the_websocket_account_subscription_resumes_after_a_seq(tmp_path: Path) -> None:
-    with KernelServer(tmp_path, ScriptedModel(answer), titles=None) as server:  # (see ``kernel``)
+    with KernelServer(tmp_path, ScriptedModel(answer)) as server:
         assert server.ctx is not None
         kernel = server.ctx.kernel
         with server.client("alice") as c:

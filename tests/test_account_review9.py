@@ -22,10 +22,7 @@ def answer(req: ModelRequest) -> str:
 
 @asynccontextmanager
 async def kernel(tmp_path: Path) -> AsyncIterator[Kernel]:
-    # titles off: these count run ends, and a title is logged to the account log too, at a moment
-    # of its own after a first run (tests/test_account_titles9.py has the titles)
-    url = f"sqlite:///{tmp_path}/agentloop.db"
-    async with Kernel.open(url, model=ScriptedModel(answer), workspace=tmp_path, titles=None) as k:
+    async with Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=ScriptedModel(answer), workspace=tmp_path) as k:
         yield k
 
 
@@ -87,7 +84,7 @@ async def test_two_workers_finishing_one_owners_runs_at_once_number_them_gapless
 
     from tests.test_scale_out import kept_by, two
 
-    async with two(pg_url, tmp_path, ScriptedModel(answer), [], titles=None) as (a, b):  # (see ``kernel``)
+    async with two(pg_url, tmp_path, ScriptedModel(answer), []) as (a, b):
         procs = []
         for worker in (a, b, a, b, a, b):
             proc = await worker.spawn(owner="alice")
@@ -157,8 +154,8 @@ async def test_steps_that_log_no_account_signal_touch_no_account_table(tmp_path:
         return Reply(tool_calls=[call("ping")]) if asked < 3 else "done"
 
     async with Kernel.open(
-        f"sqlite:///{tmp_path}/agentloop.db", model=ScriptedModel(calls), tools=[ping], workspace=tmp_path, titles=None
-    ) as k:  # (no title: it would be logged to the account log, in the background, after the first run)
+        f"sqlite:///{tmp_path}/agentloop.db", model=ScriptedModel(calls), tools=[ping], workspace=tmp_path
+    ) as k:
         proc = await k.spawn(owner="alice")
         await finish(proc)  # (the first reads the owner's newest account seq once)
         statements: list[str] = []
@@ -181,7 +178,7 @@ async def test_a_lost_first_notification_of_a_new_account_is_found_by_the_poll(p
     pytest.importorskip("asyncpg", reason="the PostgreSQL store needs asyncpg (agentloop[postgres])")
     from tests.test_scale_out import kept_by, two
 
-    async with two(pg_url, tmp_path, ScriptedModel(answer), [], titles=None) as (a, b):  # (see ``kernel``)
+    async with two(pg_url, tmp_path, ScriptedModel(answer), []) as (a, b):
         proc = await a.spawn(owner="alice")
         await kept_by(a, proc.pid)
         leases = b.engine.leases
@@ -223,7 +220,7 @@ def test_a_websocket_account_subscription_that_fell_behind_goes_on_from_the_log(
         return await real_send(self, frame)
 
     monkeypatch.setattr(Connection, "send", slow_send)
-    with KernelServer(tmp_path, ScriptedModel(answer), titles=None) as server:  # (see ``kernel``)
+    with KernelServer(tmp_path, ScriptedModel(answer)) as server:
         assert server.ctx is not None
         kernel = server.ctx.kernel
         with server.client("alice") as c:

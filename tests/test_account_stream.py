@@ -89,19 +89,19 @@ def test_an_account_watcher_gets_its_owners_approvals_and_run_ends_only() -> Non
     asked = AccountSignal("p1", Signal(sig.HIL_REQUESTED, {"requestId": "h1"}, 3), 7)
     hub.to_account("alice", asked)
     hub.to_account("alice", AccountSignal("p1", Signal(sig.RUN_STARTED, {}, 1), 8))  # (not the account's)
-    hub.to_account("alice", AccountSignal("p1", Signal(sig.RUN_STREAM, {"delta": "x"})))
-    hub.to_account("alice", AccountSignal("p1", Signal(sig.CHANGED, {"changes": ["queue"]}, 2), 8))
+    hub.publish("p1", Signal(sig.RUN_STREAM, {"delta": "x"}), "alice")
+    hub.publish("p1", Signal(sig.CHANGED, {"changes": ["queue"]}, 2), "alice")
     answered = AccountSignal("p1", Signal(sig.CHANGED, {"changes": ["messages", "hil"]}, 4), 8)
     hub.to_account("alice", answered)
-    titled = AccountSignal("p1", Signal(sig.CHANGED, {"changes": ["title"], "title": "t"}, 5), 9)
-    hub.to_account("alice", titled)  # logged, as every title change is: an account seq of its own
-    finished = AccountSignal("p1", Signal(sig.RUN_FINISHED, {"status": "ok"}, 6), 10)
+    titled = Signal(sig.CHANGED, {"changes": ["title"], "title": "t"})
+    hub.publish("p1", titled, "alice")  # unlogged, as titles are: live only, no account seq
+    finished = AccountSignal("p1", Signal(sig.RUN_FINISHED, {"status": "ok"}, 5), 9)
     hub.to_account("alice", finished)
     hub.to_account("bob", AccountSignal("p2", Signal(sig.HIL_REQUESTED, {}, 1), 1))  # another account's
-    hub.publish("p1", Signal(sig.HIL_REQUESTED, {}, 1))  # (published: for process watchers only)
+    hub.publish("p3", Signal(sig.HIL_REQUESTED, {}, 1))  # (a relayed signal: its owner is not known here)
     got = [mine.get_nowait() for _ in range(mine.qsize())]
-    assert got == [asked, answered, titled, finished]
-    assert hub.account_heads() == {"alice": 10}
+    assert got == [asked, answered, AccountSignal("p1", titled), finished]
+    assert hub.account_heads() == {"alice": 9}
     hub.unwatch_account("alice", mine)
     assert hub._accounts == {}
 
@@ -113,8 +113,7 @@ def test_nobody_watching_an_account_costs_publish_no_filtering(monkeypatch: pyte
     monkeypatch.setattr(sig, "for_account", never)
     hub = SignalHub()
     process = hub.watch("p1")
-    hub.publish("p1", Signal(sig.HIL_REQUESTED, {}, 1))
-    hub.to_account("alice", AccountSignal("p1", Signal(sig.HIL_REQUESTED, {}, 1), 1))
+    hub.publish("p1", Signal(sig.HIL_REQUESTED, {}, 1), "alice")
     assert process.qsize() == 1
 
 
@@ -123,7 +122,7 @@ def test_an_account_watcher_that_falls_behind_is_ended(monkeypatch: pytest.Monke
     hub = SignalHub()
     slow = hub.watch_account("alice")
     for seq in range(1, 6):
-        hub.to_account("alice", AccountSignal("p1", Signal(sig.RUN_FINISHED, {}, seq), seq))
+        hub.publish("p1", Signal(sig.RUN_FINISHED, {}, seq), "alice")
     assert [slow.get_nowait() for _ in range(slow.qsize())] == [None]  # read the inbox again, then reopen
     assert hub._accounts == {}
 

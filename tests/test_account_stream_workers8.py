@@ -57,8 +57,7 @@ class Stream:
             self.seen.append((item.pid or "", item.signal))
 
     def logged(self) -> list[tuple[str, int | None, str]]:
-        """What it saw, but the title changes: logged too, but made in the background after a
-        first run, at moments these tests do not fix (tests/test_account_titles9.py has them)."""
+        """What it saw, but the new titles: announced only where they are made (not logged)."""
         return [(pid, s.seq, s.signal) for pid, s in self.seen if s.payload.get("changes") != ["title"]]
 
     async def until(self, check: Callable[[list[tuple[str, Signal]]], bool]) -> None:

@@ -1021,18 +1021,17 @@ class Kernel:
     async def account_signals(
         self, owner: str, after_seq: int | None = None, *, follow: bool = True
     ) -> AsyncGenerator[AccountSignal, None]:
-        """The approvals asked and answered, the runs ended and the title changes of every process
-        of ``owner`` (``signals.for_account``), each with its account seq (``AccountSignal.seq``:
-        per owner, gapless, in commit order). With ``after_seq``, first those the account log
-        holds after it, then (with ``follow``) live ones, with none missed or repeated at the
-        seam; without, live ones from the first ``__anext__`` on. An ``after_seq`` past the log's
-        end counts from the end; one before the oldest kept is first sent an unlogged
-        ``account.log.pruned`` (``signals.ACCOUNT_LOG_PRUNED``: read the approvals inbox again).
-        Titles are logged as they are written (``ProcessEngine.log_changes``), so they resume and
-        cross workers as the rest do. On a shared store (PostgreSQL), the signals committed
-        through the other workers too (``Leases.accounted``): one whose notification was lost or
-        overtaken is read from the account log before the one after it. Ends when the kernel
-        closes, or when the reader falls too far behind (it resumes from its last account seq)."""
+        """The approvals asked and answered and the runs ended of every process of ``owner``
+        (``signals.for_account``), each with its account seq (``AccountSignal.seq``: per owner,
+        gapless, in commit order). With ``after_seq``, first those the account log holds after
+        it, then (with ``follow``) live ones, with none missed or repeated at the seam; without,
+        live ones from the first ``__anext__`` on. An ``after_seq`` past the log's end counts from
+        the end; one before the oldest kept is first sent an unlogged ``account.log.pruned``
+        (``signals.ACCOUNT_LOG_PRUNED``: read the approvals inbox again). New titles come live
+        only (no account seq). On a shared store (PostgreSQL), the signals committed through the
+        other workers too (``Leases.accounted``): one whose notification was lost or overtaken is
+        read from the account log before the one after it. Ends when the kernel closes, or when
+        the reader falls too far behind (it resumes from its last account seq)."""
         if after_seq is not None:
             _check_position("after_seq", after_seq, 0)
         hub = self.engine.hub
@@ -1047,7 +1046,7 @@ class Kernel:
                 return
             hub.account_seen(owner, last)
             while (item := await queue.get()) is not None:
-                if item.seq is None:  # (nothing unlogged is queued, titles included: passed on as is)
+                if item.seq is None:  # (a new title: live only)
                     yield item
                     continue
                 if item.seq <= last:

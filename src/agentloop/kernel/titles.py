@@ -18,20 +18,14 @@ model fails or answers nothing usable; a ``TitleFn`` may replace the model (what
 own affair). A conversation begun by a system event waits for its first user message. The titles
 made are written a moment later (``WRITE_DELAY``) by one background writer, all that came meanwhile
 in one transaction, each row added only where no title is and only for the conversation it names
-(``Store.kv_add``): a busy server pays a fraction of a commit per title, what ends a run (the
-abort's answer, the next queued run) goes first, and the runs' own commits carry nothing of titles.
-Reset and kill cancel the work under way; close writes what is made at once, and the fallback for
-a title a model is still being asked for.
+(``Store.kv_add``): a busy server pays a fraction of a commit per title, and what ends a run (the
+abort's answer, the next queued run) goes first. Reset and kill cancel the work under way; close
+writes what is made at once, and the fallback for a title a model is still being asked for.
 
-Every change is logged with ``proc.changed`` (``changes: ["title"]``, ``title``) in the transaction
-that writes it (``ProcessEngine.log_changes``), as a step logs its signals: it has a seq in the
-process's log and, being account-level (``signals.for_account``), an account seq in the owner's
-account log. So a process stream or an account stream (a sidebar that lists every process) that
-resumes after it is given it, and on a store several workers share the other workers' watchers hear
-of it as of any step (the process's holder reads its log; account watchers are told in the commit).
-A reset deletes an automatic title in its own transaction, and logs its clearing in one of its own
-right after (the reset's transaction is the engine's); a crash between the two loses only that
-notice, and the title read with the process is already gone.
+Every change is announced with ``proc.changed`` (``changes: ["title"]``, ``title``), live only: the
+log is the conversation's record and a title is state read with the process, so a watcher that
+missed the announcement finds the title there. Account streams carry it too, for a sidebar that
+lists every process. On a store several workers share, followers of another worker do not hear it.
 """
 
 from __future__ import annotations
@@ -175,11 +169,6 @@ def _user_text(message: Message) -> str | None:
     return text if text.strip() else None
 
 
-def _changed(title: str | None) -> dict[str, Any]:
-    """The ``proc.changed`` payload of a title change (``pid`` is added as it is logged)."""
-    return {"changes": ["title"], "title": title}
-
-
 def _text_of(value: Any) -> str | None:
     return value["text"] if isinstance(value, dict) and isinstance(value.get("text"), str) else None
 
@@ -230,7 +219,6 @@ class Titles:
         self.ready: dict[str, tuple[str, int, int, str]] = {}
         self._writer: asyncio.Task[None] | None = None
         self._ending: set[asyncio.Task[None]] = set()  # cancelled by a reset or kill, until they end
-        self._clearing: set[asyncio.Task[None]] = set()  # logging what a reset cleared (``_cleared``)
         self.closing = False
         if self.automatic:
             engine.hub.tap(self._heard)
@@ -238,9 +226,7 @@ class Titles:
     @property
     def busy(self) -> bool:
         """Whether titles are being made or wait to be written."""
-        if self.tasks or self.ready or self._clearing:
-            return True
-        return self._writer is not None and not self._writer.done()
+        return bool(self.tasks or self.ready) or (self._writer is not None and not self._writer.done())
 
     # -- reading and setting ----------------------------------------------------------------------
 
@@ -269,49 +255,30 @@ class Titles:
             self._start(record, first)
 
     async def _write(self, pid: str, value: dict[str, str] | None) -> None:
-        """Write a person's title row (None: delete it) and log the change, in one transaction
-        (``ProcessEngine.log_changes``). An upsert: it replaces an automatic title, which never
-        replaces it (``kv_add``)."""
-
-        async def write() -> dict[str, Any]:
-            record = await self.store.get_process(pid)  # (killed through another worker meanwhile)
+        """Write a person's title row (None: delete it) in a transaction of its own, then announce
+        it. An upsert: it replaces an automatic title, which never replaces it (``kv_add``)."""
+        async with self.store.transaction():
+            record = await self.store.get_process(pid)
             if record is None or record.state == "killed":
                 raise NoSuchProcess(pid)
             if value is None:
                 await self.store.kv_delete(pid, TITLE_KEY)
             else:
                 await self.store.kv_set(pid, TITLE_KEY, value)
-            return _changed(None if value is None else value["text"])
+        self._announce(pid, record.owner, None if value is None else value["text"])
 
-        if pid not in await self.engine.log_changes({pid: write}):
-            raise NoSuchProcess(pid)
+    def _announce(self, pid: str, owner: str, title: str | None) -> None:
+        payload = {"pid": pid, "changes": ["title"], "title": title}
+        self.engine.hub.publish(pid, Signal(sig.CHANGED, payload), owner)
 
     async def forget_automatic(self, record: ProcessRecord) -> Callable[[], None]:
         """Inside a reset's transaction: delete an automatic title (a person's stays); returns
-        what logs the clearing once the reset is kept (a transaction of its own: see the module
-        doc)."""
+        what announces it once the reset has committed."""
         value = await self.store.kv_get(record.pid, TITLE_KEY)
         if value is None or (isinstance(value, dict) and value.get("source") == "user"):
             return lambda: None
         await self.store.kv_delete(record.pid, TITLE_KEY)
-        return functools.partial(self._log_cleared, record.pid)
-
-    def _log_cleared(self, pid: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._cleared(pid), name=f"title of {pid} cleared")
-        self._clearing.add(task)
-        task.add_done_callback(self._clearing.discard)
-
-    async def _cleared(self, pid: str) -> None:
-        """Log that a reset cleared the process's automatic title, unless a title was written
-        since (that one was logged itself, and the clearing would be older news)."""
-
-        async def write() -> dict[str, Any] | None:
-            return None if await self.store.kv_get(pid, TITLE_KEY) is not None else _changed(None)
-
-        try:
-            await self.engine.log_changes({pid: write})
-        except Exception as exc:  # (the reset's commit was lost, say)
-            log.info("process %s: the cleared title was not logged: %s", pid, exc)
+        return functools.partial(self._announce, record.pid, record.owner, None)
 
     # -- automatic titles -------------------------------------------------------------------------
 
@@ -385,28 +352,25 @@ class Titles:
             self._writer = asyncio.get_running_loop().create_task(self._write_ready(), name="process titles")
 
     async def _write_ready(self) -> None:
-        """Write what is ready, a batch at a time, until nothing is: every title of a batch with its
-        signal in one transaction (``ProcessEngine.log_changes``). A failed transaction costs its
-        batch's titles (logged)."""
+        """Write what is ready, a batch per transaction, until nothing is; announce what was
+        written. A failed transaction costs its batch's titles (logged)."""
         while self.ready:
             if not self.closing:  # (the close writes at once what is left)
                 await asyncio.sleep(WRITE_DELAY)
             batch, self.ready = self.ready, {}
-            writes = {
-                pid: functools.partial(self._add, pid, title, generation)
-                for pid, (text, limit, generation, _) in batch.items()
-                if (title := fallback_title(text, limit))
-            }
+            written: list[tuple[str, str, str]] = []
             try:
-                await self.engine.log_changes(writes)
+                async with self.store.transaction():
+                    for pid, (text, limit, generation, owner) in batch.items():
+                        title = fallback_title(text, limit)
+                        row = {"text": title, "source": "auto"}
+                        if title and await self.store.kv_add(pid, TITLE_KEY, row, generation=generation):
+                            written.append((pid, owner, title))
             except Exception as exc:
-                log.warning("%d process titles were not written: %s", len(writes), exc)
-
-    async def _add(self, pid: str, title: str, generation: int) -> dict[str, Any] | None:
-        """Inside the batch's transaction: add an automatic title, unless a title is there already
-        or the conversation it names was reset meanwhile (``Store.kv_add``); what to log."""
-        row = {"text": title, "source": "auto"}
-        return _changed(title) if await self.store.kv_add(pid, TITLE_KEY, row, generation=generation) else None
+                log.warning("%d process titles were not written: %s", len(batch), exc)
+                continue
+            for pid, owner, title in written:
+                self._announce(pid, owner, title)
 
     async def _asked(self, record: ProcessRecord, text: str) -> str | None:
         """The namer's title, cleaned; None when it failed, took too long or said nothing usable."""
@@ -470,6 +434,5 @@ class Titles:
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
         await self._write_ready()  # (what came while no writer ran)
-        await asyncio.gather(*self._clearing, return_exceptions=True)  # (before the engine closes)
         self.tasks.clear()
         self.pending.clear()

@@ -87,7 +87,7 @@ from agentloop.process.store import (
     UsageTotals,
 )
 from agentloop.process.store.base import QueueKind
-from agentloop.process.tx import _has_media, _Live, _Tx, _TxBatch, _TxScope, promoting
+from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope, promoting
 from agentloop.tools.base import BackgroundRefused, background_group
 from agentloop.tools.jobs import JobRegistry
 from agentloop.tools.process_group import GroupIdentity
@@ -888,39 +888,6 @@ class ProcessEngine:
             else:
                 await self.store.kv_delete(pid, MODEL_KEY)
             await tx.signal(sig.CHANGED, changes=["model"])
-
-    async def log_changes(
-        self, writes: Mapping[str, Callable[[], Awaitable[dict[str, Any] | None]]]
-    ) -> dict[str, dict[str, Any] | None]:
-        """Change what is kept of processes outside their runs (their titles: kernel/titles.py),
-        all in one transaction: ``writes`` maps a pid to what writes its change inside it and
-        returns the ``proc.changed`` payload to log with it (``changes`` and the rest; ``pid`` is
-        added), or None when it changed nothing (nothing is logged). Logged, a change is a step's
-        signal like any other: a seq in the process's log, an account seq when it is
-        account-level (``signals.for_account``), the other workers told in the same commit,
-        watchers here told once it is durable, and replayed to a stream that resumes before it.
-        Returns pid -> payload; a process unknown or killed is left out (nothing to change). On a
-        shared store started over, as input is, when a lease went between the look and the
-        commit (the writes run again)."""
-
-        async def attempt() -> dict[str, dict[str, Any] | None]:
-            lives: dict[str, _Live] = {}
-            for pid in writes:
-                try:
-                    lives[pid] = await self.live(pid)
-                except NoSuchProcess:
-                    continue
-            done: dict[str, dict[str, Any] | None] = {}
-            if not lives:
-                return done
-            async with _TxBatch(self, list(lives.values())) as txs:
-                for pid, tx in zip(lives, txs, strict=True):
-                    done[pid] = payload = await writes[pid]()
-                    if payload is not None:
-                        await tx.signal(sig.CHANGED, **payload)
-            return done
-
-        return await _retried(attempt)
 
     # -- approvals (see hil.py) -------------------------------------------------------------------
 

@@ -12,8 +12,7 @@ An account's stream (``for_account``: approvals asked and answered, runs ended, 
 owner's processes) is resumable the same way: each account-level signal a step logs is also copied
 to the owner's account log in the same transaction, with the next per-owner account seq
 (``AccountSignal.seq``), so a watcher that drops its connection resumes after the last one it saw.
-New titles are no exception: a title is written in the transaction that logs its
-``proc.changed`` (``ProcessEngine.log_changes``), so it has both seqs as a step's signals do.
+New titles are the exception there: announced live only (no account seq), as they are not logged.
 """
 
 from __future__ import annotations
@@ -95,9 +94,9 @@ def for_account(signal: Signal) -> bool:
 @dataclass(frozen=True, slots=True)
 class AccountSignal:
     """One item of an account stream: ``signal`` of the owner's process ``pid``, and its ``seq`` in
-    the owner's account log (what a watcher resumes after). ``seq`` is None only for the stream's
-    own notices, which the account log does not keep (``ACCOUNT_LOG_PRUNED``, whose ``pid`` is
-    None too)."""
+    the owner's account log (what a watcher resumes after). ``seq`` is None for what the account
+    log does not keep: new titles (live only) and the stream's own notices
+    (``ACCOUNT_LOG_PRUNED``, whose ``pid`` is None too)."""
 
     pid: str | None
     signal: Signal
@@ -114,7 +113,7 @@ class SignalHub:
 
     _watchers: dict[str, set[asyncio.Queue[Signal | None]]] = field(default_factory=lambda: defaultdict(set))
     # owner -> its account's watchers (``watch_account``): they get the account signals of every
-    # process of the owner's, all logged ones with their account seqs (``to_account``)
+    # process of the owner's (``to_account``, and the new titles ``publish`` is told the owner of)
     _accounts: dict[str, set[AccountQueue]] = field(default_factory=dict)
     # owner -> the newest account seq its watchers here were given (or had read): while anyone
     # watches it, what a worker on a shared store checks the account log against (``account_heads``)
@@ -176,12 +175,14 @@ class SignalHub:
         """owner -> the newest account seq that reached its watchers here, for every owner watched."""
         return dict(self._heads)
 
-    def publish(self, pid: str, signal: Signal) -> None:
-        """Announce ``signal`` to the process's watchers and the taps. Account watchers are not
-        told here: every account-level signal is logged, and reaches them through ``to_account``
-        with its account seq (titles too, since they are logged: ``ProcessEngine.log_changes``)."""
+    def publish(self, pid: str, signal: Signal, owner: str | None = None) -> None:
+        """Announce ``signal``; with its process's ``owner``, an unlogged one to the owner's
+        account watchers too (a new title: live only, no account seq). Logged account-level
+        signals reach them through ``to_account``, with their account seqs."""
         for queue in self._watchers.get(pid, ()):
             _put(queue, signal)
+        if owner is not None and self._accounts:  # the hot path's only cost while nobody watches an account
+            self._to_account(owner, AccountSignal(pid, signal))
         for listener in self._taps:
             listener(pid, signal)
 
@@ -190,9 +191,9 @@ class SignalHub:
         return bool(self._accounts.get(owner))
 
     def to_account(self, owner: str, item: AccountSignal) -> None:
-        """A logged account signal of ``owner``'s (a title change included) to the account's
-        watchers only: one this worker committed (its process watchers had it from ``publish``),
-        or one another worker committed (they read it from the log)."""
+        """A logged account signal of ``owner``'s to the account's watchers only: one this
+        worker committed (its process watchers had it from ``publish``), or one another worker
+        committed (they read it from the log)."""
         if self._accounts:
             self._to_account(owner, item)
 

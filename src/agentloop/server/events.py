@@ -13,8 +13,8 @@ cancelling a wait on a generator's ``__anext__`` would end that generator. Cance
 ``finally`` unwatches) in the pump's own task.
 
 The account stream is resumable the same way, by account seq (per owner: the account log's, see
-``Kernel.account_signals``): its frames carry ``id: <account seq>`` (title changes too: they are
-logged), and ``Last-Event-ID`` (or ``after_seq``) resumes after one. A stream opened without either
+``Kernel.account_signals``): its frames carry ``id: <account seq>`` (a new title, live only, has
+none), and ``Last-Event-ID`` (or ``after_seq``) resumes after one. A stream opened without either
 starts with a frame that is only ``id: <the newest account seq>``: it dispatches no event, but a
 client cut off before the first signal resumes from it. A resume point older than the kept log is
 told with an ``account.log.pruned`` event (no id) first, as ``proc.log.pruned`` on a process stream.
