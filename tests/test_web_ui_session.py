@@ -152,6 +152,8 @@ def test_fork_from_a_message_opens_the_fork_with_that_message_back_in_the_compos
     assert api.get(f"/v1/processes/{whole}").json()["state"] != "killed"
 
     # A refusal (here the account's process quota, 409) is said on the page; nothing else changes.
+    # (once the fork's view follows its stream: its "following …" would overwrite the refusal)
+    browser.wait("document.getElementById('transcript').dataset.stream === 'live'")
     browser.eval(
         """window.__fetch = window.fetch;
         window.fetch = (path, init) => String(path).endsWith('/fork')
