@@ -36,6 +36,7 @@ from agentloop.models.base import ModelRequest
 from agentloop.models.scripted import Reply, ScriptedModel, call
 
 Statement = tuple[str, Any, bool]  # sql, parameters, executemany
+OWNER = "floor-owner-recorded"  # the recorded runs' owner, swapped for another in each replay
 
 
 class _Recorder(sqlite3.Connection):
@@ -85,7 +86,7 @@ async def _record(folder: str) -> tuple[list[Statement], str]:
             for _ in range(4):
                 recorded: list[Statement] = []
                 _Recorder.recording = recorded
-                proc = await kernel.spawn(owner="bench", text="hi")
+                proc = await kernel.spawn(owner=OWNER, text="hi")
                 await proc.wait_idle()
                 _Recorder.recording = None
             return recorded, proc.pid
@@ -147,7 +148,8 @@ def main() -> None:
         body = json.dumps({"role": "assistant", "content": "done"})
         step = _journal_step(statements)
         # every replay's statements are prepared up front: only their execution is timed
-        runs = [[_swap(s, pid, f"r{i:018d}") for s in statements] for i in range(replays)]
+        # (each replay as another process of another owner: pids and account seqs are unique keys)
+        runs = [[_swap(_swap(s, pid, f"r{i:018d}"), OWNER, f"o{i:018d}") for s in statements] for i in range(replays)]
         ours: list[float] = []
         baseline: list[float] = []
         journal: list[float] = []
