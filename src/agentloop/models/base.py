@@ -16,7 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, TypeVar, get_args
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar, cast, get_args
 
 from agentloop.events import (
     ErrorKind,
@@ -185,6 +185,15 @@ ApiKey: TypeAlias = str | KeyProvider | None
 _KEYS_MASKED = 4  # of a provider's keys, how many of the latest each error message masks
 
 
+class _Rekeyable(Protocol):
+    """An official SDK's client: ``with_options`` copies it with another key, sharing its pool."""
+
+    def with_options(self, *, api_key: str) -> Any: ...
+
+
+Client = TypeVar("Client", bound=_Rekeyable)
+
+
 class KeySource:
     """An adapter's API key: a fixed one, or the answer of a ``KeyProvider`` asked before every
     call, so a long-running server follows a credential that changes under it (a fixed key held
@@ -200,6 +209,7 @@ class KeySource:
         self.provider = provider
         self.what = what
         self._seen: list[str] = []  # the provider's latest keys, for masking
+        self._keyed: tuple[str, object, object] | None = None  # the latest key, its base client and copy
 
     @classmethod
     def of(
@@ -249,33 +259,42 @@ class KeySource:
         key = await self.get()
         return key if key != refused else None
 
+    def client_for(self, base: Client, key: str | None) -> Client:
+        """The SDK client of a call made with ``key``: ``base`` for a fixed key, else a copy with
+        the key (kept while the key and ``base`` are unchanged; a copy shares the connection pool)."""
+        if key is None or self.provider is None:
+            return base
+        if self._keyed is None or self._keyed[0] != key or self._keyed[1] is not base:
+            self._keyed = (key, base, base.with_options(api_key=key))
+        return cast("Client", self._keyed[2])
+
     def secrets(self) -> tuple[str, ...]:
         """The keys an error message must not show: the fixed one, or the provider's latest."""
         return (self.fixed,) if self.fixed else tuple(self._seen)
 
 
-Client = TypeVar("Client")
 Sent = TypeVar("Sent")
 
 
 async def send_keyed(
     keys: KeySource,
-    client_for: Callable[[str | None], Client],
+    base: Client,
     send: Callable[[Client], Awaitable[Sent]],
     refused: type[Exception],
 ) -> tuple[Client, Sent]:
-    """``send`` through the SDK client of the key valid now (``client_for``), and that client. A
-    refusal of the key (the SDK's ``refused``, its 401) with a key provider asks it once more (the
-    token may have expired on the way) and sends once more if it gives another key."""
+    """``send`` through the SDK client of the key valid now, and that client: ``base`` itself for
+    a fixed key, else its copy with the key (``KeySource.client_for``). A refusal of the key (the
+    SDK's ``refused``, its 401) with a key provider asks it once more (the token may have expired
+    on the way) and sends once more if it gives another key."""
     key = await keys.get()
-    client = client_for(key)
+    client = keys.client_for(base, key)
     try:
         return client, await send(client)
     except refused:
         fresh = await keys.refreshed(key)
         if fresh is None:
             raise
-    client = client_for(fresh)
+    client = keys.client_for(base, fresh)
     return client, await send(client)
 
 

@@ -121,7 +121,6 @@ class OpenAIChatModel(Model):
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
         self.options = options
         self._client = client
-        self._keyed: tuple[str, AsyncOpenAI] | None = None  # a key provider's latest key, and its client
 
     @property
     def client(self) -> AsyncOpenAI:
@@ -136,19 +135,10 @@ class OpenAIChatModel(Model):
             self._client = AsyncOpenAI(api_key=key, base_url=self.base_url, max_retries=0, **self._client_options)
         return self._client
 
-    def _client_with(self, key: str | None) -> AsyncOpenAI:
-        """The client of a call made with ``key``: the client itself for a fixed key, else a copy
-        with the key (kept while the key is unchanged; a copy shares the connection pool)."""
-        if key is None or not self._keys.dynamic:
-            return self.client
-        if self._keyed is None or self._keyed[0] != key:
-            self._keyed = (key, self.client.with_options(api_key=key))
-        return self._keyed[1]
-
     async def _open(self, params: dict[str, Any]) -> tuple[AsyncOpenAI, openai.AsyncStream[Any]]:
         """Send the request with the key valid now (see ``send_keyed``), and the client that sent it."""
         return await send_keyed(
-            self._keys, self._client_with, lambda client: _send(client, params), openai.AuthenticationError
+            self._keys, self.client, lambda client: _send(client, params), openai.AuthenticationError
         )
 
     # ------------------------------------------------------------------ request
