@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentloop import ScriptedModel
-from agentloop.kernel import AccountSignal, Kernel, Process
+from agentloop.kernel import AccountSignal, Kernel
 from agentloop.models.base import ModelRequest
 from agentloop.process import signals as sig
-
-
-def answer(req: ModelRequest) -> str:
-    return "ok"
-
-
-@asynccontextmanager
-async def kernel(tmp_path: Path) -> AsyncIterator[Kernel]:
-    async with Kernel.open(f"sqlite:///{tmp_path}/agentloop.db", model=ScriptedModel(answer), workspace=tmp_path) as k:
-        yield k
-
-
-async def finish(proc: Process, text: str = "hi") -> str:
-    receipt = await proc.send(text)
-    await proc.wait_idle()
-    return receipt.run_id
+from tests.test_account_resume import answer, finish, kernel
 
 
 def pruned(after: int, oldest: int) -> AccountSignal:
