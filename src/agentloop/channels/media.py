@@ -211,11 +211,7 @@ def video_text(attachment: Attachment) -> str:
     ``VideoContent`` (``video_note``), so that a video reads the same whichever way it came. A
     size the app did not say is said to be unknown: finding it out would mean fetching a file
     nobody reads."""
-    if attachment.size is not None:
-        return video_note(attachment.name, attachment.mime, attachment.size)
-    shown = shown_name(attachment.name, "")
-    label = f'video "{shown}"' if shown else "video"
-    return f"[Attached {label} ({attachment.mime}, size unknown): it cannot be viewed here; this note stands in for it]"
+    return video_note(attachment.name, attachment.mime, attachment.size)
 
 
 def audio_filename(attachment: Attachment) -> str:

@@ -25,7 +25,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from agentloop.loop.guards import Guards
 from agentloop.loop.state import ToolExecution
@@ -49,7 +49,7 @@ GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "m
 # how the tool calls of one model turn run: at most ``max_concurrency`` at once, or one after the
 # other (``tool_execution = "sequential"``); tools that share state may need either
 TOOL_RUN_KEYS = ("max_concurrency", "tool_execution")
-TOOL_EXECUTIONS = ("parallel", "sequential")
+TOOL_EXECUTIONS: tuple[str, ...] = get_args(ToolExecution)
 _STRICT_KEYS = (
     *GUARD_KEYS,
     "fallbacks",

@@ -207,11 +207,13 @@ class VideoContent:
 InputMedia: TypeAlias = ImageContent | FileContent | AudioContent | VideoContent
 
 
-def video_note(name: str, mime: str, size: int) -> str:
-    """What the model reads in place of a video: what was attached, and that it cannot be seen."""
+def video_note(name: str, mime: str, size: int | None) -> str:
+    """What the model reads in place of a video: what was attached, and that it cannot be seen
+    (``size`` None: unknown, as a chat app that does not say it)."""
     shown = shown_name(name, "")
     label = f'video "{shown}"' if shown else "video"
-    return f"[Attached {label} ({mime}, {size_text(size)}): it cannot be viewed here; this note stands in for it]"
+    known = size_text(size) if size is not None else "size unknown"
+    return f"[Attached {label} ({mime}, {known}): it cannot be viewed here; this note stands in for it]"
 
 
 def _decoded(block: AudioContent | VideoContent, max_bytes: int) -> bytes:

@@ -176,13 +176,6 @@ class _LineMarks:
         self._max_files = files
         self._per_file = per_file
 
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._files.clear()
-
     def _current(self, key: str, stamp: FileStamp) -> _Marks | None:
         marks = self._files.get(key)
         if marks is not None and marks.stamp != stamp:  # the file changed: its checkpoints are wrong
