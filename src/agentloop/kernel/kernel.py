@@ -1084,7 +1084,7 @@ class Kernel:
                 if before is not None and row.seq >= before:
                     return
                 after_seq = row.seq
-                yield AccountSignal(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
+                yield AccountSignal.logged(row)
             if len(page) < 500:
                 return
 

@@ -474,9 +474,7 @@ class Leases:
         last = max(number for number, _, _, _ in items)
         rows = await self.store.account_events(owner, after_seq=first - 1, limit=last - first + 1)
         for row in rows:  # (one pruned meanwhile is missing: the watchers are told when they read)
-            self.engine.hub.to_account(
-                owner, AccountSignal(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
-            )
+            self.engine.hub.to_account(owner, AccountSignal.logged(row))
 
     async def _account_caught_up(self) -> None:
         """The poll's check of the account streams watched here: an owner whose account log holds
@@ -492,8 +490,7 @@ class Leases:
             if newest > seen and hub.watches_account(owner):
                 rows = await self.store.account_events(owner, after_seq=seen, limit=500)
                 for row in rows:
-                    item = AccountSignal(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
-                    hub.to_account(owner, item)
+                    hub.to_account(owner, AccountSignal.logged(row))
 
     async def _run(self) -> None:
         renew_every = self.ttl / 3

@@ -21,7 +21,10 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentloop.process.store.base import AccountEventRow
 
 RUN_STARTED = "proc.run.started"
 RUN_STREAM = "proc.run.stream"
@@ -101,6 +104,11 @@ class AccountSignal:
     pid: str | None
     signal: Signal
     seq: int | None = None
+
+    @classmethod
+    def logged(cls, row: AccountEventRow) -> AccountSignal:
+        """The item a row of the account log stands for."""
+        return cls(row.pid, Signal(row.signal, row.payload, row.pid_seq), row.seq)
 
 
 AccountQueue = asyncio.Queue[AccountSignal | None]
