@@ -140,7 +140,6 @@ class AnthropicModel(Model):
             placeholder=PLACEHOLDER_KEY,
             what="Anthropic",
         )
-        self._api_key = self._keys.fixed
         self.thinking_budget = thinking_budget
         self.prompt_cache = prompt_cache
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
@@ -152,11 +151,11 @@ class AnthropicModel(Model):
         """Built on first use, so that an agent can be configured before a key exists. With a
         key provider it is the base the calls' clients copy (its own key is a placeholder)."""
         if self._client is None:
-            if self._api_key is None and not self._keys.dynamic:
+            key = PLACEHOLDER_KEY if self._keys.dynamic else self._keys.fixed
+            if key is None:
                 raise ProviderError(
                     "no Anthropic API key (set ANTHROPIC_API_KEY, or ANTHROPIC_BASE_URL for a proxy)", kind="auth"
                 )
-            key = PLACEHOLDER_KEY if self._keys.dynamic else self._api_key
             self._client = AsyncAnthropic(api_key=key, base_url=self.base_url, max_retries=0, **self._client_options)
         return self._client
 

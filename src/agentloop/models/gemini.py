@@ -158,7 +158,6 @@ class GeminiModel(Model):
         self._keys, url = KeySource.of(
             api_key, base_url, key_env="GEMINI_API_KEY", url_env="GEMINI_BASE_URL", placeholder="", what="Gemini"
         )
-        self._api_key = self._keys.fixed
         self.base_url = (url or DEFAULT_BASE_URL).rstrip("/")
         self.thinking_budget = thinking_budget
         self.include_thoughts = self.info.reasoning if include_thoughts is None else include_thoughts

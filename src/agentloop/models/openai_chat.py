@@ -117,7 +117,6 @@ class OpenAIChatModel(Model):
             placeholder=PLACEHOLDER_KEY,
             what="OpenAI",
         )
-        self._api_key = self._keys.fixed
         self._client_options = {k: options.pop(k) for k in _CLIENT_OPTIONS if k in options}
         self.options = options
         self._client = client
@@ -127,11 +126,11 @@ class OpenAIChatModel(Model):
         """Built on first use, so that an agent can be configured before a key exists. With a
         key provider it is the base the calls' clients copy (its own key is a placeholder)."""
         if self._client is None:
-            if self._api_key is None and not self._keys.dynamic:
+            key = PLACEHOLDER_KEY if self._keys.dynamic else self._keys.fixed
+            if key is None:
                 raise ProviderError(
                     "no OpenAI API key (set OPENAI_API_KEY, or OPENAI_BASE_URL for a local server)", kind="auth"
                 )
-            key = PLACEHOLDER_KEY if self._keys.dynamic else self._api_key
             self._client = AsyncOpenAI(api_key=key, base_url=self.base_url, max_retries=0, **self._client_options)
         return self._client
 
