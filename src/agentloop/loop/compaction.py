@@ -192,6 +192,11 @@ def summary_time(messages: Sequence[Message]) -> int:
     return -1
 
 
+def usable_window(info: ModelInfo) -> int:
+    """The tokens a request may fill: what ``pressure`` divides by (the output budget is not usable)."""
+    return max(1, info.context_window - info.max_output)
+
+
 def pressure(
     system_prompt: str,
     tools: list[ToolSpec],
@@ -676,7 +681,7 @@ class Compaction:
         ``_keep`` scales them, and only past the threshold: below it nothing more is measured.)
         """
         real = context_tokens(info.system_prompt, info.tools, info.messages)
-        usable = max(1, model.context_window - model.max_output)
+        usable = usable_window(model)
         if not should_compact(real / usable, self.threshold):
             return False
         fixed = estimated_context(info.system_prompt, info.tools, [])
@@ -705,7 +710,7 @@ class Compaction:
             estimated = fixed + estimate_tokens(history)
             # scaled down where the provider counts more than the estimate (dense code, CJK text)
             scale = min(1.0, estimated / max(1, context_tokens(info.system_prompt, info.tools, history)))
-            usable = max(1, model.context_window - model.max_output) * scale
+            usable = usable_window(model) * scale
             keep = int(min((usable - fixed) / 4, (usable * self.threshold - fixed) / 2))
         if info.overflow:  # the provider measured it too long: keep at most half
             keep = min(keep, estimate_tokens(history) // 2)

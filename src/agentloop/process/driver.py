@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry, StreamEvent, ToolCallStart
+from agentloop.loop.compaction import usable_window
 from agentloop.loop.execute import SKIPPED
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
@@ -72,7 +73,6 @@ from agentloop.process.pressure import (
     refused_overflow,
     step_reading,
     threshold_of,
-    usable_window,
 )
 from agentloop.process.signals import Signal
 from agentloop.process.store import SegmentRow, ToolCallRow

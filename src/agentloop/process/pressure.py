@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias
 
+from agentloop.loop.compaction import usable_window
 from agentloop.messages import AssistantMessage
 from agentloop.models.base import ModelInfo
 from agentloop.process import signals as sig
@@ -54,11 +55,6 @@ def context_level(ratio: float, threshold: float) -> ContextLevel:
     if ratio >= min(CRITICAL_AT, threshold):
         return "critical"
     return "warn" if ratio >= WARN_AT else "ok"
-
-
-def usable_window(info: ModelInfo) -> int:
-    """The tokens a request may fill: what ``compaction.pressure`` divides by."""
-    return max(1, info.context_window - info.max_output)
 
 
 class ContextReading(NamedTuple):
