@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from agentloop.events import (
     LoopEvent,
@@ -277,15 +277,13 @@ async def _within(seconds: float, work: Coroutine[Any, Any, ToolResult], call: T
     grace (the engine's) decides how long. Whatever the tool's task ends with is retrieved in
     every case (``_ended``): an error it raised while being cancelled by an abort is nobody's
     to report, and must not be logged as an exception never retrieved."""
-    me = asyncio.current_task()
-    waiter = _Waiter(me) if me is not None else None
-    waiting = _WAITING.set((*_WAITING.get(), waiter) if waiter is not None else _WAITING.get())
+    waiter = _Waiter(cast("asyncio.Task[Any]", asyncio.current_task()))  # (awaited: always in a task)
+    waiting = _WAITING.set((*_WAITING.get(), waiter))
     try:
         task = asyncio.ensure_future(work)  # (it copies the context: the tool sees who waits for it)
     finally:
         _WAITING.reset(waiting)
-    if waiter is not None:
-        waiter.tool = task
+    waiter.tool = task
     task.add_done_callback(_ended)
     try:
         await asyncio.wait((task,), timeout=seconds)
