@@ -505,9 +505,14 @@ class ChatBridge(Generic[K]):
         request_id = payload.get("requestId")
         if not isinstance(request_id, str):
             return
-        if not any(row.request_id == request_id for row in await proc.pending_approvals()):
+        if not await self._waits_for(proc, request_id):
             return  # answered before this was read (a follower catching up after a restart)
         await self._send_approval(chat, payload, request_id)
+
+    @staticmethod
+    async def _waits_for(proc: Process, request_id: str) -> bool:
+        """Whether ``proc`` still waits for an answer to approval request ``request_id``."""
+        return any(row.request_id == request_id for row in await proc.pending_approvals())
 
     async def _finished(self, chat: K, payload: Mapping[str, Any]) -> None:
         if payload.get("quiet"):  # a heartbeat's "nothing to do"

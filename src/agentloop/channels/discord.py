@@ -833,12 +833,11 @@ class DiscordBridge(ChatBridge[int]):
         if pid is None:
             return True  # (a process made by what is before it in the queue)
         try:
-            pending = await (await self.kernel.process(pid)).pending_approvals()
+            return await self._waits_for(await self.kernel.process(pid), request_id)
         except asyncio.CancelledError:
             raise
         except Exception:  # (unknown: the store unreachable for a moment …)
             return True
-        return any(row.request_id == request_id for row in pending)
 
     def _answer_soon(self, answer: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(answer, name="agentloop-discord-answer")

@@ -689,17 +689,15 @@ class TelegramBridge(ChatBridge[Chat]):
         process waits for ``request_id``; the chat when none does. A press names its message's
         topic, except on a message Telegram no longer shows the bot (one too old: an
         ``InaccessibleMessage``, with its chat and id only), while an approval may wait for days."""
-        topics: list[Chat] = [c for c in self._chats if isinstance(c, Topic) and c.chat == chat_id]
-        for chat in [chat_id, *topics] if topics else []:
+        for chat in [c for c in self._chats if isinstance(c, Topic) and c.chat == chat_id]:
             pid = self._chats.get(chat)
             if pid is None:
                 continue
             try:
-                pending = await (await self.kernel.process(pid)).pending_approvals()
+                if await self._waits_for(await self.kernel.process(pid), request_id):
+                    return chat
             except NoSuchProcess:
                 continue
-            if any(row.request_id == request_id for row in pending):
-                return chat
         return chat_id
 
     async def _settle(self, chat_id: int, message: Any, outcome: str, who: object) -> None:
