@@ -974,8 +974,7 @@ class SQLiteStore(Store):
         if newest is None:
             newest = self._known_accounts.get(owner)
         if newest is None:
-            row = db.execute("SELECT MAX(seq) FROM account_events WHERE owner = ?", (owner,)).fetchone()
-            newest = int(row[0] or 0)
+            newest = _newest_account_seq(db, owner)
         now = time.time()
         if len(events) == 1:
             seq, name, payload = events[0]
@@ -1000,8 +999,7 @@ class SQLiteStore(Store):
         return [AccountEventRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5]) for r in rows]
 
     async def last_account_seq(self, owner: str) -> int:
-        row = self.db.execute("SELECT MAX(seq) FROM account_events WHERE owner = ?", (owner,)).fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
+        return _newest_account_seq(self.db, owner)
 
     async def prune_account_events(self, owner: str, *, through: int) -> int:
         bound = max(0, min(through, MAX_SEQ))
@@ -1297,3 +1295,9 @@ class SQLiteStore(Store):
             "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, token_id)
         )
         return cur.rowcount == 1
+
+
+def _newest_account_seq(db: sqlite3.Connection, owner: str) -> int:
+    """The newest account seq of ``owner``'s account log (0: none yet)."""
+    row = db.execute("SELECT MAX(seq) FROM account_events WHERE owner = ?", (owner,)).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
