@@ -141,7 +141,21 @@ async def serve_async(
     on_ready: Callable[[Running], Awaitable[None] | None] | None = None,
 ) -> None:
     """Open the kernel, start the server, and run until stopped (a signal when ``signals``, or
-    ``Running.stop``). ``on_ready`` is called once the port accepts connections."""
+    ``Running.stop``). ``on_ready`` is called once the port accepts connections. The transcriber
+    is closed at the end whatever happened (a taken port, a missing extra), after the kernel."""
+    try:
+        await _serve(opts, signals=signals, on_ready=on_ready)
+    finally:
+        if opts.transcriber is not None:
+            await opts.transcriber.close()
+
+
+async def _serve(
+    opts: ServeOptions,
+    *,
+    signals: bool,
+    on_ready: Callable[[Running], Awaitable[None] | None] | None,
+) -> None:
     try:
         import uvicorn
 
@@ -260,8 +274,6 @@ async def serve_async(
                     await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
     finally:
         sock.close()
-        if opts.transcriber is not None:  # (after the kernel, which no longer sends it audio)
-            await opts.transcriber.close()
 
 
 async def _first_start(accounts: Accounts) -> str | None:
