@@ -926,8 +926,7 @@ class Kernel:
             # a retried spawn gets the first one's receipt before anything is transcribed (as
             # ``send``): again would cost a transcription, and one that fails now would refuse
             # an input delivered the first time
-            existing = await self.store.get_process(pid)
-            seen = await admission.admitted(self.engine, pid, run_id) if existing and existing.owner == owner else None
+            seen = await self._retried_spawn(pid, owner, run_id)
             if seen is not None:
                 return Process(self, pid, seen)
         text, blocks = await to_text(text, media, self.transcriber, self.media.max_bytes)  # (as ``send``)
@@ -938,10 +937,9 @@ class Kernel:
             started = await self.engine.create(record, kv, first, run_id, admit, output)
         except StoreError:
             # a retried spawn (same pid, same run id) gets the first one's process and receipt
-            existing = await self.store.get_process(record.pid)
-            seen = await admission.admitted(self.engine, record.pid, run_id) if existing and run_id else None
-            if existing is None or existing.owner != owner or seen is None:
-                if fresh and existing is None:
+            seen = await self._retried_spawn(record.pid, owner, run_id)
+            if seen is None:
+                if fresh and await self.store.get_process(record.pid) is None:
                     self.media.delete_process(owner, record.pid)  # the process was not stored: nor are its files
                 raise
             return Process(self, record.pid, seen)
@@ -950,6 +948,16 @@ class Kernel:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
+
+    async def _retried_spawn(self, pid: str, owner: str, run_id: str | None) -> Receipt | None:
+        """The receipt of the spawn ``run_id`` made of ``owner``'s process ``pid`` already, if one
+        did: a retry gets it, and the process, again."""
+        if run_id is None:
+            return None
+        existing = await self.store.get_process(pid)
+        if existing is None or existing.owner != owner:
+            return None
+        return await admission.admitted(self.engine, pid, run_id)
 
     async def _check_parent(self, parent_pid: str, owner: str) -> None:
         """A child is spawned under a live process of its own owner: the tree (kill, the approvals a
