@@ -45,28 +45,24 @@ _END = object()  # the pump's last item: the backlog ran out (follow=false), the
 T = TypeVar("T")
 
 
-def event_data(pid: str, signal: Signal) -> dict[str, Any]:
+def event_data(pid: str | None, signal: Signal) -> dict[str, Any]:
     return {**signal_json(signal), "pid": pid}
 
 
-def frame(pid: str, signal: Signal) -> ServerSentEvent:
-    seq = signal.seq
+def _frame(pid: str | None, signal: Signal, seq: int | None) -> ServerSentEvent:
     return ServerSentEvent(
-        data=json_text(event_data(pid, signal)),
-        event=signal.signal,
-        id=str(seq) if seq is not None else None,
+        data=json_text(event_data(pid, signal)), event=signal.signal, id=str(seq) if seq is not None else None
     )
+
+
+def frame(pid: str, signal: Signal) -> ServerSentEvent:
+    return _frame(pid, signal, signal.seq)
 
 
 def account_frame(item: AccountSignal) -> ServerSentEvent:
     """A frame of the account stream: the process stream's, with the account seq as its id (the
     ``seq`` in its data stays the signal's seq in its process's log)."""
-    signal = item.signal
-    return ServerSentEvent(
-        data=json_text({**signal_json(signal), "pid": item.pid}),
-        event=signal.signal,
-        id=str(item.seq) if item.seq is not None else None,
-    )
+    return _frame(item.pid, item.signal, item.seq)
 
 
 BUFFER = 256  # signals read ahead of a slow client; beyond it, reading the backlog waits for the client
