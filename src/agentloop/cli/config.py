@@ -602,10 +602,14 @@ def loop_options(settings: Settings, progress: Callable[[str], None] | None = No
 
 
 def kernel_options(settings: Settings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """``loop_options`` plus what only a durable kernel has: the compaction threshold (left to the
-    kernel's default unless set), the ``Task`` tool (``subagents``) and the ``Schedule`` tool
-    (``schedules``)."""
-    options = loop_options(settings, progress)
+    """``loop_options`` plus ``kernel_extras``: the ``Kernel.open`` keyword arguments."""
+    return {**loop_options(settings, progress), **kernel_extras(settings)}
+
+
+def kernel_extras(settings: Settings) -> dict[str, Any]:
+    """What only a durable kernel has: the compaction threshold (left to the kernel's default
+    unless set), the ``Task`` tool (``subagents``) and the ``Schedule`` tool (``schedules``) …"""
+    options: dict[str, Any] = {}
     if settings.compaction_threshold is not None:
         options["compaction_threshold"] = settings.compaction_threshold
     if settings.subagents:

@@ -34,7 +34,7 @@ import typer
 
 from agentloop.agent import Agent
 from agentloop.cli.approvals import ApprovalSetting, PolicyHook
-from agentloop.cli.config import Settings, kernel_options, open_settings_model
+from agentloop.cli.config import Settings, kernel_extras, loop_options, open_settings_model
 from agentloop.cli.options import (
     CompactionOpt,
     DataOpt,
@@ -176,10 +176,9 @@ async def _serve(
         progress = Progress()
         model = open_settings_model(settings, progress)
         hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
-        options = kernel_options(settings, progress)  # guards, fallbacks, compaction threshold
-        # what Agent takes (its stateless asks run their tool calls as the processes' do)
-        agent_keys = ("tool_timeout", "guards", "fallbacks", "reasoning", "max_concurrency", "tool_execution")
-        loop = {key: options[key] for key in agent_keys if key in options}
+        # what Agent takes (its stateless asks run their tool calls as the processes' do), and the kernel
+        loop = loop_options(settings, progress)
+        options = {**loop, **kernel_extras(settings)}
         async with (
             extra_tools(settings, opts.workspace) as extra,
             Kernel.open(
