@@ -53,6 +53,7 @@ from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
 from agentloop.messages import FileContent, ImageContent
 from agentloop.process import admission
 from agentloop.process import signals as sig
+from agentloop.process.audio_video import check_transcriber, transcribe_audio
 from agentloop.process.media import MediaError
 from agentloop.urls import redact_secrets
 
@@ -112,8 +113,8 @@ class ChatBridge(Generic[K]):
     ) -> None:
         if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 1:
             raise ValueError(f"max_file_bytes must be a positive number of bytes, got {max_file_bytes!r}")
-        if transcriber is not None and not callable(getattr(transcriber, "transcribe", None)):
-            raise TypeError("transcriber must have an async transcribe(audio, filename, mime) method")
+        if transcriber is not None:
+            check_transcriber(transcriber)
         self.kernel = kernel
         self.max_file_bytes = max_file_bytes
         self.transcriber = transcriber  # voice messages and audio files are refused without one
@@ -346,7 +347,7 @@ class ChatBridge(Generic[K]):
             return None
         try:
             async with asyncio.timeout(TRANSCRIBE_SECONDS):
-                said = await transcriber.transcribe(data, audio_filename(attachment), attachment.mime)
+                said = await transcribe_audio(transcriber, data, audio_filename(attachment), attachment.mime)
             if not isinstance(said, str):
                 raise TypeError(f"the transcriber answered {type(said).__name__}, not text")
         except Exception as exc:  # (anything: a transcriber's failure must not fail the take)

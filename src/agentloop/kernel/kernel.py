@@ -69,7 +69,14 @@ from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import policy_approval
 from agentloop.process.archive import check_name, write_archive
-from agentloop.process.audio_video import AudioContent, InputMedia, Transcriber, VideoContent, to_text
+from agentloop.process.audio_video import (
+    AudioContent,
+    InputMedia,
+    Transcriber,
+    VideoContent,
+    check_transcriber,
+    to_text,
+)
 from agentloop.process.compaction import extract_memories
 from agentloop.process.driver import check_outage_retries
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
@@ -686,9 +693,10 @@ class Kernel:
         a title is made in the background (kernel/titles.py): ``titles="message"`` cuts one from the
         first user message, ``"model"`` asks the process's model (that fallback when it fails), a
         ``TitleFn`` replaces the model, None makes none (a person may still set one).
-        ``transcriber`` (``models.transcribe.open_transcriber``'s, or any object with an async
-        ``transcribe(audio, filename, mime) -> str``) turns audio sent to a process into its
-        transcript (``Process.send``); without one, audio is refused. The caller closes it.
+        ``transcriber`` (``models.transcribe.open_transcriber``'s, or any object with a
+        ``transcribe(audio, filename, mime) -> str``: async, or a plain function, run in a worker
+        thread) turns audio sent to a process into its transcript (``Process.send``); without one,
+        audio is refused. The caller closes it.
         """
         check_titling(titles)
         check_sandbox_mode(shell_sandbox)
@@ -697,8 +705,8 @@ class Kernel:
         for name, fn in (("approval", approval), ("toolset", toolset)):
             if fn is not None and not callable(fn):  # else the first step of every run fails
                 raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-        if transcriber is not None and not callable(getattr(transcriber, "transcribe", None)):
-            raise TypeError("transcriber must have an async transcribe(audio, filename, mime) method")
+        if transcriber is not None:  # (else every audio sent fails as a 502, as if the service were down)
+            check_transcriber(transcriber)
         if isinstance(compaction_threshold, bool) or not isinstance(compaction_threshold, int | float):
             raise TypeError(f"compaction_threshold must be a number, got {type(compaction_threshold).__name__}")
         if not 0 < compaction_threshold <= 1:  # a share of the context window (NaN fails this too)

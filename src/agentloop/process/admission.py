@@ -199,7 +199,13 @@ async def signal_event(
     reset, kill or compaction that begins on the way is waited out as ``send`` waits it out: the
     delivery (and its claim, rolled back with it) is tried again once it is over. ``generation``
     (with ``claim``): the event belongs to that conversation of the process; if a reset ended it
-    meanwhile, the claim is kept and nothing is delivered (None), decided inside the transaction."""
+    meanwhile, the claim is kept and nothing is delivered (None), decided inside the transaction.
+    ``generation`` without ``claim`` is a ValueError, not ignored (the event would reach the fresh
+    conversation a reset made): a claim-less delivery always answers a receipt
+    (``ProcessEngine.signal_event``: only a claim can refuse one), and a refused event's source
+    must be told it is settled, which is what its claim, committed with the check, does."""
+    if generation is not None and claim is None:  # (ignored, it would deliver to a conversation a reset ended)
+        raise ValueError("generation is checked only with a claim: pass claim= (ProcessEngine.claimed_event)")
     return await _past_clearings(
         lambda: _signal_once(engine, pid, text, run_id=run_id, reason=reason, claim=claim, generation=generation)
     )

@@ -21,7 +21,8 @@ module; it sits below both.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Protocol, TypeAlias
@@ -41,10 +42,12 @@ __all__ = [
     "VideoContent",
     "audio_filename",
     "audio_type",
+    "check_transcriber",
     "clean_transcript",
     "shown_name",
     "size_text",
     "to_text",
+    "transcribe_audio",
     "transcript_text",
     "video_note",
     "video_type",
@@ -94,9 +97,38 @@ _GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "ap
 
 class Transcriber(Protocol):
     """Speech to text: the words said in ``audio`` (a file named ``filename``, of type ``mime``).
-    Any exception is a failed transcription."""
+    Any exception is a failed transcription. ``transcribe`` may be a coroutine function or a plain
+    one (a local model's blocking call): a plain one runs in a worker thread (``transcribe_audio``)."""
 
-    async def transcribe(self, audio: bytes, filename: str, mime: str) -> str: ...
+    def transcribe(self, audio: bytes, filename: str, mime: str) -> Awaitable[str] | str: ...
+
+
+def check_transcriber(transcriber: object) -> None:
+    """TypeError unless ``transcriber`` has a ``transcribe`` method. Checked where one is given
+    (``Kernel.open``, a chat bridge): found only at the first audio, the mistake would read as
+    the transcription service failing (a server's 502), not as the caller's."""
+    if not callable(getattr(transcriber, "transcribe", None)):
+        raise TypeError(
+            "transcriber must have a transcribe(audio, filename, mime) method (async, or a plain one, run in a "
+            f"worker thread), got {type(transcriber).__name__}"
+        )
+
+
+async def transcribe_audio(transcriber: Transcriber, audio: bytes, filename: str, mime: str) -> object:
+    """What ``transcriber`` answers for ``audio``: awaited when its ``transcribe`` is a coroutine
+    function, else called in a worker thread, so that a blocking transcriber (a local model)
+    does not stall every process and connection on the event loop meanwhile (and what that
+    call returns is awaited if it is awaitable). Not checked: the caller judges the answer. A
+    caller's timeout stops the wait, not a thread already running (Python cannot stop one)."""
+    call: Callable[[bytes, str, str], object] = transcriber.transcribe
+    is_async = inspect.iscoroutinefunction(call)  # (a bool: the check's type guard would narrow ``call``)
+    if is_async:
+        said = call(audio, filename, mime)
+    else:
+        said = await asyncio.to_thread(call, audio, filename, mime)
+    if inspect.isawaitable(said):
+        said = await said
+    return said
 
 
 class NoTranscriber(MediaError):
@@ -236,7 +268,7 @@ async def _transcribe(transcriber: Transcriber, block: AudioContent, data: bytes
     what = f'"{named}"' if named else "the audio attachment"  # (as an error names it)
     try:
         async with asyncio.timeout(TRANSCRIBE_SECONDS):
-            said = await transcriber.transcribe(data, audio_filename(block.name, mime), mime)
+            said = await transcribe_audio(transcriber, data, audio_filename(block.name, mime), mime)
     except TimeoutError as exc:
         if str(exc):  # (the transcriber's own timeout, said in its words)
             raise TranscriptionFailed(f"could not transcribe {what}: {redact_secrets(str(exc))[:300]}") from None

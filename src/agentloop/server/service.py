@@ -239,9 +239,11 @@ def _check_plain(value: str | None, name: str) -> None:
 
 
 def decode_media(items: list[Any]) -> list[InputMedia]:
-    """``[{data: base64, mime_type, name?}]`` → image, document, audio (``audio/*``: transcribed
-    as it is delivered) and video (``video/*``: delivered as a note of it) blocks, refusing other
-    types (a document's content is checked when it is stored: ``MediaStore.check``)."""
+    """``[{data: base64, mime_type, name?}]`` → image, document, audio (``audio/*``, or a generic
+    type such as ``application/octet-stream`` with an audio file's name, as the library judges it:
+    ``audio_type``; transcribed as it is delivered) and video (``video/*``: delivered as a note of
+    it) blocks, refusing other types (a document's content is checked when it is stored:
+    ``MediaStore.check``)."""
     blocks: list[InputMedia] = []
     for i, item in enumerate(items):
         where = f"media[{i}]"
@@ -251,7 +253,7 @@ def decode_media(items: list[Any]) -> list[InputMedia]:
         if unknown:  # (as HTTP's model refuses it: a misspelt ``name`` is not silently dropped)
             raise ApiError(400, "invalid_request", f"{where}.{unknown[0][:64]}: unknown field")
         mime, data, name = item.get("mime_type"), item.get("data"), item.get("name", "")
-        audio, video = audio_type(mime), video_type(mime)
+        audio, video = audio_type(mime, name), video_type(mime)  # (a generic type's audio: by the name's suffix)
         if not isinstance(mime, str) or (mime not in MEDIA_TYPES and audio is None and video is None):
             known = ", ".join(MEDIA_TYPES)
             raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {known}, audio/* or video/*")
