@@ -3,8 +3,11 @@ summary; and ``Compaction``, the piece that does so for in-memory runs.
 
 The measuring, the cut and the summary are pure computation plus one model call, shared by both
 runners: a durable process (``process/compaction.py`` adds the archive-backed clearing tier, and
-``process/driver.py`` decides when and installs the result in its store) and the in-memory runner,
-through the ``compact_context`` hook phase this module's ``Compaction`` piece fills. ``compact``
+``process/driver.py`` installs the result in its store) and the in-memory runner, through the
+``compact_context`` hook phase this module's ``Compaction`` piece fills. So are the decisions
+around them (``compaction_due``: whether to compact before a call; ``keep_recent``: how much
+history stays; ``ask_pre_compaction``: the hooks' say), so that the two runners cannot drift
+apart again: a fix to one is a fix to both. ``compact``
 never touches the history it is given: it returns the removed prefix, the kept tail and the
 summary, and the caller decides whether and how to install them.
 
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from agentloop.loop.hooks import Block, TurnInfo
+from agentloop.loop.hooks import Block, Hooks, TurnInfo
 from agentloop.loop.state import LoopConfig
 from agentloop.messages import (
     AssistantMessage,
@@ -556,11 +559,121 @@ async def compact(
     )
 
 
-# ------------------------------------------------------------------ the in-memory piece
+# ------------------------------------------------------------------ when, how much, the hooks
 
 
 #: tokens a default tail keeps at least, however small the window (a turn or two of dialogue)
 MIN_KEEP = 256
+
+
+def compaction_due(
+    system_prompt: str,
+    tools: Sequence[ToolSpec],
+    messages: Sequence[Message],
+    info: ModelInfo,
+    threshold: float,
+    keep_recent_tokens: int | None = None,
+    *,
+    tokens: int | None = None,
+    who: str = "context",
+) -> bool:
+    """Whether to compact before the next call: past the threshold, where a summary can help.
+    ``tokens``: the context as ``context_tokens`` measured it, where the caller already has it.
+
+    What a compaction leaves is at least the system prompt and tools, which it cannot touch,
+    plus the tail it keeps (``plan_cut`` keeps at least the tokens asked for), plus the summary.
+    Where the first two alone reach the threshold, every call would be past it again right after
+    its summary: each would pay for another one and the model would keep losing its recent work,
+    for nothing. The threshold is then out of reach and the window itself is the limit: compact
+    only where the next call would not fit the usable window (a provider that cuts the prompt
+    without saying so would otherwise lose the oldest part unseen), and not at all where even
+    that cannot help; the overflow retry, which compacts harder, is left for a call the provider
+    refuses. (Estimates are compared, scaled as ``keep_recent`` scales them, and only past the
+    threshold: below it nothing more is measured.) One rule for both runners, so a process and
+    an in-memory run of the same conversation compact at the same calls.
+    """
+    real = context_tokens(system_prompt, tools, messages) if tokens is None else tokens
+    usable = usable_window(info)
+    if not should_compact(real / usable, threshold):
+        return False
+    fixed = estimated_context(system_prompt, tools, [])
+    scale = min(1.0, (fixed + estimate_tokens(list(messages))) / max(1, real))
+    least_left = fixed + (MIN_KEEP if keep_recent_tokens is None else keep_recent_tokens)
+    room = usable * scale
+    if least_left < room * threshold:
+        return True
+    if real >= usable and least_left < room:
+        return True
+    log.debug(
+        "%s: past the compaction threshold, but the system prompt and tools (about %d tokens)"
+        " with the least tail kept leave a summary no room to bring it under; not compacted",
+        who,
+        fixed,
+    )
+    return False
+
+
+def keep_recent(
+    system_prompt: str,
+    tools: Sequence[ToolSpec],
+    messages: Sequence[Message],
+    info: ModelInfo,
+    threshold: float,
+    keep_recent_tokens: int | None,
+    reason: CompactionReason,
+) -> int:
+    """Estimated tokens of newest history a summary keeps (``plan_cut``'s ``keep_recent_tokens``).
+
+    ``keep_recent_tokens`` (a process's policy, the piece's option) if given, else a quarter of the
+    room the history has: the usable window less the prompt and tools, since a quarter of the
+    whole window can be near the threshold by itself and every turn would compact again; and at
+    most half of what the threshold leaves the history, since a low threshold would otherwise be
+    under the kept quarter and the prompt together, again compacting at every turn. The window is
+    scaled down where the provider counts more than the estimate (CJK text, dense code), or the
+    "quarter" could be the whole room. After an overflow (the provider measured the context too
+    long) at most half the history stays; a ``manual`` compaction (asked for to free the context
+    now, however full it is) keeps at most a quarter. Never under ``MIN_KEEP`` by default.
+    """
+    if keep_recent_tokens is not None:
+        keep = keep_recent_tokens
+    else:
+        fixed = estimated_context(system_prompt, tools, [])
+        estimated = fixed + estimate_tokens(list(messages))
+        scale = min(1.0, estimated / max(1, context_tokens(system_prompt, tools, messages)))
+        usable = usable_window(info) * scale
+        keep = int(min((usable - fixed) / 4, (usable * threshold - fixed) / 2))
+    if reason == "overflow":
+        keep = min(keep, estimate_tokens(list(messages)) // 2)
+    elif reason == "manual":
+        keep = min(keep, estimate_tokens(list(messages)) // 4)
+    return max(MIN_KEEP if keep_recent_tokens is None else 1, keep)
+
+
+async def ask_pre_compaction(
+    hooks: Hooks,
+    run_id: str,
+    turn: int,
+    messages: list[Message],
+    system_prompt: str,
+    tools: list[ToolSpec],
+    conversation: str | None,
+    who: str,
+) -> dict[str, Any] | Block:
+    """Run the ``pre_compaction`` hooks on ``messages`` (the history about to be summarised): the
+    data they want kept on the summary (``TurnInfo.carry``, for ``compact``'s ``carry``), or the
+    ``Block`` one gave to skip this compaction (logged, ``who`` naming the run or process). Without
+    such hooks nothing is built or run: the common case costs a dictionary look-up."""
+    if "pre_compaction" not in hooks.phases:
+        return {}
+    info = TurnInfo(run_id, turn, messages, system_prompt, tools, conversation=conversation)
+    blocked = await hooks.run_phase("pre_compaction", info)
+    if isinstance(blocked, Block):
+        log.info("%s: compaction skipped by a pre_compaction hook: %s", who, blocked.reason)
+        return blocked
+    return info.carry
+
+
+# ------------------------------------------------------------------ the in-memory piece
 
 
 class Compaction:
@@ -627,19 +740,23 @@ class Compaction:
         """The history that replaces ``info.messages`` (the summary, then the tail kept), or None
         to leave it: below the threshold, nothing worth compacting, or the summary failed."""
         history, model = info.messages, config.model.info
-        if not info.overflow and (len(history) < 4 or not self._over(info, model)):
-            return None
-        carry: dict[str, Any] = {}
-        if "pre_compaction" in config.hooks.phases:
-            asked = TurnInfo(
-                info.run_id, info.turn, history, info.system_prompt, info.tools, conversation=info.conversation
+        who = f"run {info.run_id}"
+        if not info.overflow and (
+            len(history) < 4
+            or not compaction_due(
+                info.system_prompt, info.tools, history, model, self.threshold, self.keep_recent_tokens, who=who
             )
-            if isinstance(await config.hooks.run_phase("pre_compaction", asked), Block):
-                log.info("run %s: compaction skipped by a pre_compaction hook", info.run_id)
-                return None
-            carry = asked.carry
+        ):
+            return None
+        carry = await ask_pre_compaction(
+            config.hooks, info.run_id, info.turn, history, info.system_prompt, info.tools, info.conversation, who
+        )
+        if isinstance(carry, Block):
+            return None
         reason: CompactionReason = "overflow" if info.overflow else "threshold"
-        keep = self._keep(model, info)
+        keep = keep_recent(
+            info.system_prompt, info.tools, history, model, self.threshold, self.keep_recent_tokens, reason
+        )
         try:
             result = await compact(
                 list(history),
@@ -665,53 +782,3 @@ class Compaction:
             result.tokens_after,
         )
         return result.history
-
-    def _over(self, info: TurnInfo, model: ModelInfo) -> bool:
-        """Whether to compact before this call: past the threshold, where a summary can help.
-
-        What a compaction leaves is at least the system prompt and tools, which it cannot touch,
-        plus the tail it keeps (``plan_cut`` keeps at least the tokens asked for), plus the
-        summary. Where the first two alone reach the threshold, every call would be past it again
-        right after its summary: each would pay for another one and the model would keep losing
-        its recent work, for nothing. The threshold is then out of reach and the window itself is
-        the limit: the run compacts only where the next call would not fit the usable window
-        (a provider that cuts the prompt without saying so would otherwise lose the oldest part
-        unseen), and not at all where even that cannot help; the overflow retry, which compacts
-        harder, is left for a call the provider refuses. (Estimates are compared, scaled as
-        ``_keep`` scales them, and only past the threshold: below it nothing more is measured.)
-        """
-        real = context_tokens(info.system_prompt, info.tools, info.messages)
-        usable = usable_window(model)
-        if not should_compact(real / usable, self.threshold):
-            return False
-        fixed = estimated_context(info.system_prompt, info.tools, [])
-        scale = min(1.0, (fixed + estimate_tokens(info.messages)) / max(1, real))
-        least_left = fixed + (MIN_KEEP if self.keep_recent_tokens is None else self.keep_recent_tokens)
-        room = usable * scale
-        if least_left < room * self.threshold:
-            return True
-        if real >= usable and least_left < room:
-            return True
-        log.debug(
-            "run %s: past the compaction threshold, but the system prompt and tools (about %d tokens)"
-            " with the least tail kept leave a summary no room to bring it under; not compacted",
-            info.run_id,
-            fixed,
-        )
-        return False
-
-    def _keep(self, model: ModelInfo, info: TurnInfo) -> int:
-        """Estimated tokens of newest history to keep (the durable driver's rule, without a policy)."""
-        history = info.messages
-        if self.keep_recent_tokens is not None:
-            keep = self.keep_recent_tokens
-        else:
-            fixed = estimated_context(info.system_prompt, info.tools, [])
-            estimated = fixed + estimate_tokens(history)
-            # scaled down where the provider counts more than the estimate (dense code, CJK text)
-            scale = min(1.0, estimated / max(1, context_tokens(info.system_prompt, info.tools, history)))
-            usable = usable_window(model) * scale
-            keep = int(min((usable - fixed) / 4, (usable * self.threshold - fixed) / 2))
-        if info.overflow:  # the provider measured it too long: keep at most half
-            keep = min(keep, estimate_tokens(history) // 2)
-        return max(MIN_KEEP if self.keep_recent_tokens is None else 1, keep)

@@ -13,10 +13,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentloop.events import LoopEvent, MessageUpdate, ModelRetry, StreamEvent, ToolCallStart
-from agentloop.loop.compaction import usable_window
+from agentloop.loop.compaction import ask_pre_compaction, compaction_due, keep_recent, usable_window
 from agentloop.loop.execute import SKIPPED
 from agentloop.loop.guards import STOPPED
-from agentloop.loop.hooks import TurnInfo
+from agentloop.loop.hooks import Block
 from agentloop.loop.model_call import call_model
 from agentloop.loop.output import NUDGE_KIND, OUTPUT_MISSING, OUTPUT_TOOL, SchemaOutput, SchemaOutputTool
 from agentloop.loop.retries import REPEATED_FAILURE
@@ -607,9 +607,21 @@ async def _compact_if_needed(
     history changed since), which the step's pressure reading builds on."""
     if engine.archive is None or len(live.history) < 4:
         return run, None
-    specs = cfg.tool_specs if tools else []
+    specs, policy = cfg.tool_specs if tools else [], live.policy
     tokens = context_tokens(cfg.system_prompt, specs, live.history)
-    if should_compact(tokens / usable_window(cfg.model.info), threshold_of(engine, live.policy)):
+    threshold, who = threshold_of(engine, policy), f"process {live.record.pid}"
+    # (the in-memory piece's rule: where the prompt and tools alone are past the threshold, only a
+    # call that would not fit the usable window is compacted, not every call past the threshold)
+    if compaction_due(
+        cfg.system_prompt,
+        specs,
+        live.history,
+        cfg.model.info,
+        threshold,
+        policy.keep_recent_tokens,
+        tokens=tokens,
+        who=who,
+    ):
         compacted = await _compact(engine, live, run, cfg, "threshold")
         return (run, tokens) if compacted is None else (compacted, None)
     return run, tokens
@@ -656,39 +668,22 @@ async def summarise(
     if engine.archive is None:
         return _unchanged(live, "not compacted: compaction is off (no archive to keep the history in)"), run
     pid = live.record.pid
-    carry: dict[str, Any] = {}  # what the hooks want the summary to keep (``TurnInfo.carry``)
-    if "pre_compaction" in cfg.hooks.phases:
-        run_id, turn = (run["run_id"], run["turn"]) if run is not None else ("", 0)
-        info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, conversation=pid)
-        blocked = await cfg.hooks.run_phase("pre_compaction", info)
-        if blocked is not None:
-            log.info("process %s: compaction skipped by a pre_compaction hook: %s", pid, blocked.reason)
-            return _unchanged(live, f"not compacted: a pre_compaction hook declined: {blocked.reason}"), run
-        carry = info.carry
-    # a quarter of the room the history has (the window pressure is measured against, less the
-    # prompt and tools: a quarter of the whole window can be near the threshold by itself, and
-    # every turn would compact again), in estimated tokens: scaled down where the provider counts
-    # more than the estimate does (CJK text, dense code), or the "quarter" could be the whole room
+    run_id, turn = (run["run_id"], run["turn"]) if run is not None else ("", 0)
+    carry = await ask_pre_compaction(
+        cfg.hooks, run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, pid, f"process {pid}"
+    )
+    if isinstance(carry, Block):
+        return _unchanged(live, f"not compacted: a pre_compaction hook declined: {carry.reason}"), run
     specs, model = cfg.tool_specs, cfg.model.info
-    fixed = estimated_context(cfg.system_prompt, specs, [])
-    estimated = fixed + estimate_tokens(live.history)
-    real = context_tokens(cfg.system_prompt, specs, live.history)
-    scale = min(1.0, estimated / max(1, real))
-    room = (model.context_window - model.max_output) * scale - fixed
     policy = live.policy if run is not None else await load_policy(engine.store, pid)  # (idle: no run read it)
-    # and at most half of what the threshold leaves the history (a low one, a process's own, would
-    # otherwise be under the kept quarter and the prompt together: compacting at every turn)
-    under = usable_window(model) * scale * threshold_of(engine, policy) - fixed
-    keep = int(min(room / 4, under / 2)) if policy.keep_recent_tokens is None else policy.keep_recent_tokens
-    if reason == "overflow":  # the window was too small for what we sent: keep at most half of it
-        keep = min(keep, estimate_tokens(live.history) // 2)
-    if reason == "manual":  # asked for to free the context now, however full it is: keep a quarter
-        keep = min(keep, estimate_tokens(live.history) // 4)
-    keep = max(256 if policy.keep_recent_tokens is None else 1, keep)
+    threshold = threshold_of(engine, policy)
+    keep = keep_recent(cfg.system_prompt, specs, live.history, model, threshold, policy.keep_recent_tokens, reason)
+    fixed = estimated_context(cfg.system_prompt, specs, [])  # (the clearing and the new reading build on it)
     # (an overflow was measured by the provider: the summary is the surer cure)
-    clears = reason == "threshold" and engine.clear_tool_outputs
-    if clears and run is not None and await _clear(engine, live, run, cfg, keep, fixed, real / usable_window(model)):
-        return Compacted(True, "eased by clearing old tool outputs"), run
+    if reason == "threshold" and engine.clear_tool_outputs and run is not None:
+        level = context_tokens(cfg.system_prompt, specs, live.history) / usable_window(model)
+        if await _clear(engine, live, run, cfg, keep, fixed, level):
+            return Compacted(True, "eased by clearing old tool outputs"), run
     history = list(live.history)
     try:
         result = await compact(
@@ -716,7 +711,7 @@ async def summarise(
     memory = await _remember(engine, live, result.memories)
     segment_id, removed, summary = new_id(), len(result.removed), result.summary
     await know_context(engine.store, live)
-    reading = ContextReading.of(fixed + result.tokens_after, model, threshold_of(engine, policy))
+    reading = ContextReading.of(fixed + result.tokens_after, model, threshold)
     async with engine._tx(live) as tx:
         if run is None:
             _still_idle(live, result)
