@@ -29,15 +29,24 @@ and ``classify=`` takes a function that sees every failure first.
 
 Calls refused before they ran (arguments that fail validation, an unknown tool, a refusal) never
 reach ``after_tool_call`` hooks, so their result cannot carry the line: they are counted when the
-turn ends (``post_turn``) and their facts given to the model with its next call, as context.
+turn ends (``post_turn``) and their facts given to the model with its next call, as context. A
+durable call cut off by a restart of the runtime (it may or may not have taken effect) is no
+failure of the model's: it is classed ``cancelled`` and not counted.
 
 The counts live in this object, per run (its process and ``run_id``: one piece serves every process
-of a kernel, and run ids repeat across processes), not in the run's stored record: a
-durable run resumed after a restart starts counting afresh. That errs on the side of going on,
-and the repeat guard (``loop/retries.py``), which keeps its counts with the run, still stands
-behind it. That guard compares failures by their text; the budget line differs from one failure
-to the next, so with this piece it is the signature budget (three identical failures, the same
-limit) that ends a loop of identical calls.
+of a kernel, and run ids repeat across processes), and need no storage of their own: the first time
+the piece sees a run it has no counts for after the run's first turn (a durable run resumed by a
+new ``Kernel.open``, or one forgotten past ``MAX_RUNS``), it counts the run's batches again from the
+history, back to the previous run's end. A failure that carries its line is taken as the line says
+(its class was decided once, by whatever classifier was in place), the others are classified again.
+Where that end cannot be told (input that joined the run after an answer of the model's) the older
+part is not counted, which errs on the side of going on; the repeat guard (``loop/retries.py``),
+which keeps its counts with the run, still stands behind it. That guard compares failures by their
+text; the budget line differs from one failure to the next, so with this piece it is the signature
+budget (three identical failures, the same limit) that ends a loop of identical calls.
+
+When a budget is spent, the final round (tools off) is told why, next to the generic instruction
+of a stopped run, so the model says what failed rather than that it was asked to stop.
 """
 
 from __future__ import annotations
@@ -51,10 +60,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias, cast, get_args
 
-from agentloop.loop.execute import NOT_COUNTED
+from agentloop.loop.execute import CANCELLED, NOT_COUNTED
 from agentloop.loop.hooks import Hooks, Stop, ToolCallInfo, TurnInfo
 from agentloop.loop.state import LoopConfig
-from agentloop.messages import AssistantMessage, Message, TextContent, ToolCall, ToolResultMessage
+from agentloop.messages import AssistantMessage, Message, SystemMessage, TextContent, ToolCall, ToolResultMessage
 from agentloop.tools.base import ToolResult
 
 log = logging.getLogger("agentloop.tool_retry")
@@ -96,6 +105,10 @@ DEFAULT_CLASS_BUDGETS: Mapping[str, int] = {
 DEFAULT_PER_TOOL = 16
 DEFAULT_PER_SIGNATURE = 3
 DEFAULT_ROUNDS = 32
+# how the budget line of a result that ran begins (``after_tool_call``), and what it says: the class,
+# and ", not retryable" for a failure that was not counted
+_LINE = "\n[tool retry: class="
+_TOLD = re.compile(r"\n\[tool retry: class=(\w+)(, not retryable;)?.*\]\Z", re.DOTALL)
 #: runs whose counts are kept at once; the oldest is forgotten past it (as ``ToolReveal`` does)
 MAX_RUNS = 1024
 
@@ -145,6 +158,14 @@ _DENIED = Classification(
     "permission_denied", retryable=False, hint="refused by the approval policy or the person asked; do not repeat it"
 )
 _REFUSALS = ("Tool execution denied", "Tool execution not approved", "Tool execution was blocked")
+# a durable call a restart cut off (``process/calls.py``'s ``INTERRUPTED_BY_RESTART``, not imported:
+# the loop does not load the durable side): the runtime's doing, not the model's, so not counted
+_INTERRUPTED = Classification(
+    "cancelled",
+    retryable=False,
+    hint="the runtime restarted while the call ran and it may have taken effect: check before making it again",
+)
+_INTERRUPTED_TEXT = re.compile(r"\A(Tool call )?interrupted by a restart\b", re.IGNORECASE)
 
 # What the loop and the built-in tools say, checked in this order against the text of a failure
 # that no ``details`` explained (Shell's and Fetch's are read first). The loop's own argument
@@ -174,7 +195,9 @@ _PATTERNS: tuple[tuple[str, ErrorClass], ...] = (
     (r"\Arefused to fetch\b", "permission_denied"),
     (
         r"Permission denied|Operation not permitted|\bread-only\b|\boutside the workspace\b"
-        r"|\bescapes the workspace\b|\bmay not\b|\ARefusing to\b|\bdenied\b|\AAccessDenied|\APermissionError\b",
+        # ("may not", but not the "may or may not" of a call whose outcome is unknown)
+        r"|\bescapes the workspace\b|(?<!\bor )\bmay not\b|\ARefusing to\b|\bdenied\b|\AAccessDenied"
+        r"|\APermissionError\b",
         "permission_denied",
     ),
     (
@@ -211,6 +234,8 @@ def classify_failure(failure: ToolFailure) -> Classification:
     # person's own "no" is no failure to retry either: counted, a second one ended the run
     if text.startswith(_REFUSALS):
         return _DENIED
+    if _INTERRUPTED_TEXT.search(text):
+        return _INTERRUPTED
     if "exit_code" in details or "timed_out" in details:
         return _shell(details, text)
     status = details.get("status")
@@ -280,11 +305,12 @@ class _Run:
 
     episode: _Episode = field(default_factory=_Episode)
     batch: str | None = None
-    seen: set[str] = field(default_factory=set)  # call ids of ``batch`` the after hook counted
+    seen: set[str] = field(default_factory=set)  # call ids of ``batch`` counted (or let be) already
     retried: bool = False  # a retryable failure in ``batch``
     closed: bool = False  # ``batch``'s end handled (the episode resolved or kept)
     exhausted: str | None = None
     stopped: bool = False
+    told_end: bool = False  # the final round was told which budget was spent
     notes: list[str] = field(default_factory=list)  # facts for the next model call
 
 
@@ -352,7 +378,7 @@ class ToolRetry:
 
     def after_tool_call(self, info: ToolCallInfo, result: ToolResult) -> ToolResult | None:
         """Count a failed call that ran, and add the budget line to its result."""
-        run = self._run((info.conversation, info.run_id))
+        run = self._run((info.conversation, info.run_id), info.messages)
         self._enter(run, _batch_key(info.assistant_message, info.call))
         run.seen.add(info.call.id)
         if not result.is_error or info.parent is not None:
@@ -373,8 +399,8 @@ class ToolRetry:
         if batch is not None:
             assistant, results = batch
             batch_key = _batch_key(assistant, assistant.tool_calls[0])
-            if run is None:
-                run = self._run(key)
+            if run is None:  # (this batch is left to the sweep below, as if no restart had been)
+                run = self._run(key, info.messages, before=assistant)
             if batch_key != run.batch or not run.closed:
                 self._enter(run, batch_key)
                 self._sweep(run, assistant, results)
@@ -385,23 +411,58 @@ class ToolRetry:
         return Stop(f"tool retry budget exhausted: {run.exhausted}")
 
     def pre_prompt_context(self, info: TurnInfo) -> str | None:
-        """The facts of failures whose result could not carry them (see ``post_turn``), once."""
-        run = self._runs.get((info.conversation, info.run_id))
-        if run is None or not run.notes:
-            return None
-        notes, run.notes = run.notes, []
-        return "Tool failures of your last step:\n" + "\n".join(notes)
+        """The facts of failures whose result could not carry them (see ``post_turn``), once; and,
+        once a budget is spent, why the run is ending."""
+        key = (info.conversation, info.run_id)
+        run = self._runs.get(key)
+        if run is None:
+            # a run's first model call starts its counts; a later one found none to go on with:
+            # the run was resumed (or forgotten), its counts are in its history
+            run = self._run(key, None if info.turn == 0 else info.messages)
+        parts: list[str] = []
+        if run.notes:
+            notes, run.notes = run.notes, []
+            parts.append("Tool failures of your last step:\n" + "\n".join(notes))
+        if run.exhausted is not None and not run.told_end:
+            run.told_end = True
+            parts.append(
+                f"The run is ending because a tool retry budget is spent ({run.exhausted}); that is why"
+                " it was asked to stop. Tell the user what failed and what would unblock it."
+            )
+        return "\n\n".join(parts) or None
 
     # -- counting ----------------------------------------------------------------------------------
 
-    def _run(self, key: RunKey) -> _Run:
+    def _run(self, key: RunKey, history: list[Message] | None = None, *, before: Message | None = None) -> _Run:
+        """The counts of run ``key``; a run not seen yet is counted from ``history`` (up to
+        ``before``), none meaning it starts now."""
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _Run()
+            run = self._runs[key] = _Run() if history is None else self._recount(history, before)
             while len(self._runs) > MAX_RUNS:
                 self._runs.popitem(last=False)
         else:
             self._runs.move_to_end(key)
+        return run
+
+    def _recount(self, history: list[Message], before: Message | None) -> _Run:
+        """A run's counts as its own batches in ``history`` (those before ``before``) left them:
+        they are counted again as they were counted live, each batch closed at the next one. The
+        notes of failures that never ran are kept only for a batch no model call has followed."""
+        run = _Run()
+        batch: tuple[str, dict[str, ToolCall]] | None = None
+        for msg in _own_part(history):
+            if isinstance(msg, AssistantMessage):
+                run.notes = []  # told with this model call
+                if msg is before:
+                    break
+                calls = msg.tool_calls
+                batch = (_batch_key(msg, calls[0]), {c.id: c for c in calls}) if calls else None
+            elif isinstance(msg, ToolResultMessage) and batch is not None and msg.tool_call_id in batch[1]:
+                # entered at its first result: a batch with none (its calls still running) is not over
+                self._enter(run, batch[0])
+                self._take(run, batch[1][msg.tool_call_id], msg)
+        self._close(run)
         return run
 
     def _enter(self, run: _Run, key: str) -> None:
@@ -423,15 +484,31 @@ class ToolRetry:
         calls = {c.id: c for c in assistant.tool_calls}
         for result in results:
             call = calls.get(result.tool_call_id)
-            if call is None or result.tool_call_id in run.seen or not result.is_error or result.text in NOT_COUNTED:
-                continue
-            run.seen.add(result.tool_call_id)
-            failure = ToolFailure(call.name, call.arguments, result.text, result.details, executed=False)
-            run.notes.append(f"{call.name} ({call.id}): {self._count(run, failure)}")
+            if call is not None:
+                self._take(run, call, result)
 
-    def _count(self, run: _Run, failure: ToolFailure) -> str:
-        """Classify ``failure``, count it, and return the line the model reads about it."""
-        verdict = self.classification(failure)
+    def _take(self, run: _Run, call: ToolCall, result: ToolResultMessage) -> None:
+        """Count a failed result the after hook did not count: one refused before it ran (its
+        facts kept for the next model call), or one that ran before a restart (its line tells how
+        it was counted, and the model has read it already)."""
+        if result.tool_call_id in run.seen or not result.is_error:
+            return
+        run.seen.add(result.tool_call_id)
+        text = result.text
+        told = _told(text)
+        if told is not None:
+            at, verdict = told
+            self._count(run, ToolFailure(call.name, call.arguments, text[:at], result.details, True), verdict)
+            return
+        if text in NOT_COUNTED:
+            return
+        failure = ToolFailure(call.name, call.arguments, text, result.details, executed=False)
+        run.notes.append(f"{call.name} ({call.id}): {self._count(run, failure)}")
+
+    def _count(self, run: _Run, failure: ToolFailure, verdict: Classification | None = None) -> str:
+        """Classify ``failure`` (unless its ``verdict`` is known), count it, and return the line
+        the model reads about it."""
+        verdict = verdict or self.classification(failure)
         cls = verdict.error_class
         hint = verdict.hint or _HINTS.get(cls, _HINTS["unknown"])
         if not verdict.retryable:
@@ -470,6 +547,35 @@ def _budget(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _told(text: str) -> tuple[int, Classification] | None:
+    """Where the budget line of a result that ran begins, and the class it gave; None for a
+    result without one (a tool's text quoting such a line has more after it)."""
+    at = text.rfind(_LINE)
+    told = _TOLD.match(text, at) if at >= 0 else None
+    if told is None:
+        return None
+    error_class = told[1] if told[1] in ERROR_CLASSES else "unknown"
+    return at, Classification(cast(ErrorClass, error_class), retryable=not told[2])
+
+
+def _own_part(history: list[Message]) -> list[Message]:
+    """The end of ``history`` that is the run's own: back to where the run before it ended (its
+    answer, a model call that failed or was cut short, its failure notice, the calls its abort
+    cancelled). Input that joined the run in between is passed over; after an answer it cannot
+    be told from a new run's, so the part before it is left out."""
+    start = len(history)
+    while start > 0:
+        msg = history[start - 1]
+        if isinstance(msg, AssistantMessage) and not msg.tool_calls:
+            break
+        if isinstance(msg, SystemMessage) and msg.kind == "error":
+            break
+        if isinstance(msg, ToolResultMessage) and msg.text == CANCELLED:
+            break
+        start -= 1
+    return history[start:]
 
 
 def _last_batch(messages: list[Message]) -> tuple[AssistantMessage, list[ToolResultMessage]] | None:
