@@ -1145,31 +1145,19 @@ class DiscordBridge(ChatBridge[int]):
     ) -> bool:
         """Whether the interaction's deferred response (a press's: the pressed message) now says
         ``text`` (with ``components``, when given)."""
-        application = self._application(interaction)
         data: dict[str, Any] = {"content": text, "allowed_mentions": NO_MENTIONS}
         if components is not None:
             data["components"] = components
-        try:
-            path = f"/webhooks/{application}/{MASK}/messages/@original"
-            await self.api.request("PATCH", path, json=data, attempts=3, path_secret=str(interaction["token"]))
-        except DiscordError as exc:
-            log.info("%s", exc)
-            return False
-        return True
+        path = f"/webhooks/{self._application(interaction)}/{MASK}/messages/@original"
+        return await self._interaction_call("PATCH", path, data, str(interaction["token"]))
 
     async def _follow_up(self, interaction: dict[str, Any], text: str) -> bool:
         """Whether a note only the user sees was added to the interaction (a followup message,
         ``POST /webhooks/<application>/<token>``: its response was given already). The token is
         the address's path secret, as in a callback's: it reaches no log and no message."""
-        application = self._application(interaction)
         data = {"content": text, "flags": EPHEMERAL, "allowed_mentions": NO_MENTIONS}
-        try:
-            path = f"/webhooks/{application}/{MASK}"
-            await self.api.request("POST", path, json=data, attempts=3, path_secret=str(interaction["token"]))
-        except DiscordError as exc:
-            log.info("%s", exc)
-            return False
-        return True
+        path = f"/webhooks/{self._application(interaction)}/{MASK}"
+        return await self._interaction_call("POST", path, data, str(interaction["token"]))
 
     async def _given_up(self, kind: str, data: dict[str, Any]) -> None:
         """Tell the user of a slash command or a press whose handling was given up: its deferred
@@ -1199,10 +1187,16 @@ class DiscordBridge(ChatBridge[int]):
 
     async def _respond(self, interaction_id: int, token: str, body: dict[str, Any]) -> bool:
         """Whether the interaction's response was taken."""
+        return await self._interaction_call("POST", f"/interactions/{interaction_id}/{MASK}/callback", body, token)
+
+    async def _interaction_call(self, method: str, path: str, body: dict[str, Any], token: str) -> bool:
+        """Whether Discord took ``body`` at an interaction's ``path`` (its ``token`` the path's
+        secret, kept out of every log line). A refusal is logged, not raised: every caller has a
+        way left to tell the user (15 minutes after the interaction, or 3 s unanswered, its token
+        is void, and the channel is told instead)."""
         try:
-            path = f"/interactions/{interaction_id}/{MASK}/callback"
-            await self.api.request("POST", path, json=body, attempts=3, path_secret=token)
-        except DiscordError as exc:  # (15 minutes after the press, or 3 s unanswered, its token is void)
+            await self.api.request(method, path, json=body, attempts=3, path_secret=token)
+        except DiscordError as exc:
             log.info("%s", exc)
             return False
         return True

@@ -94,6 +94,7 @@ __all__ = [
     "read_capped",
     "shown_name",
     "transcript_text",
+    "video_attachment",
     "video_kind",
     "video_text",
 ]
@@ -204,6 +205,14 @@ def video_kind(mime: object, name: object = "") -> str | None:
     if declared in _GENERIC and isinstance(name, str):
         declared = _VIDEO_BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
     return video_type(declared)
+
+
+def video_attachment(mime: object, name: object, what: str, size: int | None, ref: str) -> Attachment:
+    """A video an app sent as one (Telegram's ``video`` …, WhatsApp's ``video`` message), from what
+    the message says of it, which is all its note needs: it is never downloaded. A type the
+    message does not say (a round video message, a sender that gave none) is MP4, as the apps'
+    own videos are."""
+    return Attachment("video", video_type(mime) or "video/mp4", shown_name(name, ""), what, size, ref)
 
 
 def video_text(attachment: Attachment) -> str:

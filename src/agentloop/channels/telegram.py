@@ -82,12 +82,12 @@ from agentloop.channels.media import (
     audio_type,
     classify,
     shown_name,
+    video_attachment,
 )
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel, NoSuchProcess
 from agentloop.process.archive import check_name
-from agentloop.process.audio_video import video_type
 
 log = logging.getLogger("agentloop.channels.telegram")
 
@@ -600,11 +600,9 @@ class TelegramBridge(ChatBridge[Chat]):
         declared = video.get("mime_type")
         if key == "animation" and classify(declared)[0] == "image":
             return None
-        mime = video_type(declared) or "video/mp4"
         file_id = video.get("file_id")
-        name = shown_name(video.get("file_name"), "")
         ref = file_id if isinstance(file_id, str) else ""
-        return Attachment("video", mime, name, what, _int(video.get("file_size")), ref)
+        return video_attachment(declared, video.get("file_name"), what, _int(video.get("file_size")), ref)
 
     def _photo(self, sizes: list[Any]) -> Attachment:
         """The largest of a photo's sizes within the limit (the smallest, when none is: refused)."""

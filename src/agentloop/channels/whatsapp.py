@@ -91,12 +91,12 @@ from agentloop.channels.media import (
     Transcriber,
     audio_type,
     shown_name,
+    video_attachment,
 )
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
 from agentloop.process.archive import check_name
-from agentloop.process.audio_video import video_type
 from agentloop.sockets import listening_socket
 
 if TYPE_CHECKING:
@@ -410,13 +410,13 @@ class WhatsAppBridge(ChatBridge[str]):
 
     async def close(self) -> None:
         """Stop serving, then following (before the kernel closes), and close the HTTP client.
-        Input or a signal being handled, and notices being sent, get ``CLOSE_GRACE`` seconds."""
+        Input or a signal being handled, and notices being sent (and those the webhook's input
+        says as it ends), get ``CLOSE_GRACE`` seconds."""
         if self._server is not None:
             self._server.should_exit = True
         if self._serving is not None:
             await asyncio.gather(self._serving, return_exceptions=True)
-        if self._notices:
-            await asyncio.wait(set(self._notices), timeout=CLOSE_GRACE)
+        await self._notices_sent()
         await self._stop_tasks({"intake": self._retrying})  # (the inbox stays in the file)
         for task in list(self._notices):
             task.cancel()
@@ -424,6 +424,15 @@ class WhatsAppBridge(ChatBridge[str]):
         self._server = self._serving = self._retrying = None
         self._started = False
         await self.api.close()
+
+    async def _notices_sent(self) -> None:
+        """Wait, ``CLOSE_GRACE`` seconds at most, for the notices on their way and for those they
+        make meanwhile: input being taken says what it did (``_say``) as it ends, in a notice made
+        then, which a wait for the ones already made would leave to be cancelled."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_GRACE
+        while self._notices and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._notices), timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
     # -- the webhook -----------------------------------------------------------------------------
 
@@ -748,9 +757,7 @@ class WhatsAppBridge(ChatBridge[str]):
         """The attachment of a video message: its note needs its type (MP4 when it says none) and,
         where it has one, its name; the size is not in the notification (None: said to be
         unknown), and finding it out (``GET /<media id>``) is left undone, as is the download."""
-        mime = video_type(_field(part, "mime_type")) or "video/mp4"
-        name = shown_name(_field(part, "filename"), "")
-        return Attachment("video", mime, name, "the video", None, ref)
+        return video_attachment(_field(part, "mime_type"), _field(part, "filename"), "the video", None, ref)
 
     def _audio(self, part: object, ref: str) -> Attachment:
         """The attachment of an audio message (a voice message, or an audio file)."""
