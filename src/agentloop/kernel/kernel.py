@@ -349,7 +349,11 @@ class Process:
         an older backup holds) counts from the end: new signals take the numbers it already saw,
         and waiting for the log to pass them would hide every one until then. One before the
         oldest kept signal (the log was pruned, or a reset dropped it) is first sent an unlogged
-        ``proc.log.pruned`` saying how many it missed: what they told is in the history now."""
+        ``proc.log.pruned`` saying how many it missed: what they told is in the history now.
+        On a shared store, the worker running the process publishes the signals of its own steps
+        only: one another worker logged for it (the queue change of a message sent there, an
+        approval decided there) is read from the log when a later seq shows it was skipped, so a
+        follower there gets every logged signal, in order, once."""
         _check_position("after_seq", after_seq, 0)
         engine = self.kernel.engine
         await engine.live(self.pid)
@@ -369,11 +373,15 @@ class Process:
                 item = await queue.get()
                 if item is None:
                     return
-                if item is sig.GAP:  # fell behind, and what it had not taken was dropped: the log has it
+                # fell behind, and what it had not taken was dropped; or (on a shared store) a seq
+                # skipped, logged by another worker: the log has them (seqs are given out under the
+                # process row's lock, so whatever is numbered below a committed signal is committed)
+                if item is sig.GAP or (engine.leases is not None and item.seq is not None and item.seq > last + 1):
                     async for logged in self._logged(last, resumed=True):
                         last = logged.seq or last
                         yield logged
-                    continue
+                    if item is sig.GAP:
+                        continue
                 if item.seq is not None and item.seq <= last:
                     continue  # already delivered from the log
                 if item.seq is None and item.base is not None and item.base < last:

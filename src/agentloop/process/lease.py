@@ -29,7 +29,8 @@ Live signals: a worker publishes the signals of the processes it holds as on one
 watchers of a process held elsewhere are fed from the process's signal log, read after each
 notification about it, in sequence order (``follow``), with the holder's relayed stream deltas
 in their place (``relay``). Forwarded signals (a queue change, an
-approval decided elsewhere) reach the holder's watchers through the log only, on reconnect.
+approval decided elsewhere) are logged but not published by the holder: its watchers read them
+from the log when the next live seq shows one skipped (``Process.signals``).
 
 Account streams (``Kernel.account_signals``): a worker publishes the signals it commits itself to
 its account watchers; the account-level ones (``signals.for_account``: runs ended, approvals asked

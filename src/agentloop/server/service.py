@@ -13,7 +13,7 @@ import base64
 import binascii
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
@@ -527,14 +527,10 @@ class ProcessService:
     async def signals(
         self, who: Principal, pid: str, *, after_seq: int = 0, follow: bool = True
     ) -> AsyncIterator[Signal]:
-        """The process's signals after ``after_seq`` (checked now, before the first one is read)."""
+        """The process's signals after ``after_seq`` (checked now, before the first one is read;
+        on a shared store, with those another worker logged for it: ``Process.signals``)."""
         proc, _ = await self._process(who, pid)
-        signals = proc.signals(after_seq=after_seq, follow=follow)
-        if self.kernel.engine.leases is None:  # one worker: every signal reaches its watchers
-            return signals
-        if after_seq:  # (counted from the log's end when past it, as ``Process.signals`` does)
-            after_seq = min(after_seq, await self.kernel.store.last_event_seq(pid))
-        return _without_gaps(self.kernel, pid, signals, after_seq)
+        return proc.signals(after_seq=after_seq, follow=follow)
 
     async def mode(self, who: Principal, pid: str, mode: str | None = None) -> dict[str, Any]:
         """The process's mode, after setting it when ``mode`` is given (from its next run on)."""
@@ -862,34 +858,6 @@ class ProcessService:
             what = f"no waiting {kind} item {item_id}" if kind else f"no waiting item {item_id}"
             raise ApiError(404, "not_found", f"{what} on process {pid!r} (a run may have taken it)")
         return [queue_item_json(i) for i in withdrawn]
-
-
-async def _without_gaps(
-    kernel: Kernel, pid: str, signals: AsyncGenerator[Signal, None], after: int
-) -> AsyncIterator[Signal]:
-    """``signals`` of a process on a shared store, with the logged ones another worker wrote in
-    their place. The worker holding the process publishes the signals of its own steps; one that
-    another worker logged for it (the queue change of a message sent there, an approval decided
-    there) reaches its watchers only through the log, so a stream following it there would skip
-    that seq. A logged signal past the next expected seq is therefore preceded by the ones
-    between, read from the log: seqs are given out under the process row's lock, so whatever
-    is numbered below a committed signal is committed too. One already sent is not sent again."""
-    last = after
-    async with contextlib.aclosing(signals):
-        async for signal in signals:
-            seq = signal.seq
-            if seq is None:
-                yield signal
-                continue
-            if seq <= last:
-                continue  # filled in from the log already
-            while last + 1 < seq:  # the ones between, a page at a time
-                page = [row for row in await kernel.store.events(pid, after_seq=last, limit=500) if row.seq < seq]
-                for row in page:
-                    yield Signal(row.signal, row.payload, row.seq)
-                last = page[-1].seq if len(page) == 500 else seq - 1
-            last = seq
-            yield signal
 
 
 def _run_mode(mode: str) -> Mode:
