@@ -40,7 +40,8 @@ new ``Kernel.open``, or one forgotten past ``MAX_RUNS``), it counts the run's ba
 history, back to the previous run's end. A failure that carries its line is taken as the line says
 (its class was decided once, by whatever classifier was in place), the others are classified again.
 Where that end cannot be told (input that joined the run after an answer of the model's) the older
-part is not counted, which errs on the side of going on; the repeat guard (``loop/retries.py``),
+part is not counted, nor more batches than the run's turn (a run before that left no end: an abort
+during a model call), which errs on the side of going on; the repeat guard (``loop/retries.py``),
 which keeps its counts with the run, still stands behind it. That guard compares failures by their
 text; the budget line differs from one failure to the next, so with this piece it is the signature
 budget (three identical failures, the same limit) that ends a loop of identical calls.
@@ -378,7 +379,7 @@ class ToolRetry:
 
     def after_tool_call(self, info: ToolCallInfo, result: ToolResult) -> ToolResult | None:
         """Count a failed call that ran, and add the budget line to its result."""
-        run = self._run((info.conversation, info.run_id), info.messages)
+        run = self._run((info.conversation, info.run_id), info.messages)  # (no turn known here: not bounded by one)
         self._enter(run, _batch_key(info.assistant_message, info.call))
         run.seen.add(info.call.id)
         if not result.is_error or info.parent is not None:
@@ -400,7 +401,7 @@ class ToolRetry:
             assistant, results = batch
             batch_key = _batch_key(assistant, assistant.tool_calls[0])
             if run is None:  # (this batch is left to the sweep below, as if no restart had been)
-                run = self._run(key, info.messages, before=assistant)
+                run = self._run(key, info.messages, before=assistant, turns=info.turn)
             if batch_key != run.batch or not run.closed:
                 self._enter(run, batch_key)
                 self._sweep(run, assistant, results)
@@ -418,7 +419,7 @@ class ToolRetry:
         if run is None:
             # a run's first model call starts its counts; a later one found none to go on with:
             # the run was resumed (or forgotten), its counts are in its history
-            run = self._run(key, None if info.turn == 0 else info.messages)
+            run = self._run(key, None if info.turn == 0 else info.messages, turns=info.turn)
         parts: list[str] = []
         if run.notes:
             notes, run.notes = run.notes, []
@@ -433,25 +434,35 @@ class ToolRetry:
 
     # -- counting ----------------------------------------------------------------------------------
 
-    def _run(self, key: RunKey, history: list[Message] | None = None, *, before: Message | None = None) -> _Run:
+    def _run(
+        self,
+        key: RunKey,
+        history: list[Message] | None = None,
+        *,
+        before: Message | None = None,
+        turns: int | None = None,
+    ) -> _Run:
         """The counts of run ``key``; a run not seen yet is counted from ``history`` (up to
-        ``before``), none meaning it starts now."""
+        ``before``, at most its last ``turns`` batches), none meaning it starts now."""
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _Run() if history is None else self._recount(history, before)
+            run = self._runs[key] = _Run() if history is None else self._recount(history, before, turns)
             while len(self._runs) > MAX_RUNS:
                 self._runs.popitem(last=False)
         else:
             self._runs.move_to_end(key)
         return run
 
-    def _recount(self, history: list[Message], before: Message | None) -> _Run:
+    def _recount(self, history: list[Message], before: Message | None, turns: int | None = None) -> _Run:
         """A run's counts as its own batches in ``history`` (those before ``before``) left them:
         they are counted again as they were counted live, each batch closed at the next one. The
-        notes of failures that never ran are kept only for a batch no model call has followed."""
+        notes of failures that never ran are kept only for a batch no model call has followed.
+        ``turns``: the run's turn (``TurnInfo.turn``), which each of its batches moved on by one in
+        either runner, so the run has at most that many batches before the one it is at: older
+        ones are another run's (one aborted with nothing to mark its end, one a tool ended)."""
         run = _Run()
         batch: tuple[str, dict[str, ToolCall]] | None = None
-        for msg in _own_part(history):
+        for msg in _own_part(history, before, turns):
             if isinstance(msg, AssistantMessage):
                 run.notes = []  # told with this model call
                 if msg is before:
@@ -560,12 +571,14 @@ def _told(text: str) -> tuple[int, Classification] | None:
     return at, Classification(cast(ErrorClass, error_class), retryable=not told[2])
 
 
-def _own_part(history: list[Message]) -> list[Message]:
+def _own_part(history: list[Message], before: Message | None = None, turns: int | None = None) -> list[Message]:
     """The end of ``history`` that is the run's own: back to where the run before it ended (its
     answer, a model call that failed or was cut short, its failure notice, the calls its abort
     cancelled). Input that joined the run in between is passed over; after an answer it cannot
-    be told from a new run's, so the part before it is left out."""
-    start = len(history)
+    be told from a new run's, so the part before it is left out. Nor can it where the run before
+    left no such end (an abort during a model call, a batch whose tools all ended the run): with
+    ``turns``, no more than that many batches before ``before`` (or the end) are the run's."""
+    start, batches = len(history), 0
     while start > 0:
         msg = history[start - 1]
         if isinstance(msg, AssistantMessage) and not msg.tool_calls:
@@ -574,6 +587,13 @@ def _own_part(history: list[Message]) -> list[Message]:
             break
         if isinstance(msg, ToolResultMessage) and msg.text == CANCELLED:
             break
+        if turns is not None and isinstance(msg, AssistantMessage):
+            if msg is before:
+                batches = 0  # (the batches before it are what ``turns`` bounds)
+            elif batches == turns:
+                break
+            else:
+                batches += 1
         start -= 1
     return history[start:]
 

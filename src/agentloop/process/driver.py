@@ -79,6 +79,7 @@ from agentloop.process.store import SegmentRow, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
 
 if TYPE_CHECKING:
+    from agentloop.models.base import ToolSpec
     from agentloop.process.engine import ProcessEngine
 
 log = logging.getLogger("agentloop.process")
@@ -607,7 +608,7 @@ async def _compact_if_needed(
     history changed since), which the step's pressure reading builds on."""
     if engine.archive is None or len(live.history) < 4:
         return run, None
-    specs, policy = cfg.tool_specs if tools else [], live.policy
+    specs, policy = _shown_tools(cfg, run) if tools else [], live.policy
     tokens = context_tokens(cfg.system_prompt, specs, live.history)
     threshold, who = threshold_of(engine, policy), f"process {live.record.pid}"
     # (the in-memory piece's rule: where the prompt and tools alone are past the threshold, only a
@@ -625,6 +626,17 @@ async def _compact_if_needed(
         compacted = await _compact(engine, live, run, cfg, "threshold")
         return (run, tokens) if compacted is None else (compacted, None)
     return run, tokens
+
+
+def _shown_tools(cfg: LoopConfig, run: dict[str, Any] | None) -> list[ToolSpec]:
+    """The tools a compaction measures, as the in-memory runner does: those the run's last model
+    call was shown where a hook (``ToolReveal``) narrowed the list (kept with the run as
+    ``offered``), not a catalogue kept hidden to save that very room; else all of them."""
+    offered = run.get("offered") if run is not None else None
+    if offered is None:
+        return cfg.tool_specs
+    shown = set(offered)
+    return [spec for spec in cfg.tool_specs if spec.name in shown]
 
 
 def _reading(
@@ -674,7 +686,7 @@ async def summarise(
     )
     if isinstance(carry, Block):
         return _unchanged(live, f"not compacted: a pre_compaction hook declined: {carry.reason}"), run
-    specs, model = cfg.tool_specs, cfg.model.info
+    specs, model = _shown_tools(cfg, run), cfg.model.info
     policy = live.policy if run is not None else await load_policy(engine.store, pid)  # (idle: no run read it)
     threshold = threshold_of(engine, policy)
     keep = keep_recent(cfg.system_prompt, specs, live.history, model, threshold, policy.keep_recent_tokens, reason)
