@@ -164,13 +164,13 @@ async def test_pages_read_at_once_in_worker_threads_agree_with_cold_reads(tmp_pa
 
 def test_checkpoints_are_bounded_per_file_and_in_files() -> None:
     marks = fs._LineMarks(files=2, per_file=8)
-    stamp = (1, 2, 3, 4, 5)
+    stamp = fs._Version((1, 2, 3, 4, 5))
     marks.add("a", stamp, [(n * 100 + 1, n * fs._MARK_BYTES) for n in range(1, 1000)])
     kept = marks.marks_of("a")
     assert 1 < len(kept) <= 8
     assert kept[-1][0] > 50_000  # thinned evenly, not cut off: the far end is still marked
     assert marks.nearest("a", stamp, 99_950) == max(m for m in kept if m[0] <= 99_950)
-    assert marks.nearest("a", (9, 9, 9, 9, 9), 99_950) == (1, 0)  # another version of the file
+    assert marks.nearest("a", fs._Version((9, 9, 9, 9, 9)), 99_950) == (1, 0)  # another version of the file
     assert marks.marks_of("a") == []  # (and what was kept of the old one dropped)
     for key in ("a", "b", "c"):
         marks.add(key, stamp, [(101, fs._MARK_BYTES)])

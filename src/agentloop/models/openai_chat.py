@@ -233,6 +233,8 @@ class OpenAIChatModel(Model):
             return ProviderError(f"unreadable response: {exc}", kind="invalid_response")
         if isinstance(exc, openai.APIError):  # an error event inside a 200 stream
             return stream_error(exc.body if exc.body is not None else exc.message)
+        if isinstance(exc, json.JSONDecodeError) and exc.doc.strip():  # an event's data that is not JSON
+            return text_error(exc.doc)
         if isinstance(exc, ValueError | TypeError | AttributeError | KeyError | pydantic.ValidationError):
             return ProviderError(f"unreadable response: {type(exc).__name__}: {exc}", kind="invalid_response")
         return super().classify(exc)
@@ -256,6 +258,35 @@ def stream_error(body: object) -> ProviderError:
     if status:
         return http_error(status, text, overflow=is_overflow_text(text))
     return ProviderError(text, kind="overflow" if is_overflow_text(text) else "server")
+
+
+# what an event's plain text (a proxy's error line, a gateway's HTML page) says of the failure: a
+# server overloaded or failing upstream, or a rate limit; both pass once waited for. A status is
+# taken only where it is named one ("HTTP/1.1 503", "error 502"): "at most 500 items" is none.
+_STATUS = r"(?:status|code|error|http\S*)[\s:=#]*"
+_RATE_LIMIT_TEXT = re.compile(rf"\b(?:rate[ _-]?limit\w*|too many requests|{_STATUS}429)\b", re.IGNORECASE)
+_SERVER_TEXT = re.compile(
+    r"\b(?:overload\w*|over capacity|upstream|unavailable|bad gateway|gateway time-?out|internal server error"
+    rf"|server error|temporarily|try again later|timed out|{_STATUS}50[0-4])\b",
+    re.IGNORECASE,
+)
+_MARKUP = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
+
+
+def text_error(text: str) -> ProviderError:
+    """The provider error an event whose data is plain text, not JSON, is (an ``event: error`` of
+    a proxy, an HTML page in the stream; the SDK fails on it as JSON): its own words, markup
+    dropped and trimmed, of the kind they name where one can tell (an overflow, a rate limit, an
+    overloaded or failing server: retried), else an unreadable response, not retried blindly."""
+    words = quote_body(" ".join(_MARKUP.sub(" ", text).split()))
+    message = f"stream error: {words}"
+    if is_overflow_text(words):
+        return ProviderError(message, kind="overflow")
+    if _RATE_LIMIT_TEXT.search(words):
+        return ProviderError(message, kind="rate_limit")
+    if _SERVER_TEXT.search(words):
+        return ProviderError(message, kind="server")
+    return ProviderError(f"unreadable response: the provider sent text, not JSON: {words}", kind="invalid_response")
 
 
 # what marks a chunk without ``choices`` as an error body (vLLM's ``"object": "error"``, a proxy's

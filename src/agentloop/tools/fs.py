@@ -139,6 +139,9 @@ def _read_sync(root: str | Path, path: str, offset: int, limit: int) -> ToolResu
 # A version of one file: device and inode (another file put at the path), size, modification
 # and change times (a rewrite in place; ctime moves with every write and cannot be set back)
 FileStamp = tuple[int, int, int, int, int]
+# bytes of a file's version kept to tell a later version that only grew from it (``_Version``):
+# its first ones, and the last before its end
+_SAMPLE_BYTES = 256
 
 
 def _file_stamp(fd: int) -> FileStamp:
@@ -146,13 +149,55 @@ def _file_stamp(fd: int) -> FileStamp:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-class _Marks:
-    """The checkpoints of one version of one file: ``lines[i]`` starts at byte ``positions[i]``."""
+class _Version:
+    """One version of a file: its stamp, and samples of its bytes by which a later version is
+    known (as far as can be told without reading it all) to be this one with lines appended.
 
-    __slots__ = ("gap", "lines", "positions", "stamp")
+    A live log changes its stamp with every line written: checkpoints kept for one stamp only
+    were dropped at each append, and paging through a growing log was quadratic again. Lines
+    appended move no earlier line, so the checkpoints stay good while the file is the same one
+    (device and inode), no smaller, and its first bytes and the last ones before this version's
+    end are unchanged. A rewrite moves them (an edit inserting or deleting, a log truncated by
+    copytruncate and grown past its old size: other lines at those places), and one that keeps
+    the size is not an append at all."""
 
-    def __init__(self, stamp: FileStamp, lines: list[int], positions: list[int], gap: int) -> None:
+    __slots__ = ("samples", "stamp")
+
+    def __init__(self, stamp: FileStamp, samples: tuple[tuple[int, bytes], ...] = ()) -> None:
         self.stamp = stamp
+        self.samples = samples  # (byte position, the bytes there)
+
+    @classmethod
+    def of(cls, fd: int) -> _Version:
+        """The version open as ``fd``. The samples are read before the stamp is taken: a file
+        rewritten in between has samples of the older bytes, which the newer do not match (so
+        its checkpoints are dropped), never the other way round."""
+        size = os.fstat(fd).st_size
+        spans = sorted({(0, min(size, _SAMPLE_BYTES)), (max(0, size - _SAMPLE_BYTES), size)})
+        samples = tuple((start, os.pread(fd, end - start, start)) for start, end in spans if end > start)
+        return cls(_file_stamp(fd), samples)
+
+    def grown_into(self, fd: int | None) -> bool:
+        """Whether the file open as ``fd`` is now this version, or this version with bytes
+        appended. (Without ``fd``, or samples, only the same stamp is.)"""
+        if fd is None:
+            return False
+        stamp = _file_stamp(fd)
+        if stamp == self.stamp:
+            return True
+        if not self.samples or stamp[:2] != self.stamp[:2] or stamp[2] <= self.stamp[2]:
+            return False  # another file, or one that shrank or changed without growing
+        return all(os.pread(fd, len(sample), start) == sample for start, sample in self.samples)
+
+
+class _Marks:
+    """The checkpoints of one file: ``lines[i]`` starts at byte ``positions[i]``, in ``version``
+    and in every version grown from it by appending."""
+
+    __slots__ = ("gap", "lines", "positions", "version")
+
+    def __init__(self, version: _Version, lines: list[int], positions: list[int], gap: int) -> None:
+        self.version = version
         self.lines = lines
         self.positions = positions
         self.gap = gap  # the least bytes between two of them
@@ -165,10 +210,11 @@ class _LineMarks:
 
     Bounded: ``files`` files (least recently used dropped), ``per_file`` checkpoints each (when a
     file has more, every other one goes and the spacing doubles, so the whole file stays marked).
-    A checkpoint is good for one version of a file only: each is kept with the file's stamp
-    (``_file_stamp``) and dropped when the file read has another. Reads run in worker threads,
-    several at once: every use holds the lock, and a Read gathers its new checkpoints apart and
-    adds them once, at its end."""
+    Checkpoints are kept with the version of the file they were found in (``_Version``), and
+    dropped when the file read is another one, or was changed other than by appending to it
+    (which, given the open file as ``fd``, is checked by reading the version's samples). Reads
+    run in worker threads, several at once: every use holds the lock, and a Read gathers its new
+    checkpoints apart and adds them once, at its end."""
 
     def __init__(self, files: int = _MARKED_FILES, per_file: int = _MARKS_PER_FILE) -> None:
         self._lock = threading.Lock()
@@ -176,18 +222,22 @@ class _LineMarks:
         self._max_files = files
         self._per_file = per_file
 
-    def _current(self, key: str, stamp: FileStamp) -> _Marks | None:
+    def _current(self, key: str, version: _Version, fd: int | None) -> _Marks | None:
         marks = self._files.get(key)
-        if marks is not None and marks.stamp != stamp:  # the file changed: its checkpoints are wrong
+        if marks is None or marks.version.stamp == version.stamp:
+            return marks
+        if not marks.version.grown_into(fd):  # the file changed: its checkpoints are wrong
             del self._files[key]
             return None
+        if version.samples and version.stamp[2] > marks.version.stamp[2]:
+            marks.version = version  # (checked from now on by samples of this longer version)
         return marks
 
-    def nearest(self, key: str, stamp: FileStamp, line: int) -> tuple[int, int]:
+    def nearest(self, key: str, version: _Version, line: int, fd: int | None = None) -> tuple[int, int]:
         """(line number, byte position) of the last checkpoint at or before ``line`` of this
         version of the file; (1, 0), its start, when there is none."""
         with self._lock:
-            marks = self._current(key, stamp)
+            marks = self._current(key, version, fd)
             if marks is None:
                 return 1, 0
             self._files.move_to_end(key)
@@ -199,17 +249,17 @@ class _LineMarks:
             marks = self._files.get(key)
             return [] if marks is None else list(zip(marks.lines, marks.positions, strict=True))
 
-    def add(self, key: str, stamp: FileStamp, found: list[tuple[int, int]]) -> None:
+    def add(self, key: str, version: _Version, found: list[tuple[int, int]], fd: int | None = None) -> None:
         """Adds ``found`` (line number, byte position of its start) to this version's checkpoints."""
         if not found:
             return
         with self._lock:
-            marks = self._current(key, stamp)
+            marks = self._current(key, version, fd)
             merged = sorted({*found, *(() if marks is None else zip(marks.lines, marks.positions, strict=True))})
             gap = _MARK_BYTES if marks is None else marks.gap
             while len(kept := self._thinned(merged, gap)) > self._per_file:
                 gap *= 2
-            self._files[key] = _Marks(stamp, [line for line, _ in kept], [pos for _, pos in kept], gap)
+            self._files[key] = _Marks(version, [line for line, _ in kept], [pos for _, pos in kept], gap)
             self._files.move_to_end(key)
             while len(self._files) > self._max_files:
                 self._files.popitem(last=False)
@@ -264,8 +314,8 @@ def _read_text(f: BinaryIO, key: str, rel: str, offset: int, limit: int) -> Tool
     mark, would show a page of binary as if it were text. So the text before is answered as
     usual, with a note that names the line and the offset to read on after it; a page that
     starts on such a line is refused like a binary file, with the same way on."""
-    stamp = _file_stamp(f.fileno())
-    first, position = _LINE_MARKS.nearest(key, stamp, offset)
+    version = _Version.of(f.fileno())
+    first, position = _LINE_MARKS.nearest(key, version, offset, f.fileno())
     f.seek(position)
     marker = _Marker(position)
     lines: list[str] = []
@@ -291,8 +341,11 @@ def _read_text(f: BinaryIO, key: str, rel: str, offset: int, limit: int) -> Tool
                 break
     rest, counted = _count_lines(f, total, position, marker)
     total += rest
-    if _file_stamp(f.fileno()) == stamp:  # (not changed while it was read)
-        _LINE_MARKS.add(key, stamp, marker.found)
+    # kept if the file was not changed while it was read, or only grown (a live log): the
+    # checkpoints found in the lines appended meanwhile are as good as the others
+    end = _Version.of(f.fileno())
+    if version.grown_into(f.fileno()):
+        _LINE_MARKS.add(key, end, marker.found, f.fileno())
     details: dict[str, object] = {"path": rel, "offset": offset, "lines": len(lines), "total_lines": total}
     if total == 0:
         return ToolResult.text(f"({rel} is empty)", details=details)
