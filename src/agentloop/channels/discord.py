@@ -82,14 +82,18 @@ What survives a restart:
 
 - the channel's process: it is spawned with the process kv ``discord.chat`` = ``<bot id>:<channel
   id>`` (in the same transaction), and found again by that key;
-- per channel, the id of the last message handled, and per process the last signal acted on: a
-  small JSON file, ``<data dir>/var/discord/<bot id>.json``. The gateway does not replay what was
-  said while the bridge was away (a new session begins where it connects), so on start, and after
-  each new session, the bridge reads each known channel's messages after the last one handled
-  (``GET /channels/<id>/messages?after=…``) and handles them, oldest first. A message's id is stored
-  only after it was handled, so a crash in between handles it again, once: its input is sent with
-  the run id ``discord-<bot>-<channel>-<message id>``, which ``Process.send`` admits only once (and a
-  message both caught up and dispatched is taken once, by its id). A follower resumes from its last
+- per channel, the id of the newest message up to which every one was dealt with, and per process
+  the last signal acted on: a small JSON file, ``<data dir>/var/discord/<bot id>.json``. The gateway
+  does not replay what was said while the bridge was away (a new session begins where it connects),
+  so on start, and after each new session, the bridge reads each known channel's messages after
+  that id (``GET /channels/<id>/messages?after=…``) and handles them, oldest first. A message's id is
+  stored only after it was handled, so a crash in between handles it again, once: its input is sent
+  with the run id ``discord-<bot>-<channel>-<message id>``, which ``Process.send`` admits only once
+  (and a message both caught up and dispatched is taken once, by its id). A message that needs
+  nothing (one in a server channel that does not mention the bot, the bot's own, a stranger's once
+  refused) moves the mark too, or each catch-up would page through a busy channel's talk again; its
+  id is not written on its own, but with the next write: at the end of each catch-up page, every
+  ``PAGE`` such messages, at close, or with a handled message's. A follower resumes from its last
   signal, so an answer that finished while the bridge was down is still sent. Channels the bridge
   never heard from cannot be caught up: their first message must arrive while it runs.
 """
@@ -378,19 +382,39 @@ class _Reconnect(Exception):
 
 
 class DiscordState(ChannelState):
-    """``ChannelState`` plus ``last``: per channel, the id of the last message handled (where
-    catching up begins). ``offset`` is unused: the gateway has none. ``last`` is replaced, never
-    changed in place (``handled``, ``forget``), as the file is written from another thread."""
+    """``ChannelState`` plus ``last``: per channel, the id of the newest message up to which every
+    one was handled or passed over (where catching up begins). ``offset`` is unused: the gateway
+    has none. ``last`` is replaced, never changed in place (``handled``, ``passed``, ``forget``), as
+    the file is written from another thread. ``unsaved`` counts the messages passed over since the
+    last write: they are written in batches, not one write each."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.last: Mapping[int, int] = {}
+        self.unsaved = 0
 
     def handled(self, channel: int, message_id: int) -> None:
         self.last = {**self.last, channel: max(message_id, self.last.get(channel, 0))}
 
+    def passed(self, channel: int, message_id: int) -> bool:
+        """Move a known channel's mark over ``message_id``, which needed nothing (not written
+        here): whether it moved. A channel the bridge never handled a message in stays unknown, or
+        every server channel it can read would be caught up at each new session."""
+        if channel not in self.last or message_id <= self.last[channel]:
+            return False
+        self.last = {**self.last, channel: message_id}
+        self.unsaved += 1
+        return True
+
     def forget(self, channel: int) -> None:
         self.last = {c: m for c, m in self.last.items() if c != channel}
+
+    async def save(self) -> bool:
+        self.unsaved = 0  # (before the data is taken: a message passed over meanwhile counts for the next write)
+        saved = await super().save()
+        if not saved:
+            self.unsaved = max(self.unsaved, 1)  # (written again at the next batch's end)
+        return saved
 
     def _read(self, data: dict[str, Any]) -> None:
         super()._read(data)
@@ -485,6 +509,14 @@ class DiscordBridge(ChatBridge[int]):
         self._mention = re.compile(r"$^")  # (the bot's mention, once its id is known)
         self._roles: dict[int, GuildRoles] = {}  # server -> its roles, as last read
         self._refused: RefusalThrottle[tuple[int, int]] = RefusalThrottle()
+        # per channel, the newest message this bridge handled (from the state's mark at start): a
+        # dispatch at or below it is one caught up already. Not the state's mark itself, which a
+        # message passed over moves too: a mention Discord delivers just after a newer message
+        # that needed nothing must still be handled
+        self._handled: dict[int, int] = {}
+        # the channels whose catch-up has not ended this session: a dispatch there moves no mark over
+        # the messages still to be caught up (the catch-up moves it, page by page)
+        self._behind: set[int] = set()
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self._gateway: asyncio.Task[None] | None = None
@@ -519,6 +551,8 @@ class DiscordBridge(ChatBridge[int]):
             self._mention = re.compile(rf"\s*<@!?{bot_id}>\s*")
             self.state = DiscordState(self.state_dir / f"{bot_id}.json")
             await asyncio.to_thread(self.state.load)
+            self._handled = dict(self.state.last)
+            self._behind = set(self.state.last)
             await self._find_chats()
             if not self.allow:
                 log.warning("no Discord user is allowed: every message is refused")
@@ -556,6 +590,8 @@ class DiscordBridge(ChatBridge[int]):
         tasks = {"intake": self._worker, "gateway": self._gateway, "commands": self._registration}
         await self._stop_tasks(tasks)
         self._worker = self._gateway = self._registration = None
+        if self.state.unsaved:  # (the messages passed over since the last write: not caught up again)
+            await self.state.save()
         if self._answering:  # (answers on their way to Discord: short, given the same grace)
             await asyncio.wait(set(self._answering), timeout=CLOSE_GRACE)
             for task in self._answering:
@@ -909,8 +945,10 @@ class DiscordBridge(ChatBridge[int]):
             delay = min(max(delay * 2, 0.05), self.api.backoff[1])
 
     async def _catch_up(self) -> None:
-        """Handle, oldest first, what was said in the known channels after the last message
-        handled there (the gateway does not replay it to a new session)."""
+        """Handle, oldest first, what was said in the known channels after their marks (the
+        gateway does not replay it to a new session). Each page read moves its channel's mark over
+        it once it is all dealt with, in one write: what needed nothing is not read again."""
+        self._behind = set(self.state.last)
         for channel in sorted(self.state.last):
             after = self.state.last.get(channel)
             taken = 0
@@ -926,6 +964,7 @@ class DiscordBridge(ChatBridge[int]):
                         raise  # (taken again)
                     log.warning("%s: channel %d is not caught up, and forgotten", exc, channel)
                     self.state.forget(channel)
+                    self._handled.pop(channel, None)
                     await self.state.save()
                     break
                 messages = (
@@ -935,34 +974,60 @@ class DiscordBridge(ChatBridge[int]):
                 for message in messages:
                     await self._on_message(message if guild is None else {**message, "guild_id": guild})
                 taken += len(messages)
+                if messages:  # (each handled or passed over: a message that failed raised before this)
+                    self.state.passed(channel, cast("int", _snowflake(messages[-1]["id"])))
+                if self.state.unsaved:
+                    await self.state.save()
                 if len(messages) < PAGE:
                     break
                 after = _snowflake(messages[-1]["id"])
+            self._behind.discard(channel)
             if taken:
                 log.info("caught up %d messages in channel %d", taken, channel)
 
     async def _on_message(self, message: dict[str, Any]) -> None:
         channel = _snowflake(message.get("channel_id"))
         message_id = _snowflake(message.get("id"))
+        if channel is None or message_id is None:
+            return
+        if message_id <= self._handled.get(channel, 0):
+            return  # handled already (caught up, then dispatched too)
+        if await self._take_message(channel, message_id, message):
+            self._handled[channel] = max(message_id, self._handled.get(channel, 0))
+            self.state.handled(channel, message_id)
+            await self.state.save()
+        else:
+            await self._pass(channel, message_id)
+
+    async def _pass(self, channel: int, message_id: int) -> None:
+        """A dispatched message that needed nothing moves its channel's mark, written every
+        ``PAGE`` of them (a crash costs the next catch-up a page at most); not in a channel still
+        to be caught up, whose mark would leap over what was said before."""
+        if channel in self._behind or not self.state.passed(channel, message_id):
+            return
+        if self.state.unsaved >= PAGE:
+            await self.state.save()
+
+    async def _take_message(self, channel: int, message_id: int, message: dict[str, Any]) -> bool:
+        """Act on the message: whether it was handled (its id then written at once); False for one
+        that needs nothing (a stranger's, once refused, too)."""
         author = message.get("author")
         user_id = _snowflake(_field(author, "id"))
-        if channel is None or message_id is None or user_id is None:
-            return
+        if user_id is None:
+            return False
         if _field(author, "bot") is True or user_id == self.bot_id or message.get("webhook_id") is not None:
-            return
+            return False
         if message.get("type", 0) not in _TEXT_TYPES:
-            return
-        if message_id <= self.state.last.get(channel, 0):
-            return  # handled already (caught up, then dispatched too)
+            return False
         text = message.get("content")
         text = text if isinstance(text, str) else ""
         roles = await self._roles_mentioned(message) if message.get("guild_id") is not None else frozenset()
         if message.get("guild_id") is not None and not self._mentioned(message) and not roles:
-            return  # in a server channel, what does not mention the bot (or its role) is not for it
+            return False  # in a server channel, what does not mention the bot (or its role) is not for it
         text = self._without_mentions(text, roles)
         if user_id not in self.allow:
             await self._refuse(channel, user_id)
-            return
+            return False
         run_id = f"discord-{self.bot_id}-{channel}-{message_id}"  # a message taken again is admitted once
         attachments = self._attachments(message)
         forwarded = _forwarded(message) if not text.strip() and not attachments else None
@@ -983,8 +1048,7 @@ class DiscordBridge(ChatBridge[int]):
             await self._send(channel, HELP)
         else:
             await self._deliver(channel, user_id, text, run_id)
-        self.state.handled(channel, message_id)
-        await self.state.save()
+        return True
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
         """The message's files (a sticker, and without a transcriber a voice message's audio, as

@@ -671,14 +671,16 @@ class TelegramBridge(ChatBridge[Chat]):
             return
         key, request_id = button
         message = query.get("message")
-        chat = conversation(message)  # (the approval's topic: the process that asked)
+        chat = where = conversation(message)  # (the approval's topic: the process that asked)
         if chat is not None and not isinstance(chat, Topic):
+            if chat not in self._chats:  # (asked in a group that became a supergroup: its process talks there now)
+                chat = self._moved.get(chat, chat)
             chat = await self._asking(chat, request_id)
         outcome = await self._decide(chat, key, request_id)
         decided = outcome == OUTCOMES[key]
         await self._answer(query_id, outcome)
-        if chat is not None:
-            await self._settle(chat_id_of(chat), message, outcome, _field(query.get("from"), "first_name"))
+        if where is not None:  # (edited where it is, in a group that has moved since too: see ``_settle``)
+            await self._settle(chat_id_of(where), message, outcome, _field(query.get("from"), "first_name"))
         if decided and key != "d" and chat is not None:
             await self._typing(chat)  # the run goes on
 
@@ -699,7 +701,10 @@ class TelegramBridge(ChatBridge[Chat]):
         return chat_id
 
     async def _settle(self, chat_id: int, message: Any, outcome: str, who: object) -> None:
-        """The approval message, its buttons taken away and what became of it added."""
+        """The approval message, its buttons taken away and what became of it added. Edited where
+        it was sent, also after its group became a supergroup: the supergroup numbers its messages
+        afresh, so the old message's id there would name another message (the edit may fail in
+        the old group, which Telegram keeps read-only; the outcome was answered to the presser)."""
         message_id = _int(_field(message, "message_id"))
         if message_id is None:
             return

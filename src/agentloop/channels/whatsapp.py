@@ -76,6 +76,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -411,13 +412,18 @@ class WhatsAppBridge(ChatBridge[str]):
     async def close(self) -> None:
         """Stop serving, then following (before the kernel closes), and close the HTTP client.
         Input or a signal being handled, and notices being sent (and those the webhook's input
-        says as it ends), get ``CLOSE_GRACE`` seconds."""
+        says as it ends), get ``CLOSE_GRACE`` seconds; so do the inbox's retrier and the followers,
+        and the notices the retrier's input says as it ends share that grace with them."""
         if self._server is not None:
             self._server.should_exit = True
         if self._serving is not None:
             await asyncio.gather(self._serving, return_exceptions=True)
-        await self._notices_sent()
+        loop = asyncio.get_running_loop()
+        await self._notices_sent(loop.time() + CLOSE_GRACE)
+        given_up = set(self._notices)  # (still on their way after their grace: not waited for again)
+        stopping = loop.time()
         await self._stop_tasks({"intake": self._retrying})  # (the inbox stays in the file)
+        await self._notices_sent(stopping + CLOSE_GRACE, given_up)
         for task in list(self._notices):
             task.cancel()
         await asyncio.gather(*self._notices, return_exceptions=True)
@@ -425,14 +431,14 @@ class WhatsAppBridge(ChatBridge[str]):
         self._started = False
         await self.api.close()
 
-    async def _notices_sent(self) -> None:
-        """Wait, ``CLOSE_GRACE`` seconds at most, for the notices on their way and for those they
-        make meanwhile: input being taken says what it did (``_say``) as it ends, in a notice made
-        then, which a wait for the ones already made would leave to be cancelled."""
+    async def _notices_sent(self, deadline: float, given_up: AbstractSet[asyncio.Task[Any]] = frozenset()) -> None:
+        """Wait, until the loop time ``deadline`` at most, for the notices on their way (but those
+        ``given_up``) and for those made meanwhile: input being taken says what it did (``_say``)
+        as it ends, in a notice made then, which a wait for the ones already made would leave to be
+        cancelled."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_GRACE
-        while self._notices and (left := deadline - loop.time()) > 0:
-            await asyncio.wait(set(self._notices), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        while (waiting := self._notices - given_up) and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
     # -- the webhook -----------------------------------------------------------------------------
 
