@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from agentloop.agent import Agent, AgentBusy, Run, RunResult
+    from agentloop.conversation import Conversation, ConversationBusy
     from agentloop.kernel import Kernel, NoSuchProcess, Process, Receipt, Signal
     from agentloop.loop.compaction import Compaction
     from agentloop.loop.guards import Guards
@@ -50,6 +51,8 @@ _LAZY: dict[str, str] = {
     "AgentBusy": "agentloop.agent",
     "Run": "agentloop.agent",
     "RunResult": "agentloop.agent",
+    "Conversation": "agentloop.conversation",
+    "ConversationBusy": "agentloop.conversation",
     "Compaction": "agentloop.loop.compaction",
     "Guards": "agentloop.loop.guards",
     "Block": "agentloop.loop.hooks",
@@ -118,6 +121,8 @@ __all__ = [
     "AudioContent",
     "Block",
     "Compaction",
+    "Conversation",
+    "ConversationBusy",
     "FileContent",
     "Guards",
     "Hooks",

@@ -5,7 +5,8 @@
     async for event in agent.stream("And in todo.txt?"): ...
 
 An agent holds configuration, not conversation: each run starts from the history it is given, so
-one agent serves any number of concurrent runs. ``result.messages`` continues a conversation.
+one agent serves any number of concurrent runs. ``result.messages`` continues a conversation, or
+``agent.conversation()`` keeps one in memory (``agentloop.conversation``).
 
     result = await agent.run("Which city?", output_type=City)   # result.output: a City, or None
 """
@@ -20,7 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, M
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Generic, Protocol, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, cast
 
 from typing_extensions import TypeVar
 
@@ -45,12 +46,15 @@ from agentloop.models.registry import resolve_model
 from agentloop.models.retry import RetryPolicy
 from agentloop.tools.base import Tool, ToolLike, as_tool
 
+if TYPE_CHECKING:
+    from agentloop.conversation import Conversation
+
 Input = str | Message | Sequence[Message]
 #: The type of a run's structured output (``output_type``); Any when the run has none.
 OutputT = TypeVar("OutputT", default=Any)
 
 
-_MESSAGE_TYPES = (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
+MESSAGE_TYPES = (UserMessage, AssistantMessage, ToolResultMessage, SystemMessage)
 
 log = logging.getLogger("agentloop")
 
@@ -109,10 +113,10 @@ def _next_run_id() -> str:
     return f"{_RUN_PREFIX}{next(_run_numbers):06x}"
 
 
-def _as_message(m: str | Message) -> Message:
+def as_message(m: str | Message) -> Message:
     if isinstance(m, str):
         return user(m)
-    if not isinstance(m, _MESSAGE_TYPES):
+    if not isinstance(m, MESSAGE_TYPES):
         raise TypeError(f"a message must be a string or a Message, got {type(m).__name__}")
     return m
 
@@ -147,12 +151,12 @@ class Run(Generic[OutputT]):
         """Deliver at the next boundary (after the running tools), before the next model call;
         tool calls not yet started are skipped."""
         self._still_running("steer")
-        self.state.steering.append(_as_message(message))
+        self.state.steering.append(as_message(message))
 
     def follow_up(self, message: str | Message) -> None:
         """Deliver when the agent would otherwise finish; the run goes on with it."""
         self._still_running("follow up")
-        self.state.follow_up.append(_as_message(message))
+        self.state.follow_up.append(as_message(message))
 
     def _still_running(self, what: str) -> None:
         if self._result is not None or self.state.aborted:  # the message would never be read
@@ -404,12 +408,12 @@ class Agent:
         check_mode(mode)
         output = self._output_for(output_type, mode)
         messages = list(history)
-        if messages and not all(isinstance(m, _MESSAGE_TYPES) for m in messages):
+        if messages and not all(isinstance(m, MESSAGE_TYPES) for m in messages):
             raise TypeError("history must be a list of Message objects")
         if isinstance(input, str):  # the common case first: a plain prompt
             prompts: list[Message] = [user(input)]
-        elif isinstance(input, list | tuple) or (not isinstance(input, _MESSAGE_TYPES) and isinstance(input, Sequence)):
-            if not all(isinstance(m, _MESSAGE_TYPES) for m in input):
+        elif isinstance(input, list | tuple) or (not isinstance(input, MESSAGE_TYPES) and isinstance(input, Sequence)):
+            if not all(isinstance(m, MESSAGE_TYPES) for m in input):
                 raise TypeError("input must be a string, a Message or a list of Message objects")
             messages.extend(cast("Sequence[Message]", input))
             prompts = []
@@ -421,7 +425,7 @@ class Agent:
             if not isinstance(last, UserMessage | ToolResultMessage) and last.role != "system":
                 raise ValueError(f"Cannot continue from message role: {last.role}")
         else:
-            prompts = [_as_message(input)]
+            prompts = [as_message(input)]
         return Run(self.config, messages, prompts, stream, mode, metadata, output)
 
     def _output_for(self, output_type: Any, mode: Mode) -> OutputSpec[Any] | None:
@@ -488,6 +492,13 @@ class Agent:
     ) -> RunResult[OutputT]:
         """``run`` for scripts without an event loop."""
         return asyncio.run(self.run(input, history=history, mode=mode, output_type=output_type))
+
+    def conversation(self, messages: Iterable[Message] = ()) -> Conversation:
+        """A conversation kept in memory on this agent (``agentloop.conversation``), from
+        ``messages`` if given: for callers who would rather not carry ``history`` themselves."""
+        from agentloop.conversation import Conversation  # (it builds on this module)
+
+        return Conversation(self, messages)
 
     # -- talking to the active run ----------------------------------------------------------------
 
