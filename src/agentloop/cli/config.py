@@ -21,6 +21,7 @@ silently fell back to a private SQLite file would split the data of its workers.
 from __future__ import annotations
 
 import os
+import shlex
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -66,6 +67,9 @@ TRANSCRIBE_KEYS = (
     "transcribe_url",
     "transcribe_key_env",
 )  # true or false; anything else is an error
+# the chat bridges ``agentloop serve`` hosts: ``[bridges]`` names each with its command's options
+# (``telegram = "--allow 123456789"``); a bad table stops ``serve`` (exit 2), never the other commands
+BRIDGES = ("telegram", "whatsapp", "discord")
 _KEYS = (
     *_LENIENT_KEYS,
     *_STRICT_KEYS,
@@ -76,6 +80,7 @@ _KEYS = (
     "fetch_allow",
     "shell_sandbox",
     *TRANSCRIBE_KEYS,
+    "bridges",
 )
 
 
@@ -111,6 +116,9 @@ class FileConfig:
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
     # the chat bridges' speech-to-text, for the keys of ``TRANSCRIBE_KEYS`` the file sets
     transcribe: dict[str, str] = field(default_factory=dict)
+    # ``[bridges]``: a bridge's name -> its command's options; and what is wrong with the table
+    bridges: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    bridges_error: str | None = None
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -398,6 +406,8 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             bad(key, "a non-empty string")
         elif value is not None:
             transcribe[key] = value.strip()
+    bridges, problem = _read_bridges(data.get("bridges"))
+    bridges_error = f"config file {path}: bridges {problem}" if problem else None
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -419,6 +429,8 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             store=store,
             heartbeat=heartbeat,
             transcribe=transcribe,
+            bridges=bridges,
+            bridges_error=bridges_error,
             **limits,
         ),
         warnings,
@@ -491,6 +503,31 @@ def load_settings(
         errors=errors,
         store_error=store_error,
     )
+
+
+def _read_bridges(value: Any) -> tuple[dict[str, tuple[str, ...]], str | None]:
+    """``[bridges]``: each of ``BRIDGES`` with its command's options, as one string split as a
+    shell splits it or as a list of strings; the problem with the table, else None. Values are
+    never quoted back: options are no place for a secret, but one may have been put there."""
+    if value is None:
+        return {}, None
+    if not isinstance(value, dict):
+        return {}, 'must be a table: [bridges] with telegram = "--allow 123456789" (the command\'s options)'
+    unknown = sorted(set(value) - set(BRIDGES))
+    if unknown:
+        return {}, f"names no bridge: {', '.join(map(str, unknown))} (known: {', '.join(BRIDGES)})"
+    bridges: dict[str, tuple[str, ...]] = {}
+    for name, options in value.items():
+        if isinstance(options, list) and all(isinstance(o, str) for o in options):
+            bridges[name] = tuple(options)
+            continue
+        if not isinstance(options, str):
+            return {}, f"{name} must be the options of agentloop {name}, as a string or a list of strings"
+        try:
+            bridges[name] = tuple(shlex.split(options))
+        except ValueError as exc:  # (an unclosed quotation)
+            return {}, f"{name}: {exc}"
+    return bridges, None
 
 
 def _read_fetch_allow(value: Any) -> tuple[tuple[str, ...], str | None]:

@@ -15,6 +15,14 @@ it re-raises the signal after shutdown, which would kill the process before the 
 ``--chat`` runs the server in a background thread of the same process and opens the chat client
 against it over HTTP with a token minted for the session (revoked at exit): the one command that
 starts everything and talks to it.
+
+``--telegram``, ``--whatsapp`` and ``--discord`` (or the config file's ``[bridges]`` table) host the
+chat bridges on the server's kernel, each from its command's own options (``cli.channel``): one
+process, so one runtime on the embedded database, which refuses a second one (a bridge of its own
+next to the server needed PostgreSQL). They start once the kernel is open, before the port
+accepts; one that cannot start (a refused token) closes what had started, the kernel last, and
+ends serve with one ``error:`` line. At shutdown they close after the server and before the kernel;
+one that stops by itself (a token revoked meanwhile) stops serve, as it stops its command.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import shlex
 import signal
 import sys
 import threading
@@ -34,7 +43,16 @@ import typer
 
 from agentloop.agent import Agent
 from agentloop.cli.approvals import ApprovalSetting, PolicyHook
-from agentloop.cli.config import Settings, kernel_extras, loop_options, open_settings_model
+from agentloop.cli.channel import Bridge, HostedBridge
+from agentloop.cli.config import (
+    BRIDGES,
+    Settings,
+    config_path,
+    kernel_extras,
+    loop_options,
+    open_settings_model,
+    read_config_file,
+)
 from agentloop.cli.options import (
     CompactionOpt,
     DataOpt,
@@ -60,6 +78,7 @@ from agentloop.cli.render import Progress
 from agentloop.sockets import listening_socket
 
 if TYPE_CHECKING:  # (the server extra may be missing: imported where it is used)
+    from agentloop.kernel import Kernel
     from agentloop.models.transcribe import OpenAITranscriber
     from agentloop.server.auth import Accounts
 
@@ -86,6 +105,7 @@ class ServeOptions:
     max_inputs_per_minute: int | None = None  # per account (None: the server's default)
     account_budget: float | None = None  # dollars per account and calendar month (None: no budget)
     transcriber: OpenAITranscriber | None = None  # audio sent to a process is transcribed (None: refused)
+    bridges: list[HostedBridge] = field(default_factory=list)  # chat bridges started on the kernel
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -249,30 +269,92 @@ async def _serve(
                 await hub.close()
 
             devices_closer = asyncio.ensure_future(close_devices_when_stopping())
+            bridges = _Bridges(opts, running)
             with _signals(running, signals):
-                task = asyncio.ensure_future(server.serve(sockets=[sock]))
+                task: asyncio.Future[None] | None = None
                 try:
-                    while not server.started and not task.done():
-                        await asyncio.wait({task}, timeout=0.05)
-                    if server.started:
-                        _say(opts.out, f"agentloop serving on {running.url}")
-                        _say(opts.out, f"web UI: {running.url}/ (sign in with a token)")
-                        if opts.transcriber is not None:
-                            _say(opts.out, f"audio sent to processes is transcribed ({opts.transcriber!r})")
-                        if on_ready is not None:
-                            result = on_ready(running)
-                            if result is not None:
-                                await result
-                    await task
+                    await bridges.start(kernel)  # (one that cannot start ends serve before the port accepts)
+                    if not server.should_exit:  # (a signal while the bridges started: nothing to serve)
+                        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+                        while not server.started and not task.done():
+                            await asyncio.wait({task}, timeout=0.05)
+                        if server.started:
+                            _say(opts.out, f"agentloop serving on {running.url}")
+                            _say(opts.out, f"web UI: {running.url}/ (sign in with a token)")
+                            if opts.transcriber is not None:
+                                _say(opts.out, f"audio sent to processes is transcribed ({opts.transcriber!r})")
+                            if on_ready is not None:
+                                result = on_ready(running)
+                                if result is not None:
+                                    await result
+                        await task
                 finally:
                     ctx.stopping.set()
-                    if not task.done():
+                    if task is not None and not task.done():
                         server.should_exit = True
                         await asyncio.gather(task, return_exceptions=True)
                     devices_closer.cancel()
-                    await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
+                    try:
+                        await bridges.close()  # no new input from the chats once the runs are to stop
+                    finally:
+                        await hub.close()  # before the kernel: in-flight device calls fail, then runs stop
     finally:
         sock.close()
+
+
+class _Bridges:
+    """The chat bridges serve hosts (``ServeOptions.bridges``), on its kernel: started in order,
+    watched (one that stops by itself stops serve, as it would stop its own command), and closed
+    the last started first, every one of them even when one fails."""
+
+    def __init__(self, opts: ServeOptions, running: Running) -> None:
+        self.opts = opts
+        self.running = running
+        self.started: list[tuple[str, Bridge]] = []
+        self.watchers: list[asyncio.Future[None]] = []
+        self.ended: list[str] = []  # the bridges that stopped while serve did not
+
+    async def start(self, kernel: Kernel) -> None:
+        from agentloop.cli.main import CliError
+
+        for hosted in self.opts.bridges:
+            try:
+                bridge, listening = await hosted.start(kernel, self.opts.settings)
+            except CliError as exc:  # (what the command would say, naming the bridge: serve hosts several)
+                raise CliError(f"the {hosted.name} bridge cannot start: {exc}", exc.code) from None
+            self.started.append((hosted.name, bridge))
+            self.watchers.append(asyncio.ensure_future(self._watch(hosted.name, bridge)))
+            _say(self.opts.out, f"agentloop {hosted.name}: {listening}")
+
+    async def _watch(self, name: str, bridge: Bridge) -> None:
+        await bridge.wait()
+        if not self.running.ctx.stopping.is_set():
+            self.ended.append(name)
+            sys.stderr.write(f"agentloop: the {name} bridge stopped, so serve stops\n")
+            sys.stderr.flush()
+            self.running.stop()
+
+    async def close(self) -> None:
+        """Close the started bridges; then raise the first failure (a Discord token revoked while
+        serving, say), or say which bridge ended serve: an exit 0 would tell a supervisor all is well."""
+        from agentloop.cli.main import CliError
+
+        for watcher in self.watchers:
+            watcher.cancel()
+        await asyncio.gather(*self.watchers, return_exceptions=True)
+        failure: Exception | None = None
+        while self.started:
+            name, bridge = self.started.pop()
+            try:
+                await bridge.close()
+            except CliError as exc:
+                failure = failure or CliError(f"the {name} bridge stopped: {exc}", exc.code)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        if self.ended:
+            raise CliError(f"the {', '.join(self.ended)} bridge stopped (its log above says why)")
 
 
 async def _first_start(accounts: Accounts) -> str | None:
@@ -469,10 +551,38 @@ def serve(
     transcribe_model: TranscribeModelOpt = None,
     transcribe_url: TranscribeUrlOpt = None,
     transcribe_key_env: TranscribeKeyEnvOpt = None,
+    telegram: Annotated[
+        str | None,
+        typer.Option(
+            "--telegram",
+            metavar="OPTIONS",
+            help="Also run the Telegram bridge on this server's kernel, with agentloop telegram's options in one "
+            "quoted string ('--allow 123456789'); its token from TELEGRAM_BOT_TOKEN, as there.",
+        ),
+    ] = None,
+    whatsapp: Annotated[
+        str | None,
+        typer.Option(
+            "--whatsapp",
+            metavar="OPTIONS",
+            help="Also run the WhatsApp bridge (its webhook on a port of its own), with agentloop whatsapp's "
+            "options in one quoted string; its secrets from the WHATSAPP_* variables, as there.",
+        ),
+    ] = None,
+    discord: Annotated[
+        str | None,
+        typer.Option(
+            "--discord",
+            metavar="OPTIONS",
+            help="Also run the Discord bridge, with agentloop discord's options in one quoted string; "
+            "its token from DISCORD_BOT_TOKEN, as there.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the durable kernel over HTTP, SSE and WebSocket (prints the URL; the first start
-    prints the admin token once). The run limits apply to every process it runs."""
-    from agentloop.cli.channel import open_transcriber
+    prints the admin token once). The run limits apply to every process it runs, the chat
+    bridges' (--telegram, --whatsapp, --discord) too."""
+    from agentloop.cli.channel import bridge_log, open_transcriber
     from agentloop.cli.main import (
         CliError,
         _approval,
@@ -510,6 +620,7 @@ def serve(
             transcriber = open_transcriber(transcribe_model, transcribe_url, transcribe_key_env)
         except ValueError as exc:
             _fail(str(exc), 2)
+        bridges = _hosted_bridges({"telegram": telegram, "whatsapp": whatsapp, "discord": discord}, transcriber)
         if not settings.fallbacks and (why := _model_problem(settings.model)) is not None:
             # not refused, as ``run`` and ``chat`` refuse it: an account's own model may answer instead;
             # but without a word, every message to the others failed with no hint why before the first
@@ -533,6 +644,7 @@ def serve(
             max_inputs_per_minute=max_inputs_per_minute,
             account_budget=account_budget,
             transcriber=transcriber,
+            bridges=bridges,
         )
         try:
             if chat:
@@ -541,6 +653,33 @@ def serve(
                 if aborted:
                     _exit(code)
                 raise typer.Exit(code)
-            asyncio.run(serve_async(opts))
+            with bridge_log() if bridges else contextlib.nullcontext():
+                asyncio.run(serve_async(opts))
         except OSError as exc:  # the port is taken, the address does not exist …
             raise CliError(str(exc)) from exc
+
+
+def _hosted_bridges(flags: dict[str, str | None], transcriber: OpenAITranscriber | None) -> list[HostedBridge]:
+    """The bridges serve hosts: each one's flag, else its entry in the config file's ``[bridges]``
+    (a flag replaces the entry of its bridge), made by its own command from those options
+    (``channel.hosted_bridge``), so every check it makes is made before anything is opened."""
+    from agentloop.cli.channel import hosted_bridge
+    from agentloop.cli.main import _fail
+
+    file = read_config_file(config_path())[0]
+    if file.bridges_error is not None and not all(flags.get(name) is not None for name in BRIDGES):
+        _fail(file.bridges_error, 2)  # (a bridge written down and not started would go unnoticed)
+    hosted: list[HostedBridge] = []
+    for name in BRIDGES:
+        given = flags.get(name)
+        if given is None:
+            if name not in file.bridges:
+                continue
+            options = list(file.bridges[name])
+        else:
+            try:
+                options = shlex.split(given)
+            except ValueError as exc:  # (an unclosed quotation)
+                _fail(f"--{name}: {exc}", 2)
+        hosted.append(hosted_bridge(name, options, transcriber))
+    return hosted
