@@ -15,11 +15,13 @@ import logging
 import os
 import re
 import secrets
+import stat
+import time
 import zoneinfo
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from agentloop.kernel.devices import DeviceDirectory, describe_devices
 from agentloop.loop.hooks import maybe_await
@@ -28,7 +30,7 @@ from agentloop.process.api import CompiledPrompt, PromptFn, PromptSection, Tools
 from agentloop.process.media import MediaError, MediaRef, MediaStore, is_stored
 from agentloop.process.prompt import DEFAULT_MAX_CONTEXT_BYTES, AssembledPrompt, PromptSources, assemble_prompt
 from agentloop.process.store import ProcessRecord
-from agentloop.stamps import stamps
+from agentloop.stamps import Stamp
 from agentloop.tools.base import Tool
 from agentloop.tools.builtin import SYSCALLS, builtin_tools
 from agentloop.tools.jobs import jobs_tool
@@ -102,15 +104,23 @@ def home_file(data_dir: Path, name: str) -> Callable[[str], Path]:
     return file_of
 
 
+@functools.lru_cache(maxsize=1024)
+def _skill_layer_names(data_dir: Path, account: str) -> tuple[str, ...]:
+    return tuple(map(str, skill_layers(data_dir, account)))
+
+
 def skills_toolset(data_dir: Path) -> ToolsetFn:
     """The ``skills`` tool, for runs that start while a skills directory exists: the prompt's
     skills index is read at the same moment, so the model never sees one without the other."""
     by_account: dict[str, Tool] = {}
 
     def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        layers = skill_layers(data_dir, record.run_as)
-        if "skills" in shared or not any(os.path.isdir(layer) for layer in layers):
+        if "skills" in shared:
             return shared
+        found = path_stats(_skill_layer_names(data_dir, record.run_as))
+        if not any(st is not None and stat.S_ISDIR(st.st_mode) for st in found):
+            return shared
+        layers = skill_layers(data_dir, record.run_as)
         skills = by_account.get(record.run_as)
         if skills is None:
             if len(by_account) >= 1024:
@@ -135,13 +145,126 @@ def jobs_toolset() -> ToolsetFn:
 
 
 def chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
+    """``then`` applied to what ``first`` gives. Plain as long as both answer plainly (most
+    toolsets do, and every run asks): a coroutine only from the first that is ``async``."""
     if then is None:
         return first
 
-    async def chained(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-        return await maybe_await(then(record, await maybe_await(first(record, shared))))
+    def chained(
+        record: ProcessRecord, shared: Mapping[str, Tool]
+    ) -> Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]:
+        tools = first(record, shared)
+        if hasattr(tools, "__await__"):
+            return _then(cast(Awaitable[Mapping[str, Tool]], tools), record, then)
+        return then(record, tools)
 
     return chained
+
+
+async def _then(pending: Awaitable[Mapping[str, Tool]], record: ProcessRecord, then: ToolsetFn) -> Mapping[str, Tool]:
+    return await maybe_await(then(record, await pending))
+
+
+# -- which watched paths changed, in as few ``stat`` calls as will tell --------------------------------
+#
+# Most of the paths a run's callbacks watch do not exist (an account without ``context.d``,
+# ``skills.d`` or ``model.json``; a data directory without ``config/ai``), and they sit side by
+# side. A path that is absent stays absent while the directory in which its first missing entry
+# would be has the same modification time (adding, removing or renaming an entry changes it):
+# so that directory is stamped in its place, once for all the paths it answers for. An entry
+# added within the directory's current timestamp granule would not change its modification
+# time: a directory changed too recently to tell has its missing entry looked up again
+# (``lstat``) at each check until it has settled. Paths that exist are stamped themselves.
+
+_SETTLE_NS = 50_000_000  # past a kernel clock tick (a filesystem timestamp is that coarse at most)
+_SETTLE_COARSE_NS = 2_000_000_000  # timestamps of whole milliseconds or seconds (FAT: two seconds)
+_absent: dict[str, list[Any]] = {}  # path -> [directory, its missing entry, the directory's key or None]
+
+
+def path_stats(paths: Sequence[str]) -> list[os.stat_result | None]:
+    """``os.stat`` of each of ``paths`` (None: absent or not to be seen), each directory stat'ed
+    at most once however many absent paths it answers for."""
+    seen: dict[str, os.stat_result | OSError] = {}
+    gone: dict[str, bool] = {}
+    return [_look(path, seen, gone) for path in paths]
+
+
+def path_stamps(paths: Sequence[str]) -> tuple[Stamp | None, ...]:
+    """``stamps(paths)``: each path's ``file_stamp``, from ``path_stats``."""
+    return tuple(None if st is None else (st.st_mtime_ns, st.st_size) for st in path_stats(paths))
+
+
+def _stat(path: str, seen: dict[str, os.stat_result | OSError]) -> os.stat_result | OSError:
+    found = seen.get(path)
+    if found is None:
+        try:
+            found = os.stat(path)
+        except OSError as exc:
+            found = exc
+        seen[path] = found
+    return found
+
+
+def _gone(entry: str, gone: dict[str, bool]) -> bool:
+    """Whether ``entry`` is absent, itself (not a link pointing nowhere, which a target made
+    elsewhere would bring to life without its directory changing)."""
+    found = gone.get(entry)
+    if found is None:
+        try:
+            os.lstat(entry)
+            found = False
+        except FileNotFoundError:
+            found = True
+        except OSError:
+            found = False
+        gone[entry] = found
+    return found
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int] | None:
+    """What identifies a directory's entry list as stamped, if its timestamp has settled."""
+    mtime = st.st_mtime_ns
+    margin = _SETTLE_COARSE_NS if mtime % 1_000_000 == 0 else _SETTLE_NS
+    if time.time_ns() - mtime <= margin:
+        return None
+    return (st.st_dev, st.st_ino, mtime)
+
+
+def _look(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, bool]) -> os.stat_result | None:
+    witness = _absent.get(path)
+    if witness is not None:
+        where, entry, key = witness
+        st = _stat(where, seen)
+        if isinstance(st, os.stat_result):
+            if key is not None and key == (st.st_dev, st.st_ino, st.st_mtime_ns):
+                return None
+            if stat.S_ISDIR(st.st_mode) and _gone(entry, gone):
+                witness[2] = _key(st)
+                return None
+        del _absent[path]
+    found = _stat(path, seen)
+    if isinstance(found, os.stat_result):
+        return found
+    if isinstance(found, FileNotFoundError | NotADirectoryError) and not path.endswith("/"):
+        _witness(path, seen, gone)
+    return None
+
+
+def _witness(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, bool]) -> None:
+    """Find the directory that answers for absent ``path``: the nearest one that exists."""
+    entry, where = path, os.path.dirname(path)
+    while where and where != entry:
+        st = _stat(where, seen)
+        if isinstance(st, os.stat_result):
+            # (stat'ed before its entry is looked up: an entry made since changes its time)
+            if stat.S_ISDIR(st.st_mode) and _gone(entry, gone):
+                if len(_absent) >= 4096:
+                    _absent.clear()
+                _absent[path] = [where, entry, _key(st)]
+            return
+        if not isinstance(st, FileNotFoundError):
+            return
+        entry, where = where, os.path.dirname(where)
 
 
 #: The variables only the moment a run's prompt is built knows (``{{time}}``, ``{{timezone}}``),
@@ -301,13 +424,13 @@ def prompt_builder(
         )
         watched = watched_of(record.run_as, record.owner, record.cwd)
         hit = cache.get(key)
-        if hit is not None and hit.stamps == stamps([*watched, *hit.files]):
+        if hit is not None and hit.stamps == path_stamps([*watched, *hit.files]):
             return await fill(record, hit)
         prompt, files = assemble(record, devices_text, mcp_text)
         if len(cache) > 1024:
             cache.clear()
         uses = tuple(sorted(set(markers.findall(prompt.text))))
-        entry = cache[key] = _Assembly(stamps([*watched, *files]), files, prompt, uses)
+        entry = cache[key] = _Assembly(path_stamps([*watched, *files]), files, prompt, uses)
         return await fill(record, entry)
 
     return build
