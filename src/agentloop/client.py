@@ -422,12 +422,23 @@ class AgentloopClient:
         return list(data.get("requests", []))
 
     async def hil(
-        self, pid: str, request_id: str, decision: str, *, remember: bool = False, message: str | None = None
+        self,
+        pid: str,
+        request_id: str,
+        decision: str,
+        *,
+        remember: bool | str = False,
+        message: str | None = None,
+        arguments: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Approve or deny a pending call; ``message`` (deny only) tells the model why."""
+        """Approve or deny a pending call; ``message`` (deny only) tells the model why; ``arguments``
+        (approve only) run in place of the model's; ``remember`` (approve only) is ``True``/``"process"``,
+        ``"run"`` or ``"account"`` (see ``Process.hil``)."""
         body: dict[str, Any] = {"decision": decision, "remember": remember}
         if message is not None:  # left out otherwise: a server without the field would refuse it
             body["message"] = message
+        if arguments is not None:  # (likewise)
+            body["arguments"] = arguments
         result: dict[str, Any] = await self._call(
             "POST", f"/v1/processes/{_segment(pid)}/hil/{_segment(request_id)}", body=body
         )

@@ -6,7 +6,9 @@ policy is evaluated in a ``before_tool_call`` hook with the same ``decide``. Bot
 :func:`ask_user`, so a question looks and is answered the same way everywhere: the tool, its
 main argument, the tags that made the policy ask, the reason, and ``y`` / ``n`` / ``a``; ``n`` may
 be followed by a reason for the model (``n use staging instead``), which it reads in the call's
-result: one line, so a piped conversation answers as it always did.
+result: one line, so a piped conversation answers as it always did. The kernel's questions (a
+durable chat's) may also be answered ``e`` (approve with arguments edited as JSON at the prompt)
+and ``account`` (always, for the account: its policy file); the in-memory runner has neither.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from agentloop.process.approval import Policy, Rule, decide, default_policy, par
 from agentloop.process.approval.denial import denial_message, denial_text
 
 Mode = Literal["ask", "auto", "deny", "file"]
-Answer = Literal["approve", "deny", "always", "abort"]
+Answer = Literal["approve", "deny", "always", "account", "abort"]
 
 ASK_LINE = "Allow? [y]es / [n]o / [a]lways · n REASON tells the model why"
+EDIT_LINE = "Allow? [y]es / [n]o / [a]lways / [e]dit / account · n REASON tells the model why"
 MAX_SHOWN = 4000  # characters of one argument shown with a question
 DENIED_BY_USER = "Tool execution denied by user"
 NO_TERMINAL = "requires interactive approval, but there is no terminal to ask at"
@@ -96,6 +99,7 @@ class Question:
     tags: tuple[str, ...]
     reason: str
     request_id: str = ""
+    editable: bool = False  # ``e`` (other arguments) and ``account`` may answer it (a durable chat's)
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any]) -> Question:
@@ -163,7 +167,14 @@ class Denial:
     reason: str
 
 
-UserAnswer = Answer | Denial
+@dataclass(frozen=True)
+class Edited:
+    """``e``: approve, but run the call with these ``arguments`` (typed as JSON) instead."""
+
+    arguments: dict[str, Any]
+
+
+UserAnswer = Answer | Denial | Edited
 
 
 def parse_answer(line: str) -> UserAnswer | None:
@@ -181,10 +192,25 @@ def parse_answer(line: str) -> UserAnswer | None:
         return "deny"
     if word in ("a", "always"):
         return "always"
+    if word == "account":
+        return "account"
     return None
 
 
+def parse_arguments(line: str) -> dict[str, Any]:
+    """Arguments typed at the prompt: one JSON object; ``ValueError`` saying what is wrong."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"the arguments must be a JSON object, not {type(value).__name__}")
+    return value
+
+
 Read = Callable[[str], Awaitable[str]]
+# a prompt with text already typed into it, to be edited (a terminal's): (prompt, text) -> the line
+Prefilled = Callable[[str, str], Awaitable[str]]
 
 
 class ReadInterrupted(Exception):
@@ -200,18 +226,21 @@ async def ask_user(
     shows_prompt: bool,
     cancelled: asyncio.Event | None = None,
     unread: Callable[[str], None] | None = None,
+    prefilled: Prefilled | None = None,
 ) -> UserAnswer:
-    """Ask until the answer is y, n (with a reason, maybe: a ``Denial``) or a. End of input denies
+    """Ask until the answer is y, n (with a reason, maybe: a ``Denial``) or a (or, for an
+    ``editable`` question, e or account). End of input denies
     (nobody is there to say yes); Ctrl-C in the answer, or ``cancelled`` (the turn was aborted
     meanwhile), gives ``abort``. With ``unread`` (input from a pipe, written before the question
     was asked), a line that is no answer denies the call and is given back, to be read as the
     next message: nothing is lost. A reason that cannot be sent is asked again on a terminal."""
     for text in question_lines(question):
         err.print(text)
-    prompt = f"{ASK_LINE} › "
+    ask_line = EDIT_LINE if question.editable else ASK_LINE
+    prompt = f"{ask_line} › "
     while True:
         if not shows_prompt:  # a pipe shows no prompt: say what is asked where the user looks
-            err.print(Text(ASK_LINE, style="bold"))
+            err.print(Text(ask_line, style="bold"))
         try:
             line = await _read_or_cancel(read(prompt), cancelled)
         except EOFError:
@@ -229,14 +258,69 @@ async def ask_user(
                 return "deny"
             err.print(Text(f"cannot send that reason: {exc}", style="yellow"))
             continue
+        if answer == "account" and not question.editable:
+            answer = None
         if answer is not None:
             return answer
+        if question.editable and line.strip().lower() in ("e", "edit"):
+            edited = await _edit(question, read, err, prefilled, cancelled, pipe=unread is not None)
+            if edited is not None:
+                return edited
+            continue
         if unread is not None:
             unread(line)
             err.print(Text("(not an answer: denied; the line is kept as the next message)", style="yellow"))
             return "deny"
         always = f"allow every {question.tool} call for the rest of this conversation"
+        if question.editable:
+            err.print(
+                Text(
+                    f"answer y (yes, this once), n (no), n REASON (no, and tell the model why), a ({always}),"
+                    " e (yes, with arguments you edit) or account (always, for every conversation of this account)"
+                )
+            )
+            continue
         err.print(Text(f"answer y (yes, this once), n (no), n REASON (no, and tell the model why) or a ({always})"))
+
+
+async def _edit(
+    question: Question,
+    read: Read,
+    err: Console,
+    prefilled: Prefilled | None,
+    cancelled: asyncio.Event | None,
+    *,
+    pipe: bool,
+) -> UserAnswer | None:
+    """``e``: the call's arguments as one line of JSON, to change (in the prompt itself, on a
+    terminal) and send; an empty line goes back to the question, as does JSON that is no object
+    (on a terminal: a pipe cannot be asked again, so there the call is denied)."""
+    shown = json.dumps(dict(question.args), ensure_ascii=False)
+    prompt = "arguments (JSON; empty: back) › "
+    if prefilled is None:
+        err.print(Text.assemble(("  arguments now: ", "dim"), _visible(shown)))
+        reading = read(prompt)
+    else:
+        reading = prefilled(prompt, shown)
+    try:
+        line = await _read_or_cancel(reading, cancelled)
+    except EOFError:
+        err.print(Text("(no answer: denied)", style="yellow"))
+        return "deny"
+    except (ReadInterrupted, KeyboardInterrupt):
+        return "abort"
+    if line is None:
+        return "abort"
+    if not line.strip():
+        return None
+    try:
+        return Edited(parse_arguments(line))
+    except ValueError as exc:
+        if pipe:
+            err.print(Text(f"(cannot use those arguments: {exc}; denied)", style="yellow"))
+            return "deny"
+        err.print(Text(f"cannot use those arguments: {exc}", style="yellow"))
+        return None
 
 
 async def _read_or_cancel(reading: Awaitable[str], cancelled: asyncio.Event | None) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import enum
 import errno
 import getpass
@@ -31,7 +32,16 @@ from rich.status import Status
 from rich.text import Text
 
 from agentloop.agent import Agent, Run, RunResult
-from agentloop.cli.approvals import Asker, Denial, PolicyHook, Question, ReadInterrupted, UserAnswer, ask_user
+from agentloop.cli.approvals import (
+    Asker,
+    Denial,
+    Edited,
+    PolicyHook,
+    Question,
+    ReadInterrupted,
+    UserAnswer,
+    ask_user,
+)
 from agentloop.cli.attach import AttachError, describe, load_attachment
 from agentloop.cli.config import expand_home
 from agentloop.cli.render import (
@@ -191,6 +201,15 @@ class TerminalReader:
         try:
             return await self.answers.prompt_async(prompt, handle_sigint=False, set_exception_handler=False)
         except KeyboardInterrupt:  # out of a task, asyncio would re-raise it past the whole event loop
+            raise ReadInterrupted from None
+
+    async def read_prefilled(self, prompt: str, text: str) -> str:
+        """``read_async`` with ``text`` already in the line, to edit (an approval's arguments)."""
+        try:
+            return await self.answers.prompt_async(
+                prompt, default=text, handle_sigint=False, set_exception_handler=False
+            )
+        except KeyboardInterrupt:
             raise ReadInterrupted from None
 
 
@@ -679,6 +698,7 @@ class ChatRepl:
             shows_prompt=self.reader.shows_prompt,
             cancelled=self._cancelled,
             unread=getattr(self.reader, "unread", None),
+            prefilled=getattr(self.reader, "read_prefilled", None),
         )
 
     def attach(self, path: str | None) -> None:
@@ -1049,16 +1069,24 @@ class DurableSession:
             return
         answered.add(question.request_id)
         view.pause()
-        answer = await ask(question)
-        if answer == "abort":
-            self.abort()
-            return
-        decision = "approve" if answer in ("approve", "always") else "deny"
-        reason = answer.reason if isinstance(answer, Denial) else None
-        try:
-            await self.process.hil(question.request_id, decision, remember=answer == "always", message=reason)
-        except KeyError:  # answered elsewhere, or the run ended meanwhile
-            return
+        question = dataclasses.replace(question, editable=True)  # (the kernel's: it takes edits and scopes)
+        while True:
+            answer = await ask(question)
+            if answer == "abort":
+                self.abort()
+                return
+            decision = "approve" if answer in ("approve", "always", "account") or isinstance(answer, Edited) else "deny"
+            reason = answer.reason if isinstance(answer, Denial) else None
+            remember: bool | str = "account" if answer == "account" else answer == "always"
+            arguments = answer.arguments if isinstance(answer, Edited) else None
+            try:
+                await self.process.hil(question.request_id, decision, remember, reason, arguments=arguments)
+            except KeyError:  # answered elsewhere, or the run ended meanwhile
+                return
+            except (TypeError, ValueError) as exc:  # edited arguments, or an account rule, refused: still pending
+                view.note(Text(f"not done: {exc}", style="yellow"))
+                continue
+            break
         view.waiting()
 
 

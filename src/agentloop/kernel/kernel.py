@@ -67,7 +67,7 @@ from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
-from agentloop.process.approval.checker import policy_approval
+from agentloop.process.approval.checker import AmendFn, policy_amender, policy_approval
 from agentloop.process.archive import check_name, write_archive
 from agentloop.process.audio_video import (
     AudioContent,
@@ -446,13 +446,27 @@ class Process:
         _check_run_id_type(run_id)
         return await self.kernel.engine.abort(self.pid, run_id)
 
-    async def hil(self, request_id: str, decision: str, remember: bool = False, message: str | None = None) -> bool:
-        """Answer a pending approval: ``approve`` (``remember``: this syscall from now on) or
-        ``deny``, with ``message`` the model reads in the denied call's result ("use staging
-        instead"), so it can change course instead of guessing why. A message with approve, one
-        too long (``MAX_DENIAL_MESSAGE``) or with control characters raises and answers nothing.
-        A request of one of its subagents (``pending_approvals`` lists them) is answered in the
-        subagent's process (kernel/subagent_asks.py)."""
+    async def hil(
+        self,
+        request_id: str,
+        decision: str,
+        remember: bool | str = False,
+        message: str | None = None,
+        *,
+        arguments: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Answer a pending approval: ``approve`` or ``deny``, with ``message`` the model reads in
+        the denied call's result ("use staging instead"), so it can change course instead of
+        guessing why. A message with approve, one too long (``MAX_DENIAL_MESSAGE``) or with control
+        characters raises and answers nothing.
+
+        With approve, ``arguments`` run in place of the model's (checked against the tool's schema
+        and the policy first: invalid, or denied by the policy, raises ``ValueError`` and the request
+        stays pending), and ``remember`` allows this kind of call from now on where the policy
+        would ask: ``"run"`` for the rest of the run, ``"process"`` (or ``True``) for the process,
+        ``"account"`` in the owner's policy file, for its later processes too (a shell command: its
+        program only). A request of one of its subagents (``pending_approvals`` lists them) is
+        answered in the subagent's process (kernel/subagent_asks.py)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         pid = self.pid
@@ -460,7 +474,9 @@ class Process:
             record = await self._record()
             theirs = next((h for h in await descendants_asks(self.kernel, record) if h.request_id == request_id), None)
             pid = pid if theirs is None else theirs.pid
-        return await self.kernel.engine.hil(pid, request_id, decision, remember=remember, message=message)
+        return await self.kernel.engine.hil(
+            pid, request_id, decision, remember=remember, message=message, arguments=arguments
+        )
 
     async def set_mode(self, mode: Mode) -> None:
         """``chat``: from the next run on, answer from the same history without tools; ``agent``
@@ -756,6 +772,7 @@ class Kernel:
             toolset = chain(memory_toolset(data), toolset)
         if builtin:
             toolset = chain(cwd_toolset(root, shell_sandbox), toolset)
+        amend: AmendFn | None = None  # (a caller's own ``approval`` keeps no account files to amend)
         if approval is None:
             approval = policy_approval(
                 store,
@@ -764,6 +781,8 @@ class Kernel:
                 account_file=home_file(data, "approval.json"),
                 protected=off_limits,
             )
+            policy_file = home_file(data, "approval.json")
+            amend = policy_amender(server=policy, accounts=account_policies, account_file=policy_file)
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
             path = await asyncio.to_thread(write_archive, data, record.owner, record.pid, name, messages, meta)
@@ -798,6 +817,7 @@ class Kernel:
             poll_interval=poll_interval,
         )
         engine.approval_timeout = approval_timeout
+        engine.amend_policy = amend
         engine.outage_retries = retry_plan
         await store.open()  # (last: what fails from here on closes it, and lets go of the runtime's lock)
         try:

@@ -35,7 +35,7 @@ from agentloop.messages import (
 )
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
-from agentloop.process.hil import NOT_INTERACTIVE, ask, nested_policy
+from agentloop.process.hil import NOT_INTERACTIVE, ask, edited_result, edits_key, nested_policy
 from agentloop.process.signals import Signal
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
@@ -86,6 +86,7 @@ async def dispatch(
     pid, run_id = live.record.pid, run["run_id"]
     assistant = assistant or _last_assistant(live.history) or AssistantMessage()
     approved = (await engine.store.kv_get(pid, f"approved:{run_id}") or {}) if live.approvals else {}
+    edits = (await engine.store.kv_get(pid, edits_key(run_id)) or {}) if approved else {}
     cfg = await engine._run_config(live, run_id)
     waiting = {row.tool_call_id: row for row in rows if row.status == "registered"}
     for call in assistant.tool_calls:  # (arguments that were not a JSON object: nothing to approve or run)
@@ -102,6 +103,8 @@ async def dispatch(
     for row in rows:
         if row.status != "registered":
             continue
+        if row.dispatch_id in edits:  # approved with a person's arguments (``hil.answer``): run those
+            row.args = edits[row.dispatch_id]
         call = call_of(row)
         if budget is not None and row.position >= budget:
             refused = tool_error_result(call, CALLS_USED_UP)
@@ -236,6 +239,7 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
                 jobs=jobs,
             )
             await progress.flush()
+        result = edited_result(prepared, result)
         try:
             await record(engine, live, run_id, row, result)
         except Exception as exc:  # e.g. ``details`` that do not serialise: the call must still end

@@ -61,6 +61,7 @@ from agentloop.process.api import (
     call_of,
     new_id,
 )
+from agentloop.process.approval.checker import AmendFn
 from agentloop.process.calls import (
     INTERRUPTED_BY_RESTART,
     disarm,
@@ -205,6 +206,8 @@ class ProcessEngine:
         self.closed_hooks: list[Callable[[], None]] = []
         # seconds an approval request may wait for its answer before it is denied (None: for ever)
         self.approval_timeout: float | None = None
+        # adds a person's "always, for this account" to the account's policy (set by the kernel)
+        self.amend_policy: AmendFn | None = None
         # seconds a run waits before each new try of a model that is out (``driver._defer``); empty:
         # a model call that fails after its own retries ends the run
         self.outage_retries: tuple[float, ...] = ()
@@ -892,11 +895,20 @@ class ProcessEngine:
     # -- approvals (see hil.py) -------------------------------------------------------------------
 
     async def hil(
-        self, pid: str, request_id: str, decision: str, *, remember: bool = False, message: str | None = None
+        self,
+        pid: str,
+        request_id: str,
+        decision: str,
+        *,
+        remember: bool | str = False,
+        message: str | None = None,
+        arguments: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Answer a pending approval. The decision applies to the exact call (and arguments) shown;
-        ``message`` (deny only) is what the model reads about why."""
-        return await _retried(lambda: hil.answer(self, pid, request_id, decision, remember=remember, message=message))
+        """Answer a pending approval. The decision applies to the exact call (and arguments) shown,
+        or to the person's own ``arguments``; ``message`` (deny only) is what the model reads about why."""
+        return await _retried(
+            lambda: hil.answer(self, pid, request_id, decision, remember=remember, message=message, arguments=arguments)
+        )
 
     # -- driving (see driver.py, calls.py) --------------------------------------------------------
 

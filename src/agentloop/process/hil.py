@@ -1,9 +1,17 @@
 """Human in the loop: a call the approval policy asks about waits for a person (a stored request
-and a ``proc.hil.requested`` signal), and their answer (approve, optionally remembered as a
-process-local rule, or deny, optionally with a message the model reads in the call's result)
-lets the batch go on; plus the policy for the calls a running tool makes itself (a CodeMode
-program's), which are asked about the same way while the tool waits.
-The policy itself lives in ``approval/``.
+and a ``proc.hil.requested`` signal), and their answer (approve, optionally with arguments of
+their own and optionally remembered for the run, the process or the account, or deny, optionally
+with a message the model reads in the call's result) lets the batch go on; plus the policy for
+the calls a running tool makes itself (a CodeMode program's), which are asked about the same way
+while the tool waits. The policy itself lives in ``approval/``.
+
+Edited arguments are stored by the answer (``edits_key``), in the transaction that deletes the
+request, and put in place of the model's at every dispatch of the call (``calls.dispatch``), so a
+restart between the answer and the run runs the edit, never the original. The history keeps the
+model's call as it made it: its assistant message is the provider's own transcript (call ids,
+signed reasoning beside it), already streamed and maybe archived, and a call rewritten there
+would also tell the model it chose what the person chose. Its result says instead that the
+arguments were edited, and to what (``edited_result``).
 
 A nested request differs from a direct one in what waits for the answer: not a call row of the
 batch (which the driver dispatches once approved) but the running program, in memory. Its
@@ -17,22 +25,36 @@ timeout, an abort) withdraws its own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
-from agentloop.messages import message_to_dict, tool_error_result
+from agentloop.messages import TextContent, ToolResultMessage, message_to_dict, tool_error_result
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
+from agentloop.process.approval.checker import OVERRIDES_KEY, run_overrides_key
 from agentloop.process.approval.denial import DENIED_BY_USER, denial_message, denial_text
-from agentloop.process.approval.engine import remember_rule
+from agentloop.process.approval.engine import account_rule, remember_rule
+from agentloop.process.approval.policy import Rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import HilRow, Store, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
 from agentloop.tools.base import ALLOW, NestedCheck, NestedVerdict
+from agentloop.tools.builtin import syscall_of
 
 if TYPE_CHECKING:
+    from agentloop.loop.execute import _Prepared
     from agentloop.process.engine import ProcessEngine
+
+#: how long a "yes, and remember" lasts: the rest of the run, the process, or the account (its
+#: policy file, for its later processes too)
+RememberScope = Literal["run", "process", "account"]
+REMEMBER_SCOPES: tuple[RememberScope, ...] = ("run", "process", "account")
+#: edited arguments as JSON: a person types them, a few KiB at most
+MAX_EDITED_ARGUMENTS = 1 << 20
 
 log = logging.getLogger("agentloop.process")
 
@@ -93,24 +115,50 @@ async def ask(
 
 
 async def answer(
-    engine: ProcessEngine, pid: str, request_id: str, decision: str, *, remember: bool, message: str | None = None
+    engine: ProcessEngine,
+    pid: str,
+    request_id: str,
+    decision: str,
+    *,
+    remember: bool | str = False,
+    message: str | None = None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> bool:
     """Carry out a person's decision. A ``message`` (deny only) is written into the denied call's
     result in the transaction that deletes the request, so the model reads it after a restart
-    too. Input is checked before anything is touched: a bad answer leaves the request pending."""
+    too. ``arguments`` (approve only) replace the model's: checked against the tool's schema and
+    the policy first, the approval is then bound to them. ``remember`` (approve only; ``True`` is
+    ``"process"``, as before it had scopes) adds an allow rule for the run, the process or the
+    account. Input is checked before anything is touched: a bad answer leaves the request pending."""
     if decision not in ("approve", "deny"):
         raise ValueError(f"decision must be approve or deny, got {decision!r}")
-    if not isinstance(remember, bool):  # ("false" from a form is truthy: it would add an allow rule)
-        raise TypeError(f"remember must be true or false, got {remember!r}")
+    scope = remember_scope(remember)
     note = denial_message(message)
     if note is not None and decision != "deny":
         raise ValueError("a message goes only with deny: it tells the model why the call was refused")
+    if decision != "approve" and arguments is not None:
+        raise ValueError("arguments go only with approve: they are what the approved call runs with")
+    if decision != "approve" and isinstance(remember, str):  # (``True`` with deny was always ignored)
+        raise ValueError("remember goes only with approve: a denial is never remembered")
+    edit = None if arguments is None else plain_arguments(arguments)
+    if scope == "account" and engine.amend_policy is None:
+        raise ValueError("this server's approval policy is not kept in account files: 'account' cannot be remembered")
     if engine.leases is not None:
         await engine.leases.hold(pid)  # or, held elsewhere, decided here and carried out there
     live = await engine.live(pid)
     row = next((h for h in await engine.store.hils(pid) if h.request_id == request_id), None)
     if row is None:
         raise KeyError(f"no pending approval {request_id!r} for process {pid}")
+    args, tags, fingerprint = row.args, row.tags, row.fingerprint
+    if edit is not None and edit != row.args:
+        verdict = await _check_edit(engine, live, row, edit)
+        args, tags, fingerprint = edit, list(verdict.tags), verdict.fingerprint or "-"
+    else:
+        edit = None
+    target = call_target(row.syscall, row.tool_name, args)  # a device's, or local
+    rule = remember_rule(row.syscall, target, tags)
+    if scope == "account":  # (narrower, or refused: before anything is touched)
+        rule = account_rule(row.syscall, args, target, tags)
     async with engine._tx(live) as tx:
         # the run's approved calls and the process's remembered rules are read, added to and
         # written back: two answers through two workers at once would each keep only their own
@@ -120,18 +168,116 @@ async def answer(
         if decision == "approve":
             live.approvals = True
             approved = await engine.store.kv_get(pid, f"approved:{row.run_id}") or {}
-            approved[row.dispatch_id] = row.fingerprint
+            approved[row.dispatch_id] = fingerprint
             await engine.store.kv_set(pid, f"approved:{row.run_id}", approved)
-            if remember:  # a process-local allow rule, which the policy checker reads first
-                rules = await engine.store.kv_get(pid, "approval_overrides") or []
-                target = call_target(row.syscall, row.tool_name, row.args)  # a device's, or local
-                rules.insert(0, remember_rule(row.syscall, target, row.tags).to_json())
-                await engine.store.kv_set(pid, "approval_overrides", rules)
+            if edit is not None:  # run with these, at every dispatch of the call (a restart's too)
+                edits = await engine.store.kv_get(pid, edits_key(row.run_id)) or {}
+                edits[row.dispatch_id] = edit
+                await engine.store.kv_set(pid, edits_key(row.run_id), edits)
+            if scope is not None:
+                await _remember(engine, live, row.run_id, scope, rule)
         else:
             await _deny(engine, tx, live, row, note)
-        await tx.signal(sig.CHANGED, changes=["hil"])
+        await tx.signal(
+            sig.CHANGED,
+            changes=["hil"],
+            **({"edited": True} if edit is not None else {}),
+            **({"remembered": scope} if scope is not None and decision == "approve" else {}),
+        )
     engine.wake(pid)
     return True
+
+
+def remember_scope(remember: object) -> RememberScope | None:
+    """The scope of a "yes, and remember": ``True`` is ``"process"`` (what it meant before scopes
+    existed), ``False`` none. ``TypeError`` otherwise: ``"false"`` from a form is truthy, and a
+    misspelt scope must not widen (or narrow) what the person meant."""
+    if remember is False or remember is None:
+        return None
+    if remember is True:
+        return "process"
+    if isinstance(remember, str) and remember in REMEMBER_SCOPES:
+        return remember
+    raise TypeError(f"remember must be true or false, or a scope: 'run', 'process' or 'account'; got {remember!r}")
+
+
+def plain_arguments(arguments: object) -> dict[str, Any]:
+    """A person's arguments as the JSON object the call stores and runs with; ``TypeError`` or
+    ``ValueError`` for anything else (what does not survive JSON would not survive a restart)."""
+    if not isinstance(arguments, Mapping):
+        raise TypeError(f"arguments must be an object of named arguments, got {type(arguments).__name__}")
+    try:
+        text = json.dumps(dict(arguments), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"arguments must be plain JSON ({exc})") from None
+    if len(text) > MAX_EDITED_ARGUMENTS:
+        raise ValueError(f"arguments are longer than {MAX_EDITED_ARGUMENTS} characters as JSON")
+    plain: dict[str, Any] = json.loads(text)
+    return plain
+
+
+def edits_key(run_id: str) -> str:
+    """The kv row of run ``run_id``'s calls approved with a person's arguments: dispatch id -> them."""
+    return f"edited:{run_id}"
+
+
+async def _check_edit(engine: ProcessEngine, live: _Live, row: HilRow, edit: dict[str, Any]) -> Approval:
+    """The policy's verdict on the call with the person's arguments, once they are known to be
+    valid for the tool; ``ValueError`` (the request stays pending) when they are not, when the
+    policy denies them (an edit is no way around a ``deny``), or when the request is a nested
+    call's (a running program waits for it with its own arguments, in memory)."""
+    calls = await engine.store.calls(row.pid, row.run_id)
+    call = next((c for c in calls if c.dispatch_id == row.dispatch_id), None)
+    if call is None:
+        raise ValueError(
+            "only a call the model made itself can be approved with other arguments, not one a running"
+            " program (CodeMode) makes: approve or deny it as it is"
+        )
+    tool = (await engine._run_config(live, row.run_id)).tools.get(row.tool_name)
+    if tool is None:
+        raise ValueError(f"tool {row.tool_name} is not available to this run: its arguments cannot be checked")
+    try:
+        tool.validate(dict(edit))
+    except Exception as exc:  # (``ToolArgumentsError``: says which argument and why; or a validator's own bug)
+        raise ValueError(f"the edited arguments are not valid for {row.tool_name}: {exc}") from None
+    if syscall_of(tool, edit) != row.syscall:
+        raise ValueError(
+            f"the edited arguments change what the call reaches ({row.syscall} -> {syscall_of(tool, edit)}):"
+            " deny it and tell the model what to call instead"
+        )
+    verdict = await engine.approval(live.record, dataclasses.replace(call, args=edit))
+    if verdict.action == "deny":
+        why = f": {verdict.reason}" if verdict.reason else ""
+        raise ValueError(f"the approval policy denies the call with the edited arguments{why}")
+    return verdict
+
+
+async def _remember(engine: ProcessEngine, live: _Live, run_id: str, scope: RememberScope, rule: Rule) -> None:
+    """Inside the answer's transaction: keep ``rule`` where ``scope`` says. The account's file is
+    written last, once the request is known to be this answer's (deleted above); should the
+    transaction then fail, the request stays pending and the rule is the one asked for anyway."""
+    if scope == "account":
+        amend = engine.amend_policy
+        assert amend is not None  # (checked before anything was touched)
+        await engine.store.exclusive(f"approval policy of {live.record.owner}")  # (read, added to, written)
+        await asyncio.to_thread(amend, live.record, rule)
+        return
+    key = OVERRIDES_KEY if scope == "process" else run_overrides_key(run_id)
+    rules = await engine.store.kv_get(live.record.pid, key) or []
+    rules.insert(0, rule.to_json())  # (read first by the policy checker)
+    await engine.store.kv_set(live.record.pid, key, rules)
+
+
+def edited_result(prepared: _Prepared, result: ToolResultMessage) -> ToolResultMessage:
+    """``result`` of a call a person approved with other arguments than the model's, led by what
+    they were: the model's call stays as it made it in the history (see the module's docstring),
+    and the model must not take the outcome for that of its own arguments."""
+    model_call = next((c for c in prepared.info.assistant_message.tool_calls if c.id == prepared.call.id), None)
+    if model_call is None or dict(model_call.arguments) == prepared.call.arguments:
+        return result
+    shown = json.dumps(prepared.call.arguments, ensure_ascii=False, sort_keys=True)
+    note = f"[The user edited this call's arguments before approving it. It ran with: {shown}]\n"
+    return dataclasses.replace(result, content=[TextContent(text=note), *result.content])
 
 
 def check_approval_timeout(timeout: object) -> None:
@@ -237,9 +383,12 @@ async def _deny(
 
 async def forget_decisions(store: Store, pid: str, run_id: str) -> None:
     """Inside the transaction that ends run ``run_id``: drop what its approvals decided (the calls
-    approved, and the words of the nested calls denied), which only that run reads."""
+    approved, the arguments they were approved with, the rules remembered for the run, and the
+    words of the nested calls denied), which only that run reads."""
     await store.kv_delete(pid, f"approved:{run_id}")
     await store.kv_delete(pid, f"denied:{run_id}")
+    await store.kv_delete(pid, edits_key(run_id))
+    await store.kv_delete(pid, run_overrides_key(run_id))  # ("remember for this run")
 
 
 def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallRow) -> NestedCheck:

@@ -125,7 +125,19 @@ class StopBody(Body):
 
 class HilBody(Body):
     decision: Literal["approve", "deny"]
-    remember: bool = Field(False, description="Allow this syscall on this process from now on.")
+    remember: bool | Literal["run", "process", "account"] = Field(
+        False,
+        description="With approve: allow this kind of call from now on where the policy would ask, for the"
+        " rest of the run, the process (true is process) or the account (an allow rule in the owner's"
+        " policy file, for its later processes too; a shell command's program only). 400 when it cannot"
+        " be kept at that scope.",
+    )
+    arguments: dict[str, Any] | None = Field(
+        None,
+        description="With approve: the arguments the call runs with instead of the model's. Checked against"
+        " the tool's schema and the approval policy (400, the request still pending, when invalid or"
+        " denied); the approval is bound to them, and the call's result tells the model they were edited.",
+    )
     message: str | None = Field(
         None,
         max_length=MAX_DENIAL_MESSAGE,
@@ -415,7 +427,8 @@ class AccountApprovalList(Answer):
 class DecisionOut(Answer):
     request_id: str
     decision: Literal["approve", "deny"]
-    remember: bool
+    remember: bool | Literal["run", "process", "account"]
+    edited: bool = Field(False, description="Approved with the caller's arguments.")
 
 
 class ResetOut(Answer):
@@ -808,6 +821,7 @@ async def decide(call: Call) -> dict[str, Any]:
         decision=body.decision,
         remember=body.remember,
         message=body.message,
+        arguments=body.arguments,
     )
 
 
@@ -1014,7 +1028,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(
         "POST",
         f"{_P}/hil/{{request_id}}",
-        "Approve or deny a pending tool call.",
+        "Approve (optionally with edited arguments, optionally remembered) or deny a pending tool call.",
         decide,
         body=HilBody,
         answer=DecisionOut,

@@ -659,21 +659,28 @@ class ProcessService:
         request_id: str,
         *,
         decision: str,
-        remember: bool = False,
+        remember: bool | str = False,
         message: str | None = None,
+        arguments: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Answer a pending approval; ``message`` goes with deny, to the model (see ``Process.hil``).
-        The kernel checks it before touching anything, so a 400 leaves the request pending."""
+        """Answer a pending approval; ``message`` goes with deny, to the model, ``arguments`` and a
+        ``remember`` scope with approve (see ``Process.hil``). The kernel checks them before
+        touching anything, so a 400 leaves the request pending."""
         if decision not in ("approve", "deny"):
             raise ApiError(400, "invalid_request", "decision must be approve or deny")
         proc, _ = await self._process(who, pid)
         try:
-            await proc.hil(request_id, decision, remember=remember, message=message)
+            await proc.hil(request_id, decision, remember=remember, message=message, arguments=arguments)
         except KeyError:
             raise ApiError(404, "not_found", f"no pending approval {request_id!r} for process {pid!r}") from None
-        except (TypeError, ValueError) as exc:  # the message: too long, control characters, with approve
+        except (TypeError, ValueError) as exc:  # the message, the arguments, the scope, the policy's refusal
             raise ApiError(400, "invalid_request", str(exc)) from None
-        return {"request_id": request_id, "decision": decision, "remember": remember}
+        return {
+            "request_id": request_id,
+            "decision": decision,
+            "remember": remember,
+            **({"edited": True} if arguments is not None else {}),
+        }
 
     async def reset(self, who: Principal, pid: str) -> dict[str, Any]:
         proc, _ = await self._process(who, pid)

@@ -368,9 +368,12 @@ async def _abort(conn: Connection, args: dict[str, Any]) -> Any:
 async def _hil(conn: Connection, args: dict[str, Any]) -> Any:
     pid, request_id = _id(args, "pid"), _id(args, "request_id")
     decision = _str(args, "decision")
-    remember = _want(args, "remember", bool, "a boolean", False)
+    remember = _want(args, "remember", (bool, str), "a boolean or 'run', 'process' or 'account'", False)
     message = _want(args, "message", str, "a string", None)
-    return await conn.service.hil(conn.user, pid, request_id, decision=decision, remember=remember, message=message)
+    arguments = _want(args, "arguments", dict, "an object", None)
+    return await conn.service.hil(
+        conn.user, pid, request_id, decision=decision, remember=remember, message=message, arguments=arguments
+    )
 
 
 async def _approvals(conn: Connection, args: dict[str, Any]) -> Any:
@@ -509,7 +512,7 @@ CALLS: dict[str, Call] = {
     "proc.compaction": Call(_compaction, _takes("pid", "threshold", "overflow", "keep_recent_tokens"), mutates=True),
     "proc.model.get": Call(_model_get, _takes("pid")),
     "proc.model.set": Call(_model_set, _takes("pid", "model", "reasoning"), mutates=True),
-    "proc.hil": Call(_hil, _takes("pid", "request_id", "decision", "remember", "message"), mutates=True),
+    "proc.hil": Call(_hil, _takes("pid", "request_id", "decision", "remember", "message", "arguments"), mutates=True),
     "proc.approvals": Call(_approvals, _takes("pid")),
     "proc.reset": Call(_reset, _takes("pid"), mutates=True),
     "proc.fork": Call(_fork, _takes("pid", "at", "segment", "context", "fork_id"), mutates=True),

@@ -6,6 +6,7 @@ Pure functions only; the durable runner stores pending questions and answers.
 from agentloop.process.approval.engine import (
     NON_INTERACTIVE,
     ApprovalDecision,
+    account_rule,
     args_fingerprint,
     decide,
     describe_rule,
@@ -34,6 +35,7 @@ __all__ = [
     "Rule",
     "ShellAnalysis",
     "When",
+    "account_rule",
     "args_fingerprint",
     "call_facts",
     "call_tags",

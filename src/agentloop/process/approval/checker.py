@@ -26,6 +26,16 @@ from agentloop.stamps import Stamp, file_stamp, read_regular
 log = logging.getLogger("agentloop.approval")
 
 OVERRIDES_KEY = "approval_overrides"
+#: an account's rules a person added ("always, for this account") written to its policy file;
+#: ``ValueError`` when they cannot be (the policy is not a file this server may amend)
+AmendFn = Callable[[ProcessRecord, Rule], None]
+
+
+def run_overrides_key(run_id: str) -> str:
+    """The kv row of the rules remembered for the rest of run ``run_id`` only (its end drops it)."""
+    return f"{OVERRIDES_KEY}:{run_id}"
+
+
 #: A policy is a few rules; a file far larger is not one, and is not read into memory.
 MAX_POLICY_BYTES = 1 << 20
 
@@ -120,7 +130,11 @@ def policy_approval(
 
     async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
         policy = policy_of(process.owner)
-        rkey, remembered, remembered_read_args = remembered_rules(await store.kv_get(process.pid, OVERRIDES_KEY))
+        # the run's remembered rules, then the process's: one query for both
+        run_key = run_overrides_key(row.run_id)
+        kept = await store.kv_many(process.pid, (OVERRIDES_KEY, run_key))
+        stored = [*kept.get(run_key, ()), *kept.get(OVERRIDES_KEY, ())]
+        rkey, remembered, remembered_read_args = remembered_rules(stored)
         target = call_target(row.syscall, row.tool_name, row.args)  # a device call is tagged ``remote``
         plain = not remembered_read_args and not facts_read_args(row.syscall, row.args)
         key = (row.syscall, target, rkey)
@@ -145,3 +159,67 @@ def policy_approval(
         return Approval(verdict.action, tuple(verdict.tags), verdict.reason, args_fingerprint(row.syscall, row.args))
 
     return approve
+
+
+def policy_amender(
+    *,
+    server: str | bytes | dict[str, Any] | Policy | None = None,
+    accounts: Mapping[str, Any] | None = None,
+    account_file: Callable[[str], Path],
+) -> AmendFn:
+    """What adds a person's "always, for this account" to the account's policy file (the one
+    ``policy_approval`` reads with the same ``account_file``): a ``remembered`` rule, so that later
+    processes of the account are not asked. An account without a file gets one holding the policy
+    that applied to it (the server-wide one), plus the rule: a file of the rule alone would read
+    as "auto for everything else". Refused (``ValueError``) when the account's policy is given in
+    code, or its file does not parse (written back, the part that was wrong would be lost)."""
+    # (what a bad server policy falls back to; ``policy_approval`` has logged why, once)
+    fallback = server if isinstance(server, Policy) else parse_policy(server)[0]
+    in_code = frozenset(accounts or ())
+
+    def amend(process: ProcessRecord, rule: Rule) -> None:
+        owner = process.owner
+        if owner in in_code:
+            raise ValueError(
+                f"account {owner!r}'s approval policy is given in code, not in a file: it cannot be amended;"
+                " remember for the process or the run instead"
+            )
+        path = account_file(owner)
+        if file_stamp(path) is None:
+            data: dict[str, Any] = fallback.to_json()
+        else:
+            try:
+                text = read_regular(path, MAX_POLICY_BYTES).decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"account {owner!r}'s approval policy cannot be read ({exc})") from None
+            _, problems = parse_policy(text)
+            if problems:
+                raise ValueError(f"account {owner!r}'s approval policy file is not valid, fix it first: {problems[0]}")
+            data = json.loads(text) if text.strip() else default_policy().to_json()  # (blank: the default)
+        kept = data.setdefault("remembered", [])
+        wanted = rule.to_json()
+        if wanted in kept:
+            return  # (answered again after a retry, or the same answer through another client)
+        kept.append(wanted)
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+        if parse_policy(text)[1] or len(text.encode("utf-8")) > MAX_POLICY_BYTES:
+            raise ValueError(f"account {owner!r}'s approval policy would not be valid with this rule")
+        _replace(path, text)
+        log.info("approval policy of account %r: remembered %s", owner, json.dumps(wanted, sort_keys=True))
+
+    return amend
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a reader (``policy_approval``, another worker) never
+    sees half a policy, which would read as invalid and fall back to the default."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    try:
+        with open(temporary, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

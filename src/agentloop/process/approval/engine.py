@@ -15,11 +15,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from agentloop.process.approval.policy import KNOWN_TAGS, Action, Policy, Rule, When
+from agentloop.process.approval.shell import ShellAnalysis, classify_shell
 from agentloop.process.approval.tags import PATH_ARGS, CallFacts, call_facts, is_local, path_inside, workspace_path
 
 __all__ = [
     "NON_INTERACTIVE",
     "ApprovalDecision",
+    "account_rule",
     "args_fingerprint",
     "decide",
     "describe_rule",
@@ -82,15 +84,31 @@ def _has_prefix(value: Any, prefix: str, where: tuple[str, str] | None) -> bool:
     return path_inside(workspace_path(value, base), workspace_path(prefix, base, home))
 
 
+def runs_only(shell: ShellAnalysis | None, program: str) -> bool:
+    """Whether a shell command line (its analysis) runs ``program`` and nothing else: parsed, no
+    other program anywhere in it (after ``;``, ``&&``, ``|``, in a substitution), and named and
+    given words as written (:attr:`ShellAnalysis.literal`: not ``FOO=1 git push``, ``./git push``
+    or ``git push $X``). ``program`` twice (``git push a; git push b``) is still only it."""
+    return shell is not None and shell.literal and "unclassified" not in shell.tags and shell.commands == (program,)
+
+
+def _shell_of(syscall: str, args: Mapping[str, Any]) -> ShellAnalysis | None:
+    command = args.get("command")
+    return classify_shell(command) if syscall == "shell.exec" and isinstance(command, str) else None
+
+
 def _holds(
     when: When | None,
     tags: frozenset[str],
     args: Mapping[str, Any],
     path_key: str | None = None,
     where: tuple[str, str] | None = None,
+    shell: ShellAnalysis | None = None,
 ) -> bool:
     if when is None:
         return True
+    if when.program is not None and not runs_only(shell, when.program):
+        return False
     if when.any_tags is not None and not tags.intersection(when.any_tags):
         return False
     if when.all_tags is not None and not tags.issuperset(when.all_tags):
@@ -105,7 +123,8 @@ def _holds(
 
 def rules_read_args(policy: Policy) -> bool:
     """Whether any rule of ``policy`` looks at a call's arguments (not only its syscall and tags)."""
-    return any(r.when is not None and (r.when.arg_prefix or r.when.arg_equals) for r in policy.rules)
+    rules = (*policy.rules, *policy.remembered)
+    return any(r.when is not None and (r.when.arg_prefix or r.when.arg_equals or r.when.program) for r in rules)
 
 
 def find_rule(
@@ -117,13 +136,18 @@ def find_rule(
     *,
     base: str | os.PathLike[str] | None = None,
     home: str | os.PathLike[str] | None = None,
+    shell: ShellAnalysis | None = None,
 ) -> tuple[int, Rule] | None:
     """The winning rule and its index: most specific target, then match, then first written.
 
     Given the ``base`` the tools resolve relative paths against (and the ``home`` a policy's
     ``~`` means), an ``argPrefix`` on the path argument of a file or shell call compares paths.
+    ``shell`` is the call's command line analysed (``CallFacts.shell``), which a ``program``
+    clause reads; not given, it is worked out here when a rule needs it.
     """
-    return _winner(policy.rules, syscall, args, tags, target, base=base, home=home)
+    if shell is None and any(r.when is not None and r.when.program is not None for r in policy.rules):
+        shell = _shell_of(syscall, args)
+    return _winner(policy.rules, syscall, args, tags, target, base=base, home=home, shell=shell)
 
 
 def _winner(
@@ -135,6 +159,7 @@ def _winner(
     *,
     base: str | os.PathLike[str] | None,
     home: str | os.PathLike[str] | None,
+    shell: ShellAnalysis | None,
 ) -> tuple[int, Rule] | None:
     target = "local" if is_local(target) else target
     where = (os.fspath(base), os.fspath(home)) if base is not None and home is not None else None
@@ -142,7 +167,7 @@ def _winner(
     candidates: list[tuple[int, int, int, Rule]] = []
     for index, rule in enumerate(rules):
         t_rank, m_rank = _target_rank(rule, target), _match_rank(rule, syscall)
-        if t_rank is None or m_rank is None or not _holds(rule.when, tags, args, path_key, where):
+        if t_rank is None or m_rank is None or not _holds(rule.when, tags, args, path_key, where, shell):
             continue
         candidates.append((-t_rank, -m_rank, index, rule))
     if not candidates:
@@ -206,20 +231,23 @@ def decide(
 
     ``remembered`` rules (a person's "yes, and remember", :func:`remember_rule`) answer the
     questions ``policy`` would ask: an ``auto`` one that applies turns ``ask`` into ``auto``. They
-    never lift a ``deny``: a call the policy refuses was never put to that person."""
+    never lift a ``deny``: a call the policy refuses was never put to that person. The policy's own
+    ``remembered`` rules (an account's "always") answer after them, the same way."""
+    remembered = (*remembered, *policy.remembered)
     facts = call_facts(syscall, args, target=target, cwd=cwd, home=home, root=root, protected=protected)
     if "protected" in facts.tags:
         described = _describe_call(syscall, args, facts, target)
         reason = f"agentloop's own data is off limits to tools: {described}"
         return ApprovalDecision(action="deny", tags=sorted(facts.tags), rule="protected", reason=reason)
     base = root if root is not None else cwd
-    found = find_rule(policy, syscall, args, facts.tags, target, base=base, home=home)
+    # (the command line parsed once, by ``call_facts``: the rules' ``program`` clauses read it)
+    found = find_rule(policy, syscall, args, facts.tags, target, base=base, home=home, shell=facts.shell)
     if found is None:
         action, rule_text = policy.default, "default"
     else:
         action, rule_text = found[1].action, describe_rule(found[1], found[0])
     if action == "ask" and remembered:
-        kept = _winner(remembered, syscall, args, facts.tags, target, base=base, home=home)
+        kept = _winner(remembered, syscall, args, facts.tags, target, base=base, home=home, shell=facts.shell)
         if kept is not None and kept[1].action == "auto":
             action, rule_text = "auto", "remembered " + describe_rule(kept[1])
     described = _describe_call(syscall, args, facts, target)
@@ -245,6 +273,45 @@ def remember_rule(syscall: str, target: str = "local", tags: Sequence[str] | Non
     others = sorted(KNOWN_TAGS - set(tags)) if tags is not None else []
     when = When.model_validate({"noTag": others}) if others else None
     return Rule(match=syscall, target="local" if is_local(target) else target, when=when, action="auto")
+
+
+def account_rule(syscall: str, args: Mapping[str, Any], target: str = "local", tags: Sequence[str] = ()) -> Rule:
+    """The allow rule an "always, for this account" answer adds to the account's policy
+    (``Policy.remembered``): :func:`remember_rule`'s, narrowed for a shell command to its program
+    (and subcommand: ``git push``), since a whole account trusting every command of a kind is
+    far wider than one conversation doing so. ``ValueError`` where no rule would be narrow enough:
+    a shell command that runs several programs, none that can be named, or code of its own
+    (``unclassified``), and a CodeMode program (Python: it can do anything).
+
+    The program is a ``program`` clause, which holds only for a command line that runs that
+    program and nothing else (:func:`runs_only`), not a prefix of the text: ``git push x; cat
+    ~/.ssh/id_rsa``, ``git push x && curl …``, ``git push $(…)`` start with ``git push `` too. A
+    prefix would add nothing to it (nor would ``argEquals``: ``ls`` allows ``ls -l``, as ``git
+    push origin main`` allows ``git push origin dev``), so none is written."""
+    rule = remember_rule(syscall, target, tags)
+    if syscall == "codemode.exec":
+        raise ValueError("a CodeMode program can do anything: it cannot be allowed for the whole account")
+    if syscall != "shell.exec":
+        return rule
+    analysis = _shell_of(syscall, args)
+    if analysis is None or "unclassified" in analysis.tags or len(analysis.commands) != 1:
+        shown = ", ".join(analysis.commands) if analysis is not None and analysis.commands else "none that can be named"
+        raise ValueError(
+            "only a shell command that runs one known program can be allowed for the whole account"
+            f" (this one runs: {shown}); remember it for the process or the run instead"
+        )
+    program = analysis.commands[0]
+    if not runs_only(analysis, program):
+        # (``FOO=1 git push``, ``./git push``, ``git push $X``: the rule would not even cover it)
+        raise ValueError(
+            f"the command runs {program} with what its line does not spell out (a variable, an expansion or"
+            " pattern, a path to the program): it cannot be allowed for the whole account;"
+            " remember it for the process or the run instead"
+        )
+    when: dict[str, Any] = {"program": program}
+    if rule.when is not None:
+        when["noTag"] = list(rule.when.none_tags or ())
+    return Rule(match=syscall, target=rule.target, when=When.model_validate(when), action="auto")
 
 
 def args_fingerprint(syscall: str, args: Mapping[str, Any]) -> str:

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "KNOWN_TAGS",
@@ -54,13 +54,19 @@ class _Strict(BaseModel):
 
 
 class When(_Strict):
-    """Extra conditions on a rule; all given ones must hold (an empty clause always holds)."""
+    """Extra conditions on a rule; all given ones must hold (an empty clause always holds).
+
+    ``program`` (``shell.exec`` rules only): the parsed command line runs that program (with its
+    subcommand, as the parser names it: ``git push``, ``ls``) and nothing else, by its bare name,
+    with only words the line spells out. A prefix of the text cannot say that: ``git push x; cat
+    ~/.ssh/id_rsa``, ``git push $(…)`` and ``git push x | sh`` all start with ``git push ``."""
 
     any_tags: tuple[str, ...] | None = Field(default=None, alias="anyTag", min_length=1)
     all_tags: tuple[str, ...] | None = Field(default=None, alias="allTags", min_length=1)
     none_tags: tuple[str, ...] | None = Field(default=None, alias="noTag", min_length=1)
     arg_prefix: dict[str, str] | None = Field(default=None, alias="argPrefix")
     arg_equals: dict[str, Scalar] | None = Field(default=None, alias="argEquals")
+    program: str | None = None
 
     @field_validator("any_tags", "all_tags", "none_tags")
     @classmethod
@@ -69,6 +75,17 @@ class When(_Strict):
         unknown = sorted(set(value or ()) - KNOWN_TAGS)
         if unknown:
             raise ValueError(f"unknown tag(s) {unknown}; known: {sorted(KNOWN_TAGS)}")
+        return value
+
+    @field_validator("program")
+    @classmethod
+    def _valid_program(cls, value: str | None) -> str | None:
+        # compared with the parser's names ("git push"): any other spelling would never hold
+        if value is not None and (not value or " ".join(value.split()) != value):
+            raise ValueError(
+                f"program {value!r} must name a program, or a program and its subcommand ('git push'),"
+                " in words separated by single spaces"
+            )
         return value
 
 
@@ -92,16 +109,43 @@ class Rule(_Strict):
             raise ValueError(f"target {value!r} must be 'local', 'devices/*', '*' or a device id")
         return value
 
+    @model_validator(mode="after")
+    def _program_only_for_shell(self) -> Rule:
+        # (on any other call there is no command line: the rule would silently never apply)
+        if self.when is not None and self.when.program is not None and self.match != "shell.exec":
+            raise ValueError(
+                f"when.program names a shell command's program: it applies only to rules matching"
+                f" 'shell.exec', not {self.match!r}"
+            )
+        return self
+
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class Policy(_Strict):
+    """``remembered``: allow rules a person added ("always, for this account"). They answer the
+    questions ``rules`` ask, as a process's remembered rules do, and never compete with ``rules``
+    for precedence: an ``auto`` rule in ``rules`` naming a target would outrank a ``deny`` written
+    without one, so an answer given once could lift a refusal the account's owner wrote down."""
+
     default: Action = "auto"
     rules: tuple[Rule, ...] = ()
+    remembered: tuple[Rule, ...] = ()
+
+    @field_validator("remembered")
+    @classmethod
+    def _only_allows(cls, value: tuple[Rule, ...]) -> tuple[Rule, ...]:
+        # (an ``ask`` or ``deny`` there would be read as an answer, and silently never apply)
+        if any(rule.action != "auto" for rule in value):
+            raise ValueError("remembered rules answer questions: their action must be auto")
+        return value
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_none=True)
+        data = self.model_dump(by_alias=True, exclude_none=True)
+        if not self.remembered:  # (as the policies written before remembered rules existed)
+            del data["remembered"]
+        return data
 
 
 _RISKY_SHELL = ("destructive", "privileged", "network", "unclassified")

@@ -97,6 +97,8 @@ HARMLESS_SINKS = frozenset({"/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty
 BLOCK_DEVICE = re.compile(r"^/dev/(sd|hd|vd|xvd|nvme|mmcblk|disk|md|dm-|loop|mapper/)")
 PATTERN_FIRST = _words("grep egrep fgrep rg sed awk gawk mawk jq yq")
 WRITE_REDIRECTS = frozenset({">", ">>", ">|", "&>", "&>>", "<>", ">&"})
+# what the shell may expand into other words (quoted or not: this errs towards "not literal")
+_PATTERN = re.compile(r"[*?\[{]")
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,10 @@ class ShellAnalysis:
     """What a command line would do, as far as its syntax shows.
 
     ``paths`` are the literal path-like operands (for path tags); ``writes`` the subset it would
-    create, change or remove; ``reasons`` say, per finding, why a tag was given.
+    create, change or remove; ``reasons`` say, per finding, why a tag was given. ``literal``: every
+    command is named as it is found on the PATH (not by a path: ``./git``) and runs with words the
+    line spells out: no variable assignment (``HOME=/tmp/x git``), expansion (``git push $X``) or
+    glob or brace pattern, whose value could be an option that changes what the program runs.
     """
 
     tags: frozenset[str]
@@ -112,6 +117,7 @@ class ShellAnalysis:
     paths: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
+    literal: bool = True
 
 
 class _Arg(NamedTuple):
@@ -161,6 +167,7 @@ class _Walker:
         self.paths: list[str] = []
         self.writes: list[str] = []
         self.reasons: list[str] = []
+        self.literal = True
 
     # -- recording ---------------------------------------------------------------------------
     def tag(self, why: str, *tags: str) -> frozenset[str]:
@@ -182,6 +189,7 @@ class _Walker:
             paths=tuple(dict.fromkeys(self.paths + self.writes)),
             writes=tuple(dict.fromkeys(self.writes)),
             reasons=tuple(self.reasons),
+            literal=self.literal,
         )
 
     # -- parsing ------------------------------------------------------------------------------
@@ -263,6 +271,7 @@ class _Walker:
             return found  # 2>&1 and the like
         found |= self.node(target, depth)
         arg = self.arg(target)
+        self.literal = self.literal and not arg.dynamic and not _PATTERN.search(arg.text)  # (``> $F``)
         if arg.text.startswith(("/dev/tcp/", "/dev/udp/")):  # bash opens a socket for these
             return found | self.tag(f"connects to {arg.text}", "network")
         if node.type not in WRITE_REDIRECTS:
@@ -291,8 +300,10 @@ class _Walker:
             found |= self.node(part, depth)
             if kind == "word":
                 args.append(self.arg(part))
-            elif kind == "assignment" and not args:
-                hijack = hijack or _hijacks(part.word)
+                self.literal = self.literal and not args[-1].dynamic and not _PATTERN.search(args[-1].text)
+            elif kind == "assignment":
+                self.literal = False
+                hijack = hijack or (not args and _hijacks(part.word))
         verdict = self.argv(args, depth)
         if hijack:  # before a command, for it; alone, for every later command of the line
             found |= self.tag("changes PATH or the loader before running a command", "unclassified")
@@ -308,6 +319,7 @@ class _Walker:
         if head.dynamic:
             return _Verdict(self.tag(f"computed command name {head.text}", "unclassified"))
         name = posixpath.basename(head.text) or head.text
+        self.literal = self.literal and name == head.text
         self.commands.append(name)
         self.note_paths(name, rest)
         if name in WRAPPERS:
@@ -473,7 +485,7 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         return frozenset(found | w.tag(f"git {sub} is not a git command we know (an alias?)", "unclassified"))
     runs_program = (
         sub in _GIT_RUNNERS
-        or any(a.startswith(_GIT_EXEC_OPTIONS) for a in args)
+        or any(a.startswith(_GIT_EXEC_OPTIONS) or _abbreviates(a, _GIT_EXEC_OPTIONS) for a in args)
         or (sub == "rebase" and "-x" in args)
         or (sub in ("clone", "ls-remote") and "-u" in args)
         or (sub == "grep" and any(re.match(r"^-[a-zA-Z]*O", a) for a in args))
@@ -505,6 +517,13 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     ):
         return frozenset(found | w.tag(f"git {sub} discards work", "destructive", "mutating"))
     return frozenset(found | w.tag(f"git {sub} changes the repository", "mutating"))
+
+
+def _abbreviates(arg: str, options: tuple[str, ...]) -> bool:
+    """Whether ``arg`` is a long option git reads as one of ``options``: it takes any unambiguous
+    prefix of a long option's name (``git push --receive=CMD`` runs CMD)."""
+    name = arg.split("=", 1)[0]
+    return name.startswith("--") and len(name) > 2 and any(option.startswith(name) for option in options)
 
 
 def _git_config(w: _Walker, rest: list[_Arg]) -> frozenset[str]:
