@@ -467,7 +467,7 @@ def _compiled(base: str, assembled: AssembledPrompt, shown: Callable[[str], str]
     )
     text = "\n\n".join(part for part in (base, assembled.text) if part)
     warnings = tuple(map(shown, assembled.warnings))
-    return CompiledPrompt(text, sections, warnings, len(base.encode("utf-8")))
+    return CompiledPrompt(text, sections, warnings, len(base.encode("utf-8")), assembled.catalog(name))
 
 
 def _roots(data_dir: Path, record: ProcessRecord) -> list[tuple[str, str]]:

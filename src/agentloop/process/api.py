@@ -18,6 +18,7 @@ from agentloop.loop.state import LoopConfig
 from agentloop.messages import Message, ToolCall
 from agentloop.process.store import HilRow, ProcessRecord, ToolCallRow
 from agentloop.tools.base import Tool
+from agentloop.tools.skills import SkillCatalog
 
 SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
 
@@ -56,6 +57,7 @@ class CompiledPrompt:
     sections: tuple[PromptSection, ...] = ()
     warnings: tuple[str, ...] = ()  # what assembly noticed (unreadable files...), paths as in ``files``
     base: int = 0
+    skills: SkillCatalog | None = None  # the index's skills, which a run's input may activate
 
     @functools.cached_property
     def digest(self) -> str:

@@ -76,6 +76,7 @@ from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.pressure import forget_context, run_keys, take_run_rows
+from agentloop.process.prompt import activate_skills
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import (
     NoSuchProcess,
@@ -442,7 +443,8 @@ class ProcessEngine:
             if live.prompt is None or live.prompt[0] != run_id:
                 kept = await self._kept_prompt(live, run_id)
                 if kept is None:
-                    fresh = _compiled(await self.prompt(live.record, tools))
+                    # with the skills the run's input names (``$deploy``) or whose paths it mentions
+                    fresh = activate_skills(_compiled(await self.prompt(live.record, tools)), live.history)
                     kept = (run_id, fresh.text)
                 live.prompt = kept
             changes["system_prompt"] = live.prompt[1]

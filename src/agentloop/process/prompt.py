@@ -4,6 +4,7 @@ Six providers contribute, in a fixed order, each as one ``[name]`` block: the se
 context (templated), the run-as account's ``context.d``, the owning human's ``context.d``, the
 skills index, the workspace files, and the context given at spawn. The order runs from the most
 general and stable to the most specific, so providers' prompt caches keep the longest prefix.
+The skills a run's input activates (``activate_skills``) follow them all, as ``[active skills]``.
 
 The function is pure apart from reading files: the same files, variables and ``today`` give the
 same bytes, which is what lets a durable run store the prompt and a resumed run trust it. Nothing
@@ -20,22 +21,36 @@ from __future__ import annotations
 import datetime
 import hashlib
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from agentloop.messages import AssistantMessage, Message, ToolResultMessage, UserMessage
+from agentloop.process.api import CompiledPrompt, PromptSection
 from agentloop.process.memory import daily_memory_name, memory_entries
 from agentloop.tools.base import ToolError
 from agentloop.tools.paths import resolve_path
-from agentloop.tools.skills import SKILL_FILE, UnreadableFile, read_text_file, scan_skills
+from agentloop.tools.skills import (
+    SKILL_FILE,
+    Skill,
+    SkillCard,
+    SkillCatalog,
+    UnreadableFile,
+    read_text_file,
+    scan_skills,
+)
 
 __all__ = [
+    "ACTIVE_SKILLS",
     "DEFAULT_MAX_CONTEXT_BYTES",
     "WORKSPACE_FILES",
     "AssembledPrompt",
     "PromptSources",
     "Section",
+    "activate_skills",
     "assemble_prompt",
     "render_template",
+    "run_input",
 ]
 
 DEFAULT_MAX_CONTEXT_BYTES = 32 * 1024
@@ -45,6 +60,13 @@ BOOTSTRAP_FILE = "BOOTSTRAP.md"
 # compaction append to it, and a day of them would otherwise fill the model's window
 MAX_DAY_MEMORY_BYTES = 16 * 1024
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\}\}")
+ACTIVE_SKILLS = "active skills"
+# ``$name``, not inside a word or an amount (``US$5``), nor ``$$``; its end may be punctuation
+_REFERENCE = re.compile(r"(?<![\w$])\$([A-Za-z0-9][A-Za-z0-9._-]*)")
+_WORD = re.compile(r"[^\s`'\"()<>\[\]{},;|]+")
+_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,10}$")
+MAX_MENTIONED_PATHS = 64  # paths of one run's input matched against the skills' ``paths:`` globs
+MAX_MENTIONED_CHARS = 1024
 
 
 @dataclass
@@ -82,6 +104,16 @@ class AssembledPrompt:
     # every file and skill folder assembly looked at, also those that added nothing (empty, not
     # UTF-8, a folder without its SKILL.md yet): a cached prompt is stale once any of them changes
     consulted: list[Path] = field(default_factory=list)
+    # the skills of the index, which a run's input may activate (``catalog``), and their budget
+    skills: list[Skill] = field(default_factory=list)
+    budget: int = DEFAULT_MAX_CONTEXT_BYTES
+
+    def catalog(self, shown: Callable[[Path], str] | None = None) -> SkillCatalog | None:
+        """The index's skills for ``activate_skills`` (``shown``: a skill file's display name)."""
+        if not self.skills:
+            return None
+        cards = tuple(s.card(shown(s.path) if shown is not None else "") for s in self.skills)
+        return SkillCatalog(cards, self.budget)
 
     @property
     def digest(self) -> str:
@@ -238,7 +270,7 @@ def _home_block(name: str, home: Path, budget: int, seen: _Reading) -> _Block:
     return block
 
 
-def _skills_block(dirs: list[Path], seen: _Reading) -> _Block:
+def _skills_block(dirs: list[Path], seen: _Reading) -> tuple[_Block, list[Skill]]:
     # a skill's file changes (or a folder gains its SKILL.md) without its layer's entries changing
     for layer in filter(Path.is_dir, dirs):
         entries = [e for e in layer.iterdir() if e.is_dir() or e.suffix == ".md"]
@@ -256,7 +288,7 @@ def _skills_block(dirs: list[Path], seen: _Reading) -> _Block:
         index = "\n".join(f"- {s.name}: {s.description}" if s.description else f"- {s.name}" for s in skills.values())
         block.parts.append(_Part(None, None, index))
         block.sources = [s.path for s in skills.values()]
-    return block
+    return block, list(skills.values())
 
 
 def _daily_memories(sources: PromptSources, today: datetime.date, seen: _Reading) -> list[_Part]:
@@ -338,7 +370,8 @@ def assemble_prompt(sources: PromptSources, *, today: datetime.date | None = Non
             continue  # the owner's own process: the same context.d, included once
         homes.append(home.resolve())
         blocks.append(_home_block(name, home, budget, seen))
-    blocks.append(_skills_block(sources.skills_dirs, seen))
+    skills_block, skills = _skills_block(sources.skills_dirs, seen)
+    blocks.append(skills_block)
     files, commissioning = _workspace_blocks(sources, today, seen)
     blocks += [files, commissioning]
     process = _Block("process context")
@@ -361,4 +394,141 @@ def assemble_prompt(sources: PromptSources, *, today: datetime.date | None = Non
         bootstrap=bool(commissioning.parts),
         warnings=seen.warnings,
         consulted=seen.consulted,
+        skills=skills,
+        budget=budget,
     )
+
+
+# ------------------------------------------------------------------ skills activated by a run
+
+
+def run_input(history: Sequence[Message]) -> str:
+    """What a person said to the run about to start: the text of the user messages after the
+    model's last turn (the run's input, which a restart finds there too)."""
+    texts: list[str] = []
+    for message in reversed(history):
+        if isinstance(message, AssistantMessage | ToolResultMessage):
+            break
+        if isinstance(message, UserMessage):
+            texts.append(message.text)
+    return "\n".join(reversed(texts))
+
+
+def _mentioned_paths(text: str) -> list[str]:
+    """The words of ``text`` that look like paths (with a ``/`` or a file extension; no URLs), in
+    order, each once, at most ``MAX_MENTIONED_PATHS``."""
+    found: dict[str, None] = {}
+    for match in _WORD.finditer(text):
+        word = match.group(0).lstrip("@").rstrip(".:!?")
+        if len(word) > MAX_MENTIONED_CHARS or "://" in word or word.startswith("$"):
+            continue
+        if "/" in word or _EXTENSION.search(word):
+            found[word] = None
+            if len(found) >= MAX_MENTIONED_PATHS:
+                break
+    return list(found)
+
+
+def _chosen(catalog: SkillCatalog, text: str) -> list[tuple[SkillCard, str]]:
+    """The skills ``text`` activates, each once, with why: those it names as ``$name`` (in that
+    order; a name the index does not hold is left as text), then those whose ``paths:`` match a
+    path it mentions."""
+    cards = {c.name: c for c in catalog.cards}
+    chosen: dict[str, tuple[SkillCard, str]] = {}
+    if "$" in text:
+        for match in _REFERENCE.finditer(text):
+            word = match.group(1)
+            name = word if word in cards else word.rstrip("._-")  # ("use $deploy.")
+            if name in cards and name not in chosen:
+                chosen[name] = (cards[name], f"named as ${name}")
+    watching = [c for c in catalog.cards if c.globs and c.name not in chosen]
+    if watching:
+        for path in _mentioned_paths(text):
+            for card in watching:
+                if card.name not in chosen and card.matches(path):
+                    chosen[card.name] = (card, f"{path} matches its paths")
+    return list(chosen.values())
+
+
+@dataclass
+class _Active:
+    """The ``[active skills]`` block being built, with the display names of what it shows and
+    leaves out, and warnings."""
+
+    block: _Block
+    shown: list[str] = field(default_factory=list)
+    omitted: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _active_block(chosen: list[tuple[SkillCard, str]], budget: int) -> _Active:
+    """Each chosen skill's body, read now, until ``budget`` bytes are used: the one that crosses
+    the line is cut with a note, later ones are named but not included."""
+    block = _Block(ACTIVE_SKILLS)
+    block.preamble = (
+        "These skills apply to this run: the user named them, or mentioned a path they cover. "
+        "Follow them; they are given here, so the skills tool need not show them again."
+    )
+    active = _Active(block)
+    omitted: list[str] = []
+    used = 0
+    for card, why in chosen:
+        try:
+            body = card.load().body.strip()
+        except (UnreadableFile, ToolError):  # (its message names the server's paths: not for the manifest)
+            active.warnings.append(f"{card.shown}: cannot be read now; the skill is not activated")
+            continue
+        if not body:
+            continue
+        if used >= budget:
+            omitted.append(card.name)
+            active.omitted.append(card.shown)
+            continue
+        size = len(body.encode("utf-8"))
+        if used + size > budget:
+            kept = _cut(body, budget - used)
+            body = kept + (
+                f"\n[… {card.name} truncated: {len(kept.encode('utf-8'))} of {size} bytes shown;"
+                f" the skills tool reads it whole (action='show', name='{card.name}')]"
+            )
+            block.truncated = True
+            active.warnings.append(f"{card.shown}: activated skill truncated to fit max_context_bytes={budget}")
+            size = budget - used
+        used += size
+        block.parts.append(_Part(None, f"{card.name} ({why})", body))
+        active.shown.append(card.shown)
+    if omitted:
+        names = ", ".join(omitted)
+        block.notes.append(
+            f"[not included, over the {budget}-byte context budget: {names}; read them with the skills tool]"
+        )
+        active.warnings.append(f"activated skills omitted over max_context_bytes={budget}: {names}")
+    return active
+
+
+def activate_skills(prompt: CompiledPrompt, history: Sequence[Message]) -> CompiledPrompt:
+    """``prompt`` with the skills the run's input activates (``run_input``: ``$name``, or a path
+    matching a skill's ``paths:``) as an ``[active skills]`` block at its end, once, for the run.
+
+    Decided when the run's prompt is built, from the input that started it, so that every model
+    call of the run sends the same bytes (the run keeps its prompt, across a restart too). The
+    block comes last: runs without it share the whole prompt before it as a cached prefix. The
+    bodies are read now (the catalogue the prompt carries holds none); a prompt without a catalogue
+    (plain text from a custom prompt function) or an input that activates nothing is returned as it
+    is, the very object."""
+    catalog = prompt.skills
+    if catalog is None or not catalog.cards:
+        return prompt
+    chosen = _chosen(catalog, run_input(history))
+    if not chosen:
+        return prompt
+    active = _active_block(chosen, max(0, catalog.budget))
+    warnings = (*prompt.warnings, *active.warnings)
+    if not active.shown and not active.omitted:  # (none of them could be read, or all are empty)
+        return replace(prompt, warnings=warnings) if active.warnings else prompt
+    rendered = active.block.render()
+    size = len(rendered.encode("utf-8"))
+    section = PromptSection(ACTIVE_SKILLS, size, tuple(active.shown), active.block.truncated, tuple(active.omitted))
+    text = prompt.text
+    joined = text + ("\n" if text.endswith("\n") else "\n\n" if text else "") + rendered + "\n"
+    return replace(prompt, text=joined, sections=(*prompt.sections, section), warnings=warnings)

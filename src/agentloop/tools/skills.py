@@ -2,7 +2,9 @@
 
 The system prompt carries just an index (a name and one line per skill) so that a hundred skills
 cost a hundred lines, not a hundred documents; the ``skills`` tool fetches a body, or a file that
-ships with it, on demand. Skills live in layered ``skills.d`` directories (system, then account,
+ships with it, on demand, unless the run's input activates a skill (``$name``, or a path matching
+its ``paths:`` globs: ``SkillCard``, ``process.prompt.activate_skills``), whose body the run's prompt
+then carries. Skills live in layered ``skills.d`` directories (system, then account,
 …): a later layer replaces an earlier skill of the same name, which is how an account adapts a
 shared skill without editing it.
 
@@ -44,6 +46,8 @@ be read (deep nesting too) is a warning.
 from __future__ import annotations
 
 import difflib
+import fnmatch
+import functools
 import json
 import os
 import re
@@ -65,6 +69,8 @@ __all__ = [
     "Eligibility",
     "Requirements",
     "Skill",
+    "SkillCard",
+    "SkillCatalog",
     "UnreadableFile",
     "discover_skills",
     "parse_front_matter",
@@ -92,6 +98,8 @@ MAX_REMEMBERED = 1024  # distinct requirement sets whose verdicts are rechecked 
 # name longer than this is shortened (and so never found), which also bounds the reasons shown.
 MAX_REQUIRED_NAMES = 16
 MAX_NAME_CHARS = 128
+MAX_PATH_GLOBS = 16  # ``paths:`` globs of one skill that are matched (the agent writes skill files)
+MAX_PATH_PARTS = 64
 _OS_ALIASES = {"macos": "darwin", "mac": "darwin", "osx": "darwin", "win32": "windows", "win": "windows"}
 _OS_LABELS = {"linux": "Linux", "darwin": "macOS", "windows": "Windows"}
 
@@ -340,6 +348,102 @@ class Skill:
     def unavailable(self) -> str | None:
         """Why this skill cannot work here, or None; no lookup at all without requirements."""
         return ELIGIBILITY.judge(self.requires) if self.requires else None
+
+    def globs(self) -> tuple[str, ...]:
+        """The ``paths:`` globs that activate this skill for a run whose input names a matching
+        path (``paths: src/**/*.py, *.sql``, or a ``- item`` list), at most ``MAX_PATH_GLOBS``."""
+        value = self.fields.get("paths", "").strip()
+        if value.startswith("[") and value.endswith("]"):  # (not a glob's own ``[ch]``)
+            value = value[1:-1]
+        found = [g.strip("\"'") for g in re.split(r"[,\s]+", value) if g not in ("", "-")]
+        return tuple(dict.fromkeys(g for g in found if g and len(g) <= MAX_NAME_CHARS))[:MAX_PATH_GLOBS]
+
+    def card(self, shown: str = "") -> SkillCard:
+        """What activating this skill later needs (``shown``: how the prompt's manifest names it)."""
+        return SkillCard(self.name, shown or self.name, self.globs(), self.layer, self.root is not None)
+
+
+@dataclass(frozen=True)
+class SkillCard:
+    """A skill of a prompt's index, as a run's activation needs it: kept with the cached prompt,
+    so it holds no body (``load`` reads the skill again, rooted in its layer as discovery does)."""
+
+    name: str
+    shown: str
+    globs: tuple[str, ...]
+    layer: Path
+    folder: bool
+
+    def load(self) -> Skill:
+        """The skill as it is on disk now; ``UnreadableFile`` or ``ToolError`` if it cannot be read."""
+        rel = f"{self.name}/{SKILL_FILE}" if self.folder else f"{self.name}.md"
+        return _load(self.layer, self.name, rel, self.folder)[0]
+
+    def matches(self, path: str) -> bool:
+        """Whether ``path`` (as a person wrote it) matches one of the skill's ``paths:`` globs. A
+        glob with no ``/`` matches a file's name in any directory; one with a ``/`` matches from
+        the start of a relative path, or anywhere along an absolute one (``/srv/app/src/x.py``
+        matches ``src/*.py``: where the workspace lies is not known here). ``**`` spans
+        directories, ``*`` and ``?`` do not."""
+        parts = tuple(p for p in path.split("/") if p not in ("", "."))
+        if not parts or len(parts) > MAX_PATH_PARTS:
+            return False
+        starts = range(len(parts)) if path.startswith(("/", "~")) else range(1)
+        for glob in self.globs:
+            pattern = _glob_parts(glob)
+            if any(_match_parts(pattern, parts[i:]) for i in starts):
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class SkillCatalog:
+    """The skills a prompt's index offers, for activating some of them in a run (see
+    ``process.prompt.activate_skills``); ``budget``: the bytes their bodies may add together."""
+
+    cards: tuple[SkillCard, ...]
+    budget: int
+
+    def get(self, name: str) -> SkillCard | None:
+        return next((c for c in self.cards if c.name == name), None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _glob_parts(glob: str) -> tuple[str, ...]:
+    """A ``paths:`` glob as segments: one without ``/`` gets a leading ``**``, a trailing ``/``
+    (a directory) a final ``**``."""
+    parts = tuple(p for p in glob.strip("/").split("/") if p not in ("", "."))
+    if "/" not in glob.strip("/"):
+        parts = ("**", *parts)
+    return (*parts, "**") if glob.endswith("/") else parts
+
+
+def _match_parts(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Segment-wise glob matching, as a set of pattern positions (no backtracking: a glob is the
+    agent's to write, and each segment goes to ``fnmatchcase``, itself linear)."""
+
+    def closure(states: set[int]) -> set[int]:  # (a ``**`` may match no segment)
+        out = set(states)
+        for i in states:
+            while i < len(pattern) and pattern[i] == "**":
+                i += 1
+                out.add(i)
+        return out
+
+    states = closure({0})
+    for part in parts:
+        moved = set()
+        for i in states:
+            if i == len(pattern):
+                continue
+            if pattern[i] == "**":
+                moved.add(i)  # (it matches this segment too)
+            elif fnmatch.fnmatchcase(part, pattern[i]):
+                moved.add(i + 1)
+        states = closure(moved)
+        if not states:
+            return False
+    return len(pattern) in states
 
 
 def _load(layer: Path, name: str, rel: str, folder: bool) -> tuple[Skill, list[str]]:
