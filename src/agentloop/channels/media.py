@@ -63,6 +63,7 @@ import httpx
 from agentloop.images import sniff_image
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent
 from agentloop.process.audio_video import (
+    GENERIC_TYPES,
     TRANSCRIBE_SECONDS,
     Transcriber,
     audio_type,
@@ -134,17 +135,7 @@ _BY_SUFFIX = {
     ".markdown": "text/markdown",
     ".csv": "text/csv",
 }
-_GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
-# the type of a video sent as a file of a generic type, by its suffix (as ``_BY_SUFFIX`` for the rest)
-_VIDEO_BY_SUFFIX = {
-    ".mp4": "video/mp4",
-    ".m4v": "video/x-m4v",
-    ".mov": "video/quicktime",
-    ".webm": "video/webm",
-    ".mkv": "video/x-matroska",
-    ".avi": "video/x-msvideo",
-    ".3gp": "video/3gpp",
-}
+_GENERIC = GENERIC_TYPES  # (the types judged by the name's suffix: the kernel's, for audio and video too)
 
 # ("audio": transcribed, where the bridge has a transcriber; "video": a note in its place, never fetched)
 Kind = Literal["image", "file", "audio", "video"]
@@ -197,14 +188,10 @@ def classify(mime: object, name: object = "") -> tuple[Kind | None, str]:
     return None, declared
 
 
-def video_kind(mime: object, name: object = "") -> str | None:
-    """The video type of a file declared as ``mime`` and named ``name`` (by the name's suffix when
-    the type is missing or generic: ``clip.mp4`` sent as ``application/octet-stream``); None for
-    anything that is not a video."""
-    declared = mime.split(";", 1)[0].strip().lower() if isinstance(mime, str) else ""
-    if declared in _GENERIC and isinstance(name, str):
-        declared = _VIDEO_BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
-    return video_type(declared)
+# The video type of a file declared as ``mime`` and named ``name``: the kernel's own rule
+# (``process.audio_video.video_type``, a generic type judged by the name's suffix), so that a video a
+# chat app sends is taken exactly when the same file sent to ``Process.send`` or the server would be.
+video_kind = video_type
 
 
 def video_attachment(mime: object, name: object, what: str, size: int | None, ref: str) -> Attachment:
@@ -212,7 +199,7 @@ def video_attachment(mime: object, name: object, what: str, size: int | None, re
     the message says of it, which is all its note needs: it is never downloaded. A type the
     message does not say (a round video message, a sender that gave none) is MP4, as the apps'
     own videos are."""
-    return Attachment("video", video_type(mime) or "video/mp4", shown_name(name, ""), what, size, ref)
+    return Attachment("video", video_type(mime, name) or "video/mp4", shown_name(name, ""), what, size, ref)
 
 
 def video_text(attachment: Attachment) -> str:

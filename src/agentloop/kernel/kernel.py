@@ -61,14 +61,13 @@ from agentloop.messages import (
     UserMessage,
     check_plain_text,
     check_unicode,
-    message_to_dict,
 )
 from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
 from agentloop.process.approval.checker import AmendFn, policy_amender, policy_approval
-from agentloop.process.archive import check_name, write_archive
+from agentloop.process.archive import DISCARDED_KEY, check_name, discarded_messages, queued_meta, write_archive
 from agentloop.process.audio_video import (
     AudioContent,
     InputMedia,
@@ -352,8 +351,9 @@ class Process:
         ``proc.log.pruned`` saying how many it missed: what they told is in the history now.
         On a shared store, the worker running the process publishes the signals of its own steps
         only: one another worker logged for it (the queue change of a message sent there, an
-        approval decided there) is read from the log when a later seq shows it was skipped, so a
-        follower there gets every logged signal, in order, once."""
+        approval decided there) is read from the log when the worker hears of it (``GAP``:
+        ``SignalHub.recheck``) or a later seq shows it was skipped, so a follower there gets every
+        logged signal, in order, once."""
         _check_position("after_seq", after_seq, 0)
         engine = self.kernel.engine
         await engine.live(self.pid)
@@ -1236,7 +1236,8 @@ class Kernel:
                 await self.store.update_process(pid)  # NoSuchProcess: another kill came first
                 history = [m.message for m in await self.store.history(pid)]
                 dropped.update((item.id, item.message) for item in await self.store.queue(pid))
-                path = await self._archive(record, "kill", history, list(dropped.values())) if archive else None
+                queued = await self._discarded(pid, dropped)
+                path = await self._archive(record, "kill", history, queued) if archive else None
                 await self.store.delete_process(pid)  # with its schedules and every watch naming it
             self.media.delete_process(record.owner, pid)
             self.watchers.forget(killed=pid)
@@ -1250,7 +1251,8 @@ class Kernel:
             raise ProcessBusy(pid, "reset")
         stored = await self.store.history(pid)
         history = [m.message for m in stored]
-        path = await self._archive(record, "reset", history, list(dropped.values())) if archive else None
+        queued = await self._discarded(pid, dropped)
+        path = await self._archive(record, "reset", history, queued) if archive else None
         self.media.delete_process(record.owner, pid)
 
         # Reset drops the schedules and watches the process set up: they belong to the
@@ -1274,16 +1276,24 @@ class Kernel:
             task.add_done_callback(self._remembering.discard)
         return path
 
+    async def _discarded(self, pid: str, queued: dict[int, Message]) -> list[Message]:
+        """The input a reset or kill of ``pid`` discards, oldest first: ``queued`` (by queue item
+        id, read before its abort) and what the run's abort already took out of the queue, set
+        aside in the abort's commit (``ProcessEngine._discard_queue``), by this clearing or by one
+        that failed before its archive was written. Its archive is that input's only copy: the
+        row is let go only in the commit after the archive (a kill's deletes it with the process)."""
+        everything = {**discarded_messages(await self.store.kv_get(pid, DISCARDED_KEY)), **queued}
+        return [everything[item_id] for item_id in sorted(everything)]
+
     async def _archive(
         self, record: ProcessRecord, reason: str, history: list[Message], queued: list[Message]
     ) -> Path | None:
         """Keep what a reset or kill clears: the history, and the queued input that never ran
-        (under the header's ``meta.queued``). None when there was nothing to keep."""
+        (under the header's ``meta.queued``, with a note: ``archive.queued_meta``). None when there
+        was nothing to keep."""
         if not history and not queued:
             return None
-        meta: dict[str, Any] = {"reason": reason}
-        if queued:
-            meta["queued"] = [message_to_dict(m) for m in queued]
+        meta: dict[str, Any] = {"reason": reason, **queued_meta(reason, queued)}
         name = f"{reason}-{record.history_generation}-{new_id()}"
         return await asyncio.to_thread(write_archive, self.data_dir, record.owner, record.pid, name, history, meta)
 

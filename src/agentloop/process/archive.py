@@ -5,6 +5,14 @@ a temporary file, synced, and linked into place: a reader sees a whole archive o
 header records how many messages follow, so a truncated file is detected instead of read as a
 shorter history. Names come from users and process ids, so each path component is checked
 before it can reach the filesystem.
+
+A reset's or kill's archive also keeps the input that was queued (sent while a run was active)
+and that the clearing discarded: it never reached the model, so it is not history, and is kept
+apart from the messages, in the header's ``meta.queued`` (the messages, as ``message_to_dict``
+writes them, oldest first), with ``meta.queued_note`` saying so to a person who opens the file
+(``queued_meta``). Readers of the messages (``read_archive``, a segment's pages, a fork from it)
+are unchanged by it. The run's abort takes that input out of the queue before the archive is
+written, so it is set aside meanwhile in the process's ``DISCARDED_KEY`` row, in the abort's commit.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,45 @@ _NAME = re.compile(r"[A-Za-z0-9_@+-][A-Za-z0-9._@+-]{0,127}")
 
 _clock_lock = threading.Lock()
 _last_ns = 0
+
+
+# kv row of a process being reset or killed: the queued input its run's abort discarded, kept in
+# the store from that commit until the clearing's archive holds it (``ProcessEngine._discard_queue``):
+# [{"id": queue item id, "message": message dict}, …], oldest first
+DISCARDED_KEY = "clearing:discarded"
+
+
+def discarded_row(earlier: object, items: Sequence[tuple[int, Message]]) -> list[dict[str, Any]]:
+    """The ``DISCARDED_KEY`` row with the queue ``items`` (id, message) added to what it held
+    (``earlier``: a clearing that failed before its archive left some there)."""
+    kept = [entry for entry in earlier if isinstance(entry, dict)] if isinstance(earlier, list) else []
+    return kept + [{"id": item_id, "message": message_to_dict(message)} for item_id, message in items]
+
+
+def discarded_messages(row: object) -> dict[int, Message]:
+    """Queue item id -> message, of a ``DISCARDED_KEY`` row (an entry that cannot be read is passed
+    over: the rest is still worth keeping)."""
+    found: dict[int, Message] = {}
+    for entry in row if isinstance(row, list) else []:
+        try:
+            found[int(entry["id"])] = message_from_dict(entry["message"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
+
+
+def queued_meta(reason: str, queued: list[Message]) -> dict[str, Any]:
+    """The header ``meta`` entries that keep the ``queued`` input a ``reason`` ("reset", "kill")
+    discarded (none when there was none): the messages, and a note, since a header holding user
+    messages next to a history that lacks them would otherwise read as a mistake."""
+    if not queued:
+        return {}
+    return {
+        "queued": [message_to_dict(m) for m in queued],
+        "queued_note": (
+            f"input queued while a run was active, discarded by the {reason}: never delivered to the model"
+        ),
+    }
 
 
 def check_name(value: str, what: str = "name") -> str:

@@ -21,8 +21,12 @@ module; it sits below both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Protocol, TypeAlias
@@ -32,6 +36,8 @@ from agentloop.process.media import DEFAULT_MAX_BYTES, MediaError, decode_limite
 from agentloop.urls import redact_secrets
 
 __all__ = [
+    "GENERIC_TYPES",
+    "TRANSCRIBER_THREADS",
     "TRANSCRIBE_SECONDS",
     "AudioContent",
     "InputMedia",
@@ -92,7 +98,18 @@ _AUDIO_SUFFIX = {
     "audio/amr": ".amr",
     "audio/webm": ".webm",
 }
-_GENERIC = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
+# video sent as a file of a generic type: its type, by suffix (a chat app's or an HTTP client's upload)
+_VIDEO_BY_SUFFIX = {
+    ".mp4": "video/mp4",
+    ".m4v": "video/x-m4v",
+    ".mov": "video/quicktime",
+    ".webm": "video/webm",
+    ".mkv": "video/x-matroska",
+    ".avi": "video/x-msvideo",
+    ".3gp": "video/3gpp",
+}
+# types that say nothing of a file's content: such a file is judged by its name's suffix instead
+GENERIC_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream", "application/x-binary"})
 
 
 class Transcriber(Protocol):
@@ -116,19 +133,73 @@ def check_transcriber(transcriber: object) -> None:
 
 async def transcribe_audio(transcriber: Transcriber, audio: bytes, filename: str, mime: str) -> object:
     """What ``transcriber`` answers for ``audio``: awaited when its ``transcribe`` is a coroutine
-    function, else called in a worker thread, so that a blocking transcriber (a local model)
-    does not stall every process and connection on the event loop meanwhile (and what that
-    call returns is awaited if it is awaitable). Not checked: the caller judges the answer. A
-    caller's timeout stops the wait, not a thread already running (Python cannot stop one)."""
+    function, else called in a thread of its own (at most ``TRANSCRIBER_THREADS`` at once), so
+    that a blocking transcriber (a local model) does not stall every process and connection on
+    the event loop meanwhile (and what that call returns is awaited if it is awaitable: a
+    coroutine, not a task or future, which the thread has no event loop to make). Not checked:
+    the caller judges the answer. A caller's timeout stops the wait, not a thread already running
+    (Python cannot stop one): it holds its place until it ends, and keeps no one from exiting."""
     call: Callable[[bytes, str, str], object] = transcriber.transcribe
     is_async = inspect.iscoroutinefunction(call)  # (a bool: the check's type guard would narrow ``call``)
     if is_async:
         said = call(audio, filename, mime)
     else:
-        said = await asyncio.to_thread(call, audio, filename, mime)
+        said = await _in_thread(call, audio, filename, mime)
     if inspect.isawaitable(said):
         said = await said
     return said
+
+
+# Plain-def transcriptions under way at once, per event loop: each in a daemon thread of its own,
+# not the loop's default executor. One given up at its timeout goes on in its thread (a stuck local
+# model, a blocking SDK call with no timeout): in the default executor a few of them would hold
+# every thread it has, and every ``asyncio.to_thread`` of the kernel (file tools, archives, channel
+# state) and its DNS lookups would wait behind them; and a thread of any ``concurrent.futures``
+# executor is waited for as the program exits (``asyncio.run``, the interpreter), for ever. Past
+# this many, a transcription waits for one to end, within its own timeout.
+TRANSCRIBER_THREADS = 4
+_running: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+async def _in_thread(call: Callable[[bytes, str, str], object], audio: bytes, filename: str, mime: str) -> object:
+    """``call(audio, filename, mime)`` in a daemon thread (see ``TRANSCRIBER_THREADS``), in a copy
+    of the caller's context, as ``asyncio.to_thread`` runs one. Cancelled, the wait ends at once;
+    the thread's place is given back when the thread ends."""
+    loop = asyncio.get_running_loop()
+    places = _running.get(loop)
+    if places is None:
+        places = _running[loop] = asyncio.Semaphore(TRANSCRIBER_THREADS)
+    await places.acquire()
+    answer: asyncio.Future[object] = loop.create_future()
+
+    def settle(outcome: tuple[bool, object]) -> None:  # (on the loop)
+        places.release()
+        ok, value = outcome
+        if answer.done():  # (given up)
+            return
+        if ok:
+            answer.set_result(value)
+        else:
+            assert isinstance(value, BaseException)
+            answer.set_exception(value)
+
+    def run() -> None:
+        outcome: tuple[bool, object] = (False, RuntimeError("the transcriber's thread ended without an answer"))
+        try:
+            outcome = (True, call(audio, filename, mime))
+        except Exception as exc:
+            outcome = (False, exc)
+        finally:
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: nobody waits any more)
+                loop.call_soon_threadsafe(settle, outcome)
+
+    context = contextvars.copy_context()
+    try:
+        threading.Thread(target=context.run, args=(run,), name="agentloop-transcriber", daemon=True).start()
+    except BaseException:
+        places.release()
+        raise
+    return await answer
 
 
 class NoTranscriber(MediaError):
@@ -149,19 +220,30 @@ def _declared(mime: object) -> str:
     return mime.split(";", 1)[0].strip().lower() if isinstance(mime, str) else ""
 
 
+def _typed(mime: object, name: object, major: str, by_suffix: Mapping[str, str]) -> str | None:
+    """The ``major`` type (``audio/…``, ``video/…``) of a file declared as ``mime`` and named
+    ``name``, None for anything else. One rule for audio and video, wherever a file is judged (the
+    kernel's blocks, the server, the chat bridges): a type that says nothing (missing, empty,
+    ``application/octet-stream``: what many clients send for any upload) gives way to the name's
+    suffix, so ``clip.mp4`` sent so is a video, as ``memo.ogg`` is audio; a type that does say
+    something (``image/png``) is believed whatever the name."""
+    declared = _declared(mime)
+    if declared in GENERIC_TYPES and isinstance(name, str):
+        declared = by_suffix.get(PurePosixPath(name.lower()).suffix, declared)
+    return declared if declared.startswith(major) and len(declared) > len(major) else None
+
+
 def audio_type(mime: object, name: object = "") -> str | None:
     """The audio type of a file declared as ``mime`` and named ``name`` (by the name's suffix when
     the type is missing or generic); None for anything that is not audio."""
-    declared = _AUDIO_ALIASES.get(_declared(mime), _declared(mime))
-    if declared in _GENERIC and isinstance(name, str):
-        declared = _AUDIO_BY_SUFFIX.get(PurePosixPath(name.lower()).suffix, declared)
-    return declared if declared.startswith("audio/") and len(declared) > len("audio/") else None
+    return _typed(_AUDIO_ALIASES.get(_declared(mime), _declared(mime)), name, "audio/", _AUDIO_BY_SUFFIX)
 
 
-def video_type(mime: object) -> str | None:
-    """The video type ``mime`` declares (``video/mp4``), None for anything else."""
-    declared = _declared(mime)
-    return declared if declared.startswith("video/") and len(declared) > len("video/") else None
+def video_type(mime: object, name: object = "") -> str | None:
+    """The video type of a file declared as ``mime`` and named ``name`` (by the name's suffix when
+    the type is missing or generic: ``clip.mp4`` sent as ``application/octet-stream``); None for
+    anything that is not a video."""
+    return _typed(mime, name, "video/", _VIDEO_BY_SUFFIX)
 
 
 def audio_filename(name: str, mime: str) -> str:
@@ -223,15 +305,16 @@ class AudioContent:
 
 @dataclass(frozen=True, slots=True)
 class VideoContent:
-    """A video as base64 ``data`` of a ``video/*`` ``mime_type``, named ``name``. Input only: no
-    model takes video, so ``Process.send`` delivers a note of it in its place (``video_note``)."""
+    """A video as base64 ``data`` of a ``video/*`` ``mime_type`` (a generic type is judged by
+    ``name``'s suffix, as audio's is), named ``name``. Input only: no model takes video, so
+    ``Process.send`` delivers a note of it in its place (``video_note``)."""
 
     data: str
     mime_type: str
     name: str = ""
 
     def __post_init__(self) -> None:
-        if video_type(self.mime_type) is None:
+        if video_type(self.mime_type, self.name) is None:
             raise ValueError(f"unsupported video type {self.mime_type!r}: video is video/* (video/mp4 …)")
 
 
@@ -311,7 +394,7 @@ async def to_text(
     notes: list[str] = []
     for block, data in decoded:
         if isinstance(block, VideoContent):
-            notes.append(video_note(block.name, video_type(block.mime_type) or block.mime_type, len(data)))
+            notes.append(video_note(block.name, video_type(block.mime_type, block.name) or block.mime_type, len(data)))
         else:
             assert transcriber is not None  # (checked above)
             notes.append(await _transcribe(transcriber, block, data))

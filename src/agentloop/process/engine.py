@@ -62,6 +62,7 @@ from agentloop.process.api import (
     new_id,
 )
 from agentloop.process.approval.checker import AmendFn
+from agentloop.process.archive import DISCARDED_KEY, discarded_row
 from agentloop.process.calls import (
     INTERRUPTED_BY_RESTART,
     disarm,
@@ -387,21 +388,37 @@ class ProcessEngine:
         self._deferred.add(task)
         task.add_done_callback(self._deferred.discard)
 
-    async def _discard_queue(self, tx: _Tx, live: _Live) -> int:
+    async def _discard_queue(self, tx: _Tx, live: _Live, *, archived: bool = False) -> int:
         """Inside a reset's or kill's transaction: drop the queued input it discards (see ``clear``),
         and the events bound to the conversation it ends whenever they were queued (another worker's,
         ``admission.bound_to_conversation``); returns how many items are kept (what waits once the
-        transaction is kept)."""
+        transaction is kept).
+
+        The abort of a process being cleared (``discarding``) drops that input in its own commit, so
+        that a crash before the clearing's last commit leaves nothing for the restart to run on the
+        history the user cleared. Its archive is written only after that commit, though, and is the
+        only copy of the input: so what the abort drops is set aside in the same commit
+        (``archive.DISCARDED_KEY``) for the archive to take (``Kernel._archive``), and let go by the
+        reset's own transaction (``archived``: its archive is written; a kill deletes the row with
+        the process). A crash or an archive that cannot be written in between loses nothing: the
+        next reset or kill archives it."""
         pid = live.record.pid
         upto = self.discarding.get(pid)
         kept = 0
+        dropped: list[tuple[int, Message]] = []
         for item in await self.store.queue(pid):
             if upto is None or item.id <= upto or admission.bound_to_conversation(item):
                 await self.store.dequeue(pid, item.id)
                 if item.kind == "queue" and item.run_id is not None:  # (the output its run was to give)
                     await self.store.kv_delete(pid, admission.output_key(item.run_id))
+                dropped.append((item.id, item.message))
             else:
                 kept += 1
+        if archived:
+            await self.store.kv_delete(pid, DISCARDED_KEY)
+        elif dropped and upto is not None:  # (the abort of a clearing: its archive is still to come)
+            earlier = await self.store.kv_get(pid, DISCARDED_KEY)
+            await self.store.kv_set(pid, DISCARDED_KEY, discarded_row(earlier, dropped))
         tx.after.append(lambda: setattr(live, "queued", kept))
         return kept
 
@@ -585,7 +602,7 @@ class ProcessEngine:
                 tx.after.append(await also())
             generation = await self.store.new_generation(pid)
             tx.after.append(lambda: setattr(live.record, "history_generation", generation))
-            await self._discard_queue(tx, live)
+            await self._discard_queue(tx, live, archived=True)  # (the kernel archived it before: ``_clear_held``)
             await self.store.prune_events(pid)
             tx.after.append(live.history.clear)
             await forget_context(tx, live)

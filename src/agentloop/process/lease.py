@@ -30,7 +30,8 @@ watchers of a process held elsewhere are fed from the process's signal log, read
 notification about it, in sequence order (``follow``), with the holder's relayed stream deltas
 in their place (``relay``). Forwarded signals (a queue change, an
 approval decided elsewhere) are logged but not published by the holder: its watchers read them
-from the log when the next live seq shows one skipped (``Process.signals``).
+from the log when the holder hears of them (``SignalHub.recheck``), or when the next live seq
+shows one skipped (``Process.signals``), whichever comes first.
 
 Account streams (``Kernel.account_signals``): a worker publishes the signals it commits itself to
 its account watchers; the account-level ones (``signals.for_account``: runs ended, approvals asked
@@ -599,7 +600,13 @@ class Leases:
                 self._gone(pid)
             return
         live.queued = queued
-        live.seq = max(live.seq, logged)
+        if logged > live.seq:  # signals another worker logged for it (a queue change, a decision)
+            live.seq = logged
+            # its watchers here read them now (from the log: this worker publishes its own
+            # steps' only), not when a later step's seq shows them skipped: that may be the end of
+            # a tool call minutes long, or never while the process is idle; and before the stream
+            # deltas made from now on (their base is ``logged``), as on one worker
+            engine.hub.recheck(pid)
         live.approvals = True  # a decision may have been stored elsewhere
         if live.record.current_run is None:
             if live.queued:

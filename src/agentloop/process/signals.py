@@ -155,6 +155,13 @@ class SignalHub:
     def watching(self, pid: str) -> bool:
         return bool(self._watchers.get(pid))
 
+    def recheck(self, pid: str) -> None:
+        """Have the process's watchers read its log now (``GAP`` in their queues): it holds
+        signals nothing here publishes (another worker logged them, on a shared store). Not the
+        taps: they get what is published, in order."""
+        for queue in self._watchers.get(pid, ()):
+            _put(queue, GAP)
+
     def watch_account(self, owner: str) -> AccountQueue:
         """A queue of the ``for_account`` signals of ``owner``'s processes from now on, as they are
         published here (``Kernel.account_signals`` puts them in account seq order and fills gaps

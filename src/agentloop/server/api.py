@@ -81,7 +81,8 @@ class MediaItem(Body):
         max_length=128,
         description=f"One of {', '.join(MEDIA_TYPES)}; or audio/* (transcribed before delivery: the server needs"
         " --transcribe-model; application/octet-stream or empty with an audio file's name, such as note.ogg, is"
-        " audio too), or video/* (delivered as a note of what was attached: no model takes video).",
+        " audio too), or video/* (delivered as a note of what was attached: no model takes video;"
+        " application/octet-stream or empty with a video file's name, such as clip.mp4, is video too).",
     )
     name: str = Field("", max_length=255, description="The file's name, shown to the model.")
 

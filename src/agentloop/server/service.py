@@ -241,9 +241,9 @@ def _check_plain(value: str | None, name: str) -> None:
 def decode_media(items: list[Any]) -> list[InputMedia]:
     """``[{data: base64, mime_type, name?}]`` → image, document, audio (``audio/*``, or a generic
     type such as ``application/octet-stream`` with an audio file's name, as the library judges it:
-    ``audio_type``; transcribed as it is delivered) and video (``video/*``: delivered as a note of
-    it) blocks, refusing other types (a document's content is checked when it is stored:
-    ``MediaStore.check``)."""
+    ``audio_type``; transcribed as it is delivered) and video (``video/*``, or a generic type with a
+    video file's name, by the same rule: ``video_type``; delivered as a note of it) blocks, refusing
+    other types (a document's content is checked when it is stored: ``MediaStore.check``)."""
     blocks: list[InputMedia] = []
     for i, item in enumerate(items):
         where = f"media[{i}]"
@@ -253,10 +253,15 @@ def decode_media(items: list[Any]) -> list[InputMedia]:
         if unknown:  # (as HTTP's model refuses it: a misspelt ``name`` is not silently dropped)
             raise ApiError(400, "invalid_request", f"{where}.{unknown[0][:64]}: unknown field")
         mime, data, name = item.get("mime_type"), item.get("data"), item.get("name", "")
-        audio, video = audio_type(mime, name), video_type(mime)  # (a generic type's audio: by the name's suffix)
+        audio, video = audio_type(mime, name), video_type(mime, name)  # (a generic type's: by the name's suffix)
         if not isinstance(mime, str) or (mime not in MEDIA_TYPES and audio is None and video is None):
             known = ", ".join(MEDIA_TYPES)
-            raise ApiError(400, "invalid_request", f"{where}.mime_type must be one of {known}, audio/* or video/*")
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"{where}.mime_type must be one of {known}, audio/* or video/* (an empty or generic type such as "
+                "application/octet-stream is taken with an audio or video file's name, such as memo.ogg or clip.mp4)",
+            )
         if not isinstance(data, str) or not data:
             raise ApiError(400, "invalid_request", f"{where}.data must be a base64 string")
         if not isinstance(name, str) or len(name) > 255:
