@@ -591,7 +591,8 @@ async def test_the_openapi_document_is_valid_and_matches_the_served_routes(
     send = doc["paths"]["/v1/processes/{pid}/messages"]["post"]
     assert set(send["responses"]) >= {"202", "400", "401", "404", "413", "415"}
     schema = doc["components"]["schemas"]["SendBody"]
-    assert schema["properties"]["mode"]["enum"] == ["steer", "queue", "interrupt"] and schema["required"] == ["text"]
+    assert schema["properties"]["mode"]["enum"] == ["steer", "queue", "interrupt", "reject"]
+    assert schema["required"] == ["text"]
     assert doc["paths"]["/v1/health"]["get"]["security"] == []
     stream_op = doc["paths"]["/v1/processes/{pid}/events"]["get"]
     assert {p["name"] for p in stream_op["parameters"]} == {"pid", "after_seq", "follow", "Last-Event-ID"}

@@ -45,14 +45,26 @@ class ClientError(Exception):
 
     Refusals a caller commonly handles apart come as subclasses (``Unauthorized``, ``Forbidden``,
     ``NotFound``, ``Conflict``, ``RateLimited``), so ``except NotFound`` reads as what it means;
-    ``except ClientError`` still catches them all."""
+    ``except ClientError`` still catches them all.
 
-    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None = None) -> None:
+    ``details``: what else the error's JSON said, for the refusals that say more than a message
+    (a send's ``run_not_current`` or ``busy`` carries ``current_run_id``: the run to decide on)."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(f"{message} ({code})" if code else message)
         self.status = status
         self.code = code
         self.message = message
         self.retry_after = retry_after
+        self.details = details if details is not None else {}
 
 
 class Unauthorized(ClientError):
@@ -148,7 +160,8 @@ def _error(response: httpx.Response, body: bytes) -> ClientError:
         data = None
     if isinstance(data, dict) and isinstance(data.get("code"), str):
         message = str(data.get("message") or data["code"])
-        return kind(status, data["code"], message, retry_after=retry_after)
+        details = {k: v for k, v in data.items() if k not in ("code", "message")}
+        return kind(status, data["code"], message, retry_after=retry_after, details=details)
     line = f"HTTP {status} {response.reason_phrase}".rstrip()
     kind_of_body = response.headers.get("content-type", "").partition(";")[0].strip().lower()
     text = body.decode("utf-8", "replace").strip()
@@ -317,9 +330,13 @@ class AgentloopClient:
         media: list[dict[str, str]] | None = None,
         run_id: str | None = None,
         output_schema: dict[str, Any] | None = None,
+        expected_run_id: str | None = None,
     ) -> dict[str, Any]:
         """Deliver input; ``output_schema`` (a JSON Schema) asks the run answering it for a value:
-        its ``proc.run.finished`` event carries it as ``output`` (such input never joins a run)."""
+        its ``proc.run.finished`` event carries it as ``output`` (such input never joins a run).
+        ``expected_run_id``: only while that run is current (``Conflict`` with code
+        ``run_not_current`` otherwise); ``mode="reject"``: only to an idle process (``Conflict``,
+        ``busy``); either refusal delivers nothing and names the run in ``details["current_run_id"]``."""
         body: dict[str, Any] = {"text": text, "mode": mode}
         if media:
             body["media"] = media
@@ -327,6 +344,8 @@ class AgentloopClient:
             body["run_id"] = run_id
         if output_schema is not None:
             body["output_schema"] = output_schema
+        if expected_run_id is not None:
+            body["expected_run_id"] = expected_run_id
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/messages", body=body)
         return result
 

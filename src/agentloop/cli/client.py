@@ -156,6 +156,14 @@ def send(
             "--mode", help="steer (join the running turn), queue (after it), interrupt (abort it, then this)."
         ),
     ] = "steer",
+    expected_run: Annotated[
+        str | None,
+        typer.Option(
+            "--expected-run",
+            metavar="RUN_ID",
+            help="Only while this run is the process's current one (refused otherwise, nothing sent).",
+        ),
+    ] = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
 ) -> None:
@@ -173,7 +181,7 @@ def send(
         text = storable(text)
         if not text.strip():
             raise CliError("empty message")
-        receipt = call(server, token, lambda c: c.send(pid, text, mode=mode))
+        receipt = call(server, token, lambda c: c.send(pid, text, mode=mode, expected_run_id=expected_run))
         where = f" (queued, position {receipt.get('position')})" if receipt.get("queued") else ""
         typer.echo(f"{receipt.get('run_id')}{where}")
 

@@ -1,7 +1,7 @@
 """The kernel: durable processes behind one object (accounts, devices and routing come next)."""
 
 from agentloop.kernel.kernel import Kernel, Process
-from agentloop.process.api import Approval, Compacted, Receipt, RunActive
+from agentloop.process.api import Approval, Compacted, Receipt, RunActive, RunNotCurrent
 from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import NoSuchProcess, ProcessBusy
 
@@ -15,5 +15,6 @@ __all__ = [
     "ProcessBusy",
     "Receipt",
     "RunActive",
+    "RunNotCurrent",
     "Signal",
 ]

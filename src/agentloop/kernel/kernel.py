@@ -296,9 +296,18 @@ class Process:
         media: Sequence[InputMedia] = (),
         run_id: str | None = None,
         output_schema: dict[str, Any] | Any = None,
+        expected_run_id: str | None = None,
     ) -> Receipt:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active), with
         images and documents (PDF, plain text, Markdown, CSV) attached as ``media``.
+
+        Arbitration, for callers that may race one another or act on a stale view: ``mode="reject"``
+        delivers only to an idle process (a run under way: ``RunActive``, with its ``run_id``), and
+        ``expected_run_id`` only while that run is the current one (``RunNotCurrent`` otherwise,
+        with the ``current`` one): a steer then joins it, a queue waits for the run after it, an
+        interrupt stops it. A refusal is decided inside the admission's transaction and delivers,
+        queues and aborts nothing; a retry of a delivery that got through (its ``run_id``) gets
+        its receipt whatever the process does now (``process/admission.py``).
 
         Audio (``AudioContent``) is transcribed by the kernel's transcriber (``Kernel.open``)
         before delivery, and its transcript, marked as one, follows ``text``; a video
@@ -314,21 +323,27 @@ class Process:
         ``proc.run.finished`` carries it as ``output``). Such input never joins a run under way
         (a run has one output): a ``steer`` waits for a run of its own, as ``queue`` does. A schema
         that is not valid (or larger than 64 KiB as JSON) is a ``ValueError``, nothing delivered."""
-        if mode not in ("steer", "queue", "interrupt"):  # before any media file is written
-            raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
+        if expected_run_id is not None and not isinstance(expected_run_id, str):  # (any string: a run id)
+            raise TypeError(f"expected_run_id must be a string or None, got {type(expected_run_id).__name__}")
+        admission.check_send(mode, expected_run_id)  # before any media file is written
         _check_input(text, media, run_id)
         output = _output_row(output_schema)
         engine = self.kernel.engine
         record = (await engine.live(self.pid)).record
-        if any(isinstance(block, AudioContent | VideoContent) for block in media):
+        conditional = expected_run_id is not None or mode == "reject"
+        if conditional or any(isinstance(block, AudioContent | VideoContent) for block in media):
             seen = await admission.admitted(engine, self.pid, run_id)
-            if seen is not None:  # (a retry: its transcription was delivered the first time)
+            if seen is not None:  # (a retry: delivered, transcription and all, whatever the run is now)
                 return seen
+        if conditional:  # a refusal seen now transcribes and stores nothing (admission decides again)
+            admission.check_admission(self.pid, mode, expected_run_id, record.current_run)
         text, blocks = await to_text(text, media, self.kernel.transcriber, self.kernel.media.max_bytes)
         if blocks:  # a reset under way deletes the process's media: what this input brings is stored
             await admission.after_clearing(engine, self.pid)  # after it (the input waits for it anyway)
         message = _user_input(self.kernel.media, record.owner, self.pid, text, blocks)
-        return await engine.send(self.pid, message, mode=mode, run_id=run_id, output=output)
+        return await engine.send(
+            self.pid, message, mode=mode, run_id=run_id, output=output, expected_run_id=expected_run_id
+        )
 
     async def output(self, run_id: str, output_type: Any = None) -> Any:
         """The output run ``run_id`` gave (one whose input asked for it with ``output_schema``):

@@ -1,7 +1,9 @@
 """Input admission: user input and system events reach a process here. Each delivery either starts
 a run or waits in the queue (``steer`` items and system events join the active run, ``queue``
-items wait for the next one; an ``interrupt`` stops the run first); a caller-supplied run id
-makes a delivery idempotent. When a run ends, queued input becomes the next run (``promote``)."""
+items wait for the next one; an ``interrupt`` stops the run first; a ``reject`` is refused while
+a run is under way); a caller-supplied run id makes a delivery idempotent, and an expected run id
+makes it conditional on that run (``check_admission``). When a run ends, queued input becomes the
+next run (``promote``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentloop.messages import Message, system
 from agentloop.process import signals as sig
-from agentloop.process.api import Receipt, SendMode, new_id
+from agentloop.process.api import Receipt, RunActive, RunNotCurrent, SendMode, new_id
 from agentloop.process.store import MAX_SEQ, NoSuchProcess, QueueItem
 from agentloop.process.store.base import QueueKind
 from agentloop.process.tx import _Live, promoting
@@ -56,12 +58,41 @@ async def send(
     mode: SendMode,
     run_id: str | None,
     output: dict[str, Any] | None = None,
+    expected_run_id: str | None = None,
 ) -> Receipt:
     """Deliver user input. With ``output`` (the row ``output_key`` keeps), the input never joins a
-    run under way (a run has one output): a ``steer`` waits as ``queue`` input for a run of its own."""
-    if mode not in ("steer", "queue", "interrupt"):
-        raise ValueError(f"mode must be steer, queue or interrupt, got {mode!r}")
-    return await _past_clearings(lambda: _send_once(engine, pid, message, mode=mode, run_id=run_id, output=output))
+    run under way (a run has one output): a ``steer`` waits as ``queue`` input for a run of its own.
+
+    ``mode="reject"`` delivers only to an idle process (its input starts a run); ``RunActive``
+    otherwise. ``expected_run_id`` delivers only while that run is the current one
+    (``RunNotCurrent`` otherwise): a ``steer`` joins it, a ``queue`` waits for the run after it,
+    an ``interrupt`` stops it (only it: its abort is the check) and starts the next run. Either
+    refusal is decided with the admission, in its transaction, and delivers, queues and aborts
+    nothing; a retry of a delivery admitted already (its ``run_id``) gets its receipt first."""
+    check_send(mode, expected_run_id)
+    return await _past_clearings(
+        lambda: _send_once(engine, pid, message, mode=mode, run_id=run_id, output=output, expected=expected_run_id)
+    )
+
+
+def check_send(mode: object, expected_run_id: str | None) -> None:
+    """``ValueError`` unless ``mode`` is a ``SendMode`` that goes with ``expected_run_id``."""
+    if mode not in ("steer", "queue", "interrupt", "reject"):
+        raise ValueError(f"mode must be steer, queue, interrupt or reject, got {mode!r}")
+    if expected_run_id is not None and mode == "reject":
+        raise ValueError("expected_run_id names a run under way and mode reject wants none: pass one or the other")
+
+
+def check_admission(pid: str, mode: SendMode, expected_run_id: str | None, active: dict[str, Any] | None) -> None:
+    """Refuse a delivery whose condition the process's ``active`` run fails: ``RunActive`` for a
+    ``reject`` while a run is under way, ``RunNotCurrent`` when ``expected_run_id`` is not that
+    run. A steer that named a run which ended meanwhile would otherwise start a run of its own,
+    answering words written for another; two clients racing to start one would both succeed."""
+    current = active["run_id"] if active is not None else None
+    if mode == "reject" and current is not None:
+        raise RunActive(pid, "a send with mode reject", current)
+    if expected_run_id is not None and expected_run_id != current:
+        raise RunNotCurrent(pid, expected_run_id, current)
 
 
 class _ClearingBegan(Exception):
@@ -103,20 +134,31 @@ async def _send_once(
     mode: SendMode,
     run_id: str | None,
     output: dict[str, Any] | None,
+    expected: str | None = None,
 ) -> Receipt:
-    """One try of ``send``: ``_ClearingBegan`` when a clearing came in between (see there)."""
+    """One try of ``send``: ``_ClearingBegan`` when a clearing came in between (see there). An
+    interrupt's ``expected`` run is checked by its abort, which stops that run only if it is
+    still the current one; the input then follows as a plain interrupt's does."""
     await after_clearing(engine, pid)
     if engine.leases is not None and not await engine.leases.hold(pid) and mode == "interrupt":
         seen = await admitted(engine, pid, run_id)  # a retried interrupt must abort nothing
         if seen is not None:
             return seen
-        await engine.leases.forward_abort(pid, None, "user.interrupt")  # the holder stops the run
+        # the holder stops the run (only the expected one) …
+        if not await engine.leases.forward_abort(pid, expected, "user.interrupt") and expected is not None:
+            record = await engine.store.get_process(pid)  # (False: it was not current, or took too long)
+            check_admission(pid, mode, expected, record.current_run if record is not None else None)
+        expected = None
         mode = "steer" if await engine.leases.hold(pid) else "queue"  # … and runs this next
     live = await engine.live(pid)
     seen = await admitted(engine, pid, run_id)  # early too: a retried interrupt must abort nothing
     if seen is not None:
         return seen
-    if live.record.current_run is not None and mode == "interrupt":
+    if mode == "interrupt" and expected is not None:
+        if not await engine.abort(pid, expected, reason="user.interrupt"):
+            check_admission(pid, mode, expected, live.record.current_run)  # (not the current run: nothing stopped)
+        expected = None
+    elif live.record.current_run is not None and mode == "interrupt":
         await engine.abort(pid, reason="user.interrupt")
     async with engine._tx(live) as tx:
         # checked again inside the transaction: two deliveries of one id cannot both pass
@@ -126,6 +168,9 @@ async def _send_once(
             return seen
         # decided inside the transaction: the run seen here cannot end before this commits
         active = live.record.current_run
+        if live.remote and (expected is not None or mode == "reject"):
+            active = await _run_held_elsewhere(engine, pid)
+        check_admission(pid, mode, expected, active)
         if active is None and not live.remote:
             _check_not_clearing(engine, pid)
             receipt = Receipt(await tx.start_run(message, "proc.send", run_id), False, 0)
@@ -143,6 +188,17 @@ async def _send_once(
     if not receipt.queued or _waiting_out_an_outage(active):
         engine.wake(pid)
     return receipt
+
+
+async def _run_held_elsewhere(engine: ProcessEngine, pid: str) -> dict[str, Any] | None:
+    """The run of a process another worker holds, as the store has it now. Inside a delivery's
+    transaction the process's row is locked first (as ``_same_conversation`` locks it), so a run
+    the holder starts or ends meanwhile commits after this delivery instead of under its check."""
+    await engine.store.update_process(pid)  # (the row lock; NoSuchProcess once it was killed)
+    record = await engine.store.get_process(pid)
+    if record is None or record.state == "killed":
+        raise NoSuchProcess(pid)
+    return record.current_run
 
 
 def _waiting_out_an_outage(run: dict[str, Any] | None) -> bool:

@@ -20,7 +20,8 @@ from agentloop.process.store import HilRow, ProcessRecord, ToolCallRow
 from agentloop.tools.base import Tool
 from agentloop.tools.skills import SkillCatalog
 
-SendMode: TypeAlias = Literal["steer", "queue", "interrupt"]
+# how input meets a run under way (``admission.send``): ``reject`` delivers only to an idle process
+SendMode: TypeAlias = Literal["steer", "queue", "interrupt", "reject"]
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,27 @@ class Compacted:
 
 class RunActive(ValueError):
     """What was asked needs the process idle, and a run is under way: nothing was done; ask again
-    once it has finished (or abort it)."""
+    once it has finished (or abort it). ``run_id``: that run, when the refusal knew it (a send
+    with ``mode="reject"``), so a caller can follow or steer it instead."""
 
-    def __init__(self, pid: str, what: str) -> None:
+    def __init__(self, pid: str, what: str, run_id: str | None = None) -> None:
         super().__init__(f"process {pid} has a run under way; {what} needs it idle")
         self.pid = pid
+        self.run_id = run_id
+
+
+class RunNotCurrent(ValueError):
+    """A send named the run it meant (``expected_run_id``) and that run is not the process's
+    current one (it ended, or another took its place): nothing was delivered, queued or aborted,
+    since input written for one run would otherwise land in another, or start a run of its own.
+    ``current``: the process's run at the refusal (None: idle), to decide on anew."""
+
+    def __init__(self, pid: str, expected: str, current: str | None) -> None:
+        now = f"its current run is {current}" if current is not None else "it has no run under way"
+        super().__init__(f"run {expected} is not the current run of process {pid}: {now}")
+        self.pid = pid
+        self.expected = expected
+        self.current = current
 
 
 def call_of(row: ToolCallRow | HilRow) -> ToolCall:

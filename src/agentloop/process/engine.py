@@ -724,11 +724,16 @@ class ProcessEngine:
         mode: SendMode = "steer",
         run_id: str | None = None,
         output: dict[str, Any] | None = None,
+        expected_run_id: str | None = None,
     ) -> Receipt:
         """Deliver user input: start a run, or queue it for the active one (see the module doc).
         ``output``: the row the answering run's output is kept in (``admission.output_key``); such
-        input never joins a run under way."""
-        return await _retried(lambda: admission.send(self, pid, message, mode=mode, run_id=run_id, output=output))
+        input never joins a run under way. ``expected_run_id``: only while that run is current."""
+        return await _retried(
+            lambda: admission.send(
+                self, pid, message, mode=mode, run_id=run_id, output=output, expected_run_id=expected_run_id
+            )
+        )
 
     async def withdraw(self, pid: str, item_id: int | None = None, kind: QueueKind | None = None) -> list[QueueItem]:
         """Take waiting input out of the queue before it runs (see ``admission.withdraw``)."""

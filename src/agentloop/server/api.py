@@ -114,6 +114,13 @@ class SendBody(Body):
     output_schema: dict[str, Any] | None = Field(
         None, description="A JSON Schema: the run answering this input ends with a value of it (never joins a run)."
     )
+    expected_run_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Deliver only while this run is the process's current one (a steer joins it, a queue waits"
+        " for the run after it, an interrupt stops it); otherwise 409 run_not_current, nothing delivered.",
+    )
 
 
 class AbortBody(Body):
@@ -722,6 +729,7 @@ async def send(call: Call) -> dict[str, Any]:
         media=media,
         run_id=body.run_id,
         output_schema=body.output_schema,
+        expected_run_id=body.expected_run_id,
     )
 
 
@@ -951,12 +959,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(
         "POST",
         f"{_P}/messages",
-        "Send user input (steer, queue or interrupt).",
+        "Send user input (steer, queue, interrupt, or reject: only to an idle process).",
         send,
         body=SendBody,
         answer=ReceiptOut,
         status=202,
-        errors=(402, 429, 502),
+        errors=(402, 409, 429, 502),
     ),
     Endpoint(
         "GET",

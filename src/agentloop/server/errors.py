@@ -8,6 +8,7 @@ request URL, a key prefix or a local file), so they pass through ``safe_message`
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from starlette.responses import JSONResponse
 
@@ -15,15 +16,39 @@ from starlette.responses import JSONResponse
 class ApiError(Exception):
     """A failure answered before any stream opens: an HTTP status with ``{code, message}``."""
 
-    def __init__(self, status: int, code: str, message: str, *, retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        retry_after: int | None = None,
+        about_run: bool = False,
+        current_run_id: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.retry_after = retry_after  # seconds, for a refusal that passes (429)
+        # ``about_run``: a send refused for the process's run (``run_not_current``, a reject's
+        # ``busy``), answered with the run it has (``current_run_id``, None when idle), so that the
+        # caller decides again on what was true at the refusal, not on a later read that may race
+        self.about_run = about_run
+        self.current_run_id = current_run_id
+
+    def body(self) -> dict[str, Any]:
+        """``{code, message}``, with ``current_run_id`` (null when idle) for a refusal about the run."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.about_run:
+            body["current_run_id"] = self.current_run_id
+        return body
 
     def response(self) -> JSONResponse:
-        response = error_response(self.status, self.code, self.message)
+        if self.about_run:  # (never a 401: no WWW-Authenticate to add)
+            response = JSONResponse(self.body(), status_code=self.status)
+        else:
+            response = error_response(self.status, self.code, self.message)
         if self.retry_after is not None:
             response.headers["Retry-After"] = str(self.retry_after)
         return response

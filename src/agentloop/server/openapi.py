@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 import agentloop
@@ -42,6 +42,11 @@ class ErrorBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     code: str
     message: str
+    current_run_id: str | None = Field(
+        None,
+        description="Only on a send refused for the process's run (409 run_not_current, or busy for mode reject):"
+        " its run at the refusal, null when idle.",
+    )
 
 
 @dataclass(frozen=True)

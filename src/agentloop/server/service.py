@@ -31,7 +31,7 @@ from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
 from agentloop.models.registry import catalog, names_a_file
 from agentloop.process import admission
-from agentloop.process.api import Compacted, Receipt, RunActive, SendMode
+from agentloop.process.api import Compacted, Receipt, RunActive, RunNotCurrent, SendMode
 from agentloop.process.audio_video import (
     AudioContent,
     InputMedia,
@@ -488,11 +488,17 @@ class ProcessService:
         media: list[Any] | None = None,
         run_id: str | None = None,
         output_schema: dict[str, Any] | None = None,
+        expected_run_id: str | None = None,
     ) -> dict[str, Any]:
         """Deliver input. ``output_schema`` (a JSON Schema) asks the run answering it for a value
-        (``Process.send``): such input never joins a run under way; a bad schema is a 400."""
+        (``Process.send``): such input never joins a run under way; a bad schema is a 400.
+        ``expected_run_id`` not the current run: 409 ``run_not_current``; ``mode="reject"`` while a
+        run is active: 409 ``busy``; both with the process's ``current_run_id``, nothing delivered
+        (nor counted against the input rate)."""
         if mode not in MODES:
             raise ApiError(400, "invalid_request", f"mode must be one of {', '.join(MODES)}")
+        if expected_run_id is not None and mode == "reject":
+            raise ApiError(400, "invalid_request", "expected_run_id names a run under way: not with mode reject")
         _check_text(text, empty_ok=bool(media))
         _check_plain(run_id, "run_id")
         output = _output_schema(output_schema)
@@ -501,9 +507,20 @@ class ProcessService:
         self._check_audio(blocks)
         try:
             async with self._input(who, pid, run_id):
-                receipt = await proc.send(text, mode, blocks, run_id=run_id, output_schema=output)  # type: ignore[arg-type]
+                receipt = await proc.send(
+                    text,
+                    mode,  # type: ignore[arg-type]
+                    blocks,
+                    run_id=run_id,
+                    output_schema=output,
+                    expected_run_id=expected_run_id,
+                )
         except NoSuchProcess:
             raise _not_found(pid) from None
+        except RunNotCurrent as exc:
+            raise ApiError(409, "run_not_current", str(exc), about_run=True, current_run_id=exc.current) from None
+        except RunActive as exc:  # (a reject: the caller asked for nothing while a run is under way)
+            raise ApiError(409, "busy", str(exc), about_run=True, current_run_id=exc.run_id) from None
         except MediaTooLarge as exc:
             raise ApiError(413, "too_large", f"media: {exc}") from None
         except MediaError as exc:

@@ -348,6 +348,7 @@ async def _send(conn: Connection, args: dict[str, Any]) -> Any:
         media=_want(args, "media", list, "a list", None),
         run_id=_opt_id(args, "run_id"),
         output_schema=_want(args, "output_schema", dict, "a JSON Schema object", None),
+        expected_run_id=_opt_id(args, "expected_run_id"),
     )
 
 
@@ -503,7 +504,9 @@ CALLS: dict[str, Call] = {
     ),
     "proc.list": Call(_list, _takes()),
     "proc.get": Call(_get, _takes("pid")),
-    "proc.send": Call(_send, _takes("pid", "text", "mode", "media", "run_id", "output_schema"), mutates=True),
+    "proc.send": Call(
+        _send, _takes("pid", "text", "mode", "media", "run_id", "output_schema", "expected_run_id"), mutates=True
+    ),
     "proc.history": Call(_history, _takes("pid", "limit", "before")),
     "proc.abort": Call(_abort, _takes("pid", "run_id"), mutates=True),
     "proc.stop": Call(_stop, _takes("pid", "run_id"), mutates=True),
@@ -842,7 +845,7 @@ class Connection:
             _check_args(req.args, call.args)
             data = await call.handler(self, req.args)
         except ApiError as exc:
-            return res_error(req.id, exc.code, exc.message), None
+            return {"type": "res", "id": req.id, "ok": False, "error": exc.body()}, None
         except NoSuchProcess:
             return res_error(req.id, "not_found", "no such process"), None
         except Exception:
