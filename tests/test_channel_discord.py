@@ -46,6 +46,7 @@ from agentloop.kernel import Approval, Kernel
 from agentloop.messages import ToolResultMessage, UserMessage
 from agentloop.models.base import ModelRequest
 from tests.fakes.http_server import ServerThread
+from tests.test_channel_telegram import typed
 
 TOKEN = "NDI0Mg.GhAbCd.secret_Token-xyz0123456789abcdef"
 SECRET = TOKEN.rsplit(".", 1)[1]
@@ -503,15 +504,15 @@ def brain(req: ModelRequest) -> Reply | str:
     last = req.messages[-1]
     if isinstance(last, ToolResultMessage):
         return f"tool said: {last.text}"
-    if isinstance(last, UserMessage) and last.text == "delete":
+    if isinstance(last, UserMessage) and typed(last) == "delete":
         return Reply(tool_calls=[call("rm", path="x")])
-    if isinstance(last, UserMessage) and last.text == "gate":
+    if isinstance(last, UserMessage) and typed(last) == "gate":
         return Reply(tool_calls=[call("wait_gate")])
-    if isinstance(last, UserMessage) and last.text.startswith("long "):
-        return "\n".join(f"line {n:04d} " + "x" * 40 for n in range(int(last.text.split()[1])))
-    if isinstance(last, UserMessage) and last.text == "ping everyone":
+    if isinstance(last, UserMessage) and typed(last).startswith("long "):
+        return "\n".join(f"line {n:04d} " + "x" * 40 for n in range(int(typed(last).split()[1])))
+    if isinstance(last, UserMessage) and typed(last) == "ping everyone":
         return "@everyone look <@100>"
-    return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
+    return "seen: " + ", ".join(typed(m) for m in req.messages if isinstance(m, UserMessage))
 
 
 async def policy(process: Any, row: Any) -> Approval:
@@ -555,7 +556,7 @@ async def running(
 
 
 def user_texts(model: ScriptedModel) -> list[str]:
-    return [r.messages[-1].text for r in model.requests if isinstance(r.messages[-1], UserMessage)]
+    return [typed(r.messages[-1]) for r in model.requests if isinstance(r.messages[-1], UserMessage)]
 
 
 # ------------------------------------------------------------------------------- tests

@@ -182,6 +182,18 @@ async def until(check: Callable[[], Any], seconds: float = 5.0) -> Any:
 
 # ------------------------------------------------------------------------------- the agent
 
+
+def typed(message: UserMessage) -> str:
+    """What the person typed: in a group chat the model sees the speaker's line before it
+    (``[From: …]``, see tests/test_channel_speakers10.py), which these tests are not about."""
+    line, _, rest = message.text.partition("\n")
+    return (
+        rest
+        if message.origin is not None and message.origin.chat == "group" and line.startswith("[From: ")
+        else message.text
+    )
+
+
 removed: list[str] = []
 gate = threading.Event()
 
@@ -205,13 +217,13 @@ def brain(req: ModelRequest) -> Reply | str:
     last = req.messages[-1]
     if isinstance(last, ToolResultMessage):
         return f"tool said: {last.text}"
-    if isinstance(last, UserMessage) and last.text == "delete":
+    if isinstance(last, UserMessage) and typed(last) == "delete":
         return Reply(tool_calls=[call("rm", path="x")])
-    if isinstance(last, UserMessage) and last.text == "gate":
+    if isinstance(last, UserMessage) and typed(last) == "gate":
         return Reply(tool_calls=[call("wait_gate")])
-    if isinstance(last, UserMessage) and last.text.startswith("long "):
-        return "\n".join(f"line {n:04d} " + "x" * 40 for n in range(int(last.text.split()[1])))
-    return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
+    if isinstance(last, UserMessage) and typed(last).startswith("long "):
+        return "\n".join(f"line {n:04d} " + "x" * 40 for n in range(int(typed(last).split()[1])))
+    return "seen: " + ", ".join(typed(m) for m in req.messages if isinstance(m, UserMessage))
 
 
 async def policy(process: Any, row: Any) -> Approval:
@@ -248,7 +260,7 @@ async def running(
 
 
 def user_texts(model: ScriptedModel) -> list[str]:
-    return [r.messages[-1].text for r in model.requests if isinstance(r.messages[-1], UserMessage)]
+    return [typed(r.messages[-1]) for r in model.requests if isinstance(r.messages[-1], UserMessage)]
 
 
 # ------------------------------------------------------------------------------- tests

@@ -17,7 +17,8 @@ import base64
 import binascii
 import re
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, dataclass_transform
 
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
@@ -246,11 +247,38 @@ class Usage:
 # ------------------------------------------------------------------ messages
 
 
+ChatKind: TypeAlias = Literal["direct", "group"]
+MAX_SPEAKER_NAME = 64  # characters of a speaker's display name the model is shown
+MAX_SPEAKER_ID = 128  # characters of a speaker's platform id
+
+
+@_wire
+class Origin:
+    """Who wrote a user message, and in what kind of chat: what a chat bridge knows of its sender.
+
+    In a ``group`` chat several people write to one conversation and their words alone do not
+    say whose they are: the model sees the speaker as a first line of the message
+    (``[From: Alice (telegram:12345)]``, ``with_speakers``). In a ``direct`` chat there is one
+    person, and the prompt stays as it was. The stored text is never changed (a history shows
+    what the person typed, the origin beside it). Made by ``origin``, which makes what a platform
+    says of a sender safe to show."""
+
+    name: str = ""  # the display name
+    user: str = ""  # the platform's user id, named by the platform: "telegram:12345"
+    chat: ChatKind = "direct"
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 @_wire
 class UserMessage:
     role: Literal["user"] = "user"
     content: list[UserBlock]
     timestamp: int = field(default_factory=now_ms)
+    # (left out of the JSON when None: the stored form of a message without one is as it was)
+    origin: Annotated[Origin | None, Field(exclude_if=_is_none)] = None
 
     @property
     def text(self) -> str:
@@ -386,3 +414,73 @@ def tool_error_result(call: ToolCall, text: str) -> ToolResultMessage:
         content=[TextContent(text=text)],
         is_error=True,
     )
+
+
+# ------------------------------------------------------------------ who said it (group chats)
+
+# whitespace and control characters (a line break among them), each run made one space
+_NOT_ONE_LINE = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def _shown(text: str, limit: int) -> str:
+    """``text`` as a speaker line may show it: one line, without square brackets, at most
+    ``limit`` characters. A display name is its owner's own choice: one that holds a line break
+    and "[From: Alice …]" must not read as a line of another speaker."""
+    text = _NOT_ONE_LINE.sub(" ", storable(text)).replace("[", "(").replace("]", ")").strip()
+    return text[:limit].rstrip()
+
+
+def origin(name: str, user: str, chat: ChatKind) -> Origin:
+    """The ``Origin`` of a message ``user`` (the platform's id: ``"telegram:12345"``) wrote, as
+    ``name``, in a ``direct`` or ``group`` chat, made safe to show the model (``_shown``)."""
+    return Origin(name=_shown(name, MAX_SPEAKER_NAME), user=_shown(user, MAX_SPEAKER_ID), chat=chat)
+
+
+def check_origin(value: object) -> Origin | None:
+    """``value`` (an ``Origin`` or None) as a message keeps it, made by ``origin``; TypeError or
+    ValueError for what is not one (checked before anything of the input is stored)."""
+    if value is None:
+        return None
+    if not isinstance(value, Origin):
+        raise TypeError(f"origin must be an Origin or None, got {type(value).__name__}")
+    if not isinstance(value.name, str) or not isinstance(value.user, str):
+        raise TypeError("an origin's name and user must be strings")
+    if value.chat not in ("direct", "group"):
+        raise ValueError(f"an origin's chat must be direct or group, got {value.chat!r}")
+    return origin(value.name, value.user, value.chat)
+
+
+def names_speaker(message: Message) -> bool:
+    """Whether the model is told who wrote ``message``: a user message from a group chat."""
+    return type(message) is UserMessage and message.origin is not None and message.origin.chat == "group"
+
+
+def speaker_line(spoke: Origin) -> str:
+    """The first line a group chat's message shows the model: ``[From: Alice (telegram:12345)]``."""
+    who = f"{spoke.name} ({spoke.user})" if spoke.name and spoke.user else spoke.name or spoke.user
+    return f"[From: {who}]"
+
+
+def with_speaker(message: UserMessage) -> UserMessage:
+    """``message`` as the model sees it: a group chat's with its speaker's line before its text
+    (a copy; the message itself is untouched), any other as it is."""
+    spoke = message.origin
+    if spoke is None or spoke.chat != "group" or not (spoke.name or spoke.user):
+        return message
+    line = speaker_line(spoke)
+    content = list(message.content)
+    first = content[0] if content else None
+    if isinstance(first, TextContent):
+        content[0] = TextContent(text=f"{line}\n{first.text}" if first.text else line)
+    else:
+        content.insert(0, TextContent(text=line))
+    return replace(message, content=content)
+
+
+def with_speakers(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` (a new list) as the model sees them (``with_speaker``). Each message's line
+    is made of what that message keeps, nothing around it: the same history gives the same bytes
+    at every call (a provider's prompt cache keeps its prefix), and a message reads the same
+    wherever a compaction leaves it. Every message of a group chat is named, not only a change of
+    speaker, for that reason."""
+    return [with_speaker(m) if type(m) is UserMessage and m.origin is not None else m for m in messages]

@@ -12,7 +12,9 @@ A channel subclasses it and says how to reach its app: ``_send`` (text, in as ma
 app needs), ``_typing``, ``_send_approval``, how its kv value names a chat (``_kv_value`` and
 ``_chat_of``), and how a file a user sent is downloaded (``_fetch``: what becomes of images,
 documents, videos (a note, never downloaded) and, with a ``transcriber``, voice messages is shared,
-``_deliver_files``, see ``agentloop.channels.media``).
+``_deliver_files``, see ``agentloop.channels.media``). Each message goes with its ``Origin`` (who
+wrote it, in a direct chat or a group's): in a group, where one process hears several people, the
+model is told who speaks (``messages.with_speakers``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from agentloop.channels.media import (
 )
 from agentloop.channels.state import ChannelState
 from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
-from agentloop.messages import FileContent, ImageContent
+from agentloop.messages import FileContent, ImageContent, Origin
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.audio_video import check_transcriber, transcribe_audio
@@ -231,13 +233,22 @@ class ChatBridge(Generic[K]):
     # -- from the chat ---------------------------------------------------------------------------
 
     async def _deliver(
-        self, chat: K, user: object, text: str, run_id: str, media: Sequence[ImageContent | FileContent] = ()
+        self,
+        chat: K,
+        user: object,
+        text: str,
+        run_id: str,
+        media: Sequence[ImageContent | FileContent] = (),
+        *,
+        origin: Origin | None = None,
     ) -> None:
         """``text`` (and ``media``) to the chat's process (spawned when it has none), admitted once
-        per ``run_id``. Each message is a run of its own (``queue``), except one written while the
-        process waits for an approval: a chat has no prompt to type an answer into, so a user who
-        writes instead of pressing a button ("no, keep it") declines what waits, and the message
-        joins the run that asked (``steer``), which reads the refusal and the words together."""
+        per ``run_id``, with its ``origin`` (who wrote it: in a group chat the model is told, since
+        a process there hears several people). Each message is a run of its own (``queue``),
+        except one written while the process waits for an approval: a chat has no prompt to type
+        an answer into, so a user who writes instead of pressing a button ("no, keep it") declines
+        what waits, and the message joins the run that asked (``steer``), which reads the refusal
+        and the words together."""
         for _ in range(2):  # (again with a new process, when the chat's was killed meanwhile)
             proc = await self._process(chat, user)
             try:
@@ -247,7 +258,9 @@ class ChatBridge(Generic[K]):
                 declines = [request.request_id for request in await proc.pending_approvals()]
                 await self._keep_declines(proc.pid, run_id, declines)
                 try:
-                    await proc.send(text, mode="steer" if declines else "queue", media=media, run_id=run_id)
+                    await proc.send(
+                        text, mode="steer" if declines else "queue", media=media, run_id=run_id, origin=origin
+                    )
                 except (ValueError, TypeError):  # (refused: it declines nothing)
                     await self._keep_declines(proc.pid, run_id, [])
                     raise
@@ -282,7 +295,14 @@ class ChatBridge(Generic[K]):
             await self.kernel.store.kv_delete(proc.pid, DECLINES + run_id)
 
     async def _deliver_files(
-        self, chat: K, user: object, text: str, run_id: str, attachments: Sequence[Attachment]
+        self,
+        chat: K,
+        user: object,
+        text: str,
+        run_id: str,
+        attachments: Sequence[Attachment],
+        *,
+        origin: Origin | None = None,
     ) -> None:
         """A message with files: each fetched (and checked) before anything is admitted, then
         ``text`` (a short default when empty) with them as one input, admitted once per ``run_id``.
@@ -336,7 +356,7 @@ class ChatBridge(Generic[K]):
             return
         others = [a for a in attachments if a.kind not in ("audio", "video")]
         parts = [text] if text.strip() else ([] if spoken else [default_text(others)])
-        await self._deliver(chat, user, "\n\n".join([*parts, *spoken]), run_id, blocks)
+        await self._deliver(chat, user, "\n\n".join([*parts, *spoken]), run_id, blocks, origin=origin)
 
     async def _transcribe(self, chat: K, attachment: Attachment, data: bytes) -> str | None:
         """The words of the audio ``attachment`` (its bytes ``data``), cleaned; None when the

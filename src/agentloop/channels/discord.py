@@ -128,6 +128,7 @@ from agentloop.channels.media import (
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
+from agentloop.messages import ChatKind, Origin, origin
 from agentloop.process.archive import check_name
 from agentloop.proxies import env_proxy
 from agentloop.urls import MASK, redact_url
@@ -218,6 +219,17 @@ def _snowflake(value: object) -> int | None:
 
 def _field(value: object, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else None
+
+
+def speaker(message: object, user_id: int) -> Origin:
+    """Who wrote ``message`` (the user ``user_id``), by the name Discord shows (their nickname in
+    the server, else their display name, else their username), and whether in a server's channel
+    or a direct message: in a server the model is told who speaks (``messages.Origin``)."""
+    author = _field(message, "author")
+    names = (_field(_field(message, "member"), "nick"), _field(author, "global_name"), _field(author, "username"))
+    name = next((n for n in names if isinstance(n, str) and n.strip()), "")
+    kind: ChatKind = "direct" if _field(message, "guild_id") is None else "group"
+    return origin(name, f"discord:{user_id}", kind)
 
 
 def _gateway_address(url: str) -> str:
@@ -1037,7 +1049,7 @@ class DiscordBridge(ChatBridge[int]):
             attachments = self._attachments(forwarded)
         command = self._command(text) if not attachments and forwarded is None else None
         if attachments:
-            await self._deliver_files(channel, user_id, text, run_id, attachments)
+            await self._deliver_files(channel, user_id, text, run_id, attachments, origin=speaker(message, user_id))
         elif command == "help":
             await self._send(channel, HELP)
         elif command == "new":
@@ -1047,7 +1059,7 @@ class DiscordBridge(ChatBridge[int]):
         elif not text.strip():
             await self._send(channel, HELP)
         else:
-            await self._deliver(channel, user_id, text, run_id)
+            await self._deliver(channel, user_id, text, run_id, origin=speaker(message, user_id))
         return True
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:

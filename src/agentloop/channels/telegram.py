@@ -87,6 +87,7 @@ from agentloop.channels.media import (
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import approval_keyboard, describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel, NoSuchProcess
+from agentloop.messages import Origin, origin
 from agentloop.process.archive import check_name
 
 log = logging.getLogger("agentloop.channels.telegram")
@@ -202,6 +203,20 @@ def conversation(message: object) -> Chat | None:
     if _field(message, "is_topic_message") is True and thread is not None and thread != GENERAL_TOPIC:
         return Topic(chat_id, thread)
     return chat_id
+
+
+def speaker(message: object, user_id: int) -> Origin:
+    """Who wrote ``message`` (the user ``user_id``), as Telegram names them (first and last name,
+    else the username), and whether in a private chat or a group's: in a group the model is told
+    who speaks (``messages.Origin``)."""
+    sender = _field(message, "from")
+    parts = [_field(sender, "first_name"), _field(sender, "last_name")]
+    name = " ".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
+    username = _field(sender, "username")
+    if not name and isinstance(username, str):
+        name = username
+    private = _field(_field(message, "chat"), "type") == "private"
+    return origin(name, f"telegram:{user_id}", "direct" if private else "group")
 
 
 def _album(update: object) -> tuple[int, str] | None:
@@ -488,7 +503,7 @@ class TelegramBridge(ChatBridge[Chat]):
                 return
             caption = message.get("caption")
             caption = caption if isinstance(caption, str) else ""
-            await self._deliver_files(chat, user_id, caption, run_id, attachments)
+            await self._deliver_files(chat, user_id, caption, run_id, attachments, origin=speaker(message, user_id))
             return
         command = self._command(text)
         if command in ("start", "help"):
@@ -498,7 +513,7 @@ class TelegramBridge(ChatBridge[Chat]):
         elif command == "stop":
             await self._stop(chat)
         else:
-            await self._deliver(chat, user_id, text, run_id)
+            await self._deliver(chat, user_id, text, run_id, origin=speaker(message, user_id))
 
     async def _on_service(self, message: dict[str, Any]) -> None:
         """A service message: nothing to answer. One that says a group became a supergroup (which
@@ -547,7 +562,7 @@ class TelegramBridge(ChatBridge[Chat]):
             await self._send(chat, f"Left out of your album: {', '.join(left_out)}. {UNSUPPORTED}")
         captions = [m.get("caption") for m in messages]
         caption = next((c for c in captions if isinstance(c, str) and c.strip()), "")
-        await self._deliver_files(chat, user_id, caption, run_id, attachments)
+        await self._deliver_files(chat, user_id, caption, run_id, attachments, origin=speaker(messages[0], user_id))
 
     def _attachments(self, message: dict[str, Any]) -> list[Attachment]:
         """The message's photo, document, video or (with a transcriber) audio (Telegram sends one a

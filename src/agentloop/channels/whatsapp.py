@@ -97,6 +97,7 @@ from agentloop.channels.media import (
 from agentloop.channels.state import ChannelState
 from agentloop.channels.telegram_text import describe_request, parse_callback, split_message
 from agentloop.kernel import Kernel
+from agentloop.messages import Origin, origin
 from agentloop.process.archive import check_name
 from agentloop.sockets import listening_socket
 
@@ -152,6 +153,12 @@ def _field(value: object, key: str) -> Any:
 
 def _wa_id(value: object) -> str | None:
     return value if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 32 else None
+
+
+def _speaker(wa_id: str) -> Origin:
+    """Who wrote a message: the bridge talks with each user in a chat of their own (a ``direct``
+    one: the model is not told, the history keeps it)."""
+    return origin("", f"whatsapp:{wa_id}", "direct")
 
 
 def _message_id(message: dict[str, Any]) -> str | None:
@@ -718,7 +725,8 @@ class WhatsAppBridge(ChatBridge[str]):
             await self._stop(wa_id)
         else:  # (a re-delivered message is admitted once)
             self._last_in[wa_id] = wamid
-            await self._deliver(wa_id, wa_id, text, f"whatsapp-{self.phone_number_id}-{wamid}")
+            run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
+            await self._deliver(wa_id, wa_id, text, run_id, origin=_speaker(wa_id))
             return False
         return True
 
@@ -747,7 +755,8 @@ class WhatsAppBridge(ChatBridge[str]):
             attachment = self._audio(part, ref)
         self._last_in[wa_id] = wamid
         run_id = f"whatsapp-{self.phone_number_id}-{wamid}"
-        await self._deliver_files(wa_id, wa_id, caption if isinstance(caption, str) else "", run_id, [attachment])
+        caption = caption if isinstance(caption, str) else ""
+        await self._deliver_files(wa_id, wa_id, caption, run_id, [attachment], origin=_speaker(wa_id))
 
     def _file(self, kind: str, part: object, ref: str) -> Attachment:
         """The attachment of an image or a document message (``part``: its ``image`` or

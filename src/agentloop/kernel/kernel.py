@@ -56,9 +56,11 @@ from agentloop.messages import (
     FileContent,
     ImageContent,
     Message,
+    Origin,
     TextContent,
     UserBlock,
     UserMessage,
+    check_origin,
     check_plain_text,
     check_unicode,
 )
@@ -297,6 +299,7 @@ class Process:
         run_id: str | None = None,
         output_schema: dict[str, Any] | Any = None,
         expected_run_id: str | None = None,
+        origin: Origin | None = None,
     ) -> Receipt:
         """Deliver user input (``steer`` / ``queue`` / ``interrupt`` while a run is active), with
         images and documents (PDF, plain text, Markdown, CSV) attached as ``media``.
@@ -322,11 +325,16 @@ class Process:
         when the model calls it validly (``Process.output`` reads the value back; the run's
         ``proc.run.finished`` carries it as ``output``). Such input never joins a run under way
         (a run has one output): a ``steer`` waits for a run of its own, as ``queue`` does. A schema
-        that is not valid (or larger than 64 KiB as JSON) is a ``ValueError``, nothing delivered."""
+        that is not valid (or larger than 64 KiB as JSON) is a ``ValueError``, nothing delivered.
+
+        ``origin`` (``messages.origin``) says who wrote the input, in what kind of chat: kept with
+        the message, and in a group chat shown to the model as a line before the text (a chat
+        bridge's, where several people write to one process)."""
         if expected_run_id is not None and not isinstance(expected_run_id, str):  # (any string: a run id)
             raise TypeError(f"expected_run_id must be a string or None, got {type(expected_run_id).__name__}")
         admission.check_send(mode, expected_run_id)  # before any media file is written
         _check_input(text, media, run_id)
+        origin = check_origin(origin)
         output = _output_row(output_schema)
         engine = self.kernel.engine
         record = (await engine.live(self.pid)).record
@@ -341,6 +349,7 @@ class Process:
         if blocks:  # a reset under way deletes the process's media: what this input brings is stored
             await admission.after_clearing(engine, self.pid)  # after it (the input waits for it anyway)
         message = _user_input(self.kernel.media, record.owner, self.pid, text, blocks)
+        message.origin = origin
         return await engine.send(
             self.pid, message, mode=mode, run_id=run_id, output=output, expected_run_id=expected_run_id
         )

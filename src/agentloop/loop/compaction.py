@@ -43,6 +43,7 @@ from agentloop.messages import (
     now_ms,
     storable_value,
     user,
+    with_speaker,
 )
 from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
 from agentloop.models.registry import resolve_model
@@ -304,8 +305,8 @@ def render_transcript(messages: Sequence[Message]) -> str:
     """The removed messages as plain text: readable to any model, tool output clipped."""
     out: list[str] = []
     for m in messages:
-        if isinstance(m, UserMessage):
-            out.append(f"## user\n{_render_blocks(m.content, None)}")
+        if isinstance(m, UserMessage):  # (a group chat's with its speaker: the summary keeps who said what)
+            out.append(f"## user\n{_render_blocks(with_speaker(m).content, None)}")
         elif isinstance(m, AssistantMessage):
             ended = m.stop_reason in ("error", "aborted", "length")
             note = f" (stopped: {m.stop_reason} {m.error_message or ''})" if ended else ""

@@ -27,7 +27,7 @@ from agentloop.events import (
 )
 from agentloop.loop.hooks import TurnFailed, TurnInfo
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import AssistantMessage, Message, Usage
+from agentloop.messages import AssistantMessage, Message, Usage, with_speakers
 from agentloop.models.base import Model, ModelRequest
 from agentloop.models.unusable import unusable
 
@@ -135,7 +135,8 @@ async def call_model(
     """The model's final answer to the history of ``state``. The usage of answers it threw away
     is added to ``state.usage``: the returned message's own stays that of one call, which the
     context-pressure estimate reads as the size of the prompt."""
-    messages: list[Message] = list(state.messages)  # a snapshot: the history grows after this call
+    # a snapshot (the history grows after this call), with a group chat's speakers named
+    messages = with_speakers(state.messages) if state.origins is not False else list(state.messages)
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
     request = build_request(cfg, messages, tools_enabled, state.conversation)

@@ -121,6 +121,9 @@ class RunState:
     error: str | None = None  # why the run failed, when it did
     transient: bool = False  # the last model call failed in a way that may pass (rate limit, 5xx, connection)
     metadata: Mapping[str, Any] | None = None  # the caller's, for the run's tools (``ToolContext.metadata``)
+    # whether ``messages`` hold a group chat's, whose speakers the model is told (``with_speakers``):
+    # None to look at each model call; a durable process knows, and spares its calls the look
+    origins: bool | None = None
 
     @property
     def new_messages(self) -> list[Message]:

@@ -584,7 +584,12 @@ def _call_state(engine: ProcessEngine, live: _Live, run: dict[str, Any]) -> RunS
     history = live.history
     messages = engine.hydrate(history) if engine.hydrate is not None and live.media else history
     state = RunState(
-        run_id=run["run_id"], messages=messages, first_new=len(messages), turn=run["turn"], conversation=live.record.pid
+        run_id=run["run_id"],
+        messages=messages,
+        first_new=len(messages),
+        turn=run["turn"],
+        conversation=live.record.pid,
+        origins=live.origins,  # (known: the call need not look for a group chat's speakers)
     )
     live.partial = state
     return state

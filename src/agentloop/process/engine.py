@@ -41,7 +41,7 @@ from agentloop.loop.execute import CANCELLED, own_tasks
 from agentloop.loop.hooks import maybe_await
 from agentloop.loop.output import DEFAULT_RETRIES, SchemaOutput
 from agentloop.loop.state import LoopConfig, Mode, check_mode
-from agentloop.messages import Message, ToolCall, Usage, tool_error_result
+from agentloop.messages import Message, ToolCall, Usage, names_speaker, tool_error_result
 from agentloop.process import admission, background, hil
 from agentloop.process import signals as sig
 from agentloop.process.api import (
@@ -257,6 +257,7 @@ class ProcessEngine:
             return await self.live(pid)
         live = self._live[pid] = _Live(record, history, queued=queued, seq=seq)
         live.media = any(_has_media(m) for m in history)
+        live.origins = any(map(names_speaker, history))
         live.approvals = record.current_run is not None  # decisions made before a restart may be stored
         live.resumed = record.current_run is not None
         if record.current_run is None:

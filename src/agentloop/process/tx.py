@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import Message, ToolResultMessage, Usage, UserMessage
+from agentloop.messages import Message, ToolResultMessage, Usage, UserMessage, names_speaker
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.lease import LeaseLost
@@ -48,6 +48,7 @@ class _Live:
     offered: tuple[str, frozenset[str] | None] | None = None
     config: tuple[str, LoopConfig] | None = None  # (run id, the run's loop configuration)
     media: bool = False  # the history holds stored media references (to hydrate before model calls)
+    origins: bool = False  # the history holds a group chat's messages (their speakers named to the model)
     approvals: bool = False  # a run of this process may have stored approval decisions
     stopping: int = 0  # aborts in progress: meanwhile a wake-up starts no driver, it only marks dirty
     # tasks that may start the next run from queued input now (an abort's end, a promotion, the end
@@ -140,6 +141,8 @@ class _Tx:
         self.after.append(lambda: self.live.history.extend(messages))
         if not self.live.media and any(_has_media(m) for m in messages):
             self.after.append(lambda: setattr(self.live, "media", True))
+        if not self.live.origins and any(map(names_speaker, messages)):  # (map: no generator per append)
+            self.after.append(lambda: setattr(self.live, "origins", True))
 
     async def set_run(self, run: dict[str, Any] | None, added: UsageTotals | None = None) -> None:
         """Write the active run's record (None: no run); ``added``, what the process's usage
