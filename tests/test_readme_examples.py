@@ -218,7 +218,7 @@ def _all_commands(command: Any) -> Iterator[Any]:
 
 
 # flags of other programs the README mentions (tar, rg, bench/run.sh)
-OTHER_PROGRAMS_FLAGS = {"--to-command", "--pre", "--peers"}
+OTHER_PROGRAMS_FLAGS = {"--to-command", "--to-c", "--git-dir", "--pre", "--peers"}
 
 
 def test_every_flag_in_the_prose_exists() -> None:

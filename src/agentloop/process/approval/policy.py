@@ -162,6 +162,9 @@ def default_policy() -> Policy:
             Rule(match="shell.exec", when=When(all_tags=("mutating", "outside-cwd")), action="ask"),
             Rule(match="shell.exec", when=When(all_tags=("hidden-path", "outside-cwd")), action="ask"),
             Rule(match="fs.delete", action="ask"),
+            # a file tool writing into a repository's ``.git`` (``unclassified``): its config and
+            # hooks name programs a later ``git status``, which runs unasked, would run
+            Rule(match="fs.*", when=When(any_tags=("unclassified",)), action="ask"),
             Rule(match="mcp.*", action="ask"),
             # a CodeMode program is Python running as this user: like an unclassified shell
             # command it can do anything outside its tool functions, so a person reads it first

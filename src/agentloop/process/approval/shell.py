@@ -89,7 +89,10 @@ HIJACKING_VARS = _words(
     "PATH LD_PRELOAD LD_LIBRARY_PATH LD_AUDIT BASH_ENV ENV IFS PROMPT_COMMAND PS4 SHELLOPTS BASHOPTS "
     "DYLD_INSERT_LIBRARIES PAGER MANPAGER LESSOPEN LESSCLOSE EDITOR VISUAL GIT_EDITOR GIT_PAGER GIT_SSH "
     "GIT_SSH_COMMAND GIT_EXTERNAL_DIFF GIT_ASKPASS SSH_ASKPASS GIT_EXEC_PATH GIT_PROXY_COMMAND "
-    "PERL5OPT PERL5LIB PYTHONSTARTUP PYTHONPATH NODE_OPTIONS RUBYOPT RUBYLIB TAR_OPTIONS RIPGREP_CONFIG_PATH"
+    "PERL5OPT PERL5LIB PYTHONSTARTUP PYTHONPATH NODE_OPTIONS RUBYOPT RUBYLIB TAR_OPTIONS RIPGREP_CONFIG_PATH "
+    # where git (and others) find their configuration: one that names a program to run
+    "GIT_DIR GIT_WORK_TREE GIT_COMMON_DIR GIT_TEMPLATE_DIR HOME XDG_CONFIG_HOME LESSKEY LESSKEYIN "
+    "LESSKEY_CONTENT LESSKEY_SRC"
 )
 HIJACKING_PREFIXES = ("GIT_CONFIG",)  # GIT_CONFIG_PARAMETERS, GIT_CONFIG_KEY_<n>, GIT_CONFIG_GLOBAL, ...
 SETTING_BUILTINS = _words("export declare typeset readonly local")
@@ -106,7 +109,9 @@ class ShellAnalysis:
     """What a command line would do, as far as its syntax shows.
 
     ``paths`` are the literal path-like operands (for path tags); ``writes`` the subset it would
-    create, change or remove; ``reasons`` say, per finding, why a tag was given. ``literal``: every
+    create, change or remove; ``reasons`` say, per finding, why a tag was given. ``git_dirs``: where
+    git is pointed by ``-C``, ``--git-dir`` or ``--work-tree`` (a repository brings its own
+    configuration, which can name programs git runs). ``literal``: every
     command is named as it is found on the PATH (not by a path: ``./git``) and runs with words the
     line spells out: no variable assignment (``HOME=/tmp/x git``), expansion (``git push $X``) or
     glob or brace pattern, whose value could be an option that changes what the program runs.
@@ -118,6 +123,7 @@ class ShellAnalysis:
     writes: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
     literal: bool = True
+    git_dirs: tuple[str, ...] = ()
 
 
 class _Arg(NamedTuple):
@@ -167,6 +173,7 @@ class _Walker:
         self.paths: list[str] = []
         self.writes: list[str] = []
         self.reasons: list[str] = []
+        self.git_dirs: list[str] = []
         self.literal = True
 
     # -- recording ---------------------------------------------------------------------------
@@ -178,8 +185,9 @@ class _Walker:
         return frozenset(tags)
 
     def written(self, args: Iterable[_Arg]) -> None:
+        # (one made of a variable or substitution too: the path tags find it ``unclassified``)
         for arg in args:
-            if not arg.dynamic and arg.text not in HARMLESS_SINKS and arg.text != "{}":
+            if arg.text not in HARMLESS_SINKS and arg.text != "{}":
                 self.writes.append(arg.text)
 
     def analysis(self) -> ShellAnalysis:
@@ -190,6 +198,7 @@ class _Walker:
             writes=tuple(dict.fromkeys(self.writes)),
             reasons=tuple(self.reasons),
             literal=self.literal,
+            git_dirs=tuple(dict.fromkeys(self.git_dirs)),
         )
 
     # -- parsing ------------------------------------------------------------------------------
@@ -369,7 +378,9 @@ class _Walker:
                 if any(a.text in ("-R", "--recursive") or re.match(r"^-[a-zA-Z]*R", a.text) for a in rest):
                     self.written(operands)
                     return self.tag(f"{name} -R changes a whole tree", "destructive", "mutating")
-            elif name == "cp" or name == "mv" or name == "ln" or name == "install":
+            elif name == "ln":
+                pass  # (the link, and what it leads to: ``ln -s .git g`` opens a way into .git)
+            elif name == "cp" or name == "mv" or name == "install":
                 operands = operands[-1:]
             self.written(operands)
             return self.tag(f"{name} changes files", "mutating")
@@ -393,7 +404,7 @@ class _Walker:
                 continue
             if not _is_option(text):
                 break
-            if name == "env" and (text in ("-S", "--split-string") or text.startswith(("-S", "--split-string="))):
+            if name == "env" and (re.match(r"^-[a-zA-Z0-9]*S", text) or _abbreviates(text, ("--split-string",))):
                 return _Verdict(frozenset(found | self.tag("env -S splits a string into a command", "unclassified")))
             if text.startswith("--") and "=" not in text and text not in takes_value and text not in WRAPPER_FLAGS:
                 return _Verdict(frozenset(found | self.tag(f"{name} {text}: cannot tell its command", "unclassified")))
@@ -472,10 +483,25 @@ _GIT_EXEC_CONFIG = re.compile(
 def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     found: set[str] = set()
     i = 0
+    moved = ""  # where ``-C`` took git (each one relative to the one before)
     while i < len(rest) and _is_option(rest[i].text):
         option = rest[i].text
         if option.startswith(("-c", "--config-env")) or option.startswith("--exec-path="):
             found |= w.tag(f"git {option.split('=')[0]} changes what git runs", "unclassified")
+        elif option == "--bare":  # the working directory's ``config`` read as a repository's
+            found |= w.tag("git --bare reads a repository's configuration from this directory", "unclassified")
+        # a repository elsewhere, with its own configuration: judged by the path tags
+        name, eq, value = option.partition("=")
+        if name in ("-C", "--git-dir", "--work-tree"):
+            where = value if eq else rest[i + 1].text if i + 1 < len(rest) else None
+            if where is not None:
+                if name == "-C":
+                    moved = where if not moved else posixpath.join(moved, where)
+                    w.git_dirs.append(moved)
+                else:
+                    w.git_dirs.append(posixpath.join(moved, where) if moved else where)
+                    if eq:
+                        w.paths.append(where)  # (``--git-dir=$X``: not an operand)
         i += 2 if option in ("-C", "-c", "--git-dir", "--work-tree", "--namespace", "--config-env") else 1
     if i >= len(rest):
         return frozenset(found)
@@ -487,6 +513,7 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         sub in _GIT_RUNNERS
         or any(a.startswith(_GIT_EXEC_OPTIONS) or _abbreviates(a, _GIT_EXEC_OPTIONS) for a in args)
         or (sub == "rebase" and "-x" in args)
+        or (sub == "init" and any(_abbreviates(a, ("--template",)) for a in args))  # its hooks
         or (sub in ("clone", "ls-remote") and "-u" in args)
         or (sub == "grep" and any(re.match(r"^-[a-zA-Z]*O", a) for a in args))
     )
@@ -520,8 +547,9 @@ def _git(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
 
 
 def _abbreviates(arg: str, options: tuple[str, ...]) -> bool:
-    """Whether ``arg`` is a long option git reads as one of ``options``: it takes any unambiguous
-    prefix of a long option's name (``git push --receive=CMD`` runs CMD)."""
+    """Whether ``arg`` is a long option read as one of ``options`` by a program that, like git or
+    any user of getopt_long, takes any unambiguous prefix of a long option's name (``git push
+    --receive=CMD`` runs CMD; ``sort --compress-p=CMD`` too)."""
     name = arg.split("=", 1)[0]
     return name.startswith("--") and len(name) > 2 and any(option.startswith(name) for option in options)
 
@@ -587,8 +615,12 @@ def _sed(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     i = 0
     while i < len(rest):
         text = rest[i].text
-        if text in ("-f", "--file") or text.startswith("--file="):
+        if text in ("-f", "--file") or _abbreviates(text, ("--file",)) or re.match(r"^-[nrEsuz]*f", text):
             return w.tag("sed runs a script file we cannot see", "unclassified")
+        if text.startswith("--") and "=" not in text and _abbreviates(text, ("--expression",)):
+            text = "--expression"  # (``--exp SCRIPT``)
+        elif text.startswith("--") and _abbreviates(text, ("--expression",)):
+            text = "--expression=" + text.split("=", 1)[1]
         if text in ("-e", "--expression") or re.match(r"^-[nrEsuz]+e$", text):
             if i + 1 < len(rest):
                 scripts.append(rest[i + 1])
@@ -612,7 +644,7 @@ def _sed(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
         if writes:
             w.written([_Arg(f, False) for f in writes])
             found |= w.tag("sed script writes a file", "mutating")
-    if any(a.text.startswith(("-i", "--in-place")) or re.match(r"^-[a-zA-Z]*i", a.text) for a in rest):
+    if any(_abbreviates(a.text, ("--in-place",)) or re.match(r"^-[a-zA-Z]*i", a.text) for a in rest):
         w.written(operands)
         found |= w.tag("sed -i edits files in place", "mutating")
     return frozenset(found)
@@ -708,11 +740,33 @@ def _sed_script(script: str) -> tuple[bool | None, list[str]]:
     return runs, writes
 
 
+_AWK_VALUED = ("--field-separator", "--assign")
+_AWK_FLAGS = _words("--posix --traditional --sandbox --re-interval --characters-as-bytes -b -c -P -r -S")
+
+
 def _awk(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
-    operands = _operands(rest)
-    if any(a.text == "-f" for a in rest) or not operands or operands[0].dynamic:
+    # Its program is the first operand after the options: ``-F SEP`` and ``-v X=1`` take a word,
+    # any other option may name a program file (``-f``, ``-E``, ``-i``), a library (``-l``),
+    # mawk's ``-W exec``...: not something we can see
+    program = None
+    i = 0
+    while i < len(rest):
+        text = rest[i].text
+        if not _is_option(text):
+            program = rest[i]
+            break
+        if text == "--":
+            program = rest[i + 1] if i + 1 < len(rest) else None
+            break
+        if text in ("-F", "-v") or (_abbreviates(text, _AWK_VALUED) and "=" not in text):
+            i += 2
+        elif re.match(r"^-[Fv].", text) or _abbreviates(text, _AWK_VALUED) or text in _AWK_FLAGS:
+            i += 1
+        else:
+            return w.tag(f"{name} {text.split('=', 1)[0]} may run a program we cannot see", "unclassified")
+    if program is None or program.dynamic:
         return w.tag(f"{name} runs a program we cannot see", "unclassified")
-    if re.search(r"system|getline|[|>]", operands[0].text):
+    if re.search(r"system|getline|[|>@]", program.text):  # (gawk's ``@load`` a library, ``@include``)
         return w.tag(f"{name} program runs commands or writes files", "unclassified")
     return frozenset()
 
@@ -724,6 +778,7 @@ _TAR_EXEC = (
     "--rsh-command",
     "--info-script",
     "--new-volume-script",
+    "--rmt-command",
 )
 
 
@@ -732,7 +787,11 @@ def _tar(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     letters = first.lstrip("-") if not first.startswith("--") else ""
     found: set[str] = set()
     if (
-        any(a.text.startswith(_TAR_EXEC) for a in rest)
+        # (abbreviated too, as getopt_long reads them: ``--to-c=CMD``; ``--checkpoint`` is its own)
+        any(
+            a.text.startswith(_TAR_EXEC) or (_abbreviates(a.text, _TAR_EXEC) and a.text.split("=")[0] != "--checkpoint")
+            for a in rest
+        )
         or any(re.match(r"^-[a-zA-Z]*[IF]", a.text) for a in rest)
         or (not first.startswith("-") and re.search(r"[IF]", first))
     ):
@@ -743,8 +802,11 @@ def _tar(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     for i, arg in enumerate(rest):  # where extracted files go
         if arg.text in ("-C", "--directory") and i + 1 < len(rest):
             w.written([rest[i + 1]])
-        elif arg.text.startswith("--directory="):
-            w.written([_Arg(arg.text.split("=", 1)[1], arg.dynamic)])
+        elif arg.text.startswith("--") and _abbreviates(arg.text, ("--directory",)):
+            if "=" in arg.text:
+                w.written([_Arg(arg.text.split("=", 1)[1], arg.dynamic)])
+            elif i + 1 < len(rest):
+                w.written([rest[i + 1]])
     return frozenset(found | w.tag("tar writes files", "mutating"))
 
 
@@ -752,29 +814,46 @@ def _tar(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
 _RUNS_WITH: dict[str, tuple[str, ...]] = {
     "rg": ("--pre",),
     "sort": ("--compress-program",),
-    "man": ("-P", "--pager", "-H", "--html"),
+    "man": ("-P", "--pager", "-H", "--html", "-C", "--config-file"),  # (its config DEFINEs the pager)
     "bat": ("--pager",),
-    "less": ("--lesskey-src",),
+    # a lesskey file can set LESSOPEN (``#env``); ``+!CMD`` runs a command at start
+    "less": ("--lesskey-src", "--lesskey-file", "--lesskey-content", "-k", "+"),
     "zip": ("-TT", "--unzip-command"),
 }
 # ... and the options (or operand positions) that make them write a file.
-_WRITES_WITH: dict[str, tuple[str, ...]] = {"sort": ("-o", "--output"), "tree": ("-o",)}
+_WRITES_WITH: dict[str, tuple[str, ...]] = {
+    "sort": ("-o", "--output"),
+    "tree": ("-o",),
+    "less": ("-o", "-O", "--log-file", "--LOG-FILE"),
+}
 
 
 def _reader(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     """A program that only reads, unless an option makes it run something or write a file."""
     found: set[str] = set()
     runners = _RUNS_WITH.get(name, ())
-    if any(a.text.startswith(runners) for a in rest):
+    # also abbreviated (``--compress-p=CMD``) or after other letters (``man -aPCMD``)
+    shorts = "".join(o[1] for o in runners if len(o) == 2 and o[0] == "-")
+    if any(
+        a.text.startswith(runners)
+        or _abbreviates(a.text, tuple(o for o in runners if o.startswith("--")))
+        or (shorts and re.match(rf"^-[a-zA-Z]*[{shorts}]", a.text))
+        for a in rest
+    ):
         found |= w.tag(f"{name} runs a program named on its command line", "unclassified")
     writers = _WRITES_WITH.get(name, ())
+    longs = tuple(o for o in writers if o.startswith("--"))
     for i, arg in enumerate(rest):
-        if arg.text in writers and i + 1 < len(rest):
+        short = re.match(r"^-[a-zA-Z]*o(.*)$", arg.text) if name == "sort" else None  # ``sort -ro FILE``
+        if (arg.text in writers or (_abbreviates(arg.text, longs) and "=" not in arg.text)) and i + 1 < len(rest):
             w.written([rest[i + 1]])
             found |= w.tag(f"{name} {arg.text} writes a file", "mutating")
-        elif arg.text.startswith(tuple(f"{o}=" for o in writers if o.startswith("--"))):
+        elif _abbreviates(arg.text, longs) and "=" in arg.text:
             w.written([_Arg(arg.text.split("=", 1)[1], arg.dynamic)])
             found |= w.tag(f"{name} writes a file", "mutating")
+        elif short is not None:
+            w.written([_Arg(short.group(1), arg.dynamic)] if short.group(1) else rest[i + 1 : i + 2])
+            found |= w.tag(f"{name} -o writes a file", "mutating")
     operands = _operands(rest)
     if name in ("uniq", "xxd") and len(operands) >= 2:  # uniq IN OUT, xxd [-r] IN OUT
         w.written(operands[1:2])
@@ -787,9 +866,11 @@ def _reader(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[st
 
 def _fd(w: _Walker, name: str, rest: list[_Arg], depth: int) -> frozenset[str]:
     for i, arg in enumerate(rest):
-        if arg.text in ("-x", "--exec", "-X", "--exec-batch"):
+        if arg.text in ("-x", "--exec", "-X", "--exec-batch") or re.match(r"^-[a-zA-Z]*[xX]$", arg.text):
             end = next((j for j in range(i + 1, len(rest)) if rest[j].text == ";"), len(rest))
             return w.argv(rest[i + 1 : end], depth + 1).tags
+        if arg.text.startswith(("--exec=", "--exec-batch=")) or re.match(r"^-[a-zA-Z]*[xX]", arg.text):
+            return w.tag(f"{name} {arg.text}: runs a command we cannot tell apart", "unclassified")
     return frozenset()
 
 

@@ -6,7 +6,8 @@ what they reach. A shell operand is read as the shell expands it; the path of an
 as the file tools read it (``resolve_path``), which expands nothing: ``$x/../.env`` is
 ``<root>/.env``, and ``~/..`` is the workspace. One exception looks at this machine: whether a
 path leads into the kernel's own data (``protected``), through a link or as a shell glob would
-match it, is also checked on disk, since that data is refused whatever the policy says.
+match it, is also checked on disk, since that data is refused whatever the policy says; and so is
+whether a write leads into a repository's ``.git`` through a link.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ _WRITES = frozenset({"fs.write", "fs.edit", "fs.delete"})
 _GLOB = re.compile(r"[*?\[]")
 # a process's environment (the runtime's credentials) and memory, readable by the same user
 _PROCESS_SECRETS = re.compile(r"/proc/[^/]+/(?:task/[^/]+/)?(?:environ|mem)")
+
+
+def in_git_dir(path: str) -> bool:
+    """Whether ``path`` names a repository's ``.git`` (a folder, or the file that points a
+    worktree at one) or lies inside it, in any case (``.GIT`` on a case-insensitive disk) or as a
+    shell pattern could match it (``.gi?``; bash matches a leading dot only when it is spelled):
+    its ``config`` and ``hooks`` name programs that a later, harmless-looking ``git status``
+    runs."""
+    return any(part.startswith(".") and fnmatchcase(".git", part.lower()) for part in path.split("/"))
 
 
 @dataclass(frozen=True)
@@ -283,6 +293,8 @@ def _resolved_tags(
         tags.add("hidden-path")
     if writing and any(path_inside(resolved, d) for d in SYSTEM_DIRS) and resolved not in ("/dev/null",):
         tags.add("privileged")
+    if writing and (in_git_dir(resolved) or in_git_dir(_real(resolved))):  # (through a link too)
+        tags.add("unclassified")  # what git will run next is being changed
     return tags
 
 
@@ -352,7 +364,14 @@ def call_facts(
         if expanded is not None:
             workdirs.add(expanded)
         walks = walks_tree(command, analysis)
+        if "mutating" in analysis.tags and any(in_git_dir(p) for p in analysis.paths):
+            tags.add("unclassified")  # (``cd .git && echo x > config``: a write from there)
+        cwd_s, home_s = posixpath.normpath(os.fspath(cwd)), posixpath.normpath(os.fspath(home))
         for resolved_workdir in workdirs:
+            for repo in analysis.git_dirs:  # a repository outside the workspace: its own configuration
+                where = _resolve(repo, resolved_workdir, home_s)
+                if where is None or not path_inside(where, cwd_s):
+                    tags.add("unclassified")
             tags |= _paths_tags(
                 analysis.paths,
                 analysis.writes,
