@@ -297,6 +297,11 @@ def test_an_account_rule_for_a_shell_command_names_its_program_never_every_comma
     with pytest.raises(ValueError, match="CodeMode"):
         account_rule("codemode.exec", {"code": "print(1)"})
     assert account_rule("fs.delete", {"path": "x"}, tags=("mutating",)).match == "fs.delete"
+    # what a destructive or privileged call harms is in arguments the rule does not keep: ``rm -rf
+    # build`` trusted for the account would be ``rm -rf .`` in every later process
+    for tags in (("destructive", "mutating"), ("privileged",)):
+        with pytest.raises(ValueError, match="cannot be allowed for the whole account"):
+            account_rule("shell.exec", {"command": "rm -rf build"}, tags=tags)
 
 
 def test_an_accounts_remembered_rules_answer_questions_and_never_lift_a_deny(tmp_path: Path) -> None:
@@ -541,7 +546,8 @@ def test_the_durable_chat_approves_with_an_edit_or_for_the_account(
     (ws / "junk").mkdir()
     scripted = ScriptedModel([Reply(tool_calls=[call("Shell", command="rm -rf build")]), "cleaned"])
     register_provider(f"hiledit{answer}", lambda _id: scripted)
-    typed = 'e\n{"command": "rm -rf junk"}\n' if answer == "edit" else "account\n"
+    # (a destructive call is not trusted for the whole account: refused, then asked again)
+    typed = 'e\n{"command": "rm -rf junk"}\n' if answer == "edit" else "account\ny\n"
     result = CliRunner().invoke(
         app,
         ["chat", "-m", f"hiledit{answer}:x", "-w", str(ws), "--data", str(tmp_path / "data")],
@@ -556,6 +562,5 @@ def test_the_durable_chat_approves_with_an_edit_or_for_the_account(
         assert ran.text.startswith(NOTE + '{"command": "rm -rf junk"}]')
     else:
         assert not (ws / "build").exists()
-        [policy_file] = (tmp_path / "data" / "home").glob("*/approval.json")
-        [rule] = json.loads(policy_file.read_text())["remembered"]
-        assert rule["when"]["program"] == "rm" and "argPrefix" not in rule["when"]
+        assert "cannot be allowed for the whole account" in result.stderr
+        assert not list((tmp_path / "data" / "home").glob("*/approval.json"))

@@ -295,7 +295,11 @@ async def _edit(
     """``e``: the call's arguments as one line of JSON, to change (in the prompt itself, on a
     terminal) and send; an empty line goes back to the question, as does JSON that is no object
     (on a terminal: a pipe cannot be asked again, so there the call is denied)."""
-    shown = json.dumps(dict(question.args), ensure_ascii=False)
+    # (control and format characters, a bidirectional override, as JSON escapes: the line is put
+    # in the terminal's prompt as it is, and must show what it sends, as the question does)
+    shown = "".join(
+        c if c.isprintable() else json.dumps(c)[1:-1] for c in json.dumps(dict(question.args), ensure_ascii=False)
+    )
     prompt = "arguments (JSON; empty: back) › "
     if prefilled is None:
         err.print(Text.assemble(("  arguments now: ", "dim"), _visible(shown)))

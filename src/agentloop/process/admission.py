@@ -170,6 +170,8 @@ async def _send_once(
         active = live.record.current_run
         if live.remote and (expected is not None or mode == "reject"):
             active = await _run_held_elsewhere(engine, pid)
+        if mode == "reject" and active is None:  # (idle, unless input waits to start the next run)
+            active = await _run_waiting(engine, pid, lock=engine.leases is not None and not live.remote)
         check_admission(pid, mode, expected, active)
         if active is None and not live.remote:
             _check_not_clearing(engine, pid)
@@ -199,6 +201,23 @@ async def _run_held_elsewhere(engine: ProcessEngine, pid: str) -> dict[str, Any]
     if record is None or record.state == "killed":
         raise NoSuchProcess(pid)
     return record.current_run
+
+
+async def _run_waiting(engine: ProcessEngine, pid: str, *, lock: bool) -> dict[str, Any] | None:
+    """For a ``reject`` to a process with no run: the run its queued input starts next, if any
+    waits (input another worker queued for the holder to start, or a queue not promoted yet),
+    as ``{"run_id": ...}``: that process is not idle, and a reject admitted now would run
+    ahead of that input or after it, two callers each told they started the one run. With
+    ``lock`` (the holder, on a shared store) the process's row is locked first, as
+    ``_run_held_elsewhere`` locks it, so a delivery another worker queues meanwhile commits
+    before this look or waits for this delivery's commit (and then finds its run)."""
+    if lock:
+        await engine.store.update_process(pid)
+    queue = await engine.store.queue(pid)
+    if not queue:
+        return None
+    first = next((q for q in queue if q.kind == "system"), queue[0])  # (what ``promote`` starts)
+    return {"run_id": first.run_id}
 
 
 def _waiting_out_an_outage(run: dict[str, Any] | None) -> bool:

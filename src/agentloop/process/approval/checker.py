@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,11 @@ def policy_amender(
                 " remember for the process or the run instead"
             )
         path = account_file(owner)
+        if path.is_symlink():  # (replaced, the link would be cut: that policy's later changes lost here)
+            raise ValueError(
+                f"account {owner!r}'s approval policy file is a link to a policy kept elsewhere (maybe shared):"
+                " it is not amended from here; remember for the process or the run instead"
+            )
         if file_stamp(path) is None:
             data: dict[str, Any] = fallback.to_json()
         else:
@@ -212,14 +218,27 @@ def policy_amender(
 
 def _replace(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: a reader (``policy_approval``, another worker) never
-    sees half a policy, which would read as invalid and fall back to the default."""
+    sees half a policy, which would read as invalid and fall back to the default. The file keeps
+    the permissions it had (a policy an operator made private stays private), and the rename is
+    made durable with its directory, as the answer's commit that follows it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
     try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None
+    try:
         with open(temporary, "x", encoding="utf-8") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

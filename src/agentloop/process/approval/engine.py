@@ -32,6 +32,9 @@ __all__ = [
 NON_INTERACTIVE = "requires interactive approval, which is unavailable for this process"
 _RISK_ORDER = ("destructive", "privileged", "network", "unclassified", "mutating")
 _MAX_SHOWN = 120
+# risks an "always, for this account" answer may not cover: what such a call destroys or takes over
+# depends on its arguments, which the rule (a program, not a target) does not hold
+_NOT_FOR_ACCOUNTS = frozenset({"destructive", "privileged"})
 
 
 class ApprovalDecision(BaseModel):
@@ -281,7 +284,8 @@ def account_rule(syscall: str, args: Mapping[str, Any], target: str = "local", t
     (and subcommand: ``git push``), since a whole account trusting every command of a kind is
     far wider than one conversation doing so. ``ValueError`` where no rule would be narrow enough:
     a shell command that runs several programs, none that can be named, or code of its own
-    (``unclassified``), and a CodeMode program (Python: it can do anything).
+    (``unclassified``), a ``destructive`` or ``privileged`` call (what it harms depends on
+    arguments the rule does not keep), and a CodeMode program (Python: it can do anything).
 
     The program is a ``program`` clause, which holds only for a command line that runs that
     program and nothing else (:func:`runs_only`), not a prefix of the text: ``git push x; cat
@@ -291,6 +295,12 @@ def account_rule(syscall: str, args: Mapping[str, Any], target: str = "local", t
     rule = remember_rule(syscall, target, tags)
     if syscall == "codemode.exec":
         raise ValueError("a CodeMode program can do anything: it cannot be allowed for the whole account")
+    harmful = sorted(set(tags) & _NOT_FOR_ACCOUNTS)
+    if harmful:  # (one ``rm -rf build`` trusted would be every ``rm -rf`` of every later process)
+        raise ValueError(
+            f"a {' and '.join(harmful)} call cannot be allowed for the whole account: its next target is"
+            " not this one; remember it for the process or the run instead"
+        )
     if syscall != "shell.exec":
         return rule
     analysis = _shell_of(syscall, args)
