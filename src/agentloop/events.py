@@ -5,8 +5,10 @@ triples, then exactly one terminal ``done`` or ``error``. A provider never raise
 ``error`` event whose message has stop reason ``error`` or ``aborted``.
 
 Loop events use pi's names (``agent_start``, ``turn_start``, ``message_start/_update/_end``,
-``tool_execution_start/_update/_end``, ``turn_end``, ``agent_end``). Every event is a pydantic
-slotted dataclass; ``event_to_dict(event)`` is its wire form.
+``tool_execution_start/_update/_end``, ``turn_end``, ``agent_end``), plus ``model_retry`` and
+what pieces report through ``TurnInfo.emit``: ``compaction_start/_end`` (``Compaction``) and
+``tool_retry_scheduled/_resolved/_exhausted`` (``ToolRetry``). Every event is a pydantic slotted
+dataclass; ``event_to_dict(event)`` is its wire form.
 """
 
 from __future__ import annotations
@@ -249,6 +251,77 @@ class ModelRetry:
         return self.attempt == 0
 
 
+CompactionTrigger: TypeAlias = Literal["threshold", "overflow"]
+
+
+@_event
+class CompactionStart:
+    """The ``Compaction`` piece is folding older history into a summary (a model call): the context
+    passed its ``threshold``, or the provider refused the last call as too long (``overflow``).
+    ``messages_before``: how many messages the history holds."""
+
+    type: Literal["compaction_start"] = "compaction_start"
+    reason: CompactionTrigger
+    messages_before: int
+
+
+@_event
+class CompactionEnd:
+    """The end of a ``compaction_start``. ``compacted``: the history was replaced by the summary
+    and the ``removed`` messages' tail (token counts are estimates of the history before and
+    after, as a durable process's ``proc.compacted`` gives them); not compacted, ``error`` says
+    why the summary failed (None: nothing was worth compacting). ``will_retry``: the call refused
+    as too long is made once more."""
+
+    type: Literal["compaction_end"] = "compaction_end"
+    reason: CompactionTrigger
+    compacted: bool
+    will_retry: bool = False
+    error: str | None = None
+    removed: int = 0
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+
+
+@_event
+class ToolRetryScheduled:
+    """A retryable tool failure counted by the ``ToolRetry`` piece: its class, and what is left of
+    each budget it counts against after it (the model is told the same and tries again)."""
+
+    type: Literal["tool_retry_scheduled"] = "tool_retry_scheduled"
+    tool_call_id: str
+    tool_name: str
+    error_class: str
+    rounds_left: int
+    class_left: int
+    tool_left: int
+    signature_left: int
+
+
+@_event
+class ToolRetryResolved:
+    """A step without a retryable failure after some: the episode is over and the budgets are
+    full again. ``failures`` and ``rounds``: what the episode had counted."""
+
+    type: Literal["tool_retry_resolved"] = "tool_retry_resolved"
+    failures: int
+    rounds: int
+
+
+@_event
+class ToolRetryExhausted:
+    """A tool failure went past a retry budget (``budget``: ``rounds``, ``class``, ``tool`` or
+    ``signature``, of ``limit``): the run stops after this step, tools off for its last answer."""
+
+    type: Literal["tool_retry_exhausted"] = "tool_retry_exhausted"
+    tool_call_id: str
+    tool_name: str
+    error_class: str
+    budget: str
+    limit: int
+    reason: str
+
+
 @_event
 class AgentEnd:
     type: Literal["agent_end"] = "agent_end"
@@ -270,6 +343,11 @@ LoopEvent: TypeAlias = Annotated[
     | ToolExecutionEnd
     | TurnEnd
     | ModelRetry
+    | CompactionStart
+    | CompactionEnd
+    | ToolRetryScheduled
+    | ToolRetryResolved
+    | ToolRetryExhausted
     | AgentEnd,
     Field(discriminator="type"),
 ]
@@ -310,6 +388,9 @@ __all__ = [
     "RETRYABLE_KINDS",
     "AgentEnd",
     "AgentStart",
+    "CompactionEnd",
+    "CompactionStart",
+    "CompactionTrigger",
     "ErrorKind",
     "LoopEvent",
     "MessageEnd",
@@ -333,6 +414,9 @@ __all__ = [
     "ToolExecutionEnd",
     "ToolExecutionStart",
     "ToolExecutionUpdate",
+    "ToolRetryExhausted",
+    "ToolRetryResolved",
+    "ToolRetryScheduled",
     "TurnEnd",
     "TurnStart",
     "event_from_dict",

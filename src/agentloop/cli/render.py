@@ -30,6 +30,8 @@ from agentloop.agent import Run, RunResult
 from agentloop.events import (
     AgentEnd,
     AgentStart,
+    CompactionEnd,
+    CompactionStart,
     LoopEvent,
     MessageStart,
     MessageUpdate,
@@ -39,6 +41,7 @@ from agentloop.events import (
     ToolExecutionEnd,
     ToolExecutionStart,
     ToolExecutionUpdate,
+    ToolRetryExhausted,
     TurnEnd,
     event_to_dict,
 )
@@ -265,8 +268,27 @@ class TextRenderer:
                 self.waiting()  # the model reads the results next
         elif isinstance(event, ModelRetry):
             self.retry(event.model, event.error, event.attempt, event.delay)
+        elif isinstance(event, CompactionStart | CompactionEnd | ToolRetryExhausted):
+            self._report(event)
         elif isinstance(event, AgentEnd):
             self.finish()
+
+    def _report(self, event: CompactionStart | CompactionEnd | ToolRetryExhausted) -> None:
+        """A piece's report, one line: a compaction (the model is called next) or a spent budget."""
+        if isinstance(event, ToolRetryExhausted):
+            self.note(Text(f"tool retry budget spent: {one_line(event.reason)}; the run stops", style="yellow"))
+            return
+        why = " (the context overflowed)" if event.reason == "overflow" else ""
+        if isinstance(event, CompactionStart):
+            self.note(Text(f"compacting context…{why}", style="dim"))
+        elif event.compacted:
+            plural = "message" if event.removed == 1 else "messages"
+            self.note(Text(f"context compacted: {event.removed} {plural} summarised", style="dim"))
+        elif event.error:
+            self.note(Text(f"context not compacted: {one_line(event.error)}", style="yellow"))
+        else:
+            self.note(Text("context not compacted: nothing to summarise", style="dim"))
+        self.waiting()
 
 
 class SignalRenderer:

@@ -18,6 +18,7 @@ good enough to trigger compaction a little early rather than too late.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+from agentloop.events import CompactionEnd, CompactionStart, CompactionTrigger
 from agentloop.loop.hooks import Block, Hooks, TurnInfo
 from agentloop.loop.state import LoopConfig
 from agentloop.messages import (
@@ -695,7 +697,8 @@ class Compaction:
     overflow ends the run with that error, as does one where nothing could be compacted. A summary
     that fails leaves the history as it was (logged). ``pre_compaction`` hooks run first, as in a
     durable process: one returning ``Block`` skips the compaction, a ``dict`` is kept on the
-    summary's ``details``. The summary call's usage is the run's.
+    summary's ``details``. The summary call's usage is the run's. A watched run shows each summary
+    as a ``compaction_start`` event and its ``compaction_end`` (compacted or not, and why).
 
     After a compaction ``RunResult.messages`` holds the compacted history, the summary (a
     ``system`` message of kind ``summary``) followed by the messages kept: the conversation to
@@ -754,10 +757,13 @@ class Compaction:
         )
         if isinstance(carry, Block):
             return None
-        reason: CompactionReason = "overflow" if info.overflow else "threshold"
+        reason: CompactionTrigger = "overflow" if info.overflow else "threshold"
         keep = keep_recent(
             info.system_prompt, info.tools, history, model, self.threshold, self.keep_recent_tokens, reason
         )
+        emit = info.emit  # (watched: a start, and its end however the summary goes)
+        if emit is not None:
+            emit(CompactionStart(reason=reason, messages_before=len(history)))
         try:
             result = await compact(
                 list(history),
@@ -769,8 +775,17 @@ class Compaction:
             )
         except CompactionError as exc:
             log.warning("run %s: compaction failed, history unchanged: %s", info.run_id, exc)
+            if emit is not None:
+                emit(CompactionEnd(reason=reason, compacted=False, error=str(exc)))
             return None
+        except BaseException as exc:  # an abort (cancelled), or a bug the hook runner logs
+            if emit is not None:
+                error = "aborted" if isinstance(exc, asyncio.CancelledError) else f"{type(exc).__name__}: {exc}"
+                emit(CompactionEnd(reason=reason, compacted=False, error=error))
+            raise
         if result is None:
+            if emit is not None:
+                emit(CompactionEnd(reason=reason, compacted=False))
             return None
         if info.usage is not None:
             info.usage.add(result.usage)
@@ -782,4 +797,15 @@ class Compaction:
             result.tokens_before,
             result.tokens_after,
         )
+        if emit is not None:  # (an overflow's call is made again with the compacted history)
+            emit(
+                CompactionEnd(
+                    reason=reason,
+                    compacted=True,
+                    will_retry=info.overflow,
+                    removed=len(result.removed),
+                    tokens_before=result.tokens_before,
+                    tokens_after=result.tokens_after,
+                )
+            )
         return result.history

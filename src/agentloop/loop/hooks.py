@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar, cast, get_args
 
+from agentloop.events import LoopEvent
 from agentloop.messages import AssistantMessage, Message, ToolCall, Usage
 from agentloop.models.base import ToolSpec
 from agentloop.tools.base import ToolResult
@@ -68,6 +69,9 @@ class TurnInfo:
     # a durable process's id (None in memory): run ids are unique only within one process (a
     # heartbeat's, a caller's), so a hook that keeps state per run keys it by both
     conversation: str | None = None
+    # the run's event stream, for a hook to report what it did (``Compaction``, ``ToolRetry``):
+    # set by the in-memory runner in ``compact_context`` and ``post_turn`` while the run is watched
+    emit: Callable[[LoopEvent], None] | None = None
 
 
 class TurnFailed(Exception):

@@ -133,7 +133,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                     state.rounds += 1
             state.phase = "model"
             if compacts:
-                await _compact(cfg, state, tools_enabled, overflow=False)
+                await _compact(cfg, state, tools_enabled, emit, overflow=False)
             reply = await call_model(cfg, state, tools_enabled, emit)
             if compacts and is_context_overflow(reply, cfg.model.info.context_window):
                 reply = await _compact_and_retry(cfg, state, tools_enabled, emit, reply)
@@ -157,8 +157,10 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
         return "aborted"
 
 
-async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, *, overflow: bool) -> bool:
+async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, *, overflow: bool) -> bool:
     """Let the ``compact_context`` hooks replace the history before a model call; whether they did.
+    They report a compaction on the run's events (``emit``) themselves: only they know whether
+    one is due, and it starts before their summary call.
 
     The history is replaced in place (the list is the run's ``messages``). The run's new messages
     stay its new ones where the replacement kept them as they were, at its end; where it folded
@@ -179,6 +181,7 @@ async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, *, ove
         overflow=overflow,
         usage=state.usage,
         conversation=state.conversation,
+        emit=emit,
     )
     await cfg.hooks.run_phase("compact_context", info)
     new = info.messages
@@ -203,7 +206,7 @@ async def _compact_and_retry(
     if state.aborted:
         return reply
     try:
-        compacted = await _compact(cfg, state, tools_enabled, overflow=True)
+        compacted = await _compact(cfg, state, tools_enabled, emit, overflow=True)
     except asyncio.CancelledError:  # aborted while the summary was written: the run ends here
         state.usage.add(reply.usage)  # (and the refused reply, billed, is not returned to be counted)
         raise
@@ -224,7 +227,13 @@ async def _end_turn(
         emit(TurnEnd(turn=state.turn, message=message, tool_results=results))
     if "post_turn" in cfg.hooks.phases:
         info = TurnInfo(
-            state.run_id, state.turn, state.messages, cfg.system_prompt, cfg.tool_specs, conversation=state.conversation
+            state.run_id,
+            state.turn,
+            state.messages,
+            cfg.system_prompt,
+            cfg.tool_specs,
+            conversation=state.conversation,
+            emit=emit,
         )
         if await cfg.hooks.run_phase("post_turn", info) is not None:  # a ``Stop``: as ``Run.stop``
             state.stopping = True

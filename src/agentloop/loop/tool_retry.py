@@ -48,6 +48,11 @@ budget (three identical failures, the same limit) that ends a loop of identical 
 
 When a budget is spent, the final round (tools off) is told why, next to the generic instruction
 of a stopped run, so the model says what failed rather than that it was asked to stop.
+
+A watched in-memory run reports each step's episode at its end (``post_turn``, through
+``TurnInfo.emit``): a ``tool_retry_scheduled`` event per failure counted, ``tool_retry_resolved``
+when a step without one gives the budgets back, ``tool_retry_exhausted`` when one is spent.
+Failures counted again from a history (a resumed run) are not reported anew.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias, cast, get_args
 
+from agentloop.events import LoopEvent, ToolRetryExhausted, ToolRetryResolved, ToolRetryScheduled
 from agentloop.loop.execute import CANCELLED, NOT_COUNTED
 from agentloop.loop.hooks import Hooks, Stop, ToolCallInfo, TurnInfo
 from agentloop.loop.state import LoopConfig
@@ -313,6 +319,7 @@ class _Run:
     stopped: bool = False
     told_end: bool = False  # the final round was told which budget was spent
     notes: list[str] = field(default_factory=list)  # facts for the next model call
+    events: list[LoopEvent] = field(default_factory=list)  # what ``post_turn`` reports (``TurnInfo.emit``)
 
 
 def _batch_key(message: AssistantMessage, call: ToolCall) -> str:
@@ -388,7 +395,7 @@ class ToolRetry:
         if text in NOT_COUNTED:
             return None
         failure = ToolFailure(info.call.name, info.call.arguments, text, result.details, executed=True)
-        line = self._count(run, failure)
+        line = self._count(run, failure, info.call.id)
         return replace(result, content=[*result.content, TextContent(text=f"\n{line}")])
 
     def post_turn(self, info: TurnInfo) -> Stop | None:
@@ -406,6 +413,11 @@ class ToolRetry:
                 self._enter(run, batch_key)
                 self._sweep(run, assistant, results)
                 self._close(run)
+        if run is not None and run.events:  # the step's retry episode, told to those watching
+            events, run.events = run.events, []
+            if info.emit is not None:
+                for event in events:
+                    info.emit(event)
         if run is None or run.exhausted is None or run.stopped:
             return None
         run.stopped = True
@@ -474,6 +486,7 @@ class ToolRetry:
                 self._enter(run, batch[0])
                 self._take(run, batch[1][msg.tool_call_id], msg)
         self._close(run)
+        run.events = []  # (counted again, not new: nothing to report)
         return run
 
     def _enter(self, run: _Run, key: str) -> None:
@@ -488,6 +501,9 @@ class ToolRetry:
     def _close(self, run: _Run) -> None:
         """The batch is over: a batch without a retryable failure resolves the episode."""
         if not run.closed and not run.retried and run.exhausted is None:
+            ep = run.episode
+            if ep.rounds:  # an episode with failures is resolved: its budgets are given back
+                run.events.append(ToolRetryResolved(failures=sum(ep.by_class.values()), rounds=ep.rounds))
             run.episode = _Episode()
         run.closed = True
 
@@ -509,16 +525,16 @@ class ToolRetry:
         told = _told(text)
         if told is not None:
             at, verdict = told
-            self._count(run, ToolFailure(call.name, call.arguments, text[:at], result.details, True), verdict)
+            self._count(run, ToolFailure(call.name, call.arguments, text[:at], result.details, True), call.id, verdict)
             return
         if text in NOT_COUNTED:
             return
         failure = ToolFailure(call.name, call.arguments, text, result.details, executed=False)
-        run.notes.append(f"{call.name} ({call.id}): {self._count(run, failure)}")
+        run.notes.append(f"{call.name} ({call.id}): {self._count(run, failure, call.id)}")
 
-    def _count(self, run: _Run, failure: ToolFailure, verdict: Classification | None = None) -> str:
-        """Classify ``failure`` (unless its ``verdict`` is known), count it, and return the line
-        the model reads about it."""
+    def _count(self, run: _Run, failure: ToolFailure, call_id: str, verdict: Classification | None = None) -> str:
+        """Classify ``failure`` (of call ``call_id``) unless its ``verdict`` is known, count it, and
+        return the line the model reads about it."""
         verdict = verdict or self.classification(failure)
         cls = verdict.error_class
         hint = verdict.hint or _HINTS.get(cls, _HINTS["unknown"])
@@ -530,15 +546,26 @@ class ToolRetry:
         ep = run.episode
         new_round = ep.counted_batch != run.batch
         sig = signature(failure.tool_name, failure.arguments, cls)
-        limits = (
-            ("rounds", ep.rounds + (1 if new_round else 0), self.rounds),
-            (cls, ep.by_class[cls] + 1, self.class_budgets.get(cls, 1)),
-            (failure.tool_name, ep.by_tool[failure.tool_name] + 1, self.per_tool),
-            ("same call", ep.by_signature[sig] + 1, self.per_signature),
+        tool = failure.tool_name
+        limits = (  # (the budget, as an event and as the model reads it; used with this failure; limit)
+            ("rounds", "rounds", ep.rounds + (1 if new_round else 0), self.rounds),
+            ("class", cls, ep.by_class[cls] + 1, self.class_budgets.get(cls, 1)),
+            ("tool", tool, ep.by_tool[tool] + 1, self.per_tool),
+            ("signature", "same call", ep.by_signature[sig] + 1, self.per_signature),
         )
-        for name, used, limit in limits:
+        for budget, name, used, limit in limits:
             if used > limit:
-                run.exhausted = f"a {cls} failure of {failure.tool_name} went past the {name} budget ({limit})"
+                run.exhausted = f"a {cls} failure of {tool} went past the {name} budget ({limit})"
+                run.events.append(
+                    ToolRetryExhausted(
+                        tool_call_id=call_id,
+                        tool_name=tool,
+                        error_class=cls,
+                        budget=budget,
+                        limit=limit,
+                        reason=run.exhausted,
+                    )
+                )
                 log.info("tool retry: %s budget %d spent by a %s failure of %s", name, limit, cls, failure.tool_name)
                 return (
                     f"[tool retry: class={cls}; budget exhausted: {name} {limit}/{limit} used."
@@ -550,7 +577,19 @@ class ToolRetry:
         ep.by_class[cls] += 1
         ep.by_tool[failure.tool_name] += 1
         ep.by_signature[sig] += 1
-        left = ", ".join(f"{name} {limit - used}/{limit}" for name, used, limit in limits)
+        rounds_left, class_left, tool_left, signature_left = (limit - used for _, _, used, limit in limits)
+        run.events.append(
+            ToolRetryScheduled(
+                tool_call_id=call_id,
+                tool_name=tool,
+                error_class=cls,
+                rounds_left=rounds_left,
+                class_left=class_left,
+                tool_left=tool_left,
+                signature_left=signature_left,
+            )
+        )
+        left = ", ".join(f"{name} {limit - used}/{limit}" for _, name, used, limit in limits)
         return f"[tool retry: class={cls}; retries left: {left}; hint: {hint}]"
 
 
