@@ -113,12 +113,21 @@ def hosted_bridge(name: str, options: Sequence[str], transcriber: OpenAITranscri
     except typer.Exit as exc:  # (its checks said why on stderr; or --help)
         raise typer.Exit(exc.exit_code) from None
     except _usage_errors() as exc:  # (an unknown option, a bad value)
-        _fail(f"{flag}: {exc.format_message()}", 2)  # type: ignore[attr-defined]
+        _fail(f"{flag}: {_unquoted(exc.format_message(), options)}", 2)  # type: ignore[attr-defined]
     finally:
         _HOST.reset(token)
     if len(host.taken) != 1:  # (every bridge command ends in ``run_bridge``)
         raise RuntimeError(f"agentloop {name} made no bridge")
     return host.taken[0]
+
+
+def _unquoted(message: str, options: Sequence[str]) -> str:
+    """A parser's ``message`` without the values of ``options`` it quotes ("Got unexpected extra
+    argument (…)"): a bot token put among them by mistake (the config file's ``[bridges]``) is not
+    written to a log. Option names stay, and values too short to be a secret."""
+    for word in sorted({w for w in options if not w.startswith("-") and len(w) >= 16}, key=len, reverse=True):
+        message = message.replace(word, "…")
+    return message
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:

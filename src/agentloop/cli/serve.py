@@ -273,7 +273,9 @@ async def _serve(
             with _signals(running, signals):
                 task: asyncio.Future[None] | None = None
                 try:
-                    await bridges.start(kernel)  # (one that cannot start ends serve before the port accepts)
+                    # (one that cannot start ends serve before the port accepts; a signal meanwhile
+                    # ends its start, which may wait long for a network that does not answer)
+                    await _unless_stopping(bridges.start(kernel), ctx.stopping)
                     if not server.should_exit:  # (a signal while the bridges started: nothing to serve)
                         task = asyncio.ensure_future(server.serve(sockets=[sock]))
                         while not server.started and not task.done():
@@ -302,6 +304,20 @@ async def _serve(
         sock.close()
 
 
+async def _unless_stopping(work: Coroutine[Any, Any, None], stopping: asyncio.Event) -> None:
+    """``work``, cancelled if ``stopping`` is set first (its failure raised here)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        task.cancel()  # (nothing if it is done)
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    if not task.cancelled():
+        task.result()
+
+
 class _Bridges:
     """The chat bridges serve hosts (``ServeOptions.bridges``), on its kernel: started in order,
     watched (one that stops by itself stops serve, as it would stop its own command), and closed
@@ -327,10 +343,14 @@ class _Bridges:
             _say(self.opts.out, f"agentloop {hosted.name}: {listening}")
 
     async def _watch(self, name: str, bridge: Bridge) -> None:
-        await bridge.wait()
+        why = ""
+        try:
+            await bridge.wait()
+        except Exception as exc:  # (ended all the same: serve must not go on without it, unsaid)
+            why = f" ({type(exc).__name__})"  # (its name only: a message may quote a URL with a token)
         if not self.running.ctx.stopping.is_set():
             self.ended.append(name)
-            sys.stderr.write(f"agentloop: the {name} bridge stopped, so serve stops\n")
+            sys.stderr.write(f"agentloop: the {name} bridge stopped{why}, so serve stops\n")
             sys.stderr.flush()
             self.running.stop()
 

@@ -186,7 +186,10 @@ def path_stats(paths: Sequence[str]) -> list[os.stat_result | None]:
     at most once however many absent paths it answers for."""
     seen: dict[str, os.stat_result | OSError] = {}
     gone: dict[str, bool] = {}
-    return [_look(path, seen, gone) for path in paths]
+    # (read before anything is looked up: a directory is settled only if its timestamp's granule
+    # had ended before its missing entry was looked up, which a clock read afterwards cannot tell)
+    now = time.time_ns()
+    return [_look(path, seen, gone, now) for path in paths]
 
 
 def path_stamps(paths: Sequence[str]) -> tuple[Stamp | None, ...]:
@@ -221,16 +224,18 @@ def _gone(entry: str, gone: dict[str, bool]) -> bool:
     return found
 
 
-def _key(st: os.stat_result) -> tuple[int, int, int] | None:
-    """What identifies a directory's entry list as stamped, if its timestamp has settled."""
+def _key(st: os.stat_result, now: int) -> tuple[int, int, int] | None:
+    """What identifies a directory's entry list as stamped, if its timestamp had settled by ``now``."""
     mtime = st.st_mtime_ns
     margin = _SETTLE_COARSE_NS if mtime % 1_000_000 == 0 else _SETTLE_NS
-    if time.time_ns() - mtime <= margin:
+    if now - mtime <= margin:
         return None
     return (st.st_dev, st.st_ino, mtime)
 
 
-def _look(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, bool]) -> os.stat_result | None:
+def _look(
+    path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, bool], now: int
+) -> os.stat_result | None:
     witness = _absent.get(path)
     if witness is not None:
         where, entry, key = witness
@@ -239,18 +244,18 @@ def _look(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, 
             if key is not None and key == (st.st_dev, st.st_ino, st.st_mtime_ns):
                 return None
             if stat.S_ISDIR(st.st_mode) and _gone(entry, gone):
-                witness[2] = _key(st)
+                witness[2] = _key(st, now)
                 return None
-        del _absent[path]
+        _absent.pop(path, None)  # (not ``del``: a toolset in a worker thread may have dropped it meanwhile)
     found = _stat(path, seen)
     if isinstance(found, os.stat_result):
         return found
     if isinstance(found, FileNotFoundError | NotADirectoryError) and not path.endswith("/"):
-        _witness(path, seen, gone)
+        _witness(path, seen, gone, now)
     return None
 
 
-def _witness(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, bool]) -> None:
+def _witness(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[str, bool], now: int) -> None:
     """Find the directory that answers for absent ``path``: the nearest one that exists."""
     entry, where = path, os.path.dirname(path)
     while where and where != entry:
@@ -260,7 +265,7 @@ def _witness(path: str, seen: dict[str, os.stat_result | OSError], gone: dict[st
             if stat.S_ISDIR(st.st_mode) and _gone(entry, gone):
                 if len(_absent) >= 4096:
                     _absent.clear()
-                _absent[path] = [where, entry, _key(st)]
+                _absent[path] = [where, entry, _key(st, now)]
             return
         if not isinstance(st, FileNotFoundError):
             return
