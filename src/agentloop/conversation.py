@@ -17,6 +17,7 @@ waits for the next run, which takes it before its own input.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -68,6 +69,7 @@ class Conversation:
         self._turns = asyncio.Lock()  # FIFO: queued sends run in the order they were made
         self._idle = asyncio.Event()
         self._idle.set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the lock and event serve
         self._listeners: list[Listener] = []
 
     # -- state ----------------------------------------------------------------------------------
@@ -197,8 +199,17 @@ class Conversation:
     def abort(self) -> None:
         """Abort the running prompt (``Run.abort``); sends waiting for their turn still run, and
         queued input stays queued. Does nothing while idle."""
-        if self._run is not None:
-            self._run.abort()
+        run = self._run
+        if run is None:
+            return
+        task = run._task  # a streaming run's task, made but maybe not yet started
+        coro = task.get_coro() if task is not None else None
+        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            # cancelled before its first step, the task would never tell the stream it ended (the
+            # stream would wait forever): the run sees the flag at its first step and ends there
+            run.state.aborted = True
+        else:
+            run.abort()
 
     def stop(self) -> None:
         """Ask the running prompt to finish gently (``Run.stop``). Does nothing while idle."""
@@ -234,6 +245,10 @@ class Conversation:
                 "the conversation is already running a prompt: use steer() or follow_up() to add to it, "
                 "wait_idle() for it to finish, or send(..., if_busy='queue') to wait its turn"
             )
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and not self._busy:  # (asyncio.run again: the old ones are bound)
+            self._loop, self._turns, self._idle = loop, asyncio.Lock(), asyncio.Event()
+            self._idle.set()
         self._busy += 1
         self._idle.clear()
         try:

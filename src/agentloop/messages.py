@@ -420,13 +420,19 @@ def tool_error_result(call: ToolCall, text: str) -> ToolResultMessage:
 
 # whitespace and control characters (a line break among them), each run made one space
 _NOT_ONE_LINE = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+# invisible format characters (zero-width, bidirectional overrides and isolates, BOM): a name that
+# reads as another's, or reorders the line around it; not ZWJ / ZWNJ, which emoji and scripts use
+_INVISIBLE = re.compile(r"[\u00ad\u061c\u180e\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]")
+# a line of a group message's own text that would read as a speaker line: "[From: Owner (…)]"
+_FORGED_LINE = re.compile(r"(^|[\n\r\x0b\x0c\x85\u2028\u2029])([ \t]*)[\[\uff3b](?=[ \t]*from[ \t]*[:\uff1a])", re.I)
 
 
 def _shown(text: str, limit: int) -> str:
     """``text`` as a speaker line may show it: one line, without square brackets, at most
     ``limit`` characters. A display name is its owner's own choice: one that holds a line break
     and "[From: Alice …]" must not read as a line of another speaker."""
-    text = _NOT_ONE_LINE.sub(" ", storable(text)).replace("[", "(").replace("]", ")").strip()
+    text = _INVISIBLE.sub("", storable(text)) if not text.isascii() else text
+    text = _NOT_ONE_LINE.sub(" ", text).replace("[", "(").replace("]", ")").strip()
     return text[:limit].rstrip()
 
 
@@ -456,8 +462,11 @@ def names_speaker(message: Message) -> bool:
 
 
 def speaker_line(spoke: Origin) -> str:
-    """The first line a group chat's message shows the model: ``[From: Alice (telegram:12345)]``."""
-    who = f"{spoke.name} ({spoke.user})" if spoke.name and spoke.user else spoke.name or spoke.user
+    """The first line a group chat's message shows the model: ``[From: Alice (telegram:12345)]``.
+    Made safe here too (``_shown``): an origin not made by ``origin`` (read back from JSON, built
+    in memory) reaches the model through this line."""
+    name, user = _shown(spoke.name, MAX_SPEAKER_NAME), _shown(spoke.user, MAX_SPEAKER_ID)
+    who = f"{name} ({user})" if name and user else name or user
     return f"[From: {who}]"
 
 
@@ -465,16 +474,26 @@ def with_speaker(message: UserMessage) -> UserMessage:
     """``message`` as the model sees it: a group chat's with its speaker's line before its text
     (a copy; the message itself is untouched), any other as it is."""
     spoke = message.origin
-    if spoke is None or spoke.chat != "group" or not (spoke.name or spoke.user):
+    if spoke is None or spoke.chat != "group":
         return message
     line = speaker_line(spoke)
-    content = list(message.content)
+    if line == "[From: ]":  # (no name nor id to show)
+        return message
+    # a line of the text that would read as another speaker's is shown with "(" for its "["
+    content: list[UserBlock] = [
+        TextContent(text=_FORGED_LINE.sub(r"\1\2(", b.text)) if isinstance(b, TextContent) and _forges(b.text) else b
+        for b in message.content
+    ]
     first = content[0] if content else None
     if isinstance(first, TextContent):
         content[0] = TextContent(text=f"{line}\n{first.text}" if first.text else line)
     else:
         content.insert(0, TextContent(text=line))
     return replace(message, content=content)
+
+
+def _forges(text: str) -> bool:
+    return ("[" in text or "\uff3b" in text) and _FORGED_LINE.search(text) is not None
 
 
 def with_speakers(messages: Sequence[Message]) -> list[Message]:

@@ -100,6 +100,9 @@ MAX_REQUIRED_NAMES = 16
 MAX_NAME_CHARS = 128
 MAX_PATH_GLOBS = 16  # ``paths:`` globs of one skill that are matched (the agent writes skill files)
 MAX_PATH_PARTS = 64
+# glob segments tried against one mentioned path, a skill's globs together: past it the path does
+# not match (a real glob takes tens; one the agent wrote to be slow cannot stall the engine)
+MAX_MATCH_STEPS = 2048
 _OS_ALIASES = {"macos": "darwin", "mac": "darwin", "osx": "darwin", "win32": "windows", "win": "windows"}
 _OS_LABELS = {"linux": "Linux", "darwin": "macOS", "windows": "Windows"}
 
@@ -388,11 +391,19 @@ class SkillCard:
         parts = tuple(p for p in path.split("/") if p not in ("", "."))
         if not parts or len(parts) > MAX_PATH_PARTS:
             return False
-        starts = range(len(parts)) if path.startswith(("/", "~")) else range(1)
+        anywhere = path.startswith(("/", "~"))
+        left = MAX_MATCH_STEPS
         for glob in self.globs:
             pattern = _glob_parts(glob)
-            if any(_match_parts(pattern, parts[i:]) for i in starts):
+            # anywhere along an absolute path: one pass with a leading ``**`` (the same as trying
+            # each start, which cost a pass per segment: seconds for a message of deep paths)
+            if anywhere and pattern[:1] != ("**",):
+                pattern = ("**", *pattern)
+            matched, left = _match_parts(pattern, parts, left)
+            if matched:
                 return True
+            if left <= 0:
+                return False
         return False
 
 
@@ -418,9 +429,10 @@ def _glob_parts(glob: str) -> tuple[str, ...]:
     return (*parts, "**") if glob.endswith("/") else parts
 
 
-def _match_parts(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+def _match_parts(pattern: tuple[str, ...], parts: tuple[str, ...], left: int = MAX_MATCH_STEPS) -> tuple[bool, int]:
     """Segment-wise glob matching, as a set of pattern positions (no backtracking: a glob is the
-    agent's to write, and each segment goes to ``fnmatchcase``, itself linear)."""
+    agent's to write, and each segment goes to ``fnmatchcase``, itself linear); with the steps
+    ``left`` after it (none left: no match)."""
 
     def closure(states: set[int]) -> set[int]:  # (a ``**`` may match no segment)
         out = set(states)
@@ -432,6 +444,9 @@ def _match_parts(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
 
     states = closure({0})
     for part in parts:
+        left -= len(states)
+        if left <= 0:
+            return False, 0
         moved = set()
         for i in states:
             if i == len(pattern):
@@ -442,8 +457,8 @@ def _match_parts(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
                 moved.add(i + 1)
         states = closure(moved)
         if not states:
-            return False
-    return len(pattern) in states
+            return False, left
+    return len(pattern) in states, left
 
 
 def _load(layer: Path, name: str, rel: str, folder: bool) -> tuple[Skill, list[str]]:
