@@ -467,10 +467,21 @@ class AgentloopClient:
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/reset", body={})
         return result
 
-    async def compact(self, pid: str, instructions: str | None = None) -> dict[str, Any]:
+    async def compact(
+        self,
+        pid: str,
+        instructions: str | None = None,
+        *,
+        keep_last: int | None = None,
+        through: int | None = None,
+        summary: str | None = None,
+    ) -> dict[str, Any]:
         """Summarise the history now (``POST …/compact``): ``{compacted, note, removed, tokens_before,
-        tokens_after, archive, segment_id}``. ``Conflict`` while a run is active."""
-        body = {"instructions": instructions} if instructions else {}
+        tokens_after, archive, segment_id}``. ``keep_last`` (keep the newest N messages) or
+        ``through`` (a message id: summarise up to and including it) choose the cut; ``summary``
+        is your own text, installed with no model call. ``Conflict`` while a run is active."""
+        options = {"instructions": instructions or None, "keep_last": keep_last, "through": through, "summary": summary}
+        body = {name: value for name, value in options.items() if value is not None}
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/compact", body=body)
         return result
 

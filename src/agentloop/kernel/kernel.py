@@ -78,7 +78,7 @@ from agentloop.process.audio_video import (
     check_transcriber,
     to_text,
 )
-from agentloop.process.compaction import extract_memories
+from agentloop.process.compaction import check_manual, extract_memories
 from agentloop.process.driver import check_outage_retries
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
 from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
@@ -575,19 +575,41 @@ class Process:
         already is not withdrawn, and not in the answer. See ``admission.withdraw``."""
         return await self.kernel.engine.withdraw(self.pid, item_id, kind)
 
-    async def compact(self, instructions: str | None = None) -> Compacted:
+    async def compact(
+        self,
+        instructions: str | None = None,
+        *,
+        keep_last: int | None = None,
+        through: int | None = None,
+        summary: str | None = None,
+    ) -> Compacted:
         """Summarise the history now, as a run does when its context fills (``ProcessEngine.compact``):
         the older part is archived and replaced by a summary, ``instructions`` telling the summary
         model what to keep. Only while idle (``RunActive`` otherwise); ``Compacted.note`` says why
-        nothing was compacted (too short, a hook declined), a failure raises ``CompactionError``."""
+        nothing was compacted (too short, a hook declined), a failure raises ``CompactionError``.
+
+        Where the summary ends is the compaction rules' choice unless given: ``keep_last`` keeps
+        the newest N messages, ``through`` summarises every message up to and including that
+        message id (``history()``'s ``StoredMessage.id``); not both. A tool call is never parted
+        from its results: ``keep_last`` then keeps more, ``through`` summarises the call's results
+        too. ``summary``: the summary's text, yours (plain text, at most ``MAX_SUMMARY``
+        characters, not with ``instructions``), installed with no model call. Bad options are a
+        ``TypeError`` or ``ValueError`` and change nothing."""
         if instructions is not None:
             if not isinstance(instructions, str):
                 raise TypeError(f"instructions must be a string, got {type(instructions).__name__}")
             if len(instructions) > MAX_INSTRUCTIONS:
                 raise ValueError(f"instructions are longer than {MAX_INSTRUCTIONS} characters")
             check_plain_text(instructions, "instructions")
+        summary = check_manual(keep_last, through, summary, instructions, MAX_SEQ)
         await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
-        return await self.kernel.engine.compact(self.pid, instructions=(instructions or "").strip() or None)
+        return await self.kernel.engine.compact(
+            self.pid,
+            instructions=(instructions or "").strip() or None,
+            keep_last=keep_last,
+            through=through,
+            summary=summary,
+        )
 
     async def segments(self) -> list[Segment]:
         """The parts of the history that compactions, clearings and resets put away, oldest first."""

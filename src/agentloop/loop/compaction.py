@@ -248,11 +248,7 @@ def plan_cut(messages: Sequence[Message], keep_recent_tokens: int) -> int | None
             break
     if cut is None:
         return None
-    owner: dict[str, int] = {}
-    for i, m in enumerate(messages):
-        if isinstance(m, AssistantMessage):
-            for tc in m.tool_calls:
-                owner[tc.id] = i
+    owner = _owners(messages)
     while cut > 0:
         moved = cut
         if isinstance(messages[cut], ToolResultMessage):
@@ -275,6 +271,50 @@ def _splits_nothing(messages: Sequence[Message], cut: int, owner: dict[str, int]
     """Whether a tail starting at ``cut`` keeps every tool result with its call."""
     results = (m for m in messages[cut:] if isinstance(m, ToolResultMessage))
     return all(owner.get(m.tool_call_id, cut) >= cut for m in results)
+
+
+def _owners(messages: Sequence[Message]) -> dict[str, int]:
+    """The index of the assistant message that made each tool call, by the call's id."""
+    owner: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        if isinstance(m, AssistantMessage):
+            for tc in m.tool_calls:
+                owner[tc.id] = i
+    return owner
+
+
+def explicit_cut(messages: Sequence[Message], *, keep_last: int | None = None, through: int | None = None) -> int:
+    """Index where the kept tail starts for a cut the caller chose (a compaction asked for by
+    hand), instead of ``plan_cut``'s: keep the newest ``keep_last`` messages, or summarise every
+    message up to and including index ``through``; exactly one of the two. Either way a tool
+    call never parts from its results, nor does the tail start on a result: ``keep_last`` moves
+    the cut towards older messages (keeping more than asked), ``through`` towards newer ones
+    (past the results of a call it names, so that it is summarised whole). 0 keeps everything
+    (nothing to summarise); ``len(messages)`` summarises it all."""
+    if (keep_last is None) == (through is None):
+        raise ValueError("give keep_last or through, not both")
+    n = len(messages)
+    owner = _owners(messages)
+
+    def clean(cut: int) -> bool:
+        if cut >= n:
+            return True
+        return not isinstance(messages[cut], ToolResultMessage) and _splits_nothing(messages, cut, owner)
+
+    if keep_last is not None:
+        if keep_last < 0:
+            raise ValueError(f"keep_last must not be negative, got {keep_last}")
+        cut = max(0, n - keep_last)
+        while cut > 0 and not clean(cut):
+            cut -= 1
+        return cut
+    assert through is not None
+    if not 0 <= through < n:
+        raise ValueError(f"through must be the index of a message of the history (0 to {n - 1}), got {through}")
+    cut = through + 1
+    while cut < n and not clean(cut):
+        cut += 1
+    return cut
 
 
 # ------------------------------------------------------------------ the summary
@@ -532,31 +572,46 @@ async def compact(
     reason: CompactionReason,
     instructions: str | None = None,
     carry: dict[str, Any] | None = None,
+    cut: int | None = None,
+    summary: str | None = None,
 ) -> CompactionResult | None:
     """Summarise the prefix before ``plan_cut``; None when there is nothing worth compacting.
 
     Earlier summaries in the prefix are handed to the model as the previous summary so that
     repeated compactions roll them forward instead of summarising a summary as chatter.
     ``carry``: JSON data for the summary's ``details`` (see ``carried``), which code reading the
-    history finds there once the messages it came from are gone.
+    history finds there once the messages it came from are gone. ``cut``: where the kept tail
+    starts, chosen by the caller (``explicit_cut``) instead of ``plan_cut``. ``summary``: the
+    summary's text, given by the caller: ``model`` is not called (no usage, no memories), and
+    the text replaces whatever earlier summaries the prefix holds along with the rest of it.
     """
-    cut = plan_cut(messages, keep_recent_tokens)
+    if summary is not None and not summary.strip():
+        raise ValueError("the summary is empty")
     if cut is None:
+        cut = plan_cut(messages, keep_recent_tokens)
+    elif not 0 <= cut <= len(messages):
+        raise ValueError(f"cut must be from 0 to {len(messages)}, got {cut}")
+    if not cut:
         return None
     removed, kept = list(messages[:cut]), list(messages[cut:])
     previous = [m.text for m in removed if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND]
     rest = [m for m in removed if not (isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND)]
-    text, memories, usage = await summarize(
-        model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
-    )
-    summary = summary_message(text, len(removed), carried(removed, carry))
+    if summary is not None:
+        text, memories, usage = summary.strip(), None, Usage()
+    elif not rest:  # (only an earlier summary: nothing new to summarise)
+        return None
+    else:
+        text, memories, usage = await summarize(
+            model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
+        )
+    made = summary_message(text, len(removed), carried(removed, carry))
     return CompactionResult(
         removed=removed,
         kept=kept,
-        summary=summary,
+        summary=made,
         reason=reason,
         tokens_before=estimate_tokens(messages),
-        tokens_after=estimate_tokens([summary, *kept]),
+        tokens_after=estimate_tokens([made, *kept]),
         memories=memories,
         usage=usage,
     )

@@ -37,6 +37,7 @@ from agentloop.loop.compaction import (
     count_stored_files,
     estimate_tokens,
     estimated_context,
+    explicit_cut,
     extract_memories,
     plan_cut,
     pressure,
@@ -55,6 +56,7 @@ from agentloop.messages import (
     Message,
     TextContent,
     ToolResultMessage,
+    check_plain_text,
     now_ms,
 )
 from agentloop.process.media import MediaError, MediaRef, is_stored
@@ -66,6 +68,7 @@ __all__ = [
     "CLEARED_NOTE",
     "CLEARING_MARGIN",
     "IMAGE_TOKENS",
+    "MAX_SUMMARY",
     "MEMORY_SYSTEM_PROMPT",
     "MESSAGE_OVERHEAD",
     "PDF_BYTES_PER_TOKEN",
@@ -80,11 +83,14 @@ __all__ = [
     "CompactionReason",
     "CompactionResult",
     "carried",
+    "check_manual",
+    "check_summary",
     "clear_tool_outputs",
     "compact",
     "context_tokens",
     "estimate_tokens",
     "estimated_context",
+    "explicit_cut",
     "extract_memories",
     "plan_cut",
     "pressure",
@@ -109,6 +115,53 @@ def _stored_file_size(block: FileContent) -> int | None:
 
 # (wherever a process's history is measured this module is loaded, so its stored files count)
 count_stored_files(_stored_file_size)
+
+
+# ------------------------------------------------------------------ a compaction asked for by hand
+
+
+MAX_SUMMARY = 20_000  # characters of a summary a caller supplies (``Process.compact(summary=…)``)
+_CONTROL = {chr(c) for c in range(32) if chr(c) not in "\t\n\r"} | {"\x7f"}
+
+
+def check_summary(summary: object) -> str:
+    """A summary a caller wrote, stripped, or ``TypeError``/``ValueError``: it must be plain text
+    (no control characters but tab and line breaks, nothing a text column refuses), not empty,
+    at most ``MAX_SUMMARY`` characters. It stands in the history for what it replaces, as the
+    model's summaries do, so it is held to what a message's text may be, and kept short."""
+    if not isinstance(summary, str):
+        raise TypeError(f"summary must be a string, got {type(summary).__name__}")
+    text = summary.strip()
+    if not text:
+        raise ValueError("summary must not be empty")
+    if len(text) > MAX_SUMMARY:
+        raise ValueError(f"summary is longer than {MAX_SUMMARY} characters")
+    check_plain_text(text, "summary")
+    bad = next((i for i, ch in enumerate(text) if ch in _CONTROL), None)
+    if bad is not None:
+        raise ValueError(f"summary must be plain text (character {bad} is a control character)")
+    return text
+
+
+def check_manual(
+    keep_last: object, through: object, summary: object, instructions: str | None, max_position: int
+) -> str | None:
+    """The options of a compaction asked for by hand, checked before anything is done (the
+    summary as ``check_summary`` returns it): ``keep_last`` (a count) and ``through`` (a message
+    id), integers from 0 to ``max_position``, not both; ``summary`` not with ``instructions``,
+    which are for the summary model that a supplied summary stands in for."""
+    for name, value in (("keep_last", keep_last), ("through", through)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+        if isinstance(value, int) and not 0 <= value <= max_position:
+            raise ValueError(f"{name} must be an integer from 0 to {max_position}, got {value}")
+    if keep_last is not None and through is not None:
+        raise ValueError("give keep_last or through, not both: one says where the summary ends")
+    if summary is None:
+        return None
+    if instructions is not None and instructions.strip():
+        raise ValueError("give summary or instructions, not both: instructions are for the summary model")
+    return check_summary(summary)
 
 
 # ------------------------------------------------------------------ clearing old tool outputs

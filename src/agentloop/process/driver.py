@@ -58,6 +58,7 @@ from agentloop.process.compaction import (
     context_tokens,
     estimate_tokens,
     estimated_context,
+    explicit_cut,
     reported_tokens,
     should_compact,
 )
@@ -675,16 +676,26 @@ async def summarise(
     reason: CompactionReason,
     run: dict[str, Any] | None,
     instructions: str | None = None,
+    *,
+    keep_last: int | None = None,
+    through: int | None = None,
+    summary: str | None = None,
 ) -> tuple[Compacted, dict[str, Any] | None]:
     """Summarise the older part of the history, archive it, then replace it by the summary (in
     one commit with its segment row and ``proc.compacted``). ``run``: the run it is made for, or
     None for one asked for while the process is idle (``ProcessEngine.compact``), which must find
     it still idle, its history as summarised, at the commit. Returns what it did and the run as it
     stands afterwards. A failure leaves the history as it was: logged during a run, raised
-    (``CompactionError``, ``RunActive``) to whoever asked for it."""
+    (``CompactionError``, ``RunActive``) to whoever asked for it.
+
+    Asked for by hand, the cut may be the caller's (``explicit_cut``): the newest ``keep_last``
+    messages kept, or every message up to and including message id ``through`` summarised (a
+    ``ValueError``, before anything is done, for an id the history does not hold); and the
+    summary may be the caller's text (``summary``, checked: ``check_summary``), with no model call."""
     if engine.archive is None:
         return _unchanged(live, "not compacted: compaction is off (no archive to keep the history in)"), run
     pid = live.record.pid
+    cut = await _chosen_cut(engine, live, keep_last, through)
     run_id, turn = (run["run_id"], run["turn"]) if run is not None else ("", 0)
     carry = await ask_pre_compaction(
         cfg.hooks, run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, pid, f"process {pid}"
@@ -704,7 +715,14 @@ async def summarise(
     history = list(live.history)
     try:
         result = await compact(
-            history, cfg.model, keep_recent_tokens=keep, reason=reason, instructions=instructions, carry=carry
+            history,
+            cfg.model,
+            keep_recent_tokens=keep,
+            reason=reason,
+            instructions=instructions,
+            carry=carry,
+            cut=cut,
+            summary=summary,
         )
     except CompactionError as exc:
         if run is None:
@@ -712,6 +730,8 @@ async def summarise(
         log.warning("process %s: compaction failed, history unchanged: %s", pid, exc)
         return _unchanged(live, str(exc)), run
     if result is None:
+        if cut is not None:
+            return _unchanged(live, "nothing to compact: the cut asked for leaves nothing to summarise"), run
         return _unchanged(live, "nothing to compact: the conversation is too short"), run
     if not result.still_applies(live.history):
         return _unchanged(live, "not compacted: the history changed meanwhile"), run
@@ -726,13 +746,13 @@ async def summarise(
         log.warning("process %s: compaction not archived, history unchanged: %s", pid, exc)
         return _unchanged(live, "not compacted: the archive could not be written"), run
     memory = await _remember(engine, live, result.memories)
-    segment_id, removed, summary = new_id(), len(result.removed), result.summary
+    segment_id, removed, made = new_id(), len(result.removed), result.summary
     await know_context(engine.store, live)
     reading = ContextReading.of(fixed + result.tokens_after, model, threshold)
     async with engine._tx(live) as tx:
         if run is None:
             _still_idle(live, result)
-        summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], summary)
+        summary_id = await engine.store.replace_messages(pid, removed_ids[0], removed_ids[-1], made)
         await engine.store.add_segment(
             SegmentRow(
                 segment_id,
@@ -763,7 +783,7 @@ async def summarise(
             run = {**run, "usage": _spent(run["usage"], result.usage)}
             await tx.set_run(run)
         # the tail as it is now: only the prefix the summary replaces was checked to be unchanged
-        tx.after.append(lambda: live.history.__setitem__(slice(0, removed), [summary]))
+        tx.after.append(lambda: live.history.__setitem__(slice(0, removed), [made]))
     done = Compacted(
         True,
         removed=removed,
@@ -773,6 +793,23 @@ async def summarise(
         segment_id=segment_id,
     )
     return done, run
+
+
+async def _chosen_cut(engine: ProcessEngine, live: _Live, keep_last: int | None, through: int | None) -> int | None:
+    """Where the caller's cut leaves the kept tail (``explicit_cut``), ``through`` a message id
+    of the stored history, which the live one mirrors; None without a cut asked for."""
+    if keep_last is None and through is None:
+        return None
+    if through is None:
+        return explicit_cut(live.history, keep_last=keep_last)
+    ids = [m.id for m in await engine.store.history(live.record.pid)]
+    if len(ids) != len(live.history):  # (idle, they are the same; a caller raced a change)
+        raise CompactionError("not compacted: the history changed meanwhile")
+    try:
+        index = ids.index(through)
+    except ValueError:
+        raise ValueError(f"through: message {through} is not a message of the current history") from None
+    return explicit_cut(live.history, through=index)
 
 
 def _unchanged(live: _Live, note: str) -> Compacted:

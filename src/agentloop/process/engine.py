@@ -72,6 +72,7 @@ from agentloop.process.calls import (
     settle,
     signal_finished,
 )
+from agentloop.process.compaction import check_manual
 from agentloop.process.driver import drive, fail_run, forget_output, signal_run_finished, summarise
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
@@ -80,6 +81,7 @@ from agentloop.process.pressure import forget_context, run_keys, take_run_rows
 from agentloop.process.prompt import activate_skills
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import (
+    MAX_SEQ,
     NoSuchProcess,
     ProcessBusy,
     ProcessRecord,
@@ -611,14 +613,29 @@ class ProcessEngine:
         if self.leases is not None:
             self.leases.idle(pid)
 
-    async def compact(self, pid: str, *, instructions: str | None = None) -> Compacted:
+    async def compact(
+        self,
+        pid: str,
+        *,
+        instructions: str | None = None,
+        keep_last: int | None = None,
+        through: int | None = None,
+        summary: str | None = None,
+    ) -> Compacted:
         """Summarise the history now (reason ``manual``; ``instructions`` go to the summary model),
         the same way a run compacts it: archive, then the swap with its segment row and
         ``proc.compacted``. Only while idle (``RunActive``); a failure raises ``CompactionError``
         and leaves the history as it was. The process is held as a reset holds it (``clearing``):
         input sent meanwhile waits, then runs on the compacted history; input another worker
         queues is promoted once it is over. On a shared store ``ProcessBusy`` while another
-        worker will not let the process go."""
+        worker will not let the process go.
+
+        The cut is the compaction rules' unless the caller chose it: keep the newest ``keep_last``
+        messages, or summarise up to and including message id ``through`` (never parting a tool
+        call from its results: ``explicit_cut``). ``summary``: the summary's text, written by the
+        caller, installed with no model call. Bad options (``check_manual``; a ``through`` the
+        history does not hold) are a ``TypeError`` or ``ValueError`` before anything is done."""
+        summary = check_manual(keep_last, through, summary, instructions, MAX_SEQ)
         with ExitStack() as after:
             async with self.clearing.hold(pid):
                 self.compacting.add(pid)  # (first: from here the lease of the idle process is kept)
@@ -630,7 +647,17 @@ class ProcessEngine:
                     if live.record.current_run is not None:
                         raise RunActive(pid, "a compaction")
                     cfg = await self.effective_config(live.record)  # (the process's own model, if it chose one)
-                    done, _ = await summarise(self, live, cfg, "manual", None, instructions)
+                    done, _ = await summarise(
+                        self,
+                        live,
+                        cfg,
+                        "manual",
+                        None,
+                        instructions,
+                        keep_last=keep_last,
+                        through=through,
+                        summary=summary,
+                    )
                 finally:
                     self.compacting.discard(pid)
                 if not live.remote and not live.lost:  # (``wait_idle`` waits from before the release)

@@ -24,6 +24,7 @@ from agentloop.kernel.account_model import MAX_SPEC
 from agentloop.loop.hooks import maybe_await
 from agentloop.models.base import REASONING_LEVELS
 from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
+from agentloop.process.compaction import MAX_SUMMARY
 from agentloop.process.pressure import MAX_KEEP_RECENT
 from agentloop.process.store import MAX_SEQ, NoSuchProcess
 from agentloop.server.auth import Principal
@@ -186,6 +187,23 @@ class EmptyBody(Body):
 class CompactBody(Body):
     instructions: str | None = Field(
         None, max_length=MAX_INSTRUCTIONS, description="What the summary must keep or focus on, for the summary model."
+    )
+    keep_last: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEQ,
+        description="Keep the newest N messages (more where a tool call's results would be parted from it).",
+    )
+    through: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEQ,
+        description="A message id: summarise up to and including it (and the results of a call it makes).",
+    )
+    summary: str | None = Field(
+        None,
+        max_length=MAX_SUMMARY,
+        description="The summary's text, plain: installed with no model call (not with instructions).",
     )
 
 
@@ -840,7 +858,14 @@ async def reset(call: Call) -> dict[str, Any]:
 
 async def compact(call: Call) -> dict[str, Any]:
     body = call.parsed(CompactBody, call.body)
-    return await call.ctx.processes.compact(call.principal, call.param("pid"), instructions=body.instructions)
+    return await call.ctx.processes.compact(
+        call.principal,
+        call.param("pid"),
+        instructions=body.instructions,
+        keep_last=body.keep_last,
+        through=body.through,
+        summary=body.summary,
+    )
 
 
 async def segments(call: Call) -> dict[str, Any]:

@@ -712,18 +712,32 @@ class ProcessService:
             raise ApiError(409, "conflict", str(exc), retry_after=1) from None
         return {"pid": pid, "archived": archived is not None}
 
-    async def compact(self, who: Principal, pid: str, *, instructions: str | None = None) -> dict[str, Any]:
-        """Summarise the history now (``Process.compact``). ``compacted: false`` with a ``note``
-        when there was nothing worth compacting; 409 ``busy`` while a run is active and 502 when
-        the summary could not be made, both leaving the history as it was."""
+    async def compact(
+        self,
+        who: Principal,
+        pid: str,
+        *,
+        instructions: str | None = None,
+        keep_last: int | None = None,
+        through: int | None = None,
+        summary: str | None = None,
+    ) -> dict[str, Any]:
+        """Summarise the history now (``Process.compact``): by the compaction rules, or keeping the
+        newest ``keep_last`` messages, or through message id ``through``; with the caller's
+        ``summary`` (no model call) or the model's. ``compacted: false`` with a ``note`` when there
+        was nothing worth compacting; 400 for bad options (both cuts, a summary with instructions,
+        an empty or oversized summary, an id the history does not hold), 409 ``busy`` while a run
+        is active and 502 when the summary could not be made, all leaving the history as it was."""
         if instructions is not None and len(instructions) > MAX_INSTRUCTIONS:
             raise ApiError(400, "invalid_request", f"instructions are longer than {MAX_INSTRUCTIONS} characters")
         _check_plain(instructions, "instructions")
         proc, _ = await self._process(who, pid)
         try:
-            done = await proc.compact(instructions)
-        except (RunActive, ProcessBusy) as exc:
+            done = await proc.compact(instructions, keep_last=keep_last, through=through, summary=summary)
+        except (RunActive, ProcessBusy) as exc:  # (first: a RunActive is a ValueError too)
             raise ApiError(409, "busy", str(exc), retry_after=1) from None
+        except (TypeError, ValueError) as exc:  # the options: checked before anything was done
+            raise ApiError(400, "invalid_request", str(exc)) from None
         except CompactionError as exc:
             raise ApiError(502, "compaction_failed", safe_message(str(exc), "the summary could not be made")) from None
         return compacted_json(done)

@@ -387,7 +387,11 @@ async def _reset(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _compact(conn: Connection, args: dict[str, Any]) -> Any:
     instructions = _want(args, "instructions", str, "a string", None)
-    return await conn.service.compact(conn.user, _id(args, "pid"), instructions=instructions)
+    keep_last, through = _opt_int(args, "keep_last"), _opt_int(args, "through")
+    summary = _want(args, "summary", str, "a string", None)
+    return await conn.service.compact(
+        conn.user, _id(args, "pid"), instructions=instructions, keep_last=keep_last, through=through, summary=summary
+    )
 
 
 async def _segment_list(conn: Connection, args: dict[str, Any]) -> Any:
@@ -520,7 +524,7 @@ CALLS: dict[str, Call] = {
     "proc.reset": Call(_reset, _takes("pid"), mutates=True),
     "proc.fork": Call(_fork, _takes("pid", "at", "segment", "context", "fork_id"), mutates=True),
     "proc.kill": Call(_kill, _takes("pid"), mutates=True),
-    "proc.compact": Call(_compact, _takes("pid", "instructions"), mutates=True),
+    "proc.compact": Call(_compact, _takes("pid", "instructions", "keep_last", "through", "summary"), mutates=True),
     "proc.segment.list": Call(_segment_list, _takes("pid")),
     "proc.segment.read": Call(_segment_read, _takes("pid", "segment_id", "limit", "before")),
     "proc.subscribe": Call(_subscribe, _takes("pid", "after_seq")),
