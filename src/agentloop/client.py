@@ -297,19 +297,21 @@ class AgentloopClient:
         mode: str | None = None,
         model: str | None = None,
         reasoning: str | None = None,
+        tools: list[str] | None = None,
         text: str | None = None,
         media: list[dict[str, str]] | None = None,
         run_id: str | None = None,
         output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A new process; ``mode``: ``agent`` (the default) or ``chat`` (runs without tools);
-        ``model`` (``provider:model``) and ``reasoning``: its own model choice. ``text`` is a first
+        ``model`` (``provider:model``) and ``reasoning``: its own model choice; ``tools``: its tool
+        scope (``set_tools``; None: every tool). ``text`` is a first
         message (with ``media`` as ``send`` takes them), its run starting with the process
         (``run_id`` names it; ``output_schema``, a JSON Schema, asks that run for a value, as
         ``send`` does)."""
         fields = (("context", context), ("interactive", interactive), ("cwd", cwd), ("mode", mode), ("model", model))
         first = (("text", text), ("media", media or None), ("run_id", run_id), ("output_schema", output_schema))
-        body = {k: v for k, v in (*fields, ("reasoning", reasoning), *first) if v is not None}
+        body = {k: v for k, v in (*fields, ("reasoning", reasoning), ("tools", tools), *first) if v is not None}
         result: dict[str, Any] = await self._call("POST", "/v1/processes", body=body)
         return result
 
@@ -374,6 +376,20 @@ class AgentloopClient:
         else:
             data = await self._call("POST", f"/v1/processes/{_segment(pid)}/mode", body={"mode": mode})
         return str(data.get("mode"))
+
+    async def tools(self, pid: str) -> dict[str, Any]:
+        """The process's tool scope: ``{pid, tools, available}`` (``tools`` null: every tool;
+        ``available``: the names it could be given)."""
+        result: dict[str, Any] = await self._call("GET", f"/v1/processes/{_segment(pid)}/tools")
+        return result
+
+    async def set_tools(self, pid: str, tools: list[str] | None) -> dict[str, Any]:
+        """Offer the process's runs only ``tools`` from its next run on (tool names,
+        ``mcp:<server>``, globs; None: every tool). A name it has no tool of is a ``ClientError``
+        400 listing the available ones, and nothing changes."""
+        body = {"tools": tools}
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/tools", body=body)
+        return result
 
     async def compaction(self, pid: str) -> dict[str, Any]:
         """The process's compaction policy: ``{pid, threshold, overflow, keep_recent_tokens,

@@ -11,6 +11,8 @@ argument meaning two things.
 
 Rules and semantics:
 
+- A process under a tool scope delegates only to a process whose scope is within its own
+  (process/tool_scope.py): it would otherwise have the work done with tools it may not use.
 - Same owner only. The caller itself, an unknown or killed pid and a process of another owner are
   refused alike ("no process X of yours": the error does not tell another owner's pids exist),
   and nothing is delivered. A target that is a non-interactive subagent is allowed (a call its
@@ -71,6 +73,7 @@ from agentloop.process import signals as sig
 from agentloop.process.engine import DISCARDS_QUEUE
 from agentloop.process.signals import Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord
+from agentloop.process.tool_scope import TOOLS_KEY, widening
 from agentloop.tools.base import Tool, ToolContext, ToolError, ToolResult
 
 if TYPE_CHECKING:
@@ -178,6 +181,7 @@ class DelegateTool(Tool):
         seen = await admission.admitted(engine, to, rid)
         after = 0  # a re-run: the delivered run may have ended before now; read its log from the start
         if seen is None:
+            await _check_scope(kernel, source.pid, to)
             after = await store.last_event_seq(to)
             async with store.transaction():
                 await store.exclusive(f"{DELEGATIONS_KEY} of {to}")
@@ -214,6 +218,20 @@ class DelegateTool(Tool):
         if finished is NOT_RUN:
             raise ToolError(f"process {to} did not run the task: {NOT_RUN_WHY}")
         return _answer(to, rid, finished, await run_answer(kernel.store, to, rid))
+
+
+async def _check_scope(kernel: Kernel, source: str, target: str) -> None:
+    """A process under a tool scope delegates only to one whose scope is within its own: else
+    the task would be done with tools it may not use (process/tool_scope.py)."""
+    rows = {pid: await kernel.store.kv_get(pid, TOOLS_KEY) for pid in (source, target)}
+    mine = rows[source] if isinstance(rows[source], list) else None
+    theirs = rows[target] if isinstance(rows[target], list) else None
+    wider = widening(theirs, mine, {})
+    if wider:
+        raise ToolError(
+            f"cannot delegate to process {target}: it may use tools you may not ({', '.join(wider)});"
+            " nothing was delivered"
+        )
 
 
 async def _run_end(kernel: Kernel, pid: str, run_id: str, after: int) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ copied: a run's in-flight state (its open calls, approvals, the queue) is not, a
 idle.
 
 The conversation's settings go with it (``COPIED_KEYS``: its mode, its own model choice, its
-compaction policy) and its title (``/title`` renames the fork); run state does not, nor what a
+tool scope, its compaction policy) and its title (``/title`` renames the fork); run state does not, nor what a
 person granted the source alone (approvals it was told to remember), nor its schedules, watches
 or channel. The fork records where it came from in its kv (``FORKED_KEY``: ``{"pid", "at"}`` or
 ``{"pid", "segment"}``) and logs one ``proc.changed`` (``changes: ["messages"]``, ``forkedFrom``);
@@ -62,6 +62,7 @@ from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit
 from agentloop.process.media import MediaError, MediaRef, MediaStore, is_stored
 from agentloop.process.pressure import COMPACTION_KEY
 from agentloop.process.store import MAX_SEQ, NoSuchProcess, ProcessRecord, Store, StoreError
+from agentloop.process.tool_scope import TOOLS_KEY
 
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 FORKED_KEY = "forked_from"  # a fork's kv row: {"pid": source, "at": message id | None} or {"pid", "segment"}
 # the kv rows that are the conversation's settings and name, copied to a fork (the rest is run state
 # or the source's own); a fork's first run does not make a title (its history does not start with it)
-COPIED_KEYS = (MODE_KEY, MODEL_KEY, COMPACTION_KEY, TITLE_KEY)
+COPIED_KEYS = (MODE_KEY, MODEL_KEY, TOOLS_KEY, COMPACTION_KEY, TITLE_KEY)
 
 
 def valid_ends(messages: Sequence[Message]) -> list[bool]:

@@ -50,6 +50,7 @@ from agentloop.kernel.subagent_asks import SubagentAsks, descendants_asks
 from agentloop.kernel.tasks import Retirer, task_toolset
 from agentloop.kernel.titles import Titles, Titling, check_titling
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
+from agentloop.loop.hooks import maybe_await
 from agentloop.loop.output import DEFAULT_RETRIES, output_in, output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import (
@@ -114,7 +115,8 @@ from agentloop.process.store import (
 )
 from agentloop.process.store.base import QueueKind
 from agentloop.process.store.common import dumps
-from agentloop.tools.base import ToolLike
+from agentloop.process.tool_scope import TOOLS_KEY, ToolScopeError, check_scope, unknown_entries, widening
+from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 
@@ -528,6 +530,29 @@ class Process:
         row = await self.kernel.store.kv_get(self.pid, MODEL_KEY)
         return self.kernel.models.describe(record, row, self.kernel.engine.config.model)
 
+    async def set_tools(self, tools: Sequence[str] | None) -> list[str] | None:
+        """This process's tool scope from its next run on (a run under way keeps its tools): the
+        names (``mcp:<server>`` and globs too, process/tool_scope.py) of the tools its runs are
+        offered; None: every tool (a subagent's: its parent's). A name it has no tool of, or one
+        its parent's scope does not offer, is a ``ToolScopeError`` (a ``ValueError`` listing the
+        available names), and the scope stays what it was."""
+        record = await self._record()
+        if record.state == "killed":
+            raise NoSuchProcess(self.pid)
+        scope = await self.kernel._checked_scope(record, check_scope(tools))
+        await self.kernel.engine.set_tools(self.pid, scope)
+        return scope
+
+    async def tools(self) -> list[str] | None:
+        """The process's tool scope (``set_tools``); None: it may use every tool."""
+        await self.kernel.engine.live(self.pid)  # NoSuchProcess for an unknown or killed pid
+        scope = await self.kernel.store.kv_get(self.pid, TOOLS_KEY)
+        return list(scope) if isinstance(scope, list) else None
+
+    async def available_tools(self) -> list[str]:
+        """The names of the tools a run of this process would be offered without its scope."""
+        return sorted(await self.kernel._tools_of(await self._record()))
+
     async def set_compaction(
         self, threshold: float | None = None, overflow: Overflow = "compact", keep_recent_tokens: int | None = None
     ) -> CompactionPolicy:
@@ -933,6 +958,7 @@ class Kernel:
         mode: Mode = "agent",
         model: str | None = None,
         reasoning: Reasoning | None = None,
+        tools: Sequence[str] | None = None,
         text: str | None = None,
         media: Sequence[InputMedia] = (),
         run_id: str | None = None,
@@ -945,7 +971,11 @@ class Kernel:
         ``kv`` rows are stored with the process, in the same transaction. ``mode="chat"``: its runs
         answer without tools (``Process.set_mode`` changes it). ``model`` (``provider:model``) and
         ``reasoning`` are its own model choice, over its account's (``Process.set_model`` changes
-        it; one that cannot be used is a ``ValueError`` and no process is made). ``text`` (with ``media``, and
+        it; one that cannot be used is a ``ValueError`` and no process is made). ``tools`` is its tool
+        scope (process/tool_scope.py): the names of the tools its runs are offered (None: all; a
+        child's: its parent's, which it may narrow but not widen), a ``ToolScopeError`` (listing
+        the available names) for a name it has no tool of (``Process.set_tools`` changes it).
+        ``text`` (with ``media``, and
         ``run_id`` as in ``send``) is its first input, stored in one transaction with the process (with
         its first run where this worker drives it; on a shared store as input the claiming worker
         runs), and ``Process.started`` is the receipt; ``output_schema`` as in ``Process.send``
@@ -959,6 +989,9 @@ class Kernel:
         run_as = owner if run_as is None else run_as  # ("" is a bad name, not "the owner")
         check_name(run_as, "run_as")
         _check_kv(kv)
+        if kv is not None and TOOLS_KEY in kv:  # (else a scope nobody checked, past the parent's)
+            raise ValueError(f"a tool scope is spawn's tools=..., not kv[{TOOLS_KEY!r}]")
+        scope = check_scope(tools)
         if pid is not None:
             check_name(pid, "pid")
             if await self.store.was_killed(pid):
@@ -1000,6 +1033,9 @@ class Kernel:
             context=context,
             created_at=time.time(),
         )
+        scope = await self._checked_scope(record, scope)
+        if scope is not None:
+            kv = {**(kv or {}), TOOLS_KEY: scope}
         if text is None:
             await self.engine.create(record, kv, admit=admit)
             return Process(self, record.pid)
@@ -1041,6 +1077,41 @@ class Kernel:
             return None
         return await admission.admitted(self.engine, pid, run_id)
 
+    async def _tools_of(self, record: ProcessRecord) -> dict[str, Tool]:
+        """The tools a run of ``record`` is offered before its scope: the kernel's, through its
+        toolsets (the owner's MCP servers, devices, skills...)."""
+        engine = self.engine
+        tools: Mapping[str, Tool] = engine.config.tools
+        if engine.toolset is not None:
+            tools = await maybe_await(engine.toolset(record, tools))
+        return dict(tools)
+
+    async def _checked_scope(self, record: ProcessRecord, scope: list[str] | None) -> list[str] | None:
+        """``scope`` for process ``record``, checked: its names name tools it has, and a child's
+        stays within its parent's (None there: the parent's, checked when that was set)."""
+        parent: list[str] | None = None
+        if record.parent_pid is not None:
+            row = await self.store.kv_get(record.parent_pid, TOOLS_KEY)
+            parent = list(row) if isinstance(row, list) else None
+        if scope is None:
+            return parent
+        available = await self._tools_of(record)
+        unknown = unknown_entries(scope, available)
+        if unknown:
+            raise ToolScopeError(
+                f"no tool named {', '.join(map(repr, unknown))} (tools: {', '.join(sorted(available)) or 'none'};"
+                f" an MCP server's: mcp:<server>; a pattern: github__*)",
+                available,
+            )
+        wider = widening(scope, parent, available)
+        if wider:
+            raise ToolScopeError(
+                f"{', '.join(map(repr, wider))} would widen the parent's tool scope ({', '.join(parent or ())}):"
+                " a subagent may narrow it, never widen it",
+                parent or (),
+            )
+        return scope
+
     async def _check_parent(self, parent_pid: str, owner: str) -> None:
         """A child is spawned under a live process of its own owner: the tree (kill, the approvals a
         parent answers for its subagents) looks for children among the owner's processes only,
@@ -1062,7 +1133,7 @@ class Kernel:
         new_pid: str | None = None,
     ) -> Process:
         """A new top-level process from process ``pid``'s conversation (kernel/fork.py): its owner,
-        ``run_as``, ``cwd``, ``interactive``, title, settings (mode, own model, compaction policy)
+        ``run_as``, ``cwd``, ``interactive``, title, settings (mode, own model, tool scope, compaction policy)
         and ``context`` (unless another is given), and a copy of its current history up to and
         including message id ``at`` (None: all of it) or of its archived ``segment``, the media
         those messages reference copied with them; ``forked_from`` in its kv says where it came

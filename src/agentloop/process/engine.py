@@ -92,6 +92,7 @@ from agentloop.process.store import (
     UsageTotals,
 )
 from agentloop.process.store.base import QueueKind
+from agentloop.process.tool_scope import TOOLS_KEY, scoped
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope, promoting
 from agentloop.tools.base import BackgroundRefused, background_group
 from agentloop.tools.jobs import JobRegistry
@@ -452,12 +453,15 @@ class ProcessEngine:
         # per run, in one query (a change waits for the next run): the mode, the model, the pressure
         # rows, and the output the run must give (if any: ``admission.output_key``)
         output_key = admission.output_key(run_id)
-        rows = await self.store.kv_many(live.record.pid, (MODE_KEY, MODEL_KEY, output_key, *run_keys(live)))
+        keys = (MODE_KEY, MODEL_KEY, TOOLS_KEY, output_key, *run_keys(live))
+        rows = await self.store.kv_many(live.record.pid, keys)
         cfg = self.process_config(live.record, rows.get(MODEL_KEY))
         changes: dict[str, Any] = {}  # (one ``replace`` for them all: each copy costs microseconds)
         tools = cfg.tools
         if self.toolset is not None:
             tools = changes["tools"] = dict(await maybe_await(self.toolset(live.record, self.config.tools)))
+        if isinstance(rows.get(TOOLS_KEY), list):  # the process's tool scope (process/tool_scope.py)
+            tools = changes["tools"] = dict(scoped(tools, rows[TOOLS_KEY]))
         fresh: CompiledPrompt | None = None
         if self.prompt is not None:
             if live.prompt is None or live.prompt[0] != run_id:
@@ -943,6 +947,17 @@ class ProcessEngine:
             else:
                 await self.store.kv_delete(pid, MODEL_KEY)
             await tx.signal(sig.CHANGED, changes=["model"])
+
+    async def set_tools(self, pid: str, scope: list[str] | None) -> None:
+        """The process's tool scope from its next run on (None: every tool); the kernel checked it
+        (process/tool_scope.py)."""
+        live = await self.live(pid)
+        async with self._tx(live) as tx:
+            if scope is not None:
+                await self.store.kv_set(pid, TOOLS_KEY, list(scope))
+            else:
+                await self.store.kv_delete(pid, TOOLS_KEY)
+            await tx.signal(sig.CHANGED, changes=["tools"])
 
     # -- approvals (see hil.py) -------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
 from agentloop.process.compaction import MAX_SUMMARY
 from agentloop.process.pressure import MAX_KEEP_RECENT
 from agentloop.process.store import MAX_SEQ, NoSuchProcess
+from agentloop.process.tool_scope import MAX_ENTRIES
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.engine_chat import ChatRequest
@@ -69,6 +70,15 @@ class ModelBody(Body):
     )
 
 
+class ToolsBody(Body):
+    tools: list[str] | None = Field(
+        max_length=MAX_ENTRIES,
+        description="The names of the tools its runs are offered, from its next run on (a tool left out is neither"
+        " shown nor callable): a tool's name, mcp:<server> for all of an MCP server's, or a glob (github__*); null:"
+        " every tool (a subagent's: its parent's). A name it has no tool of is a 400 listing the available ones.",
+    )
+
+
 class TitleBody(Body):
     title: str | None = Field(
         description="One line of plain text, trimmed, at most 120 characters, with a visible character; null"
@@ -97,6 +107,11 @@ class SpawnBody(Body):
         None, max_length=MAX_SPEC, description="Its own model (provider:model), over the account's and the server's."
     )
     reasoning: Literal[REASONING_LEVELS] | None = Field(None, description="Its own reasoning level.")  # type: ignore[valid-type]
+    tools: list[str] | None = Field(
+        None,
+        max_length=MAX_ENTRIES,
+        description="Its tool scope, as POST /v1/processes/{pid}/tools sets it; null: every tool.",
+    )
     text: str | None = Field(None, description="A first message: its run starts with the process, in one commit.")
     media: list[MediaItem] | None = None
     run_id: str | None = Field(None, min_length=1, max_length=128, description="The first message's run id.")
@@ -392,6 +407,12 @@ class StopOut(Answer):
 class ModeOut(Answer):
     pid: str
     mode: str
+
+
+class ToolsOut(Answer):
+    pid: str
+    tools: list[str] | None = Field(description="Its tool scope; null: it may use every tool.")
+    available: list[str] = Field(description="The tools its runs would be offered without a scope, by name.")
 
 
 class ModelOut(Answer):
@@ -717,6 +738,7 @@ async def spawn(call: Call) -> dict[str, Any]:
         mode=body.mode,
         model=body.model,
         reasoning=body.reasoning,
+        tools=body.tools,
         text=body.text,
         media=media,
         run_id=body.run_id,
@@ -789,6 +811,15 @@ async def get_mode(call: Call) -> dict[str, Any]:
 async def set_mode(call: Call) -> dict[str, Any]:
     body = call.parsed(ModeBody, call.body)
     return await call.ctx.processes.mode(call.principal, call.param("pid"), body.mode)
+
+
+async def get_tools(call: Call) -> dict[str, Any]:
+    return await call.ctx.processes.tools(call.principal, call.param("pid"))
+
+
+async def set_tools(call: Call) -> dict[str, Any]:
+    body = call.parsed(ToolsBody, call.body)
+    return await call.ctx.processes.tools(call.principal, call.param("pid"), body.model_dump())
 
 
 async def models(call: Call) -> dict[str, Any]:
@@ -1023,6 +1054,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "POST", f"{_P}/mode", "Set agent or chat mode, from the next run on.", set_mode, body=ModeBody, answer=ModeOut
+    ),
+    Endpoint("GET", f"{_P}/tools", "The process's tool scope and the tools it may name.", get_tools, answer=ToolsOut),
+    Endpoint(
+        "POST",
+        f"{_P}/tools",
+        "Set the process's tool scope (null: every tool), from its next run on.",
+        set_tools,
+        body=ToolsBody,
+        answer=ToolsOut,
     ),
     Endpoint(
         "GET",

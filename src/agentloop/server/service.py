@@ -57,6 +57,7 @@ from agentloop.process.store import (
     WatchRow,
 )
 from agentloop.process.store.base import QueueKind
+from agentloop.process.tool_scope import ToolScopeError, check_scope
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError, safe_message
 from agentloop.server.ratelimit import InputRate
@@ -360,18 +361,21 @@ class ProcessService:
         mode: str = "agent",
         model: str | None = None,
         reasoning: str | None = None,
+        tools: list[str] | None = None,
         text: str | None = None,
         media: list[Any] | None = None,
         run_id: str | None = None,
         output_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """A new process owned by the caller. ``cwd`` is relative to the server's workspace and must
+        """A new process owned by the caller (``tools``: its tool scope, as ``tools`` sets it).
+        ``cwd`` is relative to the server's workspace and must
         stay inside it. ``text`` (with ``media`` and ``run_id``, as ``send`` takes them) starts its
         first run in the same commit; ``run_id`` then names that run. ``model`` and ``reasoning``
         are its own model choice (see ``model``); ``output_schema`` (with ``text``) as ``send``'s."""
         run_mode = _run_mode(mode)
         if model is not None or reasoning is not None:
             self._model_choice(model, reasoning)
+        scope = _tool_scope(tools)
         _check_plain(context, "context")
         _check_plain(run_id, "run_id")
         blocks = None
@@ -409,6 +413,7 @@ class ProcessService:
                     mode=run_mode,
                     model=model,
                     reasoning=reasoning,  # type: ignore[arg-type]
+                    tools=scope,
                     text=text,
                     media=blocks or (),
                     run_id=run_id,
@@ -424,6 +429,8 @@ class ProcessService:
             # the pid is taken by a process that no spawn with this run id made (a retry gets the
             # first one's receipt from the kernel)
             raise ApiError(409, "conflict", f"run_id {run_id!r} already started a process") from None
+        except ToolScopeError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
         except MediaTooLarge as exc:
             raise ApiError(413, "too_large", f"media: {exc}") from None
         except MediaError as exc:
@@ -560,6 +567,21 @@ class ProcessService:
         if mode is not None:
             await proc.set_mode(_run_mode(mode))
         return {"pid": pid, "mode": await proc.mode()}
+
+    async def tools(self, who: Principal, pid: str, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The process's tool scope (``Process.tools``: null, every tool) and the names of the tools
+        it could name (``available``), after replacing the scope when ``change`` is given (its
+        ``tools``), from the next run on. A name it has no tool of, or one past its parent's
+        scope, is a 400 listing the available ones, and changes nothing."""
+        proc, _ = await self._process(who, pid)
+        try:
+            if change is not None:
+                await proc.set_tools(_tool_scope(change.get("tools")))
+            return {"pid": pid, "tools": await proc.tools(), "available": await proc.available_tools()}
+        except ToolScopeError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        except NoSuchProcess:
+            raise _not_found(pid) from None
 
     async def model(self, who: Principal, pid: str, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The process's model choice (``Process.model``), after replacing it when ``change`` is
@@ -901,6 +923,14 @@ class ProcessService:
             what = f"no waiting {kind} item {item_id}" if kind else f"no waiting item {item_id}"
             raise ApiError(404, "not_found", f"{what} on process {pid!r} (a run may have taken it)")
         return [queue_item_json(i) for i in withdrawn]
+
+
+def _tool_scope(tools: object) -> list[str] | None:
+    """A tool scope as a request gives it, checked for its form (its names: by the kernel)."""
+    try:
+        return check_scope(tools)
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, "invalid_request", f"tools: {exc}") from None
 
 
 def _run_mode(mode: str) -> Mode:

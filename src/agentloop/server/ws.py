@@ -286,6 +286,7 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
         mode=_want(args, "mode", str, "a string", "agent"),
         model=_want(args, "model", str, "a string", None),
         reasoning=_want(args, "reasoning", str, "a string", None),
+        tools=_want(args, "tools", list, "a list of tool names", None),
         text=_want(args, "text", str, "a string", None),
         media=_want(args, "media", list, "a list", None),
         run_id=_opt_id(args, "run_id"),
@@ -295,6 +296,19 @@ async def _spawn(conn: Connection, args: dict[str, Any]) -> Any:
 
 async def _mode(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.mode(conn.user, _id(args, "pid"), _want(args, "mode", str, "a string", None))
+
+
+async def _tools_get(conn: Connection, args: dict[str, Any]) -> Any:
+    """The process's tool scope: ``{pid, tools, available}`` (as HTTP's GET)."""
+    return await conn.service.tools(conn.user, _id(args, "pid"))
+
+
+async def _tools_set(conn: Connection, args: dict[str, Any]) -> Any:
+    """``{pid, tools}``: its tool scope from the next run on (null: every tool); the service checks it."""
+    pid = _id(args, "pid")
+    if "tools" not in args:
+        raise _invalid("tools is required (null: every tool)")
+    return await conn.service.tools(conn.user, pid, {"tools": _want(args, "tools", list, "a list or null", None)})
 
 
 async def _model_get(conn: Connection, args: dict[str, Any]) -> Any:
@@ -502,7 +516,17 @@ CALLS: dict[str, Call] = {
     "proc.spawn": Call(
         _spawn,
         _takes(
-            "context", "interactive", "cwd", "mode", "model", "reasoning", "text", "media", "run_id", "output_schema"
+            "context",
+            "interactive",
+            "cwd",
+            "mode",
+            "model",
+            "reasoning",
+            "tools",
+            "text",
+            "media",
+            "run_id",
+            "output_schema",
         ),
         mutates=True,
     ),
@@ -517,6 +541,8 @@ CALLS: dict[str, Call] = {
     "proc.mode": Call(_mode, _takes("pid", "mode"), mutates=True),
     "proc.title": Call(_title, _takes("pid", "title"), mutates=True),
     "proc.compaction": Call(_compaction, _takes("pid", "threshold", "overflow", "keep_recent_tokens"), mutates=True),
+    "proc.tools.get": Call(_tools_get, _takes("pid")),
+    "proc.tools.set": Call(_tools_set, _takes("pid", "tools"), mutates=True),
     "proc.model.get": Call(_model_get, _takes("pid")),
     "proc.model.set": Call(_model_set, _takes("pid", "model", "reasoning"), mutates=True),
     "proc.hil": Call(_hil, _takes("pid", "request_id", "decision", "remember", "message", "arguments"), mutates=True),
