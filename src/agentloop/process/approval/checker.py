@@ -1,10 +1,11 @@
 """The approval policy as the durable runner asks it: one verdict per registered tool call.
 
 Policies come from two places: the owning account's policy (given in code, or its policy file,
-read again whenever it changes), else the server-wide default. A policy that cannot be read is
-replaced by the default policy, with a warning in the log. Rules a person remembered for this
-process (stored with the process) then answer the questions the policy would ask; they never
-lift what it denies.
+read again whenever it changes), else the server-wide default. A file of ``remembered`` rules
+alone (no ``default``, no ``rules``) adds them to the server-wide policy instead of replacing it.
+A policy that cannot be read is replaced by the default policy, with a warning in the log. Rules
+a person remembered for this process (stored with the process) then answer the questions the
+policy would ask; they never lift what it denies.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from agentloop.process.api import Approval, ApprovalFn
 from agentloop.process.approval.engine import args_fingerprint, decide, rules_read_args
-from agentloop.process.approval.policy import Policy, Rule, default_policy, parse_policy
+from agentloop.process.approval.policy import Policy, Rule, default_policy, parse_account_policy, parse_policy
 from agentloop.process.approval.tags import call_target, facts_read_args
 from agentloop.process.store import ProcessRecord, Store, ToolCallRow
 from agentloop.stamps import Stamp, file_stamp, read_regular
@@ -46,9 +47,13 @@ def load_policy(data: str | bytes | dict[str, Any] | Policy | None, source: str)
     if data is None or isinstance(data, Policy):
         return data
     policy, warnings = parse_policy(data)
+    _warn(source, warnings)
+    return policy
+
+
+def _warn(source: str, warnings: list[str]) -> None:
     for warning in warnings:
         log.warning("approval policy %s: %s; using the default policy", source, warning)
-    return policy
 
 
 def policy_approval(
@@ -74,6 +79,11 @@ def policy_approval(
     from_files: dict[str, tuple[Stamp, Policy | None]] = {}  # owner -> (file stamp, its policy)
 
     def from_file(owner: str, path: Path) -> Policy | None:
+        """The account's policy as its file makes it, read again only when the file changes. A
+        file of remembered rules alone is merged here, onto the server-wide policy, once per
+        change of the file: that policy is fixed for this checker (a changed ``--approval`` is a
+        restart, which reads the file again), and never copied into the file, so it reaches the
+        account."""
         stamp = file_stamp(path)
         if stamp is None:  # no file: the server-wide policy applies
             from_files.pop(owner, None)
@@ -83,7 +93,10 @@ def policy_approval(
             return hit[1]
         source = f"of account {owner!r} ({path})"
         try:
-            policy = load_policy(read_regular(path, MAX_POLICY_BYTES).decode("utf-8"), source)
+            policy, inherits, warnings = parse_account_policy(read_regular(path, MAX_POLICY_BYTES).decode("utf-8"))
+            _warn(source, warnings)
+            if inherits:
+                policy = policy.on_top_of(fallback)
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
             policy = default_policy()
@@ -170,12 +183,12 @@ def policy_amender(
 ) -> AmendFn:
     """What adds a person's "always, for this account" to the account's policy file (the one
     ``policy_approval`` reads with the same ``account_file``): a ``remembered`` rule, so that later
-    processes of the account are not asked. An account without a file gets one holding the policy
-    that applied to it (the server-wide one), plus the rule: a file of the rule alone would read
-    as "auto for everything else". Refused (``ValueError``) when the account's policy is given in
-    code, or its file does not parse (written back, the part that was wrong would be lost)."""
-    # (what a bad server policy falls back to; ``policy_approval`` has logged why, once)
-    fallback = server if isinstance(server, Policy) else parse_policy(server)[0]
+    processes of the account are not asked. An account without a file gets one of the rule alone
+    (``{"remembered": [rule]}``), which ``policy_approval`` puts on top of the server-wide policy:
+    not a copy of that policy, which would keep its later changes (a new ``deny``) from the
+    account. Refused (``ValueError``) when the account's policy is given in code, or its file does
+    not parse (written back, the part that was wrong would be lost). ``server`` is not read: the
+    file never holds the server-wide policy."""
     in_code = frozenset(accounts or ())
 
     def amend(process: ProcessRecord, rule: Rule) -> None:
@@ -192,7 +205,7 @@ def policy_amender(
                 " it is not amended from here; remember for the process or the run instead"
             )
         if file_stamp(path) is None:
-            data: dict[str, Any] = fallback.to_json()
+            data: dict[str, Any] = {}  # (remembered rules alone: the server-wide policy stays in force)
         else:
             try:
                 text = read_regular(path, MAX_POLICY_BYTES).decode("utf-8")

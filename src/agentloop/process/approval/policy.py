@@ -21,6 +21,7 @@ __all__ = [
     "Rule",
     "When",
     "default_policy",
+    "parse_account_policy",
     "parse_policy",
 ]
 
@@ -141,6 +142,13 @@ class Policy(_Strict):
             raise ValueError("remembered rules answer questions: their action must be auto")
         return value
 
+    def on_top_of(self, inherited: Policy) -> Policy:
+        """``inherited`` with this policy's remembered rules added to its own: what an account's
+        file of remembered rules alone means (``parse_account_policy``)."""
+        if not self.remembered:
+            return inherited
+        return inherited.model_copy(update={"remembered": (*inherited.remembered, *self.remembered)})
+
     def to_json(self) -> dict[str, Any]:
         data = self.model_dump(by_alias=True, exclude_none=True)
         if not self.remembered:  # (as the policies written before remembered rules existed)
@@ -187,29 +195,54 @@ def _describe_errors(exc: ValidationError) -> list[str]:
     return out
 
 
+def _json_object(data: str | bytes | dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The JSON object ``data`` holds; None without a warning for nothing written (``None``, blank
+    text), None with the reason for anything else that is not one."""
+    if data is None:
+        return None, []
+    if isinstance(data, bytes | str):
+        text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+        if not text.strip():
+            return None, []
+        try:
+            loaded: Any = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            return None, [f"approval policy is not valid JSON ({exc}); using the default policy"]
+    else:
+        loaded = data
+    if not isinstance(loaded, dict):
+        kind = type(loaded).__name__
+        return None, [f"approval policy must be a JSON object, not {kind}; using the default policy"]
+    return loaded, []
+
+
+def _validated(loaded: dict[str, Any]) -> tuple[Policy, list[str]]:
+    try:
+        return Policy.model_validate(loaded), []
+    except ValidationError as exc:
+        problems = _describe_errors(exc)
+        return default_policy(), [f"approval policy rejected, using the default policy: {p}" for p in problems]
+
+
 def parse_policy(data: str | bytes | dict[str, Any] | None) -> tuple[Policy, list[str]]:
     """The policy ``data`` describes, or the default policy and the reasons it was rejected.
 
     Nothing (``None`` or blank text) means "no policy written", which is the default without a
     warning.
     """
-    if data is None:
-        return default_policy(), []
-    if isinstance(data, bytes | str):
-        text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
-        if not text.strip():
-            return default_policy(), []
-        try:
-            loaded: Any = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            return default_policy(), [f"approval policy is not valid JSON ({exc}); using the default policy"]
-    else:
-        loaded = data
-    if not isinstance(loaded, dict):
-        kind = type(loaded).__name__
-        return default_policy(), [f"approval policy must be a JSON object, not {kind}; using the default policy"]
-    try:
-        return Policy.model_validate(loaded), []
-    except ValidationError as exc:
-        problems = _describe_errors(exc)
-        return default_policy(), [f"approval policy rejected, using the default policy: {p}" for p in problems]
+    loaded, problems = _json_object(data)
+    return (default_policy(), problems) if loaded is None else _validated(loaded)
+
+
+def parse_account_policy(data: str | bytes | dict[str, Any] | None) -> tuple[Policy, bool, list[str]]:
+    """``parse_policy`` for an account's own file, and whether that file only adds to the policy
+    the account would have without it (the server-wide one): an object with neither ``default``
+    nor ``rules`` (``{"remembered": [...]}``, what an "always, for this account" answer writes
+    where there was no file). Its ``remembered`` rules then go on top of that policy
+    (``Policy.on_top_of``), whose later changes reach the account; a file with either field
+    replaces it. A file that does not parse is the default policy, as anywhere else."""
+    loaded, problems = _json_object(data)
+    if loaded is None:
+        return default_policy(), False, problems
+    policy, problems = _validated(loaded)
+    return policy, not problems and "default" not in loaded and "rules" not in loaded, problems
