@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import replace
@@ -123,6 +125,13 @@ NEXT_RUN_DECIDED = frozenset({"user.interrupt", "process.reset", "process.kill",
 # with its parent find a report queued for it and start over after the next restart
 DISCARDS_QUEUE = frozenset({"process.reset", "process.kill", "parent.abort", "parent.reset"})
 MAX_BACKGROUND = 8  # background jobs one process may have running (``start_background``)
+# The processes whose cache (the record and the whole history) one worker keeps, by default
+# (``ProcessEngine.cache_limit``): past it, the least recently used of those safe to drop are
+# dropped (``evict``), and loaded again from the store when next used.
+CACHED_PROCESSES = 1000
+# How many processes in use (held by a task, a run under way) one eviction looks past at most, so
+# that a cache full of busy processes costs each new one a bounded look, not a walk of the cache
+EVICTION_SKIPS = 8
 # checks a new process must pass inside the transaction that stores it (a quota): see ``create``
 Admit = Callable[[], Awaitable[None]]
 
@@ -157,6 +166,11 @@ def _check_settled(live: _Live) -> None:
             f"the runtime closed while process {live.record.pid} had a run under way:"
             " it resumes when the store is opened again"
         )
+
+
+def _armed(timer: asyncio.TimerHandle | None, now: float) -> bool:
+    """Whether ``timer`` is still to fire (one that fired or was cancelled is kept all the same)."""
+    return timer is not None and not timer.cancelled() and timer.when() > now
 
 
 def _aborted_alone(task: asyncio.Task[bool]) -> None:
@@ -216,7 +230,10 @@ class ProcessEngine:
         # seconds a run waits before each new try of a model that is out (``driver._defer``); empty:
         # a model call that fails after its own retries ends the run
         self.outage_retries: tuple[float, ...] = ()
-        self._live: dict[str, _Live] = {}
+        # pid -> the process's cache, least recently used first (``live`` and a run's end move
+        # it last); at most ``cache_limit`` but the processes in use (``evict``)
+        self._live: OrderedDict[str, _Live] = OrderedDict()
+        self.cache_limit = CACHED_PROCESSES
         self._reloading: set[asyncio.Task[None]] = set()
         self._aborting: set[asyncio.Task[bool]] = set()
         self._deferred: set[asyncio.Task[None]] = set()  # see ``when_cleared``
@@ -241,6 +258,7 @@ class ProcessEngine:
     async def live(self, pid: str) -> _Live:
         live = self._live.get(pid)
         if live is not None:
+            self._live.move_to_end(pid)  # (the least recently used are evicted first)
             return live
         record = await self.store.get_process(pid)
         if record is None or record.state == "killed":
@@ -265,6 +283,8 @@ class ProcessEngine:
         live.resumed = record.current_run is not None
         if record.current_run is None:
             live.idle.set()
+        if len(self._live) > self.cache_limit:
+            self.evict()
         return live
 
     async def create(
@@ -301,6 +321,8 @@ class ProcessEngine:
         if self.leases is None:  # else cached by whichever worker claims it first
             live = self._live[record.pid] = _Live(record, [], calls=False)
             live.idle.set()
+            if len(self._live) > self.cache_limit:
+                self.evict()
         elif receipt is not None:
             await self.leases.hold(record.pid)  # claimed: its queued message starts the run (else the claimer's)
         return receipt
@@ -338,6 +360,8 @@ class ProcessEngine:
             if not kept and self._live.get(record.pid) is live:
                 del self._live[record.pid]
             raise
+        if len(self._live) > self.cache_limit:
+            self.evict()
         return Receipt(started, False, 0)
 
     @asynccontextmanager
@@ -714,13 +738,88 @@ class ProcessEngine:
 
     def uncache(self, pid: str) -> None:
         """Forget what this worker knows of a process (it lost or let go of the lease, or just
-        claimed it): its tasks stop, waiters look again, the next use reloads it."""
+        claimed it; or ``evict`` dropped it): its tasks stop, waiters look again, the next use
+        reloads it."""
         live = self._live.get(pid)
         self._compiled.pop(pid, None)  # a reloaded run keeps its stored prompt, or builds (and logs) it anew
         if live is not None:
             self._drop(live)
             live.lost = True
             live.idle.set()
+
+    def evict(self) -> int:
+        """Drop the caches of the least recently used processes while more than ``cache_limit``
+        are cached, as ``uncache`` drops them: the next use loads the process again from the
+        store, and its watchers' streams go on (signals reach them through the hub, by pid).
+        Returns how many were dropped.
+
+        Only a process at rest goes (``_at_rest``: no run, nothing working or waiting for it),
+        and only when nothing but this cache refers to its ``_Live``: no task holds it in the
+        middle of an operation (a send that looked it up and waits to begin its transaction,
+        ``wait_idle``, a transaction waiting for its group commit: its reference count says so),
+        so nothing can act on the dropped copy, and whoever wants the process next loads it
+        afresh. (Frames a caught exception left in a reference cycle count too, until the
+        collector frees them.) A process in use is passed over (moved last); at most
+        ``EVICTION_SKIPS`` of them per call, so a cache of busy processes stays above the bound
+        until they rest (a run's end evicts again: ``_rested``). On a shared store nothing is
+        evicted: a worker lets go of (and uncaches) each process it holds once it is idle
+        (``Leases.idle``)."""
+        cache = self._live
+        if self.leases is not None or self.closing:
+            return 0
+        probe = object()
+        unheld = sys.getrefcount(probe)  # a local nothing else refers to (the count differs by version)
+        now = asyncio.get_running_loop().time()
+        dropped = skipped = 0
+        while len(cache) > self.cache_limit and skipped < EVICTION_SKIPS:
+            pid, live = cache.popitem(last=False)  # the least recently used
+            if live.driver is not None and live.driver.done():
+                live.driver = None  # (a driver ended by an error or an abort keeps frames that refer to it)
+            idle = self._at_rest(live, now) and sys.getrefcount(live) <= unheld
+            cache[pid] = live  # back, as the most recently used
+            if idle:
+                self.uncache(pid)  # (the path of a lease let go of)
+                dropped += 1
+            else:
+                skipped += 1
+        return dropped
+
+    def _at_rest(self, live: _Live, now: float) -> bool:
+        """No run, and nothing working or waiting for the process: no driver, tool, abort,
+        promotion, timer still to fire (``now``: the loop's time), nested call waiting for a
+        person, queued input, background work, nor a reset or compaction holding it."""
+        pid = live.record.pid
+        return (
+            live.record.current_run is None
+            and live.idle.is_set()
+            and (live.driver is None or live.driver.done())
+            and not live.tools
+            and not live.stopping
+            and not live.promoting
+            and not live.asking
+            and not live.queued
+            and not _armed(live.deadline, now)
+            and not _armed(live.ask_timer, now)
+            and not _armed(live.retry_timer, now)
+            and not live.spending.locked()
+            and not live.remote
+            and not live.lost
+            and pid not in self._background
+            and pid not in self._compiled
+            and pid not in self.clearing
+            and pid not in self.compacting
+            and pid not in self.discarding
+        )
+
+    def _rested(self, live: _Live) -> None:
+        """A step that leaves the process idle is durable (``_Tx.settled``): it is the most
+        recently used now, and processes an earlier eviction passed over while their runs went on
+        may be evicted now."""
+        pid = live.record.pid
+        if self._live.get(pid) is live:
+            self._live.move_to_end(pid)
+        if len(self._live) > self.cache_limit:
+            self.evict()
 
     async def promote(self, live: _Live) -> None:
         await admission.promote(self, live)
@@ -1176,6 +1275,8 @@ class ProcessEngine:
         for pid, live in self._live.items():
             self.hub.close(pid)  # followers' streams end instead of waiting forever
             live.idle.set()  # and so do the callers of ``wait_idle`` (told the run was left unfinished)
+        for pid in list(self.hub._watchers):  # (those of processes evicted from the cache too)
+            self.hub.close(pid)
         self.hub.close_accounts()
         self._live.clear()
         for hook in list(self.closed_hooks):  # (tracing ends the spans of the runs cut short)

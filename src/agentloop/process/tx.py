@@ -241,6 +241,7 @@ class _Tx:
         self.durable, self.signals, self.accounted = [], [], []
         if live.record.current_run is None:
             live.idle.set()
+            self.engine._rested(live)  # (recently used; and the cache may evict what rests now)
 
     def drop(self) -> None:
         """The body was not kept (or its commit was lost): forget what it collected (see ``settled``)."""
