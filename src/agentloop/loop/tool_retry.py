@@ -51,7 +51,8 @@ of a stopped run, so the model says what failed rather than that it was asked to
 
 A watched in-memory run reports each step's episode at its end (``post_turn``, through
 ``TurnInfo.emit``): a ``tool_retry_scheduled`` event per failure counted, ``tool_retry_resolved``
-when a step without one gives the budgets back, ``tool_retry_exhausted`` when one is spent.
+when a step without one gives the budgets back, ``tool_retry_exhausted`` when one is spent (a
+durable process logs them as ``proc.run.tool.retry.*`` signals: ``process/calls.py``).
 Failures counted again from a history (a resumed run) are not reported anew.
 """
 

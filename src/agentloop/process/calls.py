@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from agentloop.events import LoopEvent, ToolExecutionUpdate
+from agentloop.events import LoopEvent, ToolExecutionUpdate, ToolRetryExhausted, ToolRetryResolved, ToolRetryScheduled
 from agentloop.loop.execute import NOT_COUNTED as NOT_THE_MODELS_FAILURES
 from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared, malformed
 from agentloop.loop.guards import CALLS_USED_UP
@@ -413,14 +413,52 @@ async def post_turn(engine: ProcessEngine, live: _Live, run_id: str, turn: int) 
     """The ``post_turn`` hooks, as the in-memory runner calls them after each turn (a failing
     one is logged). The hooks are the shared configuration's; the prompt and tools the run's.
     A hook's ``Stop`` is a gentle stop of this run, through the same path as ``Process.stop`` (so
-    it is kept with the run's record, and a run that has ended meanwhile is left alone)."""
+    it is kept with the run's record, and a run that has ended meanwhile is left alone). What the
+    hooks report (``TurnInfo.emit``: ``ToolRetry``'s episode) is logged as signals (``retry_signal``)
+    in a transaction of its own, before that stop; a hook that reports nothing costs none."""
     hooks = engine.config.hooks
     if "post_turn" not in hooks.phases:
         return
     cfg = live.config[1] if live.config is not None and live.config[0] == run_id else engine.config
-    info = TurnInfo(run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, conversation=live.record.pid)
-    if await hooks.run_phase("post_turn", info) is not None:
+    told: list[LoopEvent] = []
+    info = TurnInfo(
+        run_id, turn, live.history, cfg.system_prompt, cfg.tool_specs, conversation=live.record.pid, emit=told.append
+    )
+    stop = await hooks.run_phase("post_turn", info)
+    logged = [s for s in map(retry_signal, told) if s is not None]
+    if logged:
+        async with engine._tx(live) as tx:
+            for name, payload in logged:
+                await tx.signal(name, runId=run_id, **payload)
+    if stop is not None:
         await engine.stop(live.record.pid, run_id)
+
+
+def retry_signal(event: LoopEvent) -> tuple[str, dict[str, Any]] | None:
+    """The signal a durable process logs for a ``ToolRetry`` event, its fields in camelCase (the
+    call's id and tool as ``proc.run.tool.*`` name them); None for any other event."""
+    if isinstance(event, ToolRetryScheduled):
+        return sig.TOOL_RETRY_SCHEDULED, {
+            "callId": event.tool_call_id,
+            "name": event.tool_name,
+            "errorClass": event.error_class,
+            "roundsLeft": event.rounds_left,
+            "classLeft": event.class_left,
+            "toolLeft": event.tool_left,
+            "signatureLeft": event.signature_left,
+        }
+    if isinstance(event, ToolRetryResolved):
+        return sig.TOOL_RETRY_RESOLVED, {"failures": event.failures, "rounds": event.rounds}
+    if isinstance(event, ToolRetryExhausted):
+        return sig.TOOL_RETRY_EXHAUSTED, {
+            "callId": event.tool_call_id,
+            "name": event.tool_name,
+            "errorClass": event.error_class,
+            "budget": event.budget,
+            "limit": event.limit,
+            "reason": event.reason,
+        }
+    return None
 
 
 async def settle(

@@ -34,6 +34,13 @@ TOOL_STARTED = "proc.run.tool.started"
 # live-only, as RUN_STREAM: {pid, runId, callId, name, update} while a call runs (``process/calls.py``)
 TOOL_UPDATE = "proc.run.tool.update"
 TOOL_FINISHED = "proc.run.tool.finished"
+# the ``ToolRetry`` piece's episodes (``loop/tool_retry.py``), as its ``post_turn`` hook reports them
+# (``process/calls.py``), logged after the step they end: a failure counted {runId, callId, name,
+# errorClass, roundsLeft, classLeft, toolLeft, signatureLeft}, the budgets given back {runId,
+# failures, rounds}, a budget spent {runId, callId, name, errorClass, budget, limit, reason}
+TOOL_RETRY_SCHEDULED = "proc.run.tool.retry.scheduled"
+TOOL_RETRY_RESOLVED = "proc.run.tool.retry.resolved"
+TOOL_RETRY_EXHAUSTED = "proc.run.tool.retry.exhausted"
 HIL_REQUESTED = "proc.run.hil.requested"
 RUN_FINISHED = "proc.run.finished"
 CHANGED = "proc.changed"
