@@ -217,8 +217,9 @@ def _all_commands(command: Any) -> Iterator[Any]:
         yield from _all_commands(sub)
 
 
-# flags of other programs the README mentions (tar, rg, bench/run.sh)
-OTHER_PROGRAMS_FLAGS = {"--to-command", "--to-c", "--git-dir", "--pre", "--peers"}
+# flags of other programs the README mentions (tar, rg, bench/run.sh), and of chat's slash commands
+# (``/compact --keep N``, checked by tests/test_leftovers10.py)
+OTHER_PROGRAMS_FLAGS = {"--to-command", "--to-c", "--git-dir", "--pre", "--peers", "--keep"}
 
 
 def test_every_flag_in_the_prose_exists() -> None:

@@ -141,6 +141,7 @@ class Run(Generic[OutputT]):
         self._cfg = cfg if output is None else output.prepare(cfg, self.state)  # the output tool: this run's only
         self._queue: asyncio.Queue[LoopEvent | None] | None = asyncio.Queue() if stream else None
         self._task: asyncio.Task[Any] | None = None
+        self._started = False  # ``_execute`` has taken its first step (its task may not have yet)
         self._result: RunResult[OutputT] | None = None
         self._done: asyncio.Event | None = None  # made on demand: only a second waiter needs it
         self._failure: BaseException | None = None  # what the run raised, for its other waiters
@@ -175,8 +176,11 @@ class Run(Generic[OutputT]):
             return
         self.state.aborted = True
         task = self._task
-        if task is not None and task not in own_tasks() and not task.done():  # (not a tool's own run)
-            task.cancel()
+        # A streaming run's task made but not started yet is not cancelled: cancelled before its
+        # first step it would never tell the stream it ended (the stream would wait forever); it
+        # sees the flag at its first step and ends there, ``aborted``.
+        if task is not None and self._started and task not in own_tasks() and not task.done():
+            task.cancel()  # (not a tool's own run)
 
     @property
     def done(self) -> bool:
@@ -186,6 +190,7 @@ class Run(Generic[OutputT]):
 
     async def _execute(self) -> RunResult[OutputT]:
         self._task = asyncio.current_task()
+        self._started = True
         emit: Watch | None = self._queue.put_nowait if self._queue is not None else None
         state = self.state
         watchers = _watchers(self._cfg, state) if self._cfg.observers else None

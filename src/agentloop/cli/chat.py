@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import errno
 import getpass
+import inspect
 import io
 import json
 import os
@@ -70,7 +71,7 @@ HELP = (
     "/attach FILE adds an image, a PDF or a text file to your next message (/detach drops them) · "
     "/prompt shows what the last system prompt was built from · "
     "/queue lists input waiting to run (/queue clear withdraws yours) · "
-    "/compact [instructions] summarises the conversation now · "
+    "/compact [--keep N] [instructions] summarises the conversation now (all but the newest N messages) · "
     "/context shows how full the context window is · "
     "/usage shows what this conversation has cost · "
     "/title [text] shows or sets the conversation's title · "
@@ -347,8 +348,25 @@ class Compaction(NamedTuple):
 class Compacts(Protocol):
     """A session whose process can summarise its history on demand (``/compact``)."""
 
-    async def compact(self, instructions: str | None) -> Compaction:
-        """Summarise the conversation now; ``instructions`` say what the summary must keep."""
+    async def compact(self, instructions: str | None, keep_last: int | None = None) -> Compaction:
+        """Summarise the conversation now; ``instructions`` say what the summary must keep,
+        ``keep_last`` how many of the newest messages stay as they are (None: the rules choose)."""
+
+
+def _keep_option(rest: str) -> tuple[int | None, str | None] | None:
+    """``/compact``'s line: a leading ``--keep N`` (or ``--keep=N``), the instructions after it
+    (None: none); None when N is not a count of messages."""
+    words = rest.split(None, 1)
+    if not words or not (words[0] == "--keep" or words[0].startswith("--keep=")):
+        return None, rest.strip() or None
+    if words[0] == "--keep":
+        words = words[1].split(None, 1) if len(words) > 1 else [""]
+        value = words[0]
+    else:
+        value = words[0][len("--keep=") :]
+    if not (value.isascii() and value.isdigit() and len(value) <= 9):
+        return None
+    return int(value), (words[1].strip() or None) if len(words) > 1 else None
 
 
 @runtime_checkable
@@ -540,7 +558,7 @@ class ChatRepl:
             "/attach": lambda rest: self.attach(rest),
             "/detach": lambda _: self.attach(None),
             "/prompt": lambda _: self.show_prompt(ev),
-            "/compact": lambda rest: self.compact(rest or None, ev),
+            "/compact": lambda rest: self.compact(rest, ev),
             "/queue": lambda rest: self.show_queue(rest.lower(), ev),
             "/usage": lambda _: self.show_usage(ev),
             "/title": lambda rest: self.title(rest or None, ev),
@@ -651,13 +669,22 @@ class ChatRepl:
             Text(f"(forked: a new conversation with {count} messages, {where}; the old one is kept)", style="dim")
         )
 
-    def compact(self, instructions: str | None, ev: asyncio.AbstractEventLoop) -> None:
-        """``/compact [instructions]``: summarise the conversation now, to free the context before
-        it fills (or to refocus it); says how many tokens it took from how many."""
+    def compact(self, rest: str, ev: asyncio.AbstractEventLoop) -> None:
+        """``/compact [--keep N] [instructions]``: summarise the conversation now, to free the
+        context before it fills (or to refocus it), all but the newest N messages with ``--keep``
+        (else where the compaction rules cut); says how many tokens it took from how many."""
         if not isinstance(self.session, Compacts):
             self.err.print(Text("(no compaction: this chat keeps its conversation in memory)", style="dim"))
             return
-        if (done := self._ask(self.session.compact(instructions), ev)) is _FAILED:
+        if (asked := _keep_option(rest)) is None:
+            self.err.print(Text("usage: /compact [--keep N] [instructions] (N: how many messages)", style="yellow"))
+            return
+        keep, instructions = asked
+        keeping = {} if keep is None else {"keep_last": keep}
+        if keeping and "keep_last" not in inspect.signature(self.session.compact).parameters:
+            self.err.print(Text("(--keep is not available in this chat; /compact alone is)", style="yellow"))
+            return
+        if (done := self._ask(self.session.compact(instructions, **keeping), ev)) is _FAILED:
             return
         if not done.compacted:
             self.err.print(Text(f"({one_line(done.note, 300)}; {done.tokens_before:,} tokens)", style="dim"))
@@ -952,9 +979,12 @@ class DurableSession:
     async def context(self) -> dict[str, Any]:
         return (await self.process.context()).as_dict()
 
-    async def compact(self, instructions: str | None) -> Compaction:
+    async def compact(self, instructions: str | None, keep_last: int | None = None) -> Compaction:
         try:
-            done = await self.process.compact(instructions)
+            if keep_last is None:  # the compaction rules' cut, as before
+                done = await self.process.compact(instructions)
+            else:
+                done = await self.process.compact(instructions, keep_last=keep_last)
         # busy (a run, another worker's lease), or instructions it cannot take (too long, a NUL: ValueError)
         except (RunActive, ProcessBusy, CompactionError, ValueError) as exc:
             raise SessionError(f"not compacted: {exc}") from exc

@@ -18,6 +18,7 @@ server into the prompt. The system ``context.d`` belongs to the operator and may
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import hashlib
 import re
@@ -63,6 +64,10 @@ _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\}\}")
 ACTIVE_SKILLS = "active skills"
 # ``$name``, not inside a word or an amount (``US$5``), nor ``$$``; its end may be punctuation
 _REFERENCE = re.compile(r"(?<![\w$])\$([A-Za-z0-9][A-Za-z0-9._-]*)")
+# Markdown's code, where a ``$name`` is code (``export X=$deploy``), not a skill asked for: a fence
+# (a line of 3+ backticks or tildes, up to 3 spaces in) and a run of backticks (inline code)
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)")
+_TICKS = re.compile(r"`+")
 _WORD = re.compile(r"[^\s`'\"()<>\[\]{},;|]+")
 _EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,10}$")
 MAX_MENTIONED_PATHS = 64  # paths of one run's input matched against the skills' ``paths:`` globs
@@ -429,14 +434,61 @@ def _mentioned_paths(text: str) -> list[str]:
     return list(found)
 
 
+def _without_inline_code(text: str) -> str:
+    """``text`` with each inline code span (a run of backticks up to the next run of as many) made
+    one space; a run nothing closes is text. Linear but for the look-up of each run's closer."""
+    if "`" not in text:
+        return text
+    runs = list(_TICKS.finditer(text))
+    by_length: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        by_length.setdefault(len(run.group()), []).append(i)
+    parts: list[str] = []
+    at = i = 0
+    while i < len(runs):
+        same = by_length[len(runs[i].group())]
+        k = bisect.bisect_right(same, i)
+        if k == len(same):  # never closed: literal backticks
+            i += 1
+            continue
+        parts.append(text[at : runs[i].start()] + " ")
+        at, i = runs[same[k]].end(), same[k] + 1
+    parts.append(text[at:])
+    return "".join(parts)
+
+
+def _prose(text: str) -> str:
+    """``text`` without its Markdown code: fenced blocks (to their closing fence, else to the end)
+    and inline code spans, where a ``$name`` is code, not a request for that skill."""
+    if "`" not in text and "~~~" not in text:
+        return text
+    kept: list[str] = []
+    prose: list[str] = []
+    fence = ""  # the open fence's backticks or tildes
+    for line in text.split("\n"):
+        found = _FENCE.fullmatch(line)
+        if fence:
+            if found and found.group(1).startswith(fence) and not found.group(2).strip():  # (as long, or longer)
+                fence = ""
+            continue
+        if found and not (found.group(1)[0] == "`" and "`" in found.group(2)):  # (else inline code)
+            fence = found.group(1)
+            kept.append(_without_inline_code("\n".join(prose)))
+            prose = []
+            continue
+        prose.append(line)
+    kept.append(_without_inline_code("\n".join(prose)))
+    return "\n".join(kept)
+
+
 def _chosen(catalog: SkillCatalog, text: str) -> list[tuple[SkillCard, str]]:
     """The skills ``text`` activates, each once, with why: those it names as ``$name`` (in that
-    order; a name the index does not hold is left as text), then those whose ``paths:`` match a
-    path it mentions."""
+    order; a name the index does not hold is left as text; not in code: ``_prose``), then those
+    whose ``paths:`` match a path it mentions."""
     cards = {c.name: c for c in catalog.cards}
     chosen: dict[str, tuple[SkillCard, str]] = {}
     if "$" in text:
-        for match in _REFERENCE.finditer(text):
+        for match in _REFERENCE.finditer(_prose(text)):
             word = match.group(1)
             name = word if word in cards else word.rstrip("._-")  # ("use $deploy.")
             if name in cards and name not in chosen:
