@@ -17,7 +17,6 @@ waits for the next run, which takes it before its own input.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -199,17 +198,8 @@ class Conversation:
     def abort(self) -> None:
         """Abort the running prompt (``Run.abort``); sends waiting for their turn still run, and
         queued input stays queued. Does nothing while idle."""
-        run = self._run
-        if run is None:
-            return
-        task = run._task  # a streaming run's task, made but maybe not yet started
-        coro = task.get_coro() if task is not None else None
-        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
-            # cancelled before its first step, the task would never tell the stream it ended (the
-            # stream would wait forever): the run sees the flag at its first step and ends there
-            run.state.aborted = True
-        else:
-            run.abort()
+        if self._run is not None:
+            self._run.abort()  # (before its first step too: ``Run.abort`` then ends it there)
 
     def stop(self) -> None:
         """Ask the running prompt to finish gently (``Run.stop``). Does nothing while idle."""
