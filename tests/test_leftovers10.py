@@ -8,6 +8,7 @@ import io
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from agentloop import Agent, AssistantMessage, ScriptedModel
 from agentloop.events import AgentEnd, LoopEvent
@@ -155,27 +156,32 @@ def test_keep_option_reads_the_count_and_the_instructions() -> None:
         assert _keep_option(bad) is None, bad
 
 
-def test_a_chat_whose_session_cannot_keep_says_so_and_sends_nothing() -> None:
-    """A session whose ``compact`` takes no count (a server's chat, today): said, nothing asked of it."""
+def test_a_server_chat_asks_the_server_to_keep_the_newest_messages() -> None:
+    """``chat --server``: ``/compact --keep N`` reaches the server as ``keep_last``."""
     from rich.console import Console
 
-    from agentloop.cli.chat import ChatRepl, Compaction, PlainReader
+    from agentloop.cli.chat import ChatRepl, PlainReader
     from agentloop.cli.client import RemoteSession
     from agentloop.client import AgentloopClient
 
-    class Countless(RemoteSession):
-        async def compact(self, instructions: str | None) -> Compaction:
-            raise AssertionError("not to be called")
+    asked: list[tuple[str | None, int | None]] = []
+
+    class Recording(AgentloopClient):
+        async def compact(self, pid: str, instructions: str | None = None, **cut: Any) -> dict[str, Any]:
+            asked.append((instructions, cut.get("keep_last")))
+            return {"compacted": True, "removed": 2, "tokens_before": 10, "tokens_after": 4, "note": ""}
 
     ev = asyncio.new_event_loop()
-    client = AgentloopClient("http://127.0.0.1:9", "token")  # (nothing listens: a call would fail loudly)
+    client = Recording("http://127.0.0.1:9", "token")  # (nothing listens: any other call would fail loudly)
     err = io.StringIO()
     try:
-        session = Countless(client)
+        session = RemoteSession(client)
+        session.pid = "p1"
         reader = PlainReader(io.StringIO("/compact --keep 2 names\n/exit\n"))
         repl = ChatRepl(session, reader=reader, out=io.StringIO(), err=Console(file=err, width=400))
         assert repl.loop(ev) == 0
     finally:
         ev.run_until_complete(client.aclose())
         ev.close()
-    assert "(--keep is not available in this chat; /compact alone is)" in err.getvalue()
+    assert asked == [("names", 2)]
+    assert "compacted: 2 messages summarised" in err.getvalue()

@@ -14,7 +14,6 @@ import dataclasses
 import enum
 import errno
 import getpass
-import inspect
 import io
 import json
 import os
@@ -681,9 +680,6 @@ class ChatRepl:
             return
         keep, instructions = asked
         keeping = {} if keep is None else {"keep_last": keep}
-        if keeping and "keep_last" not in inspect.signature(self.session.compact).parameters:
-            self.err.print(Text("(--keep is not available in this chat; /compact alone is)", style="yellow"))
-            return
         if (done := self._ask(self.session.compact(instructions, **keeping), ev)) is _FAILED:
             return
         if not done.compacted:

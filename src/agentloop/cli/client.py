@@ -500,9 +500,9 @@ class RemoteSession:
         except ClientError as exc:
             raise SessionError(f"nothing was withdrawn: {exc.message}") from exc
 
-    async def compact(self, instructions: str | None) -> Compaction:
+    async def compact(self, instructions: str | None, keep_last: int | None = None) -> Compaction:
         try:
-            done = await self.client.compact(self.pid, instructions)
+            done = await self.client.compact(self.pid, instructions, keep_last=keep_last)
         except ClientError as exc:
             raise SessionError(f"not compacted: {exc.message}") from exc
 
