@@ -36,6 +36,7 @@ from agentloop.messages import (
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.hil import NOT_INTERACTIVE, ask, edited_result, edits_key, nested_policy
+from agentloop.process.lease import LeaseLost
 from agentloop.process.signals import Signal
 from agentloop.process.store import CallStatus, ToolCallRow
 from agentloop.process.tx import _Live, _Tx
@@ -426,10 +427,15 @@ async def post_turn(engine: ProcessEngine, live: _Live, run_id: str, turn: int) 
     )
     stop = await hooks.run_phase("post_turn", info)
     logged = [s for s in map(retry_signal, told) if s is not None]
-    if logged:
-        async with engine._tx(live) as tx:
-            for name, payload in logged:
-                await tx.signal(name, runId=run_id, **payload)
+    if logged and not live.lost:
+        try:
+            async with engine._tx(live) as tx:
+                for name, payload in logged:
+                    await tx.signal(name, runId=run_id, **payload)
+        except Exception as exc:  # a report: its failure must not fail the step, nor skip the stop
+            if isinstance(exc, LeaseLost):  # (the driver lets go of the process)
+                raise
+            log.warning("process %s: the tool retry episode was not logged: %s", live.record.pid, exc)
     if stop is not None:
         await engine.stop(live.record.pid, run_id)
 
