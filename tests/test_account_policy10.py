@@ -128,7 +128,7 @@ async def test_a_malformed_file_of_remembered_rules_is_the_default_policy_with_a
 
 def test_the_amender_writes_the_rule_alone_where_there_was_no_file(tmp_path: Path) -> None:
     files = {name: tmp_path / name / "approval.json" for name in ("alice", "bob")}
-    amend = policy_amender(server=SERVER, account_file=lambda owner: files[owner])
+    amend = policy_amender(account_file=lambda owner: files[owner])
     alice = ProcessRecord("p1", "alice", "alice", str(tmp_path))
     echo_rule = Rule.model_validate(ECHO_ALWAYS)
     amend(alice, echo_rule)

@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
@@ -49,17 +50,19 @@ class ApprovalSetting:
     policy: Policy
     source: str
     warnings: list[str] = field(default_factory=list)
+    file: Path | None = None  # the policy file (absolute), for ``mode == "file"``
 
     def kernel_options(self, owner: str | None = None) -> dict[str, Any]:
         """``Kernel.open`` keywords: ``auto`` skips the check, everything else is a policy. It is
-        the server-wide default, which an account's own policy file refines; for ``owner`` (the
-        one account of a local chat) a policy named on the command line (``deny``, a file) wins
-        over that file instead, as ``auto`` does."""
+        the server-wide default, which an account's own policy file refines; given as a file, it
+        is the file, which the kernel reads again whenever it changes. For ``owner`` (the one
+        account of a local chat) a policy named on the command line (``deny``, a file) wins over
+        that file instead, as ``auto`` does, as read now."""
         if self.mode == "auto":
             return {"approval": approve_everything}
         if owner is not None and self.mode in ("deny", "file"):
             return {"policy": self.policy, "account_policies": {owner: self.policy}}
-        return {"policy": self.policy}
+        return {"policy": self.file if self.file is not None else self.policy}
 
 
 def parse_approval(spec: str) -> ApprovalSetting:
@@ -82,9 +85,11 @@ def parse_approval(spec: str) -> ApprovalSetting:
             f"--approval must be ask, auto, deny or a JSON policy file; cannot read {str(path)!r} ({reason})"
         ) from None
     policy, problems = parse_policy(text)
+    file = Path(os.path.abspath(path))  # (the server's working directory may change; a link stays one)
     if problems:
-        return ApprovalSetting("file", policy, "default policy", [f"approval policy {path}: {p}" for p in problems])
-    return ApprovalSetting("file", policy, str(path))
+        warnings = [f"approval policy {path}: {p}" for p in problems]
+        return ApprovalSetting("file", policy, "default policy", warnings, file)
+    return ApprovalSetting("file", policy, str(path), file=file)
 
 
 # ---------------------------------------------------------------------------------- asking

@@ -726,7 +726,7 @@ class Kernel:
         approval: ApprovalFn | None = None,
         approval_timeout: float | None = None,
         outage_retries: Sequence[float] = (),
-        policy: str | bytes | dict[str, Any] | None = None,
+        policy: str | bytes | dict[str, Any] | os.PathLike[str] | None = None,
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
         clear_tool_outputs: bool = True,
@@ -779,7 +779,10 @@ class Kernel:
         ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
-        default otherwise) unless ``approval`` replaces the check. A request nobody answers within
+        default otherwise) unless ``approval`` replaces the check. A ``policy`` given as a file
+        (a ``Path``; a ``str`` is JSON text) is read again whenever it changes, as the accounts'
+        files are; an edit that does not parse keeps the last good policy (with a warning); one that
+        cannot be read when the kernel opens is a ``ValueError``. A request nobody answers within
         ``approval_timeout`` seconds is denied (None: it waits for ever). A model call that still
         fails after its own retries and fallbacks in a way that may pass (a rate limit, a 5xx, no
         connection) ends the run, unless ``outage_retries`` gives the seconds to wait before each
@@ -853,7 +856,7 @@ class Kernel:
                 protected=off_limits,
             )
             policy_file = home_file(data, "approval.json")
-            amend = policy_amender(server=policy, accounts=account_policies, account_file=policy_file)
+            amend = policy_amender(accounts=account_policies, account_file=policy_file)
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
             path = await asyncio.to_thread(write_archive, data, record.owner, record.pid, name, messages, meta)

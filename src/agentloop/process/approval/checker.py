@@ -1,8 +1,10 @@
 """The approval policy as the durable runner asks it: one verdict per registered tool call.
 
 Policies come from two places: the owning account's policy (given in code, or its policy file,
-read again whenever it changes), else the server-wide default. A file of ``remembered`` rules
-alone (no ``default``, no ``rules``) adds them to the server-wide policy instead of replacing it.
+read again whenever it changes), else the server-wide default (a file of it too is read again
+whenever it changes, and keeps its last good policy while it does not parse). A file of
+``remembered`` rules alone (no ``default``, no ``rules``) adds them to the server-wide policy
+instead of replacing it.
 A policy that cannot be read is replaced by the default policy, with a warning in the log. Rules
 a person remembered for this process (stored with the process) then answer the questions the
 policy would ask; they never lift what it denies.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -56,58 +59,110 @@ def _warn(source: str, warnings: list[str]) -> None:
         log.warning("approval policy %s: %s; using the default policy", source, warning)
 
 
+def _read_server_file(path: Path) -> tuple[Policy | None, list[str]]:
+    """The server-wide policy file's policy, or None and why it cannot be had (blank text is
+    none: a file being written, or emptied)."""
+    try:
+        text = read_regular(path, MAX_POLICY_BYTES).decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [f"cannot be read ({exc})"]
+    if not text.strip():
+        return None, ["empty"]
+    policy, problems = parse_policy(text)
+    return (None, problems) if problems else (policy, [])
+
+
 def policy_approval(
     store: Store,
     *,
-    server: str | bytes | dict[str, Any] | Policy | None = None,
+    server: str | bytes | dict[str, Any] | Policy | os.PathLike[str] | None = None,
     accounts: Mapping[str, str | bytes | dict[str, Any] | Policy] | None = None,
     home_of: Callable[[str], str] | None = None,
     account_file: Callable[[str], Path] | None = None,
     protected: Sequence[str | Path] = (),
 ) -> ApprovalFn:
     """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call. ``account_file``
-    names an account's policy file, used when ``accounts`` has no policy for it."""
-    server_policy = load_policy(server, "server")
+    names an account's policy file, used when ``accounts`` has no policy for it. A ``server``
+    policy given as a file (a ``Path``) is read again whenever it changes, as an account's file
+    is (``server_now``); one that cannot be read at all here is a ``ValueError``."""
+    server_file, server_stamp = None, None
+    if isinstance(server, os.PathLike):  # read as text is (not valid: the default policy, with a warning)
+        server_file = Path(server)
+        server_stamp = file_stamp(server_file)  # (before the read: a change during it is read again)
+        try:
+            server = read_regular(server_file, MAX_POLICY_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"approval policy {str(server_file)!r} cannot be read ({exc})") from None
+    server_policy = load_policy(server, "server" if server_file is None else f"server ({server_file})")
     account_policies = {name: load_policy(p, f"of account {name!r}") for name, p in (accounts or {}).items()}
     own_home = os.path.expanduser("~")  # the kernel user's, for every account without a home of its own
     home = home_of or (lambda user: own_home)
 
     fallback = server_policy if server_policy is not None else default_policy()
+    server_seen = [(server_stamp, fallback)]  # the server file's stamp when last read, the policy in force
     guarded = [os.path.realpath(p) for p in protected]
     # remembered rules as JSON -> (those rules, whether one reads a call's arguments)
     parsed: dict[str, tuple[tuple[Rule, ...], bool]] = {}
-    from_files: dict[str, tuple[Stamp, Policy | None]] = {}  # owner -> (file stamp, its policy)
+    # owner -> (file stamp, its policy, whether it is remembered rules alone, put on the server-wide one)
+    from_files: dict[str, tuple[Stamp, Policy, bool]] = {}
+    # owner -> (its file's remembered rules alone, the server-wide policy they sit on, the two merged)
+    merged: dict[str, tuple[Policy, Policy, Policy]] = {}
+
+    def server_now() -> Policy:
+        """The server-wide policy in force: a file's is parsed again only when its stamp changes.
+        A file that no longer gives a policy (not valid, gone, empty: being written) keeps the last
+        good one in force, with one warning per change, never the default policy, which may allow
+        more than the operator's."""
+        if server_file is None:
+            return fallback
+        stamp = file_stamp(server_file)
+        seen, policy = server_seen[0]
+        if stamp == seen:
+            return policy
+        read, problems = _read_server_file(server_file)
+        if read is None:
+            shown = "; ".join(re.sub(r"[,;] using the default policy", "", p) for p in problems)
+            log.warning("approval policy server (%s): %s; the policy in force is kept", server_file, shown)
+        server_seen[0] = (stamp, policy if read is None else read)
+        return server_seen[0][1]
+
+    def on_server(owner: str, own: Policy) -> Policy:
+        """An account's file of remembered rules alone on the server-wide policy in force, merged
+        again only when either changes."""
+        base = server_now()
+        hit = merged.get(owner)
+        if hit is None or hit[0] is not own or hit[1] is not base:
+            hit = merged[owner] = (own, base, own.on_top_of(base))
+        return hit[2]
 
     def from_file(owner: str, path: Path) -> Policy | None:
         """The account's policy as its file makes it, read again only when the file changes. A
-        file of remembered rules alone is merged here, onto the server-wide policy, once per
-        change of the file: that policy is fixed for this checker (a changed ``--approval`` is a
-        restart, which reads the file again), and never copied into the file, so it reaches the
+        file of remembered rules alone is put on the server-wide policy (``on_server``, again when
+        either changes), and never copied into the file, so that policy's changes reach the
         account."""
         stamp = file_stamp(path)
         if stamp is None:  # no file: the server-wide policy applies
             from_files.pop(owner, None)
+            merged.pop(owner, None)
             return None
         hit = from_files.get(owner)
         if hit is not None and hit[0] == stamp:
-            return hit[1]
+            return on_server(owner, hit[1]) if hit[2] else hit[1]
         source = f"of account {owner!r} ({path})"
         try:
             policy, inherits, warnings = parse_account_policy(read_regular(path, MAX_POLICY_BYTES).decode("utf-8"))
             _warn(source, warnings)
-            if inherits:
-                policy = policy.on_top_of(fallback)
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
-            policy = default_policy()
-        from_files[owner] = (stamp, policy)
-        return policy
+            policy, inherits = default_policy(), False
+        from_files[owner] = (stamp, policy, inherits)
+        return on_server(owner, policy) if inherits else policy
 
     def policy_of(owner: str) -> Policy:
         base = account_policies.get(owner)
         if base is None and account_file is not None:
             base = from_file(owner, account_file(owner))
-        return fallback if base is None else base
+        return server_now() if base is None else base
 
     def remembered_rules(stored: list[dict[str, Any]] | None) -> tuple[str, tuple[Rule, ...], bool]:
         """The process's remembered rules, parsed once per distinct list (a key for the caches)."""
@@ -177,7 +232,6 @@ def policy_approval(
 
 def policy_amender(
     *,
-    server: str | bytes | dict[str, Any] | Policy | None = None,
     accounts: Mapping[str, Any] | None = None,
     account_file: Callable[[str], Path],
 ) -> AmendFn:
@@ -187,8 +241,7 @@ def policy_amender(
     (``{"remembered": [rule]}``), which ``policy_approval`` puts on top of the server-wide policy:
     not a copy of that policy, which would keep its later changes (a new ``deny``) from the
     account. Refused (``ValueError``) when the account's policy is given in code, or its file does
-    not parse (written back, the part that was wrong would be lost). ``server`` is not read: the
-    file never holds the server-wide policy."""
+    not parse (written back, the part that was wrong would be lost)."""
     in_code = frozenset(accounts or ())
 
     def amend(process: ProcessRecord, rule: Rule) -> None:
