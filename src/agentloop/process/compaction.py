@@ -121,7 +121,8 @@ count_stored_files(_stored_file_size)
 
 
 MAX_SUMMARY = 20_000  # characters of a summary a caller supplies (``Process.compact(summary=…)``)
-_CONTROL = {chr(c) for c in range(32) if chr(c) not in "\t\n\r"} | {"\x7f"}
+# (C0 but tab and line breaks, DEL, and C1: U+009B is a terminal's CSI as ESC [ is)
+_CONTROL = {chr(c) for c in range(32) if chr(c) not in "\t\n\r"} | {chr(c) for c in range(0x7F, 0xA0)}
 
 
 def check_summary(summary: object) -> str:

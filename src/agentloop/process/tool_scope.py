@@ -4,13 +4,16 @@ A scope is a list of entries; a tool is offered when one of them matches it:
 
 - a tool's name, exactly: ``Read``, ``Shell``, an MCP tool's ``github__search_issues``;
 - ``mcp:<server>``: every tool of that MCP server (its tools are named ``<server>__<tool>``, and
-  their syscall is ``mcp.<server>.<tool>``, which is what is matched);
+  their syscall is ``mcp.<server>.<tool>``, which is what is matched); a server not exposed
+  directly is reached through an ``mcp`` gateway narrowed to the servers so named (``mcp``
+  itself, by name: the gateway to all of them);
 - a glob over names (``*``, ``?``, ``[...]``): ``github__*``, ``laptop__*``.
 
 None (no scope) offers every tool. The scope is kept in the process's kv (``TOOLS_KEY``) and
 applied when a run's tools are put together, after the kernel's toolsets (devices, MCP, skills,
 memory, Task...), so a tool left out is neither shown to the model nor callable: a call to it
-is answered as one to a tool that does not exist. ``Jobs`` goes with ``Shell`` (it only looks
+is answered as one to a tool that does not exist; a CodeMode program's functions are scoped
+alike (a program may call only the tools the scope offers). ``Jobs`` goes with ``Shell`` (it only looks
 after Shell's background commands); a run's own output tool (``output_schema``) is never scoped.
 
 A child (a subagent) is spawned within its parent's scope: it may narrow it, never widen it
@@ -20,11 +23,15 @@ its own.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 from agentloop.messages import check_plain_text
 from agentloop.tools.base import Tool
+from agentloop.tools.codemode import CodeMode
+from agentloop.tools.mcp import MCPGateway
 
 TOOLS_KEY = "tools"  # kv row of a process: its tool scope (a list of entries); absent: every tool
 MCP_PREFIX = "mcp:"
@@ -92,10 +99,58 @@ def allows(scope: Sequence[str] | None, name: str, tool: Tool | None = None) -> 
 
 
 def scoped(tools: Mapping[str, Tool], scope: Sequence[str] | None) -> Mapping[str, Tool]:
-    """The tools ``scope`` offers, in their order (``Jobs`` with ``Shell``)."""
+    """The tools ``scope`` offers, in their order (``Jobs`` with ``Shell``); a CodeMode among
+    them lends its programs only the tools the scope offers too (``_lent``)."""
     if scope is None:
         return tools
-    return {name: tool for name, tool in tools.items() if allows(scope, name, tool)}
+    out: dict[str, Tool] = {}
+    for name, tool in tools.items():
+        offered = _offered(name, tool, scope)
+        if offered is not None:
+            out[name] = offered
+    return out
+
+
+def _offered(name: str, tool: Tool, scope: Sequence[str]) -> Tool | None:
+    """``tool`` as ``scope`` offers it: whole, narrowed (a CodeMode's functions, the ``mcp``
+    gateway's servers: ``mcp:<server>`` names one it reaches), or not at all (None)."""
+    if allows(scope, name, tool):
+        return _lent(tool, scope) if isinstance(tool, CodeMode) else tool
+    if isinstance(tool, MCPGateway):
+        servers = [c for server, c in tool.connections.items() if f"{MCP_PREFIX}{server}" in scope]
+        return MCPGateway(servers) if servers else None
+    return None
+
+
+# a CodeMode narrowed to a scope, per CodeMode (by identity, dropped with it) and scope
+_LENT: weakref.WeakKeyDictionary[CodeMode, dict[tuple[str, ...], CodeMode]] = weakref.WeakKeyDictionary()
+
+
+def _lent(mode: CodeMode, scope: Sequence[str]) -> CodeMode:
+    """``mode`` with only the tools ``scope`` offers as its program's functions. A program calls
+    the run's tool of a name when the run has one, else CodeMode's own (a tool only programs
+    have, or one the scope took from the run): without this a scope of ``CodeMode`` alone would
+    leave every tool CodeMode was made with (the built-ins, MCP servers' tools) to its programs."""
+    kept = [lent for tool in mode.own_tools.values() if (lent := _offered(tool.name, tool, scope)) is not None]
+    if len(kept) == len(mode.own_tools) and all(a is b for a, b in zip(kept, mode.own_tools.values(), strict=True)):
+        return mode
+    made = _LENT.setdefault(mode, {})
+    key = tuple(scope)
+    narrowed = made.get(key)
+    if narrowed is None:
+        fresh = CodeMode(
+            kept, max_output=mode.max_output, max_calls=mode.max_calls, name=mode.name, sandbox=mode.sandbox
+        )
+        narrowed = copy.copy(mode)  # (its check, cwd and whatever else it was given stay)
+        narrowed.own_tools, narrowed.functions, narrowed.description = (
+            fresh.own_tools,
+            fresh.functions,
+            fresh.description,
+        )
+        if len(made) >= 64:  # (scopes are few; bounded all the same)
+            made.clear()
+        made[key] = narrowed
+    return narrowed
 
 
 def unknown_entries(scope: Sequence[str], tools: Mapping[str, Tool]) -> list[str]:
