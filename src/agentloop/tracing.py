@@ -460,13 +460,33 @@ class _DurableRun:
 
 # signals the tracer never reads: live-only progress, sent for every delta
 _IGNORED = frozenset({sig.RUN_STREAM, sig.TOOL_UPDATE, sig.LOG_PRUNED})
+# a ToolRetry signal -> the name of the event it is on its run's span
+_TOOL_RETRIES = {
+    sig.TOOL_RETRY_SCHEDULED: "agentloop.tool_retry.scheduled",
+    sig.TOOL_RETRY_RESOLVED: "agentloop.tool_retry.resolved",
+    sig.TOOL_RETRY_EXHAUSTED: "agentloop.tool_retry.exhausted",
+}
+_TOOL_RETRY_PREFIX = "agentloop.tool_retry."
 # signals that name a run this tracer may not have seen start (resumed after a restart)
 _OF_A_RUN = frozenset(
-    {sig.RUN_OUTPUT, sig.TOOL_STARTED, sig.TOOL_FINISHED, sig.RUN_RETRYING, sig.RUN_FINISHED, sig.HIL_REQUESTED}
+    {
+        sig.RUN_OUTPUT,
+        sig.TOOL_STARTED,
+        sig.TOOL_FINISHED,
+        sig.RUN_RETRYING,
+        sig.RUN_FINISHED,
+        sig.HIL_REQUESTED,
+        *_TOOL_RETRIES,
+    }
 )
 # how far back from the end of a history the newest answer is looked for
 _LOOK_BACK = 64
 _STOP_REASONS = {"turn.complete": "stop", "generation.error": "error"}
+
+
+def _snake(key: str) -> str:
+    """A signal's camelCase field as an attribute's name part: ``errorClass`` -> ``error_class``."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
 
 
 class KernelTracing:
@@ -566,6 +586,8 @@ class KernelTracing:
             self._tool_finished(run, payload)
         elif name == sig.RUN_RETRYING:
             self._retrying(run, payload)
+        elif name in _TOOL_RETRIES:
+            self._tool_retry(run, name, payload)
         elif name == sig.RUN_FINISHED:
             self._finished(run, payload)
 
@@ -652,6 +674,24 @@ class KernelTracing:
             run.model = (provider, model_id)
         delay = payload.get("delay")
         run.mark = time.time_ns() + (int(delay * 1e9) if isinstance(delay, int | float) else 0)
+
+    def _tool_retry(self, run: _DurableRun, name: str, payload: Mapping[str, Any]) -> None:
+        """A ``ToolRetry`` episode's news (logged after the step that had it, its calls' spans
+        ended): an event on the run's span, ``agentloop.tool_retry.scheduled|resolved|exhausted``
+        with the signal's fields (``agentloop.tool_retry.<field>``; the call as ``gen_ai.tool.*``)."""
+        attrs: dict[str, Any] = {}
+        for key, value in payload.items():
+            if key in ("pid", "runId"):
+                continue
+            if key == "callId":
+                key = TOOL_CALL_ID
+            elif key == "name":
+                key = TOOL_NAME
+            else:
+                key = _TOOL_RETRY_PREFIX + _snake(key)
+            if isinstance(value, str | bool | int | float):
+                attrs[key] = value
+        run.span.add_event(_TOOL_RETRIES[name], attrs)
 
     def _tool_started(self, run: _DurableRun, payload: Mapping[str, Any]) -> None:
         call_id, name = str(payload.get("callId")), str(payload.get("name"))

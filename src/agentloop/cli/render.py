@@ -332,6 +332,9 @@ class SignalRenderer:
                 view.waiting()
         elif name == psig.RUN_RETRYING:
             self._retry(p)
+        elif name in (psig.TOOL_RETRY_SCHEDULED, psig.TOOL_RETRY_EXHAUSTED):
+            view.note(Text(tool_retry_line(name, p), style="yellow"))
+            view.waiting()  # the model reads the failure next (told to try again, or to stop)
         elif name == psig.RUN_OUTPUT:
             text = str(p.get("text") or "")
             if text.startswith(self._streamed):
@@ -390,6 +393,40 @@ class SignalRenderer:
             int(p.get("attempt") or 0),
             float(p.get("delay") or 0.0),
         )
+
+
+# a retry budget's ``...Left`` field in ``proc.run.tool.retry.scheduled``, and what it counts: the
+# one with the fewest retries left is shown (the first of them on a tie)
+_RETRY_BUDGETS = (
+    ("classLeft", "for this class"),
+    ("signatureLeft", "for this call"),
+    ("toolLeft", "for this tool"),
+    ("roundsLeft", "in this run"),
+)
+
+
+def tool_retry_line(name: str, p: Mapping[str, Any]) -> str:
+    """The line a ``ToolRetry`` signal is shown with: a failure counted
+    (``proc.run.tool.retry.scheduled``: the tightest budget's retries left) or a budget spent
+    (``proc.run.tool.retry.exhausted``: the run stops); "" for any other."""
+    if name == psig.TOOL_RETRY_EXHAUSTED:
+        reason = p.get("reason")
+        if not isinstance(reason, str) or not reason:
+            reason = f"{p.get('budget', '?')} budget ({p.get('limit', '?')})"
+        return f"tool retry budget spent: {one_line(reason)}; the run stops"
+    if name != psig.TOOL_RETRY_SCHEDULED:
+        return ""
+    tool, error = one_line(str(p.get("name") or "a tool"), 80), one_line(str(p.get("errorClass") or "error"), 40)
+    counts = [(p[key], what) for key, what in _RETRY_BUDGETS if _is_count(p.get(key))]
+    if not counts:
+        return f"{tool} failed ({error}): retrying"
+    left, what = min(counts, key=lambda c: c[0])
+    many = "no retries" if left == 0 else "1 retry" if left == 1 else f"{left} retries"
+    return f"{tool} failed ({error}): {many} left {what}"
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 _LEVELS = ("ok", "warn", "critical", "full")

@@ -46,6 +46,45 @@ function plainText(content) {
     .join("");
 }
 
+// A retry budget's `…Left` field in proc.run.tool.retry.scheduled, and what it counts: the one with
+// the fewest retries left is shown (the first of them on a tie). As the terminal's (cli/render.py).
+const RETRY_BUDGETS = [
+  ["classLeft", "for this class"],
+  ["signatureLeft", "for this call"],
+  ["toolLeft", "for this tool"],
+  ["roundsLeft", "in this run"],
+];
+
+/** The line a ToolRetry signal is shown with: a failure counted (the tightest budget's retries
+ * left) or a budget spent (the run stops); "" for any other. */
+export function toolRetryLine(signal, p) {
+  if (signal === "proc.run.tool.retry.exhausted") {
+    const reason = typeof p.reason === "string" && p.reason ? p.reason : `${p.budget ?? "?"} budget (${p.limit ?? "?"})`;
+    return `tool retry budget spent: ${reason}; the run stops`;
+  }
+  if (signal !== "proc.run.tool.retry.scheduled") return "";
+  const head = `${p.name || "a tool"} failed (${p.errorClass || "error"})`;
+  let best = null;
+  for (const [key, what] of RETRY_BUDGETS) {
+    const left = p[key];
+    if (Number.isInteger(left) && left >= 0 && (best === null || left < best[0])) best = [left, what];
+  }
+  if (best === null) return `${head}: retrying`;
+  const [left, what] = best;
+  const many = left === 0 ? "no retries" : left === 1 ? "1 retry" : `${left} retries`;
+  return `${head}: ${many} left ${what}`;
+}
+
+/** The name a user message's speaker is shown with, above it: only a group chat's (a chat
+ * bridge's, where several people write to one process) has one; "" for any other message. */
+export function speakerOf(message) {
+  const origin = message && message.origin;
+  if (!origin || typeof origin !== "object" || origin.chat !== "group") return "";
+  const name = typeof origin.name === "string" ? origin.name.trim() : "";
+  const user = typeof origin.user === "string" ? origin.user.trim() : "";
+  return name || user;
+}
+
 /** A heartbeat check-in whose answer only says nothing needs attention stays out of sight: a
  * person opening the page should not read "HEARTBEAT_OK" every half hour. */
 function quiet(run, hidden) {
@@ -313,6 +352,14 @@ export class ProcessView {
       const bubble = el("div", "msg user", text);
       bubble.dataset.id = id;
       this.dropPending(text);
+      // (beside the bubble, not in it: a bubble's text is matched against what was sent)
+      const speaker = speakerOf(message);
+      if (speaker) {
+        const name = el("div", "speaker", speaker);
+        name.dataset.for = String(id);
+        if (message.origin.user && message.origin.user !== speaker) name.title = message.origin.user;
+        this.put(run, name);
+      }
       this.put(run, bubble);
       this.put(run, this.messageActions(id, plainText(message.content)));
     } else if (role === "assistant") {
@@ -329,6 +376,10 @@ export class ProcessView {
           this.put(run, el("div", "msg assistant thinking", block.thinking));
         } else if (block.type === "toolCall") {
           this.put(run, this.toolCard(block.id, block.name, block.arguments));
+          // a card the call's signals showed first moves after its message's text: its retry lines with it
+          for (const line of run.block.querySelectorAll(".notice.tool-retry")) {
+            if (line.dataset.call === block.id) this.put(run, line);
+          }
         }
       }
       if (message.stopReason === "error" || message.stopReason === "aborted") {
@@ -483,6 +534,19 @@ export class ProcessView {
           status(p.fallback ? `switching to ${p.model}: ${p.reason}` : `model retry ${p.attempt}: ${p.reason}`);
         }
         break;
+      case "proc.run.tool.retry.scheduled":
+      case "proc.run.tool.retry.exhausted":
+        // logged after the step whose failed call it counts (the replay: after the whole history
+        // of the run is shown): a line in the run right under that call's card, where it is shown
+        if (run) {
+          const line = el("div", "notice tool-retry", toolRetryLine(signal, p));
+          line.dataset.call = p.callId || "";
+          const card = this.tools.get(p.callId);
+          if (card && card.parentNode === run.block) card.after(line);
+          else this.put(run, line);
+          scrollDown();
+        }
+        break;
       case "proc.run.output":
         if (run && p.quiet) {
           quiet(run, true); // a heartbeat's "nothing to do"
@@ -627,20 +691,63 @@ export class ProcessView {
     reason.addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.isComposing) this.answer(p.requestId, card, "deny", false);
     });
-    buttons.append(reason);
-    card.append(buttons);
+    const edit = el("button", "hil-edit", "Edit");
+    edit.type = "button";
+    edit.title = "Approve with arguments of your own instead of the model's";
+    buttons.append(edit, reason);
+    card.append(buttons, this.argumentsEditor(p, card, edit));
     this.approvals.set(p.requestId, card);
     $("approvals").append(card);
     const tool = this.tools.get(p.callId);
     if (tool && tool.classList.contains("running")) tool.querySelector(".state").textContent = " waiting for approval";
   }
 
-  async answer(requestId, card, decision, remember) {
-    const controls = card.querySelectorAll("button, input");
+  /** Edit: the call's arguments as JSON in a textarea (hidden until Edit is clicked), approved as
+   * edited; what the server refuses (400: not the tool's schema, or the policy denies them) is
+   * said under it, the request still pending. */
+  argumentsEditor(p, card, edit) {
+    const editor = el("div", "hil-editor");
+    editor.hidden = true;
+    const args = el("textarea", "hil-args");
+    args.value = JSON.stringify(p.args && typeof p.args === "object" ? p.args : {}, null, 2);
+    args.rows = Math.min(12, args.value.split("\n").length + 1);
+    args.spellcheck = false;
+    args.setAttribute("aria-label", `Arguments of ${p.name || "the call"}, as JSON`);
+    const send = el("button", "hil-approve-edited", "Approve edited");
+    send.type = "button";
+    const error = el("div", "hil-error error");
+    error.setAttribute("role", "alert");
+    edit.addEventListener("click", () => {
+      editor.hidden = !editor.hidden;
+      if (!editor.hidden) args.focus();
+    });
+    send.addEventListener("click", () => {
+      let edited;
+      try {
+        edited = JSON.parse(args.value);
+      } catch (err) {
+        error.textContent = `not JSON: ${err.message}`;
+        return;
+      }
+      if (!edited || typeof edited !== "object" || Array.isArray(edited)) {
+        error.textContent = "the arguments must be a JSON object";
+        return;
+      }
+      this.answer(p.requestId, card, "approve", false, edited);
+    });
+    editor.append(args, send, error);
+    return editor;
+  }
+
+  async answer(requestId, card, decision, remember, edited) {
+    const controls = card.querySelectorAll("button, input, textarea");
     for (const c of controls) c.disabled = true;
     const body = { decision, remember };
     const message = card.querySelector(".hil-reason").value.trim();
     if (decision === "deny" && message) body.message = message;
+    if (edited !== undefined) body.arguments = edited;
+    const error = card.querySelector(".hil-error");
+    if (error) error.textContent = "";
     try {
       const path = procPath(this.pid, `/hil/${encodeURIComponent(requestId)}`);
       await api("POST", path, body);
@@ -648,7 +755,10 @@ export class ProcessView {
     } catch (err) {
       if (err instanceof ApiError && err.status === 404) this.dropApproval(requestId, card); // answered elsewhere
       else {
-        status(`could not answer: ${err.message}`);
+        // a refused edit is said where it was made; anything else on the status line
+        if (edited !== undefined && error && err instanceof ApiError && err.status === 400) {
+          error.textContent = err.message;
+        } else status(`could not answer: ${err.message}`);
         for (const c of controls) c.disabled = false; // still pending: answer again
       }
     }
@@ -691,7 +801,7 @@ export class ProcessView {
   expired(card) {
     card.classList.add("expired");
     card.classList.remove("urgent");
-    for (const node of card.querySelectorAll(".buttons")) node.remove();
+    for (const node of card.querySelectorAll(".buttons, .hil-editor")) node.remove();
     const line = card.querySelector(".expires") || card.appendChild(el("div", "expires"));
     line.textContent = "Denied: not answered in time.";
     const dismiss = el("button", "dismiss", "Dismiss");
