@@ -7,8 +7,14 @@ result the previous one returned.
 
 Turn phases (``hooks.on(phase)``) run before every model call, in this order:
 ``pre_policy`` (may ``Block`` the turn), ``pre_prompt_context`` (returns extra context text),
-``pre_tool_materialization`` (returns the tool list to show), ``pre_prompt_compile`` (returns the
-system prompt to send); and ``post_turn`` after each turn (returning ``Stop`` ends the run gently,
+``pre_tool_materialization`` (returns the tool list to show, and may add tools: see below),
+``post_preflight_prompt_context`` (after ``ToolReveal``'s preflight chose the visible tools:
+``TurnInfo.preflight`` holds its plan, ``TurnInfo.tools`` the tools this call shows; returns extra
+context text, as ``pre_prompt_context`` does), ``pre_prompt_compile`` (returns the system prompt
+to send), ``post_prompt_compile`` (sees the final system prompt; text it returns is appended to it
+as a section of its own: a hook that wants the prompt cache to keep working returns the same text
+at each call of a run, since a prompt that changes between calls is sent anew); and ``post_turn``
+after each turn (returning ``Stop`` ends the run gently,
 as ``Run.stop`` does: pi's ``shouldStopAfterTurn``). ``pre_compaction`` runs before older
 history is summarised, by a durable process or by the ``Compaction`` piece (a last chance to save
 something from it; returning ``Block`` skips this compaction, returning a ``dict`` keeps that data
@@ -20,21 +26,30 @@ replaces it, an older part folded into a summary, as the ``Compaction`` piece do
 more, with ``TurnInfo.overflow`` set, after a call the provider refused as too long, and the call
 is made again if they returned a history. A hook that fails in a policy phase (``pre_policy``,
 ``pre_tool_materialization``, ``pre_prompt_compile``) fails the run; one that fails in a context
-phase (``pre_prompt_context``, ``post_turn``, ``pre_compaction``, ``compact_context``) is logged
-and its contribution left out.
+phase (``pre_prompt_context``, ``post_preflight_prompt_context``, ``post_prompt_compile``,
+``post_turn``, ``pre_compaction``, ``compact_context``) is logged and its contribution left out.
+
+Tool bundles: a ``pre_tool_materialization`` hook may add tools to the call, not only filter
+them. It returns a ``Tool``, a bundle name (``hooks.add_bundle("memory", [...])``: a piece maps the
+name to its tools), or a list mixing them with ``ToolSpec``s: the specs are the list to show (as
+before), the tools and bundle names are added to it (a list with no spec keeps the list as it was).
+An added tool is shown for this call and can be called like any registered tool, for the rest of
+the run (in memory and in a durable process alike); a later call shows it only if a hook adds it
+again (else a call to it is refused as not offered). A tool whose name is already another tool's,
+an unknown bundle name, or something that is not a tool is logged once and left out.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar, cast, get_args
 
 from agentloop.events import LoopEvent
 from agentloop.messages import AssistantMessage, Message, ToolCall, Usage
 from agentloop.models.base import ToolSpec
-from agentloop.tools.base import ToolResult
+from agentloop.tools.base import Tool, ToolLike, ToolResult, as_tool
 
 log = logging.getLogger("agentloop.hooks")
 
@@ -42,7 +57,9 @@ Phase: TypeAlias = Literal[
     "pre_policy",
     "pre_prompt_context",
     "pre_tool_materialization",
+    "post_preflight_prompt_context",
     "pre_prompt_compile",
+    "post_prompt_compile",
     "post_turn",
     "pre_compaction",
     "compact_context",
@@ -72,6 +89,27 @@ class TurnInfo:
     # the run's event stream, for a hook to report what it did (``Compaction``, ``ToolRetry``):
     # set by the in-memory runner in ``compact_context`` and ``post_turn`` while the run is watched
     emit: Callable[[LoopEvent], None] | None = None
+    # pre_tool_materialization: the run's registered tools (an added tool may not take one's
+    # name), and the tools its hooks added to this call (their specs are in ``tools``)
+    registered: Mapping[str, Tool] = field(default_factory=dict)
+    added: dict[str, Tool] = field(default_factory=dict)
+    # post_preflight_prompt_context: the plan of ``ToolReveal``'s preflight for this run, if one
+    # ran: ``{"visibleTools": [...], "source": "provider" | "fallback", "fallbackReason"?: ...}``
+    preflight: dict[str, Any] | None = None
+
+
+class ToolMap(dict[str, Tool]):
+    """A run's tools with those its ``pre_tool_materialization`` hooks added (``bundled``): the
+    added ones are callable for the rest of the run, shown only when a hook adds them again."""
+
+    bundled: frozenset[str] = frozenset()
+
+
+def with_added(tools: Mapping[str, Tool], added: Mapping[str, Tool]) -> ToolMap:
+    """``tools`` with ``added`` (tools hooks added to a call) joined to them, as bundled tools."""
+    joined = ToolMap({**tools, **added})
+    joined.bundled = (tools.bundled if isinstance(tools, ToolMap) else frozenset()) | added.keys()
+    return joined
 
 
 class TurnFailed(Exception):
@@ -145,6 +183,16 @@ class Hooks:
     after: list[AfterToolCall] = field(default_factory=list)
     transform: list[TransformContext] = field(default_factory=list)
     phases: dict[str, list[Callable[[TurnInfo], Any]]] = field(default_factory=dict)
+    bundles: dict[str, list[Tool]] = field(default_factory=dict)  # bundle name -> its tools
+    _warned: set[str] = field(default_factory=set, repr=False)  # what was logged once
+
+    def add_bundle(self, name: str, tools: Iterable[ToolLike]) -> None:
+        """Name a group of tools that a ``pre_tool_materialization`` hook may add by that name."""
+        made = [as_tool(t) for t in tools]
+        names = [t.name for t in made]
+        if len(set(names)) != len(names):
+            raise ValueError(f"bundle {name!r} names a tool twice: {names}")
+        self.bundles[name] = made
 
     def on(self, phase: Phase) -> Callable[[T], T]:
         """Register a turn-phase hook: ``@hooks.on("post_turn")``."""
@@ -182,15 +230,71 @@ class Hooks:
                 continue
             if phase == "pre_prompt_context" and isinstance(out, str):
                 info.context.append(out)
-            elif phase == "pre_tool_materialization" and isinstance(out, list):
-                info.tools = out
+            elif phase == "pre_tool_materialization":
+                self._offer(info, out)
+            elif phase == "post_preflight_prompt_context" and isinstance(out, str):
+                info.context.append(out)
             elif phase == "pre_prompt_compile" and isinstance(out, str):
                 info.system_prompt = out
+            elif phase == "post_prompt_compile" and isinstance(out, str) and out:
+                info.system_prompt = f"{info.system_prompt}\n\n{out}" if info.system_prompt else out
             elif phase == "pre_compaction" and isinstance(out, dict):
                 info.carry.update(out)
             elif phase == "compact_context" and isinstance(out, list):
                 info.messages = out
         return stop
+
+    def _offer(self, info: TurnInfo, out: Any) -> None:
+        """Apply what a ``pre_tool_materialization`` hook returned: the specs to show, tools added."""
+        items = out if isinstance(out, list) else [out]
+        extra = [x for x in items if not isinstance(x, ToolSpec)]
+        if not extra:
+            if isinstance(out, list):
+                info.tools = out
+            return
+        kept = [x for x in items if isinstance(x, ToolSpec)]
+        tools = kept if kept else list(info.tools)
+        shown = {spec.name for spec in tools}
+        bundled = info.registered.bundled if isinstance(info.registered, ToolMap) else frozenset()
+        for tool in self._tools_of(extra):
+            name = tool.name
+            if info.added.get(name) is tool or (name in shown and info.registered.get(name) is tool):
+                continue  # added twice, or a registered tool a hook shows again: the same tool
+            mine = info.registered.get(name)
+            if name in info.added or (mine is not None and mine is not tool and name not in bundled):
+                self._warn_once(f"clash:{name}", "a hook added a tool named %r, another tool's name: left out", name)
+                continue
+            if name not in shown:
+                tools.append(tool.spec)
+                shown.add(name)
+            if mine is not tool:
+                info.added[name] = tool
+        info.tools = tools
+
+    def _tools_of(self, items: list[Any]) -> list[Tool]:
+        """The tools ``items`` name: tools as they are, bundle names as their tools."""
+        found: list[Tool] = []
+        for item in items:
+            if isinstance(item, str):
+                bundle = self.bundles.get(item)
+                if bundle is None:
+                    self._warn_once(f"bundle:{item}", "a hook added the unknown tool bundle %r: left out", item)
+                else:
+                    found.extend(bundle)
+                continue
+            try:
+                tool = as_tool(item)
+                tool.spec  # noqa: B018  (a subclass that skipped Tool.__init__ has none)
+            except (TypeError, AttributeError) as exc:
+                self._warn_once(f"tool:{type(item).__name__}", "a hook added %r, which is not a tool: %s", item, exc)
+                continue
+            found.append(tool)
+        return found
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
 
     def before_tool_call(self, fn: T) -> T:
         self.before.append(fn)  # type: ignore[arg-type]

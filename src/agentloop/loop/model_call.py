@@ -12,8 +12,9 @@ returned message is final: ``done``, or the last error.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agentloop.events import (
     LoopEvent,
@@ -25,11 +26,14 @@ from agentloop.events import (
     StreamError,
     StreamStart,
 )
-from agentloop.loop.hooks import TurnFailed, TurnInfo
+from agentloop.loop.hooks import ToolMap, TurnFailed, TurnInfo, with_added
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import AssistantMessage, Message, Usage, with_speakers
 from agentloop.models.base import Model, ModelRequest
 from agentloop.models.unusable import unusable
+from agentloop.tools.base import Tool
+
+log = logging.getLogger("agentloop.hooks")
 
 Emit = Callable[[LoopEvent], None] | None
 OnRetry = Callable[[ModelRetry], Awaitable[None]] | None
@@ -53,8 +57,17 @@ def build_request(
     )
 
 
-async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest) -> None:
+def with_bundles(cfg: LoopConfig, added: dict[str, Tool]) -> LoopConfig:
+    """``cfg`` with the tools hooks added to a call (``call_model``'s ``added``) callable: the
+    configuration a runner executes the run's next tool calls, and makes its next calls, with."""
+    return replace(cfg, tools=with_added(cfg.tools, added))
+
+
+async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest, added: dict[str, Tool] | None) -> None:
     """Let the turn-phase hooks shape this call's system prompt and tool list."""
+    tools = cfg.tools
+    if request.tools and isinstance(tools, ToolMap) and tools.bundled:  # shown again only if added again
+        request.tools = [spec for spec in request.tools if spec.name not in tools.bundled]
     info = TurnInfo(
         state.run_id,
         state.turn,
@@ -62,17 +75,35 @@ async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest) 
         request.system_prompt,
         request.tools,
         conversation=state.conversation,
+        registered=tools,
     )
     hooks = cfg.hooks
+    phases = hooks.phases
     await hooks.run_phase("pre_policy", info)
     await hooks.run_phase("pre_prompt_context", info)
     if request.tools:
         await hooks.run_phase("pre_tool_materialization", info)
+        if info.added:
+            _take_added(info, added)
+    if "post_preflight_prompt_context" in phases:
+        await hooks.run_phase("post_preflight_prompt_context", info)
     if info.context:
         info.system_prompt = "\n\n".join(p for p in (info.system_prompt, *info.context) if p)
     await hooks.run_phase("pre_prompt_compile", info)
+    if "post_prompt_compile" in phases:
+        await hooks.run_phase("post_prompt_compile", info)
     request.system_prompt = info.system_prompt
     request.tools = info.tools if request.tools else []
+
+
+def _take_added(info: TurnInfo, added: dict[str, Tool] | None) -> None:
+    """Hand the tools hooks added to this call to the runner (``added``), which makes them
+    callable; a caller that cannot (None) does not show them: a call to them would fail."""
+    if added is not None:
+        added.update(info.added)
+        return
+    info.tools = [spec for spec in info.tools if spec.name not in info.added]
+    log.warning("tools added by a hook are left out here: %s", ", ".join(sorted(info.added)))
 
 
 @dataclass(slots=True)
@@ -130,11 +161,18 @@ def _gave_up(reasons: list[str]) -> str:
 
 
 async def call_model(
-    cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, on_retry: OnRetry = None
+    cfg: LoopConfig,
+    state: RunState,
+    tools_enabled: bool,
+    emit: Emit,
+    on_retry: OnRetry = None,
+    added: dict[str, Tool] | None = None,
 ) -> AssistantMessage:
     """The model's final answer to the history of ``state``. The usage of answers it threw away
     is added to ``state.usage``: the returned message's own stays that of one call, which the
-    context-pressure estimate reads as the size of the prompt."""
+    context-pressure estimate reads as the size of the prompt. ``added`` receives the tools a
+    ``pre_tool_materialization`` hook added to the call (a bundle): the caller runs the call's
+    tool calls, and makes the run's next calls, with ``with_bundles(cfg, added)``."""
     # a snapshot (the history grows after this call), with a group chat's speakers named
     messages = with_speakers(state.messages) if state.origins is not False else list(state.messages)
     if cfg.hooks.transform:
@@ -144,7 +182,7 @@ async def call_model(
     state.transient = False
     if cfg.hooks.phases:
         try:
-            await _turn_phases(cfg, state, request)
+            await _turn_phases(cfg, state, request, added)
         except TurnFailed as exc:
             return AssistantMessage(
                 provider=cfg.model.info.provider, model=cfg.model.info.id, stop_reason="error", error_message=str(exc)

@@ -3,7 +3,12 @@
 ``ToolReveal`` is a piece you add to an agent (``agent.use(ToolReveal(hidden=[...]))``). The hidden
 tools are registered but not shown; the model sees a ``request_tools`` tool whose description lists
 them by name and summary, and calling it reveals the named tools from the next round on. A visible
-tool is never taken away in the middle of a run.
+tool is never taken away in the middle of a run. The model may also ask for a *domain*, a group of
+hidden tools: those of an MCP server by its prefix (``github`` for ``github__search``, ...), or a
+group named by the ``domains`` option (``ToolReveal(hidden, domains={"files": ["read", "grep"]})``).
+The result is JSON: ``{"added": [...], "already_visible": [...], "unknown_or_unavailable": [...],
+"message": ...}`` (tool names; what was asked for that names no hidden tool nor domain is in
+``unknown_or_unavailable``), and never holds a tool's schema.
 
 The revealed set is read back from the history (the ``request_tools`` results), so a run that is
 resumed from its stored history sees the same tools. A summary compaction that removes those
@@ -13,6 +18,9 @@ remembered per run, because the history a turn-phase hook sees may not hold thos
 transform-context hook that trims it, a compaction that summarised them). An optional *preflight*
 asks a (cheap) model once per run which hidden tools the request will need; if it fails, answers
 nonsense or takes longer than ``preflight_timeout``, the run simply starts without extra tools.
+Its plan is given to ``post_preflight_prompt_context`` hooks (``TurnInfo.preflight``):
+``{"visibleTools": [...], "source": "provider"}``, or ``"source": "fallback"`` with a
+``fallbackReason`` (``timeout``, ``provider_error``) when no model answered.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from agentloop.loop.hooks import TurnInfo
@@ -32,7 +40,7 @@ from agentloop.loop.state import LoopConfig
 from agentloop.messages import Message, SystemMessage, ToolResultMessage, UserMessage, user
 from agentloop.models.base import Model, ModelRequest
 from agentloop.models.registry import resolve_model
-from agentloop.tools.base import Tool, ToolLike, ToolResult, as_tool
+from agentloop.tools.base import Tool, ToolArgumentsError, ToolContext, ToolLike, ToolResult, as_tool
 
 log = logging.getLogger("agentloop.reveal")
 
@@ -79,39 +87,23 @@ class ToolReveal:
         *,
         preflight: str | Model | None = None,
         preflight_timeout: float = DEFAULT_PREFLIGHT_TIMEOUT,
+        domains: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self.hidden: dict[str, Tool] = {t.name: t for t in map(as_tool, hidden)}
         if not self.hidden:
             raise ValueError("ToolReveal needs at least one hidden tool")
+        self.domains = _domains(self.hidden, domains or {})
         self.preflight_timeout = check_preflight_timeout(preflight_timeout)
         self.preflight_model = resolve_model(preflight) if preflight is not None else None
         self.conversation_model: Model | None = None  # the second try of a failed preflight (set by install)
-        self._preflight: OrderedDict[str, list[str]] = OrderedDict()  # run id -> names chosen up front
+        self._preflight: OrderedDict[str, dict[str, Any]] = OrderedDict()  # run id -> the preflight's plan
         self._shown: OrderedDict[str, frozenset[str]] = OrderedDict()  # run id -> hidden tools shown so far
         catalogue = "\n".join(_summary(t) for t in self.hidden.values())
-
-        async def request_tools(names: list[str], reason: str = "") -> ToolResult:
-            wanted = list(dict.fromkeys(n.strip() for n in names if n.strip()))
-            added = [n for n in wanted if n in self.hidden]
-            unknown = [n for n in wanted if n not in self.hidden]
-            text = f"Available from your next step: {', '.join(added)}." if added else "No tool was added."
-            if unknown:
-                text += f" Not available: {', '.join(unknown)} (choose from: {', '.join(sorted(self.hidden))})."
-            return ToolResult.text(text, details={"added": added, "unknown": unknown})
-
-        self.request_tool = Tool.from_schema(
-            REQUEST_TOOLS,
-            "Ask for more tools. They become callable from your next step. Optional tools:\n" + catalogue,
-            {
-                "type": "object",
-                "properties": {
-                    "names": {"type": "array", "items": {"type": "string"}, "description": "Tool names to add."},
-                    "reason": {"type": "string", "description": "Why they are needed."},
-                },
-                "required": ["names"],
-            },
-            request_tools,
-        )
+        if self.domains:
+            catalogue += "\nDomains (ask for one by name to get all its tools):\n" + "\n".join(
+                f"- {d}: {', '.join(tools)}" for d, tools in self.domains.items()
+            )
+        self.request_tool = _RequestTools(self, catalogue)
 
     def install(self, config: LoopConfig) -> None:
         """Register the hidden tools and ``request_tools``, and filter each round's tool list."""
@@ -123,6 +115,33 @@ class ToolReveal:
         self.conversation_model = config.model
         config.hooks.on("pre_tool_materialization")(self._materialize)
         config.hooks.on("pre_compaction")(self._carry)
+
+    def request(self, names: list[str], ctx: ToolContext) -> ToolResult:
+        """``request_tools``: reveal the hidden tools ``names`` name (tool or domain names)."""
+        wanted = list(dict.fromkeys(n.strip() for n in names if isinstance(n, str) and n.strip()))
+        found: list[str] = []
+        unknown: list[str] = []
+        for name in wanted:
+            tools = [name] if name in self.hidden else self.domains.get(name)
+            if tools:
+                found.extend(tools)
+            else:
+                unknown.append(name)
+        found = list(dict.fromkeys(found))
+        visible = ctx.offered if ctx.offered is not None else self.hidden.keys()
+        shown = self._shown.get(ctx.run_id or "", frozenset())
+        already = [n for n in found if n in visible or n in shown]
+        added = [n for n in found if n not in already]
+        parts = [f"Available from your next step: {', '.join(added)}." if added else "No tool was added."]
+        if already:
+            parts.append(f"Already available: {', '.join(already)}.")
+        if unknown:
+            choices = ", ".join([*sorted(self.hidden), *sorted(self.domains)])
+            parts.append(f"Not available: {', '.join(unknown)} (choose from: {choices}).")
+        body = {"added": added, "already_visible": already, "unknown_or_unavailable": unknown}
+        text = json.dumps({**body, "message": " ".join(parts)}, ensure_ascii=False)
+        # ``added`` in the details is what the history says is revealed (``revealed``): all of them
+        return ToolResult.text(text, details={"added": found, "unknown": unknown, **body})
 
     def revealed(self, messages: list[Message]) -> set[str]:
         """Hidden tools revealed so far in this history: by ``request_tools`` results, or by what
@@ -141,7 +160,9 @@ class ToolReveal:
     async def _materialize(self, info: TurnInfo) -> list[Any]:
         visible = self.revealed(info.messages)
         if self.preflight_model is not None:
-            visible.update(await self._preflight_choice(info))
+            plan = await self._preflight_choice(info)
+            info.preflight = plan
+            visible.update(plan["visibleTools"])
         shown = self._shown.get(info.run_id, frozenset())
         visible |= shown  # never take back a tool this run was shown
         if len(visible) > len(shown):
@@ -153,11 +174,13 @@ class ToolReveal:
             return [t for t in info.tools if t.name != REQUEST_TOOLS]
         return [t for t in info.tools if t.name not in self.hidden or t.name in visible]
 
-    async def _preflight_choice(self, info: TurnInfo) -> list[str]:
+    async def _preflight_choice(self, info: TurnInfo) -> dict[str, Any]:
+        """The preflight's plan for this run (asked once per run): ``visibleTools`` and ``source``."""
         cached = self._preflight.get(info.run_id)
         if cached is not None:
             return cached
         chosen: list[str] = []
+        plan: dict[str, Any] = {"source": "fallback", "fallbackReason": "provider_error"}
         assert self.preflight_model is not None
         request_text = next((m.text for m in reversed(info.messages) if isinstance(m, UserMessage)), "")
         candidates = [{"name": t.name, "summary": t.description.strip()[:200]} for t in self.hidden.values()]
@@ -171,27 +194,89 @@ class ToolReveal:
             left = deadline - time.monotonic()
             if left <= 0:  # the first try used the time up: no second try, no extra tools
                 log.warning("tool preflight: no time left to ask %s, starting without extra tools", model.name)
+                plan["fallbackReason"] = "timeout"
                 break
             try:
                 async with asyncio.timeout(left):
                     answer = await model.complete(request)
             except TimeoutError:  # a hung model: the turn goes on without waiting for it any longer
                 log.warning("tool preflight with %s took longer than %g s", model.name, self.preflight_timeout)
+                plan["fallbackReason"] = "timeout"
                 continue
             except Exception as exc:  # a preflight never fails the turn
                 log.warning("tool preflight with %s failed: %s", model.name, exc)
+                plan["fallbackReason"] = "provider_error"
                 continue
             if answer.stop_reason in ("error", "aborted"):
                 log.warning("tool preflight with %s failed: %s", model.name, answer.error_message)
+                plan["fallbackReason"] = "provider_error"
                 continue
             chosen = _parse_choice(answer.text, set(self.hidden))
+            plan = {"source": "provider"}
             break
         else:
             log.warning("tool preflight failed, starting without extra tools")
-        self._preflight[info.run_id] = chosen
+        plan["visibleTools"] = chosen
+        self._preflight[info.run_id] = plan
         while len(self._preflight) > 256:
             self._preflight.popitem(last=False)
-        return chosen
+        return plan
+
+
+class _RequestTools(Tool):
+    """The ``request_tools`` tool of a ``ToolReveal``: it reads which tools its call was shown."""
+
+    def __init__(self, reveal: ToolReveal, catalogue: str) -> None:
+        super().__init__(
+            REQUEST_TOOLS,
+            "Ask for more tools, by tool name or domain name. They become callable from your next step. "
+            "Optional tools:\n" + catalogue,
+            {
+                "type": "object",
+                "properties": {
+                    "names": {
+                        "type": "array",
+                        "items": {"type": "string"},
+                        "description": "Tool names or domain names to add.",
+                    },
+                    "reason": {"type": "string", "description": "Why they are needed."},
+                },
+                "required": ["names"],
+            },
+        )
+        self.reveal = reveal
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        names = arguments.get("names")
+        if isinstance(names, str):  # one name, not in a list: what was meant is plain
+            names = [names]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ToolArgumentsError(f"{REQUEST_TOOLS} needs names: a list of tool or domain names")
+        reason = arguments.get("reason", "")
+        return {"names": names, "reason": reason if isinstance(reason, str) else str(reason)}
+
+    async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        return self.reveal.request(arguments["names"], ctx)
+
+
+def _domains(hidden: Mapping[str, Tool], given: Mapping[str, Iterable[str]]) -> dict[str, list[str]]:
+    """Domain name -> its hidden tools: those of each MCP server (``server__tool``) by the
+    server's name, then the ``domains`` given (which take precedence). A domain may not be named
+    like a hidden tool, nor name a tool that is not hidden."""
+    found: dict[str, list[str]] = {}
+    for name in hidden:
+        server, sep, rest = name.partition("__")
+        if sep and server and rest and server not in hidden:
+            found.setdefault(server, []).append(name)
+    for domain, names in given.items():
+        tools = list(dict.fromkeys([names] if isinstance(names, str) else names))
+        if not isinstance(domain, str) or not domain or domain in hidden:
+            raise ValueError(f"domain {domain!r} must be a name that is not a hidden tool's")
+        stray = [n for n in tools if n not in hidden]
+        if stray or not tools:
+            raise ValueError(f"domain {domain!r} must name hidden tools; not hidden: {', '.join(stray) or '(none)'}")
+        found[domain] = tools
+    return found
 
 
 def _added(msg: Message) -> list[Any]:

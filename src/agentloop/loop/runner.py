@@ -17,7 +17,7 @@ from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, Messag
 from agentloop.loop.execute import CANCELLED, NOT_COUNTED, run_tool_calls
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
-from agentloop.loop.model_call import call_model
+from agentloop.loop.model_call import call_model, with_bundles
 from agentloop.loop.retries import REPEATED_FAILURE, count_failures
 from agentloop.loop.state import (
     CallModel,
@@ -38,6 +38,7 @@ from agentloop.messages import (
     tool_error_result,
 )
 from agentloop.models.overflow import is_context_overflow
+from agentloop.tools.base import Tool
 
 Emit = Callable[[LoopEvent], None] | None
 
@@ -73,6 +74,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
     new_turn = False  # a turn ended; the next model call opens another
     guards_active = cfg.guards.active
     compacts = "compact_context" in cfg.hooks.phases  # (a ``Compaction`` piece; none: no cost)
+    added: dict[str, Tool] = {}  # tools a pre_tool_materialization hook added (a bundle): callable from then on
     try:
         while True:
             if state.aborted:  # aborted from inside the run's own task (a hook, an inline tool)
@@ -134,9 +136,12 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
             state.phase = "model"
             if compacts:
                 await _compact(cfg, state, tools_enabled, emit, overflow=False)
-            reply = await call_model(cfg, state, tools_enabled, emit)
+            reply = await call_model(cfg, state, tools_enabled, emit, None, added)
             if compacts and is_context_overflow(reply, cfg.model.info.context_window):
-                reply = await _compact_and_retry(cfg, state, tools_enabled, emit, reply)
+                reply = await _compact_and_retry(cfg, state, tools_enabled, emit, reply, added)
+            if added:  # (this run's configuration only)
+                cfg = with_bundles(cfg, added)
+                added.clear()
             state.phase = "idle"
             state.usage.add(reply.usage)
             has_calls = reply.stop_reason == "toolUse" or bool(reply.tool_calls)
@@ -197,7 +202,12 @@ async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: 
 
 
 async def _compact_and_retry(
-    cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, reply: AssistantMessage
+    cfg: LoopConfig,
+    state: RunState,
+    tools_enabled: bool,
+    emit: Emit,
+    reply: AssistantMessage,
+    added: dict[str, Tool] | None = None,
 ) -> AssistantMessage:
     """After a call the provider refused as too long (or cut short without saying so): compact and
     make the call once more, as a durable process does. The refused reply is not kept (what it
@@ -217,7 +227,7 @@ async def _compact_and_retry(
         error = reply.error_message or "the context overflowed"
         model = f"{reply.provider}:{reply.model}" if reply.provider else cfg.model.name  # (a fallback's)
         emit(ModelRetry(attempt=1, delay=0.0, error=error, model=model))
-    return await call_model(cfg, state, tools_enabled, emit)
+    return await call_model(cfg, state, tools_enabled, emit, None, added)
 
 
 async def _end_turn(

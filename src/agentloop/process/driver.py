@@ -17,7 +17,7 @@ from agentloop.loop.compaction import ask_pre_compaction, compaction_due, keep_r
 from agentloop.loop.execute import SKIPPED
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import Block
-from agentloop.loop.model_call import call_model
+from agentloop.loop.model_call import call_model, with_bundles
 from agentloop.loop.output import NUDGE_KIND, OUTPUT_MISSING, OUTPUT_TOOL, SchemaOutput, SchemaOutputTool
 from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
@@ -357,7 +357,8 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     try:
         # (on a shared store always: a watcher elsewhere may start following during the call)
         streaming = relay is not None or engine.hub.watching(pid)
-        reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
+        bundled: dict[str, Any] = {}  # tools a pre_tool_materialization hook added (a bundle)
+        reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying, bundled)
         discarded = state.usage  # the unusable answers call_model asked again for: billed all the same
         overflow = is_context_overflow(reply, cfg.model.info.context_window)  # an error, or silent truncation
         refused = overflow and live.policy.overflow == "fail"  # the process's policy: the run fails instead
@@ -367,8 +368,11 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         if compacted is not None:  # one compact-and-retry
             run, measured = compacted, None
             state = _call_state(engine, live, run)
-            reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying)
+            reply = await call_model(cfg, state, tools_enabled, stream if streaming else None, retrying, bundled)
             discarded += state.usage
+        if bundled:  # callable for the rest of the run: its configuration, which dispatch reads, has them
+            cfg = with_bundles(cfg, bundled)
+            live.config = (run_id, cfg)
     finally:
         live.partial = None
     if relay is not None:
