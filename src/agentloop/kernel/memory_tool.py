@@ -18,11 +18,13 @@ from typing import Literal
 from agentloop.process.api import ToolsetFn
 from agentloop.process.memory import (
     MAX_DAY_BYTES,
+    TOOL_HOME,
     append_daily_memory,
     forget_daily_memory,
     memory_days,
     memory_entries,
     read_daily_memory,
+    read_days,
 )
 from agentloop.process.store import ProcessRecord
 from agentloop.tools.base import FunctionTool, Tool, ToolError, ToolResult, tool
@@ -93,6 +95,7 @@ def memory_tool(home: Path) -> FunctionTool:
         except (OSError, UnicodeDecodeError) as exc:  # a damaged or unsafe file: the model may go on
             raise ToolError(f"the memory files cannot be used: {exc}") from None
 
+    setattr(memory, TOOL_HOME, home)  # what a run's prompt recalls from (``process/prompt.py``)
     return memory
 
 
@@ -120,12 +123,9 @@ def _search(home: Path, query: str, limit: int) -> ToolResult:
         raise ToolError("action='search' needs a query")
     found: list[str] = []
     unreadable: list[str] = []
-    days = memory_days(home) if home.is_dir() else []
-    for day, _ in reversed(days):  # newest first
-        try:
-            text = read_daily_memory(home, day) or ""
-        except (OSError, UnicodeDecodeError) as exc:  # one damaged day does not hide all the others
-            unreadable.append(f"{day.isoformat()} ({exc})")
+    for day, text in read_days(home) if home.is_dir() else ():  # newest first
+        if isinstance(text, OSError | UnicodeDecodeError):  # one damaged day does not hide all the others
+            unreadable.append(f"{day.isoformat()} ({text})")
             continue
         for entry in memory_entries(text):
             if all(w in entry.lower() for w in words):

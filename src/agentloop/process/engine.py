@@ -80,7 +80,7 @@ from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
 from agentloop.process.pressure import forget_context, run_keys, take_run_rows
-from agentloop.process.prompt import activate_skills
+from agentloop.process.prompt import run_prompt
 from agentloop.process.signals import SignalHub
 from agentloop.process.store import (
     MAX_SEQ,
@@ -492,7 +492,7 @@ class ProcessEngine:
                 kept = await self._kept_prompt(live, run_id)
                 if kept is None:
                     # with the skills the run's input names (``$deploy``) or whose paths it mentions
-                    fresh = activate_skills(_compiled(await self.prompt(live.record, tools)), live.history)
+                    fresh = await run_prompt(_compiled(await self.prompt(live.record, tools)), live.history, tools)
                     kept = (run_id, fresh.text)
                 live.prompt = kept
             changes["system_prompt"] = live.prompt[1]

@@ -4,7 +4,8 @@ folds part of a conversation away, or a reset clears it), or what the agent chos
 (``<data>/home/<owner>``), under a heading with its source and the time. The prompt reads today's
 and yesterday's file back (``prompt.py``), so those facts stay in view for the next day, in every
 process of that owner, and in no one else's: a working directory may be shared by accounts. Older
-days are reached through the ``memory`` tool, which searches, reads and forgets entries.
+days are reached through the ``memory`` tool, which searches, reads and forgets entries, and a run's prompt
+recalls the few older entries that share the most words with the run's input (``recall_entries``).
 
 The home is off limits to tools, but the writer still trusts no link where ``memory`` or the
 day's file should be. Every step is opened relative to the one before and without following a link
@@ -20,10 +21,12 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import heapq
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 MEMORY_DIR = "memory"
@@ -31,6 +34,15 @@ ENTRY_HEADING = "### From "
 MAX_DAY_BYTES = 1024 * 1024  # a day's file read back; one larger is refused, not loaded
 _DAY_FILE = re.compile(r"(\d{4}-\d{2}-\d{2})\.md")
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+TOOL_HOME = "memory_home"  # on a ``memory`` tool: the home whose files it reaches (``memory_home``)
+
+
+def memory_home(tool: object) -> Path | None:
+    """The home whose memory files ``tool`` (a run's ``memory`` tool) reaches, if it says."""
+    home = getattr(tool, TOOL_HOME, None)
+    return home if isinstance(home, Path) else None
 
 
 def daily_memory_name(day: datetime.date) -> str:
@@ -124,6 +136,37 @@ def read_daily_memory(home: str | Path, day: datetime.date) -> str | None:
         return None
 
 
+def read_days(
+    home: str | Path,
+    wanted: Callable[[datetime.date, int], bool] | None = None,
+    max_bytes: int | None = None,
+) -> Iterator[tuple[datetime.date, str | OSError | UnicodeDecodeError]]:
+    """The memory files under ``home``, newest first, each as its text or as what kept it from
+    being read (one damaged day hides no other); the folder is opened once. ``wanted(day, size)``:
+    whether to read a day at all; ``max_bytes``: the days read stop before their sizes pass it."""
+    days = memory_days(home)
+    if not days:
+        return
+    used = 0
+    try:
+        with _folder(home, create=False) as folder:
+            for day, size in reversed(days):
+                if wanted is not None and not wanted(day, size):
+                    continue
+                if max_bytes is not None and used + size > max_bytes:
+                    return
+                used += size
+                try:
+                    text = _read_day(folder, day)
+                except (OSError, UnicodeDecodeError) as exc:
+                    yield day, exc
+                    continue
+                if text is not None:
+                    yield day, text
+    except FileNotFoundError:  # (the folder went away meanwhile)
+        return
+
+
 def _read_day(folder: int, day: datetime.date) -> str | None:
     name = daily_memory_name(day)
     try:
@@ -191,3 +234,124 @@ def _replace(folder: int, name: str, entries: list[str]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary, dir_fd=folder)
         raise
+
+
+# ------------------------------------------------------------------ recall
+
+# A run's input recalls the older entries that share the most words with it: a score anyone can
+# check by reading both. Words that say nothing of a subject do not count: the stopwords below,
+# and a word more than half of the searched entries hold (once there are ``COMMON_MIN_ENTRIES``).
+_STOPWORDS = """a about above after again against all also am an and any are as at be because been before being
+    below between both but by can could did do does doing done down during each either else ever every
+    few for from further get gets getting got had has have having he her here hers herself him himself
+    his how i if in into is it its itself just let lets like may me might more most much must my myself
+    need no nor not now of off ok okay on once only or other our ours out over own please same shall she
+    should so some such than thank thanks that the their theirs them then there these they this those
+    through to too under until up upon us use used using very want was we were what when where which
+    while who whom whose why will with within without would yes yet you your yours"""
+STOPWORDS = frozenset(_STOPWORDS.split())
+MAX_QUERY_TERMS = 32  # the words of a run's input a recall looks for (its first ones)
+MAX_QUERY_CHARS = 8192  # of a run's input read for them
+MIN_SHARED = 2  # words an entry must share with the input (or all of them, when it has fewer)
+COMMON_SHARE = 0.5
+COMMON_MIN_ENTRIES = 10
+_WORD = re.compile(r"[^\W_]+")  # letters and digits: ``deploy_to-staging`` is three words
+_HEADING_LINE = re.compile(rf"(?m)^{re.escape(ENTRY_HEADING)}[^\n]*")
+_CASED = re.compile(r"[A-Z]|[^\x00-\x7f]")
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """An entry a recall found: its day, its text (heading included) and the words it shares
+    with the run's input, which are why it was picked."""
+
+    day: datetime.date
+    entry: str
+    shared: tuple[str, ...]
+
+
+def _stem(word: str) -> str:
+    """A lower-case word without its plural ``s`` (``deploys``: ``deploy``; ``class`` stays)."""
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def recall_terms(text: str) -> list[str]:
+    """The words of ``text`` a recall looks for: lower-cased, without a plural ``s``, none shorter
+    than two characters nor a stopword; each once, in order, at most ``MAX_QUERY_TERMS``."""
+    terms: dict[str, None] = {}
+    for match in _WORD.finditer(text[:MAX_QUERY_CHARS].lower()):
+        word = match.group()
+        if len(word) < 2 or word in STOPWORDS:
+            continue
+        stem = _stem(word)
+        if stem not in STOPWORDS:
+            terms[stem] = None
+            if len(terms) >= MAX_QUERY_TERMS:
+                break
+    return list(terms)
+
+
+def _lowered(text: str) -> str:
+    """``text`` lower-cased, each character in its place (a character whose lower case is longer,
+    ``İ``, is kept as it is), so positions in it are positions in ``text``."""
+    lowered = text.lower()
+    if len(lowered) == len(text):
+        return lowered
+    return _CASED.sub(lambda m: low if len(low := m.group().lower()) == 1 else m.group(), text)
+
+
+def _entry_hits(text: str, terms: Sequence[str]) -> tuple[list[tuple[int, int, int]], dict[int, set[str]]]:
+    """A day's entries as (start, body start, end) offsets, and the ``terms`` each one's body (not
+    its heading, where every entry names its source) holds as a whole word, alone or with a plural
+    ``s``. A day that holds none of them anywhere (``str.find``, a fast scan) costs no more; in
+    another each entry's words are collected once (in C) and met with the terms'."""
+    spans: list[tuple[int, int, int]] = []
+    heads = [(m.start(), m.end()) for m in _HEADING_LINE.finditer(text)]
+    first = heads[0][0] if heads else len(text)
+    if text[:first].strip():  # (text before the first heading is an entry too: ``memory_entries``)
+        spans.append((0, 0, first))
+    for i, (start, body) in enumerate(heads):
+        spans.append((start, body, heads[i + 1][0] if i + 1 < len(heads) else len(text)))
+    lowered = _lowered(text)
+    if not any(term in lowered for term in terms):
+        return spans, {}
+    forms = {form: term for term in terms for form in (term, term + "s")}
+    hits: dict[int, set[str]] = {}
+    for k, (_, body, end) in enumerate(spans):
+        shared = forms.keys() & _WORD.findall(lowered, body, end)
+        if shared:
+            hits[k] = {forms[form] for form in shared}
+    return spans, hits
+
+
+def recall_entries(days: Iterable[tuple[datetime.date, str]], text: str, limit: int) -> list[Recalled]:
+    """The at most ``limit`` entries of ``days`` (each a day's memory file) most relevant to
+    ``text``, best first. The score is the number of words an entry shares with ``text``
+    (``recall_terms``), not counting a word more than half the entries hold; an entry must share
+    ``MIN_SHARED`` of them (all, when the text has fewer). Ties go to the newer entry: the later
+    day, then the later entry of the day."""
+    terms = recall_terms(text)
+    if not terms or limit < 1:
+        return []
+    found: list[tuple[datetime.date, int, str, tuple[int, int, int], set[str]]] = []
+    held: dict[str, int] = dict.fromkeys(terms, 0)  # entries holding each term
+    total = 0
+    for day, content in days:
+        spans, hits = _entry_hits(content, terms)
+        total += len(spans)
+        for k, shared in hits.items():
+            found.append((day, k, content, spans[k], shared))
+            for term in shared:
+                held[term] += 1
+    common = {t for t, n in held.items() if total >= COMMON_MIN_ENTRIES and n > total * COMMON_SHARE}
+    counted = [t for t in terms if t not in common]
+    need = min(MIN_SHARED, len(counted))
+    if need == 0:
+        return []
+    scored = []
+    for day, k, content, (start, _, end), shared in found:
+        words = tuple(t for t in counted if t in shared)
+        if len(words) >= need:
+            scored.append((-len(words), -day.toordinal(), -k, day, content, start, end, words))
+    best = heapq.nsmallest(limit, scored, key=lambda s: s[:3])
+    return [Recalled(day, content[start:end].strip(), words) for *_, day, content, start, end, words in best]

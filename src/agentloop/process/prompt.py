@@ -4,7 +4,8 @@ Six providers contribute, in a fixed order, each as one ``[name]`` block: the se
 context (templated), the run-as account's ``context.d``, the owning human's ``context.d``, the
 skills index, the workspace files, and the context given at spawn. The order runs from the most
 general and stable to the most specific, so providers' prompt caches keep the longest prefix.
-The skills a run's input activates (``activate_skills``) follow them all, as ``[active skills]``.
+The skills a run's input activates (``activate_skills``) follow them all, as ``[active skills]``,
+and then the owner's older memories it recalls (``recall_memories``), as ``[recalled memories]``.
 
 The function is pure apart from reading files: the same files, variables and ``today`` give the
 same bytes, which is what lets a durable run store the prompt and a resumed run trust it. Nothing
@@ -18,18 +19,29 @@ server into the prompt. The system ``context.d`` belongs to the operator and may
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import datetime
 import hashlib
+import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agentloop.messages import AssistantMessage, Message, ToolResultMessage, UserMessage
 from agentloop.process.api import CompiledPrompt, PromptSection
-from agentloop.process.memory import daily_memory_name, memory_entries
-from agentloop.tools.base import ToolError
+from agentloop.process.memory import (
+    MEMORY_DIR,
+    Recalled,
+    daily_memory_name,
+    entry_body,
+    memory_entries,
+    memory_home,
+    read_days,
+    recall_entries,
+)
+from agentloop.tools.base import Tool, ToolError
 from agentloop.tools.paths import resolve_path
 from agentloop.tools.skills import (
     SKILL_FILE,
@@ -44,14 +56,17 @@ from agentloop.tools.skills import (
 __all__ = [
     "ACTIVE_SKILLS",
     "DEFAULT_MAX_CONTEXT_BYTES",
+    "RECALLED_MEMORIES",
     "WORKSPACE_FILES",
     "AssembledPrompt",
     "PromptSources",
     "Section",
     "activate_skills",
     "assemble_prompt",
+    "recall_memories",
     "render_template",
     "run_input",
+    "run_prompt",
 ]
 
 DEFAULT_MAX_CONTEXT_BYTES = 32 * 1024
@@ -584,3 +599,109 @@ def activate_skills(prompt: CompiledPrompt, history: Sequence[Message]) -> Compi
     text = prompt.text
     joined = text + ("\n" if text.endswith("\n") else "\n\n" if text else "") + rendered + "\n"
     return replace(prompt, text=joined, sections=(*prompt.sections, section), warnings=warnings)
+
+
+# ------------------------------------------------------------------ memories recalled by a run
+
+RECALLED_MEMORIES = "recalled memories"
+# Older memories a run's input recalls into its prompt: at most this many entries (0: no recall),
+# in at most this many bytes of the ``[recalled memories]`` block all told
+RECALL_ENTRIES = 5
+RECALL_BYTES = 2048
+# the older days' files searched per run, newest first, until their sizes pass this
+RECALL_SCAN_BYTES = 2 * 1024 * 1024  # (at worst, every entry sharing words, some 0.1 s a MiB)
+_MIN_RECALLED_BODY = 64  # bytes: the best entry cut shorter than this is not worth showing
+
+
+async def run_prompt(prompt: CompiledPrompt, history: Sequence[Message], tools: Mapping[str, Tool]) -> CompiledPrompt:
+    """The prompt a run starts with: ``prompt`` with the skills its input activates
+    (``activate_skills``), then the older memories it recalls (``recall_memories``). The memories
+    are those of the run's ``memory`` tool (its owner's home; a run without the tool recalls
+    nothing), searched in a thread; without a memory folder it costs one ``stat``."""
+    prompt = activate_skills(prompt, history)
+    home = memory_home(tools.get("memory")) if RECALL_ENTRIES > 0 else None
+    # one stat, inline (a thread costs more; pathlib some microseconds more): no folder, no recall
+    if home is None or not os.path.isdir(f"{home}/{MEMORY_DIR}"):  # noqa: ASYNC240
+        return prompt
+    text = run_input(history)
+    return await asyncio.to_thread(recall_memories, prompt, text, home)
+
+
+def recall_memories(
+    prompt: CompiledPrompt, text: str, home: Path, *, today: datetime.date | None = None
+) -> CompiledPrompt:
+    """``prompt`` with the older memories under ``home`` most relevant to ``text`` (a run's input,
+    ``run_input``) as a ``[recalled memories]`` block at its end, each with its day: at most
+    ``RECALL_ENTRIES`` entries in ``RECALL_BYTES`` bytes (the best one cut when it alone is
+    larger, others that do not fit left out), ranked by ``memory.recall_entries`` (words shared
+    with the input; ties to the newer). Older: before yesterday, and the entries of today's and
+    yesterday's files the prompt leaves out (over ``MAX_DAY_MEMORY_BYTES``); an entry whose text
+    the prompt already holds is not repeated.
+
+    Like ``activate_skills`` it is decided once, when the run's prompt is built, so every model
+    call of the run, and the run resumed after a restart, sends the same bytes. Nothing recalled:
+    ``prompt`` is returned as it is, the very object."""
+    today = today or datetime.date.today()
+    shown = {today, today - datetime.timedelta(days=1)}  # (the prompt's daily sections)
+    unreadable: list[str] = []
+
+    def wanted(day: datetime.date, size: int) -> bool:
+        return day not in shown or size > MAX_DAY_MEMORY_BYTES
+
+    def days() -> Iterator[tuple[datetime.date, str]]:
+        for day, found in read_days(home, wanted, RECALL_SCAN_BYTES):
+            if isinstance(found, str):
+                yield day, found
+            else:
+                unreadable.append(f"{daily_memory_name(day)}: not searched for memories to recall ({found})")
+
+    try:
+        ranked = recall_entries(days(), text, RECALL_ENTRIES * 4)
+    except OSError as exc:  # (the folder itself cannot be used: the prompt shows what it can)
+        return replace(prompt, warnings=(*prompt.warnings, f"{MEMORY_DIR}: no memories recalled ({exc})"))
+    block, files, truncated = _recalled_block(ranked, prompt.text)
+    warnings = (*prompt.warnings, *unreadable)
+    if not block.parts:
+        return replace(prompt, warnings=warnings) if unreadable else prompt
+    rendered = block.render()
+    section = PromptSection(RECALLED_MEMORIES, len(rendered.encode("utf-8")), files, truncated)
+    joined = prompt.text + ("\n" if prompt.text.endswith("\n") else "\n\n" if prompt.text else "") + rendered + "\n"
+    return replace(prompt, text=joined, sections=(*prompt.sections, section), warnings=warnings)
+
+
+def _recalled_block(ranked: Sequence[Recalled], shown: str) -> tuple[_Block, tuple[str, ...], bool]:
+    """The ``[recalled memories]`` block of the best of ``ranked`` that fit, with the day files
+    they come from and whether one was cut. An entry whose text ``shown`` holds is left out."""
+    block = _Block(RECALLED_MEMORIES)
+    block.preamble = (
+        "Older memories that share words with this run's input, recalled when it started "
+        "(the memory tool searches and reads them all):"
+    )
+    used = len(f"[{RECALLED_MEMORIES}]\n{block.preamble}".encode())
+    files: dict[str, None] = {}
+    bodies: set[str] = set()
+    truncated = False
+    for found in ranked:
+        if len(block.parts) >= RECALL_ENTRIES or RECALL_BYTES - used < _MIN_RECALLED_BODY:
+            break
+        body = entry_body(found.entry).strip()
+        if not body or body in bodies or body in shown:
+            continue
+        bodies.add(body)
+        heading = found.entry.partition("\n")[0].removeprefix("### ") if body != found.entry else ""
+        label = ", ".join(filter(None, (found.day.isoformat(), heading))) + f"; shares {', '.join(found.shared)}"
+        size = len(f"\n\n--- {label} ---\n{body}".encode())
+        if used + size > RECALL_BYTES:
+            if block.parts:
+                continue  # (a smaller one further down may fit)
+            note = f"\n[… cut; the memory tool reads {found.day.isoformat()}]"
+            room = RECALL_BYTES - used - (size - len(body.encode())) - len(note.encode())
+            if room < _MIN_RECALLED_BODY:
+                continue
+            body = _cut(body, room) + note
+            size = len(f"\n\n--- {label} ---\n{body}".encode())
+            truncated = True
+        used += size
+        block.parts.append(_Part(None, label, body))
+        files[daily_memory_name(found.day)] = None
+    return block, tuple(files), truncated
