@@ -2,7 +2,9 @@
 kernel on SQLite, a scripted model) and a device, in-process or as a subprocess of ``agentloop
 device connect``, serving its own root. Covers routed Read/Shell, the path rules on the device,
 extra tools, request.cancel killing a shell group, a device killed mid-call, reconnecting after a
-server restart, SIGTERM, a bad token, a name conflict, and ``GET /v1/devices``."""
+server restart, SIGTERM, a bad token, a name conflict, and ``GET /v1/devices``. Devices connect
+with a device token (``agentloop device token``), as documented; an account token only on a server
+that allows it (``serve --device-account-tokens``)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop.client import AgentloopClient
 from agentloop.device.client import DeviceClient, DeviceOptions, parse_allow, websocket_url
 from agentloop.kernel import Kernel
 from agentloop.models.base import ModelRequest
@@ -31,6 +34,8 @@ from agentloop.server.app import create_server
 from agentloop.server.auth import Accounts, Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.devices import DeviceHub
+
+PIPE = asyncio.subprocess.PIPE
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
 
@@ -72,8 +77,12 @@ class Server:
 
 
 class World:
+    """``token``: what device ``box`` connects with (its device token, unless the hub takes account
+    tokens); ``account_token``: alice's, for user calls."""
+
     def __init__(self, kernel: Kernel, hub: DeviceHub, server: Server, token: str, tmp: Path) -> None:
         self.kernel, self.hub, self.server, self.token, self.tmp = kernel, hub, server, token, tmp
+        self.account_token = token
         self.device_root = tmp / "device"
         self.device_root.mkdir()
         (self.device_root / "hello.txt").write_text("greetings from the device\n")
@@ -122,8 +131,10 @@ def script(req: ModelRequest) -> Reply | str:
 
 
 @contextlib.asynccontextmanager
-async def world(tmp_path: Path) -> AsyncIterator[World]:
-    hub = DeviceHub(probe_timeout=0.5)
+async def world(
+    tmp_path: Path, *, account_tokens: bool = False, heartbeat: float | None = None
+) -> AsyncIterator[World]:
+    hub = DeviceHub(probe_timeout=0.5, account_tokens=account_tokens)
     workspace = tmp_path / "server"
     workspace.mkdir()
     url = f"sqlite:///{tmp_path}/agentloop.db"
@@ -132,10 +143,16 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         await accounts.create_account("alice")
         token, _ = await accounts.create_token("alice")
         ctx = ServerContext(kernel, accounts, devices=hub)
+        if heartbeat is not None:  # (how soon a revoked token closes its socket)
+            ctx.heartbeat = heartbeat
         server = Server(create_server(ctx, lambda: Agent(ScriptedModel(["unused"]))))
         await server.start()
+        w = World(kernel, hub, server, token, tmp_path)
+        if not account_tokens:  # the documented way: a token bound to the device (named box in every test)
+            async with AgentloopClient(server.url, token) as client:
+                w.token = (await client.device_token("box"))["token"]
         try:
-            yield World(kernel, hub, server, token, tmp_path)
+            yield w
         finally:
             await hub.close()
             await server.stop()
@@ -213,7 +230,7 @@ async def test_a_device_subprocess_serves_read_and_shell_then_dies_mid_call(tmp_
         try:
             await w.online("box")
             async with httpx.AsyncClient(base_url=w.server.url) as http:
-                listed = await http.get("/v1/devices", headers={"Authorization": f"Bearer {w.token}"})
+                listed = await http.get("/v1/devices", headers={"Authorization": f"Bearer {w.account_token}"})
             assert listed.status_code == 200, listed.text
             [box] = listed.json()["devices"]
             assert box["id"] == "box" and box["owner"] == "alice" and "shell.exec" in box["implements"]
@@ -362,6 +379,57 @@ async def test_a_refused_token_is_fatal_with_a_clear_message(tmp_path):
         log = w.log("box")
         assert "error: the server refused the connection" in log and "unauthorized" in log
         assert "reconnecting" not in log
+
+
+async def test_a_device_token_from_the_cli_connects_and_an_account_token_does_not(tmp_path):
+    """``agentloop device token box`` prints the token once, which ``device connect`` then uses;
+    the account token itself is refused for a device, fatally and saying what to do instead."""
+    async with world(tmp_path, heartbeat=0.1) as w:
+        env = {**os.environ, "AGENTLOOP_SERVER": w.server.url, "AGENTLOOP_TOKEN": w.account_token}
+        env.pop("AGENTLOOP_DEVICE_TOKEN", None)
+        cli = [sys.executable, "-m", "agentloop.cli.main", "device", "token", "box"]
+        issued = await asyncio.create_subprocess_exec(*cli, stdout=PIPE, stderr=PIPE, env=env)
+        out, err = await asyncio.wait_for(issued.communicate(), 30)
+        assert issued.returncode == 0, err
+        token = out.decode().strip()
+        assert token.startswith("al_dev_") and token not in err.decode() and "shown only this once" in err.decode()
+        w.token = w.account_token  # refused: a device needs its own token
+        refused = await w.spawn_device("box", module="agentloop.cli.main")
+        assert await asyncio.wait_for(refused.wait(), 20) == 1
+        assert "device token" in w.log("box") and "reconnecting" not in w.log("box")
+        w.token = token
+        device = await w.spawn_device("box")
+        try:
+            await w.online("box")
+            async with AgentloopClient(w.server.url, w.account_token) as client:
+                [box] = await client.devices()
+                assert (box["id"], box["online"], box["has_token"]) == ("box", True, True)
+            revoke = await asyncio.create_subprocess_exec(*cli, "--revoke", stdout=PIPE, stderr=PIPE, env=env)
+            out, err = await asyncio.wait_for(revoke.communicate(), 30)
+            assert revoke.returncode == 0 and out.decode().strip() == "revoked the token of device box", err
+            assert await asyncio.wait_for(device.wait(), 20) == 1  # closed at the next heartbeat, then refused
+            again = await asyncio.create_subprocess_exec(*cli, "--revoke", stdout=PIPE, stderr=PIPE, env=env)
+            out, err = await asyncio.wait_for(again.communicate(), 30)
+            assert again.returncode == 1 and "has no token" in err.decode()
+        finally:
+            if device.returncode is None:
+                device.kill()
+                await device.wait()
+
+
+async def test_a_server_that_allows_account_tokens_still_connects_a_device_with_one(tmp_path):
+    """``serve --device-account-tokens``: the way devices connected before device tokens."""
+    async with world(tmp_path, account_tokens=True) as w:
+        assert w.token == w.account_token
+        device = await w.spawn_device("box")
+        try:
+            await w.online("box")
+            read = await w.hub.call("alice", "box", "fs.read", {"path": "hello.txt"}, 10)
+            assert not read.is_error and "greetings" in read.content[0].text
+        finally:
+            if device.returncode is None:
+                device.kill()
+                await device.wait()
 
 
 def _alice() -> Principal:

@@ -20,7 +20,7 @@ from agentloop.process.store import ProcessRecord
 from agentloop.server.app import create_server
 from agentloop.server.auth import Accounts
 from agentloop.server.context import ServerContext
-from agentloop.server.devices import DeviceHub
+from agentloop.server.devices import DeviceHub, issue_device_token, revoke_device_token
 from agentloop.tools.base import ToolArgumentsError
 from tests.test_device_client import Server
 from tests.test_devices import ALICE, BOB, FakeDevice, online
@@ -192,7 +192,7 @@ async def test_a_token_revoked_under_a_connected_device_stops_it_with_a_clear_er
     async with Kernel.open(url, model=ScriptedModel(["unused"]), workspace=tmp_path / "server", devices=hub) as k:
         accounts = Accounts(k.store)
         await accounts.create_account("alice")
-        token, _ = await accounts.create_token("alice")
+        token, _ = await issue_device_token(k.store, "alice", "box")  # (what POST /v1/devices/box/token does)
         ctx = ServerContext(k, accounts, devices=hub, heartbeat=0.1)
         server = Server(create_server(ctx, lambda: Agent(ScriptedModel(["unused"]))))
         await server.start()
@@ -203,8 +203,7 @@ async def test_a_token_revoked_under_a_connected_device_stops_it_with_a_clear_er
         running = asyncio.create_task(DeviceClient(options, say=said.append).run())
         try:
             await hub.wait_until(lambda: bool(hub.online("alice")), 20)
-            (row,) = await k.store.list_tokens("alice")
-            await accounts.revoke(row.id)
+            assert await revoke_device_token(k.store, "alice", "box")
             with pytest.raises(DeviceError, match="unauthorized"):
                 await asyncio.wait_for(running, 20)
             assert sum("reconnecting" in s for s in said) <= 1, said

@@ -557,8 +557,20 @@ class AgentloopClient:
         return list(data.get("withdrawn", []))
 
     async def devices(self) -> list[dict[str, Any]]:
+        """The caller's devices, online and offline (every account's for an admin)."""
         data = await self._call("GET", "/v1/devices")
         return list(data.get("devices", []))
+
+    async def device_token(self, name: str) -> dict[str, Any]:
+        """Issue the token device ``name`` connects with (``{device, token, token_id}``; the token
+        is shown only this once), registering the device if new; one issued before stops working."""
+        result: dict[str, Any] = await self._call("POST", f"/v1/devices/{_segment(name)}/token")
+        return result
+
+    async def revoke_device_token(self, name: str) -> bool:
+        """Revoke device ``name``'s token (its connection closes); ``NotFound`` if it has none."""
+        result = await self._call("DELETE", f"/v1/devices/{_segment(name)}/token")
+        return bool(result.get("revoked"))
 
     # -- the event stream -------------------------------------------------------------------------
 

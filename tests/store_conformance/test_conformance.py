@@ -18,6 +18,7 @@ import pytest
 from agentloop.messages import AssistantMessage, TextContent, ToolCall, ToolResultMessage, message_to_json, system, user
 from agentloop.process.store import (
     AccountRecord,
+    DeviceRecord,
     HilRow,
     NoSuchProcess,
     ProcessRecord,
@@ -505,6 +506,31 @@ async def test_tokens_are_found_by_hash_and_revoked_once(store: Store) -> None:
     assert revoked is not None and revoked.revoked_at == 123.0
     assert [t.id for t in await store.list_tokens("alice")] == ["t1", "t2"]
     assert await store.list_tokens("bob") == []
+
+
+async def test_the_device_registry_binds_one_token_and_remembers_when_a_device_was_seen(store: Store) -> None:
+    async with store.transaction():
+        assert await store.set_device_token("alice", "laptop", "d1", "dh1", 10.0)
+        await store.device_seen("bob", "box", 11.0, "Box", "the big one")  # connected without a token
+    found = await store.device_by_token("dh1")
+    assert found == DeviceRecord("alice", "laptop", "", "", "d1", 10.0, None, None)
+    async with store.transaction():
+        assert await store.set_device_token("alice", "laptop", "d2", "dh2", 12.0)  # a new token replaces it
+        await store.device_seen("alice", "laptop", 13.0, "Laptop", "mine")
+        await store.device_seen("alice", "laptop", 14.0)  # leaving: label and description kept
+    assert await store.device_by_token("dh1") is None
+    laptop = DeviceRecord("alice", "laptop", "Laptop", "mine", "d2", 10.0, 13.0, 14.0)
+    assert await store.list_devices("alice") == [laptop]
+    async with store.transaction():
+        assert await store.set_device_token("alice", "laptop", None, None, 15.0)  # revoked
+        assert not await store.set_device_token("alice", "laptop", None, None, 16.0)
+        assert not await store.set_device_token("alice", "ghost", None, None, 16.0)
+    assert await store.device_by_token("dh2") is None
+    assert [(d.owner, d.name, d.token_id) for d in await store.list_devices()] == [
+        ("alice", "laptop", None),
+        ("bob", "box", None),
+    ]
+    assert (await store.list_devices("bob"))[0].first_seen_at == 11.0
 
 
 async def test_schedules_are_listed_soonest_first_and_claimed_once(store: Store) -> None:

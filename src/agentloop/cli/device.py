@@ -1,5 +1,7 @@
 """``agentloop device connect URL --token T``: lend this machine's files (and, when asked, its
-shell) to a server.
+shell) to a server; ``agentloop device token NAME``: issue (or ``--revoke``) the token it connects
+with, a device token bound to that one device name (the server refuses an account token for a
+device unless started with ``--device-account-tokens``).
 
 By default a device lends only reading and searching files under ``--root``. Writing, editing and
 deleting files (``--allow fs``) and running commands (``--allow shell``: remote command execution on
@@ -87,9 +89,18 @@ def connect(
         str, typer.Argument(metavar="URL", help="The server, e.g. http://host:8765 (or ws://host:8765/v1/ws).")
     ],
     token: Annotated[
-        str | None, typer.Option("--token", envvar="AGENTLOOP_TOKEN", help="An account token (or AGENTLOOP_TOKEN).")
+        str | None,
+        typer.Option(
+            "--token",
+            envvar=["AGENTLOOP_DEVICE_TOKEN", "AGENTLOOP_TOKEN"],
+            help="The device's token, from 'agentloop device token NAME' (or AGENTLOOP_DEVICE_TOKEN, AGENTLOOP_TOKEN).",
+            show_default=False,
+        ),
     ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="The device id (default: the host name).")] = None,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", help="The device id, the NAME its token was issued for (default: the host name)."),
+    ] = None,
     description: Annotated[
         str, typer.Option("--description", help="What the device is, for the agents (e.g. 'my laptop, has the GPU').")
     ] = "",
@@ -147,6 +158,41 @@ def connect(
             raise
         _say(f"error: {exc.name} is missing: pip install 'agentloop[server]'")
         raise typer.Exit(1) from None
+
+
+@device_app.command("token")
+def token_command(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The device's name (its --name when it connects).")],
+    revoke: Annotated[bool, typer.Option("--revoke", help="Revoke its token instead (its connection closes).")] = False,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", help="An account token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """Issue the token device NAME connects with, printed once (a token issued before for it stops
+    working), or --revoke it. Asked of the server with an account token, as the client commands are."""
+    from agentloop.cli.client import call
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        if revoke:
+            call(server, token, lambda client: client.revoke_device_token(name))
+            typer.echo(f"revoked the token of device {name}")
+            return
+        issued = call(server, token, lambda client: client.device_token(name))
+        typer.echo(issued["token"])
+        _say(
+            f"the token of device {name}, shown only this once (one issued before no longer works); "
+            f"connect with: agentloop device connect URL --name {name} --token TOKEN"
+        )
 
 
 if __name__ == "__main__":  # ``python -m agentloop.cli.device connect …``: the device alone, quick to start

@@ -106,6 +106,7 @@ class ServeOptions:
     account_budget: float | None = None  # dollars per account and calendar month (None: no budget)
     transcriber: OpenAITranscriber | None = None  # audio sent to a process is transcribed (None: refused)
     bridges: list[HostedBridge] = field(default_factory=list)  # chat bridges started on the kernel
+    device_account_tokens: bool = False  # a driver may connect with an account token (deprecated)
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -195,7 +196,9 @@ async def _serve(
     try:
         progress = Progress()
         model = open_settings_model(settings, progress)
-        hub = DeviceHub()  # devices connect over the WebSocket; the kernel routes their owners' calls
+        # devices connect over the WebSocket, each with its device token (an account token only with
+        # --device-account-tokens); the kernel routes their owners' calls
+        hub = DeviceHub(account_tokens=opts.device_account_tokens)
         # what Agent takes (its stateless asks run their tool calls as the processes' do), and the kernel
         loop = loop_options(settings, progress)
         options = {**loop, **kernel_extras(settings)}
@@ -568,6 +571,14 @@ def serve(
             " is refused with 402 (admins are not limited; default: no budget).",
         ),
     ] = None,
+    device_account_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--device-account-tokens",
+            help="Deprecated: let a device connect with an account token, as before device tokens (default: "
+            "only with its own device token, from 'agentloop device token NAME').",
+        ),
+    ] = False,
     transcribe_model: TranscribeModelOpt = None,
     transcribe_url: TranscribeUrlOpt = None,
     transcribe_key_env: TranscribeKeyEnvOpt = None,
@@ -653,6 +664,12 @@ def serve(
                 f"warning: listening on {host}, not loopback: anyone who can reach this port can try tokens; "
                 "put TLS in front of it\n"
             )
+        if device_account_tokens:
+            sys.stderr.write(
+                "warning: --device-account-tokens is deprecated: devices may connect with account tokens, "
+                "which are good for every call of the account; give each device its own token "
+                "('agentloop device token NAME') and drop the flag\n"
+            )
         opts = ServeOptions(
             host,
             port,
@@ -665,6 +682,7 @@ def serve(
             account_budget=account_budget,
             transcriber=transcriber,
             bridges=bridges,
+            device_account_tokens=device_account_tokens,
         )
         try:
             if chat:

@@ -98,7 +98,7 @@ def for_account(signal: Signal) -> bool:
     if signal.signal == CHANGED:
         changes = signal.payload.get("changes", ())
         return "hil" in changes or "title" in changes
-    return signal.signal in (HIL_REQUESTED, RUN_FINISHED)
+    return signal.signal in (HIL_REQUESTED, RUN_FINISHED, "device.status")  # (the last: server/devices.py, live)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from agentloop.process.store import MAX_SEQ, NoSuchProcess
 from agentloop.process.tool_scope import MAX_ENTRIES
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
+from agentloop.server.devices import HubError, check_device_name, issue_device_token, registry, revoke_device_token
 from agentloop.server.engine_chat import ChatRequest
 from agentloop.server.errors import ApiError
 from agentloop.server.events import open_account_stream, open_stream
@@ -573,9 +574,25 @@ class DeviceOut(Answer):
     id: str
     owner: str
     description: str
-    implements: list[str]
+    implements: list[str] = Field(description="What it offers while online (empty while offline).")
     tools: list[dict[str, Any]]
-    connected_at: float
+    connected_at: float | None = Field(description="When its connection began; null while offline.")
+    label: str = ""
+    online: bool = True
+    has_token: bool = Field(False, description="Whether a device token is bound to it.")
+    first_seen_at: float | None = None
+    last_seen_at: float | None = Field(None, description="When it last connected or left.")
+
+
+class DeviceTokenOut(Answer):
+    device: str
+    token: str = Field(description="Shown only this once; a token issued before for the device stops working.")
+    token_id: str
+
+
+class DeviceRevokedOut(Answer):
+    device: str
+    revoked: Literal[True]
 
 
 class DeviceList(Answer):
@@ -984,7 +1001,29 @@ async def devices(call: Call) -> dict[str, Any]:
     hub = call.ctx.devices
     if hub is None:  # devices not enabled: nobody has any
         return {"devices": []}
-    return {"devices": list(await maybe_await(hub.list(call.principal)))}
+    if not hasattr(hub, "connected"):  # (a hub of another kind: only what it lists)
+        return {"devices": list(await maybe_await(hub.list(call.principal)))}
+    return {"devices": await registry(call.ctx.accounts.store, hub, call.principal)}
+
+
+def _device_name(call: Call) -> str:
+    try:
+        return check_device_name(call.param("name"))
+    except HubError as exc:
+        raise ApiError(400, "invalid_request", exc.message) from None
+
+
+async def device_token(call: Call) -> dict[str, Any]:
+    name = _device_name(call)
+    token, token_id = await issue_device_token(call.ctx.accounts.store, call.principal.account, name)
+    return {"device": name, "token": token, "token_id": token_id}
+
+
+async def revoke_device(call: Call) -> dict[str, Any]:
+    name = _device_name(call)
+    if not await revoke_device_token(call.ctx.accounts.store, call.principal.account, name):
+        raise ApiError(404, "not_found", f"device {name!r} has no token")
+    return {"device": name, "revoked": True}
 
 
 async def openapi(call: Call) -> Response:
@@ -1227,7 +1266,24 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         errors=(503,),
         headers=(("Last-Event-ID", "Resume after this account seq; wins over after_seq."),),
     ),
-    Endpoint("GET", "/v1/devices", "Connected devices: the caller's (all for admins).", devices, answer=DeviceList),
+    Endpoint(
+        "GET", "/v1/devices", "Devices, online and offline: the caller's (all for admins).", devices, answer=DeviceList
+    ),
+    Endpoint(
+        "POST",
+        "/v1/devices/{name}/token",
+        "Issue the token a device connects with (replacing the one before).",
+        device_token,
+        answer=DeviceTokenOut,
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/devices/{name}/token",
+        "Revoke a device's token; its connection closes.",
+        revoke_device,
+        answer=DeviceRevokedOut,
+        errors=(404,),
+    ),
     Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),
 )
 

@@ -16,6 +16,17 @@ connected, the hub probes the existing connection (a ``sys.ping`` request); if i
 to be a dead one the server has not noticed yet (a laptop that slept, a NAT that forgot) and the
 newcomer replaces it. A device that reconnects after a drop thus gets its name back at once,
 while two live machines cannot steal each other's name.
+
+Tokens and the registry: a driver connects with a *device token*, which its owner issues for one
+device name (``POST /v1/devices/{name}/token``) and which is good for nothing else: it is not an
+account token (the ``tokens`` table never holds it), so user calls refuse it, and a driver that
+claims another name with it is refused. Issuing a new one replaces the old; revoking it (``DELETE``)
+closes a connection that uses it at the next heartbeat. An account token is refused for a driver
+unless the hub was made with ``account_tokens=True`` (``agentloop serve --device-account-tokens``:
+the way devices connected before device tokens, kept for a migration). Every device an owner issued
+a token for or connected is remembered in the store's ``devices`` table (label, description, first
+and last seen), listed while offline too; each presence change reaches the owner's account stream
+as ``device.status {device, status: "online" | "offline", timestamp}`` (live only: no account seq).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import itertools
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,11 +47,25 @@ from agentloop.device.wire import result_from_wire
 from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool, unsafe_schema
 from agentloop.messages import TextContent, storable
 from agentloop.process.media import MediaError, check_media
-from agentloop.server.auth import Principal
+from agentloop.process.signals import AccountSignal, Signal, SignalHub
+from agentloop.process.store import DeviceRecord, Store
+from agentloop.server.auth import Principal, hash_token
 from agentloop.server.strict_json import too_deep
 from agentloop.tools.base import ResultBlock, ToolResult
 
-__all__ = ["DeviceHub", "DriverSocket", "HubError"]
+__all__ = [
+    "DEVICE_STATUS",
+    "DEVICE_TOKEN_PREFIX",
+    "DeviceHub",
+    "DriverSocket",
+    "HubError",
+    "authenticate_device",
+    "check_device_name",
+    "device_token_valid",
+    "issue_device_token",
+    "registry",
+    "revoke_device_token",
+]
 
 log = logging.getLogger("agentloop.devices")
 
@@ -49,6 +75,9 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 64
 MAX_DESCRIPTION = 4096
 MAX_DEVICE_DESCRIPTION = 200  # a device's own description: one line of the system prompt
+MAX_LABEL = 64  # a device's display name in listings (one line)
+DEVICE_TOKEN_PREFIX = "al_dev_"
+DEVICE_STATUS = "device.status"  # the account signal of a device going online or offline
 #: how deeply a tool's schema may nest objects and arrays: real ones stay far below it, and the
 #: checks that walk a schema (here, at every call, in the providers' encoders) recurse
 MAX_SCHEMA_DEPTH = 64
@@ -120,6 +149,95 @@ def _error_res(req_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"type": "res", "id": req_id, "ok": False, "error": {"code": code, "message": message}}
 
 
+def check_device_name(name: Any) -> str:
+    """``name`` if it may name a device, else ``HubError`` (``invalid_request``)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or "__" in name or name == LOCAL:
+        raise HubError(
+            "invalid_request",
+            "name: a device needs a name of 1-32 letters, digits, '-' or '_', starting and ending with a "
+            f"letter or digit, without '__', and not '{LOCAL}'",
+        )
+    return name
+
+
+def _label(args: dict[str, Any]) -> str:
+    label = args.get("label", "")
+    if not isinstance(label, str) or len(label) > MAX_LABEL:
+        raise HubError("invalid_request", f"label: a string of at most {MAX_LABEL} chars")
+    return " ".join(label.split())
+
+
+# -- device tokens and the registry -----------------------------------------------------------------
+
+
+async def issue_device_token(store: Store, owner: str, name: str) -> tuple[str, str]:
+    """A new token bound to ``owner``'s device ``name`` (registering the device if new), replacing
+    any token issued for it before: the token (shown once: only its hash is kept) and its id."""
+    check_device_name(name)
+    token = DEVICE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token_id = secrets.token_hex(6)
+    async with store.transaction():
+        await store.set_device_token(owner, name, token_id, hash_token(token), time.time())
+    return token, token_id
+
+
+async def revoke_device_token(store: Store, owner: str, name: str) -> bool:
+    """Unbind the token of ``owner``'s device ``name``; False if it had none."""
+    async with store.transaction():
+        return await store.set_device_token(owner, name, None, None, time.time())
+
+
+async def authenticate_device(store: Store, token: str) -> tuple[Principal, str] | None:
+    """The owner (as a principal whose ``token_id`` is ``device:<id>``) and the device name a
+    device token is bound to; None for anything else (an account token included), a revoked
+    token, or a device whose account is gone."""
+    if not token.startswith(DEVICE_TOKEN_PREFIX) or len(token) > 512:
+        return None
+    record = await store.device_by_token(hash_token(token))
+    if record is None or record.token_id is None or await store.get_account(record.owner) is None:
+        return None
+    return Principal(record.owner, False, f"device:{record.token_id}"), record.name
+
+
+async def device_token_valid(store: Store, who: Principal, name: str) -> bool:
+    """Whether the device token ``who`` connected with is still the one bound to ``name``."""
+    if await store.get_account(who.account) is None:
+        return False
+    token_id = who.token_id.removeprefix("device:")
+    return any(d.name == name and d.token_id == token_id for d in await store.list_devices(who.account))
+
+
+def _device_json(record: DeviceRecord | None, live: DeviceInfo | None) -> dict[str, Any]:
+    base = record or DeviceRecord(live.owner if live else "", live.id if live else "")
+    out: dict[str, Any] = {
+        "id": base.name,
+        "owner": base.owner,
+        "label": base.label,
+        "description": base.description,
+        "online": live is not None,
+        "has_token": base.token_id is not None,
+        "first_seen_at": base.first_seen_at,
+        "last_seen_at": base.last_seen_at,
+        "implements": [],
+        "tools": [],
+        "connected_at": None,
+    }
+    if live is not None:
+        out.update(live.to_json())
+    return out
+
+
+async def registry(store: Store, hub: DeviceHub | None, who: Principal) -> list[dict[str, Any]]:
+    """``GET /v1/devices``: the caller's devices (every account's for an admin), remembered and
+    connected, offline ones included, by owner and name."""
+    records = await store.list_devices(None if who.admin else who.account)
+    live = {(d.owner, d.id): d for d in (hub.connected(who) if hub is not None else [])}
+    rows = {(r.owner, r.name): _device_json(r, live.get((r.owner, r.name))) for r in records}
+    for key, info in live.items():  # connected but not (yet) written down
+        rows.setdefault(key, _device_json(None, info))
+    return [rows[k] for k in sorted(rows)]
+
+
 def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool, ...], str]:
     """The device id, syscalls, extra tools and description a ``sys.connect`` declares; ``HubError``
     if invalid. The description goes into prompts, so it is one line of bounded length."""
@@ -128,13 +246,7 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
 
     if not isinstance(args, dict):
         raise HubError("invalid_request", "args must be an object")
-    name = args.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or "__" in name or name == LOCAL:
-        raise HubError(
-            "invalid_request",
-            "name: a device needs a name of 1-32 letters, digits, '-' or '_', starting and ending with a "
-            f"letter or digit, without '__', and not '{LOCAL}'",
-        )
+    name = check_device_name(args.get("name"))
     implements = args.get("implements", [])
     if not isinstance(implements, list) or not all(isinstance(s, str) for s in implements):
         raise HubError("invalid_request", "implements: must be a list of syscall names")
@@ -226,8 +338,15 @@ def _checked_block(device: str, block: ResultBlock) -> ResultBlock:
 class DeviceHub:
     """The online devices of every account, and calls to them. One per server; one event loop."""
 
-    def __init__(self, *, probe_timeout: float = 3.0) -> None:
+    def __init__(self, *, probe_timeout: float = 3.0, account_tokens: bool = False) -> None:
         self.probe_timeout = probe_timeout
+        #: whether a driver may connect with an account token (the old way, before device tokens;
+        #: deprecated): off unless asked for, as ``agentloop serve --device-account-tokens`` does
+        self.account_tokens = account_tokens
+        #: the registry's store and the kernel's signal hub (``bind``): presence is written down
+        #: and told to the owner's account stream once the server has bound them
+        self.store: Store | None = None
+        self.signals: SignalHub | None = None
         self._devices: dict[tuple[str, str], _Connection] = {}
         self._ids = itertools.count(1)
         self._listeners: list[Callable[[str, DeviceInfo], None]] = []
@@ -240,9 +359,17 @@ class DeviceHub:
         """``owner``'s connected devices (``DeviceDirectory``)."""
         return [c.info for (o, _), c in sorted(self._devices.items()) if o == owner]
 
+    def connected(self, who: Principal) -> list[DeviceInfo]:
+        """The connected devices ``who`` may see: their own; an admin every account's."""
+        return [c.info for (o, _), c in sorted(self._devices.items()) if who.admin or o == who.account]
+
     def list(self, who: Principal) -> list[dict[str, Any]]:
-        """``GET /v1/devices``: the caller's devices; an admin sees every account's."""
-        return [c.info.to_json() for (o, _), c in sorted(self._devices.items()) if who.admin or o == who.account]
+        """The connected devices ``who`` may see, as JSON (``registry`` adds the offline ones)."""
+        return [info.to_json() for info in self.connected(who)]
+
+    def bind(self, store: Store, signals: SignalHub | None) -> None:
+        """Where presence is written down (the registry) and told (the owner's account stream)."""
+        self.store, self.signals = store, signals
 
     def subscribe(self, listener: Callable[[str, DeviceInfo], None]) -> Callable[[], None]:
         """Call ``listener("online" | "offline", device)`` on every presence change; returns an
@@ -260,11 +387,34 @@ class DeviceHub:
     def _notify(self, what: str, info: DeviceInfo) -> None:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
+        self._tell_account(what, info)
         for listener in list(self._listeners):
             try:
                 listener(what, info)
             except Exception:
                 log.exception("device presence listener failed")
+
+    def _tell_account(self, what: str, info: DeviceInfo) -> None:
+        """``device.status`` to the owner's account watchers here, by the route of every account
+        signal (``SignalHub.to_account``, whose filter ``signals.for_account`` passes it): live
+        only (no account seq, no pid), as new titles are; a watcher fallen too far behind is ended
+        there as for any other account signal."""
+        if self.signals is None:
+            return
+        payload = {"device": info.id, "status": what, "timestamp": time.time()}
+        self.signals.to_account(info.owner, AccountSignal(None, Signal(DEVICE_STATUS, payload)))
+
+    async def _seen(self, info: DeviceInfo, label: str | None) -> None:
+        """Write down that ``info`` connected (``label`` given) or left (None); a failure is logged,
+        never the device's: presence is kept in memory all the same."""
+        if self.store is None:
+            return
+        description = None if label is None else info.description
+        try:
+            async with self.store.transaction():
+                await self.store.device_seen(info.owner, info.id, time.time(), label, description)
+        except Exception:
+            log.warning("device %s of %s: could not update the registry", info.id, info.owner, exc_info=True)
 
     # -- connections ------------------------------------------------------------------------------
 
@@ -280,6 +430,7 @@ class DeviceHub:
         """
         try:
             name, implements, tools, description = parse_declaration(args)
+            label = _label(args)
             info = DeviceInfo(name, who.account, implements, tools, time.time(), description)
             conn = _Connection(info, websocket)
             await self._claim(conn)
@@ -288,6 +439,7 @@ class DeviceHub:
                 await websocket.send_text(json.dumps(_error_res(connect_id, exc.code, exc.message)))
             return
         try:
+            await self._seen(info, label)
             data = {"device_id": name, "account": who.account, "admin": who.admin, "role": "driver"}
             try:
                 await conn.send({"type": "res", "id": connect_id, "ok": True, "data": data})
@@ -374,6 +526,10 @@ class DeviceHub:
             del self._devices[key]
             log.info("device %s of %s disconnected", conn.info.id, conn.info.owner)
             self._notify("offline", conn.info)
+            if self.store is not None:
+                task = asyncio.get_running_loop().create_task(self._seen(conn.info, None))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
         """Server shutdown: close every driver socket (their in-flight calls fail)."""

@@ -32,6 +32,7 @@ from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import MAX_SEQ
 from agentloop.server.auth import Principal, bearer
 from agentloop.server.context import ServerContext
+from agentloop.server.devices import DeviceHub, authenticate_device, device_token_valid
 from agentloop.server.errors import ApiError
 from agentloop.server.strict_json import json_text
 
@@ -45,7 +46,11 @@ CONNECT_TIMEOUT = 10.0  # seconds a socket may stay open without a successful sy
 SEND_TIMEOUT = 30.0  # seconds one frame may take to leave; a client that stops reading is dropped
 CLOSE_GOING_AWAY = 1001  # the server is stopping
 CLOSE_POLICY = 1008  # no sys.connect in time, or a client that does not read its frames
-CLOSE_UNAUTHORIZED = 4401  # sys.connect with a bad token
+CLOSE_UNAUTHORIZED = 4401  # sys.connect with a bad token (a driver's: not its device's)
+
+#: a driver handed to the device hub: who, its sys.connect args and id, and how to ask whether the
+#: token it connected with is still good (a device token's own check, or an account token's)
+_Driver = tuple[Principal, dict[str, Any], str, Callable[[], Awaitable[bool]]]
 
 Handler = Callable[["Connection", dict[str, Any]], Awaitable[Any]]
 Outcome = tuple[dict[str, Any], Callable[[], None] | None]  # a res frame, and what to start once it is sent
@@ -625,7 +630,7 @@ class Connection:
         self._connect_by = asyncio.get_running_loop().time() + CONNECT_TIMEOUT
         watcher = asyncio.create_task(self._close_when_stopping())
         revoked = asyncio.create_task(self._close_when_revoked())
-        driver: tuple[Principal, dict[str, Any], str] | None = None
+        driver: _Driver | None = None
         try:
             driver = await self._read()
         except asyncio.CancelledError:
@@ -640,12 +645,14 @@ class Connection:
         if driver is not None:  # the device hub owns the socket from here until it closes
             await self._hand_over(*driver)
 
-    async def _hand_over(self, who: Principal, args: dict[str, Any], connect_id: str) -> None:
+    async def _hand_over(
+        self, who: Principal, args: dict[str, Any], connect_id: str, valid: Callable[[], Awaitable[bool]]
+    ) -> None:
         """Give a driver's socket to the device hub, which answers its sys.connect itself. When the
         hub returns with the socket still open (it refused the device) the socket is closed here,
         cleanly, instead of being cut; a hub failure ends this socket only (1011)."""
         code = 1000
-        revoked = asyncio.create_task(self._close_when_revoked(who))  # a device lends tools: same rule
+        revoked = asyncio.create_task(self._close_when_revoked(who, valid))  # a device lends tools: same rule
         try:
             await self.ctx.devices.serve_driver(self.ws, who, args, connect_id)
         except Exception:
@@ -659,7 +666,9 @@ class Connection:
                 async with asyncio.timeout(SEND_TIMEOUT):
                     await self.ws.close(code)
 
-    async def _close_when_revoked(self, driver: Principal | None = None) -> None:
+    async def _close_when_revoked(
+        self, driver: Principal | None = None, valid: Callable[[], Awaitable[bool]] | None = None
+    ) -> None:
         """Every heartbeat, check the token the socket connected with (a user's, or a device
         driver's once the hub has the socket): a revoked one closes the socket. A check that fails
         (the store unreachable for a moment) is logged and tried again next time: were this task to
@@ -670,11 +679,11 @@ class Connection:
             if who is None:
                 continue
             try:
-                valid = await self.ctx.accounts.still_valid(who)
+                good = await (valid() if valid is not None else self.ctx.accounts.still_valid(who))
             except Exception:
                 _log(logging.WARNING, "token check failed", exc_info=True, account=who.account)
                 continue
-            if not valid:
+            if not good:
                 await self._close(CLOSE_UNAUTHORIZED, "the token was revoked")
                 return
 
@@ -720,7 +729,7 @@ class Connection:
             return None
         return None if message["type"] == "websocket.disconnect" else message
 
-    async def _read(self) -> tuple[Principal, dict[str, Any], str] | None:
+    async def _read(self) -> _Driver | None:
         """Read and dispatch frames; returns a driver's hand-over details when one connects."""
         while (message := await self._receive()) is not None:
             if self._closed:  # closed (a revoked token, shutdown) while this frame was awaited: not run
@@ -740,7 +749,7 @@ class Connection:
                 return driver
         return None
 
-    async def _handle(self, req: Request) -> tuple[Principal, dict[str, Any], str] | None:
+    async def _handle(self, req: Request) -> _Driver | None:
         if req.call == "sys.connect":
             return await self._connect(req)
         if self.who is None:
@@ -751,7 +760,7 @@ class Connection:
 
     # -- sys.connect -------------------------------------------------------------------------
 
-    async def _connect(self, req: Request) -> tuple[Principal, dict[str, Any], str] | None:
+    async def _connect(self, req: Request) -> _Driver | None:
         if self.who is not None:
             await self.send(res_error(req.id, "conflict", "already connected"))
             return None
@@ -764,19 +773,55 @@ class Connection:
             await self.send(res_error(req.id, "invalid_request", "token must be a string"))
             return None
         token = token or bearer(self.ws.headers.get("authorization"))
-        who = await self.ctx.accounts.authenticate(token) if token else None
-        if who is None:
-            await self.send(res_error(req.id, "unauthorized", "a valid token is required"))
-            await self._close(CLOSE_UNAUTHORIZED, "unauthorized")
-            return None
         if role == "driver":
-            if self.ctx.devices is None:
-                await self.send(res_error(req.id, "unavailable", "devices are not enabled on this server"))
-                return None
-            return who, req.args, req.id
+            return await self._connect_driver(req, token)
+        who = await self.ctx.accounts.authenticate(token) if token else None  # (never a device token)
+        if who is None:
+            await self._unauthorized(req, "a valid token is required", "unauthorized")
+            return None
         self.who = who
         await self.send(res_ok(req.id, {"account": who.account, "admin": who.admin, "role": "user"}))
         return None
+
+    async def _unauthorized(self, req: Request, message: str, reason: str) -> None:
+        await self.send(res_error(req.id, "unauthorized", message))
+        await self._close(CLOSE_UNAUTHORIZED, reason)
+
+    async def _connect_driver(self, req: Request, token: str) -> _Driver | None:
+        """A driver's token: a device token bound to the name it claims, or (only on a hub made
+        with ``account_tokens``, deprecated) an account token. Refusals are ``unauthorized`` and
+        close the socket with ``CLOSE_UNAUTHORIZED`` and a reason saying what was wrong."""
+        store, hub = self.ctx.accounts.store, self.ctx.devices
+        bound = await authenticate_device(store, token) if token else None
+        who = bound[0] if bound is not None else await self.ctx.accounts.authenticate(token) if token else None
+        if who is None:
+            await self._unauthorized(req, "a valid token is required", "unauthorized")
+            return None
+        if hub is None:
+            await self.send(res_error(req.id, "unavailable", "devices are not enabled on this server"))
+            return None
+        if isinstance(hub, DeviceHub) and hub.store is None:
+            hub.bind(store, self.ctx.kernel.engine.hub)
+        if bound is None:
+            if not getattr(hub, "account_tokens", True):
+                await self._unauthorized(
+                    req,
+                    "a device connects with a device token, not an account token: issue one with "
+                    "POST /v1/devices/{name}/token (or 'agentloop device token NAME')",
+                    "device token required",
+                )
+                return None
+            _log(logging.WARNING, "a driver connected with an account token (deprecated)", account=who.account)
+            principal = who
+            return who, req.args, req.id, lambda: self.ctx.accounts.still_valid(principal)
+        device, claimed = bound[1], req.args.get("name")
+        if claimed != device:
+            shown = repr(claimed[:40]) if isinstance(claimed, str) else "none"
+            await self._unauthorized(
+                req, f"this device token is for device {device!r}, not {shown}", "token for another device"
+            )
+            return None
+        return who, req.args, req.id, lambda: device_token_valid(store, who, device)
 
     # -- user calls --------------------------------------------------------------------------
 

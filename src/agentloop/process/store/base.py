@@ -244,6 +244,21 @@ class TokenRecord:
 
 
 @dataclass(slots=True)
+class DeviceRecord:
+    """A device in the registry: an owner's name for one machine, the id of the token bound to it
+    (None: none, or revoked), and when it was first and last connected (None: never yet)."""
+
+    owner: str
+    name: str
+    label: str = ""
+    description: str = ""
+    token_id: str | None = None
+    created_at: float = 0.0
+    first_seen_at: float | None = None
+    last_seen_at: float | None = None
+
+
+@dataclass(slots=True)
 class Lease:
     """Who may advance a process (DESIGN §6): ``owner`` (None: nobody) until ``expires`` (epoch
     seconds on the store's clock), and the ``epoch`` of that claim, which fences its commits."""
@@ -730,3 +745,27 @@ class Store(ABC):
     @abstractmethod
     async def revoke_token(self, token_id: str, at: float) -> bool:
         """Mark a token revoked; False if there is no such token or it was already revoked."""
+
+    # -- the device registry --------------------------------------------------------------------
+
+    @abstractmethod
+    async def set_device_token(
+        self, owner: str, name: str, token_id: str | None, token_hash: str | None, at: float
+    ) -> bool:
+        """Bind a token to ``owner``'s device ``name`` (the device is registered if new; a token
+        bound before is replaced), or with None unbind it (revoke): False if it had none."""
+
+    @abstractmethod
+    async def device_by_token(self, token_hash: str) -> DeviceRecord | None:
+        """The device a live token is bound to."""
+
+    @abstractmethod
+    async def device_seen(
+        self, owner: str, name: str, at: float, label: str | None = None, description: str | None = None
+    ) -> None:
+        """Record a device connecting or leaving at ``at`` (registered if new): its last seen,
+        its first seen if it had none, and the label and description it gave (None: kept)."""
+
+    @abstractmethod
+    async def list_devices(self, owner: str | None = None) -> list[DeviceRecord]:
+        """The registry (one owner's devices, or every one), by owner and name."""

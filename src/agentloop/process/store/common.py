@@ -73,6 +73,7 @@ SEGMENT_COLUMNS = (
 SCHEDULE_COLUMNS = "id, pid, text, next_due, every, name, created_at, cron, tz"
 WATCH_COLUMNS = "id, pid, source_pid, signal, once, seen_seq, created_at"
 TOKEN_COLUMNS = "id, account, hash, label, created_at, revoked_at"
+DEVICE_COLUMNS = "owner, name, label, description, token_id, created_at, first_seen_at, last_seen_at"
 
 # the sources of watches owed a delivery: a wanted signal past ``seen_seq``, logged before $1
 LAGGING_WATCHES = (

@@ -54,6 +54,7 @@ from agentloop.process.store.base import (
     AccountEventRow,
     AccountRecord,
     CallStatus,
+    DeviceRecord,
     DutyLease,
     EventRow,
     HilRow,
@@ -80,6 +81,7 @@ from agentloop.process.store.common import (
     ACCOUNT_HILS,
     ACCOUNT_USAGE,
     CALL_COLUMNS,
+    DEVICE_COLUMNS,
     FOLD_USAGE,
     HIL_COLUMNS,
     KV_ADD,
@@ -1340,3 +1342,58 @@ class PostgresStore(Store):
             "UPDATE tokens SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL", float(at), token_id
         )
         return _changed(status) == 1
+
+    async def set_device_token(
+        self, owner: str, name: str, token_id: str | None, token_hash: str | None, at: float
+    ) -> bool:
+        if token_id is None:
+            status = await self._write().execute(
+                "UPDATE devices SET token_id = NULL, token_hash = NULL"
+                " WHERE owner = $1 AND name = $2 AND token_id IS NOT NULL",
+                owner,
+                name,
+            )
+            return _changed(status) == 1
+        await self._write().execute(
+            "INSERT INTO devices (owner, name, label, description, token_id, token_hash, created_at)"
+            " VALUES ($1, $2, '', '', $3, $4, $5) ON CONFLICT (owner, name) DO UPDATE"
+            " SET token_id = excluded.token_id, token_hash = excluded.token_hash",
+            owner,
+            name,
+            token_id,
+            token_hash,
+            float(at),
+        )
+        return True
+
+    async def device_by_token(self, token_hash: str) -> DeviceRecord | None:
+        async with self._reading() as db:
+            row = await db.fetchrow(f"SELECT {DEVICE_COLUMNS} FROM devices WHERE token_hash = $1", token_hash)
+        return DeviceRecord(*row) if row else None
+
+    async def device_seen(
+        self, owner: str, name: str, at: float, label: str | None = None, description: str | None = None
+    ) -> None:
+        await self._write().execute(
+            "INSERT INTO devices (owner, name, label, description, created_at, first_seen_at, last_seen_at)"
+            " VALUES ($1, $2, COALESCE($4, ''), COALESCE($5, ''), $3, $3, $3) ON CONFLICT (owner, name) DO UPDATE"
+            " SET last_seen_at = excluded.last_seen_at,"
+            " first_seen_at = COALESCE(devices.first_seen_at, excluded.first_seen_at),"
+            " label = COALESCE($4, devices.label), description = COALESCE($5, devices.description)",
+            owner,
+            name,
+            float(at),
+            label,
+            description,
+        )
+
+    async def list_devices(self, owner: str | None = None) -> list[DeviceRecord]:
+        async with self._reading() as db:
+            if owner is None:
+                order = 'ORDER BY owner COLLATE "C", name COLLATE "C"'
+                rows = await db.fetch(f"SELECT {DEVICE_COLUMNS} FROM devices {order}")
+            else:
+                rows = await db.fetch(
+                    f'SELECT {DEVICE_COLUMNS} FROM devices WHERE owner = $1 ORDER BY name COLLATE "C"', owner
+                )
+        return [DeviceRecord(*r) for r in rows]

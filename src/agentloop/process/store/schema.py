@@ -381,6 +381,27 @@ MIGRATIONS: list[tuple[int, str]] = [
         ) {clustered};
         """,
     ),
+    (
+        13,
+        # The device registry: each device an owner issued a token for or connected, remembered
+        # while offline too. ``token_hash`` is the SHA-256 of the one token bound to the device
+        # (NULL: none, or revoked); a device token is no account token, so the ``tokens`` table
+        # (what user calls authenticate against) never holds it.
+        """
+        CREATE TABLE devices (
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            label TEXT NOT NULL,
+            description TEXT NOT NULL,
+            token_id TEXT,
+            token_hash TEXT UNIQUE,
+            created_at DOUBLE PRECISION NOT NULL,
+            first_seen_at DOUBLE PRECISION,
+            last_seen_at DOUBLE PRECISION,
+            PRIMARY KEY (owner, name)
+        ) {clustered};
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -30,6 +30,7 @@ from agentloop.process.store.base import (
     AccountEventRow,
     AccountRecord,
     CallStatus,
+    DeviceRecord,
     DutyLease,
     EventRow,
     HilRow,
@@ -55,6 +56,7 @@ from agentloop.process.store.common import (
     ACCOUNT_HILS,
     ACCOUNT_USAGE,
     CALL_COLUMNS,
+    DEVICE_COLUMNS,
     FOLD_USAGE,
     HIL_COLUMNS,
     KV_ADD,
@@ -1295,6 +1297,48 @@ class SQLiteStore(Store):
             "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, token_id)
         )
         return cur.rowcount == 1
+
+    async def set_device_token(
+        self, owner: str, name: str, token_id: str | None, token_hash: str | None, at: float
+    ) -> bool:
+        db = self._write()
+        if token_id is None:
+            cur = db.execute(
+                "UPDATE devices SET token_id = NULL, token_hash = NULL"
+                " WHERE owner = ? AND name = ? AND token_id IS NOT NULL",
+                (owner, name),
+            )
+            return cur.rowcount == 1
+        db.execute(
+            "INSERT INTO devices (owner, name, label, description, token_id, token_hash, created_at)"
+            " VALUES (?, ?, '', '', ?, ?, ?) ON CONFLICT (owner, name) DO UPDATE"
+            " SET token_id = excluded.token_id, token_hash = excluded.token_hash",
+            (owner, name, token_id, token_hash, at),
+        )
+        return True
+
+    async def device_by_token(self, token_hash: str) -> DeviceRecord | None:
+        row = self.db.execute(f"SELECT {DEVICE_COLUMNS} FROM devices WHERE token_hash = ?", (token_hash,)).fetchone()
+        return DeviceRecord(*row) if row else None
+
+    async def device_seen(
+        self, owner: str, name: str, at: float, label: str | None = None, description: str | None = None
+    ) -> None:
+        self._write().execute(
+            "INSERT INTO devices (owner, name, label, description, created_at, first_seen_at, last_seen_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner, name) DO UPDATE"
+            " SET last_seen_at = excluded.last_seen_at,"
+            " first_seen_at = COALESCE(devices.first_seen_at, excluded.first_seen_at),"
+            " label = COALESCE(?, devices.label), description = COALESCE(?, devices.description)",
+            (owner, name, label or "", description or "", at, at, at, label, description),
+        )
+
+    async def list_devices(self, owner: str | None = None) -> list[DeviceRecord]:
+        sql = f"SELECT {DEVICE_COLUMNS} FROM devices"
+        args: tuple[Any, ...] = ()
+        if owner is not None:
+            sql, args = sql + " WHERE owner = ?", (owner,)
+        return [DeviceRecord(*r) for r in self.db.execute(sql + " ORDER BY owner, name", args).fetchall()]
 
 
 def _newest_account_seq(db: sqlite3.Connection, owner: str) -> int:
