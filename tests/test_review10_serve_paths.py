@@ -61,6 +61,11 @@ def test_a_signal_while_a_bridge_starts_ends_its_start_and_serve(tmp_path: Path)
     assert time.monotonic() - began < 8
     assert ended == ["cancelled"]
     assert "agentloop serving on" not in out.getvalue()
+    # sse-starlette's process-wide "shutting down" flag, which the signal set, is cleared once serve
+    # is over: left set, every event stream of a server started later in this process was cut
+    from sse_starlette.sse import AppStatus
+
+    assert AppStatus.should_exit is False
 
 
 class _Failing:

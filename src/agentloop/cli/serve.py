@@ -399,8 +399,10 @@ def _signals(running: Running, install: bool) -> Generator[None, None, None]:
     """SIGINT/SIGTERM begin a graceful shutdown; a second one while it is under way forces it."""
     loop = running.loop
     installed: list[signal.Signals] = []
+    handled: list[int] = []
 
     def handler(signum: int) -> None:
+        handled.append(signum)
         if running.server.should_exit:
             running.server.force_exit = True
         else:
@@ -421,6 +423,10 @@ def _signals(running: Running, install: bool) -> Generator[None, None, None]:
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+        if handled:  # (this server has stopped: others this process starts later stream as usual)
+            from agentloop.server.events import streams_may_run_again
+
+            streams_may_run_again()
 
 
 def _say(out: TextIO, line: str) -> None:

@@ -29,7 +29,7 @@ from contextlib import aclosing, suppress
 from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from sse_starlette.sse import SendTimeoutError
+from sse_starlette.sse import AppStatus, SendTimeoutError
 from starlette.types import Receive, Scope, Send
 
 from agentloop.kernel import NoSuchProcess
@@ -207,3 +207,11 @@ async def open_account_stream(
     name = f"account {who.account}"
     frames = _frames(ctx, name, signals, who, account_frame)
     return _EventStream(frames if after_seq is not None else _opening(start, frames), name)
+
+
+def streams_may_run_again() -> None:
+    """Let event streams run again in this process after a signal stopped a server. sse-starlette
+    ends every stream of the process once uvicorn's ``handle_exit`` has run (a flag it keeps for
+    the whole process, never cleared): a program, or a test, that serves again after a signal
+    would see each new stream closed at once, half-sent."""
+    AppStatus.should_exit = False
