@@ -36,7 +36,11 @@ before), the tools and bundle names are added to it (a list with no spec keeps t
 An added tool is shown for this call and can be called like any registered tool, for the rest of
 the run (in memory and in a durable process alike); a later call shows it only if a hook adds it
 again (else a call to it is refused as not offered). A tool whose name is already another tool's,
-an unknown bundle name, or something that is not a tool is logged once and left out.
+an unknown bundle name, or something that is not a tool is logged once and left out. A durable
+process keeps the added tools in memory only: a call to one that is run after a restart (one
+waiting for a person's approval meanwhile) is answered as a call to a tool not found. Hooks are
+the application's own code, trusted as its tools are: a tool they add is not held to a process's
+tool scope (``process/tool_scope.py``), which only narrows the tools the kernel gives a run.
 """
 
 from __future__ import annotations
@@ -285,7 +289,7 @@ class Hooks:
             try:
                 tool = as_tool(item)
                 tool.spec  # noqa: B018  (a subclass that skipped Tool.__init__ has none)
-            except (TypeError, AttributeError) as exc:
+            except (TypeError, ValueError, AttributeError) as exc:  # (ValueError: a lambda's name)
                 self._warn_once(f"tool:{type(item).__name__}", "a hook added %r, which is not a tool: %s", item, exc)
                 continue
             found.append(tool)

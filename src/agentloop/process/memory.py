@@ -153,9 +153,10 @@ def read_days(
             for day, size in reversed(days):
                 if wanted is not None and not wanted(day, size):
                     continue
-                if max_bytes is not None and used + size > max_bytes:
-                    return
-                used += size
+                if max_bytes is not None and size <= MAX_DAY_BYTES:  # (a larger one is refused unread)
+                    if used + size > max_bytes:
+                        return
+                    used += size
                 try:
                     text = _read_day(folder, day)
                 except (OSError, UnicodeDecodeError) as exc:
