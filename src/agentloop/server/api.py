@@ -30,7 +30,14 @@ from agentloop.process.store import MAX_SEQ, NoSuchProcess
 from agentloop.process.tool_scope import MAX_ENTRIES
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
-from agentloop.server.devices import HubError, check_device_name, issue_device_token, registry, revoke_device_token
+from agentloop.server.devices import (
+    DeviceHub,
+    HubError,
+    check_device_name,
+    issue_device_token,
+    registry,
+    revoke_device_token,
+)
 from agentloop.server.engine_chat import ChatRequest
 from agentloop.server.errors import ApiError
 from agentloop.server.events import open_account_stream, open_stream
@@ -1016,6 +1023,8 @@ def _device_name(call: Call) -> str:
 async def device_token(call: Call) -> dict[str, Any]:
     name = _device_name(call)
     token, token_id = await issue_device_token(call.ctx.accounts.store, call.principal.account, name)
+    if isinstance(call.ctx.devices, DeviceHub):  # a connection with the token this one replaces ends now
+        await call.ctx.devices.unbind(call.principal.account, name, token_id)
     return {"device": name, "token": token, "token_id": token_id}
 
 
@@ -1023,6 +1032,8 @@ async def revoke_device(call: Call) -> dict[str, Any]:
     name = _device_name(call)
     if not await revoke_device_token(call.ctx.accounts.store, call.principal.account, name):
         raise ApiError(404, "not_found", f"device {name!r} has no token")
+    if isinstance(call.ctx.devices, DeviceHub):  # its connection ends now, not at the next heartbeat
+        await call.ctx.devices.unbind(call.principal.account, name)
     return {"device": name, "revoked": True}
 
 

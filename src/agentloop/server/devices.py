@@ -20,8 +20,9 @@ while two live machines cannot steal each other's name.
 Tokens and the registry: a driver connects with a *device token*, which its owner issues for one
 device name (``POST /v1/devices/{name}/token``) and which is good for nothing else: it is not an
 account token (the ``tokens`` table never holds it), so user calls refuse it, and a driver that
-claims another name with it is refused. Issuing a new one replaces the old; revoking it (``DELETE``)
-closes a connection that uses it at the next heartbeat. An account token is refused for a driver
+claims another name with it is refused. Issuing a new one replaces the old; revoking it (``DELETE``),
+or replacing it, closes a connection that uses it at once on this server (``DeviceHub.unbind``), and
+on any other server sharing the store at its next heartbeat. An account token is refused for a driver
 unless the hub was made with ``account_tokens=True`` (``agentloop serve --device-account-tokens``:
 the way devices connected before device tokens, kept for a migration). Every device an owner issued
 a token for or connected is remembered in the store's ``devices`` table (label, description, first
@@ -121,6 +122,7 @@ class _Connection:
     pending: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    token_id: str = ""  # the principal's: ``device:<id>`` for a device token (``DeviceHub.unbind``)
 
     async def send(self, frame: dict[str, Any], deadline: float | None = None) -> None:
         """One frame at a time on the socket. ``_Busy`` when the frames before it hold the socket
@@ -432,7 +434,7 @@ class DeviceHub:
             name, implements, tools, description = parse_declaration(args)
             label = _label(args)
             info = DeviceInfo(name, who.account, implements, tools, time.time(), description)
-            conn = _Connection(info, websocket)
+            conn = _Connection(info, websocket, token_id=who.token_id)
             await self._claim(conn)
         except HubError as exc:
             with contextlib.suppress(Exception):
@@ -530,6 +532,23 @@ class DeviceHub:
                 task = asyncio.get_running_loop().create_task(self._seen(conn.info, None))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    async def unbind(self, owner: str, name: str, token_id: str | None = None) -> bool:
+        """Close ``owner``'s device ``name`` now if it connected with a device token other than
+        ``token_id`` (None: its token was revoked; else the id of the one just issued in its place),
+        so no further call reaches a device whose token is gone (the heartbeat's token check alone
+        left it one for up to a heartbeat); its in-flight calls fail. A device connected with an
+        account token is left alone. True if one closed."""
+        conn = self._devices.get((owner, name))
+        if conn is None or conn.closed or not conn.token_id.startswith("device:"):
+            return False
+        if token_id is not None and conn.token_id == f"device:{token_id}":
+            return False
+        self._drop(conn, f"Device {name} disconnected (its token was revoked)")
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(SEND_TIMEOUT):  # (a socket that is not read may not close)
+                await conn.socket.close(4401, "the token was revoked")
+        return True
 
     async def close(self) -> None:
         """Server shutdown: close every driver socket (their in-flight calls fail)."""
