@@ -185,3 +185,28 @@ def test_a_server_chat_asks_the_server_to_keep_the_newest_messages() -> None:
         ev.close()
     assert asked == [("names", 2)]
     assert "compacted: 2 messages summarised" in err.getvalue()
+
+
+# -- the look for a group chat's speakers, in memory ------------------------------------------------
+
+
+def test_an_in_memory_run_looks_for_speakers_only_in_what_its_history_gained(monkeypatch: Any) -> None:
+    """Every model call of an in-memory run looked through the whole history for a group chat's
+    messages: a long run's calls cost more as it grew (W3 lost its flatness, 1.43 late/early)."""
+    from agentloop.loop import model_call
+    from agentloop.loop.state import RunState
+    from agentloop.messages import Origin, TextContent, UserMessage, user
+
+    looked: list[int] = []
+    real = model_call.names_speaker
+    monkeypatch.setattr(model_call, "names_speaker", lambda m: looked.append(1) or real(m))
+    state = RunState(run_id="r", messages=[user(f"m{i}") for i in range(100)], first_new=0)
+    assert model_call.speakers_named(state) is False and len(looked) == 100
+    state.messages += [user("a"), user("b")]
+    looked.clear()
+    assert model_call.speakers_named(state) is False and len(looked) == 2  # (the two new ones only)
+    spoke = Origin(name="Alice", user="telegram:1", chat="group")
+    state.messages.append(UserMessage(content=[TextContent(text="hi")], origin=spoke))
+    assert model_call.speakers_named(state) is True
+    del state.messages[50:]  # (replaced by a compaction: shorter than what was looked at)
+    assert model_call.speakers_named(state) is True  # (once found, kept: naming finds nothing, changes no byte)

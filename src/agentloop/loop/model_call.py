@@ -28,7 +28,7 @@ from agentloop.events import (
 )
 from agentloop.loop.hooks import ToolMap, TurnFailed, TurnInfo, with_added
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import AssistantMessage, Message, Usage, with_speakers
+from agentloop.messages import AssistantMessage, Message, Usage, names_speaker, with_speakers
 from agentloop.models.base import Model, ModelRequest
 from agentloop.models.unusable import unusable
 from agentloop.tools.base import Tool
@@ -160,6 +160,24 @@ def _gave_up(reasons: list[str]) -> str:
     return f"the model gave no usable answer ({', '.join(dict.fromkeys(reasons))}) after {len(reasons)} attempts"
 
 
+def speakers_named(state: RunState) -> bool:
+    """Whether the history holds a group chat's messages, whose speakers the model is told. Where
+    the runner does not know (``state.origins`` None: in memory), only what the history gained
+    since the last call is looked at: a look at all of it at every call made a long run's calls
+    cost more as its history grew. Once one is found the answer stays yes (a compaction that took
+    it away leaves the naming to find nothing, which costs a pass and changes no byte)."""
+    if state.origins is not None:
+        return state.origins
+    messages, seen = state.messages, state.origins_seen
+    if seen > len(messages):  # (the history was replaced: a compaction) look at it all again
+        seen = 0
+    if any(map(names_speaker, messages[seen:])):
+        state.origins = True
+        return True
+    state.origins_seen = len(messages)
+    return False
+
+
 async def call_model(
     cfg: LoopConfig,
     state: RunState,
@@ -174,7 +192,7 @@ async def call_model(
     ``pre_tool_materialization`` hook added to the call (a bundle): the caller runs the call's
     tool calls, and makes the run's next calls, with ``with_bundles(cfg, added)``."""
     # a snapshot (the history grows after this call), with a group chat's speakers named
-    messages = with_speakers(state.messages) if state.origins is not False else list(state.messages)
+    messages = with_speakers(state.messages) if speakers_named(state) else list(state.messages)
     if cfg.hooks.transform:
         messages = await cfg.hooks.run_transform(messages)
     request = build_request(cfg, messages, tools_enabled, state.conversation)

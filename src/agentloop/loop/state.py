@@ -122,8 +122,9 @@ class RunState:
     transient: bool = False  # the last model call failed in a way that may pass (rate limit, 5xx, connection)
     metadata: Mapping[str, Any] | None = None  # the caller's, for the run's tools (``ToolContext.metadata``)
     # whether ``messages`` hold a group chat's, whose speakers the model is told (``with_speakers``):
-    # None to look at each model call; a durable process knows, and spares its calls the look
+    # None to look (``speakers_named``); a durable process knows, and spares its calls the look
     origins: bool | None = None
+    origins_seen: int = 0  # (while None: how much of ``messages`` was looked at, and had none)
 
     @property
     def new_messages(self) -> list[Message]:
