@@ -115,7 +115,14 @@ from agentloop.process.store import (
 )
 from agentloop.process.store.base import QueueKind
 from agentloop.process.store.common import dumps
-from agentloop.process.tool_scope import TOOLS_KEY, ToolScopeError, check_scope, unknown_entries, widening
+from agentloop.process.tool_scope import (
+    TOOLS_KEY,
+    ToolScopeError,
+    check_scope,
+    intersection,
+    unknown_entries,
+    widening,
+)
 from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
@@ -535,11 +542,15 @@ class Process:
         names (``mcp:<server>`` and globs too, process/tool_scope.py) of the tools its runs are
         offered; None: every tool (a subagent's: its parent's). A name it has no tool of, or one
         its parent's scope does not offer, is a ``ToolScopeError`` (a ``ValueError`` listing the
-        available names), and the scope stays what it was."""
+        available names), and the scope stays what it was. Its subagents, and theirs, are narrowed
+        with it (each one's scope: its own within the new one, ``Kernel._narrow_descendants``), all in
+        one transaction before the process's own changes (so none keeps a tool it lost); widening
+        it widens none of them."""
         record = await self._record()
         if record.state == "killed":
             raise NoSuchProcess(self.pid)
         scope = await self.kernel._checked_scope(record, check_scope(tools))
+        await self.kernel._narrow_descendants(record, scope)
         await self.kernel.engine.set_tools(self.pid, scope)
         return scope
 
@@ -1088,6 +1099,35 @@ class Kernel:
         if engine.toolset is not None:
             tools = await maybe_await(engine.toolset(record, tools))
         return dict(tools)
+
+    async def _narrow_descendants(self, record: ProcessRecord, scope: list[str] | None) -> None:
+        """Narrow every descendant of ``record`` (``tree.children``, from the top down) to ``scope``,
+        ``record``'s new one: each one's stored scope becomes its own within its parent's new one
+        (``intersection``; none stored, the parent's), written in one store transaction, read from
+        its next run on (a run under way keeps its tools). A scope already within is left as it
+        is: widening a parent widens none of them."""
+        if scope is None:
+            return
+        changed: dict[str, list[str]] = {}
+        seen, level = {record.pid}, [(record, scope)]
+        while level:
+            below: list[tuple[ProcessRecord, list[str]]] = []
+            for parent, within in level:
+                for child in await tree.children(self, parent):
+                    if child.pid in seen:  # (a pid reused further up: never loop)
+                        continue
+                    seen.add(child.pid)
+                    row = await self.store.kv_get(child.pid, TOOLS_KEY)
+                    own = list(row) if isinstance(row, list) else None
+                    narrowed = intersection(own, within, await self._tools_of(child)) or []
+                    if narrowed != own:
+                        changed[child.pid] = narrowed
+                    below.append((child, narrowed))
+            level = below
+        if changed:
+            async with self.store.transaction():
+                for pid, narrowed in changed.items():
+                    await self.store.kv_set(pid, TOOLS_KEY, narrowed)
 
     async def _checked_scope(self, record: ProcessRecord, scope: list[str] | None) -> list[str] | None:
         """``scope`` for process ``record``, checked: its names name tools it has, and a child's

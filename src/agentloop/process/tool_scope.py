@@ -39,7 +39,16 @@ MAX_ENTRIES = 256
 MAX_ENTRY = 200  # characters of one entry (a tool name is at most 64)
 _GLOB = frozenset("*?[")
 
-__all__ = ["TOOLS_KEY", "ToolScopeError", "allows", "check_scope", "scoped", "unknown_entries", "widening"]
+__all__ = [
+    "TOOLS_KEY",
+    "ToolScopeError",
+    "allows",
+    "check_scope",
+    "intersection",
+    "scoped",
+    "unknown_entries",
+    "widening",
+]
 
 
 class ToolScopeError(ValueError):
@@ -173,3 +182,27 @@ def widening(child: Sequence[str] | None, parent: Sequence[str] | None, tools: M
         for entry in child
         if entry not in parent and (_pattern(entry) or not allows(parent, entry, tools.get(entry)))
     ]
+
+
+def intersection(
+    child: Sequence[str] | None, parent: Sequence[str] | None, tools: Mapping[str, Tool]
+) -> list[str] | None:
+    """``child`` narrowed to ``parent`` (a parent narrowed: its subagents follow): the entries of
+    each that the other covers (``widening``), then the names of ``tools`` both offer that none of
+    those covers (one pattern against another, not worked out: only the tools there now). Never
+    wider than either; None only when both are."""
+    if parent is None:
+        return None if child is None else list(child)
+    if child is None:
+        return list(parent)
+    kept = [entry for entry in child if not widening([entry], parent, tools)]
+    kept += [entry for entry in parent if entry not in kept and not widening([entry], child, tools)]
+    kept += [
+        name
+        for name, tool in tools.items()
+        if name not in kept
+        and allows(child, name, tool)
+        and allows(parent, name, tool)
+        and not allows(kept, name, tool)
+    ]
+    return kept
