@@ -28,7 +28,7 @@ from agentloop.events import (
 )
 from agentloop.loop.hooks import ToolMap, TurnFailed, TurnInfo, with_added
 from agentloop.loop.state import LoopConfig, RunState
-from agentloop.messages import AssistantMessage, Message, Usage, names_speaker, with_speakers
+from agentloop.messages import AssistantMessage, Message, Usage, UserMessage, names_speaker, with_speakers
 from agentloop.models.base import Model, ModelRequest
 from agentloop.models.unusable import unusable
 from agentloop.tools.base import Tool
@@ -166,15 +166,20 @@ def speakers_named(state: RunState) -> bool:
     since the last call is looked at: a look at all of it at every call made a long run's calls
     cost more as its history grew. Once one is found the answer stays yes (a compaction that took
     it away leaves the naming to find nothing, which costs a pass and changes no byte)."""
-    if state.origins is not None:
-        return state.origins
+    named = state.origins
+    if named is not None:
+        return named
     messages, seen = state.messages, state.origins_seen
-    if seen > len(messages):  # (the history was replaced: a compaction) look at it all again
+    n = len(messages)
+    if seen > n:  # (the history was replaced: a compaction) look at it all again
         seen = 0
-    if any(map(names_speaker, messages[seen:])):
-        state.origins = True
-        return True
-    state.origins_seen = len(messages)
+    while seen < n:  # (an index loop, only user messages asked: the cheapest look per call)
+        m = messages[seen]
+        if type(m) is UserMessage and names_speaker(m):
+            state.origins = True
+            return True
+        seen += 1
+    state.origins_seen = n
     return False
 
 
