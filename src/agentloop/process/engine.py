@@ -1229,10 +1229,11 @@ class ProcessEngine:
         """Forget a process's cache and stop everything working for it (but the calling task)."""
         del self._live[live.record.pid]
         disarm(live)
-        mine = own_tasks()
-        for task in [*live.tools.values(), live.driver]:
-            if task is not None and not task.done() and task not in mine:
-                task.cancel()
+        if live.tools or (live.driver is not None and not live.driver.done()):  # (none at rest: ``evict``)
+            mine = own_tasks()
+            for task in [*live.tools.values(), live.driver]:
+                if task is not None and not task.done() and task not in mine:
+                    task.cancel()
 
     async def wait_idle(self, pid: str) -> None:
         """Return when no run is active and nothing is working for the process. ``StoreError``
