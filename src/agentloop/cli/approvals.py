@@ -246,15 +246,9 @@ async def ask_user(
     while True:
         if not shows_prompt:  # a pipe shows no prompt: say what is asked where the user looks
             err.print(Text(ask_line, style="bold"))
-        try:
-            line = await _read_or_cancel(read(prompt), cancelled)
-        except EOFError:
-            err.print(Text("(no answer: denied)", style="yellow"))
-            return "deny"
-        except (ReadInterrupted, KeyboardInterrupt):
-            return "abort"
+        line, ended = await _answer_line(read(prompt), cancelled, err)
         if line is None:
-            return "abort"
+            return ended
         try:
             answer = parse_answer(line)
         except ValueError as exc:  # a reason that cannot be sent
@@ -311,15 +305,9 @@ async def _edit(
         reading = read(prompt)
     else:
         reading = prefilled(prompt, shown)
-    try:
-        line = await _read_or_cancel(reading, cancelled)
-    except EOFError:
-        err.print(Text("(no answer: denied)", style="yellow"))
-        return "deny"
-    except (ReadInterrupted, KeyboardInterrupt):
-        return "abort"
+    line, ended = await _answer_line(reading, cancelled, err)
     if line is None:
-        return "abort"
+        return ended
     if not line.strip():
         return None
     try:
@@ -330,6 +318,21 @@ async def _edit(
             return "deny"
         err.print(Text(f"cannot use those arguments: {exc}", style="yellow"))
         return None
+
+
+async def _answer_line(
+    reading: Awaitable[str], cancelled: asyncio.Event | None, err: Console
+) -> tuple[str | None, Literal["deny", "abort"]]:
+    """The line read, or None and how the question then ends: ``deny`` at the end of the input
+    (nobody is there to say yes), ``abort`` on Ctrl-C or a cancelled question."""
+    try:
+        line = await _read_or_cancel(reading, cancelled)
+    except EOFError:
+        err.print(Text("(no answer: denied)", style="yellow"))
+        return None, "deny"
+    except (ReadInterrupted, KeyboardInterrupt):
+        return None, "abort"
+    return line, "abort"
 
 
 async def _read_or_cancel(reading: Awaitable[str], cancelled: asyncio.Event | None) -> str | None:
