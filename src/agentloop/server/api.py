@@ -31,8 +31,10 @@ from agentloop.process.tool_scope import MAX_ENTRIES
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.devices import (
+    MAX_REGISTERED_DEVICES,
     DeviceHub,
     HubError,
+    TooManyDevices,
     check_device_name,
     issue_device_token,
     registry,
@@ -1022,7 +1024,12 @@ def _device_name(call: Call) -> str:
 
 async def device_token(call: Call) -> dict[str, Any]:
     name = _device_name(call)
-    token, token_id = await issue_device_token(call.ctx.accounts.store, call.principal.account, name)
+    hub = call.ctx.devices
+    limit = hub.max_registered if isinstance(hub, DeviceHub) else MAX_REGISTERED_DEVICES
+    try:
+        token, token_id = await issue_device_token(call.ctx.accounts.store, call.principal.account, name, limit=limit)
+    except TooManyDevices as exc:
+        raise ApiError(409, exc.code, exc.message) from None
     if isinstance(call.ctx.devices, DeviceHub):  # a connection with the token this one replaces ends now
         await call.ctx.devices.unbind(call.principal.account, name, token_id)
     return {"device": name, "token": token, "token_id": token_id}
@@ -1286,6 +1293,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "Issue the token a device connects with (replacing the one before).",
         device_token,
         answer=DeviceTokenOut,
+        errors=(409,),
     ),
     Endpoint(
         "DELETE",

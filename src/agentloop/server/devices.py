@@ -28,6 +28,12 @@ the way devices connected before device tokens, kept for a migration). Every dev
 a token for or connected is remembered in the store's ``devices`` table (label, description, first
 and last seen), listed while offline too; each presence change reaches the owner's account stream
 as ``device.status {device, status: "online" | "offline", timestamp}`` (live only: no account seq).
+
+The registry holds at most ``max_registered`` devices per account (``MAX_REGISTERED_DEVICES``): a
+token for a new name past it is refused (``TooManyDevices``), one for a registered name never is. A
+revoked device stays registered (listed, with no token), so revoking does not free its slot: its
+name is reused by issuing it a token again. Counted and written under a key of the owner's
+(``Store.exclusive``), two registrations through any workers cannot both pass the limit.
 """
 
 from __future__ import annotations
@@ -57,9 +63,11 @@ from agentloop.tools.base import ResultBlock, ToolResult
 __all__ = [
     "DEVICE_STATUS",
     "DEVICE_TOKEN_PREFIX",
+    "MAX_REGISTERED_DEVICES",
     "DeviceHub",
     "DriverSocket",
     "HubError",
+    "TooManyDevices",
     "authenticate_device",
     "check_device_name",
     "device_token_valid",
@@ -87,6 +95,10 @@ MAX_SCHEMA_DEPTH = 64
 # account's token can hold open on the server.
 MAX_DEVICES_PER_ACCOUNT = 16
 MAX_ACCOUNT_DEVICE_TOOLS = 128
+# An account's devices in the registry (every name it issued a token for or that connected, online
+# or not, revoked or not): its rows are kept for good, so without a bound one account token (a
+# leaked one too) could add rows without end. Four times the devices it may have connected at once.
+MAX_REGISTERED_DEVICES = 64
 SEND_TIMEOUT = 10.0  # seconds one frame may take to leave; a device that does not read is dropped
 
 
@@ -107,6 +119,18 @@ class HubError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class TooManyDevices(HubError):
+    """A new device name refused: the owner's registry already holds ``limit`` devices."""
+
+    def __init__(self, owner: str, limit: int) -> None:
+        super().__init__(
+            "too_many_devices",
+            f"account {owner} has {limit} devices registered, the most it may have (at most {limit}); "
+            "issue a token for one of them again to reuse its name",
+        )
+        self.limit = limit
 
 
 class _Busy(Exception):
@@ -172,13 +196,27 @@ def _label(args: dict[str, Any]) -> str:
 # -- device tokens and the registry -----------------------------------------------------------------
 
 
-async def issue_device_token(store: Store, owner: str, name: str) -> tuple[str, str]:
+async def _has_room(store: Store, owner: str, name: str, limit: int) -> bool:
+    """Inside a transaction: whether ``owner``'s device ``name`` is registered, or may be. Counted
+    under the owner's key, held until the transaction ends, so registrations through any worker
+    sharing the store cannot all count before any writes and pass the limit together."""
+    await store.exclusive(f"devices of {owner}")
+    names = {d.name for d in await store.list_devices(owner)}
+    return name in names or len(names) < limit
+
+
+async def issue_device_token(
+    store: Store, owner: str, name: str, *, limit: int = MAX_REGISTERED_DEVICES
+) -> tuple[str, str]:
     """A new token bound to ``owner``'s device ``name`` (registering the device if new), replacing
-    any token issued for it before: the token (shown once: only its hash is kept) and its id."""
+    any token issued for it before: the token (shown once: only its hash is kept) and its id.
+    ``TooManyDevices`` for a new name when the owner has ``limit`` devices registered already."""
     check_device_name(name)
     token = DEVICE_TOKEN_PREFIX + secrets.token_urlsafe(32)
     token_id = secrets.token_hex(6)
     async with store.transaction():
+        if not await _has_room(store, owner, name, limit):
+            raise TooManyDevices(owner, limit)
         await store.set_device_token(owner, name, token_id, hash_token(token), time.time())
     return token, token_id
 
@@ -340,8 +378,12 @@ def _checked_block(device: str, block: ResultBlock) -> ResultBlock:
 class DeviceHub:
     """The online devices of every account, and calls to them. One per server; one event loop."""
 
-    def __init__(self, *, probe_timeout: float = 3.0, account_tokens: bool = False) -> None:
+    def __init__(
+        self, *, probe_timeout: float = 3.0, account_tokens: bool = False, max_registered: int = MAX_REGISTERED_DEVICES
+    ) -> None:
         self.probe_timeout = probe_timeout
+        #: how many devices one account may have in the registry (``issue_device_token``'s limit)
+        self.max_registered = max_registered
         #: whether a driver may connect with an account token (the old way, before device tokens;
         #: deprecated): off unless asked for, as ``agentloop serve --device-account-tokens`` does
         self.account_tokens = account_tokens
@@ -408,12 +450,22 @@ class DeviceHub:
 
     async def _seen(self, info: DeviceInfo, label: str | None) -> None:
         """Write down that ``info`` connected (``label`` given) or left (None); a failure is logged,
-        never the device's: presence is kept in memory all the same."""
+        never the device's: presence is kept in memory all the same. A device new to a full
+        registry (one connected with an account token under a new name) is not written down: the
+        registry's limit holds for every way into it."""
         if self.store is None:
             return
         description = None if label is None else info.description
         try:
             async with self.store.transaction():
+                if not await _has_room(self.store, info.owner, info.id, self.max_registered):
+                    log.warning(
+                        "device %s of %s: not registered (at most %d devices per account)",
+                        info.id,
+                        info.owner,
+                        self.max_registered,
+                    )
+                    return
                 await self.store.device_seen(info.owner, info.id, time.time(), label, description)
         except Exception:
             log.warning("device %s of %s: could not update the registry", info.id, info.owner, exc_info=True)
