@@ -235,16 +235,17 @@ async def _serve(
 
             def agent_factory() -> Agent:
                 """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request,
-                under the same approval policy as processes. Nobody can answer a question in a
-                stateless request, so a call the policy would ask about is refused as a tool error."""
+                under the same approval policy as processes, as in force now (a policy file's edits
+                too). Nobody can answer a question in a stateless request, so a call the policy
+                would ask about is refused as a tool error."""
                 agent = Agent(
                     model=model, tools=tools, system_prompt=settings.system_prompt, workspace=opts.workspace, **loop
                 )
                 agent.config.off_limits = kernel.off_limits  # the Search tool walks around the kernel's data
-                if opts.approval.mode != "auto":
+                if kernel.server_policy is not None:  # (None: ``--approval auto``, nothing is checked)
                     agent.hooks.before_tool_call(
                         PolicyHook(
-                            opts.approval.policy,
+                            kernel.server_policy(),
                             cwd=opts.workspace,
                             ask=None,
                             unanswerable=STATELESS_ASK,

@@ -69,7 +69,7 @@ from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
-from agentloop.process.approval.checker import AmendFn, policy_amender, policy_approval
+from agentloop.process.approval.checker import AmendFn, ServerPolicy, policy_amender, policy_approval
 from agentloop.process.archive import DISCARDED_KEY, check_name, discarded_messages, queued_meta, write_archive
 from agentloop.process.audio_video import (
     AudioContent,
@@ -717,6 +717,10 @@ class Kernel:
         self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
         self._closing = False  # (no new background work once closing has begun)
         self.shell_sandbox = "off"  # (``open``'s: a sandboxed process may not work where the kernel's data is)
+        # (``open``'s) the server-wide approval policy in force, as the processes' checks follow it
+        # (a file's edits too), for what applies it outside a process (``/engine/chat``); None
+        # when a caller's own ``approval`` replaces the policy check
+        self.server_policy: ServerPolicy | None = None
 
     @classmethod
     @asynccontextmanager
@@ -790,10 +794,13 @@ class Kernel:
         ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
-        default otherwise) unless ``approval`` replaces the check. A ``policy`` given as a file
+        default otherwise) unless ``approval`` replaces the check. An account's policy, in code or
+        in its file alike, replaces the server-wide one, unless it is ``remembered`` rules alone
+        (neither ``default`` nor ``rules``): those go on top of it. A ``policy`` given as a file
         (a ``Path``; a ``str`` is JSON text) is read again whenever it changes, as the accounts'
-        files are; an edit that does not parse keeps the last good policy (with a warning); one that
-        cannot be read when the kernel opens is a ``ValueError``. A request nobody answers within
+        files are (``Kernel.server_policy`` gives it as in force, for ``/engine/chat``); an edit
+        that does not parse keeps the last good policy (with a warning); one that cannot be read
+        when the kernel opens is a ``ValueError``. A request nobody answers within
         ``approval_timeout`` seconds is denied (None: it waits for ever). A model call that still
         fails after its own retries and fallbacks in a way that may pass (a rate limit, a 5xx, no
         connection) ends the run, unless ``outage_retries`` gives the seconds to wait before each
@@ -858,10 +865,12 @@ class Kernel:
         if builtin:
             toolset = chain(cwd_toolset(root, shell_sandbox), toolset)
         amend: AmendFn | None = None  # (a caller's own ``approval`` keeps no account files to amend)
+        server_policy: ServerPolicy | None = None
         if approval is None:
+            server_policy = ServerPolicy(policy)
             approval = policy_approval(
                 store,
-                server=policy,
+                server=server_policy,
                 accounts=account_policies,
                 account_file=home_file(data, "approval.json"),
                 protected=off_limits,
@@ -921,6 +930,7 @@ class Kernel:
             raise
         kernel.shell_sandbox = shell_sandbox
         kernel.transcriber = transcriber
+        kernel.server_policy = server_policy
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
         asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)

@@ -1,10 +1,10 @@
 """The approval policy as the durable runner asks it: one verdict per registered tool call.
 
 Policies come from two places: the owning account's policy (given in code, or its policy file,
-read again whenever it changes), else the server-wide default (a file of it too is read again
-whenever it changes, and keeps its last good policy while it does not parse). A file of
-``remembered`` rules alone (no ``default``, no ``rules``) adds them to the server-wide policy
-instead of replacing it.
+read again whenever it changes), else the server-wide default (``ServerPolicy``: a file of it too
+is read again whenever it changes, and keeps its last good policy while it does not parse). An
+account's policy of ``remembered`` rules alone (no ``default``, no ``rules``), in its file or in
+code alike, adds them to the server-wide policy instead of replacing it.
 A policy that cannot be read is replaced by the default policy, with a warning in the log. Rules
 a person remembered for this process (stored with the process) then answer the questions the
 policy would ask; they never lift what it denies.
@@ -72,63 +72,92 @@ def _read_server_file(path: Path) -> tuple[Policy | None, list[str]]:
     return (None, problems) if problems else (policy, [])
 
 
+class ServerPolicy:
+    """The server-wide policy in force, as ``policy_approval`` and anything else that applies it
+    (the stateless ``/engine/chat``) ask for it: one source, so that all follow the same edits.
+    Given in code (JSON text, data or a ``Policy``) it stays as given (``None``: DESIGN §3's
+    default); given as a file (a ``Path``) it is read again whenever the file's stamp changes,
+    which each call checks (one ``stat``). A file that cannot be read at all here is a
+    ``ValueError``; one that is not a valid policy here is the default policy, with a warning."""
+
+    def __init__(self, given: str | bytes | dict[str, Any] | Policy | os.PathLike[str] | None = None) -> None:
+        self.file: Path | None = None
+        stamp = None
+        if isinstance(given, os.PathLike):  # read as text is (not valid: the default policy, with a warning)
+            self.file = Path(given)
+            stamp = file_stamp(self.file)  # (before the read: a change during it is read again)
+            try:
+                given = read_regular(self.file, MAX_POLICY_BYTES).decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"approval policy {str(self.file)!r} cannot be read ({exc})") from None
+        policy = load_policy(given, "server" if self.file is None else f"server ({self.file})")
+        # the file's stamp when last read, and the policy in force
+        self._seen: tuple[Stamp | None, Policy] = (stamp, policy if policy is not None else default_policy())
+
+    def __call__(self) -> Policy:
+        """The policy in force: a file's is parsed again only when its stamp changes. A file that
+        no longer gives a policy (not valid, gone, empty: being written) keeps the last good one
+        in force, with one warning per change, never the default policy, which may allow more
+        than the operator's."""
+        seen, policy = self._seen
+        if self.file is None:
+            return policy
+        stamp = file_stamp(self.file)
+        if stamp == seen:
+            return policy
+        read, problems = _read_server_file(self.file)
+        if read is None:
+            shown = "; ".join(re.sub(r"[,;] using the default policy", "", p) for p in problems)
+            log.warning("approval policy server (%s): %s; the policy in force is kept", self.file, shown)
+        self._seen = (stamp, policy if read is None else read)
+        return self._seen[1]
+
+
+def _account_policy(given: str | bytes | dict[str, Any] | Policy, owner: str) -> tuple[Policy, bool]:
+    """An account's policy given in code, read as its file would be (``parse_account_policy``),
+    and whether it only adds to the server-wide policy: so that moving a policy between code and
+    the account's file does not change what it means (``{"remembered": [...]}`` alone sits on the
+    server-wide policy, whose later denies reach it, in either place). A ``Policy`` built in code
+    is taken the same way, by the fields it was given (``Policy(remembered=...)``)."""
+    if isinstance(given, Policy):
+        return given, given.only_adds()
+    policy, inherits, warnings = parse_account_policy(given)
+    _warn(f"of account {owner!r}", warnings)
+    return policy, inherits
+
+
 def policy_approval(
     store: Store,
     *,
-    server: str | bytes | dict[str, Any] | Policy | os.PathLike[str] | None = None,
+    server: str | bytes | dict[str, Any] | Policy | os.PathLike[str] | ServerPolicy | None = None,
     accounts: Mapping[str, str | bytes | dict[str, Any] | Policy] | None = None,
     home_of: Callable[[str], str] | None = None,
     account_file: Callable[[str], Path] | None = None,
     protected: Sequence[str | Path] = (),
 ) -> ApprovalFn:
     """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call. ``account_file``
-    names an account's policy file, used when ``accounts`` has no policy for it. A ``server``
-    policy given as a file (a ``Path``) is read again whenever it changes, as an account's file
-    is (``server_now``); one that cannot be read at all here is a ``ValueError``."""
-    server_file, server_stamp = None, None
-    if isinstance(server, os.PathLike):  # read as text is (not valid: the default policy, with a warning)
-        server_file = Path(server)
-        server_stamp = file_stamp(server_file)  # (before the read: a change during it is read again)
-        try:
-            server = read_regular(server_file, MAX_POLICY_BYTES).decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"approval policy {str(server_file)!r} cannot be read ({exc})") from None
-    server_policy = load_policy(server, "server" if server_file is None else f"server ({server_file})")
-    account_policies = {name: load_policy(p, f"of account {name!r}") for name, p in (accounts or {}).items()}
+    names an account's policy file, used when ``accounts`` has no policy for it; an account's
+    policy there or in ``accounts`` alike replaces the server-wide one, unless it is remembered
+    rules alone, which go on top of it. The ``server`` policy is a ``ServerPolicy`` (one made
+    here from what is given otherwise): given as a file, it is read again whenever it changes, as
+    an account's file is; one that cannot be read at all here is a ``ValueError``."""
+    server_now = server if isinstance(server, ServerPolicy) else ServerPolicy(server)
+    # owner -> (the policy given in code, whether it is remembered rules alone, put on the server-wide one)
+    in_code = {name: _account_policy(p, name) for name, p in (accounts or {}).items() if p is not None}
     own_home = os.path.expanduser("~")  # the kernel user's, for every account without a home of its own
     home = home_of or (lambda user: own_home)
 
-    fallback = server_policy if server_policy is not None else default_policy()
-    server_seen = [(server_stamp, fallback)]  # the server file's stamp when last read, the policy in force
     guarded = [os.path.realpath(p) for p in protected]
     # remembered rules as JSON -> (those rules, whether one reads a call's arguments)
     parsed: dict[str, tuple[tuple[Rule, ...], bool]] = {}
     # owner -> (file stamp, its policy, whether it is remembered rules alone, put on the server-wide one)
     from_files: dict[str, tuple[Stamp, Policy, bool]] = {}
-    # owner -> (its file's remembered rules alone, the server-wide policy they sit on, the two merged)
+    # owner -> (its remembered rules alone, the server-wide policy they sit on, the two merged)
     merged: dict[str, tuple[Policy, Policy, Policy]] = {}
 
-    def server_now() -> Policy:
-        """The server-wide policy in force: a file's is parsed again only when its stamp changes.
-        A file that no longer gives a policy (not valid, gone, empty: being written) keeps the last
-        good one in force, with one warning per change, never the default policy, which may allow
-        more than the operator's."""
-        if server_file is None:
-            return fallback
-        stamp = file_stamp(server_file)
-        seen, policy = server_seen[0]
-        if stamp == seen:
-            return policy
-        read, problems = _read_server_file(server_file)
-        if read is None:
-            shown = "; ".join(re.sub(r"[,;] using the default policy", "", p) for p in problems)
-            log.warning("approval policy server (%s): %s; the policy in force is kept", server_file, shown)
-        server_seen[0] = (stamp, policy if read is None else read)
-        return server_seen[0][1]
-
     def on_server(owner: str, own: Policy) -> Policy:
-        """An account's file of remembered rules alone on the server-wide policy in force, merged
-        again only when either changes."""
+        """An account's remembered rules alone (its file's, or given in code) on the server-wide
+        policy in force, merged again only when either changes."""
         base = server_now()
         hit = merged.get(owner)
         if hit is None or hit[0] is not own or hit[1] is not base:
@@ -159,9 +188,10 @@ def policy_approval(
         return on_server(owner, policy) if inherits else policy
 
     def policy_of(owner: str) -> Policy:
-        base = account_policies.get(owner)
-        if base is None and account_file is not None:
-            base = from_file(owner, account_file(owner))
+        given = in_code.get(owner)
+        if given is not None:
+            return on_server(owner, given[0]) if given[1] else given[0]
+        base = None if account_file is None else from_file(owner, account_file(owner))
         return server_now() if base is None else base
 
     def remembered_rules(stored: list[dict[str, Any]] | None) -> tuple[str, tuple[Rule, ...], bool]:

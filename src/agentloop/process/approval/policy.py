@@ -142,6 +142,13 @@ class Policy(_Strict):
             raise ValueError("remembered rules answer questions: their action must be auto")
         return value
 
+    def only_adds(self) -> bool:
+        """Whether this policy was given neither ``default`` nor ``rules``: an account's policy
+        that then only adds its remembered rules to the one it would have without it (the
+        server-wide one, ``on_top_of``), rather than replacing it with the defaults of the fields
+        left out (every call ``auto``)."""
+        return not {"default", "rules"} & self.model_fields_set
+
     def on_top_of(self, inherited: Policy) -> Policy:
         """``inherited`` with this policy's remembered rules added to its own: what an account's
         file of remembered rules alone means (``parse_account_policy``)."""
@@ -245,4 +252,4 @@ def parse_account_policy(data: str | bytes | dict[str, Any] | None) -> tuple[Pol
     if loaded is None:
         return default_policy(), False, problems
     policy, problems = _validated(loaded)
-    return policy, not problems and "default" not in loaded and "rules" not in loaded, problems
+    return policy, not problems and policy.only_adds(), problems
