@@ -1113,9 +1113,10 @@ class Kernel:
     async def _narrow_descendants(self, record: ProcessRecord, scope: list[str] | None) -> None:
         """Narrow every descendant of ``record`` (``tree.children``, from the top down) to ``scope``,
         ``record``'s new one: each one's stored scope becomes its own within its parent's new one
-        (``intersection``; none stored, the parent's), written in one store transaction, read from
-        its next run on (a run under way keeps its tools). A scope already within is left as it
-        is: widening a parent widens none of them."""
+        (``intersection``; none stored, the parent's), each written as a change of its own
+        (``set_tools``: its watchers are told), deepest first, so a failure part-way leaves every
+        one within its parent's scope; read from its next run on (a run under way keeps its
+        tools). A scope already within is left as it is: widening a parent widens none of them."""
         if scope is None:
             return
         changed: dict[str, list[str]] = {}
@@ -1134,10 +1135,11 @@ class Kernel:
                         changed[child.pid] = narrowed
                     below.append((child, narrowed))
             level = below
-        if changed:
-            async with self.store.transaction():
-                for pid, narrowed in changed.items():
-                    await self.store.kv_set(pid, TOOLS_KEY, narrowed)
+        for pid in reversed(changed):  # (deepest first: each one's new scope is within its parent's old one)
+            try:
+                await self.engine.set_tools(pid, changed[pid])
+            except NoSuchProcess:  # (killed since the tree was read: nothing to narrow)
+                continue
 
     async def _checked_scope(self, record: ProcessRecord, scope: list[str] | None) -> list[str] | None:
         """``scope`` for process ``record``, checked: its names name tools it has, and a child's
