@@ -16,7 +16,6 @@ import pytest
 
 from agentloop import Reply, ScriptedModel, call, tool
 from agentloop.kernel import Kernel
-from agentloop.kernel.memory_tool import memory_tool
 from agentloop.messages import UserMessage, user
 from agentloop.models.base import ModelRequest
 from agentloop.process import prompt as prompt_module
@@ -181,23 +180,23 @@ def test_a_damaged_day_is_skipped_with_a_warning(tmp_path: Path) -> None:
     assert any(w.startswith("memory/2024-03-02.md: not searched for memories to recall") for w in prompt.warnings)
 
 
-async def test_run_prompt_recalls_through_the_runs_memory_tool_only(tmp_path: Path, monkeypatch: Any) -> None:
+async def test_run_prompt_recalls_from_the_home_it_is_given_only(tmp_path: Path, monkeypatch: Any) -> None:
     today = datetime.date.today()
     day_file(tmp_path, ago(9, today), FACT)
     before = CompiledPrompt("Base.\n")
     history = [user("How do I deploy to staging?")]
-    recalled = await run_prompt(before, history, {"memory": memory_tool(tmp_path)})
+    recalled = await run_prompt(before, history, tmp_path)
     assert FACT in recalled.text and f"--- {ago(9, today).isoformat()}, " in recalled.text
-    assert await run_prompt(before, history, {}) is before  # no memory tool: nothing to recall from
+    assert await run_prompt(before, history, None) is before  # no home (memory off): nothing to recall from
     monkeypatch.setattr(prompt_module, "RECALL_ENTRIES", 0)  # the off switch
-    assert await run_prompt(before, history, {"memory": memory_tool(tmp_path)}) is before
+    assert await run_prompt(before, history, tmp_path) is before
     monkeypatch.setattr(prompt_module, "RECALL_ENTRIES", 5)
 
     async def no_thread(*args: Any) -> Any:
         raise AssertionError("no memory folder: nothing to search")
 
     monkeypatch.setattr(prompt_module.asyncio, "to_thread", no_thread)
-    assert await run_prompt(before, history, {"memory": memory_tool(tmp_path / "nobody")}) is before
+    assert await run_prompt(before, history, tmp_path / "nobody") is before
 
 
 # ------------------------------------------------------------------ in durable runs

@@ -86,7 +86,7 @@ from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
 from agentloop.process.hil import check_approval_timeout
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MediaStore
-from agentloop.process.memory import append_daily_memory
+from agentloop.process.memory import append_daily_memory, owner_home
 from agentloop.process.pressure import (
     CompactionPolicy,
     Overflow,
@@ -790,7 +790,8 @@ class Kernel:
         archiving old tool outputs and leaving a note in their place (``clear_tool_outputs``), when
         that is enough, else summarised (``process/compaction.py``). With ``daily_memory`` the
         memories a compaction (or a reset) finds are appended to ``memory/<date>.md`` in the owner's
-        home, ``<data_dir>/home/<owner>`` (``process/memory.py``). An account's
+        home, ``<data_dir>/home/<owner>`` (``process/memory.py``), the ``memory`` tool reaches them,
+        and each run's prompt recalls older ones (whatever tools its scope allows). An account's
         ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
         ``account_policies`` or the file ``<data_dir>/home/<account>/approval.json``; DESIGN §3's
@@ -903,6 +904,8 @@ class Kernel:
             configure=account_models.configure,
             archive=archive,
             memory=remember if daily_memory else None,
+            # recall reads the owner's memory whatever tools a run has (``run_prompt``)
+            memory_home=(lambda record: owner_home(data, record.owner)) if daily_memory else None,
             compaction_threshold=compaction_threshold,
             clear_tool_outputs=clear_tool_outputs,
             toolset=toolset,

@@ -5,6 +5,10 @@ The files live in the owner's home (``process/memory.py``), where no file tool m
 the one way in, and it reaches only the memory of the process's own owner. What the agent
 remembers is written like what a compaction keeps, under a heading naming its source, so the
 prompt of every process of the owner shows it from the next run on.
+
+A run's recalled memories (``process/prompt.py``) do not go through this tool: the engine finds the
+owner's home itself, so a run whose tool scope hides ``memory``, or whose application brings its
+own tool of that name, still has its older memories recalled (read-only, in its prompt).
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from typing import Literal
 from agentloop.process.api import ToolsetFn
 from agentloop.process.memory import (
     MAX_DAY_BYTES,
-    TOOL_HOME,
     append_daily_memory,
     forget_daily_memory,
     memory_days,
     memory_entries,
+    owner_home,
     read_daily_memory,
     read_days,
 )
@@ -48,7 +52,7 @@ def memory_toolset(data_dir: Path) -> ToolsetFn:
         if found is None:
             if len(by_owner) >= 1024:
                 by_owner.clear()
-            found = by_owner[record.owner] = memory_tool(data_dir / "home" / record.owner)
+            found = by_owner[record.owner] = memory_tool(owner_home(data_dir, record.owner))
         return {**shared, "memory": found}
 
     return toolset
@@ -95,7 +99,6 @@ def memory_tool(home: Path) -> FunctionTool:
         except (OSError, UnicodeDecodeError) as exc:  # a damaged or unsafe file: the model may go on
             raise ToolError(f"the memory files cannot be used: {exc}") from None
 
-    setattr(memory, TOOL_HOME, home)  # what a run's prompt recalls from (``process/prompt.py``)
     return memory
 
 

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from agentloop.loop.execute import CANCELLED, own_tasks
@@ -194,6 +195,7 @@ class ProcessEngine:
         configure: ConfigFn | None = None,
         archive: ArchiveFn | None = None,
         memory: MemoryFn | None = None,
+        memory_home: Callable[[ProcessRecord], Path] | None = None,
         compaction_threshold: float = 0.9,
         clear_tool_outputs: bool = True,
         toolset: ToolsetFn | None = None,
@@ -216,6 +218,9 @@ class ProcessEngine:
         self.choose_model: Callable[[Any, LoopConfig], LoopConfig] | None = None
         self.archive = archive  # writes compacted-away messages somewhere safe, returns where
         self.memory = memory  # keeps what a compaction found worth remembering
+        # a process's owner's home, whose older memories its runs recall (None: no recall); known
+        # here, not asked of the run's ``memory`` tool, which a tool scope may hide
+        self.memory_home = memory_home
         self.compaction_threshold = compaction_threshold
         # compaction's first tier: old tool outputs archived and replaced by a note, before a summary
         self.clear_tool_outputs = clear_tool_outputs
@@ -492,7 +497,8 @@ class ProcessEngine:
                 kept = await self._kept_prompt(live, run_id)
                 if kept is None:
                     # with the skills the run's input names (``$deploy``) or whose paths it mentions
-                    fresh = await run_prompt(_compiled(await self.prompt(live.record, tools)), live.history, tools)
+                    home = self.memory_home(live.record) if self.memory_home is not None else None
+                    fresh = await run_prompt(_compiled(await self.prompt(live.record, tools)), live.history, home)
                     kept = (run_id, fresh.text)
                 live.prompt = kept
             changes["system_prompt"] = live.prompt[1]

@@ -5,7 +5,8 @@ folds part of a conversation away, or a reset clears it), or what the agent chos
 and yesterday's file back (``prompt.py``), so those facts stay in view for the next day, in every
 process of that owner, and in no one else's: a working directory may be shared by accounts. Older
 days are reached through the ``memory`` tool, which searches, reads and forgets entries, and a run's prompt
-recalls the few older entries that share the most words with the run's input (``recall_entries``).
+recalls the few older entries that share the most words with the run's input (``recall_entries``),
+from the owner's home as the kernel knows it (``owner_home``), with or without the tool in the run.
 
 The home is off limits to tools, but the writer still trusts no link where ``memory`` or the
 day's file should be. Every step is opened relative to the one before and without following a link
@@ -36,13 +37,11 @@ _DAY_FILE = re.compile(r"(\d{4}-\d{2}-\d{2})\.md")
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-TOOL_HOME = "memory_home"  # on a ``memory`` tool: the home whose files it reaches (``memory_home``)
-
-
-def memory_home(tool: object) -> Path | None:
-    """The home whose memory files ``tool`` (a run's ``memory`` tool) reaches, if it says."""
-    home = getattr(tool, TOOL_HOME, None)
-    return home if isinstance(home, Path) else None
+def owner_home(data_dir: Path, owner: str) -> Path:
+    """The home of ``owner`` under a kernel's ``data_dir``, whose ``memory`` folder holds the
+    owner's memory files: one place for the ``memory`` tool, compaction and a run's recall to
+    agree on, none of them asking another where it is."""
+    return data_dir / "home" / owner
 
 
 def daily_memory_name(day: datetime.date) -> str:

@@ -25,7 +25,7 @@ import datetime
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -37,11 +37,10 @@ from agentloop.process.memory import (
     daily_memory_name,
     entry_body,
     memory_entries,
-    memory_home,
     read_days,
     recall_entries,
 )
-from agentloop.tools.base import Tool, ToolError
+from agentloop.tools.base import ToolError
 from agentloop.tools.paths import resolve_path
 from agentloop.tools.skills import (
     SKILL_FILE,
@@ -66,6 +65,7 @@ __all__ = [
     "recall_memories",
     "render_template",
     "run_input",
+    "run_messages",
     "run_prompt",
 ]
 
@@ -422,16 +422,22 @@ def assemble_prompt(sources: PromptSources, *, today: datetime.date | None = Non
 # ------------------------------------------------------------------ skills activated by a run
 
 
-def run_input(history: Sequence[Message]) -> str:
-    """What a person said to the run about to start: the text of the user messages after the
-    model's last turn (the run's input, which a restart finds there too)."""
+def run_messages(history: Sequence[Message]) -> list[str]:
+    """What a person said to the run about to start, message by message: the texts of the user
+    messages after the model's last turn (the run's input, which a restart finds there too;
+    several when input was queued)."""
     texts: list[str] = []
     for message in reversed(history):
         if isinstance(message, AssistantMessage | ToolResultMessage):
             break
         if isinstance(message, UserMessage):
             texts.append(message.text)
-    return "\n".join(reversed(texts))
+    return texts[::-1]
+
+
+def run_input(history: Sequence[Message]) -> str:
+    """The run's input (``run_messages``) as one text, a message a line."""
+    return "\n".join(run_messages(history))
 
 
 def _mentioned_paths(text: str) -> list[str]:
@@ -473,8 +479,9 @@ def _without_inline_code(text: str) -> str:
 
 
 def _prose(text: str) -> str:
-    """``text`` without its Markdown code: fenced blocks (to their closing fence, else to the end)
-    and inline code spans, where a ``$name`` is code, not a request for that skill."""
+    """``text`` (one message) without its Markdown code: fenced blocks (to their closing fence,
+    else to the message's end) and inline code spans, where a ``$name`` is code, not a request
+    for that skill."""
     if "`" not in text and "~~~" not in text:
         return text
     kept: list[str] = []
@@ -496,21 +503,25 @@ def _prose(text: str) -> str:
     return "\n".join(kept)
 
 
-def _chosen(catalog: SkillCatalog, text: str) -> list[tuple[SkillCard, str]]:
-    """The skills ``text`` activates, each once, with why: those it names as ``$name`` (in that
-    order; a name the index does not hold is left as text; not in code: ``_prose``), then those
-    whose ``paths:`` match a path it mentions."""
+def _chosen(catalog: SkillCatalog, *texts: str) -> list[tuple[SkillCard, str]]:
+    """The skills ``texts`` (a run's input, message by message) activate, each once, with why:
+    those they name as ``$name`` (in that order; a name the index does not hold is left as text;
+    not in code: ``_prose``), then those whose ``paths:`` match a path they mention.
+
+    Each message's code is found in that message alone: a person who left a fence open in one
+    message did not put the next message in code (which they may have sent hours later)."""
     cards = {c.name: c for c in catalog.cards}
     chosen: dict[str, tuple[SkillCard, str]] = {}
-    if "$" in text:
-        for match in _REFERENCE.finditer(_prose(text)):
+    named = "\n".join(_prose(text) for text in texts if "$" in text)
+    if named:
+        for match in _REFERENCE.finditer(named):
             word = match.group(1)
             name = word if word in cards else word.rstrip("._-")  # ("use $deploy.")
             if name in cards and name not in chosen:
                 chosen[name] = (cards[name], f"named as ${name}")
     watching = [c for c in catalog.cards if c.globs and c.name not in chosen]
     if watching:
-        for path in _mentioned_paths(text):
+        for path in _mentioned_paths("\n".join(texts)):
             for card in watching:
                 if card.name not in chosen and card.matches(path):
                     chosen[card.name] = (card, f"{path} matches its paths")
@@ -586,7 +597,7 @@ def activate_skills(prompt: CompiledPrompt, history: Sequence[Message]) -> Compi
     catalog = prompt.skills
     if catalog is None or not catalog.cards:
         return prompt
-    chosen = _chosen(catalog, run_input(history))
+    chosen = _chosen(catalog, *run_messages(history))
     if not chosen:
         return prompt
     active = _active_block(chosen, max(0, catalog.budget))
@@ -613,15 +624,19 @@ RECALL_SCAN_BYTES = 2 * 1024 * 1024  # (at worst, every entry sharing words, som
 _MIN_RECALLED_BODY = 64  # bytes: the best entry cut shorter than this is not worth showing
 
 
-async def run_prompt(prompt: CompiledPrompt, history: Sequence[Message], tools: Mapping[str, Tool]) -> CompiledPrompt:
+async def run_prompt(prompt: CompiledPrompt, history: Sequence[Message], home: Path | None) -> CompiledPrompt:
     """The prompt a run starts with: ``prompt`` with the skills its input activates
-    (``activate_skills``), then the older memories it recalls (``recall_memories``). The memories
-    are those of the run's ``memory`` tool (its owner's home; a run without the tool recalls
-    nothing), searched in a thread; without a memory folder it costs one ``stat``."""
+    (``activate_skills``), then the older memories it recalls (``recall_memories``) from ``home``,
+    the owner's home (None: no recall, as when the kernel keeps no daily memory), searched in a
+    thread; without a memory folder it costs one ``stat``.
+
+    ``home`` comes from the process (its owner), not from the run's tools: recall is read-only
+    context about what the owner's memory already holds, so a run whose tool scope hides the
+    ``memory`` tool (it cannot write or browse memory) still has it, and an application's own
+    tool named ``memory`` neither turns it off nor redirects it."""
     prompt = activate_skills(prompt, history)
-    home = memory_home(tools.get("memory")) if RECALL_ENTRIES > 0 else None
     # one stat, inline (a thread costs more; pathlib some microseconds more): no folder, no recall
-    if home is None or not os.path.isdir(f"{home}/{MEMORY_DIR}"):  # noqa: ASYNC240
+    if RECALL_ENTRIES < 1 or home is None or not os.path.isdir(f"{home}/{MEMORY_DIR}"):  # noqa: ASYNC240
         return prompt
     text = run_input(history)
     return await asyncio.to_thread(recall_memories, prompt, text, home)
