@@ -572,6 +572,12 @@ class AgentloopClient:
         result = await self._call("DELETE", f"/v1/devices/{_segment(name)}/token")
         return bool(result.get("revoked"))
 
+    async def forget_device(self, name: str) -> bool:
+        """Forget device ``name``: its registry entry and token go, freeing its place among the
+        account's devices, and its connection closes; ``NotFound`` if it is not registered."""
+        result = await self._call("DELETE", f"/v1/devices/{_segment(name)}")
+        return bool(result.get("forgotten"))
+
     # -- the event stream -------------------------------------------------------------------------
 
     async def events(

@@ -531,6 +531,13 @@ async def test_the_device_registry_binds_one_token_and_remembers_when_a_device_w
         ("bob", "box", None),
     ]
     assert (await store.list_devices("bob"))[0].first_seen_at == 11.0
+    async with store.transaction():  # forgotten: the row goes, and the token with it
+        assert await store.set_device_token("alice", "laptop", "d3", "dh3", 17.0)
+        assert await store.forget_device("alice", "laptop")
+        assert not await store.forget_device("alice", "laptop")
+        assert not await store.forget_device("alice", "box")  # another owner's name is not hers
+    assert await store.device_by_token("dh3") is None
+    assert [(d.owner, d.name) for d in await store.list_devices()] == [("bob", "box")]
 
 
 async def test_schedules_are_listed_soonest_first_and_claimed_once(store: Store) -> None:

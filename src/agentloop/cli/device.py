@@ -1,7 +1,8 @@
 """``agentloop device connect URL --token T``: lend this machine's files (and, when asked, its
 shell) to a server; ``agentloop device token NAME``: issue (or ``--revoke``) the token it connects
 with, a device token bound to that one device name (the server refuses an account token for a
-device unless started with ``--device-account-tokens``).
+device unless started with ``--device-account-tokens``); ``agentloop device forget NAME``: remove a
+device from the account's registry, freeing its place.
 
 By default a device lends only reading and searching files under ``--root``. Writing, editing and
 deleting files (``--allow fs``) and running commands (``--allow shell``: remote command execution on
@@ -193,6 +194,32 @@ def token_command(
             f"the token of device {name}, shown only this once (one issued before no longer works); "
             f"connect with: agentloop device connect URL --name {name} --token TOKEN"
         )
+
+
+@device_app.command("forget")
+def forget_command(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The device's name.")],
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", help="An account token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """Forget device NAME: its registry entry and token go, freeing its place among the account's
+    devices, and its connection closes. Unlike --revoke, the device is no longer listed."""
+    from agentloop.cli.client import call
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        call(server, token, lambda client: client.forget_device(name))
+        typer.echo(f"forgot device {name}")
 
 
 if __name__ == "__main__":  # ``python -m agentloop.cli.device connect …``: the device alone, quick to start

@@ -36,6 +36,7 @@ from agentloop.server.devices import (
     HubError,
     TooManyDevices,
     check_device_name,
+    forget_device,
     issue_device_token,
     registry,
     revoke_device_token,
@@ -604,6 +605,11 @@ class DeviceRevokedOut(Answer):
     revoked: Literal[True]
 
 
+class DeviceForgottenOut(Answer):
+    device: str
+    forgotten: Literal[True]
+
+
 class DeviceList(Answer):
     devices: list[DeviceOut]
 
@@ -1044,6 +1050,15 @@ async def revoke_device(call: Call) -> dict[str, Any]:
     return {"device": name, "revoked": True}
 
 
+async def forget_device_route(call: Call) -> dict[str, Any]:
+    name = _device_name(call)
+    if not await forget_device(call.ctx.accounts.store, call.principal.account, name):
+        raise ApiError(404, "not_found", f"device {name!r} is not registered")
+    if isinstance(call.ctx.devices, DeviceHub):  # its connection ends now, whatever token it used
+        await call.ctx.devices.disconnect(call.principal.account, name)
+    return {"device": name, "forgotten": True}
+
+
 async def openapi(call: Call) -> Response:
     return JSONResponse(openapi_document())
 
@@ -1301,6 +1316,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "Revoke a device's token; its connection closes.",
         revoke_device,
         answer=DeviceRevokedOut,
+        errors=(404,),
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/devices/{name}",
+        "Forget a device: its registry entry and token go, freeing its place; its connection closes.",
+        forget_device_route,
+        answer=DeviceForgottenOut,
         errors=(404,),
     ),
     Endpoint("GET", "/v1/openapi.json", "This document.", openapi, answer=OpenApiOut),

@@ -32,8 +32,13 @@ as ``device.status {device, status: "online" | "offline", timestamp}`` (live onl
 The registry holds at most ``max_registered`` devices per account (``MAX_REGISTERED_DEVICES``): a
 token for a new name past it is refused (``TooManyDevices``), one for a registered name never is. A
 revoked device stays registered (listed, with no token), so revoking does not free its slot: its
-name is reused by issuing it a token again. Counted and written under a key of the owner's
-(``Store.exclusive``), two registrations through any workers cannot both pass the limit.
+name is reused by issuing it a token again. Forgetting a device (``DELETE /v1/devices/{name}``,
+``forget_device``) deletes its row, token and all, and frees its slot; its connection here closes at
+once (``DeviceHub.disconnect``, whatever token it used), one through another worker at that worker's
+next heartbeat if it used a device token (which no longer resolves). A device that leaves is written
+down only while it is still registered, so a forgotten one is not brought back by its own leaving.
+Counted and written under a key of the owner's (``Store.exclusive``), two registrations through any
+workers cannot both pass the limit.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ __all__ = [
     "authenticate_device",
     "check_device_name",
     "device_token_valid",
+    "forget_device",
     "issue_device_token",
     "registry",
     "revoke_device_token",
@@ -96,8 +102,9 @@ MAX_SCHEMA_DEPTH = 64
 MAX_DEVICES_PER_ACCOUNT = 16
 MAX_ACCOUNT_DEVICE_TOOLS = 128
 # An account's devices in the registry (every name it issued a token for or that connected, online
-# or not, revoked or not): its rows are kept for good, so without a bound one account token (a
-# leaked one too) could add rows without end. Four times the devices it may have connected at once.
+# or not, revoked or not): its rows are kept until the owner forgets them, so without a bound one
+# account token (a leaked one too) could add rows without end. Four times the devices it may have
+# connected at once.
 MAX_REGISTERED_DEVICES = 64
 SEND_TIMEOUT = 10.0  # seconds one frame may take to leave; a device that does not read is dropped
 
@@ -128,7 +135,7 @@ class TooManyDevices(HubError):
         super().__init__(
             "too_many_devices",
             f"account {owner} has {limit} devices registered, the most it may have (at most {limit}); "
-            "issue a token for one of them again to reuse its name",
+            "issue a token for one of them again to reuse its name, or forget one (DELETE /v1/devices/{name})",
         )
         self.limit = limit
 
@@ -196,12 +203,19 @@ def _label(args: dict[str, Any]) -> str:
 # -- device tokens and the registry -----------------------------------------------------------------
 
 
-async def _has_room(store: Store, owner: str, name: str, limit: int) -> bool:
-    """Inside a transaction: whether ``owner``'s device ``name`` is registered, or may be. Counted
-    under the owner's key, held until the transaction ends, so registrations through any worker
-    sharing the store cannot all count before any writes and pass the limit together."""
+async def _registered(store: Store, owner: str) -> set[str]:
+    """Inside a transaction: the names in ``owner``'s registry, read under the owner's key, held
+    until the transaction ends, so a check of them and the write it allows (a registration under
+    the limit, a leave written down only for a device not forgotten) cannot interleave with
+    another such pair, or a forgetting, through any worker sharing the store."""
     await store.exclusive(f"devices of {owner}")
-    names = {d.name for d in await store.list_devices(owner)}
+    return {d.name for d in await store.list_devices(owner)}
+
+
+async def _has_room(store: Store, owner: str, name: str, limit: int) -> bool:
+    """Inside a transaction: whether ``owner``'s device ``name`` is registered, or may be (counted
+    under the owner's key: registrations cannot all count before any writes and pass the limit)."""
+    names = await _registered(store, owner)
     return name in names or len(names) < limit
 
 
@@ -225,6 +239,15 @@ async def revoke_device_token(store: Store, owner: str, name: str) -> bool:
     """Unbind the token of ``owner``'s device ``name``; False if it had none."""
     async with store.transaction():
         return await store.set_device_token(owner, name, None, None, time.time())
+
+
+async def forget_device(store: Store, owner: str, name: str) -> bool:
+    """Remove ``owner``'s device ``name`` from the registry, its token with it, freeing its place
+    under the limit; False if it was not registered. Under the owner's key, so a leave being
+    written down at the same time (``DeviceHub._seen``) sees it gone instead of writing it back."""
+    async with store.transaction():
+        await store.exclusive(f"devices of {owner}")
+        return await store.forget_device(owner, name)
 
 
 async def authenticate_device(store: Store, token: str) -> tuple[Principal, str] | None:
@@ -452,13 +475,17 @@ class DeviceHub:
         """Write down that ``info`` connected (``label`` given) or left (None); a failure is logged,
         never the device's: presence is kept in memory all the same. A device new to a full
         registry (one connected with an account token under a new name) is not written down: the
-        registry's limit holds for every way into it."""
+        registry's limit holds for every way into it. Nor is the leave of a device no longer
+        registered: it was forgotten (its closing is what made it leave), and must stay so."""
         if self.store is None:
             return
         description = None if label is None else info.description
         try:
             async with self.store.transaction():
-                if not await _has_room(self.store, info.owner, info.id, self.max_registered):
+                names = await _registered(self.store, info.owner)
+                if info.id not in names and label is None:
+                    return
+                if info.id not in names and len(names) >= self.max_registered:
                     log.warning(
                         "device %s of %s: not registered (at most %d devices per account)",
                         info.id,
@@ -600,6 +627,20 @@ class DeviceHub:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(SEND_TIMEOUT):  # (a socket that is not read may not close)
                 await conn.socket.close(4401, "the token was revoked")
+        return True
+
+    async def disconnect(self, owner: str, name: str) -> bool:
+        """Close ``owner``'s device ``name`` now, whatever token it connected with: it was forgotten
+        (``forget_device``), so no further call may reach it. Unlike ``unbind`` this closes one
+        connected with an account token too, which the heartbeat would never close (the account
+        token stays good); it may connect again, and is then registered anew. True if one closed."""
+        conn = self._devices.get((owner, name))
+        if conn is None or conn.closed:
+            return False
+        self._drop(conn, f"Device {name} disconnected (it was forgotten)")
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(SEND_TIMEOUT):  # (a socket that is not read may not close)
+                await conn.socket.close(4401, "the device was forgotten")
         return True
 
     async def close(self) -> None:

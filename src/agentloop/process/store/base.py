@@ -769,3 +769,8 @@ class Store(ABC):
     @abstractmethod
     async def list_devices(self, owner: str | None = None) -> list[DeviceRecord]:
         """The registry (one owner's devices, or every one), by owner and name."""
+
+    @abstractmethod
+    async def forget_device(self, owner: str, name: str) -> bool:
+        """Remove ``owner``'s device ``name`` from the registry, the token bound to it with it (it
+        no longer resolves): False if there was no such device."""

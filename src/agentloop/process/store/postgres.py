@@ -1397,3 +1397,7 @@ class PostgresStore(Store):
                     f'SELECT {DEVICE_COLUMNS} FROM devices WHERE owner = $1 ORDER BY name COLLATE "C"', owner
                 )
         return [DeviceRecord(*r) for r in rows]
+
+    async def forget_device(self, owner: str, name: str) -> bool:
+        status = await self._write().execute("DELETE FROM devices WHERE owner = $1 AND name = $2", owner, name)
+        return _changed(status) == 1

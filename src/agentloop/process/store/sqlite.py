@@ -1340,6 +1340,10 @@ class SQLiteStore(Store):
             sql, args = sql + " WHERE owner = ?", (owner,)
         return [DeviceRecord(*r) for r in self.db.execute(sql + " ORDER BY owner, name", args).fetchall()]
 
+    async def forget_device(self, owner: str, name: str) -> bool:
+        cur = self._write().execute("DELETE FROM devices WHERE owner = ? AND name = ?", (owner, name))
+        return cur.rowcount == 1
+
 
 def _newest_account_seq(db: sqlite3.Connection, owner: str) -> int:
     """The newest account seq of ``owner``'s account log (0: none yet)."""
