@@ -86,9 +86,9 @@ async def test_a_call_without_turn_phase_hooks_does_no_hook_work(monkeypatch: py
     assert result.messages[-1].text == "done"
 
 
-async def test_a_bundled_call_approved_after_a_restart_is_a_clean_tool_error(tmp_path: Path) -> None:
-    # the bundle lives in the engine's memory: after a restart the call is answered as one to a
-    # tool not found (the model sees an error and goes on), not a crash of the process
+async def test_a_bundled_call_approved_after_a_restart_runs(tmp_path: Path) -> None:
+    # the bundle lives in the engine's memory: after a restart the hooks are asked for it again
+    # (tests/test_bundles_restart11.py), and the approved call runs
     url = f"sqlite:///{tmp_path}/a.db"
     ask = {"default": "auto", "rules": [{"match": "tool.remember", "action": "ask"}]}
 
@@ -110,7 +110,7 @@ async def test_a_bundled_call_approved_after_a_restart_is_a_clean_tool_error(tmp
         await asyncio.wait_for(proc.wait_idle(), 20)
         messages = await proc.messages()
     [result] = results(messages)
-    assert (result.tool_name, result.is_error, result.text) == ("remember", True, "Tool remember not found")
+    assert (result.tool_name, result.is_error, result.text) == ("remember", False, "remembered tea")
     assert messages[-1].text == "done"
 
 

@@ -37,10 +37,13 @@ An added tool is shown for this call and can be called like any registered tool,
 the run (in memory and in a durable process alike); a later call shows it only if a hook adds it
 again (else a call to it is refused as not offered). A tool whose name is already another tool's,
 an unknown bundle name, or something that is not a tool is logged once and left out. A durable
-process keeps the added tools in memory only: a call to one that is run after a restart (one
-waiting for a person's approval meanwhile) is answered as a call to a tool not found. Hooks are
-the application's own code, trusted as its tools are: a tool they add is not held to a process's
-tool scope (``process/tool_scope.py``), which only narrows the tools the kernel gives a run.
+process keeps the added tools in memory, and with the run the names of those its open calls use:
+after a restart (a call waiting for a person's approval meanwhile) the hooks are asked again, for
+the turn and history of the call that made them (``model_call.tools_added``), and the calls run
+with the tools they add; a tool they no longer add leaves its calls a tool error that says so.
+Hooks are the application's own code, trusted as its tools are: a tool they add is not held to a
+process's tool scope (``process/tool_scope.py``), which only narrows the tools the kernel gives a
+run.
 """
 
 from __future__ import annotations

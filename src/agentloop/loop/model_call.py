@@ -63,12 +63,13 @@ def with_bundles(cfg: LoopConfig, added: dict[str, Tool]) -> LoopConfig:
     return replace(cfg, tools=with_added(cfg.tools, added))
 
 
-async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest, added: dict[str, Tool] | None) -> None:
-    """Let the turn-phase hooks shape this call's system prompt and tool list."""
+def _turn_info(cfg: LoopConfig, state: RunState, request: ModelRequest) -> TurnInfo:
+    """What the turn-phase hooks of this call see (the tools hooks added earlier in the run left
+    out of its list: they are shown again only if a hook adds them again)."""
     tools = cfg.tools
-    if request.tools and isinstance(tools, ToolMap) and tools.bundled:  # shown again only if added again
+    if request.tools and isinstance(tools, ToolMap) and tools.bundled:
         request.tools = [spec for spec in request.tools if spec.name not in tools.bundled]
-    info = TurnInfo(
+    return TurnInfo(
         state.run_id,
         state.turn,
         request.messages,
@@ -77,6 +78,11 @@ async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest, 
         conversation=state.conversation,
         registered=tools,
     )
+
+
+async def _turn_phases(cfg: LoopConfig, state: RunState, request: ModelRequest, added: dict[str, Tool] | None) -> None:
+    """Let the turn-phase hooks shape this call's system prompt and tool list."""
+    info = _turn_info(cfg, state, request)
     hooks = cfg.hooks
     phases = hooks.phases
     await hooks.run_phase("pre_policy", info)
@@ -183,6 +189,31 @@ def speakers_named(state: RunState) -> bool:
     return False
 
 
+async def _request(cfg: LoopConfig, state: RunState, tools_enabled: bool) -> ModelRequest:
+    """The request of a model call over the history of ``state``, before the turn phases."""
+    # a snapshot (the history grows after this call), with a group chat's speakers named
+    messages = with_speakers(state.messages) if speakers_named(state) else list(state.messages)
+    if cfg.hooks.transform:
+        messages = await cfg.hooks.run_transform(messages)
+    return build_request(cfg, messages, tools_enabled, state.conversation)
+
+
+async def tools_added(cfg: LoopConfig, state: RunState) -> dict[str, Tool]:
+    """The tools the ``pre_tool_materialization`` hooks add to a call over the history of
+    ``state``: the request ``call_model`` would build, the phase it would run, no model called.
+    A durable runner whose configuration was built anew (a restart) gets back so, from the hooks
+    themselves, the tools they added to the call whose tool calls are still to run (a tool added
+    directly as well as a bundle's); what they no longer add stays out. Raises what the hooks
+    raise (``TurnFailed``)."""
+    if "pre_tool_materialization" not in cfg.hooks.phases:
+        return {}
+    request = await _request(cfg, state, True)
+    info = _turn_info(cfg, state, request)
+    if request.tools:  # (as in ``_turn_phases``: a call without tools runs no materialisation)
+        await cfg.hooks.run_phase("pre_tool_materialization", info)
+    return info.added
+
+
 async def call_model(
     cfg: LoopConfig,
     state: RunState,
@@ -196,11 +227,7 @@ async def call_model(
     context-pressure estimate reads as the size of the prompt. ``added`` receives the tools a
     ``pre_tool_materialization`` hook added to the call (a bundle): the caller runs the call's
     tool calls, and makes the run's next calls, with ``with_bundles(cfg, added)``."""
-    # a snapshot (the history grows after this call), with a group chat's speakers named
-    messages = with_speakers(state.messages) if speakers_named(state) else list(state.messages)
-    if cfg.hooks.transform:
-        messages = await cfg.hooks.run_transform(messages)
-    request = build_request(cfg, messages, tools_enabled, state.conversation)
+    request = await _request(cfg, state, tools_enabled)
     state.offered = None
     state.transient = False
     if cfg.hooks.phases:

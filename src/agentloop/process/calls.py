@@ -52,8 +52,14 @@ log = logging.getLogger("agentloop.process")
 INTERRUPTED_BY_RESTART = "Tool call interrupted by a restart of the runtime; it may or may not have taken effect."
 # a call whose approval was still pending when the user asked the run to stop (``ProcessEngine.stop``)
 NOT_RUN_STOPPED = "Not run: the user asked to stop before it was approved."
+# a call to a tool a hook had added to the turn (``driver.restore_added``) that the hooks, asked
+# again after a restart, no longer add
+NOT_ADDED_AGAIN = (
+    "Tool no longer available: a hook had added it to this turn, and after a restart of the runtime"
+    " it no longer offers it."
+)
 # results that are no failure of the model's: not counted as repeats (``loop/retries.py``)
-NOT_COUNTED = NOT_THE_MODELS_FAILURES | {INTERRUPTED_BY_RESTART, NOT_RUN_STOPPED}
+NOT_COUNTED = NOT_THE_MODELS_FAILURES | {INTERRUPTED_BY_RESTART, NOT_RUN_STOPPED, NOT_ADDED_AGAIN}
 
 
 def call_rows(pid: str, run_id: str, calls: list[ToolCall], tools: Mapping[str, Tool]) -> list[ToolCallRow]:
@@ -99,6 +105,11 @@ async def dispatch(
             if row.status == "registered" and row.tool_name not in offered and row.tool_name in cfg.tools:
                 refused = tool_error_result(call_of(row), not_offered(row.tool_name))
                 await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
+    gone = [name for name in run.get("added", ()) if name not in cfg.tools]
+    for row in rows:  # (before anyone is asked to approve a call that cannot run)
+        if row.status == "registered" and row.tool_name in gone:
+            refused = tool_error_result(call_of(row), NOT_ADDED_AGAIN)
+            await settle(engine, tx, row, refused, "failed", ("registered",), fresh=fresh)
     in_flight = sum(1 for r in rows if r.status == "dispatched")
     alone = in_flight > 0 and any(_runs_alone(cfg, r) for r in rows if r.status == "dispatched")
     for row in rows:
@@ -402,6 +413,7 @@ async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any
     await tx.append(run["run_id"], [*noted])
     await end_batch(engine, tx, live, run["run_id"])
     after = {**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1}
+    after.pop("added", None)  # (the batch is over: no call left for the hooks' tools to run)
     if failures:
         after["failures"] = failures
     if failing:

@@ -16,8 +16,8 @@ from agentloop.events import LoopEvent, MessageUpdate, ModelRetry, StreamEvent, 
 from agentloop.loop.compaction import ask_pre_compaction, compaction_due, keep_recent, usable_window
 from agentloop.loop.execute import SKIPPED
 from agentloop.loop.guards import STOPPED
-from agentloop.loop.hooks import Block
-from agentloop.loop.model_call import call_model, with_bundles
+from agentloop.loop.hooks import Block, ToolMap
+from agentloop.loop.model_call import call_model, tools_added, with_bundles
 from agentloop.loop.output import NUDGE_KIND, OUTPUT_MISSING, OUTPUT_TOOL, SchemaOutput, SchemaOutputTool
 from agentloop.loop.retries import REPEATED_FAILURE
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
@@ -396,11 +396,15 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         "usage": _spent(run["usage"], reply.usage + discarded),
     }
     new_run.pop("offered", None)  # (a turn before's)
+    new_run.pop("added", None)
     new_run.pop("retry_at", None)  # (the model answered: an outage's count starts again)
     new_run.pop("deferred", None)
     reading = _reading(engine, live, cfg, tools_enabled, reply, measured)  # None: the level is as known
     if calls and state.offered is not None:
         new_run["offered"] = sorted(state.offered)  # kept with the run: so is a call resumed after a restart
+    hook_added = _hook_added(cfg, calls, state.offered)
+    if hook_added:  # the configuration holds them in memory only: a restart asks the hooks again
+        new_run["added"] = hook_added
     finished = False
     batch: list[ToolCallRow] = []
     async with engine._tx(live) as tx:
@@ -581,6 +585,49 @@ def _stream_payload(pid: str, run_id: str, event: StreamEvent) -> dict[str, Any]
     if isinstance(event, ToolCallStart):
         payload["callId"], payload["name"] = event.id, event.name
     return payload
+
+
+def _hook_added(cfg: LoopConfig, calls: list[ToolCall], offered: frozenset[str] | None) -> list[str]:
+    """The tools ``calls`` name that the run's hooks added to the call that made them (``cfg``:
+    the run's configuration with them; ``offered``: what the call showed, when not all of it)."""
+    tools = cfg.tools
+    if not calls or not isinstance(tools, ToolMap) or not tools.bundled:
+        return []
+    names = {c.name for c in calls} & tools.bundled
+    return sorted(names if offered is None else names & offered)
+
+
+async def restore_added(engine: ProcessEngine, live: _Live, run_id: str, cfg: LoopConfig) -> LoopConfig:
+    """``cfg`` (run ``run_id``'s configuration, just built) with the tools its hooks added to the
+    call whose tool calls are still to run, when they are not in it: the run's record names them
+    (``added``), and the configuration that held them lived in memory only (a restart, a takeover).
+    The hooks are asked again, for the history as that call saw it (up to its answer) and its
+    turn, as ``call_model`` asks them: the tools they add now are the run's again. A tool they no
+    longer add, or hooks that fail, leave its calls to end as a tool no longer available
+    (``calls.NOT_ADDED_AGAIN``); nothing is taken from the record but names: the process's tool
+    scope is as narrow as it was, widened only by what the hooks add, as in any call."""
+    run = live.record.current_run
+    if run is None or run["run_id"] != run_id:
+        return cfg
+    wanted = run.get("added") or []
+    if all(name in cfg.tools for name in wanted):
+        return cfg
+    history = live.history
+    answer = next((i for i in range(len(history) - 1, -1, -1) if isinstance(history[i], AssistantMessage)), 0)
+    seen = history[:answer]
+    messages = engine.hydrate(seen) if engine.hydrate is not None and live.media else seen
+    state = RunState(
+        run_id=run_id, messages=messages, first_new=len(messages), turn=run["turn"], conversation=live.record.pid
+    )
+    try:
+        added = await tools_added(cfg, state)
+    except Exception as exc:  # (the turn would fail; here only the calls to those tools do)
+        log.warning("process %s: the hooks could not add the tools of run %s again: %s", live.record.pid, run_id, exc)
+        return cfg
+    lost = sorted(set(wanted) - added.keys() - cfg.tools.keys())
+    if lost:
+        log.info("process %s: after a restart the hooks no longer add %s", live.record.pid, ", ".join(lost))
+    return with_bundles(cfg, added) if added else cfg
 
 
 def _call_state(engine: ProcessEngine, live: _Live, run: dict[str, Any]) -> RunState:

@@ -76,7 +76,7 @@ from agentloop.process.calls import (
     signal_finished,
 )
 from agentloop.process.compaction import check_manual
-from agentloop.process.driver import drive, fail_run, forget_output, signal_run_finished, summarise
+from agentloop.process.driver import drive, fail_run, forget_output, restore_added, signal_run_finished, summarise
 from agentloop.process.keylock import KeyedLocks
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL, Leases
 from agentloop.process.lease import retried as _retried
@@ -513,6 +513,7 @@ class ProcessEngine:
         take_run_rows(self, live, rows, cfg.model.info)  # the compaction policy, the level
         if fresh is not None:
             self._compiled[live.record.pid] = (run_id, fresh, sorted(cfg.tools))
+        cfg = await restore_added(self, live, run_id, cfg)  # (after a restart: the tools hooks added)
         live.config = (run_id, cfg)
         return cfg
 
