@@ -41,6 +41,7 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/devices"): {},
     ("POST", "/v1/devices/{name}/token"): {},  # (a device of the caller's own: any account may)
     ("DELETE", "/v1/devices/{name}/token"): {},
+    ("DELETE", "/v1/devices/{name}"): {},  # (a device of the caller's own, made for it to forget)
     ("GET", "/v1/openapi.json"): {},
     ("GET", "/v1/processes"): {},
     ("GET", "/v1/approvals"): {},
@@ -188,9 +189,12 @@ def test_isolation(clients: dict[str, httpx.Client], route: tuple[str, str], rol
     pid, request_id = owned_process(alice, asking="{request_id}" in path or path == "/v1/approvals")
     ids = path_ids(alice, path, pid) if "{pid}" in path else {}
     before = alice.get(f"/v1/processes/{pid}").json()
-    url = path.format(pid=pid, request_id=request_id, name="isolation-box", **ids)
+    forgetting = route == ("DELETE", "/v1/devices/{name}")
+    url = path.format(pid=pid, request_id=request_id, name="isolation-gone" if forgetting else "isolation-box", **ids)
     if route == ("DELETE", "/v1/devices/{name}/token") and role in ("owner", "other", "admin"):
         caller.post(url)  # (each account revokes a token of its own device)
+    if forgetting and role in ("owner", "other", "admin"):
+        caller.post(f"{url}/token")  # (each account forgets a device of its own)
     resp = caller.request(method, url, **recipe(route, ids))
     assert expected(route, role)(resp.status_code), (role, method, url, resp.status_code, resp.text)
     if resp.status_code >= 400:
