@@ -93,7 +93,13 @@ What survives a restart:
   nothing (one in a server channel that does not mention the bot, the bot's own, a stranger's once
   refused) moves the mark too, or each catch-up would page through a busy channel's talk again; its
   id is not written on its own, but with the next write: at the end of each catch-up page, every
-  ``PAGE`` such messages, at close, or with a handled message's. A follower resumes from its last
+  ``PAGE`` such messages, at close, or with a handled message's. A catch-up that keeps failing
+  (``TRIES`` times: Discord's API or the store down) is given up, and queued again after a wait
+  (the bridge's longest backoff, doubled at each give-up, up to ``RETRY_MOST``); a new session, or
+  a start, catches up as well. Until a catch-up of a channel is done its mark stays where the last
+  one stopped, so no live message moves it over what was not read yet; a message handled live
+  there meanwhile is answered, and its id kept in the file (``taken``), so that the catch-up,
+  which reads it again, does not handle it twice. A follower resumes from its last
   signal, so an answer that finished while the bridge was down is still sent. Channels the bridge
   never heard from cannot be caught up: their first message must arrive while it runs.
 """
@@ -143,6 +149,7 @@ TRIES = 5  # times a dispatch whose handling fails is taken before it is skipped
 MAX_MESSAGE = 2000  # characters of one Discord message
 MAX_CUSTOM_ID = 100  # characters of a button's custom_id
 PAGE = 100  # messages one catch-up request reads (Discord's most)
+RETRY_MOST = 600.0  # seconds: the longest wait before a catch-up given up is tried again
 HELLO_WAIT = 20.0  # seconds a new connection waits for the gateway's Hello
 OPEN_WAIT = 20.0  # seconds the WebSocket handshake may take
 MAX_EVENT = 8 << 20  # bytes of one gateway event
@@ -395,14 +402,17 @@ class _Reconnect(Exception):
 
 class DiscordState(ChannelState):
     """``ChannelState`` plus ``last``: per channel, the id of the newest message up to which every
-    one was handled or passed over (where catching up begins). ``offset`` is unused: the gateway
-    has none. ``last`` is replaced, never changed in place (``handled``, ``passed``, ``forget``), as
-    the file is written from another thread. ``unsaved`` counts the messages passed over since the
-    last write: they are written in batches, not one write each."""
+    one was handled or passed over (where catching up begins), and ``taken``: per channel, the
+    messages past that mark handled as they came while the channel's catch-up was not done (given
+    up), which the catch-up reads again and must not handle twice. ``offset`` is unused: the
+    gateway has none. Both are replaced, never changed in place (``handled``, ``passed``, ``took``,
+    ``settle``, ``forget``), as the file is written from another thread. ``unsaved`` counts the
+    messages passed over since the last write: they are written in batches, not one write each."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.last: Mapping[int, int] = {}
+        self.taken: Mapping[int, frozenset[int]] = {}
         self.unsaved = 0
 
     def handled(self, channel: int, message_id: int) -> None:
@@ -418,8 +428,25 @@ class DiscordState(ChannelState):
         self.unsaved += 1
         return True
 
+    def took(self, channel: int, message_id: int) -> None:
+        """``message_id`` was handled past the channel's mark, which stays where its catch-up stopped."""
+        self.taken = {**self.taken, channel: self.taken.get(channel, frozenset()) | {message_id}}
+
+    def settle(self, channel: int, *, done: bool = False) -> int:
+        """Drop the channel's taken messages its mark has reached (every one once its catch-up is
+        ``done``: one it did not read was deleted): the newest dropped, 0 for none."""
+        taken = self.taken.get(channel, frozenset())
+        mark = self.last.get(channel, 0)
+        dropped = taken if done else frozenset(m for m in taken if m <= mark)
+        if not dropped:
+            return 0
+        kept = taken - dropped
+        self.taken = {**{c: t for c, t in self.taken.items() if c != channel}, **({channel: kept} if kept else {})}
+        return max(dropped)
+
     def forget(self, channel: int) -> None:
         self.last = {c: m for c, m in self.last.items() if c != channel}
+        self.taken = {c: t for c, t in self.taken.items() if c != channel}
 
     async def save(self) -> bool:
         self.unsaved = 0  # (before the data is taken: a message passed over meanwhile counts for the next write)
@@ -437,10 +464,27 @@ class DiscordState(ChannelState):
             if channel_id is not None and message_id is not None:
                 found[channel_id] = message_id
         self.last = found
+        self.taken = _taken(data.get("taken"), found)
 
     def _write(self, data: dict[str, Any]) -> None:
         # (ids as strings, as Discord writes them: a JSON reader with doubles would round them)
-        super()._write({**data, "last": {str(c): str(m) for c, m in self.last.items()}})
+        data = {**data, "last": {str(c): str(m) for c, m in self.last.items()}}
+        if self.taken:  # (none but after a catch-up given up: a file without them keeps its form)
+            data["taken"] = {str(c): sorted(str(m) for m in t) for c, t in self.taken.items()}
+        super()._write(data)
+
+
+def _taken(value: object, last: Mapping[int, int]) -> dict[int, frozenset[int]]:
+    """The state file's ``taken`` (channel -> message ids): those past their channel's mark."""
+    found: dict[int, frozenset[int]] = {}
+    for channel, messages in value.items() if isinstance(value, dict) else ():
+        channel_id = _snowflake(channel)
+        if channel_id is None or channel_id not in last or not isinstance(messages, list):
+            continue
+        ids = frozenset(m for m in map(_snowflake, messages) if m is not None and m > last[channel_id])
+        if ids:
+            found[channel_id] = ids
+    return found
 
 
 class DiscordBridge(ChatBridge[int]):
@@ -526,9 +570,12 @@ class DiscordBridge(ChatBridge[int]):
         # message passed over moves too: a mention Discord delivers just after a newer message
         # that needed nothing must still be handled
         self._handled: dict[int, int] = {}
-        # the channels whose catch-up has not ended this session: a dispatch there moves no mark over
-        # the messages still to be caught up (the catch-up moves it, page by page)
+        # the channels whose catch-up has not ended this session, or was given up and not yet done
+        # since: a dispatch there moves no mark over the messages still to be caught up (the
+        # catch-up moves it, page by page); one handled is kept in the state's ``taken``
         self._behind: set[int] = set()
+        self._retry: asyncio.Task[None] | None = None  # the wait before a given-up catch-up is queued again
+        self._retry_wait = 0.0  # that wait, doubled at each give-up; 0 while none is given up
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self._gateway: asyncio.Task[None] | None = None
@@ -599,6 +646,10 @@ class DiscordBridge(ChatBridge[int]):
         """Leave the gateway and stop following (before the kernel closes), and close the HTTP
         client. A message or a signal being handled is given ``bridge.CLOSE_GRACE`` seconds to
         finish first."""
+        if self._retry is not None:  # (a wait, holding nothing: the next start catches up anyway)
+            self._retry.cancel()
+            await asyncio.gather(self._retry, return_exceptions=True)
+            self._retry = None
         tasks = {"intake": self._worker, "gateway": self._gateway, "commands": self._registration}
         await self._stop_tasks(tasks)
         self._worker = self._gateway = self._registration = None
@@ -924,13 +975,13 @@ class DiscordBridge(ChatBridge[int]):
         """Handle one dispatch (or a catch-up). When handling failed (the store was unreachable for
         a moment …) it is taken again, up to ``TRIES`` times in all, then skipped (a message that
         breaks the bridge must not hold up the rest for ever). A message taken again is admitted
-        once, by its run id."""
+        once, by its run id. A catch-up given up is queued again later (``_catch_up_given_up``)."""
         delay = self.api.backoff[0]
         for tried in range(1, TRIES + 1):
             try:
                 async with self._lock("intake"):
                     if kind == CATCH_UP:
-                        await self._catch_up()
+                        await self._catch_up(retry=data.get("retry") is True)
                     elif kind == "MESSAGE_CREATE":
                         await self._on_message(data)
                     elif kind == COMMAND:
@@ -948,6 +999,9 @@ class DiscordBridge(ChatBridge[int]):
                     else f"Discord {kind} {_field(data.get('interaction', data), 'id')}"
                 )
                 if tried == TRIES:
+                    if kind == CATCH_UP:
+                        self._catch_up_given_up(reason)
+                        return
                     log.error("%s failed: %s; skipped after %d tries", what, reason, tried)
                     if kind in (COMMAND, PRESS):
                         await self._given_up(kind, data)
@@ -956,60 +1010,104 @@ class DiscordBridge(ChatBridge[int]):
             await asyncio.sleep(delay)
             delay = min(max(delay * 2, 0.05), self.api.backoff[1])
 
-    async def _catch_up(self) -> None:
-        """Handle, oldest first, what was said in the known channels after their marks (the
-        gateway does not replay it to a new session). Each page read moves its channel's mark over
-        it once it is all dealt with, in one write: what needed nothing is not read again."""
-        self._behind = set(self.state.last)
-        for channel in sorted(self.state.last):
-            after = self.state.last.get(channel)
-            taken = 0
-            guild: object = None
-            while after is not None:
-                try:
-                    if not taken:  # (a REST message has no guild_id: the channel says whose it is)
-                        guild = _field(await self.api.request("GET", f"/channels/{channel}", attempts=3), "guild_id")
-                    params = {"after": after, "limit": PAGE}
-                    batch = await self.api.request("GET", f"/channels/{channel}/messages", params=params, attempts=3)
-                except DiscordError as exc:
-                    if exc.status not in (403, 404):
-                        raise  # (taken again)
-                    log.warning("%s: channel %d is not caught up, and forgotten", exc, channel)
-                    self.state.forget(channel)
-                    self._handled.pop(channel, None)
-                    await self.state.save()
-                    break
-                messages = (
-                    [m for m in batch if _snowflake(_field(m, "id")) is not None] if isinstance(batch, list) else []
-                )
-                messages.sort(key=lambda m: cast("int", _snowflake(m["id"])))
-                for message in messages:
-                    await self._on_message(message if guild is None else {**message, "guild_id": guild})
-                taken += len(messages)
-                if messages:  # (each handled or passed over: a message that failed raised before this)
-                    self.state.passed(channel, cast("int", _snowflake(messages[-1]["id"])))
-                if self.state.unsaved:
-                    await self.state.save()
-                if len(messages) < PAGE:
-                    break
-                after = _snowflake(messages[-1]["id"])
-            self._behind.discard(channel)
-            if taken:
-                log.info("caught up %d messages in channel %d", taken, channel)
+    def _catch_up_given_up(self, reason: str) -> None:
+        """A catch-up failed ``TRIES`` times: the channels it did not finish stay behind (their
+        marks where it stopped, so what it did not read is not passed over by a live message) and
+        it is queued again after a wait, doubled at each give-up (a new session catches up too)."""
+        longest = self.api.backoff[1]
+        self._retry_wait = min(max(self._retry_wait * 2, longest), max(RETRY_MOST, longest))
+        log.error(
+            "catching up failed: %s; catching up given up after %d tries: channels %s keep their marks, "
+            "tried again in %.1f s",
+            reason,
+            TRIES,
+            ", ".join(map(str, sorted(self._behind))) or "none",
+            self._retry_wait,
+        )
+        if self._retry is None or self._retry.done():
+            self._retry = asyncio.create_task(self._catch_up_later(self._retry_wait), name="agentloop-discord-retry")
 
-    async def _on_message(self, message: dict[str, Any]) -> None:
+    async def _catch_up_later(self, wait: float) -> None:
+        await asyncio.sleep(wait)
+        self._queue.put_nowait((CATCH_UP, {"retry": True}))
+
+    async def _catch_up(self, *, retry: bool = False) -> None:
+        """Handle, oldest first, what was said in the known channels after their marks (the
+        gateway does not replay it to a new session); a ``retry`` of a catch-up given up, only in
+        the channels it did not finish."""
+        if not retry:
+            self._behind = set(self.state.last)
+        elif self._behind:
+            log.info(
+                "catching up again in channels %s, after a catch-up given up", ", ".join(map(str, sorted(self._behind)))
+            )
+        for channel in sorted(self._behind):
+            await self._catch_up_channel(channel)
+        if self._retry_wait:
+            log.info("caught up after the catch-up given up: the channels' marks move again")
+            self._retry_wait = 0.0
+
+    async def _catch_up_channel(self, channel: int) -> None:
+        """Catch up one channel. Each page read moves its mark over it once it is all dealt with,
+        in one write: what needed nothing is not read again."""
+        after = self.state.last.get(channel)
+        taken = 0
+        guild: object = None
+        while after is not None:
+            try:
+                if not taken:  # (a REST message has no guild_id: the channel says whose it is)
+                    guild = _field(await self.api.request("GET", f"/channels/{channel}", attempts=3), "guild_id")
+                params = {"after": after, "limit": PAGE}
+                batch = await self.api.request("GET", f"/channels/{channel}/messages", params=params, attempts=3)
+            except DiscordError as exc:
+                if exc.status not in (403, 404):
+                    raise  # (taken again)
+                log.warning("%s: channel %d is not caught up, and forgotten", exc, channel)
+                self.state.forget(channel)
+                self._handled.pop(channel, None)
+                await self.state.save()
+                break
+            messages = [m for m in batch if _snowflake(_field(m, "id")) is not None] if isinstance(batch, list) else []
+            messages.sort(key=lambda m: cast("int", _snowflake(m["id"])))
+            for message in messages:
+                await self._on_message(message if guild is None else {**message, "guild_id": guild}, caught_up=True)
+            taken += len(messages)
+            if messages:  # (each handled or passed over: a message that failed raised before this)
+                self.state.passed(channel, cast("int", _snowflake(messages[-1]["id"])))
+            self._settle(channel, done=len(messages) < PAGE)
+            if self.state.unsaved:
+                await self.state.save()
+            if len(messages) < PAGE:
+                break
+            after = _snowflake(messages[-1]["id"])
+        self._behind.discard(channel)
+        if taken:
+            log.info("caught up %d messages in channel %d", taken, channel)
+
+    def _settle(self, channel: int, *, done: bool) -> None:
+        """The messages handled live past the mark that the catch-up has now passed: they count
+        as handled (a dispatch of one again is taken once) and are written with the page."""
+        newest = self.state.settle(channel, done=done)
+        if newest:
+            self._handled[channel] = max(newest, self._handled.get(channel, 0))
+            self.state.unsaved = max(self.state.unsaved, 1)
+
+    async def _on_message(self, message: dict[str, Any], *, caught_up: bool = False) -> None:
         channel = _snowflake(message.get("channel_id"))
         message_id = _snowflake(message.get("id"))
         if channel is None or message_id is None:
             return
-        if message_id <= self._handled.get(channel, 0):
-            return  # handled already (caught up, then dispatched too)
-        if await self._take_message(channel, message_id, message):
+        if message_id <= self._handled.get(channel, 0) or message_id in self.state.taken.get(channel, ()):
+            return  # handled already (caught up, then dispatched too; or dispatched, then caught up)
+        if not await self._take_message(channel, message_id, message):
+            await self._pass(channel, message_id)
+        elif channel in self._behind and not caught_up:
+            self.state.took(channel, message_id)  # (the mark stays: what came before is not read yet)
+            await self.state.save()
+        else:
             self._handled[channel] = max(message_id, self._handled.get(channel, 0))
             self.state.handled(channel, message_id)
             await self.state.save()
-        else:
-            await self._pass(channel, message_id)
 
     async def _pass(self, channel: int, message_id: int) -> None:
         """A dispatched message that needed nothing moves its channel's mark, written every
