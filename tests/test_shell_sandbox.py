@@ -306,7 +306,10 @@ async def test_off_changes_nothing(root: Path, outside: Path) -> None:
 
 
 async def test_a_bad_mode_is_a_clear_error(root: Path, tmp_path: Path) -> None:
-    message = "shell_sandbox must be one of 'off', 'workspace', 'workspace-offline', got 'strict'"
+    message = (
+        "shell_sandbox must be one of 'off', 'workspace', 'workspace-offline', 'private', 'private-offline', "
+        "got 'strict'"
+    )
     with pytest.raises(ValueError, match=message):
         shell_tool(root, sandbox="strict")
     with pytest.raises(ValueError, match=message):

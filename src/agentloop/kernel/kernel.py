@@ -736,6 +736,7 @@ class Kernel:
         schedule_tool: bool = False,
         fetch_allow: Iterable[str] = (),
         shell_sandbox: str = "off",
+        shell_sandbox_read: Sequence[str | Path] = (),
         system_prompt: str = "",
         data_dir: str | Path | None = None,
         approval: ApprovalFn | None = None,
@@ -767,9 +768,11 @@ class Kernel:
         it hands a task to another existing process of its owner; ``schedule_tool`` adds ``Schedule``
         (kernel/schedule_tool.py), with which a process sets its own reminders; ``fetch_allow``
         names the non-public hosts the built-in Fetch may reach (``["localhost", "10.0.0.0/8"]``);
-        ``shell_sandbox`` (``"off"``, ``"workspace"``, ``"workspace-offline"``) confines the built-in
-        Shell's commands with Landlock (``tools/sandbox.py``; a sandbox this machine cannot give is
-        logged once, and every command refused);
+        ``shell_sandbox`` (``"off"``, ``"workspace"``, ``"workspace-offline"``, ``"private"``,
+        ``"private-offline"``) confines the built-in Shell's commands with Landlock
+        (``tools/sandbox.py``; a sandbox this machine cannot give is logged once, and every command
+        refused); in the private modes they read only the workspace, the system and the directories
+        ``shell_sandbox_read`` names;
         ``toolset`` adapts them per process run;
         ``devices`` (the server's device hub)
         makes the owner's online devices routable targets (``device_toolset``, unless ``toolset``
@@ -838,7 +841,9 @@ class Kernel:
         data = Path(data_dir)
         builtin = tools is None
         if tools is None:
-            tools = builtin_tools(root, fetch_allow=fetch_allow, shell_sandbox=shell_sandbox)
+            tools = builtin_tools(
+                root, fetch_allow=fetch_allow, shell_sandbox=shell_sandbox, shell_sandbox_read=shell_sandbox_read
+            )
         elif shell_sandbox != "off":  # (tools of the caller's own: theirs to confine)
             raise ValueError("shell_sandbox is for the built-in tools: with tools=..., pass it to builtin_tools()")
         tools = [*tools, *extra_tools]
@@ -864,7 +869,7 @@ class Kernel:
         if daily_memory:
             toolset = chain(memory_toolset(data), toolset)
         if builtin:
-            toolset = chain(cwd_toolset(root, shell_sandbox), toolset)
+            toolset = chain(cwd_toolset(root, shell_sandbox, tuple(shell_sandbox_read)), toolset)
         amend: AmendFn | None = None  # (a caller's own ``approval`` keeps no account files to amend)
         server_policy: ServerPolicy | None = None
         if approval is None:

@@ -64,11 +64,11 @@ def hydrate_media(media: MediaStore) -> Callable[[list[Message]], list[Message]]
     return hydrate
 
 
-def cwd_toolset(root: Path, shell_sandbox: str = "off") -> ToolsetFn:
+def cwd_toolset(root: Path, shell_sandbox: str = "off", shell_sandbox_read: Sequence[str | Path] = ()) -> ToolsetFn:
     """Each process works in its own directory: a process spawned with a ``cwd`` other than the
     workspace gets built-in tools rooted there (its prompt already reads that directory's files,
-    and its approvals judge paths against it), its Shell under the same ``shell_sandbox`` (so
-    writable beneath that directory). Other tools are shared unchanged."""
+    and its approvals judge paths against it), its Shell under the same ``shell_sandbox`` and
+    ``shell_sandbox_read`` (so writable beneath that directory). Other tools are shared unchanged."""
     rooted: dict[str, dict[str, Tool]] = {}
 
     def toolset(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
@@ -80,7 +80,10 @@ def cwd_toolset(root: Path, shell_sandbox: str = "off") -> ToolsetFn:
                 rooted.clear()
             # (Fetch has no root: the shared one stays, with whatever allow-list it was given)
             own = rooted[record.cwd] = {
-                t.name: t for t in builtin_tools(record.cwd, fetch=False, shell_sandbox=shell_sandbox)
+                t.name: t
+                for t in builtin_tools(
+                    record.cwd, fetch=False, shell_sandbox=shell_sandbox, shell_sandbox_read=shell_sandbox_read
+                )
             }
         return {name: own.get(name, tool) if name in SYSCALLS else tool for name, tool in shared.items()}
 

@@ -47,15 +47,18 @@ def builtin_tools(
     fetch: bool = True,
     fetch_allow: Iterable[str] = (),
     shell_sandbox: str = "off",
+    shell_sandbox_read: Iterable[str | Path] = (),
 ) -> list[Tool]:
     """Read, Write, Edit, Delete, Search and (unless ``shell=False``) Shell, rooted at ``workspace``,
     and (unless ``fetch=False``) Fetch, which reaches public addresses and those ``fetch_allow``
     names (``["localhost", "10.0.0.0/8"]``; ``ValueError`` for an entry that is neither); with
     ``codemode=True`` also CodeMode (syscall ``codemode.exec``) over them. CodeMode is opt-in: its
     program is arbitrary Python running as this user (see ``tools/codemode.py``). ``shell_sandbox``
-    (``"off"``, ``"workspace"``, ``"workspace-offline"``; ``ValueError`` for another) runs Shell's
-    commands and CodeMode's programs under Landlock, writable only inside the workspace
-    (``tools/sandbox.py``).
+    (``"off"``, ``"workspace"``, ``"workspace-offline"``, ``"private"``, ``"private-offline"``;
+    ``ValueError`` for another) runs Shell's commands and CodeMode's programs under Landlock,
+    writable only inside the workspace (``tools/sandbox.py``); the private modes also confine what
+    Shell's commands read, to the workspace, the system and the directories ``shell_sandbox_read``
+    names (by their real paths).
 
     The root is resolved again on every call, so it may be created or moved after this returns;
     a call made while it is missing is an error result, not an exception.
@@ -64,7 +67,7 @@ def builtin_tools(
     root = Path(workspace).expanduser().absolute()
     tools: list[Tool] = [read_tool(root), write_tool(root), edit_tool(root), delete_tool(root), search_tool(root)]
     if shell:
-        tools.append(shell_tool(root, sandbox=shell_sandbox))
+        tools.append(shell_tool(root, sandbox=shell_sandbox, sandbox_read=tuple(shell_sandbox_read)))
     if fetch:
         tools.append(fetch_tool(allow=fetch_allow))
     if codemode:

@@ -27,9 +27,10 @@ therefore exactly as powerful as an unclassified shell command, and the default 
 person before each ``codemode.exec`` call, showing the program. The subprocess gets a minimal
 environment (no API keys from this process's environment), which keeps secrets out of casual
 reach but is no sandbox. ``sandbox`` (the ``shell_sandbox`` setting: ``workspace``,
-``workspace-offline``) confines the program as it does Shell's commands (``tools/sandbox.py``):
-it may then write only beneath its working directory and its private ``$TMPDIR`` (and, offline,
-open no TCP connection); it is not run where that cannot be had.
+``workspace-offline``, ``private``, ``private-offline``) confines the program as it does Shell's
+commands (``tools/sandbox.py``): it may then write only beneath its working directory and its
+private ``$TMPDIR`` (and, offline, open no TCP connection; private, read only there and in the
+system); it is not run where that cannot be had.
 
 The subprocess runs in its own process group; a timeout, the runtime's per-tool timeout and an
 abort kill the group, so whatever the program started dies with it (as for Shell) - unless it
@@ -262,6 +263,17 @@ def _text_of(result: ToolResult) -> str:
     return "\n".join(parts)
 
 
+def _own_files() -> list[str]:
+    """What the program's interpreter reads to start, beyond what a private sandbox lets be read
+    (the system, the base interpreter's files): the runner (in this package, which may lie in a
+    project or a home) and a virtual environment's ``pyvenv.cfg`` (``site`` stops without it)."""
+    files = [os.path.realpath(RUNNER)]
+    venv = Path(sys.prefix, "pyvenv.cfg")
+    if sys.prefix != sys.base_prefix and venv.is_file():
+        files.append(os.path.realpath(venv))
+    return files
+
+
 def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith("LC_")}
 
@@ -313,7 +325,7 @@ class CodeMode(Tool):
         if sandbox != "off":
             description += (
                 "\nThe program itself runs in a sandbox: it can write files only inside the working directory and "
-                "$TMPDIR" + (" and cannot open TCP connections." if sandbox == "workspace-offline" else ".")
+                "$TMPDIR" + (" and cannot open TCP connections." if sandboxing.is_offline(sandbox) else ".")
             )
         super().__init__(name, description, _SCHEMA, timeout=runtime_limit)
         self.syscall = SYSCALL
@@ -385,7 +397,7 @@ class _Execution:
         environment = _environment()
         if tmp is not None:  # (the wrapper confines itself, then execs the runner: the channel's fds stay open)
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
-            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program")
+            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program", readable=_own_files())
         env, mark = marked(environment)
         try:
             proc = await spawn(  # (a cancel while it starts stops its group too)

@@ -1,12 +1,12 @@
 """The Shell sandbox (``shell_sandbox``): Linux Landlock, applied by the command's own process.
 
-A sandboxed command is not started as ``bash -c CMD`` but as this file run by the same interpreter
-(``python -I -S -c <this file> --write DIR … [--offline] -- bash -c CMD``): it restricts itself with
-Landlock (``landlock_create_ruleset``, ``landlock_add_rule``, ``prctl(PR_SET_NO_NEW_PRIVS)``,
-``landlock_restrict_self``) and then execs the shell. So nothing runs in the child between
-``fork`` and ``exec`` (no ``preexec_fn``, unsafe in a threaded runtime), the pid stays the shell's
-(the process group and its mark work as without a sandbox), and the restriction is inherited by
-everything the command starts; it cannot be lifted.
+A sandboxed command is not started as ``bash -c CMD`` but as this file run by the same interpreter,
+``python -I -S -c <this file> --write DIR … [--private [--read DIR …]] [--offline] -- bash -c CMD``:
+it restricts itself with Landlock (``landlock_create_ruleset``, ``landlock_add_rule``,
+``prctl(PR_SET_NO_NEW_PRIVS)``, ``landlock_restrict_self``) and then execs the shell. So nothing
+runs in the child between ``fork`` and ``exec`` (no ``preexec_fn``, unsafe in a threaded runtime),
+the pid stays the shell's (the process group and its mark work as without a sandbox), and the
+restriction is inherited by everything the command starts; it cannot be lifted.
 
 The modes:
 
@@ -22,16 +22,45 @@ The modes:
   connecting to abstract Unix sockets outside the sandbox; a seccomp filter (x86-64, ARM64) refuses
   the TCP Landlock does not see (``_offline_filter``: Multipath TCP and SMC sockets, TCP Fast Open,
   io_uring). A ``listen`` without ``bind`` still gets a port (the kernel's choice).
+- ``private``: as ``workspace``, and reading is confined too (``--private``): files may be read,
+  directories listed and programs run only beneath the writable directories, the system
+  (``SYSTEM_PROGRAMS``: read and executed; ``SYSTEM_FILES``: read), the interpreter's own files (its
+  executable, standard library and ``LIBDIR``: what a ``python`` command needs) and the extra
+  read-only directories given with ``--read`` (``shell_sandbox_read`` of ``Kernel.open``). The
+  user's home outside the workspace (``~/.ssh``, ``~/.aws``, browser profiles, other projects),
+  other users' homes, ``/root``, ``/tmp`` outside ``$TMPDIR``, ``/var``, ``/run``, ``/mnt``,
+  ``/media``, ``/srv`` answer ``EACCES``, also through a symlink (Landlock checks the file a path
+  resolves to). The name: the command sees none of the user's private files, only the workspace and
+  the system.
+- ``private-offline``: ``private`` and ``workspace-offline``'s network confinement.
+
+Which system directories the private modes let be read, and why: ``/usr``, ``/bin``, ``/sbin``,
+``/lib*``, ``/opt`` and ``/nix/store`` hold programs and libraries (installed software, readable by
+everyone; ``/nix/store`` is where every program lives on NixOS). ``/etc`` is world-readable
+configuration every tool reads (the loader's cache, ``passwd``, ``nsswitch.conf``, certificates);
+the secrets in it (``shadow``, host keys) are readable by root only - so run the runtime as an
+ordinary user. ``/proc`` (``/proc/self``, ``/dev/fd``, ``ps``) and ``/sys`` (the CPU count, device
+facts) are the kernel's views; another process's ``environ`` or memory stays out of reach, as
+Landlock lets a sandboxed process ``ptrace`` (and so read those of) only processes in its own
+sandbox - unless the runtime runs as root. ``/dev`` is read (``/dev/urandom``, ``/dev/null``);
+written only in ``DEVICES``. ``/run`` is left out: it holds the user's runtime directory
+(``/run/user/UID``: keyrings, agents' state, a container registry's credentials); only
+``/etc/resolv.conf``'s target is let be read when it lies elsewhere
+(``/run/systemd/resolve/stub-resolv.conf``: name resolution). A directory missing here is skipped.
 
 The wrapper is run from this file's text as the runtime imported it (``-c``), on the real (base)
 interpreter, which must not lie beneath a writable directory (``Unconfinable``): what runs before
-the command is confined cannot be changed by an earlier command. A writable directory must be given
-by its real path (the wrapper refuses one reached through a symlink, which a command could swap in).
+the command is confined cannot be changed by an earlier command. A writable or extra readable
+directory must be given by its real path (the wrapper refuses one reached through a symlink, which a
+command could swap in).
 
-What is *not* confined: reading (any file this user may read, secrets included), UDP and other
-non-TCP protocols, connecting to Unix sockets that have a path (``/var/run/docker.sock``), ioctls,
-and every other system call; processes started before (a server the command talks to is not
-sandboxed). Setuid programs (``sudo``) cannot gain privileges (``no_new_privs``).
+What is *not* confined: reading, in the ``workspace`` modes (any file this user may read, secrets
+included; the ``private`` modes confine it as above, yet leave the directory tree walkable: a name
+can be looked up, ``cd`` into, ``stat``-ed, only not read or listed), UDP and other non-TCP
+protocols, connecting to Unix sockets that have a path (``/var/run/docker.sock``; in the private
+modes too: an ``ssh-agent``'s socket, should the command know its path, signs with keys it cannot
+read), ioctls, and every other system call; processes started before (a server the command talks to
+is not sandboxed). Setuid programs (``sudo``) cannot gain privileges (``no_new_privs``).
 
 Only the standard library is used: the wrapper runs with ``-I -S`` (no ``site``, no
 ``agentloop`` package), to start in a few milliseconds.
@@ -51,8 +80,12 @@ from typing import NoReturn
 __all__ = [
     "DEVICES",
     "MODES",
+    "SYSTEM_FILES",
+    "SYSTEM_PROGRAMS",
     "Unconfinable",
     "check_mode",
+    "is_offline",
+    "is_private",
     "landlock_status",
     "main",
     "restrict",
@@ -60,7 +93,13 @@ __all__ = [
     "wrapper_argv",
 ]
 
-MODES = ("off", "workspace", "workspace-offline")
+MODES = ("off", "workspace", "workspace-offline", "private", "private-offline")
+#: read and executed in the private modes (programs and libraries); a missing one is skipped
+SYSTEM_PROGRAMS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/nix/store")
+#: read, not executed, in the private modes (configuration, the kernel's views, devices)
+SYSTEM_FILES = ("/etc", "/proc", "/sys", "/dev")
+#: a symlink on many systems (systemd-resolved: into ``/run``, which the private modes leave out)
+_RESOLV_CONF = "/etc/resolv.conf"
 #: written by shells and ordinary tools (``> /dev/null``); a missing one is skipped
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")
 #: the exit status of a sandboxed command that could not be confined (and so was not run)
@@ -90,6 +129,7 @@ _FS_REFER = 1 << 13  # ABI 2: link or rename into another directory
 _FS_TRUNCATE = 1 << 14  # ABI 3
 # (ABI 5's LANDLOCK_ACCESS_FS_IOCTL_DEV is left unhandled: ioctls on devices stay as they are)
 _FS_V1 = (1 << 13) - 1
+_READ_EXECUTE = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE  # (what a non-directory rule may hold)
 _NET_BIND_TCP = 1 << 0  # ABI 4
 _NET_CONNECT_TCP = 1 << 1
@@ -208,6 +248,16 @@ def check_mode(mode: object) -> str:
     return mode
 
 
+def is_offline(mode: str) -> bool:
+    """Whether the sandbox ``mode`` also keeps commands off TCP."""
+    return check_mode(mode).endswith("-offline")
+
+
+def is_private(mode: str) -> bool:
+    """Whether the sandbox ``mode`` also confines reading (to the workspace, the system, ``--read``)."""
+    return check_mode(mode).startswith("private")
+
+
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
@@ -246,9 +296,9 @@ def unavailable(mode: str) -> str | None:
     abi, why = landlock_status()
     if abi < 1:
         return why or "Landlock is not available on this system"
-    if mode == "workspace-offline" and abi < 4:
+    if is_offline(mode) and abi < 4:
         return f"blocking the network needs Landlock ABI 4 (Linux 6.7) or later; this kernel has ABI {abi}"
-    if mode == "workspace-offline" and os.uname().machine not in _SECCOMP_ARCH:
+    if is_offline(mode) and os.uname().machine not in _SECCOMP_ARCH:
         return f"blocking the network is not supported on {os.uname().machine} (only on {', '.join(_SECCOMP_ARCH)})"
     return None
 
@@ -287,12 +337,18 @@ def _beneath(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def wrapper_argv(mode: str, writable: Sequence[str | os.PathLike[str]], argv: Sequence[str]) -> list[str]:
+def wrapper_argv(
+    mode: str,
+    writable: Sequence[str | os.PathLike[str]],
+    argv: Sequence[str],
+    readable: Sequence[str | os.PathLike[str]] = (),
+) -> list[str]:
     """The command line that runs ``argv`` under the sandbox ``mode`` (not ``off``), writable beneath
     ``writable``: this file's text as the runtime read it, run by this interpreter (``-I -S -c``),
-    which confines itself and then execs ``argv``. ``Unconfinable`` when the interpreter or its
-    standard library lies beneath a writable directory: a command could change what the next one is
-    confined by."""
+    which confines itself and then execs ``argv``. In a private mode it may read beneath the system,
+    the interpreter's own files and ``readable`` (else ``readable`` is moot: all may be read).
+    ``Unconfinable`` when the interpreter or its standard library lies beneath a writable directory:
+    a command could change what the next one is confined by."""
     if check_mode(mode) == "off":
         raise ValueError("no wrapper for shell_sandbox 'off'")
     executable, loaded = _interpreter()
@@ -305,15 +361,26 @@ def wrapper_argv(mode: str, writable: Sequence[str | os.PathLike[str]], argv: Se
             )
     start = [executable, "-I", "-S", "-c", _SOURCE] if _SOURCE is not None else [sys.executable, "-m", __name__]
     options = [item for path in writable for item in ("--write", os.path.abspath(path))]
-    if mode == "workspace-offline":
+    if is_private(mode):  # (the interpreter's files first: a ``python`` command needs them, as CodeMode does)
+        options.append("--private")
+        options += [item for path in (*loaded, *readable) for item in ("--read", os.path.abspath(path))]
+    if is_offline(mode):
         options.append("--offline")
     return [*start, *options, "--", *argv]
 
 
-def restrict(writable: Sequence[str], *, offline: bool = False, devices: Sequence[str] = DEVICES) -> int:
-    """Confine this process (and all it will start) for good: read and execute anywhere, write
-    beneath ``writable`` and into ``devices``, with ``offline`` no TCP. The ABI used; ``OSError`` or
-    ``RuntimeError`` when it cannot be done (then nothing may run: the caller must stop)."""
+def restrict(
+    writable: Sequence[str],
+    *,
+    offline: bool = False,
+    readable: Sequence[str] | None = None,
+    devices: Sequence[str] = DEVICES,
+) -> int:
+    """Confine this process (and all it will start) for good: write beneath ``writable`` and into
+    ``devices``; read and execute anywhere or, with ``readable`` (the private modes), only beneath
+    the system (``_allow_system``), ``writable`` and ``readable``; with ``offline`` no TCP. The ABI
+    used; ``OSError`` or ``RuntimeError`` when it cannot be done (then nothing may run: the caller
+    must stop)."""
     abi, why = landlock_status()
     if abi < 1:
         raise RuntimeError(why or "Landlock is not available")
@@ -329,7 +396,12 @@ def restrict(writable: Sequence[str], *, offline: bool = False, devices: Sequenc
     libc = _libc()
     ruleset = _syscall(libc, _SYS_CREATE_RULESET, ctypes.c_void_p(ctypes.addressof(attr)), size, 0)
     try:
-        _allow(libc, ruleset, "/", _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR, required=True)
+        if readable is None:
+            _allow(libc, ruleset, "/", _READ_EXECUTE, required=True)
+        else:
+            _allow_system(libc, ruleset)
+            for path in readable:  # (read-only: what is not handled in ``writable``'s rights is denied)
+                _allow(libc, ruleset, path, _READ_EXECUTE, required=True)
         for path in writable:
             _allow(libc, ruleset, path, handled, required=True)
         for device in devices:
@@ -342,6 +414,19 @@ def restrict(writable: Sequence[str], *, offline: bool = False, devices: Sequenc
     finally:
         os.close(ruleset)
     return abi
+
+
+def _allow_system(libc: ctypes.CDLL, ruleset: int) -> None:
+    """The private modes' system rules: programs read and run, configuration and the kernel's views
+    read (the module's docstring says why each); root-owned, so symlinks among them (``/bin`` to
+    ``usr/bin``) are followed, and a missing one is skipped."""
+    for path in SYSTEM_PROGRAMS:
+        _allow(libc, ruleset, path, _READ_EXECUTE, required=False)
+    for path in SYSTEM_FILES:
+        _allow(libc, ruleset, path, _FS_READ_FILE | _FS_READ_DIR, required=False)
+    resolv = os.path.realpath(_RESOLV_CONF)
+    if resolv != _RESOLV_CONF:  # (only that file: the rest of where it lies, ``/run``, stays hidden)
+        _allow(libc, ruleset, resolv, _FS_READ_FILE, required=False)
 
 
 def _allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int, *, required: bool) -> None:
@@ -366,24 +451,31 @@ def _allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int, *, required:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """``sandbox.py --write DIR … [--offline] -- PROGRAM ARGS…``: confine, then exec PROGRAM
-    (an absolute path). Exit 126 with the reason on stderr, PROGRAM not run, when confining fails."""
+    """``sandbox.py --write DIR … [--private [--read DIR …]] [--offline] -- PROGRAM ARGS…``: confine,
+    then exec PROGRAM (an absolute path). ``--private`` confines reading to the system, the ``--write``
+    and the ``--read`` directories. Exit 126 with the reason on stderr, PROGRAM not run, when
+    confining fails (also for a ``--read`` without ``--private``: reading would not be confined)."""
     args = list(sys.argv[1:] if argv is None else argv)
     writable: list[str] = []
-    offline = False
+    readable: list[str] = []
+    offline = private = False
     while args and args[0] != "--":
         option = args.pop(0)
-        if option == "--write" and args:
-            writable.append(args.pop(0))
+        if option in ("--write", "--read") and args:
+            (writable if option == "--write" else readable).append(args.pop(0))
         elif option == "--offline":
             offline = True
+        elif option == "--private":
+            private = True
         else:
             _refuse(f"unknown option {option!r}")
     if len(args) < 2:
-        _refuse("usage: sandbox.py --write DIR ... [--offline] -- PROGRAM [ARGS...]")
+        _refuse("usage: sandbox.py --write DIR ... [--private [--read DIR ...]] [--offline] -- PROGRAM [ARGS...]")
+    if readable and not private:
+        _refuse("--read confines reading only with --private")
     program = args[1:]
     try:
-        restrict(writable, offline=offline)
+        restrict(writable, offline=offline, readable=readable if private else None)
     except (OSError, RuntimeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         _refuse(f"cannot confine the command ({why}); it was not run")

@@ -136,12 +136,17 @@ def refuse_unconfined(mode: str, what: str = "command") -> None:
 
 
 def confined_argv(
-    mode: str, writable: Sequence[str | os.PathLike[str]], argv: Sequence[str], what: str = "command"
+    mode: str,
+    writable: Sequence[str | os.PathLike[str]],
+    argv: Sequence[str],
+    what: str = "command",
+    readable: Sequence[str | os.PathLike[str]] = (),
 ) -> list[str]:
-    """``argv`` under the sandbox ``mode`` (``sandbox.wrapper_argv``); ``ToolError`` when it cannot be
-    confined safely here (the interpreter that confines it lies where commands may write)."""
+    """``argv`` under the sandbox ``mode`` (``sandbox.wrapper_argv``; a private mode may also read
+    ``readable``); ``ToolError`` when it cannot be confined safely here (the interpreter that
+    confines it lies where commands may write)."""
     try:
-        return sandboxing.wrapper_argv(mode, writable, argv)
+        return sandboxing.wrapper_argv(mode, writable, argv, readable)
     except sandboxing.Unconfinable as exc:
         raise ToolError(f"the {what} was not run: {exc}") from None
 
@@ -234,9 +239,14 @@ _DENIED = re.compile(r"Permission denied|Operation not permitted")
 
 
 def _sandbox_note(mode: str) -> str:
-    net = "; no TCP connections or listening" if mode == "workspace-offline" else ""
+    net = "; no TCP connections or listening" if sandboxing.is_offline(mode) else ""
+    read = (
+        "; they may read only the workspace, $TMPDIR, the system's directories and those shell_sandbox_read names"
+        if sandboxing.is_private(mode)
+        else ""
+    )
     return (
-        f"[sandbox {mode}: commands may write only inside the workspace and $TMPDIR{net}; "
+        f"[sandbox {mode}: commands may write only inside the workspace and $TMPDIR{read}{net}; "
         "a 'Permission denied' elsewhere comes from it]"
     )
 
@@ -370,6 +380,7 @@ async def run_shell(
     job: CommandJob | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     sandbox: str = "off",
+    sandbox_read: Sequence[str | os.PathLike[str]] = (),
 ) -> ToolResult:
     """``shell.exec``: run ``command`` with its output captured; the group dies with it.
     ``started`` is awaited with the group and its mark once the command runs (before it is
@@ -378,8 +389,9 @@ async def run_shell(
     they come, and may be stopped early (``job.stop_requested``), as a timeout stops it.
     ``progress`` (a ``ToolContext.update``) gets the output as it comes (``OutputStream``).
     With a ``sandbox`` mode other than ``off`` the command runs under Landlock (``tools/sandbox.py``),
-    writable only beneath the root and a private ``$TMPDIR``; where that cannot be had it is not
-    run (``ToolError``)."""
+    writable only beneath the root and a private ``$TMPDIR`` (in a private mode also readable only
+    there, in the system and beneath ``sandbox_read``); where that cannot be had it is not run
+    (``ToolError``)."""
     sandboxing.check_mode(sandbox)
     check_command(command)
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -396,7 +408,7 @@ async def run_shell(
         argv = [_shell(), "-c", command]
         if tmp is not None:
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
-            argv = confined_argv(sandbox, [sandbox_root(root), tmp], argv)
+            argv = confined_argv(sandbox, [sandbox_root(root), tmp], argv, readable=sandbox_read)
         env, mark = marked(environment)
         proc = await spawn(
             mark,
@@ -452,19 +464,18 @@ async def run_shell(
     return ToolResult.text(f"{body}\n{note}", is_error=code != 0, details=details)
 
 
-def shell_tool(root: str | Path, *, sandbox: str = "off") -> FunctionTool:
+def shell_tool(
+    root: str | Path, *, sandbox: str = "off", sandbox_read: Sequence[str | os.PathLike[str]] = ()
+) -> FunctionTool:
     """The Shell tool, rooted at ``root``; ``sandbox`` (``tools/sandbox.py``: ``off``, ``workspace``,
-    ``workspace-offline``; ``ValueError`` for another) confines its commands, foreground and
-    background. A sandbox this machine cannot give is logged once here, and each command refused."""
+    ``workspace-offline``, ``private``, ``private-offline``; ``ValueError`` for another) confines its
+    commands, foreground and background; a private mode lets them read also beneath the directories
+    ``sandbox_read`` names (given by their real paths). A sandbox this machine cannot give is logged
+    once here, and each command refused."""
     sandboxing.check_mode(sandbox)
     _warn_if_unavailable(sandbox)
-    confined = ""
-    if sandbox != "off":
-        confined = (
-            " Commands run in a sandbox: they can read everything but write only inside the workspace and $TMPDIR "
-            "(a private temporary directory, removed when the command ends)"
-            + ("; they cannot open TCP connections or listen." if sandbox == "workspace-offline" else ".")
-        )
+    readable = tuple(sandbox_read)
+    confined = _sandbox_description(sandbox, readable)
 
     @tool(
         name="Shell",
@@ -497,14 +508,38 @@ def shell_tool(root: str | Path, *, sandbox: str = "off") -> FunctionTool:
         if not background:
             if timeout is not None and timeout > MAX_TIMEOUT:
                 raise ToolError(f"timeout is at most {MAX_TIMEOUT:g} s; a longer command can run with background=true")
-            return await run_shell(root, command, cwd, timeout, progress=ctx.update, sandbox=sandbox)
-        return start_in_background(ctx, root, command, cwd, timeout, sandbox=sandbox)
+            return await run_shell(
+                root, command, cwd, timeout, progress=ctx.update, sandbox=sandbox, sandbox_read=readable
+            )
+        return start_in_background(ctx, root, command, cwd, timeout, sandbox=sandbox, sandbox_read=readable)
 
     return shell
 
 
+def _sandbox_description(mode: str, readable: Sequence[str | os.PathLike[str]]) -> str:
+    """What the model is told of the sandbox ``mode``, so it does not take a denial for a fault."""
+    if mode == "off":
+        return ""
+    reads = "can read everything but"
+    if sandboxing.is_private(mode):
+        extra = "".join(f", {os.fspath(path)}" for path in readable)
+        reads = f"can read only the workspace, $TMPDIR and the system's directories (/usr, /etc, ...{extra}) and"
+    return (
+        f" Commands run in a sandbox: they {reads} write only inside the workspace and $TMPDIR "
+        "(a private temporary directory, removed when the command ends)"
+        + ("; they cannot open TCP connections or listen." if sandboxing.is_offline(mode) else ".")
+    )
+
+
 def start_in_background(
-    ctx: ToolContext, root: str | Path, command: str, cwd: str, timeout: float | None, *, sandbox: str = "off"
+    ctx: ToolContext,
+    root: str | Path,
+    command: str,
+    cwd: str,
+    timeout: float | None,
+    *,
+    sandbox: str = "off",
+    sandbox_read: Sequence[str | os.PathLike[str]] = (),
 ) -> ToolResult:
     """Hand ``command`` to the runtime (``ToolContext.background``), checked first as a foreground
     one is, so a bad ``cwd`` (or a ``sandbox`` that cannot be had) is this call's error rather than a
@@ -524,7 +559,7 @@ def start_in_background(
     shown = job.shown
 
     async def work() -> str:
-        output = await run_job(root, command, cwd, limit, job, sandbox=sandbox)
+        output = await run_job(root, command, cwd, limit, job, sandbox=sandbox, sandbox_read=sandbox_read)
         return f"The background command `{shown}` (job {job.id}, call {ctx.tool_call_id}) has ended:\n{output}"
 
     try:
@@ -540,7 +575,14 @@ def start_in_background(
 
 
 async def run_job(
-    root: str | Path, command: str, cwd: str, limit: float, job: CommandJob, *, sandbox: str = "off"
+    root: str | Path,
+    command: str,
+    cwd: str,
+    limit: float,
+    job: CommandJob,
+    *,
+    sandbox: str = "off",
+    sandbox_read: Sequence[str | os.PathLike[str]] = (),
 ) -> str:
     """Run a background job's command to its end (under ``sandbox``, as ``run_shell``), keeping the
     job's summary; the output and how it ended, as the model is told. A job stopped before its
@@ -551,7 +593,15 @@ async def run_job(
     started = background_group.get()  # (run by the runtime, which set it)
     try:
         result = await run_shell(
-            root, command, cwd, limit, max_timeout=MAX_BACKGROUND_TIMEOUT, started=started, job=job, sandbox=sandbox
+            root,
+            command,
+            cwd,
+            limit,
+            max_timeout=MAX_BACKGROUND_TIMEOUT,
+            started=started,
+            job=job,
+            sandbox=sandbox,
+            sandbox_read=sandbox_read,
         )
     except BaseException as exc:
         job.finish(None, f"failed to run ({type(exc).__name__})")
