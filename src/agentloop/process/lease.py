@@ -43,6 +43,12 @@ while the listener reconnected, or overtaken by a later one) reads it from the a
 it goes on; and every ``poll`` each worker compares the newest account seq of the owners watched
 on it with what reached them, so one lost after the last signal is found too.
 
+Devices (server/devices.py): a device's connection lives on one worker, while its owner may follow
+the account stream, or revoke its token, through any. The device events a worker commits (presence
+changes, a token revoked or replaced, a device forgotten) go to the others in a notification of
+their transaction (``Store.notify_device``), which this worker hands to whoever registered in
+``devices`` (the server's device hub: this layer knows no devices) through ``deviced``.
+
 On SQLite (one process owns the file) there are no leases: the engine runs without this module.
 """
 
@@ -62,6 +68,7 @@ from agentloop.process.keylock import KeyedLocks
 from agentloop.process.relay import Relay, publish_batch
 from agentloop.process.signals import AccountSignal, Signal
 from agentloop.process.store import NoSuchProcess, ProcessRecord, RelayBatch, StoreError
+from agentloop.process.store.base import DeviceNews
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -139,6 +146,9 @@ class Leases:
         # told of each process claimed with a run under way (a takeover: its previous holder died,
         # closed or stalled); called under the claim, so each only starts work of its own
         self.taken: list[Callable[[ProcessRecord], None]] = []
+        # told of each device event another worker committed (``deviced``): the server registers
+        # its device hub here, which tells this worker's account watchers and closes connections
+        self.devices: list[Callable[[DeviceNews], None]] = []
         # stream deltas between workers; an interest outlives a few polls of a follower set up like this one
         self.relay = Relay(self.store, self.owner, interest_ttl=max(3 * poll, 10.0))
 
@@ -470,6 +480,16 @@ class Leases:
                 hub.to_account(owner, AccountSignal(pid, Signal(name, payload, seq), number))
             return
         self._spawn(self._account_from_log(owner, items))
+
+    # -- devices -----------------------------------------------------------------------------------
+
+    def deviced(self, news: DeviceNews) -> None:
+        """A device event another worker committed (its own are acted on where they are made)."""
+        for hook in list(self.devices):
+            try:
+                hook(news)
+            except Exception:  # (one hook's failure is not the others')
+                log.exception("device %s of %s: a device hook failed", news.name, news.owner)
 
     async def _account_from_log(self, owner: str, items: list[tuple[int, int, str, dict[str, Any] | None]]) -> None:
         first = min(number for number, _, _, _ in items)

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from agentloop.server import api, web, ws
 from agentloop.server.context import ServerContext
+from agentloop.server.devices import DeviceHub
 from agentloop.server.engine_chat import DEFAULT_MAX_BODY, AgentFactory, Authorize, EngineChat
 from agentloop.server.http_errors import exception_handlers
 
@@ -73,7 +74,22 @@ def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
         if who is not None and not who.admin:
             ctx.inputs.take(who.account, ctx.max_inputs_per_minute)  # 429 past the rate
 
+    _share_devices(ctx)
     chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body, admit=admit)
     routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx), *web.routes()]
     # Unknown routes, wrong methods and unexpected failures answer JSON {code, message} too.
     return Starlette(routes=routes, exception_handlers=exception_handlers())
+
+
+def _share_devices(ctx: ServerContext) -> None:
+    """Bind the device hub to the kernel from the start, not at its first driver: on a store
+    several workers share, a device's presence must reach the owner's account watchers here, and
+    its revoking or forgetting close its connection here, whichever worker it was done through
+    (the lease manager hears of it, and knows no devices: the hub registers with it)."""
+    hub = ctx.devices
+    if not isinstance(hub, DeviceHub):
+        return
+    engine = ctx.kernel.engine
+    hub.bind(ctx.accounts.store, engine.hub)
+    if engine.leases is not None:
+        engine.leases.devices.append(hub.heard)

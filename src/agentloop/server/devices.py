@@ -21,21 +21,26 @@ Tokens and the registry: a driver connects with a *device token*, which its owne
 device name (``POST /v1/devices/{name}/token``) and which is good for nothing else: it is not an
 account token (the ``tokens`` table never holds it), so user calls refuse it, and a driver that
 claims another name with it is refused. Issuing a new one replaces the old; revoking it (``DELETE``),
-or replacing it, closes a connection that uses it at once on this server (``DeviceHub.unbind``), and
-on any other server sharing the store at its next heartbeat. An account token is refused for a driver
-unless the hub was made with ``account_tokens=True`` (``agentloop serve --device-account-tokens``:
-the way devices connected before device tokens, kept for a migration). Every device an owner issued
-a token for or connected is remembered in the store's ``devices`` table (label, description, first
-and last seen), listed while offline too; each presence change reaches the owner's account stream
-as ``device.status {device, status: "online" | "offline", timestamp}`` (live only: no account seq).
+or replacing it, closes a connection that uses it at once (``DeviceHub.unbind``): on this server, and
+on any other sharing the store when it hears of it (``Store.notify_device``, sent in the revoking
+transaction; its next heartbeat's token check, should that notification be lost). An account token
+is refused for a driver unless the hub was made with ``account_tokens=True`` (``agentloop serve
+--device-account-tokens``: the way devices connected before device tokens, kept for a migration).
+Every device an owner issued a token for or connected is remembered in the store's ``devices``
+table (label, description, first and last seen), listed while offline too; each presence change
+reaches the owner's account stream
+as ``device.status {device, status: "online" | "offline", timestamp}`` (live only: no account seq),
+on every worker sharing the store: the one the device is connected to tells its own account watchers,
+and the others through a notification of the transaction that writes the change down (``_seen``).
 
 The registry holds at most ``max_registered`` devices per account (``MAX_REGISTERED_DEVICES``): a
 token for a new name past it is refused (``TooManyDevices``), one for a registered name never is. A
 revoked device stays registered (listed, with no token), so revoking does not free its slot: its
 name is reused by issuing it a token again. Forgetting a device (``DELETE /v1/devices/{name}``,
-``forget_device``) deletes its row, token and all, and frees its slot; its connection here closes at
-once (``DeviceHub.disconnect``, whatever token it used), one through another worker at that worker's
-next heartbeat if it used a device token (which no longer resolves). A device that leaves is written
+``forget_device``) deletes its row, token and all, and frees its slot; its connection closes at once
+(``DeviceHub.disconnect``, whatever token it used), here or, told by the forgetting transaction's
+notification, on another worker (whose heartbeat check also closes one that used a device token,
+which no longer resolves, should that notification be lost). A device that leaves is written
 down only while it is still registered, so a forgotten one is not brought back by its own leaving.
 Counted and written under a key of the owner's (``Store.exclusive``), two registrations through any
 workers cannot both pass the limit.
@@ -51,7 +56,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +66,7 @@ from agentloop.messages import TextContent, storable
 from agentloop.process.media import MediaError, check_media
 from agentloop.process.signals import AccountSignal, Signal, SignalHub
 from agentloop.process.store import DeviceRecord, Store
+from agentloop.process.store.base import DeviceNews
 from agentloop.server.auth import Principal, hash_token
 from agentloop.server.strict_json import too_deep
 from agentloop.tools.base import ResultBlock, ToolResult
@@ -232,13 +238,18 @@ async def issue_device_token(
         if not await _has_room(store, owner, name, limit):
             raise TooManyDevices(owner, limit)
         await store.set_device_token(owner, name, token_id, hash_token(token), time.time())
+        # a connection with the token this one replaces, on another worker, closes now
+        await store.notify_device(DeviceNews(owner, name, "revoked", {"token_id": token_id}))
     return token, token_id
 
 
 async def revoke_device_token(store: Store, owner: str, name: str) -> bool:
     """Unbind the token of ``owner``'s device ``name``; False if it had none."""
     async with store.transaction():
-        return await store.set_device_token(owner, name, None, None, time.time())
+        if not await store.set_device_token(owner, name, None, None, time.time()):
+            return False
+        await store.notify_device(DeviceNews(owner, name, "revoked"))  # (its connection on another worker)
+        return True
 
 
 async def forget_device(store: Store, owner: str, name: str) -> bool:
@@ -247,7 +258,10 @@ async def forget_device(store: Store, owner: str, name: str) -> bool:
     written down at the same time (``DeviceHub._seen``) sees it gone instead of writing it back."""
     async with store.transaction():
         await store.exclusive(f"devices of {owner}")
-        return await store.forget_device(owner, name)
+        if not await store.forget_device(owner, name):
+            return False
+        await store.notify_device(DeviceNews(owner, name, "forgotten"))  # (its connection on another worker)
+        return True
 
 
 async def authenticate_device(store: Store, token: str) -> tuple[Principal, str] | None:
@@ -418,7 +432,7 @@ class DeviceHub:
         self._ids = itertools.count(1)
         self._listeners: list[Callable[[str, DeviceInfo], None]] = []
         self._changed = asyncio.Event()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
 
     # -- presence ---------------------------------------------------------------------------------
 
@@ -451,37 +465,43 @@ class DeviceHub:
                 event = self._changed
                 await event.wait()
 
-    def _notify(self, what: str, info: DeviceInfo) -> None:
+    def _notify(self, what: str, info: DeviceInfo) -> dict[str, Any]:
+        """A presence change, told here; returns its ``device.status`` payload, for ``_seen`` to
+        tell the other workers the very same signal."""
         event, self._changed = self._changed, asyncio.Event()
         event.set()
-        self._tell_account(what, info)
+        status = {"device": info.id, "status": what, "timestamp": time.time()}
+        self._tell_account(info.owner, status)
         for listener in list(self._listeners):
             try:
                 listener(what, info)
             except Exception:
                 log.exception("device presence listener failed")
+        return status
 
-    def _tell_account(self, what: str, info: DeviceInfo) -> None:
+    def _tell_account(self, owner: str, status: dict[str, Any]) -> None:
         """``device.status`` to the owner's account watchers here, by the route of every account
         signal (``SignalHub.to_account``, whose filter ``signals.for_account`` passes it): live
         only (no account seq, no pid), as new titles are; a watcher fallen too far behind is ended
         there as for any other account signal."""
         if self.signals is None:
             return
-        payload = {"device": info.id, "status": what, "timestamp": time.time()}
-        self.signals.to_account(info.owner, AccountSignal(None, Signal(DEVICE_STATUS, payload)))
+        self.signals.to_account(owner, AccountSignal(None, Signal(DEVICE_STATUS, status)))
 
-    async def _seen(self, info: DeviceInfo, label: str | None) -> None:
-        """Write down that ``info`` connected (``label`` given) or left (None); a failure is logged,
-        never the device's: presence is kept in memory all the same. A device new to a full
-        registry (one connected with an account token under a new name) is not written down: the
-        registry's limit holds for every way into it. Nor is the leave of a device no longer
-        registered: it was forgotten (its closing is what made it leave), and must stay so."""
+    async def _seen(self, info: DeviceInfo, label: str | None, status: dict[str, Any]) -> None:
+        """Write down that ``info`` connected (``label`` given) or left (None), and tell the other
+        workers sharing the store its ``device.status`` (``status``) in the same transaction; a
+        failure is logged, never the device's: presence is kept in memory all the same. A device
+        new to a full registry (one connected with an account token under a new name) is not
+        written down: the registry's limit holds for every way into it. Nor is the leave of a
+        device no longer registered: it was forgotten (its closing is what made it leave), and
+        must stay so. Either is told all the same: the device did connect, or leave."""
         if self.store is None:
             return
         description = None if label is None else info.description
         try:
             async with self.store.transaction():
+                await self.store.notify_device(DeviceNews(info.owner, info.id, "status", status))
                 names = await _registered(self.store, info.owner)
                 if info.id not in names and label is None:
                     return
@@ -514,13 +534,13 @@ class DeviceHub:
             label = _label(args)
             info = DeviceInfo(name, who.account, implements, tools, time.time(), description)
             conn = _Connection(info, websocket, token_id=who.token_id)
-            await self._claim(conn)
+            online = await self._claim(conn)
         except HubError as exc:
             with contextlib.suppress(Exception):
                 await websocket.send_text(json.dumps(_error_res(connect_id, exc.code, exc.message)))
             return
         try:
-            await self._seen(info, label)
+            await self._seen(info, label, online)
             data = {"device_id": name, "account": who.account, "admin": who.admin, "role": "driver"}
             try:
                 await conn.send({"type": "res", "id": connect_id, "ok": True, "data": data})
@@ -531,7 +551,9 @@ class DeviceHub:
         finally:
             self._drop(conn, f"Device {name} disconnected before answering")
 
-    async def _claim(self, conn: _Connection) -> None:
+    async def _claim(self, conn: _Connection) -> dict[str, Any]:
+        """Take the device's name for ``conn`` (``HubError`` if it may not have it); returns its
+        ``device.status``, told here."""
         key = (conn.info.owner, conn.info.id)
         old = self._devices.get(key)
         if old is not None:
@@ -546,7 +568,7 @@ class DeviceHub:
                 raise HubError("conflict", f"a device named {conn.info.id!r} is already connected to this account")
         _check_room(conn.info, [c.info for (o, _), c in self._devices.items() if o == conn.info.owner])
         self._devices[key] = conn
-        self._notify("online", conn.info)
+        return self._notify("online", conn.info)
 
     async def _answers(self, conn: _Connection) -> bool:
         """Whether a connection still answers a request (any answer counts)."""
@@ -606,11 +628,9 @@ class DeviceHub:
         if self._devices.get(key) is conn:
             del self._devices[key]
             log.info("device %s of %s disconnected", conn.info.id, conn.info.owner)
-            self._notify("offline", conn.info)
+            offline = self._notify("offline", conn.info)
             if self.store is not None:
-                task = asyncio.get_running_loop().create_task(self._seen(conn.info, None))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self._seen(conn.info, None, offline))
 
     async def unbind(self, owner: str, name: str, token_id: str | None = None) -> bool:
         """Close ``owner``'s device ``name`` now if it connected with a device token other than
@@ -642,6 +662,20 @@ class DeviceHub:
             async with asyncio.timeout(SEND_TIMEOUT):  # (a socket that is not read may not close)
                 await conn.socket.close(4401, "the device was forgotten")
         return True
+
+    def heard(self, news: DeviceNews) -> None:
+        """A device event another worker sharing the store committed (``Leases.deviced``, which
+        the server registers this with): a presence change goes to the owner's account watchers
+        here (the worker it happened on told its own), a revoked or replaced token closes the
+        device's connection here if it used another device token (``unbind``), a forgotten device
+        closes it here whatever token it used (``disconnect``): at once, not at the next heartbeat."""
+        if news.event == "status":
+            self._tell_account(news.owner, news.detail)
+        elif news.event == "revoked":
+            replacement = news.detail.get("token_id")
+            self._spawn(self.unbind(news.owner, news.name, replacement if isinstance(replacement, str) else None))
+        elif news.event == "forgotten":
+            self._spawn(self.disconnect(news.owner, news.name))
 
     async def close(self) -> None:
         """Server shutdown: close every driver socket (their in-flight calls fail)."""
@@ -716,6 +750,10 @@ class DeviceHub:
         if conn.closed:
             return
         frame = {"type": "req", "id": f"cancel-{next(self._ids)}", "call": "request.cancel", "args": {"id": req_id}}
-        task = asyncio.get_running_loop().create_task(self._reply(conn, frame))
+        self._spawn(self._reply(conn, frame))
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` in the background, kept referenced until it is done."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -258,6 +258,25 @@ class DeviceRecord:
     last_seen_at: float | None = None
 
 
+DeviceEvent: TypeAlias = Literal["status", "revoked", "forgotten"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceNews:
+    """A device event one worker committed, for the others sharing the store (``notify_device``):
+    the device's connection lives on one worker only, and the owner's account stream may be
+    followed through any. ``status``: it went online or offline (``detail`` is its
+    ``device.status`` payload, for the account watchers elsewhere). ``revoked``: its token was
+    revoked (``detail`` empty) or replaced (``{"token_id": the new one's id}``), so a connection
+    with another device token must close. ``forgotten``: it left the registry, so its connection
+    must close whatever token it used."""
+
+    owner: str
+    name: str
+    event: DeviceEvent
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class Lease:
     """Who may advance a process (DESIGN §6): ``owner`` (None: nobody) until ``expires`` (epoch
@@ -530,6 +549,14 @@ class Store(ABC):
         the account log."""
         return None
 
+    async def notify_device(self, news: DeviceNews) -> None:
+        """Inside a transaction: tell the other workers sharing the store of a device event
+        (``DeviceNews``), once the transaction commits (never for a rollback: a revoke that did
+        not happen closes nothing). A store no other worker shares has none to tell. Best-effort:
+        a worker that misses a revoke or a forget still closes the connection at its next token
+        check (the heartbeat's), one that misses a presence change only shows it late."""
+        return None
+
     # -- account log ----------------------------------------------------------------------------
 
     @abstractmethod
@@ -707,8 +734,9 @@ class Store(ABC):
         self, notified: Notified, live: LiveListener | None = None
     ) -> Callable[[], Awaitable[None]] | None:
         """Call ``notified`` for every ``notify`` of any worker (this one's too), and ``live``
-        for every ``relay`` and ``follow_live``; returns how to stop listening, or None when the
-        store has no cross-worker channel."""
+        for every ``relay`` and ``follow_live`` (and, when it has them, its ``accounted`` and
+        ``deviced`` for the other workers' ``notify_account`` and ``notify_device``); returns how
+        to stop listening, or None when the store has no cross-worker channel."""
         return None
 
     async def relay(self, sender: str, batches: list[RelayBatch]) -> None:

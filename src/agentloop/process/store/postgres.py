@@ -54,6 +54,7 @@ from agentloop.process.store.base import (
     AccountEventRow,
     AccountRecord,
     CallStatus,
+    DeviceNews,
     DeviceRecord,
     DutyLease,
     EventRow,
@@ -176,7 +177,8 @@ CHANNEL = "agentloop"  # the LISTEN/NOTIFY channel; a payload is "<pid> <sender>
 # sent in the committing transaction (delivered at commit, never for a rolled back one):
 # {"sender", "owner", "pid", "account": [[account seq, seq, signal, payload or null], ...]} (null:
 # too large for a notification, read from the account log); its sender is the store (each worker
-# has its own)
+# has its own); or a device event (``notify_device``), sent in its transaction the same way:
+# {"sender", "device": [owner, name, event, detail]}
 LIVE_CHANNEL = "agentloop_live"
 _NOTIFY_MAX = 7900  # bytes of one NOTIFY payload (PostgreSQL refuses 8000 and more)
 _CLAIM = f"""
@@ -318,6 +320,16 @@ def _account_items(items: list[Any]) -> list[tuple[int, int, str, dict[str, Any]
         for account_seq, seq, name, payload in items
         if isinstance(account_seq, int) and isinstance(seq, int) and isinstance(name, str)
     ]
+
+
+def _device_news(item: Any) -> DeviceNews:
+    """The [owner, name, event, detail] of a device notification, checked (``TypeError`` if not)."""
+    owner, name, event, detail = item
+    if not (isinstance(owner, str) and isinstance(name, str) and isinstance(detail, dict)):
+        raise TypeError("a device notification needs [owner, name, event, detail]")
+    if event not in ("status", "revoked", "forgotten"):
+        raise TypeError(f"unknown device event {event!r}")
+    return DeviceNews(owner, name, event, detail)
 
 
 def _changed(status: str) -> int:
@@ -916,6 +928,12 @@ class PostgresStore(Store):
             body = f"{head}[{','.join(group)}]}}"
             await self._write().execute("SELECT pg_notify($1, $2)", LIVE_CHANNEL, body)
 
+    async def notify_device(self, news: DeviceNews) -> None:
+        """In this transaction, one notification on ``LIVE_CHANNEL`` (delivered to the other
+        workers at commit). Small: account and device names are short, and so is ``detail``."""
+        body = dumps({"sender": self._sender, "device": [news.owner, news.name, news.event, news.detail]})
+        await self._write().execute("SELECT pg_notify($1, $2)", LIVE_CHANNEL, body)
+
     async def events(self, pid: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         async with self._reading() as db:
             rows = await db.fetch(
@@ -1204,6 +1222,10 @@ class PostgresStore(Store):
                     accounted = getattr(live, "accounted", None)
                     if sender != self._sender and accounted is not None:  # (its own: published as committed)
                         accounted(str(message["owner"]), str(message["pid"]), _account_items(message["account"]))
+                elif "device" in message:
+                    deviced = getattr(live, "deviced", None)
+                    if sender != self._sender and deviced is not None:  # (its own: acted on where it was made)
+                        deviced(_device_news(message["device"]))
                 elif "follow" in message:
                     live.followed(sender, [str(pid) for pid in message["follow"]])
                 else:
