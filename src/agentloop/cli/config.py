@@ -8,7 +8,8 @@ stop the CLI: it becomes a warning and the defaults apply.
 The one exception is what limits or steers a run: the guards (``max_rounds``, ``max_tool_calls``,
 ``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
 ``compaction_threshold``, how a turn's tool calls run (``max_concurrency``, ``tool_execution``),
-the ``approval_timeout``, the ``outage_retries``, the ``mcp_servers`` and the ``shell_sandbox``.
+the ``approval_timeout``, the ``outage_retries``, the ``mcp_servers``, the ``shell_sandbox`` and its
+``shell_sandbox_read``.
 A budget written down and then silently ignored would let a run go on without the limit its owner relied on (and a
 server left out, without tools it was meant to have), so a bad value there is an error (exit 2)
 for the commands that run the loop, naming the key or flag and what it must be.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -36,6 +38,7 @@ from agentloop.process.driver import MAX_OUTAGE_DELAY, MAX_OUTAGE_RETRIES
 from agentloop.process.heartbeat import DEFAULT_EVERY, DEFAULT_HEARTBEAT, DEFAULT_HOURS, HeartbeatSettings, parse_hours
 from agentloop.tools.mcp import MCPServerConfig, parse_servers
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
+from agentloop.tools.sandbox import is_private
 from agentloop.urls import redact_secrets
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
@@ -79,6 +82,7 @@ _KEYS = (
     "heartbeat",
     "fetch_allow",
     "shell_sandbox",
+    "shell_sandbox_read",
     *TRANSCRIBE_KEYS,
     "bridges",
 )
@@ -112,6 +116,7 @@ class FileConfig:
     schedules: bool = False
     fetch_allow: tuple[str, ...] = ()
     shell_sandbox: str = "off"
+    shell_sandbox_read: tuple[Path, ...] = ()  # real paths, each an existing directory
     store: str | None = None
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # None: ``heartbeat = false``
     # the chat bridges' speech-to-text, for the keys of ``TRANSCRIBE_KEYS`` the file sets
@@ -172,7 +177,8 @@ class Settings:
     subagents: bool = False  # offer durable processes the Task tool (child processes)
     schedules: bool = False  # offer durable processes the Schedule tool (their own reminders)
     fetch_allow: tuple[str, ...] = ()  # non-public hosts the Fetch tool may reach
-    shell_sandbox: str = "off"  # confine Shell commands (tools/sandbox.py): off, workspace, workspace-offline
+    shell_sandbox: str = "off"  # confine Shell commands (tools/sandbox.py): off, workspace, private (-offline)
+    shell_sandbox_read: tuple[Path, ...] = ()  # what the private modes let be read besides (real paths)
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # the check-ins HEARTBEAT.md asks for
@@ -392,6 +398,12 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     except ValueError as exc:
         errors["shell_sandbox"] = f"config file {path}: {exc}"
         shell_sandbox = "off"
+    # (a misspelt mode is its own error: the directories are then judged as if the mode were private)
+    mode = shell_sandbox if "shell_sandbox" not in errors else "private"
+    shell_sandbox_read, problem = _read_sandbox_read(data.get("shell_sandbox_read", []), mode)
+    if problem:
+        errors["shell_sandbox_read"] = f"config file {path}: shell_sandbox_read {problem}"
+        shell_sandbox_read = ()
     store = data.get("store")
     if store is not None and store_problem(store):
         errors["store"] = f"config file {path}: store {store_problem(store)}"
@@ -426,6 +438,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             schedules=switches.get("schedules", False),
             fetch_allow=fetch_allow,
             shell_sandbox=shell_sandbox,
+            shell_sandbox_read=shell_sandbox_read,
             store=store,
             heartbeat=heartbeat,
             transcribe=transcribe,
@@ -497,6 +510,7 @@ def load_settings(
         schedules=file.schedules,
         fetch_allow=file.fetch_allow,
         shell_sandbox=file.shell_sandbox,
+        shell_sandbox_read=file.shell_sandbox_read,
         store=store_url,
         store_source=store_source,
         heartbeat=file.heartbeat,
@@ -544,6 +558,38 @@ def _read_fetch_allow(value: Any) -> tuple[tuple[str, ...], str | None]:
     except ValueError as exc:
         return (), str(exc).removeprefix("allow: ")
     return tuple(value), None
+
+
+def _read_sandbox_read(value: Any, mode: str) -> tuple[tuple[Path, ...], str | None]:
+    """``shell_sandbox_read = ["~/docs", "/srv/data"]``: the directories the private modes let
+    commands read besides, each by its real path; the problem with the first unusable entry. Resolved
+    here because the sandbox refuses a directory reached through a symlink (its target could be
+    swapped later): a user's ``~/docs -> /mnt/docs`` is meant as ``/mnt/docs``. A relative path is
+    refused: relative to wherever the command happened to start, it would name a different place
+    each time. With a ``mode`` that is not private the key is an error, not a warning: the user
+    meant the agent to read there, and it would do nothing (every file is readable already)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return (), f'must be a list of directory paths, e.g. ["~/docs", "/srv/data"], got {value!r}'
+    if value and not is_private(mode):
+        return (), f'is read only in the private modes (shell_sandbox = "private" or "private-offline"), not {mode!r}'
+    directories: list[Path] = []
+    for entry in value:
+        try:
+            directory = expand_home(entry, "entry")
+        except ValueError as exc:
+            return (), str(exc)
+        if not directory.is_absolute():
+            return (), f"entry {entry!r} must be an absolute path (or start with ~)"
+        try:  # (following a symlink: its target is what must be a directory)
+            is_directory = stat.S_ISDIR(directory.stat().st_mode)
+        except FileNotFoundError:
+            return (), f"entry {entry!r}: {directory} does not exist"
+        except OSError as exc:  # (a parent the user may not enter, a symlink loop: never an exception here)
+            return (), f"entry {entry!r}: {directory} cannot be used: {exc.strerror or exc}"
+        if not is_directory:
+            return (), f"entry {entry!r}: {directory} is not a directory"
+        directories.append(directory.resolve())
+    return tuple(dict.fromkeys(directories)), None
 
 
 _WORDS_FOR = {"off": False, "false": False, "no": False, "on": True, "true": True, "yes": True}
@@ -657,6 +703,8 @@ def kernel_extras(settings: Settings) -> dict[str, Any]:
         options["fetch_allow"] = settings.fetch_allow
     if settings.shell_sandbox != "off":
         options["shell_sandbox"] = settings.shell_sandbox
+    if settings.shell_sandbox_read:
+        options["shell_sandbox_read"] = settings.shell_sandbox_read
     options["heartbeat"] = settings.heartbeat
     if settings.approval_timeout is not None:
         options["approval_timeout"] = settings.approval_timeout

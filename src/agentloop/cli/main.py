@@ -231,7 +231,12 @@ def _build_agent(settings: Settings, workspace: Path, progress: Progress, hook: 
     model = open_settings_model(settings, progress)
     agent = Agent(
         model=model,
-        tools=builtin_tools(workspace, fetch_allow=settings.fetch_allow, shell_sandbox=settings.shell_sandbox),
+        tools=builtin_tools(
+            workspace,
+            fetch_allow=settings.fetch_allow,
+            shell_sandbox=settings.shell_sandbox,
+            shell_sandbox_read=settings.shell_sandbox_read,
+        ),
         system_prompt=settings.system_prompt,
         workspace=workspace,
         **loop_options(settings, progress),

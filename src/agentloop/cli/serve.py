@@ -229,7 +229,12 @@ async def _serve(
                 ctx.max_inputs_per_minute = opts.max_inputs_per_minute
             ctx.limit_spending(opts.account_budget)
             tools = [
-                *builtin_tools(opts.workspace, fetch_allow=settings.fetch_allow, shell_sandbox=settings.shell_sandbox),
+                *builtin_tools(
+                    opts.workspace,
+                    fetch_allow=settings.fetch_allow,
+                    shell_sandbox=settings.shell_sandbox,
+                    shell_sandbox_read=settings.shell_sandbox_read,
+                ),
                 *extra,
             ]
 

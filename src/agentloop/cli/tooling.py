@@ -22,6 +22,13 @@ async def extra_tools(settings: Settings, workspace: Path) -> AsyncIterator[list
         if settings.codemode:
             from agentloop.tools.codemode import CodeMode
 
-            builtins = builtin_tools(workspace, fetch_allow=settings.fetch_allow, shell_sandbox=settings.shell_sandbox)
+            builtins = builtin_tools(
+                workspace,
+                fetch_allow=settings.fetch_allow,
+                shell_sandbox=settings.shell_sandbox,
+                shell_sandbox_read=settings.shell_sandbox_read,
+            )
+            # (the program's own reads stay confined to the workspace and the system: CodeMode takes no
+            # extra read-only directories; its shell() calls run the Shell above, which reads them)
             extra.append(CodeMode([*builtins, *mcp], cwd=workspace, sandbox=settings.shell_sandbox))
         yield extra
