@@ -272,6 +272,23 @@ print(await shell(command="cat ~/.ssh/id_rsa"))
     assert "id_rsa: Permission denied" in text(result) and SECRET not in text(result)
 
 
+async def test_codemode_programs_read_the_extra_directories(abi: int, root: Path, home: Path, extra: Path) -> None:
+    """The directories ``shell_sandbox_read`` adds are readable by the program itself too, not only by its
+    ``shell()`` calls; the rest of the home stays hidden."""
+    tools = builtin_tools(root, codemode=True, shell_sandbox="private", shell_sandbox_read=[extra])
+    [code_mode] = [t for t in tools if t.name == "CodeMode"]
+    program = f"""
+print(open("{extra}/doc.txt").read().strip())
+try:
+    open("{home}/.ssh/id_rsa").read()
+except PermissionError as exc:
+    print("direct:", exc.strerror)
+"""
+    result = await code_mode.run(code_mode.validate({"code": program}), ToolContext("1", "CodeMode"))
+    assert (extra / "doc.txt").read_text().strip() in text(result), text(result)
+    assert "direct: Permission denied" in text(result) and SECRET not in text(result)
+
+
 async def test_kernel_open_takes_the_mode_and_the_read_directories(
     abi: int, tmp_path: Path, home: Path, extra: Path
 ) -> None:

@@ -28,7 +28,12 @@ async def extra_tools(settings: Settings, workspace: Path) -> AsyncIterator[list
                 shell_sandbox=settings.shell_sandbox,
                 shell_sandbox_read=settings.shell_sandbox_read,
             )
-            # (the program's own reads stay confined to the workspace and the system: CodeMode takes no
-            # extra read-only directories; its shell() calls run the Shell above, which reads them)
-            extra.append(CodeMode([*builtins, *mcp], cwd=workspace, sandbox=settings.shell_sandbox))
+            extra.append(
+                CodeMode(
+                    [*builtins, *mcp],
+                    cwd=workspace,
+                    sandbox=settings.shell_sandbox,
+                    sandbox_read=settings.shell_sandbox_read,
+                )
+            )
         yield extra

@@ -73,5 +73,5 @@ def builtin_tools(
     if codemode:
         from agentloop.tools.codemode import CodeMode  # it imports this module: import late
 
-        tools.append(CodeMode(tools, cwd=root, sandbox=shell_sandbox))
+        tools.append(CodeMode(tools, cwd=root, sandbox=shell_sandbox, sandbox_read=shell_sandbox_read))
     return tools

@@ -29,8 +29,8 @@ environment (no API keys from this process's environment), which keeps secrets o
 reach but is no sandbox. ``sandbox`` (the ``shell_sandbox`` setting: ``workspace``,
 ``workspace-offline``, ``private``, ``private-offline``) confines the program as it does Shell's
 commands (``tools/sandbox.py``): it may then write only beneath its working directory and its
-private ``$TMPDIR`` (and, offline, open no TCP connection; private, read only there and in the
-system); it is not run where that cannot be had.
+private ``$TMPDIR`` (and, offline, open no TCP connection; private, read only there, in the
+system and in the directories ``sandbox_read`` names); it is not run where that cannot be had.
 
 The subprocess runs in its own process group; a timeout, the runtime's per-tool timeout and an
 abort kill the group, so whatever the program started dies with it (as for Shell) - unless it
@@ -296,8 +296,10 @@ class CodeMode(Tool):
         max_calls: int = MAX_CALLS,
         name: str = "CodeMode",
         sandbox: str = "off",
+        sandbox_read: Iterable[str | Path] = (),
     ) -> None:
         self.sandbox = sandboxing.check_mode(sandbox)
+        self.sandbox_read = tuple(str(p) for p in sandbox_read)  # (a private mode's extra read-only directories)
         own: dict[str, Tool] = {}
         functions: dict[str, Function] = {}
         for tool in tools:
@@ -397,7 +399,7 @@ class _Execution:
         environment = _environment()
         if tmp is not None:  # (the wrapper confines itself, then execs the runner: the channel's fds stay open)
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
-            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program", readable=_own_files())
+            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program", readable=[*_own_files(), *self.mode.sandbox_read])
         env, mark = marked(environment)
         try:
             proc = await spawn(  # (a cancel while it starts stops its group too)
