@@ -543,9 +543,9 @@ class Process:
         offered; None: every tool (a subagent's: its parent's). A name it has no tool of, or one
         its parent's scope does not offer, is a ``ToolScopeError`` (a ``ValueError`` listing the
         available names), and the scope stays what it was. Its subagents, and theirs, are narrowed
-        with it (each one's scope: its own within the new one, ``Kernel._narrow_descendants``), all in
-        one transaction before the process's own changes (so none keeps a tool it lost); widening
-        it widens none of them."""
+        with it (each one's scope: its own within the new one, ``Kernel._narrow_descendants``), each
+        as a change of its own (its watchers told), deepest first, before the process's own changes
+        (so none keeps a tool it lost); widening it widens none of them."""
         record = await self._record()
         if record.state == "killed":
             raise NoSuchProcess(self.pid)

@@ -399,7 +399,8 @@ class _Execution:
         environment = _environment()
         if tmp is not None:  # (the wrapper confines itself, then execs the runner: the channel's fds stay open)
             environment.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
-            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program", readable=[*_own_files(), *self.mode.sandbox_read])
+            readable = [*_own_files(), *self.mode.sandbox_read]
+            argv = confined_argv(self.mode.sandbox, [sandbox_root(cwd), tmp], argv, "program", readable=readable)
         env, mark = marked(environment)
         try:
             proc = await spawn(  # (a cancel while it starts stops its group too)
