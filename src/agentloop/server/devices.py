@@ -668,8 +668,17 @@ class DeviceHub:
         the server registers this with): a presence change goes to the owner's account watchers
         here (the worker it happened on told its own), a revoked or replaced token closes the
         device's connection here if it used another device token (``unbind``), a forgotten device
-        closes it here whatever token it used (``disconnect``): at once, not at the next heartbeat."""
+        closes it here whatever token it used (``disconnect``): at once, not at the next heartbeat.
+        An ``offline`` of a device connected here is stale (it left that worker's older connection
+        after it reconnected here): it is not told here, and the other workers are told it is
+        online again (``_still_online``), so that it is not their account watchers' last word."""
         if news.event == "status":
+            here = self._devices.get((news.owner, news.name))
+            if news.detail.get("status") == "offline" and here is not None and not here.closed:
+                # stale: it left the other worker after it connected here (a load balancer moved
+                # it, and that worker noticed late): not told here, and told online again there
+                self._spawn(self._still_online(here.info))
+                return
             self._tell_account(news.owner, news.detail)
         elif news.event == "revoked":
             replacement = news.detail.get("token_id")
@@ -677,12 +686,31 @@ class DeviceHub:
         elif news.event == "forgotten":
             self._spawn(self.disconnect(news.owner, news.name))
 
+    async def _still_online(self, info: DeviceInfo) -> None:
+        """Tell the other workers again that ``info`` is online here (its ``device.status``), after
+        one of them told an offline of an older connection of it; a failure is logged."""
+        if self.store is None:
+            return
+        status = {"device": info.id, "status": "online", "timestamp": time.time()}
+        try:
+            async with self.store.transaction():
+                await self.store.notify_device(DeviceNews(info.owner, info.id, "status", status))
+        except Exception:
+            log.warning("device %s of %s: could not tell it online again", info.id, info.owner, exc_info=True)
+
     async def close(self) -> None:
-        """Server shutdown: close every driver socket (their in-flight calls fail)."""
+        """Server shutdown: close every driver socket (their in-flight calls fail), then wait (up
+        to ``SEND_TIMEOUT``) for the work they leave in the background: their leaves written down
+        and told to the other workers, before the server closes the store."""
         for conn in list(self._devices.values()):
             self._drop(conn, f"Device {conn.info.id} disconnected (server shutting down)")
             with contextlib.suppress(Exception):
                 await conn.socket.close(1001, "server shutting down")
+        pending = list(self._background)
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    await asyncio.gather(*pending, return_exceptions=True)
 
     # -- calls ------------------------------------------------------------------------------------
 
