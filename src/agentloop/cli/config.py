@@ -404,6 +404,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
     if problem:
         errors["shell_sandbox_read"] = f"config file {path}: shell_sandbox_read {problem}"
         shell_sandbox_read = ()
+    warnings += [f"config file {path}: shell_sandbox_read {w}" for w in _sandbox_read_warnings(shell_sandbox_read)]
     store = data.get("store")
     if store is not None and store_problem(store):
         errors["store"] = f"config file {path}: store {store_problem(store)}"
@@ -590,6 +591,30 @@ def _read_sandbox_read(value: Any, mode: str) -> tuple[tuple[Path, ...], str | N
             return (), f"entry {entry!r}: {directory} is not a directory"
         directories.append(directory.resolve())
     return tuple(dict.fromkeys(directories)), None
+
+
+def _sandbox_read_warnings(directories: tuple[Path, ...]) -> list[str]:
+    """What the user should know of ``shell_sandbox_read``'s ``directories`` (real paths): ``/``
+    makes every file readable, and a directory holding the home (``~``, ``/home``) ``~/.ssh`` and
+    the rest of the private files the private modes exist to hide. Warnings, not errors: a user may
+    mean it, yet would otherwise believe the commands confined to the workspace."""
+    try:
+        home = Path.home().resolve()
+    except (RuntimeError, OSError):  # (no home known: nothing in it to expose)
+        home = None
+    warnings: list[str] = []
+    for directory in directories:
+        if directory == Path(directory.anchor):
+            warnings.append(
+                f"entry {str(directory)!r} lets commands read every file (the home's ~/.ssh, ~/.aws too): "
+                'the private modes then confine only writing, as shell_sandbox = "workspace" does'
+            )
+        elif home is not None and home.is_relative_to(directory):
+            warnings.append(
+                f"entry {str(directory)!r} holds the home ({home}): commands may read its private files "
+                "(~/.ssh, ~/.aws, browser profiles, other projects); name the directories they need instead"
+            )
+    return warnings
 
 
 _WORDS_FOR = {"off": False, "false": False, "no": False, "on": True, "true": True, "yes": True}

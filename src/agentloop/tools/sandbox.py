@@ -42,10 +42,12 @@ the secrets in it (``shadow``, host keys) are readable by root only - so run the
 ordinary user. ``/proc`` (``/proc/self``, ``/dev/fd``, ``ps``) and ``/sys`` (the CPU count, device
 facts) are the kernel's views; another process's ``environ`` or memory stays out of reach, as
 Landlock lets a sandboxed process ``ptrace`` (and so read those of) only processes in its own
-sandbox - unless the runtime runs as root. ``/dev`` is read (``/dev/urandom``, ``/dev/null``);
-written only in ``DEVICES``. ``/run`` is left out: it holds the user's runtime directory
-(``/run/user/UID``: keyrings, agents' state, a container registry's credentials); only
-``/etc/resolv.conf``'s target is let be read when it lies elsewhere
+sandbox (root's ``CAP_SYS_ADMIN`` and ``CAP_PERFMON`` would read past that: they are dropped, see
+below); its command line (``ps``) does not. Of ``/dev`` only ``DEVICES`` and ``SYSTEM_DEVICES`` (the
+null, zero and random devices, ``/dev/tty``) are: not ``/dev/shm`` (files programs keep in shared
+memory), the user's terminals, a camera or microphone, the disks. ``/run`` is left out: it holds the
+user's runtime directory (``/run/user/UID``: keyrings, agents' state, a container registry's
+credentials); only ``/etc/resolv.conf``'s target is let be read when it lies elsewhere
 (``/run/systemd/resolve/stub-resolv.conf``: name resolution). A directory missing here is skipped.
 
 The wrapper is run from this file's text as the runtime imported it (``-c``), on the real (base)
@@ -61,6 +63,12 @@ protocols, connecting to Unix sockets that have a path (``/var/run/docker.sock``
 modes too: an ``ssh-agent``'s socket, should the command know its path, signs with keys it cannot
 read), ioctls, and every other system call; processes started before (a server the command talks to
 is not sandboxed). Setuid programs (``sudo``) cannot gain privileges (``no_new_privs``).
+
+A command run by root keeps only the capabilities ordinary root work needs (``_KEPT_CAPABILITIES``:
+owners, modes, users, low ports), in every mode: Landlock confines paths, and root's other
+capabilities reach past it (a kernel module, raw disk access, reading the runtime's environment;
+offline, a raw socket's hand-made TCP). No mode lets a device node be made (``mknod``), not even in
+the writable directories, where it would be the disk itself.
 
 Only the standard library is used: the wrapper runs with ``-I -S`` (no ``site``, no
 ``agentloop`` package), to start in a few milliseconds.
@@ -80,6 +88,7 @@ from typing import NoReturn
 __all__ = [
     "DEVICES",
     "MODES",
+    "SYSTEM_DEVICES",
     "SYSTEM_FILES",
     "SYSTEM_PROGRAMS",
     "Unconfinable",
@@ -96,8 +105,12 @@ __all__ = [
 MODES = ("off", "workspace", "workspace-offline", "private", "private-offline")
 #: read and executed in the private modes (programs and libraries); a missing one is skipped
 SYSTEM_PROGRAMS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/nix/store")
-#: read, not executed, in the private modes (configuration, the kernel's views, devices)
-SYSTEM_FILES = ("/etc", "/proc", "/sys", "/dev")
+#: read, not executed, in the private modes (configuration, the kernel's views)
+SYSTEM_FILES = ("/etc", "/proc", "/sys")
+#: the devices the private modes let be read besides ``DEVICES`` (not all of ``/dev``: it holds
+#: ``/dev/shm``, where programs keep files in shared memory, the user's terminals ``/dev/pts/N``, the
+#: camera and microphone, and, for root, the disks); ``/dev/fd`` and ``/dev/stdin`` lead to ``/proc``
+SYSTEM_DEVICES = ("/dev/random", "/dev/urandom")
 #: a symlink on many systems (systemd-resolved: into ``/run``, which the private modes leave out)
 _RESOLV_CONF = "/etc/resolv.conf"
 #: written by shells and ordinary tools (``> /dev/null``); a missing one is skipped
@@ -131,6 +144,9 @@ _FS_TRUNCATE = 1 << 14  # ABI 3
 _FS_V1 = (1 << 13) - 1
 _READ_EXECUTE = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE  # (what a non-directory rule may hold)
+#: never granted, not even in the writable directories: a device node made there (by root: ``mknod
+#: disk b 8 0``) would be read and written there, and be the whole disk or the memory
+_FS_MAKE_DEVICE = _FS_MAKE_CHAR | _FS_MAKE_BLOCK
 _NET_BIND_TCP = 1 << 0  # ABI 4
 _NET_CONNECT_TCP = 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
@@ -403,9 +419,10 @@ def restrict(
             for path in readable:  # (read-only: what is not handled in ``writable``'s rights is denied)
                 _allow(libc, ruleset, path, _READ_EXECUTE, required=True)
         for path in writable:
-            _allow(libc, ruleset, path, handled, required=True)
+            _allow(libc, ruleset, path, handled & ~_FS_MAKE_DEVICE, required=True)
         for device in devices:
             _allow(libc, ruleset, device, (_FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE) & handled, required=False)
+        _drop_capabilities(libc, offline=offline)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
             raise OSError(ctypes.get_errno(), f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
         if offline:
@@ -424,9 +441,63 @@ def _allow_system(libc: ctypes.CDLL, ruleset: int) -> None:
         _allow(libc, ruleset, path, _READ_EXECUTE, required=False)
     for path in SYSTEM_FILES:
         _allow(libc, ruleset, path, _FS_READ_FILE | _FS_READ_DIR, required=False)
+    for path in SYSTEM_DEVICES:
+        _allow(libc, ruleset, path, _FS_READ_FILE, required=False)
     resolv = os.path.realpath(_RESOLV_CONF)
     if resolv != _RESOLV_CONF:  # (only that file: the rest of where it lies, ``/run``, stays hidden)
         _allow(libc, ruleset, resolv, _FS_READ_FILE, required=False)
+
+
+# The capabilities a command run by root keeps (Docker's default set, less ``CAP_MKNOD``): what
+# ordinary root work needs (``chown``, ``tar`` keeping owners, files of other users in the workspace,
+# ``su``, low ports, ``ping``). Landlock confines paths, not capabilities, and the others reach past
+# it: ``CAP_SYS_ADMIN`` and ``CAP_PERFMON`` read another process's ``environ`` and memory map (the
+# runtime's API keys) despite its ptrace rule, ``CAP_SYS_MODULE`` loads kernel code,
+# ``CAP_SYS_RAWIO``, ``CAP_BPF``, ``CAP_MKNOD`` (a disk's device node), ``CAP_DAC_READ_SEARCH``
+# (``open_by_handle_at``), ``CAP_SYS_PTRACE``, ``CAP_NET_ADMIN``. Offline, ``CAP_NET_RAW`` goes too:
+# a raw or packet socket makes TCP by hand, past the ``connect`` rule and the seccomp filter.
+_CAP_NET_RAW = 13
+_KEPT_CAPABILITIES = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, _CAP_NET_RAW, 18, 29, 31})
+_CAPABILITY_VERSION_3 = 0x20080522
+_PR_CAPBSET_READ, _PR_CAPBSET_DROP = 23, 24
+_ZEROS = (ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities(libc: ctypes.CDLL, *, offline: bool) -> None:
+    """Lower this process's capabilities to ``_KEPT_CAPABILITIES`` (less ``CAP_NET_RAW`` when
+    ``offline``): nothing for an ordinary user, who has none. Lowering needs no privilege; with
+    ``no_new_privs`` an ``execve`` (of root's programs, of one with file capabilities) gains none back.
+    The bounding set is lowered too where that may be done (``CAP_SETPCAP``), for good measure."""
+    kept = 0
+    for cap in _KEPT_CAPABILITIES - ({_CAP_NET_RAW} if offline else set()):
+        kept |= 1 << cap
+    header = _CapHeader(_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data):
+        raise OSError(ctypes.get_errno(), f"capget: {os.strerror(ctypes.get_errno())}")
+    held = 0
+    for i, half in enumerate(data):
+        held |= (half.effective | half.permitted | half.inheritable) << (32 * i)
+    if not held & ~kept:
+        return
+    for cap in range(64):  # (the bounding set first: dropping from it needs CAP_SETPCAP, still held)
+        if not kept & (1 << cap) and libc.prctl(_PR_CAPBSET_READ, ctypes.c_ulong(cap), *_ZEROS) == 1:
+            libc.prctl(_PR_CAPBSET_DROP, ctypes.c_ulong(cap), *_ZEROS)  # (refused without CAP_SETPCAP: see above)
+    for i, half in enumerate(data):
+        mask = (kept >> (32 * i)) & 0xFFFFFFFF
+        half.effective &= mask
+        half.permitted &= mask
+        half.inheritable &= mask
+    if libc.capset(ctypes.byref(header), data):
+        raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
 
 
 def _allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int, *, required: bool) -> None:
