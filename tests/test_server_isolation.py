@@ -79,6 +79,7 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("DELETE", "/v1/processes/{pid}/queue/{item_id}"): {},
     ("POST", "/v1/processes/{pid}/compact"): {"json": {}},
     ("POST", "/v1/processes/{pid}/fork"): {"json": {}},
+    ("POST", "/v1/processes/{pid}/rewind"): {"json": {"at": 0}},  # (an empty history: back to the start)
     ("GET", "/v1/processes/{pid}/segments"): {},
     ("GET", "/v1/processes/{pid}/segments/{segment_id}"): {"params": {"limit": 10}},
 }

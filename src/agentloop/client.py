@@ -501,6 +501,14 @@ class AgentloopClient:
         result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/compact", body=body)
         return result
 
+    async def rewind(self, pid: str, at: int) -> dict[str, Any]:
+        """Cut the process's history back to message id ``at`` (``POST …/rewind``; 0: the start):
+        what follows it is archived as a segment, then removed. ``{kept, removed, segment}``;
+        ``Conflict`` while a run is active, ``ClientError`` 400 for a point that is not a message
+        of the history or ends inside a tool call batch (the message names valid ones)."""
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/rewind", body={"at": at})
+        return result
+
     async def segments(self, pid: str) -> list[dict[str, Any]]:
         """What compactions, clearings and resets put away (``GET …/segments``), oldest first."""
         data = await self._call("GET", f"/v1/processes/{_segment(pid)}/segments")

@@ -76,6 +76,7 @@ HELP = (
     "/title [text] shows or sets the conversation's title · "
     "/model [spec|default] shows or sets this conversation's model (provider:model) · "
     "/fork [N] continues a copy of this conversation (before your Nth message: type another) · "
+    "/rewind [ID] drops what came after message ID (alone: your last message and what followed), archived · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -401,6 +402,33 @@ class Forks(Protocol):
         message number ``before`` (from 1); how many messages the fork holds."""
 
 
+class Rewind(NamedTuple):
+    """What ``/rewind`` did: how many messages the conversation keeps, and how many it dropped."""
+
+    kept: int
+    removed: int
+
+
+@runtime_checkable
+class Rewinds(Protocol):
+    """A session whose process can cut its history back in place (``/rewind``): the same
+    conversation goes on from an earlier message, what came after it archived."""
+
+    async def rewind(self, at: int | None) -> Rewind:
+        """Drop everything after message id ``at`` (None: the user's last message and everything
+        after it); ``SessionError`` for a point that cannot be one, or while a run is active."""
+
+
+def before_last_user(messages: Sequence[tuple[int, str]]) -> int:
+    """``/rewind``'s point when none is given: the id of the message before the user's last one
+    ((id, role) pairs, oldest first; 0, the start, when that was the first), so that the rewind
+    drops the last exchange and what followed it; ``SessionError`` when the user said nothing."""
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i][1] == "user"), None)
+    if last is None:
+        raise SessionError("not rewound: this conversation has no message of yours")
+    return messages[last - 1][0] if last else 0
+
+
 _MODEL_SOURCES = {"process": "this conversation's", "account": "your account's model.json", "default": "the default"}
 
 
@@ -564,6 +592,7 @@ class ChatRepl:
             "/model": lambda rest: self.model(rest or None, ev),
             "/context": lambda _: self.show_context(ev),
             "/fork": lambda rest: self.fork(rest, ev),
+            "/rewind": lambda rest: self.rewind(rest, ev),
             "/help": show_help,
             "/?": show_help,
         }
@@ -667,6 +696,24 @@ class ChatRepl:
         self.err.print(
             Text(f"(forked: a new conversation with {count} messages, {where}; the old one is kept)", style="dim")
         )
+
+    def rewind(self, rest: str, ev: asyncio.AbstractEventLoop) -> None:
+        """``/rewind ID``: drop what came after message ID from this conversation (it stays this
+        one: an edit-and-retry); ``/rewind``: drop your last message and what followed it. What is
+        dropped is archived, not lost."""
+        if not isinstance(self.session, Rewinds):
+            self.err.print(Text("(no rewind: this chat cannot cut its conversation back)", style="dim"))
+            return
+        if rest and not (rest.isascii() and rest.isdigit() and len(rest) <= 18):
+            self.err.print(Text("usage: /rewind [ID], ID the id of the message to go on from", style="yellow"))
+            return
+        if (done := self._ask(self.session.rewind(int(rest) if rest else None), ev)) is _FAILED:
+            return
+        if not done.removed:
+            self.err.print(Text(f"(nothing to rewind: message {rest} is the last one)", style="dim"))
+            return
+        dropped = f"{done.removed} message{'s' * (done.removed != 1)} dropped and archived"
+        self.err.print(Text(f"(rewound: {dropped}, {done.kept} kept)", style="dim"))
 
     def compact(self, rest: str, ev: asyncio.AbstractEventLoop) -> None:
         """``/compact [--keep N] [instructions]``: summarise the conversation now, to free the
@@ -1005,6 +1052,18 @@ class DurableSession:
         self.seq = await self._last_seq(self.proc, 0)
         self._save()
         return len(await self.proc.messages())
+
+    async def rewind(self, at: int | None) -> Rewind:
+        """Cut the conversation back in place (``Process.rewind``) to message id ``at``, or to
+        before the user's last message."""
+        if at is None:
+            at = before_last_user([(m.id, m.message.role) for m in await self.process.history()])
+        try:
+            done = await self.process.rewind(at)
+        # a run under way, another worker's lease, a point that is not one (ValueError)
+        except (RunActive, ProcessBusy, ValueError) as exc:
+            raise SessionError(f"not rewound: {exc}") from exc
+        return Rewind(done.kept, done.removed)
 
     async def new(self) -> None:
         self.proc = await self.kernel.spawn(owner=self.owner, cwd=self.cwd, interactive=True)

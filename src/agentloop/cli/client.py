@@ -22,7 +22,7 @@ import typer
 from rich.text import Text
 
 from agentloop.cli.approvals import Asker, Denial, Question
-from agentloop.cli.chat import Compaction, SessionError, TurnOutcome, Waiting
+from agentloop.cli.chat import Compaction, Rewind, SessionError, TurnOutcome, Waiting, before_last_user
 from agentloop.cli.config import Connection, load_connection
 from agentloop.cli.render import (
     SignalRenderer,
@@ -549,6 +549,19 @@ class RemoteSession:
         self.pid = str(fork["pid"])
         self.seq = await self._last_seq()
         return len(await self._history())
+
+    async def rewind(self, at: int | None) -> Rewind:
+        """``/rewind``: cut the server's process back in place (``POST …/rewind``) to message id
+        ``at``, or to before the user's last message."""
+        try:
+            if at is None:
+                history = await self._history()
+                at = before_last_user([(m["id"], str((m.get("message") or {}).get("role"))) for m in history])
+            done = await self.client.rewind(self.pid, at)
+        except ClientError as exc:
+            raise SessionError(f"not rewound: {exc.message}") from exc
+        kept, removed = done.get("kept"), done.get("removed")  # (whatever the server sent)
+        return Rewind(kept if isinstance(kept, int) else 0, removed if isinstance(removed, int) else 0)
 
     async def _history(self) -> list[dict[str, Any]]:
         """The whole history of the process, oldest first (read page by page)."""

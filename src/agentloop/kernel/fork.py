@@ -100,9 +100,10 @@ def _check_args(at: object, segment: object, context: object) -> None:
         check_plain_text(context, "context")
 
 
-def _cut_at(pid: str, ids: Sequence[int], ends: Sequence[bool], at: int) -> int:
-    """How many messages a fork at message id ``at`` copies; ``ValueError`` when ``at`` is not one
-    of the history's, or ends inside a tool call batch (naming the nearest valid points)."""
+def cut_at(pid: str, ids: Sequence[int], ends: Sequence[bool], at: int, what: str = "fork at") -> int:
+    """How many messages a prefix ending with message id ``at`` holds (a fork copies them, a rewind
+    keeps them: ``what`` says which in the error); ``ValueError`` when ``at`` is not one of the
+    history's, or ends inside a tool call batch (naming the nearest valid points)."""
     try:
         index = list(ids).index(at)
     except ValueError:
@@ -116,7 +117,7 @@ def _cut_at(pid: str, ids: Sequence[int], ends: Sequence[bool], at: int) -> int:
         points.append(f"{after} (after their results)")
     raise ValueError(
         f"message {at} ends inside a tool call batch (a call without its result would follow it): "
-        f"fork at {' or '.join(points)}"
+        f"{what} {' or '.join(points)}"
     )
 
 
@@ -194,7 +195,7 @@ async def fork(
     else:
         stored = await store.history(pid)  # committed messages only: a run's in-flight state is not in it
         ends = valid_ends([m.message for m in stored])
-        count = _last_end(ends) if at is None else _cut_at(pid, [m.id for m in stored], ends, at)
+        count = _last_end(ends) if at is None else cut_at(pid, [m.id for m in stored], ends, at)
         messages = [m.message for m in stored[:count]]
         runs = [m.run_id for m in stored[:count]]
         origin = {"pid": pid, "at": stored[count - 1].id if count else None}

@@ -34,6 +34,8 @@ from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.fork import fork as fork_process
 from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
+from agentloop.kernel.rewind import Rewound
+from agentloop.kernel.rewind import rewind as rewind_process
 from agentloop.kernel.runs import (
     chain,
     cwd_toolset,
@@ -668,6 +670,15 @@ class Process:
         and including message id ``at`` (None: all of it), or of the archived ``segment``; this
         one is left as it is (``Kernel.fork``, kernel/fork.py)."""
         return await self.kernel.fork(self.pid, at=at, segment=segment, context=context)
+
+    async def rewind(self, at: int) -> Rewound:
+        """Cut this process's history back, in place, to message id ``at`` (``history()``'s
+        ``StoredMessage.id``; 0: the start): what follows it is archived as a ``rewind`` segment,
+        then removed; the process, its settings, queue and media stay (kernel/rewind.py). Only
+        while idle (``RunActive``); an ``at`` that is not a message of the history, or ends inside
+        a tool call batch, is a ``ValueError`` naming the nearest valid points. At the last message
+        nothing is done (``Rewound.removed`` 0)."""
+        return await rewind_process(self.kernel, self.pid, at)
 
     async def reset(self) -> Path | None:
         """Abort (with the runs of its descendants), archive the whole history, start an empty

@@ -671,28 +671,41 @@ class ProcessEngine:
         caller, installed with no model call. Bad options (``check_manual``; a ``through`` the
         history does not hold) are a ``TypeError`` or ``ValueError`` before anything is done."""
         summary = check_manual(keep_last, through, summary, instructions, MAX_SEQ)
+        async with self.held_idle(pid, "compaction") as live:
+            cfg = await self.effective_config(live.record)  # (the process's own model, if it chose one)
+            done, _ = await summarise(
+                self,
+                live,
+                cfg,
+                "manual",
+                None,
+                instructions,
+                keep_last=keep_last,
+                through=through,
+                summary=summary,
+            )
+        return done
+
+    @asynccontextmanager
+    async def held_idle(self, pid: str, what: str) -> AsyncIterator[_Live]:
+        """Hold an idle process while ``what`` (a compaction asked for, a rewind) changes its
+        history in place, as a reset holds it (``clearing``): ``RunActive`` when a run is under
+        way, ``ProcessBusy`` on a shared store while another worker will not let the process go,
+        both before anything is done. Meanwhile no queued input starts a run (``compacting``):
+        what is sent waits, and once the work is over it runs on the history as it was left;
+        input another worker queued meanwhile is promoted then. An error inside leaves that to
+        the next input or sweep, as it leaves the history."""
         with ExitStack() as after:
             async with self.clearing.hold(pid):
                 self.compacting.add(pid)  # (first: from here the lease of the idle process is kept)
                 try:
                     await self.settle_deliveries()  # (before it looks whether a run is active)
                     if self.leases is not None and not await self.leases.hold(pid):
-                        raise ProcessBusy(pid, "compaction")
+                        raise ProcessBusy(pid, what)
                     live = await self.live(pid)
                     if live.record.current_run is not None:
-                        raise RunActive(pid, "a compaction")
-                    cfg = await self.effective_config(live.record)  # (the process's own model, if it chose one)
-                    done, _ = await summarise(
-                        self,
-                        live,
-                        cfg,
-                        "manual",
-                        None,
-                        instructions,
-                        keep_last=keep_last,
-                        through=through,
-                        summary=summary,
-                    )
+                        raise RunActive(pid, f"a {what}")
+                    yield live
                 finally:
                     self.compacting.discard(pid)
                 if not live.remote and not live.lost:  # (``wait_idle`` waits from before the release)
@@ -702,7 +715,6 @@ class ProcessEngine:
                 await admission.promote(self, live)
         if self.leases is not None and live.record.current_run is None:
             self.leases.idle(pid)  # (let go of once nothing waits, as after a run)
-        return done
 
     async def add_usage(self, pid: str, usage: Usage) -> bool:
         """Count a model call made outside the runner's transactions (a title, the memories a

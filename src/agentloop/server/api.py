@@ -246,6 +246,12 @@ class ForkBody(Body):
     )
 
 
+class RewindBody(Body):
+    at: int = Field(
+        ge=0, le=MAX_SEQ, description="A message id: the history keeps it and what precedes it (0: the start)."
+    )
+
+
 class CompactionBody(Body):
     threshold: float | None = Field(
         None,
@@ -504,10 +510,16 @@ class CompactOut(Answer):
     segment_id: str | None
 
 
+class RewindOut(Answer):
+    kept: int = Field(description="Messages the history holds now.")
+    removed: int = Field(description="Messages taken out (0: the point was the last message, nothing was done).")
+    segment: str | None = Field(description="The segment they were archived as (see segments); null when none.")
+
+
 class SegmentOut(Answer):
     id: str
-    kind: Literal["compaction", "clearing", "reset"]
-    reason: str | None = Field(description="A compaction's: threshold, overflow or manual; reset for a reset.")
+    kind: Literal["compaction", "clearing", "reset", "rewind"]
+    reason: str | None = Field(description="A compaction's: threshold, overflow or manual; reset, rewind for those.")
     created_at: float
     generation: int = Field(description="The history generation it was taken from (each reset starts one).")
     messages: int | None = Field(description="How many its archive holds; null when the archive cannot be read.")
@@ -931,6 +943,11 @@ async def compact(call: Call) -> dict[str, Any]:
     )
 
 
+async def rewind(call: Call) -> dict[str, Any]:
+    body = call.parsed(RewindBody, call.body)
+    return await call.ctx.processes.rewind(call.principal, call.param("pid"), body.at)
+
+
 async def segments(call: Call) -> dict[str, Any]:
     return {"segments": await call.ctx.processes.segments(call.principal, call.param("pid"))}
 
@@ -1196,6 +1213,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=CompactBody,
         answer=CompactOut,
         errors=(409, 502),
+    ),
+    Endpoint(
+        "POST",
+        f"{_P}/rewind",
+        "Cut the history back to a message (idle only): what follows it is archived as a segment, then removed.",
+        rewind,
+        body=RewindBody,
+        answer=RewindOut,
+        errors=(409,),
     ),
     Endpoint(
         "GET",

@@ -764,6 +764,21 @@ class ProcessService:
             raise ApiError(502, "compaction_failed", safe_message(str(exc), "the summary could not be made")) from None
         return compacted_json(done)
 
+    async def rewind(self, who: Principal, pid: str, at: int) -> dict[str, Any]:
+        """Cut the history back to message ``at`` (``Process.rewind``): 409 ``busy`` while a run is
+        active (abort it first: a rewind never stops one), 400 for a point that is not one of the
+        history's messages or ends inside a tool call batch (the message names valid ones)."""
+        proc, _ = await self._process(who, pid)
+        try:
+            done = await proc.rewind(at)
+        except (RunActive, ProcessBusy) as exc:  # (first: a RunActive is a ValueError too)
+            raise ApiError(409, "busy", str(exc), retry_after=1) from None
+        except NoSuchProcess:  # killed by a request that raced this one
+            raise ApiError(404, "not_found", f"no such process {pid!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        return {"kept": done.kept, "removed": done.removed, "segment": done.segment}
+
     async def segments(self, who: Principal, pid: str) -> list[dict[str, Any]]:
         """What compactions, clearings and resets put away, oldest first."""
         proc, _ = await self._process(who, pid)

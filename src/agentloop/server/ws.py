@@ -413,6 +413,13 @@ async def _compact(conn: Connection, args: dict[str, Any]) -> Any:
     )
 
 
+async def _rewind(conn: Connection, args: dict[str, Any]) -> Any:
+    at = _opt_int(args, "at")
+    if at is None:
+        raise _invalid("at is required")
+    return await conn.service.rewind(conn.user, _id(args, "pid"), at)
+
+
 async def _segment_list(conn: Connection, args: dict[str, Any]) -> Any:
     return {"segments": await conn.service.segments(conn.user, _id(args, "pid"))}
 
@@ -556,6 +563,7 @@ CALLS: dict[str, Call] = {
     "proc.fork": Call(_fork, _takes("pid", "at", "segment", "context", "fork_id"), mutates=True),
     "proc.kill": Call(_kill, _takes("pid"), mutates=True),
     "proc.compact": Call(_compact, _takes("pid", "instructions", "keep_last", "through", "summary"), mutates=True),
+    "proc.rewind": Call(_rewind, _takes("pid", "at"), mutates=True),
     "proc.segment.list": Call(_segment_list, _takes("pid")),
     "proc.segment.read": Call(_segment_read, _takes("pid", "segment_id", "limit", "before")),
     "proc.subscribe": Call(_subscribe, _takes("pid", "after_seq")),

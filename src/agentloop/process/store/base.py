@@ -444,6 +444,12 @@ class Store(ABC):
         """Delete the messages run ``run_id`` added (a heartbeat that only acknowledged); how many."""
 
     @abstractmethod
+    async def truncate_messages(self, pid: str, after_id: int) -> int:
+        """Delete the current history's messages with ids above ``after_id`` (a rewind: what
+        follows a message goes, what precedes it stays as it was); how many. Ids are never given
+        again: the next message appended gets a new one."""
+
+    @abstractmethod
     async def new_generation(self, pid: str) -> int:
         """Start an empty history (reset); old generations' messages are deleted."""
 

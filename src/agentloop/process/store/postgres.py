@@ -697,6 +697,10 @@ class PostgresStore(Store):
         status = await self._write().execute("DELETE FROM messages WHERE pid = $1 AND run_id = $2", pid, run_id)
         return int(status.split()[-1])
 
+    async def truncate_messages(self, pid: str, after_id: int) -> int:
+        status = await self._write().execute("DELETE FROM messages WHERE pid = $1 AND id > $2::bigint", pid, after_id)
+        return int(status.split()[-1])
+
     async def replace_messages(self, pid: str, from_id: int, to_id: int, replacement: Message) -> int:
         db = self._write()
         gen = await db.fetchval("SELECT history_generation FROM processes WHERE pid = $1", pid)

@@ -752,6 +752,10 @@ class SQLiteStore(Store):
         cursor = self._write().execute("DELETE FROM messages WHERE pid = ? AND run_id = ?", (pid, run_id))
         return cursor.rowcount
 
+    async def truncate_messages(self, pid: str, after_id: int) -> int:
+        cursor = self._write().execute("DELETE FROM messages WHERE pid = ? AND id > ?", (pid, after_id))
+        return cursor.rowcount
+
     async def new_generation(self, pid: str) -> int:
         db = self._write()
         counters = self._counters(pid)
