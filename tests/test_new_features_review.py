@@ -156,9 +156,9 @@ async def test_serves_reasoning_level_reaches_the_stateless_chat_agent_too(
     factories: list[Any] = []
     real = app_module.create_server
 
-    def capture(ctx: Any, agent_factory: Any) -> Any:
+    def capture(ctx: Any, agent_factory: Any, **options: Any) -> Any:
         factories.append(agent_factory)
-        return real(ctx, agent_factory)
+        return real(ctx, agent_factory, **options)
 
     monkeypatch.setattr(app_module, "create_server", capture)
     script = tmp_path / "script.json"

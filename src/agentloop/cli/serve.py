@@ -181,7 +181,7 @@ async def _serve(
         import uvicorn
 
         from agentloop.server.app import create_server
-        from agentloop.server.auth import Accounts
+        from agentloop.server.auth import Accounts, Principal
         from agentloop.server.context import ServerContext
         from agentloop.server.devices import DeviceHub
         from agentloop.server.engine_chat import STATELESS_ASK
@@ -239,28 +239,34 @@ async def _serve(
             ]
 
             def agent_factory() -> Agent:
-                """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request,
-                under the same approval policy as processes, as in force now (a policy file's edits
-                too). Nobody can answer a question in a stateless request, so a call the policy
-                would ask about is refused as a tool error."""
+                """``/engine/chat``'s agent: the server's model and built-in tools, fresh per request
+                (``under_policy`` then puts its caller's approval policy on it)."""
                 agent = Agent(
                     model=model, tools=tools, system_prompt=settings.system_prompt, workspace=opts.workspace, **loop
                 )
                 agent.config.off_limits = kernel.off_limits  # the Search tool walks around the kernel's data
-                if kernel.server_policy is not None:  # (None: ``--approval auto``, nothing is checked)
-                    agent.hooks.before_tool_call(
-                        PolicyHook(
-                            kernel.server_policy(),
-                            cwd=opts.workspace,
-                            ask=None,
-                            unanswerable=STATELESS_ASK,
-                            protected=kernel.off_limits,
-                        )
-                    )
                 return agent
 
+            def under_policy(who: Principal, agent: Agent) -> None:
+                """A ``/engine/chat`` request's agent under its caller's account's approval policy, the
+                one that account's processes are checked against, as in force now (its file's and the
+                server-wide file's edits too); an admin's is its own account's, as its processes'
+                are. Nobody can answer a question in a stateless request, so a call the policy would
+                ask about is refused as a tool error."""
+                if kernel.policies is None:  # (``--approval auto``: nothing is checked)
+                    return
+                agent.hooks.before_tool_call(
+                    PolicyHook(
+                        kernel.policies.of(who.account),
+                        cwd=opts.workspace,
+                        ask=None,
+                        unanswerable=STATELESS_ASK,
+                        protected=kernel.off_limits,
+                    )
+                )
+
             config = uvicorn.Config(
-                create_server(ctx, agent_factory),
+                create_server(ctx, agent_factory, for_caller=under_policy),
                 host=opts.host,
                 port=sock.getsockname()[1],
                 log_level="warning",

@@ -71,7 +71,7 @@ from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
-from agentloop.process.approval.checker import AmendFn, ServerPolicy, policy_amender, policy_approval
+from agentloop.process.approval.checker import AmendFn, PolicyBook, ServerPolicy, policy_amender, policy_approval
 from agentloop.process.archive import DISCARDED_KEY, check_name, discarded_messages, queued_meta, write_archive
 from agentloop.process.audio_video import (
     AudioContent,
@@ -732,6 +732,10 @@ class Kernel:
         # (a file's edits too), for what applies it outside a process (``/engine/chat``); None
         # when a caller's own ``approval`` replaces the policy check
         self.server_policy: ServerPolicy | None = None
+        # (``open``'s) each account's approval policy in force (``policies.of(account)``), the one
+        # the processes' checks ask, for what applies it outside a process (``/engine/chat``, to
+        # its caller's account); None when a caller's own ``approval`` replaces the policy check
+        self.policies: PolicyBook | None = None
 
     @classmethod
     @asynccontextmanager
@@ -813,7 +817,7 @@ class Kernel:
         in its file alike, replaces the server-wide one, unless it is ``remembered`` rules alone
         (neither ``default`` nor ``rules``): those go on top of it. A ``policy`` given as a file
         (a ``Path``; a ``str`` is JSON text) is read again whenever it changes, as the accounts'
-        files are (``Kernel.server_policy`` gives it as in force, for ``/engine/chat``); an edit
+        files are (``Kernel.policies`` gives each account's as in force, for ``/engine/chat``); an edit
         that does not parse keeps the last good policy (with a warning); one that cannot be read
         when the kernel opens is a ``ValueError``. A request nobody answers within
         ``approval_timeout`` seconds is denied (None: it waits for ever). A model call that still
@@ -882,17 +886,11 @@ class Kernel:
         if builtin:
             toolset = chain(cwd_toolset(root, shell_sandbox, tuple(shell_sandbox_read)), toolset)
         amend: AmendFn | None = None  # (a caller's own ``approval`` keeps no account files to amend)
-        server_policy: ServerPolicy | None = None
+        policies: PolicyBook | None = None  # (one book: the processes' checks and /engine/chat ask it alike)
         if approval is None:
-            server_policy = ServerPolicy(policy)
-            approval = policy_approval(
-                store,
-                server=server_policy,
-                accounts=account_policies,
-                account_file=home_file(data, "approval.json"),
-                protected=off_limits,
-            )
             policy_file = home_file(data, "approval.json")
+            policies = PolicyBook(policy, accounts=account_policies, account_file=policy_file)
+            approval = policy_approval(store, policies=policies, protected=off_limits)
             amend = policy_amender(accounts=account_policies, account_file=policy_file)
 
         async def archive(record: ProcessRecord, name: str, messages: list[Message], meta: dict[str, Any]) -> str:
@@ -949,7 +947,8 @@ class Kernel:
             raise
         kernel.shell_sandbox = shell_sandbox
         kernel.transcriber = transcriber
-        kernel.server_policy = server_policy
+        kernel.policies = policies
+        kernel.server_policy = None if policies is None else policies.server
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
         asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)

@@ -9,18 +9,25 @@ browser UI at ``/`` (``web.py``).
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from agentloop.agent import Agent
+from agentloop.loop.hooks import maybe_await
 from agentloop.server import api, web, ws
+from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
 from agentloop.server.devices import DeviceHub
-from agentloop.server.engine_chat import DEFAULT_MAX_BODY, AgentFactory, Authorize, EngineChat
+from agentloop.server.engine_chat import DEFAULT_MAX_BODY, AgentFactory, Authorize, EngineChat, Prepare
+from agentloop.server.errors import ApiError
 from agentloop.server.http_errors import exception_handlers
 
 Tokens = Collection[str] | Callable[[str], bool]
+# Fits ``/engine/chat``'s fresh agent to the account calling (``serve`` installs its approval
+# policy: ``agentloop.cli.serve``); may be async.
+ForCaller = Callable[[Principal, Agent], Awaitable[None] | None]
 
 
 def token_checker(tokens: Tokens) -> Authorize:
@@ -57,9 +64,10 @@ def create_app(
     return Starlette(routes=[Route("/engine/chat", endpoint.handle, methods=["POST"])])
 
 
-def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
+def create_server(ctx: ServerContext, agent_factory: AgentFactory, *, for_caller: ForCaller | None = None) -> Starlette:
     """The full server over ``ctx.kernel``; ``/engine/chat`` runs ``agent_factory()``'s agent and
-    accepts any valid account token."""
+    accepts any valid account token. ``for_caller(principal, agent)`` then fits each request's
+    agent to the account behind its token (the factory is not told who calls), before it runs."""
 
     async def authorize(token: str) -> bool:
         """A valid account token."""
@@ -75,10 +83,25 @@ def create_server(ctx: ServerContext, agent_factory: AgentFactory) -> Starlette:
             ctx.inputs.take(who.account, ctx.max_inputs_per_minute)  # 429 past the rate
 
     _share_devices(ctx)
-    chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body, admit=admit)
+    prepare = None if for_caller is None else _with_principal(ctx, for_caller)
+    chat = EngineChat(agent_factory, authorize, max_body=ctx.max_body, admit=admit, prepare=prepare)
     routes = [Route("/engine/chat", chat.handle, methods=["POST"]), *api.routes(ctx), *ws.routes(ctx), *web.routes()]
     # Unknown routes, wrong methods and unexpected failures answer JSON {code, message} too.
     return Starlette(routes=routes, exception_handlers=exception_handlers())
+
+
+def _with_principal(ctx: ServerContext, for_caller: ForCaller) -> Prepare:
+    """``/engine/chat``'s ``prepare``: ``for_caller`` given the principal behind the request's
+    token, which ``EngineChat`` knows only as accepted. A token revoked since is refused (401),
+    never run without its account's fitting."""
+
+    async def prepare(token: str, agent: Agent) -> None:
+        who = await ctx.accounts.authenticate(token)
+        if who is None:
+            raise ApiError(401, "unauthorized", "Missing or invalid bearer token.")
+        await maybe_await(for_caller(who, agent))
+
+    return prepare
 
 
 def _share_devices(ctx: ServerContext) -> None:

@@ -69,6 +69,9 @@ Authorize = Callable[[str], bool | Awaitable[bool]]
 # Admits a well-formed request of a token's just before its run starts (may raise ``ApiError``,
 # e.g. 429 past an account's input rate): a request refused as malformed must not count.
 Admit = Callable[[str], Awaitable[None] | None]
+# Fits a request's fresh agent to the token's caller before its run starts (its account's approval
+# policy: the factory is not told who calls); may be async, and may raise ``ApiError``.
+Prepare = Callable[[str, Agent], Awaitable[None] | None]
 
 # ------------------------------------------------------------------ request shape
 
@@ -437,11 +440,13 @@ class EngineChat:
         *,
         max_body: int = DEFAULT_MAX_BODY,
         admit: Admit | None = None,
+        prepare: Prepare | None = None,
     ) -> None:
         self.agent_factory = agent_factory
         self.authorize = authorize
         self.max_body = max_body
         self.admit = admit
+        self.prepare = prepare
 
     async def handle(self, request: Request) -> Response:
         started = time.monotonic()
@@ -464,7 +469,7 @@ class EngineChat:
             metadata = req.metadata.model_dump()
             if actor is not None:  # (from the headers only: the body's metadata has no ``actor`` field)
                 metadata["actor"] = actor
-            run = self._start(system_prefix, history, cid, metadata)
+            run = await self._start(token, system_prefix, history, cid, metadata)
         except ApiError as exc:
             cid = cid or _correlation_hint(body)
             _log(logging.WARNING, "request rejected", cid, status=exc.status, code=exc.code, detail=exc.message)
@@ -516,18 +521,35 @@ class EngineChat:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _start(self, system_prefix: str, history: list[Message], cid: str, metadata: dict[str, Any]) -> Run:
-        """The request's run; its ``metadata`` (the correlation id among it) reaches its tools."""
+    async def _start(
+        self, token: str, system_prefix: str, history: list[Message], cid: str, metadata: dict[str, Any]
+    ) -> Run:
+        """The request's run, on an agent fitted to ``token``'s caller (``prepare``); its
+        ``metadata`` (the correlation id among it) reaches its tools."""
         try:
             agent = self.agent_factory()
         except Exception:
             _log(logging.ERROR, "agent factory failed", cid, exc_info=True)
             raise ApiError(503, "engine_unavailable", "The engine is not available right now.") from None
+        await self._prepare(token, agent, cid)
         cfg = agent.config
         if system_prefix:
             # A copy: the factory may hand out one shared agent, and this prefix is per request.
             cfg = replace(cfg, system_prompt="\n\n".join(p for p in (system_prefix, cfg.system_prompt) if p))
         return Run(cfg, history, [], stream=True, metadata=MappingProxyType(metadata))
+
+    async def _prepare(self, token: str, agent: Agent, cid: str) -> None:
+        """``prepare`` (if any) on the request's agent. A failure refuses the request (503, or
+        the ``ApiError`` it chose): an agent it did not fit (one without its caller's policy) never runs."""
+        if self.prepare is None:
+            return
+        try:
+            await maybe_await(self.prepare(token, agent))
+        except ApiError:
+            raise
+        except Exception:
+            _log(logging.ERROR, "agent preparation failed", cid, exc_info=True)
+            raise ApiError(503, "engine_unavailable", "The engine is not available right now.") from None
 
     async def _stream(self, run: Run, cid: str, started: float) -> AsyncIterator[ServerSentEvent]:
         translator = EventTranslator()

@@ -4,7 +4,9 @@ Policies come from two places: the owning account's policy (given in code, or it
 read again whenever it changes), else the server-wide default (``ServerPolicy``: a file of it too
 is read again whenever it changes, and keeps its last good policy while it does not parse). An
 account's policy of ``remembered`` rules alone (no ``default``, no ``rules``), in its file or in
-code alike, adds them to the server-wide policy instead of replacing it.
+code alike, adds them to the server-wide policy instead of replacing it. A ``PolicyBook`` says
+which policy is in force for an account, to the checks here and to what applies it outside a
+process (``/engine/chat``) alike.
 A policy that cannot be read is replaced by the default policy, with a warning in the log. Rules
 a person remembered for this process (stored with the process) then answer the questions the
 policy would ask; they never lift what it denies.
@@ -126,6 +128,73 @@ def _account_policy(given: str | bytes | dict[str, Any] | Policy, owner: str) ->
     return policy, inherits
 
 
+class PolicyBook:
+    """The approval policy in force for each account, as everything that applies it asks for it
+    (``policy_approval``'s checks of the processes, the stateless ``/engine/chat`` of a caller's
+    account): one source, so that all follow the same files and edits. An account's policy is
+    the one given in code (``accounts``), else its file (``account_file``, read again whenever it
+    changes), else the server-wide one (``server``, a ``ServerPolicy``, or one made here from
+    what is given otherwise); one of ``remembered`` rules alone, in code or in its file, goes on
+    top of the server-wide policy instead of replacing it. A policy that did not change is the
+    same object from one call to the next (a cache key for the checks)."""
+
+    def __init__(
+        self,
+        server: str | bytes | dict[str, Any] | Policy | os.PathLike[str] | ServerPolicy | None = None,
+        *,
+        accounts: Mapping[str, str | bytes | dict[str, Any] | Policy] | None = None,
+        account_file: Callable[[str], Path] | None = None,
+    ) -> None:
+        self.server = server if isinstance(server, ServerPolicy) else ServerPolicy(server)
+        self.account_file = account_file
+        # owner -> (the policy given in code, whether it is remembered rules alone, put on the server-wide one)
+        self._in_code = {name: _account_policy(p, name) for name, p in (accounts or {}).items() if p is not None}
+        # owner -> (file stamp, its policy, whether it is remembered rules alone, put on the server-wide one)
+        self._from_files: dict[str, tuple[Stamp, Policy, bool]] = {}
+        # owner -> (its remembered rules alone, the server-wide policy they sit on, the two merged)
+        self._merged: dict[str, tuple[Policy, Policy, Policy]] = {}
+
+    def of(self, owner: str) -> Policy:
+        """The policy in force for ``owner``'s calls now."""
+        given = self._in_code.get(owner)
+        if given is not None:
+            return self._on_server(owner, given[0]) if given[1] else given[0]
+        own = None if self.account_file is None else self._from_file(owner, self.account_file(owner))
+        return self.server() if own is None else own
+
+    def _on_server(self, owner: str, own: Policy) -> Policy:
+        """An account's remembered rules alone (its file's, or given in code) on the server-wide
+        policy in force, merged again only when either changes."""
+        base = self.server()
+        hit = self._merged.get(owner)
+        if hit is None or hit[0] is not own or hit[1] is not base:
+            hit = self._merged[owner] = (own, base, own.on_top_of(base))
+        return hit[2]
+
+    def _from_file(self, owner: str, path: Path) -> Policy | None:
+        """The account's policy as its file makes it, read again only when the file changes. A
+        file of remembered rules alone is put on the server-wide policy (``_on_server``, again
+        when either changes), and never copied into the file, so that policy's changes reach the
+        account."""
+        stamp = file_stamp(path)
+        if stamp is None:  # no file: the server-wide policy applies
+            self._from_files.pop(owner, None)
+            self._merged.pop(owner, None)
+            return None
+        hit = self._from_files.get(owner)
+        if hit is not None and hit[0] == stamp:
+            return self._on_server(owner, hit[1]) if hit[2] else hit[1]
+        source = f"of account {owner!r} ({path})"
+        try:
+            policy, inherits, warnings = parse_account_policy(read_regular(path, MAX_POLICY_BYTES).decode("utf-8"))
+            _warn(source, warnings)
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
+            policy, inherits = default_policy(), False
+        self._from_files[owner] = (stamp, policy, inherits)
+        return self._on_server(owner, policy) if inherits else policy
+
+
 def policy_approval(
     store: Store,
     *,
@@ -134,65 +203,23 @@ def policy_approval(
     home_of: Callable[[str], str] | None = None,
     account_file: Callable[[str], Path] | None = None,
     protected: Sequence[str | Path] = (),
+    policies: PolicyBook | None = None,
 ) -> ApprovalFn:
-    """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call. ``account_file``
-    names an account's policy file, used when ``accounts`` has no policy for it; an account's
-    policy there or in ``accounts`` alike replaces the server-wide one, unless it is remembered
-    rules alone, which go on top of it. The ``server`` policy is a ``ServerPolicy`` (one made
-    here from what is given otherwise): given as a file, it is read again whenever it changes, as
-    an account's file is; one that cannot be read at all here is a ``ValueError``."""
-    server_now = server if isinstance(server, ServerPolicy) else ServerPolicy(server)
-    # owner -> (the policy given in code, whether it is remembered rules alone, put on the server-wide one)
-    in_code = {name: _account_policy(p, name) for name, p in (accounts or {}).items() if p is not None}
+    """An ``ApprovalFn`` that applies the policies of DESIGN §3 to each call: each process's
+    owner's, as ``policies`` has it (a ``PolicyBook`` shared with what else applies them), or a
+    book made here of ``server``, ``accounts`` and ``account_file`` (given with ``policies``
+    they are a ``TypeError``: the book already says which policies are in force). The
+    server-wide policy given as a file is read again whenever it changes, as an account's file
+    is; one that cannot be read at all here is a ``ValueError``."""
+    if policies is not None and (server is not None or accounts is not None or account_file is not None):
+        raise TypeError("policy_approval: give policies, or server/accounts/account_file, not both")
+    book = policies if policies is not None else PolicyBook(server, accounts=accounts, account_file=account_file)
     own_home = os.path.expanduser("~")  # the kernel user's, for every account without a home of its own
     home = home_of or (lambda user: own_home)
 
     guarded = [os.path.realpath(p) for p in protected]
     # remembered rules as JSON -> (those rules, whether one reads a call's arguments)
     parsed: dict[str, tuple[tuple[Rule, ...], bool]] = {}
-    # owner -> (file stamp, its policy, whether it is remembered rules alone, put on the server-wide one)
-    from_files: dict[str, tuple[Stamp, Policy, bool]] = {}
-    # owner -> (its remembered rules alone, the server-wide policy they sit on, the two merged)
-    merged: dict[str, tuple[Policy, Policy, Policy]] = {}
-
-    def on_server(owner: str, own: Policy) -> Policy:
-        """An account's remembered rules alone (its file's, or given in code) on the server-wide
-        policy in force, merged again only when either changes."""
-        base = server_now()
-        hit = merged.get(owner)
-        if hit is None or hit[0] is not own or hit[1] is not base:
-            hit = merged[owner] = (own, base, own.on_top_of(base))
-        return hit[2]
-
-    def from_file(owner: str, path: Path) -> Policy | None:
-        """The account's policy as its file makes it, read again only when the file changes. A
-        file of remembered rules alone is put on the server-wide policy (``on_server``, again when
-        either changes), and never copied into the file, so that policy's changes reach the
-        account."""
-        stamp = file_stamp(path)
-        if stamp is None:  # no file: the server-wide policy applies
-            from_files.pop(owner, None)
-            merged.pop(owner, None)
-            return None
-        hit = from_files.get(owner)
-        if hit is not None and hit[0] == stamp:
-            return on_server(owner, hit[1]) if hit[2] else hit[1]
-        source = f"of account {owner!r} ({path})"
-        try:
-            policy, inherits, warnings = parse_account_policy(read_regular(path, MAX_POLICY_BYTES).decode("utf-8"))
-            _warn(source, warnings)
-        except (OSError, UnicodeDecodeError) as exc:
-            log.warning("approval policy %s cannot be read (%s); using the default policy", source, exc)
-            policy, inherits = default_policy(), False
-        from_files[owner] = (stamp, policy, inherits)
-        return on_server(owner, policy) if inherits else policy
-
-    def policy_of(owner: str) -> Policy:
-        given = in_code.get(owner)
-        if given is not None:
-            return on_server(owner, given[0]) if given[1] else given[0]
-        base = None if account_file is None else from_file(owner, account_file(owner))
-        return server_now() if base is None else base
 
     def remembered_rules(stored: list[dict[str, Any]] | None) -> tuple[str, tuple[Rule, ...], bool]:
         """The process's remembered rules, parsed once per distinct list (a key for the caches)."""
@@ -228,7 +255,7 @@ def policy_approval(
             entry[1][key] = approval
 
     async def approve(process: ProcessRecord, row: ToolCallRow) -> Approval:
-        policy = policy_of(process.owner)
+        policy = book.of(process.owner)
         # the run's remembered rules, then the process's: one query for both
         run_key = run_overrides_key(row.run_id)
         kept = await store.kv_many(process.pid, (OVERRIDES_KEY, run_key))
