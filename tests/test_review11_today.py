@@ -14,7 +14,9 @@ from typing import Any
 
 from agentloop.process.signals import AccountSignal
 from agentloop.process.store.base import DeviceNews
-from agentloop.server.devices import DeviceHub
+from agentloop.process.store import DeviceRecord
+from agentloop.server.auth import Principal
+from agentloop.server.devices import DeviceHub, revoke_device_token
 from tests.test_devices import ALICE, FakeDevice
 
 
@@ -89,4 +91,33 @@ async def test_a_stale_offline_from_another_worker_is_not_told_here_and_the_devi
     # an offline of a device not connected here is told as before
     hub.heard(DeviceNews("alice", "phone", "status", {"device": "phone", "status": "offline", "timestamp": 1.0}))
     assert watchers.told[-1] == ("phone", "offline")
+    await hub.close()
+
+
+async def test_a_revoke_names_the_token_it_took_and_another_worker_closes_only_that_tokens_connection() -> None:
+    """The owner revokes a token through another worker, issues a new one, and the device reconnects
+    here with it before the revoke's notification arrives: the late notification closes nothing."""
+
+    class Bound(NotingStore):
+        async def list_devices(self, owner: str | None = None) -> list[Any]:
+            return [DeviceRecord("alice", "laptop", token_id="old")]
+
+        async def set_device_token(self, *args: Any) -> bool:
+            return True
+
+    store = Bound()
+    assert await revoke_device_token(store, "alice", "laptop")  # type: ignore[arg-type]
+    [news] = [n for n in store.news if n.event == "revoked"]
+    assert news.detail == {"revoked": "old"}
+
+    hub = DeviceHub(probe_timeout=0.5)
+    hub.bind(NotingStore(), Watchers())  # type: ignore[arg-type]
+    device = FakeDevice(hub, Principal("alice", False, "device:new"), "laptop")
+    assert (await device.connect())["ok"] is True
+    hub.heard(news)  # (late: the device is here with the token issued since)
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert [d.id for d in hub.online("alice")] == ["laptop"]
+    hub.heard(DeviceNews("alice", "laptop", "revoked", {"revoked": "new"}))  # its own token revoked: it goes
+    await hub.wait_until(lambda: not hub.online("alice"))
     await hub.close()

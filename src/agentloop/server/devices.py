@@ -209,13 +209,18 @@ def _label(args: dict[str, Any]) -> str:
 # -- device tokens and the registry -----------------------------------------------------------------
 
 
-async def _registered(store: Store, owner: str) -> set[str]:
-    """Inside a transaction: the names in ``owner``'s registry, read under the owner's key, held
-    until the transaction ends, so a check of them and the write it allows (a registration under
-    the limit, a leave written down only for a device not forgotten) cannot interleave with
-    another such pair, or a forgetting, through any worker sharing the store."""
+async def _devices(store: Store, owner: str) -> list[DeviceRecord]:
+    """Inside a transaction: ``owner``'s registry, read under the owner's key, held until the
+    transaction ends, so a check of it and the write it allows (a registration under the limit, a
+    leave written down only for a device not forgotten, a revoke of the token it read) cannot
+    interleave with another such pair, or a forgetting, through any worker sharing the store."""
     await store.exclusive(f"devices of {owner}")
-    return {d.name for d in await store.list_devices(owner)}
+    return await store.list_devices(owner)
+
+
+async def _registered(store: Store, owner: str) -> set[str]:
+    """Inside a transaction: the names in ``owner``'s registry (``_devices``)."""
+    return {d.name for d in await _devices(store, owner)}
 
 
 async def _has_room(store: Store, owner: str, name: str, limit: int) -> bool:
@@ -244,11 +249,14 @@ async def issue_device_token(
 
 
 async def revoke_device_token(store: Store, owner: str, name: str) -> bool:
-    """Unbind the token of ``owner``'s device ``name``; False if it had none."""
+    """Unbind the token of ``owner``'s device ``name``; False if it had none. The other workers
+    are told which token went (``revoked``), so that one the device connected with meanwhile, with
+    a token issued since, is not closed by a notification that arrives after it."""
     async with store.transaction():
-        if not await store.set_device_token(owner, name, None, None, time.time()):
+        bound = next((d.token_id for d in await _devices(store, owner) if d.name == name), None)
+        if bound is None or not await store.set_device_token(owner, name, None, None, time.time()):
             return False
-        await store.notify_device(DeviceNews(owner, name, "revoked"))  # (its connection on another worker)
+        await store.notify_device(DeviceNews(owner, name, "revoked", {"revoked": bound}))
         return True
 
 
@@ -632,17 +640,20 @@ class DeviceHub:
             if self.store is not None:
                 self._spawn(self._seen(conn.info, None, offline))
 
-    async def unbind(self, owner: str, name: str, token_id: str | None = None) -> bool:
+    async def unbind(self, owner: str, name: str, token_id: str | None = None, *, revoked: str | None = None) -> bool:
         """Close ``owner``'s device ``name`` now if it connected with a device token other than
         ``token_id`` (None: its token was revoked; else the id of the one just issued in its place),
-        so no further call reaches a device whose token is gone (the heartbeat's token check alone
-        left it one for up to a heartbeat); its in-flight calls fail. A device connected with an
-        account token is left alone. True if one closed."""
+        or, given ``revoked`` (another worker's revoke), with exactly that token, so no further call
+        reaches a device whose token is gone (the heartbeat's token check alone left it one for up
+        to a heartbeat); its in-flight calls fail. A device connected with an account token is left
+        alone. True if one closed."""
         conn = self._devices.get((owner, name))
         if conn is None or conn.closed or not conn.token_id.startswith("device:"):
             return False
         if token_id is not None and conn.token_id == f"device:{token_id}":
             return False
+        if revoked is not None and conn.token_id != f"device:{revoked}":
+            return False  # (it connected again since, with a token issued after the revoke)
         self._drop(conn, f"Device {name} disconnected (its token was revoked)")
         with contextlib.suppress(Exception):
             async with asyncio.timeout(SEND_TIMEOUT):  # (a socket that is not read may not close)
@@ -681,8 +692,15 @@ class DeviceHub:
                 return
             self._tell_account(news.owner, news.detail)
         elif news.event == "revoked":
-            replacement = news.detail.get("token_id")
-            self._spawn(self.unbind(news.owner, news.name, replacement if isinstance(replacement, str) else None))
+            replacement, revoked = news.detail.get("token_id"), news.detail.get("revoked")
+            self._spawn(
+                self.unbind(
+                    news.owner,
+                    news.name,
+                    replacement if isinstance(replacement, str) else None,
+                    revoked=revoked if isinstance(revoked, str) else None,
+                )
+            )
         elif news.event == "forgotten":
             self._spawn(self.disconnect(news.owner, news.name))
 

@@ -267,8 +267,8 @@ class DeviceNews:
     the device's connection lives on one worker only, and the owner's account stream may be
     followed through any. ``status``: it went online or offline (``detail`` is its
     ``device.status`` payload, for the account watchers elsewhere). ``revoked``: its token was
-    revoked (``detail`` empty) or replaced (``{"token_id": the new one's id}``), so a connection
-    with another device token must close. ``forgotten``: it left the registry, so its connection
+    revoked (``{"revoked": its id}``: a connection with that token must close) or replaced
+    (``{"token_id": the new one's id}``: a connection with another device token must close). ``forgotten``: it left the registry, so its connection
     must close whatever token it used."""
 
     owner: str
