@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agentloop.process.signals import AccountSignal
-from agentloop.process.store.base import DeviceNews
 from agentloop.process.store import DeviceRecord
+from agentloop.process.store.base import DeviceNews
 from agentloop.server.auth import Principal
 from agentloop.server.devices import DeviceHub, revoke_device_token
 from tests.test_devices import ALICE, FakeDevice

@@ -268,8 +268,8 @@ class DeviceNews:
     followed through any. ``status``: it went online or offline (``detail`` is its
     ``device.status`` payload, for the account watchers elsewhere). ``revoked``: its token was
     revoked (``{"revoked": its id}``: a connection with that token must close) or replaced
-    (``{"token_id": the new one's id}``: a connection with another device token must close). ``forgotten``: it left the registry, so its connection
-    must close whatever token it used."""
+    (``{"token_id": the new one's id}``: a connection with another device token must close).
+    ``forgotten``: it left the registry, so its connection must close whatever token it used."""
 
     owner: str
     name: str
