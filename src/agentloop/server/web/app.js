@@ -314,6 +314,30 @@ async function fork(at, text) {
   }
 }
 
+/** Rewind the open process in place to message `at` (0: back to the start; what follows is
+ * archived), and put `text` (the message it was rewound before) in the composer to edit and send
+ * again. The transcript drops what was cut when the rewind's signal comes (view.js). A run under way
+ * refuses it (409: abort first); a point inside a tool call batch too (400, the server names the
+ * valid points). */
+async function rewind(at, text) {
+  if (!view) return;
+  const pid = view.pid;
+  try {
+    const done = await api("POST", procPath(pid, "/rewind"), { at });
+    if (!view || view.pid !== pid) return; // another process is open now: its composer is not this
+    if (text) {
+      $("text").value = text;
+      $("text").focus();
+    }
+    const archived = done.removed === 1 ? "1 message archived" : `${done.removed} messages archived`;
+    status(`rewound (${archived}): edit the message and send it`);
+  } catch (err) {
+    if (view && view.pid !== pid) return;
+    if (err instanceof ApiError && err.status === 409) status("not rewound: a run is active (abort it first)");
+    else status(`could not rewind: ${err.message}`);
+  }
+}
+
 function showProcess(process) {
   const has = process !== null;
   $("proc-title").textContent = has ? process.pid : "No process selected";
@@ -338,6 +362,7 @@ async function openProcess(pid) {
       if (view && view.pid === pid) showProcess(process);
     },
     (at, text) => fork(at, text),
+    (at, text) => rewind(at, text),
   );
   sessionStorage.setItem(PID_KEY, pid); // a reload reopens it; it is not a secret
   for (const li of $("processes").children) li.classList.toggle("selected", li.dataset.pid === pid);

@@ -19,6 +19,9 @@
 //   the process opens and whenever a signal says it changed: proc.changed naming "queue" (input
 //   queued or withdrawn, steering taken) or "reset", and a run starting (it took the next item) or
 //   ending (an abort may drop what waited).
+// - a rewind (made here or by another client) cuts the history back in place: its proc.changed
+//   (`rewound`) re-renders the transcript from a fresh read, as a reset does (the runs still shown
+//   keep their outcomes), and the stream's next frames wait for it.
 
 import { api, ApiError, procPath, sse } from "./api.js";
 import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
@@ -93,11 +96,13 @@ function quiet(run, hidden) {
 }
 
 export class ProcessView {
-  /** `onFork(at, text)`: make a fork up to message `at` and open it with `text` in the composer. */
-  constructor(pid, onState, onFork) {
+  /** `onFork(at, text)`: make a fork up to message `at` and open it with `text` in the composer.
+   * `onRewind(at, text)`: cut this process back to message `at` and put `text` in the composer. */
+  constructor(pid, onState, onFork, onRewind) {
     this.pid = pid;
     this.onState = onState;
     this.onFork = onFork;
+    this.onRewind = onRewind;
     this.runs = new Map(); // runId -> {block, footer, live: [bubbles], current}
     this.messages = new Set(); // ids of rendered messages
     this.tools = new Map(); // tool call id -> card
@@ -112,6 +117,7 @@ export class ProcessView {
     this.live = false; // false while the logged backlog is replayed
     this.process = null;
     this.history = Promise.resolve();
+    this.rewinding = false; // a rewind asked for here is under way
     this.stop = new AbortController();
     $("transcript").replaceChildren();
     $("approvals").replaceChildren();
@@ -290,8 +296,9 @@ export class ProcessView {
     return this.history;
   }
 
-  /** A reset (made here or by another client) started an empty history: forget the old one's
-   * messages and runs, in the history queue so that no fetch begun before it renders after it. */
+  /** A reset (made here or by another client) started an empty history, or a rewind cut it back:
+   * forget the old one's messages and runs, in the history queue so that no fetch begun before it
+   * renders after it (a read queued next shows the history as it is now). */
   forgetHistory() {
     this.history = this.history.then(() => {
       if (this.closed) return;
@@ -300,6 +307,32 @@ export class ProcessView {
       this.tools.clear();
       $("transcript").replaceChildren();
     });
+  }
+
+  /** A rewind cut the history back: show it again as it is now (forget it, read it), in the history
+   * queue; the runs still shown keep the outcomes (footers) and the quiet state only their signals
+   * told. */
+  reshowHistory() {
+    const told = new Map(); // runId -> [footer text, status, quiet]
+    this.history = this.history.then(() => {
+      for (const [id, run] of this.runs) {
+        const { footer } = run;
+        if (footer.dataset.status) told.set(id, [footer.textContent, footer.dataset.status, run.block.hidden]);
+      }
+    });
+    this.forgetHistory();
+    this.loadHistory();
+    this.history = this.history.then(() => {
+      if (this.closed) return;
+      for (const [id, [text, state, hidden]] of told) {
+        const run = this.runs.get(id);
+        if (!run) continue; // all of it was cut
+        run.footer.textContent = text;
+        run.footer.dataset.status = state;
+        quiet(run, hidden);
+      }
+    });
+    return this.history;
   }
 
   async fetchNewMessages() {
@@ -395,7 +428,8 @@ export class ProcessView {
     }
   }
 
-  /** The actions under one of the user's messages: fork the conversation from just before it. */
+  /** The actions under one of the user's messages: fork the conversation from just before it, or
+   * rewind this one to just before it; either way the message goes in the composer to edit. */
   messageActions(id, text) {
     const bar = el("div", "msg-actions");
     bar.dataset.for = String(id);
@@ -403,8 +437,40 @@ export class ProcessView {
     button.type = "button";
     button.title = "A new conversation up to just before this message, with the message in the composer to edit";
     button.addEventListener("click", () => this.forkBefore(id, text, button));
-    bar.append(button);
+    const rewind = el("button", "rewind-here", "Rewind & edit");
+    rewind.type = "button";
+    rewind.title =
+      "Cut this conversation back to just before this message (this message and what follows are archived), " +
+      "and put the message in the composer to edit and send again";
+    rewind.disabled = this.rewinding; // (rendered again while a rewind asked for here is under way)
+    rewind.addEventListener("click", () => this.rewindBefore(id, text));
+    bar.append(button, rewind);
     return bar;
+  }
+
+  /** Rewind this process to the message before message `id` (read now: the history may have
+   * changed since the page showed it; the first message has none, so back to the start, 0), after
+   * a confirm; the rewind actions wait meanwhile. The transcript follows the rewind's signal. */
+  async rewindBefore(id, text) {
+    if (!this.onRewind || this.rewinding) return;
+    const ask =
+      "Rewind this conversation to just before this message? The message and everything after it are " +
+      "archived and removed; the message goes back in the composer to edit and send again.";
+    if (!confirm(ask)) return;
+    this.rewinding = true;
+    const buttons = () => $("transcript").querySelectorAll(".msg-actions .rewind-here");
+    for (const b of buttons()) b.disabled = true;
+    status("rewinding…");
+    try {
+      const { messages } = await api("GET", procPath(this.pid, `/messages?limit=1&before=${encodeURIComponent(id)}`));
+      if (this.closed) return;
+      await this.onRewind(messages.length ? messages[messages.length - 1].id : 0, text);
+    } catch (err) {
+      if (!this.closed) status(`could not rewind: ${err.message}`);
+    } finally {
+      this.rewinding = false;
+      for (const b of buttons()) b.disabled = false;
+    }
   }
 
   /** Fork up to the message before message `id` (read now: the history may have changed since
@@ -634,15 +700,21 @@ export class ProcessView {
         const changes = p.changes || [];
         // In the backlog, a reset is older than the history already shown: only a live one clears.
         if (this.live && changes.includes("reset")) this.forgetHistory();
-        if (changes.includes("messages")) this.loadHistory();
+        // So is a rewind: a live one drops what is shown after its message by showing the history
+        // again, read after it, and the stream's next frames (a run on the rewound history) wait.
+        const rewound = this.live && p.rewound && typeof p.rewound === "object";
+        if (rewound) this.reshowHistory();
+        else if (changes.includes("messages")) this.loadHistory();
         if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
         // the title, the context's level (the header's meter) or the threshold it is measured against
         const header = ["title", "context", "compaction", "reset", "model"];
-        if (this.live && changes.some((c) => header.includes(c))) this.refreshProcess().catch(() => {});
+        // (a rewind forgot the context's reading: the meter shows the process's own again)
+        if (this.live && (rewound || changes.some((c) => header.includes(c)))) this.refreshProcess().catch(() => {});
         if (this.live && (changes.includes("queue") || changes.includes("reset"))) {
           for (const id of p.withdrawn || []) if (this.queued.has(id)) this.dropWithdrawn(this.queued.get(id));
           this.refreshQueue();
         }
+        if (rewound) return this.history;
         break;
       }
       case "proc.log.pruned":
