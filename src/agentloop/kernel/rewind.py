@@ -4,7 +4,10 @@
 Code's /rewind) without a new process: ``Process.rewind(at)`` keeps the history up to and including
 message id ``at`` (0: none of it, back to the start) and takes everything after it out. The pid, the
 settings, the title, the schedules and watches, the queue and the media stay, so the web UI, a chat
-bridge or a parent go on following the same process (a fork would leave them on the old one).
+bridge or a parent go on following the same process (a fork would leave them on the old one). Only
+an automatic title goes when the user message it was cut from does (a rewind to the start, or to
+before the first user message): the conversation that follows earns its own, as after a reset (in the
+rewind's transaction; the title being made of the dropped message is cancelled). A person's stays.
 
 What is taken out is archived first, as a segment of kind ``rewind`` (reason ``rewind``, the header's
 ``meta`` saying at which message and how many were kept): ``segments()`` lists it, ``segment()``
@@ -36,10 +39,12 @@ or kill.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentloop.kernel.fork import cut_at, valid_ends
+from agentloop.messages import UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.archive import write_archive
@@ -48,6 +53,7 @@ from agentloop.process.store import MAX_SEQ, SegmentRow, StoredMessage, StoreErr
 
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
+    from agentloop.process.tx import _Live
 
 KIND = "rewind"  # the segment's kind, and its archive's reason
 
@@ -103,7 +109,26 @@ async def rewind(kernel: Kernel, pid: str, at: int) -> Rewound:
             generation, ids = live.record.history_generation, (removed[0].id, removed[-1].id)
             await store.add_segment(SegmentRow(segment_id, pid, generation, KIND, *ids, where))
             await forget_context(tx, live)
+            if not any(isinstance(m.message, UserMessage) and m.message.text.strip() for m in stored[:count]):
+                tx.after.append(await retitle(kernel, live))
             rewound = {"at": at, "removed": len(removed), "segment": segment_id}
             await tx.signal(sig.CHANGED, changes=["messages"], rewound=rewound)
             tx.after.append(lambda: live.history.__delitem__(slice(count, None)))
     return Rewound(count, len(removed), segment_id, name)
+
+
+async def retitle(kernel: Kernel, live: _Live) -> Callable[[], None]:
+    """Inside the transaction of a rewind that drops the user message an automatic title is cut
+    from: delete that title (a person's stays) as a reset does, and return what, once the rewind
+    has committed, stops the title being made of the dropped message and lets the next user
+    message's run name the conversation (``Titles.pending``: no text yet, waiting)."""
+    titles, pid = kernel.titles, live.record.pid
+    announce = await titles.forget_automatic(live.record)
+
+    def done() -> None:
+        titles.cancel(pid)
+        if titles.automatic:
+            titles.pending[pid] = None
+        announce()
+
+    return done
