@@ -26,7 +26,7 @@ from rich.text import Text
 
 from agentloop.cli.config import expand_home
 from agentloop.cli.render import describe_call, one_line
-from agentloop.loop.hooks import Block, ToolCallInfo
+from agentloop.loop.hooks import DEFAULT_HOOK_TIMEOUT, Block, ToolCallInfo
 from agentloop.process.api import approve_everything
 from agentloop.process.approval import Policy, Rule, decide, default_policy, parse_policy, remember_rule
 from agentloop.process.approval.denial import denial_message, denial_text
@@ -381,6 +381,8 @@ class PolicyHook:
         self.refused_without_terminal = 0
         self._lock = asyncio.Lock()  # one question at a time, and a remembered answer counts for the next
         self.on_abort: Callable[[], None] | None = None
+        # a person answers in their own time: no hook deadline (``loop/hooks.py``) while one may be asked
+        self.hook_timeout: float | None = None if ask is not None else DEFAULT_HOOK_TIMEOUT
 
     async def __call__(self, info: ToolCallInfo) -> Block | None:
         name = info.call.name

@@ -29,6 +29,17 @@ is made again if they returned a history. A hook that fails in a policy phase (`
 phase (``pre_prompt_context``, ``post_preflight_prompt_context``, ``post_prompt_compile``,
 ``post_turn``, ``pre_compaction``, ``compact_context``) is logged and its contribution left out.
 
+Deadlines: each call of an ``async`` hook is given ``Hooks.timeout`` seconds (``DEFAULT_HOOK_TIMEOUT``,
+30 s, unless set: ``hooks.timeout = 10``; None for no deadline), since a hook that never ends (an
+HTTP call to a policy service that never answers) would otherwise hold its run, in memory and in a
+durable process alike, forever. A hook may declare its own with a ``hook_timeout`` attribute (an
+approval hook that waits for a person: ``hook_timeout = None``). A hook past its deadline is
+cancelled and ``HookTimedOut`` raised in its place (Pioneer's ``hook_timed_out``): each phase treats
+it as it treats a hook that fails, so a timed-out ``before_tool_call`` hook refuses the call (an
+approval gate fails closed), one in a policy phase fails the run, one in a context phase is logged
+and left out. A plain (not ``async``) hook runs inline on the event loop, where no deadline can
+interrupt it (as for an inline tool): a hook that may wait on the network should be ``async``.
+
 Tool bundles: a ``pre_tool_materialization`` hook may add tools to the call, not only filter
 them. It returns a ``Tool``, a bundle name (``hooks.add_bundle("memory", [...])``: a piece maps the
 name to its tools), or a list mixing them with ``ToolSpec``s: the specs are the list to show (as
@@ -48,6 +59,7 @@ run.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -73,6 +85,10 @@ Phase: TypeAlias = Literal[
 ]
 PHASES: tuple[str, ...] = get_args(Phase)
 POLICY_PHASES = frozenset({"pre_policy", "pre_tool_materialization", "pre_prompt_compile"})
+
+#: Seconds an ``async`` hook call may take when its ``Hooks`` sets no ``timeout`` of its own: long
+#: enough for a policy service's answer, short enough that a hung one does not hold a run for good.
+DEFAULT_HOOK_TIMEOUT = 30.0
 
 
 @dataclass
@@ -175,22 +191,60 @@ async def maybe_await(value: T | Awaitable[T]) -> T:
     return value
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+class HookTimedOut(TimeoutError):
+    """A hook ran past its deadline (Pioneer's ``hook_timed_out``). It is raised where the hook
+    would have raised, so that every phase treats it exactly as a failing hook (see the module's
+    docstring); the message names the hook and the deadline, for the log and the model."""
+
+    def __init__(self, hook: str, timeout: float) -> None:
+        super().__init__(f"hook {hook} timed out after {timeout:g} s")
+        self.hook = hook
+        self.timeout = timeout
+
+    @property
+    def timeout_ms(self) -> int:
+        return round(self.timeout * 1000)
+
+
+def hook_name(fn: Callable[..., Any]) -> str:
+    """``fn``'s qualified name (its class's, for a callable object), for messages about it."""
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else type(fn).__qualname__
+
+
+async def _call(fn: Callable[..., Any], *args: Any, limit: float | None) -> Any:
+    """``fn(*args)``, awaited within ``limit`` seconds (or ``fn``'s own ``hook_timeout``) if it
+    is ``async``. A plain hook's value is returned as it is: it ran inline, where no deadline can
+    stop it, and a deadline set up for it would only cost time on every turn."""
     result = fn(*args)  # maybe_await inlined: hooks run on every turn and call
-    if hasattr(result, "__await__"):
-        result = await result
-    return result
+    if not hasattr(result, "__await__"):
+        return result
+    seconds = getattr(fn, "hook_timeout", limit)
+    if seconds is None:
+        return await result
+    deadline = asyncio.timeout(seconds)
+    try:
+        async with deadline:
+            return await result
+    except TimeoutError as exc:
+        if not deadline.expired():  # the hook's own TimeoutError (a socket's): its failure as it is
+            raise
+        raise HookTimedOut(hook_name(fn), seconds) from exc
 
 
 @dataclass
 class Hooks:
-    """The hooks of one agent. Add with ``hooks.before_tool_call(fn)`` (usable as a decorator)."""
+    """The hooks of one agent. Add with ``hooks.before_tool_call(fn)`` (usable as a decorator).
+
+    ``timeout`` is each ``async`` hook call's deadline in seconds (None: none), read from
+    ``DEFAULT_HOOK_TIMEOUT`` when the ``Hooks`` is made."""
 
     before: list[BeforeToolCall] = field(default_factory=list)
     after: list[AfterToolCall] = field(default_factory=list)
     transform: list[TransformContext] = field(default_factory=list)
     phases: dict[str, list[Callable[[TurnInfo], Any]]] = field(default_factory=dict)
     bundles: dict[str, list[Tool]] = field(default_factory=dict)  # bundle name -> its tools
+    timeout: float | None = field(default_factory=lambda: DEFAULT_HOOK_TIMEOUT)
     _warned: set[str] = field(default_factory=set, repr=False)  # what was logged once
 
     def add_bundle(self, name: str, tools: Iterable[ToolLike]) -> None:
@@ -219,7 +273,7 @@ class Hooks:
         stop: Stop | None = None
         for fn in self.phases.get(phase, ()):
             try:
-                out = await _call(fn, info)
+                out = await _call(fn, info, limit=self.timeout)
             except Exception as exc:
                 if phase in POLICY_PHASES:
                     raise TurnFailed(f"{phase} hook failed: {exc}") from exc
@@ -317,19 +371,19 @@ class Hooks:
 
     async def run_before(self, info: ToolCallInfo) -> Block | None:
         for fn in self.before:
-            verdict = await _call(fn, info)
+            verdict = await _call(fn, info, limit=self.timeout)
             if isinstance(verdict, Block):
                 return verdict
         return None
 
     async def run_after(self, info: ToolCallInfo, result: ToolResult) -> ToolResult:
         for fn in self.after:
-            replaced = await _call(fn, info, result)
+            replaced = await _call(fn, info, result, limit=self.timeout)
             if isinstance(replaced, ToolResult):
                 result = replaced
         return result
 
     async def run_transform(self, messages: list[Message]) -> list[Message]:
         for fn in self.transform:
-            messages = list(await _call(fn, messages))
+            messages = list(await _call(fn, messages, limit=self.timeout))
         return messages

@@ -119,6 +119,7 @@ class OutputSpec(Generic[OutputT]):
             after=list(config.hooks.after),
             transform=list(config.hooks.transform),
             phases={phase: list(fns) for phase, fns in config.hooks.phases.items()},
+            timeout=config.hooks.timeout,
         )
         nudged = 0
 
