@@ -15,6 +15,11 @@ documents, videos (a note, never downloaded) and, with a ``transcriber``, voice 
 ``_deliver_files``, see ``agentloop.channels.media``). Each message goes with its ``Origin`` (who
 wrote it, in a direct chat or a group's): in a group, where one process hears several people, the
 model is told who speaks (``messages.with_speakers``).
+
+An answer the app refuses for good (the user blocked the bot, the chat is gone: ``_send`` answers
+``Undelivered`` once its retries are over) is logged by the channel, as before, and also noted in
+the process's history (``Kernel.note``: a system message that starts no run), once per run: the
+model reads on its next turn that the user never saw it, and so does whoever reads the history.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import asyncio
 import logging
 from collections.abc import Hashable, Mapping, Sequence
 from contextlib import aclosing, suppress
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
@@ -51,7 +57,7 @@ from agentloop.channels.media import (
     video_text,
 )
 from agentloop.channels.state import ChannelState
-from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, Signal
+from agentloop.kernel import Kernel, NoSuchProcess, Process, ProcessBusy, RunActive, Signal
 from agentloop.messages import FileContent, ImageContent, Origin
 from agentloop.process import admission
 from agentloop.process import signals as sig
@@ -69,6 +75,19 @@ NOT_PENDING = "This request is no longer pending."
 DECLINES = "bridge.declines:"
 CLOSE_GRACE = 5.0  # seconds ``close`` lets an update or a signal being handled finish
 REFUSE_EVERY = 3600.0  # seconds: a chat that is refused is told so at most this often
+NOTE_TRIES = 5  # times the note of an undelivered answer is tried (a store error, a busy process)
+SHOWN_ANSWER = 80  # characters of an undelivered answer its note quotes
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """What ``_send`` answers when its text did not (all) reach the chat: the app refused it for
+    good, or its retries ran out. ``reason`` is the app's error as the channel logs it (never
+    with a secret); ``sent`` of the ``parts`` messages the text took went out before it."""
+
+    reason: str
+    sent: int = 0
+    parts: int = 1
 
 
 class RefusalThrottle(Generic[K]):
@@ -99,6 +118,7 @@ class ChatBridge(Generic[K]):
     CHAT_KEY: ClassVar[str]
     OWNER_PREFIX: ClassVar[str]
     NAME: ClassVar[str]
+    APP: ClassVar[str]  # the app as its users name it ("WhatsApp"), in the notes the process is given
     COMMAND_PREFIX: ClassVar[str] = "/"  # what the channel's commands start with ("/new")
     log: ClassVar[logging.Logger]
 
@@ -129,6 +149,7 @@ class ChatBridge(Generic[K]):
         # held while input (its key) or a process's signal (its pid) is handled: ``close`` waits
         # for them, so that what was sent is also recorded as sent
         self._busy: dict[str, asyncio.Lock] = {}
+        self._noting: set[asyncio.Task[None]] = set()  # notes of undelivered answers, on their way
 
     # -- what a channel says ---------------------------------------------------------------------
 
@@ -143,8 +164,14 @@ class ChatBridge(Generic[K]):
         """``text`` without the channel's secrets."""
         return text
 
-    async def _send(self, chat: K, text: str) -> None:
+    async def _send(self, chat: K, text: str) -> Undelivered | None:
+        """``text`` to the chat, in as many messages as the app needs, transient failures retried;
+        None once it went out, else why it (or its rest) did not (logged by the channel)."""
         raise NotImplementedError
+
+    def _where(self, chat: K) -> str:
+        """The chat as a note to its process names it."""
+        return f"the {self.APP} chat {chat}"
 
     async def _say(self, chat: K, text: str) -> None:
         """A short notice in answer to the user's input (``_send`` unless the channel defers it)."""
@@ -205,9 +232,12 @@ class ChatBridge(Generic[K]):
         acquiring = [asyncio.ensure_future(self._lock(key).acquire()) for key, t in every.items() if not t.done()]
         if acquiring:
             await asyncio.wait(acquiring, timeout=CLOSE_GRACE)
-        for task in (*acquiring, *every.values()):
+        noting = [*self._noting]  # (one waiting for a long run to end is given up: it is logged)
+        if noting:
+            await asyncio.wait(noting, timeout=CLOSE_GRACE)
+        for task in (*acquiring, *every.values(), *noting):
             task.cancel()
-        await asyncio.gather(*acquiring, *every.values(), return_exceptions=True)
+        await asyncio.gather(*acquiring, *every.values(), *noting, return_exceptions=True)
         self._followers.clear()
         self._busy.clear()
 
@@ -515,7 +545,7 @@ class ChatBridge(Generic[K]):
         elif signal.signal == sig.HIL_REQUESTED:
             await self._ask(chat, proc, payload)
         elif signal.signal == sig.RUN_FINISHED:
-            await self._finished(chat, payload)
+            await self._finished(chat, proc, payload)
         else:
             return
         if signal.seq is not None and signal.signal != sig.RUN_STARTED:
@@ -535,18 +565,72 @@ class ChatBridge(Generic[K]):
         """Whether ``proc`` still waits for an answer to approval request ``request_id``."""
         return any(row.request_id == request_id for row in await proc.pending_approvals())
 
-    async def _finished(self, chat: K, payload: Mapping[str, Any]) -> None:
+    async def _finished(self, chat: K, proc: Process, payload: Mapping[str, Any]) -> None:
+        """Send what the run's end says to the chat; if the app refused it for good, note that in
+        the process (``_note_undelivered``)."""
         if payload.get("quiet"):  # a heartbeat's "nothing to do"
             return
         text = payload.get("text")
         status = payload.get("status")
         if isinstance(text, str) and text.strip():
-            await self._send(chat, text)
+            message = text
         elif status == "error":
             error = str(payload.get("error") or payload.get("reason") or "the model call failed")
-            await self._send(chat, f"⚠️ The answer failed: {error[:1000]}")
+            message = f"⚠️ The answer failed: {error[:1000]}"
         elif status == "aborted":
-            if payload.get("reason") != "process.reset":
-                await self._send(chat, "Stopped.")
+            if payload.get("reason") == "process.reset":
+                return
+            message = "Stopped."
         else:
-            await self._send(chat, "(The agent finished without an answer.)")
+            message = "(The agent finished without an answer.)"
+        failed = await self._send(chat, message)
+        run_id = payload.get("runId")
+        if failed is not None and isinstance(run_id, str):
+            self._note_undelivered(chat, proc.pid, run_id, message, failed)
+
+    def _note_undelivered(self, chat: K, pid: str, run_id: str, message: str, failed: Undelivered) -> None:
+        """Tell the process that the end of run ``run_id`` (``message``) never reached the chat:
+        a note in its history (``Kernel.note``), which starts no run (the user cannot be answered
+        there anyway), so that the model knows on its next turn what the user missed and a reader
+        of the history sees why the chat went quiet. Once per run (``note_id``: a follower that
+        reads the run's end again after a restart, and fails again, notes nothing more). Written
+        by a task of its own: a run under way is waited out (a note amid its turns would make it
+        call the model again), and the follower must not wait, or that run's approval requests
+        would never reach the chat."""
+        shown = " ".join(message.split())
+        quoted = shown if len(shown) <= SHOWN_ANSWER else shown[: SHOWN_ANSWER - 1] + "…"
+        reason = redact_secrets(self.redact(failed.reason))[:300]
+        partly = f" (only {failed.sent} of its {failed.parts} messages went out)" if failed.sent else ""
+        text = (
+            f'Automatic reply delivery failed: the answer of run {run_id} ("{quoted}") did not reach '
+            f"{self._where(chat)}{partly}: {reason}. The user has not seen it."
+        )
+        task = asyncio.create_task(self._note(pid, run_id, text), name=f"agentloop-{self.NAME}-note-{pid}")
+        self._noting.add(task)
+        task.add_done_callback(self._noting.discard)
+
+    async def _note(self, pid: str, run_id: str, text: str) -> None:
+        """``Kernel.note`` once the process is idle, tried again on a failure, ``NOTE_TRIES``
+        times in all; a note given up is logged (the answer's failure was logged already)."""
+        first, longest = self._backoff
+        delay = first
+        tried = 0
+        while True:
+            try:
+                await self.kernel.note(pid, text, note_id=f"undelivered:{run_id}")
+                return
+            except NoSuchProcess:
+                return  # (killed meanwhile: nobody to tell)
+            except RunActive:  # (no failure: waited out, however many runs come first)
+                with suppress(NoSuchProcess):
+                    await (await self.kernel.process(pid)).wait_idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                tried += 1
+                why = self.redact(f"{type(exc).__name__}: {exc}")
+                if tried >= NOTE_TRIES:
+                    self.log.error("the undelivered answer of run %s was not noted in process %s: %s", run_id, pid, why)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 0.05), longest)

@@ -121,7 +121,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentloop.channels.bridge import CLOSE_GRACE, NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
+from agentloop.channels.bridge import CLOSE_GRACE, NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle, Undelivered
 from agentloop.channels.discord_api import DEFAULT_API_URL, USER_AGENT, DiscordApi, DiscordError
 from agentloop.channels.media import (
     MAX_FILE_BYTES,
@@ -505,6 +505,7 @@ class DiscordBridge(ChatBridge[int]):
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "discord-"
     NAME = "discord"
+    APP = "Discord"
     COMMAND_PREFIX = "!"
     log = log
 
@@ -1382,11 +1383,14 @@ class DiscordBridge(ChatBridge[int]):
         if components is not None:
             await self._send(chat, describe_request(payload, max_arguments=1500), components)
 
-    async def _send(self, chat: int, text: str, components: list[dict[str, Any]] | None = None) -> None:
+    def _where(self, chat: int) -> str:
+        return f"the Discord channel {chat}"
+
+    async def _send(self, chat: int, text: str, components: list[dict[str, Any]] | None = None) -> Undelivered | None:
         """``text`` to the channel, in as many messages as it takes (the buttons on the last), no
         one pinged. Transient failures are retried until they pass (a nonce keeps a retry after a
         lost answer from posting twice); a permanent one (the channel is gone, the bot may not
-        write there) is logged, and the text dropped."""
+        write there) is logged, and the text dropped (``Undelivered``)."""
         parts = split_message(text, MAX_MESSAGE)
         for n, part in enumerate(parts):
             body: dict[str, Any] = {"content": part, "allowed_mentions": NO_MENTIONS}
@@ -1397,7 +1401,8 @@ class DiscordBridge(ChatBridge[int]):
                 await self.api.request("POST", f"/channels/{chat}/messages", json=body)
             except DiscordError as exc:
                 log.error("%s (channel %d): the message is dropped", exc, chat)
-                return
+                return Undelivered(str(exc), n, len(parts))
+        return None
 
     async def _typing(self, chat: int) -> None:
         try:

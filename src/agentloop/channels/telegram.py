@@ -70,7 +70,7 @@ from typing import Any, NamedTuple, cast
 import httpx
 
 from agentloop.channels.botapi import DEFAULT_API_URL, BotApi, BotApiError
-from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle
+from agentloop.channels.bridge import NOT_PENDING, OUTCOMES, ChatBridge, RefusalThrottle, Undelivered
 from agentloop.channels.media import (
     MAX_FILE_BYTES,
     MAX_FILES,
@@ -255,6 +255,7 @@ class TelegramBridge(ChatBridge[Chat]):
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "telegram-"
     NAME = "telegram"
+    APP = "Telegram"
     log = log
 
     def __init__(
@@ -748,10 +749,15 @@ class TelegramBridge(ChatBridge[Chat]):
             params["message_thread_id"] = chat.thread
         return params
 
-    async def _send(self, chat: Chat, text: str, markup: dict[str, Any] | None = None) -> None:
+    def _where(self, chat: Chat) -> str:
+        if isinstance(chat, Topic):
+            return f"topic {chat.thread} of the Telegram chat {chat.chat}"
+        return f"the Telegram chat {chat}"
+
+    async def _send(self, chat: Chat, text: str, markup: dict[str, Any] | None = None) -> Undelivered | None:
         """``text`` to the chat (its topic), in as many messages as it takes (the buttons on the
         last). Transient failures are retried until they pass; a permanent one (the user blocked
-        the bot, the chat is gone) is logged, and the text dropped."""
+        the bot, the chat is gone) is logged, and the text dropped (``Undelivered``)."""
         parts = split_message(text)
         for n, part in enumerate(parts):
             params: dict[str, Any] = {**self._to(chat), "text": part}
@@ -768,7 +774,8 @@ class TelegramBridge(ChatBridge[Chat]):
                     await self.api.call("sendMessage", params)
             except BotApiError as exc:
                 log.error("%s (chat %d): the message is dropped", exc, params["chat_id"])
-                return
+                return Undelivered(str(exc), n, len(parts))
+        return None
 
     async def _typing(self, chat: Chat) -> None:
         await self._try("sendChatAction", {**self._to(chat), "action": "typing"}, attempts=1)

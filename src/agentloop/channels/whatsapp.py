@@ -81,7 +81,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge, RefusalThrottle
+from agentloop.channels.bridge import CLOSE_GRACE, ChatBridge, RefusalThrottle, Undelivered
 from agentloop.channels.graph import DEFAULT_API_VERSION, DEFAULT_GRAPH_URL, MEDIA_HOSTS, GraphApi, GraphError
 from agentloop.channels.media import (
     MAX_FILE_BYTES,
@@ -256,6 +256,7 @@ class WhatsAppBridge(ChatBridge[str]):
     CHAT_KEY = CHAT_KEY
     OWNER_PREFIX = "whatsapp-"
     NAME = "whatsapp"
+    APP = "WhatsApp"
     log = log
 
     def __init__(
@@ -821,22 +822,26 @@ class WhatsAppBridge(ChatBridge[str]):
         except GraphError as exc:
             log.info("%s (typing indicator)", exc)
 
-    async def _send(self, chat: str, text: str) -> None:
+    async def _send(self, chat: str, text: str) -> Undelivered | None:
         """``text`` to the user, in as many messages as it takes. Transient failures are retried
-        until they pass; a permanent one is logged, and the text dropped."""
-        for part in split_message(text, MAX_TEXT):
-            if not await self._post({"to": chat, "type": "text", "text": {"body": part, "preview_url": False}}):
-                return
+        until they pass; a permanent one is logged, and the text dropped (``Undelivered``)."""
+        parts = split_message(text, MAX_TEXT)
+        for n, part in enumerate(parts):
+            failed = await self._post({"to": chat, "type": "text", "text": {"body": part, "preview_url": False}})
+            if failed is not None:
+                return Undelivered(failed, n, len(parts))
+        return None
 
     async def _send_approval(self, chat: str, payload: Mapping[str, Any], request_id: str) -> None:
         message = approval_message(chat, payload, request_id)
         if message is not None:
             await self._post(message)
 
-    async def _post(self, message: dict[str, Any]) -> bool:
+    async def _post(self, message: dict[str, Any]) -> str | None:
+        """Send ``message``: None once sent, else why not (logged, and the message dropped)."""
         try:
             await self.api.send(message)
-            return True
+            return None
         except GraphError as exc:
             log.error("%s (to %s): the message is dropped", exc, message.get("to"))
-            return False
+            return str(exc)

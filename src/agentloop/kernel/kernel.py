@@ -66,6 +66,7 @@ from agentloop.messages import (
     check_origin,
     check_plain_text,
     check_unicode,
+    system,
 )
 from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
@@ -1333,6 +1334,33 @@ class Kernel:
             # (a reset would take it for a delegate's reply to the conversation it ends, and drop it)
             raise ValueError(f"run_id must not end with {admission.BOUND_SUFFIX!r}: delegate replies use such ids")
         return await self.engine.signal_event(pid, text, run_id=run_id)
+
+    async def note(self, pid: str, text: str, *, note_id: str | None = None) -> bool:
+        """Record ``text`` in the process's history as a system message (kind ``event``) that
+        starts no run, unlike ``signal``: something that happened outside the conversation which
+        the model reads with its next turn and a reader of the history sees (a chat bridge's
+        answer that never reached the chat), but which asks for no answer of its own. Only while
+        idle (``RunActive`` otherwise: amid a run's turns it would be input the run takes another
+        model call for), ``ProcessBusy`` while another worker holds the process. ``note_id``
+        makes it idempotent: a note already recorded under that id is not recorded again
+        (False), checked in the transaction that records it."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("text must be a non-empty string")
+        check_unicode(text, "text")
+        if note_id is not None:
+            if not isinstance(note_id, str) or not note_id or len(note_id) > 2 * MAX_RUN_ID:
+                # (room for a run id and what the caller says of it: "undelivered:<run id>")
+                raise ValueError(f"note_id must be a non-empty string of at most {2 * MAX_RUN_ID} characters")
+            check_plain_text(note_id, "note_id")
+        key = f"noted:{note_id}" if note_id is not None else None
+        async with self.engine.held_idle(pid, "note") as live, self.engine._tx(live) as tx:
+            if key is not None:
+                if await self.store.kv_get(pid, key) is not None:
+                    return False
+                await self.store.kv_set(pid, key, True)
+            await tx.append(None, [system(text, "event")])
+            await tx.signal(sig.CHANGED, changes=["messages"])
+        return True
 
     # -- schedules (see kernel/schedules.py) ------------------------------------------------------
 
