@@ -54,6 +54,7 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/processes/{pid}/events"): {"params": {"follow": "false"}},
     ("POST", "/v1/processes/{pid}/abort"): {"json": {}},
     ("POST", "/v1/processes/{pid}/stop"): {"json": {}},
+    ("POST", "/v1/processes/{pid}/retry"): {"json": {}},  # (on a question left unanswered: path_ids)
     ("GET", "/v1/processes/{pid}/mode"): {},
     ("POST", "/v1/processes/{pid}/mode"): {"json": {"mode": "chat"}},
     ("GET", "/v1/processes/{pid}/model"): {},
@@ -100,6 +101,14 @@ def path_ids(alice: httpx.Client, path: str, pid: str) -> dict[str, str]:
         alice.post(f"/v1/processes/{pid}/messages", json={"text": "sleep 30"})
         alice.post(f"/v1/processes/{pid}/messages", json={"text": "later", "mode": "queue"})
         out["item_id"] = str(alice.get(f"/v1/processes/{pid}/queue").json()["items"][0]["id"])
+    if path.endswith("/retry"):  # a question with its answer rewound away: one to retry
+        alice.post(f"/v1/processes/{pid}/messages", json={"text": "hello"})
+        for _ in range(500):
+            if alice.get(f"/v1/processes/{pid}").json()["state"] == "idle":
+                break
+            time.sleep(0.01)
+        question = alice.get(f"/v1/processes/{pid}/messages").json()["messages"][0]["id"]
+        alice.post(f"/v1/processes/{pid}/rewind", json={"at": question})
     if "{segment_id}" in path:  # a conversation a reset put away
         alice.post(f"/v1/processes/{pid}/messages", json={"text": "hello"})
         for _ in range(500):

@@ -369,6 +369,15 @@ class AgentloopClient:
         data = await self._call("POST", f"/v1/processes/{_segment(pid)}/abort", body=body)
         return bool(data.get("aborted"))
 
+    async def retry(self, pid: str, run_id: str | None = None) -> dict[str, Any]:
+        """Run the model again on the history, with no new input, where the last run ended without
+        an answer (``POST …/retry``): the receipt ``{run_id, queued, position}`` of the run it
+        starts. ``Conflict`` with code ``busy`` while a run is active, ``nothing_to_retry`` when the
+        conversation ended with an answer; a ``run_id`` makes it idempotent (its first receipt)."""
+        body = {"run_id": run_id} if run_id else {}
+        result: dict[str, Any] = await self._call("POST", f"/v1/processes/{_segment(pid)}/retry", body=body)
+        return result
+
     async def mode(self, pid: str, mode: str | None = None) -> str:
         """The process's mode (agent or chat), after setting it when ``mode`` is given."""
         if mode is None:

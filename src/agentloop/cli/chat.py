@@ -77,6 +77,7 @@ HELP = (
     "/model [spec|default] shows or sets this conversation's model (provider:model) · "
     "/fork [N] continues a copy of this conversation (before your Nth message: type another) · "
     "/rewind [ID] drops what came after message ID (alone: your last message and what followed), archived · "
+    "/retry asks the model again where the last answer failed or was cut short · "
     "/exit or Ctrl-D quits · Ctrl-C aborts a running answer"
 )
 
@@ -419,6 +420,17 @@ class Rewinds(Protocol):
         after it); ``SessionError`` for a point that cannot be one, or while a run is active."""
 
 
+@runtime_checkable
+class Retries(Protocol):
+    """A session whose process can run the model again on its history with no new input
+    (``/retry``): after a turn that failed (a provider error, an abort, the output limit), whose
+    message the conversation kept."""
+
+    async def retry(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        """Run the retried turn to its end, showing it on ``view``; ``SessionError`` when there is
+        nothing to retry (the last turn was answered) or a run is under way."""
+
+
 def before_last_user(messages: Sequence[tuple[int, str]]) -> int:
     """``/rewind``'s point when none is given: the id of the message before the user's last one
     ((id, role) pairs, oldest first; 0, the start, when that was the first), so that the rewind
@@ -568,6 +580,9 @@ class ChatRepl:
                     shown = "chat mode: answers without tools" if mode == "chat" else "agent mode: tools on"
                     self.err.print(Text(f"({shown})", style="dim"))
                 return True
+            if word == "/retry":
+                self.retry(ev)
+                return True
             if (act := self._commands(ev).get(word)) is not None:
                 act(text[len(word) :].strip())
                 return True
@@ -714,6 +729,17 @@ class ChatRepl:
             return
         dropped = f"{done.removed} message{'s' * (done.removed != 1)} dropped and archived"
         self.err.print(Text(f"(rewound: {dropped}, {done.kept} kept)", style="dim"))
+
+    def retry(self, ev: asyncio.AbstractEventLoop) -> None:
+        """``/retry``: the last turn failed (or was aborted, or cut at the output limit) and the
+        conversation kept the message: ask the model again, shown as a turn, without typing the
+        message again (which would leave it twice in the conversation)."""
+        session = self.session
+        if not isinstance(session, Retries):
+            self.err.print(Text("(no retry: this chat keeps its conversation in memory; send it again)", style="dim"))
+            return
+        if (outcome := self._ask(self._play(lambda view: session.retry(view, self.ask)), ev)) is not _FAILED:
+            self.last_outcome = outcome
 
     def compact(self, rest: str, ev: asyncio.AbstractEventLoop) -> None:
         """``/compact [--keep N] [instructions]``: summarise the conversation now, to free the
@@ -1086,6 +1112,24 @@ class DurableSession:
         if run is None:
             return TurnOutcome("ok")
         return await self._follow(str(run["run_id"]), view, ask)
+
+    async def retry(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        """``/retry``: run the model again where the last turn ended without an answer
+        (``Process.retry``), then follow that run as a turn."""
+        proc = self.process
+        if await self.unfinished():  # a turn under way is followed, not retried
+            return await self.resume(view, ask)
+        hub = self.kernel.engine.hub
+        early = hub.watch(proc.pid)  # (deltas stream only while someone watches: from before the run)
+        try:
+            try:
+                receipt = await proc.retry()
+            # after an answer (NothingToRetry), a run started meanwhile, another worker's lease
+            except (RunActive, ProcessBusy, ValueError) as exc:
+                raise SessionError(f"not retried: {exc}") from exc
+            return await self._follow(receipt.run_id, view, ask, early=lambda: hub.unwatch(proc.pid, early))
+        finally:
+            hub.unwatch(proc.pid, early)
 
     async def turn(self, text: str, view: TextRenderer, ask: Asker, media: Sequence[MediaBlock] = ()) -> TurnOutcome:
         proc = self.process

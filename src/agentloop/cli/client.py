@@ -622,6 +622,19 @@ class RemoteSession:
         except ClientError as exc:
             return TurnOutcome("error", "error", exc.message)
 
+    async def retry(self, view: TextRenderer, ask: Asker) -> TurnOutcome:
+        """``/retry``: run the model again where the last turn ended without an answer
+        (``POST …/retry``), then follow that run as a turn. A refusal (nothing to retry, a run
+        under way) is a ``SessionError``: no turn was run."""
+        try:
+            if await self.unfinished():  # a turn under way is followed, not retried
+                return await self.resume(view, ask)
+            return await self._follow(view, ask, retry=True)
+        except ClientError as exc:
+            if exc.code in ("nothing_to_retry", "busy"):
+                raise SessionError(f"not retried: {exc.message}") from exc
+            return TurnOutcome("error", "error", exc.message)
+
     async def _follow(
         self,
         view: TextRenderer,
@@ -630,9 +643,10 @@ class RemoteSession:
         text: str | None = None,
         media: Sequence[MediaBlock] = (),
         run_id: str | None = None,
+        retry: bool = False,
     ) -> TurnOutcome:
-        """Watch first, then send: text deltas are live-only, so a stream opened after the send
-        could miss the start of the answer."""
+        """Watch first, then send (or ask for a ``retry``): text deltas are live-only, so a stream
+        opened after the run started could miss the start of the answer."""
         queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
         connected = asyncio.Event()
 
@@ -660,11 +674,14 @@ class RemoteSession:
             await asyncio.wait({*waiters, task}, return_when=asyncio.FIRST_COMPLETED)
             for waiter in waiters:
                 waiter.cancel()
-            if text is not None:
+            if text is not None or retry:
                 if self._interrupted.is_set():  # Ctrl-C while the stream was still being opened
                     return TurnOutcome("aborted", "aborted")
-                items = [_media_item(b) for b in media]
-                receipt = await self.client.send(self.pid, text, media=items or None)
+                if text is None:  # (a retry: no new input)
+                    receipt = await self.client.retry(self.pid)
+                else:
+                    items = [_media_item(b) for b in media]
+                    receipt = await self.client.send(self.pid, text, media=items or None)
                 run_id = self._run_id = str(receipt["run_id"])
                 if self._interrupted.is_set():  # Ctrl-C while the line was on its way
                     self.abort()

@@ -482,6 +482,17 @@ class Process:
         _check_run_id_type(run_id)
         return await self.kernel.engine.abort(self.pid, run_id)
 
+    async def retry(self, run_id: str | None = None) -> Receipt:
+        """Run the model again on the conversation as it stands, with no new input ("Retry"): for
+        a last run that ended without answering (a provider error, an abort, the output limit, a
+        context overflow a compaction did not cure), whose input is kept. The failed end (the
+        failure notice, the failed or cut-off partial answer) is removed first, so the model
+        answers the input afresh. Only while idle (``RunActive``); ``NothingToRetry`` (a
+        ``ValueError``) when the conversation ended with an answer. ``run_id`` makes it
+        idempotent as with ``send``: a retry of it gets the first receipt. See ``admission.retry``."""
+        _check_run_id(run_id)
+        return await self.kernel.engine.retry(self.pid, run_id=run_id)
+
     async def hil(
         self,
         request_id: str,

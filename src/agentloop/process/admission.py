@@ -3,19 +3,22 @@ a run or waits in the queue (``steer`` items and system events join the active r
 items wait for the next one; an ``interrupt`` stops the run first; a ``reject`` is refused while
 a run is under way); a caller-supplied run id makes a delivery idempotent, and an expected run id
 makes it conditional on that run (``check_admission``). When a run ends, queued input becomes the
-next run (``promote``)."""
+next run (``promote``). A run that ended without answering its input can be run again on the
+history as it stands, with no new input (``retry``)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentloop.messages import Message, system
+from agentloop.loop.state import CallModel, decide
+from agentloop.messages import AssistantMessage, Message, SystemMessage, ToolResultMessage, UserMessage, system
 from agentloop.process import signals as sig
 from agentloop.process.api import Receipt, RunActive, RunNotCurrent, SendMode, new_id
-from agentloop.process.store import MAX_SEQ, NoSuchProcess, QueueItem
+from agentloop.process.pressure import forget_context
+from agentloop.process.store import MAX_SEQ, NoSuchProcess, QueueItem, SegmentRow
 from agentloop.process.store.base import QueueKind
-from agentloop.process.tx import _Live, promoting
+from agentloop.process.tx import _Live, _new_run, promoting
 
 if TYPE_CHECKING:
     from agentloop.process.engine import ProcessEngine
@@ -377,6 +380,104 @@ async def _same_conversation(engine: ProcessEngine, live: _Live, generation: int
         return False
     record = await engine.store.get_process(pid)  # (read after the lock: a reset's commit is seen)
     return record is not None and record.state != "killed" and record.history_generation == generation
+
+
+class NothingToRetry(ValueError):
+    """A retry of a process whose conversation ended with an answer (or has none yet): no input
+    waits for the model, so there is nothing to run again. Nothing was done; send input instead."""
+
+    def __init__(self, pid: str) -> None:
+        super().__init__(f"nothing to retry: the last run of process {pid} finished (send a message to go on)")
+        self.pid = pid
+
+
+FAILURE_KIND = "error"  # the kind of the notice a failed run ends with (``driver._finish``)
+UNFINISHED = ("error", "aborted", "length")  # stop reasons of a model turn that did not answer
+
+
+def _failed_turn(message: Message) -> bool:
+    """Whether ``message`` is part of how a run failed to answer: the runtime's failure notice, or
+    a model turn that failed (its partial output is never sent to a model: ``clean_history``), was
+    cut off by an abort or ended at the output limit (a truncated answer, not the answer)."""
+    if isinstance(message, SystemMessage):
+        return message.kind == FAILURE_KIND
+    return isinstance(message, AssistantMessage) and message.stop_reason in UNFINISHED
+
+
+def retry_point(history: list[Message]) -> int | None:
+    """How many messages of ``history`` a retry keeps, or None when there is nothing to retry.
+
+    The failed end (``_failed_turn``: failure notices and unfinished model turns) goes, so the
+    model answers the input as if for the first time rather than reading its own failure as a turn
+    (archived first, as a rewind's segment: a cut-off answer was seen, and stays readable).
+    What is left must owe the model a turn, as the shared ``decide`` judges it (the durable runner
+    and ``Agent`` take the same decision at a run's first step): a user message, a system event or
+    tool results nobody answered. Without a failed end only user input or tool results count (an
+    abort during a model call, a rewind to a question): a history that ends with a compaction's
+    summary ended with an answer before it was summarised. An answer, a run its tools ended, an
+    empty history: None."""
+    keep = len(history)
+    while keep and _failed_turn(history[keep - 1]):
+        keep -= 1
+    if not keep or (keep == len(history) and not isinstance(history[-1], UserMessage | ToolResultMessage)):
+        return None
+    return keep if isinstance(decide(history[:keep], has_input=False, guard=None), CallModel) else None
+
+
+async def retry(engine: ProcessEngine, pid: str, *, run_id: str | None) -> Receipt:
+    """Start a run on the history as it stands, with no new input: the model is asked again where
+    the last run failed to answer (``retry_point``), its failed end removed in the transaction that
+    starts the run, so a restart resumes it like any run. Only while idle: ``RunActive`` while a
+    run is under way, ``NothingToRetry`` after an answer, ``ProcessBusy`` while another worker will
+    not let the process go; nothing is done then. Held as a rewind holds it (``held_idle``): input
+    sent meanwhile waits and then joins the retried run. A caller-supplied ``run_id`` makes it
+    idempotent as with ``send``: a retry of a retry that got through gets its receipt."""
+    seen = await admitted(engine, pid, run_id)
+    if seen is not None:
+        return seen
+    try:
+        receipt = await _retry_held(engine, pid, run_id)
+    except RunActive:  # a twin with the same id got through while this one waited for the process
+        seen = await admitted(engine, pid, run_id)
+        if seen is not None:
+            return seen
+        raise
+    engine.wake(pid)
+    return receipt
+
+
+async def _retry_held(engine: ProcessEngine, pid: str, run_id: str | None) -> Receipt:
+    """``retry`` with the process held idle; the history read here is the one the run starts on."""
+    async with engine.held_idle(pid, "retry") as live:
+        seen = await admitted(engine, pid, run_id)  # (a twin that got through and already finished)
+        if seen is not None:
+            return seen
+        stored = await engine.store.history(pid)
+        keep = retry_point([m.message for m in stored])
+        if keep is None:
+            raise NothingToRetry(pid)
+        removed = len(stored) - keep
+        where = None
+        if removed and engine.archive is not None:  # (archived before it goes: a cut-off answer was seen)
+            meta = {"reason": "retry", "at": stored[keep - 1].id, "kept": keep}
+            where = await engine.archive(live.record, f"retry-{new_id()}", [m.message for m in stored[keep:]], meta)
+        async with engine._tx(live) as tx:
+            if removed:
+                await engine.store.truncate_messages(pid, stored[keep - 1].id)
+                if where is not None:  # (a rewind's kind: what follows a message, taken out)
+                    ids = (stored[keep].id, stored[-1].id)
+                    generation = live.record.history_generation
+                    await engine.store.add_segment(SegmentRow(new_id(), pid, generation, "rewind", *ids, where))
+                await forget_context(tx, live)  # (it measured the failed end too)
+                tx.after.append(lambda: live.history.__delitem__(slice(keep, None)))
+                retried = {"at": stored[keep - 1].id, "removed": removed}
+                await tx.signal(sig.CHANGED, changes=["messages"], retried=retried)
+            run = _new_run(run_id)
+            await tx.set_run(run)
+            started = int(run["started"] * 1000)
+            await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="proc.retry", queuedCount=0, timestamp=started)
+            await remember_admission(engine, pid, run["run_id"], run_id, queued=False, position=0)
+    return Receipt(run["run_id"], False, 0)
 
 
 async def promote(engine: ProcessEngine, live: _Live) -> None:

@@ -885,6 +885,11 @@ class ProcessEngine:
             )
         )
 
+    async def retry(self, pid: str, *, run_id: str | None = None) -> Receipt:
+        """Run the model again on the history, with no new input, where the last run ended without
+        an answer (failed, aborted, cut at the output limit): see ``admission.retry``."""
+        return await _retried(lambda: admission.retry(self, pid, run_id=run_id))
+
     async def withdraw(self, pid: str, item_id: int | None = None, kind: QueueKind | None = None) -> list[QueueItem]:
         """Take waiting input out of the queue before it runs (see ``admission.withdraw``)."""
         return await _retried(lambda: admission.withdraw(self, pid, item_id, kind))

@@ -158,6 +158,15 @@ class StopBody(Body):
     run_id: str | None = Field(None, min_length=1, max_length=128, description="Only stop this run.")
 
 
+class RetryBody(Body):
+    run_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="The retried run's id; a retry with one that got through gets its first receipt (idempotent).",
+    )
+
+
 class HilBody(Body):
     decision: Literal["approve", "deny"]
     remember: bool | Literal["run", "process", "account"] = Field(
@@ -898,6 +907,11 @@ async def abort(call: Call) -> dict[str, Any]:
     return await call.ctx.processes.abort(call.principal, call.param("pid"), run_id=body.run_id)
 
 
+async def retry(call: Call) -> dict[str, Any]:
+    body = call.parsed(RetryBody, call.body)
+    return await call.ctx.processes.retry(call.principal, call.param("pid"), run_id=body.run_id)
+
+
 async def approvals(call: Call) -> dict[str, Any]:
     return {"requests": await call.ctx.processes.approvals(call.principal, call.param("pid"))}
 
@@ -1137,6 +1151,18 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         stop,
         body=StopBody,
         answer=StopOut,
+    ),
+    Endpoint(
+        "POST",
+        f"{_P}/retry",
+        "Run the model again on the history, with no new input, where the last run ended without an answer"
+        " (failed, aborted, cut at the output limit); 409 busy while a run is active,"
+        " nothing_to_retry after an answer.",
+        retry,
+        body=RetryBody,
+        answer=ReceiptOut,
+        status=202,
+        errors=(402, 409, 429),
     ),
     Endpoint(
         "GET", f"{_P}/mode", "Whether the process's runs use tools (agent) or not (chat).", get_mode, answer=ModeOut

@@ -670,6 +670,24 @@ class ProcessService:
         proc, _ = await self._process(who, pid)
         return {"aborted": await proc.abort(run_id)}
 
+    async def retry(self, who: Principal, pid: str, *, run_id: str | None = None) -> dict[str, Any]:
+        """Run the model again where the last run ended without an answer (``Process.retry``): the
+        receipt of the run it starts. Counted as input (it starts a run), a retry of one admitted
+        already (its ``run_id``) not. 409 ``busy`` while a run is active, 409 ``nothing_to_retry``
+        when the conversation ended with an answer: nothing done (nor counted) either way."""
+        _check_plain(run_id, "run_id")
+        proc, _ = await self._process(who, pid)
+        try:
+            async with self._input(who, pid, run_id):
+                receipt = await proc.retry(run_id)
+        except (RunActive, ProcessBusy) as exc:  # (first: a RunActive is a ValueError too)
+            raise ApiError(409, "busy", str(exc), retry_after=1) from None
+        except admission.NothingToRetry as exc:
+            raise ApiError(409, "nothing_to_retry", str(exc)) from None
+        except NoSuchProcess:  # killed by a request that raced this one
+            raise _not_found(pid) from None
+        return receipt_json(receipt)
+
     async def approvals(self, who: Principal, pid: str) -> list[dict[str, Any]]:
         proc, _ = await self._process(who, pid)
         # (a subagent's request is put to its conversation: answered here, it says whose it is)

@@ -385,6 +385,10 @@ async def _abort(conn: Connection, args: dict[str, Any]) -> Any:
     return await conn.service.abort(conn.user, _id(args, "pid"), run_id=_opt_id(args, "run_id"))
 
 
+async def _retry(conn: Connection, args: dict[str, Any]) -> Any:
+    return await conn.service.retry(conn.user, _id(args, "pid"), run_id=_opt_id(args, "run_id"))
+
+
 async def _hil(conn: Connection, args: dict[str, Any]) -> Any:
     pid, request_id = _id(args, "pid"), _id(args, "request_id")
     decision = _str(args, "decision")
@@ -550,6 +554,7 @@ CALLS: dict[str, Call] = {
     "proc.history": Call(_history, _takes("pid", "limit", "before")),
     "proc.abort": Call(_abort, _takes("pid", "run_id"), mutates=True),
     "proc.stop": Call(_stop, _takes("pid", "run_id"), mutates=True),
+    "proc.retry": Call(_retry, _takes("pid", "run_id"), mutates=True),
     "proc.mode": Call(_mode, _takes("pid", "mode"), mutates=True),
     "proc.title": Call(_title, _takes("pid", "title"), mutates=True),
     "proc.compaction": Call(_compaction, _takes("pid", "threshold", "overflow", "keep_recent_tokens"), mutates=True),
