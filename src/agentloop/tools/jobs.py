@@ -102,6 +102,12 @@ class CommandJob:
     def bytes_so_far(self) -> int:
         return self._capture.total if self._capture is not None else self._bytes
 
+    def kept_file(self) -> str | None:
+        """While it runs, the file its whole output is being written to (once the output outgrew what
+        is held in memory: ``process_group.KeptOutput``), relative to the workspace."""
+        kept = self._capture.kept if self._capture is not None else None
+        return kept.path if kept is not None else None
+
     def output_so_far(self) -> str:
         """The output while it runs, cut in the middle as its end will be ("" once ended)."""
         return self._capture.render()[0] if self._capture is not None else ""
@@ -277,7 +283,9 @@ def _output(job: CommandJob, offset: int | None) -> ToolResult:
     end = start + len(data)
     gap = ""
     if start > wanted:
-        gap = f"bytes {wanted}–{start} were not kept (a long output keeps its start and its end); "
+        kept = job.kept_file()
+        where = f"; the whole output so far is in {kept}, which Read pages through" if kept else ""
+        gap = f"bytes {wanted}–{start} were not kept in memory (a long output keeps its start and its end{where}); "
     note = f"[{gap}bytes {start}–{end} of {total} so far; {job.id} still runs; what follows: offset={end}]"
     return ToolResult.text(f"{data.decode('utf-8', errors='replace')}\n{note}")
 

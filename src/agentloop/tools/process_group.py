@@ -16,23 +16,40 @@ all three, detaching its output too, cannot be told from any other process of th
 A group a runtime that died left running (``GroupIdentity``, ``end_left_group``) is stopped by the
 next one only if it is provably the run's: its leader the very process recorded (the same start
 time, since a pid is reused), or a process bearing the run's mark.
+
+An output too long for the result loses its middle there, but a command cannot always be run again
+to see it (it had effects, or would print something else): given a ``KeptOutput``, the capture
+also writes the whole output, as it comes, to a file of the workspace (``OUTPUT_DIR``), and the cut
+names that file, which the Read tool pages through. The files are bounded one by one
+(``MAX_KEPT_BYTES``) and together (``MAX_KEPT_TOTAL``, ``MAX_KEPT_FILES``: the oldest go first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import re
 import secrets
 import signal
+import stat
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 __all__ = [
     "DRAIN_GRACE",
+    "KEPT_TAIL_BYTES",
     "KILL_GRACE",
+    "MAX_KEPT_BYTES",
+    "MAX_KEPT_FILES",
+    "MAX_KEPT_TOTAL",
+    "OUTPUT_DIR",
     "GroupIdentity",
+    "KeptOutput",
     "OutputCapture",
     "close_transport",
     "end_group",
@@ -51,40 +68,308 @@ DRAIN_GRACE = 0.3  # how long output may stay open after the main process exited
 _POLL = 0.02
 
 
-class OutputCapture:
-    """Combined stdout+stderr, bounded: the head and the tail are kept, the middle only counted."""
+#: Where a command's whole output is kept when its result is cut (``KeptOutput``), beneath the
+#: workspace root: inside it, so the Read tool (confined to the root) can page through it; hidden,
+#: and ignored by git (its own ``.gitignore``), so it stays out of the user's listings and commits.
+OUTPUT_DIR = ".agentloop/outputs"
+#: Bytes of one output kept in its file: past this only its first ``MAX_KEPT_BYTES -
+#: KEPT_TAIL_BYTES`` and its last ``KEPT_TAIL_BYTES`` are, around a note (a runaway ``yes`` would
+#: otherwise fill the disk); the last bytes wait in memory until the command ends.
+MAX_KEPT_BYTES = 64 * 1024 * 1024
+KEPT_TAIL_BYTES = 4 * 1024 * 1024
+#: Bytes and files the output directory may hold together: a new file removes the oldest first.
+MAX_KEPT_TOTAL = 256 * 1024 * 1024
+MAX_KEPT_FILES = 200
+_KEPT_NAME = re.compile(r"\d{8}-\d{6}-[0-9a-f]{8}\.txt")  # (only such files are ever removed)
+_writing: set[tuple[int, int]] = set()  # (device, inode) of the files being written: never removed
 
-    def __init__(self, max_chars: int) -> None:
+log = logging.getLogger("agentloop.tools.process_group")
+
+
+def _size(count: int) -> str:
+    """A byte count as people read it (1.2 MiB)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
+class KeptOutput:
+    """The whole output of one command, written to a file of its own in ``OUTPUT_DIR`` beneath the
+    workspace ``root`` (a real path) as it comes, so that a result cut in the middle can name where
+    the middle is. Files are private to the user (0600) and reached only through directories opened
+    without following symlinks: a command may write the workspace, and must not turn the runtime's
+    writes (or its removal of old files) to somewhere else. Nothing here raises: a file that cannot
+    be written is given up (``error`` says why), never the command or its result."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.path: str | None = None  # relative to the root, once started
+        self.error: str | None = None
+        self.dropped = 0  # bytes left out of the file's middle (over ``MAX_KEPT_BYTES``)
+        self._file: BinaryIO | None = None
+        self._dir: int | None = None
+        self._id: tuple[int, int] | None = None
+        self.limit = MAX_KEPT_BYTES  # (read when made: a test may lower them)
+        self.tail_bytes = KEPT_TAIL_BYTES
+        self._head_room = self.limit - self.tail_bytes
+        self._tail = bytearray()  # past the head: the last bytes, written at the end
+        self._done = False
+
+    @property
+    def started(self) -> bool:
+        return self.path is not None or self.error is not None
+
+    def start(self, data: bytes) -> None:
+        """Open a new file and write ``data``, the output so far (and then what ``write`` gets)."""
+        if self.started:
+            return
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}.txt"
+        try:
+            self._dir = _open_output_dir(self.root)
+            _prune(self._dir, room_for=1)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(name, flags, 0o600, dir_fd=self._dir)
+            info = os.fstat(fd)
+            self._id = (info.st_dev, info.st_ino)
+            _writing.add(self._id)
+            self._file = open(fd, "wb", buffering=1 << 16)  # noqa: SIM115 - kept open while the command runs
+        except OSError as exc:
+            self._fail(f"{OUTPUT_DIR} could not be written: {exc.strerror or exc}")
+            return
+        self.path = f"{OUTPUT_DIR}/{name}"
+        self.write(data)
+
+    def write(self, chunk: bytes) -> None:
+        """Add ``chunk`` to the file (past the head: to the last bytes, kept in memory)."""
+        if self._file is None or not chunk:
+            return
+        if self._head_room > 0:
+            part, chunk = chunk[: self._head_room], chunk[self._head_room :]
+            self._head_room -= len(part)
+            try:
+                self._file.write(part)
+            except OSError as exc:
+                self._fail(f"writing {self.path} failed: {exc.strerror or exc}", remove=True)
+                return
+        if chunk:
+            self._tail += chunk
+            if len(self._tail) > 2 * self.tail_bytes:
+                over = len(self._tail) - self.tail_bytes
+                self.dropped += over
+                del self._tail[:over]
+
+    def finish(self) -> None:
+        """The command ended: write the last bytes (after a note of the cut, if there was one),
+        close the file and make room in the directory."""
+        if self._file is None or self._done:
+            return
+        self._done = True
+        over = len(self._tail) - self.tail_bytes
+        if over > 0:
+            self.dropped += over
+            del self._tail[:over]
+        try:
+            if self.dropped:
+                self._file.write(
+                    f"\n[agentloop: {self.dropped} bytes cut here: of an output over {self.limit} bytes only"
+                    f" the first {self.limit - self.tail_bytes} and the last {self.tail_bytes} are kept]\n".encode()
+                )
+            self._file.write(self._tail)
+            self._file.close()
+        except OSError as exc:
+            self._fail(f"writing {self.path} failed: {exc.strerror or exc}", remove=True)
+            return
+        self._tail = bytearray()
+        self._release()
+        self._file = None
+        self._close_dir(prune=True)
+
+    def discard(self) -> None:
+        """The output was not cut after all: no file."""
+        if self._file is not None:
+            self._fail(None, remove=True)
+        self.path = None
+
+    def _fail(self, why: str | None, *, remove: bool = False) -> None:
+        if why is not None:
+            log.warning("a command's full output is not kept: %s", why)
+        self.error = why
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        if remove and self.path is not None and self._dir is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path.rsplit("/", 1)[1], dir_fd=self._dir)
+        if why is not None:
+            self.path = None
+        self._release()
+        self._close_dir(prune=False)
+
+    def _release(self) -> None:
+        if self._id is not None:
+            _writing.discard(self._id)
+            self._id = None
+
+    def _close_dir(self, *, prune: bool) -> None:
+        if self._dir is None:
+            return
+        try:
+            if prune:
+                _prune(self._dir, room_for=0)
+        except OSError as exc:
+            log.warning("old command outputs in %s not removed: %s", OUTPUT_DIR, exc)
+        finally:
+            os.close(self._dir)
+            self._dir = None
+
+
+def _open_output_dir(root: Path) -> int:
+    """``OUTPUT_DIR`` beneath ``root``, opened (made, private, if missing): each step without
+    following a symlink, so a command that swapped one in cannot send the files elsewhere. A
+    ``.agentloop`` made here gets a ``.gitignore`` that ignores it all, as tools' caches do."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in OUTPUT_DIR.split("/"):
+            made = False
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                pass
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+            if made and part == ".agentloop":
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                with contextlib.suppress(OSError), open(os.open(".gitignore", flags, 0o644, dir_fd=fd), "wb") as f:
+                    f.write(b"# agentloop's own files (kept command outputs)\n*\n")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _prune(directory: int, *, room_for: int) -> None:
+    """Remove the oldest kept outputs of ``directory`` (an open fd) until it holds at most
+    ``MAX_KEPT_FILES - room_for`` files and ``MAX_KEPT_TOTAL`` bytes. Only this user's regular
+    files named as ``KeptOutput`` names them go, and none being written."""
+    found: list[tuple[float, str, int]] = []
+    for name in os.listdir(directory):
+        if not _KEPT_NAME.fullmatch(name):
+            continue
+        try:
+            info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if (info.st_dev, info.st_ino) in _writing:
+            continue
+        found.append((info.st_mtime, name, info.st_size))
+    found.sort()
+    count, total = len(found), sum(size for _, _, size in found)
+    for _, name, size in found:
+        if count <= MAX_KEPT_FILES - room_for and total <= MAX_KEPT_TOTAL:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=directory)
+        count, total = count - 1, total - size
+
+
+class OutputCapture:
+    """Combined stdout+stderr, bounded: the head and the tail are kept, the middle only counted
+    (and written whole to ``kept``'s file, when one is given)."""
+
+    def __init__(self, max_chars: int, kept: KeptOutput | None = None) -> None:
         self.max_chars = max_chars
         self.keep = 2 * max_chars  # bytes per end: enough for max_chars/2 chars of multi-byte text
         self.head = bytearray()
         self.tail = bytearray()
         self.total = 0
+        self.newlines = 0
+        self.kept = kept
+        self._ends_line = True
 
     def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
         self.total += len(chunk)
+        self.newlines += chunk.count(b"\n")
+        self._ends_line = chunk.endswith(b"\n")
         room = self.keep - len(self.head)
         if room > 0:
             self.head += chunk[:room]
             chunk = chunk[room:]
         if chunk:
+            if self.kept is not None:
+                if not self.kept.started:  # (the first byte past the head: nothing was dropped yet)
+                    self.kept.start(bytes(self.head))
+                self.kept.write(chunk)
             self.tail += chunk
             if len(self.tail) > 2 * self.keep:
                 del self.tail[: len(self.tail) - self.keep]
 
+    def close(self) -> None:
+        """The output has ended: finish its file if the output is cut, remove it if not."""
+        if self.kept is None:
+            return
+        if not self.render()[1]:
+            self.kept.discard()
+            return
+        if not self.kept.started:  # (cut, but all of it still held)
+            self.kept.start(bytes(self.head + self.tail))
+        self.kept.finish()
+
     def render(self) -> tuple[str, bool]:
-        """The text (cut in the middle if too long) and whether it was cut."""
-        half = self.max_chars // 2
+        """The text (cut in the middle if too long, with a note of what was cut and where the
+        whole output is kept) and whether it was cut. The note's length comes off what is shown,
+        so a cut text stays about ``max_chars`` long."""
+        room = self.max_chars
+        for _ in range(2):  # (once to measure the note, once to fit it)
+            text, cut, note = self._render(max(0, room) // 2)
+            if not cut:
+                return text, False
+            room = self.max_chars - len(note) - 2
+        return text, True
+
+    def _render(self, half: int) -> tuple[str, bool, str]:
         if self.total == len(self.head) + len(self.tail):
             text = (self.head + self.tail).decode("utf-8", errors="replace")
             if len(text) <= self.max_chars:
-                return text, False
-            omitted = len(text) - 2 * half
-            return f"{text[:half]}\n… {omitted} chars omitted …\n{text[-half:]}", True
-        head = self.head.decode("utf-8", errors="replace")[:half]
-        tail = self.tail.decode("utf-8", errors="replace")[-half:]
-        omitted = self.total - len(head.encode()) - len(tail.encode())
-        return f"{head}\n… {omitted} bytes omitted …\n{tail}", True
+                return text, False, ""
+            head, tail = text[:half], text[-half:] if half else ""
+            omitted = f"{len(text) - len(head) - len(tail)} chars omitted"
+        else:
+            head = self.head.decode("utf-8", errors="replace")[:half]
+            tail = self.tail.decode("utf-8", errors="replace")[-half:] if half else ""
+            omitted = f"{self.total - len(head.encode()) - len(tail.encode())} bytes omitted"
+        note = self._cut_note(omitted, head, tail)
+        return f"{head}\n{note}\n{tail}", True, note
+
+    def _cut_note(self, omitted: str, head: str, tail: str) -> str:
+        """What the cut left out (the lines not wholly shown, as Read numbers them) and where the
+        whole output is, for the model to read it there rather than run the command again."""
+        lines = self.newlines + (0 if self._ends_line else 1)
+        first = head.count("\n") + 1
+        last = lines - (tail.count("\n") - (1 if self._ends_line else 0))
+        span = f": lines {first}–{last} of {lines} not shown" if first <= last else ""
+        note = f"… {omitted}{span}"
+        kept = self.kept
+        if kept is not None and kept.path is not None:
+            note += (
+                f"; the full output ({_size(self.total)}) is kept in {kept.path}: Read it with offset/limit"
+                f" (offset={first} for the first line not shown)"
+            )
+            if kept.dropped:
+                note += (
+                    f", though only its first {_size(kept.limit - kept.tail_bytes)} and last"
+                    f" {_size(kept.tail_bytes)}: it was over {_size(kept.limit)}, the most kept of one output"
+                )
+        elif kept is not None and kept.error is not None:
+            note += f" (the full output could not be kept: {kept.error})"
+        return note + " …"
 
     def span(self, offset: int, limit: int) -> tuple[int, bytes]:
         """Up to ``limit`` bytes of the output from byte ``offset`` on, and where they start: later

@@ -16,6 +16,11 @@ durable process publishes as ``proc.run.tool.update``): ``{"stream": "stdout", "
 each at most ``MAX_DELTA_BYTES``, so a command that prints megabytes sends a few kilobytes of its
 newest output (``skipped`` counts the characters left out before a delta). The result is the same
 with or without anyone watching.
+
+An output over ``max_output`` is cut in the middle for the result, but kept whole (up to
+``process_group.MAX_KEPT_BYTES``) in a file under ``OUTPUT_DIR`` in the workspace, written as it
+comes, which the cut names: the model reads the middle there with Read's offset/limit, where running
+the command again could repeat its effects or print something else.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import (
     DRAIN_GRACE,
     KILL_GRACE,
+    OUTPUT_DIR,
+    KeptOutput,
     OutputCapture,
     close_transport,
     kill_group,
@@ -358,8 +365,8 @@ class OutputStream:
 class _StreamingCapture(OutputCapture):
     """The bounded capture of the result, that also feeds the live ``OutputStream``."""
 
-    def __init__(self, max_chars: int, stream: OutputStream) -> None:
-        super().__init__(max_chars)
+    def __init__(self, max_chars: int, kept: KeptOutput, stream: OutputStream) -> None:
+        super().__init__(max_chars, kept)
         self.stream = stream
 
     def feed(self, chunk: bytes) -> None:
@@ -422,7 +429,10 @@ async def run_shell(
         )
         assert proc.stdout is not None
         streaming = OutputStream(progress) if progress is not None else None
-        capture = OutputCapture(max_output) if streaming is None else _StreamingCapture(max_output, streaming)
+        kept = KeptOutput(base)
+        capture = (
+            OutputCapture(max_output, kept) if streaming is None else _StreamingCapture(max_output, kept, streaming)
+        )
         reader = asyncio.create_task(pump(proc.stdout, capture))
         if job is not None:
             job.attach(proc, capture)
@@ -441,12 +451,15 @@ async def run_shell(
         finally:
             reader.cancel()
             close_transport(proc)
+            capture.close()  # (the full output's file, if it was cut, finished; or none)
     if streaming is not None:
         streaming.close()  # the last of the output goes out before the result
     output, truncated = capture.render()
     code = proc.returncode
     rel = display(base, workdir)
-    details = {"exit_code": code, "timed_out": outcome == "timeout", "truncated": truncated, "cwd": rel}
+    details: dict[str, Any] = {"exit_code": code, "timed_out": outcome == "timeout", "truncated": truncated, "cwd": rel}
+    if kept.path is not None:
+        details["output_file"] = kept.path
     body = output.rstrip("\n") if output.strip() else "(no output)"
     if sandbox != "off":
         details["sandbox"] = sandbox
@@ -481,7 +494,8 @@ def shell_tool(
         name="Shell",
         description=(
             "Run a shell command (bash) in the workspace and return its combined stdout and stderr and exit code. "
-            "No stdin: interactive commands fail. Long output is cut in the middle. "
+            "No stdin: interactive commands fail. Long output is cut in the middle; the full output is then "
+            f"kept in a file under {OUTPUT_DIR}/ (the cut names it) that Read can page through with offset/limit. "
             "The command and every process it started are killed at the timeout; "
             "background processes must redirect their output (cmd > log 2>&1 &) to outlive it. "
             "With background=true the call returns at once and the command's output and exit code come to "
