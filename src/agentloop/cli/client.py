@@ -24,6 +24,7 @@ from rich.text import Text
 from agentloop.cli.approvals import Asker, Denial, Question
 from agentloop.cli.chat import Compaction, Rewind, SessionError, TurnOutcome, Waiting, before_last_user
 from agentloop.cli.config import Connection, load_connection
+from agentloop.cli.options import ServerOpt, TokenOpt
 from agentloop.cli.render import (
     SignalRenderer,
     TextRenderer,
@@ -49,16 +50,6 @@ from agentloop.urls import check_server_address, redact_url
 
 T = TypeVar("T")
 
-ServerOpt = Annotated[
-    str | None,
-    typer.Option("--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."),
-]
-TokenOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--token", help="Bearer token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
-    ),
-]
 PidArg = Annotated[str, typer.Argument(metavar="PID", help="The process id ('agentloop ps' lists them).")]
 
 

@@ -24,6 +24,7 @@ from typing import Annotated
 
 import typer
 
+from agentloop.cli.options import ServerOpt, TokenOpt
 from agentloop.cli.usage import App
 from agentloop.device.client import (
     DEFAULT_ALLOW,
@@ -165,18 +166,8 @@ def connect(
 def token_command(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The device's name (its --name when it connects).")],
     revoke: Annotated[bool, typer.Option("--revoke", help="Revoke its token instead (its connection closes).")] = False,
-    server: Annotated[
-        str | None,
-        typer.Option(
-            "--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."
-        ),
-    ] = None,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            "--token", help="An account token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
-        ),
-    ] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Issue the token device NAME connects with, printed once (a token issued before for it stops
     working), or --revoke it. Asked of the server with an account token, as the client commands are."""
@@ -199,18 +190,8 @@ def token_command(
 @device_app.command("forget")
 def forget_command(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The device's name.")],
-    server: Annotated[
-        str | None,
-        typer.Option(
-            "--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."
-        ),
-    ] = None,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            "--token", help="An account token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
-        ),
-    ] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Forget device NAME: its registry entry and token go, freeing its place among the account's
     devices, and its connection closes. Unlike --revoke, the device is no longer listed."""

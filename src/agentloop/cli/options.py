@@ -16,6 +16,18 @@ import typer
 
 from agentloop.cli.config import LoopFlags
 
+# a server the client commands (``cli/client.py``) and ``agentloop device token|forget`` ask
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", help="Server URL (default: $AGENTLOOP_SERVER, the config file, http://127.0.0.1:8765)."),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help="Bearer token (default: $AGENTLOOP_TOKEN, the config file's token).", show_default=False
+    ),
+]
+
 
 def data_path(value: str) -> Path:
     """``--data``'s value. An empty one (``--data "$DIR"`` with DIR unset) is refused rather than
