@@ -21,7 +21,10 @@
 //   ending (an abort may drop what waited).
 // - a rewind (made here or by another client) cuts the history back in place: its proc.changed
 //   (`rewound`) re-renders the transcript from a fresh read, as a reset does (the runs still shown
-//   keep their outcomes), and the stream's next frames wait for it.
+//   keep their outcomes), and the stream's next frames wait for it. A retry's (`retried`: the failed
+//   end of the last run removed, the run on it follows) is re-rendered the same way.
+// - the last run, when it ended without an answer (an error, an abort, the output limit), offers a
+//   Retry action under its footer; a later run (a retry's too) takes it away.
 
 import { api, ApiError, procPath, sse } from "./api.js";
 import { $, el, pretty, scrollDown, sleep, status, textOf } from "./dom.js";
@@ -118,6 +121,7 @@ export class ProcessView {
     this.process = null;
     this.history = Promise.resolve();
     this.rewinding = false; // a rewind asked for here is under way
+    this.retryOffer = null; // the id of the run whose Retry action is shown (the last run, failed)
     this.stop = new AbortController();
     $("transcript").replaceChildren();
     $("approvals").replaceChildren();
@@ -331,6 +335,7 @@ export class ProcessView {
         run.footer.dataset.status = state;
         quiet(run, hidden);
       }
+      if (this.retryOffer !== null) this.offerRetry(this.retryOffer); // (gone if its run was cut)
     });
     return this.history;
   }
@@ -470,6 +475,43 @@ export class ProcessView {
     } finally {
       this.rewinding = false;
       for (const b of buttons()) b.disabled = false;
+    }
+  }
+
+  /** Show the Retry action under run `runId`'s footer (null: under none): the last run, which ended
+   * without an answer. One at most: any other goes. Beside the footer, not in it (its text is the
+   * run's outcome). */
+  offerRetry(runId) {
+    for (const bar of $("transcript").querySelectorAll(".retry-bar")) bar.remove();
+    const run = runId === null ? undefined : this.runs.get(runId);
+    this.retryOffer = run ? runId : null;
+    if (!run) return;
+    const bar = el("div", "retry-bar");
+    bar.dataset.run = runId;
+    const button = el("button", "retry-run", "Retry");
+    button.type = "button";
+    button.title =
+      "Run the model again where this run ended without an answer " +
+      "(its failure notice or cut-off answer is archived and removed)";
+    button.addEventListener("click", () => this.retry(button));
+    bar.append(button);
+    run.block.append(bar); // (after the footer: put() inserts before it)
+  }
+
+  /** Ask the server to run the model again where the last run ended without an answer. The
+   * transcript follows the retry's signals (the failed end goes, the new run shows); a refusal is
+   * said on the status line and the action can be used again. */
+  async retry(button) {
+    button.disabled = true;
+    try {
+      await api("POST", procPath(this.pid, "/retry"), {});
+      if (!this.closed) status("retrying…");
+    } catch (err) {
+      if (this.closed) return;
+      if (err instanceof ApiError && err.code === "busy") status("not retried: a run is active");
+      else if (err instanceof ApiError && err.code === "nothing_to_retry") status(`not retried: ${err.message}`);
+      else status(`could not retry: ${err.message}`);
+      button.disabled = false;
     }
   }
 
@@ -664,6 +706,7 @@ export class ProcessView {
         break;
       case "proc.run.started":
         if (run && p.reason === "heartbeat") quiet(run, true); // shown once it has something to say
+        this.offerRetry(null); // a later run: the one before it is no longer the last
         if (this.live) {
           this.refreshProcess().catch(() => {});
           this.refreshQueue(); // it may have taken the next waiting item
@@ -683,6 +726,8 @@ export class ProcessView {
           run.footer.dataset.status = p.status;
           for (const [id, card] of this.approvals) if (card.dataset.run === p.runId) this.dropApproval(id, card);
         }
+        // ended without an answer (a failure, an abort, cut off at the output limit): it may be retried
+        this.offerRetry(p.status === "error" || p.status === "aborted" || p.reason === "length" ? p.runId : null);
         if (this.live) {
           this.refreshProcess().catch(() => {});
           this.refreshQueue(); // an abort may have dropped what waited
@@ -699,10 +744,17 @@ export class ProcessView {
       case "proc.changed": {
         const changes = p.changes || [];
         // In the backlog, a reset is older than the history already shown: only a live one clears.
-        if (this.live && changes.includes("reset")) this.forgetHistory();
+        if (this.live && changes.includes("reset")) {
+          this.offerRetry(null);
+          this.forgetHistory();
+        }
         // So is a rewind: a live one drops what is shown after its message by showing the history
         // again, read after it, and the stream's next frames (a run on the rewound history) wait.
-        const rewound = this.live && p.rewound && typeof p.rewound === "object";
+        // A retry drops the failed end of the last run alike (the run on what is left follows).
+        const cut = (what) => what && typeof what === "object";
+        const retried = this.live && cut(p.retried);
+        const rewound = this.live && (cut(p.rewound) || retried);
+        if (retried) this.offerRetry(null); // under way: its run's signals come next
         if (rewound) this.reshowHistory();
         else if (changes.includes("messages")) this.loadHistory();
         if (this.live && changes.includes("hil")) this.refreshApprovals().catch(() => {});
