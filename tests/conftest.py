@@ -131,3 +131,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests import test_static
 
     test_static.stop_mypy()
+
+
+# Set on a machine known to have no Landlock, to skip the sandbox tests that need it (see ``abi``).
+NO_LANDLOCK = "AGENTLOOP_TEST_NO_LANDLOCK"
+
+
+@pytest.fixture
+def abi() -> int:
+    """The machine's Landlock ABI, for the Shell sandbox's tests; a failure when there is none,
+    unless the machine is declared to have none (then a skip that says so)."""
+    from agentloop.tools import sandbox
+
+    version, why = sandbox.landlock_status()
+    if version >= 1:
+        return version
+    if os.environ.get(NO_LANDLOCK) == "1":
+        pytest.skip(f"{NO_LANDLOCK}=1: this machine has no Landlock ({why})")
+    pytest.fail(f"Landlock is not available ({why}); set {NO_LANDLOCK}=1 only on a machine known to have none")

@@ -12,7 +12,6 @@ have none, ``AGENTLOOP_TEST_NO_LANDLOCK=1`` skips them; without it they fail."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,7 @@ from agentloop.messages import TextContent, ToolResultMessage
 from agentloop.models import registry
 from agentloop.models.base import ModelRequest
 from agentloop.models.scripted import Reply, ScriptedModel, call
-from agentloop.tools import sandbox
 
-NO_LANDLOCK = "AGENTLOOP_TEST_NO_LANDLOCK"
 SECRET = "not-for-the-agent"
 runner = CliRunner()
 
@@ -39,18 +36,6 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for name in ("AGENTLOOP_MODEL", "AGENTLOOP_DEBUG", "AGENTLOOP_DATA"):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def abi() -> int:
-    """The machine's Landlock ABI; a failure when there is none, unless the machine is declared
-    to have none (then a skip that says so)."""
-    version, why = sandbox.landlock_status()
-    if version >= 1:
-        return version
-    if os.environ.get(NO_LANDLOCK) == "1":
-        pytest.skip(f"{NO_LANDLOCK}=1: this machine has no Landlock ({why})")
-    pytest.fail(f"Landlock is not available ({why}); set {NO_LANDLOCK}=1 only on a machine known to have none")
 
 
 @pytest.fixture

@@ -30,21 +30,10 @@ from agentloop.tools import sandbox
 from agentloop.tools.shell import run_shell
 from tests.test_tools_shell import text
 
-NO_LANDLOCK = "AGENTLOOP_TEST_NO_LANDLOCK"
 SECRET = "review11-secret-material"
 # CAP_DAC_READ_SEARCH, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_ADMIN, CAP_MKNOD, CAP_PERFMON, CAP_BPF
 DROPPED = (2, 16, 17, 21, 27, 38, 39)
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="capabilities matter only to a command run by root")
-
-
-@pytest.fixture
-def abi() -> int:
-    version, why = sandbox.landlock_status()
-    if version >= 1:
-        return version
-    if os.environ.get(NO_LANDLOCK) == "1":
-        pytest.skip(f"{NO_LANDLOCK}=1: this machine has no Landlock ({why})")
-    pytest.fail(f"Landlock is not available ({why}); set {NO_LANDLOCK}=1 only on a machine known to have none")
 
 
 @pytest.fixture

@@ -29,20 +29,7 @@ from agentloop.tools.codemode import CodeMode
 from agentloop.tools.shell import run_shell, shell_tool
 from tests.test_tools_shell import text
 
-NO_LANDLOCK = "AGENTLOOP_TEST_NO_LANDLOCK"
 SECRET = "s3cr3t-key-material"
-
-
-@pytest.fixture
-def abi() -> int:
-    """The machine's Landlock ABI; a failure when there is none, unless the machine is declared
-    to have none (then a skip that says so)."""
-    version, why = sandbox.landlock_status()
-    if version >= 1:
-        return version
-    if os.environ.get(NO_LANDLOCK) == "1":
-        pytest.skip(f"{NO_LANDLOCK}=1: this machine has no Landlock ({why})")
-    pytest.fail(f"Landlock is not available ({why}); set {NO_LANDLOCK}=1 only on a machine known to have none")
 
 
 @pytest.fixture

@@ -34,20 +34,6 @@ from agentloop.tools.shell import run_shell, shell_tool
 from tests.test_background_control import Runtime
 from tests.test_tools_shell import alive, pid_from, text, wait_dead
 
-NO_LANDLOCK = "AGENTLOOP_TEST_NO_LANDLOCK"
-
-
-@pytest.fixture
-def abi() -> int:
-    """The machine's Landlock ABI; a failure when there is none, unless the machine is declared
-    to have none (then a skip that says so)."""
-    version, why = sandbox.landlock_status()
-    if version >= 1:
-        return version
-    if os.environ.get(NO_LANDLOCK) == "1":
-        pytest.skip(f"{NO_LANDLOCK}=1: this machine has no Landlock ({why})")
-    pytest.fail(f"Landlock is not available ({why}); set {NO_LANDLOCK}=1 only on a machine known to have none")
-
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:

@@ -19,7 +19,7 @@ import pytest
 from agentloop.tools import sandbox
 from agentloop.tools.base import ToolError
 from agentloop.tools.shell import run_shell
-from tests.test_shell_sandbox import NO_LANDLOCK
+from tests.conftest import NO_LANDLOCK
 from tests.test_tools_shell import text
 
 
