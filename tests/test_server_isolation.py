@@ -15,7 +15,7 @@ import pytest
 from starlette.routing import Route
 
 from agentloop.server import ServerContext, create_server
-from tests.server_support import LiveServer, engine_agent, live_server
+from tests.server_support import LiveServer, engine_agent, live_server, parse_sse
 
 
 def v1_routes() -> list[tuple[str, str]]:
@@ -242,3 +242,9 @@ def test_an_admin_sees_and_acts_on_another_accounts_process(clients: dict[str, h
     assert [r["request_id"] for r in admin.get(f"/v1/processes/{pid}/hil").json()["requests"]] == [request_id]
     assert admin.post(f"/v1/processes/{pid}/hil/{request_id}", json={"decision": "approve"}).status_code == 200
     assert bob.get(f"/v1/processes/{pid}/events?follow=false").status_code == 404
+    # the owner's log says who answered for her, and what about which call
+    log = alice.get(f"/v1/processes/{pid}/events?follow=false").text
+    payloads = [f["data"]["payload"] for f in parse_sse(log) if f.get("event") == "proc.changed"]
+    [answered] = [p["answered"] for p in payloads if "answered" in p]
+    assert answered["requestId"] == request_id and answered["decision"] == "approve"
+    assert answered["by"] == "admin" and answered["name"] and answered["callId"]

@@ -501,6 +501,7 @@ class Process:
         message: str | None = None,
         *,
         arguments: Mapping[str, Any] | None = None,
+        by: str | None = None,
     ) -> bool:
         """Answer a pending approval: ``approve`` or ``deny``, with ``message`` the model reads in
         the denied call's result ("use staging instead"), so it can change course instead of
@@ -513,7 +514,9 @@ class Process:
         would ask: ``"run"`` for the rest of the run, ``"process"`` (or ``True``) for the process,
         ``"account"`` in the owner's policy file, for its later processes too (a shell command: its
         program only). A request of one of its subagents (``pending_approvals`` lists them) is
-        answered in the subagent's process (kernel/subagent_asks.py)."""
+        answered in the subagent's process (kernel/subagent_asks.py). ``by`` names who answered
+        (the server gives the caller's account), kept with the answer's ``proc.changed`` signal
+        (``answered``), so an owner can see that an admin answered for them."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         pid = self.pid
@@ -522,7 +525,7 @@ class Process:
             theirs = next((h for h in await descendants_asks(self.kernel, record) if h.request_id == request_id), None)
             pid = pid if theirs is None else theirs.pid
         return await self.kernel.engine.hil(
-            pid, request_id, decision, remember=remember, message=message, arguments=arguments
+            pid, request_id, decision, remember=remember, message=message, arguments=arguments, by=by
         )
 
     async def set_mode(self, mode: Mode) -> None:

@@ -1093,11 +1093,15 @@ class ProcessEngine:
         remember: bool | str = False,
         message: str | None = None,
         arguments: Mapping[str, Any] | None = None,
+        by: str | None = None,
     ) -> bool:
         """Answer a pending approval. The decision applies to the exact call (and arguments) shown,
-        or to the person's own ``arguments``; ``message`` (deny only) is what the model reads about why."""
+        or to the person's own ``arguments``; ``message`` (deny only) is what the model reads about why;
+        ``by`` who answered."""
         return await _retried(
-            lambda: hil.answer(self, pid, request_id, decision, remember=remember, message=message, arguments=arguments)
+            lambda: hil.answer(
+                self, pid, request_id, decision, remember=remember, message=message, arguments=arguments, by=by
+            )
         )
 
     # -- driving (see driver.py, calls.py) --------------------------------------------------------

@@ -123,13 +123,17 @@ async def answer(
     remember: bool | str = False,
     message: str | None = None,
     arguments: Mapping[str, Any] | None = None,
+    by: str | None = None,
 ) -> bool:
     """Carry out a person's decision. A ``message`` (deny only) is written into the denied call's
     result in the transaction that deletes the request, so the model reads it after a restart
     too. ``arguments`` (approve only) replace the model's: checked against the tool's schema and
     the policy first, the approval is then bound to them. ``remember`` (approve only; ``True`` is
     ``"process"``, as before it had scopes) adds an allow rule for the run, the process or the
-    account. Input is checked before anything is touched: a bad answer leaves the request pending."""
+    account. Input is checked before anything is touched: a bad answer leaves the request pending.
+    The answer's ``proc.changed`` says what was decided about which call, and ``by`` whom when
+    known (``answered``): a record of the decision in the process's log, for its owner and for an
+    audit (who allowed this command?)."""
     if decision not in ("approve", "deny"):
         raise ValueError(f"decision must be approve or deny, got {decision!r}")
     scope = remember_scope(remember)
@@ -178,9 +182,11 @@ async def answer(
                 await _remember(engine, live, row.run_id, scope, rule)
         else:
             await _deny(engine, tx, live, row, note)
+        answered = {"requestId": request_id, "decision": decision, "callId": row.tool_call_id, "name": row.tool_name}
         await tx.signal(
             sig.CHANGED,
             changes=["hil"],
+            answered={**answered, **({"by": by} if by is not None else {})},
             **({"edited": True} if edit is not None else {}),
             **({"remembered": scope} if scope is not None and decision == "approve" else {}),
         )

@@ -732,7 +732,9 @@ class ProcessService:
             raise ApiError(400, "invalid_request", "decision must be approve or deny")
         proc, _ = await self._process(who, pid)
         try:
-            await proc.hil(request_id, decision, remember=remember, message=message, arguments=arguments)
+            await proc.hil(
+                request_id, decision, remember=remember, message=message, arguments=arguments, by=who.account
+            )
         except KeyError:
             raise ApiError(404, "not_found", f"no pending approval {request_id!r} for process {pid!r}") from None
         except (TypeError, ValueError) as exc:  # the message, the arguments, the scope, the policy's refusal
