@@ -8,7 +8,6 @@ and at a point inside a tool call batch (as a fork is); a no-op at the last mess
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import time
 from collections.abc import Iterator
@@ -19,26 +18,19 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from agentloop import Reply, ScriptedModel, ToolResultMessage, call, tool
+from agentloop import ScriptedModel, tool
 from agentloop.cli.main import app
 from agentloop.client import AgentloopClient, ClientError, Conflict, NotFound
 from agentloop.kernel import Kernel, NoSuchProcess, Process, RunActive
-from agentloop.messages import ImageContent, Message, UserMessage
-from agentloop.models.base import ModelRequest
+from agentloop.messages import ImageContent, UserMessage
 from agentloop.models.registry import register_provider
 from agentloop.process.media import MediaRef
 from tests import server_support, test_prompt_manifest
 from tests.image_support import PNG
 from tests.server_support import LiveServer, live_server, refused, wait_idle
+from tests.test_fork import PNG64, answer, echo, say, texts, user_texts
 
-PNG64 = base64.b64encode(PNG).decode()
-gate = asyncio.Event()
-
-
-@tool
-def echo(text: str) -> str:
-    """Echo."""
-    return text
+gate = asyncio.Event()  # (its own: an event is bound to the loop of the test that first waits on it)
 
 
 @tool
@@ -48,35 +40,9 @@ async def wait_gate() -> str:
     return "opened"
 
 
-def answer(req: ModelRequest) -> Reply | str:
-    """``tool <x>`` calls echo, ``wait`` waits for the gate; otherwise the user texts it has seen."""
-    last = req.messages[-1]
-    if isinstance(last, ToolResultMessage):
-        return f"tool said {last.text}"
-    text = last.text if isinstance(last, UserMessage) else ""
-    if text.startswith("tool "):
-        return Reply(tool_calls=[call("echo", text=text[5:])])
-    if text == "wait":
-        return Reply(tool_calls=[call("wait_gate")])
-    return "seen: " + ", ".join(m.text for m in req.messages if isinstance(m, UserMessage))
-
-
 def open_kernel(tmp_path: Path, model: ScriptedModel, url: str | None = None) -> Any:
     url = url or f"sqlite:///{tmp_path}/a.db"
     return Kernel.open(url, model=model, workspace=tmp_path, data_dir=tmp_path, tools=[echo, wait_gate])
-
-
-async def say(proc: Process, text: str, **kw: Any) -> None:
-    await proc.send(text, **kw)
-    await proc.wait_idle()
-
-
-def texts(messages: list[Message]) -> list[str]:
-    return [m.text for m in messages]
-
-
-def user_texts(req: ModelRequest) -> list[str]:
-    return [m.text for m in req.messages if isinstance(m, UserMessage)]
 
 
 async def conversation(proc: Process, *said: str) -> list[int]:
