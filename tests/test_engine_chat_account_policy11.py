@@ -117,7 +117,7 @@ async def test_processes_and_engine_chat_ask_the_same_book(tmp_path: Path, monke
     write(policy_file, SERVER)
     write(tmp_path / "home" / "alice" / "approval.json", {"remembered": [ECHO_ALWAYS]})
     async with kernel(tmp_path, echo_model(), tools=[echo], policy=policy_file) as k:
-        assert k.policies is not None and k.server_policy is k.policies.server
+        assert k.policies is not None
         asked: list[tuple[str, Policy]] = []
         of = k.policies.of
 
@@ -133,8 +133,8 @@ async def test_processes_and_engine_chat_ask_the_same_book(tmp_path: Path, monke
         assert asked and {owner for owner, _ in asked} == {"alice"}
         assert all(policy is of("alice") for _, policy in asked)
         mine = Policy.model_validate({"remembered": [ECHO_ALWAYS]})
-        assert of("alice") == mine.on_top_of(k.server_policy())  # (remembered rules alone: on the server's)
-        assert of("bob") is k.server_policy()  # no file: the server-wide policy itself
+        assert of("alice") == mine.on_top_of(k.policies.server())  # (remembered rules alone: on the server's)
+        assert of("bob") is k.policies.server()  # no file: the server-wide policy itself
 
 
 def test_an_agent_its_caller_could_not_be_fitted_to_never_runs() -> None:

@@ -2,7 +2,7 @@
 
 ``/engine/chat`` (stateless, one agent per request) applies the server-wide policy as in force at
 the request, as the ``/v1`` processes do: an edit of ``serve --approval PATH`` reaches it without a
-restart (``Kernel.server_policy``, the one source the processes' checks follow too).
+restart (``Kernel.policies.server``, the one source the processes' checks follow too).
 
 An account's policy given in code (``Kernel.open(account_policies=...)``) means what the same
 policy in the account's ``approval.json`` means: ``remembered`` rules alone sit on the server-wide
@@ -89,15 +89,15 @@ async def test_the_kernel_hands_out_the_policy_its_checks_follow(tmp_path: Path)
     policy_file = tmp_path / "policy.json"
     write(policy_file, SERVER)
     async with kernel(tmp_path, echo_model(), tools=[echo], policy=policy_file) as k:
-        assert k.server_policy is not None
-        assert k.server_policy() == Policy.model_validate(SERVER)
+        assert k.policies is not None
+        assert k.policies.server() == Policy.model_validate(SERVER)
         alice = await k.spawn(owner="alice")
         write(policy_file, STRICTER)
         assert await outcome(alice, "risky") == "deny"  # the processes' checks and ...
-        assert k.server_policy() == Policy.model_validate(STRICTER)  # ... what /engine/chat is given agree
-        assert k.server_policy() is k.server_policy()  # (unchanged: not read, nor parsed, again)
+        assert k.policies.server() == Policy.model_validate(STRICTER)  # ... what /engine/chat is given agree
+        assert k.policies.server() is k.policies.server()  # (unchanged: not read, nor parsed, again)
     async with kernel(tmp_path, echo_model(), tools=[echo], approval=approve_everything) as k:
-        assert k.server_policy is None  # (a caller's own check: no policy to follow)
+        assert k.policies is None  # (a caller's own check: no policy to follow)
 
 
 # -- account policies given in code layer as their files do ---------------------------------------

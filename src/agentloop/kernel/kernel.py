@@ -72,7 +72,7 @@ from agentloop.models.base import Model, Reasoning
 from agentloop.process import admission
 from agentloop.process import signals as sig
 from agentloop.process.api import ApprovalFn, Compacted, Receipt, SendMode, ToolsetFn, new_id
-from agentloop.process.approval.checker import AmendFn, PolicyBook, ServerPolicy, policy_amender, policy_approval
+from agentloop.process.approval.checker import AmendFn, PolicyBook, policy_amender, policy_approval
 from agentloop.process.archive import DISCARDED_KEY, check_name, discarded_messages, queued_meta, write_archive
 from agentloop.process.audio_video import (
     AudioContent,
@@ -743,10 +743,6 @@ class Kernel:
         self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
         self._closing = False  # (no new background work once closing has begun)
         self.shell_sandbox = "off"  # (``open``'s: a sandboxed process may not work where the kernel's data is)
-        # (``open``'s) the server-wide approval policy in force, as the processes' checks follow it
-        # (a file's edits too), for what applies it outside a process (``/engine/chat``); None
-        # when a caller's own ``approval`` replaces the policy check
-        self.server_policy: ServerPolicy | None = None
         # (``open``'s) each account's approval policy in force (``policies.of(account)``), the one
         # the processes' checks ask, for what applies it outside a process (``/engine/chat``, to
         # its caller's account); None when a caller's own ``approval`` replaces the policy check
@@ -963,7 +959,6 @@ class Kernel:
         kernel.shell_sandbox = shell_sandbox
         kernel.transcriber = transcriber
         kernel.policies = policies
-        kernel.server_policy = None if policies is None else policies.server
         kernel_ref.append(kernel)
         retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
         asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)
