@@ -21,18 +21,29 @@ def main() -> int:
 
         app()
     except KeyboardInterrupt:
-        try:
-            sys.stderr.write("\naborted\n")
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (AttributeError, OSError, ValueError):  # (a stream closed or gone: the exit code says it)
-            pass
-        import threading
-
-        if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
-            os._exit(130)  # a thread nobody stopped would keep the interpreter waiting; the user said stop
-        return 130
+        return _interrupted()
+    except RuntimeError as exc:
+        # Python 3.11 wraps what a class body's ``__set_name__`` raises in a RuntimeError: a Ctrl-C
+        # landing while pydantic builds a model at import is one all the same
+        if not isinstance(exc.__cause__, KeyboardInterrupt):
+            raise
+        return _interrupted()
     return 0
+
+
+def _interrupted() -> int:
+    """Say "aborted" and give the exit status of a Ctrl-C (130)."""
+    try:
+        sys.stderr.write("\naborted\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # (a stream closed or gone: the exit code says it)
+        pass
+    import threading
+
+    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        os._exit(130)  # a thread nobody stopped would keep the interpreter waiting; the user said stop
+    return 130
 
 
 if __name__ == "__main__":
