@@ -13,7 +13,17 @@ if TYPE_CHECKING:
     from agentloop.kernel import Kernel, NoSuchProcess, Process, Receipt, Signal
     from agentloop.loop.compaction import Compaction
     from agentloop.loop.guards import Guards
-    from agentloop.loop.hooks import Block, Hooks, Stop, ToolCallInfo, TurnInfo
+    from agentloop.loop.hooks import (
+        Block,
+        Handled,
+        Hooks,
+        InputInfo,
+        InputRejected,
+        Rewrite,
+        Stop,
+        ToolCallInfo,
+        TurnInfo,
+    )
     from agentloop.loop.output import OutputSpec
     from agentloop.loop.reveal import ToolReveal
     from agentloop.loop.stop_after import StopAfterTools
@@ -56,7 +66,11 @@ _LAZY: dict[str, str] = {
     "Compaction": "agentloop.loop.compaction",
     "Guards": "agentloop.loop.guards",
     "Block": "agentloop.loop.hooks",
+    "Handled": "agentloop.loop.hooks",
     "Hooks": "agentloop.loop.hooks",
+    "InputInfo": "agentloop.loop.hooks",
+    "InputRejected": "agentloop.loop.hooks",
+    "Rewrite": "agentloop.loop.hooks",
     "Stop": "agentloop.loop.hooks",
     "ToolCallInfo": "agentloop.loop.hooks",
     "TurnInfo": "agentloop.loop.hooks",
@@ -125,8 +139,11 @@ __all__ = [
     "ConversationBusy",
     "FileContent",
     "Guards",
+    "Handled",
     "Hooks",
     "ImageContent",
+    "InputInfo",
+    "InputRejected",
     "Kernel",
     "Message",
     "Model",
@@ -137,6 +154,7 @@ __all__ = [
     "Receipt",
     "Reply",
     "RetryPolicy",
+    "Rewrite",
     "Run",
     "RunResult",
     "ScriptedModel",

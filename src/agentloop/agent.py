@@ -28,7 +28,7 @@ from typing_extensions import TypeVar
 from agentloop.events import AgentEnd, LoopEvent
 from agentloop.loop.execute import own_tasks
 from agentloop.loop.guards import Guards
-from agentloop.loop.hooks import Hooks
+from agentloop.loop.hooks import Handled, Hooks
 from agentloop.loop.output import DEFAULT_RETRIES, OUTPUT_MISSING, OutputSpec, check_retries
 from agentloop.loop.runner import finish_event, run_loop
 from agentloop.loop.state import LoopConfig, Mode, QueueMode, RunState, ToolExecution, check_mode, check_queue_mode
@@ -60,6 +60,9 @@ log = logging.getLogger("agentloop")
 
 Watch = Callable[[LoopEvent], None]  # what an observer watches a run with (``loop.state.Observer``)
 
+#: The stop reason of a send whose input an input hook handled (``Handled``): no run was made.
+HANDLED = "handled"
+
 
 class Piece(Protocol):
     """A composable piece of behaviour: it installs its tools, hooks and observers into an agent's config."""
@@ -78,7 +81,9 @@ class RunResult(Generic[OutputT]):
     ``stop_reason`` is ``stop``, ``length``, ``error``, ``aborted``, the name of the guard
     that ended the run (``max_rounds``, ``max_tool_calls``, ``max_wall_clock``, ``max_tokens``,
     ``max_cost``), or ``output_missing``: the run was given an ``output_type`` and the model kept
-    answering in words after being told to call ``final_result``. ``output`` is the validated
+    answering in words after being told to call ``final_result``; ``handled`` when an input hook
+    took the input (``Handled``): no run was made (``run_id`` empty, the history as it was).
+    ``output`` is the validated
     ``output_type`` value (the last valid ``final_result`` call since the prompt), None when the run
     had no output type or got no valid output (a guard may end a run before it, too).
     """
@@ -111,6 +116,17 @@ _run_numbers = itertools.count(1)
 def _next_run_id() -> str:
     """Unique within this process and, by its random prefix, across processes."""
     return f"{_RUN_PREFIX}{next(_run_numbers):06x}"
+
+
+def handled_result(history: Sequence[Message]) -> RunResult[Any]:
+    """What a send whose input an input hook handled answers: no run, the history unchanged."""
+    return RunResult(run_id="", messages=list(history), new_messages=[], stop_reason=HANDLED, usage=Usage())
+
+
+def handled_end() -> AgentEnd:
+    """The one event a streamed send whose input an input hook handled yields: the stream's
+    consumers read ``agent_end`` as its last event, so it gets one, with no run behind it."""
+    return AgentEnd(run_id="", messages=[], stop_reason=HANDLED, usage=Usage())
 
 
 def as_message(m: str | Message) -> Message:
@@ -459,7 +475,17 @@ class Agent:
         validated value. Invalid arguments go back to the model as a validation error; a model
         that answers in words is told to call the tool, at most ``output_retries`` times, and
         then the run ends with stop reason ``output_missing`` and ``output`` None.
+
+        New input (a prompt, a user message) passes the input hooks first (``Hooks.admit``): one
+        that handled it makes the result ``handled_result`` (no run); one that failed raises
+        ``InputRejected``. ``start`` (which cannot wait for a hook) and a history to continue
+        do not pass them.
         """
+        if self.config.hooks.inputs:
+            admitted = await self._admit(input, "agent.run")
+            if isinstance(admitted, Handled):
+                return handled_result(history)
+            input = admitted
         run = self.start(input, history=history, mode=mode, metadata=metadata, output_type=output_type)
         self._active.add(run)
         try:
@@ -477,7 +503,14 @@ class Agent:
         output_type: type[Any] | None = None,
     ) -> AsyncIterator[LoopEvent]:
         """Run and yield every loop event; the last one is ``agent_end``. With an ``output_type``
-        (see ``run``) the output is the ``details`` of the ``final_result`` tool result."""
+        (see ``run``) the output is the ``details`` of the ``final_result`` tool result. Input an
+        input hook handled yields only ``handled_end()``."""
+        if self.config.hooks.inputs:
+            admitted = await self._admit(input, "agent.stream")
+            if isinstance(admitted, Handled):
+                yield handled_end()
+                return
+            input = admitted
         run = self.start(input, history=history, stream=True, mode=mode, metadata=metadata, output_type=output_type)
         self._active.add(run)
         try:
@@ -486,6 +519,17 @@ class Agent:
                     yield event
         finally:
             self._active.discard(run)
+
+    async def _admit(self, input: Input, source: str) -> Input | Handled:
+        """``input`` as the input hooks admit it, if it is new user input; a history to continue
+        (or a system message) is not input arriving from anyone, and goes on as it is."""
+        if isinstance(input, str):
+            message = user(input)
+        elif isinstance(input, UserMessage):
+            message = input
+        else:
+            return input
+        return await self.config.hooks.admit(message, mode="prompt", source=source)
 
     def run_sync(
         self,

@@ -23,15 +23,17 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from agentloop.agent import MESSAGE_TYPES, AgentBusy, Run, RunResult, as_message
+from agentloop.agent import MESSAGE_TYPES, AgentBusy, Run, RunResult, as_message, handled_end, handled_result
 from agentloop.events import LoopEvent
 from agentloop.loop.execute import CANCELLED
+from agentloop.loop.hooks import Handled
 from agentloop.loop.state import Mode, RunState, unresolved_calls
 from agentloop.messages import (
     FileContent,
     ImageContent,
     Message,
     ToolResultMessage,
+    UserMessage,
     system,
     tool_error_result,
     user,
@@ -128,9 +130,20 @@ class Conversation:
         A run that raises (a bug that escapes the loop, or the send's task cancelled) still
         leaves a history a model accepts: each tool call it left without a result gets an error
         result, then the exception goes on to the caller.
+
+        ``input`` passes the agent's input hooks once it is this send's turn (``Hooks.admit``,
+        mode ``queue`` if it waited for another send, else ``prompt``): input a hook handled
+        starts no run and adds nothing (``handled_result``; queued input stays queued), and a
+        hook's failure raises ``InputRejected``. ``steer`` and ``follow_up`` do not pass them.
         """
         prompt = _prompt(input, media)
+        waited = self._busy > 0
         async with self._turn(if_busy):
+            if prompt is not None and self.agent.config.hooks.inputs:
+                admitted = await self._admit(prompt, "conversation.send", waited)
+                if isinstance(admitted, Handled):
+                    return handled_result(self._messages)
+                prompt = admitted
             streamed = bool(self._listeners)  # subscribers' events come from the run's stream
             run = self._start(prompt, stream=streamed, mode=mode, metadata=metadata, output=output_type)
             async with self._running(run):
@@ -153,9 +166,17 @@ class Conversation:
         """``send``, yielding the run's events as ``Agent.stream`` does; the last is ``agent_end``.
 
         Leaving the iteration early aborts the run; the history keeps what it did until then.
+        Input an input hook handled yields only ``handled_end()``.
         """
         prompt = _prompt(input, media)
+        waited = self._busy > 0
         async with self._turn(if_busy):
+            if prompt is not None and self.agent.config.hooks.inputs:
+                admitted = await self._admit(prompt, "conversation.stream", waited)
+                if isinstance(admitted, Handled):
+                    yield handled_end()
+                    return
+                prompt = admitted
             run = self._start(prompt, stream=True, mode=mode, metadata=metadata, output=output_type)
             async with self._running(run), aclosing(run.events()) as events:
                 async for event in events:
@@ -224,6 +245,12 @@ class Conversation:
         self._pending.clear()
 
     # -- running --------------------------------------------------------------------------------
+
+    async def _admit(self, prompt: Message, source: str, waited: bool) -> Message | Handled:
+        """``prompt`` as the agent's input hooks admit it (a system message is no one's input)."""
+        if not isinstance(prompt, UserMessage):
+            return prompt
+        return await self.agent.config.hooks.admit(prompt, mode="queue" if waited else "prompt", source=source)
 
     @asynccontextmanager
     async def _turn(self, if_busy: IfBusy) -> AsyncIterator[None]:

@@ -58,6 +58,7 @@ from agentloop.cli.render import (
     usage_line,
 )
 from agentloop.kernel import Kernel, Process, ProcessBusy
+from agentloop.loop.hooks import InputRejected
 from agentloop.loop.state import Mode
 from agentloop.messages import AssistantMessage, MediaBlock, Message, user
 from agentloop.process import signals as sig
@@ -1143,8 +1144,12 @@ class DurableSession:
                 receipt = await proc.send(text, media=media)
             except MediaError as exc:
                 return TurnOutcome("error", "error", f"the attachment was refused: {exc}")
+            except InputRejected as exc:  # (first: a RuntimeError, not the ValueError below)
+                return TurnOutcome("error", "error", f"the message was refused: {exc}")
             except ValueError as exc:  # text that cannot be stored (bytes that were not UTF-8)
                 return TurnOutcome("error", "error", f"the message was refused: {exc}")
+            if receipt.handled:  # an input hook took it: no run to follow
+                return TurnOutcome("ok")
             return await self._follow(receipt.run_id, view, ask, early=lambda: hub.unwatch(proc.pid, early))
         finally:
             hub.unwatch(proc.pid, early)

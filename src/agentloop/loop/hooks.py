@@ -40,6 +40,15 @@ approval gate fails closed), one in a policy phase fails the run, one in a conte
 and left out. A plain (not ``async``) hook runs inline on the event loop, where no deadline can
 interrupt it (as for an inline tool): a hook that may wait on the network should be ``async``.
 
+Input hooks (``hooks.on_input``): input that arrives for an agent passes them before it is
+admitted (``Hooks.admit``), in memory (``Agent.run``/``stream``, a ``Conversation``'s send) and in
+a durable process (``Process.send``, before the admission's transaction, so that a hook failing or
+timing out, ``InputRejected``, leaves nothing written). Each returns None, a ``Rewrite`` or
+``Handled`` (the input consumed: no history, no run). Provider-request hooks
+(``hooks.before_provider_request``) see each loop model call's payload as the adapter is about to
+send it (``models.base.ProviderRequest``, through ``Model.payload``) and may return a replacement;
+one that fails fails that call as a provider's refusal would. Neither costs a thing unregistered.
+
 Tool bundles: a ``pre_tool_materialization`` hook may add tools to the call, not only filter
 them. It returns a ``Tool``, a bundle name (``hooks.add_bundle("memory", [...])``: a piece maps the
 name to its tools), or a list mixing them with ``ToolSpec``s: the specs are the list to show (as
@@ -62,12 +71,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias, TypeVar, cast, get_args
 
 from agentloop.events import LoopEvent
-from agentloop.messages import AssistantMessage, Message, ToolCall, Usage
-from agentloop.models.base import ToolSpec
+from agentloop.messages import (
+    AssistantMessage,
+    FileContent,
+    ImageContent,
+    MediaBlock,
+    Message,
+    Origin,
+    TextContent,
+    ToolCall,
+    Usage,
+    UserMessage,
+)
+from agentloop.models.base import ProviderError, ProviderRequest, ToolSpec
 from agentloop.tools.base import Tool, ToolLike, ToolResult, as_tool
 
 log = logging.getLogger("agentloop.hooks")
@@ -177,9 +197,65 @@ class Stop:
     reason: str = "a post_turn hook asked to stop"
 
 
+#: How input reached the agent: ``prompt`` starts a run in memory (``Agent.run``, a
+#: ``Conversation``'s send); the others are a durable process's send modes (``Process.send``).
+InputMode: TypeAlias = Literal["prompt", "steer", "queue", "interrupt", "reject"]
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """What an input hook sees: user input that has arrived and is not admitted yet. ``source``
+    names the door it came in by (``agent.run``, ``agent.stream``, ``conversation.send``,
+    ``conversation.stream``, ``process.send``), ``origin`` who wrote it when a chat bridge said so.
+    ``run_id`` is the run id a durable send's caller supplied (None: none): a hook with side
+    effects keys them by it, since a retried send it ``Handled`` reaches it again."""
+
+    text: str
+    media: tuple[MediaBlock, ...] = ()
+    mode: InputMode = "prompt"
+    source: str | None = None
+    origin: Origin | None = None
+    run_id: str | None = None
+    conversation: str | None = None  # a durable process's id (None in memory)
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Returned by an input hook to admit other input in place of what came: ``text`` (a slash
+    command expanded, a pasted secret masked) and ``media`` (None: the media that came)."""
+
+    text: str
+    media: tuple[MediaBlock, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # checked here: a bad rewrite would otherwise surface as a provider's refusal, turns later
+        if not isinstance(self.text, str):
+            raise TypeError(f"Rewrite.text must be a string, got {type(self.text).__name__}")
+        if self.media is not None and not all(isinstance(m, ImageContent | FileContent) for m in self.media):
+            raise TypeError("Rewrite.media must be a tuple of ImageContent and FileContent blocks")
+
+
+@dataclass(frozen=True)
+class Handled:
+    """Returned by an input hook that dealt with the input itself (a command it answered, input
+    routed elsewhere): nothing is added to the history and no run starts; the caller's answer
+    says so (a ``RunResult`` with stop reason ``handled``, a ``Receipt`` with ``handled``)."""
+
+    reason: str = "an input hook handled the input"
+
+
+class InputRejected(RuntimeError):
+    """An input hook failed, timed out or returned something it may not: the input was not
+    admitted (nothing written, no run started), so the caller still holds it and learns why."""
+
+
 BeforeToolCall: TypeAlias = Callable[[ToolCallInfo], "Block | Awaitable[Block | None] | None"]
 AfterToolCall: TypeAlias = Callable[[ToolCallInfo, ToolResult], "ToolResult | Awaitable[ToolResult | None] | None"]
 TransformContext: TypeAlias = Callable[[list[Message]], "list[Message] | Awaitable[list[Message]]"]
+OnInput: TypeAlias = Callable[[InputInfo], "Rewrite | Handled | Awaitable[Rewrite | Handled | None] | None"]
+BeforeProviderRequest: TypeAlias = Callable[
+    [ProviderRequest], "dict[str, Any] | Awaitable[dict[str, Any] | None] | None"
+]
 
 T = TypeVar("T")
 
@@ -242,6 +318,8 @@ class Hooks:
     before: list[BeforeToolCall] = field(default_factory=list)
     after: list[AfterToolCall] = field(default_factory=list)
     transform: list[TransformContext] = field(default_factory=list)
+    inputs: list[OnInput] = field(default_factory=list)
+    provider_request: list[BeforeProviderRequest] = field(default_factory=list)
     phases: dict[str, list[Callable[[TurnInfo], Any]]] = field(default_factory=dict)
     bundles: dict[str, list[Tool]] = field(default_factory=dict)  # bundle name -> its tools
     timeout: float | None = field(default_factory=lambda: DEFAULT_HOOK_TIMEOUT)
@@ -368,6 +446,74 @@ class Hooks:
     def transform_context(self, fn: T) -> T:
         self.transform.append(fn)  # type: ignore[arg-type]
         return fn
+
+    def on_input(self, fn: T) -> T:
+        """Register an input hook: it sees input before it is admitted (see ``admit``)."""
+        self.inputs.append(fn)  # type: ignore[arg-type]
+        return fn
+
+    def before_provider_request(self, fn: T) -> T:
+        """Register a provider-request hook: it sees each model call's payload (``shape_payload``)."""
+        self.provider_request.append(fn)  # type: ignore[arg-type]
+        return fn
+
+    async def admit(
+        self,
+        message: UserMessage,
+        *,
+        mode: InputMode,
+        source: str,
+        run_id: str | None = None,
+        conversation: str | None = None,
+    ) -> UserMessage | Handled:
+        """``message`` as the input hooks admit it: itself (no hook changed it), a copy carrying
+        a ``Rewrite`` (its text, then its media), or ``Handled``. The hooks run in the order they
+        were added, each seeing the input as the one before left it; the first ``Handled`` ends
+        it. Raises ``InputRejected`` naming the hook that failed, timed out or returned something
+        else: the caller admits nothing."""
+        media = tuple(b for b in message.content if not isinstance(b, TextContent))
+        info = InputInfo(message.text, media, mode, source, message.origin, run_id, conversation)
+        rewritten = False
+        for fn in self.inputs:
+            try:
+                out = await _call(fn, info, limit=self.timeout)
+            except Exception as exc:
+                raise InputRejected(f"input hook {hook_name(fn)} failed: {exc}") from exc
+            if out is None:
+                continue
+            if isinstance(out, Handled):
+                log.info("input hook %s handled the input: %s", hook_name(fn), out.reason)
+                return out
+            if not isinstance(out, Rewrite):
+                raise InputRejected(
+                    f"input hook {hook_name(fn)} returned {type(out).__name__}: return None, a Rewrite or Handled"
+                )
+            info = replace(info, text=out.text, media=info.media if out.media is None else out.media)
+            rewritten = True
+        if not rewritten:
+            return message
+        return replace(message, content=[TextContent(text=info.text), *info.media])
+
+    async def shape_payload(self, request: ProviderRequest) -> dict[str, Any]:
+        """The payload the provider-request hooks leave: each sees the one before's, and returns
+        a replacement ``dict`` or None (keep it). A hook that fails, times out or returns
+        something else fails the model call as a provider's refusal would (a ``ProviderError``
+        naming the hook, not retried: it would fail again), never an exception in the loop."""
+        payload = request.payload
+        for fn in self.provider_request:
+            try:
+                out = await _call(fn, replace(request, payload=payload), limit=self.timeout)
+            except Exception as exc:
+                raise ProviderError(f"provider-request hook {hook_name(fn)} failed: {exc}", "bad_request") from exc
+            if out is None:
+                continue
+            if not isinstance(out, dict):
+                raise ProviderError(
+                    f"provider-request hook {hook_name(fn)} returned {type(out).__name__}, not a dict payload",
+                    "bad_request",
+                )
+            payload = out
+        return payload
 
     async def run_before(self, info: ToolCallInfo) -> Block | None:
         for fn in self.before:

@@ -45,6 +45,7 @@ MAX_UNUSABLE_RETRIES = 3
 def build_request(
     cfg: LoopConfig, messages: list[Message], tools_enabled: bool, conversation: str | None = None
 ) -> ModelRequest:
+    hooks = cfg.hooks
     return ModelRequest(
         system_prompt=cfg.system_prompt,
         messages=messages,
@@ -54,6 +55,8 @@ def build_request(
         reasoning=cfg.reasoning,
         parallel_tool_calls=cfg.tool_execution == "parallel",
         cache_key=conversation,
+        # the adapter hands its payload to the provider-request hooks (none: it sends it as built)
+        shape_payload=hooks.shape_payload if hooks.provider_request else None,
     )
 
 

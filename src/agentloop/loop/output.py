@@ -118,6 +118,8 @@ class OutputSpec(Generic[OutputT]):
             before=list(config.hooks.before),
             after=list(config.hooks.after),
             transform=list(config.hooks.transform),
+            inputs=list(config.hooks.inputs),
+            provider_request=list(config.hooks.provider_request),  # (else an output run sends without them)
             phases={phase: list(fns) for phase, fns in config.hooks.phases.items()},
             timeout=config.hooks.timeout,
         )

@@ -202,7 +202,8 @@ class AnthropicModel(Model):
     # ------------------------------------------------------------------ response
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
-        client, response = await self._open(self.build_params(request))
+        params = await self.payload(request, "anthropic-messages", self.build_params(request))
+        client, response = await self._open(params)
         reader = _EventReader(self.info, out)
         async with response:  # from here on: closed also when the caller stops reading at the start
             await check_event_stream(response.response)

@@ -142,6 +142,27 @@ class ModelRequest:
     parallel_tool_calls: bool = True  # False: the loop runs calls one by one, so ask for one per turn
     cache_key: str | None = None  # the conversation (a process id): a prompt cache routes its calls together
     reasoning: Reasoning | None = None  # None: the model's own setting
+    # the agent's provider-request hooks (``Hooks.before_provider_request``), set only when it has
+    # some: each adapter hands them its payload through ``Model.payload`` just before sending it
+    shape_payload: PayloadShaper | None = None
+
+
+@dataclass(frozen=True)
+class ProviderRequest:
+    """What a provider-request hook sees: the payload an adapter is about to send, exactly as it
+    will go (an OpenAI-compatible chat body, Anthropic's messages body, Gemini's body, llama.cpp's
+    completion arguments; ``api`` says which), and the model it goes to. Not to be changed in
+    place: a hook returns the replacement."""
+
+    provider: str
+    model: str
+    api: str
+    payload: dict[str, Any]
+
+
+#: What gives an adapter's payload back, maybe replaced, before it is sent; raises a
+#: ``ProviderError`` (the call fails as a provider's refusal would) when a hook fails.
+PayloadShaper: TypeAlias = Callable[[ProviderRequest], Awaitable[dict[str, Any]]]
 
 
 def make_usage(info: ModelInfo, input: int = 0, output: int = 0, cache_read: int = 0, cache_write: int = 0) -> Usage:
@@ -654,6 +675,16 @@ class Model(ABC):
         """What an error message must never show: the adapter's API key. A server may quote a key
         it refuses, in a shape ``redact_secrets`` does not recognise; each failure masks these."""
         return ()
+
+    async def payload(self, request: ModelRequest, api: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """The seam every adapter sends through: ``payload`` (what it built for ``request``, in
+        the wire format ``api`` names) as the request's provider-request hooks leave it. Without
+        hooks it is ``payload`` itself, at the cost of one test. Called inside ``_stream``, so a
+        hook's failure is that call's ``error`` event, never an exception in the loop."""
+        shape = request.shape_payload
+        if shape is None:
+            return payload
+        return await shape(ProviderRequest(self.info.provider, self.info.id, api, payload))
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamEvent]:
         out = AssistantBuilder(self.info)

@@ -258,7 +258,7 @@ class GeminiModel(Model):
     # ------------------------------------------------------------------ response
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
-        body = self.build_body(request)
+        body = await self.payload(request, "gemini", self.build_body(request))
         client = self._http()
         async with self._response(client, body) as response:
             if response.status_code >= 400:

@@ -665,6 +665,7 @@ class LocalModel(Model):
         }
         if schema is not None:
             kwargs["response_format"] = {"type": "json_object", "schema": schema}
+        kwargs = await self.payload(request, "llama-cpp", kwargs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         stop = threading.Event()

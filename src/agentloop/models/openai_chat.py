@@ -178,7 +178,8 @@ class OpenAIChatModel(Model):
     # ------------------------------------------------------------------ response
 
     async def _stream(self, request: ModelRequest, out: AssistantBuilder) -> AsyncGenerator[StreamEvent, None]:
-        client, response = await self._open(self.build_params(request))
+        params = await self.payload(request, "openai-chat", self.build_params(request))
+        client, response = await self._open(params)
         finish: str | None = None
         usage: Usage | None = None
         calls = _DeltaReader(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from agentloop.loop.hooks import Handled
 from agentloop.loop.state import CallModel, decide
 from agentloop.messages import AssistantMessage, Message, SystemMessage, ToolResultMessage, UserMessage, system
 from agentloop.process import signals as sig
@@ -71,11 +72,40 @@ async def send(
     (``RunNotCurrent`` otherwise): a ``steer`` joins it, a ``queue`` waits for the run after it,
     an ``interrupt`` stops it (only it: its abort is the check) and starts the next run. Either
     refusal is decided with the admission, in its transaction, and delivers, queues and aborts
-    nothing; a retry of a delivery admitted already (its ``run_id``) gets its receipt first."""
+    nothing; a retry of a delivery admitted already (its ``run_id``) gets its receipt first.
+
+    The input hooks (``Hooks.admit``) see ``message`` first, before anything is written or
+    aborted: see ``_hooked``."""
     check_send(mode, expected_run_id)
+    if engine.config.hooks.inputs:
+        hooked = await _hooked(engine, pid, message, mode, run_id)
+        if isinstance(hooked, Receipt):
+            return hooked
+        message = hooked
     return await _past_clearings(
         lambda: _send_once(engine, pid, message, mode=mode, run_id=run_id, output=output, expected=expected_run_id)
     )
+
+
+async def _hooked(
+    engine: ProcessEngine, pid: str, message: Message, mode: SendMode, run_id: str | None
+) -> Message | Receipt:
+    """``message`` as the input hooks admit it, or the receipt to answer at once: that of a retry
+    of a delivery admitted already (its hooks ran then: their side effects are not repeated), or
+    a ``handled`` one. Outside the admission's transaction, so a hook that fails (or times out:
+    ``InputRejected``) rejects the send with nothing written. Not remembered: a retry of a send
+    the hooks handled runs them again (``InputInfo.run_id`` lets a hook tell), and two twins of
+    one id sent at once may both run them before the transaction admits one."""
+    await engine.live(pid)  # (NoSuchProcess first: a hook's side effects for no process at all)
+    seen = await admitted(engine, pid, run_id)
+    if seen is not None:
+        return seen
+    if not isinstance(message, UserMessage):
+        return message
+    out = await engine.config.hooks.admit(message, mode=mode, source="process.send", run_id=run_id, conversation=pid)
+    if isinstance(out, Handled):
+        return Receipt(run_id or "", False, 0, handled=True)
+    return out
 
 
 def check_send(mode: object, expected_run_id: str | None) -> None:

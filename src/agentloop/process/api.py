@@ -114,11 +114,14 @@ def new_id() -> str:
 
 @dataclass(frozen=True)
 class Receipt:
-    """The answer to ``send``: which run the input belongs to, and whether it waits in the queue."""
+    """The answer to ``send``: which run the input belongs to, and whether it waits in the queue.
+    ``handled``: an input hook took the input (``loop.hooks.Handled``): nothing was written and
+    no run started; ``run_id`` is then the caller's own id, or empty."""
 
     run_id: str
     queued: bool
     position: int = 0
+    handled: bool = False
 
 
 @dataclass(frozen=True)

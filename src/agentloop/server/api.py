@@ -409,6 +409,7 @@ class ReceiptOut(Answer):
     run_id: str
     queued: bool
     position: int
+    handled: bool = Field(False, description="An input hook took the input: nothing was written, no run started.")
 
 
 class MessageOut(Answer):

@@ -26,6 +26,7 @@ from agentloop.kernel.schedules import MAX_TEXT as MAX_SCHEDULE_TEXT
 from agentloop.kernel.schedules import LimitReached, ScheduleError
 from agentloop.kernel.segments import NoSuchSegment, Segment, SegmentPage
 from agentloop.kernel.watches import WatchError
+from agentloop.loop.hooks import InputRejected
 from agentloop.loop.output import output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import FILE_TYPES, FileContent, ImageContent, check_plain_text, message_to_dict
@@ -125,7 +126,11 @@ def _output_schema(schema: Any) -> dict[str, Any] | None:
 
 
 def receipt_json(receipt: Receipt) -> dict[str, Any]:
-    return {"run_id": receipt.run_id, "queued": receipt.queued, "position": receipt.position}
+    """The receipt on the wire; ``handled`` only when an input hook took the input (no run to follow)."""
+    out: dict[str, Any] = {"run_id": receipt.run_id, "queued": receipt.queued, "position": receipt.position}
+    if receipt.handled:
+        out["handled"] = True
+    return out
 
 
 def signal_json(signal: Signal) -> dict[str, Any]:
@@ -534,6 +539,8 @@ class ProcessService:
             raise ApiError(400, "invalid_request", f"media: {exc}") from None
         except TranscriptionFailed as exc:
             raise _transcription_failed(exc) from None
+        except InputRejected as exc:  # an input hook failed: nothing was written, the caller keeps the input
+            raise ApiError(422, "input_rejected", safe_message(str(exc), "an input hook refused the input")) from None
         return receipt_json(receipt)
 
     def _check_audio(self, blocks: list[InputMedia]) -> None:
