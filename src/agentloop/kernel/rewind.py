@@ -27,6 +27,12 @@ longer history; the next model step measures anew) and logs ``proc.changed`` wit
 holds after message ``at`` and reads on from there. A crash between the archive and the commit leaves
 an extra archive, never a lost message.
 
+Background jobs (Shell ``background=true``) that tool calls taken out started are stopped as a reset
+stops a process's jobs (cancelled: the command's process group is killed) and forgotten by the
+``Jobs`` tool: their records go in the rewind's transaction, so their ends, which the rewound
+conversation never asked for, are not delivered (nor reported after a restart). The jobs of the calls
+kept go on. Schedules and watches stay whoever made them: nothing records which call created one.
+
 Queued input stays queued: the process is idle, so only input sent during the rewind can be waiting,
 and it runs on the rewound history once the rewind is over, as after a compaction.
 
@@ -44,12 +50,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentloop.kernel.fork import cut_at, valid_ends
-from agentloop.messages import UserMessage
+from agentloop.messages import AssistantMessage, UserMessage
 from agentloop.process import signals as sig
 from agentloop.process.api import new_id
 from agentloop.process.archive import write_archive
+from agentloop.process.background import drop_jobs_of
 from agentloop.process.pressure import forget_context
 from agentloop.process.store import MAX_SEQ, SegmentRow, StoredMessage, StoreError
+from agentloop.tools.jobs import CallKey
 
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
@@ -114,7 +122,21 @@ async def rewind(kernel: Kernel, pid: str, at: int) -> Rewound:
             rewound = {"at": at, "removed": len(removed), "segment": segment_id}
             await tx.signal(sig.CHANGED, changes=["messages"], rewound=rewound)
             tx.after.append(lambda: live.history.__delitem__(slice(count, None)))
+            calls = calls_in(removed)
+            if calls:  # (their ends then claim no record: see ``background.drop_jobs_of``)
+                await drop_jobs_of(store, pid, calls)
+                tx.after.append(lambda: engine.stop_background_of(pid, calls))
     return Rewound(count, len(removed), segment_id, name)
+
+
+def calls_in(messages: list[StoredMessage]) -> set[CallKey]:
+    """The tool calls ``messages`` make, as the jobs they started name them (run id, call id)."""
+    return {
+        (m.run_id, c.id)
+        for m in messages
+        if m.run_id is not None and isinstance(m.message, AssistantMessage)
+        for c in m.message.tool_calls
+    }
 
 
 async def retitle(kernel: Kernel, live: _Live) -> Callable[[], None]:

@@ -54,6 +54,30 @@ async def keep_output(engine: ProcessEngine, pid: str, run_id: str, output: dict
         await engine.store.kv_set(pid, output_key(run_id), output)
 
 
+# kv row of the last run that was asked for an output and ended without answering (failed, aborted,
+# cut at the output limit): {"run": <its id>, "output": <its ``output_key`` row>}, written as that
+# run ends (``driver.forget_output``), so that ``retry`` asks the retried run for the same output.
+# Matched by run id: the row of an older run, left over, never reaches a run it does not belong to.
+RETRY_OUTPUT_KEY = "retry:output"
+
+
+async def keep_for_retry(engine: ProcessEngine, pid: str, run_id: str) -> None:
+    """Inside the transaction that ends run ``run_id`` without an answer: its output row, if it had
+    one, is kept for a retry (the row itself goes with the run, as for any run)."""
+    output = await engine.store.kv_get(pid, output_key(run_id))
+    if isinstance(output, dict):
+        await engine.store.kv_set(pid, RETRY_OUTPUT_KEY, {"run": run_id, "output": output})
+
+
+async def _carry_output(engine: ProcessEngine, pid: str, failed_run: str | None, run_id: str) -> None:
+    """Inside the retry's transaction: the run ``run_id`` retries ``failed_run``, and must give the
+    output that run was asked for (if any: ``keep_for_retry``)."""
+    kept = await engine.store.kv_get(pid, RETRY_OUTPUT_KEY)
+    if isinstance(kept, dict) and failed_run is not None and kept.get("run") == failed_run:
+        await keep_output(engine, pid, run_id, kept.get("output"))
+        await engine.store.kv_delete(pid, RETRY_OUTPUT_KEY)
+
+
 async def send(
     engine: ProcessEngine,
     pid: str,
@@ -434,8 +458,28 @@ def _failed_turn(message: Message) -> bool:
     return isinstance(message, AssistantMessage) and message.stop_reason in UNFINISHED
 
 
+NOTE_KIND = "event"  # the kind of a note (``Kernel.note``): a fact recorded after a run, asking no answer
+
+
+def notes_end(history: list[Message]) -> int:
+    """Where the notes that close ``history`` begin (``len(history)`` when it ends with none): the
+    system events a retry looks past to the failed run's end. ``Kernel.note`` records them while
+    idle, after a run ended (an undelivered answer's note among them); a system event that was a
+    failed run's last input, with no failed turn after it, is looked past the same way (it stays,
+    and the retried run reads it, as it was to)."""
+    end = len(history)
+    while end and _note(history[end - 1]):
+        end -= 1
+    return end
+
+
+def _note(message: Message) -> bool:
+    return isinstance(message, SystemMessage) and message.kind == NOTE_KIND
+
+
 def retry_point(history: list[Message]) -> int | None:
-    """How many messages of ``history`` a retry keeps, or None when there is nothing to retry.
+    """How many messages of ``history`` a retry keeps before its closing notes (``notes_end``),
+    or None when there is nothing to retry. The notes themselves stay (see ``_retry_held``).
 
     The failed end (``_failed_turn``: failure notices and unfinished model turns) goes, so the
     model answers the input as if for the first time rather than reading its own failure as a turn
@@ -446,10 +490,11 @@ def retry_point(history: list[Message]) -> int | None:
     abort during a model call, a rewind to a question): a history that ends with a compaction's
     summary ended with an answer before it was summarised. An answer, a run its tools ended, an
     empty history: None."""
-    keep = len(history)
+    end = notes_end(history)
+    keep = end
     while keep and _failed_turn(history[keep - 1]):
         keep -= 1
-    if not keep or (keep == len(history) and not isinstance(history[-1], UserMessage | ToolResultMessage)):
+    if not keep or (keep == end and not isinstance(history[end - 1], UserMessage | ToolResultMessage)):
         return None
     return keep if isinstance(decide(history[:keep], has_input=False, guard=None), CallModel) else None
 
@@ -483,27 +528,41 @@ async def _retry_held(engine: ProcessEngine, pid: str, run_id: str | None) -> Re
         if seen is not None:
             return seen
         stored = await engine.store.history(pid)
-        keep = retry_point([m.message for m in stored])
+        history = [m.message for m in stored]
+        keep = retry_point(history)
         if keep is None:
             raise NothingToRetry(pid)
-        removed = len(stored) - keep
+        end = notes_end(history)
+        removed = end - keep
+        failed_run = next((m.run_id for m in reversed(stored[:end]) if m.run_id is not None), None)
         where = None
         if removed and engine.archive is not None:  # (archived before it goes: a cut-off answer was seen)
             meta = {"reason": "retry", "at": stored[keep - 1].id, "kept": keep}
-            where = await engine.archive(live.record, f"retry-{new_id()}", [m.message for m in stored[keep:]], meta)
+            where = await engine.archive(live.record, f"retry-{new_id()}", history[keep:end], meta)
         async with engine._tx(live) as tx:
             if removed:
                 await engine.store.truncate_messages(pid, stored[keep - 1].id)
                 if where is not None:  # (a rewind's kind: what follows a message, taken out)
-                    ids = (stored[keep].id, stored[-1].id)
+                    ids = (stored[keep].id, stored[end - 1].id)
                     generation = live.record.history_generation
                     await engine.store.add_segment(SegmentRow(new_id(), pid, generation, "rewind", *ids, where))
                 await forget_context(tx, live)  # (it measured the failed end too)
                 tx.after.append(lambda: live.history.__delitem__(slice(keep, None)))
+                # The notes recorded after the failed end are facts and stay, written again right
+                # after the kept history (new ids, same order), so the retried run reads them after
+                # its input. Put back where they were, they would sit between the input and the
+                # model's turn that no longer exists; kept after the failed end, that end would
+                # stay. After the kept end (a user message, a system event or a complete batch of
+                # tool results: never an assistant turn whose calls wait for their results) a system
+                # message is valid for every provider: Anthropic and Gemini merge it into the user
+                # turn as marked text, OpenAI-style APIs take it as a system message there.
+                if end < len(stored):
+                    await tx.append(None, history[end:])
                 retried = {"at": stored[keep - 1].id, "removed": removed}
                 await tx.signal(sig.CHANGED, changes=["messages"], retried=retried)
             run = _new_run(run_id)
             await tx.set_run(run)
+            await _carry_output(engine, pid, failed_run, run["run_id"])
             started = int(run["started"] * 1000)
             await tx.signal(sig.RUN_STARTED, runId=run["run_id"], reason="proc.retry", queuedCount=0, timestamp=started)
             await remember_admission(engine, pid, run["run_id"], run_id, queued=False, position=0)

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agentloop.process.api import new_id
 from agentloop.process.store import ProcessRecord, Store
+from agentloop.tools.jobs import CallKey
 from agentloop.tools.process_group import GroupIdentity, end_left_group
 
 if TYPE_CHECKING:
@@ -72,10 +74,15 @@ async def _jobs(store: Store, pid: str) -> dict[str, Any]:
     return dict(jobs) if isinstance(jobs, dict) else {}
 
 
-async def record_job(store: Store, pid: str, job: str, label: str, *, generation: int) -> None:
-    """Inside the caller's transaction: job ``job`` of ``pid`` begins."""
+async def record_job(
+    store: Store, pid: str, job: str, label: str, *, generation: int, call: CallKey | None = None
+) -> None:
+    """Inside the caller's transaction: job ``job`` of ``pid`` begins, started by tool call ``call``
+    (kept, so that a rewind that takes the call out finds the job: ``drop_jobs_of``)."""
     jobs = await _jobs(store, pid)
     jobs[job] = {"label": label, "generation": generation, "started": time.time()}
+    if call is not None:
+        jobs[job]["call"] = list(call)
     await store.kv_set(pid, JOBS_KEY, jobs)
 
 
@@ -103,6 +110,30 @@ async def drop_job(store: Store, pid: str, job: str) -> bool:
     else:
         await store.kv_delete(pid, JOBS_KEY)
     return True
+
+
+async def drop_jobs_of(store: Store, pid: str, calls: Collection[CallKey]) -> int:
+    """Inside the caller's transaction (a rewind's): remove the records of the jobs the tool calls
+    ``calls`` started; how many. The delivery of such a job's end then finds no record to claim
+    and delivers nothing (its call is gone from the history the end would reach), and a restart
+    reports none of them."""
+    jobs = await _jobs(store, pid)
+    gone = [job for job, entry in jobs.items() if isinstance(entry, dict) and _call_of(entry) in calls]
+    for job in gone:
+        del jobs[job]
+    if gone and jobs:
+        await store.kv_set(pid, JOBS_KEY, jobs)
+    elif gone:
+        await store.kv_delete(pid, JOBS_KEY)
+    return len(gone)
+
+
+def _call_of(entry: dict[str, Any]) -> CallKey | None:
+    """The tool call a job's record names (None for work no tool call started)."""
+    call = entry.get("call")
+    if isinstance(call, list) and len(call) == 2 and all(isinstance(part, str) for part in call):
+        return call[0], call[1]
+    return None
 
 
 async def forget_job(store: Store, pid: str, job: str) -> None:

@@ -236,8 +236,9 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
             nested = nested_policy(engine, live, run_id, row)
             budget = nested_budget(engine, live, run_id, cfg)
             state = _state_for(live, run_id)
-            background = functools.partial(engine.start_background, live.record.pid)
-            jobs = engine.jobs.of(live.record.pid)
+            started_by = (run_id, row.tool_call_id)  # (the jobs it starts are its: a rewind of it stops them)
+            background = functools.partial(engine.start_background, live.record.pid, call=started_by)
+            jobs = engine.jobs.of(live.record.pid, started_by)
             progress = Progress(engine, live, run_id, row)
             result = await _execute(
                 cfg,

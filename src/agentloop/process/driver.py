@@ -33,7 +33,7 @@ from agentloop.messages import (
 )
 from agentloop.models.overflow import is_context_overflow
 from agentloop.process import signals as sig
-from agentloop.process.admission import output_key, promote
+from agentloop.process.admission import keep_for_retry, output_key, promote
 from agentloop.process.api import Compacted, RunActive, call_of, new_id
 from agentloop.process.calls import (
     NOT_RUN_STOPPED,
@@ -233,11 +233,15 @@ async def _nudge(tx: _Tx, output: SchemaOutput, run: dict[str, Any]) -> None:
     await tx.set_run(run)
 
 
-async def forget_output(engine: ProcessEngine, live: _Live, run_id: str) -> None:
+async def forget_output(engine: ProcessEngine, live: _Live, run_id: str, *, answered: bool = False) -> None:
     """Inside the transaction that ends run ``run_id``: its output row goes with it. Where the run's
     configuration was never built (an internal error right after a reload) whether it has one is
-    not known: the row is deleted anyway (a rare path; the common one costs no statement)."""
+    not known: the row is deleted anyway (a rare path; the common one costs no statement). A run
+    that did not answer (failed, aborted - the default, as an abort ends a run unanswered - or cut
+    at the output limit) leaves its output for a retry to ask for again (``keep_for_retry``)."""
     if run_output(live, run_id) is not None or live.config is None or live.config[0] != run_id:
+        if not answered:
+            await keep_for_retry(engine, live.record.pid, run_id)
         await engine.store.kv_delete(live.record.pid, output_key(run_id))
 
 
@@ -973,7 +977,7 @@ async def _finish(
         await tx.append(run_id, [system(f"The run failed: {error}", "error")])
     if live.approvals:
         await forget_decisions(engine.store, pid, run_id)
-    await forget_output(engine, live, run_id)
+    await forget_output(engine, live, run_id, answered=status == "ok" and reason != "length")
     await tx.end_run(run)
     if status == "ok" and isinstance(last, ToolResultMessage) and last.terminate:  # (ended by its tools)
         last = next((m for m in reversed(live.history) if isinstance(m, AssistantMessage)), last)

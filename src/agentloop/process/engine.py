@@ -34,7 +34,7 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -98,7 +98,7 @@ from agentloop.process.store.base import QueueKind
 from agentloop.process.tool_scope import TOOLS_KEY, scoped
 from agentloop.process.tx import _has_media, _Live, _Tx, _TxScope, promoting
 from agentloop.tools.base import BackgroundRefused, background_group
-from agentloop.tools.jobs import JobRegistry
+from agentloop.tools.jobs import CallKey, JobRegistry
 from agentloop.tools.process_group import GroupIdentity
 
 log = logging.getLogger("agentloop.process")
@@ -243,6 +243,7 @@ class ProcessEngine:
         self._aborting: set[asyncio.Task[bool]] = set()
         self._deferred: set[asyncio.Task[None]] = set()  # see ``when_cleared``
         self._background: dict[str, set[asyncio.Task[None]]] = {}  # pid -> its background work
+        self._started_by: dict[asyncio.Task[None], CallKey] = {}  # background work -> the call that started it
         self.jobs = JobRegistry()  # the background commands each process can look after (``Jobs``)
         # background work a reset or kill stopped, until it has ended: ``close`` waits for it too
         # (a command's group is killed after a grace, which shutdown must not cut short)
@@ -896,7 +897,9 @@ class ProcessEngine:
 
     # -- background work (see ``ToolContext.background``) -----------------------------------------
 
-    def start_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
+    def start_background(
+        self, pid: str, work: Coroutine[Any, Any, str], label: str, *, call: CallKey | None = None
+    ) -> None:
         """Own ``work`` a tool of ``pid`` started to outlive its call, and deliver what it returns
         as a system event (``background.finished``). At most ``MAX_BACKGROUND`` per process
         (``BackgroundRefused``); stopped by a reset or kill of the process and by ``close``. Not
@@ -916,24 +919,29 @@ class ProcessEngine:
                 del self._background[pid]
             work.close()
             raise BackgroundRefused(refusal)
-        task = asyncio.get_running_loop().create_task(self._deliver_background(pid, work, label), name=label)
+        task = asyncio.get_running_loop().create_task(self._deliver_background(pid, work, label, call), name=label)
         jobs.add(task)
+        if call is not None:  # (``call``: the tool call that started it, which a rewind may take out)
+            self._started_by[task] = call
 
         def ended(task: asyncio.Task[None]) -> None:
             work.close()  # (work cancelled before it began was never awaited: no warning for it)
             jobs.discard(task)
+            self._started_by.pop(task, None)
             if not jobs and self._background.get(pid) is jobs:
                 del self._background[pid]  # (no empty set kept for every process that ever had one)
 
         task.add_done_callback(ended)
 
-    async def _deliver_background(self, pid: str, work: Coroutine[Any, Any, str], label: str) -> None:
-        """Record the job, run it, deliver its end. Cancelled by a reset, a kill or a stop with
-        its parent's run, it leaves no record (nobody to tell); by ``close``, it leaves its record
-        for the next runtime to report."""
+    async def _deliver_background(
+        self, pid: str, work: Coroutine[Any, Any, str], label: str, call: CallKey | None
+    ) -> None:
+        """Record the job, run it, deliver its end. Cancelled by a reset, a kill, a stop with its
+        parent's run or a rewind that took out its call, it leaves no record (nobody to tell); by
+        ``close``, it leaves its record for the next runtime to report."""
         job = new_id()
         try:
-            kept = await self._keep_job(pid, job, label)
+            kept = await self._keep_job(pid, job, label, call)
             text = await self._run_job(pid, job if kept else None, work, label)
             await self._tell_end(pid, job if kept else None, text, label)
         except asyncio.CancelledError:
@@ -941,7 +949,7 @@ class ProcessEngine:
                 await self._forget_job(pid, job)
             raise
 
-    async def _keep_job(self, pid: str, job: str, label: str) -> bool:
+    async def _keep_job(self, pid: str, job: str, label: str, call: CallKey | None) -> bool:
         """Record the job before it begins; False if the store failed (it runs all the same, as
         it would have before records existed: only a restart would not know of it)."""
         try:
@@ -950,7 +958,8 @@ class ProcessEngine:
             if record is None:
                 raise NoSuchProcess(pid)
             async with self.store.transaction():
-                await background.record_job(self.store, pid, job, label, generation=record.history_generation)
+                generation = record.history_generation
+                await background.record_job(self.store, pid, job, label, generation=generation, call=call)
         except Exception as exc:
             log.warning("process %s: %s is not recorded, so a restart will not report it: %s", pid, label, exc)
             return False
@@ -1004,9 +1013,21 @@ class ProcessEngine:
         cancelled, a command's process group is killed. Kept until it has ended, for ``close``."""
         self.jobs.drop(pid)
         for task in self._background.pop(pid, set()):
-            task.cancel()
-            self._ending.add(task)
-            task.add_done_callback(self._ending.discard)
+            self._stop_task(task)
+
+    def stop_background_of(self, pid: str, calls: Collection[CallKey]) -> None:
+        """Stop the background work of ``pid`` that the tool calls ``calls`` started, as
+        ``stop_background`` stops it all: a rewind took those calls out (the rest goes on)."""
+        self.jobs.forget_calls(pid, calls)
+        for task in [t for t in self._background.get(pid, ()) if self._started_by.get(t) in calls]:
+            self._stop_task(task)
+
+    def _stop_task(self, task: asyncio.Task[None]) -> None:
+        """Cancel background work (a command's process group is killed); kept until it has ended,
+        for ``close`` to wait for."""
+        task.cancel()
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def signal_event(
         self, pid: str, text: str, *, run_id: str | None = None, reason: str = "system.event"

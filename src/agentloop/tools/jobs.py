@@ -26,14 +26,15 @@ import contextlib
 import re
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Collection
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import Field
 
 from agentloop.tools.base import FunctionTool, ToolArgumentsError, ToolContext, ToolError, ToolResult, utf8
 from agentloop.tools.process_group import KILL_GRACE, OutputCapture
 
-__all__ = ["MAX_ENDED", "SYSCALL", "CommandJob", "JobRegistry", "JobTable", "jobs_tool"]
+__all__ = ["MAX_ENDED", "SYSCALL", "CallKey", "CommandJob", "JobRegistry", "JobTable", "jobs_tool"]
 
 SYSCALL = "shell.jobs"
 PREFIX = "bg-"
@@ -45,14 +46,19 @@ STOP_WAIT = KILL_GRACE + 5.0  # how long a stop waits for the command's end (SIG
 
 Action = Literal["list", "status", "output", "input", "stop"]
 
+# the tool call that started a job: (its run's id, its tool call id), as the history names the call
+# (a rewind that takes the call out stops the jobs it started: ``JobRegistry.forget_calls``)
+CallKey: TypeAlias = tuple[str, str]
+
 
 class CommandJob:
     """One command started in the background: while it runs, its process, stdin and output as
     far as it came; once it ended, a summary only (its output went with the end)."""
 
-    def __init__(self, job_id: str, command: str) -> None:
+    def __init__(self, job_id: str, command: str, call: CallKey | None = None) -> None:
         self.id = job_id
         self.command = command
+        self.call = call  # the tool call that started it (None: started outside a durable run)
         self.stop_requested = asyncio.Event()  # watched by ``supervise``: a stop ends the command
         self.done = asyncio.Event()
         self._began = asyncio.Event()  # the command runs, or the job ended without it
@@ -170,29 +176,41 @@ class JobRegistry:
     def __init__(self) -> None:
         self._jobs: dict[str, dict[str, CommandJob]] = {}
 
-    def of(self, pid: str) -> JobTable:
-        return JobTable(self._jobs, pid)
+    def of(self, pid: str, call: CallKey | None = None) -> JobTable:
+        """``pid``'s jobs, as tool call ``call`` sees them: the jobs it opens are filed as its."""
+        return JobTable(self._jobs, pid, call)
 
     def drop(self, pid: str) -> None:
         """Forget the jobs of ``pid`` (its reset or kill: they belong to the conversation cleared)."""
         self._jobs.pop(pid, None)
 
+    def forget_calls(self, pid: str, calls: Collection[CallKey]) -> None:
+        """Forget the jobs of ``pid`` that the tool calls ``calls`` started (a rewind took those
+        calls out of the conversation, which no longer knows of their jobs)."""
+        own = self._jobs.get(pid, {})
+        for job_id in [job_id for job_id, job in own.items() if job.call in calls]:
+            del own[job_id]
+        if not own:
+            self._jobs.pop(pid, None)
+
 
 class JobTable:
     """One process's jobs: all that its tool calls can see or reach (``ToolContext.jobs``)."""
 
-    def __init__(self, jobs: dict[str, dict[str, CommandJob]], pid: str) -> None:
+    def __init__(self, jobs: dict[str, dict[str, CommandJob]], pid: str, call: CallKey | None = None) -> None:
         self._jobs = jobs
         self._pid = pid
+        self._call = call
 
     def open(self, command: str) -> CommandJob:
-        """A new job for ``command``, under an id none of the process's jobs has."""
+        """A new job for ``command``, under an id none of the process's jobs has, filed as the
+        table's tool call's."""
         own = self._jobs.setdefault(self._pid, {})
         _prune(own)
         job_id = PREFIX + secrets.token_hex(2)
         while job_id in own:
             job_id = PREFIX + secrets.token_hex(2)
-        own[job_id] = job = CommandJob(job_id, command)
+        own[job_id] = job = CommandJob(job_id, command, self._call)
         return job
 
     def discard(self, job: CommandJob) -> None:
