@@ -8,6 +8,10 @@ make the first extra account or revoke a leaked token even while no server (or a
 SQLite in WAL mode lets them do so while the server has the database open. A token is printed
 once, when created; listings show ids and labels, never the stored hashes.
 
+``agentloop prune`` applies the retention rules (``kernel/retention.py``: the config file's
+``[retention]``, or its flags) to the same store and data directory, once, or with ``--dry-run``
+lists what they would remove.
+
 Only ``account create`` may create the database (the first account can be made before any server
 ran). The other commands need one to exist: ``account list`` and ``token list`` on a directory
 without a database say so and exit 0, and nothing is written: a look must not leave a database
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
@@ -29,6 +34,7 @@ from agentloop.cli.usage import App
 from agentloop.process.store import Store, open_store
 
 if TYPE_CHECKING:
+    from agentloop.kernel.retention import Plan, Retention, Swept
     from agentloop.server.auth import Accounts
 
 T = TypeVar("T")
@@ -51,6 +57,7 @@ DataOpt = Annotated[
 def register(app: typer.Typer) -> None:
     app.add_typer(account_app, name="account")
     app.add_typer(token_app, name="token")
+    app.command("prune")(prune)
 
 
 def _database(data: Path | None) -> Path:
@@ -249,3 +256,124 @@ def token_revoke(
         if _store_url(data) is None or not _with_accounts(data, work):
             raise CliError(f"no such token {token_id!r} (or it was already revoked)")
         typer.echo(f"revoked {token_id}")
+
+
+def _prune_rules(archives_days: float | None, idle_days: float | None) -> Retention:
+    """The flags' rules when either is given (they replace the file's, so what a run removes is
+    what its command line says), else the config file's; a usage error (exit 2) when neither
+    sets any or the file's are unusable."""
+    from agentloop.cli.config import config_path, read_config_file
+    from agentloop.cli.main import CliError
+    from agentloop.kernel.retention import Retention
+
+    if archives_days is not None or idle_days is not None:
+        try:
+            return Retention.from_days(archives_days, idle_days)
+        except ValueError as exc:
+            flags = str(exc).replace("archives_days", "--archives-days").replace("idle_process_days", "--idle-days")
+            raise CliError(flags.removeprefix("retention "), 2) from None
+    path = config_path()
+    file, _ = read_config_file(path)
+    problem = file.errors.get("retention") or file.errors.get("config")  # (an unreadable file may hold rules)
+    if problem is not None:
+        raise CliError(problem, 2)
+    if file.retention is None:
+        raise CliError(
+            f"no retention rules: set [retention] archives_days and/or idle_process_days in {path},"
+            " or pass --archives-days / --idle-days",
+            2,
+        )
+    return file.retention
+
+
+def _days(seconds: float) -> str:
+    return f"{seconds / 86400:.1f}d"
+
+
+def _show_plan(todo: Plan, now: float) -> None:
+    from agentloop.kernel.retention import last_active
+
+    for archive in todo.archives:
+        where = f"{archive.user}/{archive.pid}/{archive.path.name}"
+        typer.echo(f"archive\t{where}\t{_days(now - archive.created)} old")
+    for record in todo.processes:
+        typer.echo(f"process\t{record.pid}\t{record.owner}\tidle {_days(now - last_active(record))}")
+
+
+async def _prune(url: str, directory: Path, rules: Retention, *, dry_run: bool) -> tuple[Plan, Swept | None]:
+    """Plan on the store alone; then, unless a dry run, remove. Only idle processes need the
+    runtime (their kill goes through the kernel's, which archives them and deletes their media),
+    so the kernel is opened only when there are some."""
+    from agentloop.kernel import Kernel
+    from agentloop.kernel.retention import Swept, plan, remove_old_archive, sweep
+
+    now = time.time()
+    store: Store = open_store(url)
+    await store.open()
+    try:
+        todo = await plan(store, directory, rules, now=now)
+        if dry_run:
+            return todo, None
+        if not todo.processes:
+            done = Swept()
+            for archive in todo.archives:  # (each on its own, as the kernel's sweep does)
+                try:
+                    await remove_old_archive(store, directory, archive)
+                    done.archives += 1
+                except Exception as exc:
+                    done.failed += 1
+                    typer.echo(f"warning: could not remove archive {archive.path}: {exc}", err=True)
+            return todo, done
+    finally:
+        await store.close()
+    async with Kernel.open(url, data_dir=directory, workspace=directory, heartbeat=None, titles=None) as kernel:
+        return todo, await sweep(kernel, rules, now=now)
+
+
+def prune(
+    archives_days: Annotated[
+        float | None,
+        typer.Option("--archives-days", help="Remove archives older than this many days (replaces the file's rules)."),
+    ] = None,
+    idle_days: Annotated[
+        float | None,
+        typer.Option(
+            "--idle-days",
+            help="Kill, with an archive, processes idle for longer than this many days (replaces the file's rules).",
+        ),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be removed; remove nothing.")] = False,
+    data: DataOpt = None,
+) -> None:
+    """Apply the retention rules now: old archives go, idle processes are killed (with an archive).
+
+    The rules are the config file's [retention] (archives_days, idle_process_days) unless a flag
+    is given. Interactive conversations (the one 'agentloop chat' continues) are processes like
+    any other. A server with [retention] configured sweeps by itself, hourly; on a SQLite store a
+    running server or chat holds the store, so let it sweep (this command then says so)."""
+    from agentloop.cli.chat import data_dir
+    from agentloop.cli.main import _guarded
+
+    with _guarded():
+        rules = _prune_rules(archives_days, idle_days)
+        url = _store_url(data)
+        if url is None:
+            typer.echo(_no_database(data).replace("no accounts or tokens yet", "nothing to prune"), err=True)
+            return
+        directory = data_dir(data).expanduser().resolve()
+        todo, done = asyncio.run(_prune(url, directory, rules, dry_run=dry_run))
+        _show_plan(todo, time.time())
+        if done is None:
+            typer.echo(
+                f"dry run: would remove {len(todo.archives)} archives and kill {len(todo.processes)} idle processes"
+                " (each with the idle processes below it)",
+                err=True,
+            )
+            return
+        typer.echo(
+            f"removed {done.archives} archives, killed {done.processes} idle processes"
+            + (f", {done.failed} failed (see the log)" if done.failed else ""),
+            err=True,
+        )
+        if done.failed:
+            raise typer.Exit(1)

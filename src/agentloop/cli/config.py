@@ -9,7 +9,8 @@ The one exception is what limits or steers a run: the guards (``max_rounds``, ``
 ``max_wall_clock``, ``max_tokens``, ``max_cost``), the ``fallbacks``, the
 ``compaction_threshold``, how a turn's tool calls run (``max_concurrency``, ``tool_execution``),
 the ``approval_timeout``, the ``outage_retries``, the ``mcp_servers``, the ``shell_sandbox`` and its
-``shell_sandbox_read``.
+``shell_sandbox_read``, and the ``[retention]`` rules (what a misspelt rule removes, or keeps, must
+not be a guess).
 A budget written down and then silently ignored would let a run go on without the limit its owner relied on (and a
 server left out, without tools it was meant to have), so a bad value there is an error (exit 2)
 for the commands that run the loop, naming the key or flag and what it must be.
@@ -28,7 +29,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 from agentloop.loop.guards import Guards
 from agentloop.loop.state import ToolExecution
@@ -40,6 +41,9 @@ from agentloop.tools.mcp import MCPServerConfig, parse_servers
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 from agentloop.tools.sandbox import is_private
 from agentloop.urls import redact_secrets
+
+if TYPE_CHECKING:  # (the rules' module brings in the kernel: imported when a file sets some)
+    from agentloop.kernel.retention import Retention
 
 CONFIG_ENV = "AGENTLOOP_CONFIG"
 MODEL_ENV = "AGENTLOOP_MODEL"
@@ -85,7 +89,11 @@ _KEYS = (
     "shell_sandbox_read",
     *TRANSCRIBE_KEYS,
     "bridges",
+    "retention",
 )
+# ``[retention]``: archives older than ``archives_days`` are removed, processes idle for longer
+# than ``idle_process_days`` killed (with an archive); a key left out is a rule that is off
+RETENTION_KEYS = ("archives_days", "idle_process_days")
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ class FileConfig:
     # ``[bridges]``: a bridge's name -> its command's options; and what is wrong with the table
     bridges: dict[str, tuple[str, ...]] = field(default_factory=dict)
     bridges_error: str | None = None
+    retention: Retention | None = None  # ``[retention]``; None: nothing is ever removed
     errors: dict[str, str] = field(default_factory=dict)  # bad run-limit keys: fatal for the loop commands
 
 
@@ -182,6 +191,7 @@ class Settings:
     store: str | None = None  # a store URL; None: the data directory's SQLite file
     store_source: str = "default"
     heartbeat: HeartbeatSettings | None = DEFAULT_HEARTBEAT  # the check-ins HEARTBEAT.md asks for
+    retention: Retention | None = None  # old archives and idle processes removed (None: nothing is)
     errors: list[str] = field(default_factory=list)  # bad run limits: the command must stop (exit 2)
     store_error: str | None = None  # an unusable (or unknowable) store URL: only commands that open the store stop
 
@@ -421,6 +431,9 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             transcribe[key] = value.strip()
     bridges, problem = _read_bridges(data.get("bridges"))
     bridges_error = f"config file {path}: bridges {problem}" if problem else None
+    retention, problem = read_retention(data.get("retention"))
+    if problem:
+        errors["retention"] = f"config file {path}: retention {problem}"
     unknown = sorted(set(data) - {*_KEYS})
     if unknown:
         warnings.append(f"config file {path}: unknown keys ignored: {', '.join(unknown)}")
@@ -445,6 +458,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             transcribe=transcribe,
             bridges=bridges,
             bridges_error=bridges_error,
+            retention=retention,
             **limits,
         ),
         warnings,
@@ -515,6 +529,7 @@ def load_settings(
         store=store_url,
         store_source=store_source,
         heartbeat=file.heartbeat,
+        retention=file.retention,
         errors=errors,
         store_error=store_error,
     )
@@ -641,6 +656,26 @@ def _read_heartbeat(value: Any) -> tuple[HeartbeatSettings | None, str | None]:
         return DEFAULT_HEARTBEAT, str(exc).removeprefix("heartbeat ")
 
 
+def read_retention(value: Any) -> tuple[Retention | None, str | None]:
+    """``[retention]`` (``archives_days``, ``idle_process_days``: positive numbers of days) as the
+    rules, or what is wrong with it. Absent, or a table without either key: no rules, nothing is
+    removed."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        return None, f"must be a table with {' and/or '.join(RETENTION_KEYS)}, got {redact_secrets(repr(value))}"
+    unknown = sorted(set(value) - {*RETENTION_KEYS})
+    if unknown:
+        return None, f"has unknown keys: {', '.join(map(str, unknown))} (known: {', '.join(RETENTION_KEYS)})"
+    from agentloop.kernel.retention import Retention
+
+    try:
+        rules = Retention.from_days(value.get("archives_days"), value.get("idle_process_days"))
+    except ValueError as exc:
+        return None, str(exc).removeprefix("retention ")
+    return (rules if rules.enabled else None), None
+
+
 def store_problem(url: Any) -> str | None:
     """Why ``url`` cannot name a store, or None (the form only: whether the database answers is
     learnt when it is opened). The URL is never quoted back: it may hold a password."""
@@ -731,6 +766,8 @@ def kernel_extras(settings: Settings) -> dict[str, Any]:
     if settings.shell_sandbox_read:
         options["shell_sandbox_read"] = settings.shell_sandbox_read
     options["heartbeat"] = settings.heartbeat
+    if settings.retention is not None:
+        options["retention"] = settings.retention
     if settings.approval_timeout is not None:
         options["approval_timeout"] = settings.approval_timeout
     if settings.outage_retries is not None:

@@ -27,6 +27,7 @@ log = logging.getLogger("agentloop.kernel.duty")
 SCHEDULES = "schedules"  # the duty of firing the schedules
 WATCHES = "watches"  # the duty of delivering watched signals a dead worker left undelivered
 HEARTBEAT = "heartbeat"  # the duty of delivering the check-ins HEARTBEAT.md files ask for
+RETENTION = "retention"  # the duty of sweeping old archives and idle processes (kernel/retention.py)
 
 
 class Duty:

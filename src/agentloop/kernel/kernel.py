@@ -30,10 +30,11 @@ from agentloop.kernel.account_mcp import AccountMCP
 from agentloop.kernel.account_model import AccountModels, ModelChoice
 from agentloop.kernel.delegate import Replies, delegate_toolset
 from agentloop.kernel.devices import DeviceDirectory, device_toolset
-from agentloop.kernel.duty import HEARTBEAT, SCHEDULES, WATCHES, Duty
+from agentloop.kernel.duty import HEARTBEAT, RETENTION, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.fork import fork as fork_process
 from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
+from agentloop.kernel.retention import Retention, RetentionTimer
 from agentloop.kernel.rewind import Rewound
 from agentloop.kernel.rewind import rewind as rewind_process
 from agentloop.kernel.runs import (
@@ -719,6 +720,7 @@ class Kernel:
         heartbeat: HeartbeatSettings | None = None,
         titles: Titling = "message",
         models: AccountModels | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -739,6 +741,9 @@ class Kernel:
         self.scheduler = Scheduler(store, engine, min_every=schedule_min_every, duty=duty(SCHEDULES))
         self.watchers = WatchRouter(store, engine, duty=duty(WATCHES))
         self.heartbeat = None if heartbeat is None else Heartbeat(store, engine, heartbeat, duty=duty(HEARTBEAT))
+        # old archives and idle processes swept away (kernel/retention.py); none unless a rule is set
+        sweeps = retention is not None and retention.enabled
+        self.retention = RetentionTimer(self, retention, duty=duty(RETENTION)) if sweeps and retention else None
         engine.aborted = self._run_aborted
         self._remembering: set[asyncio.Task[None]] = set()  # memories of reset conversations being kept
         self._closing = False  # (no new background work once closing has begun)
@@ -783,6 +788,7 @@ class Kernel:
         poll_interval: float = DEFAULT_POLL,
         titles: Titling = "message",
         transcriber: Transcriber | None = None,
+        retention: Retention | None = None,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -843,9 +849,14 @@ class Kernel:
         ``transcribe(audio, filename, mime) -> str``: async, or a plain function, run in a worker
         thread) turns audio sent to a process into its transcript (``Process.send``); without one,
         audio is refused. The caller closes it.
+        ``retention`` (kernel/retention.py; None: nothing is ever removed) removes archives older
+        than its ``archives`` and kills, with an archive, processes idle for longer than its
+        ``idle_processes``, in a sweep an hour apart (the ``retention`` duty on a shared store).
         """
         check_titling(titles)
         check_sandbox_mode(shell_sandbox)
+        if retention is not None and not isinstance(retention, Retention):  # (else a sweep fails every hour)
+            raise TypeError(f"retention must be a Retention, got {type(retention).__name__}")
         check_approval_timeout(approval_timeout)
         retry_plan = check_outage_retries(outage_retries)
         for name, fn in (("approval", approval), ("toolset", toolset)):
@@ -952,6 +963,7 @@ class Kernel:
                 heartbeat=heartbeat,
                 titles=titles,
                 models=account_models,
+                retention=retention,
             )
         except BaseException:
             await store.close()
@@ -978,6 +990,8 @@ class Kernel:
             kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
             if kernel.heartbeat is not None:
                 kernel.heartbeat.start()
+            if kernel.retention is not None:
+                kernel.retention.start()
             yield kernel
         finally:
             if retirer is not None:
@@ -986,6 +1000,8 @@ class Kernel:
                 await asks.close()
             if replies is not None:
                 await replies.close()
+            if kernel.retention is not None:  # (first: a sweep kills through the engine closed below)
+                await kernel.retention.stop()
             if kernel.heartbeat is not None:
                 await kernel.heartbeat.stop()
             await kernel.scheduler.stop()

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -164,10 +165,7 @@ def write_archive(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"archive meta is not JSON-serialisable: {exc}") from exc
 
-    directory = private_dir(Path(data_dir), "var", "sessions", user, pid)
-    if path.exists():
-        raise FileExistsError(f"archive {path} already exists")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    directory, fd, tmp_name = _temp_file(Path(data_dir), user, pid, name, path)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as raw:
@@ -183,6 +181,26 @@ def write_archive(
         tmp.unlink(missing_ok=True)
     fsync_dir(directory)
     return path
+
+
+def _temp_file(data_dir: Path, user: str, pid: str, name: str, path: Path) -> tuple[Path, int, str]:
+    """The archive's folder, and a temporary file opened in it. Retention removes a folder that
+    its last archive's removal left empty (``remove_archive``): one removed while it is made or
+    before the file is opened in it is made again, instead of failing the reset or kill that
+    archives."""
+    attempts = 3
+    while True:
+        attempts -= 1
+        try:
+            directory = private_dir(data_dir, "var", "sessions", user, pid)
+            if path.exists():
+                raise FileExistsError(f"archive {path} already exists")
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        except FileNotFoundError:
+            if attempts == 0:
+                raise
+            continue
+        return directory, fd, tmp_name
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -249,15 +267,21 @@ def _check_header(path: Path, header: Any) -> None:
         raise ValueError(f"archive {path} has unsupported version {header.get('version')!r}")
 
 
-def _sort_key(path: Path) -> tuple[int, str]:
+def created_ns(path: Path) -> int:
+    """When the archive was written (nanoseconds since the epoch): its header's time, which a copy
+    or a restore from a backup keeps, else the file's modification time."""
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             created = json.loads(f.readline()).get("created_ns")
-        if isinstance(created, int):
-            return created, path.name
+        if isinstance(created, int) and not isinstance(created, bool):
+            return created
     except (OSError, EOFError, ValueError, AttributeError):
         pass
-    return path.stat().st_mtime_ns, path.name
+    return path.stat().st_mtime_ns
+
+
+def _sort_key(path: Path) -> tuple[int, str]:
+    return created_ns(path), path.name
 
 
 def list_archives(data_dir: Path, user: str, pid: str) -> list[Path]:
@@ -267,3 +291,74 @@ def list_archives(data_dir: Path, user: str, pid: str) -> list[Path]:
         return []
     found = [p for p in directory.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".") and p.is_file()]
     return sorted(found, key=_sort_key)
+
+
+@dataclass(frozen=True)
+class StoredArchive:
+    """One archive file found under ``var/sessions`` (``all_archives``)."""
+
+    user: str
+    pid: str
+    name: str  # without the suffix, as ``archive_path`` takes it
+    path: Path
+    created: float  # seconds since the epoch (``created_ns``)
+
+
+def _safe_names(directory: Path, what: str) -> list[str]:
+    """The entries of ``directory`` that are names this runtime could have written (others, and
+    hidden ones such as a writer's temporary file, are not the archives' to judge)."""
+    found: list[str] = []
+    for entry in sorted(directory.iterdir()):
+        try:
+            found.append(check_name(entry.name, what))
+        except ValueError:
+            continue
+    return found
+
+
+def all_archives(data_dir: Path) -> list[StoredArchive]:
+    """Every archive under ``var/sessions/<user>/<pid>/`` (retention's inventory), by user, pid and
+    name. Entries that are not folders or archives of the names this runtime writes are passed
+    over, never reported as archives: retention must not remove what it did not write."""
+    root = Path(data_dir) / "var" / "sessions"
+    if not root.is_dir():
+        return []
+    found: list[StoredArchive] = []
+    for user in _safe_names(root, "user"):
+        if not (root / user).is_dir():
+            continue
+        for pid in _safe_names(root / user, "pid"):
+            directory = root / user / pid
+            if not directory.is_dir():
+                continue
+            for entry in _safe_names(directory, "archive name"):
+                path = directory / entry
+                if not entry.endswith(SUFFIX) or not path.is_file():
+                    continue
+                name = entry[: -len(SUFFIX)]
+                try:
+                    check_name(name, "archive name")
+                except ValueError:
+                    continue
+                found.append(StoredArchive(user, pid, name, path, created_ns(path) / 1e9))
+    return found
+
+
+def remove_archive(data_dir: Path, user: str, pid: str, name: str) -> bool:
+    """Delete one archive, then its process's and its user's folders if that left them empty;
+    whether the file was there. A writer that finds a folder gone meanwhile makes it again
+    (``write_archive``), so removing an empty one is safe while archives are being written."""
+    path = archive_path(data_dir, user, pid, name)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    directory = path.parent
+    fsync_dir(directory)
+    for folder in (directory, directory.parent):
+        try:
+            folder.rmdir()  # only when empty: anything else in it stays
+        except OSError:
+            break
+        fsync_dir(folder.parent)
+    return True

@@ -619,6 +619,22 @@ class Store(ABC):
     async def segments(self, pid: str) -> list[SegmentRow]: ...
 
     @abstractmethod
+    async def delete_segment(self, segment_id: str) -> bool:
+        """Inside a transaction: drop a segment row (retention removed its archive, so the row
+        would only lead to a file that is gone); False if there was none."""
+
+    # -- retention (kernel/retention.py) --------------------------------------------------------
+
+    @abstractmethod
+    async def idle_processes(self, before: float) -> list[ProcessRecord]:
+        """Live processes with nothing under way or waiting and nothing done since ``before``,
+        least recently active first: state idle with no run, nothing queued, no pending approval
+        or tool call, no schedule, no watch held or on it, and neither the registry row
+        (``created_at``, ``updated_at``) nor the newest message or logged signal at or after
+        ``before``. Children are listed like any other: whether one goes with its parent is the
+        caller's to judge."""
+
+    @abstractmethod
     async def exclusive(self, key: str) -> None:
         """Inside a transaction: hold ``key`` until it ends, against the transactions of every
         worker sharing the store. A check and the write it allows (a count under a limit, a cycle

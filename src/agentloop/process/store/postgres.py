@@ -337,6 +337,22 @@ def _changed(status: str) -> int:
     return int(status.rsplit(" ", 1)[-1])
 
 
+# ``idle_processes`` (as SQLite's: the newest message and signal read by their keys)
+_IDLE_SINCE = (
+    f"SELECT {PROCESS_COLUMNS} FROM processes p"
+    " WHERE p.state = 'idle' AND p.current_run IS NULL"
+    " AND p.created_at < $1 AND p.updated_at < $1"
+    " AND NOT EXISTS (SELECT 1 FROM message_queue q WHERE q.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM pending_hil h WHERE h.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM pending_tool_calls c WHERE c.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM schedules s WHERE s.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM signal_watches w WHERE w.pid = p.pid OR w.source_pid = p.pid)"
+    " AND COALESCE((SELECT m.created_at FROM messages m WHERE m.pid = p.pid ORDER BY m.id DESC LIMIT 1), 0) < $1"
+    " AND COALESCE((SELECT e.created_at FROM events e WHERE e.pid = p.pid ORDER BY e.seq DESC LIMIT 1), 0) < $1"
+    " ORDER BY p.updated_at, p.pid"
+)
+
+
 class PostgresStore(Store):
     """``PostgresStore("postgresql://user:password@host:5432/db")``. The URL is asyncpg's (libpq's
     query parameters such as ``sslmode`` work); ``url`` shows it with the password masked."""
@@ -1041,6 +1057,14 @@ class PostgresStore(Store):
                 f"SELECT {SEGMENT_COLUMNS} FROM history_segments WHERE pid = $1 ORDER BY created_at, id", pid
             )
         return [SegmentRow(*r) for r in rows]
+
+    async def delete_segment(self, segment_id: str) -> bool:
+        return _changed(await self._write().execute("DELETE FROM history_segments WHERE id = $1", segment_id)) == 1
+
+    async def idle_processes(self, before: float) -> list[ProcessRecord]:
+        async with self._reading() as db:
+            rows = await db.fetch(_IDLE_SINCE, float(before))
+        return [process_record(r) for r in rows]
 
     def hold_runtime(self) -> None:
         pass  # runtimes sharing the database each hold the processes they drive (leases)

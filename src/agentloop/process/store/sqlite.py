@@ -167,6 +167,26 @@ class _Group:
         self.due = False  # the commit came while a member's body held the store: it commits on release
 
 
+# ``idle_processes``: each condition is one of the store's own signs of something under way or
+# waiting; the newest message and signal are read by their keys (``ORDER BY id/seq DESC LIMIT 1``),
+# not by scanning a long history
+_IDLE_SINCE = (
+    f"SELECT {PROCESS_COLUMNS} FROM processes p"
+    " WHERE p.state = 'idle' AND p.current_run IS NULL"
+    " AND p.created_at < :before AND p.updated_at < :before"
+    " AND NOT EXISTS (SELECT 1 FROM message_queue q WHERE q.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM pending_hil h WHERE h.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM pending_tool_calls c WHERE c.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM schedules s WHERE s.pid = p.pid)"
+    " AND NOT EXISTS (SELECT 1 FROM signal_watches w WHERE w.pid = p.pid OR w.source_pid = p.pid)"
+    " AND COALESCE((SELECT m.created_at FROM messages m WHERE m.pid = p.pid ORDER BY m.id DESC LIMIT 1), 0)"
+    " < :before"
+    " AND COALESCE((SELECT e.created_at FROM events e WHERE e.pid = p.pid ORDER BY e.seq DESC LIMIT 1), 0)"
+    " < :before"
+    " ORDER BY p.updated_at, p.pid"
+)
+
+
 class SQLiteStore(Store):
     """``SQLiteStore(path)``; ``":memory:"`` for a throwaway database."""
 
@@ -1040,6 +1060,13 @@ class SQLiteStore(Store):
             (pid,),
         ).fetchall()
         return [SegmentRow(*r) for r in rows]
+
+    async def delete_segment(self, segment_id: str) -> bool:
+        return self._write().execute("DELETE FROM history_segments WHERE id = ?", (segment_id,)).rowcount == 1
+
+    async def idle_processes(self, before: float) -> list[ProcessRecord]:
+        rows = self._read_registry().execute(_IDLE_SINCE, {"before": float(before)}).fetchall()
+        return [process_record(r) for r in rows]
 
     async def exclusive(self, key: str) -> None:
         self._write()  # a transaction holds the database's one write lock: it excludes every other
