@@ -153,6 +153,7 @@ async def test_migration_13_on_a_database_with_accounts_keeps_them_and_binds_dev
     await store.close()
     db = sqlite3.connect(path, isolation_level=None)  # back to version 12
     db.execute("DROP TABLE devices")
+    db.execute("DROP TABLE approval_audit")  # (migration 14's: a version-12 database has neither)
     db.execute("DELETE FROM schema_version WHERE version >= 13")
     db.close()
     store = SQLiteStore(path)

@@ -45,6 +45,7 @@ RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/openapi.json"): {},
     ("GET", "/v1/processes"): {},
     ("GET", "/v1/approvals"): {},
+    ("GET", "/v1/approvals/audit"): {},  # (each account its own audit; ``?account=`` is an admin's)
     ("GET", "/v1/events"): {"params": {"follow": "false"}},
     ("POST", "/v1/processes"): {"json": {"context": "matrix"}},
     ("GET", "/v1/processes/{pid}"): {},
@@ -196,7 +197,10 @@ def expected(route: tuple[str, str], role: str) -> Callable[[int], bool]:
 def test_isolation(clients: dict[str, httpx.Client], route: tuple[str, str], role: str) -> None:
     method, path = route
     alice, caller = clients["owner"], clients[role]
-    pid, request_id = owned_process(alice, asking="{request_id}" in path or path == "/v1/approvals")
+    auditing = route == ("GET", "/v1/approvals/audit")
+    pid, request_id = owned_process(alice, asking="{request_id}" in path or path == "/v1/approvals" or auditing)
+    if auditing:  # a decision of alice's for her audit to hold
+        alice.post(f"/v1/processes/{pid}/hil/{request_id}", json={"decision": "deny"})
     ids = path_ids(alice, path, pid) if "{pid}" in path else {}
     before = alice.get(f"/v1/processes/{pid}").json()
     forgetting = route == ("DELETE", "/v1/devices/{name}")
@@ -225,6 +229,9 @@ def check_lists(route: tuple[str, str], role: str, resp: httpx.Response, pid: st
         assert (pid in [p["pid"] for p in resp.json()["processes"]]) == (role == "owner")
     elif route == ("GET", "/v1/approvals"):  # alice's process asks: in her inbox only
         assert (pid in [r["pid"] for r in resp.json()["requests"]]) == (role == "owner")
+    elif route == ("GET", "/v1/approvals/audit"):  # alice's decision in her audit only
+        assert {e["account"] for e in resp.json()["entries"]} <= {account}
+        assert (pid in [e["pid"] for e in resp.json()["entries"]]) == (role == "owner")
     elif route == ("POST", "/v1/processes"):
         assert resp.json()["owner"] == account
     elif route == ("GET", "/v1/devices"):

@@ -465,6 +465,28 @@ class AgentloopClient:
             data = await self._call("GET", f"/v1/processes/{_segment(pid)}/hil")
         return list(data.get("requests", []))
 
+    async def approval_audit(
+        self,
+        *,
+        account: str | None = None,
+        pid: str | None = None,
+        since: float | None = None,
+        decision: str | None = None,
+        by: str | None = None,
+        before: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """A page of the account's approvals audit, newest first: ``{"entries": [...],
+        "next_before": id or None}``; pass ``next_before`` as ``before`` for the older page. The
+        filters (``pid``, ``since`` in epoch seconds, ``decision``, the answering account ``by``)
+        go as given; ``account``: another account's, for an admin."""
+        given = {"account": account, "pid": pid, "since": since, "decision": decision, "by": by, "before": before}
+        params = {k: str(v) for k, v in given.items() if v is not None}
+        if limit is not None:
+            params["limit"] = str(limit)
+        data = await self._call("GET", "/v1/approvals/audit", params=params)
+        return {"entries": list(data.get("entries", [])), "next_before": data.get("next_before")}
+
     async def hil(
         self,
         pid: str,

@@ -9,23 +9,33 @@ be followed by a reason for the model (``n use staging instead``), which it read
 result: one line, so a piped conversation answers as it always did. The kernel's questions (a
 durable chat's) may also be answered ``e`` (approve with arguments edited as JSON at the prompt)
 and ``account`` (always, for the account: its policy file); the in-memory runner has neither.
+
+``agentloop approvals audit`` lists a server account's approvals audit (``GET /v1/approvals/audit``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
+import re
+import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import typer
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from agentloop.cli.config import expand_home
+from agentloop.cli.options import ServerOpt, TokenOpt
 from agentloop.cli.render import describe_call, one_line
+from agentloop.cli.usage import App
 from agentloop.loop.hooks import DEFAULT_HOOK_TIMEOUT, Block, ToolCallInfo
 from agentloop.process.api import approve_everything
 from agentloop.process.approval import Policy, Rule, decide, default_policy, parse_policy, remember_rule
@@ -413,3 +423,112 @@ class PolicyHook:
             if answer == "abort" and self.on_abort is not None:
                 self.on_abort()
             return Block(denial_text(answer.reason) if isinstance(answer, Denial) else DENIED_BY_USER)
+
+
+# ---------------------------------------------------------------------------------- agentloop approvals
+
+approvals_app = App(
+    name="approvals",
+    help="What was decided about the tool calls your processes asked to make.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+#: ``--since`` as a span back from now: 7d, 12h, 30m, 90s
+_SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_SPAN_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+@approvals_app.callback()
+def _approvals() -> None:
+    """What was decided about the tool calls your processes asked to make."""
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """``--since`` as epoch seconds: a span back from ``now`` (``7d``, ``12h``, ``30m``, ``90s``,
+    ``2w``), or a local date or date and time (``2026-01-31``, ``2026-01-31T09:00``).
+    ``ValueError`` otherwise: a misread filter would list the wrong decisions as if complete."""
+    spec = text.strip()
+    span = _SPAN.fullmatch(spec.lower())
+    if span is not None:
+        return (time.time() if now is None else now) - float(span.group(1)) * _SPAN_SECONDS[span.group(2)]
+    try:
+        return datetime.datetime.fromisoformat(spec).timestamp()
+    except ValueError:
+        raise ValueError(
+            "--since must be a span back from now (7d, 12h, 30m) or a date (2026-01-31, 2026-01-31T09:00);"
+            f" got {text!r}"
+        ) from None
+
+
+def audit_table(entries: Sequence[Mapping[str, Any]]) -> Table:
+    """The audit as ``agentloop approvals audit`` shows it, newest first; the preview is plain text
+    (a command's ``[red]`` is no markup)."""
+    table = Table(title="approvals audit (newest first)", title_justify="left")
+    for column in ("when", "decision", "by", "pid", "tool", "tags"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("arguments (preview)", overflow="fold")
+    for entry in entries:
+        decision = str(entry.get("decision"))
+        if entry.get("remembered"):
+            decision += f" (remember: {entry['remembered']})"
+        if entry.get("edited"):
+            decision += " (edited)"
+        at = entry.get("at")
+        when = datetime.datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M:%S") if isinstance(at, int | float) else "-"
+        table.add_row(
+            Text(when),
+            Text(decision, style="green" if decision.startswith("approve") else "red"),
+            Text(str(entry.get("by") or "-")),
+            Text(str(entry.get("pid"))),
+            Text(str(entry.get("tool_name"))),
+            Text(", ".join(entry.get("tags") or []) or "-"),
+            Text(str(entry.get("args_preview", ""))),
+        )
+    return table
+
+
+@approvals_app.command("audit")
+def audit_command(
+    pid: Annotated[str | None, typer.Option("--pid", help="Only this process's decisions.")] = None,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Only decisions since: a span (7d, 12h, 30m) or a date (2026-01-31).")
+    ] = None,
+    decision: Annotated[
+        str | None,
+        typer.Option("--decision", help="Only this decision: approve, deny, timeout, non-interactive or policy-deny."),
+    ] = None,
+    by: Annotated[str | None, typer.Option("--by", help="Only what this account answered.")] = None,
+    account: Annotated[str | None, typer.Option("--account", help="Admins: another account's audit.")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many entries (up to 500).")] = 50,
+    before: Annotated[str | None, typer.Option("--before", help="Older than this entry id (the next page).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per entry.")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List the approvals audit of your account, newest first: who approved or denied which call,
+    what timed out, and what the policy refused without asking. Kept after a process is gone."""
+    from agentloop.cli.client import call
+    from agentloop.cli.main import CliError, _guarded
+
+    with _guarded():
+        try:
+            start = parse_since(since) if since is not None else None
+        except ValueError as exc:
+            raise CliError(str(exc), 2) from None
+        page = call(
+            server,
+            token,
+            lambda client: client.approval_audit(
+                account=account, pid=pid, since=start, decision=decision, by=by, before=before, limit=limit
+            ),
+        )
+        entries = page["entries"]
+        if json_output:
+            for entry in entries:
+                typer.echo(json.dumps(entry, ensure_ascii=False))
+        else:
+            Console(soft_wrap=False).print(audit_table(entries))
+        if page["next_before"]:
+            sys.stderr.write(f"more: agentloop approvals audit --before {page['next_before']}\n")

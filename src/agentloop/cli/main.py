@@ -23,7 +23,15 @@ from rich.table import Table
 from rich.text import Text
 
 from agentloop.agent import Agent, RunResult
-from agentloop.cli.approvals import ApprovalSetting, PolicyHook, Question, UserAnswer, ask_user, parse_approval
+from agentloop.cli.approvals import (
+    ApprovalSetting,
+    PolicyHook,
+    Question,
+    UserAnswer,
+    approvals_app,
+    ask_user,
+    parse_approval,
+)
 from agentloop.cli.config import (
     LoopFlags,
     Settings,
@@ -83,6 +91,7 @@ app = App(
     pretty_exceptions_enable=False,
 )
 app.add_typer(device_app, name="device")
+app.add_typer(approvals_app, name="approvals")
 
 
 class CliError(Exception):

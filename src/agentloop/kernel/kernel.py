@@ -87,7 +87,7 @@ from agentloop.process.compaction import check_manual, extract_memories
 from agentloop.process.driver import check_outage_retries
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
 from agentloop.process.heartbeat import DEFAULT_HEARTBEAT, HeartbeatSettings
-from agentloop.process.hil import check_approval_timeout
+from agentloop.process.hil import AUDIT_ID, MAX_AUDIT_PAGE, check_approval_timeout
 from agentloop.process.lease import DEFAULT_POLL, DEFAULT_TTL
 from agentloop.process.media import MediaStore
 from agentloop.process.memory import append_daily_memory, owner_home
@@ -117,7 +117,7 @@ from agentloop.process.store import (
     WatchRow,
     open_store,
 )
-from agentloop.process.store.base import QueueKind
+from agentloop.process.store.base import AUDIT_DECISIONS, ApprovalAuditRow, QueueKind
 from agentloop.process.store.common import dumps
 from agentloop.process.tool_scope import (
     TOOLS_KEY,
@@ -1273,6 +1273,28 @@ class Kernel:
         inbox, since a run nobody follows (a schedule's, a watch's, a subagent's) may ask too."""
         return await self.store.account_hils(owner)
 
+    async def approval_audit(
+        self,
+        owner: str,
+        *,
+        limit: int = 100,
+        pid: str | None = None,
+        since: float | None = None,
+        decision: str | None = None,
+        by: str | None = None,
+        before: str | None = None,
+    ) -> list[ApprovalAuditRow]:
+        """``owner``'s approvals audit, newest first: every decision about a call the policy put
+        to a person (answered, timed out, or in a process that could not ask) or refused, kept
+        after the process is killed or reset. Filtered by process ``pid``, decided at or after
+        ``since`` (epoch seconds), ``decision`` (``AUDIT_DECISIONS``), the account that answered
+        (``by``); paged with ``before``, the last id of the page before. ``ValueError`` for a bad
+        filter, or a ``limit`` outside 1..``MAX_AUDIT_PAGE``."""
+        _check_audit_filters(limit, since, decision, before)
+        return await self.store.approval_audit(
+            owner, limit=limit, pid=pid, since=since, decision=decision, answered_by=by, before=before
+        )
+
     async def account_seq(self, owner: str) -> int:
         """The account seq of ``owner``'s newest logged account signal (0: none yet): where an
         account stream opened now starts, to resume from before anything reached it."""
@@ -1582,3 +1604,15 @@ class Kernel:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+
+
+def _check_audit_filters(limit: int, since: float | None, decision: str | None, before: str | None) -> None:
+    """``ValueError`` naming the first bad filter of ``Kernel.approval_audit``."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_AUDIT_PAGE:
+        raise ValueError(f"limit must be a whole number from 1 to {MAX_AUDIT_PAGE}, got {limit!r}")
+    if since is not None and (isinstance(since, bool) or not isinstance(since, int | float) or not 0 <= since < 1e11):
+        raise ValueError(f"since must be a time in epoch seconds, got {since!r}")
+    if decision is not None and decision not in AUDIT_DECISIONS:
+        raise ValueError(f"decision must be one of {', '.join(AUDIT_DECISIONS)}; got {decision!r}")
+    if before is not None and not AUDIT_ID.fullmatch(before):
+        raise ValueError(f"before must be the id of an audit entry (the next_before of a page), got {before!r}")

@@ -35,7 +35,7 @@ from agentloop.messages import (
 )
 from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
-from agentloop.process.hil import NOT_INTERACTIVE, ask, edited_result, edits_key, nested_policy
+from agentloop.process.hil import NOT_INTERACTIVE, ask, audit_refusal, edited_result, edits_key, nested_policy
 from agentloop.process.lease import LeaseLost
 from agentloop.process.signals import Signal
 from agentloop.process.store import CallStatus, ToolCallRow
@@ -133,7 +133,8 @@ async def dispatch(
             verdict = Approval("deny", verdict.tags, NOT_INTERACTIVE)
         if verdict.action == "deny":
             text = "Tool execution denied by policy" + (f": {verdict.reason}" if verdict.reason else "")
-            await settle(engine, tx, row, tool_error_result(call, text), "denied", ("registered",), fresh=fresh)
+            if await settle(engine, tx, row, tool_error_result(call, text), "denied", ("registered",), fresh=fresh):
+                await audit_refusal(engine, live.record.owner, row, verdict)  # (the approvals audit)
             continue
         if verdict.action == "ask":
             await ask(engine, tx, pid, run_id, row, verdict)

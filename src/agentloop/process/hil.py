@@ -28,8 +28,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentloop.messages import TextContent, ToolResultMessage, message_to_dict, tool_error_result
@@ -37,13 +39,15 @@ from agentloop.process import signals as sig
 from agentloop.process.api import Approval, call_of, new_id
 from agentloop.process.approval.checker import OVERRIDES_KEY, run_overrides_key
 from agentloop.process.approval.denial import DENIED_BY_USER, denial_message, denial_text
-from agentloop.process.approval.engine import account_rule, remember_rule
+from agentloop.process.approval.engine import account_rule, args_fingerprint, remember_rule
 from agentloop.process.approval.policy import Rule
 from agentloop.process.approval.tags import call_target
 from agentloop.process.store import HilRow, Store, ToolCallRow
+from agentloop.process.store.base import ApprovalAuditRow, AuditDecision
 from agentloop.process.tx import _Live, _Tx
 from agentloop.tools.base import ALLOW, NestedCheck, NestedVerdict
 from agentloop.tools.builtin import syscall_of
+from agentloop.urls import MASK, redact_secrets, secret_name
 
 if TYPE_CHECKING:
     from agentloop.loop.execute import _Prepared
@@ -61,6 +65,13 @@ log = logging.getLogger("agentloop.process")
 NOT_INTERACTIVE = "requires interactive approval, which is unavailable for this process"
 TIMED_OUT = "Tool execution not approved: nobody answered the approval request within {wait}, so the call was not run"
 TIMED_OUT_ERROR = "approval timed out"
+#: characters of an audit row's argument preview: enough to tell one command from another, too
+#: few to be a copy of what the call carried
+AUDIT_PREVIEW = 160
+#: an audit row's id (``audit_id``), the cursor a page of the audit is asked ``before``
+AUDIT_ID = re.compile(r"[0-9]{16}[0-9a-f]{8}")
+#: audit rows one read returns at most: a page, not an export
+MAX_AUDIT_PAGE = 500
 
 
 async def ask(
@@ -182,16 +193,101 @@ async def answer(
                 await _remember(engine, live, row.run_id, scope, rule)
         else:
             await _deny(engine, tx, live, row, note)
+        kept = scope if decision == "approve" else None  # (``True`` with deny was always ignored)
+        await audit(
+            engine,
+            live.record.owner,
+            row,
+            "approve" if decision == "approve" else "deny",
+            tags=tags,
+            args=args,
+            by=by,
+            remembered=kept,
+            edited=edit is not None,
+        )
         answered = {"requestId": request_id, "decision": decision, "callId": row.tool_call_id, "name": row.tool_name}
         await tx.signal(
             sig.CHANGED,
             changes=["hil"],
             answered={**answered, **({"by": by} if by is not None else {})},
             **({"edited": True} if edit is not None else {}),
-            **({"remembered": scope} if scope is not None and decision == "approve" else {}),
+            **({"remembered": kept} if kept is not None else {}),
         )
     engine.wake(pid)
     return True
+
+
+def audit_id(at: float) -> str:
+    """A new audit row's id: ``at`` in microseconds (16 digits, so ids sort as times do), then
+    8 random hex digits, since two workers may decide in the same microsecond. Made by the
+    writer, not the database: the schema has no dialect's sequence, and a counter row would make
+    every approval of an account wait on every other."""
+    return f"{round(at * 1_000_000):016d}{secrets.token_hex(4)}"
+
+
+def args_preview(args: Mapping[str, Any]) -> str:
+    """A short look at a call's arguments for the audit, never the arguments: the values of
+    arguments named like credentials masked, what looks like a credential in the others masked
+    (``redact_secrets``: bearer tokens, keys, ``PASSWORD=…``), then cut to ``AUDIT_PREVIEW``
+    characters. Masked before the cut, so a secret cut in half is never half shown."""
+    text = redact_secrets(json.dumps(_masked(dict(args)), ensure_ascii=False, sort_keys=True, default=repr))
+    return text if len(text) <= AUDIT_PREVIEW else text[: AUDIT_PREVIEW - 1] + "…"
+
+
+def _masked(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {k: MASK if secret_name(str(k)) else _masked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_masked(v) for v in value]
+    return value
+
+
+async def audit(
+    engine: ProcessEngine,
+    owner: str,
+    row: HilRow | ToolCallRow,
+    decision: AuditDecision,
+    *,
+    tags: Sequence[str],
+    args: Mapping[str, Any] | None = None,
+    by: str | None = None,
+    remembered: str | None = None,
+    edited: bool = False,
+) -> None:
+    """Inside the transaction that carries a decision out: append it to ``owner``'s approvals
+    audit (``Store.add_approval_audit``), about ``row``'s call with ``args`` (the call's own
+    unless given: an edit's). The digest is the approval fingerprint of the arguments decided
+    on, which tells whether two decisions were about the same call without keeping it."""
+    at = time.time()
+    args = row.args if args is None else args
+    await engine.store.add_approval_audit(
+        ApprovalAuditRow(
+            audit_id(at),
+            owner,
+            row.pid,
+            row.run_id,
+            row.request_id if isinstance(row, HilRow) else None,
+            row.tool_call_id,
+            row.tool_name,
+            row.syscall,
+            args_fingerprint(row.syscall, args),
+            args_preview(args),
+            sorted(tags),
+            decision,
+            remembered,
+            edited,
+            by,
+            at,
+        )
+    )
+
+
+async def audit_refusal(engine: ProcessEngine, owner: str, row: ToolCallRow, verdict: Approval) -> None:
+    """Inside the transaction that denies ``row``'s call without asking anyone: the policy's
+    ``deny``, or an ``ask`` in a process that cannot ask (``verdict.reason`` is then
+    ``NOT_INTERACTIVE``: worth telling apart, since a person would have been asked elsewhere)."""
+    decision: AuditDecision = "non-interactive" if verdict.reason == NOT_INTERACTIVE else "policy-deny"
+    await audit(engine, owner, row, decision, tags=verdict.tags)
 
 
 def remember_scope(remember: object) -> RememberScope | None:
@@ -313,6 +409,7 @@ async def expire_asks(engine: ProcessEngine, live: _Live) -> bool:
             for row in due:
                 if await engine.store.delete_hil(row.request_id):  # (not answered meanwhile)
                     await _deny(engine, tx, live, row, None, text=text, error=TIMED_OUT_ERROR)
+                    await audit(engine, live.record.owner, row, "timeout", tags=row.tags)
                     denied = True
             if denied:
                 await tx.signal(sig.CHANGED, changes=["hil"])
@@ -409,14 +506,23 @@ def nested_policy(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCall
         )
         verdict = await engine.approval(live.record, nested)
         if verdict.action == "deny":
+            await _audit_nested_refusal(engine, live, nested, verdict)
             return NestedVerdict("deny", "denied by policy" + (f": {verdict.reason}" if verdict.reason else ""))
         if verdict.action == "ask" and not live.record.interactive:
+            await _audit_nested_refusal(engine, live, nested, Approval("deny", verdict.tags, NOT_INTERACTIVE))
             return NestedVerdict("deny", f"Tool execution denied: {NOT_INTERACTIVE}")
         if verdict.action == "ask":
             return await ask_nested(engine, live, run_id, nested, verdict)
         return ALLOW
 
     return check
+
+
+async def _audit_nested_refusal(engine: ProcessEngine, live: _Live, row: ToolCallRow, verdict: Approval) -> None:
+    """A nested call refused without asking: its refusal lives in the running program only, so
+    the audit row is written in a transaction of its own."""
+    async with engine._tx(live):
+        await audit_refusal(engine, live.record.owner, row, verdict)
 
 
 async def ask_nested(

@@ -25,8 +25,10 @@ from agentloop.loop.hooks import maybe_await
 from agentloop.models.base import REASONING_LEVELS
 from agentloop.process.approval.denial import MAX_DENIAL_MESSAGE
 from agentloop.process.compaction import MAX_SUMMARY
+from agentloop.process.hil import MAX_AUDIT_PAGE
 from agentloop.process.pressure import MAX_KEEP_RECENT
 from agentloop.process.store import MAX_SEQ, NoSuchProcess
+from agentloop.process.store.base import AUDIT_DECISIONS
 from agentloop.process.tool_scope import MAX_ENTRIES
 from agentloop.server.auth import Principal
 from agentloop.server.context import ServerContext
@@ -298,6 +300,24 @@ class ApprovalsQuery(Query):
     account: str | None = Field(None, min_length=1, max_length=128, description="Admins only: that account's.")
 
 
+class AuditQuery(Query):
+    account: str | None = Field(None, min_length=1, max_length=128, description="Admins only: that account's.")
+    pid: str | None = Field(None, min_length=1, max_length=128, description="Only this process's decisions.")
+    since: float | None = Field(
+        None, ge=0, le=1e11, allow_inf_nan=False, description="Only decisions at or after this time (epoch seconds)."
+    )
+    decision: Literal[AUDIT_DECISIONS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="Only this decision: approve or deny (a person's), timeout (nobody answered in time),"
+        " non-interactive (the process could not ask), policy-deny (refused without asking).",
+    )
+    by: str | None = Field(None, min_length=1, max_length=128, description="Only what this account answered.")
+    before: str | None = Field(
+        None, max_length=64, description="The next_before of the page before: this page is older."
+    )
+    limit: int = Field(100, ge=1, le=MAX_AUDIT_PAGE)
+
+
 class AccountEventsQuery(Query):
     after_seq: int | None = Field(
         None, ge=0, le=MAX_SEQ, description="Send the account's logged signals after this account seq first."
@@ -496,6 +516,30 @@ class AccountApproval(ApprovalRequest):
 
 class AccountApprovalList(Answer):
     requests: list[AccountApproval] = Field(description="Oldest first.")
+
+
+class AuditEntry(Answer):
+    id: str = Field(description="Time-ordered; a page's last one is its next_before.")
+    account: str = Field(description="The account of the process decided about.")
+    pid: str
+    run_id: str
+    request_id: str | None = Field(description="The approval request; null where nobody was asked.")
+    call_id: str
+    tool_name: str
+    syscall: str
+    args_digest: str = Field(description="SHA-256 of the call (syscall and arguments decided on), never the arguments.")
+    args_preview: str = Field(description="The arguments, short, with what looks like a credential masked.")
+    tags: list[str] = Field(description="What made the policy ask or refuse.")
+    decision: Literal[AUDIT_DECISIONS]  # type: ignore[valid-type]
+    remembered: Literal["run", "process", "account"] | None = Field(description="An approval's remember scope.")
+    edited: bool = Field(description="Approved with the answerer's own arguments (the digest is of those).")
+    by: str | None = Field(description="The account that answered; null for decisions nobody made.")
+    at: float
+
+
+class AuditPage(Answer):
+    entries: list[AuditEntry] = Field(description="Newest first.")
+    next_before: str | None = Field(description="Pass as before for the next (older) page; null: no more.")
 
 
 class DecisionOut(Answer):
@@ -922,6 +966,20 @@ async def account_approvals(call: Call) -> dict[str, Any]:
     return {"requests": await call.ctx.processes.account_approvals(call.principal, query.account)}
 
 
+async def approval_audit(call: Call) -> dict[str, Any]:
+    query = call.parsed(AuditQuery, call.query)
+    return await call.ctx.processes.approval_audit(
+        call.principal,
+        account=query.account,
+        limit=query.limit,
+        pid=query.pid,
+        since=query.since,
+        decision=query.decision,
+        by=query.by,
+        before=query.before,
+    )
+
+
 async def account_events(call: Call) -> Response:
     query = call.parsed(AccountEventsQuery, call.query)
     resume = _last_event_id(call.request)
@@ -1339,6 +1397,16 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         account_approvals,
         query=ApprovalsQuery,
         answer=AccountApprovalList,
+        errors=(403,),
+    ),
+    Endpoint(
+        "GET",
+        "/v1/approvals/audit",
+        "Decisions about tool calls of the caller's processes, newest first, kept after a process is killed or"
+        " reset: answers, timeouts, calls a process could not ask about and calls the policy refused.",
+        approval_audit,
+        query=AuditQuery,
+        answer=AuditPage,
         errors=(403,),
     ),
     Endpoint(

@@ -57,7 +57,7 @@ from agentloop.process.store import (
     StoreError,
     WatchRow,
 )
-from agentloop.process.store.base import QueueKind
+from agentloop.process.store.base import ApprovalAuditRow, QueueKind
 from agentloop.process.tool_scope import ToolScopeError, check_scope
 from agentloop.server.auth import Principal
 from agentloop.server.errors import ApiError, safe_message
@@ -141,6 +141,29 @@ def hil_json(row: HilRow) -> dict[str, Any]:
     data = asdict(row)
     return {
         k: data[k] for k in ("request_id", "run_id", "tool_call_id", "tool_name", "syscall", "args", "tags", "reason")
+    }
+
+
+def audit_json(row: ApprovalAuditRow) -> dict[str, Any]:
+    """An approvals audit row as the API shows it: ``by`` for the column the store names
+    ``answered_by`` (``by`` is a word of SQL), ``at`` for ``decided_at``."""
+    return {
+        "id": row.id,
+        "account": row.owner,
+        "pid": row.pid,
+        "run_id": row.run_id,
+        "request_id": row.request_id,
+        "call_id": row.call_id,
+        "tool_name": row.tool_name,
+        "syscall": row.syscall,
+        "args_digest": row.args_digest,
+        "args_preview": row.args_preview,
+        "tags": row.tags,
+        "decision": row.decision,
+        "remembered": row.remembered,
+        "edited": row.edited,
+        "by": row.answered_by,
+        "at": row.decided_at,
     }
 
 
@@ -710,6 +733,35 @@ class ProcessService:
             raise ApiError(403, "forbidden", "only an admin may list another account's approvals")
         _check_plain(owner, "account")
         return [{"pid": r.pid, **hil_json(r)} for r in await self.kernel.approvals(owner)]
+
+    async def approval_audit(
+        self,
+        who: Principal,
+        *,
+        account: str | None = None,
+        limit: int = 100,
+        pid: str | None = None,
+        since: float | None = None,
+        decision: str | None = None,
+        by: str | None = None,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """A page of the approvals audit of the caller's account (``Kernel.approval_audit``),
+        newest first, with ``next_before`` to ask the next page with (null: this is the last). An
+        admin may name another ``account``; anyone else naming one but their own gets a 403."""
+        owner = account or who.account
+        if owner != who.account and not who.admin:
+            raise ApiError(403, "forbidden", "only an admin may read another account's approvals audit")
+        for value, name in ((owner, "account"), (pid, "pid"), (by, "by")):
+            _check_plain(value, name)
+        try:
+            rows = await self.kernel.approval_audit(
+                owner, limit=limit, pid=pid, since=since, decision=decision, by=by, before=before
+            )
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        next_before = rows[-1].id if len(rows) == limit else None
+        return {"entries": [audit_json(r) for r in rows], "next_before": next_before}
 
     async def account_signals(
         self, who: Principal, *, after_seq: int | None = None, follow: bool = True

@@ -12,10 +12,11 @@ gap-free per process and identical across dialects.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, get_args
 
 from agentloop.messages import Message, Usage
 
@@ -158,6 +159,84 @@ class HilRow:
     tags: list[str] = field(default_factory=list)
     reason: str = ""
     created_at: float = 0.0
+
+
+#: what an approvals audit row says was decided: a person's ``approve`` or ``deny``; a request
+#: nobody answered in time (``timeout``), denied; a call the policy would have put to a person in
+#: a process that cannot ask (``non-interactive``), denied; a call the policy refused without
+#: asking (``policy-deny``). A policy's ``auto`` is no decision anyone audits: not recorded.
+AuditDecision: TypeAlias = Literal["approve", "deny", "timeout", "non-interactive", "policy-deny"]
+AUDIT_DECISIONS: tuple[str, ...] = get_args(AuditDecision)
+
+
+@dataclass(slots=True)
+class ApprovalAuditRow:
+    """One decision of the approvals audit, kept by the process's ``owner`` after the process is
+    gone. ``answered_by`` is the account that answered (None for the decisions nobody made, and
+    for a person a library caller did not name); ``request_id`` is None where nobody was asked
+    (``policy-deny``, ``non-interactive``). Never the arguments: ``args_digest`` (the approval
+    fingerprint of the arguments decided on) and ``args_preview`` (short, secrets masked)."""
+
+    id: str
+    owner: str
+    pid: str
+    run_id: str
+    request_id: str | None
+    call_id: str
+    tool_name: str
+    syscall: str
+    args_digest: str
+    args_preview: str
+    tags: list[str]
+    decision: AuditDecision
+    remembered: str | None = None
+    edited: bool = False
+    answered_by: str | None = None
+    decided_at: float = 0.0
+
+
+def audit_row(r: Any) -> ApprovalAuditRow:
+    """An ``approval_audit`` row (``schema.AUDIT_COLUMNS``) as an ``ApprovalAuditRow``."""
+    return ApprovalAuditRow(
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        r[4],
+        r[5],
+        r[6],
+        r[7],
+        r[8],
+        r[9],
+        json.loads(r[10]),
+        r[11],
+        r[12],
+        bool(r[13]),
+        r[14],
+        r[15],
+    )
+
+
+def audit_values(row: ApprovalAuditRow) -> tuple[Any, ...]:
+    """``row``'s column values, in ``schema.AUDIT_COLUMNS``' order (``audit_row`` reads them back)."""
+    return (
+        row.id,
+        row.owner,
+        row.pid,
+        row.run_id,
+        row.request_id,
+        row.call_id,
+        row.tool_name,
+        row.syscall,
+        row.args_digest,
+        row.args_preview,
+        json.dumps(row.tags, separators=(",", ":")),
+        row.decision,
+        row.remembered,
+        int(row.edited),
+        row.answered_by,
+        float(row.decided_at),
+    )
 
 
 @dataclass
@@ -508,6 +587,28 @@ class Store(ABC):
 
     @abstractmethod
     async def delete_hil(self, request_id: str) -> bool: ...
+
+    # -- the approvals audit --------------------------------------------------------------------
+
+    @abstractmethod
+    async def add_approval_audit(self, row: ApprovalAuditRow) -> None:
+        """Inside the transaction that carries the decision out: append ``row`` (never updated)."""
+
+    @abstractmethod
+    async def approval_audit(
+        self,
+        owner: str,
+        *,
+        limit: int,
+        pid: str | None = None,
+        since: float | None = None,
+        decision: str | None = None,
+        answered_by: str | None = None,
+        before: str | None = None,
+    ) -> list[ApprovalAuditRow]:
+        """``owner``'s audit rows, newest first (by id), at most ``limit``: of process ``pid``,
+        decided at or after ``since``, with that ``decision``, answered by that account, and with
+        an id below ``before`` (the last id of the page before), for those given."""
 
     # -- key-value ------------------------------------------------------------------------------
 

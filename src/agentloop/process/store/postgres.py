@@ -53,6 +53,7 @@ from agentloop.process.store.base import (
     MAX_SEQ,
     AccountEventRow,
     AccountRecord,
+    ApprovalAuditRow,
     CallStatus,
     DeviceNews,
     DeviceRecord,
@@ -77,6 +78,8 @@ from agentloop.process.store.base import (
     ToolCallRow,
     UsageTotals,
     WatchRow,
+    audit_row,
+    audit_values,
 )
 from agentloop.process.store.common import (
     ACCOUNT_HILS,
@@ -108,6 +111,7 @@ from agentloop.process.store.common import (
 from agentloop.process.store.pgschema import migrate
 from agentloop.process.store.pgtx import Connection, PgTransaction, Settling, TxState
 from agentloop.process.store.pgurl import redact, scrub
+from agentloop.process.store.schema import AUDIT_COLUMNS, audit_filters, audit_query
 
 log = logging.getLogger("agentloop.store")
 
@@ -872,6 +876,31 @@ class PostgresStore(Store):
     async def delete_hil(self, request_id: str) -> bool:
         status = await self._write().execute("DELETE FROM pending_hil WHERE request_id = $1", request_id)
         return _changed(status) == 1
+
+    # -- the approvals audit --------------------------------------------------------------------
+
+    async def add_approval_audit(self, row: ApprovalAuditRow) -> None:
+        marks = ", ".join(f"${n}" for n in range(1, 17))
+        await self._write().execute(
+            f"INSERT INTO approval_audit ({AUDIT_COLUMNS}) VALUES ({marks})", *audit_values(row)
+        )
+
+    async def approval_audit(
+        self,
+        owner: str,
+        *,
+        limit: int,
+        pid: str | None = None,
+        since: float | None = None,
+        decision: str | None = None,
+        answered_by: str | None = None,
+        before: str | None = None,
+    ) -> list[ApprovalAuditRow]:
+        filters = audit_filters(pid, since, decision, answered_by, before)
+        sql, args = audit_query(lambda n: f"${n}", owner, limit, filters)
+        async with self._reading() as db:
+            rows = await db.fetch(sql, *args)
+        return [audit_row(r) for r in rows]
 
     # -- key-value ------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ database newer than the code is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 MIGRATIONS: list[tuple[int, str]] = [
     (
         1,
@@ -402,9 +404,77 @@ MIGRATIONS: list[tuple[int, str]] = [
         ) {clustered};
         """,
     ),
+    (
+        14,
+        # The approvals audit: one row per decision about a call the policy put to a person (an
+        # answer, a timeout, a process that cannot ask) or refused outright, kept by the owner,
+        # so a kill or a reset (which drop the process's own log) leaves it. Written in the
+        # transaction that carries the decision out. Never the arguments: their digest
+        # (``args_digest``, the approval fingerprint) and a short redacted preview. ``id`` is
+        # time-ordered (``hil.audit_id``): newest first is ``ORDER BY id DESC``, and an id is a
+        # page's cursor.
+        """
+        CREATE TABLE approval_audit (
+            owner TEXT NOT NULL,
+            id TEXT NOT NULL,
+            pid TEXT NOT NULL,
+            run_id TEXT NOT NULL,
+            request_id TEXT,
+            call_id TEXT NOT NULL,
+            tool_name TEXT NOT NULL,
+            syscall TEXT NOT NULL,
+            args_digest TEXT NOT NULL,
+            args_preview TEXT NOT NULL,
+            tags TEXT NOT NULL,
+            decision TEXT NOT NULL,
+            remembered TEXT,
+            edited INTEGER NOT NULL,
+            answered_by TEXT,
+            decided_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (owner, id)
+        ) {clustered};
+        """,
+    ),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
+
+# ``approval_audit``'s columns in ``ApprovalAuditRow``'s order
+AUDIT_COLUMNS = (
+    "id, owner, pid, run_id, request_id, call_id, tool_name, syscall, args_digest, args_preview, tags, decision,"
+    " remembered, edited, answered_by, decided_at"
+)
+
+
+def audit_query(
+    mark: Callable[[int], str], owner: str, limit: int, filters: Sequence[tuple[str, str, object]]
+) -> tuple[str, list[object]]:
+    """``Store.approval_audit``'s SELECT for one dialect, whose ``mark(n)`` is its n-th
+    placeholder (``?`` or ``$n``), and its arguments: ``filters`` are (column, operator, value),
+    the ones given only, so a filter left out costs no clause."""
+    args: list[object] = [owner]
+    where = [f"owner = {mark(1)}"]
+    for column, op, value in filters:
+        args.append(value)
+        where.append(f"{column} {op} {mark(len(args))}")
+    args.append(limit)
+    clauses = " AND ".join(where)
+    sql = f"SELECT {AUDIT_COLUMNS} FROM approval_audit WHERE {clauses} ORDER BY id DESC LIMIT {mark(len(args))}"
+    return sql, args
+
+
+def audit_filters(
+    pid: str | None, since: float | None, decision: str | None, answered_by: str | None, before: str | None
+) -> list[tuple[str, str, object]]:
+    """The (column, operator, value) of each ``approval_audit`` filter given."""
+    given = (
+        ("pid", "=", pid),
+        ("decided_at", ">=", None if since is None else float(since)),
+        ("decision", "=", decision),
+        ("answered_by", "=", answered_by),
+        ("id", "<", before),
+    )
+    return [f for f in given if f[2] is not None]
 
 
 def statements(sql: str, *, clustered: str = "") -> list[str]:

@@ -29,6 +29,7 @@ from agentloop.process.store.base import (
     MAX_SEQ,
     AccountEventRow,
     AccountRecord,
+    ApprovalAuditRow,
     CallStatus,
     DeviceRecord,
     DutyLease,
@@ -50,6 +51,8 @@ from agentloop.process.store.base import (
     Transaction,
     UsageTotals,
     WatchRow,
+    audit_row,
+    audit_values,
 )
 from agentloop.process.store.checkpoint import SAFETY_NET_PAGES, Checkpointer
 from agentloop.process.store.common import (
@@ -80,7 +83,14 @@ from agentloop.process.store.common import (
     usage_totals,
     watch_row,
 )
-from agentloop.process.store.schema import LATEST_VERSION, MIGRATIONS, statements
+from agentloop.process.store.schema import (
+    AUDIT_COLUMNS,
+    LATEST_VERSION,
+    MIGRATIONS,
+    audit_filters,
+    audit_query,
+    statements,
+)
 
 log = logging.getLogger("agentloop.store")
 
@@ -903,6 +913,29 @@ class SQLiteStore(Store):
     async def delete_hil(self, request_id: str) -> bool:
         cur = self._write().execute("DELETE FROM pending_hil WHERE request_id = ?", (request_id,))
         return cur.rowcount == 1
+
+    # -- the approvals audit --------------------------------------------------------------------
+
+    async def add_approval_audit(self, row: ApprovalAuditRow) -> None:
+        self._write().execute(
+            f"INSERT INTO approval_audit ({AUDIT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            audit_values(row),
+        )
+
+    async def approval_audit(
+        self,
+        owner: str,
+        *,
+        limit: int,
+        pid: str | None = None,
+        since: float | None = None,
+        decision: str | None = None,
+        answered_by: str | None = None,
+        before: str | None = None,
+    ) -> list[ApprovalAuditRow]:
+        filters = audit_filters(pid, since, decision, answered_by, before)
+        sql, args = audit_query(lambda n: "?", owner, limit, filters)
+        return [audit_row(r) for r in self.db.execute(sql, args).fetchall()]
 
     # -- key-value ------------------------------------------------------------------------------
 
