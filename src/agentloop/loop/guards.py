@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from agentloop.loop.retries import FINAL_INSTRUCTION as REPEATED_FAILURE_INSTRUCTION
-from agentloop.loop.retries import REPEATED_FAILURE
+from agentloop.loop.retries import REPEATED_CALL, REPEATED_CALL_INSTRUCTION, REPEATED_FAILURE
 from agentloop.messages import Usage
 
 #: the result of a direct call the model made past the ``max_tool_calls`` budget
@@ -22,6 +22,7 @@ STOPPED = "stopped"
 #: the final round's instruction of the guards that are not budgets
 FINAL_INSTRUCTIONS = {
     REPEATED_FAILURE: REPEATED_FAILURE_INSTRUCTION,
+    REPEATED_CALL: REPEATED_CALL_INSTRUCTION,
     STOPPED: (
         "You were asked to stop here. Tools are disabled now: say briefly what you did and what is "
         "left undone, and stop."

@@ -1,5 +1,5 @@
-"""Repeated failures: a model that makes the same failing call again and again is told to change
-course, and then stopped.
+"""Repeated calls: a model that makes the same call again and again, and gets the same answer each
+time, is told to change course, and then stopped.
 
 A failed tool call goes back to the model as an error result, and a capable model corrects its
 arguments or tries another way. A weaker one may repeat the very same call, and with no round
@@ -9,31 +9,52 @@ being fixed does, is not a repeat). The ``MAX_SAME_FAILURES``-th identical failu
 its result; one more trips the ``repeated_failure`` guard, which ends the run like a used-up
 budget: one last round without tools, to tell the person what stood in the way.
 
-Both runners count through ``count_failures``, the durable one keeping the counts with its run.
+A call that succeeds can loop the same way (a "doom loop": the same search, the same listing,
+the same page read again and again), so successful results are counted alike, apart from the
+failures and with a higher bar (``MAX_SAME_RESULTS``: re-reading a file once or twice after a
+while is fair use), tripping the ``repeated_call`` guard. A tool whose same answer is expected
+news (a poll of a job that is "still running") opts out with ``Tool.repeatable``.
+
+Both runners count through ``count_repeats``, the durable one keeping the counts with its run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from agentloop.messages import TextContent, ToolCall, ToolResultMessage
+from agentloop.tools.base import Tool
 
 REPEATED_FAILURE = "repeated_failure"
+REPEATED_CALL = "repeated_call"
 MAX_SAME_FAILURES = 3
-#: the distinct failures a run keeps counting, the latest: the durable run rewrites its record
-#: (the counts with it) at every step, so a long run failing in ever new ways must not make
-#: every step cost more. A repeat is a recent failure coming back, which this keeps.
+MAX_SAME_RESULTS = 4
+#: the distinct results a run keeps counting (failures and successes each), the latest: the durable
+#: run rewrites its record (the counts with it) at every step, so a long run failing or working in
+#: ever new ways must not make every step cost more. A repeat is a recent result coming back, which
+#: this keeps.
 MAX_KEPT = 64
 FINAL_INSTRUCTION = (
     "The same tool call kept failing the same way, so tools are disabled now: tell the user what you "
     "tried, what failed and what would unblock it."
 )
+REPEATED_CALL_INSTRUCTION = (
+    "The same tool call kept returning the same result, so tools are disabled now: answer the user "
+    "from what you have, and say briefly what is left undone."
+)
 
 
-def _note(count: int) -> str:
+def repeated(failing: bool, repeating: bool) -> str | None:
+    """The repeat guard a run tripped, if any (a failure's first: it says more of what went wrong)."""
+    return REPEATED_FAILURE if failing else REPEATED_CALL if repeating else None
+
+
+def _failure_note(count: int) -> str:
     return (
         f"\n\n[This exact call has now failed {count} times with the same error. Do not repeat it: change "
         "the arguments, try another way, or tell the user what is in the way. If it fails the same way "
@@ -41,9 +62,56 @@ def _note(count: int) -> str:
     )
 
 
-def _key(call: ToolCall, result: ToolResultMessage) -> str:
-    arguments = json.dumps(call.arguments, sort_keys=True, default=str, ensure_ascii=False)
-    return hashlib.sha256(f"{call.name}\0{arguments}\0{result.text}".encode()).hexdigest()[:16]
+def _result_note(count: int) -> str:
+    return (
+        f"\n\n[You have now had this exact result {count} times for this exact call; it will not change. "
+        "Use it, change the arguments, or answer the user. If you make the same call again, tools are "
+        "disabled for the rest of this run.]"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Repeats:
+    """One kind of repeat: how many identical results it lets by, and what the last of those
+    tells the model."""
+
+    limit: int
+    note: Callable[[int], str]
+
+
+_FAILURES = _Repeats(MAX_SAME_FAILURES, _failure_note)
+_RESULTS = _Repeats(MAX_SAME_RESULTS, _result_note)
+
+
+#: the arguments as canonical JSON, the same for the same arguments in any order; built once: a
+#: ``json.dumps`` with options makes an encoder at each call
+_canonical = json.JSONEncoder(sort_keys=True, default=str, ensure_ascii=False).encode
+#: argument values a ``repr`` writes the same way in every process, as JSON would tell them apart
+_FLAT = frozenset({str, int, float, bool, type(None)})
+#: a key this long or shorter is kept as it is; a longer one as its digest (the durable run keeps
+#: its keys in its record, rewritten at every step)
+_SHORT_KEY = 96
+
+
+def _arguments(arguments: Mapping[str, object]) -> str:
+    """``arguments`` in one canonical form: the ``repr`` of its sorted items when every value is
+    flat (nearly every call: a quarter of canonical JSON's cost, and every successful call of a
+    run is counted), else canonical JSON."""
+    for value in arguments.values():
+        if type(value) not in _FLAT:
+            return _canonical(arguments)
+    return repr(sorted(arguments.items())) if len(arguments) > 1 else repr(arguments)
+
+
+def _key(call: ToolCall, text: str, result: ToolResultMessage) -> str:
+    """What a result was, for ``call``: its tool, canonical arguments and ``text``, and its media
+    (a screenshot tool's text may never change; a text-only result, nearly every one, pays
+    nothing for them). Short, it is the key itself (no digest to compute); long, its digest."""
+    whole = f"{call.name}\0{_arguments(call.arguments)}\0{text}"
+    for block in result.content:
+        if not isinstance(block, TextContent):
+            whole += f"\0{block.data}"
+    return whole if len(whole) <= _SHORT_KEY else hashlib.sha256(whole.encode()).hexdigest()[:16]
 
 
 def count_failures(
@@ -57,22 +125,60 @@ def count_failures(
     the ones that reach ``MAX_SAME_FAILURES`` with a note for the model, and whether a failure
     went past it (the ``repeated_failure`` guard trips). Results whose text is in ``not_counted``
     (a call skipped, cancelled or never run: not the model's doing) are not failures."""
+    out, failing, _ = _count(counts, None, calls, results, not_counted, {})
+    return out, failing
+
+
+def count_repeats(
+    failures: dict[str, int],
+    repeats: dict[str, int],
+    calls: Sequence[ToolCall],
+    results: Sequence[ToolResultMessage],
+    *,
+    not_counted: frozenset[str] = frozenset(),
+    tools: Mapping[str, Tool],
+) -> tuple[list[ToolResultMessage], bool, bool]:
+    """``count_failures``, and the successful results alike into ``repeats``: the ones that reach
+    ``MAX_SAME_RESULTS`` get a note, one past it trips ``repeated_call``. Returns the results and
+    whether each guard tripped (``repeated_failure``, ``repeated_call``). A result of a tool in
+    ``tools`` that is ``repeatable`` (a poll) is no repeat (its failures still are). One pass for
+    both kinds: every call of a run goes through here."""
+    return _count(failures, repeats, calls, results, not_counted, tools)
+
+
+def _count(
+    failures: dict[str, int],
+    repeats: dict[str, int] | None,
+    calls: Sequence[ToolCall],
+    results: Sequence[ToolResultMessage],
+    not_counted: frozenset[str],
+    tools: Mapping[str, Tool],
+) -> tuple[list[ToolResultMessage], bool, bool]:
+    """Count ``results`` into ``failures`` or (not None) ``repeats``, as they failed or not."""
     by_id = {c.id: c for c in calls}
     out: list[ToolResultMessage] = []
-    tripped = False
-    touched: set[str] = set()
+    failing = repeating = False
     for result in results:
+        counts, kind = (failures, _FAILURES) if result.is_error else (repeats, _RESULTS)
         call = by_id.get(result.tool_call_id)
-        if not result.is_error or call is None or result.text in not_counted:
+        if counts is None or call is None:
             out.append(result)
             continue
-        key = _key(call, result)
+        text = result.text
+        if text in not_counted or (not result.is_error and (tool := tools.get(call.name)) and tool.repeatable):
+            out.append(result)
+            continue
+        key = _key(call, text, result)
         count = counts[key] = counts.pop(key, 0) + 1  # (moved to the end: the latest last)
-        touched.add(key)
-        if count == MAX_SAME_FAILURES:
-            result = dataclasses.replace(result, content=[*result.content, TextContent(text=_note(count))])
-        tripped = tripped or count > MAX_SAME_FAILURES
+        if count == kind.limit:
+            result = dataclasses.replace(result, content=[*result.content, TextContent(text=kind.note(count))])
+        elif count > kind.limit and result.is_error:
+            failing = True
+        elif count > kind.limit:
+            repeating = True
         out.append(result)
-    for key in [k for k in counts if k not in touched][: max(0, len(counts) - MAX_KEPT)]:
-        del counts[key]  # the failures not seen for the longest
-    return out, tripped
+    for counts in (failures, repeats):
+        if counts is not None and len(counts) > MAX_KEPT:  # (a run with few distinct results never looks)
+            for key in list(itertools.islice(counts, len(counts) - MAX_KEPT)):
+                del counts[key]  # the results not seen for the longest
+    return out, failing, repeating

@@ -18,7 +18,7 @@ from agentloop.loop.execute import CANCELLED, NOT_COUNTED, run_tool_calls
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
 from agentloop.loop.model_call import call_model, with_bundles
-from agentloop.loop.retries import REPEATED_FAILURE, count_failures
+from agentloop.loop.retries import count_repeats, repeated
 from agentloop.loop.state import (
     CallModel,
     Finish,
@@ -103,8 +103,11 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 state.phase = "tools"
                 results = await run_tool_calls(cfg, state, decision.message, calls, emit, budget)
                 state.phase = "idle"
-                results, failing = count_failures(state.failures, calls, results, not_counted=NOT_COUNTED)
+                results, failing, repeating = count_repeats(
+                    state.failures, state.repeats, calls, results, not_counted=NOT_COUNTED, tools=cfg.tools
+                )
                 state.failing = state.failing or failing
+                state.repeating = state.repeating or repeating
                 for r in results:
                     _inject(state, r, emit)
                 state.results = {}
@@ -124,7 +127,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 _take(state, follow_up, cfg.follow_up_mode, emit)
             tools_enabled = decision.tools_enabled and state.mode == "agent" and bool(cfg.tools)
             if tools_enabled:
-                tripped: str | None = REPEATED_FAILURE if state.failing else STOPPED if state.stopping else None
+                tripped = repeated(state.failing, state.repeating) or (STOPPED if state.stopping else None)
                 if tripped is None and guards_active:
                     elapsed = time.monotonic() - state.started
                     tripped = cfg.guards.tripped(state.rounds, state.tool_calls, elapsed, state.usage)

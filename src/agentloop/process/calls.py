@@ -21,7 +21,7 @@ from agentloop.loop.execute import NOT_COUNTED as NOT_THE_MODELS_FAILURES
 from agentloop.loop.execute import _ask_hooks, _check, _execute, _Prepared, malformed
 from agentloop.loop.guards import CALLS_USED_UP
 from agentloop.loop.hooks import TurnInfo
-from agentloop.loop.retries import count_failures
+from agentloop.loop.retries import count_repeats
 from agentloop.loop.state import LoopConfig, RunState
 from agentloop.messages import (
     AssistantMessage,
@@ -407,11 +407,18 @@ async def record(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCallR
 
 async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any], rows: list[ToolCallRow]) -> None:
     """Every call of the batch is terminal: its results enter the history, in the model's order,
-    its failures counted with the run (``loop/retries.py``, as the in-memory runner counts them)."""
+    its failures and repeated results counted with the run (``loop/retries.py``, as the in-memory
+    runner counts them)."""
     stored = [message_from_dict(r.result) for r in rows if r.result is not None]
     failures = dict(run.get("failures") or {})
+    repeats = dict(run.get("repeats") or {})
     results = [m for m in stored if isinstance(m, ToolResultMessage)]
-    noted, failing = count_failures(failures, [call_of(r) for r in rows], results, not_counted=NOT_COUNTED)
+    # the run's own tools (hooks' included), as its calls ran with: which of them are polls
+    cfg = live.config[1] if live.config is not None and live.config[0] == run["run_id"] else engine.config
+    calls = [call_of(r) for r in rows]
+    noted, failing, repeating = count_repeats(
+        failures, repeats, calls, results, not_counted=NOT_COUNTED, tools=cfg.tools
+    )
     await tx.append(run["run_id"], [*noted])
     await end_batch(engine, tx, live, run["run_id"])
     after = {**run, "generation": run["generation"] + 1, "turn": run["turn"] + 1}
@@ -420,6 +427,10 @@ async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any
         after["failures"] = failures
     if failing:
         after["failing"] = True
+    if repeats:
+        after["repeats"] = repeats
+    if repeating:
+        after["repeating"] = True
     await tx.set_run(after)
     await tx.signal(sig.CHANGED, changes=["messages"])
 

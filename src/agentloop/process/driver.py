@@ -19,7 +19,7 @@ from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import Block, ToolMap
 from agentloop.loop.model_call import call_model, tools_added, with_bundles
 from agentloop.loop.output import NUDGE_KIND, OUTPUT_MISSING, OUTPUT_TOOL, SchemaOutput, SchemaOutputTool
-from agentloop.loop.retries import REPEATED_FAILURE
+from agentloop.loop.retries import REPEATED_CALL, REPEATED_FAILURE, repeated
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
 from agentloop.messages import (
     AssistantMessage,
@@ -87,7 +87,16 @@ log = logging.getLogger("agentloop.process")
 
 RUN_FAILED = "Tool call not completed: the run ended with an internal error."
 GUARD_NAMES = frozenset(
-    {"max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost", REPEATED_FAILURE, STOPPED}
+    {
+        "max_rounds",
+        "max_tool_calls",
+        "max_wall_clock",
+        "max_tokens",
+        "max_cost",
+        REPEATED_FAILURE,
+        REPEATED_CALL,
+        STOPPED,
+    }
 )
 
 
@@ -303,7 +312,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     guard = run.get("guard")
     tools_enabled = tools_enabled and bool(cfg.tools)
     tripped = (
-        (REPEATED_FAILURE if run.get("failing") else STOPPED if run.get("stopping") else None)
+        (repeated(bool(run.get("failing")), bool(run.get("repeating"))) or (STOPPED if run.get("stopping") else None))
         if tools_enabled
         else None
     )

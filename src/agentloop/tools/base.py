@@ -263,7 +263,10 @@ class Tool:
     ``timeout`` (seconds) overrides the agent's default; ``sequential`` makes the call a barrier
     (it runs alone, after the calls before it); ``idempotent`` allows a durable runner to re-run
     it after a crash; ``max_result_chars`` is how much text of a result the model gets (the rest
-    is cut, see ``ToolResult.capped``; None for no limit).
+    is cut, see ``ToolResult.capped``; None for no limit). ``repeatable`` says the same call may
+    rightly get the same result again and again (a poll: "still running"), so the run does not
+    count it as the model going round in circles (the ``repeated_call`` guard, ``loop/retries.py``;
+    its failures still count).
     """
 
     def __init__(
@@ -275,6 +278,7 @@ class Tool:
         timeout: float | None = None,
         sequential: bool = False,
         idempotent: bool = False,
+        repeatable: bool = False,
         max_result_chars: int | None = MAX_RESULT_CHARS,
     ) -> None:
         if max_result_chars is not None and max_result_chars < 1:
@@ -287,6 +291,7 @@ class Tool:
         self.timeout = timeout
         self.sequential = sequential
         self.idempotent = idempotent
+        self.repeatable = repeatable
         self.max_result_chars = max_result_chars  # None: results reach the model whole
         self.spec = ToolSpec(name=name, description=description, parameters=parameters)
         self.syscall: str | None = None  # what approval policies match; None: derived from the name
@@ -539,6 +544,7 @@ def tool(
     timeout: float | None = None,
     sequential: bool = False,
     idempotent: bool = False,
+    repeatable: bool = False,
     thread: bool | None = None,
     max_result_chars: int | None = MAX_RESULT_CHARS,
 ) -> Callable[[Callable[..., Any]], FunctionTool]: ...
@@ -553,6 +559,7 @@ def tool(
     timeout: float | None = None,
     sequential: bool = False,
     idempotent: bool = False,
+    repeatable: bool = False,
     thread: bool | None = None,
     max_result_chars: int | None = MAX_RESULT_CHARS,
 ) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
@@ -577,6 +584,7 @@ def tool(
             timeout=timeout,
             sequential=sequential,
             idempotent=idempotent,
+            repeatable=repeatable,
             max_result_chars=max_result_chars,
         )
 

@@ -408,6 +408,9 @@ def jobs_tool() -> FunctionTool:
             "unless newline=false; eof=true then closes stdin); 'stop' kills it and every process it "
             "started. Its end still comes to you as a system message, once."
         ),
+        # a poll: asking again how a command does while it runs (the same output so far, the same
+        # list) is what the tool is for, not a model going round in circles (``loop/retries.py``)
+        repeatable=True,
     )
     tool.syscall = SYSCALL
     return tool
