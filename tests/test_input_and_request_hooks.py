@@ -390,3 +390,48 @@ def test_the_chat_shows_a_refused_message_and_goes_on_after_a_handled_one(tmp_pa
     assert "you said HELLO" in out.getvalue()
     assert [m.text for m in messages] == ["HELLO", "you said HELLO"]
     assert code == 0
+
+
+async def test_a_processs_first_input_passes_the_hooks_too(tmp_path: Path) -> None:
+    """``spawn(text=...)`` (what ``POST /v1/processes`` with input does) is no way around them."""
+    seen: list[InputInfo] = []
+    hooks = Hooks()
+
+    @hooks.on_input
+    def mask(info: InputInfo) -> Rewrite | Handled | None:
+        seen.append(info)
+        if info.text == "/ticket":
+            return Handled("filed")
+        if info.text == "boom":
+            raise RuntimeError("moderation is down")
+        return Rewrite(info.text.replace("sk-live-123", "sk-***"))
+
+    model = ScriptedModel(lambda request: "noted")
+    async with kernel(tmp_path, model, hooks=hooks) as k:
+        proc = await k.spawn(owner="alice", text="use sk-live-123 please", run_id="s1", pid="p-one")
+        await proc.wait_idle()
+        again = await k.spawn(owner="alice", text="use sk-live-123 please", run_id="s1", pid="p-one")
+        stored = [m.text for m in await proc.messages()]
+        taken = await k.spawn(owner="alice", text="/ticket")
+        taken_messages = await taken.messages()
+        with pytest.raises(InputRejected, match="moderation is down"):
+            await k.spawn(owner="alice", text="boom", pid="p-boom")
+        refused = await k.store.get_process("p-boom")
+    assert stored == ["use sk-*** please", "noted"]
+    assert [(i.source, i.mode, i.run_id) for i in seen[:1]] == [("process.spawn", "prompt", "s1")]
+    assert again.started == proc.started and len([i for i in seen if i.run_id == "s1"]) == 1  # (a retry: not again)
+    assert taken.started is not None and taken.started.handled and taken_messages == []
+    assert refused is None  # nothing created
+
+
+async def test_the_spawn_route_says_a_first_input_was_handled(tmp_path: Path) -> None:
+    from tests.server_support import live_server, refused
+
+    with live_server(tmp_path, kernel_options={"hooks": _hooked_server_hooks()}) as server:
+        async with server.client(server.tokens.alice) as alice:
+            taken = await alice.post("/v1/processes", json={"text": "/ticket printer"})
+            failed = await alice.post("/v1/processes", json={"text": "boom"})
+            listed = (await alice.get("/v1/processes")).json()
+    assert taken.status_code == 201 and taken.json()["handled"] is True, taken.text
+    refused(failed, 422, "input_rejected")
+    assert [p["pid"] for p in listed["processes"]] == [taken.json()["pid"]]

@@ -53,7 +53,7 @@ from agentloop.kernel.subagent_asks import SubagentAsks, descendants_asks
 from agentloop.kernel.tasks import Retirer, task_toolset
 from agentloop.kernel.titles import Titles, Titling, check_titling
 from agentloop.kernel.watches import WATCH_RUN_PREFIX, WatchRouter
-from agentloop.loop.hooks import maybe_await
+from agentloop.loop.hooks import Handled, maybe_await
 from agentloop.loop.output import DEFAULT_RETRIES, output_in, output_schema_of
 from agentloop.loop.state import Mode, check_mode
 from agentloop.messages import (
@@ -1116,6 +1116,11 @@ class Kernel:
             if seen is not None:
                 return Process(self, pid, seen)
         text, blocks = await to_text(text, media, self.transcriber, self.media.max_bytes)  # (as ``send``)
+        if self.engine.config.hooks.inputs:
+            hooked = await self._hooked_spawn(record, kv, admit, text, blocks, pid, run_id)
+            if isinstance(hooked, Process):
+                return hooked
+            text, blocks = hooked
         # whether this call makes the media folder (one already there holds files of someone else too)
         fresh = bool(blocks) and not self.media.process_dir(owner, record.pid).exists()
         try:
@@ -1134,6 +1139,34 @@ class Kernel:
                 self.media.delete_process(owner, record.pid)
             raise
         return Process(self, record.pid, started)
+
+    async def _hooked_spawn(
+        self,
+        record: ProcessRecord,
+        kv: Mapping[str, Any] | None,
+        admit: Admit | None,
+        text: str,
+        blocks: list[ImageContent | FileContent],
+        pid: str | None,
+        run_id: str | None,
+    ) -> Process | tuple[str, list[ImageContent | FileContent]]:
+        """A spawn's first input as the input hooks admit it (as ``send``'s: a process started with
+        a message must not be a way around them), before anything is stored: its text and media,
+        or the process to answer at once: the one a retried spawn made already (its hooks ran
+        then), or, when a hook handled the input, the new process without it (a ``handled``
+        receipt). A hook's failure (``InputRejected``) creates nothing."""
+        if pid is not None and run_id is not None:
+            seen = await self._retried_spawn(pid, record.owner, run_id)
+            if seen is not None:
+                return Process(self, pid, seen)
+        message = UserMessage(content=[TextContent(text=text), *blocks])
+        hooks = self.engine.config.hooks
+        out = await hooks.admit(message, mode="prompt", source="process.spawn", run_id=run_id, conversation=record.pid)
+        if isinstance(out, Handled):
+            await self.engine.create(record, kv, admit=admit)
+            return Process(self, record.pid, Receipt(run_id or "", False, 0, handled=True))
+        media = [b for b in out.content if isinstance(b, ImageContent | FileContent)]
+        return out.text, media
 
     async def _retried_spawn(self, pid: str, owner: str, run_id: str | None) -> Receipt | None:
         """The receipt of the spawn ``run_id`` made of ``owner``'s process ``pid`` already, if one

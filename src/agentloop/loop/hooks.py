@@ -206,7 +206,8 @@ InputMode: TypeAlias = Literal["prompt", "steer", "queue", "interrupt", "reject"
 class InputInfo:
     """What an input hook sees: user input that has arrived and is not admitted yet. ``source``
     names the door it came in by (``agent.run``, ``agent.stream``, ``conversation.send``,
-    ``conversation.stream``, ``process.send``), ``origin`` who wrote it when a chat bridge said so.
+    ``conversation.stream``, ``process.send``, ``process.spawn``: a process's first input, mode
+    ``prompt``), ``origin`` who wrote it when a chat bridge said so.
     ``run_id`` is the run id a durable send's caller supplied (None: none): a hook with side
     effects keys them by it, since a retried send it ``Handled`` reaches it again."""
 

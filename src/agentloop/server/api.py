@@ -402,6 +402,9 @@ class ProcessOut(Answer):
     run_id: str | None
     created_at: float
     updated_at: float
+    handled: bool = Field(
+        False, description="Spawn only: an input hook took the first input; the process was made without it."
+    )
     usage: UsageOut = Field(description="The process's finished runs; a reset keeps it.")
     context_pressure: ContextOut | None = Field(
         None, description="How full the context window is: with one process (GET, spawn), not in a list."

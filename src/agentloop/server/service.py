@@ -125,6 +125,10 @@ def _output_schema(schema: Any) -> dict[str, Any] | None:
         raise ApiError(400, "invalid_request", "output_schema nests too deeply to be checked") from None
 
 
+def _input_rejected(exc: InputRejected) -> ApiError:
+    return ApiError(422, "input_rejected", safe_message(str(exc), "an input hook refused the input"))
+
+
 def receipt_json(receipt: Receipt) -> dict[str, Any]:
     """The receipt on the wire; ``handled`` only when an input hook took the input (no run to follow)."""
     out: dict[str, Any] = {"run_id": receipt.run_id, "queued": receipt.queued, "position": receipt.position}
@@ -465,9 +469,13 @@ class ProcessService:
             raise ApiError(400, "invalid_request", f"media: {exc}") from None
         except TranscriptionFailed as exc:
             raise _transcription_failed(exc) from None
+        except InputRejected as exc:  # an input hook failed: no process was made
+            raise _input_rejected(exc) from None
         answer = await self._one(await proc.info())
         if proc.started is not None:  # (the run may have ended already: its id all the same)
             answer["run_id"] = proc.started.run_id
+            if proc.started.handled:  # an input hook took the first input: the process has none
+                answer["handled"] = True
         return answer
 
     def _process_quota(self, who: Principal) -> Admit | None:
@@ -563,7 +571,7 @@ class ProcessService:
         except TranscriptionFailed as exc:
             raise _transcription_failed(exc) from None
         except InputRejected as exc:  # an input hook failed: nothing was written, the caller keeps the input
-            raise ApiError(422, "input_rejected", safe_message(str(exc), "an input hook refused the input")) from None
+            raise _input_rejected(exc) from None
         return receipt_json(receipt)
 
     def _check_audio(self, blocks: list[InputMedia]) -> None:
