@@ -22,6 +22,7 @@ DEFAULT_MODEL = "local:qwen2.5-coder-1.5b"
 
 _PROVIDERS: dict[str, str | ModelFactory] = {
     "openai": "agentloop.models.openai_chat:OpenAIChatModel",
+    "openai-responses": "agentloop.models.openai_responses:OpenAIResponsesModel",
     "anthropic": "agentloop.models.anthropic:AnthropicModel",
     "gemini": "agentloop.models.gemini:GeminiModel",
     "local": "agentloop.models.local:LocalModel",
@@ -33,6 +34,7 @@ _PROVIDERS: dict[str, str | ModelFactory] = {
 # them usable (a key, or a base URL for a compatible server that may need none)
 HOSTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "openai": (None, ("OPENAI_API_KEY", "OPENAI_BASE_URL")),
+    "openai-responses": (None, ("OPENAI_API_KEY", "OPENAI_BASE_URL")),
     "anthropic": ("anthropic", ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")),
     "gemini": (None, ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GEMINI_BASE_URL")),
 }
