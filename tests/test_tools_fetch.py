@@ -518,7 +518,15 @@ class Directory:
     def online(self, owner: str) -> list[DeviceInfo]:
         return [DeviceInfo("laptop", "alice", ("net.fetch",))] if owner == "alice" else []
 
-    async def call(self, owner: str, device_id: str, call: str, args: dict[str, Any], timeout: float | None) -> Any:  # noqa: ASYNC109
+    async def call(
+        self,
+        owner: str,
+        device_id: str,
+        call: str,
+        args: dict[str, Any],
+        timeout: float | None,  # noqa: ASYNC109
+        **options: Any,  # (the hub's waiting: idempotent, progress)
+    ) -> Any:
         self.calls.append((call, args, timeout))
         return ToolResult.text("from the laptop")
 

@@ -107,6 +107,7 @@ class ServeOptions:
     transcriber: OpenAITranscriber | None = None  # audio sent to a process is transcribed (None: refused)
     bridges: list[HostedBridge] = field(default_factory=list)  # chat bridges started on the kernel
     device_account_tokens: bool = False  # a driver may connect with an account token (deprecated)
+    device_reconnect_wait: float | None = None  # seconds a call waits for its device to come back (None: 30)
     out: TextIO = field(default_factory=lambda: sys.stdout)  # the URL and the first token go here
 
 
@@ -199,6 +200,8 @@ async def _serve(
         # devices connect over the WebSocket, each with its device token (an account token only with
         # --device-account-tokens); the kernel routes their owners' calls
         hub = DeviceHub(account_tokens=opts.device_account_tokens)
+        if opts.device_reconnect_wait is not None:
+            hub.reconnect_wait = opts.device_reconnect_wait
         # what Agent takes (its stateless asks run their tool calls as the processes' do), and the kernel
         loop = loop_options(settings, progress)
         options = {**loop, **kernel_extras(settings)}
@@ -597,6 +600,15 @@ def serve(
             "only with its own device token, from 'agentloop device token NAME').",
         ),
     ] = False,
+    device_reconnect_wait: Annotated[
+        float | None,
+        typer.Option(
+            "--device-reconnect-wait",
+            min=0,
+            help="Seconds a tool call to a device that is offline (or dropped an idempotent call) waits for it to "
+            "connect again before it fails (default 30; 0: no wait).",
+        ),
+    ] = None,
     transcribe_model: TranscribeModelOpt = None,
     transcribe_url: TranscribeUrlOpt = None,
     transcribe_key_env: TranscribeKeyEnvOpt = None,
@@ -701,6 +713,7 @@ def serve(
             transcriber=transcriber,
             bridges=bridges,
             device_account_tokens=device_account_tokens,
+            device_reconnect_wait=device_reconnect_wait,
         )
         try:
             if chat:

@@ -200,7 +200,11 @@ class DeviceClient:
     # -- one connection ---------------------------------------------------------------------------
 
     def _connect_args(self) -> dict[str, Any]:
-        tools = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in self.options.tools]
+        # ``idempotent``: a call of it that a disconnect cut may be run again once we are back
+        tools = [
+            {"name": t.name, "description": t.description, "parameters": t.parameters, "idempotent": t.idempotent}
+            for t in self.options.tools
+        ]
         return {
             **self.options.extra_args,
             "role": "driver",

@@ -17,13 +17,18 @@ Devices of other accounts never appear, and naming one as a target is an error r
 is installed even when no device is online (the ``target`` parameter is then simply not shown), so
 a stored call that names a device which has since gone away fails instead of silently running on
 the server.
+
+Devices blip (a laptop's lid, a phone changing networks): a call to one of the owner's devices that
+is offline right now, but may come back (``DeviceDirectory.expects``), waits a while for it
+(the directory's business, reported through the call's ``progress``), and a call of an
+``idempotent`` tool whose device dropped while it ran is run again once the device is back.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,9 +70,16 @@ class DeviceTool:
     name: str
     description: str
     parameters: dict[str, Any]
+    #: the device says running it twice does no harm: a call cut by a disconnect is run again
+    idempotent: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "idempotent": self.idempotent,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +111,11 @@ class DeviceDirectory(Protocol):
         """The devices of ``owner`` connected right now (never another account's)."""
         ...
 
+    async def expects(self, owner: str, device_id: str) -> bool:
+        """Whether ``owner``'s device ``device_id``, offline now, is one that may connect again
+        (worth a call waiting for it), rather than a name that is no device of theirs."""
+        ...
+
     async def call(
         self,
         owner: str,
@@ -106,9 +123,16 @@ class DeviceDirectory(Protocol):
         call: str,
         args: dict[str, Any],
         timeout: float | None,  # noqa: ASYNC109 - the per-call deadline is part of the contract
+        *,
+        idempotent: bool = False,
+        progress: Callable[[Any], None] | None = None,
     ) -> ToolResult:
         """Run ``call`` on ``owner``'s device; failures (offline, timeout, disconnect) are error
-        results, never exceptions. Cancelling the caller cancels the call on the device."""
+        results, never exceptions. Cancelling the caller cancels the call on the device.
+
+        A device that is offline may be waited for a while (told through ``progress``, the call's
+        ``ToolContext.update``); a call the device dropped is run again after it is back only if
+        ``idempotent``: otherwise it might run twice."""
         ...
 
 
@@ -203,17 +227,23 @@ class RoutedTool(Tool):
         target = arguments.get("target", LOCAL)
         if target == LOCAL:
             return await self.base.run(arguments, ctx)
-        # Checked now rather than at validation: the list the run started with may be stale.
-        online = [d.id for d in self.directory.online(self.owner) if self.device_syscall in d.implements]
-        if target not in online:
-            listed = ", ".join(sorted(online)) or "none"
+        # Checked now rather than at validation: the list the run started with may be stale. A
+        # device of the owner's that is offline for now is left to the directory, which waits for it.
+        connected = {d.id: d for d in self.directory.online(self.owner)}
+        device = connected.get(target)
+        if (device is None and not await self.directory.expects(self.owner, target)) or (
+            device is not None and self.device_syscall not in device.implements
+        ):
+            online = sorted(d.id for d in connected.values() if self.device_syscall in d.implements)
+            listed = ", ".join(online) or "none"
             return ToolResult.error(
                 f"Target {target!r} is not one of your online devices that implement {self.device_syscall} "
                 f"(online: {listed}); use target '{LOCAL}' or an online device."
             )
         args = {k: v for k, v in arguments.items() if k != "target"}
+        timeout = _call_timeout(self.device_syscall, args)
         return await self.directory.call(
-            self.owner, target, self.device_syscall, args, _call_timeout(self.device_syscall, args)
+            self.owner, target, self.device_syscall, args, timeout, idempotent=self.idempotent, progress=ctx.update
         )
 
 
@@ -253,7 +283,9 @@ class DeviceExtraTool(Tool):
     pattern can take Python's ``re`` exponential time, and every account would wait)."""
 
     def __init__(self, device: DeviceInfo, spec: DeviceTool, directory: DeviceDirectory) -> None:
-        super().__init__(device_tool_name(device.id, spec.name), spec.description, spec.parameters)
+        super().__init__(
+            device_tool_name(device.id, spec.name), spec.description, spec.parameters, idempotent=spec.idempotent
+        )
         self.device = device.id
         self.owner = device.owner
         self.remote_name = spec.name
@@ -276,7 +308,13 @@ class DeviceExtraTool(Tool):
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         return await self.directory.call(
-            self.owner, self.device, f"tool.{self.remote_name}", dict(arguments), DEFAULT_CALL_TIMEOUT
+            self.owner,
+            self.device,
+            f"tool.{self.remote_name}",
+            dict(arguments),
+            DEFAULT_CALL_TIMEOUT,
+            idempotent=self.idempotent,
+            progress=ctx.update,
         )
 
 

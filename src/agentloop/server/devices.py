@@ -10,6 +10,17 @@ Failures never raise into a run: an offline device, a timeout and a disconnect a
 A timed-out or cancelled call is also cancelled on the device (``request.cancel {id}``), so a shell
 command there does not outlive the call that wanted it.
 
+Devices blip (a laptop's lid, a phone changing networks, the server restarting), so a call to a
+device that is offline when it is made waits up to ``reconnect_wait`` seconds for it to connect
+again, telling the run so (its ``progress``), then runs there: nothing ran yet, so that is always
+safe. A call the device drops while it runs is run again the same way only if the tool is
+idempotent; any other may have done its work, so it is an error result that says so. A wait ends
+at once, with an error, when the device's token is revoked or it is forgotten (nothing would let
+it back in), or when it connects through another worker sharing the store (calls reach a device
+only through the worker holding its connection: this one could not reach it there), and when the
+caller is cancelled (the run aborted). Only a device the registry says may come back is waited
+for: a hub without a store knows no registry, and does not wait.
+
 Names: a device id is unique per account. When a second connection claims a name that is already
 connected, the hub probes the existing connection (a ``sys.ping`` request); if it answers within
 ``probe_timeout`` the newcomer is refused with ``conflict``, otherwise the old connection is taken
@@ -72,6 +83,7 @@ from agentloop.server.strict_json import too_deep
 from agentloop.tools.base import ResultBlock, ToolResult
 
 __all__ = [
+    "DEFAULT_RECONNECT_WAIT",
     "DEVICE_STATUS",
     "DEVICE_TOKEN_PREFIX",
     "MAX_REGISTERED_DEVICES",
@@ -113,6 +125,11 @@ MAX_ACCOUNT_DEVICE_TOOLS = 128
 # connected at once.
 MAX_REGISTERED_DEVICES = 64
 SEND_TIMEOUT = 10.0  # seconds one frame may take to leave; a device that does not read is dropped
+#: seconds a call waits for its device to connect again (a blip: a laptop's lid, a network switch)
+DEFAULT_RECONNECT_WAIT = 30.0
+#: times a call of an idempotent tool is run again after its device dropped it: a device that
+#: drops every time (the call itself brings it down) does not keep the run waiting for ever
+MAX_RERUNS = 3
 
 
 class DriverSocket(Protocol):
@@ -160,6 +177,9 @@ class _Connection:
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     token_id: str = ""  # the principal's: ``device:<id>`` for a device token (``DeviceHub.unbind``)
+    #: its ``sys.connect`` was answered: a call that waited for it is sent only then, for a device
+    #: reads the answer to its connect before any request
+    ready: bool = False
 
     async def send(self, frame: dict[str, Any], deadline: float | None = None) -> None:
         """One frame at a time on the socket. ``_Busy`` when the frames before it hold the socket
@@ -347,6 +367,7 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
         if not isinstance(t, dict):
             raise HubError("invalid_request", f"{where}: must be an object with name, description, parameters")
         tname, desc, params = t.get("name"), t.get("description", ""), t.get("parameters", {"type": "object"})
+        idempotent = t.get("idempotent", False)
         full = f"{name}__{tname}"
         if not isinstance(tname, str) or not _TOOL_NAME.fullmatch(tname) or not _TOOL_NAME.fullmatch(full):
             raise HubError(
@@ -367,7 +388,9 @@ def parse_declaration(args: Any) -> tuple[str, tuple[str, ...], tuple[DeviceTool
         problem = unsafe_schema(params)
         if problem:
             raise HubError("invalid_request", f"{where}.parameters: {problem}")
-        tools.append(DeviceTool(tname, desc, {"type": "object", **params}))
+        if not isinstance(idempotent, bool):
+            raise HubError("invalid_request", f"{where}.idempotent: true or false")
+        tools.append(DeviceTool(tname, desc, {"type": "object", **params}, idempotent))
     description = args.get("description", "")
     if not isinstance(description, str) or len(description) > MAX_DEVICE_DESCRIPTION:
         raise HubError("invalid_request", f"description: a string of at most {MAX_DEVICE_DESCRIPTION} chars")
@@ -389,6 +412,16 @@ def _check_room(info: DeviceInfo, others: list[DeviceInfo]) -> None:
             f"this account's devices already declare {declared} tools; with this device's {len(info.tools)} "
             f"they would pass the limit of {MAX_ACCOUNT_DEVICE_TOOLS} tools in all",
         )
+
+
+def _report(progress: Callable[[Any], None] | None, update: dict[str, Any]) -> None:
+    """Tell the waiting call's run ``update`` (its tool progress); never the call's problem."""
+    if progress is None:
+        return
+    try:
+        progress(update)
+    except Exception:
+        log.debug("a device wait's progress was not told", exc_info=True)
 
 
 def _result_of(device: str, res: dict[str, Any]) -> ToolResult:
@@ -424,9 +457,18 @@ class DeviceHub:
     """The online devices of every account, and calls to them. One per server; one event loop."""
 
     def __init__(
-        self, *, probe_timeout: float = 3.0, account_tokens: bool = False, max_registered: int = MAX_REGISTERED_DEVICES
+        self,
+        *,
+        probe_timeout: float = 3.0,
+        account_tokens: bool = False,
+        max_registered: int = MAX_REGISTERED_DEVICES,
+        reconnect_wait: float = DEFAULT_RECONNECT_WAIT,
     ) -> None:
+        if not reconnect_wait >= 0:  # (NaN too)
+            raise ValueError(f"reconnect_wait must be a number of seconds >= 0, not {reconnect_wait!r}")
         self.probe_timeout = probe_timeout
+        #: seconds a call waits for its offline (or dropped) device to connect again; 0: no wait
+        self.reconnect_wait = reconnect_wait
         #: how many devices one account may have in the registry (``issue_device_token``'s limit)
         self.max_registered = max_registered
         #: whether a driver may connect with an account token (the old way, before device tokens;
@@ -441,6 +483,9 @@ class DeviceHub:
         self._listeners: list[Callable[[str, DeviceInfo], None]] = []
         self._changed = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
+        # the calls waiting for a device to connect again: each future gets why its wait is over
+        # for good (revoked, forgotten, connected elsewhere, shutdown)
+        self._waits: dict[tuple[str, str], set[asyncio.Future[str]]] = {}
 
     # -- presence ---------------------------------------------------------------------------------
 
@@ -476,8 +521,7 @@ class DeviceHub:
     def _notify(self, what: str, info: DeviceInfo) -> dict[str, Any]:
         """A presence change, told here; returns its ``device.status`` payload, for ``_seen`` to
         tell the other workers the very same signal."""
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        self._wake()
         status = {"device": info.id, "status": what, "timestamp": time.time()}
         self._tell_account(info.owner, status)
         for listener in list(self._listeners):
@@ -486,6 +530,11 @@ class DeviceHub:
             except Exception:
                 log.exception("device presence listener failed")
         return status
+
+    def _wake(self) -> None:
+        """Wake whoever waits for a change here (``wait_until``, calls waiting for a device)."""
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
 
     def _tell_account(self, owner: str, status: dict[str, Any]) -> None:
         """``device.status`` to the owner's account watchers here, by the route of every account
@@ -554,6 +603,8 @@ class DeviceHub:
                 await conn.send({"type": "res", "id": connect_id, "ok": True, "data": data})
             except Exception:  # gone before it heard back
                 return
+            conn.ready = True
+            self._wake()  # the calls that waited for it go now
             log.info("device %s of %s connected (%s)", name, who.account, ", ".join(implements) or "no syscalls")
             await self._read(conn)
         finally:
@@ -647,6 +698,8 @@ class DeviceHub:
         reaches a device whose token is gone (the heartbeat's token check alone left it one for up
         to a heartbeat); its in-flight calls fail. A device connected with an account token is left
         alone. True if one closed."""
+        if token_id is None and not self.account_tokens:  # (replaced: it may come back with the new one)
+            self._end_waits(owner, name, f"Device {name} is not connected: its token was revoked")
         conn = self._devices.get((owner, name))
         if conn is None or conn.closed or not conn.token_id.startswith("device:"):
             return False
@@ -665,6 +718,7 @@ class DeviceHub:
         (``forget_device``), so no further call may reach it. Unlike ``unbind`` this closes one
         connected with an account token too, which the heartbeat would never close (the account
         token stays good); it may connect again, and is then registered anew. True if one closed."""
+        self._end_waits(owner, name, f"Device {name} is not connected: it was forgotten")
         conn = self._devices.get((owner, name))
         if conn is None or conn.closed:
             return False
@@ -690,6 +744,8 @@ class DeviceHub:
                 # it, and that worker noticed late): not told here, and told online again there
                 self._spawn(self._still_online(here.info))
                 return
+            if news.detail.get("status") == "online" and (here is None or here.closed):
+                self._end_waits(news.owner, news.name, self._elsewhere(news.name))
             self._tell_account(news.owner, news.detail)
         elif news.event == "revoked":
             replacement, revoked = news.detail.get("token_id"), news.detail.get("revoked")
@@ -719,7 +775,10 @@ class DeviceHub:
     async def close(self) -> None:
         """Server shutdown: close every driver socket (their in-flight calls fail), then wait (up
         to ``SEND_TIMEOUT``) for the work they leave in the background: their leaves written down
-        and told to the other workers, before the server closes the store."""
+        and told to the other workers, before the server closes the store. Calls waiting for a
+        device end too."""
+        for owner, name in list(self._waits):
+            self._end_waits(owner, name, f"Device {name} is not connected: the server is shutting down")
         for conn in list(self._devices.values()):
             self._drop(conn, f"Device {conn.info.id} disconnected (server shutting down)")
             with contextlib.suppress(Exception):
@@ -732,6 +791,11 @@ class DeviceHub:
 
     # -- calls ------------------------------------------------------------------------------------
 
+    async def expects(self, owner: str, device_id: str) -> bool:
+        """Whether ``owner``'s device ``device_id`` is connected or may connect again
+        (``DeviceDirectory``): a call to it would wait for it."""
+        return self._live((owner, device_id)) is not None or await self._hopeless(owner, device_id) is None
+
     async def call(
         self,
         owner: str,
@@ -739,15 +803,138 @@ class DeviceHub:
         call: str,
         args: dict[str, Any],
         timeout: float | None,  # noqa: ASYNC109 - the per-call deadline is part of the contract
+        *,
+        idempotent: bool = False,
+        progress: Callable[[Any], None] | None = None,
     ) -> ToolResult:
         """Run ``call`` on ``owner``'s device ``device_id`` (``DeviceDirectory``).
 
         Offline, not implemented, timed out and disconnected all become error results; on a
-        timeout, or if the caller is cancelled, the device is sent ``request.cancel``.
+        timeout, or if the caller is cancelled, the device is sent ``request.cancel``. A device
+        that is offline, or (``idempotent`` only) drops the call, is waited for (``_reconnected``)
+        and the call sent to it once it is back; ``timeout`` counts from each sending.
         """
-        conn = self._devices.get((owner, device_id))
-        if conn is None or conn.closed:
-            return ToolResult.error(f"Device {device_id} is not connected")
+        conn = self._live((owner, device_id))
+        reruns = 0
+        while True:
+            if conn is None:
+                back = await self._reconnected(owner, device_id, progress, "to reconnect")
+                if isinstance(back, str):
+                    return ToolResult.error(back)
+                conn = back
+            res = await self._call_on(conn, call, args, timeout)
+            if res is not None:
+                return res
+            # dropped while it ran: it may have done its work, or some of it
+            if not idempotent:
+                return ToolResult.error(
+                    f"Device {device_id} disconnected during {call}: it dropped while the call ran, so the call may "
+                    "or may not have completed (its outcome is unknown); it was not run again"
+                )
+            reruns += 1
+            if reruns > MAX_RERUNS:
+                return ToolResult.error(
+                    f"Device {device_id} disconnected during {call} {reruns} times; it was not run again"
+                )
+            what = f"to reconnect, to run {call} again (it dropped while the call ran)"
+            back = await self._reconnected(owner, device_id, progress, what)
+            if isinstance(back, str):
+                return ToolResult.error(f"{back}; it dropped during {call}, whose outcome is unknown")
+            conn = back
+
+    def _live(self, key: tuple[str, str]) -> _Connection | None:
+        """The connection of a device that may be sent calls now."""
+        conn = self._devices.get(key)
+        return conn if conn is not None and conn.ready and not conn.closed else None
+
+    async def _hopeless(self, owner: str, device_id: str) -> str | None:
+        """Why a call should not wait for ``owner``'s device ``device_id`` to connect (again), if
+        it should not: no wait is set, there is no registry to say it is a device at all, the
+        registry does not hold it, or its token was revoked (nothing would let it back in)."""
+        base = f"Device {device_id} is not connected"
+        if self.store is None or self.reconnect_wait <= 0:
+            return base
+        try:
+            record = next((d for d in await self.store.list_devices(owner) if d.name == device_id), None)
+        except Exception:
+            log.warning("device %s of %s: could not read the registry", device_id, owner, exc_info=True)
+            return base
+        if record is None:
+            return f"{base} (it is not one of your registered devices)"
+        if record.token_id is None and not self.account_tokens:
+            return f"{base}: its token was revoked"
+        return None
+
+    async def _reconnected(
+        self, owner: str, device_id: str, progress: Callable[[Any], None] | None, what: str
+    ) -> _Connection | str:
+        """``owner``'s device ``device_id`` once it is connected again, within ``reconnect_wait``
+        seconds; else why not (an error message). Told to the run through ``progress``."""
+        key = (owner, device_id)
+        ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waits.setdefault(key, set()).add(ended)  # first: a revoke while the registry is read ends it too
+        try:
+            why = await self._hopeless(owner, device_id)
+            if why is not None:
+                return why
+            _report(
+                progress,
+                {
+                    "device": device_id,
+                    "wait": self.reconnect_wait,
+                    "text": (f"waiting for device {device_id} {what} (up to {self.reconnect_wait:g} s)"),
+                },
+            )
+            return await self._until_back(key, ended)
+        finally:
+            waits = self._waits.get(key)
+            if waits is not None:
+                waits.discard(ended)
+                if not waits:
+                    del self._waits[key]
+
+    async def _until_back(self, key: tuple[str, str], ended: asyncio.Future[str]) -> _Connection | str:
+        """Wait for ``key``'s device to be connected and ready, or ``ended``, or the wait's end."""
+        try:
+            async with asyncio.timeout(self.reconnect_wait):
+                while True:
+                    changed = self._changed  # (taken before the checks: a change after them sets it)
+                    conn = self._live(key)
+                    if conn is not None:
+                        return conn
+                    if ended.done():
+                        return ended.result()
+                    woken = asyncio.ensure_future(changed.wait())
+                    either: list[asyncio.Future[Any]] = [woken, ended]
+                    try:
+                        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        woken.cancel()
+        except TimeoutError:
+            return f"Device {key[1]} is not connected: it did not connect again within {self.reconnect_wait:g} s"
+
+    def _end_waits(self, owner: str, name: str, why: str) -> None:
+        """End the waits of calls for ``owner``'s device ``name`` now, each with ``why``."""
+        for ended in self._waits.get((owner, name), set()):
+            if not ended.done():
+                ended.set_result(why)
+
+    @staticmethod
+    def _elsewhere(name: str) -> str:
+        return (
+            f"Device {name} is not connected here: it connected again through another worker, and a call "
+            "reaches a device only through the worker holding its connection; try the call again"
+        )
+
+    async def _call_on(
+        self,
+        conn: _Connection,
+        call: str,
+        args: dict[str, Any],
+        timeout: float | None,  # noqa: ASYNC109 - the per-call deadline is part of the contract
+    ) -> ToolResult | None:
+        """One sending of ``call`` on ``conn``: its result, or None if the device dropped it."""
+        device_id = conn.info.id
         if call.startswith("tool."):
             if not any(t.name == call[5:] for t in conn.info.tools):
                 return ToolResult.error(f"Device {device_id} has no tool {call[5:]!r}")
@@ -785,7 +972,7 @@ class DeviceHub:
             self._cancel_on_device(conn, req_id)
             raise
         if res.get("hub") == "dropped":
-            return ToolResult.error(f"Device {device_id} disconnected during {call}; the call's outcome is unknown")
+            return None
         return _result_of(device_id, res)
 
     def _cancel_on_device(self, conn: _Connection, req_id: str) -> None:
