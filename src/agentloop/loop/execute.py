@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 from agentloop.events import (
@@ -175,11 +176,14 @@ async def _execute(
     call_key: str | None = None,
     background: Callable[[Coroutine[Any, Any, str], str], None] | None = None,
     jobs: JobTable | None = None,
+    keep_in: Path | None = None,
 ) -> ToolResultMessage:
     """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
     calls the tool makes itself (the in-memory runner's policy is a hook); ``budget`` counts those
     calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key``,
-    ``background`` and ``jobs`` as in ``ToolContext``."""
+    ``background`` and ``jobs`` as in ``ToolContext``. A result cut for its length is kept whole
+    beneath ``keep_in`` (default: the run's workspace; none without one), where the Read tool finds
+    it (``ToolResult.capped_keeping``)."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
     check = nested_check(cfg, p, nested)
@@ -226,7 +230,10 @@ async def _execute(
             result = await cfg.hooks.run_after(p.info, result)
         except Exception as exc:
             result = ToolResult.error(f"after-tool-call hook failed: {exc}")
-    return result.capped(tool.max_result_chars).to_message(call.id, call.name)
+    limit = tool.max_result_chars
+    if limit is not None and result.too_long(limit):  # (checked first: nearly every result fits, and costs no await)
+        result = await result.capped_keeping(limit, keep_in or cfg.workspace)
+    return result.to_message(call.id, call.name)
 
 
 # how long a tool whose timeout fired is given to end once cancelled; one that is still running

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from agentloop.messages import FileContent, ImageContent, TextContent, ToolResultMessage, storable, storable_value
 from agentloop.models.base import ToolSpec
+from agentloop.tools.process_group import KeptOutput, keep_text, kept_note, unshown_lines
 
 if TYPE_CHECKING:
     from agentloop.tools.jobs import JobTable
@@ -72,23 +73,53 @@ class ToolResult:
     def error(cls, text: str) -> ToolResult:
         return cls([TextContent(text=text)], is_error=True)
 
+    def _texts(self) -> tuple[list[str], int]:
+        """The text blocks, and the length of their text joined by line breaks."""
+        texts = [b.text for b in self.content if isinstance(b, TextContent)]
+        return texts, sum(len(t) for t in texts) + max(0, len(texts) - 1)
+
+    def too_long(self, limit: int) -> bool:
+        """Whether ``capped(limit)`` would cut this result."""
+        return self._texts()[1] > limit
+
     def capped(self, limit: int | None) -> ToolResult:
         """This result with its text cut to ``limit`` characters (None: no limit): the text blocks
         become one block that keeps the first two thirds and the last third of the allowance
         around a note saying what was cut; images stay. ``details`` (for programs) is kept whole."""
-        texts = [b.text for b in self.content if isinstance(b, TextContent)]
-        total = sum(len(t) for t in texts) + max(0, len(texts) - 1)
+        texts, total = self._texts()
+        if limit is None or total <= limit:
+            return self
+        return self._cut("\n".join(texts), limit, None)
+
+    async def capped_keeping(self, limit: int | None, workspace: Path | None) -> ToolResult:
+        """``capped``, but with a ``workspace`` the whole text of a result it cuts is first kept in
+        a file of it, as Shell keeps a long command output (``process_group.keep_text``), and the
+        cut names the file: what was cut is there to read, where calling the tool again could cost
+        as much, fail, or give something else. Written in a worker thread (a result may be
+        megabytes); a result that fits costs what ``capped`` does. A file that cannot be written
+        (a read-only workspace) leaves the cut as ``capped`` makes it."""
+        texts, total = self._texts()
         if limit is None or total <= limit:
             return self
         text = "\n".join(texts)
+        kept = None if workspace is None else await asyncio.to_thread(_keep, workspace, text)
+        return self._cut(text, limit, kept)
+
+    def _cut(self, text: str, limit: int, kept: KeptOutput | None) -> ToolResult:
         head = limit * 2 // 3
         tail = limit - head
-        note = (
-            f"\n[… {total - limit} characters cut: the result had {total}, more than the {limit} this tool may"
-            " return. Ask for a smaller part if the cut matters …]\n"
-        )
+        shown_tail = text[-tail:] if tail else ""
+        why = f"the result had {len(text)}, more than the {limit} this tool may return"
+        if kept is not None and kept.path is not None:
+            lines = text.count("\n") + (0 if text.endswith("\n") else 1)
+            first, last = unshown_lines(lines, text.endswith("\n"), text[:head], shown_tail)
+            span = f": lines {first}–{last} of {lines} not shown" if first <= last else ""
+            why += f"{span}{kept_note(kept, kept.size, first)}"
+        else:
+            why += ". Ask for a smaller part if the cut matters"
+        note = f"\n[… {len(text) - limit} characters cut: {why} …]\n"
         images = [b for b in self.content if not isinstance(b, TextContent)]
-        cut = TextContent(text=text[:head] + note + (text[-tail:] if tail else ""))
+        cut = TextContent(text=text[:head] + note + shown_tail)
         return ToolResult([cut, *images], details=self.details, is_error=self.is_error, terminate=self.terminate)
 
     def to_message(self, tool_call_id: str, tool_name: str) -> ToolResultMessage:
@@ -104,6 +135,13 @@ class ToolResult:
             is_error=self.is_error,
             terminate=self.terminate,
         )
+
+
+def _keep(workspace: Path, text: str) -> KeptOutput:
+    """``text`` kept whole beneath ``workspace`` (in a worker thread: encoding and writing
+    megabytes would hold the event loop), as UTF-8 with lone surrogates made U+FFFD, as the
+    history stores the text."""
+    return keep_text(workspace, storable(text).encode())
 
 
 def _storable_block(block: ResultBlock) -> ResultBlock:

@@ -22,6 +22,9 @@ to see it (it had effects, or would print something else): given a ``KeptOutput`
 also writes the whole output, as it comes, to a file of the workspace (``OUTPUT_DIR``), and the cut
 names that file, which the Read tool pages through. The files are bounded one by one
 (``MAX_KEPT_BYTES``) and together (``MAX_KEPT_TOTAL``, ``MAX_KEPT_FILES``: the oldest go first).
+Any other tool's result cut for its length is kept the same way, once it is whole (``keep_text``,
+from ``ToolResult.capped_keeping``), in the same files, and its cut says so in the same words
+(``kept_note``).
 """
 
 from __future__ import annotations
@@ -54,12 +57,15 @@ __all__ = [
     "close_transport",
     "end_group",
     "end_left_group",
+    "keep_text",
+    "kept_note",
     "kill_group",
     "marked",
     "output_pipes",
     "pump",
     "spawn",
     "supervise",
+    "unshown_lines",
 ]
 
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
@@ -107,6 +113,7 @@ class KeptOutput:
         self.path: str | None = None  # relative to the root, once started
         self.error: str | None = None
         self.dropped = 0  # bytes left out of the file's middle (over ``MAX_KEPT_BYTES``)
+        self.size = 0  # bytes of the whole output given to the file (``dropped`` ones included)
         self._file: BinaryIO | None = None
         self._dir: int | None = None
         self._id: tuple[int, int] | None = None
@@ -144,6 +151,7 @@ class KeptOutput:
         """Add ``chunk`` to the file (past the head: to the last bytes, kept in memory)."""
         if self._file is None or not chunk:
             return
+        self.size += len(chunk)
         if self._head_room > 0:
             part, chunk = chunk[: self._head_room], chunk[self._head_room :]
             self._head_room -= len(part)
@@ -193,7 +201,7 @@ class KeptOutput:
 
     def _fail(self, why: str | None, *, remove: bool = False) -> None:
         if why is not None:
-            log.warning("a command's full output is not kept: %s", why)
+            log.warning("a full output is not kept: %s", why)
         self.error = why
         if self._file is not None:
             with contextlib.suppress(OSError):
@@ -223,6 +231,41 @@ class KeptOutput:
         finally:
             os.close(self._dir)
             self._dir = None
+
+
+def keep_text(root: Path, data: bytes) -> KeptOutput:
+    """``data``, a whole output already at hand (a tool result that is being cut), written to a
+    new file beneath ``root`` as a command's output is, under the same limits. Blocking: call it
+    off the event loop. Its ``path`` is None when the file could not be written (``error``)."""
+    kept = KeptOutput(root)
+    kept.start(data)
+    kept.finish()
+    return kept
+
+
+def kept_note(kept: KeptOutput, size: int, first: int) -> str:
+    """Where the whole output (``size`` bytes) of a cut is kept, for its note: the words are the
+    same for a command's output and any other tool's result, so a model learns them once. ``first``
+    is the first line not shown, as Read numbers the file's lines."""
+    note = (
+        f"; the full output ({_size(size)}) is kept in {kept.path}: Read it with offset/limit"
+        f" (offset={first} for the first line not shown)"
+    )
+    if kept.dropped:
+        note += (
+            f", though only its first {_size(kept.limit - kept.tail_bytes)} and last"
+            f" {_size(kept.tail_bytes)}: it was over {_size(kept.limit)}, the most kept of one output"
+        )
+    return note
+
+
+def unshown_lines(lines: int, ends_line: bool, head: str, tail: str) -> tuple[int, int]:
+    """The first and last of ``lines`` lines (as Read numbers them) not wholly shown when only
+    ``head`` and ``tail`` of the text are (``first > last``: none are); ``ends_line`` when the
+    text ends with a line break."""
+    first = head.count("\n") + 1
+    last = lines - (tail.count("\n") - (1 if ends_line else 0))
+    return first, last
 
 
 def _open_output_dir(root: Path) -> int:
@@ -352,21 +395,12 @@ class OutputCapture:
         """What the cut left out (the lines not wholly shown, as Read numbers them) and where the
         whole output is, for the model to read it there rather than run the command again."""
         lines = self.newlines + (0 if self._ends_line else 1)
-        first = head.count("\n") + 1
-        last = lines - (tail.count("\n") - (1 if self._ends_line else 0))
+        first, last = unshown_lines(lines, self._ends_line, head, tail)
         span = f": lines {first}–{last} of {lines} not shown" if first <= last else ""
         note = f"… {omitted}{span}"
         kept = self.kept
         if kept is not None and kept.path is not None:
-            note += (
-                f"; the full output ({_size(self.total)}) is kept in {kept.path}: Read it with offset/limit"
-                f" (offset={first} for the first line not shown)"
-            )
-            if kept.dropped:
-                note += (
-                    f", though only its first {_size(kept.limit - kept.tail_bytes)} and last"
-                    f" {_size(kept.tail_bytes)}: it was over {_size(kept.limit)}, the most kept of one output"
-                )
+            note += kept_note(kept, self.total, first)
         elif kept is not None and kept.error is not None:
             note += f" (the full output could not be kept: {kept.error})"
         return note + " …"

@@ -5,7 +5,8 @@ stands in where it is not (a bare device, a slim container), in a child interpre
 can kill (``search_python``). The model must not be able to tell
 them apart, so both are held to one contract, and the tests compare their output on one tree:
 
-- every regular file under the path is searched, hidden ones included; ``.git`` is skipped;
+- every regular file under the path is searched, hidden ones included; ``.git`` is skipped, and so
+  are the runtime's kept outputs (``.agentloop/outputs``, at any depth) unless the path is inside one;
   ``.gitignore`` is *not* honoured (the fallback cannot know ripgrep's full ignore rules);
 - symlinks are not followed (a link could lead out of the workspace), binary files (a NUL byte)
   are skipped;
@@ -41,7 +42,7 @@ from agentloop.tools import search_python
 from agentloop.tools.base import FunctionTool, ToolContext, ToolError, ToolResult, tool, utf8
 from agentloop.tools.paths import display, real_root, resolve_path
 from agentloop.tools.process_group import close_transport
-from agentloop.tools.search_python import SKIP_DIRS, Hit, clean_line, glob_to_regex
+from agentloop.tools.search_python import KEPT_DIR, SKIP_DIRS, Hit, clean_line, glob_to_regex, in_kept_dir
 
 __all__ = ["Hit", "glob_to_regex", "search_files", "search_tool"]
 
@@ -71,6 +72,7 @@ async def _rg_search(
     ignore_case: bool,
     cap: int,
     skipped: frozenset[str] = frozenset(),
+    skip_kept: bool = False,
 ) -> list[Hit]:
     args = [rg, "--no-config", "--json", "--sort", "path", "--hidden", "--no-ignore"]
     if ignore_case:
@@ -79,6 +81,8 @@ async def _rg_search(
         args += ["--glob", glob]
     for name in sorted(SKIP_DIRS):
         args += ["--glob", f"!{name}"]
+    if skip_kept:
+        args += ["--glob", f"!**/{KEPT_DIR}/"]
     for rel in sorted(skipped):  # anchored at the root (rg's working directory)
         args += ["--glob", f"!/{_glob_escape(rel)}"]
     args += ["--regexp", pattern, "--", str(start)]
@@ -136,7 +140,14 @@ async def _rg_search(
 
 
 async def _python_search(
-    root: Path, start: Path, pattern: str, ignore_case: bool, glob: str | None, cap: int, skipped: frozenset[str]
+    root: Path,
+    start: Path,
+    pattern: str,
+    ignore_case: bool,
+    glob: str | None,
+    cap: int,
+    skipped: frozenset[str],
+    skip_kept: bool,
 ) -> list[Hit]:
     """The pure-Python engine, in a child interpreter that is killed when it takes too long or
     the call is cancelled (see ``search_python``)."""
@@ -148,6 +159,7 @@ async def _python_search(
         "glob": glob,
         "cap": cap,
         "skipped": sorted(skipped),
+        "skip_kept": skip_kept,
     }
     # -I: none of the caller's environment variables, user site or working directory on the path
     proc = await asyncio.create_subprocess_exec(
@@ -225,6 +237,9 @@ async def search_files(
     if any(start.is_relative_to(base / rel) for rel in skipped):
         raise ToolError(f"{path} is agentloop's own data, which tools may not read")
     glob = glob or None
+    # kept outputs are the runtime's copies of old results, not the workspace's files: found only
+    # when the search was pointed at them
+    skip_kept = not in_kept_dir(display(base, start))
     cap = min(max_results, MAX_RESULTS_LIMIT) + 1  # one more than shown tells us results were cut
     # rg for a single file too: its engine cannot backtrack, so no pattern makes it run for ever
     rg = _ripgrep(use_rg)
@@ -232,14 +247,14 @@ async def search_files(
         hits, engine = [], "python" if rg is None else "rg"
     elif rg is not None:
         scope = glob if start.is_dir() else None  # (a file named by path is searched, as in Python)
-        hits = await _rg_search(rg, base, start, pattern, scope, ignore_case, cap, skipped)
+        hits = await _rg_search(rg, base, start, pattern, scope, ignore_case, cap, skipped, skip_kept)
         engine = "rg"
     else:
         try:
             re.compile(pattern, re.IGNORECASE if ignore_case else 0)
         except re.error as exc:
             raise ToolError(f"Invalid regex {pattern!r}: {exc}") from None
-        hits = await _python_search(base, start, pattern, ignore_case, glob, cap, skipped)
+        hits = await _python_search(base, start, pattern, ignore_case, glob, cap, skipped, skip_kept)
         engine = "python"
     shown = hits[: cap - 1]
     truncated = len(hits) >= cap
@@ -295,7 +310,8 @@ def search_tool(root: str | Path, *, use_rg: bool | None = None) -> FunctionTool
         name="Search",
         description=(
             "Search file contents with a regular expression; returns matching lines as path:line: text. "
-            "Searches all files under `path` (hidden files too; skips .git and binary files)."
+            "Searches all files under `path` (hidden files too; skips .git, binary files and kept tool outputs in "
+            f"{KEPT_DIR}/ unless `path` is inside it)."
         ),
         idempotent=True,
     )

@@ -6,7 +6,7 @@ server's: Python's regex engine holds the GIL while it matches, so a pattern tha
 without end (``(a+)+$`` on a long line) would freeze every run and stream of the process, and
 no timeout could stop it. A child can be killed. So this module imports the standard library
 only (the child starts in milliseconds, without the package) and speaks JSON over its pipes:
-``{root, start, pattern, ignore_case, glob, cap, skipped}`` in, one ``[path, line, text]`` per
+``{root, start, pattern, ignore_case, glob, cap, skipped, skip_kept}`` in, one ``[path, line, text]`` per
 line out.
 """
 
@@ -22,7 +22,18 @@ from pathlib import Path
 from typing import BinaryIO
 
 SKIP_DIRS = frozenset({".git"})
+#: Where the runtime keeps the whole output of a cut tool result (``process_group.OUTPUT_DIR``,
+#: which this file, standard library only, cannot import), at any depth (a process working in a
+#: subdirectory keeps its own there): a search of the workspace must not find yesterday's logs.
+KEPT_DIR = ".agentloop/outputs"
+_KEPT_PARTS = KEPT_DIR.split("/")
 MAX_TEXT_CHARS = 500
+
+
+def in_kept_dir(rel: str) -> bool:
+    """Whether ``rel`` (a POSIX path relative to the root) is a ``KEPT_DIR`` or lies inside one."""
+    parts, n = rel.split("/"), len(_KEPT_PARTS)
+    return any(parts[i : i + n] == _KEPT_PARTS for i in range(len(parts) - n + 1))
 
 
 def _relative(root: Path, path: Path) -> str:
@@ -197,9 +208,10 @@ def python_search(
     glob: str | None,
     cap: int,
     skipped: frozenset[str] = frozenset(),
+    skip_kept: bool = False,
 ) -> list[Hit]:
     """Depth-first in name order: the order ``rg --sort path`` visits a tree in. ``skipped``:
-    paths (relative to ``root``) left out."""
+    paths (relative to ``root``) left out; ``skip_kept``: every ``KEPT_DIR`` too."""
     hits: list[Hit] = []
     filt = _GlobFilter(glob)
 
@@ -217,6 +229,8 @@ def python_search(
             if rel in skipped:
                 continue
             if entry.is_dir(follow_symlinks=False):
+                if skip_kept and entry.name == _KEPT_PARTS[-1] and in_kept_dir(rel):
+                    continue
                 if filt.keep_dir(rel):
                     walk(Path(entry.path))
             elif entry.is_file(follow_symlinks=False) and filt.keep_file(rel):
@@ -234,7 +248,13 @@ def main() -> None:
     job = json.load(sys.stdin)
     regex = re.compile(job["pattern"], re.IGNORECASE if job["ignore_case"] else 0)
     hits = python_search(
-        Path(job["root"]), Path(job["start"]), regex, job["glob"], job["cap"], frozenset(job["skipped"])
+        Path(job["root"]),
+        Path(job["start"]),
+        regex,
+        job["glob"],
+        job["cap"],
+        frozenset(job["skipped"]),
+        job["skip_kept"],
     )
     out = sys.stdout
     for hit in hits:
