@@ -20,6 +20,7 @@ from agentloop.models.anthropic import AnthropicModel
 from agentloop.models.base import ModelRequest, ProviderRequest
 from agentloop.models.openai_chat import OpenAIChatModel
 from agentloop.models.scripted import ScriptedModel
+from agentloop.process.store import StoreError
 from tests.fakes.anthropic_server import AnthropicFake
 from tests.fakes.anthropic_server import text_reply as anthropic_text
 from tests.fakes.openai_server import OpenAIFake
@@ -435,3 +436,22 @@ async def test_the_spawn_route_says_a_first_input_was_handled(tmp_path: Path) ->
     assert taken.status_code == 201 and taken.json()["handled"] is True, taken.text
     refused(failed, 422, "input_rejected")
     assert [p["pid"] for p in listed["processes"]] == [taken.json()["pid"]]
+
+
+async def test_a_retried_spawn_whose_first_input_was_handled_gets_its_answer_without_the_hooks(tmp_path: Path) -> None:
+    seen: list[InputInfo] = []
+    hooks = Hooks()
+
+    @hooks.on_input
+    def take(info: InputInfo) -> Handled:
+        seen.append(info)
+        return Handled("filed a ticket")
+
+    async with kernel(tmp_path, ScriptedModel(lambda request: "x"), hooks=hooks) as k:
+        first = await k.spawn(owner="alice", text="/ticket", run_id="s1", pid="p-t")
+        again = await k.spawn(owner="alice", text="/ticket", run_id="s1", pid="p-t")  # (its answer was lost)
+        await k.spawn(owner="alice", pid="p-quiet", run_id="s2")  # made without input
+        with pytest.raises(StoreError):  # another spawn's pid: not taken for a handled one
+            await k.spawn(owner="alice", text="/ticket", run_id="s2", pid="p-quiet")
+    assert first.started is not None and first.started.handled
+    assert again.started == first.started and len(seen) == 2  # (the second: p-quiet's, refused after)

@@ -476,3 +476,20 @@ async def test_the_model_string_selects_the_adapter_end_to_end(
     result = await Agent(model="openai-responses:gpt-4o-mini", tools=[echo]).run("echo ping")
     assert (result.stop_reason, result.text) == ("stop", "The tool said: echo: ping")
     assert [i.get("type") for i in fake.requests[1]["input"][1:]] == ["function_call", "function_call_output"]
+
+
+@pytest.mark.parametrize("stop", ["length", "aborted"])
+def test_a_turn_cut_after_its_reasoning_sends_no_lone_reasoning_item(stop: str) -> None:
+    """The API refuses a reasoning item with no output item after it (and would refuse every
+    later call of the conversation): a turn cut right after its reasoning sends none."""
+    model = OpenAIResponsesModel("gpt-5", api_key="k")
+    signature = json.dumps({"id": "rs_1", "encrypted_content": "gAAAA"})
+    cut = AssistantMessage(
+        content=[ThinkingContent(thinking="thinking...", signature=signature)],
+        provider=model.info.provider,
+        model=model.info.id,
+        stop_reason=stop,  # type: ignore[arg-type]
+    )
+    request = ModelRequest("sys", [user("hi"), cut, user("go on")])
+    items = model.build_params(request)["input"]
+    assert [item.get("type", item.get("role")) for item in items] == ["user", "user"]

@@ -132,6 +132,8 @@ from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 
 log = logging.getLogger("agentloop.kernel")
+#: kv of a process whose spawn's first input an input hook handled: that spawn's run id
+SPAWN_HANDLED_KEY = "spawn:handled"
 
 REMEMBER_GRACE = 10.0  # seconds a closing kernel waits for the memories of a reset conversation
 MAX_INSTRUCTIONS = 20_000  # characters of instructions a compaction asked for may give the summary model
@@ -1159,10 +1161,19 @@ class Kernel:
             seen = await self._retried_spawn(pid, record.owner, run_id)
             if seen is not None:
                 return Process(self, pid, seen)
+            existing = await self.store.get_process(pid)
+            if (
+                existing is not None
+                and existing.owner == record.owner
+                and await self.store.kv_get(pid, SPAWN_HANDLED_KEY) == run_id
+            ):  # that spawn's first input was handled: the retry gets its answer, the hooks not run twice
+                return Process(self, pid, Receipt(run_id, False, 0, handled=True))
         message = UserMessage(content=[TextContent(text=text), *blocks])
         hooks = self.engine.config.hooks
         out = await hooks.admit(message, mode="prompt", source="process.spawn", run_id=run_id, conversation=record.pid)
         if isinstance(out, Handled):
+            if run_id is not None:  # (a retry of this spawn finds it: see above)
+                kv = {**(kv or {}), SPAWN_HANDLED_KEY: run_id}
             await self.engine.create(record, kv, admit=admit)
             return Process(self, record.pid, Receipt(run_id or "", False, 0, handled=True))
         media = [b for b in out.content if isinstance(b, ImageContent | FileContent)]

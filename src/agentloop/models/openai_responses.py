@@ -425,6 +425,10 @@ def _assistant_items(msg: AssistantMessage, info: ModelInfo) -> list[dict[str, A
                 items.append({"type": "message", "role": "assistant", "content": [text]})
         elif isinstance(b, ToolCall):
             items.append({"type": "function_call", "call_id": b.id, "name": b.name, "arguments": _arguments(b)})
+    while items and items[-1]["type"] == "reasoning":
+        # a turn cut after its reasoning (the output limit, an abort): the API refuses a reasoning
+        # item with no output item after it, and would refuse every later call of the conversation
+        items.pop()
     return items
 
 
