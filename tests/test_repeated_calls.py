@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResultMessage, call, tool
 from agentloop.kernel import Approval, Kernel, Process
+from agentloop.kernel.devices import DeviceDirectory, RoutedTool
 from agentloop.loop.execute import CANCELLED
 from agentloop.loop.retries import MAX_KEPT, MAX_SAME_FAILURES, MAX_SAME_RESULTS, count_failures, count_repeats
 from agentloop.messages import TextContent, ToolCall, tool_error_result
@@ -127,16 +128,129 @@ def succeed(repeats: dict[str, int], *calls: ToolCall) -> bool:
     return count_repeats({}, repeats, list(calls), [ok(c, f"did {c.name}") for c in calls], tools={})[2]
 
 
-def test_the_result_counts_a_run_keeps_are_bounded_and_keep_the_latest() -> None:
+def test_the_result_counts_a_run_keeps_are_bounded_to_the_current_streak() -> None:
     counts: dict[str, int] = {}
     for i in range(1000):
         assert not succeed(counts, ToolCall(id=f"c{i}", name=f"make-{i}", arguments={}))
-    assert len(counts) <= MAX_KEPT
+        assert len(counts) == 1
     repeat = ToolCall(id="r", name="look", arguments={"path": "src"})
-    for i in range(MAX_SAME_RESULTS):  # between the repeats, other new results
+    for i in range(3 * MAX_SAME_RESULTS):  # between the repeats, other new results: no streak
         others = (ToolCall(id=f"n{i}{j}", name=f"new-{i}-{j}", arguments={}) for j in range(20))
         assert not succeed(counts, repeat, *others)
-    assert succeed(counts, repeat) and len(counts) <= MAX_KEPT
+    assert [succeed(counts, repeat) for _ in range(MAX_SAME_RESULTS + 1)] == [False] * MAX_SAME_RESULTS + [True]
+    assert list(counts.values()) == [MAX_SAME_RESULTS + 1]
+
+
+def test_the_failures_a_run_keeps_are_bounded_and_keep_the_latest() -> None:
+    failures: dict[str, int] = {}
+    for i in range(1000):
+        new = ToolCall(id=f"c{i}", name=f"make-{i}", arguments={})
+        assert not count_failures(failures, [new], [tool_error_result(new, "boom")])[1]
+    assert len(failures) <= MAX_KEPT
+    repeat = ToolCall(id="r", name="look", arguments={"path": "src"})
+    for i in range(MAX_SAME_FAILURES):  # between the repeats, other new failures
+        others = [ToolCall(id=f"n{i}{j}", name=f"new-{i}-{j}", arguments={}) for j in range(20)]
+        batch = [repeat, *others]
+        assert not count_failures(failures, batch, [tool_error_result(c, "boom") for c in batch])[1]
+    assert count_failures(failures, [repeat], [tool_error_result(repeat, "boom")])[1]
+    assert len(failures) <= MAX_KEPT
+
+
+files: dict[str, str] = {}
+
+
+@tool
+def edit(path: str, text: str) -> str:
+    """Write a file."""
+    files[path] = text
+    return f"wrote {path}"
+
+
+@tool
+def lint() -> str:
+    """Run the linter (it finds nothing wrong, every time)."""
+    return "All checks passed!"
+
+
+def edit_then_lint(steps: int) -> Any:
+    """A model that makes ``steps`` different edits, each checked by the same linter run."""
+
+    def script(r: ModelRequest) -> object:
+        n = len(results_of(r.messages))
+        if n >= 2 * steps:
+            return "refactor done"
+        if n % 2 == 0:
+            return Reply(tool_calls=[call("edit", path=f"m{n // 2}.py", text=f"v{n}")])
+        return Reply(tool_calls=[call("lint")])
+
+    return script
+
+
+async def test_a_check_after_every_change_is_no_repeat() -> None:
+    """The reviewer's case: edit, lint "All checks passed!", edit, lint ... the same lint result
+    after each different edit is work, not a loop (counted over the run, it ended at the 5th lint)."""
+    files.clear()
+    steps = 2 * MAX_SAME_RESULTS
+    result = await Agent(model=ScriptedModel(edit_then_lint(steps)), tools=[edit, lint]).run("refactor")
+    assert result.stop_reason == "stop" and len(files) == steps
+    assert not any(NOTE in r.text for r in results_of(result.messages))
+
+
+async def test_a_durable_check_after_every_change_is_no_repeat(tmp_path: Path) -> None:
+    files.clear()
+    steps = 2 * MAX_SAME_RESULTS
+    async with Kernel.open(
+        f"sqlite:///{tmp_path}/a.db",
+        model=ScriptedModel(edit_then_lint(steps)),
+        workspace=tmp_path,
+        tools=[edit, lint],
+        approval=approve_everything,
+    ) as k:
+        proc = await k.spawn(owner="a", text="refactor")
+        await asyncio.wait_for(proc.wait_idle(), 10)
+        reasons = await finished_reasons(proc)
+        results = results_of(await proc.messages())
+    assert reasons == [("ok", "turn.complete")] and len(files) == steps
+    assert not any(NOTE in r.text for r in results)
+
+
+def test_a_batch_counts_its_calls_in_order() -> None:
+    """A batch counts its calls in the model's order: lint, edit, lint ... in one batch is no
+    streak; the same call again and again in one batch is."""
+    counts: dict[str, int] = {}
+    lints = [ToolCall(id=f"l{i}", name="lint", arguments={}) for i in range(2 * MAX_SAME_RESULTS)]
+    edits = [ToolCall(id=f"e{i}", name="edit", arguments={"n": i}) for i in range(2 * MAX_SAME_RESULTS)]
+    assert not succeed(counts, *itertools.chain.from_iterable(zip(lints, edits, strict=True)))
+    assert list(counts.values()) == [1]  # the last edit: a streak of one
+    assert not succeed(counts, *lints[:MAX_SAME_RESULTS])
+    assert succeed(counts, *lints[MAX_SAME_RESULTS : MAX_SAME_RESULTS + 1])
+
+
+def test_a_poll_ends_a_streak_and_a_failure_does_not() -> None:
+    poll = ToolCall(id="p", name="job_status", arguments={})
+    polls = {"job_status": jobs_tool()}  # (a repeatable tool, under the call's name)
+    the_call = ToolCall(id="c", name="look", arguments={"path": "src"})
+    counts: dict[str, int] = {}
+    for _ in range(2 * MAX_SAME_RESULTS):  # look, poll, look, poll ...: no streak
+        batch = [the_call, poll]
+        _, _, repeating = count_repeats({}, counts, batch, [ok(the_call, "same"), ok(poll, "running")], tools=polls)
+        assert not repeating and counts == {}
+    other = ToolCall(id="o", name="edit", arguments={"path": "x"})
+    tripped = []
+    for _ in range(MAX_SAME_RESULTS + 1):  # look, a failing edit, look ...: the failure changed nothing
+        failed = tool_error_result(other, f"no such file {len(tripped)}")
+        tripped.append(count_repeats({}, counts, [the_call, other], [ok(the_call, "same"), failed], tools={})[2])
+    assert tripped == [False] * MAX_SAME_RESULTS + [True]
+
+
+def test_a_tool_routed_to_devices_keeps_being_repeatable() -> None:
+    @tool(name="Shell", repeatable=True, idempotent=True)
+    def shell(command: str) -> str:
+        """Run a command."""
+        return command
+
+    routed = RoutedTool(shell, "shell.exec", "alice", [], cast(DeviceDirectory, object()))
+    assert routed.repeatable and routed.idempotent
 
 
 def test_the_arguments_are_compared_as_canonical_json() -> None:

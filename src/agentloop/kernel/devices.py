@@ -206,6 +206,7 @@ class RoutedTool(Tool):
             timeout=base.timeout,
             sequential=base.sequential,
             idempotent=base.idempotent,
+            repeatable=base.repeatable,
         )
         self.base = base
         self.syscall = self.device_syscall = syscall

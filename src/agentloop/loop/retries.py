@@ -10,10 +10,15 @@ its result; one more trips the ``repeated_failure`` guard, which ends the run li
 budget: one last round without tools, to tell the person what stood in the way.
 
 A call that succeeds can loop the same way (a "doom loop": the same search, the same listing,
-the same page read again and again), so successful results are counted alike, apart from the
-failures and with a higher bar (``MAX_SAME_RESULTS``: re-reading a file once or twice after a
-while is fair use), tripping the ``repeated_call`` guard. A tool whose same answer is expected
-news (a poll of a job that is "still running") opts out with ``Tool.repeatable``.
+the same page read again and again), so successful results are counted too, apart from the
+failures and with a higher bar (``MAX_SAME_RESULTS``), tripping the ``repeated_call`` guard. Only
+a streak counts: a successful result is a repeat when the previous successful call was the same
+call with the same result. The same answer to a check after every change is normal work (edit,
+lint "All checks passed!", edit, lint ...; a quiet ``go build``; ``git pull`` "Already up to
+date."), and the successful call in between (the change) is what tells it apart from a loop. A
+failure in between does not break a streak: it changed nothing the model could rely on (and is
+counted as a failure). A tool whose same answer is expected news (a poll of a job that is "still
+running") opts out with ``Tool.repeatable``; it breaks a streak like any other successful call.
 
 Both runners count through ``count_repeats``, the durable one keeping the counts with its run.
 """
@@ -34,10 +39,10 @@ REPEATED_FAILURE = "repeated_failure"
 REPEATED_CALL = "repeated_call"
 MAX_SAME_FAILURES = 3
 MAX_SAME_RESULTS = 4
-#: the distinct results a run keeps counting (failures and successes each), the latest: the durable
-#: run rewrites its record (the counts with it) at every step, so a long run failing or working in
-#: ever new ways must not make every step cost more. A repeat is a recent result coming back, which
-#: this keeps.
+#: the distinct failures a run keeps counting, the latest: the durable run rewrites its record (the
+#: counts with it) at every step, so a long run failing in ever new ways must not make every step
+#: cost more. A repeat is a recent failure coming back, which this keeps. (Successes keep one count
+#: at most: the current streak's.)
 MAX_KEPT = 64
 FINAL_INSTRUCTION = (
     "The same tool call kept failing the same way, so tools are disabled now: tell the user what you "
@@ -64,7 +69,7 @@ def _failure_note(count: int) -> str:
 
 def _result_note(count: int) -> str:
     return (
-        f"\n\n[You have now had this exact result {count} times for this exact call; it will not change. "
+        f"\n\n[You have now had this exact result {count} times in a row for this exact call; it will not change. "
         "Use it, change the arguments, or answer the user. If you make the same call again, tools are "
         "disabled for the rest of this run.]"
     )
@@ -138,11 +143,12 @@ def count_repeats(
     not_counted: frozenset[str] = frozenset(),
     tools: Mapping[str, Tool],
 ) -> tuple[list[ToolResultMessage], bool, bool]:
-    """``count_failures``, and the successful results alike into ``repeats``: the ones that reach
-    ``MAX_SAME_RESULTS`` get a note, one past it trips ``repeated_call``. Returns the results and
+    """``count_failures``, and the current streak of identical successful results in ``repeats``
+    (one entry at most; a batch's calls count in order): the result that makes it
+    ``MAX_SAME_RESULTS`` long gets a note, one more trips ``repeated_call``. Returns the results and
     whether each guard tripped (``repeated_failure``, ``repeated_call``). A result of a tool in
-    ``tools`` that is ``repeatable`` (a poll) is no repeat (its failures still are). One pass for
-    both kinds: every call of a run goes through here."""
+    ``tools`` that is ``repeatable`` (a poll) is no repeat, but ends the streak (its failures still
+    count). One pass for both kinds: every call of a run goes through here."""
     return _count(failures, repeats, calls, results, not_counted, tools)
 
 
@@ -165,11 +171,18 @@ def _count(
             out.append(result)
             continue
         text = result.text
-        if text in not_counted or (not result.is_error and (tool := tools.get(call.name)) and tool.repeatable):
+        if text in not_counted:
+            out.append(result)
+            continue
+        if not result.is_error and (tool := tools.get(call.name)) and tool.repeatable:
+            counts.clear()  # a successful call between two others: they are no streak
             out.append(result)
             continue
         key = _key(call, text, result)
-        count = counts[key] = counts.pop(key, 0) + 1  # (moved to the end: the latest last)
+        if result.is_error:
+            count = counts[key] = counts.pop(key, 0) + 1  # (moved to the end: the latest last)
+        else:
+            count = _streak(counts, key)
         if count == kind.limit:
             result = dataclasses.replace(result, content=[*result.content, TextContent(text=kind.note(count))])
         elif count > kind.limit and result.is_error:
@@ -177,8 +190,18 @@ def _count(
         elif count > kind.limit:
             repeating = True
         out.append(result)
-    for counts in (failures, repeats):
-        if counts is not None and len(counts) > MAX_KEPT:  # (a run with few distinct results never looks)
-            for key in list(itertools.islice(counts, len(counts) - MAX_KEPT)):
-                del counts[key]  # the results not seen for the longest
+    if len(failures) > MAX_KEPT:  # (a run with few distinct failures never looks)
+        for key in list(itertools.islice(failures, len(failures) - MAX_KEPT)):
+            del failures[key]  # the failures not seen for the longest
     return out, failing, repeating
+
+
+def _streak(streak: dict[str, int], key: str) -> int:
+    """Count a successful result ``key`` into ``streak`` (its one entry: the last successful
+    result and how many times in a row it came); return its length now. A different result
+    starts a new streak: a successful call came between."""
+    count = streak.get(key, 0) + 1
+    if count == 1 and streak:
+        streak.clear()
+    streak[key] = count
+    return count

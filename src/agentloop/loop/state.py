@@ -110,7 +110,7 @@ class RunState:
     guard: str | None = None  # the guard that tripped; set when the final round is armed
     failures: dict[str, int] = field(default_factory=dict)  # failed calls by what they were (loop/retries.py)
     failing: bool = False  # a call failed the same way once too often: the next round is the last
-    repeats: dict[str, int] = field(default_factory=dict)  # successful calls by what they got (loop/retries.py)
+    repeats: dict[str, int] = field(default_factory=dict)  # the streak of one same successful result (loop/retries.py)
     repeating: bool = False  # a call got the same result once too often: the next round is the last
     stopping: bool = False  # asked to finish (``Run.stop``): the next round is the last
     partial: AssistantMessage | None = None  # the assistant message being streamed

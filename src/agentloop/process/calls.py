@@ -432,6 +432,8 @@ async def ingest(engine: ProcessEngine, tx: _Tx, live: _Live, run: dict[str, Any
         after["failing"] = True
     if repeats:
         after["repeats"] = repeats
+    else:
+        after.pop("repeats", None)  # (a poll ended the streak)
     if repeating:
         after["repeating"] = True
     await tx.set_run(after)
