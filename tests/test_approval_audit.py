@@ -171,6 +171,40 @@ def test_the_preview_is_short_and_masks_credentials() -> None:
     assert len(shown) <= 160 and shown.endswith("…")
 
 
+PASSWORD = "S3cretPass"
+
+
+@pytest.mark.parametrize(
+    ("args", "kept"),
+    [
+        ({"command": f'export PASSWORD="{PASSWORD}"'}, "export PASSWORD="),  # (JSON's \" hid its shape)
+        ({"command": f"psql postgresql://admin:{PASSWORD}@db/prod"}, "postgresql://admin:***@db/prod"),
+        ({"command": f"redis-cli -u redis://:{PASSWORD}@cache:6379"}, "redis://:***@cache:6379"),
+        ({"command": f"curl -u admin:{PASSWORD} https://api.example.com"}, "curl -u admin:*** https://api"),
+        ({"command": f"mysql -u root -p{PASSWORD} prod"}, "mysql -u root -p*** prod"),
+        ({"command": f"MYSQL_PWD={PASSWORD} mysqldump prod"}, "MYSQL_PWD=*** mysqldump prod"),
+        ({"path": ".env", "content": f"DB_PASS={PASSWORD}"}, '"path": ".env"'),
+        ({"env": [["API_KEY", PASSWORD]]}, '[["API_KEY", "***"]]'),
+        ({"argv": ["deploy", "--password", PASSWORD, "--verbose"]}, '"--verbose"'),
+        ({"command": f"curl --user=admin:'{PASSWORD}' https://api.example.com"}, "--user=admin:"),
+    ],
+)
+def test_the_preview_masks_credentials_in_commands_files_and_pairs(args: dict[str, Any], kept: str) -> None:
+    """The reviewer's cases: a credential in a command, a file's content or a [name, value] pair
+    is masked in each string, before the JSON encoding (its escapes hid the quoted ones), and what
+    is around it stays readable."""
+    shown = args_preview(args)
+    assert PASSWORD not in shown and kept in shown, shown
+
+
+def test_the_preview_keeps_what_only_looks_like_a_credential() -> None:
+    """``-p`` alone asks mysql for the password; PWD is the working directory; a URL without a
+    password and a ``-u`` without one are shown as they are."""
+    command = "cd $PWD && mysql -u root -p prod; ssh://git@example.com; PWD=/srv/app ls; curl -u admin x"
+    shown = args_preview({"command": command})
+    assert json.loads(shown)["command"] == command
+
+
 # -------------------------------------------------------------------------------- over HTTP
 
 
@@ -248,3 +282,39 @@ def test_the_client_and_the_cli_list_the_audit(server: LiveServer) -> None:
     assert [json.loads(line)["pid"] for line in as_json.output.splitlines()] == [pid]
     bad = CliRunner().invoke(app, ["approvals", "audit", "--since", "last tuesday", *options])
     assert bad.exit_code == 2 and "--since" in bad.output
+
+
+def test_the_cli_next_page_keeps_the_filters(server: LiveServer) -> None:
+    """The ``more:`` line is the command for the next page with the same filters: run as it is
+    written, it lists the older denial, not the approval in between (what a bare ``--before``
+    would list next, as if it were more of the same)."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from agentloop.cli.main import app
+
+    older = answered(server, "deny", server.tokens.alice)
+    answered(server, "approve", server.tokens.alice)
+    newest = answered(server, "deny", server.tokens.alice)
+    options = ["--server", server.url, "--token", server.tokens.admin]
+    filters = ["--account", "alice", "--decision", "deny", "--by", "alice", "--since", "1h", "--limit", "1"]
+    first = CliRunner().invoke(app, ["approvals", "audit", *filters, "--json", *options])
+    assert first.exit_code == 0, first.output
+    assert [json.loads(line)["pid"] for line in first.stdout.splitlines()] == [newest]
+    [more] = [line.removeprefix("more: ") for line in first.stderr.splitlines() if line.startswith("more: ")]
+    words = shlex.split(more)
+    assert words[:3] == ["agentloop", "approvals", "audit"] and server.tokens.admin not in more
+    for flag, value in zip(filters[::2], filters[1::2], strict=True):
+        assert flag in words and (flag == "--since" or words[words.index(flag) + 1] == value), more
+    assert "--json" in words and "--before" in words
+    second = CliRunner().invoke(app, [*words[1:], *options])
+    assert second.exit_code == 0, second.output
+    assert [json.loads(line)["pid"] for line in second.stdout.splitlines()] == [older]
+
+
+def test_the_next_page_command_quotes_what_it_repeats() -> None:
+    from agentloop.cli.approvals import next_page_command
+
+    shown = next_page_command({"--pid": "p 1", "--by": None, "--decision": "deny"}, "00170000")
+    assert shown == "agentloop approvals audit --pid 'p 1' --decision deny --before 00170000"

@@ -10,12 +10,16 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 MASK = "***"
 
 # What names a credential, in a query parameter (api_key, access_token, X-Amz-Signature), an
-# environment variable (OPENAI_API_KEY, NPM_CONFIG__AUTH) or a ``key=value`` pair: one of these
-# words of the name (GIT_AUTHOR_NAME holds none: AUTHOR is not AUTH), or one of the parts.
+# environment variable (OPENAI_API_KEY, NPM_CONFIG__AUTH, DB_PASS, MYSQL_PWD) or a ``key=value``
+# pair: one of these words of the name (GIT_AUTHOR_NAME holds none: AUTHOR is not AUTH), or one of
+# the parts.
 _SECRET_WORD = re.compile(
-    r"KEYS?|TOKENS?|SECRETS?|PASSWORDS?|PASSWD|COOKIES?|CREDENTIALS?|AUTH|AUTHORIZATION|SIG|SIGNATURE|SESSION|PAT|DSN",
+    r"KEYS?|TOKENS?|SECRETS?|PASSWORDS?|PASSWDS?|PASS|PWD|PASSPHRASE|COOKIES?|CREDENTIALS?|AUTH|AUTHORIZATION"
+    r"|SIG|SIGNATURE|SESSION|PAT|DSN",
     re.IGNORECASE,
 )
+# PWD alone is the shell's working directory, no password (MYSQL_PWD is one)
+_NOT_SECRET = frozenset({"PWD"})
 _SECRET_PARTS = re.compile(r"apikey|accesskey|secret|passw|token|credential", re.IGNORECASE)
 _WORD_BREAK = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])")
 # a URL's user that is a token rather than a name (https://ghp_...@github.com): long, or shaped
@@ -25,6 +29,8 @@ _TOKEN_USER = re.compile(r".{20,}|(gh[pousr]|github_pat|glpat|xox[abp])[_-].+")
 
 def secret_name(name: str) -> bool:
     """Whether ``name`` (a parameter's, a variable's, a field's) names a credential."""
+    if name.upper() in _NOT_SECRET:
+        return False
     return any(_SECRET_WORD.fullmatch(word) for word in _WORD_BREAK.split(name)) or bool(_SECRET_PARTS.search(name))
 
 
@@ -59,8 +65,17 @@ _CREDENTIAL = re.compile(
     r"|\bAIza[A-Za-z0-9_\-]{20,}"
     r"|(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]{32,}(?![A-Za-z0-9_\-])"
 )
-_PAIR = re.compile(r"\b([A-Za-z][\w.-]*)([\"']?\s*[=:]\s*[\"']?)([^\s\"',}]+)")  # name=value, "name": "value"
-_URL_IN_TEXT = re.compile(r"\bhttps?://[^\s\"'<>]+")
+# name=value, "name": "value", NAME="quoted value": a quoted value is masked whole (to the line's
+# end when its quote is not closed: a text cut short)
+_PAIR = re.compile(r"""\b([A-Za-z][\w.-]*)(["']?\s*[=:]\s*)("[^"\n]*"?|'[^'\n]*'?|[^\s"',}]+)""")
+# any scheme's URL: a DSN (postgresql://user:pass@db, redis://:pass@cache) carries a password as
+# often as a web address does
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+# a command's own password options, which name no credential: mysql's ``-p<password>`` (glued:
+# ``-p`` alone asks for it) and ``-u``/``--user user:password`` (curl and the like; not a URL's
+# ``scheme://``, which the URL rule reads)
+_MYSQL_PASSWORD = re.compile(r"(?i)\b((?:mysql|mariadb)[\w-]*\b[^\n;&|]*?\s-p)([^\s\"']+)")
+_USER_PASSWORD = re.compile(r"""(?<![\w-])((?:-u|--user)(?:\s+|=)["']?[^\s:"']*:["']?)(?!//)([^\s"']+)""")
 
 
 def redact_secrets(text: str) -> str:
@@ -70,7 +85,17 @@ def redact_secrets(text: str) -> str:
     server is not the operator whose key it may quote; the rest of it stays readable."""
     text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
     text = _CREDENTIAL.sub(MASK, text)
-    return _PAIR.sub(lambda m: m.group(1) + m.group(2) + MASK if secret_name(m.group(1)) else m.group(0), text)
+    text = _MYSQL_PASSWORD.sub(lambda m: m.group(1) + MASK, text)
+    text = _USER_PASSWORD.sub(lambda m: m.group(1) + MASK, text)
+    return _PAIR.sub(_masked_pair, text)
+
+
+def _masked_pair(match: re.Match[str]) -> str:
+    name, between, value = match.groups()
+    if not secret_name(name):
+        return match.group(0)
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{name}{between}{quote}{MASK}{quote}"
 
 
 def carries_secret(text: str) -> bool:

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -489,6 +490,23 @@ def audit_table(entries: Sequence[Mapping[str, Any]]) -> Table:
     return table
 
 
+#: the entries ``agentloop approvals audit`` lists by default
+AUDIT_PAGE = 50
+
+
+def next_page_command(filters: Mapping[str, str | None], before: str, *, json_output: bool = False) -> str:
+    """The command that lists the audit's next page: this one's filters (without them the next
+    page would be of every decision, shown as if it went on), older than ``before``; the server
+    and token are left out (the token is a secret, and both usually come from the config)."""
+    words = ["agentloop", "approvals", "audit"]
+    for flag, value in filters.items():
+        if value is not None:
+            words += [flag, value]
+    if json_output:
+        words.append("--json")
+    return shlex.join([*words, "--before", before])
+
+
 @approvals_app.command("audit")
 def audit_command(
     pid: Annotated[str | None, typer.Option("--pid", help="Only this process's decisions.")] = None,
@@ -501,7 +519,7 @@ def audit_command(
     ] = None,
     by: Annotated[str | None, typer.Option("--by", help="Only what this account answered.")] = None,
     account: Annotated[str | None, typer.Option("--account", help="Admins: another account's audit.")] = None,
-    limit: Annotated[int, typer.Option("--limit", help="At most this many entries (up to 500).")] = 50,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many entries (up to 500).")] = AUDIT_PAGE,
     before: Annotated[str | None, typer.Option("--before", help="Older than this entry id (the next page).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per entry.")] = False,
     server: ServerOpt = None,
@@ -531,4 +549,10 @@ def audit_command(
         else:
             Console(soft_wrap=False).print(audit_table(entries))
         if page["next_before"]:
-            sys.stderr.write(f"more: agentloop approvals audit --before {page['next_before']}\n")
+            filters = {"--pid": pid, "--decision": decision, "--by": by, "--account": account}
+            if start is not None:  # (the point a span meant now: the next page lists the same window)
+                filters["--since"] = datetime.datetime.fromtimestamp(start).isoformat()
+            if limit != AUDIT_PAGE:
+                filters["--limit"] = str(limit)
+            more = next_page_command(filters, page["next_before"], json_output=json_output)
+            sys.stderr.write(f"more: {more}\n")

@@ -228,18 +228,36 @@ def audit_id(at: float) -> str:
 def args_preview(args: Mapping[str, Any]) -> str:
     """A short look at a call's arguments for the audit, never the arguments: the values of
     arguments named like credentials masked, what looks like a credential in the others masked
-    (``redact_secrets``: bearer tokens, keys, ``PASSWORD=…``), then cut to ``AUDIT_PREVIEW``
-    characters. Masked before the cut, so a secret cut in half is never half shown."""
-    text = redact_secrets(json.dumps(_masked(dict(args)), ensure_ascii=False, sort_keys=True, default=repr))
-    return text if len(text) <= AUDIT_PREVIEW else text[: AUDIT_PREVIEW - 1] + "…"
+    (``redact_secrets``: bearer tokens, keys, ``PASSWORD=…``, a DSN's password), then cut to
+    ``AUDIT_PREVIEW`` characters. Each string is masked before it is JSON-encoded: the escapes
+    (``\"``, ``\n``) would hide a credential's shape from the patterns. Masked before the cut, so
+    a secret cut in half is never half shown."""
+    shown = json.dumps(_masked(dict(args)), ensure_ascii=False, sort_keys=True, default=_masked_repr)
+    return shown if len(shown) <= AUDIT_PREVIEW else shown[: AUDIT_PREVIEW - 1] + "…"
 
 
 def _masked(value: object) -> object:
+    """``value`` with every string redacted, and the value of a credential-named key masked: in a
+    mapping, or as the item after a credential-named string in a list (``["API_KEY", "…"]``, an
+    argv's ``["--password", "…"]``)."""
+    if isinstance(value, str):
+        return redact_secrets(value)
     if isinstance(value, Mapping):
         return {k: MASK if secret_name(str(k)) else _masked(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_masked(v) for v in value]
+        out: list[object] = []
+        previous: object = None
+        for item in value:
+            named = isinstance(previous, str) and secret_name(previous)
+            out.append(MASK if named and isinstance(item, str) else _masked(item))
+            previous = None if named else item  # (a masked value names nothing: "S3cretPass")
+        return out
     return value
+
+
+def _masked_repr(value: object) -> str:
+    """What JSON cannot encode, as its ``repr``, redacted like a string argument."""
+    return redact_secrets(repr(value))
 
 
 async def audit(
