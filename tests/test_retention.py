@@ -20,11 +20,13 @@ from agentloop import Reply, ScriptedModel, call
 from agentloop.cli import admin
 from agentloop.cli.config import read_config_file
 from agentloop.cli.main import app
-from agentloop.kernel import Kernel, NoSuchProcess
+from agentloop.kernel import Kernel, NoSuchProcess, retention
 from agentloop.kernel.retention import Retention, plan, sweep
 from agentloop.kernel.segments import NoSuchSegment
+from agentloop.kernel.tasks import DELEGATED_KEY
 from agentloop.process import background
 from agentloop.process.archive import all_archives, read_header
+from agentloop.process.store import open_store
 from agentloop.tools.builtin import builtin_tools
 from tests.process_support import kernel
 
@@ -137,6 +139,136 @@ async def test_idle_processes_are_killed_with_an_archive_and_busy_ones_kept(tmp_
         assert (tmp_path / "build").exists()  # the asking process's command never ran
         assert f"killed process {idle} of alice, idle for 91.0 days" in caplog.text
         await (await k.process(asking)).kill()
+
+
+def gated() -> tuple[ScriptedModel, asyncio.Event]:
+    """A model whose answer to "are you there?" waits for the event: that run is under way meanwhile."""
+    gate = asyncio.Event()
+
+    async def script(request: Any) -> str:
+        if request.messages[-1].text == "are you there?":
+            await gate.wait()
+        return "ok"
+
+    return ScriptedModel(script), gate
+
+
+async def alive(k: Kernel, pid: str) -> bool:
+    try:
+        await k.process(pid)
+    except NoSuchProcess:
+        return False
+    return True
+
+
+async def test_a_child_that_got_input_during_the_sweep_keeps_its_whole_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    model, gate = gated()
+    async with kernel(tmp_path, model) as k:
+        parent = await talked(k)
+        child = await talked(k, parent_pid=parent)
+        planned = retention.plan
+
+        async def plan_then_the_user_writes(*args: Any, **kw: Any) -> retention.Plan:
+            todo = await planned(*args, **kw)
+            assert [r.pid for r in todo.processes] == [parent]  # (the child goes with its parent)
+            receipt = await (await k.process(child)).send("are you there?")  # the user talks to the child meanwhile
+            assert receipt.run_id
+            return todo
+
+        monkeypatch.setattr(retention, "plan", plan_then_the_user_writes)
+        with caplog.at_level(logging.INFO, logger="agentloop.kernel.retention"):
+            swept = await sweep(k, RULES, now=time.time() + 91 * DAY)
+        gate.set()
+        assert (swept.processes, swept.failed) == (0, 0)
+        assert await alive(k, parent) and await alive(k, child)
+        await (await k.process(child)).wait_idle()
+        assert [m.text for m in await (await k.process(child)).messages()][-2:] == ["are you there?", "ok"]
+        assert f"kept process {parent} of alice" in caplog.text and f"process {child} below it" in caplog.text
+
+
+async def test_the_root_that_got_input_just_after_the_look_is_not_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, gate = gated()
+    async with kernel(tmp_path, model) as k:
+        pid = await talked(k)
+        looked = retention._still_idle
+
+        async def looked_then_the_user_writes(store: Any, record: Any) -> bool:
+            idle = await looked(store, record)
+            await (await k.process(pid)).send("are you there?")  # between the sweep's look and the kill
+            return idle
+
+        monkeypatch.setattr(retention, "_still_idle", looked_then_the_user_writes)
+        swept = await sweep(k, RULES, now=time.time() + 91 * DAY)
+        gate.set()
+        assert (swept.processes, swept.failed) == (0, 0)
+        await (await k.process(pid)).wait_idle()  # its run went on, and answered
+        assert [m.text for m in await (await k.process(pid)).messages()][-1] == "ok"
+
+
+async def test_a_kill_if_idle_decides_for_the_whole_tree_and_input_after_it_finds_no_process(tmp_path: Path) -> None:
+    async with kernel(tmp_path, chatty()) as k:
+        parent = await talked(k)
+        await asyncio.sleep(0.02)  # (clocks are coarse on some systems)
+        cut = time.time()
+        await asyncio.sleep(0.02)
+        child = await talked(k, parent_pid=parent)
+        proc = await k.process(parent)
+        with pytest.raises(retention.StillActive, match=f"process {child} below it has been active"):
+            await proc.kill(if_idle_since=cut)  # (the child talked since)
+        assert await alive(k, parent) and await alive(k, child)
+        late = await k.process(child)
+        killing = asyncio.create_task(proc.kill(if_idle_since=time.time() + 1))
+        while child not in k.engine.clearing and not killing.done():
+            await asyncio.sleep(0)
+        with pytest.raises(NoSuchProcess):  # (waited for the kill, and found no process: no receipt)
+            await late.send("late")
+        path = await killing
+        assert path is not None and read_header(path)["meta"]["reason"] == "kill"
+        assert not await alive(k, parent) and not await alive(k, child)
+        assert {a.pid for a in all_archives(tmp_path)} == {parent, child}
+
+
+async def test_a_process_delegated_to_is_never_killed_nor_the_tree_above_it(tmp_path: Path) -> None:
+    async with kernel(tmp_path, chatty()) as k:
+        helper = await talked(k)  # others delegate to it by its pid
+        parent = await talked(k)
+        child = await talked(k, parent_pid=parent)  # (delegated to as well: its parent stays with it)
+        idle = await talked(k)
+        async with k.store.transaction():
+            await k.store.kv_set(helper, DELEGATED_KEY, True)
+            await k.store.kv_set(child, DELEGATED_KEY, True)
+        swept = await sweep(k, RULES, now=time.time() + 91 * DAY)
+        assert (swept.processes, swept.failed) == (1, 0)
+        assert not await alive(k, idle)
+        for pid in (helper, parent, child):
+            assert await alive(k, pid)
+
+
+async def test_on_postgres_input_from_another_worker_during_the_sweep_keeps_the_process(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def worker(name: str) -> Any:
+        return Kernel.open(pg_url, model=chatty(), workspace=tmp_path, data_dir=tmp_path, worker=name)
+
+    async with worker("w1") as first, worker("w2") as second:
+        pid = await talked(first)
+        planned = retention.plan
+
+        async def plan_then_another_worker_queues(*args: Any, **kw: Any) -> retention.Plan:
+            todo = await planned(*args, **kw)
+            async with second.store.transaction():  # (as a send through w2 queues it for w1's run)
+                await second.store.enqueue(pid, "queue", (await second.store.history(pid))[0].message)
+            return todo
+
+        monkeypatch.setattr(retention, "plan", plan_then_another_worker_queues)
+        monkeypatch.setattr(retention, "_still_idle", lambda store, record: asyncio.sleep(0, True))
+        swept = await sweep(first, RULES, now=time.time() + 91 * DAY)
+        assert (swept.processes, swept.failed) == (0, 0)
+        assert await alive(first, pid)
 
 
 async def test_off_by_default_nothing_is_removed(tmp_path: Path) -> None:
@@ -269,6 +401,30 @@ def test_prune_dry_run_lists_and_removes_nothing_then_prune_removes(
     assert {a.pid for a in all_archives(data)} == {other}
     code, out, err = prune(data, monkeypatch, "--dry-run", days_later=0)
     assert code == 0 and out == ""
+
+
+def test_prune_starts_nothing_a_due_schedule_stays_unfired(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def seed() -> str:
+        async with kernel(data, chatty(), data_dir=data) as k:
+            await talked(k)  # idle: prune opens the kernel to kill it
+            scheduled = await talked(k, owner="bob")
+            await k.schedule(scheduled, "wake up and check the build", at=time.time() + 0.05)
+            return scheduled
+
+    async def history(pid: str) -> list[str]:
+        store = open_store(f"sqlite:///{data}/agentloop.db")  # (the store alone: a kernel would fire it)
+        await store.open()
+        try:
+            return [m.message.text for m in await store.history(pid)]
+        finally:
+            await store.close()
+
+    scheduled = asyncio.run(seed())
+    time.sleep(0.1)  # due now, while no server runs
+    code, _, err = prune(data, monkeypatch, "--idle-days", "90")
+    assert code == 0, err
+    assert "killed 1 idle processes" in err  # (the scheduled one is not idle)
+    assert asyncio.run(history(scheduled)) == ["hello", "ok"]  # no run of prune's made
 
 
 def test_prune_refuses_bad_or_missing_rules(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:

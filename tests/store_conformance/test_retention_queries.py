@@ -59,3 +59,15 @@ async def test_delete_segment_drops_one_row(store: Store) -> None:
         assert await store.delete_segment("s1") is False
         assert await store.delete_segment("nope") is False
     assert [r.id for r in await store.segments("p1")] == ["s2"]
+
+
+async def test_idle_processes_among_pids_looks_at_those_alone_inside_a_transaction(store: Store) -> None:
+    for pid in ("a", "b", "busy", "other"):
+        await spawn(store, pid)
+    async with store.transaction():
+        await store.enqueue("busy", "queue", user("later"))
+    later = time.time() + 60
+    async with store.transaction():  # (the kill's look: the rows it names are held until the end)
+        assert [r.pid for r in await store.idle_processes(later, ["a", "b", "busy", "gone"])] == ["a", "b"]
+        assert await store.idle_processes(later, []) == []
+    assert {r.pid for r in await store.idle_processes(later)} == {"a", "b", "other"}

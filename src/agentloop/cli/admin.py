@@ -303,7 +303,8 @@ def _show_plan(todo: Plan, now: float) -> None:
 async def _prune(url: str, directory: Path, rules: Retention, *, dry_run: bool) -> tuple[Plan, Swept | None]:
     """Plan on the store alone; then, unless a dry run, remove. Only idle processes need the
     runtime (their kill goes through the kernel's, which archives them and deletes their media),
-    so the kernel is opened only when there are some."""
+    so the kernel is opened only when there are some, and for maintenance: this command has none
+    of the server's model, tools or policy, so it must resume no run and fire no schedule."""
     from agentloop.kernel import Kernel
     from agentloop.kernel.retention import Swept, plan, remove_old_archive, sweep
 
@@ -326,7 +327,7 @@ async def _prune(url: str, directory: Path, rules: Retention, *, dry_run: bool) 
             return todo, done
     finally:
         await store.close()
-    async with Kernel.open(url, data_dir=directory, workspace=directory, heartbeat=None, titles=None) as kernel:
+    async with Kernel.open(url, data_dir=directory, workspace=directory, titles=None, maintenance=True) as kernel:
         return todo, await sweep(kernel, rules, now=now)
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from agentloop.kernel.duty import HEARTBEAT, RETENTION, SCHEDULES, WATCHES, Duty
 from agentloop.kernel.fork import fork as fork_process
 from agentloop.kernel.heartbeat import Heartbeat
 from agentloop.kernel.memory_tool import memory_toolset
-from agentloop.kernel.retention import Retention, RetentionTimer
+from agentloop.kernel.retention import Retention, RetentionTimer, StillActive
 from agentloop.kernel.rewind import Rewound
 from agentloop.kernel.rewind import rewind as rewind_process
 from agentloop.kernel.runs import (
@@ -83,6 +83,7 @@ from agentloop.process.audio_video import (
     check_transcriber,
     to_text,
 )
+from agentloop.process.background import JOBS_KEY
 from agentloop.process.compaction import check_manual, extract_memories
 from agentloop.process.driver import check_outage_retries
 from agentloop.process.engine import MODE_KEY, MODEL_KEY, Admit, ProcessEngine
@@ -703,9 +704,13 @@ class Process:
         one, delete the process's media."""
         return await self.kernel._clear(self.pid, kill=False, archive=True)
 
-    async def kill(self, archive: bool = True) -> Path | None:
+    async def kill(self, archive: bool = True, *, if_idle_since: float | None = None) -> Path | None:
         """Abort, optionally archive, delete the process and its media, and its descendants
-        likewise. Later calls fail."""
+        likewise. Later calls fail. With ``if_idle_since`` (a time; retention's kill), only if the
+        process and every one below it have been idle since then, decided with the kill itself
+        (``Kernel._kill_if_idle``): else ``StillActive``, and nothing is done."""
+        if if_idle_since is not None:
+            return await self.kernel._kill_if_idle(self.pid, since=if_idle_since, archive=archive)
         return await self.kernel._clear(self.pid, kill=True, archive=archive)
 
 
@@ -791,6 +796,7 @@ class Kernel:
         titles: Titling = "message",
         transcriber: Transcriber | None = None,
         retention: Retention | None = None,
+        maintenance: bool = False,
         **agent_options: Any,
     ) -> AsyncIterator[Kernel]:
         """Open (and migrate) the store, resume unfinished runs, and close everything on exit.
@@ -854,6 +860,12 @@ class Kernel:
         ``retention`` (kernel/retention.py; None: nothing is ever removed) removes archives older
         than its ``archives`` and kills, with an archive, processes idle for longer than its
         ``idle_processes``, in a sweep an hour apart (the ``retention`` duty on a shared store).
+        ``maintenance`` opens the store for a tool that works on it with none of a server's
+        settings (``agentloop prune``): nothing starts, so nothing runs on the wrong model, tools or
+        policy: no recovery (unfinished runs stay as they are, for the server to resume), no
+        schedules, watches, heartbeat, retention sweeps, subagent bookkeeping or media sweep. The
+        processes can be read and killed (retention's kill, ``Process.kill(if_idle_since=...)``,
+        starts nothing); input sent to one would start a run, so such a tool sends none.
         """
         check_titling(titles)
         check_sandbox_mode(shell_sandbox)
@@ -962,10 +974,10 @@ class Kernel:
                 engine,
                 Path(data_dir),
                 schedule_min_every=schedule_min_every,
-                heartbeat=heartbeat,
+                heartbeat=None if maintenance else heartbeat,
                 titles=titles,
                 models=account_models,
-                retention=retention,
+                retention=None if maintenance else retention,
             )
         except BaseException:
             await store.close()
@@ -974,26 +986,28 @@ class Kernel:
         kernel.transcriber = transcriber
         kernel.policies = policies
         kernel_ref.append(kernel)
-        retirer = Retirer(kernel) if subagents else None  # (finished subagents: kernel/tasks.py)
-        asks = SubagentAsks(kernel) if subagents else None  # (their approvals: kernel/subagent_asks.py)
-        replies = Replies(kernel) if subagents else None  # (Delegate's answers: kernel/delegate.py)
+        working = subagents and not maintenance
+        retirer = Retirer(kernel) if working else None  # (finished subagents: kernel/tasks.py)
+        asks = SubagentAsks(kernel) if working else None  # (their approvals: kernel/subagent_asks.py)
+        replies = Replies(kernel) if working else None  # (Delegate's answers: kernel/delegate.py)
         try:
-            if retirer is not None:  # (before recovery: its tap hears the runs it resumes end)
-                await retirer.start()
-            await kernel.titles.recover()
-            await tree.stop_orphan_jobs(kernel)  # (before recovery reports them: what an abort left)
-            await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
-            if asks is not None:  # (after recovery: the requests it withdrew are no longer shown)
-                await asks.recover()  # the copies a crash lost
-            await kernel._sweep_media()
-            await kernel.watchers.start()  # delivers what watched sources logged while it was down
-            if replies is not None:  # delivers the answers to Delegate calls owed from before
-                await replies.start()
-            kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
-            if kernel.heartbeat is not None:
-                kernel.heartbeat.start()
-            if kernel.retention is not None:
-                kernel.retention.start()
+            if not maintenance:  # (else nothing starts: see ``maintenance`` above)
+                if retirer is not None:  # (before recovery: its tap hears the runs it resumes end)
+                    await retirer.start()
+                await kernel.titles.recover()
+                await tree.stop_orphan_jobs(kernel)  # (before recovery reports them: what an abort left)
+                await tree.stop_orphans(kernel, await engine.recover())  # (what an abort left before a crash)
+                if asks is not None:  # (after recovery: the requests it withdrew are no longer shown)
+                    await asks.recover()  # the copies a crash lost
+                await kernel._sweep_media()
+                await kernel.watchers.start()  # delivers what watched sources logged while it was down
+                if replies is not None:  # delivers the answers to Delegate calls owed from before
+                    await replies.start()
+                kernel.scheduler.start()  # fires what came due meanwhile (missed repeats as one)
+                if kernel.heartbeat is not None:
+                    kernel.heartbeat.start()
+                if kernel.retention is not None:
+                    kernel.retention.start()
             yield kernel
         finally:
             if retirer is not None:
@@ -1583,6 +1597,73 @@ class Kernel:
             task = asyncio.create_task(self._remember(record, history), name=f"memories of {pid}")
             self._remembering.add(task)
             task.add_done_callback(self._remembering.discard)
+        return path
+
+    async def _kill_if_idle(self, pid: str, *, since: float, archive: bool) -> Path | None:
+        """Kill the process with everything below it only if all of it has been idle since
+        ``since``, decided in the transaction that deletes them (``StillActive`` otherwise, with
+        nothing done): input that reached one of them during a sweep must never get a receipt and
+        then see its run aborted. Each is held first as a kill holds it (``engine.clear``): this
+        worker's input for any of them waits for the decision, then finds the process, or none;
+        another worker's committed before the look, or waits for the transaction's end
+        (``Store.idle_processes`` with ``pids`` locks their rows). An idle process has no run to
+        abort, no queued input, schedule or watch: what is left of a kill is the archive and the
+        deletes, deepest first, as a kill goes."""
+        record = await self.store.get_process(pid)
+        if record is None:
+            raise NoSuchProcess(pid)
+        tree = await self._subtree(record)
+        async with AsyncExitStack() as held:
+            for member in tree:  # (top-down, in the order a kill takes them)
+                await held.enter_async_context(self.engine.clear(member.pid, if_idle=True))
+            path = await self._delete_idle(tree, since, archive)
+            for member in tree:
+                self.titles.cancel(member.pid)
+                self.media.delete_process(member.owner, member.pid)
+                self.watchers.forget(killed=member.pid)
+                await self.engine.forget(member.pid)
+        return path
+
+    async def _subtree(self, record: ProcessRecord) -> list[ProcessRecord]:
+        """``record`` and the live processes below it, each before its children (a child has its
+        parent's owner)."""
+        below: dict[str, list[ProcessRecord]] = {}
+        for other in await self.store.list_processes(record.owner):
+            if other.parent_pid is not None and other.state != "killed":
+                below.setdefault(other.parent_pid, []).append(other)
+        tree: list[ProcessRecord] = []
+        seen: set[str] = set()
+        todo = [record]
+        while todo:
+            member = todo.pop()
+            if member.pid in seen:  # (a cycle cannot be made, but a walk must end whatever the rows say)
+                continue
+            seen.add(member.pid)
+            tree.append(member)
+            todo.extend(below.get(member.pid, ()))
+        return tree
+
+    async def _delete_idle(self, tree: list[ProcessRecord], since: float, archive: bool) -> Path | None:
+        """``_kill_if_idle``'s one transaction: the look, then the archives and deletes; the root's
+        archive. A child made since the tree was read is activity too."""
+        root = tree[0]
+        pids = [member.pid for member in tree]
+        async with self.store.transaction():
+            idle = {r.pid: r for r in await self.store.idle_processes(since, pids)}
+            for pid in pids:
+                jobs = self.engine.has_background(pid) or await self.store.kv_get(pid, JOBS_KEY)
+                if pid not in idle or jobs:
+                    raise StillActive(root.pid, pid)
+            grown = {member.pid for member in await self._subtree(idle[root.pid])} - set(pids)
+            if grown:
+                raise StillActive(root.pid, min(grown))
+            path = None
+            for member in reversed(tree):  # (children before their parent)
+                record = idle[member.pid]
+                history = [m.message for m in await self.store.history(record.pid)]
+                queued = await self._discarded(record.pid, {})  # (what a failed clearing set aside)
+                path = await self._archive(record, "kill", history, queued) if archive else None
+                await self.store.delete_process(record.pid)
         return path
 
     async def _discarded(self, pid: str, queued: dict[int, Message]) -> list[Message]:

@@ -7,15 +7,23 @@ as ``retention=`` or in the config file's ``[retention]`` table). Two rules:
   compaction, clearing or rewind took out of a history) older than this is removed, with the
   ``history_segments`` rows that lead to it (a fork of such a segment then says there is no such
   segment) and the folders its removal leaves empty. An archive's age is the time in its header.
-- ``idle_processes``: a process with no activity for longer than this is killed through the
-  normal kill path (``Process.kill``): its history is archived, its media deleted, and that new
+- ``idle_processes``: a process with no activity for longer than this is killed
+  (``Process.kill(if_idle_since=...)``): its history is archived, its media deleted, and that new
   archive then ages under the first rule. Idle means the store knows of nothing under way or
   waiting for it (``Store.idle_processes``: no run, nothing queued, no pending approval or tool
   call, no schedule, no watch held or on it, no message or signal since the cut-off) and it has no
   background job. A child goes only with its parent (the kill takes the whole tree), so a process
   is killed only when every process below it is idle too, and a child whose parent lives is never
-  killed on its own. Interactive conversations are no exception: the one ``agentloop chat``
-  continues is killed like any other once idle that long (the next ``chat`` starts a new one).
+  killed on its own. The sweep's plan is only a list of candidates: whether a tree is still all
+  idle is decided again by the kill itself, in the transaction that deletes it, with this worker's
+  input for any of its processes held back until then and another worker's locked out
+  (``Kernel._kill_if_idle``). Input that arrived during the sweep therefore keeps its process (the
+  tree is skipped, logged at info), and input that comes after the kill finds no process, as after
+  any kill: a receipt is never followed by the kill of its process. Processes that another process
+  delegated a task to (``Delegate``, kernel/delegate.py: marked ``DELEGATED_KEY``) are never
+  killed, nor the trees above them: others reach them by pid, and would find nothing there.
+  Interactive conversations are no exception: the one ``agentloop chat`` continues is killed like
+  any other once idle that long (the next ``chat`` starts a new one).
 
 A sweep runs an hour apart (the first shortly after the kernel opens), as the ``retention`` duty
 (``kernel/duty.py``): with several workers on one PostgreSQL database, one sweeps at a time. An
@@ -35,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentloop.kernel.duty import Duty, DutyTimer
+from agentloop.kernel.tasks import DELEGATED_KEY
 from agentloop.process.archive import SUFFIX, StoredArchive, all_archives, remove_archive
 from agentloop.process.background import JOBS_KEY
 from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
@@ -42,7 +51,7 @@ from agentloop.process.store import NoSuchProcess, ProcessRecord, Store
 if TYPE_CHECKING:
     from agentloop.kernel.kernel import Kernel
 
-__all__ = ["Plan", "Retention", "RetentionTimer", "Swept", "plan", "sweep"]
+__all__ = ["Plan", "Retention", "RetentionTimer", "StillActive", "Swept", "plan", "sweep"]
 
 log = logging.getLogger("agentloop.kernel.retention")
 
@@ -57,6 +66,17 @@ def _check_span(name: str, value: object, *, optional: bool) -> None:
         raise TypeError(f"retention {name} must be a timedelta{' or None' if optional else ''}, got {value!r}")
     if value <= timedelta(0):
         raise ValueError(f"retention {name} must be positive, got {value}")
+
+
+class StillActive(Exception):
+    """A kill only if idle (``Process.kill(if_idle_since=...)``) found the process, or one below
+    it, active since the cut-off: nothing was killed."""
+
+    def __init__(self, pid: str, active: str) -> None:
+        which = "it" if active == pid else f"process {active} below it"
+        super().__init__(f"process {pid} was not killed: {which} has been active since the cut-off")
+        self.pid = pid
+        self.active = active
 
 
 @dataclass(frozen=True)
@@ -124,11 +144,13 @@ async def idle_roots(
 ) -> list[ProcessRecord]:
     """The processes idle since ``before`` that a kill may take with everything below them: a
     top-level one (or one whose parent is gone) whose whole tree is idle. ``busy``: what the
-    caller knows to be under way that the store cannot show (a reset or kill in progress)."""
+    caller knows to be under way that the store cannot show (a reset or kill in progress). A
+    process something was delegated to is never idle: others reach it by its pid."""
     idle = {r.pid: r for r in await store.idle_processes(before)}
     if not idle:
         return []
     jobs = await store.kv_values(JOBS_KEY)  # (one query: most processes have none)
+    delegated = await store.kv_values(DELEGATED_KEY)
     everyone = await store.list_processes()
     present = {r.pid for r in everyone}
     children: dict[str, list[str]] = {}
@@ -137,7 +159,7 @@ async def idle_roots(
             children.setdefault(record.parent_pid, []).append(record.pid)
 
     def quiet(pid: str) -> bool:
-        return pid in idle and not busy(pid) and not jobs.get(pid)
+        return pid in idle and not busy(pid) and not jobs.get(pid) and not delegated.get(pid)
 
     def tree_quiet(pid: str, seen: set[str]) -> bool:
         if pid in seen:  # (a cycle cannot be made, but a walk must end whatever the rows say)
@@ -180,8 +202,9 @@ async def remove_old_archive(store: Store, data_dir: Path, archive: StoredArchiv
 
 async def _still_idle(store: Store, planned: ProcessRecord) -> bool:
     """Whether nothing happened to the process since it was planned (a message or a run since
-    would have moved its registry row or filled its queue): a kill must not take a conversation
-    that came back to life during the sweep."""
+    would have moved its registry row or filled its queue): a quick look that spares the kill's
+    holds on a conversation that plainly came back to life during the sweep. Not the decision:
+    that is the kill's own (``if_idle_since``), made atomically with it for the whole tree."""
     record = await store.get_process(planned.pid)
     return (
         record is not None
@@ -202,13 +225,17 @@ async def sweep(kernel: Kernel, rules: Retention, *, now: float | None = None) -
         return done
     store = kernel.store
     todo = await plan(store, kernel.data_dir, rules, now=now, busy=kernel.engine.clearing.__contains__)
+    cut = now - rules.idle_processes.total_seconds() if rules.idle_processes is not None else now
     for record in todo.processes:
         try:
             if not await _still_idle(store, record):
                 continue
-            path = await (await kernel.process(record.pid)).kill(archive=True)
+            path = await (await kernel.process(record.pid)).kill(archive=True, if_idle_since=cut)
         except NoSuchProcess:
             continue  # (killed meanwhile, by its owner or another sweep)
+        except StillActive as exc:
+            log.info("retention: kept process %s of %s and the processes below it: %s", record.pid, record.owner, exc)
+            continue
         except Exception:
             done.failed += 1
             log.exception("retention: could not kill idle process %s of %s", record.pid, record.owner)

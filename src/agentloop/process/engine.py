@@ -371,14 +371,17 @@ class ProcessEngine:
         return Receipt(started, False, 0)
 
     @asynccontextmanager
-    async def clear(self, pid: str) -> AsyncIterator[None]:
+    async def clear(self, pid: str, *, if_idle: bool = False) -> AsyncIterator[None]:
         """Hold the process for a reset or kill (``clearing``). The clearing discards the input
         queued before it began. Input another worker queues meanwhile (this worker's own waits
         instead) is kept: it belongs to the fresh conversation, whose first run it starts once the
-        clearing is over, instead of a run on the history being cleared."""
+        clearing is over, instead of a run on the history being cleared. ``if_idle``: for a kill
+        that is given up if the process turns out not to be idle (``Kernel._kill_if_idle``): its
+        background work is left running, for that kill's check to find."""
         with ExitStack() as after:
             async with self.clearing.hold(pid):
-                self.stop_background(pid)  # (what it would tell belongs to the conversation being cleared)
+                if not if_idle:  # (what it would tell belongs to the conversation being cleared)
+                    self.stop_background(pid)
                 self.discarding[pid] = max((item.id for item in await self.store.queue(pid)), default=0)
                 try:
                     await self.settle_deliveries()  # (before the clearing looks for the run to stop)
@@ -896,6 +899,10 @@ class ProcessEngine:
         return await _retried(lambda: admission.withdraw(self, pid, item_id, kind))
 
     # -- background work (see ``ToolContext.background``) -----------------------------------------
+
+    def has_background(self, pid: str) -> bool:
+        """Whether background work of the process runs on this worker."""
+        return pid in self._background
 
     def start_background(
         self, pid: str, work: Coroutine[Any, Any, str], label: str, *, call: CallKey | None = None

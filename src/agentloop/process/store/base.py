@@ -727,13 +727,18 @@ class Store(ABC):
     # -- retention (kernel/retention.py) --------------------------------------------------------
 
     @abstractmethod
-    async def idle_processes(self, before: float) -> list[ProcessRecord]:
+    async def idle_processes(self, before: float, pids: Sequence[str] | None = None) -> list[ProcessRecord]:
         """Live processes with nothing under way or waiting and nothing done since ``before``,
         least recently active first: state idle with no run, nothing queued, no pending approval
         or tool call, no schedule, no watch held or on it, and neither the registry row
         (``created_at``, ``updated_at``) nor the newest message or logged signal at or after
         ``before``. Children are listed like any other: whether one goes with its parent is the
-        caller's to judge."""
+        caller's to judge.
+
+        With ``pids``, inside a transaction: only those, with their rows locked first (changing
+        none), so that a writer to one of them (a send, a run starting) either committed before
+        this look, and is seen, or waits for the transaction's end: what is found idle stays so
+        until then (retention's kill decides and deletes in that one transaction)."""
 
     @abstractmethod
     async def exclusive(self, key: str) -> None:

@@ -353,8 +353,9 @@ _IDLE_SINCE = (
     " AND NOT EXISTS (SELECT 1 FROM signal_watches w WHERE w.pid = p.pid OR w.source_pid = p.pid)"
     " AND COALESCE((SELECT m.created_at FROM messages m WHERE m.pid = p.pid ORDER BY m.id DESC LIMIT 1), 0) < $1"
     " AND COALESCE((SELECT e.created_at FROM events e WHERE e.pid = p.pid ORDER BY e.seq DESC LIMIT 1), 0) < $1"
-    " ORDER BY p.updated_at, p.pid"
 )
+_IDLE_AMONG = " AND p.pid = ANY($2::text[])"
+_IDLE_ORDER = " ORDER BY p.updated_at, p.pid"
 
 
 class PostgresStore(Store):
@@ -1090,9 +1091,16 @@ class PostgresStore(Store):
     async def delete_segment(self, segment_id: str) -> bool:
         return _changed(await self._write().execute("DELETE FROM history_segments WHERE id = $1", segment_id)) == 1
 
-    async def idle_processes(self, before: float) -> list[ProcessRecord]:
-        async with self._reading() as db:
-            rows = await db.fetch(_IDLE_SINCE, float(before))
+    async def idle_processes(self, before: float, pids: Sequence[str] | None = None) -> list[ProcessRecord]:
+        if pids is None:
+            async with self._reading() as db:
+                rows = await db.fetch(_IDLE_SINCE + _IDLE_ORDER, float(before))
+            return [process_record(r) for r in rows]
+        db = self._write()
+        # the rows locked first, in a statement of their own (in pid order: two such looks never
+        # deadlock); the look after it, a statement of its own too, sees every commit before
+        await db.execute("SELECT 1 FROM processes WHERE pid = ANY($1::text[]) ORDER BY pid FOR UPDATE", list(pids))
+        rows = await db.fetch(_IDLE_SINCE + _IDLE_AMONG + _IDLE_ORDER, float(before), list(pids))
         return [process_record(r) for r in rows]
 
     def hold_runtime(self) -> None:

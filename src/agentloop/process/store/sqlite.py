@@ -193,8 +193,9 @@ _IDLE_SINCE = (
     " < :before"
     " AND COALESCE((SELECT e.created_at FROM events e WHERE e.pid = p.pid ORDER BY e.seq DESC LIMIT 1), 0)"
     " < :before"
-    " ORDER BY p.updated_at, p.pid"
 )
+_IDLE_AMONG = " AND p.pid IN (SELECT value FROM json_each(:pids))"
+_IDLE_ORDER = " ORDER BY p.updated_at, p.pid"
 
 
 class SQLiteStore(Store):
@@ -1097,8 +1098,13 @@ class SQLiteStore(Store):
     async def delete_segment(self, segment_id: str) -> bool:
         return self._write().execute("DELETE FROM history_segments WHERE id = ?", (segment_id,)).rowcount == 1
 
-    async def idle_processes(self, before: float) -> list[ProcessRecord]:
-        rows = self._read_registry().execute(_IDLE_SINCE, {"before": float(before)}).fetchall()
+    async def idle_processes(self, before: float, pids: Sequence[str] | None = None) -> list[ProcessRecord]:
+        if pids is None:
+            rows = self._read_registry().execute(_IDLE_SINCE + _IDLE_ORDER, {"before": float(before)}).fetchall()
+            return [process_record(r) for r in rows]
+        self._write()  # (the transaction holds the database's one write lock: no writer comes between)
+        among = {"before": float(before), "pids": json.dumps(list(pids))}
+        rows = self._read_registry().execute(_IDLE_SINCE + _IDLE_AMONG + _IDLE_ORDER, among).fetchall()
         return [process_record(r) for r in rows]
 
     async def exclusive(self, key: str) -> None:
