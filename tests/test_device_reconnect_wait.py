@@ -16,11 +16,12 @@ from typing import Any
 
 import websockets
 
-from agentloop.kernel.devices import device_toolset
+from agentloop.kernel.devices import cut_by_shutdown, device_toolset
 from agentloop.process import signals as sig
 from agentloop.process.signals import Signal
 from agentloop.process.store import ProcessRecord
 from agentloop.process.store.base import DeviceNews
+from agentloop.server import devices as hub_module
 from agentloop.tools.base import ToolContext, ToolResult
 from agentloop.tools.builtin import builtin_tools
 from tests.test_device_client import world
@@ -235,3 +236,208 @@ async def test_aborting_the_run_ends_its_wait_for_a_device_at_once(tmp_path: Pat
         finally:
             following.cancel()
         assert not w.hub._waits  # nothing is left waiting for the device
+
+
+# -- the server's shutdown, the call's own deadline, a device held by another worker, the limits ----
+
+
+async def _never_answer(ws: Any, asked: asyncio.Event) -> None:
+    """A device that takes every call and never answers it (a long one)."""
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async for raw in ws:
+            frame = json.loads(raw)
+            if frame.get("type") == "req" and frame["call"] == "sys.ping":
+                await ws.send(json.dumps({"type": "res", "id": frame["id"], "ok": True, "data": {}}))
+            elif frame.get("type") == "req" and frame["call"] != "request.cancel":
+                asked.set()
+
+
+async def test_shutdown_ends_an_inflight_idempotent_call_at_once(tmp_path: Path) -> None:
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        tools = [{"name": "lookup", "parameters": {"type": "object"}, "idempotent": True}]
+        ws, res = await connect(b, await b.device_token("laptop"), "laptop", implements=[], tools=tools)
+        assert res["ok"] is True, res
+        asked = asyncio.Event()
+        serving = asyncio.create_task(_never_answer(ws, asked))
+        call = asyncio.create_task(b.hub.call("alice", "laptop", "tool.lookup", {}, 60, idempotent=True))
+        await asyncio.wait_for(asked.wait(), 5)
+        started = time.monotonic()
+        await b.hub.close()  # its drop of the call must not start a wait for the device to come back
+        try:
+            result = await asyncio.wait_for(call, 3)
+        finally:
+            serving.cancel()
+        assert time.monotonic() - started < 3
+        assert result.is_error and "the server is shutting down" in text(result), text(result)
+        assert cut_by_shutdown(result)
+
+
+async def test_a_call_made_after_shutdown_began_does_not_wait(tmp_path: Path) -> None:
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        await device.down()
+        await b.hub.close()
+        result = await asyncio.wait_for(b.hub.call("alice", "laptop", "fs.read", {"path": "a"}, 5), 3)
+        assert result.is_error and "the server is shutting down" in text(result), text(result)
+
+
+async def test_a_device_tool_cut_by_shutdown_records_nothing_and_waits_for_the_runtime_to_cancel_it(
+    tmp_path: Path,
+) -> None:
+    """No "shutting down" error is handed to the run for a call that never ran: the tool stays
+    until the runtime's close cancels it, as it does every call a shutdown interrupts (a durable
+    process then resumes it after the restart)."""
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        read = toolset(b, tmp_path)["Read"]
+        await device.down()
+        updates: list[Any] = []
+        ctx = ToolContext("c1", "Read", tmp_path, update=updates.append)
+        call = asyncio.create_task(read.run(read.validate({"path": "a.txt", "target": "laptop"}), ctx))
+        await until_waiting(updates)
+        await b.hub.close()
+        done, _ = await asyncio.wait([call], timeout=0.2)
+        assert not done  # no result: neither an error to record nor a wait of 30 s
+        call.cancel()  # what the runtime's close does next
+        await asyncio.wait([call], timeout=1)
+        assert call.cancelled()
+
+
+async def test_the_wait_leaves_the_call_its_own_deadline_and_says_the_device_did_not_reconnect_in_time(
+    tmp_path: Path,
+) -> None:
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        read = toolset(b, tmp_path)["Read"]
+        await device.down()
+        loop = asyncio.get_running_loop()
+        updates: list[Any] = []
+        # the runtime cuts the call 1 s from now: the hub gives up its wait before that, in its own words
+        ctx = ToolContext("c1", "Read", tmp_path, update=updates.append, deadline=loop.time() + 1.0)
+        started = time.monotonic()
+        result = await asyncio.wait_for(read.run(read.validate({"path": "a.txt", "target": "laptop"}), ctx), 5)
+        assert time.monotonic() - started < 1.0
+        assert result.is_error and "did not connect again in time" in text(result), text(result)
+        assert "(up to 0.5 s)" in updates[0]["text"], updates
+
+
+async def test_a_device_back_late_in_the_wait_is_cut_by_the_calls_deadline_not_a_fresh_timeout(
+    tmp_path: Path,
+) -> None:
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        await device.down()
+        loop = asyncio.get_running_loop()
+        updates: list[Any] = []
+        deadline = loop.time() + 1.5
+        call = asyncio.create_task(
+            b.hub.call("alice", "laptop", "fs.read", {}, 60, progress=updates.append, deadline=deadline)
+        )
+        await until_waiting(updates)
+        ws, res = await connect(b, device.token, "laptop")  # back, but it never answers
+        assert res["ok"] is True, res
+        asked = asyncio.Event()
+        serving = asyncio.create_task(_never_answer(ws, asked))
+        try:
+            result = await asyncio.wait_for(call, 5)
+            assert loop.time() < deadline  # before the runtime would cut it, not 60 s after the sending
+            assert asked.is_set()
+            assert result.is_error and "the call's time ran out" in text(result), text(result)
+        finally:
+            await ws.close()
+            serving.cancel()
+
+
+async def test_a_device_connected_through_another_worker_fails_a_call_at_once(tmp_path: Path) -> None:
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        await device.down()
+        online = {"device": "laptop", "status": "online", "timestamp": time.time()}
+        b.hub.heard(DeviceNews("alice", "laptop", "status", online))  # another worker holds it now
+        started = time.monotonic()
+        result = await asyncio.wait_for(b.hub.call("alice", "laptop", "fs.read", {}, 5), 2)
+        assert time.monotonic() - started < 1
+        assert result.is_error and "through another worker" in text(result), text(result)
+        # it left that worker: a call waits for it again
+        b.hub.reconnect_wait = SHORT_WAIT
+        offline = {"device": "laptop", "status": "offline", "timestamp": time.time()}
+        b.hub.heard(DeviceNews("alice", "laptop", "status", offline))
+        result = await asyncio.wait_for(b.hub.call("alice", "laptop", "fs.read", {}, 5), 2)
+        assert "did not connect again within 0.3 s" in text(result), text(result)
+        # and one that connects here again is no longer taken to be elsewhere
+        b.hub.heard(DeviceNews("alice", "laptop", "status", online))
+        await device.up()
+        assert not (await b.hub.call("alice", "laptop", "fs.read", {}, 5)).is_error
+        await device.down()
+        assert "did not connect again" in text(await b.hub.call("alice", "laptop", "fs.read", {}, 5))
+
+
+async def test_an_offline_target_costs_one_registry_read(tmp_path: Path) -> None:
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = SHORT_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        read = toolset(b, tmp_path)["Read"]
+        await device.down()
+        async with asyncio.timeout(5):  # (its leave, written down in the background)
+            while b.hub._background:
+                await asyncio.sleep(0.01)
+        store = b.hub.store
+        assert store is not None
+        reads: list[str] = []
+        real = store.list_devices
+
+        async def counted(owner: str | None) -> Any:
+            reads.append(str(owner))
+            return await real(owner)
+
+        store.list_devices = counted  # type: ignore[method-assign]
+        try:
+            result = await read.run(
+                read.validate({"path": "a", "target": "laptop"}), ToolContext("c", "Read", tmp_path)
+            )
+            assert "did not connect again" in text(result), text(result)
+            assert reads == ["alice"]
+            reads.clear()
+            result = await read.run(read.validate({"path": "a", "target": "phone"}), ToolContext("c", "Read", tmp_path))
+            assert "not one of your online devices" in text(result), text(result)  # no device of hers
+            assert reads == ["alice"]
+        finally:
+            del store.list_devices
+
+
+async def test_an_account_has_a_bounded_number_of_calls_waiting(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(hub_module, "MAX_WAITING_CALLS", 2)
+    async with box(tmp_path) as b:
+        b.hub.reconnect_wait = LONG_WAIT
+        device = Device(b, await b.device_token("laptop"))
+        await device.up()
+        await device.down()
+        seen: list[Any] = []
+        waiting = [
+            asyncio.create_task(b.hub.call("alice", "laptop", "fs.read", {}, 5, progress=seen.append)) for _ in range(2)
+        ]
+        try:
+            async with asyncio.timeout(5):
+                while len(seen) < 2:
+                    await asyncio.sleep(0.01)
+            result = await asyncio.wait_for(b.hub.call("alice", "laptop", "fs.read", {}, 5), 2)
+            assert result.is_error and "2 calls of this account already wait" in text(result), text(result)
+            await device.up()  # the two waiting go
+            assert not any(r.is_error for r in await asyncio.wait_for(asyncio.gather(*waiting), 5))
+        finally:
+            for task in waiting:
+                task.cancel()
+        assert not b.hub._waits and not b.hub._waiting
+        await device.down()

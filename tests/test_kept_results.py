@@ -2,25 +2,38 @@
 output is (``.agentloop/outputs/``, ``process_group.KeptOutput``): the cut names the file and the
 first line not shown, and Read pages through it. Without a workspace (or one the file cannot be
 written to) the cut is as it always was; a result that fits writes nothing; Search leaves the
-kept files out unless it is pointed into them."""
+kept files out unless it is pointed into them. The workspace is every account's: a result of an
+account's own tool (its MCP servers, devices, memory, what a toolset adds for it) is never kept
+there, nor a Read of a file already there; a process directory swapped for a symlink is not
+written through."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import stat
 import threading
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentloop import Agent, Reply, ScriptedModel, ToolResult, ToolResultMessage, call, tool
-from agentloop.kernel import Kernel
+from agentloop.kernel import Kernel, account_mcp
+from agentloop.kernel.devices import RoutedTool
+from agentloop.loop.hooks import maybe_await
 from agentloop.messages import ImageContent, TextContent
+from agentloop.process.store import ProcessRecord
+from agentloop.server.devices import DeviceHub
 from agentloop.tools import base, process_group, search_python
 from agentloop.tools.base import Tool
+from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.fs import read_file
+from agentloop.tools.mcp import MCPServerConfig
 from agentloop.tools.search import search_files
+from tests.test_devices import ALICE, online
 from tests.test_output_offload11 import kept_files, outputs
 from tests.test_tool_results import results_seen
 from tests.test_tools_shell import text
@@ -201,3 +214,121 @@ async def test_search_skips_kept_outputs_unless_pointed_inside(root: Path, use_r
     assert text(inside).splitlines() == [f".agentloop/outputs/{kept.name}:10001: {MIDDLE}"]
     nested = await search_files(root, MIDDLE, "sub/.agentloop/outputs", use_rg=use_rg)
     assert text(nested).splitlines() == [f"sub/.agentloop/outputs/old.txt:1: {MIDDLE}"]
+
+
+# ------------------------------------------------------------------ the workspace is every account's
+
+SECRET = "ALICE-PRIVATE-TOKEN-9f3a"
+
+
+def alice_mail() -> Tool:
+    """An account's own tool, its long answer holding what only that account may read."""
+
+    @tool(max_result_chars=2_000)
+    def alice_mail() -> str:
+        """Alice's mail."""
+        return "\n".join([f"filler {i}" for i in range(2000)] + [SECRET] + [f"filler {i}" for i in range(2000)])
+
+    return alice_mail
+
+
+def as_toolset(mail: Tool) -> Callable[[ProcessRecord, Mapping[str, Tool]], Mapping[str, Tool]]:
+    """An application's toolset giving alice her own tool."""
+    return lambda record, shared: {**shared, mail.name: mail} if record.owner == "alice" else shared
+
+
+def as_account_mcp(mail: Tool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alice's own MCP server (``home/alice/mcp.json``) answering with the tool."""
+
+    @contextlib.asynccontextmanager
+    async def servers(configs: list[MCPServerConfig]) -> AsyncIterator[list[Tool]]:
+        yield [mail]
+
+    monkeypatch.setattr(account_mcp, "mcp_tools", servers)
+    (tmp_path / "home" / "alice").mkdir(parents=True)
+    (tmp_path / "home" / "alice" / "mcp.json").write_text(json.dumps([{"name": "mail", "command": "srv"}]))
+
+
+@pytest.mark.parametrize("given_by", ["toolset", "account_mcp"])
+async def test_an_accounts_own_tool_keeps_no_cut_result_another_account_could_read(
+    root: Path, monkeypatch: pytest.MonkeyPatch, given_by: str
+) -> None:
+    mail = alice_mail()
+    options: dict[str, Any] = {}
+    if given_by == "toolset":
+        options["toolset"] = as_toolset(mail)
+    else:
+        as_account_mcp(mail, root.parent, monkeypatch)
+    model = ScriptedModel(
+        [
+            Reply(tool_calls=[call("alice_mail")]),
+            "ok",
+            Reply(tool_calls=[call("Search", pattern="PRIVATE-TOKEN", path=".agentloop/outputs")]),
+            "ok",
+        ]
+    )
+    tools = [*builtin_tools(root)]
+    url = f"sqlite:///{root.parent}/k.db"
+    async with Kernel.open(url, model=model, tools=tools, workspace=root, **options) as k:
+        alice = await k.spawn(owner="alice")
+        await alice.send("go")
+        await alice.wait_idle()
+        [cut] = [m.text for m in await alice.messages() if isinstance(m, ToolResultMessage)]
+        assert SECRET not in cut and "Ask for a smaller part if the cut matters" in cut and "kept in" not in cut
+        # the kernel's own per-account tools alike; a shared tool keeps its cut results
+        record, toolset = await k.store.get_process(alice.pid), k.engine.toolset
+        assert record is not None and toolset is not None
+        offered = await maybe_await(toolset(record, k.engine.config.tools))
+        assert not offered["memory"].keeps_cut_results and offered["Shell"].keeps_cut_results
+        bob = await k.spawn(owner="bob")
+        await bob.send("look")
+        await bob.wait_idle()
+        [found] = [m.text for m in await bob.messages() if isinstance(m, ToolResultMessage)]
+        assert SECRET not in found
+    assert kept_files(root) == []
+
+
+async def test_a_device_targeted_calls_cut_result_is_not_kept(root: Path) -> None:
+    async def answer(call_name: str, args: dict[str, Any]) -> dict[str, Any]:
+        return {"content": [{"type": "text", "text": LONG * 5}], "is_error": False}  # over Read's 100k
+
+    hub = DeviceHub()
+    await online(hub, ALICE, "laptop", handler=answer, tools=[{"name": "dump", "parameters": {"type": "object"}}])
+    model = ScriptedModel(
+        [Reply(tool_calls=[call("Read", path="big.log", target="laptop"), call("laptop__dump")]), "ok"]
+    )
+    async with Kernel.open(f"sqlite:///{root.parent}/k.db", model=model, workspace=root, devices=hub) as k:
+        proc = await k.spawn("alice")
+        await proc.send("go")
+        await proc.wait_idle()
+        cuts = [m.text for m in await proc.messages() if isinstance(m, ToolResultMessage)]
+    assert len(cuts) == 2
+    for cut in cuts:
+        assert "Ask for a smaller part if the cut matters" in cut and "kept in" not in cut
+    assert kept_files(root) == []
+    # the same tool run on the server decides as its own tool does
+    routed = RoutedTool(fetch_page, "fs.read", "alice", [], hub)
+    assert routed.keeps_result_of({}) and not routed.keeps_result_of({"target": "laptop"})
+
+
+async def test_reading_a_kept_file_does_not_keep_it_again(root: Path) -> None:
+    name = await assert_kept(await run_in_memory(fetch_page, root), root)
+    model = ScriptedModel([Reply(tool_calls=[call("Read", path=name, limit=len(LINES))]), "ok"])
+    await Agent(model=model, tools=builtin_tools(root), workspace=root).run("go")
+    [page] = results_seen(model)
+    assert "characters cut" in page and "Ask for a smaller part if the cut matters" in page
+    assert kept_files(root) == [Path(name).name]
+
+
+async def test_a_process_directory_swapped_for_a_symlink_is_not_written_through(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    model = ScriptedModel([Reply(tool_calls=[call("fetch_page")]), "ok"])
+    agent = Agent(model=model, tools=[fetch_page], workspace=tmp_path / "sub")
+    (tmp_path / "sub").rmdir()
+    (tmp_path / "sub").symlink_to(elsewhere)  # (as a command of the process could)
+    await agent.run("go")
+    [seen] = results_seen(model)
+    assert "Ask for a smaller part if the cut matters" in seen and "kept in" not in seen
+    assert list(elsewhere.iterdir()) == []

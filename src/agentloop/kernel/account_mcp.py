@@ -99,6 +99,8 @@ class AccountMCP:
             await stack.aclose()
             log.warning("MCP servers of account %r: %s; retrying in %g s", owner, exc, RETRY_AFTER)
             return _Account(stamp, failed_at=self.clock())
+        for tool in tools:  # what an account's own servers answer is that account's: a cut result is
+            tool.keeps_cut_results = False  # not copied into the workspace every account shares
         return _Account(stamp, tools, stack)
 
     async def _stop(self, owner: str) -> None:

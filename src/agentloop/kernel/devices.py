@@ -19,16 +19,25 @@ a stored call that names a device which has since gone away fails instead of sil
 the server.
 
 Devices blip (a laptop's lid, a phone changing networks): a call to one of the owner's devices that
-is offline right now, but may come back (``DeviceDirectory.expects``), waits a while for it
-(the directory's business, reported through the call's ``progress``), and a call of an
-``idempotent`` tool whose device dropped while it ran is run again once the device is back.
+is offline right now, but may come back, waits a while for it (the directory's business, reported
+through the call's ``progress``, within the call's ``deadline``), and a call of an ``idempotent``
+tool whose device dropped while it ran is run again once the device is back.
+
+A call the server's shutdown cuts (waiting for its device, or dropped by the closing hub) never
+gets a result: the directory says so (``shut_down``) and the tool waits to be cancelled, which the
+runtime's close does next (``agentloop serve`` closes the device hub first). A durable process
+thus resumes the call after the restart as any call a shutdown interrupted (an idempotent tool
+runs again, another gets the runtime's "interrupted by a restart" error), where a recorded
+"the server is shutting down" error would end a call that may never have run, and that the
+device could run once it is back. (The call's own timeout still bounds that wait.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,9 +56,11 @@ __all__ = [
     "DeviceDirectory",
     "DeviceInfo",
     "DeviceTool",
+    "cut_by_shutdown",
     "describe_devices",
     "device_tool_name",
     "device_toolset",
+    "shut_down",
     "split_device_tool",
 ]
 
@@ -61,6 +72,28 @@ DEFAULT_CALL_TIMEOUT = 60.0
 #: extra seconds a routed shell call gets beyond its own timeout, for the device to report it
 SHELL_GRACE = 10.0
 _SEPARATOR = "__"
+#: ``details`` of the result of a device call the server's shutdown cut (``shut_down``)
+_SHUT_DOWN = "shut_down"
+
+
+def shut_down(text: str) -> ToolResult:
+    """The result a directory gives a device call the server's shutdown cut, before it ran or while
+    it did (``text`` says which): an error to a direct caller; the tools here wait for their
+    cancellation instead (the module docstring)."""
+    return ToolResult.text(text, is_error=True, details={"device_call": _SHUT_DOWN})
+
+
+def cut_by_shutdown(result: ToolResult) -> bool:
+    """Whether ``result`` is a ``shut_down`` one."""
+    return isinstance(result.details, dict) and result.details.get("device_call") == _SHUT_DOWN
+
+
+async def _unless_shut_down(result: ToolResult) -> ToolResult:
+    """``result``, unless the server's shutdown cut the call: then wait for the cancellation the
+    runtime's close brings (or the call's own timeout), so no result of it is recorded."""
+    if cut_by_shutdown(result):
+        await asyncio.get_running_loop().create_future()  # (never set)
+    return result
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +144,6 @@ class DeviceDirectory(Protocol):
         """The devices of ``owner`` connected right now (never another account's)."""
         ...
 
-    async def expects(self, owner: str, device_id: str) -> bool:
-        """Whether ``owner``'s device ``device_id``, offline now, is one that may connect again
-        (worth a call waiting for it), rather than a name that is no device of theirs."""
-        ...
-
     async def call(
         self,
         owner: str,
@@ -126,13 +154,19 @@ class DeviceDirectory(Protocol):
         *,
         idempotent: bool = False,
         progress: Callable[[Any], None] | None = None,
+        deadline: float | None = None,
+        not_a_device: str | None = None,
     ) -> ToolResult:
         """Run ``call`` on ``owner``'s device; failures (offline, timeout, disconnect) are error
         results, never exceptions. Cancelling the caller cancels the call on the device.
+        ``timeout`` bounds the device's answer to one sending; ``deadline`` (the caller's, in
+        event-loop time: ``ToolContext.deadline``) the whole call, waits included.
 
-        A device that is offline may be waited for a while (told through ``progress``, the call's
-        ``ToolContext.update``); a call the device dropped is run again after it is back only if
-        ``idempotent``: otherwise it might run twice."""
+        A device that is offline, but may connect again, may be waited for a while (told through
+        ``progress``, the call's ``ToolContext.update``); a call the device dropped is run again
+        after it is back only if ``idempotent``: otherwise it might run twice. ``not_a_device`` is
+        the error for a ``device_id`` that is not one of the owner's devices (None: the
+        directory's own words). A call the server's shutdown cut is a ``shut_down`` result."""
         ...
 
 
@@ -224,27 +258,41 @@ class RoutedTool(Tool):
         checked = self.base.validate(rest)
         return checked if target == LOCAL else {**checked, "target": target}
 
+    def keeps_result_of(self, arguments: Mapping[str, Any]) -> bool:
+        # a device's answer is its owner's: never kept in the workspace every account shares
+        return arguments.get("target", LOCAL) == LOCAL and self.base.keeps_result_of(arguments)
+
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         target = arguments.get("target", LOCAL)
         if target == LOCAL:
             return await self.base.run(arguments, ctx)
         # Checked now rather than at validation: the list the run started with may be stale. A
-        # device of the owner's that is offline for now is left to the directory, which waits for it.
+        # device of the owner's that is offline for now is left to the directory, which waits for
+        # it, and refuses (``not_a_device``) a name that is none of the owner's devices.
         connected = {d.id: d for d in self.directory.online(self.owner)}
         device = connected.get(target)
-        if (device is None and not await self.directory.expects(self.owner, target)) or (
-            device is not None and self.device_syscall not in device.implements
-        ):
-            online = sorted(d.id for d in connected.values() if self.device_syscall in d.implements)
-            listed = ", ".join(online) or "none"
-            return ToolResult.error(
-                f"Target {target!r} is not one of your online devices that implement {self.device_syscall} "
-                f"(online: {listed}); use target '{LOCAL}' or an online device."
-            )
+        if device is not None and self.device_syscall not in device.implements:
+            return ToolResult.error(self._not_a_target(target, connected.values()))
         args = {k: v for k, v in arguments.items() if k != "target"}
-        timeout = _call_timeout(self.device_syscall, args)
-        return await self.directory.call(
-            self.owner, target, self.device_syscall, args, timeout, idempotent=self.idempotent, progress=ctx.update
+        result = await self.directory.call(
+            self.owner,
+            target,
+            self.device_syscall,
+            args,
+            _call_timeout(self.device_syscall, args),
+            idempotent=self.idempotent,
+            progress=ctx.update,
+            deadline=ctx.deadline,
+            not_a_device=None if device is not None else self._not_a_target(target, connected.values()),
+        )
+        return await _unless_shut_down(result)
+
+    def _not_a_target(self, target: str, connected: Iterable[DeviceInfo]) -> str:
+        online = sorted(d.id for d in connected if self.device_syscall in d.implements)
+        listed = ", ".join(online) or "none"
+        return (
+            f"Target {target!r} is not one of your online devices that implement {self.device_syscall} "
+            f"(online: {listed}); use target '{LOCAL}' or an online device."
         )
 
 
@@ -285,7 +333,11 @@ class DeviceExtraTool(Tool):
 
     def __init__(self, device: DeviceInfo, spec: DeviceTool, directory: DeviceDirectory) -> None:
         super().__init__(
-            device_tool_name(device.id, spec.name), spec.description, spec.parameters, idempotent=spec.idempotent
+            device_tool_name(device.id, spec.name),
+            spec.description,
+            spec.parameters,
+            idempotent=spec.idempotent,
+            keeps_cut_results=False,  # (its answer is its owner's, the workspace every account's)
         )
         self.device = device.id
         self.owner = device.owner
@@ -308,7 +360,7 @@ class DeviceExtraTool(Tool):
         return arguments
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
-        return await self.directory.call(
+        result = await self.directory.call(
             self.owner,
             self.device,
             f"tool.{self.remote_name}",
@@ -316,7 +368,9 @@ class DeviceExtraTool(Tool):
             DEFAULT_CALL_TIMEOUT,
             idempotent=self.idempotent,
             progress=ctx.update,
+            deadline=ctx.deadline,
         )
+        return await _unless_shut_down(result)
 
 
 def device_toolset(directory: DeviceDirectory) -> ToolsetFn:

@@ -128,7 +128,7 @@ from agentloop.process.tool_scope import (
     unknown_entries,
     widening,
 )
-from agentloop.tools.base import Tool, ToolLike
+from agentloop.tools.base import Tool, ToolLike, owner_scoped
 from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 
@@ -921,6 +921,7 @@ class Kernel:
             toolset = chain(memory_toolset(data), toolset)
         if builtin:
             toolset = chain(cwd_toolset(root, shell_sandbox, tuple(shell_sandbox_read)), toolset)
+        toolset = owner_scoped(toolset)  # (an owner's own tools keep no cut results in the shared workspace)
         amend: AmendFn | None = None  # (a caller's own ``approval`` keeps no account files to amend)
         policies: PolicyBook | None = None  # (one book: the processes' checks and /engine/chat ask it alike)
         if approval is None:

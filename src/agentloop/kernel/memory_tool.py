@@ -70,6 +70,7 @@ def memory_tool(home: Path) -> FunctionTool:
             "entries whose text (not heading) contains text."
         ),
         thread=True,
+        keeps_cut_results=False,  # an account's memory, never copied into the workspace every account shares
     )
     def memory(
         action: Literal["search", "list", "read", "remember", "forget"],

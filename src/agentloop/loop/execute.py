@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 from agentloop.events import (
@@ -176,14 +175,15 @@ async def _execute(
     call_key: str | None = None,
     background: Callable[[Coroutine[Any, Any, str], str], None] | None = None,
     jobs: JobTable | None = None,
-    keep_in: Path | None = None,
+    keep_in: str | None = None,
 ) -> ToolResultMessage:
     """Run one checked call under its timeout. ``nested`` is the durable runner's policy check for
     calls the tool makes itself (the in-memory runner's policy is a hook); ``budget`` counts those
     calls against the run's ``max_tool_calls`` (each runner keeps its own count); ``call_key``,
     ``background`` and ``jobs`` as in ``ToolContext``. A result cut for its length is kept whole
     beneath ``keep_in`` (default: the run's workspace; none without one), where the Read tool finds
-    it (``ToolResult.capped_keeping``)."""
+    it (``ToolResult.capped_keeping``), unless the tool says its result must not be
+    (``Tool.keeps_result_of``: an account's own tool, a device's, a view of a file already there)."""
     call, tool = p.call, p.tool
     timeout = tool.timeout if tool.timeout is not None else cfg.tool_timeout
     check = nested_check(cfg, p, nested)
@@ -201,6 +201,8 @@ async def _execute(
         metadata=state.metadata,
         background=background,
         jobs=jobs,
+        # (when ``_within`` below cuts it: it starts its clock just after this one)
+        deadline=None if timeout is None else asyncio.get_running_loop().time() + timeout,
     )
     if emit is not None:
 
@@ -232,7 +234,8 @@ async def _execute(
             result = ToolResult.error(f"after-tool-call hook failed: {exc}")
     limit = tool.max_result_chars
     if limit is not None and result.too_long(limit):  # (checked first: nearly every result fits, and costs no await)
-        result = await result.capped_keeping(limit, keep_in or cfg.workspace)
+        where = (keep_in or cfg.workspace) if tool.keeps_result_of(p.info.args) else None
+        result = await result.capped_keeping(limit, where)
     return result.to_message(call.id, call.name)
 
 

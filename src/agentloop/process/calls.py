@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentloop.events import LoopEvent, ToolExecutionUpdate, ToolRetryExhausted, ToolRetryResolved, ToolRetryScheduled
@@ -252,8 +251,9 @@ async def run_tool(engine: ProcessEngine, live: _Live, run_id: str, row: ToolCal
                 call_key=row.dispatch_id,
                 background=background,
                 jobs=jobs,
-                # (a process's built-in tools are rooted in its own directory: its Read finds the file there)
-                keep_in=Path(live.record.cwd) if cfg.workspace is not None else None,
+                # (a process's built-in tools are rooted in its own directory: its Read finds the file there;
+                # the str, made a Path only for a result that is cut)
+                keep_in=live.record.cwd if cfg.workspace is not None else None,
             )
             await progress.flush()
         result = edited_result(prepared, result)

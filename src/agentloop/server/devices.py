@@ -14,12 +14,17 @@ Devices blip (a laptop's lid, a phone changing networks, the server restarting),
 device that is offline when it is made waits up to ``reconnect_wait`` seconds for it to connect
 again, telling the run so (its ``progress``), then runs there: nothing ran yet, so that is always
 safe. A call the device drops while it runs is run again the same way only if the tool is
-idempotent; any other may have done its work, so it is an error result that says so. A wait ends
-at once, with an error, when the device's token is revoked or it is forgotten (nothing would let
-it back in), or when it connects through another worker sharing the store (calls reach a device
-only through the worker holding its connection: this one could not reach it there), and when the
-caller is cancelled (the run aborted). Only a device the registry says may come back is waited
-for: a hub without a store knows no registry, and does not wait.
+idempotent; any other may have done its work, so it is an error result that says so. The wait
+and the answer share the call's own time (its ``deadline``, the runtime's timeout): a wait that
+used it up says the device did not reconnect in time. A wait ends at once, with an error, when the
+device's token is revoked or it is forgotten (nothing would let it back in), or when it is
+connected through another worker sharing the store (calls reach a device only through the worker
+holding its connection: this one could not reach it there; known from the ``device.status`` the
+other workers send, ``heard``), and when the caller is cancelled (the run aborted). Only a device
+the registry says may come back is waited for: a hub without a store knows no registry, and does
+not wait; and at most ``MAX_WAITING_CALLS`` calls of an account wait at once. From the server's
+shutdown on (``close``) no call waits or is run again: a call it cut is a ``shut_down`` result,
+which the kernel's device tools leave to the runtime's close to cancel (``kernel.devices``).
 
 Names: a device id is unique per account. When a second connection claims a name that is already
 connected, the hub probes the existing connection (a ``sys.ping`` request); if it answers within
@@ -72,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentloop.device.wire import result_from_wire
-from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool, unsafe_schema
+from agentloop.kernel.devices import DEVICE_SYSCALLS, LOCAL, DeviceInfo, DeviceTool, shut_down, unsafe_schema
 from agentloop.messages import TextContent, storable
 from agentloop.process.media import MediaError, check_media
 from agentloop.process.signals import AccountSignal, Signal, SignalHub
@@ -130,6 +135,12 @@ DEFAULT_RECONNECT_WAIT = 30.0
 #: times a call of an idempotent tool is run again after its device dropped it: a device that
 #: drops every time (the call itself brings it down) does not keep the run waiting for ever
 MAX_RERUNS = 3
+#: calls of one account that may wait for their devices at once: each holds a task of its run, and
+#: an account's token must not be able to pile them up without end
+MAX_WAITING_CALLS = 64
+#: seconds before its caller's deadline a device call gives up its wait or its answer, so that its
+#: own error (what ran the clock out) reaches the run rather than the runtime's bare "timed out"
+DEADLINE_MARGIN = 0.5
 
 
 class DriverSocket(Protocol):
@@ -165,6 +176,15 @@ class TooManyDevices(HubError):
 
 class _Busy(Exception):
     """A frame waited for the socket past its caller's deadline."""
+
+
+@dataclass(eq=False)  # (kept in a set: each wait is itself)
+class _Wait:
+    """A call waiting for its device to connect (again): woken when the device is ready here, or
+    ended for good with why (revoked, forgotten, connected elsewhere, shutdown)."""
+
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: str | None = None
 
 
 @dataclass
@@ -483,9 +503,14 @@ class DeviceHub:
         self._listeners: list[Callable[[str, DeviceInfo], None]] = []
         self._changed = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
-        # the calls waiting for a device to connect again: each future gets why its wait is over
-        # for good (revoked, forgotten, connected elsewhere, shutdown)
-        self._waits: dict[tuple[str, str], set[asyncio.Future[str]]] = {}
+        # the calls waiting for a device to connect again, by device (each woken only by its own
+        # device), and how many wait per account (``MAX_WAITING_CALLS``)
+        self._waits: dict[tuple[str, str], set[_Wait]] = {}
+        self._waiting: dict[str, int] = {}
+        # devices another worker sharing the store says are connected there (``heard``): a call
+        # here could not reach them, so it fails at once rather than wait
+        self._remote: set[tuple[str, str]] = set()
+        self._closing = False  # ``close`` began: no call waits or runs again any more
 
     # -- presence ---------------------------------------------------------------------------------
 
@@ -532,7 +557,8 @@ class DeviceHub:
         return status
 
     def _wake(self) -> None:
-        """Wake whoever waits for a change here (``wait_until``, calls waiting for a device)."""
+        """Wake whoever waits for a presence change here (``wait_until``; a call waiting for its
+        device is woken by that device only, ``_wake_waits``)."""
         event, self._changed = self._changed, asyncio.Event()
         event.set()
 
@@ -604,7 +630,7 @@ class DeviceHub:
             except Exception:  # gone before it heard back
                 return
             conn.ready = True
-            self._wake()  # the calls that waited for it go now
+            self._wake_waits(info.owner, name)  # the calls that waited for it go now
             log.info("device %s of %s connected (%s)", name, who.account, ", ".join(implements) or "no syscalls")
             await self._read(conn)
         finally:
@@ -627,6 +653,7 @@ class DeviceHub:
                 raise HubError("conflict", f"a device named {conn.info.id!r} is already connected to this account")
         _check_room(conn.info, [c.info for (o, _), c in self._devices.items() if o == conn.info.owner])
         self._devices[key] = conn
+        self._remote.discard(key)  # (it left the other worker, whose offline may come later)
         return self._notify("online", conn.info)
 
     async def _answers(self, conn: _Connection) -> bool:
@@ -736,7 +763,10 @@ class DeviceHub:
         closes it here whatever token it used (``disconnect``): at once, not at the next heartbeat.
         An ``offline`` of a device connected here is stale (it left that worker's older connection
         after it reconnected here): it is not told here, and the other workers are told it is
-        online again (``_still_online``), so that it is not their account watchers' last word."""
+        online again (``_still_online``), so that it is not their account watchers' last word.
+        A device told online there, and not connected here, is remembered as connected elsewhere
+        until told offline or it connects here (``_heard_status``): a call to it fails at once. (A
+        lost ``offline`` leaves it remembered until it connects here again.)"""
         if news.event == "status":
             here = self._devices.get((news.owner, news.name))
             if news.detail.get("status") == "offline" and here is not None and not here.closed:
@@ -744,8 +774,7 @@ class DeviceHub:
                 # it, and that worker noticed late): not told here, and told online again there
                 self._spawn(self._still_online(here.info))
                 return
-            if news.detail.get("status") == "online" and (here is None or here.closed):
-                self._end_waits(news.owner, news.name, self._elsewhere(news.name))
+            self._heard_status(news, here is None or here.closed)
             self._tell_account(news.owner, news.detail)
         elif news.event == "revoked":
             replacement, revoked = news.detail.get("token_id"), news.detail.get("revoked")
@@ -759,6 +788,16 @@ class DeviceHub:
             )
         elif news.event == "forgotten":
             self._spawn(self.disconnect(news.owner, news.name))
+
+    def _heard_status(self, news: DeviceNews, not_here: bool) -> None:
+        """Keep track of the devices connected through another worker (``_remote``): a call to
+        one fails at once (``_hopeless``), and one waiting for it ends now."""
+        key = (news.owner, news.name)
+        if news.detail.get("status") == "offline":
+            self._remote.discard(key)
+        elif news.detail.get("status") == "online" and not_here:
+            self._remote.add(key)
+            self._end_waits(news.owner, news.name, self._elsewhere(news.name))
 
     async def _still_online(self, info: DeviceInfo) -> None:
         """Tell the other workers again that ``info`` is online here (its ``device.status``), after
@@ -775,26 +814,32 @@ class DeviceHub:
     async def close(self) -> None:
         """Server shutdown: close every driver socket (their in-flight calls fail), then wait (up
         to ``SEND_TIMEOUT``) for the work they leave in the background: their leaves written down
-        and told to the other workers, before the server closes the store. Calls waiting for a
-        device end too."""
-        for owner, name in list(self._waits):
-            self._end_waits(owner, name, f"Device {name} is not connected: the server is shutting down")
+        and told to the other workers, before the server closes the store. From now on no call
+        waits for a device or runs again: calls waiting end at once, and so do those the closing
+        sockets drop (ended again once they are closed: a wait may have begun meanwhile), each a
+        ``shut_down`` result (see the module docstring)."""
+        self._closing = True
+        self._end_all_waits()
         for conn in list(self._devices.values()):
             self._drop(conn, f"Device {conn.info.id} disconnected (server shutting down)")
             with contextlib.suppress(Exception):
                 await conn.socket.close(1001, "server shutting down")
+        self._end_all_waits()
         pending = list(self._background)
         if pending:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(SEND_TIMEOUT):
                     await asyncio.gather(*pending, return_exceptions=True)
 
-    # -- calls ------------------------------------------------------------------------------------
+    def _end_all_waits(self) -> None:
+        for owner, name in list(self._waits):
+            self._end_waits(owner, name, self._shutting_down(name))
 
-    async def expects(self, owner: str, device_id: str) -> bool:
-        """Whether ``owner``'s device ``device_id`` is connected or may connect again
-        (``DeviceDirectory``): a call to it would wait for it."""
-        return self._live((owner, device_id)) is not None or await self._hopeless(owner, device_id) is None
+    @staticmethod
+    def _shutting_down(name: str) -> str:
+        return f"Device {name} is not connected: the server is shutting down"
+
+    # -- calls ------------------------------------------------------------------------------------
 
     async def call(
         self,
@@ -806,26 +851,34 @@ class DeviceHub:
         *,
         idempotent: bool = False,
         progress: Callable[[Any], None] | None = None,
+        deadline: float | None = None,
+        not_a_device: str | None = None,
     ) -> ToolResult:
         """Run ``call`` on ``owner``'s device ``device_id`` (``DeviceDirectory``).
 
         Offline, not implemented, timed out and disconnected all become error results; on a
         timeout, or if the caller is cancelled, the device is sent ``request.cancel``. A device
         that is offline, or (``idempotent`` only) drops the call, is waited for (``_reconnected``)
-        and the call sent to it once it is back; ``timeout`` counts from each sending.
+        and the call sent to it once it is back. ``timeout`` bounds the device's answer to one
+        sending; ``deadline`` (the caller's, event-loop time) the whole call, waits included: the
+        hub gives up ``DEADLINE_MARGIN`` before it, so that its error says what ran the clock out.
         """
-        conn = self._live((owner, device_id))
+        key = (owner, device_id)
+        end = None if deadline is None else deadline - DEADLINE_MARGIN
+        conn = self._live(key)
         reruns = 0
         while True:
             if conn is None:
-                back = await self._reconnected(owner, device_id, progress, "to reconnect")
+                back = await self._reconnected(key, progress, "to reconnect", end, not_a_device)
                 if isinstance(back, str):
-                    return ToolResult.error(back)
+                    return self._failed(back)
                 conn = back
-            res = await self._call_on(conn, call, args, timeout)
+            res = await self._call_on(conn, call, args, timeout, end)
             if res is not None:
                 return res
             # dropped while it ran: it may have done its work, or some of it
+            if self._closing:
+                return shut_down(f"Device {device_id} disconnected during {call}: the server is shutting down")
             if not idempotent:
                 return ToolResult.error(
                     f"Device {device_id} disconnected during {call}: it dropped while the call ran, so the call may "
@@ -837,92 +890,134 @@ class DeviceHub:
                     f"Device {device_id} disconnected during {call} {reruns} times; it was not run again"
                 )
             what = f"to reconnect, to run {call} again (it dropped while the call ran)"
-            back = await self._reconnected(owner, device_id, progress, what)
+            back = await self._reconnected(key, progress, what, end, None)
             if isinstance(back, str):
-                return ToolResult.error(f"{back}; it dropped during {call}, whose outcome is unknown")
+                return self._failed(f"{back}; it dropped during {call}, whose outcome is unknown")
             conn = back
+
+    def _failed(self, why: str) -> ToolResult:
+        """The result of a call that got no device: the server's shutdown's (``shut_down``: no
+        result of it is to be recorded) once ``close`` began, whatever ended the wait."""
+        return shut_down(why) if self._closing else ToolResult.error(why)
 
     def _live(self, key: tuple[str, str]) -> _Connection | None:
         """The connection of a device that may be sent calls now."""
         conn = self._devices.get(key)
         return conn if conn is not None and conn.ready and not conn.closed else None
 
-    async def _hopeless(self, owner: str, device_id: str) -> str | None:
+    async def _hopeless(self, owner: str, device_id: str, not_a_device: str | None = None) -> str | None:
         """Why a call should not wait for ``owner``'s device ``device_id`` to connect (again), if
-        it should not: no wait is set, there is no registry to say it is a device at all, the
-        registry does not hold it, or its token was revoked (nothing would let it back in)."""
+        it should not: the server is shutting down, the device is connected through another worker,
+        no wait is set, there is no registry to say it is a device at all, the registry does not
+        hold it, or its token was revoked (nothing would let it back in). One registry read; a name
+        not known to be a device of the owner's gets ``not_a_device`` when given (the caller's words)."""
         base = f"Device {device_id} is not connected"
+        if self._closing:
+            return self._shutting_down(device_id)
+        if (owner, device_id) in self._remote:
+            return self._elsewhere(device_id)
         if self.store is None or self.reconnect_wait <= 0:
-            return base
+            return not_a_device or base
         try:
             record = next((d for d in await self.store.list_devices(owner) if d.name == device_id), None)
         except Exception:
             log.warning("device %s of %s: could not read the registry", device_id, owner, exc_info=True)
-            return base
+            return not_a_device or base
         if record is None:
-            return f"{base} (it is not one of your registered devices)"
+            return not_a_device or f"{base} (it is not one of your registered devices)"
         if record.token_id is None and not self.account_tokens:
             return f"{base}: its token was revoked"
         return None
 
     async def _reconnected(
-        self, owner: str, device_id: str, progress: Callable[[Any], None] | None, what: str
+        self,
+        key: tuple[str, str],
+        progress: Callable[[Any], None] | None,
+        what: str,
+        end: float | None,
+        not_a_device: str | None,
     ) -> _Connection | str:
-        """``owner``'s device ``device_id`` once it is connected again, within ``reconnect_wait``
-        seconds; else why not (an error message). Told to the run through ``progress``."""
-        key = (owner, device_id)
-        ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waits.setdefault(key, set()).add(ended)  # first: a revoke while the registry is read ends it too
+        """``key``'s device once it is connected again, within ``reconnect_wait`` seconds and
+        before ``end`` (event-loop time); else why not (an error message). Told to the run through
+        ``progress``. At most ``MAX_WAITING_CALLS`` of an account's calls wait at once."""
+        owner, device_id = key
+        wait = _Wait()
+        self._waits.setdefault(key, set()).add(wait)  # first: a revoke while the registry is read ends it too
+        self._waiting[owner] = self._waiting.get(owner, 0) + 1
         try:
-            why = await self._hopeless(owner, device_id)
+            why = await self._hopeless(owner, device_id, not_a_device)
             if why is not None:
                 return why
-            _report(
-                progress,
-                {
-                    "device": device_id,
-                    "wait": self.reconnect_wait,
-                    "text": (f"waiting for device {device_id} {what} (up to {self.reconnect_wait:g} s)"),
-                },
-            )
-            return await self._until_back(key, ended)
+            if self._waiting[owner] > MAX_WAITING_CALLS:
+                return (
+                    f"Device {device_id} is not connected, and {MAX_WAITING_CALLS} calls of this account already "
+                    "wait for their devices (the most that may): it was not waited for"
+                )
+            limit = self.reconnect_wait
+            if end is not None:
+                limit = max(0.0, min(limit, end - asyncio.get_running_loop().time()))
+            if limit > 0:
+                _report(
+                    progress,
+                    {
+                        "device": device_id,
+                        "wait": limit,
+                        "text": f"waiting for device {device_id} {what} (up to {round(limit, 1):g} s)",
+                    },
+                )
+            return await self._until_back(key, wait, limit)
         finally:
-            waits = self._waits.get(key)
-            if waits is not None:
-                waits.discard(ended)
-                if not waits:
-                    del self._waits[key]
+            self._unwait(key, wait)
 
-    async def _until_back(self, key: tuple[str, str], ended: asyncio.Future[str]) -> _Connection | str:
-        """Wait for ``key``'s device to be connected and ready, or ``ended``, or the wait's end."""
+    def _unwait(self, key: tuple[str, str], wait: _Wait) -> None:
+        waits = self._waits.get(key)
+        if waits is not None:
+            waits.discard(wait)
+            if not waits:
+                del self._waits[key]
+        left = self._waiting.get(key[0], 1) - 1
+        if left > 0:
+            self._waiting[key[0]] = left
+        else:
+            self._waiting.pop(key[0], None)
+
+    async def _until_back(self, key: tuple[str, str], wait: _Wait, limit: float) -> _Connection | str:
+        """Wait up to ``limit`` seconds for ``key``'s device to be connected and ready, or ``wait``
+        to be ended; woken by that device only (``_wake_waits``)."""
         try:
-            async with asyncio.timeout(self.reconnect_wait):
+            async with asyncio.timeout(limit):
                 while True:
-                    changed = self._changed  # (taken before the checks: a change after them sets it)
                     conn = self._live(key)
                     if conn is not None:
                         return conn
-                    if ended.done():
-                        return ended.result()
-                    woken = asyncio.ensure_future(changed.wait())
-                    either: list[asyncio.Future[Any]] = [woken, ended]
-                    try:
-                        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        woken.cancel()
+                    if wait.ended is not None:
+                        return wait.ended
+                    await wait.wake.wait()
+                    wait.wake.clear()  # (looked at again above: a wake after it is not lost)
         except TimeoutError:
+            if limit < self.reconnect_wait:
+                return (
+                    f"Device {key[1]} is not connected: it did not connect again in time (the call's time ran "
+                    f"out after {limit:.1f} s of waiting for it)"
+                )
             return f"Device {key[1]} is not connected: it did not connect again within {self.reconnect_wait:g} s"
+
+    def _wake_waits(self, owner: str, name: str) -> None:
+        """Wake the calls waiting for ``owner``'s device ``name``: it is ready here."""
+        for wait in self._waits.get((owner, name), ()):
+            wait.wake.set()
 
     def _end_waits(self, owner: str, name: str, why: str) -> None:
         """End the waits of calls for ``owner``'s device ``name`` now, each with ``why``."""
-        for ended in self._waits.get((owner, name), set()):
-            if not ended.done():
-                ended.set_result(why)
+        for wait in self._waits.get((owner, name), ()):
+            if wait.ended is None:
+                wait.ended = why
+                wait.wake.set()
 
     @staticmethod
     def _elsewhere(name: str) -> str:
         return (
-            f"Device {name} is not connected here: it connected again through another worker, and a call "
+            f"Device {name} is not connected here: it is connected through another worker, and a call "
             "reaches a device only through the worker holding its connection; try the call again"
         )
 
@@ -932,8 +1027,10 @@ class DeviceHub:
         call: str,
         args: dict[str, Any],
         timeout: float | None,  # noqa: ASYNC109 - the per-call deadline is part of the contract
+        end: float | None = None,
     ) -> ToolResult | None:
-        """One sending of ``call`` on ``conn``: its result, or None if the device dropped it."""
+        """One sending of ``call`` on ``conn``, answered within ``timeout`` and before ``end``
+        (event-loop time: the caller's): its result, or None if the device dropped it."""
         device_id = conn.info.id
         if call.startswith("tool."):
             if not any(t.name == call[5:] for t in conn.info.tools):
@@ -944,7 +1041,9 @@ class DeviceHub:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         conn.pending[req_id] = fut
-        deadline = None if timeout is None else loop.time() + timeout  # sending counts towards it
+        sent = loop.time()
+        own = None if timeout is None else sent + timeout
+        deadline = own if end is None or (own is not None and own <= end) else end  # sending counts towards it
         try:
             await conn.send({"type": "req", "id": req_id, "call": call, "args": args}, deadline)
         except _Busy:
@@ -966,8 +1065,12 @@ class DeviceHub:
             res = await asyncio.wait_for(asyncio.shield(fut), None if deadline is None else deadline - loop.time())
         except TimeoutError:
             self._cancel_on_device(conn, req_id)
-            shown = f"{timeout:g} s" if timeout is not None else "its deadline"
-            return ToolResult.error(f"Device {device_id}: {call} timed out after {shown}; it was cancelled there")
+            if deadline != own:  # the caller's time ran out first (some of it went on waiting for the device)
+                return ToolResult.error(
+                    f"Device {device_id}: {call} timed out: the call's time ran out {loop.time() - sent:.1f} s after "
+                    "it was sent; it was cancelled there"
+                )
+            return ToolResult.error(f"Device {device_id}: {call} timed out after {timeout:g} s; it was cancelled there")
         except asyncio.CancelledError:
             self._cancel_on_device(conn, req_id)
             raise

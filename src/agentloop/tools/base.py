@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar, cast, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -91,7 +91,7 @@ class ToolResult:
             return self
         return self._cut("\n".join(texts), limit, None)
 
-    async def capped_keeping(self, limit: int | None, workspace: Path | None) -> ToolResult:
+    async def capped_keeping(self, limit: int | None, workspace: str | Path | None) -> ToolResult:
         """``capped``, but with a ``workspace`` the whole text of a result it cuts is first kept in
         a file of it, as Shell keeps a long command output (``process_group.keep_text``), and the
         cut names the file: what was cut is there to read, where calling the tool again could cost
@@ -137,11 +137,12 @@ class ToolResult:
         )
 
 
-def _keep(workspace: Path, text: str) -> KeptOutput:
+def _keep(workspace: str | Path, text: str) -> KeptOutput:
     """``text`` kept whole beneath ``workspace`` (in a worker thread: encoding and writing
     megabytes would hold the event loop), as UTF-8 with lone surrogates made U+FFFD, as the
-    history stores the text."""
-    return keep_text(workspace, storable(text).encode())
+    history stores the text. (A ``str`` from the durable runner: made a ``Path`` only here, when a
+    result is cut, not on every call.)"""
+    return keep_text(Path(workspace), storable(text).encode())
 
 
 def _storable_block(block: ResultBlock) -> ResultBlock:
@@ -226,6 +227,10 @@ class ToolContext:
     nothing could tell it later (in memory); ``BackgroundRefused`` when the process runs too many.
     ``jobs`` are the calling process's background commands (``tools/jobs.py``), given with
     ``background``: what Shell files a command it starts under, and the ``Jobs`` tool looks in.
+    ``deadline`` is when the runtime cuts the call for its timeout, in event-loop time
+    (``loop.time()``; None: no limit): for a tool that waits before its work can begin (a device
+    call waiting for its device to reconnect), so it leaves the work the time left and says what
+    ran the clock out, instead of being cut with a bare "timed out".
     """
 
     tool_call_id: str
@@ -242,6 +247,7 @@ class ToolContext:
     metadata: Mapping[str, Any] | None = None
     background: Callable[[Coroutine[Any, Any, str], str], None] | None = None
     jobs: JobTable | None = None
+    deadline: float | None = None
 
 
 class BackgroundRefused(Exception):
@@ -304,7 +310,10 @@ class Tool:
     is cut, see ``ToolResult.capped``; None for no limit). ``repeatable`` says the same call may
     rightly get the same result again and again (a poll: "still running"), so the run does not
     count it as the model going round in circles (the ``repeated_call`` guard, ``loop/retries.py``;
-    its failures still count).
+    its failures still count). ``keeps_cut_results`` says a result cut for its length may be kept
+    whole in the run's workspace (``ToolResult.capped_keeping``): False for a tool whose results
+    belong to one account (its MCP servers, devices, memory), since the workspace is shared by
+    every account's processes, and for one whose result is a view of a file already there (Read).
     """
 
     def __init__(
@@ -318,6 +327,7 @@ class Tool:
         idempotent: bool = False,
         repeatable: bool = False,
         max_result_chars: int | None = MAX_RESULT_CHARS,
+        keeps_cut_results: bool = True,
     ) -> None:
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"max_result_chars must be a positive number or None, got {max_result_chars!r}")
@@ -331,6 +341,7 @@ class Tool:
         self.idempotent = idempotent
         self.repeatable = repeatable
         self.max_result_chars = max_result_chars  # None: results reach the model whole
+        self.keeps_cut_results = keeps_cut_results
         self.spec = ToolSpec(name=name, description=description, parameters=parameters)
         self.syscall: str | None = None  # what approval policies match; None: derived from the name
         self.interruptible = True  # False for work that runs inline on the event loop
@@ -347,6 +358,12 @@ class Tool:
         ``mcp`` tool: any server's tools) names the one this call reaches, so a policy rule on
         that thing applies however it is called."""
         return self.syscall
+
+    def keeps_result_of(self, arguments: Mapping[str, Any]) -> bool:
+        """Whether the result of one call (its checked ``arguments``), if cut, may be kept in the
+        workspace: ``keeps_cut_results``, unless where the call runs decides it (a device-routed
+        call: ``kernel/devices.py``'s ``RoutedTool``)."""
+        return self.keeps_cut_results
 
     async def run(self, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         raise NotImplementedError
@@ -585,6 +602,7 @@ def tool(
     repeatable: bool = False,
     thread: bool | None = None,
     max_result_chars: int | None = MAX_RESULT_CHARS,
+    keeps_cut_results: bool = True,
 ) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 
 
@@ -600,6 +618,7 @@ def tool(
     repeatable: bool = False,
     thread: bool | None = None,
     max_result_chars: int | None = MAX_RESULT_CHARS,
+    keeps_cut_results: bool = True,
 ) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
     """Make a tool of a function: ``@tool`` or ``@tool(timeout=5, sequential=True)``.
 
@@ -624,6 +643,7 @@ def tool(
             idempotent=idempotent,
             repeatable=repeatable,
             max_result_chars=max_result_chars,
+            keeps_cut_results=keeps_cut_results,
         )
 
     return wrap(fn, sys._getframe(1).f_locals) if fn is not None else wrap
@@ -639,3 +659,35 @@ def as_tool(obj: ToolLike) -> Tool:
     if callable(obj):
         return FunctionTool(obj)
     raise TypeError(f"not a tool: {obj!r}")
+
+
+_Run = TypeVar("_Run")
+#: A toolset (``process.api.ToolsetFn``): the tools of one run (of its record), made from the shared ones.
+_Toolset: TypeAlias = Callable[[_Run, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
+
+
+def owner_scoped(toolset: _Toolset[_Run]) -> _Toolset[_Run]:
+    """``toolset``, which fits the shared tools to one owner's run, with every tool it adds (a name
+    the shared ones lack: the owner's MCP servers, devices, memory, skills, subagents...) made not
+    to keep its cut results (``Tool.keeps_cut_results``): such a result is that owner's, and the
+    workspace where results are kept is every account's. Tools it only re-roots or wraps under a
+    shared name (a process's own directory, a device target) decide for themselves."""
+
+    def scoped(record: _Run, shared: Mapping[str, Tool]) -> Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]:
+        tools = toolset(record, shared)
+        if hasattr(tools, "__await__"):  # (an async toolset: the account's MCP servers start when needed)
+            return _owner_scoped_later(cast(Awaitable[Mapping[str, Tool]], tools), shared)
+        return _mark_added(tools, shared)
+
+    return scoped
+
+
+async def _owner_scoped_later(pending: Awaitable[Mapping[str, Tool]], shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+    return _mark_added(await pending, shared)
+
+
+def _mark_added(tools: Mapping[str, Tool], shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+    for name, added in tools.items():
+        if added.keeps_cut_results and name not in shared:
+            added.keeps_cut_results = False  # (once: the owner's tool objects are kept between runs)
+    return tools

@@ -692,6 +692,9 @@ def read_tool(root: str | Path) -> FunctionTool:
             "Read a file before you Edit it."
         ),
         idempotent=True,
+        # a page of a file already there to page through: a copy of it would only take a kept
+        # output's room (and pruning might remove the very file being paged)
+        keeps_cut_results=False,
     )
     async def read(
         path: str,

@@ -271,8 +271,10 @@ def unshown_lines(lines: int, ends_line: bool, head: str, tail: str) -> tuple[in
 def _open_output_dir(root: Path) -> int:
     """``OUTPUT_DIR`` beneath ``root``, opened (made, private, if missing): each step without
     following a symlink, so a command that swapped one in cannot send the files elsewhere. A
-    ``.agentloop`` made here gets a ``.gitignore`` that ignores it all, as tools' caches do."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    ``.agentloop`` made here gets a ``.gitignore`` that ignores it all, as tools' caches do. The
+    root itself is not followed either (it is given resolved): a process's directory that a command
+    replaced by a symlink would otherwise have the server write wherever it points."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for part in OUTPUT_DIR.split("/"):
             made = False
