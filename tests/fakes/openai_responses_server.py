@@ -2,7 +2,9 @@
 
 ``POST /v1/responses`` records each request body and answers with the next scripted reply:
 an SSE stream whose frames carry ``event: <type>`` and the event's JSON (``sequence_number``
-is filled in by ``stream``), or a JSON error body in OpenAI's shape.
+is filled in by ``stream``), or a JSON error body in OpenAI's shape. ``POST /v1/responses/compact``
+does the same with its own queue (``compacts``), answered with a ``compaction_reply`` (the
+compacted window) or an error.
 Builders return the events a real server sends for a text answer, a function call and a
 reasoning item, so a test only writes down what differs.
 """
@@ -187,17 +189,47 @@ def error(
     return JSONReply(status=status, body=body, headers={k.replace("_", "-"): v for k, v in headers.items()})
 
 
+def compaction_reply(
+    encrypted: str = "enc-compacted", users: tuple[str, ...] = (), input: int = 300, output: int = 40
+) -> JSONReply:
+    """What ``/v1/responses/compact`` answers: the user messages ``users``, then one compaction item."""
+    kept = [
+        {"type": "message", "id": f"msg_u{n}", "role": "user", "status": "completed",
+         "content": [{"type": "input_text", "text": text}]}
+        for n, text in enumerate(users)
+    ]  # fmt: skip
+    body = {
+        "id": "resp_compact",
+        "object": "response.compaction",
+        "created_at": 1_700_000_000,
+        "output": [*kept, {"type": "compaction", "id": "cmp_1", "encrypted_content": encrypted}],
+        "usage": usage(input, output),
+    }
+    return JSONReply(status=200, body=body)
+
+
 class ResponsesFake(ScriptedEndpoint):
-    """``POST /v1/responses``; ``base_url`` is what the SDK wants (it ends in ``/v1``)."""
+    """``POST /v1/responses`` and ``/v1/responses/compact`` (``compacts``, scripted and recorded
+    apart); ``base_url`` is what the SDK wants (it ends in ``/v1``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.app = Starlette(routes=[Route("/v1/responses", self.handle, methods=["POST"])])
+        self.compacts = ScriptedEndpoint()
+        self.app = Starlette(
+            routes=[
+                Route("/v1/responses", self.handle, methods=["POST"]),
+                Route("/v1/responses/compact", self.compacts.handle, methods=["POST"]),
+            ]
+        )
         self.server = ServerThread(self.app)
 
     @property
     def base_url(self) -> str:
         return self.server.url + "/v1"
+
+    def reset(self) -> None:
+        super().reset()
+        self.compacts.reset()
 
     def __enter__(self) -> ResponsesFake:
         self.server.start()

@@ -67,7 +67,7 @@ _STRICT_KEYS = (
     "outage_retries",
     *TOOL_RUN_KEYS,
 )
-_SWITCHES = ("codemode", "subagents", "schedules")
+_SWITCHES = ("codemode", "subagents", "schedules", "native_compaction")
 # the chat bridges' speech-to-text (``--transcribe-model``, ``--transcribe-url``, ``--transcribe-key-env``)
 TRANSCRIBE_KEYS = (
     "transcribe_model",
@@ -122,6 +122,7 @@ class FileConfig:
     codemode: bool = False
     subagents: bool = False
     schedules: bool = False
+    native_compaction: bool = False
     fetch_allow: tuple[str, ...] = ()
     shell_sandbox: str = "off"
     shell_sandbox_read: tuple[Path, ...] = ()  # real paths, each an existing directory
@@ -185,6 +186,7 @@ class Settings:
     codemode: bool = False  # offer CodeMode over the built-in and MCP tools
     subagents: bool = False  # offer durable processes the Task tool (child processes)
     schedules: bool = False  # offer durable processes the Schedule tool (their own reminders)
+    native_compaction: bool = False  # compactions also ask the provider for its own (Kernel's option)
     fetch_allow: tuple[str, ...] = ()  # non-public hosts the Fetch tool may reach
     shell_sandbox: str = "off"  # confine Shell commands (tools/sandbox.py): off, workspace, private (-offline)
     shell_sandbox_read: tuple[Path, ...] = ()  # what the private modes let be read besides (real paths)
@@ -450,6 +452,7 @@ def read_config_file(path: Path) -> tuple[FileConfig, list[str]]:
             codemode=switches.get("codemode", False),
             subagents=switches.get("subagents", False),
             schedules=switches.get("schedules", False),
+            native_compaction=switches.get("native_compaction", False),
             fetch_allow=fetch_allow,
             shell_sandbox=shell_sandbox,
             shell_sandbox_read=shell_sandbox_read,
@@ -523,6 +526,7 @@ def load_settings(
         codemode=file.codemode,
         subagents=file.subagents,
         schedules=file.schedules,
+        native_compaction=file.native_compaction,
         fetch_allow=file.fetch_allow,
         shell_sandbox=file.shell_sandbox,
         shell_sandbox_read=file.shell_sandbox_read,
@@ -755,6 +759,8 @@ def kernel_extras(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if settings.compaction_threshold is not None:
         options["compaction_threshold"] = settings.compaction_threshold
+    if settings.native_compaction:
+        options["native_compaction"] = True
     if settings.subagents:
         options["subagents"] = True
     if settings.schedules:

@@ -784,6 +784,7 @@ class Kernel:
         account_policies: dict[str, Any] | None = None,
         compaction_threshold: float = 0.9,
         clear_tool_outputs: bool = True,
+        native_compaction: bool = False,
         daily_memory: bool = True,
         context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
         toolset: ToolsetFn | None = None,
@@ -831,9 +832,11 @@ class Kernel:
         ``context_bytes`` is the budget of the accounts' own context (``home/<user>/context.d``) in
         each run's system prompt. A context past ``compaction_threshold`` is first eased by
         archiving old tool outputs and leaving a note in their place (``clear_tool_outputs``), when
-        that is enough, else summarised (``process/compaction.py``). With ``daily_memory`` the
-        memories a compaction (or a reset) finds are appended to ``memory/<date>.md`` in the owner's
-        home, ``<data_dir>/home/<owner>`` (``process/memory.py``), the ``memory`` tool reaches them,
+        that is enough, else summarised (``process/compaction.py``), with ``native_compaction``
+        also by the model's provider where it has its own (``Compaction``'s ``native``). With
+        ``daily_memory`` the memories a compaction (or a reset) finds are appended to
+        ``memory/<date>.md`` in the owner's home, ``<data_dir>/home/<owner>`` (``process/memory.py``),
+        the ``memory`` tool reaches them,
         and each run's prompt recalls older ones (whatever tools its scope allows). An account's
         ``home/<account>/model.json`` picks the model of its runs (``kernel/account_model.py``).
         Tool calls are checked against the approval policy (``policy`` server-wide, per account in
@@ -959,6 +962,7 @@ class Kernel:
             memory_home=(lambda record: owner_home(data, record.owner)) if daily_memory else None,
             compaction_threshold=compaction_threshold,
             clear_tool_outputs=clear_tool_outputs,
+            native_compaction=native_compaction,
             toolset=toolset,
             worker=worker,
             lease_ttl=lease_ttl,

@@ -47,8 +47,17 @@ from agentloop.messages import (
     user,
     with_speaker,
 )
-from agentloop.models.base import Model, ModelInfo, ModelRequest, ToolSpec
+from agentloop.models.base import (
+    PROVIDER_COMPACTION,
+    Model,
+    ModelInfo,
+    ModelRequest,
+    NativeCompaction,
+    ToolSpec,
+    mask,
+)
 from agentloop.models.registry import resolve_model
+from agentloop.urls import redact_secrets
 
 log = logging.getLogger("agentloop.compaction")
 
@@ -574,6 +583,7 @@ async def compact(
     carry: dict[str, Any] | None = None,
     cut: int | None = None,
     summary: str | None = None,
+    native: Model | None = None,
 ) -> CompactionResult | None:
     """Summarise the prefix before ``plan_cut``; None when there is nothing worth compacting.
 
@@ -584,6 +594,11 @@ async def compact(
     starts, chosen by the caller (``explicit_cut``) instead of ``plan_cut``. ``summary``: the
     summary's text, given by the caller: ``model`` is not called (no usage, no memories), and
     the text replaces whatever earlier summaries the prefix holds along with the rest of it.
+    ``native``: the model the history is sent to, asked meanwhile for its provider's own
+    compaction of the prefix (``Model.compact_natively``), kept on the summary's ``details``
+    under ``PROVIDER_COMPACTION`` for that model to read instead of the text. The text is still
+    written: the provider's is opaque, and the text is what people, the next summary and any
+    other model read. Without it (none, or it failed: a warning) the summary is as always.
     """
     if summary is not None and not summary.strip():
         raise ValueError("the summary is empty")
@@ -596,15 +611,30 @@ async def compact(
     removed, kept = list(messages[:cut]), list(messages[cut:])
     previous = [m.text for m in removed if isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND]
     rest = [m for m in removed if not (isinstance(m, SystemMessage) and m.kind == SUMMARY_KIND)]
+    provided: NativeCompaction | None = None  # (a caller's own text is not the provider's to replace)
     if summary is not None:
         text, memories, usage = summary.strip(), None, Usage()
     elif not rest:  # (only an earlier summary: nothing new to summarise)
         return None
     else:
-        text, memories, usage = await summarize(
-            model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
-        )
-    made = summary_message(text, len(removed), carried(removed, carry))
+        natively = None if native is None else asyncio.ensure_future(_compact_natively(native, removed))
+        try:
+            text, memories, usage = await summarize(
+                model, rest, previous_summary="\n\n".join(previous) or None, instructions=instructions
+            )
+        except BaseException:
+            if natively is not None:
+                natively.cancel()
+            raise
+        if natively is not None:
+            provided = await natively
+    details = carried(removed, carry)
+    # (an earlier summary's stands for less than this one replaces: it must not be rolled forward)
+    details.pop(PROVIDER_COMPACTION, None)
+    if provided is not None:
+        details[PROVIDER_COMPACTION] = provided.as_details()
+        usage = usage + provided.usage
+    made = summary_message(text, len(removed), details)
     return CompactionResult(
         removed=removed,
         kept=kept,
@@ -615,6 +645,22 @@ async def compact(
         memories=memories,
         usage=usage,
     )
+
+
+async def _compact_natively(model: Model, removed: list[Message]) -> NativeCompaction | None:
+    """``model``'s provider's own compaction of ``removed``, or None: it has none, or it failed
+    (a warning; the summary alone stands for them then, as it does without it)."""
+    try:
+        return await model.compact_natively(ModelRequest(system_prompt="", messages=removed))
+    except Exception as exc:  # (the SDK's errors too: classified, and the key never shown)
+        err = model.classify(exc)
+        log.warning(
+            "compaction: %s's own compaction failed (%s), the summary alone replaces the history: %s",
+            model.name,
+            err.kind,
+            mask(redact_secrets(str(err)), model.secrets()),
+        )
+        return None
 
 
 # ------------------------------------------------------------------ when, how much, the hooks
@@ -752,7 +798,10 @@ class Compaction:
     overflow ends the run with that error, as does one where nothing could be compacted. A summary
     that fails leaves the history as it was (logged). ``pre_compaction`` hooks run first, as in a
     durable process: one returning ``Block`` skips the compaction, a ``dict`` is kept on the
-    summary's ``details``. The summary call's usage is the run's. A watched run shows each summary
+    summary's ``details``. With ``native`` the agent's model is also asked for its provider's own
+    compaction (OpenAI's Responses API has one), kept on the summary for that model to be sent
+    instead of the text (see ``compact``); a provider without one, or its failure, changes
+    nothing. The summary call's usage is the run's. A watched run shows each summary
     as a ``compaction_start`` event and its ``compaction_end`` (compacted or not, and why).
 
     After a compaction ``RunResult.messages`` holds the compacted history, the summary (a
@@ -775,6 +824,7 @@ class Compaction:
         keep_recent_tokens: int | None = None,
         summariser: str | Model | None = None,
         instructions: str | None = None,
+        native: bool = False,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, int | float):
             raise TypeError(f"threshold must be a number, got {type(threshold).__name__}")
@@ -787,7 +837,10 @@ class Compaction:
         self.threshold = float(threshold)
         self.keep_recent_tokens = keep_recent_tokens
         self.summariser = None if summariser is None else resolve_model(summariser)
+        if not isinstance(native, bool):
+            raise TypeError(f"native must be True or False, got {type(native).__name__}")
         self.instructions = instructions
+        self.native = native
 
     def install(self, config: LoopConfig) -> None:
         async def compact_context(info: TurnInfo) -> list[Message] | None:
@@ -827,6 +880,7 @@ class Compaction:
                 reason=reason,
                 instructions=self.instructions,
                 carry=carry,
+                native=config.model if self.native else None,
             )
         except CompactionError as exc:
             log.warning("run %s: compaction failed, history unchanged: %s", info.run_id, exc)

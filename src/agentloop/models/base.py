@@ -652,6 +652,30 @@ class AssistantBuilder:
         return StreamError(message=msg, kind=kind, status=status, retry_after=retry_after)
 
 
+#: The key of a summary message's ``details`` holding a ``NativeCompaction`` (``as_details``): the
+#: provider's own compaction of what the summary replaced, which only that provider and model read.
+PROVIDER_COMPACTION = "provider_compaction"
+
+
+@dataclass(frozen=True)
+class NativeCompaction:
+    """What a provider's own compaction made of a history (``Model.compact_natively``): items in
+    the provider's wire format (OpenAI's encrypted ``compaction`` item among them) that stand for
+    it in a later request to the same ``provider`` and ``model``, and what making them cost.
+
+    Opaque, so never the only record: agentloop keeps it on a summary message beside the
+    readable summary, which every other reader (a person, another model, the next summary) uses."""
+
+    provider: str
+    model: str
+    items: list[dict[str, Any]]
+    usage: Usage = field(default_factory=Usage)
+
+    def as_details(self) -> dict[str, Any]:
+        """What a summary's ``details`` keep under ``PROVIDER_COMPACTION`` (JSON data)."""
+        return {"provider": self.provider, "model": self.model, "items": self.items}
+
+
 class Model(ABC):
     """A provider model. ``stream`` never raises; cancellation propagates to the caller."""
 
@@ -675,6 +699,12 @@ class Model(ABC):
         """What an error message must never show: the adapter's API key. A server may quote a key
         it refuses, in a shape ``redact_secrets`` does not recognise; each failure masks these."""
         return ()
+
+    async def compact_natively(self, request: ModelRequest) -> NativeCompaction | None:
+        """The provider's own compaction of ``request.messages`` (a history about to be summarised),
+        for a compaction that asked for it; None where the provider has none (the default). An
+        adapter that has one raises when its call fails: the caller falls back to the summary."""
+        return None
 
     async def payload(self, request: ModelRequest, api: str, payload: dict[str, Any]) -> dict[str, Any]:
         """The seam every adapter sends through: ``payload`` (what it built for ``request``, in

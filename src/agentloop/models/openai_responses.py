@@ -9,6 +9,12 @@ and encrypted content (as JSON: opaque to everyone but this adapter). They are r
 the model that wrote them; another provider's thinking is left out, as the Chat Completions
 adapter leaves it out.
 
+A compaction that asks for the provider's own (``compact_natively``: ``/v1/responses/compact``)
+gets its output, the compacted part's user messages and one encrypted ``compaction`` item, kept
+on the summary message; a request to the same model sends those items in the summary's place,
+any other the summary's text. The endpoint returns no readable summary, so the summary itself
+is written by the usual summary call.
+
 The adapter is the Chat Completions one over another endpoint: the same keys, client, base URL
 and error classification (HTTP errors, overflow texts, garbage in the stream), so it subclasses
 it and replaces only the request body and the reading of the stream.
@@ -40,11 +46,13 @@ from agentloop.messages import (
     UserMessage,
 )
 from agentloop.models.base import (
+    PROVIDER_COMPACTION,
     STREAM_CUT,
     ApiKey,
     AssistantBuilder,
     ModelInfo,
     ModelRequest,
+    NativeCompaction,
     ProviderError,
     check_event_stream,
     error_parts,
@@ -171,6 +179,27 @@ class OpenAIResponsesModel(OpenAIChatModel):
         if ENCRYPTED_REASONING not in include:
             include.append(ENCRYPTED_REASONING)
         params["include"] = include
+
+    async def compact_natively(self, request: ModelRequest) -> NativeCompaction:
+        """``/v1/responses/compact`` on ``request.messages``: the window it returns (the user
+        messages, then the encrypted ``compaction`` item) to send in their place from now on.
+        Raises (the SDK's errors, ``ProviderError``) when it fails or returns no compaction item."""
+        params: dict[str, Any] = {
+            "model": self.model_id,
+            "input": to_responses_input(request, self.info, documents=self.base_url is None),
+        }
+        if request.system_prompt:
+            params["instructions"] = request.system_prompt
+        _, made = await send_keyed(
+            self._keys, self.client, lambda client: client.responses.compact(**params), openai.AuthenticationError
+        )
+        # (as the server sent them: the SDK parses a user message as an output message, whose
+        # serializer would warn about its ``input_text`` parts)
+        items = [item.model_dump(mode="json", exclude_none=True, warnings=False) for item in made.output or ()]
+        if not any(item.get("type") == "compaction" for item in items):
+            raise ProviderError("the compaction returned no compaction item", kind="invalid_response")
+        usage = _usage(self.info, made.usage) if made.usage is not None else Usage()
+        return NativeCompaction(self.info.provider, self.info.id, items, usage)
 
     # ------------------------------------------------------------------ response
 
@@ -317,7 +346,7 @@ class _EventReader:
     def _finished(self, response: Any, incomplete: bool) -> None:
         raw = getattr(response, "usage", None)
         if raw is not None:
-            self.usage = self._usage(raw)
+            self.usage = _usage(self.info, raw)
         if not incomplete:
             self.stop = "stop"  # (the builder makes it toolUse when the answer has calls)
             return
@@ -327,12 +356,14 @@ class _EventReader:
             raise ProviderError(f"the provider stopped the answer: incomplete ({reason})", kind="bad_request")
         self.stop = _INCOMPLETE[reason]
 
-    def _usage(self, raw: Any) -> Usage:
-        details = getattr(raw, "input_tokens_details", None)
-        cached = max(0, int(getattr(details, "cached_tokens", 0) or 0))
-        prompt = int(getattr(raw, "input_tokens", 0) or 0)  # (cached tokens included)
-        output = int(getattr(raw, "output_tokens", 0) or 0)  # (reasoning tokens included)
-        return make_usage(self.info, input=max(0, prompt - cached), output=output, cache_read=cached)
+
+def _usage(info: ModelInfo, raw: Any) -> Usage:
+    """A response's (or a compaction's) ``usage`` as ours, priced for ``info``."""
+    details = getattr(raw, "input_tokens_details", None)
+    cached = max(0, int(getattr(details, "cached_tokens", 0) or 0))
+    prompt = int(getattr(raw, "input_tokens", 0) or 0)  # (cached tokens included)
+    output = int(getattr(raw, "output_tokens", 0) or 0)  # (reasoning tokens included)
+    return make_usage(info, input=max(0, prompt - cached), output=output, cache_read=cached)
 
 
 def _part_text(part: Any) -> str:
@@ -367,6 +398,20 @@ def _reasoning_item(block: ThinkingContent) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------ history conversion
+
+
+def _compacted(msg: SystemMessage, info: ModelInfo) -> list[dict[str, Any]] | None:
+    """The provider's compaction a summary keeps (``compact_natively``), to send in its place:
+    only to the model that made it (no other can read its encrypted item), else None."""
+    if not isinstance(msg.details, dict):
+        return None
+    kept = msg.details.get(PROVIDER_COMPACTION)
+    if not isinstance(kept, dict) or kept.get("provider") != info.provider or kept.get("model") != info.id:
+        return None
+    items = kept.get("items")
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        return None
+    return items
 
 
 def _media_part(block: MediaBlock, documents: bool) -> dict[str, Any]:
@@ -451,7 +496,7 @@ def to_responses_input(request: ModelRequest, info: ModelInfo, documents: bool =
         if isinstance(msg, UserMessage):
             items.append({"role": "user", "content": _user_content(msg.content, documents)})
         elif isinstance(msg, SystemMessage):
-            items.append({"role": "developer", "content": msg.text})
+            items.extend(_compacted(msg, info) or [{"role": "developer", "content": msg.text}])
         elif isinstance(msg, ToolResultMessage):
             items.append(_tool_output(msg, documents))
         elif isinstance(msg, AssistantMessage):

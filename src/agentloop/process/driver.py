@@ -787,6 +787,7 @@ async def summarise(
             carry=carry,
             cut=cut,
             summary=summary,
+            native=cfg.model if engine.native_compaction else None,
         )
     except CompactionError as exc:
         if run is None:

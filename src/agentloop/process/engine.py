@@ -198,6 +198,7 @@ class ProcessEngine:
         memory_home: Callable[[ProcessRecord], Path] | None = None,
         compaction_threshold: float = 0.9,
         clear_tool_outputs: bool = True,
+        native_compaction: bool = False,
         toolset: ToolsetFn | None = None,
         worker: str | None = None,
         lease_ttl: float = DEFAULT_TTL,
@@ -224,6 +225,7 @@ class ProcessEngine:
         self.compaction_threshold = compaction_threshold
         # compaction's first tier: old tool outputs archived and replaced by a note, before a summary
         self.clear_tool_outputs = clear_tool_outputs
+        self.native_compaction = native_compaction  # summaries also ask the model's provider for its own
         self.toolset = toolset  # the tools of one process's run (e.g. the owner's devices added)
         self.aborted: AbortedFn | None = None  # told of each aborted run (set by the kernel)
         # called, without arguments, once ``close`` has stopped every process (observers of the kernel)
