@@ -7,7 +7,8 @@ triples, then exactly one terminal ``done`` or ``error``. A provider never raise
 Loop events use pi's names (``agent_start``, ``turn_start``, ``message_start/_update/_end``,
 ``tool_execution_start/_update/_end``, ``turn_end``, ``agent_end``), plus ``model_retry`` and
 what pieces report through ``TurnInfo.emit``: ``compaction_start/_end`` (``Compaction``) and
-``tool_retry_scheduled/_resolved/_exhausted`` (``ToolRetry``). Every event is a pydantic slotted
+``tool_retry_scheduled/_resolved/_exhausted`` (``ToolRetry``), and ``window_continued`` (an
+execution window used up, the run going on in the next). Every event is a pydantic slotted
 dataclass; ``event_to_dict(event)`` is its wire form.
 """
 
@@ -323,6 +324,18 @@ class ToolRetryExhausted:
 
 
 @_event
+class WindowContinued:
+    """An execution window was used up and the run goes on in the next (``Guards.window_rounds``,
+    ``window_tool_calls``): ``window`` is the number of the one that opens now, ``rounds`` and
+    ``tool_calls`` what the one that ended used."""
+
+    type: Literal["window_continued"] = "window_continued"
+    window: int
+    rounds: int
+    tool_calls: int
+
+
+@_event
 class AgentEnd:
     type: Literal["agent_end"] = "agent_end"
     run_id: str
@@ -348,6 +361,7 @@ LoopEvent: TypeAlias = Annotated[
     | ToolRetryScheduled
     | ToolRetryResolved
     | ToolRetryExhausted
+    | WindowContinued
     | AgentEnd,
     Field(discriminator="type"),
 ]
@@ -419,6 +433,7 @@ __all__ = [
     "ToolRetryScheduled",
     "TurnEnd",
     "TurnStart",
+    "WindowContinued",
     "event_from_dict",
     "event_to_dict",
 ]

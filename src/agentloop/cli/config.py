@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 from agentloop.loop.guards import Guards
 from agentloop.loop.state import ToolExecution
+from agentloop.loop.windows import DEFAULT_MAX_IDLE_WINDOWS, DEFAULT_MAX_WINDOWS
 from agentloop.models.base import REASONING_LEVELS, Model, Reasoning
 from agentloop.models.registry import DEFAULT_MODEL, ModelNotFound, parse_model_string, providers, resolve_model
 from agentloop.process.driver import MAX_OUTAGE_DELAY, MAX_OUTAGE_RETRIES
@@ -54,12 +55,15 @@ STORE_ENV = "AGENTLOOP_STORE"
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 _LENIENT_KEYS = ("model", "system_prompt", "tool_timeout", "workspace", "server", "token")
 GUARD_KEYS = ("max_rounds", "max_tool_calls", "max_wall_clock", "max_tokens", "max_cost")
+# execution windows (loop/windows.py): strict like the guards, set in the file only
+WINDOW_KEYS = ("window_rounds", "window_tool_calls", "max_windows", "max_idle_windows")
 # how the tool calls of one model turn run: at most ``max_concurrency`` at once, or one after the
 # other (``tool_execution = "sequential"``); tools that share state may need either
 TOOL_RUN_KEYS = ("max_concurrency", "tool_execution")
 TOOL_EXECUTIONS: tuple[str, ...] = get_args(ToolExecution)
 _STRICT_KEYS = (
     *GUARD_KEYS,
+    *WINDOW_KEYS,
     "fallbacks",
     "compaction_threshold",
     "reasoning",
@@ -111,6 +115,10 @@ class FileConfig:
     max_wall_clock: float | None = None
     max_tokens: int | None = None
     max_cost: float | None = None
+    window_rounds: int | None = None
+    window_tool_calls: int | None = None
+    max_windows: int | None = None
+    max_idle_windows: int | None = None
     fallbacks: tuple[str, ...] | None = None
     compaction_threshold: float | None = None
     reasoning: Reasoning | None = None
@@ -175,6 +183,10 @@ class Settings:
     max_wall_clock: float | None = None
     max_tokens: int | None = None
     max_cost: float | None = None
+    window_rounds: int | None = None  # execution windows (``Guards``); None: off / the defaults
+    window_tool_calls: int | None = None
+    max_windows: int | None = None
+    max_idle_windows: int | None = None
     fallbacks: tuple[str, ...] = ()
     compaction_threshold: float | None = None  # None: the kernel's default
     reasoning: Reasoning | None = None  # None: the model's own setting
@@ -206,6 +218,10 @@ class Settings:
             max_wall_clock=self.max_wall_clock,
             max_tokens=self.max_tokens,
             max_cost=self.max_cost,
+            window_rounds=self.window_rounds,
+            window_tool_calls=self.window_tool_calls,
+            max_windows=DEFAULT_MAX_WINDOWS if self.max_windows is None else self.max_windows,
+            max_idle_windows=DEFAULT_MAX_IDLE_WINDOWS if self.max_idle_windows is None else self.max_idle_windows,
         )
 
 
@@ -263,6 +279,10 @@ _LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_wall_clock": (_positive_number, "a positive number of seconds per run"),
     "max_tokens": (_positive_int, "a positive integer (input and output tokens per run)"),
     "max_cost": (_positive_number, "a positive number of dollars per run"),
+    "window_rounds": (_positive_int, "a positive integer (model rounds with tools per execution window)"),
+    "window_tool_calls": (_positive_int, "a positive integer (tool calls per execution window)"),
+    "max_windows": (_positive_int, "a positive integer (execution windows per run)"),
+    "max_idle_windows": (_positive_int, "a positive integer (execution windows in a row without progress)"),
     "compaction_threshold": (_share, "a number above 0 and at most 1 (the share of the context window)"),
     "reasoning": (lambda v: v in REASONING_LEVELS, f"one of {', '.join(REASONING_LEVELS)}"),
     "approval_timeout": (
@@ -515,6 +535,10 @@ def load_settings(
         max_wall_clock=_first(flags.max_wall_clock, file.max_wall_clock),
         max_tokens=_first(flags.max_tokens, file.max_tokens),
         max_cost=_first(flags.max_cost, file.max_cost),
+        window_rounds=file.window_rounds,
+        window_tool_calls=file.window_tool_calls,
+        max_windows=file.max_windows,
+        max_idle_windows=file.max_idle_windows,
         fallbacks=tuple(v.strip() for v in _first(flags.fallbacks, file.fallbacks) or ()),
         compaction_threshold=_first(flags.compaction_threshold, file.compaction_threshold),
         reasoning=_first(flags.reasoning, file.reasoning),

@@ -13,7 +13,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from agentloop.events import AgentEnd, AgentStart, LoopEvent, MessageEnd, MessageStart, ModelRetry, TurnEnd, TurnStart
+from agentloop.events import (
+    AgentEnd,
+    AgentStart,
+    LoopEvent,
+    MessageEnd,
+    MessageStart,
+    ModelRetry,
+    TurnEnd,
+    TurnStart,
+    WindowContinued,
+)
 from agentloop.loop.execute import CANCELLED, NOT_COUNTED, run_tool_calls
 from agentloop.loop.guards import STOPPED
 from agentloop.loop.hooks import TurnInfo
@@ -29,6 +39,7 @@ from agentloop.loop.state import (
     decide,
     unresolved_calls,
 )
+from agentloop.loop.windows import next_window
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -131,6 +142,7 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
                 if tripped is None and guards_active:
                     elapsed = time.monotonic() - state.started
                     tripped = cfg.guards.tripped(state.rounds, state.tool_calls, elapsed, state.usage)
+                    tripped = tripped or _next_window(cfg, state, emit)
                 if tripped:
                     state.guard, tools_enabled = tripped, False
                     _inject(state, system(cfg.guards.final_instruction(tripped), "guard"), emit)
@@ -163,6 +175,18 @@ async def run_loop(cfg: LoopConfig, state: RunState, emit: Emit, prompts: list[M
             current.uncancel()
         _close_after_abort(state, emit)
         return "aborted"
+
+
+def _next_window(cfg: LoopConfig, state: RunState, emit: Emit) -> str | None:
+    """Count the run into its execution window (``loop/windows.py``, which the durable runner
+    shares); a window used up opens the next (``window_continued``). The guard that ends the run
+    when no next window may open, or None."""
+    state.window, tripped, boundary = next_window(
+        cfg.guards, state.window, state.rounds, state.tool_calls, state.messages
+    )
+    if boundary is not None and emit is not None:
+        emit(WindowContinued(window=boundary.window, rounds=boundary.rounds, tool_calls=boundary.tool_calls))
+    return tripped
 
 
 async def _compact(cfg: LoopConfig, state: RunState, tools_enabled: bool, emit: Emit, *, overflow: bool) -> bool:

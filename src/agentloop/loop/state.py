@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeAlias
 from agentloop.events import LoopEvent
 from agentloop.loop.guards import Guards
 from agentloop.loop.hooks import Hooks
+from agentloop.loop.windows import FIRST, Window
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -113,6 +114,7 @@ class RunState:
     repeats: dict[str, int] = field(default_factory=dict)  # the streak of one same successful result (loop/retries.py)
     repeating: bool = False  # a call got the same result once too often: the next round is the last
     stopping: bool = False  # asked to finish (``Run.stop``): the next round is the last
+    window: Window = FIRST  # the execution window the run is in (loop/windows.py; immutable, so shared)
     partial: AssistantMessage | None = None  # the assistant message being streamed
     offered: frozenset[str] | None = None  # tools the last model call was shown, when hooks narrowed them
     conversation: str | None = None  # a durable process's id, sent as the provider's prompt-cache key

@@ -21,6 +21,7 @@ from agentloop.loop.model_call import call_model, tools_added, with_bundles
 from agentloop.loop.output import NUDGE_KIND, OUTPUT_MISSING, OUTPUT_TOOL, SchemaOutput, SchemaOutputTool
 from agentloop.loop.retries import REPEATED_CALL, REPEATED_FAILURE, repeated
 from agentloop.loop.state import CallModel, Finish, LoopConfig, RunState, RunTools, decide
+from agentloop.loop.windows import MAX_WINDOWS, NO_PROGRESS, Boundary, Window, next_window
 from agentloop.messages import (
     AssistantMessage,
     Message,
@@ -96,6 +97,8 @@ GUARD_NAMES = frozenset(
         REPEATED_FAILURE,
         REPEATED_CALL,
         STOPPED,
+        MAX_WINDOWS,
+        NO_PROGRESS,
     }
 )
 
@@ -311,6 +314,7 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
     inject = [q for q in queue if q.kind == "system"] + [q for q in queue if q.kind == "steer"]
     guard = run.get("guard")
     tools_enabled = tools_enabled and bool(cfg.tools)
+    boundary: Boundary | None = None  # an execution window used up: the next one opens
     tripped = (
         (repeated(bool(run.get("failing")), bool(run.get("repeating"))) or (STOPPED if run.get("stopping") else None))
         if tools_enabled
@@ -320,11 +324,13 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         usage = Usage(total_tokens=run["usage"]["total_tokens"])
         usage.cost.total = run["usage"]["cost"]
         tripped = cfg.guards.tripped(run["rounds"], run["tool_calls"], time.time() - run["started"], usage)
-    if inject or tripped:
+        if tripped is None:
+            run, tripped, boundary = _next_window(cfg, run, live.history)
+    if inject or tripped or boundary is not None:
         async with engine._tx(live) as tx:
             # claimed one by one: an item withdrawn since the look above is not there to take
             inject = [q for q in inject if await engine.store.dequeue(pid, q.id)]
-            if inject or tripped:
+            if inject or tripped or boundary is not None:
                 added = [q.message for q in inject]
                 if tripped:
                     guard, tools_enabled = tripped, False
@@ -332,9 +338,19 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
                 run = {**run, "guard": guard, "generation": run["generation"] + 1}
                 taken = len(inject)
                 tx.after.append(lambda: setattr(live, "queued", live.queued - taken))
-                await tx.append(run_id, added)
+                if added:
+                    await tx.append(run_id, added)
                 await tx.set_run(run)
-                await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
+                if added:
+                    await tx.signal(sig.CHANGED, changes=["messages", "queue"] if inject else ["messages"])
+                if boundary is not None:
+                    await tx.signal(
+                        sig.RUN_WINDOW,
+                        runId=run_id,
+                        window=boundary.window,
+                        rounds=boundary.rounds,
+                        toolCalls=boundary.tool_calls,
+                    )
     # after an answer, a model turn is for input that joins the run: if it was withdrawn meanwhile
     # (before it was read above, or before it was claimed), the next step ends the run instead
     answered = not inject and not tripped and bool(live.history) and isinstance(live.history[-1], AssistantMessage)
@@ -475,6 +491,20 @@ async def _model_turn(engine: ProcessEngine, live: _Live, run: dict[str, Any], t
         arm_deadline(engine, live, batch, time.time())
         return False
     return True
+
+
+def _next_window(
+    cfg: LoopConfig, run: dict[str, Any], history: list[Message]
+) -> tuple[dict[str, Any], str | None, Boundary | None]:
+    """The run's execution window (``loop/windows.py``, the in-memory runner's decision) counted
+    before a model call with tools: its record with the window as it is now (written with the
+    step's commit, so a restart goes on in the same window), the guard that ends the run, and
+    the window opened, if one was."""
+    window = Window.from_record(run.get("window"))
+    after, tripped, boundary = next_window(cfg.guards, window, run["rounds"], run["tool_calls"], history)
+    if after != window:
+        run = {**run, "window": after.record()}
+    return run, tripped, boundary
 
 
 MAX_OUTAGE_RETRIES = 20  # tries a run may wait for at most (``Kernel.open``'s ``outage_retries``)

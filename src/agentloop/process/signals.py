@@ -30,6 +30,9 @@ RUN_STARTED = "proc.run.started"
 RUN_STREAM = "proc.run.stream"
 RUN_RETRYING = "proc.run.retrying"  # a failed model call being retried, or a switch to a fallback
 RUN_OUTPUT = "proc.run.output"
+# an execution window used up, the run going on in the next (``loop/windows.py``): {runId, window,
+# rounds, toolCalls}, ``window`` the one that opens, the counts those of the one that ended
+RUN_WINDOW = "proc.run.window"
 TOOL_STARTED = "proc.run.tool.started"
 # live-only, as RUN_STREAM: {pid, runId, callId, name, update} while a call runs (``process/calls.py``)
 TOOL_UPDATE = "proc.run.tool.update"
