@@ -242,3 +242,20 @@ def test_window_keys_in_the_config_file(tmp_path: Path) -> None:
     assert settings.errors == [
         f"config file {path}: max_windows must be a positive integer (execution windows per run), got 0"
     ]
+
+
+def test_the_terminal_shows_a_window_opening_in_memory_and_durably() -> None:
+    """Both chats say when a run goes on in a new window (else a long run looks stuck or cut)."""
+    import io
+
+    from agentloop.cli.render import SignalRenderer, TextRenderer, stderr_console
+    from agentloop.events import WindowContinued
+    from agentloop.process import signals as psig
+    from agentloop.process.signals import Signal
+
+    memory_err, durable_err = io.StringIO(), io.StringIO()
+    TextRenderer(io.StringIO(), stderr_console(memory_err)).handle(WindowContinued(window=2, rounds=5, tool_calls=7))
+    view = SignalRenderer(TextRenderer(io.StringIO(), stderr_console(durable_err)))
+    view.handle(Signal(psig.RUN_WINDOW, {"runId": "r", "window": 3, "rounds": 4, "toolCalls": 9}, 1))
+    assert memory_err.getvalue() == "execution window 2 opens (the last used 5 rounds, 7 tool calls)\n"
+    assert durable_err.getvalue() == "execution window 3 opens (the last used 4 rounds, 9 tool calls)\n"

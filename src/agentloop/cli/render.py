@@ -43,6 +43,7 @@ from agentloop.events import (
     ToolExecutionUpdate,
     ToolRetryExhausted,
     TurnEnd,
+    WindowContinued,
     event_to_dict,
 )
 from agentloop.messages import AssistantMessage
@@ -268,6 +269,8 @@ class TextRenderer:
                 self.waiting()  # the model reads the results next
         elif isinstance(event, ModelRetry):
             self.retry(event.model, event.error, event.attempt, event.delay)
+        elif isinstance(event, WindowContinued):
+            self.note(Text(window_line(event.window, event.rounds, event.tool_calls), style="dim"))
         elif isinstance(event, CompactionStart | CompactionEnd | ToolRetryExhausted):
             self._report(event)
         elif isinstance(event, AgentEnd):
@@ -332,6 +335,8 @@ class SignalRenderer:
                 view.waiting()
         elif name == psig.RUN_RETRYING:
             self._retry(p)
+        elif name == psig.RUN_WINDOW:
+            view.note(Text(window_line(p.get("window"), p.get("rounds"), p.get("toolCalls")), style="dim"))
         elif name in (psig.TOOL_RETRY_SCHEDULED, psig.TOOL_RETRY_EXHAUSTED):
             view.note(Text(tool_retry_line(name, p), style="yellow"))
             view.waiting()  # the model reads the failure next (told to try again, or to stop)
@@ -403,6 +408,11 @@ _RETRY_BUDGETS = (
     ("toolLeft", "for this tool"),
     ("roundsLeft", "in this run"),
 )
+
+
+def window_line(window: object, rounds: object, tool_calls: object) -> str:
+    """An execution window used up (``window_continued``, ``proc.run.window``): the run goes on."""
+    return f"execution window {window} opens (the last used {rounds} rounds, {tool_calls} tool calls)"
 
 
 def tool_retry_line(name: str, p: Mapping[str, Any]) -> str:
