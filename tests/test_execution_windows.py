@@ -259,3 +259,11 @@ def test_the_terminal_shows_a_window_opening_in_memory_and_durably() -> None:
     view.handle(Signal(psig.RUN_WINDOW, {"runId": "r", "window": 3, "rounds": 4, "toolCalls": 9}, 1))
     assert memory_err.getvalue() == "execution window 2 opens (the last used 5 rounds, 7 tool calls)\n"
     assert durable_err.getvalue() == "execution window 3 opens (the last used 4 rounds, 9 tool calls)\n"
+
+
+def test_a_window_record_from_another_version_is_read_for_what_this_one_knows() -> None:
+    """A run record written by a newer version (a rolling deploy) must not stop the run's driver."""
+    from agentloop.loop.windows import Window
+
+    window = Window.from_record({"number": 2, "seen": ["a"], "added_later": 1})
+    assert window.number == 2 and window.seen == ("a",)

@@ -332,3 +332,20 @@ async def test_a_process_directory_swapped_for_a_symlink_is_not_written_through(
     [seen] = results_seen(model)
     assert "Ask for a smaller part if the cut matters" in seen and "kept in" not in seen
     assert list(elsewhere.iterdir()) == []
+
+
+def test_owner_scoping_leaves_the_tool_objects_it_marks_as_they_were() -> None:
+    """A tool an owner's toolset adds may serve elsewhere too (an in-memory agent, another
+    kernel): the owner's run gets a copy that keeps nothing, the object itself is unchanged."""
+    from agentloop.tools.base import owner_scoped
+
+    @tool
+    def report(text: str) -> str:
+        """Say it back."""
+        return text
+
+    scoped = owner_scoped(lambda record, shared: {**shared, "report": report})
+    tools = scoped(object(), {})
+    assert isinstance(tools, dict)
+    assert tools["report"] is not report and tools["report"].keeps_cut_results is False
+    assert report.keeps_cut_results is True

@@ -189,3 +189,15 @@ def test_the_config_file_turns_it_on_for_the_kernel(tmp_path: Path) -> None:
     assert kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(cfg)}))["native_compaction"] is True
     cfg.write_text("")
     assert "native_compaction" not in kernel_options(load_settings(env={"AGENTLOOP_CONFIG": str(cfg)}))
+
+
+def test_only_the_fields_an_input_item_may_carry_are_kept_to_send_back() -> None:
+    """What the compact endpoint returns as output carries fields an input item may not
+    (``created_by``, ``status``): the API would refuse every later call of the conversation."""
+    from agentloop.models.openai_responses import _as_input_item
+
+    compaction = {"type": "compaction", "id": "cmp_1", "encrypted_content": "gAAA", "created_by": "u_1"}
+    message = {"type": "message", "id": "msg_1", "role": "user", "status": "completed", "content": [{"x": 1}]}
+    assert _as_input_item(compaction) == {"type": "compaction", "id": "cmp_1", "encrypted_content": "gAAA"}
+    assert _as_input_item(message) == {"type": "message", "role": "user", "content": [{"x": 1}]}
+    assert _as_input_item({"type": "other", "a": 1}) == {"type": "other", "a": 1}

@@ -437,3 +437,17 @@ def test_prune_refuses_bad_or_missing_rules(data: Path, monkeypatch: pytest.Monk
     code, _, err = prune(data, monkeypatch)
     assert code == 2 and "retention archives_days must be a number of days" in err
     assert len(all_archives(data)) == 1  # nothing removed
+
+
+async def test_a_tree_with_a_member_held_at_work_is_kept_without_holding_the_others(tmp_path: Path) -> None:
+    """A member already held (a compaction, another clearing) is at work: the kill gives up at
+    once, before it holds the others, so their input does not wait for a kill that cannot be."""
+    async with kernel(tmp_path, chatty()) as k:
+        parent = await talked(k)
+        child = await talked(k, parent_pid=parent)
+        proc = await k.process(parent)
+        async with k.engine.clearing.hold(child):
+            with pytest.raises(retention.StillActive):
+                await asyncio.wait_for(proc.kill(if_idle_since=time.time() + 60), 2)
+            assert parent not in k.engine.clearing
+        assert await alive(k, parent) and await alive(k, child)

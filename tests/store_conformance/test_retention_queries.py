@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+
+import pytest
 
 from agentloop.messages import user
 from agentloop.process.store import HilRow, ScheduleRow, SegmentRow, Store, ToolCallRow, WatchRow
@@ -71,3 +74,41 @@ async def test_idle_processes_among_pids_looks_at_those_alone_inside_a_transacti
         assert [r.pid for r in await store.idle_processes(later, ["a", "b", "busy", "gone"])] == ["a", "b"]
         assert await store.idle_processes(later, []) == []
     assert {r.pid for r in await store.idle_processes(later)} == {"a", "b", "other"}
+
+
+async def test_a_look_at_a_row_another_transaction_holds_finds_nothing_idle_at_once(
+    make_store: Callable[[], Store], store: Store
+) -> None:
+    """Retention's look gives way to a live step instead of waiting (or deadlocking) with it. On
+    SQLite one writer holds the whole database, so only a second worker (PostgreSQL) can hold a
+    row while the look runs."""
+    if not store.shared:
+        return  # (SQLite: a second writer cannot begin at all; nothing to hold a row against)
+    await spawn(store, "p1")
+    other = make_store()
+    await other.open()
+    try:
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def step() -> None:
+            async with other.transaction():
+                await other.update_process("p1")  # (its row locked until this transaction ends)
+                holding.set()
+                await release.wait()
+
+        worker = asyncio.create_task(step())
+        await asyncio.wait_for(holding.wait(), 5)
+        with pytest.raises(_Ended):
+            async with store.transaction():
+                started = time.monotonic()  # (without NOWAIT the look would wait for the step: for ever here)
+                assert await store.idle_processes(time.time() + 60, ["p1"]) == []
+                assert time.monotonic() - started < 2
+                raise _Ended  # (the refused lock spoilt the transaction: the caller ends it)
+        release.set()
+        await worker
+    finally:
+        await other.close()
+
+
+class _Ended(Exception):
+    """The test's way out of the transaction a refused lock spoilt."""

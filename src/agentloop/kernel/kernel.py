@@ -1618,6 +1618,9 @@ class Kernel:
         if record is None:
             raise NoSuchProcess(pid)
         tree = await self._subtree(record)
+        busy = next((member.pid for member in tree if member.pid in self.engine.clearing), None)
+        if busy is not None:  # (a compaction or clearing holds it: at work; holding the others meanwhile
+            raise StillActive(pid, busy)  # would keep their input waiting for a kill that cannot be)
         async with AsyncExitStack() as held:
             for member in tree:  # (top-down, in the order a kill takes them)
                 await held.enter_async_context(self.engine.clear(member.pid, if_idle=True))

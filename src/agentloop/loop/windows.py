@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from agentloop.messages import AssistantMessage, Message, TextContent, ToolCall, ToolResultMessage
@@ -64,7 +64,8 @@ class Window:
     def from_record(cls, data: dict[str, Any] | None) -> Window:
         if not data:
             return FIRST
-        return cls(**{**data, "seen": tuple(data.get("seen", ()))})
+        known = {f.name for f in fields(cls)}  # (a record from another version: what this one knows)
+        return cls(**{k: v for k, v in data.items() if k in known and k != "seen"}, seen=tuple(data.get("seen", ())))
 
 
 FIRST = Window()

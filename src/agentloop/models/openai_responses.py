@@ -195,7 +195,8 @@ class OpenAIResponsesModel(OpenAIChatModel):
         )
         # (as the server sent them: the SDK parses a user message as an output message, whose
         # serializer would warn about its ``input_text`` parts)
-        items = [item.model_dump(mode="json", exclude_none=True, warnings=False) for item in made.output or ()]
+        dumped = [item.model_dump(mode="json", exclude_none=True, warnings=False) for item in made.output or ()]
+        items = [_as_input_item(item) for item in dumped]
         if not any(item.get("type") == "compaction" for item in items):
             raise ProviderError("the compaction returned no compaction item", kind="invalid_response")
         usage = _usage(self.info, made.usage) if made.usage is not None else Usage()
@@ -452,6 +453,18 @@ def _user_content(blocks: list[UserBlock], documents: bool) -> str | list[dict[s
     if all(isinstance(b, TextContent) for b in blocks):
         return _joined(blocks)
     return _parts(blocks, documents)
+
+
+#: the fields an input item of each type the compact endpoint returns may carry (what it sends back
+#: as output has more, ``created_by``, ``status``, which an input item may not)
+_INPUT_FIELDS = {"compaction": ("type", "id", "encrypted_content"), "message": ("type", "role", "content")}
+
+
+def _as_input_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A compact endpoint's output item as it is to be sent back as input: only the fields an
+    input item of its type has (an unknown type is kept as it came)."""
+    fields = _INPUT_FIELDS.get(str(item.get("type")))
+    return item if fields is None else {k: item[k] for k in fields if k in item}
 
 
 def _assistant_items(msg: AssistantMessage, info: ModelInfo) -> list[dict[str, Any]]:

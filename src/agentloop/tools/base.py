@@ -10,6 +10,7 @@ for the model rather than an exception.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import logging
@@ -687,7 +688,14 @@ async def _owner_scoped_later(pending: Awaitable[Mapping[str, Tool]], shared: Ma
 
 
 def _mark_added(tools: Mapping[str, Tool], shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+    """``tools`` with each one added (not in ``shared``) that would keep its cut results replaced
+    by a copy that does not: the object itself may serve elsewhere (an in-memory agent, another
+    kernel), where keeping is not this toolset's to turn off."""
+    marked: dict[str, Tool] | None = None
     for name, added in tools.items():
         if added.keeps_cut_results and name not in shared:
-            added.keeps_cut_results = False  # (once: the owner's tool objects are kept between runs)
-    return tools
+            if marked is None:
+                marked = dict(tools)
+            marked[name] = copy.copy(added)
+            marked[name].keeps_cut_results = False
+    return tools if marked is None else marked

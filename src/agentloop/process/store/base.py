@@ -738,7 +738,9 @@ class Store(ABC):
         With ``pids``, inside a transaction: only those, with their rows locked first (changing
         none), so that a writer to one of them (a send, a run starting) either committed before
         this look, and is seen, or waits for the transaction's end: what is found idle stays so
-        until then (retention's kill decides and deletes in that one transaction)."""
+        until then (retention's kill decides and deletes in that one transaction). A row another
+        transaction holds already may make the answer empty (that process is at work), leaving
+        the transaction to be ended by the caller."""
 
     @abstractmethod
     async def exclusive(self, key: str) -> None:

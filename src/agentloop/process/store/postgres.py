@@ -1097,9 +1097,16 @@ class PostgresStore(Store):
                 rows = await db.fetch(_IDLE_SINCE + _IDLE_ORDER, float(before))
             return [process_record(r) for r in rows]
         db = self._write()
-        # the rows locked first, in a statement of their own (in pid order: two such looks never
-        # deadlock); the look after it, a statement of its own too, sees every commit before
-        await db.execute("SELECT 1 FROM processes WHERE pid = ANY($1::text[]) ORDER BY pid FOR UPDATE", list(pids))
+        # the rows locked first, in a statement of their own; the look after it, a statement of its
+        # own too, sees every commit before. NOWAIT: a row another transaction holds is a process
+        # at work, so none is idle; the look gives way rather than wait (or deadlock) with a live
+        # step, and the caller ends its transaction, which the refused lock has spoilt
+        try:
+            await db.execute(
+                "SELECT 1 FROM processes WHERE pid = ANY($1::text[]) ORDER BY pid FOR UPDATE NOWAIT", list(pids)
+            )
+        except asyncpg.LockNotAvailableError:
+            return []
         rows = await db.fetch(_IDLE_SINCE + _IDLE_AMONG + _IDLE_ORDER, float(before), list(pids))
         return [process_record(r) for r in rows]
 
