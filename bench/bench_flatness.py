@@ -23,7 +23,7 @@ STEPS = 200
 RUNS = 7
 
 
-@tool
+@tool(repeatable=True)  # (the same call 200 times by design: else the repeated-call guard ends the run)
 def echo(text: str) -> str:
     """Return the text."""
     return text

@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack
 
 import common  # type: ignore[import-not-found]  # the harness folder, put on PYTHONPATH by run_all.sh
 
-from agentloop import Agent, AssistantMessage, Reply, ScriptedModel, ToolCall, ToolResultMessage, tool
+from agentloop import Agent, AssistantMessage, Reply, ScriptedModel, Tool, ToolCall, ToolResultMessage, tool
 from agentloop.kernel import Kernel
 from agentloop.models.base import ModelRequest
 
@@ -35,8 +35,15 @@ def _model(wl: common.Workload) -> ScriptedModel:
     return ScriptedModel(brain, latency=wl.latency, keep_requests=False)
 
 
+def _tool(wl: common.Workload) -> Tool:
+    """The workload's tool. W3 calls it with the same arguments, for the same result, 200 times
+    in a row by design: ``repeatable``, or the repeated-call guard (on by default) would end the
+    run at the 5th, as it should for a model doing that. Every other workload counts its calls."""
+    return tool(wl.tool_fn, name=wl.tool, repeatable=wl.steps > 1)
+
+
 def make_runner(wl: common.Workload) -> Callable[[], Awaitable[str]]:
-    agent = Agent(model=_model(wl), tools=[tool(wl.tool_fn, name=wl.tool)], system_prompt=common.SYSTEM_PROMPT)
+    agent = Agent(model=_model(wl), tools=[_tool(wl)], system_prompt=common.SYSTEM_PROMPT)
 
     async def run() -> str:
         result = await agent.run(common.USER_PROMPT)
@@ -57,7 +64,7 @@ def make_durable_runner(wl: common.Workload) -> Callable[[], Awaitable[str]]:
                     Kernel.open(
                         f"sqlite:///{folder}/agentloop.db",
                         model=_model(wl),
-                        tools=[tool(wl.tool_fn, name=wl.tool)],
+                        tools=[_tool(wl)],
                         system_prompt=common.SYSTEM_PROMPT,
                         workspace=folder,
                     )

@@ -144,7 +144,8 @@ def count_repeats(
     tools: Mapping[str, Tool],
 ) -> tuple[list[ToolResultMessage], bool, bool]:
     """``count_failures``, and the current streak of identical successful results in ``repeats``
-    (one entry at most; a batch's calls count in order): the result that makes it
+    (one entry at most; a batch's calls count in order, the same call twice in one batch once: a
+    fan-out is one decision, not a loop): the result that makes it
     ``MAX_SAME_RESULTS`` long gets a note, one more trips ``repeated_call``. Returns the results and
     whether each guard tripped (``repeated_failure``, ``repeated_call``). A result of a tool in
     ``tools`` that is ``repeatable`` (a poll) is no repeat, but ends the streak (its failures still
@@ -164,6 +165,7 @@ def _count(
     by_id = {c.id: c for c in calls}
     out: list[ToolResultMessage] = []
     failing = repeating = False
+    batch: set[str] = set()  # the successful results of this batch counted already
     for result in results:
         counts, kind = (failures, _FAILURES) if result.is_error else (repeats, _RESULTS)
         call = by_id.get(result.tool_call_id)
@@ -181,7 +183,11 @@ def _count(
         key = _key(call, text, result)
         if result.is_error:
             count = counts[key] = counts.pop(key, 0) + 1  # (moved to the end: the latest last)
+        elif key in batch:  # the same call twice in one batch: one decision of the model, one step
+            out.append(result)
+            continue
         else:
+            batch.add(key)
             count = _streak(counts, key)
         if count == kind.limit:
             result = dataclasses.replace(result, content=[*result.content, TextContent(text=kind.note(count))])
