@@ -328,3 +328,16 @@ async def test_the_durable_counts_survive_a_restart(tmp_path: Path) -> None:
     assert reasons == [("ok", "repeated_call")]
     assert len(looked) == MAX_SAME_RESULTS + 1
     assert [NOTE in r.text for r in results] == [False] * (MAX_SAME_RESULTS - 1) + [True, False]
+
+
+def test_results_that_are_only_an_image_differ_by_the_image() -> None:
+    """A screenshot tool answers with an image and no text: two different screenshots are no repeat."""
+    from agentloop.messages import ImageContent
+
+    shot = ToolCall(id="s", name="screenshot", arguments={})
+    repeats: dict[str, int] = {}
+    for n in range(MAX_SAME_RESULTS + 2):
+        image = ToolResultMessage(
+            tool_call_id="s", tool_name="screenshot", content=[ImageContent(data=f"AAA{n}", mime_type="image/png")]
+        )
+        assert not count_repeats({}, repeats, [shot], [image], tools={})[2]

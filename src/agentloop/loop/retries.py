@@ -108,14 +108,23 @@ def _arguments(arguments: Mapping[str, object]) -> str:
     return repr(sorted(arguments.items())) if len(arguments) > 1 else repr(arguments)
 
 
+def _text(result: ToolResultMessage) -> str:
+    """``result.text``, read directly for a result of one text block (nearly every one: every
+    successful call of a run comes here)."""
+    content = result.content
+    return content[0].text if len(content) == 1 and type(content[0]) is TextContent else result.text
+
+
 def _key(call: ToolCall, text: str, result: ToolResultMessage) -> str:
-    """What a result was, for ``call``: its tool, canonical arguments and ``text``, and its media
-    (a screenshot tool's text may never change; a text-only result, nearly every one, pays
-    nothing for them). Short, it is the key itself (no digest to compute); long, its digest."""
+    """What a result was, for ``call``: its tool, canonical arguments, ``text`` and media (a
+    screenshot tool's text may never change). Short, it is the key itself (no digest to
+    compute); long, its digest."""
     whole = f"{call.name}\0{_arguments(call.arguments)}\0{text}"
-    for block in result.content:
-        if not isinstance(block, TextContent):
-            whole += f"\0{block.data}"
+    content = result.content
+    if len(content) != 1 or type(content[0]) is not TextContent:  # (media: a text-only result has none)
+        for block in content:
+            if not isinstance(block, TextContent):
+                whole += f"\0{block.data}"
     return whole if len(whole) <= _SHORT_KEY else hashlib.sha256(whole.encode()).hexdigest()[:16]
 
 
@@ -165,29 +174,34 @@ def _count(
     by_id = {c.id: c for c in calls}
     out: list[ToolResultMessage] = []
     failing = repeating = False
-    batch: set[str] = set()  # the successful results of this batch counted already
+    batch: set[str] | None = None  # the successful results of this batch counted already
     for result in results:
         counts, kind = (failures, _FAILURES) if result.is_error else (repeats, _RESULTS)
         call = by_id.get(result.tool_call_id)
         if counts is None or call is None:
             out.append(result)
             continue
-        text = result.text
+        text = _text(result)
         if text in not_counted:
             out.append(result)
             continue
-        if not result.is_error and (tool := tools.get(call.name)) and tool.repeatable:
-            counts.clear()  # a successful call between two others: they are no streak
-            out.append(result)
-            continue
-        key = _key(call, text, result)
         if result.is_error:
+            key = _key(call, text, result)
             count = counts[key] = counts.pop(key, 0) + 1  # (moved to the end: the latest last)
-        elif key in batch:  # the same call twice in one batch: one decision of the model, one step
-            out.append(result)
-            continue
         else:
-            batch.add(key)
+            tool = tools.get(call.name)
+            if tool is not None and tool.repeatable:
+                counts.clear()  # a successful call between two others: they are no streak
+                out.append(result)
+                continue
+            key = _key(call, text, result)
+            if batch is None:
+                batch = {key}
+            elif key in batch:  # the same call twice in one batch: one decision of the model, one step
+                out.append(result)
+                continue
+            else:
+                batch.add(key)
             count = _streak(counts, key)
         if count == kind.limit:
             result = dataclasses.replace(result, content=[*result.content, TextContent(text=kind.note(count))])
