@@ -341,3 +341,11 @@ def test_results_that_are_only_an_image_differ_by_the_image() -> None:
             tool_call_id="s", tool_name="screenshot", content=[ImageContent(data=f"AAA{n}", mime_type="image/png")]
         )
         assert not count_repeats({}, repeats, [shot], [image], tools={})[2]
+
+
+def test_shell_polls_are_no_repeats(tmp_path: Path) -> None:
+    """`sleep 30; curl …/status` answering "pending" again and again is a poll: Shell's results
+    watch a world that changes with time, as Jobs' do."""
+    from agentloop.tools.shell import shell_tool
+
+    assert shell_tool(tmp_path).repeatable

@@ -492,6 +492,9 @@ def shell_tool(
 
     @tool(
         name="Shell",
+        # a command watches a world that changes with time (a deploy's status, a pod list, a log after
+        # `sleep 30`): the same command with the same answer is a poll, not a loop (``loop/retries.py``)
+        repeatable=True,
         description=(
             "Run a shell command (bash) in the workspace and return its combined stdout and stderr and exit code. "
             "No stdin: interactive commands fail. Long output is cut in the middle; the full output is then "
