@@ -80,7 +80,11 @@ class ToolResult:
         return texts, sum(len(t) for t in texts) + max(0, len(texts) - 1)
 
     def too_long(self, limit: int) -> bool:
-        """Whether ``capped(limit)`` would cut this result."""
+        """Whether ``capped(limit)`` would cut this result (asked of every result: one text block,
+        nearly every result, is measured directly)."""
+        content = self.content
+        if len(content) == 1 and type(content[0]) is TextContent:
+            return len(content[0].text) > limit
         return self._texts()[1] > limit
 
     def capped(self, limit: int | None) -> ToolResult:
