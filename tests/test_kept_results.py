@@ -337,7 +337,7 @@ async def test_a_process_directory_swapped_for_a_symlink_is_not_written_through(
 def test_owner_scoping_leaves_the_tool_objects_it_marks_as_they_were() -> None:
     """A tool an owner's toolset adds may serve elsewhere too (an in-memory agent, another
     kernel): the owner's run gets a copy that keeps nothing, the object itself is unchanged."""
-    from agentloop.tools.base import owner_scoped
+    from agentloop.kernel.runs import owner_scoped
 
     @tool
     def report(text: str) -> str:

@@ -43,6 +43,7 @@ from agentloop.kernel.runs import (
     home_file,
     hydrate_media,
     jobs_toolset,
+    owner_scoped,
     prompt_builder,
     skills_toolset,
 )
@@ -128,7 +129,7 @@ from agentloop.process.tool_scope import (
     unknown_entries,
     widening,
 )
-from agentloop.tools.base import Tool, ToolLike, owner_scoped
+from agentloop.tools.base import Tool, ToolLike
 from agentloop.tools.builtin import builtin_tools
 from agentloop.tools.sandbox import check_mode as check_sandbox_mode
 

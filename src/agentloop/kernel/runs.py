@@ -9,6 +9,7 @@ rather than read) are kept cheap; ``Kernel.open`` wires them into the engine.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import logging
@@ -166,6 +167,33 @@ def chain(first: ToolsetFn, then: ToolsetFn | None) -> ToolsetFn:
 
 async def _then(pending: Awaitable[Mapping[str, Tool]], record: ProcessRecord, then: ToolsetFn) -> Mapping[str, Tool]:
     return await maybe_await(then(record, await pending))
+
+
+def owner_scoped(toolset: ToolsetFn) -> ToolsetFn:
+    """``toolset``, which fits the shared tools to one owner's run, with every tool it adds (a name
+    the shared ones lack: the owner's MCP servers, devices, memory, skills, subagents...) made not
+    to keep its cut results (``Tool.keeps_cut_results``): such a result is that owner's, and the
+    workspace where results are kept is every account's. Tools it only re-roots or wraps under a
+    shared name (a process's own directory, a device target) decide for themselves."""
+
+    def scoped(record: ProcessRecord, shared: Mapping[str, Tool]) -> Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]:
+        return chain(toolset, lambda _, tools: _mark_added(tools, shared))(record, shared)
+
+    return scoped
+
+
+def _mark_added(tools: Mapping[str, Tool], shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
+    """``tools`` with each one added (not in ``shared``) that would keep its cut results replaced
+    by a copy that does not: the object itself may serve elsewhere (an in-memory agent, another
+    kernel), where keeping is not this toolset's to turn off."""
+    marked: dict[str, Tool] | None = None
+    for name, added in tools.items():
+        if added.keeps_cut_results and name not in shared:
+            if marked is None:
+                marked = dict(tools)
+            marked[name] = copy.copy(added)
+            marked[name].keeps_cut_results = False
+    return tools if marked is None else marked
 
 
 # -- which watched paths changed, in as few ``stat`` calls as will tell --------------------------------

@@ -10,7 +10,6 @@ for the model rather than an exception.
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import json
 import logging
@@ -21,7 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar, cast, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -664,42 +663,3 @@ def as_tool(obj: ToolLike) -> Tool:
     if callable(obj):
         return FunctionTool(obj)
     raise TypeError(f"not a tool: {obj!r}")
-
-
-_Run = TypeVar("_Run")
-#: A toolset (``process.api.ToolsetFn``): the tools of one run (of its record), made from the shared ones.
-_Toolset: TypeAlias = Callable[[_Run, Mapping[str, Tool]], Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]]
-
-
-def owner_scoped(toolset: _Toolset[_Run]) -> _Toolset[_Run]:
-    """``toolset``, which fits the shared tools to one owner's run, with every tool it adds (a name
-    the shared ones lack: the owner's MCP servers, devices, memory, skills, subagents...) made not
-    to keep its cut results (``Tool.keeps_cut_results``): such a result is that owner's, and the
-    workspace where results are kept is every account's. Tools it only re-roots or wraps under a
-    shared name (a process's own directory, a device target) decide for themselves."""
-
-    def scoped(record: _Run, shared: Mapping[str, Tool]) -> Mapping[str, Tool] | Awaitable[Mapping[str, Tool]]:
-        tools = toolset(record, shared)
-        if hasattr(tools, "__await__"):  # (an async toolset: the account's MCP servers start when needed)
-            return _owner_scoped_later(cast(Awaitable[Mapping[str, Tool]], tools), shared)
-        return _mark_added(tools, shared)
-
-    return scoped
-
-
-async def _owner_scoped_later(pending: Awaitable[Mapping[str, Tool]], shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-    return _mark_added(await pending, shared)
-
-
-def _mark_added(tools: Mapping[str, Tool], shared: Mapping[str, Tool]) -> Mapping[str, Tool]:
-    """``tools`` with each one added (not in ``shared``) that would keep its cut results replaced
-    by a copy that does not: the object itself may serve elsewhere (an in-memory agent, another
-    kernel), where keeping is not this toolset's to turn off."""
-    marked: dict[str, Tool] | None = None
-    for name, added in tools.items():
-        if added.keeps_cut_results and name not in shared:
-            if marked is None:
-                marked = dict(tools)
-            marked[name] = copy.copy(added)
-            marked[name].keeps_cut_results = False
-    return tools if marked is None else marked

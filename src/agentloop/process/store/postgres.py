@@ -111,7 +111,7 @@ from agentloop.process.store.common import (
 from agentloop.process.store.pgschema import migrate
 from agentloop.process.store.pgtx import Connection, PgTransaction, Settling, TxState
 from agentloop.process.store.pgurl import redact, scrub
-from agentloop.process.store.schema import AUDIT_COLUMNS, audit_filters, audit_query
+from agentloop.process.store.schema import AUDIT_COLUMNS, AUDIT_WIDTH, audit_filters, audit_query
 
 log = logging.getLogger("agentloop.store")
 
@@ -881,7 +881,7 @@ class PostgresStore(Store):
     # -- the approvals audit --------------------------------------------------------------------
 
     async def add_approval_audit(self, row: ApprovalAuditRow) -> None:
-        marks = ", ".join(f"${n}" for n in range(1, 17))
+        marks = ", ".join(f"${n}" for n in range(1, AUDIT_WIDTH + 1))
         await self._write().execute(
             f"INSERT INTO approval_audit ({AUDIT_COLUMNS}) VALUES ({marks})", *audit_values(row)
         )

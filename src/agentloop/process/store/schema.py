@@ -444,6 +444,7 @@ AUDIT_COLUMNS = (
     "id, owner, pid, run_id, request_id, call_id, tool_name, syscall, args_digest, args_preview, tags, decision,"
     " remembered, edited, answered_by, decided_at"
 )
+AUDIT_WIDTH = AUDIT_COLUMNS.count(",") + 1  # (the parameters an insert of one row takes)
 
 
 def audit_query(

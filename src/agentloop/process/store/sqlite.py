@@ -85,6 +85,7 @@ from agentloop.process.store.common import (
 )
 from agentloop.process.store.schema import (
     AUDIT_COLUMNS,
+    AUDIT_WIDTH,
     LATEST_VERSION,
     MIGRATIONS,
     audit_filters,
@@ -919,7 +920,7 @@ class SQLiteStore(Store):
 
     async def add_approval_audit(self, row: ApprovalAuditRow) -> None:
         self._write().execute(
-            f"INSERT INTO approval_audit ({AUDIT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO approval_audit ({AUDIT_COLUMNS}) VALUES ({', '.join('?' * AUDIT_WIDTH)})",
             audit_values(row),
         )
 
