@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from agentloop import Agent, tool, user
-from agentloop.events import ModelRetry, StreamDone, StreamError, StreamEvent
+from agentloop import Agent, user
+from agentloop.events import ModelRetry, StreamError, StreamEvent
 from agentloop.loop.hooks import Hooks
 from agentloop.messages import (
     AssistantMessage,
@@ -44,6 +44,7 @@ from tests.fakes.openai_responses_server import (
     text_reply,
     tool_reply,
 )
+from tests.test_openai_provider import echo, finished  # (the chat adapter's test helpers)
 
 FAST = RetryPolicy(base_delay=0.01, max_delay=1.0)
 ECHO_SPEC = ToolSpec(name="echo", description="Echo text.", parameters={"type": "object", "properties": {}})
@@ -74,22 +75,10 @@ def req(*messages: Any, tools: list[ToolSpec] | None = None, system: str = "", *
     return ModelRequest(system_prompt=system, messages=list(messages), tools=tools or [], **kw)
 
 
-def finished(events: list[StreamEvent]) -> StreamDone:
-    last = events[-1]
-    assert isinstance(last, StreamDone), last
-    return last
-
-
 def failure(events: list[StreamEvent]) -> StreamError:
     last = events[-1]
     assert isinstance(last, StreamError), last
     return last
-
-
-@tool
-def echo(text: str) -> str:
-    """Echo the text."""
-    return f"echo: {text}"
 
 
 # ------------------------------------------------------------------ answers
